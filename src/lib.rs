@@ -1,0 +1,15 @@
+//! attnscope: compute, see and measure the attention inside real language models.
+//!
+//! The crate follows the data: `text → tokens → forward (with capture) → attention → analyses →
+//! renderers`.
+//! - [`reference`]: attention from scratch on slices, the readable oracle;
+//! - [`model`]: loading (GGUF, Hugging Face folders, aliases), tokenizer, the forward with capture;
+//! - [`analysis`]: pure functions on captured attention (top-k, entropy, sinks, ...);
+//! - [`render`]: tables and JSON, no maths;
+//! - [`cli`]: the `attnscope` command (parse, plan, call the library, render).
+
+pub mod analysis;
+pub mod cli;
+pub mod model;
+pub mod reference;
+pub mod render;

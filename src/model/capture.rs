@@ -1,0 +1,363 @@
+//! Capture: hook points named as in TransformerLens, an [`Observer`] the forward hands them to,
+//! and [`AttnCache`], the observer that keeps what a [`CaptureSpec`] asks for.
+//!
+//! Nothing is captured unless asked: the forward calls [`Observer::wants`] before it copies a
+//! tensor out, so memory is what was requested. Captured data leaves the model as plain
+//! `Vec<f32>` plus a shape; analyses never see a candle tensor.
+//!
+//! Shapes (no batch dimension; attnscope runs one sequence):
+//! | hook | shape |
+//! |---|---|
+//! | `blocks.{l}.hook_resid_pre`, `hook_attn_out`, `hook_resid_post` | `[pos, d_model]` |
+//! | `blocks.{l}.attn.hook_q`, `hook_rot_q`, `hook_z` | `[pos, head, head_dim]` |
+//! | `blocks.{l}.attn.hook_k`, `hook_v`, `hook_rot_k` | `[pos, kv_head, head_dim]` (not repeated for GQA) |
+//! | `blocks.{l}.attn.hook_attn_scores` | `[head, query_pos, key_pos]`, scaled, masked = -inf |
+//! | `blocks.{l}.attn.hook_pattern` | `[head, query_pos, key_pos]`, rows sum to 1 |
+
+use std::collections::BTreeMap;
+
+/// A hook point inside one block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Hook {
+    ResidPre,
+    Q,
+    K,
+    V,
+    RotQ,
+    RotK,
+    AttnScores,
+    Pattern,
+    Z,
+    AttnOut,
+    ResidPost,
+}
+
+impl Hook {
+    pub const ALL: [Hook; 11] = [
+        Hook::ResidPre,
+        Hook::Q,
+        Hook::K,
+        Hook::V,
+        Hook::RotQ,
+        Hook::RotK,
+        Hook::AttnScores,
+        Hook::Pattern,
+        Hook::Z,
+        Hook::AttnOut,
+        Hook::ResidPost,
+    ];
+
+    /// The name after `blocks.{l}.`.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Hook::ResidPre => "hook_resid_pre",
+            Hook::Q => "attn.hook_q",
+            Hook::K => "attn.hook_k",
+            Hook::V => "attn.hook_v",
+            Hook::RotQ => "attn.hook_rot_q",
+            Hook::RotK => "attn.hook_rot_k",
+            Hook::AttnScores => "attn.hook_attn_scores",
+            Hook::Pattern => "attn.hook_pattern",
+            Hook::Z => "attn.hook_z",
+            Hook::AttnOut => "hook_attn_out",
+            Hook::ResidPost => "hook_resid_post",
+        }
+    }
+
+    /// Short names for the command line: `pattern,scores,q,k,v,z,resid`.
+    pub fn parse_list(s: &str) -> Result<Vec<Hook>, String> {
+        let mut out = Vec::new();
+        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let hooks: &[Hook] = match part {
+                "pattern" => &[Hook::Pattern],
+                "scores" | "attn_scores" => &[Hook::AttnScores],
+                "q" => &[Hook::Q],
+                "k" => &[Hook::K],
+                "v" => &[Hook::V],
+                "rot_q" => &[Hook::RotQ],
+                "rot_k" => &[Hook::RotK],
+                "z" => &[Hook::Z],
+                "attn_out" => &[Hook::AttnOut],
+                "resid" => &[Hook::ResidPre, Hook::ResidPost],
+                "resid_pre" => &[Hook::ResidPre],
+                "resid_post" => &[Hook::ResidPost],
+                "all" => &Hook::ALL,
+                other => {
+                    return Err(format!(
+                        "unknown hook `{other}`; choose from pattern, scores, q, k, v, rot_q, rot_k, z, attn_out, resid, resid_pre, resid_post, all"
+                    ))
+                }
+            };
+            for h in hooks {
+                if !out.contains(h) {
+                    out.push(*h);
+                }
+            }
+        }
+        if out.is_empty() {
+            return Err("no hooks given".into());
+        }
+        Ok(out)
+    }
+
+    /// Whether the hook is a `[head, query_pos, key_pos]` attention tensor.
+    pub fn is_attention_map(self) -> bool {
+        matches!(self, Hook::Pattern | Hook::AttnScores)
+    }
+}
+
+/// The full TransformerLens-style name of a hook: `blocks.3.attn.hook_pattern`.
+pub fn hook_name(layer: usize, hook: Hook) -> String {
+    format!("blocks.{layer}.{}", hook.suffix())
+}
+
+/// What the forward hands out. Implementations decide what to keep.
+pub trait Observer {
+    /// Whether this observer wants `hook` at `layer`; the forward copies nothing otherwise.
+    fn wants(&self, layer: usize, hook: Hook) -> bool;
+    /// A whole per-position tensor (everything but the attention maps), shape as in the table above.
+    fn tensor(&mut self, layer: usize, hook: Hook, shape: &[usize], data: &[f32]);
+    /// A block of query rows `q_start..q_start + rows` of an attention map, shape
+    /// `[n_heads, rows, k_width]`. Keys at `k_width..` are masked for every row of the block
+    /// (weight 0, score -inf) and are not included.
+    fn attention_block(&mut self, layer: usize, hook: Hook, q_start: usize, shape: [usize; 3], data: &[f32]);
+}
+
+/// An observer that wants nothing.
+pub struct NoCapture;
+
+impl Observer for NoCapture {
+    fn wants(&self, _: usize, _: Hook) -> bool {
+        false
+    }
+    fn tensor(&mut self, _: usize, _: Hook, _: &[usize], _: &[f32]) {}
+    fn attention_block(&mut self, _: usize, _: Hook, _: usize, _: [usize; 3], _: &[f32]) {}
+}
+
+/// Which query rows to keep.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Queries {
+    All,
+    Last,
+    List(Vec<usize>),
+}
+
+impl Queries {
+    pub fn resolve(&self, seq_len: usize) -> Vec<usize> {
+        match self {
+            Queries::All => (0..seq_len).collect(),
+            Queries::Last => vec![seq_len.saturating_sub(1)],
+            Queries::List(v) => v.clone(),
+        }
+    }
+}
+
+/// What to capture: hook kinds × layers × heads × query rows (TransformerLens' `names_filter`).
+#[derive(Clone, Debug)]
+pub struct CaptureSpec {
+    pub hooks: Vec<Hook>,
+    /// `None` = every layer.
+    pub layers: Option<Vec<usize>>,
+    /// `None` = every head (for per-head hooks; K/V are indexed by KV head and always kept whole).
+    pub heads: Option<Vec<usize>>,
+    pub queries: Queries,
+}
+
+impl CaptureSpec {
+    /// Every head's pattern, every layer, every query.
+    pub fn patterns() -> Self {
+        CaptureSpec { hooks: vec![Hook::Pattern], layers: None, heads: None, queries: Queries::All }
+    }
+}
+
+/// One captured tensor.
+#[derive(Clone, Debug)]
+pub struct Captured {
+    pub name: String,
+    pub layer: usize,
+    pub hook: Hook,
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+    /// The heads kept (index into the model's heads), for per-head hooks.
+    pub heads: Option<Vec<usize>>,
+    /// The query rows kept, for per-position hooks.
+    pub queries: Vec<usize>,
+}
+
+/// An attention map of one layer, `[heads.len(), queries.len(), k_len]`.
+#[derive(Clone, Debug)]
+pub struct AttnPattern<'a> {
+    pub layer: usize,
+    pub heads: &'a [usize],
+    pub queries: &'a [usize],
+    pub k_len: usize,
+    pub data: &'a [f32],
+}
+
+impl AttnPattern<'_> {
+    /// The row of head index `hi` (into `heads`) and query index `qi` (into `queries`).
+    pub fn row(&self, hi: usize, qi: usize) -> &[f32] {
+        &self.data[(hi * self.queries.len() + qi) * self.k_len..][..self.k_len]
+    }
+    /// The row of query position `q` for model head `head`, if captured.
+    pub fn row_at(&self, head: usize, q: usize) -> Option<&[f32]> {
+        let hi = self.heads.iter().position(|&h| h == head)?;
+        let qi = self.queries.iter().position(|&x| x == q)?;
+        Some(self.row(hi, qi))
+    }
+}
+
+/// The captured activations of one forward, keyed by hook name.
+#[derive(Clone, Debug, Default)]
+pub struct AttnCache {
+    pub spec_hooks: Vec<Hook>,
+    layers: Option<Vec<usize>>,
+    heads: Option<Vec<usize>>,
+    queries: Vec<usize>,
+    seq_len: usize,
+    pub entries: BTreeMap<(usize, Hook), Captured>,
+}
+
+impl AttnCache {
+    /// An empty cache that will keep what `spec` asks for, for a sequence of `seq_len` tokens.
+    pub fn new(spec: &CaptureSpec, seq_len: usize) -> Self {
+        AttnCache {
+            spec_hooks: spec.hooks.clone(),
+            layers: spec.layers.clone(),
+            heads: spec.heads.clone(),
+            queries: spec.queries.resolve(seq_len),
+            seq_len,
+            entries: BTreeMap::new(),
+        }
+    }
+
+    /// Captured entries in hook-name order (layer, then position in the block).
+    pub fn iter(&self) -> impl Iterator<Item = &Captured> {
+        self.entries.values()
+    }
+
+    pub fn get(&self, layer: usize, hook: Hook) -> Option<&Captured> {
+        self.entries.get(&(layer, hook))
+    }
+
+    /// The post-softmax pattern of `layer`, if captured.
+    pub fn pattern(&self, layer: usize) -> Option<AttnPattern<'_>> {
+        self.attention_map(layer, Hook::Pattern)
+    }
+
+    pub fn attention_map(&self, layer: usize, hook: Hook) -> Option<AttnPattern<'_>> {
+        let c = self.get(layer, hook)?;
+        Some(AttnPattern { layer, heads: c.heads.as_deref().expect("attention maps record heads"), queries: &c.queries, k_len: self.seq_len, data: &c.data })
+    }
+
+    fn head_list(&self, n: usize) -> Vec<usize> {
+        self.heads.clone().unwrap_or_else(|| (0..n).collect())
+    }
+}
+
+impl Observer for AttnCache {
+    fn wants(&self, layer: usize, hook: Hook) -> bool {
+        self.spec_hooks.contains(&hook) && self.layers.as_ref().is_none_or(|ls| ls.contains(&layer))
+    }
+
+    fn tensor(&mut self, layer: usize, hook: Hook, shape: &[usize], data: &[f32]) {
+        // shape [pos, (head,) ...]; keep the chosen query rows, and heads for per-head hooks
+        let row: usize = shape[1..].iter().product();
+        let per_head = matches!(hook, Hook::Q | Hook::RotQ | Hook::Z);
+        let heads = per_head.then(|| self.head_list(shape[1]));
+        let mut out = Vec::new();
+        for &q in &self.queries {
+            let r = &data[q * row..][..row];
+            match &heads {
+                Some(hs) => {
+                    let hd = shape[2];
+                    for &h in hs {
+                        out.extend_from_slice(&r[h * hd..][..hd]);
+                    }
+                }
+                None => out.extend_from_slice(r),
+            }
+        }
+        let mut new_shape = shape.to_vec();
+        new_shape[0] = self.queries.len();
+        if let Some(hs) = &heads {
+            new_shape[1] = hs.len();
+        }
+        self.entries.insert(
+            (layer, hook),
+            Captured { name: hook_name(layer, hook), layer, hook, shape: new_shape, data: out, heads, queries: self.queries.clone() },
+        );
+    }
+
+    fn attention_block(&mut self, layer: usize, hook: Hook, q_start: usize, shape: [usize; 3], data: &[f32]) {
+        let [n_heads, rows, k_width] = shape;
+        let heads = self.head_list(n_heads);
+        let (nq, n) = (self.queries.len(), self.seq_len);
+        let fill = if hook == Hook::AttnScores { f32::NEG_INFINITY } else { 0.0 };
+        let entry = self.entries.entry((layer, hook)).or_insert_with(|| Captured {
+            name: hook_name(layer, hook),
+            layer,
+            hook,
+            shape: vec![heads.len(), nq, n],
+            data: vec![fill; heads.len() * nq * n],
+            heads: Some(heads.clone()),
+            queries: self.queries.clone(),
+        });
+        for (qi, &q) in self.queries.iter().enumerate() {
+            if q < q_start || q >= q_start + rows {
+                continue;
+            }
+            for (hi, &h) in heads.iter().enumerate() {
+                let src = &data[(h * rows + (q - q_start)) * k_width..][..k_width];
+                entry.data[(hi * nq + qi) * n..][..k_width].copy_from_slice(src);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The hook-name list is part of the API (TransformerLens test_cache_hook_names): pin it.
+    #[test]
+    fn hook_names_are_pinned() {
+        let names: Vec<String> = Hook::ALL.iter().map(|&h| hook_name(2, h)).collect();
+        assert_eq!(
+            names,
+            [
+                "blocks.2.hook_resid_pre",
+                "blocks.2.attn.hook_q",
+                "blocks.2.attn.hook_k",
+                "blocks.2.attn.hook_v",
+                "blocks.2.attn.hook_rot_q",
+                "blocks.2.attn.hook_rot_k",
+                "blocks.2.attn.hook_attn_scores",
+                "blocks.2.attn.hook_pattern",
+                "blocks.2.attn.hook_z",
+                "blocks.2.hook_attn_out",
+                "blocks.2.hook_resid_post",
+            ]
+        );
+    }
+
+    #[test]
+    fn cache_assembles_blocks_and_pads_masked_keys() {
+        let spec = CaptureSpec { hooks: vec![Hook::Pattern], layers: Some(vec![1]), heads: Some(vec![1]), queries: Queries::All };
+        let mut c = AttnCache::new(&spec, 3);
+        assert!(!c.wants(0, Hook::Pattern) && c.wants(1, Hook::Pattern) && !c.wants(1, Hook::Q));
+        // two heads; block of rows 0..2 (keys 0..2), then row 2 (keys 0..3)
+        c.attention_block(1, Hook::Pattern, 0, [2, 2, 2], &[1.0, 0.0, 0.5, 0.5, 1.0, 0.0, 0.2, 0.8]);
+        c.attention_block(1, Hook::Pattern, 2, [2, 1, 3], &[0.3, 0.3, 0.4, 0.1, 0.1, 0.8]);
+        let p = c.pattern(1).unwrap();
+        assert_eq!(p.data, &[1.0, 0.0, 0.0, 0.2, 0.8, 0.0, 0.1, 0.1, 0.8]);
+        assert_eq!(p.row_at(1, 2).unwrap(), &[0.1, 0.1, 0.8]);
+        assert!(p.row_at(0, 2).is_none());
+    }
+
+    #[test]
+    fn hook_list_parsing() {
+        assert_eq!(Hook::parse_list("pattern,resid").unwrap(), vec![Hook::Pattern, Hook::ResidPre, Hook::ResidPost]);
+        assert!(Hook::parse_list("patern").unwrap_err().contains("unknown hook `patern`"));
+    }
+}

@@ -1,0 +1,113 @@
+//! `ModelDims`: the shape of a model in one vocabulary. Hugging Face names
+//! (`num_key_value_heads`) and GGUF keys (`qwen2.attention.head_count_kv`) are mapped into it
+//! in `gguf.rs` and `hf.rs` only.
+
+use serde::Serialize;
+
+/// The architectures attnscope runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    /// Qwen2 / Qwen2.5: q/k/v biases, RoPE half-split pairs.
+    Qwen2,
+    /// Llama / SmolLM2: no biases.
+    Llama,
+}
+
+impl Arch {
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Qwen2 => "qwen2",
+            Arch::Llama => "llama",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Arch> {
+        match s {
+            "qwen2" => Some(Arch::Qwen2),
+            "llama" => Some(Arch::Llama),
+            _ => None,
+        }
+    }
+}
+
+/// How RoPE pairs the dimensions of a head. The choice depends on the architecture AND the file
+/// format, because llama.cpp's converter permutes llama-arch Q/K rows:
+// NEOX (half-split): pairs (i, i + d/2) — Qwen2 in GGUF, and every Hugging Face checkpoint
+//   (transformers' rotate_half).
+// NORM (interleaved): pairs (2i, 2i + 1) — llama-arch GGUF (convert_hf_to_gguf.py permutes
+//   q_proj/k_proj). See llama_model_rope_type() in llama.cpp for the authoritative mapping.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RopeStyle {
+    Neox,
+    Interleaved,
+}
+
+/// The numbers that define a model's shape.
+#[derive(Clone, Debug, Serialize)]
+pub struct ModelDims {
+    pub arch: Arch,
+    pub n_layers: usize,
+    pub d_model: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub d_ff: usize,
+    pub vocab_size: usize,
+    pub context_len: usize,
+    pub rope_base: f32,
+    pub rope_style: RopeStyle,
+    pub rms_eps: f32,
+    pub tied_embeddings: bool,
+}
+
+impl ModelDims {
+    /// Query heads per key/value set.
+    pub fn group_size(&self) -> usize {
+        self.n_heads / self.n_kv_heads
+    }
+    /// Checks the numbers are consistent, naming the first that is not.
+    pub fn validate(&self) -> Result<(), String> {
+        let positive = [
+            ("n_layers", self.n_layers),
+            ("d_model", self.d_model),
+            ("n_heads", self.n_heads),
+            ("n_kv_heads", self.n_kv_heads),
+            ("head_dim", self.head_dim),
+            ("d_ff", self.d_ff),
+            ("vocab_size", self.vocab_size),
+        ];
+        for (name, v) in positive {
+            if v == 0 {
+                return Err(format!("{name} is 0"));
+            }
+            if v > 1 << 24 {
+                return Err(format!("{name} = {v} is absurdly large"));
+            }
+        }
+        if self.n_heads % self.n_kv_heads != 0 {
+            return Err(format!("n_heads {} is not a multiple of n_kv_heads {}", self.n_heads, self.n_kv_heads));
+        }
+        if self.head_dim % 2 != 0 {
+            return Err(format!("head_dim {} is odd; RoPE needs an even head dimension", self.head_dim));
+        }
+        if !(self.rope_base.is_finite() && self.rope_base > 1.0) {
+            return Err(format!("rope base {} is not a number > 1", self.rope_base));
+        }
+        if !(self.rms_eps.is_finite() && self.rms_eps >= 0.0) {
+            return Err(format!("rms eps {} is not a non-negative number", self.rms_eps));
+        }
+        Ok(())
+    }
+    /// "7 query heads share each key/value set (grouped-query attention)".
+    pub fn gqa_sentence(&self) -> String {
+        let g = self.group_size();
+        if self.n_kv_heads == self.n_heads {
+            "every query head has its own key/value set (multi-head attention)".to_string()
+        } else if self.n_kv_heads == 1 {
+            format!("all {} query heads share one key/value set (multi-query attention)", self.n_heads)
+        } else {
+            format!("{g} query heads share each key/value set (grouped-query attention)")
+        }
+    }
+}

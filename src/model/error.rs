@@ -1,0 +1,61 @@
+//! The one error type of the library. Each message names the thing that is wrong and, where
+//! there is one, what to do about it.
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    #[error("model file {path} does not exist; pass a .gguf file, a Hugging Face folder, a hub id (org/name) or one of the aliases: {aliases}")]
+    MissingModel { path: PathBuf, aliases: String },
+    #[error("{path} is a folder but has no config.json; a Hugging Face model folder needs config.json, *.safetensors and tokenizer.json")]
+    NoConfig { path: PathBuf },
+    #[error("{path} is not a GGUF or safetensors model (first bytes {magic:02x?}); pass a .gguf file or a Hugging Face folder")]
+    WrongMagic { path: PathBuf, magic: Vec<u8> },
+    #[error("cannot read GGUF file {path}: {reason}; the file is corrupt or truncated, fetch it again")]
+    BadGguf { path: PathBuf, reason: String },
+    #[error("unsupported GGUF version {version} in {path}; attnscope reads GGUF versions 2 and 3")]
+    GgufVersion { path: PathBuf, version: u32 },
+    #[error("cannot read safetensors {path}: {reason}; the file is corrupt or truncated, fetch it again")]
+    BadSafetensors { path: PathBuf, reason: String },
+    #[error("unsupported architecture `{arch}` in {path}; attnscope supports: qwen2, llama")]
+    UnknownArch { arch: String, path: PathBuf },
+    #[error("metadata key `{key}` missing in {path}; expected a {arch} checkpoint")]
+    MissingKey { key: String, path: PathBuf, arch: String },
+    #[error("bad value for `{key}` in {path}: {reason}")]
+    BadValue { key: String, path: PathBuf, reason: String },
+    #[error("tensor `{name}` not found in {path}; expected a {arch} checkpoint ({found} tensors present)")]
+    MissingTensor { name: String, path: PathBuf, arch: String, found: usize },
+    #[error("tensor `{name}` in {path} has shape {got:?}, but the config implies {want:?}; the file does not match its config")]
+    ShapeMismatch { name: String, path: PathBuf, got: Vec<usize>, want: Vec<usize> },
+    #[error("unknown pre-tokenizer `{pre}` in {path}; attnscope knows: {known}")]
+    UnknownPreTokenizer { pre: String, path: PathBuf, known: String },
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("the text is empty (or only whitespace); give some text with --text, --file or standard input")]
+    EmptyText,
+    #[error("the text is {n_tokens} tokens long, but {model} has a context of {limit} tokens; shorten the text")]
+    TooLong { n_tokens: usize, limit: usize, model: String },
+    #[error("{what} {value} is out of range; valid: {range}")]
+    OutOfRange { what: String, value: String, range: String },
+    #[error("{0}")]
+    Fetch(String),
+    #[error("{path} already exists; pass --force to overwrite it")]
+    Exists { path: PathBuf },
+    #[error("I/O error on {path}: {source}")]
+    Io { path: PathBuf, #[source] source: std::io::Error },
+    #[error("tensor computation failed: {0}")]
+    Candle(#[from] candle_core::Error),
+}
+
+impl Error {
+    /// Whether the error is the user's input (exit code 2) rather than the program's (exit code 1).
+    pub fn is_bad_input(&self) -> bool {
+        !matches!(self, Error::Candle(_) | Error::Io { .. })
+    }
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io { path: path.into(), source }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, Error>;

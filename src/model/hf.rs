@@ -1,0 +1,231 @@
+//! Hugging Face model folders: `config.json`, `*.safetensors` (one file or shards with
+//! `model.safetensors.index.json`), `tokenizer.json`; and hub ids through `hf-hub`.
+
+use super::config::{Arch, ModelDims, RopeStyle};
+use super::error::{Error, Result};
+use super::weights::{Logical, Raw, TensorSource};
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::Device;
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+
+/// The fields of `config.json` attnscope reads (HF names).
+#[derive(Debug, Deserialize)]
+pub struct HfConfig {
+    pub model_type: Option<String>,
+    pub architectures: Option<Vec<String>>,
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: Option<usize>,
+    pub head_dim: Option<usize>,
+    pub intermediate_size: usize,
+    pub vocab_size: usize,
+    pub max_position_embeddings: Option<usize>,
+    pub rope_theta: Option<f64>,
+    pub rms_norm_eps: f64,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    pub bos_token_id: Option<serde_json::Value>,
+}
+
+pub struct HfFolder {
+    pub dir: PathBuf,
+    pub config: HfConfig,
+    st: MmapedSafetensors,
+    n_tensors: usize,
+    pub files: Vec<PathBuf>,
+}
+
+fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    serde_json::from_str(&text).map_err(|e| Error::BadValue { key: "(file)".into(), path: path.into(), reason: format!("not valid JSON of the expected form: {e}") })
+}
+
+impl HfFolder {
+    pub fn open(dir: &Path) -> Result<Self> {
+        let cfg_path = dir.join("config.json");
+        if !cfg_path.is_file() {
+            return Err(Error::NoConfig { path: dir.into() });
+        }
+        let config: HfConfig = read_json(&cfg_path)?;
+        let index = dir.join("model.safetensors.index.json");
+        let mut files: Vec<PathBuf> = if index.is_file() {
+            #[derive(Deserialize)]
+            struct Index {
+                weight_map: std::collections::BTreeMap<String, String>,
+            }
+            let idx: Index = read_json(&index)?;
+            let mut f: Vec<PathBuf> = idx.weight_map.values().map(|f| dir.join(f)).collect();
+            f.sort();
+            f.dedup();
+            f
+        } else {
+            let rd = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;
+            rd.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "safetensors")).collect()
+        };
+        files.sort();
+        if files.is_empty() {
+            return Err(Error::MissingTensor { name: "*.safetensors".into(), path: dir.into(), arch: config.model_type.clone().unwrap_or_default(), found: 0 });
+        }
+        for f in &files {
+            check_safetensors_header(f)?;
+        }
+        // SAFETY: the files are memory-mapped read-only; attnscope never writes to them while
+        // they are open (a concurrent external writer could change what is read, as with any mmap).
+        let st = unsafe { MmapedSafetensors::multi(&files) }.map_err(|e| Error::BadSafetensors { path: files[0].clone(), reason: e.to_string() })?;
+        let n_tensors = st.tensors().len();
+        Ok(HfFolder { dir: dir.into(), config, st, n_tensors, files })
+    }
+
+    pub fn arch_string(&self) -> String {
+        self.config.model_type.clone().unwrap_or_else(|| "(no model_type)".into())
+    }
+
+    pub fn dims(&self) -> Result<ModelDims> {
+        let c = &self.config;
+        let a = self.arch_string();
+        let arch = Arch::parse(&a).ok_or_else(|| Error::UnknownArch { arch: a.clone(), path: self.dir.join("config.json") })?;
+        let rope_base = match c.rope_theta {
+            Some(t) => t as f32,
+            None => return Err(Error::MissingKey { key: "rope_theta".into(), path: self.dir.join("config.json"), arch: a }),
+        };
+        let dims = ModelDims {
+            arch,
+            n_layers: c.num_hidden_layers,
+            d_model: c.hidden_size,
+            n_heads: c.num_attention_heads,
+            n_kv_heads: c.num_key_value_heads.unwrap_or(c.num_attention_heads),
+            head_dim: c.head_dim.unwrap_or(c.hidden_size / c.num_attention_heads.max(1)),
+            d_ff: c.intermediate_size,
+            vocab_size: c.vocab_size,
+            context_len: c.max_position_embeddings.unwrap_or(32768),
+            rope_base,
+            // every HF checkpoint uses transformers' rotate_half: pairs (i, i + d/2)
+            rope_style: RopeStyle::Neox,
+            rms_eps: c.rms_norm_eps as f32,
+            tied_embeddings: c.tie_word_embeddings,
+        };
+        dims.validate().map_err(|reason| Error::BadValue { key: "config.json".into(), path: self.dir.join("config.json"), reason })?;
+        Ok(dims)
+    }
+
+    /// `add_bos_token` from tokenizer_config.json (false if absent) and the BOS id.
+    pub fn bos(&self) -> (bool, Option<u32>) {
+        let add = std::fs::read_to_string(self.dir.join("tokenizer_config.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .and_then(|v| v.get("add_bos_token").and_then(|b| b.as_bool()))
+            .unwrap_or(false);
+        let id = self.config.bos_token_id.as_ref().and_then(|v| v.as_u64()).map(|x| x as u32);
+        (add, id)
+    }
+
+    pub fn tensor_types(&self) -> std::collections::BTreeMap<String, usize> {
+        let mut m = std::collections::BTreeMap::new();
+        for (_, v) in self.st.tensors() {
+            *m.entry(format!("{:?}", v.dtype())).or_insert(0) += 1;
+        }
+        m
+    }
+}
+
+/// Reads a safetensors header length and checks it fits the file, for a clear error before mmap.
+fn check_safetensors_header(path: &Path) -> Result<()> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let size = f.metadata().map_err(|e| Error::io(path, e))?.len();
+    let mut head = [0u8; 9];
+    let mut n = 0;
+    while n < 9 {
+        match f.read(&mut head[n..]).map_err(|e| Error::io(path, e))? {
+            0 => break,
+            k => n += k,
+        }
+    }
+    if n < 9 {
+        return Err(Error::BadSafetensors { path: path.into(), reason: format!("the file is only {size} bytes long") });
+    }
+    let len = u64::from_le_bytes(head[..8].try_into().expect("8 bytes"));
+    if head[8] != b'{' {
+        return Err(Error::WrongMagic { path: path.into(), magic: head.to_vec() });
+    }
+    if len > size.saturating_sub(8) {
+        return Err(Error::BadSafetensors { path: path.into(), reason: format!("the header claims {len} bytes but the file has {size}") });
+    }
+    Ok(())
+}
+
+/// Hugging Face's name for a logical weight.
+pub fn hf_name(l: &Logical) -> String {
+    match l {
+        Logical::Embed => "model.embed_tokens.weight".into(),
+        Logical::FinalNorm => "model.norm.weight".into(),
+        Logical::LmHead => "lm_head.weight".into(),
+        Logical::AttnNorm(i) => format!("model.layers.{i}.input_layernorm.weight"),
+        Logical::Q(i) => format!("model.layers.{i}.self_attn.q_proj.weight"),
+        Logical::QBias(i) => format!("model.layers.{i}.self_attn.q_proj.bias"),
+        Logical::K(i) => format!("model.layers.{i}.self_attn.k_proj.weight"),
+        Logical::KBias(i) => format!("model.layers.{i}.self_attn.k_proj.bias"),
+        Logical::V(i) => format!("model.layers.{i}.self_attn.v_proj.weight"),
+        Logical::VBias(i) => format!("model.layers.{i}.self_attn.v_proj.bias"),
+        Logical::O(i) => format!("model.layers.{i}.self_attn.o_proj.weight"),
+        Logical::MlpNorm(i) => format!("model.layers.{i}.post_attention_layernorm.weight"),
+        Logical::Gate(i) => format!("model.layers.{i}.mlp.gate_proj.weight"),
+        Logical::Up(i) => format!("model.layers.{i}.mlp.up_proj.weight"),
+        Logical::Down(i) => format!("model.layers.{i}.mlp.down_proj.weight"),
+    }
+}
+
+impl TensorSource for HfFolder {
+    fn get(&mut self, l: &Logical) -> Result<Option<Raw>> {
+        let name = hf_name(l);
+        if self.st.get(&name).is_err() {
+            return Ok(None);
+        }
+        let t = self.st.load(&name, &Device::Cpu).map_err(|e| Error::BadSafetensors { path: self.dir.clone(), reason: format!("tensor `{name}`: {e}") })?;
+        Ok(Some(Raw::F(t)))
+    }
+    fn path(&self) -> &Path {
+        &self.dir
+    }
+    fn count(&self) -> usize {
+        self.n_tensors
+    }
+    fn arch_name(&self) -> String {
+        self.arch_string()
+    }
+}
+
+/// Downloads a hub model (`org/name`) with `hf-hub` into its cache and returns the folder.
+pub fn fetch_hub(id: &str) -> Result<PathBuf> {
+    let api = hf_hub::api::sync::ApiBuilder::new()
+        .with_progress(true)
+        .build()
+        .map_err(|e| Error::Fetch(format!("cannot set up the Hugging Face hub client: {e}")))?;
+    let repo = api.model(id.to_string());
+    let offline = |e: hf_hub::api::sync::ApiError| {
+        Error::Fetch(format!(
+            "cannot download `{id}` from the Hugging Face hub ({e}); this machine may be offline. Download the folder elsewhere (config.json, *.safetensors, tokenizer.json) and pass its path with --model"
+        ))
+    };
+    let cfg = repo.get("config.json").map_err(offline)?;
+    repo.get("tokenizer.json").map_err(offline)?;
+    let _ = repo.get("tokenizer_config.json");
+    match repo.get("model.safetensors.index.json") {
+        Ok(index) => {
+            let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
+            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Fetch(format!("bad index for {id}: {e}")))?;
+            let mut files: Vec<String> = v["weight_map"].as_object().map(|m| m.values().filter_map(|x| x.as_str().map(String::from)).collect()).unwrap_or_default();
+            files.sort();
+            files.dedup();
+            for f in files {
+                repo.get(&f).map_err(offline)?;
+            }
+        }
+        Err(_) => {
+            repo.get("model.safetensors").map_err(offline)?;
+        }
+    }
+    Ok(cfg.parent().expect("a downloaded file has a folder").to_path_buf())
+}

@@ -1,0 +1,190 @@
+//! Real models: load a GGUF file, a Hugging Face folder or hub id, or a named alias; tokenize;
+//! run the forward with capture. The only module that uses candle.
+//!
+//! ```no_run
+//! use attnscope::model::{Model, Precision, capture::{AttnCache, CaptureSpec}, forward::RunOptions};
+//! let model = Model::load("qwen2.5-coder-0.5b", Precision::Exact, false)?;
+//! let tokens = model.tokenizer.encode("Hà Nội là thủ đô của Việt Nam.", false)?;
+//! let mut cache = AttnCache::new(&CaptureSpec::patterns(), tokens.len());
+//! let out = model.forward(&tokens, &RunOptions::last_logits(tokens.len()), &mut cache)?;
+//! let p = cache.pattern(23).unwrap();        // [head, query_pos, key_pos]
+//! println!("{:?}", p.row_at(1, tokens.len() - 1));
+//! # Ok::<(), attnscope::model::error::Error>(())
+//! ```
+
+pub mod capture;
+pub mod config;
+pub mod error;
+pub mod fetch;
+pub mod forward;
+pub mod gguf;
+pub mod hf;
+pub mod tokenize;
+pub mod weights;
+
+pub use config::{Arch, ModelDims, RopeStyle};
+pub use error::{Error, Result};
+pub use weights::Precision;
+
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use tokenize::Tokenizer;
+
+/// Where a model came from and how it is held.
+#[derive(Clone, Debug, Serialize)]
+pub struct ModelInfo {
+    /// The alias, hub id, or file/folder name.
+    pub name: String,
+    /// What the file is (for aliases), else the name in the file's metadata.
+    pub description: Option<String>,
+    pub path: PathBuf,
+    pub format: &'static str,
+    pub precision: Precision,
+    pub file_size: u64,
+    pub tensor_types: BTreeMap<String, usize>,
+    pub tokenizer: String,
+    /// Things the loader had to assume, said out loud.
+    pub warnings: Vec<String>,
+}
+
+pub struct Model {
+    pub dims: ModelDims,
+    pub info: ModelInfo,
+    pub tokenizer: Tokenizer,
+    weights: weights::Weights,
+}
+
+/// What `--model` named, resolved.
+enum Source {
+    Gguf(PathBuf),
+    Folder(PathBuf),
+}
+
+fn looks_like_hub_id(s: &str) -> bool {
+    let parts: Vec<&str> = s.split('/').collect();
+    parts.len() == 2
+        && parts.iter().all(|p| !p.is_empty() && p.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)))
+        && !s.starts_with('.')
+        && !s.ends_with(".gguf")
+        && !s.ends_with(".safetensors")
+}
+
+fn resolve(spec: &str, progress: bool) -> Result<(Source, String, Option<String>)> {
+    if let Some(a) = fetch::alias(spec) {
+        let path = fetch::ensure(a, progress)?;
+        return Ok((Source::Gguf(path), a.name.to_string(), Some(a.description.to_string())));
+    }
+    let path = Path::new(spec);
+    let name = path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| spec.to_string());
+    if path.is_dir() {
+        return Ok((Source::Folder(path.into()), name, None));
+    }
+    if path.is_file() {
+        if path.extension().is_some_and(|e| e == "safetensors") {
+            // a lone weights file: use its folder, which must hold config.json
+            let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+            return Ok((Source::Folder(dir.into()), name, None));
+        }
+        return Ok((Source::Gguf(path.into()), name, None));
+    }
+    if looks_like_hub_id(spec) {
+        let dir = hf::fetch_hub(spec)?;
+        return Ok((Source::Folder(dir), spec.to_string(), None));
+    }
+    Err(Error::MissingModel { path: path.into(), aliases: fetch::alias_names() })
+}
+
+impl Model {
+    /// Loads `spec`: an alias (fetched on first use), a `.gguf` file, a Hugging Face folder, or
+    /// a hub id `org/name`. `progress` shows progress bars on standard error.
+    pub fn load(spec: &str, precision: Precision, progress: bool) -> Result<Model> {
+        let (source, name, description) = resolve(spec, progress)?;
+        let bar = if progress { indicatif::ProgressBar::new(0) } else { indicatif::ProgressBar::hidden() };
+        bar.set_style(indicatif::ProgressStyle::with_template("loading {msg} [{bar:30}] layer {pos}/{len}").expect("valid template").progress_chars("=> "));
+        bar.set_message(name.clone());
+        let tick = |i: usize, n: usize| {
+            bar.set_length(n as u64);
+            bar.set_position(i as u64);
+        };
+        let model = match source {
+            Source::Gguf(path) => {
+                let mut g = gguf::GgufFile::open(&path)?;
+                let (dims, warnings) = g.dims()?;
+                let tokenizer = Tokenizer::from_gguf(g.metadata(), &path)?;
+                let info = ModelInfo {
+                    name,
+                    description: description.or_else(|| g.name()),
+                    path: path.clone(),
+                    format: "gguf",
+                    precision,
+                    file_size: g.file_size,
+                    tensor_types: g.tensor_types(),
+                    tokenizer: tokenizer.kind.clone(),
+                    warnings,
+                };
+                let weights = weights::load_weights(&mut g, &dims, precision, dims.rope_style, &gguf::gguf_name, tick)?;
+                Model { dims, info, tokenizer, weights }
+            }
+            Source::Folder(dir) => {
+                let mut f = hf::HfFolder::open(&dir)?;
+                let dims = f.dims()?;
+                let (add_bos, bos_id) = f.bos();
+                let tok_path = dir.join("tokenizer.json");
+                if !tok_path.is_file() {
+                    return Err(Error::Tokenizer(format!("{} has no tokenizer.json; a Hugging Face model folder needs one", dir.display())));
+                }
+                let tokenizer = Tokenizer::from_file(&tok_path, add_bos, bos_id)?;
+                let file_size = f.files.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();
+                let info = ModelInfo {
+                    name,
+                    description,
+                    path: dir.clone(),
+                    format: "safetensors",
+                    precision,
+                    file_size,
+                    tensor_types: f.tensor_types(),
+                    tokenizer: tokenizer.kind.clone(),
+                    warnings: Vec::new(),
+                };
+                let weights = weights::load_weights(&mut f, &dims, precision, dims.rope_style, &hf::hf_name, tick)?;
+                Model { dims, info, tokenizer, weights }
+            }
+        };
+        bar.finish_and_clear();
+        for w in &model.info.warnings {
+            eprintln!("attnscope: warning: {w}");
+        }
+        Ok(model)
+    }
+
+    /// Tokenizes `text` (BOS only if the model asks for it or `force_bos`), refusing empty text
+    /// and text longer than the model's context.
+    pub fn encode(&self, text: &str, force_bos: bool) -> Result<Vec<u32>> {
+        if text.trim().is_empty() {
+            return Err(Error::EmptyText);
+        }
+        let ids = self.tokenizer.encode(text, force_bos)?;
+        if ids.len() > self.dims.context_len {
+            return Err(Error::TooLong { n_tokens: ids.len(), limit: self.dims.context_len, model: self.info.name.clone() });
+        }
+        Ok(ids)
+    }
+
+    /// Readable text of each token.
+    pub fn token_texts(&self, ids: &[u32]) -> Vec<String> {
+        ids.iter().map(|&i| self.tokenizer.token_text(i)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn hub_ids_are_told_apart_from_paths() {
+        assert!(super::looks_like_hub_id("Qwen/Qwen2.5-0.5B"));
+        assert!(!super::looks_like_hub_id("./model.gguf"));
+        assert!(!super::looks_like_hub_id("dir/model.gguf"));
+        assert!(!super::looks_like_hub_id("/abs/path"));
+        assert!(!super::looks_like_hub_id("a/b/c"));
+    }
+}

@@ -1,0 +1,244 @@
+//! Weights in memory, one layout for both file formats, and the one place that decides how each
+//! weight is stored for a [`Precision`].
+
+use super::config::{ModelDims, RopeStyle};
+use super::error::{Error, Result};
+use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
+use candle_core::{DType, Device, Module, Tensor};
+use serde::Serialize;
+use std::borrow::Cow;
+use std::path::Path;
+
+/// How weights are held in memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// Every weight dequantized to f32: the numbers of the reference implementation (~1e-5).
+    Exact,
+    /// Quantized weights kept quantized (Q5_0 repacked losslessly to Q8_0) where candle has fast
+    /// kernels; activations are quantized to 8 bits inside those matmuls, so numbers move by ~1e-2.
+    Fast,
+}
+
+impl Precision {
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Exact => "exact",
+            Precision::Fast => "fast",
+        }
+    }
+}
+
+/// A tensor as it comes out of a file: quantized (GGUF) or already floating point.
+pub enum Raw {
+    Q(QTensor),
+    F(Tensor),
+}
+
+impl Raw {
+    pub fn dims(&self) -> Vec<usize> {
+        match self {
+            Raw::Q(q) => q.shape().dims().to_vec(),
+            Raw::F(t) => t.dims().to_vec(),
+        }
+    }
+    pub fn to_f32(&self) -> Result<Tensor> {
+        Ok(match self {
+            Raw::Q(q) => q.dequantize(&Device::Cpu)?,
+            Raw::F(t) => t.to_dtype(DType::F32)?,
+        })
+    }
+}
+
+/// A projection `y = x Wᵀ (+ b)`.
+pub struct Linear {
+    pub w: QMatMul,
+    pub b: Option<Tensor>,
+}
+
+impl Linear {
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = self.w.forward(x)?;
+        Ok(match &self.b {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+}
+
+pub struct Layer {
+    pub attn_norm: Tensor,
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub o: Linear,
+    pub mlp_norm: Tensor,
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+}
+
+pub struct Weights {
+    pub embed: Tensor,
+    pub layers: Vec<Layer>,
+    pub final_norm: Tensor,
+    pub lm_head: QMatMul,
+    pub rope_style: RopeStyle,
+}
+
+/// Rewrites Q5_0 blocks as Q8_0 blocks without changing a single value: both store 32 weights
+/// as `d · q` with one f16 scale `d`; Q5_0's 5-bit q (−16..15) fits Q8_0's int8.
+/// Q5_0 block (22 bytes): d f16, qh u32 (the 5th bits), qs[16] (low nibbles: weights j and j+16).
+fn repack_q5_0_to_q8_0(q: &QTensor) -> Result<QTensor> {
+    let data = q.data()?;
+    let n_blocks = data.len() / 22;
+    let mut out = Vec::with_capacity(n_blocks * 34);
+    for b in data.chunks_exact(22) {
+        out.extend_from_slice(&b[0..2]);
+        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+        let qs = &b[6..22];
+        let mut vals = [0i8; 32];
+        for j in 0..16 {
+            let lo = (qs[j] & 0x0f) | ((((qh >> j) & 1) as u8) << 4);
+            let hi = (qs[j] >> 4) | ((((qh >> (j + 16)) & 1) as u8) << 4);
+            vals[j] = lo as i8 - 16;
+            vals[j + 16] = hi as i8 - 16;
+        }
+        out.extend(vals.iter().map(|&v| v as u8));
+    }
+    let storage = QStorage::from_data(Cow::Owned(out), &Device::Cpu, GgmlDType::Q8_0)?;
+    Ok(QTensor::new(storage, q.shape().clone())?)
+}
+
+/// How a matrix weight is held for `precision`.
+pub fn matrix(raw: Raw, precision: Precision) -> Result<QMatMul> {
+    Ok(match (raw, precision) {
+        (Raw::F(t), _) => QMatMul::Tensor(t.to_dtype(DType::F32)?),
+        (Raw::Q(q), Precision::Exact) => QMatMul::Tensor(q.dequantize(&Device::Cpu)?),
+        (Raw::Q(q), Precision::Fast) => match q.dtype() {
+            // candle has SIMD kernels for these at every row count
+            GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K | GgmlDType::Q8_0 | GgmlDType::Q2K | GgmlDType::Q3K => QMatMul::from_qtensor(q)?,
+            GgmlDType::Q5_0 => QMatMul::from_qtensor(repack_q5_0_to_q8_0(&q)?)?,
+            // Q4_0/Q4_1/Q5_1 and float types: f32 is faster than candle's scalar kernels
+            _ => QMatMul::Tensor(q.dequantize(&Device::Cpu)?),
+        },
+    })
+}
+
+/// Looks up one weight by its logical name, checking its shape.
+pub trait TensorSource {
+    /// `Ok(None)` if the tensor is absent.
+    fn get(&mut self, logical: &Logical) -> Result<Option<Raw>>;
+    fn path(&self) -> &Path;
+    fn count(&self) -> usize;
+    fn arch_name(&self) -> String;
+}
+
+/// A weight's name in attnscope's own vocabulary, mapped to each format's names in its loader.
+#[derive(Clone, Debug)]
+pub enum Logical {
+    Embed,
+    FinalNorm,
+    LmHead,
+    AttnNorm(usize),
+    Q(usize),
+    QBias(usize),
+    K(usize),
+    KBias(usize),
+    V(usize),
+    VBias(usize),
+    O(usize),
+    MlpNorm(usize),
+    Gate(usize),
+    Up(usize),
+    Down(usize),
+}
+
+impl Logical {
+    /// The shape this weight must have.
+    pub fn shape(&self, d: &ModelDims) -> Vec<usize> {
+        let (dm, q, kv) = (d.d_model, d.n_heads * d.head_dim, d.n_kv_heads * d.head_dim);
+        match self {
+            Logical::Embed | Logical::LmHead => vec![d.vocab_size, dm],
+            Logical::FinalNorm | Logical::AttnNorm(_) | Logical::MlpNorm(_) => vec![dm],
+            Logical::Q(_) => vec![q, dm],
+            Logical::QBias(_) => vec![q],
+            Logical::K(_) | Logical::V(_) => vec![kv, dm],
+            Logical::KBias(_) | Logical::VBias(_) => vec![kv],
+            Logical::O(_) => vec![dm, q],
+            Logical::Gate(_) | Logical::Up(_) => vec![d.d_ff, dm],
+            Logical::Down(_) => vec![dm, d.d_ff],
+        }
+    }
+}
+
+fn fetch(src: &mut dyn TensorSource, l: &Logical, dims: &ModelDims, name: &dyn Fn(&Logical) -> String) -> Result<Option<Raw>> {
+    let Some(raw) = src.get(l)? else { return Ok(None) };
+    let want = l.shape(dims);
+    let got = raw.dims();
+    if got != want {
+        return Err(Error::ShapeMismatch { name: name(l), path: src.path().into(), got, want });
+    }
+    Ok(Some(raw))
+}
+
+/// Loads every weight of the model from `src`, checking names and shapes.
+/// `name` gives a logical weight's name in the file, for error messages.
+pub fn load_weights(
+    src: &mut dyn TensorSource,
+    dims: &ModelDims,
+    precision: Precision,
+    rope_style: RopeStyle,
+    name: &dyn Fn(&Logical) -> String,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<Weights> {
+    let need = |src: &mut dyn TensorSource, l: Logical| -> Result<Raw> {
+        fetch(src, &l, dims, name)?.ok_or_else(|| Error::MissingTensor { name: name(&l), path: src.path().into(), arch: src.arch_name(), found: src.count() })
+    };
+    let vector = |r: Raw| r.to_f32();
+    let embed = need(src, Logical::Embed)?.to_f32()?;
+    let final_norm = vector(need(src, Logical::FinalNorm)?)?;
+    let lm_head = if dims.tied_embeddings { QMatMul::Tensor(embed.clone()) } else { matrix(need(src, Logical::LmHead)?, precision)? };
+    let mut layers = Vec::with_capacity(dims.n_layers);
+    for i in 0..dims.n_layers {
+        let lin = |src: &mut dyn TensorSource, w: Logical, b: Option<Logical>| -> Result<Linear> {
+            let w = matrix(need(src, w)?, precision)?;
+            let b = match b {
+                Some(b) => fetch(src, &b, dims, name)?.map(|r| r.to_f32()).transpose()?,
+                None => None,
+            };
+            Ok(Linear { w, b })
+        };
+        let layer = Layer {
+            q: lin(src, Logical::Q(i), Some(Logical::QBias(i)))?,
+            k: lin(src, Logical::K(i), Some(Logical::KBias(i)))?,
+            v: lin(src, Logical::V(i), Some(Logical::VBias(i)))?,
+            o: lin(src, Logical::O(i), None)?,
+            gate: lin(src, Logical::Gate(i), None)?,
+            up: lin(src, Logical::Up(i), None)?,
+            down: lin(src, Logical::Down(i), None)?,
+            attn_norm: vector(need(src, Logical::AttnNorm(i))?)?,
+            mlp_norm: vector(need(src, Logical::MlpNorm(i))?)?,
+        };
+        layers.push(layer);
+        progress(i + 1, dims.n_layers);
+    }
+    Ok(Weights { embed, layers, final_norm, lm_head, rope_style })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn q5_0_repacks_to_q8_0_exactly() {
+        let mut rng = crate::reference::Rng::new(5);
+        let t = Tensor::from_vec(rng.normals(4 * 64, 1.0), (4, 64), &Device::Cpu).unwrap();
+        let q5 = QTensor::quantize(&t, GgmlDType::Q5_0).unwrap();
+        let q8 = repack_q5_0_to_q8_0(&q5).unwrap();
+        assert_eq!(q8.dtype(), GgmlDType::Q8_0);
+        let a: Vec<f32> = q5.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let b: Vec<f32> = q8.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(a, b);
+    }
+}

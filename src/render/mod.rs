@@ -1,0 +1,2 @@
+//! Renderers: they format what the analyses computed; no maths here.
+pub mod npy;

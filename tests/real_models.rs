@@ -1,0 +1,62 @@
+//! The real checkpoints against Hugging Face transformers (tests/golden, from ../shared/reference):
+//! token ids, every attention weight, sink profiles, next-token top-5.
+
+mod common;
+use attnscope::model::capture::{AttnCache, CaptureSpec};
+use attnscope::model::forward::RunOptions;
+use common::*;
+
+const SENTENCE: &str = "Hà Nội là thủ đô của Việt Nam. Thành phố này nằm ở miền Bắc.";
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+fn check_model(alias: &str, prefix: &str) {
+    let model = real_model(alias);
+    let g = golden_json(&format!("{prefix}_transformers.json"));
+    let tokens = model.encode(SENTENCE, false).unwrap();
+    assert_eq!(tokens, ids(&g["token_ids"]), "{alias}: token ids");
+    let n = tokens.len();
+    let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
+    let out = model.forward(&tokens, &RunOptions::last_logits(n), &mut cache).unwrap();
+    // last-row attention of every layer and head
+    let (shape, want) = golden_npy(&format!("{prefix}_transformers_attn_lastrow.npy"));
+    assert_eq!(shape, vec![model.dims.n_layers, model.dims.n_heads, n]);
+    let mut got = Vec::new();
+    for l in 0..model.dims.n_layers {
+        let p = cache.pattern(l).unwrap();
+        for h in 0..model.dims.n_heads {
+            got.extend_from_slice(p.row_at(h, n - 1).unwrap());
+        }
+    }
+    assert_close(&got, &want, 1e-4, &format!("{alias}: last-row patterns"));
+    // next-token top-5
+    let logits = &out.logits[0];
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    let want_top: Vec<u32> = g["next_token_top5"].as_array().unwrap().iter().map(|t| t["id"].as_u64().unwrap() as u32).collect();
+    assert_eq!(order[..5].iter().map(|&i| i as u32).collect::<Vec<_>>(), want_top, "{alias}: next-token top-5");
+    for t in g["next_token_top5"].as_array().unwrap() {
+        let id = t["id"].as_u64().unwrap() as usize;
+        assert!((logits[id] - t["logit"].as_f64().unwrap() as f32).abs() < 2e-3, "{alias}: logit of {id}: {} vs {}", logits[id], t["logit"]);
+    }
+}
+
+#[test]
+fn qwen_matches_transformers() {
+    check_model("qwen2.5-coder-0.5b", "qwen");
+    // every weight of every layer, head, query and key
+    let model = real_model("qwen2.5-coder-0.5b");
+    let tokens = model.encode(SENTENCE, false).unwrap();
+    let mut cache = AttnCache::new(&CaptureSpec::patterns(), tokens.len());
+    model.forward(&tokens, &RunOptions::default(), &mut cache).unwrap();
+    let (_, want) = golden_npy("qwen_transformers_attn_full.npy");
+    let got: Vec<f32> = (0..24).flat_map(|l| cache.pattern(l).unwrap().data.to_vec()).collect();
+    assert_close(&got, &want, 1e-4, "qwen: full patterns");
+}
+
+#[test]
+fn smollm_matches_transformers() {
+    check_model("smollm2-135m", "smol");
+}
