@@ -60,3 +60,22 @@ fn qwen_matches_transformers() {
 fn smollm_matches_transformers() {
     check_model("smollm2-135m", "smol");
 }
+
+/// The 40 strings of tokenizer_vectors.json: ids equal the HF tokenizer's exactly.
+#[test]
+fn tokenizer_vectors_match_hf() {
+    let v = golden_json("tokenizer_vectors.json");
+    for (alias, key) in [("qwen2.5-coder-0.5b", "qwen"), ("smollm2-135m", "smol")] {
+        let model = real_model(alias);
+        let mut failures = Vec::new();
+        for case in v["vectors"][key].as_array().unwrap() {
+            let text = case["text"].as_str().unwrap();
+            let want = ids(&case["ids"]);
+            let got = model.tokenizer.encode(text, false).unwrap();
+            if got != want {
+                failures.push(format!("{text:?}: got {got:?}, want {want:?}"));
+            }
+        }
+        assert!(failures.is_empty(), "{alias}: {} of 40 differ:\n{}", failures.len(), failures.join("\n"));
+    }
+}

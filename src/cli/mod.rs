@@ -1,1 +1,87 @@
-//! CLI.
+//! The `attnscope` command. Each subcommand parses its flags, calls the library, and renders;
+//! errors print their cause chain, and the exit code says whose fault it was:
+//! 0 success, 2 bad input or usage, 1 anything else. A closed pipe (`| head`) exits 0.
+
+mod capture;
+mod common;
+mod cost;
+mod explain;
+mod info;
+mod inspect;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+pub use common::{parse_index_list, write_new_file};
+
+/// attnscope: compute, see and measure the attention inside real language models.
+///
+/// Start with `attnscope inspect` (the default model, fetched on first use, on the lesson's
+/// sentence), or `attnscope explain` to follow one attention step by hand.
+#[derive(Parser, Debug)]
+#[command(name = "attnscope", version, about, long_about, max_term_width = 100)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Follow one attention step number by number: Q, K, V, scores, mask, softmax, output; the
+    /// causal-mask grid; why scores are divided by √d; how heads split and share K/V.
+    Explain(explain::Args),
+    /// The lesson's arithmetic of cost: how the n×n score matrix grows with the length n.
+    Cost(cost::Args),
+    /// The lesson's tables on a real model: per-head and head-averaged top tokens for a query,
+    /// the attention-sink profile, head concentration, and the model's next-token prediction.
+    Inspect(inspect::Args),
+    /// Describe a model: architecture, heads and KV sharing, sizes, tensor types, tokenizer.
+    Info(info::Args),
+    /// Run a model on a text and save captured tensors (attention patterns, scores, q/k/v, ...)
+    /// under their hook names to .safetensors or .npz for notebooks.
+    Capture(capture::Args),
+    /// Fetch a model alias into the cache (what every command does on first use).
+    Fetch(info::FetchArgs),
+}
+
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Explain(a) => explain::run(a),
+        Command::Cost(a) => cost::run(a),
+        Command::Inspect(a) => inspect::run(a),
+        Command::Info(a) => info::run(a),
+        Command::Capture(a) => capture::run(a),
+        Command::Fetch(a) => info::fetch(a),
+    }
+}
+
+/// Whether an error was caused by the user's input (exit 2) rather than by the program.
+fn is_bad_input(err: &anyhow::Error) -> bool {
+    err.chain().any(|c| {
+        c.downcast_ref::<crate::model::Error>().is_some_and(|e| e.is_bad_input())
+            || c.downcast_ref::<common::UsageError>().is_some()
+    })
+}
+
+fn is_broken_pipe(err: &anyhow::Error) -> bool {
+    err.chain().any(|c| c.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe))
+}
+
+pub fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let code = if e.use_stderr() { 2 } else { 0 };
+            let _ = e.print();
+            return ExitCode::from(code);
+        }
+    };
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("attnscope: error: {e:#}");
+            ExitCode::from(if is_bad_input(&e) { 2 } else { 1 })
+        }
+    }
+}

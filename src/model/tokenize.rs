@@ -42,8 +42,11 @@ fn pre_tokenizer_for(pre: &str) -> Option<(Value, Value, bool)> {
     Some(match pre {
         // Qwen2's tokenizer.json: NFC, then the regex split, then byte-level mapping.
         "qwen2" => (json!({"type": "NFC"}), json!({"type": "Sequence", "pretokenizers": [split(QWEN2_SPLIT), byte_level(false)]}), false),
-        // SmolLM2's tokenizer.json: every digit alone, then GPT-2's byte-level regex split.
-        "smollm" => (Value::Null, json!({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": true}, byte_level(true)]}), false),
+        // SmolLM2: GPT-2's byte-level regex split, as transformers builds it from the GGUF
+        // metadata (the reference ids). llama.cpp's `smollm` rule isolates every \p{N} first; the
+        // two differ only where a space precedes a non-digit number character (" ¾"), since
+        // SmolLM2's vocabulary has no multi-digit tokens.
+        "smollm" => (Value::Null, byte_level(true), false),
         "llama-bpe" | "llama3" => (Value::Null, json!({"type": "Sequence", "pretokenizers": [split(LLAMA3_SPLIT), byte_level(false)]}), true),
         "gpt-2" | "gpt2" => (Value::Null, byte_level(true), false),
         _ => return None,

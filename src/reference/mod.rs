@@ -12,6 +12,7 @@
 //! eq. 1; multi-head attention, §3.2.2); Ainslie et al. 2023, "GQA" (grouped-query attention).
 
 pub mod transformer;
+pub mod walkthrough;
 
 /// Which keys a query may look at.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

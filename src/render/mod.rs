@@ -1,2 +1,5 @@
 //! Renderers: they format what the analyses computed; no maths here.
 pub mod npy;
+pub mod report;
+pub mod table;
+pub mod tensorfile;

@@ -1,0 +1,175 @@
+//! Arguments and helpers shared by the subcommands.
+
+use crate::model::{fetch::DEFAULT_MODEL, Model, Precision};
+use anyhow::Context;
+use std::io::{IsTerminal, Read, Write};
+use std::path::{Path, PathBuf};
+
+/// A mistake in the command line that clap cannot see (a value out of range, say): exit 2.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct UsageError(pub String);
+
+pub fn usage(msg: impl Into<String>) -> anyhow::Error {
+    anyhow::Error::new(UsageError(msg.into()))
+}
+
+pub const LESSON_SENTENCE: &str = "Hà Nội là thủ đô của Việt Nam. Thành phố này nằm ở miền Bắc.";
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// Model: an alias (qwen2.5-coder-0.5b, smollm2-135m; fetched on first use), a .gguf file,
+    /// a Hugging Face folder (config.json, *.safetensors, tokenizer.json), or a hub id org/name.
+    #[arg(long, short = 'm', default_value = DEFAULT_MODEL)]
+    pub model: String,
+    /// exact: weights dequantized to f32, the reference's numbers (to ~1e-5). fast: quantized
+    /// kernels where faster; attention weights move by up to ~1e-2.
+    #[arg(long, value_enum, default_value_t = Precision::Exact)]
+    pub precision: Precision,
+    /// Put the model's BOS token first even though its metadata does not ask for one.
+    #[arg(long)]
+    pub bos: bool,
+}
+
+impl ModelArgs {
+    pub fn load(&self) -> anyhow::Result<Model> {
+        let progress = std::io::stderr().is_terminal();
+        Model::load(&self.model, self.precision, progress).with_context(|| format!("loading model `{}`", self.model))
+    }
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct TextArgs {
+    /// The text to run. Default: the lesson's sentence (or standard input when it is piped).
+    #[arg(long, short = 't', conflicts_with = "file")]
+    pub text: Option<String>,
+    /// Read the text from a UTF-8 file (`-` for standard input).
+    #[arg(long, short = 'f')]
+    pub file: Option<PathBuf>,
+}
+
+impl TextArgs {
+    /// The text: `--text`, `--file`, piped standard input, or the lesson's sentence.
+    pub fn read(&self) -> anyhow::Result<String> {
+        if let Some(t) = &self.text {
+            return Ok(t.clone());
+        }
+        if let Some(f) = &self.file {
+            let bytes = if f.as_os_str() == "-" {
+                let mut b = Vec::new();
+                std::io::stdin().read_to_end(&mut b).context("reading standard input")?;
+                b
+            } else {
+                std::fs::read(f).map_err(|e| usage(format!("cannot read --file {}: {e}", f.display())))?
+            };
+            return String::from_utf8(bytes).map_err(|e| usage(format!("{} is not valid UTF-8 (first bad byte at offset {}); convert it to UTF-8", f.display(), e.utf8_error().valid_up_to())));
+        }
+        let stdin = std::io::stdin();
+        if !stdin.is_terminal() {
+            let mut b = Vec::new();
+            stdin.lock().read_to_end(&mut b).context("reading standard input")?;
+            if !b.is_empty() {
+                return String::from_utf8(b).map_err(|e| usage(format!("standard input is not valid UTF-8 (first bad byte at offset {})", e.utf8_error().valid_up_to())));
+            }
+        }
+        Ok(LESSON_SENTENCE.to_string())
+    }
+}
+
+/// Parses `all`, `3`, `0-3`, `0,12,23` (and mixes such as `0-2,7`) into indices `< count`.
+pub fn parse_index_list(spec: &str, count: usize, what: &str) -> anyhow::Result<Vec<usize>> {
+    let range = || format!("{what} must be in 0..={} (or `all`)", count.saturating_sub(1));
+    if spec.trim() == "all" {
+        return Ok((0..count).collect());
+    }
+    let mut out = Vec::new();
+    for part in spec.split(',').map(str::trim) {
+        let (a, b) = match part.split_once('-') {
+            Some((a, b)) => (a.trim(), b.trim()),
+            None => (part, part),
+        };
+        let parse = |s: &str| s.parse::<usize>().map_err(|_| usage(format!("`{spec}` is not a valid {what} list; write e.g. 0-3, 0,12,23 or all")));
+        let (a, b) = (parse(a)?, parse(b)?);
+        if a > b {
+            return Err(usage(format!("{what} range {a}-{b} is backwards")));
+        }
+        if b >= count {
+            return Err(usage(format!("{what} {b} is out of range: {}", range())));
+        }
+        for i in a..=b {
+            if !out.contains(&i) {
+                out.push(i);
+            }
+        }
+    }
+    if out.is_empty() {
+        return Err(usage(format!("no {what} given")));
+    }
+    Ok(out)
+}
+
+/// Checks one index against its count, with a message naming the valid range.
+pub fn check_index(value: usize, count: usize, what: &str) -> anyhow::Result<usize> {
+    if value >= count {
+        return Err(usage(format!("{what} {value} is out of range: valid {what}s are 0..={}", count.saturating_sub(1))));
+    }
+    Ok(value)
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same folder and a rename, so a
+/// reader never sees half a file; refuses to replace an existing file unless `force`.
+pub fn write_new_file(path: &Path, bytes: &[u8], force: bool) -> anyhow::Result<()> {
+    if path.exists() && !force {
+        return Err(anyhow::Error::new(crate::model::Error::Exists { path: path.into() }));
+    }
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "out".into());
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let result = (|| -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if let Err(e) = result {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e).with_context(|| format!("writing {}", path.display()));
+    }
+    Ok(())
+}
+
+/// Prints to standard output, turning a closed pipe into an error `main` treats as success.
+pub fn emit(s: &str) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    out.write_all(s.as_bytes())?;
+    out.flush()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn index_lists() {
+        assert_eq!(parse_index_list("0-3", 14, "head").unwrap(), vec![0, 1, 2, 3]);
+        assert_eq!(parse_index_list("0,12,23", 24, "layer").unwrap(), vec![0, 12, 23]);
+        assert_eq!(parse_index_list("all", 3, "head").unwrap(), vec![0, 1, 2]);
+        let e = parse_index_list("0-14", 14, "head").unwrap_err().to_string();
+        assert!(e.contains("head 14 is out of range") && e.contains("0..=13"), "{e}");
+        assert!(parse_index_list("x", 3, "layer").is_err());
+    }
+
+    #[test]
+    fn write_new_file_refuses_to_overwrite() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("a.bin");
+        write_new_file(&p, b"one", false).unwrap();
+        let e = write_new_file(&p, b"two", false).unwrap_err();
+        assert!(format!("{e:#}").contains("--force"));
+        assert_eq!(std::fs::read(&p).unwrap(), b"one");
+        write_new_file(&p, b"two", true).unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"two");
+        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1, "no temporary file left behind");
+    }
+}

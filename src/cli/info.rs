@@ -1,0 +1,74 @@
+//! `attnscope info` and `attnscope fetch`.
+
+use super::common::{emit, ModelArgs};
+use crate::model::fetch::{alias, alias_names, alias_path, ensure, ALIASES};
+use crate::render::table::{title, Align, Table};
+use serde_json::json;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct FetchArgs {
+    /// Aliases to fetch, or `all`.
+    #[arg(default_value = "qwen2.5-coder-0.5b")]
+    aliases: Vec<String>,
+}
+
+pub fn fetch(a: FetchArgs) -> anyhow::Result<()> {
+    let names: Vec<String> = if a.aliases.iter().any(|x| x == "all") { ALIASES.iter().map(|x| x.name.to_string()).collect() } else { a.aliases };
+    for n in names {
+        let al = alias(&n).ok_or_else(|| super::common::usage(format!("unknown alias `{n}`; known: {}", alias_names())))?;
+        let p = ensure(al, true)?;
+        emit(&format!("{}\t{}\n", al.name, p.display()))?;
+    }
+    Ok(())
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    let m = a.model.load()?;
+    let d = &m.dims;
+    if a.json {
+        let doc = json!({"model": m.info, "dims": d, "group_size": d.group_size(), "gqa": d.gqa_sentence(),
+                         "cached_alias_path": alias(&m.info.name).map(|x| alias_path(x))});
+        return emit(&format!("{}\n", serde_json::to_string_pretty(&doc)?));
+    }
+    let mut s = title(&format!("{} ({})", m.info.name, m.info.format));
+    if let Some(desc) = &m.info.description {
+        s += &format!("{desc}\n");
+    }
+    s += &format!("file: {} ({:.1} MB)\n\n", m.info.path.display(), m.info.file_size as f64 / 1e6);
+    let mut t = Table::new([("", Align::Left), ("", Align::Left)]);
+    let rope = match d.rope_style {
+        crate::model::RopeStyle::Neox => "half-split pairs (i, i+d/2)",
+        crate::model::RopeStyle::Interleaved => "interleaved pairs (2i, 2i+1)",
+    };
+    for (k, v) in [
+        ("architecture", d.arch.name().to_string()),
+        ("layers", d.n_layers.to_string()),
+        ("query heads", d.n_heads.to_string()),
+        ("KV heads", format!("{} ({})", d.n_kv_heads, d.gqa_sentence())),
+        ("GQA group size", d.group_size().to_string()),
+        ("head dim", d.head_dim.to_string()),
+        ("d_model", d.d_model.to_string()),
+        ("MLP width", d.d_ff.to_string()),
+        ("context length", d.context_len.to_string()),
+        ("RoPE base", format!("{}", d.rope_base)),
+        ("RoPE layout", rope.to_string()),
+        ("RMSNorm eps", format!("{:e}", d.rms_eps)),
+        ("vocab size", d.vocab_size.to_string()),
+        ("embeddings", if d.tied_embeddings { "tied (output = input embedding)" } else { "separate output matrix" }.to_string()),
+        ("tensor types", m.info.tensor_types.iter().map(|(k, v)| format!("{k}×{v}")).collect::<Vec<_>>().join(", ")),
+        ("tokenizer", m.info.tokenizer.clone()),
+        ("precision", m.info.precision.name().to_string()),
+    ] {
+        t.row([k.to_string(), v]);
+    }
+    s += &t.render();
+    emit(&s)
+}
