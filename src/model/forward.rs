@@ -168,8 +168,7 @@ impl Model {
             knock[p] = true;
         }
         let (cos, sin) = rope_tables(hd, dims.rope_base, n)?;
-        let ids = Tensor::new(tokens, &Device::Cpu)?;
-        let mut x = self.weights.embed.index_select(&ids, 0)?; // [n, d_model]
+        let mut x = self.weights.embed.lookup(tokens)?; // [n, d_model]
         let mut attn_time = Duration::ZERO;
         for (l, layer) in self.weights.layers.iter().enumerate() {
             emit(obs, l, Hook::ResidPre, &x, &[n, dm])?;

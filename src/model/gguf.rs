@@ -4,9 +4,10 @@
 
 use super::config::{Arch, ModelDims, RopeStyle};
 use super::error::{Error, Result};
-use super::weights::{Logical, Raw, TensorSource};
+use super::weights::{Logical, Mapped, Raw, TensorSource};
 use candle_core::quantized::gguf_file::{Content, Value};
-use candle_core::Device;
+use memmap2::Mmap;
+use std::sync::Arc;
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufReader, Read};
@@ -15,7 +16,7 @@ use std::path::{Path, PathBuf};
 pub struct GgufFile {
     pub path: PathBuf,
     pub content: Content,
-    reader: BufReader<File>,
+    map: Arc<Mmap>,
     pub file_size: u64,
     pub version: u32,
 }
@@ -37,12 +38,14 @@ impl GgufFile {
             return Err(Error::GgufVersion { path: path.into(), version });
         }
         let f = File::open(path).map_err(|e| Error::io(path, e))?;
-        let mut reader = BufReader::new(f);
-        let content = Content::read(&mut reader).map_err(|e| Error::BadGguf { path: path.into(), reason: e.to_string() })?;
+        let content = Content::read(&mut BufReader::new(&f)).map_err(|e| Error::BadGguf { path: path.into(), reason: e.to_string() })?;
+        // SAFETY: mapped read-only; attnscope never writes model files (a concurrent external
+        // writer could change what is read, as with any mmap; the cache is only ever renamed into).
+        let map = Arc::new(unsafe { Mmap::map(&f) }.map_err(|e| Error::io(path, e))?);
         if content.tensor_data_offset > file_size {
             return Err(Error::BadGguf { path: path.into(), reason: format!("tensor data would start at byte {}, past the end of the file ({file_size} bytes)", content.tensor_data_offset) });
         }
-        Ok(GgufFile { path: path.into(), content, reader, file_size, version })
+        Ok(GgufFile { path: path.into(), content, map, file_size, version })
     }
 
     fn md(&self, key: &str) -> Option<&Value> {
@@ -186,11 +189,22 @@ impl TensorSource for GgufFile {
         if !self.content.tensor_infos.contains_key(&name) {
             return Ok(None);
         }
-        let q = self
-            .content
-            .tensor(&mut self.reader, &name, &Device::Cpu)
-            .map_err(|e| Error::BadGguf { path: self.path.clone(), reason: format!("tensor `{name}`: {e}") })?;
-        Ok(Some(Raw::Q(q)))
+        let info = &self.content.tensor_infos[&name];
+        let bad = |reason: String| Error::BadGguf { path: self.path.clone(), reason: format!("tensor `{name}`: {reason}") };
+        let dims = info.shape.dims().to_vec();
+        let n: usize = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| bad(format!("dimensions {dims:?} overflow")))?;
+        let (bs, ts) = (info.ggml_dtype.block_size(), info.ggml_dtype.type_size());
+        let cols = dims.last().copied().unwrap_or(1);
+        if cols % bs != 0 {
+            return Err(bad(format!("rows of {cols} values are not whole {:?} blocks of {bs}", info.ggml_dtype)));
+        }
+        let len = n / bs * ts;
+        let start = self.content.tensor_data_offset.checked_add(info.offset).ok_or_else(|| bad("offset overflows".into()))?;
+        let end = start.checked_add(len as u64).ok_or_else(|| bad("size overflows".into()))?;
+        if end > self.file_size {
+            return Err(bad(format!("needs bytes {start}..{end} but the file has {} bytes; it is truncated", self.file_size)));
+        }
+        Ok(Some(Raw::Mapped(Mapped { map: self.map.clone(), offset: start as usize, len, dtype: info.ggml_dtype, dims })))
     }
     fn path(&self) -> &Path {
         &self.path

@@ -3,7 +3,9 @@
 
 use super::config::{ModelDims, RopeStyle};
 use super::error::{Error, Result};
-use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
+use candle_core::quantized::{GgmlDType, GgmlType, QMatMul, QStorage, QTensor};
+use memmap2::Mmap;
+use std::sync::Arc;
 use candle_core::{DType, Device, Module, Tensor};
 use serde::Serialize;
 use std::borrow::Cow;
@@ -29,24 +31,142 @@ impl Precision {
     }
 }
 
-/// A tensor as it comes out of a file: quantized (GGUF) or already floating point.
+/// A GGUF tensor still in the memory-mapped file: `dtype` blocks, row-major `[rows, cols]`.
+#[derive(Clone)]
+pub struct Mapped {
+    pub map: Arc<Mmap>,
+    pub offset: usize,
+    pub len: usize,
+    pub dtype: GgmlDType,
+    pub dims: Vec<usize>,
+}
+
+impl Mapped {
+    fn bytes(&self) -> &[u8] {
+        &self.map[self.offset..self.offset + self.len]
+    }
+    fn cols(&self) -> usize {
+        *self.dims.last().expect("tensors have at least one dimension")
+    }
+    /// Bytes of one row (rows are whole blocks in every GGUF tensor attnscope loads).
+    fn row_bytes(&self) -> usize {
+        self.cols() / self.dtype.block_size() * self.dtype.type_size()
+    }
+    /// Dequantizes rows `r0..r0 + out.len() / cols` into `out`.
+    fn rows_to_f32(&self, r0: usize, out: &mut [f32]) -> Result<()> {
+        let rb = self.row_bytes();
+        let n_rows = out.len() / self.cols();
+        dequantize_into(self.dtype, &self.bytes()[r0 * rb..(r0 + n_rows) * rb], out)
+    }
+    /// The whole tensor as f32, dequantized on every core straight from the mapping.
+    pub fn to_f32(&self) -> Result<Tensor> {
+        let n: usize = self.dims.iter().product();
+        let cols = self.cols();
+        let rows = n / cols;
+        let mut out = vec![0f32; n];
+        let threads = std::thread::available_parallelism().map(|x| x.get()).unwrap_or(1).min(rows.max(1));
+        let per = rows.div_ceil(threads);
+        std::thread::scope(|s| -> Result<()> {
+            let handles: Vec<_> = out
+                .chunks_mut(per * cols)
+                .enumerate()
+                .map(|(i, chunk)| s.spawn(move || self.rows_to_f32(i * per, chunk)))
+                .collect();
+            for h in handles {
+                h.join().expect("dequantization thread panicked")?;
+            }
+            Ok(())
+        })?;
+        Ok(Tensor::from_vec(out, self.dims.clone(), &Device::Cpu)?)
+    }
+    /// A candle quantized tensor (one copy of the blocks).
+    pub fn to_qtensor(&self) -> Result<QTensor> {
+        let storage = QStorage::from_data(Cow::Borrowed(self.bytes()), &Device::Cpu, self.dtype)?;
+        Ok(QTensor::new(storage, self.dims.clone())?)
+    }
+}
+
+fn dequantize_blocks<T: GgmlType>(bytes: &[u8], out: &mut [f32]) -> Result<()> {
+    let size = std::mem::size_of::<T>();
+    if bytes.len() % size != 0 || out.len() != bytes.len() / size * T::BLCK_SIZE {
+        return Err(Error::Candle(candle_core::Error::Msg(format!("{:?}: {} bytes do not make {} values", T::DTYPE, bytes.len(), out.len()))));
+    }
+    if (bytes.as_ptr() as usize) % std::mem::align_of::<T>() == 0 {
+        // SAFETY: the block types are plain old data (integers and f16), the length is a whole
+        // number of blocks and the pointer is aligned for T.
+        let blocks = unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / size) };
+        T::to_float(blocks, out);
+    } else {
+        let mut blocks = vec![T::zeros(); bytes.len() / size];
+        // SAFETY: as above; the destination is a fresh, aligned buffer of the same byte length.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), blocks.as_mut_ptr() as *mut u8, bytes.len()) };
+        T::to_float(&blocks, out);
+    }
+    Ok(())
+}
+
+fn dequantize_into(dtype: GgmlDType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
+    use candle_core::quantized::k_quants::*;
+    match dtype {
+        GgmlDType::F32 => dequantize_blocks::<f32>(bytes, out),
+        GgmlDType::F16 => dequantize_blocks::<half::f16>(bytes, out),
+        GgmlDType::BF16 => dequantize_blocks::<half::bf16>(bytes, out),
+        GgmlDType::Q4_0 => dequantize_blocks::<BlockQ4_0>(bytes, out),
+        GgmlDType::Q4_1 => dequantize_blocks::<BlockQ4_1>(bytes, out),
+        GgmlDType::Q5_0 => dequantize_blocks::<BlockQ5_0>(bytes, out),
+        GgmlDType::Q5_1 => dequantize_blocks::<BlockQ5_1>(bytes, out),
+        GgmlDType::Q8_0 => dequantize_blocks::<BlockQ8_0>(bytes, out),
+        GgmlDType::Q8_1 => dequantize_blocks::<BlockQ8_1>(bytes, out),
+        GgmlDType::Q2K => dequantize_blocks::<BlockQ2K>(bytes, out),
+        GgmlDType::Q3K => dequantize_blocks::<BlockQ3K>(bytes, out),
+        GgmlDType::Q4K => dequantize_blocks::<BlockQ4K>(bytes, out),
+        GgmlDType::Q5K => dequantize_blocks::<BlockQ5K>(bytes, out),
+        GgmlDType::Q6K => dequantize_blocks::<BlockQ6K>(bytes, out),
+        GgmlDType::Q8K => dequantize_blocks::<BlockQ8K>(bytes, out),
+    }
+}
+
+/// A tensor as it comes out of a file: quantized in a GGUF mapping, or floating point.
 pub enum Raw {
-    Q(QTensor),
+    Mapped(Mapped),
     F(Tensor),
 }
 
 impl Raw {
     pub fn dims(&self) -> Vec<usize> {
         match self {
-            Raw::Q(q) => q.shape().dims().to_vec(),
+            Raw::Mapped(m) => m.dims.clone(),
             Raw::F(t) => t.dims().to_vec(),
         }
     }
     pub fn to_f32(&self) -> Result<Tensor> {
         Ok(match self {
-            Raw::Q(q) => q.dequantize(&Device::Cpu)?,
+            Raw::Mapped(m) => m.to_f32()?,
             Raw::F(t) => t.to_dtype(DType::F32)?,
         })
+    }
+}
+
+/// The input embedding: a dense f32 matrix, or (for a large untied vocabulary) the quantized
+/// rows in the file, dequantized only for the tokens looked up. Both give the same numbers.
+pub enum Embedding {
+    Dense(Tensor),
+    Rows(Mapped),
+}
+
+impl Embedding {
+    pub fn lookup(&self, ids: &[u32]) -> Result<Tensor> {
+        match self {
+            Embedding::Dense(t) => Ok(t.index_select(&Tensor::new(ids, &Device::Cpu)?, 0)?),
+            Embedding::Rows(m) => {
+                let cols = m.cols();
+                let mut out = vec![0f32; ids.len() * cols];
+                for (row, &id) in out.chunks_mut(cols).zip(ids) {
+                    m.rows_to_f32(id as usize, row)?;
+                }
+                Ok(Tensor::from_vec(out, (ids.len(), cols), &Device::Cpu)?)
+            }
+        }
     }
 }
 
@@ -79,7 +199,7 @@ pub struct Layer {
 }
 
 pub struct Weights {
-    pub embed: Tensor,
+    pub embed: Embedding,
     pub layers: Vec<Layer>,
     pub final_norm: Tensor,
     pub lm_head: QMatMul,
@@ -114,13 +234,13 @@ fn repack_q5_0_to_q8_0(q: &QTensor) -> Result<QTensor> {
 pub fn matrix(raw: Raw, precision: Precision) -> Result<QMatMul> {
     Ok(match (raw, precision) {
         (Raw::F(t), _) => QMatMul::Tensor(t.to_dtype(DType::F32)?),
-        (Raw::Q(q), Precision::Exact) => QMatMul::Tensor(q.dequantize(&Device::Cpu)?),
-        (Raw::Q(q), Precision::Fast) => match q.dtype() {
+        (Raw::Mapped(m), Precision::Exact) => QMatMul::Tensor(m.to_f32()?),
+        (Raw::Mapped(m), Precision::Fast) => match m.dtype {
             // candle has SIMD kernels for these at every row count
-            GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K | GgmlDType::Q8_0 | GgmlDType::Q2K | GgmlDType::Q3K => QMatMul::from_qtensor(q)?,
-            GgmlDType::Q5_0 => QMatMul::from_qtensor(repack_q5_0_to_q8_0(&q)?)?,
+            GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K | GgmlDType::Q8_0 | GgmlDType::Q2K | GgmlDType::Q3K => QMatMul::from_qtensor(m.to_qtensor()?)?,
+            GgmlDType::Q5_0 => QMatMul::from_qtensor(repack_q5_0_to_q8_0(&m.to_qtensor()?)?)?,
             // Q4_0/Q4_1/Q5_1 and float types: f32 is faster than candle's scalar kernels
-            _ => QMatMul::Tensor(q.dequantize(&Device::Cpu)?),
+            _ => QMatMul::Tensor(m.to_f32()?),
         },
     })
 }
@@ -196,9 +316,15 @@ pub fn load_weights(
         fetch(src, &l, dims, name)?.ok_or_else(|| Error::MissingTensor { name: name(&l), path: src.path().into(), arch: src.arch_name(), found: src.count() })
     };
     let vector = |r: Raw| r.to_f32();
-    let embed = need(src, Logical::Embed)?.to_f32()?;
+    let (embed, lm_head) = match (need(src, Logical::Embed)?, dims.tied_embeddings) {
+        (Raw::Mapped(m), false) => (Embedding::Rows(m), matrix(need(src, Logical::LmHead)?, precision)?),
+        (raw, tied) => {
+            let dense = raw.to_f32()?;
+            let head = if tied { QMatMul::Tensor(dense.clone()) } else { matrix(need(src, Logical::LmHead)?, precision)? };
+            (Embedding::Dense(dense), head)
+        }
+    };
     let final_norm = vector(need(src, Logical::FinalNorm)?)?;
-    let lm_head = if dims.tied_embeddings { QMatMul::Tensor(embed.clone()) } else { matrix(need(src, Logical::LmHead)?, precision)? };
     let mut layers = Vec::with_capacity(dims.n_layers);
     for i in 0..dims.n_layers {
         let lin = |src: &mut dyn TensorSource, w: Logical, b: Option<Logical>| -> Result<Linear> {
