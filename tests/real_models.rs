@@ -79,3 +79,21 @@ fn tokenizer_vectors_match_hf() {
         assert!(failures.is_empty(), "{alias}: {} of 40 differ:\n{}", failures.len(), failures.join("\n"));
     }
 }
+
+/// `--precision fast` (quantized kernels) against the reference: how far it moves, measured.
+#[test]
+fn fast_precision_deviation_on_qwen() {
+    let model = attnscope::model::Model::load("qwen2.5-coder-0.5b", attnscope::model::Precision::Fast, false).unwrap();
+    let tokens = model.encode(SENTENCE, false).unwrap();
+    let n = tokens.len();
+    let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
+    let out = model.forward(&tokens, &RunOptions::last_logits(n), &mut cache).unwrap();
+    let (_, want) = golden_npy("qwen_transformers_attn_lastrow.npy");
+    let got: Vec<f32> = (0..24).flat_map(|l| (0..14).flat_map(|h| cache.pattern(l).unwrap().row_at(h, n - 1).unwrap().to_vec()).collect::<Vec<_>>()).collect();
+    let max = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    eprintln!("fast precision: max |attention weight - reference| over the last rows = {max:.4}");
+    assert!(max < 0.1, "fast precision moved a weight by {max}");
+    let g = golden_json("qwen_transformers.json");
+    let top1 = out.logits[0].iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as u64;
+    assert_eq!(top1, g["next_token_top5"][0]["id"].as_u64().unwrap(), "fast precision changed the top next token");
+}

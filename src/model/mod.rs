@@ -19,6 +19,7 @@ pub mod fetch;
 pub mod forward;
 pub mod gguf;
 pub mod hf;
+pub mod tiny;
 pub mod tokenize;
 pub mod weights;
 

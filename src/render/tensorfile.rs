@@ -68,7 +68,7 @@ pub fn to_npz(tensors: &[NamedTensor<'_>]) -> Vec<u8> {
         // local file header
         out.extend_from_slice(&0x0403_4b50u32.to_le_bytes());
         out.extend_from_slice(&(if zip64 { 45u16 } else { 20 }).to_le_bytes());
-        out.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 0]); // flags, method (stored), time
+        out.extend_from_slice(&[0, 0, 0, 0, 0, 0]); // flags, method (stored), time
         out.extend_from_slice(&0x0021u16.to_le_bytes()); // date 1980-01-01
         out.extend_from_slice(&crc.to_le_bytes());
         let small = if zip64 { 0xFFFF_FFFFu32 } else { size as u32 };
@@ -95,7 +95,7 @@ pub fn to_npz(tensors: &[NamedTensor<'_>]) -> Vec<u8> {
         central.extend_from_slice(&small.to_le_bytes());
         central.extend_from_slice(&(name.len() as u16).to_le_bytes());
         central.extend_from_slice(&(if zip64 { 28u16 } else { 0 }).to_le_bytes());
-        central.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]); // comment, disk, attrs
+        central.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 0, 0, 0]); // comment length, disk, internal and external attributes
         central.extend_from_slice(&(if zip64 { 0xFFFF_FFFFu32 } else { offset as u32 }).to_le_bytes());
         central.extend_from_slice(name.as_bytes());
         if zip64 {

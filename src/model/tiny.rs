@@ -1,0 +1,249 @@
+//! Tiny seeded models (Qwen2 and Llama shapes) written as real files in both formats: a GGUF
+//! file and a Hugging Face folder (config.json, model.safetensors or shards, tokenizer.json).
+//! The tests load them through the same code as real checkpoints and compare with a
+//! [`crate::reference::transformer`] forward on the same weights; no network needed.
+//!
+//! Llama weights are written to GGUF the way llama.cpp's converter writes them: Q and K rows
+//! permuted so the interleaved RoPE applies; Qwen2 weights are not permuted.
+
+use crate::reference::transformer::{RefConfig, RefLayer, RefModel};
+use crate::reference::Rng;
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use serde_json::json;
+use std::collections::HashMap;
+use std::path::Path;
+
+use super::config::Arch;
+use super::tokenize::byte_level_decode;
+
+/// The vocabulary: the 256 byte-level characters, 4 merges, 2 special tokens.
+pub fn tiny_vocab() -> (Vec<String>, Vec<String>, Vec<i32>) {
+    let mut tokens: Vec<String> = (0u8..=255).map(|b| byte_char(b).to_string()).collect();
+    let merges = vec!["Ġ t", "h e", "Ġt he", "a t"];
+    for m in &merges {
+        tokens.push(m.replace(' ', ""));
+    }
+    tokens.push("<|endoftext|>".into());
+    tokens.push("<|im_start|>".into());
+    let mut types = vec![1; tokens.len()];
+    let n = types.len();
+    types[n - 2] = 3;
+    types[n - 1] = 3;
+    (tokens, merges.into_iter().map(String::from).collect(), types)
+}
+
+fn byte_char(b: u8) -> char {
+    // the inverse of byte_level_decode for one byte
+    (0..=0x17f_u32)
+        .filter_map(char::from_u32)
+        .find(|c| byte_level_decode(&c.to_string()).is_some_and(|v| v == [b]))
+        .expect("every byte has a byte-level character")
+}
+
+/// A seeded tiny model: 2 layers, d_model 32, 4 query heads sharing 2 KV heads of 8 dims.
+pub fn tiny_model(arch: Arch, seed: u64) -> RefModel {
+    let (tokens, _, _) = tiny_vocab();
+    let cfg = RefConfig { n_layers: 2, d_model: 32, n_heads: 4, n_kv_heads: 2, head_dim: 8, d_ff: 64, vocab: tokens.len(), rope_base: 10000.0, rms_eps: 1e-6 };
+    let mut rng = Rng::new(seed);
+    let (dm, q, kv, ff) = (cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.d_ff);
+    let mut norm = |rng: &mut Rng| -> Vec<f32> { (0..dm).map(|_| 1.0 + 0.1 * rng.normal()).collect() };
+    let bias = arch == Arch::Qwen2;
+    let layers = (0..cfg.n_layers)
+        .map(|_| RefLayer {
+            attn_norm: norm(&mut rng),
+            w_q: rng.normals(q * dm, 0.5),
+            b_q: bias.then(|| rng.normals(q, 0.3)),
+            w_k: rng.normals(kv * dm, 0.5),
+            b_k: bias.then(|| rng.normals(kv, 0.3)),
+            w_v: rng.normals(kv * dm, 0.3),
+            b_v: bias.then(|| rng.normals(kv, 0.1)),
+            w_o: rng.normals(dm * q, 0.2),
+            mlp_norm: norm(&mut rng),
+            w_gate: rng.normals(ff * dm, 0.2),
+            w_up: rng.normals(ff * dm, 0.2),
+            w_down: rng.normals(dm * ff, 0.2),
+        })
+        .collect();
+    let embed = rng.normals(cfg.vocab * dm, 1.0);
+    let final_norm = norm(&mut rng);
+    let lm_head = (arch == Arch::Qwen2).then(|| rng.normals(cfg.vocab * dm, 0.3));
+    RefModel { cfg, embed, layers, final_norm, lm_head }
+}
+
+/// llama.cpp's Q/K permutation (convert_hf_to_gguf.py `permute`): within each head, HF's
+/// half-split rows `(i, i + d/2)` become interleaved rows `(2i, 2i + 1)`.
+pub fn permute_for_gguf(w: &[f32], n_heads: usize, head_dim: usize, cols: usize) -> Vec<f32> {
+    let half = head_dim / 2;
+    let mut out = vec![0.0; w.len()];
+    for h in 0..n_heads {
+        for i in 0..half {
+            for (src_i, dst_i) in [(i, 2 * i), (i + half, 2 * i + 1)] {
+                let src = (h * head_dim + src_i) * cols;
+                let dst = (h * head_dim + dst_i) * cols;
+                out[dst..dst + cols].copy_from_slice(&w[src..src + cols]);
+            }
+        }
+    }
+    out
+}
+
+fn qt(data: &[f32], dims: &[usize], dtype: GgmlDType) -> candle_core::Result<QTensor> {
+    let t = Tensor::from_vec(data.to_vec(), dims, &Device::Cpu)?;
+    // norms and biases stay f32, as in real files
+    let dtype = if dims.len() == 1 { GgmlDType::F32 } else { dtype };
+    QTensor::quantize(&t, dtype)
+}
+
+/// Writes `m` as a GGUF file; `dtype` for the matrices (F32 for exact comparisons).
+pub fn write_gguf(m: &RefModel, arch: Arch, dtype: GgmlDType, path: &Path) -> candle_core::Result<()> {
+    let c = &m.cfg;
+    let a = arch.name();
+    let (tokens, merges, types) = tiny_vocab();
+    let (dm, q, kv, ff) = (c.d_model, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.d_ff);
+    let perm = |w: &[f32], heads: usize| if arch == Arch::Llama { permute_for_gguf(w, heads, c.head_dim, dm) } else { w.to_vec() };
+    let perm_b = |b: &[f32], heads: usize| if arch == Arch::Llama { permute_for_gguf(b, heads, c.head_dim, 1) } else { b.to_vec() };
+    let mut tensors: Vec<(String, QTensor)> = vec![
+        ("token_embd.weight".into(), qt(&m.embed, &[c.vocab, dm], dtype)?),
+        ("output_norm.weight".into(), qt(&m.final_norm, &[dm], dtype)?),
+    ];
+    if let Some(h) = &m.lm_head {
+        tensors.push(("output.weight".into(), qt(h, &[c.vocab, dm], dtype)?));
+    }
+    for (i, l) in m.layers.iter().enumerate() {
+        let p = |s: &str| format!("blk.{i}.{s}");
+        tensors.push((p("attn_norm.weight"), qt(&l.attn_norm, &[dm], dtype)?));
+        tensors.push((p("attn_q.weight"), qt(&perm(&l.w_q, c.n_heads), &[q, dm], dtype)?));
+        tensors.push((p("attn_k.weight"), qt(&perm(&l.w_k, c.n_kv_heads), &[kv, dm], dtype)?));
+        tensors.push((p("attn_v.weight"), qt(&l.w_v, &[kv, dm], dtype)?));
+        if let (Some(bq), Some(bk), Some(bv)) = (&l.b_q, &l.b_k, &l.b_v) {
+            tensors.push((p("attn_q.bias"), qt(&perm_b(bq, c.n_heads), &[q], dtype)?));
+            tensors.push((p("attn_k.bias"), qt(&perm_b(bk, c.n_kv_heads), &[kv], dtype)?));
+            tensors.push((p("attn_v.bias"), qt(bv, &[kv], dtype)?));
+        }
+        tensors.push((p("attn_output.weight"), qt(&l.w_o, &[dm, q], dtype)?));
+        tensors.push((p("ffn_norm.weight"), qt(&l.mlp_norm, &[dm], dtype)?));
+        tensors.push((p("ffn_gate.weight"), qt(&l.w_gate, &[ff, dm], dtype)?));
+        tensors.push((p("ffn_up.weight"), qt(&l.w_up, &[ff, dm], dtype)?));
+        tensors.push((p("ffn_down.weight"), qt(&l.w_down, &[dm, ff], dtype)?));
+    }
+    let u32v = |x: usize| Value::U32(x as u32);
+    let md: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String(a.into())),
+        ("general.name".into(), Value::String(format!("tiny-{a}"))),
+        (format!("{a}.block_count"), u32v(c.n_layers)),
+        (format!("{a}.context_length"), u32v(256)),
+        (format!("{a}.embedding_length"), u32v(dm)),
+        (format!("{a}.feed_forward_length"), u32v(ff)),
+        (format!("{a}.attention.head_count"), u32v(c.n_heads)),
+        (format!("{a}.attention.head_count_kv"), u32v(c.n_kv_heads)),
+        (format!("{a}.rope.freq_base"), Value::F32(c.rope_base)),
+        (format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(c.rms_eps)),
+        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), Value::String(if arch == Arch::Qwen2 { "qwen2" } else { "smollm" }.into())),
+        ("tokenizer.ggml.tokens".into(), Value::Array(tokens.iter().map(|t| Value::String(t.clone())).collect())),
+        ("tokenizer.ggml.token_type".into(), Value::Array(types.iter().map(|&t| Value::I32(t)).collect())),
+        ("tokenizer.ggml.merges".into(), Value::Array(merges.iter().map(|t| Value::String(t.clone())).collect())),
+        ("tokenizer.ggml.bos_token_id".into(), u32v(tokens.len() - 2)),
+        ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)),
+    ];
+    let mut f = std::fs::File::create(path)?;
+    let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut f, &md_refs, &t_refs)
+}
+
+/// The tokenizer.json of the tiny vocabulary (byte-level BPE, GPT-2 split).
+pub fn tiny_tokenizer_json() -> serde_json::Value {
+    let (tokens, merges, types) = tiny_vocab();
+    let vocab: serde_json::Map<String, serde_json::Value> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
+    let added: Vec<_> = tokens
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| types[*i] == 3)
+        .map(|(i, t)| json!({"id": i, "content": t, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}))
+        .collect();
+    json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added, "normalizer": null,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": true},
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                  "fuse_unk": false, "byte_fallback": false, "ignore_merges": false, "vocab": vocab, "merges": merges}
+    })
+}
+
+/// Writes `m` as a Hugging Face folder; `shards > 1` splits the weights over several files
+/// with a `model.safetensors.index.json`.
+pub fn write_hf_folder(m: &RefModel, arch: Arch, dir: &Path, shards: usize) -> candle_core::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let c = &m.cfg;
+    let config = json!({
+        "model_type": arch.name(), "hidden_size": c.d_model, "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads, "intermediate_size": c.d_ff,
+        "vocab_size": c.vocab, "max_position_embeddings": 256, "rope_theta": c.rope_base, "rms_norm_eps": c.rms_eps,
+        "tie_word_embeddings": m.lm_head.is_none(), "bos_token_id": c.vocab - 2,
+    });
+    std::fs::write(dir.join("config.json"), config.to_string())?;
+    std::fs::write(dir.join("tokenizer.json"), tiny_tokenizer_json().to_string())?;
+    let t = |data: &[f32], dims: &[usize]| Tensor::from_vec(data.to_vec(), dims, &Device::Cpu);
+    let (dm, q, kv, ff) = (c.d_model, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.d_ff);
+    let mut all: Vec<(String, Tensor)> = vec![("model.embed_tokens.weight".into(), t(&m.embed, &[c.vocab, dm])?), ("model.norm.weight".into(), t(&m.final_norm, &[dm])?)];
+    if let Some(h) = &m.lm_head {
+        all.push(("lm_head.weight".into(), t(h, &[c.vocab, dm])?));
+    }
+    for (i, l) in m.layers.iter().enumerate() {
+        let p = |s: &str| format!("model.layers.{i}.{s}");
+        all.push((p("input_layernorm.weight"), t(&l.attn_norm, &[dm])?));
+        all.push((p("self_attn.q_proj.weight"), t(&l.w_q, &[q, dm])?));
+        all.push((p("self_attn.k_proj.weight"), t(&l.w_k, &[kv, dm])?));
+        all.push((p("self_attn.v_proj.weight"), t(&l.w_v, &[kv, dm])?));
+        if let (Some(bq), Some(bk), Some(bv)) = (&l.b_q, &l.b_k, &l.b_v) {
+            all.push((p("self_attn.q_proj.bias"), t(bq, &[q])?));
+            all.push((p("self_attn.k_proj.bias"), t(bk, &[kv])?));
+            all.push((p("self_attn.v_proj.bias"), t(bv, &[kv])?));
+        }
+        all.push((p("self_attn.o_proj.weight"), t(&l.w_o, &[dm, q])?));
+        all.push((p("post_attention_layernorm.weight"), t(&l.mlp_norm, &[dm])?));
+        all.push((p("mlp.gate_proj.weight"), t(&l.w_gate, &[ff, dm])?));
+        all.push((p("mlp.up_proj.weight"), t(&l.w_up, &[ff, dm])?));
+        all.push((p("mlp.down_proj.weight"), t(&l.w_down, &[dm, ff])?));
+    }
+    if shards <= 1 {
+        let map: HashMap<String, Tensor> = all.into_iter().collect();
+        return candle_core::safetensors::save(&map, dir.join("model.safetensors"));
+    }
+    let per = all.len().div_ceil(shards);
+    let mut weight_map = serde_json::Map::new();
+    for (s, chunk) in all.chunks(per).enumerate() {
+        let file = format!("model-{:05}-of-{:05}.safetensors", s + 1, shards);
+        for (name, _) in chunk {
+            weight_map.insert(name.clone(), json!(file));
+        }
+        let map: HashMap<String, Tensor> = chunk.iter().cloned().collect();
+        candle_core::safetensors::save(&map, dir.join(&file))?;
+    }
+    std::fs::write(dir.join("model.safetensors.index.json"), json!({"metadata": {}, "weight_map": weight_map}).to_string())?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gguf_permutation_interleaves_each_head() {
+        // one head of dim 4, one column: rows [a0, a1, b0, b1] (pairs (0,2), (1,3)) → [a0, b0, a1, b1]
+        assert_eq!(permute_for_gguf(&[0.0, 1.0, 2.0, 3.0], 1, 4, 1), vec![0.0, 2.0, 1.0, 3.0]);
+    }
+
+    #[test]
+    fn tiny_vocab_has_every_byte() {
+        let (tokens, _, types) = tiny_vocab();
+        assert_eq!(tokens.len(), 262);
+        assert_eq!(tokens[b'a' as usize], "a");
+        assert_eq!(tokens[b' ' as usize], "Ġ");
+        assert_eq!(types[261], 3);
+    }
+}
