@@ -97,3 +97,83 @@ fn fast_precision_deviation_on_qwen() {
     let top1 = out.logits[0].iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as u64;
     assert_eq!(top1, g["next_token_top5"][0]["id"].as_u64().unwrap(), "fast precision changed the top next token");
 }
+
+/// `inspect`'s numbers (the report and its JSON come from this struct) equal the reference:
+/// per-head top-3 of the last layer, head-averaged top-4 at first/middle/last layer, both sink
+/// profiles, per-head max/argmax/entropy, next-token top-5 probabilities.
+fn check_inspect(alias: &str, prefix: &str) {
+    use attnscope::analysis::collect::Collector;
+    use attnscope::analysis::inspect::{build, InspectPlan};
+    let model = real_model(alias);
+    let g = golden_json(&format!("{prefix}_transformers.json"));
+    let tokens = model.encode(SENTENCE, false).unwrap();
+    let (n, d) = (tokens.len(), &model.dims);
+    let mid = g["middle_layer"].as_u64().unwrap() as usize;
+    let plan = InspectPlan { query: n - 1, layer: d.n_layers - 1, heads: (0..d.n_heads).collect(), top_heads: 3, layers: vec![0, mid, d.n_layers - 1], top_layers: 4, concentrated_at: 0.9 };
+    let mut c = Collector::new(d.n_layers, d.n_heads, n, n - 1);
+    let out = model.forward(&tokens, &RunOptions::last_logits(n), &mut c).unwrap();
+    let r = build(model, &tokens, &c, &out.logits[0], &plan);
+    let r4 = |x: f64| (x * 1e4).round() / 1e4;
+    for h in &r.heads {
+        // the reference lists the top-3 of heads 0-3 (the lesson's table) and max/entropy of all
+        let want = g["last_layer_head_top3_lastq"][h.head.to_string()].as_array().cloned().unwrap_or_default();
+        assert!(h.head >= 4 || want.len() == 3);
+        for (got, want) in h.top.iter().zip(&want) {
+            assert_eq!(got.pos as u64, want["pos"].as_u64().unwrap(), "{alias} head {} top", h.head);
+            assert_eq!(r4(got.weight as f64), want["weight"].as_f64().unwrap(), "{alias} head {} weight", h.head);
+        }
+        let ph = &g["last_layer_per_head_lastq"][h.head];
+        assert_eq!(r4(h.max_weight as f64), ph["max_weight"].as_f64().unwrap());
+        assert_eq!(h.argmax as u64, ph["argmax_pos"].as_u64().unwrap());
+        assert!((h.entropy as f64 - ph["entropy_nats"].as_f64().unwrap()).abs() <= 5e-5 + 1e-4, "{alias} head {} entropy {}", h.head, h.entropy);
+    }
+    for l in r.layers.iter().filter(|l| l.top.is_some()) {
+        let want = g["head_avg_top4_lastq"][l.layer.to_string()].as_array().unwrap();
+        for (got, want) in l.top.as_ref().unwrap().iter().zip(want) {
+            assert_eq!(got.pos as u64, want["pos"].as_u64().unwrap(), "{alias} layer {} head-avg top", l.layer);
+            assert_eq!(r4(got.weight as f64), want["weight"].as_f64().unwrap());
+            // the reference decodes split UTF-8 as U+FFFD; attnscope shows the bytes (<81>)
+            let lossy = String::from_utf8_lossy(&model.tokenizer.token_bytes(tokens[got.pos])).into_owned();
+            assert_eq!(lossy, want["token"].as_str().unwrap());
+        }
+    }
+    for (l, row) in r.layers.iter().enumerate() {
+        assert!((row.sink_query as f64 - g["sink_share_lastq_full"][l].as_f64().unwrap()).abs() < 1e-4, "{alias} sink_query layer {l}");
+        assert!((row.sink_all_queries as f64 - g["sink_share_mean_q1_to_end_full"][l].as_f64().unwrap()).abs() < 1e-4, "{alias} sink_all layer {l}");
+    }
+    for (got, want) in r.next_token.iter().zip(g["next_token_top5"].as_array().unwrap()) {
+        assert_eq!(got.id as u64, want["id"].as_u64().unwrap());
+        assert_eq!(r4(got.prob as f64), want["prob"].as_f64().unwrap(), "{alias} next-token prob");
+        assert_eq!(String::from_utf8_lossy(&model.tokenizer.token_bytes(got.id)), want["token"].as_str().unwrap());
+    }
+}
+
+#[test]
+fn inspect_numbers_match_reference_qwen() {
+    check_inspect("qwen2.5-coder-0.5b", "qwen");
+}
+
+#[test]
+fn inspect_numbers_match_reference_smollm() {
+    check_inspect("smollm2-135m", "smol");
+}
+
+/// The sink over all queries, for every query, against the head-averaged reference matrix.
+#[test]
+fn smollm_head_averaged_attention_of_every_query() {
+    let model = real_model("smollm2-135m");
+    let tokens = model.encode(SENTENCE, false).unwrap();
+    let n = tokens.len();
+    let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
+    model.forward(&tokens, &RunOptions::default(), &mut cache).unwrap();
+    let (shape, want) = golden_npy("smol_transformers_attn_headavg.npy");
+    assert_eq!(shape, vec![30, n, n]);
+    let mut got = Vec::new();
+    for l in 0..30 {
+        let p = cache.pattern(l).unwrap();
+        for q in 0..n {
+            got.extend(attnscope::analysis::mean_rows((0..9).map(|h| p.row_at(h, q).unwrap())));
+        }
+    }
+    assert_close(&got, &want, 1e-4, "smol head-averaged patterns");
+}

@@ -1,0 +1,181 @@
+//! The `attnscope` command on tiny generated models: output, JSON, exit codes and messages.
+
+use assert_cmd::Command;
+use attnscope::model::tiny::{tiny_model, write_gguf};
+use attnscope::model::Arch;
+use candle_core::quantized::GgmlDType;
+use std::path::PathBuf;
+
+fn attnscope() -> Command {
+    let mut c = Command::cargo_bin("attnscope").unwrap();
+    c.write_stdin("");
+    c
+}
+
+fn tiny_gguf(dir: &tempfile::TempDir) -> PathBuf {
+    let p = dir.path().join("tiny.gguf");
+    write_gguf(&tiny_model(Arch::Qwen2, 1), Arch::Qwen2, GgmlDType::F32, &p).unwrap();
+    p
+}
+
+fn stderr_of(out: &std::process::Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn explain_prints_every_step_and_is_deterministic() {
+    let a = attnscope().arg("explain").output().unwrap();
+    assert!(a.status.success());
+    let s = String::from_utf8(a.stdout.clone()).unwrap();
+    for part in ["X (5 × 4)", "W_Q", "W_K", "W_V", "Q (5 × 4)", "K (5 × 4)", "V (5 × 4)", "Scores Q·Kᵀ", "Scaled scores", "Masked scores", "-inf", "Weights = softmax", "Y = weights · V", "Causal mask", "✓", "✗", "Why divide by √d", "head dim 64; query heads 0-6 share KV set 0, 7-13 share KV set 1"] {
+        assert!(s.contains(part), "explain output lacks {part:?}");
+    }
+    let b = attnscope().arg("explain").output().unwrap();
+    assert_eq!(a.stdout, b.stdout, "explain must be deterministic");
+    let other = attnscope().args(["explain", "--seed", "2"]).output().unwrap();
+    assert_ne!(a.stdout, other.stdout);
+}
+
+#[test]
+fn explain_json_rows_sum_to_one() {
+    let out = attnscope().args(["explain", "--json", "--d", "3", "--text", "a b c d"]).output().unwrap();
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for row in v["weights"].as_array().unwrap() {
+        let s: f64 = row.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).sum();
+        assert!((s - 1.0).abs() < 1e-5);
+    }
+    assert_eq!(v["masked_scores"][0][1], "-inf");
+    assert_eq!(v["X"].as_array().unwrap().len(), 4);
+    assert_eq!(v["heads"]["kv_set_of_head"][7], 1);
+}
+
+#[test]
+fn explain_rejects_bad_shapes() {
+    let out = attnscope().args(["explain", "--heads", "14", "--kv-heads", "3"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr_of(&out).contains("not a multiple of --kv-heads 3"));
+}
+
+#[test]
+fn cost_shows_sixteen_times_for_four_times_the_length() {
+    let out = attnscope().args(["cost", "4096", "16384"]).output().unwrap();
+    assert!(out.status.success());
+    let s = String::from_utf8(out.stdout).unwrap();
+    assert!(s.contains("16.0x"), "{s}");
+    let v: serde_json::Value = serde_json::from_slice(&attnscope().args(["cost", "4096", "16384", "--json"]).output().unwrap().stdout).unwrap();
+    assert_eq!(v["lengths"][1]["growth_vs_previous"], 16.0);
+    assert_eq!(v["lengths"][0]["bytes_per_head"], 4.0 * 4096.0 * 4096.0);
+    assert_eq!(v["lengths"][0]["causal_pairs"], 4096.0 * 4097.0 / 2.0);
+}
+
+#[test]
+fn inspect_json_on_tiny_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let out = attnscope().args(["inspect", "--model", m.to_str().unwrap(), "--text", "the hat", "--json", "--heads", "all"]).output().unwrap();
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["model"]["n_heads"], 4);
+    assert_eq!(v["model"]["n_kv_heads"], 2);
+    let n = v["tokens"].as_array().unwrap().len();
+    assert_eq!(v["query"], n - 1);
+    assert_eq!(v["heads"].as_array().unwrap().len(), 4);
+    assert_eq!(v["heads"][3]["kv_head"], 1);
+    assert_eq!(v["layers"].as_array().unwrap().len(), 2);
+    assert!(v["layers"][0]["top"].is_array());
+    assert_eq!(v["next_token"].as_array().unwrap().len(), 5);
+    let text = attnscope().args(["inspect", "--model", m.to_str().unwrap(), "--text", "the hat"]).output().unwrap();
+    let s = String::from_utf8(text.stdout).unwrap();
+    for part in ["1. Model", "2. Tokens", "3. Causal mask", "4. Layer 1", "5. Head-averaged", "6. Attention sink", "7. The model's answer", "8. Caution"] {
+        assert!(s.contains(part), "inspect output lacks {part:?}");
+    }
+}
+
+#[test]
+fn inspect_out_of_range_values_name_the_valid_range() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let m = m.to_str().unwrap();
+    for (args, msg) in [
+        (vec!["--layer", "2"], "layer 2 is out of range: valid layers are 0..=1"),
+        (vec!["--query", "50"], "query position 50 is out of range"),
+        (vec!["--heads", "0-4"], "head 4 is out of range: head must be in 0..=3"),
+        (vec!["--top", "0"], "--top 0 is out of range"),
+        (vec!["--layers", "x"], "not a valid layer list"),
+    ] {
+        let out = attnscope().args(["inspect", "--model", m, "--text", "the hat"]).args(&args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(stderr_of(&out).contains(msg), "{args:?}: {}", stderr_of(&out));
+    }
+}
+
+#[test]
+fn bad_models_and_texts_get_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let missing = attnscope().args(["inspect", "--model", "/nonexistent/model.gguf"]).output().unwrap();
+    assert_eq!(missing.status.code(), Some(2));
+    assert!(stderr_of(&missing).contains("does not exist"));
+    let junk = dir.path().join("junk.gguf");
+    std::fs::write(&junk, b"this is not a model at all").unwrap();
+    let out = attnscope().args(["info", "--model", junk.to_str().unwrap()]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr_of(&out).contains("is not a GGUF or safetensors model"));
+    let empty = attnscope().args(["inspect", "--model", m.to_str().unwrap(), "--text", "   "]).output().unwrap();
+    assert_eq!(empty.status.code(), Some(2));
+    assert!(stderr_of(&empty).contains("text is empty"));
+    let long = "the ".repeat(300);
+    let out = attnscope().args(["inspect", "--model", m.to_str().unwrap(), "--text", &long]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr_of(&out).contains("has a context of 256 tokens"), "{}", stderr_of(&out));
+    let bad_utf8 = dir.path().join("bad.txt");
+    std::fs::write(&bad_utf8, [b'a', 0xff, b'b']).unwrap();
+    let out = attnscope().args(["inspect", "--model", m.to_str().unwrap(), "--file", bad_utf8.to_str().unwrap()]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr_of(&out).contains("not valid UTF-8"));
+}
+
+#[test]
+fn capture_writes_safetensors_and_refuses_to_overwrite() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let out_path = dir.path().join("a.safetensors");
+    let run = |force: bool| {
+        let mut c = attnscope();
+        c.args(["capture", "--model", m.to_str().unwrap(), "--text", "the hat", "--hooks", "pattern,k", "--out", out_path.to_str().unwrap()]);
+        if force {
+            c.arg("--force");
+        }
+        c.output().unwrap()
+    };
+    assert!(run(false).status.success());
+    let bytes = std::fs::read(&out_path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let p = st.tensor("blocks.1.attn.hook_pattern").unwrap();
+    assert_eq!(p.shape()[0], 4);
+    assert_eq!(st.tensor("blocks.0.attn.hook_k").unwrap().shape()[1], 2);
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let md = meta.metadata().clone().unwrap();
+    let ids: Vec<u32> = serde_json::from_str(&md["token_ids"]).unwrap();
+    assert_eq!(ids.len(), p.shape()[1]);
+    assert_eq!(md["precision"], "exact");
+    // a second run without --force keeps the first file untouched
+    std::fs::write(&out_path, b"precious").unwrap();
+    let again = run(false);
+    assert_eq!(again.status.code(), Some(2));
+    assert!(stderr_of(&again).contains("--force"));
+    assert_eq!(std::fs::read(&out_path).unwrap(), b"precious");
+    assert!(run(true).status.success());
+}
+
+#[test]
+fn help_explains_every_subcommand() {
+    let out = attnscope().arg("--help").output().unwrap();
+    let s = String::from_utf8(out.stdout).unwrap();
+    for sub in ["explain", "cost", "inspect", "info", "capture", "fetch"] {
+        assert!(s.contains(sub), "--help lacks {sub}");
+        let h = attnscope().args([sub, "--help"]).output().unwrap();
+        assert!(h.status.success() && h.stdout.len() > 200, "{sub} --help");
+    }
+}
