@@ -151,3 +151,55 @@ fn fast_precision_is_close_to_exact() {
     assert!(mean < 0.02, "fast vs exact: mean |diff| {mean}");
     assert_ne!(a[1], b[1], "fast precision should really use the quantized kernels");
 }
+
+fn tiny_loaded(arch: Arch, seed: u64) -> (tempfile::TempDir, Model) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.gguf");
+    write_gguf(&tiny_model(arch, seed), arch, GgmlDType::F32, &path).unwrap();
+    let model = Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();
+    (dir, model)
+}
+
+/// Running the rest of a sequence on a reused KV prefix equals running it whole.
+#[test]
+fn prefix_reuse_equals_a_full_run() {
+    let (_d, model) = tiny_loaded(Arch::Llama, 5);
+    let n = TOKENS.len();
+    let full = model.forward(&TOKENS, &RunOptions { logits_at: vec![n - 1], keep_kv: true, ..Default::default() }, &mut attnscope::model::capture::NoCapture).unwrap();
+    let kv = full.kv.unwrap();
+    for p in [1, 4, n - 1] {
+        let prefix = kv.truncate(p).unwrap();
+        let out = model.forward_from(Some(&prefix), &TOKENS[p..], &RunOptions::last_logits(n), &mut attnscope::model::capture::NoCapture).unwrap();
+        assert_close(&out.logits[0], &full.logits[0], 1e-4, &format!("logits with a prefix of {p}"));
+    }
+}
+
+/// Attention knockout by hand: hide every key but the first from all other queries; each query
+/// then splits its attention between key 0 and itself, softmax of two scores computed here from
+/// the captured (rotated) q and k.
+#[test]
+fn knockout_of_every_key_but_one_is_hand_computable() {
+    let (_d, model) = tiny_loaded(Arch::Qwen2, 9);
+    let n = TOKENS.len();
+    let spec = CaptureSpec { hooks: vec![Hook::Pattern, Hook::RotQ, Hook::RotK], layers: Some(vec![1]), heads: None, queries: Queries::All };
+    let mut cache = AttnCache::new(&spec, n);
+    let opts = RunOptions { knockout: (1..n).collect(), ..Default::default() };
+    model.forward(&TOKENS, &opts, &mut cache).unwrap();
+    let (q, k) = (&cache.get(1, Hook::RotQ).unwrap().data, &cache.get(1, Hook::RotK).unwrap().data);
+    let p = cache.pattern(1).unwrap();
+    let (nh, nkv, d) = (4, 2, 8);
+    for h in 0..nh {
+        let g = h / (nh / nkv);
+        for i in 1..n {
+            let qi = &q[(i * nh + h) * d..][..d];
+            let score = |j: usize| attnscope::reference::dot(qi, &k[(j * nkv + g) * d..][..d]) / (d as f32).sqrt();
+            let (s0, si) = (score(0), score(i));
+            let w0 = 1.0 / (1.0 + (si - s0).exp());
+            let row = p.row(h, i);
+            assert!((row[0] - w0).abs() < 1e-5, "head {h} query {i}: {} vs {w0}", row[0]);
+            assert!((row[i] - (1.0 - w0)).abs() < 1e-5);
+            assert!(row.iter().enumerate().all(|(j, &w)| j == 0 || j == i || w == 0.0), "only keys 0 and {i} are visible");
+        }
+        assert_eq!(p.row(h, 0)[0], 1.0);
+    }
+}

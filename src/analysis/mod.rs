@@ -3,6 +3,8 @@
 //! on a long text never holds the `[layers, heads, n, n]` patterns.
 
 pub mod collect;
+pub mod corpus;
+pub mod faithfulness;
 pub mod inspect;
 
 use serde::Serialize;

@@ -31,6 +31,12 @@ pub struct ModelArgs {
     pub bos: bool,
 }
 
+impl Default for ModelArgs {
+    fn default() -> Self {
+        ModelArgs { model: DEFAULT_MODEL.into(), precision: Precision::Exact, bos: false }
+    }
+}
+
 impl ModelArgs {
     pub fn load(&self) -> anyhow::Result<Model> {
         let progress = std::io::stderr().is_terminal();

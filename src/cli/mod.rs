@@ -4,8 +4,10 @@
 
 mod capture;
 mod common;
+mod corpus;
 mod cost;
 mod explain;
+mod faithfulness;
 mod info;
 mod inspect;
 
@@ -35,6 +37,12 @@ pub enum Command {
     /// The lesson's tables on a real model: per-head and head-averaged top tokens for a query,
     /// the attention-sink profile, head concentration, and the model's next-token prediction.
     Inspect(inspect::Args),
+    /// Does attention explain the prediction? Occlude each token (delete, replace, knock out)
+    /// and compare the change in the target's log-probability with attention, rollout and heads.
+    Faithfulness(faithfulness::Args),
+    /// How often do sinks and concentrated heads occur? Statistics over many texts (built-in
+    /// corpus of 224, or your file), with confidence intervals; shardable, resumable, mergeable.
+    Corpus(corpus::Args),
     /// Describe a model: architecture, heads and KV sharing, sizes, tensor types, tokenizer.
     Info(info::Args),
     /// Run a model on a text and save captured tensors (attention patterns, scores, q/k/v, ...)
@@ -50,6 +58,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Cost(a) => cost::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Info(a) => info::run(a),
+        Command::Corpus(a) => corpus::run(a),
+        Command::Faithfulness(a) => faithfulness::run(a),
         Command::Capture(a) => capture::run(a),
         Command::Fetch(a) => info::fetch(a),
     }

@@ -23,11 +23,32 @@ pub struct RunOptions {
     pub knockout: Vec<usize>,
     /// Upper bound for one `[heads, rows, keys]` score block, in bytes.
     pub block_bytes: usize,
+    /// Return every layer's keys and values (after RoPE) so later runs can reuse a prefix.
+    pub keep_kv: bool,
 }
 
 impl Default for RunOptions {
     fn default() -> Self {
-        RunOptions { logits_at: Vec::new(), knockout: Vec::new(), block_bytes: 64 << 20 }
+        RunOptions { logits_at: Vec::new(), knockout: Vec::new(), block_bytes: 64 << 20, keep_kv: false }
+    }
+}
+
+/// Keys and values (after RoPE) of the first `len` positions of a sequence, per layer
+/// (`[n_kv_heads, len, head_dim]` each). Running the rest of a sequence on top of it gives the
+/// same numbers as running the whole sequence, since a causal model's first positions do not
+/// depend on what comes after them.
+#[derive(Clone)]
+pub struct KvPrefix {
+    pub len: usize,
+    layers: Vec<(Tensor, Tensor)>,
+}
+
+impl KvPrefix {
+    /// The first `len` positions of this prefix.
+    pub fn truncate(&self, len: usize) -> Result<KvPrefix> {
+        let len = len.min(self.len);
+        let layers = self.layers.iter().map(|(k, v)| Ok((k.narrow(1, 0, len)?.contiguous()?, v.narrow(1, 0, len)?.contiguous()?))).collect::<Result<_>>()?;
+        Ok(KvPrefix { len, layers })
     }
 }
 
@@ -49,6 +70,8 @@ pub struct ForwardOut {
     /// One row of `vocab_size` logits per entry of `RunOptions::logits_at`.
     pub logits: Vec<Vec<f32>>,
     pub timings: Timings,
+    /// Every layer's keys and values, when `RunOptions::keep_kv` was set.
+    pub kv: Option<KvPrefix>,
 }
 
 fn emit(obs: &mut dyn Observer, layer: usize, hook: Hook, t: &Tensor, shape: &[usize]) -> Result<()> {
@@ -100,39 +123,41 @@ fn block_mask(q0: usize, rows: usize, knockout: &[bool]) -> Vec<f32> {
     m
 }
 
-/// Causal grouped-query attention over a whole sequence, in blocks of query rows.
-/// `q: [n_heads, n, d]`, `k, v: [n_kv_heads, n, d]` (after RoPE); returns `z: [n_heads, n, d]`.
+/// Causal grouped-query attention, in blocks of query rows. `q: [n_heads, n, d]` holds the
+/// last `n` of the `k_len` positions of `k, v: [n_kv_heads, k_len, d]` (after RoPE; the first
+/// `k_len - n` come from a reused prefix). Returns `z: [n_heads, n, d]`.
 /// Query heads `g·group..(g+1)·group` share K/V set `g` ([`crate::reference::kv_head`]); K/V are
 /// never copied per head: the group's queries are stacked into one matmul against its keys.
 pub fn attention(layer: usize, q: &Tensor, k: &Tensor, v: &Tensor, knockout: &[bool], block_bytes: usize, obs: &mut dyn Observer) -> Result<Tensor> {
     let (n_heads, n, d) = q.dims3()?;
     let (n_kv, k_len, dk) = k.dims3()?;
-    if k_len != n || dk != d || n_heads % n_kv != 0 {
+    if k_len < n || dk != d || n_heads % n_kv != 0 {
         return Err(Error::Candle(candle_core::Error::Msg(format!("attention shapes q {:?} k {:?}: you likely have a bug", q.dims(), k.dims()))));
     }
     let group = n_heads / n_kv;
     let scale = 1.0 / (d as f64).sqrt();
     let (want_s, want_p) = (obs.wants(layer, Hook::AttnScores), obs.wants(layer, Hook::Pattern));
-    // rows per block so that one [n_heads, rows, n] f32 block stays under block_bytes
-    let rows_per_block = (block_bytes / (n_heads * n * 4).max(1)).clamp(1, n);
+    let offset = k_len - n; // absolute position of query row 0
+    // rows per block so that one [n_heads, rows, k_len] f32 block stays under block_bytes
+    let rows_per_block = (block_bytes / (n_heads * k_len * 4).max(1)).clamp(1, n);
     let mut zs = Vec::with_capacity(n.div_ceil(rows_per_block));
     let mut q0 = 0;
     while q0 < n {
         let rows = rows_per_block.min(n - q0);
-        let kw = q0 + rows; // keys after the block's last query are masked for every row
+        let kw = offset + q0 + rows; // keys after the block's last query are masked for every row
         let qb = q.narrow(1, q0, rows)?.contiguous()?.reshape((n_kv, group * rows, d))?;
-        let (kb, vb) = if kw == n { (k.clone(), v.clone()) } else { (k.narrow(1, 0, kw)?.contiguous()?, v.narrow(1, 0, kw)?.contiguous()?) };
+        let (kb, vb) = if kw == k_len { (k.clone(), v.clone()) } else { (k.narrow(1, 0, kw)?.contiguous()?, v.narrow(1, 0, kw)?.contiguous()?) };
         // scores = q·kᵀ / √d, per head: [n_heads, rows, kw]
         let scores = (qb.matmul(&kb.t()?)? * scale)?.reshape((n_heads, rows, kw))?;
-        let mask = Tensor::from_vec(block_mask(q0, rows, knockout), (rows, kw), &Device::Cpu)?;
+        let mask = Tensor::from_vec(block_mask(offset + q0, rows, knockout), (rows, kw), &Device::Cpu)?;
         let scores = scores.broadcast_add(&mask)?;
         if want_s {
-            obs.attention_block(layer, Hook::AttnScores, q0, [n_heads, rows, kw], &scores.flatten_all()?.to_vec1::<f32>()?);
+            obs.attention_block(layer, Hook::AttnScores, offset + q0, [n_heads, rows, kw], &scores.flatten_all()?.to_vec1::<f32>()?);
         }
         // softmax in f32 over keys; masked (-inf) keys get exactly 0
         let pattern = candle_nn::ops::softmax_last_dim(&scores.to_dtype(DType::F32)?)?;
         if want_p {
-            obs.attention_block(layer, Hook::Pattern, q0, [n_heads, rows, kw], &pattern.flatten_all()?.to_vec1::<f32>()?);
+            obs.attention_block(layer, Hook::Pattern, offset + q0, [n_heads, rows, kw], &pattern.flatten_all()?.to_vec1::<f32>()?);
         }
         // z = pattern · V
         let z = pattern.reshape((n_kv, group * rows, kw))?.matmul(&vb)?.reshape((n_heads, rows, d))?;
@@ -145,10 +170,19 @@ pub fn attention(layer: usize, q: &Tensor, k: &Tensor, v: &Tensor, knockout: &[b
 impl Model {
     /// Runs the model over `tokens`, handing every hook point the observer wants to it.
     pub fn forward(&self, tokens: &[u32], opts: &RunOptions, obs: &mut dyn Observer) -> Result<ForwardOut> {
+        self.forward_from(None, tokens, opts, obs)
+    }
+
+    /// Runs `tokens` as positions `P..P+m` after a reused `prefix` of `P` positions (or from 0).
+    /// Positions in `opts` are absolute; logits and knockouts must lie in the new positions.
+    /// Per-position hooks then cover the new positions, attention blocks carry absolute rows.
+    pub fn forward_from(&self, prefix: Option<&KvPrefix>, tokens: &[u32], opts: &RunOptions, obs: &mut dyn Observer) -> Result<ForwardOut> {
         let start = Instant::now();
         let dims = &self.dims;
-        let n = tokens.len();
-        if n == 0 {
+        let p0 = prefix.map_or(0, |p| p.len);
+        let m = tokens.len();
+        let n = p0 + m;
+        if m == 0 {
             return Err(Error::EmptyText);
         }
         if n > dims.context_len {
@@ -158,9 +192,12 @@ impl Model {
             return Err(Error::OutOfRange { what: "token id".into(), value: bad.to_string(), range: format!("0..{}", dims.vocab_size) });
         }
         for &p in opts.logits_at.iter().chain(&opts.knockout) {
-            if p >= n {
-                return Err(Error::OutOfRange { what: "position".into(), value: p.to_string(), range: format!("0..={}", n - 1) });
+            if p < p0 || p >= n {
+                return Err(Error::OutOfRange { what: "position".into(), value: p.to_string(), range: format!("{p0}..={}", n - 1) });
             }
+        }
+        if prefix.is_some_and(|p| p.layers.len() != dims.n_layers) {
+            return Err(Error::Candle(candle_core::Error::Msg("the KV prefix belongs to another model: you likely have a bug".into())));
         }
         let (nh, nkv, hd, dm) = (dims.n_heads, dims.n_kv_heads, dims.head_dim, dims.d_model);
         let mut knock = vec![false; n];
@@ -168,51 +205,68 @@ impl Model {
             knock[p] = true;
         }
         let (cos, sin) = rope_tables(hd, dims.rope_base, n)?;
-        let mut x = self.weights.embed.lookup(tokens)?; // [n, d_model]
+        let (cos, sin) = (cos.narrow(0, p0, m)?, sin.narrow(0, p0, m)?);
+        let mut x = self.weights.embed.lookup(tokens)?; // [m, d_model]
         let mut attn_time = Duration::ZERO;
+        let mut kept = Vec::with_capacity(if opts.keep_kv { dims.n_layers } else { 0 });
         for (l, layer) in self.weights.layers.iter().enumerate() {
-            emit(obs, l, Hook::ResidPre, &x, &[n, dm])?;
+            emit(obs, l, Hook::ResidPre, &x, &[m, dm])?;
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, dims.rms_eps)?;
-            let q = layer.q.forward(&h)?; // [n, n_heads * head_dim]
-            let k = layer.k.forward(&h)?; // [n, n_kv_heads * head_dim]
+            let q = layer.q.forward(&h)?; // [m, n_heads * head_dim]
+            let k = layer.k.forward(&h)?; // [m, n_kv_heads * head_dim]
             let v = layer.v.forward(&h)?;
-            emit(obs, l, Hook::Q, &q, &[n, nh, hd])?;
-            emit(obs, l, Hook::K, &k, &[n, nkv, hd])?;
-            emit(obs, l, Hook::V, &v, &[n, nkv, hd])?;
-            // [n, heads, d] → [1, heads, n, d] for RoPE and per-head matmuls
-            let to_heads = |t: &Tensor, heads: usize| -> Result<Tensor> { Ok(t.reshape((1, n, heads, hd))?.transpose(1, 2)?.contiguous()?) };
+            emit(obs, l, Hook::Q, &q, &[m, nh, hd])?;
+            emit(obs, l, Hook::K, &k, &[m, nkv, hd])?;
+            emit(obs, l, Hook::V, &v, &[m, nkv, hd])?;
+            // [m, heads, d] → [1, heads, m, d] for RoPE and per-head matmuls
+            let to_heads = |t: &Tensor, heads: usize| -> Result<Tensor> { Ok(t.reshape((1, m, heads, hd))?.transpose(1, 2)?.contiguous()?) };
             let q = rope(&to_heads(&q, nh)?, &cos, &sin, self.weights.rope_style)?.squeeze(0)?;
             let k = rope(&to_heads(&k, nkv)?, &cos, &sin, self.weights.rope_style)?.squeeze(0)?;
             let v = to_heads(&v, nkv)?.squeeze(0)?;
             if obs.wants(l, Hook::RotQ) {
-                emit(obs, l, Hook::RotQ, &q.transpose(0, 1)?.contiguous()?, &[n, nh, hd])?;
+                emit(obs, l, Hook::RotQ, &q.transpose(0, 1)?.contiguous()?, &[m, nh, hd])?;
             }
             if obs.wants(l, Hook::RotK) {
-                emit(obs, l, Hook::RotK, &k.transpose(0, 1)?.contiguous()?, &[n, nkv, hd])?;
+                emit(obs, l, Hook::RotK, &k.transpose(0, 1)?.contiguous()?, &[m, nkv, hd])?;
             }
+            let (k, v) = match prefix {
+                Some(p) => (Tensor::cat(&[&p.layers[l].0, &k], 1)?, Tensor::cat(&[&p.layers[l].1, &v], 1)?),
+                None => (k, v),
+            };
             let t0 = Instant::now();
-            let z = attention(l, &q, &k, &v, &knock, opts.block_bytes, obs)?; // [n_heads, n, d]
+            let z = attention(l, &q, &k, &v, &knock, opts.block_bytes, obs)?; // [n_heads, m, d]
             attn_time += t0.elapsed();
-            let z = z.transpose(0, 1)?.contiguous()?; // [n, n_heads, d]
-            emit(obs, l, Hook::Z, &z, &[n, nh, hd])?;
-            let attn_out = layer.o.forward(&z.reshape((n, nh * hd))?)?;
-            emit(obs, l, Hook::AttnOut, &attn_out, &[n, dm])?;
+            if opts.keep_kv {
+                kept.push((k, v));
+            }
+            let z = z.transpose(0, 1)?.contiguous()?; // [m, n_heads, d]
+            emit(obs, l, Hook::Z, &z, &[m, nh, hd])?;
+            let attn_out = layer.o.forward(&z.reshape((m, nh * hd))?)?;
+            emit(obs, l, Hook::AttnOut, &attn_out, &[m, dm])?;
             x = (x + attn_out)?;
-            // SwiGLU MLP [Shazeer 2020, arXiv:2002.05202, eq. (5)]
+            // SwiGLU MLP [Shazeer 2020, arXiv:2002.05202, eq. (5)], in blocks of positions so
+            // the [positions, d_ff] intermediates stay small on long inputs
             let h = candle_nn::ops::rms_norm(&x, &layer.mlp_norm, dims.rms_eps)?;
-            let mlp = layer.down.forward(&(layer.gate.forward(&h)?.silu()? * layer.up.forward(&h)?)?)?;
+            let mlp_rows = ((64usize << 20) / (dims.d_ff * 4 * 3)).max(16);
+            let mut parts = Vec::with_capacity(m.div_ceil(mlp_rows));
+            for r0 in (0..m).step_by(mlp_rows) {
+                let hb = h.narrow(0, r0, mlp_rows.min(m - r0))?;
+                parts.push(layer.down.forward(&(layer.gate.forward(&hb)?.silu()? * layer.up.forward(&hb)?)?)?);
+            }
+            let mlp = if parts.len() == 1 { parts.pop().expect("one block") } else { Tensor::cat(&parts, 0)? };
             x = (x + mlp)?;
-            emit(obs, l, Hook::ResidPost, &x, &[n, dm])?;
+            emit(obs, l, Hook::ResidPost, &x, &[m, dm])?;
         }
         let logits = if opts.logits_at.is_empty() {
             Vec::new()
         } else {
-            let pos: Vec<u32> = opts.logits_at.iter().map(|&p| p as u32).collect();
+            let pos: Vec<u32> = opts.logits_at.iter().map(|&p| (p - p0) as u32).collect();
             let xs = x.index_select(&Tensor::new(pos.as_slice(), &Device::Cpu)?, 0)?;
             let h = candle_nn::ops::rms_norm(&xs, &self.weights.final_norm, dims.rms_eps)?;
             candle_core::Module::forward(&self.weights.lm_head, &h)?.to_dtype(DType::F32)?.to_vec2()?
         };
-        Ok(ForwardOut { logits, timings: Timings { attention: attn_time, total: start.elapsed() } })
+        let kv = opts.keep_kv.then_some(KvPrefix { len: n, layers: kept });
+        Ok(ForwardOut { logits, timings: Timings { attention: attn_time, total: start.elapsed() }, kv })
     }
 
     /// Logits of the last position only, nothing captured.

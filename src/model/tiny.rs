@@ -48,7 +48,7 @@ pub fn tiny_model(arch: Arch, seed: u64) -> RefModel {
     let cfg = RefConfig { n_layers: 2, d_model: 32, n_heads: 4, n_kv_heads: 2, head_dim: 8, d_ff: 64, vocab: tokens.len(), rope_base: 10000.0, rms_eps: 1e-6 };
     let mut rng = Rng::new(seed);
     let (dm, q, kv, ff) = (cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.d_ff);
-    let mut norm = |rng: &mut Rng| -> Vec<f32> { (0..dm).map(|_| 1.0 + 0.1 * rng.normal()).collect() };
+    let norm = |rng: &mut Rng| -> Vec<f32> { (0..dm).map(|_| 1.0 + 0.1 * rng.normal()).collect() };
     let bias = arch == Arch::Qwen2;
     let layers = (0..cfg.n_layers)
         .map(|_| RefLayer {

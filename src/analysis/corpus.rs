@@ -1,0 +1,258 @@
+//! Many sentences, not one: per-sentence records (one JSON line each) and their aggregation.
+//! The aggregates are a function of the set of records only, so shards merged with
+//! `attnscope corpus merge` give exactly the numbers of a single run.
+
+use super::collect::Collector;
+use serde::{Deserialize, Serialize};
+
+/// The built-in corpus: texts written for this project (Vietnamese, English, Chinese, code,
+/// numbers, punctuation; short and long).
+pub fn builtin() -> Vec<String> {
+    parse_lines(include_str!("../../data/corpus.txt"), true)
+}
+
+/// One text per non-empty line; `#` lines are comments. With `unescape`, `\n` is a newline.
+pub fn parse_lines(s: &str, unescape: bool) -> Vec<String> {
+    s.lines()
+        .map(|l| l.trim_end_matches('\r'))
+        .filter(|l| !l.trim().is_empty() && !l.starts_with('#'))
+        .map(|l| if unescape { l.replace("\\n", "\n") } else { l.to_string() })
+        .collect()
+}
+
+/// Per-sentence faithfulness summary: Spearman ρ of each ranking against deletion.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct FaithSummary {
+    pub ranking: String,
+    pub without_first: bool,
+    pub spearman: Option<f64>,
+    pub top1: Option<bool>,
+}
+
+/// What one sentence contributes.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Record {
+    /// Index of the text in its corpus.
+    pub id: usize,
+    pub text: String,
+    pub model: String,
+    pub n_tokens: usize,
+    /// Per layer: sink share of the last query (head mean).
+    pub sink_query: Vec<f32>,
+    /// Per layer: sink share over queries 1..n-1 (head mean).
+    pub sink_all: Vec<f32>,
+    /// Per layer, per head: α₁, the mean first-token weight over queries 1..n-1.
+    pub head_alpha1: Vec<Vec<f32>>,
+    /// Per layer, per head: the last query's max weight.
+    pub head_max_last: Vec<Vec<f32>>,
+    /// Per layer, per head: mean over queries of the max weight / entropy (nats).
+    pub head_mean_max: Vec<Vec<f32>>,
+    pub head_mean_entropy: Vec<Vec<f32>>,
+    pub next_token_id: u32,
+    pub next_token: String,
+    pub next_token_prob: f32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub faithfulness: Option<Vec<FaithSummary>>,
+}
+
+impl Record {
+    pub fn from_collector(id: usize, text: &str, model: &str, c: &Collector, next: (u32, String, f32)) -> Record {
+        let nl = c.n_layers();
+        let last = c.n - 1;
+        Record {
+            id,
+            text: text.to_string(),
+            model: model.to_string(),
+            n_tokens: c.n,
+            sink_query: (0..nl).map(|l| c.sink_query(l)).collect(),
+            sink_all: (0..nl).map(|l| c.sink_all_queries(l)).collect(),
+            head_alpha1: (0..nl).map(|l| c.head_sink(l)).collect(),
+            head_max_last: (0..nl).map(|l| (0..c.n_heads).map(|h| super::max_argmax(&c.row(l, h)[..=last]).0).collect()).collect(),
+            head_mean_max: (0..nl).map(|l| c.mean_max_weight(l)).collect(),
+            head_mean_entropy: (0..nl).map(|l| c.mean_entropy(l)).collect(),
+            next_token_id: next.0,
+            next_token: next.1,
+            next_token_prob: next.2,
+            faithfulness: None,
+        }
+    }
+}
+
+/// Mean, sample standard deviation and the 95% confidence interval of the mean (normal
+/// approximation, 1.96·sd/√n).
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Stat {
+    pub mean: f64,
+    pub std: f64,
+    pub ci95: (f64, f64),
+    pub n: usize,
+}
+
+pub fn stat(xs: &[f64]) -> Stat {
+    let n = xs.len();
+    let mean = xs.iter().sum::<f64>() / n.max(1) as f64;
+    let var = if n > 1 { xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64 } else { 0.0 };
+    let std = var.sqrt();
+    let half = 1.96 * std / (n.max(1) as f64).sqrt();
+    Stat { mean, std, ci95: (mean - half, mean + half), n }
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct LayerAggregate {
+    pub layer: usize,
+    pub sink_all: Stat,
+    pub sink_query: Stat,
+    /// Fraction of (sentence, head) pairs with α₁ > ε.
+    pub sink_heads_fraction: f64,
+    /// Fraction of (sentence, head) pairs whose last-query max weight is ≥ 0.9.
+    pub concentrated_fraction: f64,
+    pub mean_entropy: f64,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct FaithAggregate {
+    pub ranking: String,
+    pub without_first: bool,
+    pub spearman: Stat,
+    pub top1_rate: f64,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Aggregate {
+    pub model: String,
+    pub sentences: usize,
+    pub tokens: usize,
+    pub epsilon: f32,
+    pub layers: Vec<LayerAggregate>,
+    /// Histogram of last-query head max weights over all sentences, layers and heads:
+    /// 10 bins [0, 0.1), …, [0.9, 1.0].
+    pub max_weight_histogram: Vec<usize>,
+    /// Layer with the largest mean sink share (all queries).
+    pub peak_layer: usize,
+    pub faithfulness: Vec<FaithAggregate>,
+}
+
+/// Aggregates records (order and duplicates by id do not matter).
+pub fn aggregate(records: &[Record], epsilon: f32) -> Result<Aggregate, String> {
+    let mut recs: Vec<&Record> = records.iter().collect();
+    recs.sort_by_key(|r| r.id);
+    recs.dedup_by_key(|r| r.id);
+    let first = recs.first().ok_or("no records to aggregate")?;
+    let (model, nl) = (first.model.clone(), first.sink_all.len());
+    if let Some(r) = recs.iter().find(|r| r.model != model || r.sink_all.len() != nl) {
+        return Err(format!("record {} comes from model `{}` ({} layers), others from `{model}` ({nl} layers); aggregate one model at a time", r.id, r.model, r.sink_all.len()));
+    }
+    let mut hist = vec![0usize; 10];
+    let layers = (0..nl)
+        .map(|l| {
+            let all: Vec<f64> = recs.iter().map(|r| r.sink_all[l] as f64).collect();
+            let q: Vec<f64> = recs.iter().map(|r| r.sink_query[l] as f64).collect();
+            let (mut sink_heads, mut conc, mut total, mut ent) = (0usize, 0usize, 0usize, 0.0f64);
+            for r in &recs {
+                for (h, &a) in r.head_alpha1[l].iter().enumerate() {
+                    total += 1;
+                    sink_heads += (a > epsilon) as usize;
+                    let m = r.head_max_last[l][h];
+                    conc += (m >= 0.9) as usize;
+                    hist[((m * 10.0) as usize).min(9)] += 1;
+                    ent += r.head_mean_entropy[l][h] as f64;
+                }
+            }
+            let t = total.max(1) as f64;
+            LayerAggregate { layer: l, sink_all: stat(&all), sink_query: stat(&q), sink_heads_fraction: sink_heads as f64 / t, concentrated_fraction: conc as f64 / t, mean_entropy: ent / t }
+        })
+        .collect::<Vec<_>>();
+    let peak_layer = layers.iter().max_by(|a, b| a.sink_all.mean.total_cmp(&b.sink_all.mean).then(b.layer.cmp(&a.layer))).map(|l| l.layer).unwrap_or(0);
+    let mut faith: Vec<FaithAggregate> = Vec::new();
+    let with_f: Vec<&Vec<FaithSummary>> = recs.iter().filter_map(|r| r.faithfulness.as_ref()).collect();
+    if let Some(first) = with_f.first() {
+        for key in first.iter() {
+            let rows: Vec<&FaithSummary> = with_f.iter().flat_map(|v| v.iter().filter(|f| f.ranking == key.ranking && f.without_first == key.without_first)).collect();
+            let rhos: Vec<f64> = rows.iter().filter_map(|f| f.spearman).collect();
+            let top1: Vec<bool> = rows.iter().filter_map(|f| f.top1).collect();
+            faith.push(FaithAggregate {
+                ranking: key.ranking.clone(),
+                without_first: key.without_first,
+                spearman: stat(&rhos),
+                top1_rate: top1.iter().filter(|&&b| b).count() as f64 / top1.len().max(1) as f64,
+            });
+        }
+    }
+    Ok(Aggregate { model, sentences: recs.len(), tokens: recs.iter().map(|r| r.n_tokens).sum(), epsilon, layers, max_weight_histogram: hist, peak_layer, faithfulness: faith })
+}
+
+/// Reads JSON-lines records, naming the file and line of a bad one.
+pub fn read_records(text: &str, source: &str) -> Result<Vec<Record>, String> {
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| serde_json::from_str(l).map_err(|e| format!("{source}:{}: not an attnscope corpus record: {e}", i + 1)))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(id: usize, sink: f32) -> Record {
+        Record {
+            id,
+            text: format!("t{id}"),
+            model: "m".into(),
+            n_tokens: 5,
+            sink_query: vec![sink, 0.1],
+            sink_all: vec![sink, 0.2],
+            head_alpha1: vec![vec![sink, 0.5], vec![0.1, 0.2]],
+            head_max_last: vec![vec![0.95, 0.5], vec![0.3, 0.99]],
+            head_mean_max: vec![vec![0.5, 0.5], vec![0.5, 0.5]],
+            head_mean_entropy: vec![vec![1.0, 1.0], vec![1.0, 1.0]],
+            next_token_id: 1,
+            next_token: "x".into(),
+            next_token_prob: 0.5,
+            faithfulness: None,
+        }
+    }
+
+    #[test]
+    fn stats_by_hand() {
+        let s = stat(&[1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(s.mean, 2.5);
+        assert!((s.std - 1.290_994_448_735_805_6).abs() < 1e-12);
+        assert!((s.ci95.1 - (2.5 + 1.96 * s.std / 2.0)).abs() < 1e-12);
+    }
+
+    #[test]
+    fn merged_shards_equal_a_single_run() {
+        let all: Vec<Record> = (0..7).map(|i| rec(i, i as f32 / 10.0)).collect();
+        let single = aggregate(&all, 0.3).unwrap();
+        let (a, b): (Vec<Record>, Vec<Record>) = all.iter().cloned().partition(|r| r.id % 2 == 0);
+        let mut merged = b.clone();
+        merged.extend(a);
+        merged.push(all[3].clone()); // a resumed shard may repeat a record
+        assert_eq!(aggregate(&merged, 0.3).unwrap(), single);
+        assert_eq!(single.sentences, 7);
+        // α₁ > 0.3: layer 0 head 0 for ids 4,5,6 and head 1 always → (3 + 7) / 14
+        assert!((single.layers[0].sink_heads_fraction - 10.0 / 14.0).abs() < 1e-12);
+        assert!((single.layers[1].concentrated_fraction - 0.5).abs() < 1e-12);
+        assert_eq!(single.max_weight_histogram.iter().sum::<usize>(), 28);
+    }
+
+    #[test]
+    fn records_roundtrip_and_mixed_models_are_refused() {
+        let r = rec(1, 0.5);
+        let line = serde_json::to_string(&r).unwrap();
+        assert_eq!(read_records(&line, "x").unwrap(), vec![r.clone()]);
+        let mut other = rec(2, 0.5);
+        other.model = "other".into();
+        assert!(aggregate(&[r, other], 0.3).unwrap_err().contains("one model at a time"));
+        assert!(read_records("{bad", "f.jsonl").unwrap_err().starts_with("f.jsonl:1:"));
+    }
+
+    #[test]
+    fn builtin_corpus_has_at_least_200_texts() {
+        let b = builtin();
+        assert!(b.len() >= 200, "{}", b.len());
+        assert!(b.iter().any(|t| t.contains('\n')), "code samples keep their newlines");
+        assert!(b.iter().any(|t| t.contains("北京")) && b.iter().any(|t| t.contains("Hà Nội")));
+    }
+}

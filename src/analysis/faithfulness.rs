@@ -1,0 +1,489 @@
+//! Is attention an explanation? Measure it: occlude each input token three ways and see how much
+//! the model's log-probability of its target changes, then ask how well attention-based rankings
+//! (raw attention, mean over layers, rollout, single heads) agree with those changes.
+//!
+//! - Leave-one-out: delete the token. Replacement: swap it for a neutral token. Knockout: hide
+//!   it as a key in every layer and head (positions unchanged). Each gives Δ log p(target) =
+//!   occluded − full; importance is −Δ (the drop).
+//! - Attention rollout [Abnar & Zuidema 2020, arXiv:2005.00928]: per layer
+//!   `A = 0.5·mean_h(P) + 0.5·I`, rows renormalized, multiplied across layers.
+//! - Metrics: Spearman ρ, Kendall τ-b, top-1 agreement; comprehensiveness and sufficiency at
+//!   k = 1, 3, 5 [DeYoung et al. 2020, ERASER, arXiv:1911.03429]:
+//!   `comp@k = p(full) − p(without top-k)`, `suff@k = p(full) − p(only top-k)`.
+//!
+//! Runs reuse the keys and values of the unchanged prefix, so each occlusion recomputes only
+//! the positions from the occluded one on.
+
+use crate::model::capture::{AttnCache, CaptureSpec, NoCapture};
+use crate::model::forward::{log_softmax, KvPrefix, RunOptions};
+use crate::model::{Model, Result};
+use crate::reference::Rng;
+use serde::Serialize;
+use std::collections::HashMap;
+
+/// Ranks with ties averaged (1-based), as Spearman's ρ needs.
+pub fn average_ranks(v: &[f64]) -> Vec<f64> {
+    let mut idx: Vec<usize> = (0..v.len()).collect();
+    idx.sort_by(|&a, &b| v[a].total_cmp(&v[b]));
+    let mut ranks = vec![0.0; v.len()];
+    let mut i = 0;
+    while i < idx.len() {
+        let mut j = i;
+        while j + 1 < idx.len() && v[idx[j + 1]] == v[idx[i]] {
+            j += 1;
+        }
+        let r = (i + j) as f64 / 2.0 + 1.0;
+        for &k in &idx[i..=j] {
+            ranks[k] = r;
+        }
+        i = j + 1;
+    }
+    ranks
+}
+
+fn pearson(a: &[f64], b: &[f64]) -> Option<f64> {
+    let n = a.len() as f64;
+    let (ma, mb) = (a.iter().sum::<f64>() / n, b.iter().sum::<f64>() / n);
+    let cov: f64 = a.iter().zip(b).map(|(x, y)| (x - ma) * (y - mb)).sum();
+    let va: f64 = a.iter().map(|x| (x - ma).powi(2)).sum();
+    let vb: f64 = b.iter().map(|y| (y - mb).powi(2)).sum();
+    (va > 0.0 && vb > 0.0).then(|| cov / (va * vb).sqrt())
+}
+
+/// Spearman's rank correlation; `None` when either side is constant or shorter than 2.
+pub fn spearman(a: &[f64], b: &[f64]) -> Option<f64> {
+    if a.len() < 2 {
+        return None;
+    }
+    pearson(&average_ranks(a), &average_ranks(b))
+}
+
+/// Kendall's τ-b (ties corrected); `None` when either side is constant or shorter than 2.
+pub fn kendall_tau_b(a: &[f64], b: &[f64]) -> Option<f64> {
+    let n = a.len();
+    let (mut conc, mut disc, mut ties_a, mut ties_b) = (0i64, 0i64, 0i64, 0i64);
+    for i in 0..n {
+        for j in i + 1..n {
+            let (da, db) = (a[i] - a[j], b[i] - b[j]);
+            match (da == 0.0, db == 0.0) {
+                (true, true) => {}
+                (true, false) => ties_a += 1,
+                (false, true) => ties_b += 1,
+                _ if da.signum() == db.signum() => conc += 1,
+                _ => disc += 1,
+            }
+        }
+    }
+    let denom = (((conc + disc + ties_a) * (conc + disc + ties_b)) as f64).sqrt();
+    (n >= 2 && denom > 0.0).then(|| (conc - disc) as f64 / denom)
+}
+
+/// Attention rollout for query `q` from per-layer head-averaged patterns (`[n, n]` each).
+pub fn rollout(head_means: &[Vec<f32>], n: usize, q: usize) -> Vec<f32> {
+    // the query's row, carried down through the layers: r ← r · A_l, from the last layer down
+    let mut r: Vec<f64> = (0..n).map(|j| if j == q { 1.0 } else { 0.0 }).collect();
+    for hm in head_means.iter().rev() {
+        let mut next = vec![0.0f64; n];
+        for i in 0..n {
+            if r[i] == 0.0 {
+                continue;
+            }
+            let row = &hm[i * n..][..n];
+            let sum: f64 = row.iter().map(|&x| 0.5 * x as f64).sum::<f64>() + 0.5;
+            for j in 0..n {
+                let a = 0.5 * row[j] as f64 + if i == j { 0.5 } else { 0.0 };
+                next[j] += r[i] * a / sum;
+            }
+        }
+        r = next;
+    }
+    r.into_iter().map(|x| x as f32).collect()
+}
+
+/// The `k` highest-scoring positions among `candidates` (ties to the lower position).
+pub fn top_positions(scores: &[f32], candidates: &[usize], k: usize) -> Vec<usize> {
+    let mut c = candidates.to_vec();
+    c.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+    c.truncate(k);
+    c.sort_unstable();
+    c
+}
+
+/// What the model should predict: its own next token, an id, or a token's text.
+#[derive(Clone, Debug)]
+pub enum Target {
+    Next,
+    Id(u32),
+    Text(String),
+}
+
+impl std::str::FromStr for Target {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        Ok(match s {
+            "next" => Target::Next,
+            _ if !s.is_empty() && s.chars().all(|c| c.is_ascii_digit()) => Target::Id(s.parse().map_err(|e| format!("{e}"))?),
+            _ => Target::Text(s.to_string()),
+        })
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct TargetInfo {
+    pub id: u32,
+    pub token: String,
+    pub logprob: f32,
+    pub prob: f32,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct TokenRow {
+    pub pos: usize,
+    pub id: u32,
+    pub text: String,
+    pub attention_last: f32,
+    pub attention_mean: f32,
+    pub rollout: f32,
+    /// Δ log p(target) when the token is deleted (None when the text has one token only).
+    pub loo: Option<f32>,
+    pub replace: f32,
+    pub knockout: f32,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct AtK {
+    #[serde(rename = "1")]
+    pub k1: Option<f32>,
+    #[serde(rename = "3")]
+    pub k3: Option<f32>,
+    #[serde(rename = "5")]
+    pub k5: Option<f32>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct MetricRow {
+    pub ranking: String,
+    pub truth: String,
+    pub spearman: Option<f64>,
+    pub kendall: Option<f64>,
+    pub top1: Option<bool>,
+    pub comprehensiveness: AtK,
+    pub sufficiency: AtK,
+    pub without_first: bool,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct FaithReport {
+    pub model: String,
+    pub precision: String,
+    pub target: TargetInfo,
+    pub replacement: TargetInfoLite,
+    pub query: usize,
+    pub tokens: Vec<TokenRow>,
+    pub metrics: Vec<MetricRow>,
+    pub forward_passes: usize,
+    pub conclusion: String,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct TargetInfoLite {
+    pub id: u32,
+    pub token: String,
+}
+
+/// Options of a faithfulness run.
+#[derive(Clone, Debug)]
+pub struct FaithOptions {
+    pub target: Target,
+    /// Text of the neutral replacement token (must be one token).
+    pub replacement: String,
+    pub seed: u64,
+}
+
+/// Runs every forward needed and computes the report. `tick(done, total)` reports progress.
+pub fn run(model: &Model, tokens: &[u32], opts: &FaithOptions, mut tick: impl FnMut(usize, usize)) -> Result<FaithReport> {
+    let n = tokens.len();
+    let d = &model.dims;
+    let q = n - 1;
+    // 1. the full run: patterns of every layer and head, keys/values for prefix reuse
+    let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
+    let full = model.forward(tokens, &RunOptions { logits_at: vec![q], keep_kv: true, ..Default::default() }, &mut cache)?;
+    let kv = full.kv.expect("keep_kv was set");
+    let full_lp = log_softmax(&full.logits[0]);
+    let target_id = match &opts.target {
+        Target::Next => super::max_argmax(&full.logits[0]).1 as u32,
+        Target::Id(i) => {
+            if *i as usize >= d.vocab_size {
+                return Err(crate::model::Error::OutOfRange { what: "--target id".into(), value: i.to_string(), range: format!("0..{}", d.vocab_size) });
+            }
+            *i
+        }
+        Target::Text(t) => single_token(model, t, "--target")?,
+    };
+    let replacement = single_token(model, &opts.replacement, "--replace-with")?;
+    let base = full_lp[target_id as usize];
+    let mut runner = Runner { model, tokens, kv: &kv, target: target_id, memo: HashMap::new(), passes: 1 };
+    // 2. attention rankings from the full run
+    let head_means: Vec<Vec<f32>> = (0..d.n_layers)
+        .map(|l| {
+            let p = cache.pattern(l).expect("all layers captured");
+            super::mean_rows((0..d.n_heads).map(|h| &p.data[h * n * n..][..n * n]))
+        })
+        .collect();
+    let last_row = |hm: &Vec<f32>| hm[q * n..][..n].to_vec();
+    let attention_last = last_row(&head_means[d.n_layers - 1]);
+    let attention_mean = super::mean_rows(head_means.iter().map(|hm| &hm[q * n..][..n]));
+    let roll = rollout(&head_means, n, q);
+    let last_p = cache.pattern(d.n_layers - 1).expect("captured");
+    let mut rankings: Vec<(String, Vec<f32>)> = vec![("attention_last".into(), attention_last.clone()), ("attention_mean".into(), attention_mean.clone()), ("rollout".into(), roll.clone())];
+    for h in 0..d.n_heads {
+        rankings.push((format!("head_{h}"), last_p.row(h, q).to_vec()));
+    }
+    let mut rng = Rng::new(opts.seed);
+    rankings.push(("random".into(), (0..n).map(|_| rng.uniform() as f32).collect()));
+    // 3. occlusions: 3 per position
+    let ks = [1usize, 3, 5];
+    let total_guess = 1 + 3 * n + rankings.len() * ks.len() * 4;
+    let mut done = 1;
+    tick(done, total_guess);
+    let mut rows = Vec::with_capacity(n);
+    for j in 0..n {
+        let loo = if n > 1 {
+            let v: Vec<u32> = tokens.iter().enumerate().filter(|&(i, _)| i != j).map(|(_, &t)| t).collect();
+            Some(runner.logprob(&v, None)? - base)
+        } else {
+            None
+        };
+        let mut rep = tokens.to_vec();
+        rep[j] = replacement;
+        let replace = runner.logprob(&rep, None)? - base;
+        let knockout = runner.logprob(tokens, Some(j))? - base;
+        done += 3;
+        tick(done, total_guess);
+        rows.push(TokenRow { pos: j, id: tokens[j], text: model.tokenizer.token_text(tokens[j]), attention_last: attention_last[j], attention_mean: attention_mean[j], rollout: roll[j], loo, replace, knockout });
+    }
+    // 4. metrics
+    let p_full = base.exp();
+    let mut metrics = Vec::new();
+    for without_first in [false, true] {
+        let candidates: Vec<usize> = (if without_first { 1 } else { 0 }..n).collect();
+        for (name, scores) in &rankings {
+            let mut comp = AtK::default();
+            let mut suff = AtK::default();
+            for &k in &ks {
+                let (c, s) = if k <= candidates.len() {
+                    let top = top_positions(scores, &candidates, k);
+                    let without: Vec<u32> = (0..n).filter(|i| !top.contains(i)).map(|i| tokens[i]).collect();
+                    // without_first: the first token is not ranked, so it stays in both variants
+                    let only: Vec<u32> = (0..n).filter(|i| top.contains(i) || (without_first && *i == 0)).map(|i| tokens[i]).collect();
+                    let c = if without.is_empty() { None } else { Some(p_full - runner.logprob(&without, None)?.exp()) };
+                    let s = Some(p_full - runner.logprob(&only, None)?.exp());
+                    (c, s)
+                } else {
+                    (None, None)
+                };
+                match k {
+                    1 => (comp.k1, suff.k1) = (c, s),
+                    3 => (comp.k3, suff.k3) = (c, s),
+                    _ => (comp.k5, suff.k5) = (c, s),
+                }
+                done += 2;
+                tick(done.min(total_guess), total_guess);
+            }
+            for truth in ["loo", "replace", "knockout"] {
+                let imp: Vec<f64> = candidates
+                    .iter()
+                    .map(|&i| {
+                        let r = &rows[i];
+                        -(match truth {
+                            "loo" => r.loo.unwrap_or(0.0),
+                            "replace" => r.replace,
+                            _ => r.knockout,
+                        }) as f64
+                    })
+                    .collect();
+                let sc: Vec<f64> = candidates.iter().map(|&i| scores[i] as f64).collect();
+                let top1 = (!candidates.is_empty()).then(|| {
+                    let a = sc.iter().enumerate().max_by(|x, y| x.1.total_cmp(y.1).then(y.0.cmp(&x.0))).map(|x| x.0);
+                    let b = imp.iter().enumerate().max_by(|x, y| x.1.total_cmp(y.1).then(y.0.cmp(&x.0))).map(|x| x.0);
+                    a == b
+                });
+                metrics.push(MetricRow {
+                    ranking: name.clone(),
+                    truth: truth.into(),
+                    spearman: spearman(&sc, &imp),
+                    kendall: kendall_tau_b(&sc, &imp),
+                    top1,
+                    comprehensiveness: comp.clone(),
+                    sufficiency: suff.clone(),
+                    without_first,
+                });
+            }
+        }
+    }
+    tick(total_guess, total_guess);
+    let target = TargetInfo { id: target_id, token: model.tokenizer.token_text(target_id), logprob: base, prob: p_full };
+    let conclusion = conclude(&rows, &metrics, &target);
+    Ok(FaithReport {
+        model: model.info.name.clone(),
+        precision: model.info.precision.name().into(),
+        target,
+        replacement: TargetInfoLite { id: replacement, token: model.tokenizer.token_text(replacement) },
+        query: q,
+        tokens: rows,
+        metrics,
+        forward_passes: runner.passes,
+        conclusion,
+    })
+}
+
+fn single_token(model: &Model, text: &str, what: &str) -> Result<u32> {
+    let ids = model.tokenizer.encode(text, false)?;
+    match ids.as_slice() {
+        [one] => Ok(*one),
+        _ => Err(crate::model::Error::OutOfRange {
+            what: format!("{what} {text:?}"),
+            value: format!("({} tokens: {ids:?})", ids.len()),
+            range: "text that is exactly one token, or a token id".into(),
+        }),
+    }
+}
+
+/// Forward passes for token variants, memoized, reusing the longest valid KV prefix.
+struct Runner<'a> {
+    model: &'a Model,
+    tokens: &'a [u32],
+    kv: &'a KvPrefix,
+    target: u32,
+    memo: HashMap<(Vec<u32>, Option<usize>), f32>,
+    passes: usize,
+}
+
+impl Runner<'_> {
+    /// log p(target) after `variant` (with key `knockout` hidden, if any).
+    fn logprob(&mut self, variant: &[u32], knockout: Option<usize>) -> Result<f32> {
+        let key = (variant.to_vec(), knockout);
+        if let Some(&v) = self.memo.get(&key) {
+            return Ok(v);
+        }
+        // positions before the first change (and before a knocked-out key) are unchanged
+        let mut c = variant.iter().zip(self.tokens).take_while(|(a, b)| a == b).count();
+        if let Some(j) = knockout {
+            c = c.min(j);
+        }
+        c = c.min(variant.len() - 1);
+        let prefix = self.kv.truncate(c)?;
+        let n = variant.len();
+        let opts = RunOptions { logits_at: vec![n - 1], knockout: knockout.into_iter().collect(), ..Default::default() };
+        let out = self.model.forward_from(Some(&prefix), &variant[c..], &opts, &mut NoCapture)?;
+        self.passes += 1;
+        let lp = log_softmax(&out.logits[0])[self.target as usize];
+        self.memo.insert(key, lp);
+        Ok(lp)
+    }
+}
+
+fn conclude(rows: &[TokenRow], metrics: &[MetricRow], target: &TargetInfo) -> String {
+    let find = |ranking: &str, truth: &str, wf: bool| metrics.iter().find(|m| m.ranking == ranking && m.truth == truth && m.without_first == wf);
+    let fmt = |x: Option<f64>| x.map(|v| format!("{v:+.2}")).unwrap_or_else(|| "n/a".into());
+    let most_attended = rows.iter().max_by(|a, b| a.attention_last.total_cmp(&b.attention_last).then(b.pos.cmp(&a.pos))).expect("at least one token");
+    let most_important = rows.iter().max_by(|a, b| (-a.loo.unwrap_or(0.0)).total_cmp(&-b.loo.unwrap_or(0.0)).then(b.pos.cmp(&a.pos))).expect("at least one token");
+    let (al, ro, ra) = (find("attention_last", "loo", false), find("rollout", "loo", false), find("random", "loo", false));
+    let alw = find("attention_last", "loo", true);
+    let strength = |r: Option<f64>| match r {
+        Some(v) if v >= 0.7 => "strong",
+        Some(v) if v >= 0.4 => "moderate",
+        Some(v) if v >= 0.2 => "weak",
+        Some(_) => "no",
+        None => "no measurable",
+    };
+    let rho = al.and_then(|m| m.spearman);
+    let rand_rho = ra.and_then(|m| m.spearman).unwrap_or(0.0);
+    let same = most_attended.pos == most_important.pos;
+    let verdict = match rho {
+        Some(r) if r >= 0.7 && same => "Here attention ranks the tokens much as occlusion does, but that is a finding about this sentence, not a guarantee.".to_string(),
+        Some(r) if r > rand_rho + 0.2 => format!(
+            "Attention beats the random ranking by {:.2} in ρ, yet {} of the importance order is unexplained: read the weights as a hint, not as importance.",
+            r - rand_rho,
+            if r < 0.7 { "much" } else { "some" }
+        ),
+        _ => "Attention does no better than a random ranking here: high weight is not importance.".to_string(),
+    };
+    format!(
+        "Target \"{}\" (p = {:.4}). The last layer attends most to {} \"{}\" (weight {:.3}); deleting it changes log p by {:+.3}. The token whose deletion matters most is {} \"{}\" (Δ log p = {:+.3}){}. Against leave-one-out, last-layer attention has Spearman ρ = {} ({} agreement; without the first token {}), rollout {}, a random ranking {}. {verdict}",
+        target.token,
+        target.prob,
+        most_attended.pos,
+        most_attended.text,
+        most_attended.attention_last,
+        most_attended.loo.unwrap_or(f32::NAN),
+        most_important.pos,
+        most_important.text,
+        most_important.loo.unwrap_or(f32::NAN),
+        if same { ", the same token" } else { "" },
+        fmt(rho),
+        strength(rho),
+        fmt(alw.and_then(|m| m.spearman)),
+        fmt(ro.and_then(|m| m.spearman)),
+        fmt(ra.and_then(|m| m.spearman)),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rank_correlations_of_constructed_rankings() {
+        let a = [1.0, 2.0, 3.0, 4.0, 5.0];
+        let up = [10.0, 20.0, 30.0, 40.0, 50.0];
+        let down = [5.0, 4.0, 3.0, 2.0, 1.0];
+        assert!((spearman(&a, &up).unwrap() - 1.0).abs() < 1e-12);
+        assert!((spearman(&a, &down).unwrap() + 1.0).abs() < 1e-12);
+        assert!((kendall_tau_b(&a, &up).unwrap() - 1.0).abs() < 1e-12);
+        assert!((kendall_tau_b(&a, &down).unwrap() + 1.0).abs() < 1e-12);
+        assert_eq!(spearman(&a, &[1.0; 5]), None);
+        // one swap of five: ρ = 1 - 6·2/(5·24) = 0.9; τ = (9 - 1)/10 = 0.8
+        let swap = [1.0, 2.0, 3.0, 5.0, 4.0];
+        assert!((spearman(&a, &swap).unwrap() - 0.9).abs() < 1e-12);
+        assert!((kendall_tau_b(&a, &swap).unwrap() - 0.8).abs() < 1e-12);
+    }
+
+    #[test]
+    fn ties_get_average_ranks() {
+        assert_eq!(average_ranks(&[10.0, 20.0, 20.0, 5.0]), vec![2.0, 3.5, 3.5, 1.0]);
+    }
+
+    #[test]
+    fn rollout_of_identity_attention_stays_on_the_query() {
+        // every token attends only to itself: rollout keeps all weight on the query
+        let n = 3;
+        let eye: Vec<f32> = (0..n * n).map(|i| if i / n == i % n { 1.0 } else { 0.0 }).collect();
+        assert_eq!(rollout(&[eye.clone(), eye], n, 2), vec![0.0, 0.0, 1.0]);
+    }
+
+    #[test]
+    fn rollout_by_hand_two_tokens_one_layer() {
+        // P row 1 = [0.6, 0.4]: A row 1 = 0.5·[0.6, 0.4] + 0.5·[0, 1] = [0.3, 0.7] (sums to 1)
+        let p = vec![1.0, 0.0, 0.6, 0.4];
+        let r = rollout(&[p.clone()], 2, 1);
+        assert!((r[0] - 0.3).abs() < 1e-6 && (r[1] - 0.7).abs() < 1e-6);
+        // two layers: r = [0,1]·A·A, A = [[1,0],[0.3,0.7]] → [0.3 + 0.7·0.3, 0.49] = [0.51, 0.49]
+        let r = rollout(&[p.clone(), p], 2, 1);
+        assert!((r[0] - 0.51).abs() < 1e-6 && (r[1] - 0.49).abs() < 1e-6);
+    }
+
+    #[test]
+    fn top_positions_respect_candidates_and_ties() {
+        let s = [0.9, 0.1, 0.5, 0.5];
+        assert_eq!(top_positions(&s, &[0, 1, 2, 3], 2), vec![0, 2]);
+        assert_eq!(top_positions(&s, &[1, 2, 3], 2), vec![2, 3]);
+    }
+
+    #[test]
+    fn targets_parse() {
+        assert!(matches!("next".parse::<Target>().unwrap(), Target::Next));
+        assert!(matches!("42".parse::<Target>().unwrap(), Target::Id(42)));
+        assert!(matches!(" Paris".parse::<Target>().unwrap(), Target::Text(_)));
+    }
+}

@@ -1,0 +1,148 @@
+//! `attnscope faithfulness`: attention rankings against what occluding each token does.
+
+use super::common::{emit, ModelArgs, TextArgs};
+use crate::analysis::faithfulness::{run as run_faith, FaithOptions, FaithReport, MetricRow, Target};
+use crate::model::tokenize::visible;
+use crate::render::table::{title, Align, Table};
+use std::io::IsTerminal;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    text: TextArgs,
+    /// What the model should predict after the text: `next` (its own top token), a token id,
+    /// or a token's text (e.g. " Paris"; must be one token).
+    #[arg(long, default_value = "next")]
+    target: Target,
+    /// The neutral token swapped in by the replacement occlusion (must be one token).
+    #[arg(long, default_value = " ")]
+    replace_with: String,
+    /// Seed of the random baseline ranking.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    let text = a.text.read()?;
+    let model = a.model.load()?;
+    let tokens = model.encode(&text, a.model.bos)?;
+    let bar = if std::io::stderr().is_terminal() { indicatif::ProgressBar::new(1) } else { indicatif::ProgressBar::hidden() };
+    bar.set_style(indicatif::ProgressStyle::with_template("forward passes [{bar:30}] {pos}/{len} ({eta})").expect("valid template").progress_chars("=> "));
+    let opts = FaithOptions { target: a.target, replacement: a.replace_with, seed: a.seed };
+    let report = run_faith(&model, &tokens, &opts, |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    })?;
+    bar.finish_and_clear();
+    if a.json {
+        return emit(&format!("{}\n", serde_json::to_string_pretty(&report)?));
+    }
+    emit(&render(&report))
+}
+
+fn f(x: Option<f64>) -> String {
+    x.map(|v| format!("{v:+.3}")).unwrap_or_else(|| "—".into())
+}
+
+fn g(x: Option<f32>) -> String {
+    x.map(|v| format!("{v:+.4}")).unwrap_or_else(|| "—".into())
+}
+
+fn metric_row(t: &mut Table, m: &MetricRow) {
+    t.row([
+        m.ranking.clone(),
+        m.truth.clone(),
+        f(m.spearman),
+        f(m.kendall),
+        m.top1.map(|b| if b { "yes" } else { "no" }.to_string()).unwrap_or_else(|| "—".into()),
+        g(m.comprehensiveness.k1),
+        g(m.comprehensiveness.k3),
+        g(m.comprehensiveness.k5),
+        g(m.sufficiency.k1),
+        g(m.sufficiency.k3),
+        g(m.sufficiency.k5),
+    ]);
+}
+
+pub fn render(r: &FaithReport) -> String {
+    let mut s = title(&format!("Faithfulness: {} ({} precision)", r.model, r.precision));
+    s += &format!(
+        "target after position {}: \"{}\" (id {}), log p = {:.4}, p = {:.4}; replacement token \"{}\"; {} forward passes\n\n",
+        r.query,
+        visible(&r.target.token),
+        r.target.id,
+        r.target.logprob,
+        r.target.prob,
+        visible(&r.replacement.token),
+        r.forward_passes
+    );
+    s += &title("Each token: attention against Δ log p(target) when it is occluded (most important first)");
+    let mut rows: Vec<_> = r.tokens.iter().collect();
+    rows.sort_by(|a, b| a.loo.unwrap_or(0.0).total_cmp(&b.loo.unwrap_or(0.0)).then(a.pos.cmp(&b.pos)));
+    let mut t = Table::new([
+        ("pos", Align::Right),
+        ("token", Align::Left),
+        ("attn last layer", Align::Right),
+        ("attn all layers", Align::Right),
+        ("rollout", Align::Right),
+        ("Δ delete", Align::Right),
+        ("Δ replace", Align::Right),
+        ("Δ knockout", Align::Right),
+    ]);
+    for x in rows {
+        t.row([
+            x.pos.to_string(),
+            visible(&x.text),
+            format!("{:.4}", x.attention_last),
+            format!("{:.4}", x.attention_mean),
+            format!("{:.4}", x.rollout),
+            g(x.loo),
+            format!("{:+.4}", x.replace),
+            format!("{:+.4}", x.knockout),
+        ]);
+    }
+    s += &t.render();
+    s += "Δ = log p(target | occluded) − log p(target | full text); a large negative Δ means the token mattered.\n\n";
+    for wf in [false, true] {
+        s += &title(if wf { "Rankings against occlusion, first token excluded (the sink)" } else { "Rankings against occlusion, all tokens" });
+        let mut t = Table::new([
+            ("ranking", Align::Left),
+            ("truth", Align::Left),
+            ("Spearman ρ", Align::Right),
+            ("Kendall τ", Align::Right),
+            ("top-1", Align::Left),
+            ("comp@1", Align::Right),
+            ("comp@3", Align::Right),
+            ("comp@5", Align::Right),
+            ("suff@1", Align::Right),
+            ("suff@3", Align::Right),
+            ("suff@5", Align::Right),
+        ]);
+        for m in r.metrics.iter().filter(|m| m.without_first == wf && !m.ranking.starts_with("head_")) {
+            metric_row(&mut t, m);
+        }
+        // the heads of the last layer: the best one by ρ against deletion
+        let heads: Vec<&MetricRow> = r.metrics.iter().filter(|m| m.without_first == wf && m.ranking.starts_with("head_") && m.truth == "loo").collect();
+        if let Some(best) = heads.iter().filter(|m| m.spearman.is_some()).max_by(|a, b| a.spearman.unwrap_or(-2.0).total_cmp(&b.spearman.unwrap_or(-2.0))) {
+            let mut b = (*best).clone();
+            b.ranking = format!("best head ({})", best.ranking);
+            metric_row(&mut t, &b);
+            let rhos: Vec<f64> = heads.iter().filter_map(|m| m.spearman).collect();
+            if !rhos.is_empty() {
+                s += &t.render();
+                s += &format!("mean Spearman ρ over the {} heads of the last layer (against deletion): {:+.3}\n\n", heads.len(), rhos.iter().sum::<f64>() / rhos.len() as f64);
+                continue;
+            }
+        }
+        s += &t.render();
+        s += "\n";
+    }
+    s += "comp@k = p(full) − p(without the ranking's top k tokens), higher = the ranking found tokens that matter;\nsuff@k = p(full) − p(only those k tokens), lower = they suffice (DeYoung et al. 2020).\n\n";
+    s += &title("Conclusion");
+    s += &format!("{}\n", r.conclusion);
+    s
+}
