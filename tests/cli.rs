@@ -179,3 +179,59 @@ fn help_explains_every_subcommand() {
         assert!(h.status.success() && h.stdout.len() > 200, "{sub} --help");
     }
 }
+
+#[test]
+fn faithfulness_json_has_the_promised_fields() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let out = attnscope().args(["faithfulness", "--model", m.to_str().unwrap(), "--text", "the hat at the", "--json"]).output().unwrap();
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["target"]["logprob"].as_f64().unwrap() < 0.0);
+    let toks = v["tokens"].as_array().unwrap();
+    for key in ["pos", "id", "text", "attention_last", "attention_mean", "rollout", "loo", "replace", "knockout"] {
+        assert!(toks[0].get(key).is_some(), "tokens[] lacks {key}");
+    }
+    // knocking out the query's own position changes nothing: a token always sees itself
+    assert!(toks.last().unwrap()["knockout"].as_f64().unwrap().abs() < 1e-5);
+    let rollout: f64 = toks.iter().map(|t| t["rollout"].as_f64().unwrap()).sum();
+    assert!((rollout - 1.0).abs() < 1e-4, "rollout row sums to 1");
+    let metrics = v["metrics"].as_array().unwrap();
+    let rankings: std::collections::BTreeSet<&str> = metrics.iter().map(|m| m["ranking"].as_str().unwrap()).collect();
+    for r in ["attention_last", "attention_mean", "rollout", "random", "head_0", "head_3"] {
+        assert!(rankings.contains(r), "metrics lack ranking {r}");
+    }
+    assert!(metrics.iter().any(|m| m["without_first"] == true));
+    assert!(metrics[0]["comprehensiveness"].get("1").is_some() && metrics[0]["sufficiency"].get("5").is_some());
+    let bad = attnscope().args(["faithfulness", "--model", m.to_str().unwrap(), "--text", "the hat", "--target", "99999"]).output().unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+}
+
+#[test]
+fn corpus_shards_merge_to_the_single_run_and_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let m = m.to_str().unwrap();
+    let texts = dir.path().join("texts.txt");
+    std::fs::write(&texts, "the hat\nat the the\nhe sat\n\nthe the the at\nhat\n").unwrap();
+    let run = |extra: &[&str]| {
+        let out = attnscope().args(["corpus", "--model", m, "--file", texts.to_str().unwrap(), "--json"]).args(extra).output().unwrap();
+        assert!(out.status.success(), "{}", stderr_of(&out));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let single = run(&[]);
+    assert_eq!(single["sentences"], 5);
+    let (a, b) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"));
+    run(&["--shard", "0/2", "--out", a.to_str().unwrap()]);
+    let b_first = run(&["--shard", "1/2", "--out", b.to_str().unwrap()]);
+    assert_eq!(b_first["sentences"], 2);
+    // resume: a second run with the same --out adds nothing
+    run(&["--shard", "1/2", "--out", b.to_str().unwrap()]);
+    assert_eq!(std::fs::read_to_string(&b).unwrap().lines().count(), 2);
+    let merged = attnscope().args(["corpus", "merge", a.to_str().unwrap(), b.to_str().unwrap(), "--json"]).output().unwrap();
+    assert!(merged.status.success(), "{}", stderr_of(&merged));
+    let merged: serde_json::Value = serde_json::from_slice(&merged.stdout).unwrap();
+    assert_eq!(merged, single, "merged shards must equal the single run");
+    let bad = attnscope().args(["corpus", "--model", m, "--shard", "2/2"]).output().unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+}

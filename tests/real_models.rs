@@ -177,3 +177,30 @@ fn smollm_head_averaged_attention_of_every_query() {
     }
     assert_close(&got, &want, 1e-4, "smol head-averaged patterns");
 }
+
+/// Occlusion values against independent whole-sequence runs (no prefix reuse, no memo).
+#[test]
+fn faithfulness_occlusions_equal_fresh_runs_smollm() {
+    use attnscope::analysis::faithfulness::{run, FaithOptions, Target};
+    use attnscope::model::forward::log_softmax;
+    let model = real_model("smollm2-135m");
+    let text = "The capital of France is";
+    let tokens = model.encode(text, false).unwrap();
+    let n = tokens.len();
+    let r = run(model, &tokens, &FaithOptions { target: Target::Text(" Paris".into()), replacement: " ".into(), seed: 7 }, |_, _| {}).unwrap();
+    assert_eq!(r.target.token, " Paris");
+    let lp = |toks: &[u32], knock: Vec<usize>| {
+        let out = model.forward(toks, &RunOptions { logits_at: vec![toks.len() - 1], knockout: knock, ..Default::default() }, &mut attnscope::model::capture::NoCapture).unwrap();
+        log_softmax(&out.logits[0])[r.target.id as usize]
+    };
+    let base = lp(&tokens, vec![]);
+    assert!((base - r.target.logprob).abs() < 1e-4);
+    for j in 0..n {
+        let del: Vec<u32> = tokens.iter().enumerate().filter(|&(i, _)| i != j).map(|(_, &t)| t).collect();
+        assert!((lp(&del, vec![]) - base - r.tokens[j].loo.unwrap()).abs() < 2e-4, "loo {j}");
+        let mut rep = tokens.clone();
+        rep[j] = r.replacement.id;
+        assert!((lp(&rep, vec![]) - base - r.tokens[j].replace).abs() < 2e-4, "replace {j}");
+        assert!((lp(&tokens, vec![j]) - base - r.tokens[j].knockout).abs() < 2e-4, "knockout {j}");
+    }
+}
