@@ -1,7 +1,7 @@
 mod alloc;
 
 #[global_allocator]
-static GLOBAL: alloc::HugePageAlloc = alloc::HugePageAlloc;
+static GLOBAL: alloc::BigBufferAlloc = alloc::BigBufferAlloc;
 
 fn main() -> std::process::ExitCode {
     attnscope::cli::main()

@@ -203,3 +203,63 @@ fn knockout_of_every_key_but_one_is_hand_computable() {
         assert_eq!(p.row(h, 0)[0], 1.0);
     }
 }
+
+/// Keeps every streamed statistic, by (layer, head, query).
+struct Recorder(std::collections::BTreeMap<(usize, usize, usize), (f32, f32, u32, f32, Vec<(u32, f32)>)>);
+
+impl attnscope::model::capture::Observer for Recorder {
+    fn wants(&self, _: usize, _: Hook) -> bool {
+        false
+    }
+    fn tensor(&mut self, _: usize, _: Hook, _: &[usize], _: &[f32]) {}
+    fn attention_block(&mut self, _: usize, _: Hook, _: usize, _: [usize; 3], _: &[f32]) {}
+    fn wants_stats(&self, _: usize) -> Option<attnscope::model::forward::StatsRequest> {
+        Some(attnscope::model::forward::StatsRequest { top_k: 3, top_k_from: 0 })
+    }
+    fn attention_stats(&mut self, layer: usize, q0: usize, s: &attnscope::model::forward::AttnStats) {
+        for h in 0..s.n_heads {
+            for r in 0..s.rows {
+                let x = h * s.rows + r;
+                self.0.insert((layer, h, q0 + r), (s.first_key[x], s.max_weight[x], s.argmax[x], s.entropy[x], s.top[x * 3..x * 3 + 3].to_vec()));
+            }
+        }
+    }
+}
+
+/// The streaming path (online softmax over key blocks of 2 or 3 keys, query blocks of a few
+/// rows) gives exactly the numbers of the materialized patterns: logits, first-key weight, max
+/// weight and argmax, entropy, top-k.
+#[test]
+fn streaming_statistics_equal_the_materialized_path() {
+    let (_d, model) = tiny_loaded(Arch::Llama, 11);
+    let tokens: Vec<u32> = (0..23).map(|i| (i * 37 % 250) as u32).collect();
+    let n = tokens.len();
+    let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
+    let full = model.forward(&tokens, &RunOptions::last_logits(n), &mut cache).unwrap();
+    for (key_block, block_bytes) in [(2usize, 4 * 4 * 23 * 5), (3, 64 << 20), (1024, 4 * 4 * 7)] {
+        let mut rec = Recorder(Default::default());
+        let opts = RunOptions { logits_at: vec![n - 1], key_block, block_bytes, knockout: vec![], ..Default::default() };
+        let out = model.forward(&tokens, &opts, &mut rec).unwrap();
+        assert_close(&out.logits[0], &full.logits[0], 1e-4, &format!("logits, key block {key_block}"));
+        for l in 0..2 {
+            let p = cache.pattern(l).unwrap();
+            for h in 0..4 {
+                for q in 0..n {
+                    let row = &p.row(h, q)[..=q];
+                    let (f, mx, am, ent, top) = &rec.0[&(l, h, q)];
+                    let label = format!("key block {key_block}, layer {l} head {h} query {q}");
+                    assert!((f - row[0]).abs() < 1e-5, "{label}: first key {f} vs {}", row[0]);
+                    let (wmax, amax) = attnscope::analysis::max_argmax(row);
+                    assert!((mx - wmax).abs() < 1e-5, "{label}: max");
+                    assert_eq!(*am as usize, amax, "{label}: argmax");
+                    assert!((ent - attnscope::analysis::entropy(row)).abs() < 1e-4, "{label}: entropy {ent}");
+                    let want = attnscope::analysis::top_k(row, 3);
+                    for (t, w) in top.iter().zip(&want) {
+                        assert_eq!(t.0 as usize, w.pos, "{label}: top-k position");
+                        assert!((t.1 - w.weight).abs() < 1e-5, "{label}: top-k weight");
+                    }
+                }
+            }
+        }
+    }
+}

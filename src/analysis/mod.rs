@@ -6,6 +6,8 @@ pub mod collect;
 pub mod corpus;
 pub mod faithfulness;
 pub mod inspect;
+pub mod measure;
+pub mod stream;
 
 use serde::Serialize;
 

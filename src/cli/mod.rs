@@ -10,6 +10,7 @@ mod explain;
 mod faithfulness;
 mod info;
 mod inspect;
+mod sinks;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -43,6 +44,9 @@ pub enum Command {
     /// How often do sinks and concentrated heads occur? Statistics over many texts (built-in
     /// corpus of 224, or your file), with confidence intervals; shardable, resumable, mergeable.
     Corpus(corpus::Args),
+    /// The attention-sink profile and per-head statistics of a long text (up to the model's
+    /// context), streamed with an online softmax: memory grows with n, not n².
+    Sinks(sinks::Args),
     /// Describe a model: architecture, heads and KV sharing, sizes, tensor types, tokenizer.
     Info(info::Args),
     /// Run a model on a text and save captured tensors (attention patterns, scores, q/k/v, ...)
@@ -58,6 +62,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Cost(a) => cost::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Info(a) => info::run(a),
+        Command::Sinks(a) => sinks::run(a),
         Command::Corpus(a) => corpus::run(a),
         Command::Faithfulness(a) => faithfulness::run(a),
         Command::Capture(a) => capture::run(a),

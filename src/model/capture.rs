@@ -121,6 +121,15 @@ pub trait Observer {
     /// `[n_heads, rows, k_width]`. Keys at `k_width..` are masked for every row of the block
     /// (weight 0, score -inf) and are not included.
     fn attention_block(&mut self, layer: usize, hook: Hook, q_start: usize, shape: [usize; 3], data: &[f32]);
+    /// Whether (and with how many top keys) this observer wants per-(head, query) statistics at
+    /// `layer` (computed while streaming, without the weights).
+    fn wants_stats(&self, _layer: usize) -> Option<crate::model::forward::StatsRequest> {
+        None
+    }
+    /// Statistics of query rows `q_start..q_start + stats.rows`.
+    fn attention_stats(&mut self, _layer: usize, _q_start: usize, _stats: &crate::model::forward::AttnStats) {}
+    /// Called after each layer (for progress).
+    fn layer_done(&mut self, _layer: usize) {}
 }
 
 /// An observer that wants nothing.

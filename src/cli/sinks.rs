@@ -1,0 +1,141 @@
+//! `attnscope sinks`: the sink profile and per-head statistics of a long text, streamed.
+
+use super::common::{emit, usage, ModelArgs};
+use crate::analysis::measure::{machine, peak_rss_bytes};
+use crate::analysis::stream::StreamStats;
+use crate::model::forward::RunOptions;
+use crate::model::tokenize::visible;
+use crate::render::table::{bar, sparkline, title, Align, Table};
+use serde_json::json;
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// A long UTF-8 text. Default: the built-in corpus, repeated until --max-tokens.
+    #[arg(long, short = 'f')]
+    file: Option<PathBuf>,
+    /// Use at most this many tokens (default: 32768, or the model's context if smaller).
+    #[arg(long)]
+    max_tokens: Option<usize>,
+    /// Keys per block of the streaming softmax.
+    #[arg(long, default_value_t = 1024)]
+    key_block: usize,
+    /// Top keys kept for the last query of each head.
+    #[arg(long, default_value_t = 5)]
+    top: usize,
+    /// α₁ threshold for counting a head as a sink head.
+    #[arg(long, default_value_t = 0.3)]
+    epsilon: f64,
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    let start = Instant::now();
+    let model = a.model.load()?;
+    let ctx = model.dims.context_len;
+    let max_tokens = a.max_tokens.unwrap_or(32768.min(ctx));
+    if max_tokens == 0 {
+        return Err(usage("--max-tokens must be at least 1"));
+    }
+    if a.top == 0 || a.top > 64 {
+        return Err(usage(format!("--top {} is out of range: use 1..=64", a.top)));
+    }
+    let mut tokens = match &a.file {
+        Some(f) => {
+            let bytes = std::fs::read(f).map_err(|e| usage(format!("cannot read --file {}: {e}", f.display())))?;
+            let text = String::from_utf8(bytes).map_err(|e| usage(format!("{} is not valid UTF-8 (first bad byte at offset {})", f.display(), e.utf8_error().valid_up_to())))?;
+            model.tokenizer.encode(&text, a.model.bos)?
+        }
+        None => {
+            let corpus = crate::analysis::corpus::builtin().join("\n");
+            let once = model.tokenizer.encode(&corpus, a.model.bos)?;
+            let mut t = Vec::with_capacity(max_tokens + once.len());
+            while t.len() < max_tokens {
+                t.extend_from_slice(&once);
+            }
+            t
+        }
+    };
+    tokens.truncate(max_tokens);
+    if tokens.is_empty() {
+        return Err(anyhow::Error::new(crate::model::Error::EmptyText));
+    }
+    let n = tokens.len();
+    if n > ctx {
+        return Err(anyhow::Error::new(crate::model::Error::TooLong { n_tokens: n, limit: ctx, model: model.info.name.clone() }));
+    }
+    let d = &model.dims;
+    let bar_ = if std::io::stderr().is_terminal() { indicatif::ProgressBar::new(d.n_layers as u64) } else { indicatif::ProgressBar::hidden() };
+    bar_.set_style(indicatif::ProgressStyle::with_template("{msg} [{bar:30}] layer {pos}/{len} ({elapsed}, {eta} left)").expect("valid template").progress_chars("=> "));
+    bar_.set_message(format!("{n} tokens"));
+    let b2 = bar_.clone();
+    let mut stats = StreamStats::new(d.n_layers, d.n_heads, n, a.top, Box::new(move |l| b2.set_position(l as u64 + 1)));
+    let t0 = Instant::now();
+    let opts = RunOptions { logits_at: vec![n - 1], key_block: a.key_block, ..Default::default() };
+    let out = model.forward(&tokens, &opts, &mut stats)?;
+    let forward_s = t0.elapsed().as_secs_f64();
+    bar_.finish_and_clear();
+    let layers = stats.layers();
+    let peak = peak_rss_bytes();
+    let (cpu, threads) = machine();
+    let top = crate::analysis::next_token_top_k(&out.logits[0], 1).remove(0);
+    if a.json {
+        let doc = json!({
+            "model": model.info.name, "precision": model.info.precision.name(), "n_tokens": n, "key_block": a.key_block,
+            "forward_s": forward_s, "attention_s": out.timings.attention.as_secs_f64(), "total_s": start.elapsed().as_secs_f64(),
+            "peak_rss_bytes": peak, "cpu": cpu, "threads": threads, "layers": layers,
+            "first_token": model.tokenizer.token_text(tokens[0]),
+            "next_token": {"id": top.id, "token": model.tokenizer.token_text(top.id), "prob": top.prob},
+        });
+        return emit(&format!("{}\n", serde_json::to_string_pretty(&doc)?));
+    }
+    let mut s = title(&format!("Attention sinks over {n} tokens, {} ({} precision), streamed", model.info.name, model.info.precision.name()));
+    s += &format!(
+        "first token \"{}\"; online softmax over blocks of {} keys: no attention matrix is stored (a full one would take {}).\n\n",
+        visible(&model.tokenizer.token_text(tokens[0])),
+        a.key_block,
+        super::cost::human_bytes(4.0 * (d.n_layers * d.n_heads) as f64 * (n as f64).powi(2))
+    );
+    let mut t = Table::new([
+        ("layer", Align::Right),
+        ("sink (all queries)", Align::Right),
+        ("", Align::Left),
+        ("last query", Align::Right),
+        (format!("heads α₁>{}", a.epsilon).as_str(), Align::Right),
+        ("heads by α₁ (░▒▓█)", Align::Left),
+        ("mean entropy", Align::Right),
+        ("rows ≥0.9", Align::Right),
+    ]);
+    let peak_layer = layers.iter().max_by(|x, y| x.sink_all_queries.total_cmp(&y.sink_all_queries)).map(|l| l.layer).unwrap_or(0);
+    for l in &layers {
+        let shade: String = l.heads.iter().map(|h| [' ', '░', '▒', '▓', '█'][((h.first_token * 4.0).round() as usize).min(4)]).collect();
+        let sinks = l.heads.iter().filter(|h| h.first_token > a.epsilon).count();
+        let ent = l.heads.iter().map(|h| h.mean_entropy).sum::<f64>() / l.heads.len() as f64;
+        let conc = l.heads.iter().map(|h| h.concentrated).sum::<f64>() / l.heads.len() as f64;
+        t.row([
+            l.layer.to_string(),
+            format!("{:.4}", l.sink_all_queries),
+            bar(l.sink_all_queries as f32, 20) + if l.layer == peak_layer { " ▲" } else { "" },
+            format!("{:.4}", l.sink_last_query),
+            format!("{sinks}/{}", l.heads.len()),
+            format!("|{shade}|"),
+            format!("{ent:.3}"),
+            format!("{:.1}%", 100.0 * conc),
+        ]);
+    }
+    s += &t.render();
+    let prof: Vec<f32> = layers.iter().map(|l| l.sink_all_queries as f32).collect();
+    s += &format!("sink profile {}\npeak: layer {peak_layer} ({:.4})\n\n", sparkline(&prof), layers[peak_layer].sink_all_queries);
+    s += &format!(
+        "forward {forward_s:.1} s (attention {:.1} s), total {:.1} s; peak memory {}; {threads} threads on {cpu}\n",
+        out.timings.attention.as_secs_f64(),
+        start.elapsed().as_secs_f64(),
+        peak.map(|p| super::cost::human_bytes(p as f64)).unwrap_or_else(|| "unknown".into())
+    );
+    emit(&s)
+}
