@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 const PAGE: usize = 2 << 20;
 const THRESHOLD: usize = 4 * PAGE;
 /// Freed mappings kept for reuse, at most this many bytes in all.
-const CACHE_CAP: usize = 768 << 20;
+const CACHE_CAP: usize = 512 << 20;
 const SLOTS: usize = 32;
 
 pub struct BigBufferAlloc;

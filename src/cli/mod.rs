@@ -10,6 +10,7 @@ mod explain;
 mod faithfulness;
 mod info;
 mod inspect;
+mod scaling;
 mod sinks;
 
 use clap::{Parser, Subcommand};
@@ -47,6 +48,9 @@ pub enum Command {
     /// The attention-sink profile and per-head statistics of a long text (up to the model's
     /// context), streamed with an online softmax: memory grows with n, not n².
     Sinks(sinks::Args),
+    /// Measure the cost against the length: time of the attention part and of the whole
+    /// forward, peak memory, with and without pattern capture; fitted exponents.
+    Scaling(scaling::Args),
     /// Describe a model: architecture, heads and KV sharing, sizes, tensor types, tokenizer.
     Info(info::Args),
     /// Run a model on a text and save captured tensors (attention patterns, scores, q/k/v, ...)
@@ -62,6 +66,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Cost(a) => cost::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Info(a) => info::run(a),
+        Command::Scaling(a) => scaling::run(a),
         Command::Sinks(a) => sinks::run(a),
         Command::Corpus(a) => corpus::run(a),
         Command::Faithfulness(a) => faithfulness::run(a),

@@ -48,6 +48,15 @@ impl GgufFile {
         Ok(GgufFile { path: path.into(), content, map, file_size, version })
     }
 
+    /// Drops the file pages read while loading from this process's memory (they stay in the
+    /// page cache, and are read again if a quantized embedding row is looked up): after
+    /// dequantization they would otherwise count ~the file size towards the resident memory.
+    pub fn release_pages(&self) {
+        // SAFETY: the mapping is read-only and file-backed, so MADV_DONTNEED only drops pages
+        // that are read back from the file on the next access; no data can be lost.
+        let _ = unsafe { self.map.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) };
+    }
+
     fn md(&self, key: &str) -> Option<&Value> {
         self.content.metadata.get(key)
     }

@@ -125,6 +125,7 @@ impl Model {
                     warnings,
                 };
                 let weights = weights::load_weights(&mut g, &dims, precision, dims.rope_style, &gguf::gguf_name, tick)?;
+                g.release_pages();
                 Model { dims, info, tokenizer, weights }
             }
             Source::Folder(dir) => {

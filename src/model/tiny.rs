@@ -98,6 +98,12 @@ fn qt(data: &[f32], dims: &[usize], dtype: GgmlDType) -> candle_core::Result<QTe
 
 /// Writes `m` as a GGUF file; `dtype` for the matrices (F32 for exact comparisons).
 pub fn write_gguf(m: &RefModel, arch: Arch, dtype: GgmlDType, path: &Path) -> candle_core::Result<()> {
+    write_gguf_with(m, arch, dtype, path, &|_, _| {})
+}
+
+/// [`write_gguf`] with a hook that may edit the metadata and tensor list before writing (the
+/// tests use it to make broken files: a missing tensor, an unknown pre-tokenizer, ...).
+pub fn write_gguf_with(m: &RefModel, arch: Arch, dtype: GgmlDType, path: &Path, edit: &dyn Fn(&mut Vec<(String, Value)>, &mut Vec<(String, QTensor)>)) -> candle_core::Result<()> {
     let c = &m.cfg;
     let a = arch.name();
     let (tokens, merges, types) = tiny_vocab();
@@ -148,6 +154,8 @@ pub fn write_gguf(m: &RefModel, arch: Arch, dtype: GgmlDType, path: &Path) -> ca
         ("tokenizer.ggml.bos_token_id".into(), u32v(tokens.len() - 2)),
         ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)),
     ];
+    let mut md = md;
+    edit(&mut md, &mut tensors);
     let mut f = std::fs::File::create(path)?;
     let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();

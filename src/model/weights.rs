@@ -77,7 +77,20 @@ impl Mapped {
             }
             Ok(())
         })?;
+        self.release_pages();
         Ok(Tensor::from_vec(out, self.dims.clone(), &Device::Cpu)?)
+    }
+    /// Drops this tensor's file pages from resident memory once they have been read (they stay
+    /// in the page cache), so loading never holds the file and the f32 weights at once.
+    fn release_pages(&self) {
+        const PAGE: usize = 4096;
+        let start = self.offset.div_ceil(PAGE) * PAGE;
+        let end = (self.offset + self.len) / PAGE * PAGE;
+        if end > start {
+            // SAFETY: read-only file-backed mapping: MADV_DONTNEED only drops pages that are
+            // read back from the file on the next access.
+            let _ = unsafe { self.map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start) };
+        }
     }
     /// A candle quantized tensor (one copy of the blocks).
     pub fn to_qtensor(&self) -> Result<QTensor> {

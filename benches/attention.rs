@@ -1,0 +1,54 @@
+//! The attention kernel over the sequence length: the readable reference (`reference`), the fast
+//! path handing out every weight (`materialized`), and the same path streaming over key blocks
+//! with per-row statistics only (`streaming`). Shapes of Qwen2.5-0.5B: 14 query heads sharing 2
+//! KV heads of 64 dims. `cargo bench --bench attention`.
+
+use attnscope::analysis::collect::Collector;
+use attnscope::analysis::stream::StreamStats;
+use attnscope::model::forward::attention;
+use attnscope::reference::{grouped_query_attention, Mask, Rng};
+use candle_core::{Device, Tensor};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use std::hint::black_box;
+
+const H: usize = 14;
+const KV: usize = 2;
+const D: usize = 64;
+
+fn bench(c: &mut Criterion) {
+    let mut g = c.benchmark_group("attention");
+    g.sample_size(10);
+    for n in [64usize, 256, 1024, 4096] {
+        let mut rng = Rng::new(n as u64);
+        let (q, k, v) = (rng.normals(H * n * D, 1.0), rng.normals(KV * n * D, 1.0), rng.normals(KV * n * D, 1.0));
+        g.throughput(Throughput::Elements((H * n * (n + 1) / 2) as u64)); // (query, key) pairs
+        let qt = Tensor::from_vec(q.clone(), (H, n, D), &Device::Cpu).unwrap();
+        let kt = Tensor::from_vec(k.clone(), (KV, n, D), &Device::Cpu).unwrap();
+        let vt = Tensor::from_vec(v.clone(), (KV, n, D), &Device::Cpu).unwrap();
+        let knock = vec![false; n];
+        if n <= 1024 {
+            // the reference takes [pos, head, dim] rows
+            let to_rows = |x: &[f32], heads: usize| -> Vec<f32> { (0..n).flat_map(|p| (0..heads).flat_map(move |h| x[(h * n + p) * D..][..D].to_vec())).collect() };
+            let (qr, kr, vr) = (to_rows(&q, H), to_rows(&k, KV), to_rows(&v, KV));
+            g.bench_with_input(BenchmarkId::new("reference", n), &n, |b, _| b.iter(|| black_box(grouped_query_attention(&qr, &kr, &vr, H, KV, D, Mask::Causal { offset: 0 }))));
+        }
+        if n <= 2048 {
+            g.bench_with_input(BenchmarkId::new("materialized", n), &n, |b, _| {
+                b.iter(|| {
+                    let mut c = Collector::new(1, H, n, n - 1);
+                    black_box(attention(0, &qt, &kt, &vt, &knock, 64 << 20, 1024, &mut c).unwrap())
+                })
+            });
+        }
+        g.bench_with_input(BenchmarkId::new("streaming", n), &n, |b, _| {
+            b.iter(|| {
+                let mut s = StreamStats::new(1, H, n, 5, Box::new(|_| {}));
+                black_box(attention(0, &qt, &kt, &vt, &knock, 64 << 20, 1024, &mut s).unwrap())
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

@@ -1,0 +1,190 @@
+//! Every row of the README's bad-input table: a clear error naming the cause, never a panic
+//! and never a wrong number. (CLI exit codes and messages for user values are in cli.rs.)
+
+use attnscope::model::tiny::{tiny_model, write_gguf, write_gguf_with, write_hf_folder};
+use attnscope::model::{Arch, Model, Precision};
+use candle_core::quantized::gguf_file::Value;
+use candle_core::quantized::GgmlDType;
+use std::path::Path;
+
+fn load_err(path: &Path) -> String {
+    match Model::load(path.to_str().unwrap(), Precision::Exact, false) {
+        Ok(_) => panic!("{} loaded although it is broken", path.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn tiny_gguf_bytes() -> Vec<u8> {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("t.gguf");
+    write_gguf(&tiny_model(Arch::Qwen2, 1), Arch::Qwen2, GgmlDType::F32, &p).unwrap();
+    std::fs::read(p).unwrap()
+}
+
+/// A GGUF header written by hand, so counts, lengths and offsets can be anything.
+struct Raw(Vec<u8>);
+impl Raw {
+    fn new(version: u32, n_tensors: u64, n_kv: u64) -> Self {
+        let mut b = b"GGUF".to_vec();
+        b.extend(version.to_le_bytes());
+        b.extend(n_tensors.to_le_bytes());
+        b.extend(n_kv.to_le_bytes());
+        Raw(b)
+    }
+    fn string(mut self, s: &str) -> Self {
+        self.0.extend((s.len() as u64).to_le_bytes());
+        self.0.extend(s.as_bytes());
+        self
+    }
+    fn u32(mut self, v: u32) -> Self {
+        self.0.extend(v.to_le_bytes());
+        self
+    }
+    fn u64(mut self, v: u64) -> Self {
+        self.0.extend(v.to_le_bytes());
+        self
+    }
+    fn kv_str(self, k: &str, v: &str) -> Self {
+        self.string(k).u32(8).string(v)
+    }
+    fn write(&self, dir: &Path, name: &str) -> std::path::PathBuf {
+        let p = dir.join(name);
+        std::fs::write(&p, &self.0).unwrap();
+        p
+    }
+}
+
+#[test]
+fn a_folder_without_config_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = load_err(dir.path());
+    assert!(e.contains("has no config.json"), "{e}");
+}
+
+#[test]
+fn an_unsupported_gguf_version() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = load_err(&Raw::new(7, 0, 0).write(dir.path(), "v7.gguf"));
+    assert!(e.contains("unsupported GGUF version 7"), "{e}");
+}
+
+/// Every prefix of a real (tiny) GGUF file is an error, not a panic: every byte of the header,
+/// metadata and tensor table, then every 61st byte of the tensor data, and the last 64.
+#[test]
+fn every_prefix_of_a_gguf_file_is_an_error() {
+    let bytes = tiny_gguf_bytes();
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("prefix.gguf");
+    // every byte up to the start of the tensor data, then a stride through the data
+    let header_end = candle_core::quantized::gguf_file::Content::read(&mut std::io::Cursor::new(&bytes)).unwrap().tensor_data_offset as usize;
+    assert!(header_end > 1000 && header_end < bytes.len());
+    let cuts: Vec<usize> = (0..header_end.min(bytes.len())).chain((header_end..bytes.len()).step_by(61)).chain(bytes.len().saturating_sub(64)..bytes.len()).collect();
+    for cut in cuts {
+        std::fs::write(&p, &bytes[..cut]).unwrap();
+        let r = std::panic::catch_unwind(|| Model::load(p.to_str().unwrap(), Precision::Exact, false).map(|_| ()));
+        match r {
+            Ok(Err(_)) => {}
+            Ok(Ok(())) => panic!("a prefix of {cut} of {} bytes loaded", bytes.len()),
+            Err(_) => panic!("a prefix of {cut} bytes panicked"),
+        }
+    }
+}
+
+#[test]
+fn absurd_counts_lengths_and_dims_are_refused_without_allocating() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        ("tensors.gguf", Raw::new(3, u64::MAX / 2, 0), "tensor_count"),
+        ("kv.gguf", Raw::new(3, 0, 1 << 40), "metadata"),
+        ("strlen.gguf", Raw::new(3, 0, 1).u64(1 << 50), "string length"),
+        ("dims.gguf", Raw::new(3, 1, 0).string("w").u32(1000), "dimensions"),
+        ("arraylen.gguf", Raw::new(3, 0, 1).string("k").u32(9).u32(4).u64(1 << 55), "array"),
+    ];
+    for (name, raw, what) in cases {
+        let e = load_err(&raw.write(dir.path(), name));
+        assert!(e.contains("corrupt or truncated") || e.contains(what), "{name}: {e}");
+    }
+    // dims whose product overflows, and tensor data past the end of the file
+    let overflow = Raw::new(3, 1, 1).kv_str("general.architecture", "qwen2").string("token_embd.weight").u32(2).u64(1 << 40).u64(1 << 40).u32(0).u64(0);
+    let e = load_err(&overflow.write(dir.path(), "overflow.gguf"));
+    assert!(e.contains("corrupt or truncated") || e.contains("missing"), "{e}");
+}
+
+#[test]
+fn tensor_offsets_past_the_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("offset.gguf");
+    let m = tiny_model(Arch::Qwen2, 1);
+    write_gguf(&m, Arch::Qwen2, GgmlDType::F32, &p).unwrap();
+    // cut the file in the middle of the tensor data: the last tensors now lie past the end
+    let bytes = std::fs::read(&p).unwrap();
+    std::fs::write(&p, &bytes[..bytes.len() - 4096]).unwrap();
+    let e = load_err(&p);
+    assert!(e.contains("truncated"), "{e}");
+}
+
+#[test]
+fn a_missing_tensor_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("missing.gguf");
+    write_gguf_with(&tiny_model(Arch::Llama, 1), Arch::Llama, GgmlDType::F32, &p, &|_, t| t.retain(|(n, _)| n != "blk.1.ffn_up.weight")).unwrap();
+    let e = load_err(&p);
+    assert!(e.contains("tensor `blk.1.ffn_up.weight` not found"), "{e}");
+}
+
+#[test]
+fn a_shape_that_does_not_match_the_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let hf = dir.path().join("hf");
+    write_hf_folder(&tiny_model(Arch::Qwen2, 1), Arch::Qwen2, &hf, 1).unwrap();
+    let cfg_path = hf.join("config.json");
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["intermediate_size"] = 48.into();
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let e = load_err(&hf);
+    assert!(e.contains("has shape [64, 32], but the config implies [48, 32]"), "{e}");
+}
+
+#[test]
+fn unknown_architectures_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("bloom.gguf");
+    write_gguf_with(&tiny_model(Arch::Qwen2, 1), Arch::Qwen2, GgmlDType::F32, &p, &|md, _| {
+        md.iter_mut().filter(|(k, _)| k == "general.architecture").for_each(|(_, v)| *v = Value::String("bloom".into()));
+    })
+    .unwrap();
+    let e = load_err(&p);
+    assert!(e.contains("unsupported architecture `bloom`") && e.contains("qwen2, llama"), "{e}");
+    let hf = dir.path().join("hf");
+    write_hf_folder(&tiny_model(Arch::Qwen2, 1), Arch::Qwen2, &hf, 1).unwrap();
+    let cfg = std::fs::read_to_string(hf.join("config.json")).unwrap().replace("\"qwen2\"", "\"gpt2\"");
+    std::fs::write(hf.join("config.json"), cfg).unwrap();
+    assert!(load_err(&hf).contains("unsupported architecture `gpt2`"));
+}
+
+#[test]
+fn an_unknown_pre_tokenizer_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("pre.gguf");
+    write_gguf_with(&tiny_model(Arch::Qwen2, 1), Arch::Qwen2, GgmlDType::F32, &p, &|md, _| {
+        md.iter_mut().filter(|(k, _)| k == "tokenizer.ggml.pre").for_each(|(_, v)| *v = Value::String("bloom".into()));
+    })
+    .unwrap();
+    let e = load_err(&p);
+    assert!(e.contains("unknown pre-tokenizer `bloom`") && e.contains("qwen2"), "{e}");
+}
+
+#[test]
+fn a_corrupt_safetensors_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let hf = dir.path().join("hf");
+    write_hf_folder(&tiny_model(Arch::Llama, 1), Arch::Llama, &hf, 1).unwrap();
+    let st = hf.join("model.safetensors");
+    let bytes = std::fs::read(&st).unwrap();
+    std::fs::write(&st, &bytes[..bytes.len() / 2]).unwrap();
+    let e = load_err(&hf);
+    assert!(e.contains("corrupt or truncated"), "{e}");
+    std::fs::write(&st, [0xffu8; 16]).unwrap();
+    let e = load_err(&hf);
+    assert!(e.contains("safetensors") || e.contains("not a GGUF or safetensors"), "{e}");
+}
