@@ -10,51 +10,82 @@ use memmap2::Mmap;
 use std::sync::Arc;
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::{BufReader, Read};
 use std::path::{Path, PathBuf};
+
+/// The bytes behind a GGUF file: a read-only memory map, or a buffer (tests, fuzzing).
+pub enum Backing {
+    Map(Mmap),
+    Bytes(Vec<u8>),
+}
+
+impl std::ops::Deref for Backing {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Backing::Map(m) => m,
+            Backing::Bytes(b) => b,
+        }
+    }
+}
+
+impl Backing {
+    /// Drops resident pages of `start..start + len` (a no-op for buffers).
+    pub fn release(&self, start: usize, len: usize) {
+        if let Backing::Map(m) = self {
+            // SAFETY: read-only file-backed mapping: MADV_DONTNEED only drops pages that are
+            // read back from the file on the next access; no data can be lost.
+            let _ = unsafe { m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, len) };
+        }
+    }
+}
 
 pub struct GgufFile {
     pub path: PathBuf,
     pub content: Content,
-    map: Arc<Mmap>,
+    map: Arc<Backing>,
     pub file_size: u64,
     pub version: u32,
 }
 
 impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
-        let mut f = File::open(path).map_err(|e| Error::io(path, e))?;
-        let file_size = f.metadata().map_err(|e| Error::io(path, e))?.len();
-        let mut head = [0u8; 8];
-        let n = read_up_to(&mut f, &mut head).map_err(|e| Error::io(path, e))?;
-        if n < 4 || &head[..4] != b"GGUF" {
-            return Err(Error::WrongMagic { path: path.into(), magic: head[..n].to_vec() });
+        let f = File::open(path).map_err(|e| Error::io(path, e))?;
+        // SAFETY: mapped read-only; attnscope never writes model files (a concurrent external
+        // writer could change what is read, as with any mmap; the cache is only ever renamed into).
+        let map = unsafe { Mmap::map(&f) }.map_err(|e| Error::io(path, e))?;
+        Self::from_backing(path, Backing::Map(map))
+    }
+
+    /// A GGUF file held in memory; `name` stands in for the path in messages.
+    pub fn from_bytes(name: &Path, bytes: Vec<u8>) -> Result<Self> {
+        Self::from_backing(name, Backing::Bytes(bytes))
+    }
+
+    fn from_backing(path: &Path, map: Backing) -> Result<Self> {
+        let file_size = map.len() as u64;
+        let head = &map[..map.len().min(8)];
+        if head.len() < 4 || &head[..4] != b"GGUF" {
+            return Err(Error::WrongMagic { path: path.into(), magic: head.to_vec() });
         }
-        if n < 8 {
-            return Err(Error::BadGguf { path: path.into(), reason: format!("the file ends after {n} bytes, inside the header") });
+        if head.len() < 8 {
+            return Err(Error::BadGguf { path: path.into(), reason: format!("the file ends after {} bytes, inside the header", head.len()) });
         }
         let version = u32::from_le_bytes([head[4], head[5], head[6], head[7]]);
         if !(2..=3).contains(&version) {
             return Err(Error::GgufVersion { path: path.into(), version });
         }
-        let f = File::open(path).map_err(|e| Error::io(path, e))?;
-        let content = Content::read(&mut BufReader::new(&f)).map_err(|e| Error::BadGguf { path: path.into(), reason: e.to_string() })?;
-        // SAFETY: mapped read-only; attnscope never writes model files (a concurrent external
-        // writer could change what is read, as with any mmap; the cache is only ever renamed into).
-        let map = Arc::new(unsafe { Mmap::map(&f) }.map_err(|e| Error::io(path, e))?);
+        let content = Content::read(&mut std::io::Cursor::new(&map[..])).map_err(|e| Error::BadGguf { path: path.into(), reason: e.to_string() })?;
         if content.tensor_data_offset > file_size {
             return Err(Error::BadGguf { path: path.into(), reason: format!("tensor data would start at byte {}, past the end of the file ({file_size} bytes)", content.tensor_data_offset) });
         }
-        Ok(GgufFile { path: path.into(), content, map, file_size, version })
+        Ok(GgufFile { path: path.into(), content, map: Arc::new(map), file_size, version })
     }
 
     /// Drops the file pages read while loading from this process's memory (they stay in the
     /// page cache, and are read again if a quantized embedding row is looked up): after
     /// dequantization they would otherwise count ~the file size towards the resident memory.
     pub fn release_pages(&self) {
-        // SAFETY: the mapping is read-only and file-backed, so MADV_DONTNEED only drops pages
-        // that are read back from the file on the next access; no data can be lost.
-        let _ = unsafe { self.map.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) };
+        self.map.release(0, self.map.len());
     }
 
     fn md(&self, key: &str) -> Option<&Value> {
@@ -158,17 +189,6 @@ impl GgufFile {
     pub fn metadata(&self) -> &std::collections::HashMap<String, Value> {
         &self.content.metadata
     }
-}
-
-fn read_up_to(f: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
-    let mut n = 0;
-    while n < buf.len() {
-        match f.read(&mut buf[n..])? {
-            0 => break,
-            k => n += k,
-        }
-    }
-    Ok(n)
 }
 
 /// GGUF's name for a logical weight.

@@ -109,25 +109,7 @@ impl Model {
             bar.set_position(i as u64);
         };
         let model = match source {
-            Source::Gguf(path) => {
-                let mut g = gguf::GgufFile::open(&path)?;
-                let (dims, warnings) = g.dims()?;
-                let tokenizer = Tokenizer::from_gguf(g.metadata(), &path)?;
-                let info = ModelInfo {
-                    name,
-                    description: description.or_else(|| g.name()),
-                    path: path.clone(),
-                    format: "gguf",
-                    precision,
-                    file_size: g.file_size,
-                    tensor_types: g.tensor_types(),
-                    tokenizer: tokenizer.kind.clone(),
-                    warnings,
-                };
-                let weights = weights::load_weights(&mut g, &dims, precision, dims.rope_style, &gguf::gguf_name, tick)?;
-                g.release_pages();
-                Model { dims, info, tokenizer, weights }
-            }
+            Source::Gguf(path) => Self::from_gguf(gguf::GgufFile::open(&path)?, name, description, precision, tick)?,
             Source::Folder(dir) => {
                 let mut f = hf::HfFolder::open(&dir)?;
                 let dims = f.dims()?;
@@ -158,6 +140,30 @@ impl Model {
             eprintln!("attnscope: warning: {w}");
         }
         Ok(model)
+    }
+
+    /// Loads a model from GGUF bytes in memory (fuzzing, tests); `name` is used in messages.
+    pub fn from_gguf_bytes(name: &str, bytes: Vec<u8>, precision: Precision) -> Result<Model> {
+        Self::from_gguf(gguf::GgufFile::from_bytes(Path::new(name), bytes)?, name.to_string(), None, precision, |_, _| {})
+    }
+
+    fn from_gguf(mut g: gguf::GgufFile, name: String, description: Option<String>, precision: Precision, tick: impl FnMut(usize, usize)) -> Result<Model> {
+        let (dims, warnings) = g.dims()?;
+        let tokenizer = Tokenizer::from_gguf(g.metadata(), &g.path)?;
+        let info = ModelInfo {
+            name,
+            description: description.or_else(|| g.name()),
+            path: g.path.clone(),
+            format: "gguf",
+            precision,
+            file_size: g.file_size,
+            tensor_types: g.tensor_types(),
+            tokenizer: tokenizer.kind.clone(),
+            warnings,
+        };
+        let weights = weights::load_weights(&mut g, &dims, precision, dims.rope_style, &gguf::gguf_name, tick)?;
+        g.release_pages();
+        Ok(Model { dims, info, tokenizer, weights })
     }
 
     /// Tokenizes `text` (BOS only if the model asks for it or `force_bos`), refusing empty text

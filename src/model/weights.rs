@@ -4,7 +4,6 @@
 use super::config::{ModelDims, RopeStyle};
 use super::error::{Error, Result};
 use candle_core::quantized::{GgmlDType, GgmlType, QMatMul, QStorage, QTensor};
-use memmap2::Mmap;
 use std::sync::Arc;
 use candle_core::{DType, Device, Module, Tensor};
 use serde::Serialize;
@@ -34,7 +33,7 @@ impl Precision {
 /// A GGUF tensor still in the memory-mapped file: `dtype` blocks, row-major `[rows, cols]`.
 #[derive(Clone)]
 pub struct Mapped {
-    pub map: Arc<Mmap>,
+    pub map: Arc<super::gguf::Backing>,
     pub offset: usize,
     pub len: usize,
     pub dtype: GgmlDType,
@@ -87,9 +86,7 @@ impl Mapped {
         let start = self.offset.div_ceil(PAGE) * PAGE;
         let end = (self.offset + self.len) / PAGE * PAGE;
         if end > start {
-            // SAFETY: read-only file-backed mapping: MADV_DONTNEED only drops pages that are
-            // read back from the file on the next access.
-            let _ = unsafe { self.map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start) };
+            self.map.release(start, end - start);
         }
     }
     /// A candle quantized tensor (one copy of the blocks).
