@@ -12,6 +12,7 @@ mod info;
 mod inspect;
 mod scaling;
 mod sinks;
+mod view;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -51,6 +52,11 @@ pub enum Command {
     /// Measure the cost against the length: time of the attention part and of the whole
     /// forward, peak memory, with and without pattern capture; fitted exponents.
     Scaling(scaling::Args),
+    /// Write a self-contained HTML page (no network): head view, model view (layers × heads),
+    /// sink chart, sink-hiding toggle, KV groups, top-k tables, PNG/SVG export.
+    View(view::ViewArgs),
+    /// Draw one attention map (a head, or the mean of a layer's heads) as PNG or SVG.
+    Heatmap(view::HeatmapArgs),
     /// Describe a model: architecture, heads and KV sharing, sizes, tensor types, tokenizer.
     Info(info::Args),
     /// Run a model on a text and save captured tensors (attention patterns, scores, q/k/v, ...)
@@ -66,6 +72,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Cost(a) => cost::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Info(a) => info::run(a),
+        Command::View(a) => view::view(a),
+        Command::Heatmap(a) => view::heatmap(a),
         Command::Scaling(a) => scaling::run(a),
         Command::Sinks(a) => sinks::run(a),
         Command::Corpus(a) => corpus::run(a),

@@ -1,4 +1,6 @@
 //! Renderers: they format what the analyses computed; no maths here.
+pub mod heatmap;
+pub mod html;
 pub mod npy;
 pub mod report;
 pub mod table;

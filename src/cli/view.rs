@@ -1,0 +1,125 @@
+//! `attnscope view` (the HTML page) and `attnscope heatmap` (one map as PNG or SVG).
+
+use super::common::{check_index, emit, usage, write_new_file, ModelArgs, TextArgs};
+use crate::analysis::collect::Collector;
+use crate::analysis::faithfulness::{run as run_faith, FaithOptions, Target};
+use crate::analysis::inspect::ModelFacts;
+use crate::model::capture::{AttnCache, CaptureSpec, Hook, Observer};
+use crate::model::forward::RunOptions;
+use crate::render::html::{encode_layer, page, ViewData};
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug)]
+pub struct ViewArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    text: TextArgs,
+    /// The HTML file to write (self-contained: it opens offline).
+    #[arg(long, short = 'o', default_value = "attnscope-view.html")]
+    out: PathBuf,
+    /// Also measure faithfulness (occlusion) and show it in a panel.
+    #[arg(long)]
+    faithfulness: bool,
+    /// Replace --out if it exists.
+    #[arg(long)]
+    force: bool,
+}
+
+const MAX_VIEW_TOKENS: usize = 512;
+
+pub fn view(a: ViewArgs) -> anyhow::Result<()> {
+    if a.out.exists() && !a.force {
+        return Err(anyhow::Error::new(crate::model::Error::Exists { path: a.out.clone() }));
+    }
+    let text = a.text.read()?;
+    let model = a.model.load()?;
+    let tokens = model.encode(&text, a.model.bos)?;
+    let (n, d) = (tokens.len(), &model.dims);
+    if n > MAX_VIEW_TOKENS {
+        return Err(usage(format!("the text is {n} tokens; the view embeds every weight and takes at most {MAX_VIEW_TOKENS} (use `attnscope sinks` for long texts)")));
+    }
+    let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
+    model.forward(&tokens, &RunOptions::last_logits(n), &mut cache)?;
+    // the sink numbers come from the same analysis as `inspect`, fed the captured maps
+    let mut c = Collector::new(d.n_layers, d.n_heads, n, n - 1);
+    let mut patterns = Vec::with_capacity(d.n_layers);
+    let mut encoding = "u16";
+    for l in 0..d.n_layers {
+        let p = cache.pattern(l).expect("every layer was captured");
+        c.attention_block(l, Hook::Pattern, 0, [d.n_heads, n, n], p.data);
+        let (enc, b64) = encode_layer(p.data, d.n_heads, n);
+        encoding = enc;
+        patterns.push(b64);
+    }
+    let faithfulness = if a.faithfulness {
+        Some(serde_json::to_value(run_faith(&model, &tokens, &FaithOptions { target: Target::Next, replacement: " ".into(), seed: 7 }, |_, _| {})?)?)
+    } else {
+        None
+    };
+    let texts = model.token_texts(&tokens);
+    let data = ViewData {
+        title: format!("attnscope · {} · {} tokens", model.info.name, n),
+        model: serde_json::to_value(ModelFacts::of(&model))?,
+        tokens: &texts,
+        n_layers: d.n_layers,
+        n_heads: d.n_heads,
+        n_kv_heads: d.n_kv_heads,
+        sink_query: (0..d.n_layers).map(|l| c.sink_query(l)).collect(),
+        sink_all: (0..d.n_layers).map(|l| c.sink_all_queries(l)).collect(),
+        faithfulness,
+        encoding,
+        patterns,
+    };
+    let html = page(&data);
+    write_new_file(&a.out, html.as_bytes(), a.force)?;
+    emit(&format!("wrote {} ({:.1} MB, {n} tokens, {} layers × {} heads); open it in a browser, no network needed\n", a.out.display(), html.len() as f64 / 1e6, d.n_layers, d.n_heads))
+}
+
+#[derive(clap::Args, Debug)]
+pub struct HeatmapArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    text: TextArgs,
+    /// Layer to draw.
+    #[arg(long, short = 'l')]
+    layer: usize,
+    /// Head to draw, or `mean` for the head average.
+    #[arg(long, default_value = "mean")]
+    head: String,
+    /// Output file: .png or .svg.
+    #[arg(long, short = 'o')]
+    out: PathBuf,
+    #[arg(long)]
+    force: bool,
+}
+
+pub fn heatmap(a: HeatmapArgs) -> anyhow::Result<()> {
+    let ext = a.out.extension().and_then(|e| e.to_str()).unwrap_or("").to_ascii_lowercase();
+    if ext != "png" && ext != "svg" {
+        return Err(usage(format!("--out {} must end in .png or .svg", a.out.display())));
+    }
+    if a.out.exists() && !a.force {
+        return Err(anyhow::Error::new(crate::model::Error::Exists { path: a.out.clone() }));
+    }
+    let text = a.text.read()?;
+    let model = a.model.load()?;
+    let tokens = model.encode(&text, a.model.bos)?;
+    let (n, d) = (tokens.len(), &model.dims);
+    let layer = check_index(a.layer, d.n_layers, "layer")?;
+    let head = match a.head.as_str() {
+        "mean" => None,
+        h => Some(check_index(h.parse().map_err(|_| usage(format!("--head {h} is not a number or `mean`")))?, d.n_heads, "head")?),
+    };
+    let spec = CaptureSpec { hooks: vec![Hook::Pattern], layers: Some(vec![layer]), heads: head.map(|h| vec![h]), queries: crate::model::capture::Queries::All };
+    let mut cache = AttnCache::new(&spec, n);
+    model.forward(&tokens, &RunOptions::default(), &mut cache)?;
+    let p = cache.pattern(layer).expect("captured");
+    let map: Vec<f32> = if head.is_some() { p.data.to_vec() } else { crate::analysis::mean_rows(p.data.chunks(n * n)) };
+    let labels: Vec<String> = model.token_texts(&tokens).iter().enumerate().map(|(i, t)| format!("{i} {}", crate::model::tokenize::visible(t))).collect();
+    let title = format!("{} · layer {layer} · {}", model.info.name, head.map(|h| format!("head {h}")).unwrap_or_else(|| "mean of heads".into()));
+    let bytes = if ext == "svg" { crate::render::heatmap::svg(&map, &labels, &labels, &title).into_bytes() } else { crate::render::heatmap::png(&map, n, n) };
+    write_new_file(&a.out, &bytes, a.force)?;
+    emit(&format!("wrote {} ({title}, {n}×{n})\n", a.out.display()))
+}
