@@ -235,3 +235,55 @@ fn corpus_shards_merge_to_the_single_run_and_resume() {
     let bad = attnscope().args(["corpus", "--model", m, "--shard", "2/2"]).output().unwrap();
     assert_eq!(bad.status.code(), Some(2));
 }
+
+fn http_get(addr: &str, target: &str) -> (String, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60))).unwrap();
+    write!(s, "GET {target} HTTP/1.1\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
+    (head.lines().next().unwrap_or("").to_string(), body.to_string())
+}
+
+/// `serve` answers on loopback, survives 100 sequential requests and 8 concurrent ones, and
+/// answers bad requests with a page that says what is wrong.
+#[test]
+fn serve_survives_sequential_and_concurrent_requests() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("attnscope"))
+        .args(["serve", "--model", m.to_str().unwrap(), "--addr", "127.0.0.1:0", "--max-concurrent", "8"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let addr = line.split("http://").nth(1).unwrap().trim().trim_end_matches('/').trim_end_matches(" (Ctrl-C to stop)").trim_end_matches('/').to_string();
+    let addr = addr.split('/').next().unwrap().to_string();
+    let (status, body) = http_get(&addr, "/");
+    assert!(status.contains("200") && body.contains("<form"), "{status}");
+    for i in 0..100 {
+        let (status, body) = http_get(&addr, &format!("/view?text=the+hat+{i}"));
+        assert!(status.contains("200"), "request {i}: {status}");
+        assert!(body.contains("Head view") && body.contains("\"n_heads\":4"));
+    }
+    let handles: Vec<_> = (0..8).map(|i| { let a = addr.clone(); std::thread::spawn(move || http_get(&a, &format!("/view?text=at+the+{i}"))) }).collect();
+    for h in handles {
+        let (status, _) = h.join().unwrap();
+        assert!(status.contains("200") || status.contains("503"), "{status}");
+    }
+    let (status, body) = http_get(&addr, "/view?text=%20%20");
+    assert!(status.contains("400") && body.contains("text is empty"), "{status}");
+    let (status, body) = http_get(&addr, &format!("/view?text={}", "a".repeat(3000)));
+    assert!(status.contains("413") && body.contains("at most 2000"), "{status}");
+    let (status, _) = http_get(&addr, "/nothing");
+    assert!(status.contains("404"));
+    let (status, _) = http_get(&addr, "/");
+    assert!(status.contains("200"), "still serving after all that");
+    child.kill().unwrap();
+    let _ = child.wait();
+}

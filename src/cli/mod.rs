@@ -11,6 +11,7 @@ mod faithfulness;
 mod info;
 mod inspect;
 mod scaling;
+mod serve;
 mod sinks;
 mod view;
 
@@ -57,6 +58,8 @@ pub enum Command {
     View(view::ViewArgs),
     /// Draw one attention map (a head, or the mean of a layer's heads) as PNG or SVG.
     Heatmap(view::HeatmapArgs),
+    /// A local web page to type a sentence and explore the views (model loaded once; loopback).
+    Serve(serve::Args),
     /// Describe a model: architecture, heads and KV sharing, sizes, tensor types, tokenizer.
     Info(info::Args),
     /// Run a model on a text and save captured tensors (attention patterns, scores, q/k/v, ...)
@@ -72,6 +75,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Cost(a) => cost::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Info(a) => info::run(a),
+        Command::Serve(a) => serve::run(a),
         Command::View(a) => view::view(a),
         Command::Heatmap(a) => view::heatmap(a),
         Command::Scaling(a) => scaling::run(a),

@@ -28,13 +28,9 @@ pub struct ViewArgs {
 
 const MAX_VIEW_TOKENS: usize = 512;
 
-pub fn view(a: ViewArgs) -> anyhow::Result<()> {
-    if a.out.exists() && !a.force {
-        return Err(anyhow::Error::new(crate::model::Error::Exists { path: a.out.clone() }));
-    }
-    let text = a.text.read()?;
-    let model = a.model.load()?;
-    let tokens = model.encode(&text, a.model.bos)?;
+/// The view page for `text` on `model` (also served by `attnscope serve`), and the token count.
+pub fn view_html(model: &crate::model::Model, text: &str, bos: bool, faithfulness: bool) -> anyhow::Result<(String, usize)> {
+    let tokens = model.encode(text, bos)?;
     let (n, d) = (tokens.len(), &model.dims);
     if n > MAX_VIEW_TOKENS {
         return Err(usage(format!("the text is {n} tokens; the view embeds every weight and takes at most {MAX_VIEW_TOKENS} (use `attnscope sinks` for long texts)")));
@@ -52,15 +48,15 @@ pub fn view(a: ViewArgs) -> anyhow::Result<()> {
         encoding = enc;
         patterns.push(b64);
     }
-    let faithfulness = if a.faithfulness {
-        Some(serde_json::to_value(run_faith(&model, &tokens, &FaithOptions { target: Target::Next, replacement: " ".into(), seed: 7 }, |_, _| {})?)?)
+    let faithfulness = if faithfulness {
+        Some(serde_json::to_value(run_faith(model, &tokens, &FaithOptions { target: Target::Next, replacement: " ".into(), seed: 7 }, |_, _| {})?)?)
     } else {
         None
     };
     let texts = model.token_texts(&tokens);
     let data = ViewData {
         title: format!("attnscope · {} · {} tokens", model.info.name, n),
-        model: serde_json::to_value(ModelFacts::of(&model))?,
+        model: serde_json::to_value(ModelFacts::of(model))?,
         tokens: &texts,
         n_layers: d.n_layers,
         n_heads: d.n_heads,
@@ -71,7 +67,17 @@ pub fn view(a: ViewArgs) -> anyhow::Result<()> {
         encoding,
         patterns,
     };
-    let html = page(&data);
+    Ok((page(&data), n))
+}
+
+pub fn view(a: ViewArgs) -> anyhow::Result<()> {
+    if a.out.exists() && !a.force {
+        return Err(anyhow::Error::new(crate::model::Error::Exists { path: a.out.clone() }));
+    }
+    let text = a.text.read()?;
+    let model = a.model.load()?;
+    let (html, n) = view_html(&model, &text, a.model.bos, a.faithfulness)?;
+    let d = &model.dims;
     write_new_file(&a.out, html.as_bytes(), a.force)?;
     emit(&format!("wrote {} ({:.1} MB, {n} tokens, {} layers × {} heads); open it in a browser, no network needed\n", a.out.display(), html.len() as f64 / 1e6, d.n_layers, d.n_heads))
 }
