@@ -173,7 +173,7 @@ fn capture_writes_safetensors_and_refuses_to_overwrite() {
 fn help_explains_every_subcommand() {
     let out = attnscope().arg("--help").output().unwrap();
     let s = String::from_utf8(out.stdout).unwrap();
-    for sub in ["explain", "cost", "inspect", "info", "capture", "fetch"] {
+    for sub in ["explain", "cost", "inspect", "faithfulness", "corpus", "sinks", "scaling", "view", "heatmap", "serve", "info", "capture", "fetch"] {
         assert!(s.contains(sub), "--help lacks {sub}");
         let h = attnscope().args([sub, "--help"]).output().unwrap();
         assert!(h.status.success() && h.stdout.len() > 200, "{sub} --help");
@@ -286,4 +286,68 @@ fn serve_survives_sequential_and_concurrent_requests() {
     assert!(status.contains("200"), "still serving after all that");
     child.kill().unwrap();
     let _ = child.wait();
+}
+
+/// The streamed sink profile (`sinks`, online softmax over key blocks of 7) equals the one
+/// `inspect` computes from materialized weights, on the same text.
+#[test]
+fn sinks_streamed_equal_inspect_materialized() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let text = "the hat at the the hat he sat at the hat the at he the hat sat";
+    let f = dir.path().join("long.txt");
+    std::fs::write(&f, text).unwrap();
+    let s = attnscope().args(["sinks", "--model", m.to_str().unwrap(), "--file", f.to_str().unwrap(), "--key-block", "7", "--json"]).output().unwrap();
+    assert!(s.status.success(), "{}", stderr_of(&s));
+    let s: serde_json::Value = serde_json::from_slice(&s.stdout).unwrap();
+    let i = attnscope().args(["inspect", "--model", m.to_str().unwrap(), "--file", f.to_str().unwrap(), "--json"]).output().unwrap();
+    let i: serde_json::Value = serde_json::from_slice(&i.stdout).unwrap();
+    for l in 0..2 {
+        let a = s["layers"][l]["sink_all_queries"].as_f64().unwrap();
+        let b = i["layers"][l]["sink_all_queries"].as_f64().unwrap();
+        assert!((a - b).abs() < 1e-5, "layer {l}: streamed {a} vs materialized {b}");
+        let a = s["layers"][l]["sink_last_query"].as_f64().unwrap();
+        let b = i["layers"][l]["sink_query"].as_f64().unwrap();
+        assert!((a - b).abs() < 1e-5, "layer {l} last query: {a} vs {b}");
+    }
+    assert_eq!(s["layers"][0]["heads"].as_array().unwrap().len(), 4);
+    assert!(s["peak_rss_bytes"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn scaling_reports_exponents() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let out = attnscope().args(["scaling", "--model", m.to_str().unwrap(), "--lengths", "16,32,64", "--repeats", "1", "--json"]).output().unwrap();
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["rows"].as_array().unwrap().len(), 3);
+    assert!(v["exponents"]["attention"].as_f64().is_some() && v["exponents"]["projections"].as_f64().is_some());
+    assert!(v["rows"][2]["capture"]["median_s"].as_f64().unwrap() > 0.0);
+    assert!(v["threads"].as_u64().unwrap() >= 1);
+    let bad = attnscope().args(["scaling", "--model", m.to_str().unwrap(), "--lengths", "100000"]).output().unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+}
+
+#[test]
+fn view_and_heatmap_write_their_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let html = dir.path().join("v.html");
+    let out = attnscope().args(["view", "--model", m.to_str().unwrap(), "--text", "the hat", "--out", html.to_str().unwrap(), "--faithfulness"]).output().unwrap();
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    let page = std::fs::read_to_string(&html).unwrap();
+    assert!(page.contains("\"n_heads\":4") && page.contains("\"faithfulness\":{") && page.contains("Head view"));
+    assert!(!page.contains("src=\"http") && !page.contains("<link"), "self-contained");
+    let png = dir.path().join("h.png");
+    let out = attnscope().args(["heatmap", "--model", m.to_str().unwrap(), "--text", "the hat", "--layer", "1", "--head", "2", "--out", png.to_str().unwrap()]).output().unwrap();
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    assert_eq!(&std::fs::read(&png).unwrap()[..4], b"\x89PNG");
+    let svg = dir.path().join("h.svg");
+    assert!(attnscope().args(["heatmap", "--model", m.to_str().unwrap(), "--text", "the hat", "--layer", "0", "--out", svg.to_str().unwrap()]).output().unwrap().status.success());
+    assert!(std::fs::read_to_string(&svg).unwrap().contains("mean of heads"));
+    let bad = attnscope().args(["heatmap", "--model", m.to_str().unwrap(), "--layer", "0", "--out", "x.jpg"]).output().unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    let bad = attnscope().args(["heatmap", "--model", m.to_str().unwrap(), "--layer", "0", "--head", "9", "--out", dir.path().join("y.png").to_str().unwrap()]).output().unwrap();
+    assert!(stderr_of(&bad).contains("head 9 is out of range"));
 }
