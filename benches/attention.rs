@@ -17,7 +17,7 @@ const D: usize = 64;
 
 fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("attention");
-    g.sample_size(10);
+    g.sample_size(10).warm_up_time(std::time::Duration::from_secs(1)).measurement_time(std::time::Duration::from_secs(3));
     for n in [64usize, 256, 1024, 4096] {
         let mut rng = Rng::new(n as u64);
         let (q, k, v) = (rng.normals(H * n * D, 1.0), rng.normals(KV * n * D, 1.0), rng.normals(KV * n * D, 1.0));
