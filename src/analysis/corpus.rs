@@ -11,6 +11,13 @@ pub fn builtin() -> Vec<String> {
     parse_lines(include_str!("../../data/corpus.txt"), true)
 }
 
+/// The built-in corpus joined by newlines, tokenized once and repeated up to `n` tokens: real
+/// text of any length, for `sinks` and `scaling`.
+pub fn builtin_tokens(tokenizer: &crate::model::tokenize::Tokenizer, n: usize) -> crate::model::Result<Vec<u32>> {
+    let once = tokenizer.encode(&builtin().join("\n"), false)?;
+    Ok(once.iter().copied().cycle().take(n).collect())
+}
+
 /// One text per non-empty line; `#` lines are comments. With `unescape`, `\n` is a newline.
 pub fn parse_lines(s: &str, unescape: bool) -> Vec<String> {
     s.lines()

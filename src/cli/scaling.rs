@@ -62,12 +62,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if max_n > d.context_len {
         return Err(anyhow::Error::new(crate::model::Error::TooLong { n_tokens: max_n, limit: d.context_len, model: model.info.name.clone() }));
     }
-    let corpus = crate::analysis::corpus::builtin().join("\n");
-    let once = model.tokenizer.encode(&corpus, false)?;
-    let mut all = Vec::with_capacity(max_n + once.len());
-    while all.len() < max_n {
-        all.extend_from_slice(&once);
-    }
+    let all = crate::analysis::corpus::builtin_tokens(&model.tokenizer, max_n)?;
     let bar_ = if std::io::stderr().is_terminal() { indicatif::ProgressBar::new((a.lengths.len() * 2) as u64) } else { indicatif::ProgressBar::hidden() };
     bar_.set_style(indicatif::ProgressStyle::with_template("{msg:24} [{bar:30}] {pos}/{len} ({elapsed})").expect("valid template").progress_chars("=> "));
     let measure = |tokens: &[u32], capture: bool| -> anyhow::Result<Setting> {

@@ -52,12 +52,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             model.tokenizer.encode(&text, a.model.bos)?
         }
         None => {
-            let corpus = crate::analysis::corpus::builtin().join("\n");
-            let once = model.tokenizer.encode(&corpus, a.model.bos)?;
-            let mut t = Vec::with_capacity(max_tokens + once.len());
-            while t.len() < max_tokens {
-                t.extend_from_slice(&once);
-            }
+            // a BOS first when the model or --bos asks for one, as encode() does for files
+            let mut t = if a.model.bos || model.tokenizer.add_bos { model.tokenizer.encode("", true)? } else { Vec::new() };
+            t.extend(crate::analysis::corpus::builtin_tokens(&model.tokenizer, max_tokens)?);
             t
         }
     };

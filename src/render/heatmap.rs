@@ -2,6 +2,7 @@
 //! (cells, a colour scale, position labels in a built-in 3×5 digit font; no font files needed).
 
 use super::html::html_escape;
+use super::tensorfile::crc32;
 
 /// White → dark blue, with a square-root scale so small weights stay visible.
 pub fn colour(v: f32) -> [u8; 3] {
@@ -84,17 +85,6 @@ impl Canvas {
             }
         }
     }
-}
-
-fn crc32(data: &[u8]) -> u32 {
-    let mut c = 0xFFFF_FFFFu32;
-    for &b in data {
-        c ^= b as u32;
-        for _ in 0..8 {
-            c = if c & 1 != 0 { 0xEDB8_8320 ^ (c >> 1) } else { c >> 1 };
-        }
-    }
-    c ^ 0xFFFF_FFFF
 }
 
 /// A PNG (8-bit RGB) of raw pixels, zlib-wrapped in stored (uncompressed) deflate blocks.

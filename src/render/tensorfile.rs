@@ -38,7 +38,8 @@ pub fn to_safetensors(tensors: &[NamedTensor<'_>], metadata: &BTreeMap<String, S
     out
 }
 
-fn crc32(data: &[u8]) -> u32 {
+/// CRC-32 (IEEE), as zip and PNG use it.
+pub(crate) fn crc32(data: &[u8]) -> u32 {
     let mut table = [0u32; 256];
     for (i, e) in table.iter_mut().enumerate() {
         let mut c = i as u32;
