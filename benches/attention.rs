@@ -5,7 +5,7 @@
 
 use attnscope::analysis::collect::Collector;
 use attnscope::analysis::stream::StreamStats;
-use attnscope::model::forward::attention;
+use attnscope::model::forward::{attention, RunOptions};
 use attnscope::reference::{grouped_query_attention, Mask, Rng};
 use candle_core::{Device, Tensor};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
@@ -36,14 +36,14 @@ fn bench(c: &mut Criterion) {
             g.bench_with_input(BenchmarkId::new("materialized", n), &n, |b, _| {
                 b.iter(|| {
                     let mut c = Collector::new(1, H, n, n - 1);
-                    black_box(attention(0, &qt, &kt, &vt, &knock, 64 << 20, 1024, &mut c).unwrap())
+                    black_box(attention(0, &qt, &kt, &vt, &knock, RunOptions::default().block_bytes, 1024, &mut c).unwrap())
                 })
             });
         }
         g.bench_with_input(BenchmarkId::new("streaming", n), &n, |b, _| {
             b.iter(|| {
                 let mut s = StreamStats::new(1, H, n, 5, Box::new(|_| {}));
-                black_box(attention(0, &qt, &kt, &vt, &knock, 64 << 20, 1024, &mut s).unwrap())
+                black_box(attention(0, &qt, &kt, &vt, &knock, RunOptions::default().block_bytes, 1024, &mut s).unwrap())
             })
         });
     }
