@@ -5,9 +5,8 @@
 
 use attnscope::analysis::collect::Collector;
 use attnscope::analysis::stream::StreamStats;
-use attnscope::model::forward::{attention, RunOptions};
+use attnscope::model::forward::{attention, AttnDims, RunOptions};
 use attnscope::reference::{grouped_query_attention, Mask, Rng};
-use candle_core::{Device, Tensor};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use std::hint::black_box;
 
@@ -22,9 +21,8 @@ fn bench(c: &mut Criterion) {
         let mut rng = Rng::new(n as u64);
         let (q, k, v) = (rng.normals(H * n * D, 1.0), rng.normals(KV * n * D, 1.0), rng.normals(KV * n * D, 1.0));
         g.throughput(Throughput::Elements((H * n * (n + 1) / 2) as u64)); // (query, key) pairs
-        let qt = Tensor::from_vec(q.clone(), (H, n, D), &Device::Cpu).unwrap();
-        let kt = Tensor::from_vec(k.clone(), (KV, n, D), &Device::Cpu).unwrap();
-        let vt = Tensor::from_vec(v.clone(), (KV, n, D), &Device::Cpu).unwrap();
+        let (qt, kt, vt) = (&q, &k, &v); // [heads, n, D]
+        let dims = AttnDims { n_heads: H, n_kv_heads: KV, head_dim: D, q_len: n, k_len: n };
         let knock = vec![false; n];
         if n <= 1024 {
             // the reference takes [pos, head, dim] rows
@@ -36,14 +34,14 @@ fn bench(c: &mut Criterion) {
             g.bench_with_input(BenchmarkId::new("materialized", n), &n, |b, _| {
                 b.iter(|| {
                     let mut c = Collector::new(1, H, n, n - 1);
-                    black_box(attention(0, &qt, &kt, &vt, &knock, RunOptions::default().block_bytes, 1024, &mut c).unwrap())
+                    black_box(attention(0, qt, kt, vt, dims, &knock, RunOptions::default().block_bytes, 1024, &mut c).unwrap())
                 })
             });
         }
         g.bench_with_input(BenchmarkId::new("streaming", n), &n, |b, _| {
             b.iter(|| {
                 let mut s = StreamStats::new(1, H, n, 5, Box::new(|_| {}));
-                black_box(attention(0, &qt, &kt, &vt, &knock, RunOptions::default().block_bytes, 1024, &mut s).unwrap())
+                black_box(attention(0, qt, kt, vt, dims, &knock, RunOptions::default().block_bytes, 1024, &mut s).unwrap())
             })
         });
     }

@@ -10,6 +10,7 @@
 
 pub mod analysis;
 pub mod cli;
+pub mod kernels;
 pub mod model;
 pub mod reference;
 pub mod render;

@@ -5,9 +5,8 @@
 mod common;
 use attnscope::analysis::stream::StreamStats;
 use attnscope::model::capture::{AttnCache, CaptureSpec};
-use attnscope::model::forward::attention;
+use attnscope::model::forward::{attention, AttnDims};
 use attnscope::reference::{grouped_query_attention, head_slice, repeat_kv, Mask, Rng};
-use candle_core::{Device, Tensor};
 use proptest::prelude::*;
 
 /// (n_heads, n_kv_heads, head_dim, q_len, prefix, seed)
@@ -15,10 +14,9 @@ fn shapes() -> impl Strategy<Value = (usize, usize, usize, usize, usize, u64)> {
     (1usize..=4, 1usize..=4, prop::sample::select(vec![2usize, 4, 8, 16]), 1usize..=24, 0usize..=6, any::<u64>()).prop_map(|(kv, g, d, n, p, s)| (kv * g, kv, d, n, p, s))
 }
 
-/// [pos, heads·d] rows → [heads, pos, d] tensor
-fn to_heads(x: &[f32], len: usize, heads: usize, d: usize) -> Tensor {
-    let v: Vec<f32> = (0..heads).flat_map(|h| head_slice(x, h, heads, d)).collect();
-    Tensor::from_vec(v, (heads, len, d), &Device::Cpu).unwrap()
+/// [pos, heads·d] rows → [heads, pos, d]
+fn to_heads(x: &[f32], _len: usize, heads: usize, d: usize) -> Vec<f32> {
+    (0..heads).flat_map(|h| head_slice(x, h, heads, d)).collect()
 }
 
 proptest! {
@@ -60,9 +58,11 @@ proptest! {
         let knock = vec![false; k_len];
         // materialized: the cache sees every weight
         let mut cache = AttnCache::new(&CaptureSpec::patterns(), k_len);
-        let z = attention(0, &qt, &kt, &vt, &knock, block_bytes, kb, &mut cache).unwrap();
-        let want_z: Vec<f32> = (0..h).flat_map(|hh| head_slice(&want.z, hh, h, d)).collect();
-        common::assert_close(&z.flatten_all().unwrap().to_vec1::<f32>().unwrap(), &want_z, 1e-5, "materialized z");
+        let dims = AttnDims { n_heads: h, n_kv_heads: kv, head_dim: d, q_len: n, k_len };
+        let z = attention(0, &qt, &kt, &vt, dims, &knock, block_bytes, kb, &mut cache).unwrap();
+        // z is [pos, head, d], the reference's layout
+        prop_assert_eq!(z.len(), want.z.len());
+        common::assert_close(&z, &want.z, 1e-5, "materialized z");
         let pat = cache.pattern(0).unwrap();
         for hh in 0..h {
             for i in 0..n {
@@ -72,7 +72,7 @@ proptest! {
         }
         // streamed over key blocks of kb: same outputs
         let mut stats = StreamStats::new(1, h, k_len, 2, Box::new(|_| {}));
-        let zs = attention(0, &qt, &kt, &vt, &knock, block_bytes, kb, &mut stats).unwrap();
-        common::assert_close(&zs.flatten_all().unwrap().to_vec1::<f32>().unwrap(), &want_z, 1e-5, "streamed z");
+        let zs = attention(0, &qt, &kt, &vt, dims, &knock, block_bytes, kb, &mut stats).unwrap();
+        common::assert_close(&zs, &want.z, 1e-5, "streamed z");
     }
 }

@@ -2,6 +2,7 @@
 //! errors print their cause chain, and the exit code says whose fault it was:
 //! 0 success, 2 bad input or usage, 1 anything else. A closed pipe (`| head`) exits 0.
 
+mod bench;
 mod capture;
 mod common;
 mod corpus;
@@ -65,6 +66,10 @@ pub enum Command {
     /// Run a model on a text and save captured tensors (attention patterns, scores, q/k/v, ...)
     /// under their hook names to .safetensors or .npz for notebooks.
     Capture(capture::Args),
+    /// Where the forward's time goes: the f32 GEMM at the model's shapes against the machine's
+    /// measured rate, projections and attention inside a real forward, and the wall time and peak
+    /// memory of `capture` and `inspect`.
+    Bench(bench::Args),
     /// Fetch a model alias into the cache (what every command does on first use).
     Fetch(info::FetchArgs),
 }
@@ -84,6 +89,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Faithfulness(a) => faithfulness::run(a),
         Command::Capture(a) => capture::run(a),
         Command::Fetch(a) => info::fetch(a),
+        Command::Bench(a) => bench::run(a),
     }
 }
 

@@ -1,15 +1,18 @@
-//! The forward pass: embeddings → blocks → final norm → logits, on candle tensors, with every
-//! hook point handed to an [`Observer`]. [`attention`] is the crate's one fast attention; it is
-//! explicit (`QKᵀ·scale → mask → softmax in f32 → ·V`) so the weights can be captured, and it
-//! works on blocks of query rows so a long sequence never needs a whole `[heads, n, n]` at once.
-//! It is tested against [`crate::reference`] on tiny models and against Hugging Face transformers
-//! on the real ones.
+//! The forward pass: embeddings → blocks → final norm → logits, on plain f32 buffers, with
+//! every hook point handed to an [`Observer`]. The projections run on the packed GEMM of
+//! [`crate::kernels::gemm`] (q|k|v and gate|up fused); [`attention`] is the crate's one fast
+//! attention, explicit (`QKᵀ·scale → mask → softmax in f32 → ·V`) so the weights can be
+//! captured, fused per head and query block with an online softmax, so a long sequence never
+//! needs a whole `[heads, n, n]` at once. It is tested against [`crate::reference`] on tiny
+//! models and against Hugging Face transformers on the real ones.
 
 use super::capture::{Hook, Observer};
 use super::config::RopeStyle;
 use super::error::{Error, Result};
 use super::Model;
+use crate::kernels::gemm::{self, Isa, PackedB};
 use candle_core::{DType, Device, Tensor};
+use rayon::prelude::*;
 use std::time::{Duration, Instant};
 
 /// Options of one forward.
@@ -44,15 +47,19 @@ impl Default for RunOptions {
 #[derive(Clone)]
 pub struct KvPrefix {
     pub len: usize,
-    layers: Vec<(Tensor, Tensor)>,
+    n_kv: usize,
+    head_dim: usize,
+    layers: Vec<(Vec<f32>, Vec<f32>)>,
 }
 
 impl KvPrefix {
     /// The first `len` positions of this prefix.
     pub fn truncate(&self, len: usize) -> Result<KvPrefix> {
         let len = len.min(self.len);
-        let layers = self.layers.iter().map(|(k, v)| Ok((k.narrow(1, 0, len)?.contiguous()?, v.narrow(1, 0, len)?.contiguous()?))).collect::<Result<_>>()?;
-        Ok(KvPrefix { len, layers })
+        let (nkv, hd, old) = (self.n_kv, self.head_dim, self.len);
+        let cut = |x: &Vec<f32>| -> Vec<f32> { (0..nkv).flat_map(|g| x[g * old * hd..(g * old + len) * hd].iter().copied()).collect() };
+        let layers = self.layers.iter().map(|(k, v)| (cut(k), cut(v))).collect();
+        Ok(KvPrefix { len, n_kv: nkv, head_dim: hd, layers })
     }
 }
 
@@ -67,6 +74,8 @@ impl RunOptions {
 pub struct Timings {
     /// scores, mask, softmax, weighted sum (all layers)
     pub attention: Duration,
+    /// the projections q|k|v, o, gate|up, down (all layers)
+    pub projections: Duration,
     pub total: Duration,
 }
 
@@ -78,17 +87,9 @@ pub struct ForwardOut {
     pub kv: Option<KvPrefix>,
 }
 
-fn emit(obs: &mut dyn Observer, layer: usize, hook: Hook, t: &Tensor, shape: &[usize]) -> Result<()> {
-    if obs.wants(layer, hook) {
-        let data: Vec<f32> = t.flatten_all()?.to_vec1()?;
-        obs.tensor(layer, hook, shape, &data);
-    }
-    Ok(())
-}
-
 /// cos/sin tables `[n, head_dim/2]` for positions `0..n`, computed as transformers does
 /// (`inv_freq = 1 / base^(2i/d)` and `pos · inv_freq` in f32), so the rotation angles agree.
-pub fn rope_tables(head_dim: usize, base: f32, n: usize) -> Result<(Tensor, Tensor)> {
+pub fn rope_tables(head_dim: usize, base: f32, n: usize) -> (Vec<f32>, Vec<f32>) {
     let half = head_dim / 2;
     let inv: Vec<f32> = (0..half).map(|i| 1.0 / base.powf((2 * i) as f32 / head_dim as f32)).collect();
     let mut cos = Vec::with_capacity(n * half);
@@ -100,14 +101,97 @@ pub fn rope_tables(head_dim: usize, base: f32, n: usize) -> Result<(Tensor, Tens
             sin.push(angle.sin() as f32);
         }
     }
-    Ok((Tensor::from_vec(cos, (n, half), &Device::Cpu)?, Tensor::from_vec(sin, (n, half), &Device::Cpu)?))
+    (cos, sin)
 }
 
-fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, style: RopeStyle) -> Result<Tensor> {
-    Ok(match style {
-        RopeStyle::Neox => candle_nn::rotary_emb::rope(x, cos, sin)?,
-        RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(x, cos, sin)?,
-    })
+/// Rotates one head vector in place by the angles of one position (`cos`, `sin`: `[d/2]`).
+/// `Neox` pairs dimension `i` with `i + d/2` (Hugging Face's `rotate_half`); `Interleaved` pairs
+/// `2i` with `2i + 1` (llama.cpp's row order of llama GGUF files).
+#[inline]
+fn rotate(x: &mut [f32], cos: &[f32], sin: &[f32], style: RopeStyle) {
+    let half = x.len() / 2;
+    match style {
+        RopeStyle::Neox => {
+            let (a, b) = x.split_at_mut(half);
+            for i in 0..half {
+                let (x1, x2) = (a[i], b[i]);
+                a[i] = x1 * cos[i] - x2 * sin[i];
+                b[i] = x1 * sin[i] + x2 * cos[i];
+            }
+        }
+        RopeStyle::Interleaved => {
+            for i in 0..half {
+                let (x1, x2) = (x[2 * i], x[2 * i + 1]);
+                x[2 * i] = x1 * cos[i] - x2 * sin[i];
+                x[2 * i + 1] = x1 * sin[i] + x2 * cos[i];
+            }
+        }
+    }
+}
+
+/// Columns `c0..c0 + heads·d` of each row of `src: [m, width]`, as `[heads, m, d]`, each head
+/// vector rotated for its position when `rope` is given (`(cos, sin, style)`, tables from row 0).
+fn split_heads(src: &[f32], m: usize, width: usize, c0: usize, heads: usize, d: usize, rope: Option<(&[f32], &[f32], RopeStyle)>) -> Vec<f32> {
+    let mut out = vec![0f32; heads * m * d];
+    let half = d / 2;
+    out.par_chunks_mut(m * d).enumerate().for_each(|(h, dst)| {
+        for (r, v) in dst.chunks_mut(d).enumerate() {
+            v.copy_from_slice(&src[r * width + c0 + h * d..][..d]);
+            if let Some((cos, sin, style)) = rope {
+                rotate(v, &cos[r * half..][..half], &sin[r * half..][..half], style);
+            }
+        }
+    });
+    out
+}
+
+/// `[heads, m, d]` → `[m, heads, d]` (the hook layout).
+fn merge_heads(x: &[f32], heads: usize, m: usize, d: usize) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    for h in 0..heads {
+        for r in 0..m {
+            out[(r * heads + h) * d..][..d].copy_from_slice(&x[(h * m + r) * d..][..d]);
+        }
+    }
+    out
+}
+
+/// RMSNorm of each `[width]` row [Zhang & Sennrich 2019]: `x / sqrt(mean(x²) + eps) · w`, the
+/// mean accumulated in f64.
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let width = w.len();
+    let mut out = vec![0f32; x.len()];
+    let norm_rows = |(src, dst): (&[f32], &mut [f32])| {
+        let ms = src.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / width as f64;
+        let inv = 1.0 / ((ms as f32) + eps).sqrt();
+        for ((d, &s), &g) in dst.iter_mut().zip(src).zip(w) {
+            *d = s * inv * g;
+        }
+    };
+    if x.len() >= 1 << 16 {
+        x.par_chunks(width).zip(out.par_chunks_mut(width)).for_each(norm_rows);
+    } else {
+        x.chunks(width).zip(out.chunks_mut(width)).for_each(norm_rows);
+    }
+    out
+}
+
+/// SiLU(gate) · up over rows of `gu: [rows, 2·ff]` (gate then up) into `out: [rows, ff]`.
+/// SiLU(x) = x · σ(x) [Elfwing et al. 2018]; σ from `e^-|x|` so the exponential never overflows.
+fn swiglu(gu: &[f32], ff: usize, out: &mut [f32]) {
+    let act = |(src, dst): (&[f32], &mut [f32])| {
+        let (g, u) = src.split_at(ff);
+        for ((d, &g), &u) in dst.iter_mut().zip(g).zip(u) {
+            let e = fast_exp(-g.abs());
+            let sig = if g >= 0.0 { 1.0 / (1.0 + e) } else { e / (1.0 + e) };
+            *d = g * sig * u;
+        }
+    };
+    if out.len() >= 1 << 15 {
+        gu.par_chunks(2 * ff).zip(out.par_chunks_mut(ff)).for_each(act);
+    } else {
+        gu.chunks(2 * ff).zip(out.chunks_mut(ff)).for_each(act);
+    }
 }
 
 /// Whether key `j` is visible to the query at absolute position `i` (causal mask and knockout;
@@ -133,127 +217,183 @@ struct RowState {
     top: Vec<(f32, u32)>,
 }
 
-/// Causal grouped-query attention, blocked over query rows and over keys with an online softmax
-/// [Milakov & Gimelshein 2018, arXiv:1805.02867; Dao et al. 2022, FlashAttention].
-/// `q: [n_heads, n, d]` holds the last `n` of the `k_len` positions of `k, v: [n_kv_heads,
-/// k_len, d]` (after RoPE; the first `k_len - n` come from a reused prefix). Returns
-/// `z: [n_heads, n, d]`.
-///
-/// When the observer wants `hook_pattern` or `hook_attn_scores`, each key block spans the
-/// whole visible row, which makes the online softmax the ordinary one, and the weights are handed
-/// out. Otherwise keys stream in blocks of `key_block`, and no `[n, n]` (not even `[rows, n]`)
-/// is ever held; per-row statistics (first-key weight, entropy, max weight, argmax, top-k) come
-/// from the same accumulators in both cases.
-///
-/// Query heads `g·group..(g+1)·group` share K/V set `g` ([`crate::reference::kv_head`]); K/V are
-/// never copied per head: the group's queries are stacked into one matmul against its keys.
-#[allow(clippy::too_many_arguments)]
-pub fn attention(layer: usize, q: &Tensor, k: &Tensor, v: &Tensor, knockout: &[bool], block_bytes: usize, key_block: usize, obs: &mut dyn Observer) -> Result<Tensor> {
-    use rayon::prelude::*;
-    let (n_heads, n, d) = q.dims3()?;
-    let (n_kv, k_len, dk) = k.dims3()?;
-    if k_len < n || dk != d || n_heads % n_kv != 0 {
-        return Err(Error::Candle(candle_core::Error::Msg(format!("attention shapes q {:?} k {:?}: you likely have a bug", q.dims(), k.dims()))));
+impl RowState {
+    fn new() -> Self {
+        RowState { m: f32::NEG_INFINITY, l: 0.0, t: 0.0, argmax: 0, s0: f32::NEG_INFINITY, top: Vec::new() }
     }
+}
+
+thread_local! {
+    /// Score buffers of [`attention`], kept between calls on the calling thread.
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    static RAW_SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Shapes of one attention call.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnDims {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    /// query rows (the last `q_len` of the `k_len` positions)
+    pub q_len: usize,
+    pub k_len: usize,
+}
+
+/// Causal grouped-query attention, fused per (head, block of query rows): `S = Q Kᵀ` on the
+/// packed GEMM, then scale, mask and an online softmax [Milakov & Gimelshein 2018,
+/// arXiv:1805.02867; Dao et al. 2022, FlashAttention] over blocks of keys, then `P V` on the
+/// packed GEMM, accumulated with the running rescale. `q: [n_heads, q_len, d]` holds the last
+/// `q_len` of the `k_len` positions of `k, v: [n_kv_heads, k_len, d]` (after RoPE; the first
+/// `k_len - q_len` come from a reused prefix). Returns `z: [q_len, n_heads, d]`.
+///
+/// Keys past a query block's last row are masked for every row of it and are never computed.
+/// When the observer wants `hook_pattern` or `hook_attn_scores`, each key block spans the
+/// whole visible row, which makes the online softmax the ordinary one, and the normalized
+/// weights are handed out from the buffer they were computed in. Otherwise keys stream in
+/// blocks of `key_block`, and no `[n, n]` (not even `[rows, n]`) is ever held; per-row
+/// statistics (first-key weight, entropy, max weight, argmax, top-k) come from the same
+/// accumulators in both cases.
+///
+/// Query heads `g·group..(g+1)·group` share K/V set `g` ([`crate::reference::kv_head`]); each
+/// set is packed once per call and read by its heads, never copied per head.
+#[allow(clippy::too_many_arguments)]
+pub fn attention(layer: usize, q: &[f32], k: &[f32], v: &[f32], dims: AttnDims, knockout: &[bool], block_bytes: usize, key_block: usize, obs: &mut dyn Observer) -> Result<Vec<f32>> {
+    let AttnDims { n_heads, n_kv_heads: n_kv, head_dim: d, q_len: n, k_len } = dims;
+    if k_len < n || n_kv == 0 || n_heads % n_kv != 0 || q.len() != n_heads * n * d || k.len() != n_kv * k_len * d || v.len() != k.len() {
+        return Err(Error::Candle(candle_core::Error::Msg(format!("attention shapes {dims:?} with q {} k {} v {} values: you likely have a bug", q.len(), k.len(), v.len()))));
+    }
+    let mut z = vec![0f32; n * n_heads * d];
+    if n == 0 {
+        return Ok(z);
+    }
+    let isa = Isa::detect();
     let group = n_heads / n_kv;
     let scale = 1.0 / (d as f32).sqrt();
     let (want_s, want_p) = (obs.wants(layer, Hook::AttnScores), obs.wants(layer, Hook::Pattern));
     let materialize = want_s || want_p;
     let request = obs.wants_stats(layer);
-    let top_k = request.map(|r| r.top_k);
     let offset = k_len - n; // absolute position of query row 0
+    // each KV set packed once: K as the right side of Q·Kᵀ, V as the right side of P·V
+    let packed: Vec<(PackedB, PackedB)> = (0..n_kv)
+        .into_par_iter()
+        .map(|g| {
+            let kg = &k[g * k_len * d..(g + 1) * k_len * d];
+            let vg = &v[g * k_len * d..(g + 1) * k_len * d];
+            (PackedB::from_rows(kg, k_len, d, d, isa), PackedB::from_cols(vg, k_len, d, d, isa))
+        })
+        .collect();
     let kb_size = if materialize { k_len } else { key_block.max(1) };
     // rows per block so that one [n_heads, rows, key block] f32 block stays under block_bytes
     let rows_per_block = (block_bytes / (n_heads * kb_size.min(k_len) * 4).max(1)).clamp(1, n);
-    let mut zs = Vec::with_capacity(n.div_ceil(rows_per_block));
+    let any_knockout = knockout.iter().any(|&b| b);
     let mut q0 = 0;
     while q0 < n {
         let rows = rows_per_block.min(n - q0);
         let kw = offset + q0 + rows; // keys after the block's last query are masked for every row
-        let qb = q.narrow(1, q0, rows)?.contiguous()?.reshape((n_kv, group * rows, d))?;
-        let mut state = vec![RowState { m: f32::NEG_INFINITY, l: 0.0, t: 0.0, argmax: 0, s0: f32::NEG_INFINITY, top: Vec::new() }; n_heads * rows];
-        let mut acc: Option<Tensor> = None; // Σ exp(s - m) v, [n_kv, group * rows, d]
-        let mut k0 = 0;
-        while k0 < kw {
-            let kn = kb_size.min(kw - k0);
-            let (kb, vb) = if k0 == 0 && kn == k_len { (k.clone(), v.clone()) } else { (k.narrow(1, k0, kn)?.contiguous()?, v.narrow(1, k0, kn)?.contiguous()?) };
-            // raw scores q·k for this block: [n_kv, group·rows, kn] = [n_heads, rows, kn] row-major
-            let mut buf: Vec<f32> = qb.matmul(&kb.t()?)?.flatten_all()?.to_vec1()?;
-            if want_s {
-                let mut scores = buf.clone();
-                for (x, row) in scores.chunks_mut(kn).enumerate() {
-                    let i = offset + q0 + x % rows;
-                    for (j, sc) in row.iter_mut().enumerate() {
-                        *sc = if visible(i, k0 + j, knockout) { *sc * scale } else { f32::NEG_INFINITY };
-                    }
-                }
-                obs.attention_block(layer, Hook::AttnScores, offset + q0, [n_heads, rows, kn], &scores);
-            }
-            // online softmax update, one (head, query) row at a time, rows in parallel:
-            // scale and mask, new shift m' = max(m, block max), rescale the sums by exp(m - m'),
-            // and leave p = exp(s - m') in the buffer for the weighted sum of values
-            let mut corr = vec![0f32; n_heads * rows];
-            let any_knockout = knockout.iter().any(|&b| b);
-            buf.par_chunks_mut(kn).zip(state.par_iter_mut()).zip(corr.par_iter_mut()).enumerate().for_each(|(x, ((row, st), c))| {
-                let i = offset + q0 + x % rows;
-                let top_k = request.filter(|r| r.top_k > 0 && i >= r.top_k_from).map(|r| r.top_k);
-                // keys k0.. of this block the query may see: a prefix of the block without
-                // knockout (the common case, vectorized below), anything with it
-                let n_vis = (i + 1).saturating_sub(k0).min(kn);
-                if !any_knockout {
-                    row[n_vis..].iter_mut().for_each(|p| *p = f32::NEG_INFINITY);
-                    let vis = &mut row[..n_vis];
-                    vis.iter_mut().for_each(|sc| *sc *= scale);
-                    let bmax = vis.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    online_update(st, c, row, n_vis, bmax, k0, top_k);
-                } else {
-                    for (j, sc) in row.iter_mut().enumerate() {
-                        *sc = if visible(i, k0 + j, knockout) { *sc * scale } else { f32::NEG_INFINITY };
-                    }
-                    let bmax = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    online_update(st, c, row, kn, bmax, k0, top_k);
-                }
-            });
-            let single = k0 == 0 && kn == kw;
-            if single {
-                // one block holds every visible key: normalize in place, p is the pattern
-                buf.par_chunks_mut(kn).zip(state.par_iter()).for_each(|(row, st)| {
-                    let inv = if st.l > 0.0 { (1.0 / st.l) as f32 } else { 0.0 };
-                    row.iter_mut().for_each(|p| *p *= inv);
-                });
-                if want_p {
-                    obs.attention_block(layer, Hook::Pattern, offset + q0, [n_heads, rows, kn], &buf);
-                }
-            }
-            let p = Tensor::from_vec(buf, (n_kv, group * rows, kn), &Device::Cpu)?;
-            let pv = p.matmul(&vb)?;
-            acc = Some(match acc {
-                None => pv,
-                Some(a) => {
-                    let c = Tensor::from_vec(corr, (n_kv, group * rows, 1), &Device::Cpu)?;
-                    a.broadcast_mul(&c)?.add(&pv)?
-                }
-            });
-            if single {
-                break;
-            }
-            k0 += kn;
+        let kbw = kb_size.min(kw); // width of one key block's score buffer
+        // the score buffers are reused from block to block and layer to layer: a fresh one of
+        // each size would be page-faulted in anew (measured: ~2.5 M faults, ~4 s at 2,048 tokens)
+        let mut scratch = SCRATCH.with(|c| std::mem::take(&mut *c.borrow_mut()));
+        let mut raw_scratch = if want_s { RAW_SCRATCH.with(|c| std::mem::take(&mut *c.borrow_mut())) } else { Vec::new() };
+        scratch.resize(scratch.len().max(n_heads * rows * kbw), 0.0);
+        let scores = &mut scratch[..n_heads * rows * kbw];
+        if want_s {
+            raw_scratch.resize(raw_scratch.len().max(n_heads * rows * kbw), 0.0);
         }
-        let acc = acc.expect("every block has at least one key");
-        let z = if kb_size >= kw {
-            acc // already normalized
-        } else {
-            let inv: Vec<f32> = state.iter().map(|st| if st.l > 0.0 { (1.0 / st.l) as f32 } else { 0.0 }).collect();
-            acc.broadcast_mul(&Tensor::from_vec(inv, (n_kv, group * rows, 1), &Device::Cpu)?)?
+        let raw_scores = if want_s { &mut raw_scratch[..n_heads * rows * kbw] } else { &mut raw_scratch[..0] };
+        let mut state = vec![RowState::new(); n_heads * rows];
+        let mut zb = vec![0f32; n_heads * rows * d];
+        let head_task = |h: usize, s_h: &mut [f32], raw_h: &mut [f32], st_h: &mut [RowState], z_h: &mut [f32]| {
+            let (kp, vp) = &packed[h / group];
+            let a = &q[(h * n + q0) * d..(h * n + q0 + rows) * d];
+            let mut corr = vec![0f32; rows];
+            let mut k0 = 0;
+            while k0 < kw {
+                let kn = kb_size.min(kw - k0);
+                let single = k0 == 0 && kn == kw;
+                let s = &mut s_h[..rows * kn];
+                // raw scores q·k of this block: [rows, kn]
+                gemm::gemm_sub(a, d, rows, kp, 0..d, k0..k0 + kn, s, kn, false, false);
+                if !raw_h.is_empty() {
+                    for (x, (src, dst)) in s.chunks(kn).zip(raw_h.chunks_mut(kn)).enumerate() {
+                        let i = offset + q0 + x;
+                        for (j, (&sc, out)) in src.iter().zip(dst.iter_mut()).enumerate() {
+                            *out = if visible(i, k0 + j, knockout) { sc * scale } else { f32::NEG_INFINITY };
+                        }
+                    }
+                }
+                // online softmax update, one query row at a time: scale and mask, new shift
+                // m' = max(m, block max), rescale the sums by exp(m - m'), and leave
+                // p = exp(s - m') in the buffer for the weighted sum of values
+                for (x, (row, (st, c))) in s.chunks_mut(kn).zip(st_h.iter_mut().zip(corr.iter_mut())).enumerate() {
+                    let i = offset + q0 + x;
+                    let top_k = request.filter(|r| r.top_k > 0 && i >= r.top_k_from).map(|r| r.top_k);
+                    if !any_knockout {
+                        // the keys of this block the query may see are a prefix of it
+                        let n_vis = (i + 1).saturating_sub(k0).min(kn);
+                        let vis = &mut row[..n_vis];
+                        vis.iter_mut().for_each(|sc| *sc *= scale);
+                        let bmax = vis.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                        online_update(st, c, row, n_vis, bmax, k0, top_k);
+                    } else {
+                        for (j, sc) in row.iter_mut().enumerate() {
+                            *sc = if visible(i, k0 + j, knockout) { *sc * scale } else { f32::NEG_INFINITY };
+                        }
+                        let bmax = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                        online_update(st, c, row, kn, bmax, k0, top_k);
+                    }
+                    if single {
+                        // one block holds every visible key: normalize in place, p is the pattern
+                        let inv = if st.l > 0.0 { (1.0 / st.l) as f32 } else { 0.0 };
+                        row.iter_mut().for_each(|p| *p *= inv);
+                    }
+                }
+                if k0 > 0 {
+                    for (zr, &c) in z_h.chunks_mut(d).zip(&corr) {
+                        zr.iter_mut().for_each(|x| *x *= c);
+                    }
+                }
+                gemm::gemm_sub(s, kn, rows, vp, k0..k0 + kn, 0..d, z_h, d, k0 > 0, false);
+                if single {
+                    return;
+                }
+                k0 += kn;
+            }
+            for (zr, st) in z_h.chunks_mut(d).zip(st_h.iter()) {
+                let inv = if st.l > 0.0 { (1.0 / st.l) as f32 } else { 0.0 };
+                zr.iter_mut().for_each(|x| *x *= inv);
+            }
         };
-        if let Some(kk) = top_k {
-            let stats = AttnStats::from_states(&state, n_heads, rows, kk);
+        let raw_chunk = if want_s { rows * kbw } else { 0 };
+        let tasks = scores.par_chunks_mut(rows * kbw).zip(state.par_chunks_mut(rows)).zip(zb.par_chunks_mut(rows * d)).enumerate();
+        if want_s {
+            tasks.zip(raw_scores.par_chunks_mut(raw_chunk)).for_each(|((h, ((s_h, st_h), z_h)), raw_h)| head_task(h, s_h, raw_h, st_h, z_h));
+        } else {
+            tasks.for_each(|(h, ((s_h, st_h), z_h))| head_task(h, s_h, &mut [], st_h, z_h));
+        }
+        if want_s {
+            obs.attention_block(layer, Hook::AttnScores, offset + q0, [n_heads, rows, kw], raw_scores);
+        }
+        if want_p {
+            obs.attention_block(layer, Hook::Pattern, offset + q0, [n_heads, rows, kw], scores);
+        }
+        if let Some(r) = request {
+            let stats = AttnStats::from_states(&state, n_heads, rows, r.top_k);
             obs.attention_stats(layer, offset + q0, &stats);
         }
-        zs.push(z.reshape((n_heads, rows, d))?);
+        for h in 0..n_heads {
+            for x in 0..rows {
+                z[((q0 + x) * n_heads + h) * d..][..d].copy_from_slice(&zb[(h * rows + x) * d..][..d]);
+            }
+        }
+        SCRATCH.with(|c| *c.borrow_mut() = scratch);
+        if want_s {
+            RAW_SCRATCH.with(|c| *c.borrow_mut() = raw_scratch);
+        }
         q0 += rows;
     }
-    Ok(if zs.len() == 1 { zs.pop().expect("one block") } else { Tensor::cat(&zs, 1)? })
+    Ok(z)
 }
 
 /// One row's online-softmax step over a key block whose scores (scaled, masked = -inf) are in
@@ -413,78 +553,107 @@ impl Model {
                 return Err(Error::OutOfRange { what: "position".into(), value: p.to_string(), range: format!("{p0}..={}", n - 1) });
             }
         }
-        if prefix.is_some_and(|p| p.layers.len() != dims.n_layers) {
+        let (nh, nkv, hd, dm, ff) = (dims.n_heads, dims.n_kv_heads, dims.head_dim, dims.d_model, dims.d_ff);
+        if prefix.is_some_and(|p| p.layers.len() != dims.n_layers || p.n_kv != nkv || p.head_dim != hd) {
             return Err(Error::Candle(candle_core::Error::Msg("the KV prefix belongs to another model: you likely have a bug".into())));
         }
-        let (nh, nkv, hd, dm) = (dims.n_heads, dims.n_kv_heads, dims.head_dim, dims.d_model);
         let mut knock = vec![false; n];
         for &p in &opts.knockout {
             knock[p] = true;
         }
-        let (cos, sin) = rope_tables(hd, dims.rope_base, n)?;
-        let (cos, sin) = (cos.narrow(0, p0, m)?, sin.narrow(0, p0, m)?);
-        let mut x = self.weights.embed.lookup(tokens)?; // [m, d_model]
-        let mut attn_time = Duration::ZERO;
+        let (cos, sin) = rope_tables(hd, dims.rope_base, n);
+        let half = hd / 2;
+        let (cos, sin) = (&cos[p0 * half..], &sin[p0 * half..]);
+        let style = self.weights.rope_style;
+        let mut x: Vec<f32> = self.weights.embed.lookup(tokens)?.flatten_all()?.to_vec1()?; // [m, d_model]
+        let (mut attn_time, mut proj_time) = (Duration::ZERO, Duration::ZERO);
         let mut kept = Vec::with_capacity(if opts.keep_kv { dims.n_layers } else { 0 });
+        let (nq, nk) = (nh * hd, nkv * hd);
+        let width = nq + 2 * nk;
+        // the MLP runs over blocks of positions so its [positions, 2·d_ff] intermediate stays small
+        let mlp_rows = ((32usize << 20) / (ff * 4 * 3)).div_ceil(192).max(1) * 192;
+        let mlp_rows = mlp_rows.min(m);
+        let mut gu = vec![0f32; mlp_rows * 2 * ff];
+        let mut act = vec![0f32; mlp_rows * ff];
         for (l, layer) in self.weights.layers.iter().enumerate() {
-            emit(obs, l, Hook::ResidPre, &x, &[m, dm])?;
-            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, dims.rms_eps)?;
-            let q = layer.q.forward(&h)?; // [m, n_heads * head_dim]
-            let k = layer.k.forward(&h)?; // [m, n_kv_heads * head_dim]
-            let v = layer.v.forward(&h)?;
-            emit(obs, l, Hook::Q, &q, &[m, nh, hd])?;
-            emit(obs, l, Hook::K, &k, &[m, nkv, hd])?;
-            emit(obs, l, Hook::V, &v, &[m, nkv, hd])?;
-            // [m, heads, d] → [1, heads, m, d] for RoPE and per-head matmuls
-            let to_heads = |t: &Tensor, heads: usize| -> Result<Tensor> { Ok(t.reshape((1, m, heads, hd))?.transpose(1, 2)?.contiguous()?) };
-            let q = rope(&to_heads(&q, nh)?, &cos, &sin, self.weights.rope_style)?.squeeze(0)?;
-            let k = rope(&to_heads(&k, nkv)?, &cos, &sin, self.weights.rope_style)?.squeeze(0)?;
-            let v = to_heads(&v, nkv)?.squeeze(0)?;
+            if obs.wants(l, Hook::ResidPre) {
+                obs.tensor(l, Hook::ResidPre, &[m, dm], &x);
+            }
+            let h = rms_norm(&x, &layer.attn_norm, dims.rms_eps);
+            let t = Instant::now();
+            let qkv = layer.qkv.forward(&h, m)?; // [m, q | k | v]
+            proj_time += t.elapsed();
+            for (hook, c0, w, heads) in [(Hook::Q, 0, nq, nh), (Hook::K, nq, nk, nkv), (Hook::V, nq + nk, nk, nkv)] {
+                if obs.wants(l, hook) {
+                    let part: Vec<f32> = qkv.chunks(width).flat_map(|r| r[c0..c0 + w].iter().copied()).collect();
+                    obs.tensor(l, hook, &[m, heads, hd], &part);
+                }
+            }
+            let qh = split_heads(&qkv, m, width, 0, nh, hd, Some((cos, sin, style))); // [nh, m, hd]
+            let kh = split_heads(&qkv, m, width, nq, nkv, hd, Some((cos, sin, style)));
+            let vh = split_heads(&qkv, m, width, nq + nk, nkv, hd, None);
+            drop(qkv);
             if obs.wants(l, Hook::RotQ) {
-                emit(obs, l, Hook::RotQ, &q.transpose(0, 1)?.contiguous()?, &[m, nh, hd])?;
+                obs.tensor(l, Hook::RotQ, &[m, nh, hd], &merge_heads(&qh, nh, m, hd));
             }
             if obs.wants(l, Hook::RotK) {
-                emit(obs, l, Hook::RotK, &k.transpose(0, 1)?.contiguous()?, &[m, nkv, hd])?;
+                obs.tensor(l, Hook::RotK, &[m, nkv, hd], &merge_heads(&kh, nkv, m, hd));
             }
-            let (k, v) = match prefix {
-                Some(p) => (Tensor::cat(&[&p.layers[l].0, &k], 1)?, Tensor::cat(&[&p.layers[l].1, &v], 1)?),
-                None => (k, v),
+            let (kf, vf) = match prefix {
+                Some(p) => {
+                    let cat = |old: &[f32], new: &[f32]| -> Vec<f32> { (0..nkv).flat_map(|g| old[g * p0 * hd..(g + 1) * p0 * hd].iter().chain(&new[g * m * hd..(g + 1) * m * hd]).copied()).collect() };
+                    (cat(&p.layers[l].0, &kh), cat(&p.layers[l].1, &vh))
+                }
+                None => (kh, vh),
             };
             let t0 = Instant::now();
-            let z = attention(l, &q, &k, &v, &knock, opts.block_bytes, opts.key_block, obs)?; // [n_heads, m, d]
+            let adims = AttnDims { n_heads: nh, n_kv_heads: nkv, head_dim: hd, q_len: m, k_len: n };
+            let z = attention(l, &qh, &kf, &vf, adims, &knock, opts.block_bytes, opts.key_block, obs)?; // [m, nh, hd]
             attn_time += t0.elapsed();
             if opts.keep_kv {
-                kept.push((k, v));
+                kept.push((kf, vf));
             }
-            let z = z.transpose(0, 1)?.contiguous()?; // [m, n_heads, d]
-            emit(obs, l, Hook::Z, &z, &[m, nh, hd])?;
-            let attn_out = layer.o.forward(&z.reshape((m, nh * hd))?)?;
-            emit(obs, l, Hook::AttnOut, &attn_out, &[m, dm])?;
-            x = (x + attn_out)?;
-            // SwiGLU MLP [Shazeer 2020, arXiv:2002.05202, eq. (5)], in blocks of positions so
-            // the [positions, d_ff] intermediates stay small on long inputs
-            let h = candle_nn::ops::rms_norm(&x, &layer.mlp_norm, dims.rms_eps)?;
-            let mlp_rows = ((64usize << 20) / (dims.d_ff * 4 * 3)).max(16);
-            let mut parts = Vec::with_capacity(m.div_ceil(mlp_rows));
+            if obs.wants(l, Hook::Z) {
+                obs.tensor(l, Hook::Z, &[m, nh, hd], &z);
+            }
+            let t = Instant::now();
+            if obs.wants(l, Hook::AttnOut) {
+                let attn_out = layer.o.forward(&z, m)?;
+                proj_time += t.elapsed();
+                obs.tensor(l, Hook::AttnOut, &[m, dm], &attn_out);
+                x.iter_mut().zip(&attn_out).for_each(|(x, a)| *x += a);
+            } else {
+                layer.o.forward_into(&z, m, &mut x, true)?; // x += z · W_oᵀ
+                proj_time += t.elapsed();
+            }
+            drop(z);
+            // SwiGLU MLP [Shazeer 2020, arXiv:2002.05202, eq. (5)], x += down(silu(gate) · up)
+            let h = rms_norm(&x, &layer.mlp_norm, dims.rms_eps);
             for r0 in (0..m).step_by(mlp_rows) {
-                let hb = h.narrow(0, r0, mlp_rows.min(m - r0))?;
-                parts.push(layer.down.forward(&(layer.gate.forward(&hb)?.silu()? * layer.up.forward(&hb)?)?)?);
+                let rows = mlp_rows.min(m - r0);
+                let t = Instant::now();
+                layer.gate_up.forward_into(&h[r0 * dm..(r0 + rows) * dm], rows, &mut gu, false)?;
+                proj_time += t.elapsed();
+                swiglu(&gu[..rows * 2 * ff], ff, &mut act[..rows * ff]);
+                let t = Instant::now();
+                layer.down.forward_into(&act[..rows * ff], rows, &mut x[r0 * dm..(r0 + rows) * dm], true)?;
+                proj_time += t.elapsed();
             }
-            let mlp = if parts.len() == 1 { parts.pop().expect("one block") } else { Tensor::cat(&parts, 0)? };
-            x = (x + mlp)?;
-            emit(obs, l, Hook::ResidPost, &x, &[m, dm])?;
+            if obs.wants(l, Hook::ResidPost) {
+                obs.tensor(l, Hook::ResidPost, &[m, dm], &x);
+            }
             obs.layer_done(l);
         }
         let logits = if opts.logits_at.is_empty() {
             Vec::new()
         } else {
-            let pos: Vec<u32> = opts.logits_at.iter().map(|&p| (p - p0) as u32).collect();
-            let xs = x.index_select(&Tensor::new(pos.as_slice(), &Device::Cpu)?, 0)?;
-            let h = candle_nn::ops::rms_norm(&xs, &self.weights.final_norm, dims.rms_eps)?;
+            let rows: Vec<f32> = opts.logits_at.iter().flat_map(|&p| x[(p - p0) * dm..(p - p0 + 1) * dm].iter().copied()).collect();
+            let h = rms_norm(&rows, &self.weights.final_norm, dims.rms_eps);
+            let h = Tensor::from_vec(h, (opts.logits_at.len(), dm), &Device::Cpu)?;
             candle_core::Module::forward(&self.weights.lm_head, &h)?.to_dtype(DType::F32)?.to_vec2()?
         };
-        let kv = opts.keep_kv.then_some(KvPrefix { len: n, layers: kept });
-        Ok(ForwardOut { logits, timings: Timings { attention: attn_time, total: start.elapsed() }, kv })
+        let kv = opts.keep_kv.then_some(KvPrefix { len: n, n_kv: nkv, head_dim: hd, layers: kept });
+        Ok(ForwardOut { logits, timings: Timings { attention: attn_time, projections: proj_time, total: start.elapsed() }, kv })
     }
 
     /// Logits of the last position only, nothing captured.

@@ -3,6 +3,7 @@
 
 use super::config::{ModelDims, RopeStyle};
 use super::error::{Error, Result};
+use crate::kernels::gemm::{self, PackedB};
 use candle_core::quantized::{GgmlDType, GgmlType, QMatMul, QStorage, QTensor};
 use std::sync::Arc;
 use candle_core::{DType, Device, Module, Tensor};
@@ -59,6 +60,10 @@ impl Mapped {
     }
     /// The whole tensor as f32, dequantized on every core straight from the mapping.
     pub fn to_f32(&self) -> Result<Tensor> {
+        Ok(Tensor::from_vec(self.to_vec()?, self.dims.clone(), &Device::Cpu)?)
+    }
+    /// The whole tensor as f32 values, row-major.
+    pub fn to_vec(&self) -> Result<Vec<f32>> {
         let n: usize = self.dims.iter().product();
         let cols = self.cols();
         let rows = n / cols;
@@ -77,7 +82,7 @@ impl Mapped {
             Ok(())
         })?;
         self.release_pages();
-        Ok(Tensor::from_vec(out, self.dims.clone(), &Device::Cpu)?)
+        Ok(out)
     }
     /// Drops this tensor's file pages from resident memory once they have been read (they stay
     /// in the page cache), so loading never holds the file and the f32 weights at once.
@@ -155,6 +160,13 @@ impl Raw {
             Raw::F(t) => t.to_dtype(DType::F32)?,
         })
     }
+    /// The values as f32, row-major.
+    pub fn to_vec(&self) -> Result<Vec<f32>> {
+        Ok(match self {
+            Raw::Mapped(m) => m.to_vec()?,
+            Raw::F(t) => t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?,
+        })
+    }
 }
 
 /// The input embedding: a dense f32 matrix, or (for a large untied vocabulary) the quantized
@@ -180,38 +192,91 @@ impl Embedding {
     }
 }
 
-/// A projection `y = x Wᵀ (+ b)`.
+/// One weight matrix `W: [n, k]` of `y = x Wᵀ`, as held for a [`Precision`].
+pub enum Matrix {
+    /// f32, packed once for the GEMM kernel ([`crate::kernels::gemm::PackedB`]).
+    Packed(PackedB),
+    /// Kept quantized; candle's kernels (activations quantized to 8 bits inside).
+    Quantized(QMatMul),
+}
+
+/// A projection `y = x Wᵀ (+ b)`, possibly several fused along the output: `[W_q; W_k; W_v]`
+/// or `[W_gate; W_up]`, so one pass over `x` computes them all. `parts` are the output widths.
 pub struct Linear {
-    pub w: QMatMul,
-    pub b: Option<Tensor>,
+    pub k: usize,
+    pub n: usize,
+    pub parts: Vec<usize>,
+    mats: Vec<(usize, Matrix)>,
+    /// `[n]`, zero where a part has no bias
+    bias: Option<Vec<f32>>,
 }
 
 impl Linear {
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = self.w.forward(x)?;
-        Ok(match &self.b {
-            Some(b) => y.broadcast_add(b)?,
-            None => y,
-        })
+    /// `out[m, n] = x[m, k] · Wᵀ (+ b)`; with `accumulate`, `out += x · Wᵀ` (no bias allowed).
+    pub fn forward_into(&self, x: &[f32], m: usize, out: &mut [f32], accumulate: bool) -> Result<()> {
+        let (k, n) = (self.k, self.n);
+        assert!(x.len() >= m * k && out.len() >= m * n, "Linear::forward_into: buffers too short");
+        for (col0, mat) in &self.mats {
+            match mat {
+                Matrix::Packed(pb) => gemm::gemm(x, k, m, pb, &mut out[*col0..], n, accumulate),
+                Matrix::Quantized(q) => {
+                    let xt = Tensor::from_slice(&x[..m * k], (m, k), &Device::Cpu)?;
+                    let y: Vec<f32> = q.forward(&xt)?.flatten_all()?.to_vec1()?;
+                    let w = y.len() / m.max(1);
+                    for (r, row) in y.chunks(w.max(1)).enumerate().take(m) {
+                        let dst = &mut out[r * n + col0..r * n + col0 + w];
+                        if accumulate {
+                            dst.iter_mut().zip(row).for_each(|(d, s)| *d += s);
+                        } else {
+                            dst.copy_from_slice(row);
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(b) = &self.bias {
+            assert!(!accumulate, "a biased projection cannot accumulate");
+            for row in out[..m * n].chunks_mut(n) {
+                row.iter_mut().zip(b).for_each(|(y, b)| *y += b);
+            }
+        }
+        Ok(())
+    }
+
+    /// `x[m, k] · Wᵀ (+ b)` as a new `[m, n]` buffer.
+    pub fn forward(&self, x: &[f32], m: usize) -> Result<Vec<f32>> {
+        let mut out = vec![0f32; m * self.n];
+        self.forward_into(x, m, &mut out, false)?;
+        Ok(out)
+    }
+
+    /// Bytes of weights held.
+    pub fn bytes(&self) -> usize {
+        self.mats.iter().map(|(_, m)| match m {
+            Matrix::Packed(p) => p.bytes(),
+            Matrix::Quantized(q) => match q {
+                QMatMul::QTensor(t) => t.storage_size_in_bytes(),
+                QMatMul::Tensor(t) | QMatMul::TensorF16(t) => t.elem_count() * t.dtype().size_in_bytes(),
+            },
+        }).sum()
     }
 }
 
 pub struct Layer {
-    pub attn_norm: Tensor,
-    pub q: Linear,
-    pub k: Linear,
-    pub v: Linear,
+    pub attn_norm: Vec<f32>,
+    /// `[W_q; W_k; W_v]`: parts `n_heads·d`, `n_kv·d`, `n_kv·d`
+    pub qkv: Linear,
     pub o: Linear,
-    pub mlp_norm: Tensor,
-    pub gate: Linear,
-    pub up: Linear,
+    pub mlp_norm: Vec<f32>,
+    /// `[W_gate; W_up]`: parts `d_ff`, `d_ff`
+    pub gate_up: Linear,
     pub down: Linear,
 }
 
 pub struct Weights {
     pub embed: Embedding,
     pub layers: Vec<Layer>,
-    pub final_norm: Tensor,
+    pub final_norm: Vec<f32>,
     pub lm_head: QMatMul,
     pub rope_style: RopeStyle,
 }
@@ -240,19 +305,66 @@ fn repack_q5_0_to_q8_0(q: &QTensor) -> Result<QTensor> {
     Ok(QTensor::new(storage, q.shape().clone())?)
 }
 
-/// How a matrix weight is held for `precision`.
-pub fn matrix(raw: Raw, precision: Precision) -> Result<QMatMul> {
+/// How a matrix weight is held for `precision`: `Some(q)` to keep it quantized, `None` for f32.
+fn quantized(raw: &Raw, precision: Precision) -> Result<Option<QMatMul>> {
     Ok(match (raw, precision) {
-        (Raw::F(t), _) => QMatMul::Tensor(t.to_dtype(DType::F32)?),
-        (Raw::Mapped(m), Precision::Exact) => QMatMul::Tensor(m.to_f32()?),
         (Raw::Mapped(m), Precision::Fast) => match m.dtype {
             // candle has SIMD kernels for these at every row count
-            GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K | GgmlDType::Q8_0 | GgmlDType::Q2K | GgmlDType::Q3K => QMatMul::from_qtensor(m.to_qtensor()?)?,
-            GgmlDType::Q5_0 => QMatMul::from_qtensor(repack_q5_0_to_q8_0(&m.to_qtensor()?)?)?,
-            // Q4_0/Q4_1/Q5_1 and float types: f32 is faster than candle's scalar kernels
-            _ => QMatMul::Tensor(m.to_f32()?),
+            GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K | GgmlDType::Q8_0 | GgmlDType::Q2K | GgmlDType::Q3K => Some(QMatMul::from_qtensor(m.to_qtensor()?)?),
+            GgmlDType::Q5_0 => Some(QMatMul::from_qtensor(repack_q5_0_to_q8_0(&m.to_qtensor()?)?)?),
+            // Q4_0/Q4_1/Q5_1 and float types: the f32 GEMM is faster than candle's scalar kernels
+            _ => None,
         },
+        _ => None,
     })
+}
+
+/// Builds a (possibly fused) projection from its parts `[n_i, k]`: f32 parts are concatenated and
+/// packed into one matrix, quantized ones stay separate.
+fn linear(parts: Vec<(Raw, Option<Raw>)>, precision: Precision) -> Result<Linear> {
+    let isa = gemm::Isa::detect();
+    let k = *parts[0].0.dims().last().expect("matrices have two dimensions");
+    let widths: Vec<usize> = parts.iter().map(|(w, _)| w.dims()[0]).collect();
+    let n: usize = widths.iter().sum();
+    let any_bias = parts.iter().any(|(_, b)| b.is_some());
+    let mut bias = any_bias.then(|| vec![0f32; n]);
+    let mut mats = Vec::new();
+    let mut dense: Vec<f32> = Vec::new(); // f32 rows of consecutive dense parts
+    let mut dense_col0 = 0;
+    let mut col0 = 0;
+    let flush = |dense: &mut Vec<f32>, dense_col0: usize, mats: &mut Vec<(usize, Matrix)>| {
+        if !dense.is_empty() {
+            let rows = dense.len() / k;
+            mats.push((dense_col0, Matrix::Packed(PackedB::from_rows(dense, rows, k, k, isa))));
+            dense.clear();
+        }
+    };
+    for ((w, b), width) in parts.into_iter().zip(&widths) {
+        if let (Some(b), Some(all)) = (b, bias.as_mut()) {
+            let b = b.to_vec()?;
+            all[col0..col0 + width].copy_from_slice(&b);
+        }
+        match quantized(&w, precision)? {
+            Some(q) => {
+                flush(&mut dense, dense_col0, &mut mats);
+                mats.push((col0, Matrix::Quantized(q)));
+            }
+            None => {
+                if dense.is_empty() {
+                    dense_col0 = col0;
+                }
+                let t = w.to_vec()?;
+                if dense.is_empty() && t.len() == n * k {
+                    dense = t;
+                } else {
+                    dense.extend_from_slice(&t);
+                }
+            }
+        }
+        col0 += width;
+    }
+    flush(&mut dense, dense_col0, &mut mats);
+    Ok(Linear { k, n, parts: widths, mats, bias })
 }
 
 /// Looks up one weight by its logical name, checking its shape.
@@ -325,34 +437,32 @@ pub fn load_weights(
     let need = |src: &mut dyn TensorSource, l: Logical| -> Result<Raw> {
         fetch(src, &l, dims, name)?.ok_or_else(|| Error::MissingTensor { name: name(&l), path: src.path().into(), arch: src.arch_name(), found: src.count() })
     };
-    let vector = |r: Raw| r.to_f32();
+    let vector = |r: Raw| r.to_vec();
     let (embed, lm_head) = match (need(src, Logical::Embed)?, dims.tied_embeddings) {
-        (Raw::Mapped(m), false) => (Embedding::Rows(m), matrix(need(src, Logical::LmHead)?, precision)?),
+        (Raw::Mapped(m), false) => (Embedding::Rows(m), head_matrix(need(src, Logical::LmHead)?, precision)?),
         (raw, tied) => {
             let dense = raw.to_f32()?;
-            let head = if tied { QMatMul::Tensor(dense.clone()) } else { matrix(need(src, Logical::LmHead)?, precision)? };
+            let head = if tied { QMatMul::Tensor(dense.clone()) } else { head_matrix(need(src, Logical::LmHead)?, precision)? };
             (Embedding::Dense(dense), head)
         }
     };
     let final_norm = vector(need(src, Logical::FinalNorm)?)?;
-    let mut layers = Vec::with_capacity(dims.n_layers);
+    let mut layers = Vec::with_capacity(dims.n_layers.min(src.count()));
     for i in 0..dims.n_layers {
-        let lin = |src: &mut dyn TensorSource, w: Logical, b: Option<Logical>| -> Result<Linear> {
-            let w = matrix(need(src, w)?, precision)?;
+        let part = |src: &mut dyn TensorSource, w: Logical, b: Option<Logical>| -> Result<(Raw, Option<Raw>)> {
+            let w = need(src, w)?;
             let b = match b {
-                Some(b) => fetch(src, &b, dims, name)?.map(|r| r.to_f32()).transpose()?,
+                Some(b) => fetch(src, &b, dims, name)?,
                 None => None,
             };
-            Ok(Linear { w, b })
+            Ok((w, b))
         };
+        let qkv = vec![part(src, Logical::Q(i), Some(Logical::QBias(i)))?, part(src, Logical::K(i), Some(Logical::KBias(i)))?, part(src, Logical::V(i), Some(Logical::VBias(i)))?];
         let layer = Layer {
-            q: lin(src, Logical::Q(i), Some(Logical::QBias(i)))?,
-            k: lin(src, Logical::K(i), Some(Logical::KBias(i)))?,
-            v: lin(src, Logical::V(i), Some(Logical::VBias(i)))?,
-            o: lin(src, Logical::O(i), None)?,
-            gate: lin(src, Logical::Gate(i), None)?,
-            up: lin(src, Logical::Up(i), None)?,
-            down: lin(src, Logical::Down(i), None)?,
+            qkv: linear(qkv, precision)?,
+            o: linear(vec![part(src, Logical::O(i), None)?], precision)?,
+            gate_up: linear(vec![part(src, Logical::Gate(i), None)?, part(src, Logical::Up(i), None)?], precision)?,
+            down: linear(vec![part(src, Logical::Down(i), None)?], precision)?,
             attn_norm: vector(need(src, Logical::AttnNorm(i))?)?,
             mlp_norm: vector(need(src, Logical::MlpNorm(i))?)?,
         };
@@ -360,6 +470,14 @@ pub fn load_weights(
         progress(i + 1, dims.n_layers);
     }
     Ok(Weights { embed, layers, final_norm, lm_head, rope_style })
+}
+
+/// The output projection (applied to a few rows only): quantized in `fast`, else f32.
+fn head_matrix(raw: Raw, precision: Precision) -> Result<QMatMul> {
+    Ok(match quantized(&raw, precision)? {
+        Some(q) => q,
+        None => QMatMul::Tensor(raw.to_f32()?),
+    })
 }
 
 #[cfg(test)]

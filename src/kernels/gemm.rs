@@ -1,0 +1,671 @@
+//! f32 matrix multiplication at the machine's rate: `C = A · B` with `B` packed once into panels
+//! of `NR` columns, `A` packed per block into strips of `MR` rows, and a register-blocked
+//! micro-kernel (MR × NR accumulators held in vector registers) for AVX-512, AVX2+FMA, or plain
+//! code, chosen at run time ([`Isa::detect`]), so one binary runs on every x86-64 machine.
+//!
+//! The structure is the one of GotoBLAS/BLIS [Goto & van de Geijn 2008, "Anatomy of
+//! high-performance matrix multiplication"; Van Zee & van de Geijn 2015, BLIS]: a `KC`-deep slice
+//! of one B panel stays in L1 while the kernel walks the A strips of a block held in L2.
+//!
+//! Weights are packed at load ([`PackedB::from_rows`], from `W: [n, k]`, the `y = x Wᵀ` layout of
+//! every checkpoint); the attention packs its keys the same way and its values with
+//! [`PackedB::from_cols`] (`B: [k, n]`). Every product is an ordinary f32 sum of products, in
+//! another order than a naive loop: results agree with it to rounding (~1e-6 relative).
+
+use rayon::prelude::*;
+use std::sync::OnceLock;
+
+/// The instruction set of the micro-kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// 12 × 32 tile, 24 zmm accumulators
+    Avx512,
+    /// 6 × 16 tile, 12 ymm accumulators
+    Avx2,
+    /// 4 × 8 tile, plain Rust (any machine)
+    Scalar,
+}
+
+impl Isa {
+    /// The best kernel this CPU runs. `ATTNSCOPE_ISA=avx512|avx2|scalar` forces one (for
+    /// benchmarks and tests; one the CPU lacks is ignored).
+    pub fn detect() -> Isa {
+        static ISA: OnceLock<Isa> = OnceLock::new();
+        *ISA.get_or_init(|| {
+            let best = Isa::best();
+            match std::env::var("ATTNSCOPE_ISA").ok().as_deref() {
+                Some("scalar") => Isa::Scalar,
+                Some("avx2") if Isa::Avx2.supported() => Isa::Avx2,
+                Some("avx512") if Isa::Avx512.supported() => Isa::Avx512,
+                _ => best,
+            }
+        })
+    }
+
+    fn best() -> Isa {
+        if Isa::Avx512.supported() {
+            Isa::Avx512
+        } else if Isa::Avx2.supported() {
+            Isa::Avx2
+        } else {
+            Isa::Scalar
+        }
+    }
+
+    /// Whether this CPU can run the kernel.
+    pub fn supported(self) -> bool {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma"),
+            #[cfg(not(target_arch = "x86_64"))]
+            Isa::Avx512 | Isa::Avx2 => false,
+            Isa::Scalar => true,
+        }
+    }
+
+    /// Every kernel this CPU runs (for tests).
+    pub fn all_supported() -> Vec<Isa> {
+        [Isa::Avx512, Isa::Avx2, Isa::Scalar].into_iter().filter(|i| i.supported()).collect()
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Avx512 => "avx512",
+            Isa::Avx2 => "avx2+fma",
+            Isa::Scalar => "scalar",
+        }
+    }
+
+    /// Rows of the micro-tile.
+    pub const fn mr(self) -> usize {
+        match self {
+            Isa::Avx512 => 12,
+            Isa::Avx2 => 6,
+            Isa::Scalar => 4,
+        }
+    }
+
+    /// Columns of the micro-tile (= the width of a B panel).
+    pub const fn nr(self) -> usize {
+        match self {
+            Isa::Avx512 => 32,
+            Isa::Avx2 => 16,
+            Isa::Scalar => 8,
+        }
+    }
+
+    /// Depth of one packed slice: a `KC × NR` slice of B stays in L1 (32 KiB or less).
+    const fn kc(self) -> usize {
+        match self {
+            Isa::Avx512 => 256,
+            Isa::Avx2 => 384,
+            Isa::Scalar => 256,
+        }
+    }
+
+    /// The micro-kernel: `C[MR, NR] (+)= Apacked[kc, MR]ᵀ · Bpacked[kc, NR]`.
+    ///
+    /// # Safety
+    /// `a` holds `kc · MR` and `b` `kc · NR` floats; `c` is valid for MR rows of NR floats with
+    /// row stride `ldc`; the CPU supports `self`.
+    #[inline]
+    unsafe fn kernel(self, kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, accumulate: bool) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => x86::kernel_avx512::<false>(kc, a, 0, b, c, ldc, accumulate),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => x86::kernel_avx2::<false>(kc, a, 0, b, c, ldc, accumulate),
+            _ => kernel_scalar::<false>(kc, a, 0, b, c, ldc, accumulate),
+        }
+    }
+
+    /// The micro-kernel reading A in place: row `r` of the strip at `a + r·lda`, `kc` values
+    /// each (no packing; the rows are contiguous and few, so the caches stream them well).
+    ///
+    /// # Safety
+    /// As [`Isa::kernel`], with `a` valid for MR rows of `kc` floats at stride `lda`.
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn kernel_rows(self, kc: usize, a: *const f32, lda: usize, b: *const f32, c: *mut f32, ldc: usize, accumulate: bool) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => x86::kernel_avx512::<true>(kc, a, lda, b, c, ldc, accumulate),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => x86::kernel_avx2::<true>(kc, a, lda, b, c, ldc, accumulate),
+            _ => kernel_scalar::<true>(kc, a, lda, b, c, ldc, accumulate),
+        }
+    }
+}
+
+/// A `[k, n]` right-hand matrix packed into panels of `NR` columns (zero-padded): panel `p`
+/// holds, for each `kk` in `0..k`, the `NR` values `B[kk, p·NR .. p·NR + NR]`.
+#[derive(Clone)]
+pub struct PackedB {
+    pub k: usize,
+    pub n: usize,
+    pub isa: Isa,
+    buf: AlignedBuf,
+}
+
+impl std::fmt::Debug for PackedB {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PackedB {{ k: {}, n: {}, isa: {:?} }}", self.k, self.n, self.isa)
+    }
+}
+
+/// A float buffer whose data starts on a 64-byte boundary (one cache line, one zmm load).
+#[derive(Clone, Default)]
+pub struct AlignedBuf {
+    raw: Vec<f32>,
+    off: usize,
+    len: usize,
+}
+
+impl AlignedBuf {
+    pub fn zeros(len: usize) -> Self {
+        let raw = vec![0f32; len + 16];
+        let off = (64 - (raw.as_ptr() as usize % 64)) % 64 / 4;
+        AlignedBuf { raw, off, len }
+    }
+    pub fn as_slice(&self) -> &[f32] {
+        &self.raw[self.off..self.off + self.len]
+    }
+    pub fn as_mut_slice(&mut self) -> &mut [f32] {
+        &mut self.raw[self.off..self.off + self.len]
+    }
+    /// Makes room for `len` floats (contents unspecified), reusing the allocation when it can.
+    pub fn ensure(&mut self, len: usize) {
+        if self.raw.len() < len + 16 {
+            *self = AlignedBuf::zeros(len);
+        } else {
+            self.off = (64 - (self.raw.as_ptr() as usize % 64)) % 64 / 4;
+            self.len = len;
+        }
+    }
+}
+
+impl PackedB {
+    /// Packs `W: [n, k]` row-major (row stride `ldw`) as the right-hand side of `x · Wᵀ`.
+    pub fn from_rows(w: &[f32], n: usize, k: usize, ldw: usize, isa: Isa) -> PackedB {
+        assert!(n == 0 || w.len() >= (n - 1) * ldw + k, "W is too short for [{n}, {k}]");
+        Self::pack(n, k, isa, |col, kk| w[col * ldw + kk], true)
+    }
+
+    /// Packs `B: [k, n]` row-major (row stride `ldb`).
+    pub fn from_cols(b: &[f32], k: usize, n: usize, ldb: usize, isa: Isa) -> PackedB {
+        assert!(k == 0 || b.len() >= (k - 1) * ldb + n, "B is too short for [{k}, {n}]");
+        Self::pack(n, k, isa, |col, kk| b[kk * ldb + col], false)
+    }
+
+    fn pack(n: usize, k: usize, isa: Isa, at: impl Fn(usize, usize) -> f32 + Sync, rows_layout: bool) -> PackedB {
+        let nr = isa.nr();
+        let panels = n.div_ceil(nr);
+        let mut buf = AlignedBuf::zeros(panels * k * nr);
+        let fill = |(p, panel): (usize, &mut [f32])| {
+            let cols = nr.min(n - p * nr);
+            if rows_layout {
+                // walk each source row once (contiguous reads)
+                for j in 0..cols {
+                    for kk in 0..k {
+                        panel[kk * nr + j] = at(p * nr + j, kk);
+                    }
+                }
+            } else {
+                for kk in 0..k {
+                    for j in 0..cols {
+                        panel[kk * nr + j] = at(p * nr + j, kk);
+                    }
+                }
+            }
+        };
+        if k * n >= 1 << 16 {
+            buf.as_mut_slice().par_chunks_mut((k * nr).max(1)).enumerate().for_each(fill);
+        } else {
+            buf.as_mut_slice().chunks_mut((k * nr).max(1)).enumerate().for_each(fill);
+        }
+        PackedB { k, n, isa, buf }
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.buf.len * 4
+    }
+
+    fn panel(&self, p: usize) -> &[f32] {
+        let sz = self.k * self.isa.nr();
+        &self.buf.as_slice()[p * sz..(p + 1) * sz]
+    }
+
+    /// Column `j`'s values, unpacked (for tests and the rare caller that needs them back).
+    pub fn column(&self, j: usize) -> Vec<f32> {
+        let nr = self.isa.nr();
+        let panel = self.panel(j / nr);
+        (0..self.k).map(|kk| panel[kk * nr + j % nr]).collect()
+    }
+}
+
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: tasks write disjoint tiles of C through it.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+thread_local! {
+    static A_PACK: std::cell::RefCell<AlignedBuf> = std::cell::RefCell::new(AlignedBuf::default());
+}
+
+
+/// `C[m, n] (+)= A[m, k] · B` where `A` is row-major with row stride `lda` and `C` row-major with
+/// row stride `ldc`. Runs on every core of rayon's pool when the product is large enough.
+pub fn gemm(a: &[f32], lda: usize, m: usize, b: &PackedB, c: &mut [f32], ldc: usize, accumulate: bool) {
+    gemm_sub(a, lda, m, b, 0..b.k, 0..b.n, c, ldc, accumulate, true)
+}
+
+/// A sub-product: `C[m, cols.len()] (+)= A[m, ks.len()] · B[ks, cols]`. Column `j` of C is
+/// column `cols.start + j` of B, and column `p` of A meets row `ks.start + p` of B. Runs on
+/// the calling thread only when `parallel` is false (for callers that already run in parallel,
+/// such as the attention over heads).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_sub(a: &[f32], lda: usize, m: usize, b: &PackedB, ks: std::ops::Range<usize>, cols: std::ops::Range<usize>, c: &mut [f32], ldc: usize, accumulate: bool, parallel: bool) {
+    let isa = b.isa;
+    let (k, n) = (ks.len(), cols.len());
+    assert!(ks.end <= b.k && cols.end <= b.n, "gemm_sub: ranges {ks:?} × {cols:?} outside B [{}, {}]", b.k, b.n);
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(a.len() >= (m - 1) * lda + k, "A is too short for [{m}, {k}]");
+    assert!(c.len() >= (m - 1) * ldc + n, "C is too short for [{m}, {n}]");
+    assert!(isa.supported(), "the {} kernel does not run on this CPU", isa.name());
+    if k == 0 {
+        if !accumulate {
+            for r in 0..m {
+                c[r * ldc..r * ldc + n].iter_mut().for_each(|x| *x = 0.0);
+            }
+        }
+        return;
+    }
+    let (mr, nr) = (isa.mr(), isa.nr());
+    let threads = if parallel { rayon::current_num_threads() } else { 1 };
+    let (mc, group, nc) = plan(m, n, mr, nr, threads);
+    let row_blocks = m.div_ceil(group);
+    let col_chunks = n.div_ceil(nc);
+    let tasks = row_blocks * col_chunks;
+    let cp = SendPtr(c.as_mut_ptr());
+    let run = |t: usize| {
+        let (ib, jb) = (t / col_chunks, t % col_chunks);
+        let (i0, j0) = (ib * group, jb * nc);
+        let (rows, ncols) = (group.min(m - i0), nc.min(n - j0));
+        // SAFETY: task t owns rows i0..i0+rows × columns j0..j0+ncols of C, disjoint from every
+        // other task's; bounds were checked above.
+        unsafe { block(a, lda, i0, rows, mc, b, ks.start, k, cols.start + j0, ncols, cp, j0, ldc, accumulate) };
+    };
+    let flops = 2.0 * m as f64 * n as f64 * k as f64;
+    if parallel && tasks > 1 && flops > 2e6 {
+        (0..tasks).into_par_iter().for_each(run);
+    } else {
+        (0..tasks).for_each(run);
+    }
+}
+
+/// How C is cut into tasks: `(mc, group, nc)`: row blocks of up to `16·MR` rows (an A block
+/// stays in L2), tasks of `group` rows (whole blocks, at most 2,048 rows, so a task reads its B
+/// columns from memory once per 2,048 rows) and `nc` columns (whole panels, at most ~1,024: a
+/// `KC × NC` slice of B stays in L2). Tasks are made equal and numerous enough for every
+/// thread, their count a multiple of the thread count where the panels allow, so no thread
+/// idles at the end (measured: the down projection on 575 rows made 3 tasks for 2 threads).
+fn plan(m: usize, n: usize, mr: usize, nr: usize, threads: usize) -> (usize, usize, usize) {
+    let blocks = m.div_ceil(mr * 16);
+    // equal row blocks, rounded up to whole strips
+    let mc = m.div_ceil(blocks).div_ceil(mr) * mr;
+    let blocks = m.div_ceil(mc);
+    let groups = m.div_ceil(2048).min(blocks);
+    let group = blocks.div_ceil(groups) * mc;
+    let groups = m.div_ceil(group);
+    let panels = n.div_ceil(nr);
+    let mut c = n.div_ceil(1024).clamp(1, panels);
+    if threads > 1 {
+        // the chunks that asking for c of them makes (whole panels, one width)
+        let chunks = |c: usize| panels.div_ceil(panels.div_ceil(c));
+        while groups * chunks(c) < 2 * threads && c < panels {
+            c += 1;
+        }
+        c = chunks(c);
+        // equal chunks (c divides the panels into chunks of one width) whose count balances
+        if let Some(even) = (c..=(2 * c).min(panels)).find(|&x| (groups * x).is_multiple_of(threads) && panels.div_ceil(panels.div_ceil(x)) == x) {
+            c = even;
+        }
+        // too few tasks along the columns: split the rows further
+        let mut groups_ = groups;
+        let mut group_ = group;
+        while groups_ * c < 2 * threads && group_ > mc {
+            group_ = (group_ / 2).div_ceil(mc) * mc;
+            groups_ = m.div_ceil(group_);
+        }
+        return (mc, group_, panels.div_ceil(c) * nr);
+    }
+    (mc, group, panels.div_ceil(c) * nr)
+}
+
+/// One task: rows `r0..r0+rows` of A and C × B columns `bj0..bj0+cols` (C columns
+/// `cj0..cj0+cols`), over B rows `k0..k0+k`. Loop order (BLIS): depth slices outside, row
+/// blocks of `mc` inside, so a `KC`-deep slice of the task's B columns is read from memory once
+/// and then served from L2 to every row block of the task.
+#[allow(clippy::too_many_arguments)]
+unsafe fn block(a: &[f32], lda: usize, r0: usize, rows: usize, mc: usize, b: &PackedB, k0: usize, k: usize, bj0: usize, cols: usize, c: SendPtr, cj0: usize, ldc: usize, accumulate: bool) {
+    let isa = b.isa;
+    let (mr, nr, kc_max) = (isa.mr(), isa.nr(), isa.kc());
+    A_PACK.with(|cell| {
+        let mut apack = cell.borrow_mut();
+        let mut tile = [0f32; 12 * 32];
+        let mut pc = 0;
+        while pc < k {
+            let kc = kc_max.min(k - pc);
+            let acc = accumulate || pc > 0;
+            let mut i0 = r0;
+            while i0 < r0 + rows {
+                let brows = mc.min(r0 + rows - i0);
+                let strips = brows.div_ceil(mr);
+                let full = brows / mr; // strips read in place; a last partial one is packed
+                if full < strips {
+                    apack.ensure(kc * mr);
+                    let strip = apack.as_mut_slice();
+                    for r in 0..mr {
+                        let rr = full * mr + r;
+                        for kk in 0..kc {
+                            strip[kk * mr + r] = if rr < brows { a[(i0 + rr) * lda + pc + kk] } else { 0.0 };
+                        }
+                    }
+                }
+                let ap = apack.as_slice();
+                for p in bj0 / nr..(bj0 + cols).div_ceil(nr) {
+                    let bp = b.panel(p)[(k0 + pc) * nr..].as_ptr();
+                    // the columns of this panel inside bj0..bj0+cols, as offsets in the panel
+                    let lo = bj0.max(p * nr) - p * nr;
+                    let hi = (bj0 + cols).min(p * nr + nr) - p * nr;
+                    // C column of the panel's first column (may lie before cj0 on an unaligned start)
+                    let cbase = (p * nr) as isize - bj0 as isize + cj0 as isize;
+                    for s in 0..strips {
+                        let srows = mr.min(brows - s * mr);
+                        let crow = c.0.add((i0 + s * mr) * ldc);
+                        let a_in_place = a[(i0 + s * mr) * lda + pc..].as_ptr();
+                        if srows == mr && lo == 0 && hi == nr {
+                            isa.kernel_rows(kc, a_in_place, lda, bp, crow.offset(cbase), ldc, acc);
+                        } else {
+                            // an edge tile: compute the full tile aside, copy in the valid part
+                            for r in 0..srows {
+                                for j in lo..hi {
+                                    tile[r * nr + j] = if acc { *crow.offset(cbase + (r * ldc + j) as isize) } else { 0.0 };
+                                }
+                            }
+                            if srows == mr {
+                                isa.kernel_rows(kc, a_in_place, lda, bp, tile.as_mut_ptr(), nr, true);
+                            } else {
+                                isa.kernel(kc, ap.as_ptr(), bp, tile.as_mut_ptr(), nr, true);
+                            }
+                            for r in 0..srows {
+                                for j in lo..hi {
+                                    *crow.offset(cbase + (r * ldc + j) as isize) = tile[r * nr + j];
+                                }
+                            }
+                        }
+                    }
+                }
+                i0 += brows;
+            }
+            pc += kc;
+        }
+    });
+}
+
+/// The micro-kernel's own rate, GFLOP/s over all of rayon's threads: each thread runs it on
+/// panels that stay in L1 for about `seconds`. This is the ceiling any product of this kernel
+/// can reach (memory traffic, packing and edges only take away from it), a measured stand-in
+/// for the FMA peak of the cores.
+pub fn kernel_peak_gflops(isa: Isa, seconds: f64) -> f64 {
+    assert!(isa.supported(), "the {} kernel does not run on this CPU", isa.name());
+    let (mr, nr, kc) = (isa.mr(), isa.nr(), 128usize);
+    let threads = rayon::current_num_threads();
+    let flops: f64 = (0..threads)
+        .into_par_iter()
+        .map(|t| {
+            let a = AlignedBuf::zeros(kc * mr);
+            let mut b = AlignedBuf::zeros(kc * nr);
+            b.as_mut_slice().iter_mut().enumerate().for_each(|(i, x)| *x = (i % 7) as f32 * 1e-3 + t as f32 * 1e-6);
+            let mut c = AlignedBuf::zeros(mr * nr);
+            let start = std::time::Instant::now();
+            let mut calls = 0u64;
+            while start.elapsed().as_secs_f64() < seconds {
+                for _ in 0..256 {
+                    // SAFETY: the buffers hold kc·MR, kc·NR and MR·NR floats; the ISA is supported.
+                    unsafe { isa.kernel(kc, a.as_slice().as_ptr(), b.as_slice().as_ptr(), c.as_mut_slice().as_mut_ptr(), nr, true) };
+                }
+                calls += 256;
+            }
+            std::hint::black_box(c.as_slice()[0]);
+            2.0 * (mr * nr * kc) as f64 * calls as f64 / start.elapsed().as_secs_f64()
+        })
+        .sum();
+    flops / 1e9
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn kernel_scalar<const DIRECT: bool>(kc: usize, a: *const f32, lda: usize, b: *const f32, c: *mut f32, ldc: usize, accumulate: bool) {
+    const MR: usize = 4;
+    const NR: usize = 8;
+    let mut acc = [[0f32; NR]; MR];
+    for p in 0..kc {
+        let bv = std::slice::from_raw_parts(b.add(p * NR), NR);
+        for (r, row) in acc.iter_mut().enumerate() {
+            let av = if DIRECT { *a.add(r * lda + p) } else { *a.add(p * MR + r) };
+            for j in 0..NR {
+                row[j] = av.mul_add(bv[j], row[j]);
+            }
+        }
+    }
+    for (r, row) in acc.iter().enumerate() {
+        for (j, &x) in row.iter().enumerate() {
+            let dst = c.add(r * ldc + j);
+            *dst = if accumulate { *dst + x } else { x };
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop, clippy::too_many_arguments)]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn kernel_avx512<const DIRECT: bool>(kc: usize, a: *const f32, lda: usize, b: *const f32, c: *mut f32, ldc: usize, accumulate: bool) {
+        const MR: usize = 12;
+        const NR: usize = 32;
+        // C's tile is read (or written) after the loop: start bringing it in now
+        for r in 0..MR {
+            _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc + 16) as *const i8);
+        }
+        let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+        let mut ap = a;
+        let mut bp = b;
+        for _ in 0..kc {
+            let b0 = _mm512_loadu_ps(bp);
+            let b1 = _mm512_loadu_ps(bp.add(16));
+            for r in 0..MR {
+                let ar = _mm512_set1_ps(if DIRECT { *ap.add(r * lda) } else { *ap.add(r) });
+                acc[r][0] = _mm512_fmadd_ps(ar, b0, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(ar, b1, acc[r][1]);
+            }
+            ap = ap.add(if DIRECT { 1 } else { MR });
+            bp = bp.add(NR);
+        }
+        for (r, row) in acc.iter().enumerate() {
+            let dst = c.add(r * ldc);
+            let (mut x0, mut x1) = (row[0], row[1]);
+            if accumulate {
+                x0 = _mm512_add_ps(x0, _mm512_loadu_ps(dst));
+                x1 = _mm512_add_ps(x1, _mm512_loadu_ps(dst.add(16)));
+            }
+            _mm512_storeu_ps(dst, x0);
+            _mm512_storeu_ps(dst.add(16), x1);
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn kernel_avx2<const DIRECT: bool>(kc: usize, a: *const f32, lda: usize, b: *const f32, c: *mut f32, ldc: usize, accumulate: bool) {
+        const MR: usize = 6;
+        const NR: usize = 16;
+        for r in 0..MR {
+            _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc + 8) as *const i8);
+        }
+        let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+        let mut ap = a;
+        let mut bp = b;
+        for _ in 0..kc {
+            let b0 = _mm256_loadu_ps(bp);
+            let b1 = _mm256_loadu_ps(bp.add(8));
+            for r in 0..MR {
+                let ar = _mm256_broadcast_ss(&*(if DIRECT { ap.add(r * lda) } else { ap.add(r) }));
+                acc[r][0] = _mm256_fmadd_ps(ar, b0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(ar, b1, acc[r][1]);
+            }
+            ap = ap.add(if DIRECT { 1 } else { MR });
+            bp = bp.add(NR);
+        }
+        for (r, row) in acc.iter().enumerate() {
+            let dst = c.add(r * ldc);
+            let (mut x0, mut x1) = (row[0], row[1]);
+            if accumulate {
+                x0 = _mm256_add_ps(x0, _mm256_loadu_ps(dst));
+                x1 = _mm256_add_ps(x1, _mm256_loadu_ps(dst.add(8)));
+            }
+            _mm256_storeu_ps(dst, x0);
+            _mm256_storeu_ps(dst.add(8), x1);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn naive(a: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f64> {
+        // a [m, k], w [n, k] → [m, n]
+        let mut c = vec![0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                c[i * n + j] = (0..k).map(|p| a[i * k + p] as f64 * w[j * k + p] as f64).sum();
+            }
+        }
+        c
+    }
+
+    fn check(m: usize, k: usize, n: usize, isa: Isa, seed: u64) {
+        let mut rng = crate::reference::Rng::new(seed);
+        let a = rng.normals(m * k, 1.0);
+        let w = rng.normals(n * k, 1.0);
+        let want = naive(&a, m, k, &w, n);
+        // W [n, k] as rows, and its transpose [k, n] as columns: the same product
+        let wt: Vec<f32> = (0..k * n).map(|i| w[(i % n) * k + i / n]).collect();
+        for (label, pb) in [("rows", PackedB::from_rows(&w, n, k, k, isa)), ("cols", PackedB::from_cols(&wt, k, n, n, isa))] {
+            for accumulate in [false, true] {
+                let base = if accumulate { 1.5f32 } else { f32::NAN };
+                // C with a wider row stride than n, to check ldc and that nothing past n is touched
+                let ldc = n + 3;
+                let mut c = vec![base; m.max(1) * ldc];
+                gemm(&a, k, m, &pb, &mut c, ldc, accumulate);
+                for i in 0..m {
+                    for j in 0..n {
+                        let want = want[i * n + j] + if accumulate { 1.5 } else { 0.0 };
+                        let got = c[i * ldc + j] as f64;
+                        assert!((got - want).abs() <= 1e-4 * (1.0 + want.abs()), "{isa:?} {label} m={m} k={k} n={n} acc={accumulate} at ({i},{j}): {got} vs {want}");
+                    }
+                    for j in n..ldc {
+                        assert!(c[i * ldc + j].to_bits() == base.to_bits(), "{isa:?} wrote past column n at ({i},{j})");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_kernel_matches_a_naive_product_on_awkward_shapes() {
+        let isas = Isa::all_supported();
+        assert!(isas.contains(&Isa::Scalar));
+        for isa in isas {
+            for (m, k, n) in [(1, 1, 1), (5, 7, 3), (13, 64, 33), (12, 32, 32), (200, 300, 70), (17, 600, 1030), (2, 0, 5)] {
+                check(m, k, n, isa, (m * 31 + k * 7 + n) as u64);
+            }
+        }
+    }
+
+    #[test]
+    fn sub_products_use_the_right_rows_and_columns() {
+        for isa in Isa::all_supported() {
+            let mut rng = crate::reference::Rng::new(11);
+            let (m, k, n) = (9, 70, 45);
+            let a = rng.normals(m * k, 1.0);
+            let b = rng.normals(k * n, 1.0); // [k, n]
+            let pb = PackedB::from_cols(&b, k, n, n, isa);
+            for (ks, cols) in [(0..70, 0..45), (3..40, 5..38), (33..34, 44..45), (10..70, 0..1)] {
+                let (kk, nn) = (ks.len(), cols.len());
+                // A's columns meet B's rows ks: take A's first kk columns, lda = k
+                let mut c = vec![0f32; m * nn];
+                gemm_sub(&a, k, m, &pb, ks.clone(), cols.clone(), &mut c, nn, false, true);
+                for i in 0..m {
+                    for j in 0..nn {
+                        let want: f64 = (0..kk).map(|p| a[i * k + p] as f64 * b[(ks.start + p) * n + cols.start + j] as f64).sum();
+                        let got = c[i * nn + j] as f64;
+                        assert!((got - want).abs() < 1e-4 * (1.0 + want.abs()), "{isa:?} {ks:?} {cols:?} ({i},{j}): {got} vs {want}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_kernel_can_fail_this_check() {
+        // the check above catches a wrong product: corrupt one packed weight and it must panic
+        let isa = Isa::Scalar;
+        let mut rng = crate::reference::Rng::new(3);
+        let (m, k, n) = (3, 5, 4);
+        let a = rng.normals(m * k, 1.0);
+        let mut w = rng.normals(n * k, 1.0);
+        let pb = PackedB::from_rows(&w, n, k, k, isa);
+        w[2] += 1.0;
+        let want = naive(&a, m, k, &w, n);
+        let mut c = vec![0f32; m * n];
+        gemm(&a, k, m, &pb, &mut c, n, false);
+        let worst = c.iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max);
+        assert!(worst > 1e-3, "a corrupted weight went unnoticed");
+    }
+
+    #[test]
+    fn task_plans_cover_c_with_whole_panels_and_balance_threads() {
+        for (m, n, threads) in [(2048, 896, 2), (575, 896, 2), (2048, 1152, 2), (18, 128, 2), (1, 1, 4), (575, 9728, 16), (5000, 64, 3), (32768, 1152, 2)] {
+            let (mc, group, nc) = plan(m, n, 12, 32, threads);
+            assert!(mc % 12 == 0 && mc > 0 && mc <= 192, "{m}x{n}: mc {mc}");
+            assert!(group % mc == 0 && group <= 2048 + mc, "{m}x{n}: group {group}");
+            assert!(nc % 32 == 0 && nc > 0, "{m}x{n}: nc {nc}");
+            let tasks = m.div_ceil(group) * n.div_ceil(nc);
+            let most = m.div_ceil(mc) * n.div_ceil(32);
+            assert!(tasks >= (2 * threads).min(most), "{m}x{n}: only {tasks} tasks");
+        }
+        // the case that was measured: down projection, 575 rows, 28 panels, 2 threads
+        let (_, group, nc) = plan(575, 896, 12, 32, 2);
+        assert_eq!((575usize.div_ceil(group) * 896usize.div_ceil(nc)) % 2, 0);
+    }
+
+    #[test]
+    fn packed_columns_come_back() {
+        let w: Vec<f32> = (0..5 * 3).map(|x| x as f32).collect(); // [n=5, k=3]
+        for isa in Isa::all_supported() {
+            let pb = PackedB::from_rows(&w, 5, 3, 3, isa);
+            for j in 0..5 {
+                assert_eq!(pb.column(j), w[j * 3..j * 3 + 3].to_vec());
+            }
+        }
+    }
+}
