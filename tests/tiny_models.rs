@@ -263,3 +263,40 @@ fn streaming_statistics_equal_the_materialized_path() {
         }
     }
 }
+
+/// `inspect`'s observer asks for no pattern: the forward streams and recomputes the one query's
+/// rows from the final softmax shift and sum. Its rows, sink shares, max weights and entropies
+/// equal the same observer fed every materialized pattern, over key blocks of 2, 3 and 1,024
+/// keys, with and without knockout, for the first, a middle and the last query.
+#[test]
+fn collector_from_streamed_rows_equals_collector_from_patterns() {
+    use attnscope::analysis::collect::Collector;
+    use attnscope::model::capture::Observer;
+    let (_d, model) = tiny_loaded(Arch::Qwen2, 13);
+    let tokens: Vec<u32> = (0..23).map(|i| (i * 41 % 250) as u32).collect();
+    let n = tokens.len();
+    for knockout in [vec![], vec![3, 9]] {
+        let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
+        model.forward(&tokens, &RunOptions { logits_at: vec![n - 1], knockout: knockout.clone(), ..Default::default() }, &mut cache).unwrap();
+        for query in [0, 11, n - 1] {
+            let mut want = Collector::new(2, 4, n, query);
+            for l in 0..2 {
+                want.attention_block(l, Hook::Pattern, 0, [4, n, n], cache.pattern(l).unwrap().data);
+            }
+            for (key_block, block_bytes) in [(2usize, 4 * 4 * 23 * 5), (3, 64 << 20), (1024, 4 * 4 * 7)] {
+                let mut got = Collector::new(2, 4, n, query);
+                let opts = RunOptions { logits_at: vec![n - 1], key_block, block_bytes, knockout: knockout.clone(), ..Default::default() };
+                model.forward(&tokens, &opts, &mut got).unwrap();
+                let label = format!("query {query}, key block {key_block}, knockout {knockout:?}");
+                for l in 0..2 {
+                    assert_eq!(got.query_rows[l].len(), 4 * n, "{label}: rows of layer {l} were handed out");
+                    assert_close(&got.query_rows[l], &want.query_rows[l], 1e-5, &format!("{label}: rows of layer {l}"));
+                    assert!((got.sink_all_queries(l) - want.sink_all_queries(l)).abs() < 1e-5, "{label}: sink share");
+                    assert_close(&got.mean_max_weight(l), &want.mean_max_weight(l), 1e-5, &format!("{label}: max weight"));
+                    assert_close(&got.mean_entropy(l), &want.mean_entropy(l), 1e-4, &format!("{label}: entropy"));
+                    assert_close(&got.head_sink(l), &want.head_sink(l), 1e-5, &format!("{label}: α₁"));
+                }
+            }
+        }
+    }
+}

@@ -1,8 +1,13 @@
 //! [`Collector`]: an observer that keeps, per layer, only what attnscope's reports need:
 //! every head's row for one query, the first-token column summed over queries, and per-head
 //! mean max weight and entropy over queries. Memory is `O(layers · heads · n)`, not `O(n²)`.
+//!
+//! In a forward it asks for no pattern: the attention streams, hands it per-(head, query)
+//! statistics and recomputes the one query's rows, so `inspect` costs a plain forward. Fed
+//! whole patterns ([`Observer::attention_block`], as `view` does), it gives the same numbers.
 
 use crate::model::capture::{Hook, Observer};
+use crate::model::forward::{AttnStats, StatsRequest};
 
 #[derive(Clone, Debug)]
 pub struct Collector {
@@ -78,10 +83,39 @@ impl Collector {
 }
 
 impl Observer for Collector {
-    fn wants(&self, layer: usize, hook: Hook) -> bool {
-        hook == Hook::Pattern && layer < self.query_rows.len()
+    fn wants(&self, _: usize, _: Hook) -> bool {
+        false
     }
     fn tensor(&mut self, _: usize, _: Hook, _: &[usize], _: &[f32]) {}
+    fn wants_stats(&self, layer: usize) -> Option<StatsRequest> {
+        (layer < self.query_rows.len()).then_some(StatsRequest { top_k: 0, top_k_from: usize::MAX })
+    }
+    fn attention_stats(&mut self, layer: usize, q_start: usize, s: &AttnStats) {
+        for h in 0..s.n_heads {
+            for r in 0..s.rows {
+                let x = h * s.rows + r;
+                if q_start + r >= 1 {
+                    self.sink_sums[layer][h] += s.first_key[x] as f64;
+                }
+                self.max_sums[layer][h] += s.max_weight[x] as f64;
+                self.ent_sums[layer][h] += s.entropy[x] as f64;
+            }
+        }
+    }
+    fn wants_rows(&self, layer: usize) -> Vec<usize> {
+        if layer < self.query_rows.len() { vec![self.query] } else { Vec::new() }
+    }
+    fn attention_rows(&mut self, layer: usize, q: usize, n_heads: usize, rows: &[f32]) {
+        if q == self.query {
+            let k_len = rows.len() / n_heads.max(1);
+            let mut kept = vec![0f32; n_heads * self.n];
+            for h in 0..n_heads {
+                let w = k_len.min(self.n);
+                kept[h * self.n..h * self.n + w].copy_from_slice(&rows[h * k_len..h * k_len + w]);
+            }
+            self.query_rows[layer] = kept;
+        }
+    }
     fn attention_block(&mut self, layer: usize, _: Hook, q_start: usize, shape: [usize; 3], data: &[f32]) {
         let [n_heads, rows, kw] = shape;
         if self.query_rows[layer].is_empty() {

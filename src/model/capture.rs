@@ -128,6 +128,13 @@ pub trait Observer {
     }
     /// Statistics of query rows `q_start..q_start + stats.rows`.
     fn attention_stats(&mut self, _layer: usize, _q_start: usize, _stats: &crate::model::forward::AttnStats) {}
+    /// Query positions whose whole normalized rows (every head) this observer wants at `layer`
+    /// without the rest of the pattern: the forward then streams and recomputes just these.
+    fn wants_rows(&self, _layer: usize) -> Vec<usize> {
+        Vec::new()
+    }
+    /// The rows of query position `q` at `layer`: `[n_heads, k_len]`, masked keys 0.
+    fn attention_rows(&mut self, _layer: usize, _q: usize, _n_heads: usize, _rows: &[f32]) {}
     /// Called after each layer (for progress).
     fn layer_done(&mut self, _layer: usize) {}
 }

@@ -273,6 +273,7 @@ pub fn attention(layer: usize, q: &[f32], k: &[f32], v: &[f32], dims: AttnDims, 
     let (want_s, want_p) = (obs.wants(layer, Hook::AttnScores), obs.wants(layer, Hook::Pattern));
     let materialize = want_s || want_p;
     let request = obs.wants_stats(layer);
+    let want_rows: Vec<usize> = obs.wants_rows(layer).into_iter().filter(|&i| i < k_len && i + n >= k_len).collect();
     let offset = k_len - n; // absolute position of query row 0
     // each KV set packed once: K as the right side of Q·Kᵀ, V as the right side of P·V
     let packed: Vec<(PackedB, PackedB)> = (0..n_kv)
@@ -304,7 +305,12 @@ pub fn attention(layer: usize, q: &[f32], k: &[f32], v: &[f32], dims: AttnDims, 
         let raw_scores = if want_s { &mut raw_scratch[..n_heads * rows * kbw] } else { &mut raw_scratch[..0] };
         let mut state = vec![RowState::new(); n_heads * rows];
         let mut zb = vec![0f32; n_heads * rows * d];
-        let head_task = |h: usize, s_h: &mut [f32], raw_h: &mut [f32], st_h: &mut [RowState], z_h: &mut [f32]| {
+        // the whole rows wanted from this block: (query row in the block, absolute position)
+        let wanted: Vec<(usize, usize)> = want_rows.iter().filter(|&&i| i >= offset + q0 && i < offset + q0 + rows).map(|&i| (i - offset - q0, i)).collect();
+        // one chunk per head (of at least one float, so the zip below has a chunk for every head)
+        let row_chunk = (wanted.len() * k_len).max(1);
+        let mut row_out = vec![0f32; n_heads * row_chunk];
+        let head_task = |h: usize, s_h: &mut [f32], raw_h: &mut [f32], st_h: &mut [RowState], z_h: &mut [f32], rows_h: &mut [f32]| {
             let (kp, vp) = &packed[h / group];
             let a = &q[(h * n + q0) * d..(h * n + q0 + rows) * d];
             let mut corr = vec![0f32; rows];
@@ -356,6 +362,10 @@ pub fn attention(layer: usize, q: &[f32], k: &[f32], v: &[f32], dims: AttnDims, 
                 }
                 gemm::gemm_sub(s, kn, rows, vp, k0..k0 + kn, 0..d, z_h, d, k0 > 0, false);
                 if single {
+                    // the pattern is in the buffer: hand out the wanted rows from it
+                    for (w, &(x, _)) in wanted.iter().enumerate() {
+                        rows_h[w * k_len..w * k_len + kw].copy_from_slice(&s[x * kn..(x + 1) * kn]);
+                    }
                     return;
                 }
                 k0 += kn;
@@ -364,13 +374,31 @@ pub fn attention(layer: usize, q: &[f32], k: &[f32], v: &[f32], dims: AttnDims, 
                 let inv = if st.l > 0.0 { (1.0 / st.l) as f32 } else { 0.0 };
                 zr.iter_mut().for_each(|x| *x *= inv);
             }
+            // streamed: recompute the wanted rows' scores and normalize them with the row's
+            // final shift and sum, p = e^(s - m) / l (one row of work per wanted query)
+            for (w, &(x, i)) in wanted.iter().enumerate() {
+                let st = &st_h[x];
+                let out = &mut rows_h[w * k_len..(w + 1) * k_len];
+                let a_row = &q[(h * n + q0 + x) * d..(h * n + q0 + x + 1) * d];
+                gemm::gemm_sub(a_row, d, 1, kp, 0..d, 0..i + 1, &mut out[..i + 1], i + 1, false, false);
+                for (j, p) in out[..i + 1].iter_mut().enumerate() {
+                    *p = if visible(i, j, knockout) && st.l > 0.0 { (fast_exp(*p * scale - st.m) as f64 / st.l) as f32 } else { 0.0 };
+                }
+            }
         };
         let raw_chunk = if want_s { rows * kbw } else { 0 };
-        let tasks = scores.par_chunks_mut(rows * kbw).zip(state.par_chunks_mut(rows)).zip(zb.par_chunks_mut(rows * d)).enumerate();
+        let tasks = scores.par_chunks_mut(rows * kbw).zip(state.par_chunks_mut(rows)).zip(zb.par_chunks_mut(rows * d)).zip(row_out.par_chunks_mut(row_chunk)).enumerate();
         if want_s {
-            tasks.zip(raw_scores.par_chunks_mut(raw_chunk)).for_each(|((h, ((s_h, st_h), z_h)), raw_h)| head_task(h, s_h, raw_h, st_h, z_h));
+            tasks.zip(raw_scores.par_chunks_mut(raw_chunk)).for_each(|((h, (((s_h, st_h), z_h), rows_h)), raw_h)| head_task(h, s_h, raw_h, st_h, z_h, rows_h));
         } else {
-            tasks.for_each(|(h, ((s_h, st_h), z_h))| head_task(h, s_h, &mut [], st_h, z_h));
+            tasks.for_each(|(h, (((s_h, st_h), z_h), rows_h))| head_task(h, s_h, &mut [], st_h, z_h, rows_h));
+        }
+        for (w, &(_, i)) in wanted.iter().enumerate() {
+            let mut all = vec![0f32; n_heads * k_len];
+            for h in 0..n_heads {
+                all[h * k_len..(h + 1) * k_len].copy_from_slice(&row_out[h * row_chunk + w * k_len..][..k_len]);
+            }
+            obs.attention_rows(layer, i, n_heads, &all);
         }
         if want_s {
             obs.attention_block(layer, Hook::AttnScores, offset + q0, [n_heads, rows, kw], raw_scores);
