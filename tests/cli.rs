@@ -351,3 +351,69 @@ fn view_and_heatmap_write_their_files() {
     let bad = attnscope().args(["heatmap", "--model", m.to_str().unwrap(), "--layer", "0", "--head", "9", "--out", dir.path().join("y.png").to_str().unwrap()]).output().unwrap();
     assert!(stderr_of(&bad).contains("head 9 is out of range"));
 }
+
+/// `capture` streams each layer to the file as it is produced. Every hook of every layer, as
+/// .safetensors (read with the safetensors crate) and as .npz (read with the zip crate, each
+/// member parsed as .npy), equals what an in-process forward captures; for a subset of heads,
+/// queries and layers too.
+#[test]
+fn streamed_capture_equals_the_in_memory_cache_in_both_formats() {
+    use attnscope::model::capture::{AttnCache, CaptureSpec, Hook, Queries};
+    use attnscope::model::forward::RunOptions;
+    use attnscope::model::{Model, Precision};
+    use std::io::Read;
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let model = Model::load(m.to_str().unwrap(), Precision::Exact, false).unwrap();
+    let text = "the hat sat on the mat";
+    let tokens = model.encode(text, false).unwrap();
+    let n = tokens.len();
+    for (hooks_arg, layers, heads, queries) in [("all", "all", "all", "all"), ("pattern,scores,z", "1", "1,3", "0,2")] {
+        let hooks = Hook::parse_list(hooks_arg).unwrap();
+        let spec = CaptureSpec {
+            hooks: hooks.clone(),
+            layers: Some(attnscope::cli::parse_index_list(layers, 2, "layer").unwrap()),
+            heads: Some(attnscope::cli::parse_index_list(heads, 4, "head").unwrap()),
+            queries: if queries == "all" { Queries::All } else { Queries::List(attnscope::cli::parse_index_list(queries, n, "q").unwrap()) },
+        };
+        let mut cache = AttnCache::new(&spec, n);
+        model.forward(&tokens, &RunOptions::default(), &mut cache).unwrap();
+        assert!(!cache.entries.is_empty());
+        for ext in ["safetensors", "npz"] {
+            let out = dir.path().join(format!("c-{layers}.{ext}"));
+            let r = attnscope()
+                .args(["capture", "-m", m.to_str().unwrap(), "--text", text, "--hooks", hooks_arg, "--layers", layers, "--heads", heads, "--queries", queries, "--out", out.to_str().unwrap()])
+                .output()
+                .unwrap();
+            assert!(r.status.success(), "{}", stderr_of(&r));
+            let bytes = std::fs::read(&out).unwrap();
+            let mut got: std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)> = Default::default();
+            if ext == "safetensors" {
+                let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+                for (name, t) in st.tensors() {
+                    let data = t.data().chunks(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+                    got.insert(name, (t.shape().to_vec(), data));
+                }
+            } else {
+                let mut z = zip::ZipArchive::new(std::io::Cursor::new(&bytes)).unwrap();
+                for i in 0..z.len() {
+                    let mut f = z.by_index(i).unwrap();
+                    let name = f.name().unwrap().trim_end_matches(".npy").to_string();
+                    let mut body = Vec::new();
+                    f.read_to_end(&mut body).unwrap(); // the zip crate checks each member's CRC-32
+                    got.insert(name, attnscope::render::npy::from_npy(&body).unwrap());
+                }
+                let ids = got.remove("token_ids").expect("npz carries the token ids");
+                assert_eq!(ids.1, tokens.iter().map(|&t| t as f32).collect::<Vec<_>>());
+            }
+            assert_eq!(got.len(), cache.entries.len(), "{ext}: tensors {:?}", got.keys().collect::<Vec<_>>());
+            for c in cache.iter() {
+                let (shape, data) = got.get(&c.name).unwrap_or_else(|| panic!("{ext}: {} missing", c.name));
+                assert_eq!(shape, &c.shape, "{ext}: {} shape", c.name);
+                assert_eq!(data.len(), c.data.len());
+                // bit-identical: the same forward, the same numbers
+                assert!(data.iter().zip(&c.data).all(|(a, b)| a.to_bits() == b.to_bits()), "{ext}: {} differs", c.name);
+            }
+        }
+    }
+}

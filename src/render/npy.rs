@@ -1,8 +1,7 @@
 //! NumPy `.npy` (format 1.0, little-endian f32, C order): write for notebooks, read for tests.
 
-/// The bytes of a `.npy` file holding `data` with `shape`.
-pub fn to_npy(shape: &[usize], data: &[f32]) -> Vec<u8> {
-    assert_eq!(shape.iter().product::<usize>(), data.len(), "npy: shape does not match data");
+/// The header of a `.npy` file (format 1.0, little-endian f32, C order) of `shape`.
+pub fn npy_header(shape: &[usize]) -> Vec<u8> {
     let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
     let shape_txt = if shape.len() == 1 { format!("({},)", dims[0]) } else { format!("({})", dims.join(", ")) };
     let mut header = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': {shape_txt}, }}");
@@ -10,10 +9,18 @@ pub fn to_npy(shape: &[usize], data: &[f32]) -> Vec<u8> {
     let unpadded = 10 + header.len() + 1;
     header.push_str(&" ".repeat((64 - unpadded % 64) % 64));
     header.push('\n');
-    let mut out = Vec::with_capacity(10 + header.len() + data.len() * 4);
+    let mut out = Vec::with_capacity(10 + header.len());
     out.extend_from_slice(b"\x93NUMPY\x01\x00");
     out.extend_from_slice(&(header.len() as u16).to_le_bytes());
     out.extend_from_slice(header.as_bytes());
+    out
+}
+
+/// The bytes of a `.npy` file holding `data` with `shape`.
+pub fn to_npy(shape: &[usize], data: &[f32]) -> Vec<u8> {
+    assert_eq!(shape.iter().product::<usize>(), data.len(), "npy: shape does not match data");
+    let mut out = npy_header(shape);
+    out.reserve(data.len() * 4);
     for v in data {
         out.extend_from_slice(&v.to_le_bytes());
     }

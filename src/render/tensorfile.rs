@@ -2,6 +2,7 @@
 //! `safetensors.numpy.load_file` / `safe_open(...).metadata()`) and `.npz` (`numpy.load`).
 
 use std::collections::BTreeMap;
+use std::io::Write;
 
 /// A named f32 tensor.
 pub struct NamedTensor<'a> {
@@ -10,110 +11,197 @@ pub struct NamedTensor<'a> {
     pub data: &'a [f32],
 }
 
-/// safetensors: u64 header length, JSON header (names → dtype, shape, byte offsets, plus
-/// `__metadata__`), padded with spaces to 8 bytes, then the raw little-endian data.
-pub fn to_safetensors(tensors: &[NamedTensor<'_>], metadata: &BTreeMap<String, String>) -> Vec<u8> {
-    let mut header = serde_json::Map::new();
-    if !metadata.is_empty() {
-        header.insert("__metadata__".into(), serde_json::to_value(metadata).expect("strings serialize"));
+/// The file formats a capture is written in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TensorFormat {
+    /// u64 header length, JSON header (names → dtype, shape, byte offsets, plus `__metadata__`),
+    /// padded with spaces to 8 bytes, then the raw little-endian data in header order.
+    Safetensors,
+    /// A zip archive (stored, ZIP64 where needed) of one `NAME.npy` per tensor.
+    Npz,
+}
+
+/// The little-endian bytes of `data` (a view on little-endian machines, a copy elsewhere).
+fn le_bytes(data: &[f32]) -> std::borrow::Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        // SAFETY: f32 has no padding and any byte pattern is a valid u8; the length is exact.
+        std::borrow::Cow::Borrowed(unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, std::mem::size_of_val(data)) })
+    } else {
+        std::borrow::Cow::Owned(data.iter().flat_map(|v| v.to_le_bytes()).collect())
     }
-    let mut offset = 0usize;
-    for t in tensors {
-        let len = t.data.len() * 4;
-        header.insert(t.name.into(), serde_json::json!({"dtype": "F32", "shape": t.shape, "data_offsets": [offset, offset + len]}));
-        offset += len;
-    }
-    let mut h = serde_json::Value::Object(header).to_string().into_bytes();
-    while h.len() % 8 != 0 {
-        h.push(b' ');
-    }
-    let mut out = Vec::with_capacity(8 + h.len() + offset);
-    out.extend_from_slice(&(h.len() as u64).to_le_bytes());
-    out.extend_from_slice(&h);
-    for t in tensors {
-        for v in t.data {
-            out.extend_from_slice(&v.to_le_bytes());
+}
+
+/// Writes tensors one after another into `W` while they are produced, so a capture never holds
+/// more than the tensor being written: every name and shape is declared up front (the
+/// safetensors header comes first), then [`TensorWriter::write`] takes them in that order.
+pub struct TensorWriter<W: Write> {
+    out: W,
+    format: TensorFormat,
+    order: Vec<(String, Vec<usize>)>,
+    next: usize,
+    /// bytes written so far (npz entry offsets)
+    offset: u64,
+    central: Vec<u8>,
+}
+
+impl<W: Write> TensorWriter<W> {
+    /// Starts a file of the tensors `order` (name, shape), in that order (`metadata` goes into
+    /// a safetensors header; npz has no place for it).
+    pub fn new(mut out: W, format: TensorFormat, order: Vec<(String, Vec<usize>)>, metadata: &BTreeMap<String, String>) -> std::io::Result<Self> {
+        let mut offset = 0u64;
+        if format == TensorFormat::Safetensors {
+            let mut header = serde_json::Map::new();
+            if !metadata.is_empty() {
+                header.insert("__metadata__".into(), serde_json::to_value(metadata).expect("strings serialize"));
+            }
+            let mut at = 0usize;
+            for (name, shape) in &order {
+                let len = shape.iter().product::<usize>() * 4;
+                header.insert(name.clone(), serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [at, at + len]}));
+                at += len;
+            }
+            let mut h = serde_json::Value::Object(header).to_string().into_bytes();
+            while h.len() % 8 != 0 {
+                h.push(b' ');
+            }
+            out.write_all(&(h.len() as u64).to_le_bytes())?;
+            out.write_all(&h)?;
+            offset = 8 + h.len() as u64;
         }
+        Ok(TensorWriter { out, format, order, next: 0, offset, central: Vec::new() })
     }
-    out
+
+    /// The name of the tensor expected next, if any.
+    pub fn expects(&self) -> Option<&str> {
+        self.order.get(self.next).map(|(n, _)| n.as_str())
+    }
+
+    /// Writes the next tensor; its name and size must be the ones declared.
+    pub fn write(&mut self, name: &str, data: &[f32]) -> std::io::Result<()> {
+        let bad = |msg: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, msg);
+        let (want, shape) = self.order.get(self.next).ok_or_else(|| bad(format!("tensor `{name}` was not declared (all {} are written)", self.order.len())))?;
+        if want != name || shape.iter().product::<usize>() != data.len() {
+            return Err(bad(format!("tensor `{name}` ({} values) came where `{want}` {shape:?} was declared: you likely have a bug", data.len())));
+        }
+        let shape = shape.clone();
+        self.next += 1;
+        let bytes = le_bytes(data);
+        match self.format {
+            TensorFormat::Safetensors => {
+                self.out.write_all(&bytes)?;
+                self.offset += bytes.len() as u64;
+            }
+            TensorFormat::Npz => {
+                let header = super::npy::npy_header(&shape);
+                let mut crc = crc32fast::Hasher::new();
+                crc.update(&header);
+                crc.update(&bytes);
+                let entry = format!("{name}.npy");
+                let size = (header.len() + bytes.len()) as u64;
+                let (local, central) = zip_headers(&entry, crc.finalize(), size, self.offset);
+                self.out.write_all(&local)?;
+                self.out.write_all(&header)?;
+                self.out.write_all(&bytes)?;
+                self.offset += local.len() as u64 + size;
+                self.central.extend_from_slice(&central);
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends the file (the npz central directory) once every declared tensor is written.
+    pub fn finish(mut self) -> std::io::Result<W> {
+        if let Some(name) = self.expects() {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("tensor `{name}` was declared but never written")));
+        }
+        if self.format == TensorFormat::Npz {
+            let end = zip_end(self.offset, self.central.len() as u64, self.order.len() as u64);
+            self.out.write_all(&self.central)?;
+            self.out.write_all(&end)?;
+        }
+        self.out.flush()?;
+        Ok(self.out)
+    }
+}
+
+/// The whole file of `tensors` in memory (for small captures and tests).
+fn to_bytes(tensors: &[NamedTensor<'_>], format: TensorFormat, metadata: &BTreeMap<String, String>) -> Vec<u8> {
+    let order = tensors.iter().map(|t| (t.name.to_string(), t.shape.to_vec())).collect();
+    let mut w = TensorWriter::new(Vec::new(), format, order, metadata).expect("writing to memory");
+    for t in tensors {
+        w.write(t.name, t.data).expect("declared in order");
+    }
+    w.finish().expect("writing to memory")
+}
+
+/// A safetensors file of `tensors` with string `metadata`, in memory.
+pub fn to_safetensors(tensors: &[NamedTensor<'_>], metadata: &BTreeMap<String, String>) -> Vec<u8> {
+    to_bytes(tensors, TensorFormat::Safetensors, metadata)
+}
+
+/// An `.npz` of `tensors`, in memory.
+pub fn to_npz(tensors: &[NamedTensor<'_>]) -> Vec<u8> {
+    to_bytes(tensors, TensorFormat::Npz, &BTreeMap::new())
 }
 
 /// CRC-32 (IEEE), as zip and PNG use it.
 pub(crate) fn crc32(data: &[u8]) -> u32 {
-    let mut table = [0u32; 256];
-    for (i, e) in table.iter_mut().enumerate() {
-        let mut c = i as u32;
-        for _ in 0..8 {
-            c = if c & 1 != 0 { 0xEDB8_8320 ^ (c >> 1) } else { c >> 1 };
-        }
-        *e = c;
-    }
-    let mut c = 0xFFFF_FFFFu32;
-    for &b in data {
-        c = table[((c ^ b as u32) & 0xff) as usize] ^ (c >> 8);
-    }
-    c ^ 0xFFFF_FFFF
+    crc32fast::hash(data)
 }
 
-/// `.npz`: a zip archive (stored, ZIP64 where needed) of one `NAME.npy` per tensor.
-pub fn to_npz(tensors: &[NamedTensor<'_>]) -> Vec<u8> {
+/// The local file header and the central directory entry of one stored zip member of `size`
+/// bytes at `offset` (ZIP64 extra fields where a size or offset needs them).
+fn zip_headers(name: &str, crc: u32, size: u64, offset: u64) -> (Vec<u8>, Vec<u8>) {
+    let zip64 = size >= 0xFFFF_FFFF || offset >= 0xFFFF_FFFF;
     let mut out = Vec::new();
-    let mut central = Vec::new();
-    for t in tensors {
-        let name = format!("{}.npy", t.name);
-        let body = super::npy::to_npy(t.shape, t.data);
-        let crc = crc32(&body);
-        let size = body.len() as u64;
-        let offset = out.len() as u64;
-        let zip64 = size >= 0xFFFF_FFFF || offset >= 0xFFFF_FFFF;
-        // local file header
-        out.extend_from_slice(&0x0403_4b50u32.to_le_bytes());
-        out.extend_from_slice(&(if zip64 { 45u16 } else { 20 }).to_le_bytes());
-        out.extend_from_slice(&[0, 0, 0, 0, 0, 0]); // flags, method (stored), time
-        out.extend_from_slice(&0x0021u16.to_le_bytes()); // date 1980-01-01
-        out.extend_from_slice(&crc.to_le_bytes());
-        let small = if zip64 { 0xFFFF_FFFFu32 } else { size as u32 };
-        out.extend_from_slice(&small.to_le_bytes());
-        out.extend_from_slice(&small.to_le_bytes());
-        out.extend_from_slice(&(name.len() as u16).to_le_bytes());
-        out.extend_from_slice(&(if zip64 { 20u16 } else { 0 }).to_le_bytes());
-        out.extend_from_slice(name.as_bytes());
-        if zip64 {
-            out.extend_from_slice(&1u16.to_le_bytes());
-            out.extend_from_slice(&16u16.to_le_bytes());
-            out.extend_from_slice(&size.to_le_bytes());
-            out.extend_from_slice(&size.to_le_bytes());
-        }
-        out.extend_from_slice(&body);
-        // central directory entry
-        central.extend_from_slice(&0x0201_4b50u32.to_le_bytes());
-        central.extend_from_slice(&(if zip64 { 45u16 } else { 20 }).to_le_bytes());
-        central.extend_from_slice(&(if zip64 { 45u16 } else { 20 }).to_le_bytes());
-        central.extend_from_slice(&[0, 0, 0, 0, 0, 0]);
-        central.extend_from_slice(&0x0021u16.to_le_bytes());
-        central.extend_from_slice(&crc.to_le_bytes());
-        central.extend_from_slice(&small.to_le_bytes());
-        central.extend_from_slice(&small.to_le_bytes());
-        central.extend_from_slice(&(name.len() as u16).to_le_bytes());
-        central.extend_from_slice(&(if zip64 { 28u16 } else { 0 }).to_le_bytes());
-        central.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 0, 0, 0]); // comment length, disk, internal and external attributes
-        central.extend_from_slice(&(if zip64 { 0xFFFF_FFFFu32 } else { offset as u32 }).to_le_bytes());
-        central.extend_from_slice(name.as_bytes());
-        if zip64 {
-            central.extend_from_slice(&1u16.to_le_bytes());
-            central.extend_from_slice(&24u16.to_le_bytes());
-            central.extend_from_slice(&size.to_le_bytes());
-            central.extend_from_slice(&size.to_le_bytes());
-            central.extend_from_slice(&offset.to_le_bytes());
-        }
+    out.extend_from_slice(&0x0403_4b50u32.to_le_bytes());
+    out.extend_from_slice(&(if zip64 { 45u16 } else { 20 }).to_le_bytes());
+    out.extend_from_slice(&[0, 0, 0, 0, 0, 0]); // flags, method (stored), time
+    out.extend_from_slice(&0x0021u16.to_le_bytes()); // date 1980-01-01
+    out.extend_from_slice(&crc.to_le_bytes());
+    let small = if zip64 { 0xFFFF_FFFFu32 } else { size as u32 };
+    out.extend_from_slice(&small.to_le_bytes());
+    out.extend_from_slice(&small.to_le_bytes());
+    out.extend_from_slice(&(name.len() as u16).to_le_bytes());
+    out.extend_from_slice(&(if zip64 { 20u16 } else { 0 }).to_le_bytes());
+    out.extend_from_slice(name.as_bytes());
+    if zip64 {
+        out.extend_from_slice(&1u16.to_le_bytes());
+        out.extend_from_slice(&16u16.to_le_bytes());
+        out.extend_from_slice(&size.to_le_bytes());
+        out.extend_from_slice(&size.to_le_bytes());
     }
-    let cd_offset = out.len() as u64;
-    let cd_size = central.len() as u64;
-    out.extend_from_slice(&central);
-    let n = tensors.len() as u64;
+    let mut central = Vec::new();
+    central.extend_from_slice(&0x0201_4b50u32.to_le_bytes());
+    central.extend_from_slice(&(if zip64 { 45u16 } else { 20 }).to_le_bytes());
+    central.extend_from_slice(&(if zip64 { 45u16 } else { 20 }).to_le_bytes());
+    central.extend_from_slice(&[0, 0, 0, 0, 0, 0]);
+    central.extend_from_slice(&0x0021u16.to_le_bytes());
+    central.extend_from_slice(&crc.to_le_bytes());
+    central.extend_from_slice(&small.to_le_bytes());
+    central.extend_from_slice(&small.to_le_bytes());
+    central.extend_from_slice(&(name.len() as u16).to_le_bytes());
+    central.extend_from_slice(&(if zip64 { 28u16 } else { 0 }).to_le_bytes());
+    central.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 0, 0, 0]); // comment length, disk, internal and external attributes
+    central.extend_from_slice(&(if zip64 { 0xFFFF_FFFFu32 } else { offset as u32 }).to_le_bytes());
+    central.extend_from_slice(name.as_bytes());
+    if zip64 {
+        central.extend_from_slice(&1u16.to_le_bytes());
+        central.extend_from_slice(&24u16.to_le_bytes());
+        central.extend_from_slice(&size.to_le_bytes());
+        central.extend_from_slice(&size.to_le_bytes());
+        central.extend_from_slice(&offset.to_le_bytes());
+    }
+    (out, central)
+}
+
+/// The end of a zip: (ZIP64 end record and locator where needed,) end of central directory.
+/// `cd_offset` is where the central directory of `cd_size` bytes and `n` entries starts.
+fn zip_end(cd_offset: u64, cd_size: u64, n: u64) -> Vec<u8> {
+    let mut out = Vec::new();
     if cd_offset >= 0xFFFF_FFFF || n >= 0xFFFF {
         // ZIP64 end of central directory record and locator
-        let eocd64 = out.len() as u64;
+        let eocd64 = cd_offset + cd_size;
         out.extend_from_slice(&0x0606_4b50u32.to_le_bytes());
         out.extend_from_slice(&44u64.to_le_bytes());
         out.extend_from_slice(&45u16.to_le_bytes());
