@@ -81,33 +81,39 @@ fn best_of(reps: usize, mut f: impl FnMut()) -> f64 {
     }).fold(f64::INFINITY, f64::min)
 }
 
-/// Runs this executable with `args`; returns (wall seconds, peak RSS bytes, exit code).
+/// Runs this executable with `args`; returns (wall seconds, peak RSS bytes, exit code). The peak
+/// is the child's `VmHWM`, read while it runs (`wait4`'s `ru_maxrss` would report this process's
+/// own peak, which a spawned child inherits until it execs).
 fn run_self(args: &[String]) -> anyhow::Result<(f64, u64, i32)> {
     let exe = std::env::current_exe()?;
     let start = Instant::now();
-    let child = std::process::Command::new(exe).args(args).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn()?;
-    let pid = child.id() as libc::pid_t;
-    let mut stderr = child.stderr.expect("piped");
+    let mut child = std::process::Command::new(exe).args(args).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn()?;
+    let status_path = format!("/proc/{}/status", child.id());
+    let mut stderr = child.stderr.take().expect("piped");
     let reader = std::thread::spawn(move || {
         let mut s = String::new();
         let _ = std::io::Read::read_to_string(&mut stderr, &mut s);
         s
     });
-    let mut status = 0;
-    // SAFETY: an all-zero rusage is a valid value; wait4 fills it for the child we spawned.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: pid is our child's, not yet waited for; the pointers are valid for the call.
-    let r = unsafe { libc::wait4(pid, &mut status, 0, &mut ru) };
+    let mut peak = 0u64;
+    let status = loop {
+        if let Ok(s) = std::fs::read_to_string(&status_path) {
+            if let Some(kb) = s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse::<u64>().ok()) {
+                peak = peak.max(kb * 1024);
+            }
+        }
+        if let Some(st) = child.try_wait()? {
+            break st;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
     let wall = start.elapsed().as_secs_f64();
     let err = reader.join().unwrap_or_default();
-    if r < 0 {
-        anyhow::bail!("waiting for `attnscope {}` failed: {}", args.join(" "), std::io::Error::last_os_error());
-    }
-    let code = if libc::WIFEXITED(status) { libc::WEXITSTATUS(status) } else { -1 };
+    let code = status.code().unwrap_or(-1);
     if code != 0 {
         anyhow::bail!("`attnscope {}` exited with {code}: {}", args.join(" "), err.trim());
     }
-    Ok((wall, ru.ru_maxrss as u64 * 1024, code))
+    Ok((wall, peak, code))
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {

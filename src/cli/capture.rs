@@ -140,7 +140,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     ]);
     // write into a temporary file beside the target, renamed over it only when complete
     let dir = a.out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let tmp = tempfile::Builder::new().prefix(".attnscope-capture-").tempfile_in(dir).with_context(|| format!("creating a temporary file in {}", dir.display()))?;
+    let mut builder = tempfile::Builder::new();
+    builder.prefix(".attnscope-capture-");
+    #[cfg(unix)]
+    {
+        // the mode of an ordinary new file (0666 less the umask), not the temporary file's 0600
+        use std::os::unix::fs::PermissionsExt;
+        builder.permissions(std::fs::Permissions::from_mode(0o666));
+    }
+    let tmp = builder.tempfile_in(dir).with_context(|| format!("creating a temporary file in {}", dir.display()))?;
     let file = std::io::BufWriter::with_capacity(4 << 20, tmp.as_file().try_clone()?);
     let tf = match format {
         Format::Safetensors => TensorFormat::Safetensors,
