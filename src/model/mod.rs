@@ -136,6 +136,10 @@ impl Model {
             }
         };
         bar.finish_and_clear();
+        let mut model = model;
+        if precision == Precision::Fast && !weights::fast_uses_int8() {
+            model.info.warnings.push("this CPU has no AVX-512 VNNI, so --precision fast runs the exact f32 kernels (the same numbers as exact)".into());
+        }
         for w in &model.info.warnings {
             eprintln!("attnscope: warning: {w}");
         }

@@ -4,9 +4,10 @@
 use super::config::{ModelDims, RopeStyle};
 use super::error::{Error, Result};
 use crate::kernels::gemm::{self, PackedB};
+use crate::kernels::int8::{self, PackedQ8};
 use candle_core::quantized::{GgmlDType, GgmlType, QMatMul, QStorage, QTensor};
 use std::sync::Arc;
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 use std::borrow::Cow;
 use std::path::Path;
@@ -17,8 +18,9 @@ use std::path::Path;
 pub enum Precision {
     /// Every weight dequantized to f32: the numbers of the reference implementation (~1e-5).
     Exact,
-    /// Quantized weights kept quantized (Q5_0 repacked losslessly to Q8_0) where candle has fast
-    /// kernels; activations are quantized to 8 bits inside those matmuls, so numbers move by ~1e-2.
+    /// Weights and activations as 8-bit integers in blocks of 32 (one f32 scale each), multiplied
+    /// with AVX-512 VNNI; attention stays f32. Numbers move by ~1e-2. On a CPU without VNNI it
+    /// runs the exact kernels (no int8 kernel there beats them yet).
     Fast,
 }
 
@@ -196,8 +198,9 @@ impl Embedding {
 pub enum Matrix {
     /// f32, packed once for the GEMM kernel ([`crate::kernels::gemm::PackedB`]).
     Packed(PackedB),
-    /// Kept quantized; candle's kernels (activations quantized to 8 bits inside).
-    Quantized(QMatMul),
+    /// 8-bit blocks for the VNNI kernel ([`crate::kernels::int8`]); activations are quantized
+    /// to 8-bit blocks too.
+    Int8(PackedQ8),
 }
 
 /// A projection `y = x Wᵀ (+ b)`, possibly several fused along the output: `[W_q; W_k; W_v]`
@@ -216,21 +219,13 @@ impl Linear {
     pub fn forward_into(&self, x: &[f32], m: usize, out: &mut [f32], accumulate: bool) -> Result<()> {
         let (k, n) = (self.k, self.n);
         assert!(x.len() >= m * k && out.len() >= m * n, "Linear::forward_into: buffers too short");
+        let mut qa = None; // the activations quantized once, for every int8 part
         for (col0, mat) in &self.mats {
             match mat {
                 Matrix::Packed(pb) => gemm::gemm(x, k, m, pb, &mut out[*col0..], n, accumulate),
-                Matrix::Quantized(q) => {
-                    let xt = Tensor::from_slice(&x[..m * k], (m, k), &Device::Cpu)?;
-                    let y: Vec<f32> = q.forward(&xt)?.flatten_all()?.to_vec1()?;
-                    let w = y.len() / m.max(1);
-                    for (r, row) in y.chunks(w.max(1)).enumerate().take(m) {
-                        let dst = &mut out[r * n + col0..r * n + col0 + w];
-                        if accumulate {
-                            dst.iter_mut().zip(row).for_each(|(d, s)| *d += s);
-                        } else {
-                            dst.copy_from_slice(row);
-                        }
-                    }
+                Matrix::Int8(pq) => {
+                    let qa = qa.get_or_insert_with(|| int8::QuantA::new(x, m, k, k));
+                    int8::gemm_q8(qa, pq, &mut out[*col0..], n, accumulate);
                 }
             }
         }
@@ -252,13 +247,13 @@ impl Linear {
 
     /// Bytes of weights held.
     pub fn bytes(&self) -> usize {
-        self.mats.iter().map(|(_, m)| match m {
-            Matrix::Packed(p) => p.bytes(),
-            Matrix::Quantized(q) => match q {
-                QMatMul::QTensor(t) => t.storage_size_in_bytes(),
-                QMatMul::Tensor(t) | QMatMul::TensorF16(t) => t.elem_count() * t.dtype().size_in_bytes(),
-            },
-        }).sum()
+        self.mats
+            .iter()
+            .map(|(_, m)| match m {
+                Matrix::Packed(p) => p.bytes(),
+                Matrix::Int8(q) => q.bytes(),
+            })
+            .sum()
     }
 }
 
@@ -305,7 +300,8 @@ fn repack_q5_0_to_q8_0(q: &QTensor) -> Result<QTensor> {
     Ok(QTensor::new(storage, q.shape().clone())?)
 }
 
-/// How a matrix weight is held for `precision`: `Some(q)` to keep it quantized, `None` for f32.
+/// How the output projection (applied to a few rows, memory-bound) is held for `precision`:
+/// `Some(q)` to keep it quantized for candle's mat-vec kernels, `None` for f32.
 fn quantized(raw: &Raw, precision: Precision) -> Result<Option<QMatMul>> {
     Ok(match (raw, precision) {
         (Raw::Mapped(m), Precision::Fast) => match m.dtype {
@@ -319,8 +315,15 @@ fn quantized(raw: &Raw, precision: Precision) -> Result<Option<QMatMul>> {
     })
 }
 
-/// Builds a (possibly fused) projection from its parts `[n_i, k]`: f32 parts are concatenated and
-/// packed into one matrix, quantized ones stay separate.
+/// Whether `fast` runs the int8 kernel on this CPU (AVX-512 VNNI); elsewhere it runs the exact
+/// f32 kernels, since no int8 kernel here beats them yet (see the README).
+pub fn fast_uses_int8() -> bool {
+    int8::vnni_supported()
+}
+
+/// Builds a (possibly fused) projection from its parts `[n_i, k]`, concatenated along the
+/// output and packed into one matrix: f32 for `exact`, 8-bit blocks for `fast` where
+/// [`fast_uses_int8`].
 fn linear(parts: Vec<(Raw, Option<Raw>)>, precision: Precision) -> Result<Linear> {
     let isa = gemm::Isa::detect();
     let k = *parts[0].0.dims().last().expect("matrices have two dimensions");
@@ -328,43 +331,26 @@ fn linear(parts: Vec<(Raw, Option<Raw>)>, precision: Precision) -> Result<Linear
     let n: usize = widths.iter().sum();
     let any_bias = parts.iter().any(|(_, b)| b.is_some());
     let mut bias = any_bias.then(|| vec![0f32; n]);
-    let mut mats = Vec::new();
-    let mut dense: Vec<f32> = Vec::new(); // f32 rows of consecutive dense parts
-    let mut dense_col0 = 0;
+    let mut dense: Vec<f32> = Vec::new();
     let mut col0 = 0;
-    let flush = |dense: &mut Vec<f32>, dense_col0: usize, mats: &mut Vec<(usize, Matrix)>| {
-        if !dense.is_empty() {
-            let rows = dense.len() / k;
-            mats.push((dense_col0, Matrix::Packed(PackedB::from_rows(dense, rows, k, k, isa))));
-            dense.clear();
-        }
-    };
     for ((w, b), width) in parts.into_iter().zip(&widths) {
         if let (Some(b), Some(all)) = (b, bias.as_mut()) {
-            let b = b.to_vec()?;
-            all[col0..col0 + width].copy_from_slice(&b);
+            all[col0..col0 + width].copy_from_slice(&b.to_vec()?);
         }
-        match quantized(&w, precision)? {
-            Some(q) => {
-                flush(&mut dense, dense_col0, &mut mats);
-                mats.push((col0, Matrix::Quantized(q)));
-            }
-            None => {
-                if dense.is_empty() {
-                    dense_col0 = col0;
-                }
-                let t = w.to_vec()?;
-                if dense.is_empty() && t.len() == n * k {
-                    dense = t;
-                } else {
-                    dense.extend_from_slice(&t);
-                }
-            }
+        let t = w.to_vec()?;
+        if dense.is_empty() && t.len() == n * k {
+            dense = t;
+        } else {
+            dense.extend_from_slice(&t);
         }
         col0 += width;
     }
-    flush(&mut dense, dense_col0, &mut mats);
-    Ok(Linear { k, n, parts: widths, mats, bias })
+    let mat = if precision == Precision::Fast && fast_uses_int8() && k % int8::BLOCK == 0 {
+        Matrix::Int8(PackedQ8::from_rows(&dense, n, k))
+    } else {
+        Matrix::Packed(PackedB::from_rows(&dense, n, k, k, isa))
+    };
+    Ok(Linear { k, n, parts: widths, mats: vec![(0, mat)], bias })
 }
 
 /// Looks up one weight by its logical name, checking its shape.
