@@ -48,7 +48,7 @@ pub struct PackedQ8 {
 impl PackedQ8 {
     /// Quantizes and packs `W: [n, k]` (row-major). `k` must be a multiple of 32.
     pub fn from_rows(w: &[f32], n: usize, k: usize) -> PackedQ8 {
-        assert!(k % BLOCK == 0, "int8 weights need k to be a multiple of {BLOCK}, got {k}");
+        assert!(k.is_multiple_of(BLOCK), "int8 weights need k to be a multiple of {BLOCK}, got {k}");
         assert!(w.len() >= n * k);
         let blocks = k / BLOCK;
         let panels = n.div_ceil(NP);
@@ -100,7 +100,7 @@ pub struct QuantA {
 
 impl QuantA {
     pub fn new(a: &[f32], m: usize, k: usize, lda: usize) -> QuantA {
-        assert!(k % BLOCK == 0);
+        assert!(k.is_multiple_of(BLOCK));
         let blocks = k / BLOCK;
         let mut qa = vec![0u8; m * k];
         let mut scales = vec![0f32; m * blocks];
