@@ -173,7 +173,7 @@ fn capture_writes_safetensors_and_refuses_to_overwrite() {
 fn help_explains_every_subcommand() {
     let out = attnscope().arg("--help").output().unwrap();
     let s = String::from_utf8(out.stdout).unwrap();
-    for sub in ["explain", "cost", "inspect", "faithfulness", "corpus", "sinks", "scaling", "view", "heatmap", "serve", "info", "capture", "fetch"] {
+    for sub in ["explain", "cost", "inspect", "faithfulness", "corpus", "sinks", "scaling", "bench", "view", "heatmap", "serve", "info", "capture", "fetch"] {
         assert!(s.contains(sub), "--help lacks {sub}");
         let h = attnscope().args([sub, "--help"]).output().unwrap();
         assert!(h.status.success() && h.stdout.len() > 200, "{sub} --help");
@@ -416,4 +416,36 @@ fn streamed_capture_equals_the_in_memory_cache_in_both_formats() {
             }
         }
     }
+}
+
+/// `bench` on a tiny model: every part is measured and reported as positive rates and times,
+/// the child processes (`capture`, `inspect`) run and report their own peak memory.
+#[test]
+fn bench_reports_rates_forwards_and_commands() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let out = attnscope().args(["bench", "-m", m.to_str().unwrap(), "--lengths", "8,16", "--repeats", "1", "--json"]).output().unwrap();
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["kernel_peak_gflops"].as_f64().unwrap() > 0.0);
+    assert_eq!(v["gemm"].as_array().unwrap().len(), 4);
+    for g in v["gemm"].as_array().unwrap() {
+        assert!(g["attnscope_gflops"].as_f64().unwrap() > 0.0 && g["candle_gflops"].as_f64().unwrap() > 0.0);
+    }
+    let f = v["forward"].as_array().unwrap();
+    assert_eq!(f.iter().map(|r| r["n"].as_u64().unwrap()).collect::<Vec<_>>(), vec![8, 16]);
+    for r in f {
+        assert!(r["forward_s"].as_f64().unwrap() > 0.0 && r["projections_gflops"].as_f64().unwrap() > 0.0 && r["attention_gflops"].as_f64().unwrap() > 0.0);
+        assert!(r["with_patterns_s"].as_f64().unwrap() > 0.0);
+    }
+    let c = v["commands"].as_array().unwrap();
+    assert_eq!(c.len(), 4, "capture and inspect at both lengths");
+    for r in c {
+        assert!(r["wall_s"].as_f64().unwrap() > 0.0);
+        // the child's own peak (a few MB for a tiny model), not this test's or the parent's
+        assert!(r["peak_rss_bytes"].as_u64().unwrap() > 1 << 20, "{r}");
+        assert_eq!(r["exit"].as_i64().unwrap(), 0);
+    }
+    let bad = attnscope().args(["bench", "-m", m.to_str().unwrap(), "--lengths", "0"]).output().unwrap();
+    assert_eq!(bad.status.code(), Some(2));
 }

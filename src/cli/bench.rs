@@ -4,6 +4,7 @@
 //! wall time and peak memory of the commands a user runs.
 
 use super::common::{emit, usage, ModelArgs};
+use super::scaling::median;
 use crate::analysis::measure::{machine, peak_rss_bytes, reset_peak_rss};
 use crate::kernels::gemm::{self, Isa, PackedB};
 use crate::model::capture::{AttnCache, CaptureSpec, NoCapture};
@@ -65,12 +66,6 @@ struct CommandRow {
     exit: i32,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let k = v.len();
-    if k % 2 == 1 { v[k / 2] } else { (v[k / 2 - 1] + v[k / 2]) / 2.0 }
-}
-
 /// Best of `reps` timed runs of `f` after one warm-up, in seconds.
 fn best_of(reps: usize, mut f: impl FnMut()) -> f64 {
     f();
@@ -81,38 +76,20 @@ fn best_of(reps: usize, mut f: impl FnMut()) -> f64 {
     }).fold(f64::INFINITY, f64::min)
 }
 
-/// Runs this executable with `args`; returns (wall seconds, peak RSS bytes, exit code). The peak
-/// is the child's `VmHWM`, read while it runs (`wait4`'s `ru_maxrss` would report this process's
-/// own peak, which a spawned child inherits until it execs).
-fn run_self(args: &[String]) -> anyhow::Result<(f64, u64, i32)> {
+/// Runs this executable with `args`; returns (wall seconds, peak RSS bytes, exit code). The child
+/// writes its own peak (`VmHWM`) to a file named by `ATTNSCOPE_PEAK_FILE` as it exits: `wait4`'s
+/// `ru_maxrss` would report this process's own peak, which a spawned child inherits at exec.
+fn run_self(args: &[String], peak_file: &std::path::Path) -> anyhow::Result<(f64, u64, i32)> {
     let exe = std::env::current_exe()?;
+    let _ = std::fs::remove_file(peak_file);
     let start = Instant::now();
-    let mut child = std::process::Command::new(exe).args(args).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn()?;
-    let status_path = format!("/proc/{}/status", child.id());
-    let mut stderr = child.stderr.take().expect("piped");
-    let reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = std::io::Read::read_to_string(&mut stderr, &mut s);
-        s
-    });
-    let mut peak = 0u64;
-    let status = loop {
-        if let Ok(s) = std::fs::read_to_string(&status_path) {
-            if let Some(kb) = s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse::<u64>().ok()) {
-                peak = peak.max(kb * 1024);
-            }
-        }
-        if let Some(st) = child.try_wait()? {
-            break st;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    };
+    let out = std::process::Command::new(exe).args(args).env("ATTNSCOPE_PEAK_FILE", peak_file).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).output()?;
     let wall = start.elapsed().as_secs_f64();
-    let err = reader.join().unwrap_or_default();
-    let code = status.code().unwrap_or(-1);
+    let code = out.status.code().unwrap_or(-1);
     if code != 0 {
-        anyhow::bail!("`attnscope {}` exited with {code}: {}", args.join(" "), err.trim());
+        anyhow::bail!("`attnscope {}` exited with {code}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
     }
+    let peak = std::fs::read_to_string(peak_file).ok().and_then(|s| s.trim().parse::<u64>().ok()).unwrap_or(0);
     Ok((wall, peak, code))
 }
 
@@ -224,7 +201,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 args.extend(base.iter().cloned());
                 args.extend(["--file".to_string(), fstr.clone()]);
                 args.extend(extra);
-                let (wall, peak_b, exit) = run_self(&args)?;
+                let (wall, peak_b, exit) = run_self(&args, &dir.path().join("peak"))?;
                 let _ = std::fs::remove_file(dir.path().join(format!("p{n}.safetensors")));
                 commands.push(CommandRow { n, command: label.to_string(), wall_s: wall, peak_rss_bytes: peak_b, exit });
                 pb.inc(1);

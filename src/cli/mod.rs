@@ -114,7 +114,15 @@ pub fn main() -> ExitCode {
             return ExitCode::from(code);
         }
     };
-    match run(cli) {
+    let result = run(cli);
+    // `attnscope bench` times commands as child processes and asks each for its own peak memory
+    // (VmHWM of this process's address space; rusage would include the parent's, inherited)
+    if let Some(path) = std::env::var_os("ATTNSCOPE_PEAK_FILE") {
+        if let Some(peak) = crate::analysis::measure::peak_rss_bytes() {
+            let _ = std::fs::write(path, peak.to_string());
+        }
+    }
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
         Err(e) => {

@@ -43,7 +43,8 @@ struct Row {
     pattern_bytes: f64,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+/// The median (the mean of the middle two for an even count).
+pub(super) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     let k = v.len();
     if k % 2 == 1 { v[k / 2] } else { (v[k / 2 - 1] + v[k / 2]) / 2.0 }
