@@ -240,8 +240,8 @@ pub struct AttnDims {
     pub k_len: usize,
 }
 
-/// Causal grouped-query attention, fused per (head, block of query rows): `S = Q Kᵀ` on the
-/// packed GEMM, then scale, mask and an online softmax [Milakov & Gimelshein 2018,
+/// Causal grouped-query attention, fused per (head, block of query rows): `S = (Q/√d) Kᵀ` on
+/// the packed GEMM, then mask and an online softmax [Milakov & Gimelshein 2018,
 /// arXiv:1805.02867; Dao et al. 2022, FlashAttention] over blocks of keys, then `P V` on the
 /// packed GEMM, accumulated with the running rescale. `q: [n_heads, q_len, d]` holds the last
 /// `q_len` of the `k_len` positions of `k, v: [n_kv_heads, k_len, d]` (after RoPE; the first
@@ -270,9 +270,14 @@ pub fn attention(layer: usize, q: &[f32], k: &[f32], v: &[f32], dims: AttnDims, 
     let isa = Isa::detect();
     let group = n_heads / n_kv;
     let scale = 1.0 / (d as f32).sqrt();
+    // the queries scaled once, so the scores come out of the GEMM already divided by √d
+    let q: Vec<f32> = q.iter().map(|&x| x * scale).collect();
+    let q = q.as_slice();
     let (want_s, want_p) = (obs.wants(layer, Hook::AttnScores), obs.wants(layer, Hook::Pattern));
     let materialize = want_s || want_p;
     let request = obs.wants_stats(layer);
+    // argmax is only looked for when someone takes the statistics
+    let stats = request.is_some();
     let want_rows: Vec<usize> = obs.wants_rows(layer).into_iter().filter(|&i| i < k_len && i + n >= k_len).collect();
     let offset = k_len - n; // absolute position of query row 0
     // each KV set packed once: K as the right side of Q·Kᵀ, V as the right side of P·V
@@ -328,11 +333,11 @@ pub fn attention(layer: usize, q: &[f32], k: &[f32], v: &[f32], dims: AttnDims, 
                     for (x, (src, dst)) in s.chunks(kn).zip(raw_h.chunks_mut(kn)).enumerate() {
                         let i = offset + q0 + x;
                         for (j, (&sc, out)) in src.iter().zip(dst.iter_mut()).enumerate() {
-                            *out = if visible(i, k0 + j, knockout) { sc * scale } else { f32::NEG_INFINITY };
+                            *out = if visible(i, k0 + j, knockout) { sc } else { f32::NEG_INFINITY };
                         }
                     }
                 }
-                // online softmax update, one query row at a time: scale and mask, new shift
+                // online softmax update, one query row at a time: mask, new shift
                 // m' = max(m, block max), rescale the sums by exp(m - m'), and leave
                 // p = exp(s - m') in the buffer for the weighted sum of values
                 for (x, (row, (st, c))) in s.chunks_mut(kn).zip(st_h.iter_mut().zip(corr.iter_mut())).enumerate() {
@@ -341,16 +346,16 @@ pub fn attention(layer: usize, q: &[f32], k: &[f32], v: &[f32], dims: AttnDims, 
                     if !any_knockout {
                         // the keys of this block the query may see are a prefix of it
                         let n_vis = (i + 1).saturating_sub(k0).min(kn);
-                        let vis = &mut row[..n_vis];
-                        vis.iter_mut().for_each(|sc| *sc *= scale);
-                        let bmax = vis.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                        online_update(st, c, row, n_vis, bmax, k0, top_k, true);
+                        let bmax = max_of(&row[..n_vis]);
+                        online_update(st, c, row, n_vis, bmax, k0, top_k, true, stats);
                     } else {
                         for (j, sc) in row.iter_mut().enumerate() {
-                            *sc = if visible(i, k0 + j, knockout) { *sc * scale } else { f32::NEG_INFINITY };
+                            if !visible(i, k0 + j, knockout) {
+                                *sc = f32::NEG_INFINITY;
+                            }
                         }
-                        let bmax = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                        online_update(st, c, row, kn, bmax, k0, top_k, false);
+                        let bmax = max_of(row);
+                        online_update(st, c, row, kn, bmax, k0, top_k, false, stats);
                     }
                     if single {
                         // one block holds every visible key: normalize in place, p is the pattern
@@ -385,7 +390,7 @@ pub fn attention(layer: usize, q: &[f32], k: &[f32], v: &[f32], dims: AttnDims, 
                 let a_row = &q[(h * n + q0 + x) * d..(h * n + q0 + x + 1) * d];
                 gemm::gemm_sub(a_row, d, 1, kp, 0..d, 0..i + 1, &mut out[..i + 1], i + 1, false, false);
                 for (j, p) in out[..i + 1].iter_mut().enumerate() {
-                    *p = if visible(i, j, knockout) && st.l > 0.0 { (fast_exp(*p * scale - st.m) as f64 / st.l) as f32 } else { 0.0 };
+                    *p = if visible(i, j, knockout) && st.l > 0.0 { (fast_exp(*p - st.m) as f64 / st.l) as f32 } else { 0.0 };
                 }
             }
         };
@@ -430,10 +435,11 @@ pub fn attention(layer: usize, q: &[f32], k: &[f32], v: &[f32], dims: AttnDims, 
 /// One row's online-softmax step over a key block whose scores (scaled, masked = -inf) are in
 /// `row[..len]` (the rest is masked): updates the shift, the sums, argmax, first-key score and
 /// top-k, leaves `p = exp(s - m')` in `row` (masked → exactly 0) and the rescale factor in `c`.
-/// `dense`: no score in `row[..len]` is masked (the causal prefix without knockout).
+/// `dense`: no score in `row[..len]` is masked (the causal prefix without knockout); `stats`:
+/// track the argmax (nobody else needs it).
 #[inline]
 #[allow(clippy::too_many_arguments)]
-fn online_update(st: &mut RowState, c: &mut f32, row: &mut [f32], len: usize, bmax: f32, k0: usize, top_k: Option<usize>, dense: bool) {
+fn online_update(st: &mut RowState, c: &mut f32, row: &mut [f32], len: usize, bmax: f32, k0: usize, top_k: Option<usize>, dense: bool, stats: bool) {
     // top_k is None for rows whose top keys nobody asked for
     if k0 == 0 {
         st.s0 = row[0];
@@ -446,7 +452,7 @@ fn online_update(st: &mut RowState, c: &mut f32, row: &mut [f32], len: usize, bm
         return;
     }
     *c = if st.m == f32::NEG_INFINITY { 0.0 } else { (st.m - m_new).exp() };
-    if bmax > st.m {
+    if stats && bmax > st.m {
         st.argmax = (k0 + row[..len].iter().position(|&s| s == bmax).unwrap_or(0)) as u32;
     }
     if let Some(kk) = top_k {
@@ -496,6 +502,25 @@ fn exp_shift_sums(xs: &mut [f32], m: f32) -> (f64, f64) {
     (l, t)
 }
 
+/// The largest value of a slice (-inf when empty), in lanes of 16 so it vectorizes (`f32::max`
+/// does not, for its NaN rule; scores are never NaN here).
+#[inline]
+fn max_of(xs: &[f32]) -> f32 {
+    const L: usize = 16;
+    let mut m = [f32::NEG_INFINITY; L];
+    let mut chunks = xs.chunks_exact(L);
+    for ch in &mut chunks {
+        for k in 0..L {
+            m[k] = if ch[k] > m[k] { ch[k] } else { m[k] };
+        }
+    }
+    let mut best = chunks.remainder().iter().copied().fold(f32::NEG_INFINITY, |a, b| if b > a { b } else { a });
+    for v in m {
+        best = if v > best { v } else { best };
+    }
+    best
+}
+
 /// [`exp_shift_sums`] for a slice with no masked entry (every score finite): no selects, in
 /// lanes of 16 (one AVX-512 register, two AVX2 ones).
 fn exp_shift_sums_dense(xs: &mut [f32], m: f32) -> (f64, f64) {
@@ -526,7 +551,8 @@ fn exp_shift_sums_dense(xs: &mut [f32], m: f32) -> (f64, f64) {
 /// e^r by a degree-5 polynomial, 2^n through the exponent bits. Relative error ~1e-7.
 #[inline(always)]
 fn fast_exp(x: f32) -> f32 {
-    let x = x.max(-87.0);
+    // a plain comparison (not f32::max, whose NaN rule keeps it from vectorizing)
+    let x = if x > -87.0 { x } else { -87.0 };
     // round to nearest by the 1.5·2^23 trick (vectorizes, unlike f32::round)
     const MAGIC: f32 = 12_582_912.0;
     let n = (x * std::f32::consts::LOG2_E + MAGIC) - MAGIC;
@@ -745,6 +771,16 @@ mod tests {
         }
         assert!(worst < 3e-7, "worst relative error {worst:e}");
         assert_eq!(fast_exp(0.0), 1.0);
+    }
+
+    #[test]
+    fn max_of_is_the_maximum() {
+        for n in [0usize, 1, 15, 16, 17, 40] {
+            let xs: Vec<f32> = (0..n).map(|i| ((i * 7919) % 53) as f32 - 20.0).collect();
+            let want = xs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            assert_eq!(max_of(&xs), want, "n = {n}");
+        }
+        assert_eq!(max_of(&[f32::NEG_INFINITY, -3.0, f32::NEG_INFINITY]), -3.0);
     }
 
     #[test]
