@@ -260,7 +260,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             t.row([c.n.to_string(), c.command.clone(), format!("{:.2} s", c.wall_s), format!("{:.2} GB", c.peak_rss_bytes as f64 / 1e9)]);
         }
         s += &t.render();
-        s += "Compare with ../shared/bench/hf_anchor.py run in the same session (eager --output-attentions for capture, sdpa for inspect).\n";
+        s += "Compare with transformers timed in the same session on this machine (eager with output_attentions for capture, sdpa for inspect).\n";
     }
     emit(&s)
 }

@@ -1,7 +1,7 @@
 //! `attnscope capture`: run a model and save the captured hook tensors to a file.
 
 use super::common::{emit, parse_index_list, usage, ModelArgs, TextArgs};
-use crate::model::capture::{hook_name, AttnCache, CaptureSpec, Hook, Observer, Queries};
+use crate::model::capture::{AttnCache, CaptureSpec, Hook, Observer, Queries};
 use crate::model::forward::RunOptions;
 use crate::render::tensorfile::{TensorFormat, TensorWriter};
 use anyhow::Context;
@@ -96,38 +96,21 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if n > d.context_len {
         return Err(anyhow::Error::new(crate::model::Error::TooLong { n_tokens: n, limit: d.context_len, model: model.info.name.clone() }));
     }
-    let mut layers = parse_index_list(&a.layers, d.n_layers, "layer")?;
-    layers.sort_unstable();
-    layers.dedup();
+    let layers = parse_index_list(&a.layers, d.n_layers, "layer")?;
     let heads = parse_index_list(&a.heads, d.n_heads, "head")?;
     let queries = match a.queries.as_str() {
         "all" => Queries::All,
         "last" => Queries::Last,
         s => Queries::List(parse_index_list(s, n, "query position")?),
     };
-    let nq = queries.resolve(n).len();
-    // every tensor's name and shape, in file order (layer, then hook), before the forward
-    let mut order: Vec<(String, Vec<usize>)> = Vec::new();
-    let mut hooks_sorted = hooks.clone();
-    hooks_sorted.sort_unstable();
-    hooks_sorted.dedup();
-    for &l in &layers {
-        for &h in &hooks_sorted {
-            let shape = match h {
-                Hook::ResidPre | Hook::AttnOut | Hook::ResidPost => vec![nq, d.d_model],
-                Hook::Q | Hook::RotQ | Hook::Z => vec![nq, heads.len(), d.head_dim],
-                Hook::K | Hook::V | Hook::RotK => vec![nq, d.n_kv_heads, d.head_dim],
-                Hook::AttnScores | Hook::Pattern => vec![heads.len(), nq, n],
-            };
-            order.push((hook_name(l, h), shape));
-        }
-    }
+    let spec = CaptureSpec { hooks, layers: Some(layers), heads: Some(heads), queries };
+    // every tensor's name and shape, in file order, before the forward
+    let mut order = spec.tensors(d, n);
     if format == Format::Npz {
         order.push(("token_ids".into(), vec![n]));
     }
     let total_bytes: f64 = order.iter().map(|(_, s)| s.iter().product::<usize>() as f64 * 4.0).sum();
     let texts = model.token_texts(&tokens);
-    let spec = CaptureSpec { hooks, layers: Some(layers), heads: Some(heads), queries };
     let md = BTreeMap::from([
         ("token_ids".to_string(), serde_json::to_string(&tokens)?),
         ("token_strings".to_string(), serde_json::to_string(&texts)?),

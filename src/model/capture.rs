@@ -184,6 +184,32 @@ impl CaptureSpec {
     pub fn patterns() -> Self {
         CaptureSpec { hooks: vec![Hook::Pattern], layers: None, heads: None, queries: Queries::All }
     }
+
+    /// Every tensor an [`AttnCache`] of this spec will hold after a forward over `seq_len` tokens,
+    /// as (hook name, shape), in the cache's order (layer, then hook), before anything runs.
+    pub fn tensors(&self, dims: &super::ModelDims, seq_len: usize) -> Vec<(String, Vec<usize>)> {
+        let nq = self.queries.resolve(seq_len).len();
+        let heads = self.heads.as_ref().map_or(dims.n_heads, |h| h.len());
+        let mut layers = self.layers.clone().unwrap_or_else(|| (0..dims.n_layers).collect());
+        layers.sort_unstable();
+        layers.dedup();
+        let mut hooks = self.hooks.clone();
+        hooks.sort_unstable();
+        hooks.dedup();
+        let mut out = Vec::with_capacity(layers.len() * hooks.len());
+        for &l in &layers {
+            for &h in &hooks {
+                let shape = match h {
+                    Hook::ResidPre | Hook::AttnOut | Hook::ResidPost => vec![nq, dims.d_model],
+                    Hook::Q | Hook::RotQ | Hook::Z => vec![nq, heads, dims.head_dim],
+                    Hook::K | Hook::V | Hook::RotK => vec![nq, dims.n_kv_heads, dims.head_dim],
+                    Hook::AttnScores | Hook::Pattern => vec![heads, nq, seq_len],
+                };
+                out.push((hook_name(l, h), shape));
+            }
+        }
+        out
+    }
 }
 
 /// One captured tensor.

@@ -464,35 +464,40 @@ fn online_update(st: &mut RowState, c: &mut f32, row: &mut [f32], len: usize, bm
             }
         }
     }
-    let (l, t) = if dense && bmax > f32::NEG_INFINITY { exp_shift_sums_dense(&mut row[..len], m_new) } else { exp_shift_sums(&mut row[..len], m_new) };
+    let (l, t) = if dense && bmax > f32::NEG_INFINITY { exp_shift_sums::<false>(&mut row[..len], m_new) } else { exp_shift_sums::<true>(&mut row[..len], m_new) };
     row[len..].iter_mut().for_each(|p| *p = 0.0);
     st.l = st.l * *c as f64 + l;
     st.t = st.t * *c as f64 + t;
     st.m = m_new;
 }
 
-/// `x ← exp(x - m)` over a slice (masked `-inf` → exactly 0), returning `(Σ exp, Σ exp · x)`.
-/// Written in lanes of 8 without branches so the compiler vectorizes it.
-fn exp_shift_sums(xs: &mut [f32], m: f32) -> (f64, f64) {
-    const L: usize = 8;
+/// `x ← exp(x - m)` over a slice, returning `(Σ exp, Σ exp · x)`. With `MASKED`, `-inf` entries
+/// (masked keys) become exactly 0; without, every entry must be finite (the causal prefix without
+/// knockout), which saves the selects. In lanes of 16 without branches, so it vectorizes.
+fn exp_shift_sums<const MASKED: bool>(xs: &mut [f32], m: f32) -> (f64, f64) {
+    const L: usize = 16;
     let (mut sl, mut st) = ([0f32; L], [0f32; L]);
     let mut chunks = xs.chunks_exact_mut(L);
     for ch in &mut chunks {
         for k in 0..L {
             let s = ch[k];
-            let live = s > f32::NEG_INFINITY;
-            // masked entries are computed on a finite stand-in and then selected away
-            let p = fast_exp(if live { s - m } else { -100.0 });
-            let p = if live { p } else { 0.0 };
+            let (p, s) = if MASKED {
+                // masked entries are computed on a finite stand-in and then selected away
+                let live = s > f32::NEG_INFINITY;
+                let p = fast_exp(if live { s - m } else { -100.0 });
+                if live { (p, s) } else { (0.0, 0.0) }
+            } else {
+                (fast_exp(s - m), s)
+            };
             ch[k] = p;
             sl[k] += p;
-            st[k] += p * if live { s } else { 0.0 };
+            st[k] += p * s;
         }
     }
     let (mut l, mut t) = (sl.iter().map(|&v| v as f64).sum::<f64>(), st.iter().map(|&v| v as f64).sum::<f64>());
     for x in chunks.into_remainder() {
         let s = *x;
-        let p = if s == f32::NEG_INFINITY { 0.0 } else { fast_exp(s - m) };
+        let p = if MASKED && s == f32::NEG_INFINITY { 0.0 } else { fast_exp(s - m) };
         *x = p;
         l += p as f64;
         if p > 0.0 {
@@ -519,32 +524,6 @@ fn max_of(xs: &[f32]) -> f32 {
         best = if v > best { v } else { best };
     }
     best
-}
-
-/// [`exp_shift_sums`] for a slice with no masked entry (every score finite): no selects, in
-/// lanes of 16 (one AVX-512 register, two AVX2 ones).
-fn exp_shift_sums_dense(xs: &mut [f32], m: f32) -> (f64, f64) {
-    const L: usize = 16;
-    let (mut sl, mut st) = ([0f32; L], [0f32; L]);
-    let mut chunks = xs.chunks_exact_mut(L);
-    for ch in &mut chunks {
-        for k in 0..L {
-            let s = ch[k];
-            let p = fast_exp(s - m);
-            ch[k] = p;
-            sl[k] += p;
-            st[k] += p * s;
-        }
-    }
-    let (mut l, mut t) = (sl.iter().map(|&v| v as f64).sum::<f64>(), st.iter().map(|&v| v as f64).sum::<f64>());
-    for x in chunks.into_remainder() {
-        let s = *x;
-        let p = fast_exp(s - m);
-        *x = p;
-        l += p as f64;
-        t += (p * s) as f64;
-    }
-    (l, t)
 }
 
 /// `e^x` for x ≤ 0 (the shifted scores of a softmax), as in Cephes `expf`: x = n·ln 2 + r,
@@ -788,8 +767,8 @@ mod tests {
         let xs: Vec<f32> = (0..37).map(|i| ((i * 7919) % 101) as f32 * 0.1 - 5.0).collect();
         let (mut a, mut b) = (xs.clone(), xs.clone());
         let m = xs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let (la, ta) = exp_shift_sums(&mut a, m);
-        let (lb, tb) = exp_shift_sums_dense(&mut b, m);
+        let (la, ta) = exp_shift_sums::<true>(&mut a, m);
+        let (lb, tb) = exp_shift_sums::<false>(&mut b, m);
         assert!((la - lb).abs() < 1e-6 && (ta - tb).abs() < 1e-5, "{la} {lb} {ta} {tb}");
         assert_eq!(a, b);
     }
@@ -798,7 +777,7 @@ mod tests {
     fn exp_shift_sums_zeroes_masked_entries() {
         let mut xs = vec![0.5, f32::NEG_INFINITY, 0.25, 1.0, f32::NEG_INFINITY, 0.0, -1.0, 2.0, 0.3, f32::NEG_INFINITY];
         let orig = xs.clone();
-        let (l, t) = exp_shift_sums(&mut xs, 2.0);
+        let (l, t) = exp_shift_sums::<true>(&mut xs, 2.0);
         let want_l: f64 = orig.iter().filter(|x| x.is_finite()).map(|&x| ((x - 2.0) as f64).exp()).sum();
         let want_t: f64 = orig.iter().filter(|x| x.is_finite()).map(|&x| ((x - 2.0) as f64).exp() * x as f64).sum();
         assert!((l - want_l).abs() < 1e-6 && (t - want_t).abs() < 1e-6);

@@ -203,13 +203,12 @@ pub enum Matrix {
     Int8(PackedQ8),
 }
 
-/// A projection `y = x Wᵀ (+ b)`, possibly several fused along the output: `[W_q; W_k; W_v]`
-/// or `[W_gate; W_up]`, so one pass over `x` computes them all. `parts` are the output widths.
+/// A projection `y = x Wᵀ (+ b)`, possibly several fused along the output (`[W_q; W_k; W_v]`
+/// or `[W_gate; W_up]`) into one matrix, so one pass over `x` computes them all.
 pub struct Linear {
     pub k: usize,
     pub n: usize,
-    pub parts: Vec<usize>,
-    mats: Vec<(usize, Matrix)>,
+    mat: Matrix,
     /// `[n]`, zero where a part has no bias
     bias: Option<Vec<f32>>,
 }
@@ -219,15 +218,9 @@ impl Linear {
     pub fn forward_into(&self, x: &[f32], m: usize, out: &mut [f32], accumulate: bool) -> Result<()> {
         let (k, n) = (self.k, self.n);
         assert!(x.len() >= m * k && out.len() >= m * n, "Linear::forward_into: buffers too short");
-        let mut qa = None; // the activations quantized once, for every int8 part
-        for (col0, mat) in &self.mats {
-            match mat {
-                Matrix::Packed(pb) => gemm::gemm(x, k, m, pb, &mut out[*col0..], n, accumulate),
-                Matrix::Int8(pq) => {
-                    let qa = qa.get_or_insert_with(|| int8::QuantA::new(x, m, k, k));
-                    int8::gemm_q8(qa, pq, &mut out[*col0..], n, accumulate);
-                }
-            }
+        match &self.mat {
+            Matrix::Packed(pb) => gemm::gemm(x, k, m, pb, out, n, accumulate),
+            Matrix::Int8(pq) => int8::gemm_q8(&int8::QuantA::new(x, m, k, k), pq, out, n, accumulate),
         }
         if let Some(b) = &self.bias {
             assert!(!accumulate, "a biased projection cannot accumulate");
@@ -243,17 +236,6 @@ impl Linear {
         let mut out = vec![0f32; m * self.n];
         self.forward_into(x, m, &mut out, false)?;
         Ok(out)
-    }
-
-    /// Bytes of weights held.
-    pub fn bytes(&self) -> usize {
-        self.mats
-            .iter()
-            .map(|(_, m)| match m {
-                Matrix::Packed(p) => p.bytes(),
-                Matrix::Int8(q) => q.bytes(),
-            })
-            .sum()
     }
 }
 
@@ -350,7 +332,7 @@ fn linear(parts: Vec<(Raw, Option<Raw>)>, precision: Precision) -> Result<Linear
     } else {
         Matrix::Packed(PackedB::from_rows(&dense, n, k, k, isa))
     };
-    Ok(Linear { k, n, parts: widths, mats: vec![(0, mat)], bias })
+    Ok(Linear { k, n, mat, bias })
 }
 
 /// Looks up one weight by its logical name, checking its shape.
