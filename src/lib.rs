@@ -10,6 +10,8 @@
 
 pub mod analysis;
 pub mod cli;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod kernels;
 pub mod model;
 pub mod reference;

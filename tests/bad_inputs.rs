@@ -188,3 +188,90 @@ fn a_corrupt_safetensors_file() {
     let e = load_err(&hf);
     assert!(e.contains("safetensors") || e.contains("not a GGUF or safetensors"), "{e}");
 }
+
+/// `general.alignment = 0` made candle divide by zero (a panic, exit 101) in a 100-byte file.
+/// Now every alignment that is not a power of two is named, and no panic escapes the loader.
+#[test]
+fn a_zero_or_odd_alignment_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, ty, v) in [("zero.gguf", 4u32, 0u32), ("three.gguf", 4, 3), ("u8zero.gguf", 0, 0)] {
+        let mut raw = Raw::new(3, 0, 2).kv_str("general.architecture", "qwen2").string("general.alignment").u32(ty);
+        raw.0.extend(if ty == 0 { vec![v as u8] } else { v.to_le_bytes().to_vec() });
+        let p = raw.write(dir.path(), name);
+        assert!(std::fs::metadata(&p).unwrap().len() < 128);
+        let r = std::panic::catch_unwind(|| load_err(&p));
+        let e = r.unwrap_or_else(|_| panic!("{name} panicked"));
+        assert!(e.contains("general.alignment is") && e.contains("power of two") && e.contains("corrupt or truncated"), "{name}: {e}");
+        // the binary exits 2 with the message, not 101
+        let out = assert_cmd::Command::cargo_bin("attnscope").unwrap().args(["info", "--model", p.to_str().unwrap()]).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(!String::from_utf8_lossy(&out.stderr).contains("panicked"));
+    }
+    // a 64-bit alignment is not what GGUF stores: candle would quietly use 32
+    let p = Raw::new(3, 0, 1).string("general.alignment").u32(10).u64(64).write(dir.path(), "u64.gguf");
+    assert!(load_err(&p).contains("unsigned 32-bit"));
+    // a power of two passes this check (and the file then fails for what it lacks)
+    let p = Raw::new(3, 0, 1).string("general.alignment").u32(4).u32(64).write(dir.path(), "ok.gguf");
+    assert!(!load_err(&p).contains("general.alignment"));
+}
+
+/// A block count far beyond the tensors in the file is refused before anything is sized by
+/// it, and loading it stays small (peak memory measured on the binary).
+#[test]
+fn a_huge_block_count_is_refused_without_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("layers.gguf");
+    write_gguf_with(&tiny_model(Arch::Qwen2, 1), Arch::Qwen2, GgmlDType::F32, &p, &|md, _| {
+        md.iter_mut().filter(|(k, _)| k == "qwen2.block_count").for_each(|(_, v)| *v = Value::U32(1 << 24));
+    })
+    .unwrap();
+    let e = load_err(&p);
+    assert!(e.contains("block_count") && e.contains("16777216 layers need at least") && e.contains("corrupt or truncated"), "{e}");
+    let peak = dir.path().join("peak");
+    let out = assert_cmd::Command::cargo_bin("attnscope").unwrap().env("ATTNSCOPE_PEAK_FILE", &peak).args(["info", "--model", p.to_str().unwrap()]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let peak: u64 = std::fs::read_to_string(&peak).unwrap().trim().parse().unwrap();
+    assert!(peak < 200 << 20, "refusing the file took {} MB", peak >> 20);
+}
+
+/// `n / block_size * type_size` wrapped in release builds: 2^62 f32 values made a 0-byte
+/// tensor that "fit" in any file.
+#[test]
+fn a_tensor_size_that_overflows_is_refused() {
+    use attnscope::model::gguf::GgufFile;
+    use attnscope::model::weights::{Logical, TensorSource};
+    let mut raw = Raw::new(3, 1, 0).string("token_embd.weight").u32(2).u64(1 << 31).u64(1 << 31).u32(0).u64(0);
+    raw.0.resize(160, 0); // tensor data starts (aligned) inside the file
+    let mut g = GgufFile::from_bytes(Path::new("wrap.gguf"), raw.0).unwrap();
+    let e = g.get(&Logical::Embed).err().expect("an overflowing size must not load").to_string();
+    assert!(e.contains("take more bytes than a file can hold"), "{e}");
+}
+
+/// A NaN in a weight, or scores that overflow f32, stop the forward with the layer named
+/// (exit 1) instead of printing rows in which the NaN quietly became weight 0.
+#[test]
+fn non_finite_scores_are_named_with_their_layer() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases: [(&str, &dyn Fn(&mut attnscope::reference::transformer::RefModel)); 3] = [
+        ("nan.gguf", &|m| m.layers[1].w_k[5] = f32::NAN),
+        ("overflow.gguf", &|m| {
+            let l = &mut m.layers[1];
+            l.w_q.iter_mut().chain(l.w_k.iter_mut()).for_each(|w| *w *= 1e20);
+        }),
+        ("inf_mlp.gguf", &|m| m.layers[0].w_down[3] = f32::INFINITY),
+    ];
+    for (name, edit) in cases {
+        let mut m = tiny_model(Arch::Qwen2, 2);
+        edit(&mut m);
+        let p = dir.path().join(name);
+        write_gguf(&m, Arch::Qwen2, GgmlDType::F32, &p).unwrap();
+        let model = Model::load(p.to_str().unwrap(), Precision::Exact, false).unwrap();
+        let tokens = model.encode("the hat at the hat", false).unwrap();
+        let e = model.next_token_logits(&tokens).err().unwrap_or_else(|| panic!("{name}: a non-finite model gave logits")).to_string();
+        let layer = if name == "inf_mlp.gguf" { "at layer 0" } else { "at layer 1" };
+        assert!(e.contains("non-finite") && e.contains(layer), "{name}: {e}");
+        let out = assert_cmd::Command::cargo_bin("attnscope").unwrap().args(["inspect", "--model", p.to_str().unwrap(), "--text", "the hat at the hat"]).output().unwrap();
+        assert_eq!(out.status.code(), Some(1), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(String::from_utf8_lossy(&out.stderr).contains(layer));
+    }
+}

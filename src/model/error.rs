@@ -44,6 +44,10 @@ pub enum Error {
     Exists { path: PathBuf },
     #[error("I/O error on {path}: {source}")]
     Io { path: PathBuf, #[source] source: std::io::Error },
+    #[error("cannot read model {path}: the file reader failed ({msg}); the file is corrupt or truncated, fetch it again")]
+    LoaderPanic { path: PathBuf, msg: String },
+    #[error("{what} holds a non-finite value (NaN or infinity){}; the model's weights are corrupt or its numbers overflow f32, so no attention is printed", layer.map(|l| format!(" at layer {l}")).unwrap_or_default())]
+    NonFinite { what: String, layer: Option<usize> },
     #[error("tensor computation failed: {0}")]
     Candle(#[from] candle_core::Error),
 }
@@ -51,7 +55,7 @@ pub enum Error {
 impl Error {
     /// Whether the error is the user's input (exit code 2) rather than the program's (exit code 1).
     pub fn is_bad_input(&self) -> bool {
-        !matches!(self, Error::Candle(_) | Error::Io { .. })
+        !matches!(self, Error::Candle(_) | Error::Io { .. } | Error::NonFinite { .. })
     }
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io { path: path.into(), source }

@@ -401,6 +401,11 @@ pub fn attention(layer: usize, q: &[f32], k: &[f32], v: &[f32], dims: AttnDims, 
         } else {
             tasks.for_each(|(h, (((s_h, st_h), z_h), rows_h))| head_task(h, s_h, &mut [], st_h, z_h, rows_h));
         }
+        // a NaN or infinite score (corrupt weights, an overflow) poisons Σ p·s: refuse the layer
+        // rather than hand out rows in which it silently became weight 0
+        if state.iter().any(|st| !(st.t.is_finite() && st.l.is_finite() && st.m < f32::INFINITY)) {
+            return Err(Error::NonFinite { what: "the attention scores".into(), layer: Some(layer) });
+        }
         for (w, &(_, i)) in wanted.iter().enumerate() {
             let mut all = vec![0f32; n_heads * k_len];
             for h in 0..n_heads {
@@ -446,7 +451,11 @@ fn online_update(st: &mut RowState, c: &mut f32, row: &mut [f32], len: usize, bm
     }
     let m_new = st.m.max(bmax);
     if m_new == f32::NEG_INFINITY {
-        // nothing visible yet in this row
+        // nothing visible yet in this row, unless the scores were NaN (which no max sees) or
+        // overflowed to -inf where keys are visible: poison the sums so the layer is refused
+        if (dense && len > 0) || row[..len].iter().any(|x| x.is_nan()) {
+            st.t = f64::NAN;
+        }
         row.iter_mut().for_each(|p| *p = 0.0);
         *c = 1.0;
         return;
@@ -483,7 +492,8 @@ fn exp_shift_sums<const MASKED: bool>(xs: &mut [f32], m: f32) -> (f64, f64) {
             let s = ch[k];
             let (p, s) = if MASKED {
                 // masked entries are computed on a finite stand-in and then selected away
-                let live = s > f32::NEG_INFINITY;
+                // (`!=`, not `>`: a NaN score stays live, so it poisons the sums and is caught)
+                let live = s != f32::NEG_INFINITY;
                 let p = fast_exp(if live { s - m } else { -100.0 });
                 if live { (p, s) } else { (0.0, 0.0) }
             } else {
@@ -500,11 +510,25 @@ fn exp_shift_sums<const MASKED: bool>(xs: &mut [f32], m: f32) -> (f64, f64) {
         let p = if MASKED && s == f32::NEG_INFINITY { 0.0 } else { fast_exp(s - m) };
         *x = p;
         l += p as f64;
-        if p > 0.0 {
+        if s != f32::NEG_INFINITY {
             t += (p * s) as f64;
         }
     }
     (l, t)
+}
+
+/// Whether every value is finite (0·x is NaN exactly for NaN and ±inf; in lanes, so it
+/// vectorizes and costs next to nothing beside the layer that produced `xs`).
+fn all_finite(xs: &[f32]) -> bool {
+    const L: usize = 16;
+    let mut acc = [0f32; L];
+    let mut chunks = xs.chunks_exact(L);
+    for ch in &mut chunks {
+        for k in 0..L {
+            acc[k] += ch[k] * 0.0;
+        }
+    }
+    acc.iter().chain(chunks.remainder()).all(|v| v.is_finite())
 }
 
 /// The largest value of a slice (-inf when empty), in lanes of 16 so it vectorizes (`f32::max`
@@ -703,6 +727,9 @@ impl Model {
                 layer.down.forward_into(&act[..rows * ff], rows, &mut x[r0 * dm..(r0 + rows) * dm], true)?;
                 proj_time += t.elapsed();
             }
+            if !all_finite(&x) {
+                return Err(Error::NonFinite { what: "the residual stream after the layer's MLP".into(), layer: Some(l) });
+            }
             if obs.wants(l, Hook::ResidPost) {
                 obs.tensor(l, Hook::ResidPost, &[m, dm], &x);
             }
@@ -714,7 +741,11 @@ impl Model {
             let rows: Vec<f32> = opts.logits_at.iter().flat_map(|&p| x[(p - p0) * dm..(p - p0 + 1) * dm].iter().copied()).collect();
             let h = rms_norm(&rows, &self.weights.final_norm, dims.rms_eps);
             let h = Tensor::from_vec(h, (opts.logits_at.len(), dm), &Device::Cpu)?;
-            candle_core::Module::forward(&self.weights.lm_head, &h)?.to_dtype(DType::F32)?.to_vec2()?
+            let rows: Vec<Vec<f32>> = candle_core::Module::forward(&self.weights.lm_head, &h)?.to_dtype(DType::F32)?.to_vec2()?;
+            if !rows.iter().all(|r| all_finite(r)) {
+                return Err(Error::NonFinite { what: "the logits".into(), layer: None });
+            }
+            rows
         };
         let kv = opts.keep_kv.then_some(KvPrefix { len: n, n_kv: nkv, head_dim: hd, layers: kept });
         Ok(ForwardOut { logits, timings: Timings { attention: attn_time, projections: proj_time, total: start.elapsed() }, kv })
@@ -750,6 +781,38 @@ mod tests {
         }
         assert!(worst < 3e-7, "worst relative error {worst:e}");
         assert_eq!(fast_exp(0.0), 1.0);
+    }
+
+    #[test]
+    fn all_finite_sees_every_nan_and_infinity() {
+        for len in [0usize, 1, 15, 16, 17, 40] {
+            let xs: Vec<f32> = (0..len).map(|i| i as f32 - 7.5).collect();
+            assert!(all_finite(&xs));
+            for at in 0..len {
+                for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                    let mut ys = xs.clone();
+                    ys[at] = bad;
+                    assert!(!all_finite(&ys), "{bad} at {at} of {len}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_nan_score_fails_the_layer() {
+        let dims = AttnDims { n_heads: 2, n_kv_heads: 1, head_dim: 4, q_len: 5, k_len: 5 };
+        let mut rng = crate::reference::Rng::new(3);
+        let (q, k, v) = (rng.normals(2 * 5 * 4, 1.0), rng.normals(5 * 4, 1.0), rng.normals(5 * 4, 1.0));
+        assert!(attention(3, &q, &k, &v, dims, &[false; 5], 1 << 20, 2, &mut crate::model::capture::NoCapture).is_ok());
+        for (at, key_block) in [(0usize, 2usize), (7, 5), (13, 1)] {
+            let mut kk = k.clone();
+            kk[at] = f32::NAN;
+            let e = attention(3, &q, &kk, &v, dims, &[false; 5], 1 << 20, key_block, &mut crate::model::capture::NoCapture).unwrap_err();
+            assert!(matches!(e, Error::NonFinite { layer: Some(3), .. }), "{e}");
+            // with a knocked-out key (the masked path) as well
+            let e = attention(3, &q, &kk, &v, dims, &[false, false, true, false, false], 1 << 20, key_block, &mut crate::model::capture::NoCapture).unwrap_err();
+            assert!(matches!(e, Error::NonFinite { layer: Some(3), .. }), "{e}");
+        }
     }
 
     #[test]

@@ -39,6 +39,82 @@ impl Backing {
     }
 }
 
+/// Tensors every layer has at least: two norms, q, k, v, o, gate, up, down.
+const TENSORS_PER_LAYER: usize = 9;
+
+/// Walks the metadata of a GGUF file (without allocating by any count in it) and checks
+/// `general.alignment`: GGUF stores it as a u32 power of two. Anything else would make the
+/// tensor data start somewhere else than the writer meant (or divide by zero inside candle).
+/// A file that ends early or is malformed passes here: candle's reader reports that.
+pub fn check_alignment(b: &[u8]) -> std::result::Result<(), String> {
+    struct Cur<'a>(&'a [u8], usize);
+    impl Cur<'_> {
+        fn take(&mut self, n: u64) -> Option<&[u8]> {
+            let n = usize::try_from(n).ok()?;
+            let end = self.1.checked_add(n)?;
+            let s = self.0.get(self.1..end)?;
+            self.1 = end;
+            Some(s)
+        }
+        fn u32(&mut self) -> Option<u32> {
+            self.take(4).map(|s| u32::from_le_bytes(s.try_into().expect("4 bytes")))
+        }
+        fn u64(&mut self) -> Option<u64> {
+            self.take(8).map(|s| u64::from_le_bytes(s.try_into().expect("8 bytes")))
+        }
+        fn skip(&mut self, ty: u32, depth: u32) -> Option<()> {
+            match ty {
+                0 | 1 | 7 => self.take(1).map(drop),
+                2 | 3 => self.take(2).map(drop),
+                4..=6 => self.take(4).map(drop),
+                10..=12 => self.take(8).map(drop),
+                8 => {
+                    let n = self.u64()?;
+                    self.take(n).map(drop)
+                }
+                9 if depth < 4 => {
+                    let (et, count) = (self.u32()?, self.u64()?);
+                    // each element takes at least one byte: a count beyond the file is malformed
+                    if count > (self.0.len() - self.1) as u64 {
+                        return None;
+                    }
+                    (0..count).try_for_each(|_| self.skip(et, depth + 1))
+                }
+                _ => None,
+            }
+        }
+    }
+    let mut c = Cur(b, 4);
+    let Some(version) = c.u32() else { return Ok(()) };
+    if !(2..=3).contains(&version) {
+        return Ok(());
+    }
+    let (Some(_), Some(n_kv)) = (c.u64(), c.u64()) else { return Ok(()) };
+    for _ in 0..n_kv {
+        let Some(klen) = c.u64() else { return Ok(()) };
+        let Some(key) = c.take(klen).map(|k| k.to_vec()) else { return Ok(()) };
+        let Some(ty) = c.u32() else { return Ok(()) };
+        if key == b"general.alignment" {
+            let v = match ty {
+                0 => c.take(1).map(|s| s[0] as i64),
+                1 => c.take(1).map(|s| s[0] as i8 as i64),
+                2 => c.take(2).map(|s| u16::from_le_bytes([s[0], s[1]]) as i64),
+                3 => c.take(2).map(|s| i16::from_le_bytes([s[0], s[1]]) as i64),
+                4 => c.u32().map(|v| v as i64),
+                5 => c.u32().map(|v| v as i32 as i64),
+                _ => return Err(format!("general.alignment has value type {ty}; GGUF stores it as an unsigned 32-bit integer")),
+            };
+            let Some(v) = v else { return Ok(()) };
+            if v < 1 || (v as u64).count_ones() != 1 {
+                return Err(format!("general.alignment is {v}; it must be a power of two (1, 2, 4, ..., usually 32)"));
+            }
+        } else if c.skip(ty, 0).is_none() {
+            return Ok(());
+        }
+    }
+    Ok(())
+}
+
 pub struct GgufFile {
     pub path: PathBuf,
     pub content: Content,
@@ -74,7 +150,12 @@ impl GgufFile {
         if !(2..=3).contains(&version) {
             return Err(Error::GgufVersion { path: path.into(), version });
         }
-        let content = Content::read(&mut std::io::Cursor::new(&map[..])).map_err(|e| Error::BadGguf { path: path.into(), reason: e.to_string() })?;
+        // candle divides by the alignment without looking at it: check it first
+        check_alignment(&map).map_err(|reason| Error::BadGguf { path: path.into(), reason })?;
+        let content = match super::guard::quietly(|| Content::read(&mut std::io::Cursor::new(&map[..]))) {
+            Ok(r) => r.map_err(|e| Error::BadGguf { path: path.into(), reason: e.to_string() })?,
+            Err(msg) => return Err(Error::BadGguf { path: path.into(), reason: format!("the GGUF reader failed ({msg})") }),
+        };
         if content.tensor_data_offset > file_size {
             return Err(Error::BadGguf { path: path.into(), reason: format!("tensor data would start at byte {}, past the end of the file ({file_size} bytes)", content.tensor_data_offset) });
         }
@@ -174,6 +255,15 @@ impl GgufFile {
             tied_embeddings: !self.content.tensor_infos.contains_key("output.weight"),
         };
         dims.validate().map_err(|reason| Error::BadValue { key: format!("{a}.*"), path: self.path.clone(), reason })?;
+        // every count is checked against what the file holds before anything is sized by it
+        let tensors = self.content.tensor_infos.len();
+        if dims.n_layers.saturating_mul(TENSORS_PER_LAYER) > tensors {
+            return Err(Error::BadValue {
+                key: format!("{a}.block_count"),
+                path: self.path.clone(),
+                reason: format!("{} layers need at least {} tensors, but the file holds {tensors}; the file is corrupt or truncated", dims.n_layers, dims.n_layers.saturating_mul(TENSORS_PER_LAYER)),
+            });
+        }
         Ok((dims, warnings))
     }
 
@@ -227,7 +317,7 @@ impl TensorSource for GgufFile {
         if cols % bs != 0 {
             return Err(bad(format!("rows of {cols} values are not whole {:?} blocks of {bs}", info.ggml_dtype)));
         }
-        let len = n / bs * ts;
+        let len = (n / bs).checked_mul(ts).ok_or_else(|| bad(format!("{n} values of {:?} take more bytes than a file can hold", info.ggml_dtype)))?;
         let start = self.content.tensor_data_offset.checked_add(info.offset).ok_or_else(|| bad("offset overflows".into()))?;
         let end = start.checked_add(len as u64).ok_or_else(|| bad("size overflows".into()))?;
         if end > self.file_size {

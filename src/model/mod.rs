@@ -18,6 +18,7 @@ pub mod error;
 pub mod fetch;
 pub mod forward;
 pub mod gguf;
+pub mod guard;
 pub mod hf;
 pub mod tiny;
 pub mod tokenize;
@@ -108,7 +109,12 @@ impl Model {
             bar.set_length(n as u64);
             bar.set_position(i as u64);
         };
-        let model = match source {
+        let source_path = match &source {
+            Source::Gguf(p) | Source::Folder(p) => p.clone(),
+        };
+        // the loader boundary: a panic in a file reader is a corrupt file, not a crash
+        let model = guard::quietly(move || -> Result<Model> {
+            Ok(match source {
             Source::Gguf(path) => Self::from_gguf(gguf::GgufFile::open(&path)?, name, description, precision, tick)?,
             Source::Folder(dir) => {
                 let mut f = hf::HfFolder::open(&dir)?;
@@ -134,7 +140,9 @@ impl Model {
                 let weights = weights::load_weights(&mut f, &dims, precision, dims.rope_style, &hf::hf_name, tick)?;
                 Model { dims, info, tokenizer, weights }
             }
-        };
+            })
+        })
+        .map_err(|msg| Error::LoaderPanic { path: source_path, msg })??;
         bar.finish_and_clear();
         let mut model = model;
         if precision == Precision::Fast && !weights::fast_uses_int8() {
@@ -148,7 +156,7 @@ impl Model {
 
     /// Loads a model from GGUF bytes in memory (fuzzing, tests); `name` is used in messages.
     pub fn from_gguf_bytes(name: &str, bytes: Vec<u8>, precision: Precision) -> Result<Model> {
-        Self::from_gguf(gguf::GgufFile::from_bytes(Path::new(name), bytes)?, name.to_string(), None, precision, |_, _| {})
+        guard::quietly(|| Self::from_gguf(gguf::GgufFile::from_bytes(Path::new(name), bytes)?, name.to_string(), None, precision, |_, _| {})).map_err(|msg| Error::LoaderPanic { path: name.into(), msg })?
     }
 
     fn from_gguf(mut g: gguf::GgufFile, name: String, description: Option<String>, precision: Precision, tick: impl FnMut(usize, usize)) -> Result<Model> {
