@@ -1,0 +1,22 @@
+//! Marks the browser test `#[ignore]` (cfg `browser_missing`) when what it needs is not here,
+//! by the one lookup `tests/browser/find-browser.sh` shares with `.ci/run` and the test, so a
+//! skipped browser test shows as "ignored" with its reason, never as a pass.
+//! `ATTNSCOPE_REQUIRE_BROWSER=1` (set by `.ci/run`) never ignores it: a missing browser fails.
+
+fn main() {
+    println!("cargo::rustc-check-cfg=cfg(browser_missing)");
+    println!("cargo::rerun-if-changed=tests/browser/find-browser.sh");
+    println!("cargo::rerun-if-changed=tests/browser/package-lock.json");
+    println!("cargo::rerun-if-env-changed=CHROMIUM");
+    println!("cargo::rerun-if-env-changed=ATTNSCOPE_REQUIRE_BROWSER");
+    let found = std::process::Command::new("sh").arg("tests/browser/find-browser.sh").stderr(std::process::Stdio::piped()).output();
+    let (ok, why) = match found {
+        Ok(o) => (o.status.success(), String::from_utf8_lossy(&o.stderr).trim().to_string()),
+        Err(e) => (false, format!("cannot run sh: {e}")),
+    };
+    let required = std::env::var("ATTNSCOPE_REQUIRE_BROWSER").is_ok_and(|v| v == "1");
+    if !ok && !required {
+        println!("cargo::rustc-cfg=browser_missing");
+        println!("cargo::warning=the browser test will be ignored: {why}");
+    }
+}
