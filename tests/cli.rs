@@ -247,6 +247,84 @@ fn http_get(addr: &str, target: &str) -> (String, String) {
     (head.lines().next().unwrap_or("").to_string(), body.to_string())
 }
 
+fn start_serve(args: &[&str]) -> (std::process::Child, String) {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("attnscope")).arg("serve").args(args).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::null()).spawn().unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let addr = line.split("http://").nth(1).unwrap().split('/').next().unwrap().to_string();
+    (child, addr)
+}
+
+fn raw_request(addr: &str, request: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60))).unwrap();
+    s.write_all(request.as_bytes()).unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out.lines().next().unwrap_or("").to_string()
+}
+
+/// The hardened server: slow clients are cut off by an overall deadline and their slots come
+/// back; past --max-concurrent a request gets 503 at once; a Host that is not this server
+/// (DNS rebinding) is refused; --bos reaches the page; faithfulness is capped in tokens.
+#[test]
+fn serve_limits_slow_clients_hosts_and_load() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let (mut child, addr) = start_serve(&["--model", m.to_str().unwrap(), "--addr", "127.0.0.1:0", "--max-concurrent", "2", "--request-timeout", "3", "--bos", "--max-faithfulness-tokens", "8"]);
+    // two clients that dribble a byte a second take both slots ...
+    let dribblers: Vec<_> = (0..2)
+        .map(|_| {
+            let a = addr.clone();
+            std::thread::spawn(move || {
+                let mut s = std::net::TcpStream::connect(&a).unwrap();
+                let t = std::time::Instant::now();
+                for b in b"GET / HTTP/1.1\r\nHost: localhost\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaa" {
+                    if s.write_all(&[*b]).is_err() {
+                        break;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(250));
+                }
+                t.elapsed()
+            })
+        })
+        .collect();
+    std::thread::sleep(std::time::Duration::from_millis(700));
+    // ... so a third request is answered 503 at once
+    let t = std::time::Instant::now();
+    let status = raw_request(&addr, &format!("GET / HTTP/1.1\r\nHost: {addr}\r\n\r\n"));
+    assert!(status.contains("503"), "{status}");
+    assert!(t.elapsed().as_secs_f64() < 2.0);
+    // the deadline (3 s) cuts the dribblers off although each byte came within the read timeout
+    for d in dribblers {
+        let took = d.join().unwrap();
+        assert!(took.as_secs_f64() < 7.0, "a slow client held its slot for {took:?}");
+    }
+    let (status, body) = http_get(&addr, "/view?text=the+hat");
+    assert!(status.contains("200"), "the slots came back: {status}");
+    // --bos: the page has one token more than the text
+    let plain = attnscope().args(["inspect", "--model", m.to_str().unwrap(), "--text", "the hat", "--json"]).output().unwrap();
+    let n: usize = serde_json::from_slice::<serde_json::Value>(&plain.stdout).unwrap()["tokens"].as_array().unwrap().len();
+    assert!(body.contains(&format!("· {} tokens", n + 1)), "--bos did not reach the page (text has {n} tokens)");
+    // hosts
+    for host in ["evil.example", "evil.example:80", "localhost.evil.example"] {
+        let status = raw_request(&addr, &format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n"));
+        assert!(status.contains("421"), "{host}: {status}");
+    }
+    assert!(raw_request(&addr, "GET / HTTP/1.1\r\n\r\n").contains("400"), "no Host");
+    assert!(raw_request(&addr, "GET / HTTP/1.1\r\nHost: localhost\r\n\r\n").contains("200"));
+    // faithfulness beyond the cap is refused with the reason; below it, it runs
+    let (status, body) = http_get(&addr, "/view?text=the+hat+at+the+hat+at+the+hat+at+the+hat&faithfulness=1");
+    assert!(status.contains("413") && body.contains("--max-faithfulness-tokens"), "{status}");
+    let (status, _) = http_get(&addr, "/view?text=the&faithfulness=1");
+    assert!(status.contains("200"), "{status}");
+    child.kill().unwrap();
+    let _ = child.wait();
+}
+
 /// `serve` answers on loopback, survives 100 sequential requests and 8 concurrent ones, and
 /// answers bad requests with a page that says what is wrong.
 #[test]

@@ -8,7 +8,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -23,7 +23,17 @@ pub struct Args {
     /// Requests handled at once; more are answered 503 immediately.
     #[arg(long, default_value_t = 4)]
     max_concurrent: usize,
+    /// Seconds a client has to send its whole request (slow clients are cut off after it).
+    #[arg(long, default_value_t = 10)]
+    request_timeout: u64,
+    /// Longest text (in tokens) on which the page's faithfulness panel is computed: occlusion
+    /// runs one forward per token, which cannot be interrupted once started.
+    #[arg(long, default_value_t = 128)]
+    max_faithfulness_tokens: usize,
 }
+
+/// Seconds the whole answer may take to send (pages are tens of MB at 512 tokens).
+const WRITE_DEADLINE_S: u64 = 120;
 
 const MAX_REQUEST_LINE: usize = 16 * 1024;
 const MAX_HEADERS: usize = 32 * 1024;
@@ -40,34 +50,88 @@ fn form(model: &str, max_chars: usize, error: Option<&str>) -> String {
         .replace("ERROR", &error.map(|e| format!("<p class=\"err\">{}</p>", html_escape(e))).unwrap_or_default())
 }
 
-/// Decodes `application/x-www-form-urlencoded` (`+` is a space, `%XX` a byte).
-pub fn url_decode(s: &str) -> Result<String, String> {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        match b[i] {
-            b'+' => out.push(b' '),
-            b'%' => {
-                let hex = s.get(i + 1..i + 3).ok_or("a truncated %-escape")?;
-                out.push(u8::from_str_radix(hex, 16).map_err(|_| format!("a bad %-escape %{hex}"))?);
-                i += 2;
-            }
-            c => out.push(c),
-        }
-        i += 1;
+/// One slot of `--max-concurrent`, given back when dropped: also when its handler panics.
+struct Slot(Arc<AtomicUsize>);
+
+impl Slot {
+    /// A slot if fewer than `max` are taken.
+    fn take(busy: &Arc<AtomicUsize>, max: usize) -> Option<Slot> {
+        busy.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |b| (b < max).then_some(b + 1)).ok().map(|_| Slot(busy.clone()))
     }
-    String::from_utf8(out).map_err(|_| "the text is not valid UTF-8".to_string())
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Reads or writes a stream within one overall deadline: each call waits at most the time
+/// left, so a client that dribbles a byte at a time cannot hold a slot past the deadline.
+struct Deadline<'a> {
+    stream: &'a TcpStream,
+    until: Instant,
+}
+
+impl Deadline<'_> {
+    fn left(&self) -> std::io::Result<Duration> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the client took too long"));
+        }
+        Ok(left)
+    }
+}
+
+impl Read for Deadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.stream.set_read_timeout(Some(self.left()?))?;
+        (&*self.stream).read(buf)
+    }
+}
+
+impl Write for Deadline<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.stream.set_write_timeout(Some(self.left()?))?;
+        // at most 1 MB per call, so the deadline is looked at while a big page goes out
+        (&*self.stream).write(&buf[..buf.len().min(1 << 20)])
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        (&*self.stream).flush()
+    }
+}
+
+/// Whether a `Host` header names this server: `localhost`, a loopback address, the address it
+/// is bound to, or (bound to all interfaces) any IP literal. Anything else (a DNS name pointing
+/// at 127.0.0.1 from a web page: DNS rebinding) is refused.
+pub fn host_allowed(host: &str, bound: std::net::SocketAddr) -> bool {
+    let host = host.trim();
+    let name = if let Some(rest) = host.strip_prefix('[') {
+        match rest.split_once(']') {
+            Some((ip, _)) => ip,
+            None => return false,
+        }
+    } else {
+        host.rsplit_once(':').map_or(host, |(h, _)| h)
+    };
+    if name.eq_ignore_ascii_case("localhost") {
+        return true;
+    }
+    match name.parse::<std::net::IpAddr>() {
+        Ok(ip) => ip.is_loopback() || ip == bound.ip() || bound.ip().is_unspecified(),
+        Err(_) => false,
+    }
 }
 
 fn respond(stream: &mut TcpStream, status: &str, body: &str) {
     let head = format!("HTTP/1.1 {status}\r\nContent-Type: text/html; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\nX-Content-Type-Options: nosniff\r\n\r\n", body.len());
-    let _ = stream.write_all(head.as_bytes()).and_then(|_| stream.write_all(body.as_bytes()));
+    let mut out = Deadline { stream, until: Instant::now() + Duration::from_secs(WRITE_DEADLINE_S) };
+    let _ = out.write_all(head.as_bytes()).and_then(|_| out.write_all(body.as_bytes()));
 }
 
-fn handle(stream: &mut TcpStream, model: &crate::model::Model, a: &Args) {
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
-    let mut reader = BufReader::new(stream.try_clone().expect("a TCP stream clones"));
+fn handle(stream: &mut TcpStream, model: &crate::model::Model, a: &Args, bound: std::net::SocketAddr) {
+    let until = Instant::now() + Duration::from_secs(a.request_timeout);
+    let mut reader = BufReader::new(Deadline { stream, until });
     let mut line = String::new();
     match reader.by_ref().take(MAX_REQUEST_LINE as u64).read_line(&mut line) {
         Ok(_) if line.ends_with('\n') => {}
@@ -75,6 +139,7 @@ fn handle(stream: &mut TcpStream, model: &crate::model::Model, a: &Args) {
     }
     // read (and bound) the headers; the body, if any, is ignored: every request is a GET
     let mut total = 0;
+    let mut host = None;
     loop {
         let mut h = String::new();
         match reader.by_ref().take(MAX_HEADERS as u64).read_line(&mut h) {
@@ -84,12 +149,23 @@ fn handle(stream: &mut TcpStream, model: &crate::model::Model, a: &Args) {
                 if h == "\r\n" || h == "\n" {
                     break;
                 }
+                if let Some((name, value)) = h.split_once(':') {
+                    if name.trim().eq_ignore_ascii_case("host") {
+                        host = Some(value.trim().to_string());
+                    }
+                }
                 if total > MAX_HEADERS {
                     return respond(stream, "431 Request Header Fields Too Large", &form(&model.info.name, a.max_chars, Some("the request headers are too large")));
                 }
             }
             Err(_) => return respond(stream, "400 Bad Request", &form(&model.info.name, a.max_chars, Some("the request could not be read"))),
         }
+    }
+    drop(reader);
+    match host {
+        Some(h) if host_allowed(&h, bound) => {}
+        Some(h) => return respond(stream, "421 Misdirected Request", &form(&model.info.name, a.max_chars, Some(&format!("this server answers to localhost, not to `{h}`")))),
+        None => return respond(stream, "400 Bad Request", &form(&model.info.name, a.max_chars, Some("the request has no Host header"))),
     }
     let mut parts = line.split_whitespace();
     let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
@@ -104,23 +180,29 @@ fn handle(stream: &mut TcpStream, model: &crate::model::Model, a: &Args) {
         "/view" => {
             let mut text = None;
             let mut faith = false;
-            for kv in query.split('&') {
-                let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
-                match k {
-                    "text" => text = Some(url_decode(v)),
+            for (k, v) in form_urlencoded::parse(query.as_bytes()) {
+                match k.as_ref() {
+                    "text" => text = Some(v.into_owned()),
                     "faithfulness" => faith = v == "1",
                     _ => {}
                 }
             }
-            let text = match text {
-                Some(Ok(t)) => t,
-                Some(Err(e)) => return respond(stream, "400 Bad Request", &form(&model.info.name, a.max_chars, Some(&format!("the text could not be read: {e}")))),
-                None => return respond(stream, "400 Bad Request", &form(&model.info.name, a.max_chars, Some("no text was given"))),
+            let Some(text) = text else {
+                return respond(stream, "400 Bad Request", &form(&model.info.name, a.max_chars, Some("no text was given")));
             };
             if text.chars().count() > a.max_chars {
                 return respond(stream, "413 Payload Too Large", &form(&model.info.name, a.max_chars, Some(&format!("the text has {} characters; this server takes at most {}", text.chars().count(), a.max_chars))));
             }
-            match super::view::view_html(model, &text, false, faith) {
+            if faith {
+                match model.encode(&text, a.model.bos) {
+                    Ok(t) if t.len() > a.max_faithfulness_tokens => {
+                        let msg = format!("the text is {} tokens; this server measures faithfulness (one forward per token) on at most {} (--max-faithfulness-tokens); untick it, or run `attnscope faithfulness`", t.len(), a.max_faithfulness_tokens);
+                        return respond(stream, "413 Payload Too Large", &form(&model.info.name, a.max_chars, Some(&msg)));
+                    }
+                    _ => {}
+                }
+            }
+            match super::view::view_html(model, &text, a.model.bos, faith) {
                 Ok((html, _)) => respond(stream, "200 OK", &html),
                 Err(e) => respond(stream, "400 Bad Request", &form(&model.info.name, a.max_chars, Some(&format!("{e:#}")))),
             }
@@ -130,8 +212,8 @@ fn handle(stream: &mut TcpStream, model: &crate::model::Model, a: &Args) {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    if a.max_concurrent == 0 || a.max_chars == 0 {
-        return Err(usage("--max-concurrent and --max-chars must be at least 1"));
+    if a.max_concurrent == 0 || a.max_chars == 0 || a.request_timeout == 0 {
+        return Err(usage("--max-concurrent, --max-chars and --request-timeout must be at least 1"));
     }
     let listener = TcpListener::bind(&a.addr).map_err(|e| usage(format!("cannot listen on {}: {e}", a.addr)))?;
     let local = listener.local_addr()?;
@@ -144,15 +226,17 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let a = Arc::new(a);
     for stream in listener.incoming() {
         let Ok(mut stream) = stream else { continue };
-        if busy.fetch_add(1, Ordering::SeqCst) >= a.max_concurrent {
-            busy.fetch_sub(1, Ordering::SeqCst);
-            respond(&mut stream, "503 Service Unavailable", &form(&model.info.name, a.max_chars, Some("the server is busy; try again in a moment")));
+        let Some(slot) = Slot::take(&busy, a.max_concurrent) else {
+            // answered on a thread of its own, so a client that does not read cannot stall the loop
+            let (name, max_chars) = (model.info.name.clone(), a.max_chars);
+            std::thread::spawn(move || respond(&mut stream, "503 Service Unavailable", &form(&name, max_chars, Some("the server is busy; try again in a moment"))));
             continue;
-        }
-        let (model, busy, a) = (model.clone(), busy.clone(), a.clone());
+        };
+        let (model, a) = (model.clone(), a.clone());
         std::thread::spawn(move || {
-            handle(&mut stream, &model, &a);
-            busy.fetch_sub(1, Ordering::SeqCst);
+            // the slot is given back when this thread ends, by return or by panic
+            let _slot = slot;
+            handle(&mut stream, &model, &a, local);
         });
     }
     Ok(())
@@ -160,10 +244,37 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
-    fn url_decoding() {
-        assert_eq!(super::url_decode("H%C3%A0+N%E1%BB%99i").unwrap(), "Hà Nội");
-        assert!(super::url_decode("%zz").is_err());
-        assert!(super::url_decode("%e1").is_err());
+    fn a_slot_is_given_back_even_when_its_handler_panics() {
+        let busy = Arc::new(AtomicUsize::new(0));
+        let a = Slot::take(&busy, 2).unwrap();
+        let b = Slot::take(&busy, 2).unwrap();
+        assert!(Slot::take(&busy, 2).is_none(), "a third slot of two");
+        let t = std::thread::spawn(move || {
+            let _slot = b;
+            panic!("a handler panics");
+        });
+        assert!(t.join().is_err());
+        assert_eq!(busy.load(Ordering::SeqCst), 1);
+        assert!(Slot::take(&busy, 2).is_some());
+        drop(a);
+        assert_eq!(busy.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn hosts() {
+        let lo: std::net::SocketAddr = "127.0.0.1:8377".parse().unwrap();
+        for ok in ["localhost", "localhost:8377", "LOCALHOST:1", "127.0.0.1:8377", "[::1]:8377", "127.0.0.2"] {
+            assert!(host_allowed(ok, lo), "{ok}");
+        }
+        for bad in ["evil.example", "evil.example:8377", "localhost.evil.example", "10.0.0.5:8377", "[::1", ""] {
+            assert!(!host_allowed(bad, lo), "{bad}");
+        }
+        let any: std::net::SocketAddr = "0.0.0.0:80".parse().unwrap();
+        assert!(host_allowed("192.168.1.20", any) && !host_allowed("attacker.example", any));
+        let lan: std::net::SocketAddr = "192.168.1.20:80".parse().unwrap();
+        assert!(host_allowed("192.168.1.20:80", lan) && !host_allowed("192.168.1.21", lan));
     }
 }
