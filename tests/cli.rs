@@ -228,6 +228,25 @@ fn corpus_shards_merge_to_the_single_run_and_resume() {
     // resume: a second run with the same --out adds nothing
     run(&["--shard", "1/2", "--out", b.to_str().unwrap()]);
     assert_eq!(std::fs::read_to_string(&b).unwrap().lines().count(), 2);
+    // a run killed in the middle of a line: the torn line is dropped (and said), the complete
+    // one kept, and the resumed file equals the uninterrupted one
+    let whole = std::fs::read_to_string(&b).unwrap();
+    let cut = whole.find('\n').unwrap() + 1 + 40;
+    std::fs::write(&b, &whole[..cut]).unwrap();
+    let out = attnscope().args(["corpus", "--model", m, "--file", texts.to_str().unwrap(), "--json", "--shard", "1/2", "--out", b.to_str().unwrap()]).output().unwrap();
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    assert!(stderr_of(&out).contains("torn line"), "{}", stderr_of(&out));
+    assert_eq!(std::fs::read_to_string(&b).unwrap(), whole);
+    // a last record whose newline was lost is kept, and the next record starts on its own line
+    std::fs::write(&b, whole.trim_end_matches('\n').split_inclusive('\n').next().unwrap().trim_end()).unwrap();
+    run(&["--shard", "1/2", "--out", b.to_str().unwrap()]);
+    assert_eq!(std::fs::read_to_string(&b).unwrap(), whole);
+    // a file that is not ours is refused, not cut
+    let other = dir.path().join("other.jsonl");
+    std::fs::write(&other, "{\"hello\": 1}\n{\"id\": 3, \"te").unwrap();
+    let out = attnscope().args(["corpus", "--model", m, "--file", texts.to_str().unwrap(), "--out", other.to_str().unwrap()]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(std::fs::read_to_string(&other).unwrap(), "{\"hello\": 1}\n{\"id\": 3, \"te");
     let merged = attnscope().args(["corpus", "merge", a.to_str().unwrap(), b.to_str().unwrap(), "--json"]).output().unwrap();
     assert!(merged.status.success(), "{}", stderr_of(&merged));
     let merged: serde_json::Value = serde_json::from_slice(&merged.stdout).unwrap();

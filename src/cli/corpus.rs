@@ -118,7 +118,24 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let mut out_file = None;
     if let Some(path) = &a.out {
         if path.exists() {
-            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+            let mut text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+            // a run killed while appending leaves a torn last line (no newline, not a whole
+            // record): every complete line is kept, the fragment is dropped and its text runs again
+            if !text.is_empty() && !text.ends_with('\n') {
+                let start = text.rfind('\n').map_or(0, |i| i + 1);
+                let last = &text[start..];
+                let complete = serde_json::from_str::<Record>(last).is_ok();
+                // only a fragment of one of our records is dropped, and only below records that
+                // read back: another kind of file is refused by read_records below, untouched
+                if !complete && last.starts_with("{\"id\":") && read_records(&text[..start], "").is_ok() {
+                    eprintln!("attnscope: {} ends in a torn line ({} bytes, written when a run was stopped); dropping it, its text runs again", path.display(), last.len());
+                    std::fs::OpenOptions::new().write(true).open(path).and_then(|f| f.set_len(start as u64)).with_context(|| format!("dropping the torn line of {}", path.display()))?;
+                    text.truncate(start);
+                } else if complete {
+                    // a whole record whose newline was never written: end its line before appending
+                    std::fs::OpenOptions::new().append(true).open(path).and_then(|mut f| f.write_all(b"\n")).with_context(|| format!("appending to {}", path.display()))?;
+                }
+            }
             records = read_records(&text, &path.display().to_string()).map_err(usage)?;
             if let Some(r) = records.iter().find(|r| r.model != model.info.name) {
                 return Err(usage(format!("{} holds records of model `{}`, not `{}`; use another --out", path.display(), r.model, model.info.name)));
