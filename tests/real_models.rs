@@ -83,7 +83,7 @@ fn tokenizer_vectors_match_hf() {
 /// `--precision fast` (quantized kernels) against the reference: how far it moves, measured.
 /// `--precision fast` on the shared sentence: where this CPU runs the int8 kernel, the sink
 /// profiles stay within 0.01 of the reference, the lesson's top-3 tables (last layer, heads 0-3)
-/// and the head-averaged top-4 name the same tokens, every last-row weight stays within 0.05,
+/// and the head-averaged top-4 name the same tokens, every last-row weight stays within 0.04,
 /// and the top next token is the same. Where it does not (no AVX-512 VNNI), fast must give the
 /// exact numbers, and the test says so.
 fn check_fast(alias: &str, prefix: &str, sink_tolerance: f64) {
@@ -105,7 +105,8 @@ fn check_fast(alias: &str, prefix: &str, sink_tolerance: f64) {
         return;
     }
     eprintln!("{alias} fast precision: max |attention weight - reference| over the last rows = {max:.4}");
-    assert!(max < 0.05, "{alias}: fast precision moved a weight by {max}");
+    // the README promises "up to 0.04"
+    assert!(max < 0.04, "{alias}: fast precision moved a weight by {max}");
     assert!(max > 1e-4, "{alias}: fast precision should really use the int8 kernel (max deviation {max})");
     let mid = g["middle_layer"].as_u64().unwrap() as usize;
     let plan = InspectPlan { query: n - 1, layer: d.n_layers - 1, heads: (0..d.n_heads).collect(), top_heads: 3, layers: vec![0, mid, d.n_layers - 1], top_layers: 4, concentrated_at: 0.9 };
@@ -172,6 +173,9 @@ fn check_inspect(alias: &str, prefix: &str) {
         // the reference lists the top-3 of heads 0-3 (the lesson's table) and max/entropy of all
         let want = g["last_layer_head_top3_lastq"][h.head.to_string()].as_array().cloned().unwrap_or_default();
         assert!(h.head >= 4 || want.len() == 3);
+        if !want.is_empty() {
+            assert_eq!(h.top.len(), want.len(), "{alias} head {}: top list length", h.head);
+        }
         for (got, want) in h.top.iter().zip(&want) {
             assert_eq!(got.pos as u64, want["pos"].as_u64().unwrap(), "{alias} head {} top", h.head);
             assert_eq!(r4(got.weight as f64), want["weight"].as_f64().unwrap(), "{alias} head {} weight", h.head);
@@ -181,8 +185,11 @@ fn check_inspect(alias: &str, prefix: &str) {
         assert_eq!(h.argmax as u64, ph["argmax_pos"].as_u64().unwrap());
         assert!((h.entropy as f64 - ph["entropy_nats"].as_f64().unwrap()).abs() <= 5e-5 + 1e-4, "{alias} head {} entropy {}", h.head, h.entropy);
     }
+    // the plan asks for the top tokens of three layers: all three are checked
+    assert_eq!(r.layers.iter().filter(|l| l.top.is_some()).count(), 3, "{alias}: layers with a top list");
     for l in r.layers.iter().filter(|l| l.top.is_some()) {
         let want = g["head_avg_top4_lastq"][l.layer.to_string()].as_array().unwrap();
+        assert_eq!(l.top.as_ref().unwrap().len(), want.len(), "{alias} layer {}: head-avg top length", l.layer);
         for (got, want) in l.top.as_ref().unwrap().iter().zip(want) {
             assert_eq!(got.pos as u64, want["pos"].as_u64().unwrap(), "{alias} layer {} head-avg top", l.layer);
             assert_eq!(r4(got.weight as f64), want["weight"].as_f64().unwrap());
@@ -195,7 +202,9 @@ fn check_inspect(alias: &str, prefix: &str) {
         assert!((row.sink_query as f64 - g["sink_share_lastq_full"][l].as_f64().unwrap()).abs() < 1e-4, "{alias} sink_query layer {l}");
         assert!((row.sink_all_queries as f64 - g["sink_share_mean_q1_to_end_full"][l].as_f64().unwrap()).abs() < 1e-4, "{alias} sink_all layer {l}");
     }
-    for (got, want) in r.next_token.iter().zip(g["next_token_top5"].as_array().unwrap()) {
+    let want_next = g["next_token_top5"].as_array().unwrap();
+    assert!(want_next.len() == 5 && r.next_token.len() >= 5, "{alias}: next-token lists {} vs {}", r.next_token.len(), want_next.len());
+    for (got, want) in r.next_token.iter().zip(want_next) {
         assert_eq!(got.id as u64, want["id"].as_u64().unwrap());
         assert_eq!(r4(got.prob as f64), want["prob"].as_f64().unwrap(), "{alias} next-token prob");
         assert_eq!(String::from_utf8_lossy(&model.tokenizer.token_bytes(got.id)), want["token"].as_str().unwrap());

@@ -254,6 +254,10 @@ fn streaming_statistics_equal_the_materialized_path() {
                     assert_eq!(*am as usize, amax, "{label}: argmax");
                     assert!((ent - attnscope::analysis::entropy(row)).abs() < 1e-4, "{label}: entropy {ent}");
                     let want = attnscope::analysis::top_k(row, 3);
+                    // rows with fewer than 3 visible keys are padded with (u32::MAX, 0)
+                    assert_eq!(top.len(), 3, "{label}: top-k length");
+                    assert_eq!(want.len(), 3.min(q + 1), "{label}: reference top-k length");
+                    assert!(top[want.len()..].iter().all(|&(j, w)| j == u32::MAX && w == 0.0), "{label}: padding");
                     for (t, w) in top.iter().zip(&want) {
                         assert_eq!(t.0 as usize, w.pos, "{label}: top-k position");
                         assert!((t.1 - w.weight).abs() < 1e-5, "{label}: top-k weight");
