@@ -47,7 +47,7 @@ pub struct Args {
 
 /// The forward's observer for `capture`: an [`AttnCache`] that, after each layer, writes that
 /// layer's tensors to the file and lets them go, so memory holds one layer's capture at most.
-struct StreamToFile<W: std::io::Write> {
+struct StreamToFile<W: std::io::Write + std::io::Seek> {
     cache: AttnCache,
     writer: Option<TensorWriter<W>>,
     error: Option<std::io::Error>,
@@ -55,7 +55,7 @@ struct StreamToFile<W: std::io::Write> {
     bar: indicatif::ProgressBar,
 }
 
-impl<W: std::io::Write> Observer for StreamToFile<W> {
+impl<W: std::io::Write + std::io::Seek> Observer for StreamToFile<W> {
     fn wants(&self, layer: usize, hook: Hook) -> bool {
         self.error.is_none() && self.cache.wants(layer, hook)
     }

@@ -2,7 +2,7 @@
 //! `safetensors.numpy.load_file` / `safe_open(...).metadata()`) and `.npz` (`numpy.load`).
 
 use std::collections::BTreeMap;
-use std::io::Write;
+use std::io::{Seek, Write};
 
 /// A named f32 tensor.
 pub struct NamedTensor<'a> {
@@ -31,44 +31,57 @@ fn le_bytes(data: &[f32]) -> std::borrow::Cow<'_, [u8]> {
     }
 }
 
+/// Where the tensors go.
+enum Sink<W: Write + Seek> {
+    /// header already written; data appended in declared order
+    Safetensors(W),
+    Npz(Box<zip::ZipWriter<W>>),
+}
+
 /// Writes tensors one after another into `W` while they are produced, so a capture never holds
 /// more than the tensor being written: every name and shape is declared up front (the
 /// safetensors header comes first), then [`TensorWriter::write`] takes them in that order.
-pub struct TensorWriter<W: Write> {
-    out: W,
-    format: TensorFormat,
+///
+/// The safetensors header is the `safetensors` crate's own `Metadata` (its serialization and
+/// offset validation); the data then follows in declared order. (The crate's `serialize`
+/// would sort the tensors by name, `blocks.10` before `blocks.2`, so it could only write a
+/// capture held whole in memory.) npz members are written by the `zip` crate (stored,
+/// ZIP64 where a member or the archive needs it).
+pub struct TensorWriter<W: Write + Seek> {
+    sink: Sink<W>,
     order: Vec<(String, Vec<usize>)>,
     next: usize,
-    /// bytes written so far (npz entry offsets)
-    offset: u64,
-    central: Vec<u8>,
 }
 
-impl<W: Write> TensorWriter<W> {
+fn invalid(msg: String) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidInput, msg)
+}
+
+impl<W: Write + Seek> TensorWriter<W> {
     /// Starts a file of the tensors `order` (name, shape), in that order (`metadata` goes into
     /// a safetensors header; npz has no place for it).
     pub fn new(mut out: W, format: TensorFormat, order: Vec<(String, Vec<usize>)>, metadata: &BTreeMap<String, String>) -> std::io::Result<Self> {
-        let mut offset = 0u64;
-        if format == TensorFormat::Safetensors {
-            let mut header = serde_json::Map::new();
-            if !metadata.is_empty() {
-                header.insert("__metadata__".into(), serde_json::to_value(metadata).expect("strings serialize"));
+        let sink = match format {
+            TensorFormat::Safetensors => {
+                let mut infos = Vec::with_capacity(order.len());
+                let mut at = 0usize;
+                for (name, shape) in &order {
+                    let len = shape.iter().try_fold(4usize, |a, &d| a.checked_mul(d)).ok_or_else(|| invalid(format!("tensor `{name}` {shape:?} is too large")))?;
+                    infos.push((name.clone(), safetensors::tensor::TensorInfo { dtype: safetensors::Dtype::F32, shape: shape.clone(), data_offsets: (at, at + len) }));
+                    at += len;
+                }
+                let md = (!metadata.is_empty()).then(|| metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect());
+                let meta = safetensors::tensor::Metadata::new(md, infos).map_err(|e| invalid(format!("safetensors header: {e}")))?;
+                let mut h = serde_json::to_string(&meta).map_err(|e| invalid(format!("safetensors header: {e}")))?.into_bytes();
+                // the data starts 8-byte aligned, as the crate pads it
+                h.resize(h.len().next_multiple_of(8), b' ');
+                out.write_all(&(h.len() as u64).to_le_bytes())?;
+                out.write_all(&h)?;
+                Sink::Safetensors(out)
             }
-            let mut at = 0usize;
-            for (name, shape) in &order {
-                let len = shape.iter().product::<usize>() * 4;
-                header.insert(name.clone(), serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [at, at + len]}));
-                at += len;
-            }
-            let mut h = serde_json::Value::Object(header).to_string().into_bytes();
-            while h.len() % 8 != 0 {
-                h.push(b' ');
-            }
-            out.write_all(&(h.len() as u64).to_le_bytes())?;
-            out.write_all(&h)?;
-            offset = 8 + h.len() as u64;
-        }
-        Ok(TensorWriter { out, format, order, next: 0, offset, central: Vec::new() })
+            TensorFormat::Npz => Sink::Npz(Box::new(zip::ZipWriter::new(out))),
+        };
+        Ok(TensorWriter { sink, order, next: 0 })
     }
 
     /// The name of the tensor expected next, if any.
@@ -78,60 +91,49 @@ impl<W: Write> TensorWriter<W> {
 
     /// Writes the next tensor; its name and size must be the ones declared.
     pub fn write(&mut self, name: &str, data: &[f32]) -> std::io::Result<()> {
-        let bad = |msg: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, msg);
-        let (want, shape) = self.order.get(self.next).ok_or_else(|| bad(format!("tensor `{name}` was not declared (all {} are written)", self.order.len())))?;
+        let (want, shape) = self.order.get(self.next).ok_or_else(|| invalid(format!("tensor `{name}` was not declared (all {} are written)", self.order.len())))?;
         if want != name || shape.iter().product::<usize>() != data.len() {
-            return Err(bad(format!("tensor `{name}` ({} values) came where `{want}` {shape:?} was declared: you likely have a bug", data.len())));
+            return Err(invalid(format!("tensor `{name}` ({} values) came where `{want}` {shape:?} was declared: you likely have a bug", data.len())));
         }
         let shape = shape.clone();
         self.next += 1;
         let bytes = le_bytes(data);
-        match self.format {
-            TensorFormat::Safetensors => {
-                self.out.write_all(&bytes)?;
-                self.offset += bytes.len() as u64;
-            }
-            TensorFormat::Npz => {
+        match &mut self.sink {
+            Sink::Safetensors(out) => out.write_all(&bytes)?,
+            Sink::Npz(z) => {
                 let header = super::npy::npy_header(&shape);
-                let mut crc = crc32fast::Hasher::new();
-                crc.update(&header);
-                crc.update(&bytes);
-                let entry = format!("{name}.npy");
-                let size = (header.len() + bytes.len()) as u64;
-                let (local, central) = zip_headers(&entry, crc.finalize(), size, self.offset);
-                self.out.write_all(&local)?;
-                self.out.write_all(&header)?;
-                self.out.write_all(&bytes)?;
-                self.offset += local.len() as u64 + size;
-                self.central.extend_from_slice(&central);
+                let large = (header.len() + bytes.len()) as u64 >= 0xFFFF_FFFF;
+                let opts = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored).large_file(large);
+                z.start_file(format!("{name}.npy"), opts).map_err(std::io::Error::other)?;
+                z.write_all(&header)?;
+                z.write_all(&bytes)?;
             }
         }
         Ok(())
     }
 
     /// Ends the file (the npz central directory) once every declared tensor is written.
-    pub fn finish(mut self) -> std::io::Result<W> {
+    pub fn finish(self) -> std::io::Result<W> {
         if let Some(name) = self.expects() {
-            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("tensor `{name}` was declared but never written")));
+            return Err(invalid(format!("tensor `{name}` was declared but never written")));
         }
-        if self.format == TensorFormat::Npz {
-            let end = zip_end(self.offset, self.central.len() as u64, self.order.len() as u64);
-            self.out.write_all(&self.central)?;
-            self.out.write_all(&end)?;
-        }
-        self.out.flush()?;
-        Ok(self.out)
+        let mut out = match self.sink {
+            Sink::Safetensors(out) => out,
+            Sink::Npz(z) => z.finish().map_err(std::io::Error::other)?,
+        };
+        out.flush()?;
+        Ok(out)
     }
 }
 
 /// The whole file of `tensors` in memory (for small captures and tests).
 fn to_bytes(tensors: &[NamedTensor<'_>], format: TensorFormat, metadata: &BTreeMap<String, String>) -> Vec<u8> {
     let order = tensors.iter().map(|t| (t.name.to_string(), t.shape.to_vec())).collect();
-    let mut w = TensorWriter::new(Vec::new(), format, order, metadata).expect("writing to memory");
+    let mut w = TensorWriter::new(std::io::Cursor::new(Vec::new()), format, order, metadata).expect("writing to memory");
     for t in tensors {
         w.write(t.name, t.data).expect("declared in order");
     }
-    w.finish().expect("writing to memory")
+    w.finish().expect("writing to memory").into_inner()
 }
 
 /// A safetensors file of `tensors` with string `metadata`, in memory.
@@ -144,97 +146,9 @@ pub fn to_npz(tensors: &[NamedTensor<'_>]) -> Vec<u8> {
     to_bytes(tensors, TensorFormat::Npz, &BTreeMap::new())
 }
 
-/// CRC-32 (IEEE), as zip and PNG use it.
-pub(crate) fn crc32(data: &[u8]) -> u32 {
-    crc32fast::hash(data)
-}
-
-/// The local file header and the central directory entry of one stored zip member of `size`
-/// bytes at `offset` (ZIP64 extra fields where a size or offset needs them).
-fn zip_headers(name: &str, crc: u32, size: u64, offset: u64) -> (Vec<u8>, Vec<u8>) {
-    let zip64 = size >= 0xFFFF_FFFF || offset >= 0xFFFF_FFFF;
-    let mut out = Vec::new();
-    out.extend_from_slice(&0x0403_4b50u32.to_le_bytes());
-    out.extend_from_slice(&(if zip64 { 45u16 } else { 20 }).to_le_bytes());
-    out.extend_from_slice(&[0, 0, 0, 0, 0, 0]); // flags, method (stored), time
-    out.extend_from_slice(&0x0021u16.to_le_bytes()); // date 1980-01-01
-    out.extend_from_slice(&crc.to_le_bytes());
-    let small = if zip64 { 0xFFFF_FFFFu32 } else { size as u32 };
-    out.extend_from_slice(&small.to_le_bytes());
-    out.extend_from_slice(&small.to_le_bytes());
-    out.extend_from_slice(&(name.len() as u16).to_le_bytes());
-    out.extend_from_slice(&(if zip64 { 20u16 } else { 0 }).to_le_bytes());
-    out.extend_from_slice(name.as_bytes());
-    if zip64 {
-        out.extend_from_slice(&1u16.to_le_bytes());
-        out.extend_from_slice(&16u16.to_le_bytes());
-        out.extend_from_slice(&size.to_le_bytes());
-        out.extend_from_slice(&size.to_le_bytes());
-    }
-    let mut central = Vec::new();
-    central.extend_from_slice(&0x0201_4b50u32.to_le_bytes());
-    central.extend_from_slice(&(if zip64 { 45u16 } else { 20 }).to_le_bytes());
-    central.extend_from_slice(&(if zip64 { 45u16 } else { 20 }).to_le_bytes());
-    central.extend_from_slice(&[0, 0, 0, 0, 0, 0]);
-    central.extend_from_slice(&0x0021u16.to_le_bytes());
-    central.extend_from_slice(&crc.to_le_bytes());
-    central.extend_from_slice(&small.to_le_bytes());
-    central.extend_from_slice(&small.to_le_bytes());
-    central.extend_from_slice(&(name.len() as u16).to_le_bytes());
-    central.extend_from_slice(&(if zip64 { 28u16 } else { 0 }).to_le_bytes());
-    central.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 0, 0, 0]); // comment length, disk, internal and external attributes
-    central.extend_from_slice(&(if zip64 { 0xFFFF_FFFFu32 } else { offset as u32 }).to_le_bytes());
-    central.extend_from_slice(name.as_bytes());
-    if zip64 {
-        central.extend_from_slice(&1u16.to_le_bytes());
-        central.extend_from_slice(&24u16.to_le_bytes());
-        central.extend_from_slice(&size.to_le_bytes());
-        central.extend_from_slice(&size.to_le_bytes());
-        central.extend_from_slice(&offset.to_le_bytes());
-    }
-    (out, central)
-}
-
-/// The end of a zip: (ZIP64 end record and locator where needed,) end of central directory.
-/// `cd_offset` is where the central directory of `cd_size` bytes and `n` entries starts.
-fn zip_end(cd_offset: u64, cd_size: u64, n: u64) -> Vec<u8> {
-    let mut out = Vec::new();
-    if cd_offset >= 0xFFFF_FFFF || n >= 0xFFFF {
-        // ZIP64 end of central directory record and locator
-        let eocd64 = cd_offset + cd_size;
-        out.extend_from_slice(&0x0606_4b50u32.to_le_bytes());
-        out.extend_from_slice(&44u64.to_le_bytes());
-        out.extend_from_slice(&45u16.to_le_bytes());
-        out.extend_from_slice(&45u16.to_le_bytes());
-        out.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 0]);
-        out.extend_from_slice(&n.to_le_bytes());
-        out.extend_from_slice(&n.to_le_bytes());
-        out.extend_from_slice(&cd_size.to_le_bytes());
-        out.extend_from_slice(&cd_offset.to_le_bytes());
-        out.extend_from_slice(&0x0706_4b50u32.to_le_bytes());
-        out.extend_from_slice(&0u32.to_le_bytes());
-        out.extend_from_slice(&eocd64.to_le_bytes());
-        out.extend_from_slice(&1u32.to_le_bytes());
-    }
-    out.extend_from_slice(&0x0605_4b50u32.to_le_bytes());
-    out.extend_from_slice(&[0, 0, 0, 0]);
-    let n16 = n.min(0xFFFF) as u16;
-    out.extend_from_slice(&n16.to_le_bytes());
-    out.extend_from_slice(&n16.to_le_bytes());
-    out.extend_from_slice(&(cd_size.min(0xFFFF_FFFF) as u32).to_le_bytes());
-    out.extend_from_slice(&(cd_offset.min(0xFFFF_FFFF) as u32).to_le_bytes());
-    out.extend_from_slice(&0u16.to_le_bytes());
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn crc32_known_value() {
-        assert_eq!(crc32(b"123456789"), 0xCBF4_3926);
-    }
 
     #[test]
     fn safetensors_reads_back_with_the_safetensors_crate() {
@@ -253,12 +167,31 @@ mod tests {
 
     #[test]
     fn npz_is_a_valid_zip_of_npy_files() {
-        let a = [1.0f32, 2.0];
-        let bytes = to_npz(&[NamedTensor { name: "a", shape: &[2], data: &a }]);
-        assert_eq!(&bytes[..4], b"PK\x03\x04");
-        assert_eq!(&bytes[30..35], b"a.npy");
-        let npy = &bytes[35..35 + 128 + 8];
-        assert_eq!(crate::render::npy::from_npy(npy).unwrap(), (vec![2], vec![1.0, 2.0]));
-        assert_eq!(&bytes[bytes.len() - 22..bytes.len() - 18], b"PK\x05\x06");
+        let (a, b) = ([1.0f32, 2.0], [3.0f32; 6]);
+        let bytes = to_npz(&[NamedTensor { name: "a", shape: &[2], data: &a }, NamedTensor { name: "blocks.10.b", shape: &[2, 3], data: &b }]);
+        let mut z = zip::ZipArchive::new(std::io::Cursor::new(bytes)).unwrap();
+        assert_eq!(z.len(), 2);
+        let mut read = |name: &str| {
+            let mut f = z.by_name(name).unwrap();
+            assert_eq!(f.compression(), zip::CompressionMethod::Stored);
+            let mut v = Vec::new();
+            std::io::Read::read_to_end(&mut f, &mut v).unwrap();
+            crate::render::npy::from_npy(&v).unwrap()
+        };
+        assert_eq!(read("a.npy"), (vec![2], vec![1.0, 2.0]));
+        assert_eq!(read("blocks.10.b.npy"), (vec![2, 3], vec![3.0; 6]));
+    }
+
+    #[test]
+    fn declared_order_is_enforced() {
+        let order = vec![("a".to_string(), vec![2]), ("b".to_string(), vec![1])];
+        for format in [TensorFormat::Safetensors, TensorFormat::Npz] {
+            let mut w = TensorWriter::new(std::io::Cursor::new(Vec::new()), format, order.clone(), &BTreeMap::new()).unwrap();
+            assert!(w.write("b", &[1.0]).is_err(), "out of order");
+            assert!(w.write("a", &[1.0]).is_err(), "wrong size");
+            w.write("a", &[1.0, 2.0]).unwrap();
+            assert_eq!(w.expects(), Some("b"));
+            assert!(w.finish().is_err(), "b was never written");
+        }
     }
 }
