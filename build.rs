@@ -9,9 +9,15 @@ fn main() {
     println!("cargo::rerun-if-changed=tests/browser/package-lock.json");
     println!("cargo::rerun-if-env-changed=CHROMIUM");
     println!("cargo::rerun-if-env-changed=ATTNSCOPE_REQUIRE_BROWSER");
-    let found = std::process::Command::new("sh").arg("tests/browser/find-browser.sh").stderr(std::process::Stdio::piped()).output();
+    let found = std::process::Command::new("sh")
+        .arg("tests/browser/find-browser.sh")
+        .stderr(std::process::Stdio::piped())
+        .output();
     let (ok, why) = match found {
-        Ok(o) => (o.status.success(), String::from_utf8_lossy(&o.stderr).trim().to_string()),
+        Ok(o) => (
+            o.status.success(),
+            String::from_utf8_lossy(&o.stderr).trim().to_string(),
+        ),
         Err(e) => (false, format!("cannot run sh: {e}")),
     };
     let required = std::env::var("ATTNSCOPE_REQUIRE_BROWSER").is_ok_and(|v| v == "1");

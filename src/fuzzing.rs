@@ -14,7 +14,9 @@ use std::sync::OnceLock;
 /// Arbitrary bytes as a GGUF model; a model that loads must also run.
 pub fn gguf(data: &[u8]) {
     if let Ok(m) = Model::from_gguf_bytes("fuzz.gguf", data.to_vec(), Precision::Exact) {
-        let _ = m.encode("Hà Nội 123", false).and_then(|t| m.next_token_logits(&t));
+        let _ = m
+            .encode("Hà Nội 123", false)
+            .and_then(|t| m.next_token_logits(&t));
     }
 }
 
@@ -22,8 +24,11 @@ pub fn gguf(data: &[u8]) {
 pub fn safetensors_folder() -> &'static Path {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
     DIR.get_or_init(|| {
-        let d = tempfile::tempdir_in("/dev/shm").or_else(|_| tempfile::tempdir()).expect("a temporary folder");
-        write_hf_folder(&tiny_model(Arch::Llama, 1), Arch::Llama, d.path(), 1).expect("tiny model written");
+        let d = tempfile::tempdir_in("/dev/shm")
+            .or_else(|_| tempfile::tempdir())
+            .expect("a temporary folder");
+        write_hf_folder(&tiny_model(Arch::Llama, 1), Arch::Llama, d.path(), 1)
+            .expect("tiny model written");
         d
     })
     .path()
@@ -34,7 +39,9 @@ pub fn safetensors(data: &[u8]) {
     let dir = safetensors_folder();
     std::fs::write(dir.join("model.safetensors"), data).expect("write");
     if let Ok(m) = Model::load(dir.to_str().expect("utf-8 path"), Precision::Exact, false) {
-        let _ = m.encode("the hat", false).and_then(|t| m.next_token_logits(&t));
+        let _ = m
+            .encode("the hat", false)
+            .and_then(|t| m.next_token_logits(&t));
     }
 }
 
@@ -46,9 +53,17 @@ fn tokenizers() -> &'static Vec<Tokenizer> {
             .iter()
             .map(|pre| {
                 let p = dir.path().join(format!("{pre}.gguf"));
-                write_gguf_with(&tiny_model(Arch::Qwen2, 1), Arch::Qwen2, GgmlDType::F32, &p, &|md, _| {
-                    md.iter_mut().filter(|(k, _)| k == "tokenizer.ggml.pre").for_each(|(_, v)| *v = Value::String(pre.to_string()));
-                })
+                write_gguf_with(
+                    &tiny_model(Arch::Qwen2, 1),
+                    Arch::Qwen2,
+                    GgmlDType::F32,
+                    &p,
+                    &|md, _| {
+                        md.iter_mut()
+                            .filter(|(k, _)| k == "tokenizer.ggml.pre")
+                            .for_each(|(_, v)| *v = Value::String(pre.to_string()));
+                    },
+                )
                 .expect("written");
                 let bytes = std::fs::read(&p).expect("read");
                 let c = Content::read(&mut std::io::Cursor::new(&bytes)).expect("valid");
@@ -76,7 +91,14 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
     use crate::model::tiny::write_gguf;
     let tmp = tempfile::tempdir().expect("temporary folder");
     let mut out = Vec::new();
-    for (i, (arch, dt)) in [(Arch::Qwen2, GgmlDType::F32), (Arch::Llama, GgmlDType::F32), (Arch::Qwen2, GgmlDType::Q8_0)].into_iter().enumerate() {
+    for (i, (arch, dt)) in [
+        (Arch::Qwen2, GgmlDType::F32),
+        (Arch::Llama, GgmlDType::F32),
+        (Arch::Qwen2, GgmlDType::Q8_0),
+    ]
+    .into_iter()
+    .enumerate()
+    {
         let p = tmp.path().join("m.gguf");
         write_gguf(&tiny_model(arch, i as u64), arch, dt, &p).expect("gguf");
         let bytes = std::fs::read(&p).expect("read");
@@ -84,9 +106,22 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
         out.push(("gguf", format!("model{i}"), bytes));
         let hf = tmp.path().join(format!("hf{i}"));
         write_hf_folder(&tiny_model(arch, i as u64), arch, &hf, 1).expect("hf");
-        out.push(("safetensors", format!("model{i}"), std::fs::read(hf.join("model.safetensors")).expect("read")));
+        out.push((
+            "safetensors",
+            format!("model{i}"),
+            std::fs::read(hf.join("model.safetensors")).expect("read"),
+        ));
     }
-    for (i, s) in ["Hà Nội là thủ đô", "the hat", "日本語 😀 <|im_start|>x", "x=1; y=x**2", "  \t\r\n 123 ½ ¾"].iter().enumerate() {
+    for (i, s) in [
+        "Hà Nội là thủ đô",
+        "the hat",
+        "日本語 😀 <|im_start|>x",
+        "x=1; y=x**2",
+        "  \t\r\n 123 ½ ¾",
+    ]
+    .iter()
+    .enumerate()
+    {
         out.push(("tokenizer", format!("s{i}"), s.as_bytes().to_vec()));
     }
     out

@@ -76,12 +76,20 @@ fn every_prefix_of_a_gguf_file_is_an_error() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("prefix.gguf");
     // every byte up to the start of the tensor data, then a stride through the data
-    let header_end = candle_core::quantized::gguf_file::Content::read(&mut std::io::Cursor::new(&bytes)).unwrap().tensor_data_offset as usize;
+    let header_end =
+        candle_core::quantized::gguf_file::Content::read(&mut std::io::Cursor::new(&bytes))
+            .unwrap()
+            .tensor_data_offset as usize;
     assert!(header_end > 1000 && header_end < bytes.len());
-    let cuts: Vec<usize> = (0..header_end.min(bytes.len())).chain((header_end..bytes.len()).step_by(61)).chain(bytes.len().saturating_sub(64)..bytes.len()).collect();
+    let cuts: Vec<usize> = (0..header_end.min(bytes.len()))
+        .chain((header_end..bytes.len()).step_by(61))
+        .chain(bytes.len().saturating_sub(64)..bytes.len())
+        .collect();
     for cut in cuts {
         std::fs::write(&p, &bytes[..cut]).unwrap();
-        let r = std::panic::catch_unwind(|| Model::load(p.to_str().unwrap(), Precision::Exact, false).map(|_| ()));
+        let r = std::panic::catch_unwind(|| {
+            Model::load(p.to_str().unwrap(), Precision::Exact, false).map(|_| ())
+        });
         match r {
             Ok(Err(_)) => {}
             Ok(Ok(())) => panic!("a prefix of {cut} of {} bytes loaded", bytes.len()),
@@ -98,25 +106,73 @@ fn absurd_counts_lengths_and_dims_are_refused_without_allocating() {
         r
     };
     let cases = [
-        ("tensors.gguf", Raw::new(3, u64::MAX / 2, 0), "tensor_count 9223372036854775807 exceeds"),
-        ("kv.gguf", Raw::new(3, 0, 1 << 40), "metadata_kv_count 1099511627776 exceeds"),
-        ("strlen.gguf", pad(Raw::new(3, 0, 1).u64(1 << 50)), "string length 1125899906842624 exceeds"),
-        ("dims.gguf", pad(Raw::new(3, 1, 0).string("w").u32(1000)), "has 1000 dimensions"),
-        ("arraylen.gguf", Raw::new(3, 0, 1).string("k").u32(9).u32(4).u64(1 << 55), "array length 36028797018963968 exceeds"),
+        (
+            "tensors.gguf",
+            Raw::new(3, u64::MAX / 2, 0),
+            "tensor_count 9223372036854775807 exceeds",
+        ),
+        (
+            "kv.gguf",
+            Raw::new(3, 0, 1 << 40),
+            "metadata_kv_count 1099511627776 exceeds",
+        ),
+        (
+            "strlen.gguf",
+            pad(Raw::new(3, 0, 1).u64(1 << 50)),
+            "string length 1125899906842624 exceeds",
+        ),
+        (
+            "dims.gguf",
+            pad(Raw::new(3, 1, 0).string("w").u32(1000)),
+            "has 1000 dimensions",
+        ),
+        (
+            "arraylen.gguf",
+            Raw::new(3, 0, 1).string("k").u32(9).u32(4).u64(1 << 55),
+            "array length 36028797018963968 exceeds",
+        ),
     ];
     for (name, raw, what) in cases {
         let e = load_err(&raw.write(dir.path(), name));
-        assert!(e.contains("corrupt or truncated") && e.contains(what), "{name}: {e}");
+        assert!(
+            e.contains("corrupt or truncated") && e.contains(what),
+            "{name}: {e}"
+        );
     }
     // dims whose product overflows, and tensor data past the end of the file
-    let overflow = Raw::new(3, 1, 1).kv_str("general.architecture", "qwen2").string("token_embd.weight").u32(2).u64(1 << 40).u64(1 << 40).u32(0).u64(0);
+    let overflow = Raw::new(3, 1, 1)
+        .kv_str("general.architecture", "qwen2")
+        .string("token_embd.weight")
+        .u32(2)
+        .u64(1 << 40)
+        .u64(1 << 40)
+        .u32(0)
+        .u64(0);
     let e = load_err(&overflow.write(dir.path(), "overflow.gguf"));
-    assert!(e.contains("corrupt or truncated") && e.contains("past the end of the file"), "{e}");
+    assert!(
+        e.contains("corrupt or truncated") && e.contains("past the end of the file"),
+        "{e}"
+    );
     use attnscope::model::weights::{Logical, TensorSource};
-    let overflow = pad(pad(Raw::new(3, 1, 0).string("token_embd.weight").u32(2).u64(1 << 40).u64(1 << 40).u32(0).u64(0)));
-    let mut g = attnscope::model::gguf::GgufFile::from_bytes(Path::new("overflow2.gguf"), overflow.0).unwrap();
-    let e = g.get(&Logical::Embed).err().expect("2^80 values must not load").to_string();
-    assert!(e.contains("dimensions [1099511627776, 1099511627776] overflow"), "{e}");
+    let overflow = pad(pad(Raw::new(3, 1, 0)
+        .string("token_embd.weight")
+        .u32(2)
+        .u64(1 << 40)
+        .u64(1 << 40)
+        .u32(0)
+        .u64(0)));
+    let mut g =
+        attnscope::model::gguf::GgufFile::from_bytes(Path::new("overflow2.gguf"), overflow.0)
+            .unwrap();
+    let e = g
+        .get(&Logical::Embed)
+        .err()
+        .expect("2^80 values must not load")
+        .to_string();
+    assert!(
+        e.contains("dimensions [1099511627776, 1099511627776] overflow"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -136,7 +192,14 @@ fn tensor_offsets_past_the_end() {
 fn a_missing_tensor_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("missing.gguf");
-    write_gguf_with(&tiny_model(Arch::Llama, 1), Arch::Llama, GgmlDType::F32, &p, &|_, t| t.retain(|(n, _)| n != "blk.1.ffn_up.weight")).unwrap();
+    write_gguf_with(
+        &tiny_model(Arch::Llama, 1),
+        Arch::Llama,
+        GgmlDType::F32,
+        &p,
+        &|_, t| t.retain(|(n, _)| n != "blk.1.ffn_up.weight"),
+    )
+    .unwrap();
     let e = load_err(&p);
     assert!(e.contains("tensor `blk.1.ffn_up.weight` not found"), "{e}");
 }
@@ -147,26 +210,43 @@ fn a_shape_that_does_not_match_the_config() {
     let hf = dir.path().join("hf");
     write_hf_folder(&tiny_model(Arch::Qwen2, 1), Arch::Qwen2, &hf, 1).unwrap();
     let cfg_path = hf.join("config.json");
-    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
     cfg["intermediate_size"] = 48.into();
     std::fs::write(&cfg_path, cfg.to_string()).unwrap();
     let e = load_err(&hf);
-    assert!(e.contains("has shape [64, 32], but the config implies [48, 32]"), "{e}");
+    assert!(
+        e.contains("has shape [64, 32], but the config implies [48, 32]"),
+        "{e}"
+    );
 }
 
 #[test]
 fn unknown_architectures_are_named() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("bloom.gguf");
-    write_gguf_with(&tiny_model(Arch::Qwen2, 1), Arch::Qwen2, GgmlDType::F32, &p, &|md, _| {
-        md.iter_mut().filter(|(k, _)| k == "general.architecture").for_each(|(_, v)| *v = Value::String("bloom".into()));
-    })
+    write_gguf_with(
+        &tiny_model(Arch::Qwen2, 1),
+        Arch::Qwen2,
+        GgmlDType::F32,
+        &p,
+        &|md, _| {
+            md.iter_mut()
+                .filter(|(k, _)| k == "general.architecture")
+                .for_each(|(_, v)| *v = Value::String("bloom".into()));
+        },
+    )
     .unwrap();
     let e = load_err(&p);
-    assert!(e.contains("unsupported architecture `bloom`") && e.contains("qwen2, llama"), "{e}");
+    assert!(
+        e.contains("unsupported architecture `bloom`") && e.contains("qwen2, llama"),
+        "{e}"
+    );
     let hf = dir.path().join("hf");
     write_hf_folder(&tiny_model(Arch::Qwen2, 1), Arch::Qwen2, &hf, 1).unwrap();
-    let cfg = std::fs::read_to_string(hf.join("config.json")).unwrap().replace("\"qwen2\"", "\"gpt2\"");
+    let cfg = std::fs::read_to_string(hf.join("config.json"))
+        .unwrap()
+        .replace("\"qwen2\"", "\"gpt2\"");
     std::fs::write(hf.join("config.json"), cfg).unwrap();
     assert!(load_err(&hf).contains("unsupported architecture `gpt2`"));
 }
@@ -175,12 +255,23 @@ fn unknown_architectures_are_named() {
 fn an_unknown_pre_tokenizer_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("pre.gguf");
-    write_gguf_with(&tiny_model(Arch::Qwen2, 1), Arch::Qwen2, GgmlDType::F32, &p, &|md, _| {
-        md.iter_mut().filter(|(k, _)| k == "tokenizer.ggml.pre").for_each(|(_, v)| *v = Value::String("bloom".into()));
-    })
+    write_gguf_with(
+        &tiny_model(Arch::Qwen2, 1),
+        Arch::Qwen2,
+        GgmlDType::F32,
+        &p,
+        &|md, _| {
+            md.iter_mut()
+                .filter(|(k, _)| k == "tokenizer.ggml.pre")
+                .for_each(|(_, v)| *v = Value::String("bloom".into()));
+        },
+    )
     .unwrap();
     let e = load_err(&p);
-    assert!(e.contains("unknown pre-tokenizer `bloom`") && e.contains("qwen2"), "{e}");
+    assert!(
+        e.contains("unknown pre-tokenizer `bloom`") && e.contains("qwen2"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -196,7 +287,10 @@ fn a_corrupt_safetensors_file() {
     std::fs::write(&st, [0xffu8; 16]).unwrap();
     let e = load_err(&hf);
     // (the path itself ends in .safetensors: the check is on the message's own words)
-    assert!(e.contains("is not a GGUF or safetensors model (first bytes [ff, ff"), "{e}");
+    assert!(
+        e.contains("is not a GGUF or safetensors model (first bytes [ff, ff"),
+        "{e}"
+    );
 }
 
 /// `general.alignment = 0` made candle divide by zero (a panic, exit 101) in a 100-byte file.
@@ -204,24 +298,57 @@ fn a_corrupt_safetensors_file() {
 #[test]
 fn a_zero_or_odd_alignment_is_refused() {
     let dir = tempfile::tempdir().unwrap();
-    for (name, ty, v) in [("zero.gguf", 4u32, 0u32), ("three.gguf", 4, 3), ("u8zero.gguf", 0, 0)] {
-        let mut raw = Raw::new(3, 0, 2).kv_str("general.architecture", "qwen2").string("general.alignment").u32(ty);
-        raw.0.extend(if ty == 0 { vec![v as u8] } else { v.to_le_bytes().to_vec() });
+    for (name, ty, v) in [
+        ("zero.gguf", 4u32, 0u32),
+        ("three.gguf", 4, 3),
+        ("u8zero.gguf", 0, 0),
+    ] {
+        let mut raw = Raw::new(3, 0, 2)
+            .kv_str("general.architecture", "qwen2")
+            .string("general.alignment")
+            .u32(ty);
+        raw.0.extend(if ty == 0 {
+            vec![v as u8]
+        } else {
+            v.to_le_bytes().to_vec()
+        });
         let p = raw.write(dir.path(), name);
         assert!(std::fs::metadata(&p).unwrap().len() < 128);
         let r = std::panic::catch_unwind(|| load_err(&p));
         let e = r.unwrap_or_else(|_| panic!("{name} panicked"));
-        assert!(e.contains("general.alignment is") && e.contains("power of two") && e.contains("corrupt or truncated"), "{name}: {e}");
+        assert!(
+            e.contains("general.alignment is")
+                && e.contains("power of two")
+                && e.contains("corrupt or truncated"),
+            "{name}: {e}"
+        );
         // the binary exits 2 with the message, not 101
-        let out = assert_cmd::Command::cargo_bin("attnscope").unwrap().args(["info", "--model", p.to_str().unwrap()]).output().unwrap();
-        assert_eq!(out.status.code(), Some(2), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+        let out = assert_cmd::Command::cargo_bin("attnscope")
+            .unwrap()
+            .args(["info", "--model", p.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         assert!(!String::from_utf8_lossy(&out.stderr).contains("panicked"));
     }
     // a 64-bit alignment is not what GGUF stores: candle would quietly use 32
-    let p = Raw::new(3, 0, 1).string("general.alignment").u32(10).u64(64).write(dir.path(), "u64.gguf");
+    let p = Raw::new(3, 0, 1)
+        .string("general.alignment")
+        .u32(10)
+        .u64(64)
+        .write(dir.path(), "u64.gguf");
     assert!(load_err(&p).contains("unsigned 32-bit"));
     // a power of two passes this check (and the file then fails for what it lacks)
-    let p = Raw::new(3, 0, 1).string("general.alignment").u32(4).u32(64).write(dir.path(), "ok.gguf");
+    let p = Raw::new(3, 0, 1)
+        .string("general.alignment")
+        .u32(4)
+        .u32(64)
+        .write(dir.path(), "ok.gguf");
     assert!(!load_err(&p).contains("general.alignment"));
 }
 
@@ -231,16 +358,38 @@ fn a_zero_or_odd_alignment_is_refused() {
 fn a_huge_block_count_is_refused_without_memory() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("layers.gguf");
-    write_gguf_with(&tiny_model(Arch::Qwen2, 1), Arch::Qwen2, GgmlDType::F32, &p, &|md, _| {
-        md.iter_mut().filter(|(k, _)| k == "qwen2.block_count").for_each(|(_, v)| *v = Value::U32(1 << 24));
-    })
+    write_gguf_with(
+        &tiny_model(Arch::Qwen2, 1),
+        Arch::Qwen2,
+        GgmlDType::F32,
+        &p,
+        &|md, _| {
+            md.iter_mut()
+                .filter(|(k, _)| k == "qwen2.block_count")
+                .for_each(|(_, v)| *v = Value::U32(1 << 24));
+        },
+    )
     .unwrap();
     let e = load_err(&p);
-    assert!(e.contains("block_count") && e.contains("16777216 layers need at least") && e.contains("corrupt or truncated"), "{e}");
+    assert!(
+        e.contains("block_count")
+            && e.contains("16777216 layers need at least")
+            && e.contains("corrupt or truncated"),
+        "{e}"
+    );
     let peak = dir.path().join("peak");
-    let out = assert_cmd::Command::cargo_bin("attnscope").unwrap().env("ATTNSCOPE_PEAK_FILE", &peak).args(["info", "--model", p.to_str().unwrap()]).output().unwrap();
+    let out = assert_cmd::Command::cargo_bin("attnscope")
+        .unwrap()
+        .env("ATTNSCOPE_PEAK_FILE", &peak)
+        .args(["info", "--model", p.to_str().unwrap()])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
-    let peak: u64 = std::fs::read_to_string(&peak).unwrap().trim().parse().unwrap();
+    let peak: u64 = std::fs::read_to_string(&peak)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
     assert!(peak < 200 << 20, "refusing the file took {} MB", peak >> 20);
 }
 
@@ -250,10 +399,20 @@ fn a_huge_block_count_is_refused_without_memory() {
 fn a_tensor_size_that_overflows_is_refused() {
     use attnscope::model::gguf::GgufFile;
     use attnscope::model::weights::{Logical, TensorSource};
-    let mut raw = Raw::new(3, 1, 0).string("token_embd.weight").u32(2).u64(1 << 31).u64(1 << 31).u32(0).u64(0);
+    let mut raw = Raw::new(3, 1, 0)
+        .string("token_embd.weight")
+        .u32(2)
+        .u64(1 << 31)
+        .u64(1 << 31)
+        .u32(0)
+        .u64(0);
     raw.0.resize(160, 0); // tensor data starts (aligned) inside the file
     let mut g = GgufFile::from_bytes(Path::new("wrap.gguf"), raw.0).unwrap();
-    let e = g.get(&Logical::Embed).err().expect("an overflowing size must not load").to_string();
+    let e = g
+        .get(&Logical::Embed)
+        .err()
+        .expect("an overflowing size must not load")
+        .to_string();
     assert!(e.contains("take more bytes than a file can hold"), "{e}");
 }
 
@@ -262,11 +421,17 @@ fn a_tensor_size_that_overflows_is_refused() {
 #[test]
 fn non_finite_scores_are_named_with_their_layer() {
     let dir = tempfile::tempdir().unwrap();
-    let cases: [(&str, &dyn Fn(&mut attnscope::reference::transformer::RefModel)); 3] = [
+    let cases: [(
+        &str,
+        &dyn Fn(&mut attnscope::reference::transformer::RefModel),
+    ); 3] = [
         ("nan.gguf", &|m| m.layers[1].w_k[5] = f32::NAN),
         ("overflow.gguf", &|m| {
             let l = &mut m.layers[1];
-            l.w_q.iter_mut().chain(l.w_k.iter_mut()).for_each(|w| *w *= 1e20);
+            l.w_q
+                .iter_mut()
+                .chain(l.w_k.iter_mut())
+                .for_each(|w| *w *= 1e20);
         }),
         ("inf_mlp.gguf", &|m| m.layers[0].w_down[3] = f32::INFINITY),
     ];
@@ -277,11 +442,34 @@ fn non_finite_scores_are_named_with_their_layer() {
         write_gguf(&m, Arch::Qwen2, GgmlDType::F32, &p).unwrap();
         let model = Model::load(p.to_str().unwrap(), Precision::Exact, false).unwrap();
         let tokens = model.encode("the hat at the hat", false).unwrap();
-        let e = model.next_token_logits(&tokens).err().unwrap_or_else(|| panic!("{name}: a non-finite model gave logits")).to_string();
-        let layer = if name == "inf_mlp.gguf" { "at layer 0" } else { "at layer 1" };
+        let e = model
+            .next_token_logits(&tokens)
+            .err()
+            .unwrap_or_else(|| panic!("{name}: a non-finite model gave logits"))
+            .to_string();
+        let layer = if name == "inf_mlp.gguf" {
+            "at layer 0"
+        } else {
+            "at layer 1"
+        };
         assert!(e.contains("non-finite") && e.contains(layer), "{name}: {e}");
-        let out = assert_cmd::Command::cargo_bin("attnscope").unwrap().args(["inspect", "--model", p.to_str().unwrap(), "--text", "the hat at the hat"]).output().unwrap();
-        assert_eq!(out.status.code(), Some(1), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+        let out = assert_cmd::Command::cargo_bin("attnscope")
+            .unwrap()
+            .args([
+                "inspect",
+                "--model",
+                p.to_str().unwrap(),
+                "--text",
+                "the hat at the hat",
+            ])
+            .output()
+            .unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "{name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         assert!(String::from_utf8_lossy(&out.stderr).contains(layer));
     }
 }

@@ -27,22 +27,52 @@ fn explain_prints_every_step_and_is_deterministic() {
     let a = attnscope().arg("explain").output().unwrap();
     assert!(a.status.success());
     let s = String::from_utf8(a.stdout.clone()).unwrap();
-    for part in ["X (5 × 4)", "W_Q", "W_K", "W_V", "Q (5 × 4)", "K (5 × 4)", "V (5 × 4)", "Scores Q·Kᵀ", "Scaled scores", "Masked scores", "-inf", "Weights = softmax", "Y = weights · V", "Causal mask", "✓", "✗", "Why divide by √d", "head dim 64; query heads 0-6 share KV set 0, 7-13 share KV set 1"] {
+    for part in [
+        "X (5 × 4)",
+        "W_Q",
+        "W_K",
+        "W_V",
+        "Q (5 × 4)",
+        "K (5 × 4)",
+        "V (5 × 4)",
+        "Scores Q·Kᵀ",
+        "Scaled scores",
+        "Masked scores",
+        "-inf",
+        "Weights = softmax",
+        "Y = weights · V",
+        "Causal mask",
+        "✓",
+        "✗",
+        "Why divide by √d",
+        "head dim 64; query heads 0-6 share KV set 0, 7-13 share KV set 1",
+    ] {
         assert!(s.contains(part), "explain output lacks {part:?}");
     }
     let b = attnscope().arg("explain").output().unwrap();
     assert_eq!(a.stdout, b.stdout, "explain must be deterministic");
-    let other = attnscope().args(["explain", "--seed", "2"]).output().unwrap();
+    let other = attnscope()
+        .args(["explain", "--seed", "2"])
+        .output()
+        .unwrap();
     assert_ne!(a.stdout, other.stdout);
 }
 
 #[test]
 fn explain_json_rows_sum_to_one() {
-    let out = attnscope().args(["explain", "--json", "--d", "3", "--text", "a b c d"]).output().unwrap();
+    let out = attnscope()
+        .args(["explain", "--json", "--d", "3", "--text", "a b c d"])
+        .output()
+        .unwrap();
     assert!(out.status.success());
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     for row in v["weights"].as_array().unwrap() {
-        let s: f64 = row.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).sum();
+        let s: f64 = row
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .sum();
         assert!((s - 1.0).abs() < 1e-5);
     }
     assert_eq!(v["masked_scores"][0][1], "-inf");
@@ -52,18 +82,31 @@ fn explain_json_rows_sum_to_one() {
 
 #[test]
 fn explain_rejects_bad_shapes() {
-    let out = attnscope().args(["explain", "--heads", "14", "--kv-heads", "3"]).output().unwrap();
+    let out = attnscope()
+        .args(["explain", "--heads", "14", "--kv-heads", "3"])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr_of(&out).contains("not a multiple of --kv-heads 3"));
 }
 
 #[test]
 fn cost_shows_sixteen_times_for_four_times_the_length() {
-    let out = attnscope().args(["cost", "4096", "16384"]).output().unwrap();
+    let out = attnscope()
+        .args(["cost", "4096", "16384"])
+        .output()
+        .unwrap();
     assert!(out.status.success());
     let s = String::from_utf8(out.stdout).unwrap();
     assert!(s.contains("16.0x"), "{s}");
-    let v: serde_json::Value = serde_json::from_slice(&attnscope().args(["cost", "4096", "16384", "--json"]).output().unwrap().stdout).unwrap();
+    let v: serde_json::Value = serde_json::from_slice(
+        &attnscope()
+            .args(["cost", "4096", "16384", "--json"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap();
     assert_eq!(v["lengths"][1]["growth_vs_previous"], 16.0);
     assert_eq!(v["lengths"][0]["bytes_per_head"], 4.0 * 4096.0 * 4096.0);
     assert_eq!(v["lengths"][0]["causal_pairs"], 4096.0 * 4097.0 / 2.0);
@@ -73,7 +116,19 @@ fn cost_shows_sixteen_times_for_four_times_the_length() {
 fn inspect_json_on_tiny_model() {
     let dir = tempfile::tempdir().unwrap();
     let m = tiny_gguf(&dir);
-    let out = attnscope().args(["inspect", "--model", m.to_str().unwrap(), "--text", "the hat", "--json", "--heads", "all"]).output().unwrap();
+    let out = attnscope()
+        .args([
+            "inspect",
+            "--model",
+            m.to_str().unwrap(),
+            "--text",
+            "the hat",
+            "--json",
+            "--heads",
+            "all",
+        ])
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", stderr_of(&out));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["model"]["n_heads"], 4);
@@ -85,9 +140,27 @@ fn inspect_json_on_tiny_model() {
     assert_eq!(v["layers"].as_array().unwrap().len(), 2);
     assert!(v["layers"][0]["top"].is_array());
     assert_eq!(v["next_token"].as_array().unwrap().len(), 5);
-    let text = attnscope().args(["inspect", "--model", m.to_str().unwrap(), "--text", "the hat"]).output().unwrap();
+    let text = attnscope()
+        .args([
+            "inspect",
+            "--model",
+            m.to_str().unwrap(),
+            "--text",
+            "the hat",
+        ])
+        .output()
+        .unwrap();
     let s = String::from_utf8(text.stdout).unwrap();
-    for part in ["1. Model", "2. Tokens", "3. Causal mask", "4. Layer 1", "5. Head-averaged", "6. Attention sink", "7. The model's answer", "8. Caution"] {
+    for part in [
+        "1. Model",
+        "2. Tokens",
+        "3. Causal mask",
+        "4. Layer 1",
+        "5. Head-averaged",
+        "6. Attention sink",
+        "7. The model's answer",
+        "8. Caution",
+    ] {
         assert!(s.contains(part), "inspect output lacks {part:?}");
     }
 }
@@ -98,15 +171,29 @@ fn inspect_out_of_range_values_name_the_valid_range() {
     let m = tiny_gguf(&dir);
     let m = m.to_str().unwrap();
     for (args, msg) in [
-        (vec!["--layer", "2"], "layer 2 is out of range: valid layers are 0..=1"),
+        (
+            vec!["--layer", "2"],
+            "layer 2 is out of range: valid layers are 0..=1",
+        ),
         (vec!["--query", "50"], "query position 50 is out of range"),
-        (vec!["--heads", "0-4"], "head 4 is out of range: head must be in 0..=3"),
+        (
+            vec!["--heads", "0-4"],
+            "head 4 is out of range: head must be in 0..=3",
+        ),
         (vec!["--top", "0"], "--top 0 is out of range"),
         (vec!["--layers", "x"], "not a valid layer list"),
     ] {
-        let out = attnscope().args(["inspect", "--model", m, "--text", "the hat"]).args(&args).output().unwrap();
+        let out = attnscope()
+            .args(["inspect", "--model", m, "--text", "the hat"])
+            .args(&args)
+            .output()
+            .unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}");
-        assert!(stderr_of(&out).contains(msg), "{args:?}: {}", stderr_of(&out));
+        assert!(
+            stderr_of(&out).contains(msg),
+            "{args:?}: {}",
+            stderr_of(&out)
+        );
     }
 }
 
@@ -114,24 +201,49 @@ fn inspect_out_of_range_values_name_the_valid_range() {
 fn bad_models_and_texts_get_clear_errors() {
     let dir = tempfile::tempdir().unwrap();
     let m = tiny_gguf(&dir);
-    let missing = attnscope().args(["inspect", "--model", "/nonexistent/model.gguf"]).output().unwrap();
+    let missing = attnscope()
+        .args(["inspect", "--model", "/nonexistent/model.gguf"])
+        .output()
+        .unwrap();
     assert_eq!(missing.status.code(), Some(2));
     assert!(stderr_of(&missing).contains("does not exist"));
     let junk = dir.path().join("junk.gguf");
     std::fs::write(&junk, b"this is not a model at all").unwrap();
-    let out = attnscope().args(["info", "--model", junk.to_str().unwrap()]).output().unwrap();
+    let out = attnscope()
+        .args(["info", "--model", junk.to_str().unwrap()])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr_of(&out).contains("is not a GGUF or safetensors model"));
-    let empty = attnscope().args(["inspect", "--model", m.to_str().unwrap(), "--text", "   "]).output().unwrap();
+    let empty = attnscope()
+        .args(["inspect", "--model", m.to_str().unwrap(), "--text", "   "])
+        .output()
+        .unwrap();
     assert_eq!(empty.status.code(), Some(2));
     assert!(stderr_of(&empty).contains("text is empty"));
     let long = "the ".repeat(300);
-    let out = attnscope().args(["inspect", "--model", m.to_str().unwrap(), "--text", &long]).output().unwrap();
+    let out = attnscope()
+        .args(["inspect", "--model", m.to_str().unwrap(), "--text", &long])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
-    assert!(stderr_of(&out).contains("has a context of 256 tokens"), "{}", stderr_of(&out));
+    assert!(
+        stderr_of(&out).contains("has a context of 256 tokens"),
+        "{}",
+        stderr_of(&out)
+    );
     let bad_utf8 = dir.path().join("bad.txt");
     std::fs::write(&bad_utf8, [b'a', 0xff, b'b']).unwrap();
-    let out = attnscope().args(["inspect", "--model", m.to_str().unwrap(), "--file", bad_utf8.to_str().unwrap()]).output().unwrap();
+    let out = attnscope()
+        .args([
+            "inspect",
+            "--model",
+            m.to_str().unwrap(),
+            "--file",
+            bad_utf8.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr_of(&out).contains("not valid UTF-8"));
 }
@@ -143,7 +255,17 @@ fn capture_writes_safetensors_and_refuses_to_overwrite() {
     let out_path = dir.path().join("a.safetensors");
     let run = |force: bool| {
         let mut c = attnscope();
-        c.args(["capture", "--model", m.to_str().unwrap(), "--text", "the hat", "--hooks", "pattern,k", "--out", out_path.to_str().unwrap()]);
+        c.args([
+            "capture",
+            "--model",
+            m.to_str().unwrap(),
+            "--text",
+            "the hat",
+            "--hooks",
+            "pattern,k",
+            "--out",
+            out_path.to_str().unwrap(),
+        ]);
         if force {
             c.arg("--force");
         }
@@ -173,7 +295,22 @@ fn capture_writes_safetensors_and_refuses_to_overwrite() {
 fn help_explains_every_subcommand() {
     let out = attnscope().arg("--help").output().unwrap();
     let s = String::from_utf8(out.stdout).unwrap();
-    for sub in ["explain", "cost", "inspect", "faithfulness", "corpus", "sinks", "scaling", "bench", "view", "heatmap", "serve", "info", "capture", "fetch"] {
+    for sub in [
+        "explain",
+        "cost",
+        "inspect",
+        "faithfulness",
+        "corpus",
+        "sinks",
+        "scaling",
+        "bench",
+        "view",
+        "heatmap",
+        "serve",
+        "info",
+        "capture",
+        "fetch",
+    ] {
         assert!(s.contains(sub), "--help lacks {sub}");
         let h = attnscope().args([sub, "--help"]).output().unwrap();
         assert!(h.status.success() && h.stdout.len() > 200, "{sub} --help");
@@ -184,12 +321,32 @@ fn help_explains_every_subcommand() {
 fn faithfulness_json_has_the_promised_fields() {
     let dir = tempfile::tempdir().unwrap();
     let m = tiny_gguf(&dir);
-    let out = attnscope().args(["faithfulness", "--model", m.to_str().unwrap(), "--text", "the hat at the", "--json"]).output().unwrap();
+    let out = attnscope()
+        .args([
+            "faithfulness",
+            "--model",
+            m.to_str().unwrap(),
+            "--text",
+            "the hat at the",
+            "--json",
+        ])
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", stderr_of(&out));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(v["target"]["logprob"].as_f64().unwrap() < 0.0);
     let toks = v["tokens"].as_array().unwrap();
-    for key in ["pos", "id", "text", "attention_last", "attention_mean", "rollout", "loo", "replace", "knockout"] {
+    for key in [
+        "pos",
+        "id",
+        "text",
+        "attention_last",
+        "attention_mean",
+        "rollout",
+        "loo",
+        "replace",
+        "knockout",
+    ] {
         assert!(toks[0].get(key).is_some(), "tokens[] lacks {key}");
     }
     // knocking out the query's own position changes nothing: a token always sees itself
@@ -197,13 +354,37 @@ fn faithfulness_json_has_the_promised_fields() {
     let rollout: f64 = toks.iter().map(|t| t["rollout"].as_f64().unwrap()).sum();
     assert!((rollout - 1.0).abs() < 1e-4, "rollout row sums to 1");
     let metrics = v["metrics"].as_array().unwrap();
-    let rankings: std::collections::BTreeSet<&str> = metrics.iter().map(|m| m["ranking"].as_str().unwrap()).collect();
-    for r in ["attention_last", "attention_mean", "rollout", "random", "head_0", "head_3"] {
+    let rankings: std::collections::BTreeSet<&str> = metrics
+        .iter()
+        .map(|m| m["ranking"].as_str().unwrap())
+        .collect();
+    for r in [
+        "attention_last",
+        "attention_mean",
+        "rollout",
+        "random",
+        "head_0",
+        "head_3",
+    ] {
         assert!(rankings.contains(r), "metrics lack ranking {r}");
     }
     assert!(metrics.iter().any(|m| m["without_first"] == true));
-    assert!(metrics[0]["comprehensiveness"].get("1").is_some() && metrics[0]["sufficiency"].get("5").is_some());
-    let bad = attnscope().args(["faithfulness", "--model", m.to_str().unwrap(), "--text", "the hat", "--target", "99999"]).output().unwrap();
+    assert!(
+        metrics[0]["comprehensiveness"].get("1").is_some()
+            && metrics[0]["sufficiency"].get("5").is_some()
+    );
+    let bad = attnscope()
+        .args([
+            "faithfulness",
+            "--model",
+            m.to_str().unwrap(),
+            "--text",
+            "the hat",
+            "--target",
+            "99999",
+        ])
+        .output()
+        .unwrap();
     assert_eq!(bad.status.code(), Some(2));
 }
 
@@ -213,9 +394,24 @@ fn corpus_shards_merge_to_the_single_run_and_resume() {
     let m = tiny_gguf(&dir);
     let m = m.to_str().unwrap();
     let texts = dir.path().join("texts.txt");
-    std::fs::write(&texts, "the hat\nat the the\nhe sat\n\nthe the the at\nhat\n").unwrap();
+    std::fs::write(
+        &texts,
+        "the hat\nat the the\nhe sat\n\nthe the the at\nhat\n",
+    )
+    .unwrap();
     let run = |extra: &[&str]| {
-        let out = attnscope().args(["corpus", "--model", m, "--file", texts.to_str().unwrap(), "--json"]).args(extra).output().unwrap();
+        let out = attnscope()
+            .args([
+                "corpus",
+                "--model",
+                m,
+                "--file",
+                texts.to_str().unwrap(),
+                "--json",
+            ])
+            .args(extra)
+            .output()
+            .unwrap();
         assert!(out.status.success(), "{}", stderr_of(&out));
         serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
     };
@@ -233,52 +429,121 @@ fn corpus_shards_merge_to_the_single_run_and_resume() {
     let whole = std::fs::read_to_string(&b).unwrap();
     let cut = whole.find('\n').unwrap() + 1 + 40;
     std::fs::write(&b, &whole[..cut]).unwrap();
-    let out = attnscope().args(["corpus", "--model", m, "--file", texts.to_str().unwrap(), "--json", "--shard", "1/2", "--out", b.to_str().unwrap()]).output().unwrap();
+    let out = attnscope()
+        .args([
+            "corpus",
+            "--model",
+            m,
+            "--file",
+            texts.to_str().unwrap(),
+            "--json",
+            "--shard",
+            "1/2",
+            "--out",
+            b.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", stderr_of(&out));
     assert!(stderr_of(&out).contains("torn line"), "{}", stderr_of(&out));
     assert_eq!(std::fs::read_to_string(&b).unwrap(), whole);
     // a last record whose newline was lost is kept, and the next record starts on its own line
-    std::fs::write(&b, whole.trim_end_matches('\n').split_inclusive('\n').next().unwrap().trim_end()).unwrap();
+    std::fs::write(
+        &b,
+        whole
+            .trim_end_matches('\n')
+            .split_inclusive('\n')
+            .next()
+            .unwrap()
+            .trim_end(),
+    )
+    .unwrap();
     run(&["--shard", "1/2", "--out", b.to_str().unwrap()]);
     assert_eq!(std::fs::read_to_string(&b).unwrap(), whole);
     // a file that is not ours is refused, not cut
     let other = dir.path().join("other.jsonl");
     std::fs::write(&other, "{\"hello\": 1}\n{\"id\": 3, \"te").unwrap();
-    let out = attnscope().args(["corpus", "--model", m, "--file", texts.to_str().unwrap(), "--out", other.to_str().unwrap()]).output().unwrap();
+    let out = attnscope()
+        .args([
+            "corpus",
+            "--model",
+            m,
+            "--file",
+            texts.to_str().unwrap(),
+            "--out",
+            other.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
-    assert_eq!(std::fs::read_to_string(&other).unwrap(), "{\"hello\": 1}\n{\"id\": 3, \"te");
-    let merged = attnscope().args(["corpus", "merge", a.to_str().unwrap(), b.to_str().unwrap(), "--json"]).output().unwrap();
+    assert_eq!(
+        std::fs::read_to_string(&other).unwrap(),
+        "{\"hello\": 1}\n{\"id\": 3, \"te"
+    );
+    let merged = attnscope()
+        .args([
+            "corpus",
+            "merge",
+            a.to_str().unwrap(),
+            b.to_str().unwrap(),
+            "--json",
+        ])
+        .output()
+        .unwrap();
     assert!(merged.status.success(), "{}", stderr_of(&merged));
     let merged: serde_json::Value = serde_json::from_slice(&merged.stdout).unwrap();
     assert_eq!(merged, single, "merged shards must equal the single run");
-    let bad = attnscope().args(["corpus", "--model", m, "--shard", "2/2"]).output().unwrap();
+    let bad = attnscope()
+        .args(["corpus", "--model", m, "--shard", "2/2"])
+        .output()
+        .unwrap();
     assert_eq!(bad.status.code(), Some(2));
 }
 
 fn http_get(addr: &str, target: &str) -> (String, String) {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(std::time::Duration::from_secs(60))).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60)))
+        .unwrap();
     write!(s, "GET {target} HTTP/1.1\r\nHost: {addr}\r\n\r\n").unwrap();
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();
     let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
-    (head.lines().next().unwrap_or("").to_string(), body.to_string())
+    (
+        head.lines().next().unwrap_or("").to_string(),
+        body.to_string(),
+    )
 }
 
 fn start_serve(args: &[&str]) -> (std::process::Child, String) {
     use std::io::BufRead;
-    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("attnscope")).arg("serve").args(args).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::null()).spawn().unwrap();
+    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("attnscope"))
+        .arg("serve")
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
     let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let addr = line.split("http://").nth(1).unwrap().split('/').next().unwrap().to_string();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .unwrap()
+        .split('/')
+        .next()
+        .unwrap()
+        .to_string();
     (child, addr)
 }
 
 fn raw_request(addr: &str, request: &str) -> String {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(std::time::Duration::from_secs(60))).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60)))
+        .unwrap();
     s.write_all(request.as_bytes()).unwrap();
     let mut out = String::new();
     let _ = s.read_to_string(&mut out);
@@ -293,7 +558,19 @@ fn serve_limits_slow_clients_hosts_and_load() {
     use std::io::Write;
     let dir = tempfile::tempdir().unwrap();
     let m = tiny_gguf(&dir);
-    let (mut child, addr) = start_serve(&["--model", m.to_str().unwrap(), "--addr", "127.0.0.1:0", "--max-concurrent", "2", "--request-timeout", "3", "--bos", "--max-faithfulness-tokens", "8"]);
+    let (mut child, addr) = start_serve(&[
+        "--model",
+        m.to_str().unwrap(),
+        "--addr",
+        "127.0.0.1:0",
+        "--max-concurrent",
+        "2",
+        "--request-timeout",
+        "3",
+        "--bos",
+        "--max-faithfulness-tokens",
+        "8",
+    ]);
     // two clients that dribble a byte a second take both slots ...
     let dribblers: Vec<_> = (0..2)
         .map(|_| {
@@ -301,7 +578,9 @@ fn serve_limits_slow_clients_hosts_and_load() {
             std::thread::spawn(move || {
                 let mut s = std::net::TcpStream::connect(&a).unwrap();
                 let t = std::time::Instant::now();
-                for b in b"GET / HTTP/1.1\r\nHost: localhost\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaa" {
+                for b in
+                    b"GET / HTTP/1.1\r\nHost: localhost\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
+                {
                     if s.write_all(&[*b]).is_err() {
                         break;
                     }
@@ -320,24 +599,52 @@ fn serve_limits_slow_clients_hosts_and_load() {
     // the deadline (3 s) cuts the dribblers off although each byte came within the read timeout
     for d in dribblers {
         let took = d.join().unwrap();
-        assert!(took.as_secs_f64() < 7.0, "a slow client held its slot for {took:?}");
+        assert!(
+            took.as_secs_f64() < 7.0,
+            "a slow client held its slot for {took:?}"
+        );
     }
     let (status, body) = http_get(&addr, "/view?text=the+hat");
     assert!(status.contains("200"), "the slots came back: {status}");
     // --bos: the page has one token more than the text
-    let plain = attnscope().args(["inspect", "--model", m.to_str().unwrap(), "--text", "the hat", "--json"]).output().unwrap();
-    let n: usize = serde_json::from_slice::<serde_json::Value>(&plain.stdout).unwrap()["tokens"].as_array().unwrap().len();
-    assert!(body.contains(&format!("· {} tokens", n + 1)), "--bos did not reach the page (text has {n} tokens)");
+    let plain = attnscope()
+        .args([
+            "inspect",
+            "--model",
+            m.to_str().unwrap(),
+            "--text",
+            "the hat",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let n: usize = serde_json::from_slice::<serde_json::Value>(&plain.stdout).unwrap()["tokens"]
+        .as_array()
+        .unwrap()
+        .len();
+    assert!(
+        body.contains(&format!("· {} tokens", n + 1)),
+        "--bos did not reach the page (text has {n} tokens)"
+    );
     // hosts
     for host in ["evil.example", "evil.example:80", "localhost.evil.example"] {
         let status = raw_request(&addr, &format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n"));
         assert!(status.contains("421"), "{host}: {status}");
     }
-    assert!(raw_request(&addr, "GET / HTTP/1.1\r\n\r\n").contains("400"), "no Host");
+    assert!(
+        raw_request(&addr, "GET / HTTP/1.1\r\n\r\n").contains("400"),
+        "no Host"
+    );
     assert!(raw_request(&addr, "GET / HTTP/1.1\r\nHost: localhost\r\n\r\n").contains("200"));
     // faithfulness beyond the cap is refused with the reason; below it, it runs
-    let (status, body) = http_get(&addr, "/view?text=the+hat+at+the+hat+at+the+hat+at+the+hat&faithfulness=1");
-    assert!(status.contains("413") && body.contains("--max-faithfulness-tokens"), "{status}");
+    let (status, body) = http_get(
+        &addr,
+        "/view?text=the+hat+at+the+hat+at+the+hat+at+the+hat&faithfulness=1",
+    );
+    assert!(
+        status.contains("413") && body.contains("--max-faithfulness-tokens"),
+        "{status}"
+    );
     let (status, _) = http_get(&addr, "/view?text=the&faithfulness=1");
     assert!(status.contains("200"), "{status}");
     child.kill().unwrap();
@@ -352,14 +659,32 @@ fn serve_survives_sequential_and_concurrent_requests() {
     let dir = tempfile::tempdir().unwrap();
     let m = tiny_gguf(&dir);
     let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("attnscope"))
-        .args(["serve", "--model", m.to_str().unwrap(), "--addr", "127.0.0.1:0", "--max-concurrent", "16"])
+        .args([
+            "serve",
+            "--model",
+            m.to_str().unwrap(),
+            "--addr",
+            "127.0.0.1:0",
+            "--max-concurrent",
+            "16",
+        ])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
     let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let addr = line.split("http://").nth(1).unwrap().trim().trim_end_matches('/').trim_end_matches(" (Ctrl-C to stop)").trim_end_matches('/').to_string();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .unwrap()
+        .trim()
+        .trim_end_matches('/')
+        .trim_end_matches(" (Ctrl-C to stop)")
+        .trim_end_matches('/')
+        .to_string();
     let addr = addr.split('/').next().unwrap().to_string();
     let (status, body) = http_get(&addr, "/");
     assert!(status.contains("200") && body.contains("<form"), "{status}");
@@ -368,15 +693,29 @@ fn serve_survives_sequential_and_concurrent_requests() {
         assert!(status.contains("200"), "request {i}: {status}");
         assert!(body.contains("Head view") && body.contains("\"n_heads\":4"));
     }
-    let handles: Vec<_> = (0..8).map(|i| { let a = addr.clone(); std::thread::spawn(move || http_get(&a, &format!("/view?text=at+the+{i}"))) }).collect();
+    let handles: Vec<_> = (0..8)
+        .map(|i| {
+            let a = addr.clone();
+            std::thread::spawn(move || http_get(&a, &format!("/view?text=at+the+{i}")))
+        })
+        .collect();
     for h in handles {
         let (status, body) = h.join().unwrap();
-        assert!(status.contains("200") && body.contains("Head view"), "a concurrent request failed: {status}");
+        assert!(
+            status.contains("200") && body.contains("Head view"),
+            "a concurrent request failed: {status}"
+        );
     }
     let (status, body) = http_get(&addr, "/view?text=%20%20");
-    assert!(status.contains("400") && body.contains("text is empty"), "{status}");
+    assert!(
+        status.contains("400") && body.contains("text is empty"),
+        "{status}"
+    );
     let (status, body) = http_get(&addr, &format!("/view?text={}", "a".repeat(3000)));
-    assert!(status.contains("413") && body.contains("at most 2000"), "{status}");
+    assert!(
+        status.contains("413") && body.contains("at most 2000"),
+        "{status}"
+    );
     let (status, _) = http_get(&addr, "/nothing");
     assert!(status.contains("404"));
     let (status, _) = http_get(&addr, "/");
@@ -394,15 +733,40 @@ fn sinks_streamed_equal_inspect_materialized() {
     let text = "the hat at the the hat he sat at the hat the at he the hat sat";
     let f = dir.path().join("long.txt");
     std::fs::write(&f, text).unwrap();
-    let s = attnscope().args(["sinks", "--model", m.to_str().unwrap(), "--file", f.to_str().unwrap(), "--key-block", "7", "--json"]).output().unwrap();
+    let s = attnscope()
+        .args([
+            "sinks",
+            "--model",
+            m.to_str().unwrap(),
+            "--file",
+            f.to_str().unwrap(),
+            "--key-block",
+            "7",
+            "--json",
+        ])
+        .output()
+        .unwrap();
     assert!(s.status.success(), "{}", stderr_of(&s));
     let s: serde_json::Value = serde_json::from_slice(&s.stdout).unwrap();
-    let i = attnscope().args(["inspect", "--model", m.to_str().unwrap(), "--file", f.to_str().unwrap(), "--json"]).output().unwrap();
+    let i = attnscope()
+        .args([
+            "inspect",
+            "--model",
+            m.to_str().unwrap(),
+            "--file",
+            f.to_str().unwrap(),
+            "--json",
+        ])
+        .output()
+        .unwrap();
     let i: serde_json::Value = serde_json::from_slice(&i.stdout).unwrap();
     for l in 0..2 {
         let a = s["layers"][l]["sink_all_queries"].as_f64().unwrap();
         let b = i["layers"][l]["sink_all_queries"].as_f64().unwrap();
-        assert!((a - b).abs() < 1e-5, "layer {l}: streamed {a} vs materialized {b}");
+        assert!(
+            (a - b).abs() < 1e-5,
+            "layer {l}: streamed {a} vs materialized {b}"
+        );
         let a = s["layers"][l]["sink_last_query"].as_f64().unwrap();
         let b = i["layers"][l]["sink_query"].as_f64().unwrap();
         assert!((a - b).abs() < 1e-5, "layer {l} last query: {a} vs {b}");
@@ -415,14 +779,38 @@ fn sinks_streamed_equal_inspect_materialized() {
 fn scaling_reports_exponents() {
     let dir = tempfile::tempdir().unwrap();
     let m = tiny_gguf(&dir);
-    let out = attnscope().args(["scaling", "--model", m.to_str().unwrap(), "--lengths", "16,32,64", "--repeats", "1", "--json"]).output().unwrap();
+    let out = attnscope()
+        .args([
+            "scaling",
+            "--model",
+            m.to_str().unwrap(),
+            "--lengths",
+            "16,32,64",
+            "--repeats",
+            "1",
+            "--json",
+        ])
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", stderr_of(&out));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["rows"].as_array().unwrap().len(), 3);
-    assert!(v["exponents"]["attention"].as_f64().is_some() && v["exponents"]["projections"].as_f64().is_some());
+    assert!(
+        v["exponents"]["attention"].as_f64().is_some()
+            && v["exponents"]["projections"].as_f64().is_some()
+    );
     assert!(v["rows"][2]["capture"]["median_s"].as_f64().unwrap() > 0.0);
     assert!(v["threads"].as_u64().unwrap() >= 1);
-    let bad = attnscope().args(["scaling", "--model", m.to_str().unwrap(), "--lengths", "100000"]).output().unwrap();
+    let bad = attnscope()
+        .args([
+            "scaling",
+            "--model",
+            m.to_str().unwrap(),
+            "--lengths",
+            "100000",
+        ])
+        .output()
+        .unwrap();
     assert_eq!(bad.status.code(), Some(2));
 }
 
@@ -431,21 +819,96 @@ fn view_and_heatmap_write_their_files() {
     let dir = tempfile::tempdir().unwrap();
     let m = tiny_gguf(&dir);
     let html = dir.path().join("v.html");
-    let out = attnscope().args(["view", "--model", m.to_str().unwrap(), "--text", "the hat", "--out", html.to_str().unwrap(), "--faithfulness"]).output().unwrap();
+    let out = attnscope()
+        .args([
+            "view",
+            "--model",
+            m.to_str().unwrap(),
+            "--text",
+            "the hat",
+            "--out",
+            html.to_str().unwrap(),
+            "--faithfulness",
+        ])
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", stderr_of(&out));
     let page = std::fs::read_to_string(&html).unwrap();
-    assert!(page.contains("\"n_heads\":4") && page.contains("\"faithfulness\":{") && page.contains("Head view"));
-    assert!(!page.contains("src=\"http") && !page.contains("<link"), "self-contained");
+    assert!(
+        page.contains("\"n_heads\":4")
+            && page.contains("\"faithfulness\":{")
+            && page.contains("Head view")
+    );
+    assert!(
+        !page.contains("src=\"http") && !page.contains("<link"),
+        "self-contained"
+    );
     let png = dir.path().join("h.png");
-    let out = attnscope().args(["heatmap", "--model", m.to_str().unwrap(), "--text", "the hat", "--layer", "1", "--head", "2", "--out", png.to_str().unwrap()]).output().unwrap();
+    let out = attnscope()
+        .args([
+            "heatmap",
+            "--model",
+            m.to_str().unwrap(),
+            "--text",
+            "the hat",
+            "--layer",
+            "1",
+            "--head",
+            "2",
+            "--out",
+            png.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", stderr_of(&out));
     assert_eq!(&std::fs::read(&png).unwrap()[..4], b"\x89PNG");
     let svg = dir.path().join("h.svg");
-    assert!(attnscope().args(["heatmap", "--model", m.to_str().unwrap(), "--text", "the hat", "--layer", "0", "--out", svg.to_str().unwrap()]).output().unwrap().status.success());
-    assert!(std::fs::read_to_string(&svg).unwrap().contains("mean of heads"));
-    let bad = attnscope().args(["heatmap", "--model", m.to_str().unwrap(), "--layer", "0", "--out", "x.jpg"]).output().unwrap();
+    assert!(attnscope()
+        .args([
+            "heatmap",
+            "--model",
+            m.to_str().unwrap(),
+            "--text",
+            "the hat",
+            "--layer",
+            "0",
+            "--out",
+            svg.to_str().unwrap()
+        ])
+        .output()
+        .unwrap()
+        .status
+        .success());
+    assert!(std::fs::read_to_string(&svg)
+        .unwrap()
+        .contains("mean of heads"));
+    let bad = attnscope()
+        .args([
+            "heatmap",
+            "--model",
+            m.to_str().unwrap(),
+            "--layer",
+            "0",
+            "--out",
+            "x.jpg",
+        ])
+        .output()
+        .unwrap();
     assert_eq!(bad.status.code(), Some(2));
-    let bad = attnscope().args(["heatmap", "--model", m.to_str().unwrap(), "--layer", "0", "--head", "9", "--out", dir.path().join("y.png").to_str().unwrap()]).output().unwrap();
+    let bad = attnscope()
+        .args([
+            "heatmap",
+            "--model",
+            m.to_str().unwrap(),
+            "--layer",
+            "0",
+            "--head",
+            "9",
+            "--out",
+            dir.path().join("y.png").to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
     assert!(stderr_of(&bad).contains("head 9 is out of range"));
 }
 
@@ -465,30 +928,60 @@ fn streamed_capture_equals_the_in_memory_cache_in_both_formats() {
     let text = "the hat sat on the mat";
     let tokens = model.encode(text, false).unwrap();
     let n = tokens.len();
-    for (hooks_arg, layers, heads, queries) in [("all", "all", "all", "all"), ("pattern,scores,z", "1", "1,3", "0,2")] {
+    for (hooks_arg, layers, heads, queries) in [
+        ("all", "all", "all", "all"),
+        ("pattern,scores,z", "1", "1,3", "0,2"),
+    ] {
         let hooks = Hook::parse_list(hooks_arg).unwrap();
         let spec = CaptureSpec {
             hooks: hooks.clone(),
             layers: Some(attnscope::cli::parse_index_list(layers, 2, "layer").unwrap()),
             heads: Some(attnscope::cli::parse_index_list(heads, 4, "head").unwrap()),
-            queries: if queries == "all" { Queries::All } else { Queries::List(attnscope::cli::parse_index_list(queries, n, "q").unwrap()) },
+            queries: if queries == "all" {
+                Queries::All
+            } else {
+                Queries::List(attnscope::cli::parse_index_list(queries, n, "q").unwrap())
+            },
         };
         let mut cache = AttnCache::new(&spec, n);
-        model.forward(&tokens, &RunOptions::default(), &mut cache).unwrap();
+        model
+            .forward(&tokens, &RunOptions::default(), &mut cache)
+            .unwrap();
         assert!(!cache.entries.is_empty());
         for ext in ["safetensors", "npz"] {
             let out = dir.path().join(format!("c-{layers}.{ext}"));
             let r = attnscope()
-                .args(["capture", "-m", m.to_str().unwrap(), "--text", text, "--hooks", hooks_arg, "--layers", layers, "--heads", heads, "--queries", queries, "--out", out.to_str().unwrap()])
+                .args([
+                    "capture",
+                    "-m",
+                    m.to_str().unwrap(),
+                    "--text",
+                    text,
+                    "--hooks",
+                    hooks_arg,
+                    "--layers",
+                    layers,
+                    "--heads",
+                    heads,
+                    "--queries",
+                    queries,
+                    "--out",
+                    out.to_str().unwrap(),
+                ])
                 .output()
                 .unwrap();
             assert!(r.status.success(), "{}", stderr_of(&r));
             let bytes = std::fs::read(&out).unwrap();
-            let mut got: std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)> = Default::default();
+            let mut got: std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)> =
+                Default::default();
             if ext == "safetensors" {
                 let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
                 for (name, t) in st.tensors() {
-                    let data = t.data().chunks(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+                    let data = t
+                        .data()
+                        .chunks(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                        .collect();
                     got.insert(name, (t.shape().to_vec(), data));
                 }
             } else {
@@ -503,13 +996,26 @@ fn streamed_capture_equals_the_in_memory_cache_in_both_formats() {
                 let ids = got.remove("token_ids").expect("npz carries the token ids");
                 assert_eq!(ids.1, tokens.iter().map(|&t| t as f32).collect::<Vec<_>>());
             }
-            assert_eq!(got.len(), cache.entries.len(), "{ext}: tensors {:?}", got.keys().collect::<Vec<_>>());
+            assert_eq!(
+                got.len(),
+                cache.entries.len(),
+                "{ext}: tensors {:?}",
+                got.keys().collect::<Vec<_>>()
+            );
             for c in cache.iter() {
-                let (shape, data) = got.get(&c.name).unwrap_or_else(|| panic!("{ext}: {} missing", c.name));
+                let (shape, data) = got
+                    .get(&c.name)
+                    .unwrap_or_else(|| panic!("{ext}: {} missing", c.name));
                 assert_eq!(shape, &c.shape, "{ext}: {} shape", c.name);
                 assert_eq!(data.len(), c.data.len());
                 // bit-identical: the same forward, the same numbers
-                assert!(data.iter().zip(&c.data).all(|(a, b)| a.to_bits() == b.to_bits()), "{ext}: {} differs", c.name);
+                assert!(
+                    data.iter()
+                        .zip(&c.data)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{ext}: {} differs",
+                    c.name
+                );
             }
         }
     }
@@ -521,18 +1027,42 @@ fn streamed_capture_equals_the_in_memory_cache_in_both_formats() {
 fn bench_reports_rates_forwards_and_commands() {
     let dir = tempfile::tempdir().unwrap();
     let m = tiny_gguf(&dir);
-    let out = attnscope().args(["bench", "-m", m.to_str().unwrap(), "--lengths", "8,16", "--repeats", "1", "--json"]).output().unwrap();
+    let out = attnscope()
+        .args([
+            "bench",
+            "-m",
+            m.to_str().unwrap(),
+            "--lengths",
+            "8,16",
+            "--repeats",
+            "1",
+            "--json",
+        ])
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", stderr_of(&out));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(v["kernel_peak_gflops"].as_f64().unwrap() > 0.0);
     assert_eq!(v["gemm"].as_array().unwrap().len(), 4);
     for g in v["gemm"].as_array().unwrap() {
-        assert!(g["attnscope_gflops"].as_f64().unwrap() > 0.0 && g["candle_gflops"].as_f64().unwrap() > 0.0);
+        assert!(
+            g["attnscope_gflops"].as_f64().unwrap() > 0.0
+                && g["candle_gflops"].as_f64().unwrap() > 0.0
+        );
     }
     let f = v["forward"].as_array().unwrap();
-    assert_eq!(f.iter().map(|r| r["n"].as_u64().unwrap()).collect::<Vec<_>>(), vec![8, 16]);
+    assert_eq!(
+        f.iter()
+            .map(|r| r["n"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        vec![8, 16]
+    );
     for r in f {
-        assert!(r["forward_s"].as_f64().unwrap() > 0.0 && r["projections_gflops"].as_f64().unwrap() > 0.0 && r["attention_gflops"].as_f64().unwrap() > 0.0);
+        assert!(
+            r["forward_s"].as_f64().unwrap() > 0.0
+                && r["projections_gflops"].as_f64().unwrap() > 0.0
+                && r["attention_gflops"].as_f64().unwrap() > 0.0
+        );
         assert!(r["with_patterns_s"].as_f64().unwrap() > 0.0);
     }
     let c = v["commands"].as_array().unwrap();
@@ -543,6 +1073,9 @@ fn bench_reports_rates_forwards_and_commands() {
         assert!(r["peak_rss_bytes"].as_u64().unwrap() > 1 << 20, "{r}");
         assert_eq!(r["exit"].as_i64().unwrap(), 0);
     }
-    let bad = attnscope().args(["bench", "-m", m.to_str().unwrap(), "--lengths", "0"]).output().unwrap();
+    let bad = attnscope()
+        .args(["bench", "-m", m.to_str().unwrap(), "--lengths", "0"])
+        .output()
+        .unwrap();
     assert_eq!(bad.status.code(), Some(2));
 }

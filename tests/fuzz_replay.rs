@@ -19,7 +19,10 @@ fn replay(target_name: &str, name: &str, bytes: &[u8]) {
 
 fn replay_with(f: fn(&[u8]), target_name: &str, name: &str, bytes: &[u8]) {
     if std::panic::catch_unwind(|| f(bytes)).is_err() {
-        panic!("fuzz target {target_name} panicked on {name} ({} bytes)", bytes.len());
+        panic!(
+            "fuzz target {target_name} panicked on {name} ({} bytes)",
+            bytes.len()
+        );
     }
 }
 
@@ -28,10 +31,19 @@ fn every_saved_fuzz_input_runs_without_a_panic() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut counts = std::collections::BTreeMap::<&str, usize>::new();
     for t in ["gguf", "safetensors", "tokenizer"] {
-        for dir in [root.join("tests/fuzz_corpus").join(t), root.join("fuzz/corpus").join(t)] {
-            let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+        for dir in [
+            root.join("tests/fuzz_corpus").join(t),
+            root.join("fuzz/corpus").join(t),
+        ] {
+            let Ok(entries) = std::fs::read_dir(&dir) else {
+                continue;
+            };
             for e in entries.flatten() {
-                replay(t, &e.path().display().to_string(), &std::fs::read(e.path()).unwrap());
+                replay(
+                    t,
+                    &e.path().display().to_string(),
+                    &std::fs::read(e.path()).unwrap(),
+                );
                 *counts.entry(t).or_default() += 1;
             }
         }
@@ -42,7 +54,10 @@ fn every_saved_fuzz_input_runs_without_a_panic() {
     }
     eprintln!("replayed {counts:?}");
     // the committed crafted files are there (a moved folder must not make this test pass empty)
-    assert!(counts["gguf"] >= 6 + 6 && counts["safetensors"] >= 2 + 3 && counts["tokenizer"] >= 1 + 5, "{counts:?}");
+    assert!(
+        counts["gguf"] >= 6 + 6 && counts["safetensors"] >= 2 + 3 && counts["tokenizer"] >= 1 + 5,
+        "{counts:?}"
+    );
 }
 
 /// The replay can fail: a target that panics on an input is reported.

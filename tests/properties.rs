@@ -11,12 +11,22 @@ use proptest::prelude::*;
 
 /// (n_heads, n_kv_heads, head_dim, q_len, prefix, seed)
 fn shapes() -> impl Strategy<Value = (usize, usize, usize, usize, usize, u64)> {
-    (1usize..=4, 1usize..=4, prop::sample::select(vec![2usize, 4, 8, 16]), 1usize..=24, 0usize..=6, any::<u64>()).prop_map(|(kv, g, d, n, p, s)| (kv * g, kv, d, n, p, s))
+    (
+        1usize..=4,
+        1usize..=4,
+        prop::sample::select(vec![2usize, 4, 8, 16]),
+        1usize..=24,
+        0usize..=6,
+        any::<u64>(),
+    )
+        .prop_map(|(kv, g, d, n, p, s)| (kv * g, kv, d, n, p, s))
 }
 
 /// [pos, heads·d] rows → [heads, pos, d]
 fn to_heads(x: &[f32], _len: usize, heads: usize, d: usize) -> Vec<f32> {
-    (0..heads).flat_map(|h| head_slice(x, h, heads, d)).collect()
+    (0..heads)
+        .flat_map(|h| head_slice(x, h, heads, d))
+        .collect()
 }
 
 proptest! {

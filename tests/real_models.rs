@@ -9,7 +9,11 @@ use common::*;
 const SENTENCE: &str = "Hà Nội là thủ đô của Việt Nam. Thành phố này nằm ở miền Bắc.";
 
 fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 fn check_model(alias: &str, prefix: &str) {
@@ -19,7 +23,9 @@ fn check_model(alias: &str, prefix: &str) {
     assert_eq!(tokens, ids(&g["token_ids"]), "{alias}: token ids");
     let n = tokens.len();
     let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
-    let out = model.forward(&tokens, &RunOptions::last_logits(n), &mut cache).unwrap();
+    let out = model
+        .forward(&tokens, &RunOptions::last_logits(n), &mut cache)
+        .unwrap();
     // last-row attention of every layer and head
     let (shape, want) = golden_npy(&format!("{prefix}_transformers_attn_lastrow.npy"));
     assert_eq!(shape, vec![model.dims.n_layers, model.dims.n_heads, n]);
@@ -35,11 +41,25 @@ fn check_model(alias: &str, prefix: &str) {
     let logits = &out.logits[0];
     let mut order: Vec<usize> = (0..logits.len()).collect();
     order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-    let want_top: Vec<u32> = g["next_token_top5"].as_array().unwrap().iter().map(|t| t["id"].as_u64().unwrap() as u32).collect();
-    assert_eq!(order[..5].iter().map(|&i| i as u32).collect::<Vec<_>>(), want_top, "{alias}: next-token top-5");
+    let want_top: Vec<u32> = g["next_token_top5"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["id"].as_u64().unwrap() as u32)
+        .collect();
+    assert_eq!(
+        order[..5].iter().map(|&i| i as u32).collect::<Vec<_>>(),
+        want_top,
+        "{alias}: next-token top-5"
+    );
     for t in g["next_token_top5"].as_array().unwrap() {
         let id = t["id"].as_u64().unwrap() as usize;
-        assert!((logits[id] - t["logit"].as_f64().unwrap() as f32).abs() < 2e-3, "{alias}: logit of {id}: {} vs {}", logits[id], t["logit"]);
+        assert!(
+            (logits[id] - t["logit"].as_f64().unwrap() as f32).abs() < 2e-3,
+            "{alias}: logit of {id}: {} vs {}",
+            logits[id],
+            t["logit"]
+        );
     }
 }
 
@@ -50,9 +70,13 @@ fn qwen_matches_transformers() {
     let model = real_model("qwen2.5-coder-0.5b");
     let tokens = model.encode(SENTENCE, false).unwrap();
     let mut cache = AttnCache::new(&CaptureSpec::patterns(), tokens.len());
-    model.forward(&tokens, &RunOptions::default(), &mut cache).unwrap();
+    model
+        .forward(&tokens, &RunOptions::default(), &mut cache)
+        .unwrap();
     let (_, want) = golden_npy("qwen_transformers_attn_full.npy");
-    let got: Vec<f32> = (0..24).flat_map(|l| cache.pattern(l).unwrap().data.to_vec()).collect();
+    let got: Vec<f32> = (0..24)
+        .flat_map(|l| cache.pattern(l).unwrap().data.to_vec())
+        .collect();
     assert_close(&got, &want, 1e-4, "qwen: full patterns");
 }
 
@@ -76,7 +100,12 @@ fn tokenizer_vectors_match_hf() {
                 failures.push(format!("{text:?}: got {got:?}, want {want:?}"));
             }
         }
-        assert!(failures.is_empty(), "{alias}: {} of 40 differ:\n{}", failures.len(), failures.join("\n"));
+        assert!(
+            failures.is_empty(),
+            "{alias}: {} of 40 differ:\n{}",
+            failures.len(),
+            failures.join("\n")
+        );
     }
 }
 
@@ -89,56 +118,129 @@ fn tokenizer_vectors_match_hf() {
 fn check_fast(alias: &str, prefix: &str, sink_tolerance: f64) {
     use attnscope::analysis::collect::Collector;
     use attnscope::analysis::inspect::{build, InspectPlan};
-    let model = attnscope::model::Model::load(alias, attnscope::model::Precision::Fast, false).unwrap();
+    let model =
+        attnscope::model::Model::load(alias, attnscope::model::Precision::Fast, false).unwrap();
     let g = golden_json(&format!("{prefix}_transformers.json"));
     let tokens = model.encode(SENTENCE, false).unwrap();
     let (n, d) = (tokens.len(), &model.dims);
     let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
-    let out = model.forward(&tokens, &RunOptions::last_logits(n), &mut cache).unwrap();
+    let out = model
+        .forward(&tokens, &RunOptions::last_logits(n), &mut cache)
+        .unwrap();
     let (_, want) = golden_npy(&format!("{prefix}_transformers_attn_lastrow.npy"));
-    let got: Vec<f32> = (0..d.n_layers).flat_map(|l| (0..d.n_heads).flat_map(|h| cache.pattern(l).unwrap().row_at(h, n - 1).unwrap().to_vec()).collect::<Vec<_>>()).collect();
+    let got: Vec<f32> = (0..d.n_layers)
+        .flat_map(|l| {
+            (0..d.n_heads)
+                .flat_map(|h| cache.pattern(l).unwrap().row_at(h, n - 1).unwrap().to_vec())
+                .collect::<Vec<_>>()
+        })
+        .collect();
     assert_eq!(got.len(), want.len());
-    let max = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    let max = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
     if !attnscope::model::weights::fast_uses_int8() {
         eprintln!("NOTE: this CPU has no AVX-512 VNNI: --precision fast runs the exact kernels here, so only that is checked");
-        assert_close(&got, &want, 1e-4, &format!("{alias}: fast = exact without VNNI"));
+        assert_close(
+            &got,
+            &want,
+            1e-4,
+            &format!("{alias}: fast = exact without VNNI"),
+        );
         return;
     }
-    eprintln!("{alias} fast precision: max |attention weight - reference| over the last rows = {max:.4}");
+    eprintln!(
+        "{alias} fast precision: max |attention weight - reference| over the last rows = {max:.4}"
+    );
     // the README promises "up to 0.04"
-    assert!(max < 0.04, "{alias}: fast precision moved a weight by {max}");
-    assert!(max > 1e-4, "{alias}: fast precision should really use the int8 kernel (max deviation {max})");
+    assert!(
+        max < 0.04,
+        "{alias}: fast precision moved a weight by {max}"
+    );
+    assert!(
+        max > 1e-4,
+        "{alias}: fast precision should really use the int8 kernel (max deviation {max})"
+    );
     let mid = g["middle_layer"].as_u64().unwrap() as usize;
-    let plan = InspectPlan { query: n - 1, layer: d.n_layers - 1, heads: (0..d.n_heads).collect(), top_heads: 3, layers: vec![0, mid, d.n_layers - 1], top_layers: 4, concentrated_at: 0.9 };
+    let plan = InspectPlan {
+        query: n - 1,
+        layer: d.n_layers - 1,
+        heads: (0..d.n_heads).collect(),
+        top_heads: 3,
+        layers: vec![0, mid, d.n_layers - 1],
+        top_layers: 4,
+        concentrated_at: 0.9,
+    };
     let mut c = Collector::new(d.n_layers, d.n_heads, n, n - 1);
-    let out2 = model.forward(&tokens, &RunOptions::last_logits(n), &mut c).unwrap();
+    let out2 = model
+        .forward(&tokens, &RunOptions::last_logits(n), &mut c)
+        .unwrap();
     let r = build(&model, &tokens, &c, &out2.logits[0], &plan);
     let mut worst_sink = 0f64;
     for (l, row) in r.layers.iter().enumerate() {
-        worst_sink = worst_sink.max((row.sink_query as f64 - g["sink_share_lastq_full"][l].as_f64().unwrap()).abs());
-        worst_sink = worst_sink.max((row.sink_all_queries as f64 - g["sink_share_mean_q1_to_end_full"][l].as_f64().unwrap()).abs());
+        worst_sink = worst_sink
+            .max((row.sink_query as f64 - g["sink_share_lastq_full"][l].as_f64().unwrap()).abs());
+        worst_sink = worst_sink.max(
+            (row.sink_all_queries as f64
+                - g["sink_share_mean_q1_to_end_full"][l].as_f64().unwrap())
+            .abs(),
+        );
     }
     eprintln!("{alias} fast precision: worst sink-profile deviation {worst_sink:.4}");
-    assert!(worst_sink < sink_tolerance, "{alias}: fast precision moved the sink profile by {worst_sink}");
+    assert!(
+        worst_sink < sink_tolerance,
+        "{alias}: fast precision moved the sink profile by {worst_sink}"
+    );
     let mut tables = 0;
     for h in r.heads.iter().filter(|h| h.head < 4) {
-        let want = g["last_layer_head_top3_lastq"][h.head.to_string()].as_array().unwrap();
+        let want = g["last_layer_head_top3_lastq"][h.head.to_string()]
+            .as_array()
+            .unwrap();
         assert_eq!(h.top.len(), want.len());
         for (got, want) in h.top.iter().zip(want) {
-            assert_eq!(got.pos as u64, want["pos"].as_u64().unwrap(), "{alias} fast: head {} top-3", h.head);
+            assert_eq!(
+                got.pos as u64,
+                want["pos"].as_u64().unwrap(),
+                "{alias} fast: head {} top-3",
+                h.head
+            );
             tables += 1;
         }
     }
     for l in r.layers.iter().filter(|l| l.top.is_some()) {
-        let want = g["head_avg_top4_lastq"][l.layer.to_string()].as_array().unwrap();
-        let got: Vec<u64> = l.top.as_ref().unwrap().iter().map(|t| t.pos as u64).collect();
+        let want = g["head_avg_top4_lastq"][l.layer.to_string()]
+            .as_array()
+            .unwrap();
+        let got: Vec<u64> = l
+            .top
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|t| t.pos as u64)
+            .collect();
         let want: Vec<u64> = want.iter().map(|w| w["pos"].as_u64().unwrap()).collect();
-        assert_eq!(got[..3], want[..3], "{alias} fast: layer {} head-averaged top-3", l.layer);
+        assert_eq!(
+            got[..3],
+            want[..3],
+            "{alias} fast: layer {} head-averaged top-3",
+            l.layer
+        );
         tables += 1;
     }
     assert_eq!(tables, 4 * 3 + 3, "every table was compared");
-    let top1 = out.logits[0].iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as u64;
-    assert_eq!(top1, g["next_token_top5"][0]["id"].as_u64().unwrap(), "{alias}: fast precision changed the top next token");
+    let top1 = out.logits[0]
+        .iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .unwrap()
+        .0 as u64;
+    assert_eq!(
+        top1,
+        g["next_token_top5"][0]["id"].as_u64().unwrap(),
+        "{alias}: fast precision changed the top next token"
+    );
 }
 
 #[test]
@@ -164,50 +266,121 @@ fn check_inspect(alias: &str, prefix: &str) {
     let tokens = model.encode(SENTENCE, false).unwrap();
     let (n, d) = (tokens.len(), &model.dims);
     let mid = g["middle_layer"].as_u64().unwrap() as usize;
-    let plan = InspectPlan { query: n - 1, layer: d.n_layers - 1, heads: (0..d.n_heads).collect(), top_heads: 3, layers: vec![0, mid, d.n_layers - 1], top_layers: 4, concentrated_at: 0.9 };
+    let plan = InspectPlan {
+        query: n - 1,
+        layer: d.n_layers - 1,
+        heads: (0..d.n_heads).collect(),
+        top_heads: 3,
+        layers: vec![0, mid, d.n_layers - 1],
+        top_layers: 4,
+        concentrated_at: 0.9,
+    };
     let mut c = Collector::new(d.n_layers, d.n_heads, n, n - 1);
-    let out = model.forward(&tokens, &RunOptions::last_logits(n), &mut c).unwrap();
+    let out = model
+        .forward(&tokens, &RunOptions::last_logits(n), &mut c)
+        .unwrap();
     let r = build(model, &tokens, &c, &out.logits[0], &plan);
     let r4 = |x: f64| (x * 1e4).round() / 1e4;
     for h in &r.heads {
         // the reference lists the top-3 of heads 0-3 (the lesson's table) and max/entropy of all
-        let want = g["last_layer_head_top3_lastq"][h.head.to_string()].as_array().cloned().unwrap_or_default();
+        let want = g["last_layer_head_top3_lastq"][h.head.to_string()]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
         assert!(h.head >= 4 || want.len() == 3);
         if !want.is_empty() {
-            assert_eq!(h.top.len(), want.len(), "{alias} head {}: top list length", h.head);
+            assert_eq!(
+                h.top.len(),
+                want.len(),
+                "{alias} head {}: top list length",
+                h.head
+            );
         }
         for (got, want) in h.top.iter().zip(&want) {
-            assert_eq!(got.pos as u64, want["pos"].as_u64().unwrap(), "{alias} head {} top", h.head);
-            assert_eq!(r4(got.weight as f64), want["weight"].as_f64().unwrap(), "{alias} head {} weight", h.head);
+            assert_eq!(
+                got.pos as u64,
+                want["pos"].as_u64().unwrap(),
+                "{alias} head {} top",
+                h.head
+            );
+            assert_eq!(
+                r4(got.weight as f64),
+                want["weight"].as_f64().unwrap(),
+                "{alias} head {} weight",
+                h.head
+            );
         }
         let ph = &g["last_layer_per_head_lastq"][h.head];
         assert_eq!(r4(h.max_weight as f64), ph["max_weight"].as_f64().unwrap());
         assert_eq!(h.argmax as u64, ph["argmax_pos"].as_u64().unwrap());
-        assert!((h.entropy as f64 - ph["entropy_nats"].as_f64().unwrap()).abs() <= 5e-5 + 1e-4, "{alias} head {} entropy {}", h.head, h.entropy);
+        assert!(
+            (h.entropy as f64 - ph["entropy_nats"].as_f64().unwrap()).abs() <= 5e-5 + 1e-4,
+            "{alias} head {} entropy {}",
+            h.head,
+            h.entropy
+        );
     }
     // the plan asks for the top tokens of three layers: all three are checked
-    assert_eq!(r.layers.iter().filter(|l| l.top.is_some()).count(), 3, "{alias}: layers with a top list");
+    assert_eq!(
+        r.layers.iter().filter(|l| l.top.is_some()).count(),
+        3,
+        "{alias}: layers with a top list"
+    );
     for l in r.layers.iter().filter(|l| l.top.is_some()) {
-        let want = g["head_avg_top4_lastq"][l.layer.to_string()].as_array().unwrap();
-        assert_eq!(l.top.as_ref().unwrap().len(), want.len(), "{alias} layer {}: head-avg top length", l.layer);
+        let want = g["head_avg_top4_lastq"][l.layer.to_string()]
+            .as_array()
+            .unwrap();
+        assert_eq!(
+            l.top.as_ref().unwrap().len(),
+            want.len(),
+            "{alias} layer {}: head-avg top length",
+            l.layer
+        );
         for (got, want) in l.top.as_ref().unwrap().iter().zip(want) {
-            assert_eq!(got.pos as u64, want["pos"].as_u64().unwrap(), "{alias} layer {} head-avg top", l.layer);
+            assert_eq!(
+                got.pos as u64,
+                want["pos"].as_u64().unwrap(),
+                "{alias} layer {} head-avg top",
+                l.layer
+            );
             assert_eq!(r4(got.weight as f64), want["weight"].as_f64().unwrap());
             // the reference decodes split UTF-8 as U+FFFD; attnscope shows the bytes (<81>)
-            let lossy = String::from_utf8_lossy(&model.tokenizer.token_bytes(tokens[got.pos])).into_owned();
+            let lossy =
+                String::from_utf8_lossy(&model.tokenizer.token_bytes(tokens[got.pos])).into_owned();
             assert_eq!(lossy, want["token"].as_str().unwrap());
         }
     }
     for (l, row) in r.layers.iter().enumerate() {
-        assert!((row.sink_query as f64 - g["sink_share_lastq_full"][l].as_f64().unwrap()).abs() < 1e-4, "{alias} sink_query layer {l}");
-        assert!((row.sink_all_queries as f64 - g["sink_share_mean_q1_to_end_full"][l].as_f64().unwrap()).abs() < 1e-4, "{alias} sink_all layer {l}");
+        assert!(
+            (row.sink_query as f64 - g["sink_share_lastq_full"][l].as_f64().unwrap()).abs() < 1e-4,
+            "{alias} sink_query layer {l}"
+        );
+        assert!(
+            (row.sink_all_queries as f64
+                - g["sink_share_mean_q1_to_end_full"][l].as_f64().unwrap())
+            .abs()
+                < 1e-4,
+            "{alias} sink_all layer {l}"
+        );
     }
     let want_next = g["next_token_top5"].as_array().unwrap();
-    assert!(want_next.len() == 5 && r.next_token.len() >= 5, "{alias}: next-token lists {} vs {}", r.next_token.len(), want_next.len());
+    assert!(
+        want_next.len() == 5 && r.next_token.len() >= 5,
+        "{alias}: next-token lists {} vs {}",
+        r.next_token.len(),
+        want_next.len()
+    );
     for (got, want) in r.next_token.iter().zip(want_next) {
         assert_eq!(got.id as u64, want["id"].as_u64().unwrap());
-        assert_eq!(r4(got.prob as f64), want["prob"].as_f64().unwrap(), "{alias} next-token prob");
-        assert_eq!(String::from_utf8_lossy(&model.tokenizer.token_bytes(got.id)), want["token"].as_str().unwrap());
+        assert_eq!(
+            r4(got.prob as f64),
+            want["prob"].as_f64().unwrap(),
+            "{alias} next-token prob"
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&model.tokenizer.token_bytes(got.id)),
+            want["token"].as_str().unwrap()
+        );
     }
 }
 
@@ -228,14 +401,18 @@ fn smollm_head_averaged_attention_of_every_query() {
     let tokens = model.encode(SENTENCE, false).unwrap();
     let n = tokens.len();
     let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
-    model.forward(&tokens, &RunOptions::default(), &mut cache).unwrap();
+    model
+        .forward(&tokens, &RunOptions::default(), &mut cache)
+        .unwrap();
     let (shape, want) = golden_npy("smol_transformers_attn_headavg.npy");
     assert_eq!(shape, vec![30, n, n]);
     let mut got = Vec::new();
     for l in 0..30 {
         let p = cache.pattern(l).unwrap();
         for q in 0..n {
-            got.extend(attnscope::analysis::mean_rows((0..9).map(|h| p.row_at(h, q).unwrap())));
+            got.extend(attnscope::analysis::mean_rows(
+                (0..9).map(|h| p.row_at(h, q).unwrap()),
+            ));
         }
     }
     assert_close(&got, &want, 1e-4, "smol head-averaged patterns");
@@ -250,20 +427,54 @@ fn faithfulness_occlusions_equal_fresh_runs_smollm() {
     let text = "The capital of France is";
     let tokens = model.encode(text, false).unwrap();
     let n = tokens.len();
-    let r = run(model, &tokens, &FaithOptions { target: Target::Text(" Paris".into()), replacement: " ".into(), seed: 7 }, |_, _| {}).unwrap();
+    let r = run(
+        model,
+        &tokens,
+        &FaithOptions {
+            target: Target::Text(" Paris".into()),
+            replacement: " ".into(),
+            seed: 7,
+        },
+        |_, _| {},
+    )
+    .unwrap();
     assert_eq!(r.target.token, " Paris");
     let lp = |toks: &[u32], knock: Vec<usize>| {
-        let out = model.forward(toks, &RunOptions { logits_at: vec![toks.len() - 1], knockout: knock, ..Default::default() }, &mut attnscope::model::capture::NoCapture).unwrap();
+        let out = model
+            .forward(
+                toks,
+                &RunOptions {
+                    logits_at: vec![toks.len() - 1],
+                    knockout: knock,
+                    ..Default::default()
+                },
+                &mut attnscope::model::capture::NoCapture,
+            )
+            .unwrap();
         log_softmax(&out.logits[0])[r.target.id as usize]
     };
     let base = lp(&tokens, vec![]);
     assert!((base - r.target.logprob).abs() < 1e-4);
     for j in 0..n {
-        let del: Vec<u32> = tokens.iter().enumerate().filter(|&(i, _)| i != j).map(|(_, &t)| t).collect();
-        assert!((lp(&del, vec![]) - base - r.tokens[j].loo.unwrap()).abs() < 2e-4, "loo {j}");
+        let del: Vec<u32> = tokens
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| i != j)
+            .map(|(_, &t)| t)
+            .collect();
+        assert!(
+            (lp(&del, vec![]) - base - r.tokens[j].loo.unwrap()).abs() < 2e-4,
+            "loo {j}"
+        );
         let mut rep = tokens.clone();
         rep[j] = r.replacement.id;
-        assert!((lp(&rep, vec![]) - base - r.tokens[j].replace).abs() < 2e-4, "replace {j}");
-        assert!((lp(&tokens, vec![j]) - base - r.tokens[j].knockout).abs() < 2e-4, "knockout {j}");
+        assert!(
+            (lp(&rep, vec![]) - base - r.tokens[j].replace).abs() < 2e-4,
+            "replace {j}"
+        );
+        assert!(
+            (lp(&tokens, vec![j]) - base - r.tokens[j].knockout).abs() < 2e-4,
+            "knockout {j}"
+        );
     }
 }

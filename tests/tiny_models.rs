@@ -15,9 +15,15 @@ const TOKENS: [u32; 9] = [72, 101, 108, 108, 111, 32, 256, 258, 259];
 
 fn patterns(model: &Model, tokens: &[u32], block_bytes: usize) -> (Vec<Vec<f32>>, Vec<f32>) {
     let mut cache = AttnCache::new(&CaptureSpec::patterns(), tokens.len());
-    let opts = RunOptions { logits_at: (0..tokens.len()).collect(), block_bytes, ..Default::default() };
+    let opts = RunOptions {
+        logits_at: (0..tokens.len()).collect(),
+        block_bytes,
+        ..Default::default()
+    };
     let out = model.forward(tokens, &opts, &mut cache).unwrap();
-    let p = (0..model.dims.n_layers).map(|l| cache.pattern(l).unwrap().data.to_vec()).collect();
+    let p = (0..model.dims.n_layers)
+        .map(|l| cache.pattern(l).unwrap().data.to_vec())
+        .collect();
     (p, out.logits.concat())
 }
 
@@ -31,15 +37,29 @@ fn check(arch: Arch) {
     write_hf_folder(&m, arch, &hf, 1).unwrap();
     let sharded = dir.path().join("hf-sharded");
     write_hf_folder(&m, arch, &sharded, 3).unwrap();
-    for (label, path) in [("gguf", &gguf), ("safetensors", &hf), ("sharded safetensors", &sharded)] {
+    for (label, path) in [
+        ("gguf", &gguf),
+        ("safetensors", &hf),
+        ("sharded safetensors", &sharded),
+    ] {
         let model = Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();
         assert_eq!(model.dims.arch, arch);
         for block in [64 << 20, 4 * 9 * 4 * 2] {
             let (got, logits) = patterns(&model, &TOKENS, block);
             for l in 0..2 {
-                assert_close(&got[l], &want.patterns[l], 2e-5, &format!("{arch:?} {label} blocks.{l}.attn.hook_pattern (block {block} B)"));
+                assert_close(
+                    &got[l],
+                    &want.patterns[l],
+                    2e-5,
+                    &format!("{arch:?} {label} blocks.{l}.attn.hook_pattern (block {block} B)"),
+                );
             }
-            assert_close(&logits, &want.logits, 1e-3, &format!("{arch:?} {label} logits"));
+            assert_close(
+                &logits,
+                &want.logits,
+                1e-3,
+                &format!("{arch:?} {label} logits"),
+            );
         }
     }
 }
@@ -73,8 +93,15 @@ fn llama_gguf_without_permutation_differs() {
     write_gguf(&unpermuted, Arch::Llama, GgmlDType::F32, &path).unwrap();
     let model = Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();
     let (got, _) = patterns(&model, &TOKENS, 64 << 20);
-    let diff = got[1].iter().zip(&want.patterns[1]).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-    assert!(diff > 1e-2, "a wrong RoPE layout should change the patterns, max diff {diff}");
+    let diff = got[1]
+        .iter()
+        .zip(&want.patterns[1])
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(
+        diff > 1e-2,
+        "a wrong RoPE layout should change the patterns, max diff {diff}"
+    );
 }
 
 fn inverse_permute(w: &[f32], n_heads: usize, head_dim: usize, cols: usize) -> Vec<f32> {
@@ -83,7 +110,8 @@ fn inverse_permute(w: &[f32], n_heads: usize, head_dim: usize, cols: usize) -> V
     for h in 0..n_heads {
         for i in 0..half {
             for (dst_i, src_i) in [(i, 2 * i), (i + half, 2 * i + 1)] {
-                out[(h * head_dim + dst_i) * cols..][..cols].copy_from_slice(&w[(h * head_dim + src_i) * cols..][..cols]);
+                out[(h * head_dim + dst_i) * cols..][..cols]
+                    .copy_from_slice(&w[(h * head_dim + src_i) * cols..][..cols]);
             }
         }
     }
@@ -100,12 +128,23 @@ fn capture_hooks_have_their_shapes_and_invariants() {
     write_gguf(&m, Arch::Qwen2, GgmlDType::F32, &path).unwrap();
     let model = Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();
     let n = TOKENS.len();
-    let spec = CaptureSpec { hooks: attnscope::model::capture::Hook::ALL.to_vec(), layers: None, heads: None, queries: Queries::All };
+    let spec = CaptureSpec {
+        hooks: attnscope::model::capture::Hook::ALL.to_vec(),
+        layers: None,
+        heads: None,
+        queries: Queries::All,
+    };
     let mut cache = AttnCache::new(&spec, n);
-    model.forward(&TOKENS, &RunOptions::default(), &mut cache).unwrap();
+    model
+        .forward(&TOKENS, &RunOptions::default(), &mut cache)
+        .unwrap();
     let shape = |l, h| cache.get(l, h).unwrap().shape.clone();
     assert_eq!(shape(1, Hook::Q), vec![n, 4, 8]);
-    assert_eq!(shape(1, Hook::K), vec![n, 2, 8], "hook_k is per KV head, not repeated");
+    assert_eq!(
+        shape(1, Hook::K),
+        vec![n, 2, 8],
+        "hook_k is per KV head, not repeated"
+    );
     assert_eq!(shape(1, Hook::V), vec![n, 2, 8]);
     assert_eq!(shape(1, Hook::Z), vec![n, 4, 8]);
     assert_eq!(shape(0, Hook::ResidPre), vec![n, 32]);
@@ -124,15 +163,28 @@ fn capture_hooks_have_their_shapes_and_invariants() {
         }
     }
     // resid_post of layer 0 is resid_pre of layer 1
-    assert_eq!(cache.get(0, Hook::ResidPost).unwrap().data, cache.get(1, Hook::ResidPre).unwrap().data);
+    assert_eq!(
+        cache.get(0, Hook::ResidPost).unwrap().data,
+        cache.get(1, Hook::ResidPre).unwrap().data
+    );
     // filters: heads 1,3, last query only
-    let spec = CaptureSpec { hooks: vec![Hook::Pattern, Hook::Q], layers: Some(vec![0]), heads: Some(vec![1, 3]), queries: Queries::Last };
+    let spec = CaptureSpec {
+        hooks: vec![Hook::Pattern, Hook::Q],
+        layers: Some(vec![0]),
+        heads: Some(vec![1, 3]),
+        queries: Queries::Last,
+    };
     let mut small = AttnCache::new(&spec, n);
-    model.forward(&TOKENS, &RunOptions::default(), &mut small).unwrap();
+    model
+        .forward(&TOKENS, &RunOptions::default(), &mut small)
+        .unwrap();
     assert_eq!(small.get(0, Hook::Pattern).unwrap().shape, vec![2, 1, n]);
     assert_eq!(small.get(0, Hook::Q).unwrap().shape, vec![1, 2, 8]);
     assert!(small.get(1, Hook::Pattern).is_none());
-    assert_eq!(small.pattern(0).unwrap().row(1, 0), cache.pattern(0).unwrap().row(3, n - 1));
+    assert_eq!(
+        small.pattern(0).unwrap().row(1, 0),
+        cache.pattern(0).unwrap().row(3, n - 1)
+    );
 }
 
 /// Fast precision on a Q8_0 file stays close to exact.
@@ -147,9 +199,17 @@ fn fast_precision_is_close_to_exact() {
     let (a, _) = patterns(&exact, &TOKENS, 64 << 20);
     let (b, _) = patterns(&fast, &TOKENS, 64 << 20);
     // a tiny random net amplifies the 8-bit activation rounding; the mean stays small
-    let mean = b[1].iter().zip(&a[1]).map(|(x, y)| (x - y).abs()).sum::<f32>() / a[1].len() as f32;
+    let mean = b[1]
+        .iter()
+        .zip(&a[1])
+        .map(|(x, y)| (x - y).abs())
+        .sum::<f32>()
+        / a[1].len() as f32;
     assert!(mean < 0.02, "fast vs exact: mean |diff| {mean}");
-    assert_ne!(a[1], b[1], "fast precision should really use the quantized kernels");
+    assert_ne!(
+        a[1], b[1],
+        "fast precision should really use the quantized kernels"
+    );
 }
 
 fn tiny_loaded(arch: Arch, seed: u64) -> (tempfile::TempDir, Model) {
@@ -165,12 +225,34 @@ fn tiny_loaded(arch: Arch, seed: u64) -> (tempfile::TempDir, Model) {
 fn prefix_reuse_equals_a_full_run() {
     let (_d, model) = tiny_loaded(Arch::Llama, 5);
     let n = TOKENS.len();
-    let full = model.forward(&TOKENS, &RunOptions { logits_at: vec![n - 1], keep_kv: true, ..Default::default() }, &mut attnscope::model::capture::NoCapture).unwrap();
+    let full = model
+        .forward(
+            &TOKENS,
+            &RunOptions {
+                logits_at: vec![n - 1],
+                keep_kv: true,
+                ..Default::default()
+            },
+            &mut attnscope::model::capture::NoCapture,
+        )
+        .unwrap();
     let kv = full.kv.unwrap();
     for p in [1, 4, n - 1] {
         let prefix = kv.truncate(p).unwrap();
-        let out = model.forward_from(Some(&prefix), &TOKENS[p..], &RunOptions::last_logits(n), &mut attnscope::model::capture::NoCapture).unwrap();
-        assert_close(&out.logits[0], &full.logits[0], 1e-4, &format!("logits with a prefix of {p}"));
+        let out = model
+            .forward_from(
+                Some(&prefix),
+                &TOKENS[p..],
+                &RunOptions::last_logits(n),
+                &mut attnscope::model::capture::NoCapture,
+            )
+            .unwrap();
+        assert_close(
+            &out.logits[0],
+            &full.logits[0],
+            1e-4,
+            &format!("logits with a prefix of {p}"),
+        );
     }
 }
 
@@ -181,31 +263,55 @@ fn prefix_reuse_equals_a_full_run() {
 fn knockout_of_every_key_but_one_is_hand_computable() {
     let (_d, model) = tiny_loaded(Arch::Qwen2, 9);
     let n = TOKENS.len();
-    let spec = CaptureSpec { hooks: vec![Hook::Pattern, Hook::RotQ, Hook::RotK], layers: Some(vec![1]), heads: None, queries: Queries::All };
+    let spec = CaptureSpec {
+        hooks: vec![Hook::Pattern, Hook::RotQ, Hook::RotK],
+        layers: Some(vec![1]),
+        heads: None,
+        queries: Queries::All,
+    };
     let mut cache = AttnCache::new(&spec, n);
-    let opts = RunOptions { knockout: (1..n).collect(), ..Default::default() };
+    let opts = RunOptions {
+        knockout: (1..n).collect(),
+        ..Default::default()
+    };
     model.forward(&TOKENS, &opts, &mut cache).unwrap();
-    let (q, k) = (&cache.get(1, Hook::RotQ).unwrap().data, &cache.get(1, Hook::RotK).unwrap().data);
+    let (q, k) = (
+        &cache.get(1, Hook::RotQ).unwrap().data,
+        &cache.get(1, Hook::RotK).unwrap().data,
+    );
     let p = cache.pattern(1).unwrap();
     let (nh, nkv, d) = (4, 2, 8);
     for h in 0..nh {
         let g = h / (nh / nkv);
         for i in 1..n {
             let qi = &q[(i * nh + h) * d..][..d];
-            let score = |j: usize| attnscope::reference::dot(qi, &k[(j * nkv + g) * d..][..d]) / (d as f32).sqrt();
+            let score = |j: usize| {
+                attnscope::reference::dot(qi, &k[(j * nkv + g) * d..][..d]) / (d as f32).sqrt()
+            };
             let (s0, si) = (score(0), score(i));
             let w0 = 1.0 / (1.0 + (si - s0).exp());
             let row = p.row(h, i);
-            assert!((row[0] - w0).abs() < 1e-5, "head {h} query {i}: {} vs {w0}", row[0]);
+            assert!(
+                (row[0] - w0).abs() < 1e-5,
+                "head {h} query {i}: {} vs {w0}",
+                row[0]
+            );
             assert!((row[i] - (1.0 - w0)).abs() < 1e-5);
-            assert!(row.iter().enumerate().all(|(j, &w)| j == 0 || j == i || w == 0.0), "only keys 0 and {i} are visible");
+            assert!(
+                row.iter()
+                    .enumerate()
+                    .all(|(j, &w)| j == 0 || j == i || w == 0.0),
+                "only keys 0 and {i} are visible"
+            );
         }
         assert_eq!(p.row(h, 0)[0], 1.0);
     }
 }
 
 /// Keeps every streamed statistic, by (layer, head, query).
-struct Recorder(std::collections::BTreeMap<(usize, usize, usize), (f32, f32, u32, f32, Vec<(u32, f32)>)>);
+struct Recorder(
+    std::collections::BTreeMap<(usize, usize, usize), (f32, f32, u32, f32, Vec<(u32, f32)>)>,
+);
 
 impl attnscope::model::capture::Observer for Recorder {
     fn wants(&self, _: usize, _: Hook) -> bool {
@@ -214,13 +320,30 @@ impl attnscope::model::capture::Observer for Recorder {
     fn tensor(&mut self, _: usize, _: Hook, _: &[usize], _: &[f32]) {}
     fn attention_block(&mut self, _: usize, _: Hook, _: usize, _: [usize; 3], _: &[f32]) {}
     fn wants_stats(&self, _: usize) -> Option<attnscope::model::forward::StatsRequest> {
-        Some(attnscope::model::forward::StatsRequest { top_k: 3, top_k_from: 0 })
+        Some(attnscope::model::forward::StatsRequest {
+            top_k: 3,
+            top_k_from: 0,
+        })
     }
-    fn attention_stats(&mut self, layer: usize, q0: usize, s: &attnscope::model::forward::AttnStats) {
+    fn attention_stats(
+        &mut self,
+        layer: usize,
+        q0: usize,
+        s: &attnscope::model::forward::AttnStats,
+    ) {
         for h in 0..s.n_heads {
             for r in 0..s.rows {
                 let x = h * s.rows + r;
-                self.0.insert((layer, h, q0 + r), (s.first_key[x], s.max_weight[x], s.argmax[x], s.entropy[x], s.top[x * 3..x * 3 + 3].to_vec()));
+                self.0.insert(
+                    (layer, h, q0 + r),
+                    (
+                        s.first_key[x],
+                        s.max_weight[x],
+                        s.argmax[x],
+                        s.entropy[x],
+                        s.top[x * 3..x * 3 + 3].to_vec(),
+                    ),
+                );
             }
         }
     }
@@ -235,12 +358,25 @@ fn streaming_statistics_equal_the_materialized_path() {
     let tokens: Vec<u32> = (0..23).map(|i| (i * 37 % 250) as u32).collect();
     let n = tokens.len();
     let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
-    let full = model.forward(&tokens, &RunOptions::last_logits(n), &mut cache).unwrap();
+    let full = model
+        .forward(&tokens, &RunOptions::last_logits(n), &mut cache)
+        .unwrap();
     for (key_block, block_bytes) in [(2usize, 4 * 4 * 23 * 5), (3, 64 << 20), (1024, 4 * 4 * 7)] {
         let mut rec = Recorder(Default::default());
-        let opts = RunOptions { logits_at: vec![n - 1], key_block, block_bytes, knockout: vec![], ..Default::default() };
+        let opts = RunOptions {
+            logits_at: vec![n - 1],
+            key_block,
+            block_bytes,
+            knockout: vec![],
+            ..Default::default()
+        };
         let out = model.forward(&tokens, &opts, &mut rec).unwrap();
-        assert_close(&out.logits[0], &full.logits[0], 1e-4, &format!("logits, key block {key_block}"));
+        assert_close(
+            &out.logits[0],
+            &full.logits[0],
+            1e-4,
+            &format!("logits, key block {key_block}"),
+        );
         for l in 0..2 {
             let p = cache.pattern(l).unwrap();
             for h in 0..4 {
@@ -248,16 +384,28 @@ fn streaming_statistics_equal_the_materialized_path() {
                     let row = &p.row(h, q)[..=q];
                     let (f, mx, am, ent, top) = &rec.0[&(l, h, q)];
                     let label = format!("key block {key_block}, layer {l} head {h} query {q}");
-                    assert!((f - row[0]).abs() < 1e-5, "{label}: first key {f} vs {}", row[0]);
+                    assert!(
+                        (f - row[0]).abs() < 1e-5,
+                        "{label}: first key {f} vs {}",
+                        row[0]
+                    );
                     let (wmax, amax) = attnscope::analysis::max_argmax(row);
                     assert!((mx - wmax).abs() < 1e-5, "{label}: max");
                     assert_eq!(*am as usize, amax, "{label}: argmax");
-                    assert!((ent - attnscope::analysis::entropy(row)).abs() < 1e-4, "{label}: entropy {ent}");
+                    assert!(
+                        (ent - attnscope::analysis::entropy(row)).abs() < 1e-4,
+                        "{label}: entropy {ent}"
+                    );
                     let want = attnscope::analysis::top_k(row, 3);
                     // rows with fewer than 3 visible keys are padded with (u32::MAX, 0)
                     assert_eq!(top.len(), 3, "{label}: top-k length");
                     assert_eq!(want.len(), 3.min(q + 1), "{label}: reference top-k length");
-                    assert!(top[want.len()..].iter().all(|&(j, w)| j == u32::MAX && w == 0.0), "{label}: padding");
+                    assert!(
+                        top[want.len()..]
+                            .iter()
+                            .all(|&(j, w)| j == u32::MAX && w == 0.0),
+                        "{label}: padding"
+                    );
                     for (t, w) in top.iter().zip(&want) {
                         assert_eq!(t.0 as usize, w.pos, "{label}: top-k position");
                         assert!((t.1 - w.weight).abs() < 1e-5, "{label}: top-k weight");
@@ -281,24 +429,75 @@ fn collector_from_streamed_rows_equals_collector_from_patterns() {
     let n = tokens.len();
     for knockout in [vec![], vec![3, 9]] {
         let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
-        model.forward(&tokens, &RunOptions { logits_at: vec![n - 1], knockout: knockout.clone(), ..Default::default() }, &mut cache).unwrap();
+        model
+            .forward(
+                &tokens,
+                &RunOptions {
+                    logits_at: vec![n - 1],
+                    knockout: knockout.clone(),
+                    ..Default::default()
+                },
+                &mut cache,
+            )
+            .unwrap();
         for query in [0, 11, n - 1] {
             let mut want = Collector::new(2, 4, n, query);
             for l in 0..2 {
-                want.attention_block(l, Hook::Pattern, 0, [4, n, n], cache.pattern(l).unwrap().data);
+                want.attention_block(
+                    l,
+                    Hook::Pattern,
+                    0,
+                    [4, n, n],
+                    cache.pattern(l).unwrap().data,
+                );
             }
-            for (key_block, block_bytes) in [(2usize, 4 * 4 * 23 * 5), (3, 64 << 20), (1024, 4 * 4 * 7)] {
+            for (key_block, block_bytes) in
+                [(2usize, 4 * 4 * 23 * 5), (3, 64 << 20), (1024, 4 * 4 * 7)]
+            {
                 let mut got = Collector::new(2, 4, n, query);
-                let opts = RunOptions { logits_at: vec![n - 1], key_block, block_bytes, knockout: knockout.clone(), ..Default::default() };
+                let opts = RunOptions {
+                    logits_at: vec![n - 1],
+                    key_block,
+                    block_bytes,
+                    knockout: knockout.clone(),
+                    ..Default::default()
+                };
                 model.forward(&tokens, &opts, &mut got).unwrap();
                 let label = format!("query {query}, key block {key_block}, knockout {knockout:?}");
                 for l in 0..2 {
-                    assert_eq!(got.query_rows[l].len(), 4 * n, "{label}: rows of layer {l} were handed out");
-                    assert_close(&got.query_rows[l], &want.query_rows[l], 1e-5, &format!("{label}: rows of layer {l}"));
-                    assert!((got.sink_all_queries(l) - want.sink_all_queries(l)).abs() < 1e-5, "{label}: sink share");
-                    assert_close(&got.mean_max_weight(l), &want.mean_max_weight(l), 1e-5, &format!("{label}: max weight"));
-                    assert_close(&got.mean_entropy(l), &want.mean_entropy(l), 1e-4, &format!("{label}: entropy"));
-                    assert_close(&got.head_sink(l), &want.head_sink(l), 1e-5, &format!("{label}: α₁"));
+                    assert_eq!(
+                        got.query_rows[l].len(),
+                        4 * n,
+                        "{label}: rows of layer {l} were handed out"
+                    );
+                    assert_close(
+                        &got.query_rows[l],
+                        &want.query_rows[l],
+                        1e-5,
+                        &format!("{label}: rows of layer {l}"),
+                    );
+                    assert!(
+                        (got.sink_all_queries(l) - want.sink_all_queries(l)).abs() < 1e-5,
+                        "{label}: sink share"
+                    );
+                    assert_close(
+                        &got.mean_max_weight(l),
+                        &want.mean_max_weight(l),
+                        1e-5,
+                        &format!("{label}: max weight"),
+                    );
+                    assert_close(
+                        &got.mean_entropy(l),
+                        &want.mean_entropy(l),
+                        1e-4,
+                        &format!("{label}: entropy"),
+                    );
+                    assert_close(
+                        &got.head_sink(l),
+                        &want.head_sink(l),
+                        1e-5,
+                        &format!("{label}: α₁"),
+                    );
                 }
             }
         }

@@ -53,7 +53,10 @@ impl Collector {
 
     /// Sink share for the query: its weight on the first token, averaged over heads.
     pub fn sink_query(&self, layer: usize) -> f32 {
-        (0..self.n_heads).map(|h| self.row(layer, h)[0] as f64).sum::<f64>() as f32 / self.n_heads as f32
+        (0..self.n_heads)
+            .map(|h| self.row(layer, h)[0] as f64)
+            .sum::<f64>() as f32
+            / self.n_heads as f32
     }
 
     /// Sink share over all queries 1..n-1 (query 0 can only attend to itself), averaged over heads.
@@ -67,18 +70,27 @@ impl Collector {
 
     /// Per head, the mean over all queries of the row's max weight.
     pub fn mean_max_weight(&self, layer: usize) -> Vec<f32> {
-        self.max_sums[layer].iter().map(|s| (s / self.n as f64) as f32).collect()
+        self.max_sums[layer]
+            .iter()
+            .map(|s| (s / self.n as f64) as f32)
+            .collect()
     }
 
     /// Per head, the mean over all queries of the row's entropy (nats).
     pub fn mean_entropy(&self, layer: usize) -> Vec<f32> {
-        self.ent_sums[layer].iter().map(|s| (s / self.n as f64) as f32).collect()
+        self.ent_sums[layer]
+            .iter()
+            .map(|s| (s / self.n as f64) as f32)
+            .collect()
     }
 
     /// Per head, the mean over queries 1..n-1 of the weight on the first token (α₁ of Gu et al.).
     pub fn head_sink(&self, layer: usize) -> Vec<f32> {
         let d = (self.n.max(2) - 1) as f64;
-        self.sink_sums[layer].iter().map(|s| (s / d) as f32).collect()
+        self.sink_sums[layer]
+            .iter()
+            .map(|s| (s / d) as f32)
+            .collect()
     }
 }
 
@@ -88,7 +100,10 @@ impl Observer for Collector {
     }
     fn tensor(&mut self, _: usize, _: Hook, _: &[usize], _: &[f32]) {}
     fn wants_stats(&self, layer: usize) -> Option<StatsRequest> {
-        (layer < self.query_rows.len()).then_some(StatsRequest { top_k: 0, top_k_from: usize::MAX })
+        (layer < self.query_rows.len()).then_some(StatsRequest {
+            top_k: 0,
+            top_k_from: usize::MAX,
+        })
     }
     fn attention_stats(&mut self, layer: usize, q_start: usize, s: &AttnStats) {
         for h in 0..s.n_heads {
@@ -103,7 +118,11 @@ impl Observer for Collector {
         }
     }
     fn wants_rows(&self, layer: usize) -> Vec<usize> {
-        if layer < self.query_rows.len() { vec![self.query] } else { Vec::new() }
+        if layer < self.query_rows.len() {
+            vec![self.query]
+        } else {
+            Vec::new()
+        }
     }
     fn attention_rows(&mut self, layer: usize, q: usize, n_heads: usize, rows: &[f32]) {
         if q == self.query {
@@ -116,7 +135,14 @@ impl Observer for Collector {
             self.query_rows[layer] = kept;
         }
     }
-    fn attention_block(&mut self, layer: usize, _: Hook, q_start: usize, shape: [usize; 3], data: &[f32]) {
+    fn attention_block(
+        &mut self,
+        layer: usize,
+        _: Hook,
+        q_start: usize,
+        shape: [usize; 3],
+        data: &[f32],
+    ) {
         let [n_heads, rows, kw] = shape;
         if self.query_rows[layer].is_empty() {
             self.query_rows[layer] = vec![0.0; n_heads * self.n];

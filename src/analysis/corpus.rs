@@ -13,7 +13,10 @@ pub fn builtin() -> Vec<String> {
 
 /// The built-in corpus joined by newlines, tokenized once and repeated up to `n` tokens: real
 /// text of any length, for `sinks` and `scaling`.
-pub fn builtin_tokens(tokenizer: &crate::model::tokenize::Tokenizer, n: usize) -> crate::model::Result<Vec<u32>> {
+pub fn builtin_tokens(
+    tokenizer: &crate::model::tokenize::Tokenizer,
+    n: usize,
+) -> crate::model::Result<Vec<u32>> {
     let once = tokenizer.encode(&builtin().join("\n"), false)?;
     Ok(once.iter().copied().cycle().take(n).collect())
 }
@@ -23,7 +26,13 @@ pub fn parse_lines(s: &str, unescape: bool) -> Vec<String> {
     s.lines()
         .map(|l| l.trim_end_matches('\r'))
         .filter(|l| !l.trim().is_empty() && !l.starts_with('#'))
-        .map(|l| if unescape { l.replace("\\n", "\n") } else { l.to_string() })
+        .map(|l| {
+            if unescape {
+                l.replace("\\n", "\n")
+            } else {
+                l.to_string()
+            }
+        })
         .collect()
 }
 
@@ -63,7 +72,13 @@ pub struct Record {
 }
 
 impl Record {
-    pub fn from_collector(id: usize, text: &str, model: &str, c: &Collector, next: (u32, String, f32)) -> Record {
+    pub fn from_collector(
+        id: usize,
+        text: &str,
+        model: &str,
+        c: &Collector,
+        next: (u32, String, f32),
+    ) -> Record {
         let nl = c.n_layers();
         let last = c.n - 1;
         Record {
@@ -74,7 +89,13 @@ impl Record {
             sink_query: (0..nl).map(|l| c.sink_query(l)).collect(),
             sink_all: (0..nl).map(|l| c.sink_all_queries(l)).collect(),
             head_alpha1: (0..nl).map(|l| c.head_sink(l)).collect(),
-            head_max_last: (0..nl).map(|l| (0..c.n_heads).map(|h| super::max_argmax(&c.row(l, h)[..=last]).0).collect()).collect(),
+            head_max_last: (0..nl)
+                .map(|l| {
+                    (0..c.n_heads)
+                        .map(|h| super::max_argmax(&c.row(l, h)[..=last]).0)
+                        .collect()
+                })
+                .collect(),
             head_mean_max: (0..nl).map(|l| c.mean_max_weight(l)).collect(),
             head_mean_entropy: (0..nl).map(|l| c.mean_entropy(l)).collect(),
             next_token_id: next.0,
@@ -98,10 +119,19 @@ pub struct Stat {
 pub fn stat(xs: &[f64]) -> Stat {
     let n = xs.len();
     let mean = xs.iter().sum::<f64>() / n.max(1) as f64;
-    let var = if n > 1 { xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64 } else { 0.0 };
+    let var = if n > 1 {
+        xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64
+    } else {
+        0.0
+    };
     let std = var.sqrt();
     let half = 1.96 * std / (n.max(1) as f64).sqrt();
-    Stat { mean, std, ci95: (mean - half, mean + half), n }
+    Stat {
+        mean,
+        std,
+        ci95: (mean - half, mean + half),
+        n,
+    }
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -146,7 +176,10 @@ pub fn aggregate(records: &[Record], epsilon: f32) -> Result<Aggregate, String> 
     recs.dedup_by_key(|r| r.id);
     let first = recs.first().ok_or("no records to aggregate")?;
     let (model, nl) = (first.model.clone(), first.sink_all.len());
-    if let Some(r) = recs.iter().find(|r| r.model != model || r.sink_all.len() != nl) {
+    if let Some(r) = recs
+        .iter()
+        .find(|r| r.model != model || r.sink_all.len() != nl)
+    {
         return Err(format!("record {} comes from model `{}` ({} layers), others from `{model}` ({nl} layers); aggregate one model at a time", r.id, r.model, r.sink_all.len()));
     }
     let mut hist = vec![0usize; 10];
@@ -166,15 +199,41 @@ pub fn aggregate(records: &[Record], epsilon: f32) -> Result<Aggregate, String> 
                 }
             }
             let t = total.max(1) as f64;
-            LayerAggregate { layer: l, sink_all: stat(&all), sink_query: stat(&q), sink_heads_fraction: sink_heads as f64 / t, concentrated_fraction: conc as f64 / t, mean_entropy: ent / t }
+            LayerAggregate {
+                layer: l,
+                sink_all: stat(&all),
+                sink_query: stat(&q),
+                sink_heads_fraction: sink_heads as f64 / t,
+                concentrated_fraction: conc as f64 / t,
+                mean_entropy: ent / t,
+            }
         })
         .collect::<Vec<_>>();
-    let peak_layer = layers.iter().max_by(|a, b| a.sink_all.mean.total_cmp(&b.sink_all.mean).then(b.layer.cmp(&a.layer))).map(|l| l.layer).unwrap_or(0);
+    let peak_layer = layers
+        .iter()
+        .max_by(|a, b| {
+            a.sink_all
+                .mean
+                .total_cmp(&b.sink_all.mean)
+                .then(b.layer.cmp(&a.layer))
+        })
+        .map(|l| l.layer)
+        .unwrap_or(0);
     let mut faith: Vec<FaithAggregate> = Vec::new();
-    let with_f: Vec<&Vec<FaithSummary>> = recs.iter().filter_map(|r| r.faithfulness.as_ref()).collect();
+    let with_f: Vec<&Vec<FaithSummary>> = recs
+        .iter()
+        .filter_map(|r| r.faithfulness.as_ref())
+        .collect();
     if let Some(first) = with_f.first() {
         for key in first.iter() {
-            let rows: Vec<&FaithSummary> = with_f.iter().flat_map(|v| v.iter().filter(|f| f.ranking == key.ranking && f.without_first == key.without_first)).collect();
+            let rows: Vec<&FaithSummary> = with_f
+                .iter()
+                .flat_map(|v| {
+                    v.iter().filter(|f| {
+                        f.ranking == key.ranking && f.without_first == key.without_first
+                    })
+                })
+                .collect();
             let rhos: Vec<f64> = rows.iter().filter_map(|f| f.spearman).collect();
             let top1: Vec<bool> = rows.iter().filter_map(|f| f.top1).collect();
             faith.push(FaithAggregate {
@@ -185,7 +244,16 @@ pub fn aggregate(records: &[Record], epsilon: f32) -> Result<Aggregate, String> 
             });
         }
     }
-    Ok(Aggregate { model, sentences: recs.len(), tokens: recs.iter().map(|r| r.n_tokens).sum(), epsilon, layers, max_weight_histogram: hist, peak_layer, faithfulness: faith })
+    Ok(Aggregate {
+        model,
+        sentences: recs.len(),
+        tokens: recs.iter().map(|r| r.n_tokens).sum(),
+        epsilon,
+        layers,
+        max_weight_histogram: hist,
+        peak_layer,
+        faithfulness: faith,
+    })
 }
 
 /// Reads JSON-lines records, naming the file and line of a bad one.
@@ -193,7 +261,10 @@ pub fn read_records(text: &str, source: &str) -> Result<Vec<Record>, String> {
     text.lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| serde_json::from_str(l).map_err(|e| format!("{source}:{}: not an attnscope corpus record: {e}", i + 1)))
+        .map(|(i, l)| {
+            serde_json::from_str(l)
+                .map_err(|e| format!("{source}:{}: not an attnscope corpus record: {e}", i + 1))
+        })
         .collect()
 }
 
@@ -251,15 +322,22 @@ mod tests {
         assert_eq!(read_records(&line, "x").unwrap(), vec![r.clone()]);
         let mut other = rec(2, 0.5);
         other.model = "other".into();
-        assert!(aggregate(&[r, other], 0.3).unwrap_err().contains("one model at a time"));
-        assert!(read_records("{bad", "f.jsonl").unwrap_err().starts_with("f.jsonl:1:"));
+        assert!(aggregate(&[r, other], 0.3)
+            .unwrap_err()
+            .contains("one model at a time"));
+        assert!(read_records("{bad", "f.jsonl")
+            .unwrap_err()
+            .starts_with("f.jsonl:1:"));
     }
 
     #[test]
     fn builtin_corpus_has_at_least_200_texts() {
         let b = builtin();
         assert!(b.len() >= 200, "{}", b.len());
-        assert!(b.iter().any(|t| t.contains('\n')), "code samples keep their newlines");
+        assert!(
+            b.iter().any(|t| t.contains('\n')),
+            "code samples keep their newlines"
+        );
         assert!(b.iter().any(|t| t.contains("北京")) && b.iter().any(|t| t.contains("Hà Nội")));
     }
 }

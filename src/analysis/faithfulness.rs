@@ -122,7 +122,9 @@ impl std::str::FromStr for Target {
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         Ok(match s {
             "next" => Target::Next,
-            _ if !s.is_empty() && s.chars().all(|c| c.is_ascii_digit()) => Target::Id(s.parse().map_err(|e| format!("{e}"))?),
+            _ if !s.is_empty() && s.chars().all(|c| c.is_ascii_digit()) => {
+                Target::Id(s.parse().map_err(|e| format!("{e}"))?)
+            }
             _ => Target::Text(s.to_string()),
         })
     }
@@ -201,20 +203,37 @@ pub struct FaithOptions {
 }
 
 /// Runs every forward needed and computes the report. `tick(done, total)` reports progress.
-pub fn run(model: &Model, tokens: &[u32], opts: &FaithOptions, mut tick: impl FnMut(usize, usize)) -> Result<FaithReport> {
+pub fn run(
+    model: &Model,
+    tokens: &[u32],
+    opts: &FaithOptions,
+    mut tick: impl FnMut(usize, usize),
+) -> Result<FaithReport> {
     let n = tokens.len();
     let d = &model.dims;
     let q = n - 1;
     // 1. the full run: patterns of every layer and head, keys/values for prefix reuse
     let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
-    let full = model.forward(tokens, &RunOptions { logits_at: vec![q], keep_kv: true, ..Default::default() }, &mut cache)?;
+    let full = model.forward(
+        tokens,
+        &RunOptions {
+            logits_at: vec![q],
+            keep_kv: true,
+            ..Default::default()
+        },
+        &mut cache,
+    )?;
     let kv = full.kv.expect("keep_kv was set");
     let full_lp = log_softmax(&full.logits[0]);
     let target_id = match &opts.target {
         Target::Next => super::max_argmax(&full.logits[0]).1 as u32,
         Target::Id(i) => {
             if *i as usize >= d.vocab_size {
-                return Err(crate::model::Error::OutOfRange { what: "--target id".into(), value: i.to_string(), range: format!("0..{}", d.vocab_size) });
+                return Err(crate::model::Error::OutOfRange {
+                    what: "--target id".into(),
+                    value: i.to_string(),
+                    range: format!("0..{}", d.vocab_size),
+                });
             }
             *i
         }
@@ -222,7 +241,14 @@ pub fn run(model: &Model, tokens: &[u32], opts: &FaithOptions, mut tick: impl Fn
     };
     let replacement = single_token(model, &opts.replacement, "--replace-with")?;
     let base = full_lp[target_id as usize];
-    let mut runner = Runner { model, tokens, kv: &kv, target: target_id, memo: HashMap::new(), passes: 1 };
+    let mut runner = Runner {
+        model,
+        tokens,
+        kv: &kv,
+        target: target_id,
+        memo: HashMap::new(),
+        passes: 1,
+    };
     // 2. attention rankings from the full run
     let head_means: Vec<Vec<f32>> = (0..d.n_layers)
         .map(|l| {
@@ -235,12 +261,19 @@ pub fn run(model: &Model, tokens: &[u32], opts: &FaithOptions, mut tick: impl Fn
     let attention_mean = super::mean_rows(head_means.iter().map(|hm| &hm[q * n..][..n]));
     let roll = rollout(&head_means, n, q);
     let last_p = cache.pattern(d.n_layers - 1).expect("captured");
-    let mut rankings: Vec<(String, Vec<f32>)> = vec![("attention_last".into(), attention_last.clone()), ("attention_mean".into(), attention_mean.clone()), ("rollout".into(), roll.clone())];
+    let mut rankings: Vec<(String, Vec<f32>)> = vec![
+        ("attention_last".into(), attention_last.clone()),
+        ("attention_mean".into(), attention_mean.clone()),
+        ("rollout".into(), roll.clone()),
+    ];
     for h in 0..d.n_heads {
         rankings.push((format!("head_{h}"), last_p.row(h, q).to_vec()));
     }
     let mut rng = Rng::new(opts.seed);
-    rankings.push(("random".into(), (0..n).map(|_| rng.uniform() as f32).collect()));
+    rankings.push((
+        "random".into(),
+        (0..n).map(|_| rng.uniform() as f32).collect(),
+    ));
     // 3. occlusions: 3 per position
     let ks = [1usize, 3, 5];
     let total_guess = 1 + 3 * n + rankings.len() * ks.len() * 4;
@@ -249,7 +282,12 @@ pub fn run(model: &Model, tokens: &[u32], opts: &FaithOptions, mut tick: impl Fn
     let mut rows = Vec::with_capacity(n);
     for j in 0..n {
         let loo = if n > 1 {
-            let v: Vec<u32> = tokens.iter().enumerate().filter(|&(i, _)| i != j).map(|(_, &t)| t).collect();
+            let v: Vec<u32> = tokens
+                .iter()
+                .enumerate()
+                .filter(|&(i, _)| i != j)
+                .map(|(_, &t)| t)
+                .collect();
             Some(runner.logprob(&v, None)? - base)
         } else {
             None
@@ -260,7 +298,17 @@ pub fn run(model: &Model, tokens: &[u32], opts: &FaithOptions, mut tick: impl Fn
         let knockout = runner.logprob(tokens, Some(j))? - base;
         done += 3;
         tick(done, total_guess);
-        rows.push(TokenRow { pos: j, id: tokens[j], text: model.tokenizer.token_text(tokens[j]), attention_last: attention_last[j], attention_mean: attention_mean[j], rollout: roll[j], loo, replace, knockout });
+        rows.push(TokenRow {
+            pos: j,
+            id: tokens[j],
+            text: model.tokenizer.token_text(tokens[j]),
+            attention_last: attention_last[j],
+            attention_mean: attention_mean[j],
+            rollout: roll[j],
+            loo,
+            replace,
+            knockout,
+        });
     }
     // 4. metrics
     let p_full = base.exp();
@@ -273,10 +321,20 @@ pub fn run(model: &Model, tokens: &[u32], opts: &FaithOptions, mut tick: impl Fn
             for &k in &ks {
                 let (c, s) = if k <= candidates.len() {
                     let top = top_positions(scores, &candidates, k);
-                    let without: Vec<u32> = (0..n).filter(|i| !top.contains(i)).map(|i| tokens[i]).collect();
+                    let without: Vec<u32> = (0..n)
+                        .filter(|i| !top.contains(i))
+                        .map(|i| tokens[i])
+                        .collect();
                     // without_first: the first token is not ranked, so it stays in both variants
-                    let only: Vec<u32> = (0..n).filter(|i| top.contains(i) || (without_first && *i == 0)).map(|i| tokens[i]).collect();
-                    let c = if without.is_empty() { None } else { Some(p_full - runner.logprob(&without, None)?.exp()) };
+                    let only: Vec<u32> = (0..n)
+                        .filter(|i| top.contains(i) || (without_first && *i == 0))
+                        .map(|i| tokens[i])
+                        .collect();
+                    let c = if without.is_empty() {
+                        None
+                    } else {
+                        Some(p_full - runner.logprob(&without, None)?.exp())
+                    };
                     let s = Some(p_full - runner.logprob(&only, None)?.exp());
                     (c, s)
                 } else {
@@ -304,8 +362,16 @@ pub fn run(model: &Model, tokens: &[u32], opts: &FaithOptions, mut tick: impl Fn
                     .collect();
                 let sc: Vec<f64> = candidates.iter().map(|&i| scores[i] as f64).collect();
                 let top1 = (!candidates.is_empty()).then(|| {
-                    let a = sc.iter().enumerate().max_by(|x, y| x.1.total_cmp(y.1).then(y.0.cmp(&x.0))).map(|x| x.0);
-                    let b = imp.iter().enumerate().max_by(|x, y| x.1.total_cmp(y.1).then(y.0.cmp(&x.0))).map(|x| x.0);
+                    let a = sc
+                        .iter()
+                        .enumerate()
+                        .max_by(|x, y| x.1.total_cmp(y.1).then(y.0.cmp(&x.0)))
+                        .map(|x| x.0);
+                    let b = imp
+                        .iter()
+                        .enumerate()
+                        .max_by(|x, y| x.1.total_cmp(y.1).then(y.0.cmp(&x.0)))
+                        .map(|x| x.0);
                     a == b
                 });
                 metrics.push(MetricRow {
@@ -322,13 +388,21 @@ pub fn run(model: &Model, tokens: &[u32], opts: &FaithOptions, mut tick: impl Fn
         }
     }
     tick(total_guess, total_guess);
-    let target = TargetInfo { id: target_id, token: model.tokenizer.token_text(target_id), logprob: base, prob: p_full };
+    let target = TargetInfo {
+        id: target_id,
+        token: model.tokenizer.token_text(target_id),
+        logprob: base,
+        prob: p_full,
+    };
     let conclusion = conclude(&rows, &metrics, &target);
     Ok(FaithReport {
         model: model.info.name.clone(),
         precision: model.info.precision.name().into(),
         target,
-        replacement: TargetInfoLite { id: replacement, token: model.tokenizer.token_text(replacement) },
+        replacement: TargetInfoLite {
+            id: replacement,
+            token: model.tokenizer.token_text(replacement),
+        },
         query: q,
         tokens: rows,
         metrics,
@@ -367,15 +441,25 @@ impl Runner<'_> {
             return Ok(v);
         }
         // positions before the first change (and before a knocked-out key) are unchanged
-        let mut c = variant.iter().zip(self.tokens).take_while(|(a, b)| a == b).count();
+        let mut c = variant
+            .iter()
+            .zip(self.tokens)
+            .take_while(|(a, b)| a == b)
+            .count();
         if let Some(j) = knockout {
             c = c.min(j);
         }
         c = c.min(variant.len() - 1);
         let prefix = self.kv.truncate(c)?;
         let n = variant.len();
-        let opts = RunOptions { logits_at: vec![n - 1], knockout: knockout.into_iter().collect(), ..Default::default() };
-        let out = self.model.forward_from(Some(&prefix), &variant[c..], &opts, &mut NoCapture)?;
+        let opts = RunOptions {
+            logits_at: vec![n - 1],
+            knockout: knockout.into_iter().collect(),
+            ..Default::default()
+        };
+        let out = self
+            .model
+            .forward_from(Some(&prefix), &variant[c..], &opts, &mut NoCapture)?;
         self.passes += 1;
         let lp = log_softmax(&out.logits[0])[self.target as usize];
         self.memo.insert(key, lp);
@@ -384,11 +468,36 @@ impl Runner<'_> {
 }
 
 fn conclude(rows: &[TokenRow], metrics: &[MetricRow], target: &TargetInfo) -> String {
-    let find = |ranking: &str, truth: &str, wf: bool| metrics.iter().find(|m| m.ranking == ranking && m.truth == truth && m.without_first == wf);
-    let fmt = |x: Option<f64>| x.map(|v| format!("{v:+.2}")).unwrap_or_else(|| "n/a".into());
-    let most_attended = rows.iter().max_by(|a, b| a.attention_last.total_cmp(&b.attention_last).then(b.pos.cmp(&a.pos))).expect("at least one token");
-    let most_important = rows.iter().max_by(|a, b| (-a.loo.unwrap_or(0.0)).total_cmp(&-b.loo.unwrap_or(0.0)).then(b.pos.cmp(&a.pos))).expect("at least one token");
-    let (al, ro, ra) = (find("attention_last", "loo", false), find("rollout", "loo", false), find("random", "loo", false));
+    let find = |ranking: &str, truth: &str, wf: bool| {
+        metrics
+            .iter()
+            .find(|m| m.ranking == ranking && m.truth == truth && m.without_first == wf)
+    };
+    let fmt = |x: Option<f64>| {
+        x.map(|v| format!("{v:+.2}"))
+            .unwrap_or_else(|| "n/a".into())
+    };
+    let most_attended = rows
+        .iter()
+        .max_by(|a, b| {
+            a.attention_last
+                .total_cmp(&b.attention_last)
+                .then(b.pos.cmp(&a.pos))
+        })
+        .expect("at least one token");
+    let most_important = rows
+        .iter()
+        .max_by(|a, b| {
+            (-a.loo.unwrap_or(0.0))
+                .total_cmp(&-b.loo.unwrap_or(0.0))
+                .then(b.pos.cmp(&a.pos))
+        })
+        .expect("at least one token");
+    let (al, ro, ra) = (
+        find("attention_last", "loo", false),
+        find("rollout", "loo", false),
+        find("random", "loo", false),
+    );
     let alw = find("attention_last", "loo", true);
     let strength = |r: Option<f64>| match r {
         Some(v) if v >= 0.7 => "strong",
@@ -451,14 +560,19 @@ mod tests {
 
     #[test]
     fn ties_get_average_ranks() {
-        assert_eq!(average_ranks(&[10.0, 20.0, 20.0, 5.0]), vec![2.0, 3.5, 3.5, 1.0]);
+        assert_eq!(
+            average_ranks(&[10.0, 20.0, 20.0, 5.0]),
+            vec![2.0, 3.5, 3.5, 1.0]
+        );
     }
 
     #[test]
     fn rollout_of_identity_attention_stays_on_the_query() {
         // every token attends only to itself: rollout keeps all weight on the query
         let n = 3;
-        let eye: Vec<f32> = (0..n * n).map(|i| if i / n == i % n { 1.0 } else { 0.0 }).collect();
+        let eye: Vec<f32> = (0..n * n)
+            .map(|i| if i / n == i % n { 1.0 } else { 0.0 })
+            .collect();
         assert_eq!(rollout(&[eye.clone(), eye], n, 2), vec![0.0, 0.0, 1.0]);
     }
 
@@ -484,6 +598,9 @@ mod tests {
     fn targets_parse() {
         assert!(matches!("next".parse::<Target>().unwrap(), Target::Next));
         assert!(matches!("42".parse::<Target>().unwrap(), Target::Id(42)));
-        assert!(matches!(" Paris".parse::<Target>().unwrap(), Target::Text(_)));
+        assert!(matches!(
+            " Paris".parse::<Target>().unwrap(),
+            Target::Text(_)
+        ));
     }
 }

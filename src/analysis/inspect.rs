@@ -115,9 +115,19 @@ pub struct InspectPlan {
     pub concentrated_at: f32,
 }
 
-pub fn build(model: &Model, tokens: &[u32], c: &Collector, logits: &[f32], plan: &InspectPlan) -> InspectReport {
+pub fn build(
+    model: &Model,
+    tokens: &[u32],
+    c: &Collector,
+    logits: &[f32],
+    plan: &InspectPlan,
+) -> InspectReport {
     let texts = model.token_texts(tokens);
-    let entry = |r: super::Ranked| TopEntry { pos: r.pos, token: texts[r.pos].clone(), weight: r.weight };
+    let entry = |r: super::Ranked| TopEntry {
+        pos: r.pos,
+        token: texts[r.pos].clone(),
+        weight: r.weight,
+    };
     let q = plan.query;
     let group = model.dims.group_size();
     let heads = plan
@@ -141,19 +151,44 @@ pub fn build(model: &Model, tokens: &[u32], c: &Collector, logits: &[f32], plan:
     let layers: Vec<LayerRow> = (0..c.n_layers())
         .map(|l| LayerRow {
             layer: l,
-            top: plan.layers.contains(&l).then(|| top_k(&c.head_mean(l)[..=q], plan.top_layers).into_iter().map(entry).collect()),
+            top: plan.layers.contains(&l).then(|| {
+                top_k(&c.head_mean(l)[..=q], plan.top_layers)
+                    .into_iter()
+                    .map(entry)
+                    .collect()
+            }),
             sink_query: c.sink_query(l),
             sink_all_queries: c.sink_all_queries(l),
         })
         .collect();
     let sq: Vec<f32> = layers.iter().map(|l| l.sink_query).collect();
     let sa: Vec<f32> = layers.iter().map(|l| l.sink_all_queries).collect();
-    let sink = SinkSummary { query: profile_marks(&sq), all_queries: profile_marks(&sa) };
-    let next_token = next_token_top_k(logits, 5).into_iter().map(|t| NextToken { id: t.id, token: model.tokenizer.token_text(t.id), prob: t.prob, logit: t.logit }).collect::<Vec<_>>();
+    let sink = SinkSummary {
+        query: profile_marks(&sq),
+        all_queries: profile_marks(&sa),
+    };
+    let next_token = next_token_top_k(logits, 5)
+        .into_iter()
+        .map(|t| NextToken {
+            id: t.id,
+            token: model.tokenizer.token_text(t.id),
+            prob: t.prob,
+            logit: t.logit,
+        })
+        .collect::<Vec<_>>();
     let caution = caution(&texts, &sink, &layers, q);
     InspectReport {
         model: ModelFacts::of(model),
-        tokens: tokens.iter().zip(&texts).enumerate().map(|(pos, (&id, t))| TokenInfo { pos, id, text: t.clone() }).collect(),
+        tokens: tokens
+            .iter()
+            .zip(&texts)
+            .enumerate()
+            .map(|(pos, (&id, t))| TokenInfo {
+                pos,
+                id,
+                text: t.clone(),
+            })
+            .collect(),
         query: q,
         layer: plan.layer,
         heads,

@@ -26,19 +26,32 @@ pub fn reset_peak_rss() -> bool {
 pub fn machine() -> (String, usize) {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|x| x.trim().to_string()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|x| x.trim().to_string())
+        })
         .unwrap_or_else(|| std::env::consts::ARCH.to_string());
     (cpu, rayon::current_num_threads())
 }
 
 /// Least-squares slope of log(y) against log(x): the exponent of a power law y ~ x^k.
 pub fn loglog_slope(xs: &[f64], ys: &[f64]) -> Option<f64> {
-    let pts: Vec<(f64, f64)> = xs.iter().zip(ys).filter(|(x, y)| **x > 0.0 && **y > 0.0).map(|(x, y)| (x.ln(), y.ln())).collect();
+    let pts: Vec<(f64, f64)> = xs
+        .iter()
+        .zip(ys)
+        .filter(|(x, y)| **x > 0.0 && **y > 0.0)
+        .map(|(x, y)| (x.ln(), y.ln()))
+        .collect();
     if pts.len() < 2 {
         return None;
     }
     let n = pts.len() as f64;
-    let (mx, my) = (pts.iter().map(|p| p.0).sum::<f64>() / n, pts.iter().map(|p| p.1).sum::<f64>() / n);
+    let (mx, my) = (
+        pts.iter().map(|p| p.0).sum::<f64>() / n,
+        pts.iter().map(|p| p.1).sum::<f64>() / n,
+    );
     let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
     let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
     (sxx > 0.0).then(|| sxy / sxx)

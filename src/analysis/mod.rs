@@ -22,7 +22,13 @@ pub struct Ranked {
 pub fn top_k(row: &[f32], k: usize) -> Vec<Ranked> {
     let mut idx: Vec<usize> = (0..row.len()).collect();
     idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
-    idx.into_iter().take(k).map(|pos| Ranked { pos, weight: row[pos] }).collect()
+    idx.into_iter()
+        .take(k)
+        .map(|pos| Ranked {
+            pos,
+            weight: row[pos],
+        })
+        .collect()
 }
 
 /// `(max weight, argmax)`; ties go to the lower position.
@@ -38,7 +44,10 @@ pub fn max_argmax(row: &[f32]) -> (f32, usize) {
 
 /// Shannon entropy in nats, accumulated in f64 (`0 ln 0 = 0`).
 pub fn entropy(row: &[f32]) -> f32 {
-    -row.iter().filter(|&&p| p > 0.0).map(|&p| p as f64 * (p as f64).ln()).sum::<f64>() as f32
+    -row.iter()
+        .filter(|&&p| p > 0.0)
+        .map(|&p| p as f64 * (p as f64).ln())
+        .sum::<f64>() as f32
 }
 
 /// Element-wise mean of equally long rows (e.g. the heads of one query).
@@ -52,7 +61,9 @@ pub fn mean_rows<'a>(rows: impl IntoIterator<Item = &'a [f32]>) -> Vec<f32> {
         acc.iter_mut().zip(r).for_each(|(a, &x)| *a += x as f64);
         count += 1;
     }
-    acc.into_iter().map(|a| (a / count.max(1) as f64) as f32).collect()
+    acc.into_iter()
+        .map(|a| (a / count.max(1) as f64) as f32)
+        .collect()
 }
 
 /// Markers of a per-layer profile: the peak and the largest rise between consecutive layers.
@@ -82,7 +93,13 @@ pub fn profile_marks(values: &[f32]) -> ProfileMarks {
     let (lo, hi) = (n / 3, (2 * n).div_ceil(3).max(n / 3 + 1).min(n));
     let mid = &values[lo..hi];
     let middle_mean = mid.iter().sum::<f32>() / mid.len().max(1) as f32;
-    ProfileMarks { peak_layer, peak, largest_jump, middle_layers: (lo, hi.saturating_sub(1)), middle_mean }
+    ProfileMarks {
+        peak_layer,
+        peak,
+        largest_jump,
+        middle_layers: (lo, hi.saturating_sub(1)),
+        middle_mean,
+    }
 }
 
 /// A next-token candidate.
@@ -99,7 +116,11 @@ pub fn next_token_top_k(logits: &[f32], k: usize) -> Vec<Candidate> {
     let z: f64 = logits.iter().map(|&x| ((x - max) as f64).exp()).sum();
     top_k(logits, k)
         .into_iter()
-        .map(|r| Candidate { id: r.pos as u32, prob: (((r.weight - max) as f64).exp() / z) as f32, logit: r.weight })
+        .map(|r| Candidate {
+            id: r.pos as u32,
+            prob: (((r.weight - max) as f64).exp() / z) as f32,
+            logit: r.weight,
+        })
         .collect()
 }
 

@@ -40,7 +40,13 @@ pub struct StreamStats {
 }
 
 impl StreamStats {
-    pub fn new(n_layers: usize, n_heads: usize, n: usize, top_k: usize, on_layer: Box<dyn FnMut(usize) + Send>) -> Self {
+    pub fn new(
+        n_layers: usize,
+        n_heads: usize,
+        n: usize,
+        top_k: usize,
+        on_layer: Box<dyn FnMut(usize) + Send>,
+    ) -> Self {
         StreamStats {
             n,
             n_heads,
@@ -89,7 +95,10 @@ impl Observer for StreamStats {
     fn tensor(&mut self, _: usize, _: Hook, _: &[usize], _: &[f32]) {}
     fn attention_block(&mut self, _: usize, _: Hook, _: usize, _: [usize; 3], _: &[f32]) {}
     fn wants_stats(&self, layer: usize) -> Option<StatsRequest> {
-        (layer < self.sums.len()).then_some(StatsRequest { top_k: self.top_k, top_k_from: self.n - 1 })
+        (layer < self.sums.len()).then_some(StatsRequest {
+            top_k: self.top_k,
+            top_k_from: self.n - 1,
+        })
     }
     fn attention_stats(&mut self, layer: usize, q_start: usize, s: &AttnStats) {
         for h in 0..s.n_heads {
@@ -105,7 +114,11 @@ impl Observer for StreamStats {
                 acc[3] += (s.max_weight[x] >= 0.9) as u8 as f64;
                 if q + 1 == self.n {
                     self.last_first[layer][h] = s.first_key[x];
-                    self.last_top[layer][h] = s.top[x * s.top_k..][..s.top_k].iter().copied().filter(|t| t.0 != u32::MAX).collect();
+                    self.last_top[layer][h] = s.top[x * s.top_k..][..s.top_k]
+                        .iter()
+                        .copied()
+                        .filter(|t| t.0 != u32::MAX)
+                        .collect();
                 }
             }
         }

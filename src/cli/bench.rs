@@ -69,11 +69,13 @@ struct CommandRow {
 /// Best of `reps` timed runs of `f` after one warm-up, in seconds.
 fn best_of(reps: usize, mut f: impl FnMut()) -> f64 {
     f();
-    (0..reps).map(|_| {
-        let t = Instant::now();
-        f();
-        t.elapsed().as_secs_f64()
-    }).fold(f64::INFINITY, f64::min)
+    (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min)
 }
 
 /// Runs this executable with `args`; returns (wall seconds, peak RSS bytes, exit code). The child
@@ -83,13 +85,25 @@ fn run_self(args: &[String], peak_file: &std::path::Path) -> anyhow::Result<(f64
     let exe = std::env::current_exe()?;
     let _ = std::fs::remove_file(peak_file);
     let start = Instant::now();
-    let out = std::process::Command::new(exe).args(args).env("ATTNSCOPE_PEAK_FILE", peak_file).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).output()?;
+    let out = std::process::Command::new(exe)
+        .args(args)
+        .env("ATTNSCOPE_PEAK_FILE", peak_file)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .output()?;
     let wall = start.elapsed().as_secs_f64();
     let code = out.status.code().unwrap_or(-1);
     if code != 0 {
-        anyhow::bail!("`attnscope {}` exited with {code}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
+        anyhow::bail!(
+            "`attnscope {}` exited with {code}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
     }
-    let peak = std::fs::read_to_string(peak_file).ok().and_then(|s| s.trim().parse::<u64>().ok()).unwrap_or(0);
+    let peak = std::fs::read_to_string(peak_file)
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .unwrap_or(0);
     Ok((wall, peak, code))
 }
 
@@ -104,14 +118,30 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let d = model.dims.clone();
     let max_n = *a.lengths.iter().max().expect("non-empty");
     if max_n > d.context_len {
-        return Err(anyhow::Error::new(crate::model::Error::TooLong { n_tokens: max_n, limit: d.context_len, model: model.info.name.clone() }));
+        return Err(anyhow::Error::new(crate::model::Error::TooLong {
+            n_tokens: max_n,
+            limit: d.context_len,
+            model: model.info.name.clone(),
+        }));
     }
     let all = crate::analysis::corpus::builtin_tokens(&model.tokenizer, max_n)?;
     let steps = 2 + a.lengths.len() * if a.no_commands { 1 } else { 3 };
-    let pb = if std::io::stderr().is_terminal() { indicatif::ProgressBar::new(steps as u64) } else { indicatif::ProgressBar::hidden() };
-    pb.set_style(indicatif::ProgressStyle::with_template("{msg:32} [{bar:30}] {pos}/{len} ({elapsed})").expect("valid template").progress_chars("=> "));
+    let pb = if std::io::stderr().is_terminal() {
+        indicatif::ProgressBar::new(steps as u64)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    pb.set_style(
+        indicatif::ProgressStyle::with_template("{msg:32} [{bar:30}] {pos}/{len} ({elapsed})")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
     if !std::io::stderr().is_terminal() {
-        eprintln!("attnscope bench: {} steps (kernel, GEMM shapes, forwards{}); this takes minutes", steps, if a.no_commands { "" } else { ", commands" });
+        eprintln!(
+            "attnscope bench: {} steps (kernel, GEMM shapes, forwards{}); this takes minutes",
+            steps,
+            if a.no_commands { "" } else { ", commands" }
+        );
     }
 
     // the machine: the kernel's in-cache peak and the GEMM at the model's shapes
@@ -120,8 +150,18 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let peak = gemm::kernel_peak_gflops(isa, 0.5);
     pb.inc(1);
     pb.set_message("GEMM at the model's shapes");
-    let (nq, nk, dm, ff) = (d.n_heads * d.head_dim, d.n_kv_heads * d.head_dim, d.d_model, d.d_ff);
-    let shapes: [(&'static str, usize, usize); 4] = [("q|k|v", dm, nq + 2 * nk), ("o", nq, dm), ("gate|up", dm, 2 * ff), ("down", ff, dm)];
+    let (nq, nk, dm, ff) = (
+        d.n_heads * d.head_dim,
+        d.n_kv_heads * d.head_dim,
+        d.d_model,
+        d.d_ff,
+    );
+    let shapes: [(&'static str, usize, usize); 4] = [
+        ("q|k|v", dm, nq + 2 * nk),
+        ("o", nq, dm),
+        ("gate|up", dm, 2 * ff),
+        ("down", ff, dm),
+    ];
     let mut rng = crate::reference::Rng::new(1);
     let m = max_n;
     let mut gemms = Vec::new();
@@ -131,17 +171,29 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let packed = PackedB::from_rows(&w, n, k, k, isa);
         let mut out = vec![0f32; m * n];
         let flops = 2.0 * (m * k * n) as f64;
-        let ours = best_of(a.repeats, || gemm::gemm(&x, k, m, &packed, &mut out, n, false));
+        let ours = best_of(a.repeats, || {
+            gemm::gemm(&x, k, m, &packed, &mut out, n, false)
+        });
         let xt = candle_core::Tensor::from_vec(x, (m, k), &candle_core::Device::Cpu)?;
         let wt = candle_core::Tensor::from_vec(w, (n, k), &candle_core::Device::Cpu)?;
         let candle = best_of(a.repeats, || {
             std::hint::black_box(xt.matmul(&wt.t().expect("2-d")).expect("matmul"));
         });
-        gemms.push(GemmRow { name, m, k, n, attnscope_gflops: flops / ours / 1e9, candle_gflops: flops / candle / 1e9 });
+        gemms.push(GemmRow {
+            name,
+            m,
+            k,
+            n,
+            attnscope_gflops: flops / ours / 1e9,
+            candle_gflops: flops / candle / 1e9,
+        });
     }
     pb.inc(1);
     // the machine's f32 GEMM rate: the best measured at the forward's largest shape
-    let machine_rate = gemms.iter().map(|g| g.attnscope_gflops.max(g.candle_gflops)).fold(0.0, f64::max);
+    let machine_rate = gemms
+        .iter()
+        .map(|g| g.attnscope_gflops.max(g.candle_gflops))
+        .fold(0.0, f64::max);
 
     // forwards
     let layers = d.n_layers as f64;
@@ -160,20 +212,37 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let total = median(runs.iter().map(|t| t.total.as_secs_f64()).collect());
         let proj = median(runs.iter().map(|t| t.projections.as_secs_f64()).collect());
         let attn = median(runs.iter().map(|t| t.attention.as_secs_f64()).collect());
-        let proj_flops = layers * 2.0 * n as f64 * (dm * (nq + 2 * nk) + nq * dm + 3 * dm * ff) as f64;
+        let proj_flops =
+            layers * 2.0 * n as f64 * (dm * (nq + 2 * nk) + nq * dm + 3 * dm * ff) as f64;
         // useful work: q·k and p·v over the n(n+1)/2 visible (query, key) pairs of every head
-        let attn_flops = layers * d.n_heads as f64 * 4.0 * d.head_dim as f64 * (n * (n + 1) / 2) as f64;
+        let attn_flops =
+            layers * d.n_heads as f64 * 4.0 * d.head_dim as f64 * (n * (n + 1) / 2) as f64;
         let pattern_bytes = 4.0 * (d.n_layers * d.n_heads) as f64 * (n as f64).powi(2);
-        let (with_patterns_s, with_patterns_attention_s, with_patterns_peak_bytes) = if pattern_bytes <= a.capture_limit_gib * (1u64 << 30) as f64 {
-            let resettable = reset_peak_rss();
-            let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
-            let out = model.forward(tokens, &opts, &mut cache)?;
-            drop(cache);
-            (Some(out.timings.total.as_secs_f64()), Some(out.timings.attention.as_secs_f64()), if resettable { peak_rss_bytes() } else { None })
-        } else {
-            (None, None, None)
-        };
-        forwards.push(ForwardRow { n, forward_s: total, projections_s: proj, projections_gflops: proj_flops / proj / 1e9, attention_s: attn, attention_gflops: attn_flops / attn / 1e9, with_patterns_s, with_patterns_attention_s, with_patterns_peak_bytes });
+        let (with_patterns_s, with_patterns_attention_s, with_patterns_peak_bytes) =
+            if pattern_bytes <= a.capture_limit_gib * (1u64 << 30) as f64 {
+                let resettable = reset_peak_rss();
+                let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
+                let out = model.forward(tokens, &opts, &mut cache)?;
+                drop(cache);
+                (
+                    Some(out.timings.total.as_secs_f64()),
+                    Some(out.timings.attention.as_secs_f64()),
+                    if resettable { peak_rss_bytes() } else { None },
+                )
+            } else {
+                (None, None, None)
+            };
+        forwards.push(ForwardRow {
+            n,
+            forward_s: total,
+            projections_s: proj,
+            projections_gflops: proj_flops / proj / 1e9,
+            attention_s: attn,
+            attention_gflops: attn_flops / attn / 1e9,
+            with_patterns_s,
+            with_patterns_attention_s,
+            with_patterns_peak_bytes,
+        });
         pb.inc(1);
     }
 
@@ -182,20 +251,42 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if !a.no_commands {
         let dir = tempfile::tempdir()?;
         for &n in &a.lengths {
-            let bytes: Vec<u8> = all[..n].iter().flat_map(|&t| model.tokenizer.token_bytes(t)).collect();
+            let bytes: Vec<u8> = all[..n]
+                .iter()
+                .flat_map(|&t| model.tokenizer.token_bytes(t))
+                .collect();
             let text = String::from_utf8_lossy(&bytes).into_owned();
             let file = dir.path().join(format!("text{n}.txt"));
             std::fs::write(&file, &text)?;
-            let mut base = vec!["-m".to_string(), a.model.model.clone(), "--precision".into(), a.model.precision.name().into()];
+            let mut base = vec![
+                "-m".to_string(),
+                a.model.model.clone(),
+                "--precision".into(),
+                a.model.precision.name().into(),
+            ];
             if a.model.bos {
                 base.push("--bos".into());
             }
             let fstr = file.to_string_lossy().into_owned();
             for (label, extra) in [
-                ("capture (all patterns → .safetensors)", vec!["--out".to_string(), dir.path().join(format!("p{n}.safetensors")).to_string_lossy().into_owned(), "--force".into()]),
+                (
+                    "capture (all patterns → .safetensors)",
+                    vec![
+                        "--out".to_string(),
+                        dir.path()
+                            .join(format!("p{n}.safetensors"))
+                            .to_string_lossy()
+                            .into_owned(),
+                        "--force".into(),
+                    ],
+                ),
                 ("inspect", vec![]),
             ] {
-                let sub = if label.starts_with("capture") { "capture" } else { "inspect" };
+                let sub = if label.starts_with("capture") {
+                    "capture"
+                } else {
+                    "inspect"
+                };
                 pb.set_message(format!("{sub}, n = {n}"));
                 let mut args = vec![sub.to_string()];
                 args.extend(base.iter().cloned());
@@ -203,7 +294,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 args.extend(extra);
                 let (wall, peak_b, exit) = run_self(&args, &dir.path().join("peak"))?;
                 let _ = std::fs::remove_file(dir.path().join(format!("p{n}.safetensors")));
-                commands.push(CommandRow { n, command: label.to_string(), wall_s: wall, peak_rss_bytes: peak_b, exit });
+                commands.push(CommandRow {
+                    n,
+                    command: label.to_string(),
+                    wall_s: wall,
+                    peak_rss_bytes: peak_b,
+                    exit,
+                });
                 pb.inc(1);
             }
         }
@@ -219,13 +316,29 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         });
         return emit(&format!("{}\n", serde_json::to_string_pretty(&doc)?));
     }
-    let mut s = title(&format!("Where the time goes: {} ({} precision)", model.info.name, model.info.precision.name()));
+    let mut s = title(&format!(
+        "Where the time goes: {} ({} precision)",
+        model.info.name,
+        model.info.precision.name()
+    ));
     s += &format!("{threads} threads on {cpu}; micro-kernel {} ({}x{} tile); median of {} runs after 1 warm-up.\n\n", isa.name(), isa.mr(), isa.nr(), a.repeats);
     s += &format!("Micro-kernel in cache (the ceiling of any product): {peak:.0} GFLOP/s\n");
     s += &format!("Machine f32 GEMM rate (best measured below, at the model's shapes): {machine_rate:.0} GFLOP/s\n\n");
-    let mut t = Table::new([("f32 GEMM, m tokens", Align::Left), ("m × k · k × n", Align::Right), ("attnscope packed", Align::Right), ("candle matmul", Align::Right), ("ratio", Align::Right)]);
+    let mut t = Table::new([
+        ("f32 GEMM, m tokens", Align::Left),
+        ("m × k · k × n", Align::Right),
+        ("attnscope packed", Align::Right),
+        ("candle matmul", Align::Right),
+        ("ratio", Align::Right),
+    ]);
     for g in &gemms {
-        t.row([g.name.to_string(), format!("{} × {} · {} × {}", g.m, g.k, g.k, g.n), format!("{:.0} GFLOP/s", g.attnscope_gflops), format!("{:.0} GFLOP/s", g.candle_gflops), format!("{:.2}x", g.attnscope_gflops / g.candle_gflops)]);
+        t.row([
+            g.name.to_string(),
+            format!("{} × {} · {} × {}", g.m, g.k, g.k, g.n),
+            format!("{:.0} GFLOP/s", g.attnscope_gflops),
+            format!("{:.0} GFLOP/s", g.candle_gflops),
+            format!("{:.2}x", g.attnscope_gflops / g.candle_gflops),
+        ]);
     }
     s += &t.render();
     s += "\n";
@@ -244,20 +357,47 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             f.n.to_string(),
             format!("{:.2} s", f.forward_s),
             format!("{:.2} s", f.projections_s),
-            format!("{:.0} GFLOP/s ({:.0}%)", f.projections_gflops, 100.0 * f.projections_gflops / machine_rate),
+            format!(
+                "{:.0} GFLOP/s ({:.0}%)",
+                f.projections_gflops,
+                100.0 * f.projections_gflops / machine_rate
+            ),
             format!("{:.2} s", f.attention_s),
-            format!("{:.0} GFLOP/s ({:.0}%)", f.attention_gflops, 100.0 * f.attention_gflops / machine_rate),
-            f.with_patterns_s.map(|x| format!("{x:.2} s ({:.2} s)", f.with_patterns_attention_s.unwrap_or(0.0))).unwrap_or_else(|| "skipped".into()),
-            f.with_patterns_peak_bytes.map(|b| format!("{:.2} GB", b as f64 / 1e9)).unwrap_or_else(|| "—".into()),
+            format!(
+                "{:.0} GFLOP/s ({:.0}%)",
+                f.attention_gflops,
+                100.0 * f.attention_gflops / machine_rate
+            ),
+            f.with_patterns_s
+                .map(|x| {
+                    format!(
+                        "{x:.2} s ({:.2} s)",
+                        f.with_patterns_attention_s.unwrap_or(0.0)
+                    )
+                })
+                .unwrap_or_else(|| "skipped".into()),
+            f.with_patterns_peak_bytes
+                .map(|b| format!("{:.2} GB", b as f64 / 1e9))
+                .unwrap_or_else(|| "—".into()),
         ]);
     }
     s += &t.render();
     s += "Attention rates count the useful work (q·k and p·v over the visible pairs of every head).\n";
     if !commands.is_empty() {
         s += "\n";
-        let mut t = Table::new([("n", Align::Right), ("command (own process, load included)", Align::Left), ("wall", Align::Right), ("peak RSS", Align::Right)]);
+        let mut t = Table::new([
+            ("n", Align::Right),
+            ("command (own process, load included)", Align::Left),
+            ("wall", Align::Right),
+            ("peak RSS", Align::Right),
+        ]);
         for c in &commands {
-            t.row([c.n.to_string(), c.command.clone(), format!("{:.2} s", c.wall_s), format!("{:.2} GB", c.peak_rss_bytes as f64 / 1e9)]);
+            t.row([
+                c.n.to_string(),
+                c.command.clone(),
+                format!("{:.2} s", c.wall_s),
+                format!("{:.2} GB", c.peak_rss_bytes as f64 / 1e9),
+            ]);
         }
         s += &t.render();
         s += "Compare with transformers timed in the same session on this machine (eager with output_attentions for capture, sdpa for inspect).\n";

@@ -62,11 +62,24 @@ impl<W: std::io::Write + std::io::Seek> Observer for StreamToFile<W> {
     fn tensor(&mut self, layer: usize, hook: Hook, shape: &[usize], data: &[f32]) {
         self.cache.tensor(layer, hook, shape, data);
     }
-    fn attention_block(&mut self, layer: usize, hook: Hook, q_start: usize, shape: [usize; 3], data: &[f32]) {
-        self.cache.attention_block(layer, hook, q_start, shape, data);
+    fn attention_block(
+        &mut self,
+        layer: usize,
+        hook: Hook,
+        q_start: usize,
+        shape: [usize; 3],
+        data: &[f32],
+    ) {
+        self.cache
+            .attention_block(layer, hook, q_start, shape, data);
     }
     fn layer_done(&mut self, layer: usize) {
-        let keys: Vec<(usize, Hook)> = self.cache.entries.range((layer, Hook::ALL[0])..=(layer, Hook::ALL[Hook::ALL.len() - 1])).map(|(k, _)| *k).collect();
+        let keys: Vec<(usize, Hook)> = self
+            .cache
+            .entries
+            .range((layer, Hook::ALL[0])..=(layer, Hook::ALL[Hook::ALL.len() - 1]))
+            .map(|(k, _)| *k)
+            .collect();
         for key in keys {
             let c = self.cache.entries.remove(&key).expect("listed above");
             if self.error.is_none() {
@@ -83,9 +96,17 @@ impl<W: std::io::Write + std::io::Seek> Observer for StreamToFile<W> {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let format = a.format.unwrap_or(if a.out.extension().is_some_and(|e| e == "npz") { Format::Npz } else { Format::Safetensors });
+    let format = a
+        .format
+        .unwrap_or(if a.out.extension().is_some_and(|e| e == "npz") {
+            Format::Npz
+        } else {
+            Format::Safetensors
+        });
     if a.out.exists() && !a.force {
-        return Err(anyhow::Error::new(crate::model::Error::Exists { path: a.out.clone() }));
+        return Err(anyhow::Error::new(crate::model::Error::Exists {
+            path: a.out.clone(),
+        }));
     }
     let hooks = Hook::parse_list(&a.hooks).map_err(usage)?;
     let text = a.text.read()?;
@@ -94,7 +115,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let n = tokens.len();
     let d = &model.dims;
     if n > d.context_len {
-        return Err(anyhow::Error::new(crate::model::Error::TooLong { n_tokens: n, limit: d.context_len, model: model.info.name.clone() }));
+        return Err(anyhow::Error::new(crate::model::Error::TooLong {
+            n_tokens: n,
+            limit: d.context_len,
+            model: model.info.name.clone(),
+        }));
     }
     let layers = parse_index_list(&a.layers, d.n_layers, "layer")?;
     let heads = parse_index_list(&a.heads, d.n_heads, "head")?;
@@ -103,26 +128,50 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "last" => Queries::Last,
         s => Queries::List(parse_index_list(s, n, "query position")?),
     };
-    let spec = CaptureSpec { hooks, layers: Some(layers), heads: Some(heads), queries };
+    let spec = CaptureSpec {
+        hooks,
+        layers: Some(layers),
+        heads: Some(heads),
+        queries,
+    };
     // every tensor's name and shape, in file order, before the forward
     let mut order = spec.tensors(d, n);
     if format == Format::Npz {
         order.push(("token_ids".into(), vec![n]));
     }
-    let total_bytes: f64 = order.iter().map(|(_, s)| s.iter().product::<usize>() as f64 * 4.0).sum();
+    let total_bytes: f64 = order
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>() as f64 * 4.0)
+        .sum();
     let texts = model.token_texts(&tokens);
     let md = BTreeMap::from([
         ("token_ids".to_string(), serde_json::to_string(&tokens)?),
         ("token_strings".to_string(), serde_json::to_string(&texts)?),
         ("model".to_string(), model.info.name.clone()),
-        ("model_description".to_string(), model.info.description.clone().unwrap_or_default()),
-        ("precision".to_string(), model.info.precision.name().to_string()),
-        ("queries".to_string(), serde_json::to_string(&spec.queries.resolve(n))?),
+        (
+            "model_description".to_string(),
+            model.info.description.clone().unwrap_or_default(),
+        ),
+        (
+            "precision".to_string(),
+            model.info.precision.name().to_string(),
+        ),
+        (
+            "queries".to_string(),
+            serde_json::to_string(&spec.queries.resolve(n))?,
+        ),
         ("heads".to_string(), serde_json::to_string(&spec.heads)?),
-        ("producer".to_string(), format!("attnscope {}", env!("CARGO_PKG_VERSION"))),
+        (
+            "producer".to_string(),
+            format!("attnscope {}", env!("CARGO_PKG_VERSION")),
+        ),
     ]);
     // write into a temporary file beside the target, renamed over it only when complete
-    let dir = a.out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let dir = a
+        .out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     let mut builder = tempfile::Builder::new();
     builder.prefix(".attnscope-capture-");
     #[cfg(unix)]
@@ -131,22 +180,41 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         use std::os::unix::fs::PermissionsExt;
         builder.permissions(std::fs::Permissions::from_mode(0o666));
     }
-    let tmp = builder.tempfile_in(dir).with_context(|| format!("creating a temporary file in {}", dir.display()))?;
+    let tmp = builder
+        .tempfile_in(dir)
+        .with_context(|| format!("creating a temporary file in {}", dir.display()))?;
     let file = std::io::BufWriter::with_capacity(4 << 20, tmp.as_file().try_clone()?);
     let tf = match format {
         Format::Safetensors => TensorFormat::Safetensors,
         Format::Npz => TensorFormat::Npz,
     };
     let n_tensors = order.len();
-    let writer = TensorWriter::new(file, tf, order, &md).with_context(|| format!("writing {}", a.out.display()))?;
+    let writer = TensorWriter::new(file, tf, order, &md)
+        .with_context(|| format!("writing {}", a.out.display()))?;
     let terminal = std::io::stderr().is_terminal();
-    let bar = if terminal { indicatif::ProgressBar::new(d.n_layers as u64) } else { indicatif::ProgressBar::hidden() };
-    bar.set_style(indicatif::ProgressStyle::with_template("capture {msg} [{bar:30}] layer {pos}/{len} ({elapsed})").expect("valid template").progress_chars("=> "));
+    let bar = if terminal {
+        indicatif::ProgressBar::new(d.n_layers as u64)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "capture {msg} [{bar:30}] layer {pos}/{len} ({elapsed})",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
+    );
     bar.set_message(format!("{n} tokens, {:.1} GB", total_bytes / 1e9));
     if !terminal && total_bytes > 100e6 {
         eprintln!("attnscope: capturing {n_tensors} tensors ({:.1} GB) over {} layers of {n} tokens into {}", total_bytes / 1e9, d.n_layers, a.out.display());
     }
-    let mut obs = StreamToFile { cache: AttnCache::new(&spec, n), writer: Some(writer), error: None, bytes: 0, bar };
+    let mut obs = StreamToFile {
+        cache: AttnCache::new(&spec, n),
+        writer: Some(writer),
+        error: None,
+        bytes: 0,
+        bar,
+    };
     model.forward(&tokens, &RunOptions::default(), &mut obs)?;
     obs.bar.finish_and_clear();
     if let Some(e) = obs.error.take() {
@@ -157,17 +225,26 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let ids: Vec<f32> = tokens.iter().map(|&t| t as f32).collect();
         w.write("token_ids", &ids)?;
     }
-    w.finish().with_context(|| format!("writing {}", a.out.display()))?.into_inner().map_err(|e| e.into_error()).with_context(|| format!("writing {}", a.out.display()))?;
+    w.finish()
+        .with_context(|| format!("writing {}", a.out.display()))?
+        .into_inner()
+        .map_err(|e| e.into_error())
+        .with_context(|| format!("writing {}", a.out.display()))?;
     let size = tmp.as_file().metadata()?.len();
     if a.force {
-        tmp.persist(&a.out).map_err(|e| e.error).with_context(|| format!("renaming the capture to {}", a.out.display()))?;
+        tmp.persist(&a.out)
+            .map_err(|e| e.error)
+            .with_context(|| format!("renaming the capture to {}", a.out.display()))?;
     } else {
         // never replaces a file that appeared meanwhile
         tmp.persist_noclobber(&a.out).map_err(|e| {
             if e.error.kind() == std::io::ErrorKind::AlreadyExists {
-                anyhow::Error::new(crate::model::Error::Exists { path: a.out.clone() })
+                anyhow::Error::new(crate::model::Error::Exists {
+                    path: a.out.clone(),
+                })
             } else {
-                anyhow::Error::new(e.error).context(format!("renaming the capture to {}", a.out.display()))
+                anyhow::Error::new(e.error)
+                    .context(format!("renaming the capture to {}", a.out.display()))
             }
         })?;
     }

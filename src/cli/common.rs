@@ -34,14 +34,19 @@ pub struct ModelArgs {
 
 impl Default for ModelArgs {
     fn default() -> Self {
-        ModelArgs { model: DEFAULT_MODEL.into(), precision: Precision::Exact, bos: false }
+        ModelArgs {
+            model: DEFAULT_MODEL.into(),
+            precision: Precision::Exact,
+            bos: false,
+        }
     }
 }
 
 impl ModelArgs {
     pub fn load(&self) -> anyhow::Result<Model> {
         let progress = std::io::stderr().is_terminal();
-        Model::load(&self.model, self.precision, progress).with_context(|| format!("loading model `{}`", self.model))
+        Model::load(&self.model, self.precision, progress)
+            .with_context(|| format!("loading model `{}`", self.model))
     }
 }
 
@@ -64,19 +69,36 @@ impl TextArgs {
         if let Some(f) = &self.file {
             let bytes = if f.as_os_str() == "-" {
                 let mut b = Vec::new();
-                std::io::stdin().read_to_end(&mut b).context("reading standard input")?;
+                std::io::stdin()
+                    .read_to_end(&mut b)
+                    .context("reading standard input")?;
                 b
             } else {
-                std::fs::read(f).map_err(|e| usage(format!("cannot read --file {}: {e}", f.display())))?
+                std::fs::read(f)
+                    .map_err(|e| usage(format!("cannot read --file {}: {e}", f.display())))?
             };
-            return String::from_utf8(bytes).map_err(|e| usage(format!("{} is not valid UTF-8 (first bad byte at offset {}); convert it to UTF-8", f.display(), e.utf8_error().valid_up_to())));
+            return String::from_utf8(bytes).map_err(|e| {
+                usage(format!(
+                    "{} is not valid UTF-8 (first bad byte at offset {}); convert it to UTF-8",
+                    f.display(),
+                    e.utf8_error().valid_up_to()
+                ))
+            });
         }
         let stdin = std::io::stdin();
         if !stdin.is_terminal() {
             let mut b = Vec::new();
-            stdin.lock().read_to_end(&mut b).context("reading standard input")?;
+            stdin
+                .lock()
+                .read_to_end(&mut b)
+                .context("reading standard input")?;
             if !b.is_empty() {
-                return String::from_utf8(b).map_err(|e| usage(format!("standard input is not valid UTF-8 (first bad byte at offset {})", e.utf8_error().valid_up_to())));
+                return String::from_utf8(b).map_err(|e| {
+                    usage(format!(
+                        "standard input is not valid UTF-8 (first bad byte at offset {})",
+                        e.utf8_error().valid_up_to()
+                    ))
+                });
             }
         }
         Ok(LESSON_SENTENCE.to_string())
@@ -85,7 +107,12 @@ impl TextArgs {
 
 /// Parses `all`, `3`, `0-3`, `0,12,23` (and mixes such as `0-2,7`) into indices `< count`.
 pub fn parse_index_list(spec: &str, count: usize, what: &str) -> anyhow::Result<Vec<usize>> {
-    let range = || format!("{what} must be in 0..={} (or `all`)", count.saturating_sub(1));
+    let range = || {
+        format!(
+            "{what} must be in 0..={} (or `all`)",
+            count.saturating_sub(1)
+        )
+    };
     if spec.trim() == "all" {
         return Ok((0..count).collect());
     }
@@ -95,7 +122,13 @@ pub fn parse_index_list(spec: &str, count: usize, what: &str) -> anyhow::Result<
             Some((a, b)) => (a.trim(), b.trim()),
             None => (part, part),
         };
-        let parse = |s: &str| s.parse::<usize>().map_err(|_| usage(format!("`{spec}` is not a valid {what} list; write e.g. 0-3, 0,12,23 or all")));
+        let parse = |s: &str| {
+            s.parse::<usize>().map_err(|_| {
+                usage(format!(
+                    "`{spec}` is not a valid {what} list; write e.g. 0-3, 0,12,23 or all"
+                ))
+            })
+        };
         let (a, b) = (parse(a)?, parse(b)?);
         if a > b {
             return Err(usage(format!("{what} range {a}-{b} is backwards")));
@@ -118,7 +151,10 @@ pub fn parse_index_list(spec: &str, count: usize, what: &str) -> anyhow::Result<
 /// Checks one index against its count, with a message naming the valid range.
 pub fn check_index(value: usize, count: usize, what: &str) -> anyhow::Result<usize> {
     if value >= count {
-        return Err(usage(format!("{what} {value} is out of range: valid {what}s are 0..={}", count.saturating_sub(1))));
+        return Err(usage(format!(
+            "{what} {value} is out of range: valid {what}s are 0..={}",
+            count.saturating_sub(1)
+        )));
     }
     Ok(value)
 }
@@ -127,10 +163,18 @@ pub fn check_index(value: usize, count: usize, what: &str) -> anyhow::Result<usi
 /// reader never sees half a file; refuses to replace an existing file unless `force`.
 pub fn write_new_file(path: &Path, bytes: &[u8], force: bool) -> anyhow::Result<()> {
     if path.exists() && !force {
-        return Err(anyhow::Error::new(crate::model::Error::Exists { path: path.into() }));
+        return Err(anyhow::Error::new(crate::model::Error::Exists {
+            path: path.into(),
+        }));
     }
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "out".into());
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "out".into());
     let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
     let result = (|| -> std::io::Result<()> {
         let mut f = std::fs::File::create(&tmp)?;
@@ -159,11 +203,22 @@ mod tests {
 
     #[test]
     fn index_lists() {
-        assert_eq!(parse_index_list("0-3", 14, "head").unwrap(), vec![0, 1, 2, 3]);
-        assert_eq!(parse_index_list("0,12,23", 24, "layer").unwrap(), vec![0, 12, 23]);
+        assert_eq!(
+            parse_index_list("0-3", 14, "head").unwrap(),
+            vec![0, 1, 2, 3]
+        );
+        assert_eq!(
+            parse_index_list("0,12,23", 24, "layer").unwrap(),
+            vec![0, 12, 23]
+        );
         assert_eq!(parse_index_list("all", 3, "head").unwrap(), vec![0, 1, 2]);
-        let e = parse_index_list("0-14", 14, "head").unwrap_err().to_string();
-        assert!(e.contains("head 14 is out of range") && e.contains("0..=13"), "{e}");
+        let e = parse_index_list("0-14", 14, "head")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("head 14 is out of range") && e.contains("0..=13"),
+            "{e}"
+        );
         assert!(parse_index_list("x", 3, "layer").is_err());
     }
 
@@ -177,6 +232,10 @@ mod tests {
         assert_eq!(std::fs::read(&p).unwrap(), b"one");
         write_new_file(&p, b"two", true).unwrap();
         assert_eq!(std::fs::read(&p).unwrap(), b"two");
-        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1, "no temporary file left behind");
+        assert_eq!(
+            std::fs::read_dir(d.path()).unwrap().count(),
+            1,
+            "no temporary file left behind"
+        );
     }
 }

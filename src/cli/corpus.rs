@@ -3,7 +3,9 @@
 
 use super::common::{emit, usage, ModelArgs};
 use crate::analysis::collect::Collector;
-use crate::analysis::corpus::{aggregate, builtin, parse_lines, read_records, Aggregate, FaithSummary, Record};
+use crate::analysis::corpus::{
+    aggregate, builtin, parse_lines, read_records, Aggregate, FaithSummary, Record,
+};
 use crate::analysis::faithfulness::{run as run_faith, FaithOptions, Target};
 use crate::model::forward::RunOptions;
 use crate::render::table::{bar, sparkline, title, Align, Table};
@@ -59,19 +61,39 @@ enum Sub {
 }
 
 fn load_texts(file: &Option<PathBuf>) -> anyhow::Result<(Vec<String>, String)> {
-    let Some(f) = file else { return Ok((builtin(), "the built-in corpus".into())) };
-    let bytes = std::fs::read(f).map_err(|e| usage(format!("cannot read --file {}: {e}", f.display())))?;
-    let text = String::from_utf8(bytes).map_err(|e| usage(format!("{} is not valid UTF-8 (first bad byte at offset {})", f.display(), e.utf8_error().valid_up_to())))?;
+    let Some(f) = file else {
+        return Ok((builtin(), "the built-in corpus".into()));
+    };
+    let bytes =
+        std::fs::read(f).map_err(|e| usage(format!("cannot read --file {}: {e}", f.display())))?;
+    let text = String::from_utf8(bytes).map_err(|e| {
+        usage(format!(
+            "{} is not valid UTF-8 (first bad byte at offset {})",
+            f.display(),
+            e.utf8_error().valid_up_to()
+        ))
+    })?;
     let texts = if f.extension().is_some_and(|e| e == "jsonl") {
         text.lines()
             .enumerate()
             .filter(|(_, l)| !l.trim().is_empty())
             .map(|(i, l)| {
-                let v: serde_json::Value = serde_json::from_str(l).map_err(|e| usage(format!("{}:{}: not JSON: {e}", f.display(), i + 1)))?;
+                let v: serde_json::Value = serde_json::from_str(l)
+                    .map_err(|e| usage(format!("{}:{}: not JSON: {e}", f.display(), i + 1)))?;
                 match v {
                     serde_json::Value::String(s) => Ok(s),
-                    serde_json::Value::Object(o) => o.get("text").and_then(|t| t.as_str()).map(String::from).ok_or_else(|| usage(format!("{}:{}: no \"text\" field", f.display(), i + 1))),
-                    _ => Err(usage(format!("{}:{}: expected a string or an object with \"text\"", f.display(), i + 1))),
+                    serde_json::Value::Object(o) => o
+                        .get("text")
+                        .and_then(|t| t.as_str())
+                        .map(String::from)
+                        .ok_or_else(|| {
+                            usage(format!("{}:{}: no \"text\" field", f.display(), i + 1))
+                        }),
+                    _ => Err(usage(format!(
+                        "{}:{}: expected a string or an object with \"text\"",
+                        f.display(),
+                        i + 1
+                    ))),
                 }
             })
             .collect::<anyhow::Result<Vec<_>>>()?
@@ -85,9 +107,16 @@ fn load_texts(file: &Option<PathBuf>) -> anyhow::Result<(Vec<String>, String)> {
 }
 
 fn parse_shard(s: &str) -> anyhow::Result<(usize, usize)> {
-    let bad = || usage(format!("--shard {s} is not of the form i/n with 0 <= i < n, e.g. 0/4"));
+    let bad = || {
+        usage(format!(
+            "--shard {s} is not of the form i/n with 0 <= i < n, e.g. 0/4"
+        ))
+    };
     let (i, n) = s.split_once('/').ok_or_else(bad)?;
-    let (i, n): (usize, usize) = (i.trim().parse().map_err(|_| bad())?, n.trim().parse().map_err(|_| bad())?);
+    let (i, n): (usize, usize) = (
+        i.trim().parse().map_err(|_| bad())?,
+        n.trim().parse().map_err(|_| bad())?,
+    );
     if n == 0 || i >= n {
         return Err(bad());
     }
@@ -95,15 +124,25 @@ fn parse_shard(s: &str) -> anyhow::Result<(usize, usize)> {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    if let Some(Sub::Merge { files, epsilon, json }) = a.cmd {
+    if let Some(Sub::Merge {
+        files,
+        epsilon,
+        json,
+    }) = a.cmd
+    {
         let mut records = Vec::new();
         for f in &files {
-            let text = std::fs::read_to_string(f).map_err(|e| usage(format!("cannot read {}: {e}", f.display())))?;
+            let text = std::fs::read_to_string(f)
+                .map_err(|e| usage(format!("cannot read {}: {e}", f.display())))?;
             records.extend(read_records(&text, &f.display().to_string()).map_err(usage)?);
         }
         let agg = aggregate(&records, epsilon).map_err(usage)?;
         let source = format!("{} record files", files.len());
-        return emit(&if json { format!("{}\n", serde_json::to_string_pretty(&agg)?) } else { render(&agg, &source) });
+        return emit(&if json {
+            format!("{}\n", serde_json::to_string_pretty(&agg)?)
+        } else {
+            render(&agg, &source)
+        });
     }
     // clap leaves the flattened model arguments out when none is given
     let model_args = a.model.clone().unwrap_or_default();
@@ -112,13 +151,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         Some(s) => parse_shard(s)?,
         None => (0, 1),
     };
-    let selected: Vec<usize> = (0..texts.len().min(a.limit.unwrap_or(usize::MAX))).filter(|i| i % sn == si).collect();
+    let selected: Vec<usize> = (0..texts.len().min(a.limit.unwrap_or(usize::MAX)))
+        .filter(|i| i % sn == si)
+        .collect();
     let model = model_args.load()?;
     let mut records: Vec<Record> = Vec::new();
     let mut out_file = None;
     if let Some(path) = &a.out {
         if path.exists() {
-            let mut text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+            let mut text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
             // a run killed while appending leaves a torn last line (no newline, not a whole
             // record): every complete line is kept, the fragment is dropped and its text runs again
             if !text.is_empty() && !text.ends_with('\n') {
@@ -127,28 +169,62 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 let complete = serde_json::from_str::<Record>(last).is_ok();
                 // only a fragment of one of our records is dropped, and only below records that
                 // read back: another kind of file is refused by read_records below, untouched
-                if !complete && last.starts_with("{\"id\":") && read_records(&text[..start], "").is_ok() {
+                if !complete
+                    && last.starts_with("{\"id\":")
+                    && read_records(&text[..start], "").is_ok()
+                {
                     eprintln!("attnscope: {} ends in a torn line ({} bytes, written when a run was stopped); dropping it, its text runs again", path.display(), last.len());
-                    std::fs::OpenOptions::new().write(true).open(path).and_then(|f| f.set_len(start as u64)).with_context(|| format!("dropping the torn line of {}", path.display()))?;
+                    std::fs::OpenOptions::new()
+                        .write(true)
+                        .open(path)
+                        .and_then(|f| f.set_len(start as u64))
+                        .with_context(|| format!("dropping the torn line of {}", path.display()))?;
                     text.truncate(start);
                 } else if complete {
                     // a whole record whose newline was never written: end its line before appending
-                    std::fs::OpenOptions::new().append(true).open(path).and_then(|mut f| f.write_all(b"\n")).with_context(|| format!("appending to {}", path.display()))?;
+                    std::fs::OpenOptions::new()
+                        .append(true)
+                        .open(path)
+                        .and_then(|mut f| f.write_all(b"\n"))
+                        .with_context(|| format!("appending to {}", path.display()))?;
                 }
             }
             records = read_records(&text, &path.display().to_string()).map_err(usage)?;
             if let Some(r) = records.iter().find(|r| r.model != model.info.name) {
-                return Err(usage(format!("{} holds records of model `{}`, not `{}`; use another --out", path.display(), r.model, model.info.name)));
+                return Err(usage(format!(
+                    "{} holds records of model `{}`, not `{}`; use another --out",
+                    path.display(),
+                    r.model,
+                    model.info.name
+                )));
             }
             if let Some(r) = records.iter().find(|r| texts.get(r.id) != Some(&r.text)) {
                 return Err(usage(format!("{} holds record {} for a text that is not text {} of {source}; use another --out", path.display(), r.id, r.id)));
             }
         }
-        out_file = Some(std::fs::OpenOptions::new().create(true).append(true).open(path).with_context(|| format!("opening {}", path.display()))?);
+        out_file = Some(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .with_context(|| format!("opening {}", path.display()))?,
+        );
     }
-    let todo: Vec<usize> = selected.iter().copied().filter(|i| !records.iter().any(|r| r.id == *i)).collect();
-    let bar_ = if std::io::stderr().is_terminal() { indicatif::ProgressBar::new(todo.len() as u64) } else { indicatif::ProgressBar::hidden() };
-    bar_.set_style(indicatif::ProgressStyle::with_template("texts [{bar:30}] {pos}/{len} ({eta} left)").expect("valid template").progress_chars("=> "));
+    let todo: Vec<usize> = selected
+        .iter()
+        .copied()
+        .filter(|i| !records.iter().any(|r| r.id == *i))
+        .collect();
+    let bar_ = if std::io::stderr().is_terminal() {
+        indicatif::ProgressBar::new(todo.len() as u64)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar_.set_style(
+        indicatif::ProgressStyle::with_template("texts [{bar:30}] {pos}/{len} ({eta} left)")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
     let d = &model.dims;
     let mut skipped = Vec::new();
     for &i in &todo {
@@ -165,14 +241,38 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let mut c = Collector::new(d.n_layers, d.n_heads, n, n - 1);
         let out = model.forward(&tokens, &RunOptions::last_logits(n), &mut c)?;
         let top = crate::analysis::next_token_top_k(&out.logits[0], 1).remove(0);
-        let mut rec = Record::from_collector(i, text, &model.info.name, &c, (top.id, model.tokenizer.token_text(top.id), top.prob));
+        let mut rec = Record::from_collector(
+            i,
+            text,
+            &model.info.name,
+            &c,
+            (top.id, model.tokenizer.token_text(top.id), top.prob),
+        );
         if a.faithfulness {
-            let f = run_faith(&model, &tokens, &FaithOptions { target: Target::Next, replacement: " ".into(), seed: 7 }, |_, _| {})?;
+            let f = run_faith(
+                &model,
+                &tokens,
+                &FaithOptions {
+                    target: Target::Next,
+                    replacement: " ".into(),
+                    seed: 7,
+                },
+                |_, _| {},
+            )?;
             rec.faithfulness = Some(
                 f.metrics
                     .iter()
-                    .filter(|m| m.truth == "loo" && ["attention_last", "attention_mean", "rollout", "random"].contains(&m.ranking.as_str()))
-                    .map(|m| FaithSummary { ranking: m.ranking.clone(), without_first: m.without_first, spearman: m.spearman, top1: m.top1 })
+                    .filter(|m| {
+                        m.truth == "loo"
+                            && ["attention_last", "attention_mean", "rollout", "random"]
+                                .contains(&m.ranking.as_str())
+                    })
+                    .map(|m| FaithSummary {
+                        ranking: m.ranking.clone(),
+                        without_first: m.without_first,
+                        spearman: m.spearman,
+                        top1: m.top1,
+                    })
                     .collect(),
             );
         }
@@ -188,13 +288,24 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         eprintln!("attnscope: skipped {s}");
     }
     let agg = aggregate(&records, a.epsilon).map_err(usage)?;
-    let shard = if sn > 1 { format!(", shard {si}/{sn}") } else { String::new() };
+    let shard = if sn > 1 {
+        format!(", shard {si}/{sn}")
+    } else {
+        String::new()
+    };
     let source = format!("{source}{shard}");
-    emit(&if a.json { format!("{}\n", serde_json::to_string_pretty(&agg)?) } else { render(&agg, &source) })
+    emit(&if a.json {
+        format!("{}\n", serde_json::to_string_pretty(&agg)?)
+    } else {
+        render(&agg, &source)
+    })
 }
 
 fn render(a: &Aggregate, source: &str) -> String {
-    let mut s = title(&format!("Attention over {} texts ({} tokens) of {source}, model {}", a.sentences, a.tokens, a.model));
+    let mut s = title(&format!(
+        "Attention over {} texts ({} tokens) of {source}, model {}",
+        a.sentences, a.tokens, a.model
+    ));
     s += "These numbers belong to this corpus and this model; another text set or checkpoint gives others.\n\n";
     let mut t = Table::new([
         ("layer", Align::Right),
@@ -212,7 +323,12 @@ fn render(a: &Aggregate, source: &str) -> String {
             format!("{:.4}", l.sink_all.mean),
             format!("{:.4}", l.sink_all.std),
             format!("[{:.4}, {:.4}]", l.sink_all.ci95.0, l.sink_all.ci95.1),
-            bar(l.sink_all.mean as f32, 20) + if l.layer == a.peak_layer { " ▲ peak" } else { "" },
+            bar(l.sink_all.mean as f32, 20)
+                + if l.layer == a.peak_layer {
+                    " ▲ peak"
+                } else {
+                    ""
+                },
             format!("{:.1}%", 100.0 * l.sink_heads_fraction),
             format!("{:.1}%", 100.0 * l.concentrated_fraction),
             format!("{:.3}", l.mean_entropy),
@@ -222,11 +338,21 @@ fn render(a: &Aggregate, source: &str) -> String {
     let means: Vec<f32> = a.layers.iter().map(|l| l.sink_all.mean as f32).collect();
     s += &format!("sink profile  {}\n\n", sparkline(&means));
     let total: usize = a.max_weight_histogram.iter().sum();
-    s += &title("How concentrated are heads? Last-query max weight over all texts, layers and heads");
-    let mut t = Table::new([("max weight", Align::Left), ("share", Align::Right), ("", Align::Left)]);
+    s += &title(
+        "How concentrated are heads? Last-query max weight over all texts, layers and heads",
+    );
+    let mut t = Table::new([
+        ("max weight", Align::Left),
+        ("share", Align::Right),
+        ("", Align::Left),
+    ]);
     for (i, &c) in a.max_weight_histogram.iter().enumerate() {
         let f = c as f32 / total.max(1) as f32;
-        t.row([format!("{:.1}–{:.1}", i as f32 / 10.0, (i + 1) as f32 / 10.0), format!("{:.1}%", 100.0 * f), bar(f, 40)]);
+        t.row([
+            format!("{:.1}–{:.1}", i as f32 / 10.0, (i + 1) as f32 / 10.0),
+            format!("{:.1}%", 100.0 * f),
+            bar(f, 40),
+        ]);
     }
     s += &t.render();
     let conc = a.max_weight_histogram[9] as f64 / total.max(1) as f64;
@@ -240,9 +366,26 @@ fn render(a: &Aggregate, source: &str) -> String {
     );
     if !a.faithfulness.is_empty() {
         s += &title("\nFaithfulness: Spearman ρ against leave-one-out, over texts");
-        let mut t = Table::new([("ranking", Align::Left), ("first token", Align::Left), ("mean ρ", Align::Right), ("95% CI", Align::Left), ("top-1 agreement", Align::Right)]);
+        let mut t = Table::new([
+            ("ranking", Align::Left),
+            ("first token", Align::Left),
+            ("mean ρ", Align::Right),
+            ("95% CI", Align::Left),
+            ("top-1 agreement", Align::Right),
+        ]);
         for f in &a.faithfulness {
-            t.row([f.ranking.clone(), if f.without_first { "excluded" } else { "included" }.into(), format!("{:+.3}", f.spearman.mean), format!("[{:+.3}, {:+.3}]", f.spearman.ci95.0, f.spearman.ci95.1), format!("{:.1}%", 100.0 * f.top1_rate)]);
+            t.row([
+                f.ranking.clone(),
+                if f.without_first {
+                    "excluded"
+                } else {
+                    "included"
+                }
+                .into(),
+                format!("{:+.3}", f.spearman.mean),
+                format!("[{:+.3}, {:+.3}]", f.spearman.ci95.0, f.spearman.ci95.1),
+                format!("{:.1}%", 100.0 * f.top1_rate),
+            ]);
         }
         s += &t.render();
     }

@@ -31,12 +31,19 @@ pub fn human_bytes(b: f64) -> String {
         v /= 1024.0;
         u += 1;
     }
-    if u == 0 { format!("{v:.0} {}", units[u]) } else { format!("{v:.1} {}", units[u]) }
+    if u == 0 {
+        format!("{v:.0} {}", units[u])
+    } else {
+        format!("{v:.1} {}", units[u])
+    }
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     if let Some(&bad) = a.lengths.iter().find(|&&n| n == 0 || n > 1 << 24) {
-        return Err(usage(format!("length {bad} is out of range: use 1..={}", 1u64 << 24)));
+        return Err(usage(format!(
+            "length {bad} is out of range: use 1..={}",
+            1u64 << 24
+        )));
     }
     if a.layers == 0 || a.heads == 0 || a.head_dim == 0 {
         return Err(usage("--layers, --heads and --head-dim must be at least 1"));
@@ -59,14 +66,22 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         })
         .collect();
     if a.json {
-        return emit(&format!("{}\n", serde_json::to_string_pretty(&json!({"layers": a.layers, "heads": a.heads, "head_dim": a.head_dim, "lengths": rows}))?));
+        return emit(&format!(
+            "{}\n",
+            serde_json::to_string_pretty(
+                &json!({"layers": a.layers, "heads": a.heads, "head_dim": a.head_dim, "lengths": rows})
+            )?
+        ));
     }
     let mut t = Table::new([
         ("n", Align::Right),
         ("pairs n²", Align::Right),
         ("causal n(n+1)/2", Align::Right),
         ("one f32 n×n", Align::Right),
-        (format!("all {}×{} maps", a.layers, a.heads).as_str(), Align::Right),
+        (
+            format!("all {}×{} maps", a.layers, a.heads).as_str(),
+            Align::Right,
+        ),
         ("attention FLOP", Align::Right),
         ("× previous", Align::Right),
     ]);
@@ -78,7 +93,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             human_bytes(r["bytes_per_head"].as_f64().unwrap_or(0.0)),
             human_bytes(r["bytes_all_layers_heads"].as_f64().unwrap_or(0.0)),
             format!("{:.3e}", r["attention_flops"].as_f64().unwrap_or(0.0)),
-            r["growth_vs_previous"].as_f64().map(|g| format!("{g:.1}x")).unwrap_or_else(|| "—".into()),
+            r["growth_vs_previous"]
+                .as_f64()
+                .map(|g| format!("{g:.1}x"))
+                .unwrap_or_else(|| "—".into()),
         ]);
     }
     let mut s = title("The cost of attention grows with n²");

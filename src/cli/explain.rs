@@ -39,17 +39,41 @@ fn num(x: f32, decimals: usize) -> String {
     }
 }
 
-fn matrix(name: &str, what: &str, m: &[f32], row_labels: &[String], col_labels: &[String], decimals: usize) -> String {
+fn matrix(
+    name: &str,
+    what: &str,
+    m: &[f32],
+    row_labels: &[String],
+    col_labels: &[String],
+    decimals: usize,
+) -> String {
     let cols = col_labels.len();
-    let mut t = Table::new(std::iter::once((String::new(), Align::Left)).chain(col_labels.iter().map(|c| (c.clone(), Align::Right))));
+    let mut t = Table::new(
+        std::iter::once((String::new(), Align::Left))
+            .chain(col_labels.iter().map(|c| (c.clone(), Align::Right))),
+    );
     for (label, r) in row_labels.iter().zip(m.chunks(cols)) {
         t.row(std::iter::once(label.clone()).chain(r.iter().map(|&x| num(x, decimals))));
     }
-    format!("{name} ({} × {cols}): {what}\n{}\n", row_labels.len(), t.render())
+    format!(
+        "{name} ({} × {cols}): {what}\n{}\n",
+        row_labels.len(),
+        t.render()
+    )
 }
 
 fn json_matrix(m: &[f32], cols: usize) -> serde_json::Value {
-    json!(m.chunks(cols).map(|r| r.iter().map(|&x| if x == f32::NEG_INFINITY { json!("-inf") } else { json!(x) }).collect::<Vec<_>>()).collect::<Vec<_>>())
+    json!(m
+        .chunks(cols)
+        .map(|r| r
+            .iter()
+            .map(|&x| if x == f32::NEG_INFINITY {
+                json!("-inf")
+            } else {
+                json!(x)
+            })
+            .collect::<Vec<_>>())
+        .collect::<Vec<_>>())
 }
 
 /// The "why √d" measurement: (d, scaled max, scaled entropy, unscaled max, unscaled entropy).
@@ -67,13 +91,21 @@ fn sqrt_d_rows(n_keys: usize) -> Vec<(usize, f32, f32, f32, f32)> {
 pub fn run(a: Args) -> anyhow::Result<()> {
     let words: Vec<String> = a.text.split_whitespace().map(String::from).collect();
     if words.is_empty() {
-        return Err(usage("--text has no words; give a few words separated by spaces"));
+        return Err(usage(
+            "--text has no words; give a few words separated by spaces",
+        ));
     }
     if words.len() > 64 {
-        return Err(usage(format!("--text has {} words; explain is for working by hand, use at most 64", words.len())));
+        return Err(usage(format!(
+            "--text has {} words; explain is for working by hand, use at most 64",
+            words.len()
+        )));
     }
     if a.d == 0 || a.d > 64 {
-        return Err(usage(format!("--d {} is out of range: use 1..=64 (a width you can follow by hand)", a.d)));
+        return Err(usage(format!(
+            "--d {} is out of range: use 1..=64 (a width you can follow by hand)",
+            a.d
+        )));
     }
     let split = head_split(a.d_model, a.heads, a.kv_heads).map_err(usage)?;
     let w = walkthrough(&words, a.d, a.seed);
@@ -111,19 +143,51 @@ fn render(w: &Walkthrough, sat: &[(usize, f32, f32, f32, f32)], split: &str, a: 
         words.join(", "),
         w.seed
     );
-    s += &matrix("X", "the input vector of each word, one row per position", &w.x, words, &dims, 1);
+    s += &matrix(
+        "X",
+        "the input vector of each word, one row per position",
+        &w.x,
+        words,
+        &dims,
+        1,
+    );
     let wl: Vec<String> = (0..d).map(|j| format!("{j}")).collect();
     s += &matrix("W_Q", "query weights; q = W_Q x", &w.w_q, &wl, &dims, 1);
     s += &matrix("W_K", "key weights; k = W_K x", &w.w_k, &wl, &dims, 1);
     s += &matrix("W_V", "value weights; v = W_V x", &w.w_v, &wl, &dims, 1);
-    s += &matrix("Q", "row i is q_i = W_Q x_i: what position i is looking for", &w.q, words, &dims, 2);
-    s += &matrix("K", "row j is k_j = W_K x_j: what position j offers to be found by", &w.k, words, &dims, 2);
-    s += &matrix("V", "row j is v_j = W_V x_j: what position j hands over", &w.v, words, &dims, 2);
+    s += &matrix(
+        "Q",
+        "row i is q_i = W_Q x_i: what position i is looking for",
+        &w.q,
+        words,
+        &dims,
+        2,
+    );
+    s += &matrix(
+        "K",
+        "row j is k_j = W_K x_j: what position j offers to be found by",
+        &w.k,
+        words,
+        &dims,
+        2,
+    );
+    s += &matrix(
+        "V",
+        "row j is v_j = W_V x_j: what position j hands over",
+        &w.v,
+        words,
+        &dims,
+        2,
+    );
     // one entry worked out in full: the last query against the first key
     let (i, j) = (n - 1, 0);
     let qi = &w.q[i * d..][..d];
     let kj = &w.k[j * d..][..d];
-    let terms: Vec<String> = qi.iter().zip(kj).map(|(a, b)| format!("({a:.2})·({b:.2})")).collect();
+    let terms: Vec<String> = qi
+        .iter()
+        .zip(kj)
+        .map(|(a, b)| format!("({a:.2})·({b:.2})"))
+        .collect();
     s += &format!(
         "One score by hand: q_{i}·k_{j} (\"{}\" looking at \"{}\") = {} = {:.4}\n\n",
         words[i],
@@ -131,10 +195,38 @@ fn render(w: &Walkthrough, sat: &[(usize, f32, f32, f32, f32)], split: &str, a: 
         terms.join(" + "),
         dot(qi, kj)
     );
-    s += &matrix("Scores Q·Kᵀ", "entry (i, j) = q_i·k_j; rows are queries, columns keys", &w.steps.raw_scores, words, words, 4);
-    s += &matrix(&format!("Scaled scores Q·Kᵀ / √{d}"), &format!("divided by √d = {:.4}", (d as f32).sqrt()), &w.steps.scaled_scores, words, words, 4);
-    s += &matrix("Masked scores", "the causal mask: a word may not look at later words, their scores become -inf", &w.steps.masked_scores, words, words, 4);
-    s += &matrix("Weights = softmax(masked scores)", "each row sums to 1; masked entries are exactly 0", &w.steps.pattern, words, words, 4);
+    s += &matrix(
+        "Scores Q·Kᵀ",
+        "entry (i, j) = q_i·k_j; rows are queries, columns keys",
+        &w.steps.raw_scores,
+        words,
+        words,
+        4,
+    );
+    s += &matrix(
+        &format!("Scaled scores Q·Kᵀ / √{d}"),
+        &format!("divided by √d = {:.4}", (d as f32).sqrt()),
+        &w.steps.scaled_scores,
+        words,
+        words,
+        4,
+    );
+    s += &matrix(
+        "Masked scores",
+        "the causal mask: a word may not look at later words, their scores become -inf",
+        &w.steps.masked_scores,
+        words,
+        words,
+        4,
+    );
+    s += &matrix(
+        "Weights = softmax(masked scores)",
+        "each row sums to 1; masked entries are exactly 0",
+        &w.steps.pattern,
+        words,
+        words,
+        4,
+    );
     // the softmax of the last row, by hand
     let row = &w.steps.masked_scores[i * n..][..n];
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -145,7 +237,14 @@ fn render(w: &Walkthrough, sat: &[(usize, f32, f32, f32, f32)], split: &str, a: 
         exps.iter().map(|e| format!("{e:.4}")).collect::<Vec<_>>().join(", "),
         exps.iter().map(|e| format!("{:.4}", e / sum)).collect::<Vec<_>>().join(", ")
     );
-    s += &matrix("Y = weights · V", "row i is the weighted sum of the value vectors position i may see", &w.steps.out, words, &dims, 4);
+    s += &matrix(
+        "Y = weights · V",
+        "row i is the weighted sum of the value vectors position i may see",
+        &w.steps.out,
+        words,
+        &dims,
+        4,
+    );
     s += &title("Causal mask");
     s += &mask_grid(words);
     s += "\n";
@@ -159,7 +258,13 @@ fn render(w: &Walkthrough, sat: &[(usize, f32, f32, f32, f32)], split: &str, a: 
         ("entropy (nats)", Align::Right),
     ]);
     for &(d, sm, se, um, ue) in sat {
-        t.row([d.to_string(), format!("{sm:.3}"), format!("{se:.3}"), format!("{um:.3}"), format!("{ue:.3}")]);
+        t.row([
+            d.to_string(),
+            format!("{sm:.3}"),
+            format!("{se:.3}"),
+            format!("{um:.3}"),
+            format!("{ue:.3}"),
+        ]);
     }
     s += &t.render();
     s += &format!(

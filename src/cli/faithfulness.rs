@@ -1,7 +1,9 @@
 //! `attnscope faithfulness`: attention rankings against what occluding each token does.
 
 use super::common::{emit, ModelArgs, TextArgs};
-use crate::analysis::faithfulness::{run as run_faith, FaithOptions, FaithReport, MetricRow, Target};
+use crate::analysis::faithfulness::{
+    run as run_faith, FaithOptions, FaithReport, MetricRow, Target,
+};
 use crate::model::tokenize::visible;
 use crate::render::table::{title, Align, Table};
 use std::io::IsTerminal;
@@ -30,9 +32,21 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let text = a.text.read()?;
     let model = a.model.load()?;
     let tokens = model.encode(&text, a.model.bos)?;
-    let bar = if std::io::stderr().is_terminal() { indicatif::ProgressBar::new(1) } else { indicatif::ProgressBar::hidden() };
-    bar.set_style(indicatif::ProgressStyle::with_template("forward passes [{bar:30}] {pos}/{len} ({eta})").expect("valid template").progress_chars("=> "));
-    let opts = FaithOptions { target: a.target, replacement: a.replace_with, seed: a.seed };
+    let bar = if std::io::stderr().is_terminal() {
+        indicatif::ProgressBar::new(1)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("forward passes [{bar:30}] {pos}/{len} ({eta})")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    let opts = FaithOptions {
+        target: a.target,
+        replacement: a.replace_with,
+        seed: a.seed,
+    };
     let report = run_faith(&model, &tokens, &opts, |done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
@@ -58,7 +72,9 @@ fn metric_row(t: &mut Table, m: &MetricRow) {
         m.truth.clone(),
         f(m.spearman),
         f(m.kendall),
-        m.top1.map(|b| if b { "yes" } else { "no" }.to_string()).unwrap_or_else(|| "—".into()),
+        m.top1
+            .map(|b| if b { "yes" } else { "no" }.to_string())
+            .unwrap_or_else(|| "—".into()),
         g(m.comprehensiveness.k1),
         g(m.comprehensiveness.k3),
         g(m.comprehensiveness.k5),
@@ -69,7 +85,10 @@ fn metric_row(t: &mut Table, m: &MetricRow) {
 }
 
 pub fn render(r: &FaithReport) -> String {
-    let mut s = title(&format!("Faithfulness: {} ({} precision)", r.model, r.precision));
+    let mut s = title(&format!(
+        "Faithfulness: {} ({} precision)",
+        r.model, r.precision
+    ));
     s += &format!(
         "target after position {}: \"{}\" (id {}), log p = {:.4}, p = {:.4}; replacement token \"{}\"; {} forward passes\n\n",
         r.query,
@@ -80,9 +99,16 @@ pub fn render(r: &FaithReport) -> String {
         visible(&r.replacement.token),
         r.forward_passes
     );
-    s += &title("Each token: attention against Δ log p(target) when it is occluded (most important first)");
+    s += &title(
+        "Each token: attention against Δ log p(target) when it is occluded (most important first)",
+    );
     let mut rows: Vec<_> = r.tokens.iter().collect();
-    rows.sort_by(|a, b| a.loo.unwrap_or(0.0).total_cmp(&b.loo.unwrap_or(0.0)).then(a.pos.cmp(&b.pos)));
+    rows.sort_by(|a, b| {
+        a.loo
+            .unwrap_or(0.0)
+            .total_cmp(&b.loo.unwrap_or(0.0))
+            .then(a.pos.cmp(&b.pos))
+    });
     let mut t = Table::new([
         ("pos", Align::Right),
         ("token", Align::Left),
@@ -108,7 +134,11 @@ pub fn render(r: &FaithReport) -> String {
     s += &t.render();
     s += "Δ = log p(target | occluded) − log p(target | full text); a large negative Δ means the token mattered.\n\n";
     for wf in [false, true] {
-        s += &title(if wf { "Rankings against occlusion, first token excluded (the sink)" } else { "Rankings against occlusion, all tokens" });
+        s += &title(if wf {
+            "Rankings against occlusion, first token excluded (the sink)"
+        } else {
+            "Rankings against occlusion, all tokens"
+        });
         let mut t = Table::new([
             ("ranking", Align::Left),
             ("truth", Align::Left),
@@ -122,12 +152,28 @@ pub fn render(r: &FaithReport) -> String {
             ("suff@3", Align::Right),
             ("suff@5", Align::Right),
         ]);
-        for m in r.metrics.iter().filter(|m| m.without_first == wf && !m.ranking.starts_with("head_")) {
+        for m in r
+            .metrics
+            .iter()
+            .filter(|m| m.without_first == wf && !m.ranking.starts_with("head_"))
+        {
             metric_row(&mut t, m);
         }
         // the heads of the last layer: the best one by ρ against deletion
-        let heads: Vec<&MetricRow> = r.metrics.iter().filter(|m| m.without_first == wf && m.ranking.starts_with("head_") && m.truth == "loo").collect();
-        if let Some(best) = heads.iter().filter(|m| m.spearman.is_some()).max_by(|a, b| a.spearman.unwrap_or(-2.0).total_cmp(&b.spearman.unwrap_or(-2.0))) {
+        let heads: Vec<&MetricRow> = r
+            .metrics
+            .iter()
+            .filter(|m| m.without_first == wf && m.ranking.starts_with("head_") && m.truth == "loo")
+            .collect();
+        if let Some(best) = heads
+            .iter()
+            .filter(|m| m.spearman.is_some())
+            .max_by(|a, b| {
+                a.spearman
+                    .unwrap_or(-2.0)
+                    .total_cmp(&b.spearman.unwrap_or(-2.0))
+            })
+        {
             let mut b = (*best).clone();
             b.ranking = format!("best head ({})", best.ranking);
             metric_row(&mut t, &b);

@@ -21,9 +21,15 @@ pub struct FetchArgs {
 }
 
 pub fn fetch(a: FetchArgs) -> anyhow::Result<()> {
-    let names: Vec<String> = if a.aliases.iter().any(|x| x == "all") { ALIASES.iter().map(|x| x.name.to_string()).collect() } else { a.aliases };
+    let names: Vec<String> = if a.aliases.iter().any(|x| x == "all") {
+        ALIASES.iter().map(|x| x.name.to_string()).collect()
+    } else {
+        a.aliases
+    };
     for n in names {
-        let al = alias(&n).ok_or_else(|| super::common::usage(format!("unknown alias `{n}`; known: {}", alias_names())))?;
+        let al = alias(&n).ok_or_else(|| {
+            super::common::usage(format!("unknown alias `{n}`; known: {}", alias_names()))
+        })?;
         let p = ensure(al, true)?;
         emit(&format!("{}\t{}\n", al.name, p.display()))?;
     }
@@ -42,7 +48,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if let Some(desc) = &m.info.description {
         s += &format!("{desc}\n");
     }
-    s += &format!("file: {} ({:.1} MB)\n\n", m.info.path.display(), m.info.file_size as f64 / 1e6);
+    s += &format!(
+        "file: {} ({:.1} MB)\n\n",
+        m.info.path.display(),
+        m.info.file_size as f64 / 1e6
+    );
     let mut t = Table::new([("", Align::Left), ("", Align::Left)]);
     let rope = match d.rope_style {
         crate::model::RopeStyle::Neox => "half-split pairs (i, i+d/2)",
@@ -52,7 +62,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         ("architecture", d.arch.name().to_string()),
         ("layers", d.n_layers.to_string()),
         ("query heads", d.n_heads.to_string()),
-        ("KV heads", format!("{} ({})", d.n_kv_heads, d.gqa_sentence())),
+        (
+            "KV heads",
+            format!("{} ({})", d.n_kv_heads, d.gqa_sentence()),
+        ),
         ("GQA group size", d.group_size().to_string()),
         ("head dim", d.head_dim.to_string()),
         ("d_model", d.d_model.to_string()),
@@ -62,8 +75,24 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         ("RoPE layout", rope.to_string()),
         ("RMSNorm eps", format!("{:e}", d.rms_eps)),
         ("vocab size", d.vocab_size.to_string()),
-        ("embeddings", if d.tied_embeddings { "tied (output = input embedding)" } else { "separate output matrix" }.to_string()),
-        ("tensor types", m.info.tensor_types.iter().map(|(k, v)| format!("{k}×{v}")).collect::<Vec<_>>().join(", ")),
+        (
+            "embeddings",
+            if d.tied_embeddings {
+                "tied (output = input embedding)"
+            } else {
+                "separate output matrix"
+            }
+            .to_string(),
+        ),
+        (
+            "tensor types",
+            m.info
+                .tensor_types
+                .iter()
+                .map(|(k, v)| format!("{k}×{v}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+        ),
         ("tokenizer", m.info.tokenizer.clone()),
         ("precision", m.info.precision.name().to_string()),
     ] {

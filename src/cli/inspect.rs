@@ -47,7 +47,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let (n, d) = (tokens.len(), &model.dims);
     let query = check_index(a.query.unwrap_or(n - 1), n, "query position")?;
     let layer = check_index(a.layer.unwrap_or(d.n_layers - 1), d.n_layers, "layer")?;
-    let heads = if a.heads == "0-3" && d.n_heads < 4 { (0..d.n_heads).collect() } else { parse_index_list(&a.heads, d.n_heads, "head")? };
+    let heads = if a.heads == "0-3" && d.n_heads < 4 {
+        (0..d.n_heads).collect()
+    } else {
+        parse_index_list(&a.heads, d.n_heads, "head")?
+    };
     let layers = match &a.layers {
         Some(s) => parse_index_list(s, d.n_layers, "layer")?,
         None => {
@@ -57,15 +61,36 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
     };
     if a.top == Some(0) || a.top.is_some_and(|k| k > n) {
-        return Err(usage(format!("--top {} is out of range: valid values are 1..={n} (the number of tokens)", a.top.unwrap_or(0))));
+        return Err(usage(format!(
+            "--top {} is out of range: valid values are 1..={n} (the number of tokens)",
+            a.top.unwrap_or(0)
+        )));
     }
     if !(0.0..=1.0).contains(&a.concentrated) {
-        return Err(usage(format!("--concentrated {} is out of range: use a weight in 0..=1", a.concentrated)));
+        return Err(usage(format!(
+            "--concentrated {} is out of range: use a weight in 0..=1",
+            a.concentrated
+        )));
     }
-    let plan = InspectPlan { query, layer, heads, top_heads: a.top.unwrap_or(3), layers, top_layers: a.top.unwrap_or(4), concentrated_at: a.concentrated };
+    let plan = InspectPlan {
+        query,
+        layer,
+        heads,
+        top_heads: a.top.unwrap_or(3),
+        layers,
+        top_layers: a.top.unwrap_or(4),
+        concentrated_at: a.concentrated,
+    };
     let mut collector = Collector::new(d.n_layers, d.n_heads, n, query);
     let t0 = Instant::now();
-    let out = model.forward(&tokens, &RunOptions { logits_at: vec![query], ..Default::default() }, &mut collector)?;
+    let out = model.forward(
+        &tokens,
+        &RunOptions {
+            logits_at: vec![query],
+            ..Default::default()
+        },
+        &mut collector,
+    )?;
     let forward = t0.elapsed();
     let report = build(&model, &tokens, &collector, &out.logits[0], &plan);
     if a.json {
@@ -74,6 +99,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         return emit(&format!("{}\n", serde_json::to_string_pretty(&v)?));
     }
     let mut s = crate::render::report::render(&report, a.mask_tokens);
-    s += &format!("\n(load {:.2} s, forward {:.3} s of which attention {:.3} s)\n", loaded.as_secs_f64(), forward.as_secs_f64(), out.timings.attention.as_secs_f64());
+    s += &format!(
+        "\n(load {:.2} s, forward {:.3} s of which attention {:.3} s)\n",
+        loaded.as_secs_f64(),
+        forward.as_secs_f64(),
+        out.timings.attention.as_secs_f64()
+    );
     emit(&s)
 }

@@ -96,13 +96,17 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
 /// Whether an error was caused by the user's input (exit 2) rather than by the program.
 fn is_bad_input(err: &anyhow::Error) -> bool {
     err.chain().any(|c| {
-        c.downcast_ref::<crate::model::Error>().is_some_and(|e| e.is_bad_input())
+        c.downcast_ref::<crate::model::Error>()
+            .is_some_and(|e| e.is_bad_input())
             || c.downcast_ref::<common::UsageError>().is_some()
     })
 }
 
 fn is_broken_pipe(err: &anyhow::Error) -> bool {
-    err.chain().any(|c| c.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe))
+    err.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+    })
 }
 
 pub fn main() -> ExitCode {

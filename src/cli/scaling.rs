@@ -13,7 +13,11 @@ pub struct Args {
     #[command(flatten)]
     model: ModelArgs,
     /// Sequence lengths (tokens of real text: the built-in corpus, repeated as needed).
-    #[arg(long, value_delimiter = ',', default_value = "128,256,512,1024,2048,4096")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "128,256,512,1024,2048,4096"
+    )]
     lengths: Vec<usize>,
     /// Timed runs per setting (after one warm-up run); the median is reported.
     #[arg(long, default_value_t = 3)]
@@ -47,12 +51,18 @@ struct Row {
 pub(super) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     let k = v.len();
-    if k % 2 == 1 { v[k / 2] } else { (v[k / 2 - 1] + v[k / 2]) / 2.0 }
+    if k % 2 == 1 {
+        v[k / 2]
+    } else {
+        (v[k / 2 - 1] + v[k / 2]) / 2.0
+    }
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     if a.lengths.is_empty() || a.lengths.contains(&0) {
-        return Err(usage("--lengths must be positive numbers, e.g. 128,256,512"));
+        return Err(usage(
+            "--lengths must be positive numbers, e.g. 128,256,512",
+        ));
     }
     if a.repeats == 0 {
         return Err(usage("--repeats must be at least 1"));
@@ -61,11 +71,23 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let d = &model.dims;
     let max_n = *a.lengths.iter().max().expect("non-empty");
     if max_n > d.context_len {
-        return Err(anyhow::Error::new(crate::model::Error::TooLong { n_tokens: max_n, limit: d.context_len, model: model.info.name.clone() }));
+        return Err(anyhow::Error::new(crate::model::Error::TooLong {
+            n_tokens: max_n,
+            limit: d.context_len,
+            model: model.info.name.clone(),
+        }));
     }
     let all = crate::analysis::corpus::builtin_tokens(&model.tokenizer, max_n)?;
-    let bar_ = if std::io::stderr().is_terminal() { indicatif::ProgressBar::new((a.lengths.len() * 2) as u64) } else { indicatif::ProgressBar::hidden() };
-    bar_.set_style(indicatif::ProgressStyle::with_template("{msg:24} [{bar:30}] {pos}/{len} ({elapsed})").expect("valid template").progress_chars("=> "));
+    let bar_ = if std::io::stderr().is_terminal() {
+        indicatif::ProgressBar::new((a.lengths.len() * 2) as u64)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar_.set_style(
+        indicatif::ProgressStyle::with_template("{msg:24} [{bar:30}] {pos}/{len} ({elapsed})")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
     let measure = |tokens: &[u32], capture: bool| -> anyhow::Result<Setting> {
         let n = tokens.len();
         let once = |capture: bool| -> anyhow::Result<(f64, f64)> {
@@ -76,7 +98,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             } else {
                 model.forward(tokens, &opts, &mut NoCapture)?
             };
-            Ok((out.timings.total.as_secs_f64(), out.timings.attention.as_secs_f64()))
+            Ok((
+                out.timings.total.as_secs_f64(),
+                out.timings.attention.as_secs_f64(),
+            ))
         };
         once(capture)?; // warm-up
         let before = rss_bytes();
@@ -89,7 +114,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             attn.push(at);
         }
         let peak = if resettable { peak_rss_bytes() } else { None };
-        Ok(Setting { median_s: median(runs.clone()), attention_s: median(attn), runs_s: runs, peak_rss_bytes: peak, extra_bytes: peak.zip(before).map(|(p, b)| p.saturating_sub(b)) })
+        Ok(Setting {
+            median_s: median(runs.clone()),
+            attention_s: median(attn),
+            runs_s: runs,
+            peak_rss_bytes: peak,
+            extra_bytes: peak.zip(before).map(|(p, b)| p.saturating_sub(b)),
+        })
     };
     let mut rows = Vec::new();
     for &n in &a.lengths {
@@ -105,19 +136,38 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             None
         };
         bar_.inc(1);
-        rows.push(Row { n, no_capture, capture, pattern_bytes });
+        rows.push(Row {
+            n,
+            no_capture,
+            capture,
+            pattern_bytes,
+        });
     }
     bar_.finish_and_clear();
     let ns: Vec<f64> = rows.iter().map(|r| r.n as f64).collect();
     let attn: Vec<f64> = rows.iter().map(|r| r.no_capture.attention_s).collect();
     let total: Vec<f64> = rows.iter().map(|r| r.no_capture.median_s).collect();
-    let proj: Vec<f64> = rows.iter().map(|r| (r.no_capture.median_s - r.no_capture.attention_s).max(1e-9)).collect();
-    let cap: Vec<(f64, f64)> = rows.iter().filter_map(|r| r.capture.as_ref().map(|c| (r.n as f64, c.median_s))).collect();
+    let proj: Vec<f64> = rows
+        .iter()
+        .map(|r| (r.no_capture.median_s - r.no_capture.attention_s).max(1e-9))
+        .collect();
+    let cap: Vec<(f64, f64)> = rows
+        .iter()
+        .filter_map(|r| r.capture.as_ref().map(|c| (r.n as f64, c.median_s)))
+        .collect();
     // the exponent over the longer half, where fixed costs no longer dominate
     let half = ns.len() / 2;
-    let fit = |ys: &[f64]| (loglog_slope(&ns, ys), loglog_slope(&ns[half..], &ys[half..]));
+    let fit = |ys: &[f64]| {
+        (
+            loglog_slope(&ns, ys),
+            loglog_slope(&ns[half..], &ys[half..]),
+        )
+    };
     let (attn_fit, proj_fit, total_fit) = (fit(&attn), fit(&proj), fit(&total));
-    let cap_fit = loglog_slope(&cap.iter().map(|c| c.0).collect::<Vec<_>>(), &cap.iter().map(|c| c.1).collect::<Vec<_>>());
+    let cap_fit = loglog_slope(
+        &cap.iter().map(|c| c.0).collect::<Vec<_>>(),
+        &cap.iter().map(|c| c.1).collect::<Vec<_>>(),
+    );
     let (cpu, threads) = machine();
     if a.json {
         let doc = serde_json::json!({
@@ -128,8 +178,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         });
         return emit(&format!("{}\n", serde_json::to_string_pretty(&doc)?));
     }
-    let mb = |b: Option<u64>| b.map(|x| format!("{:.0} MB", x as f64 / 1e6)).unwrap_or_else(|| "—".into());
-    let mut s = title(&format!("Scaling of {} ({} precision) with the sequence length", model.info.name, model.info.precision.name()));
+    let mb = |b: Option<u64>| {
+        b.map(|x| format!("{:.0} MB", x as f64 / 1e6))
+            .unwrap_or_else(|| "—".into())
+    };
+    let mut s = title(&format!(
+        "Scaling of {} ({} precision) with the sequence length",
+        model.info.name,
+        model.info.precision.name()
+    ));
     s += &format!("{threads} threads on {cpu}; median of {} runs after 1 warm-up per setting; text from the built-in corpus.\n\n", a.repeats);
     let mut t = Table::new([
         ("n", Align::Right),
@@ -148,19 +205,50 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             format!("{:.3} s", r.no_capture.median_s - r.no_capture.attention_s),
             format!("{:.3} s", r.no_capture.median_s),
             mb(r.no_capture.peak_rss_bytes),
-            r.capture.as_ref().map(|c| format!("{:.3} s", c.median_s)).unwrap_or_else(|| "skipped".into()),
-            r.capture.as_ref().map(|c| mb(c.peak_rss_bytes)).unwrap_or_else(|| "—".into()),
+            r.capture
+                .as_ref()
+                .map(|c| format!("{:.3} s", c.median_s))
+                .unwrap_or_else(|| "skipped".into()),
+            r.capture
+                .as_ref()
+                .map(|c| mb(c.peak_rss_bytes))
+                .unwrap_or_else(|| "—".into()),
             format!("{:.0} MB", r.pattern_bytes / 1e6),
         ]);
     }
     s += &t.render();
     // a log-scale chart: each bar spans log10(time) from the fastest to the slowest figure
-    let lo = attn.iter().chain(&proj).copied().fold(f64::INFINITY, f64::min).max(1e-6).log10();
-    let hi = attn.iter().chain(&proj).copied().fold(0.0f64, f64::max).max(1e-6).log10();
-    let scale = |v: f64| if hi > lo { ((v.max(1e-6).log10() - lo) / (hi - lo)) as f32 } else { 1.0 };
+    let lo = attn
+        .iter()
+        .chain(&proj)
+        .copied()
+        .fold(f64::INFINITY, f64::min)
+        .max(1e-6)
+        .log10();
+    let hi = attn
+        .iter()
+        .chain(&proj)
+        .copied()
+        .fold(0.0f64, f64::max)
+        .max(1e-6)
+        .log10();
+    let scale = |v: f64| {
+        if hi > lo {
+            ((v.max(1e-6).log10() - lo) / (hi - lo)) as f32
+        } else {
+            1.0
+        }
+    };
     s += "\nlog-scale time per length (A = attention, P = projections + MLP):\n";
     for (i, r) in rows.iter().enumerate() {
-        s += &format!("{:>6} A {:<40} {:.3} s\n       P {:<40} {:.3} s\n", r.n, bar(scale(attn[i]), 40), attn[i], bar(scale(proj[i]), 40), proj[i]);
+        s += &format!(
+            "{:>6} A {:<40} {:.3} s\n       P {:<40} {:.3} s\n",
+            r.n,
+            bar(scale(attn[i]), 40),
+            attn[i],
+            bar(scale(proj[i]), 40),
+            proj[i]
+        );
     }
     let f = |x: Option<f64>| x.map(|v| format!("{v:.2}")).unwrap_or_else(|| "—".into());
     s += &format!(

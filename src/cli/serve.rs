@@ -47,7 +47,12 @@ button{font-size:15px;padding:4px 14px}.err{background:#fdecea;border:1px solid 
 fn form(model: &str, max_chars: usize, error: Option<&str>) -> String {
     FORM.replace("MODEL", &html_escape(model))
         .replace("MAXCHARS", &max_chars.to_string())
-        .replace("ERROR", &error.map(|e| format!("<p class=\"err\">{}</p>", html_escape(e))).unwrap_or_default())
+        .replace(
+            "ERROR",
+            &error
+                .map(|e| format!("<p class=\"err\">{}</p>", html_escape(e)))
+                .unwrap_or_default(),
+        )
 }
 
 /// One slot of `--max-concurrent`, given back when dropped: also when its handler panics.
@@ -56,7 +61,11 @@ struct Slot(Arc<AtomicUsize>);
 impl Slot {
     /// A slot if fewer than `max` are taken.
     fn take(busy: &Arc<AtomicUsize>, max: usize) -> Option<Slot> {
-        busy.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |b| (b < max).then_some(b + 1)).ok().map(|_| Slot(busy.clone()))
+        busy.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |b| {
+            (b < max).then_some(b + 1)
+        })
+        .ok()
+        .map(|_| Slot(busy.clone()))
     }
 }
 
@@ -77,7 +86,10 @@ impl Deadline<'_> {
     fn left(&self) -> std::io::Result<Duration> {
         let left = self.until.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the client took too long"));
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the client took too long",
+            ));
         }
         Ok(left)
     }
@@ -125,17 +137,41 @@ pub fn host_allowed(host: &str, bound: std::net::SocketAddr) -> bool {
 
 fn respond(stream: &mut TcpStream, status: &str, body: &str) {
     let head = format!("HTTP/1.1 {status}\r\nContent-Type: text/html; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\nX-Content-Type-Options: nosniff\r\n\r\n", body.len());
-    let mut out = Deadline { stream, until: Instant::now() + Duration::from_secs(WRITE_DEADLINE_S) };
-    let _ = out.write_all(head.as_bytes()).and_then(|_| out.write_all(body.as_bytes()));
+    let mut out = Deadline {
+        stream,
+        until: Instant::now() + Duration::from_secs(WRITE_DEADLINE_S),
+    };
+    let _ = out
+        .write_all(head.as_bytes())
+        .and_then(|_| out.write_all(body.as_bytes()));
 }
 
-fn handle(stream: &mut TcpStream, model: &crate::model::Model, a: &Args, bound: std::net::SocketAddr) {
+fn handle(
+    stream: &mut TcpStream,
+    model: &crate::model::Model,
+    a: &Args,
+    bound: std::net::SocketAddr,
+) {
     let until = Instant::now() + Duration::from_secs(a.request_timeout);
     let mut reader = BufReader::new(Deadline { stream, until });
     let mut line = String::new();
-    match reader.by_ref().take(MAX_REQUEST_LINE as u64).read_line(&mut line) {
+    match reader
+        .by_ref()
+        .take(MAX_REQUEST_LINE as u64)
+        .read_line(&mut line)
+    {
         Ok(_) if line.ends_with('\n') => {}
-        _ => return respond(stream, "400 Bad Request", &form(&model.info.name, a.max_chars, Some("the request line is too long or incomplete"))),
+        _ => {
+            return respond(
+                stream,
+                "400 Bad Request",
+                &form(
+                    &model.info.name,
+                    a.max_chars,
+                    Some("the request line is too long or incomplete"),
+                ),
+            )
+        }
     }
     // read (and bound) the headers; the body, if any, is ignored: every request is a GET
     let mut total = 0;
@@ -155,22 +191,64 @@ fn handle(stream: &mut TcpStream, model: &crate::model::Model, a: &Args, bound: 
                     }
                 }
                 if total > MAX_HEADERS {
-                    return respond(stream, "431 Request Header Fields Too Large", &form(&model.info.name, a.max_chars, Some("the request headers are too large")));
+                    return respond(
+                        stream,
+                        "431 Request Header Fields Too Large",
+                        &form(
+                            &model.info.name,
+                            a.max_chars,
+                            Some("the request headers are too large"),
+                        ),
+                    );
                 }
             }
-            Err(_) => return respond(stream, "400 Bad Request", &form(&model.info.name, a.max_chars, Some("the request could not be read"))),
+            Err(_) => {
+                return respond(
+                    stream,
+                    "400 Bad Request",
+                    &form(
+                        &model.info.name,
+                        a.max_chars,
+                        Some("the request could not be read"),
+                    ),
+                )
+            }
         }
     }
     drop(reader);
     match host {
         Some(h) if host_allowed(&h, bound) => {}
-        Some(h) => return respond(stream, "421 Misdirected Request", &form(&model.info.name, a.max_chars, Some(&format!("this server answers to localhost, not to `{h}`")))),
-        None => return respond(stream, "400 Bad Request", &form(&model.info.name, a.max_chars, Some("the request has no Host header"))),
+        Some(h) => {
+            return respond(
+                stream,
+                "421 Misdirected Request",
+                &form(
+                    &model.info.name,
+                    a.max_chars,
+                    Some(&format!("this server answers to localhost, not to `{h}`")),
+                ),
+            )
+        }
+        None => {
+            return respond(
+                stream,
+                "400 Bad Request",
+                &form(
+                    &model.info.name,
+                    a.max_chars,
+                    Some("the request has no Host header"),
+                ),
+            )
+        }
     }
     let mut parts = line.split_whitespace();
     let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     if method != "GET" {
-        return respond(stream, "405 Method Not Allowed", &form(&model.info.name, a.max_chars, Some("only GET is supported")));
+        return respond(
+            stream,
+            "405 Method Not Allowed",
+            &form(&model.info.name, a.max_chars, Some("only GET is supported")),
+        );
     }
     let (path, query) = target.split_once('?').unwrap_or((target, ""));
     match path {
@@ -188,40 +266,78 @@ fn handle(stream: &mut TcpStream, model: &crate::model::Model, a: &Args, bound: 
                 }
             }
             let Some(text) = text else {
-                return respond(stream, "400 Bad Request", &form(&model.info.name, a.max_chars, Some("no text was given")));
+                return respond(
+                    stream,
+                    "400 Bad Request",
+                    &form(&model.info.name, a.max_chars, Some("no text was given")),
+                );
             };
             if text.chars().count() > a.max_chars {
-                return respond(stream, "413 Payload Too Large", &form(&model.info.name, a.max_chars, Some(&format!("the text has {} characters; this server takes at most {}", text.chars().count(), a.max_chars))));
+                return respond(
+                    stream,
+                    "413 Payload Too Large",
+                    &form(
+                        &model.info.name,
+                        a.max_chars,
+                        Some(&format!(
+                            "the text has {} characters; this server takes at most {}",
+                            text.chars().count(),
+                            a.max_chars
+                        )),
+                    ),
+                );
             }
             if faith {
                 match model.encode(&text, a.model.bos) {
                     Ok(t) if t.len() > a.max_faithfulness_tokens => {
                         let msg = format!("the text is {} tokens; this server measures faithfulness (one forward per token) on at most {} (--max-faithfulness-tokens); untick it, or run `attnscope faithfulness`", t.len(), a.max_faithfulness_tokens);
-                        return respond(stream, "413 Payload Too Large", &form(&model.info.name, a.max_chars, Some(&msg)));
+                        return respond(
+                            stream,
+                            "413 Payload Too Large",
+                            &form(&model.info.name, a.max_chars, Some(&msg)),
+                        );
                     }
                     _ => {}
                 }
             }
             match super::view::view_html(model, &text, a.model.bos, faith) {
                 Ok((html, _)) => respond(stream, "200 OK", &html),
-                Err(e) => respond(stream, "400 Bad Request", &form(&model.info.name, a.max_chars, Some(&format!("{e:#}")))),
+                Err(e) => respond(
+                    stream,
+                    "400 Bad Request",
+                    &form(&model.info.name, a.max_chars, Some(&format!("{e:#}"))),
+                ),
             }
         }
-        _ => respond(stream, "404 Not Found", &form(&model.info.name, a.max_chars, Some(&format!("there is no page {path}")))),
+        _ => respond(
+            stream,
+            "404 Not Found",
+            &form(
+                &model.info.name,
+                a.max_chars,
+                Some(&format!("there is no page {path}")),
+            ),
+        ),
     }
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     if a.max_concurrent == 0 || a.max_chars == 0 || a.request_timeout == 0 {
-        return Err(usage("--max-concurrent, --max-chars and --request-timeout must be at least 1"));
+        return Err(usage(
+            "--max-concurrent, --max-chars and --request-timeout must be at least 1",
+        ));
     }
-    let listener = TcpListener::bind(&a.addr).map_err(|e| usage(format!("cannot listen on {}: {e}", a.addr)))?;
+    let listener = TcpListener::bind(&a.addr)
+        .map_err(|e| usage(format!("cannot listen on {}: {e}", a.addr)))?;
     let local = listener.local_addr()?;
     let model = Arc::new(a.model.load()?);
     if !local.ip().is_loopback() {
         eprintln!("attnscope: warning: listening on {local}, which other machines may reach");
     }
-    emit(&format!("attnscope serving {} on http://{local}/ (Ctrl-C to stop)\n", model.info.name))?;
+    emit(&format!(
+        "attnscope serving {} on http://{local}/ (Ctrl-C to stop)\n",
+        model.info.name
+    ))?;
     let busy = Arc::new(AtomicUsize::new(0));
     let a = Arc::new(a);
     for stream in listener.incoming() {
@@ -229,7 +345,17 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let Some(slot) = Slot::take(&busy, a.max_concurrent) else {
             // answered on a thread of its own, so a client that does not read cannot stall the loop
             let (name, max_chars) = (model.info.name.clone(), a.max_chars);
-            std::thread::spawn(move || respond(&mut stream, "503 Service Unavailable", &form(&name, max_chars, Some("the server is busy; try again in a moment"))));
+            std::thread::spawn(move || {
+                respond(
+                    &mut stream,
+                    "503 Service Unavailable",
+                    &form(
+                        &name,
+                        max_chars,
+                        Some("the server is busy; try again in a moment"),
+                    ),
+                )
+            });
             continue;
         };
         let (model, a) = (model.clone(), a.clone());
@@ -266,10 +392,24 @@ mod tests {
     #[test]
     fn hosts() {
         let lo: std::net::SocketAddr = "127.0.0.1:8377".parse().unwrap();
-        for ok in ["localhost", "localhost:8377", "LOCALHOST:1", "127.0.0.1:8377", "[::1]:8377", "127.0.0.2"] {
+        for ok in [
+            "localhost",
+            "localhost:8377",
+            "LOCALHOST:1",
+            "127.0.0.1:8377",
+            "[::1]:8377",
+            "127.0.0.2",
+        ] {
             assert!(host_allowed(ok, lo), "{ok}");
         }
-        for bad in ["evil.example", "evil.example:8377", "localhost.evil.example", "10.0.0.5:8377", "[::1", ""] {
+        for bad in [
+            "evil.example",
+            "evil.example:8377",
+            "localhost.evil.example",
+            "10.0.0.5:8377",
+            "[::1",
+            "",
+        ] {
             assert!(!host_allowed(bad, lo), "{bad}");
         }
         let any: std::net::SocketAddr = "0.0.0.0:80".parse().unwrap();

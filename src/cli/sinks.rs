@@ -43,18 +43,35 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         return Err(usage("--max-tokens must be at least 1"));
     }
     if a.top == 0 || a.top > 64 {
-        return Err(usage(format!("--top {} is out of range: use 1..=64", a.top)));
+        return Err(usage(format!(
+            "--top {} is out of range: use 1..=64",
+            a.top
+        )));
     }
     let mut tokens = match &a.file {
         Some(f) => {
-            let bytes = std::fs::read(f).map_err(|e| usage(format!("cannot read --file {}: {e}", f.display())))?;
-            let text = String::from_utf8(bytes).map_err(|e| usage(format!("{} is not valid UTF-8 (first bad byte at offset {})", f.display(), e.utf8_error().valid_up_to())))?;
+            let bytes = std::fs::read(f)
+                .map_err(|e| usage(format!("cannot read --file {}: {e}", f.display())))?;
+            let text = String::from_utf8(bytes).map_err(|e| {
+                usage(format!(
+                    "{} is not valid UTF-8 (first bad byte at offset {})",
+                    f.display(),
+                    e.utf8_error().valid_up_to()
+                ))
+            })?;
             model.tokenizer.encode(&text, a.model.bos)?
         }
         None => {
             // a BOS first when the model or --bos asks for one, as encode() does for files
-            let mut t = if a.model.bos || model.tokenizer.add_bos { model.tokenizer.encode("", true)? } else { Vec::new() };
-            t.extend(crate::analysis::corpus::builtin_tokens(&model.tokenizer, max_tokens)?);
+            let mut t = if a.model.bos || model.tokenizer.add_bos {
+                model.tokenizer.encode("", true)?
+            } else {
+                Vec::new()
+            };
+            t.extend(crate::analysis::corpus::builtin_tokens(
+                &model.tokenizer,
+                max_tokens,
+            )?);
             t
         }
     };
@@ -64,16 +81,40 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let n = tokens.len();
     if n > ctx {
-        return Err(anyhow::Error::new(crate::model::Error::TooLong { n_tokens: n, limit: ctx, model: model.info.name.clone() }));
+        return Err(anyhow::Error::new(crate::model::Error::TooLong {
+            n_tokens: n,
+            limit: ctx,
+            model: model.info.name.clone(),
+        }));
     }
     let d = &model.dims;
-    let bar_ = if std::io::stderr().is_terminal() { indicatif::ProgressBar::new(d.n_layers as u64) } else { indicatif::ProgressBar::hidden() };
-    bar_.set_style(indicatif::ProgressStyle::with_template("{msg} [{bar:30}] layer {pos}/{len} ({elapsed}, {eta} left)").expect("valid template").progress_chars("=> "));
+    let bar_ = if std::io::stderr().is_terminal() {
+        indicatif::ProgressBar::new(d.n_layers as u64)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar_.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{msg} [{bar:30}] layer {pos}/{len} ({elapsed}, {eta} left)",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
+    );
     bar_.set_message(format!("{n} tokens"));
     let b2 = bar_.clone();
-    let mut stats = StreamStats::new(d.n_layers, d.n_heads, n, a.top, Box::new(move |l| b2.set_position(l as u64 + 1)));
+    let mut stats = StreamStats::new(
+        d.n_layers,
+        d.n_heads,
+        n,
+        a.top,
+        Box::new(move |l| b2.set_position(l as u64 + 1)),
+    );
     let t0 = Instant::now();
-    let opts = RunOptions { logits_at: vec![n - 1], key_block: a.key_block, ..Default::default() };
+    let opts = RunOptions {
+        logits_at: vec![n - 1],
+        key_block: a.key_block,
+        ..Default::default()
+    };
     let out = model.forward(&tokens, &opts, &mut stats)?;
     let forward_s = t0.elapsed().as_secs_f64();
     bar_.finish_and_clear();
@@ -91,7 +132,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         });
         return emit(&format!("{}\n", serde_json::to_string_pretty(&doc)?));
     }
-    let mut s = title(&format!("Attention sinks over {n} tokens, {} ({} precision), streamed", model.info.name, model.info.precision.name()));
+    let mut s = title(&format!(
+        "Attention sinks over {n} tokens, {} ({} precision), streamed",
+        model.info.name,
+        model.info.precision.name()
+    ));
     s += &format!(
         "first token \"{}\"; online softmax over blocks of {} keys: no attention matrix is stored (a full one would take {}).\n\n",
         visible(&model.tokenizer.token_text(tokens[0])),
@@ -108,9 +153,17 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         ("mean entropy", Align::Right),
         ("rows ≥0.9", Align::Right),
     ]);
-    let peak_layer = layers.iter().max_by(|x, y| x.sink_all_queries.total_cmp(&y.sink_all_queries)).map(|l| l.layer).unwrap_or(0);
+    let peak_layer = layers
+        .iter()
+        .max_by(|x, y| x.sink_all_queries.total_cmp(&y.sink_all_queries))
+        .map(|l| l.layer)
+        .unwrap_or(0);
     for l in &layers {
-        let shade: String = l.heads.iter().map(|h| [' ', '░', '▒', '▓', '█'][((h.first_token * 4.0).round() as usize).min(4)]).collect();
+        let shade: String = l
+            .heads
+            .iter()
+            .map(|h| [' ', '░', '▒', '▓', '█'][((h.first_token * 4.0).round() as usize).min(4)])
+            .collect();
         let sinks = l.heads.iter().filter(|h| h.first_token > a.epsilon).count();
         let ent = l.heads.iter().map(|h| h.mean_entropy).sum::<f64>() / l.heads.len() as f64;
         let conc = l.heads.iter().map(|h| h.concentrated).sum::<f64>() / l.heads.len() as f64;
@@ -127,7 +180,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     s += &t.render();
     let prof: Vec<f32> = layers.iter().map(|l| l.sink_all_queries as f32).collect();
-    s += &format!("sink profile {}\npeak: layer {peak_layer} ({:.4})\n\n", sparkline(&prof), layers[peak_layer].sink_all_queries);
+    s += &format!(
+        "sink profile {}\npeak: layer {peak_layer} ({:.4})\n\n",
+        sparkline(&prof),
+        layers[peak_layer].sink_all_queries
+    );
     s += &format!(
         "forward {forward_s:.1} s (attention {:.1} s), total {:.1} s; peak memory {}; {threads} threads on {cpu}\n",
         out.timings.attention.as_secs_f64(),

@@ -29,7 +29,12 @@ pub struct ViewArgs {
 const MAX_VIEW_TOKENS: usize = 512;
 
 /// The view page for `text` on `model` (also served by `attnscope serve`), and the token count.
-pub fn view_html(model: &crate::model::Model, text: &str, bos: bool, faithfulness: bool) -> anyhow::Result<(String, usize)> {
+pub fn view_html(
+    model: &crate::model::Model,
+    text: &str,
+    bos: bool,
+    faithfulness: bool,
+) -> anyhow::Result<(String, usize)> {
     let tokens = model.encode(text, bos)?;
     let (n, d) = (tokens.len(), &model.dims);
     if n > MAX_VIEW_TOKENS {
@@ -49,7 +54,16 @@ pub fn view_html(model: &crate::model::Model, text: &str, bos: bool, faithfulnes
         patterns.push(b64);
     }
     let faithfulness = if faithfulness {
-        Some(serde_json::to_value(run_faith(model, &tokens, &FaithOptions { target: Target::Next, replacement: " ".into(), seed: 7 }, |_, _| {})?)?)
+        Some(serde_json::to_value(run_faith(
+            model,
+            &tokens,
+            &FaithOptions {
+                target: Target::Next,
+                replacement: " ".into(),
+                seed: 7,
+            },
+            |_, _| {},
+        )?)?)
     } else {
         None
     };
@@ -72,7 +86,9 @@ pub fn view_html(model: &crate::model::Model, text: &str, bos: bool, faithfulnes
 
 pub fn view(a: ViewArgs) -> anyhow::Result<()> {
     if a.out.exists() && !a.force {
-        return Err(anyhow::Error::new(crate::model::Error::Exists { path: a.out.clone() }));
+        return Err(anyhow::Error::new(crate::model::Error::Exists {
+            path: a.out.clone(),
+        }));
     }
     let text = a.text.read()?;
     let model = a.model.load()?;
@@ -102,12 +118,22 @@ pub struct HeatmapArgs {
 }
 
 pub fn heatmap(a: HeatmapArgs) -> anyhow::Result<()> {
-    let ext = a.out.extension().and_then(|e| e.to_str()).unwrap_or("").to_ascii_lowercase();
+    let ext = a
+        .out
+        .extension()
+        .and_then(|e| e.to_str())
+        .unwrap_or("")
+        .to_ascii_lowercase();
     if ext != "png" && ext != "svg" {
-        return Err(usage(format!("--out {} must end in .png or .svg", a.out.display())));
+        return Err(usage(format!(
+            "--out {} must end in .png or .svg",
+            a.out.display()
+        )));
     }
     if a.out.exists() && !a.force {
-        return Err(anyhow::Error::new(crate::model::Error::Exists { path: a.out.clone() }));
+        return Err(anyhow::Error::new(crate::model::Error::Exists {
+            path: a.out.clone(),
+        }));
     }
     let text = a.text.read()?;
     let model = a.model.load()?;
@@ -116,16 +142,44 @@ pub fn heatmap(a: HeatmapArgs) -> anyhow::Result<()> {
     let layer = check_index(a.layer, d.n_layers, "layer")?;
     let head = match a.head.as_str() {
         "mean" => None,
-        h => Some(check_index(h.parse().map_err(|_| usage(format!("--head {h} is not a number or `mean`")))?, d.n_heads, "head")?),
+        h => Some(check_index(
+            h.parse()
+                .map_err(|_| usage(format!("--head {h} is not a number or `mean`")))?,
+            d.n_heads,
+            "head",
+        )?),
     };
-    let spec = CaptureSpec { hooks: vec![Hook::Pattern], layers: Some(vec![layer]), heads: head.map(|h| vec![h]), queries: crate::model::capture::Queries::All };
+    let spec = CaptureSpec {
+        hooks: vec![Hook::Pattern],
+        layers: Some(vec![layer]),
+        heads: head.map(|h| vec![h]),
+        queries: crate::model::capture::Queries::All,
+    };
     let mut cache = AttnCache::new(&spec, n);
     model.forward(&tokens, &RunOptions::default(), &mut cache)?;
     let p = cache.pattern(layer).expect("captured");
-    let map: Vec<f32> = if head.is_some() { p.data.to_vec() } else { crate::analysis::mean_rows(p.data.chunks(n * n)) };
-    let labels: Vec<String> = model.token_texts(&tokens).iter().enumerate().map(|(i, t)| format!("{i} {}", crate::model::tokenize::visible(t))).collect();
-    let title = format!("{} · layer {layer} · {}", model.info.name, head.map(|h| format!("head {h}")).unwrap_or_else(|| "mean of heads".into()));
-    let bytes = if ext == "svg" { crate::render::heatmap::svg(&map, &labels, &labels, &title).into_bytes() } else { crate::render::heatmap::png(&map, n, n) };
+    let map: Vec<f32> = if head.is_some() {
+        p.data.to_vec()
+    } else {
+        crate::analysis::mean_rows(p.data.chunks(n * n))
+    };
+    let labels: Vec<String> = model
+        .token_texts(&tokens)
+        .iter()
+        .enumerate()
+        .map(|(i, t)| format!("{i} {}", crate::model::tokenize::visible(t)))
+        .collect();
+    let title = format!(
+        "{} · layer {layer} · {}",
+        model.info.name,
+        head.map(|h| format!("head {h}"))
+            .unwrap_or_else(|| "mean of heads".into())
+    );
+    let bytes = if ext == "svg" {
+        crate::render::heatmap::svg(&map, &labels, &labels, &title).into_bytes()
+    } else {
+        crate::render::heatmap::png(&map, n, n)
+    };
     write_new_file(&a.out, &bytes, a.force)?;
     emit(&format!("wrote {} ({title}, {n}×{n})\n", a.out.display()))
 }

@@ -58,7 +58,10 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma"),
+            Isa::Avx2 => {
+                std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+            }
             #[cfg(not(target_arch = "x86_64"))]
             Isa::Avx512 | Isa::Avx2 => false,
             Isa::Scalar => true,
@@ -67,7 +70,10 @@ impl Isa {
 
     /// Every kernel this CPU runs (for tests).
     pub fn all_supported() -> Vec<Isa> {
-        [Isa::Avx512, Isa::Avx2, Isa::Scalar].into_iter().filter(|i| i.supported()).collect()
+        [Isa::Avx512, Isa::Avx2, Isa::Scalar]
+            .into_iter()
+            .filter(|i| i.supported())
+            .collect()
     }
 
     pub fn name(self) -> &'static str {
@@ -111,7 +117,15 @@ impl Isa {
     /// `a` holds `kc · MR` and `b` `kc · NR` floats; `c` is valid for MR rows of NR floats with
     /// row stride `ldc`; the CPU supports `self`.
     #[inline]
-    unsafe fn kernel(self, kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, accumulate: bool) {
+    unsafe fn kernel(
+        self,
+        kc: usize,
+        a: *const f32,
+        b: *const f32,
+        c: *mut f32,
+        ldc: usize,
+        accumulate: bool,
+    ) {
         match self {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => x86::kernel_avx512::<false>(kc, a, 0, b, c, ldc, accumulate),
@@ -128,7 +142,16 @@ impl Isa {
     /// As [`Isa::kernel`], with `a` valid for MR rows of `kc` floats at stride `lda`.
     #[inline]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn kernel_rows(self, kc: usize, a: *const f32, lda: usize, b: *const f32, c: *mut f32, ldc: usize, accumulate: bool) {
+    unsafe fn kernel_rows(
+        self,
+        kc: usize,
+        a: *const f32,
+        lda: usize,
+        b: *const f32,
+        c: *mut f32,
+        ldc: usize,
+        accumulate: bool,
+    ) {
         match self {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => x86::kernel_avx512::<true>(kc, a, lda, b, c, ldc, accumulate),
@@ -151,7 +174,11 @@ pub struct PackedB {
 
 impl std::fmt::Debug for PackedB {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "PackedB {{ k: {}, n: {}, isa: {:?} }}", self.k, self.n, self.isa)
+        write!(
+            f,
+            "PackedB {{ k: {}, n: {}, isa: {:?} }}",
+            self.k, self.n, self.isa
+        )
     }
 }
 
@@ -189,17 +216,29 @@ impl AlignedBuf {
 impl PackedB {
     /// Packs `W: [n, k]` row-major (row stride `ldw`) as the right-hand side of `x · Wᵀ`.
     pub fn from_rows(w: &[f32], n: usize, k: usize, ldw: usize, isa: Isa) -> PackedB {
-        assert!(n == 0 || w.len() >= (n - 1) * ldw + k, "W is too short for [{n}, {k}]");
+        assert!(
+            n == 0 || w.len() >= (n - 1) * ldw + k,
+            "W is too short for [{n}, {k}]"
+        );
         Self::pack(n, k, isa, |col, kk| w[col * ldw + kk], true)
     }
 
     /// Packs `B: [k, n]` row-major (row stride `ldb`).
     pub fn from_cols(b: &[f32], k: usize, n: usize, ldb: usize, isa: Isa) -> PackedB {
-        assert!(k == 0 || b.len() >= (k - 1) * ldb + n, "B is too short for [{k}, {n}]");
+        assert!(
+            k == 0 || b.len() >= (k - 1) * ldb + n,
+            "B is too short for [{k}, {n}]"
+        );
         Self::pack(n, k, isa, |col, kk| b[kk * ldb + col], false)
     }
 
-    fn pack(n: usize, k: usize, isa: Isa, at: impl Fn(usize, usize) -> f32 + Sync, rows_layout: bool) -> PackedB {
+    fn pack(
+        n: usize,
+        k: usize,
+        isa: Isa,
+        at: impl Fn(usize, usize) -> f32 + Sync,
+        rows_layout: bool,
+    ) -> PackedB {
         let nr = isa.nr();
         let panels = n.div_ceil(nr);
         let mut buf = AlignedBuf::zeros(panels * k * nr);
@@ -221,9 +260,15 @@ impl PackedB {
             }
         };
         if k * n >= 1 << 16 {
-            buf.as_mut_slice().par_chunks_mut((k * nr).max(1)).enumerate().for_each(fill);
+            buf.as_mut_slice()
+                .par_chunks_mut((k * nr).max(1))
+                .enumerate()
+                .for_each(fill);
         } else {
-            buf.as_mut_slice().chunks_mut((k * nr).max(1)).enumerate().for_each(fill);
+            buf.as_mut_slice()
+                .chunks_mut((k * nr).max(1))
+                .enumerate()
+                .for_each(fill);
         }
         PackedB { k, n, isa, buf }
     }
@@ -256,10 +301,17 @@ thread_local! {
     static A_PACK: std::cell::RefCell<AlignedBuf> = std::cell::RefCell::new(AlignedBuf::default());
 }
 
-
 /// `C[m, n] (+)= A[m, k] · B` where `A` is row-major with row stride `lda` and `C` row-major with
 /// row stride `ldc`. Runs on every core of rayon's pool when the product is large enough.
-pub fn gemm(a: &[f32], lda: usize, m: usize, b: &PackedB, c: &mut [f32], ldc: usize, accumulate: bool) {
+pub fn gemm(
+    a: &[f32],
+    lda: usize,
+    m: usize,
+    b: &PackedB,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+) {
     gemm_sub(a, lda, m, b, 0..b.k, 0..b.n, c, ldc, accumulate, true)
 }
 
@@ -268,16 +320,42 @@ pub fn gemm(a: &[f32], lda: usize, m: usize, b: &PackedB, c: &mut [f32], ldc: us
 /// the calling thread only when `parallel` is false (for callers that already run in parallel,
 /// such as the attention over heads).
 #[allow(clippy::too_many_arguments)]
-pub fn gemm_sub(a: &[f32], lda: usize, m: usize, b: &PackedB, ks: std::ops::Range<usize>, cols: std::ops::Range<usize>, c: &mut [f32], ldc: usize, accumulate: bool, parallel: bool) {
+pub fn gemm_sub(
+    a: &[f32],
+    lda: usize,
+    m: usize,
+    b: &PackedB,
+    ks: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+    parallel: bool,
+) {
     let isa = b.isa;
     let (k, n) = (ks.len(), cols.len());
-    assert!(ks.end <= b.k && cols.end <= b.n, "gemm_sub: ranges {ks:?} × {cols:?} outside B [{}, {}]", b.k, b.n);
+    assert!(
+        ks.end <= b.k && cols.end <= b.n,
+        "gemm_sub: ranges {ks:?} × {cols:?} outside B [{}, {}]",
+        b.k,
+        b.n
+    );
     if m == 0 || n == 0 {
         return;
     }
-    assert!(a.len() >= (m - 1) * lda + k, "A is too short for [{m}, {k}]");
-    assert!(c.len() >= (m - 1) * ldc + n, "C is too short for [{m}, {n}]");
-    assert!(isa.supported(), "the {} kernel does not run on this CPU", isa.name());
+    assert!(
+        a.len() >= (m - 1) * lda + k,
+        "A is too short for [{m}, {k}]"
+    );
+    assert!(
+        c.len() >= (m - 1) * ldc + n,
+        "C is too short for [{m}, {n}]"
+    );
+    assert!(
+        isa.supported(),
+        "the {} kernel does not run on this CPU",
+        isa.name()
+    );
     if k == 0 {
         if !accumulate {
             for r in 0..m {
@@ -287,7 +365,11 @@ pub fn gemm_sub(a: &[f32], lda: usize, m: usize, b: &PackedB, ks: std::ops::Rang
         return;
     }
     let (mr, nr) = (isa.mr(), isa.nr());
-    let threads = if parallel { rayon::current_num_threads() } else { 1 };
+    let threads = if parallel {
+        rayon::current_num_threads()
+    } else {
+        1
+    };
     let (mc, group, nc) = plan(m, n, mr, nr, threads);
     let row_blocks = m.div_ceil(group);
     let col_chunks = n.div_ceil(nc);
@@ -299,7 +381,24 @@ pub fn gemm_sub(a: &[f32], lda: usize, m: usize, b: &PackedB, ks: std::ops::Rang
         let (rows, ncols) = (group.min(m - i0), nc.min(n - j0));
         // SAFETY: task t owns rows i0..i0+rows × columns j0..j0+ncols of C, disjoint from every
         // other task's; bounds were checked above.
-        unsafe { block(a, lda, i0, rows, mc, b, ks.start, k, cols.start + j0, ncols, cp, j0, ldc, accumulate) };
+        unsafe {
+            block(
+                a,
+                lda,
+                i0,
+                rows,
+                mc,
+                b,
+                ks.start,
+                k,
+                cols.start + j0,
+                ncols,
+                cp,
+                j0,
+                ldc,
+                accumulate,
+            )
+        };
     };
     let flops = 2.0 * m as f64 * n as f64 * k as f64;
     if parallel && tasks > 1 && flops > 2e6 {
@@ -333,7 +432,9 @@ fn plan(m: usize, n: usize, mr: usize, nr: usize, threads: usize) -> (usize, usi
         }
         c = chunks(c);
         // equal chunks (c divides the panels into chunks of one width) whose count balances
-        if let Some(even) = (c..=(2 * c).min(panels)).find(|&x| (groups * x).is_multiple_of(threads) && panels.div_ceil(panels.div_ceil(x)) == x) {
+        if let Some(even) = (c..=(2 * c).min(panels)).find(|&x| {
+            (groups * x).is_multiple_of(threads) && panels.div_ceil(panels.div_ceil(x)) == x
+        }) {
             c = even;
         }
         // too few tasks along the columns: split the rows further
@@ -353,7 +454,22 @@ fn plan(m: usize, n: usize, mr: usize, nr: usize, threads: usize) -> (usize, usi
 /// blocks of `mc` inside, so a `KC`-deep slice of the task's B columns is read from memory once
 /// and then served from L2 to every row block of the task.
 #[allow(clippy::too_many_arguments)]
-unsafe fn block(a: &[f32], lda: usize, r0: usize, rows: usize, mc: usize, b: &PackedB, k0: usize, k: usize, bj0: usize, cols: usize, c: SendPtr, cj0: usize, ldc: usize, accumulate: bool) {
+unsafe fn block(
+    a: &[f32],
+    lda: usize,
+    r0: usize,
+    rows: usize,
+    mc: usize,
+    b: &PackedB,
+    k0: usize,
+    k: usize,
+    bj0: usize,
+    cols: usize,
+    c: SendPtr,
+    cj0: usize,
+    ldc: usize,
+    accumulate: bool,
+) {
     let isa = b.isa;
     let (mr, nr, kc_max) = (isa.mr(), isa.nr(), isa.kc());
     A_PACK.with(|cell| {
@@ -374,7 +490,11 @@ unsafe fn block(a: &[f32], lda: usize, r0: usize, rows: usize, mc: usize, b: &Pa
                     for r in 0..mr {
                         let rr = full * mr + r;
                         for kk in 0..kc {
-                            strip[kk * mr + r] = if rr < brows { a[(i0 + rr) * lda + pc + kk] } else { 0.0 };
+                            strip[kk * mr + r] = if rr < brows {
+                                a[(i0 + rr) * lda + pc + kk]
+                            } else {
+                                0.0
+                            };
                         }
                     }
                 }
@@ -396,11 +516,23 @@ unsafe fn block(a: &[f32], lda: usize, r0: usize, rows: usize, mc: usize, b: &Pa
                             // an edge tile: compute the full tile aside, copy in the valid part
                             for r in 0..srows {
                                 for j in lo..hi {
-                                    tile[r * nr + j] = if acc { *crow.offset(cbase + (r * ldc + j) as isize) } else { 0.0 };
+                                    tile[r * nr + j] = if acc {
+                                        *crow.offset(cbase + (r * ldc + j) as isize)
+                                    } else {
+                                        0.0
+                                    };
                                 }
                             }
                             if srows == mr {
-                                isa.kernel_rows(kc, a_in_place, lda, bp, tile.as_mut_ptr(), nr, true);
+                                isa.kernel_rows(
+                                    kc,
+                                    a_in_place,
+                                    lda,
+                                    bp,
+                                    tile.as_mut_ptr(),
+                                    nr,
+                                    true,
+                                );
                             } else {
                                 isa.kernel(kc, ap.as_ptr(), bp, tile.as_mut_ptr(), nr, true);
                             }
@@ -424,7 +556,11 @@ unsafe fn block(a: &[f32], lda: usize, r0: usize, rows: usize, mc: usize, b: &Pa
 /// can reach (memory traffic, packing and edges only take away from it), a measured stand-in
 /// for the FMA peak of the cores.
 pub fn kernel_peak_gflops(isa: Isa, seconds: f64) -> f64 {
-    assert!(isa.supported(), "the {} kernel does not run on this CPU", isa.name());
+    assert!(
+        isa.supported(),
+        "the {} kernel does not run on this CPU",
+        isa.name()
+    );
     let (mr, nr, kc) = (isa.mr(), isa.nr(), 128usize);
     let threads = rayon::current_num_threads();
     let flops: f64 = (0..threads)
@@ -432,14 +568,26 @@ pub fn kernel_peak_gflops(isa: Isa, seconds: f64) -> f64 {
         .map(|t| {
             let a = AlignedBuf::zeros(kc * mr);
             let mut b = AlignedBuf::zeros(kc * nr);
-            b.as_mut_slice().iter_mut().enumerate().for_each(|(i, x)| *x = (i % 7) as f32 * 1e-3 + t as f32 * 1e-6);
+            b.as_mut_slice()
+                .iter_mut()
+                .enumerate()
+                .for_each(|(i, x)| *x = (i % 7) as f32 * 1e-3 + t as f32 * 1e-6);
             let mut c = AlignedBuf::zeros(mr * nr);
             let start = std::time::Instant::now();
             let mut calls = 0u64;
             while start.elapsed().as_secs_f64() < seconds {
                 for _ in 0..256 {
                     // SAFETY: the buffers hold kc·MR, kc·NR and MR·NR floats; the ISA is supported.
-                    unsafe { isa.kernel(kc, a.as_slice().as_ptr(), b.as_slice().as_ptr(), c.as_mut_slice().as_mut_ptr(), nr, true) };
+                    unsafe {
+                        isa.kernel(
+                            kc,
+                            a.as_slice().as_ptr(),
+                            b.as_slice().as_ptr(),
+                            c.as_mut_slice().as_mut_ptr(),
+                            nr,
+                            true,
+                        )
+                    };
                 }
                 calls += 256;
             }
@@ -451,14 +599,26 @@ pub fn kernel_peak_gflops(isa: Isa, seconds: f64) -> f64 {
 }
 
 #[allow(clippy::too_many_arguments)]
-unsafe fn kernel_scalar<const DIRECT: bool>(kc: usize, a: *const f32, lda: usize, b: *const f32, c: *mut f32, ldc: usize, accumulate: bool) {
+unsafe fn kernel_scalar<const DIRECT: bool>(
+    kc: usize,
+    a: *const f32,
+    lda: usize,
+    b: *const f32,
+    c: *mut f32,
+    ldc: usize,
+    accumulate: bool,
+) {
     const MR: usize = 4;
     const NR: usize = 8;
     let mut acc = [[0f32; NR]; MR];
     for p in 0..kc {
         let bv = std::slice::from_raw_parts(b.add(p * NR), NR);
         for (r, row) in acc.iter_mut().enumerate() {
-            let av = if DIRECT { *a.add(r * lda + p) } else { *a.add(p * MR + r) };
+            let av = if DIRECT {
+                *a.add(r * lda + p)
+            } else {
+                *a.add(p * MR + r)
+            };
             for j in 0..NR {
                 row[j] = av.mul_add(bv[j], row[j]);
             }
@@ -478,7 +638,15 @@ mod x86 {
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn kernel_avx512<const DIRECT: bool>(kc: usize, a: *const f32, lda: usize, b: *const f32, c: *mut f32, ldc: usize, accumulate: bool) {
+    pub unsafe fn kernel_avx512<const DIRECT: bool>(
+        kc: usize,
+        a: *const f32,
+        lda: usize,
+        b: *const f32,
+        c: *mut f32,
+        ldc: usize,
+        accumulate: bool,
+    ) {
         const MR: usize = 12;
         const NR: usize = 32;
         // C's tile is read (or written) after the loop: start bringing it in now
@@ -513,7 +681,15 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn kernel_avx2<const DIRECT: bool>(kc: usize, a: *const f32, lda: usize, b: *const f32, c: *mut f32, ldc: usize, accumulate: bool) {
+    pub unsafe fn kernel_avx2<const DIRECT: bool>(
+        kc: usize,
+        a: *const f32,
+        lda: usize,
+        b: *const f32,
+        c: *mut f32,
+        ldc: usize,
+        accumulate: bool,
+    ) {
         const MR: usize = 6;
         const NR: usize = 16;
         for r in 0..MR {
@@ -556,7 +732,9 @@ mod tests {
         let mut c = vec![0f64; m * n];
         for i in 0..m {
             for j in 0..n {
-                c[i * n + j] = (0..k).map(|p| a[i * k + p] as f64 * w[j * k + p] as f64).sum();
+                c[i * n + j] = (0..k)
+                    .map(|p| a[i * k + p] as f64 * w[j * k + p] as f64)
+                    .sum();
             }
         }
         c
@@ -569,7 +747,10 @@ mod tests {
         let want = naive(&a, m, k, &w, n);
         // W [n, k] as rows, and its transpose [k, n] as columns: the same product
         let wt: Vec<f32> = (0..k * n).map(|i| w[(i % n) * k + i / n]).collect();
-        for (label, pb) in [("rows", PackedB::from_rows(&w, n, k, k, isa)), ("cols", PackedB::from_cols(&wt, k, n, n, isa))] {
+        for (label, pb) in [
+            ("rows", PackedB::from_rows(&w, n, k, k, isa)),
+            ("cols", PackedB::from_cols(&wt, k, n, n, isa)),
+        ] {
             for accumulate in [false, true] {
                 let base = if accumulate { 1.5f32 } else { f32::NAN };
                 // C with a wider row stride than n, to check ldc and that nothing past n is touched
@@ -583,7 +764,10 @@ mod tests {
                         assert!((got - want).abs() <= 1e-4 * (1.0 + want.abs()), "{isa:?} {label} m={m} k={k} n={n} acc={accumulate} at ({i},{j}): {got} vs {want}");
                     }
                     for j in n..ldc {
-                        assert!(c[i * ldc + j].to_bits() == base.to_bits(), "{isa:?} wrote past column n at ({i},{j})");
+                        assert!(
+                            c[i * ldc + j].to_bits() == base.to_bits(),
+                            "{isa:?} wrote past column n at ({i},{j})"
+                        );
                     }
                 }
             }
@@ -595,7 +779,15 @@ mod tests {
         let isas = Isa::all_supported();
         assert!(isas.contains(&Isa::Scalar));
         for isa in isas {
-            for (m, k, n) in [(1, 1, 1), (5, 7, 3), (13, 64, 33), (12, 32, 32), (200, 300, 70), (17, 600, 1030), (2, 0, 5)] {
+            for (m, k, n) in [
+                (1, 1, 1),
+                (5, 7, 3),
+                (13, 64, 33),
+                (12, 32, 32),
+                (200, 300, 70),
+                (17, 600, 1030),
+                (2, 0, 5),
+            ] {
                 check(m, k, n, isa, (m * 31 + k * 7 + n) as u64);
             }
         }
@@ -609,16 +801,39 @@ mod tests {
             let a = rng.normals(m * k, 1.0);
             let b = rng.normals(k * n, 1.0); // [k, n]
             let pb = PackedB::from_cols(&b, k, n, n, isa);
-            for (ks, cols) in [(0..70, 0..45), (3..40, 5..38), (33..34, 44..45), (10..70, 0..1)] {
+            for (ks, cols) in [
+                (0..70, 0..45),
+                (3..40, 5..38),
+                (33..34, 44..45),
+                (10..70, 0..1),
+            ] {
                 let (kk, nn) = (ks.len(), cols.len());
                 // A's columns meet B's rows ks: take A's first kk columns, lda = k
                 let mut c = vec![0f32; m * nn];
-                gemm_sub(&a, k, m, &pb, ks.clone(), cols.clone(), &mut c, nn, false, true);
+                gemm_sub(
+                    &a,
+                    k,
+                    m,
+                    &pb,
+                    ks.clone(),
+                    cols.clone(),
+                    &mut c,
+                    nn,
+                    false,
+                    true,
+                );
                 for i in 0..m {
                     for j in 0..nn {
-                        let want: f64 = (0..kk).map(|p| a[i * k + p] as f64 * b[(ks.start + p) * n + cols.start + j] as f64).sum();
+                        let want: f64 = (0..kk)
+                            .map(|p| {
+                                a[i * k + p] as f64 * b[(ks.start + p) * n + cols.start + j] as f64
+                            })
+                            .sum();
                         let got = c[i * nn + j] as f64;
-                        assert!((got - want).abs() < 1e-4 * (1.0 + want.abs()), "{isa:?} {ks:?} {cols:?} ({i},{j}): {got} vs {want}");
+                        assert!(
+                            (got - want).abs() < 1e-4 * (1.0 + want.abs()),
+                            "{isa:?} {ks:?} {cols:?} ({i},{j}): {got} vs {want}"
+                        );
                     }
                 }
             }
@@ -638,20 +853,39 @@ mod tests {
         let want = naive(&a, m, k, &w, n);
         let mut c = vec![0f32; m * n];
         gemm(&a, k, m, &pb, &mut c, n, false);
-        let worst = c.iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max);
+        let worst = c
+            .iter()
+            .zip(&want)
+            .map(|(&g, &w)| (g as f64 - w).abs())
+            .fold(0.0, f64::max);
         assert!(worst > 1e-3, "a corrupted weight went unnoticed");
     }
 
     #[test]
     fn task_plans_cover_c_with_whole_panels_and_balance_threads() {
-        for (m, n, threads) in [(2048, 896, 2), (575, 896, 2), (2048, 1152, 2), (18, 128, 2), (1, 1, 4), (575, 9728, 16), (5000, 64, 3), (32768, 1152, 2)] {
+        for (m, n, threads) in [
+            (2048, 896, 2),
+            (575, 896, 2),
+            (2048, 1152, 2),
+            (18, 128, 2),
+            (1, 1, 4),
+            (575, 9728, 16),
+            (5000, 64, 3),
+            (32768, 1152, 2),
+        ] {
             let (mc, group, nc) = plan(m, n, 12, 32, threads);
             assert!(mc % 12 == 0 && mc > 0 && mc <= 192, "{m}x{n}: mc {mc}");
-            assert!(group % mc == 0 && group <= 2048 + mc, "{m}x{n}: group {group}");
+            assert!(
+                group % mc == 0 && group <= 2048 + mc,
+                "{m}x{n}: group {group}"
+            );
             assert!(nc % 32 == 0 && nc > 0, "{m}x{n}: nc {nc}");
             let tasks = m.div_ceil(group) * n.div_ceil(nc);
             let most = m.div_ceil(mc) * n.div_ceil(32);
-            assert!(tasks >= (2 * threads).min(most), "{m}x{n}: only {tasks} tasks");
+            assert!(
+                tasks >= (2 * threads).min(most),
+                "{m}x{n}: only {tasks} tasks"
+            );
         }
         // the case that was measured: down projection, 575 rows, 28 panels, 2 threads
         let (_, group, nc) = plan(575, 896, 12, 32, 2);

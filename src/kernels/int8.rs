@@ -23,7 +23,9 @@ const PANEL_BLOCK: usize = BLOCK * NP + NP * 4 + NP * 4;
 pub fn vnni_supported() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw") && std::arch::is_x86_feature_detected!("avx512vnni")
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vnni")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -48,34 +50,41 @@ pub struct PackedQ8 {
 impl PackedQ8 {
     /// Quantizes and packs `W: [n, k]` (row-major). `k` must be a multiple of 32.
     pub fn from_rows(w: &[f32], n: usize, k: usize) -> PackedQ8 {
-        assert!(k.is_multiple_of(BLOCK), "int8 weights need k to be a multiple of {BLOCK}, got {k}");
+        assert!(
+            k.is_multiple_of(BLOCK),
+            "int8 weights need k to be a multiple of {BLOCK}, got {k}"
+        );
         assert!(w.len() >= n * k);
         let blocks = k / BLOCK;
         let panels = n.div_ceil(NP);
         let mut data = vec![0u8; panels * blocks * PANEL_BLOCK];
-        data.par_chunks_mut(blocks * PANEL_BLOCK).enumerate().for_each(|(p, panel)| {
-            for b in 0..blocks {
-                let pb = &mut panel[b * PANEL_BLOCK..(b + 1) * PANEL_BLOCK];
-                for c in 0..NP {
-                    let j = p * NP + c;
-                    let (mut scale, mut sum) = (0f32, 0i32);
-                    if j < n {
-                        let src = &w[j * k + b * BLOCK..j * k + (b + 1) * BLOCK];
-                        let amax = src.iter().fold(0f32, |m, &x| m.max(x.abs()));
-                        scale = amax / 127.0;
-                        let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
-                        for (t, &x) in src.iter().enumerate() {
-                            let q = q8(x, inv);
-                            sum += q as i32;
-                            // group t/4, column c, byte t%4
-                            pb[(t / 4) * NP * 4 + c * 4 + t % 4] = q as u8;
+        data.par_chunks_mut(blocks * PANEL_BLOCK)
+            .enumerate()
+            .for_each(|(p, panel)| {
+                for b in 0..blocks {
+                    let pb = &mut panel[b * PANEL_BLOCK..(b + 1) * PANEL_BLOCK];
+                    for c in 0..NP {
+                        let j = p * NP + c;
+                        let (mut scale, mut sum) = (0f32, 0i32);
+                        if j < n {
+                            let src = &w[j * k + b * BLOCK..j * k + (b + 1) * BLOCK];
+                            let amax = src.iter().fold(0f32, |m, &x| m.max(x.abs()));
+                            scale = amax / 127.0;
+                            let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+                            for (t, &x) in src.iter().enumerate() {
+                                let q = q8(x, inv);
+                                sum += q as i32;
+                                // group t/4, column c, byte t%4
+                                pb[(t / 4) * NP * 4 + c * 4 + t % 4] = q as u8;
+                            }
                         }
+                        pb[BLOCK * NP + c * 4..BLOCK * NP + c * 4 + 4]
+                            .copy_from_slice(&scale.to_le_bytes());
+                        pb[BLOCK * NP + NP * 4 + c * 4..BLOCK * NP + NP * 4 + c * 4 + 4]
+                            .copy_from_slice(&(128 * sum).to_le_bytes());
                     }
-                    pb[BLOCK * NP + c * 4..BLOCK * NP + c * 4 + 4].copy_from_slice(&scale.to_le_bytes());
-                    pb[BLOCK * NP + NP * 4 + c * 4..BLOCK * NP + NP * 4 + c * 4 + 4].copy_from_slice(&(128 * sum).to_le_bytes());
                 }
-            }
-        });
+            });
         PackedQ8 { n, k, data }
     }
 
@@ -104,18 +113,21 @@ impl QuantA {
         let blocks = k / BLOCK;
         let mut qa = vec![0u8; m * k];
         let mut scales = vec![0f32; m * blocks];
-        qa.par_chunks_mut(k).zip(scales.par_chunks_mut(blocks)).enumerate().for_each(|(i, (q, s))| {
-            let row = &a[i * lda..i * lda + k];
-            for b in 0..blocks {
-                let src = &row[b * BLOCK..(b + 1) * BLOCK];
-                let amax = src.iter().fold(0f32, |m, &x| m.max(x.abs()));
-                s[b] = amax / 127.0;
-                let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
-                for (t, &x) in src.iter().enumerate() {
-                    q[b * BLOCK + t] = (q8(x, inv) as i32 + 128) as u8;
+        qa.par_chunks_mut(k)
+            .zip(scales.par_chunks_mut(blocks))
+            .enumerate()
+            .for_each(|(i, (q, s))| {
+                let row = &a[i * lda..i * lda + k];
+                for b in 0..blocks {
+                    let src = &row[b * BLOCK..(b + 1) * BLOCK];
+                    let amax = src.iter().fold(0f32, |m, &x| m.max(x.abs()));
+                    s[b] = amax / 127.0;
+                    let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+                    for (t, &x) in src.iter().enumerate() {
+                        q[b * BLOCK + t] = (q8(x, inv) as i32 + 128) as u8;
+                    }
                 }
-            }
-        });
+            });
         QuantA { m, k, qa, scales }
     }
 }
@@ -167,7 +179,11 @@ pub fn gemm_q8(a: &QuantA, w: &PackedQ8, c: &mut [f32], ldc: usize, accumulate: 
                 let out = &mut sums[(i - i0) * 2 * NP..(i - i0 + r) * 2 * NP];
                 #[cfg(target_arch = "x86_64")]
                 if vnni && r == MR {
-                    let pb1 = if two { w.panel(p0 + 1).as_ptr() } else { w.panel(p0).as_ptr() };
+                    let pb1 = if two {
+                        w.panel(p0 + 1).as_ptr()
+                    } else {
+                        w.panel(p0).as_ptr()
+                    };
                     // SAFETY: the CPU has VNNI; the panels hold every block; out holds MR rows.
                     unsafe { x86::tile_vnni(a, i, w.panel(p0).as_ptr(), pb1, b0..b1, out) };
                 } else {
@@ -182,7 +198,9 @@ pub fn gemm_q8(a: &QuantA, w: &PackedQ8, c: &mut [f32], ldc: usize, accumulate: 
         let cols = (2 * NP).min(n - p0 * NP);
         for (rr, row) in sums.chunks(2 * NP).enumerate() {
             // SAFETY: this task owns rows i0..i1 × columns 32·jt..32·jt+32 of C.
-            let dst = unsafe { std::slice::from_raw_parts_mut(cp.get().add((i0 + rr) * ldc + p0 * NP), cols) };
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(cp.get().add((i0 + rr) * ldc + p0 * NP), cols)
+            };
             for (d, &v) in dst.iter_mut().zip(row) {
                 *d = if accumulate { *d + v } else { v };
             }
@@ -195,7 +213,16 @@ const CHUNK: usize = 8;
 
 /// The plain kernel (any CPU, and edge tiles): the same integer sums and scalings.
 #[allow(clippy::too_many_arguments)]
-fn tile_scalar(a: &QuantA, w: &PackedQ8, i: usize, r: usize, p0: usize, two: bool, bs: std::ops::Range<usize>, out: &mut [f32]) {
+fn tile_scalar(
+    a: &QuantA,
+    w: &PackedQ8,
+    i: usize,
+    r: usize,
+    p0: usize,
+    two: bool,
+    bs: std::ops::Range<usize>,
+    out: &mut [f32],
+) {
     let blocks = w.k / BLOCK;
     for (pi, p) in [p0, p0 + 1].into_iter().enumerate() {
         if pi == 1 && !two {
@@ -212,7 +239,9 @@ fn tile_scalar(a: &QuantA, w: &PackedQ8, i: usize, r: usize, p0: usize, two: boo
                     for (t, &x) in row.iter().enumerate() {
                         acc += (x as i32 - 128) * pb[(t / 4) * NP * 4 + c * 4 + t % 4] as i8 as i32;
                     }
-                    let sw = f32::from_le_bytes(pb[BLOCK * NP + c * 4..][..4].try_into().expect("4 bytes"));
+                    let sw = f32::from_le_bytes(
+                        pb[BLOCK * NP + c * 4..][..4].try_into().expect("4 bytes"),
+                    );
                     out[rr * 2 * NP + pi * NP + c] += acc as f32 * (sa * sw);
                 }
             }
@@ -238,7 +267,14 @@ mod x86 {
 
     /// MR rows × 2 panels (32 columns) over the blocks `bs`, added to the sums in `out`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    pub unsafe fn tile_vnni(a: &QuantA, i: usize, pb0: *const u8, pb1: *const u8, bs: std::ops::Range<usize>, out: &mut [f32]) {
+    pub unsafe fn tile_vnni(
+        a: &QuantA,
+        i: usize,
+        pb0: *const u8,
+        pb1: *const u8,
+        bs: std::ops::Range<usize>,
+        out: &mut [f32],
+    ) {
         let blocks = a.k / BLOCK;
         let k = a.k;
         let qa = a.qa.as_ptr().add(i * k);
@@ -260,7 +296,9 @@ mod x86 {
                 let mut r = 0;
                 while r < MR {
                     // 4 activation bytes (already + 128) in every lane
-                    let x = _mm512_set1_epi32(std::ptr::read_unaligned(xa.add(r * k + 4 * g) as *const i32));
+                    let x = _mm512_set1_epi32(std::ptr::read_unaligned(
+                        xa.add(r * k + 4 * g) as *const i32
+                    ));
                     acc[2 * r] = dpbusd(acc[2 * r], x, v0);
                     acc[2 * r + 1] = dpbusd(acc[2 * r + 1], x, v1);
                     r += 1;
@@ -297,7 +335,13 @@ mod tests {
     #[test]
     fn int8_product_matches_its_definition_and_the_float_product() {
         let mut rng = crate::reference::Rng::new(21);
-        for (m, k, n) in [(1, 32, 1), (7, 64, 19), (13, 96, 48), (6, 32, 32), (30, 256, 70)] {
+        for (m, k, n) in [
+            (1, 32, 1),
+            (7, 64, 19),
+            (13, 96, 48),
+            (6, 32, 32),
+            (30, 256, 70),
+        ] {
             let a = rng.normals(m * k, 1.0);
             let w = rng.normals(n * k, 0.1);
             let qa = QuantA::new(&a, m, k, k);
@@ -314,22 +358,39 @@ mod tests {
                         let rw = &w[j * k + b * BLOCK..][..BLOCK];
                         let sa = ra.iter().fold(0f32, |m, x| m.max(x.abs())) / 127.0;
                         let sw = rw.iter().fold(0f32, |m, x| m.max(x.abs())) / 127.0;
-                        let dot: i64 = ra.iter().zip(rw).map(|(&x, &y)| (q8(x, 1.0 / sa) as i64) * (q8(y, 1.0 / sw) as i64)).sum();
+                        let dot: i64 = ra
+                            .iter()
+                            .zip(rw)
+                            .map(|(&x, &y)| (q8(x, 1.0 / sa) as i64) * (q8(y, 1.0 / sw) as i64))
+                            .sum();
                         want += dot as f64 * sa as f64 * sw as f64;
-                        exact += ra.iter().zip(rw).map(|(&x, &y)| x as f64 * y as f64).sum::<f64>();
+                        exact += ra
+                            .iter()
+                            .zip(rw)
+                            .map(|(&x, &y)| x as f64 * y as f64)
+                            .sum::<f64>();
                     }
                     let got = c[i * n + j] as f64;
-                    assert!((got - want).abs() <= 1e-4 * (1.0 + want.abs()), "m={m} k={k} n={n} ({i},{j}): {got} vs {want}");
+                    assert!(
+                        (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                        "m={m} k={k} n={n} ({i},{j}): {got} vs {want}"
+                    );
                     // quantization error: each side is rounded to 1/254 of its block's range, about
                     // 1% of a product's typical size here (σ); allow 5 σ
                     let typical = (k as f64).sqrt() * 0.1;
-                    assert!((got - exact).abs() < 0.05 * typical, "({i},{j}): {got} vs float {exact}");
+                    assert!(
+                        (got - exact).abs() < 0.05 * typical,
+                        "({i},{j}): {got} vs float {exact}"
+                    );
                 }
             }
             // accumulate adds
             let mut c2 = vec![1.0f32; m * n];
             gemm_q8(&qa, &pw, &mut c2, n, true);
-            assert!(c2.iter().zip(&c).all(|(x, y)| (x - 1.0 - y).abs() < 1e-4 * (1.0 + y.abs())));
+            assert!(c2
+                .iter()
+                .zip(&c)
+                .all(|(x, y)| (x - 1.0 - y).abs() < 1e-4 * (1.0 + y.abs())));
         }
     }
 
@@ -339,7 +400,13 @@ mod tests {
         let a = vec![0f32; m * k];
         let w = vec![0.5f32; n * k];
         let mut c = vec![7f32; m * n];
-        gemm_q8(&QuantA::new(&a, m, k, k), &PackedQ8::from_rows(&w, n, k), &mut c, n, false);
+        gemm_q8(
+            &QuantA::new(&a, m, k, k),
+            &PackedQ8::from_rows(&w, n, k),
+            &mut c,
+            n,
+            false,
+        );
         assert!(c.iter().all(|&x| x == 0.0));
     }
 }

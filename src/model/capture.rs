@@ -120,14 +120,27 @@ pub trait Observer {
     /// A block of query rows `q_start..q_start + rows` of an attention map, shape
     /// `[n_heads, rows, k_width]`. Keys at `k_width..` are masked for every row of the block
     /// (weight 0, score -inf) and are not included.
-    fn attention_block(&mut self, layer: usize, hook: Hook, q_start: usize, shape: [usize; 3], data: &[f32]);
+    fn attention_block(
+        &mut self,
+        layer: usize,
+        hook: Hook,
+        q_start: usize,
+        shape: [usize; 3],
+        data: &[f32],
+    );
     /// Whether (and with how many top keys) this observer wants per-(head, query) statistics at
     /// `layer` (computed while streaming, without the weights).
     fn wants_stats(&self, _layer: usize) -> Option<crate::model::forward::StatsRequest> {
         None
     }
     /// Statistics of query rows `q_start..q_start + stats.rows`.
-    fn attention_stats(&mut self, _layer: usize, _q_start: usize, _stats: &crate::model::forward::AttnStats) {}
+    fn attention_stats(
+        &mut self,
+        _layer: usize,
+        _q_start: usize,
+        _stats: &crate::model::forward::AttnStats,
+    ) {
+    }
     /// Query positions whose whole normalized rows (every head) this observer wants at `layer`
     /// without the rest of the pattern: the forward then streams and recomputes just these.
     fn wants_rows(&self, _layer: usize) -> Vec<usize> {
@@ -182,7 +195,12 @@ pub struct CaptureSpec {
 impl CaptureSpec {
     /// Every head's pattern, every layer, every query.
     pub fn patterns() -> Self {
-        CaptureSpec { hooks: vec![Hook::Pattern], layers: None, heads: None, queries: Queries::All }
+        CaptureSpec {
+            hooks: vec![Hook::Pattern],
+            layers: None,
+            heads: None,
+            queries: Queries::All,
+        }
     }
 
     /// Every tensor an [`AttnCache`] of this spec will hold after a forward over `seq_len` tokens,
@@ -190,7 +208,10 @@ impl CaptureSpec {
     pub fn tensors(&self, dims: &super::ModelDims, seq_len: usize) -> Vec<(String, Vec<usize>)> {
         let nq = self.queries.resolve(seq_len).len();
         let heads = self.heads.as_ref().map_or(dims.n_heads, |h| h.len());
-        let mut layers = self.layers.clone().unwrap_or_else(|| (0..dims.n_layers).collect());
+        let mut layers = self
+            .layers
+            .clone()
+            .unwrap_or_else(|| (0..dims.n_layers).collect());
         layers.sort_unstable();
         layers.dedup();
         let mut hooks = self.hooks.clone();
@@ -289,7 +310,13 @@ impl AttnCache {
 
     pub fn attention_map(&self, layer: usize, hook: Hook) -> Option<AttnPattern<'_>> {
         let c = self.get(layer, hook)?;
-        Some(AttnPattern { layer, heads: c.heads.as_deref().expect("attention maps record heads"), queries: &c.queries, k_len: self.seq_len, data: &c.data })
+        Some(AttnPattern {
+            layer,
+            heads: c.heads.as_deref().expect("attention maps record heads"),
+            queries: &c.queries,
+            k_len: self.seq_len,
+            data: &c.data,
+        })
     }
 
     fn head_list(&self, n: usize) -> Vec<usize> {
@@ -327,24 +354,46 @@ impl Observer for AttnCache {
         }
         self.entries.insert(
             (layer, hook),
-            Captured { name: hook_name(layer, hook), layer, hook, shape: new_shape, data: out, heads, queries: self.queries.clone() },
+            Captured {
+                name: hook_name(layer, hook),
+                layer,
+                hook,
+                shape: new_shape,
+                data: out,
+                heads,
+                queries: self.queries.clone(),
+            },
         );
     }
 
-    fn attention_block(&mut self, layer: usize, hook: Hook, q_start: usize, shape: [usize; 3], data: &[f32]) {
+    fn attention_block(
+        &mut self,
+        layer: usize,
+        hook: Hook,
+        q_start: usize,
+        shape: [usize; 3],
+        data: &[f32],
+    ) {
         let [n_heads, rows, k_width] = shape;
         let heads = self.head_list(n_heads);
         let (nq, n) = (self.queries.len(), self.seq_len);
-        let fill = if hook == Hook::AttnScores { f32::NEG_INFINITY } else { 0.0 };
-        let entry = self.entries.entry((layer, hook)).or_insert_with(|| Captured {
-            name: hook_name(layer, hook),
-            layer,
-            hook,
-            shape: vec![heads.len(), nq, n],
-            data: vec![fill; heads.len() * nq * n],
-            heads: Some(heads.clone()),
-            queries: self.queries.clone(),
-        });
+        let fill = if hook == Hook::AttnScores {
+            f32::NEG_INFINITY
+        } else {
+            0.0
+        };
+        let entry = self
+            .entries
+            .entry((layer, hook))
+            .or_insert_with(|| Captured {
+                name: hook_name(layer, hook),
+                layer,
+                hook,
+                shape: vec![heads.len(), nq, n],
+                data: vec![fill; heads.len() * nq * n],
+                heads: Some(heads.clone()),
+                queries: self.queries.clone(),
+            });
         for (qi, &q) in self.queries.iter().enumerate() {
             if q < q_start || q >= q_start + rows {
                 continue;
@@ -385,12 +434,29 @@ mod tests {
 
     #[test]
     fn cache_assembles_blocks_and_pads_masked_keys() {
-        let spec = CaptureSpec { hooks: vec![Hook::Pattern], layers: Some(vec![1]), heads: Some(vec![1]), queries: Queries::All };
+        let spec = CaptureSpec {
+            hooks: vec![Hook::Pattern],
+            layers: Some(vec![1]),
+            heads: Some(vec![1]),
+            queries: Queries::All,
+        };
         let mut c = AttnCache::new(&spec, 3);
         assert!(!c.wants(0, Hook::Pattern) && c.wants(1, Hook::Pattern) && !c.wants(1, Hook::Q));
         // two heads; block of rows 0..2 (keys 0..2), then row 2 (keys 0..3)
-        c.attention_block(1, Hook::Pattern, 0, [2, 2, 2], &[1.0, 0.0, 0.5, 0.5, 1.0, 0.0, 0.2, 0.8]);
-        c.attention_block(1, Hook::Pattern, 2, [2, 1, 3], &[0.3, 0.3, 0.4, 0.1, 0.1, 0.8]);
+        c.attention_block(
+            1,
+            Hook::Pattern,
+            0,
+            [2, 2, 2],
+            &[1.0, 0.0, 0.5, 0.5, 1.0, 0.0, 0.2, 0.8],
+        );
+        c.attention_block(
+            1,
+            Hook::Pattern,
+            2,
+            [2, 1, 3],
+            &[0.3, 0.3, 0.4, 0.1, 0.1, 0.8],
+        );
         let p = c.pattern(1).unwrap();
         assert_eq!(p.data, &[1.0, 0.0, 0.0, 0.2, 0.8, 0.0, 0.1, 0.1, 0.8]);
         assert_eq!(p.row_at(1, 2).unwrap(), &[0.1, 0.1, 0.8]);
@@ -399,7 +465,12 @@ mod tests {
 
     #[test]
     fn hook_list_parsing() {
-        assert_eq!(Hook::parse_list("pattern,resid").unwrap(), vec![Hook::Pattern, Hook::ResidPre, Hook::ResidPost]);
-        assert!(Hook::parse_list("patern").unwrap_err().contains("unknown hook `patern`"));
+        assert_eq!(
+            Hook::parse_list("pattern,resid").unwrap(),
+            vec![Hook::Pattern, Hook::ResidPre, Hook::ResidPost]
+        );
+        assert!(Hook::parse_list("patern")
+            .unwrap_err()
+            .contains("unknown hook `patern`"));
     }
 }

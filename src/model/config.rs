@@ -86,16 +86,25 @@ impl ModelDims {
             }
         }
         if self.n_heads % self.n_kv_heads != 0 {
-            return Err(format!("n_heads {} is not a multiple of n_kv_heads {}", self.n_heads, self.n_kv_heads));
+            return Err(format!(
+                "n_heads {} is not a multiple of n_kv_heads {}",
+                self.n_heads, self.n_kv_heads
+            ));
         }
         if self.head_dim % 2 != 0 {
-            return Err(format!("head_dim {} is odd; RoPE needs an even head dimension", self.head_dim));
+            return Err(format!(
+                "head_dim {} is odd; RoPE needs an even head dimension",
+                self.head_dim
+            ));
         }
         if !(self.rope_base.is_finite() && self.rope_base > 1.0) {
             return Err(format!("rope base {} is not a number > 1", self.rope_base));
         }
         if !(self.rms_eps.is_finite() && self.rms_eps >= 0.0) {
-            return Err(format!("rms eps {} is not a non-negative number", self.rms_eps));
+            return Err(format!(
+                "rms eps {} is not a non-negative number",
+                self.rms_eps
+            ));
         }
         Ok(())
     }
@@ -105,7 +114,10 @@ impl ModelDims {
         if self.n_kv_heads == self.n_heads {
             "every query head has its own key/value set (multi-head attention)".to_string()
         } else if self.n_kv_heads == 1 {
-            format!("all {} query heads share one key/value set (multi-query attention)", self.n_heads)
+            format!(
+                "all {} query heads share one key/value set (multi-query attention)",
+                self.n_heads
+            )
         } else {
             format!("{g} query heads share each key/value set (grouped-query attention)")
         }

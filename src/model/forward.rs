@@ -36,7 +36,13 @@ pub struct RunOptions {
 
 impl Default for RunOptions {
     fn default() -> Self {
-        RunOptions { logits_at: Vec::new(), knockout: Vec::new(), block_bytes: 8 << 20, keep_kv: false, key_block: 1024 }
+        RunOptions {
+            logits_at: Vec::new(),
+            knockout: Vec::new(),
+            block_bytes: 8 << 20,
+            keep_kv: false,
+            key_block: 1024,
+        }
     }
 }
 
@@ -57,15 +63,27 @@ impl KvPrefix {
     pub fn truncate(&self, len: usize) -> Result<KvPrefix> {
         let len = len.min(self.len);
         let (nkv, hd, old) = (self.n_kv, self.head_dim, self.len);
-        let cut = |x: &Vec<f32>| -> Vec<f32> { (0..nkv).flat_map(|g| x[g * old * hd..(g * old + len) * hd].iter().copied()).collect() };
+        let cut = |x: &Vec<f32>| -> Vec<f32> {
+            (0..nkv)
+                .flat_map(|g| x[g * old * hd..(g * old + len) * hd].iter().copied())
+                .collect()
+        };
         let layers = self.layers.iter().map(|(k, v)| (cut(k), cut(v))).collect();
-        Ok(KvPrefix { len, n_kv: nkv, head_dim: hd, layers })
+        Ok(KvPrefix {
+            len,
+            n_kv: nkv,
+            head_dim: hd,
+            layers,
+        })
     }
 }
 
 impl RunOptions {
     pub fn last_logits(n: usize) -> Self {
-        RunOptions { logits_at: vec![n.saturating_sub(1)], ..Default::default() }
+        RunOptions {
+            logits_at: vec![n.saturating_sub(1)],
+            ..Default::default()
+        }
     }
 }
 
@@ -91,7 +109,9 @@ pub struct ForwardOut {
 /// (`inv_freq = 1 / base^(2i/d)` and `pos · inv_freq` in f32), so the rotation angles agree.
 pub fn rope_tables(head_dim: usize, base: f32, n: usize) -> (Vec<f32>, Vec<f32>) {
     let half = head_dim / 2;
-    let inv: Vec<f32> = (0..half).map(|i| 1.0 / base.powf((2 * i) as f32 / head_dim as f32)).collect();
+    let inv: Vec<f32> = (0..half)
+        .map(|i| 1.0 / base.powf((2 * i) as f32 / head_dim as f32))
+        .collect();
     let mut cos = Vec::with_capacity(n * half);
     let mut sin = Vec::with_capacity(n * half);
     for t in 0..n {
@@ -131,7 +151,15 @@ fn rotate(x: &mut [f32], cos: &[f32], sin: &[f32], style: RopeStyle) {
 
 /// Columns `c0..c0 + heads·d` of each row of `src: [m, width]`, as `[heads, m, d]`, each head
 /// vector rotated for its position when `rope` is given (`(cos, sin, style)`, tables from row 0).
-fn split_heads(src: &[f32], m: usize, width: usize, c0: usize, heads: usize, d: usize, rope: Option<(&[f32], &[f32], RopeStyle)>) -> Vec<f32> {
+fn split_heads(
+    src: &[f32],
+    m: usize,
+    width: usize,
+    c0: usize,
+    heads: usize,
+    d: usize,
+    rope: Option<(&[f32], &[f32], RopeStyle)>,
+) -> Vec<f32> {
     let mut out = vec![0f32; heads * m * d];
     let half = d / 2;
     out.par_chunks_mut(m * d).enumerate().for_each(|(h, dst)| {
@@ -169,9 +197,13 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
         }
     };
     if x.len() >= 1 << 16 {
-        x.par_chunks(width).zip(out.par_chunks_mut(width)).for_each(norm_rows);
+        x.par_chunks(width)
+            .zip(out.par_chunks_mut(width))
+            .for_each(norm_rows);
     } else {
-        x.chunks(width).zip(out.chunks_mut(width)).for_each(norm_rows);
+        x.chunks(width)
+            .zip(out.chunks_mut(width))
+            .for_each(norm_rows);
     }
     out
 }
@@ -183,12 +215,18 @@ fn swiglu(gu: &[f32], ff: usize, out: &mut [f32]) {
         let (g, u) = src.split_at(ff);
         for ((d, &g), &u) in dst.iter_mut().zip(g).zip(u) {
             let e = fast_exp(-g.abs());
-            let sig = if g >= 0.0 { 1.0 / (1.0 + e) } else { e / (1.0 + e) };
+            let sig = if g >= 0.0 {
+                1.0 / (1.0 + e)
+            } else {
+                e / (1.0 + e)
+            };
             *d = g * sig * u;
         }
     };
     if out.len() >= 1 << 15 {
-        gu.par_chunks(2 * ff).zip(out.par_chunks_mut(ff)).for_each(act);
+        gu.par_chunks(2 * ff)
+            .zip(out.par_chunks_mut(ff))
+            .for_each(act);
     } else {
         gu.chunks(2 * ff).zip(out.chunks_mut(ff)).for_each(act);
     }
@@ -219,7 +257,14 @@ struct RowState {
 
 impl RowState {
     fn new() -> Self {
-        RowState { m: f32::NEG_INFINITY, l: 0.0, t: 0.0, argmax: 0, s0: f32::NEG_INFINITY, top: Vec::new() }
+        RowState {
+            m: f32::NEG_INFINITY,
+            l: 0.0,
+            t: 0.0,
+            argmax: 0,
+            s0: f32::NEG_INFINITY,
+            top: Vec::new(),
+        }
     }
 }
 
@@ -258,10 +303,37 @@ pub struct AttnDims {
 /// Query heads `g·group..(g+1)·group` share K/V set `g` ([`crate::reference::kv_head`]); each
 /// set is packed once per call and read by its heads, never copied per head.
 #[allow(clippy::too_many_arguments)]
-pub fn attention(layer: usize, q: &[f32], k: &[f32], v: &[f32], dims: AttnDims, knockout: &[bool], block_bytes: usize, key_block: usize, obs: &mut dyn Observer) -> Result<Vec<f32>> {
-    let AttnDims { n_heads, n_kv_heads: n_kv, head_dim: d, q_len: n, k_len } = dims;
-    if k_len < n || n_kv == 0 || n_heads % n_kv != 0 || q.len() != n_heads * n * d || k.len() != n_kv * k_len * d || v.len() != k.len() {
-        return Err(Error::Candle(candle_core::Error::Msg(format!("attention shapes {dims:?} with q {} k {} v {} values: you likely have a bug", q.len(), k.len(), v.len()))));
+pub fn attention(
+    layer: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dims: AttnDims,
+    knockout: &[bool],
+    block_bytes: usize,
+    key_block: usize,
+    obs: &mut dyn Observer,
+) -> Result<Vec<f32>> {
+    let AttnDims {
+        n_heads,
+        n_kv_heads: n_kv,
+        head_dim: d,
+        q_len: n,
+        k_len,
+    } = dims;
+    if k_len < n
+        || n_kv == 0
+        || n_heads % n_kv != 0
+        || q.len() != n_heads * n * d
+        || k.len() != n_kv * k_len * d
+        || v.len() != k.len()
+    {
+        return Err(Error::Candle(candle_core::Error::Msg(format!(
+            "attention shapes {dims:?} with q {} k {} v {} values: you likely have a bug",
+            q.len(),
+            k.len(),
+            v.len()
+        ))));
     }
     let mut z = vec![0f32; n * n_heads * d];
     if n == 0 {
@@ -273,20 +345,30 @@ pub fn attention(layer: usize, q: &[f32], k: &[f32], v: &[f32], dims: AttnDims, 
     // the queries scaled once, so the scores come out of the GEMM already divided by √d
     let q: Vec<f32> = q.iter().map(|&x| x * scale).collect();
     let q = q.as_slice();
-    let (want_s, want_p) = (obs.wants(layer, Hook::AttnScores), obs.wants(layer, Hook::Pattern));
+    let (want_s, want_p) = (
+        obs.wants(layer, Hook::AttnScores),
+        obs.wants(layer, Hook::Pattern),
+    );
     let materialize = want_s || want_p;
     let request = obs.wants_stats(layer);
     // argmax is only looked for when someone takes the statistics
     let stats = request.is_some();
-    let want_rows: Vec<usize> = obs.wants_rows(layer).into_iter().filter(|&i| i < k_len && i + n >= k_len).collect();
+    let want_rows: Vec<usize> = obs
+        .wants_rows(layer)
+        .into_iter()
+        .filter(|&i| i < k_len && i + n >= k_len)
+        .collect();
     let offset = k_len - n; // absolute position of query row 0
-    // each KV set packed once: K as the right side of Q·Kᵀ, V as the right side of P·V
+                            // each KV set packed once: K as the right side of Q·Kᵀ, V as the right side of P·V
     let packed: Vec<(PackedB, PackedB)> = (0..n_kv)
         .into_par_iter()
         .map(|g| {
             let kg = &k[g * k_len * d..(g + 1) * k_len * d];
             let vg = &v[g * k_len * d..(g + 1) * k_len * d];
-            (PackedB::from_rows(kg, k_len, d, d, isa), PackedB::from_cols(vg, k_len, d, d, isa))
+            (
+                PackedB::from_rows(kg, k_len, d, d, isa),
+                PackedB::from_cols(vg, k_len, d, d, isa),
+            )
         })
         .collect();
     let kb_size = if materialize { k_len } else { key_block.max(1) };
@@ -294,31 +376,52 @@ pub fn attention(layer: usize, q: &[f32], k: &[f32], v: &[f32], dims: AttnDims, 
     let rows_per_block = (block_bytes / (n_heads * kb_size.min(k_len) * 4).max(1)).clamp(1, n);
     // whole strips of the GEMM's micro-tile, so no block ends in a mostly empty strip
     let mr = isa.mr();
-    let rows_per_block = if rows_per_block > mr && rows_per_block < n { rows_per_block / mr * mr } else { rows_per_block };
+    let rows_per_block = if rows_per_block > mr && rows_per_block < n {
+        rows_per_block / mr * mr
+    } else {
+        rows_per_block
+    };
     let any_knockout = knockout.iter().any(|&b| b);
     let mut q0 = 0;
     while q0 < n {
         let rows = rows_per_block.min(n - q0);
         let kw = offset + q0 + rows; // keys after the block's last query are masked for every row
         let kbw = kb_size.min(kw); // width of one key block's score buffer
-        // the score buffers are reused from block to block and layer to layer: a fresh one of
-        // each size would be page-faulted in anew (measured: ~2.5 M faults, ~4 s at 2,048 tokens)
+                                   // the score buffers are reused from block to block and layer to layer: a fresh one of
+                                   // each size would be page-faulted in anew (measured: ~2.5 M faults, ~4 s at 2,048 tokens)
         let mut scratch = SCRATCH.with(|c| std::mem::take(&mut *c.borrow_mut()));
-        let mut raw_scratch = if want_s { RAW_SCRATCH.with(|c| std::mem::take(&mut *c.borrow_mut())) } else { Vec::new() };
+        let mut raw_scratch = if want_s {
+            RAW_SCRATCH.with(|c| std::mem::take(&mut *c.borrow_mut()))
+        } else {
+            Vec::new()
+        };
         scratch.resize(scratch.len().max(n_heads * rows * kbw), 0.0);
         let scores = &mut scratch[..n_heads * rows * kbw];
         if want_s {
             raw_scratch.resize(raw_scratch.len().max(n_heads * rows * kbw), 0.0);
         }
-        let raw_scores = if want_s { &mut raw_scratch[..n_heads * rows * kbw] } else { &mut raw_scratch[..0] };
+        let raw_scores = if want_s {
+            &mut raw_scratch[..n_heads * rows * kbw]
+        } else {
+            &mut raw_scratch[..0]
+        };
         let mut state = vec![RowState::new(); n_heads * rows];
         let mut zb = vec![0f32; n_heads * rows * d];
         // the whole rows wanted from this block: (query row in the block, absolute position)
-        let wanted: Vec<(usize, usize)> = want_rows.iter().filter(|&&i| i >= offset + q0 && i < offset + q0 + rows).map(|&i| (i - offset - q0, i)).collect();
+        let wanted: Vec<(usize, usize)> = want_rows
+            .iter()
+            .filter(|&&i| i >= offset + q0 && i < offset + q0 + rows)
+            .map(|&i| (i - offset - q0, i))
+            .collect();
         // one chunk per head (of at least one float, so the zip below has a chunk for every head)
         let row_chunk = (wanted.len() * k_len).max(1);
         let mut row_out = vec![0f32; n_heads * row_chunk];
-        let head_task = |h: usize, s_h: &mut [f32], raw_h: &mut [f32], st_h: &mut [RowState], z_h: &mut [f32], rows_h: &mut [f32]| {
+        let head_task = |h: usize,
+                         s_h: &mut [f32],
+                         raw_h: &mut [f32],
+                         st_h: &mut [RowState],
+                         z_h: &mut [f32],
+                         rows_h: &mut [f32]| {
             let (kp, vp) = &packed[h / group];
             let a = &q[(h * n + q0) * d..(h * n + q0 + rows) * d];
             let mut corr = vec![0f32; rows];
@@ -333,16 +436,26 @@ pub fn attention(layer: usize, q: &[f32], k: &[f32], v: &[f32], dims: AttnDims, 
                     for (x, (src, dst)) in s.chunks(kn).zip(raw_h.chunks_mut(kn)).enumerate() {
                         let i = offset + q0 + x;
                         for (j, (&sc, out)) in src.iter().zip(dst.iter_mut()).enumerate() {
-                            *out = if visible(i, k0 + j, knockout) { sc } else { f32::NEG_INFINITY };
+                            *out = if visible(i, k0 + j, knockout) {
+                                sc
+                            } else {
+                                f32::NEG_INFINITY
+                            };
                         }
                     }
                 }
                 // online softmax update, one query row at a time: mask, new shift
                 // m' = max(m, block max), rescale the sums by exp(m - m'), and leave
                 // p = exp(s - m') in the buffer for the weighted sum of values
-                for (x, (row, (st, c))) in s.chunks_mut(kn).zip(st_h.iter_mut().zip(corr.iter_mut())).enumerate() {
+                for (x, (row, (st, c))) in s
+                    .chunks_mut(kn)
+                    .zip(st_h.iter_mut().zip(corr.iter_mut()))
+                    .enumerate()
+                {
                     let i = offset + q0 + x;
-                    let top_k = request.filter(|r| r.top_k > 0 && i >= r.top_k_from).map(|r| r.top_k);
+                    let top_k = request
+                        .filter(|r| r.top_k > 0 && i >= r.top_k_from)
+                        .map(|r| r.top_k);
                     if !any_knockout {
                         // the keys of this block the query may see are a prefix of it
                         let n_vis = (i + 1).saturating_sub(k0).min(kn);
@@ -388,36 +501,81 @@ pub fn attention(layer: usize, q: &[f32], k: &[f32], v: &[f32], dims: AttnDims, 
                 let st = &st_h[x];
                 let out = &mut rows_h[w * k_len..(w + 1) * k_len];
                 let a_row = &q[(h * n + q0 + x) * d..(h * n + q0 + x + 1) * d];
-                gemm::gemm_sub(a_row, d, 1, kp, 0..d, 0..i + 1, &mut out[..i + 1], i + 1, false, false);
+                gemm::gemm_sub(
+                    a_row,
+                    d,
+                    1,
+                    kp,
+                    0..d,
+                    0..i + 1,
+                    &mut out[..i + 1],
+                    i + 1,
+                    false,
+                    false,
+                );
                 for (j, p) in out[..i + 1].iter_mut().enumerate() {
-                    *p = if visible(i, j, knockout) && st.l > 0.0 { (fast_exp(*p - st.m) as f64 / st.l) as f32 } else { 0.0 };
+                    *p = if visible(i, j, knockout) && st.l > 0.0 {
+                        (fast_exp(*p - st.m) as f64 / st.l) as f32
+                    } else {
+                        0.0
+                    };
                 }
             }
         };
         let raw_chunk = if want_s { rows * kbw } else { 0 };
-        let tasks = scores.par_chunks_mut(rows * kbw).zip(state.par_chunks_mut(rows)).zip(zb.par_chunks_mut(rows * d)).zip(row_out.par_chunks_mut(row_chunk)).enumerate();
+        let tasks = scores
+            .par_chunks_mut(rows * kbw)
+            .zip(state.par_chunks_mut(rows))
+            .zip(zb.par_chunks_mut(rows * d))
+            .zip(row_out.par_chunks_mut(row_chunk))
+            .enumerate();
         if want_s {
-            tasks.zip(raw_scores.par_chunks_mut(raw_chunk)).for_each(|((h, (((s_h, st_h), z_h), rows_h)), raw_h)| head_task(h, s_h, raw_h, st_h, z_h, rows_h));
+            tasks.zip(raw_scores.par_chunks_mut(raw_chunk)).for_each(
+                |((h, (((s_h, st_h), z_h), rows_h)), raw_h)| {
+                    head_task(h, s_h, raw_h, st_h, z_h, rows_h)
+                },
+            );
         } else {
-            tasks.for_each(|(h, (((s_h, st_h), z_h), rows_h))| head_task(h, s_h, &mut [], st_h, z_h, rows_h));
+            tasks.for_each(|(h, (((s_h, st_h), z_h), rows_h))| {
+                head_task(h, s_h, &mut [], st_h, z_h, rows_h)
+            });
         }
         // a NaN or infinite score (corrupt weights, an overflow) poisons Σ p·s: refuse the layer
         // rather than hand out rows in which it silently became weight 0
-        if state.iter().any(|st| !(st.t.is_finite() && st.l.is_finite() && st.m < f32::INFINITY)) {
-            return Err(Error::NonFinite { what: "the attention scores".into(), layer: Some(layer) });
+        if state
+            .iter()
+            .any(|st| !(st.t.is_finite() && st.l.is_finite() && st.m < f32::INFINITY))
+        {
+            return Err(Error::NonFinite {
+                what: "the attention scores".into(),
+                layer: Some(layer),
+            });
         }
         for (w, &(_, i)) in wanted.iter().enumerate() {
             let mut all = vec![0f32; n_heads * k_len];
             for h in 0..n_heads {
-                all[h * k_len..(h + 1) * k_len].copy_from_slice(&row_out[h * row_chunk + w * k_len..][..k_len]);
+                all[h * k_len..(h + 1) * k_len]
+                    .copy_from_slice(&row_out[h * row_chunk + w * k_len..][..k_len]);
             }
             obs.attention_rows(layer, i, n_heads, &all);
         }
         if want_s {
-            obs.attention_block(layer, Hook::AttnScores, offset + q0, [n_heads, rows, kw], raw_scores);
+            obs.attention_block(
+                layer,
+                Hook::AttnScores,
+                offset + q0,
+                [n_heads, rows, kw],
+                raw_scores,
+            );
         }
         if want_p {
-            obs.attention_block(layer, Hook::Pattern, offset + q0, [n_heads, rows, kw], scores);
+            obs.attention_block(
+                layer,
+                Hook::Pattern,
+                offset + q0,
+                [n_heads, rows, kw],
+                scores,
+            );
         }
         if let Some(r) = request {
             let stats = AttnStats::from_states(&state, n_heads, rows, r.top_k);
@@ -425,7 +583,8 @@ pub fn attention(layer: usize, q: &[f32], k: &[f32], v: &[f32], dims: AttnDims, 
         }
         for h in 0..n_heads {
             for x in 0..rows {
-                z[((q0 + x) * n_heads + h) * d..][..d].copy_from_slice(&zb[(h * rows + x) * d..][..d]);
+                z[((q0 + x) * n_heads + h) * d..][..d]
+                    .copy_from_slice(&zb[(h * rows + x) * d..][..d]);
             }
         }
         SCRATCH.with(|c| *c.borrow_mut() = scratch);
@@ -444,7 +603,17 @@ pub fn attention(layer: usize, q: &[f32], k: &[f32], v: &[f32], dims: AttnDims, 
 /// track the argmax (nobody else needs it).
 #[inline]
 #[allow(clippy::too_many_arguments)]
-fn online_update(st: &mut RowState, c: &mut f32, row: &mut [f32], len: usize, bmax: f32, k0: usize, top_k: Option<usize>, dense: bool, stats: bool) {
+fn online_update(
+    st: &mut RowState,
+    c: &mut f32,
+    row: &mut [f32],
+    len: usize,
+    bmax: f32,
+    k0: usize,
+    top_k: Option<usize>,
+    dense: bool,
+    stats: bool,
+) {
     // top_k is None for rows whose top keys nobody asked for
     if k0 == 0 {
         st.s0 = row[0];
@@ -460,20 +629,32 @@ fn online_update(st: &mut RowState, c: &mut f32, row: &mut [f32], len: usize, bm
         *c = 1.0;
         return;
     }
-    *c = if st.m == f32::NEG_INFINITY { 0.0 } else { (st.m - m_new).exp() };
+    *c = if st.m == f32::NEG_INFINITY {
+        0.0
+    } else {
+        (st.m - m_new).exp()
+    };
     if stats && bmax > st.m {
         st.argmax = (k0 + row[..len].iter().position(|&s| s == bmax).unwrap_or(0)) as u32;
     }
     if let Some(kk) = top_k {
         for (j, &s_j) in row[..len].iter().enumerate() {
             if s_j > f32::NEG_INFINITY && (st.top.len() < kk || s_j > st.top[st.top.len() - 1].0) {
-                let at = st.top.iter().position(|&(ts, _)| s_j > ts).unwrap_or(st.top.len());
+                let at = st
+                    .top
+                    .iter()
+                    .position(|&(ts, _)| s_j > ts)
+                    .unwrap_or(st.top.len());
                 st.top.insert(at, (s_j, (k0 + j) as u32));
                 st.top.truncate(kk);
             }
         }
     }
-    let (l, t) = if dense && bmax > f32::NEG_INFINITY { exp_shift_sums::<false>(&mut row[..len], m_new) } else { exp_shift_sums::<true>(&mut row[..len], m_new) };
+    let (l, t) = if dense && bmax > f32::NEG_INFINITY {
+        exp_shift_sums::<false>(&mut row[..len], m_new)
+    } else {
+        exp_shift_sums::<true>(&mut row[..len], m_new)
+    };
     row[len..].iter_mut().for_each(|p| *p = 0.0);
     st.l = st.l * *c as f64 + l;
     st.t = st.t * *c as f64 + t;
@@ -495,7 +676,11 @@ fn exp_shift_sums<const MASKED: bool>(xs: &mut [f32], m: f32) -> (f64, f64) {
                 // (`!=`, not `>`: a NaN score stays live, so it poisons the sums and is caught)
                 let live = s != f32::NEG_INFINITY;
                 let p = fast_exp(if live { s - m } else { -100.0 });
-                if live { (p, s) } else { (0.0, 0.0) }
+                if live {
+                    (p, s)
+                } else {
+                    (0.0, 0.0)
+                }
             } else {
                 (fast_exp(s - m), s)
             };
@@ -504,10 +689,17 @@ fn exp_shift_sums<const MASKED: bool>(xs: &mut [f32], m: f32) -> (f64, f64) {
             st[k] += p * s;
         }
     }
-    let (mut l, mut t) = (sl.iter().map(|&v| v as f64).sum::<f64>(), st.iter().map(|&v| v as f64).sum::<f64>());
+    let (mut l, mut t) = (
+        sl.iter().map(|&v| v as f64).sum::<f64>(),
+        st.iter().map(|&v| v as f64).sum::<f64>(),
+    );
     for x in chunks.into_remainder() {
         let s = *x;
-        let p = if MASKED && s == f32::NEG_INFINITY { 0.0 } else { fast_exp(s - m) };
+        let p = if MASKED && s == f32::NEG_INFINITY {
+            0.0
+        } else {
+            fast_exp(s - m)
+        };
         *x = p;
         l += p as f64;
         if s != f32::NEG_INFINITY {
@@ -543,7 +735,11 @@ fn max_of(xs: &[f32]) -> f32 {
             m[k] = if ch[k] > m[k] { ch[k] } else { m[k] };
         }
     }
-    let mut best = chunks.remainder().iter().copied().fold(f32::NEG_INFINITY, |a, b| if b > a { b } else { a });
+    let mut best = chunks
+        .remainder()
+        .iter()
+        .copied()
+        .fold(f32::NEG_INFINITY, |a, b| if b > a { b } else { a });
     for v in m {
         best = if v > best { v } else { best };
     }
@@ -561,7 +757,10 @@ fn fast_exp(x: f32) -> f32 {
     let n = (x * std::f32::consts::LOG2_E + MAGIC) - MAGIC;
     let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
     let r2 = r * r;
-    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r + 0.166_666_65) * r + 0.5;
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
+        + 0.166_666_65)
+        * r
+        + 0.5;
     let er = 1.0 + r + r2 * p;
     er * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
@@ -595,17 +794,42 @@ pub struct AttnStats {
 
 impl AttnStats {
     fn from_states(states: &[RowState], n_heads: usize, rows: usize, top_k: usize) -> Self {
-        let mut s = AttnStats { n_heads, rows, top_k, first_key: Vec::new(), max_weight: Vec::new(), argmax: Vec::new(), entropy: Vec::new(), top: Vec::new() };
+        let mut s = AttnStats {
+            n_heads,
+            rows,
+            top_k,
+            first_key: Vec::new(),
+            max_weight: Vec::new(),
+            argmax: Vec::new(),
+            entropy: Vec::new(),
+            top: Vec::new(),
+        };
         for st in states {
             let (l, m) = (st.l, st.m as f64);
-            let w = |score: f32| if score == f32::NEG_INFINITY || l <= 0.0 { 0.0 } else { ((score as f64 - m).exp() / l) as f32 };
+            let w = |score: f32| {
+                if score == f32::NEG_INFINITY || l <= 0.0 {
+                    0.0
+                } else {
+                    ((score as f64 - m).exp() / l) as f32
+                }
+            };
             s.first_key.push(w(st.s0));
-            s.max_weight.push(if l > 0.0 { (1.0 / l) as f32 } else { 0.0 });
+            s.max_weight
+                .push(if l > 0.0 { (1.0 / l) as f32 } else { 0.0 });
             s.argmax.push(st.argmax);
             // H = -Σ p ln p with p = e^(s-m)/l: H = m + ln l - (Σ e^(s-m) s)/l
-            s.entropy.push(if l > 0.0 { (m + l.ln() - st.t / l).max(0.0) as f32 } else { 0.0 });
+            s.entropy.push(if l > 0.0 {
+                (m + l.ln() - st.t / l).max(0.0) as f32
+            } else {
+                0.0
+            });
             for i in 0..top_k {
-                s.top.push(st.top.get(i).map(|&(sc, j)| (j, w(sc))).unwrap_or((u32::MAX, 0.0)));
+                s.top.push(
+                    st.top
+                        .get(i)
+                        .map(|&(sc, j)| (j, w(sc)))
+                        .unwrap_or((u32::MAX, 0.0)),
+                );
             }
         }
         s
@@ -614,14 +838,25 @@ impl AttnStats {
 
 impl Model {
     /// Runs the model over `tokens`, handing every hook point the observer wants to it.
-    pub fn forward(&self, tokens: &[u32], opts: &RunOptions, obs: &mut dyn Observer) -> Result<ForwardOut> {
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        opts: &RunOptions,
+        obs: &mut dyn Observer,
+    ) -> Result<ForwardOut> {
         self.forward_from(None, tokens, opts, obs)
     }
 
     /// Runs `tokens` as positions `P..P+m` after a reused `prefix` of `P` positions (or from 0).
     /// Positions in `opts` are absolute; logits and knockouts must lie in the new positions.
     /// Per-position hooks then cover the new positions, attention blocks carry absolute rows.
-    pub fn forward_from(&self, prefix: Option<&KvPrefix>, tokens: &[u32], opts: &RunOptions, obs: &mut dyn Observer) -> Result<ForwardOut> {
+    pub fn forward_from(
+        &self,
+        prefix: Option<&KvPrefix>,
+        tokens: &[u32],
+        opts: &RunOptions,
+        obs: &mut dyn Observer,
+    ) -> Result<ForwardOut> {
         let start = Instant::now();
         let dims = &self.dims;
         let p0 = prefix.map_or(0, |p| p.len);
@@ -631,19 +866,41 @@ impl Model {
             return Err(Error::EmptyText);
         }
         if n > dims.context_len {
-            return Err(Error::TooLong { n_tokens: n, limit: dims.context_len, model: self.info.name.clone() });
+            return Err(Error::TooLong {
+                n_tokens: n,
+                limit: dims.context_len,
+                model: self.info.name.clone(),
+            });
         }
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= dims.vocab_size) {
-            return Err(Error::OutOfRange { what: "token id".into(), value: bad.to_string(), range: format!("0..{}", dims.vocab_size) });
+            return Err(Error::OutOfRange {
+                what: "token id".into(),
+                value: bad.to_string(),
+                range: format!("0..{}", dims.vocab_size),
+            });
         }
         for &p in opts.logits_at.iter().chain(&opts.knockout) {
             if p < p0 || p >= n {
-                return Err(Error::OutOfRange { what: "position".into(), value: p.to_string(), range: format!("{p0}..={}", n - 1) });
+                return Err(Error::OutOfRange {
+                    what: "position".into(),
+                    value: p.to_string(),
+                    range: format!("{p0}..={}", n - 1),
+                });
             }
         }
-        let (nh, nkv, hd, dm, ff) = (dims.n_heads, dims.n_kv_heads, dims.head_dim, dims.d_model, dims.d_ff);
-        if prefix.is_some_and(|p| p.layers.len() != dims.n_layers || p.n_kv != nkv || p.head_dim != hd) {
-            return Err(Error::Candle(candle_core::Error::Msg("the KV prefix belongs to another model: you likely have a bug".into())));
+        let (nh, nkv, hd, dm, ff) = (
+            dims.n_heads,
+            dims.n_kv_heads,
+            dims.head_dim,
+            dims.d_model,
+            dims.d_ff,
+        );
+        if prefix
+            .is_some_and(|p| p.layers.len() != dims.n_layers || p.n_kv != nkv || p.head_dim != hd)
+        {
+            return Err(Error::Candle(candle_core::Error::Msg(
+                "the KV prefix belongs to another model: you likely have a bug".into(),
+            )));
         }
         let mut knock = vec![false; n];
         for &p in &opts.knockout {
@@ -653,7 +910,12 @@ impl Model {
         let half = hd / 2;
         let (cos, sin) = (&cos[p0 * half..], &sin[p0 * half..]);
         let style = self.weights.rope_style;
-        let mut x: Vec<f32> = self.weights.embed.lookup(tokens)?.flatten_all()?.to_vec1()?; // [m, d_model]
+        let mut x: Vec<f32> = self
+            .weights
+            .embed
+            .lookup(tokens)?
+            .flatten_all()?
+            .to_vec1()?; // [m, d_model]
         let (mut attn_time, mut proj_time) = (Duration::ZERO, Duration::ZERO);
         let mut kept = Vec::with_capacity(if opts.keep_kv { dims.n_layers } else { 0 });
         let (nq, nk) = (nh * hd, nkv * hd);
@@ -671,9 +933,16 @@ impl Model {
             let t = Instant::now();
             let qkv = layer.qkv.forward(&h, m)?; // [m, q | k | v]
             proj_time += t.elapsed();
-            for (hook, c0, w, heads) in [(Hook::Q, 0, nq, nh), (Hook::K, nq, nk, nkv), (Hook::V, nq + nk, nk, nkv)] {
+            for (hook, c0, w, heads) in [
+                (Hook::Q, 0, nq, nh),
+                (Hook::K, nq, nk, nkv),
+                (Hook::V, nq + nk, nk, nkv),
+            ] {
                 if obs.wants(l, hook) {
-                    let part: Vec<f32> = qkv.chunks(width).flat_map(|r| r[c0..c0 + w].iter().copied()).collect();
+                    let part: Vec<f32> = qkv
+                        .chunks(width)
+                        .flat_map(|r| r[c0..c0 + w].iter().copied())
+                        .collect();
                     obs.tensor(l, hook, &[m, heads, hd], &part);
                 }
             }
@@ -689,14 +958,39 @@ impl Model {
             }
             let (kf, vf) = match prefix {
                 Some(p) => {
-                    let cat = |old: &[f32], new: &[f32]| -> Vec<f32> { (0..nkv).flat_map(|g| old[g * p0 * hd..(g + 1) * p0 * hd].iter().chain(&new[g * m * hd..(g + 1) * m * hd]).copied()).collect() };
+                    let cat = |old: &[f32], new: &[f32]| -> Vec<f32> {
+                        (0..nkv)
+                            .flat_map(|g| {
+                                old[g * p0 * hd..(g + 1) * p0 * hd]
+                                    .iter()
+                                    .chain(&new[g * m * hd..(g + 1) * m * hd])
+                                    .copied()
+                            })
+                            .collect()
+                    };
                     (cat(&p.layers[l].0, &kh), cat(&p.layers[l].1, &vh))
                 }
                 None => (kh, vh),
             };
             let t0 = Instant::now();
-            let adims = AttnDims { n_heads: nh, n_kv_heads: nkv, head_dim: hd, q_len: m, k_len: n };
-            let z = attention(l, &qh, &kf, &vf, adims, &knock, opts.block_bytes, opts.key_block, obs)?; // [m, nh, hd]
+            let adims = AttnDims {
+                n_heads: nh,
+                n_kv_heads: nkv,
+                head_dim: hd,
+                q_len: m,
+                k_len: n,
+            };
+            let z = attention(
+                l,
+                &qh,
+                &kf,
+                &vf,
+                adims,
+                &knock,
+                opts.block_bytes,
+                opts.key_block,
+                obs,
+            )?; // [m, nh, hd]
             attn_time += t0.elapsed();
             if opts.keep_kv {
                 kept.push((kf, vf));
@@ -720,15 +1014,25 @@ impl Model {
             for r0 in (0..m).step_by(mlp_rows) {
                 let rows = mlp_rows.min(m - r0);
                 let t = Instant::now();
-                layer.gate_up.forward_into(&h[r0 * dm..(r0 + rows) * dm], rows, &mut gu, false)?;
+                layer
+                    .gate_up
+                    .forward_into(&h[r0 * dm..(r0 + rows) * dm], rows, &mut gu, false)?;
                 proj_time += t.elapsed();
                 swiglu(&gu[..rows * 2 * ff], ff, &mut act[..rows * ff]);
                 let t = Instant::now();
-                layer.down.forward_into(&act[..rows * ff], rows, &mut x[r0 * dm..(r0 + rows) * dm], true)?;
+                layer.down.forward_into(
+                    &act[..rows * ff],
+                    rows,
+                    &mut x[r0 * dm..(r0 + rows) * dm],
+                    true,
+                )?;
                 proj_time += t.elapsed();
             }
             if !all_finite(&x) {
-                return Err(Error::NonFinite { what: "the residual stream after the layer's MLP".into(), layer: Some(l) });
+                return Err(Error::NonFinite {
+                    what: "the residual stream after the layer's MLP".into(),
+                    layer: Some(l),
+                });
             }
             if obs.wants(l, Hook::ResidPost) {
                 obs.tensor(l, Hook::ResidPost, &[m, dm], &x);
@@ -738,22 +1042,48 @@ impl Model {
         let logits = if opts.logits_at.is_empty() {
             Vec::new()
         } else {
-            let rows: Vec<f32> = opts.logits_at.iter().flat_map(|&p| x[(p - p0) * dm..(p - p0 + 1) * dm].iter().copied()).collect();
+            let rows: Vec<f32> = opts
+                .logits_at
+                .iter()
+                .flat_map(|&p| x[(p - p0) * dm..(p - p0 + 1) * dm].iter().copied())
+                .collect();
             let h = rms_norm(&rows, &self.weights.final_norm, dims.rms_eps);
             let h = Tensor::from_vec(h, (opts.logits_at.len(), dm), &Device::Cpu)?;
-            let rows: Vec<Vec<f32>> = candle_core::Module::forward(&self.weights.lm_head, &h)?.to_dtype(DType::F32)?.to_vec2()?;
+            let rows: Vec<Vec<f32>> = candle_core::Module::forward(&self.weights.lm_head, &h)?
+                .to_dtype(DType::F32)?
+                .to_vec2()?;
             if !rows.iter().all(|r| all_finite(r)) {
-                return Err(Error::NonFinite { what: "the logits".into(), layer: None });
+                return Err(Error::NonFinite {
+                    what: "the logits".into(),
+                    layer: None,
+                });
             }
             rows
         };
-        let kv = opts.keep_kv.then_some(KvPrefix { len: n, n_kv: nkv, head_dim: hd, layers: kept });
-        Ok(ForwardOut { logits, timings: Timings { attention: attn_time, projections: proj_time, total: start.elapsed() }, kv })
+        let kv = opts.keep_kv.then_some(KvPrefix {
+            len: n,
+            n_kv: nkv,
+            head_dim: hd,
+            layers: kept,
+        });
+        Ok(ForwardOut {
+            logits,
+            timings: Timings {
+                attention: attn_time,
+                projections: proj_time,
+                total: start.elapsed(),
+            },
+            kv,
+        })
     }
 
     /// Logits of the last position only, nothing captured.
     pub fn next_token_logits(&self, tokens: &[u32]) -> Result<Vec<f32>> {
-        let mut out = self.forward(tokens, &RunOptions::last_logits(tokens.len()), &mut super::capture::NoCapture)?;
+        let mut out = self.forward(
+            tokens,
+            &RunOptions::last_logits(tokens.len()),
+            &mut super::capture::NoCapture,
+        )?;
         Ok(out.logits.pop().expect("one row of logits was asked for"))
     }
 }
@@ -761,7 +1091,12 @@ impl Model {
 /// Log-softmax of one logits row (f64 accumulation).
 pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let lse = (logits.iter().map(|&x| ((x - max) as f64).exp()).sum::<f64>()).ln() as f32 + max;
+    let lse = (logits
+        .iter()
+        .map(|&x| ((x - max) as f64).exp())
+        .sum::<f64>())
+    .ln() as f32
+        + max;
     logits.iter().map(|&x| x - lse).collect()
 }
 
@@ -800,17 +1135,60 @@ mod tests {
 
     #[test]
     fn a_nan_score_fails_the_layer() {
-        let dims = AttnDims { n_heads: 2, n_kv_heads: 1, head_dim: 4, q_len: 5, k_len: 5 };
+        let dims = AttnDims {
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 4,
+            q_len: 5,
+            k_len: 5,
+        };
         let mut rng = crate::reference::Rng::new(3);
-        let (q, k, v) = (rng.normals(2 * 5 * 4, 1.0), rng.normals(5 * 4, 1.0), rng.normals(5 * 4, 1.0));
-        assert!(attention(3, &q, &k, &v, dims, &[false; 5], 1 << 20, 2, &mut crate::model::capture::NoCapture).is_ok());
+        let (q, k, v) = (
+            rng.normals(2 * 5 * 4, 1.0),
+            rng.normals(5 * 4, 1.0),
+            rng.normals(5 * 4, 1.0),
+        );
+        assert!(attention(
+            3,
+            &q,
+            &k,
+            &v,
+            dims,
+            &[false; 5],
+            1 << 20,
+            2,
+            &mut crate::model::capture::NoCapture
+        )
+        .is_ok());
         for (at, key_block) in [(0usize, 2usize), (7, 5), (13, 1)] {
             let mut kk = k.clone();
             kk[at] = f32::NAN;
-            let e = attention(3, &q, &kk, &v, dims, &[false; 5], 1 << 20, key_block, &mut crate::model::capture::NoCapture).unwrap_err();
+            let e = attention(
+                3,
+                &q,
+                &kk,
+                &v,
+                dims,
+                &[false; 5],
+                1 << 20,
+                key_block,
+                &mut crate::model::capture::NoCapture,
+            )
+            .unwrap_err();
             assert!(matches!(e, Error::NonFinite { layer: Some(3), .. }), "{e}");
             // with a knocked-out key (the masked path) as well
-            let e = attention(3, &q, &kk, &v, dims, &[false, false, true, false, false], 1 << 20, key_block, &mut crate::model::capture::NoCapture).unwrap_err();
+            let e = attention(
+                3,
+                &q,
+                &kk,
+                &v,
+                dims,
+                &[false, false, true, false, false],
+                1 << 20,
+                key_block,
+                &mut crate::model::capture::NoCapture,
+            )
+            .unwrap_err();
             assert!(matches!(e, Error::NonFinite { layer: Some(3), .. }), "{e}");
         }
     }
@@ -827,22 +1205,46 @@ mod tests {
 
     #[test]
     fn dense_exp_sums_equal_the_masked_version_on_finite_rows() {
-        let xs: Vec<f32> = (0..37).map(|i| ((i * 7919) % 101) as f32 * 0.1 - 5.0).collect();
+        let xs: Vec<f32> = (0..37)
+            .map(|i| ((i * 7919) % 101) as f32 * 0.1 - 5.0)
+            .collect();
         let (mut a, mut b) = (xs.clone(), xs.clone());
         let m = xs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let (la, ta) = exp_shift_sums::<true>(&mut a, m);
         let (lb, tb) = exp_shift_sums::<false>(&mut b, m);
-        assert!((la - lb).abs() < 1e-6 && (ta - tb).abs() < 1e-5, "{la} {lb} {ta} {tb}");
+        assert!(
+            (la - lb).abs() < 1e-6 && (ta - tb).abs() < 1e-5,
+            "{la} {lb} {ta} {tb}"
+        );
         assert_eq!(a, b);
     }
 
     #[test]
     fn exp_shift_sums_zeroes_masked_entries() {
-        let mut xs = vec![0.5, f32::NEG_INFINITY, 0.25, 1.0, f32::NEG_INFINITY, 0.0, -1.0, 2.0, 0.3, f32::NEG_INFINITY];
+        let mut xs = vec![
+            0.5,
+            f32::NEG_INFINITY,
+            0.25,
+            1.0,
+            f32::NEG_INFINITY,
+            0.0,
+            -1.0,
+            2.0,
+            0.3,
+            f32::NEG_INFINITY,
+        ];
         let orig = xs.clone();
         let (l, t) = exp_shift_sums::<true>(&mut xs, 2.0);
-        let want_l: f64 = orig.iter().filter(|x| x.is_finite()).map(|&x| ((x - 2.0) as f64).exp()).sum();
-        let want_t: f64 = orig.iter().filter(|x| x.is_finite()).map(|&x| ((x - 2.0) as f64).exp() * x as f64).sum();
+        let want_l: f64 = orig
+            .iter()
+            .filter(|x| x.is_finite())
+            .map(|&x| ((x - 2.0) as f64).exp())
+            .sum();
+        let want_t: f64 = orig
+            .iter()
+            .filter(|x| x.is_finite())
+            .map(|&x| ((x - 2.0) as f64).exp() * x as f64)
+            .sum();
         assert!((l - want_l).abs() < 1e-6 && (t - want_t).abs() < 1e-6);
         assert_eq!((xs[1], xs[4], xs[9]), (0.0, 0.0, 0.0));
     }

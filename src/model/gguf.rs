@@ -7,10 +7,10 @@ use super::error::{Error, Result};
 use super::weights::{Logical, Mapped, Raw, TensorSource};
 use candle_core::quantized::gguf_file::{Content, Value};
 use memmap2::Mmap;
-use std::sync::Arc;
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// The bytes behind a GGUF file: a read-only memory map, or a buffer (tests, fuzzing).
 pub enum Backing {
@@ -34,7 +34,8 @@ impl Backing {
         if let Backing::Map(m) = self {
             // SAFETY: read-only file-backed mapping: MADV_DONTNEED only drops pages that are
             // read back from the file on the next access; no data can be lost.
-            let _ = unsafe { m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, len) };
+            let _ =
+                unsafe { m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, len) };
         }
     }
 }
@@ -57,10 +58,12 @@ pub fn check_alignment(b: &[u8]) -> std::result::Result<(), String> {
             Some(s)
         }
         fn u32(&mut self) -> Option<u32> {
-            self.take(4).map(|s| u32::from_le_bytes(s.try_into().expect("4 bytes")))
+            self.take(4)
+                .map(|s| u32::from_le_bytes(s.try_into().expect("4 bytes")))
         }
         fn u64(&mut self) -> Option<u64> {
-            self.take(8).map(|s| u64::from_le_bytes(s.try_into().expect("8 bytes")))
+            self.take(8)
+                .map(|s| u64::from_le_bytes(s.try_into().expect("8 bytes")))
         }
         fn skip(&mut self, ty: u32, depth: u32) -> Option<()> {
             match ty {
@@ -85,14 +88,20 @@ pub fn check_alignment(b: &[u8]) -> std::result::Result<(), String> {
         }
     }
     let mut c = Cur(b, 4);
-    let Some(version) = c.u32() else { return Ok(()) };
+    let Some(version) = c.u32() else {
+        return Ok(());
+    };
     if !(2..=3).contains(&version) {
         return Ok(());
     }
-    let (Some(_), Some(n_kv)) = (c.u64(), c.u64()) else { return Ok(()) };
+    let (Some(_), Some(n_kv)) = (c.u64(), c.u64()) else {
+        return Ok(());
+    };
     for _ in 0..n_kv {
         let Some(klen) = c.u64() else { return Ok(()) };
-        let Some(key) = c.take(klen).map(|k| k.to_vec()) else { return Ok(()) };
+        let Some(key) = c.take(klen).map(|k| k.to_vec()) else {
+            return Ok(());
+        };
         let Some(ty) = c.u32() else { return Ok(()) };
         if key == b"general.alignment" {
             let v = match ty {
@@ -141,25 +150,55 @@ impl GgufFile {
         let file_size = map.len() as u64;
         let head = &map[..map.len().min(8)];
         if head.len() < 4 || &head[..4] != b"GGUF" {
-            return Err(Error::WrongMagic { path: path.into(), magic: head.to_vec() });
+            return Err(Error::WrongMagic {
+                path: path.into(),
+                magic: head.to_vec(),
+            });
         }
         if head.len() < 8 {
-            return Err(Error::BadGguf { path: path.into(), reason: format!("the file ends after {} bytes, inside the header", head.len()) });
+            return Err(Error::BadGguf {
+                path: path.into(),
+                reason: format!(
+                    "the file ends after {} bytes, inside the header",
+                    head.len()
+                ),
+            });
         }
         let version = u32::from_le_bytes([head[4], head[5], head[6], head[7]]);
         if !(2..=3).contains(&version) {
-            return Err(Error::GgufVersion { path: path.into(), version });
+            return Err(Error::GgufVersion {
+                path: path.into(),
+                version,
+            });
         }
         // candle divides by the alignment without looking at it: check it first
-        check_alignment(&map).map_err(|reason| Error::BadGguf { path: path.into(), reason })?;
-        let content = match super::guard::quietly(|| Content::read(&mut std::io::Cursor::new(&map[..]))) {
-            Ok(r) => r.map_err(|e| Error::BadGguf { path: path.into(), reason: e.to_string() })?,
-            Err(msg) => return Err(Error::BadGguf { path: path.into(), reason: format!("the GGUF reader failed ({msg})") }),
-        };
+        check_alignment(&map).map_err(|reason| Error::BadGguf {
+            path: path.into(),
+            reason,
+        })?;
+        let content =
+            match super::guard::quietly(|| Content::read(&mut std::io::Cursor::new(&map[..]))) {
+                Ok(r) => r.map_err(|e| Error::BadGguf {
+                    path: path.into(),
+                    reason: e.to_string(),
+                })?,
+                Err(msg) => {
+                    return Err(Error::BadGguf {
+                        path: path.into(),
+                        reason: format!("the GGUF reader failed ({msg})"),
+                    })
+                }
+            };
         if content.tensor_data_offset > file_size {
             return Err(Error::BadGguf { path: path.into(), reason: format!("tensor data would start at byte {}, past the end of the file ({file_size} bytes)", content.tensor_data_offset) });
         }
-        Ok(GgufFile { path: path.into(), content, map: Arc::new(map), file_size, version })
+        Ok(GgufFile {
+            path: path.into(),
+            content,
+            map: Arc::new(map),
+            file_size,
+            version,
+        })
     }
 
     /// Drops the file pages read while loading from this process's memory (they stay in the
@@ -176,7 +215,11 @@ impl GgufFile {
     pub fn arch_string(&self) -> Result<String> {
         match self.md("general.architecture") {
             Some(Value::String(s)) => Ok(s.clone()),
-            _ => Err(Error::MissingKey { key: "general.architecture".into(), path: self.path.clone(), arch: "qwen2 or llama".into() }),
+            _ => Err(Error::MissingKey {
+                key: "general.architecture".into(),
+                path: self.path.clone(),
+                arch: "qwen2 or llama".into(),
+            }),
         }
     }
 
@@ -188,7 +231,11 @@ impl GgufFile {
     }
 
     fn uint(&self, key: &str, arch: &str) -> Result<usize> {
-        let v = self.md(key).ok_or_else(|| Error::MissingKey { key: key.into(), path: self.path.clone(), arch: arch.into() })?;
+        let v = self.md(key).ok_or_else(|| Error::MissingKey {
+            key: key.into(),
+            path: self.path.clone(),
+            arch: arch.into(),
+        })?;
         let n = match v {
             Value::U8(x) => *x as u64,
             Value::U16(x) => *x as u64,
@@ -198,19 +245,36 @@ impl GgufFile {
             Value::I16(x) if *x >= 0 => *x as u64,
             Value::I32(x) if *x >= 0 => *x as u64,
             Value::I64(x) if *x >= 0 => *x as u64,
-            _ => return Err(Error::BadValue { key: key.into(), path: self.path.clone(), reason: format!("expected a non-negative integer, found {v:?}") }),
+            _ => {
+                return Err(Error::BadValue {
+                    key: key.into(),
+                    path: self.path.clone(),
+                    reason: format!("expected a non-negative integer, found {v:?}"),
+                })
+            }
         };
-        usize::try_from(n).map_err(|_| Error::BadValue { key: key.into(), path: self.path.clone(), reason: format!("{n} does not fit") })
+        usize::try_from(n).map_err(|_| Error::BadValue {
+            key: key.into(),
+            path: self.path.clone(),
+            reason: format!("{n} does not fit"),
+        })
     }
 
     fn float(&self, key: &str) -> Option<f32> {
-        self.md(key).and_then(|v| v.to_f32().ok().or_else(|| v.to_f64().ok().map(|x| x as f32)))
+        self.md(key).and_then(|v| {
+            v.to_f32()
+                .ok()
+                .or_else(|| v.to_f64().ok().map(|x| x as f32))
+        })
     }
 
     /// The model's dimensions, from `{arch}.*` keys.
     pub fn dims(&self) -> Result<(ModelDims, Vec<String>)> {
         let a = self.arch_string()?;
-        let arch = Arch::parse(&a).ok_or_else(|| Error::UnknownArch { arch: a.clone(), path: self.path.clone() })?;
+        let arch = Arch::parse(&a).ok_or_else(|| Error::UnknownArch {
+            arch: a.clone(),
+            path: self.path.clone(),
+        })?;
         let mut warnings = Vec::new();
         let n_heads = self.uint(&format!("{a}.attention.head_count"), &a)?;
         let d_model = self.uint(&format!("{a}.embedding_length"), &a)?;
@@ -227,21 +291,27 @@ impl GgufFile {
             Some(b) => b,
             None => {
                 // llama.cpp's default; said out loud because it changes every pattern
-                warnings.push(format!("{a}.rope.freq_base is missing; using llama.cpp's default 10000"));
+                warnings.push(format!(
+                    "{a}.rope.freq_base is missing; using llama.cpp's default 10000"
+                ));
                 10000.0
             }
         };
-        let rms_eps = self.float(&format!("{a}.attention.layer_norm_rms_epsilon")).ok_or_else(|| Error::MissingKey {
-            key: format!("{a}.attention.layer_norm_rms_epsilon"),
-            path: self.path.clone(),
-            arch: a.clone(),
-        })?;
+        let rms_eps = self
+            .float(&format!("{a}.attention.layer_norm_rms_epsilon"))
+            .ok_or_else(|| Error::MissingKey {
+                key: format!("{a}.attention.layer_norm_rms_epsilon"),
+                path: self.path.clone(),
+                arch: a.clone(),
+            })?;
         let dims = ModelDims {
             arch,
             n_layers: self.uint(&format!("{a}.block_count"), &a)?,
             d_model,
             n_heads,
-            n_kv_heads: self.uint(&format!("{a}.attention.head_count_kv"), &a).unwrap_or(n_heads),
+            n_kv_heads: self
+                .uint(&format!("{a}.attention.head_count_kv"), &a)
+                .unwrap_or(n_heads),
             head_dim,
             d_ff: self.uint(&format!("{a}.feed_forward_length"), &a)?,
             vocab_size,
@@ -254,7 +324,11 @@ impl GgufFile {
             rms_eps,
             tied_embeddings: !self.content.tensor_infos.contains_key("output.weight"),
         };
-        dims.validate().map_err(|reason| Error::BadValue { key: format!("{a}.*"), path: self.path.clone(), reason })?;
+        dims.validate().map_err(|reason| Error::BadValue {
+            key: format!("{a}.*"),
+            path: self.path.clone(),
+            reason,
+        })?;
         // every count is checked against what the file holds before anything is sized by it
         let tensors = self.content.tensor_infos.len();
         if dims.n_layers.saturating_mul(TENSORS_PER_LAYER) > tensors {
@@ -309,21 +383,50 @@ impl TensorSource for GgufFile {
             return Ok(None);
         }
         let info = &self.content.tensor_infos[&name];
-        let bad = |reason: String| Error::BadGguf { path: self.path.clone(), reason: format!("tensor `{name}`: {reason}") };
+        let bad = |reason: String| Error::BadGguf {
+            path: self.path.clone(),
+            reason: format!("tensor `{name}`: {reason}"),
+        };
         let dims = info.shape.dims().to_vec();
-        let n: usize = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| bad(format!("dimensions {dims:?} overflow")))?;
+        let n: usize = dims
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| bad(format!("dimensions {dims:?} overflow")))?;
         let (bs, ts) = (info.ggml_dtype.block_size(), info.ggml_dtype.type_size());
         let cols = dims.last().copied().unwrap_or(1);
         if cols % bs != 0 {
-            return Err(bad(format!("rows of {cols} values are not whole {:?} blocks of {bs}", info.ggml_dtype)));
+            return Err(bad(format!(
+                "rows of {cols} values are not whole {:?} blocks of {bs}",
+                info.ggml_dtype
+            )));
         }
-        let len = (n / bs).checked_mul(ts).ok_or_else(|| bad(format!("{n} values of {:?} take more bytes than a file can hold", info.ggml_dtype)))?;
-        let start = self.content.tensor_data_offset.checked_add(info.offset).ok_or_else(|| bad("offset overflows".into()))?;
-        let end = start.checked_add(len as u64).ok_or_else(|| bad("size overflows".into()))?;
+        let len = (n / bs).checked_mul(ts).ok_or_else(|| {
+            bad(format!(
+                "{n} values of {:?} take more bytes than a file can hold",
+                info.ggml_dtype
+            ))
+        })?;
+        let start = self
+            .content
+            .tensor_data_offset
+            .checked_add(info.offset)
+            .ok_or_else(|| bad("offset overflows".into()))?;
+        let end = start
+            .checked_add(len as u64)
+            .ok_or_else(|| bad("size overflows".into()))?;
         if end > self.file_size {
-            return Err(bad(format!("needs bytes {start}..{end} but the file has {} bytes; it is truncated", self.file_size)));
+            return Err(bad(format!(
+                "needs bytes {start}..{end} but the file has {} bytes; it is truncated",
+                self.file_size
+            )));
         }
-        Ok(Some(Raw::Mapped(Mapped { map: self.map.clone(), offset: start as usize, len, dtype: info.ggml_dtype, dims })))
+        Ok(Some(Raw::Mapped(Mapped {
+            map: self.map.clone(),
+            offset: start as usize,
+            len,
+            dtype: info.ggml_dtype,
+            dims,
+        })))
     }
     fn path(&self) -> &Path {
         &self.path

@@ -25,7 +25,10 @@ pub fn quietly<R>(f: impl FnOnce() -> R) -> Result<R, String> {
     let r = catch_unwind(AssertUnwindSafe(f));
     QUIET.with(|q| q.set(was));
     r.map_err(|p| {
-        p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "a panic without a message".to_string())
+        p.downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic without a message".to_string())
     })
 }
 
@@ -37,6 +40,9 @@ mod tests {
         let r: Result<(), String> = super::quietly(|| panic!("divide by {}", 0));
         assert_eq!(r, Err("divide by 0".to_string()));
         // the flag is restored: a second call works the same
-        assert_eq!(super::quietly(|| -> u8 { panic!("x") }), Err("x".to_string()));
+        assert_eq!(
+            super::quietly(|| -> u8 { panic!("x") }),
+            Err("x".to_string())
+        );
     }
 }

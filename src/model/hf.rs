@@ -39,7 +39,11 @@ pub struct HfFolder {
 
 fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    serde_json::from_str(&text).map_err(|e| Error::BadValue { key: "(file)".into(), path: path.into(), reason: format!("not valid JSON of the expected form: {e}") })
+    serde_json::from_str(&text).map_err(|e| Error::BadValue {
+        key: "(file)".into(),
+        path: path.into(),
+        reason: format!("not valid JSON of the expected form: {e}"),
+    })
 }
 
 impl HfFolder {
@@ -62,33 +66,62 @@ impl HfFolder {
             f
         } else {
             let rd = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;
-            rd.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "safetensors")).collect()
+            rd.filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                .collect()
         };
         files.sort();
         if files.is_empty() {
-            return Err(Error::MissingTensor { name: "*.safetensors".into(), path: dir.into(), arch: config.model_type.clone().unwrap_or_default(), found: 0 });
+            return Err(Error::MissingTensor {
+                name: "*.safetensors".into(),
+                path: dir.into(),
+                arch: config.model_type.clone().unwrap_or_default(),
+                found: 0,
+            });
         }
         for f in &files {
             check_safetensors_header(f)?;
         }
         // SAFETY: the files are memory-mapped read-only; attnscope never writes to them while
         // they are open (a concurrent external writer could change what is read, as with any mmap).
-        let st = unsafe { MmapedSafetensors::multi(&files) }.map_err(|e| Error::BadSafetensors { path: files[0].clone(), reason: e.to_string() })?;
+        let st =
+            unsafe { MmapedSafetensors::multi(&files) }.map_err(|e| Error::BadSafetensors {
+                path: files[0].clone(),
+                reason: e.to_string(),
+            })?;
         let n_tensors = st.tensors().len();
-        Ok(HfFolder { dir: dir.into(), config, st, n_tensors, files })
+        Ok(HfFolder {
+            dir: dir.into(),
+            config,
+            st,
+            n_tensors,
+            files,
+        })
     }
 
     pub fn arch_string(&self) -> String {
-        self.config.model_type.clone().unwrap_or_else(|| "(no model_type)".into())
+        self.config
+            .model_type
+            .clone()
+            .unwrap_or_else(|| "(no model_type)".into())
     }
 
     pub fn dims(&self) -> Result<ModelDims> {
         let c = &self.config;
         let a = self.arch_string();
-        let arch = Arch::parse(&a).ok_or_else(|| Error::UnknownArch { arch: a.clone(), path: self.dir.join("config.json") })?;
+        let arch = Arch::parse(&a).ok_or_else(|| Error::UnknownArch {
+            arch: a.clone(),
+            path: self.dir.join("config.json"),
+        })?;
         let rope_base = match c.rope_theta {
             Some(t) => t as f32,
-            None => return Err(Error::MissingKey { key: "rope_theta".into(), path: self.dir.join("config.json"), arch: a }),
+            None => {
+                return Err(Error::MissingKey {
+                    key: "rope_theta".into(),
+                    path: self.dir.join("config.json"),
+                    arch: a,
+                })
+            }
         };
         let dims = ModelDims {
             arch,
@@ -96,7 +129,9 @@ impl HfFolder {
             d_model: c.hidden_size,
             n_heads: c.num_attention_heads,
             n_kv_heads: c.num_key_value_heads.unwrap_or(c.num_attention_heads),
-            head_dim: c.head_dim.unwrap_or(c.hidden_size / c.num_attention_heads.max(1)),
+            head_dim: c
+                .head_dim
+                .unwrap_or(c.hidden_size / c.num_attention_heads.max(1)),
             d_ff: c.intermediate_size,
             vocab_size: c.vocab_size,
             context_len: c.max_position_embeddings.unwrap_or(32768),
@@ -106,7 +141,11 @@ impl HfFolder {
             rms_eps: c.rms_norm_eps as f32,
             tied_embeddings: c.tie_word_embeddings,
         };
-        dims.validate().map_err(|reason| Error::BadValue { key: "config.json".into(), path: self.dir.join("config.json"), reason })?;
+        dims.validate().map_err(|reason| Error::BadValue {
+            key: "config.json".into(),
+            path: self.dir.join("config.json"),
+            reason,
+        })?;
         Ok(dims)
     }
 
@@ -117,7 +156,12 @@ impl HfFolder {
             .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
             .and_then(|v| v.get("add_bos_token").and_then(|b| b.as_bool()))
             .unwrap_or(false);
-        let id = self.config.bos_token_id.as_ref().and_then(|v| v.as_u64()).map(|x| x as u32);
+        let id = self
+            .config
+            .bos_token_id
+            .as_ref()
+            .and_then(|v| v.as_u64())
+            .map(|x| x as u32);
         (add, id)
     }
 
@@ -144,14 +188,23 @@ fn check_safetensors_header(path: &Path) -> Result<()> {
         }
     }
     if n < 9 {
-        return Err(Error::BadSafetensors { path: path.into(), reason: format!("the file is only {size} bytes long") });
+        return Err(Error::BadSafetensors {
+            path: path.into(),
+            reason: format!("the file is only {size} bytes long"),
+        });
     }
     let len = u64::from_le_bytes(head[..8].try_into().expect("8 bytes"));
     if head[8] != b'{' {
-        return Err(Error::WrongMagic { path: path.into(), magic: head.to_vec() });
+        return Err(Error::WrongMagic {
+            path: path.into(),
+            magic: head.to_vec(),
+        });
     }
     if len > size.saturating_sub(8) {
-        return Err(Error::BadSafetensors { path: path.into(), reason: format!("the header claims {len} bytes but the file has {size}") });
+        return Err(Error::BadSafetensors {
+            path: path.into(),
+            reason: format!("the header claims {len} bytes but the file has {size}"),
+        });
     }
     Ok(())
 }
@@ -183,7 +236,13 @@ impl TensorSource for HfFolder {
         if self.st.get(&name).is_err() {
             return Ok(None);
         }
-        let t = self.st.load(&name, &Device::Cpu).map_err(|e| Error::BadSafetensors { path: self.dir.clone(), reason: format!("tensor `{name}`: {e}") })?;
+        let t = self
+            .st
+            .load(&name, &Device::Cpu)
+            .map_err(|e| Error::BadSafetensors {
+                path: self.dir.clone(),
+                reason: format!("tensor `{name}`: {e}"),
+            })?;
         Ok(Some(Raw::F(t)))
     }
     fn path(&self) -> &Path {
@@ -215,8 +274,16 @@ pub fn fetch_hub(id: &str) -> Result<PathBuf> {
     match repo.get("model.safetensors.index.json") {
         Ok(index) => {
             let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
-            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Fetch(format!("bad index for {id}: {e}")))?;
-            let mut files: Vec<String> = v["weight_map"].as_object().map(|m| m.values().filter_map(|x| x.as_str().map(String::from)).collect()).unwrap_or_default();
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| Error::Fetch(format!("bad index for {id}: {e}")))?;
+            let mut files: Vec<String> = v["weight_map"]
+                .as_object()
+                .map(|m| {
+                    m.values()
+                        .filter_map(|x| x.as_str().map(String::from))
+                        .collect()
+                })
+                .unwrap_or_default();
             files.sort();
             files.dedup();
             for f in files {
@@ -227,5 +294,8 @@ pub fn fetch_hub(id: &str) -> Result<PathBuf> {
             repo.get("model.safetensors").map_err(offline)?;
         }
     }
-    Ok(cfg.parent().expect("a downloaded file has a folder").to_path_buf())
+    Ok(cfg
+        .parent()
+        .expect("a downloaded file has a folder")
+        .to_path_buf())
 }

@@ -66,7 +66,11 @@ enum Source {
 fn looks_like_hub_id(s: &str) -> bool {
     let parts: Vec<&str> = s.split('/').collect();
     parts.len() == 2
-        && parts.iter().all(|p| !p.is_empty() && p.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)))
+        && parts.iter().all(|p| {
+            !p.is_empty()
+                && p.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        })
         && !s.starts_with('.')
         && !s.ends_with(".gguf")
         && !s.ends_with(".safetensors")
@@ -75,17 +79,27 @@ fn looks_like_hub_id(s: &str) -> bool {
 fn resolve(spec: &str, progress: bool) -> Result<(Source, String, Option<String>)> {
     if let Some(a) = fetch::alias(spec) {
         let path = fetch::ensure(a, progress)?;
-        return Ok((Source::Gguf(path), a.name.to_string(), Some(a.description.to_string())));
+        return Ok((
+            Source::Gguf(path),
+            a.name.to_string(),
+            Some(a.description.to_string()),
+        ));
     }
     let path = Path::new(spec);
-    let name = path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| spec.to_string());
+    let name = path
+        .file_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| spec.to_string());
     if path.is_dir() {
         return Ok((Source::Folder(path.into()), name, None));
     }
     if path.is_file() {
         if path.extension().is_some_and(|e| e == "safetensors") {
             // a lone weights file: use its folder, which must hold config.json
-            let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+            let dir = path
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or(Path::new("."));
             return Ok((Source::Folder(dir.into()), name, None));
         }
         return Ok((Source::Gguf(path.into()), name, None));
@@ -94,7 +108,10 @@ fn resolve(spec: &str, progress: bool) -> Result<(Source, String, Option<String>
         let dir = hf::fetch_hub(spec)?;
         return Ok((Source::Folder(dir), spec.to_string(), None));
     }
-    Err(Error::MissingModel { path: path.into(), aliases: fetch::alias_names() })
+    Err(Error::MissingModel {
+        path: path.into(),
+        aliases: fetch::alias_names(),
+    })
 }
 
 impl Model {
@@ -102,8 +119,16 @@ impl Model {
     /// a hub id `org/name`. `progress` shows progress bars on standard error.
     pub fn load(spec: &str, precision: Precision, progress: bool) -> Result<Model> {
         let (source, name, description) = resolve(spec, progress)?;
-        let bar = if progress { indicatif::ProgressBar::new(0) } else { indicatif::ProgressBar::hidden() };
-        bar.set_style(indicatif::ProgressStyle::with_template("loading {msg} [{bar:30}] layer {pos}/{len}").expect("valid template").progress_chars("=> "));
+        let bar = if progress {
+            indicatif::ProgressBar::new(0)
+        } else {
+            indicatif::ProgressBar::hidden()
+        };
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("loading {msg} [{bar:30}] layer {pos}/{len}")
+                .expect("valid template")
+                .progress_chars("=> "),
+        );
         bar.set_message(name.clone());
         let tick = |i: usize, n: usize| {
             bar.set_length(n as u64);
@@ -115,34 +140,63 @@ impl Model {
         // the loader boundary: a panic in a file reader is a corrupt file, not a crash
         let model = guard::quietly(move || -> Result<Model> {
             Ok(match source {
-            Source::Gguf(path) => Self::from_gguf(gguf::GgufFile::open(&path)?, name, description, precision, tick)?,
-            Source::Folder(dir) => {
-                let mut f = hf::HfFolder::open(&dir)?;
-                let dims = f.dims()?;
-                let (add_bos, bos_id) = f.bos();
-                let tok_path = dir.join("tokenizer.json");
-                if !tok_path.is_file() {
-                    return Err(Error::Tokenizer(format!("{} has no tokenizer.json; a Hugging Face model folder needs one", dir.display())));
-                }
-                let tokenizer = Tokenizer::from_file(&tok_path, add_bos, bos_id)?;
-                let file_size = f.files.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();
-                let info = ModelInfo {
+                Source::Gguf(path) => Self::from_gguf(
+                    gguf::GgufFile::open(&path)?,
                     name,
                     description,
-                    path: dir.clone(),
-                    format: "safetensors",
                     precision,
-                    file_size,
-                    tensor_types: f.tensor_types(),
-                    tokenizer: tokenizer.kind.clone(),
-                    warnings: Vec::new(),
-                };
-                let weights = weights::load_weights(&mut f, &dims, precision, dims.rope_style, &hf::hf_name, tick)?;
-                Model { dims, info, tokenizer, weights }
-            }
+                    tick,
+                )?,
+                Source::Folder(dir) => {
+                    let mut f = hf::HfFolder::open(&dir)?;
+                    let dims = f.dims()?;
+                    let (add_bos, bos_id) = f.bos();
+                    let tok_path = dir.join("tokenizer.json");
+                    if !tok_path.is_file() {
+                        return Err(Error::Tokenizer(format!(
+                            "{} has no tokenizer.json; a Hugging Face model folder needs one",
+                            dir.display()
+                        )));
+                    }
+                    let tokenizer = Tokenizer::from_file(&tok_path, add_bos, bos_id)?;
+                    let file_size = f
+                        .files
+                        .iter()
+                        .filter_map(|p| std::fs::metadata(p).ok())
+                        .map(|m| m.len())
+                        .sum();
+                    let info = ModelInfo {
+                        name,
+                        description,
+                        path: dir.clone(),
+                        format: "safetensors",
+                        precision,
+                        file_size,
+                        tensor_types: f.tensor_types(),
+                        tokenizer: tokenizer.kind.clone(),
+                        warnings: Vec::new(),
+                    };
+                    let weights = weights::load_weights(
+                        &mut f,
+                        &dims,
+                        precision,
+                        dims.rope_style,
+                        &hf::hf_name,
+                        tick,
+                    )?;
+                    Model {
+                        dims,
+                        info,
+                        tokenizer,
+                        weights,
+                    }
+                }
             })
         })
-        .map_err(|msg| Error::LoaderPanic { path: source_path, msg })??;
+        .map_err(|msg| Error::LoaderPanic {
+            path: source_path,
+            msg,
+        })??;
         bar.finish_and_clear();
         let mut model = model;
         if precision == Precision::Fast && !weights::fast_uses_int8() {
@@ -156,10 +210,28 @@ impl Model {
 
     /// Loads a model from GGUF bytes in memory (fuzzing, tests); `name` is used in messages.
     pub fn from_gguf_bytes(name: &str, bytes: Vec<u8>, precision: Precision) -> Result<Model> {
-        guard::quietly(|| Self::from_gguf(gguf::GgufFile::from_bytes(Path::new(name), bytes)?, name.to_string(), None, precision, |_, _| {})).map_err(|msg| Error::LoaderPanic { path: name.into(), msg })?
+        guard::quietly(|| {
+            Self::from_gguf(
+                gguf::GgufFile::from_bytes(Path::new(name), bytes)?,
+                name.to_string(),
+                None,
+                precision,
+                |_, _| {},
+            )
+        })
+        .map_err(|msg| Error::LoaderPanic {
+            path: name.into(),
+            msg,
+        })?
     }
 
-    fn from_gguf(mut g: gguf::GgufFile, name: String, description: Option<String>, precision: Precision, tick: impl FnMut(usize, usize)) -> Result<Model> {
+    fn from_gguf(
+        mut g: gguf::GgufFile,
+        name: String,
+        description: Option<String>,
+        precision: Precision,
+        tick: impl FnMut(usize, usize),
+    ) -> Result<Model> {
         let (dims, warnings) = g.dims()?;
         let tokenizer = Tokenizer::from_gguf(g.metadata(), &g.path)?;
         let info = ModelInfo {
@@ -173,9 +245,21 @@ impl Model {
             tokenizer: tokenizer.kind.clone(),
             warnings,
         };
-        let weights = weights::load_weights(&mut g, &dims, precision, dims.rope_style, &gguf::gguf_name, tick)?;
+        let weights = weights::load_weights(
+            &mut g,
+            &dims,
+            precision,
+            dims.rope_style,
+            &gguf::gguf_name,
+            tick,
+        )?;
         g.release_pages();
-        Ok(Model { dims, info, tokenizer, weights })
+        Ok(Model {
+            dims,
+            info,
+            tokenizer,
+            weights,
+        })
     }
 
     /// Tokenizes `text` (BOS only if the model asks for it or `force_bos`), refusing empty text
@@ -186,7 +270,11 @@ impl Model {
         }
         let ids = self.tokenizer.encode(text, force_bos)?;
         if ids.len() > self.dims.context_len {
-            return Err(Error::TooLong { n_tokens: ids.len(), limit: self.dims.context_len, model: self.info.name.clone() });
+            return Err(Error::TooLong {
+                n_tokens: ids.len(),
+                limit: self.dims.context_len,
+                model: self.info.name.clone(),
+            });
         }
         Ok(ids)
     }

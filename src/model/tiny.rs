@@ -31,7 +31,11 @@ pub fn tiny_vocab() -> (Vec<String>, Vec<String>, Vec<i32>) {
     let n = types.len();
     types[n - 2] = 3;
     types[n - 1] = 3;
-    (tokens, merges.into_iter().map(String::from).collect(), types)
+    (
+        tokens,
+        merges.into_iter().map(String::from).collect(),
+        types,
+    )
 }
 
 fn byte_char(b: u8) -> char {
@@ -45,9 +49,24 @@ fn byte_char(b: u8) -> char {
 /// A seeded tiny model: 2 layers, d_model 32, 4 query heads sharing 2 KV heads of 8 dims.
 pub fn tiny_model(arch: Arch, seed: u64) -> RefModel {
     let (tokens, _, _) = tiny_vocab();
-    let cfg = RefConfig { n_layers: 2, d_model: 32, n_heads: 4, n_kv_heads: 2, head_dim: 8, d_ff: 64, vocab: tokens.len(), rope_base: 10000.0, rms_eps: 1e-6 };
+    let cfg = RefConfig {
+        n_layers: 2,
+        d_model: 32,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 8,
+        d_ff: 64,
+        vocab: tokens.len(),
+        rope_base: 10000.0,
+        rms_eps: 1e-6,
+    };
     let mut rng = Rng::new(seed);
-    let (dm, q, kv, ff) = (cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.d_ff);
+    let (dm, q, kv, ff) = (
+        cfg.d_model,
+        cfg.n_heads * cfg.head_dim,
+        cfg.n_kv_heads * cfg.head_dim,
+        cfg.d_ff,
+    );
     let norm = |rng: &mut Rng| -> Vec<f32> { (0..dm).map(|_| 1.0 + 0.1 * rng.normal()).collect() };
     let bias = arch == Arch::Qwen2;
     let layers = (0..cfg.n_layers)
@@ -69,7 +88,13 @@ pub fn tiny_model(arch: Arch, seed: u64) -> RefModel {
     let embed = rng.normals(cfg.vocab * dm, 1.0);
     let final_norm = norm(&mut rng);
     let lm_head = (arch == Arch::Qwen2).then(|| rng.normals(cfg.vocab * dm, 0.3));
-    RefModel { cfg, embed, layers, final_norm, lm_head }
+    RefModel {
+        cfg,
+        embed,
+        layers,
+        final_norm,
+        lm_head,
+    }
 }
 
 /// llama.cpp's Q/K permutation (convert_hf_to_gguf.py `permute`): within each head, HF's
@@ -92,27 +117,65 @@ pub fn permute_for_gguf(w: &[f32], n_heads: usize, head_dim: usize, cols: usize)
 fn qt(data: &[f32], dims: &[usize], dtype: GgmlDType) -> candle_core::Result<QTensor> {
     let t = Tensor::from_vec(data.to_vec(), dims, &Device::Cpu)?;
     // norms and biases stay f32, as in real files
-    let dtype = if dims.len() == 1 { GgmlDType::F32 } else { dtype };
+    let dtype = if dims.len() == 1 {
+        GgmlDType::F32
+    } else {
+        dtype
+    };
     QTensor::quantize(&t, dtype)
 }
 
 /// Writes `m` as a GGUF file; `dtype` for the matrices (F32 for exact comparisons).
-pub fn write_gguf(m: &RefModel, arch: Arch, dtype: GgmlDType, path: &Path) -> candle_core::Result<()> {
+pub fn write_gguf(
+    m: &RefModel,
+    arch: Arch,
+    dtype: GgmlDType,
+    path: &Path,
+) -> candle_core::Result<()> {
     write_gguf_with(m, arch, dtype, path, &|_, _| {})
 }
 
 /// [`write_gguf`] with a hook that may edit the metadata and tensor list before writing (the
 /// tests use it to make broken files: a missing tensor, an unknown pre-tokenizer, ...).
-pub fn write_gguf_with(m: &RefModel, arch: Arch, dtype: GgmlDType, path: &Path, edit: &dyn Fn(&mut Vec<(String, Value)>, &mut Vec<(String, QTensor)>)) -> candle_core::Result<()> {
+pub fn write_gguf_with(
+    m: &RefModel,
+    arch: Arch,
+    dtype: GgmlDType,
+    path: &Path,
+    edit: &dyn Fn(&mut Vec<(String, Value)>, &mut Vec<(String, QTensor)>),
+) -> candle_core::Result<()> {
     let c = &m.cfg;
     let a = arch.name();
     let (tokens, merges, types) = tiny_vocab();
-    let (dm, q, kv, ff) = (c.d_model, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.d_ff);
-    let perm = |w: &[f32], heads: usize| if arch == Arch::Llama { permute_for_gguf(w, heads, c.head_dim, dm) } else { w.to_vec() };
-    let perm_b = |b: &[f32], heads: usize| if arch == Arch::Llama { permute_for_gguf(b, heads, c.head_dim, 1) } else { b.to_vec() };
+    let (dm, q, kv, ff) = (
+        c.d_model,
+        c.n_heads * c.head_dim,
+        c.n_kv_heads * c.head_dim,
+        c.d_ff,
+    );
+    let perm = |w: &[f32], heads: usize| {
+        if arch == Arch::Llama {
+            permute_for_gguf(w, heads, c.head_dim, dm)
+        } else {
+            w.to_vec()
+        }
+    };
+    let perm_b = |b: &[f32], heads: usize| {
+        if arch == Arch::Llama {
+            permute_for_gguf(b, heads, c.head_dim, 1)
+        } else {
+            b.to_vec()
+        }
+    };
     let mut tensors: Vec<(String, QTensor)> = vec![
-        ("token_embd.weight".into(), qt(&m.embed, &[c.vocab, dm], dtype)?),
-        ("output_norm.weight".into(), qt(&m.final_norm, &[dm], dtype)?),
+        (
+            "token_embd.weight".into(),
+            qt(&m.embed, &[c.vocab, dm], dtype)?,
+        ),
+        (
+            "output_norm.weight".into(),
+            qt(&m.final_norm, &[dm], dtype)?,
+        ),
     ];
     if let Some(h) = &m.lm_head {
         tensors.push(("output.weight".into(), qt(h, &[c.vocab, dm], dtype)?));
@@ -120,12 +183,21 @@ pub fn write_gguf_with(m: &RefModel, arch: Arch, dtype: GgmlDType, path: &Path, 
     for (i, l) in m.layers.iter().enumerate() {
         let p = |s: &str| format!("blk.{i}.{s}");
         tensors.push((p("attn_norm.weight"), qt(&l.attn_norm, &[dm], dtype)?));
-        tensors.push((p("attn_q.weight"), qt(&perm(&l.w_q, c.n_heads), &[q, dm], dtype)?));
-        tensors.push((p("attn_k.weight"), qt(&perm(&l.w_k, c.n_kv_heads), &[kv, dm], dtype)?));
+        tensors.push((
+            p("attn_q.weight"),
+            qt(&perm(&l.w_q, c.n_heads), &[q, dm], dtype)?,
+        ));
+        tensors.push((
+            p("attn_k.weight"),
+            qt(&perm(&l.w_k, c.n_kv_heads), &[kv, dm], dtype)?,
+        ));
         tensors.push((p("attn_v.weight"), qt(&l.w_v, &[kv, dm], dtype)?));
         if let (Some(bq), Some(bk), Some(bv)) = (&l.b_q, &l.b_k, &l.b_v) {
             tensors.push((p("attn_q.bias"), qt(&perm_b(bq, c.n_heads), &[q], dtype)?));
-            tensors.push((p("attn_k.bias"), qt(&perm_b(bk, c.n_kv_heads), &[kv], dtype)?));
+            tensors.push((
+                p("attn_k.bias"),
+                qt(&perm_b(bk, c.n_kv_heads), &[kv], dtype)?,
+            ));
             tensors.push((p("attn_v.bias"), qt(bv, &[kv], dtype)?));
         }
         tensors.push((p("attn_output.weight"), qt(&l.w_o, &[dm, q], dtype)?));
@@ -145,12 +217,34 @@ pub fn write_gguf_with(m: &RefModel, arch: Arch, dtype: GgmlDType, path: &Path, 
         (format!("{a}.attention.head_count"), u32v(c.n_heads)),
         (format!("{a}.attention.head_count_kv"), u32v(c.n_kv_heads)),
         (format!("{a}.rope.freq_base"), Value::F32(c.rope_base)),
-        (format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(c.rms_eps)),
+        (
+            format!("{a}.attention.layer_norm_rms_epsilon"),
+            Value::F32(c.rms_eps),
+        ),
         ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
-        ("tokenizer.ggml.pre".into(), Value::String(if arch == Arch::Qwen2 { "qwen2" } else { "smollm" }.into())),
-        ("tokenizer.ggml.tokens".into(), Value::Array(tokens.iter().map(|t| Value::String(t.clone())).collect())),
-        ("tokenizer.ggml.token_type".into(), Value::Array(types.iter().map(|&t| Value::I32(t)).collect())),
-        ("tokenizer.ggml.merges".into(), Value::Array(merges.iter().map(|t| Value::String(t.clone())).collect())),
+        (
+            "tokenizer.ggml.pre".into(),
+            Value::String(
+                if arch == Arch::Qwen2 {
+                    "qwen2"
+                } else {
+                    "smollm"
+                }
+                .into(),
+            ),
+        ),
+        (
+            "tokenizer.ggml.tokens".into(),
+            Value::Array(tokens.iter().map(|t| Value::String(t.clone())).collect()),
+        ),
+        (
+            "tokenizer.ggml.token_type".into(),
+            Value::Array(types.iter().map(|&t| Value::I32(t)).collect()),
+        ),
+        (
+            "tokenizer.ggml.merges".into(),
+            Value::Array(merges.iter().map(|t| Value::String(t.clone())).collect()),
+        ),
         ("tokenizer.ggml.bos_token_id".into(), u32v(tokens.len() - 2)),
         ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)),
     ];
@@ -165,7 +259,11 @@ pub fn write_gguf_with(m: &RefModel, arch: Arch, dtype: GgmlDType, path: &Path, 
 /// The tokenizer.json of the tiny vocabulary (byte-level BPE, GPT-2 split).
 pub fn tiny_tokenizer_json() -> serde_json::Value {
     let (tokens, merges, types) = tiny_vocab();
-    let vocab: serde_json::Map<String, serde_json::Value> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
+    let vocab: serde_json::Map<String, serde_json::Value> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), json!(i)))
+        .collect();
     let added: Vec<_> = tokens
         .iter()
         .enumerate()
@@ -184,7 +282,12 @@ pub fn tiny_tokenizer_json() -> serde_json::Value {
 
 /// Writes `m` as a Hugging Face folder; `shards > 1` splits the weights over several files
 /// with a `model.safetensors.index.json`.
-pub fn write_hf_folder(m: &RefModel, arch: Arch, dir: &Path, shards: usize) -> candle_core::Result<()> {
+pub fn write_hf_folder(
+    m: &RefModel,
+    arch: Arch,
+    dir: &Path,
+    shards: usize,
+) -> candle_core::Result<()> {
     std::fs::create_dir_all(dir)?;
     let c = &m.cfg;
     let config = json!({
@@ -194,10 +297,24 @@ pub fn write_hf_folder(m: &RefModel, arch: Arch, dir: &Path, shards: usize) -> c
         "tie_word_embeddings": m.lm_head.is_none(), "bos_token_id": c.vocab - 2,
     });
     std::fs::write(dir.join("config.json"), config.to_string())?;
-    std::fs::write(dir.join("tokenizer.json"), tiny_tokenizer_json().to_string())?;
+    std::fs::write(
+        dir.join("tokenizer.json"),
+        tiny_tokenizer_json().to_string(),
+    )?;
     let t = |data: &[f32], dims: &[usize]| Tensor::from_vec(data.to_vec(), dims, &Device::Cpu);
-    let (dm, q, kv, ff) = (c.d_model, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.d_ff);
-    let mut all: Vec<(String, Tensor)> = vec![("model.embed_tokens.weight".into(), t(&m.embed, &[c.vocab, dm])?), ("model.norm.weight".into(), t(&m.final_norm, &[dm])?)];
+    let (dm, q, kv, ff) = (
+        c.d_model,
+        c.n_heads * c.head_dim,
+        c.n_kv_heads * c.head_dim,
+        c.d_ff,
+    );
+    let mut all: Vec<(String, Tensor)> = vec![
+        (
+            "model.embed_tokens.weight".into(),
+            t(&m.embed, &[c.vocab, dm])?,
+        ),
+        ("model.norm.weight".into(), t(&m.final_norm, &[dm])?),
+    ];
     if let Some(h) = &m.lm_head {
         all.push(("lm_head.weight".into(), t(h, &[c.vocab, dm])?));
     }
@@ -232,7 +349,10 @@ pub fn write_hf_folder(m: &RefModel, arch: Arch, dir: &Path, shards: usize) -> c
         let map: HashMap<String, Tensor> = chunk.iter().cloned().collect();
         candle_core::safetensors::save(&map, dir.join(&file))?;
     }
-    std::fs::write(dir.join("model.safetensors.index.json"), json!({"metadata": {}, "weight_map": weight_map}).to_string())?;
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        json!({"metadata": {}, "weight_map": weight_map}).to_string(),
+    )?;
     Ok(())
 }
 
@@ -243,7 +363,10 @@ mod tests {
     #[test]
     fn gguf_permutation_interleaves_each_head() {
         // one head of dim 4, one column: rows [a0, a1, b0, b1] (pairs (0,2), (1,3)) → [a0, b0, a1, b1]
-        assert_eq!(permute_for_gguf(&[0.0, 1.0, 2.0, 3.0], 1, 4, 1), vec![0.0, 2.0, 1.0, 3.0]);
+        assert_eq!(
+            permute_for_gguf(&[0.0, 1.0, 2.0, 3.0], 1, 4, 1),
+            vec![0.0, 2.0, 1.0, 3.0]
+        );
     }
 
     #[test]

@@ -41,13 +41,21 @@ fn split(regex: &str) -> Value {
 fn pre_tokenizer_for(pre: &str) -> Option<(Value, Value, bool)> {
     Some(match pre {
         // Qwen2's tokenizer.json: NFC, then the regex split, then byte-level mapping.
-        "qwen2" => (json!({"type": "NFC"}), json!({"type": "Sequence", "pretokenizers": [split(QWEN2_SPLIT), byte_level(false)]}), false),
+        "qwen2" => (
+            json!({"type": "NFC"}),
+            json!({"type": "Sequence", "pretokenizers": [split(QWEN2_SPLIT), byte_level(false)]}),
+            false,
+        ),
         // SmolLM2: GPT-2's byte-level regex split, as transformers builds it from the GGUF
         // metadata (the reference ids). llama.cpp's `smollm` rule isolates every \p{N} first; the
         // two differ only where a space precedes a non-digit number character (" ¾"), since
         // SmolLM2's vocabulary has no multi-digit tokens.
         "smollm" => (Value::Null, byte_level(true), false),
-        "llama-bpe" | "llama3" => (Value::Null, json!({"type": "Sequence", "pretokenizers": [split(LLAMA3_SPLIT), byte_level(false)]}), true),
+        "llama-bpe" | "llama3" => (
+            Value::Null,
+            json!({"type": "Sequence", "pretokenizers": [split(LLAMA3_SPLIT), byte_level(false)]}),
+            true,
+        ),
         "gpt-2" | "gpt2" => (Value::Null, byte_level(true), false),
         _ => return None,
     })
@@ -55,10 +63,21 @@ fn pre_tokenizer_for(pre: &str) -> Option<(Value, Value, bool)> {
 
 impl Tokenizer {
     /// Builds the tokenizer from GGUF metadata.
-    pub fn from_gguf(md: &std::collections::HashMap<String, candle_core::quantized::gguf_file::Value>, path: &Path) -> Result<Self> {
+    pub fn from_gguf(
+        md: &std::collections::HashMap<String, candle_core::quantized::gguf_file::Value>,
+        path: &Path,
+    ) -> Result<Self> {
         use candle_core::quantized::gguf_file::Value as V;
-        let missing = |key: &str| Error::MissingKey { key: key.into(), path: path.into(), arch: "tokenizer".into() };
-        let bad = |key: &str, reason: String| Error::BadValue { key: key.into(), path: path.into(), reason };
+        let missing = |key: &str| Error::MissingKey {
+            key: key.into(),
+            path: path.into(),
+            arch: "tokenizer".into(),
+        };
+        let bad = |key: &str, reason: String| Error::BadValue {
+            key: key.into(),
+            path: path.into(),
+            reason,
+        };
         let get_str = |key: &str| -> Result<String> {
             match md.get(key) {
                 Some(V::String(s)) => Ok(s.clone()),
@@ -68,10 +87,13 @@ impl Tokenizer {
         };
         let get_strs = |key: &str| -> Result<Vec<String>> {
             match md.get(key) {
-                Some(V::Array(a)) => a.iter().map(|v| match v {
-                    V::String(s) => Ok(s.clone()),
-                    _ => Err(bad(key, "array of non-strings".into())),
-                }).collect(),
+                Some(V::Array(a)) => a
+                    .iter()
+                    .map(|v| match v {
+                        V::String(s) => Ok(s.clone()),
+                        _ => Err(bad(key, "array of non-strings".into())),
+                    })
+                    .collect(),
                 Some(_) => Err(bad(key, "not an array".into())),
                 None => Err(missing(key)),
             }
@@ -84,15 +106,19 @@ impl Tokenizer {
             Some(V::String(s)) => s.clone(),
             _ => "default".to_string(),
         };
-        let (normalizer, pre_tok, ignore_merges) = pre_tokenizer_for(&pre).ok_or_else(|| Error::UnknownPreTokenizer {
-            pre: pre.clone(),
-            path: path.into(),
-            known: KNOWN_PRE.join(", "),
-        })?;
+        let (normalizer, pre_tok, ignore_merges) =
+            pre_tokenizer_for(&pre).ok_or_else(|| Error::UnknownPreTokenizer {
+                pre: pre.clone(),
+                path: path.into(),
+                known: KNOWN_PRE.join(", "),
+            })?;
         let tokens = get_strs("tokenizer.ggml.tokens")?;
         let merges = get_strs("tokenizer.ggml.merges")?;
         let types: Vec<i64> = match md.get("tokenizer.ggml.token_type") {
-            Some(V::Array(a)) => a.iter().map(|v| v.to_i32().map(|x| x as i64).unwrap_or(1)).collect(),
+            Some(V::Array(a)) => a
+                .iter()
+                .map(|v| v.to_i32().map(|x| x as i64).unwrap_or(1))
+                .collect(),
             _ => vec![1; tokens.len()],
         };
         let mut vocab = serde_json::Map::with_capacity(tokens.len());
@@ -110,7 +136,10 @@ impl Tokenizer {
             }
         }
         let get_u32 = |key: &str| md.get(key).and_then(|v| v.to_u32().ok());
-        let add_bos = md.get("tokenizer.ggml.add_bos_token").and_then(|v| v.to_bool().ok()).unwrap_or(false);
+        let add_bos = md
+            .get("tokenizer.ggml.add_bos_token")
+            .and_then(|v| v.to_bool().ok())
+            .unwrap_or(false);
         let bos_id = get_u32("tokenizer.ggml.bos_token_id");
         let doc = json!({
             "version": "1.0",
@@ -127,26 +156,53 @@ impl Tokenizer {
                 "ignore_merges": ignore_merges, "vocab": vocab, "merges": merges,
             },
         });
-        let inner: tokenizers::Tokenizer = doc.to_string().parse().map_err(|e| Error::Tokenizer(format!("building the tokenizer from {}: {e}", path.display())))?;
-        Ok(Tokenizer { inner, add_bos, bos_id, kind: format!("byte-level BPE ({} tokens, {} merges), pre-tokenizer `{pre}`, from GGUF metadata", tokens.len(), merges.len()) })
+        let inner: tokenizers::Tokenizer = doc.to_string().parse().map_err(|e| {
+            Error::Tokenizer(format!(
+                "building the tokenizer from {}: {e}",
+                path.display()
+            ))
+        })?;
+        Ok(Tokenizer {
+            inner,
+            add_bos,
+            bos_id,
+            kind: format!(
+                "byte-level BPE ({} tokens, {} merges), pre-tokenizer `{pre}`, from GGUF metadata",
+                tokens.len(),
+                merges.len()
+            ),
+        })
     }
 
     /// Loads a Hugging Face `tokenizer.json`; `add_bos`/`bos_id` come from the caller (config).
     pub fn from_file(path: &Path, add_bos: bool, bos_id: Option<u32>) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| Error::Tokenizer(format!("cannot load {}: {e}", path.display())))?;
+        let inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| Error::Tokenizer(format!("cannot load {}: {e}", path.display())))?;
         let kind = format!("{} from {}", model_kind(&inner), path.display());
-        Ok(Tokenizer { inner, add_bos, bos_id, kind })
+        Ok(Tokenizer {
+            inner,
+            add_bos,
+            bos_id,
+            kind,
+        })
     }
 
     /// Token ids of `text`. Special-token text (`<|im_start|>`) maps to its special id. A BOS id
     /// is put first when the model asks for it or `force_bos` is set.
     pub fn encode(&self, text: &str, force_bos: bool) -> Result<Vec<u32>> {
-        let enc = self.inner.encode(text, false).map_err(|e| Error::Tokenizer(format!("encoding failed: {e}")))?;
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| Error::Tokenizer(format!("encoding failed: {e}")))?;
         let mut ids = Vec::with_capacity(enc.len() + 1);
         if self.add_bos || force_bos {
             match self.bos_id {
                 Some(b) => ids.push(b),
-                None => return Err(Error::Tokenizer("a BOS token was asked for, but the model defines none".into())),
+                None => {
+                    return Err(Error::Tokenizer(
+                        "a BOS token was asked for, but the model defines none".into(),
+                    ))
+                }
             }
         }
         ids.extend_from_slice(enc.get_ids());
@@ -155,7 +211,9 @@ impl Tokenizer {
 
     /// The raw vocabulary piece of an id (byte-level characters, e.g. `ĠNam`).
     pub fn piece(&self, id: u32) -> String {
-        self.inner.id_to_token(id).unwrap_or_else(|| format!("<id {id}>"))
+        self.inner
+            .id_to_token(id)
+            .unwrap_or_else(|| format!("<id {id}>"))
     }
 
     /// The bytes a token stands for (byte-level pieces decoded; special tokens as their text).
@@ -189,7 +247,8 @@ fn byte_to_char_table() -> [char; 256] {
     let mut table = ['\0'; 256];
     let mut n = 0u32;
     for b in 0..256u32 {
-        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let printable =
+            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
         table[b as usize] = if printable {
             char::from_u32(b).expect("byte is a char")
         } else {
@@ -228,7 +287,10 @@ pub fn readable(bytes: &[u8]) -> String {
 pub fn visible(text: &str) -> String {
     let trimmed = text.trim_start_matches(' ');
     let lead = text.len() - trimmed.len();
-    let body = trimmed.replace('\n', "\\n").replace('\r', "\\r").replace('\t', "\\t");
+    let body = trimmed
+        .replace('\n', "\\n")
+        .replace('\r', "\\r")
+        .replace('\t', "\\t");
     format!("{}{}", "␣".repeat(lead), body)
 }
 
@@ -258,7 +320,10 @@ mod tests {
             let doc = json!({"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
                 "normalizer": norm, "pre_tokenizer": pre_tok, "post_processor": null, "decoder": null,
                 "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2}, "merges": ["a b"]}});
-            let t: tokenizers::Tokenizer = doc.to_string().parse().unwrap_or_else(|e| panic!("{pre}: {e}"));
+            let t: tokenizers::Tokenizer = doc
+                .to_string()
+                .parse()
+                .unwrap_or_else(|e| panic!("{pre}: {e}"));
             assert_eq!(t.encode("ab", false).unwrap().get_ids(), &[2], "{pre}");
         }
         assert!(pre_tokenizer_for("bloom").is_none());

@@ -6,11 +6,11 @@ use super::error::{Error, Result};
 use crate::kernels::gemm::{self, PackedB};
 use crate::kernels::int8::{self, PackedQ8};
 use candle_core::quantized::{GgmlDType, GgmlType, QMatMul, QStorage, QTensor};
-use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 use std::borrow::Cow;
 use std::path::Path;
+use std::sync::Arc;
 
 /// How weights are held in memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
@@ -48,7 +48,10 @@ impl Mapped {
         &self.map[self.offset..self.offset + self.len]
     }
     fn cols(&self) -> usize {
-        *self.dims.last().expect("tensors have at least one dimension")
+        *self
+            .dims
+            .last()
+            .expect("tensors have at least one dimension")
     }
     /// Bytes of one row (rows are whole blocks in every GGUF tensor attnscope loads).
     fn row_bytes(&self) -> usize {
@@ -62,7 +65,11 @@ impl Mapped {
     }
     /// The whole tensor as f32, dequantized on every core straight from the mapping.
     pub fn to_f32(&self) -> Result<Tensor> {
-        Ok(Tensor::from_vec(self.to_vec()?, self.dims.clone(), &Device::Cpu)?)
+        Ok(Tensor::from_vec(
+            self.to_vec()?,
+            self.dims.clone(),
+            &Device::Cpu,
+        )?)
     }
     /// The whole tensor as f32 values, row-major.
     pub fn to_vec(&self) -> Result<Vec<f32>> {
@@ -70,7 +77,10 @@ impl Mapped {
         let cols = self.cols();
         let rows = n / cols;
         let mut out = vec![0f32; n];
-        let threads = std::thread::available_parallelism().map(|x| x.get()).unwrap_or(1).min(rows.max(1));
+        let threads = std::thread::available_parallelism()
+            .map(|x| x.get())
+            .unwrap_or(1)
+            .min(rows.max(1));
         let per = rows.div_ceil(threads);
         std::thread::scope(|s| -> Result<()> {
             let handles: Vec<_> = out
@@ -106,17 +116,29 @@ impl Mapped {
 fn dequantize_blocks<T: GgmlType>(bytes: &[u8], out: &mut [f32]) -> Result<()> {
     let size = std::mem::size_of::<T>();
     if bytes.len() % size != 0 || out.len() != bytes.len() / size * T::BLCK_SIZE {
-        return Err(Error::Candle(candle_core::Error::Msg(format!("{:?}: {} bytes do not make {} values", T::DTYPE, bytes.len(), out.len()))));
+        return Err(Error::Candle(candle_core::Error::Msg(format!(
+            "{:?}: {} bytes do not make {} values",
+            T::DTYPE,
+            bytes.len(),
+            out.len()
+        ))));
     }
     if (bytes.as_ptr() as usize) % std::mem::align_of::<T>() == 0 {
         // SAFETY: the block types are plain old data (integers and f16), the length is a whole
         // number of blocks and the pointer is aligned for T.
-        let blocks = unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / size) };
+        let blocks =
+            unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / size) };
         T::to_float(blocks, out);
     } else {
         let mut blocks = vec![T::zeros(); bytes.len() / size];
         // SAFETY: as above; the destination is a fresh, aligned buffer of the same byte length.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), blocks.as_mut_ptr() as *mut u8, bytes.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                bytes.as_ptr(),
+                blocks.as_mut_ptr() as *mut u8,
+                bytes.len(),
+            )
+        };
         T::to_float(&blocks, out);
     }
     Ok(())
@@ -215,12 +237,23 @@ pub struct Linear {
 
 impl Linear {
     /// `out[m, n] = x[m, k] · Wᵀ (+ b)`; with `accumulate`, `out += x · Wᵀ` (no bias allowed).
-    pub fn forward_into(&self, x: &[f32], m: usize, out: &mut [f32], accumulate: bool) -> Result<()> {
+    pub fn forward_into(
+        &self,
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        accumulate: bool,
+    ) -> Result<()> {
         let (k, n) = (self.k, self.n);
-        assert!(x.len() >= m * k && out.len() >= m * n, "Linear::forward_into: buffers too short");
+        assert!(
+            x.len() >= m * k && out.len() >= m * n,
+            "Linear::forward_into: buffers too short"
+        );
         match &self.mat {
             Matrix::Packed(pb) => gemm::gemm(x, k, m, pb, out, n, accumulate),
-            Matrix::Int8(pq) => int8::gemm_q8(&int8::QuantA::new(x, m, k, k), pq, out, n, accumulate),
+            Matrix::Int8(pq) => {
+                int8::gemm_q8(&int8::QuantA::new(x, m, k, k), pq, out, n, accumulate)
+            }
         }
         if let Some(b) = &self.bias {
             assert!(!accumulate, "a biased projection cannot accumulate");
@@ -288,8 +321,15 @@ fn quantized(raw: &Raw, precision: Precision) -> Result<Option<QMatMul>> {
     Ok(match (raw, precision) {
         (Raw::Mapped(m), Precision::Fast) => match m.dtype {
             // candle has SIMD kernels for these at every row count
-            GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K | GgmlDType::Q8_0 | GgmlDType::Q2K | GgmlDType::Q3K => Some(QMatMul::from_qtensor(m.to_qtensor()?)?),
-            GgmlDType::Q5_0 => Some(QMatMul::from_qtensor(repack_q5_0_to_q8_0(&m.to_qtensor()?)?)?),
+            GgmlDType::Q4K
+            | GgmlDType::Q5K
+            | GgmlDType::Q6K
+            | GgmlDType::Q8_0
+            | GgmlDType::Q2K
+            | GgmlDType::Q3K => Some(QMatMul::from_qtensor(m.to_qtensor()?)?),
+            GgmlDType::Q5_0 => Some(QMatMul::from_qtensor(repack_q5_0_to_q8_0(
+                &m.to_qtensor()?,
+            )?)?),
             // Q4_0/Q4_1/Q5_1 and float types: the f32 GEMM is faster than candle's scalar kernels
             _ => None,
         },
@@ -308,7 +348,11 @@ pub fn fast_uses_int8() -> bool {
 /// [`fast_uses_int8`].
 fn linear(parts: Vec<(Raw, Option<Raw>)>, precision: Precision) -> Result<Linear> {
     let isa = gemm::Isa::detect();
-    let k = *parts[0].0.dims().last().expect("matrices have two dimensions");
+    let k = *parts[0]
+        .0
+        .dims()
+        .last()
+        .expect("matrices have two dimensions");
     let widths: Vec<usize> = parts.iter().map(|(w, _)| w.dims()[0]).collect();
     let n: usize = widths.iter().sum();
     let any_bias = parts.iter().any(|(_, b)| b.is_some());
@@ -382,12 +426,24 @@ impl Logical {
     }
 }
 
-fn fetch(src: &mut dyn TensorSource, l: &Logical, dims: &ModelDims, name: &dyn Fn(&Logical) -> String) -> Result<Option<Raw>> {
-    let Some(raw) = src.get(l)? else { return Ok(None) };
+fn fetch(
+    src: &mut dyn TensorSource,
+    l: &Logical,
+    dims: &ModelDims,
+    name: &dyn Fn(&Logical) -> String,
+) -> Result<Option<Raw>> {
+    let Some(raw) = src.get(l)? else {
+        return Ok(None);
+    };
     let want = l.shape(dims);
     let got = raw.dims();
     if got != want {
-        return Err(Error::ShapeMismatch { name: name(l), path: src.path().into(), got, want });
+        return Err(Error::ShapeMismatch {
+            name: name(l),
+            path: src.path().into(),
+            got,
+            want,
+        });
     }
     Ok(Some(raw))
 }
@@ -403,21 +459,36 @@ pub fn load_weights(
     mut progress: impl FnMut(usize, usize),
 ) -> Result<Weights> {
     let need = |src: &mut dyn TensorSource, l: Logical| -> Result<Raw> {
-        fetch(src, &l, dims, name)?.ok_or_else(|| Error::MissingTensor { name: name(&l), path: src.path().into(), arch: src.arch_name(), found: src.count() })
+        fetch(src, &l, dims, name)?.ok_or_else(|| Error::MissingTensor {
+            name: name(&l),
+            path: src.path().into(),
+            arch: src.arch_name(),
+            found: src.count(),
+        })
     };
     let vector = |r: Raw| r.to_vec();
     let (embed, lm_head) = match (need(src, Logical::Embed)?, dims.tied_embeddings) {
-        (Raw::Mapped(m), false) => (Embedding::Rows(m), head_matrix(need(src, Logical::LmHead)?, precision)?),
+        (Raw::Mapped(m), false) => (
+            Embedding::Rows(m),
+            head_matrix(need(src, Logical::LmHead)?, precision)?,
+        ),
         (raw, tied) => {
             let dense = raw.to_f32()?;
-            let head = if tied { QMatMul::Tensor(dense.clone()) } else { head_matrix(need(src, Logical::LmHead)?, precision)? };
+            let head = if tied {
+                QMatMul::Tensor(dense.clone())
+            } else {
+                head_matrix(need(src, Logical::LmHead)?, precision)?
+            };
             (Embedding::Dense(dense), head)
         }
     };
     let final_norm = vector(need(src, Logical::FinalNorm)?)?;
     let mut layers = Vec::with_capacity(dims.n_layers.min(src.count()));
     for i in 0..dims.n_layers {
-        let part = |src: &mut dyn TensorSource, w: Logical, b: Option<Logical>| -> Result<(Raw, Option<Raw>)> {
+        let part = |src: &mut dyn TensorSource,
+                    w: Logical,
+                    b: Option<Logical>|
+         -> Result<(Raw, Option<Raw>)> {
             let w = need(src, w)?;
             let b = match b {
                 Some(b) => fetch(src, &b, dims, name)?,
@@ -425,11 +496,21 @@ pub fn load_weights(
             };
             Ok((w, b))
         };
-        let qkv = vec![part(src, Logical::Q(i), Some(Logical::QBias(i)))?, part(src, Logical::K(i), Some(Logical::KBias(i)))?, part(src, Logical::V(i), Some(Logical::VBias(i)))?];
+        let qkv = vec![
+            part(src, Logical::Q(i), Some(Logical::QBias(i)))?,
+            part(src, Logical::K(i), Some(Logical::KBias(i)))?,
+            part(src, Logical::V(i), Some(Logical::VBias(i)))?,
+        ];
         let layer = Layer {
             qkv: linear(qkv, precision)?,
             o: linear(vec![part(src, Logical::O(i), None)?], precision)?,
-            gate_up: linear(vec![part(src, Logical::Gate(i), None)?, part(src, Logical::Up(i), None)?], precision)?,
+            gate_up: linear(
+                vec![
+                    part(src, Logical::Gate(i), None)?,
+                    part(src, Logical::Up(i), None)?,
+                ],
+                precision,
+            )?,
             down: linear(vec![part(src, Logical::Down(i), None)?], precision)?,
             attn_norm: vector(need(src, Logical::AttnNorm(i))?)?,
             mlp_norm: vector(need(src, Logical::MlpNorm(i))?)?,
@@ -437,7 +518,13 @@ pub fn load_weights(
         layers.push(layer);
         progress(i + 1, dims.n_layers);
     }
-    Ok(Weights { embed, layers, final_norm, lm_head, rope_style })
+    Ok(Weights {
+        embed,
+        layers,
+        final_norm,
+        lm_head,
+        rope_style,
+    })
 }
 
 /// The output projection (applied to a few rows only): quantized in `fast`, else f32.
@@ -459,8 +546,20 @@ mod tests {
         let q5 = QTensor::quantize(&t, GgmlDType::Q5_0).unwrap();
         let q8 = repack_q5_0_to_q8_0(&q5).unwrap();
         assert_eq!(q8.dtype(), GgmlDType::Q8_0);
-        let a: Vec<f32> = q5.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-        let b: Vec<f32> = q8.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let a: Vec<f32> = q5
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let b: Vec<f32> = q8
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         assert_eq!(a, b);
     }
 }

@@ -120,7 +120,11 @@ pub fn attend_head_steps(q: &[f32], k: &[f32], v: &[f32], d: usize, mask: Mask) 
             raw[i * k_len + j] = s;
             scaled[i * k_len + j] = s * scale;
             // pass 2: the causal mask hides future keys with -inf, so softmax gives them 0
-            masked[i * k_len + j] = if mask.allows(i, j) { s * scale } else { f32::NEG_INFINITY };
+            masked[i * k_len + j] = if mask.allows(i, j) {
+                s * scale
+            } else {
+                f32::NEG_INFINITY
+            };
         }
         // pass 3: softmax turns the row of scores into weights that sum to 1
         let row = &mut pattern[i * k_len..][..k_len];
@@ -131,7 +135,13 @@ pub fn attend_head_steps(q: &[f32], k: &[f32], v: &[f32], d: usize, mask: Mask) 
             axpy(row[j], &v[j * d..][..d], &mut out[i * d..][..d]);
         }
     }
-    HeadSteps { raw_scores: raw, scaled_scores: scaled, masked_scores: masked, pattern, out }
+    HeadSteps {
+        raw_scores: raw,
+        scaled_scores: scaled,
+        masked_scores: masked,
+        pattern,
+        out,
+    }
 }
 
 /// Attention for one head: `(out [q_len, d], pattern [q_len, k_len])`.
@@ -142,7 +152,9 @@ pub fn attend_head(q: &[f32], k: &[f32], v: &[f32], d: usize, mask: Mask) -> (Ve
 
 /// Takes the columns of head `h` out of `[len, n_heads * d]` into `[len, d]`.
 pub fn head_slice(xs: &[f32], h: usize, n_heads: usize, d: usize) -> Vec<f32> {
-    xs.chunks(n_heads * d).flat_map(|row| row[h * d..][..d].iter().copied()).collect()
+    xs.chunks(n_heads * d)
+        .flat_map(|row| row[h * d..][..d].iter().copied())
+        .collect()
 }
 
 /// Result of a multi-head / grouped-query attention layer.
@@ -166,7 +178,10 @@ pub fn grouped_query_attention(
     d: usize,
     mask: Mask,
 ) -> MultiHeadOut {
-    assert!(n_kv_heads > 0 && n_heads % n_kv_heads == 0, "n_heads must be a multiple of n_kv_heads");
+    assert!(
+        n_kv_heads > 0 && n_heads % n_kv_heads == 0,
+        "n_heads must be a multiple of n_kv_heads"
+    );
     let group_size = n_heads / n_kv_heads;
     let (q_len, k_len) = (q.len() / (n_heads * d), k.len() / (n_kv_heads * d));
     let mut z = vec![0.0; q_len * n_heads * d];
@@ -230,7 +245,10 @@ pub fn multi_head_attention(x: &[f32], w: &AttnWeights, mask: Mask) -> (Vec<f32>
 
 /// Shannon entropy of a probability row, in nats (`0·ln 0 = 0`).
 pub fn entropy(row: &[f32]) -> f32 {
-    -row.iter().filter(|&&p| p > 0.0).map(|&p| p * p.ln()).sum::<f32>()
+    -row.iter()
+        .filter(|&&p| p > 0.0)
+        .map(|&p| p * p.ln())
+        .sum::<f32>()
 }
 
 /// A small, seeded, dependency-free random number generator (SplitMix64), so that `explain`,
@@ -284,7 +302,10 @@ pub fn saturation(d: usize, n_keys: usize, trials: usize, scaled: bool, seed: u6
         max_sum += row.iter().copied().fold(0.0, f32::max) as f64;
         ent_sum += entropy(&row) as f64;
     }
-    ((max_sum / trials as f64) as f32, (ent_sum / trials as f64) as f32)
+    (
+        (max_sum / trials as f64) as f32,
+        (ent_sum / trials as f64) as f32,
+    )
 }
 
 #[cfg(test)]
@@ -292,7 +313,13 @@ pub(crate) mod tests {
     use super::*;
 
     pub fn assert_close(got: &[f32], want: &[f32], tol: f32, label: &str) {
-        assert_eq!(got.len(), want.len(), "{label}: length {} != {}", got.len(), want.len());
+        assert_eq!(
+            got.len(),
+            want.len(),
+            "{label}: length {} != {}",
+            got.len(),
+            want.len()
+        );
         let (mut worst, mut at) = (0.0f32, 0);
         for (i, (g, w)) in got.iter().zip(want).enumerate() {
             let diff = if g == w { 0.0 } else { (g - w).abs() };
@@ -301,7 +328,12 @@ pub(crate) mod tests {
                 at = i;
             }
         }
-        assert!(worst <= tol, "{label}: max diff {worst:.6e} > tol {tol:.6e} at index {at} (got {}, want {})", got[at], want[at]);
+        assert!(
+            worst <= tol,
+            "{label}: max diff {worst:.6e} > tol {tol:.6e} at index {at} (got {}, want {})",
+            got[at],
+            want[at]
+        );
     }
 
     /// A 3-token, d = 2 example worked by hand (the numbers are in the comments).
@@ -313,14 +345,27 @@ pub(crate) mod tests {
         let v = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
         let s = attend_head_steps(&q, &k, &v, 2, Mask::Causal { offset: 0 });
         // raw QKᵀ = [[1,0,1],[0,1,1],[1,1,2]]
-        assert_eq!(s.raw_scores, vec![1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 2.0]);
+        assert_eq!(
+            s.raw_scores,
+            vec![1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 2.0]
+        );
         // row 0 sees only key 0 → weight 1; output = v0
         assert_eq!(&s.pattern[0..3], &[1.0, 0.0, 0.0]);
         // row 1: scores [0, 1/√2] → softmax = [1/(1+e^0.7071), e^0.7071/(1+e^0.7071)] = [0.33024, 0.66976]
-        assert_close(&s.pattern[3..6], &[0.330_238, 0.669_762, 0.0], 1e-6, "row 1");
+        assert_close(
+            &s.pattern[3..6],
+            &[0.330_238, 0.669_762, 0.0],
+            1e-6,
+            "row 1",
+        );
         // row 2: scores [1,1,2]/√2 = [0.7071, 0.7071, 1.4142] → e^x = [2.0281, 2.0281, 4.1133]
         // sum 8.1695 → [0.24825, 0.24825, 0.50350]
-        assert_close(&s.pattern[6..9], &[0.248_256, 0.248_256, 0.503_488], 1e-5, "row 2");
+        assert_close(
+            &s.pattern[6..9],
+            &[0.248_256, 0.248_256, 0.503_488],
+            1e-5,
+            "row 2",
+        );
         // out row 1 = 0.33024·[1,2] + 0.66976·[3,4] = [2.33952, 3.33952]
         assert_close(&s.out[2..4], &[2.339_524, 3.339_524], 1e-5, "out row 1");
         // out row 2 = 0.24826·[1,2] + 0.24826·[3,4] + 0.50349·[5,6]
@@ -330,8 +375,19 @@ pub(crate) mod tests {
         assert_eq!(s.pattern[5], 0.0);
     }
 
-    fn random_case(rng: &mut Rng, q_len: usize, k_len: usize, n_heads: usize, n_kv: usize, d: usize) -> [Vec<f32>; 3] {
-        [rng.normals(q_len * n_heads * d, 1.0), rng.normals(k_len * n_kv * d, 1.0), rng.normals(k_len * n_kv * d, 1.0)]
+    fn random_case(
+        rng: &mut Rng,
+        q_len: usize,
+        k_len: usize,
+        n_heads: usize,
+        n_kv: usize,
+        d: usize,
+    ) -> [Vec<f32>; 3] {
+        [
+            rng.normals(q_len * n_heads * d, 1.0),
+            rng.normals(k_len * n_kv * d, 1.0),
+            rng.normals(k_len * n_kv * d, 1.0),
+        ]
     }
 
     #[test]
@@ -362,10 +418,19 @@ pub(crate) mod tests {
         for &(n_heads, n_kv) in &[(4usize, 2usize), (14, 2), (9, 3), (6, 1), (4, 4)] {
             let (len, d) = (6, 8);
             let [q, k, v] = random_case(&mut rng, len, len, n_heads, n_kv, d);
-            let gqa = grouped_query_attention(&q, &k, &v, n_heads, n_kv, d, Mask::Causal { offset: 0 });
+            let gqa =
+                grouped_query_attention(&q, &k, &v, n_heads, n_kv, d, Mask::Causal { offset: 0 });
             let group = n_heads / n_kv;
             let (kr, vr) = (repeat_kv(&k, n_kv, group, d), repeat_kv(&v, n_kv, group, d));
-            let mha = grouped_query_attention(&q, &kr, &vr, n_heads, n_heads, d, Mask::Causal { offset: 0 });
+            let mha = grouped_query_attention(
+                &q,
+                &kr,
+                &vr,
+                n_heads,
+                n_heads,
+                d,
+                Mask::Causal { offset: 0 },
+            );
             assert_eq!(gqa.pattern, mha.pattern, "pattern {n_heads}/{n_kv}");
             assert_eq!(gqa.z, mha.z, "z {n_heads}/{n_kv}");
         }
@@ -400,16 +465,36 @@ pub(crate) mod tests {
     #[test]
     fn scaling_prevents_saturation() {
         let n = 16;
-        let scaled: Vec<(f32, f32)> = [4, 64, 1024].iter().map(|&d| saturation(d, n, 200, true, 1)).collect();
-        let unscaled: Vec<(f32, f32)> = [4, 64, 1024].iter().map(|&d| saturation(d, n, 200, false, 1)).collect();
+        let scaled: Vec<(f32, f32)> = [4, 64, 1024]
+            .iter()
+            .map(|&d| saturation(d, n, 200, true, 1))
+            .collect();
+        let unscaled: Vec<(f32, f32)> = [4, 64, 1024]
+            .iter()
+            .map(|&d| saturation(d, n, 200, false, 1))
+            .collect();
         // unscaled: max weight climbs toward 1 and entropy toward 0 as d grows
-        assert!(unscaled[2].0 > 0.95, "unscaled d=1024 max weight {}", unscaled[2].0);
-        assert!(unscaled[2].1 < 0.15, "unscaled d=1024 entropy {}", unscaled[2].1);
+        assert!(
+            unscaled[2].0 > 0.95,
+            "unscaled d=1024 max weight {}",
+            unscaled[2].0
+        );
+        assert!(
+            unscaled[2].1 < 0.15,
+            "unscaled d=1024 entropy {}",
+            unscaled[2].1
+        );
         assert!(unscaled[0].0 < unscaled[1].0 && unscaled[1].0 < unscaled[2].0);
         // scaled: statistics barely move with d (same distribution of scores, N(0,1))
         for (m, e) in &scaled {
-            assert!((m - scaled[0].0).abs() < 0.08, "scaled max weights {scaled:?}");
-            assert!((e - scaled[0].1).abs() < 0.15, "scaled entropies {scaled:?}");
+            assert!(
+                (m - scaled[0].0).abs() < 0.08,
+                "scaled max weights {scaled:?}"
+            );
+            assert!(
+                (e - scaled[0].1).abs() < 0.15,
+                "scaled entropies {scaled:?}"
+            );
             assert!(*e > 1.5, "scaled entropy should stay high, got {e}");
         }
     }
@@ -434,7 +519,13 @@ pub(crate) mod tests {
         let q = linear(&x, &w.w_q, dm, dm);
         let k = linear(&x, &w.w_k, dm, dm);
         let v = linear(&x, &w.w_v, dm, dm);
-        let (o1, _) = attend_head(&head_slice(&q, 1, nh, hd), &head_slice(&k, 1, nh, hd), &head_slice(&v, 1, nh, hd), hd, Mask::Causal { offset: 0 });
+        let (o1, _) = attend_head(
+            &head_slice(&q, 1, nh, hd),
+            &head_slice(&k, 1, nh, hd),
+            &head_slice(&v, 1, nh, hd),
+            hd,
+            Mask::Causal { offset: 0 },
+        );
         assert_close(&head_slice(&mh.z, 1, nh, hd), &o1, 0.0, "head 1 of z");
         assert_close(&y, &linear(&mh.z, &w.w_o, dm, dm), 0.0, "output projection");
     }

@@ -25,26 +25,26 @@ pub struct RefConfig {
 /// One layer's weights, Hugging Face names in the comments.
 #[derive(Clone, Debug)]
 pub struct RefLayer {
-    pub attn_norm: Vec<f32>,     // input_layernorm.weight [d_model]
-    pub w_q: Vec<f32>,           // self_attn.q_proj.weight [n_heads*head_dim, d_model]
-    pub b_q: Option<Vec<f32>>,   // self_attn.q_proj.bias (Qwen2 only)
-    pub w_k: Vec<f32>,           // self_attn.k_proj.weight [n_kv_heads*head_dim, d_model]
+    pub attn_norm: Vec<f32>,   // input_layernorm.weight [d_model]
+    pub w_q: Vec<f32>,         // self_attn.q_proj.weight [n_heads*head_dim, d_model]
+    pub b_q: Option<Vec<f32>>, // self_attn.q_proj.bias (Qwen2 only)
+    pub w_k: Vec<f32>,         // self_attn.k_proj.weight [n_kv_heads*head_dim, d_model]
     pub b_k: Option<Vec<f32>>,
-    pub w_v: Vec<f32>,           // self_attn.v_proj.weight
+    pub w_v: Vec<f32>, // self_attn.v_proj.weight
     pub b_v: Option<Vec<f32>>,
-    pub w_o: Vec<f32>,           // self_attn.o_proj.weight [d_model, n_heads*head_dim]
-    pub mlp_norm: Vec<f32>,      // post_attention_layernorm.weight
-    pub w_gate: Vec<f32>,        // mlp.gate_proj.weight [d_ff, d_model]
-    pub w_up: Vec<f32>,          // mlp.up_proj.weight [d_ff, d_model]
-    pub w_down: Vec<f32>,        // mlp.down_proj.weight [d_model, d_ff]
+    pub w_o: Vec<f32>,      // self_attn.o_proj.weight [d_model, n_heads*head_dim]
+    pub mlp_norm: Vec<f32>, // post_attention_layernorm.weight
+    pub w_gate: Vec<f32>,   // mlp.gate_proj.weight [d_ff, d_model]
+    pub w_up: Vec<f32>,     // mlp.up_proj.weight [d_ff, d_model]
+    pub w_down: Vec<f32>,   // mlp.down_proj.weight [d_model, d_ff]
 }
 
 #[derive(Clone, Debug)]
 pub struct RefModel {
     pub cfg: RefConfig,
-    pub embed: Vec<f32>,        // model.embed_tokens.weight [vocab, d_model]
+    pub embed: Vec<f32>, // model.embed_tokens.weight [vocab, d_model]
     pub layers: Vec<RefLayer>,
-    pub final_norm: Vec<f32>,   // model.norm.weight
+    pub final_norm: Vec<f32>,      // model.norm.weight
     pub lm_head: Option<Vec<f32>>, // lm_head.weight; None = tied to embed
 }
 
@@ -101,7 +101,10 @@ fn add_bias(xs: &mut [f32], b: &Option<Vec<f32>>) {
 pub fn forward(m: &RefModel, tokens: &[u32]) -> RefOutput {
     let c = &m.cfg;
     let (dm, hd) = (c.d_model, c.head_dim);
-    let mut x: Vec<f32> = tokens.iter().flat_map(|&t| m.embed[t as usize * dm..][..dm].iter().copied()).collect();
+    let mut x: Vec<f32> = tokens
+        .iter()
+        .flat_map(|&t| m.embed[t as usize * dm..][..dm].iter().copied())
+        .collect();
     let mut patterns = Vec::new();
     for l in &m.layers {
         let n = rms_norm(&x, &l.attn_norm, c.rms_eps);
@@ -113,7 +116,15 @@ pub fn forward(m: &RefModel, tokens: &[u32]) -> RefOutput {
         add_bias(&mut v, &l.b_v);
         rope_half(&mut q, c.n_heads, hd, c.rope_base, 0);
         rope_half(&mut k, c.n_kv_heads, hd, c.rope_base, 0);
-        let mh = grouped_query_attention(&q, &k, &v, c.n_heads, c.n_kv_heads, hd, Mask::Causal { offset: 0 });
+        let mh = grouped_query_attention(
+            &q,
+            &k,
+            &v,
+            c.n_heads,
+            c.n_kv_heads,
+            hd,
+            Mask::Causal { offset: 0 },
+        );
         let o = linear(&mh.z, &l.w_o, c.n_heads * hd, dm);
         x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
         patterns.push(mh.pattern);
@@ -121,7 +132,11 @@ pub fn forward(m: &RefModel, tokens: &[u32]) -> RefOutput {
         let n = rms_norm(&x, &l.mlp_norm, c.rms_eps);
         let g = linear(&n, &l.w_gate, dm, c.d_ff);
         let u = linear(&n, &l.w_up, dm, c.d_ff);
-        let act: Vec<f32> = g.iter().zip(&u).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+        let act: Vec<f32> = g
+            .iter()
+            .zip(&u)
+            .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+            .collect();
         let down = linear(&act, &l.w_down, c.d_ff, dm);
         x.iter_mut().zip(&down).for_each(|(a, b)| *a += b);
     }

@@ -34,12 +34,28 @@ pub fn walkthrough(words: &[String], d: usize, seed: u64) -> Walkthrough {
     let w_k = one_decimal(&mut rng, d * d);
     let w_v = one_decimal(&mut rng, d * d);
     // round away float noise: products of one-decimal numbers have exactly two decimals
-    let round2 = |v: Vec<f32>| v.into_iter().map(|x| (x * 100.0).round() / 100.0).collect::<Vec<f32>>();
+    let round2 = |v: Vec<f32>| {
+        v.into_iter()
+            .map(|x| (x * 100.0).round() / 100.0)
+            .collect::<Vec<f32>>()
+    };
     let q = round2(linear(&x, &w_q, d, d));
     let k = round2(linear(&x, &w_k, d, d));
     let v = round2(linear(&x, &w_v, d, d));
     let steps = attend_head_steps(&q, &k, &v, d, Mask::Causal { offset: 0 });
-    Walkthrough { words: words.to_vec(), d, seed, x, w_q, w_k, w_v, q, k, v, steps }
+    Walkthrough {
+        words: words.to_vec(),
+        d,
+        seed,
+        x,
+        w_q,
+        w_k,
+        w_v,
+        q,
+        k,
+        v,
+        steps,
+    }
 }
 
 /// "head dim 64; query heads 0-6 share KV set 0, 7-13 share KV set 1" for a model shape.
@@ -57,7 +73,11 @@ pub fn head_split(d_model: usize, n_heads: usize, n_kv_heads: usize) -> Result<S
     let sets: Vec<String> = (0..n_kv_heads)
         .map(|g| {
             let (a, b) = (g * group, g * group + group - 1);
-            let (range, verb) = if a == b { (a.to_string(), "uses") } else { (format!("{a}-{b}"), "share") };
+            let (range, verb) = if a == b {
+                (a.to_string(), "uses")
+            } else {
+                (format!("{a}-{b}"), "share")
+            };
             let prefix = match (g, a == b) {
                 (0, true) => "query head ",
                 (0, false) => "query heads ",
@@ -66,7 +86,11 @@ pub fn head_split(d_model: usize, n_heads: usize, n_kv_heads: usize) -> Result<S
             format!("{prefix}{range} {verb} KV set {g}")
         })
         .collect();
-    Ok(format!("head dim {}; {}", d_model / n_heads, sets.join(", ")))
+    Ok(format!(
+        "head dim {}; {}",
+        d_model / n_heads,
+        sets.join(", ")
+    ))
 }
 
 #[cfg(test)]
@@ -75,20 +99,39 @@ mod tests {
 
     #[test]
     fn qwen_head_split_sentence() {
-        assert_eq!(head_split(896, 14, 2).unwrap(), "head dim 64; query heads 0-6 share KV set 0, 7-13 share KV set 1");
-        assert_eq!(head_split(576, 9, 3).unwrap(), "head dim 64; query heads 0-2 share KV set 0, 3-5 share KV set 1, 6-8 share KV set 2");
-        assert_eq!(head_split(8, 2, 2).unwrap(), "head dim 4; query head 0 uses KV set 0, 1 uses KV set 1");
-        assert!(head_split(896, 14, 3).unwrap_err().contains("not a multiple"));
-        assert!(head_split(900, 14, 2).unwrap_err().contains("not divisible"));
+        assert_eq!(
+            head_split(896, 14, 2).unwrap(),
+            "head dim 64; query heads 0-6 share KV set 0, 7-13 share KV set 1"
+        );
+        assert_eq!(
+            head_split(576, 9, 3).unwrap(),
+            "head dim 64; query heads 0-2 share KV set 0, 3-5 share KV set 1, 6-8 share KV set 2"
+        );
+        assert_eq!(
+            head_split(8, 2, 2).unwrap(),
+            "head dim 4; query head 0 uses KV set 0, 1 uses KV set 1"
+        );
+        assert!(head_split(896, 14, 3)
+            .unwrap_err()
+            .contains("not a multiple"));
+        assert!(head_split(900, 14, 2)
+            .unwrap_err()
+            .contains("not divisible"));
     }
 
     #[test]
     fn walkthrough_is_deterministic_and_exact() {
-        let words: Vec<String> = ["Hà", "Nội", "là", "thủ", "đô"].iter().map(|s| s.to_string()).collect();
+        let words: Vec<String> = ["Hà", "Nội", "là", "thủ", "đô"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
         let a = walkthrough(&words, 4, 1);
         let b = walkthrough(&words, 4, 1);
         assert_eq!(a.steps.pattern, b.steps.pattern);
-        assert!(a.x.iter().all(|v| (v * 10.0 - (v * 10.0).round()).abs() < 1e-5 && v.abs() <= 1.0));
+        assert!(a
+            .x
+            .iter()
+            .all(|v| (v * 10.0 - (v * 10.0).round()).abs() < 1e-5 && v.abs() <= 1.0));
         // Q = X W_Qᵀ, checked for one entry by hand
         let q10: f32 = (0..4).map(|j| a.x[4 + j] * a.w_q[j]).sum();
         assert!((a.q[4] - q10).abs() < 1e-5);

@@ -6,7 +6,11 @@ use super::html::html_escape;
 /// White → dark blue, with a square-root scale so small weights stay visible.
 pub fn colour(v: f32) -> [u8; 3] {
     let t = v.clamp(0.0, 1.0).sqrt();
-    [(255.0 - 220.0 * t) as u8, (255.0 - 180.0 * t) as u8, (255.0 - 80.0 * t) as u8]
+    [
+        (255.0 - 220.0 * t) as u8,
+        (255.0 - 180.0 * t) as u8,
+        (255.0 - 80.0 * t) as u8,
+    ]
 }
 
 /// `map` is `[rows, cols]`; labels name the rows (queries) and columns (keys).
@@ -30,17 +34,36 @@ pub fn svg(map: &[f32], rows: &[String], cols: &[String], title: &str) -> String
         }
     }
     for (i, r) in rows.iter().enumerate() {
-        s += &format!("<text x=\"{}\" y=\"{}\" text-anchor=\"end\">{}</text>\n", m - 4, m + i * cell + cell / 2 + 4, html_escape(r));
+        s += &format!(
+            "<text x=\"{}\" y=\"{}\" text-anchor=\"end\">{}</text>\n",
+            m - 4,
+            m + i * cell + cell / 2 + 4,
+            html_escape(r)
+        );
     }
     for (j, c) in cols.iter().enumerate() {
-        s += &format!("<text transform=\"translate({},{}) rotate(-90)\">{}</text>\n", m + j * cell + cell / 2 + 4, m - 4, html_escape(c));
+        s += &format!(
+            "<text transform=\"translate({},{}) rotate(-90)\">{}</text>\n",
+            m + j * cell + cell / 2 + 4,
+            m - 4,
+            html_escape(c)
+        );
     }
     let x0 = m + nc * cell + 20;
     for k in 0..=10 {
         let [r, g, b] = colour(k as f32 / 10.0);
-        s += &format!("<rect x=\"{x0}\" y=\"{}\" width=\"14\" height=\"12\" fill=\"rgb({r},{g},{b})\"/>\n", m + (10 - k) * 12);
+        s += &format!(
+            "<rect x=\"{x0}\" y=\"{}\" width=\"14\" height=\"12\" fill=\"rgb({r},{g},{b})\"/>\n",
+            m + (10 - k) * 12
+        );
     }
-    s += &format!("<text x=\"{}\" y=\"{}\">1</text><text x=\"{}\" y=\"{}\">0</text>\n</svg>\n", x0 + 18, m + 10, x0 + 18, m + 130);
+    s += &format!(
+        "<text x=\"{}\" y=\"{}\">1</text><text x=\"{}\" y=\"{}\">0</text>\n</svg>\n",
+        x0 + 18,
+        m + 10,
+        x0 + 18,
+        m + 130
+    );
     s
 }
 
@@ -94,7 +117,9 @@ fn encode_png(w: usize, h: usize, rgb: &[u8]) -> Vec<u8> {
     enc.set_depth(png::BitDepth::Eight);
     enc.set_compression(png::Compression::Balanced);
     let mut writer = enc.write_header().expect("writing a PNG header to memory");
-    writer.write_image_data(rgb).expect("w·h·3 bytes of RGB, written to memory");
+    writer
+        .write_image_data(rgb)
+        .expect("w·h·3 bytes of RGB, written to memory");
     writer.finish().expect("writing to memory");
     out
 }
@@ -104,10 +129,20 @@ pub fn png(map: &[f32], nr: usize, nc: usize) -> Vec<u8> {
     let cell = (640 / nr.max(nc).max(1)).clamp(2, 32);
     let m = 40;
     let (w, h) = (m + nc * cell + 50, m + nr * cell + 10);
-    let mut cv = Canvas { w, h, px: vec![255; w * h * 3] };
+    let mut cv = Canvas {
+        w,
+        h,
+        px: vec![255; w * h * 3],
+    };
     for i in 0..nr {
         for j in 0..nc {
-            cv.rect(m + j * cell, m + i * cell, cell, cell, colour(map[i * nc + j]));
+            cv.rect(
+                m + j * cell,
+                m + i * cell,
+                cell,
+                cell,
+                colour(map[i * nc + j]),
+            );
         }
     }
     let every = (12 / cell).max(1);
@@ -136,16 +171,26 @@ mod tests {
         let p = png(&map, 2, 2);
         assert_eq!(&p[..8], b"\x89PNG\r\n\x1a\n");
         // decoded by the png crate's reader, not by anything of ours
-        let mut reader = png::Decoder::new(std::io::Cursor::new(&p)).read_info().unwrap();
+        let mut reader = png::Decoder::new(std::io::Cursor::new(&p))
+            .read_info()
+            .unwrap();
         let mut buf = vec![0; reader.output_buffer_size().unwrap()];
         let info = reader.next_frame(&mut buf).unwrap();
-        assert_eq!((info.color_type, info.bit_depth), (png::ColorType::Rgb, png::BitDepth::Eight));
+        assert_eq!(
+            (info.color_type, info.bit_depth),
+            (png::ColorType::Rgb, png::BitDepth::Eight)
+        );
         let (w, cell, m) = (info.width as usize, 32usize, 40usize); // cells of 32 px (at most) after a 40 px margin
-        let px = |x: usize, y: usize| -> [u8; 3] { buf[(y * w + x) * 3..][..3].try_into().unwrap() };
+        let px =
+            |x: usize, y: usize| -> [u8; 3] { buf[(y * w + x) * 3..][..3].try_into().unwrap() };
         // the centre of each cell has the colour of its weight
         for i in 0..2 {
             for j in 0..2 {
-                assert_eq!(px(m + j * cell + cell / 2, m + i * cell + cell / 2), colour(map[i * 2 + j]), "cell {i},{j}");
+                assert_eq!(
+                    px(m + j * cell + cell / 2, m + i * cell + cell / 2),
+                    colour(map[i * 2 + j]),
+                    "cell {i},{j}"
+                );
             }
         }
         assert_ne!(colour(1.0), colour(0.0));
@@ -158,12 +203,22 @@ mod tests {
         let map: Vec<f32> = (0..n * n).map(|k| (k % n) as f32 / n as f32).collect();
         let p = png(&map, n, n);
         let (w, h) = (40 + n * 3 + 50, 40 + n * 3 + 10);
-        assert!(p.len() * 10 < w * h * 3, "{} bytes for {} raw", p.len(), w * h * 3);
+        assert!(
+            p.len() * 10 < w * h * 3,
+            "{} bytes for {} raw",
+            p.len(),
+            w * h * 3
+        );
     }
 
     #[test]
     fn svg_has_labels_cells_and_escapes_text() {
-        let s = svg(&[1.0, 0.0, 0.25, 0.75], &["0 <a>".into(), "1 b".into()], &["0 <a>".into(), "1 b".into()], "L0 H0");
+        let s = svg(
+            &[1.0, 0.0, 0.25, 0.75],
+            &["0 <a>".into(), "1 b".into()],
+            &["0 <a>".into(), "1 b".into()],
+            "L0 H0",
+        );
         assert_eq!(s.matches("<rect x=").count(), 4 + 11);
         assert!(s.contains("0 &lt;a&gt; → 1 b: 0.0000"));
         assert!(s.contains("1 b → 1 b: 0.7500"));

@@ -64,12 +64,19 @@ pub fn encode_layer(pattern: &[f32], heads: usize, n: usize) -> (&'static str, S
 /// The page, with `data` inlined. Every `<` in the JSON (it can only stand inside a string) is
 /// written `\u003c`, so no token text can end the script element or open a comment (`<!--`).
 pub fn page(data: &ViewData<'_>) -> String {
-    let json = serde_json::to_string(data).expect("view data serializes").replace('<', "\\u003c");
-    TEMPLATE.replace("/*ATTNSCOPE_DATA*/null", &json).replace("<!--TITLE-->", &html_escape(&data.title))
+    let json = serde_json::to_string(data)
+        .expect("view data serializes")
+        .replace('<', "\\u003c");
+    TEMPLATE
+        .replace("/*ATTNSCOPE_DATA*/null", &json)
+        .replace("<!--TITLE-->", &html_escape(&data.title))
 }
 
 pub fn html_escape(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
 }
 
 #[cfg(test)]
@@ -100,19 +107,51 @@ mod tests {
     fn page_has_data_inline_and_no_external_urls() {
         let tokens = vec!["a</script>".to_string(), "<!--b".to_string()];
         let (enc, p) = encode_layer(&[1.0, 0.0, 0.5, 0.5], 1, 2);
-        let d = ViewData { title: "t".into(), model: serde_json::json!({}), tokens: &tokens, n_layers: 1, n_heads: 1, n_kv_heads: 1, sink_query: vec![0.5], sink_all: vec![0.5], faithfulness: None, encoding: enc, patterns: vec![p] };
+        let d = ViewData {
+            title: "t".into(),
+            model: serde_json::json!({}),
+            tokens: &tokens,
+            n_layers: 1,
+            n_heads: 1,
+            n_kv_heads: 1,
+            sink_query: vec![0.5],
+            sink_all: vec![0.5],
+            faithfulness: None,
+            encoding: enc,
+            patterns: vec![p],
+        };
         let html = page(&d);
         assert!(!html.contains("/*ATTNSCOPE_DATA*/null"));
-        assert!(html.contains("a\\u003c/script>") && html.contains("\\u003c!--b"), "token text cannot close the script or open a comment");
+        assert!(
+            html.contains("a\\u003c/script>") && html.contains("\\u003c!--b"),
+            "token text cannot close the script or open a comment"
+        );
         assert!(!html.contains("</script>\",") && !html.contains("<!--b"));
         // the data still reads back as the same text
         let at = html.find("{\"title\"").unwrap();
-        let v: serde_json::Value = serde_json::Deserializer::from_str(&html[at..]).into_iter().next().unwrap().unwrap();
+        let v: serde_json::Value = serde_json::Deserializer::from_str(&html[at..])
+            .into_iter()
+            .next()
+            .unwrap()
+            .unwrap();
         assert_eq!(v["tokens"][0], "a</script>");
         assert_eq!(v["tokens"][1], "<!--b");
         // (the SVG namespace `http://www.w3.org/2000/svg` is a name, not a request)
-        for bad in ["src=\"http", "href=\"http", "src=\"//", "url(http", "@import", "<link", "fetch(", "XMLHttpRequest", "<script src"] {
-            assert!(!html.contains(bad), "the page must not reach the network ({bad})");
+        for bad in [
+            "src=\"http",
+            "href=\"http",
+            "src=\"//",
+            "url(http",
+            "@import",
+            "<link",
+            "fetch(",
+            "XMLHttpRequest",
+            "<script src",
+        ] {
+            assert!(
+                !html.contains(bad),
+                "the page must not reach the network ({bad})"
+            );
         }
     }
 }

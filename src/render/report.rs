@@ -26,7 +26,11 @@ pub fn render(r: &InspectReport, mask_tokens: usize) -> String {
         m.arch, m.n_layers, m.n_heads, m.n_kv_heads, m.gqa, m.head_dim, m.d_model, m.n_heads, m.precision
     );
     s += &title(&format!("2. Tokens ({n})"));
-    let mut t = Table::new([("pos", Align::Right), ("id", Align::Right), ("token", Align::Left)]);
+    let mut t = Table::new([
+        ("pos", Align::Right),
+        ("id", Align::Right),
+        ("token", Align::Left),
+    ]);
     for tok in &r.tokens {
         t.row([tok.pos.to_string(), tok.id.to_string(), visible(&tok.text)]);
     }
@@ -34,29 +38,57 @@ pub fn render(r: &InspectReport, mask_tokens: usize) -> String {
     s += "␣ marks a leading space; <e1 bb> are bytes of a character split across tokens.\n\n";
     let k = n.min(mask_tokens);
     s += &title(&format!("3. Causal mask (first {k} of {n} tokens)"));
-    let labels: Vec<String> = r.tokens[..k].iter().map(|t| format!("{}:{}", t.pos, visible(&t.text))).collect();
+    let labels: Vec<String> = r.tokens[..k]
+        .iter()
+        .map(|t| format!("{}:{}", t.pos, visible(&t.text)))
+        .collect();
     s += &mask_grid(&labels);
     s += "\n";
     let qtok = quoted(&r.tokens[r.query].text);
     let top_n = r.heads.first().map(|h| h.top.len()).unwrap_or(0);
-    s += &title(&format!("4. Layer {}, query {} {qtok}: top {top_n} keys of each head", r.layer, r.query));
-    let mut hdr: Vec<(String, Align)> = vec![("head".into(), Align::Right), ("kv set".into(), Align::Right)];
+    s += &title(&format!(
+        "4. Layer {}, query {} {qtok}: top {top_n} keys of each head",
+        r.layer, r.query
+    ));
+    let mut hdr: Vec<(String, Align)> = vec![
+        ("head".into(), Align::Right),
+        ("kv set".into(), Align::Right),
+    ];
     for i in 0..top_n {
         hdr.push((format!("top {}", i + 1), Align::Left));
     }
-    hdr.extend([("max".to_string(), Align::Right), ("entropy".to_string(), Align::Right), ("".to_string(), Align::Left)]);
+    hdr.extend([
+        ("max".to_string(), Align::Right),
+        ("entropy".to_string(), Align::Right),
+        ("".to_string(), Align::Left),
+    ]);
     let mut t = Table::new(hdr);
     for h in &r.heads {
         let mut row = vec![h.head.to_string(), h.kv_head.to_string()];
         row.extend(h.top.iter().map(top_cell));
-        row.extend([format!("{:.4}", h.max_weight), format!("{:.4}", h.entropy), if h.concentrated { "◀ concentrated".into() } else { String::new() }]);
+        row.extend([
+            format!("{:.4}", h.max_weight),
+            format!("{:.4}", h.entropy),
+            if h.concentrated {
+                "◀ concentrated".into()
+            } else {
+                String::new()
+            },
+        ]);
         t.row(row);
     }
     s += &t.render();
     s += "entropy in nats (0 = all weight on one token; ln n = spread evenly). ◀ marks a head with max weight ≥ 0.9.\n\n";
     let chosen: Vec<_> = r.layers.iter().filter(|l| l.top.is_some()).collect();
-    let k = chosen.first().and_then(|l| l.top.as_ref()).map(|t| t.len()).unwrap_or(0);
-    s += &title(&format!("5. Head-averaged top {k} keys of query {} {qtok}", r.query));
+    let k = chosen
+        .first()
+        .and_then(|l| l.top.as_ref())
+        .map(|t| t.len())
+        .unwrap_or(0);
+    s += &title(&format!(
+        "5. Head-averaged top {k} keys of query {} {qtok}",
+        r.query
+    ));
     let mut hdr: Vec<(String, Align)> = vec![("layer".into(), Align::Right)];
     for i in 0..k {
         hdr.push((format!("top {}", i + 1), Align::Left));
@@ -64,13 +96,21 @@ pub fn render(r: &InspectReport, mask_tokens: usize) -> String {
     let mut t = Table::new(hdr);
     for l in &chosen {
         let mut row = vec![l.layer.to_string()];
-        row.extend(l.top.as_ref().expect("chosen layers have top").iter().map(top_cell));
+        row.extend(
+            l.top
+                .as_ref()
+                .expect("chosen layers have top")
+                .iter()
+                .map(top_cell),
+        );
         t.row(row);
     }
     s += &t.render();
     s += "\n";
     let first = quoted(&r.tokens[0].text);
-    s += &title(&format!("6. Attention sink: share of attention on the first token {first}, averaged over heads"));
+    s += &title(&format!(
+        "6. Attention sink: share of attention on the first token {first}, averaged over heads"
+    ));
     let (pq, pa) = (&r.sink.query, &r.sink.all_queries);
     let mut t = Table::new([
         ("layer", Align::Right),
@@ -93,12 +133,24 @@ pub fn render(r: &InspectReport, mask_tokens: usize) -> String {
                 mark.push(format!("↑ largest rise, +{rise:.3} from layer {a}"));
             }
         }
-        t.row([l.layer.to_string(), format!("{:.4}", l.sink_query), bar(l.sink_query, 20), format!("{:.4}", l.sink_all_queries), bar(l.sink_all_queries, 20), mark.join(", ")]);
+        t.row([
+            l.layer.to_string(),
+            format!("{:.4}", l.sink_query),
+            bar(l.sink_query, 20),
+            format!("{:.4}", l.sink_all_queries),
+            bar(l.sink_all_queries, 20),
+            mark.join(", "),
+        ]);
     }
     s += &t.render();
     let sq: Vec<f32> = r.layers.iter().map(|l| l.sink_query).collect();
     let sa: Vec<f32> = r.layers.iter().map(|l| l.sink_all_queries).collect();
-    s += &format!("query {:>3}    {}\nall queries  {}\n", r.query, sparkline(&sq), sparkline(&sa));
+    s += &format!(
+        "query {:>3}    {}\nall queries  {}\n",
+        r.query,
+        sparkline(&sq),
+        sparkline(&sa)
+    );
     s += &format!(
         "peak: layer {} ({:.4}) over all queries, layer {} ({:.4}) for query {}; mean of the middle layers {}-{}: {:.4} (all queries), {:.4} (query {})\n\n",
         pa.peak_layer,
@@ -112,10 +164,27 @@ pub fn render(r: &InspectReport, mask_tokens: usize) -> String {
         pq.middle_mean,
         r.query
     );
-    s += &title(&format!("7. The model's answer: next token after position {}", r.query));
-    let mut t = Table::new([("rank", Align::Right), ("id", Align::Right), ("token", Align::Left), ("prob", Align::Right), ("logit", Align::Right), ("", Align::Left)]);
+    s += &title(&format!(
+        "7. The model's answer: next token after position {}",
+        r.query
+    ));
+    let mut t = Table::new([
+        ("rank", Align::Right),
+        ("id", Align::Right),
+        ("token", Align::Left),
+        ("prob", Align::Right),
+        ("logit", Align::Right),
+        ("", Align::Left),
+    ]);
     for (i, c) in r.next_token.iter().enumerate() {
-        t.row([(i + 1).to_string(), c.id.to_string(), quoted(&c.token), format!("{:.4}", c.prob), format!("{:.4}", c.logit), bar(c.prob, 20)]);
+        t.row([
+            (i + 1).to_string(),
+            c.id.to_string(),
+            quoted(&c.token),
+            format!("{:.4}", c.prob),
+            format!("{:.4}", c.logit),
+            bar(c.prob, 20),
+        ]);
     }
     s += &t.render();
     s += "\n";

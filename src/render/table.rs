@@ -20,7 +20,11 @@ pub struct Table {
 impl Table {
     pub fn new<S: Into<String>>(headers: impl IntoIterator<Item = (S, Align)>) -> Self {
         let (headers, align) = headers.into_iter().map(|(h, a)| (h.into(), a)).unzip();
-        Table { headers, align, rows: Vec::new() }
+        Table {
+            headers,
+            align,
+            rows: Vec::new(),
+        }
     }
 
     pub fn row<S: Into<String>>(&mut self, cells: impl IntoIterator<Item = S>) -> &mut Self {
@@ -83,7 +87,10 @@ pub fn bar(value: f32, width: usize) -> String {
 /// One character per value in [0, 1]: `▁▂▃▄▅▆▇█`.
 pub fn sparkline(values: &[f32]) -> String {
     const TICKS: [char; 8] = ['▁', '▂', '▃', '▄', '▅', '▆', '▇', '█'];
-    values.iter().map(|v| TICKS[((v.clamp(0.0, 1.0) * 7.0).round() as usize).min(7)]).collect()
+    values
+        .iter()
+        .map(|v| TICKS[((v.clamp(0.0, 1.0) * 7.0).round() as usize).min(7)])
+        .collect()
 }
 
 /// A section title, underlined.
@@ -93,9 +100,15 @@ pub fn title(s: &str) -> String {
 
 /// The ✓/✗ causal-mask grid: may the query in row i attend to the key in column j?
 pub fn mask_grid(labels: &[String]) -> String {
-    let mut t = Table::new(std::iter::once(("query ↓  key →".to_string(), Align::Left)).chain(labels.iter().map(|w| (w.clone(), Align::Left))));
+    let mut t = Table::new(
+        std::iter::once(("query ↓  key →".to_string(), Align::Left))
+            .chain(labels.iter().map(|w| (w.clone(), Align::Left))),
+    );
     for i in 0..labels.len() {
-        t.row(std::iter::once(labels[i].clone()).chain((0..labels.len()).map(|j| if j <= i { "✓" } else { "✗" }.to_string())));
+        t.row(
+            std::iter::once(labels[i].clone())
+                .chain((0..labels.len()).map(|j| if j <= i { "✓" } else { "✗" }.to_string())),
+        );
     }
     t.render() + "✓ = the row's token may attend to the column's token; ✗ = a later token, hidden by the causal mask (score -inf, weight 0).\n"
 }

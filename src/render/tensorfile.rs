@@ -25,7 +25,9 @@ pub enum TensorFormat {
 fn le_bytes(data: &[f32]) -> std::borrow::Cow<'_, [u8]> {
     if cfg!(target_endian = "little") {
         // SAFETY: f32 has no padding and any byte pattern is a valid u8; the length is exact.
-        std::borrow::Cow::Borrowed(unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, std::mem::size_of_val(data)) })
+        std::borrow::Cow::Borrowed(unsafe {
+            std::slice::from_raw_parts(data.as_ptr() as *const u8, std::mem::size_of_val(data))
+        })
     } else {
         std::borrow::Cow::Owned(data.iter().flat_map(|v| v.to_le_bytes()).collect())
     }
@@ -60,19 +62,44 @@ fn invalid(msg: String) -> std::io::Error {
 impl<W: Write + Seek> TensorWriter<W> {
     /// Starts a file of the tensors `order` (name, shape), in that order (`metadata` goes into
     /// a safetensors header; npz has no place for it).
-    pub fn new(mut out: W, format: TensorFormat, order: Vec<(String, Vec<usize>)>, metadata: &BTreeMap<String, String>) -> std::io::Result<Self> {
+    pub fn new(
+        mut out: W,
+        format: TensorFormat,
+        order: Vec<(String, Vec<usize>)>,
+        metadata: &BTreeMap<String, String>,
+    ) -> std::io::Result<Self> {
         let sink = match format {
             TensorFormat::Safetensors => {
                 let mut infos = Vec::with_capacity(order.len());
                 let mut at = 0usize;
                 for (name, shape) in &order {
-                    let len = shape.iter().try_fold(4usize, |a, &d| a.checked_mul(d)).ok_or_else(|| invalid(format!("tensor `{name}` {shape:?} is too large")))?;
-                    infos.push((name.clone(), safetensors::tensor::TensorInfo { dtype: safetensors::Dtype::F32, shape: shape.clone(), data_offsets: (at, at + len) }));
+                    let len = shape
+                        .iter()
+                        .try_fold(4usize, |a, &d| a.checked_mul(d))
+                        .ok_or_else(|| {
+                            invalid(format!("tensor `{name}` {shape:?} is too large"))
+                        })?;
+                    infos.push((
+                        name.clone(),
+                        safetensors::tensor::TensorInfo {
+                            dtype: safetensors::Dtype::F32,
+                            shape: shape.clone(),
+                            data_offsets: (at, at + len),
+                        },
+                    ));
                     at += len;
                 }
-                let md = (!metadata.is_empty()).then(|| metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect());
-                let meta = safetensors::tensor::Metadata::new(md, infos).map_err(|e| invalid(format!("safetensors header: {e}")))?;
-                let mut h = serde_json::to_string(&meta).map_err(|e| invalid(format!("safetensors header: {e}")))?.into_bytes();
+                let md = (!metadata.is_empty()).then(|| {
+                    metadata
+                        .iter()
+                        .map(|(k, v)| (k.clone(), v.clone()))
+                        .collect()
+                });
+                let meta = safetensors::tensor::Metadata::new(md, infos)
+                    .map_err(|e| invalid(format!("safetensors header: {e}")))?;
+                let mut h = serde_json::to_string(&meta)
+                    .map_err(|e| invalid(format!("safetensors header: {e}")))?
+                    .into_bytes();
                 // the data starts 8-byte aligned, as the crate pads it
                 h.resize(h.len().next_multiple_of(8), b' ');
                 out.write_all(&(h.len() as u64).to_le_bytes())?;
@@ -81,7 +108,11 @@ impl<W: Write + Seek> TensorWriter<W> {
             }
             TensorFormat::Npz => Sink::Npz(Box::new(zip::ZipWriter::new(out))),
         };
-        Ok(TensorWriter { sink, order, next: 0 })
+        Ok(TensorWriter {
+            sink,
+            order,
+            next: 0,
+        })
     }
 
     /// The name of the tensor expected next, if any.
@@ -91,7 +122,12 @@ impl<W: Write + Seek> TensorWriter<W> {
 
     /// Writes the next tensor; its name and size must be the ones declared.
     pub fn write(&mut self, name: &str, data: &[f32]) -> std::io::Result<()> {
-        let (want, shape) = self.order.get(self.next).ok_or_else(|| invalid(format!("tensor `{name}` was not declared (all {} are written)", self.order.len())))?;
+        let (want, shape) = self.order.get(self.next).ok_or_else(|| {
+            invalid(format!(
+                "tensor `{name}` was not declared (all {} are written)",
+                self.order.len()
+            ))
+        })?;
         if want != name || shape.iter().product::<usize>() != data.len() {
             return Err(invalid(format!("tensor `{name}` ({} values) came where `{want}` {shape:?} was declared: you likely have a bug", data.len())));
         }
@@ -103,8 +139,11 @@ impl<W: Write + Seek> TensorWriter<W> {
             Sink::Npz(z) => {
                 let header = super::npy::npy_header(&shape);
                 let large = (header.len() + bytes.len()) as u64 >= 0xFFFF_FFFF;
-                let opts = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored).large_file(large);
-                z.start_file(format!("{name}.npy"), opts).map_err(std::io::Error::other)?;
+                let opts = zip::write::SimpleFileOptions::default()
+                    .compression_method(zip::CompressionMethod::Stored)
+                    .large_file(large);
+                z.start_file(format!("{name}.npy"), opts)
+                    .map_err(std::io::Error::other)?;
                 z.write_all(&header)?;
                 z.write_all(&bytes)?;
             }
@@ -115,7 +154,9 @@ impl<W: Write + Seek> TensorWriter<W> {
     /// Ends the file (the npz central directory) once every declared tensor is written.
     pub fn finish(self) -> std::io::Result<W> {
         if let Some(name) = self.expects() {
-            return Err(invalid(format!("tensor `{name}` was declared but never written")));
+            return Err(invalid(format!(
+                "tensor `{name}` was declared but never written"
+            )));
         }
         let mut out = match self.sink {
             Sink::Safetensors(out) => out,
@@ -127,9 +168,17 @@ impl<W: Write + Seek> TensorWriter<W> {
 }
 
 /// The whole file of `tensors` in memory (for small captures and tests).
-fn to_bytes(tensors: &[NamedTensor<'_>], format: TensorFormat, metadata: &BTreeMap<String, String>) -> Vec<u8> {
-    let order = tensors.iter().map(|t| (t.name.to_string(), t.shape.to_vec())).collect();
-    let mut w = TensorWriter::new(std::io::Cursor::new(Vec::new()), format, order, metadata).expect("writing to memory");
+fn to_bytes(
+    tensors: &[NamedTensor<'_>],
+    format: TensorFormat,
+    metadata: &BTreeMap<String, String>,
+) -> Vec<u8> {
+    let order = tensors
+        .iter()
+        .map(|t| (t.name.to_string(), t.shape.to_vec()))
+        .collect();
+    let mut w = TensorWriter::new(std::io::Cursor::new(Vec::new()), format, order, metadata)
+        .expect("writing to memory");
     for t in tensors {
         w.write(t.name, t.data).expect("declared in order");
     }
@@ -155,7 +204,21 @@ mod tests {
         let a = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
         let b = [0.5f32];
         let md = BTreeMap::from([("model".to_string(), "tiny".to_string())]);
-        let bytes = to_safetensors(&[NamedTensor { name: "blocks.0.attn.hook_pattern", shape: &[1, 2, 3], data: &a }, NamedTensor { name: "x", shape: &[1], data: &b }], &md);
+        let bytes = to_safetensors(
+            &[
+                NamedTensor {
+                    name: "blocks.0.attn.hook_pattern",
+                    shape: &[1, 2, 3],
+                    data: &a,
+                },
+                NamedTensor {
+                    name: "x",
+                    shape: &[1],
+                    data: &b,
+                },
+            ],
+            &md,
+        );
         let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
         assert_eq!(meta.metadata().as_ref().unwrap()["model"], "tiny");
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -168,7 +231,18 @@ mod tests {
     #[test]
     fn npz_is_a_valid_zip_of_npy_files() {
         let (a, b) = ([1.0f32, 2.0], [3.0f32; 6]);
-        let bytes = to_npz(&[NamedTensor { name: "a", shape: &[2], data: &a }, NamedTensor { name: "blocks.10.b", shape: &[2, 3], data: &b }]);
+        let bytes = to_npz(&[
+            NamedTensor {
+                name: "a",
+                shape: &[2],
+                data: &a,
+            },
+            NamedTensor {
+                name: "blocks.10.b",
+                shape: &[2, 3],
+                data: &b,
+            },
+        ]);
         let mut z = zip::ZipArchive::new(std::io::Cursor::new(bytes)).unwrap();
         assert_eq!(z.len(), 2);
         let mut read = |name: &str| {
@@ -186,7 +260,13 @@ mod tests {
     fn declared_order_is_enforced() {
         let order = vec![("a".to_string(), vec![2]), ("b".to_string(), vec![1])];
         for format in [TensorFormat::Safetensors, TensorFormat::Npz] {
-            let mut w = TensorWriter::new(std::io::Cursor::new(Vec::new()), format, order.clone(), &BTreeMap::new()).unwrap();
+            let mut w = TensorWriter::new(
+                std::io::Cursor::new(Vec::new()),
+                format,
+                order.clone(),
+                &BTreeMap::new(),
+            )
+            .unwrap();
             assert!(w.write("b", &[1.0]).is_err(), "out of order");
             assert!(w.write("a", &[1.0]).is_err(), "wrong size");
             w.write("a", &[1.0, 2.0]).unwrap();

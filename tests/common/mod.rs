@@ -6,15 +6,19 @@ use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
 
 pub fn golden(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/golden")
+        .join(name)
 }
 
 pub fn golden_json(name: &str) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(golden(name)).expect("golden file")).expect("golden json")
+    serde_json::from_str(&std::fs::read_to_string(golden(name)).expect("golden file"))
+        .expect("golden json")
 }
 
 pub fn golden_npy(name: &str) -> (Vec<usize>, Vec<f32>) {
-    attnscope::render::npy::from_npy(&std::fs::read(golden(name)).expect("golden npy")).expect("valid npy")
+    attnscope::render::npy::from_npy(&std::fs::read(golden(name)).expect("golden npy"))
+        .expect("valid npy")
 }
 
 /// The real models are loaded once per test binary (the alias fetcher runs if they are not
@@ -26,14 +30,23 @@ pub fn real_model(alias: &str) -> &'static Model {
     if let Some((_, model)) = g.iter().find(|(a, _)| *a == alias) {
         return model;
     }
-    let model: &'static Model = Box::leak(Box::new(Model::load(alias, Precision::Exact, false).unwrap_or_else(|e| panic!("loading {alias}: {e}"))));
+    let model: &'static Model = Box::leak(Box::new(
+        Model::load(alias, Precision::Exact, false)
+            .unwrap_or_else(|e| panic!("loading {alias}: {e}")),
+    ));
     let name: &'static str = Box::leak(alias.to_string().into_boxed_str());
     g.push((name, model));
     model
 }
 
 pub fn assert_close(got: &[f32], want: &[f32], tol: f32, label: &str) {
-    assert_eq!(got.len(), want.len(), "{label}: length {} != {}", got.len(), want.len());
+    assert_eq!(
+        got.len(),
+        want.len(),
+        "{label}: length {} != {}",
+        got.len(),
+        want.len()
+    );
     let (mut worst, mut at) = (0.0f32, 0);
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         let d = if g == w { 0.0 } else { (g - w).abs() };
@@ -42,5 +55,10 @@ pub fn assert_close(got: &[f32], want: &[f32], tol: f32, label: &str) {
             at = i;
         }
     }
-    assert!(worst <= tol, "{label}: max diff {worst:.3e} > tol {tol:.1e} at index {at} (got {}, want {})", got[at], want[at]);
+    assert!(
+        worst <= tol,
+        "{label}: max diff {worst:.3e} > tol {tol:.1e} at index {at} (got {}, want {})",
+        got[at],
+        want[at]
+    );
 }
