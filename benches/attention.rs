@@ -2,6 +2,8 @@
 //! path handing out every weight (`materialized`), and the same path streaming over key blocks
 //! with per-row statistics only (`streaming`). Shapes of Qwen2.5-0.5B: 14 query heads sharing 2
 //! KV heads of 64 dims. `cargo bench --bench attention`.
+// index loops over (layer, head, query) read like the maths; nested test types stay inline
+#![allow(clippy::needless_range_loop, clippy::type_complexity)]
 
 use attnscope::analysis::collect::Collector;
 use attnscope::analysis::stream::StreamStats;

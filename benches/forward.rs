@@ -1,6 +1,8 @@
 //! A whole forward of the default model (fetched on first use), with and without full pattern
 //! capture, on the lesson's sentence and on 512 tokens of the built-in corpus.
 //! `cargo bench --bench forward`; compare with the transformers figures in the README.
+// index loops over (layer, head, query) read like the maths; nested test types stay inline
+#![allow(clippy::needless_range_loop, clippy::type_complexity)]
 
 use attnscope::model::capture::{AttnCache, CaptureSpec, NoCapture};
 use attnscope::model::forward::RunOptions;

@@ -1,5 +1,7 @@
 //! Every row of the README's bad-input table: a clear error naming the cause, never a panic
 //! and never a wrong number. (CLI exit codes and messages for user values are in cli.rs.)
+// index loops over (layer, head, query) read like the maths; nested test types stay inline
+#![allow(clippy::needless_range_loop, clippy::type_complexity)]
 
 use attnscope::model::tiny::{tiny_model, write_gguf, write_gguf_with, write_hf_folder};
 use attnscope::model::{Arch, Model, Precision};

@@ -5,6 +5,8 @@
 //! all three), as `tests/browser/find-browser.sh` checks. Without them build.rs marks the test
 //! ignored (cargo prints the reason), unless `ATTNSCOPE_REQUIRE_BROWSER=1`, which `.ci/run` sets:
 //! then a missing browser fails the test.
+// index loops over (layer, head, query) read like the maths; nested test types stay inline
+#![allow(clippy::needless_range_loop, clippy::type_complexity)]
 
 use assert_cmd::Command;
 use attnscope::model::capture::{AttnCache, CaptureSpec};

@@ -1,4 +1,6 @@
 //! The `attnscope` command on tiny generated models: output, JSON, exit codes and messages.
+// index loops over (layer, head, query) read like the maths; nested test types stay inline
+#![allow(clippy::needless_range_loop, clippy::type_complexity)]
 
 use assert_cmd::Command;
 use attnscope::model::tiny::{tiny_model, write_gguf};

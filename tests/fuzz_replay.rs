@@ -1,6 +1,8 @@
 //! Every saved fuzz input, replayed by an ordinary `cargo test` (stable toolchain): the crafted
 //! files in tests/fuzz_corpus/ (one per bad-input bug found so far), the generated seeds, and
 //! fuzz/corpus/ when a local fuzzing run left one. Each input may give an error, never a panic.
+// index loops over (layer, head, query) read like the maths; nested test types stay inline
+#![allow(clippy::needless_range_loop, clippy::type_complexity)]
 
 use std::path::Path;
 
@@ -55,7 +57,7 @@ fn every_saved_fuzz_input_runs_without_a_panic() {
     eprintln!("replayed {counts:?}");
     // the committed crafted files are there (a moved folder must not make this test pass empty)
     assert!(
-        counts["gguf"] >= 6 + 6 && counts["safetensors"] >= 2 + 3 && counts["tokenizer"] >= 1 + 5,
+        counts["gguf"] >= 6 + 6 && counts["safetensors"] >= 2 + 3 && counts["tokenizer"] > 5,
         "{counts:?}"
     );
 }

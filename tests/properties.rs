@@ -1,6 +1,8 @@
 //! Attention invariants over random shapes (proptest): rows sum to 1, masked entries are 0,
 //! grouped-query attention equals multi-head attention with repeated K/V, and the fast path
 //! (materialized or streamed over key blocks) equals the reference.
+// index loops over (layer, head, query) read like the maths; nested test types stay inline
+#![allow(clippy::needless_range_loop, clippy::type_complexity)]
 
 mod common;
 use attnscope::analysis::stream::StreamStats;

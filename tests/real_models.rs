@@ -1,5 +1,7 @@
 //! The real checkpoints against Hugging Face transformers (tests/golden, from ../shared/reference):
 //! token ids, every attention weight, sink profiles, next-token top-5.
+// index loops over (layer, head, query) read like the maths; nested test types stay inline
+#![allow(clippy::needless_range_loop, clippy::type_complexity)]
 
 mod common;
 use attnscope::model::capture::{AttnCache, CaptureSpec};

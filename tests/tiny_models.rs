@@ -1,6 +1,8 @@
 //! Tiny generated models (Qwen2 and Llama shapes, GQA 4:2) written as GGUF and as Hugging Face
 //! folders: both loads give the same patterns, equal to a forward written with the `reference`
 //! module on the same weights.
+// index loops over (layer, head, query) read like the maths; nested test types stay inline
+#![allow(clippy::needless_range_loop, clippy::type_complexity)]
 
 mod common;
 use attnscope::model::capture::{AttnCache, CaptureSpec, Hook, Queries};

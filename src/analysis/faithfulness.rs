@@ -580,7 +580,7 @@ mod tests {
     fn rollout_by_hand_two_tokens_one_layer() {
         // P row 1 = [0.6, 0.4]: A row 1 = 0.5·[0.6, 0.4] + 0.5·[0, 1] = [0.3, 0.7] (sums to 1)
         let p = vec![1.0, 0.0, 0.6, 0.4];
-        let r = rollout(&[p.clone()], 2, 1);
+        let r = rollout(std::slice::from_ref(&p), 2, 1);
         assert!((r[0] - 0.3).abs() < 1e-6 && (r[1] - 0.7).abs() < 1e-6);
         // two layers: r = [0,1]·A·A, A = [[1,0],[0.3,0.7]] → [0.3 + 0.7·0.3, 0.49] = [0.51, 0.49]
         let r = rollout(&[p.clone(), p], 2, 1);

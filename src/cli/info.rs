@@ -41,7 +41,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let d = &m.dims;
     if a.json {
         let doc = json!({"model": m.info, "dims": d, "group_size": d.group_size(), "gqa": d.gqa_sentence(),
-                         "cached_alias_path": alias(&m.info.name).map(|x| alias_path(x))});
+                         "cached_alias_path": alias(&m.info.name).map(alias_path)});
         return emit(&format!("{}\n", serde_json::to_string_pretty(&doc)?));
     }
     let mut s = title(&format!("{} ({})", m.info.name, m.info.format));

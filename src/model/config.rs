@@ -85,13 +85,13 @@ impl ModelDims {
                 return Err(format!("{name} = {v} is absurdly large"));
             }
         }
-        if self.n_heads % self.n_kv_heads != 0 {
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return Err(format!(
                 "n_heads {} is not a multiple of n_kv_heads {}",
                 self.n_heads, self.n_kv_heads
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(format!(
                 "head_dim {} is odd; RoPE needs an even head dimension",
                 self.head_dim

@@ -135,6 +135,9 @@ pub fn write_gguf(
     write_gguf_with(m, arch, dtype, path, &|_, _| {})
 }
 
+/// An edit of a GGUF file's metadata and tensor list before it is written.
+pub type GgufEdit<'a> = &'a dyn Fn(&mut Vec<(String, Value)>, &mut Vec<(String, QTensor)>);
+
 /// [`write_gguf`] with a hook that may edit the metadata and tensor list before writing (the
 /// tests use it to make broken files: a missing tensor, an unknown pre-tokenizer, ...).
 pub fn write_gguf_with(
@@ -142,7 +145,7 @@ pub fn write_gguf_with(
     arch: Arch,
     dtype: GgmlDType,
     path: &Path,
-    edit: &dyn Fn(&mut Vec<(String, Value)>, &mut Vec<(String, QTensor)>),
+    edit: GgufEdit<'_>,
 ) -> candle_core::Result<()> {
     let c = &m.cfg;
     let a = arch.name();

@@ -127,12 +127,11 @@ impl Tokenizer {
             vocab.insert(tok.clone(), json!(id));
             // token_type: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
             // Control and user-defined tokens are matched in the text before BPE, as HF does.
-            match types.get(id).copied().unwrap_or(1) {
-                t @ (3 | 4) => added.push(json!({
-                    "id": id, "content": tok, "single_word": false, "lstrip": false, "rstrip": false,
-                    "normalized": false, "special": t == 3,
-                })),
-                _ => {}
+            if let t @ (3 | 4) = types.get(id).copied().unwrap_or(1) {
+                added.push(json!({
+                "id": id, "content": tok, "single_word": false, "lstrip": false, "rstrip": false,
+                "normalized": false, "special": t == 3,
+            }))
             }
         }
         let get_u32 = |key: &str| md.get(key).and_then(|v| v.to_u32().ok());

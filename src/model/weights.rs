@@ -115,7 +115,7 @@ impl Mapped {
 
 fn dequantize_blocks<T: GgmlType>(bytes: &[u8], out: &mut [f32]) -> Result<()> {
     let size = std::mem::size_of::<T>();
-    if bytes.len() % size != 0 || out.len() != bytes.len() / size * T::BLCK_SIZE {
+    if !bytes.len().is_multiple_of(size) || out.len() != bytes.len() / size * T::BLCK_SIZE {
         return Err(Error::Candle(candle_core::Error::Msg(format!(
             "{:?}: {} bytes do not make {} values",
             T::DTYPE,
@@ -123,7 +123,7 @@ fn dequantize_blocks<T: GgmlType>(bytes: &[u8], out: &mut [f32]) -> Result<()> {
             out.len()
         ))));
     }
-    if (bytes.as_ptr() as usize) % std::mem::align_of::<T>() == 0 {
+    if (bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()) {
         // SAFETY: the block types are plain old data (integers and f16), the length is a whole
         // number of blocks and the pointer is aligned for T.
         let blocks =
@@ -371,7 +371,7 @@ fn linear(parts: Vec<(Raw, Option<Raw>)>, precision: Precision) -> Result<Linear
         }
         col0 += width;
     }
-    let mat = if precision == Precision::Fast && fast_uses_int8() && k % int8::BLOCK == 0 {
+    let mat = if precision == Precision::Fast && fast_uses_int8() && k.is_multiple_of(int8::BLOCK) {
         Matrix::Int8(PackedQ8::from_rows(&dense, n, k))
     } else {
         Matrix::Packed(PackedB::from_rows(&dense, n, k, k, isa))

@@ -179,7 +179,7 @@ pub fn grouped_query_attention(
     mask: Mask,
 ) -> MultiHeadOut {
     assert!(
-        n_kv_heads > 0 && n_heads % n_kv_heads == 0,
+        n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads),
         "n_heads must be a multiple of n_kv_heads"
     );
     let group_size = n_heads / n_kv_heads;

@@ -63,10 +63,10 @@ pub fn head_split(d_model: usize, n_heads: usize, n_kv_heads: usize) -> Result<S
     if n_heads == 0 || n_kv_heads == 0 {
         return Err("--heads and --kv-heads must be at least 1".into());
     }
-    if d_model % n_heads != 0 {
+    if !d_model.is_multiple_of(n_heads) {
         return Err(format!("--d-model {d_model} is not divisible by --heads {n_heads}; the heads split the width evenly"));
     }
-    if n_heads % n_kv_heads != 0 {
+    if !n_heads.is_multiple_of(n_kv_heads) {
         return Err(format!("--heads {n_heads} is not a multiple of --kv-heads {n_kv_heads}; each KV set serves the same number of query heads"));
     }
     let group = n_heads / n_kv_heads;
