@@ -457,6 +457,41 @@ fn faithfulness_occlusions_equal_fresh_runs_smollm() {
     };
     let base = lp(&tokens, vec![]);
     assert!((base - r.target.logprob).abs() < 1e-4);
+    // deletion and replacement against transformers (an independent implementation)
+    let g = golden_json("smol_faithfulness.json");
+    assert_eq!(
+        tokens,
+        ids(&g["token_ids"]),
+        "the golden numbers are for these tokens"
+    );
+    assert_eq!(
+        (r.target.id as u64, r.replacement.id as u64),
+        (
+            g["target_id"].as_u64().unwrap(),
+            g["replacement_id"].as_u64().unwrap()
+        )
+    );
+    assert!(
+        (r.target.logprob as f64 - g["target_logprob"].as_f64().unwrap()).abs() < 1e-4,
+        "target log-probability"
+    );
+    let (loo, rep) = (
+        g["loo_delta"].as_array().unwrap(),
+        g["replace_delta"].as_array().unwrap(),
+    );
+    assert_eq!((loo.len(), rep.len(), r.tokens.len()), (n, n, n));
+    for j in 0..n {
+        assert!(
+            (r.tokens[j].loo.unwrap() as f64 - loo[j].as_f64().unwrap()).abs() < 2e-4,
+            "loo {j} vs transformers"
+        );
+        assert!(
+            (r.tokens[j].replace as f64 - rep[j].as_f64().unwrap()).abs() < 2e-4,
+            "replace {j} vs transformers"
+        );
+    }
+    // knockout has no transformers counterpart: it must equal a fresh run with the key masked
+    // (faithfulness reuses a cached prefix, the fresh run does not)
     for j in 0..n {
         let del: Vec<u32> = tokens
             .iter()
