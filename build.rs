@@ -4,6 +4,7 @@
 //! `ATTNSCOPE_REQUIRE_BROWSER=1` (set by `.ci/run`) never ignores it: a missing browser fails.
 
 fn main() {
+    python();
     println!("cargo::rustc-check-cfg=cfg(browser_missing)");
     println!("cargo::rerun-if-changed=tests/browser/find-browser.sh");
     println!("cargo::rerun-if-changed=tests/browser/package-lock.json");
@@ -24,5 +25,26 @@ fn main() {
     if !ok && !required {
         println!("cargo::rustc-cfg=browser_missing");
         println!("cargo::warning=the browser test will be ignored: {why}");
+    }
+}
+
+/// Marks the Python package's test ignored (cfg `python_missing`) when no interpreter with the
+/// package is here: `target/pyenv/bin/python` or `$ATTNSCOPE_PYTHON`. `ATTNSCOPE_REQUIRE_PYTHON=1`
+/// (set by `.ci/run`) never ignores it.
+fn python() {
+    println!("cargo::rustc-check-cfg=cfg(python_missing)");
+    println!("cargo::rerun-if-env-changed=ATTNSCOPE_PYTHON");
+    println!("cargo::rerun-if-env-changed=ATTNSCOPE_REQUIRE_PYTHON");
+    println!("cargo::rerun-if-changed=bindings/python/pyproject.toml");
+    let python =
+        std::env::var("ATTNSCOPE_PYTHON").unwrap_or_else(|_| "target/pyenv/bin/python".into());
+    let ok = std::process::Command::new(&python)
+        .args(["-c", "import attnscope, pytest"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    let required = std::env::var("ATTNSCOPE_REQUIRE_PYTHON").is_ok_and(|v| v == "1");
+    if !ok && !required {
+        println!("cargo::rustc-cfg=python_missing");
+        println!("cargo::warning=the Python package test will be ignored: {python} cannot import attnscope and pytest (see tests/python.rs)");
     }
 }

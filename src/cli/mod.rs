@@ -4,7 +4,7 @@
 
 mod bench;
 mod capture;
-mod common;
+pub mod common;
 mod corpus;
 mod cost;
 mod explain;
@@ -14,7 +14,7 @@ mod inspect;
 mod scaling;
 mod serve;
 mod sinks;
-mod view;
+pub mod view;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -93,8 +93,18 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
+/// Runs one command in this process, as `attnscope ARGS...` would, and returns what it would
+/// print on standard output (the Python package runs the commands this way, with `--json`).
+/// A usage error from the argument parser comes back as a [`common::UsageError`].
+pub fn run_captured<S: AsRef<str>>(args: &[S]) -> anyhow::Result<String> {
+    let argv = std::iter::once("attnscope").chain(args.iter().map(|a| a.as_ref()));
+    let cli = Cli::try_parse_from(argv).map_err(|e| common::usage(e.render().to_string()))?;
+    let (r, out) = common::capture_output(|| run(cli));
+    r.map(|()| out)
+}
+
 /// Whether an error was caused by the user's input (exit 2) rather than by the program.
-fn is_bad_input(err: &anyhow::Error) -> bool {
+pub fn is_bad_input(err: &anyhow::Error) -> bool {
     err.chain().any(|c| {
         c.downcast_ref::<crate::model::Error>()
             .is_some_and(|e| e.is_bad_input())

@@ -330,7 +330,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let listener = TcpListener::bind(&a.addr)
         .map_err(|e| usage(format!("cannot listen on {}: {e}", a.addr)))?;
     let local = listener.local_addr()?;
-    let model = Arc::new(a.model.load()?);
+    let model = a.model.load()?;
     if !local.ip().is_loopback() {
         eprintln!("attnscope: warning: listening on {local}, which other machines may reach");
     }

@@ -84,6 +84,65 @@ pub fn view_html(
     Ok((page(&data), n))
 }
 
+/// The view page for attention patterns computed elsewhere: `patterns` is `[layers, heads, n,
+/// n]` (rows sum to 1, masked weights 0), `tokens` the n token texts. Used by the Python
+/// package's `attnscope.viz.attention_heads`.
+pub fn pattern_page(
+    patterns: &[f32],
+    shape: [usize; 4],
+    tokens: &[String],
+    title: &str,
+) -> anyhow::Result<String> {
+    let [layers, heads, n, n2] = shape;
+    if n != n2
+        || layers == 0
+        || heads == 0
+        || n == 0
+        || patterns.len() != layers * heads * n * n
+        || tokens.len() != n
+    {
+        return Err(usage(format!(
+            "attention of shape {shape:?} ({} values) with {} tokens: expected [layers, heads, n, n] with n tokens",
+            patterns.len(),
+            tokens.len()
+        )));
+    }
+    if n > MAX_VIEW_TOKENS {
+        return Err(usage(format!(
+            "{n} tokens; the view embeds every weight and takes at most {MAX_VIEW_TOKENS}"
+        )));
+    }
+    if let Some(bad) = patterns
+        .iter()
+        .find(|w| !w.is_finite() || **w < -1e-6 || **w > 1.0 + 1e-6)
+    {
+        return Err(usage(format!("attention weight {bad} is not in [0, 1]")));
+    }
+    let mut c = Collector::new(layers, heads, n, n - 1);
+    let mut encoded = Vec::with_capacity(layers);
+    let mut encoding = "u16";
+    for (l, p) in patterns.chunks(heads * n * n).enumerate() {
+        c.attention_block(l, Hook::Pattern, 0, [heads, n, n], p);
+        let (enc, b64) = encode_layer(p, heads, n);
+        encoding = enc;
+        encoded.push(b64);
+    }
+    let data = ViewData {
+        title: title.to_string(),
+        model: serde_json::json!({"name": title, "n_layers": layers, "n_heads": heads}),
+        tokens,
+        n_layers: layers,
+        n_heads: heads,
+        n_kv_heads: heads,
+        sink_query: (0..layers).map(|l| c.sink_query(l)).collect(),
+        sink_all: (0..layers).map(|l| c.sink_all_queries(l)).collect(),
+        faithfulness: None,
+        encoding,
+        patterns: encoded,
+    };
+    Ok(page(&data))
+}
+
 pub fn view(a: ViewArgs) -> anyhow::Result<()> {
     if a.out.exists() && !a.force {
         return Err(anyhow::Error::new(crate::model::Error::Exists {

@@ -1038,6 +1038,9 @@ impl Model {
                 obs.tensor(l, Hook::ResidPost, &[m, dm], &x);
             }
             obs.layer_done(l);
+            if interrupted() {
+                return Err(Error::Interrupted);
+            }
         }
         let logits = if opts.logits_at.is_empty() {
             Vec::new()
@@ -1086,6 +1089,19 @@ impl Model {
         )?;
         Ok(out.logits.pop().expect("one row of logits was asked for"))
     }
+}
+
+/// Asked after every layer of every forward whether the user wants to stop (the Python package
+/// sets it to Python's signal check, so Ctrl-C interrupts a long run between layers).
+static INTERRUPT_CHECK: std::sync::OnceLock<fn() -> bool> = std::sync::OnceLock::new();
+
+/// Installs the check of [`INTERRUPT_CHECK`] (once per process; later calls are ignored).
+pub fn set_interrupt_check(f: fn() -> bool) {
+    let _ = INTERRUPT_CHECK.set(f);
+}
+
+fn interrupted() -> bool {
+    INTERRUPT_CHECK.get().is_some_and(|f| f())
 }
 
 /// Log-softmax of one logits row (f64 accumulation).

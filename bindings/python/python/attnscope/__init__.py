@@ -1,0 +1,344 @@
+"""attnscope: see, compute and measure the attention inside real language models.
+
+A TransformerLens-shaped API on a Rust engine: exact numbers (to 1e-4 of Hugging Face transformers),
+GGUF and Hugging Face checkpoints, long inputs on a CPU, and no torch needed.
+
+    import attnscope
+    model = attnscope.HookedModel.from_pretrained("qwen2.5-coder-0.5b")
+    logits, cache = model.run_with_cache("Hà Nội là thủ đô của Việt Nam.", names_filter="hook_pattern")
+    cache["pattern", 0]        # numpy float32 [1, head, query, key]
+    model.view("Hà Nội là thủ đô của Việt Nam.")   # the attention view, inline in a notebook
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _native
+from . import viz
+
+__all__ = ["HookedModel", "ActivationCache", "Config", "corpus", "corpus_merge", "HOOKS", "viz", "__version__"]
+__version__ = _native.__version__
+
+#: The hook suffixes the engine captures, in TransformerLens's names (`blocks.{l}.` + suffix).
+HOOKS: Tuple[str, ...] = tuple(_native.hook_suffixes())
+
+# short names accepted in cache["pattern", l] and stack_activation("pattern")
+_SHORT = {h.rsplit(".", 1)[-1].replace("hook_", ""): h for h in HOOKS}
+_SHORT.update({h.rsplit(".", 1)[-1]: h for h in HOOKS})
+
+NamesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
+TextOrTokens = Union[str, Sequence[str], np.ndarray, Sequence[int]]
+
+
+@dataclass(frozen=True)
+class Config:
+    """A model's dimensions, in TransformerLens's names."""
+
+    model_name: str
+    architecture: str
+    n_layers: int
+    n_heads: int
+    n_key_value_heads: int
+    d_head: int
+    d_model: int
+    d_mlp: int
+    n_ctx: int
+    d_vocab: int
+    precision: str
+    default_prepend_bos: bool
+
+
+class ActivationCache:
+    """Captured activations by hook name: ``cache["blocks.0.attn.hook_pattern"]``,
+    ``cache["pattern", 0]`` (negative layers count from the end), ``keys()``, ``items()``,
+    ``stack_activation("pattern")``, ``remove_batch_dim()``. Values are numpy arrays that share
+    the engine's memory (no copy); ``torch.from_numpy`` works on them."""
+
+    def __init__(self, cache: Dict[str, np.ndarray], n_layers: int, has_batch_dim: bool = True):
+        self.cache_dict = cache
+        self.n_layers = n_layers
+        self.has_batch_dim = has_batch_dim
+
+    def _name(self, key: Any) -> str:
+        if isinstance(key, str):
+            return key
+        if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str):
+            kind, layer = key
+            suffix = _SHORT.get(kind)
+            if suffix is None:
+                raise KeyError(f"unknown activation {kind!r}; known: {sorted(set(_SHORT))}")
+            if not -self.n_layers <= int(layer) < self.n_layers:
+                raise KeyError(f"layer {layer} is out of range: the model has {self.n_layers} layers")
+            return f"blocks.{int(layer) % self.n_layers}.{suffix}"
+        raise KeyError(f"{key!r}: use a hook name or (name, layer)")
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        name = self._name(key)
+        try:
+            return self.cache_dict[name]
+        except KeyError:
+            raise KeyError(f"{name} was not captured (names_filter); captured: {list(self.cache_dict)[:6]}...") from None
+
+    def __contains__(self, key: Any) -> bool:
+        try:
+            return self._name(key) in self.cache_dict
+        except KeyError:
+            return False
+
+    def __len__(self) -> int:
+        return len(self.cache_dict)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.cache_dict)
+
+    def keys(self):
+        return self.cache_dict.keys()
+
+    def values(self):
+        return self.cache_dict.values()
+
+    def items(self):
+        return self.cache_dict.items()
+
+    def stack_activation(self, kind: str, layer: int = -1) -> np.ndarray:
+        """The activation of every layer up to `layer` (exclusive, -1 = all), stacked on a new
+        first axis: ``[layers, ...]`` (a copy)."""
+        top = self.n_layers if layer == -1 else layer
+        return np.stack([self[kind, l] for l in range(top)])
+
+    def remove_batch_dim(self) -> "ActivationCache":
+        """Drops the leading batch axis of 1 from every array (views, no copy), in place."""
+        if self.has_batch_dim:
+            self.cache_dict = {k: v[0] for k, v in self.cache_dict.items()}
+            self.has_batch_dim = False
+        return self
+
+    def __repr__(self) -> str:
+        return f"ActivationCache({len(self.cache_dict)} tensors: {list(self.cache_dict)[:4]}{'...' if len(self.cache_dict) > 4 else ''})"
+
+
+def _run_json(args: List[str]) -> Any:
+    return json.loads(_native.run_command(args))
+
+
+class HookedModel:
+    """A language model whose attention can be captured, inspected and measured.
+
+    ``HookedModel.from_pretrained(name, precision="exact")``: an alias (``qwen2.5-coder-0.5b``,
+    the default, or ``smollm2-135m``; fetched on first use), a ``.gguf`` file, a Hugging Face folder,
+    or a hub id ``org/name``. ``precision="fast"`` runs 8-bit weights and activations (about half
+    the memory, attention weights move by up to ~0.04)."""
+
+    def __init__(self, native: "_native.Model"):
+        self._m = native
+        f = json.loads(native.facts_json())
+        self.cfg = Config(
+            model_name=f["name"], architecture=f["arch"], n_layers=f["n_layers"], n_heads=f["n_heads"],
+            n_key_value_heads=f["n_kv_heads"], d_head=f["head_dim"], d_model=f["d_model"], d_mlp=f["d_ff"],
+            n_ctx=f["n_ctx"], d_vocab=f["d_vocab"], precision=f["precision"], default_prepend_bos=f["adds_bos"],
+        )
+        self.facts = f
+
+    @classmethod
+    def from_pretrained(cls, name: str = "qwen2.5-coder-0.5b", precision: str = "exact") -> "HookedModel":
+        """Loads a model (see the class docstring)."""
+        return cls(_native.Model.load(os.fspath(name), precision))
+
+    def __repr__(self) -> str:
+        c = self.cfg
+        return f"HookedModel({c.model_name!r}, {c.architecture}, {c.n_layers} layers, {c.n_heads} heads sharing {c.n_key_value_heads} KV sets, {c.precision})"
+
+    # tokens
+    def to_tokens(self, text: str, prepend_bos: Optional[bool] = None) -> np.ndarray:
+        """Token ids ``[1, n]`` (int64). BOS comes first when the model asks for one, or with
+        ``prepend_bos=True``."""
+        return np.asarray([self._m.encode(text, bool(prepend_bos))], dtype=np.int64)
+
+    def to_str_tokens(self, text_or_tokens: Union[str, np.ndarray, Sequence[int]], prepend_bos: Optional[bool] = None) -> List[str]:
+        """The text of each token."""
+        ids = self._ids(text_or_tokens, prepend_bos)
+        return self._m.token_texts(ids)
+
+    def to_string(self, tokens: Union[np.ndarray, Sequence[int]]) -> str:
+        """Token ids back to text."""
+        ids = [int(t) for t in np.asarray(tokens).reshape(-1)]
+        return b"".join(bytes(b) for b in self._m.token_bytes(ids)).decode("utf-8", errors="replace")
+
+    def _ids(self, x: Any, prepend_bos: Optional[bool] = None) -> List[int]:
+        if isinstance(x, str):
+            return list(self._m.encode(x, bool(prepend_bos)))
+        a = np.asarray(x)
+        if a.ndim == 2 and a.shape[0] == 1:
+            a = a[0]
+        if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+            raise ValueError(f"expected a text or token ids [n] / [1, n], got an array of shape {a.shape} and dtype {a.dtype}")
+        return [int(t) for t in a]
+
+    # the forward with capture
+    def _hooks(self, names_filter: NamesFilter) -> List[Tuple[int, str]]:
+        n = self.cfg.n_layers
+        everything = [(l, h) for l in range(n) for h in HOOKS]
+        if names_filter is None:
+            return everything
+        if callable(names_filter):
+            return [(l, h) for l, h in everything if names_filter(f"blocks.{l}.{h}")]
+        wanted = [names_filter] if isinstance(names_filter, str) else list(names_filter)
+        out: List[Tuple[int, str]] = []
+        for w in wanted:
+            if w.startswith("blocks."):
+                parts = w.split(".", 2)
+                if len(parts) < 3 or not parts[1].lstrip("-").isdigit() or parts[2] not in HOOKS:
+                    raise ValueError(f"unknown hook name {w!r}; hooks are blocks.L.{{{', '.join(HOOKS)}}}")
+                out.append((int(parts[1]), parts[2]))
+            else:
+                suffix = w if w in HOOKS else _SHORT.get(w)
+                if suffix is None:
+                    raise ValueError(f"unknown hook {w!r}; known: {', '.join(HOOKS)}")
+                out.extend((l, suffix) for l in range(n))
+        return out
+
+    def run_with_cache(
+        self,
+        input: TextOrTokens,
+        names_filter: NamesFilter = None,
+        remove_batch_dim: bool = False,
+        logits: Optional[str] = "all",
+        prepend_bos: Optional[bool] = None,
+    ):
+        """Runs the model and returns ``(logits, cache)``.
+
+        ``input``: a text, token ids ``[n]`` or ``[1, n]``, or a list of texts (run one after
+        another; the result is then a list of ``(logits, cache)``). ``names_filter``: None (every
+        hook: large), a hook name or suffix (``"hook_pattern"``, ``"blocks.3.attn.hook_q"``), a list
+        of them, or a predicate on full names; only what it selects is computed and kept.
+        ``logits``: ``"all"`` ``[1, n, vocab]``, ``"last"`` ``[1, 1, vocab]`` or None.
+        Shapes (with the batch axis): pattern and attn_scores ``[1, head, query, key]``; q, rot_q, z
+        ``[1, pos, head, d_head]``; k, v, rot_k ``[1, pos, kv_head, d_head]``; resid_pre,
+        attn_out, resid_post ``[1, pos, d_model]``."""
+        if isinstance(input, (list, tuple)) and input and all(isinstance(t, str) for t in input):
+            return [self.run_with_cache(t, names_filter, remove_batch_dim, logits, prepend_bos) for t in input]
+        ids = self._ids(input, prepend_bos)
+        mode = "none" if logits is None else logits
+        lg, arrays = self._m.run(ids, self._hooks(names_filter), mode)
+        cache = {name: a[np.newaxis] for name, a in arrays}
+        if lg is not None:
+            lg = lg[np.newaxis]
+        c = ActivationCache(cache, self.cfg.n_layers)
+        if remove_batch_dim:
+            c.remove_batch_dim()
+            if lg is not None:
+                lg = lg[0]
+        return lg, c
+
+    def __call__(self, input: TextOrTokens, return_type: Optional[str] = "logits"):
+        """The logits ``[1, n, vocab]`` (``return_type="logits"``) or None."""
+        lg, _ = self.run_with_cache(input, names_filter=[], logits="all" if return_type == "logits" else None)
+        return lg
+
+    # everything the CLI computes, as plain Python objects (the CLI's --json)
+    def _cmd(self, sub: str, text: Optional[str], *args: str) -> Any:
+        argv = [sub, "--model", self._m.registered]
+        if text is not None:
+            argv += ["--text", text]
+        return _run_json(argv + list(args) + ["--json"])
+
+    def inspect(self, text: str, query: Optional[int] = None, layer: Optional[int] = None, heads: str = "0-3",
+                layers: Optional[str] = None, top: Optional[int] = None, concentrated: float = 0.9, bos: bool = False) -> Dict[str, Any]:
+        """The lesson's tables for one query (``attnscope inspect --json``): per-head top tokens of a
+        layer, head-averaged top tokens, the sink profile, concentration, next-token top-5."""
+        a: List[str] = ["--heads", heads, "--concentrated", str(concentrated)]
+        for flag, v in (("--query", query), ("--layer", layer), ("--layers", layers), ("--top", top)):
+            if v is not None:
+                a += [flag, str(v)]
+        if bos:
+            a.append("--bos")
+        return self._cmd("inspect", text, *a)
+
+    def faithfulness(self, text: str, target: Optional[str] = None, replace_with: Optional[str] = None, bos: bool = False) -> Dict[str, Any]:
+        """Attention rankings against occlusion (``attnscope faithfulness --json``)."""
+        a: List[str] = []
+        if target is not None:
+            a += ["--target", target]
+        if replace_with is not None:
+            a += ["--replace-with", replace_with]
+        if bos:
+            a.append("--bos")
+        return self._cmd("faithfulness", text, *a)
+
+    def sinks(self, text: Optional[str] = None, max_tokens: Optional[int] = None, key_block: int = 1024, top: int = 5,
+              file: Optional[str] = None) -> Dict[str, Any]:
+        """The streamed sink profile and per-head statistics (``attnscope sinks --json``): no
+        attention matrix is held, so 32k tokens fit in a few GB. ``text`` or ``file`` (default:
+        the built-in corpus repeated up to ``max_tokens``)."""
+        a = ["--key-block", str(key_block), "--top", str(top)]
+        if max_tokens is not None:
+            a += ["--max-tokens", str(max_tokens)]
+        if text is not None:
+            import tempfile
+
+            with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False, encoding="utf-8") as f:
+                f.write(text)
+            try:
+                return self._cmd("sinks", None, "--file", f.name, *a)
+            finally:
+                os.unlink(f.name)
+        if file is not None:
+            a += ["--file", os.fspath(file)]
+        return self._cmd("sinks", None, *a)
+
+    def capture(self, text: str, path: Union[str, os.PathLike], hooks: str = "pattern", layers: str = "all", heads: str = "all",
+                queries: str = "all", force: bool = False) -> str:
+        """Streams captured tensors to ``.safetensors`` or ``.npz`` (``attnscope capture``); returns
+        what the command printed."""
+        argv = ["capture", "--model", self._m.registered, "--text", text, "--out", os.fspath(path), "--hooks", hooks,
+                "--layers", layers, "--heads", heads, "--queries", queries]
+        if force:
+            argv.append("--force")
+        return _native.run_command(argv).strip()
+
+    def view(self, text: str, faithfulness: bool = False, bos: bool = False) -> "viz.View":
+        """The ``attnscope view`` page for ``text``; shows inline in a notebook, ``.save(path)``."""
+        return viz.View(self._m.view_html(text, bos, faithfulness))
+
+    def corpus(self, texts: Optional[Union[str, os.PathLike, Sequence[str]]] = None, limit: Optional[int] = None, **kw: Any) -> Dict[str, Any]:
+        """Sink statistics over many texts (``attnscope corpus --json``); see :func:`corpus`."""
+        return corpus(texts, model=self, limit=limit, **kw)
+
+
+def corpus(texts: Optional[Union[str, os.PathLike, Sequence[str]]] = None, model: Union[str, HookedModel] = "qwen2.5-coder-0.5b",
+           limit: Optional[int] = None, shard: Optional[str] = None, out: Optional[Union[str, os.PathLike]] = None,
+           epsilon: float = 0.3) -> Dict[str, Any]:
+    """``attnscope corpus --json``: per-text sink records aggregated with confidence intervals.
+    ``texts``: None (the built-in corpus), a .txt / .jsonl path, or a list of texts."""
+    name = model._m.registered if isinstance(model, HookedModel) else str(model)
+    argv = ["corpus", "--model", name, "--epsilon", str(epsilon), "--json"]
+    tmp = None
+    if isinstance(texts, (list, tuple)):
+        import tempfile
+
+        with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False, encoding="utf-8") as f:
+            for t in texts:
+                f.write(json.dumps({"text": t}, ensure_ascii=False) + "\n")
+        tmp = f.name
+        argv += ["--file", tmp]
+    elif texts is not None:
+        argv += ["--file", os.fspath(texts)]
+    for flag, v in (("--limit", limit), ("--shard", shard), ("--out", out)):
+        if v is not None:
+            argv += [flag, os.fspath(v) if flag == "--out" else str(v)]
+    try:
+        return _run_json(argv)
+    finally:
+        if tmp:
+            os.unlink(tmp)
+
+
+def corpus_merge(files: Sequence[Union[str, os.PathLike]], epsilon: float = 0.3) -> Dict[str, Any]:
+    """``attnscope corpus merge --json``: the exact aggregate of record files from shards."""
+    return _run_json(["corpus", "merge", *[os.fspath(f) for f in files], "--epsilon", str(epsilon), "--json"])

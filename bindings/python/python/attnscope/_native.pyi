@@ -1,0 +1,42 @@
+"""Type stubs of the Rust engine (``attnscope._native``). Use the package's ``HookedModel``."""
+
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import numpy.typing as npt
+
+__version__: str
+
+class Model:
+    """A loaded model (weights in the engine's memory)."""
+
+    registered: str
+    @staticmethod
+    def load(spec: str, precision: str = "exact") -> "Model":
+        """Loads an alias (fetched on first use), a .gguf file, a Hugging Face folder or a hub id."""
+    def facts_json(self) -> str:
+        """The model's dimensions and description, as JSON."""
+    def encode(self, text: str, bos: bool = False) -> List[int]:
+        """Token ids (BOS first when the model asks for one, or when ``bos``)."""
+    def token_texts(self, ids: Sequence[int]) -> List[str]:
+        """The text of each token."""
+    def token_bytes(self, ids: Sequence[int]) -> List[bytes]:
+        """The bytes of each token."""
+    def run(
+        self, ids: Sequence[int], hooks: Sequence[Tuple[int, str]], logits: str = "all"
+    ) -> Tuple[Optional[npt.NDArray[np.float32]], List[Tuple[str, npt.NDArray[np.float32]]]]:
+        """One forward capturing exactly the (layer, hook suffix) pairs; arrays share the engine's memory."""
+    def view_html(self, text: str, bos: bool = False, faithfulness: bool = False) -> str:
+        """The page of ``attnscope view``."""
+
+def run_command(args: Sequence[str]) -> str:
+    """Runs ``attnscope ARGS...`` in this process and returns what it prints."""
+
+def pattern_page(patterns: npt.NDArray[np.float32], shape: Sequence[int], tokens: Sequence[str], title: str) -> str:
+    """The view page for patterns ``[layers, heads, n, n]`` (flattened) and token texts."""
+
+def hook_suffixes() -> List[str]:
+    """The hook suffixes, in order (``hook_resid_pre``, ``attn.hook_q``, ...)."""
+
+def full_hook_name(layer: int, suffix: str) -> str:
+    """``blocks.{layer}.{suffix}``."""

@@ -1,0 +1,55 @@
+"""Attention views for notebooks: the page of ``attnscope view``, self-contained (no CDN, no
+require.js), shown inline through ``_repr_html_`` in an isolated iframe with a unique id, so any
+number of views live in one notebook; ``.save("x.html")`` writes the page itself."""
+
+from __future__ import annotations
+
+import html
+import itertools
+import os
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from . import _native
+
+_ids = itertools.count()
+
+
+class View:
+    """An attention view. ``.html`` is the whole page."""
+
+    def __init__(self, page: str, height: int = 760):
+        self.html = page
+        self.height = height
+        self.id = f"attnscope-view-{os.getpid()}-{next(_ids)}"
+
+    def _repr_html_(self) -> str:
+        return (
+            f'<iframe id="{self.id}" class="attnscope-view" srcdoc="{html.escape(self.html, quote=True)}" '
+            f'style="width:100%;height:{self.height}px;border:1px solid #ddd;border-radius:4px" '
+            f'sandbox="allow-scripts allow-downloads"></iframe>'
+        )
+
+    def save(self, path: Union[str, os.PathLike]) -> str:
+        """Writes the page (it opens offline in any browser); returns the path."""
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.html)
+        return os.fspath(path)
+
+    def __repr__(self) -> str:
+        return f"View({len(self.html) / 1e6:.1f} MB page; show it in a notebook or .save('view.html'))"
+
+
+def attention_heads(attention, tokens: Sequence[str], title: Optional[str] = None) -> View:
+    """CircuitsVis's ``attention_heads(attention, tokens)``: ``attention`` is ``[heads, n, n]``
+    (one layer) or ``[layers, heads, n, n]``, a numpy array or anything ``np.asarray`` takes
+    (a torch tensor on the CPU), rows summing to 1; ``tokens`` the n token texts."""
+    a = np.asarray(attention, dtype=np.float32)
+    if a.ndim == 3:
+        a = a[np.newaxis]
+    if a.ndim != 4:
+        raise ValueError(f"attention must be [heads, n, n] or [layers, heads, n, n], got shape {a.shape}")
+    shape = [int(x) for x in a.shape]
+    page = _native.pattern_page(np.ascontiguousarray(a).reshape(-1), shape, [str(t) for t in tokens], title or f"attention · {shape[1]} heads · {shape[2]} tokens")
+    return View(page)

@@ -1,0 +1,356 @@
+//! `attnscope._native`: the Rust engine for Python. The Python package (`python/attnscope/`)
+//! builds the TransformerLens-shaped API on these few calls:
+//! - [`Model`]: load, tokenize, and `run` a forward that captures exactly the (layer, hook) pairs
+//!   asked for, handing each tensor to numpy without a copy (the Rust buffer becomes the
+//!   array's memory);
+//! - [`run_command`]: any `attnscope` subcommand in this process (`--json`), on a loaded model by
+//!   its registered name, returning what the command prints;
+//! - [`view_page`] / [`pattern_page`]: the HTML page of `attnscope view`.
+//!
+//! The GIL is released while the engine runs, Python's signal handlers are asked between layers
+//! (so Ctrl-C interrupts a long forward), and no panic crosses into Python.
+
+use attnscope::model::capture::{hook_name, AttnCache, CaptureSpec, Hook, Observer, Queries};
+use attnscope::model::forward::RunOptions;
+use attnscope::model::{Error as ModelError, Precision};
+use numpy::{PyArray1, PyArrayMethods};
+use pyo3::exceptions::{
+    PyFileExistsError, PyFileNotFoundError, PyFloatingPointError, PyKeyboardInterrupt, PyOSError,
+    PyRuntimeError, PyValueError,
+};
+use pyo3::prelude::*;
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+/// The Python exception for an engine error, with the CLI's message.
+fn to_py(e: anyhow::Error) -> PyErr {
+    let msg = format!("{e:#}");
+    for c in e.chain() {
+        if let Some(m) = c.downcast_ref::<ModelError>() {
+            return match m {
+                ModelError::MissingModel { .. } => PyFileNotFoundError::new_err(msg),
+                ModelError::Exists { .. } => PyFileExistsError::new_err(msg),
+                ModelError::Io { .. } => PyOSError::new_err(msg),
+                ModelError::Interrupted => PyKeyboardInterrupt::new_err(msg),
+                ModelError::NonFinite { .. } => PyFloatingPointError::new_err(msg),
+                m if m.is_bad_input() => PyValueError::new_err(msg),
+                _ => PyRuntimeError::new_err(msg),
+            };
+        }
+        if let Some(io) = c.downcast_ref::<std::io::Error>() {
+            if io.kind() == std::io::ErrorKind::NotFound {
+                return PyFileNotFoundError::new_err(msg);
+            }
+        }
+    }
+    if attnscope::cli::is_bad_input(&e) {
+        PyValueError::new_err(msg)
+    } else {
+        PyRuntimeError::new_err(msg)
+    }
+}
+
+/// Runs `f` without the GIL; a panic inside becomes a RuntimeError, never a crash.
+fn engine<R: Send>(py: Python<'_>, f: impl FnOnce() -> anyhow::Result<R> + Send) -> PyResult<R> {
+    let r = py.detach(|| std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
+    match r {
+        Ok(r) => r.map_err(to_py),
+        Err(p) => {
+            let what = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            Err(PyRuntimeError::new_err(format!(
+                "attnscope panicked: {what}; you likely have found a bug"
+            )))
+        }
+    }
+}
+
+/// Python's pending signals (Ctrl-C), asked by the forward after every layer.
+fn python_interrupted() -> bool {
+    Python::attach(|py| py.check_signals().is_err())
+}
+
+/// An [`AttnCache`] that keeps only the exact (layer, hook) pairs asked for.
+struct Wanted {
+    cache: AttnCache,
+    pairs: BTreeSet<(usize, Hook)>,
+}
+
+impl Observer for Wanted {
+    fn wants(&self, layer: usize, hook: Hook) -> bool {
+        self.pairs.contains(&(layer, hook))
+    }
+    fn tensor(&mut self, layer: usize, hook: Hook, shape: &[usize], data: &[f32]) {
+        self.cache.tensor(layer, hook, shape, data)
+    }
+    fn attention_block(
+        &mut self,
+        layer: usize,
+        hook: Hook,
+        q_start: usize,
+        shape: [usize; 3],
+        data: &[f32],
+    ) {
+        self.cache
+            .attention_block(layer, hook, q_start, shape, data)
+    }
+}
+
+fn hook_by_suffix(s: &str) -> Option<Hook> {
+    Hook::ALL
+        .iter()
+        .copied()
+        .find(|h| h.suffix() == s || h.suffix().rsplit('.').next() == Some(s))
+}
+
+/// A loaded model.
+#[pyclass(frozen, module = "attnscope._native")]
+struct Model {
+    inner: Arc<attnscope::model::Model>,
+    /// its name for `run_command`'s `--model`
+    #[pyo3(get)]
+    registered: String,
+}
+
+#[pymethods]
+impl Model {
+    /// Loads an alias (fetched on first use), a .gguf file, a Hugging Face folder or a hub id.
+    #[staticmethod]
+    #[pyo3(signature = (spec, precision = "exact"))]
+    fn load(py: Python<'_>, spec: &str, precision: &str) -> PyResult<Model> {
+        let precision = match precision {
+            "exact" => Precision::Exact,
+            "fast" => Precision::Fast,
+            p => {
+                return Err(PyValueError::new_err(format!(
+                    "precision `{p}` is not one of: exact, fast"
+                )))
+            }
+        };
+        let spec = spec.to_string();
+        let inner = Arc::new(engine(py, move || {
+            Ok(attnscope::model::Model::load(&spec, precision, false)?)
+        })?);
+        let registered = attnscope::cli::common::register_model(&inner);
+        Ok(Model { inner, registered })
+    }
+
+    /// The model's facts as JSON (`attnscope info --json`'s `model` part).
+    fn facts_json(&self) -> PyResult<String> {
+        let facts = attnscope::analysis::inspect::ModelFacts::of(&self.inner);
+        let mut v =
+            serde_json::to_value(&facts).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+        let d = &self.inner.dims;
+        v["d_model"] = d.d_model.into();
+        v["d_ff"] = d.d_ff.into();
+        v["n_ctx"] = d.context_len.into();
+        v["d_vocab"] = d.vocab_size.into();
+        v["precision"] = self.inner.info.precision.name().into();
+        v["adds_bos"] = self.inner.tokenizer.add_bos.into();
+        Ok(v.to_string())
+    }
+
+    /// Token ids of `text` (with BOS when the model asks for one, or when `bos`).
+    #[pyo3(signature = (text, bos = false))]
+    fn encode(&self, py: Python<'_>, text: &str, bos: bool) -> PyResult<Vec<u32>> {
+        let (m, text) = (self.inner.clone(), text.to_string());
+        engine(py, move || Ok(m.encode(&text, bos)?))
+    }
+
+    /// The text of each token (byte-level pieces decoded; split UTF-8 shown as <xx> bytes).
+    fn token_texts(&self, ids: Vec<u32>) -> PyResult<Vec<String>> {
+        self.check_ids(&ids)?;
+        Ok(self.inner.token_texts(&ids))
+    }
+
+    /// The bytes of each token.
+    fn token_bytes(&self, ids: Vec<u32>) -> PyResult<Vec<Vec<u8>>> {
+        self.check_ids(&ids)?;
+        Ok(ids
+            .iter()
+            .map(|&t| self.inner.tokenizer.token_bytes(t))
+            .collect())
+    }
+
+    /// Runs `ids` and captures each (layer, hook suffix) in `hooks`, e.g. (0, "hook_pattern").
+    /// `logits`: "all", "last" or "none". Returns (logits `[n or 1, vocab]` or None,
+    /// [(hook name, array)]); every array is the engine's own buffer, reshaped, never copied.
+    #[pyo3(signature = (ids, hooks, logits = "all"))]
+    #[allow(clippy::type_complexity)]
+    fn run<'py>(
+        &self,
+        py: Python<'py>,
+        ids: Vec<u32>,
+        hooks: Vec<(i64, String)>,
+        logits: &str,
+    ) -> PyResult<(Option<Bound<'py, PyAny>>, Vec<(String, Bound<'py, PyAny>)>)> {
+        let d = &self.inner.dims;
+        let n = ids.len();
+        let mut pairs = BTreeSet::new();
+        for (l, h) in hooks {
+            let layer = if l < 0 { l + d.n_layers as i64 } else { l };
+            if layer < 0 || layer >= d.n_layers as i64 {
+                return Err(PyValueError::new_err(format!(
+                    "layer {l} is out of range: the model has {} layers",
+                    d.n_layers
+                )));
+            }
+            let hook = hook_by_suffix(&h).ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "unknown hook `{h}`; known: {}",
+                    Hook::ALL
+                        .iter()
+                        .map(|h| h.suffix())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ))
+            })?;
+            pairs.insert((layer as usize, hook));
+        }
+        let logits_at = match logits {
+            "all" => (0..n).collect(),
+            "last" => vec![n.saturating_sub(1)],
+            "none" => Vec::new(),
+            o => {
+                return Err(PyValueError::new_err(format!(
+                    "logits=`{o}` is not one of: all, last, None"
+                )))
+            }
+        };
+        if n == 0 {
+            return Err(to_py(ModelError::EmptyText.into()));
+        }
+        let layers: Vec<usize> = pairs
+            .iter()
+            .map(|p| p.0)
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let hook_list: Vec<Hook> = pairs
+            .iter()
+            .map(|p| p.1)
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let spec = CaptureSpec {
+            hooks: hook_list,
+            layers: Some(layers),
+            heads: None,
+            queries: Queries::All,
+        };
+        let m = self.inner.clone();
+        let (out, cache) = engine(py, move || {
+            let mut obs = Wanted {
+                cache: AttnCache::new(&spec, n),
+                pairs,
+            };
+            let out = m.forward(
+                &ids,
+                &RunOptions {
+                    logits_at,
+                    ..Default::default()
+                },
+                &mut obs,
+            )?;
+            Ok((out, obs.cache))
+        })?;
+        let logits = if out.logits.is_empty() {
+            None
+        } else {
+            let rows = out.logits.len();
+            let vocab = out.logits[0].len();
+            let flat: Vec<f32> = out.logits.into_iter().flatten().collect();
+            Some(
+                PyArray1::from_vec(py, flat)
+                    .reshape([rows, vocab])?
+                    .into_any(),
+            )
+        };
+        let mut arrays = Vec::with_capacity(cache.entries.len());
+        for (_, c) in cache.entries {
+            let arr = PyArray1::from_vec(py, c.data)
+                .reshape(c.shape.clone())?
+                .into_any();
+            arrays.push((c.name, arr));
+        }
+        Ok((logits, arrays))
+    }
+
+    /// The page of `attnscope view` for `text`.
+    #[pyo3(signature = (text, bos = false, faithfulness = false))]
+    fn view_html(
+        &self,
+        py: Python<'_>,
+        text: &str,
+        bos: bool,
+        faithfulness: bool,
+    ) -> PyResult<String> {
+        let (m, text) = (self.inner.clone(), text.to_string());
+        engine(py, move || {
+            Ok(attnscope::cli::view::view_html(&m, &text, bos, faithfulness)?.0)
+        })
+    }
+}
+
+impl Model {
+    fn check_ids(&self, ids: &[u32]) -> PyResult<()> {
+        let v = self.inner.dims.vocab_size;
+        match ids.iter().find(|&&t| t as usize >= v) {
+            Some(t) => Err(PyValueError::new_err(format!(
+                "token id {t} is out of range; valid: 0..{v}"
+            ))),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Runs `attnscope ARGS...` in this process and returns what it prints (use `--json`). A model
+/// loaded by [`Model::load`] is reached by its `registered` name.
+#[pyfunction]
+fn run_command(py: Python<'_>, args: Vec<String>) -> PyResult<String> {
+    engine(py, move || attnscope::cli::run_captured(&args))
+}
+
+/// The `attnscope view` page for given patterns `[layers, heads, n, n]` and token texts.
+#[pyfunction]
+fn pattern_page(
+    py: Python<'_>,
+    patterns: numpy::PyReadonlyArray1<'_, f32>,
+    shape: [usize; 4],
+    tokens: Vec<String>,
+    title: String,
+) -> PyResult<String> {
+    let patterns = patterns.as_slice()?.to_vec();
+    engine(py, move || {
+        attnscope::cli::view::pattern_page(&patterns, shape, &tokens, &title)
+    })
+}
+
+/// The hook names the engine knows, in order (TransformerLens's names).
+#[pyfunction]
+fn hook_suffixes() -> Vec<&'static str> {
+    Hook::ALL.iter().map(|h| h.suffix()).collect()
+}
+
+/// `blocks.{layer}.{suffix}`.
+#[pyfunction]
+fn full_hook_name(layer: usize, suffix: &str) -> PyResult<String> {
+    let h = hook_by_suffix(suffix)
+        .ok_or_else(|| PyValueError::new_err(format!("unknown hook `{suffix}`")))?;
+    Ok(hook_name(layer, h))
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    attnscope::model::forward::set_interrupt_check(python_interrupted);
+    m.add_class::<Model>()?;
+    m.add_function(wrap_pyfunction!(run_command, m)?)?;
+    m.add_function(wrap_pyfunction!(pattern_page, m)?)?;
+    m.add_function(wrap_pyfunction!(hook_suffixes, m)?)?;
+    m.add_function(wrap_pyfunction!(full_hook_name, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,259 @@
+"""The Python package on the real models, against the golden numbers in tests/golden (Hugging Face
+transformers, eager attention, float32) and against the CLI's own JSON. Run by `cargo test --release`
+(tests/python.rs) with ATTNSCOPE_BIN set to the built binary."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import attnscope
+
+ROOT = Path(__file__).resolve().parents[3]
+GOLDEN = ROOT / "tests" / "golden"
+SENTENCE = "Hà Nội là thủ đô của Việt Nam. Thành phố này nằm ở miền Bắc."
+BIN = os.environ.get("ATTNSCOPE_BIN", str(ROOT / "target" / "release" / "attnscope"))
+
+
+@pytest.fixture(scope="session")
+def qwen():
+    return attnscope.HookedModel.from_pretrained("qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="session")
+def smol():
+    return attnscope.HookedModel.from_pretrained("smollm2-135m")
+
+
+def golden_ids(prefix):
+    g = json.loads((GOLDEN / f"{prefix}_transformers.json").read_text())
+    return g
+
+
+def test_config_in_transformerlens_names(qwen):
+    c = qwen.cfg
+    assert (c.n_layers, c.n_heads, c.n_key_value_heads, c.d_head, c.d_model, c.d_vocab) == (24, 14, 2, 64, 896, 151936)
+    assert c.n_ctx == 32768 and c.default_prepend_bos is False
+
+
+def test_tokens_match_the_reference(qwen):
+    g = golden_ids("qwen")
+    ids = qwen.to_tokens(SENTENCE)
+    assert ids.dtype == np.int64 and ids.shape == (1, len(g["token_ids"]))
+    assert ids[0].tolist() == g["token_ids"]
+    assert qwen.to_string(ids) == SENTENCE
+    assert len(qwen.to_str_tokens(SENTENCE)) == ids.shape[1]
+
+
+def test_every_pattern_within_1e4_of_transformers(qwen):
+    logits, cache = qwen.run_with_cache(SENTENCE, names_filter="hook_pattern")
+    want = np.load(GOLDEN / "qwen_transformers_attn_full.npy")  # [24, 14, 18, 18]
+    got = cache.stack_activation("pattern")[:, 0]
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() < 1e-4
+    # rows sum to 1, masked weights are exactly 0
+    assert np.abs(got.sum(-1) - 1).max() < 1e-5
+    assert np.triu(got, 1).max() == 0.0
+    # the next-token top-5 of the reference
+    g = golden_ids("qwen")
+    top5 = np.argsort(-logits[0, -1])[:5].tolist()
+    assert top5 == [t["id"] for t in g["next_token_top5"]]
+
+
+def test_smollm_head_average_within_1e4(smol):
+    want = np.load(GOLDEN / "smol_transformers_attn_headavg.npy")  # [30, n, n]
+    g = golden_ids("smol")
+    _, cache = smol.run_with_cache(np.asarray(g["token_ids"]), names_filter=lambda n: n.endswith("hook_pattern"), logits=None)
+    got = np.stack([cache["pattern", l][0].mean(0) for l in range(30)])
+    assert got.shape == want.shape and np.abs(got - want).max() < 1e-4
+
+
+def test_cache_names_shapes_and_indexing(qwen):
+    names = ["hook_q", "hook_k", "hook_v", "hook_z", "hook_resid_pre", "blocks.3.attn.hook_attn_scores", "blocks.-1.hook_resid_post"]
+    with pytest.raises(ValueError, match="unknown hook name"):
+        qwen.run_with_cache("the hat", names_filter=["blocks.x.hook_q"])
+    logits, cache = qwen.run_with_cache("the hat sat", names_filter=names, logits="last")
+    n = qwen.to_tokens("the hat sat").shape[1]
+    assert logits.shape == (1, 1, 151936)
+    assert cache["q", 0].shape == (1, n, 14, 64) and cache["z", 5].shape == (1, n, 14, 64)
+    assert cache["k", -1].shape == (1, n, 2, 64) and cache["blocks.23.attn.hook_v"].shape == (1, n, 2, 64)
+    # blocks.-1 in a filter is the last layer
+    assert cache["resid_pre", 0].shape == (1, n, 896) and cache["blocks.23.hook_resid_post"].shape == (1, n, 896)
+    assert cache["attn_scores", 3].shape == (1, 14, n, n) and np.isneginf(cache["attn_scores", 3][0, 0, 0, 1])
+    # memory follows the filter: exactly what was asked
+    assert len(cache) == 4 * 24 + 24 + 1 + 1
+    assert "blocks.3.attn.hook_pattern" not in cache
+    with pytest.raises(KeyError):
+        cache["pattern", 3]
+    with pytest.raises(KeyError):
+        cache["q", 24]
+    assert cache["q", -24] is cache["q", 0] or np.shares_memory(cache["q", -24], cache["q", 0])
+    items = dict(cache.items())
+    assert set(items) == set(cache.keys()) and len(items) == len(cache)
+    stacked = cache.stack_activation("resid_pre")
+    assert stacked.shape == (24, 1, n, 896)
+    cache.remove_batch_dim()
+    assert cache["q", 0].shape == (n, 14, 64)
+    _, c2 = qwen.run_with_cache("the hat sat", names_filter="blocks.2.attn.hook_pattern", remove_batch_dim=True, logits=None)
+    assert list(c2.keys()) == ["blocks.2.attn.hook_pattern"] and c2["pattern", 2].shape == (14, n, n)
+
+
+def test_arrays_are_the_engines_buffers_without_a_copy(qwen):
+    _, cache = qwen.run_with_cache("the hat sat on the mat", names_filter="hook_pattern", logits=None)
+    a = cache["pattern", 0]
+    assert not a.flags.owndata
+    # follow the views down to the memory's owner: a Rust buffer, not a numpy allocation
+    base = a
+    while isinstance(base, np.ndarray):
+        assert not base.flags.owndata, "some array in the chain owns a copy"
+        base = base.base
+    assert "SliceContainer" in type(base).__name__, type(base)
+    assert np.shares_memory(a, cache["blocks.0.attn.hook_pattern"])
+    # a standard buffer: what torch.from_numpy and memoryview take
+    assert memoryview(a).nbytes == a.nbytes and a.flags.c_contiguous and a.flags.writeable
+
+
+def test_inputs_text_ids_and_lists(qwen):
+    ids = qwen.to_tokens("the hat sat")
+    a, _ = qwen.run_with_cache("the hat sat", names_filter=[], logits="last")
+    b, _ = qwen.run_with_cache(ids, names_filter=[], logits="last")
+    c, _ = qwen.run_with_cache(ids[0].tolist(), names_filter=[], logits="last")
+    assert np.array_equal(a, b) and np.array_equal(a, c)
+    both = qwen.run_with_cache(["the hat", "a cat sat down"], names_filter="hook_pattern", logits=None)
+    assert isinstance(both, list) and len(both) == 2
+    assert both[1][1]["pattern", 0].shape[-1] == qwen.to_tokens("a cat sat down").shape[1]
+    full = qwen("the hat sat")
+    assert full.shape == (1, ids.shape[1], 151936) and np.allclose(full[0, -1], a[0, -1], atol=1e-5)
+
+
+def cli_json(*args):
+    out = subprocess.run([BIN, *args, "--json"], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def strip_timings(v):
+    if isinstance(v, dict):
+        return {k: strip_timings(x) for k, x in v.items() if k not in ("timings", "forward_s", "attention_s", "total_s", "peak_rss_bytes", "load_seconds")}
+    if isinstance(v, list):
+        return [strip_timings(x) for x in v]
+    return v
+
+
+def test_inspect_faithfulness_sinks_equal_the_cli(qwen, smol):
+    py = qwen.inspect(SENTENCE, layer=5, heads="0,3")
+    cli = cli_json("inspect", "--model", "qwen2.5-coder-0.5b", "--text", SENTENCE, "--layer", "5", "--heads", "0,3")
+    assert strip_timings(py) == strip_timings(cli)
+    assert py["heads"][0]["head"] == 0 and len(py["layers"]) == 24
+    f = smol.faithfulness("The capital of France is", target=" Paris")
+    g = json.loads((GOLDEN / "smol_faithfulness.json").read_text())
+    assert f["target"]["token"] == " Paris" and abs(f["target"]["logprob"] - g["target_logprob"]) < 1e-4
+    assert [t["id"] for t in f["tokens"]] == g["token_ids"]
+    s = smol.sinks(max_tokens=256)
+    assert s["n_tokens"] == 256 and len(s["layers"]) == 30 and s["model"]
+    s2 = smol.sinks(text="the hat sat on the mat. " * 20)
+    assert s2["n_tokens"] > 100
+
+
+def test_corpus_and_capture(smol, tmp_path):
+    agg = smol.corpus(["The cat sat on the mat.", "Hà Nội là thủ đô của Việt Nam."])
+    assert agg["sentences"] == 2 and len(agg["layers"]) == 30
+    out = tmp_path / "cap.npz"
+    msg = smol.capture("the hat sat", out, layers="0,1")
+    assert out.exists() and "wrote" in msg
+    z = np.load(out)
+    _, cache = smol.run_with_cache("the hat sat", names_filter=["blocks.0.attn.hook_pattern", "blocks.1.attn.hook_pattern"], logits=None)
+    assert np.array_equal(z["blocks.1.attn.hook_pattern"], cache["pattern", 1][0])
+    with pytest.raises(FileExistsError):
+        smol.capture("the hat sat", out)
+
+
+def test_errors_are_python_exceptions(qwen):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        attnscope.HookedModel.from_pretrained("/nonexistent/model.gguf")
+    with pytest.raises(ValueError, match="precision"):
+        attnscope.HookedModel.from_pretrained("qwen2.5-coder-0.5b", precision="half")
+    with pytest.raises(ValueError, match="empty"):
+        qwen.run_with_cache("   ")
+    with pytest.raises(ValueError, match="unknown hook"):
+        qwen.run_with_cache("the hat", names_filter="hook_nothing")
+    with pytest.raises(ValueError, match="layer 40 is out of range"):
+        qwen.inspect("the hat", layer=40)
+    with pytest.raises(ValueError, match="out of range"):
+        qwen.to_string([10**9])
+    with pytest.raises(ValueError, match="shape"):
+        attnscope.viz.attention_heads(np.ones((2, 3)), ["a", "b"])
+
+
+def test_the_gil_is_released_during_a_forward(qwen):
+    text = "the hat sat on the mat. " * 60
+    done = threading.Event()
+    ticks = []
+
+    def count():
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    t = threading.Thread(target=count)
+    t.start()
+    start = time.perf_counter()
+    qwen.run_with_cache(text, names_filter=[], logits="last")
+    took = time.perf_counter() - start
+    done.set()
+    t.join()
+    during = [x for x in ticks if start < x < start + took]
+    # a thread blocked on the GIL would tick a handful of times; a free one every millisecond or so
+    assert took > 0.2 and len(during) > took * 100, f"{len(during)} ticks in {took:.2f} s"
+
+
+def test_ctrl_c_interrupts_a_long_run(smol):
+    timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
+    start = time.perf_counter()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        smol.sinks(max_tokens=8192)
+    took = time.perf_counter() - start
+    timer.cancel()
+    # the whole run takes many seconds; it stopped within a layer or so of the signal
+    assert took < 4.0, f"stopped after {took:.1f} s"
+
+
+def test_views_in_a_notebook(qwen, tmp_path):
+    _, cache = qwen.run_with_cache("the hat sat on the mat", names_filter="hook_pattern", logits=None)
+    toks = qwen.to_str_tokens("the hat sat on the mat")
+    v1 = attnscope.viz.attention_heads(cache["pattern", 0][0], toks)
+    v2 = qwen.view("the hat sat on the mat")
+    h1, h2 = v1._repr_html_(), v2._repr_html_()
+    assert "<iframe" in h1 and 'srcdoc="' in h1
+    assert v1.id != v2.id
+    for v in (v1, v2):
+        assert "http://" not in v.html.replace("http://www.w3.org", "") and "https://" not in v.html
+        assert "require(" not in v.html
+    saved = v2.save(tmp_path / "view.html")
+    assert Path(saved).read_text(encoding="utf-8") == v2.html
+    # both views in one page, opened in a real browser (when one is here)
+    nb = tmp_path / "notebook.html"
+    nb.write_text(f"<!DOCTYPE html><html><head><meta charset='utf-8'></head><body>{h1}<p>text between cells</p>{h2}</body></html>", encoding="utf-8")
+    found = subprocess.run(["sh", str(ROOT / "tests/browser/find-browser.sh")], capture_output=True, text=True)
+    if found.returncode != 0:
+        if os.environ.get("ATTNSCOPE_REQUIRE_BROWSER") == "1":
+            pytest.fail(found.stderr)
+        pytest.skip("no browser: " + found.stderr.strip())
+    shot = ROOT / "target" / "browser-artifacts"
+    shot.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["node", str(ROOT / "tests/browser/notebook.mjs"), str(nb), "2", str(shot / "notebook.png")],
+                       capture_output=True, text=True, env={**os.environ, "CHROMIUM": found.stdout.strip()})
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_quickstart_example_runs(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "examples/quickstart.py"), "smollm2-135m"], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "sink profile:" in r.stdout and "head 0:" in r.stdout and (tmp_path / "attnscope-quickstart.html").exists()
