@@ -1081,3 +1081,81 @@ fn bench_reports_rates_forwards_and_commands() {
         .unwrap();
     assert_eq!(bad.status.code(), Some(2));
 }
+
+/// examples/slurm: the array job's body run as Slurm would (3 tasks, one of them twice, as after a
+/// requeue), then the dependent merge: the aggregate equals one process over all texts.
+#[test]
+fn slurm_array_shards_merge_to_the_single_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let texts = dir.path().join("texts.txt");
+    std::fs::write(
+        &texts,
+        "the hat\nat the the\nhe sat\n\nthe the the at\nhat\nsat at the hat he\n",
+    )
+    .unwrap();
+    let out = dir.path().join("out");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/slurm");
+    let bin = assert_cmd::cargo::cargo_bin("attnscope");
+    let sh = |script: &str, task: Option<usize>| {
+        let mut c = std::process::Command::new("bash");
+        c.arg(root.join(script))
+            .env("TEXTS", &texts)
+            .env("MODEL", &m)
+            .env("OUT", &out)
+            .env("ATTNSCOPE", &bin)
+            .env_remove("SLURM_CPUS_PER_TASK");
+        if let Some(t) = task {
+            c.env("SLURM_ARRAY_TASK_ID", t.to_string())
+                .env("SLURM_ARRAY_TASK_COUNT", "3");
+        }
+        let o = c.output().unwrap();
+        assert!(
+            o.status.success(),
+            "{script} {task:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    };
+    for t in [0, 1, 2, 1] {
+        sh("corpus.sbatch", Some(t));
+    }
+    sh("merge.sbatch", None);
+    let merged: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("aggregate.json")).unwrap())
+            .unwrap();
+    let single = attnscope()
+        .args([
+            "corpus",
+            "--model",
+            m.to_str().unwrap(),
+            "--file",
+            texts.to_str().unwrap(),
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(single.status.success(), "{}", stderr_of(&single));
+    let single: serde_json::Value = serde_json::from_slice(&single.stdout).unwrap();
+    assert_eq!(single["sentences"], 6);
+    assert_eq!(
+        merged, single,
+        "the merged shards must equal the single run"
+    );
+    // the requeued task added nothing: 6 records in all
+    let records: usize = (0..3)
+        .map(|t| {
+            std::fs::read_to_string(out.join(format!("shard_{t}.jsonl")))
+                .unwrap()
+                .lines()
+                .count()
+        })
+        .sum();
+    assert_eq!(records, 6);
+    // without TEXTS the script says what is missing
+    let o = std::process::Command::new("bash")
+        .arg(root.join("corpus.sbatch"))
+        .env_remove("TEXTS")
+        .output()
+        .unwrap();
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("set TEXTS"));
+}

@@ -60,7 +60,9 @@ enum Sub {
     },
 }
 
-fn load_texts(file: &Option<PathBuf>) -> anyhow::Result<(Vec<String>, String)> {
+/// The texts of `--file` (or the built-in corpus) with the ids `corpus` gives them, and a name
+/// for the source.
+pub fn load_texts(file: &Option<PathBuf>) -> anyhow::Result<(Vec<String>, String)> {
     let Some(f) = file else {
         return Ok((builtin(), "the built-in corpus".into()));
     };
@@ -104,6 +106,62 @@ fn load_texts(file: &Option<PathBuf>) -> anyhow::Result<(Vec<String>, String)> {
         return Err(usage(format!("{} holds no texts", f.display())));
     }
     Ok((texts, f.display().to_string()))
+}
+
+/// The record of text `id` (what `corpus --out` writes for it). The outer error is the engine's
+/// (fatal); the inner one the text's own (empty, too long: the text is skipped, and said).
+pub fn text_record(
+    model: &crate::model::Model,
+    id: usize,
+    text: &str,
+    bos: bool,
+    faithfulness: bool,
+) -> anyhow::Result<Result<Record, String>> {
+    let d = &model.dims;
+    let tokens = match model.encode(text, bos) {
+        Ok(t) => t,
+        Err(e) => return Ok(Err(e.to_string())),
+    };
+    let n = tokens.len();
+    let mut c = Collector::new(d.n_layers, d.n_heads, n, n - 1);
+    let out = model.forward(&tokens, &RunOptions::last_logits(n), &mut c)?;
+    let top = crate::analysis::next_token_top_k(&out.logits[0], 1).remove(0);
+    let mut rec = Record::from_collector(
+        id,
+        text,
+        &model.info.name,
+        &c,
+        (top.id, model.tokenizer.token_text(top.id), top.prob),
+    );
+    if faithfulness {
+        let f = run_faith(
+            model,
+            &tokens,
+            &FaithOptions {
+                target: Target::Next,
+                replacement: " ".into(),
+                seed: 7,
+            },
+            |_, _| {},
+        )?;
+        rec.faithfulness = Some(
+            f.metrics
+                .iter()
+                .filter(|m| {
+                    m.truth == "loo"
+                        && ["attention_last", "attention_mean", "rollout", "random"]
+                            .contains(&m.ranking.as_str())
+                })
+                .map(|m| FaithSummary {
+                    ranking: m.ranking.clone(),
+                    without_first: m.without_first,
+                    spearman: m.spearman,
+                    top1: m.top1,
+                })
+                .collect(),
+        );
+    }
+    Ok(Ok(rec))
 }
 
 fn parse_shard(s: &str) -> anyhow::Result<(usize, usize)> {
@@ -225,57 +283,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             .expect("valid template")
             .progress_chars("=> "),
     );
-    let d = &model.dims;
     let mut skipped = Vec::new();
     for &i in &todo {
-        let text = &texts[i];
-        let tokens = match model.encode(text, model_args.bos) {
-            Ok(t) => t,
+        let rec = match text_record(&model, i, &texts[i], model_args.bos, a.faithfulness)? {
+            Ok(r) => r,
             Err(e) => {
                 skipped.push(format!("text {i}: {e}"));
                 bar_.inc(1);
                 continue;
             }
         };
-        let n = tokens.len();
-        let mut c = Collector::new(d.n_layers, d.n_heads, n, n - 1);
-        let out = model.forward(&tokens, &RunOptions::last_logits(n), &mut c)?;
-        let top = crate::analysis::next_token_top_k(&out.logits[0], 1).remove(0);
-        let mut rec = Record::from_collector(
-            i,
-            text,
-            &model.info.name,
-            &c,
-            (top.id, model.tokenizer.token_text(top.id), top.prob),
-        );
-        if a.faithfulness {
-            let f = run_faith(
-                &model,
-                &tokens,
-                &FaithOptions {
-                    target: Target::Next,
-                    replacement: " ".into(),
-                    seed: 7,
-                },
-                |_, _| {},
-            )?;
-            rec.faithfulness = Some(
-                f.metrics
-                    .iter()
-                    .filter(|m| {
-                        m.truth == "loo"
-                            && ["attention_last", "attention_mean", "rollout", "random"]
-                                .contains(&m.ranking.as_str())
-                    })
-                    .map(|m| FaithSummary {
-                        ranking: m.ranking.clone(),
-                        without_first: m.without_first,
-                        spearman: m.spearman,
-                        top1: m.top1,
-                    })
-                    .collect(),
-            );
-        }
         if let Some(f) = out_file.as_mut() {
             writeln!(f, "{}", serde_json::to_string(&rec)?).context("appending to --out")?;
             f.flush()?;

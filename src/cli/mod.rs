@@ -5,7 +5,7 @@
 mod bench;
 mod capture;
 pub mod common;
-mod corpus;
+pub mod corpus;
 mod cost;
 mod explain;
 mod faithfulness;

@@ -279,6 +279,29 @@ impl Model {
         Ok((logits, arrays))
     }
 
+    /// The `corpus` records of `(id, text)` pairs: for each, (id, record JSON, "") or (id, "",
+    /// the text's error: empty, too long). An engine failure raises.
+    #[pyo3(signature = (items, bos = false, faithfulness = false))]
+    fn corpus_records(
+        &self,
+        py: Python<'_>,
+        items: Vec<(usize, String)>,
+        bos: bool,
+        faithfulness: bool,
+    ) -> PyResult<Vec<(usize, String, String)>> {
+        let m = self.inner.clone();
+        engine(py, move || {
+            let mut out = Vec::with_capacity(items.len());
+            for (id, text) in items {
+                match attnscope::cli::corpus::text_record(&m, id, &text, bos, faithfulness)? {
+                    Ok(r) => out.push((id, serde_json::to_string(&r)?, String::new())),
+                    Err(e) => out.push((id, String::new(), e)),
+                }
+            }
+            Ok(out)
+        })
+    }
+
     /// The page of `attnscope view` for `text`.
     #[pyo3(signature = (text, bos = false, faithfulness = false))]
     fn view_html(
@@ -329,6 +352,14 @@ fn pattern_page(
     })
 }
 
+/// The texts of a corpus file (.txt: one per line, .jsonl: strings or {"text": ...}), or of the
+/// built-in corpus for None, with the ids `attnscope corpus` gives them (their index).
+#[pyfunction]
+#[pyo3(signature = (path = None))]
+fn corpus_texts(py: Python<'_>, path: Option<std::path::PathBuf>) -> PyResult<Vec<String>> {
+    engine(py, move || Ok(attnscope::cli::corpus::load_texts(&path)?.0))
+}
+
 /// The hook names the engine knows, in order (TransformerLens's names).
 #[pyfunction]
 fn hook_suffixes() -> Vec<&'static str> {
@@ -350,6 +381,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(run_command, m)?)?;
     m.add_function(wrap_pyfunction!(pattern_page, m)?)?;
     m.add_function(wrap_pyfunction!(hook_suffixes, m)?)?;
+    m.add_function(wrap_pyfunction!(corpus_texts, m)?)?;
     m.add_function(wrap_pyfunction!(full_hook_name, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

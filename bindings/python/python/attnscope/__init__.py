@@ -21,8 +21,9 @@ import numpy as np
 
 from . import _native
 from . import viz
+from . import distributed  # Ray is imported only when distributed.corpus runs
 
-__all__ = ["HookedModel", "ActivationCache", "Config", "corpus", "corpus_merge", "HOOKS", "viz", "__version__"]
+__all__ = ["HookedModel", "ActivationCache", "Config", "corpus", "corpus_merge", "HOOKS", "viz", "distributed", "__version__"]
 __version__ = _native.__version__
 
 #: The hook suffixes the engine captures, in TransformerLens's names (`blocks.{l}.` + suffix).

@@ -26,6 +26,8 @@ class Model:
         self, ids: Sequence[int], hooks: Sequence[Tuple[int, str]], logits: str = "all"
     ) -> Tuple[Optional[npt.NDArray[np.float32]], List[Tuple[str, npt.NDArray[np.float32]]]]:
         """One forward capturing exactly the (layer, hook suffix) pairs; arrays share the engine's memory."""
+    def corpus_records(self, items: Sequence[Tuple[int, str]], bos: bool = False, faithfulness: bool = False) -> List[Tuple[int, str, str]]:
+        """(id, record JSON, error) for each (id, text): the records of ``attnscope corpus --out``."""
     def view_html(self, text: str, bos: bool = False, faithfulness: bool = False) -> str:
         """The page of ``attnscope view``."""
 
@@ -34,6 +36,9 @@ def run_command(args: Sequence[str]) -> str:
 
 def pattern_page(patterns: npt.NDArray[np.float32], shape: Sequence[int], tokens: Sequence[str], title: str) -> str:
     """The view page for patterns ``[layers, heads, n, n]`` (flattened) and token texts."""
+
+def corpus_texts(path: Optional[str] = None) -> List[str]:
+    """The texts of a corpus file (or the built-in corpus), indexed as ``attnscope corpus`` does."""
 
 def hook_suffixes() -> List[str]:
     """The hook suffixes, in order (``hook_resid_pre``, ``attn.hook_q``, ...)."""
