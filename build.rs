@@ -38,13 +38,21 @@ fn python() {
     println!("cargo::rerun-if-changed=bindings/python/pyproject.toml");
     let python =
         std::env::var("ATTNSCOPE_PYTHON").unwrap_or_else(|_| "target/pyenv/bin/python".into());
-    let ok = std::process::Command::new(&python)
+    let probe = std::process::Command::new(&python)
         .args(["-c", "import attnscope, pytest"])
-        .output()
-        .is_ok_and(|o| o.status.success());
+        .output();
+    let ok = probe.as_ref().is_ok_and(|o| o.status.success());
+    let why = match &probe {
+        Ok(o) => String::from_utf8_lossy(&o.stderr)
+            .lines()
+            .last()
+            .unwrap_or("")
+            .to_string(),
+        Err(e) => e.to_string(),
+    };
     let required = std::env::var("ATTNSCOPE_REQUIRE_PYTHON").is_ok_and(|v| v == "1");
     if !ok && !required {
         println!("cargo::rustc-cfg=python_missing");
-        println!("cargo::warning=the Python package test will be ignored: {python} cannot import attnscope and pytest (see tests/python.rs)");
+        println!("cargo::warning=the Python package test will be ignored: {python} cannot import attnscope and pytest ({why}; see tests/python.rs)");
     }
 }

@@ -505,3 +505,147 @@ fn collector_from_streamed_rows_equals_collector_from_patterns() {
         }
     }
 }
+
+/// `attnscope heads --json` (streamed, block by block) against the head-detector formulas written
+/// out here on the materialized patterns of the same text: score = Σ(A ⊙ P) / Σ A.
+#[test]
+fn head_role_scores_equal_the_formulas_on_materialized_patterns() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("tiny.gguf");
+    write_gguf(&tiny_model(Arch::Llama, 5), Arch::Llama, GgmlDType::F32, &p).unwrap();
+    let text = "the hat at the hat sat at the the hat he sat";
+    let out = assert_cmd::Command::cargo_bin("attnscope")
+        .unwrap()
+        .args([
+            "heads",
+            "--model",
+            p.to_str().unwrap(),
+            "--text",
+            text,
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let model = Model::load(p.to_str().unwrap(), Precision::Exact, false).unwrap();
+    let t = model.encode(text, false).unwrap();
+    let n = t.len();
+    assert_eq!(v["tokens"].as_array().unwrap().len(), n);
+    let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
+    model
+        .forward(&t, &RunOptions::default(), &mut cache)
+        .unwrap();
+    let roles: [(&str, Box<dyn Fn(usize, usize) -> bool>); 5] = [
+        ("previous_token", Box::new(|i, j| i >= 1 && j == i - 1)),
+        ("duplicate_token", Box::new(|i, j| j < i && t[i] == t[j])),
+        (
+            "induction",
+            Box::new(|i, j| j >= 1 && j <= i && t[j - 1] == t[i]),
+        ),
+        ("sink", Box::new(|_, j| j == 0)),
+        ("local", Box::new(|i, j| j <= i && j + 3 >= i)),
+    ];
+    let mut checked = 0;
+    for l in 0..model.dims.n_layers {
+        let pat = cache.pattern(l).unwrap();
+        for h in 0..model.dims.n_heads {
+            for (role, p) in &roles {
+                let (mut hit, mut mass) = (0f64, 0f64);
+                for i in 0..n {
+                    let row = pat.row_at(h, i).unwrap();
+                    for j in 0..n {
+                        mass += row[j] as f64;
+                        if p(i, j) {
+                            hit += row[j] as f64;
+                        }
+                    }
+                }
+                let got = v["roles"][role][l][h].as_f64().unwrap();
+                assert!(
+                    (got - hit / mass).abs() < 1e-6,
+                    "{role} layer {l} head {h}: {got} vs {}",
+                    hit / mass
+                );
+                checked += 1;
+            }
+        }
+    }
+    assert_eq!(checked, 5 * model.dims.n_layers * model.dims.n_heads);
+    // the text repeats tokens, so the duplicate and induction patterns are not empty
+    assert!(
+        v["uniform"]["duplicate_token"].as_f64().unwrap() > 0.0
+            && v["uniform"]["induction"].as_f64().unwrap() > 0.0
+    );
+    // --each-line: the mean over the lines, each computed alone
+    let f = dir.path().join("lines.txt");
+    std::fs::write(&f, "the hat at the hat\n\nsat at the the hat\n").unwrap();
+    let each = assert_cmd::Command::cargo_bin("attnscope")
+        .unwrap()
+        .args([
+            "heads",
+            "--model",
+            p.to_str().unwrap(),
+            "--file",
+            f.to_str().unwrap(),
+            "--each-line",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let each: serde_json::Value = serde_json::from_slice(&each.stdout).unwrap();
+    let one = |s: &str| -> serde_json::Value {
+        serde_json::from_slice(
+            &assert_cmd::Command::cargo_bin("attnscope")
+                .unwrap()
+                .args([
+                    "heads",
+                    "--model",
+                    p.to_str().unwrap(),
+                    "--text",
+                    s,
+                    "--json",
+                ])
+                .output()
+                .unwrap()
+                .stdout,
+        )
+        .unwrap()
+    };
+    let (a, b) = (one("the hat at the hat"), one("sat at the the hat"));
+    assert_eq!(each["texts"], 2);
+    let (x, y, m) = (
+        a["roles"]["induction"][1][2].as_f64().unwrap(),
+        b["roles"]["induction"][1][2].as_f64().unwrap(),
+        each["roles"]["induction"][1][2].as_f64().unwrap(),
+    );
+    assert!((m - (x + y) / 2.0).abs() < 1e-12);
+    // --random-repeat: 2N tokens, the second half a copy of the first
+    let rr = assert_cmd::Command::cargo_bin("attnscope")
+        .unwrap()
+        .args([
+            "heads",
+            "--model",
+            p.to_str().unwrap(),
+            "--random-repeat",
+            "7",
+            "--seed",
+            "3",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let rr: serde_json::Value = serde_json::from_slice(&rr.stdout).unwrap();
+    let toks: Vec<u64> = rr["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
+    assert_eq!(toks.len(), 14);
+    assert_eq!(toks[..7], toks[7..]);
+}

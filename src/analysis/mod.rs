@@ -5,6 +5,7 @@
 pub mod collect;
 pub mod corpus;
 pub mod faithfulness;
+pub mod heads;
 pub mod inspect;
 pub mod measure;
 pub mod stream;

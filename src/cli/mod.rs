@@ -9,6 +9,7 @@ pub mod corpus;
 mod cost;
 mod explain;
 mod faithfulness;
+pub mod heads;
 mod info;
 mod inspect;
 mod scaling;
@@ -51,6 +52,10 @@ pub enum Command {
     /// The attention-sink profile and per-head statistics of a long text (up to the model's
     /// context), streamed with an online softmax: memory grows with n, not n².
     Sinks(sinks::Args),
+    /// Which heads do what: previous-token, duplicate-token, induction, sink and local scores for
+    /// every layer and head (TransformerLens's head detector), on a text or on random repeated
+    /// tokens (--random-repeat 50: the induction test). Streamed, so long inputs fit.
+    Heads(heads::Args),
     /// Measure the cost against the length: time of the attention part and of the whole
     /// forward, peak memory, with and without pattern capture; fitted exponents.
     Scaling(scaling::Args),
@@ -85,6 +90,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Heatmap(a) => view::heatmap(a),
         Command::Scaling(a) => scaling::run(a),
         Command::Sinks(a) => sinks::run(a),
+        Command::Heads(a) => heads::run(a),
         Command::Corpus(a) => corpus::run(a),
         Command::Faithfulness(a) => faithfulness::run(a),
         Command::Capture(a) => capture::run(a),

@@ -302,6 +302,48 @@ impl Model {
         })
     }
 
+    /// Head-role scores of `(id, text)` pairs: for each, (id, scores JSON, "") or (id, "", the
+    /// text's error). The scores are `attnscope heads --json`'s `tokens`, `roles`, `uniform`.
+    #[pyo3(signature = (items, bos = false))]
+    fn head_roles(
+        &self,
+        py: Python<'_>,
+        items: Vec<(usize, String)>,
+        bos: bool,
+    ) -> PyResult<Vec<(usize, String, String)>> {
+        let m = self.inner.clone();
+        engine(py, move || {
+            let mut out = Vec::with_capacity(items.len());
+            for (id, text) in items {
+                match m.encode(&text, bos) {
+                    Ok(t) => out.push((
+                        id,
+                        serde_json::to_string(&attnscope::cli::heads::roles_of(&m, &t)?)?,
+                        String::new(),
+                    )),
+                    Err(e) => out.push((id, String::new(), e.to_string())),
+                }
+            }
+            Ok(out)
+        })
+    }
+
+    /// `attnscope heads --each-line --json` from each text's scores (JSON of `head_roles`), in
+    /// the order given: the mean over texts, each counting once.
+    fn head_roles_document(&self, scores: Vec<String>) -> PyResult<String> {
+        let all: Vec<attnscope::analysis::heads::HeadRoles> = scores
+            .iter()
+            .map(|s| serde_json::from_str(s))
+            .collect::<Result<_, _>>()
+            .map_err(|e| PyValueError::new_err(format!("not a head-roles record: {e}")))?;
+        if all.is_empty() {
+            return Err(PyValueError::new_err("no scores to merge"));
+        }
+        let doc = attnscope::cli::heads::document(&self.inner, &all, serde_json::Map::new())
+            .map_err(to_py)?;
+        serde_json::to_string(&doc).map_err(|e| PyRuntimeError::new_err(e.to_string()))
+    }
+
     /// The page of `attnscope view` for `text`.
     #[pyo3(signature = (text, bos = false, faithfulness = false))]
     fn view_html(

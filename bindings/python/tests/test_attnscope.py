@@ -161,6 +161,13 @@ def test_inspect_faithfulness_sinks_equal_the_cli(qwen, smol):
     assert s2["n_tokens"] > 100
 
 
+def test_heads_equal_the_cli(smol):
+    py = smol.heads(random_repeat=20, seed=4)
+    cli = cli_json("heads", "--model", "smollm2-135m", "--random-repeat", "20", "--seed", "4")
+    assert py == cli and len(py["roles"]["induction"]) == 30 and len(py["tokens"]) == 40
+    assert smol.heads("the hat the hat")["texts"] == 1
+
+
 def test_corpus_and_capture(smol, tmp_path):
     agg = smol.corpus(["The cat sat on the mat.", "Hà Nội là thủ đô của Việt Nam."])
     assert agg["sentences"] == 2 and len(agg["layers"]) == 30

@@ -61,7 +61,7 @@ def test_two_workers_equal_one_process_even_when_one_is_killed(local_ray, tmp_pa
     assert got == want
     # every text has exactly its record in the partial files
     lines = [json.loads(l) for f in glob.glob(str(out / "part-*.jsonl")) for l in open(f)]
-    assert sorted({r["id"] for r in lines}) == list(range(N))
+    assert sorted({r["id"] for r in lines}) == list(range(N)) and all(r["record"]["id"] == r["id"] for r in lines)
 
 
 def test_any_worker_count_order_and_resume(local_ray, tmp_path):
@@ -100,3 +100,14 @@ def test_faithfulness_over_a_corpus(local_ray):
         os.unlink(fh.name)
     got = dist.faithfulness(texts, model=MODEL, num_workers=2, batch_size=1)
     assert got == want and got["faithfulness"]
+
+
+def test_head_roles_over_a_corpus(local_ray, tmp_path):
+    texts = ["the cat sat on the mat and the cat sat", "one two three one two three one two three", "Hà Nội là thủ đô của Việt Nam. Hà Nội"]
+    f = tmp_path / "lines.txt"
+    f.write_text("\n".join(texts) + "\n")
+    out = subprocess.run([BIN, "heads", "--model", MODEL, "--file", str(f), "--each-line", "--json"], capture_output=True, text=True, check=True)
+    want = json.loads(out.stdout)
+    got = dist.heads(texts, model=MODEL, num_workers=2, batch_size=1)
+    assert got == want
+    assert set(got["roles"]) == {"previous_token", "duplicate_token", "induction", "sink", "local"} and got["texts"] == 3

@@ -293,6 +293,17 @@ class HookedModel:
             a += ["--file", os.fspath(file)]
         return self._cmd("sinks", None, *a)
 
+    def heads(self, text: Optional[str] = None, random_repeat: Optional[int] = None, seed: int = 0, bos: bool = False) -> Dict[str, Any]:
+        """Head roles (``attnscope heads --json``): previous-token, duplicate-token, induction, sink
+        and local scores ``roles[role][layer][head]``, on ``text`` or on ``random_repeat`` random
+        tokens repeated once (the induction test)."""
+        a: List[str] = ["--seed", str(seed)]
+        if random_repeat is not None:
+            a += ["--random-repeat", str(random_repeat)]
+        if bos:
+            a.append("--bos")
+        return self._cmd("heads", text if random_repeat is None else None, *a)
+
     def capture(self, text: str, path: Union[str, os.PathLike], hooks: str = "pattern", layers: str = "all", heads: str = "all",
                 queries: str = "all", force: bool = False) -> str:
         """Streams captured tensors to ``.safetensors`` or ``.npz`` (``attnscope capture``); returns

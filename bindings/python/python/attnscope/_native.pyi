@@ -28,6 +28,10 @@ class Model:
         """One forward capturing exactly the (layer, hook suffix) pairs; arrays share the engine's memory."""
     def corpus_records(self, items: Sequence[Tuple[int, str]], bos: bool = False, faithfulness: bool = False) -> List[Tuple[int, str, str]]:
         """(id, record JSON, error) for each (id, text): the records of ``attnscope corpus --out``."""
+    def head_roles(self, items: Sequence[Tuple[int, str]], bos: bool = False) -> List[Tuple[int, str, str]]:
+        """(id, head-role scores JSON, error) for each (id, text)."""
+    def head_roles_document(self, scores: Sequence[str]) -> str:
+        """``attnscope heads --each-line --json`` from each text's scores, in order."""
     def view_html(self, text: str, bos: bool = False, faithfulness: bool = False) -> str:
         """The page of ``attnscope view``."""
 

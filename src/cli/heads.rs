@@ -1,0 +1,205 @@
+//! `attnscope heads`: a role score for every (layer, head): previous token, duplicate token,
+//! induction, sink and local, TransformerLens's head-detector definitions, streamed.
+
+use super::common::{emit, usage, ModelArgs, TextArgs};
+use crate::analysis::heads::{random_repeat, HeadRoles, RoleScores, ROLES};
+use crate::model::forward::RunOptions;
+use crate::model::Model;
+use crate::render::table::{title, Align, Table};
+use std::collections::BTreeMap;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    text: TextArgs,
+    /// Instead of a text: N random token ids, then the same N again (BOS first if the model uses
+    /// one). The standard test for induction heads.
+    #[arg(long, value_name = "N", conflicts_with_all = ["text", "file"])]
+    random_repeat: Option<usize>,
+    /// Seed of --random-repeat.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Treat each non-empty line of --file as its own text and average the scores over the texts
+    /// (every text counts once).
+    #[arg(long, requires = "file")]
+    each_line: bool,
+    /// Top heads listed per role.
+    #[arg(long, default_value_t = 5)]
+    top: usize,
+    /// Print one JSON document: {"tokens", "roles": {role: [[score per head] per layer]}, "uniform", ...}.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The role scores of one token sequence (streamed: no n × n matrix is held).
+pub fn roles_of(model: &Model, tokens: &[u32]) -> anyhow::Result<HeadRoles> {
+    let d = &model.dims;
+    let mut r = RoleScores::new(d.n_layers, d.n_heads, tokens);
+    model.forward(tokens, &RunOptions::default(), &mut r)?;
+    Ok(r.finish(tokens))
+}
+
+/// The mean of several texts' scores (each text counts once), in the order given.
+pub fn mean_roles(all: &[HeadRoles]) -> BTreeMap<String, Vec<Vec<f64>>> {
+    let mut out = BTreeMap::new();
+    for role in ROLES {
+        let first = &all[0].roles[role];
+        let mean = (0..first.len())
+            .map(|l| {
+                (0..first[l].len())
+                    .map(|h| {
+                        all.iter().map(|r| r.roles[role][l][h]).sum::<f64>() / all.len() as f64
+                    })
+                    .collect()
+            })
+            .collect();
+        out.insert(role.to_string(), mean);
+    }
+    out
+}
+
+/// The document `heads --each-line --json` prints, from each text's scores in order.
+pub fn document(
+    model: &Model,
+    all: &[HeadRoles],
+    extra: serde_json::Map<String, serde_json::Value>,
+) -> anyhow::Result<serde_json::Value> {
+    let mut doc = extra;
+    let uniform: BTreeMap<String, f64> = ROLES
+        .iter()
+        .map(|r| {
+            (
+                r.to_string(),
+                all.iter().map(|x| x.uniform[*r]).sum::<f64>() / all.len() as f64,
+            )
+        })
+        .collect();
+    doc.insert("model".into(), model.info.name.clone().into());
+    doc.insert("precision".into(), model.info.precision.name().into());
+    doc.insert("texts".into(), all.len().into());
+    doc.insert(
+        "tokens".into(),
+        if all.len() == 1 {
+            serde_json::to_value(&all[0].tokens)?
+        } else {
+            serde_json::to_value(all.iter().map(|r| &r.tokens).collect::<Vec<_>>())?
+        },
+    );
+    doc.insert("roles".into(), serde_json::to_value(mean_roles(all))?);
+    doc.insert("uniform".into(), serde_json::to_value(&uniform)?);
+    Ok(serde_json::Value::Object(doc))
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    if a.top == 0 {
+        return Err(usage("--top must be at least 1"));
+    }
+    let model = a.model.load()?;
+    let d = &model.dims;
+    let mut texts = Vec::new();
+    let mut doc = serde_json::Map::new();
+    let source;
+    if let Some(nr) = a.random_repeat {
+        if nr == 0 || 2 * nr + 1 > d.context_len {
+            return Err(usage(format!(
+                "--random-repeat {nr} is out of range: 1..={}",
+                (d.context_len - 1) / 2
+            )));
+        }
+        let mut t = if a.model.bos || model.tokenizer.add_bos {
+            model.tokenizer.encode("", true)?
+        } else {
+            Vec::new()
+        };
+        t.extend(random_repeat(
+            nr,
+            model.tokenizer.vocab_size().min(d.vocab_size),
+            a.seed,
+        ));
+        texts.push(t);
+        source = format!("{nr} random tokens repeated once (seed {})", a.seed);
+        doc.insert("random_repeat".into(), nr.into());
+        doc.insert("seed".into(), a.seed.into());
+    } else if a.each_line {
+        let text = a.text.read()?;
+        for line in crate::analysis::corpus::parse_lines(&text, false) {
+            texts.push(model.encode(&line, a.model.bos)?);
+        }
+        if texts.is_empty() {
+            return Err(anyhow::Error::new(crate::model::Error::EmptyText));
+        }
+        source = format!("{} texts, one per line", texts.len());
+    } else {
+        texts.push(model.encode(&a.text.read()?, a.model.bos)?);
+        source = "the text".into();
+    }
+    let all: Vec<HeadRoles> = texts
+        .iter()
+        .map(|t| roles_of(&model, t))
+        .collect::<anyhow::Result<_>>()?;
+    if a.json {
+        return emit(&format!(
+            "{}\n",
+            serde_json::to_string_pretty(&document(&model, &all, doc)?)?
+        ));
+    }
+    let roles = mean_roles(&all);
+    let uniform: BTreeMap<String, f64> = ROLES
+        .iter()
+        .map(|r| {
+            (
+                r.to_string(),
+                all.iter().map(|x| x.uniform[*r]).sum::<f64>() / all.len() as f64,
+            )
+        })
+        .collect();
+    let n_tokens: usize = all.iter().map(|r| r.tokens.len()).sum();
+    let mut s = title(&format!(
+        "Head roles of {}, {} ({n_tokens} tokens)",
+        model.info.name, source
+    ));
+    s += "score = Σ(A ⊙ P) / Σ A for the role's pattern P (TransformerLens's head detector, \"mul\"); × = times a uniform head's score\n\n";
+    let mut t = Table::new([
+        ("role", Align::Left),
+        ("uniform head", Align::Right),
+        (
+            format!("top {} heads (layer.head score ×uniform)", a.top).as_str(),
+            Align::Left,
+        ),
+    ]);
+    for role in ROLES {
+        let mut ranked: Vec<(usize, usize, f64)> = roles[role]
+            .iter()
+            .enumerate()
+            .flat_map(|(l, hs)| hs.iter().enumerate().map(move |(h, &v)| (l, h, v)))
+            .collect();
+        ranked.sort_by(|x, y| y.2.total_cmp(&x.2).then(x.0.cmp(&y.0)).then(x.1.cmp(&y.1)));
+        let u = uniform[role];
+        let top: Vec<String> = ranked
+            .iter()
+            .take(a.top)
+            .map(|&(l, h, v)| {
+                if u > 0.0 {
+                    format!("{l}.{h} {v:.3} ×{:.1}", v / u)
+                } else {
+                    format!("{l}.{h} {v:.3}")
+                }
+            })
+            .collect();
+        t.row([role.to_string(), format!("{u:.3}"), top.join(", ")]);
+    }
+    s += &t.render();
+    for role in ROLES {
+        s += &format!("\n{role} (rows: layers; columns: heads; ' ░▒▓█' = 0 .. 1)\n");
+        for (l, hs) in roles[role].iter().enumerate() {
+            let shade: String = hs
+                .iter()
+                .map(|&v| [' ', '░', '▒', '▓', '█'][((v * 4.0).round() as usize).min(4)])
+                .collect();
+            s += &format!("{l:>4} |{shade}|\n");
+        }
+    }
+    emit(&s)
+}
