@@ -36,8 +36,9 @@ fn python() {
     println!("cargo::rerun-if-env-changed=ATTNSCOPE_PYTHON");
     println!("cargo::rerun-if-env-changed=ATTNSCOPE_REQUIRE_PYTHON");
     println!("cargo::rerun-if-changed=bindings/python/pyproject.toml");
-    let python =
-        std::env::var("ATTNSCOPE_PYTHON").unwrap_or_else(|_| "target/pyenv/bin/python".into());
+    let root = std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| ".".into());
+    let python = std::env::var("ATTNSCOPE_PYTHON")
+        .unwrap_or_else(|_| format!("{root}/target/pyenv/bin/python"));
     let probe = std::process::Command::new(&python)
         .args(["-c", "import attnscope, pytest"])
         .output();

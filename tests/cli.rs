@@ -1159,3 +1159,64 @@ fn slurm_array_shards_merge_to_the_single_run() {
         .unwrap();
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("set TEXTS"));
 }
+
+/// `explain --rnn`: the lesson's last chapter as numbers; the linear RNN's gradient equals its
+/// closed form ρ^(n-1)‖U‖ in every row, the tanh RNN's vanishes, attention's path stays 1.
+#[test]
+fn explain_rnn_measures_the_last_chapter() {
+    let out = attnscope()
+        .args([
+            "explain",
+            "--rnn",
+            "--lengths",
+            "4,32,128",
+            "--d",
+            "6",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 3);
+    for r in rows {
+        let (lin, closed) = (
+            r["rnn_linear_gradient"].as_f64().unwrap(),
+            r["rnn_linear_closed_form"].as_f64().unwrap(),
+        );
+        assert!((lin / closed - 1.0).abs() < 1e-9, "{r}");
+        assert_eq!(r["attention_path_length"], 1);
+        assert_eq!(
+            r["rnn_path_length"].as_u64().unwrap(),
+            r["n"].as_u64().unwrap() - 1
+        );
+    }
+    assert!(
+        rows[2]["rnn_tanh_gradient"].as_f64().unwrap()
+            < 1e-6 * rows[0]["rnn_tanh_gradient"].as_f64().unwrap()
+    );
+    assert!(
+        rows[2]["attention_gradient"].as_f64().unwrap()
+            > rows[0]["attention_gradient"].as_f64().unwrap() / 128.0
+    );
+    // the same seed gives the same numbers
+    let again = attnscope()
+        .args([
+            "explain",
+            "--rnn",
+            "--lengths",
+            "4,32,128",
+            "--d",
+            "6",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(again.stdout, out.stdout);
+    let bad = attnscope()
+        .args(["explain", "--rnn", "--lengths", "1,x"])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+}

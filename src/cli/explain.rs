@@ -29,6 +29,89 @@ pub struct Args {
     /// Print every matrix as one JSON document instead.
     #[arg(long)]
     json: bool,
+    /// The lesson's last chapter instead: a toy RNN against a toy attention layer over n tokens
+    /// (sequential steps, path length, and the gradient of the last output with respect to the
+    /// first input, measured).
+    #[arg(long)]
+    rnn: bool,
+    /// Sequence lengths for --rnn.
+    #[arg(long, default_value = "4,16,64,256,512", requires = "rnn")]
+    lengths: String,
+    /// Spectral radius of the RNN's recurrent matrix for --rnn (W = rho · orthogonal).
+    #[arg(long, default_value_t = 0.9, requires = "rnn")]
+    rho: f64,
+}
+
+/// `explain --rnn`: the table of the lesson's last chapter.
+fn rnn(a: &Args) -> anyhow::Result<()> {
+    let ns: Vec<usize> = a
+        .lengths
+        .split(',')
+        .map(|s| {
+            s.trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|&n| (2..=4096).contains(&n))
+        })
+        .collect::<Option<_>>()
+        .ok_or_else(|| {
+            usage(format!(
+                "--lengths {} must be a list of lengths in 2..=4096, e.g. 4,16,64",
+                a.lengths
+            ))
+        })?;
+    if !(a.rho > 0.0 && a.rho <= 2.0) {
+        return Err(usage(format!(
+            "--rho {} is out of range: use 0 < rho <= 2",
+            a.rho
+        )));
+    }
+    let d = a.d.clamp(2, 64);
+    let rows = crate::reference::rnn::compare(&ns, d, a.rho, a.seed);
+    if a.json {
+        return emit(&format!(
+            "{}\n",
+            serde_json::to_string_pretty(
+                &serde_json::json!({"d": d, "rho": a.rho, "seed": a.seed, "rows": rows})
+            )?
+        ));
+    }
+    let mut s = crate::render::table::title(
+        "Why attention replaced recurrent networks (toy RNN against toy attention, measured)",
+    );
+    s += &format!("width d = {d}; RNN h_t = tanh(W h_(t-1) + U x_t) with W = {} · orthogonal; attention y = Σ α_nj W_V x_j; seed {}\n", a.rho, a.seed);
+    s += "‖∂y/∂x₁‖: how much the last output still depends on the first token (chain rule, exact)\n\n";
+    let mut t = crate::render::table::Table::new([
+        ("n", crate::render::table::Align::Right),
+        (
+            "sequential steps RNN / attn",
+            crate::render::table::Align::Right,
+        ),
+        ("path x₁→y RNN / attn", crate::render::table::Align::Right),
+        ("‖∂y/∂x₁‖ RNN (tanh)", crate::render::table::Align::Right),
+        ("linear RNN", crate::render::table::Align::Right),
+        ("= rhoⁿ⁻¹‖U‖", crate::render::table::Align::Right),
+        ("attention", crate::render::table::Align::Right),
+    ]);
+    for r in &rows {
+        t.row([
+            r.n.to_string(),
+            format!(
+                "{} / {}",
+                r.rnn_sequential_steps, r.attention_sequential_steps
+            ),
+            format!("{} / {}", r.rnn_path_length, r.attention_path_length),
+            format!("{:.3e}", r.rnn_tanh_gradient),
+            format!("{:.3e}", r.rnn_linear_gradient),
+            format!("{:.3e}", r.rnn_linear_closed_form),
+            format!("{:.3e}", r.attention_gradient),
+        ]);
+    }
+    s += &t.render();
+    s += "\nThe RNN must run its n steps one after another, and the first token's influence passes through n - 1\n";
+    s += "Jacobians, so it shrinks geometrically (exactly rhoⁿ⁻¹ for the linear RNN). Attention reaches every token\n";
+    s += "in one step of one matmul: the first token's gradient shrinks at most with its attention weight.\n";
+    emit(&s)
 }
 
 fn num(x: f32, decimals: usize) -> String {
@@ -89,6 +172,9 @@ fn sqrt_d_rows(n_keys: usize) -> Vec<(usize, f32, f32, f32, f32)> {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
+    if a.rnn {
+        return rnn(&a);
+    }
     let words: Vec<String> = a.text.split_whitespace().map(String::from).collect();
     if words.is_empty() {
         return Err(usage(

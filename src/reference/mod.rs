@@ -11,6 +11,7 @@
 //! References: Vaswani et al. 2017, "Attention Is All You Need" (scaled dot-product attention,
 //! eq. 1; multi-head attention, §3.2.2); Ainslie et al. 2023, "GQA" (grouped-query attention).
 
+pub mod rnn;
 pub mod transformer;
 pub mod walkthrough;
 
