@@ -351,8 +351,11 @@ fn faithfulness_json_has_the_promised_fields() {
     ] {
         assert!(toks[0].get(key).is_some(), "tokens[] lacks {key}");
     }
-    // knocking out the query's own position changes nothing: a token always sees itself
-    assert!(toks.last().unwrap()["knockout"].as_f64().unwrap().abs() < 1e-5);
+    // the query's own position cannot be knocked out (a token always sees itself): n/a, not 0
+    assert!(toks.last().unwrap()["knockout"].is_null());
+    assert!(toks[..toks.len() - 1]
+        .iter()
+        .all(|t| t["knockout"].as_f64().is_some()));
     let rollout: f64 = toks.iter().map(|t| t["rollout"].as_f64().unwrap()).sum();
     assert!((rollout - 1.0).abs() < 1e-4, "rollout row sums to 1");
     let metrics = v["metrics"].as_array().unwrap();
@@ -371,6 +374,39 @@ fn faithfulness_json_has_the_promised_fields() {
         assert!(rankings.contains(r), "metrics lack ranking {r}");
     }
     assert!(metrics.iter().any(|m| m["without_first"] == true));
+    // n and permutation p-values beside ρ and τ; knockout ranks one token fewer (no query)
+    let n_tok = toks.len() as u64;
+    for m in metrics
+        .iter()
+        .filter(|m| m["without_first"] == false && m["ranking"] == "attention_last")
+    {
+        let want = if m["truth"] == "knockout" {
+            n_tok - 1
+        } else {
+            n_tok
+        };
+        assert_eq!(m["n"].as_u64().unwrap(), want, "{m}");
+        if m["spearman"].is_f64() {
+            let p = m["spearman_p"].as_f64().unwrap();
+            assert!(p > 0.0 && p <= 1.0, "{m}");
+        }
+    }
+    // the table prints n/a for the query's knockout and the p-values
+    let table = attnscope()
+        .args([
+            "faithfulness",
+            "--model",
+            m.to_str().unwrap(),
+            "--text",
+            "the hat at the hat",
+        ])
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(
+        table.contains("n/a (query)") && table.contains("(p "),
+        "{table}"
+    );
     assert!(
         metrics[0]["comprehensiveness"].get("1").is_some()
             && metrics[0]["sufficiency"].get("5").is_some()

@@ -510,7 +510,8 @@ fn faithfulness_occlusions_equal_fresh_runs_smollm() {
             "replace {j}"
         );
         assert!(
-            (lp(&tokens, vec![j]) - base - r.tokens[j].knockout).abs() < 2e-4,
+            j == n - 1
+                || (lp(&tokens, vec![j]) - base - r.tokens[j].knockout.unwrap()).abs() < 2e-4,
             "knockout {j}"
         );
     }

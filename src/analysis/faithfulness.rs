@@ -58,6 +58,56 @@ pub fn spearman(a: &[f64], b: &[f64]) -> Option<f64> {
     pearson(&average_ranks(a), &average_ranks(b))
 }
 
+/// The two-sided permutation p-value of `stat(a, b)`: the share of orderings of `b` whose
+/// statistic is at least as far from 0 as the observed one. Exact (every permutation) for n ≤ 7;
+/// above, 2,000 permutations from a fixed seed, p = (hits + 1) / (2,000 + 1).
+pub fn permutation_p(a: &[f64], b: &[f64], stat: fn(&[f64], &[f64]) -> Option<f64>) -> Option<f64> {
+    let obs = stat(a, b)?.abs() - 1e-12;
+    let n = b.len();
+    let mut perm: Vec<f64> = b.to_vec();
+    if n <= 7 {
+        // Heap's algorithm over every ordering
+        let (mut hits, mut total) = (0usize, 0usize);
+        let mut c = vec![0usize; n];
+        let mut visit = |p: &[f64]| {
+            total += 1;
+            if stat(a, p).is_some_and(|v| v.abs() >= obs) {
+                hits += 1;
+            }
+        };
+        visit(&perm);
+        let mut i = 0;
+        while i < n {
+            if c[i] < i {
+                if i % 2 == 0 {
+                    perm.swap(0, i)
+                } else {
+                    perm.swap(c[i], i)
+                }
+                visit(&perm);
+                c[i] += 1;
+                i = 0;
+            } else {
+                c[i] = 0;
+                i += 1;
+            }
+        }
+        return Some(hits as f64 / total as f64);
+    }
+    let mut rng = crate::reference::Rng::new(20260);
+    let mut hits = 0usize;
+    const B: usize = 2000;
+    for _ in 0..B {
+        for i in (1..n).rev() {
+            perm.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+        }
+        if stat(a, &perm).is_some_and(|v| v.abs() >= obs) {
+            hits += 1;
+        }
+    }
+    Some((hits + 1) as f64 / (B + 1) as f64)
+}
+
 /// Kendall's τ-b (ties corrected); `None` when either side is constant or shorter than 2.
 pub fn kendall_tau_b(a: &[f64], b: &[f64]) -> Option<f64> {
     let n = a.len();
@@ -149,7 +199,9 @@ pub struct TokenRow {
     /// Δ log p(target) when the token is deleted (None when the text has one token only).
     pub loo: Option<f32>,
     pub replace: f32,
-    pub knockout: f32,
+    /// Δ log p(target) when the token is hidden as a key in every layer and head; None for the
+    /// query token itself, which always sees itself (it cannot be knocked out).
+    pub knockout: Option<f32>,
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -166,8 +218,13 @@ pub struct AtK {
 pub struct MetricRow {
     pub ranking: String,
     pub truth: String,
+    /// tokens ranked (with a handful, ρ and τ mean little: see the p-values)
+    pub n: usize,
     pub spearman: Option<f64>,
+    /// two-sided permutation p-value of ρ (exact for n ≤ 7, else 2,000 seeded permutations)
+    pub spearman_p: Option<f64>,
     pub kendall: Option<f64>,
+    pub kendall_p: Option<f64>,
     pub top1: Option<bool>,
     pub comprehensiveness: AtK,
     pub sufficiency: AtK,
@@ -295,7 +352,11 @@ pub fn run(
         let mut rep = tokens.to_vec();
         rep[j] = replacement;
         let replace = runner.logprob(&rep, None)? - base;
-        let knockout = runner.logprob(tokens, Some(j))? - base;
+        let knockout = if j == q {
+            None
+        } else {
+            Some(runner.logprob(tokens, Some(j))? - base)
+        };
         done += 3;
         tick(done, total_guess);
         rows.push(TokenRow {
@@ -349,18 +410,25 @@ pub fn run(
                 tick(done.min(total_guess), total_guess);
             }
             for truth in ["loo", "replace", "knockout"] {
-                let imp: Vec<f64> = candidates
+                // the query cannot be knocked out (it sees itself): it has no knockout truth
+                let cands: Vec<usize> = candidates
+                    .iter()
+                    .copied()
+                    .filter(|&i| truth != "knockout" || rows[i].knockout.is_some())
+                    .collect();
+                let imp: Vec<f64> = cands
                     .iter()
                     .map(|&i| {
                         let r = &rows[i];
                         -(match truth {
                             "loo" => r.loo.unwrap_or(0.0),
                             "replace" => r.replace,
-                            _ => r.knockout,
+                            _ => r.knockout.unwrap_or(0.0),
                         }) as f64
                     })
                     .collect();
-                let sc: Vec<f64> = candidates.iter().map(|&i| scores[i] as f64).collect();
+                let sc: Vec<f64> = cands.iter().map(|&i| scores[i] as f64).collect();
+                let candidates = &cands;
                 let top1 = (!candidates.is_empty()).then(|| {
                     let a = sc
                         .iter()
@@ -377,8 +445,11 @@ pub fn run(
                 metrics.push(MetricRow {
                     ranking: name.clone(),
                     truth: truth.into(),
+                    n: sc.len(),
                     spearman: spearman(&sc, &imp),
+                    spearman_p: permutation_p(&sc, &imp, spearman),
                     kendall: kendall_tau_b(&sc, &imp),
+                    kendall_p: permutation_p(&sc, &imp, kendall_tau_b),
                     top1,
                     comprehensiveness: comp.clone(),
                     sufficiency: suff.clone(),
@@ -564,6 +635,22 @@ mod tests {
             average_ranks(&[10.0, 20.0, 20.0, 5.0]),
             vec![2.0, 3.5, 3.5, 1.0]
         );
+    }
+
+    #[test]
+    fn permutation_p_values() {
+        // a perfect ranking of 5: exactly 2 of 120 orderings (this one and its reverse) reach |ρ| = 1
+        let a = [1.0, 2.0, 3.0, 4.0, 5.0];
+        let p = permutation_p(&a, &a, spearman).unwrap();
+        assert!((p - 2.0 / 120.0).abs() < 1e-12, "{p}");
+        // a constant truth has no correlation, so no p-value
+        assert_eq!(permutation_p(&a, &[1.0; 5], spearman), None);
+        // larger n: sampled, bounded below by 1/2001, near 1 for a shuffled truth
+        let a: Vec<f64> = (0..30).map(|i| i as f64).collect();
+        let p = permutation_p(&a, &a, kendall_tau_b).unwrap();
+        assert!((p - 1.0 / 2001.0).abs() < 1e-12);
+        let shuffled: Vec<f64> = (0..30).map(|i| ((i * 17) % 30) as f64).collect();
+        assert!(permutation_p(&a, &shuffled, spearman).unwrap() > 0.05);
     }
 
     #[test]

@@ -66,21 +66,29 @@ fn g(x: Option<f32>) -> String {
     x.map(|v| format!("{v:+.4}")).unwrap_or_else(|| "—".into())
 }
 
-fn metric_row(t: &mut Table, m: &MetricRow) {
+/// One row; comprehensiveness and sufficiency do not depend on the truth, so they are printed
+/// on the ranking's first row only (`first`).
+fn metric_row(t: &mut Table, m: &MetricRow, first: bool) {
+    let p = |v: Option<f64>, pv: Option<f64>| match (v, pv) {
+        (Some(_), Some(pv)) => format!("{} (p {:.2})", f(v), pv),
+        _ => f(v),
+    };
+    let at = |v: Option<f32>| if first { g(v) } else { String::new() };
     t.row([
         m.ranking.clone(),
         m.truth.clone(),
-        f(m.spearman),
-        f(m.kendall),
+        m.n.to_string(),
+        p(m.spearman, m.spearman_p),
+        p(m.kendall, m.kendall_p),
         m.top1
             .map(|b| if b { "yes" } else { "no" }.to_string())
             .unwrap_or_else(|| "—".into()),
-        g(m.comprehensiveness.k1),
-        g(m.comprehensiveness.k3),
-        g(m.comprehensiveness.k5),
-        g(m.sufficiency.k1),
-        g(m.sufficiency.k3),
-        g(m.sufficiency.k5),
+        at(m.comprehensiveness.k1),
+        at(m.comprehensiveness.k3),
+        at(m.comprehensiveness.k5),
+        at(m.sufficiency.k1),
+        at(m.sufficiency.k3),
+        at(m.sufficiency.k5),
     ]);
 }
 
@@ -128,7 +136,9 @@ pub fn render(r: &FaithReport) -> String {
             format!("{:.4}", x.rollout),
             g(x.loo),
             format!("{:+.4}", x.replace),
-            format!("{:+.4}", x.knockout),
+            x.knockout
+                .map(|k| format!("{k:+.4}"))
+                .unwrap_or_else(|| "n/a (query)".into()),
         ]);
     }
     s += &t.render();
@@ -142,6 +152,7 @@ pub fn render(r: &FaithReport) -> String {
         let mut t = Table::new([
             ("ranking", Align::Left),
             ("truth", Align::Left),
+            ("n", Align::Right),
             ("Spearman ρ", Align::Right),
             ("Kendall τ", Align::Right),
             ("top-1", Align::Left),
@@ -157,7 +168,7 @@ pub fn render(r: &FaithReport) -> String {
             .iter()
             .filter(|m| m.without_first == wf && !m.ranking.starts_with("head_"))
         {
-            metric_row(&mut t, m);
+            metric_row(&mut t, m, m.truth == "loo");
         }
         // the heads of the last layer: the best one by ρ against deletion
         let heads: Vec<&MetricRow> = r
@@ -176,7 +187,7 @@ pub fn render(r: &FaithReport) -> String {
         {
             let mut b = (*best).clone();
             b.ranking = format!("best head ({})", best.ranking);
-            metric_row(&mut t, &b);
+            metric_row(&mut t, &b, true);
             let rhos: Vec<f64> = heads.iter().filter_map(|m| m.spearman).collect();
             if !rhos.is_empty() {
                 s += &t.render();
