@@ -1256,3 +1256,68 @@ fn explain_rnn_measures_the_last_chapter() {
         .unwrap();
     assert_eq!(bad.status.code(), Some(2));
 }
+
+/// `explain --quiz`: the lesson's self-check, every answer computed on the model and the text.
+#[test]
+fn explain_quiz_answers_with_numbers() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let out = attnscope()
+        .args([
+            "explain",
+            "--quiz",
+            "--model",
+            m.to_str().unwrap(),
+            "--text",
+            "the hat at the hat",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let q = v["questions"].as_array().unwrap();
+    assert_eq!(q.len(), 6);
+    assert_eq!(q[0]["numbers"]["ratio"], 16.0);
+    let model = attnscope::model::Model::load(
+        m.to_str().unwrap(),
+        attnscope::model::Precision::Exact,
+        false,
+    )
+    .unwrap();
+    let d = &model.dims;
+    assert_eq!(
+        q[1]["numbers"]["head_dim"].as_u64().unwrap() as usize,
+        d.head_dim
+    );
+    assert_eq!(
+        q[2]["numbers"]["group"].as_u64().unwrap() as usize,
+        d.n_heads / d.n_kv_heads
+    );
+    let n = model.encode("the hat at the hat", false).unwrap().len();
+    assert_eq!(
+        q[3]["numbers"]["masked"].as_u64().unwrap() as usize,
+        n * (n - 1) / 2
+    );
+    assert_eq!(q[4]["numbers"]["max_masked_weight"], 0.0);
+    assert!(q[4]["numbers"]["max_row_sum_error"].as_f64().unwrap() < 1e-5);
+    let p = q[5]["numbers"]["spearman_p"].as_f64().unwrap();
+    assert!(p > 0.0 && p <= 1.0);
+    assert!(q[5]["answer"]
+        .as_str()
+        .unwrap()
+        .starts_with("Not by itself"));
+    let text = attnscope()
+        .args([
+            "explain",
+            "--quiz",
+            "--model",
+            m.to_str().unwrap(),
+            "--text",
+            "the hat at the hat",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("6. Is a high attention weight an explanation?") && text.contains("16x"));
+}

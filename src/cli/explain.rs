@@ -40,6 +40,187 @@ pub struct Args {
     /// Spectral radius of the RNN's recurrent matrix for --rnn (W = rho · orthogonal).
     #[arg(long, default_value_t = 0.9, requires = "rnn")]
     rho: f64,
+    /// The lesson's self-check questions, answered with numbers computed now on --model and your
+    /// --text (cost, head width, GQA sharing, your sentence's mask, row sums, and whether the
+    /// highest weight explains the prediction).
+    #[arg(long, conflicts_with = "rnn")]
+    quiz: bool,
+    #[command(flatten)]
+    model: super::common::ModelArgs,
+}
+
+/// `explain --quiz`: each question with its answer computed on the spot.
+fn quiz(a: &Args) -> anyhow::Result<()> {
+    use crate::analysis::faithfulness::{
+        permutation_p, run as run_faith, spearman, FaithOptions, Target,
+    };
+    use crate::model::capture::{AttnCache, CaptureSpec};
+    use crate::model::forward::RunOptions;
+    let model = a.model.load()?;
+    let d = &model.dims;
+    let tokens = model.encode(&a.text, a.model.bos)?;
+    let n = tokens.len();
+    let texts: Vec<String> = model
+        .token_texts(&tokens)
+        .iter()
+        .map(|t| crate::model::tokenize::visible(t))
+        .collect();
+    let mut qs: Vec<serde_json::Value> = Vec::new();
+    let mut ask = |q: &str, answer: String, numbers: serde_json::Value| {
+        qs.push(json!({"question": q, "answer": answer, "numbers": numbers}))
+    };
+    // 1. cost
+    let (n1, n2) = (2048f64, 8192f64);
+    let per_head = |n: f64| n * n * 4.0;
+    let all = |n: f64| per_head(n) * (d.n_layers * d.n_heads) as f64;
+    ask(
+        "The text grows from 2,048 to 8,192 tokens. How much bigger is the attention-score matrix?",
+        format!(
+            "(8192 / 2048)² = {:.0}x: each head's scores go from {} to {} (f32), and all {} layers × {} heads of {} from {} to {}. Four times the length, sixteen times the attention.",
+            (n2 / n1).powi(2),
+            super::cost::human_bytes(per_head(n1)),
+            super::cost::human_bytes(per_head(n2)),
+            d.n_layers,
+            d.n_heads,
+            model.info.name,
+            super::cost::human_bytes(all(n1)),
+            super::cost::human_bytes(all(n2))
+        ),
+        json!({"ratio": (n2 / n1).powi(2), "bytes_per_head": [per_head(n1), per_head(n2)], "bytes_all_heads": [all(n1), all(n2)]}),
+    );
+    // 2. head width
+    let split = d.d_model as f64 / d.n_heads as f64;
+    ask(
+        "How many numbers does each head work with?",
+        if d.head_dim * d.n_heads == d.d_model {
+            format!(
+                "{} / {} = {} per head: the heads split the model's width.",
+                d.d_model, d.n_heads, d.head_dim
+            )
+        } else {
+            format!(
+                "{} per head; here the heads do not split the width ({} / {} = {split:.1}).",
+                d.head_dim, d.d_model, d.n_heads
+            )
+        },
+        json!({"d_model": d.d_model, "n_heads": d.n_heads, "head_dim": d.head_dim}),
+    );
+    // 3. GQA
+    ask(
+        "How many query heads share each key/value set, and what does it save?",
+        format!(
+            "{} query heads, {} key/value sets: {}. The keys and values kept per token shrink {}x ({} instead of {} numbers per layer).",
+            d.n_heads,
+            d.n_kv_heads,
+            d.gqa_sentence(),
+            d.n_heads / d.n_kv_heads,
+            2 * d.n_kv_heads * d.head_dim,
+            2 * d.n_heads * d.head_dim
+        ),
+        json!({"n_heads": d.n_heads, "n_kv_heads": d.n_kv_heads, "group": d.n_heads / d.n_kv_heads}),
+    );
+    // 4. the mask of the user's sentence
+    let masked = n * (n - 1) / 2;
+    let shown: Vec<String> = texts.iter().take(10).cloned().collect();
+    ask(
+        "What does the causal mask do to your sentence?",
+        format!(
+            "It has {n} tokens: of the {} scores, the {masked} above the diagonal ({:.0}%) are set to -inf before the softmax, so token i sees tokens 0..=i only (its row has i + 1 weights).\n{}",
+            n * n,
+            100.0 * masked as f64 / (n * n) as f64,
+            mask_grid(&shown)
+        ),
+        json!({"tokens": texts, "scores": n * n, "masked": masked}),
+    );
+    // 5. rows and masked weights, measured on the model
+    let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
+    let out = model.forward(&tokens, &RunOptions::last_logits(n), &mut cache)?;
+    let (mut worst_sum, mut worst_masked) = (0f64, 0f32);
+    for l in 0..d.n_layers {
+        let p = cache.pattern(l).expect("captured");
+        for h in 0..d.n_heads {
+            for i in 0..n {
+                let row = p.row_at(h, i).expect("row");
+                worst_sum = worst_sum.max((row.iter().map(|&x| x as f64).sum::<f64>() - 1.0).abs());
+                worst_masked =
+                    worst_masked.max(row[i + 1..].iter().fold(0f32, |m, &x| m.max(x.abs())));
+            }
+        }
+    }
+    ask(
+        "After the softmax, do the rows sum to 1, and are the masked weights 0?",
+        format!("Measured on all {} layers × {} heads × {n} rows: the sums are 1 to within {worst_sum:.1e}, and the largest masked weight is {worst_masked}.", d.n_layers, d.n_heads),
+        json!({"max_row_sum_error": worst_sum, "max_masked_weight": worst_masked}),
+    );
+    // 6. is a high weight an explanation?
+    let f = run_faith(
+        &model,
+        &tokens,
+        &FaithOptions {
+            target: Target::Next,
+            replacement: " ".into(),
+            seed: 7,
+        },
+        |_, _| {},
+    )?;
+    let rows = &f.tokens;
+    let top_attn = rows
+        .iter()
+        .max_by(|x, y| x.attention_last.total_cmp(&y.attention_last))
+        .expect("a token");
+    let top_loo = rows
+        .iter()
+        .filter(|r| r.loo.is_some())
+        .min_by(|x, y| x.loo.unwrap_or(0.0).total_cmp(&y.loo.unwrap_or(0.0)));
+    let sc: Vec<f64> = rows.iter().map(|r| r.attention_last as f64).collect();
+    let imp: Vec<f64> = rows
+        .iter()
+        .map(|r| -(r.loo.unwrap_or(0.0) as f64))
+        .collect();
+    let (rho, p) = (spearman(&sc, &imp), permutation_p(&sc, &imp, spearman));
+    let next = crate::analysis::next_token_top_k(&out.logits[0], 1).remove(0);
+    let answer = match top_loo {
+        Some(t) => format!(
+            "Not by itself. The model predicts {:?} next. The last layer's attention (head mean) is highest on token {} {:?} ({:.3}), but deleting token {} {:?} changes the prediction most (Δ log p = {:+.3}). Over all {n} tokens, attention against deletion: Spearman ρ = {} (permutation p = {}). {}",
+            crate::model::tokenize::visible(&model.tokenizer.token_text(next.id)),
+            top_attn.pos,
+            crate::model::tokenize::visible(&top_attn.text),
+            top_attn.attention_last,
+            t.pos,
+            crate::model::tokenize::visible(&t.text),
+            t.loo.unwrap_or(0.0),
+            rho.map(|r| format!("{r:+.2}")).unwrap_or_else(|| "undefined".into()),
+            p.map(|p| format!("{p:.2}")).unwrap_or_else(|| "—".into()),
+            if top_attn.pos == t.pos { "Here they agree on the top token; the ranking still says how far the agreement goes." } else { "Here the most-attended token is not the one the prediction depends on." }
+        ),
+        None => "A one-token text has nothing to occlude; give a longer --text.".into(),
+    };
+    ask(
+        "Is a high attention weight an explanation?",
+        answer,
+        json!({"next_token": next.id, "top_attention_pos": top_attn.pos, "top_deletion_pos": top_loo.map(|t| t.pos), "spearman": rho, "spearman_p": p, "n": n}),
+    );
+    if a.json {
+        return emit(&format!(
+            "{}\n",
+            serde_json::to_string_pretty(
+                &json!({"model": model.info.name, "text": a.text, "questions": qs})
+            )?
+        ));
+    }
+    let mut s = title(&format!(
+        "Self-check, answered on {} and \"{}\"",
+        model.info.name, a.text
+    ));
+    for (i, q) in qs.iter().enumerate() {
+        s += &format!(
+            "{}. {}\n   {}\n\n",
+            i + 1,
+            q["question"].as_str().unwrap_or(""),
+            q["answer"].as_str().unwrap_or("").replace('\n', "\n   ")
+        );
+    }
+    emit(&s)
 }
 
 /// `explain --rnn`: the table of the lesson's last chapter.
@@ -174,6 +355,9 @@ fn sqrt_d_rows(n_keys: usize) -> Vec<(usize, f32, f32, f32, f32)> {
 pub fn run(a: Args) -> anyhow::Result<()> {
     if a.rnn {
         return rnn(&a);
+    }
+    if a.quiz {
+        return quiz(&a);
     }
     let words: Vec<String> = a.text.split_whitespace().map(String::from).collect();
     if words.is_empty() {
