@@ -117,9 +117,34 @@ fn tokenizer_vectors_match_hf() {
 /// and the head-averaged top-4 name the same tokens, every last-row weight stays within 0.04,
 /// and the top next token is the same. Where it does not (no AVX-512 VNNI), fast must give the
 /// exact numbers, and the test says so.
-fn check_fast(alias: &str, prefix: &str, sink_tolerance: f64) {
+/// The inspect report of the golden file's tables: every head of the last layer from the last
+/// query, head averages of the first, middle and last layers.
+fn lesson_report(
+    model: &attnscope::model::Model,
+    tokens: &[u32],
+    g: &serde_json::Value,
+) -> attnscope::analysis::inspect::InspectReport {
     use attnscope::analysis::collect::Collector;
     use attnscope::analysis::inspect::{build, InspectPlan};
+    let (n, d) = (tokens.len(), &model.dims);
+    let mid = g["middle_layer"].as_u64().unwrap() as usize;
+    let plan = InspectPlan {
+        query: n - 1,
+        layer: d.n_layers - 1,
+        heads: (0..d.n_heads).collect(),
+        top_heads: 3,
+        layers: vec![0, mid, d.n_layers - 1],
+        top_layers: 4,
+        concentrated_at: 0.9,
+    };
+    let mut c = Collector::new(d.n_layers, d.n_heads, n, n - 1);
+    let out = model
+        .forward(tokens, &RunOptions::last_logits(n), &mut c)
+        .unwrap();
+    build(model, tokens, &c, &out.logits[0], &plan)
+}
+
+fn check_fast(alias: &str, prefix: &str, sink_tolerance: f64) {
     let model =
         attnscope::model::Model::load(alias, attnscope::model::Precision::Fast, false).unwrap();
     let g = golden_json(&format!("{prefix}_transformers.json"));
@@ -165,21 +190,7 @@ fn check_fast(alias: &str, prefix: &str, sink_tolerance: f64) {
         max > 1e-4,
         "{alias}: fast precision should really use the int8 kernel (max deviation {max})"
     );
-    let mid = g["middle_layer"].as_u64().unwrap() as usize;
-    let plan = InspectPlan {
-        query: n - 1,
-        layer: d.n_layers - 1,
-        heads: (0..d.n_heads).collect(),
-        top_heads: 3,
-        layers: vec![0, mid, d.n_layers - 1],
-        top_layers: 4,
-        concentrated_at: 0.9,
-    };
-    let mut c = Collector::new(d.n_layers, d.n_heads, n, n - 1);
-    let out2 = model
-        .forward(&tokens, &RunOptions::last_logits(n), &mut c)
-        .unwrap();
-    let r = build(&model, &tokens, &c, &out2.logits[0], &plan);
+    let r = lesson_report(&model, &tokens, &g);
     let mut worst_sink = 0f64;
     for (l, row) in r.layers.iter().enumerate() {
         worst_sink = worst_sink
@@ -261,27 +272,10 @@ fn fast_precision_deviation_on_smollm() {
 /// per-head top-3 of the last layer, head-averaged top-4 at first/middle/last layer, both sink
 /// profiles, per-head max/argmax/entropy, next-token top-5 probabilities.
 fn check_inspect(alias: &str, prefix: &str) {
-    use attnscope::analysis::collect::Collector;
-    use attnscope::analysis::inspect::{build, InspectPlan};
     let model = real_model(alias);
     let g = golden_json(&format!("{prefix}_transformers.json"));
     let tokens = model.encode(SENTENCE, false).unwrap();
-    let (n, d) = (tokens.len(), &model.dims);
-    let mid = g["middle_layer"].as_u64().unwrap() as usize;
-    let plan = InspectPlan {
-        query: n - 1,
-        layer: d.n_layers - 1,
-        heads: (0..d.n_heads).collect(),
-        top_heads: 3,
-        layers: vec![0, mid, d.n_layers - 1],
-        top_layers: 4,
-        concentrated_at: 0.9,
-    };
-    let mut c = Collector::new(d.n_layers, d.n_heads, n, n - 1);
-    let out = model
-        .forward(&tokens, &RunOptions::last_logits(n), &mut c)
-        .unwrap();
-    let r = build(model, &tokens, &c, &out.logits[0], &plan);
+    let r = lesson_report(model, &tokens, &g);
     let r4 = |x: f64| (x * 1e4).round() / 1e4;
     for h in &r.heads {
         // the reference lists the top-3 of heads 0-3 (the lesson's table) and max/entropy of all

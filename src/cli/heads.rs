@@ -60,14 +60,9 @@ pub fn mean_roles(all: &[HeadRoles]) -> BTreeMap<String, Vec<Vec<f64>>> {
     out
 }
 
-/// The document `heads --each-line --json` prints, from each text's scores in order.
-pub fn document(
-    model: &Model,
-    all: &[HeadRoles],
-    extra: serde_json::Map<String, serde_json::Value>,
-) -> anyhow::Result<serde_json::Value> {
-    let mut doc = extra;
-    let uniform: BTreeMap<String, f64> = ROLES
+/// Each role's uniform-head score, averaged like the scores (each text once).
+fn mean_uniform(all: &[HeadRoles]) -> BTreeMap<String, f64> {
+    ROLES
         .iter()
         .map(|r| {
             (
@@ -75,7 +70,17 @@ pub fn document(
                 all.iter().map(|x| x.uniform[*r]).sum::<f64>() / all.len() as f64,
             )
         })
-        .collect();
+        .collect()
+}
+
+/// The document `heads --each-line --json` prints, from each text's scores in order.
+pub fn document(
+    model: &Model,
+    all: &[HeadRoles],
+    extra: serde_json::Map<String, serde_json::Value>,
+) -> anyhow::Result<serde_json::Value> {
+    let mut doc = extra;
+    let uniform = mean_uniform(all);
     doc.insert("model".into(), model.info.name.clone().into());
     doc.insert("precision".into(), model.info.precision.name().into());
     doc.insert("texts".into(), all.len().into());
@@ -146,15 +151,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         ));
     }
     let roles = mean_roles(&all);
-    let uniform: BTreeMap<String, f64> = ROLES
-        .iter()
-        .map(|r| {
-            (
-                r.to_string(),
-                all.iter().map(|x| x.uniform[*r]).sum::<f64>() / all.len() as f64,
-            )
-        })
-        .collect();
+    let uniform = mean_uniform(&all);
     let n_tokens: usize = all.iter().map(|r| r.tokens.len()).sum();
     let mut s = title(&format!(
         "Head roles of {}, {} ({n_tokens} tokens)",

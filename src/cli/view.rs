@@ -28,6 +28,38 @@ pub struct ViewArgs {
 
 const MAX_VIEW_TOKENS: usize = 512;
 
+/// Every layer of a view: its weights encoded for the page, and the sink profile.
+struct EncodedLayers {
+    encoding: &'static str,
+    patterns: Vec<String>,
+    sink_query: Vec<f32>,
+    sink_all: Vec<f32>,
+}
+
+/// Encodes each layer's `[heads, n, n]` map; the sink numbers come from the same analysis as
+/// `inspect`, fed the maps.
+fn encode_layers<'a>(
+    maps: impl Iterator<Item = &'a [f32]>,
+    layers: usize,
+    heads: usize,
+    n: usize,
+) -> EncodedLayers {
+    let mut c = Collector::new(layers, heads, n, n - 1);
+    let (mut encoding, mut patterns) = ("u16", Vec::with_capacity(layers));
+    for (l, p) in maps.enumerate() {
+        c.attention_block(l, Hook::Pattern, 0, [heads, n, n], p);
+        let (enc, b64) = encode_layer(p, heads, n);
+        encoding = enc;
+        patterns.push(b64);
+    }
+    EncodedLayers {
+        encoding,
+        patterns,
+        sink_query: (0..layers).map(|l| c.sink_query(l)).collect(),
+        sink_all: (0..layers).map(|l| c.sink_all_queries(l)).collect(),
+    }
+}
+
 /// The view page for `text` on `model` (also served by `attnscope serve`), and the token count.
 pub fn view_html(
     model: &crate::model::Model,
@@ -42,17 +74,12 @@ pub fn view_html(
     }
     let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
     model.forward(&tokens, &RunOptions::last_logits(n), &mut cache)?;
-    // the sink numbers come from the same analysis as `inspect`, fed the captured maps
-    let mut c = Collector::new(d.n_layers, d.n_heads, n, n - 1);
-    let mut patterns = Vec::with_capacity(d.n_layers);
-    let mut encoding = "u16";
-    for l in 0..d.n_layers {
-        let p = cache.pattern(l).expect("every layer was captured");
-        c.attention_block(l, Hook::Pattern, 0, [d.n_heads, n, n], p.data);
-        let (enc, b64) = encode_layer(p.data, d.n_heads, n);
-        encoding = enc;
-        patterns.push(b64);
-    }
+    let layers = encode_layers(
+        (0..d.n_layers).map(|l| cache.pattern(l).expect("every layer was captured").data),
+        d.n_layers,
+        d.n_heads,
+        n,
+    );
     let faithfulness = if faithfulness {
         Some(serde_json::to_value(run_faith(
             model,
@@ -75,11 +102,11 @@ pub fn view_html(
         n_layers: d.n_layers,
         n_heads: d.n_heads,
         n_kv_heads: d.n_kv_heads,
-        sink_query: (0..d.n_layers).map(|l| c.sink_query(l)).collect(),
-        sink_all: (0..d.n_layers).map(|l| c.sink_all_queries(l)).collect(),
+        sink_query: layers.sink_query,
+        sink_all: layers.sink_all,
         faithfulness,
-        encoding,
-        patterns,
+        encoding: layers.encoding,
+        patterns: layers.patterns,
     };
     Ok((page(&data), n))
 }
@@ -118,15 +145,7 @@ pub fn pattern_page(
     {
         return Err(usage(format!("attention weight {bad} is not in [0, 1]")));
     }
-    let mut c = Collector::new(layers, heads, n, n - 1);
-    let mut encoded = Vec::with_capacity(layers);
-    let mut encoding = "u16";
-    for (l, p) in patterns.chunks(heads * n * n).enumerate() {
-        c.attention_block(l, Hook::Pattern, 0, [heads, n, n], p);
-        let (enc, b64) = encode_layer(p, heads, n);
-        encoding = enc;
-        encoded.push(b64);
-    }
+    let encoded = encode_layers(patterns.chunks(heads * n * n), layers, heads, n);
     let data = ViewData {
         title: title.to_string(),
         model: serde_json::json!({"name": title, "n_layers": layers, "n_heads": heads}),
@@ -134,11 +153,11 @@ pub fn pattern_page(
         n_layers: layers,
         n_heads: heads,
         n_kv_heads: heads,
-        sink_query: (0..layers).map(|l| c.sink_query(l)).collect(),
-        sink_all: (0..layers).map(|l| c.sink_all_queries(l)).collect(),
+        sink_query: encoded.sink_query,
+        sink_all: encoded.sink_all,
         faithfulness: None,
-        encoding,
-        patterns: encoded,
+        encoding: encoded.encoding,
+        patterns: encoded.patterns,
     };
     Ok(page(&data))
 }
