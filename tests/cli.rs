@@ -159,9 +159,10 @@ fn inspect_json_on_tiny_model() {
         "3. Causal mask",
         "4. Layer 1",
         "5. Head-averaged",
-        "6. Attention sink",
-        "7. The model's answer",
-        "8. Caution",
+        "6. What each key moves",
+        "7. Attention sink",
+        "8. The model's answer",
+        "9. Caution",
     ] {
         assert!(s.contains(part), "inspect output lacks {part:?}");
     }
@@ -345,12 +346,18 @@ fn faithfulness_json_has_the_promised_fields() {
         "attention_last",
         "attention_mean",
         "rollout",
+        "norm_last",
+        "norm_mean",
         "loo",
         "replace",
         "knockout",
     ] {
         assert!(toks[0].get(key).is_some(), "tokens[] lacks {key}");
     }
+    // norm-based attention: non-negative, and the layer-averaged shares sum to 1
+    assert!(toks.iter().all(|t| t["norm_last"].as_f64().unwrap() >= 0.0));
+    let shares: f64 = toks.iter().map(|t| t["norm_mean"].as_f64().unwrap()).sum();
+    assert!((shares - 1.0).abs() < 1e-4, "norm_mean sums to {shares}");
     // the query's own position cannot be knocked out (a token always sees itself): n/a, not 0
     assert!(toks.last().unwrap()["knockout"].is_null());
     assert!(toks[..toks.len() - 1]
@@ -367,6 +374,8 @@ fn faithfulness_json_has_the_promised_fields() {
         "attention_last",
         "attention_mean",
         "rollout",
+        "norm_last",
+        "norm_mean",
         "random",
         "head_0",
         "head_3",

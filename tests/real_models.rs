@@ -124,7 +124,6 @@ fn lesson_report(
     tokens: &[u32],
     g: &serde_json::Value,
 ) -> attnscope::analysis::inspect::InspectReport {
-    use attnscope::analysis::collect::Collector;
     use attnscope::analysis::inspect::{build, InspectPlan};
     let (n, d) = (tokens.len(), &model.dims);
     let mid = g["middle_layer"].as_u64().unwrap() as usize;
@@ -137,7 +136,7 @@ fn lesson_report(
         top_layers: 4,
         concentrated_at: 0.9,
     };
-    let mut c = Collector::new(d.n_layers, d.n_heads, n, n - 1);
+    let mut c = plan.collector(d, n);
     let out = model
         .forward(tokens, &RunOptions::last_logits(n), &mut c)
         .unwrap();
@@ -435,6 +434,32 @@ fn faithfulness_occlusions_equal_fresh_runs_smollm() {
     )
     .unwrap();
     assert_eq!(r.target.token, " Paris");
+    // the norm-based ranking (from the kept KV prefix) equals the one from a capture of hook_v
+    {
+        use attnscope::analysis::collect::Collector;
+        use attnscope::analysis::norms::{mixed_norms, Values};
+        let d = &model.dims;
+        let last = d.n_layers - 1;
+        let mut c = Collector::new(d.n_layers, d.n_heads, n, n - 1).keep_values(&[last]);
+        model
+            .forward(&tokens, &RunOptions::last_logits(n), &mut c)
+            .unwrap();
+        let v = Values::pos_major(
+            c.values[last].as_ref().unwrap(),
+            n,
+            d.n_kv_heads,
+            d.head_dim,
+        );
+        let alphas: Vec<&[f32]> = (0..d.n_heads).map(|h| c.row(last, h)).collect();
+        let want = mixed_norms(model, last, &v, &alphas, n);
+        let got: Vec<f32> = r.tokens.iter().map(|t| t.norm_last).collect();
+        assert_close(
+            &got,
+            &want,
+            1e-4 * want.iter().fold(1.0f32, |a, &b| a.max(b)),
+            "norm_last",
+        );
+    }
     let lp = |toks: &[u32], knock: Vec<usize>| {
         let out = model
             .forward(
@@ -544,4 +569,98 @@ fn the_default_model_has_induction_heads() {
         best <= 0.5 + 1e-6,
         "only the second half's rows can score: at most 0.5"
     );
+}
+
+/// Norm-based attention (Kobayashi et al. 2020) against transformers: `α·‖W_Oʰ vⱼ‖` for every
+/// layer and head and the whole-layer `‖Σₕ αʰ W_Oʰ vⱼ‖` from the last query
+/// (tests/golden/make_norms_golden.py), within 1e-3 relative; and `inspect`'s columns are them.
+fn check_norms(alias: &str, prefix: &str) {
+    use attnscope::analysis::collect::Collector;
+    use attnscope::analysis::norms::{mixed_norms, value_norms, Values};
+    let model = real_model(alias);
+    let d = &model.dims;
+    let tokens = model.encode(SENTENCE, false).unwrap();
+    let n = tokens.len();
+    let all: Vec<usize> = (0..d.n_layers).collect();
+    let mut c = Collector::new(d.n_layers, d.n_heads, n, n - 1).keep_values(&all);
+    model
+        .forward(&tokens, &RunOptions::last_logits(n), &mut c)
+        .unwrap();
+    let (shape, want) = golden_npy(&format!("{prefix}_norms_lastrow.npy"));
+    assert_eq!(shape, vec![d.n_layers, d.n_heads + 1, n]);
+    let heads: Vec<usize> = (0..d.n_heads).collect();
+    let (mut worst, mut at) = (0.0f32, (0, 0, 0));
+    let mut got_all = Vec::new();
+    for l in 0..d.n_layers {
+        let v = Values::pos_major(c.values[l].as_ref().unwrap(), n, d.n_kv_heads, d.head_dim);
+        let vn = value_norms(model, l, &v, &heads, n);
+        let alphas: Vec<&[f32]> = heads.iter().map(|&h| c.row(l, h)).collect();
+        let mixed = mixed_norms(model, l, &v, &alphas, n);
+        for h in 0..=d.n_heads {
+            for j in 0..n {
+                let got = if h < d.n_heads {
+                    alphas[h][j] * vn[h][j]
+                } else {
+                    mixed[j]
+                };
+                let w = want[(l * (d.n_heads + 1) + h) * n + j];
+                let rel = (got - w).abs() / w.abs().max(1.0);
+                if rel > worst {
+                    (worst, at) = (rel, (l, h, j));
+                }
+                got_all.push(got);
+            }
+        }
+    }
+    eprintln!("{alias}: norm-based attention, max relative difference {worst:.2e} at (layer, head, key) {at:?}");
+    assert!(
+        worst < 1e-3,
+        "{alias}: norm-based attention differs by {worst:.2e} at {at:?}"
+    );
+    // the inspect report's columns are these numbers
+    let g = golden_json(&format!("{prefix}_transformers.json"));
+    let r = lesson_report(model, &tokens, &g);
+    let last = d.n_layers - 1;
+    for h in &r.heads {
+        let want_row = &want[(last * (d.n_heads + 1) + h.head) * n..][..n];
+        assert_close(
+            &h.norms,
+            want_row,
+            1e-3 * want_row.iter().fold(1.0f32, |a, &b| a.max(b)),
+            &format!("{alias}: inspect norms of head {}", h.head),
+        );
+        assert_eq!(
+            h.norm_top[0].pos,
+            attnscope::analysis::max_argmax(want_row).1
+        );
+        let share: f32 = h
+            .norms
+            .iter()
+            .map(|x| x / h.norms.iter().sum::<f32>())
+            .sum();
+        assert!((share - 1.0).abs() < 1e-4);
+        assert!(
+            (h.first_key.norm - h.first_key.weight * h.first_key.value_norm.unwrap()).abs() < 1e-5
+        );
+    }
+    for lr in r.layers.iter().filter(|l| l.norms.is_some()) {
+        let want_row = &want[(lr.layer * (d.n_heads + 1) + d.n_heads) * n..][..n];
+        let scale = want_row.iter().fold(1.0f32, |a, &b| a.max(b));
+        assert_close(
+            lr.norms.as_ref().unwrap(),
+            want_row,
+            1e-3 * scale,
+            &format!("{alias}: inspect whole-layer norms, layer {}", lr.layer),
+        );
+    }
+}
+
+#[test]
+fn norm_based_attention_matches_transformers_qwen() {
+    check_norms("qwen2.5-coder-0.5b", "qwen");
+}
+
+#[test]
+fn norm_based_attention_matches_transformers_smollm() {
+    check_norms("smollm2-135m", "smol");
 }

@@ -649,3 +649,98 @@ fn head_role_scores_equal_the_formulas_on_materialized_patterns() {
     assert_eq!(toks.len(), 14);
     assert_eq!(toks[..7], toks[7..]);
 }
+
+/// Norm-based attention on a tiny model. Layer 0 gets `W_O = s·I` (d_model = heads·head_dim), so
+/// by hand `α·‖fₕ(xⱼ)‖ = α·s·‖vⱼ‖` and the whole layer's `‖Σₕ αʰ fₕ(xⱼ)‖ = s·√(Σₕ (αʰ‖vⱼ‖)²)`
+/// (each head writes its own block); layer 1 keeps a random `W_O` and is checked against f64
+/// products with the reference weights. Values and weights are the engine's captures.
+#[test]
+fn norm_based_attention_is_hand_computable() {
+    use attnscope::analysis::norms::{mixed_norms, shares, value_norms, Values};
+    let mut m = tiny_model(Arch::Qwen2, 9);
+    let (dm, hd, nh, nkv) = (
+        m.cfg.d_model,
+        m.cfg.head_dim,
+        m.cfg.n_heads,
+        m.cfg.n_kv_heads,
+    );
+    assert_eq!(dm, nh * hd);
+    let s = 1.5f32;
+    m.layers[0].w_o = (0..dm * dm)
+        .map(|i| if i / dm == i % dm { s } else { 0.0 })
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.gguf");
+    write_gguf(&m, Arch::Qwen2, GgmlDType::F32, &path).unwrap();
+    let model = Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();
+    let n = TOKENS.len();
+    let spec = CaptureSpec {
+        hooks: vec![Hook::Pattern, Hook::V],
+        ..CaptureSpec::patterns()
+    };
+    let mut cache = AttnCache::new(&spec, n);
+    model
+        .forward(&TOKENS, &RunOptions::last_logits(n), &mut cache)
+        .unwrap();
+    let heads: Vec<usize> = (0..nh).collect();
+    let group = nh / nkv;
+    for l in 0..2 {
+        let v = cache.get(l, Hook::V).unwrap();
+        let vals = Values::pos_major(&v.data, n, nkv, hd);
+        let p = cache.pattern(l).unwrap();
+        let q = n - 1;
+        let alphas: Vec<&[f32]> = heads.iter().map(|&h| p.row(h, q)).collect();
+        let vn = value_norms(&model, l, &vals, &heads, n);
+        let mixed = mixed_norms(&model, l, &vals, &alphas, n);
+        for j in 0..n {
+            let mut total = vec![0f64; dm];
+            for h in 0..nh {
+                let vj: Vec<f64> = vals.get(j, h / group).iter().map(|&x| x as f64).collect();
+                // f_h(v_j) = W_O[:, h·hd..(h+1)·hd] · v_j, from the reference's weights
+                let f: Vec<f64> = (0..dm)
+                    .map(|r| {
+                        (0..hd)
+                            .map(|c| m.layers[l].w_o[r * dm + h * hd + c] as f64 * vj[c])
+                            .sum()
+                    })
+                    .collect();
+                let norm = f.iter().map(|x| x * x).sum::<f64>().sqrt();
+                if l == 0 {
+                    let by_hand = s as f64 * vj.iter().map(|x| x * x).sum::<f64>().sqrt();
+                    assert!((norm - by_hand).abs() < 1e-9 * by_hand.max(1.0));
+                }
+                assert!(
+                    (vn[h][j] as f64 - norm).abs() < 1e-5 * norm.max(1.0),
+                    "layer {l} head {h} key {j}: ‖f(x)‖ {} vs {norm}",
+                    vn[h][j]
+                );
+                f.iter()
+                    .zip(total.iter_mut())
+                    .for_each(|(x, t)| *t += alphas[h][j] as f64 * x);
+            }
+            let want = total.iter().map(|x| x * x).sum::<f64>().sqrt();
+            if l == 0 {
+                let by_hand = (0..nh)
+                    .map(|h| {
+                        let a = alphas[h][j] as f64 * s as f64;
+                        a * a
+                            * vals
+                                .get(j, h / group)
+                                .iter()
+                                .map(|&x| (x as f64).powi(2))
+                                .sum::<f64>()
+                    })
+                    .sum::<f64>()
+                    .sqrt();
+                assert!((want - by_hand).abs() < 1e-9 * by_hand.max(1.0));
+            }
+            assert!(
+                (mixed[j] as f64 - want).abs() < 1e-5 * want.max(1.0),
+                "layer {l} key {j}: whole-layer norm {} vs {want}",
+                mixed[j]
+            );
+        }
+        let sh = shares(&mixed);
+        assert!((sh.iter().sum::<f32>() - 1.0).abs() < 1e-5);
+    }
+}

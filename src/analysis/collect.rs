@@ -22,6 +22,9 @@ pub struct Collector {
     /// Per layer, per head: Σ over all queries of the row's max weight / entropy.
     max_sums: Vec<Vec<f64>>,
     ent_sums: Vec<Vec<f64>>,
+    /// Per layer, `hook_v` (`[n, n_kv_heads, head_dim]`) where [`Collector::keep_values`] asked.
+    pub values: Vec<Option<Vec<f32>>>,
+    keep_values: Vec<bool>,
 }
 
 impl Collector {
@@ -34,7 +37,19 @@ impl Collector {
             sink_sums: vec![vec![0.0; n_heads]; n_layers],
             max_sums: vec![vec![0.0; n_heads]; n_layers],
             ent_sums: vec![vec![0.0; n_heads]; n_layers],
+            values: vec![None; n_layers],
+            keep_values: vec![false; n_layers],
         }
+    }
+
+    /// Also keep the value vectors of `layers` (for norm-based attention): `O(n)` per layer.
+    pub fn keep_values(mut self, layers: &[usize]) -> Self {
+        for &l in layers {
+            if l < self.keep_values.len() {
+                self.keep_values[l] = true;
+            }
+        }
+        self
     }
 
     pub fn n_layers(&self) -> usize {
@@ -95,10 +110,14 @@ impl Collector {
 }
 
 impl Observer for Collector {
-    fn wants(&self, _: usize, _: Hook) -> bool {
-        false
+    fn wants(&self, layer: usize, hook: Hook) -> bool {
+        hook == Hook::V && self.keep_values.get(layer).copied().unwrap_or(false)
     }
-    fn tensor(&mut self, _: usize, _: Hook, _: &[usize], _: &[f32]) {}
+    fn tensor(&mut self, layer: usize, hook: Hook, _: &[usize], data: &[f32]) {
+        if hook == Hook::V {
+            self.values[layer] = Some(data.to_vec());
+        }
+    }
     fn wants_stats(&self, layer: usize) -> Option<StatsRequest> {
         (layer < self.query_rows.len()).then_some(StatsRequest {
             top_k: 0,

@@ -7,6 +7,8 @@
 //!   occluded − full; importance is −Δ (the drop).
 //! - Attention rollout [Abnar & Zuidema 2020, arXiv:2005.00928]: per layer
 //!   `A = 0.5·mean_h(P) + 0.5·I`, rows renormalized, multiplied across layers.
+//! - Norm-based attention [Kobayashi et al. 2020, arXiv:2004.10102]: `‖Σₕ αʰᵢⱼ·W_Oʰ vⱼ‖`, what
+//!   key j moves into the query's residual stream (last layer; and shares averaged over layers).
 //! - Metrics: Spearman ρ, Kendall τ-b, top-1 agreement; comprehensiveness and sufficiency at
 //!   k = 1, 3, 5 [DeYoung et al. 2020, ERASER, arXiv:1911.03429]:
 //!   `comp@k = p(full) − p(without top-k)`, `suff@k = p(full) − p(only top-k)`.
@@ -14,6 +16,7 @@
 //! Runs reuse the keys and values of the unchanged prefix, so each occlusion recomputes only
 //! the positions from the occluded one on.
 
+use super::norms::{mixed_norms, shares, Values};
 use crate::model::capture::{AttnCache, CaptureSpec, NoCapture};
 use crate::model::forward::{log_softmax, KvPrefix, RunOptions};
 use crate::model::{Model, Result};
@@ -196,6 +199,10 @@ pub struct TokenRow {
     pub attention_last: f32,
     pub attention_mean: f32,
     pub rollout: f32,
+    /// norm-based attention of the last layer, `‖Σₕ αʰ·W_Oʰ vⱼ‖` (Kobayashi et al. 2020)
+    pub norm_last: f32,
+    /// norm-based attention, each layer's row as shares of its total, averaged over layers
+    pub norm_mean: f32,
     /// Δ log p(target) when the token is deleted (None when the text has one token only).
     pub loo: Option<f32>,
     pub replace: f32,
@@ -318,10 +325,24 @@ pub fn run(
     let attention_mean = super::mean_rows(head_means.iter().map(|hm| &hm[q * n..][..n]));
     let roll = rollout(&head_means, n, q);
     let last_p = cache.pattern(d.n_layers - 1).expect("captured");
+    // norm-based attention [Kobayashi et al. 2020]: what each key moves, per layer
+    let norm_rows: Vec<Vec<f32>> = (0..d.n_layers)
+        .map(|l| {
+            let p = cache.pattern(l).expect("all layers captured");
+            let alphas: Vec<&[f32]> = (0..d.n_heads).map(|h| p.row(h, q)).collect();
+            let v = Values::head_major(kv.values(l), n, d.n_kv_heads, d.head_dim);
+            mixed_norms(model, l, &v, &alphas, n)
+        })
+        .collect();
+    let norm_last = norm_rows[d.n_layers - 1].clone();
+    let norm_shares: Vec<Vec<f32>> = norm_rows.iter().map(|r| shares(r)).collect();
+    let norm_mean = super::mean_rows(norm_shares.iter().map(Vec::as_slice));
     let mut rankings: Vec<(String, Vec<f32>)> = vec![
         ("attention_last".into(), attention_last.clone()),
         ("attention_mean".into(), attention_mean.clone()),
         ("rollout".into(), roll.clone()),
+        ("norm_last".into(), norm_last.clone()),
+        ("norm_mean".into(), norm_mean.clone()),
     ];
     for h in 0..d.n_heads {
         rankings.push((format!("head_{h}"), last_p.row(h, q).to_vec()));
@@ -366,6 +387,8 @@ pub fn run(
             attention_last: attention_last[j],
             attention_mean: attention_mean[j],
             rollout: roll[j],
+            norm_last: norm_last[j],
+            norm_mean: norm_mean[j],
             loo,
             replace,
             knockout,
@@ -570,6 +593,13 @@ fn conclude(rows: &[TokenRow], metrics: &[MetricRow], target: &TargetInfo) -> St
         find("random", "loo", false),
     );
     let alw = find("attention_last", "loo", true);
+    let nl = find("norm_last", "loo", false);
+    let norm_total: f32 = rows.iter().map(|r| r.norm_last).sum();
+    let norm_share = if norm_total > 0.0 {
+        most_attended.norm_last / norm_total
+    } else {
+        0.0
+    };
     let strength = |r: Option<f64>| match r {
         Some(v) if v >= 0.7 => "strong",
         Some(v) if v >= 0.4 => "moderate",
@@ -590,7 +620,7 @@ fn conclude(rows: &[TokenRow], metrics: &[MetricRow], target: &TargetInfo) -> St
         _ => "Attention does no better than a random ranking here: high weight is not importance.".to_string(),
     };
     format!(
-        "Target \"{}\" (p = {:.4}). The last layer attends most to {} \"{}\" (weight {:.3}); deleting it changes log p by {:+.3}. The token whose deletion matters most is {} \"{}\" (Δ log p = {:+.3}){}. Against leave-one-out, last-layer attention has Spearman ρ = {} ({} agreement; without the first token {}), rollout {}, a random ranking {}. {verdict}",
+        "Target \"{}\" (p = {:.4}). The last layer attends most to {} \"{}\" (weight {:.3}); deleting it changes log p by {:+.3}. The token whose deletion matters most is {} \"{}\" (Δ log p = {:+.3}){}. Against leave-one-out, last-layer attention has Spearman ρ = {} ({} agreement; without the first token {}), rollout {}, norm-based attention {} (it gives {} \"{}\" {:.1}% of what the last layer moves), a random ranking {}. {verdict}",
         target.token,
         target.prob,
         most_attended.pos,
@@ -605,6 +635,10 @@ fn conclude(rows: &[TokenRow], metrics: &[MetricRow], target: &TargetInfo) -> St
         strength(rho),
         fmt(alw.and_then(|m| m.spearman)),
         fmt(ro.and_then(|m| m.spearman)),
+        fmt(nl.and_then(|m| m.spearman)),
+        most_attended.pos,
+        most_attended.text,
+        norm_share * 100.0,
         fmt(ra.and_then(|m| m.spearman)),
     )
 }

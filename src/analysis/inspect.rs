@@ -2,6 +2,7 @@
 //! Pure data; `render::report` turns it into text, serde into JSON.
 
 use super::collect::Collector;
+use super::norms::{mixed_norms, shares, value_norms, Values};
 use super::{entropy, max_argmax, next_token_top_k, profile_marks, top_k, ProfileMarks};
 use crate::model::{Model, ModelDims};
 use crate::reference::kv_head;
@@ -55,6 +56,30 @@ pub struct TopEntry {
     pub weight: f32,
 }
 
+/// A key ranked by norm-based attention (what it moves into the query's residual stream).
+#[derive(Clone, Debug, Serialize)]
+pub struct NormEntry {
+    pub pos: usize,
+    pub token: String,
+    /// `α·‖f(x)‖` for one head; `‖Σₕ αʰ·fₕ(x)‖` for a whole layer
+    pub norm: f32,
+    /// `norm` over the sum of the row's norms
+    pub share: f32,
+    /// the attention weight (head-averaged for a layer), for comparison
+    pub weight: f32,
+}
+
+/// The first token under both readings: the weight it gets and what it moves.
+#[derive(Clone, Debug, Serialize)]
+pub struct FirstKeyNorm {
+    pub weight: f32,
+    /// `‖f(x₀)‖ = ‖W_Oʰ v₀‖` (heads only): the size of the first token's value through the head
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub value_norm: Option<f32>,
+    pub norm: f32,
+    pub norm_share: f32,
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct HeadRow {
     pub head: usize,
@@ -65,6 +90,13 @@ pub struct HeadRow {
     pub entropy: f32,
     /// max weight ≥ the concentration threshold (0.9)
     pub concentrated: bool,
+    /// keys ranked by `α·‖f(x)‖` (norm-based attention)
+    pub norm_top: Vec<NormEntry>,
+    /// `α·‖W_Oʰ vⱼ‖` for keys `0..=query`
+    pub norms: Vec<f32>,
+    /// `‖W_Oʰ vⱼ‖` for keys `0..=query`
+    pub value_norms: Vec<f32>,
+    pub first_key: FirstKeyNorm,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -72,6 +104,14 @@ pub struct LayerRow {
     pub layer: usize,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub top: Option<Vec<TopEntry>>,
+    /// keys ranked by `‖Σₕ αʰ·fₕ(x)‖` (norm-based attention of the whole layer)
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub norm_top: Option<Vec<NormEntry>>,
+    /// `‖Σₕ αʰ·fₕ(xⱼ)‖` for keys `0..=query`
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub norms: Option<Vec<f32>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_key: Option<FirstKeyNorm>,
     pub sink_query: f32,
     pub sink_all_queries: f32,
 }
@@ -115,6 +155,17 @@ pub struct InspectPlan {
     pub concentrated_at: f32,
 }
 
+impl InspectPlan {
+    /// The observer a forward must fill for [`build`]: the query's rows, the sink sums, and the
+    /// value vectors of the layers whose norm-based attention is reported.
+    pub fn collector(&self, dims: &ModelDims, n: usize) -> Collector {
+        let mut layers = self.layers.clone();
+        layers.push(self.layer);
+        Collector::new(dims.n_layers, dims.n_heads, n, self.query).keep_values(&layers)
+    }
+}
+
+/// The report from a forward that filled [`InspectPlan::collector`].
 pub fn build(
     model: &Model,
     tokens: &[u32],
@@ -130,14 +181,47 @@ pub fn build(
     };
     let q = plan.query;
     let group = model.dims.group_size();
+    let d = &model.dims;
+    let values = |l: usize| {
+        let v = c.values[l]
+            .as_deref()
+            .expect("inspect keeps the values of its layers");
+        Values::pos_major(v, c.n, d.n_kv_heads, d.head_dim)
+    };
+    let norm_entries = |norms: &[f32], weights: &[f32], k: usize| -> Vec<NormEntry> {
+        let sh = shares(norms);
+        top_k(norms, k)
+            .into_iter()
+            .map(|r| NormEntry {
+                pos: r.pos,
+                token: texts[r.pos].clone(),
+                norm: r.weight,
+                share: sh[r.pos],
+                weight: weights[r.pos],
+            })
+            .collect()
+    };
+    let vnorms = value_norms(model, plan.layer, &values(plan.layer), &plan.heads, q + 1);
     let heads = plan
         .heads
         .iter()
-        .map(|&h| {
+        .zip(vnorms)
+        .map(|(&h, value_norms)| {
             // keys after the query are masked (0); rank only the keys it can see
             let row = &c.row(plan.layer, h)[..=q];
             let (max_weight, argmax) = max_argmax(row);
+            let norms: Vec<f32> = row.iter().zip(&value_norms).map(|(a, f)| a * f).collect();
+            let sh = shares(&norms);
             HeadRow {
+                norm_top: norm_entries(&norms, row, plan.top_heads),
+                first_key: FirstKeyNorm {
+                    weight: row[0],
+                    value_norm: Some(value_norms[0]),
+                    norm: norms[0],
+                    norm_share: sh[0],
+                },
+                norms,
+                value_norms,
                 head: h,
                 kv_head: kv_head(h, group),
                 top: top_k(row, plan.top_heads).into_iter().map(entry).collect(),
@@ -149,16 +233,34 @@ pub fn build(
         })
         .collect();
     let layers: Vec<LayerRow> = (0..c.n_layers())
-        .map(|l| LayerRow {
-            layer: l,
-            top: plan.layers.contains(&l).then(|| {
-                top_k(&c.head_mean(l)[..=q], plan.top_layers)
-                    .into_iter()
-                    .map(entry)
-                    .collect()
-            }),
-            sink_query: c.sink_query(l),
-            sink_all_queries: c.sink_all_queries(l),
+        .map(|l| {
+            let chosen = plan.layers.contains(&l);
+            let mean = c.head_mean(l);
+            let norms = chosen.then(|| {
+                let alphas: Vec<&[f32]> = (0..d.n_heads).map(|h| c.row(l, h)).collect();
+                mixed_norms(model, l, &values(l), &alphas, q + 1)
+            });
+            LayerRow {
+                layer: l,
+                top: chosen.then(|| {
+                    top_k(&mean[..=q], plan.top_layers)
+                        .into_iter()
+                        .map(entry)
+                        .collect()
+                }),
+                norm_top: norms
+                    .as_ref()
+                    .map(|nr| norm_entries(nr, &mean, plan.top_layers)),
+                first_key: norms.as_ref().map(|nr| FirstKeyNorm {
+                    weight: mean[0],
+                    value_norm: None,
+                    norm: nr[0],
+                    norm_share: shares(nr)[0],
+                }),
+                norms,
+                sink_query: c.sink_query(l),
+                sink_all_queries: c.sink_all_queries(l),
+            }
         })
         .collect();
     let sq: Vec<f32> = layers.iter().map(|l| l.sink_query).collect();

@@ -149,8 +149,15 @@ pub fn text_record(
                 .iter()
                 .filter(|m| {
                     m.truth == "loo"
-                        && ["attention_last", "attention_mean", "rollout", "random"]
-                            .contains(&m.ranking.as_str())
+                        && [
+                            "attention_last",
+                            "attention_mean",
+                            "rollout",
+                            "norm_last",
+                            "norm_mean",
+                            "random",
+                        ]
+                        .contains(&m.ranking.as_str())
                 })
                 .map(|m| FaithSummary {
                     ranking: m.ranking.clone(),

@@ -123,6 +123,8 @@ pub fn render(r: &FaithReport) -> String {
         ("attn last layer", Align::Right),
         ("attn all layers", Align::Right),
         ("rollout", Align::Right),
+        ("norm last", Align::Right),
+        ("norm all", Align::Right),
         ("Δ delete", Align::Right),
         ("Δ replace", Align::Right),
         ("Δ knockout", Align::Right),
@@ -134,6 +136,8 @@ pub fn render(r: &FaithReport) -> String {
             format!("{:.4}", x.attention_last),
             format!("{:.4}", x.attention_mean),
             format!("{:.4}", x.rollout),
+            format!("{:.3}", x.norm_last),
+            format!("{:.4}", x.norm_mean),
             g(x.loo),
             format!("{:+.4}", x.replace),
             x.knockout
@@ -142,7 +146,7 @@ pub fn render(r: &FaithReport) -> String {
         ]);
     }
     s += &t.render();
-    s += "Δ = log p(target | occluded) − log p(target | full text); a large negative Δ means the token mattered.\n\n";
+    s += "norm last = ‖Σₕ αʰ·W_Oʰ vⱼ‖ of the last layer, what the token moves into the query (Kobayashi et al. 2020); norm all = its share of each layer's total, averaged over layers.\nΔ = log p(target | occluded) − log p(target | full text); a large negative Δ means the token mattered.\n\n";
     for wf in [false, true] {
         s += &title(if wf {
             "Rankings against occlusion, first token excluded (the sink)"

@@ -1,7 +1,6 @@
 //! `attnscope inspect`: the lesson's tables on a real model.
 
 use super::common::{check_index, emit, parse_index_list, usage, ModelArgs, TextArgs};
-use crate::analysis::collect::Collector;
 use crate::analysis::inspect::{build, InspectPlan};
 use crate::model::forward::RunOptions;
 use std::time::Instant;
@@ -81,7 +80,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         top_layers: a.top.unwrap_or(4),
         concentrated_at: a.concentrated,
     };
-    let mut collector = Collector::new(d.n_layers, d.n_heads, n, query);
+    let mut collector = plan.collector(d, n);
     let t0 = Instant::now();
     let out = model.forward(
         &tokens,

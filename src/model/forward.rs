@@ -59,6 +59,11 @@ pub struct KvPrefix {
 }
 
 impl KvPrefix {
+    /// Layer `l`'s value vectors, `[n_kv_heads, len, head_dim]`.
+    pub fn values(&self, l: usize) -> &[f32] {
+        &self.layers[l].1
+    }
+
     /// The first `len` positions of this prefix.
     pub fn truncate(&self, len: usize) -> Result<KvPrefix> {
         let len = len.min(self.len);

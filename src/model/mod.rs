@@ -115,6 +115,12 @@ fn resolve(spec: &str, progress: bool) -> Result<(Source, String, Option<String>
 }
 
 impl Model {
+    /// `z · W_Oᵀ` of `layer` without the output bias, for `m` rows of `z` (`[m, n_heads·head_dim]`,
+    /// laid out like `hook_z`): what those rows would add to the residual stream.
+    pub fn output_projection(&self, layer: usize, z: &[f32], m: usize) -> Vec<f32> {
+        self.weights.layers[layer].o.forward_unbiased(z, m)
+    }
+
     /// Loads `spec`: an alias (fetched on first use), a `.gguf` file, a Hugging Face folder, or
     /// a hub id `org/name`. `progress` shows progress bars on standard error.
     pub fn load(spec: &str, precision: Precision, progress: bool) -> Result<Model> {

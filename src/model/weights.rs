@@ -264,6 +264,24 @@ impl Linear {
         Ok(())
     }
 
+    /// `x[m, k] · Wᵀ` without the bias, as a new `[m, n]` buffer: the part of the output that
+    /// depends on `x` (norm-based attention measures it per token).
+    pub fn forward_unbiased(&self, x: &[f32], m: usize) -> Vec<f32> {
+        let (k, n) = (self.k, self.n);
+        assert!(
+            x.len() >= m * k,
+            "Linear::forward_unbiased: input too short"
+        );
+        let mut out = vec![0f32; m * n];
+        match &self.mat {
+            Matrix::Packed(pb) => gemm::gemm(x, k, m, pb, &mut out, n, false),
+            Matrix::Int8(pq) => {
+                int8::gemm_q8(&int8::QuantA::new(x, m, k, k), pq, &mut out, n, false)
+            }
+        }
+        out
+    }
+
     /// `x[m, k] · Wᵀ (+ b)` as a new `[m, n]` buffer.
     pub fn forward(&self, x: &[f32], m: usize) -> Result<Vec<f32>> {
         let mut out = vec![0f32; m * self.n];

@@ -1,11 +1,87 @@
 //! The terminal text of `attnscope inspect`.
 
 use super::table::{bar, mask_grid, sparkline, title, Align, Table};
-use crate::analysis::inspect::{InspectReport, TopEntry};
+use crate::analysis::inspect::{InspectReport, LayerRow, NormEntry, TopEntry};
 use crate::model::tokenize::visible;
 
 fn top_cell(t: &TopEntry) -> String {
     format!("{} {} {:.4}", t.pos, quoted(&t.token), t.weight)
+}
+
+fn norm_cell(t: &NormEntry) -> String {
+    format!(
+        "{} {} {:.3} ({:.0}%)",
+        t.pos,
+        quoted(&t.token),
+        t.norm,
+        t.share * 100.0
+    )
+}
+
+/// Section 6: norm-based attention, per head of the chosen layer and per chosen layer.
+fn norm_section(r: &InspectReport, qtok: &str, first: &str, chosen: &[&LayerRow]) -> String {
+    let mut s = title(&format!(
+        "6. What each key moves into query {} {qtok}: norm-based attention α·‖W_O v‖",
+        r.query
+    ));
+    let k = r.heads.first().map(|h| h.norm_top.len()).unwrap_or(0);
+    s += &format!(
+        "Layer {}, per head (share of the row's total in brackets):\n",
+        r.layer
+    );
+    let mut hdr: Vec<(String, Align)> = vec![("head".into(), Align::Right)];
+    for i in 0..k {
+        hdr.push((format!("top {} by norm", i + 1), Align::Left));
+    }
+    hdr.extend([
+        (format!("{first} weight"), Align::Right),
+        ("‖f(x)‖".into(), Align::Right),
+        ("norm share".into(), Align::Right),
+    ]);
+    let mut t = Table::new(hdr);
+    for h in &r.heads {
+        let mut row = vec![h.head.to_string()];
+        row.extend(h.norm_top.iter().map(norm_cell));
+        row.extend([
+            format!("{:.4}", h.first_key.weight),
+            format!("{:.3}", h.first_key.value_norm.unwrap_or(f32::NAN)),
+            format!("{:.1}%", h.first_key.norm_share * 100.0),
+        ]);
+        t.row(row);
+    }
+    s += &t.render();
+    let k = chosen
+        .first()
+        .and_then(|l| l.norm_top.as_ref())
+        .map(|t| t.len())
+        .unwrap_or(0);
+    s += "All heads together, ‖Σₕ αʰ·W_Oʰ vⱼ‖ (what key j moves through the layer):\n";
+    let mut hdr: Vec<(String, Align)> = vec![("layer".into(), Align::Right)];
+    for i in 0..k {
+        hdr.push((format!("top {} by norm", i + 1), Align::Left));
+    }
+    hdr.extend([
+        (format!("{first} weight"), Align::Right),
+        ("norm share".into(), Align::Right),
+    ]);
+    let mut t = Table::new(hdr);
+    for l in chosen {
+        let (Some(top), Some(f)) = (&l.norm_top, &l.first_key) else {
+            continue;
+        };
+        let mut row = vec![l.layer.to_string()];
+        row.extend(top.iter().map(norm_cell));
+        row.extend([
+            format!("{:.1}%", f.weight * 100.0),
+            format!("{:.1}%", f.norm_share * 100.0),
+        ]);
+        t.row(row);
+    }
+    s += &t.render();
+    s += &format!(
+        "f(x) = W_O·(W_V x + b_V) per head (Kobayashi et al. 2020). A weight says where a head looks; the norm says how much it moves: the first token {first} often takes most of the weight with a small ‖f(x)‖.\n\n"
+    );
+    s
 }
 
 fn quoted(s: &str) -> String {
@@ -108,8 +184,9 @@ pub fn render(r: &InspectReport, mask_tokens: usize) -> String {
     s += &t.render();
     s += "\n";
     let first = quoted(&r.tokens[0].text);
+    s += &norm_section(r, &qtok, &first, &chosen);
     s += &title(&format!(
-        "6. Attention sink: share of attention on the first token {first}, averaged over heads"
+        "7. Attention sink: share of attention on the first token {first}, averaged over heads"
     ));
     let (pq, pa) = (&r.sink.query, &r.sink.all_queries);
     let mut t = Table::new([
@@ -165,7 +242,7 @@ pub fn render(r: &InspectReport, mask_tokens: usize) -> String {
         r.query
     );
     s += &title(&format!(
-        "7. The model's answer: next token after position {}",
+        "8. The model's answer: next token after position {}",
         r.query
     ));
     let mut t = Table::new([
@@ -188,7 +265,7 @@ pub fn render(r: &InspectReport, mask_tokens: usize) -> String {
     }
     s += &t.render();
     s += "\n";
-    s += &title("8. Caution");
+    s += &title("9. Caution");
     s += &format!("{}\n", r.caution);
     s
 }
