@@ -664,3 +664,61 @@ fn norm_based_attention_matches_transformers_qwen() {
 fn norm_based_attention_matches_transformers_smollm() {
     check_norms("smollm2-135m", "smol");
 }
+
+/// `compare` on the real models through the binary: side A on the shared sentence equals
+/// transformers' last-row attention, the other side is a changed sentence; two models whose
+/// tokenizers disagree are refused with the first differing token named.
+#[test]
+fn compare_on_the_real_models() {
+    let bin = env!("CARGO_BIN_EXE_attnscope");
+    let other = "Hà Nội là thủ đô của Việt Nam. Thành phố này nằm ở miền Nam.";
+    let out = std::process::Command::new(bin)
+        .args([
+            "compare",
+            "--model",
+            "qwen2.5-coder-0.5b",
+            "--text",
+            SENTENCE,
+            "--text",
+            other,
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows: Vec<Vec<Vec<f32>>> = serde_json::from_value(v["a"]["rows"].clone()).unwrap();
+    let got: Vec<f32> = rows.into_iter().flatten().flatten().collect();
+    let (_, want) = golden_npy("qwen_transformers_attn_lastrow.npy");
+    assert_close(&got, &want, 1e-4, "compare side A rows");
+    let js: Vec<Vec<f64>> = serde_json::from_value(v["js"].clone()).unwrap();
+    assert!(js.iter().flatten().all(|x| (0.0..=1.0).contains(x)));
+    assert!(
+        js.iter().flatten().any(|&x| x > 1e-4),
+        "a changed word changes some head"
+    );
+    let diff_at: Vec<usize> = (0..18)
+        .filter(|&i| v["a"]["token_ids"][i] != v["b"]["token_ids"][i])
+        .collect();
+    assert_eq!(diff_at.len(), 1, "one token differs: {diff_at:?}");
+    let out = std::process::Command::new(bin)
+        .args([
+            "compare",
+            "--model",
+            "qwen2.5-coder-0.5b",
+            "--model",
+            "smollm2-135m",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        e.contains("tokenizers split the text differently") && e.contains("position 0"),
+        "{e}"
+    );
+}

@@ -3,6 +3,7 @@
 //! on a long text never holds the `[layers, heads, n, n]` patterns.
 
 pub mod collect;
+pub mod compare;
 pub mod corpus;
 pub mod faithfulness;
 pub mod heads;

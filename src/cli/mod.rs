@@ -5,6 +5,7 @@
 mod bench;
 mod capture;
 pub mod common;
+mod compare;
 pub mod corpus;
 mod cost;
 mod explain;
@@ -52,6 +53,11 @@ pub enum Command {
     /// The attention-sink profile and per-head statistics of a long text (up to the model's
     /// context), streamed with an online softmax: memory grows with n, not n².
     Sinks(sinks::Args),
+    /// Two runs side by side: two texts (--text A --text B), two models with one tokenizer
+    /// (--model M1 --model M2) or two precisions: sink-profile differences per layer, the
+    /// Jensen–Shannon divergence of every head's query row, the heads that changed most; JSON
+    /// and an HTML page with both sides.
+    Compare(compare::Args),
     /// Which heads do what: previous-token, duplicate-token, induction, sink and local scores for
     /// every layer and head (TransformerLens's head detector), on a text or on random repeated
     /// tokens (--random-repeat 50: the induction test). Streamed, so long inputs fit.
@@ -90,6 +96,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Heatmap(a) => view::heatmap(a),
         Command::Scaling(a) => scaling::run(a),
         Command::Sinks(a) => sinks::run(a),
+        Command::Compare(a) => compare::run(a),
         Command::Heads(a) => heads::run(a),
         Command::Corpus(a) => corpus::run(a),
         Command::Faithfulness(a) => faithfulness::run(a),

@@ -1,0 +1,324 @@
+//! Two runs side by side: two texts on one model, one text on two models (same tokenizer), or
+//! one model at two precisions. Per layer the sink profiles and their difference; per head the
+//! Jensen–Shannon divergence of the query's attention rows; the heads that changed most.
+//!
+//! Each side runs a streamed forward ([`Collector`]): memory is `O(layers · heads · n)`.
+
+use super::collect::Collector;
+use super::{next_token_top_k, top_k, Ranked};
+use crate::model::forward::RunOptions;
+use crate::model::{Model, Result};
+use serde::Serialize;
+
+/// One side of a comparison: what ran, and the rows it produced.
+#[derive(Clone, Debug, Serialize)]
+pub struct Side {
+    /// What distinguishes this side (the text, the model or the precision).
+    pub label: String,
+    pub model: String,
+    pub precision: String,
+    pub token_ids: Vec<u32>,
+    pub tokens: Vec<String>,
+    pub query: usize,
+    /// Per layer, the sink share of the query (weight on the first token, mean over heads).
+    pub sink_query: Vec<f32>,
+    /// Per layer, the sink share over all queries 1..n-1.
+    pub sink_all: Vec<f32>,
+    /// `[layer][head]`: the query's attention row over keys `0..=query`.
+    #[serde(skip)]
+    pub rows: Vec<Vec<Vec<f32>>>,
+    /// The five most likely next tokens after the query.
+    pub next_token: Vec<(String, f32)>,
+}
+
+/// Runs `model` on `tokens` and keeps what a comparison needs.
+pub fn run_side(
+    model: &Model,
+    tokens: &[u32],
+    query: usize,
+    label: impl Into<String>,
+) -> Result<Side> {
+    let (n, d) = (tokens.len(), &model.dims);
+    let mut c = Collector::new(d.n_layers, d.n_heads, n, query);
+    let out = model.forward(
+        tokens,
+        &RunOptions {
+            logits_at: vec![query],
+            ..Default::default()
+        },
+        &mut c,
+    )?;
+    let rows = (0..d.n_layers)
+        .map(|l| {
+            (0..d.n_heads)
+                .map(|h| c.row(l, h)[..=query].to_vec())
+                .collect()
+        })
+        .collect();
+    Ok(Side {
+        label: label.into(),
+        model: model.info.name.clone(),
+        precision: model.info.precision.name().into(),
+        token_ids: tokens.to_vec(),
+        tokens: model.token_texts(tokens),
+        query,
+        sink_query: (0..d.n_layers).map(|l| c.sink_query(l)).collect(),
+        sink_all: (0..d.n_layers).map(|l| c.sink_all_queries(l)).collect(),
+        rows,
+        next_token: next_token_top_k(&out.logits[0], 5)
+            .into_iter()
+            .map(|t| (model.tokenizer.token_text(t.id), t.prob))
+            .collect(),
+    })
+}
+
+/// Jensen–Shannon divergence in bits (0 = the same distribution, 1 = disjoint supports) of two
+/// attention rows, aligned by key position; a shorter row is zero beyond its end. Accumulated in
+/// f64; each row is renormalized to sum 1 first.
+pub fn js_divergence(p: &[f32], q: &[f32]) -> f64 {
+    let n = p.len().max(q.len());
+    let at = |r: &[f32], i: usize| r.get(i).map_or(0.0, |&x| x.max(0.0) as f64);
+    let (sp, sq): (f64, f64) = (
+        (0..n).map(|i| at(p, i)).sum(),
+        (0..n).map(|i| at(q, i)).sum(),
+    );
+    if sp <= 0.0 || sq <= 0.0 {
+        return f64::NAN;
+    }
+    let mut js = 0.0;
+    for i in 0..n {
+        let (a, b) = (at(p, i) / sp, at(q, i) / sq);
+        let m = 0.5 * (a + b);
+        if a > 0.0 {
+            js += 0.5 * a * (a / m).log2();
+        }
+        if b > 0.0 {
+            js += 0.5 * b * (b / m).log2();
+        }
+    }
+    js.clamp(0.0, 1.0)
+}
+
+/// A key in one side's top list.
+#[derive(Clone, Debug, Serialize)]
+pub struct Key {
+    pub pos: usize,
+    pub token: String,
+    pub weight: f32,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct HeadChange {
+    pub layer: usize,
+    pub head: usize,
+    pub js: f64,
+    pub top_a: Vec<Key>,
+    pub top_b: Vec<Key>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct LayerDiff {
+    pub layer: usize,
+    pub sink_all_a: f32,
+    pub sink_all_b: f32,
+    /// B − A
+    pub sink_all_diff: f32,
+    pub sink_query_a: f32,
+    pub sink_query_b: f32,
+    pub sink_query_diff: f32,
+    /// mean over heads of the JS divergence of the query's rows
+    pub mean_js: f64,
+    /// JS divergence of the head-averaged rows
+    pub head_mean_js: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct CompareReport {
+    /// "texts", "models" or "precisions"
+    pub mode: String,
+    pub a: Side,
+    pub b: Side,
+    /// Whether both sides ran the same token ids (rows then line up token by token).
+    pub same_tokens: bool,
+    pub layers: Vec<LayerDiff>,
+    /// `[layer][head]`: JS divergence (bits) of the query's rows
+    pub js: Vec<Vec<f64>>,
+    /// The heads with the largest JS divergence, largest first.
+    pub top_changed: Vec<HeadChange>,
+    pub summary: String,
+}
+
+fn keys(side: &Side, row: &[f32], k: usize) -> Vec<Key> {
+    top_k(row, k)
+        .into_iter()
+        .map(|Ranked { pos, weight }| Key {
+            pos,
+            token: side.tokens[pos].clone(),
+            weight,
+        })
+        .collect()
+}
+
+/// Compares two sides with the same layers and heads (the caller checks; this asserts).
+pub fn compare(mode: &str, a: Side, b: Side, top: usize) -> CompareReport {
+    assert_eq!(a.rows.len(), b.rows.len(), "same number of layers");
+    let n_layers = a.rows.len();
+    let js: Vec<Vec<f64>> = (0..n_layers)
+        .map(|l| {
+            a.rows[l]
+                .iter()
+                .zip(&b.rows[l])
+                .map(|(ra, rb)| js_divergence(ra, rb))
+                .collect()
+        })
+        .collect();
+    let layers: Vec<LayerDiff> = (0..n_layers)
+        .map(|l| {
+            let ma = super::mean_rows(a.rows[l].iter().map(Vec::as_slice));
+            let mb = super::mean_rows(b.rows[l].iter().map(Vec::as_slice));
+            LayerDiff {
+                layer: l,
+                sink_all_a: a.sink_all[l],
+                sink_all_b: b.sink_all[l],
+                sink_all_diff: b.sink_all[l] - a.sink_all[l],
+                sink_query_a: a.sink_query[l],
+                sink_query_b: b.sink_query[l],
+                sink_query_diff: b.sink_query[l] - a.sink_query[l],
+                mean_js: js[l].iter().sum::<f64>() / js[l].len().max(1) as f64,
+                head_mean_js: js_divergence(&ma, &mb),
+            }
+        })
+        .collect();
+    let mut ranked: Vec<(usize, usize, f64)> = js
+        .iter()
+        .enumerate()
+        .flat_map(|(l, hs)| hs.iter().enumerate().map(move |(h, &v)| (l, h, v)))
+        .collect();
+    ranked.sort_by(|x, y| y.2.total_cmp(&x.2).then(x.0.cmp(&y.0)).then(x.1.cmp(&y.1)));
+    let top_changed = ranked
+        .into_iter()
+        .take(top)
+        .map(|(l, h, v)| HeadChange {
+            layer: l,
+            head: h,
+            js: v,
+            top_a: keys(&a, &a.rows[l][h], 3),
+            top_b: keys(&b, &b.rows[l][h], 3),
+        })
+        .collect::<Vec<_>>();
+    let same_tokens = a.token_ids == b.token_ids;
+    let summary = summarize(&a, &b, &layers, &top_changed);
+    CompareReport {
+        mode: mode.into(),
+        a,
+        b,
+        same_tokens,
+        layers,
+        js,
+        top_changed,
+        summary,
+    }
+}
+
+fn summarize(a: &Side, b: &Side, layers: &[LayerDiff], top: &[HeadChange]) -> String {
+    let biggest = layers
+        .iter()
+        .max_by(|x, y| x.sink_all_diff.abs().total_cmp(&y.sink_all_diff.abs()))
+        .expect("at least one layer");
+    let mean_js = layers.iter().map(|l| l.mean_js).sum::<f64>() / layers.len().max(1) as f64;
+    let mut s = format!(
+        "The sink profiles differ most at layer {} ({:.1}% for A, {:.1}% for B, {:+.1} points over all queries). Mean JS divergence of the query's rows over every head: {:.4} bits (0 = identical, 1 = disjoint).",
+        biggest.layer,
+        biggest.sink_all_a * 100.0,
+        biggest.sink_all_b * 100.0,
+        biggest.sink_all_diff * 100.0,
+        mean_js
+    );
+    if let Some(h) = top.first() {
+        s += &format!(
+            " The head that changed most is {}.{} ({:.3} bits): A looks at {}, B at {}.",
+            h.layer,
+            h.head,
+            h.js,
+            h.top_a
+                .first()
+                .map(|k| format!("{} {:?} ({:.2})", k.pos, k.token, k.weight))
+                .unwrap_or_default(),
+            h.top_b
+                .first()
+                .map(|k| format!("{} {:?} ({:.2})", k.pos, k.token, k.weight))
+                .unwrap_or_default()
+        );
+    }
+    if let (Some(x), Some(y)) = (a.next_token.first(), b.next_token.first()) {
+        s += &format!(
+            " Next token: A {:?} ({:.3}), B {:?} ({:.3}).",
+            x.0, x.1, y.0, y.1
+        );
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn js_divergence_known_values() {
+        assert_eq!(js_divergence(&[0.5, 0.5], &[0.5, 0.5]), 0.0);
+        // disjoint supports: 1 bit
+        assert!((js_divergence(&[1.0, 0.0], &[0.0, 1.0]) - 1.0).abs() < 1e-12);
+        // a shorter row is zero beyond its end
+        assert!((js_divergence(&[1.0], &[0.0, 1.0]) - 1.0).abs() < 1e-12);
+        // P = (1, 0), Q = (1/2, 1/2): M = (3/4, 1/4);
+        // JS = ½·log2(4/3) + ½·(½·log2(2/3) + ½·log2(2)) = ½·log2(4/3) + ¼·log2(4/3)
+        let want = 0.75 * (4.0f64 / 3.0).log2();
+        assert!((js_divergence(&[1.0, 0.0], &[0.5, 0.5]) - want).abs() < 1e-12);
+        // symmetric
+        let (p, q) = ([0.2, 0.3, 0.5], [0.6, 0.1, 0.3]);
+        assert!((js_divergence(&p, &q) - js_divergence(&q, &p)).abs() < 1e-15);
+        assert!(js_divergence(&[0.0, 0.0], &[1.0]).is_nan());
+    }
+
+    fn side(rows: Vec<Vec<Vec<f32>>>, sink: Vec<f32>) -> Side {
+        let n = rows[0][0].len();
+        Side {
+            label: "x".into(),
+            model: "m".into(),
+            precision: "exact".into(),
+            token_ids: (0..n as u32).collect(),
+            tokens: (0..n).map(|i| format!("t{i}")).collect(),
+            query: n - 1,
+            sink_query: sink.clone(),
+            sink_all: sink,
+            rows,
+            next_token: vec![("a".into(), 0.5)],
+        }
+    }
+
+    #[test]
+    fn the_changed_head_ranks_first() {
+        let same = vec![0.5, 0.25, 0.25];
+        let a = side(
+            vec![
+                vec![same.clone(), same.clone()],
+                vec![same.clone(), same.clone()],
+            ],
+            vec![0.5, 0.5],
+        );
+        let b = side(
+            vec![
+                vec![same.clone(), same.clone()],
+                vec![same.clone(), vec![0.0, 0.0, 1.0]],
+            ],
+            vec![0.5, 0.25],
+        );
+        let r = compare("texts", a, b, 2);
+        assert_eq!(r.js[0], vec![0.0, 0.0]);
+        assert_eq!((r.top_changed[0].layer, r.top_changed[0].head), (1, 1));
+        assert_eq!(r.top_changed[0].top_b[0].pos, 2);
+        assert!((r.layers[1].sink_all_diff + 0.25).abs() < 1e-7);
+        assert!(r.layers[1].mean_js > 0.0 && r.layers[0].mean_js == 0.0);
+        assert!(r.same_tokens);
+    }
+}

@@ -1,0 +1,380 @@
+//! `attnscope compare`: two texts, two models or two precisions side by side.
+
+use super::common::{check_index, emit, usage, write_new_file, LESSON_SENTENCE};
+use crate::analysis::compare::{compare, run_side, CompareReport};
+use crate::model::fetch::DEFAULT_MODEL;
+use crate::model::tokenize::visible;
+use crate::model::{Model, Precision};
+use crate::render::table::{bar, title, Align, Table};
+use anyhow::Context;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// A model (alias, .gguf, Hugging Face folder or hub id); give it twice to compare two
+    /// models on one text (their tokenizers must split it the same way).
+    #[arg(long, short = 'm')]
+    model: Vec<String>,
+    /// exact or fast; give `--precision exact --precision fast` to compare the two.
+    #[arg(long, value_enum)]
+    precision: Vec<Precision>,
+    /// A text; give it twice to compare two texts on one model. Default: the lesson's sentence.
+    #[arg(long, short = 't')]
+    text: Vec<String>,
+    /// A UTF-8 file holding a text (counts like --text).
+    #[arg(long, short = 'f')]
+    file: Vec<PathBuf>,
+    /// Put the model's BOS token first even though its metadata does not ask for one.
+    #[arg(long)]
+    bos: bool,
+    /// Query position whose rows are compared (default: the last token of each side).
+    #[arg(long, short = 'q')]
+    query: Option<usize>,
+    /// How many of the most changed heads to list.
+    #[arg(long, default_value_t = 10)]
+    top: usize,
+    /// Print one JSON document instead of the tables.
+    #[arg(long)]
+    json: bool,
+    /// Also write a self-contained HTML page with both sides side by side.
+    #[arg(long)]
+    html: Option<PathBuf>,
+    /// Replace the --html file if it exists.
+    #[arg(long)]
+    force: bool,
+}
+
+const TEMPLATE: &str = include_str!("../../assets/compare.html");
+
+fn load(spec: &str, precision: Precision) -> anyhow::Result<Arc<Model>> {
+    super::common::ModelArgs {
+        model: spec.to_string(),
+        precision,
+        bos: false,
+    }
+    .load()
+}
+
+fn short(text: &str) -> String {
+    let t: String = text.chars().take(60).collect();
+    if t.len() < text.len() {
+        format!("{t}…")
+    } else {
+        t
+    }
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    if a.top == 0 {
+        return Err(usage("--top must be at least 1"));
+    }
+    let mut texts = a.text.clone();
+    for f in &a.file {
+        let bytes = std::fs::read(f)
+            .map_err(|e| usage(format!("cannot read --file {}: {e}", f.display())))?;
+        texts.push(String::from_utf8(bytes).map_err(|e| {
+            usage(format!(
+                "{} is not valid UTF-8 (first bad byte at offset {})",
+                f.display(),
+                e.utf8_error().valid_up_to()
+            ))
+        })?);
+    }
+    if texts.is_empty() {
+        texts.push(LESSON_SENTENCE.into());
+    }
+    let models = if a.model.is_empty() {
+        vec![DEFAULT_MODEL.to_string()]
+    } else {
+        a.model.clone()
+    };
+    let precisions = if a.precision.is_empty() {
+        vec![Precision::Exact]
+    } else {
+        a.precision.clone()
+    };
+    let twos = [texts.len(), models.len(), precisions.len()];
+    if twos.iter().any(|&c| c > 2) || twos.iter().filter(|&&c| c == 2).count() != 1 {
+        return Err(usage(format!(
+            "compare needs exactly two of one thing: two texts (--text A --text B), two models (--model M1 --model M2) or two precisions (--precision exact --precision fast); got {} text(s), {} model(s), {} precision(s)",
+            texts.len(),
+            models.len(),
+            precisions.len()
+        )));
+    }
+    let (mode, sides): (&str, Vec<(Arc<Model>, String, String)>) = if texts.len() == 2 {
+        let m = load(&models[0], precisions[0])?;
+        (
+            "texts",
+            texts
+                .iter()
+                .map(|t| (m.clone(), t.clone(), format!("text \"{}\"", short(t))))
+                .collect(),
+        )
+    } else if models.len() == 2 {
+        (
+            "models",
+            models
+                .iter()
+                .map(|s| {
+                    Ok((
+                        load(s, precisions[0])?,
+                        texts[0].clone(),
+                        format!("model {s}"),
+                    ))
+                })
+                .collect::<anyhow::Result<_>>()?,
+        )
+    } else {
+        (
+            "precisions",
+            precisions
+                .iter()
+                .map(|&p| {
+                    Ok((
+                        load(&models[0], p)?,
+                        texts[0].clone(),
+                        format!("precision {}", p.name()),
+                    ))
+                })
+                .collect::<anyhow::Result<_>>()?,
+        )
+    };
+    let (ma, mb) = (&sides[0].0, &sides[1].0);
+    let tokens: Vec<Vec<u32>> = sides
+        .iter()
+        .map(|(m, t, _)| m.encode(t, a.bos))
+        .collect::<Result<_, _>>()?;
+    if mode == "models" && tokens[0] != tokens[1] {
+        let at = tokens[0]
+            .iter()
+            .zip(&tokens[1])
+            .take_while(|(x, y)| x == y)
+            .count();
+        let piece = |m: &Model, t: &[u32]| {
+            t.get(at)
+                .map(|&id| format!("{id} {:?}", m.tokenizer.token_text(id)))
+                .unwrap_or_else(|| "(end)".into())
+        };
+        return Err(usage(format!(
+            "the two models' tokenizers split the text differently ({}: {} tokens, {}: {} tokens; first difference at position {at}: {} vs {}): compare needs the same tokens on both sides; use two models that share a tokenizer",
+            models[0],
+            tokens[0].len(),
+            models[1],
+            tokens[1].len(),
+            piece(ma, &tokens[0]),
+            piece(mb, &tokens[1])
+        )));
+    }
+    if mode == "models" {
+        let (da, db) = (&ma.dims, &mb.dims);
+        if (da.n_layers, da.n_heads) != (db.n_layers, db.n_heads) {
+            return Err(usage(format!(
+                "the two models have different shapes ({}: {} layers × {} heads; {}: {} layers × {} heads): compare matches layers and heads one to one, so they must agree",
+                models[0], da.n_layers, da.n_heads, models[1], db.n_layers, db.n_heads
+            )));
+        }
+    }
+    let queries: Vec<usize> = tokens
+        .iter()
+        .map(|t| match a.query {
+            Some(q) => check_index(q, t.len(), "query position"),
+            None => Ok(t.len() - 1),
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let mut run_sides = Vec::new();
+    for (i, (m, _, label)) in sides.iter().enumerate() {
+        run_sides.push(
+            run_side(m, &tokens[i], queries[i], label.clone())
+                .with_context(|| format!("running side {}", ["A", "B"][i]))?,
+        );
+    }
+    let b = run_sides.pop().expect("two sides");
+    let a_side = run_sides.pop().expect("two sides");
+    let report = compare(mode, a_side, b, a.top);
+    if let Some(path) = &a.html {
+        write_new_file(path, page(&report).as_bytes(), a.force)?;
+        eprintln!("wrote {}", path.display());
+    }
+    if a.json {
+        let mut v = serde_json::to_value(&report)?;
+        // the rows themselves, for notebooks
+        for (k, s) in [("a", &report.a), ("b", &report.b)] {
+            v[k]["rows"] = serde_json::to_value(&s.rows)?;
+        }
+        return emit(&format!("{}\n", serde_json::to_string_pretty(&v)?));
+    }
+    emit(&render(&report))
+}
+
+/// The compare page: both sides' data inline, no network.
+pub fn page(r: &CompareReport) -> String {
+    let round = |rows: &Vec<Vec<Vec<f32>>>| -> serde_json::Value {
+        serde_json::to_value(
+            rows.iter()
+                .map(|l| {
+                    l.iter()
+                        .map(|h| h.iter().map(|&x| (x * 1e5).round() / 1e5).collect())
+                        .collect()
+                })
+                .collect::<Vec<Vec<Vec<f32>>>>(),
+        )
+        .expect("rows serialize")
+    };
+    let mut v = serde_json::to_value(r).expect("report serializes");
+    v["a"]["rows"] = round(&r.a.rows);
+    v["b"]["rows"] = round(&r.b.rows);
+    let json = v.to_string().replace('<', "\\u003c");
+    TEMPLATE.replace("/*ATTNSCOPE_DATA*/null", &json).replace(
+        "<!--TITLE-->",
+        &crate::render::html::html_escape(&format!("attnscope compare: {}", r.mode)),
+    )
+}
+
+fn render(r: &CompareReport) -> String {
+    let mut s = title(&format!("Compare two {}", r.mode));
+    for (k, side) in [("A", &r.a), ("B", &r.b)] {
+        s += &format!(
+            "{k}: {} · {} · {} · {} tokens, query {} \"{}\"\n",
+            side.label,
+            side.model,
+            side.precision,
+            side.tokens.len(),
+            side.query,
+            visible(&side.tokens[side.query])
+        );
+    }
+    if !r.same_tokens {
+        let (ta, tb) = (&r.a.token_ids, &r.b.token_ids);
+        if ta.len() == tb.len() {
+            let at: Vec<String> = (0..ta.len())
+                .filter(|&i| ta[i] != tb[i])
+                .map(|i| i.to_string())
+                .collect();
+            s += &format!(
+                "The tokens differ at position(s) {}: rows are compared key position by key position.\n",
+                at.join(", ")
+            );
+        } else {
+            s += "The two sides have different lengths: rows are compared by key position (a shorter row counts as 0 beyond its end).\n";
+        }
+    }
+    s += "\n";
+    s += &title("Sink profile per layer: share of attention on the first token (mean over heads)");
+    let mut t = Table::new([
+        ("layer", Align::Right),
+        ("A all q", Align::Right),
+        ("B all q", Align::Right),
+        ("B − A", Align::Right),
+        ("", Align::Left),
+        ("A query", Align::Right),
+        ("B query", Align::Right),
+        ("B − A", Align::Right),
+        ("mean JS", Align::Right),
+    ]);
+    let max_diff = r
+        .layers
+        .iter()
+        .map(|l| l.sink_all_diff.abs())
+        .fold(0.0f32, f32::max);
+    for l in &r.layers {
+        let d = l.sink_all_diff;
+        let b = bar(
+            if max_diff > 0.0 {
+                d.abs() / max_diff
+            } else {
+                0.0
+            },
+            12,
+        );
+        t.row([
+            l.layer.to_string(),
+            format!("{:.4}", l.sink_all_a),
+            format!("{:.4}", l.sink_all_b),
+            format!("{d:+.4}"),
+            if d < 0.0 {
+                format!("-{b}")
+            } else {
+                format!("+{b}")
+            },
+            format!("{:.4}", l.sink_query_a),
+            format!("{:.4}", l.sink_query_b),
+            format!("{:+.4}", l.sink_query_diff),
+            format!("{:.4}", l.mean_js),
+        ]);
+    }
+    s += &t.render();
+    s += &format!("bars: |B − A| over all queries, scaled to the largest ({max_diff:.4}). mean JS: Jensen–Shannon divergence of the query's rows, in bits, averaged over the layer's heads.\n\n");
+    s += &title(&format!(
+        "The {} heads whose query rows changed most (JS divergence, bits)",
+        r.top_changed.len()
+    ));
+    let mut t = Table::new([
+        ("layer.head", Align::Right),
+        ("JS", Align::Right),
+        ("A top keys", Align::Left),
+        ("B top keys", Align::Left),
+    ]);
+    let keys = |k: &[crate::analysis::compare::Key]| {
+        k.iter()
+            .map(|k| format!("{} \"{}\" {:.3}", k.pos, visible(&k.token), k.weight))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    for h in &r.top_changed {
+        t.row([
+            format!("{}.{}", h.layer, h.head),
+            format!("{:.4}", h.js),
+            keys(&h.top_a),
+            keys(&h.top_b),
+        ]);
+    }
+    s += &t.render();
+    let max_js =
+        r.js.iter()
+            .flatten()
+            .copied()
+            .filter(|v| v.is_finite())
+            .fold(0.0f64, f64::max);
+    s += &format!("\nJS divergence per head (rows: layers; columns: heads; ' ░▒▓█' = 0 .. {max_js:.4} bits, the largest)\n");
+    for (l, hs) in r.js.iter().enumerate() {
+        let shade: String = hs
+            .iter()
+            .map(|&v| {
+                if v.is_nan() {
+                    '?'
+                } else if max_js > 0.0 {
+                    [' ', '░', '▒', '▓', '█'][((v / max_js * 4.0).round() as usize).min(4)]
+                } else {
+                    ' '
+                }
+            })
+            .collect();
+        s += &format!("{l:>4} |{shade}|\n");
+    }
+    s += "\n";
+    s += &title("Next token");
+    let mut t = Table::new([
+        ("rank", Align::Right),
+        ("A", Align::Left),
+        ("p", Align::Right),
+        ("B", Align::Left),
+        ("p", Align::Right),
+    ]);
+    for i in 0..r.a.next_token.len().max(r.b.next_token.len()) {
+        let cell = |v: &[(String, f32)]| {
+            v.get(i)
+                .map(|(t, p)| (format!("\"{}\"", visible(t)), format!("{p:.4}")))
+                .unwrap_or_default()
+        };
+        let (ta, pa) = cell(&r.a.next_token);
+        let (tb, pb) = cell(&r.b.next_token);
+        t.row([(i + 1).to_string(), ta, pa, tb, pb]);
+    }
+    s += &t.render();
+    s += "\n";
+    s += &title("Summary");
+    s += &format!("{}\n", r.summary);
+    s
+}
