@@ -45,6 +45,9 @@ pub struct Args {
     force: bool,
 }
 
+/// One side to run: the model, the text, and the label that says what differs.
+type SideSpec = (Arc<Model>, String, String);
+
 const TEMPLATE: &str = include_str!("../../assets/compare.html");
 
 fn load(spec: &str, precision: Precision) -> anyhow::Result<Arc<Model>> {
@@ -103,7 +106,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             precisions.len()
         )));
     }
-    let (mode, sides): (&str, Vec<(Arc<Model>, String, String)>) = if texts.len() == 2 {
+    let (mode, sides): (&str, Vec<SideSpec>) = if texts.len() == 2 {
         let m = load(&models[0], precisions[0])?;
         (
             "texts",
