@@ -150,3 +150,281 @@ fn view_works_in_a_real_browser() {
     child.kill().unwrap();
     let _ = child.wait();
 }
+
+fn run_longview(
+    chromium: &str,
+    url: &str,
+    expected: &str,
+    out: &Path,
+    shot: &Path,
+) -> serde_json::Value {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/browser/longview.mjs");
+    let res = std::process::Command::new("node")
+        .env("CHROMIUM", chromium)
+        .arg(script)
+        .args([url, expected])
+        .arg(out)
+        .arg(shot)
+        .output()
+        .expect("node runs");
+    assert!(
+        res.status.success(),
+        "text view check of {url} failed:\n{}\n{}",
+        String::from_utf8_lossy(&res.stdout),
+        String::from_utf8_lossy(&res.stderr)
+    );
+    serde_json::from_str(&std::fs::read_to_string(out).unwrap()).unwrap()
+}
+
+fn q16(w: f32) -> f32 {
+    (w.clamp(0.0, 1.0) * 65535.0).round() / 65535.0
+}
+
+/// A row as the page keeps it: above 256 tokens the `k` largest weights (ties to the lower
+/// position) and the first token's, rounded to 1/65535, the rest of the mass spread evenly;
+/// up to 256 tokens every weight, rounded.
+fn as_stored(row: &[f32], sparse: bool, k: usize) -> Vec<f32> {
+    if !sparse {
+        return row.iter().map(|&w| q16(w)).collect();
+    }
+    let mut idx: Vec<usize> = (0..row.len()).collect();
+    idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+    let mut out = vec![f32::NAN; row.len()];
+    for &j in idx.iter().take(k) {
+        out[j] = q16(row[j]);
+    }
+    out[0] = q16(row[0]);
+    let sum: f32 = out.iter().filter(|x| !x.is_nan()).sum();
+    let others = out.iter().filter(|x| x.is_nan()).count();
+    let each = if others > 0 {
+        (1.0 - sum).max(0.0) / others as f32
+    } else {
+        0.0
+    };
+    out.iter()
+        .map(|&x| if x.is_nan() { each } else { x })
+        .collect()
+}
+
+/// The text view, driven in the browser on a tiny model: the values it shades by (weights per head
+/// and head-averaged, norm-based, first token hidden) equal what the page promises to store, for a
+/// short text (every weight) and a long one (each row's top weights).
+#[test]
+#[cfg_attr(
+    browser_missing,
+    ignore = "no browser here (tests/browser/find-browser.sh says what is missing); .ci/run installs one"
+)]
+fn text_view_shows_what_the_page_stores() {
+    use attnscope::analysis::norms::{all_value_norms, Values};
+    use attnscope::model::capture::Hook;
+    use attnscope::model::tiny::write_gguf_with;
+    use candle_core::quantized::gguf_file::Value;
+    let chromium = browser();
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = dir.path().join("tiny.gguf");
+    // the tiny model with a context of 1,024 tokens, so a text can go past 256
+    write_gguf_with(
+        &tiny_model(Arch::Qwen2, 4),
+        Arch::Qwen2,
+        GgmlDType::F32,
+        &gguf,
+        &|md, _| {
+            for (k, v) in md.iter_mut() {
+                if k.ends_with(".context_length") {
+                    *v = Value::U32(1024);
+                }
+            }
+        },
+    )
+    .unwrap();
+    let model = Model::load(gguf.to_str().unwrap(), Precision::Exact, false).unwrap();
+    let d = &model.dims;
+    let artifacts = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/browser-artifacts");
+    std::fs::create_dir_all(&artifacts).unwrap();
+    for (label, text) in [
+        ("short", "the hat at the hat".to_string()),
+        ("long", "the cat sat at the hat. ".repeat(20)),
+    ] {
+        let tokens = model.encode(&text, false).unwrap();
+        let n = tokens.len();
+        let sparse = n > 256;
+        assert_eq!(sparse, label == "long", "{label}: {n} tokens");
+        let spec = CaptureSpec {
+            hooks: vec![Hook::Pattern, Hook::V],
+            ..CaptureSpec::patterns()
+        };
+        let mut cache = AttnCache::new(&spec, n);
+        model
+            .forward(&tokens, &RunOptions::last_logits(n), &mut cache)
+            .unwrap();
+        let row = |l: usize, h: isize, q: usize| -> Vec<f32> {
+            let p = cache.pattern(l).unwrap();
+            if h >= 0 {
+                p.row_at(h as usize, q).unwrap()[..=q].to_vec()
+            } else {
+                (0..=q)
+                    .map(|j| {
+                        (0..d.n_heads)
+                            .map(|k| p.row_at(k, q).unwrap()[j])
+                            .sum::<f32>()
+                            / d.n_heads as f32
+                    })
+                    .collect()
+            }
+        };
+        let stored = |l: usize, h: isize, q: usize| {
+            as_stored(&row(l, h, q), sparse, if h >= 0 { 6 } else { 16 })
+        };
+        let vnorm = |l: usize| -> Vec<f32> {
+            let v = cache.get(l, Hook::V).unwrap();
+            let all = all_value_norms(
+                &model,
+                l,
+                &Values::pos_major(&v.data, n, d.n_kv_heads, d.head_dim),
+            );
+            let max = all.iter().copied().fold(0.0f32, f32::max);
+            all.iter().map(|&x| q16(x / max) * max).collect()
+        };
+        let mut checks = Vec::new();
+        let (q1, q2) = (n - 1, n / 2);
+        for (l, h, q) in [(1usize, 2isize, q1), (0, -1, q2), (1, -1, q1), (0, 3, q2)] {
+            checks.push(serde_json::json!({"layer": l, "head": h, "query": q, "measure": "weight", "values": stored(l, h, q), "tol": 2e-5}));
+        }
+        // the first token hidden: its weight 0, the rest renormalized
+        let mut r = stored(1, 1, q1);
+        let rest = 1.0 - r[0];
+        r[0] = 0.0;
+        r.iter_mut().skip(1).for_each(|x| *x /= rest);
+        checks.push(serde_json::json!({"layer": 1, "head": 1, "query": q1, "measure": "weight", "nosink": true, "values": r, "tol": 5e-5}));
+        // norm-based: α·‖W_Oʰ vⱼ‖ per head, and its mean over heads
+        for (l, h, q) in [(1usize, 0isize, q1), (0, -1, q2)] {
+            let vn = vnorm(l);
+            let heads: Vec<usize> = if h >= 0 {
+                vec![h as usize]
+            } else {
+                (0..d.n_heads).collect()
+            };
+            let mut vals = vec![0f32; q + 1];
+            for &k in &heads {
+                let a = stored(l, k as isize, q);
+                for j in 0..=q {
+                    vals[j] += a[j] * vn[k * n + j] / heads.len() as f32;
+                }
+            }
+            let tol = 1e-4 * vals.iter().copied().fold(1.0f32, f32::max);
+            checks.push(serde_json::json!({"layer": l, "head": h, "query": q, "measure": "norm", "values": vals, "tol": tol}));
+        }
+        let exp = dir.path().join(format!("{label}.json"));
+        std::fs::write(&exp, serde_json::json!({"checks": checks}).to_string()).unwrap();
+        let html = dir.path().join(format!("{label}.html"));
+        Command::cargo_bin("attnscope")
+            .unwrap()
+            .write_stdin("")
+            .args([
+                "view",
+                "--model",
+                gguf.to_str().unwrap(),
+                "--text",
+                &text,
+                "--out",
+                html.to_str().unwrap(),
+            ])
+            .assert()
+            .success();
+        let m = run_longview(
+            &chromium,
+            &format!("file://{}", html.display()),
+            exp.to_str().unwrap(),
+            &dir.path().join(format!("{label}-m.json")),
+            &artifacts.join(format!("textview-tiny-{label}.png")),
+        );
+        assert_eq!(m["n"].as_u64().unwrap() as usize, n);
+    }
+}
+
+/// The long-text view on the default model at about 512 and 4,096 tokens (texts from the built-in
+/// corpus): the page stays within 50 MB; time to the drawn text view, each layer switch and a
+/// query switch are measured in headless Chromium and printed (figures, not assertions: these
+/// machines are noisy), and kept in target/browser-artifacts/longview-*.json.
+#[test]
+#[cfg_attr(
+    browser_missing,
+    ignore = "no browser here (tests/browser/find-browser.sh says what is missing); .ci/run installs one"
+)]
+fn long_text_view_is_bounded_and_measured() {
+    let chromium = browser();
+    let model = Model::load("qwen2.5-coder-0.5b", Precision::Exact, false).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let artifacts = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/browser-artifacts");
+    std::fs::create_dir_all(&artifacts).unwrap();
+    let sentences = attnscope::analysis::corpus::builtin();
+    for target in [512usize, 4096] {
+        // whole sentences, as many as fit in `target` tokens
+        let mut text = String::new();
+        for s in sentences.iter().cycle() {
+            let longer = if text.is_empty() {
+                s.clone()
+            } else {
+                format!("{text} {s}")
+            };
+            if model.encode(&longer, false).unwrap().len() > target {
+                break;
+            }
+            text = longer;
+        }
+        let n = model.encode(&text, false).unwrap().len();
+        assert!(n > target - 80 && n <= target, "{n} tokens for {target}");
+        let file = dir.path().join(format!("t{target}.txt"));
+        std::fs::write(&file, &text).unwrap();
+        let html = dir.path().join(format!("v{target}.html"));
+        let t0 = std::time::Instant::now();
+        Command::cargo_bin("attnscope")
+            .unwrap()
+            .write_stdin("")
+            .args([
+                "view",
+                "--file",
+                file.to_str().unwrap(),
+                "--out",
+                html.to_str().unwrap(),
+            ])
+            .assert()
+            .success();
+        let write_s = t0.elapsed().as_secs_f64();
+        let size = std::fs::metadata(&html).unwrap().len();
+        assert!(
+            size <= 50_000_000,
+            "{n} tokens: the page is {size} bytes, over 50 MB"
+        );
+        let out = artifacts.join(format!("longview-{target}.json"));
+        let m = run_longview(
+            &chromium,
+            &format!("file://{}", html.display()),
+            "-",
+            &out,
+            &artifacts.join(format!("longview-{target}.png")),
+        );
+        let sw: Vec<f64> = m["layer_switch_ms"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        let mut sorted = sw.clone();
+        sorted.sort_by(f64::total_cmp);
+        eprintln!(
+            "MEASURED view of {n} tokens: page {:.1} MB, written in {write_s:.1} s; ready (text view drawn) {:.0} ms after navigation start, first contentful paint {:?} ms; layer switch median {:.0} ms, max {:.0} ms over {} layers; query switch {:.0} ms",
+            size as f64 / 1e6,
+            m["ready_ms"].as_f64().unwrap(),
+            m["first_contentful_paint_ms"].as_f64(),
+            sorted[sorted.len() / 2],
+            sorted[sorted.len() - 1],
+            sw.len(),
+            m["query_switch_ms"].as_f64().unwrap()
+        );
+        let mut doc = m.clone();
+        doc["page_bytes"] = size.into();
+        doc["write_s"] = write_s.into();
+        std::fs::write(&out, doc.to_string()).unwrap();
+    }
+}

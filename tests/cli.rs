@@ -1522,3 +1522,62 @@ fn compare_texts_models_and_precisions_on_tiny_models() {
         );
     }
 }
+
+/// `view` above 4,096 tokens, or `--faithfulness` above 256, is refused with the limit named
+/// (exit 2); the bounded page of 257..=4,096 tokens is written.
+#[test]
+fn view_limits_are_named() {
+    use attnscope::model::tiny::write_gguf_with;
+    use candle_core::quantized::gguf_file::Value;
+    let dir = tempfile::tempdir().unwrap();
+    let m = dir.path().join("tiny.gguf");
+    write_gguf_with(
+        &tiny_model(Arch::Qwen2, 1),
+        Arch::Qwen2,
+        GgmlDType::F32,
+        &m,
+        &|md, _| {
+            for (k, v) in md.iter_mut() {
+                if k.ends_with(".context_length") {
+                    *v = Value::U32(8192);
+                }
+            }
+        },
+    )
+    .unwrap();
+    let out_path = dir.path().join("v.html");
+    let view = |text: String, extra: &[&str]| {
+        attnscope()
+            .args([
+                "view",
+                "--model",
+                m.to_str().unwrap(),
+                "--force",
+                "--out",
+                out_path.to_str().unwrap(),
+                "--text",
+                &text,
+            ])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = view("the cat at the hat ".repeat(500), &[]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr_of(&out));
+    assert!(
+        stderr_of(&out).contains("at most 4096") && stderr_of(&out).contains("sinks"),
+        "{}",
+        stderr_of(&out)
+    );
+    let out = view("the cat at the hat ".repeat(40), &["--faithfulness"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr_of(&out));
+    assert!(
+        stderr_of(&out).contains("at most 256"),
+        "{}",
+        stderr_of(&out)
+    );
+    let out = view("the cat at the hat ".repeat(40), &[]);
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    let page = std::fs::read_to_string(&out_path).unwrap();
+    assert!(page.contains("\"encoding\":\"topk\"") && page.contains("\"k_head\":6"));
+}

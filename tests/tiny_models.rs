@@ -656,7 +656,7 @@ fn head_role_scores_equal_the_formulas_on_materialized_patterns() {
 /// products with the reference weights. Values and weights are the engine's captures.
 #[test]
 fn norm_based_attention_is_hand_computable() {
-    use attnscope::analysis::norms::{mixed_norms, shares, value_norms, Values};
+    use attnscope::analysis::norms::{all_value_norms, mixed_norms, shares, value_norms, Values};
     let mut m = tiny_model(Arch::Qwen2, 9);
     let (dm, hd, nh, nkv) = (
         m.cfg.d_model,
@@ -691,6 +691,13 @@ fn norm_based_attention_is_hand_computable() {
         let q = n - 1;
         let alphas: Vec<&[f32]> = heads.iter().map(|&h| p.row(h, q)).collect();
         let vn = value_norms(&model, l, &vals, &heads, n);
+        // the Gram-matrix route of the long view gives the same norms
+        let all = all_value_norms(&model, l, &vals);
+        for h in 0..nh {
+            for j in 0..n {
+                assert!((all[h * n + j] - vn[h][j]).abs() < 1e-5 * vn[h][j].max(1.0));
+            }
+        }
         let mixed = mixed_norms(&model, l, &vals, &alphas, n);
         for j in 0..n {
             let mut total = vec![0f64; dm];

@@ -166,3 +166,52 @@ pub fn shares(row: &[f32]) -> Vec<f32> {
         })
         .collect()
 }
+
+/// `‖W_Oʰ vⱼ‖` for every head and every key of `layer`, `[heads, n]`, through each head's Gram
+/// matrix `W_Oʰᵀ W_Oʰ` (head_dim × head_dim, read off the model's own output projection applied
+/// to unit vectors): `‖W_Oʰ v‖² = vᵀ (W_Oʰᵀ W_Oʰ) v`. A long text then costs `n · heads ·
+/// head_dim²` instead of one projection per (head, key). Same numbers as [`value_norms`] up to
+/// rounding (and, at `--precision fast`, up to the 8-bit rounding of v that the projection does).
+pub fn all_value_norms(model: &Model, layer: usize, v: &Values) -> Vec<f32> {
+    use rayon::prelude::*;
+    let d = &model.dims;
+    let (nh, hd, dm, group) = (d.n_heads, d.head_dim, d.d_model, d.group_size());
+    let width = nh * hd;
+    let mut eye = vec![0f32; width * width];
+    for i in 0..width {
+        eye[i * width + i] = 1.0;
+    }
+    // row i: column i of W_O, [d_model]
+    let cols = model.output_projection(layer, &eye, width);
+    drop(eye);
+    let n = v.len();
+    let mut out = vec![0f32; nh * n];
+    out.par_chunks_mut(n.max(1))
+        .enumerate()
+        .for_each(|(h, norms)| {
+            let col = |a: usize| &cols[(h * hd + a) * dm..(h * hd + a + 1) * dm];
+            let mut gram = vec![0f64; hd * hd];
+            for a in 0..hd {
+                for b in a..hd {
+                    let g: f64 = col(a)
+                        .iter()
+                        .zip(col(b))
+                        .map(|(&x, &y)| x as f64 * y as f64)
+                        .sum();
+                    gram[a * hd + b] = g;
+                    gram[b * hd + a] = g;
+                }
+            }
+            for (j, slot) in norms.iter_mut().enumerate() {
+                let x = v.get(j, kv_head(h, group));
+                let mut s = 0f64;
+                for a in 0..hd {
+                    let row = &gram[a * hd..(a + 1) * hd];
+                    let gx: f64 = row.iter().zip(x).map(|(&g, &xb)| g * xb as f64).sum();
+                    s += x[a] as f64 * gx;
+                }
+                *slot = s.max(0.0).sqrt() as f32;
+            }
+        });
+    out
+}

@@ -32,7 +32,7 @@ pub struct Args {
     max_faithfulness_tokens: usize,
 }
 
-/// Seconds the whole answer may take to send (pages are tens of MB at 512 tokens).
+/// Seconds the whole answer may take to send (a view page is up to ~46 MB at 4,096 tokens).
 const WRITE_DEADLINE_S: u64 = 120;
 
 const MAX_REQUEST_LINE: usize = 16 * 1024;

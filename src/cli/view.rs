@@ -4,9 +4,12 @@ use super::common::{check_index, emit, usage, write_new_file, ModelArgs, TextArg
 use crate::analysis::collect::Collector;
 use crate::analysis::faithfulness::{run as run_faith, FaithOptions, Target};
 use crate::analysis::inspect::ModelFacts;
+use crate::analysis::norms::{all_value_norms, Values};
 use crate::model::capture::{AttnCache, CaptureSpec, Hook, Observer};
 use crate::model::forward::RunOptions;
-use crate::render::html::{encode_layer, page, ViewData};
+use crate::render::html::{encode_layer, page, SparseLayers, ViewData};
+use crate::render::sparse::{encode_value_norms, SparseView, FULL_MAX, TOP_HEAD, TOP_MEAN};
+use std::io::IsTerminal;
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
@@ -26,24 +29,34 @@ pub struct ViewArgs {
     force: bool,
 }
 
-const MAX_VIEW_TOKENS: usize = 512;
+/// The longest text a view takes: above [`FULL_MAX`] tokens it stores each row's top weights
+/// (see [`crate::render::sparse`]), so the page stays bounded.
+pub const MAX_VIEW_TOKENS: usize = 4096;
 
 /// Every layer of a view: its weights encoded for the page, and the sink profile.
 struct EncodedLayers {
     encoding: &'static str,
     patterns: Vec<String>,
+    sparse: Option<SparseLayers>,
     sink_query: Vec<f32>,
     sink_all: Vec<f32>,
 }
 
-/// Encodes each layer's `[heads, n, n]` map; the sink numbers come from the same analysis as
-/// `inspect`, fed the maps.
+/// Encodes each layer's `[heads, n, n]` map: every weight up to [`FULL_MAX`] tokens, the bounded
+/// encoding above. The sink numbers come from the same analysis as `inspect`, fed the maps.
 fn encode_layers<'a>(
     maps: impl Iterator<Item = &'a [f32]>,
     layers: usize,
     heads: usize,
     n: usize,
 ) -> EncodedLayers {
+    if n > FULL_MAX {
+        let mut sv = SparseView::new(layers, heads, n, false);
+        for (l, p) in maps.enumerate() {
+            sv.attention_block(l, Hook::Pattern, 0, [heads, n, n], p);
+        }
+        return sparse_layers(&sv, layers);
+    }
     let mut c = Collector::new(layers, heads, n, n - 1);
     let (mut encoding, mut patterns) = ("u16", Vec::with_capacity(layers));
     for (l, p) in maps.enumerate() {
@@ -55,9 +68,46 @@ fn encode_layers<'a>(
     EncodedLayers {
         encoding,
         patterns,
+        sparse: None,
         sink_query: (0..layers).map(|l| c.sink_query(l)).collect(),
         sink_all: (0..layers).map(|l| c.sink_all_queries(l)).collect(),
     }
+}
+
+fn sparse_layers(sv: &SparseView, layers: usize) -> EncodedLayers {
+    use rayon::prelude::*;
+    EncodedLayers {
+        encoding: "topk",
+        patterns: Vec::new(),
+        sparse: Some(SparseLayers {
+            k_head: TOP_HEAD,
+            k_mean: TOP_MEAN,
+            layers: (0..layers)
+                .into_par_iter()
+                .map(|l| sv.encode_layer(l))
+                .collect(),
+        }),
+        sink_query: sv.sink_query(),
+        sink_all: sv.sink_all(),
+    }
+}
+
+/// Per layer, the value norms of every head and key, encoded for the page.
+fn value_norms_of(
+    model: &crate::model::Model,
+    values: &[Option<Vec<f32>>],
+    n: usize,
+) -> Vec<String> {
+    let d = &model.dims;
+    values
+        .iter()
+        .enumerate()
+        .map(|(l, v)| {
+            let v = v.as_deref().expect("the values of every layer were kept");
+            let vals = Values::pos_major(v, n, d.n_kv_heads, d.head_dim);
+            encode_value_norms(&all_value_norms(model, l, &vals))
+        })
+        .collect()
 }
 
 /// The view page for `text` on `model` (also served by `attnscope serve`), and the token count.
@@ -70,16 +120,50 @@ pub fn view_html(
     let tokens = model.encode(text, bos)?;
     let (n, d) = (tokens.len(), &model.dims);
     if n > MAX_VIEW_TOKENS {
-        return Err(usage(format!("the text is {n} tokens; the view embeds every weight and takes at most {MAX_VIEW_TOKENS} (use `attnscope sinks` for long texts)")));
+        return Err(usage(format!("the text is {n} tokens; the view takes at most {MAX_VIEW_TOKENS} (use `attnscope sinks` for longer texts: it streams any length up to the context)")));
     }
-    let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
-    model.forward(&tokens, &RunOptions::last_logits(n), &mut cache)?;
-    let layers = encode_layers(
-        (0..d.n_layers).map(|l| cache.pattern(l).expect("every layer was captured").data),
-        d.n_layers,
-        d.n_heads,
-        n,
-    );
+    if faithfulness && n > FULL_MAX {
+        return Err(usage(format!("--faithfulness occludes every token (3 forwards each); the view runs it on texts of at most {FULL_MAX} tokens, and this one is {n} (run `attnscope faithfulness` on a shorter text)")));
+    }
+    let (layers, vnorms) = if n > FULL_MAX {
+        let mut sv = SparseView::new(d.n_layers, d.n_heads, n, true);
+        let bar = if std::io::stderr().is_terminal() {
+            indicatif::ProgressBar::new(d.n_layers as u64)
+        } else {
+            indicatif::ProgressBar::hidden()
+        };
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "view: {msg} [{bar:30}] layer {pos}/{len} ({elapsed}, {eta} left)",
+            )
+            .expect("valid template")
+            .progress_chars("=> "),
+        );
+        bar.set_message(format!("{n} tokens"));
+        let b2 = bar.clone();
+        sv.on_layer = Some(Box::new(move |l| b2.set_position(l as u64 + 1)));
+        model.forward(&tokens, &RunOptions::last_logits(n), &mut sv)?;
+        bar.finish_and_clear();
+        let vn = value_norms_of(model, &sv.values, n);
+        (sparse_layers(&sv, d.n_layers), vn)
+    } else {
+        let spec = CaptureSpec {
+            hooks: vec![Hook::Pattern, Hook::V],
+            ..CaptureSpec::patterns()
+        };
+        let mut cache = AttnCache::new(&spec, n);
+        model.forward(&tokens, &RunOptions::last_logits(n), &mut cache)?;
+        let layers = encode_layers(
+            (0..d.n_layers).map(|l| cache.pattern(l).expect("every layer was captured").data),
+            d.n_layers,
+            d.n_heads,
+            n,
+        );
+        let values: Vec<Option<Vec<f32>>> = (0..d.n_layers)
+            .map(|l| cache.get(l, Hook::V).map(|c| c.data.to_vec()))
+            .collect();
+        (layers, value_norms_of(model, &values, n))
+    };
     let faithfulness = if faithfulness {
         Some(serde_json::to_value(run_faith(
             model,
@@ -107,6 +191,8 @@ pub fn view_html(
         faithfulness,
         encoding: layers.encoding,
         patterns: layers.patterns,
+        sparse: layers.sparse,
+        vnorms: Some(vnorms),
     };
     Ok((page(&data), n))
 }
@@ -136,7 +222,7 @@ pub fn pattern_page(
     }
     if n > MAX_VIEW_TOKENS {
         return Err(usage(format!(
-            "{n} tokens; the view embeds every weight and takes at most {MAX_VIEW_TOKENS}"
+            "{n} tokens; the view takes at most {MAX_VIEW_TOKENS}"
         )));
     }
     if let Some(bad) = patterns
@@ -158,6 +244,8 @@ pub fn pattern_page(
         faithfulness: None,
         encoding: encoded.encoding,
         patterns: encoded.patterns,
+        sparse: encoded.sparse,
+        vnorms: None,
     };
     Ok(page(&data))
 }

@@ -18,9 +18,22 @@ pub struct ViewData<'a> {
     pub sink_query: Vec<f32>,
     pub sink_all: Vec<f32>,
     pub faithfulness: Option<serde_json::Value>,
-    /// "u16" or "u8"
+    /// "u16" or "u8" (every weight, `patterns`), or "topk" (`sparse`)
     pub encoding: &'static str,
     pub patterns: Vec<String>,
+    /// The bounded encoding of a long text (see [`super::sparse`]).
+    pub sparse: Option<SparseLayers>,
+    /// Per layer, the value norms `‖W_Oʰ vⱼ‖` (see [`super::sparse::encode_value_norms`]), for
+    /// the norm-based shading; absent when the page was made from weights alone.
+    pub vnorms: Option<Vec<String>>,
+}
+
+/// What a `topk` page holds per layer.
+#[derive(Serialize)]
+pub struct SparseLayers {
+    pub k_head: usize,
+    pub k_mean: usize,
+    pub layers: Vec<String>,
 }
 
 /// Standard base64 (RFC 4648) with padding.
@@ -119,6 +132,8 @@ mod tests {
             faithfulness: None,
             encoding: enc,
             patterns: vec![p],
+            sparse: None,
+            vnorms: None,
         };
         let html = page(&d);
         assert!(!html.contains("/*ATTNSCOPE_DATA*/null"));

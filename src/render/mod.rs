@@ -3,5 +3,6 @@ pub mod heatmap;
 pub mod html;
 pub mod npy;
 pub mod report;
+pub mod sparse;
 pub mod table;
 pub mod tensorfile;
