@@ -428,3 +428,71 @@ fn long_text_view_is_bounded_and_measured() {
         std::fs::write(&out, doc.to_string()).unwrap();
     }
 }
+
+/// The `compare --html` page in the browser: both sides as prose, a click on the divergence grid
+/// selects that head and shows the report's JS divergence, the head-average column and the arrow
+/// keys move the selection, no console errors and no network.
+#[test]
+#[cfg_attr(
+    browser_missing,
+    ignore = "no browser here (tests/browser/find-browser.sh says what is missing); .ci/run installs one"
+)]
+fn compare_page_works_in_a_real_browser() {
+    let chromium = browser();
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = dir.path().join("tiny.gguf");
+    write_gguf(
+        &tiny_model(Arch::Qwen2, 4),
+        Arch::Qwen2,
+        GgmlDType::F32,
+        &gguf,
+    )
+    .unwrap();
+    let html = dir.path().join("cmp.html");
+    let out = Command::cargo_bin("attnscope")
+        .unwrap()
+        .write_stdin("")
+        .args([
+            "compare",
+            "--model",
+            gguf.to_str().unwrap(),
+            "--text",
+            "the hat at the hat",
+            "--text",
+            "the cat sat at the",
+        ])
+        .args(["--json", "--html", html.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let (l, h) = (1usize, 2usize);
+    let expected = serde_json::json!({
+        "n_a": v["a"]["tokens"].as_array().unwrap().len(),
+        "n_b": v["b"]["tokens"].as_array().unwrap().len(),
+        "layer": l, "head": h, "js": v["js"][l][h],
+    });
+    let exp = dir.path().join("expected.json");
+    std::fs::write(&exp, expected.to_string()).unwrap();
+    let artifacts = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/browser-artifacts");
+    std::fs::create_dir_all(&artifacts).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/browser/compare.mjs");
+    let res = std::process::Command::new("node")
+        .env("CHROMIUM", &chromium)
+        .arg(script)
+        .arg(format!("file://{}", html.display()))
+        .arg(&exp)
+        .arg(artifacts.join("compare-tiny.png"))
+        .output()
+        .expect("node runs");
+    assert!(
+        res.status.success(),
+        "compare page check failed:\n{}\n{}",
+        String::from_utf8_lossy(&res.stdout),
+        String::from_utf8_lossy(&res.stderr)
+    );
+}

@@ -7,6 +7,7 @@
 use super::collect::Collector;
 use super::{next_token_top_k, top_k, Ranked};
 use crate::model::forward::RunOptions;
+use crate::model::tokenize::visible;
 use crate::model::{Model, Result};
 use serde::Serialize;
 
@@ -242,18 +243,21 @@ fn summarize(a: &Side, b: &Side, layers: &[LayerDiff], top: &[HeadChange]) -> St
             h.js,
             h.top_a
                 .first()
-                .map(|k| format!("{} {:?} ({:.2})", k.pos, k.token, k.weight))
+                .map(|k| format!("{} \"{}\" ({:.2})", k.pos, visible(&k.token), k.weight))
                 .unwrap_or_default(),
             h.top_b
                 .first()
-                .map(|k| format!("{} {:?} ({:.2})", k.pos, k.token, k.weight))
+                .map(|k| format!("{} \"{}\" ({:.2})", k.pos, visible(&k.token), k.weight))
                 .unwrap_or_default()
         );
     }
     if let (Some(x), Some(y)) = (a.next_token.first(), b.next_token.first()) {
         s += &format!(
-            " Next token: A {:?} ({:.3}), B {:?} ({:.3}).",
-            x.0, x.1, y.0, y.1
+            " Next token: A \"{}\" ({:.3}), B \"{}\" ({:.3}).",
+            visible(&x.0),
+            x.1,
+            visible(&y.0),
+            y.1
         );
     }
     s
