@@ -72,6 +72,18 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         ("MLP width", d.d_ff.to_string()),
         ("context length", d.context_len.to_string()),
         ("RoPE base", format!("{}", d.rope_base)),
+        (
+            "RoPE scaling",
+            match &d.rope_scaling {
+                crate::model::config::RopeScaling::Default => "none".to_string(),
+                crate::model::config::RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_context,
+                } => format!("llama3: factor {factor}, low/high frequency factors {low_freq_factor}/{high_freq_factor}, original context {original_context}"),
+            },
+        ),
         ("RoPE layout", rope.to_string()),
         ("RMSNorm eps", format!("{:e}", d.rms_eps)),
         ("vocab size", d.vocab_size.to_string()),

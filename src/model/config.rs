@@ -43,6 +43,56 @@ pub enum RopeStyle {
     Interleaved,
 }
 
+/// How the RoPE frequencies are rescaled (Hugging Face's `rope_type`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "rope_type", rename_all = "lowercase")]
+pub enum RopeScaling {
+    /// `inv_freq[i] = base^(-2i/d)`.
+    Default,
+    /// Llama 3.x (transformers' `_compute_llama3_parameters`): wavelengths longer than
+    /// `original_context / low_freq_factor` are slowed by `factor`, shorter than
+    /// `original_context / high_freq_factor` kept, a smooth blend between.
+    Llama3 {
+        factor: f32,
+        low_freq_factor: f32,
+        high_freq_factor: f32,
+        original_context: f32,
+    },
+}
+
+impl RopeScaling {
+    /// The inverse frequencies of a head of `head_dim`, in f32 as transformers computes them.
+    pub fn inv_freq(&self, head_dim: usize, base: f32) -> Vec<f32> {
+        let half = head_dim / 2;
+        let plain = (0..half).map(|i| 1.0 / base.powf((2 * i) as f32 / head_dim as f32));
+        match *self {
+            RopeScaling::Default => plain.collect(),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_context,
+            } => plain
+                .map(|f| {
+                    let low_wavelen = original_context / low_freq_factor;
+                    let high_wavelen = original_context / high_freq_factor;
+                    let wavelen = 2.0 * std::f32::consts::PI / f;
+                    let slowed = if wavelen > low_wavelen { f / factor } else { f };
+                    // transformers: ~(wavelen < high) * ~(wavelen > low); wavelengths are finite
+                    let medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
+                    if medium {
+                        let smooth = (original_context / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * slowed / factor + smooth * slowed
+                    } else {
+                        slowed
+                    }
+                })
+                .collect(),
+        }
+    }
+}
+
 /// The numbers that define a model's shape.
 #[derive(Clone, Debug, Serialize)]
 pub struct ModelDims {
@@ -56,6 +106,7 @@ pub struct ModelDims {
     pub vocab_size: usize,
     pub context_len: usize,
     pub rope_base: f32,
+    pub rope_scaling: RopeScaling,
     pub rope_style: RopeStyle,
     pub rms_eps: f32,
     pub tied_embeddings: bool,

@@ -28,6 +28,21 @@ pub enum Error {
         path: PathBuf,
         arch: String,
     },
+    #[error("{path} sets `{key}` = {value}, which changes the numbers and which attnscope does not implement{reason}; it refuses the model rather than print attention that ignores it")]
+    Unsupported {
+        key: String,
+        value: String,
+        path: PathBuf,
+        /// What attnscope does implement, starting with "; " (or empty).
+        reason: String,
+    },
+    #[error("{path} holds tensor `{name}`{more}, which attnscope's {arch} forward does not use; running without it would give silently wrong numbers, so the model is refused")]
+    UnusedTensor {
+        name: String,
+        more: String,
+        path: PathBuf,
+        arch: String,
+    },
     #[error("bad value for `{key}` in {path}: {reason}")]
     BadValue {
         key: String,

@@ -113,14 +113,19 @@ pub struct ForwardOut {
 /// cos/sin tables `[n, head_dim/2]` for positions `0..n`, computed as transformers does
 /// (`inv_freq = 1 / base^(2i/d)` and `pos · inv_freq` in f32), so the rotation angles agree.
 pub fn rope_tables(head_dim: usize, base: f32, n: usize) -> (Vec<f32>, Vec<f32>) {
-    let half = head_dim / 2;
-    let inv: Vec<f32> = (0..half)
-        .map(|i| 1.0 / base.powf((2 * i) as f32 / head_dim as f32))
-        .collect();
+    rope_tables_of(
+        &super::config::RopeScaling::Default.inv_freq(head_dim, base),
+        n,
+    )
+}
+
+/// cos/sin tables `[n, inv.len()]` for positions `0..n` from the inverse frequencies `inv`.
+pub fn rope_tables_of(inv: &[f32], n: usize) -> (Vec<f32>, Vec<f32>) {
+    let half = inv.len();
     let mut cos = Vec::with_capacity(n * half);
     let mut sin = Vec::with_capacity(n * half);
     for t in 0..n {
-        for &f in &inv {
+        for &f in inv {
             let angle = (t as f32 * f) as f64;
             cos.push(angle.cos() as f32);
             sin.push(angle.sin() as f32);
@@ -911,7 +916,12 @@ impl Model {
         for &p in &opts.knockout {
             knock[p] = true;
         }
-        let (cos, sin) = rope_tables(hd, dims.rope_base, n);
+        let mut inv = dims.rope_scaling.inv_freq(hd, dims.rope_base);
+        if let Some(f) = &self.weights.rope_freqs {
+            // llama.cpp: theta_i = pos · base^(-2i/d) / freq_factors[i]
+            inv.iter_mut().zip(f).for_each(|(x, f)| *x /= f);
+        }
+        let (cos, sin) = rope_tables_of(&inv, n);
         let half = hd / 2;
         let (cos, sin) = (&cos[p0 * half..], &sin[p0 * half..]);
         let style = self.weights.rope_style;

@@ -2,7 +2,7 @@
 //! candle's `gguf_file` reads the container (it bounds every count and length by the file size);
 //! this file maps GGUF keys and tensor names into attnscope's vocabulary.
 
-use super::config::{Arch, ModelDims, RopeStyle};
+use super::config::{Arch, ModelDims, RopeScaling, RopeStyle};
 use super::error::{Error, Result};
 use super::weights::{Logical, Mapped, Raw, TensorSource};
 use candle_core::quantized::gguf_file::{Content, Value};
@@ -304,6 +304,50 @@ impl GgufFile {
                 path: self.path.clone(),
                 arch: a.clone(),
             })?;
+        // metadata that changes the numbers and that this forward does not implement
+        let unsupported = |key: &str, value: String, reason: &str| Error::Unsupported {
+            key: key.into(),
+            value,
+            path: self.path.clone(),
+            reason: reason.into(),
+        };
+        let shown = |v: &Value| match v {
+            Value::String(s) => format!("{s:?}"),
+            other => format!("{other:?}"),
+        };
+        let key = format!("{a}.rope.scaling.type");
+        if let Some(v) = self.md(&key) {
+            if !matches!(v, Value::String(s) if s == "none") {
+                return Err(unsupported(&key, shown(v), "; attnscope implements unscaled RoPE and Llama 3's per-frequency factors (rope_freqs.weight)"));
+            }
+        }
+        let key = format!("{a}.rope.scaling.factor");
+        if let Some(f) = self.float(&key) {
+            if f != 1.0 && f != 0.0 {
+                return Err(unsupported(&key, f.to_string(), ""));
+            }
+        }
+        for k in [
+            "attention.sliding_window",
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+            "attention.query_pre_attn_scalar",
+        ] {
+            let key = format!("{a}.{k}");
+            if let Some(v) = self.md(&key) {
+                return Err(unsupported(&key, shown(v), ""));
+            }
+        }
+        let key = format!("{a}.rope.dimension_count");
+        if let Ok(rot) = self.uint(&key, &a) {
+            if rot != head_dim {
+                return Err(unsupported(
+                    &key,
+                    rot.to_string(),
+                    &format!("; attnscope rotates every dimension of a head (head_dim {head_dim})"),
+                ));
+            }
+        }
         let dims = ModelDims {
             arch,
             n_layers: self.uint(&format!("{a}.block_count"), &a)?,
@@ -317,6 +361,7 @@ impl GgufFile {
             vocab_size,
             context_len: self.uint(&format!("{a}.context_length"), &a)?,
             rope_base,
+            rope_scaling: RopeScaling::Default,
             rope_style: match arch {
                 Arch::Qwen2 => RopeStyle::Neox,
                 Arch::Llama => RopeStyle::Interleaved,
@@ -373,6 +418,7 @@ pub fn gguf_name(l: &Logical) -> String {
         Logical::Gate(i) => format!("blk.{i}.ffn_gate.weight"),
         Logical::Up(i) => format!("blk.{i}.ffn_up.weight"),
         Logical::Down(i) => format!("blk.{i}.ffn_down.weight"),
+        Logical::RopeFreqs => "rope_freqs.weight".into(),
     }
 }
 
@@ -433,6 +479,9 @@ impl TensorSource for GgufFile {
     }
     fn count(&self) -> usize {
         self.content.tensor_infos.len()
+    }
+    fn names(&self) -> Vec<String> {
+        self.content.tensor_infos.keys().cloned().collect()
     }
     fn arch_name(&self) -> String {
         self.arch_string().unwrap_or_else(|_| "?".into())

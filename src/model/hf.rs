@@ -1,7 +1,7 @@
 //! Hugging Face model folders: `config.json`, `*.safetensors` (one file or shards with
 //! `model.safetensors.index.json`), `tokenizer.json`; and hub ids through `hf-hub`.
 
-use super::config::{Arch, ModelDims, RopeStyle};
+use super::config::{Arch, ModelDims, RopeScaling, RopeStyle};
 use super::error::{Error, Result};
 use super::weights::{Logical, Raw, TensorSource};
 use candle_core::safetensors::MmapedSafetensors;
@@ -27,6 +27,13 @@ pub struct HfConfig {
     #[serde(default)]
     pub tie_word_embeddings: bool,
     pub bos_token_id: Option<serde_json::Value>,
+    /// The hub's style: `{"rope_type": "llama3", "factor": 8, ...}` (older: `"type"`).
+    pub rope_scaling: Option<serde_json::Value>,
+    /// transformers 5's style: `{"rope_type": ..., "rope_theta": ..., ...}`.
+    pub rope_parameters: Option<serde_json::Value>,
+    /// Every other key, checked for settings that change the numbers.
+    #[serde(flatten)]
+    pub extra: std::collections::BTreeMap<String, serde_json::Value>,
 }
 
 pub struct HfFolder {
@@ -113,16 +120,157 @@ impl HfFolder {
             arch: a.clone(),
             path: self.dir.join("config.json"),
         })?;
-        let rope_base = match c.rope_theta {
+        let cfg = self.dir.join("config.json");
+        let unsupported = |key: &str, value: &serde_json::Value, reason: &str| Error::Unsupported {
+            key: key.into(),
+            value: value.to_string(),
+            path: cfg.clone(),
+            reason: reason.into(),
+        };
+        // RoPE: transformers 5's `rope_parameters`, or the hub's `rope_theta` + `rope_scaling`
+        let (params, pkey) = match (&c.rope_parameters, &c.rope_scaling) {
+            (Some(p), _) if !p.is_null() => (Some(p), "rope_parameters"),
+            (_, Some(p)) if !p.is_null() => (Some(p), "rope_scaling"),
+            _ => (None, ""),
+        };
+        if let Some(p) = params {
+            let flat = p.is_object()
+                && (p.get("rope_type").is_some()
+                    || p.get("type").is_some()
+                    || p.get("rope_theta").is_some());
+            if !flat {
+                return Err(unsupported(
+                    pkey,
+                    p,
+                    "; attnscope reads one set of RoPE parameters for every layer",
+                ));
+            }
+            if let Some(f) = p
+                .get("partial_rotary_factor")
+                .filter(|v| v.as_f64() != Some(1.0))
+            {
+                return Err(unsupported(&format!("{pkey}.partial_rotary_factor"), f, ""));
+            }
+        }
+        let theta = params
+            .and_then(|p| p.get("rope_theta"))
+            .and_then(|v| v.as_f64())
+            .or(c.rope_theta);
+        let rope_base = match theta {
             Some(t) => t as f32,
             None => {
                 return Err(Error::MissingKey {
                     key: "rope_theta".into(),
-                    path: self.dir.join("config.json"),
+                    path: cfg.clone(),
                     arch: a,
                 })
             }
         };
+        let rope_type = params.and_then(|p| p.get("rope_type").or_else(|| p.get("type")));
+        let rope_scaling = match rope_type.map(|t| (t, t.as_str())) {
+            None | Some((_, Some("default"))) => RopeScaling::Default,
+            Some((_, Some("llama3"))) => {
+                let p = params.expect("a rope type comes from the parameters");
+                let num = |k: &str| -> Result<f32> {
+                    p.get(k)
+                        .and_then(|v| v.as_f64())
+                        .map(|x| x as f32)
+                        .ok_or_else(|| Error::MissingKey {
+                            key: format!("{pkey}.{k}"),
+                            path: cfg.clone(),
+                            arch: "llama3-scaled".into(),
+                        })
+                };
+                let r = RopeScaling::Llama3 {
+                    factor: num("factor")?,
+                    low_freq_factor: num("low_freq_factor")?,
+                    high_freq_factor: num("high_freq_factor")?,
+                    original_context: num("original_max_position_embeddings")?,
+                };
+                if let RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_context,
+                } = r
+                {
+                    if !(factor > 0.0
+                        && low_freq_factor > 0.0
+                        && high_freq_factor > low_freq_factor
+                        && original_context > 0.0)
+                    {
+                        return Err(Error::BadValue {
+                            key: pkey.into(),
+                            path: cfg.clone(),
+                            reason: "llama3 scaling needs factor > 0, low_freq_factor > 0, high_freq_factor > low_freq_factor and original_max_position_embeddings > 0".into(),
+                        });
+                    }
+                }
+                r
+            }
+            Some((v, _)) => {
+                return Err(unsupported(
+                    &format!("{pkey}.rope_type"),
+                    v,
+                    "; attnscope implements the default RoPE and llama3 scaling",
+                ))
+            }
+        };
+        // settings of other families that change every number
+        let set = |k: &str| c.extra.get(k).filter(|v| !v.is_null());
+        for k in [
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+            "query_pre_attn_scalar",
+            "embedding_multiplier",
+            "residual_multiplier",
+            "attention_multiplier",
+            "logits_scaling",
+        ] {
+            if let Some(v) = set(k) {
+                return Err(unsupported(k, v, ""));
+            }
+        }
+        if let Some(v) = set("partial_rotary_factor").filter(|v| v.as_f64() != Some(1.0)) {
+            return Err(unsupported(
+                "partial_rotary_factor",
+                v,
+                "; attnscope rotates every dimension of a head",
+            ));
+        }
+        if let Some(v) = set("hidden_act").filter(|v| v.as_str() != Some("silu")) {
+            return Err(unsupported(
+                "hidden_act",
+                v,
+                "; attnscope's MLP is SwiGLU with silu",
+            ));
+        }
+        if let Some(v) = set("sliding_window") {
+            // Qwen2 configs carry a window with `use_sliding_window: false`: then it is unused
+            let used = match arch {
+                Arch::Qwen2 => set("use_sliding_window").and_then(|u| u.as_bool()) == Some(true),
+                Arch::Llama => true,
+            };
+            if used {
+                return Err(unsupported(
+                    "sliding_window",
+                    v,
+                    "; attnscope attends to every earlier token",
+                ));
+            }
+        }
+        if let Some(v) = set("layer_types") {
+            let all_full = v
+                .as_array()
+                .is_some_and(|a| a.iter().all(|t| t.as_str() == Some("full_attention")));
+            if !all_full {
+                return Err(unsupported(
+                    "layer_types",
+                    v,
+                    "; attnscope attends to every earlier token in every layer",
+                ));
+            }
+        }
         let dims = ModelDims {
             arch,
             n_layers: c.num_hidden_layers,
@@ -136,6 +284,7 @@ impl HfFolder {
             vocab_size: c.vocab_size,
             context_len: c.max_position_embeddings.unwrap_or(32768),
             rope_base,
+            rope_scaling,
             // every HF checkpoint uses transformers' rotate_half: pairs (i, i + d/2)
             rope_style: RopeStyle::Neox,
             rms_eps: c.rms_norm_eps as f32,
@@ -227,6 +376,8 @@ pub fn hf_name(l: &Logical) -> String {
         Logical::Gate(i) => format!("model.layers.{i}.mlp.gate_proj.weight"),
         Logical::Up(i) => format!("model.layers.{i}.mlp.up_proj.weight"),
         Logical::Down(i) => format!("model.layers.{i}.mlp.down_proj.weight"),
+        // Hugging Face folders carry rope scaling in config.json, not as a tensor
+        Logical::RopeFreqs => "(rope_freqs)".into(),
     }
 }
 
@@ -253,6 +404,9 @@ impl TensorSource for HfFolder {
     }
     fn arch_name(&self) -> String {
         self.arch_string()
+    }
+    fn names(&self) -> Vec<String> {
+        self.st.tensors().into_iter().map(|(n, _)| n).collect()
     }
 }
 

@@ -302,6 +302,8 @@ pub struct Layer {
 }
 
 pub struct Weights {
+    /// llama.cpp's per-frequency RoPE divisors, when the file has them.
+    pub rope_freqs: Option<Vec<f32>>,
     pub embed: Embedding,
     pub layers: Vec<Layer>,
     pub final_norm: Vec<f32>,
@@ -404,6 +406,49 @@ pub trait TensorSource {
     fn path(&self) -> &Path;
     fn count(&self) -> usize;
     fn arch_name(&self) -> String;
+    /// The names of every tensor the source holds.
+    fn names(&self) -> Vec<String>;
+}
+
+/// Tensors a file may hold that change nothing the forward computes.
+fn ignorable(name: &str) -> bool {
+    // transformers' cached RoPE table (recomputed from the config)
+    name.ends_with("rotary_emb.inv_freq")
+}
+
+/// Refuses a file holding a tensor the forward would not read (an output bias, a q/k norm, an MLP
+/// bias...): ignoring it would give silently wrong numbers.
+fn check_every_tensor_used(
+    src: &dyn TensorSource,
+    dims: &ModelDims,
+    name: &dyn Fn(&Logical) -> String,
+) -> Result<()> {
+    let used: std::collections::HashSet<String> =
+        Logical::all(dims.n_layers).iter().map(name).collect();
+    let mut unused: Vec<String> = src
+        .names()
+        .into_iter()
+        .filter(|n| !used.contains(n) && !ignorable(n))
+        .collect();
+    unused.sort();
+    if let Some(first) = unused.first() {
+        let more = match unused.len() {
+            1 => String::new(),
+            k => format!(
+                " (and {} more: {}{})",
+                k - 1,
+                unused[1..unused.len().min(4)].join(", "),
+                if k > 4 { ", ..." } else { "" }
+            ),
+        };
+        return Err(Error::UnusedTensor {
+            name: first.clone(),
+            more,
+            path: src.path().into(),
+            arch: src.arch_name(),
+        });
+    }
+    Ok(())
 }
 
 /// A weight's name in attnscope's own vocabulary, mapped to each format's names in its loader.
@@ -424,9 +469,38 @@ pub enum Logical {
     Gate(usize),
     Up(usize),
     Down(usize),
+    /// llama.cpp's per-frequency RoPE divisors (Llama 3.1+ GGUF files), `[head_dim / 2]`.
+    RopeFreqs,
 }
 
 impl Logical {
+    /// Every weight the forward reads for a model of `n_layers` (optional ones included).
+    pub fn all(n_layers: usize) -> Vec<Logical> {
+        let mut v = vec![
+            Logical::Embed,
+            Logical::FinalNorm,
+            Logical::LmHead,
+            Logical::RopeFreqs,
+        ];
+        for i in 0..n_layers {
+            v.extend([
+                Logical::AttnNorm(i),
+                Logical::Q(i),
+                Logical::QBias(i),
+                Logical::K(i),
+                Logical::KBias(i),
+                Logical::V(i),
+                Logical::VBias(i),
+                Logical::O(i),
+                Logical::MlpNorm(i),
+                Logical::Gate(i),
+                Logical::Up(i),
+                Logical::Down(i),
+            ]);
+        }
+        v
+    }
+
     /// The shape this weight must have.
     pub fn shape(&self, d: &ModelDims) -> Vec<usize> {
         let (dm, q, kv) = (d.d_model, d.n_heads * d.head_dim, d.n_kv_heads * d.head_dim);
@@ -440,6 +514,7 @@ impl Logical {
             Logical::O(_) => vec![dm, q],
             Logical::Gate(_) | Logical::Up(_) => vec![d.d_ff, dm],
             Logical::Down(_) => vec![dm, d.d_ff],
+            Logical::RopeFreqs => vec![d.head_dim / 2],
         }
     }
 }
@@ -476,6 +551,7 @@ pub fn load_weights(
     name: &dyn Fn(&Logical) -> String,
     mut progress: impl FnMut(usize, usize),
 ) -> Result<Weights> {
+    check_every_tensor_used(src, dims, name)?;
     let need = |src: &mut dyn TensorSource, l: Logical| -> Result<Raw> {
         fetch(src, &l, dims, name)?.ok_or_else(|| Error::MissingTensor {
             name: name(&l),
@@ -536,7 +612,24 @@ pub fn load_weights(
         layers.push(layer);
         progress(i + 1, dims.n_layers);
     }
+    let rope_freqs = match fetch(src, &Logical::RopeFreqs, dims, name)? {
+        Some(raw) => {
+            let f = raw.to_vec()?;
+            if let Some(bad) = f.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+                return Err(Error::BadValue {
+                    key: name(&Logical::RopeFreqs),
+                    path: src.path().into(),
+                    reason: format!(
+                        "a RoPE frequency factor is {bad}; they must be positive numbers"
+                    ),
+                });
+            }
+            Some(f)
+        }
+        None => None,
+    };
     Ok(Weights {
+        rope_freqs,
         embed,
         layers,
         final_norm,

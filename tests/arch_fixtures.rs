@@ -1,0 +1,429 @@
+//! Tiny checkpoints of more families (tests/golden/arch, from ../shared/reference/arch: Hugging
+//! Face folders written by transformers 5.24 with every attention weight it computes on two texts
+//! and the last logits): each supported family matches within 1e-4 (attention) and 1e-3 (logits),
+//! in both config styles; what attnscope does not implement is refused by name.
+#![allow(clippy::needless_range_loop)]
+
+mod common;
+use attnscope::model::capture::{AttnCache, CaptureSpec};
+use attnscope::model::forward::RunOptions;
+use attnscope::model::{Model, Precision};
+use common::{golden, golden_json, golden_npy};
+use std::path::Path;
+
+/// A copy of fixture `name` whose config.json `edit` may change.
+fn fixture_copy(name: &str, edit: &dyn Fn(&mut serde_json::Value)) -> tempfile::TempDir {
+    let src = golden(&format!("arch/{name}"));
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["model.safetensors", "tokenizer.json"] {
+        std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
+    }
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    dir
+}
+
+/// Largest difference of every attention weight of both texts, and of the last logits.
+fn deviation(dir: &Path, name: &str) -> (f32, f32, Vec<(u64, u64)>) {
+    let model = Model::load(dir.to_str().unwrap(), Precision::Exact, false)
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    model_deviation(&model, name, true)
+}
+
+/// As [`deviation`], for a loaded model; `tokenize` also checks the text's token ids.
+fn model_deviation(model: &Model, name: &str, tokenize: bool) -> (f32, f32, Vec<(u64, u64)>) {
+    let r = golden_json(&format!("arch/{name}/reference.json"));
+    let (mut attn, mut logits, mut next) = (0f32, 0f32, Vec::new());
+    for which in ["short", "long"] {
+        let t = &r["texts"][which];
+        let ids: Vec<u32> = t["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
+        let text = t["text"].as_str().unwrap();
+        if tokenize {
+            assert_eq!(
+                model.encode(text, false).unwrap(),
+                ids,
+                "{name} {which}: token ids"
+            );
+        }
+        let n = ids.len();
+        let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
+        let out = model
+            .forward(&ids, &RunOptions::last_logits(n), &mut cache)
+            .unwrap();
+        let (shape, want) = golden_npy(&format!("arch/{name}/attn_{which}.npy"));
+        assert_eq!(shape, vec![model.dims.n_layers, model.dims.n_heads, n, n]);
+        let got: Vec<f32> = (0..model.dims.n_layers)
+            .flat_map(|l| cache.pattern(l).unwrap().data.to_vec())
+            .collect();
+        attn = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(attn, f32::max);
+        let (_, want_logits) = golden_npy(&format!("arch/{name}/logits_{which}.npy"));
+        logits = out.logits[0]
+            .iter()
+            .zip(&want_logits)
+            .map(|(a, b)| (a - b).abs())
+            .fold(logits, f32::max);
+        let argmax = attnscope::analysis::max_argmax(&out.logits[0]).1 as u64;
+        next.push((argmax, t["next_token_argmax"].as_u64().unwrap()));
+    }
+    (attn, logits, next)
+}
+
+fn check(name: &str, edit: &dyn Fn(&mut serde_json::Value)) {
+    let dir = fixture_copy(name, edit);
+    let (attn, logits, next) = deviation(dir.path(), name);
+    eprintln!("{name}: max |attention - transformers| {attn:.2e}, max |logit - transformers| {logits:.2e}");
+    assert!(attn <= 1e-4, "{name}: attention off by {attn:.2e}");
+    assert!(logits <= 1e-3, "{name}: logits off by {logits:.2e}");
+    for (got, want) in next {
+        assert_eq!(got, want, "{name}: next token");
+    }
+}
+
+fn load_err(dir: &Path) -> String {
+    match Model::load(dir.to_str().unwrap(), Precision::Exact, false) {
+        Ok(_) => panic!("{} loaded, but must be refused", dir.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// Llama 3 rope scaling, in transformers 5's `rope_parameters` and in the hub's `rope_theta` +
+/// `rope_scaling` (with `rope_type`, and the older `type`).
+#[test]
+fn llama3_rope_scaling_matches_transformers_in_both_config_styles() {
+    check("llama3", &|_| {});
+    check("llama3", &|c| {
+        let p = c["rope_parameters"].take();
+        c.as_object_mut().unwrap().remove("rope_parameters");
+        c["rope_theta"] = p["rope_theta"].clone();
+        let mut s = p.clone();
+        s.as_object_mut().unwrap().remove("rope_theta");
+        c["rope_scaling"] = s;
+    });
+    check("llama3", &|c| {
+        let p = c["rope_parameters"].take();
+        c.as_object_mut().unwrap().remove("rope_parameters");
+        c["rope_theta"] = p["rope_theta"].clone();
+        let mut s = p.clone();
+        let o = s.as_object_mut().unwrap();
+        o.remove("rope_theta");
+        let t = o.remove("rope_type").unwrap();
+        o.insert("type".into(), t);
+        c["rope_scaling"] = s;
+    });
+    // the scaling bites: without it the attention is far off (what main printed before)
+    let plain = fixture_copy("llama3", &|c| {
+        c["rope_parameters"]["rope_type"] = "default".into()
+    });
+    let (attn, _, _) = deviation(plain.path(), "llama3");
+    assert!(
+        attn > 0.1,
+        "ignoring rope scaling moved the attention by only {attn}"
+    );
+}
+
+/// Every rope type, config key or tensor the forward does not implement is refused by name.
+#[test]
+fn what_is_not_implemented_is_refused_by_name() {
+    for (what, edit, want) in [
+        (
+            "yarn",
+            Box::new(|c: &mut serde_json::Value| c["rope_parameters"]["rope_type"] = "yarn".into())
+                as Box<dyn Fn(&mut serde_json::Value)>,
+            "rope_parameters.rope_type",
+        ),
+        (
+            "dynamic (hub style)",
+            Box::new(|c: &mut serde_json::Value| {
+                c.as_object_mut().unwrap().remove("rope_parameters");
+                c["rope_theta"] = 10000.0.into();
+                c["rope_scaling"] = serde_json::json!({"type": "dynamic", "factor": 2.0});
+            }),
+            "rope_scaling.rope_type",
+        ),
+        (
+            "longrope",
+            Box::new(|c: &mut serde_json::Value| {
+                c["rope_parameters"]["rope_type"] = "longrope".into()
+            }),
+            "\"longrope\"",
+        ),
+        (
+            "softcapping",
+            Box::new(|c: &mut serde_json::Value| c["attn_logit_softcapping"] = 50.0.into()),
+            "attn_logit_softcapping",
+        ),
+        (
+            "final softcapping",
+            Box::new(|c: &mut serde_json::Value| c["final_logit_softcapping"] = 30.0.into()),
+            "final_logit_softcapping",
+        ),
+        (
+            "sliding window",
+            Box::new(|c: &mut serde_json::Value| c["sliding_window"] = 8.into()),
+            "sliding_window",
+        ),
+        (
+            "gelu",
+            Box::new(|c: &mut serde_json::Value| c["hidden_act"] = "gelu".into()),
+            "hidden_act",
+        ),
+        (
+            "partial rotary",
+            Box::new(|c: &mut serde_json::Value| c["partial_rotary_factor"] = 0.5.into()),
+            "partial_rotary_factor",
+        ),
+        (
+            "layer types",
+            Box::new(|c: &mut serde_json::Value| {
+                c["layer_types"] =
+                    serde_json::json!(["sliding_attention", "full_attention", "full_attention"])
+            }),
+            "layer_types",
+        ),
+        (
+            "llama3 without its factor",
+            Box::new(|c: &mut serde_json::Value| {
+                c["rope_parameters"]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("factor");
+            }),
+            "rope_parameters.factor",
+        ),
+    ] {
+        let dir = fixture_copy("llama3", &*edit);
+        let e = load_err(dir.path());
+        assert!(e.contains(want), "{what}: {e}");
+    }
+    // a tensor the forward would not read (an output bias): refused, named
+    let dir = fixture_copy("llama3", &|_| {});
+    let st = dir.path().join("model.safetensors");
+    let mut tensors: Vec<(String, candle_core::Tensor)> =
+        candle_core::safetensors::load(&st, &candle_core::Device::Cpu)
+            .unwrap()
+            .into_iter()
+            .collect();
+    tensors.push((
+        "model.layers.0.self_attn.o_proj.bias".into(),
+        candle_core::Tensor::zeros(64, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap(),
+    ));
+    let map: std::collections::HashMap<String, candle_core::Tensor> = tensors.into_iter().collect();
+    candle_core::safetensors::save(&map, &st).unwrap();
+    let e = load_err(dir.path());
+    assert!(
+        e.contains("model.layers.0.self_attn.o_proj.bias") && e.contains("does not use"),
+        "{e}"
+    );
+    // and through the binary: exit 2, the key named
+    let dir = fixture_copy("llama3", &|c| {
+        c["rope_parameters"]["rope_type"] = "yarn".into()
+    });
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_attnscope"))
+        .args([
+            "inspect",
+            "--model",
+            dir.path().to_str().unwrap(),
+            "--text",
+            "The cat",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        e.contains("rope_parameters.rope_type") && e.contains("\"yarn\""),
+        "{e}"
+    );
+}
+
+/// The fixture's weights as the reference module's model (Hugging Face layout).
+fn fixture_ref(name: &str) -> attnscope::reference::transformer::RefModel {
+    use attnscope::reference::transformer::{RefConfig, RefLayer, RefModel};
+    let dir = golden(&format!("arch/{name}"));
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let t =
+        candle_core::safetensors::load(dir.join("model.safetensors"), &candle_core::Device::Cpu)
+            .unwrap();
+    let get = |n: &str| -> Vec<f32> { t[n].flatten_all().unwrap().to_vec1::<f32>().unwrap() };
+    let u = |k: &str| cfg[k].as_u64().unwrap() as usize;
+    let layers = (0..u("num_hidden_layers"))
+        .map(|i| {
+            let p = |s: &str| format!("model.layers.{i}.{s}");
+            RefLayer {
+                attn_norm: get(&p("input_layernorm.weight")),
+                w_q: get(&p("self_attn.q_proj.weight")),
+                b_q: None,
+                w_k: get(&p("self_attn.k_proj.weight")),
+                b_k: None,
+                w_v: get(&p("self_attn.v_proj.weight")),
+                b_v: None,
+                w_o: get(&p("self_attn.o_proj.weight")),
+                mlp_norm: get(&p("post_attention_layernorm.weight")),
+                w_gate: get(&p("mlp.gate_proj.weight")),
+                w_up: get(&p("mlp.up_proj.weight")),
+                w_down: get(&p("mlp.down_proj.weight")),
+            }
+        })
+        .collect();
+    RefModel {
+        cfg: RefConfig {
+            n_layers: u("num_hidden_layers"),
+            d_model: u("hidden_size"),
+            n_heads: u("num_attention_heads"),
+            n_kv_heads: u("num_key_value_heads"),
+            head_dim: u("head_dim"),
+            d_ff: u("intermediate_size"),
+            vocab: u("vocab_size"),
+            rope_base: cfg["rope_parameters"]["rope_theta"].as_f64().unwrap() as f32,
+            rms_eps: cfg["rms_norm_eps"].as_f64().unwrap() as f32,
+        },
+        embed: get("model.embed_tokens.weight"),
+        layers,
+        final_norm: get("model.norm.weight"),
+        lm_head: t.get("lm_head.weight").map(|_| get("lm_head.weight")),
+    }
+}
+
+/// Llama 3.1+ GGUF files carry `rope_freqs.weight` (llama.cpp's per-frequency divisors): a GGUF
+/// written from the llama3 fixture with the factors llama.cpp's converter computes matches
+/// transformers; without the tensor it does not (so the tensor is really applied).
+#[test]
+fn llama3_gguf_rope_freqs_are_applied() {
+    use attnscope::model::config::RopeScaling;
+    use attnscope::model::tiny::write_gguf_with;
+    use attnscope::model::Arch;
+    use candle_core::quantized::{gguf_file::Value, GgmlDType, QTensor};
+    let m = fixture_ref("llama3");
+    let hd = m.cfg.head_dim;
+    let plain = RopeScaling::Default.inv_freq(hd, m.cfg.rope_base);
+    let scaled = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_context: 16.0,
+    }
+    .inv_freq(hd, m.cfg.rope_base);
+    let factors: Vec<f32> = plain.iter().zip(&scaled).map(|(p, s)| p / s).collect();
+    let dir = tempfile::tempdir().unwrap();
+    for (with, want_close) in [(true, true), (false, false)] {
+        let path = dir.path().join(format!("l3-{with}.gguf"));
+        let f2 = factors.clone();
+        let vocab = m.cfg.vocab;
+        write_gguf_with(
+            &m,
+            Arch::Llama,
+            GgmlDType::F32,
+            &path,
+            &move |md, tensors| {
+                for (k, v) in md.iter_mut() {
+                    match k.as_str() {
+                        "tokenizer.ggml.tokens" => {
+                            *v = Value::Array(
+                                (0..vocab).map(|i| Value::String(format!("t{i}"))).collect(),
+                            )
+                        }
+                        "tokenizer.ggml.token_type" => {
+                            *v = Value::Array((0..vocab).map(|_| Value::I32(1)).collect())
+                        }
+                        "tokenizer.ggml.merges" => *v = Value::Array(Vec::new()),
+                        "tokenizer.ggml.bos_token_id" => *v = Value::U32(256),
+                        _ => {}
+                    }
+                }
+                if with {
+                    let t = candle_core::Tensor::from_vec(
+                        f2.clone(),
+                        f2.len(),
+                        &candle_core::Device::Cpu,
+                    )
+                    .unwrap();
+                    tensors.push((
+                        "rope_freqs.weight".into(),
+                        QTensor::quantize(&t, GgmlDType::F32).unwrap(),
+                    ));
+                }
+            },
+        )
+        .unwrap();
+        let model = Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();
+        let (attn, logits, _) = model_deviation(&model, "llama3", false);
+        eprintln!("llama3 GGUF, rope_freqs {with}: attention {attn:.2e}, logits {logits:.2e}");
+        if want_close {
+            assert!(
+                attn <= 1e-4 && logits <= 1e-3,
+                "with rope_freqs: {attn:.2e} / {logits:.2e}"
+            );
+        } else {
+            assert!(
+                attn > 0.1,
+                "without rope_freqs the attention should be far off: {attn}"
+            );
+        }
+    }
+}
+
+/// GGUF metadata that changes the numbers and that the forward does not implement is refused by
+/// its key: a rope scaling type, a sliding window, soft-capping, a partial rotary dimension.
+#[test]
+fn gguf_metadata_the_forward_does_not_implement_is_refused() {
+    use attnscope::model::tiny::{tiny_model, write_gguf_with};
+    use attnscope::model::Arch;
+    use candle_core::quantized::{gguf_file::Value, GgmlDType};
+    let dir = tempfile::tempdir().unwrap();
+    for (key, value) in [
+        ("llama.rope.scaling.type", Value::String("yarn".into())),
+        ("llama.rope.scaling.factor", Value::F32(4.0)),
+        ("llama.attention.sliding_window", Value::U32(4096)),
+        ("llama.attn_logit_softcapping", Value::F32(50.0)),
+        ("llama.rope.dimension_count", Value::U32(4)),
+    ] {
+        let path = dir.path().join("t.gguf");
+        let v = value.clone();
+        write_gguf_with(
+            &tiny_model(Arch::Llama, 3),
+            Arch::Llama,
+            GgmlDType::F32,
+            &path,
+            &move |md, _| {
+                md.push((key.to_string(), v.clone()));
+            },
+        )
+        .unwrap();
+        let e = match Model::load(path.to_str().unwrap(), Precision::Exact, false) {
+            Ok(_) => panic!("{key} was ignored"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            e.contains(key) && e.contains("does not implement"),
+            "{key}: {e}"
+        );
+    }
+    // `none` scaling is the plain RoPE, and loads
+    let path = dir.path().join("none.gguf");
+    write_gguf_with(
+        &tiny_model(Arch::Llama, 3),
+        Arch::Llama,
+        GgmlDType::F32,
+        &path,
+        &|md, _| {
+            md.push((
+                "llama.rope.scaling.type".into(),
+                Value::String("none".into()),
+            ));
+        },
+    )
+    .unwrap();
+    Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();
+}
