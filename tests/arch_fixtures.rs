@@ -427,3 +427,158 @@ fn gguf_metadata_the_forward_does_not_implement_is_refused() {
     .unwrap();
     Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();
 }
+
+/// Qwen3: RMSNorm on each head's query and key before RoPE, head_dim 24 ≠ hidden / heads.
+#[test]
+fn qwen3_matches_transformers() {
+    check("qwen3", &|_| {});
+    // the hub's older style: rope_theta at the top level
+    check("qwen3", &|c| {
+        let p = c["rope_parameters"].take();
+        c.as_object_mut().unwrap().remove("rope_parameters");
+        c["rope_theta"] = p["rope_theta"].clone();
+    });
+}
+
+/// Qwen3 in llama.cpp's GGUF layout (`qwen3.*` keys, `attn_q_norm`/`attn_k_norm`, NEOX RoPE), written
+/// by the test from the same fixture: the same numbers as transformers.
+#[test]
+fn qwen3_gguf_matches_transformers() {
+    use attnscope::model::tiny::write_gguf_with;
+    use attnscope::model::Arch;
+    use candle_core::quantized::{gguf_file::Value, GgmlDType, QTensor};
+    let m = fixture_ref("qwen3");
+    let dir = golden("arch/qwen3");
+    let t =
+        candle_core::safetensors::load(dir.join("model.safetensors"), &candle_core::Device::Cpu)
+            .unwrap();
+    let path = tempfile::tempdir().unwrap();
+    let gguf = path.path().join("qwen3.gguf");
+    let (vocab, hd, layers) = (m.cfg.vocab, m.cfg.head_dim, m.cfg.n_layers);
+    write_gguf_with(
+        &m,
+        Arch::Qwen3,
+        GgmlDType::F32,
+        &gguf,
+        &move |md, tensors| {
+            for (k, v) in md.iter_mut() {
+                match k.as_str() {
+                    "tokenizer.ggml.tokens" => {
+                        *v = Value::Array(
+                            (0..vocab).map(|i| Value::String(format!("t{i}"))).collect(),
+                        )
+                    }
+                    "tokenizer.ggml.token_type" => {
+                        *v = Value::Array((0..vocab).map(|_| Value::I32(1)).collect())
+                    }
+                    "tokenizer.ggml.merges" => *v = Value::Array(Vec::new()),
+                    "tokenizer.ggml.bos_token_id" => *v = Value::U32(256),
+                    _ => {}
+                }
+            }
+            md.push(("qwen3.attention.key_length".into(), Value::U32(hd as u32)));
+            md.push(("qwen3.attention.value_length".into(), Value::U32(hd as u32)));
+            for i in 0..layers {
+                for (hf, gg) in [("q_norm", "attn_q_norm"), ("k_norm", "attn_k_norm")] {
+                    let w = &t[&format!("model.layers.{i}.self_attn.{hf}.weight")];
+                    tensors.push((
+                        format!("blk.{i}.{gg}.weight"),
+                        QTensor::quantize(w, GgmlDType::F32).unwrap(),
+                    ));
+                }
+            }
+        },
+    )
+    .unwrap();
+    let model = Model::load(gguf.to_str().unwrap(), Precision::Exact, false).unwrap();
+    assert_eq!(model.dims.arch, Arch::Qwen3);
+    let (attn, logits, next) = model_deviation(&model, "qwen3", false);
+    eprintln!("qwen3 GGUF: attention {attn:.2e}, logits {logits:.2e}");
+    assert!(attn <= 1e-4 && logits <= 1e-3, "{attn:.2e} / {logits:.2e}");
+    assert!(next.iter().all(|(a, b)| a == b));
+}
+
+/// The commands run on the new families (through the binary): inspect, faithfulness, heads,
+/// capture, view and compare.
+#[test]
+fn commands_run_on_every_fixture() {
+    let bin = env!("CARGO_BIN_EXE_attnscope");
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["llama3", "qwen3"] {
+        let m = golden(&format!("arch/{name}"));
+        let m = m.to_str().unwrap();
+        let npz = dir.path().join(format!("{name}.npz"));
+        let html = dir.path().join(format!("{name}.html"));
+        for args in [
+            vec![
+                "inspect",
+                "-m",
+                m,
+                "--text",
+                "The cat sat on the mat.",
+                "--json",
+            ],
+            vec!["faithfulness", "-m", m, "--text", "The cat sat", "--json"],
+            vec!["heads", "-m", m, "--random-repeat", "10", "--json"],
+            vec![
+                "capture",
+                "-m",
+                m,
+                "--text",
+                "The cat",
+                "--out",
+                npz.to_str().unwrap(),
+            ],
+            vec![
+                "view",
+                "-m",
+                m,
+                "--text",
+                "The cat",
+                "--out",
+                html.to_str().unwrap(),
+            ],
+            vec![
+                "compare", "-m", m, "--text", "The cat", "--text", "The dog", "--json",
+            ],
+            vec!["info", "-m", m],
+        ] {
+            let out = std::process::Command::new(bin)
+                .args(&args)
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{name}: {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            if args.contains(&"--json") {
+                let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+                assert!(v.is_object(), "{name}: {args:?}");
+            }
+        }
+        let v: serde_json::Value = serde_json::from_slice(
+            &std::process::Command::new(bin)
+                .args([
+                    "inspect",
+                    "-m",
+                    m,
+                    "--text",
+                    "The cat sat on the mat.",
+                    "--json",
+                ])
+                .output()
+                .unwrap()
+                .stdout,
+        )
+        .unwrap();
+        assert_eq!(
+            v["model"]["arch"],
+            if name == "qwen3" { "qwen3" } else { "llama" }
+        );
+        assert_eq!(
+            v["model"]["head_dim"],
+            if name == "qwen3" { 24 } else { 16 }
+        );
+    }
+}

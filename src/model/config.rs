@@ -12,6 +12,8 @@ pub enum Arch {
     Qwen2,
     /// Llama / SmolLM2: no biases.
     Llama,
+    /// Qwen3: RMSNorm on each head's query and key before RoPE, no biases.
+    Qwen3,
 }
 
 impl Arch {
@@ -19,12 +21,14 @@ impl Arch {
         match self {
             Arch::Qwen2 => "qwen2",
             Arch::Llama => "llama",
+            Arch::Qwen3 => "qwen3",
         }
     }
     pub fn parse(s: &str) -> Option<Arch> {
         match s {
             "qwen2" => Some(Arch::Qwen2),
             "llama" => Some(Arch::Llama),
+            "qwen3" => Some(Arch::Qwen3),
             _ => None,
         }
     }

@@ -20,7 +20,9 @@ pub enum Error {
     GgufVersion { path: PathBuf, version: u32 },
     #[error("cannot read safetensors {path}: {reason}; the file is corrupt or truncated, fetch it again")]
     BadSafetensors { path: PathBuf, reason: String },
-    #[error("unsupported architecture `{arch}` in {path}; attnscope supports: qwen2, llama")]
+    #[error(
+        "unsupported architecture `{arch}` in {path}; attnscope supports: qwen2, llama, qwen3"
+    )]
     UnknownArch { arch: String, path: PathBuf },
     #[error("metadata key `{key}` missing in {path}; expected a {arch} checkpoint")]
     MissingKey {

@@ -218,6 +218,13 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     out
 }
 
+/// RMSNorm of one vector in place, as [`rms_norm`] computes each row.
+fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
+    let ms = x.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / x.len() as f64;
+    let inv = 1.0 / ((ms as f32) + eps).sqrt();
+    x.iter_mut().zip(w).for_each(|(v, &g)| *v = *v * inv * g);
+}
+
 /// SiLU(gate) · up over rows of `gu: [rows, 2·ff]` (gate then up) into `out: [rows, ff]`.
 /// SiLU(x) = x · σ(x) [Elfwing et al. 2018]; σ from `e^-|x|` so the exponential never overflows.
 fn swiglu(gu: &[f32], ff: usize, out: &mut [f32]) {
@@ -946,8 +953,20 @@ impl Model {
             }
             let h = rms_norm(&x, &layer.attn_norm, dims.rms_eps);
             let t = Instant::now();
-            let qkv = layer.qkv.forward(&h, m)?; // [m, q | k | v]
+            let mut qkv = layer.qkv.forward(&h, m)?; // [m, q | k | v]
             proj_time += t.elapsed();
+            if let Some((qn, kn)) = &layer.qk_norm {
+                // Qwen3: RMSNorm over each head's query and key, before RoPE
+                qkv.par_chunks_mut(width).for_each(|row| {
+                    let (q, rest) = row.split_at_mut(nq);
+                    for head in q.chunks_mut(hd) {
+                        rms_norm_in_place(head, qn, dims.rms_eps);
+                    }
+                    for head in rest[..nk].chunks_mut(hd) {
+                        rms_norm_in_place(head, kn, dims.rms_eps);
+                    }
+                });
+            }
             for (hook, c0, w, heads) in [
                 (Hook::Q, 0, nq, nh),
                 (Hook::K, nq, nk, nkv),

@@ -363,7 +363,8 @@ impl GgufFile {
             rope_base,
             rope_scaling: RopeScaling::Default,
             rope_style: match arch {
-                Arch::Qwen2 => RopeStyle::Neox,
+                // llama.cpp: LLAMA_ROPE_TYPE_NEOX for qwen2/qwen3, NORM for llama
+                Arch::Qwen2 | Arch::Qwen3 => RopeStyle::Neox,
                 Arch::Llama => RopeStyle::Interleaved,
             },
             rms_eps,
@@ -419,6 +420,8 @@ pub fn gguf_name(l: &Logical) -> String {
         Logical::Up(i) => format!("blk.{i}.ffn_up.weight"),
         Logical::Down(i) => format!("blk.{i}.ffn_down.weight"),
         Logical::RopeFreqs => "rope_freqs.weight".into(),
+        Logical::QNorm(i) => format!("blk.{i}.attn_q_norm.weight"),
+        Logical::KNorm(i) => format!("blk.{i}.attn_k_norm.weight"),
     }
 }
 

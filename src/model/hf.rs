@@ -248,7 +248,9 @@ impl HfFolder {
         if let Some(v) = set("sliding_window") {
             // Qwen2 configs carry a window with `use_sliding_window: false`: then it is unused
             let used = match arch {
-                Arch::Qwen2 => set("use_sliding_window").and_then(|u| u.as_bool()) == Some(true),
+                Arch::Qwen2 | Arch::Qwen3 => {
+                    set("use_sliding_window").and_then(|u| u.as_bool()) == Some(true)
+                }
                 Arch::Llama => true,
             };
             if used {
@@ -378,6 +380,8 @@ pub fn hf_name(l: &Logical) -> String {
         Logical::Down(i) => format!("model.layers.{i}.mlp.down_proj.weight"),
         // Hugging Face folders carry rope scaling in config.json, not as a tensor
         Logical::RopeFreqs => "(rope_freqs)".into(),
+        Logical::QNorm(i) => format!("model.layers.{i}.self_attn.q_norm.weight"),
+        Logical::KNorm(i) => format!("model.layers.{i}.self_attn.k_norm.weight"),
     }
 }
 

@@ -1,7 +1,7 @@
 //! Weights in memory, one layout for both file formats, and the one place that decides how each
 //! weight is stored for a [`Precision`].
 
-use super::config::{ModelDims, RopeStyle};
+use super::config::{Arch, ModelDims, RopeStyle};
 use super::error::{Error, Result};
 use crate::kernels::gemm::{self, PackedB};
 use crate::kernels::int8::{self, PackedQ8};
@@ -292,6 +292,8 @@ impl Linear {
 
 pub struct Layer {
     pub attn_norm: Vec<f32>,
+    /// Qwen3: RMSNorm weights of each head's query and key (`[head_dim]`), before RoPE.
+    pub qk_norm: Option<(Vec<f32>, Vec<f32>)>,
     /// `[W_q; W_k; W_v]`: parts `n_heads·d`, `n_kv·d`, `n_kv·d`
     pub qkv: Linear,
     pub o: Linear,
@@ -423,8 +425,10 @@ fn check_every_tensor_used(
     dims: &ModelDims,
     name: &dyn Fn(&Logical) -> String,
 ) -> Result<()> {
-    let used: std::collections::HashSet<String> =
-        Logical::all(dims.n_layers).iter().map(name).collect();
+    let used: std::collections::HashSet<String> = Logical::all(dims.arch, dims.n_layers)
+        .iter()
+        .map(name)
+        .collect();
     let mut unused: Vec<String> = src
         .names()
         .into_iter()
@@ -471,11 +475,14 @@ pub enum Logical {
     Down(usize),
     /// llama.cpp's per-frequency RoPE divisors (Llama 3.1+ GGUF files), `[head_dim / 2]`.
     RopeFreqs,
+    /// Qwen3's RMSNorm weights of each head's query and key, `[head_dim]`.
+    QNorm(usize),
+    KNorm(usize),
 }
 
 impl Logical {
     /// Every weight the forward reads for a model of `n_layers` (optional ones included).
-    pub fn all(n_layers: usize) -> Vec<Logical> {
+    pub fn all(arch: Arch, n_layers: usize) -> Vec<Logical> {
         let mut v = vec![
             Logical::Embed,
             Logical::FinalNorm,
@@ -497,6 +504,9 @@ impl Logical {
                 Logical::Up(i),
                 Logical::Down(i),
             ]);
+            if arch == Arch::Qwen3 {
+                v.extend([Logical::QNorm(i), Logical::KNorm(i)]);
+            }
         }
         v
     }
@@ -515,6 +525,7 @@ impl Logical {
             Logical::Gate(_) | Logical::Up(_) => vec![d.d_ff, dm],
             Logical::Down(_) => vec![dm, d.d_ff],
             Logical::RopeFreqs => vec![d.head_dim / 2],
+            Logical::QNorm(_) | Logical::KNorm(_) => vec![d.head_dim],
         }
     }
 }
@@ -606,6 +617,14 @@ pub fn load_weights(
                 precision,
             )?,
             down: linear(vec![part(src, Logical::Down(i), None)?], precision)?,
+            qk_norm: if dims.arch == Arch::Qwen3 {
+                Some((
+                    vector(need(src, Logical::QNorm(i))?)?,
+                    vector(need(src, Logical::KNorm(i))?)?,
+                ))
+            } else {
+                None
+            },
             attn_norm: vector(need(src, Logical::AttnNorm(i))?)?,
             mlp_norm: vector(need(src, Logical::MlpNorm(i))?)?,
         };
