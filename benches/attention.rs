@@ -36,6 +36,7 @@ fn bench(c: &mut Criterion) {
             head_dim: D,
             q_len: n,
             k_len: n,
+            window: None,
         };
         let knock = vec![false; n];
         if n <= 1024 {

@@ -582,3 +582,61 @@ fn commands_run_on_every_fixture() {
         );
     }
 }
+
+/// Mistral: a sliding window of 8 on every layer (a query sees itself and the 7 keys before it),
+/// in the materialized path (capture) and the streamed one (inspect's rows, sinks' statistics).
+#[test]
+fn mistral_sliding_window_matches_transformers() {
+    use attnscope::analysis::collect::Collector;
+    check("mistral", &|_| {});
+    check("mistral", &|c| {
+        let p = c["rope_parameters"].take();
+        c.as_object_mut().unwrap().remove("rope_parameters");
+        c["rope_theta"] = p["rope_theta"].clone();
+    });
+    // streamed, keys in blocks of 3 (so whole blocks before the window are skipped): the rows
+    // of every query equal transformers'
+    let dir = fixture_copy("mistral", &|_| {});
+    let model = Model::load(dir.path().to_str().unwrap(), Precision::Exact, false).unwrap();
+    assert_eq!(model.dims.sliding_window, Some(8));
+    let r = golden_json("arch/mistral/reference.json");
+    let ids: Vec<u32> = r["texts"]["long"]["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    let n = ids.len();
+    let (_, want) = golden_npy("arch/mistral/attn_long.npy");
+    let d = &model.dims;
+    for q in [n - 1, 40, 5] {
+        let mut c = Collector::new(d.n_layers, d.n_heads, n, q);
+        let opts = RunOptions {
+            logits_at: vec![q],
+            key_block: 3,
+            ..Default::default()
+        };
+        model.forward(&ids, &opts, &mut c).unwrap();
+        for l in 0..d.n_layers {
+            for h in 0..d.n_heads {
+                let w = &want[((l * d.n_heads + h) * n + q) * n..][..n];
+                let got = c.row(l, h);
+                for j in 0..n {
+                    assert!(
+                        (got[j] - w[j]).abs() < 1e-4,
+                        "layer {l} head {h} query {q} key {j}: {} vs {}",
+                        got[j],
+                        w[j]
+                    );
+                    if j + 8 <= q || j > q {
+                        assert_eq!(got[j], 0.0, "key {j} is outside query {q}'s window");
+                    }
+                }
+            }
+        }
+        // the first token is out of late queries' windows: their sink share is 0
+        if q >= 8 {
+            assert_eq!(c.sink_query(0), 0.0);
+        }
+    }
+}

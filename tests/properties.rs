@@ -60,17 +60,21 @@ proptest! {
     /// The fast attention (with a reused prefix of p keys, query blocks of a few rows, and keys
     /// streamed in blocks of `kb`) equals the reference: outputs, and patterns when materialized.
     #[test]
-    fn fast_path_equals_reference((h, kv, d, n, p, seed) in shapes(), kb in 1usize..=9, rows_budget in 1usize..=5) {
+    fn fast_path_equals_reference((h, kv, d, n, p, seed) in shapes(), kb in 1usize..=9, rows_budget in 1usize..=5, window in proptest::option::of(1usize..=6)) {
         let mut rng = Rng::new(seed);
         let k_len = n + p;
         let (q, k, v) = (rng.normals(n * h * d, 1.5), rng.normals(k_len * kv * d, 1.5), rng.normals(k_len * kv * d, 1.0));
-        let want = grouped_query_attention(&q, &k, &v, h, kv, d, Mask::Causal { offset: p });
+        let mask = match window {
+            Some(window) => Mask::Sliding { offset: p, window },
+            None => Mask::Causal { offset: p },
+        };
+        let want = grouped_query_attention(&q, &k, &v, h, kv, d, mask);
         let (qt, kt, vt) = (to_heads(&q, n, h, d), to_heads(&k, k_len, kv, d), to_heads(&v, k_len, kv, d));
         let block_bytes = rows_budget * h * k_len.min(kb) * 4;
         let knock = vec![false; k_len];
         // materialized: the cache sees every weight
         let mut cache = AttnCache::new(&CaptureSpec::patterns(), k_len);
-        let dims = AttnDims { n_heads: h, n_kv_heads: kv, head_dim: d, q_len: n, k_len };
+        let dims = AttnDims { n_heads: h, n_kv_heads: kv, head_dim: d, q_len: n, k_len, window };
         let z = attention(0, &qt, &kt, &vt, dims, &knock, block_bytes, kb, &mut cache).unwrap();
         // z is [pos, head, d], the reference's layout
         prop_assert_eq!(z.len(), want.z.len());

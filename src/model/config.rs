@@ -14,6 +14,8 @@ pub enum Arch {
     Llama,
     /// Qwen3: RMSNorm on each head's query and key before RoPE, no biases.
     Qwen3,
+    /// Mistral: Llama's blocks with sliding-window attention.
+    Mistral,
 }
 
 impl Arch {
@@ -22,6 +24,7 @@ impl Arch {
             Arch::Qwen2 => "qwen2",
             Arch::Llama => "llama",
             Arch::Qwen3 => "qwen3",
+            Arch::Mistral => "mistral",
         }
     }
     pub fn parse(s: &str) -> Option<Arch> {
@@ -29,6 +32,7 @@ impl Arch {
             "qwen2" => Some(Arch::Qwen2),
             "llama" => Some(Arch::Llama),
             "qwen3" => Some(Arch::Qwen3),
+            "mistral" => Some(Arch::Mistral),
             _ => None,
         }
     }
@@ -111,6 +115,9 @@ pub struct ModelDims {
     pub context_len: usize,
     pub rope_base: f32,
     pub rope_scaling: RopeScaling,
+    /// Sliding-window attention (every layer): a query sees itself and the `window - 1` keys
+    /// before it (transformers' rule); `None` = every earlier key.
+    pub sliding_window: Option<usize>,
     pub rope_style: RopeStyle,
     pub rms_eps: f32,
     pub tied_embeddings: bool,
@@ -151,6 +158,9 @@ impl ModelDims {
                 "head_dim {} is odd; RoPE needs an even head dimension",
                 self.head_dim
             ));
+        }
+        if self.sliding_window == Some(0) {
+            return Err("sliding_window is 0; a query must see at least itself".into());
         }
         if !(self.rope_base.is_finite() && self.rope_base > 1.0) {
             return Err(format!("rope base {} is not a number > 1", self.rope_base));

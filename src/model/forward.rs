@@ -249,11 +249,13 @@ fn swiglu(gu: &[f32], ff: usize, out: &mut [f32]) {
     }
 }
 
-/// Whether key `j` is visible to the query at absolute position `i` (causal mask and knockout;
-/// a token always sees itself).
+/// Whether key `j` is visible to the query at absolute position `i` (causal mask, sliding
+/// window and knockout; a token always sees itself).
 #[inline]
-fn visible(i: usize, j: usize, knockout: &[bool]) -> bool {
-    j <= i && (j == i || !knockout.get(j).copied().unwrap_or(false))
+fn visible(i: usize, j: usize, knockout: &[bool], window: Option<usize>) -> bool {
+    j <= i
+        && window.is_none_or(|w| j + w > i)
+        && (j == i || !knockout.get(j).copied().unwrap_or(false))
 }
 
 /// The running state of one (head, query) row of the online softmax.
@@ -300,6 +302,8 @@ pub struct AttnDims {
     /// query rows (the last `q_len` of the `k_len` positions)
     pub q_len: usize,
     pub k_len: usize,
+    /// Sliding window: query i sees keys `i - window < j ≤ i` (None = every earlier key).
+    pub window: Option<usize>,
 }
 
 /// Causal grouped-query attention, fused per (head, block of query rows): `S = (Q/√d) Kᵀ` on
@@ -337,6 +341,7 @@ pub fn attention(
         head_dim: d,
         q_len: n,
         k_len,
+        window,
     } = dims;
     if k_len < n
         || n_kv == 0
@@ -442,7 +447,12 @@ pub fn attention(
             let (kp, vp) = &packed[h / group];
             let a = &q[(h * n + q0) * d..(h * n + q0 + rows) * d];
             let mut corr = vec![0f32; rows];
-            let mut k0 = 0;
+            // a sliding window hides every key before the block's first query's window: those
+            // key blocks are never computed, so a windowed layer costs O(n · window)
+            let mut k0 = match window {
+                Some(w) if !materialize => (offset + q0 + 1).saturating_sub(w) / kb_size * kb_size,
+                _ => 0,
+            };
             while k0 < kw {
                 let kn = kb_size.min(kw - k0);
                 let single = k0 == 0 && kn == kw;
@@ -453,7 +463,7 @@ pub fn attention(
                     for (x, (src, dst)) in s.chunks(kn).zip(raw_h.chunks_mut(kn)).enumerate() {
                         let i = offset + q0 + x;
                         for (j, (&sc, out)) in src.iter().zip(dst.iter_mut()).enumerate() {
-                            *out = if visible(i, k0 + j, knockout) {
+                            *out = if visible(i, k0 + j, knockout, window) {
                                 sc
                             } else {
                                 f32::NEG_INFINITY
@@ -473,14 +483,14 @@ pub fn attention(
                     let top_k = request
                         .filter(|r| r.top_k > 0 && i >= r.top_k_from)
                         .map(|r| r.top_k);
-                    if !any_knockout {
+                    if !any_knockout && window.is_none() {
                         // the keys of this block the query may see are a prefix of it
                         let n_vis = (i + 1).saturating_sub(k0).min(kn);
                         let bmax = max_of(&row[..n_vis]);
                         online_update(st, c, row, n_vis, bmax, k0, top_k, true, stats);
                     } else {
                         for (j, sc) in row.iter_mut().enumerate() {
-                            if !visible(i, k0 + j, knockout) {
+                            if !visible(i, k0 + j, knockout, window) {
                                 *sc = f32::NEG_INFINITY;
                             }
                         }
@@ -531,7 +541,7 @@ pub fn attention(
                     false,
                 );
                 for (j, p) in out[..i + 1].iter_mut().enumerate() {
-                    *p = if visible(i, j, knockout) && st.l > 0.0 {
+                    *p = if visible(i, j, knockout, window) && st.l > 0.0 {
                         (fast_exp(*p - st.m) as f64 / st.l) as f32
                     } else {
                         0.0
@@ -1013,6 +1023,7 @@ impl Model {
                 head_dim: hd,
                 q_len: m,
                 k_len: n,
+                window: dims.sliding_window,
             };
             let z = attention(
                 l,
@@ -1191,6 +1202,7 @@ mod tests {
             head_dim: 4,
             q_len: 5,
             k_len: 5,
+            window: None,
         };
         let mut rng = crate::reference::Rng::new(3);
         let (q, k, v) = (

@@ -362,10 +362,18 @@ impl GgufFile {
             context_len: self.uint(&format!("{a}.context_length"), &a)?,
             rope_base,
             rope_scaling: RopeScaling::Default,
+            sliding_window: None,
             rope_style: match arch {
                 // llama.cpp: LLAMA_ROPE_TYPE_NEOX for qwen2/qwen3, NORM for llama
                 Arch::Qwen2 | Arch::Qwen3 => RopeStyle::Neox,
                 Arch::Llama => RopeStyle::Interleaved,
+                // llama.cpp converts Mistral checkpoints as `llama` and drops the window
+                Arch::Mistral => {
+                    return Err(Error::UnknownArch {
+                        arch: "mistral (in GGUF; use the Hugging Face folder)".into(),
+                        path: self.path.clone(),
+                    })
+                }
             },
             rms_eps,
             tied_embeddings: !self.content.tensor_infos.contains_key("output.weight"),

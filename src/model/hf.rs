@@ -245,26 +245,47 @@ impl HfFolder {
                 "; attnscope's MLP is SwiGLU with silu",
             ));
         }
+        let mut sliding_window = None;
         if let Some(v) = set("sliding_window") {
-            // Qwen2 configs carry a window with `use_sliding_window: false`: then it is unused
-            let used = match arch {
+            match arch {
+                Arch::Mistral => match v.as_u64() {
+                    Some(w) if w > 0 => sliding_window = Some(w as usize),
+                    _ => {
+                        return Err(Error::BadValue {
+                            key: "sliding_window".into(),
+                            path: cfg.clone(),
+                            reason: format!("{v} is not a positive whole number"),
+                        })
+                    }
+                },
+                // Qwen configs carry a window with `use_sliding_window: false`: then it is unused
                 Arch::Qwen2 | Arch::Qwen3 => {
-                    set("use_sliding_window").and_then(|u| u.as_bool()) == Some(true)
+                    if set("use_sliding_window").and_then(|u| u.as_bool()) == Some(true) {
+                        return Err(unsupported(
+                            "use_sliding_window",
+                            &true.into(),
+                            "; attnscope implements Mistral's window on every layer, not Qwen's per-layer windows",
+                        ));
+                    }
                 }
-                Arch::Llama => true,
-            };
-            if used {
-                return Err(unsupported(
-                    "sliding_window",
-                    v,
-                    "; attnscope attends to every earlier token",
-                ));
+                Arch::Llama => {
+                    return Err(unsupported(
+                        "sliding_window",
+                        v,
+                        "; for a llama model attnscope attends to every earlier token",
+                    ))
+                }
             }
         }
         if let Some(v) = set("layer_types") {
+            let expected = if sliding_window.is_some() {
+                "sliding_attention"
+            } else {
+                "full_attention"
+            };
             let all_full = v
                 .as_array()
-                .is_some_and(|a| a.iter().all(|t| t.as_str() == Some("full_attention")));
+                .is_some_and(|a| a.iter().all(|t| t.as_str() == Some(expected)));
             if !all_full {
                 return Err(unsupported(
                     "layer_types",
@@ -287,6 +308,7 @@ impl HfFolder {
             context_len: c.max_position_embeddings.unwrap_or(32768),
             rope_base,
             rope_scaling,
+            sliding_window,
             // every HF checkpoint uses transformers' rotate_half: pairs (i, i + d/2)
             rope_style: RopeStyle::Neox,
             rms_eps: c.rms_norm_eps as f32,

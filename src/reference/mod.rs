@@ -23,6 +23,9 @@ pub enum Mask {
     /// Query `i` sees keys `j <= i + offset` (a decoder; `offset` = number of cached keys before
     /// the first query, 0 for a whole sentence at once).
     Causal { offset: usize },
+    /// Causal, and query `i` sees only the `window` keys up to itself: `i + offset - window < j`
+    /// (Mistral's and Gemma's sliding window, transformers' rule).
+    Sliding { offset: usize, window: usize },
 }
 
 impl Mask {
@@ -31,6 +34,7 @@ impl Mask {
         match *self {
             Mask::None => true,
             Mask::Causal { offset } => j <= i + offset,
+            Mask::Sliding { offset, window } => j <= i + offset && j + window > i + offset,
         }
     }
 }
