@@ -179,8 +179,8 @@ fn what_is_not_implemented_is_refused_by_name() {
             "hidden_act",
         ),
         (
-            "partial rotary",
-            Box::new(|c: &mut serde_json::Value| c["partial_rotary_factor"] = 0.5.into()),
+            "partial rotary of a fraction of a dimension",
+            Box::new(|c: &mut serde_json::Value| c["partial_rotary_factor"] = 0.3.into()),
             "partial_rotary_factor",
         ),
         (
@@ -504,7 +504,7 @@ fn qwen3_gguf_matches_transformers() {
 fn commands_run_on_every_fixture() {
     let bin = env!("CARGO_BIN_EXE_attnscope");
     let dir = tempfile::tempdir().unwrap();
-    for name in ["llama3", "qwen3"] {
+    for name in ["llama3", "qwen3", "mistral", "phi3"] {
         let m = golden(&format!("arch/{name}"));
         let m = m.to_str().unwrap();
         let npz = dir.path().join(format!("{name}.npz"));
@@ -572,10 +572,8 @@ fn commands_run_on_every_fixture() {
                 .stdout,
         )
         .unwrap();
-        assert_eq!(
-            v["model"]["arch"],
-            if name == "qwen3" { "qwen3" } else { "llama" }
-        );
+        let arch = if name == "llama3" { "llama" } else { name };
+        assert_eq!(v["model"]["arch"], arch);
         assert_eq!(
             v["model"]["head_dim"],
             if name == "qwen3" { 24 } else { 16 }
@@ -639,4 +637,23 @@ fn mistral_sliding_window_matches_transformers() {
             assert_eq!(c.sink_query(0), 0.0);
         }
     }
+}
+
+/// Phi-3: fused `qkv_proj` and `gate_up_proj`, and partial rotary (only the first half of each
+/// head's dimensions rotate), from `rope_parameters` or a top-level `partial_rotary_factor`.
+#[test]
+fn phi3_matches_transformers() {
+    check("phi3", &|_| {});
+    check("phi3", &|c| {
+        let p = c["rope_parameters"].take();
+        c.as_object_mut().unwrap().remove("rope_parameters");
+        c["rope_theta"] = p["rope_theta"].clone();
+        c["partial_rotary_factor"] = 0.5.into();
+    });
+    // a factor that does not split a head into whole dimensions is refused
+    let dir = fixture_copy("phi3", &|c| {
+        c["rope_parameters"]["partial_rotary_factor"] = 0.3.into()
+    });
+    let e = load_err(dir.path());
+    assert!(e.contains("partial_rotary_factor"), "{e}");
 }

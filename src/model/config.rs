@@ -16,6 +16,8 @@ pub enum Arch {
     Qwen3,
     /// Mistral: Llama's blocks with sliding-window attention.
     Mistral,
+    /// Phi-3: fused q|k|v and gate|up projections, partial rotary.
+    Phi3,
 }
 
 impl Arch {
@@ -25,6 +27,7 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Qwen3 => "qwen3",
             Arch::Mistral => "mistral",
+            Arch::Phi3 => "phi3",
         }
     }
     pub fn parse(s: &str) -> Option<Arch> {
@@ -33,6 +36,7 @@ impl Arch {
             "llama" => Some(Arch::Llama),
             "qwen3" => Some(Arch::Qwen3),
             "mistral" => Some(Arch::Mistral),
+            "phi3" => Some(Arch::Phi3),
             _ => None,
         }
     }
@@ -119,6 +123,9 @@ pub struct ModelDims {
     /// before it (transformers' rule); `None` = every earlier key.
     pub sliding_window: Option<usize>,
     pub rope_style: RopeStyle,
+    /// How many dimensions of each head RoPE rotates (the first ones; `head_dim` unless the
+    /// config has a partial rotary factor, as Phi-3 does).
+    pub rotary_dim: usize,
     pub rms_eps: f32,
     pub tied_embeddings: bool,
 }
@@ -157,6 +164,15 @@ impl ModelDims {
             return Err(format!(
                 "head_dim {} is odd; RoPE needs an even head dimension",
                 self.head_dim
+            ));
+        }
+        if self.rotary_dim == 0
+            || self.rotary_dim > self.head_dim
+            || !self.rotary_dim.is_multiple_of(2)
+        {
+            return Err(format!(
+                "{} rotary dimensions of a head of {}: RoPE needs an even number, at most the head dimension",
+                self.rotary_dim, self.head_dim
             ));
         }
         if self.sliding_window == Some(0) {

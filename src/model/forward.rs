@@ -171,12 +171,19 @@ fn split_heads(
     rope: Option<(&[f32], &[f32], RopeStyle)>,
 ) -> Vec<f32> {
     let mut out = vec![0f32; heads * m * d];
-    let half = d / 2;
     out.par_chunks_mut(m * d).enumerate().for_each(|(h, dst)| {
         for (r, v) in dst.chunks_mut(d).enumerate() {
             v.copy_from_slice(&src[r * width + c0 + h * d..][..d]);
             if let Some((cos, sin, style)) = rope {
-                rotate(v, &cos[r * half..][..half], &sin[r * half..][..half], style);
+                // the tables' width is half the rotated dimensions: the first 2·half of each head
+                // rotate (all of them unless the rotary factor is partial), the rest pass through
+                let half = cos.len() / m.max(1);
+                rotate(
+                    &mut v[..2 * half],
+                    &cos[r * half..][..half],
+                    &sin[r * half..][..half],
+                    style,
+                );
             }
         }
     });
@@ -933,13 +940,13 @@ impl Model {
         for &p in &opts.knockout {
             knock[p] = true;
         }
-        let mut inv = dims.rope_scaling.inv_freq(hd, dims.rope_base);
+        let mut inv = dims.rope_scaling.inv_freq(dims.rotary_dim, dims.rope_base);
         if let Some(f) = &self.weights.rope_freqs {
             // llama.cpp: theta_i = pos · base^(-2i/d) / freq_factors[i]
             inv.iter_mut().zip(f).for_each(|(x, f)| *x /= f);
         }
         let (cos, sin) = rope_tables_of(&inv, n);
-        let half = hd / 2;
+        let half = dims.rotary_dim / 2;
         let (cos, sin) = (&cos[p0 * half..], &sin[p0 * half..]);
         let style = self.weights.rope_style;
         let mut x: Vec<f32> = self

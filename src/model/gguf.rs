@@ -363,14 +363,16 @@ impl GgufFile {
             rope_base,
             rope_scaling: RopeScaling::Default,
             sliding_window: None,
+            rotary_dim: head_dim,
             rope_style: match arch {
                 // llama.cpp: LLAMA_ROPE_TYPE_NEOX for qwen2/qwen3, NORM for llama
                 Arch::Qwen2 | Arch::Qwen3 => RopeStyle::Neox,
                 Arch::Llama => RopeStyle::Interleaved,
-                // llama.cpp converts Mistral checkpoints as `llama` and drops the window
-                Arch::Mistral => {
+                // llama.cpp converts Mistral checkpoints as `llama` and drops the window; its
+                // phi3 layout (fused tensors under other names) is not read yet
+                Arch::Mistral | Arch::Phi3 => {
                     return Err(Error::UnknownArch {
-                        arch: "mistral (in GGUF; use the Hugging Face folder)".into(),
+                        arch: format!("{} (in GGUF; use the Hugging Face folder)", arch.name()),
                         path: self.path.clone(),
                     })
                 }

@@ -145,12 +145,6 @@ impl HfFolder {
                     "; attnscope reads one set of RoPE parameters for every layer",
                 ));
             }
-            if let Some(f) = p
-                .get("partial_rotary_factor")
-                .filter(|v| v.as_f64() != Some(1.0))
-            {
-                return Err(unsupported(&format!("{pkey}.partial_rotary_factor"), f, ""));
-            }
         }
         let theta = params
             .and_then(|p| p.get("rope_theta"))
@@ -231,13 +225,28 @@ impl HfFolder {
                 return Err(unsupported(k, v, ""));
             }
         }
-        if let Some(v) = set("partial_rotary_factor").filter(|v| v.as_f64() != Some(1.0)) {
-            return Err(unsupported(
-                "partial_rotary_factor",
-                v,
-                "; attnscope rotates every dimension of a head",
-            ));
-        }
+        // partial rotary (Phi-3): only the first `factor · head_dim` dimensions of a head rotate
+        let head_dim = c
+            .head_dim
+            .unwrap_or(c.hidden_size / c.num_attention_heads.max(1));
+        let factor = params
+            .and_then(|p| p.get("partial_rotary_factor"))
+            .or(set("partial_rotary_factor"));
+        let rotary_dim = match factor {
+            None => head_dim,
+            Some(f) => match f.as_f64() {
+                Some(x) if x > 0.0 && x <= 1.0 && (x * head_dim as f64).fract() == 0.0 => {
+                    (x * head_dim as f64) as usize
+                }
+                _ => {
+                    return Err(Error::BadValue {
+                        key: "partial_rotary_factor".into(),
+                        path: cfg.clone(),
+                        reason: format!("{f} is not a factor in (0, 1] giving a whole number of the {head_dim} dimensions of a head"),
+                    })
+                }
+            },
+        };
         if let Some(v) = set("hidden_act").filter(|v| v.as_str() != Some("silu")) {
             return Err(unsupported(
                 "hidden_act",
@@ -248,7 +257,7 @@ impl HfFolder {
         let mut sliding_window = None;
         if let Some(v) = set("sliding_window") {
             match arch {
-                Arch::Mistral => match v.as_u64() {
+                Arch::Mistral | Arch::Phi3 => match v.as_u64() {
                     Some(w) if w > 0 => sliding_window = Some(w as usize),
                     _ => {
                         return Err(Error::BadValue {
@@ -309,6 +318,7 @@ impl HfFolder {
             rope_base,
             rope_scaling,
             sliding_window,
+            rotary_dim,
             // every HF checkpoint uses transformers' rotate_half: pairs (i, i + d/2)
             rope_style: RopeStyle::Neox,
             rms_eps: c.rms_norm_eps as f32,
@@ -407,10 +417,56 @@ pub fn hf_name(l: &Logical) -> String {
     }
 }
 
+/// Phi-3's fused projections: the fused tensor, the part's first row and its row count.
+fn fused_part(c: &HfConfig, l: &Logical) -> Option<(String, usize, usize)> {
+    let hd = c
+        .head_dim
+        .unwrap_or(c.hidden_size / c.num_attention_heads.max(1));
+    let (nq, nk) = (
+        c.num_attention_heads * hd,
+        c.num_key_value_heads.unwrap_or(c.num_attention_heads) * hd,
+    );
+    let ff = c.intermediate_size;
+    let qkv = |i: &usize| format!("model.layers.{i}.self_attn.qkv_proj.weight");
+    let gu = |i: &usize| format!("model.layers.{i}.mlp.gate_up_proj.weight");
+    match l {
+        Logical::Q(i) => Some((qkv(i), 0, nq)),
+        Logical::K(i) => Some((qkv(i), nq, nk)),
+        Logical::V(i) => Some((qkv(i), nq + nk, nk)),
+        Logical::Gate(i) => Some((gu(i), 0, ff)),
+        Logical::Up(i) => Some((gu(i), ff, ff)),
+        _ => None,
+    }
+}
+
 impl TensorSource for HfFolder {
     fn get(&mut self, l: &Logical) -> Result<Option<Raw>> {
         let name = hf_name(l);
         if self.st.get(&name).is_err() {
+            // Phi-3 stores q|k|v and gate|up fused: read the part's rows
+            if let Some((fused, start, len)) = fused_part(&self.config, l) {
+                if self.st.get(&fused).is_ok() {
+                    let bad = |e: candle_core::Error| Error::BadSafetensors {
+                        path: self.dir.clone(),
+                        reason: format!("tensor `{fused}`: {e}"),
+                    };
+                    let t = self.st.load(&fused, &Device::Cpu).map_err(bad)?;
+                    if t.dim(0).map_err(bad)? < start + len {
+                        return Err(Error::ShapeMismatch {
+                            name: fused,
+                            path: self.dir.clone(),
+                            got: t.dims().to_vec(),
+                            want: vec![start + len, self.config.hidden_size],
+                        });
+                    }
+                    return Ok(Some(Raw::F(
+                        t.narrow(0, start, len)
+                            .map_err(bad)?
+                            .contiguous()
+                            .map_err(bad)?,
+                    )));
+                }
+            }
             return Ok(None);
         }
         let t = self
@@ -432,7 +488,26 @@ impl TensorSource for HfFolder {
         self.arch_string()
     }
     fn names(&self) -> Vec<String> {
-        self.st.tensors().into_iter().map(|(n, _)| n).collect()
+        // a fused tensor stands for the parts it is read as
+        let mut out = Vec::new();
+        for (n, _) in self.st.tensors() {
+            let split: Option<&[&str]> = if n.ends_with(".self_attn.qkv_proj.weight") {
+                Some(&["q_proj", "k_proj", "v_proj"])
+            } else if n.ends_with(".mlp.gate_up_proj.weight") {
+                Some(&["gate_proj", "up_proj"])
+            } else {
+                None
+            };
+            match split {
+                Some(parts) => {
+                    // `model.layers.0.self_attn.qkv_proj.weight` → `model.layers.0.self_attn`
+                    let stem = n.rsplitn(3, '.').nth(2).unwrap_or_default();
+                    out.extend(parts.iter().map(|p| format!("{stem}.{p}.weight")));
+                }
+                None => out.push(n),
+            }
+        }
+        out
     }
 }
 
