@@ -21,6 +21,9 @@ pub struct ModelFacts {
     pub head_dim: usize,
     pub d_model: usize,
     pub precision: String,
+    /// Sliding window of every layer (a query sees itself and the `window - 1` keys before it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<usize>,
 }
 
 impl ModelFacts {
@@ -38,6 +41,7 @@ impl ModelFacts {
             head_dim: d.head_dim,
             d_model: d.d_model,
             precision: m.info.precision.name().into(),
+            sliding_window: d.sliding_window,
         }
     }
 }

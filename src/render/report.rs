@@ -220,6 +220,13 @@ pub fn render(r: &InspectReport, mask_tokens: usize) -> String {
         ]);
     }
     s += &t.render();
+    if let Some(w) = m.sliding_window {
+        s += &if r.query >= w {
+            format!("Every layer has a sliding window of {w} tokens: query {} cannot see the first token {first}, so its share is 0 by construction; over all queries only the first {w} see it.\n", r.query)
+        } else {
+            format!("Every layer has a sliding window of {w} tokens: query {} still sees the first token {first}; queries from position {w} on do not.\n", r.query)
+        };
+    }
     let sq: Vec<f32> = r.layers.iter().map(|l| l.sink_query).collect();
     let sa: Vec<f32> = r.layers.iter().map(|l| l.sink_all_queries).collect();
     s += &format!(
