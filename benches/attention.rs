@@ -37,6 +37,8 @@ fn bench(c: &mut Criterion) {
             q_len: n,
             k_len: n,
             window: None,
+            scale: None,
+            softcap: None,
         };
         let knock = vec![false; n];
         if n <= 1024 {

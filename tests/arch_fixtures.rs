@@ -504,7 +504,7 @@ fn qwen3_gguf_matches_transformers() {
 fn commands_run_on_every_fixture() {
     let bin = env!("CARGO_BIN_EXE_attnscope");
     let dir = tempfile::tempdir().unwrap();
-    for name in ["llama3", "qwen3", "mistral", "phi3"] {
+    for name in ["llama3", "qwen3", "mistral", "phi3", "gemma2", "gemma3"] {
         let m = golden(&format!("arch/{name}"));
         let m = m.to_str().unwrap();
         let npz = dir.path().join(format!("{name}.npz"));
@@ -591,6 +591,26 @@ fn commands_run_on_every_fixture() {
                 "{text}"
             );
         }
+        if name == "gemma2" {
+            // alternating windows: layer 0 slides, so query ≥ 8 cannot see the first token there
+            let out = std::process::Command::new(bin)
+                .args([
+                    "inspect",
+                    "-m",
+                    m,
+                    "--text",
+                    "The cat sat on the mat again and again.",
+                    "--json",
+                ])
+                .output()
+                .unwrap();
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            assert_eq!(v["layers"][0]["sink_query"], 0.0, "layer 0 is windowed");
+            assert!(
+                v["layers"][1]["sink_query"].as_f64().unwrap() > 0.0,
+                "layer 1 is full"
+            );
+        }
         let arch = if name == "llama3" { "llama" } else { name };
         assert_eq!(v["model"]["arch"], arch);
         assert_eq!(
@@ -675,4 +695,46 @@ fn phi3_matches_transformers() {
     });
     let e = load_err(dir.path());
     assert!(e.contains("partial_rotary_factor"), "{e}");
+}
+
+/// Gemma 2: (1 + w) norms before and after attention and MLP, √d embedding scale, GeLU(tanh),
+/// `query_pre_attn_scalar`, attention (3.0) and final-logit (5.0) soft-capping, a window of 8 on
+/// layers 0 and 2; in transformers 5's config and the hub's (no `layer_types`: alternating).
+#[test]
+fn gemma2_matches_transformers() {
+    check("gemma2", &|_| {});
+    check("gemma2", &|c| {
+        let p = c["rope_parameters"].take();
+        let o = c.as_object_mut().unwrap();
+        o.remove("rope_parameters");
+        o.remove("layer_types");
+        c["rope_theta"] = p["rope_theta"].clone();
+    });
+}
+
+/// Gemma 3: q/k (1 + w) norms, layers 0-1 sliding with rope base 1e4, layer 2 full with 1e6; in
+/// transformers 5's nested `rope_parameters` and the hub's `rope_theta` + `rope_local_base_freq` +
+/// `sliding_window_pattern`.
+#[test]
+fn gemma3_matches_transformers() {
+    check("gemma3", &|_| {});
+    check("gemma3", &|c| {
+        let p = c["rope_parameters"].take();
+        let o = c.as_object_mut().unwrap();
+        o.remove("rope_parameters");
+        o.remove("layer_types");
+        o.remove("_sliding_window_pattern");
+        c["rope_theta"] = p["full_attention"]["rope_theta"].clone();
+        c["rope_local_base_freq"] = p["sliding_attention"]["rope_theta"].clone();
+        c["sliding_window_pattern"] = 3.into();
+    });
+    // a sliding layer's own rope base matters: with the full layers' base everywhere it is off
+    let dir = fixture_copy("gemma3", &|c| {
+        c["rope_parameters"]["sliding_attention"]["rope_theta"] = 1_000_000.0.into();
+    });
+    let (attn, _, _) = deviation(dir.path(), "gemma3");
+    assert!(
+        attn > 1e-3,
+        "the sliding layers' rope base changed nothing: {attn}"
+    );
 }

@@ -24,6 +24,9 @@ pub struct ModelFacts {
     /// Sliding window of every layer (a query sees itself and the `window - 1` keys before it).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sliding_window: Option<usize>,
+    /// The layers that attend through the window (all of them for Mistral, some for Gemma).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub windowed_layers: Vec<usize>,
 }
 
 impl ModelFacts {
@@ -42,6 +45,9 @@ impl ModelFacts {
             d_model: d.d_model,
             precision: m.info.precision.name().into(),
             sliding_window: d.sliding_window,
+            windowed_layers: (0..d.n_layers)
+                .filter(|&l| d.window_of(l).is_some())
+                .collect(),
         }
     }
 }

@@ -18,6 +18,13 @@ pub enum Arch {
     Mistral,
     /// Phi-3: fused q|k|v and gate|up projections, partial rotary.
     Phi3,
+    /// Gemma 2: (1 + w) RMSNorms before and after attention and MLP, embeddings scaled by
+    /// √d_model, GeLU(tanh), `query_pre_attn_scalar`, attention and final-logit soft-capping,
+    /// sliding windows on some layers.
+    Gemma2,
+    /// Gemma 3: Gemma 2's blocks without soft-capping, q/k (1 + w) RMSNorm, a rope base for
+    /// sliding layers and one for full layers.
+    Gemma3,
 }
 
 impl Arch {
@@ -28,7 +35,13 @@ impl Arch {
             Arch::Qwen3 => "qwen3",
             Arch::Mistral => "mistral",
             Arch::Phi3 => "phi3",
+            Arch::Gemma2 => "gemma2",
+            Arch::Gemma3 => "gemma3",
         }
+    }
+    /// Gemma's conventions: (1 + w) norms, post-norms, scaled embeddings, GeLU(tanh).
+    pub fn is_gemma(self) -> bool {
+        matches!(self, Arch::Gemma2 | Arch::Gemma3)
     }
     pub fn parse(s: &str) -> Option<Arch> {
         match s {
@@ -37,6 +50,8 @@ impl Arch {
             "qwen3" => Some(Arch::Qwen3),
             "mistral" => Some(Arch::Mistral),
             "phi3" => Some(Arch::Phi3),
+            "gemma2" => Some(Arch::Gemma2),
+            "gemma3" | "gemma3_text" => Some(Arch::Gemma3),
             _ => None,
         }
     }
@@ -105,6 +120,23 @@ impl RopeScaling {
     }
 }
 
+/// What Gemma 2 and 3 add to the shape.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct GemmaSettings {
+    /// The embeddings are multiplied by this (√d_model, as f32).
+    pub embed_scale: f32,
+    /// Scores are `q·k · query_scale` (`query_pre_attn_scalar^-½`), not `/√head_dim`.
+    pub query_scale: f32,
+    /// Scores become `cap · tanh(s / cap)` before the mask (Gemma 2).
+    pub attn_softcap: Option<f32>,
+    /// Logits become `cap · tanh(z / cap)` (Gemma 2).
+    pub final_softcap: Option<f32>,
+    /// Per layer: whether it attends through the sliding window.
+    pub sliding_layers: Vec<bool>,
+    /// RoPE base of the sliding layers (Gemma 3's local base; Gemma 2: the one base).
+    pub rope_base_sliding: f32,
+}
+
 /// The numbers that define a model's shape.
 #[derive(Clone, Debug, Serialize)]
 pub struct ModelDims {
@@ -126,11 +158,27 @@ pub struct ModelDims {
     /// How many dimensions of each head RoPE rotates (the first ones; `head_dim` unless the
     /// config has a partial rotary factor, as Phi-3 does).
     pub rotary_dim: usize,
+    /// Gemma 2 / 3 settings (`None` for every other family).
+    pub gemma: Option<GemmaSettings>,
     pub rms_eps: f32,
     pub tied_embeddings: bool,
 }
 
 impl ModelDims {
+    /// The sliding window of `layer`, if it has one.
+    pub fn window_of(&self, layer: usize) -> Option<usize> {
+        match &self.gemma {
+            Some(g) if !g.sliding_layers.get(layer).copied().unwrap_or(false) => None,
+            _ => self.sliding_window,
+        }
+    }
+    /// The RoPE base of `layer`.
+    pub fn rope_base_of(&self, layer: usize) -> f32 {
+        match &self.gemma {
+            Some(g) if g.sliding_layers.get(layer).copied().unwrap_or(false) => g.rope_base_sliding,
+            _ => self.rope_base,
+        }
+    }
     /// Query heads per key/value set.
     pub fn group_size(&self) -> usize {
         self.n_heads / self.n_kv_heads

@@ -232,6 +232,22 @@ fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
     x.iter_mut().zip(w).for_each(|(v, &g)| *v = *v * inv * g);
 }
 
+/// GeLU(gate) · up over rows of `gu: [rows, 2·ff]` (Gemma's MLP), GeLU in its tanh form as
+/// transformers' `gelu_pytorch_tanh`: `½x(1 + tanh(√(2/π)(x + 0.044715x³)))`.
+fn geglu_tanh(gu: &[f32], ff: usize, out: &mut [f32]) {
+    const C: f32 = 0.797_884_6; // √(2/π)
+    let act = |(src, dst): (&[f32], &mut [f32])| {
+        let (g, u) = src.split_at(ff);
+        for ((d, &g), &u) in dst.iter_mut().zip(g).zip(u) {
+            let gelu = 0.5 * g * (1.0 + (C * (g + 0.044_715 * g * g * g)).tanh());
+            *d = gelu * u;
+        }
+    };
+    out.par_chunks_mut(ff)
+        .zip(gu.par_chunks(2 * ff))
+        .for_each(|(d, s)| act((s, d)));
+}
+
 /// SiLU(gate) · up over rows of `gu: [rows, 2·ff]` (gate then up) into `out: [rows, ff]`.
 /// SiLU(x) = x · σ(x) [Elfwing et al. 2018]; σ from `e^-|x|` so the exponential never overflows.
 fn swiglu(gu: &[f32], ff: usize, out: &mut [f32]) {
@@ -311,6 +327,10 @@ pub struct AttnDims {
     pub k_len: usize,
     /// Sliding window: query i sees keys `i - window < j ≤ i` (None = every earlier key).
     pub window: Option<usize>,
+    /// Scores are `q·k · scale` (None: `1/√head_dim`; Gemma: `query_pre_attn_scalar^-½`).
+    pub scale: Option<f32>,
+    /// Scores become `cap · tanh(s / cap)` before the mask (Gemma 2's soft-capping).
+    pub softcap: Option<f32>,
 }
 
 /// Causal grouped-query attention, fused per (head, block of query rows): `S = (Q/√d) Kᵀ` on
@@ -349,6 +369,8 @@ pub fn attention(
         q_len: n,
         k_len,
         window,
+        scale,
+        softcap,
     } = dims;
     if k_len < n
         || n_kv == 0
@@ -370,7 +392,7 @@ pub fn attention(
     }
     let isa = Isa::detect();
     let group = n_heads / n_kv;
-    let scale = 1.0 / (d as f32).sqrt();
+    let scale = scale.unwrap_or(1.0 / (d as f32).sqrt());
     // the queries scaled once, so the scores come out of the GEMM already divided by √d
     let q: Vec<f32> = q.iter().map(|&x| x * scale).collect();
     let q = q.as_slice();
@@ -466,6 +488,9 @@ pub fn attention(
                 let s = &mut s_h[..rows * kn];
                 // raw scores q·k of this block: [rows, kn]
                 gemm::gemm_sub(a, d, rows, kp, 0..d, k0..k0 + kn, s, kn, false, false);
+                if let Some(cap) = softcap {
+                    s.iter_mut().for_each(|x| *x = (*x / cap).tanh() * cap);
+                }
                 if !raw_h.is_empty() {
                     for (x, (src, dst)) in s.chunks(kn).zip(raw_h.chunks_mut(kn)).enumerate() {
                         let i = offset + q0 + x;
@@ -547,6 +572,11 @@ pub fn attention(
                     false,
                     false,
                 );
+                if let Some(cap) = softcap {
+                    out[..i + 1]
+                        .iter_mut()
+                        .for_each(|x| *x = (*x / cap).tanh() * cap);
+                }
                 for (j, p) in out[..i + 1].iter_mut().enumerate() {
                     *p = if visible(i, j, knockout, window) && st.l > 0.0 {
                         (fast_exp(*p - st.m) as f64 / st.l) as f32
@@ -940,14 +970,22 @@ impl Model {
         for &p in &opts.knockout {
             knock[p] = true;
         }
-        let mut inv = dims.rope_scaling.inv_freq(dims.rotary_dim, dims.rope_base);
-        if let Some(f) = &self.weights.rope_freqs {
-            // llama.cpp: theta_i = pos · base^(-2i/d) / freq_factors[i]
-            inv.iter_mut().zip(f).for_each(|(x, f)| *x /= f);
-        }
-        let (cos, sin) = rope_tables_of(&inv, n);
+        let tables = |base: f32| {
+            let mut inv = dims.rope_scaling.inv_freq(dims.rotary_dim, base);
+            if let Some(f) = &self.weights.rope_freqs {
+                // llama.cpp: theta_i = pos · base^(-2i/d) / freq_factors[i]
+                inv.iter_mut().zip(f).for_each(|(x, f)| *x /= f);
+            }
+            rope_tables_of(&inv, n)
+        };
         let half = dims.rotary_dim / 2;
-        let (cos, sin) = (&cos[p0 * half..], &sin[p0 * half..]);
+        let main_tables = tables(dims.rope_base);
+        // Gemma 3's sliding layers have their own base
+        let local_tables = dims
+            .gemma
+            .as_ref()
+            .filter(|g| g.rope_base_sliding != dims.rope_base)
+            .map(|g| tables(g.rope_base_sliding));
         let style = self.weights.rope_style;
         let mut x: Vec<f32> = self
             .weights
@@ -955,6 +993,10 @@ impl Model {
             .lookup(tokens)?
             .flatten_all()?
             .to_vec1()?; // [m, d_model]
+        if let Some(g) = &dims.gemma {
+            // Gemma scales the embeddings by √d_model
+            x.iter_mut().for_each(|v| *v *= g.embed_scale);
+        }
         let (mut attn_time, mut proj_time) = (Duration::ZERO, Duration::ZERO);
         let mut kept = Vec::with_capacity(if opts.keep_kv { dims.n_layers } else { 0 });
         let (nq, nk) = (nh * hd, nkv * hd);
@@ -965,6 +1007,11 @@ impl Model {
         let mut gu = vec![0f32; mlp_rows * 2 * ff];
         let mut act = vec![0f32; mlp_rows * ff];
         for (l, layer) in self.weights.layers.iter().enumerate() {
+            let (cos, sin) = match &local_tables {
+                Some(t) if dims.rope_base_of(l) != dims.rope_base => (&t.0, &t.1),
+                _ => (&main_tables.0, &main_tables.1),
+            };
+            let (cos, sin) = (&cos[p0 * half..], &sin[p0 * half..]);
             if obs.wants(l, Hook::ResidPre) {
                 obs.tensor(l, Hook::ResidPre, &[m, dm], &x);
             }
@@ -1030,7 +1077,9 @@ impl Model {
                 head_dim: hd,
                 q_len: m,
                 k_len: n,
-                window: dims.sliding_window,
+                window: dims.window_of(l),
+                scale: dims.gemma.as_ref().map(|g| g.query_scale),
+                softcap: dims.gemma.as_ref().and_then(|g| g.attn_softcap),
             };
             let z = attention(
                 l,
@@ -1051,7 +1100,15 @@ impl Model {
                 obs.tensor(l, Hook::Z, &[m, nh, hd], &z);
             }
             let t = Instant::now();
-            if obs.wants(l, Hook::AttnOut) {
+            if let Some((post_attn, _)) = &layer.post_norms {
+                // Gemma: the attention's output is normalized before the residual add
+                let attn_out = rms_norm(&layer.o.forward(&z, m)?, post_attn, dims.rms_eps);
+                proj_time += t.elapsed();
+                if obs.wants(l, Hook::AttnOut) {
+                    obs.tensor(l, Hook::AttnOut, &[m, dm], &attn_out);
+                }
+                x.iter_mut().zip(&attn_out).for_each(|(x, a)| *x += a);
+            } else if obs.wants(l, Hook::AttnOut) {
                 let attn_out = layer.o.forward(&z, m)?;
                 proj_time += t.elapsed();
                 obs.tensor(l, Hook::AttnOut, &[m, dm], &attn_out);
@@ -1070,14 +1127,28 @@ impl Model {
                     .gate_up
                     .forward_into(&h[r0 * dm..(r0 + rows) * dm], rows, &mut gu, false)?;
                 proj_time += t.elapsed();
-                swiglu(&gu[..rows * 2 * ff], ff, &mut act[..rows * ff]);
+                if dims.arch.is_gemma() {
+                    geglu_tanh(&gu[..rows * 2 * ff], ff, &mut act[..rows * ff]);
+                } else {
+                    swiglu(&gu[..rows * 2 * ff], ff, &mut act[..rows * ff]);
+                }
                 let t = Instant::now();
-                layer.down.forward_into(
-                    &act[..rows * ff],
-                    rows,
-                    &mut x[r0 * dm..(r0 + rows) * dm],
-                    true,
-                )?;
+                if let Some((_, post_mlp)) = &layer.post_norms {
+                    // Gemma: the MLP's output is normalized before the residual add
+                    let out = layer.down.forward(&act[..rows * ff], rows)?;
+                    let out = rms_norm(&out, post_mlp, dims.rms_eps);
+                    x[r0 * dm..(r0 + rows) * dm]
+                        .iter_mut()
+                        .zip(&out)
+                        .for_each(|(x, a)| *x += a);
+                } else {
+                    layer.down.forward_into(
+                        &act[..rows * ff],
+                        rows,
+                        &mut x[r0 * dm..(r0 + rows) * dm],
+                        true,
+                    )?;
+                }
                 proj_time += t.elapsed();
             }
             if !all_finite(&x) {
@@ -1104,9 +1175,15 @@ impl Model {
                 .collect();
             let h = rms_norm(&rows, &self.weights.final_norm, dims.rms_eps);
             let h = Tensor::from_vec(h, (opts.logits_at.len(), dm), &Device::Cpu)?;
-            let rows: Vec<Vec<f32>> = candle_core::Module::forward(&self.weights.lm_head, &h)?
+            let mut rows: Vec<Vec<f32>> = candle_core::Module::forward(&self.weights.lm_head, &h)?
                 .to_dtype(DType::F32)?
                 .to_vec2()?;
+            if let Some(cap) = dims.gemma.as_ref().and_then(|g| g.final_softcap) {
+                // Gemma 2: final-logit soft-capping
+                rows.iter_mut()
+                    .flatten()
+                    .for_each(|z| *z = (*z / cap).tanh() * cap);
+            }
             if !rows.iter().all(|r| all_finite(r)) {
                 return Err(Error::NonFinite {
                     what: "the logits".into(),
@@ -1210,6 +1287,8 @@ mod tests {
             q_len: 5,
             k_len: 5,
             window: None,
+            scale: None,
+            softcap: None,
         };
         let mut rng = crate::reference::Rng::new(3);
         let (q, k, v) = (

@@ -364,13 +364,14 @@ impl GgufFile {
             rope_scaling: RopeScaling::Default,
             sliding_window: None,
             rotary_dim: head_dim,
+            gemma: None,
             rope_style: match arch {
                 // llama.cpp: LLAMA_ROPE_TYPE_NEOX for qwen2/qwen3, NORM for llama
                 Arch::Qwen2 | Arch::Qwen3 => RopeStyle::Neox,
                 Arch::Llama => RopeStyle::Interleaved,
                 // llama.cpp converts Mistral checkpoints as `llama` and drops the window; its
                 // phi3 layout (fused tensors under other names) is not read yet
-                Arch::Mistral | Arch::Phi3 => {
+                Arch::Mistral | Arch::Phi3 | Arch::Gemma2 | Arch::Gemma3 => {
                     return Err(Error::UnknownArch {
                         arch: format!("{} (in GGUF; use the Hugging Face folder)", arch.name()),
                         path: self.path.clone(),
@@ -430,6 +431,8 @@ pub fn gguf_name(l: &Logical) -> String {
         Logical::Up(i) => format!("blk.{i}.ffn_up.weight"),
         Logical::Down(i) => format!("blk.{i}.ffn_down.weight"),
         Logical::RopeFreqs => "rope_freqs.weight".into(),
+        Logical::PostAttnNorm(i) => format!("blk.{i}.post_attention_norm.weight"),
+        Logical::PostMlpNorm(i) => format!("blk.{i}.post_ffw_norm.weight"),
         Logical::QNorm(i) => format!("blk.{i}.attn_q_norm.weight"),
         Logical::KNorm(i) => format!("blk.{i}.attn_k_norm.weight"),
     }

@@ -1,7 +1,7 @@
 //! Hugging Face model folders: `config.json`, `*.safetensors` (one file or shards with
 //! `model.safetensors.index.json`), `tokenizer.json`; and hub ids through `hf-hub`.
 
-use super::config::{Arch, ModelDims, RopeScaling, RopeStyle};
+use super::config::{Arch, GemmaSettings, ModelDims, RopeScaling, RopeStyle};
 use super::error::{Error, Result};
 use super::weights::{Logical, Raw, TensorSource};
 use candle_core::safetensors::MmapedSafetensors;
@@ -128,11 +128,29 @@ impl HfFolder {
             reason: reason.into(),
         };
         // RoPE: transformers 5's `rope_parameters`, or the hub's `rope_theta` + `rope_scaling`
-        let (params, pkey) = match (&c.rope_parameters, &c.rope_scaling) {
+        let (mut params, mut pkey) = match (&c.rope_parameters, &c.rope_scaling) {
             (Some(p), _) if !p.is_null() => (Some(p), "rope_parameters"),
             (_, Some(p)) if !p.is_null() => (Some(p), "rope_scaling"),
             _ => (None, ""),
         };
+        // Gemma 3 (transformers 5): one set per layer type; the hub: `rope_local_base_freq`
+        let mut sliding_base = c.extra.get("rope_local_base_freq").and_then(|v| v.as_f64());
+        if let (Arch::Gemma3, Some(p)) = (arch, params) {
+            if let (Some(full), Some(local)) = (p.get("full_attention"), p.get("sliding_attention"))
+            {
+                let kind = local.get("rope_type").and_then(|t| t.as_str());
+                if kind.is_some_and(|k| k != "default") {
+                    return Err(unsupported(
+                        "rope_parameters.sliding_attention.rope_type",
+                        &local["rope_type"],
+                        "; attnscope implements the default RoPE on sliding layers",
+                    ));
+                }
+                sliding_base = local.get("rope_theta").and_then(|v| v.as_f64());
+                params = Some(full);
+                pkey = "rope_parameters.full_attention";
+            }
+        }
         if let Some(p) = params {
             let flat = p.is_object()
                 && (p.get("rope_type").is_some()
@@ -212,6 +230,11 @@ impl HfFolder {
         };
         // settings of other families that change every number
         let set = |k: &str| c.extra.get(k).filter(|v| !v.is_null());
+        let gemma_keys = [
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+            "query_pre_attn_scalar",
+        ];
         for k in [
             "attn_logit_softcapping",
             "final_logit_softcapping",
@@ -221,7 +244,7 @@ impl HfFolder {
             "attention_multiplier",
             "logits_scaling",
         ] {
-            if let Some(v) = set(k) {
+            if let Some(v) = set(k).filter(|_| !(arch.is_gemma() && gemma_keys.contains(&k))) {
                 return Err(unsupported(k, v, ""));
             }
         }
@@ -247,7 +270,26 @@ impl HfFolder {
                 }
             },
         };
-        if let Some(v) = set("hidden_act").filter(|v| v.as_str() != Some("silu")) {
+        if arch.is_gemma() {
+            for k in ["hidden_activation", "hidden_act"] {
+                if let Some(v) = set(k).filter(|v| v.as_str() != Some("gelu_pytorch_tanh")) {
+                    return Err(unsupported(
+                        k,
+                        v,
+                        "; attnscope's Gemma MLP is GeGLU with gelu_pytorch_tanh",
+                    ));
+                }
+            }
+            if let Some(v) =
+                set("use_bidirectional_attention").filter(|v| v.as_bool() == Some(true))
+            {
+                return Err(unsupported(
+                    "use_bidirectional_attention",
+                    v,
+                    "; attnscope runs causal attention",
+                ));
+            }
+        } else if let Some(v) = set("hidden_act").filter(|v| v.as_str() != Some("silu")) {
             return Err(unsupported(
                 "hidden_act",
                 v,
@@ -257,7 +299,7 @@ impl HfFolder {
         let mut sliding_window = None;
         if let Some(v) = set("sliding_window") {
             match arch {
-                Arch::Mistral | Arch::Phi3 => match v.as_u64() {
+                Arch::Mistral | Arch::Phi3 | Arch::Gemma2 | Arch::Gemma3 => match v.as_u64() {
                     Some(w) if w > 0 => sliding_window = Some(w as usize),
                     _ => {
                         return Err(Error::BadValue {
@@ -286,7 +328,51 @@ impl HfFolder {
                 }
             }
         }
-        if let Some(v) = set("layer_types") {
+        let mut sliding_layers = None;
+        if arch.is_gemma() {
+            let n = c.num_hidden_layers;
+            let layers: Vec<bool> = match set("layer_types") {
+                Some(v) => {
+                    let a =
+                        v.as_array()
+                            .filter(|a| a.len() == n)
+                            .ok_or_else(|| Error::BadValue {
+                                key: "layer_types".into(),
+                                path: cfg.clone(),
+                                reason: format!("expected a list of {n} layer types"),
+                            })?;
+                    a.iter()
+                        .map(|t| match t.as_str() {
+                            Some("sliding_attention") => Ok(true),
+                            Some("full_attention") => Ok(false),
+                            _ => Err(unsupported(
+                                "layer_types",
+                                v,
+                                "; attnscope knows sliding_attention and full_attention",
+                            )),
+                        })
+                        .collect::<Result<_>>()?
+                }
+                None => {
+                    // the hub's style: Gemma 2 alternates (even layers slide); Gemma 3 has
+                    // `sliding_window_pattern` N (every Nth layer is full)
+                    let pattern = set("sliding_window_pattern")
+                        .or(set("_sliding_window_pattern"))
+                        .and_then(|v| v.as_u64())
+                        .unwrap_or(if arch == Arch::Gemma2 { 2 } else { 6 })
+                        as usize;
+                    (0..n).map(|i| (i + 1) % pattern.max(1) != 0).collect()
+                }
+            };
+            if sliding_window.is_none() && layers.iter().any(|&b| b) {
+                return Err(Error::MissingKey {
+                    key: "sliding_window".into(),
+                    path: cfg.clone(),
+                    arch: a.clone(),
+                });
+            }
+            sliding_layers = Some(layers);
+        } else if let Some(v) = set("layer_types") {
             let expected = if sliding_window.is_some() {
                 "sliding_attention"
             } else {
@@ -319,6 +405,29 @@ impl HfFolder {
             rope_scaling,
             sliding_window,
             rotary_dim,
+            gemma: match sliding_layers {
+                Some(layers) => {
+                    let f = |k: &str| set(k).and_then(|v| v.as_f64());
+                    Some(GemmaSettings {
+                        embed_scale: (c.hidden_size as f64).sqrt() as f32,
+                        query_scale: f("query_pre_attn_scalar")
+                            .map(|q| q.powf(-0.5) as f32)
+                            .unwrap_or(1.0 / (head_dim as f32).sqrt()),
+                        attn_softcap: f("attn_logit_softcapping").map(|x| x as f32),
+                        final_softcap: f("final_logit_softcapping").map(|x| x as f32),
+                        sliding_layers: layers,
+                        rope_base_sliding: match arch {
+                            Arch::Gemma3 => sliding_base.ok_or_else(|| Error::MissingKey {
+                                key: "rope_local_base_freq".into(),
+                                path: cfg.clone(),
+                                arch: a.clone(),
+                            })? as f32,
+                            _ => rope_base,
+                        },
+                    })
+                }
+                None => None,
+            },
             // every HF checkpoint uses transformers' rotate_half: pairs (i, i + d/2)
             rope_style: RopeStyle::Neox,
             rms_eps: c.rms_norm_eps as f32,
@@ -392,6 +501,26 @@ fn check_safetensors_header(path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Hugging Face's name for a logical weight of an `arch` model (Gemma names its norms
+/// differently: its `post_attention_layernorm` follows the attention).
+pub fn hf_name_for(arch: Option<Arch>, l: &Logical) -> String {
+    if arch.is_some_and(|a| a.is_gemma()) {
+        match l {
+            Logical::MlpNorm(i) => {
+                return format!("model.layers.{i}.pre_feedforward_layernorm.weight")
+            }
+            Logical::PostAttnNorm(i) => {
+                return format!("model.layers.{i}.post_attention_layernorm.weight")
+            }
+            Logical::PostMlpNorm(i) => {
+                return format!("model.layers.{i}.post_feedforward_layernorm.weight")
+            }
+            _ => {}
+        }
+    }
+    hf_name(l)
+}
+
 /// Hugging Face's name for a logical weight.
 pub fn hf_name(l: &Logical) -> String {
     match l {
@@ -412,6 +541,8 @@ pub fn hf_name(l: &Logical) -> String {
         Logical::Down(i) => format!("model.layers.{i}.mlp.down_proj.weight"),
         // Hugging Face folders carry rope scaling in config.json, not as a tensor
         Logical::RopeFreqs => "(rope_freqs)".into(),
+        Logical::PostAttnNorm(i) => format!("(no post-attention norm in layer {i})"),
+        Logical::PostMlpNorm(i) => format!("(no post-MLP norm in layer {i})"),
         Logical::QNorm(i) => format!("model.layers.{i}.self_attn.q_norm.weight"),
         Logical::KNorm(i) => format!("model.layers.{i}.self_attn.k_norm.weight"),
     }
@@ -441,7 +572,7 @@ fn fused_part(c: &HfConfig, l: &Logical) -> Option<(String, usize, usize)> {
 
 impl TensorSource for HfFolder {
     fn get(&mut self, l: &Logical) -> Result<Option<Raw>> {
-        let name = hf_name(l);
+        let name = hf_name_for(Arch::parse(&self.arch_string()), l);
         if self.st.get(&name).is_err() {
             // Phi-3 stores q|k|v and gate|up fused: read the part's rows
             if let Some((fused, start, len)) = fused_part(&self.config, l) {

@@ -187,7 +187,7 @@ impl Model {
                         &dims,
                         precision,
                         dims.rope_style,
-                        &hf::hf_name,
+                        &|l: &weights::Logical| hf::hf_name_for(Some(dims.arch), l),
                         tick,
                     )?;
                     Model {

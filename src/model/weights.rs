@@ -292,8 +292,10 @@ impl Linear {
 
 pub struct Layer {
     pub attn_norm: Vec<f32>,
-    /// Qwen3: RMSNorm weights of each head's query and key (`[head_dim]`), before RoPE.
+    /// Qwen3 / Gemma 3: RMSNorm weights of each head's query and key (`[head_dim]`), before RoPE.
     pub qk_norm: Option<(Vec<f32>, Vec<f32>)>,
+    /// Gemma: RMSNorm weights after attention and after the MLP.
+    pub post_norms: Option<(Vec<f32>, Vec<f32>)>,
     /// `[W_q; W_k; W_v]`: parts `n_heads·d`, `n_kv·d`, `n_kv·d`
     pub qkv: Linear,
     pub o: Linear,
@@ -478,6 +480,9 @@ pub enum Logical {
     /// Qwen3's RMSNorm weights of each head's query and key, `[head_dim]`.
     QNorm(usize),
     KNorm(usize),
+    /// Gemma: the norms after attention and after the MLP.
+    PostAttnNorm(usize),
+    PostMlpNorm(usize),
 }
 
 impl Logical {
@@ -504,8 +509,11 @@ impl Logical {
                 Logical::Up(i),
                 Logical::Down(i),
             ]);
-            if arch == Arch::Qwen3 {
+            if matches!(arch, Arch::Qwen3 | Arch::Gemma3) {
                 v.extend([Logical::QNorm(i), Logical::KNorm(i)]);
+            }
+            if arch.is_gemma() {
+                v.extend([Logical::PostAttnNorm(i), Logical::PostMlpNorm(i)]);
             }
         }
         v
@@ -516,7 +524,11 @@ impl Logical {
         let (dm, q, kv) = (d.d_model, d.n_heads * d.head_dim, d.n_kv_heads * d.head_dim);
         match self {
             Logical::Embed | Logical::LmHead => vec![d.vocab_size, dm],
-            Logical::FinalNorm | Logical::AttnNorm(_) | Logical::MlpNorm(_) => vec![dm],
+            Logical::FinalNorm
+            | Logical::AttnNorm(_)
+            | Logical::MlpNorm(_)
+            | Logical::PostAttnNorm(_)
+            | Logical::PostMlpNorm(_) => vec![dm],
             Logical::Q(_) => vec![q, dm],
             Logical::QBias(_) => vec![q],
             Logical::K(_) | Logical::V(_) => vec![kv, dm],
@@ -571,7 +583,15 @@ pub fn load_weights(
             found: src.count(),
         })
     };
-    let vector = |r: Raw| r.to_vec();
+    // Gemma's RMSNorm multiplies by (1 + w) (computed in f32, as transformers does): stored once
+    let gemma = dims.arch.is_gemma();
+    let norm = |r: Raw| -> Result<Vec<f32>> {
+        let mut w = r.to_vec()?;
+        if gemma {
+            w.iter_mut().for_each(|x| *x += 1.0);
+        }
+        Ok(w)
+    };
     let (embed, lm_head) = match (need(src, Logical::Embed)?, dims.tied_embeddings) {
         (Raw::Mapped(m), false) => (
             Embedding::Rows(m),
@@ -587,7 +607,7 @@ pub fn load_weights(
             (Embedding::Dense(dense), head)
         }
     };
-    let final_norm = vector(need(src, Logical::FinalNorm)?)?;
+    let final_norm = norm(need(src, Logical::FinalNorm)?)?;
     let mut layers = Vec::with_capacity(dims.n_layers.min(src.count()));
     for i in 0..dims.n_layers {
         let part = |src: &mut dyn TensorSource,
@@ -617,16 +637,24 @@ pub fn load_weights(
                 precision,
             )?,
             down: linear(vec![part(src, Logical::Down(i), None)?], precision)?,
-            qk_norm: if dims.arch == Arch::Qwen3 {
+            qk_norm: if matches!(dims.arch, Arch::Qwen3 | Arch::Gemma3) {
                 Some((
-                    vector(need(src, Logical::QNorm(i))?)?,
-                    vector(need(src, Logical::KNorm(i))?)?,
+                    norm(need(src, Logical::QNorm(i))?)?,
+                    norm(need(src, Logical::KNorm(i))?)?,
                 ))
             } else {
                 None
             },
-            attn_norm: vector(need(src, Logical::AttnNorm(i))?)?,
-            mlp_norm: vector(need(src, Logical::MlpNorm(i))?)?,
+            post_norms: if dims.arch.is_gemma() {
+                Some((
+                    norm(need(src, Logical::PostAttnNorm(i))?)?,
+                    norm(need(src, Logical::PostMlpNorm(i))?)?,
+                ))
+            } else {
+                None
+            },
+            attn_norm: norm(need(src, Logical::AttnNorm(i))?)?,
+            mlp_norm: norm(need(src, Logical::MlpNorm(i))?)?,
         };
         layers.push(layer);
         progress(i + 1, dims.n_layers);

@@ -220,11 +220,17 @@ pub fn render(r: &InspectReport, mask_tokens: usize) -> String {
         ]);
     }
     s += &t.render();
-    if let Some(w) = m.sliding_window {
-        s += &if r.query >= w {
-            format!("Every layer has a sliding window of {w} tokens: query {} cannot see the first token {first}, so its share is 0 by construction; over all queries only the first {w} see it.\n", r.query)
+    if let (Some(w), false) = (m.sliding_window, m.windowed_layers.is_empty()) {
+        let which = if m.windowed_layers.len() == m.n_layers {
+            "Every layer has".to_string()
         } else {
-            format!("Every layer has a sliding window of {w} tokens: query {} still sees the first token {first}; queries from position {w} on do not.\n", r.query)
+            let list: Vec<String> = m.windowed_layers.iter().map(|l| l.to_string()).collect();
+            format!("Layers {} have", list.join(", "))
+        };
+        s += &if r.query >= w {
+            format!("{which} a sliding window of {w} tokens: there query {} cannot see the first token {first}, so its share is 0 by construction, and over all queries only the first {w} see it.\n", r.query)
+        } else {
+            format!("{which} a sliding window of {w} tokens: query {} still sees the first token {first}; there, queries from position {w} on do not.\n", r.query)
         };
     }
     let sq: Vec<f32> = r.layers.iter().map(|l| l.sink_query).collect();
