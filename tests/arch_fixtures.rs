@@ -606,6 +606,16 @@ fn commands_run_on_every_fixture() {
                 .unwrap();
             let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
             assert_eq!(v["layers"][0]["sink_query"], 0.0, "layer 0 is windowed");
+            // scaling says which layers grow as n · window
+            let out = std::process::Command::new(bin)
+                .args(["scaling", "-m", m, "--lengths", "16,64", "--repeats", "1"])
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                text.contains("2 of 3 layers (0, 2) attend through a sliding window of 8"),
+                "{text}"
+            );
             assert!(
                 v["layers"][1]["sink_query"].as_f64().unwrap() > 0.0,
                 "layer 1 is full"

@@ -169,10 +169,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         &cap.iter().map(|c| c.1).collect::<Vec<_>>(),
     );
     let (cpu, threads) = machine();
+    // layers that attend through a sliding window cost O(n · window), not O(n²)
+    let windowed: Vec<usize> = (0..d.n_layers)
+        .filter(|&l| d.window_of(l).is_some())
+        .collect();
     if a.json {
         let doc = serde_json::json!({
             "model": model.info.name, "precision": model.info.precision.name(), "cpu": cpu, "threads": threads,
             "repeats": a.repeats, "warmup_runs": 1, "rows": rows,
+            "sliding_window": d.sliding_window, "windowed_layers": windowed,
             "exponents": {"attention": attn_fit.0, "attention_long_half": attn_fit.1, "projections": proj_fit.0, "projections_long_half": proj_fit.1,
                           "forward": total_fit.0, "forward_long_half": total_fit.1, "forward_with_capture": cap_fit},
         });
@@ -187,7 +192,17 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         model.info.name,
         model.info.precision.name()
     ));
-    s += &format!("{threads} threads on {cpu}; median of {} runs after 1 warm-up per setting; text from the built-in corpus.\n\n", a.repeats);
+    s += &format!("{threads} threads on {cpu}; median of {} runs after 1 warm-up per setting; text from the built-in corpus.\n", a.repeats);
+    if let (Some(w), false) = (d.sliding_window, windowed.is_empty()) {
+        let list: Vec<String> = windowed.iter().map(|l| l.to_string()).collect();
+        s += &format!(
+            "{} of {} layers ({}) attend through a sliding window of {w} tokens: their scores grow as n · {w}, not n², once n > {w}; the others' as n².\n",
+            windowed.len(),
+            d.n_layers,
+            list.join(", ")
+        );
+    }
+    s += "\n";
     let mut t = Table::new([
         ("n", Align::Right),
         ("attention", Align::Right),
