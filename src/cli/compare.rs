@@ -130,6 +130,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 .collect::<anyhow::Result<_>>()?,
         )
     } else {
+        if models[0].starts_with("loaded:") {
+            return Err(usage(format!(
+                "`{}` is a model already loaded in this process, with one precision; to compare two precisions name the model by its file or alias, or load it twice and compare the two models",
+                models[0]
+            )));
+        }
         (
             "precisions",
             precisions

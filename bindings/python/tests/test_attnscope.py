@@ -161,6 +161,29 @@ def test_inspect_faithfulness_sinks_equal_the_cli(qwen, smol):
     assert s2["n_tokens"] > 100
 
 
+def test_compare_and_norms(qwen, tmp_path):
+    # two texts: side A's rows are the reference attention of the shared sentence
+    other = "Hà Nội là thủ đô của Việt Nam. Thành phố này nằm ở miền Nam."
+    r = qwen.compare(SENTENCE, other_text=other, html=tmp_path / "cmp.html")
+    want = np.load(GOLDEN / "qwen_transformers_attn_lastrow.npy")
+    assert r["mode"] == "texts" and r["a"]["rows"].shape == want.shape
+    assert np.abs(r["a"]["rows"] - want).max() < 1e-4
+    js = np.asarray(r["js"])
+    assert js.shape == (24, 14) and (js >= 0).all() and (js <= 1).all() and js.max() > 1e-4
+    assert (tmp_path / "cmp.html").stat().st_size > 1000
+    # the same model against itself: nothing changes
+    same = qwen.compare(SENTENCE, other=qwen)
+    assert same["mode"] == "models" and np.asarray(same["js"]).max() == 0.0
+    with pytest.raises(ValueError):
+        qwen.compare(SENTENCE)
+    # norm-based attention in inspect: per head α·‖W_O v‖ equals the golden numbers of transformers
+    norms = np.load(GOLDEN / "qwen_norms_lastrow.npy")
+    ins = qwen.inspect(SENTENCE, layer=23, heads="all", layers="0,23")
+    for h in ins["heads"]:
+        assert np.allclose(h["norms"], norms[23, h["head"]], rtol=1e-3, atol=1e-4)
+    assert np.allclose(ins["layers"][23]["norms"], norms[23, 14], rtol=1e-3, atol=1e-4)
+
+
 def test_heads_equal_the_cli(smol):
     py = smol.heads(random_repeat=20, seed=4)
     cli = cli_json("heads", "--model", "smollm2-135m", "--random-repeat", "20", "--seed", "4")

@@ -304,6 +304,31 @@ class HookedModel:
             a.append("--bos")
         return self._cmd("heads", text if random_repeat is None else None, *a)
 
+    def compare(self, text: str, other_text: Optional[str] = None, other: Optional[Union["HookedModel", str]] = None,
+                query: Optional[int] = None, top: int = 10, html: Optional[Union[str, os.PathLike]] = None, force: bool = False) -> Dict[str, Any]:
+        """Two runs side by side (``attnscope compare --json``): ``text`` against ``other_text`` on
+        this model, or ``text`` on this model against ``other`` (a HookedModel, say the same file
+        loaded at another precision, or a model name; the tokenizers must agree). Per layer the sink
+        profiles and their difference, per head the Jensen-Shannon divergence (bits) of the query's
+        rows, the heads that changed most; ``a["rows"]``/``b["rows"]`` as ``[layers, heads, keys]``
+        arrays. ``html``: also write the side-by-side page."""
+        if (other_text is None) == (other is None):
+            raise ValueError("give other_text (two texts on this model) or other (a second model), not both")
+        argv = ["compare", "--model", self._m.registered]
+        if other is not None:
+            argv += ["--model", other._m.registered if isinstance(other, HookedModel) else str(other), "--text", text]
+        else:
+            argv += ["--text", text, "--text", other_text]
+        argv += ["--top", str(top)]
+        if query is not None:
+            argv += ["--query", str(query)]
+        if html is not None:
+            argv += ["--html", os.fspath(html)] + (["--force"] if force else [])
+        r = _run_json(argv + ["--json"])
+        for side in ("a", "b"):
+            r[side]["rows"] = np.asarray(r[side]["rows"], dtype=np.float32)
+        return r
+
     def capture(self, text: str, path: Union[str, os.PathLike], hooks: str = "pattern", layers: str = "all", heads: str = "all",
                 queries: str = "all", force: bool = False) -> str:
         """Streams captured tensors to ``.safetensors`` or ``.npz`` (``attnscope capture``); returns
