@@ -504,7 +504,9 @@ fn qwen3_gguf_matches_transformers() {
 fn commands_run_on_every_fixture() {
     let bin = env!("CARGO_BIN_EXE_attnscope");
     let dir = tempfile::tempdir().unwrap();
-    for name in ["llama3", "qwen3", "mistral", "phi3", "gemma2", "gemma3"] {
+    for name in [
+        "llama3", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "gpt2",
+    ] {
         let m = golden(&format!("arch/{name}"));
         let m = m.to_str().unwrap();
         let npz = dir.path().join(format!("{name}.npz"));
@@ -747,4 +749,20 @@ fn gemma3_matches_transformers() {
         attn > 1e-3,
         "the sliding layers' rope base changed nothing: {attn}"
     );
+}
+
+/// GPT-2: learned absolute positions, LayerNorm with biases, Conv1D weights stored `[in, out]`
+/// (q|k|v fused in `c_attn`), biases on every projection, gelu_new MLP without gate, no RoPE.
+#[test]
+fn gpt2_matches_transformers() {
+    check("gpt2", &|_| {});
+    // another activation, or scores scaled by the layer index, are refused by name
+    for (key, value) in [
+        ("activation_function", serde_json::json!("relu")),
+        ("scale_attn_by_inverse_layer_idx", serde_json::json!(true)),
+    ] {
+        let dir = fixture_copy("gpt2", &|c| c[key] = value.clone());
+        let e = load_err(dir.path());
+        assert!(e.contains(key), "{key}: {e}");
+    }
 }

@@ -25,6 +25,9 @@ pub enum Arch {
     /// Gemma 3: Gemma 2's blocks without soft-capping, q/k (1 + w) RMSNorm, a rope base for
     /// sliding layers and one for full layers.
     Gemma3,
+    /// GPT-2: learned absolute positions, LayerNorm with biases, biases everywhere, a GeLU MLP
+    /// without gate, no RoPE.
+    Gpt2,
 }
 
 impl Arch {
@@ -37,6 +40,7 @@ impl Arch {
             Arch::Phi3 => "phi3",
             Arch::Gemma2 => "gemma2",
             Arch::Gemma3 => "gemma3",
+            Arch::Gpt2 => "gpt2",
         }
     }
     /// Gemma's conventions: (1 + w) norms, post-norms, scaled embeddings, GeLU(tanh).
@@ -52,6 +56,7 @@ impl Arch {
             "phi3" => Some(Arch::Phi3),
             "gemma2" => Some(Arch::Gemma2),
             "gemma3" | "gemma3_text" => Some(Arch::Gemma3),
+            "gpt2" => Some(Arch::Gpt2),
             _ => None,
         }
     }

@@ -232,6 +232,37 @@ fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
     x.iter_mut().zip(w).for_each(|(v, &g)| *v = *v * inv * g);
 }
 
+/// LayerNorm of each `[width]` row [Ba et al. 2016]: `(x − mean) / sqrt(var + eps) · w + b`,
+/// mean and variance accumulated in f64 (GPT-2).
+pub fn layer_norm(x: &[f32], w: &[f32], b: &[f32], eps: f32) -> Vec<f32> {
+    let width = w.len();
+    let mut out = vec![0f32; x.len()];
+    out.par_chunks_mut(width)
+        .zip(x.par_chunks(width))
+        .for_each(|(dst, src)| {
+            let mean = src.iter().map(|&v| v as f64).sum::<f64>() / width as f64;
+            let var = src.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / width as f64;
+            let inv = 1.0 / ((var as f32) + eps).sqrt();
+            let mean = mean as f32;
+            for (((d, &v), &g), &bb) in dst.iter_mut().zip(src).zip(w).zip(b) {
+                *d = (v - mean) * inv * g + bb;
+            }
+        });
+    out
+}
+
+/// GeLU in its tanh form, `½x(1 + tanh(√(2/π)(x + 0.044715x³)))` (GPT-2's `gelu_new`).
+fn gelu_tanh(x: &[f32], out: &mut [f32]) {
+    const C: f32 = 0.797_884_6; // √(2/π)
+    out.par_chunks_mut(4096)
+        .zip(x.par_chunks(4096))
+        .for_each(|(d, s)| {
+            for (d, &g) in d.iter_mut().zip(s) {
+                *d = 0.5 * g * (1.0 + (C * (g + 0.044_715 * g * g * g)).tanh());
+            }
+        });
+}
+
 /// GeLU(gate) · up over rows of `gu: [rows, 2·ff]` (Gemma's MLP), GeLU in its tanh form as
 /// transformers' `gelu_pytorch_tanh`: `½x(1 + tanh(√(2/π)(x + 0.044715x³)))`.
 fn geglu_tanh(gu: &[f32], ff: usize, out: &mut [f32]) {
@@ -993,6 +1024,15 @@ impl Model {
             .lookup(tokens)?
             .flatten_all()?
             .to_vec1()?; // [m, d_model]
+        if let Some(pe) = &self.weights.pos_embed {
+            // GPT-2: learned absolute positions
+            for (r, row) in x.chunks_mut(dm).enumerate() {
+                let p = p0 + r;
+                row.iter_mut()
+                    .zip(&pe[p * dm..(p + 1) * dm])
+                    .for_each(|(v, e)| *v += e);
+            }
+        }
         if let Some(g) = &dims.gemma {
             // Gemma scales the embeddings by √d_model
             x.iter_mut().for_each(|v| *v *= g.embed_scale);
@@ -1015,7 +1055,10 @@ impl Model {
             if obs.wants(l, Hook::ResidPre) {
                 obs.tensor(l, Hook::ResidPre, &[m, dm], &x);
             }
-            let h = rms_norm(&x, &layer.attn_norm, dims.rms_eps);
+            let h = match &layer.norm_biases {
+                Some((b, _)) => layer_norm(&x, &layer.attn_norm, b, dims.rms_eps),
+                None => rms_norm(&x, &layer.attn_norm, dims.rms_eps),
+            };
             let t = Instant::now();
             let mut qkv = layer.qkv.forward(&h, m)?; // [m, q | k | v]
             proj_time += t.elapsed();
@@ -1044,8 +1087,10 @@ impl Model {
                     obs.tensor(l, hook, &[m, heads, hd], &part);
                 }
             }
-            let qh = split_heads(&qkv, m, width, 0, nh, hd, Some((cos, sin, style))); // [nh, m, hd]
-            let kh = split_heads(&qkv, m, width, nq, nkv, hd, Some((cos, sin, style)));
+            // GPT-2 has learned positions and no rotation
+            let rope = (dims.arch != super::config::Arch::Gpt2).then_some((cos, sin, style));
+            let qh = split_heads(&qkv, m, width, 0, nh, hd, rope); // [nh, m, hd]
+            let kh = split_heads(&qkv, m, width, nq, nkv, hd, rope);
             let vh = split_heads(&qkv, m, width, nq + nk, nkv, hd, None);
             drop(qkv);
             if obs.wants(l, Hook::RotQ) {
@@ -1108,10 +1153,12 @@ impl Model {
                     obs.tensor(l, Hook::AttnOut, &[m, dm], &attn_out);
                 }
                 x.iter_mut().zip(&attn_out).for_each(|(x, a)| *x += a);
-            } else if obs.wants(l, Hook::AttnOut) {
+            } else if obs.wants(l, Hook::AttnOut) || layer.o.has_bias() {
                 let attn_out = layer.o.forward(&z, m)?;
                 proj_time += t.elapsed();
-                obs.tensor(l, Hook::AttnOut, &[m, dm], &attn_out);
+                if obs.wants(l, Hook::AttnOut) {
+                    obs.tensor(l, Hook::AttnOut, &[m, dm], &attn_out);
+                }
                 x.iter_mut().zip(&attn_out).for_each(|(x, a)| *x += a);
             } else {
                 layer.o.forward_into(&z, m, &mut x, true)?; // x += z · W_oᵀ
@@ -1119,7 +1166,11 @@ impl Model {
             }
             drop(z);
             // SwiGLU MLP [Shazeer 2020, arXiv:2002.05202, eq. (5)], x += down(silu(gate) · up)
-            let h = rms_norm(&x, &layer.mlp_norm, dims.rms_eps);
+            let h = match &layer.norm_biases {
+                Some((_, b)) => layer_norm(&x, &layer.mlp_norm, b, dims.rms_eps),
+                None => rms_norm(&x, &layer.mlp_norm, dims.rms_eps),
+            };
+            let gated = dims.arch != super::config::Arch::Gpt2;
             for r0 in (0..m).step_by(mlp_rows) {
                 let rows = mlp_rows.min(m - r0);
                 let t = Instant::now();
@@ -1127,13 +1178,22 @@ impl Model {
                     .gate_up
                     .forward_into(&h[r0 * dm..(r0 + rows) * dm], rows, &mut gu, false)?;
                 proj_time += t.elapsed();
-                if dims.arch.is_gemma() {
+                if !gated {
+                    // GPT-2: gelu_new(c_fc(h)), no gate
+                    gelu_tanh(&gu[..rows * ff], &mut act[..rows * ff]);
+                } else if dims.arch.is_gemma() {
                     geglu_tanh(&gu[..rows * 2 * ff], ff, &mut act[..rows * ff]);
                 } else {
                     swiglu(&gu[..rows * 2 * ff], ff, &mut act[..rows * ff]);
                 }
                 let t = Instant::now();
-                if let Some((_, post_mlp)) = &layer.post_norms {
+                if layer.down.has_bias() {
+                    let out = layer.down.forward(&act[..rows * ff], rows)?;
+                    x[r0 * dm..(r0 + rows) * dm]
+                        .iter_mut()
+                        .zip(&out)
+                        .for_each(|(x, a)| *x += a);
+                } else if let Some((_, post_mlp)) = &layer.post_norms {
                     // Gemma: the MLP's output is normalized before the residual add
                     let out = layer.down.forward(&act[..rows * ff], rows)?;
                     let out = rms_norm(&out, post_mlp, dims.rms_eps);
@@ -1173,7 +1233,10 @@ impl Model {
                 .iter()
                 .flat_map(|&p| x[(p - p0) * dm..(p - p0 + 1) * dm].iter().copied())
                 .collect();
-            let h = rms_norm(&rows, &self.weights.final_norm, dims.rms_eps);
+            let h = match &self.weights.final_norm_bias {
+                Some(b) => layer_norm(&rows, &self.weights.final_norm, b, dims.rms_eps),
+                None => rms_norm(&rows, &self.weights.final_norm, dims.rms_eps),
+            };
             let h = Tensor::from_vec(h, (opts.logits_at.len(), dm), &Device::Cpu)?;
             let mut rows: Vec<Vec<f32>> = candle_core::Module::forward(&self.weights.lm_head, &h)?
                 .to_dtype(DType::F32)?

@@ -371,7 +371,7 @@ impl GgufFile {
                 Arch::Llama => RopeStyle::Interleaved,
                 // llama.cpp converts Mistral checkpoints as `llama` and drops the window; its
                 // phi3 layout (fused tensors under other names) is not read yet
-                Arch::Mistral | Arch::Phi3 | Arch::Gemma2 | Arch::Gemma3 => {
+                Arch::Mistral | Arch::Phi3 | Arch::Gemma2 | Arch::Gemma3 | Arch::Gpt2 => {
                     return Err(Error::UnknownArch {
                         arch: format!("{} (in GGUF; use the Hugging Face folder)", arch.name()),
                         path: self.path.clone(),
@@ -432,6 +432,13 @@ pub fn gguf_name(l: &Logical) -> String {
         Logical::Down(i) => format!("blk.{i}.ffn_down.weight"),
         Logical::RopeFreqs => "rope_freqs.weight".into(),
         Logical::PostAttnNorm(i) => format!("blk.{i}.post_attention_norm.weight"),
+        Logical::PosEmbed => "position_embd.weight".into(),
+        Logical::FinalNormBias => "output_norm.bias".into(),
+        Logical::AttnNormBias(i) => format!("blk.{i}.attn_norm.bias"),
+        Logical::MlpNormBias(i) => format!("blk.{i}.ffn_norm.bias"),
+        Logical::OBias(i) => format!("blk.{i}.attn_output.bias"),
+        Logical::UpBias(i) => format!("blk.{i}.ffn_up.bias"),
+        Logical::DownBias(i) => format!("blk.{i}.ffn_down.bias"),
         Logical::PostMlpNorm(i) => format!("blk.{i}.post_ffw_norm.weight"),
         Logical::QNorm(i) => format!("blk.{i}.attn_q_norm.weight"),
         Logical::KNorm(i) => format!("blk.{i}.attn_k_norm.weight"),

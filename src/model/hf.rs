@@ -14,15 +14,22 @@ use std::path::{Path, PathBuf};
 pub struct HfConfig {
     pub model_type: Option<String>,
     pub architectures: Option<Vec<String>>,
+    #[serde(alias = "n_embd")]
     pub hidden_size: usize,
+    #[serde(alias = "n_layer")]
     pub num_hidden_layers: usize,
+    #[serde(alias = "n_head")]
     pub num_attention_heads: usize,
     pub num_key_value_heads: Option<usize>,
     pub head_dim: Option<usize>,
-    pub intermediate_size: usize,
+    /// GPT-2: `n_inner`, 4 · n_embd when null.
+    #[serde(alias = "n_inner")]
+    pub intermediate_size: Option<usize>,
     pub vocab_size: usize,
+    #[serde(alias = "n_positions")]
     pub max_position_embeddings: Option<usize>,
     pub rope_theta: Option<f64>,
+    #[serde(alias = "layer_norm_epsilon")]
     pub rms_norm_eps: f64,
     #[serde(default)]
     pub tie_word_embeddings: bool,
@@ -170,6 +177,8 @@ impl HfFolder {
             .or(c.rope_theta);
         let rope_base = match theta {
             Some(t) => t as f32,
+            // GPT-2 has learned positions and no RoPE: the base is never used
+            None if arch == Arch::Gpt2 => 10000.0,
             None => {
                 return Err(Error::MissingKey {
                     key: "rope_theta".into(),
@@ -289,6 +298,23 @@ impl HfFolder {
                     "; attnscope runs causal attention",
                 ));
             }
+        } else if arch == Arch::Gpt2 {
+            if let Some(v) = set("activation_function").filter(|v| v.as_str() != Some("gelu_new")) {
+                return Err(unsupported(
+                    "activation_function",
+                    v,
+                    "; attnscope's GPT-2 MLP uses gelu_new",
+                ));
+            }
+            for (k, ok) in [
+                ("scale_attn_by_inverse_layer_idx", false),
+                ("scale_attn_weights", true),
+                ("add_cross_attention", false),
+            ] {
+                if let Some(v) = set(k).filter(|v| v.as_bool() != Some(ok)) {
+                    return Err(unsupported(k, v, ""));
+                }
+            }
         } else if let Some(v) = set("hidden_act").filter(|v| v.as_str() != Some("silu")) {
             return Err(unsupported(
                 "hidden_act",
@@ -319,7 +345,7 @@ impl HfFolder {
                         ));
                     }
                 }
-                Arch::Llama => {
+                Arch::Llama | Arch::Gpt2 => {
                     return Err(unsupported(
                         "sliding_window",
                         v,
@@ -398,7 +424,17 @@ impl HfFolder {
             head_dim: c
                 .head_dim
                 .unwrap_or(c.hidden_size / c.num_attention_heads.max(1)),
-            d_ff: c.intermediate_size,
+            d_ff: match (c.intermediate_size, arch) {
+                (Some(ff), _) => ff,
+                (None, Arch::Gpt2) => 4 * c.hidden_size,
+                (None, _) => {
+                    return Err(Error::MissingKey {
+                        key: "intermediate_size".into(),
+                        path: cfg.clone(),
+                        arch: a,
+                    })
+                }
+            },
             vocab_size: c.vocab_size,
             context_len: c.max_position_embeddings.unwrap_or(32768),
             rope_base,
@@ -501,9 +537,55 @@ fn check_safetensors_header(path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// A config for naming GPT-2's tensors (names do not depend on the sizes).
+static GPT2_NAMES: std::sync::LazyLock<HfConfig> = std::sync::LazyLock::new(|| {
+    serde_json::from_value(serde_json::json!({
+        "n_embd": 1, "n_layer": 1, "n_head": 1, "vocab_size": 1, "layer_norm_epsilon": 1e-5
+    }))
+    .expect("a minimal GPT-2 config")
+});
+
+/// GPT-2's tensor for a logical weight: its name, the columns the part takes and whether the
+/// stored matrix is transposed (Conv1D keeps weights as `[in, out]`).
+fn gpt2_part(c: &HfConfig, l: &Logical) -> (String, Option<(usize, usize)>, bool) {
+    let d = c.hidden_size;
+    let h = |i: &usize, s: &str| format!("transformer.h.{i}.{s}");
+    match l {
+        Logical::Embed | Logical::LmHead => ("transformer.wte.weight".into(), None, false),
+        Logical::PosEmbed => ("transformer.wpe.weight".into(), None, false),
+        Logical::FinalNorm => ("transformer.ln_f.weight".into(), None, false),
+        Logical::FinalNormBias => ("transformer.ln_f.bias".into(), None, false),
+        Logical::AttnNorm(i) => (h(i, "ln_1.weight"), None, false),
+        Logical::AttnNormBias(i) => (h(i, "ln_1.bias"), None, false),
+        Logical::MlpNorm(i) => (h(i, "ln_2.weight"), None, false),
+        Logical::MlpNormBias(i) => (h(i, "ln_2.bias"), None, false),
+        Logical::Q(i) => (h(i, "attn.c_attn.weight"), Some((0, d)), true),
+        Logical::K(i) => (h(i, "attn.c_attn.weight"), Some((d, d)), true),
+        Logical::V(i) => (h(i, "attn.c_attn.weight"), Some((2 * d, d)), true),
+        Logical::QBias(i) => (h(i, "attn.c_attn.bias"), Some((0, d)), false),
+        Logical::KBias(i) => (h(i, "attn.c_attn.bias"), Some((d, d)), false),
+        Logical::VBias(i) => (h(i, "attn.c_attn.bias"), Some((2 * d, d)), false),
+        Logical::O(i) => (h(i, "attn.c_proj.weight"), None, true),
+        Logical::OBias(i) => (h(i, "attn.c_proj.bias"), None, false),
+        Logical::Up(i) => (h(i, "mlp.c_fc.weight"), None, true),
+        Logical::UpBias(i) => (h(i, "mlp.c_fc.bias"), None, false),
+        Logical::Down(i) => (h(i, "mlp.c_proj.weight"), None, true),
+        Logical::DownBias(i) => (h(i, "mlp.c_proj.bias"), None, false),
+        other => (format!("(GPT-2 has no {other:?})"), None, false),
+    }
+}
+
 /// Hugging Face's name for a logical weight of an `arch` model (Gemma names its norms
-/// differently: its `post_attention_layernorm` follows the attention).
+/// differently: its `post_attention_layernorm` follows the attention; GPT-2 names everything
+/// its own way).
 pub fn hf_name_for(arch: Option<Arch>, l: &Logical) -> String {
+    if arch == Some(Arch::Gpt2) {
+        // the config is not needed for the name
+        return match l {
+            Logical::Embed | Logical::LmHead => "transformer.wte.weight".into(),
+            _ => gpt2_part(&GPT2_NAMES, l).0,
+        };
+    }
     if arch.is_some_and(|a| a.is_gemma()) {
         match l {
             Logical::MlpNorm(i) => {
@@ -542,6 +624,13 @@ pub fn hf_name(l: &Logical) -> String {
         // Hugging Face folders carry rope scaling in config.json, not as a tensor
         Logical::RopeFreqs => "(rope_freqs)".into(),
         Logical::PostAttnNorm(i) => format!("(no post-attention norm in layer {i})"),
+        Logical::PosEmbed => "(no learned positions)".into(),
+        Logical::FinalNormBias => "(no final norm bias)".into(),
+        Logical::AttnNormBias(i) => format!("model.layers.{i}.input_layernorm.bias"),
+        Logical::MlpNormBias(i) => format!("model.layers.{i}.post_attention_layernorm.bias"),
+        Logical::OBias(i) => format!("model.layers.{i}.self_attn.o_proj.bias"),
+        Logical::UpBias(i) => format!("model.layers.{i}.mlp.up_proj.bias"),
+        Logical::DownBias(i) => format!("model.layers.{i}.mlp.down_proj.bias"),
         Logical::PostMlpNorm(i) => format!("(no post-MLP norm in layer {i})"),
         Logical::QNorm(i) => format!("model.layers.{i}.self_attn.q_norm.weight"),
         Logical::KNorm(i) => format!("model.layers.{i}.self_attn.k_norm.weight"),
@@ -557,7 +646,7 @@ fn fused_part(c: &HfConfig, l: &Logical) -> Option<(String, usize, usize)> {
         c.num_attention_heads * hd,
         c.num_key_value_heads.unwrap_or(c.num_attention_heads) * hd,
     );
-    let ff = c.intermediate_size;
+    let ff = c.intermediate_size.unwrap_or(4 * c.hidden_size);
     let qkv = |i: &usize| format!("model.layers.{i}.self_attn.qkv_proj.weight");
     let gu = |i: &usize| format!("model.layers.{i}.mlp.gate_up_proj.weight");
     match l {
@@ -572,7 +661,35 @@ fn fused_part(c: &HfConfig, l: &Logical) -> Option<(String, usize, usize)> {
 
 impl TensorSource for HfFolder {
     fn get(&mut self, l: &Logical) -> Result<Option<Raw>> {
-        let name = hf_name_for(Arch::parse(&self.arch_string()), l);
+        let arch = Arch::parse(&self.arch_string());
+        if arch == Some(Arch::Gpt2) {
+            let (name, cols, transposed) = gpt2_part(&self.config, l);
+            if self.st.get(&name).is_err() {
+                return Ok(None);
+            }
+            let bad = |e: candle_core::Error| Error::BadSafetensors {
+                path: self.dir.clone(),
+                reason: format!("tensor `{name}`: {e}"),
+            };
+            let mut t = self.st.load(&name, &Device::Cpu).map_err(bad)?;
+            if let Some((start, len)) = cols {
+                let last = t.rank() - 1;
+                if t.dim(last).map_err(bad)? < start + len {
+                    return Err(Error::ShapeMismatch {
+                        name,
+                        path: self.dir.clone(),
+                        got: t.dims().to_vec(),
+                        want: vec![self.config.hidden_size, 3 * self.config.hidden_size],
+                    });
+                }
+                t = t.narrow(last, start, len).map_err(bad)?;
+            }
+            if transposed {
+                t = t.t().map_err(bad)?;
+            }
+            return Ok(Some(Raw::F(t.contiguous().map_err(bad)?)));
+        }
+        let name = hf_name_for(arch, l);
         if self.st.get(&name).is_err() {
             // Phi-3 stores q|k|v and gate|up fused: read the part's rows
             if let Some((fused, start, len)) = fused_part(&self.config, l) {

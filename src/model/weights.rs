@@ -264,6 +264,11 @@ impl Linear {
         Ok(())
     }
 
+    /// Whether the projection adds a bias (then it cannot accumulate into its output).
+    pub fn has_bias(&self) -> bool {
+        self.bias.is_some()
+    }
+
     /// `x[m, k] · Wᵀ` without the bias, as a new `[m, n]` buffer: the part of the output that
     /// depends on `x` (norm-based attention measures it per token).
     pub fn forward_unbiased(&self, x: &[f32], m: usize) -> Vec<f32> {
@@ -296,6 +301,8 @@ pub struct Layer {
     pub qk_norm: Option<(Vec<f32>, Vec<f32>)>,
     /// Gemma: RMSNorm weights after attention and after the MLP.
     pub post_norms: Option<(Vec<f32>, Vec<f32>)>,
+    /// GPT-2: the LayerNorms' biases (before attention, before the MLP).
+    pub norm_biases: Option<(Vec<f32>, Vec<f32>)>,
     /// `[W_q; W_k; W_v]`: parts `n_heads·d`, `n_kv·d`, `n_kv·d`
     pub qkv: Linear,
     pub o: Linear,
@@ -306,6 +313,9 @@ pub struct Layer {
 }
 
 pub struct Weights {
+    /// GPT-2: learned positions `[context, d_model]`, and the final LayerNorm's bias.
+    pub pos_embed: Option<Vec<f32>>,
+    pub final_norm_bias: Option<Vec<f32>>,
     /// llama.cpp's per-frequency RoPE divisors, when the file has them.
     pub rope_freqs: Option<Vec<f32>>,
     pub embed: Embedding,
@@ -483,6 +493,14 @@ pub enum Logical {
     /// Gemma: the norms after attention and after the MLP.
     PostAttnNorm(usize),
     PostMlpNorm(usize),
+    /// GPT-2: learned absolute positions `[context, d_model]`, and the biases it has everywhere.
+    PosEmbed,
+    FinalNormBias,
+    AttnNormBias(usize),
+    MlpNormBias(usize),
+    OBias(usize),
+    UpBias(usize),
+    DownBias(usize),
 }
 
 impl Logical {
@@ -494,6 +512,9 @@ impl Logical {
             Logical::LmHead,
             Logical::RopeFreqs,
         ];
+        if arch == Arch::Gpt2 {
+            v.extend([Logical::PosEmbed, Logical::FinalNormBias]);
+        }
         for i in 0..n_layers {
             v.extend([
                 Logical::AttnNorm(i),
@@ -515,6 +536,15 @@ impl Logical {
             if arch.is_gemma() {
                 v.extend([Logical::PostAttnNorm(i), Logical::PostMlpNorm(i)]);
             }
+            if arch == Arch::Gpt2 {
+                v.extend([
+                    Logical::AttnNormBias(i),
+                    Logical::MlpNormBias(i),
+                    Logical::OBias(i),
+                    Logical::UpBias(i),
+                    Logical::DownBias(i),
+                ]);
+            }
         }
         v
     }
@@ -528,7 +558,14 @@ impl Logical {
             | Logical::AttnNorm(_)
             | Logical::MlpNorm(_)
             | Logical::PostAttnNorm(_)
-            | Logical::PostMlpNorm(_) => vec![dm],
+            | Logical::PostMlpNorm(_)
+            | Logical::FinalNormBias
+            | Logical::AttnNormBias(_)
+            | Logical::MlpNormBias(_)
+            | Logical::OBias(_)
+            | Logical::DownBias(_) => vec![dm],
+            Logical::UpBias(_) => vec![d.d_ff],
+            Logical::PosEmbed => vec![d.context_len, dm],
             Logical::Q(_) => vec![q, dm],
             Logical::QBias(_) => vec![q],
             Logical::K(_) | Logical::V(_) => vec![kv, dm],
@@ -626,17 +663,38 @@ pub fn load_weights(
             part(src, Logical::K(i), Some(Logical::KBias(i)))?,
             part(src, Logical::V(i), Some(Logical::VBias(i)))?,
         ];
+        let gpt2 = dims.arch == Arch::Gpt2;
+        let bias = |l: Logical| gpt2.then_some(l);
         let layer = Layer {
             qkv: linear(qkv, precision)?,
-            o: linear(vec![part(src, Logical::O(i), None)?], precision)?,
-            gate_up: linear(
-                vec![
-                    part(src, Logical::Gate(i), None)?,
-                    part(src, Logical::Up(i), None)?,
-                ],
+            o: linear(
+                vec![part(src, Logical::O(i), bias(Logical::OBias(i)))?],
                 precision,
             )?,
-            down: linear(vec![part(src, Logical::Down(i), None)?], precision)?,
+            // GPT-2's MLP has no gate: this holds c_fc alone
+            gate_up: linear(
+                if gpt2 {
+                    vec![part(src, Logical::Up(i), Some(Logical::UpBias(i)))?]
+                } else {
+                    vec![
+                        part(src, Logical::Gate(i), None)?,
+                        part(src, Logical::Up(i), None)?,
+                    ]
+                },
+                precision,
+            )?,
+            down: linear(
+                vec![part(src, Logical::Down(i), bias(Logical::DownBias(i)))?],
+                precision,
+            )?,
+            norm_biases: if gpt2 {
+                Some((
+                    need(src, Logical::AttnNormBias(i))?.to_vec()?,
+                    need(src, Logical::MlpNormBias(i))?.to_vec()?,
+                ))
+            } else {
+                None
+            },
             qk_norm: if matches!(dims.arch, Arch::Qwen3 | Arch::Gemma3) {
                 Some((
                     norm(need(src, Logical::QNorm(i))?)?,
@@ -675,7 +733,20 @@ pub fn load_weights(
         }
         None => None,
     };
+    let gpt2 = dims.arch == Arch::Gpt2;
+    let pos_embed = if gpt2 {
+        Some(need(src, Logical::PosEmbed)?.to_vec()?)
+    } else {
+        None
+    };
+    let final_norm_bias = if gpt2 {
+        Some(need(src, Logical::FinalNormBias)?.to_vec()?)
+    } else {
+        None
+    };
     Ok(Weights {
+        pos_embed,
+        final_norm_bias,
         rope_freqs,
         embed,
         layers,
