@@ -247,6 +247,25 @@ fn what_is_not_implemented_is_refused_by_name() {
     );
 }
 
+/// Gives a GGUF written by `write_gguf_with` the fixtures' vocabulary size (the ids are passed
+/// directly, so the pieces are placeholders).
+fn byte_vocab(md: &mut [(String, candle_core::quantized::gguf_file::Value)], vocab: usize) {
+    use candle_core::quantized::gguf_file::Value;
+    for (k, v) in md.iter_mut() {
+        match k.as_str() {
+            "tokenizer.ggml.tokens" => {
+                *v = Value::Array((0..vocab).map(|i| Value::String(format!("t{i}"))).collect())
+            }
+            "tokenizer.ggml.token_type" => {
+                *v = Value::Array((0..vocab).map(|_| Value::I32(1)).collect())
+            }
+            "tokenizer.ggml.merges" => *v = Value::Array(Vec::new()),
+            "tokenizer.ggml.bos_token_id" => *v = Value::U32(256),
+            _ => {}
+        }
+    }
+}
+
 /// The fixture's weights as the reference module's model (Hugging Face layout).
 fn fixture_ref(name: &str) -> attnscope::reference::transformer::RefModel {
     use attnscope::reference::transformer::{RefConfig, RefLayer, RefModel};
@@ -304,7 +323,7 @@ fn llama3_gguf_rope_freqs_are_applied() {
     use attnscope::model::config::RopeScaling;
     use attnscope::model::tiny::write_gguf_with;
     use attnscope::model::Arch;
-    use candle_core::quantized::{gguf_file::Value, GgmlDType, QTensor};
+    use candle_core::quantized::{GgmlDType, QTensor};
     let m = fixture_ref("llama3");
     let hd = m.cfg.head_dim;
     let plain = RopeScaling::Default.inv_freq(hd, m.cfg.rope_base);
@@ -327,21 +346,7 @@ fn llama3_gguf_rope_freqs_are_applied() {
             GgmlDType::F32,
             &path,
             &move |md, tensors| {
-                for (k, v) in md.iter_mut() {
-                    match k.as_str() {
-                        "tokenizer.ggml.tokens" => {
-                            *v = Value::Array(
-                                (0..vocab).map(|i| Value::String(format!("t{i}"))).collect(),
-                            )
-                        }
-                        "tokenizer.ggml.token_type" => {
-                            *v = Value::Array((0..vocab).map(|_| Value::I32(1)).collect())
-                        }
-                        "tokenizer.ggml.merges" => *v = Value::Array(Vec::new()),
-                        "tokenizer.ggml.bos_token_id" => *v = Value::U32(256),
-                        _ => {}
-                    }
-                }
+                byte_vocab(md, vocab);
                 if with {
                     let t = candle_core::Tensor::from_vec(
                         f2.clone(),
@@ -461,21 +466,7 @@ fn qwen3_gguf_matches_transformers() {
         GgmlDType::F32,
         &gguf,
         &move |md, tensors| {
-            for (k, v) in md.iter_mut() {
-                match k.as_str() {
-                    "tokenizer.ggml.tokens" => {
-                        *v = Value::Array(
-                            (0..vocab).map(|i| Value::String(format!("t{i}"))).collect(),
-                        )
-                    }
-                    "tokenizer.ggml.token_type" => {
-                        *v = Value::Array((0..vocab).map(|_| Value::I32(1)).collect())
-                    }
-                    "tokenizer.ggml.merges" => *v = Value::Array(Vec::new()),
-                    "tokenizer.ggml.bos_token_id" => *v = Value::U32(256),
-                    _ => {}
-                }
-            }
+            byte_vocab(md, vocab);
             md.push(("qwen3.attention.key_length".into(), Value::U32(hd as u32)));
             md.push(("qwen3.attention.value_length".into(), Value::U32(hd as u32)));
             for i in 0..layers {

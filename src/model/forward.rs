@@ -207,11 +207,8 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     let width = w.len();
     let mut out = vec![0f32; x.len()];
     let norm_rows = |(src, dst): (&[f32], &mut [f32])| {
-        let ms = src.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / width as f64;
-        let inv = 1.0 / ((ms as f32) + eps).sqrt();
-        for ((d, &s), &g) in dst.iter_mut().zip(src).zip(w) {
-            *d = s * inv * g;
-        }
+        dst.copy_from_slice(src);
+        rms_norm_in_place(dst, w, eps);
     };
     if x.len() >= 1 << 16 {
         x.par_chunks(width)
@@ -251,32 +248,32 @@ pub fn layer_norm(x: &[f32], w: &[f32], b: &[f32], eps: f32) -> Vec<f32> {
     out
 }
 
-/// GeLU in its tanh form, `½x(1 + tanh(√(2/π)(x + 0.044715x³)))` (GPT-2's `gelu_new`).
-fn gelu_tanh(x: &[f32], out: &mut [f32]) {
+/// GeLU in its tanh form, `½x(1 + tanh(√(2/π)(x + 0.044715x³)))` (GPT-2's `gelu_new`,
+/// transformers' `gelu_pytorch_tanh`).
+#[inline]
+fn gelu_tanh_of(x: f32) -> f32 {
     const C: f32 = 0.797_884_6; // √(2/π)
+    0.5 * x * (1.0 + (C * (x + 0.044_715 * x * x * x)).tanh())
+}
+
+/// [`gelu_tanh_of`] of every element (GPT-2's MLP).
+fn gelu_tanh(x: &[f32], out: &mut [f32]) {
     out.par_chunks_mut(4096)
         .zip(x.par_chunks(4096))
-        .for_each(|(d, s)| {
-            for (d, &g) in d.iter_mut().zip(s) {
-                *d = 0.5 * g * (1.0 + (C * (g + 0.044_715 * g * g * g)).tanh());
-            }
-        });
+        .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, &g)| *d = gelu_tanh_of(g)));
 }
 
 /// GeLU(gate) · up over rows of `gu: [rows, 2·ff]` (Gemma's MLP), GeLU in its tanh form as
 /// transformers' `gelu_pytorch_tanh`: `½x(1 + tanh(√(2/π)(x + 0.044715x³)))`.
 fn geglu_tanh(gu: &[f32], ff: usize, out: &mut [f32]) {
-    const C: f32 = 0.797_884_6; // √(2/π)
-    let act = |(src, dst): (&[f32], &mut [f32])| {
-        let (g, u) = src.split_at(ff);
-        for ((d, &g), &u) in dst.iter_mut().zip(g).zip(u) {
-            let gelu = 0.5 * g * (1.0 + (C * (g + 0.044_715 * g * g * g)).tanh());
-            *d = gelu * u;
-        }
-    };
     out.par_chunks_mut(ff)
         .zip(gu.par_chunks(2 * ff))
-        .for_each(|(d, s)| act((s, d)));
+        .for_each(|(d, s)| {
+            let (g, u) = s.split_at(ff);
+            for ((d, &g), &u) in d.iter_mut().zip(g).zip(u) {
+                *d = gelu_tanh_of(g) * u;
+            }
+        });
 }
 
 /// SiLU(gate) · up over rows of `gu: [rows, 2·ff]` (gate then up) into `out: [rows, ff]`.
