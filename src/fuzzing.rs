@@ -69,6 +69,23 @@ fn tokenizers() -> &'static Vec<Tokenizer> {
                 let c = Content::read(&mut std::io::Cursor::new(&bytes)).expect("valid");
                 Tokenizer::from_gguf(&c.metadata, &p).expect("known pre-tokenizer")
             })
+            // and the three shapes of SentencePiece vocabulary
+            .chain(
+                [
+                    ("llama", true),
+                    ("llama", false),
+                    ("gemma3", false),
+                    ("phi3", true),
+                ]
+                .into_iter()
+                .map(|(arch, prefix)| {
+                    let md: std::collections::HashMap<_, _> =
+                        crate::model::tiny::tiny_sentencepiece_md(arch, prefix)
+                            .into_iter()
+                            .collect();
+                    Tokenizer::from_gguf(&md, Path::new("sp.gguf")).expect("tiny vocabulary")
+                }),
+            )
             .collect()
     })
 }

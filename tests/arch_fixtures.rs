@@ -757,3 +757,274 @@ fn gpt2_matches_transformers() {
         assert!(e.contains(key), "{key}: {e}");
     }
 }
+
+/// Writes fixture `name` as llama.cpp's converter lays it out for GGUF architecture `arch`:
+/// its tensor names, Gemma's norms with the `+ 1` folded in, GPT-2's Conv1D weights transposed
+/// to `[out, in]` (and the tied embedding written again as `output.weight`), Phi-3's fused
+/// `attn_qkv` and `ffn_up` kept fused; the config as `{arch}.*` keys. The vocabulary is a
+/// placeholder (the tests pass ids).
+fn fixture_gguf(
+    name: &str,
+    arch: &str,
+    extra: &[(&str, candle_core::quantized::gguf_file::Value)],
+) -> (tempfile::TempDir, std::path::PathBuf) {
+    use candle_core::quantized::gguf_file::{self, Value};
+    use candle_core::quantized::{GgmlDType, QTensor};
+    let src = golden(&format!("arch/{name}"));
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let t =
+        candle_core::safetensors::load(src.join("model.safetensors"), &candle_core::Device::Cpu)
+            .unwrap();
+    let gemma = arch.starts_with("gemma");
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    let mut push = |n: String, mut w: candle_core::Tensor, norm: bool, transpose: bool| {
+        if norm && gemma {
+            w = (w + 1.0).unwrap();
+        }
+        if transpose {
+            w = w.t().unwrap().contiguous().unwrap();
+        }
+        tensors.push((n, QTensor::quantize(&w, GgmlDType::F32).unwrap()));
+    };
+    for (hf, w) in &t {
+        let parts: Vec<&str> = hf.split('.').collect();
+        let (gg, norm, transpose) = match parts.as_slice() {
+            ["model", "embed_tokens", "weight"] | ["transformer", "wte", "weight"] => {
+                ("token_embd.weight".to_string(), false, false)
+            }
+            ["lm_head", "weight"] => ("output.weight".into(), false, false),
+            ["model", "norm", "weight"] => ("output_norm.weight".into(), true, false),
+            ["transformer", "ln_f", p] => (format!("output_norm.{p}"), false, false),
+            ["transformer", "wpe", "weight"] => ("position_embd.weight".into(), false, false),
+            ["model", "layers", i, rest @ ..] => {
+                let (g, norm) = match (rest.join(".").as_str(), arch) {
+                    ("input_layernorm.weight", _) => ("attn_norm.weight", true),
+                    ("post_attention_layernorm.weight", "phi3") => ("ffn_norm.weight", false),
+                    ("post_attention_layernorm.weight", _) => ("post_attention_norm.weight", true),
+                    ("pre_feedforward_layernorm.weight", _) => ("ffn_norm.weight", true),
+                    ("post_feedforward_layernorm.weight", _) => ("post_ffw_norm.weight", true),
+                    ("self_attn.q_norm.weight", _) => ("attn_q_norm.weight", true),
+                    ("self_attn.k_norm.weight", _) => ("attn_k_norm.weight", true),
+                    ("self_attn.q_proj.weight", _) => ("attn_q.weight", false),
+                    ("self_attn.k_proj.weight", _) => ("attn_k.weight", false),
+                    ("self_attn.v_proj.weight", _) => ("attn_v.weight", false),
+                    ("self_attn.qkv_proj.weight", _) => ("attn_qkv.weight", false),
+                    ("self_attn.o_proj.weight", _) => ("attn_output.weight", false),
+                    ("mlp.gate_proj.weight", _) => ("ffn_gate.weight", false),
+                    ("mlp.up_proj.weight", _) => ("ffn_up.weight", false),
+                    ("mlp.gate_up_proj.weight", _) => ("ffn_up.weight", false),
+                    ("mlp.down_proj.weight", _) => ("ffn_down.weight", false),
+                    (other, _) => panic!("{name}: no GGUF name for {other}"),
+                };
+                (format!("blk.{i}.{g}"), norm, false)
+            }
+            ["transformer", "h", i, ln @ ("ln_1" | "ln_2"), p] => {
+                let g = if *ln == "ln_1" {
+                    "attn_norm"
+                } else {
+                    "ffn_norm"
+                };
+                (format!("blk.{i}.{g}.{p}"), false, false)
+            }
+            ["transformer", "h", i, a, b, p] => {
+                let g = match (*a, *b) {
+                    ("attn", "c_attn") => "attn_qkv",
+                    ("attn", "c_proj") => "attn_output",
+                    ("mlp", "c_fc") => "ffn_up",
+                    ("mlp", "c_proj") => "ffn_down",
+                    _ => panic!("{name}: no GGUF name for {hf}"),
+                };
+                (format!("blk.{i}.{g}.{p}"), false, *p == "weight")
+            }
+            _ => panic!("{name}: no GGUF name for {hf}"),
+        };
+        push(gg, w.clone(), norm, transpose);
+        // llama.cpp's GPT-2 converter writes the tied embedding again as the output
+        if arch == "gpt2" && hf == "transformer.wte.weight" {
+            push("output.weight".into(), w.clone(), false, false);
+        }
+    }
+    let u = |k: &str, alt: &str| {
+        Value::U32(
+            cfg.get(k)
+                .or(cfg.get(alt))
+                .and_then(|v| v.as_u64())
+                .unwrap() as u32,
+        )
+    };
+    let vocab = cfg["vocab_size"].as_u64().unwrap() as usize;
+    let mut md: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String(arch.into())),
+        (
+            format!("{arch}.block_count"),
+            u("num_hidden_layers", "n_layer"),
+        ),
+        (
+            format!("{arch}.context_length"),
+            u("max_position_embeddings", "n_positions"),
+        ),
+        (
+            format!("{arch}.embedding_length"),
+            u("hidden_size", "n_embd"),
+        ),
+        (
+            format!("{arch}.attention.head_count"),
+            u("num_attention_heads", "n_head"),
+        ),
+        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), Value::String("gpt2".into())),
+        (
+            "tokenizer.ggml.tokens".into(),
+            Value::Array((0..vocab).map(|i| Value::String(format!("t{i}"))).collect()),
+        ),
+        ("tokenizer.ggml.merges".into(), Value::Array(Vec::new())),
+        ("tokenizer.ggml.bos_token_id".into(), Value::U32(256)),
+    ];
+    if arch == "gpt2" {
+        md.push((
+            format!("{arch}.feed_forward_length"),
+            Value::U32(4 * cfg["n_embd"].as_u64().unwrap() as u32),
+        ));
+        md.push((
+            format!("{arch}.attention.layer_norm_epsilon"),
+            Value::F32(cfg["layer_norm_epsilon"].as_f64().unwrap() as f32),
+        ));
+    } else {
+        md.push((
+            format!("{arch}.feed_forward_length"),
+            u("intermediate_size", ""),
+        ));
+        md.push((
+            format!("{arch}.attention.head_count_kv"),
+            u("num_key_value_heads", ""),
+        ));
+        let hd = cfg["head_dim"].as_u64().unwrap_or(
+            cfg["hidden_size"].as_u64().unwrap() / cfg["num_attention_heads"].as_u64().unwrap(),
+        ) as u32;
+        md.push((format!("{arch}.attention.key_length"), Value::U32(hd)));
+        md.push((format!("{arch}.attention.value_length"), Value::U32(hd)));
+        md.push((
+            format!("{arch}.attention.layer_norm_rms_epsilon"),
+            Value::F32(cfg["rms_norm_eps"].as_f64().unwrap() as f32),
+        ));
+        let theta = cfg["rope_parameters"]["rope_theta"]
+            .as_f64()
+            .or(cfg["rope_parameters"]["full_attention"]["rope_theta"].as_f64())
+            .unwrap();
+        md.push((format!("{arch}.rope.freq_base"), Value::F32(theta as f32)));
+    }
+    if let Some(w) = cfg.get("sliding_window").and_then(|v| v.as_u64()) {
+        md.push((
+            format!("{arch}.attention.sliding_window"),
+            Value::U32(w as u32),
+        ));
+    }
+    for k in ["attn_logit_softcapping", "final_logit_softcapping"] {
+        if let Some(x) = cfg.get(k).and_then(|v| v.as_f64()) {
+            md.push((format!("{arch}.{k}"), Value::F32(x as f32)));
+        }
+    }
+    for (k, v) in extra {
+        md.push((k.to_string(), v.clone()));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(format!("{name}.gguf"));
+    let mut f = std::fs::File::create(&path).unwrap();
+    let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut f, &md_refs, &t_refs).unwrap();
+    (dir, path)
+}
+
+fn check_gguf(
+    name: &str,
+    arch: &str,
+    extra: &[(&str, candle_core::quantized::gguf_file::Value)],
+) -> Model {
+    let (_dir, path) = fixture_gguf(name, arch, extra);
+    let model = Model::load(path.to_str().unwrap(), Precision::Exact, false)
+        .unwrap_or_else(|e| panic!("{name} GGUF: {e}"));
+    assert_eq!(model.info.format, "gguf");
+    let (attn, logits, next) = model_deviation(&model, name, false);
+    eprintln!("{name} GGUF ({arch} layout): max |attention - transformers| {attn:.2e}, max |logit - transformers| {logits:.2e}");
+    assert!(
+        attn <= 1e-4 && logits <= 1e-3,
+        "{name} GGUF: {attn:.2e} / {logits:.2e}"
+    );
+    assert!(next.iter().all(|(a, b)| a == b), "{name} GGUF: next token");
+    model
+}
+
+/// Gemma 2 and 3, Phi-3 and GPT-2 in llama.cpp's GGUF layouts, written by the test from the same
+/// fixtures: the same numbers as transformers. Gemma's norms carry the `+ 1` in the file; the
+/// gemma2 fixture's query_pre_attn_scalar (24 ≠ head_dim) is given as `attention.scale`, and the
+/// gemma3 fixture's 3-layer pattern as `attention.sliding_window_pattern`; without them the
+/// numbers move (so both keys are read).
+#[test]
+fn gemma_phi3_gpt2_ggufs_match_transformers() {
+    use candle_core::quantized::gguf_file::Value;
+    let scale = Value::F32((24f64).powf(-0.5) as f32);
+    let m = check_gguf("gemma2", "gemma2", &[("gemma2.attention.scale", scale)]);
+    let g = m.dims.gemma.as_ref().unwrap();
+    assert_eq!(g.sliding_layers, vec![true, false, true]);
+    assert_eq!((g.attn_softcap, g.final_softcap), (Some(3.0), Some(5.0)));
+    let m = check_gguf(
+        "gemma3",
+        "gemma3",
+        &[("gemma3.attention.sliding_window_pattern", Value::U32(3))],
+    );
+    assert_eq!(
+        m.dims.gemma.as_ref().unwrap().sliding_layers,
+        vec![true, true, false]
+    );
+    // the same as one flag per layer
+    check_gguf(
+        "gemma3",
+        "gemma3",
+        &[(
+            "gemma3.attention.sliding_window_pattern",
+            Value::Array(vec![
+                Value::Bool(true),
+                Value::Bool(true),
+                Value::Bool(false),
+            ]),
+        )],
+    );
+    let m = check_gguf(
+        "phi3",
+        "phi3",
+        &[("phi3.rope.dimension_count", Value::U32(8))],
+    );
+    assert_eq!(m.dims.rotary_dim, 8);
+    check_gguf("gpt2", "gpt2", &[]);
+    // without the keys the fixtures need, the numbers move: they are really read
+    for (name, arch, extra) in [
+        ("gemma2", "gemma2", vec![]),
+        ("gemma3", "gemma3", vec![]),
+        ("phi3", "phi3", vec![]),
+    ] {
+        let (_d, path) = fixture_gguf(name, arch, &extra);
+        match Model::load(path.to_str().unwrap(), Precision::Exact, false) {
+            Ok(model) => {
+                let (attn, _, _) = model_deviation(&model, name, false);
+                assert!(
+                    attn > 1e-3,
+                    "{name}: without the key the numbers did not move ({attn:.2e})"
+                );
+            }
+            Err(e) => panic!("{name}: {e}"),
+        }
+    }
+    // a Gemma GGUF without its window, and a llama GGUF with a pattern, are refused by key
+    let (_d, path) = fixture_gguf("gemma2", "gemma2", &[]);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let key = b"gemma2.attention.sliding_window";
+    let at = bytes.windows(key.len()).position(|w| w == key).unwrap();
+    bytes[at..at + key.len()].copy_from_slice(b"gemma2.attention.sliding_wXndow");
+    let e = match Model::from_gguf_bytes("nowindow.gguf", bytes, Precision::Exact) {
+        Ok(_) => panic!("a Gemma 2 GGUF without a window loaded"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("gemma2.attention.sliding_window"), "{e}");
+}

@@ -87,17 +87,124 @@ fn smollm_matches_transformers() {
     check_model("smollm2-135m", "smol");
 }
 
+/// Gemma 3 270M (GGUF `gemma3`, SentencePiece vocabulary, `<bos>` first because the file says
+/// so): the token ids, every weight of every layer, head, query and key, the next-token top-5.
+#[test]
+fn gemma3_matches_transformers() {
+    check_model("gemma3-270m", "gemma");
+    let model = real_model("gemma3-270m");
+    let tokens = model.encode(SENTENCE, false).unwrap();
+    assert_eq!(tokens[0], 2, "<bos> first");
+    assert_eq!(model.token_texts(&tokens[..1]), vec!["<bos>".to_string()]);
+    let mut cache = AttnCache::new(&CaptureSpec::patterns(), tokens.len());
+    model
+        .forward(&tokens, &RunOptions::default(), &mut cache)
+        .unwrap();
+    let (shape, want) = golden_npy("gemma_transformers_attn_full.npy");
+    assert_eq!(shape, vec![18, 4, tokens.len(), tokens.len()]);
+    let got: Vec<f32> = (0..18)
+        .flat_map(|l| cache.pattern(l).unwrap().data.to_vec())
+        .collect();
+    assert_close(&got, &want, 1e-4, "gemma: full patterns");
+    // the pieces read as the reference decodes them
+    let g = golden_json("gemma_transformers.json");
+    let want_text: Vec<String> = g["token_strings_decoded"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(model.token_texts(&tokens), want_text);
+}
+
+/// Gemma 3 on a 765-token text, longer than its 512-token window (tests/golden/gemma_long.json,
+/// from make_gemma_long_golden.py): the ids, the rows of the last query and of query 300 in
+/// every layer and head, and the next-token top-5. The last query's sliding layers give exactly
+/// 0 to the keys before its window (`<bos>` included); the full layers (5, 11, 17) do not.
+#[test]
+fn gemma3_past_its_window_matches_transformers() {
+    use attnscope::model::capture::{Hook, Queries};
+    let model = real_model("gemma3-270m");
+    let g = golden_json("gemma_long.json");
+    let tokens = model.encode(g["text"].as_str().unwrap(), false).unwrap();
+    assert_eq!(
+        tokens,
+        ids(&g["token_ids"]),
+        "gemma: token ids of the long text"
+    );
+    let n = tokens.len();
+    assert!(n > 512 + 200);
+    let spec = CaptureSpec {
+        hooks: vec![Hook::Pattern],
+        layers: None,
+        heads: None,
+        queries: Queries::List(vec![n - 1, 300]),
+    };
+    let mut cache = AttnCache::new(&spec, n);
+    let out = model
+        .forward(&tokens, &RunOptions::last_logits(n), &mut cache)
+        .unwrap();
+    let (shape, want) = golden_npy("gemma_long_attn.npy");
+    assert_eq!(shape, vec![2, 18, 4, n]);
+    let mut got = Vec::new();
+    for q in [n - 1, 300] {
+        for l in 0..18 {
+            let p = cache.pattern(l).unwrap();
+            for h in 0..4 {
+                got.extend_from_slice(p.row_at(h, q).unwrap());
+            }
+        }
+    }
+    assert_close(&got, &want, 1e-4, "gemma: rows past the window");
+    let g_dims = model.dims.gemma.as_ref().unwrap();
+    for l in 0..18 {
+        let p = cache.pattern(l).unwrap();
+        let sliding = g_dims.sliding_layers[l];
+        assert_eq!(sliding, !(l + 1).is_multiple_of(6), "layer {l}");
+        for h in 0..4 {
+            let row = p.row_at(h, n - 1).unwrap();
+            let hidden = &row[..n - 512];
+            if sliding {
+                assert!(
+                    hidden.iter().all(|&w| w == 0.0),
+                    "layer {l} head {h}: keys before the window"
+                );
+            } else {
+                assert!(row[0] > 0.0, "full layer {l} head {h} sees <bos>");
+            }
+        }
+    }
+    let logits = &out.logits[0];
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    for (rank, t) in g["next_token_top5"].as_array().unwrap().iter().enumerate() {
+        let id = t["id"].as_u64().unwrap() as usize;
+        assert_eq!(order[rank], id, "gemma long: next-token rank {rank}");
+        assert!(
+            (logits[id] - t["logit"].as_f64().unwrap() as f32).abs() < 2e-3,
+            "gemma long: logit of {id}: {} vs {}",
+            logits[id],
+            t["logit"]
+        );
+    }
+}
+
 /// The 40 strings of tokenizer_vectors.json: ids equal the HF tokenizer's exactly.
 #[test]
 fn tokenizer_vectors_match_hf() {
     let v = golden_json("tokenizer_vectors.json");
-    for (alias, key) in [("qwen2.5-coder-0.5b", "qwen"), ("smollm2-135m", "smol")] {
+    for (alias, key) in [
+        ("qwen2.5-coder-0.5b", "qwen"),
+        ("smollm2-135m", "smol"),
+        ("gemma3-270m", "gemma"),
+    ] {
         let model = real_model(alias);
         let mut failures = Vec::new();
         for case in v["vectors"][key].as_array().unwrap() {
             let text = case["text"].as_str().unwrap();
             let want = ids(&case["ids"]);
-            let got = model.tokenizer.encode(text, false).unwrap();
+            // the vectors are add_special_tokens=False: no BOS even where the model adds one
+            let got = model.tokenizer.encode_with(text, Some(false)).unwrap();
             if got != want {
                 failures.push(format!("{text:?}: got {got:?}, want {want:?}"));
             }
@@ -721,4 +828,54 @@ fn compare_on_the_real_models() {
         e.contains("tokenizers split the text differently") && e.contains("position 0"),
         "{e}"
     );
+}
+
+/// The commands on Gemma 3 through the binary: `<bos>` first by default and named as the first
+/// token, `--no-bos` leaves it out, the built-in corpus of `sinks` has no second `<bos>` inside,
+/// the windowed layers give the first token 0 from queries past the window, and faithfulness
+/// runs with the default one-token replacement.
+#[test]
+fn gemma3_commands() {
+    let bin = env!("CARGO_BIN_EXE_attnscope");
+    let run = |args: &[&str]| -> serde_json::Value {
+        let out = std::process::Command::new(bin).args(args).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let j = run(&["inspect", "-m", "gemma3-270m", "--json"]);
+    assert_eq!(j["tokens"][0]["text"], "<bos>");
+    assert_eq!(j["tokens"].as_array().unwrap().len(), 19);
+    let j = run(&["inspect", "-m", "gemma3-270m", "--no-bos", "--json"]);
+    assert_eq!(j["tokens"][0]["text"], "H");
+    assert_eq!(j["tokens"].as_array().unwrap().len(), 18);
+    let model = real_model("gemma3-270m");
+    let corpus = attnscope::analysis::corpus::builtin_tokens(&model.tokenizer, 2000).unwrap();
+    assert!(!corpus.contains(&2), "a <bos> inside the built-in corpus");
+    let j = run(&[
+        "sinks",
+        "-m",
+        "gemma3-270m",
+        "--max-tokens",
+        "700",
+        "--json",
+    ]);
+    assert_eq!(j["first_token"], "<bos>");
+    for l in j["layers"].as_array().unwrap() {
+        let layer = l["layer"].as_u64().unwrap() as usize;
+        let last = l["sink_last_query"].as_f64().unwrap();
+        if (layer + 1).is_multiple_of(6) {
+            assert!(last > 0.0, "full layer {layer}");
+        } else {
+            assert_eq!(
+                last, 0.0,
+                "windowed layer {layer}: query 699 cannot see <bos>"
+            );
+        }
+    }
+    let j = run(&["faithfulness", "-m", "gemma3-270m", "--json"]);
+    assert_eq!(j["target"]["id"], 58132, "{}", j["target"]);
 }

@@ -17,7 +17,8 @@ pub fn builtin_tokens(
     tokenizer: &crate::model::tokenize::Tokenizer,
     n: usize,
 ) -> crate::model::Result<Vec<u32>> {
-    let once = tokenizer.encode(&builtin().join("\n"), false)?;
+    // a stretch of text, not a document: no BOS inside it (the callers put one first)
+    let once = tokenizer.encode_with(&builtin().join("\n"), Some(false))?;
     Ok(once.iter().copied().cycle().take(n).collect())
 }
 

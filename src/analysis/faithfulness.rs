@@ -506,7 +506,8 @@ pub fn run(
 }
 
 fn single_token(model: &Model, text: &str, what: &str) -> Result<u32> {
-    let ids = model.tokenizer.encode(text, false)?;
+    // one token as it would appear inside a text: no BOS
+    let ids = model.tokenizer.encode_with(text, Some(false))?;
     match ids.as_slice() {
         [one] => Ok(*one),
         _ => Err(crate::model::Error::OutOfRange {

@@ -267,6 +267,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             if a.model.bos {
                 base.push("--bos".into());
             }
+            if a.model.no_bos {
+                base.push("--no-bos".into());
+            }
             let fstr = file.to_string_lossy().into_owned();
             for (label, extra) in [
                 (

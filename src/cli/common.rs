@@ -18,7 +18,8 @@ pub const LESSON_SENTENCE: &str = "Hà Nội là thủ đô của Việt Nam. Th
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// Model: an alias (qwen2.5-coder-0.5b, smollm2-135m; fetched on first use), a .gguf file,
+    /// Model: an alias (qwen2.5-coder-0.5b, smollm2-135m, gemma3-270m, qwen2.5-coder-1.5b;
+    /// fetched on first use), a .gguf file,
     /// a Hugging Face folder (config.json, *.safetensors, tokenizer.json), or a hub id org/name.
     #[arg(long, short = 'm', default_value = DEFAULT_MODEL)]
     pub model: String,
@@ -28,8 +29,11 @@ pub struct ModelArgs {
     #[arg(long, value_enum, default_value_t = Precision::Exact)]
     pub precision: Precision,
     /// Put the model's BOS token first even though its metadata does not ask for one.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "no_bos")]
     pub bos: bool,
+    /// Leave out the BOS token the model's metadata asks for (Gemma puts `<bos>` first).
+    #[arg(long)]
+    pub no_bos: bool,
 }
 
 impl Default for ModelArgs {
@@ -38,6 +42,7 @@ impl Default for ModelArgs {
             model: DEFAULT_MODEL.into(),
             precision: Precision::Exact,
             bos: false,
+            no_bos: false,
         }
     }
 }
@@ -45,12 +50,18 @@ impl Default for ModelArgs {
 impl ModelArgs {
     pub fn load(&self) -> anyhow::Result<std::sync::Arc<Model>> {
         if let Some(m) = registered(&self.model) {
+            if self.no_bos && m.tokenizer.add_bos {
+                return Err(usage(format!("--no-bos: `{}` is a model loaded in this process, and it adds a BOS token; load it with default_prepend_bos=False instead", self.model)));
+            }
             return Ok(m);
         }
         let progress = std::io::stderr().is_terminal();
-        Model::load(&self.model, self.precision, progress)
-            .map(std::sync::Arc::new)
-            .with_context(|| format!("loading model `{}`", self.model))
+        let mut m = Model::load(&self.model, self.precision, progress)
+            .with_context(|| format!("loading model `{}`", self.model))?;
+        if self.no_bos {
+            m.tokenizer.add_bos = false;
+        }
+        Ok(std::sync::Arc::new(m))
     }
 }
 

@@ -26,8 +26,11 @@ pub struct Args {
     #[arg(long, short = 'f')]
     file: Vec<PathBuf>,
     /// Put the model's BOS token first even though its metadata does not ask for one.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "no_bos")]
     bos: bool,
+    /// Leave out the BOS token the models' metadata asks for.
+    #[arg(long)]
+    no_bos: bool,
     /// Query position whose rows are compared (default: the last token of each side).
     #[arg(long, short = 'q')]
     query: Option<usize>,
@@ -50,11 +53,12 @@ type SideSpec = (Arc<Model>, String, String);
 
 const TEMPLATE: &str = include_str!("../../assets/compare.html");
 
-fn load(spec: &str, precision: Precision) -> anyhow::Result<Arc<Model>> {
+fn load(spec: &str, precision: Precision, no_bos: bool) -> anyhow::Result<Arc<Model>> {
     super::common::ModelArgs {
         model: spec.to_string(),
         precision,
         bos: false,
+        no_bos,
     }
     .load()
 }
@@ -107,7 +111,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         )));
     }
     let (mode, sides): (&str, Vec<SideSpec>) = if texts.len() == 2 {
-        let m = load(&models[0], precisions[0])?;
+        let m = load(&models[0], precisions[0], a.no_bos)?;
         (
             "texts",
             texts
@@ -122,7 +126,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 .iter()
                 .map(|s| {
                     Ok((
-                        load(s, precisions[0])?,
+                        load(s, precisions[0], a.no_bos)?,
                         texts[0].clone(),
                         format!("model {s}"),
                     ))
@@ -142,7 +146,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 .iter()
                 .map(|&p| {
                     Ok((
-                        load(&models[0], p)?,
+                        load(&models[0], p, a.no_bos)?,
                         texts[0].clone(),
                         format!("precision {}", p.name()),
                     ))

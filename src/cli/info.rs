@@ -15,14 +15,18 @@ pub struct Args {
 
 #[derive(clap::Args, Debug)]
 pub struct FetchArgs {
-    /// Aliases to fetch, or `all`.
+    /// Aliases to fetch, or `all` (every alias but the optional large ones).
     #[arg(default_value = "qwen2.5-coder-0.5b")]
     aliases: Vec<String>,
 }
 
 pub fn fetch(a: FetchArgs) -> anyhow::Result<()> {
     let names: Vec<String> = if a.aliases.iter().any(|x| x == "all") {
-        ALIASES.iter().map(|x| x.name.to_string()).collect()
+        ALIASES
+            .iter()
+            .filter(|x| !x.optional)
+            .map(|x| x.name.to_string())
+            .collect()
     } else {
         a.aliases
     };
@@ -85,6 +89,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             },
         ),
         ("RoPE layout", rope.to_string()),
+        ("attention span", attention_span(d)),
         ("RMSNorm eps", format!("{:e}", d.rms_eps)),
         ("vocab size", d.vocab_size.to_string()),
         (
@@ -106,10 +111,73 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 .join(", "),
         ),
         ("tokenizer", m.info.tokenizer.clone()),
+        (
+            "BOS",
+            match (m.tokenizer.add_bos, m.tokenizer.bos_id) {
+                (true, Some(b)) => format!(
+                    "`{}` (id {b}) put first by default (--no-bos leaves it out)",
+                    m.tokenizer.token_text(b)
+                ),
+                (_, Some(b)) => format!(
+                    "none by default (--bos puts `{}`, id {b}, first)",
+                    m.tokenizer.token_text(b)
+                ),
+                (_, None) => "none (the model defines no BOS token)".to_string(),
+            },
+        ),
         ("precision", m.info.precision.name().to_string()),
     ] {
         t.row([k.to_string(), v]);
     }
+    if let Some(g) = &d.gemma {
+        t.row([
+            "Gemma".to_string(),
+            format!(
+                "embeddings × {:.4} (√d_model); scores × {:.5}{}{}",
+                g.embed_scale,
+                g.query_scale,
+                g.attn_softcap
+                    .map(|c| format!("; scores soft-capped at {c}"))
+                    .unwrap_or_default(),
+                g.final_softcap
+                    .map(|c| format!("; logits soft-capped at {c}"))
+                    .unwrap_or_default()
+            ),
+        ]);
+    }
     s += &t.render();
     emit(&s)
+}
+
+/// Which keys a query sees: every earlier one, or a window on some layers (and their RoPE base).
+fn attention_span(d: &crate::model::ModelDims) -> String {
+    let windowed: Vec<usize> = (0..d.n_layers)
+        .filter(|&l| d.window_of(l).is_some())
+        .collect();
+    match d.sliding_window {
+        None => "every earlier token, every layer".to_string(),
+        Some(w) if windowed.len() == d.n_layers => format!(
+            "a sliding window of {w} tokens (itself and the {} before it), every layer",
+            w - 1
+        ),
+        Some(w) => {
+            let full: Vec<String> = (0..d.n_layers)
+                .filter(|l| !windowed.contains(l))
+                .map(|l| l.to_string())
+                .collect();
+            let bases = match &d.gemma {
+                Some(g) if g.rope_base_sliding != d.rope_base => format!(
+                    "; RoPE base {} on the windowed layers, {} on the full ones",
+                    g.rope_base_sliding, d.rope_base
+                ),
+                _ => String::new(),
+            };
+            format!(
+                "a sliding window of {w} tokens on {} of {} layers; layers {} see every earlier token{bases}",
+                windowed.len(),
+                d.n_layers,
+                full.join(", ")
+            )
+        }
+    }
 }

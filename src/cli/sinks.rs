@@ -181,10 +181,23 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     s += &t.render();
     let prof: Vec<f32> = layers.iter().map(|l| l.sink_all_queries as f32).collect();
     s += &format!(
-        "sink profile {}\npeak: layer {peak_layer} ({:.4})\n\n",
+        "sink profile {}\npeak: layer {peak_layer} ({:.4})\n",
         sparkline(&prof),
         layers[peak_layer].sink_all_queries
     );
+    // a sliding window hides the first token from every query at or past the window
+    let windowed: Vec<String> = (0..d.n_layers)
+        .filter(|&l| d.window_of(l).is_some_and(|w| n > w))
+        .map(|l| l.to_string())
+        .collect();
+    if let (false, Some(w)) = (windowed.is_empty(), d.sliding_window) {
+        s += &format!(
+            "layers {} attend through a sliding window of {w} tokens: queries from position {w} on cannot see the first token, so their share is 0 by construction ({} of the {n} queries); the other layers see it from every query.\n",
+            windowed.join(", "),
+            n - w
+        );
+    }
+    s += "\n";
     s += &format!(
         "forward {forward_s:.1} s (attention {:.1} s), total {:.1} s; peak memory {}; {threads} threads on {cpu}\n",
         out.timings.attention.as_secs_f64(),

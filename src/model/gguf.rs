@@ -2,7 +2,7 @@
 //! candle's `gguf_file` reads the container (it bounds every count and length by the file size);
 //! this file maps GGUF keys and tensor names into attnscope's vocabulary.
 
-use super::config::{Arch, ModelDims, RopeScaling, RopeStyle};
+use super::config::{Arch, GemmaSettings, ModelDims, RopeScaling, RopeStyle};
 use super::error::{Error, Result};
 use super::weights::{Logical, Mapped, Raw, TensorSource};
 use candle_core::quantized::gguf_file::{Content, Value};
@@ -289,6 +289,8 @@ impl GgufFile {
         };
         let rope_base = match self.float(&format!("{a}.rope.freq_base")) {
             Some(b) => b,
+            // GPT-2 has learned positions, no RoPE
+            None if arch == Arch::Gpt2 => 10000.0,
             None => {
                 // llama.cpp's default; said out loud because it changes every pattern
                 warnings.push(format!(
@@ -297,13 +299,16 @@ impl GgufFile {
                 10000.0
             }
         };
-        let rms_eps = self
-            .float(&format!("{a}.attention.layer_norm_rms_epsilon"))
-            .ok_or_else(|| Error::MissingKey {
-                key: format!("{a}.attention.layer_norm_rms_epsilon"),
-                path: self.path.clone(),
-                arch: a.clone(),
-            })?;
+        // GPT-2 normalizes with LayerNorm, the others with RMSNorm
+        let eps_key = match arch {
+            Arch::Gpt2 => format!("{a}.attention.layer_norm_epsilon"),
+            _ => format!("{a}.attention.layer_norm_rms_epsilon"),
+        };
+        let rms_eps = self.float(&eps_key).ok_or_else(|| Error::MissingKey {
+            key: eps_key.clone(),
+            path: self.path.clone(),
+            arch: a.clone(),
+        })?;
         // metadata that changes the numbers and that this forward does not implement
         let unsupported = |key: &str, value: String, reason: &str| Error::Unsupported {
             key: key.into(),
@@ -327,20 +332,39 @@ impl GgufFile {
                 return Err(unsupported(&key, f.to_string(), ""));
             }
         }
+        // what this family's forward implements is read below; the rest is refused by name
+        let implemented: &[&str] = match arch {
+            Arch::Gemma2 | Arch::Gemma3 => &[
+                "attention.sliding_window",
+                "attn_logit_softcapping",
+                "final_logit_softcapping",
+                "attention.scale",
+                "attention.sliding_window_pattern",
+            ],
+            Arch::Phi3 => &["attention.sliding_window"],
+            _ => &[],
+        };
         for k in [
             "attention.sliding_window",
             "attn_logit_softcapping",
             "final_logit_softcapping",
             "attention.query_pre_attn_scalar",
+            "attention.scale",
+            "attention.sliding_window_pattern",
         ] {
             let key = format!("{a}.{k}");
-            if let Some(v) = self.md(&key) {
+            if let Some(v) = self.md(&key).filter(|_| !implemented.contains(&k)) {
                 return Err(unsupported(&key, shown(v), ""));
             }
         }
+        let n_layers = self.uint(&format!("{a}.block_count"), &a)?;
         let key = format!("{a}.rope.dimension_count");
+        let mut rotary_dim = head_dim;
         if let Ok(rot) = self.uint(&key, &a) {
-            if rot != head_dim {
+            if arch == Arch::Phi3 && rot > 0 && rot <= head_dim && rot % 2 == 0 {
+                // Phi-3's partial rotary factor
+                rotary_dim = rot;
+            } else if rot != head_dim && arch != Arch::Gpt2 {
                 return Err(unsupported(
                     &key,
                     rot.to_string(),
@@ -348,9 +372,91 @@ impl GgufFile {
                 ));
             }
         }
+        let window_key = format!("{a}.attention.sliding_window");
+        let window = match self.md(&window_key) {
+            Some(_) => match self.uint(&window_key, &a)? {
+                0 => {
+                    return Err(Error::BadValue {
+                        key: window_key,
+                        path: self.path.clone(),
+                        reason: "a window of 0 keys".into(),
+                    })
+                }
+                w => Some(w),
+            },
+            None => None,
+        };
+        let gemma = if arch.is_gemma() {
+            if window.is_none() {
+                return Err(Error::MissingKey {
+                    key: window_key,
+                    path: self.path.clone(),
+                    arch: a.clone(),
+                });
+            }
+            // no pattern key in llama.cpp's files: Gemma 2 alternates (even layers slide), Gemma 3
+            // has every 6th layer full, as transformers and llama.cpp take them
+            // (llama.cpp's `sliding_window_pattern` key, where a file has it, is either N or one
+            // flag per layer, true where the layer slides)
+            let pattern_key = format!("{a}.attention.sliding_window_pattern");
+            let sliding_layers: Vec<bool> = match self.md(&pattern_key) {
+                Some(Value::Array(flags)) => {
+                    let flags: Option<Vec<bool>> = flags.iter().map(|f| f.to_bool().ok()).collect();
+                    match flags {
+                        Some(f) if f.len() == n_layers => f,
+                        _ => {
+                            return Err(Error::BadValue {
+                                key: pattern_key,
+                                path: self.path.clone(),
+                                reason: format!(
+                                    "expected {n_layers} true/false flags, one per layer"
+                                ),
+                            })
+                        }
+                    }
+                }
+                other => {
+                    let pattern = match other {
+                        Some(_) => self.uint(&pattern_key, &a)?.max(1),
+                        None if arch == Arch::Gemma2 => 2,
+                        None => 6,
+                    };
+                    (0..n_layers).map(|i| (i + 1) % pattern != 0).collect()
+                }
+            };
+            // `attention.scale` (llama.cpp's key) is the multiplier itself; where the file says
+            // nothing, llama.cpp's rule: 1/√head_dim, except the 27B models (Gemma 2: 46 layers,
+            // Gemma 3: 62), which scale by 1/√(d_model / heads) (their query_pre_attn_scalar)
+            let big = (arch == Arch::Gemma2 && n_layers == 46)
+                || (arch == Arch::Gemma3 && n_layers == 62);
+            let scalar = if big {
+                (d_model / n_heads.max(1)) as f64
+            } else {
+                head_dim as f64
+            };
+            let query_scale = self
+                .float(&format!("{a}.attention.scale"))
+                .unwrap_or(scalar.powf(-0.5) as f32);
+            Some(GemmaSettings {
+                embed_scale: (d_model as f64).sqrt() as f32,
+                query_scale,
+                attn_softcap: self.float(&format!("{a}.attn_logit_softcapping")),
+                final_softcap: self.float(&format!("{a}.final_logit_softcapping")),
+                sliding_layers,
+                // Gemma 3's local base is fixed at 10000 (llama.cpp, and transformers' default)
+                rope_base_sliding: if arch == Arch::Gemma3 {
+                    10000.0
+                } else {
+                    rope_base
+                },
+                norms_include_one: true,
+            })
+        } else {
+            None
+        };
         let dims = ModelDims {
             arch,
-            n_layers: self.uint(&format!("{a}.block_count"), &a)?,
+            n_layers,
             d_model,
             n_heads,
             n_kv_heads: self
@@ -362,16 +468,22 @@ impl GgufFile {
             context_len: self.uint(&format!("{a}.context_length"), &a)?,
             rope_base,
             rope_scaling: RopeScaling::Default,
-            sliding_window: None,
-            rotary_dim: head_dim,
-            gemma: None,
+            sliding_window: window,
+            rotary_dim,
+            gemma,
             rope_style: match arch {
-                // llama.cpp: LLAMA_ROPE_TYPE_NEOX for qwen2/qwen3, NORM for llama
-                Arch::Qwen2 | Arch::Qwen3 => RopeStyle::Neox,
+                // llama.cpp: LLAMA_ROPE_TYPE_NEOX for qwen2/qwen3/phi3/gemma2/gemma3 (their
+                // converters keep Hugging Face's layout), NORM for llama (permuted q/k); GPT-2
+                // has no RoPE (learned positions)
+                Arch::Qwen2
+                | Arch::Qwen3
+                | Arch::Phi3
+                | Arch::Gemma2
+                | Arch::Gemma3
+                | Arch::Gpt2 => RopeStyle::Neox,
                 Arch::Llama => RopeStyle::Interleaved,
-                // llama.cpp converts Mistral checkpoints as `llama` and drops the window; its
-                // phi3 layout (fused tensors under other names) is not read yet
-                Arch::Mistral | Arch::Phi3 | Arch::Gemma2 | Arch::Gemma3 | Arch::Gpt2 => {
+                // llama.cpp converts Mistral checkpoints as `llama` and drops the window
+                Arch::Mistral => {
                     return Err(Error::UnknownArch {
                         arch: format!("{} (in GGUF; use the Hugging Face folder)", arch.name()),
                         path: self.path.clone(),
@@ -388,11 +500,17 @@ impl GgufFile {
         })?;
         // every count is checked against what the file holds before anything is sized by it
         let tensors = self.content.tensor_infos.len();
-        if dims.n_layers.saturating_mul(TENSORS_PER_LAYER) > tensors {
+        // Phi-3 fuses q|k|v and gate|up: 6 tensors a layer
+        let per_layer = if arch == Arch::Phi3 {
+            6
+        } else {
+            TENSORS_PER_LAYER
+        };
+        if dims.n_layers.saturating_mul(per_layer) > tensors {
             return Err(Error::BadValue {
                 key: format!("{a}.block_count"),
                 path: self.path.clone(),
-                reason: format!("{} layers need at least {} tensors, but the file holds {tensors}; the file is corrupt or truncated", dims.n_layers, dims.n_layers.saturating_mul(TENSORS_PER_LAYER)),
+                reason: format!("{} layers need at least {} tensors, but the file holds {tensors}; the file is corrupt or truncated", dims.n_layers, dims.n_layers.saturating_mul(per_layer)),
             });
         }
         Ok((dims, warnings))
@@ -445,12 +563,63 @@ pub fn gguf_name(l: &Logical) -> String {
     }
 }
 
+/// GGUF's name for a logical weight of an `arch` model: Phi-3 and GPT-2 keep q|k|v in one
+/// `attn_qkv` tensor, and Phi-3 gate|up in one `ffn_up`.
+pub fn gguf_name_for(arch: Arch, l: &Logical) -> String {
+    match (arch, l) {
+        (Arch::Phi3 | Arch::Gpt2, Logical::Q(i) | Logical::K(i) | Logical::V(i)) => {
+            format!("blk.{i}.attn_qkv.weight")
+        }
+        (Arch::Gpt2, Logical::QBias(i) | Logical::KBias(i) | Logical::VBias(i)) => {
+            format!("blk.{i}.attn_qkv.bias")
+        }
+        (Arch::Phi3, Logical::Gate(i)) => format!("blk.{i}.ffn_up.weight"),
+        _ => gguf_name(l),
+    }
+}
+
+impl GgufFile {
+    /// Where a fused tensor holds `l`: `(first row, rows, rows of the whole tensor)`.
+    fn fused_rows(&self, arch: Arch, l: &Logical) -> Result<Option<(usize, usize, usize)>> {
+        if !matches!(arch, Arch::Phi3 | Arch::Gpt2) {
+            return Ok(None);
+        }
+        let a = arch.name();
+        let n_heads = self.uint(&format!("{a}.attention.head_count"), a)?;
+        let d_model = self.uint(&format!("{a}.embedding_length"), a)?;
+        let n_kv = self
+            .uint(&format!("{a}.attention.head_count_kv"), a)
+            .unwrap_or(n_heads);
+        let hd = self
+            .uint(&format!("{a}.attention.key_length"), a)
+            .unwrap_or(d_model / n_heads.max(1));
+        let (nq, nk) = (n_heads * hd, n_kv * hd);
+        let ff = self.uint(&format!("{a}.feed_forward_length"), a)?;
+        Ok(match l {
+            Logical::Q(_) | Logical::QBias(_) => Some((0, nq, nq + 2 * nk)),
+            Logical::K(_) | Logical::KBias(_) => Some((nq, nk, nq + 2 * nk)),
+            Logical::V(_) | Logical::VBias(_) => Some((nq + nk, nk, nq + 2 * nk)),
+            Logical::Gate(_) if arch == Arch::Phi3 => Some((0, ff, 2 * ff)),
+            Logical::Up(_) if arch == Arch::Phi3 => Some((ff, ff, 2 * ff)),
+            _ => None,
+        })
+    }
+}
+
 impl TensorSource for GgufFile {
     fn get(&mut self, l: &Logical) -> Result<Option<Raw>> {
-        let name = gguf_name(l);
+        let arch = Arch::parse(&self.arch_name());
+        let name = match arch {
+            Some(a) => gguf_name_for(a, l),
+            None => gguf_name(l),
+        };
         if !self.content.tensor_infos.contains_key(&name) {
             return Ok(None);
         }
+        let fused = match arch {
+            Some(a) => self.fused_rows(a, l)?,
+            None => None,
+        };
         let info = &self.content.tensor_infos[&name];
         let bad = |reason: String| Error::BadGguf {
             path: self.path.clone(),
@@ -489,9 +658,29 @@ impl TensorSource for GgufFile {
                 self.file_size
             )));
         }
+        let (mut offset, mut len, mut dims) = (start as usize, len, dims);
+        if let Some((first, rows, all)) = fused {
+            // rows are whole blocks, so a row range is a byte range
+            let (got_rows, row_len) = match dims.as_slice() {
+                [r, c] => (*r, (c / bs) * ts),
+                [r] if bs == 1 => (*r, ts),
+                _ => (0, 0),
+            };
+            if got_rows != all {
+                return Err(Error::ShapeMismatch {
+                    name,
+                    path: self.path.clone(),
+                    got: dims,
+                    want: vec![all],
+                });
+            }
+            offset += first * row_len;
+            len = rows * row_len;
+            dims[0] = rows;
+        }
         Ok(Some(Raw::Mapped(Mapped {
             map: self.map.clone(),
-            offset: start as usize,
+            offset,
             len,
             dtype: info.ggml_dtype,
             dims,

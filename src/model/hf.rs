@@ -460,6 +460,7 @@ impl HfFolder {
                             })? as f32,
                             _ => rope_base,
                         },
+                        norms_include_one: false,
                     })
                 }
                 None => None,

@@ -256,7 +256,7 @@ impl Model {
             &dims,
             precision,
             dims.rope_style,
-            &gguf::gguf_name,
+            &|l: &weights::Logical| gguf::gguf_name_for(dims.arch, l),
             tick,
         )?;
         g.release_pages();
@@ -271,10 +271,16 @@ impl Model {
     /// Tokenizes `text` (BOS only if the model asks for it or `force_bos`), refusing empty text
     /// and text longer than the model's context.
     pub fn encode(&self, text: &str, force_bos: bool) -> Result<Vec<u32>> {
+        self.encode_with(text, force_bos.then_some(true))
+    }
+
+    /// As [`Model::encode`], with a BOS first as `bos` says: `Some(true)` always, `Some(false)`
+    /// never, `None` when the model asks for one.
+    pub fn encode_with(&self, text: &str, bos: Option<bool>) -> Result<Vec<u32>> {
         if text.trim().is_empty() {
             return Err(Error::EmptyText);
         }
-        let ids = self.tokenizer.encode(text, force_bos)?;
+        let ids = self.tokenizer.encode_with(text, bos)?;
         if ids.len() > self.dims.context_len {
             return Err(Error::TooLong {
                 n_tokens: ids.len(),

@@ -259,6 +259,70 @@ pub fn write_gguf_with(
     gguf_file::write(&mut f, &md_refs, &t_refs)
 }
 
+/// A tiny SentencePiece vocabulary as GGUF metadata (`tokenizer.ggml.model = llama`): control
+/// tokens `<pad> <eos> <bos> <unk>`, the 256 byte-fallback tokens `<0xNN>`, single letters, `▁`,
+/// a token of two real spaces (as Gemma files store it), a user-defined `\t`, and merged pieces
+/// whose scores (and order) rank them: `▁t`, `he`, `▁the`, `▁a`, `at`, `▁hat`. For
+/// `general.architecture` = `arch` (gemma3 ranks by order, others by score).
+pub fn tiny_sentencepiece_md(arch: &str, add_space_prefix: bool) -> Vec<(String, Value)> {
+    let mut tokens: Vec<String> = ["<pad>", "<eos>", "<bos>", "<unk>"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let mut types = vec![3i32; 4];
+    for b in 0..=255u8 {
+        tokens.push(format!("<0x{b:02X}>"));
+        types.push(6);
+    }
+    for t in ["▁", "  ", "\t"] {
+        tokens.push(t.to_string());
+        types.push(if t == "▁" { 1 } else { 4 });
+    }
+    for c in 'a'..='z' {
+        tokens.push(c.to_string());
+        types.push(1);
+    }
+    for t in ["▁t", "he", "▁the", "▁a", "at", "▁h", "▁hat"] {
+        tokens.push(t.to_string());
+        types.push(1);
+    }
+    // scores: the merged pieces best first, in the order above; single characters below them
+    let scores: Vec<f32> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            if t.chars().count() > 1 && !t.starts_with('<') && t.trim() == t {
+                -(i as f32) / 1000.0
+            } else {
+                -1000.0
+            }
+        })
+        .collect();
+    vec![
+        ("general.architecture".into(), Value::String(arch.into())),
+        ("tokenizer.ggml.model".into(), Value::String("llama".into())),
+        ("tokenizer.ggml.pre".into(), Value::String("default".into())),
+        (
+            "tokenizer.ggml.tokens".into(),
+            Value::Array(tokens.into_iter().map(Value::String).collect()),
+        ),
+        (
+            "tokenizer.ggml.scores".into(),
+            Value::Array(scores.into_iter().map(Value::F32).collect()),
+        ),
+        (
+            "tokenizer.ggml.token_type".into(),
+            Value::Array(types.into_iter().map(Value::I32).collect()),
+        ),
+        ("tokenizer.ggml.bos_token_id".into(), Value::U32(2)),
+        ("tokenizer.ggml.add_bos_token".into(), Value::Bool(true)),
+        (
+            "tokenizer.ggml.add_space_prefix".into(),
+            Value::Bool(add_space_prefix),
+        ),
+    ]
+}
+
 /// The tokenizer.json of the tiny vocabulary (byte-level BPE, GPT-2 split).
 pub fn tiny_tokenizer_json() -> serde_json::Value {
     let (tokens, merges, types) = tiny_vocab();

@@ -5,6 +5,11 @@
 //! same way, so both formats go through one, well-tested BPE implementation. The pre-tokenizer
 //! (how text is split before BPE) is chosen by `tokenizer.ggml.pre` and must be known: an unknown
 //! value is an error, never a silent fallback (a wrong split gives plausible but wrong ids).
+//!
+//! SentencePiece vocabularies (`tokenizer.ggml.model = llama`: Gemma, Llama 2, Mistral, TinyLlama)
+//! carry scores instead of merges. The merges are recovered from the vocabulary the way
+//! transformers does it when it reads the same GGUF (every split of a piece into two pieces of the
+//! vocabulary, best piece first), and run through the same BPE with byte fallback (`<0xNN>`).
 
 use super::error::{Error, Result};
 use serde_json::{json, Value};
@@ -18,6 +23,75 @@ pub struct Tokenizer {
     pub bos_id: Option<u32>,
     /// A short description: "gpt2 byte-level BPE, pre-tokenizer qwen2 (from GGUF metadata)".
     pub kind: String,
+    /// How a vocabulary piece spells its bytes.
+    pub pieces: PieceStyle,
+}
+
+/// How a vocabulary piece spells the bytes it stands for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PieceStyle {
+    /// GPT-2's byte-to-character table (`Ġ` is a space).
+    ByteLevel,
+    /// SentencePiece: `▁` is a space, `<0xNN>` is one byte, anything else is its UTF-8 text.
+    SentencePiece,
+}
+
+/// The three shapes of SentencePiece tokenizer a GGUF stands for (transformers picks one by
+/// architecture when it reads the same file).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SpStyle {
+    /// Gemma: spaces become `▁` (no prefix), tokens of blanks are respelled `▁▁`, merges ranked by
+    /// the order of the vocabulary (Gemma's scores do not follow its merge order).
+    Gemma,
+    /// Phi-3: a `▁` prepended to the text by the normalizer.
+    Phi3,
+    /// Llama 2, Mistral, TinyLlama: `Metaspace`, a `▁` before the first word (as transformers
+    /// builds it, even where the file's `add_space_prefix` is false); merges ranked by score.
+    Llama { file_says_no_prefix: bool },
+}
+
+/// Merges recovered from a SentencePiece vocabulary (transformers' `generate_merges`): for every
+/// piece (in vocabulary order), each split into two pieces that are both in the vocabulary; the
+/// merges ordered by the piece's score (best first), then longer left part, then longer right
+/// part, and otherwise as found (the splits of one piece by the ids of their parts).
+fn sentencepiece_merges(tokens: &[String], score: &dyn Fn(usize) -> f64) -> Vec<(String, String)> {
+    use std::collections::HashMap;
+    // last index wins for a repeated piece, as in a Python dict
+    let mut vocab: HashMap<&str, usize> = HashMap::with_capacity(tokens.len());
+    for (i, t) in tokens.iter().enumerate() {
+        vocab.insert(t.as_str(), i);
+    }
+    let mut seen = std::collections::HashSet::with_capacity(tokens.len());
+    let mut merges: Vec<(f64, usize, usize, &str, &str)> = Vec::new();
+    for t in tokens {
+        if !seen.insert(t.as_str()) {
+            continue;
+        }
+        let s = score(vocab[t.as_str()]);
+        let mut local: Vec<(&str, &str)> = t
+            .char_indices()
+            .skip(1)
+            .map(|(b, _)| t.split_at(b))
+            .filter(|(l, r)| vocab.contains_key(l) && vocab.contains_key(r))
+            .collect();
+        local.sort_by_key(|(l, r)| (vocab[l], vocab[r]));
+        merges.extend(
+            local
+                .into_iter()
+                .map(|(l, r)| (s, l.chars().count(), r.chars().count(), l, r)),
+        );
+    }
+    // a stable sort, best first
+    merges.sort_by(|a, b| {
+        b.0.partial_cmp(&a.0)
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(b.1.cmp(&a.1))
+            .then(b.2.cmp(&a.2))
+    });
+    merges
+        .into_iter()
+        .map(|(_, _, _, l, r)| (l.to_string(), r.to_string()))
+        .collect()
 }
 
 /// The split regex of Qwen2's tokenizer.json (and llama.cpp's `qwen2` pre-tokenizer).
@@ -61,6 +135,97 @@ fn pre_tokenizer_for(pre: &str) -> Option<(Value, Value, bool)> {
     })
 }
 
+/// The tokens matched whole in the text before anything else, as transformers adds them: control
+/// tokens (type 3, `<bos>`, `<|im_start|>`) as special, user-defined ones (type 4, `<think>`,
+/// Gemma's `\t`) as plain added tokens, the latter only when `in_vocab` finds their spelling.
+/// (token_type: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.)
+fn added_tokens(tokens: &[String], types: &[i64], in_vocab: &dyn Fn(&str) -> bool) -> Vec<Value> {
+    tokens
+        .iter()
+        .enumerate()
+        .filter_map(|(id, tok)| {
+            match types.get(id).copied().unwrap_or(1) {
+            3 => Some(true),
+            4 if in_vocab(tok) => Some(false),
+            _ => None,
+        }
+        .map(|special| {
+            json!({
+                "id": id, "content": tok, "single_word": false, "lstrip": false, "rstrip": false,
+                "normalized": false, "special": special,
+            })
+        })
+        })
+        .collect()
+}
+
+/// The `tokenizer.json` of a SentencePiece vocabulary, and how many merges it has.
+fn sentencepiece_doc(
+    tokens: &[String],
+    scores: &[f32],
+    types: &[i64],
+    style: SpStyle,
+) -> (Value, usize) {
+    // Gemma stores a token of blanks as real spaces, looked up as `▁▁`
+    let spelled: Vec<String> = match style {
+        SpStyle::Gemma => tokens
+            .iter()
+            .map(|t| {
+                if t.contains(' ') && t.trim().is_empty() {
+                    "▁".repeat(t.chars().count())
+                } else {
+                    t.clone()
+                }
+            })
+            .collect(),
+        _ => tokens.to_vec(),
+    };
+    let merges = match style {
+        SpStyle::Gemma => sentencepiece_merges(&spelled, &|i| -(i as f64)),
+        _ => sentencepiece_merges(&spelled, &|i| scores[i] as f64),
+    };
+    let n_merges = merges.len();
+    let mut vocab = serde_json::Map::with_capacity(spelled.len());
+    for (id, tok) in spelled.iter().enumerate() {
+        vocab.insert(tok.clone(), json!(id));
+    }
+    let added = added_tokens(tokens, types, &|t: &str| vocab.contains_key(t));
+    let replace = |from: &str, to: &str| json!({"type": "Replace", "pattern": {"String": from}, "content": to});
+    let (normalizer, pre_tokenizer, unk) = match style {
+        SpStyle::Gemma => (
+            replace(" ", "▁"),
+            json!({"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": false}),
+            json!("<unk>"),
+        ),
+        SpStyle::Phi3 => (
+            json!({"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"}, replace(" ", "▁")]}),
+            Value::Null,
+            Value::Null,
+        ),
+        SpStyle::Llama { .. } => (
+            Value::Null,
+            json!({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": false}),
+            Value::Null,
+        ),
+    };
+    let doc = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": normalizer,
+        "pre_tokenizer": pre_tokenizer,
+        "post_processor": null,
+        "decoder": {"type": "Sequence", "decoders": [replace("▁", " "), {"type": "ByteFallback"}, {"type": "Fuse"}]},
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": unk, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true,
+            "ignore_merges": false, "vocab": vocab, "merges": merges,
+        },
+    });
+    (doc, n_merges)
+}
+
 impl Tokenizer {
     /// Builds the tokenizer from GGUF metadata.
     pub fn from_gguf(
@@ -99,62 +264,121 @@ impl Tokenizer {
             }
         };
         let model = get_str("tokenizer.ggml.model")?;
-        if model != "gpt2" {
-            return Err(bad("tokenizer.ggml.model", format!("`{model}` is not supported; attnscope reads byte-level BPE (`gpt2`) tokenizers")));
-        }
-        let pre = match md.get("tokenizer.ggml.pre") {
-            Some(V::String(s)) => s.clone(),
-            _ => "default".to_string(),
-        };
-        let (normalizer, pre_tok, ignore_merges) =
-            pre_tokenizer_for(&pre).ok_or_else(|| Error::UnknownPreTokenizer {
-                pre: pre.clone(),
-                path: path.into(),
-                known: KNOWN_PRE.join(", "),
-            })?;
-        let tokens = get_strs("tokenizer.ggml.tokens")?;
-        let merges = get_strs("tokenizer.ggml.merges")?;
         let types: Vec<i64> = match md.get("tokenizer.ggml.token_type") {
             Some(V::Array(a)) => a
                 .iter()
                 .map(|v| v.to_i32().map(|x| x as i64).unwrap_or(1))
                 .collect(),
-            _ => vec![1; tokens.len()],
+            _ => Vec::new(),
         };
-        let mut vocab = serde_json::Map::with_capacity(tokens.len());
-        let mut added = Vec::new();
-        for (id, tok) in tokens.iter().enumerate() {
-            vocab.insert(tok.clone(), json!(id));
-            // token_type: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
-            // Control and user-defined tokens are matched in the text before BPE, as HF does.
-            if let t @ (3 | 4) = types.get(id).copied().unwrap_or(1) {
-                added.push(json!({
-                "id": id, "content": tok, "single_word": false, "lstrip": false, "rstrip": false,
-                "normalized": false, "special": t == 3,
-            }))
-            }
-        }
         let get_u32 = |key: &str| md.get(key).and_then(|v| v.to_u32().ok());
-        let add_bos = md
-            .get("tokenizer.ggml.add_bos_token")
-            .and_then(|v| v.to_bool().ok())
-            .unwrap_or(false);
+        let get_bool = |key: &str| md.get(key).and_then(|v| v.to_bool().ok());
         let bos_id = get_u32("tokenizer.ggml.bos_token_id");
-        let doc = json!({
-            "version": "1.0",
-            "truncation": null,
-            "padding": null,
-            "added_tokens": added,
-            "normalizer": normalizer,
-            "pre_tokenizer": pre_tok,
-            "post_processor": null,
-            "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-            "model": {
-                "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-                "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
-                "ignore_merges": ignore_merges, "vocab": vocab, "merges": merges,
-            },
-        });
+        let tokens = get_strs("tokenizer.ggml.tokens")?;
+        let (doc, add_bos, kind, pieces) = match model.as_str() {
+            "gpt2" => {
+                let pre = match md.get("tokenizer.ggml.pre") {
+                    Some(V::String(s)) => s.clone(),
+                    _ => "default".to_string(),
+                };
+                let (normalizer, pre_tok, ignore_merges) =
+                    pre_tokenizer_for(&pre).ok_or_else(|| Error::UnknownPreTokenizer {
+                        pre: pre.clone(),
+                        path: path.into(),
+                        known: KNOWN_PRE.join(", "),
+                    })?;
+                let merges = get_strs("tokenizer.ggml.merges")?;
+                let mut vocab = serde_json::Map::with_capacity(tokens.len());
+                for (id, tok) in tokens.iter().enumerate() {
+                    vocab.insert(tok.clone(), json!(id));
+                }
+                let doc = json!({
+                    "version": "1.0",
+                    "truncation": null,
+                    "padding": null,
+                    "added_tokens": added_tokens(&tokens, &types, &|_| true),
+                    "normalizer": normalizer,
+                    "pre_tokenizer": pre_tok,
+                    "post_processor": null,
+                    "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+                    "model": {
+                        "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                        "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                        "ignore_merges": ignore_merges, "vocab": vocab, "merges": merges,
+                    },
+                });
+                let kind = format!(
+                    "byte-level BPE ({} tokens, {} merges), pre-tokenizer `{pre}`, from GGUF metadata",
+                    tokens.len(),
+                    merges.len()
+                );
+                (
+                    doc,
+                    get_bool("tokenizer.ggml.add_bos_token").unwrap_or(false),
+                    kind,
+                    PieceStyle::ByteLevel,
+                )
+            }
+            "llama" => {
+                let arch = match md.get("general.architecture") {
+                    Some(V::String(s)) => s.as_str(),
+                    _ => "",
+                };
+                let style = match arch {
+                    "gemma" | "gemma2" | "gemma3" => SpStyle::Gemma,
+                    "phi3" => SpStyle::Phi3,
+                    // transformers puts the `▁` before the first word whatever the file's
+                    // add_space_prefix says (llama.cpp follows the key); we follow the reference
+                    // and say so where the file says otherwise
+                    _ => SpStyle::Llama {
+                        file_says_no_prefix: get_bool("tokenizer.ggml.add_space_prefix")
+                            == Some(false),
+                    },
+                };
+                let scores: Vec<f32> = match (style, md.get("tokenizer.ggml.scores")) {
+                    (SpStyle::Gemma, _) => Vec::new(),
+                    (_, Some(V::Array(a))) if a.len() == tokens.len() => a
+                        .iter()
+                        .map(|v| {
+                            v.to_f32()
+                                .map_err(|_| bad("tokenizer.ggml.scores", "not numbers".into()))
+                        })
+                        .collect::<Result<_>>()?,
+                    (_, Some(_)) => {
+                        return Err(bad(
+                            "tokenizer.ggml.scores",
+                            format!("expected {} numbers, one per token", tokens.len()),
+                        ))
+                    }
+                    (_, None) => return Err(missing("tokenizer.ggml.scores")),
+                };
+                let (doc, n_merges) = sentencepiece_doc(&tokens, &scores, &types, style);
+                let kind = format!(
+                    "SentencePiece BPE ({} tokens, {n_merges} merges recovered from the {}), byte fallback, {}, from GGUF metadata",
+                    tokens.len(),
+                    if style == SpStyle::Gemma { "vocabulary order" } else { "scores" },
+                    match style {
+                        SpStyle::Gemma => "no space prefix (Gemma)",
+                        SpStyle::Phi3 => "space prefix (Phi-3)",
+                        SpStyle::Llama { file_says_no_prefix: false } => "space prefix",
+                        SpStyle::Llama { file_says_no_prefix: true } => "space prefix as transformers adds it (the file's add_space_prefix = false, which llama.cpp follows, would drop the first word's `▁`)",
+                    }
+                );
+                // llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
+                (
+                    doc,
+                    get_bool("tokenizer.ggml.add_bos_token").unwrap_or(true),
+                    kind,
+                    PieceStyle::SentencePiece,
+                )
+            }
+            other => {
+                return Err(bad(
+                    "tokenizer.ggml.model",
+                    format!("`{other}` is not supported; attnscope reads byte-level BPE (`gpt2`) and SentencePiece BPE (`llama`) vocabularies"),
+                ))
+            }
+        };
         let inner: tokenizers::Tokenizer = doc.to_string().parse().map_err(|e| {
             Error::Tokenizer(format!(
                 "building the tokenizer from {}: {e}",
@@ -165,11 +389,8 @@ impl Tokenizer {
             inner,
             add_bos,
             bos_id,
-            kind: format!(
-                "byte-level BPE ({} tokens, {} merges), pre-tokenizer `{pre}`, from GGUF metadata",
-                tokens.len(),
-                merges.len()
-            ),
+            kind,
+            pieces,
         })
     }
 
@@ -178,23 +399,36 @@ impl Tokenizer {
         let inner = tokenizers::Tokenizer::from_file(path)
             .map_err(|e| Error::Tokenizer(format!("cannot load {}: {e}", path.display())))?;
         let kind = format!("{} from {}", model_kind(&inner), path.display());
+        // a BPE with byte fallback is SentencePiece-style (`▁`, `<0xNN>`); the rest byte-level
+        let pieces = match inner.get_model() {
+            tokenizers::ModelWrapper::BPE(b) if b.byte_fallback => PieceStyle::SentencePiece,
+            tokenizers::ModelWrapper::Unigram(_) => PieceStyle::SentencePiece,
+            _ => PieceStyle::ByteLevel,
+        };
         Ok(Tokenizer {
             inner,
             add_bos,
             bos_id,
             kind,
+            pieces,
         })
     }
 
     /// Token ids of `text`. Special-token text (`<|im_start|>`) maps to its special id. A BOS id
     /// is put first when the model asks for it or `force_bos` is set.
     pub fn encode(&self, text: &str, force_bos: bool) -> Result<Vec<u32>> {
+        self.encode_with(text, force_bos.then_some(true))
+    }
+
+    /// Token ids of `text`, with a BOS first as `bos` says: `Some(true)` always, `Some(false)`
+    /// never, `None` when the model's metadata asks for one.
+    pub fn encode_with(&self, text: &str, bos: Option<bool>) -> Result<Vec<u32>> {
         let enc = self
             .inner
             .encode(text, false)
             .map_err(|e| Error::Tokenizer(format!("encoding failed: {e}")))?;
         let mut ids = Vec::with_capacity(enc.len() + 1);
-        if self.add_bos || force_bos {
+        if bos.unwrap_or(self.add_bos) {
             match self.bos_id {
                 Some(b) => ids.push(b),
                 None => {
@@ -218,7 +452,12 @@ impl Tokenizer {
     /// The bytes a token stands for (byte-level pieces decoded; special tokens as their text).
     pub fn token_bytes(&self, id: u32) -> Vec<u8> {
         let piece = self.piece(id);
-        byte_level_decode(&piece).unwrap_or_else(|| piece.into_bytes())
+        match self.pieces {
+            PieceStyle::ByteLevel => {
+                byte_level_decode(&piece).unwrap_or_else(|| piece.into_bytes())
+            }
+            PieceStyle::SentencePiece => sentencepiece_decode(&piece),
+        }
     }
 
     /// A readable text for a token: its UTF-8 text where it is whole characters, with any bytes
@@ -268,6 +507,20 @@ pub fn byte_level_decode(piece: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
+/// The bytes of a SentencePiece piece: `<0xNN>` is the byte NN, `▁` a space.
+pub fn sentencepiece_decode(piece: &str) -> Vec<u8> {
+    if let Some(hex) = piece
+        .strip_prefix("<0x")
+        .and_then(|p| p.strip_suffix('>'))
+        .filter(|h| h.len() == 2)
+    {
+        if let Ok(b) = u8::from_str_radix(hex, 16) {
+            return vec![b];
+        }
+    }
+    piece.replace('▁', " ").into_bytes()
+}
+
 /// Bytes as text, with invalid UTF-8 runs shown as hex: `b"\xe1\xbb"` → `<e1 bb>`.
 pub fn readable(bytes: &[u8]) -> String {
     let mut out = String::new();
@@ -310,6 +563,146 @@ mod tests {
         assert_eq!(readable(" N".as_bytes()), " N");
         assert_eq!(readable(&[b'a', 0x99]), "a<99>");
         assert_eq!(visible("  ab\n"), "␣␣ab\\n");
+    }
+
+    fn sentencepiece(arch: &str, prefix: bool) -> Tokenizer {
+        let md: std::collections::HashMap<_, _> =
+            crate::model::tiny::tiny_sentencepiece_md(arch, prefix)
+                .into_iter()
+                .collect();
+        Tokenizer::from_gguf(&md, Path::new("sp.gguf")).unwrap()
+    }
+
+    fn id(t: &Tokenizer, piece: &str) -> u32 {
+        t.inner.token_to_id(piece).unwrap()
+    }
+
+    /// Llama-style SentencePiece, worked by hand: `▁` before the first word, merges ranked by the
+    /// score of the piece they make (`▁t` > `he` > `▁the` > `▁a` > `at` > `▁h` > `▁hat`), so
+    /// "the hat" → `▁ t h e ▁ h a t` → `▁t` → `he` → `▁the` → `at` → `▁h` → `▁hat`.
+    #[test]
+    fn sentencepiece_merges_by_score_with_a_space_prefix() {
+        let t = sentencepiece("llama", true);
+        assert_eq!(t.pieces, PieceStyle::SentencePiece);
+        assert!(t.kind.contains("SentencePiece") && t.kind.contains("space prefix"));
+        assert!(t.add_bos, "BOS from add_bos_token");
+        assert_eq!(
+            t.encode("the hat", false).unwrap(),
+            vec![2, id(&t, "▁the"), id(&t, "▁hat")]
+        );
+        assert_eq!(
+            t.encode_with("the hat", Some(false)).unwrap(),
+            vec![id(&t, "▁the"), id(&t, "▁hat")]
+        );
+        // a character outside the vocabulary falls back to its UTF-8 bytes
+        let ids = t.encode_with("é", Some(false)).unwrap();
+        assert_eq!(ids, vec![id(&t, "▁"), 4 + 0xc3, 4 + 0xa9]);
+        let bytes: Vec<u8> = ids.iter().flat_map(|&i| t.token_bytes(i)).collect();
+        assert_eq!(bytes, " é".as_bytes());
+        assert_eq!(t.token_text(id(&t, "▁hat")), " hat");
+        assert_eq!(t.token_text(2), "<bos>");
+        // a file that says add_space_prefix = false gets the prefix anyway (as transformers
+        // does), and the description says so
+        let t = sentencepiece("llama", false);
+        assert_eq!(
+            t.encode_with("the hat", Some(false)).unwrap(),
+            vec![id(&t, "▁the"), id(&t, "▁hat")]
+        );
+        assert!(t.kind.contains("add_space_prefix = false"), "{}", t.kind);
+        // Phi-3: the prefix comes from the normalizer, one `▁` per space after it
+        let t = sentencepiece("phi3", true);
+        assert_eq!(
+            t.encode_with("the hat", Some(false)).unwrap(),
+            vec![id(&t, "▁the"), id(&t, "▁hat")]
+        );
+    }
+
+    /// Gemma: no prefix, merges ranked by vocabulary order (the token of two spaces, stored as
+    /// "  " and respelled `▁▁`, comes before every letter pair), a user-defined `\t` matched whole.
+    #[test]
+    fn gemma_sentencepiece_ranks_by_order_and_respells_blanks() {
+        let t = sentencepiece("gemma3", false);
+        assert!(t.kind.contains("vocabulary order"));
+        let two = id(&t, "▁▁");
+        assert_eq!(two, 261, "the stored \"  \" token keeps its id");
+        assert_eq!(
+            t.encode_with("the  hat", Some(false)).unwrap(),
+            vec![id(&t, "t"), id(&t, "he"), two, id(&t, "h"), id(&t, "at")]
+        );
+        assert_eq!(
+            t.encode("a\tb", false).unwrap(),
+            vec![2, id(&t, "a"), 262, id(&t, "b")]
+        );
+        assert_eq!(t.token_bytes(two), b"  ");
+        assert_eq!(t.token_bytes(4 + 0x0a), b"\n");
+    }
+
+    /// The tiny vocabulary through transformers' own GGUF converter
+    /// (tests/golden/sentencepiece_tiny.json, from make_sentencepiece_golden.py): every shape
+    /// gives the same ids.
+    #[test]
+    fn sentencepiece_ids_equal_transformers() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/golden/sentencepiece_tiny.json"
+        );
+        let g: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let md = crate::model::tiny::tiny_sentencepiece_md("llama", true);
+        let tokens = md
+            .iter()
+            .find(|(k, _)| k == "tokenizer.ggml.tokens")
+            .map(|(_, v)| match v {
+                candle_core::quantized::gguf_file::Value::Array(a) => a
+                    .iter()
+                    .map(|t| json!(t.to_string().unwrap()))
+                    .collect::<Vec<_>>(),
+                _ => unreachable!(),
+            })
+            .unwrap();
+        assert_eq!(
+            json!(tokens),
+            g["tokens"],
+            "the same vocabulary as the script's"
+        );
+        let mut failures = Vec::new();
+        for (key, arch, prefix) in [
+            ("llama+prefix", "llama", true),
+            ("llama-prefix", "llama", false),
+            ("gemma3", "gemma3", false),
+            ("phi3", "phi3", true),
+        ] {
+            let t = sentencepiece(arch, prefix);
+            for case in g["vectors"][key].as_array().unwrap() {
+                let text = case["text"].as_str().unwrap();
+                let want: Vec<u32> = case["ids"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_u64().unwrap() as u32)
+                    .collect();
+                let got = t.encode_with(text, Some(false)).unwrap();
+                if got != want {
+                    failures.push(format!("{key} {text:?}: got {got:?}, want {want:?}"));
+                }
+            }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    #[test]
+    fn merges_are_ordered_like_transformers() {
+        // "abc" splits as a|bc and ab|c (both in the vocabulary): ordered by the ids of the parts;
+        // equal scores keep the longer left part first
+        let toks: Vec<String> = ["a", "b", "c", "bc", "ab", "abc"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let m = sentencepiece_merges(&toks, &|i| [0.0, 0.0, 0.0, -1.0, -2.0, -3.0][i]);
+        let m: Vec<(&str, &str)> = m.iter().map(|(a, b)| (a.as_str(), b.as_str())).collect();
+        assert_eq!(m, vec![("b", "c"), ("a", "b"), ("ab", "c"), ("a", "bc")]);
+        assert_eq!(sentencepiece_decode("<0x41>"), b"A");
+        assert_eq!(sentencepiece_decode("▁Nội"), " Nội".as_bytes());
+        assert_eq!(sentencepiece_decode("<0x4>"), b"<0x4>");
     }
 
     #[test]

@@ -621,7 +621,7 @@ pub fn load_weights(
         })
     };
     // Gemma's RMSNorm multiplies by (1 + w) (computed in f32, as transformers does): stored once
-    let gemma = dims.arch.is_gemma();
+    let gemma = dims.gemma.as_ref().is_some_and(|g| !g.norms_include_one);
     let norm = |r: Raw| -> Result<Vec<f32>> {
         let mut w = r.to_vec()?;
         if gemma {

@@ -55,6 +55,7 @@ pub fn assert_close(got: &[f32], want: &[f32], tol: f32, label: &str) {
             at = i;
         }
     }
+    eprintln!("{label}: max |difference| {worst:.2e} (tolerance {tol:.0e})");
     assert!(
         worst <= tol,
         "{label}: max diff {worst:.3e} > tol {tol:.1e} at index {at} (got {}, want {})",

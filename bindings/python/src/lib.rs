@@ -119,8 +119,9 @@ struct Model {
 impl Model {
     /// Loads an alias (fetched on first use), a .gguf file, a Hugging Face folder or a hub id.
     #[staticmethod]
-    #[pyo3(signature = (spec, precision = "exact"))]
-    fn load(py: Python<'_>, spec: &str, precision: &str) -> PyResult<Model> {
+    /// `add_bos`: `None` follows the model's metadata; `False` leaves its BOS out, `True` adds one.
+    #[pyo3(signature = (spec, precision = "exact", add_bos = None))]
+    fn load(py: Python<'_>, spec: &str, precision: &str, add_bos: Option<bool>) -> PyResult<Model> {
         let precision = match precision {
             "exact" => Precision::Exact,
             "fast" => Precision::Fast,
@@ -131,9 +132,18 @@ impl Model {
             }
         };
         let spec = spec.to_string();
-        let inner = Arc::new(engine(py, move || {
+        let mut model = engine(py, move || {
             Ok(attnscope::model::Model::load(&spec, precision, false)?)
-        })?);
+        })?;
+        if let Some(b) = add_bos {
+            if b && model.tokenizer.bos_id.is_none() {
+                return Err(PyValueError::new_err(
+                    "default_prepend_bos=True, but the model defines no BOS token",
+                ));
+            }
+            model.tokenizer.add_bos = b;
+        }
+        let inner = Arc::new(model);
         let registered = attnscope::cli::common::register_model(&inner);
         Ok(Model { inner, registered })
     }
@@ -153,11 +163,12 @@ impl Model {
         Ok(v.to_string())
     }
 
-    /// Token ids of `text` (with BOS when the model asks for one, or when `bos`).
-    #[pyo3(signature = (text, bos = false))]
-    fn encode(&self, py: Python<'_>, text: &str, bos: bool) -> PyResult<Vec<u32>> {
+    /// Token ids of `text`, a BOS first as `bos` says: `None` when the model asks for one,
+    /// `True` always, `False` never.
+    #[pyo3(signature = (text, bos = None))]
+    fn encode(&self, py: Python<'_>, text: &str, bos: Option<bool>) -> PyResult<Vec<u32>> {
         let (m, text) = (self.inner.clone(), text.to_string());
-        engine(py, move || Ok(m.encode(&text, bos)?))
+        engine(py, move || Ok(m.encode_with(&text, bos)?))
     }
 
     /// The text of each token (byte-level pieces decoded; split UTF-8 shown as <xx> bytes).

@@ -67,6 +67,26 @@ def test_every_pattern_within_1e4_of_transformers(qwen):
     assert top5 == [t["id"] for t in g["next_token_top5"]]
 
 
+def test_gemma3_bos_and_patterns():
+    gemma = attnscope.HookedModel.from_pretrained("gemma3-270m")
+    g = golden_ids("gemma")
+    assert gemma.cfg.default_prepend_bos is True and gemma.cfg.d_head == 256
+    ids = gemma.to_tokens(SENTENCE)
+    assert ids[0].tolist() == g["token_ids"] and ids[0, 0] == 2
+    assert gemma.to_str_tokens(SENTENCE)[:2] == ["<bos>", "H"]
+    assert gemma.to_tokens(SENTENCE, prepend_bos=False)[0].tolist() == g["token_ids"][1:]
+    logits, cache = gemma.run_with_cache(SENTENCE, names_filter="hook_pattern")
+    want = np.load(GOLDEN / "gemma_transformers_attn_full.npy")  # [18, 4, 19, 19]
+    got = cache.stack_activation("pattern")[:, 0]
+    assert got.shape == want.shape and np.abs(got - want).max() < 1e-4
+    assert np.argsort(-logits[0, -1])[:5].tolist() == [t["id"] for t in g["next_token_top5"]]
+    # a model loaded without its BOS leaves it out of every text
+    plain = attnscope.HookedModel.from_pretrained("gemma3-270m", default_prepend_bos=False)
+    assert plain.cfg.default_prepend_bos is False
+    assert plain.to_tokens(SENTENCE)[0].tolist() == g["token_ids"][1:]
+    assert plain.to_tokens(SENTENCE, prepend_bos=True)[0].tolist() == g["token_ids"]
+
+
 def test_smollm_head_average_within_1e4(smol):
     want = np.load(GOLDEN / "smol_transformers_attn_headavg.npy")  # [30, n, n]
     g = golden_ids("smol")

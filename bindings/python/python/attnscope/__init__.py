@@ -132,7 +132,7 @@ class HookedModel:
     """A language model whose attention can be captured, inspected and measured.
 
     ``HookedModel.from_pretrained(name, precision="exact")``: an alias (``qwen2.5-coder-0.5b``,
-    the default, or ``smollm2-135m``; fetched on first use), a ``.gguf`` file, a Hugging Face folder,
+    the default, ``smollm2-135m`` or ``gemma3-270m``; fetched on first use), a ``.gguf`` file, a Hugging Face folder,
     or a hub id ``org/name``. ``precision="fast"`` runs 8-bit weights and activations (about half
     the memory, attention weights move by up to ~0.04)."""
 
@@ -147,9 +147,12 @@ class HookedModel:
         self.facts = f
 
     @classmethod
-    def from_pretrained(cls, name: str = "qwen2.5-coder-0.5b", precision: str = "exact") -> "HookedModel":
-        """Loads a model (see the class docstring)."""
-        return cls(_native.Model.load(os.fspath(name), precision))
+    def from_pretrained(cls, name: str = "qwen2.5-coder-0.5b", precision: str = "exact",
+                        default_prepend_bos: Optional[bool] = None) -> "HookedModel":
+        """Loads a model (see the class docstring). ``default_prepend_bos``: ``None`` follows the
+        model (Gemma puts ``<bos>`` first, Qwen and SmolLM2 do not); ``False`` leaves it out of
+        every text, ``True`` puts it first in every text."""
+        return cls(_native.Model.load(os.fspath(name), precision, default_prepend_bos))
 
     def __repr__(self) -> str:
         c = self.cfg
@@ -157,9 +160,9 @@ class HookedModel:
 
     # tokens
     def to_tokens(self, text: str, prepend_bos: Optional[bool] = None) -> np.ndarray:
-        """Token ids ``[1, n]`` (int64). BOS comes first when the model asks for one, or with
-        ``prepend_bos=True``."""
-        return np.asarray([self._m.encode(text, bool(prepend_bos))], dtype=np.int64)
+        """Token ids ``[1, n]`` (int64). BOS comes first when the model asks for one
+        (``cfg.default_prepend_bos``), or with ``prepend_bos=True``; ``prepend_bos=False`` leaves it out."""
+        return np.asarray([self._m.encode(text, prepend_bos)], dtype=np.int64)
 
     def to_str_tokens(self, text_or_tokens: Union[str, np.ndarray, Sequence[int]], prepend_bos: Optional[bool] = None) -> List[str]:
         """The text of each token."""
@@ -173,7 +176,7 @@ class HookedModel:
 
     def _ids(self, x: Any, prepend_bos: Optional[bool] = None) -> List[int]:
         if isinstance(x, str):
-            return list(self._m.encode(x, bool(prepend_bos)))
+            return list(self._m.encode(x, prepend_bos))
         a = np.asarray(x)
         if a.ndim == 2 and a.shape[0] == 1:
             a = a[0]
