@@ -24,7 +24,7 @@ pub struct ModelArgs {
     #[arg(long, short = 'm', default_value = DEFAULT_MODEL)]
     pub model: String,
     /// exact: weights dequantized to f32, the reference's numbers (to ~1e-5). fast: weights and
-    /// activations in 8-bit blocks on CPUs with AVX-512 VNNI (about 2x faster on long inputs,
+    /// activations in 8-bit blocks on CPUs with AVX-512 VNNI (a forward ~1.4x faster here,
     /// half the memory); attention weights move by ~1e-2. Without VNNI, fast runs as exact.
     #[arg(long, value_enum, default_value_t = Precision::Exact)]
     pub precision: Precision,

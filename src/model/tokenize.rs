@@ -690,6 +690,40 @@ mod tests {
     }
 
     #[test]
+    fn an_unknown_vocabulary_model_is_refused_by_name() {
+        let mut md: std::collections::HashMap<_, _> =
+            crate::model::tiny::tiny_sentencepiece_md("llama", true)
+                .into_iter()
+                .collect();
+        md.insert(
+            "tokenizer.ggml.model".into(),
+            candle_core::quantized::gguf_file::Value::String("t5".into()),
+        );
+        let e = Tokenizer::from_gguf(&md, Path::new("t5.gguf"))
+            .err()
+            .expect("a t5 vocabulary is refused")
+            .to_string();
+        assert!(
+            e.contains("tokenizer.ggml.model") && e.contains("`t5`") && e.contains("SentencePiece"),
+            "{e}"
+        );
+        // scores that do not match the tokens are refused too
+        md.insert(
+            "tokenizer.ggml.model".into(),
+            candle_core::quantized::gguf_file::Value::String("llama".into()),
+        );
+        md.insert(
+            "tokenizer.ggml.scores".into(),
+            candle_core::quantized::gguf_file::Value::Array(vec![]),
+        );
+        let e = Tokenizer::from_gguf(&md, Path::new("sp.gguf"))
+            .err()
+            .expect("no scores")
+            .to_string();
+        assert!(e.contains("tokenizer.ggml.scores"), "{e}");
+    }
+
+    #[test]
     fn merges_are_ordered_like_transformers() {
         // "abc" splits as a|bc and ab|c (both in the vocabulary): ordered by the ids of the parts;
         // equal scores keep the longer left part first
