@@ -1016,6 +1016,21 @@ fn gemma_phi3_gpt2_ggufs_match_transformers() {
             Err(e) => panic!("{name}: {e}"),
         }
     }
+    // a fused q|k|v whose rows do not add up to what the heads say is refused, naming it
+    let (_d, path) = fixture_gguf("phi3", "phi3", &[]);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let key = b"phi3.attention.head_count_kv";
+    let at = bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len();
+    assert_eq!(bytes[at..at + 8], [4, 0, 0, 0, 2, 0, 0, 0], "a u32 of 2");
+    bytes[at + 4] = 1;
+    let e = match Model::from_gguf_bytes("phi3.gguf", bytes, Precision::Exact) {
+        Ok(_) => panic!("a fused tensor of the wrong size loaded"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        e.contains("blk.0.attn_qkv.weight") && e.contains("[96, 64]"),
+        "{e}"
+    );
     // a Gemma GGUF without its window, and a llama GGUF with a pattern, are refused by key
     let (_d, path) = fixture_gguf("gemma2", "gemma2", &[]);
     let mut bytes = std::fs::read(&path).unwrap();

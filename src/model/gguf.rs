@@ -670,8 +670,11 @@ impl TensorSource for GgufFile {
                 return Err(Error::ShapeMismatch {
                     name,
                     path: self.path.clone(),
+                    // the fused rows the config implies, each as long as the file's
+                    want: std::iter::once(all)
+                        .chain(dims.iter().skip(1).copied())
+                        .collect(),
                     got: dims,
-                    want: vec![all],
                 });
             }
             offset += first * row_len;
