@@ -45,9 +45,7 @@ impl ModelFacts {
             d_model: d.d_model,
             precision: m.info.precision.name().into(),
             sliding_window: d.sliding_window,
-            windowed_layers: (0..d.n_layers)
-                .filter(|&l| d.window_of(l).is_some())
-                .collect(),
+            windowed_layers: d.windowed_layers(),
         }
     }
 }

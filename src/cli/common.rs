@@ -59,7 +59,7 @@ impl ModelArgs {
         let mut m = Model::load(&self.model, self.precision, progress)
             .with_context(|| format!("loading model `{}`", self.model))?;
         if self.no_bos {
-            m.tokenizer.add_bos = false;
+            m.tokenizer.set_add_bos(false)?;
         }
         Ok(std::sync::Arc::new(m))
     }

@@ -151,9 +151,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 
 /// Which keys a query sees: every earlier one, or a window on some layers (and their RoPE base).
 fn attention_span(d: &crate::model::ModelDims) -> String {
-    let windowed: Vec<usize> = (0..d.n_layers)
-        .filter(|&l| d.window_of(l).is_some())
-        .collect();
+    let windowed = d.windowed_layers();
     match d.sliding_window {
         None => "every earlier token, every layer".to_string(),
         Some(w) if windowed.len() == d.n_layers => format!(

@@ -170,9 +170,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     );
     let (cpu, threads) = machine();
     // layers that attend through a sliding window cost O(n · window), not O(n²)
-    let windowed: Vec<usize> = (0..d.n_layers)
-        .filter(|&l| d.window_of(l).is_some())
-        .collect();
+    let windowed = d.windowed_layers();
     if a.json {
         let doc = serde_json::json!({
             "model": model.info.name, "precision": model.info.precision.name(), "cpu": cpu, "threads": threads,

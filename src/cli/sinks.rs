@@ -186,11 +186,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         layers[peak_layer].sink_all_queries
     );
     // a sliding window hides the first token from every query at or past the window
-    let windowed: Vec<String> = (0..d.n_layers)
-        .filter(|&l| d.window_of(l).is_some_and(|w| n > w))
-        .map(|l| l.to_string())
-        .collect();
-    if let (false, Some(w)) = (windowed.is_empty(), d.sliding_window) {
+    let windowed: Vec<String> = d.windowed_layers().iter().map(|l| l.to_string()).collect();
+    if let (false, Some(w)) = (windowed.is_empty(), d.sliding_window.filter(|&w| n > w)) {
         s += &format!(
             "layers {} attend through a sliding window of {w} tokens: queries from position {w} on cannot see the first token, so their share is 0 by construction ({} of the {n} queries); the other layers see it from every query.\n",
             windowed.join(", "),

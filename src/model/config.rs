@@ -180,6 +180,12 @@ impl ModelDims {
             _ => self.sliding_window,
         }
     }
+    /// The layers that attend through a sliding window (all of them for Mistral, some for Gemma).
+    pub fn windowed_layers(&self) -> Vec<usize> {
+        (0..self.n_layers)
+            .filter(|&l| self.window_of(l).is_some())
+            .collect()
+    }
     /// The RoPE base of `layer`.
     pub fn rope_base_of(&self, layer: usize) -> f32 {
         match &self.gemma {

@@ -130,6 +130,18 @@ pub struct GgufFile {
     map: Arc<Backing>,
     pub file_size: u64,
     pub version: u32,
+    /// The architecture and fused-tensor sizes, read from the metadata once, on the first
+    /// tensor asked for.
+    layout: Option<Layout>,
+}
+
+/// What [`TensorSource::get`] needs to name and cut a tensor.
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    arch: Option<Arch>,
+    /// Rows of q, of k (= of v) and of the gate (= of up) inside Phi-3's and GPT-2's fused
+    /// `attn_qkv` / `ffn_up`.
+    fused: Option<(usize, usize, usize)>,
 }
 
 impl GgufFile {
@@ -198,6 +210,7 @@ impl GgufFile {
             map: Arc::new(map),
             file_size,
             version,
+            layout: None,
         })
     }
 
@@ -579,47 +592,60 @@ pub fn gguf_name_for(arch: Arch, l: &Logical) -> String {
 }
 
 impl GgufFile {
-    /// Where a fused tensor holds `l`: `(first row, rows, rows of the whole tensor)`.
-    fn fused_rows(&self, arch: Arch, l: &Logical) -> Result<Option<(usize, usize, usize)>> {
-        if !matches!(arch, Arch::Phi3 | Arch::Gpt2) {
-            return Ok(None);
+    /// The layout, read once.
+    fn layout(&mut self) -> Result<Layout> {
+        if let Some(l) = self.layout {
+            return Ok(l);
         }
-        let a = arch.name();
-        let n_heads = self.uint(&format!("{a}.attention.head_count"), a)?;
-        let d_model = self.uint(&format!("{a}.embedding_length"), a)?;
-        let n_kv = self
-            .uint(&format!("{a}.attention.head_count_kv"), a)
-            .unwrap_or(n_heads);
-        let hd = self
-            .uint(&format!("{a}.attention.key_length"), a)
-            .unwrap_or(d_model / n_heads.max(1));
-        let (nq, nk) = (n_heads * hd, n_kv * hd);
-        let ff = self.uint(&format!("{a}.feed_forward_length"), a)?;
-        Ok(match l {
+        let arch = Arch::parse(&self.arch_name());
+        let fused = match arch {
+            Some(arch @ (Arch::Phi3 | Arch::Gpt2)) => {
+                let a = arch.name();
+                let n_heads = self.uint(&format!("{a}.attention.head_count"), a)?;
+                let d_model = self.uint(&format!("{a}.embedding_length"), a)?;
+                let n_kv = self
+                    .uint(&format!("{a}.attention.head_count_kv"), a)
+                    .unwrap_or(n_heads);
+                let hd = self
+                    .uint(&format!("{a}.attention.key_length"), a)
+                    .unwrap_or(d_model / n_heads.max(1));
+                let ff = self.uint(&format!("{a}.feed_forward_length"), a)?;
+                Some((n_heads * hd, n_kv * hd, ff))
+            }
+            _ => None,
+        };
+        let l = Layout { arch, fused };
+        self.layout = Some(l);
+        Ok(l)
+    }
+}
+
+impl Layout {
+    /// Where a fused tensor holds `l`: `(first row, rows, rows of the whole tensor)`.
+    fn fused_rows(&self, l: &Logical) -> Option<(usize, usize, usize)> {
+        let (nq, nk, ff) = self.fused?;
+        match l {
             Logical::Q(_) | Logical::QBias(_) => Some((0, nq, nq + 2 * nk)),
             Logical::K(_) | Logical::KBias(_) => Some((nq, nk, nq + 2 * nk)),
             Logical::V(_) | Logical::VBias(_) => Some((nq + nk, nk, nq + 2 * nk)),
-            Logical::Gate(_) if arch == Arch::Phi3 => Some((0, ff, 2 * ff)),
-            Logical::Up(_) if arch == Arch::Phi3 => Some((ff, ff, 2 * ff)),
+            Logical::Gate(_) if self.arch == Some(Arch::Phi3) => Some((0, ff, 2 * ff)),
+            Logical::Up(_) if self.arch == Some(Arch::Phi3) => Some((ff, ff, 2 * ff)),
             _ => None,
-        })
+        }
     }
 }
 
 impl TensorSource for GgufFile {
     fn get(&mut self, l: &Logical) -> Result<Option<Raw>> {
-        let arch = Arch::parse(&self.arch_name());
-        let name = match arch {
+        let layout = self.layout()?;
+        let name = match layout.arch {
             Some(a) => gguf_name_for(a, l),
             None => gguf_name(l),
         };
         if !self.content.tensor_infos.contains_key(&name) {
             return Ok(None);
         }
-        let fused = match arch {
-            Some(a) => self.fused_rows(a, l)?,
-            None => None,
-        };
+        let fused = layout.fused_rows(l);
         let info = &self.content.tensor_infos[&name];
         let bad = |reason: String| Error::BadGguf {
             path: self.path.clone(),

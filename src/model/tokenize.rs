@@ -159,6 +159,41 @@ fn added_tokens(tokens: &[String], types: &[i64], in_vocab: &dyn Fn(&str) -> boo
         .collect()
 }
 
+/// Token → id, as a `tokenizer.json` vocabulary (a repeated token keeps its last id).
+fn vocab_map(tokens: &[String]) -> serde_json::Map<String, Value> {
+    let mut vocab = serde_json::Map::with_capacity(tokens.len());
+    for (id, tok) in tokens.iter().enumerate() {
+        vocab.insert(tok.clone(), json!(id));
+    }
+    vocab
+}
+
+/// A `tokenizer.json` document of a BPE model: its added tokens, normalizer, pre-tokenizer and
+/// decoder, and `model`'s own fields (vocab, merges, unk and byte-fallback flags).
+fn bpe_doc(
+    added: Vec<Value>,
+    normalizer: Value,
+    pre_tokenizer: Value,
+    decoder: Value,
+    model: Value,
+) -> Value {
+    let mut bpe = json!({"type": "BPE", "dropout": null, "continuing_subword_prefix": null, "end_of_word_suffix": null});
+    if let (Some(b), Value::Object(fields)) = (bpe.as_object_mut(), model) {
+        b.extend(fields);
+    }
+    json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": normalizer,
+        "pre_tokenizer": pre_tokenizer,
+        "post_processor": null,
+        "decoder": decoder,
+        "model": bpe,
+    })
+}
+
 /// The `tokenizer.json` of a SentencePiece vocabulary, and how many merges it has.
 fn sentencepiece_doc(
     tokens: &[String],
@@ -185,10 +220,7 @@ fn sentencepiece_doc(
         _ => sentencepiece_merges(&spelled, &|i| scores[i] as f64),
     };
     let n_merges = merges.len();
-    let mut vocab = serde_json::Map::with_capacity(spelled.len());
-    for (id, tok) in spelled.iter().enumerate() {
-        vocab.insert(tok.clone(), json!(id));
-    }
+    let vocab = vocab_map(&spelled);
     let added = added_tokens(tokens, types, &|t: &str| vocab.contains_key(t));
     let replace = |from: &str, to: &str| json!({"type": "Replace", "pattern": {"String": from}, "content": to});
     let (normalizer, pre_tokenizer, unk) = match style {
@@ -208,21 +240,14 @@ fn sentencepiece_doc(
             Value::Null,
         ),
     };
-    let doc = json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added,
-        "normalizer": normalizer,
-        "pre_tokenizer": pre_tokenizer,
-        "post_processor": null,
-        "decoder": {"type": "Sequence", "decoders": [replace("▁", " "), {"type": "ByteFallback"}, {"type": "Fuse"}]},
-        "model": {
-            "type": "BPE", "dropout": null, "unk_token": unk, "continuing_subword_prefix": null,
-            "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true,
-            "ignore_merges": false, "vocab": vocab, "merges": merges,
-        },
-    });
+    let doc = bpe_doc(
+        added,
+        normalizer,
+        pre_tokenizer,
+        json!({"type": "Sequence", "decoders": [replace("▁", " "), {"type": "ByteFallback"}, {"type": "Fuse"}]}),
+        json!({"unk_token": unk, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+               "vocab": vocab, "merges": merges}),
+    );
     (doc, n_merges)
 }
 
@@ -288,25 +313,14 @@ impl Tokenizer {
                         known: KNOWN_PRE.join(", "),
                     })?;
                 let merges = get_strs("tokenizer.ggml.merges")?;
-                let mut vocab = serde_json::Map::with_capacity(tokens.len());
-                for (id, tok) in tokens.iter().enumerate() {
-                    vocab.insert(tok.clone(), json!(id));
-                }
-                let doc = json!({
-                    "version": "1.0",
-                    "truncation": null,
-                    "padding": null,
-                    "added_tokens": added_tokens(&tokens, &types, &|_| true),
-                    "normalizer": normalizer,
-                    "pre_tokenizer": pre_tok,
-                    "post_processor": null,
-                    "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-                    "model": {
-                        "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-                        "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
-                        "ignore_merges": ignore_merges, "vocab": vocab, "merges": merges,
-                    },
-                });
+                let doc = bpe_doc(
+                    added_tokens(&tokens, &types, &|_| true),
+                    normalizer,
+                    pre_tok,
+                    json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true}),
+                    json!({"unk_token": null, "fuse_unk": false, "byte_fallback": false,
+                           "ignore_merges": ignore_merges, "vocab": vocab_map(&tokens), "merges": &merges}),
+                );
                 let kind = format!(
                     "byte-level BPE ({} tokens, {} merges), pre-tokenizer `{pre}`, from GGUF metadata",
                     tokens.len(),
@@ -412,6 +426,18 @@ impl Tokenizer {
             kind,
             pieces,
         })
+    }
+
+    /// Whether every text gets the BOS first from now on, whatever the model's metadata said
+    /// (`--no-bos`, Python's `default_prepend_bos`); refused when asked for on a model without one.
+    pub fn set_add_bos(&mut self, add: bool) -> Result<()> {
+        if add && self.bos_id.is_none() {
+            return Err(Error::Tokenizer(
+                "a BOS token was asked for, but the model defines none".into(),
+            ));
+        }
+        self.add_bos = add;
+        Ok(())
     }
 
     /// Token ids of `text`. Special-token text (`<|im_start|>`) maps to its special id. A BOS id

@@ -136,12 +136,10 @@ impl Model {
             Ok(attnscope::model::Model::load(&spec, precision, false)?)
         })?;
         if let Some(b) = add_bos {
-            if b && model.tokenizer.bos_id.is_none() {
-                return Err(PyValueError::new_err(
-                    "default_prepend_bos=True, but the model defines no BOS token",
-                ));
-            }
-            model.tokenizer.add_bos = b;
+            model
+                .tokenizer
+                .set_add_bos(b)
+                .map_err(|e| PyValueError::new_err(format!("default_prepend_bos={b}: {e}")))?;
         }
         let inner = Arc::new(model);
         let registered = attnscope::cli::common::register_model(&inner);
