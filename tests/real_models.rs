@@ -274,18 +274,18 @@ fn check_fast(alias: &str, prefix: &str, sink_tolerance: f64) {
         .zip(&want)
         .map(|(a, b)| (a - b).abs())
         .fold(0.0f32, f32::max);
-    if !attnscope::model::weights::fast_uses_int8() {
-        eprintln!("NOTE: this CPU has no AVX-512 VNNI: --precision fast runs the exact kernels here, so only that is checked");
+    let Some(kernel) = attnscope::model::weights::fast_kernel() else {
+        eprintln!("NOTE: this CPU has neither AMX nor AVX-512 VNNI: --precision fast runs the exact kernels here, so only that is checked");
         assert_close(
             &got,
             &want,
             1e-4,
-            &format!("{alias}: fast = exact without VNNI"),
+            &format!("{alias}: fast = exact without AMX or VNNI"),
         );
         return;
-    }
+    };
     eprintln!(
-        "{alias} fast precision: max |attention weight - reference| over the last rows = {max:.4}"
+        "{alias} fast precision ({kernel}): max |attention weight - reference| over the last rows = {max:.4}"
     );
     // the README promises "up to 0.04"
     assert!(
@@ -294,7 +294,7 @@ fn check_fast(alias: &str, prefix: &str, sink_tolerance: f64) {
     );
     assert!(
         max > 1e-4,
-        "{alias}: fast precision should really use the int8 kernel (max deviation {max})"
+        "{alias}: fast precision should really use the {kernel} kernel (max deviation {max})"
     );
     let r = lesson_report(&model, &tokens, &g);
     let mut worst_sink = 0f64;

@@ -42,6 +42,10 @@ struct GemmRow {
     n: usize,
     attnscope_gflops: f64,
     candle_gflops: f64,
+    /// the AMX tile kernel with three bf16 parts (exact's product), where the CPU has AMX
+    amx_exact_gflops: Option<f64>,
+    /// the AMX tile kernel with one bf16 part (fast's product)
+    amx_fast_gflops: Option<f64>,
 }
 
 #[derive(Serialize, Debug, Clone)]
@@ -174,6 +178,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let ours = best_of(a.repeats, || {
             gemm::gemm(&x, k, m, &packed, &mut out, n, false)
         });
+        let mut amx_rate = |splits: usize| {
+            crate::kernels::amx::available().then(|| {
+                let packed = crate::kernels::amx::PackedBf16::from_rows(&w, n, k, k, splits);
+                let t = best_of(a.repeats, || {
+                    crate::kernels::amx::gemm(&x, k, m, &packed, &mut out, n, false)
+                });
+                flops / t / 1e9
+            })
+        };
+        let (amx_exact_gflops, amx_fast_gflops) = (amx_rate(3), amx_rate(1));
         let xt = candle_core::Tensor::from_vec(x, (m, k), &candle_core::Device::Cpu)?;
         let wt = candle_core::Tensor::from_vec(w, (n, k), &candle_core::Device::Cpu)?;
         let candle = best_of(a.repeats, || {
@@ -186,6 +200,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             n,
             attnscope_gflops: flops / ours / 1e9,
             candle_gflops: flops / candle / 1e9,
+            amx_exact_gflops,
+            amx_fast_gflops,
         });
     }
     pb.inc(1);
@@ -333,7 +349,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         ("attnscope packed", Align::Right),
         ("candle matmul", Align::Right),
         ("ratio", Align::Right),
+        ("AMX bf16x3 (exact)", Align::Right),
+        ("AMX bf16 (fast)", Align::Right),
     ]);
+    let rate = |x: Option<f64>| {
+        x.map(|r| format!("{r:.0} GFLOP/s"))
+            .unwrap_or_else(|| "no AMX".into())
+    };
     for g in &gemms {
         t.row([
             g.name.to_string(),
@@ -341,9 +363,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             format!("{:.0} GFLOP/s", g.attnscope_gflops),
             format!("{:.0} GFLOP/s", g.candle_gflops),
             format!("{:.2}x", g.attnscope_gflops / g.candle_gflops),
+            rate(g.amx_exact_gflops),
+            rate(g.amx_fast_gflops),
         ]);
     }
     s += &t.render();
+    if crate::kernels::amx::available() {
+        s += "AMX columns: the same product on Intel AMX tiles (f32 result; exact as the sum of six bf16 products, fast as one); the forward below runs on them.\n";
+    }
     s += "\n";
     let mut t = Table::new([
         ("n", Align::Right),

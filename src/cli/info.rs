@@ -125,7 +125,24 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 (_, None) => "none (the model defines no BOS token)".to_string(),
             },
         ),
-        ("precision", m.info.precision.name().to_string()),
+        (
+            "precision",
+            match m.info.precision {
+                crate::model::Precision::Fast => format!(
+                    "fast: projections {}, attention f32",
+                    crate::model::weights::fast_kernel()
+                        .unwrap_or("on the exact f32 kernels (no AMX nor AVX-512 VNNI here)")
+                ),
+                crate::model::Precision::Exact => format!(
+                    "exact: f32 throughout ({} kernel)",
+                    if crate::kernels::amx::exact_on_tiles() {
+                        "bf16x3 on AMX tiles".to_string()
+                    } else {
+                        crate::kernels::gemm::Isa::detect().name().to_string()
+                    }
+                ),
+            },
+        ),
     ] {
         t.row([k.to_string(), v]);
     }

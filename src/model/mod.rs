@@ -205,8 +205,8 @@ impl Model {
         })??;
         bar.finish_and_clear();
         let mut model = model;
-        if precision == Precision::Fast && !weights::fast_uses_int8() {
-            model.info.warnings.push("this CPU has no AVX-512 VNNI, so --precision fast runs the exact f32 kernels (the same numbers as exact)".into());
+        if precision == Precision::Fast && weights::fast_kernel().is_none() {
+            model.info.warnings.push("this CPU has neither AMX nor AVX-512 VNNI, so --precision fast runs the exact f32 kernels (the same numbers as exact)".into());
         }
         for w in &model.info.warnings {
             eprintln!("attnscope: warning: {w}");

@@ -3,6 +3,7 @@
 
 use super::config::{Arch, ModelDims, RopeStyle};
 use super::error::{Error, Result};
+use crate::kernels::amx::{self, PackedBf16};
 use crate::kernels::gemm::{self, PackedB};
 use crate::kernels::int8::{self, PackedQ8};
 use candle_core::quantized::{GgmlDType, GgmlType, QMatMul, QStorage, QTensor};
@@ -223,6 +224,9 @@ pub enum Matrix {
     /// 8-bit blocks for the VNNI kernel ([`crate::kernels::int8`]); activations are quantized
     /// to 8-bit blocks too.
     Int8(PackedQ8),
+    /// bf16 tiles for the AMX kernel ([`crate::kernels::amx`]): three parts per weight for
+    /// `exact` (an f32 product), one for `fast`.
+    Amx(PackedBf16),
 }
 
 /// A projection `y = x Wᵀ (+ b)`, possibly several fused along the output (`[W_q; W_k; W_v]`
@@ -254,6 +258,7 @@ impl Linear {
             Matrix::Int8(pq) => {
                 int8::gemm_q8(&int8::QuantA::new(x, m, k, k), pq, out, n, accumulate)
             }
+            Matrix::Amx(pa) => amx::gemm(x, k, m, pa, out, n, accumulate),
         }
         if let Some(b) = &self.bias {
             assert!(!accumulate, "a biased projection cannot accumulate");
@@ -283,6 +288,7 @@ impl Linear {
             Matrix::Int8(pq) => {
                 int8::gemm_q8(&int8::QuantA::new(x, m, k, k), pq, &mut out, n, false)
             }
+            Matrix::Amx(pa) => amx::gemm(x, k, m, pa, &mut out, n, false),
         }
         out
     }
@@ -371,15 +377,27 @@ fn quantized(raw: &Raw, precision: Precision) -> Result<Option<QMatMul>> {
     })
 }
 
-/// Whether `fast` runs the int8 kernel on this CPU (AVX-512 VNNI); elsewhere it runs the exact
-/// f32 kernels, since no int8 kernel here beats them yet (see the README).
+/// The kernel `fast` runs its projections on, on this CPU: bf16 on AMX tiles where there are
+/// (Sapphire Rapids and later), else 8-bit blocks on AVX-512 VNNI, else none (then it runs the
+/// exact f32 kernels, since no other kernel here beats them; see the README).
+pub fn fast_kernel() -> Option<&'static str> {
+    if amx::available() {
+        Some("bf16 on AMX tiles")
+    } else if int8::vnni_supported() {
+        Some("8-bit blocks on AVX-512 VNNI")
+    } else {
+        None
+    }
+}
+
+/// Whether `fast` runs the int8 kernel on this CPU (AVX-512 VNNI, no AMX).
 pub fn fast_uses_int8() -> bool {
-    int8::vnni_supported()
+    !amx::available() && int8::vnni_supported()
 }
 
 /// Builds a (possibly fused) projection from its parts `[n_i, k]`, concatenated along the
-/// output and packed into one matrix: f32 for `exact`, 8-bit blocks for `fast` where
-/// [`fast_uses_int8`].
+/// output and packed into one matrix: f32 for `exact`, for `fast` bf16 tiles or 8-bit blocks
+/// as [`fast_kernel`] says.
 fn linear(parts: Vec<(Raw, Option<Raw>)>, precision: Precision) -> Result<Linear> {
     let isa = gemm::Isa::detect();
     let k = *parts[0]
@@ -405,7 +423,11 @@ fn linear(parts: Vec<(Raw, Option<Raw>)>, precision: Precision) -> Result<Linear
         }
         col0 += width;
     }
-    let mat = if precision == Precision::Fast && fast_uses_int8() && k.is_multiple_of(int8::BLOCK) {
+    let mat = if precision == Precision::Fast && amx::available() {
+        Matrix::Amx(PackedBf16::from_rows(&dense, n, k, k, 1))
+    } else if precision == Precision::Exact && amx::exact_on_tiles() {
+        Matrix::Amx(PackedBf16::from_rows(&dense, n, k, k, 3))
+    } else if precision == Precision::Fast && fast_uses_int8() && k.is_multiple_of(int8::BLOCK) {
         Matrix::Int8(PackedQ8::from_rows(&dense, n, k))
     } else {
         Matrix::Packed(PackedB::from_rows(&dense, n, k, k, isa))

@@ -1,0 +1,959 @@
+//! Matrix multiplication on Intel AMX tiles (Sapphire Rapids and later): `C = A · Wᵀ` with the
+//! `tdpbf16ps` instruction, which multiplies a 16 × 32 tile of bf16 by a 32 × 16 one and adds
+//! the 16 × 16 result to f32 accumulators, ~16x the multiply-adds of an AVX-512 FMA per cycle.
+//!
+//! bf16 keeps 8 of f32's 24 mantissa bits, so on its own (`splits = 1`, `--precision fast`) a
+//! product is good to ~3 significant digits. For `exact`, each operand is written as the sum of
+//! three bf16 numbers, `x = x₁ + x₂ + x₃` (x₁ the nearest bf16 to x, x₂ the nearest to what
+//! remains, and so on: 3 × 8 bits, every f32 exactly), and the six products whose size is above
+//! f32's rounding are summed, `x₁w₁ + x₁w₂ + x₂w₁ + x₁w₃ + x₂w₂ + x₃w₁`; the three left out are
+//! below 2⁻²⁴ of `x·w`. Each bf16 × bf16 product is exact in f32 and the tile adds in f32, so
+//! the result is an f32 sum of products in another order, like [`super::gemm`]'s (the
+//! "bf16x3" scheme of oneDNN; Henry, Tang & Heinecke 2019, "Leveraging the bfloat16 artificial
+//! intelligence datatype for higher-precision computations"). Tested against a naive product
+//! on every machine, through an emulation of the tile instruction where the CPU has no AMX.
+//!
+//! Linux hands the tile registers to a process only when it asks (`arch_prctl
+//! ARCH_REQ_XCOMP_PERM`); [`available`] asks once. `ATTNSCOPE_AMX=0` turns the kernel off
+//! (benchmarks compare the two; the f32 kernels then run).
+
+use rayon::prelude::*;
+use std::sync::OnceLock;
+
+/// Rows of a tile (and of C per tile).
+const T: usize = 16;
+/// bf16 values along k in one tile row.
+const KT: usize = 32;
+/// Columns of a packed panel: two tiles side by side.
+const NP: usize = 32;
+/// Rows of A per micro-block: two tiles stacked.
+const MB: usize = 32;
+/// bf16 values in one tile (1 KiB).
+const TILE: usize = T * KT;
+
+/// Whether the CPU has AMX-BF16 tiles and the kernel lets this process use them (asked once).
+pub fn available() -> bool {
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| {
+        let off = matches!(
+            std::env::var("ATTNSCOPE_AMX").ok().as_deref(),
+            Some("0" | "off" | "no" | "false")
+        );
+        !off && hardware_ready()
+    })
+}
+
+/// Whether `exact` runs its projections on the tiles too (three bf16 parts) rather than on the
+/// f32 kernels: only when asked (`ATTNSCOPE_AMX=exact`), since on the machine it was built on
+/// it measured no faster (gate|up at 2,048 tokens 250-490 GFLOP/s against 330-390 for f32: six
+/// tile products per output, and the tile unit runs at ~3 of its 5 TFLOP/s on real data).
+pub fn exact_on_tiles() -> bool {
+    available() && std::env::var("ATTNSCOPE_AMX").ok().as_deref() == Some("exact")
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn hardware_ready() -> bool {
+    use std::arch::x86_64::__cpuid_count;
+    let (max_leaf, l7, l1) = (
+        __cpuid_count(0, 0).eax,
+        __cpuid_count(7, 0),
+        __cpuid_count(1, 0),
+    );
+    if max_leaf < 0xd {
+        return false;
+    }
+    let amx_bf16 = l7.edx >> 22 & 1 == 1;
+    let amx_tile = l7.edx >> 24 & 1 == 1;
+    let osxsave = l1.ecx >> 27 & 1 == 1;
+    if !(amx_bf16 && amx_tile && osxsave) {
+        return false;
+    }
+    // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: the kernel enables the tile state in XCR0 and
+    // grants it to the whole process, or refuses (old kernel, a VM that hides it).
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    // SAFETY: a plain system call with integer arguments.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_REQ_XCOMP_PERM,
+            XFEATURE_XTILEDATA,
+        )
+    };
+    r == 0
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+fn hardware_ready() -> bool {
+    false
+}
+
+/// The bf16 nearest to `x` (ties to even); NaN stays NaN.
+#[inline]
+fn bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) | 0x40) as u16;
+    }
+    let round = 0x7fff + ((b >> 16) & 1);
+    (b.wrapping_add(round) >> 16) as u16
+}
+
+#[inline]
+fn f32_of(h: u16) -> f32 {
+    f32::from_bits((h as u32) << 16)
+}
+
+/// `x` as `splits` bf16 parts whose sum is `x` (to 2⁻²⁴ of it for 3 parts).
+#[inline]
+fn split(x: f32, splits: usize) -> [u16; 3] {
+    let h1 = bf16(x);
+    if splits == 1 {
+        return [h1, 0, 0];
+    }
+    let r1 = x - f32_of(h1);
+    let h2 = bf16(r1);
+    let r2 = r1 - f32_of(h2);
+    [h1, h2, bf16(r2)]
+}
+
+/// A buffer of bf16 starting on a 64-byte boundary.
+#[derive(Clone, Default)]
+struct Bf16Buf {
+    raw: Vec<u16>,
+    off: usize,
+    len: usize,
+}
+
+impl Bf16Buf {
+    fn zeros(len: usize) -> Self {
+        let raw = vec![0u16; len + 32];
+        let off = (64 - (raw.as_ptr() as usize % 64)) % 64 / 2;
+        Bf16Buf { raw, off, len }
+    }
+    fn as_slice(&self) -> &[u16] {
+        &self.raw[self.off..self.off + self.len]
+    }
+    fn as_mut_slice(&mut self) -> &mut [u16] {
+        &mut self.raw[self.off..self.off + self.len]
+    }
+    fn ensure(&mut self, len: usize) {
+        if self.raw.len() < len + 32 {
+            *self = Bf16Buf::zeros(len);
+        } else {
+            self.off = (64 - (self.raw.as_ptr() as usize % 64)) % 64 / 2;
+            self.len = len;
+        }
+    }
+}
+
+/// `W: [n, k]` (the `y = x Wᵀ` layout) as bf16 tiles: panels of 32 columns; in a panel, for
+/// each 32-deep chunk of k, for each split, the two 16-column tiles in the pair layout of
+/// `tdpbf16ps` (tile row r holds, for each column j, `W[j, 2r]` and `W[j, 2r + 1]`). k and n
+/// are padded with zeros to whole chunks and panels.
+#[derive(Clone)]
+pub struct PackedBf16 {
+    pub n: usize,
+    pub k: usize,
+    /// 1 (bf16, `fast`) or 3 (bf16x3, `exact`)
+    pub splits: usize,
+    chunks: usize,
+    buf: Bf16Buf,
+}
+
+impl std::fmt::Debug for PackedBf16 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "PackedBf16 {{ n: {}, k: {}, splits: {} }}",
+            self.n, self.k, self.splits
+        )
+    }
+}
+
+impl PackedBf16 {
+    /// Packs `W: [n, k]` row-major (row stride `ldw`) as `splits` (1 or 3) bf16 parts.
+    pub fn from_rows(w: &[f32], n: usize, k: usize, ldw: usize, splits: usize) -> PackedBf16 {
+        assert!(splits == 1 || splits == 3, "splits must be 1 or 3");
+        assert!(
+            n == 0 || w.len() >= (n - 1) * ldw + k,
+            "W is too short for [{n}, {k}]"
+        );
+        let chunks = k.div_ceil(KT);
+        let panels = n.div_ceil(NP);
+        let panel_len = chunks * splits * 2 * TILE;
+        let mut buf = Bf16Buf::zeros(panels * panel_len);
+        if panel_len > 0 {
+            buf.as_mut_slice()
+                .par_chunks_mut(panel_len)
+                .enumerate()
+                .for_each(|(p, panel)| {
+                    for j in 0..NP.min(n - p * NP) {
+                        let row = &w[(p * NP + j) * ldw..(p * NP + j) * ldw + k];
+                        let (half, jj) = (j / T, j % T);
+                        for (kk, &x) in row.iter().enumerate() {
+                            let parts = split(x, splits);
+                            let (c, r, e) = (kk / KT, (kk % KT) / 2, kk % 2);
+                            for (s, &part) in parts.iter().enumerate().take(splits) {
+                                let tile = ((c * splits + s) * 2 + half) * TILE;
+                                panel[tile + r * 2 * T + jj * 2 + e] = part;
+                            }
+                        }
+                    }
+                });
+        }
+        PackedBf16 {
+            n,
+            k,
+            splits,
+            chunks,
+            buf,
+        }
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.buf.len * 2
+    }
+
+    fn panel_len(&self) -> usize {
+        self.chunks * self.splits * 2 * TILE
+    }
+
+    /// Column `j` as the f32 sum of its parts (for tests).
+    pub fn column(&self, j: usize) -> Vec<f32> {
+        let panel = &self.buf.as_slice()[(j / NP) * self.panel_len()..];
+        let (half, jj) = ((j % NP) / T, j % T);
+        (0..self.k)
+            .map(|kk| {
+                let (c, r, e) = (kk / KT, (kk % KT) / 2, kk % 2);
+                (0..self.splits)
+                    .rev()
+                    .map(|s| {
+                        let tile = ((c * self.splits + s) * 2 + half) * TILE;
+                        f32_of(panel[tile + r * 2 * T + jj * 2 + e])
+                    })
+                    .sum()
+            })
+            .collect()
+    }
+}
+
+thread_local! {
+    static A_SPLIT: std::cell::RefCell<Bf16Buf> = std::cell::RefCell::new(Bf16Buf::default());
+    static C_PART: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: tasks write disjoint tiles of C through it.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+/// How a product runs: on the tiles, or (tests on a CPU without AMX) through a plain-Rust
+/// emulation of the same instruction on the same packed data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Engine {
+    Tiles,
+    Emulated,
+}
+
+/// `C[m, n] (+)= A[m, k] · Wᵀ` with `A` row-major (row stride `lda`), `C` row-major (stride
+/// `ldc`), on every thread of rayon's pool. Panics if the CPU has no AMX ([`available`]).
+pub fn gemm(
+    a: &[f32],
+    lda: usize,
+    m: usize,
+    w: &PackedBf16,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+) {
+    assert!(available(), "AMX is not available on this CPU");
+    gemm_with(Engine::Tiles, a, lda, m, w, c, ldc, accumulate)
+}
+
+/// [`gemm`] on a chosen engine.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_with(
+    engine: Engine,
+    a: &[f32],
+    lda: usize,
+    m: usize,
+    w: &PackedBf16,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+) {
+    let (k, n, splits) = (w.k, w.n, w.splits);
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(
+        a.len() >= (m - 1) * lda + k,
+        "A is too short for [{m}, {k}]"
+    );
+    assert!(
+        c.len() >= (m - 1) * ldc + n,
+        "C is too short for [{m}, {n}]"
+    );
+    assert!(
+        engine == Engine::Emulated || available(),
+        "AMX is not available on this CPU"
+    );
+    let chunks = w.chunks;
+    let blocks = m.div_ceil(MB);
+    // A as tiles: for each 32-row block, each part, each 32-deep chunk, the two 16-row tiles
+    // (1 KiB each, contiguous, so a tile load reads whole lines in order); zero-padded
+    let block_len = splits * chunks * 2 * TILE;
+    A_SPLIT.with(|cell| {
+        let mut abuf = cell.borrow_mut();
+        abuf.ensure(blocks * block_len);
+        abuf.as_mut_slice()
+            .par_chunks_mut(block_len)
+            .enumerate()
+            .for_each(|(b, dst)| {
+                let rows = MB.min(m - b * MB);
+                if rows < MB || !k.is_multiple_of(KT) {
+                    dst.fill(0);
+                }
+                for r in 0..rows {
+                    let src = &a[(b * MB + r) * lda..(b * MB + r) * lda + k];
+                    let (half, rr) = (r / T, r % T);
+                    for (c, xs) in src.chunks(KT).enumerate() {
+                        for (e, &x) in xs.iter().enumerate() {
+                            let parts = split(x, splits);
+                            for (sp, &part) in parts.iter().enumerate().take(splits) {
+                                dst[((sp * chunks + c) * 2 + half) * TILE + rr * KT + e] = part;
+                            }
+                        }
+                    }
+                }
+            });
+        let planes = abuf.as_slice();
+        let panels = n.div_ceil(NP);
+        let threads = rayon::current_num_threads();
+        // tasks: row groups of whole 32-row blocks × runs of panels; the A rows of a task (one
+        // k slice) and one panel's slice stay in L2 while the task walks its panels
+        let (groups, runs) = task_grid(blocks, panels, threads);
+        let group = blocks.div_ceil(groups);
+        let run = panels.div_ceil(runs);
+        let cp = SendPtr(c.as_mut_ptr());
+        let task = |t: usize| {
+            let (g, r) = (t / runs, t % runs);
+            let (b0, b1) = (g * group, ((g + 1) * group).min(blocks));
+            let (q0, q1) = (r * run, ((r + 1) * run).min(panels));
+            if b0 >= b1 || q0 >= q1 {
+                return;
+            }
+            // SAFETY: the task owns rows b0·32.. b1·32 × panels q0..q1 of C; sizes checked above.
+            unsafe {
+                task_run(
+                    engine,
+                    planes,
+                    block_len,
+                    w,
+                    b0..b1,
+                    q0..q1,
+                    m,
+                    cp,
+                    ldc,
+                    accumulate,
+                )
+            };
+        };
+        let tasks = groups * runs;
+        let flops = 2.0 * (m * n * k) as f64;
+        if tasks > 1 && flops > 4e6 {
+            (0..tasks).into_par_iter().for_each(task);
+        } else {
+            (0..tasks).for_each(task);
+        }
+    });
+}
+
+/// `(row groups, panel runs)`: runs of at most 16 panels (512 columns, whose k slice of up to
+/// 384 KiB stays in L2 while the task's row blocks walk it, with the task's running sums, 512
+/// KiB), row groups of at most 8 blocks, and at least two tasks per thread where the shape
+/// allows.
+fn task_grid(blocks: usize, panels: usize, threads: usize) -> (usize, usize) {
+    let groups = blocks.div_ceil(8).max(1);
+    let mut runs = panels.div_ceil(16).max(1);
+    while groups * runs < 2 * threads && runs < panels {
+        runs += 1;
+    }
+    // a count of tasks that the threads share evenly, where one is near
+    if threads > 1 {
+        if let Some(r) =
+            (runs..=(2 * runs).min(panels)).find(|&r| (groups * r).is_multiple_of(threads))
+        {
+            runs = r;
+        }
+    }
+    (groups, runs)
+}
+
+/// Chunks of k per slice: a 32-row block of A's slice stays in L1 (24 KiB for three parts 128
+/// deep, 16 KiB for one part 256 deep) while the kernel walks the task's panels, whose slices
+/// come from L2.
+const fn slice_chunks(splits: usize) -> usize {
+    if splits == 3 {
+        4
+    } else {
+        8
+    }
+}
+
+/// Where a block's running sums come from and go to: a `[32, 32]` f32 block at row stride `ld`.
+#[derive(Clone, Copy)]
+struct CBlock {
+    ptr: *mut f32,
+    ld: usize,
+}
+
+/// One task: row blocks `blocks` × panels `panels` of C, over every k slice. Between the first
+/// and the last slice a block's sums live in a buffer of the task (in L2) rather than in C,
+/// whose rows lie a whole row of C apart (out of every cache for the wide products).
+///
+/// # Safety
+/// `c` is valid for `m` rows of stride `ldc` holding `w.n` columns; the task's tiles of C are
+/// written by no one else; with `Engine::Tiles`, [`available`] is true.
+#[allow(clippy::too_many_arguments)]
+unsafe fn task_run(
+    engine: Engine,
+    planes: &[u16],
+    block_len: usize,
+    w: &PackedBf16,
+    blocks: std::ops::Range<usize>,
+    panels: std::ops::Range<usize>,
+    m: usize,
+    c: SendPtr,
+    ldc: usize,
+    accumulate: bool,
+) {
+    let splits = w.splits;
+    let chunks = w.chunks;
+    let wbuf = w.buf.as_slice();
+    let panel_len = w.panel_len();
+    let split_stride = chunks * 2 * TILE;
+    let kcs = slice_chunks(splits);
+    let slices = chunks.div_ceil(kcs);
+    let mut spare = [0f32; MB * NP];
+    C_PART.with(|cell| {
+        let mut part = cell.borrow_mut();
+        if slices > 1 {
+            let len = blocks.len() * panels.len() * MB * NP;
+            if part.len() < len {
+                part.resize(len, 0.0);
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        if engine == Engine::Tiles {
+            tiles::configure();
+        }
+        for si in 0..slices {
+            let c0 = si * kcs;
+            let nch = kcs.min(chunks - c0);
+            let (first, last) = (si == 0, si + 1 == slices);
+            for (bi, b) in blocks.clone().enumerate() {
+                let row0 = b * MB;
+                let rows = MB.min(m.saturating_sub(row0));
+                let a0 = planes[b * block_len + c0 * 2 * TILE..].as_ptr();
+                for (pi, p) in panels.clone().enumerate() {
+                    let bp = wbuf[p * panel_len + c0 * splits * 2 * TILE..].as_ptr();
+                    let col0 = p * NP;
+                    let cols = NP.min(w.n - col0);
+                    let whole = rows == MB && cols == NP;
+                    let in_c = CBlock {
+                        ptr: c.0.add(row0 * ldc + col0),
+                        ld: ldc,
+                    };
+                    let in_spare = CBlock {
+                        ptr: spare.as_mut_ptr(),
+                        ld: NP,
+                    };
+                    let in_part = CBlock {
+                        ptr: part.as_mut_ptr().add((bi * panels.len() + pi) * MB * NP),
+                        ld: NP,
+                    };
+                    let src = if !first {
+                        Some(in_part)
+                    } else if !accumulate {
+                        None
+                    } else if whole {
+                        Some(in_c)
+                    } else {
+                        for r in 0..rows {
+                            for j in 0..cols {
+                                spare[r * NP + j] = *c.0.add((row0 + r) * ldc + col0 + j);
+                            }
+                        }
+                        Some(in_spare)
+                    };
+                    let dst = if !last {
+                        in_part
+                    } else if whole {
+                        in_c
+                    } else {
+                        in_spare
+                    };
+                    match engine {
+                        #[cfg(target_arch = "x86_64")]
+                        Engine::Tiles => {
+                            // what the next call reads first: the next panel, or the first
+                            // panel of the next block (prefetching past the end is harmless)
+                            let next = if p + 1 < panels.end {
+                                (a0, bp.wrapping_add(panel_len))
+                            } else {
+                                (
+                                    a0.wrapping_add(block_len),
+                                    wbuf.as_ptr().wrapping_add(
+                                        panels.start * panel_len + c0 * splits * 2 * TILE,
+                                    ),
+                                )
+                            };
+                            tiles::block(nch, splits, a0, split_stride, bp, src, dst, next)
+                        }
+                        _ => emulated_block(nch, splits, a0, split_stride, bp, src, dst),
+                    }
+                    if last && !whole {
+                        for r in 0..rows {
+                            for j in 0..cols {
+                                *c.0.add((row0 + r) * ldc + col0 + j) = spare[r * NP + j];
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        if engine == Engine::Tiles {
+            tiles::release();
+        }
+    });
+}
+
+/// The products of one 32 × 32 block over `nch` chunks, in the order the tile kernel does them:
+/// `(A part, W part)` pairs, smallest first.
+const PRODUCTS3: [(usize, usize); 6] = [(0, 2), (0, 1), (0, 0), (1, 0), (2, 0), (1, 1)];
+
+/// Plain-Rust `tdpbf16ps` on the same packed data: `C[16,16] += A[16, 32] · B` where B is a
+/// tile in the pair layout; each pair's two products added to C one after the other in f32.
+///
+/// # Safety
+/// As [`tiles::block`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn emulated_block(
+    nch: usize,
+    splits: usize,
+    a0: *const u16,
+    split_stride: usize,
+    b: *const u16,
+    src: Option<CBlock>,
+    dst: CBlock,
+) {
+    let mut cc = [0f32; MB * NP];
+    if let Some(src) = src {
+        for r in 0..MB {
+            for j in 0..NP {
+                cc[r * NP + j] = *src.ptr.add(r * src.ld + j);
+            }
+        }
+    }
+    let products: &[(usize, usize)] = if splits == 3 {
+        &PRODUCTS3
+    } else {
+        &PRODUCTS3[2..3]
+    };
+    for ch in 0..nch {
+        for &(sa, sb) in products {
+            for half in 0..2 {
+                let tile = b.add(((ch * splits + sb) * 2 + half) * TILE);
+                for r in 0..MB {
+                    let arow =
+                        a0.add(sa * split_stride + ch * 2 * TILE + (r / T) * TILE + (r % T) * KT);
+                    for jj in 0..T {
+                        let mut x = cc[r * NP + half * T + jj];
+                        for pr in 0..KT / 2 {
+                            for e in 0..2 {
+                                let av = f32_of(*arow.add(2 * pr + e));
+                                let bv = f32_of(*tile.add(pr * 2 * T + jj * 2 + e));
+                                x += av * bv;
+                            }
+                        }
+                        cc[r * NP + half * T + jj] = x;
+                    }
+                }
+            }
+        }
+    }
+    for r in 0..MB {
+        for j in 0..NP {
+            *dst.ptr.add(r * dst.ld + j) = cc[r * NP + j];
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod tiles {
+    use super::{T, TILE};
+    use std::arch::asm;
+
+    /// Palette 1: tiles 0-3 the f32 accumulators (16 × 64 bytes), 4-5 A (16 rows × 32 bf16),
+    /// 6-7 B (16 pair rows × 16 columns × 2 bf16): all 16 rows of 64 bytes.
+    #[repr(C, align(64))]
+    struct Config([u8; 64]);
+
+    pub(super) unsafe fn configure() {
+        let mut cfg = Config([0; 64]);
+        cfg.0[0] = 1;
+        for t in 0..8 {
+            cfg.0[16 + 2 * t] = 64;
+            cfg.0[48 + t] = T as u8;
+        }
+        asm!("ldtilecfg [{0}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
+    }
+
+    /// Asks for `len` bf16 from `p` on into L1.
+    #[inline(always)]
+    unsafe fn prefetch(p: *const u16, len: usize) {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let p = p as *const i8;
+        for line in (0..len * 2).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line));
+        }
+    }
+
+    pub(super) unsafe fn release() {
+        asm!("tilerelease", options(nostack, nomem));
+    }
+
+    /// `C[32, 32] (+)= Σ_chunks Σ_products A_part[32, 32] · W_part[32, 32]`: A's tiles at `a0`
+    /// (part `s` at `a0 + s·split_stride`, chunk steps of two tiles, the lower 16 rows one tile
+    /// on), W's tiles at `b` as packed by [`super::PackedBf16`], C f32 at row stride `ldc`.
+    ///
+    /// # Safety
+    /// Tiles configured on this thread ([`configure`]); the pointers valid for what they name.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn block(
+        nch: usize,
+        splits: usize,
+        a0: *const u16,
+        split_stride: usize,
+        b: *const u16,
+        src: Option<super::CBlock>,
+        dst: super::CBlock,
+        next: (*const u16, *const u16),
+    ) {
+        if let Some(src) = src {
+            let (c, cs) = (src.ptr, src.ld * 4);
+            let c1 = c.add(T); // columns 16..32
+            let c2 = c.add(T * src.ld); // rows 16..32
+            let c3 = c2.add(T);
+            asm!(
+                "tileloadd tmm0, [{c0} + {cs}*1]",
+                "tileloadd tmm1, [{c1} + {cs}*1]",
+                "tileloadd tmm2, [{c2} + {cs}*1]",
+                "tileloadd tmm3, [{c3} + {cs}*1]",
+                c0 = in(reg) c, c1 = in(reg) c1, c2 = in(reg) c2, c3 = in(reg) c3, cs = in(reg) cs,
+                options(nostack, readonly)
+            );
+        } else {
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                options(nostack, nomem)
+            );
+        }
+        let s_a = 64usize; // A tile row stride in bytes
+        let a_lo = TILE; // rows 16..32 of A: the next tile
+        for ch in 0..nch {
+            let bt = b.add(ch * splits * 2 * TILE);
+            let a1 = a0.add(ch * 2 * TILE);
+            // the next chunk's tiles (or the next block's first) into L1 while these multiply:
+            // a tile load that misses L1 stalls the tile unit (measured: 15% of the time on
+            // the first W load alone)
+            let (na, nb) = if ch + 1 < nch {
+                (a1.add(2 * TILE), bt.add(splits * 2 * TILE))
+            } else {
+                next
+            };
+            for sp in 0..splits {
+                prefetch(na.add(sp * split_stride), 2 * TILE);
+            }
+            prefetch(nb, splits * 2 * TILE);
+            if splits == 1 {
+                asm!(
+                    "tileloadd tmm4, [{a} + {sa}*1]",
+                    "tileloadd tmm5, [{a16} + {sa}*1]",
+                    "tileloadd tmm6, [{b0} + {sb}*1]",
+                    "tileloadd tmm7, [{b1} + {sb}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    a = in(reg) a1, a16 = in(reg) a1.add(a_lo), sa = in(reg) s_a,
+                    b0 = in(reg) bt, b1 = in(reg) bt.add(TILE), sb = in(reg) 64usize,
+                    options(nostack, readonly)
+                );
+            } else {
+                let a2 = a1.add(split_stride);
+                let a3 = a2.add(split_stride);
+                // W part s, half h at bt + (s·2 + h)·TILE; products smallest first:
+                // x₁w₃, x₁w₂, x₁w₁, x₂w₁, x₃w₁, x₂w₂ (as PRODUCTS3)
+                asm!(
+                    "tileloadd tmm4, [{a1} + {sa}*1]",
+                    "tileloadd tmm5, [{a1l} + {sa}*1]",
+                    "tileloadd tmm6, [{w3} + {sb}*1]",
+                    "tileloadd tmm7, [{w3h} + {sb}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    "tileloadd tmm6, [{w2} + {sb}*1]",
+                    "tileloadd tmm7, [{w2h} + {sb}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    "tileloadd tmm6, [{w1} + {sb}*1]",
+                    "tileloadd tmm7, [{w1h} + {sb}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    "tileloadd tmm4, [{a2} + {sa}*1]",
+                    "tileloadd tmm5, [{a2l} + {sa}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    "tileloadd tmm4, [{a3} + {sa}*1]",
+                    "tileloadd tmm5, [{a3l} + {sa}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    "tileloadd tmm4, [{a2} + {sa}*1]",
+                    "tileloadd tmm5, [{a2l} + {sa}*1]",
+                    "tileloadd tmm6, [{w2} + {sb}*1]",
+                    "tileloadd tmm7, [{w2h} + {sb}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    a1 = in(reg) a1, a1l = in(reg) a1.add(a_lo),
+                    a2 = in(reg) a2, a2l = in(reg) a2.add(a_lo),
+                    a3 = in(reg) a3, a3l = in(reg) a3.add(a_lo),
+                    w1 = in(reg) bt, w1h = in(reg) bt.add(TILE),
+                    w2 = in(reg) bt.add(2 * TILE), w2h = in(reg) bt.add(3 * TILE),
+                    w3 = in(reg) bt.add(4 * TILE), w3h = in(reg) bt.add(5 * TILE),
+                    sa = in(reg) s_a, sb = in(reg) 64usize,
+                    options(nostack, readonly)
+                );
+            }
+        }
+        let (c, cs) = (dst.ptr, dst.ld * 4);
+        let c1 = c.add(T);
+        let c2 = c.add(T * dst.ld);
+        let c3 = c2.add(T);
+        asm!(
+            "tilestored [{c0} + {cs}*1], tmm0",
+            "tilestored [{c1} + {cs}*1], tmm1",
+            "tilestored [{c2} + {cs}*1], tmm2",
+            "tilestored [{c3} + {cs}*1], tmm3",
+            c0 = in(reg) c, c1 = in(reg) c1, c2 = in(reg) c2, c3 = in(reg) c3, cs = in(reg) cs,
+            options(nostack)
+        );
+    }
+}
+
+/// The tile kernel's own rate in GFLOP/s over all of rayon's threads (bf16 multiply-adds on
+/// data in L1 for about `seconds`): the ceiling of [`gemm`] with one part; three parts do six
+/// such products per output, so their ceiling is a sixth of this. The data are not zeros: the
+/// tile unit runs measurably faster on zeros (here 4.4-5.2 against 3.0 TFLOP/s).
+pub fn kernel_peak_gflops(seconds: f64) -> f64 {
+    assert!(available(), "AMX is not available on this CPU");
+    let threads = rayon::current_num_threads();
+    (0..threads)
+        .into_par_iter()
+        .map(|t| {
+            let (nch, splits) = (8, 1);
+            let mut a = Bf16Buf::zeros(MB * nch * KT * splits);
+            a.as_mut_slice()
+                .iter_mut()
+                .enumerate()
+                .for_each(|(i, x)| *x = bf16(((i * 7919) % 1000) as f32 * 1e-3 - 0.5));
+            let mut b = Bf16Buf::zeros(nch * 2 * TILE * splits);
+            b.as_mut_slice().iter_mut().enumerate().for_each(|(i, x)| {
+                *x = bf16(((i * 104729) % 1000) as f32 * 1e-4 - 0.05 + t as f32 * 1e-6)
+            });
+            let mut c = vec![0f32; MB * NP];
+            let start = std::time::Instant::now();
+            let mut calls = 0u64;
+            // SAFETY: AMX is available; the buffers hold what block reads and writes.
+            #[cfg(target_arch = "x86_64")]
+            unsafe {
+                tiles::configure();
+                while start.elapsed().as_secs_f64() < seconds {
+                    let cb = CBlock {
+                        ptr: c.as_mut_ptr(),
+                        ld: NP,
+                    };
+                    for _ in 0..256 {
+                        tiles::block(
+                            nch,
+                            splits,
+                            a.as_slice().as_ptr(),
+                            nch * 2 * TILE,
+                            b.as_slice().as_ptr(),
+                            Some(cb),
+                            cb,
+                            (a.as_slice().as_ptr(), b.as_slice().as_ptr()),
+                        );
+                    }
+                    calls += 256;
+                }
+                tiles::release();
+            }
+            std::hint::black_box(c[0]);
+            2.0 * (MB * NP * nch * KT) as f64 * calls as f64 / start.elapsed().as_secs_f64()
+        })
+        .sum::<f64>()
+        / 1e9
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn naive(a: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f64> {
+        let mut c = vec![0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                c[i * n + j] = (0..k)
+                    .map(|p| a[i * k + p] as f64 * w[j * k + p] as f64)
+                    .sum();
+            }
+        }
+        c
+    }
+
+    /// The engines this machine runs: the emulation always, the tiles where AMX is available
+    /// (said on stderr, so a run without them is visible).
+    fn engines() -> Vec<Engine> {
+        if available() {
+            vec![Engine::Emulated, Engine::Tiles]
+        } else {
+            eprintln!("AMX tiles not available here: checking the emulation of tdpbf16ps only");
+            vec![Engine::Emulated]
+        }
+    }
+
+    #[test]
+    fn three_bf16_parts_sum_to_the_f32() {
+        let mut rng = crate::reference::Rng::new(3);
+        for (i, x) in rng.normals(100_000, 1.0).into_iter().enumerate() {
+            let x = x * 10f32.powi((i % 13) as i32 - 6);
+            let p = split(x, 3);
+            // largest part first, each within half an ulp of bf16 of what remains
+            let sum = f32_of(p[2]) + f32_of(p[1]) + f32_of(p[0]);
+            assert_eq!(sum, x, "{x:e} split as {p:?}");
+        }
+        assert_eq!(bf16(1.0), 0x3f80);
+        assert_eq!(bf16(f32::from_bits(0x3f80_8000)), 0x3f80, "ties go to even");
+        assert_eq!(bf16(f32::from_bits(0x3f81_8000)), 0x3f82, "ties go to even");
+        assert!(f32_of(bf16(f32::NAN)).is_nan());
+    }
+
+    fn check(m: usize, k: usize, n: usize, splits: usize, seed: u64) {
+        let mut rng = crate::reference::Rng::new(seed);
+        let a = rng.normals(m * k, 1.0);
+        let w = rng.normals(n * k, 1.0);
+        let want = naive(&a, m, k, &w, n);
+        // Σ|a·w| per output: the scale of the rounding error of any f32 summation
+        let aa: Vec<f32> = a.iter().map(|x| x.abs()).collect();
+        let wa: Vec<f32> = w.iter().map(|x| x.abs()).collect();
+        let mass = naive(&aa, m, k, &wa, n);
+        let packed = PackedBf16::from_rows(&w, n, k, k, splits);
+        for j in [0, n / 2, n - 1] {
+            let col = packed.column(j);
+            for (kk, (&x, &y)) in col.iter().zip(&w[j * k..(j + 1) * k]).enumerate() {
+                let tol = if splits == 3 { 0.0 } else { y.abs() / 256.0 };
+                assert!((x - y).abs() <= tol, "column {j} row {kk}: {x} vs {y}");
+            }
+        }
+        let ldc = n + 3;
+        let mut results = Vec::new();
+        for engine in engines() {
+            for accumulate in [false, true] {
+                let base = if accumulate { 1.5f32 } else { f32::NAN };
+                let mut c = vec![base; m * ldc];
+                gemm_with(engine, &a, k, m, &packed, &mut c, ldc, accumulate);
+                for i in 0..m {
+                    for j in 0..n {
+                        let want = want[i * n + j] + if accumulate { 1.5 } else { 0.0 };
+                        let got = c[i * ldc + j] as f64;
+                        let err = (got - want).abs();
+                        // bf16x3: within the worst-case bound of an f32 sum of its 6k
+                        // products, (6k + 2)·2⁻²⁴·Σ|a·w| (each product exact, each addition
+                        // rounded); bf16: each operand to 2⁻⁹, a k-term sum of such errors
+                        let tol = if splits == 3 {
+                            (6 * k + 2) as f64 * 2f64.powi(-24) * mass[i * n + j]
+                                + if accumulate { 1e-7 } else { 0.0 }
+                        } else {
+                            0.02 * (k as f64).sqrt()
+                        };
+                        assert!(
+                            err <= tol,
+                            "{engine:?} splits {splits} m={m} k={k} n={n} acc={accumulate} at ({i},{j}): {got} vs {want}"
+                        );
+                    }
+                    for j in n..ldc {
+                        assert!(
+                            c[i * ldc + j].to_bits() == base.to_bits(),
+                            "{engine:?} wrote past column n at ({i},{j})"
+                        );
+                    }
+                }
+                results.push(c);
+            }
+        }
+        // the tiles and their emulation: the same products on the same packed data (the
+        // hardware may round a pair's two products once)
+        if let [e0, _, t0, _] = &results[..] {
+            for i in 0..m {
+                for j in 0..n {
+                    let (x, y) = (e0[i * ldc + j], t0[i * ldc + j]);
+                    let tol = 2.0 * (6 * k + 2) as f64 * 2f64.powi(-24) * mass[i * n + j];
+                    assert!(
+                        ((x - y).abs() as f64) <= tol,
+                        "tiles vs emulation at ({i},{j}): {y} vs {x}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tile_products_match_a_naive_product_on_awkward_shapes() {
+        for (i, &(m, k, n)) in [
+            (1, 1, 1),
+            (5, 31, 17),
+            (32, 32, 32),
+            (33, 64, 31),
+            (70, 100, 65),
+            (64, 1100, 96),
+            (300, 96, 40),
+        ]
+        .iter()
+        .enumerate()
+        {
+            for splits in [1, 3] {
+                check(m, k, n, splits, i as u64 * 7 + splits as u64);
+            }
+        }
+    }
+}
