@@ -1020,51 +1020,80 @@ fn streamed_capture_equals_the_in_memory_cache_in_both_formats() {
                 .output()
                 .unwrap();
             assert!(r.status.success(), "{}", stderr_of(&r));
-            let bytes = std::fs::read(&out).unwrap();
-            let mut got: std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)> =
-                Default::default();
-            if ext == "safetensors" {
-                let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-                for (name, t) in st.tensors() {
-                    let data = t
-                        .data()
-                        .chunks(4)
-                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                        .collect();
-                    got.insert(name, (t.shape().to_vec(), data));
+            // the same tensors when every layer waits for its writing (the path of layers over
+            // 512 MB) as when the writing overlaps the next layer
+            let waited = dir.path().join(format!("w-{layers}.{ext}"));
+            let args = [
+                "capture",
+                "-m",
+                m.to_str().unwrap(),
+                "--text",
+                text,
+                "--hooks",
+                hooks_arg,
+                "--layers",
+                layers,
+                "--heads",
+                heads,
+                "--queries",
+                queries,
+                "--out",
+                waited.to_str().unwrap(),
+            ];
+            let r = attnscope()
+                .args(args)
+                .env("ATTNSCOPE_CAPTURE_OVERLAP_MB", "0")
+                .output()
+                .unwrap();
+            assert!(r.status.success(), "{}", stderr_of(&r));
+            for (writer, path) in [("overlapping", &out), ("waiting", &waited)] {
+                let bytes = std::fs::read(path).unwrap();
+                let ext = format!("{ext} ({writer} writer)");
+                let mut got: std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)> =
+                    Default::default();
+                if ext.starts_with("safetensors") {
+                    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+                    for (name, t) in st.tensors() {
+                        let data = t
+                            .data()
+                            .chunks(4)
+                            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                            .collect();
+                        got.insert(name, (t.shape().to_vec(), data));
+                    }
+                } else {
+                    let mut z = zip::ZipArchive::new(std::io::Cursor::new(&bytes)).unwrap();
+                    for i in 0..z.len() {
+                        let mut f = z.by_index(i).unwrap();
+                        let name = f.name().unwrap().trim_end_matches(".npy").to_string();
+                        let mut body = Vec::new();
+                        f.read_to_end(&mut body).unwrap(); // the zip crate checks each member's CRC-32
+                        got.insert(name, attnscope::render::npy::from_npy(&body).unwrap());
+                    }
+                    let ids = got.remove("token_ids").expect("npz carries the token ids");
+                    assert_eq!(ids.1, tokens.iter().map(|&t| t as f32).collect::<Vec<_>>());
                 }
-            } else {
-                let mut z = zip::ZipArchive::new(std::io::Cursor::new(&bytes)).unwrap();
-                for i in 0..z.len() {
-                    let mut f = z.by_index(i).unwrap();
-                    let name = f.name().unwrap().trim_end_matches(".npy").to_string();
-                    let mut body = Vec::new();
-                    f.read_to_end(&mut body).unwrap(); // the zip crate checks each member's CRC-32
-                    got.insert(name, attnscope::render::npy::from_npy(&body).unwrap());
-                }
-                let ids = got.remove("token_ids").expect("npz carries the token ids");
-                assert_eq!(ids.1, tokens.iter().map(|&t| t as f32).collect::<Vec<_>>());
-            }
-            assert_eq!(
-                got.len(),
-                cache.entries.len(),
-                "{ext}: tensors {:?}",
-                got.keys().collect::<Vec<_>>()
-            );
-            for c in cache.iter() {
-                let (shape, data) = got
-                    .get(&c.name)
-                    .unwrap_or_else(|| panic!("{ext}: {} missing", c.name));
-                assert_eq!(shape, &c.shape, "{ext}: {} shape", c.name);
-                assert_eq!(data.len(), c.data.len());
-                // bit-identical: the same forward, the same numbers
-                assert!(
-                    data.iter()
-                        .zip(&c.data)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{ext}: {} differs",
-                    c.name
+                assert_eq!(
+                    got.len(),
+                    cache.entries.len(),
+                    "{ext}: tensors {:?}",
+                    got.keys().collect::<Vec<_>>()
                 );
+                for c in cache.iter() {
+                    let (shape, data) = got
+                        .get(&c.name)
+                        .unwrap_or_else(|| panic!("{ext}: {} missing", c.name));
+                    assert_eq!(shape, &c.shape, "{ext}: {} shape", c.name);
+                    assert_eq!(data.len(), c.data.len());
+                    // bit-identical: the same forward, the same numbers
+                    assert!(
+                        data.iter()
+                            .zip(&c.data)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{ext}: {} differs",
+                        c.name
+                    );
+                }
             }
         }
     }
