@@ -369,7 +369,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     s += &t.render();
     if crate::kernels::amx::available() {
-        s += "AMX columns: the same product on Intel AMX tiles (f32 result; exact as the sum of six bf16 products, fast as one); the forward below runs on them.\n";
+        s += &format!(
+            "AMX columns: the same product on Intel AMX tiles (f32 result; exact as the sum of six bf16 products, fast as one). The forward below runs its projections on {}.\n",
+            match (model.info.precision, crate::kernels::amx::exact_on_tiles()) {
+                (crate::model::Precision::Fast, _) => "the tiles with one part",
+                (crate::model::Precision::Exact, true) => "the tiles with three parts (ATTNSCOPE_AMX=exact)",
+                (crate::model::Precision::Exact, false) => "the f32 kernel",
+            }
+        );
     }
     s += "\n";
     let mut t = Table::new([

@@ -3,6 +3,7 @@
 use super::common::{emit, parse_index_list, usage, ModelArgs, TextArgs};
 use crate::model::capture::{AttnCache, CaptureSpec, Hook, Observer, Queries};
 use crate::model::forward::RunOptions;
+use crate::render::direct::DirectFile;
 use crate::render::tensorfile::{TensorFormat, TensorWriter};
 use anyhow::Context;
 use std::collections::BTreeMap;
@@ -102,6 +103,45 @@ impl Observer for StreamToFile {
             }
         }
         self.bar.inc(1);
+    }
+}
+
+/// Where a capture's bytes go: see [`DirectFile`].
+enum Out {
+    Direct(DirectFile),
+    Buffered(std::io::BufWriter<std::fs::File>),
+}
+
+impl Out {
+    fn finish(self) -> std::io::Result<()> {
+        match self {
+            Out::Direct(d) => d.finish().map(drop),
+            Out::Buffered(b) => b.into_inner().map(drop).map_err(|e| e.into_error()),
+        }
+    }
+}
+
+impl std::io::Write for Out {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Out::Direct(d) => d.write(data),
+            Out::Buffered(b) => b.write(data),
+        }
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            Out::Direct(d) => d.flush(),
+            Out::Buffered(b) => b.flush(),
+        }
+    }
+}
+
+impl std::io::Seek for Out {
+    fn seek(&mut self, to: std::io::SeekFrom) -> std::io::Result<u64> {
+        match self {
+            Out::Direct(d) => d.seek(to),
+            Out::Buffered(b) => b.seek(to),
+        }
     }
 }
 
@@ -225,10 +265,18 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let tmp = builder
         .tempfile_in(dir)
         .with_context(|| format!("creating a temporary file in {}", dir.display()))?;
-    let file = std::io::BufWriter::with_capacity(4 << 20, tmp.as_file().try_clone()?);
     let tf = match format {
         Format::Safetensors => TensorFormat::Safetensors,
         Format::Npz => TensorFormat::Npz,
+    };
+    // safetensors is written front to back, so past the page cache where the file system lets
+    // it; npz through a buffer (the zip writer goes back to fill in sizes)
+    let file = match tf {
+        TensorFormat::Safetensors => Out::Direct(DirectFile::new(tmp.as_file().try_clone()?)),
+        TensorFormat::Npz => Out::Buffered(std::io::BufWriter::with_capacity(
+            4 << 20,
+            tmp.as_file().try_clone()?,
+        )),
     };
     let n_tensors = order.len();
     let writer = TensorWriter::new(file, tf, order, &md)
@@ -286,9 +334,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         w.write("token_ids", &ids)?;
     }
     w.finish()
-        .with_context(|| format!("writing {}", a.out.display()))?
-        .into_inner()
-        .map_err(|e| e.into_error())
+        .and_then(Out::finish)
         .with_context(|| format!("writing {}", a.out.display()))?;
     let size = tmp.as_file().metadata()?.len();
     if a.force {

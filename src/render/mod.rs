@@ -1,4 +1,5 @@
 //! Renderers: they format what the analyses computed; no maths here.
+pub mod direct;
 pub mod heatmap;
 pub mod html;
 pub mod npy;
