@@ -92,11 +92,14 @@ fn hardware_ready() -> bool {
 #[inline]
 fn bf16(x: f32) -> u16 {
     let b = x.to_bits();
-    if x.is_nan() {
-        return ((b >> 16) | 0x40) as u16;
-    }
     let round = 0x7fff + ((b >> 16) & 1);
-    (b.wrapping_add(round) >> 16) as u16
+    let nearest = (b.wrapping_add(round) >> 16) as u16;
+    // a select, not a branch, so conversion loops vectorize
+    if x.is_nan() {
+        ((b >> 16) | 0x40) as u16
+    } else {
+        nearest
+    }
 }
 
 #[inline]
@@ -321,10 +324,17 @@ pub fn gemm_with(
                     let src = &a[(b * MB + r) * lda..(b * MB + r) * lda + k];
                     let (half, rr) = (r / T, r % T);
                     for (c, xs) in src.chunks(KT).enumerate() {
-                        for (e, &x) in xs.iter().enumerate() {
-                            let parts = split(x, splits);
-                            for (sp, &part) in parts.iter().enumerate().take(splits) {
-                                dst[((sp * chunks + c) * 2 + half) * TILE + rr * KT + e] = part;
+                        let at = |sp: usize| ((sp * chunks + c) * 2 + half) * TILE + rr * KT;
+                        if splits == 1 {
+                            // one part: a straight conversion of 32 values (vectorizes)
+                            let d = &mut dst[at(0)..at(0) + xs.len()];
+                            d.iter_mut().zip(xs).for_each(|(d, &x)| *d = bf16(x));
+                        } else {
+                            for (e, &x) in xs.iter().enumerate() {
+                                let parts = split(x, splits);
+                                for (sp, &part) in parts.iter().enumerate() {
+                                    dst[at(sp) + e] = part;
+                                }
                             }
                         }
                     }
