@@ -287,10 +287,12 @@ fn check_fast(alias: &str, prefix: &str, sink_tolerance: f64) {
     eprintln!(
         "{alias} fast precision ({kernel}): max |attention weight - reference| over the last rows = {max:.4}"
     );
-    // the README promises "up to 0.04"
+    // the README promises "up to 0.04" for the 8-bit blocks and ~1e-2 for bf16 (0.0073 and
+    // 0.0093 measured)
+    let bound = if kernel.contains("bf16") { 0.015 } else { 0.04 };
     assert!(
-        max < 0.04,
-        "{alias}: fast precision moved a weight by {max}"
+        max < bound,
+        "{alias}: fast precision ({kernel}) moved a weight by {max}, more than {bound}"
     );
     assert!(
         max > 1e-4,
