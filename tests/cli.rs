@@ -999,53 +999,33 @@ fn streamed_capture_equals_the_in_memory_cache_in_both_formats() {
         assert!(!cache.entries.is_empty());
         for ext in ["safetensors", "npz"] {
             let out = dir.path().join(format!("c-{layers}.{ext}"));
-            let r = attnscope()
-                .args([
-                    "capture",
-                    "-m",
-                    m.to_str().unwrap(),
-                    "--text",
-                    text,
-                    "--hooks",
-                    hooks_arg,
-                    "--layers",
-                    layers,
-                    "--heads",
-                    heads,
-                    "--queries",
-                    queries,
-                    "--out",
-                    out.to_str().unwrap(),
-                ])
-                .output()
-                .unwrap();
-            assert!(r.status.success(), "{}", stderr_of(&r));
             // the same tensors when every layer waits for its writing (the path of layers over
             // 512 MB) as when the writing overlaps the next layer
             let waited = dir.path().join(format!("w-{layers}.{ext}"));
-            let args = [
-                "capture",
-                "-m",
-                m.to_str().unwrap(),
-                "--text",
-                text,
-                "--hooks",
-                hooks_arg,
-                "--layers",
-                layers,
-                "--heads",
-                heads,
-                "--queries",
-                queries,
-                "--out",
-                waited.to_str().unwrap(),
-            ];
-            let r = attnscope()
-                .args(args)
-                .env("ATTNSCOPE_CAPTURE_OVERLAP_MB", "0")
-                .output()
-                .unwrap();
-            assert!(r.status.success(), "{}", stderr_of(&r));
+            for (path, overlap_mb) in [(&out, "512"), (&waited, "0")] {
+                let r = attnscope()
+                    .args([
+                        "capture",
+                        "-m",
+                        m.to_str().unwrap(),
+                        "--text",
+                        text,
+                        "--hooks",
+                        hooks_arg,
+                        "--layers",
+                        layers,
+                        "--heads",
+                        heads,
+                        "--queries",
+                        queries,
+                        "--out",
+                        path.to_str().unwrap(),
+                    ])
+                    .env("ATTNSCOPE_CAPTURE_OVERLAP_MB", overlap_mb)
+                    .output()
+                    .unwrap();
+                assert!(r.status.success(), "{}", stderr_of(&r));
+            }
             for (writer, path) in [("overlapping", &out), ("waiting", &waited)] {
                 let bytes = std::fs::read(path).unwrap();
                 let ext = format!("{ext} ({writer} writer)");

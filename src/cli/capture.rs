@@ -57,7 +57,7 @@ struct StreamToFile {
     /// wait for each layer's writing before going on
     wait: bool,
     cache: AttnCache,
-    to_writer: Option<std::sync::mpsc::SyncSender<(String, Vec<f32>)>>,
+    to_writer: std::sync::mpsc::SyncSender<(String, Vec<f32>)>,
     written: std::sync::mpsc::Receiver<Vec<f32>>,
     failed: std::sync::Arc<std::sync::atomic::AtomicBool>,
     bar: indicatif::ProgressBar,
@@ -93,12 +93,10 @@ impl Observer for StreamToFile {
             while let Ok(buf) = self.written.try_recv() {
                 self.cache.recycle(buf);
             }
-            if let Some(tx) = &self.to_writer {
-                // a closed channel means the writer stopped on an error, reported at the end
-                if tx.send((c.name, c.data)).is_ok() && self.wait {
-                    if let Ok(buf) = self.written.recv() {
-                        self.cache.recycle(buf);
-                    }
+            // a closed channel means the writer stopped on an error, reported at the end
+            if self.to_writer.send((c.name, c.data)).is_ok() && self.wait {
+                if let Ok(buf) = self.written.recv() {
+                    self.cache.recycle(buf);
                 }
             }
         }
@@ -158,7 +156,7 @@ fn overlap_bytes() -> f64 {
 
 /// The writer thread's loop: writes what arrives in order, sends each buffer back; after the
 /// first error it only drains (and `failed` tells the forward to stop capturing).
-fn write_all<W: std::io::Write + std::io::Seek>(
+fn write_layers<W: std::io::Write + std::io::Seek>(
     w: &mut TensorWriter<W>,
     from: std::sync::mpsc::Receiver<(String, Vec<f32>)>,
     back: std::sync::mpsc::Sender<Vec<f32>>,
@@ -305,12 +303,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let (forward, write_error) = std::thread::scope(|s| {
         let flag = failed.clone();
         let w = &mut writer;
-        let writing = s.spawn(move || write_all(w, rx, back_tx, &flag));
+        let writing = s.spawn(move || write_layers(w, rx, back_tx, &flag));
         let mut obs = StreamToFile {
             wait: total_bytes / spec.layers.as_ref().map_or(d.n_layers, |l| l.len()).max(1) as f64
                 > overlap_bytes(),
             cache: AttnCache::new(&spec, n),
-            to_writer: Some(tx),
+            to_writer: tx,
             written: back_rx,
             failed: failed.clone(),
             bar,

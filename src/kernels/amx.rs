@@ -17,6 +17,7 @@
 //! ARCH_REQ_XCOMP_PERM`); [`available`] asks once. `ATTNSCOPE_AMX=0` turns the kernel off
 //! (benchmarks compare the two; the f32 kernels then run).
 
+use super::SendPtr;
 use rayon::prelude::*;
 use std::sync::OnceLock;
 
@@ -120,35 +121,8 @@ fn split(x: f32, splits: usize) -> [u16; 3] {
     [h1, h2, bf16(r2)]
 }
 
-/// A buffer of bf16 starting on a 64-byte boundary.
-#[derive(Clone, Default)]
-struct Bf16Buf {
-    raw: Vec<u16>,
-    off: usize,
-    len: usize,
-}
-
-impl Bf16Buf {
-    fn zeros(len: usize) -> Self {
-        let raw = vec![0u16; len + 32];
-        let off = (64 - (raw.as_ptr() as usize % 64)) % 64 / 2;
-        Bf16Buf { raw, off, len }
-    }
-    fn as_slice(&self) -> &[u16] {
-        &self.raw[self.off..self.off + self.len]
-    }
-    fn as_mut_slice(&mut self) -> &mut [u16] {
-        &mut self.raw[self.off..self.off + self.len]
-    }
-    fn ensure(&mut self, len: usize) {
-        if self.raw.len() < len + 32 {
-            *self = Bf16Buf::zeros(len);
-        } else {
-            self.off = (64 - (self.raw.as_ptr() as usize % 64)) % 64 / 2;
-            self.len = len;
-        }
-    }
-}
+/// bf16 bits on a 64-byte boundary.
+type Bf16Buf = super::gemm::AlignedBuf<u16>;
 
 /// `W: [n, k]` (the `y = x Wᵀ` layout) as bf16 tiles: panels of 32 columns; in a panel, for
 /// each 32-deep chunk of k, for each split, the two 16-column tiles in the pair layout of
@@ -216,7 +190,7 @@ impl PackedBf16 {
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        self.buf.len * 2
+        self.buf.len() * 2
     }
 
     fn panel_len(&self) -> usize {
@@ -246,12 +220,6 @@ thread_local! {
     static A_SPLIT: std::cell::RefCell<Bf16Buf> = std::cell::RefCell::new(Bf16Buf::default());
     static C_PART: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
-
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: tasks write disjoint tiles of C through it.
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
 
 /// How a product runs: on the tiles, or (tests on a CPU without AMX) through a plain-Rust
 /// emulation of the same instruction on the same packed data.
@@ -790,13 +758,13 @@ pub fn kernel_peak_gflops(seconds: f64) -> f64 {
     (0..threads)
         .into_par_iter()
         .map(|t| {
-            let (nch, splits) = (8, 1);
-            let mut a = Bf16Buf::zeros(MB * nch * KT * splits);
+            let nch = 8;
+            let mut a = Bf16Buf::zeros(MB * nch * KT);
             a.as_mut_slice()
                 .iter_mut()
                 .enumerate()
                 .for_each(|(i, x)| *x = bf16(((i * 7919) % 1000) as f32 * 1e-3 - 0.5));
-            let mut b = Bf16Buf::zeros(nch * 2 * TILE * splits);
+            let mut b = Bf16Buf::zeros(nch * 2 * TILE);
             b.as_mut_slice().iter_mut().enumerate().for_each(|(i, x)| {
                 *x = bf16(((i * 104729) % 1000) as f32 * 1e-4 - 0.05 + t as f32 * 1e-6)
             });
@@ -815,9 +783,9 @@ pub fn kernel_peak_gflops(seconds: f64) -> f64 {
                     for _ in 0..256 {
                         tiles::block(
                             nch,
-                            splits,
+                            1,
                             a.as_slice().as_ptr(),
-                            nch * 2 * TILE,
+                            0,
                             b.as_slice().as_ptr(),
                             Some(cb),
                             cb,

@@ -12,6 +12,7 @@
 //! [`PackedB::from_cols`] (`B: [k, n]`). Every product is an ordinary f32 sum of products, in
 //! another order than a naive loop: results agree with it to rounding (~1e-6 relative).
 
+use super::SendPtr;
 use rayon::prelude::*;
 use std::sync::OnceLock;
 
@@ -186,32 +187,46 @@ impl std::fmt::Debug for PackedB {
     }
 }
 
-/// A float buffer whose data starts on a 64-byte boundary (one cache line, one zmm load).
+/// A buffer (f32 by default; bf16 bits for the AMX kernel) whose data starts on a 64-byte
+/// boundary (one cache line, one zmm load).
 #[derive(Clone, Default)]
-pub struct AlignedBuf {
-    raw: Vec<f32>,
+pub struct AlignedBuf<T = f32> {
+    raw: Vec<T>,
     off: usize,
     len: usize,
 }
 
-impl AlignedBuf {
+impl<T: Copy + Default> AlignedBuf<T> {
+    /// Elements in 64 bytes: the slack that lets the data start on a boundary.
+    const SLACK: usize = 64 / std::mem::size_of::<T>();
+
+    fn aligned_offset(raw: &[T]) -> usize {
+        (64 - (raw.as_ptr() as usize % 64)) % 64 / std::mem::size_of::<T>()
+    }
     pub fn zeros(len: usize) -> Self {
-        let raw = vec![0f32; len + 16];
-        let off = (64 - (raw.as_ptr() as usize % 64)) % 64 / 4;
+        let raw = vec![T::default(); len + Self::SLACK];
+        let off = Self::aligned_offset(&raw);
         AlignedBuf { raw, off, len }
     }
-    pub fn as_slice(&self) -> &[f32] {
+    pub fn as_slice(&self) -> &[T] {
         &self.raw[self.off..self.off + self.len]
     }
-    pub fn as_mut_slice(&mut self) -> &mut [f32] {
+    pub fn as_mut_slice(&mut self) -> &mut [T] {
         &mut self.raw[self.off..self.off + self.len]
     }
-    /// Makes room for `len` floats (contents unspecified), reusing the allocation when it can.
+    /// Elements held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Makes room for `len` elements (contents unspecified), reusing the allocation when it can.
     pub fn ensure(&mut self, len: usize) {
-        if self.raw.len() < len + 16 {
+        if self.raw.len() < len + Self::SLACK {
             *self = AlignedBuf::zeros(len);
         } else {
-            self.off = (64 - (self.raw.as_ptr() as usize % 64)) % 64 / 4;
+            self.off = Self::aligned_offset(&self.raw);
             self.len = len;
         }
     }
@@ -294,12 +309,6 @@ impl PackedB {
         (0..self.k).map(|kk| panel[kk * nr + j % nr]).collect()
     }
 }
-
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: tasks write disjoint tiles of C through it.
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
 
 thread_local! {
     static A_PACK: std::cell::RefCell<AlignedBuf> = std::cell::RefCell::new(AlignedBuf::default());

@@ -10,6 +10,7 @@
 //! rounding is the quantization of both sides (relative error ~1/254 per block), which moves the
 //! attention weights of the default model by about 1e-2 (measured in the tests).
 
+use super::SendPtr;
 use rayon::prelude::*;
 
 /// Values per quantization block (along k).
@@ -129,18 +130,6 @@ impl QuantA {
                 }
             });
         QuantA { m, k, qa, scales }
-    }
-}
-
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: tasks write disjoint tiles of C through it.
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
-
-impl SendPtr {
-    fn get(&self) -> *mut f32 {
-        self.0
     }
 }
 

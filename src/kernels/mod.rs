@@ -5,3 +5,16 @@
 pub mod amx;
 pub mod gemm;
 pub mod int8;
+
+/// C's pointer handed to the tasks of a product, each of which writes its own tiles.
+#[derive(Clone, Copy)]
+pub(crate) struct SendPtr(pub(crate) *mut f32);
+// SAFETY: tasks write disjoint tiles of C through it.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    pub(crate) fn get(&self) -> *mut f32 {
+        self.0
+    }
+}

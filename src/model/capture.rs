@@ -271,6 +271,19 @@ impl AttnPattern<'_> {
     }
 }
 
+/// `len` values of `fill`: a recycled buffer of that length when there is one (refilled on every
+/// core), else a fresh one.
+fn buffer(spare: &mut Vec<Vec<f32>>, len: usize, fill: f32) -> Vec<f32> {
+    match spare.iter().position(|b| b.len() == len) {
+        Some(i) => {
+            let mut b = spare.swap_remove(i);
+            b.par_chunks_mut(1 << 16).for_each(|c| c.fill(fill));
+            b
+        }
+        None => vec![fill; len],
+    }
+}
+
 /// The captured activations of one forward, keyed by hook name.
 #[derive(Clone, Debug, Default)]
 pub struct AttnCache {
@@ -395,33 +408,19 @@ impl Observer for AttnCache {
         } else {
             0.0
         };
-        if !self.entries.contains_key(&(layer, hook)) {
-            let len = heads.len() * nq * n;
-            let data = match self.spare.iter().position(|b| b.len() == len) {
-                Some(i) => {
-                    let mut b = self.spare.swap_remove(i);
-                    b.par_chunks_mut(1 << 16).for_each(|c| c.fill(fill));
-                    b
-                }
-                None => vec![fill; len],
-            };
-            self.entries.insert(
-                (layer, hook),
-                Captured {
-                    name: hook_name(layer, hook),
-                    layer,
-                    hook,
-                    shape: vec![heads.len(), nq, n],
-                    data,
-                    heads: Some(heads.clone()),
-                    queries: self.queries.clone(),
-                },
-            );
-        }
+        let spare = &mut self.spare;
         let entry = self
             .entries
-            .get_mut(&(layer, hook))
-            .expect("inserted above");
+            .entry((layer, hook))
+            .or_insert_with(|| Captured {
+                name: hook_name(layer, hook),
+                layer,
+                hook,
+                shape: vec![heads.len(), nq, n],
+                data: buffer(spare, heads.len() * nq * n, fill),
+                heads: Some(heads.clone()),
+                queries: self.queries.clone(),
+            });
         // the kept queries of this block: (index among the kept, row in the block)
         let kept: Vec<(usize, usize)> = self
             .queries
