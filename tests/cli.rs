@@ -114,6 +114,47 @@ fn cost_shows_sixteen_times_for_four_times_the_length() {
     assert_eq!(v["lengths"][0]["causal_pairs"], 4096.0 * 4097.0 / 2.0);
 }
 
+/// The element-wise loops run at the widest vector width the CPU has, chosen at run time
+/// (`ATTNSCOPE_SIMD` caps it): every width prints the same report, bit for bit.
+#[test]
+fn every_vector_width_prints_the_same_report() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    // long enough for rows of many 16-wide lanes plus a remainder
+    let text = "the cat sat on the mat and the hat sat on the cat ".repeat(6);
+    let run = |simd: Option<&str>| {
+        let mut c = attnscope();
+        c.args([
+            "inspect",
+            "--model",
+            m.to_str().unwrap(),
+            "--text",
+            &text,
+            "--json",
+            "--heads",
+            "all",
+        ]);
+        c.env_remove("ATTNSCOPE_SIMD");
+        if let Some(l) = simd {
+            c.env("ATTNSCOPE_SIMD", l);
+        }
+        let out = c.output().unwrap();
+        assert!(out.status.success(), "{}", stderr_of(&out));
+        let mut v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        // everything but the wall times
+        assert!(v.as_object_mut().unwrap().remove("timings").is_some());
+        v
+    };
+    let widest = run(None);
+    assert_eq!(widest["heads"].as_array().unwrap().len(), 4);
+    for l in ["avx2", "base"] {
+        assert!(
+            run(Some(l)) == widest,
+            "ATTNSCOPE_SIMD={l} changed the report"
+        );
+    }
+}
+
 #[test]
 fn inspect_json_on_tiny_model() {
     let dir = tempfile::tempdir().unwrap();
@@ -1101,6 +1142,11 @@ fn bench_reports_rates_forwards_and_commands() {
     assert!(out.status.success(), "{}", stderr_of(&out));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(v["kernel_peak_gflops"].as_f64().unwrap() > 0.0);
+    assert!(
+        ["avx512", "avx2+fma", "baseline"].contains(&v["simd"].as_str().unwrap()),
+        "{}",
+        v["simd"]
+    );
     assert_eq!(v["gemm"].as_array().unwrap().len(), 4);
     for g in v["gemm"].as_array().unwrap() {
         assert!(

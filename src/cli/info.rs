@@ -129,9 +129,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "precision",
             match m.info.precision {
                 crate::model::Precision::Fast => format!(
-                    "fast: projections {}, attention f32",
+                    "fast: projections {}, attention f32 ({} kernel)",
                     crate::model::weights::fast_kernel()
-                        .unwrap_or("on the exact f32 kernels (no AMX nor AVX-512 VNNI here)")
+                        .unwrap_or("on the exact f32 kernels (no AMX nor AVX-512 VNNI here)"),
+                    crate::kernels::gemm::Isa::detect().name()
                 ),
                 crate::model::Precision::Exact => format!(
                     "exact: f32 throughout ({} kernel)",

@@ -246,8 +246,12 @@ mod x86 {
 
     /// `acc + Σ₄ x(u8) · w(i8)` per 32-bit lane (`vpdpbusd`), as inline assembly: with the
     /// `_mm512_dpbusd_epi32` intrinsic this function took LLVM over 15 minutes to compile (Rust
-    /// 1.95), with the instruction itself 26 s for the whole crate.
-    #[inline(always)]
+    /// 1.95), with the instruction itself 26 s for the whole crate. Its own `target_feature`
+    /// (not `inline(always)`): a `zmm_reg` operand needs AVX-512 enabled where the function is
+    /// compiled, and a build for baseline x86-64 (or an AVX2-only machine's `native`) has it
+    /// nowhere else; inlined into [`tile_vnni`], which has the same features.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn dpbusd(acc: __m512i, x: __m512i, w: __m512i) -> __m512i {
         let mut out = acc;
         std::arch::asm!("vpdpbusd {a}, {x}, {w}", a = inout(zmm_reg) out, x = in(zmm_reg) x, w = in(zmm_reg) w, options(pure, nomem, nostack));

@@ -11,6 +11,7 @@ use super::config::RopeStyle;
 use super::error::{Error, Result};
 use super::Model;
 use crate::kernels::gemm::{self, Isa, PackedB};
+use crate::kernels::simd::multiversion;
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 use std::time::{Duration, Instant};
@@ -282,7 +283,21 @@ fn geglu_tanh(gu: &[f32], ff: usize, out: &mut [f32]) {
 fn swiglu(gu: &[f32], ff: usize, out: &mut [f32]) {
     let act = |(src, dst): (&[f32], &mut [f32])| {
         let (g, u) = src.split_at(ff);
-        for ((d, &g), &u) in dst.iter_mut().zip(g).zip(u) {
+        swiglu_row(g, u, dst);
+    };
+    if out.len() >= 1 << 15 {
+        gu.par_chunks(2 * ff)
+            .zip(out.par_chunks_mut(ff))
+            .for_each(act);
+    } else {
+        gu.chunks(2 * ff).zip(out.chunks_mut(ff)).for_each(act);
+    }
+}
+
+multiversion! {
+    /// `out = SiLU(g) · u`, element by element (one row of [`swiglu`]).
+    fn swiglu_row(g: &[f32], u: &[f32], out: &mut [f32]) {
+        for ((d, &g), &u) in out.iter_mut().zip(g).zip(u) {
             let e = fast_exp(-g.abs());
             let sig = if g >= 0.0 {
                 1.0 / (1.0 + e)
@@ -291,13 +306,13 @@ fn swiglu(gu: &[f32], ff: usize, out: &mut [f32]) {
             };
             *d = g * sig * u;
         }
-    };
-    if out.len() >= 1 << 15 {
-        gu.par_chunks(2 * ff)
-            .zip(out.par_chunks_mut(ff))
-            .for_each(act);
-    } else {
-        gu.chunks(2 * ff).zip(out.chunks_mut(ff)).for_each(act);
+    }
+}
+
+multiversion! {
+    /// `xs ← xs · f` (the softmax's normalization and rescale).
+    fn scale_by(xs: &mut [f32], f: f32) {
+        xs.iter_mut().for_each(|x| *x *= f);
     }
 }
 
@@ -569,12 +584,12 @@ pub fn attention(
                     if single {
                         // one block holds every visible key: normalize in place, p is the pattern
                         let inv = if st.l > 0.0 { (1.0 / st.l) as f32 } else { 0.0 };
-                        row.iter_mut().for_each(|p| *p *= inv);
+                        scale_by(row, inv);
                     }
                 }
                 if k0 > 0 {
                     for (zr, &c) in z_h.chunks_mut(d).zip(&corr) {
-                        zr.iter_mut().for_each(|x| *x *= c);
+                        scale_by(zr, c);
                     }
                 }
                 gemm::gemm_sub(s, kn, rows, vp, k0..k0 + kn, 0..d, z_h, d, k0 > 0, false);
@@ -589,7 +604,7 @@ pub fn attention(
             }
             for (zr, st) in z_h.chunks_mut(d).zip(st_h.iter()) {
                 let inv = if st.l > 0.0 { (1.0 / st.l) as f32 } else { 0.0 };
-                zr.iter_mut().for_each(|x| *x *= inv);
+                scale_by(zr, inv);
             }
             // streamed: recompute the wanted rows' scores and normalize them with the row's
             // final shift and sum, p = e^(s - m) / l (one row of work per wanted query)
@@ -752,9 +767,9 @@ fn online_update(
         }
     }
     let (l, t) = if dense && bmax > f32::NEG_INFINITY {
-        exp_shift_sums::<false>(&mut row[..len], m_new)
+        exp_shift_sums_dense(&mut row[..len], m_new)
     } else {
-        exp_shift_sums::<true>(&mut row[..len], m_new)
+        exp_shift_sums_masked(&mut row[..len], m_new)
     };
     row[len..].iter_mut().for_each(|p| *p = 0.0);
     st.l = st.l * *c as f64 + l;
@@ -764,7 +779,9 @@ fn online_update(
 
 /// `x ← exp(x - m)` over a slice, returning `(Σ exp, Σ exp · x)`. With `MASKED`, `-inf` entries
 /// (masked keys) become exactly 0; without, every entry must be finite (the causal prefix without
-/// knockout), which saves the selects. In lanes of 16 without branches, so it vectorizes.
+/// knockout), which saves the selects. In lanes of 16 without branches, so it vectorizes (at the
+/// machine's width: [`exp_shift_sums_dense`], [`exp_shift_sums_masked`]).
+#[inline(always)]
 fn exp_shift_sums<const MASKED: bool>(xs: &mut [f32], m: f32) -> (f64, f64) {
     const L: usize = 16;
     let (mut sl, mut st) = ([0f32; L], [0f32; L]);
@@ -810,24 +827,46 @@ fn exp_shift_sums<const MASKED: bool>(xs: &mut [f32], m: f32) -> (f64, f64) {
     (l, t)
 }
 
-/// Whether every value is finite (0·x is NaN exactly for NaN and ±inf; in lanes, so it
-/// vectorizes and costs next to nothing beside the layer that produced `xs`).
-fn all_finite(xs: &[f32]) -> bool {
-    const L: usize = 16;
-    let mut acc = [0f32; L];
-    let mut chunks = xs.chunks_exact(L);
-    for ch in &mut chunks {
-        for k in 0..L {
-            acc[k] += ch[k] * 0.0;
-        }
+multiversion! {
+    /// [`exp_shift_sums`] of a row without masked entries.
+    fn exp_shift_sums_dense(xs: &mut [f32], m: f32) -> (f64, f64) {
+        exp_shift_sums::<false>(xs, m)
     }
-    acc.iter().chain(chunks.remainder()).all(|v| v.is_finite())
 }
 
-/// The largest value of a slice (-inf when empty), in lanes of 16 so it vectorizes (`f32::max`
-/// does not, for its NaN rule; scores are never NaN here).
-#[inline]
-fn max_of(xs: &[f32]) -> f32 {
+multiversion! {
+    /// [`exp_shift_sums`] of a row with masked (`-inf`) entries.
+    fn exp_shift_sums_masked(xs: &mut [f32], m: f32) -> (f64, f64) {
+        exp_shift_sums::<true>(xs, m)
+    }
+}
+
+multiversion! {
+    /// Whether every value is finite (0·x is NaN exactly for NaN and ±inf; in lanes, so it
+    /// vectorizes and costs next to nothing beside the layer that produced `xs`).
+    fn all_finite(xs: &[f32]) -> bool {
+        const L: usize = 16;
+        let mut acc = [0f32; L];
+        let mut chunks = xs.chunks_exact(L);
+        for ch in &mut chunks {
+            for k in 0..L {
+                acc[k] += ch[k] * 0.0;
+            }
+        }
+        acc.iter().chain(chunks.remainder()).all(|v| v.is_finite())
+    }
+}
+
+multiversion! {
+    /// The largest value of a slice (-inf when empty), in lanes of 16 so it vectorizes
+    /// (`f32::max` does not, for its NaN rule; scores are never NaN here).
+    fn max_of(xs: &[f32]) -> f32 {
+        max_of_lanes(xs)
+    }
+}
+
+#[inline(always)]
+fn max_of_lanes(xs: &[f32]) -> f32 {
     const L: usize = 16;
     let mut m = [f32::NEG_INFINITY; L];
     let mut chunks = xs.chunks_exact(L);
@@ -1470,5 +1509,62 @@ mod tests {
             .sum();
         assert!((l - want_l).abs() < 1e-6 && (t - want_t).abs() < 1e-6);
         assert_eq!((xs[1], xs[4], xs[9]), (0.0, 0.0, 0.0));
+    }
+
+    #[test]
+    fn every_vector_width_gives_the_same_bits() {
+        use crate::kernels::simd::{all_supported, with_level, Level};
+        // 1,000 values: 62 lanes of 16 and a remainder; scores, gates and a masked stretch
+        let xs: Vec<f32> = (0..1000)
+            .map(|i| ((i * 7919) % 1013) as f32 * 0.02 - 10.0)
+            .collect();
+        let mut masked = xs.clone();
+        masked[100..180]
+            .iter_mut()
+            .for_each(|x| *x = f32::NEG_INFINITY);
+        let m = max_of_lanes(&xs);
+        let run = |l: Level| {
+            with_level(l, || {
+                let (mut d, mut k) = (xs.clone(), masked.clone());
+                let sd = exp_shift_sums_dense(&mut d, m);
+                let sk = exp_shift_sums_masked(&mut k, m);
+                let mut out = vec![0f32; 500];
+                swiglu_row(&xs[..500], &xs[500..], &mut out);
+                let mut scaled = xs.clone();
+                scale_by(&mut scaled, 0.37);
+                let mut bad = xs.clone();
+                bad[999] = f32::NAN;
+                (
+                    (max_of(&xs), max_of(&masked), sd, sk),
+                    (d, k, out, scaled),
+                    (all_finite(&xs), all_finite(&bad)),
+                )
+            })
+        };
+        let levels = all_supported();
+        let base = run(Level::Base);
+        assert_eq!(base.0 .0, m);
+        assert_eq!(base.2, (true, false));
+        for l in levels {
+            let got = run(l);
+            assert_eq!(got.0, base.0, "{l:?}");
+            assert_eq!(got.2, base.2, "{l:?}");
+            // bit for bit (the loops never fuse a multiply and an add, at any width)
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            for (a, b) in [
+                (&got.1 .0, &base.1 .0),
+                (&got.1 .1, &base.1 .1),
+                (&got.1 .2, &base.1 .2),
+                (&got.1 .3, &base.1 .3),
+            ] {
+                assert_eq!(bits(a), bits(b), "{l:?}");
+            }
+        }
+        if all_supported().len() < 3 {
+            eprintln!(
+                "simd: this CPU runs {:?} only; the wider bodies were not checked here",
+                all_supported()
+            );
+        }
     }
 }
