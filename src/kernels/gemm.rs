@@ -671,6 +671,13 @@ mod x86 {
         let mut ap = a;
         let mut bp = b;
         for _ in 0..kc {
+            // B's panel is 1,024 deep (128 KiB, more than L1): ask for its lines 16 steps
+            // ahead. Measured on the default model at 2,048 tokens, paired runs: the forward
+            // 0.02-0.15 s faster (1.4% on average) than with the hardware prefetcher alone.
+            // A prefetch reaching past the panel's end only touches a later panel or nothing
+            // (prefetches never fault; wrapping_add: the address may lie past the buffer).
+            _mm_prefetch::<_MM_HINT_T0>(bp.wrapping_add(NR * 16) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(bp.wrapping_add(NR * 16 + 16) as *const i8);
             let b0 = _mm512_loadu_ps(bp);
             let b1 = _mm512_loadu_ps(bp.add(16));
             for r in 0..MR {
