@@ -376,6 +376,49 @@ fn fast_precision_deviation_on_smollm() {
     check_fast("smollm2-135m", "smol", 0.0125);
 }
 
+/// On a CPU with AMX, `fast` runs bf16 tiles and the tests above never reach the 8-bit VNNI
+/// kernel that AVX-512 machines without AMX run. This runs the same checks (the deviation bound
+/// of 8-bit blocks, the sink profile, the top-3 tables and the next token) in a child test
+/// process with the tiles off (`ATTNSCOPE_AMX=0`, read once per process), so the int8 kernel is
+/// checked on the real models wherever the CPU has VNNI.
+#[test]
+fn fast_precision_on_int8_blocks_without_amx() {
+    let vnni = attnscope::kernels::int8::vnni_supported();
+    for test in [
+        "fast_precision_deviation_on_qwen",
+        "fast_precision_deviation_on_smollm",
+    ] {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([test, "--exact", "--nocapture", "--test-threads=1"])
+            .env("ATTNSCOPE_AMX", "0")
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            out.status.success() && text.contains("1 passed"),
+            "{test} with ATTNSCOPE_AMX=0:\n{text}"
+        );
+        if vnni {
+            assert!(
+                text.contains("fast precision (8-bit blocks on AVX-512 VNNI)"),
+                "{test} did not run the 8-bit kernel:\n{text}"
+            );
+        } else {
+            assert!(text.contains("runs the exact kernels here"), "{text}");
+            eprintln!(
+                "NOTE: this CPU has no AVX-512 VNNI: {test} without AMX checked the exact kernels"
+            );
+        }
+        for line in text.lines().filter(|l| l.contains("fast precision")) {
+            eprintln!("ATTNSCOPE_AMX=0 {test}: {line}");
+        }
+    }
+}
+
 /// `inspect`'s numbers (the report and its JSON come from this struct) equal the reference:
 /// per-head top-3 of the last layer, head-averaged top-4 at first/middle/last layer, both sink
 /// profiles, per-head max/argmax/entropy, next-token top-5 probabilities.
