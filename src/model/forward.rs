@@ -438,7 +438,11 @@ pub fn attention(
     let group = n_heads / n_kv;
     let scale = scale.unwrap_or(1.0 / (d as f32).sqrt());
     // the queries scaled once, so the scores come out of the GEMM already divided by √d
-    let q: Vec<f32> = q.iter().map(|&x| x * scale).collect();
+    let q: Vec<f32> = if q.len() >= 1 << 16 {
+        q.par_iter().map(|&x| x * scale).collect()
+    } else {
+        q.iter().map(|&x| x * scale).collect()
+    };
     let q = q.as_slice();
     let (want_s, want_p) = (
         obs.wants(layer, Hook::AttnScores),
