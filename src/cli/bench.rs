@@ -330,7 +330,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.json {
         let doc = serde_json::json!({
             "model": model.info.name, "precision": model.info.precision.name(), "cpu": cpu, "threads": threads,
-            "kernel": isa.name(), "simd": simd_name(), "kernel_peak_gflops": peak, "machine_gemm_gflops": machine_rate,
+            "kernel": isa.name(), "simd": crate::kernels::simd::level().name(), "kernel_peak_gflops": peak, "machine_gemm_gflops": machine_rate,
             "gemm": gemms, "forward": forwards, "commands": commands, "repeats": a.repeats,
         });
         return emit(&format!("{}\n", serde_json::to_string_pretty(&doc)?));
@@ -340,7 +340,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         model.info.name,
         model.info.precision.name()
     ));
-    s += &format!("{threads} threads on {cpu}; micro-kernel {} ({}x{} tile); element-wise loops {}; median of {} runs after 1 warm-up.\n\n", isa.name(), isa.mr(), isa.nr(), simd_name(), a.repeats);
+    s += &format!("{threads} threads on {cpu}; micro-kernel {} ({}x{} tile); element-wise loops {}; median of {} runs after 1 warm-up.\n\n", isa.name(), isa.mr(), isa.nr(), crate::kernels::simd::level().name(), a.repeats);
     s += &format!("Micro-kernel in cache (the ceiling of any product): {peak:.0} GFLOP/s\n");
     s += &format!("Machine f32 GEMM rate (best measured below, at the model's shapes): {machine_rate:.0} GFLOP/s\n\n");
     let mut t = Table::new([
@@ -440,13 +440,4 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         s += "Compare with transformers timed in the same session on this machine (eager with output_attentions for capture, sdpa for inspect).\n";
     }
     emit(&s)
-}
-
-/// The width the element-wise loops (softmax, SwiGLU) run at on this CPU.
-fn simd_name() -> &'static str {
-    match crate::kernels::simd::level() {
-        crate::kernels::simd::Level::Avx512 => "avx512",
-        crate::kernels::simd::Level::Avx2 => "avx2+fma",
-        crate::kernels::simd::Level::Base => "baseline",
-    }
 }

@@ -23,6 +23,16 @@ pub enum Level {
     Avx512 = 3,
 }
 
+impl Level {
+    pub fn name(self) -> &'static str {
+        match self {
+            Level::Avx512 => "avx512",
+            Level::Avx2 => "avx2+fma",
+            Level::Base => "baseline",
+        }
+    }
+}
+
 static LEVEL: AtomicU8 = AtomicU8::new(0);
 
 /// The level the element-wise loops run at, detected on first use. `ATTNSCOPE_SIMD=base|avx2`

@@ -865,29 +865,24 @@ multiversion! {
     /// The largest value of a slice (-inf when empty), in lanes of 16 so it vectorizes
     /// (`f32::max` does not, for its NaN rule; scores are never NaN here).
     fn max_of(xs: &[f32]) -> f32 {
-        max_of_lanes(xs)
-    }
-}
-
-#[inline(always)]
-fn max_of_lanes(xs: &[f32]) -> f32 {
-    const L: usize = 16;
-    let mut m = [f32::NEG_INFINITY; L];
-    let mut chunks = xs.chunks_exact(L);
-    for ch in &mut chunks {
-        for k in 0..L {
-            m[k] = if ch[k] > m[k] { ch[k] } else { m[k] };
+        const L: usize = 16;
+        let mut m = [f32::NEG_INFINITY; L];
+        let mut chunks = xs.chunks_exact(L);
+        for ch in &mut chunks {
+            for k in 0..L {
+                m[k] = if ch[k] > m[k] { ch[k] } else { m[k] };
+            }
         }
+        let mut best = chunks
+            .remainder()
+            .iter()
+            .copied()
+            .fold(f32::NEG_INFINITY, |a, b| if b > a { b } else { a });
+        for v in m {
+            best = if v > best { v } else { best };
+        }
+        best
     }
-    let mut best = chunks
-        .remainder()
-        .iter()
-        .copied()
-        .fold(f32::NEG_INFINITY, |a, b| if b > a { b } else { a });
-    for v in m {
-        best = if v > best { v } else { best };
-    }
-    best
 }
 
 /// `e^x` for x ≤ 0 (the shifted scores of a softmax), as in Cephes `expf`: x = n·ln 2 + r,
@@ -1526,7 +1521,7 @@ mod tests {
         masked[100..180]
             .iter_mut()
             .for_each(|x| *x = f32::NEG_INFINITY);
-        let m = max_of_lanes(&xs);
+        let m = xs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let run = |l: Level| {
             with_level(l, || {
                 let (mut d, mut k) = (xs.clone(), masked.clone());
