@@ -151,11 +151,31 @@ impl std::fmt::Debug for PackedBf16 {
 impl PackedBf16 {
     /// Packs `W: [n, k]` row-major (row stride `ldw`) as `splits` (1 or 3) bf16 parts.
     pub fn from_rows(w: &[f32], n: usize, k: usize, ldw: usize, splits: usize) -> PackedBf16 {
-        assert!(splits == 1 || splits == 3, "splits must be 1 or 3");
         assert!(
             n == 0 || w.len() >= (n - 1) * ldw + k,
             "W is too short for [{n}, {k}]"
         );
+        let copy = |r0: usize, out: &mut [f32]| -> Result<(), std::convert::Infallible> {
+            for (j, row) in out.chunks_mut(k.max(1)).enumerate() {
+                row.copy_from_slice(&w[(r0 + j) * ldw..][..row.len()]);
+            }
+            Ok(())
+        };
+        match Self::try_from_row_source(n, k, splits, copy) {
+            Ok(p) => p,
+            Err(e) => match e {},
+        }
+    }
+
+    /// Packs `W: [n, k]` whose rows come from `rows(r0, out)` (rows `r0..r0 + out.len() / k`,
+    /// row-major), one panel's rows at a time (as [`super::gemm::PackedB::try_from_row_source`]).
+    pub fn try_from_row_source<E: Send>(
+        n: usize,
+        k: usize,
+        splits: usize,
+        rows: impl Fn(usize, &mut [f32]) -> Result<(), E> + Sync,
+    ) -> Result<PackedBf16, E> {
+        assert!(splits == 1 || splits == 3, "splits must be 1 or 3");
         let chunks = k.div_ceil(KT);
         let panels = n.div_ceil(NP);
         let panel_len = chunks * splits * 2 * TILE;
@@ -164,28 +184,34 @@ impl PackedBf16 {
             buf.as_mut_slice()
                 .par_chunks_mut(panel_len)
                 .enumerate()
-                .for_each(|(p, panel)| {
-                    for j in 0..NP.min(n - p * NP) {
-                        let row = &w[(p * NP + j) * ldw..(p * NP + j) * ldw + k];
-                        let (half, jj) = (j / T, j % T);
-                        for (kk, &x) in row.iter().enumerate() {
-                            let parts = split(x, splits);
-                            let (c, r, e) = (kk / KT, (kk % KT) / 2, kk % 2);
-                            for (s, &part) in parts.iter().enumerate().take(splits) {
-                                let tile = ((c * splits + s) * 2 + half) * TILE;
-                                panel[tile + r * 2 * T + jj * 2 + e] = part;
+                .try_for_each_init(
+                    || vec![0f32; NP * k],
+                    |tmp, (p, panel)| {
+                        let cols = NP.min(n - p * NP);
+                        rows(p * NP, &mut tmp[..cols * k])?;
+                        for j in 0..cols {
+                            let row = &tmp[j * k..(j + 1) * k];
+                            let (half, jj) = (j / T, j % T);
+                            for (kk, &x) in row.iter().enumerate() {
+                                let parts = split(x, splits);
+                                let (c, r, e) = (kk / KT, (kk % KT) / 2, kk % 2);
+                                for (s, &part) in parts.iter().enumerate().take(splits) {
+                                    let tile = ((c * splits + s) * 2 + half) * TILE;
+                                    panel[tile + r * 2 * T + jj * 2 + e] = part;
+                                }
                             }
                         }
-                    }
-                });
+                        Ok(())
+                    },
+                )?;
         }
-        PackedBf16 {
+        Ok(PackedBf16 {
             n,
             k,
             splits,
             chunks,
             buf,
-        }
+        })
     }
 
     /// Bytes held.

@@ -409,29 +409,63 @@ fn linear(parts: Vec<(Raw, Option<Raw>)>, precision: Precision) -> Result<Linear
     let n: usize = widths.iter().sum();
     let any_bias = parts.iter().any(|(_, b)| b.is_some());
     let mut bias = any_bias.then(|| vec![0f32; n]);
-    let mut dense: Vec<f32> = Vec::new();
     let mut col0 = 0;
+    let mut weights = Vec::with_capacity(parts.len());
     for ((w, b), width) in parts.into_iter().zip(&widths) {
         if let (Some(b), Some(all)) = (b, bias.as_mut()) {
             all[col0..col0 + width].copy_from_slice(&b.to_vec()?);
         }
-        let t = w.to_vec()?;
-        if dense.is_empty() && t.len() == n * k {
-            dense = t;
-        } else {
-            dense.extend_from_slice(&t);
-        }
+        weights.push(w);
         col0 += width;
     }
-    let mat = if precision == Precision::Fast && amx::available() {
-        Matrix::Amx(PackedBf16::from_rows(&dense, n, k, k, 1))
-    } else if precision == Precision::Exact && amx::exact_on_tiles() {
-        Matrix::Amx(PackedBf16::from_rows(&dense, n, k, k, 3))
-    } else if precision == Precision::Fast && fast_uses_int8() && k.is_multiple_of(int8::BLOCK) {
-        Matrix::Int8(PackedQ8::from_rows(&dense, n, k))
-    } else {
-        Matrix::Packed(PackedB::from_rows(&dense, n, k, k, isa))
+    // straight from the file into the packed panels, a few rows at a time: the weights are
+    // never held whole as plain f32 next to their packed copy
+    let starts: Vec<usize> = widths
+        .iter()
+        .scan(0, |acc, &w| {
+            *acc += w;
+            Some(*acc - w)
+        })
+        .collect();
+    // floating-point tensors (a Hugging Face folder) as f32 once; GGUF blocks stay mapped
+    let dense: Vec<Option<Vec<f32>>> = weights
+        .iter()
+        .map(|w| match w {
+            Raw::Mapped(_) => Ok(None),
+            Raw::F(t) => Ok(Some(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)),
+        })
+        .collect::<Result<_>>()?;
+    let rows = |r0: usize, out: &mut [f32]| -> Result<()> {
+        let (mut r, mut done) = (r0, 0);
+        while done < out.len() {
+            let part = starts.partition_point(|&s| s <= r) - 1;
+            let local = r - starts[part];
+            let count = (widths[part] - local).min((out.len() - done) / k);
+            let dst = &mut out[done..done + count * k];
+            match (&weights[part], &dense[part]) {
+                (_, Some(d)) => dst.copy_from_slice(&d[local * k..(local + count) * k]),
+                (Raw::Mapped(m), None) => m.rows_to_f32(local, dst)?,
+                (Raw::F(_), None) => unreachable!("floating-point parts are read above"),
+            }
+            r += count;
+            done += count * k;
+        }
+        Ok(())
     };
+    let mat = if precision == Precision::Fast && amx::available() {
+        Matrix::Amx(PackedBf16::try_from_row_source(n, k, 1, rows)?)
+    } else if precision == Precision::Exact && amx::exact_on_tiles() {
+        Matrix::Amx(PackedBf16::try_from_row_source(n, k, 3, rows)?)
+    } else if precision == Precision::Fast && fast_uses_int8() && k.is_multiple_of(int8::BLOCK) {
+        Matrix::Int8(PackedQ8::try_from_row_source(n, k, rows)?)
+    } else {
+        Matrix::Packed(PackedB::try_from_row_source(n, k, isa, rows)?)
+    };
+    for w in &weights {
+        if let Raw::Mapped(m) = w {
+            m.release_pages();
+        }
+    }
     Ok(Linear { k, n, mat, bias })
 }
 
