@@ -173,23 +173,41 @@ fn split_heads(
     rope: Option<(&[f32], &[f32], RopeStyle)>,
 ) -> Vec<f32> {
     let mut out = vec![0f32; heads * m * d];
-    out.par_chunks_mut(m * d).enumerate().for_each(|(h, dst)| {
-        for (r, v) in dst.chunks_mut(d).enumerate() {
-            v.copy_from_slice(&src[r * width + c0 + h * d..][..d]);
-            if let Some((cos, sin, style)) = rope {
-                // the tables' width is half the rotated dimensions: the first 2·half of each head
-                // rotate (all of them unless the rotary factor is partial), the rest pass through
-                let half = cos.len() / m.max(1);
-                rotate(
-                    &mut v[..2 * half],
-                    &cos[r * half..][..half],
-                    &sin[r * half..][..half],
-                    style,
-                );
-            }
-        }
-    });
+    split_heads_into(src, m, width, c0, heads, d, rope, &mut out);
     out
+}
+
+/// [`split_heads`] into `out` (`heads · m · d` floats, every one overwritten).
+#[allow(clippy::too_many_arguments)]
+fn split_heads_into(
+    src: &[f32],
+    m: usize,
+    width: usize,
+    c0: usize,
+    heads: usize,
+    d: usize,
+    rope: Option<(&[f32], &[f32], RopeStyle)>,
+    out: &mut [f32],
+) {
+    out[..heads * m * d]
+        .par_chunks_mut(m * d)
+        .enumerate()
+        .for_each(|(h, dst)| {
+            for (r, v) in dst.chunks_mut(d).enumerate() {
+                v.copy_from_slice(&src[r * width + c0 + h * d..][..d]);
+                if let Some((cos, sin, style)) = rope {
+                    // the tables' width is half the rotated dimensions: the first 2·half of each head
+                    // rotate (all of them unless the rotary factor is partial), the rest pass through
+                    let half = cos.len() / m.max(1);
+                    rotate(
+                        &mut v[..2 * half],
+                        &cos[r * half..][..half],
+                        &sin[r * half..][..half],
+                        style,
+                    );
+                }
+            }
+        });
 }
 
 /// `[heads, m, d]` → `[m, heads, d]` (the hook layout).
@@ -206,8 +224,15 @@ fn merge_heads(x: &[f32], heads: usize, m: usize, d: usize) -> Vec<f32> {
 /// RMSNorm of each `[width]` row [Zhang & Sennrich 2019]: `x / sqrt(mean(x²) + eps) · w`, the
 /// mean accumulated in f64.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
-    let width = w.len();
     let mut out = vec![0f32; x.len()];
+    rms_norm_into(x, w, eps, &mut out);
+    out
+}
+
+/// [`rms_norm`] into `out[..x.len()]`.
+fn rms_norm_into(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let width = w.len();
+    let out = &mut out[..x.len()];
     let norm_rows = |(src, dst): (&[f32], &mut [f32])| {
         dst.copy_from_slice(src);
         rms_norm_in_place(dst, w, eps);
@@ -221,7 +246,6 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
             .zip(out.chunks_mut(width))
             .for_each(norm_rows);
     }
-    out
 }
 
 /// RMSNorm of one vector in place, as [`rms_norm`] computes each row.
@@ -234,9 +258,16 @@ fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
 /// LayerNorm of each `[width]` row [Ba et al. 2016]: `(x − mean) / sqrt(var + eps) · w + b`,
 /// mean and variance accumulated in f64 (GPT-2).
 pub fn layer_norm(x: &[f32], w: &[f32], b: &[f32], eps: f32) -> Vec<f32> {
-    let width = w.len();
     let mut out = vec![0f32; x.len()];
-    out.par_chunks_mut(width)
+    layer_norm_into(x, w, b, eps, &mut out);
+    out
+}
+
+/// [`layer_norm`] into `out[..x.len()]`.
+fn layer_norm_into(x: &[f32], w: &[f32], b: &[f32], eps: f32, out: &mut [f32]) {
+    let width = w.len();
+    out[..x.len()]
+        .par_chunks_mut(width)
         .zip(x.par_chunks(width))
         .for_each(|(dst, src)| {
             let mean = src.iter().map(|&v| v as f64).sum::<f64>() / width as f64;
@@ -247,7 +278,6 @@ pub fn layer_norm(x: &[f32], w: &[f32], b: &[f32], eps: f32) -> Vec<f32> {
                 *d = (v - mean) * inv * g + bb;
             }
         });
-    out
 }
 
 /// GeLU in its tanh form, `½x(1 + tanh(√(2/π)(x + 0.044715x³)))` (GPT-2's `gelu_new`,
@@ -316,6 +346,89 @@ multiversion! {
     }
 }
 
+/// The logits `h · Wᵀ` of `rows` normalized rows `h: [rows, d]`. A dense f32 head (tied to the
+/// embeddings, or dequantized for `exact`) is read row by row in place, on every core: candle's
+/// matmul took ~35% of `faithfulness`'s time on this one row (it lays out the transposed
+/// `[vocab, d]` matrix anew on every call). Other heads go through candle.
+fn logits_rows(
+    head: &candle_core::quantized::QMatMul,
+    h: Vec<f32>,
+    rows: usize,
+    d: usize,
+) -> Result<Vec<Vec<f32>>> {
+    use candle_core::quantized::QMatMul;
+    if let QMatMul::Tensor(w) = head {
+        let (storage, layout) = w.storage_and_layout();
+        if let (candle_core::Storage::Cpu(cpu), Some((start, end)), DType::F32) =
+            (&*storage, layout.contiguous_offsets(), w.dtype())
+        {
+            let w = &cpu.as_slice::<f32>()?[start..end];
+            if d > 0 && w.len() % d == 0 {
+                let vocab = w.len() / d;
+                // [vocab, rows] in chunks of vocabulary rows, then one Vec per row
+                const CHUNK: usize = 256;
+                let mut flat = vec![0f32; vocab * rows];
+                flat.par_chunks_mut(CHUNK * rows.max(1))
+                    .enumerate()
+                    .for_each(|(c, dst)| {
+                        let v0 = c * CHUNK;
+                        let n = dst.len() / rows.max(1);
+                        dot_rows(&h, rows, &w[v0 * d..(v0 + n) * d], d, dst);
+                    });
+                return Ok((0..rows)
+                    .map(|i| (0..vocab).map(|v| flat[v * rows + i]).collect())
+                    .collect());
+            }
+        }
+    }
+    let h = Tensor::from_vec(h, (rows, d), &Device::Cpu)?;
+    Ok(candle_core::Module::forward(head, &h)?
+        .to_dtype(DType::F32)?
+        .to_vec2()?)
+}
+
+/// `x · y` over 16 lanes, the lanes then summed in a fixed order (the same bits at every vector
+/// width: no lane sees another's values before the end).
+#[inline(always)]
+fn dot16(x: &[f32], y: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let (xs, ys) = (x.chunks_exact(16), y.chunks_exact(16));
+    let tail: f32 = xs
+        .remainder()
+        .iter()
+        .zip(ys.remainder())
+        .map(|(a, b)| a * b)
+        .sum();
+    for (a, b) in xs.zip(ys) {
+        for k in 0..16 {
+            acc[k] += a[k] * b[k];
+        }
+    }
+    let mut half = [0f32; 8];
+    for k in 0..8 {
+        half[k] = acc[k] + acc[k + 8];
+    }
+    let quarter = [
+        half[0] + half[4],
+        half[1] + half[5],
+        half[2] + half[6],
+        half[3] + half[7],
+    ];
+    (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]) + tail
+}
+
+multiversion! {
+    /// `out[v · rows + i] = h_i · w_v` for the rows `w_v` of `w` (`d` values each) and the rows
+    /// `h_i` of `h: [rows, d]`.
+    fn dot_rows(h: &[f32], rows: usize, w: &[f32], d: usize, out: &mut [f32]) {
+        for (v, wv) in w.chunks_exact(d).enumerate() {
+            for i in 0..rows {
+                out[v * rows + i] = dot16(&h[i * d..(i + 1) * d], wv);
+            }
+        }
+    }
+}
+
 /// Whether key `j` is visible to the query at absolute position `i` (causal mask, sliding
 /// window and knockout; a token always sees itself).
 #[inline]
@@ -354,7 +467,48 @@ impl RowState {
     }
 }
 
+/// A buffer borrowed from a thread-local slot for the length of a call, and put back when
+/// dropped (on every return path, errors included), so the next call finds its pages mapped.
+struct Reused {
+    buf: Vec<f32>,
+    slot: &'static std::thread::LocalKey<std::cell::RefCell<Vec<f32>>>,
+}
+
+impl Reused {
+    /// The slot's buffer, resized to `len` (its contents are whatever the last user left).
+    fn take(
+        slot: &'static std::thread::LocalKey<std::cell::RefCell<Vec<f32>>>,
+        len: usize,
+    ) -> Self {
+        let mut buf = slot.with(|c| std::mem::take(&mut *c.borrow_mut()));
+        buf.resize(len, 0.0);
+        Reused { buf, slot }
+    }
+}
+
+impl std::ops::Deref for Reused {
+    type Target = Vec<f32>;
+    fn deref(&self) -> &Vec<f32> {
+        &self.buf
+    }
+}
+
+impl std::ops::DerefMut for Reused {
+    fn deref_mut(&mut self) -> &mut Vec<f32> {
+        &mut self.buf
+    }
+}
+
+impl Drop for Reused {
+    fn drop(&mut self) {
+        let buf = std::mem::take(&mut self.buf);
+        self.slot.with(|c| *c.borrow_mut() = buf);
+    }
+}
+
 thread_local! {
+    /// The scaled queries of [`attention_into`], kept between calls on the calling thread.
+    static Q_SCALED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     /// Score buffers of [`attention`], kept between calls on the calling thread.
     static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     static RAW_SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -406,6 +560,37 @@ pub fn attention(
     key_block: usize,
     obs: &mut dyn Observer,
 ) -> Result<Vec<f32>> {
+    let mut z = vec![0f32; dims.q_len * dims.n_heads * dims.head_dim];
+    attention_into(
+        layer,
+        q,
+        k,
+        v,
+        dims,
+        knockout,
+        block_bytes,
+        key_block,
+        obs,
+        &mut z,
+    )?;
+    Ok(z)
+}
+
+/// [`attention`] into `z` (`[q_len, n_heads, head_dim]` floats, every one overwritten): the
+/// forward passes the same buffer for every layer, so no layer pays for fresh pages.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_into(
+    layer: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dims: AttnDims,
+    knockout: &[bool],
+    block_bytes: usize,
+    key_block: usize,
+    obs: &mut dyn Observer,
+    z: &mut [f32],
+) -> Result<()> {
     let AttnDims {
         n_heads,
         n_kv_heads: n_kv,
@@ -430,20 +615,29 @@ pub fn attention(
             v.len()
         ))));
     }
-    let mut z = vec![0f32; n * n_heads * d];
+    let z = &mut z[..n * n_heads * d];
     if n == 0 {
-        return Ok(z);
+        return Ok(());
     }
     let isa = Isa::detect();
     let group = n_heads / n_kv;
     let scale = scale.unwrap_or(1.0 / (d as f32).sqrt());
     // the queries scaled once, so the scores come out of the GEMM already divided by √d
-    let q: Vec<f32> = if q.len() >= 1 << 16 {
-        q.par_iter().map(|&x| x * scale).collect()
+    // in a buffer kept on this thread (a fresh one per layer costs its pages every time)
+    let mut q_scaled = Reused::take(&Q_SCALED, q.len());
+    if q.len() >= 1 << 16 {
+        q_scaled
+            .par_iter_mut()
+            .zip(q.par_iter())
+            .for_each(|(y, &x)| *y = x * scale);
     } else {
-        q.iter().map(|&x| x * scale).collect()
-    };
-    let q = q.as_slice();
+        q_scaled
+            .iter_mut()
+            .zip(q)
+            .for_each(|(y, &x)| *y = x * scale);
+    }
+    let q = q_scaled.as_slice();
+
     let (want_s, want_p) = (
         obs.wants(layer, Hook::AttnScores),
         obs.wants(layer, Hook::Pattern),
@@ -713,7 +907,7 @@ pub fn attention(
         }
         q0 += rows;
     }
-    Ok(z)
+    Ok(())
 }
 
 /// One row's online-softmax step over a key block whose scores (scaled, masked = -inf) are in
@@ -1096,6 +1290,17 @@ impl Model {
         let mlp_rows = mlp_rows.min(m);
         let mut gu = vec![0f32; mlp_rows * 2 * ff];
         let mut act = vec![0f32; mlp_rows * ff];
+        // the layer's other big buffers, allocated once and reused by every layer: a fresh
+        // ~50 MB per layer at 2,048 tokens costs ~12k page faults each time (the allocator hands
+        // buffers this large back to the system when they are freed)
+        let mut normed = vec![0f32; m * dm];
+        let mut qkv = vec![0f32; m * width];
+        let mut qh = vec![0f32; nh * m * hd];
+        let mut z = vec![0f32; m * nh * hd];
+        let norm_into = |x: &[f32], w: &[f32], b: Option<&Vec<f32>>, out: &mut [f32]| match b {
+            Some(b) => layer_norm_into(x, w, b, dims.rms_eps, out),
+            None => rms_norm_into(x, w, dims.rms_eps, out),
+        };
         for (l, layer) in self.weights.layers.iter().enumerate() {
             let (cos, sin) = match &local_tables {
                 Some(t) if dims.rope_base_of(l) != dims.rope_base => (&t.0, &t.1),
@@ -1105,12 +1310,10 @@ impl Model {
             if obs.wants(l, Hook::ResidPre) {
                 obs.tensor(l, Hook::ResidPre, &[m, dm], &x);
             }
-            let h = match &layer.norm_biases {
-                Some((b, _)) => layer_norm(&x, &layer.attn_norm, b, dims.rms_eps),
-                None => rms_norm(&x, &layer.attn_norm, dims.rms_eps),
-            };
+            let bias = layer.norm_biases.as_ref().map(|b| &b.0);
+            norm_into(&x, &layer.attn_norm, bias, &mut normed);
             let t = Instant::now();
-            let mut qkv = layer.qkv.forward(&h, m)?; // [m, q | k | v]
+            layer.qkv.forward_into(&normed, m, &mut qkv, false)?; // [m, q | k | v]
             proj_time += t.elapsed();
             if let Some((qn, kn)) = &layer.qk_norm {
                 // Qwen3: RMSNorm over each head's query and key, before RoPE
@@ -1139,10 +1342,9 @@ impl Model {
             }
             // GPT-2 has learned positions and no rotation
             let rope = (dims.arch != super::config::Arch::Gpt2).then_some((cos, sin, style));
-            let qh = split_heads(&qkv, m, width, 0, nh, hd, rope); // [nh, m, hd]
+            split_heads_into(&qkv, m, width, 0, nh, hd, rope, &mut qh); // [nh, m, hd]
             let kh = split_heads(&qkv, m, width, nq, nkv, hd, rope);
             let vh = split_heads(&qkv, m, width, nq + nk, nkv, hd, None);
-            drop(qkv);
             if obs.wants(l, Hook::RotQ) {
                 obs.tensor(l, Hook::RotQ, &[m, nh, hd], &merge_heads(&qh, nh, m, hd));
             }
@@ -1176,7 +1378,7 @@ impl Model {
                 scale: dims.gemma.as_ref().map(|g| g.query_scale),
                 softcap: dims.gemma.as_ref().and_then(|g| g.attn_softcap),
             };
-            let z = attention(
+            attention_into(
                 l,
                 &qh,
                 &kf,
@@ -1186,6 +1388,7 @@ impl Model {
                 opts.block_bytes,
                 opts.key_block,
                 obs,
+                &mut z,
             )?; // [m, nh, hd]
             attn_time += t0.elapsed();
             if opts.keep_kv {
@@ -1214,12 +1417,10 @@ impl Model {
                 layer.o.forward_into(&z, m, &mut x, true)?; // x += z · W_oᵀ
                 proj_time += t.elapsed();
             }
-            drop(z);
             // SwiGLU MLP [Shazeer 2020, arXiv:2002.05202, eq. (5)], x += down(silu(gate) · up)
-            let h = match &layer.norm_biases {
-                Some((_, b)) => layer_norm(&x, &layer.mlp_norm, b, dims.rms_eps),
-                None => rms_norm(&x, &layer.mlp_norm, dims.rms_eps),
-            };
+            let bias = layer.norm_biases.as_ref().map(|b| &b.1);
+            norm_into(&x, &layer.mlp_norm, bias, &mut normed);
+            let h = &normed;
             let gated = dims.arch != super::config::Arch::Gpt2;
             for r0 in (0..m).step_by(mlp_rows) {
                 let rows = mlp_rows.min(m - r0);
@@ -1287,10 +1488,7 @@ impl Model {
                 Some(b) => layer_norm(&rows, &self.weights.final_norm, b, dims.rms_eps),
                 None => rms_norm(&rows, &self.weights.final_norm, dims.rms_eps),
             };
-            let h = Tensor::from_vec(h, (opts.logits_at.len(), dm), &Device::Cpu)?;
-            let mut rows: Vec<Vec<f32>> = candle_core::Module::forward(&self.weights.lm_head, &h)?
-                .to_dtype(DType::F32)?
-                .to_vec2()?;
+            let mut rows = logits_rows(&self.weights.lm_head, h, opts.logits_at.len(), dm)?;
             if let Some(cap) = dims.gemma.as_ref().and_then(|g| g.final_softcap) {
                 // Gemma 2: final-logit soft-capping
                 rows.iter_mut()
@@ -1511,6 +1709,38 @@ mod tests {
     }
 
     #[test]
+    fn dense_logits_match_candles_matmul() {
+        // a [vocab, d] head: the rows read in place against candle's matmul on the same tensor
+        let (vocab, d, rows) = (1000, 72, 3);
+        let mut rng = crate::reference::Rng::new(11);
+        let w = Tensor::from_vec(rng.normals(vocab * d, 0.5), (vocab, d), &Device::Cpu).unwrap();
+        let h = rng.normals(rows * d, 1.0);
+        let head = candle_core::quantized::QMatMul::Tensor(w.clone());
+        let got = logits_rows(&head, h.clone(), rows, d).unwrap();
+        let want: Vec<Vec<f32>> = Tensor::from_vec(h.clone(), (rows, d), &Device::Cpu)
+            .unwrap()
+            .matmul(&w.t().unwrap())
+            .unwrap()
+            .to_vec2()
+            .unwrap();
+        assert_eq!(got.len(), rows);
+        let wv: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
+        for (i, (g, c)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.len(), vocab);
+            for v in 0..vocab {
+                let exact: f64 = (0..d)
+                    .map(|j| h[i * d + j] as f64 * wv[v * d + j] as f64)
+                    .sum();
+                assert!((g[v] as f64 - exact).abs() < 1e-5, "row {i} logit {v}");
+                assert!(
+                    (g[v] - c[v]).abs() < 1e-5,
+                    "row {i} logit {v} against candle"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn every_vector_width_gives_the_same_bits() {
         use crate::kernels::simd::{all_supported, with_level, Level};
         // 1,000 values: 62 lanes of 16 and a remainder; scores, gates and a masked stretch
@@ -1533,9 +1763,12 @@ mod tests {
                 scale_by(&mut scaled, 0.37);
                 let mut bad = xs.clone();
                 bad[999] = f32::NAN;
+                // logits: 3 rows of 100 values (6 lanes of 16 and a remainder) against 10 rows
+                let mut logits = vec![0f32; 30];
+                dot_rows(&xs[..300], 3, &xs[..1000], 100, &mut logits);
                 (
                     (max_of(&xs), max_of(&masked), sd, sk),
-                    (d, k, out, scaled),
+                    (d, k, out, scaled, logits),
                     (all_finite(&xs), all_finite(&bad)),
                 )
             })
@@ -1555,6 +1788,7 @@ mod tests {
                 (&got.1 .1, &base.1 .1),
                 (&got.1 .2, &base.1 .2),
                 (&got.1 .3, &base.1 .3),
+                (&got.1 .4, &base.1 .4),
             ] {
                 assert_eq!(bits(a), bits(b), "{l:?}");
             }
