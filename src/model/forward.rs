@@ -348,8 +348,8 @@ multiversion! {
 
 /// The logits `h · Wᵀ` of `rows` normalized rows `h: [rows, d]`. A dense f32 head (tied to the
 /// embeddings, or dequantized for `exact`) is read row by row in place, on every core: candle's
-/// matmul took ~35% of `faithfulness`'s time on this one row (it lays out the transposed
-/// `[vocab, d]` matrix anew on every call). Other heads go through candle.
+/// matmul of `h` by the transposed `[vocab, d]` head took ~35% of `faithfulness`'s time (one
+/// row per forward). Other heads (quantized, for `fast`) go through candle.
 fn logits_rows(
     head: &candle_core::quantized::QMatMul,
     h: Vec<f32>,
@@ -475,13 +475,16 @@ struct Reused {
 }
 
 impl Reused {
-    /// The slot's buffer, resized to `len` (its contents are whatever the last user left).
+    /// The slot's buffer, grown to at least `len` floats and never shrunk (so a smaller request
+    /// costs nothing); its contents are whatever the last user left.
     fn take(
         slot: &'static std::thread::LocalKey<std::cell::RefCell<Vec<f32>>>,
         len: usize,
     ) -> Self {
         let mut buf = slot.with(|c| std::mem::take(&mut *c.borrow_mut()));
-        buf.resize(len, 0.0);
+        if buf.len() < len {
+            buf.resize(len, 0.0);
+        }
         Reused { buf, slot }
     }
 }
@@ -625,6 +628,7 @@ pub fn attention_into(
     // the queries scaled once, so the scores come out of the GEMM already divided by √d
     // in a buffer kept on this thread (a fresh one per layer costs its pages every time)
     let mut q_scaled = Reused::take(&Q_SCALED, q.len());
+    let q_scaled = &mut q_scaled[..q.len()];
     if q.len() >= 1 << 16 {
         q_scaled
             .par_iter_mut()
@@ -636,7 +640,7 @@ pub fn attention_into(
             .zip(q)
             .for_each(|(y, &x)| *y = x * scale);
     }
-    let q = q_scaled.as_slice();
+    let q = &*q_scaled;
 
     let (want_s, want_p) = (
         obs.wants(layer, Hook::AttnScores),
@@ -690,17 +694,10 @@ pub fn attention_into(
         let kbw = kb_size.min(kw); // width of one key block's score buffer
                                    // the score buffers are reused from block to block and layer to layer: a fresh one of
                                    // each size would be page-faulted in anew (measured: ~2.5 M faults, ~4 s at 2,048 tokens)
-        let mut scratch = SCRATCH.with(|c| std::mem::take(&mut *c.borrow_mut()));
-        let mut raw_scratch = if want_s {
-            RAW_SCRATCH.with(|c| std::mem::take(&mut *c.borrow_mut()))
-        } else {
-            Vec::new()
-        };
-        scratch.resize(scratch.len().max(n_heads * rows * kbw), 0.0);
+        let mut scratch = Reused::take(&SCRATCH, n_heads * rows * kbw);
+        let mut raw_scratch =
+            Reused::take(&RAW_SCRATCH, if want_s { n_heads * rows * kbw } else { 0 });
         let scores = &mut scratch[..n_heads * rows * kbw];
-        if want_s {
-            raw_scratch.resize(raw_scratch.len().max(n_heads * rows * kbw), 0.0);
-        }
         let raw_scores = if want_s {
             &mut raw_scratch[..n_heads * rows * kbw]
         } else {
@@ -900,10 +897,6 @@ pub fn attention_into(
                 z[((q0 + x) * n_heads + h) * d..][..d]
                     .copy_from_slice(&zb[(h * rows + x) * d..][..d]);
             }
-        }
-        SCRATCH.with(|c| *c.borrow_mut() = scratch);
-        if want_s {
-            RAW_SCRATCH.with(|c| *c.borrow_mut() = raw_scratch);
         }
         q0 += rows;
     }
