@@ -258,6 +258,107 @@ fn prefix_reuse_equals_a_full_run() {
     }
 }
 
+/// A batch of variants (other tokens, knockouts, each on its own share of the prefix) gives each
+/// variant's logits bit for bit as its own run does: the kernels compute every row alone.
+#[test]
+fn a_batch_of_variants_equals_their_own_runs() {
+    use attnscope::model::forward::Segment;
+    for (arch, precision) in [
+        (Arch::Llama, Precision::Exact),
+        (Arch::Qwen2, Precision::Exact),
+        (Arch::Qwen2, Precision::Fast),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.gguf");
+        write_gguf(&tiny_model(arch, 13), arch, GgmlDType::F32, &path).unwrap();
+        let model = Model::load(path.to_str().unwrap(), precision, false).unwrap();
+        let n = TOKENS.len();
+        let full = model
+            .forward(
+                &TOKENS,
+                &RunOptions {
+                    logits_at: vec![n - 1],
+                    keep_kv: true,
+                    ..Default::default()
+                },
+                &mut attnscope::model::capture::NoCapture,
+            )
+            .unwrap();
+        let kv = full.kv.unwrap();
+        let deleted: Vec<u32> = TOKENS
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| i != 3)
+            .map(|(_, &t)| t)
+            .collect();
+        let mut replaced = TOKENS.to_vec();
+        replaced[5] = 200;
+        // (variant, positions reused, knockout, logits rows)
+        let cases: Vec<(Vec<u32>, usize, Vec<usize>, Vec<usize>)> = vec![
+            (deleted.clone(), 3, vec![], vec![n - 2]),
+            (replaced.clone(), 5, vec![], vec![n - 1, 6]),
+            (TOKENS.to_vec(), 2, vec![2], vec![n - 1]),
+            (TOKENS.to_vec(), 0, vec![4, 6], vec![n - 1]),
+            (TOKENS.to_vec(), n - 1, vec![], vec![n - 1]),
+        ];
+        let segs: Vec<Segment> = cases
+            .iter()
+            .map(|(v, c, k, at)| Segment {
+                tokens: &v[*c..],
+                reuse: *c,
+                knockout: k.clone(),
+                logits_at: at.clone(),
+            })
+            .collect();
+        let batch = model.forward_batch(Some(&kv), &segs).unwrap();
+        assert_eq!(batch.len(), cases.len());
+        for (i, (v, c, k, at)) in cases.iter().enumerate() {
+            let alone = model
+                .forward_from(
+                    Some(&kv.truncate(*c).unwrap()),
+                    &v[*c..],
+                    &RunOptions {
+                        logits_at: at.clone(),
+                        knockout: k.clone(),
+                        ..Default::default()
+                    },
+                    &mut attnscope::model::capture::NoCapture,
+                )
+                .unwrap();
+            assert_eq!(batch[i].len(), at.len());
+            if precision == Precision::Exact {
+                assert_eq!(batch[i], alone.logits, "{arch:?} {precision:?} variant {i}");
+            } else {
+                // fast: bit for bit on AMX tiles; the 8-bit VNNI kernel's edge tiles sum their
+                // blocks in another order (measured ~1e-6 here)
+                for (b, a) in batch[i].iter().zip(&alone.logits) {
+                    assert_close(b, a, 1e-4, &format!("{arch:?} fast variant {i}"));
+                }
+            }
+        }
+        // and an unchanged variant on the whole prefix's first row is the full run
+        assert_ne!(
+            batch[0], batch[1],
+            "{arch:?}: distinct variants, distinct logits"
+        );
+        // a segment cannot reuse more than the prefix holds, nor name a position outside itself
+        let bad = Segment {
+            tokens: &TOKENS[1..],
+            reuse: n + 1,
+            knockout: vec![],
+            logits_at: vec![n - 1],
+        };
+        assert!(model.forward_batch(Some(&kv), &[bad]).is_err());
+        let outside = Segment {
+            tokens: &TOKENS[4..],
+            reuse: 4,
+            knockout: vec![2],
+            logits_at: vec![n - 1],
+        };
+        assert!(model.forward_batch(Some(&kv), &[outside]).is_err());
+    }
+}
+
 /// Attention knockout by hand: hide every key but the first from all other queries; each query
 /// then splits its attention between key 0 and itself, softmax of two scores computed here from
 /// the captured (rotated) q and k.

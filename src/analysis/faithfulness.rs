@@ -14,11 +14,12 @@
 //!   `comp@k = p(full) − p(without top-k)`, `suff@k = p(full) − p(only top-k)`.
 //!
 //! Runs reuse the keys and values of the unchanged prefix, so each occlusion recomputes only
-//! the positions from the occluded one on.
+//! the positions from the occluded one on, and they run many to a forward
+//! ([`crate::model::Model::forward_batch`]): a short variant alone is bound by reading the weights.
 
 use super::norms::{mixed_norms, shares, Values};
 use crate::model::capture::{AttnCache, CaptureSpec, NoCapture};
-use crate::model::forward::{log_softmax, KvPrefix, RunOptions};
+use crate::model::forward::{log_softmax, KvPrefix, RunOptions, Segment};
 use crate::model::{Model, Result};
 use crate::reference::Rng;
 use serde::Serialize;
@@ -352,21 +353,38 @@ pub fn run(
         "random".into(),
         (0..n).map(|_| rng.uniform() as f32).collect(),
     ));
-    // 3. occlusions: 3 per position
+    // 3. every occlusion the report needs, run in batches (the loops below then read them)
     let ks = [1usize, 3, 5];
-    let total_guess = 1 + 3 * n + rankings.len() * ks.len() * 4;
-    let mut done = 1;
-    tick(done, total_guess);
+    let mut wanted: Vec<(Vec<u32>, Option<usize>)> = Vec::new();
+    for j in 0..n {
+        if n > 1 {
+            wanted.push((without_positions(tokens, &[j]), None));
+        }
+        let mut rep = tokens.to_vec();
+        rep[j] = replacement;
+        wanted.push((rep, None));
+        if j != q {
+            wanted.push((tokens.to_vec(), Some(j)));
+        }
+    }
+    for without_first in [false, true] {
+        let candidates: Vec<usize> = (if without_first { 1 } else { 0 }..n).collect();
+        for (_, scores) in &rankings {
+            for &k in ks.iter().filter(|&&k| k <= candidates.len()) {
+                let top = top_positions(scores, &candidates, k);
+                let (without, only) = without_and_only(tokens, &top, without_first);
+                if !without.is_empty() {
+                    wanted.push((without, None));
+                }
+                wanted.push((only, None));
+            }
+        }
+    }
+    runner.prefetch(&wanted, &mut tick)?;
     let mut rows = Vec::with_capacity(n);
     for j in 0..n {
         let loo = if n > 1 {
-            let v: Vec<u32> = tokens
-                .iter()
-                .enumerate()
-                .filter(|&(i, _)| i != j)
-                .map(|(_, &t)| t)
-                .collect();
-            Some(runner.logprob(&v, None)? - base)
+            Some(runner.logprob(&without_positions(tokens, &[j]), None)? - base)
         } else {
             None
         };
@@ -378,8 +396,6 @@ pub fn run(
         } else {
             Some(runner.logprob(tokens, Some(j))? - base)
         };
-        done += 3;
-        tick(done, total_guess);
         rows.push(TokenRow {
             pos: j,
             id: tokens[j],
@@ -405,15 +421,7 @@ pub fn run(
             for &k in &ks {
                 let (c, s) = if k <= candidates.len() {
                     let top = top_positions(scores, &candidates, k);
-                    let without: Vec<u32> = (0..n)
-                        .filter(|i| !top.contains(i))
-                        .map(|i| tokens[i])
-                        .collect();
-                    // without_first: the first token is not ranked, so it stays in both variants
-                    let only: Vec<u32> = (0..n)
-                        .filter(|i| top.contains(i) || (without_first && *i == 0))
-                        .map(|i| tokens[i])
-                        .collect();
+                    let (without, only) = without_and_only(tokens, &top, without_first);
                     let c = if without.is_empty() {
                         None
                     } else {
@@ -429,8 +437,6 @@ pub fn run(
                     3 => (comp.k3, suff.k3) = (c, s),
                     _ => (comp.k5, suff.k5) = (c, s),
                 }
-                done += 2;
-                tick(done.min(total_guess), total_guess);
             }
             for truth in ["loo", "replace", "knockout"] {
                 // the query cannot be knocked out (it sees itself): it has no knockout truth
@@ -481,7 +487,7 @@ pub fn run(
             }
         }
     }
-    tick(total_guess, total_guess);
+    tick(runner.passes, runner.passes);
     let target = TargetInfo {
         id: target_id,
         token: model.tokenizer.token_text(target_id),
@@ -518,6 +524,27 @@ fn single_token(model: &Model, text: &str, what: &str) -> Result<u32> {
     }
 }
 
+/// `tokens` without the positions in `drop`.
+fn without_positions(tokens: &[u32], drop: &[usize]) -> Vec<u32> {
+    (0..tokens.len())
+        .filter(|i| !drop.contains(i))
+        .map(|i| tokens[i])
+        .collect()
+}
+
+/// The two variants of a comprehensiveness/sufficiency metric: the text without the `top`
+/// positions, and only them (without_first: the first token is not ranked, so it stays in both).
+fn without_and_only(tokens: &[u32], top: &[usize], without_first: bool) -> (Vec<u32>, Vec<u32>) {
+    let only = (0..tokens.len())
+        .filter(|i| top.contains(i) || (without_first && *i == 0))
+        .map(|i| tokens[i])
+        .collect();
+    (without_positions(tokens, top), only)
+}
+
+/// New positions per batch of [`Runner::prefetch`]: about what a 2,048-token forward holds.
+const BATCH_ROWS: usize = 2048;
+
 /// Forward passes for token variants, memoized, reusing the longest valid KV prefix.
 struct Runner<'a> {
     model: &'a Model,
@@ -529,13 +556,9 @@ struct Runner<'a> {
 }
 
 impl Runner<'_> {
-    /// log p(target) after `variant` (with key `knockout` hidden, if any).
-    fn logprob(&mut self, variant: &[u32], knockout: Option<usize>) -> Result<f32> {
-        let key = (variant.to_vec(), knockout);
-        if let Some(&v) = self.memo.get(&key) {
-            return Ok(v);
-        }
-        // positions before the first change (and before a knocked-out key) are unchanged
+    /// Positions of the full run's prefix that `variant` (with `knockout`) can reuse: those
+    /// before its first change and before the knocked-out key, and at least one new position.
+    fn reuse(&self, variant: &[u32], knockout: Option<usize>) -> usize {
         let mut c = variant
             .iter()
             .zip(self.tokens)
@@ -544,7 +567,71 @@ impl Runner<'_> {
         if let Some(j) = knockout {
             c = c.min(j);
         }
-        c = c.min(variant.len() - 1);
+        c.min(variant.len() - 1)
+    }
+
+    /// Runs every variant in `wanted` not yet known, many per forward ([`Model::forward_batch`]:
+    /// short variants cost about what reading the weights once does, so a batch of them costs
+    /// about one), and reports `tick(done, total)` in variants, counting the full run.
+    fn prefetch(
+        &mut self,
+        wanted: &[(Vec<u32>, Option<usize>)],
+        tick: &mut impl FnMut(usize, usize),
+    ) -> Result<()> {
+        let mut todo: Vec<&(Vec<u32>, Option<usize>)> = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        for w in wanted {
+            if !self.memo.contains_key(w) && seen.insert(w) {
+                todo.push(w);
+            }
+        }
+        let (first, total) = (self.passes, self.passes + todo.len());
+        tick(first, total);
+        let mut rest = todo.as_slice();
+        while !rest.is_empty() {
+            // whole variants up to BATCH_ROWS new positions (at least one variant)
+            let (mut take, mut rows) = (0, 0);
+            for (v, ko) in rest {
+                let new = v.len() - self.reuse(v, *ko);
+                if take > 0 && rows + new > BATCH_ROWS {
+                    break;
+                }
+                take += 1;
+                rows += new;
+            }
+            let (batch, later) = rest.split_at(take);
+            let segments: Vec<Segment> = batch
+                .iter()
+                .map(|(v, ko)| {
+                    let c = self.reuse(v, *ko);
+                    Segment {
+                        tokens: &v[c..],
+                        reuse: c,
+                        knockout: ko.iter().copied().collect(),
+                        logits_at: vec![v.len() - 1],
+                    }
+                })
+                .collect();
+            let logits = self.model.forward_batch(Some(self.kv), &segments)?;
+            for (&key, rows) in batch.iter().zip(logits) {
+                let lp = log_softmax(&rows[0])[self.target as usize];
+                self.memo.insert(key.clone(), lp);
+            }
+            self.passes += batch.len();
+            tick(self.passes, total);
+            rest = later;
+        }
+        Ok(())
+    }
+
+    /// log p(target) after `variant` (with key `knockout` hidden, if any).
+    fn logprob(&mut self, variant: &[u32], knockout: Option<usize>) -> Result<f32> {
+        let key = (variant.to_vec(), knockout);
+        if let Some(&v) = self.memo.get(&key) {
+            return Ok(v);
+        }
+        // positions before the first change (and before a knocked-out key) are unchanged
+        let c = self.reuse(variant, knockout);
         let prefix = self.kv.truncate(c)?;
         let n = variant.len();
         let opts = RunOptions {

@@ -48,6 +48,17 @@ impl Default for RunOptions {
     }
 }
 
+/// One variant in [`Model::forward_batch`]: `tokens` as positions `reuse..reuse + m`, after the
+/// first `reuse` positions of the shared prefix; `knockout` and `logits_at` are absolute positions
+/// among the new ones.
+#[derive(Clone, Debug)]
+pub struct Segment<'a> {
+    pub tokens: &'a [u32],
+    pub reuse: usize,
+    pub knockout: Vec<usize>,
+    pub logits_at: Vec<usize>,
+}
+
 /// Keys and values (after RoPE) of the first `len` positions of a sequence, per layer
 /// (`[n_kv_heads, len, head_dim]` each). Running the rest of a sequence on top of it gives the
 /// same numbers as running the whole sequence, since a causal model's first positions do not
@@ -1189,37 +1200,51 @@ impl Model {
         opts: &RunOptions,
         obs: &mut dyn Observer,
     ) -> Result<ForwardOut> {
+        let seg = Segment {
+            tokens,
+            reuse: prefix.map_or(0, |p| p.len),
+            knockout: opts.knockout.clone(),
+            logits_at: opts.logits_at.clone(),
+        };
+        self.forward_segments(prefix, std::slice::from_ref(&seg), opts, obs)
+    }
+
+    /// Runs several variants of a sequence in one pass, each as positions `c..c+m` after the
+    /// first `c` positions of a shared `prefix` (its own `reuse`), with its own knockouts, and
+    /// returns each one's logits rows. Every projection reads its weights once for all of them:
+    /// for short variants (`faithfulness`'s occlusions) a forward is bound by reading the
+    /// weights, so one pass over many costs about what one costs. Each variant's numbers are
+    /// those of its own [`Model::forward_from`] (the kernels compute each row alone).
+    pub fn forward_batch(
+        &self,
+        prefix: Option<&KvPrefix>,
+        segments: &[Segment],
+    ) -> Result<Vec<Vec<Vec<f32>>>> {
+        let out = self.forward_segments(
+            prefix,
+            segments,
+            &RunOptions::default(),
+            &mut super::capture::NoCapture,
+        )?;
+        let mut rows = out.logits.into_iter();
+        Ok(segments
+            .iter()
+            .map(|s| rows.by_ref().take(s.logits_at.len()).collect())
+            .collect())
+    }
+
+    /// The forward over stacked segments (one for [`Model::forward_from`]): row-wise work
+    /// (norms, projections, MLP) runs on all their rows at once, the attention per segment.
+    /// Hooks see the stacked rows, so they are meant for one segment.
+    fn forward_segments(
+        &self,
+        prefix: Option<&KvPrefix>,
+        segs: &[Segment],
+        opts: &RunOptions,
+        obs: &mut dyn Observer,
+    ) -> Result<ForwardOut> {
         let start = Instant::now();
         let dims = &self.dims;
-        let p0 = prefix.map_or(0, |p| p.len);
-        let m = tokens.len();
-        let n = p0 + m;
-        if m == 0 {
-            return Err(Error::EmptyText);
-        }
-        if n > dims.context_len {
-            return Err(Error::TooLong {
-                n_tokens: n,
-                limit: dims.context_len,
-                model: self.info.name.clone(),
-            });
-        }
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= dims.vocab_size) {
-            return Err(Error::OutOfRange {
-                what: "token id".into(),
-                value: bad.to_string(),
-                range: format!("0..{}", dims.vocab_size),
-            });
-        }
-        for &p in opts.logits_at.iter().chain(&opts.knockout) {
-            if p < p0 || p >= n {
-                return Err(Error::OutOfRange {
-                    what: "position".into(),
-                    value: p.to_string(),
-                    range: format!("{p0}..={}", n - 1),
-                });
-            }
-        }
         let (nh, nkv, hd, dm, ff) = (
             dims.n_heads,
             dims.n_kv_heads,
@@ -1234,17 +1259,76 @@ impl Model {
                 "the KV prefix belongs to another model: you likely have a bug".into(),
             )));
         }
-        let mut knock = vec![false; n];
-        for &p in &opts.knockout {
-            knock[p] = true;
+        let full = prefix.map_or(0, |p| p.len);
+        if segs.is_empty() || (opts.keep_kv && segs.len() > 1) {
+            return Err(Error::Candle(candle_core::Error::Msg(format!(
+                "a forward of {} segments (keep_kv {}): you likely have a bug",
+                segs.len(),
+                opts.keep_kv
+            ))));
         }
+        // each segment's first row in the stacked rows
+        let mut row0 = Vec::with_capacity(segs.len());
+        let mut m = 0;
+        for seg in segs {
+            let (p0, ms) = (seg.reuse, seg.tokens.len());
+            let n = p0 + ms;
+            if ms == 0 {
+                return Err(Error::EmptyText);
+            }
+            if p0 > full {
+                return Err(Error::Candle(candle_core::Error::Msg(format!(
+                    "a segment reuses {p0} positions of a {full}-position prefix: you likely have a bug"
+                ))));
+            }
+            if n > dims.context_len {
+                return Err(Error::TooLong {
+                    n_tokens: n,
+                    limit: dims.context_len,
+                    model: self.info.name.clone(),
+                });
+            }
+            if let Some(&bad) = seg.tokens.iter().find(|&&t| t as usize >= dims.vocab_size) {
+                return Err(Error::OutOfRange {
+                    what: "token id".into(),
+                    value: bad.to_string(),
+                    range: format!("0..{}", dims.vocab_size),
+                });
+            }
+            for &p in seg.logits_at.iter().chain(&seg.knockout) {
+                if p < p0 || p >= n {
+                    return Err(Error::OutOfRange {
+                        what: "position".into(),
+                        value: p.to_string(),
+                        range: format!("{p0}..={}", n - 1),
+                    });
+                }
+            }
+            row0.push(m);
+            m += ms;
+        }
+        let n_max = segs
+            .iter()
+            .map(|s| s.reuse + s.tokens.len())
+            .max()
+            .unwrap_or(0);
+        let knocks: Vec<Vec<bool>> = segs
+            .iter()
+            .map(|seg| {
+                let mut knock = vec![false; seg.reuse + seg.tokens.len()];
+                for &p in &seg.knockout {
+                    knock[p] = true;
+                }
+                knock
+            })
+            .collect();
         let tables = |base: f32| {
             let mut inv = dims.rope_scaling.inv_freq(dims.rotary_dim, base);
             if let Some(f) = &self.weights.rope_freqs {
                 // llama.cpp: theta_i = pos · base^(-2i/d) / freq_factors[i]
                 inv.iter_mut().zip(f).for_each(|(x, f)| *x /= f);
             }
-            rope_tables_of(&inv, n)
+            rope_tables_of(&inv, n_max)
         };
         let half = dims.rotary_dim / 2;
         let main_tables = tables(dims.rope_base);
@@ -1255,19 +1339,23 @@ impl Model {
             .filter(|g| g.rope_base_sliding != dims.rope_base)
             .map(|g| tables(g.rope_base_sliding));
         let style = self.weights.rope_style;
+        let all_tokens: Vec<u32> = segs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
         let mut x: Vec<f32> = self
             .weights
             .embed
-            .lookup(tokens)?
+            .lookup(&all_tokens)?
             .flatten_all()?
             .to_vec1()?; // [m, d_model]
         if let Some(pe) = &self.weights.pos_embed {
             // GPT-2: learned absolute positions
-            for (r, row) in x.chunks_mut(dm).enumerate() {
-                let p = p0 + r;
-                row.iter_mut()
-                    .zip(&pe[p * dm..(p + 1) * dm])
-                    .for_each(|(v, e)| *v += e);
+            for (seg, &r0) in segs.iter().zip(&row0) {
+                let rows = &mut x[r0 * dm..(r0 + seg.tokens.len()) * dm];
+                for (r, row) in rows.chunks_mut(dm).enumerate() {
+                    let p = seg.reuse + r;
+                    row.iter_mut()
+                        .zip(&pe[p * dm..(p + 1) * dm])
+                        .for_each(|(v, e)| *v += e);
+                }
             }
         }
         if let Some(g) = &dims.gemma {
@@ -1283,9 +1371,8 @@ impl Model {
         let mlp_rows = mlp_rows.min(m);
         let mut gu = vec![0f32; mlp_rows * 2 * ff];
         let mut act = vec![0f32; mlp_rows * ff];
-        // the layer's other big buffers, allocated once and reused by every layer: a fresh
-        // ~50 MB per layer at 2,048 tokens costs ~12k page faults each time (the allocator hands
-        // buffers this large back to the system when they are freed)
+        // the layer's other big buffers, allocated once and reused by every layer (fresh ones
+        // were zeroed anew for every layer: memset took 4% of a 2,048-token run)
         let mut normed = vec![0f32; m * dm];
         let mut qkv = vec![0f32; m * width];
         let mut qh = vec![0f32; nh * m * hd];
@@ -1299,7 +1386,6 @@ impl Model {
                 Some(t) if dims.rope_base_of(l) != dims.rope_base => (&t.0, &t.1),
                 _ => (&main_tables.0, &main_tables.1),
             };
-            let (cos, sin) = (&cos[p0 * half..], &sin[p0 * half..]);
             if obs.wants(l, Hook::ResidPre) {
                 obs.tensor(l, Hook::ResidPre, &[m, dm], &x);
             }
@@ -1333,60 +1419,74 @@ impl Model {
                     obs.tensor(l, hook, &[m, heads, hd], &part);
                 }
             }
-            // GPT-2 has learned positions and no rotation
-            let rope = (dims.arch != super::config::Arch::Gpt2).then_some((cos, sin, style));
-            split_heads_into(&qkv, m, width, 0, nh, hd, rope, &mut qh); // [nh, m, hd]
-            let kh = split_heads(&qkv, m, width, nq, nkv, hd, rope);
-            let vh = split_heads(&qkv, m, width, nq + nk, nkv, hd, None);
-            if obs.wants(l, Hook::RotQ) {
-                obs.tensor(l, Hook::RotQ, &[m, nh, hd], &merge_heads(&qh, nh, m, hd));
-            }
-            if obs.wants(l, Hook::RotK) {
-                obs.tensor(l, Hook::RotK, &[m, nkv, hd], &merge_heads(&kh, nkv, m, hd));
-            }
-            let (kf, vf) = match prefix {
-                Some(p) => {
-                    let cat = |old: &[f32], new: &[f32]| -> Vec<f32> {
-                        (0..nkv)
-                            .flat_map(|g| {
-                                old[g * p0 * hd..(g + 1) * p0 * hd]
-                                    .iter()
-                                    .chain(&new[g * m * hd..(g + 1) * m * hd])
-                                    .copied()
-                            })
-                            .collect()
-                    };
-                    (cat(&p.layers[l].0, &kh), cat(&p.layers[l].1, &vh))
-                }
-                None => (kh, vh),
-            };
             let t0 = Instant::now();
-            let adims = AttnDims {
-                n_heads: nh,
-                n_kv_heads: nkv,
-                head_dim: hd,
-                q_len: m,
-                k_len: n,
-                window: dims.window_of(l),
-                scale: dims.gemma.as_ref().map(|g| g.query_scale),
-                softcap: dims.gemma.as_ref().and_then(|g| g.attn_softcap),
-            };
-            attention_into(
-                l,
-                &qh,
-                &kf,
-                &vf,
-                adims,
-                &knock,
-                opts.block_bytes,
-                opts.key_block,
-                obs,
-                &mut z,
-            )?; // [m, nh, hd]
-            attn_time += t0.elapsed();
-            if opts.keep_kv {
-                kept.push((kf, vf));
+            for (si, (seg, &r0)) in segs.iter().zip(&row0).enumerate() {
+                let (p0, ms) = (seg.reuse, seg.tokens.len());
+                let n = p0 + ms;
+                let rows = &qkv[r0 * width..(r0 + ms) * width];
+                // the tables of this segment's positions, exactly (split_heads reads their width
+                // from their length); GPT-2 has learned positions and no rotation
+                let (cos, sin) = (&cos[p0 * half..n * half], &sin[p0 * half..n * half]);
+                let rope = (dims.arch != super::config::Arch::Gpt2).then_some((cos, sin, style));
+                let qh = &mut qh[..nh * ms * hd];
+                split_heads_into(rows, ms, width, 0, nh, hd, rope, qh); // [nh, ms, hd]
+                let kh = split_heads(rows, ms, width, nq, nkv, hd, rope);
+                let vh = split_heads(rows, ms, width, nq + nk, nkv, hd, None);
+                if obs.wants(l, Hook::RotQ) {
+                    obs.tensor(l, Hook::RotQ, &[ms, nh, hd], &merge_heads(qh, nh, ms, hd));
+                }
+                if obs.wants(l, Hook::RotK) {
+                    obs.tensor(
+                        l,
+                        Hook::RotK,
+                        &[ms, nkv, hd],
+                        &merge_heads(&kh, nkv, ms, hd),
+                    );
+                }
+                let (kf, vf) = match prefix {
+                    Some(p) if p0 > 0 => {
+                        // the segment's first p0 positions of each KV set, then its own
+                        let cat = |old: &[f32], new: &[f32]| -> Vec<f32> {
+                            (0..nkv)
+                                .flat_map(|g| {
+                                    old[g * full * hd..(g * full + p0) * hd]
+                                        .iter()
+                                        .chain(&new[g * ms * hd..(g + 1) * ms * hd])
+                                        .copied()
+                                })
+                                .collect()
+                        };
+                        (cat(&p.layers[l].0, &kh), cat(&p.layers[l].1, &vh))
+                    }
+                    _ => (kh, vh),
+                };
+                let adims = AttnDims {
+                    n_heads: nh,
+                    n_kv_heads: nkv,
+                    head_dim: hd,
+                    q_len: ms,
+                    k_len: n,
+                    window: dims.window_of(l),
+                    scale: dims.gemma.as_ref().map(|g| g.query_scale),
+                    softcap: dims.gemma.as_ref().and_then(|g| g.attn_softcap),
+                };
+                attention_into(
+                    l,
+                    qh,
+                    &kf,
+                    &vf,
+                    adims,
+                    &knocks[si],
+                    opts.block_bytes,
+                    opts.key_block,
+                    obs,
+                    &mut z[r0 * nh * hd..(r0 + ms) * nh * hd],
+                )?; // [ms, nh, hd]
+                if opts.keep_kv {
+                    kept.push((kf, vf));
+                }
             }
+            attn_time += t0.elapsed();
             if obs.wants(l, Hook::Z) {
                 obs.tensor(l, Hook::Z, &[m, nh, hd], &z);
             }
@@ -1469,19 +1569,21 @@ impl Model {
                 return Err(Error::Interrupted);
             }
         }
-        let logits = if opts.logits_at.is_empty() {
+        let n_logits: usize = segs.iter().map(|s| s.logits_at.len()).sum();
+        let logits = if n_logits == 0 {
             Vec::new()
         } else {
-            let rows: Vec<f32> = opts
-                .logits_at
+            let rows: Vec<f32> = segs
                 .iter()
-                .flat_map(|&p| x[(p - p0) * dm..(p - p0 + 1) * dm].iter().copied())
+                .zip(&row0)
+                .flat_map(|(seg, &r0)| seg.logits_at.iter().map(move |&p| r0 + p - seg.reuse))
+                .flat_map(|r| x[r * dm..(r + 1) * dm].iter().copied())
                 .collect();
             let h = match &self.weights.final_norm_bias {
                 Some(b) => layer_norm(&rows, &self.weights.final_norm, b, dims.rms_eps),
                 None => rms_norm(&rows, &self.weights.final_norm, dims.rms_eps),
             };
-            let mut rows = logits_rows(&self.weights.lm_head, h, opts.logits_at.len(), dm)?;
+            let mut rows = logits_rows(&self.weights.lm_head, h, n_logits, dm)?;
             if let Some(cap) = dims.gemma.as_ref().and_then(|g| g.final_softcap) {
                 // Gemma 2: final-logit soft-capping
                 rows.iter_mut()
@@ -1497,7 +1599,7 @@ impl Model {
             rows
         };
         let kv = opts.keep_kv.then_some(KvPrefix {
-            len: n,
+            len: n_max,
             n_kv: nkv,
             head_dim: hd,
             layers: kept,
