@@ -544,6 +544,9 @@ fn without_and_only(tokens: &[u32], top: &[usize], without_first: bool) -> (Vec<
 
 /// New positions per batch of [`Runner::prefetch`]: about what a 2,048-token forward holds.
 const BATCH_ROWS: usize = 2048;
+/// Variants per batch: each brings a logits row of the whole vocabulary (0.6 MB for Qwen2.5),
+/// held twice for a moment, and a long text has many short variants.
+const BATCH_VARIANTS: usize = 64;
 
 /// Forward passes for token variants, memoized, reusing the longest valid KV prefix.
 struct Runner<'a> {
@@ -593,7 +596,7 @@ impl Runner<'_> {
             let (mut take, mut rows) = (0, 0);
             for (v, ko) in rest {
                 let new = v.len() - self.reuse(v, *ko);
-                if take > 0 && rows + new > BATCH_ROWS {
+                if take > 0 && (rows + new > BATCH_ROWS || take == BATCH_VARIANTS) {
                     break;
                 }
                 take += 1;
