@@ -388,20 +388,7 @@ fn fast_precision_on_int8_blocks_without_amx() {
         "fast_precision_deviation_on_qwen",
         "fast_precision_deviation_on_smollm",
     ] {
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([test, "--exact", "--nocapture", "--test-threads=1"])
-            .env("ATTNSCOPE_AMX", "0")
-            .output()
-            .unwrap();
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(
-            out.status.success() && text.contains("1 passed"),
-            "{test} with ATTNSCOPE_AMX=0:\n{text}"
-        );
+        let text = rerun_without_amx(test);
         if vnni {
             assert!(
                 text.contains("fast precision (8-bit blocks on AVX-512 VNNI)"),

@@ -222,23 +222,28 @@ fn tiny_loaded(arch: Arch, seed: u64) -> (tempfile::TempDir, Model) {
     (dir, model)
 }
 
-/// Running the rest of a sequence on a reused KV prefix equals running it whole.
-#[test]
-fn prefix_reuse_equals_a_full_run() {
-    let (_d, model) = tiny_loaded(Arch::Llama, 5);
-    let n = TOKENS.len();
+/// The full run of TOKENS: its last position's logits and every layer's keys and values.
+fn full_run(model: &Model) -> (Vec<f32>, attnscope::model::forward::KvPrefix) {
     let full = model
         .forward(
             &TOKENS,
             &RunOptions {
-                logits_at: vec![n - 1],
+                logits_at: vec![TOKENS.len() - 1],
                 keep_kv: true,
                 ..Default::default()
             },
             &mut attnscope::model::capture::NoCapture,
         )
         .unwrap();
-    let kv = full.kv.unwrap();
+    (full.logits[0].clone(), full.kv.unwrap())
+}
+
+/// Running the rest of a sequence on a reused KV prefix equals running it whole.
+#[test]
+fn prefix_reuse_equals_a_full_run() {
+    let (_d, model) = tiny_loaded(Arch::Llama, 5);
+    let n = TOKENS.len();
+    let (full_logits, kv) = full_run(&model);
     for p in [1, 4, n - 1] {
         let prefix = kv.truncate(p).unwrap();
         let out = model
@@ -251,7 +256,7 @@ fn prefix_reuse_equals_a_full_run() {
             .unwrap();
         assert_close(
             &out.logits[0],
-            &full.logits[0],
+            &full_logits,
             1e-4,
             &format!("logits with a prefix of {p}"),
         );
@@ -279,18 +284,7 @@ fn a_batch_of_variants_equals_their_own_runs() {
             );
         }
         let n = TOKENS.len();
-        let full = model
-            .forward(
-                &TOKENS,
-                &RunOptions {
-                    logits_at: vec![n - 1],
-                    keep_kv: true,
-                    ..Default::default()
-                },
-                &mut attnscope::model::capture::NoCapture,
-            )
-            .unwrap();
-        let kv = full.kv.unwrap();
+        let (_, kv) = full_run(&model);
         let deleted: Vec<u32> = TOKENS
             .iter()
             .enumerate()
@@ -372,20 +366,7 @@ fn a_batch_of_variants_equals_their_own_runs() {
 #[test]
 fn a_batch_equals_its_runs_on_int8_blocks_without_amx() {
     let test = "a_batch_of_variants_equals_their_own_runs";
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([test, "--exact", "--nocapture", "--test-threads=1"])
-        .env("ATTNSCOPE_AMX", "0")
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success() && text.contains("1 passed"),
-        "{test} with ATTNSCOPE_AMX=0:\n{text}"
-    );
+    let text = common::rerun_without_amx(test);
     if attnscope::kernels::int8::vnni_supported() {
         assert!(
             text.contains("fast kernel: 8-bit blocks on AVX-512 VNNI"),

@@ -18,7 +18,7 @@
 //! ([`crate::model::Model::forward_batch`]): a short variant alone is bound by reading the weights.
 
 use super::norms::{mixed_norms, shares, Values};
-use crate::model::capture::{AttnCache, CaptureSpec, NoCapture};
+use crate::model::capture::{AttnCache, CaptureSpec};
 use crate::model::forward::{log_softmax, KvPrefix, RunOptions, Segment};
 use crate::model::{Model, Result};
 use crate::reference::Rng;
@@ -627,28 +627,14 @@ impl Runner<'_> {
         Ok(())
     }
 
-    /// log p(target) after `variant` (with key `knockout` hidden, if any).
+    /// log p(target) after `variant` (with key `knockout` hidden, if any): from the memo that
+    /// [`Runner::prefetch`] fills, running it there first if it is not known yet.
     fn logprob(&mut self, variant: &[u32], knockout: Option<usize>) -> Result<f32> {
         let key = (variant.to_vec(), knockout);
-        if let Some(&v) = self.memo.get(&key) {
-            return Ok(v);
+        if !self.memo.contains_key(&key) {
+            self.prefetch(std::slice::from_ref(&key), &mut |_, _| {})?;
         }
-        // positions before the first change (and before a knocked-out key) are unchanged
-        let c = self.reuse(variant, knockout);
-        let prefix = self.kv.truncate(c)?;
-        let n = variant.len();
-        let opts = RunOptions {
-            logits_at: vec![n - 1],
-            knockout: knockout.into_iter().collect(),
-            ..Default::default()
-        };
-        let out = self
-            .model
-            .forward_from(Some(&prefix), &variant[c..], &opts, &mut NoCapture)?;
-        self.passes += 1;
-        let lp = log_softmax(&out.logits[0])[self.target as usize];
-        self.memo.insert(key, lp);
-        Ok(lp)
+        Ok(self.memo[&key])
     }
 }
 

@@ -155,13 +155,7 @@ impl PackedBf16 {
             n == 0 || w.len() >= (n - 1) * ldw + k,
             "W is too short for [{n}, {k}]"
         );
-        let copy = |r0: usize, out: &mut [f32]| -> Result<(), std::convert::Infallible> {
-            for (j, row) in out.chunks_mut(k.max(1)).enumerate() {
-                row.copy_from_slice(&w[(r0 + j) * ldw..][..row.len()]);
-            }
-            Ok(())
-        };
-        match Self::try_from_row_source(n, k, splits, copy) {
+        match Self::try_from_row_source(n, k, splits, super::rows_of(w, k, ldw)) {
             Ok(p) => p,
             Err(e) => match e {},
         }
@@ -180,31 +174,26 @@ impl PackedBf16 {
         let panels = n.div_ceil(NP);
         let panel_len = chunks * splits * 2 * TILE;
         let mut buf = Bf16Buf::zeros(panels * panel_len);
-        if panel_len > 0 {
-            buf.as_mut_slice()
-                .par_chunks_mut(panel_len)
-                .enumerate()
-                .try_for_each_init(
-                    || vec![0f32; NP * k],
-                    |tmp, (p, panel)| {
-                        let cols = NP.min(n - p * NP);
-                        rows(p * NP, &mut tmp[..cols * k])?;
-                        for j in 0..cols {
-                            let row = &tmp[j * k..(j + 1) * k];
-                            let (half, jj) = (j / T, j % T);
-                            for (kk, &x) in row.iter().enumerate() {
-                                let parts = split(x, splits);
-                                let (c, r, e) = (kk / KT, (kk % KT) / 2, kk % 2);
-                                for (s, &part) in parts.iter().enumerate().take(splits) {
-                                    let tile = ((c * splits + s) * 2 + half) * TILE;
-                                    panel[tile + r * 2 * T + jj * 2 + e] = part;
-                                }
-                            }
+        super::fill_panels(
+            buf.as_mut_slice(),
+            panel_len,
+            NP,
+            (n, k),
+            rows,
+            |cols, w, panel| {
+                for j in 0..cols {
+                    let (half, jj) = (j / T, j % T);
+                    for (kk, &x) in w[j * k..(j + 1) * k].iter().enumerate() {
+                        let parts = split(x, splits);
+                        let (c, r, e) = (kk / KT, (kk % KT) / 2, kk % 2);
+                        for (s, &part) in parts.iter().enumerate().take(splits) {
+                            let tile = ((c * splits + s) * 2 + half) * TILE;
+                            panel[tile + r * 2 * T + jj * 2 + e] = part;
                         }
-                        Ok(())
-                    },
-                )?;
-        }
+                    }
+                }
+            },
+        )?;
         Ok(PackedBf16 {
             n,
             k,

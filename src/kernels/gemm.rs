@@ -264,24 +264,20 @@ impl PackedB {
         let nr = isa.nr();
         let panels = n.div_ceil(nr);
         let mut buf = AlignedBuf::zeros(panels * k * nr);
-        if k > 0 {
-            buf.as_mut_slice()
-                .par_chunks_mut(k * nr)
-                .enumerate()
-                .try_for_each_init(
-                    || vec![0f32; nr * k],
-                    |tmp, (p, panel)| {
-                        let cols = nr.min(n - p * nr);
-                        rows(p * nr, &mut tmp[..cols * k])?;
-                        for (kk, dst) in panel.chunks_mut(nr).enumerate() {
-                            for (j, d) in dst[..cols].iter_mut().enumerate() {
-                                *d = tmp[j * k + kk];
-                            }
-                        }
-                        Ok(())
-                    },
-                )?;
-        }
+        super::fill_panels(
+            buf.as_mut_slice(),
+            k * nr,
+            nr,
+            (n, k),
+            rows,
+            |cols, w, panel| {
+                for (kk, dst) in panel.chunks_mut(nr).enumerate() {
+                    for (j, d) in dst[..cols].iter_mut().enumerate() {
+                        *d = w[j * k + kk];
+                    }
+                }
+            },
+        )?;
         Ok(PackedB { k, n, isa, buf })
     }
 

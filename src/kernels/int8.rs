@@ -52,11 +52,7 @@ impl PackedQ8 {
     /// Quantizes and packs `W: [n, k]` (row-major). `k` must be a multiple of 32.
     pub fn from_rows(w: &[f32], n: usize, k: usize) -> PackedQ8 {
         assert!(w.len() >= n * k);
-        let copy = |r0: usize, out: &mut [f32]| -> Result<(), std::convert::Infallible> {
-            out.copy_from_slice(&w[r0 * k..r0 * k + out.len()]);
-            Ok(())
-        };
-        match Self::try_from_row_source(n, k, copy) {
+        match Self::try_from_row_source(n, k, super::rows_of(w, k, k)) {
             Ok(p) => p,
             Err(e) => match e {},
         }
@@ -76,41 +72,37 @@ impl PackedQ8 {
         let blocks = k / BLOCK;
         let panels = n.div_ceil(NP);
         let mut data = vec![0u8; panels * blocks * PANEL_BLOCK];
-        if blocks == 0 {
-            return Ok(PackedQ8 { n, k, data });
-        }
-        data.par_chunks_mut(blocks * PANEL_BLOCK)
-            .enumerate()
-            .try_for_each_init(
-                || vec![0f32; NP * k],
-                |tmp, (p, panel)| {
-                    let cols = NP.min(n - p * NP);
-                    rows(p * NP, &mut tmp[..cols * k])?;
-                    for b in 0..blocks {
-                        let pb = &mut panel[b * PANEL_BLOCK..(b + 1) * PANEL_BLOCK];
-                        for c in 0..NP {
-                            let (mut scale, mut sum) = (0f32, 0i32);
-                            if c < cols {
-                                let src = &tmp[c * k + b * BLOCK..c * k + (b + 1) * BLOCK];
-                                let amax = src.iter().fold(0f32, |m, &x| m.max(x.abs()));
-                                scale = amax / 127.0;
-                                let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
-                                for (t, &x) in src.iter().enumerate() {
-                                    let q = q8(x, inv);
-                                    sum += q as i32;
-                                    // group t/4, column c, byte t%4
-                                    pb[(t / 4) * NP * 4 + c * 4 + t % 4] = q as u8;
-                                }
+        super::fill_panels(
+            &mut data,
+            blocks * PANEL_BLOCK,
+            NP,
+            (n, k),
+            rows,
+            |cols, w, panel| {
+                for b in 0..blocks {
+                    let pb = &mut panel[b * PANEL_BLOCK..(b + 1) * PANEL_BLOCK];
+                    for c in 0..NP {
+                        let (mut scale, mut sum) = (0f32, 0i32);
+                        if c < cols {
+                            let src = &w[c * k + b * BLOCK..c * k + (b + 1) * BLOCK];
+                            let amax = src.iter().fold(0f32, |m, &x| m.max(x.abs()));
+                            scale = amax / 127.0;
+                            let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+                            for (t, &x) in src.iter().enumerate() {
+                                let q = q8(x, inv);
+                                sum += q as i32;
+                                // group t/4, column c, byte t%4
+                                pb[(t / 4) * NP * 4 + c * 4 + t % 4] = q as u8;
                             }
-                            pb[BLOCK * NP + c * 4..BLOCK * NP + c * 4 + 4]
-                                .copy_from_slice(&scale.to_le_bytes());
-                            pb[BLOCK * NP + NP * 4 + c * 4..BLOCK * NP + NP * 4 + c * 4 + 4]
-                                .copy_from_slice(&(128 * sum).to_le_bytes());
                         }
+                        pb[BLOCK * NP + c * 4..BLOCK * NP + c * 4 + 4]
+                            .copy_from_slice(&scale.to_le_bytes());
+                        pb[BLOCK * NP + NP * 4 + c * 4..BLOCK * NP + NP * 4 + c * 4 + 4]
+                            .copy_from_slice(&(128 * sum).to_le_bytes());
                     }
-                    Ok(())
-                },
-            )?;
+                }
+            },
+        )?;
         Ok(PackedQ8 { n, k, data })
     }
 

@@ -21,3 +21,44 @@ impl SendPtr {
         self.0
     }
 }
+
+/// Fills a packed weight buffer panel by panel from a source of `W: [n, k]` rows: panel `p`
+/// (`panel_len` elements of `buf`) is made by `pack(cols, rows, panel)` from the rows
+/// `p·np..p·np + cols`, which `rows(r0, out)` writes row-major into a buffer of the worker
+/// thread. The three packers' way to load weights without holding them whole as f32.
+pub(crate) fn fill_panels<T: Send, E: Send>(
+    buf: &mut [T],
+    panel_len: usize,
+    np: usize,
+    (n, k): (usize, usize),
+    rows: impl Fn(usize, &mut [f32]) -> Result<(), E> + Sync,
+    pack: impl Fn(usize, &[f32], &mut [T]) + Sync,
+) -> Result<(), E> {
+    use rayon::prelude::*;
+    if panel_len == 0 || k == 0 {
+        return Ok(());
+    }
+    buf.par_chunks_mut(panel_len).enumerate().try_for_each_init(
+        || vec![0f32; np * k],
+        |tmp, (p, panel)| {
+            let cols = np.min(n - p * np);
+            rows(p * np, &mut tmp[..cols * k])?;
+            pack(cols, &tmp[..cols * k], panel);
+            Ok(())
+        },
+    )
+}
+
+/// The row source of a plain `W: [n, k]` with row stride `ldw` (the packers' `from_rows`).
+pub(crate) fn rows_of(
+    w: &[f32],
+    k: usize,
+    ldw: usize,
+) -> impl Fn(usize, &mut [f32]) -> Result<(), std::convert::Infallible> + Sync + '_ {
+    move |r0, out| {
+        for (j, row) in out.chunks_mut(k.max(1)).enumerate() {
+            row.copy_from_slice(&w[(r0 + j) * ldw..][..row.len()]);
+        }
+        Ok(())
+    }
+}

@@ -376,19 +376,24 @@ fn logits_rows(
             let w = &cpu.as_slice::<f32>()?[start..end];
             if d > 0 && w.len() % d == 0 {
                 let vocab = w.len() / d;
-                // [vocab, rows] in chunks of vocabulary rows, then one Vec per row
+                // chunks of vocabulary rows on every core, each writing its stretch of every
+                // output row in place
                 const CHUNK: usize = 256;
-                let mut flat = vec![0f32; vocab * rows];
-                flat.par_chunks_mut(CHUNK * rows.max(1))
-                    .enumerate()
-                    .for_each(|(c, dst)| {
-                        let v0 = c * CHUNK;
-                        let n = dst.len() / rows.max(1);
-                        dot_rows(&h, rows, &w[v0 * d..(v0 + n) * d], d, dst);
-                    });
-                return Ok((0..rows)
-                    .map(|i| (0..vocab).map(|v| flat[v * rows + i]).collect())
-                    .collect());
+                let mut out = vec![vec![0f32; vocab]; rows];
+                let mut chunks: Vec<Vec<&mut [f32]>> = (0..vocab.div_ceil(CHUNK))
+                    .map(|_| Vec::with_capacity(rows))
+                    .collect();
+                for row in out.iter_mut() {
+                    for (c, stretch) in row.chunks_mut(CHUNK).enumerate() {
+                        chunks[c].push(stretch);
+                    }
+                }
+                chunks.into_par_iter().enumerate().for_each(|(c, mut dst)| {
+                    let v0 = c * CHUNK;
+                    let n = CHUNK.min(vocab - v0);
+                    dot_rows(&h, &w[v0 * d..(v0 + n) * d], d, &mut dst);
+                });
+                return Ok(out);
             }
         }
     }
@@ -429,12 +434,12 @@ fn dot16(x: &[f32], y: &[f32]) -> f32 {
 }
 
 multiversion! {
-    /// `out[v · rows + i] = h_i · w_v` for the rows `w_v` of `w` (`d` values each) and the rows
-    /// `h_i` of `h: [rows, d]`.
-    fn dot_rows(h: &[f32], rows: usize, w: &[f32], d: usize, out: &mut [f32]) {
+    /// `out[i][v] = h_i · w_v` for the rows `w_v` of `w` (`d` values each) and the rows `h_i`
+    /// of `h: [out.len(), d]`.
+    fn dot_rows(h: &[f32], w: &[f32], d: usize, out: &mut [&mut [f32]]) {
         for (v, wv) in w.chunks_exact(d).enumerate() {
-            for i in 0..rows {
-                out[v * rows + i] = dot16(&h[i * d..(i + 1) * d], wv);
+            for (i, row) in out.iter_mut().enumerate() {
+                row[v] = dot16(&h[i * d..(i + 1) * d], wv);
             }
         }
     }
@@ -591,7 +596,7 @@ pub fn attention(
 }
 
 /// [`attention`] into `z` (`[q_len, n_heads, head_dim]` floats, every one overwritten): the
-/// forward passes the same buffer for every layer, so no layer pays for fresh pages.
+/// forward passes the same buffer for every layer instead of zeroing a fresh one each time.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_into(
     layer: usize,
@@ -1860,7 +1865,8 @@ mod tests {
                 bad[999] = f32::NAN;
                 // logits: 3 rows of 100 values (6 lanes of 16 and a remainder) against 10 rows
                 let mut logits = vec![0f32; 30];
-                dot_rows(&xs[..300], 3, &xs[..1000], 100, &mut logits);
+                let mut rows: Vec<&mut [f32]> = logits.chunks_mut(10).collect();
+                dot_rows(&xs[..300], &xs[..1000], 100, &mut rows);
                 (
                     (max_of(&xs), max_of(&masked), sd, sk),
                     (d, k, out, scaled, logits),

@@ -63,3 +63,24 @@ pub fn assert_close(got: &[f32], want: &[f32], tol: f32, label: &str) {
         want[at]
     );
 }
+
+/// Runs `test` of the current test binary again in a child process with `ATTNSCOPE_AMX=0` (read
+/// once per process), so `fast` takes the 8-bit VNNI kernel where the CPU has it; asserts that it
+/// passed and returns what it printed.
+pub fn rerun_without_amx(test: &str) -> String {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env("ATTNSCOPE_AMX", "0")
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && text.contains("1 passed"),
+        "{test} with ATTNSCOPE_AMX=0:\n{text}"
+    );
+    text
+}
