@@ -9,6 +9,7 @@
 use super::capture::{Hook, Observer};
 use super::config::RopeStyle;
 use super::error::{Error, Result};
+use super::weights::{Head, Mapped};
 use super::Model;
 use crate::kernels::gemm::{self, Isa, PackedB};
 use crate::kernels::simd::multiversion;
@@ -356,51 +357,93 @@ multiversion! {
         xs.iter_mut().for_each(|x| *x *= f);
     }
 }
-
-/// The logits `h · Wᵀ` of `rows` normalized rows `h: [rows, d]`. A dense f32 head (tied to the
-/// embeddings, or dequantized for `exact`) is read row by row in place, on every core: candle's
-/// matmul of `h` by the transposed `[vocab, d]` head took ~35% of `faithfulness`'s time (one
-/// row per forward). Other heads (quantized, for `fast`) go through candle.
-fn logits_rows(
-    head: &candle_core::quantized::QMatMul,
-    h: Vec<f32>,
-    rows: usize,
-    d: usize,
-) -> Result<Vec<Vec<f32>>> {
-    use candle_core::quantized::QMatMul;
-    if let QMatMul::Tensor(w) = head {
-        let (storage, layout) = w.storage_and_layout();
-        if let (candle_core::Storage::Cpu(cpu), Some((start, end)), DType::F32) =
-            (&*storage, layout.contiguous_offsets(), w.dtype())
-        {
-            let w = &cpu.as_slice::<f32>()?[start..end];
-            if d > 0 && w.len() % d == 0 {
-                let vocab = w.len() / d;
-                // chunks of vocabulary rows on every core, each writing its stretch of every
-                // output row in place
-                const CHUNK: usize = 256;
-                let mut out = vec![vec![0f32; vocab]; rows];
-                let mut chunks: Vec<Vec<&mut [f32]>> = (0..vocab.div_ceil(CHUNK))
-                    .map(|_| Vec::with_capacity(rows))
-                    .collect();
-                for row in out.iter_mut() {
-                    for (c, stretch) in row.chunks_mut(CHUNK).enumerate() {
-                        chunks[c].push(stretch);
-                    }
+/// The logits `h · Wᵀ` of `rows` normalized rows `h: [rows, d]`. An f32 head (a float file's,
+/// or the file's blocks dequantized a chunk of vocabulary rows at a time: the same values) is
+/// read in chunks on every core: candle's matmul of `h` by the transposed `[vocab, d]` head took
+/// ~35% of `faithfulness`'s time (one row per forward). `fast`'s quantized head goes through
+/// candle.
+fn logits_rows(head: &Head, h: Vec<f32>, rows: usize, d: usize) -> Result<Vec<Vec<f32>>> {
+    // chunks of vocabulary rows on every core, each writing its stretch of every output row in
+    // place; a quantized head is dequantized a chunk at a time into the worker's own buffer
+    const CHUNK: usize = 256;
+    enum Src<'a> {
+        Slice(&'a [f32]),
+        Blocks(&'a Mapped),
+    }
+    impl Src<'_> {
+        /// Vocabulary rows `v0..v0 + n`, `d` values each (dequantized into `buf` if need be).
+        fn rows<'s>(
+            &'s self,
+            v0: usize,
+            n: usize,
+            d: usize,
+            buf: &'s mut Vec<f32>,
+        ) -> Result<&'s [f32]> {
+            match self {
+                Src::Slice(w) => Ok(&w[v0 * d..(v0 + n) * d]),
+                Src::Blocks(m) => {
+                    buf.resize(n * d, 0.0);
+                    m.rows_to_f32(v0, &mut buf[..n * d])?;
+                    Ok(&buf[..n * d])
                 }
-                chunks.into_par_iter().enumerate().for_each(|(c, mut dst)| {
-                    let v0 = c * CHUNK;
-                    let n = CHUNK.min(vocab - v0);
-                    dot_rows(&h, &w[v0 * d..(v0 + n) * d], d, &mut dst);
-                });
-                return Ok(out);
             }
         }
     }
-    let h = Tensor::from_vec(h, (rows, d), &Device::Cpu)?;
-    Ok(candle_core::Module::forward(head, &h)?
-        .to_dtype(DType::F32)?
-        .to_vec2()?)
+    let dense = |vocab: usize, src: Src| -> Result<Vec<Vec<f32>>> {
+        let mut out = vec![vec![0f32; vocab]; rows];
+        let mut chunks: Vec<Vec<&mut [f32]>> = (0..vocab.div_ceil(CHUNK))
+            .map(|_| Vec::with_capacity(rows))
+            .collect();
+        for row in out.iter_mut() {
+            for (c, stretch) in row.chunks_mut(CHUNK).enumerate() {
+                chunks[c].push(stretch);
+            }
+        }
+        chunks
+            .into_par_iter()
+            .enumerate()
+            .try_for_each_init(Vec::new, |buf, (c, mut dst)| {
+                let v0 = c * CHUNK;
+                let n = CHUNK.min(vocab - v0);
+                let w = src.rows(v0, n, d, buf)?;
+                dot_rows(&h, w, d, &mut dst);
+                Ok::<_, Error>(())
+            })?;
+        Ok(out)
+    };
+    match head {
+        Head::Rows(m) if d > 0 && m.cols() == d => {
+            let vocab = m.dims.iter().product::<usize>() / d;
+            dense(vocab, Src::Blocks(m))
+        }
+        Head::Dense(w) => {
+            let w = w.to_dtype(DType::F32)?.contiguous()?;
+            let w = w.flatten_all()?;
+            let (storage, layout) = w.storage_and_layout();
+            let candle_core::Storage::Cpu(cpu) = &*storage else {
+                unreachable!("attnscope runs on the CPU")
+            };
+            let (start, end) = layout.contiguous_offsets().expect("made contiguous above");
+            let w = &cpu.as_slice::<f32>()?[start..end];
+            if d == 0 || w.len() % d != 0 {
+                return Err(Error::Candle(candle_core::Error::Msg(format!(
+                    "an output matrix of {} values is not rows of {d}",
+                    w.len()
+                ))));
+            }
+            dense(w.len() / d, Src::Slice(w))
+        }
+        Head::Rows(m) => Err(Error::Candle(candle_core::Error::Msg(format!(
+            "an output matrix of shape {:?} for rows of {d}",
+            m.dims
+        )))),
+        Head::Quant(q) => {
+            let h = Tensor::from_vec(h, (rows, d), &Device::Cpu)?;
+            Ok(candle_core::Module::forward(q, &h)?
+                .to_dtype(DType::F32)?
+                .to_vec2()?)
+        }
+    }
 }
 
 /// `x · y` over 16 lanes, the lanes then summed in a fixed order (the same bits at every vector
@@ -1815,8 +1858,7 @@ mod tests {
         let mut rng = crate::reference::Rng::new(11);
         let w = Tensor::from_vec(rng.normals(vocab * d, 0.5), (vocab, d), &Device::Cpu).unwrap();
         let h = rng.normals(rows * d, 1.0);
-        let head = candle_core::quantized::QMatMul::Tensor(w.clone());
-        let got = logits_rows(&head, h.clone(), rows, d).unwrap();
+        let got = logits_rows(&Head::Dense(w.clone()), h.clone(), rows, d).unwrap();
         let want: Vec<Vec<f32>> = Tensor::from_vec(h.clone(), (rows, d), &Device::Cpu)
             .unwrap()
             .matmul(&w.t().unwrap())
@@ -1838,6 +1880,49 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn a_quantized_head_read_a_chunk_at_a_time_equals_its_dequantized_matrix() {
+        // Q8_0 blocks (`exact` keeps a file's quantized head as blocks and dequantizes 256
+        // vocabulary rows at a time): the same bits as the dense dequantized head, for a vocab
+        // that is not a whole number of chunks; fast's candle matmul on the blocks close by
+        use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+        let (vocab, d, rows) = (700, 64, 3);
+        let mut rng = crate::reference::Rng::new(12);
+        let w = Tensor::from_vec(rng.normals(vocab * d, 0.5), (vocab, d), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&w, GgmlDType::Q8_0).unwrap();
+        let bytes = q.data().unwrap().to_vec();
+        let blocks = Mapped {
+            offset: 0,
+            len: bytes.len(),
+            map: std::sync::Arc::new(super::super::gguf::Backing::Bytes(bytes)),
+            dtype: GgmlDType::Q8_0,
+            dims: vec![vocab, d],
+        };
+        let h = rng.normals(rows * d, 1.0);
+        let dense = Head::Dense(q.dequantize(&Device::Cpu).unwrap());
+        let want = logits_rows(&dense, h.clone(), rows, d).unwrap();
+        let got = logits_rows(&Head::Rows(blocks), h.clone(), rows, d).unwrap();
+        assert_eq!(got, want);
+        let quant = logits_rows(&Head::Quant(QMatMul::from_qtensor(q).unwrap()), h, rows, d);
+        for (g, c) in quant.unwrap().iter().zip(&want) {
+            assert_eq!(g.len(), vocab);
+            // candle quantizes the rows to 8 bits too
+            assert!(g
+                .iter()
+                .zip(c)
+                .all(|(a, b)| (a - b).abs() < 0.05 * (1.0 + b.abs())));
+        }
+        // a head whose rows are not `d` wide is refused, not read askew
+        let bad = Mapped {
+            offset: 0,
+            len: 34,
+            map: std::sync::Arc::new(super::super::gguf::Backing::Bytes(vec![0; 34])),
+            dtype: GgmlDType::Q8_0,
+            dims: vec![1, 32],
+        };
+        assert!(logits_rows(&Head::Rows(bad), vec![0.0; d], 1, d).is_err());
     }
 
     #[test]

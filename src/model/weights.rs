@@ -48,7 +48,7 @@ impl Mapped {
     fn bytes(&self) -> &[u8] {
         &self.map[self.offset..self.offset + self.len]
     }
-    fn cols(&self) -> usize {
+    pub(crate) fn cols(&self) -> usize {
         *self
             .dims
             .last()
@@ -59,7 +59,7 @@ impl Mapped {
         self.cols() / self.dtype.block_size() * self.dtype.type_size()
     }
     /// Dequantizes rows `r0..r0 + out.len() / cols` into `out`.
-    fn rows_to_f32(&self, r0: usize, out: &mut [f32]) -> Result<()> {
+    pub(crate) fn rows_to_f32(&self, r0: usize, out: &mut [f32]) -> Result<()> {
         let rb = self.row_bytes();
         let n_rows = out.len() / self.cols();
         dequantize_into(self.dtype, &self.bytes()[r0 * rb..(r0 + n_rows) * rb], out)
@@ -194,8 +194,8 @@ impl Raw {
     }
 }
 
-/// The input embedding: a dense f32 matrix, or (for a large untied vocabulary) the quantized
-/// rows in the file, dequantized only for the tokens looked up. Both give the same numbers.
+/// The input embedding: a dense f32 matrix (a float file's), or the quantized rows in the file,
+/// dequantized only for the tokens looked up. Both give the same numbers.
 pub enum Embedding {
     Dense(Tensor),
     Rows(Mapped),
@@ -215,6 +215,18 @@ impl Embedding {
             }
         }
     }
+}
+
+/// The output projection `[vocab, d_model]`, applied to a few rows only (the logits asked for).
+pub enum Head {
+    /// f32 in memory (a float file's head).
+    Dense(Tensor),
+    /// The quantized blocks in the file, dequantized a chunk of vocabulary rows at a time for
+    /// every call: the same values as dequantizing it whole, without holding it as f32 (on the
+    /// default model a 145 MB mapping instead of 544 MB of f32).
+    Rows(Mapped),
+    /// `fast`: candle's quantized matmul on the blocks.
+    Quant(QMatMul),
 }
 
 /// One weight matrix `W: [n, k]` of `y = x Wᵀ`, as held for a [`Precision`].
@@ -327,7 +339,7 @@ pub struct Weights {
     pub embed: Embedding,
     pub layers: Vec<Layer>,
     pub final_norm: Vec<f32>,
-    pub lm_head: QMatMul,
+    pub lm_head: Head,
     pub rope_style: RopeStyle,
 }
 
@@ -686,6 +698,8 @@ pub fn load_weights(
         Ok(w)
     };
     let (embed, lm_head) = match (need(src, Logical::Embed)?, dims.tied_embeddings) {
+        // tied quantized embeddings: looked up and applied as the head from the same blocks
+        (Raw::Mapped(m), true) => (Embedding::Rows(m.clone()), Head::Rows(m)),
         (Raw::Mapped(m), false) => (
             Embedding::Rows(m),
             head_matrix(need(src, Logical::LmHead)?, precision)?,
@@ -693,7 +707,7 @@ pub fn load_weights(
         (raw, tied) => {
             let dense = raw.to_f32()?;
             let head = if tied {
-                QMatMul::Tensor(dense.clone())
+                Head::Dense(dense.clone())
             } else {
                 head_matrix(need(src, Logical::LmHead)?, precision)?
             };
@@ -812,11 +826,15 @@ pub fn load_weights(
     })
 }
 
-/// The output projection (applied to a few rows only): quantized in `fast`, else f32.
-fn head_matrix(raw: Raw, precision: Precision) -> Result<QMatMul> {
+/// The output projection (applied to a few rows only): quantized in `fast`, else f32 values
+/// (dequantized per call from the file's blocks when it has them).
+fn head_matrix(raw: Raw, precision: Precision) -> Result<Head> {
     Ok(match quantized(&raw, precision)? {
-        Some(q) => q,
-        None => QMatMul::Tensor(raw.to_f32()?),
+        Some(q) => Head::Quant(q),
+        None => match raw {
+            Raw::Mapped(m) => Head::Rows(m),
+            Raw::F(_) => Head::Dense(raw.to_f32()?),
+        },
     })
 }
 
