@@ -238,6 +238,47 @@ fn full_run(model: &Model) -> (Vec<f32>, attnscope::model::forward::KvPrefix) {
     (full.logits[0].clone(), full.kv.unwrap())
 }
 
+/// The last layer's attention output and MLP run on the logits rows alone unless a hook wants
+/// them: the same logits, bit for bit, as the whole tail (forced here by capturing the last
+/// layer's residual stream), for rows asked out of order and twice, exact and fast.
+#[test]
+fn the_last_layer_on_the_logits_rows_alone_equals_the_whole_tail() {
+    use attnscope::model::capture::{CaptureSpec, Queries};
+    for (arch, precision) in [
+        (Arch::Llama, Precision::Exact),
+        (Arch::Qwen2, Precision::Exact),
+        (Arch::Qwen2, Precision::Fast),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.gguf");
+        write_gguf(&tiny_model(arch, 17), arch, GgmlDType::F32, &path).unwrap();
+        let model = Model::load(path.to_str().unwrap(), precision, false).unwrap();
+        let last = model.dims.n_layers - 1;
+        let opts = RunOptions {
+            logits_at: vec![TOKENS.len() - 1, 2, 6, 2],
+            ..Default::default()
+        };
+        let alone = model
+            .forward(&TOKENS, &opts, &mut attnscope::model::capture::NoCapture)
+            .unwrap();
+        let spec = CaptureSpec {
+            hooks: vec![Hook::ResidPost],
+            layers: Some(vec![last]),
+            heads: None,
+            queries: Queries::All,
+        };
+        let mut cache = AttnCache::new(&spec, TOKENS.len());
+        let whole = model.forward(&TOKENS, &opts, &mut cache).unwrap();
+        let resid = cache
+            .get(last, Hook::ResidPost)
+            .expect("the tail ran whole");
+        assert_eq!(resid.data.len(), TOKENS.len() * model.dims.d_model);
+        assert_eq!(alone.logits.len(), 4);
+        assert_eq!(alone.logits, whole.logits, "{arch:?} {precision:?}");
+        assert_eq!(alone.logits[1], alone.logits[3]);
+    }
+}
+
 /// Running the rest of a sequence on a reused KV prefix equals running it whole.
 #[test]
 fn prefix_reuse_equals_a_full_run() {

@@ -228,8 +228,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let total = median(runs.iter().map(|t| t.total.as_secs_f64()).collect());
         let proj = median(runs.iter().map(|t| t.projections.as_secs_f64()).collect());
         let attn = median(runs.iter().map(|t| t.attention.as_secs_f64()).collect());
+        // the products the forward runs: q|k|v on every row of every layer; o and the MLP too,
+        // but on the last layer only for the one row whose logits are asked for
+        let (qkv_row, tail_row) = ((dm * (nq + 2 * nk)) as f64, (nq * dm + 3 * dm * ff) as f64);
         let proj_flops =
-            layers * 2.0 * n as f64 * (dm * (nq + 2 * nk) + nq * dm + 3 * dm * ff) as f64;
+            2.0 * (layers * n as f64 * qkv_row + ((layers - 1.0) * n as f64 + 1.0) * tail_row);
         // useful work: q·k and p·v over the n(n+1)/2 visible (query, key) pairs of every head
         let attn_flops =
             layers * d.n_heads as f64 * 4.0 * d.head_dim as f64 * (n * (n + 1) / 2) as f64;

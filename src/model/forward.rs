@@ -1387,6 +1387,12 @@ impl Model {
             .filter(|g| g.rope_base_sliding != dims.rope_base)
             .map(|g| tables(g.rope_base_sliding));
         let style = self.weights.rope_style;
+        // the stacked rows whose logits are asked for, in order
+        let mut logit_rows: Vec<usize> = segs
+            .iter()
+            .zip(&row0)
+            .flat_map(|(seg, &r0)| seg.logits_at.iter().map(move |&p| r0 + p - seg.reuse))
+            .collect();
         let all_tokens: Vec<u32> = segs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
         let mut x: Vec<f32> = self
             .weights
@@ -1538,6 +1544,31 @@ impl Model {
             if obs.wants(l, Hook::Z) {
                 obs.tensor(l, Hook::Z, &[m, nh, hd], &z);
             }
+            // The last layer's attention output and MLP feed nothing but the logits: unless a
+            // hook wants them, they run on the logits rows alone (none for `sinks`, a capture of
+            // patterns or statistics; one for `inspect`'s prediction), 1/24 of the default
+            // model's projections saved
+            let mut mr = m;
+            if l + 1 == self.weights.layers.len()
+                && !obs.wants(l, Hook::AttnOut)
+                && !obs.wants(l, Hook::ResidPost)
+            {
+                let gather = |v: &[f32], w: usize| -> Vec<f32> {
+                    logit_rows
+                        .iter()
+                        .flat_map(|&r| v[r * w..(r + 1) * w].iter().copied())
+                        .collect()
+                };
+                x = gather(&x, dm);
+                z = gather(&z, nh * hd);
+                mr = logit_rows.len();
+                logit_rows = (0..mr).collect();
+            }
+            if mr == 0 {
+                obs.layer_done(l);
+                break;
+            }
+            let m = mr;
             let t = Instant::now();
             if let Some((post_attn, _)) = &layer.post_norms {
                 // Gemma: the attention's output is normalized before the residual add
@@ -1617,15 +1648,13 @@ impl Model {
                 return Err(Error::Interrupted);
             }
         }
-        let n_logits: usize = segs.iter().map(|s| s.logits_at.len()).sum();
+        let n_logits = logit_rows.len();
         let logits = if n_logits == 0 {
             Vec::new()
         } else {
-            let rows: Vec<f32> = segs
+            let rows: Vec<f32> = logit_rows
                 .iter()
-                .zip(&row0)
-                .flat_map(|(seg, &r0)| seg.logits_at.iter().map(move |&p| r0 + p - seg.reuse))
-                .flat_map(|r| x[r * dm..(r + 1) * dm].iter().copied())
+                .flat_map(|&r| x[r * dm..(r + 1) * dm].iter().copied())
                 .collect();
             let h = match &self.weights.final_norm_bias {
                 Some(b) => layer_norm(&rows, &self.weights.final_norm, b, dims.rms_eps),
