@@ -89,7 +89,7 @@ impl Observer for StreamToFile {
             .map(|(k, _)| *k)
             .collect();
         for key in keys {
-            let c = self.cache.entries.remove(&key).expect("listed above");
+            let c = self.cache.take(key.0, key.1).expect("listed above");
             while let Ok(buf) = self.written.try_recv() {
                 self.cache.recycle(buf);
             }
