@@ -4,7 +4,7 @@ use super::common::{emit, parse_index_list, usage, ModelArgs, TextArgs};
 use crate::model::capture::{AttnCache, CaptureSpec, Hook, Observer, Queries};
 use crate::model::forward::RunOptions;
 use crate::render::direct::DirectFile;
-use crate::render::tensorfile::{TensorFormat, TensorWriter};
+use crate::render::tensorfile::{TensorFormat, TensorWriter, HEAP_PHASE};
 use anyhow::Context;
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
@@ -277,7 +277,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         )),
     };
     let n_tensors = order.len();
-    let writer = TensorWriter::new(file, tf, order, &md)
+    let writer = TensorWriter::with_data_phase(file, tf, order, &md, HEAP_PHASE)
         .with_context(|| format!("writing {}", a.out.display()))?;
     let terminal = std::io::stderr().is_terminal();
     let bar = if terminal {

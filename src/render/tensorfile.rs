@@ -33,6 +33,12 @@ fn le_bytes(data: &[f32]) -> std::borrow::Cow<'_, [u8]> {
     }
 }
 
+use super::direct::BLOCK;
+
+/// Where a large heap allocation starts within a page with glibc's allocator (after its 16-byte
+/// chunk header): the phase at which [`TensorWriter::with_data_phase`] puts tensor data.
+pub const HEAP_PHASE: usize = 16;
+
 /// Where the tensors go.
 enum Sink<W: Write + Seek> {
     /// header already written; data appended in declared order
@@ -63,10 +69,25 @@ impl<W: Write + Seek> TensorWriter<W> {
     /// Starts a file of the tensors `order` (name, shape), in that order (`metadata` goes into
     /// a safetensors header; npz has no place for it).
     pub fn new(
+        out: W,
+        format: TensorFormat,
+        order: Vec<(String, Vec<usize>)>,
+        metadata: &BTreeMap<String, String>,
+    ) -> std::io::Result<Self> {
+        Self::with_data_phase(out, format, order, metadata, 0)
+    }
+
+    /// As [`TensorWriter::new`], with a safetensors header padded (with spaces, which the format
+    /// allows) so the tensor data starts at a file offset of `phase` modulo [`BLOCK`]
+    /// (`phase` a multiple of 8). A file written past the page cache ([`super::direct`]) then
+    /// takes large tensors straight from memory whose address has that same phase: on Linux a
+    /// large `Vec` starts 16 bytes into a page, so [`HEAP_PHASE`] saves copying every byte.
+    pub fn with_data_phase(
         mut out: W,
         format: TensorFormat,
         order: Vec<(String, Vec<usize>)>,
         metadata: &BTreeMap<String, String>,
+        phase: usize,
     ) -> std::io::Result<Self> {
         let sink = match format {
             TensorFormat::Safetensors => {
@@ -100,8 +121,12 @@ impl<W: Write + Seek> TensorWriter<W> {
                 let mut h = serde_json::to_string(&meta)
                     .map_err(|e| invalid(format!("safetensors header: {e}")))?
                     .into_bytes();
-                // the data starts 8-byte aligned, as the crate pads it
+                // the data starts 8-byte aligned, as the crate pads it, and at the phase asked for
                 h.resize(h.len().next_multiple_of(8), b' ');
+                if phase > 0 {
+                    let at = (8 + h.len()) % BLOCK;
+                    h.resize(h.len() + (BLOCK + phase - at) % BLOCK, b' ');
+                }
                 out.write_all(&(h.len() as u64).to_le_bytes())?;
                 out.write_all(&h)?;
                 Sink::Safetensors(out)
@@ -198,6 +223,35 @@ pub fn to_npz(tensors: &[NamedTensor<'_>]) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A header padded to a phase: the data starts there, and readers take the file as before.
+    #[test]
+    fn a_header_padded_to_a_phase_starts_the_data_there() {
+        let order = vec![("a".to_string(), vec![2, 3]), ("b".to_string(), vec![5])];
+        let md = BTreeMap::from([("k".to_string(), "v".to_string())]);
+        for phase in [0, 8, HEAP_PHASE, 4000] {
+            let mut w = TensorWriter::with_data_phase(
+                std::io::Cursor::new(Vec::new()),
+                TensorFormat::Safetensors,
+                order.clone(),
+                &md,
+                phase,
+            )
+            .unwrap();
+            w.write("a", &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap();
+            w.write("b", &[7.0; 5]).unwrap();
+            let bytes = w.finish().unwrap().into_inner();
+            let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+            if phase > 0 {
+                assert_eq!((8 + header) % BLOCK, phase);
+            }
+            let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            let b = st.tensor("b").unwrap();
+            assert_eq!(b.shape(), &[5]);
+            assert_eq!(&b.data()[..4], &7f32.to_le_bytes());
+            assert_eq!(st.tensor("a").unwrap().data().len(), 24);
+        }
+    }
 
     #[test]
     fn safetensors_reads_back_with_the_safetensors_crate() {
