@@ -913,3 +913,107 @@ fn norm_based_attention_is_hand_computable() {
         assert!((sh.iter().sum::<f32>() - 1.0).abs() < 1e-5);
     }
 }
+
+/// Takes attention maps only as blocks handed over (the forward's copy path).
+struct BlocksOnly(AttnCache);
+
+impl attnscope::model::capture::Observer for BlocksOnly {
+    fn wants(&self, l: usize, h: Hook) -> bool {
+        self.0.wants(l, h)
+    }
+    fn tensor(&mut self, l: usize, h: Hook, shape: &[usize], data: &[f32]) {
+        self.0.tensor(l, h, shape, data)
+    }
+    fn attention_block(&mut self, l: usize, h: Hook, q0: usize, shape: [usize; 3], data: &[f32]) {
+        self.0.attention_block(l, h, q0, shape, data)
+    }
+}
+
+/// Lets the forward write patterns in place, and streams each layer out as `capture` does:
+/// its maps taken, kept here, and their buffers recycled for the next layer.
+struct InPlaceStreamed(AttnCache, Vec<(usize, Hook, Vec<f32>)>, usize);
+
+impl attnscope::model::capture::Observer for InPlaceStreamed {
+    fn wants(&self, l: usize, h: Hook) -> bool {
+        self.0.wants(l, h)
+    }
+    fn tensor(&mut self, l: usize, h: Hook, shape: &[usize], data: &[f32]) {
+        self.0.tensor(l, h, shape, data)
+    }
+    fn attention_block(&mut self, l: usize, h: Hook, q0: usize, shape: [usize; 3], data: &[f32]) {
+        self.0.attention_block(l, h, q0, shape, data)
+    }
+    fn pattern_rows(
+        &mut self,
+        l: usize,
+        q0: usize,
+        rows: usize,
+        heads: usize,
+        k_len: usize,
+    ) -> Option<Vec<&mut [f32]>> {
+        let rows = self.0.pattern_rows(l, q0, rows, heads, k_len);
+        self.2 += rows.is_some() as usize;
+        rows
+    }
+    fn layer_done(&mut self, l: usize) {
+        for h in [Hook::AttnScores, Hook::Pattern] {
+            let c = self.0.take(l, h).expect("both maps captured");
+            self.1.push((l, h, c.data.clone()));
+            self.0.recycle(c.data);
+        }
+    }
+}
+
+/// The kernel writing each pattern row in the caller's buffer (scores, softmax and P·V in
+/// place, masked keys zeroed) gives the numbers of the blocks handed over for copying, bit for
+/// bit: patterns, raw scores and logits, in one query block or many, into fresh buffers and
+/// into recycled ones holding an earlier layer's numbers.
+#[test]
+fn patterns_written_in_place_equal_patterns_handed_over_in_blocks() {
+    use attnscope::model::capture::{CaptureSpec, Queries};
+    for arch in [Arch::Llama, Arch::Qwen2] {
+        let (_d, model) = tiny_loaded(arch, 23);
+        let n = TOKENS.len();
+        let spec = CaptureSpec {
+            hooks: vec![Hook::Pattern, Hook::AttnScores],
+            layers: None,
+            heads: None,
+            queries: Queries::All,
+        };
+        for block in [64 << 20, 4 * 9 * 4 * 2] {
+            let opts = RunOptions {
+                logits_at: (0..n).collect(),
+                block_bytes: block,
+                ..Default::default()
+            };
+            let mut blocks = BlocksOnly(AttnCache::new(&spec, n));
+            let want = model.forward(&TOKENS, &opts, &mut blocks).unwrap();
+            let mut in_place = AttnCache::new(&spec, n);
+            let got = model.forward(&TOKENS, &opts, &mut in_place).unwrap();
+            let mut streamed = InPlaceStreamed(AttnCache::new(&spec, n), Vec::new(), 0);
+            let got_streamed = model.forward(&TOKENS, &opts, &mut streamed).unwrap();
+            assert_eq!(got.logits, want.logits, "{arch:?} block {block}");
+            assert_eq!(got_streamed.logits, want.logits, "{arch:?} block {block}");
+            assert_eq!(streamed.1.len(), 2 * model.dims.n_layers);
+            // every query block of every layer was written in place
+            assert!(streamed.2 >= model.dims.n_layers, "{}", streamed.2);
+            if block < 1 << 20 {
+                assert!(streamed.2 > model.dims.n_layers, "several blocks per layer");
+            }
+            for (l, hook, data) in &streamed.1 {
+                let w = &blocks.0.get(*l, *hook).unwrap().data;
+                let g = &in_place.get(*l, *hook).unwrap().data;
+                let same =
+                    |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(
+                    same(g, w),
+                    "{arch:?} block {block} layer {l} {hook:?} in place"
+                );
+                assert!(
+                    same(data, w),
+                    "{arch:?} block {block} layer {l} {hook:?} recycled"
+                );
+            }
+        }
+    }
+}

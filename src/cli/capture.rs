@@ -81,6 +81,20 @@ impl Observer for StreamToFile {
         self.cache
             .attention_block(layer, hook, q_start, shape, data);
     }
+    fn pattern_rows(
+        &mut self,
+        layer: usize,
+        q_start: usize,
+        rows: usize,
+        n_heads: usize,
+        k_len: usize,
+    ) -> Option<Vec<&mut [f32]>> {
+        if self.failed.load(std::sync::atomic::Ordering::Relaxed) {
+            return None;
+        }
+        self.cache
+            .pattern_rows(layer, q_start, rows, n_heads, k_len)
+    }
     fn layer_done(&mut self, layer: usize) {
         let keys: Vec<(usize, Hook)> = self
             .cache

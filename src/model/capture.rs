@@ -151,6 +151,21 @@ pub trait Observer {
     fn attention_rows(&mut self, _layer: usize, _q: usize, _n_heads: usize, _rows: &[f32]) {}
     /// Called after each layer (for progress).
     fn layer_done(&mut self, _layer: usize) {}
+    /// Where the forward may write `layer`'s normalized pattern of query rows `q_start..q_start +
+    /// rows` itself, all `k_len` keys of each row (masked ones 0): one slice of `rows · k_len`
+    /// values per head, in head order. The attention kernel then computes the scores, the
+    /// softmax and the weighted sum of values in the caller's memory and hands no
+    /// [`Hook::Pattern`] block over (no copy). `None` (the default): blocks by `attention_block`.
+    fn pattern_rows(
+        &mut self,
+        _layer: usize,
+        _q_start: usize,
+        _rows: usize,
+        _n_heads: usize,
+        _k_len: usize,
+    ) -> Option<Vec<&mut [f32]>> {
+        None
+    }
 }
 
 /// An observer that wants nothing.
@@ -366,11 +381,77 @@ impl AttnCache {
     fn head_list(&self, n: usize) -> Vec<usize> {
         self.heads.clone().unwrap_or_else(|| (0..n).collect())
     }
+
+    /// Makes the entry of an attention map `key` if there is none yet: a fresh buffer of the
+    /// masked value, or a recycled one whose rows are then tracked as they are written.
+    fn ensure_map(&mut self, key: (usize, Hook), heads: &[usize]) {
+        if self.entries.contains_key(&key) {
+            return;
+        }
+        let (layer, hook) = key;
+        let (nq, n) = (self.queries.len(), self.seq_len);
+        let (data, recycled) = buffer(&mut self.spare, heads.len() * nq * n, masked_value(hook));
+        if recycled {
+            self.written.insert(key, vec![false; nq]);
+        }
+        let entry = Captured {
+            name: hook_name(layer, hook),
+            layer,
+            hook,
+            shape: vec![heads.len(), nq, n],
+            data,
+            heads: Some(heads.to_vec()),
+            queries: self.queries.clone(),
+        };
+        self.entries.insert(key, entry);
+    }
 }
 
 impl Observer for AttnCache {
     fn wants(&self, layer: usize, hook: Hook) -> bool {
         self.spec_hooks.contains(&hook) && self.layers.as_ref().is_none_or(|ls| ls.contains(&layer))
+    }
+
+    /// The pattern's own rows, when it keeps every query and every head of a whole forward
+    /// (its layout is then the forward's: `[head, query, key]`).
+    fn pattern_rows(
+        &mut self,
+        layer: usize,
+        q_start: usize,
+        rows: usize,
+        n_heads: usize,
+        k_len: usize,
+    ) -> Option<Vec<&mut [f32]>> {
+        let n = self.seq_len;
+        let every_query =
+            self.queries.len() == n && self.queries.iter().enumerate().all(|(i, &q)| i == q);
+        let every_head = self
+            .heads
+            .as_ref()
+            .is_none_or(|h| h.iter().copied().eq(0..n_heads));
+        if !self.wants(layer, Hook::Pattern)
+            || k_len != n
+            || q_start + rows > n
+            || !every_query
+            || !every_head
+        {
+            return None;
+        }
+        let key = (layer, Hook::Pattern);
+        self.ensure_map(key, &(0..n_heads).collect::<Vec<_>>());
+        if let Some(w) = self.written.get_mut(&key) {
+            w[q_start..q_start + rows]
+                .iter_mut()
+                .for_each(|x| *x = true);
+        }
+        let entry = self.entries.get_mut(&key).expect("made above");
+        Some(
+            entry
+                .data
+                .chunks_mut(n * n)
+                .map(|head| &mut head[q_start * n..(q_start + rows) * n])
+                .collect(),
+        )
     }
 
     fn tensor(&mut self, layer: usize, hook: Hook, shape: &[usize], data: &[f32]) {
@@ -423,23 +504,8 @@ impl Observer for AttnCache {
         let (nq, n) = (self.queries.len(), self.seq_len);
         let fill = masked_value(hook);
         let key = (layer, hook);
-        if !self.entries.contains_key(&key) {
-            let (data, recycled) = buffer(&mut self.spare, heads.len() * nq * n, fill);
-            if recycled {
-                self.written.insert(key, vec![false; nq]);
-            }
-            let entry = Captured {
-                name: hook_name(layer, hook),
-                layer,
-                hook,
-                shape: vec![heads.len(), nq, n],
-                data,
-                heads: Some(heads.clone()),
-                queries: self.queries.clone(),
-            };
-            self.entries.insert(key, entry);
-        }
-        let entry = self.entries.get_mut(&key).expect("inserted above");
+        self.ensure_map(key, &heads);
+        let entry = self.entries.get_mut(&key).expect("made above");
         let written = self.written.get_mut(&key);
         // the kept queries of this block: (index among the kept, row in the block)
         let kept: Vec<(usize, usize)> = self

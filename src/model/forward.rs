@@ -773,12 +773,29 @@ pub fn attention_into(
         // one chunk per head (of at least one float, so the zip below has a chunk for every head)
         let row_chunk = (wanted.len() * k_len).max(1);
         let mut row_out = vec![0f32; n_heads * row_chunk];
+        // the caller's own rows for the pattern, where it offers them: the block's scores,
+        // softmax and P·V then run in place there (a whole row per query: one key block)
+        let mut dests: Vec<Option<&mut [f32]>> = match want_p
+            .then(|| obs.pattern_rows(layer, offset + q0, rows, n_heads, k_len))
+            .flatten()
+        {
+            Some(d)
+                if materialize
+                    && d.len() == n_heads
+                    && d.iter().all(|x| x.len() == rows * k_len) =>
+            {
+                d.into_iter().map(Some).collect()
+            }
+            _ => (0..n_heads).map(|_| None).collect(),
+        };
+        let direct = dests[0].is_some();
         let head_task = |h: usize,
                          s_h: &mut [f32],
                          raw_h: &mut [f32],
                          st_h: &mut [RowState],
                          z_h: &mut [f32],
-                         rows_h: &mut [f32]| {
+                         rows_h: &mut [f32],
+                         mut dest: Option<&mut [f32]>| {
             let (kp, vp) = &packed[h / group];
             let a = &q[(h * n + q0) * d..(h * n + q0 + rows) * d];
             let mut corr = vec![0f32; rows];
@@ -791,16 +808,24 @@ pub fn attention_into(
             while k0 < kw {
                 let kn = kb_size.min(kw - k0);
                 let single = k0 == 0 && kn == kw;
-                let s = &mut s_h[..rows * kn];
+                // rows of kn scores, ld apart: the scratch block, or the caller's rows
+                let (s, ld) = match dest.as_deref_mut() {
+                    Some(rows_out) => (rows_out, k_len),
+                    None => (&mut s_h[..rows * kn], kn),
+                };
                 // raw scores q·k of this block: [rows, kn]
-                gemm::gemm_sub(a, d, rows, kp, 0..d, k0..k0 + kn, s, kn, false, false);
+                gemm::gemm_sub(a, d, rows, kp, 0..d, k0..k0 + kn, s, ld, false, false);
                 if let Some(cap) = softcap {
-                    s.iter_mut().for_each(|x| *x = (*x / cap).tanh() * cap);
+                    for row in s.chunks_mut(ld) {
+                        row[..kn]
+                            .iter_mut()
+                            .for_each(|x| *x = (*x / cap).tanh() * cap);
+                    }
                 }
                 if !raw_h.is_empty() {
-                    for (x, (src, dst)) in s.chunks(kn).zip(raw_h.chunks_mut(kn)).enumerate() {
+                    for (x, (src, dst)) in s.chunks(ld).zip(raw_h.chunks_mut(kn)).enumerate() {
                         let i = offset + q0 + x;
-                        for (j, (&sc, out)) in src.iter().zip(dst.iter_mut()).enumerate() {
+                        for (j, (&sc, out)) in src[..kn].iter().zip(dst.iter_mut()).enumerate() {
                             *out = if visible(i, k0 + j, knockout, window) {
                                 sc
                             } else {
@@ -813,10 +838,13 @@ pub fn attention_into(
                 // m' = max(m, block max), rescale the sums by exp(m - m'), and leave
                 // p = exp(s - m') in the buffer for the weighted sum of values
                 for (x, (row, (st, c))) in s
-                    .chunks_mut(kn)
+                    .chunks_mut(ld)
                     .zip(st_h.iter_mut().zip(corr.iter_mut()))
                     .enumerate()
                 {
+                    // keys past the block: the caller's row holds them too, masked
+                    let (row, rest) = row.split_at_mut(kn);
+                    rest.fill(0.0);
                     let i = offset + q0 + x;
                     let top_k = request
                         .filter(|r| r.top_k > 0 && i >= r.top_k_from)
@@ -846,14 +874,15 @@ pub fn attention_into(
                         scale_by(zr, c);
                     }
                 }
-                gemm::gemm_sub(s, kn, rows, vp, k0..k0 + kn, 0..d, z_h, d, k0 > 0, false);
+                gemm::gemm_sub(s, ld, rows, vp, k0..k0 + kn, 0..d, z_h, d, k0 > 0, false);
                 if single {
                     // the pattern is in the buffer: hand out the wanted rows from it
                     for (w, &(x, _)) in wanted.iter().enumerate() {
-                        rows_h[w * k_len..w * k_len + kw].copy_from_slice(&s[x * kn..(x + 1) * kn]);
+                        rows_h[w * k_len..w * k_len + kw].copy_from_slice(&s[x * ld..x * ld + kn]);
                     }
                     return;
                 }
+                debug_assert!(dest.is_none(), "the caller's rows take one key block");
                 k0 += kn;
             }
             for (zr, st) in z_h.chunks_mut(d).zip(st_h.iter()) {
@@ -898,18 +927,20 @@ pub fn attention_into(
             .zip(state.par_chunks_mut(rows))
             .zip(zb.par_chunks_mut(rows * d))
             .zip(row_out.par_chunks_mut(row_chunk))
+            .zip(dests.par_iter_mut())
             .enumerate();
         if want_s {
             tasks.zip(raw_scores.par_chunks_mut(raw_chunk)).for_each(
-                |((h, (((s_h, st_h), z_h), rows_h)), raw_h)| {
-                    head_task(h, s_h, raw_h, st_h, z_h, rows_h)
+                |((h, ((((s_h, st_h), z_h), rows_h), dest)), raw_h)| {
+                    head_task(h, s_h, raw_h, st_h, z_h, rows_h, dest.as_deref_mut())
                 },
             );
         } else {
-            tasks.for_each(|(h, (((s_h, st_h), z_h), rows_h))| {
-                head_task(h, s_h, &mut [], st_h, z_h, rows_h)
+            tasks.for_each(|(h, ((((s_h, st_h), z_h), rows_h), dest))| {
+                head_task(h, s_h, &mut [], st_h, z_h, rows_h, dest.as_deref_mut())
             });
         }
+        drop(dests);
         // a NaN or infinite score (corrupt weights, an overflow) poisons Σ p·s: refuse the layer
         // rather than hand out rows in which it silently became weight 0
         if state
@@ -938,7 +969,7 @@ pub fn attention_into(
                 raw_scores,
             );
         }
-        if want_p {
+        if want_p && !direct {
             obs.attention_block(
                 layer,
                 Hook::Pattern,
