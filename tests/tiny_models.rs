@@ -950,7 +950,7 @@ impl attnscope::model::capture::Observer for InPlaceStreamed {
         rows: usize,
         heads: usize,
         k_len: usize,
-    ) -> Option<Vec<&mut [f32]>> {
+    ) -> Option<attnscope::model::capture::PatternRows<'_>> {
         let rows = self.0.pattern_rows(l, q0, rows, heads, k_len);
         self.2 += rows.is_some() as usize;
         rows

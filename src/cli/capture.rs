@@ -88,7 +88,7 @@ impl Observer for StreamToFile {
         rows: usize,
         n_heads: usize,
         k_len: usize,
-    ) -> Option<Vec<&mut [f32]>> {
+    ) -> Option<crate::model::capture::PatternRows<'_>> {
         if self.failed.load(std::sync::atomic::Ordering::Relaxed) {
             return None;
         }

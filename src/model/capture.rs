@@ -163,9 +163,18 @@ pub trait Observer {
         _rows: usize,
         _n_heads: usize,
         _k_len: usize,
-    ) -> Option<Vec<&mut [f32]>> {
+    ) -> Option<PatternRows<'_>> {
         None
     }
+}
+
+/// A caller's rows for the forward to write a pattern block in ([`Observer::pattern_rows`]).
+pub struct PatternRows<'a> {
+    /// per head, `rows · k_len` values
+    pub heads: Vec<&'a mut [f32]>,
+    /// the rows hold zeros already (fresh memory): masked keys need no writing, so pages
+    /// wholly past the causal mask are never touched
+    pub zeroed: bool,
 }
 
 /// An observer that wants nothing.
@@ -421,7 +430,7 @@ impl Observer for AttnCache {
         rows: usize,
         n_heads: usize,
         k_len: usize,
-    ) -> Option<Vec<&mut [f32]>> {
+    ) -> Option<PatternRows<'_>> {
         let n = self.seq_len;
         let every_query =
             self.queries.len() == n && self.queries.iter().enumerate().all(|(i, &q)| i == q);
@@ -439,19 +448,25 @@ impl Observer for AttnCache {
         }
         let key = (layer, Hook::Pattern);
         self.ensure_map(key, &(0..n_heads).collect::<Vec<_>>());
-        if let Some(w) = self.written.get_mut(&key) {
-            w[q_start..q_start + rows]
-                .iter_mut()
-                .for_each(|x| *x = true);
-        }
+        // a fresh buffer is all zeros; a recycled one holds an older layer's numbers
+        let zeroed = match self.written.get_mut(&key) {
+            Some(w) => {
+                w[q_start..q_start + rows]
+                    .iter_mut()
+                    .for_each(|x| *x = true);
+                false
+            }
+            None => true,
+        };
         let entry = self.entries.get_mut(&key).expect("made above");
-        Some(
-            entry
+        Some(PatternRows {
+            heads: entry
                 .data
                 .chunks_mut(n * n)
                 .map(|head| &mut head[q_start * n..(q_start + rows) * n])
                 .collect(),
-        )
+            zeroed,
+        })
     }
 
     fn tensor(&mut self, layer: usize, hook: Hook, shape: &[usize], data: &[f32]) {

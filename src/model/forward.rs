@@ -775,18 +775,18 @@ pub fn attention_into(
         let mut row_out = vec![0f32; n_heads * row_chunk];
         // the caller's own rows for the pattern, where it offers them: the block's scores,
         // softmax and P·V then run in place there (a whole row per query: one key block)
-        let mut dests: Vec<Option<&mut [f32]>> = match want_p
+        let (mut dests, zeroed): (Vec<Option<&mut [f32]>>, bool) = match want_p
             .then(|| obs.pattern_rows(layer, offset + q0, rows, n_heads, k_len))
             .flatten()
         {
             Some(d)
                 if materialize
-                    && d.len() == n_heads
-                    && d.iter().all(|x| x.len() == rows * k_len) =>
+                    && d.heads.len() == n_heads
+                    && d.heads.iter().all(|x| x.len() == rows * k_len) =>
             {
-                d.into_iter().map(Some).collect()
+                (d.heads.into_iter().map(Some).collect(), d.zeroed)
             }
-            _ => (0..n_heads).map(|_| None).collect(),
+            _ => ((0..n_heads).map(|_| None).collect(), false),
         };
         let direct = dests[0].is_some();
         let head_task = |h: usize,
@@ -842,9 +842,12 @@ pub fn attention_into(
                     .zip(st_h.iter_mut().zip(corr.iter_mut()))
                     .enumerate()
                 {
-                    // keys past the block: the caller's row holds them too, masked
+                    // keys past the block: the caller's row holds them too, masked (zero
+                    // already in fresh memory, left untouched there)
                     let (row, rest) = row.split_at_mut(kn);
-                    rest.fill(0.0);
+                    if !zeroed {
+                        rest.fill(0.0);
+                    }
                     let i = offset + q0 + x;
                     let top_k = request
                         .filter(|r| r.top_k > 0 && i >= r.top_k_from)

@@ -97,6 +97,21 @@ impl Observer for Wanted {
         self.cache
             .attention_block(layer, hook, q_start, shape, data)
     }
+    fn pattern_rows(
+        &mut self,
+        layer: usize,
+        q_start: usize,
+        rows: usize,
+        n_heads: usize,
+        k_len: usize,
+    ) -> Option<attnscope::model::capture::PatternRows<'_>> {
+        // the kernel writes the patterns asked for straight into the arrays handed to Python
+        if !self.pairs.contains(&(layer, Hook::Pattern)) {
+            return None;
+        }
+        self.cache
+            .pattern_rows(layer, q_start, rows, n_heads, k_len)
+    }
 }
 
 fn hook_by_suffix(s: &str) -> Option<Hook> {
