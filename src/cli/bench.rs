@@ -68,6 +68,21 @@ struct CommandRow {
     wall_s: f64,
     peak_rss_bytes: u64,
     exit: i32,
+    /// the command's own account of its time: loading the model, and everything after it (the
+    /// forward, and for `capture` the writing), from the `(load X s, … Y s` it prints
+    load_s: Option<f64>,
+    after_load_s: Option<f64>,
+}
+
+/// The `(load X s, forward Y s` (or `forward and writing Y s`) that `inspect` and `capture` print
+/// at the end of their output, as `(X, Y)`.
+fn own_timings(stdout: &str) -> Option<(f64, f64)> {
+    let rest = &stdout[stdout.rfind("(load ")? + "(load ".len()..];
+    let (load, rest) = rest.split_once(" s, ")?;
+    let start = rest.find(|c: char| c.is_ascii_digit())?;
+    let rest = &rest[start..];
+    let (after, _) = rest.split_once(" s")?;
+    Some((load.parse().ok()?, after.parse().ok()?))
 }
 
 /// Best of `reps` timed runs of `f` after one warm-up, in seconds.
@@ -85,14 +100,17 @@ fn best_of(reps: usize, mut f: impl FnMut()) -> f64 {
 /// Runs this executable with `args`; returns (wall seconds, peak RSS bytes, exit code). The child
 /// writes its own peak (`VmHWM`) to a file named by `ATTNSCOPE_PEAK_FILE` as it exits: `wait4`'s
 /// `ru_maxrss` would report this process's own peak, which a spawned child inherits at exec.
-fn run_self(args: &[String], peak_file: &std::path::Path) -> anyhow::Result<(f64, u64, i32)> {
+fn run_self(
+    args: &[String],
+    peak_file: &std::path::Path,
+) -> anyhow::Result<(f64, u64, i32, String)> {
     let exe = std::env::current_exe()?;
     let _ = std::fs::remove_file(peak_file);
     let start = Instant::now();
     let out = std::process::Command::new(exe)
         .args(args)
         .env("ATTNSCOPE_PEAK_FILE", peak_file)
-        .stdout(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .output()?;
     let wall = start.elapsed().as_secs_f64();
@@ -108,7 +126,12 @@ fn run_self(args: &[String], peak_file: &std::path::Path) -> anyhow::Result<(f64
         .ok()
         .and_then(|s| s.trim().parse::<u64>().ok())
         .unwrap_or(0);
-    Ok((wall, peak, code))
+    Ok((
+        wall,
+        peak,
+        code,
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    ))
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -314,7 +337,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 args.extend(base.iter().cloned());
                 args.extend(["--file".to_string(), fstr.clone()]);
                 args.extend(extra);
-                let (wall, peak_b, exit) = run_self(&args, &dir.path().join("peak"))?;
+                let (wall, peak_b, exit, stdout) = run_self(&args, &dir.path().join("peak"))?;
+                let own = own_timings(&stdout);
                 let _ = std::fs::remove_file(dir.path().join(format!("p{n}.safetensors")));
                 commands.push(CommandRow {
                     n,
@@ -322,6 +346,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                     wall_s: wall,
                     peak_rss_bytes: peak_b,
                     exit,
+                    load_s: own.map(|t| t.0),
+                    after_load_s: own.map(|t| t.1),
                 });
                 pb.inc(1);
             }
@@ -429,18 +455,38 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             ("n", Align::Right),
             ("command (own process, load included)", Align::Left),
             ("wall", Align::Right),
+            ("of which load", Align::Right),
+            ("after the load", Align::Right),
             ("peak RSS", Align::Right),
         ]);
+        let secs = |x: Option<f64>| x.map(|x| format!("{x:.2} s")).unwrap_or_else(|| "—".into());
         for c in &commands {
             t.row([
                 c.n.to_string(),
                 c.command.clone(),
                 format!("{:.2} s", c.wall_s),
+                secs(c.load_s),
+                secs(c.after_load_s),
                 format!("{:.2} GB", c.peak_rss_bytes as f64 / 1e9),
             ]);
         }
         s += &t.render();
-        s += "Compare with transformers timed in the same session on this machine (eager with output_attentions for capture, sdpa for inspect).\n";
+        s += "Load and after the load are the commands' own timings (tokenizing and printing or renaming are in neither). Compare with transformers timed in the same session on this machine (eager with output_attentions for capture, sdpa for inspect): its forward alone, or its forward plus its own load.\n";
     }
     emit(&s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::own_timings;
+
+    #[test]
+    fn the_commands_own_timings_are_read_from_their_last_line() {
+        let inspect = "report…\n(load 0.95 s, forward 4.712 s of which attention 1.204 s)\n";
+        assert_eq!(own_timings(inspect), Some((0.95, 4.712)));
+        let capture = "wrote 48 tensors (5637.1 MB) for 2048 tokens of m (exact precision) to /t/p (load) 2048.safetensors (load 1.02 s, forward and writing 5.31 s)\n";
+        assert_eq!(own_timings(capture), Some((1.02, 5.31)));
+        assert_eq!(own_timings("no timings here\n"), None);
+        assert_eq!(own_timings("(load x s, forward 1 s)"), None);
+    }
 }

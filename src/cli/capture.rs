@@ -204,7 +204,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let hooks = Hook::parse_list(&a.hooks).map_err(usage)?;
     let text = a.text.read()?;
+    let start = std::time::Instant::now();
     let model = a.model.load()?;
+    let loaded = start.elapsed();
     let tokens = model.encode(&text, a.model.bos)?;
     let n = tokens.len();
     let d = &model.dims;
@@ -367,10 +369,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         })?;
     }
     emit(&format!(
-        "wrote {n_tensors} tensors ({:.1} MB) for {n} tokens of {} ({} precision) to {}\n",
+        "wrote {n_tensors} tensors ({:.1} MB) for {n} tokens of {} ({} precision) to {} (load {:.2} s, forward and writing {:.2} s)\n",
         size as f64 / 1e6,
         model.info.name,
         model.info.precision.name(),
-        a.out.display()
+        a.out.display(),
+        loaded.as_secs_f64(),
+        (start.elapsed() - loaded).as_secs_f64()
     ))
 }
