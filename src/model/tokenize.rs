@@ -56,32 +56,33 @@ enum SpStyle {
 /// Merges recovered from a SentencePiece vocabulary (transformers' `generate_merges`): for every
 /// piece (in vocabulary order), each split into two pieces that are both in the vocabulary; the
 /// merges ordered by the piece's score (best first), then longer left part, then longer right
-/// part, and otherwise as found (the splits of one piece by the ids of their parts).
-fn sentencepiece_merges(tokens: &[String], score: &dyn Fn(usize) -> f64) -> Vec<(String, String)> {
-    use std::collections::HashMap;
-    // last index wins for a repeated piece, as in a Python dict
-    let mut vocab: HashMap<&str, usize> = HashMap::with_capacity(tokens.len());
-    for (i, t) in tokens.iter().enumerate() {
-        vocab.insert(t.as_str(), i);
-    }
-    let mut seen = std::collections::HashSet::with_capacity(tokens.len());
+/// part, and otherwise as found (the splits of one piece by the ids of their parts). `vocab` is
+/// `tokens`' own, as `vocab_map` makes it (a repeated piece has its last id, as in a Python dict).
+fn sentencepiece_merges(
+    tokens: &[String],
+    vocab: &tokenizers::models::bpe::Vocab,
+    score: &dyn Fn(usize) -> f64,
+) -> Vec<(String, String)> {
+    // a repeated piece counts once, where it first occurs (a Python dict's order)
+    let mut seen = vec![false; tokens.len()];
     let mut merges: Vec<(f64, usize, usize, &str, &str)> = Vec::new();
+    let mut local: Vec<(u32, u32, &str, &str)> = Vec::new();
     for t in tokens {
-        if !seen.insert(t.as_str()) {
+        let id = vocab[t.as_str()] as usize;
+        if std::mem::replace(&mut seen[id], true) {
             continue;
         }
-        let s = score(vocab[t.as_str()]);
-        let mut local: Vec<(&str, &str)> = t
-            .char_indices()
-            .skip(1)
-            .map(|(b, _)| t.split_at(b))
-            .filter(|(l, r)| vocab.contains_key(l) && vocab.contains_key(r))
-            .collect();
-        local.sort_by_key(|(l, r)| (vocab[l], vocab[r]));
+        let s = score(id);
+        local.clear();
+        local.extend(t.char_indices().skip(1).filter_map(|(b, _)| {
+            let (l, r) = t.split_at(b);
+            Some((*vocab.get(l)?, *vocab.get(r)?, l, r))
+        }));
+        local.sort_by_key(|&(l, r, _, _)| (l, r));
         merges.extend(
             local
-                .into_iter()
-                .map(|(l, r)| (s, l.chars().count(), r.chars().count(), l, r)),
+                .iter()
+                .map(|&(_, _, l, r)| (s, l.chars().count(), r.chars().count(), l, r)),
         );
     }
     // a stable sort, best first
@@ -263,12 +264,12 @@ fn sentencepiece_tokenizer(
             .collect(),
         _ => tokens.to_vec(),
     };
+    let vocab = vocab_map(&spelled);
     let merges = match style {
-        SpStyle::Gemma => sentencepiece_merges(&spelled, &|i| -(i as f64)),
-        _ => sentencepiece_merges(&spelled, &|i| scores[i] as f64),
+        SpStyle::Gemma => sentencepiece_merges(&spelled, &vocab, &|i| -(i as f64)),
+        _ => sentencepiece_merges(&spelled, &vocab, &|i| scores[i] as f64),
     };
     let n_merges = merges.len();
-    let vocab = vocab_map(&spelled);
     let added = added_tokens(tokens, types, &|t: &str| vocab.contains_key(t));
     let replace = |from: &str, to: &str| json!({"type": "Replace", "pattern": {"String": from}, "content": to});
     let (normalizer, pre_tokenizer, unk) = match style {
@@ -915,7 +916,9 @@ mod tests {
             .iter()
             .map(|s| s.to_string())
             .collect();
-        let m = sentencepiece_merges(&toks, &|i| [0.0, 0.0, 0.0, -1.0, -2.0, -3.0][i]);
+        let m = sentencepiece_merges(&toks, &vocab_map(&toks), &|i| {
+            [0.0, 0.0, 0.0, -1.0, -2.0, -3.0][i]
+        });
         let m: Vec<(&str, &str)> = m.iter().map(|(a, b)| (a.as_str(), b.as_str())).collect();
         assert_eq!(m, vec![("b", "c"), ("a", "b"), ("ab", "c"), ("a", "bc")]);
         assert_eq!(sentencepiece_decode("<0x41>"), b"A");
