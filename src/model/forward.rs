@@ -124,6 +124,13 @@ pub struct ForwardOut {
     pub kv: Option<KvPrefix>,
 }
 
+/// The rows of one block of the MLP: the forward runs gate|up, the activation and down over blocks
+/// of this many positions (whole 192-row strips), so the `[rows, 2·d_ff]` intermediate stays near
+/// 32 MiB whatever the length (576 rows for the default model's d_ff of 4,864).
+pub fn mlp_block_rows(ff: usize) -> usize {
+    ((32usize << 20) / (ff * 4 * 3)).div_ceil(192).max(1) * 192
+}
+
 /// cos/sin tables `[n, head_dim/2]` for positions `0..n`, computed as transformers does
 /// (`inv_freq = 1 / base^(2i/d)` and `pos · inv_freq` in f32), so the rotation angles agree.
 pub fn rope_tables(head_dim: usize, base: f32, n: usize) -> (Vec<f32>, Vec<f32>) {
@@ -1455,8 +1462,7 @@ impl Model {
         let (nq, nk) = (nh * hd, nkv * hd);
         let width = nq + 2 * nk;
         // the MLP runs over blocks of positions so its [positions, 2·d_ff] intermediate stays small
-        let mlp_rows = ((32usize << 20) / (ff * 4 * 3)).div_ceil(192).max(1) * 192;
-        let mlp_rows = mlp_rows.min(m);
+        let mlp_rows = mlp_block_rows(ff).min(m);
         let mut gu = vec![0f32; mlp_rows * 2 * ff];
         let mut act = vec![0f32; mlp_rows * ff];
         // the layer's other big buffers, allocated once and reused by every layer (fresh ones
