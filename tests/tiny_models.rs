@@ -215,10 +215,15 @@ fn fast_precision_is_close_to_exact() {
 }
 
 fn tiny_loaded(arch: Arch, seed: u64) -> (tempfile::TempDir, Model) {
+    tiny_loaded_as(arch, seed, Precision::Exact)
+}
+
+/// As [`tiny_loaded`], at `precision`.
+fn tiny_loaded_as(arch: Arch, seed: u64, precision: Precision) -> (tempfile::TempDir, Model) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("t.gguf");
     write_gguf(&tiny_model(arch, seed), arch, GgmlDType::F32, &path).unwrap();
-    let model = Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();
+    let model = Model::load(path.to_str().unwrap(), precision, false).unwrap();
     (dir, model)
 }
 
@@ -249,10 +254,7 @@ fn the_last_layer_on_the_logits_rows_alone_equals_the_whole_tail() {
         (Arch::Qwen2, Precision::Exact),
         (Arch::Qwen2, Precision::Fast),
     ] {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("t.gguf");
-        write_gguf(&tiny_model(arch, 17), arch, GgmlDType::F32, &path).unwrap();
-        let model = Model::load(path.to_str().unwrap(), precision, false).unwrap();
+        let (_dir, model) = tiny_loaded_as(arch, 17, precision);
         let last = model.dims.n_layers - 1;
         let opts = RunOptions {
             logits_at: vec![TOKENS.len() - 1, 2, 6, 2],
@@ -314,10 +316,7 @@ fn a_batch_of_variants_equals_their_own_runs() {
         (Arch::Qwen2, Precision::Exact),
         (Arch::Qwen2, Precision::Fast),
     ] {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("t.gguf");
-        write_gguf(&tiny_model(arch, 13), arch, GgmlDType::F32, &path).unwrap();
-        let model = Model::load(path.to_str().unwrap(), precision, false).unwrap();
+        let (_dir, model) = tiny_loaded_as(arch, 13, precision);
         if precision == Precision::Fast {
             eprintln!(
                 "batch test, fast kernel: {}",

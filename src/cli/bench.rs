@@ -74,8 +74,8 @@ struct CommandRow {
     after_load_s: Option<f64>,
 }
 
-/// The `(load X s, forward Y s` (or `forward and writing Y s`) that `inspect` and `capture` print
-/// at the end of their output, as `(X, Y)`.
+/// The [`super::common::timings_opening`] (`(load X s, forward Y s`, or `forward and writing`)
+/// that `inspect` and `capture` print at the end of their output, as `(X, Y)`.
 fn own_timings(stdout: &str) -> Option<(f64, f64)> {
     let rest = &stdout[stdout.rfind("(load ")? + "(load ".len()..];
     let (load, rest) = rest.split_once(" s, ")?;
@@ -484,10 +484,18 @@ mod tests {
 
     #[test]
     fn the_commands_own_timings_are_read_from_their_last_line() {
-        let inspect = "report…\n(load 0.95 s, forward 4.712 s of which attention 1.204 s)\n";
-        assert_eq!(own_timings(inspect), Some((0.95, 4.712)));
-        let capture = "wrote 48 tensors (5637.1 MB) for 2048 tokens of m (exact precision) to /t/p (load) 2048.safetensors (load 1.02 s, forward and writing 5.31 s)\n";
-        assert_eq!(own_timings(capture), Some((1.02, 5.31)));
+        use crate::cli::common::timings_opening;
+        // as inspect and capture end their output (a path may hold "(load" too)
+        let inspect = format!(
+            "report…\n{} of which attention 1.204 s)\n",
+            timings_opening(0.95, "forward", 4.712)
+        );
+        assert_eq!(own_timings(&inspect), Some((0.95, 4.712)));
+        let capture = format!(
+            "wrote 48 tensors (5637.1 MB) for 2048 tokens of m (exact precision) to /t/p (load) 2048.safetensors {})\n",
+            timings_opening(1.02, "forward and writing", 5.31)
+        );
+        assert_eq!(own_timings(&capture), Some((1.02, 5.31)));
         assert_eq!(own_timings("no timings here\n"), None);
         assert_eq!(own_timings("(load x s, forward 1 s)"), None);
     }

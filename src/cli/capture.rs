@@ -369,12 +369,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         })?;
     }
     emit(&format!(
-        "wrote {n_tensors} tensors ({:.1} MB) for {n} tokens of {} ({} precision) to {} (load {:.2} s, forward and writing {:.2} s)\n",
+        "wrote {n_tensors} tensors ({:.1} MB) for {n} tokens of {} ({} precision) to {} {})\n",
         size as f64 / 1e6,
         model.info.name,
         model.info.precision.name(),
         a.out.display(),
-        loaded.as_secs_f64(),
-        (start.elapsed() - loaded).as_secs_f64()
+        super::common::timings_opening(
+            loaded.as_secs_f64(),
+            "forward and writing",
+            (start.elapsed() - loaded).as_secs_f64()
+        )
     ))
 }

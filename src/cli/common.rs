@@ -164,6 +164,12 @@ pub fn parse_index_list(spec: &str, count: usize, what: &str) -> anyhow::Result<
     Ok(out)
 }
 
+/// How `inspect` and `capture` end their output with their own timings: `(load X s, what Y s`
+/// (the caller closes the parenthesis); `bench` reads them back with the same words.
+pub fn timings_opening(load_s: f64, what: &str, after_s: f64) -> String {
+    format!("(load {load_s:.2} s, {what} {after_s:.3} s")
+}
+
 /// Checks one index against its count, with a message naming the valid range.
 pub fn check_index(value: usize, count: usize, what: &str) -> anyhow::Result<usize> {
     if value >= count {

@@ -99,9 +99,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let mut s = crate::render::report::render(&report, a.mask_tokens);
     s += &format!(
-        "\n(load {:.2} s, forward {:.3} s of which attention {:.3} s)\n",
-        loaded.as_secs_f64(),
-        forward.as_secs_f64(),
+        "\n{} of which attention {:.3} s)\n",
+        super::common::timings_opening(loaded.as_secs_f64(), "forward", forward.as_secs_f64()),
         out.timings.attention.as_secs_f64()
     );
     emit(&s)

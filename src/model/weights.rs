@@ -900,6 +900,16 @@ fn head_matrix(raw: Raw, precision: Precision) -> Result<Head> {
 mod tests {
     use super::*;
 
+    /// A quantized tensor's values as candle dequantizes them, flat.
+    fn candles_values(q: &QTensor) -> Vec<f32> {
+        q.dequantize(&Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+
     #[test]
     fn own_q8_0_and_q5_0_dequantization_equals_candles_bit_for_bit() {
         use crate::kernels::simd::{all_supported, with_level};
@@ -911,13 +921,7 @@ mod tests {
         let t = Tensor::from_vec(w, (8, 64), &Device::Cpu).unwrap();
         for dtype in [GgmlDType::Q8_0, GgmlDType::Q5_0] {
             let q = QTensor::quantize(&t, dtype).unwrap();
-            let want: Vec<f32> = q
-                .dequantize(&Device::Cpu)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let want = candles_values(&q);
             let bytes = q.data().unwrap();
             for level in all_supported() {
                 let mut got = vec![f32::NAN; want.len()];
@@ -941,20 +945,6 @@ mod tests {
         let q5 = QTensor::quantize(&t, GgmlDType::Q5_0).unwrap();
         let q8 = repack_q5_0_to_q8_0(&q5).unwrap();
         assert_eq!(q8.dtype(), GgmlDType::Q8_0);
-        let a: Vec<f32> = q5
-            .dequantize(&Device::Cpu)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        let b: Vec<f32> = q8
-            .dequantize(&Device::Cpu)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        assert_eq!(a, b);
+        assert_eq!(candles_values(&q5), candles_values(&q8));
     }
 }
