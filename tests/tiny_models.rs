@@ -852,6 +852,24 @@ fn norm_based_attention_is_hand_computable() {
         let q = n - 1;
         let alphas: Vec<&[f32]> = heads.iter().map(|&h| p.row(h, q)).collect();
         let vn = value_norms(&model, l, &vals, &heads, n);
+        // one head through its own columns of W_O: the bits of the whole product with zeros
+        for h in 0..nh {
+            let z_h: Vec<f32> = (0..n)
+                .flat_map(|j| vals.get(j, h / group).to_vec())
+                .collect();
+            let mut padded = vec![0f32; n * nh * hd];
+            for j in 0..n {
+                padded[j * nh * hd + h * hd..][..hd].copy_from_slice(vals.get(j, h / group));
+            }
+            let whole = model.output_projection(l, &padded, n);
+            let own = model.head_output_projection(l, h, &z_h, n).unwrap();
+            assert!(
+                own.iter()
+                    .zip(&whole)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "layer {l} head {h}"
+            );
+        }
         // the Gram-matrix route of the long view gives the same norms
         let all = all_value_norms(&model, l, &vals);
         for h in 0..nh {
@@ -1015,4 +1033,115 @@ fn patterns_written_in_place_equal_patterns_handed_over_in_blocks() {
             }
         }
     }
+}
+
+/// The packed-weight cache: a second load maps the panels the first one wrote and computes the
+/// same numbers bit for bit; a damaged or cut-short file, or a changed model file, is never
+/// read (the panels are packed again and the file replaced); a model under the size floor gets
+/// no file.
+#[test]
+fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_damaged() {
+    use attnscope::model::panels::{Settings, MIN_BYTES};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.gguf");
+    let spec = path.to_str().unwrap();
+    let settings = Settings {
+        dir: dir.path().join("panels"),
+        min_bytes: 0,
+    };
+    let cache_files = || -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(&settings.dir)
+            .map(|d| d.map(|e| e.unwrap().path()).collect())
+            .unwrap_or_default()
+    };
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let run = |m: &Model| {
+        let (p, logits) = patterns(m, &TOKENS, 1 << 20);
+        (p.iter().map(|x| bits(x)).collect::<Vec<_>>(), bits(&logits))
+    };
+    for (arch, seed) in [(Arch::Qwen2, 3), (Arch::Llama, 4)] {
+        write_gguf(&tiny_model(arch, seed), arch, GgmlDType::F32, &path).unwrap();
+        let plain = Model::load_with(spec, Precision::Exact, false, None).unwrap();
+        let want = run(&plain);
+        let all = plain.mapped_projections().1;
+        assert_eq!(plain.mapped_projections(), (0, all));
+
+        // a changed model file (new contents, a new modification time) is not read from the
+        // previous arch's cache: packed again, the file replaced
+        let first = Model::load_with(spec, Precision::Exact, false, Some(&settings)).unwrap();
+        assert_eq!(first.mapped_projections(), (0, all), "{arch:?}: packed");
+        assert_eq!(run(&first), want);
+        let files = cache_files();
+        assert_eq!(files.len(), 1, "{arch:?}: one file per model: {files:?}");
+        let second = Model::load_with(spec, Precision::Exact, false, Some(&settings)).unwrap();
+        assert_eq!(second.mapped_projections(), (all, all), "{arch:?}: mapped");
+        assert_eq!(run(&second), want, "{arch:?}: mapped panels, same bits");
+        drop(second);
+
+        // one flipped byte in the panels, then a file cut short: packed again, file rebuilt
+        let file = &files[0];
+        let mut bytes = std::fs::read(file).unwrap();
+        let at = bytes.len() - 4096 - 17;
+        bytes[at] ^= 0x20;
+        std::fs::write(file, &bytes).unwrap();
+        let damaged = Model::load_with(spec, Precision::Exact, false, Some(&settings)).unwrap();
+        assert_eq!(damaged.mapped_projections(), (0, all), "{arch:?}: damaged");
+        assert_eq!(run(&damaged), want);
+        let mut bytes = std::fs::read(file).unwrap();
+        bytes.truncate(bytes.len() - 4096);
+        std::fs::write(file, &bytes).unwrap();
+        let short = Model::load_with(spec, Precision::Exact, false, Some(&settings)).unwrap();
+        assert_eq!(short.mapped_projections(), (0, all), "{arch:?}: cut short");
+        let rebuilt = Model::load_with(spec, Precision::Exact, false, Some(&settings)).unwrap();
+        assert_eq!(
+            rebuilt.mapped_projections(),
+            (all, all),
+            "{arch:?}: rebuilt"
+        );
+        assert_eq!(run(&rebuilt), want);
+        // a later modification time (the next arch rewrites the file anyway)
+        let f = std::fs::File::options().write(true).open(&path).unwrap();
+        f.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(5))
+            .unwrap();
+        drop(f);
+        let touched = Model::load_with(spec, Precision::Exact, false, Some(&settings)).unwrap();
+        assert_eq!(
+            touched.mapped_projections(),
+            (0, all),
+            "{arch:?}: source changed"
+        );
+        // fast precision on AMX or VNNI packs other layouts: it neither reads nor writes f32 panels
+        let fast = Model::load_with(spec, Precision::Fast, false, Some(&settings)).unwrap();
+        if attnscope::model::weights::fast_kernel().is_some() {
+            assert_eq!(fast.mapped_projections(), (0, all), "{arch:?}: fast");
+        }
+    }
+    // a Hugging Face folder: its safetensors files and config.json make the identity
+    let hf = dir.path().join("hf");
+    write_hf_folder(&tiny_model(Arch::Qwen2, 3), Arch::Qwen2, &hf, 2).unwrap();
+    let hf_spec = hf.to_str().unwrap();
+    let want = run(&Model::load_with(hf_spec, Precision::Exact, false, None).unwrap());
+    let first = Model::load_with(hf_spec, Precision::Exact, false, Some(&settings)).unwrap();
+    let all = first.mapped_projections().1;
+    assert_eq!(first.mapped_projections(), (0, all));
+    let second = Model::load_with(hf_spec, Precision::Exact, false, Some(&settings)).unwrap();
+    assert_eq!(second.mapped_projections(), (all, all), "folder: mapped");
+    assert_eq!(run(&second), want, "folder: mapped panels, same bits");
+    let cfg = hf.join("config.json");
+    let f = std::fs::File::options().write(true).open(&cfg).unwrap();
+    f.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(5))
+        .unwrap();
+    drop(f);
+    let edited = Model::load_with(hf_spec, Precision::Exact, false, Some(&settings)).unwrap();
+    assert_eq!(edited.mapped_projections(), (0, all), "folder: config changed");
+    // under the size floor: no file at all
+    let small = Settings {
+        dir: dir.path().join("small"),
+        min_bytes: MIN_BYTES,
+    };
+    Model::load_with(spec, Precision::Exact, false, Some(&small)).unwrap();
+    assert!(
+        !small.dir.join("x").exists()
+            && std::fs::read_dir(&small.dir).map_or(0, |d| d.count()) == 0
+    );
 }

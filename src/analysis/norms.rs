@@ -95,14 +95,17 @@ fn projected_norms(
             fill(r0 + r, row);
         }
         let y = model.output_projection(layer, &z, rows);
-        out.extend(y.chunks(d.d_model).map(|v| {
-            v.iter()
-                .map(|&x| (x as f64) * (x as f64))
-                .sum::<f64>()
-                .sqrt() as f32
-        }));
+        out.extend(y.chunks(d.d_model).map(norm));
     }
     out
+}
+
+/// The Euclidean norm, summed in f64.
+fn norm(v: &[f32]) -> f32 {
+    v.iter()
+        .map(|&x| (x as f64) * (x as f64))
+        .sum::<f64>()
+        .sqrt() as f32
 }
 
 /// `‖fₕ(xⱼ)‖ = ‖W_Oʰ vⱼ‖` for keys `0..keys` of each head in `heads` (`[heads.len()][keys]`): the
@@ -116,6 +119,27 @@ pub fn value_norms(
 ) -> Vec<Vec<f32>> {
     let (hd, group) = (model.dims.head_dim, model.dims.group_size());
     let keys = keys.min(v.len());
+    // each head through its own columns of W_O (1/n_heads of the whole product, the same bits)
+    let by_head: Option<Vec<Vec<f32>>> = heads
+        .iter()
+        .map(|&h| {
+            let mut norms = Vec::with_capacity(keys);
+            let mut z = Vec::with_capacity(ROWS.min(keys) * hd);
+            for r0 in (0..keys).step_by(ROWS) {
+                let rows = ROWS.min(keys - r0);
+                z.clear();
+                for j in r0..r0 + rows {
+                    z.extend_from_slice(v.get(j, kv_head(h, group)));
+                }
+                let y = model.head_output_projection(layer, h, &z, rows)?;
+                norms.extend(y.chunks(model.dims.d_model).map(norm));
+            }
+            Some(norms)
+        })
+        .collect();
+    if let Some(v) = by_head {
+        return v;
+    }
     let flat = projected_norms(model, layer, heads.len() * keys, |r, row| {
         let (h, j) = (heads[r / keys], r % keys);
         row[h * hd..(h + 1) * hd].copy_from_slice(v.get(j, kv_head(h, group)));

@@ -44,8 +44,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let m = a.model.load()?;
     let d = &m.dims;
     if a.json {
+        let (mapped, projections) = m.mapped_projections();
         let doc = json!({"model": m.info, "dims": d, "group_size": d.group_size(), "gqa": d.gqa_sentence(),
-                         "cached_alias_path": alias(&m.info.name).map(alias_path)});
+                         "cached_alias_path": alias(&m.info.name).map(alias_path),
+                         "packed_weight_cache": m.panel_file().map(|p| json!({"path": p, "mapped_projections": mapped, "projections": projections}))});
         return emit(&format!("{}\n", serde_json::to_string_pretty(&doc)?));
     }
     let mut s = title(&format!("{} ({})", m.info.name, m.info.format));
@@ -53,10 +55,23 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         s += &format!("{desc}\n");
     }
     s += &format!(
-        "file: {} ({:.1} MB)\n\n",
+        "file: {} ({:.1} MB)\n",
         m.info.path.display(),
         m.info.file_size as f64 / 1e6
     );
+    if let Some(p) = m.panel_file() {
+        let (mapped, all) = m.mapped_projections();
+        let bytes = std::fs::metadata(p).map(|md| md.len()).unwrap_or(0) as f64 / 1e9;
+        s += &if mapped > 0 {
+            format!("packed weights: {mapped} of {all} projections mapped from {} ({bytes:.2} GB; delete it any time)\n", p.display())
+        } else {
+            format!(
+                "packed weights: written to {} ({bytes:.2} GB) for the next load to map\n",
+                p.display()
+            )
+        };
+    }
+    s += "\n";
     let mut t = Table::new([("", Align::Left), ("", Align::Left)]);
     let rope = match d.rope_style {
         crate::model::RopeStyle::Neox => "half-split pairs (i, i+d/2)",

@@ -174,7 +174,33 @@ pub struct PackedB {
     pub k: usize,
     pub n: usize,
     pub isa: Isa,
-    buf: AlignedBuf,
+    buf: Panels,
+}
+
+/// Where a [`PackedB`]'s panels live: its own buffer, or a read-only mapping of a file that holds
+/// them in the same layout (the packed-weight cache, [`crate::model::panels`]).
+#[derive(Clone)]
+enum Panels {
+    Owned(AlignedBuf),
+    Mapped {
+        map: std::sync::Arc<memmap2::Mmap>,
+        offset: usize,
+        len: usize,
+    },
+}
+
+impl Panels {
+    fn as_slice(&self) -> &[f32] {
+        match self {
+            Panels::Owned(b) => b.as_slice(),
+            // SAFETY: `from_mapped` checked that offset..offset + 4·len lies inside the mapping
+            // and that the offset is 4-byte aligned (mappings start on a page); the mapping is
+            // read-only and lives as long as this Arc.
+            Panels::Mapped { map, offset, len } => unsafe {
+                std::slice::from_raw_parts(map.as_ptr().add(*offset) as *const f32, *len)
+            },
+        }
+    }
 }
 
 impl std::fmt::Debug for PackedB {
@@ -306,7 +332,12 @@ impl PackedB {
             rows,
             |cols, w, panel| transpose_into_panel(w, cols, k, nr, panel),
         )?;
-        Ok(PackedB { k, n, isa, buf })
+        Ok(PackedB {
+            k,
+            n,
+            isa,
+            buf: Panels::Owned(buf),
+        })
     }
 
     fn pack(
@@ -347,12 +378,56 @@ impl PackedB {
                 .enumerate()
                 .for_each(fill);
         }
-        PackedB { k, n, isa, buf }
+        PackedB {
+            k,
+            n,
+            isa,
+            buf: Panels::Owned(buf),
+        }
+    }
+
+    /// Floats a `[k, n]` matrix packed for `isa` takes (whole zero-padded panels).
+    pub fn packed_len(n: usize, k: usize, isa: Isa) -> usize {
+        n.div_ceil(isa.nr()) * k * isa.nr()
+    }
+
+    /// A `[k, n]` matrix whose panels (as [`PackedB::as_bytes`] gave them for `isa`) lie at
+    /// `offset` in `map`. `None` if they would not fit there or the offset is not 64-byte
+    /// aligned: the caller packs the matrix anew.
+    pub fn from_mapped(
+        map: std::sync::Arc<memmap2::Mmap>,
+        offset: usize,
+        n: usize,
+        k: usize,
+        isa: Isa,
+    ) -> Option<PackedB> {
+        let len = Self::packed_len(n, k, isa);
+        let fits = offset
+            .checked_add(len.checked_mul(4)?)
+            .is_some_and(|end| end <= map.len());
+        (fits && offset.is_multiple_of(64) && isa.supported()).then_some(PackedB {
+            k,
+            n,
+            isa,
+            buf: Panels::Mapped { map, offset, len },
+        })
+    }
+
+    /// The panels as bytes (native-endian f32), as a cache file stores them.
+    pub fn as_bytes(&self) -> &[u8] {
+        let f = self.buf.as_slice();
+        // SAFETY: any f32 is 4 plain bytes; the slice covers exactly the floats.
+        unsafe { std::slice::from_raw_parts(f.as_ptr() as *const u8, f.len() * 4) }
+    }
+
+    /// Whether the panels are read from a mapped file rather than held in memory of their own.
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.buf, Panels::Mapped { .. })
     }
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        self.buf.len * 4
+        self.buf.as_slice().len() * 4
     }
 
     fn panel(&self, p: usize) -> &[f32] {

@@ -20,6 +20,7 @@ pub mod forward;
 pub mod gguf;
 pub mod guard;
 pub mod hf;
+pub mod panels;
 pub mod tiny;
 pub mod tokenize;
 pub mod weights;
@@ -55,6 +56,8 @@ pub struct Model {
     pub info: ModelInfo,
     pub tokenizer: Tokenizer,
     weights: weights::Weights,
+    /// The packed-weight cache file the projections were mapped from, or written to, at load.
+    panel_file: Option<PathBuf>,
 }
 
 /// What `--model` named, resolved.
@@ -114,7 +117,93 @@ fn resolve(spec: &str, progress: bool) -> Result<(Source, String, Option<String>
     })
 }
 
+/// The packed-weight cache of the model in `files`, where `settings` keep one.
+fn panel_cache(
+    settings: Option<&panels::Settings>,
+    files: &[PathBuf],
+) -> Option<panels::PanelCache> {
+    let s = settings?;
+    panels::PanelCache::new(
+        files,
+        &s.dir,
+        crate::kernels::gemm::Isa::detect(),
+        s.min_bytes,
+    )
+}
+
+/// The cache's panels when its file is valid; a damaged file is named on standard error.
+fn open_cache(cache: Option<&panels::PanelCache>) -> Option<panels::Cached> {
+    match cache?.open() {
+        panels::Opened::Hit(c) => Some(c),
+        panels::Opened::Miss => None,
+        panels::Opened::Damaged(why) => {
+            eprintln!("attnscope: note: {why}");
+            None
+        }
+    }
+}
+
+/// Keeps freshly packed weights in the cache for the next load (a failure only costs that).
+/// The cache file the weights now have: mapped from (`hit`) or just written.
+fn save_cache(
+    cache: Option<&panels::PanelCache>,
+    hit: bool,
+    weights: &weights::Weights,
+) -> Option<PathBuf> {
+    let cache = cache?;
+    if hit {
+        return Some(cache.path.clone());
+    }
+    match cache.save(weights) {
+        Ok(Some(_)) => Some(cache.path.clone()),
+        Ok(None) => None,
+        Err(e) => {
+            eprintln!(
+                "attnscope: note: could not keep the packed weights in {} ({e}); the next load packs them again; ATTNSCOPE_PANEL_CACHE=off stops trying",
+                cache.path.display()
+            );
+            None
+        }
+    }
+}
+
 impl Model {
+    /// The packed-weight cache file of this model ([`panels`]): the one its projections were
+    /// mapped from, or the one this load wrote for the next.
+    pub fn panel_file(&self) -> Option<&Path> {
+        self.panel_file.as_deref()
+    }
+
+    /// Projections whose f32 panels are read from a packed-weight cache file, of all of them.
+    pub fn mapped_projections(&self) -> (usize, usize) {
+        let all = self
+            .weights
+            .layers
+            .iter()
+            .flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down]);
+        let mapped = all
+            .clone()
+            .filter(|p| p.packed().is_some_and(|p| p.is_mapped()))
+            .count();
+        (mapped, all.count())
+    }
+
+    /// `z_h · W_Oʰᵀ` of `layer` for `m` rows of head `h`'s output alone (`[m, head_dim]`): what
+    /// [`Model::output_projection`] gives for rows that are zero outside head `h` (the same bits
+    /// on the default model), at `1/n_heads` of its cost. `None` where the projection is not held as f32 panels.
+    pub fn head_output_projection(
+        &self,
+        layer: usize,
+        h: usize,
+        z_h: &[f32],
+        m: usize,
+    ) -> Option<Vec<f32>> {
+        let hd = self.dims.head_dim;
+        self.weights.layers[layer]
+            .o
+            .forward_unbiased_cols(z_h, m, h * hd..(h + 1) * hd)
+    }
+
     /// `z · W_Oᵀ` of `layer` without the output bias, for `m` rows of `z` (`[m, n_heads·head_dim]`,
     /// laid out like `hook_z`): what those rows would add to the residual stream.
     pub fn output_projection(&self, layer: usize, z: &[f32], m: usize) -> Vec<f32> {
@@ -124,6 +213,21 @@ impl Model {
     /// Loads `spec`: an alias (fetched on first use), a `.gguf` file, a Hugging Face folder, or
     /// a hub id `org/name`. `progress` shows progress bars on standard error.
     pub fn load(spec: &str, precision: Precision, progress: bool) -> Result<Model> {
+        Self::load_with(
+            spec,
+            precision,
+            progress,
+            panels::Settings::from_env().as_ref(),
+        )
+    }
+
+    /// [`Model::load`] with the packed-weight cache kept as `panels` says (`None`: none).
+    pub fn load_with(
+        spec: &str,
+        precision: Precision,
+        progress: bool,
+        panels: Option<&panels::Settings>,
+    ) -> Result<Model> {
         let (source, name, description) = resolve(spec, progress)?;
         let bar = if progress {
             indicatif::ProgressBar::new(0)
@@ -151,6 +255,7 @@ impl Model {
                     name,
                     description,
                     precision,
+                    panel_cache(panels, std::slice::from_ref(&path)),
                     tick,
                 )?,
                 Source::Folder(dir) => {
@@ -182,19 +287,27 @@ impl Model {
                         tokenizer: tokenizer.kind.clone(),
                         warnings: Vec::new(),
                     };
+                    // the config says how the files' tensors are cut and fused: part of what the panels are
+                    let mut files = f.files.clone();
+                    files.push(dir.join("config.json"));
+                    let cache = panel_cache(panels, &files);
+                    let cached = open_cache(cache.as_ref());
                     let weights = weights::load_weights(
                         &mut f,
                         &dims,
                         precision,
                         dims.rope_style,
                         &|l: &weights::Logical| hf::hf_name_for(Some(dims.arch), l),
+                        cached.as_ref(),
                         tick,
                     )?;
+                    let panel_file = save_cache(cache.as_ref(), cached.is_some(), &weights);
                     Model {
                         dims,
                         info,
                         tokenizer,
                         weights,
+                        panel_file,
                     }
                 }
             })
@@ -222,6 +335,7 @@ impl Model {
                 name.to_string(),
                 None,
                 precision,
+                None,
                 |_, _| {},
             )
         })
@@ -236,10 +350,16 @@ impl Model {
         name: String,
         description: Option<String>,
         precision: Precision,
+        cache: Option<panels::PanelCache>,
         tick: impl FnMut(usize, usize),
     ) -> Result<Model> {
         let (dims, warnings) = g.dims()?;
-        let tokenizer = Tokenizer::from_gguf(g.metadata(), &g.path)?;
+        // the cache file's checksums are checked on the other core while the tokenizer is built
+        let (tokenizer, cached) = rayon::join(
+            || Tokenizer::from_gguf(g.metadata(), &g.path),
+            || open_cache(cache.as_ref()),
+        );
+        let tokenizer = tokenizer?;
         let info = ModelInfo {
             name,
             description: description.or_else(|| g.name()),
@@ -257,14 +377,17 @@ impl Model {
             precision,
             dims.rope_style,
             &|l: &weights::Logical| gguf::gguf_name_for(dims.arch, l),
+            cached.as_ref(),
             tick,
         )?;
         g.release_pages();
+        let panel_file = save_cache(cache.as_ref(), cached.is_some(), &weights);
         Ok(Model {
             dims,
             info,
             tokenizer,
             weights,
+            panel_file,
         })
     }
 

@@ -310,6 +310,14 @@ pub struct Linear {
 }
 
 impl Linear {
+    /// The f32 panels, when this projection is held as f32 panels.
+    pub fn packed(&self) -> Option<&PackedB> {
+        match &self.mat {
+            Matrix::Packed(p) => Some(p),
+            _ => None,
+        }
+    }
+
     /// `out[m, n] = x[m, k] · Wᵀ (+ b)`; with `accumulate`, `out += x · Wᵀ` (no bias allowed).
     pub fn forward_into(
         &self,
@@ -361,6 +369,31 @@ impl Linear {
             Matrix::Amx(pa) => amx::gemm(x, k, m, pa, &mut out, n, false),
         }
         out
+    }
+
+    /// `x[m, ks.len()] · W[:, ks]ᵀ` without the bias, as a new `[m, n]` buffer: the product with
+    /// the input columns `ks` alone, the others taken as zero, computed without them (the same
+    /// bits as the whole product with zeros there when `k` fits one depth slice of the kernel,
+    /// as on the default model; else equal up to rounding). `None` where the projection is not held as
+    /// f32 panels (then pad with zeros and call [`Linear::forward_unbiased`]).
+    pub fn forward_unbiased_cols(
+        &self,
+        x: &[f32],
+        m: usize,
+        ks: std::ops::Range<usize>,
+    ) -> Option<Vec<f32>> {
+        let Matrix::Packed(pb) = &self.mat else {
+            return None;
+        };
+        assert!(
+            ks.end <= self.k && x.len() >= m * ks.len(),
+            "Linear::forward_unbiased_cols: columns {ks:?} of {} or input too short",
+            self.k
+        );
+        let mut out = vec![0f32; m * self.n];
+        let lda = ks.len();
+        gemm::gemm_sub(x, lda, m, pb, ks, 0..self.n, &mut out, self.n, false, true);
+        Some(out)
     }
 
     /// `x[m, k] · Wᵀ (+ b)` as a new `[m, n]` buffer.
@@ -468,7 +501,14 @@ pub fn fast_uses_int8() -> bool {
 /// Builds a (possibly fused) projection from its parts `[n_i, k]`, concatenated along the
 /// output and packed into one matrix: f32 for `exact`, for `fast` bf16 tiles or 8-bit blocks
 /// as [`fast_kernel`] says.
-fn linear(parts: Vec<(Raw, Option<Raw>)>, precision: Precision) -> Result<Linear> {
+///
+/// `ready`: the same matrix already packed (from the packed-weight cache), used instead of
+/// packing when this precision packs f32 panels of its shape.
+fn linear(
+    parts: Vec<(Raw, Option<Raw>)>,
+    precision: Precision,
+    ready: Option<PackedB>,
+) -> Result<Linear> {
     let isa = gemm::Isa::detect();
     let k = *parts[0]
         .0
@@ -487,6 +527,17 @@ fn linear(parts: Vec<(Raw, Option<Raw>)>, precision: Precision) -> Result<Linear
         }
         weights.push(w);
         col0 += width;
+    }
+    let f32_panels = !(precision == Precision::Fast && amx::available()
+        || precision == Precision::Exact && amx::exact_on_tiles()
+        || precision == Precision::Fast && fast_uses_int8() && k.is_multiple_of(int8::BLOCK));
+    if let Some(p) = ready.filter(|p| f32_panels && p.n == n && p.k == k && p.isa == isa) {
+        return Ok(Linear {
+            k,
+            n,
+            mat: Matrix::Packed(p),
+            bias,
+        });
     }
     // straight from the file into the packed panels, a few rows at a time: the weights are
     // never held whole as plain f32 next to their packed copy
@@ -728,13 +779,17 @@ fn fetch(
 }
 
 /// Loads every weight of the model from `src`, checking names and shapes.
-/// `name` gives a logical weight's name in the file, for error messages.
+/// `name` gives a logical weight's name in the file, for error messages. `cached`: the
+/// projections already packed (the packed-weight cache of this very model), taken instead of
+/// packed where their shapes and the precision's layout agree.
+#[allow(clippy::too_many_arguments)]
 pub fn load_weights(
     src: &mut dyn TensorSource,
     dims: &ModelDims,
     precision: Precision,
     rope_style: RopeStyle,
     name: &dyn Fn(&Logical) -> String,
+    cached: Option<&super::panels::Cached>,
     mut progress: impl FnMut(usize, usize),
 ) -> Result<Weights> {
     check_every_tensor_used(src, dims, name)?;
@@ -793,11 +848,20 @@ pub fn load_weights(
         ];
         let gpt2 = dims.arch == Arch::Gpt2;
         let bias = |l: Logical| gpt2.then_some(l);
+        // the cache holds q|k|v, o, gate|up, down of each layer in turn
+        let ready =
+            |slot: usize, n: usize, k: usize| cached.and_then(|c| c.get(4 * i + slot, n, k));
+        let (dm, qkv_n) = (
+            dims.d_model,
+            (dims.n_heads + 2 * dims.n_kv_heads) * dims.head_dim,
+        );
+        let gate_up_n = if gpt2 { dims.d_ff } else { 2 * dims.d_ff };
         let layer = Layer {
-            qkv: linear(qkv, precision)?,
+            qkv: linear(qkv, precision, ready(0, qkv_n, dm))?,
             o: linear(
                 vec![part(src, Logical::O(i), bias(Logical::OBias(i)))?],
                 precision,
+                ready(1, dm, dims.n_heads * dims.head_dim),
             )?,
             // GPT-2's MLP has no gate: this holds c_fc alone
             gate_up: linear(
@@ -810,10 +874,12 @@ pub fn load_weights(
                     ]
                 },
                 precision,
+                ready(2, gate_up_n, dm),
             )?,
             down: linear(
                 vec![part(src, Logical::Down(i), bias(Logical::DownBias(i)))?],
                 precision,
+                ready(3, dm, dims.d_ff),
             )?,
             norm_biases: if gpt2 {
                 Some((

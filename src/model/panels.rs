@@ -1,0 +1,449 @@
+//! The packed-weight cache: the `exact` projections of a model, dequantized and packed into the
+//! GEMM kernel's panels once, kept in a file next to the model cache and mapped read-only on
+//! the next load instead of being computed again.
+//!
+//! Loading the default model spends most of its time dequantizing 1.4 GB of f32 weights into
+//! fresh pages (on a 2-core Xeon: ~0.55 s of a ~0.8 s load, half of it the kernel handing out
+//! zeroed pages); mapping a file that sits in the page cache costs a few milliseconds, and
+//! checking its checksums ~0.1 s on two cores.
+//!
+//! A cache file is trusted only when everything it was made from is the same: the model files
+//! (path, size, modification time, inode), this program's version, the file format's version
+//! and the kernel's panel layout. Each matrix carries a CRC-32 checked before use, so a file
+//! cut short or damaged on disk (a crash before the kernel wrote it all) is rebuilt, never read. Files are written under a temporary
+//! name and renamed into place, so a reader never sees half of one. `ATTNSCOPE_PANEL_CACHE=off`
+//! turns the cache off; deleting `<cache>/panels` at any time is safe.
+
+use super::weights::Weights;
+use crate::kernels::gemm::{Isa, PackedB};
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// The first bytes of a cache file.
+const MAGIC: &[u8; 8] = b"ATNSPNL1";
+/// Bumped whenever the file's layout or the meaning of its panels changes.
+const FORMAT: u32 = 1;
+/// Every matrix starts on a page.
+const ALIGN: usize = 4096;
+/// Models whose packed projections are smaller than this load fast anyway: no file is written
+/// (the tests' tiny models would otherwise leave one per temporary file).
+pub const MIN_BYTES: usize = 64 << 20;
+
+/// What a cache file must have been made from to be used.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct Identity {
+    format: u32,
+    attnscope: String,
+    isa: String,
+    nr: usize,
+    /// Each model file: canonical path, length, modification time (ns), device and inode.
+    sources: Vec<(String, u64, i128, u64, u64)>,
+}
+
+/// One matrix in the file: the projection's place (`layer · 4 + slot`), its shape, where its
+/// panels start and their CRC-32.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Entry {
+    n: usize,
+    k: usize,
+    offset: usize,
+    crc: u32,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Header {
+    identity: Identity,
+    matrices: Vec<Entry>,
+    /// The file's whole length: a shorter file was cut off.
+    file_len: usize,
+}
+
+/// The cache file of one model (at one kernel layout).
+#[derive(Clone, Debug)]
+pub struct PanelCache {
+    pub path: PathBuf,
+    identity: Identity,
+    min_bytes: usize,
+}
+
+/// A valid cache file, mapped.
+pub struct Cached {
+    map: Arc<memmap2::Mmap>,
+    matrices: Vec<Entry>,
+    isa: Isa,
+}
+
+/// What [`PanelCache::open`] found.
+pub enum Opened {
+    Hit(Cached),
+    /// No file, or one made from something else (it will be replaced).
+    Miss,
+    /// A file whose checksums or length are wrong: removed, to be rebuilt. The text says what.
+    Damaged(String),
+}
+
+/// Where cache files go and from what size a model gets one.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub dir: PathBuf,
+    pub min_bytes: usize,
+}
+
+impl Settings {
+    /// `<cache>/panels` for models of [`MIN_BYTES`] and more, unless `ATTNSCOPE_PANEL_CACHE` is
+    /// `off` (or `0`, `false`, `no`).
+    pub fn from_env() -> Option<Settings> {
+        enabled(std::env::var("ATTNSCOPE_PANEL_CACHE").ok().as_deref()).then(|| Settings {
+            dir: super::fetch::cache_dir().join("panels"),
+            min_bytes: MIN_BYTES,
+        })
+    }
+}
+
+/// Whether `ATTNSCOPE_PANEL_CACHE`'s value leaves the cache on.
+fn enabled(var: Option<&str>) -> bool {
+    !matches!(
+        var.map(|v| v.trim().to_ascii_lowercase()).as_deref(),
+        Some("off" | "0" | "false" | "no")
+    )
+}
+
+impl PanelCache {
+    /// The cache of the model read from `files` (a GGUF file, or a folder's safetensors), in
+    /// `dir`, for `isa`'s panels. `None` when a file's metadata cannot be read.
+    pub fn new(files: &[PathBuf], dir: &Path, isa: Isa, min_bytes: usize) -> Option<PanelCache> {
+        let mut sources = Vec::new();
+        for f in files {
+            let path = std::fs::canonicalize(f).ok()?;
+            let md = std::fs::metadata(&path).ok()?;
+            let mtime = md
+                .modified()
+                .ok()?
+                .duration_since(std::time::UNIX_EPOCH)
+                .ok()?
+                .as_nanos() as i128;
+            #[cfg(unix)]
+            let (dev, ino) = {
+                use std::os::unix::fs::MetadataExt;
+                (md.dev(), md.ino())
+            };
+            #[cfg(not(unix))]
+            let (dev, ino) = (0, 0);
+            sources.push((
+                path.to_string_lossy().into_owned(),
+                md.len(),
+                mtime,
+                dev,
+                ino,
+            ));
+        }
+        let first = sources.first()?;
+        // one file per model path and layout: a changed model replaces its cache, never adds one
+        let stem = Path::new(&first.0)
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into());
+        let stem: String = stem
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || ".-_".contains(c) {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .take(64)
+            .collect();
+        let tag = {
+            use sha2::Digest;
+            let mut h = sha2::Sha256::new();
+            for s in &sources {
+                h.update(s.0.as_bytes());
+                h.update([0]);
+            }
+            h.update(isa.name().as_bytes());
+            let d = h.finalize();
+            d[..8]
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>()
+        };
+        Some(PanelCache {
+            path: dir.join(format!("{stem}-{}-{tag}.panels", isa.name())),
+            identity: Identity {
+                format: FORMAT,
+                attnscope: env!("CARGO_PKG_VERSION").into(),
+                isa: isa.name().into(),
+                nr: isa.nr(),
+                sources,
+            },
+            min_bytes,
+        })
+    }
+
+    /// Maps the cache file and checks it: the identity, the length and every matrix's CRC.
+    pub fn open(&self) -> Opened {
+        let Ok(file) = std::fs::File::open(&self.path) else {
+            return Opened::Miss;
+        };
+        // SAFETY: the file is only ever replaced by a rename, never written in place, so the
+        // mapped bytes do not change under us (a user editing it by hand is caught by the CRCs,
+        // checked below before any of it is used).
+        let Ok(map) = (unsafe { memmap2::Mmap::map(&file) }) else {
+            return Opened::Miss;
+        };
+        let Some(header) = read_header(&map) else {
+            return self.damaged("its header cannot be read");
+        };
+        if header.identity != self.identity {
+            return Opened::Miss;
+        }
+        if header.file_len != map.len() {
+            return self.damaged(&format!(
+                "it holds {} bytes where its header says {}",
+                map.len(),
+                header.file_len
+            ));
+        }
+        let Some(isa) = Isa::all_supported()
+            .into_iter()
+            .find(|i| i.name() == self.identity.isa)
+        else {
+            return Opened::Miss;
+        };
+        let bad = header.matrices.par_iter().position_any(|e| {
+            let len = PackedB::packed_len(e.n, e.k, isa) * 4;
+            match e.offset.checked_add(len) {
+                Some(end) if end <= map.len() && e.offset.is_multiple_of(ALIGN) => {
+                    crc(&map[e.offset..end]) != e.crc
+                }
+                _ => true,
+            }
+        });
+        if let Some(i) = bad {
+            return self.damaged(&format!("matrix {i} fails its checksum"));
+        }
+        Opened::Hit(Cached {
+            map: Arc::new(map),
+            matrices: header.matrices,
+            isa,
+        })
+    }
+
+    fn damaged(&self, what: &str) -> Opened {
+        let _ = std::fs::remove_file(&self.path);
+        Opened::Damaged(format!(
+            "the packed-weight cache {} was damaged ({what}); it is rebuilt",
+            self.path.display()
+        ))
+    }
+
+    /// Writes `weights`' packed f32 projections to the cache file (under a temporary name,
+    /// renamed into place). `Ok(None)` when there is nothing to keep: a projection not in f32
+    /// panels (`fast`, or `exact` on AMX tiles), panels read from a cache already, a model
+    /// under [`MIN_BYTES`], or too little free disk (the file's size plus 1 GiB).
+    pub fn save(&self, weights: &Weights) -> std::io::Result<Option<u64>> {
+        let mut mats: Vec<&PackedB> = Vec::new();
+        for l in &weights.layers {
+            for lin in [&l.qkv, &l.o, &l.gate_up, &l.down] {
+                match lin.packed() {
+                    Some(p) if !p.is_mapped() => mats.push(p),
+                    _ => return Ok(None),
+                }
+            }
+        }
+        let total: usize = mats.iter().map(|p| p.bytes()).sum();
+        if total < self.min_bytes || mats.is_empty() {
+            return Ok(None);
+        }
+        let dir = self.path.parent().unwrap_or(Path::new("."));
+        std::fs::create_dir_all(dir)?;
+        if free_bytes(dir).is_some_and(|free| free < total as u64 + (1 << 30)) {
+            return Ok(None);
+        }
+        let crcs: Vec<u32> = mats.par_iter().map(|p| crc(p.as_bytes())).collect();
+        // the header's length depends on the offsets, which depend on its length: the header is
+        // given room for offsets of up to 20 digits, then padded to the page
+        let layout = |start: usize| -> (Vec<Entry>, usize) {
+            let mut at = start;
+            let entries = mats
+                .iter()
+                .zip(&crcs)
+                .map(|(p, &crc)| {
+                    let e = Entry {
+                        n: p.n,
+                        k: p.k,
+                        offset: at,
+                        crc,
+                    };
+                    at += p.bytes().div_ceil(ALIGN) * ALIGN;
+                    e
+                })
+                .collect();
+            (entries, at)
+        };
+        let (probe, end) = layout(usize::MAX / 2);
+        let probe_len = serde_json::to_vec(&Header {
+            identity: self.identity.clone(),
+            matrices: probe,
+            file_len: usize::MAX.max(end),
+        })
+        .map_err(std::io::Error::other)?
+        .len();
+        let data_start = (16 + probe_len).div_ceil(ALIGN) * ALIGN;
+        let (matrices, file_len) = layout(data_start);
+        let header = serde_json::to_vec(&Header {
+            identity: self.identity.clone(),
+            matrices,
+            file_len,
+        })
+        .map_err(std::io::Error::other)?;
+        debug_assert!(16 + header.len() <= data_start);
+        let tmp = dir.join(format!(
+            ".{}.{}.{:?}.tmp",
+            self.path
+                .file_name()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        let write = || -> std::io::Result<()> {
+            let mut f = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(&tmp)?);
+            f.write_all(MAGIC)?;
+            f.write_all(&(header.len() as u64).to_le_bytes())?;
+            f.write_all(&header)?;
+            let mut at = 16 + header.len();
+            let zeros = vec![0u8; ALIGN];
+            for p in &mats {
+                let pad = at.div_ceil(ALIGN) * ALIGN - at;
+                f.write_all(&zeros[..pad])?;
+                f.write_all(p.as_bytes())?;
+                at += pad + p.bytes();
+            }
+            let pad = at.div_ceil(ALIGN) * ALIGN - at;
+            f.write_all(&zeros[..pad])?;
+            // no fsync (it cost 2.4 s for the default model): a file cut short by a crash
+            // fails its length or checksums on the next open and is rebuilt
+            f.into_inner().map_err(|e| e.into_error())?;
+            std::fs::rename(&tmp, &self.path)
+        };
+        match write() {
+            Ok(()) => Ok(Some(file_len as u64)),
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Cached {
+    /// Projection `i` (`layer · 4 + slot`: q|k|v, o, gate|up, down) if the file holds it at
+    /// shape `[k, n]`.
+    pub fn get(&self, i: usize, n: usize, k: usize) -> Option<PackedB> {
+        let e = self.matrices.get(i)?;
+        if e.n != n || e.k != k {
+            return None;
+        }
+        PackedB::from_mapped(self.map.clone(), e.offset, n, k, self.isa)
+    }
+
+    /// Matrices the file holds.
+    pub fn len(&self) -> usize {
+        self.matrices.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.matrices.is_empty()
+    }
+}
+
+fn read_header(map: &[u8]) -> Option<Header> {
+    if map.len() < 16 || &map[..8] != MAGIC {
+        return None;
+    }
+    let len = u64::from_le_bytes(map[8..16].try_into().ok()?) as usize;
+    let body = map.get(16..16usize.checked_add(len)?)?;
+    serde_json::from_slice(body).ok()
+}
+
+/// CRC-32 of `bytes`, in 16 MiB pieces folded together so both cores share a large matrix.
+fn crc(bytes: &[u8]) -> u32 {
+    const PIECE: usize = 16 << 20;
+    let pieces: Vec<(u32, usize)> = bytes
+        .par_chunks(PIECE)
+        .map(|c| {
+            let mut h = crc32fast::Hasher::new();
+            h.update(c);
+            (h.finalize(), c.len())
+        })
+        .collect();
+    // crc(a || b) from crc(a), crc(b) and len(b)
+    let mut acc = crc32fast::Hasher::new();
+    for (c, len) in pieces {
+        acc.combine(&crc32fast::Hasher::new_with_initial_len(c, len as u64));
+    }
+    acc.finalize()
+}
+
+/// Free bytes for an unprivileged user on the file system holding `dir`.
+fn free_bytes(dir: &Path) -> Option<u64> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+        let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+        // SAFETY: a valid NUL-terminated path and a statvfs struct to fill.
+        if unsafe { libc::statvfs(c.as_ptr(), &mut s) } != 0 {
+            return None;
+        }
+        Some(s.f_bavail as u64 * s.f_frsize as u64)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = dir;
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cache_is_turned_off_by_its_variable_only() {
+        for off in ["off", "0", "false", "no", " OFF "] {
+            assert!(!enabled(Some(off)), "{off}");
+        }
+        for on in [None, Some(""), Some("on"), Some("1"), Some("yes")] {
+            assert!(enabled(on), "{on:?}");
+        }
+    }
+
+    #[test]
+    fn a_checksum_in_pieces_is_the_checksum_of_the_whole() {
+        let bytes: Vec<u8> = (0..(40usize << 20) + 12345)
+            .map(|i| ((i * 2654435761) >> 13) as u8)
+            .collect();
+        for len in [0, 1, 16 << 20, (16 << 20) + 1, bytes.len()] {
+            assert_eq!(crc(&bytes[..len]), crc32fast::hash(&bytes[..len]), "{len}");
+        }
+    }
+
+    #[test]
+    fn a_header_that_is_not_ours_is_not_read() {
+        assert!(read_header(b"").is_none());
+        assert!(read_header(b"GGUF\x03\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00").is_none());
+        let mut lying = MAGIC.to_vec();
+        lying.extend_from_slice(&u64::MAX.to_le_bytes());
+        assert!(read_header(&lying).is_none());
+        let mut junk = MAGIC.to_vec();
+        junk.extend_from_slice(&3u64.to_le_bytes());
+        junk.extend_from_slice(b"{x}");
+        assert!(read_header(&junk).is_none());
+    }
+}
