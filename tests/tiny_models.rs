@@ -1114,6 +1114,7 @@ fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_dam
         let fast = Model::load_with(spec, Precision::Fast, false, Some(&settings)).unwrap();
         if attnscope::model::weights::fast_kernel().is_some() {
             assert_eq!(fast.mapped_projections(), (0, all), "{arch:?}: fast");
+            assert!(fast.panel_file().is_none(), "{arch:?}: fast never opens it");
         }
     }
     // a Hugging Face folder: its safetensors files and config.json make the identity

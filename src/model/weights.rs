@@ -493,6 +493,16 @@ pub fn fast_kernel() -> Option<&'static str> {
     }
 }
 
+/// Whether `precision` holds the projections as f32 panels on this CPU (those the packed-weight
+/// cache keeps): `exact` unless asked onto the AMX tiles, `fast` only where it has no kernel of
+/// its own.
+pub fn packs_f32_panels(precision: Precision) -> bool {
+    match precision {
+        Precision::Exact => !amx::exact_on_tiles(),
+        Precision::Fast => fast_kernel().is_none(),
+    }
+}
+
 /// Whether `fast` runs the int8 kernel on this CPU (AVX-512 VNNI, no AMX).
 pub fn fast_uses_int8() -> bool {
     !amx::available() && int8::vnni_supported()
