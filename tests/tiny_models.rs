@@ -1071,8 +1071,11 @@ fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_dam
         let first = Model::load_with(spec, Precision::Exact, false, Some(&settings)).unwrap();
         assert_eq!(first.mapped_projections(), (0, all), "{arch:?}: packed");
         assert_eq!(run(&first), want);
-        let files = cache_files();
-        assert_eq!(files.len(), 1, "{arch:?}: one file per model: {files:?}");
+        // one file per model and layout, replaced when the model changes: this one, and the
+        // previous arch's fast one where fast has a layout of its own
+        let files = vec![first.panel_file().unwrap().to_path_buf()];
+        assert!(files[0].exists());
+        assert!(cache_files().len() <= 2, "{arch:?}: {:?}", cache_files());
         let second = Model::load_with(spec, Precision::Exact, false, Some(&settings)).unwrap();
         assert_eq!(second.mapped_projections(), (all, all), "{arch:?}: mapped");
         assert_eq!(run(&second), want, "{arch:?}: mapped panels, same bits");
@@ -1110,11 +1113,33 @@ fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_dam
             (0, all),
             "{arch:?}: source changed"
         );
-        // fast precision on AMX or VNNI packs other layouts: it neither reads nor writes f32 panels
+        // fast precision: bf16 AMX tiles in a file of their own (never the f32 one), 8-bit
+        // blocks not kept at all, and without either kernel the exact f32 panels
+        use attnscope::model::weights::PanelLayout;
+        let fast_plain = run(&Model::load_with(spec, Precision::Fast, false, None).unwrap());
         let fast = Model::load_with(spec, Precision::Fast, false, Some(&settings)).unwrap();
-        if attnscope::model::weights::fast_kernel().is_some() {
-            assert_eq!(fast.mapped_projections(), (0, all), "{arch:?}: fast");
-            assert!(fast.panel_file().is_none(), "{arch:?}: fast never opens it");
+        let fast_again = Model::load_with(spec, Precision::Fast, false, Some(&settings)).unwrap();
+        assert_eq!(run(&fast), fast_plain);
+        assert_eq!(run(&fast_again), fast_plain, "{arch:?}: fast, mapped");
+        match PanelLayout::of(Precision::Fast) {
+            Some(PanelLayout::Bf16 { .. }) => {
+                assert_eq!(fast.mapped_projections(), (0, all), "{arch:?}: fast writes");
+                assert_eq!(
+                    fast_again.mapped_projections(),
+                    (all, all),
+                    "{arch:?}: fast"
+                );
+                assert_ne!(fast.panel_file(), touched.panel_file(), "a file per layout");
+            }
+            Some(PanelLayout::F32(_)) => {
+                assert_eq!(
+                    fast_again.mapped_projections(),
+                    (all, all),
+                    "{arch:?}: fast"
+                );
+                assert_eq!(fast.panel_file(), touched.panel_file(), "the exact file");
+            }
+            None => assert!(fast.panel_file().is_none(), "{arch:?}: 8-bit blocks"),
         }
     }
     // a Hugging Face folder: its safetensors files and config.json make the identity
@@ -1134,7 +1159,11 @@ fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_dam
         .unwrap();
     drop(f);
     let edited = Model::load_with(hf_spec, Precision::Exact, false, Some(&settings)).unwrap();
-    assert_eq!(edited.mapped_projections(), (0, all), "folder: config changed");
+    assert_eq!(
+        edited.mapped_projections(),
+        (0, all),
+        "folder: config changed"
+    );
     // under the size floor: no file at all
     let small = Settings {
         dir: dir.path().join("small"),

@@ -135,7 +135,7 @@ pub struct PackedBf16 {
     /// 1 (bf16, `fast`) or 3 (bf16x3, `exact`)
     pub splits: usize,
     chunks: usize,
-    buf: Bf16Buf,
+    buf: super::gemm::Panels<u16>,
 }
 
 impl std::fmt::Debug for PackedBf16 {
@@ -199,13 +199,50 @@ impl PackedBf16 {
             k,
             splits,
             chunks,
+            buf: super::gemm::Panels::Owned(buf),
+        })
+    }
+
+    /// bf16 values a `[k, n]` matrix packed as `splits` parts takes (whole chunks and panels).
+    pub fn packed_len(n: usize, k: usize, splits: usize) -> usize {
+        n.div_ceil(NP) * k.div_ceil(KT) * splits * 2 * TILE
+    }
+
+    /// A `[k, n]` matrix of `splits` parts whose tiles (as [`PackedBf16::as_bytes`] gave them)
+    /// lie at `offset` in `map`; `None` if they do not fit there (64-byte aligned).
+    pub fn from_mapped(
+        map: std::sync::Arc<memmap2::Mmap>,
+        offset: usize,
+        n: usize,
+        k: usize,
+        splits: usize,
+    ) -> Option<PackedBf16> {
+        if splits != 1 && splits != 3 {
+            return None;
+        }
+        let buf = super::gemm::Panels::mapped(map, offset, Self::packed_len(n, k, splits))?;
+        Some(PackedBf16 {
+            n,
+            k,
+            splits,
+            chunks: k.div_ceil(KT),
             buf,
         })
     }
 
+    /// The tiles as bytes (native-endian bf16 bits), as a cache file stores them.
+    pub fn as_bytes(&self) -> &[u8] {
+        self.buf.as_bytes()
+    }
+
+    /// Whether the tiles are read from a mapped file.
+    pub fn is_mapped(&self) -> bool {
+        self.buf.is_mapped()
+    }
+
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        self.buf.len() * 2
+        self.buf.as_slice().len() * 2
     }
 
     fn panel_len(&self) -> usize {

@@ -177,11 +177,12 @@ pub struct PackedB {
     buf: Panels,
 }
 
-/// Where a [`PackedB`]'s panels live: its own buffer, or a read-only mapping of a file that holds
-/// them in the same layout (the packed-weight cache, [`crate::model::panels`]).
+/// Where packed panels live (f32 for [`PackedB`], bf16 bits for the AMX kernel's): their own
+/// buffer, or a read-only mapping of a file that holds them in the same layout (the
+/// packed-weight cache, [`crate::model::panels`]).
 #[derive(Clone)]
-enum Panels {
-    Owned(AlignedBuf),
+pub(crate) enum Panels<T = f32> {
+    Owned(AlignedBuf<T>),
     Mapped {
         map: std::sync::Arc<memmap2::Mmap>,
         offset: usize,
@@ -189,27 +190,43 @@ enum Panels {
     },
 }
 
-impl Panels {
-    fn as_slice(&self) -> &[f32] {
+impl<T: Copy + Default> Panels<T> {
+    /// `len` values of `T` at `offset` in `map`, if they lie inside it and start on a 64-byte
+    /// boundary of the file (mappings start on a page).
+    pub(crate) fn mapped(
+        map: std::sync::Arc<memmap2::Mmap>,
+        offset: usize,
+        len: usize,
+    ) -> Option<Self> {
+        let end = offset.checked_add(len.checked_mul(std::mem::size_of::<T>())?)?;
+        (end <= map.len() && offset.is_multiple_of(64)).then_some(Panels::Mapped {
+            map,
+            offset,
+            len,
+        })
+    }
+
+    pub(crate) fn as_slice(&self) -> &[T] {
         match self {
             Panels::Owned(b) => b.as_slice(),
-            // SAFETY: `from_mapped` checked that offset..offset + 4·len lies inside the mapping
-            // and that the offset is 4-byte aligned (mappings start on a page); the mapping is
-            // read-only and lives as long as this Arc.
+            // SAFETY: `mapped` checked that the values lie inside the mapping, on a 64-byte
+            // boundary (T is f32 or u16: plain values, any bits valid); the mapping is read-only
+            // and lives as long as this Arc.
             Panels::Mapped { map, offset, len } => unsafe {
-                std::slice::from_raw_parts(map.as_ptr().add(*offset) as *const f32, *len)
+                std::slice::from_raw_parts(map.as_ptr().add(*offset) as *const T, *len)
             },
         }
     }
-}
 
-impl std::fmt::Debug for PackedB {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "PackedB {{ k: {}, n: {}, isa: {:?} }}",
-            self.k, self.n, self.isa
-        )
+    /// The values as bytes (native-endian), as a cache file stores them.
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        let v = self.as_slice();
+        // SAFETY: T is a plain number type; the slice covers exactly the values.
+        unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+    }
+
+    pub(crate) fn is_mapped(&self) -> bool {
+        matches!(self, Panels::Mapped { .. })
     }
 }
 
@@ -401,28 +418,18 @@ impl PackedB {
         k: usize,
         isa: Isa,
     ) -> Option<PackedB> {
-        let len = Self::packed_len(n, k, isa);
-        let fits = offset
-            .checked_add(len.checked_mul(4)?)
-            .is_some_and(|end| end <= map.len());
-        (fits && offset.is_multiple_of(64) && isa.supported()).then_some(PackedB {
-            k,
-            n,
-            isa,
-            buf: Panels::Mapped { map, offset, len },
-        })
+        let buf = Panels::mapped(map, offset, Self::packed_len(n, k, isa))?;
+        isa.supported().then_some(PackedB { k, n, isa, buf })
     }
 
     /// The panels as bytes (native-endian f32), as a cache file stores them.
     pub fn as_bytes(&self) -> &[u8] {
-        let f = self.buf.as_slice();
-        // SAFETY: any f32 is 4 plain bytes; the slice covers exactly the floats.
-        unsafe { std::slice::from_raw_parts(f.as_ptr() as *const u8, f.len() * 4) }
+        self.buf.as_bytes()
     }
 
     /// Whether the panels are read from a mapped file rather than held in memory of their own.
     pub fn is_mapped(&self) -> bool {
-        matches!(self.buf, Panels::Mapped { .. })
+        self.buf.is_mapped()
     }
 
     /// Bytes held.

@@ -117,25 +117,18 @@ fn resolve(spec: &str, progress: bool) -> Result<(Source, String, Option<String>
     })
 }
 
-/// The packed-weight cache of the model in `files`, where `settings` keep one and `precision`
-/// holds f32 panels.
+/// The packed-weight cache of the model in `files` for `precision`'s layout, where `settings`
+/// keep one.
 fn panel_cache(
     settings: Option<&panels::Settings>,
     precision: Precision,
     files: &[PathBuf],
 ) -> Option<panels::PanelCache> {
-    // a precision that packs other layouts never opens the file: mapping and checking it would
-    // bring 1.4 GB of pages in for nothing (measured: `fast`'s peak 1.08 → 2.48 GB)
-    if !weights::packs_f32_panels(precision) {
-        return None;
-    }
+    // each layout has its own file: one precision never maps (and checks) another's, which
+    // would bring its pages in for nothing (measured: `fast`'s peak 1.08 → 2.48 GB)
+    let layout = weights::PanelLayout::of(precision)?;
     let s = settings?;
-    panels::PanelCache::new(
-        files,
-        &s.dir,
-        crate::kernels::gemm::Isa::detect(),
-        s.min_bytes,
-    )
+    panels::PanelCache::new(files, &s.dir, layout, s.min_bytes)
 }
 
 /// The cache's panels when its file is valid; a damaged file is named on standard error.
@@ -188,10 +181,7 @@ impl Model {
             .layers
             .iter()
             .flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down]);
-        let mapped = all
-            .clone()
-            .filter(|p| p.packed().is_some_and(|p| p.is_mapped()))
-            .count();
+        let mapped = all.clone().filter(|p| p.is_mapped()).count();
         (mapped, all.count())
     }
 

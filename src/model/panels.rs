@@ -1,6 +1,6 @@
-//! The packed-weight cache: the `exact` projections of a model, dequantized and packed into the
-//! GEMM kernel's panels once, kept in a file next to the model cache and mapped read-only on
-//! the next load instead of being computed again.
+//! The packed-weight cache: the projections of a model, dequantized and packed once into the
+//! layout their kernel reads (`exact`'s f32 panels; `fast`'s bf16 AMX tiles), kept in a file
+//! next to the model cache and mapped read-only on the next load instead of being packed again.
 //!
 //! Loading the default model spends most of its time dequantizing 1.4 GB of f32 weights into
 //! fresh pages (on a 2-core Xeon: ~0.55 s of a ~0.8 s load, half of it the kernel handing out
@@ -9,13 +9,14 @@
 //!
 //! A cache file is trusted only when everything it was made from is the same: the model files
 //! (path, size, modification time, inode), this program's version, the file format's version
-//! and the kernel's panel layout. Each matrix carries a CRC-32 checked before use, so a file
+//! and the kernel's layout ([`PanelLayout::name`]). Each matrix carries a CRC-32 checked before use, so a file
 //! cut short or damaged on disk (a crash before the kernel wrote it all) is rebuilt, never read. Files are written under a temporary
 //! name and renamed into place, so a reader never sees half of one. `ATTNSCOPE_PANEL_CACHE=off`
 //! turns the cache off; deleting `<cache>/panels` at any time is safe.
 
-use super::weights::Weights;
-use crate::kernels::gemm::{Isa, PackedB};
+use super::weights::{Matrix, PanelLayout, Weights};
+use crate::kernels::amx::PackedBf16;
+use crate::kernels::gemm::PackedB;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::io::Write;
@@ -37,8 +38,8 @@ pub const MIN_BYTES: usize = 64 << 20;
 struct Identity {
     format: u32,
     attnscope: String,
-    isa: String,
-    nr: usize,
+    /// [`PanelLayout::name`]: the kernel's panel width, or the AMX tiles' parts
+    layout: String,
     /// Each model file: canonical path, length, modification time (ns), device and inode.
     sources: Vec<(String, u64, i128, u64, u64)>,
 }
@@ -66,6 +67,7 @@ struct Header {
 pub struct PanelCache {
     pub path: PathBuf,
     identity: Identity,
+    layout: PanelLayout,
     min_bytes: usize,
 }
 
@@ -73,7 +75,15 @@ pub struct PanelCache {
 pub struct Cached {
     map: Arc<memmap2::Mmap>,
     matrices: Vec<Entry>,
-    isa: Isa,
+    layout: PanelLayout,
+}
+
+/// Bytes a `[k, n]` matrix takes in `layout`.
+fn packed_bytes(layout: PanelLayout, n: usize, k: usize) -> Option<usize> {
+    match layout {
+        PanelLayout::F32(isa) => PackedB::packed_len(n, k, isa).checked_mul(4),
+        PanelLayout::Bf16 { splits } => PackedBf16::packed_len(n, k, splits).checked_mul(2),
+    }
 }
 
 /// What [`PanelCache::open`] found.
@@ -112,9 +122,15 @@ fn enabled(var: Option<&str>) -> bool {
 }
 
 impl PanelCache {
-    /// The cache of the model read from `files` (a GGUF file, or a folder's safetensors), in
-    /// `dir`, for `isa`'s panels. `None` when a file's metadata cannot be read.
-    pub fn new(files: &[PathBuf], dir: &Path, isa: Isa, min_bytes: usize) -> Option<PanelCache> {
+    /// The cache of the model read from `files` (a GGUF file, or a folder's safetensors and
+    /// config), in `dir`, for projections packed in `layout`. `None` when a file's metadata
+    /// cannot be read.
+    pub fn new(
+        files: &[PathBuf],
+        dir: &Path,
+        layout: PanelLayout,
+        min_bytes: usize,
+    ) -> Option<PanelCache> {
         let mut sources = Vec::new();
         for f in files {
             let path = std::fs::canonicalize(f).ok()?;
@@ -164,7 +180,7 @@ impl PanelCache {
                 h.update(s.0.as_bytes());
                 h.update([0]);
             }
-            h.update(isa.name().as_bytes());
+            h.update(layout.name().as_bytes());
             let d = h.finalize();
             d[..8]
                 .iter()
@@ -172,14 +188,14 @@ impl PanelCache {
                 .collect::<String>()
         };
         Some(PanelCache {
-            path: dir.join(format!("{stem}-{}-{tag}.panels", isa.name())),
+            path: dir.join(format!("{stem}-{}-{tag}.panels", layout.name())),
             identity: Identity {
                 format: FORMAT,
                 attnscope: env!("CARGO_PKG_VERSION").into(),
-                isa: isa.name().into(),
-                nr: isa.nr(),
+                layout: layout.name(),
                 sources,
             },
+            layout,
             min_bytes,
         })
     }
@@ -208,15 +224,10 @@ impl PanelCache {
                 header.file_len
             ));
         }
-        let Some(isa) = Isa::all_supported()
-            .into_iter()
-            .find(|i| i.name() == self.identity.isa)
-        else {
-            return Opened::Miss;
-        };
+        let layout = self.layout;
         let bad = header.matrices.par_iter().position_any(|e| {
-            let len = PackedB::packed_len(e.n, e.k, isa) * 4;
-            match e.offset.checked_add(len) {
+            let end = packed_bytes(layout, e.n, e.k).and_then(|len| e.offset.checked_add(len));
+            match end {
                 Some(end) if end <= map.len() && e.offset.is_multiple_of(ALIGN) => {
                     crc(&map[e.offset..end]) != e.crc
                 }
@@ -229,7 +240,7 @@ impl PanelCache {
         Opened::Hit(Cached {
             map: Arc::new(map),
             matrices: header.matrices,
-            isa,
+            layout,
         })
     }
 
@@ -241,21 +252,22 @@ impl PanelCache {
         ))
     }
 
-    /// Writes `weights`' packed f32 projections to the cache file (under a temporary name,
-    /// renamed into place). `Ok(None)` when there is nothing to keep: a projection not in f32
-    /// panels (`fast`, or `exact` on AMX tiles), panels read from a cache already, a model
-    /// under [`MIN_BYTES`], or too little free disk (the file's size plus 1 GiB).
+    /// Writes `weights`' packed projections to the cache file (under a temporary name, renamed
+    /// into place). `Ok(None)` when there is nothing to keep: a projection not packed in the
+    /// cache's layout, or read from a cache already, a model under [`MIN_BYTES`], or too little
+    /// free disk (the file's size plus 1 GiB).
     pub fn save(&self, weights: &Weights) -> std::io::Result<Option<u64>> {
-        let mut mats: Vec<&PackedB> = Vec::new();
+        // (n, k, bytes) of each projection in order
+        let mut mats: Vec<(usize, usize, &[u8])> = Vec::new();
         for l in &weights.layers {
             for lin in [&l.qkv, &l.o, &l.gate_up, &l.down] {
-                match lin.packed() {
-                    Some(p) if !p.is_mapped() => mats.push(p),
-                    _ => return Ok(None),
+                match lin.packed_bytes(self.layout) {
+                    Some(b) => mats.push((lin.n, lin.k, b)),
+                    None => return Ok(None),
                 }
             }
         }
-        let total: usize = mats.iter().map(|p| p.bytes()).sum();
+        let total: usize = mats.iter().map(|m| m.2.len()).sum();
         if total < self.min_bytes || mats.is_empty() {
             return Ok(None);
         }
@@ -264,7 +276,7 @@ impl PanelCache {
         if free_bytes(dir).is_some_and(|free| free < total as u64 + (1 << 30)) {
             return Ok(None);
         }
-        let crcs: Vec<u32> = mats.par_iter().map(|p| crc(p.as_bytes())).collect();
+        let crcs: Vec<u32> = mats.par_iter().map(|m| crc(m.2)).collect();
         // the header's length depends on the offsets, which depend on its length: the header is
         // given room for offsets of up to 20 digits, then padded to the page
         let layout = |start: usize| -> (Vec<Entry>, usize) {
@@ -272,24 +284,24 @@ impl PanelCache {
             let entries = mats
                 .iter()
                 .zip(&crcs)
-                .map(|(p, &crc)| {
+                .map(|(&(n, k, bytes), &crc)| {
                     let e = Entry {
-                        n: p.n,
-                        k: p.k,
+                        n,
+                        k,
                         offset: at,
                         crc,
                     };
-                    at += p.bytes().div_ceil(ALIGN) * ALIGN;
+                    at += bytes.len().div_ceil(ALIGN) * ALIGN;
                     e
                 })
                 .collect();
             (entries, at)
         };
-        let (probe, end) = layout(usize::MAX / 2);
+        let (probe, _) = layout(usize::MAX / 2);
         let probe_len = serde_json::to_vec(&Header {
             identity: self.identity.clone(),
             matrices: probe,
-            file_len: usize::MAX.max(end),
+            file_len: usize::MAX,
         })
         .map_err(std::io::Error::other)?
         .len();
@@ -318,11 +330,11 @@ impl PanelCache {
             f.write_all(&header)?;
             let mut at = 16 + header.len();
             let zeros = vec![0u8; ALIGN];
-            for p in &mats {
+            for (_, _, bytes) in &mats {
                 let pad = at.div_ceil(ALIGN) * ALIGN - at;
                 f.write_all(&zeros[..pad])?;
-                f.write_all(p.as_bytes())?;
-                at += pad + p.bytes();
+                f.write_all(bytes)?;
+                at += pad + bytes.len();
             }
             let pad = at.div_ceil(ALIGN) * ALIGN - at;
             f.write_all(&zeros[..pad])?;
@@ -344,12 +356,20 @@ impl PanelCache {
 impl Cached {
     /// Projection `i` (`layer · 4 + slot`: q|k|v, o, gate|up, down) if the file holds it at
     /// shape `[k, n]`.
-    pub fn get(&self, i: usize, n: usize, k: usize) -> Option<PackedB> {
+    pub fn get(&self, i: usize, n: usize, k: usize) -> Option<Matrix> {
         let e = self.matrices.get(i)?;
         if e.n != n || e.k != k {
             return None;
         }
-        PackedB::from_mapped(self.map.clone(), e.offset, n, k, self.isa)
+        let map = self.map.clone();
+        match self.layout {
+            PanelLayout::F32(isa) => {
+                PackedB::from_mapped(map, e.offset, n, k, isa).map(Matrix::Packed)
+            }
+            PanelLayout::Bf16 { splits } => {
+                PackedBf16::from_mapped(map, e.offset, n, k, splits).map(Matrix::Amx)
+            }
+        }
     }
 
     /// Matrices the file holds.

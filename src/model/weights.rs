@@ -310,11 +310,28 @@ pub struct Linear {
 }
 
 impl Linear {
-    /// The f32 panels, when this projection is held as f32 panels.
-    pub fn packed(&self) -> Option<&PackedB> {
-        match &self.mat {
-            Matrix::Packed(p) => Some(p),
+    /// The packed bytes of this projection if it is packed in `layout` in memory of its own
+    /// (not mapped from a cache file): what the packed-weight cache writes.
+    pub fn packed_bytes(&self, layout: PanelLayout) -> Option<&[u8]> {
+        match (&self.mat, layout) {
+            (Matrix::Packed(p), PanelLayout::F32(isa)) if p.isa == isa && !p.is_mapped() => {
+                Some(p.as_bytes())
+            }
+            (Matrix::Amx(p), PanelLayout::Bf16 { splits })
+                if p.splits == splits && !p.is_mapped() =>
+            {
+                Some(p.as_bytes())
+            }
             _ => None,
+        }
+    }
+
+    /// Whether this projection is read from a mapped cache file.
+    pub fn is_mapped(&self) -> bool {
+        match &self.mat {
+            Matrix::Packed(p) => p.is_mapped(),
+            Matrix::Amx(p) => p.is_mapped(),
+            Matrix::Int8(_) => false,
         }
     }
 
@@ -493,13 +510,32 @@ pub fn fast_kernel() -> Option<&'static str> {
     }
 }
 
-/// Whether `precision` holds the projections as f32 panels on this CPU (those the packed-weight
-/// cache keeps): `exact` unless asked onto the AMX tiles, `fast` only where it has no kernel of
-/// its own.
-pub fn packs_f32_panels(precision: Precision) -> bool {
-    match precision {
-        Precision::Exact => !amx::exact_on_tiles(),
-        Precision::Fast => fast_kernel().is_none(),
+/// How a precision packs the projections on this CPU, as the packed-weight cache keeps them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PanelLayout {
+    /// f32 panels of the GEMM micro-kernel's width (`exact`; `fast` without a kernel of its own)
+    F32(gemm::Isa),
+    /// bf16 tiles for AMX: 1 part (`fast`) or 3 (`exact` with `ATTNSCOPE_AMX=exact`)
+    Bf16 { splits: usize },
+}
+
+impl PanelLayout {
+    /// A name that changes whenever the bytes of the layout would.
+    pub fn name(self) -> String {
+        match self {
+            PanelLayout::F32(isa) => format!("{}-f32x{}", isa.name(), isa.nr()),
+            PanelLayout::Bf16 { splits } => format!("amx-bf16x{splits}"),
+        }
+    }
+
+    /// The layout `precision` packs on this CPU; `None` for `fast`'s 8-bit blocks (not cached).
+    pub fn of(precision: Precision) -> Option<PanelLayout> {
+        match precision {
+            Precision::Exact if amx::exact_on_tiles() => Some(PanelLayout::Bf16 { splits: 3 }),
+            Precision::Fast if amx::available() => Some(PanelLayout::Bf16 { splits: 1 }),
+            Precision::Fast if fast_uses_int8() => None,
+            _ => Some(PanelLayout::F32(gemm::Isa::detect())),
+        }
     }
 }
 
@@ -513,11 +549,11 @@ pub fn fast_uses_int8() -> bool {
 /// as [`fast_kernel`] says.
 ///
 /// `ready`: the same matrix already packed (from the packed-weight cache), used instead of
-/// packing when this precision packs f32 panels of its shape.
+/// packing when it has this precision's layout ([`PanelLayout::of`]) and this shape.
 fn linear(
     parts: Vec<(Raw, Option<Raw>)>,
     precision: Precision,
-    ready: Option<PackedB>,
+    ready: Option<Matrix>,
 ) -> Result<Linear> {
     let isa = gemm::Isa::detect();
     let k = *parts[0]
@@ -538,16 +574,16 @@ fn linear(
         weights.push(w);
         col0 += width;
     }
-    let f32_panels = !(precision == Precision::Fast && amx::available()
-        || precision == Precision::Exact && amx::exact_on_tiles()
-        || precision == Precision::Fast && fast_uses_int8() && k.is_multiple_of(int8::BLOCK));
-    if let Some(p) = ready.filter(|p| f32_panels && p.n == n && p.k == k && p.isa == isa) {
-        return Ok(Linear {
-            k,
-            n,
-            mat: Matrix::Packed(p),
-            bias,
-        });
+    // a matrix from the cache, if it has this precision's layout and this shape
+    let ready = ready.filter(|m| match (m, PanelLayout::of(precision)) {
+        (Matrix::Packed(p), Some(PanelLayout::F32(l))) => p.isa == l && p.n == n && p.k == k,
+        (Matrix::Amx(p), Some(PanelLayout::Bf16 { splits })) => {
+            p.splits == splits && p.n == n && p.k == k
+        }
+        _ => false,
+    });
+    if let Some(mat) = ready {
+        return Ok(Linear { k, n, mat, bias });
     }
     // straight from the file into the packed panels, a few rows at a time: the weights are
     // never held whole as plain f32 next to their packed copy
