@@ -1073,7 +1073,7 @@ fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_dam
         assert_eq!(run(&first), want);
         // one file per model and layout, replaced when the model changes: this one, and the
         // previous arch's fast one where fast has a layout of its own
-        let files = vec![first.panel_file().unwrap().to_path_buf()];
+        let files = [first.panel_file().unwrap().to_path_buf()];
         assert!(files[0].exists());
         assert!(cache_files().len() <= 2, "{arch:?}: {:?}", cache_files());
         let second = Model::load_with(spec, Precision::Exact, false, Some(&settings)).unwrap();
