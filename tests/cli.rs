@@ -1043,7 +1043,13 @@ fn streamed_capture_equals_the_in_memory_cache_in_both_formats() {
             // the same tensors when every layer waits for its writing (the path of layers over
             // 512 MB) as when the writing overlaps the next layer
             let waited = dir.path().join(format!("w-{layers}.{ext}"));
-            for (path, overlap_mb) in [(&out, "512"), (&waited, "0")] {
+            // and when `--one-layer` asks for it
+            let one = dir.path().join(format!("o-{layers}.{ext}"));
+            for (path, overlap_mb, flag) in [
+                (&out, "512", None),
+                (&waited, "0", None),
+                (&one, "512", Some("--one-layer")),
+            ] {
                 let r = attnscope()
                     .args([
                         "capture",
@@ -1062,12 +1068,17 @@ fn streamed_capture_equals_the_in_memory_cache_in_both_formats() {
                         "--out",
                         path.to_str().unwrap(),
                     ])
+                    .args(flag)
                     .env("ATTNSCOPE_CAPTURE_OVERLAP_MB", overlap_mb)
                     .output()
                     .unwrap();
                 assert!(r.status.success(), "{}", stderr_of(&r));
             }
-            for (writer, path) in [("overlapping", &out), ("waiting", &waited)] {
+            for (writer, path) in [
+                ("overlapping", &out),
+                ("waiting", &waited),
+                ("--one-layer", &one),
+            ] {
                 let bytes = std::fs::read(path).unwrap();
                 let ext = format!("{ext} ({writer} writer)");
                 let mut got: std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)> =
