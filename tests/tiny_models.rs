@@ -1164,6 +1164,34 @@ fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_dam
         (0, all),
         "folder: config changed"
     );
+    // a model that is gone loses its file the next time any file is written
+    let other = dir.path().join("other.gguf");
+    write_gguf(
+        &tiny_model(Arch::Llama, 8),
+        Arch::Llama,
+        GgmlDType::F32,
+        &other,
+    )
+    .unwrap();
+    let gone = Model::load_with(
+        other.to_str().unwrap(),
+        Precision::Exact,
+        false,
+        Some(&settings),
+    )
+    .unwrap()
+    .panel_file()
+    .unwrap()
+    .to_path_buf();
+    assert!(gone.exists());
+    std::fs::remove_file(&other).unwrap();
+    let f = std::fs::File::options().write(true).open(&path).unwrap();
+    f.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(9))
+        .unwrap();
+    drop(f);
+    let rewritten = Model::load_with(spec, Precision::Exact, false, Some(&settings)).unwrap();
+    assert!(rewritten.panel_file().unwrap().exists());
+    assert!(!gone.exists(), "the gone model's file is removed");
     // under the size floor: no file at all
     let small = Settings {
         dir: dir.path().join("small"),

@@ -11,8 +11,9 @@
 //! (path, size, modification time, inode), this program's version, the file format's version
 //! and the kernel's layout ([`PanelLayout::name`]). Each matrix carries a CRC-32 checked before use, so a file
 //! cut short or damaged on disk (a crash before the kernel wrote it all) is rebuilt, never read. Files are written under a temporary
-//! name and renamed into place, so a reader never sees half of one. `ATTNSCOPE_PANEL_CACHE=off`
-//! turns the cache off; deleting `<cache>/panels` at any time is safe.
+//! name and renamed into place, so a reader never sees half of one. Writing one removes the
+//! files of models that are gone. `ATTNSCOPE_PANEL_CACHE=off` turns the cache off; deleting
+//! `<cache>/panels` at any time is safe.
 
 use super::weights::{Matrix, PanelLayout, Weights};
 use crate::kernels::amx::PackedBf16;
@@ -344,13 +345,67 @@ impl PanelCache {
             std::fs::rename(&tmp, &self.path)
         };
         match write() {
-            Ok(()) => Ok(Some(file_len as u64)),
+            Ok(()) => {
+                remove_orphans(dir, &self.path);
+                Ok(Some(file_len as u64))
+            }
             Err(e) => {
                 let _ = std::fs::remove_file(&tmp);
                 Err(e)
             }
         }
     }
+}
+
+/// Removes the cache files in `dir` (other than `keep`) whose model files are gone, and
+/// temporary files a killed writer left more than a day ago: a deleted model does not leave
+/// gigabytes behind. Run after each file written; reads only the headers.
+fn remove_orphans(dir: &Path, keep: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let path = e.path();
+        if path == keep {
+            continue;
+        }
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') && name.ends_with(".tmp") {
+            let old = e
+                .metadata()
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.elapsed().ok())
+                .is_some_and(|age| age.as_secs() > 24 * 3600);
+            if old {
+                let _ = std::fs::remove_file(&path);
+            }
+            continue;
+        }
+        if !name.ends_with(".panels") {
+            continue;
+        }
+        let gone = header_of_file(&path)
+            .is_some_and(|h| h.identity.sources.iter().any(|s| !Path::new(&s.0).exists()));
+        if gone {
+            let _ = std::fs::remove_file(&path);
+        }
+    }
+}
+
+/// The header of the cache file at `path`, read without mapping the file.
+fn header_of_file(path: &Path) -> Option<Header> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).ok()?;
+    let mut head = [0u8; 16];
+    f.read_exact(&mut head).ok()?;
+    let len = u64::from_le_bytes(head[8..16].try_into().ok()?);
+    if &head[..8] != MAGIC || len > 64 << 20 {
+        return None;
+    }
+    let mut body = vec![0u8; len as usize];
+    f.read_exact(&mut body).ok()?;
+    serde_json::from_slice(&body).ok()
 }
 
 impl Cached {
