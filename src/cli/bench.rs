@@ -474,6 +474,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         s += &t.render();
         s += "Load and after the load are the commands' own timings (tokenizing and printing or renaming are in neither). Compare with transformers timed in the same session on this machine (eager with output_attentions for capture, sdpa for inspect): its forward alone, or its forward plus its own load.\n";
+        s += &match model.panel_file() {
+            Some(p) => format!("Their loads map the packed weights from {} (this bench's own load wrote it if it was missing); ATTNSCOPE_PANEL_CACHE=off times packing them instead.\n", p.display()),
+            None => "Their loads pack the weights (no packed-weight cache for this model and precision).\n".into(),
+        };
     }
     emit(&s)
 }

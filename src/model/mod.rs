@@ -174,7 +174,8 @@ impl Model {
         self.panel_file.as_deref()
     }
 
-    /// Projections whose f32 panels are read from a packed-weight cache file, of all of them.
+    /// Projections read from a packed-weight cache file (f32 panels or bf16 tiles), of all of
+    /// them.
     pub fn mapped_projections(&self) -> (usize, usize) {
         let all = self
             .weights
@@ -187,7 +188,8 @@ impl Model {
 
     /// `z_h · W_Oʰᵀ` of `layer` for `m` rows of head `h`'s output alone (`[m, head_dim]`): what
     /// [`Model::output_projection`] gives for rows that are zero outside head `h` (the same bits
-    /// on the default model), at `1/n_heads` of its cost. `None` where the projection is not held as f32 panels.
+    /// on the default model), at `1/n_heads` of its cost. `None` where the projection is not held
+    /// as f32 panels.
     pub fn head_output_projection(
         &self,
         layer: usize,
@@ -253,6 +255,14 @@ impl Model {
                     description,
                     precision,
                     panel_cache(panels, precision, std::slice::from_ref(&path)),
+                    panels.and_then(|s| {
+                        panels::BlobCache::new(
+                            std::slice::from_ref(&path),
+                            &s.dir,
+                            "sp-merges",
+                            s.min_blob_bytes(),
+                        )
+                    }),
                     tick,
                 )?,
                 Source::Folder(dir) => {
@@ -284,7 +294,8 @@ impl Model {
                         tokenizer: tokenizer.kind.clone(),
                         warnings: Vec::new(),
                     };
-                    // the config says how the files' tensors are cut and fused: part of what the panels are
+                    // the config says how the files' tensors are cut and fused: part of what
+                    // the panels are
                     let mut files = f.files.clone();
                     files.push(dir.join("config.json"));
                     let cache = panel_cache(panels, precision, &files);
@@ -333,6 +344,7 @@ impl Model {
                 None,
                 precision,
                 None,
+                None,
                 |_, _| {},
             )
         })
@@ -348,12 +360,13 @@ impl Model {
         description: Option<String>,
         precision: Precision,
         cache: Option<panels::PanelCache>,
+        merges: Option<panels::BlobCache>,
         tick: impl FnMut(usize, usize),
     ) -> Result<Model> {
         let (dims, warnings) = g.dims()?;
         // the cache file's checksums are checked on the other core while the tokenizer is built
         let (tokenizer, cached) = rayon::join(
-            || Tokenizer::from_gguf(g.metadata(), &g.path),
+            || Tokenizer::from_gguf_with(g.metadata(), &g.path, merges.as_ref()),
             || open_cache(cache.as_ref()),
         );
         let tokenizer = tokenizer?;

@@ -9,9 +9,10 @@
 //!
 //! A cache file is trusted only when everything it was made from is the same: the model files
 //! (path, size, modification time, inode), this program's version, the file format's version
-//! and the kernel's layout ([`PanelLayout::name`]). Each matrix carries a CRC-32 checked before use, so a file
-//! cut short or damaged on disk (a crash before the kernel wrote it all) is rebuilt, never read. Files are written under a temporary
-//! name and renamed into place, so a reader never sees half of one. Writing one removes the
+//! and the kernel's layout ([`PanelLayout::name`]). Each matrix carries a CRC-32 checked before
+//! use, so a file cut short or damaged on disk (a crash before the kernel wrote it all) is
+//! rebuilt, never read. Files are written under a temporary name and renamed into place, so a
+//! reader never sees half of one. Writing one removes the
 //! files of models that are gone. `ATTNSCOPE_PANEL_CACHE=off` turns the cache off; deleting
 //! `<cache>/panels` at any time is safe.
 
@@ -103,7 +104,20 @@ pub struct Settings {
     pub min_bytes: usize,
 }
 
+/// Blobs ([`BlobCache`]) smaller than this are not kept: ~20k SentencePiece merges, where
+/// recovering them starts to cost more than reading them.
+pub const MIN_BLOB_BYTES: usize = 160_000;
+
 impl Settings {
+    /// The floor for blobs: [`MIN_BLOB_BYTES`], or none when the panels have none (tests).
+    pub fn min_blob_bytes(&self) -> usize {
+        if self.min_bytes == 0 {
+            0
+        } else {
+            MIN_BLOB_BYTES
+        }
+    }
+
     /// `<cache>/panels` for models of [`MIN_BYTES`] and more, unless `ATTNSCOPE_PANEL_CACHE` is
     /// `off` (or `0`, `false`, `no`).
     pub fn from_env() -> Option<Settings> {
@@ -132,70 +146,10 @@ impl PanelCache {
         layout: PanelLayout,
         min_bytes: usize,
     ) -> Option<PanelCache> {
-        let mut sources = Vec::new();
-        for f in files {
-            let path = std::fs::canonicalize(f).ok()?;
-            let md = std::fs::metadata(&path).ok()?;
-            let mtime = md
-                .modified()
-                .ok()?
-                .duration_since(std::time::UNIX_EPOCH)
-                .ok()?
-                .as_nanos() as i128;
-            #[cfg(unix)]
-            let (dev, ino) = {
-                use std::os::unix::fs::MetadataExt;
-                (md.dev(), md.ino())
-            };
-            #[cfg(not(unix))]
-            let (dev, ino) = (0, 0);
-            sources.push((
-                path.to_string_lossy().into_owned(),
-                md.len(),
-                mtime,
-                dev,
-                ino,
-            ));
-        }
-        let first = sources.first()?;
-        // one file per model path and layout: a changed model replaces its cache, never adds one
-        let stem = Path::new(&first.0)
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "model".into());
-        let stem: String = stem
-            .chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || ".-_".contains(c) {
-                    c
-                } else {
-                    '_'
-                }
-            })
-            .take(64)
-            .collect();
-        let tag = {
-            use sha2::Digest;
-            let mut h = sha2::Sha256::new();
-            for s in &sources {
-                h.update(s.0.as_bytes());
-                h.update([0]);
-            }
-            h.update(layout.name().as_bytes());
-            let d = h.finalize();
-            d[..8]
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect::<String>()
-        };
+        let (identity, stem, tag) = identify(files, &layout.name())?;
         Some(PanelCache {
             path: dir.join(format!("{stem}-{}-{tag}.panels", layout.name())),
-            identity: Identity {
-                format: FORMAT,
-                attnscope: env!("CARGO_PKG_VERSION").into(),
-                layout: layout.name(),
-                sources,
-            },
+            identity,
             layout,
             min_bytes,
         })
@@ -277,82 +231,137 @@ impl PanelCache {
         if free_bytes(dir).is_some_and(|free| free < total as u64 + (1 << 30)) {
             return Ok(None);
         }
-        let crcs: Vec<u32> = mats.par_iter().map(|m| crc(m.2)).collect();
-        // the header's length depends on the offsets, which depend on its length: the header is
-        // given room for offsets of up to 20 digits, then padded to the page
-        let layout = |start: usize| -> (Vec<Entry>, usize) {
-            let mut at = start;
-            let entries = mats
-                .iter()
-                .zip(&crcs)
-                .map(|(&(n, k, bytes), &crc)| {
-                    let e = Entry {
-                        n,
-                        k,
-                        offset: at,
-                        crc,
-                    };
-                    at += bytes.len().div_ceil(ALIGN) * ALIGN;
-                    e
-                })
-                .collect();
-            (entries, at)
-        };
-        let (probe, _) = layout(usize::MAX / 2);
-        let probe_len = serde_json::to_vec(&Header {
-            identity: self.identity.clone(),
-            matrices: probe,
-            file_len: usize::MAX,
-        })
-        .map_err(std::io::Error::other)?
-        .len();
-        let data_start = (16 + probe_len).div_ceil(ALIGN) * ALIGN;
-        let (matrices, file_len) = layout(data_start);
-        let header = serde_json::to_vec(&Header {
-            identity: self.identity.clone(),
-            matrices,
-            file_len,
-        })
-        .map_err(std::io::Error::other)?;
-        debug_assert!(16 + header.len() <= data_start);
-        let tmp = dir.join(format!(
-            ".{}.{}.{:?}.tmp",
-            self.path
-                .file_name()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_default(),
-            std::process::id(),
-            std::thread::current().id()
-        ));
-        let write = || -> std::io::Result<()> {
-            let mut f = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(&tmp)?);
-            f.write_all(MAGIC)?;
-            f.write_all(&(header.len() as u64).to_le_bytes())?;
-            f.write_all(&header)?;
-            let mut at = 16 + header.len();
-            let zeros = vec![0u8; ALIGN];
-            for (_, _, bytes) in &mats {
-                let pad = at.div_ceil(ALIGN) * ALIGN - at;
-                f.write_all(&zeros[..pad])?;
-                f.write_all(bytes)?;
-                at += pad + bytes.len();
-            }
+        let file_len = write_file(&self.path, &self.identity, &mats)?;
+        remove_orphans(dir, &self.path);
+        Ok(Some(file_len as u64))
+    }
+}
+
+/// Writes a cache file at `path`: the header (`identity`, each piece's shape, offset and CRC-32)
+/// then the pieces, each on a page, under a temporary name renamed into place. Its length.
+fn write_file(
+    path: &Path,
+    identity: &Identity,
+    mats: &[(usize, usize, &[u8])],
+) -> std::io::Result<usize> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let crcs: Vec<u32> = mats.par_iter().map(|m| crc(m.2)).collect();
+    // the header's length depends on the offsets, which depend on its length: the header is
+    // given room for offsets of up to 20 digits, then padded to the page
+    let layout = |start: usize| -> (Vec<Entry>, usize) {
+        let mut at = start;
+        let entries = mats
+            .iter()
+            .zip(&crcs)
+            .map(|(&(n, k, bytes), &crc)| {
+                let e = Entry {
+                    n,
+                    k,
+                    offset: at,
+                    crc,
+                };
+                at += bytes.len().div_ceil(ALIGN) * ALIGN;
+                e
+            })
+            .collect();
+        (entries, at)
+    };
+    let (probe, _) = layout(usize::MAX / 2);
+    let probe_len = serde_json::to_vec(&Header {
+        identity: identity.clone(),
+        matrices: probe,
+        file_len: usize::MAX,
+    })
+    .map_err(std::io::Error::other)?
+    .len();
+    let data_start = (16 + probe_len).div_ceil(ALIGN) * ALIGN;
+    let (matrices, file_len) = layout(data_start);
+    let header = serde_json::to_vec(&Header {
+        identity: identity.clone(),
+        matrices,
+        file_len,
+    })
+    .map_err(std::io::Error::other)?;
+    debug_assert!(16 + header.len() <= data_start);
+    let tmp = dir.join(format!(
+        ".{}.{}.{:?}.tmp",
+        path.file_name()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    let write = || -> std::io::Result<()> {
+        let mut f = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(&tmp)?);
+        f.write_all(MAGIC)?;
+        f.write_all(&(header.len() as u64).to_le_bytes())?;
+        f.write_all(&header)?;
+        let mut at = 16 + header.len();
+        let zeros = vec![0u8; ALIGN];
+        for (_, _, bytes) in mats {
             let pad = at.div_ceil(ALIGN) * ALIGN - at;
             f.write_all(&zeros[..pad])?;
-            // no fsync (it cost 2.4 s for the default model): a file cut short by a crash
-            // fails its length or checksums on the next open and is rebuilt
-            f.into_inner().map_err(|e| e.into_error())?;
-            std::fs::rename(&tmp, &self.path)
-        };
-        match write() {
-            Ok(()) => {
-                remove_orphans(dir, &self.path);
-                Ok(Some(file_len as u64))
-            }
-            Err(e) => {
-                let _ = std::fs::remove_file(&tmp);
-                Err(e)
-            }
+            f.write_all(bytes)?;
+            at += pad + bytes.len();
+        }
+        let pad = at.div_ceil(ALIGN) * ALIGN - at;
+        f.write_all(&zeros[..pad])?;
+        // no fsync (it cost 2.4 s for the default model): a file cut short by a crash
+        // fails its length or checksums on the next open and is rebuilt
+        f.into_inner().map_err(|e| e.into_error())?;
+        std::fs::rename(&tmp, path)
+    };
+    match write() {
+        Ok(()) => Ok(file_len),
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            Err(e)
+        }
+    }
+}
+
+/// A small derived artifact of a model kept next to its packed weights (Gemma's SentencePiece
+/// merges, recovered from a 262k vocabulary in ~0.5 s): one piece of bytes, under the same
+/// identity rules and CRC as the panels.
+#[derive(Clone, Debug)]
+pub struct BlobCache {
+    pub path: PathBuf,
+    identity: Identity,
+    /// Smaller payloads are not kept (the tests' tiny vocabularies).
+    pub min_bytes: usize,
+}
+
+impl BlobCache {
+    /// The `kind` blob of the model read from `files`, in `dir`.
+    pub fn new(files: &[PathBuf], dir: &Path, kind: &str, min_bytes: usize) -> Option<BlobCache> {
+        let (identity, stem, tag) = identify(files, kind)?;
+        Some(BlobCache {
+            path: dir.join(format!("{stem}-{kind}-{tag}.bin")),
+            identity,
+            min_bytes,
+        })
+    }
+
+    /// The payload, if the file is there, made from these very files, whole and unchanged.
+    pub fn load(&self) -> Option<Vec<u8>> {
+        let bytes = std::fs::read(&self.path).ok()?;
+        let h = read_header(&bytes)?;
+        if h.identity != self.identity || h.file_len != bytes.len() || h.matrices.len() != 1 {
+            return None;
+        }
+        let e = &h.matrices[0];
+        let payload = bytes.get(e.offset..e.offset.checked_add(e.n)?)?;
+        (e.k == 1 && crc(payload) == e.crc).then(|| payload.to_vec())
+    }
+
+    /// Keeps `payload` (if it is at least `min_bytes`); a failure only costs the next load time.
+    pub fn store(&self, payload: &[u8]) {
+        if payload.len() < self.min_bytes {
+            return;
+        }
+        let dir = self.path.parent().unwrap_or(Path::new("."));
+        if std::fs::create_dir_all(dir).is_ok() {
+            let _ = write_file(&self.path, &self.identity, &[(payload.len(), 1, payload)]);
         }
     }
 }
@@ -382,7 +391,7 @@ fn remove_orphans(dir: &Path, keep: &Path) {
             }
             continue;
         }
-        if !name.ends_with(".panels") {
+        if !(name.ends_with(".panels") || name.ends_with(".bin")) {
             continue;
         }
         let gone = header_of_file(&path)
@@ -435,6 +444,77 @@ impl Cached {
     pub fn is_empty(&self) -> bool {
         self.matrices.is_empty()
     }
+}
+
+/// What a cache file of `kind` made from `files` must say it was made from, and the stem and
+/// hash its name carries (one name per model path and kind: a changed model replaces its file).
+fn identify(files: &[PathBuf], kind: &str) -> Option<(Identity, String, String)> {
+    let mut sources = Vec::new();
+    for f in files {
+        let path = std::fs::canonicalize(f).ok()?;
+        let md = std::fs::metadata(&path).ok()?;
+        let mtime = md
+            .modified()
+            .ok()?
+            .duration_since(std::time::UNIX_EPOCH)
+            .ok()?
+            .as_nanos() as i128;
+        #[cfg(unix)]
+        let (dev, ino) = {
+            use std::os::unix::fs::MetadataExt;
+            (md.dev(), md.ino())
+        };
+        #[cfg(not(unix))]
+        let (dev, ino) = (0, 0);
+        sources.push((
+            path.to_string_lossy().into_owned(),
+            md.len(),
+            mtime,
+            dev,
+            ino,
+        ));
+    }
+    let first = sources.first()?;
+    // one file per model path and layout: a changed model replaces its cache, never adds one
+    let stem = Path::new(&first.0)
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+    let stem: String = stem
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || ".-_".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(64)
+        .collect();
+    let tag = {
+        use sha2::Digest;
+        let mut h = sha2::Sha256::new();
+        for s in &sources {
+            h.update(s.0.as_bytes());
+            h.update([0]);
+        }
+        h.update(kind.as_bytes());
+        let d = h.finalize();
+        d[..8]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    };
+    Some((
+        Identity {
+            format: FORMAT,
+            attnscope: env!("CARGO_PKG_VERSION").into(),
+            layout: kind.into(),
+            sources,
+        },
+        stem,
+        tag,
+    ))
 }
 
 fn read_header(map: &[u8]) -> Option<Header> {

@@ -98,6 +98,32 @@ fn sentencepiece_merges(
         .collect()
 }
 
+/// Merges as little-endian u32 id pairs (`vocab`'s ids, so `spelled[id]` spells each part back).
+fn merges_as_ids(merges: &[(String, String)], vocab: &tokenizers::models::bpe::Vocab) -> Vec<u8> {
+    let mut out = Vec::with_capacity(merges.len() * 8);
+    for (l, r) in merges {
+        for part in [l, r] {
+            out.extend_from_slice(&vocab[part.as_str()].to_le_bytes());
+        }
+    }
+    out
+}
+
+/// The merges [`merges_as_ids`] wrote, spelled with `spelled`; `None` if an id is out of range.
+fn merges_from_ids(bytes: &[u8], spelled: &[String]) -> Option<Vec<(String, String)>> {
+    if !bytes.len().is_multiple_of(8) {
+        return None;
+    }
+    let part = |b: &[u8]| -> Option<String> {
+        let id = u32::from_le_bytes(b.try_into().ok()?) as usize;
+        spelled.get(id).cloned()
+    };
+    bytes
+        .chunks_exact(8)
+        .map(|c| Some((part(&c[..4])?, part(&c[4..])?)))
+        .collect()
+}
+
 /// The split regex of Qwen2's tokenizer.json (and llama.cpp's `qwen2` pre-tokenizer).
 const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Llama 3's (llama.cpp `llama-bpe` / `llama3`): numbers in groups of up to three digits.
@@ -249,6 +275,7 @@ fn sentencepiece_tokenizer(
     scores: &[f32],
     types: &[i64],
     style: SpStyle,
+    merges_cache: Option<&super::panels::BlobCache>,
 ) -> std::result::Result<(tokenizers::Tokenizer, usize), String> {
     // Gemma stores a token of blanks as real spaces, looked up as `▁▁`
     let spelled: Vec<String> = match style {
@@ -265,10 +292,20 @@ fn sentencepiece_tokenizer(
         _ => tokens.to_vec(),
     };
     let vocab = vocab_map(&spelled);
-    let merges = match style {
-        SpStyle::Gemma => sentencepiece_merges(&spelled, &vocab, &|i| -(i as f64)),
-        _ => sentencepiece_merges(&spelled, &vocab, &|i| scores[i] as f64),
+    // the merges as id pairs, kept from an earlier load of the same file
+    let kept = merges_cache
+        .and_then(|c| c.load())
+        .and_then(|b| merges_from_ids(&b, &spelled));
+    let merges = match (kept, style) {
+        (Some(m), _) => m,
+        (None, SpStyle::Gemma) => sentencepiece_merges(&spelled, &vocab, &|i| -(i as f64)),
+        (None, _) => sentencepiece_merges(&spelled, &vocab, &|i| scores[i] as f64),
     };
+    if let Some(c) = merges_cache {
+        if !c.path.exists() {
+            c.store(&merges_as_ids(&merges, &vocab));
+        }
+    }
     let n_merges = merges.len();
     let added = added_tokens(tokens, types, &|t: &str| vocab.contains_key(t));
     let replace = |from: &str, to: &str| json!({"type": "Replace", "pattern": {"String": from}, "content": to});
@@ -311,6 +348,16 @@ impl Tokenizer {
     pub fn from_gguf(
         md: &std::collections::HashMap<String, candle_core::quantized::gguf_file::Value>,
         path: &Path,
+    ) -> Result<Self> {
+        Self::from_gguf_with(md, path, None)
+    }
+
+    /// [`Tokenizer::from_gguf`], keeping a SentencePiece vocabulary's recovered merges in
+    /// `merges_cache` (and reading them from there when it holds this file's).
+    pub fn from_gguf_with(
+        md: &std::collections::HashMap<String, candle_core::quantized::gguf_file::Value>,
+        path: &Path,
+        merges_cache: Option<&super::panels::BlobCache>,
     ) -> Result<Self> {
         use candle_core::quantized::gguf_file::Value as V;
         let missing = |key: &str| Error::MissingKey {
@@ -429,7 +476,8 @@ impl Tokenizer {
                     }
                     (_, None) => return Err(missing("tokenizer.ggml.scores")),
                 };
-                let built = sentencepiece_tokenizer(&tokens, &scores, &types, style);
+                let built =
+                    sentencepiece_tokenizer(&tokens, &scores, &types, style, merges_cache);
                 let n_merges = built.as_ref().map(|b| b.1).unwrap_or(0);
                 let kind = format!(
                     "SentencePiece BPE ({} tokens, {n_merges} merges recovered from the {}), byte fallback, {}, from GGUF metadata",
@@ -820,6 +868,70 @@ mod tests {
         );
         assert_eq!(t.token_bytes(two), b"  ");
         assert_eq!(t.token_bytes(4 + 0x0a), b"\n");
+    }
+
+    /// Recovered SentencePiece merges kept as id pairs: a second build reads them and tokenizes
+    /// the same; a damaged, foreign or out-of-range file is not used (the merges are recovered).
+    #[test]
+    fn kept_sentencepiece_merges_tokenize_the_same() {
+        use crate::model::panels::BlobCache;
+        let dir = tempfile::tempdir().unwrap();
+        let model = dir.path().join("sp.gguf");
+        std::fs::write(&model, b"stands for the model file").unwrap();
+        let texts = [
+            "the  hat",
+            "a\tb",
+            "Hà Nội là thủ đô",
+            "  leading blanks",
+            "x",
+        ];
+        for (arch, prefix) in [("gemma3", false), ("llama", true), ("phi3", false)] {
+            let md: std::collections::HashMap<_, _> =
+                crate::model::tiny::tiny_sentencepiece_md(arch, prefix)
+                    .into_iter()
+                    .collect();
+            let cache = BlobCache::new(
+                std::slice::from_ref(&model),
+                dir.path(),
+                &format!("m-{arch}"),
+                0,
+            )
+            .unwrap();
+            let plain = Tokenizer::from_gguf(&md, &model).unwrap();
+            let ids = |t: &Tokenizer| -> Vec<Vec<u32>> {
+                texts.iter().map(|x| t.encode(x, false).unwrap()).collect()
+            };
+            let want = ids(&plain);
+            let first = Tokenizer::from_gguf_with(&md, &model, Some(&cache)).unwrap();
+            assert_eq!(ids(&first), want, "{arch}: the build that keeps them");
+            let kept = cache.load().expect("kept");
+            assert!(!kept.is_empty() && kept.len().is_multiple_of(8));
+            let second = Tokenizer::from_gguf_with(&md, &model, Some(&cache)).unwrap();
+            assert_eq!(ids(&second), want, "{arch}: read back");
+            assert_eq!(second.kind, plain.kind);
+            // a flipped byte: the CRC refuses it, the merges are recovered
+            let mut bytes = std::fs::read(&cache.path).unwrap();
+            let n = bytes.len();
+            bytes[n - 4096 + 1] ^= 1;
+            let at = bytes.iter().rposition(|&b| b != 0).unwrap();
+            bytes[at] ^= 0x40;
+            std::fs::write(&cache.path, &bytes).unwrap();
+            assert!(cache.load().is_none(), "{arch}: damaged");
+            let third = Tokenizer::from_gguf_with(&md, &model, Some(&cache)).unwrap();
+            assert_eq!(ids(&third), want, "{arch}: damaged file not used");
+        }
+        // ids past the vocabulary are refused, not spelled
+        let spelled = vec!["a".to_string(), "b".to_string()];
+        let mut bad = Vec::new();
+        for id in [0u32, 1, 1, 2] {
+            bad.extend_from_slice(&id.to_le_bytes());
+        }
+        assert!(merges_from_ids(&bad, &spelled).is_none());
+        assert_eq!(
+            merges_from_ids(&bad[..8], &spelled),
+            Some(vec![("a".to_string(), "b".to_string())])
+        );
+        assert!(merges_from_ids(&bad[..7], &spelled).is_none());
     }
 
     /// The tiny vocabulary through transformers' own GGUF converter

@@ -391,8 +391,8 @@ impl Linear {
     /// `x[m, ks.len()] · W[:, ks]ᵀ` without the bias, as a new `[m, n]` buffer: the product with
     /// the input columns `ks` alone, the others taken as zero, computed without them (the same
     /// bits as the whole product with zeros there when `k` fits one depth slice of the kernel,
-    /// as on the default model; else equal up to rounding). `None` where the projection is not held as
-    /// f32 panels (then pad with zeros and call [`Linear::forward_unbiased`]).
+    /// as on the default model; else equal up to rounding). `None` where the projection is not
+    /// held as f32 panels (then pad with zeros and call [`Linear::forward_unbiased`]).
     pub fn forward_unbiased_cols(
         &self,
         x: &[f32],
