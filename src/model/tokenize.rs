@@ -296,15 +296,15 @@ fn sentencepiece_tokenizer(
     let kept = merges_cache
         .and_then(|c| c.load())
         .and_then(|b| merges_from_ids(&b, &spelled));
+    let recovered = kept.is_none();
     let merges = match (kept, style) {
         (Some(m), _) => m,
         (None, SpStyle::Gemma) => sentencepiece_merges(&spelled, &vocab, &|i| -(i as f64)),
         (None, _) => sentencepiece_merges(&spelled, &vocab, &|i| scores[i] as f64),
     };
-    if let Some(c) = merges_cache {
-        if !c.path.exists() {
-            c.store(&merges_as_ids(&merges, &vocab));
-        }
+    // recovered: kept for the next load (a missing, damaged or stale file is replaced)
+    if let Some(c) = merges_cache.filter(|_| recovered) {
+        c.store(&merges_as_ids(&merges, &vocab));
     }
     let n_merges = merges.len();
     let added = added_tokens(tokens, types, &|t: &str| vocab.contains_key(t));
@@ -919,6 +919,27 @@ mod tests {
             assert!(cache.load().is_none(), "{arch}: damaged");
             let third = Tokenizer::from_gguf_with(&md, &model, Some(&cache)).unwrap();
             assert_eq!(ids(&third), want, "{arch}: damaged file not used");
+            assert_eq!(
+                cache.load(),
+                Some(kept.clone()),
+                "{arch}: damaged file replaced"
+            );
+            // a changed model file: the stale merges are not read, and are replaced
+            let f = std::fs::File::options().write(true).open(&model).unwrap();
+            f.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(7))
+                .unwrap();
+            drop(f);
+            let moved = BlobCache::new(
+                std::slice::from_ref(&model),
+                dir.path(),
+                &format!("m-{arch}"),
+                0,
+            )
+            .unwrap();
+            assert!(moved.load().is_none(), "{arch}: stale");
+            let fourth = Tokenizer::from_gguf_with(&md, &model, Some(&moved)).unwrap();
+            assert_eq!(ids(&fourth), want);
+            assert_eq!(moved.load(), Some(kept), "{arch}: stale file replaced");
         }
         // ids past the vocabulary are refused, not spelled
         let spelled = vec!["a".to_string(), "b".to_string()];
