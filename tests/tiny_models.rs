@@ -1035,6 +1035,16 @@ fn patterns_written_in_place_equal_patterns_handed_over_in_blocks() {
     }
 }
 
+/// Moves `path`'s modification time `secs` seconds ahead, as an edit would.
+fn modified_later(path: &std::path::Path, secs: u64) {
+    std::fs::File::options()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(secs))
+        .unwrap();
+}
+
 /// The packed-weight cache: a second load maps the panels the first one wrote and computes the
 /// same numbers bit for bit; a damaged or cut-short file, or a changed model file, is never
 /// read (the panels are packed again and the file replaced); a model under the size floor gets
@@ -1103,10 +1113,7 @@ fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_dam
         );
         assert_eq!(run(&rebuilt), want);
         // a later modification time (the next arch rewrites the file anyway)
-        let f = std::fs::File::options().write(true).open(&path).unwrap();
-        f.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(5))
-            .unwrap();
-        drop(f);
+        modified_later(&path, 5);
         let touched = Model::load_with(spec, Precision::Exact, false, Some(&settings)).unwrap();
         assert_eq!(
             touched.mapped_projections(),
@@ -1154,10 +1161,7 @@ fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_dam
     assert_eq!(second.mapped_projections(), (all, all), "folder: mapped");
     assert_eq!(run(&second), want, "folder: mapped panels, same bits");
     let cfg = hf.join("config.json");
-    let f = std::fs::File::options().write(true).open(&cfg).unwrap();
-    f.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(5))
-        .unwrap();
-    drop(f);
+    modified_later(&cfg, 5);
     let edited = Model::load_with(hf_spec, Precision::Exact, false, Some(&settings)).unwrap();
     assert_eq!(
         edited.mapped_projections(),
@@ -1185,10 +1189,7 @@ fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_dam
     .to_path_buf();
     assert!(gone.exists());
     std::fs::remove_file(&other).unwrap();
-    let f = std::fs::File::options().write(true).open(&path).unwrap();
-    f.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(9))
-        .unwrap();
-    drop(f);
+    modified_later(&path, 9);
     let rewritten = Model::load_with(spec, Precision::Exact, false, Some(&settings)).unwrap();
     assert!(rewritten.panel_file().unwrap().exists());
     assert!(!gone.exists(), "the gone model's file is removed");

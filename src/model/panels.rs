@@ -435,15 +435,6 @@ impl Cached {
             }
         }
     }
-
-    /// Matrices the file holds.
-    pub fn len(&self) -> usize {
-        self.matrices.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.matrices.is_empty()
-    }
 }
 
 /// What a cache file of `kind` made from `files` must say it was made from, and the stem and

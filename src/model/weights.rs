@@ -619,14 +619,18 @@ fn linear(
         }
         Ok(())
     };
-    let mat = if precision == Precision::Fast && amx::available() {
-        Matrix::Amx(PackedBf16::try_from_row_source(n, k, 1, rows)?)
-    } else if precision == Precision::Exact && amx::exact_on_tiles() {
-        Matrix::Amx(PackedBf16::try_from_row_source(n, k, 3, rows)?)
-    } else if precision == Precision::Fast && fast_uses_int8() && k.is_multiple_of(int8::BLOCK) {
-        Matrix::Int8(PackedQ8::try_from_row_source(n, k, rows)?)
-    } else {
-        Matrix::Packed(PackedB::try_from_row_source(n, k, isa, rows)?)
+    // one decision of the layout, the one the cache keys its files by
+    let mat = match PanelLayout::of(precision) {
+        Some(PanelLayout::Bf16 { splits }) => {
+            Matrix::Amx(PackedBf16::try_from_row_source(n, k, splits, rows)?)
+        }
+        None if k.is_multiple_of(int8::BLOCK) => {
+            Matrix::Int8(PackedQ8::try_from_row_source(n, k, rows)?)
+        }
+        // f32 panels, and 8-bit blocks' fallback for a depth that is not whole blocks
+        Some(PanelLayout::F32(_)) | None => {
+            Matrix::Packed(PackedB::try_from_row_source(n, k, isa, rows)?)
+        }
     };
     for w in &weights {
         if let Raw::Mapped(m) = w {
