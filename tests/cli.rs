@@ -1040,16 +1040,10 @@ fn streamed_capture_equals_the_in_memory_cache_in_both_formats() {
         assert!(!cache.entries.is_empty());
         for ext in ["safetensors", "npz"] {
             let out = dir.path().join(format!("c-{layers}.{ext}"));
-            // the same tensors when every layer waits for its writing (the path of layers over
-            // 512 MB) as when the writing overlaps the next layer
-            let waited = dir.path().join(format!("w-{layers}.{ext}"));
-            // and when `--one-layer` asks for it
-            let one = dir.path().join(format!("o-{layers}.{ext}"));
-            for (path, overlap_mb, flag) in [
-                (&out, "512", None),
-                (&waited, "0", None),
-                (&one, "512", Some("--one-layer")),
-            ] {
+            // the same tensors when each layer waits for its writing (the default) as when the
+            // writing runs on into the next layer (`--two-layers`)
+            let overlapped = dir.path().join(format!("t-{layers}.{ext}"));
+            for (path, flag) in [(&out, None), (&overlapped, Some("--two-layers"))] {
                 let r = attnscope()
                     .args([
                         "capture",
@@ -1069,16 +1063,11 @@ fn streamed_capture_equals_the_in_memory_cache_in_both_formats() {
                         path.to_str().unwrap(),
                     ])
                     .args(flag)
-                    .env("ATTNSCOPE_CAPTURE_OVERLAP_MB", overlap_mb)
                     .output()
                     .unwrap();
                 assert!(r.status.success(), "{}", stderr_of(&r));
             }
-            for (writer, path) in [
-                ("overlapping", &out),
-                ("waiting", &waited),
-                ("--one-layer", &one),
-            ] {
+            for (writer, path) in [("waiting", &out), ("--two-layers", &overlapped)] {
                 let bytes = std::fs::read(path).unwrap();
                 let ext = format!("{ext} ({writer} writer)");
                 let mut got: std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)> =

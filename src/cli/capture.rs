@@ -44,21 +44,23 @@ pub struct Args {
     /// Replace --out if it exists.
     #[arg(long)]
     force: bool,
-    /// Hold one layer's capture in memory at a time: each layer waits until the previous one is
-    /// written (peak ≈ the weights + one layer's tensors, against two layers' while the writing
-    /// overlaps the next layer; measured at 2,048 tokens of the default model: 1.85 GB instead of
-    /// 2.08 GB, 1-2.5 s slower).
+    /// Let a layer's writing run on while the next layer computes, holding two layers' capture
+    /// in memory instead of one. By default the writing of a layer's patterns starts when its
+    /// attention is done and runs beside its MLP, and the next layer waits for it: on this
+    /// project's machine it never had to (2,048 tokens of the default model, 235 MB a layer);
+    /// for a disk slower than that.
     #[arg(long)]
-    one_layer: bool,
+    two_layers: bool,
 }
 
-/// The forward's observer for `capture`: an [`AttnCache`] that, after each layer, hands that
-/// layer's tensors to a writer thread and lets them go. Where a layer's capture is at most
-/// [`overlap_bytes`], the file is written while the next layer computes (writing a 235 MB layer
-/// into the page cache costs ~0.2 s of a core here; measured on 1,906 tokens, the whole capture
-/// went from 17.5 s to 14.0 s) and memory holds two layers' capture: the one being written (the
-/// hand-over waits for the writer) and the one being filled. A larger layer waits for its
-/// writing, so memory holds one. Written buffers come back for the next layer.
+/// The forward's observer for `capture`: an [`AttnCache`] that hands a layer's tensors to a
+/// writer thread as soon as they are final, and lets them go: the patterns (and every hook up to
+/// `z`) when the layer's attention is done, so they are written while its MLP runs, the rest when
+/// the layer is done. Then the layer waits until its tensors are written (`wait`), so memory
+/// holds one layer's capture (measured at 2,048 tokens of the default model: the writing of each
+/// 235 MB layer past the page cache was always done before the MLP, so the waiting cost nothing;
+/// 1.81 GB peak against 2.04 GB for two layers). Without `wait` (`--two-layers`) the writing may
+/// run on into the next layer. Written buffers come back for the next layer.
 struct StreamToFile {
     /// wait for each layer's writing before going on
     wait: bool,
@@ -67,6 +69,8 @@ struct StreamToFile {
     written: std::sync::mpsc::Receiver<Vec<f32>>,
     failed: std::sync::Arc<std::sync::atomic::AtomicBool>,
     bar: indicatif::ProgressBar,
+    /// buffers with the writer, not yet back
+    in_flight: usize,
 }
 
 impl Observer for StreamToFile {
@@ -101,26 +105,49 @@ impl Observer for StreamToFile {
         self.cache
             .pattern_rows(layer, q_start, rows, n_heads, k_len)
     }
+    fn attention_done(&mut self, layer: usize) {
+        // the patterns are final: they are written while the MLP runs
+        self.hand_over(layer, Hook::Z);
+    }
     fn layer_done(&mut self, layer: usize) {
+        self.hand_over(layer, Hook::ALL[Hook::ALL.len() - 1]);
+        if self.wait {
+            while self.in_flight > 0 {
+                match self.written.recv() {
+                    Ok(buf) => self.came_back(buf),
+                    // the writer thread is gone (its error is reported at the end)
+                    Err(_) => break,
+                }
+            }
+        }
+        self.bar.inc(1);
+    }
+}
+
+impl StreamToFile {
+    /// Hands `layer`'s tensors of hooks up to `last` (in file order) to the writer thread.
+    fn hand_over(&mut self, layer: usize, last: Hook) {
         let keys: Vec<(usize, Hook)> = self
             .cache
             .entries
-            .range((layer, Hook::ALL[0])..=(layer, Hook::ALL[Hook::ALL.len() - 1]))
+            .range((layer, Hook::ALL[0])..=(layer, last))
             .map(|(k, _)| *k)
             .collect();
         for key in keys {
             let c = self.cache.take(key.0, key.1).expect("listed above");
             while let Ok(buf) = self.written.try_recv() {
-                self.cache.recycle(buf);
+                self.came_back(buf);
             }
             // a closed channel means the writer stopped on an error, reported at the end
-            if self.to_writer.send((c.name, c.data)).is_ok() && self.wait {
-                if let Ok(buf) = self.written.recv() {
-                    self.cache.recycle(buf);
-                }
+            if self.to_writer.send((c.name, c.data)).is_ok() {
+                self.in_flight += 1;
             }
         }
-        self.bar.inc(1);
+    }
+
+    fn came_back(&mut self, buf: Vec<f32>) {
+        self.in_flight -= 1;
+        self.cache.recycle(buf);
     }
 }
 
@@ -161,17 +188,6 @@ impl std::io::Seek for Out {
             Out::Buffered(b) => b.seek(to),
         }
     }
-}
-
-/// The largest capture of one layer written while the next layer computes (the writing then
-/// holds a second layer's buffers): 512 MB, or `ATTNSCOPE_CAPTURE_OVERLAP_MB` (tests set 0 to
-/// take the waiting path on a tiny model).
-fn overlap_bytes() -> f64 {
-    std::env::var("ATTNSCOPE_CAPTURE_OVERLAP_MB")
-        .ok()
-        .and_then(|v| v.parse::<f64>().ok())
-        .unwrap_or(512.0)
-        * 1e6
 }
 
 /// The writer thread's loop: writes what arrives in order, sends each buffer back; after the
@@ -327,14 +343,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let w = &mut writer;
         let writing = s.spawn(move || write_layers(w, rx, back_tx, &flag));
         let mut obs = StreamToFile {
-            wait: a.one_layer
-                || total_bytes / spec.layers.as_ref().map_or(d.n_layers, |l| l.len()).max(1) as f64
-                    > overlap_bytes(),
+            wait: !a.two_layers,
             cache: AttnCache::new(&spec, n),
             to_writer: tx,
             written: back_rx,
             failed: failed.clone(),
             bar,
+            in_flight: 0,
         };
         let forward = model.forward(&tokens, &RunOptions::default(), &mut obs);
         obs.bar.finish_and_clear();
@@ -387,4 +402,141 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             (start.elapsed() - loaded).as_secs_f64()
         )
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::capture::{hook_name, PatternRows};
+    use crate::model::config::Arch;
+    use crate::model::tiny::{tiny_model, write_gguf};
+    use crate::model::{Model, Precision};
+    use std::sync::atomic::AtomicBool;
+    use std::sync::mpsc;
+    use std::sync::Arc;
+
+    /// The capture observer, watched from outside: what it holds when a layer's attention
+    /// begins, and whether its patterns are gone before the layer's MLP.
+    struct Watch {
+        inner: StreamToFile,
+        /// per layer, the tensors still with the writer when its attention asked for rows
+        in_flight_at_attention: Vec<usize>,
+        /// per layer, whether its pattern was handed over before `layer_done`
+        pattern_gone_before_mlp_end: Vec<bool>,
+    }
+
+    impl Observer for Watch {
+        fn wants(&self, layer: usize, hook: Hook) -> bool {
+            self.inner.wants(layer, hook)
+        }
+        fn tensor(&mut self, layer: usize, hook: Hook, shape: &[usize], data: &[f32]) {
+            self.inner.tensor(layer, hook, shape, data)
+        }
+        fn attention_block(&mut self, l: usize, h: Hook, q: usize, s: [usize; 3], d: &[f32]) {
+            self.inner.attention_block(l, h, q, s, d)
+        }
+        fn pattern_rows(
+            &mut self,
+            layer: usize,
+            q_start: usize,
+            rows: usize,
+            n_heads: usize,
+            k_len: usize,
+        ) -> Option<PatternRows<'_>> {
+            if q_start == 0 {
+                self.in_flight_at_attention.push(self.inner.in_flight);
+                assert_eq!(self.in_flight_at_attention.len(), layer + 1);
+            }
+            self.inner
+                .pattern_rows(layer, q_start, rows, n_heads, k_len)
+        }
+        fn attention_done(&mut self, layer: usize) {
+            self.inner.attention_done(layer)
+        }
+        fn layer_done(&mut self, layer: usize) {
+            self.pattern_gone_before_mlp_end.push(
+                !self
+                    .inner
+                    .cache
+                    .entries
+                    .contains_key(&(layer, Hook::Pattern)),
+            );
+            self.inner.layer_done(layer)
+        }
+    }
+
+    /// Runs a capture of patterns and `resid_post` on a tiny model through a writer that takes
+    /// 30 ms a tensor (a slow disk): what the observer held at each layer's attention, and the
+    /// tensors in the order they were written.
+    fn watch(wait: bool) -> (Vec<usize>, Vec<bool>, Vec<String>) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.gguf");
+        write_gguf(
+            &tiny_model(Arch::Qwen2, 3),
+            Arch::Qwen2,
+            candle_core::quantized::GgmlDType::F32,
+            &path,
+        )
+        .unwrap();
+        let model = Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();
+        let tokens = model.encode("the hat sat on the mat", false).unwrap();
+        let spec = CaptureSpec {
+            hooks: vec![Hook::Pattern, Hook::ResidPost],
+            layers: None,
+            heads: None,
+            queries: Queries::All,
+        };
+        let (tx, rx) = mpsc::sync_channel::<(String, Vec<f32>)>(0);
+        let (back_tx, back_rx) = mpsc::channel();
+        std::thread::scope(|s| {
+            let writer = s.spawn(move || {
+                let mut names = Vec::new();
+                for (name, data) in rx {
+                    std::thread::sleep(std::time::Duration::from_millis(30));
+                    names.push(name);
+                    let _ = back_tx.send(data);
+                }
+                names
+            });
+            let mut obs = Watch {
+                inner: StreamToFile {
+                    wait,
+                    cache: AttnCache::new(&spec, tokens.len()),
+                    to_writer: tx,
+                    written: back_rx,
+                    failed: Arc::new(AtomicBool::new(false)),
+                    bar: indicatif::ProgressBar::hidden(),
+                    in_flight: 0,
+                },
+                in_flight_at_attention: Vec::new(),
+                pattern_gone_before_mlp_end: Vec::new(),
+            };
+            model
+                .forward(&tokens, &RunOptions::default(), &mut obs)
+                .unwrap();
+            let (held, gone) = (obs.in_flight_at_attention, obs.pattern_gone_before_mlp_end);
+            drop(obs.inner);
+            (held, gone, writer.join().unwrap())
+        })
+    }
+
+    #[test]
+    fn each_layer_waits_for_its_writing_and_its_patterns_leave_before_its_mlp() {
+        let (held, gone, names) = watch(true);
+        let layers = held.len();
+        assert!(layers >= 2, "the tiny model has {layers} layers");
+        // nothing of an earlier layer is in memory when a layer's attention starts
+        assert_eq!(held, vec![0; layers]);
+        assert_eq!(gone, vec![true; layers]);
+        // in file order: each layer's pattern, then its residual stream
+        let want: Vec<String> = (0..layers)
+            .flat_map(|l| [hook_name(l, Hook::Pattern), hook_name(l, Hook::ResidPost)])
+            .collect();
+        assert_eq!(names, want);
+        // `--two-layers`: the slow writer is still on a layer when the next one's attention starts
+        let (held, gone, names) = watch(false);
+        assert!(held[1..].iter().any(|&h| h > 0), "{held:?}");
+        assert_eq!(gone, vec![true; layers]);
+        assert_eq!(names, want);
+    }
 }

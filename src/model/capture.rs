@@ -149,6 +149,10 @@ pub trait Observer {
     }
     /// The rows of query position `q` at `layer`: `[n_heads, k_len]`, masked keys 0.
     fn attention_rows(&mut self, _layer: usize, _q: usize, _n_heads: usize, _rows: &[f32]) {}
+    /// Called when `layer`'s attention is done: every hook up to [`Hook::Z`] has been handed out
+    /// (the output projection and the MLP are still to come). A writer can start on the
+    /// layer's patterns here, while the MLP runs.
+    fn attention_done(&mut self, _layer: usize) {}
     /// Called after each layer (for progress).
     fn layer_done(&mut self, _layer: usize) {}
     /// Where the forward may write `layer`'s normalized pattern of query rows `q_start..q_start +
