@@ -976,7 +976,9 @@ impl attnscope::model::capture::Observer for InPlaceStreamed {
         for h in [Hook::AttnScores, Hook::Pattern] {
             let c = self.0.take(l, h).expect("both maps captured");
             self.1.push((l, h, c.data.clone()));
-            self.0.recycle(c.data);
+            // as `capture` does: a pattern's zeros above the diagonal are then not written again
+            // (and a scores map's -inf there never passes for them)
+            self.0.recycle_entry(c);
         }
     }
 }

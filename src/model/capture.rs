@@ -176,8 +176,9 @@ pub trait Observer {
 pub struct PatternRows<'a> {
     /// per head, `rows · k_len` values
     pub heads: Vec<&'a mut [f32]>,
-    /// the rows hold zeros already (fresh memory): masked keys need no writing, so pages
-    /// wholly past the causal mask are never touched
+    /// each row's keys after the block's last query hold zeros already (fresh memory, or a
+    /// recycled whole pattern): they need no writing, so pages wholly past the causal mask are
+    /// never touched
     pub zeroed: bool,
 }
 
@@ -299,13 +300,35 @@ impl AttnPattern<'_> {
     }
 }
 
+/// A buffer handed back for reuse, and whether every head's rows hold zeros above the diagonal
+/// (it was a whole pattern of every query, as [`AttnCache::take`] gave it).
+#[derive(Clone, Debug)]
+struct Spare {
+    data: Vec<f32>,
+    upper_zero: bool,
+}
+
 /// A buffer of `len` values for an attention map: a recycled one of that length when there is
-/// one, as it is (`true`: its old values are overwritten row by row as blocks arrive, and rows no
-/// block brought are set to the masked value by [`AttnCache::take`]), else a fresh one of `fill`.
-fn buffer(spare: &mut Vec<Vec<f32>>, len: usize, fill: f32) -> (Vec<f32>, bool) {
-    match spare.iter().position(|b| b.len() == len) {
-        Some(i) => (spare.swap_remove(i), true),
-        None => (vec![fill; len], false),
+/// one, as it is (`Some(upper_zero)`: its old values are overwritten row by row as blocks arrive,
+/// and rows no block brought are set to the masked value by [`AttnCache::take`]), else a fresh
+/// one of `fill` (`None`). `prefer_upper_zero`: take a buffer with zeros above the diagonal first.
+fn buffer(
+    spare: &mut Vec<Spare>,
+    len: usize,
+    fill: f32,
+    prefer_upper_zero: bool,
+) -> (Vec<f32>, Option<bool>) {
+    let fits = |s: &Spare| s.data.len() == len;
+    let at = spare
+        .iter()
+        .position(|s| fits(s) && s.upper_zero == prefer_upper_zero)
+        .or_else(|| spare.iter().position(fits));
+    match at {
+        Some(i) => {
+            let s = spare.swap_remove(i);
+            (s.data, Some(s.upper_zero))
+        }
+        None => (vec![fill; len], None),
     }
 }
 
@@ -319,9 +342,11 @@ pub struct AttnCache {
     seq_len: usize,
     pub entries: BTreeMap<(usize, Hook), Captured>,
     /// buffers handed back by [`AttnCache::recycle`], reused for the next entry of their size
-    spare: Vec<Vec<f32>>,
+    spare: Vec<Spare>,
     /// entries on a recycled buffer: which of their kept query rows a block has written
     written: BTreeMap<(usize, Hook), Vec<bool>>,
+    /// patterns on a recycled buffer whose rows hold zeros above the diagonal already
+    upper_zero: std::collections::BTreeSet<(usize, Hook)>,
 }
 
 impl AttnCache {
@@ -336,6 +361,7 @@ impl AttnCache {
             entries: BTreeMap::new(),
             spare: Vec::new(),
             written: BTreeMap::new(),
+            upper_zero: Default::default(),
         }
     }
 
@@ -345,9 +371,39 @@ impl AttnCache {
     /// are overwritten as the next blocks arrive, not cleared first (that cost 5.6 GB of writes
     /// at 2,048 tokens): take the entries built on it with [`AttnCache::take`].
     pub fn recycle(&mut self, buf: Vec<f32>) {
+        self.keep_spare(Spare {
+            data: buf,
+            upper_zero: false,
+        });
+    }
+
+    /// [`AttnCache::recycle`] of an entry as [`AttnCache::take`] gave it after its forward
+    /// completed, unchanged: a whole pattern of every query holds zeros above the diagonal (every
+    /// key after its query is masked), and a pattern made on it later leaves them as they are
+    /// instead of writing them again (at 2,048 tokens, 117 MB a layer whose pages the writing of
+    /// the file then reads as the shared zero page).
+    pub fn recycle_entry(&mut self, c: Captured) {
+        let n = self.seq_len;
+        let upper_zero = c.hook == Hook::Pattern
+            && self.every_query()
+            && c.queries.len() == n
+            && c.queries.iter().enumerate().all(|(i, &q)| i == q)
+            && matches!(c.shape[..], [h, q, k] if q == n && k == n && h * n * n == c.data.len());
+        self.keep_spare(Spare {
+            data: c.data,
+            upper_zero,
+        });
+    }
+
+    fn keep_spare(&mut self, s: Spare) {
         if self.spare.len() < 2 {
-            self.spare.push(buf);
+            self.spare.push(s);
         }
+    }
+
+    /// Whether the cache keeps every query position, in order.
+    fn every_query(&self) -> bool {
+        self.queries.len() == self.seq_len && self.queries.iter().enumerate().all(|(i, &q)| i == q)
     }
 
     /// Captured entries in hook-name order (layer, then position in the block).
@@ -359,6 +415,7 @@ impl AttnCache {
     /// (a query the forward did not run) hold the masked value, not an older layer's numbers.
     pub fn take(&mut self, layer: usize, hook: Hook) -> Option<Captured> {
         let mut c = self.entries.remove(&(layer, hook))?;
+        self.upper_zero.remove(&(layer, hook));
         if let Some(written) = self.written.remove(&(layer, hook)) {
             let fill = masked_value(hook);
             let n = self.seq_len;
@@ -403,9 +460,19 @@ impl AttnCache {
         }
         let (layer, hook) = key;
         let (nq, n) = (self.queries.len(), self.seq_len);
-        let (data, recycled) = buffer(&mut self.spare, heads.len() * nq * n, masked_value(hook));
-        if recycled {
+        let pattern = hook == Hook::Pattern && self.every_query();
+        let (data, recycled) = buffer(
+            &mut self.spare,
+            heads.len() * nq * n,
+            masked_value(hook),
+            pattern,
+        );
+        self.upper_zero.remove(&key);
+        if let Some(upper_zero) = recycled {
             self.written.insert(key, vec![false; nq]);
+            if upper_zero && pattern {
+                self.upper_zero.insert(key);
+            }
         }
         let entry = Captured {
             name: hook_name(layer, hook),
@@ -436,8 +503,7 @@ impl Observer for AttnCache {
         k_len: usize,
     ) -> Option<PatternRows<'_>> {
         let n = self.seq_len;
-        let every_query =
-            self.queries.len() == n && self.queries.iter().enumerate().all(|(i, &q)| i == q);
+        let every_query = self.every_query();
         let every_head = self
             .heads
             .as_ref()
@@ -452,13 +518,15 @@ impl Observer for AttnCache {
         }
         let key = (layer, Hook::Pattern);
         self.ensure_map(key, &(0..n_heads).collect::<Vec<_>>());
-        // a fresh buffer is all zeros; a recycled one holds an older layer's numbers
+        // a fresh buffer is all zeros; a recycled one holds an older layer's numbers, zeros
+        // above the diagonal where it was a whole pattern (the kernel writes each row up to the
+        // block's last query: what is left of the row lies above the diagonal)
         let zeroed = match self.written.get_mut(&key) {
             Some(w) => {
                 w[q_start..q_start + rows]
                     .iter_mut()
                     .for_each(|x| *x = true);
-                false
+                self.upper_zero.contains(&key)
             }
             None => true,
         };
@@ -583,6 +651,87 @@ fn masked_value(hook: Hook) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Writes a whole causal pattern of `layer` through `pattern_rows` as the kernel does (each
+    /// row up to its block's last query, the rest only when the rows are not `zeroed`); returns
+    /// whether the rows came `zeroed`.
+    fn write_pattern(c: &mut AttnCache, layer: usize, heads: usize, n: usize) -> bool {
+        let mut zeroed = Vec::new();
+        for q0 in (0..n).step_by(2) {
+            let rows = 2.min(n - q0);
+            let d = c
+                .pattern_rows(layer, q0, rows, heads, n)
+                .expect("every query and head");
+            zeroed.push(d.zeroed);
+            for head in d.heads {
+                for (r, row) in head.chunks_mut(n).enumerate() {
+                    let kw = q0 + rows;
+                    for (j, x) in row.iter_mut().enumerate() {
+                        if j < kw {
+                            *x = if j <= q0 + r { 0.5 } else { 0.0 };
+                        } else if !d.zeroed {
+                            *x = 0.0;
+                        }
+                    }
+                }
+            }
+        }
+        assert!(zeroed.iter().all(|&z| z == zeroed[0]));
+        zeroed[0]
+    }
+
+    /// A whole pattern handed back by `recycle_entry` is reused with its zeros above the
+    /// diagonal left in place; a raw buffer, a score map's (-inf there) or a pattern of a few
+    /// queries is reused as an older layer's numbers, to be overwritten. Every pattern made on
+    /// them reads back the same.
+    #[test]
+    fn only_a_whole_recycled_pattern_keeps_its_zeros_above_the_diagonal() {
+        let (heads, n) = (2, 5);
+        let spec = |hooks: Vec<Hook>, queries| CaptureSpec {
+            hooks,
+            layers: None,
+            heads: None,
+            queries,
+        };
+        let mut c = AttnCache::new(&spec(vec![Hook::Pattern], Queries::All), n);
+        assert!(
+            write_pattern(&mut c, 0, heads, n),
+            "a fresh buffer is zeros"
+        );
+        let want = c.take(0, Hook::Pattern).unwrap();
+        c.recycle_entry(want.clone());
+        assert!(
+            write_pattern(&mut c, 1, heads, n),
+            "a recycled whole pattern"
+        );
+        let got = c.take(1, Hook::Pattern).unwrap();
+        assert_eq!(got.data, want.data);
+        // a buffer of unknown contents
+        c.recycle(vec![7.0; heads * n * n]);
+        assert!(!write_pattern(&mut c, 2, heads, n));
+        assert_eq!(c.take(2, Hook::Pattern).unwrap().data, want.data);
+        // a score map of the same size
+        let mut scores = got.clone();
+        scores.hook = Hook::AttnScores;
+        scores.data.iter_mut().for_each(|x| *x = f32::NEG_INFINITY);
+        c.recycle_entry(scores);
+        assert!(!write_pattern(&mut c, 3, heads, n));
+        assert_eq!(c.take(3, Hook::Pattern).unwrap().data, want.data);
+        // with both at hand, the pattern's buffer is the one taken for a pattern
+        let mut scores = got.clone();
+        scores.hook = Hook::AttnScores;
+        c.recycle_entry(scores);
+        c.recycle_entry(got);
+        assert!(write_pattern(&mut c, 4, heads, n));
+        // a pattern of some queries has other rows: never kept as a whole one
+        let mut part = want.clone();
+        part.queries = vec![1, 3];
+        part.shape = vec![heads, 2, n];
+        part.data.truncate(heads * 2 * n);
+        c.spare.clear();
+        c.recycle_entry(part);
+        assert!(!c.spare[0].upper_zero);
+    }
 
     /// The hook-name list is part of the API (TransformerLens test_cache_hook_names): pin it.
     #[test]
