@@ -344,9 +344,21 @@ pub struct AttnCache {
     /// buffers handed back by [`AttnCache::recycle`], reused for the next entry of their size
     spare: Vec<Spare>,
     /// entries on a recycled buffer: which of their kept query rows a block has written
-    written: BTreeMap<(usize, Hook), Vec<bool>>,
-    /// patterns on a recycled buffer whose rows hold zeros above the diagonal already
-    upper_zero: std::collections::BTreeSet<(usize, Hook)>,
+    written: BTreeMap<(usize, Hook), Recycled>,
+}
+
+/// An entry being filled on a recycled buffer.
+#[derive(Clone, Debug)]
+struct Recycled {
+    /// which of the kept query rows a block has written
+    rows: Vec<bool>,
+    /// a pattern whose rows hold zeros above the diagonal already
+    upper_zero: bool,
+}
+
+/// Whether `queries` are every position of an `n`-token sequence, in order.
+fn every_position(queries: &[usize], n: usize) -> bool {
+    queries.len() == n && queries.iter().enumerate().all(|(i, &q)| i == q)
 }
 
 impl AttnCache {
@@ -361,7 +373,6 @@ impl AttnCache {
             entries: BTreeMap::new(),
             spare: Vec::new(),
             written: BTreeMap::new(),
-            upper_zero: Default::default(),
         }
     }
 
@@ -386,8 +397,7 @@ impl AttnCache {
         let n = self.seq_len;
         let upper_zero = c.hook == Hook::Pattern
             && self.every_query()
-            && c.queries.len() == n
-            && c.queries.iter().enumerate().all(|(i, &q)| i == q)
+            && every_position(&c.queries, n)
             && matches!(c.shape[..], [h, q, k] if q == n && k == n && h * n * n == c.data.len());
         self.keep_spare(Spare {
             data: c.data,
@@ -403,7 +413,7 @@ impl AttnCache {
 
     /// Whether the cache keeps every query position, in order.
     fn every_query(&self) -> bool {
-        self.queries.len() == self.seq_len && self.queries.iter().enumerate().all(|(i, &q)| i == q)
+        every_position(&self.queries, self.seq_len)
     }
 
     /// Captured entries in hook-name order (layer, then position in the block).
@@ -415,8 +425,7 @@ impl AttnCache {
     /// (a query the forward did not run) hold the masked value, not an older layer's numbers.
     pub fn take(&mut self, layer: usize, hook: Hook) -> Option<Captured> {
         let mut c = self.entries.remove(&(layer, hook))?;
-        self.upper_zero.remove(&(layer, hook));
-        if let Some(written) = self.written.remove(&(layer, hook)) {
+        if let Some(Recycled { rows: written, .. }) = self.written.remove(&(layer, hook)) {
             let fill = masked_value(hook);
             let n = self.seq_len;
             for head in c.data.chunks_mut(written.len() * n) {
@@ -467,12 +476,14 @@ impl AttnCache {
             masked_value(hook),
             pattern,
         );
-        self.upper_zero.remove(&key);
         if let Some(upper_zero) = recycled {
-            self.written.insert(key, vec![false; nq]);
-            if upper_zero && pattern {
-                self.upper_zero.insert(key);
-            }
+            self.written.insert(
+                key,
+                Recycled {
+                    rows: vec![false; nq],
+                    upper_zero: upper_zero && pattern,
+                },
+            );
         }
         let entry = Captured {
             name: hook_name(layer, hook),
@@ -523,10 +534,10 @@ impl Observer for AttnCache {
         // block's last query: what is left of the row lies above the diagonal)
         let zeroed = match self.written.get_mut(&key) {
             Some(w) => {
-                w[q_start..q_start + rows]
+                w.rows[q_start..q_start + rows]
                     .iter_mut()
                     .for_each(|x| *x = true);
-                self.upper_zero.contains(&key)
+                w.upper_zero
             }
             None => true,
         };
@@ -634,7 +645,7 @@ impl Observer for AttnCache {
                 .for_each(copy);
         }
         if let Some(w) = written {
-            kept.iter().for_each(|&(qi, _)| w[qi] = true);
+            kept.iter().for_each(|&(qi, _)| w.rows[qi] = true);
         }
     }
 }

@@ -1698,7 +1698,7 @@ impl Model {
         }
         // the layers' buffers are done with: a long input's tens of megabytes go back to the
         // system before the logits bring in the output head's pages (measured: `inspect` at
-        // 2,041 tokens peaks 1.68 → 1.61 GB)
+        // 2,041 tokens peaks 1.72 → 1.64 GB)
         let freed = 4 * (gu.len() + act.len() + normed.len() + qkv.len() + qh.len() + z.len());
         drop((gu, act, normed, qkv, qh, z));
         if freed >= 16 << 20 {

@@ -303,6 +303,26 @@ pub enum Matrix {
     Amx(PackedBf16),
 }
 
+impl Matrix {
+    /// How this matrix is packed, as the packed-weight cache names it (`None`: 8-bit blocks).
+    fn layout(&self) -> Option<PanelLayout> {
+        match self {
+            Matrix::Packed(p) => Some(PanelLayout::F32(p.isa)),
+            Matrix::Amx(p) => Some(PanelLayout::Bf16 { splits: p.splits }),
+            Matrix::Int8(_) => None,
+        }
+    }
+
+    /// `(n, k)` of `W: [n, k]`.
+    fn shape(&self) -> (usize, usize) {
+        match self {
+            Matrix::Packed(p) => (p.n, p.k),
+            Matrix::Amx(p) => (p.n, p.k),
+            Matrix::Int8(p) => (p.n, p.k),
+        }
+    }
+}
+
 /// A projection `y = x Wᵀ (+ b)`, possibly several fused along the output (`[W_q; W_k; W_v]`
 /// or `[W_gate; W_up]`) into one matrix, so one pass over `x` computes them all.
 pub struct Linear {
@@ -317,16 +337,13 @@ impl Linear {
     /// The packed bytes of this projection if it is packed in `layout` in memory of its own
     /// (not mapped from a cache file): what the packed-weight cache writes.
     pub fn packed_bytes(&self, layout: PanelLayout) -> Option<&[u8]> {
-        match (&self.mat, layout) {
-            (Matrix::Packed(p), PanelLayout::F32(isa)) if p.isa == isa && !p.is_mapped() => {
-                Some(p.as_bytes())
-            }
-            (Matrix::Amx(p), PanelLayout::Bf16 { splits })
-                if p.splits == splits && !p.is_mapped() =>
-            {
-                Some(p.as_bytes())
-            }
-            _ => None,
+        if self.mat.layout() != Some(layout) || self.is_mapped() {
+            return None;
+        }
+        match &self.mat {
+            Matrix::Packed(p) => Some(p.as_bytes()),
+            Matrix::Amx(p) => Some(p.as_bytes()),
+            Matrix::Int8(_) => None,
         }
     }
 
@@ -579,12 +596,8 @@ fn linear(
         col0 += width;
     }
     // a matrix from the cache, if it has this precision's layout and this shape
-    let ready = ready.filter(|m| match (m, PanelLayout::of(precision)) {
-        (Matrix::Packed(p), Some(PanelLayout::F32(l))) => p.isa == l && p.n == n && p.k == k,
-        (Matrix::Amx(p), Some(PanelLayout::Bf16 { splits })) => {
-            p.splits == splits && p.n == n && p.k == k
-        }
-        _ => false,
+    let ready = ready.filter(|m| {
+        m.layout().is_some() && m.layout() == PanelLayout::of(precision) && m.shape() == (n, k)
     });
     if let Some(mat) = ready {
         return Ok(Linear { k, n, mat, bias });
