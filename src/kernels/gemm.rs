@@ -810,7 +810,7 @@ mod x86 {
         let mut acc = [[_mm512_setzero_ps(); 2]; MR];
         let mut ap = a;
         let mut bp = b;
-        for _ in 0..kc {
+        let step = |ap: *const f32, bp: *const f32, acc: &mut [[__m512; 2]; MR]| {
             // B's panel is 1,024 deep (128 KiB, more than L1): ask for its lines 16 steps
             // ahead. Measured on the default model at 2,048 tokens, paired runs: the forward
             // 0.02-0.15 s faster (1.4% on average) than with the hardware prefetcher alone.
@@ -825,7 +825,22 @@ mod x86 {
                 acc[r][0] = _mm512_fmadd_ps(ar, b0, acc[r][0]);
                 acc[r][1] = _mm512_fmadd_ps(ar, b1, acc[r][1]);
             }
-            ap = ap.add(if DIRECT { 1 } else { MR });
+        };
+        let a_step = if DIRECT { 1 } else { MR };
+        // four steps an iteration: the loop's own work (the strip's 12 row addresses when A is
+        // read in place, the counters) comes once per four steps. Paired with one step an
+        // iteration, 25 rounds at the forward's four shapes: 5-9% faster (AVX2's kernel 1-12%);
+        // eight steps an iteration measured 6% slower than four.
+        for _ in 0..kc / 4 {
+            for u in 0..4 {
+                step(ap.add(u * a_step), bp.add(u * NR), &mut acc);
+            }
+            ap = ap.add(4 * a_step);
+            bp = bp.add(4 * NR);
+        }
+        for _ in 0..kc % 4 {
+            step(ap, bp, &mut acc);
+            ap = ap.add(a_step);
             bp = bp.add(NR);
         }
         for (r, row) in acc.iter().enumerate() {
@@ -859,7 +874,7 @@ mod x86 {
         let mut acc = [[_mm256_setzero_ps(); 2]; MR];
         let mut ap = a;
         let mut bp = b;
-        for _ in 0..kc {
+        let step = |ap: *const f32, bp: *const f32, acc: &mut [[__m256; 2]; MR]| {
             let b0 = _mm256_loadu_ps(bp);
             let b1 = _mm256_loadu_ps(bp.add(8));
             for r in 0..MR {
@@ -867,7 +882,19 @@ mod x86 {
                 acc[r][0] = _mm256_fmadd_ps(ar, b0, acc[r][0]);
                 acc[r][1] = _mm256_fmadd_ps(ar, b1, acc[r][1]);
             }
-            ap = ap.add(if DIRECT { 1 } else { MR });
+        };
+        let a_step = if DIRECT { 1 } else { MR };
+        // four steps an iteration, as the AVX-512 kernel
+        for _ in 0..kc / 4 {
+            for u in 0..4 {
+                step(ap.add(u * a_step), bp.add(u * NR), &mut acc);
+            }
+            ap = ap.add(4 * a_step);
+            bp = bp.add(4 * NR);
+        }
+        for _ in 0..kc % 4 {
+            step(ap, bp, &mut acc);
+            ap = ap.add(a_step);
             bp = bp.add(NR);
         }
         for (r, row) in acc.iter().enumerate() {
