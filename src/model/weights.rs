@@ -597,7 +597,8 @@ fn linear(
     }
     // a matrix from the cache, if it has this precision's layout and this shape
     let ready = ready.filter(|m| {
-        m.layout().is_some() && m.layout() == PanelLayout::of(precision) && m.shape() == (n, k)
+        matches!(m.layout(), Some(l) if Some(l) == PanelLayout::of(precision))
+            && m.shape() == (n, k)
     });
     if let Some(mat) = ready {
         return Ok(Linear { k, n, mat, bias });
