@@ -87,6 +87,41 @@ fn smollm_matches_transformers() {
     check_model("smollm2-135m", "smol");
 }
 
+/// On a CPU with AMX, `exact` runs a quantized file's projections on the tiles as its integers
+/// and scales (84 of the default model's 96: its Q6_K down projections have groups of 16 and stay
+/// f32; every one of SmolLM2's Q4_1). The checks against transformers above then test that path;
+/// these run them again in child processes with `ATTNSCOPE_AMX=f32`, so the f32 path is checked
+/// on the real models too. Without AMX both are the f32 path, and this says so.
+#[test]
+fn exact_on_the_f32_kernels_matches_transformers_too() {
+    use attnscope::model::{Model, Precision};
+    let qwen = Model::load_with("qwen2.5-coder-0.5b", Precision::Exact, false, None).unwrap();
+    let smol = Model::load_with("smollm2-135m", Precision::Exact, false, None).unwrap();
+    if attnscope::kernels::amx::exact_scaled() {
+        assert_eq!(
+            qwen.scaled_projections(),
+            (84, 96),
+            "the default model on the tiles"
+        );
+        assert_eq!(
+            smol.scaled_projections(),
+            (120, 120),
+            "SmolLM2 on the tiles"
+        );
+    } else {
+        eprintln!(
+            "NOTE: no AMX here (or ATTNSCOPE_AMX set): exact runs the f32 kernels only; the reruns below check the same path"
+        );
+        assert_eq!(qwen.scaled_projections().0, 0);
+        assert_eq!(smol.scaled_projections().0, 0);
+    }
+    drop((qwen, smol));
+    for test in ["qwen_matches_transformers", "smollm_matches_transformers"] {
+        let text = rerun_with_amx(test, "f32");
+        assert!(text.contains("test result: ok"), "{text}");
+    }
+}
+
 /// Gemma 3 270M (GGUF `gemma3`, SentencePiece vocabulary, `<bos>` first because the file says
 /// so): the token ids, every weight of every layer, head, query and key, the next-token top-5.
 #[test]

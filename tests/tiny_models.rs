@@ -1149,6 +1149,7 @@ fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_dam
                 assert_eq!(fast.panel_file(), touched.panel_file(), "the exact file");
             }
             None => assert!(fast.panel_file().is_none(), "{arch:?}: 8-bit blocks"),
+            Some(PanelLayout::Scaled(_)) => panic!("fast never runs on integers and scales"),
         }
     }
     // a Hugging Face folder: its safetensors files and config.json make the identity

@@ -46,6 +46,9 @@ struct GemmRow {
     amx_exact_gflops: Option<f64>,
     /// the AMX tile kernel with one bf16 part (fast's product)
     amx_fast_gflops: Option<f64>,
+    /// exact on the AMX tiles as a quantized file's integers and scales (Q5_0-like weights:
+    /// integers −16..15 times one scale per 32)
+    amx_scaled_gflops: Option<f64>,
 }
 
 #[derive(Serialize, Debug, Clone)]
@@ -213,6 +216,31 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             })
         };
         let (amx_exact_gflops, amx_fast_gflops) = (amx_rate(3), amx_rate(1));
+        // W as Q5_0 holds it: per group of 32, a scale and integers −16..15
+        let amx_scaled_gflops = crate::kernels::amx::available()
+            .then(|| {
+                use crate::kernels::amx::scaled::{self, PackedScaled, GROUP};
+                let packed = PackedScaled::from_row_source(n, k, false, |j, q, s, _| {
+                    let row = &w[j * k..(j + 1) * k];
+                    for (g, xs) in row.chunks(GROUP).enumerate() {
+                        let top = xs.iter().fold(0f32, |m, x| m.max(x.abs()));
+                        s[g] = half::f16::from_f32(top / 15.0).to_f32();
+                        for (i, &x) in xs.iter().enumerate() {
+                            q[g * GROUP + i] = if s[g] > 0.0 {
+                                (x / s[g]).round().clamp(-16.0, 15.0)
+                            } else {
+                                0.0
+                            };
+                        }
+                    }
+                    true
+                })?;
+                let t = best_of(a.repeats, || {
+                    scaled::gemm(&x, k, m, &packed, &mut out, n, false)
+                });
+                Some(flops / t / 1e9)
+            })
+            .flatten();
         let xt = candle_core::Tensor::from_vec(x, (m, k), &candle_core::Device::Cpu)?;
         let wt = candle_core::Tensor::from_vec(w, (n, k), &candle_core::Device::Cpu)?;
         let candle = best_of(a.repeats, || {
@@ -227,6 +255,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             candle_gflops: flops / candle / 1e9,
             amx_exact_gflops,
             amx_fast_gflops,
+            amx_scaled_gflops,
         });
     }
     pb.inc(1);
@@ -380,6 +409,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         ("attnscope packed", Align::Right),
         ("candle matmul", Align::Right),
         ("ratio", Align::Right),
+        ("AMX integers (exact)", Align::Right),
         ("AMX bf16x3 (exact)", Align::Right),
         ("AMX bf16 (fast)", Align::Right),
     ]);
@@ -394,6 +424,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             format!("{:.0} GFLOP/s", g.attnscope_gflops),
             format!("{:.0} GFLOP/s", g.candle_gflops),
             format!("{:.2}x", g.attnscope_gflops / g.candle_gflops),
+            rate(g.amx_scaled_gflops),
             rate(g.amx_exact_gflops),
             rate(g.amx_fast_gflops),
         ]);
@@ -401,11 +432,18 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     s += &t.render();
     if crate::kernels::amx::available() {
         s += &format!(
-            "AMX columns: the same product on Intel AMX tiles (f32 result; exact as the sum of six bf16 products, fast as one). The forward below runs its projections on {}.\n",
+            "AMX columns: the same product on Intel AMX tiles, f32 result: exact as a quantized file's integers (here Q5_0-like: −16..15 times a scale per 32) times three bf16 parts of the activations, or as six bf16 products; fast as one. The forward below runs its projections on {}.\n",
             match (model.info.precision, crate::kernels::amx::exact_on_tiles()) {
-                (crate::model::Precision::Fast, _) => "the tiles with one part",
-                (crate::model::Precision::Exact, true) => "the tiles with three parts (ATTNSCOPE_AMX=exact)",
-                (crate::model::Precision::Exact, false) => "the f32 kernel",
+                (crate::model::Precision::Fast, _) => "the tiles with one part".to_string(),
+                (crate::model::Precision::Exact, true) => {
+                    "the tiles with three parts (ATTNSCOPE_AMX=exact)".to_string()
+                }
+                (crate::model::Precision::Exact, false) => match model.scaled_projections() {
+                    (0, _) => "the f32 kernel".to_string(),
+                    (s, all) => format!(
+                        "the tiles as the file's integers ({s} of {all} projections; the others on the f32 kernel; ATTNSCOPE_AMX=f32 puts them all there)"
+                    ),
+                },
             }
         );
     }

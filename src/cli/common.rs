@@ -23,7 +23,9 @@ pub struct ModelArgs {
     /// a Hugging Face folder (config.json, *.safetensors, tokenizer.json), or a hub id org/name.
     #[arg(long, short = 'm', default_value = DEFAULT_MODEL)]
     pub model: String,
-    /// exact: weights dequantized to f32, the reference's numbers (to ~1e-5). fast: the
+    /// exact: the reference's numbers (to ~1e-5): every product of a weight and an activation
+    /// exact, summed in f32 (on CPUs with Intel AMX, a quantized file's projections run on the
+    /// tiles as its integers and scales; elsewhere weights dequantized to f32). fast: the
     /// projections in bf16 on Intel AMX tiles (a forward 2-3x faster than exact, measured on a
     /// Sapphire Rapids-class Xeon; attention weights move by <1e-2), else in 8-bit blocks on
     /// AVX-512 VNNI (~1.4x; weights move by <0.04). With neither, fast runs as exact.

@@ -149,14 +149,23 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                         .unwrap_or("on the exact f32 kernels (no AMX nor AVX-512 VNNI here)"),
                     crate::kernels::gemm::Isa::detect().name()
                 ),
-                crate::model::Precision::Exact => format!(
-                    "exact: f32 throughout ({} kernel)",
+                crate::model::Precision::Exact => {
+                    let (scaled, all) = m.scaled_projections();
                     if crate::kernels::amx::exact_on_tiles() {
-                        "bf16x3 on AMX tiles".to_string()
+                        "exact: f32 throughout (bf16x3 on AMX tiles)".to_string()
+                    } else if scaled > 0 {
+                        format!(
+                            "exact: every product exact, summed in f32; {scaled} of {all} projections on AMX tiles as the file's integers and scales, {} attention on the {} kernel",
+                            if scaled == all { "" } else { "the rest and" },
+                            crate::kernels::gemm::Isa::detect().name()
+                        )
                     } else {
-                        crate::kernels::gemm::Isa::detect().name().to_string()
+                        format!(
+                            "exact: f32 throughout ({} kernel)",
+                            crate::kernels::gemm::Isa::detect().name()
+                        )
                     }
-                ),
+                }
             },
         ),
     ] {

@@ -13,6 +13,9 @@
 //! intelligence datatype for higher-precision computations"). Tested against a naive product
 //! on every machine, through an emulation of the tile instruction where the CPU has no AMX.
 //!
+//! [`scaled`] runs `exact` another way on the same tiles, for weights a quantized file holds as
+//! integers times scales: three products instead of six, and two bytes a weight.
+//!
 //! Linux hands the tile registers to a process only when it asks (`arch_prctl
 //! ARCH_REQ_XCOMP_PERM`); [`available`] asks once. `ATTNSCOPE_AMX=0` turns the kernel off
 //! (benchmarks compare the two; the f32 kernels then run).
@@ -20,6 +23,8 @@
 use super::SendPtr;
 use rayon::prelude::*;
 use std::sync::OnceLock;
+
+pub mod scaled;
 
 /// Rows of a tile (and of C per tile).
 const T: usize = 16;
@@ -44,8 +49,9 @@ pub fn available() -> bool {
     })
 }
 
-/// Whether `exact` runs its projections on the tiles too (three bf16 parts) rather than on the
-/// f32 kernels: only when asked (`ATTNSCOPE_AMX=exact`), since on the machine it was built on
+/// Whether `exact` runs every projection on the tiles as three bf16 parts of the dequantized
+/// weights (rather than a quantized file's integers and scales, [`exact_scaled`], or the f32
+/// kernels): only when asked (`ATTNSCOPE_AMX=exact`), since on the machine it was built on
 /// it measured no faster (gate|up at 2,048 tokens 250-490 GFLOP/s against 330-390 for f32: six
 /// tile products per output, and the tile unit runs at ~3 of its 5 TFLOP/s on real data).
 /// Measured again later, end to end: `inspect` at 2,048 tokens 12.7-13.1 s on the tiles against
@@ -53,6 +59,17 @@ pub fn available() -> bool {
 /// bf16 parts are 6 bytes a weight).
 pub fn exact_on_tiles() -> bool {
     available() && std::env::var("ATTNSCOPE_AMX").ok().as_deref() == Some("exact")
+}
+
+/// Whether `exact` runs the projections of a quantized file on the tiles as the file's
+/// integers and scales ([`scaled`]): on every CPU with AMX, unless `ATTNSCOPE_AMX=f32` keeps
+/// them on the f32 kernel (benchmarks compare the two) or `=exact` asks for three parts.
+pub fn exact_scaled() -> bool {
+    available()
+        && !matches!(
+            std::env::var("ATTNSCOPE_AMX").ok().as_deref(),
+            Some("f32" | "exact")
+        )
 }
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
@@ -329,40 +346,11 @@ pub fn gemm_with(
     );
     let chunks = w.chunks;
     let blocks = m.div_ceil(MB);
-    // A as tiles: for each 32-row block, each part, each 32-deep chunk, the two 16-row tiles
-    // (1 KiB each, contiguous, so a tile load reads whole lines in order); zero-padded
+    // A as tiles ([`split_a`])
     let block_len = splits * chunks * 2 * TILE;
     A_SPLIT.with(|cell| {
         let mut abuf = cell.borrow_mut();
-        abuf.ensure(blocks * block_len);
-        abuf.as_mut_slice()
-            .par_chunks_mut(block_len)
-            .enumerate()
-            .for_each(|(b, dst)| {
-                let rows = MB.min(m - b * MB);
-                if rows < MB || !k.is_multiple_of(KT) {
-                    dst.fill(0);
-                }
-                for r in 0..rows {
-                    let src = &a[(b * MB + r) * lda..(b * MB + r) * lda + k];
-                    let (half, rr) = (r / T, r % T);
-                    for (c, xs) in src.chunks(KT).enumerate() {
-                        let at = |sp: usize| ((sp * chunks + c) * 2 + half) * TILE + rr * KT;
-                        if splits == 1 {
-                            // one part: a straight conversion of 32 values (vectorizes)
-                            let d = &mut dst[at(0)..at(0) + xs.len()];
-                            d.iter_mut().zip(xs).for_each(|(d, &x)| *d = bf16(x));
-                        } else {
-                            for (e, &x) in xs.iter().enumerate() {
-                                let parts = split(x, splits);
-                                for (sp, &part) in parts.iter().enumerate() {
-                                    dst[at(sp) + e] = part;
-                                }
-                            }
-                        }
-                    }
-                }
-            });
+        split_a(&mut abuf, a, lda, m, k, splits);
         let planes = abuf.as_slice();
         let panels = n.div_ceil(NP);
         let threads = rayon::current_num_threads();
@@ -403,6 +391,73 @@ pub fn gemm_with(
             (0..tasks).for_each(task);
         }
     });
+}
+
+crate::kernels::simd::multiversion! {
+    /// [`split`] into three parts of 32 values at once, lane by lane (the same bits as
+    /// [`split`]: the same operations in the same order).
+    fn split3_chunk(xs: &[f32; KT], out: &mut [[u16; KT]; 3]) {
+        let mut r = *xs;
+        for part in out.iter_mut() {
+            for (h, x) in part.iter_mut().zip(r.iter_mut()) {
+                *h = bf16(*x);
+                *x -= f32_of(*h);
+            }
+        }
+    }
+}
+
+/// `A[m, k]` (row stride `lda`) as bf16 tiles in `buf`: for each 32-row block, each of `splits`
+/// parts, each 32-deep chunk, the two 16-row tiles (1 KiB each, contiguous, so a tile load
+/// reads whole lines in order); zero-padded to whole blocks and chunks.
+fn split_a(buf: &mut Bf16Buf, a: &[f32], lda: usize, m: usize, k: usize, splits: usize) {
+    let chunks = k.div_ceil(KT);
+    let blocks = m.div_ceil(MB);
+    let block_len = splits * chunks * 2 * TILE;
+    buf.ensure(blocks * block_len);
+    buf.as_mut_slice()[..blocks * block_len]
+        .par_chunks_mut(block_len)
+        .enumerate()
+        .for_each(|(b, dst)| {
+            let rows = MB.min(m - b * MB);
+            if rows < MB || !k.is_multiple_of(KT) {
+                dst.fill(0);
+            }
+            for r in 0..rows {
+                let src = &a[(b * MB + r) * lda..(b * MB + r) * lda + k];
+                let (half, rr) = (r / T, r % T);
+                for (c, xs) in src.chunks(KT).enumerate() {
+                    let at = |sp: usize| ((sp * chunks + c) * 2 + half) * TILE + rr * KT;
+                    if splits == 1 {
+                        // one part: a straight conversion of 32 values (vectorizes)
+                        let d = &mut dst[at(0)..at(0) + xs.len()];
+                        d.iter_mut().zip(xs).for_each(|(d, &x)| *d = bf16(x));
+                    } else {
+                        // three parts of up to 32 values at once (vectorized), then to their tiles
+                        let mut parts = [[0u16; KT]; 3];
+                        let mut vals = [0f32; KT];
+                        let whole = xs.len() == KT;
+                        if whole {
+                            // fixed lengths: vector moves, not calls of memmove
+                            vals = xs.try_into().expect("a whole chunk");
+                        } else {
+                            vals[..xs.len()].copy_from_slice(xs);
+                        }
+                        split3_chunk(&vals, &mut parts);
+                        for (sp, part) in parts.iter().enumerate() {
+                            if whole {
+                                let d: &mut [u16; KT] = (&mut dst[at(sp)..at(sp) + KT])
+                                    .try_into()
+                                    .expect("a whole tile row");
+                                *d = *part;
+                            } else {
+                                dst[at(sp)..at(sp) + xs.len()].copy_from_slice(&part[..xs.len()]);
+                            }
+                        }
+                    }
+                }
+            }
+        });
 }
 
 /// `(row groups, panel runs)`: runs of at most 16 panels (512 columns, whose k slice of up to
@@ -659,6 +714,64 @@ mod tiles {
 
     pub(super) unsafe fn release() {
         asm!("tilerelease", options(nostack, nomem));
+    }
+
+    /// One 32-deep group of a scaled product ([`super::scaled`]): `tmp[4][16][16] =
+    /// Σ_parts A_part[32, 32] · Q[32, 32]` with A's three parts at `a`, `a + split_stride`,
+    /// `a + 2·split_stride` (the lower 16 rows one tile on) and Q's two column tiles at `q`, the
+    /// smallest part first; the four 16 × 16 f32 tiles stored one after the other in `tmp`
+    /// (rows of 64 bytes): rows 0-15 × columns 0-15, rows 0-15 × 16-31, rows 16-31 × 0-15,
+    /// rows 16-31 × 16-31.
+    ///
+    /// # Safety
+    /// Tiles configured on this thread ([`configure`]); the pointers valid for what they name.
+    #[inline(always)]
+    pub(super) unsafe fn scaled_group(
+        a: *const u16,
+        split_stride: usize,
+        q: *const u16,
+        tmp: *mut f32,
+    ) {
+        let a2 = a.add(split_stride);
+        let a3 = a2.add(split_stride);
+        asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            "tileloadd tmm6, [{q0} + {s}*1]",
+            "tileloadd tmm7, [{q1} + {s}*1]",
+            "tileloadd tmm4, [{a3} + {s}*1]",
+            "tileloadd tmm5, [{a3l} + {s}*1]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            "tileloadd tmm4, [{a2} + {s}*1]",
+            "tileloadd tmm5, [{a2l} + {s}*1]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            "tileloadd tmm4, [{a1} + {s}*1]",
+            "tileloadd tmm5, [{a1l} + {s}*1]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            "tilestored [{t0} + {s}*1], tmm0",
+            "tilestored [{t1} + {s}*1], tmm1",
+            "tilestored [{t2} + {s}*1], tmm2",
+            "tilestored [{t3} + {s}*1], tmm3",
+            q0 = in(reg) q, q1 = in(reg) q.add(TILE),
+            a1 = in(reg) a, a1l = in(reg) a.add(TILE),
+            a2 = in(reg) a2, a2l = in(reg) a2.add(TILE),
+            a3 = in(reg) a3, a3l = in(reg) a3.add(TILE),
+            t0 = in(reg) tmp, t1 = in(reg) tmp.add(T * T),
+            t2 = in(reg) tmp.add(2 * T * T), t3 = in(reg) tmp.add(3 * T * T),
+            s = in(reg) 64usize,
+            options(nostack)
+        );
     }
 
     /// `C[32, 32] (+)= Σ_chunks Σ_products A_part[32, 32] · W_part[32, 32]`: A's tiles at `a0`

@@ -198,6 +198,18 @@ impl Model {
         (mapped, all.count())
     }
 
+    /// Projections that run on the AMX tiles as the file's integers and scales (`exact` on a
+    /// CPU with AMX, [`crate::kernels::amx::scaled`]), of all of them.
+    pub fn scaled_projections(&self) -> (usize, usize) {
+        let all = self
+            .weights
+            .layers
+            .iter()
+            .flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down]);
+        let scaled = all.clone().filter(|p| p.is_scaled()).count();
+        (scaled, all.count())
+    }
+
     /// `z_h · W_Oʰᵀ` of `layer` for `m` rows of head `h`'s output alone (`[m, head_dim]`): what
     /// [`Model::output_projection`] gives for rows that are zero outside head `h` (the same bits
     /// on the default model), at `1/n_heads` of its cost. `None` where the projection is not held

@@ -17,6 +17,7 @@
 //! `<cache>/panels` at any time is safe.
 
 use super::weights::{Matrix, PanelLayout, Weights};
+use crate::kernels::amx::scaled::PackedScaled;
 use crate::kernels::amx::PackedBf16;
 use crate::kernels::gemm::PackedB;
 use rayon::prelude::*;
@@ -27,8 +28,9 @@ use std::sync::Arc;
 
 /// The first bytes of a cache file.
 const MAGIC: &[u8; 8] = b"ATNSPNL1";
-/// Bumped whenever the file's layout or the meaning of its panels changes.
-const FORMAT: u32 = 1;
+/// Bumped whenever the file's layout or the meaning of its panels changes (2: entries have a
+/// kind).
+const FORMAT: u32 = 2;
 /// Every matrix starts on a page.
 const ALIGN: usize = 4096;
 /// Models whose packed projections are smaller than this load fast anyway: no file is written
@@ -54,6 +56,9 @@ struct Entry {
     k: usize,
     offset: usize,
     crc: u32,
+    /// 0: the layout's own panels; 1: integers and scales on the AMX tiles; 2: with offsets
+    #[serde(default)]
+    kind: u8,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -80,11 +85,17 @@ pub struct Cached {
     layout: PanelLayout,
 }
 
-/// Bytes a `[k, n]` matrix takes in `layout`.
-fn packed_bytes(layout: PanelLayout, n: usize, k: usize) -> Option<usize> {
-    match layout {
-        PanelLayout::F32(isa) => PackedB::packed_len(n, k, isa).checked_mul(4),
-        PanelLayout::Bf16 { splits } => PackedBf16::packed_len(n, k, splits).checked_mul(2),
+/// Bytes a `[k, n]` matrix of entry kind `kind` takes in `layout` (`None`: no such entry).
+fn packed_bytes(layout: PanelLayout, kind: u8, n: usize, k: usize) -> Option<usize> {
+    match (layout, kind) {
+        (PanelLayout::F32(isa) | PanelLayout::Scaled(isa), 0) => {
+            PackedB::packed_len(n, k, isa).checked_mul(4)
+        }
+        (PanelLayout::Bf16 { splits }, 0) => PackedBf16::packed_len(n, k, splits).checked_mul(2),
+        (PanelLayout::Scaled(_), 1 | 2) if k.is_multiple_of(32) && k > 0 && n > 0 => {
+            PackedScaled::packed_len(n, k, kind == 2).checked_mul(2)
+        }
+        _ => None,
     }
 }
 
@@ -181,7 +192,8 @@ impl PanelCache {
         }
         let layout = self.layout;
         let bad = header.matrices.par_iter().position_any(|e| {
-            let end = packed_bytes(layout, e.n, e.k).and_then(|len| e.offset.checked_add(len));
+            let end =
+                packed_bytes(layout, e.kind, e.n, e.k).and_then(|len| e.offset.checked_add(len));
             match end {
                 Some(end) if end <= map.len() && e.offset.is_multiple_of(ALIGN) => {
                     crc(&map[e.offset..end]) != e.crc
@@ -213,11 +225,12 @@ impl PanelCache {
     /// free disk (the file's size plus 1 GiB).
     pub fn save(&self, weights: &Weights) -> std::io::Result<Option<u64>> {
         // (n, k, bytes) of each projection in order
-        let mut mats: Vec<(usize, usize, &[u8])> = Vec::new();
+        // (n, k, bytes, kind) of each projection in order
+        let mut mats: Vec<(usize, usize, &[u8], u8)> = Vec::new();
         for l in &weights.layers {
             for lin in [&l.qkv, &l.o, &l.gate_up, &l.down] {
                 match lin.packed_bytes(self.layout) {
-                    Some(b) => mats.push((lin.n, lin.k, b)),
+                    Some((kind, b)) => mats.push((lin.n, lin.k, b, kind)),
                     None => return Ok(None),
                 }
             }
@@ -242,7 +255,7 @@ impl PanelCache {
 fn write_file(
     path: &Path,
     identity: &Identity,
-    mats: &[(usize, usize, &[u8])],
+    mats: &[(usize, usize, &[u8], u8)],
 ) -> std::io::Result<usize> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let crcs: Vec<u32> = mats.par_iter().map(|m| crc(m.2)).collect();
@@ -253,12 +266,13 @@ fn write_file(
         let entries = mats
             .iter()
             .zip(&crcs)
-            .map(|(&(n, k, bytes), &crc)| {
+            .map(|(&(n, k, bytes, kind), &crc)| {
                 let e = Entry {
                     n,
                     k,
                     offset: at,
                     crc,
+                    kind,
                 };
                 at += bytes.len().div_ceil(ALIGN) * ALIGN;
                 e
@@ -298,7 +312,7 @@ fn write_file(
         f.write_all(&header)?;
         let mut at = 16 + header.len();
         let zeros = vec![0u8; ALIGN];
-        for (_, _, bytes) in mats {
+        for (_, _, bytes, _) in mats {
             let pad = at.div_ceil(ALIGN) * ALIGN - at;
             f.write_all(&zeros[..pad])?;
             f.write_all(bytes)?;
@@ -361,7 +375,11 @@ impl BlobCache {
         }
         let dir = self.path.parent().unwrap_or(Path::new("."));
         if std::fs::create_dir_all(dir).is_ok() {
-            let _ = write_file(&self.path, &self.identity, &[(payload.len(), 1, payload)]);
+            let _ = write_file(
+                &self.path,
+                &self.identity,
+                &[(payload.len(), 1, payload, 0)],
+            );
         }
     }
 }
@@ -426,13 +444,17 @@ impl Cached {
             return None;
         }
         let map = self.map.clone();
-        match self.layout {
-            PanelLayout::F32(isa) => {
+        match (self.layout, e.kind) {
+            (PanelLayout::F32(isa) | PanelLayout::Scaled(isa), 0) => {
                 PackedB::from_mapped(map, e.offset, n, k, isa).map(Matrix::Packed)
             }
-            PanelLayout::Bf16 { splits } => {
+            (PanelLayout::Bf16 { splits }, 0) => {
                 PackedBf16::from_mapped(map, e.offset, n, k, splits).map(Matrix::Amx)
             }
+            (PanelLayout::Scaled(_), 1 | 2) => {
+                PackedScaled::from_mapped(map, e.offset, n, k, e.kind == 2).map(Matrix::Scaled)
+            }
+            _ => None,
         }
     }
 }

@@ -3,7 +3,7 @@
 
 use super::config::{Arch, ModelDims, RopeStyle};
 use super::error::{Error, Result};
-use crate::kernels::amx::{self, PackedBf16};
+use crate::kernels::amx::{self, scaled::PackedScaled, PackedBf16};
 use crate::kernels::gemm::{self, PackedB};
 use crate::kernels::int8::{self, PackedQ8};
 use candle_core::quantized::{GgmlDType, GgmlType, QMatMul, QStorage, QTensor};
@@ -17,7 +17,9 @@ use std::sync::Arc;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
-    /// Every weight dequantized to f32: the numbers of the reference implementation (~1e-5).
+    /// Every product of a weight and an activation exact, summed in f32: the numbers of the
+    /// reference implementation (~1e-5). Weights dequantized to f32, or on CPUs with Intel AMX
+    /// a quantized file's integers and scales on the tiles (activations as three bf16 parts).
     Exact,
     /// The projections in lower precision, attention in f32: bf16 on Intel AMX tiles where the
     /// CPU has them (weights move by <1e-2), else 8-bit blocks on AVX-512 VNNI (<0.04), else
@@ -224,6 +226,169 @@ fn dequantize_into(dtype: GgmlDType, bytes: &[u8], out: &mut [f32]) -> Result<()
     }
 }
 
+/// Whether a GGUF type's weights are `S · Q + O` per group of 32 with `Q` an integer bf16 holds
+/// exactly: `Some(false)` without offsets (`d · q`), `Some(true)` with, `None` for the other
+/// types (Q6_K's groups are 16 long, Q2_K/Q3_K/Q5_K/Q8_K and floats are not read so).
+fn scaled_kind(dtype: GgmlDType) -> Option<bool> {
+    match dtype {
+        GgmlDType::Q8_0 | GgmlDType::Q5_0 | GgmlDType::Q4_0 | GgmlDType::BF16 => Some(false),
+        GgmlDType::Q4_1 | GgmlDType::Q5_1 | GgmlDType::Q4K => Some(true),
+        _ => None,
+    }
+}
+
+/// One row of a GGUF tensor of a [`scaled_kind`] type, from its blocks: the integers `q`, the
+/// scales `s` and offsets `o` of each group of 32. `false` for another type or a length that is
+/// not whole blocks. (The caller checks every weight against the dequantized row.)
+fn decode_scaled(
+    dtype: GgmlDType,
+    bytes: &[u8],
+    q: &mut [f32],
+    s: &mut [f32],
+    o: &mut [f32],
+) -> bool {
+    let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+    let (bs, per) = (dtype.type_size(), dtype.block_size());
+    if !bytes.len().is_multiple_of(bs)
+        || bytes.len() / bs * per != q.len()
+        || q.len() != s.len() * 32
+    {
+        return false;
+    }
+    // the 32-weight types: byte j holds weights j (low nibble) and j + 16 (high)
+    let nibbles = |b: &[u8], q: &mut [f32], bias: f32, qh: Option<u32>| {
+        for j in 0..16 {
+            let (lo, hi) = (b[j] & 0x0f, b[j] >> 4);
+            let (h0, h1) = qh.map_or((0, 0), |h| {
+                (((h >> j) & 1) << 4, ((h >> (j + 16)) & 1) << 4)
+            });
+            q[j] = (lo as u32 | h0) as f32 - bias;
+            q[j + 16] = (hi as u32 | h1) as f32 - bias;
+        }
+    };
+    if dtype == GgmlDType::BF16 {
+        // each weight its own value, scale 1
+        for (q, b) in q.iter_mut().zip(bytes.chunks_exact(2)) {
+            *q = half::bf16::from_le_bytes([b[0], b[1]]).to_f32();
+        }
+        s.fill(1.0);
+        return true;
+    }
+    for (i, b) in bytes.chunks_exact(bs).enumerate() {
+        let q = &mut q[i * per..(i + 1) * per];
+        match dtype {
+            GgmlDType::Q8_0 => {
+                s[i] = f16(b);
+                q.iter_mut()
+                    .zip(&b[2..34])
+                    .for_each(|(q, &x)| *q = x as i8 as f32);
+            }
+            GgmlDType::Q5_0 => {
+                s[i] = f16(b);
+                nibbles(
+                    &b[6..22],
+                    q,
+                    16.0,
+                    Some(u32::from_le_bytes([b[2], b[3], b[4], b[5]])),
+                );
+            }
+            GgmlDType::Q4_0 => {
+                s[i] = f16(b);
+                nibbles(&b[2..18], q, 8.0, None);
+            }
+            GgmlDType::Q4_1 => {
+                (s[i], o[i]) = (f16(b), f16(&b[2..]));
+                nibbles(&b[4..20], q, 0.0, None);
+            }
+            GgmlDType::Q5_1 => {
+                (s[i], o[i]) = (f16(b), f16(&b[2..]));
+                nibbles(
+                    &b[8..24],
+                    q,
+                    0.0,
+                    Some(u32::from_le_bytes([b[4], b[5], b[6], b[7]])),
+                );
+            }
+            GgmlDType::Q4K => {
+                // 144 bytes: d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 of nibbles;
+                // sub-block j of 32: w = d·sc_j · q − dmin·m_j (llama.cpp's get_scale_min_k4)
+                let (d, dmin, sc, qs) = (f16(b), f16(&b[2..]), &b[4..16], &b[16..144]);
+                let scale_min = |j: usize| -> (u8, u8) {
+                    if j < 4 {
+                        (sc[j] & 63, sc[j + 4] & 63)
+                    } else {
+                        (
+                            (sc[j + 4] & 0x0f) | ((sc[j - 4] >> 6) << 4),
+                            (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4),
+                        )
+                    }
+                };
+                for j in 0..8 {
+                    let (scale, min) = scale_min(j);
+                    s[i * 8 + j] = d * scale as f32;
+                    o[i * 8 + j] = -(dmin * min as f32);
+                    let bytes = &qs[(j / 2) * 32..(j / 2) * 32 + 32];
+                    for (l, &x) in bytes.iter().enumerate() {
+                        q[j * 32 + l] = if j % 2 == 0 { x & 0x0f } else { x >> 4 } as f32;
+                    }
+                }
+            }
+            _ => return false,
+        }
+    }
+    true
+}
+
+/// The matrix of `parts` (rows `starts[i]..` each) as integers and scales on the AMX tiles, if
+/// every part is a GGUF tensor of a [`scaled_kind`] type or bf16 floats, and every weight is
+/// exactly `S · Q + O` of what its blocks say (checked against the dequantized values, which
+/// the f32 path would use); `None` otherwise.
+fn scaled_matrix(
+    parts: &[Raw],
+    dense: &[Option<Vec<f32>>],
+    starts: &[usize],
+    n: usize,
+    k: usize,
+) -> Result<Option<PackedScaled>> {
+    let mut offsets = false;
+    for w in parts {
+        match w {
+            Raw::Mapped(m) => match scaled_kind(m.dtype) {
+                Some(o) => offsets |= o,
+                None => return Ok(None),
+            },
+            Raw::F(t) if t.dtype() == DType::BF16 => {}
+            Raw::F(_) => return Ok(None),
+        }
+    }
+    let row = |j: usize, q: &mut [f32], s: &mut [f32], o: &mut [f32]| -> bool {
+        let part = starts.partition_point(|&st| st <= j) - 1;
+        let local = j - starts[part];
+        match (&parts[part], &dense[part]) {
+            (Raw::Mapped(m), None) => {
+                let rb = m.row_bytes();
+                let Some(bytes) = m.bytes().get(local * rb..(local + 1) * rb) else {
+                    return false;
+                };
+                let mut w = vec![0f32; k];
+                decode_scaled(m.dtype, bytes, q, s, o)
+                    && m.rows_to_f32(local, &mut w).is_ok()
+                    && w.iter()
+                        .enumerate()
+                        .all(|(i, &x)| q[i] * s[i / 32] + o[i / 32] == x)
+            }
+            (Raw::F(_), Some(d)) => {
+                // bf16 floats: each weight its own integer-like value, scale 1
+                q.copy_from_slice(&d[local * k..(local + 1) * k]);
+                s.fill(1.0);
+                true
+            }
+            _ => false,
+        }
+    };
+    Ok(PackedScaled::from_row_source(n, k, offsets, row))
+}
+
 /// A tensor as it comes out of a file: quantized in a GGUF mapping, or floating point.
 pub enum Raw {
     Mapped(Mapped),
@@ -301,15 +466,22 @@ pub enum Matrix {
     /// bf16 tiles for the AMX kernel ([`crate::kernels::amx`]): three parts per weight for
     /// `exact` (an f32 product), one for `fast`.
     Amx(PackedBf16),
+    /// A quantized file's integers and scales on the AMX tiles, exact
+    /// ([`crate::kernels::amx::scaled`]).
+    Scaled(PackedScaled),
 }
 
 impl Matrix {
-    /// How this matrix is packed, as the packed-weight cache names it (`None`: 8-bit blocks).
-    fn layout(&self) -> Option<PanelLayout> {
-        match self {
-            Matrix::Packed(p) => Some(PanelLayout::F32(p.isa)),
-            Matrix::Amx(p) => Some(PanelLayout::Bf16 { splits: p.splits }),
-            Matrix::Int8(_) => None,
+    /// Whether this matrix is packed as `layout` keeps it (a cache file of the `Scaled` layout
+    /// holds f32 panels for the matrices whose weights are not integers times scales).
+    fn fits(&self, layout: Option<PanelLayout>) -> bool {
+        match (self, layout) {
+            (Matrix::Packed(p), Some(PanelLayout::F32(isa) | PanelLayout::Scaled(isa))) => {
+                p.isa == isa
+            }
+            (Matrix::Amx(p), Some(PanelLayout::Bf16 { splits })) => p.splits == splits,
+            (Matrix::Scaled(_), Some(PanelLayout::Scaled(_))) => true,
+            _ => false,
         }
     }
 
@@ -319,6 +491,16 @@ impl Matrix {
             Matrix::Packed(p) => (p.n, p.k),
             Matrix::Amx(p) => (p.n, p.k),
             Matrix::Int8(p) => (p.n, p.k),
+            Matrix::Scaled(p) => (p.n, p.k),
+        }
+    }
+
+    /// What a cache entry says of how the matrix is packed: 0 the layout's own panels, 1
+    /// integers and scales, 2 integers, scales and offsets.
+    fn kind(&self) -> u8 {
+        match self {
+            Matrix::Scaled(p) => 1 + p.has_offsets() as u8,
+            _ => 0,
         }
     }
 }
@@ -336,15 +518,24 @@ pub struct Linear {
 impl Linear {
     /// The packed bytes of this projection if it is packed in `layout` in memory of its own
     /// (not mapped from a cache file): what the packed-weight cache writes.
-    pub fn packed_bytes(&self, layout: PanelLayout) -> Option<&[u8]> {
-        if self.mat.layout() != Some(layout) || self.is_mapped() {
+    /// With the bytes, the entry's kind ([`Matrix`]'s: 0 the layout's own panels, 1 or 2
+    /// integers and scales).
+    pub fn packed_bytes(&self, layout: PanelLayout) -> Option<(u8, &[u8])> {
+        if !self.mat.fits(Some(layout)) || self.is_mapped() {
             return None;
         }
+        let kind = self.mat.kind();
         match &self.mat {
-            Matrix::Packed(p) => Some(p.as_bytes()),
-            Matrix::Amx(p) => Some(p.as_bytes()),
+            Matrix::Packed(p) => Some((kind, p.as_bytes())),
+            Matrix::Amx(p) => Some((kind, p.as_bytes())),
+            Matrix::Scaled(p) => Some((kind, p.as_bytes())),
             Matrix::Int8(_) => None,
         }
+    }
+
+    /// Whether this projection runs on the AMX tiles as its file's integers and scales.
+    pub fn is_scaled(&self) -> bool {
+        matches!(self.mat, Matrix::Scaled(_))
     }
 
     /// Whether this projection is read from a mapped cache file.
@@ -352,6 +543,7 @@ impl Linear {
         match &self.mat {
             Matrix::Packed(p) => p.is_mapped(),
             Matrix::Amx(p) => p.is_mapped(),
+            Matrix::Scaled(p) => p.is_mapped(),
             Matrix::Int8(_) => false,
         }
     }
@@ -375,6 +567,7 @@ impl Linear {
                 int8::gemm_q8(&int8::QuantA::new(x, m, k, k), pq, out, n, accumulate)
             }
             Matrix::Amx(pa) => amx::gemm(x, k, m, pa, out, n, accumulate),
+            Matrix::Scaled(ps) => amx::scaled::gemm(x, k, m, ps, out, n, accumulate),
         }
         if let Some(b) = &self.bias {
             assert!(!accumulate, "a biased projection cannot accumulate");
@@ -405,6 +598,7 @@ impl Linear {
                 int8::gemm_q8(&int8::QuantA::new(x, m, k, k), pq, &mut out, n, false)
             }
             Matrix::Amx(pa) => amx::gemm(x, k, m, pa, &mut out, n, false),
+            Matrix::Scaled(ps) => amx::scaled::gemm(x, k, m, ps, &mut out, n, false),
         }
         out
     }
@@ -538,6 +732,9 @@ pub enum PanelLayout {
     F32(gemm::Isa),
     /// bf16 tiles for AMX: 1 part (`fast`) or 3 (`exact` with `ATTNSCOPE_AMX=exact`)
     Bf16 { splits: usize },
+    /// `exact` on a CPU with AMX: a quantized file's integers and scales on the tiles where the
+    /// weights are of that form, f32 panels of the kernel's width for the others
+    Scaled(gemm::Isa),
 }
 
 impl PanelLayout {
@@ -546,6 +743,7 @@ impl PanelLayout {
         match self {
             PanelLayout::F32(isa) => format!("{}-f32x{}", isa.name(), isa.nr()),
             PanelLayout::Bf16 { splits } => format!("amx-bf16x{splits}"),
+            PanelLayout::Scaled(isa) => format!("amx-scaled1-{}-f32x{}", isa.name(), isa.nr()),
         }
     }
 
@@ -553,6 +751,9 @@ impl PanelLayout {
     pub fn of(precision: Precision) -> Option<PanelLayout> {
         match precision {
             Precision::Exact if amx::exact_on_tiles() => Some(PanelLayout::Bf16 { splits: 3 }),
+            Precision::Exact if amx::exact_scaled() => {
+                Some(PanelLayout::Scaled(gemm::Isa::detect()))
+            }
             Precision::Fast if amx::available() => Some(PanelLayout::Bf16 { splits: 1 }),
             Precision::Fast if fast_uses_int8() => None,
             _ => Some(PanelLayout::F32(gemm::Isa::detect())),
@@ -596,10 +797,8 @@ fn linear(
         col0 += width;
     }
     // a matrix from the cache, if it has this precision's layout and this shape
-    let ready = ready.filter(|m| {
-        matches!(m.layout(), Some(l) if Some(l) == PanelLayout::of(precision))
-            && m.shape() == (n, k)
-    });
+    let layout = PanelLayout::of(precision);
+    let ready = ready.filter(|m| m.fits(layout) && m.shape() == (n, k));
     if let Some(mat) = ready {
         return Ok(Linear { k, n, mat, bias });
     }
@@ -637,16 +836,22 @@ fn linear(
         }
         Ok(())
     };
+    // a quantized file's integers and scales on the tiles, where every part has that form
+    let scaled = match layout {
+        Some(PanelLayout::Scaled(_)) => scaled_matrix(&weights, &dense, &starts, n, k)?,
+        _ => None,
+    };
     // one decision of the layout, the one the cache keys its files by
-    let mat = match PanelLayout::of(precision) {
-        Some(PanelLayout::Bf16 { splits }) => {
+    let mat = match (scaled, layout) {
+        (Some(p), _) => Matrix::Scaled(p),
+        (None, Some(PanelLayout::Bf16 { splits })) => {
             Matrix::Amx(PackedBf16::try_from_row_source(n, k, splits, rows)?)
         }
-        None if k.is_multiple_of(int8::BLOCK) => {
+        (None, None) if k.is_multiple_of(int8::BLOCK) => {
             Matrix::Int8(PackedQ8::try_from_row_source(n, k, rows)?)
         }
         // f32 panels, and 8-bit blocks' fallback for a depth that is not whole blocks
-        Some(PanelLayout::F32(_)) | None => {
+        (None, Some(PanelLayout::F32(_) | PanelLayout::Scaled(_)) | None) => {
             Matrix::Packed(PackedB::try_from_row_source(n, k, isa, rows)?)
         }
     };
@@ -1070,6 +1275,164 @@ mod tests {
             let mut short = vec![0f32; want.len() - 32];
             assert!(dequantize_into(dtype, &bytes, &mut short).is_err());
         }
+    }
+
+    /// Every type `exact` reads as integers and scales: the decoded `S · Q + O` of every
+    /// weight equals the dequantized value, and every `Q` is exact in bf16.
+    #[test]
+    fn every_scaled_type_decodes_to_its_dequantized_weights() {
+        let mut rng = crate::reference::Rng::new(9);
+        let (rows, cols) = (3, 512);
+        let mut w = rng.normals(rows * cols, 1.0);
+        // tiny and zero blocks (scale 0), a large one
+        w[64..96].iter_mut().for_each(|x| *x *= 1e-4);
+        w[96..128].iter_mut().for_each(|x| *x = 0.0);
+        w[600..632].iter_mut().for_each(|x| *x *= 300.0);
+        let t = Tensor::from_vec(w.clone(), (rows, cols), &Device::Cpu).unwrap();
+        for dtype in [
+            GgmlDType::Q8_0,
+            GgmlDType::Q5_0,
+            GgmlDType::Q4_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q5_1,
+            GgmlDType::Q4K,
+            GgmlDType::BF16,
+        ] {
+            let bytes: Vec<u8> = if dtype == GgmlDType::BF16 {
+                w.iter()
+                    .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                    .collect()
+            } else {
+                QTensor::quantize(&t, dtype)
+                    .unwrap()
+                    .data()
+                    .unwrap()
+                    .to_vec()
+            };
+            let rb = bytes.len() / rows;
+            let offsets = scaled_kind(dtype).expect("a scaled type");
+            for r in 0..rows {
+                let row = &bytes[r * rb..(r + 1) * rb];
+                let mut want = vec![f32::NAN; cols];
+                dequantize_into(dtype, row, &mut want).unwrap();
+                let (mut q, mut s, mut o) = (
+                    vec![f32::NAN; cols],
+                    vec![f32::NAN; cols / 32],
+                    vec![0f32; cols / 32],
+                );
+                assert!(
+                    decode_scaled(dtype, row, &mut q, &mut s, &mut o),
+                    "{dtype:?}"
+                );
+                for i in 0..cols {
+                    assert_eq!(
+                        q[i] * s[i / 32] + o[i / 32],
+                        want[i],
+                        "{dtype:?} row {r} weight {i}"
+                    );
+                    assert_eq!(
+                        half::bf16::from_f32(q[i]).to_f32(),
+                        q[i],
+                        "{dtype:?}: q in bf16"
+                    );
+                }
+                assert!(
+                    offsets || o.iter().all(|&x| x == 0.0),
+                    "{dtype:?} has no offsets"
+                );
+            }
+            // a length that is not whole blocks is refused
+            let (mut q, mut s, mut o) = (
+                vec![0f32; cols],
+                vec![0f32; cols / 32],
+                vec![0f32; cols / 32],
+            );
+            assert!(!decode_scaled(
+                dtype,
+                &bytes[..rb - 2],
+                &mut q,
+                &mut s,
+                &mut o
+            ));
+        }
+        // Q6_K's groups are 16 long: not read as integers and scales
+        assert_eq!(scaled_kind(GgmlDType::Q6K), None);
+        let q6 = QTensor::quantize(&t, GgmlDType::Q6K)
+            .unwrap()
+            .data()
+            .unwrap()
+            .to_vec();
+        let (mut q, mut s, mut o) = (
+            vec![0f32; cols],
+            vec![0f32; cols / 32],
+            vec![0f32; cols / 32],
+        );
+        assert!(!decode_scaled(
+            GgmlDType::Q6K,
+            &q6[..q6.len() / rows],
+            &mut q,
+            &mut s,
+            &mut o
+        ));
+    }
+
+    /// A fused matrix of three quantized parts of different types packs as integers and scales
+    /// whose every weight is the dequantized one; a part of another type (Q6_K) or floats leave
+    /// the matrix to the f32 kernels.
+    #[test]
+    fn a_fused_quantized_matrix_packs_as_integers_and_scales() {
+        let mut rng = crate::reference::Rng::new(4);
+        let k = 256;
+        let mut part = |dtype: GgmlDType, rows: usize| -> Raw {
+            let t = Tensor::from_vec(rng.normals(rows * k, 0.1), (rows, k), &Device::Cpu).unwrap();
+            let bytes = QTensor::quantize(&t, dtype)
+                .unwrap()
+                .data()
+                .unwrap()
+                .to_vec();
+            let len = bytes.len();
+            Raw::Mapped(Mapped {
+                map: Arc::new(super::super::gguf::Backing::Bytes(bytes)),
+                offset: 0,
+                len,
+                dtype,
+                dims: vec![rows, k],
+            })
+        };
+        let parts = vec![
+            part(GgmlDType::Q5_0, 40),
+            part(GgmlDType::Q8_0, 8),
+            part(GgmlDType::Q4K, 20),
+        ];
+        let widths = [40, 8, 20];
+        let starts = [0, 40, 48];
+        let dense = vec![None, None, None];
+        let packed = scaled_matrix(&parts, &dense, &starts, 68, k)
+            .unwrap()
+            .expect("every part is integers and scales");
+        assert!(packed.has_offsets(), "Q4_K brings offsets");
+        for (p, w) in parts.iter().enumerate() {
+            let vals = w.to_vec().unwrap();
+            for r in 0..widths[p] {
+                for i in 0..k {
+                    assert_eq!(
+                        packed.weight(starts[p] + r, i),
+                        vals[r * k + i],
+                        "part {p} ({r}, {i})"
+                    );
+                }
+            }
+        }
+        let mut mixed = parts;
+        mixed[1] = part(GgmlDType::Q6K, 8);
+        assert!(scaled_matrix(&mixed, &dense, &starts, 68, k)
+            .unwrap()
+            .is_none());
+        let floats = Raw::F(Tensor::zeros((8, k), DType::F32, &Device::Cpu).unwrap());
+        mixed[1] = floats;
+        assert!(scaled_matrix(&mixed, &dense, &starts, 68, k)
+            .unwrap()
+            .is_none());
     }
 
     #[test]

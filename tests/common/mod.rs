@@ -68,9 +68,15 @@ pub fn assert_close(got: &[f32], want: &[f32], tol: f32, label: &str) {
 /// once per process), so `fast` takes the 8-bit VNNI kernel where the CPU has it; asserts that it
 /// passed and returns what it printed.
 pub fn rerun_without_amx(test: &str) -> String {
+    rerun_with_amx(test, "0")
+}
+
+/// Runs `test` of the current test binary again in a child process with `ATTNSCOPE_AMX=value`
+/// (read once per process); asserts that it passed and returns what it printed.
+pub fn rerun_with_amx(test: &str, value: &str) -> String {
     let out = std::process::Command::new(std::env::current_exe().unwrap())
         .args([test, "--exact", "--nocapture", "--test-threads=1"])
-        .env("ATTNSCOPE_AMX", "0")
+        .env("ATTNSCOPE_AMX", value)
         .output()
         .unwrap();
     let text = format!(
@@ -80,7 +86,7 @@ pub fn rerun_without_amx(test: &str) -> String {
     );
     assert!(
         out.status.success() && text.contains("1 passed"),
-        "{test} with ATTNSCOPE_AMX=0:\n{text}"
+        "{test} with ATTNSCOPE_AMX={value}:\n{text}"
     );
     text
 }

@@ -1,0 +1,641 @@
+//! Exact products on the AMX tiles for weights stored as small integers times a scale, which
+//! is how a quantized checkpoint holds them: along k, in groups of 32, `W[j, i] = S[j, g] ·
+//! Q[j, i] + O[j, g]` with `Q` an integer that bf16 holds exactly (GGUF's Q8_0, Q5_0, Q4_0:
+//! `d · q`; Q4_K: `d·sc · q − dmin·m`).
+//!
+//! Then `C[r, j] = Σ_g S[j, g] · (Σ_{i∈g} A[r, i] · Q[j, i]) + O[j, g] · (Σ_{i∈g} A[r, i])`. The
+//! inner sums run on the tiles with `A` as the exact sum of three bf16 parts (as
+//! [`super`]'s bf16x3) and `Q` as one: three `tdpbf16ps` per group, every product exact in f32
+//! and added in f32, against six for bf16x3 on the dequantized weights, and two bytes a weight
+//! to read instead of six. Each group's 16 × 16 tiles are then scaled into f32 running sums on
+//! the vector units. The result is an f32 sum of the same products as the f32 kernel's, in
+//! another order (plus the rounding of each dequantized weight, below 2⁻²⁴ of it, which the
+//! f32 path has and this one does not).
+
+use super::{bf16, f32_of, split_a, Bf16Buf, Engine, A_SPLIT, KT, MB, NP, T, TILE};
+use crate::kernels::SendPtr;
+use rayon::prelude::*;
+
+/// Weights per scale along k: one 32-deep tile chunk.
+pub const GROUP: usize = KT;
+
+/// Bytes of L2 the three parts of a task's rows of A may take (the rest of a 2 MiB L2 holds the
+/// panel being walked and the running sums).
+const A_BYTES: usize = 1280 << 10;
+
+/// `W: [n, k]` as integers `Q` in bf16 tiles (panels of 32 columns; in a panel, for each group
+/// of 32 along k, the two 16-column tiles in the pair layout of `tdpbf16ps`, as
+/// [`super::PackedBf16`] with one part), then the per-group scales `S` and, where the weights
+/// have them, offsets `O` (f32, `[panel][group][32 columns]`), all in one buffer (a cache file
+/// maps it whole). Columns are padded with zeros to whole panels.
+#[derive(Clone)]
+pub struct PackedScaled {
+    pub n: usize,
+    pub k: usize,
+    groups: usize,
+    offsets: bool,
+    buf: crate::kernels::gemm::Panels<u16>,
+}
+
+impl std::fmt::Debug for PackedScaled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "PackedScaled {{ n: {}, k: {}, offsets: {} }}",
+            self.n, self.k, self.offsets
+        )
+    }
+}
+
+/// `(bf16 values of Q, f32 values of S)` of a `[k, n]` matrix (k whole groups).
+fn region_lens(n: usize, k: usize) -> (usize, usize) {
+    let (panels, groups) = (n.div_ceil(NP), k / GROUP);
+    (panels * groups * 2 * TILE, panels * groups * NP)
+}
+
+impl PackedScaled {
+    /// Packs `W: [n, k]` (k a multiple of [`GROUP`]) from `row(j, q, s, o)`, which writes row
+    /// `j`'s integers `q[k]` (as f32), scales `s[k / 32]` and, with `offsets`, offsets
+    /// `o[k / 32]`, and says whether the row has that form. `None` if a row has not, or one
+    /// of its `q` is not exact in bf16 (an integer of more than 8 significant bits, a
+    /// fraction): such a matrix stays on the f32 kernels.
+    pub fn from_row_source(
+        n: usize,
+        k: usize,
+        offsets: bool,
+        row: impl Fn(usize, &mut [f32], &mut [f32], &mut [f32]) -> bool + Sync,
+    ) -> Option<PackedScaled> {
+        if !k.is_multiple_of(GROUP) || k == 0 || n == 0 {
+            return None;
+        }
+        let groups = k / GROUP;
+        let panels = n.div_ceil(NP);
+        let (q_len, s_len) = region_lens(n, k);
+        let mut buf = Bf16Buf::zeros(Self::packed_len(n, k, offsets));
+        let (qb, rest) = buf.as_mut_slice().split_at_mut(q_len);
+        // SAFETY: the rest of the buffer starts 64-byte aligned (q_len is whole KiB tiles) and
+        // holds 2·s_len (or 4·s_len) u16: the room of s_len (2·s_len) f32, any bits valid
+        let so = unsafe {
+            std::slice::from_raw_parts_mut(rest.as_mut_ptr() as *mut f32, rest.len() / 2)
+        };
+        let (sb, ob) = so.split_at_mut(s_len);
+        let (panel_q, panel_s) = (groups * 2 * TILE, groups * NP);
+        let mut o_chunks: Vec<Option<&mut [f32]>> = if offsets {
+            ob.chunks_mut(panel_s).map(Some).collect()
+        } else {
+            (0..panels).map(|_| None).collect()
+        };
+        let ok = qb
+            .par_chunks_mut(panel_q)
+            .zip(sb.par_chunks_mut(panel_s))
+            .zip(o_chunks.par_iter_mut())
+            .enumerate()
+            .all(|(p, ((qp, sp), op))| {
+                let (mut qr, mut sr, mut or) =
+                    (vec![0f32; k], vec![0f32; groups], vec![0f32; groups]);
+                for jj in 0..NP.min(n - p * NP) {
+                    or.fill(0.0);
+                    if !row(p * NP + jj, &mut qr, &mut sr, &mut or) {
+                        return false;
+                    }
+                    let (half, col) = (jj / T, jj % T);
+                    for (i, &x) in qr.iter().enumerate() {
+                        let h = bf16(x);
+                        if f32_of(h) != x {
+                            return false;
+                        }
+                        let (g, r, e) = (i / KT, (i % KT) / 2, i % 2);
+                        qp[(g * 2 + half) * TILE + r * 2 * T + col * 2 + e] = h;
+                    }
+                    for g in 0..groups {
+                        sp[g * NP + jj] = sr[g];
+                        if let Some(op) = op.as_deref_mut() {
+                            op[g * NP + jj] = or[g];
+                        }
+                    }
+                }
+                true
+            });
+        drop(o_chunks);
+        ok.then_some(PackedScaled {
+            n,
+            k,
+            groups,
+            offsets,
+            buf: crate::kernels::gemm::Panels::Owned(buf),
+        })
+    }
+
+    /// u16 values the packed form of a `[k, n]` matrix takes (k whole groups).
+    pub fn packed_len(n: usize, k: usize, offsets: bool) -> usize {
+        let (q_len, s_len) = region_lens(n, k);
+        q_len + 2 * s_len * if offsets { 2 } else { 1 }
+    }
+
+    /// A `[k, n]` matrix whose packed form (as [`PackedScaled::as_bytes`] gave it) lies at
+    /// `offset` in `map`; `None` if it does not fit there (64-byte aligned) or k is not whole
+    /// groups.
+    pub fn from_mapped(
+        map: std::sync::Arc<memmap2::Mmap>,
+        offset: usize,
+        n: usize,
+        k: usize,
+        offsets: bool,
+    ) -> Option<PackedScaled> {
+        if !k.is_multiple_of(GROUP) || k == 0 || n == 0 {
+            return None;
+        }
+        let buf =
+            crate::kernels::gemm::Panels::mapped(map, offset, Self::packed_len(n, k, offsets))?;
+        Some(PackedScaled {
+            n,
+            k,
+            groups: k / GROUP,
+            offsets,
+            buf,
+        })
+    }
+
+    /// The packed form as bytes (native-endian), as a cache file stores it.
+    pub fn as_bytes(&self) -> &[u8] {
+        self.buf.as_bytes()
+    }
+
+    /// Whether the packed form is read from a mapped file.
+    pub fn is_mapped(&self) -> bool {
+        self.buf.is_mapped()
+    }
+
+    /// Bytes held (integers, scales and offsets).
+    pub fn bytes(&self) -> usize {
+        self.buf.as_slice().len() * 2
+    }
+
+    /// Whether the weights have per-group offsets (Q4_K, Q4_1) besides their scales.
+    pub fn has_offsets(&self) -> bool {
+        self.offsets
+    }
+
+    fn q(&self) -> &[u16] {
+        &self.buf.as_slice()[..region_lens(self.n, self.k).0]
+    }
+
+    /// The scales, then the offsets (if any).
+    fn scales_and_offsets(&self) -> (&[f32], Option<&[f32]>) {
+        let (q_len, s_len) = region_lens(self.n, self.k);
+        let rest = &self.buf.as_slice()[q_len..];
+        // SAFETY: as in `from_row_source`: 64-byte aligned, 2 u16 per f32, any bits valid
+        let so = unsafe { std::slice::from_raw_parts(rest.as_ptr() as *const f32, rest.len() / 2) };
+        let (s, o) = so.split_at(s_len);
+        (s, self.offsets.then(|| &o[..s_len]))
+    }
+
+    /// Weight `(j, i)` as `S · Q + O` in f32 (for tests).
+    pub fn weight(&self, j: usize, i: usize) -> f32 {
+        let (p, jj, g) = (j / NP, j % NP, i / GROUP);
+        let (half, col, r, e) = (jj / T, jj % T, (i % KT) / 2, i % 2);
+        let q = f32_of(
+            self.q()[(p * self.groups + g) * 2 * TILE + half * TILE + r * 2 * T + col * 2 + e],
+        );
+        let at = (p * self.groups + g) * NP + jj;
+        let (s, o) = self.scales_and_offsets();
+        q * s[at] + o.map_or(0.0, |o| o[at])
+    }
+}
+
+/// `C[m, n] (+)= A[m, k] · Wᵀ` with `A` row-major (row stride `lda`), `C` row-major (stride
+/// `ldc`), on the tiles, on every thread of rayon's pool. Panics if the CPU has no AMX.
+pub fn gemm(
+    a: &[f32],
+    lda: usize,
+    m: usize,
+    w: &PackedScaled,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+) {
+    assert!(super::available(), "AMX is not available on this CPU");
+    gemm_with(Engine::Tiles, a, lda, m, w, c, ldc, accumulate)
+}
+
+/// [`gemm`] on a chosen engine.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_with(
+    engine: Engine,
+    a: &[f32],
+    lda: usize,
+    m: usize,
+    w: &PackedScaled,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+) {
+    let (k, n, groups) = (w.k, w.n, w.groups);
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(
+        a.len() >= (m - 1) * lda + k,
+        "A is too short for [{m}, {k}]"
+    );
+    assert!(
+        c.len() >= (m - 1) * ldc + n,
+        "C is too short for [{m}, {n}]"
+    );
+    assert!(
+        engine == Engine::Emulated || super::available(),
+        "AMX is not available on this CPU"
+    );
+    let blocks = m.div_ceil(MB);
+    // Σ of each row of A over each group, for the offsets (padded rows 0)
+    let (ws, wo) = w.scales_and_offsets();
+    let wq = w.q();
+    let asum: Vec<f32> = if wo.is_some() {
+        let mut v = vec![0f32; blocks * MB * groups];
+        v.par_chunks_mut(groups)
+            .take(m)
+            .enumerate()
+            .for_each(|(r, out)| {
+                for (g, x) in out.iter_mut().enumerate() {
+                    let xs = &a[r * lda + g * GROUP..r * lda + (g + 1) * GROUP];
+                    *x = xs.iter().map(|&v| v as f64).sum::<f64>() as f32;
+                }
+            });
+        v
+    } else {
+        Vec::new()
+    };
+    let split_stride = groups * 2 * TILE;
+    let block_len = 3 * split_stride;
+    A_SPLIT.with(|cell| {
+        let mut abuf = cell.borrow_mut();
+        split_a(&mut abuf, a, lda, m, k, 3);
+        let planes = abuf.as_slice();
+        let panels = n.div_ceil(NP);
+        let threads = rayon::current_num_threads();
+        // tasks: row groups whose three parts stay in L2 while the task walks its panels, ×
+        // runs of panels, at least four tasks a thread where the shape allows
+        let per_group = (A_BYTES / (2 * block_len)).clamp(1, 8);
+        let row_groups = blocks.div_ceil(per_group);
+        let mut runs = 1;
+        while row_groups * runs < 4 * threads && runs < panels {
+            runs += 1;
+        }
+        // a count of tasks the threads share evenly, where one is near (gate|up at 576 rows:
+        // 3 row groups × 3 runs left one thread a task more than the other)
+        if threads > 1 {
+            if let Some(r) =
+                (runs..=(2 * runs).min(panels)).find(|&r| (row_groups * r).is_multiple_of(threads))
+            {
+                runs = r;
+            }
+        }
+        let group = blocks.div_ceil(row_groups);
+        let run = panels.div_ceil(runs);
+        let cp = SendPtr(c.as_mut_ptr());
+        let task = |t: usize| {
+            let cp = &cp; // the whole SendPtr, not its raw field
+            let (gi, r) = (t / runs, t % runs);
+            let (b0, b1) = (gi * group, ((gi + 1) * group).min(blocks));
+            let (q0, q1) = (r * run, ((r + 1) * run).min(panels));
+            #[cfg(target_arch = "x86_64")]
+            if engine == Engine::Tiles {
+                // SAFETY: AMX is available (asserted above)
+                unsafe { super::tiles::configure() };
+            }
+            let mut acc = Block([0f32; MB * NP]);
+            let mut tmp = Block([0f32; MB * NP]);
+            for p in q0..q1 {
+                let col0 = p * NP;
+                let cols = NP.min(n - col0);
+                for b in b0..b1 {
+                    let row0 = b * MB;
+                    let rows = MB.min(m - row0);
+                    acc.0.fill(0.0);
+                    if accumulate {
+                        for r in 0..rows {
+                            // SAFETY: the task owns rows b0·32..b1·32 × panels q0..q1 of C;
+                            // sizes checked above
+                            let src = unsafe { cp.0.add((row0 + r) * ldc + col0) };
+                            let row = &mut acc.0[r * NP..(r + 1) * NP];
+                            if cols == NP {
+                                // fixed length: vector moves, not a call of memcpy
+                                let v = unsafe { (src as *const [f32; NP]).read_unaligned() };
+                                row.copy_from_slice(&v);
+                            } else {
+                                for (j, x) in row[..cols].iter_mut().enumerate() {
+                                    *x = unsafe { *src.add(j) };
+                                }
+                            }
+                        }
+                    }
+                    let a0 = planes[b * block_len..].as_ptr();
+                    for g in 0..groups {
+                        let at = (p * groups + g) * 2 * TILE;
+                        let qt = wq[at..at + 2 * TILE].as_ptr();
+                        let a_g = a0.wrapping_add(g * 2 * TILE);
+                        // SAFETY: the pointers name whole tiles of the packed buffers
+                        match engine {
+                            #[cfg(target_arch = "x86_64")]
+                            Engine::Tiles => unsafe {
+                                super::tiles::scaled_group(
+                                    a_g,
+                                    split_stride,
+                                    qt,
+                                    tmp.0.as_mut_ptr(),
+                                )
+                            },
+                            _ => unsafe { emulated_group(a_g, split_stride, qt, &mut tmp.0) },
+                        }
+                        let sg = &ws[(p * groups + g) * NP..][..NP];
+                        let og = wo.map(|o| {
+                            (
+                                &o[(p * groups + g) * NP..][..NP],
+                                &asum[row0 * groups + g..],
+                                groups,
+                            )
+                        });
+                        post(&mut acc.0, &tmp.0, sg, og);
+                    }
+                    for r in 0..rows {
+                        let row = &acc.0[r * NP..(r + 1) * NP];
+                        // SAFETY: as above
+                        unsafe {
+                            let dst = cp.0.add((row0 + r) * ldc + col0);
+                            if cols == NP {
+                                // a whole row of the block: two vector stores, not a call
+                                (dst as *mut [f32; NP])
+                                    .write_unaligned(row.try_into().expect("a row of the block"));
+                            } else {
+                                std::ptr::copy_nonoverlapping(row.as_ptr(), dst, cols);
+                            }
+                        }
+                    }
+                }
+            }
+            #[cfg(target_arch = "x86_64")]
+            if engine == Engine::Tiles {
+                // SAFETY: configured above on this thread
+                unsafe { super::tiles::release() };
+            }
+        };
+        let tasks = row_groups * runs;
+        if tasks > 1 && 2.0 * (m * n * k) as f64 > 4e6 {
+            (0..tasks).into_par_iter().for_each(task);
+        } else {
+            (0..tasks).for_each(task);
+        }
+    });
+}
+
+/// A 32 × 32 f32 block on a cache line.
+#[repr(C, align(64))]
+struct Block([f32; MB * NP]);
+
+/// `acc[32, 32] += S ⊙ tmp (+ O ⊙ Σa)`: one group's four tiles (as [`super::tiles::scaled_group`]
+/// stores them) scaled by their columns' scales into the running sums, with the offsets times
+/// each row's sum of A over the group (`asum[r · stride]`) where there are offsets.
+#[inline]
+fn post(
+    acc: &mut [f32; MB * NP],
+    tmp: &[f32; MB * NP],
+    s: &[f32],
+    o: Option<(&[f32], &[f32], usize)>,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX-512; every slice is as long as the loads read
+        unsafe { post_avx512(acc, tmp, s, o) };
+        return;
+    }
+    for r in 0..MB {
+        let t = (r / T) * 2;
+        let rr = r % T;
+        let sa = o.map(|(_, asum, stride)| asum[r * stride]);
+        for j in 0..NP {
+            let x = tmp[(t + j / T) * T * T + rr * T + j % T];
+            let mut v = s[j].mul_add(x, acc[r * NP + j]);
+            if let (Some((o, _, _)), Some(sa)) = (o, sa) {
+                v = o[j].mul_add(sa, v);
+            }
+            acc[r * NP + j] = v;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn post_avx512(
+    acc: &mut [f32; MB * NP],
+    tmp: &[f32; MB * NP],
+    s: &[f32],
+    o: Option<(&[f32], &[f32], usize)>,
+) {
+    use std::arch::x86_64::*;
+    let (s0, s1) = (
+        _mm512_loadu_ps(s.as_ptr()),
+        _mm512_loadu_ps(s.as_ptr().add(T)),
+    );
+    let ap = acc.as_mut_ptr();
+    let tp = tmp.as_ptr();
+    match o {
+        None => {
+            for r in 0..MB {
+                let t = (r / T) * 2 * T * T + (r % T) * T;
+                let x0 = _mm512_loadu_ps(tp.add(t));
+                let x1 = _mm512_loadu_ps(tp.add(t + T * T));
+                let c = ap.add(r * NP);
+                _mm512_storeu_ps(c, _mm512_fmadd_ps(s0, x0, _mm512_loadu_ps(c)));
+                _mm512_storeu_ps(c.add(T), _mm512_fmadd_ps(s1, x1, _mm512_loadu_ps(c.add(T))));
+            }
+        }
+        Some((o, asum, stride)) => {
+            let (o0, o1) = (
+                _mm512_loadu_ps(o.as_ptr()),
+                _mm512_loadu_ps(o.as_ptr().add(T)),
+            );
+            for r in 0..MB {
+                let t = (r / T) * 2 * T * T + (r % T) * T;
+                let x0 = _mm512_loadu_ps(tp.add(t));
+                let x1 = _mm512_loadu_ps(tp.add(t + T * T));
+                let sa = _mm512_set1_ps(asum[r * stride]);
+                let c = ap.add(r * NP);
+                let v0 = _mm512_fmadd_ps(s0, x0, _mm512_loadu_ps(c));
+                let v1 = _mm512_fmadd_ps(s1, x1, _mm512_loadu_ps(c.add(T)));
+                _mm512_storeu_ps(c, _mm512_fmadd_ps(o0, sa, v0));
+                _mm512_storeu_ps(c.add(T), _mm512_fmadd_ps(o1, sa, v1));
+            }
+        }
+    }
+}
+
+/// Plain-Rust [`super::tiles::scaled_group`] on the same packed data (tests on a CPU without
+/// AMX).
+///
+/// # Safety
+/// As [`super::tiles::scaled_group`].
+unsafe fn emulated_group(
+    a: *const u16,
+    split_stride: usize,
+    q: *const u16,
+    tmp: &mut [f32; MB * NP],
+) {
+    for t in 0..4 {
+        let (rt, ct) = (t / 2, t % 2);
+        for rr in 0..T {
+            for jj in 0..T {
+                let mut x = 0f32;
+                for part in (0..3).rev() {
+                    let arow = a.add(part * split_stride + rt * TILE + rr * KT);
+                    for pr in 0..KT / 2 {
+                        for e in 0..2 {
+                            let av = f32_of(*arow.add(2 * pr + e));
+                            let qv = f32_of(*q.add(ct * TILE + pr * 2 * T + jj * 2 + e));
+                            x += av * qv;
+                        }
+                    }
+                }
+                tmp[t * T * T + rr * T + jj] = x;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A matrix of the form `d·q + o` per group of 32 (q in −16..15 as Q5_0, scales near 0.01
+    /// rounded to f16's precision), its f32 weights as a dequantizer computes them, and the
+    /// packed form.
+    fn matrix(n: usize, k: usize, offsets: bool, seed: u64) -> (Vec<f32>, PackedScaled) {
+        let mut rng = crate::reference::Rng::new(seed);
+        let groups = k / GROUP;
+        let f16ish = |x: f32| f32::from_bits(x.to_bits() & 0xffff_e000);
+        let s: Vec<f32> = rng
+            .normals(n * groups, 0.01)
+            .into_iter()
+            .map(f16ish)
+            .collect();
+        let o: Vec<f32> = rng
+            .normals(n * groups, 0.02)
+            .into_iter()
+            .map(f16ish)
+            .collect();
+        let q: Vec<f32> = rng
+            .normals(n * k, 6.0)
+            .into_iter()
+            .map(|x| x.round().clamp(-16.0, 15.0))
+            .collect();
+        let w: Vec<f32> = (0..n * k)
+            .map(|x| {
+                let (j, i) = (x / k, x % k);
+                let g = j * groups + i / GROUP;
+                q[x] * s[g] + if offsets { o[g] } else { 0.0 }
+            })
+            .collect();
+        let packed = PackedScaled::from_row_source(n, k, offsets, |j, qr, sr, or| {
+            qr.copy_from_slice(&q[j * k..(j + 1) * k]);
+            sr.copy_from_slice(&s[j * groups..(j + 1) * groups]);
+            if offsets {
+                or.copy_from_slice(&o[j * groups..(j + 1) * groups]);
+            }
+            true
+        })
+        .expect("integers of 5 bits are exact in bf16");
+        (w, packed)
+    }
+
+    #[test]
+    fn scaled_products_match_a_naive_product_on_awkward_shapes() {
+        let engines = if super::super::available() {
+            vec![Engine::Emulated, Engine::Tiles]
+        } else {
+            eprintln!("AMX tiles not available here: checking the emulation of tdpbf16ps only");
+            vec![Engine::Emulated]
+        };
+        for (i, &(m, k, n)) in [
+            (1, 32, 1),
+            (5, 64, 17),
+            (32, 32, 32),
+            (33, 96, 31),
+            (70, 128, 65),
+            (300, 320, 40),
+            (64, 1024, 96),
+        ]
+        .iter()
+        .enumerate()
+        {
+            for offsets in [false, true] {
+                let (w, packed) = matrix(n, k, offsets, i as u64 * 11 + offsets as u64);
+                for (x, &want) in w.iter().enumerate() {
+                    assert_eq!(packed.weight(x / k, x % k), want, "weight {x}");
+                }
+                let mut rng = crate::reference::Rng::new(i as u64 + 100);
+                let a = rng.normals(m * k, 1.0);
+                let ldc = n + 3;
+                for &engine in &engines {
+                    for accumulate in [false, true] {
+                        let base = if accumulate { 1.5f32 } else { f32::NAN };
+                        let mut c = vec![base; m * ldc];
+                        gemm_with(engine, &a, k, m, &packed, &mut c, ldc, accumulate);
+                        for r in 0..m {
+                            for j in 0..n {
+                                let (mut want, mut mass) = (0f64, 0f64);
+                                for p in 0..k {
+                                    let (x, y) = (a[r * k + p] as f64, w[j * k + p] as f64);
+                                    want += x * y;
+                                    mass += (x * y).abs();
+                                }
+                                let want = want + if accumulate { 1.5 } else { 0.0 };
+                                let got = c[r * ldc + j] as f64;
+                                // an f32 sum of 3k exact products and k/32 scalings, plus the
+                                // rounding of each dequantized weight
+                                let tol = (4 * k + 8) as f64 * 2f64.powi(-24) * (mass + 1.5);
+                                assert!(
+                                    (got - want).abs() <= tol,
+                                    "{engine:?} m={m} k={k} n={n} offsets={offsets} acc={accumulate} at ({r},{j}): {got} vs {want}"
+                                );
+                            }
+                            for j in n..ldc {
+                                assert!(
+                                    c[r * ldc + j].to_bits() == base.to_bits(),
+                                    "{engine:?} wrote past column n at ({r},{j})"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn weights_that_are_not_small_integers_are_refused() {
+        let k = 64;
+        let take = |bad: f32| {
+            PackedScaled::from_row_source(3, k, false, |j, q, s, _| {
+                q.fill(3.0);
+                s.fill(0.5);
+                if j == 2 {
+                    q[40] = bad;
+                }
+                true
+            })
+        };
+        assert!(take(-7.0).is_some(), "small integers are taken");
+        assert!(
+            take(257.0).is_none(),
+            "257 has 9 significant bits: not exact in bf16"
+        );
+        assert!(take(0.3).is_none(), "0.3 is not exact in bf16");
+        assert!(
+            PackedScaled::from_row_source(2, 40, false, |_, _, _, _| true).is_none(),
+            "k must be whole groups"
+        );
+        assert!(
+            PackedScaled::from_row_source(2, 32, false, |j, _, _, _| j == 0).is_none(),
+            "a row the source cannot write so refuses the matrix"
+        );
+    }
+}
