@@ -332,18 +332,7 @@ pub fn gemm_with(
     if m == 0 || n == 0 {
         return;
     }
-    assert!(
-        a.len() >= (m - 1) * lda + k,
-        "A is too short for [{m}, {k}]"
-    );
-    assert!(
-        c.len() >= (m - 1) * ldc + n,
-        "C is too short for [{m}, {n}]"
-    );
-    assert!(
-        engine == Engine::Emulated || available(),
-        "AMX is not available on this CPU"
-    );
+    check_args(engine, (a, lda), (c, ldc), (m, k, n));
     let chunks = w.chunks;
     let blocks = m.div_ceil(MB);
     // A as tiles ([`split_a`])
@@ -405,6 +394,28 @@ crate::kernels::simd::multiversion! {
             }
         }
     }
+}
+
+/// Panics unless `A` holds `[m, k]` at row stride `lda`, `C` holds `[m, n]` at `ldc`, and the
+/// engine runs here (the checks of both tile products; m and n are not 0).
+fn check_args(
+    engine: Engine,
+    (a, lda): (&[f32], usize),
+    (c, ldc): (&[f32], usize),
+    (m, k, n): (usize, usize, usize),
+) {
+    assert!(
+        a.len() >= (m - 1) * lda + k,
+        "A is too short for [{m}, {k}]"
+    );
+    assert!(
+        c.len() >= (m - 1) * ldc + n,
+        "C is too short for [{m}, {n}]"
+    );
+    assert!(
+        engine == Engine::Emulated || available(),
+        "AMX is not available on this CPU"
+    );
 }
 
 /// `A[m, k]` (row stride `lda`) as bf16 tiles in `buf`: for each 32-row block, each of `splits`

@@ -1433,6 +1433,32 @@ mod tests {
         assert!(scaled_matrix(&mixed, &dense, &starts, 68, k)
             .unwrap()
             .is_none());
+        // bf16 floats (a Hugging Face folder's): each weight its own value, scale 1
+        let bf = Tensor::from_vec(rng.normals(8 * k, 0.1), (8, k), &Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let values: Vec<f32> = bf
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        mixed[1] = Raw::F(bf);
+        let dense = vec![None, Some(values.clone()), None];
+        let packed = scaled_matrix(&mixed, &dense, &starts, 68, k)
+            .unwrap()
+            .expect("bf16 floats are integers and scales of scale 1");
+        for r in 0..8 {
+            for i in 0..k {
+                assert_eq!(
+                    packed.weight(40 + r, i),
+                    values[r * k + i],
+                    "bf16 ({r}, {i})"
+                );
+            }
+        }
     }
 
     #[test]

@@ -234,18 +234,7 @@ pub fn gemm_with(
     if m == 0 || n == 0 {
         return;
     }
-    assert!(
-        a.len() >= (m - 1) * lda + k,
-        "A is too short for [{m}, {k}]"
-    );
-    assert!(
-        c.len() >= (m - 1) * ldc + n,
-        "C is too short for [{m}, {n}]"
-    );
-    assert!(
-        engine == Engine::Emulated || super::available(),
-        "AMX is not available on this CPU"
-    );
+    super::check_args(engine, (a, lda), (c, ldc), (m, k, n));
     let blocks = m.div_ceil(MB);
     // Σ of each row of A over each group, for the offsets (padded rows 0)
     let (ws, wo) = w.scales_and_offsets();
