@@ -404,14 +404,7 @@ fn check_args(
     (c, ldc): (&[f32], usize),
     (m, k, n): (usize, usize, usize),
 ) {
-    assert!(
-        a.len() >= (m - 1) * lda + k,
-        "A is too short for [{m}, {k}]"
-    );
-    assert!(
-        c.len() >= (m - 1) * ldc + n,
-        "C is too short for [{m}, {n}]"
-    );
+    super::check_operands((a, lda), (c, ldc), (m, k, n));
     assert!(
         engine == Engine::Emulated || available(),
         "AMX is not available on this CPU"
@@ -668,20 +661,9 @@ unsafe fn emulated_block(
         for &(sa, sb) in products {
             for half in 0..2 {
                 let tile = b.add(((ch * splits + sb) * 2 + half) * TILE);
-                for r in 0..MB {
-                    let arow =
-                        a0.add(sa * split_stride + ch * 2 * TILE + (r / T) * TILE + (r % T) * KT);
-                    for jj in 0..T {
-                        let mut x = cc[r * NP + half * T + jj];
-                        for pr in 0..KT / 2 {
-                            for e in 0..2 {
-                                let av = f32_of(*arow.add(2 * pr + e));
-                                let bv = f32_of(*tile.add(pr * 2 * T + jj * 2 + e));
-                                x += av * bv;
-                            }
-                        }
-                        cc[r * NP + half * T + jj] = x;
-                    }
+                for rt in 0..2 {
+                    let a = a0.add(sa * split_stride + ch * 2 * TILE + rt * TILE);
+                    emulated_tdp(&mut cc[rt * T * NP + half * T..], NP, a, tile);
                 }
             }
         }
@@ -689,6 +671,29 @@ unsafe fn emulated_block(
     for r in 0..MB {
         for j in 0..NP {
             *dst.ptr.add(r * dst.ld + j) = cc[r * NP + j];
+        }
+    }
+}
+
+/// Plain-Rust `tdpbf16ps`: `C[16, 16] += A[16, 32] · B` with C at row stride `ldc`, A a tile
+/// of 16 rows of 32 bf16, B a tile in the pair layout; each pair's two products added to C one
+/// after the other in f32.
+///
+/// # Safety
+/// `a` and `b` point at whole tiles.
+unsafe fn emulated_tdp(c: &mut [f32], ldc: usize, a: *const u16, b: *const u16) {
+    for r in 0..T {
+        let arow = a.add(r * KT);
+        for jj in 0..T {
+            let mut x = c[r * ldc + jj];
+            for pr in 0..KT / 2 {
+                for e in 0..2 {
+                    let av = f32_of(*arow.add(2 * pr + e));
+                    let bv = f32_of(*b.add(pr * 2 * T + jj * 2 + e));
+                    x += av * bv;
+                }
+            }
+            c[r * ldc + jj] = x;
         }
     }
 }

@@ -496,14 +496,7 @@ pub fn gemm_sub(
     if m == 0 || n == 0 {
         return;
     }
-    assert!(
-        a.len() >= (m - 1) * lda + k,
-        "A is too short for [{m}, {k}]"
-    );
-    assert!(
-        c.len() >= (m - 1) * ldc + n,
-        "C is too short for [{m}, {n}]"
-    );
+    super::check_operands((a, lda), (c, ldc), (m, k, n));
     assert!(
         isa.supported(),
         "the {} kernel does not run on this CPU",

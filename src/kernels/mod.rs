@@ -22,6 +22,23 @@ impl SendPtr {
     }
 }
 
+/// Panics unless `A` holds `[m, k]` at row stride `lda` and `C` holds `[m, n]` at `ldc` (m ≥ 1):
+/// the operand checks of every product here.
+pub(crate) fn check_operands(
+    (a, lda): (&[f32], usize),
+    (c, ldc): (&[f32], usize),
+    (m, k, n): (usize, usize, usize),
+) {
+    assert!(
+        a.len() >= (m - 1) * lda + k,
+        "A is too short for [{m}, {k}]"
+    );
+    assert!(
+        c.len() >= (m - 1) * ldc + n,
+        "C is too short for [{m}, {n}]"
+    );
+}
+
 /// Fills a packed weight buffer panel by panel from a source of `W: [n, k]` rows: panel `p`
 /// (`panel_len` elements of `buf`) is made by `pack(cols, rows, panel)` from the rows
 /// `p·np..p·np + cols`, which `rows(r0, out)` writes row-major into a buffer of the worker

@@ -189,25 +189,23 @@ impl Model {
     /// Projections read from a packed-weight cache file (f32 panels or bf16 tiles), of all of
     /// them.
     pub fn mapped_projections(&self) -> (usize, usize) {
+        self.count_projections(weights::Linear::is_mapped)
+    }
+
+    /// Projections for which `which` holds, of all of them (q|k|v, o, gate|up, down per layer).
+    fn count_projections(&self, which: fn(&weights::Linear) -> bool) -> (usize, usize) {
         let all = self
             .weights
             .layers
             .iter()
             .flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down]);
-        let mapped = all.clone().filter(|p| p.is_mapped()).count();
-        (mapped, all.count())
+        (all.clone().filter(|p| which(p)).count(), all.count())
     }
 
     /// Projections that run on the AMX tiles as the file's integers and scales (`exact` on a
     /// CPU with AMX, [`crate::kernels::amx::scaled`]), of all of them.
     pub fn scaled_projections(&self) -> (usize, usize) {
-        let all = self
-            .weights
-            .layers
-            .iter()
-            .flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down]);
-        let scaled = all.clone().filter(|p| p.is_scaled()).count();
-        (scaled, all.count())
+        self.count_projections(weights::Linear::is_scaled)
     }
 
     /// `z_h · W_Oʰᵀ` of `layer` for `m` rows of head `h`'s output alone (`[m, head_dim]`): what

@@ -247,7 +247,6 @@ fn decode_scaled(
     s: &mut [f32],
     o: &mut [f32],
 ) -> bool {
-    let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
     let (bs, per) = (dtype.type_size(), dtype.block_size());
     if !bytes.len().is_multiple_of(bs)
         || bytes.len() / bs * per != q.len()
@@ -255,15 +254,9 @@ fn decode_scaled(
     {
         return false;
     }
-    // the 32-weight types: byte j holds weights j (low nibble) and j + 16 (high)
     let nibbles = |b: &[u8], q: &mut [f32], bias: f32, qh: Option<u32>| {
-        for j in 0..16 {
-            let (lo, hi) = (b[j] & 0x0f, b[j] >> 4);
-            let (h0, h1) = qh.map_or((0, 0), |h| {
-                (((h >> j) & 1) << 4, ((h >> (j + 16)) & 1) << 4)
-            });
-            q[j] = (lo as u32 | h0) as f32 - bias;
-            q[j + 16] = (hi as u32 | h1) as f32 - bias;
+        for (q, x) in q.iter_mut().zip(block_nibbles(b, qh)) {
+            *q = x as f32 - bias;
         }
     };
     if dtype == GgmlDType::BF16 {
@@ -278,13 +271,13 @@ fn decode_scaled(
         let q = &mut q[i * per..(i + 1) * per];
         match dtype {
             GgmlDType::Q8_0 => {
-                s[i] = f16(b);
+                s[i] = block_scale(b);
                 q.iter_mut()
                     .zip(&b[2..34])
                     .for_each(|(q, &x)| *q = x as i8 as f32);
             }
             GgmlDType::Q5_0 => {
-                s[i] = f16(b);
+                s[i] = block_scale(b);
                 nibbles(
                     &b[6..22],
                     q,
@@ -293,15 +286,15 @@ fn decode_scaled(
                 );
             }
             GgmlDType::Q4_0 => {
-                s[i] = f16(b);
+                s[i] = block_scale(b);
                 nibbles(&b[2..18], q, 8.0, None);
             }
             GgmlDType::Q4_1 => {
-                (s[i], o[i]) = (f16(b), f16(&b[2..]));
+                (s[i], o[i]) = (block_scale(b), block_scale(&b[2..]));
                 nibbles(&b[4..20], q, 0.0, None);
             }
             GgmlDType::Q5_1 => {
-                (s[i], o[i]) = (f16(b), f16(&b[2..]));
+                (s[i], o[i]) = (block_scale(b), block_scale(&b[2..]));
                 nibbles(
                     &b[8..24],
                     q,
@@ -312,7 +305,8 @@ fn decode_scaled(
             GgmlDType::Q4K => {
                 // 144 bytes: d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 of nibbles;
                 // sub-block j of 32: w = d·sc_j · q − dmin·m_j (llama.cpp's get_scale_min_k4)
-                let (d, dmin, sc, qs) = (f16(b), f16(&b[2..]), &b[4..16], &b[16..144]);
+                let (d, dmin, sc, qs) =
+                    (block_scale(b), block_scale(&b[2..]), &b[4..16], &b[16..144]);
                 let scale_min = |j: usize| -> (u8, u8) {
                     if j < 4 {
                         (sc[j] & 63, sc[j + 4] & 63)
@@ -339,6 +333,13 @@ fn decode_scaled(
     true
 }
 
+/// The part of a fused matrix whose rows start at `starts` that holds row `j`, and the row's
+/// place in it.
+fn part_of(starts: &[usize], j: usize) -> (usize, usize) {
+    let part = starts.partition_point(|&st| st <= j) - 1;
+    (part, j - starts[part])
+}
+
 /// The matrix of `parts` (rows `starts[i]..` each) as integers and scales on the AMX tiles, if
 /// every part is a GGUF tensor of a [`scaled_kind`] type or bf16 floats, and every weight is
 /// exactly `S · Q + O` of what its blocks say (checked against the dequantized values, which
@@ -362,8 +363,7 @@ fn scaled_matrix(
         }
     }
     let row = |j: usize, q: &mut [f32], s: &mut [f32], o: &mut [f32]| -> bool {
-        let part = starts.partition_point(|&st| st <= j) - 1;
-        let local = j - starts[part];
+        let (part, local) = part_of(starts, j);
         match (&parts[part], &dense[part]) {
             (Raw::Mapped(m), None) => {
                 let rb = m.row_bytes();
@@ -666,6 +666,24 @@ pub struct Weights {
     pub rope_style: RopeStyle,
 }
 
+/// The 32 unsigned values of a 32-weight block's nibbles (`qs`, 16 bytes: byte j holds weights
+/// j (low nibble) and j + 16 (high)), with the fifth bits of `qh` where the type has them (Q5_0,
+/// Q5_1: bit j for weight j).
+fn block_nibbles(qs: &[u8], qh: Option<u32>) -> [u8; 32] {
+    let mut v = [0u8; 32];
+    for j in 0..16 {
+        let (h0, h1) = qh.map_or((0, 0), |h| {
+            (
+                (((h >> j) & 1) << 4) as u8,
+                (((h >> (j + 16)) & 1) << 4) as u8,
+            )
+        });
+        v[j] = (qs[j] & 0x0f) | h0;
+        v[j + 16] = (qs[j] >> 4) | h1;
+    }
+    v
+}
+
 /// Rewrites Q5_0 blocks as Q8_0 blocks without changing a single value: both store 32 weights
 /// as `d · q` with one f16 scale `d`; Q5_0's 5-bit q (−16..15) fits Q8_0's int8.
 /// Q5_0 block (22 bytes): d f16, qh u32 (the 5th bits), qs[16] (low nibbles: weights j and j+16).
@@ -676,15 +694,11 @@ fn repack_q5_0_to_q8_0(q: &QTensor) -> Result<QTensor> {
     for b in data.chunks_exact(22) {
         out.extend_from_slice(&b[0..2]);
         let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-        let qs = &b[6..22];
-        let mut vals = [0i8; 32];
-        for j in 0..16 {
-            let lo = (qs[j] & 0x0f) | ((((qh >> j) & 1) as u8) << 4);
-            let hi = (qs[j] >> 4) | ((((qh >> (j + 16)) & 1) as u8) << 4);
-            vals[j] = lo as i8 - 16;
-            vals[j + 16] = hi as i8 - 16;
-        }
-        out.extend(vals.iter().map(|&v| v as u8));
+        out.extend(
+            block_nibbles(&b[6..22], Some(qh))
+                .iter()
+                .map(|&v| (v as i8 - 16) as u8),
+        );
     }
     let storage = QStorage::from_data(Cow::Owned(out), &Device::Cpu, GgmlDType::Q8_0)?;
     Ok(QTensor::new(storage, q.shape().clone())?)
@@ -822,8 +836,7 @@ fn linear(
     let rows = |r0: usize, out: &mut [f32]| -> Result<()> {
         let (mut r, mut done) = (r0, 0);
         while done < out.len() {
-            let part = starts.partition_point(|&s| s <= r) - 1;
-            let local = r - starts[part];
+            let (part, local) = part_of(&starts, r);
             let count = (widths[part] - local).min((out.len() - done) / k);
             let dst = &mut out[done..done + count * k];
             match (&weights[part], &dense[part]) {

@@ -254,6 +254,10 @@ pub fn gemm_with(
     } else {
         Vec::new()
     };
+    #[cfg(target_arch = "x86_64")]
+    let wide = std::arch::is_x86_feature_detected!("avx512f");
+    #[cfg(not(target_arch = "x86_64"))]
+    let wide = false;
     let split_stride = groups * 2 * TILE;
     let block_len = 3 * split_stride;
     A_SPLIT.with(|cell| {
@@ -344,7 +348,7 @@ pub fn gemm_with(
                                 groups,
                             )
                         });
-                        post(&mut acc.0, &tmp.0, sg, og);
+                        post(&mut acc.0, &tmp.0, sg, og, wide);
                     }
                     for r in 0..rows {
                         let row = &acc.0[r * NP..(r + 1) * NP];
@@ -384,15 +388,17 @@ struct Block([f32; MB * NP]);
 /// `acc[32, 32] += S ⊙ tmp (+ O ⊙ Σa)`: one group's four tiles (as [`super::tiles::scaled_group`]
 /// stores them) scaled by their columns' scales into the running sums, with the offsets times
 /// each row's sum of A over the group (`asum[r · stride]`) where there are offsets.
+/// `wide`: the CPU has AVX-512 (asked once per product, not per group).
 #[inline]
 fn post(
     acc: &mut [f32; MB * NP],
     tmp: &[f32; MB * NP],
     s: &[f32],
     o: Option<(&[f32], &[f32], usize)>,
+    wide: bool,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
+    if wide {
         // SAFETY: the CPU has AVX-512; every slice is as long as the loads read
         unsafe { post_avx512(acc, tmp, s, o) };
         return;
@@ -469,23 +475,17 @@ unsafe fn emulated_group(
     q: *const u16,
     tmp: &mut [f32; MB * NP],
 ) {
+    tmp.fill(0.0);
     for t in 0..4 {
         let (rt, ct) = (t / 2, t % 2);
-        for rr in 0..T {
-            for jj in 0..T {
-                let mut x = 0f32;
-                for part in (0..3).rev() {
-                    let arow = a.add(part * split_stride + rt * TILE + rr * KT);
-                    for pr in 0..KT / 2 {
-                        for e in 0..2 {
-                            let av = f32_of(*arow.add(2 * pr + e));
-                            let qv = f32_of(*q.add(ct * TILE + pr * 2 * T + jj * 2 + e));
-                            x += av * qv;
-                        }
-                    }
-                }
-                tmp[t * T * T + rr * T + jj] = x;
-            }
+        for part in (0..3).rev() {
+            let at = a.add(part * split_stride + rt * TILE);
+            super::emulated_tdp(
+                &mut tmp[t * T * T..(t + 1) * T * T],
+                T,
+                at,
+                q.add(ct * TILE),
+            );
         }
     }
 }
