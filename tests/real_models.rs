@@ -786,6 +786,31 @@ fn check_norms(alias: &str, prefix: &str) {
             }
         }
     }
+    // each head through its own columns of W_O (on the tiles too, as integers and scales): the
+    // bits of the whole product on rows that are zero outside the head, at 1/n_heads of its cost
+    let (hd, width) = (d.head_dim, d.n_heads * d.head_dim);
+    for l in [0, d.n_layers - 1] {
+        let v = Values::pos_major(c.values[l].as_ref().unwrap(), n, d.n_kv_heads, d.head_dim);
+        for h in [0, d.n_heads / 2, d.n_heads - 1] {
+            let z_h: Vec<f32> = (0..n)
+                .flat_map(|j| v.get(j, h / d.group_size()).to_vec())
+                .collect();
+            let mut padded = vec![0f32; n * width];
+            for j in 0..n {
+                padded[j * width + h * hd..][..hd].copy_from_slice(&z_h[j * hd..][..hd]);
+            }
+            let whole = model.output_projection(l, &padded, n);
+            let own = model
+                .head_output_projection(l, h, &z_h, n)
+                .unwrap_or_else(|| panic!("{alias}: layer {l}'s W_O takes no column range"));
+            assert!(
+                own.iter()
+                    .zip(&whole)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{alias}: layer {l} head {h}: one head's columns differ from the padded product"
+            );
+        }
+    }
     eprintln!("{alias}: norm-based attention, max relative difference {worst:.2e} at (layer, head, key) {at:?}");
     assert!(
         worst < 1e-3,

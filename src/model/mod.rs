@@ -210,8 +210,8 @@ impl Model {
 
     /// `z_h · W_Oʰᵀ` of `layer` for `m` rows of head `h`'s output alone (`[m, head_dim]`): what
     /// [`Model::output_projection`] gives for rows that are zero outside head `h` (the same bits
-    /// on the default model), at `1/n_heads` of its cost. `None` where the projection is not held
-    /// as f32 panels.
+    /// on the default model, f32 panels or integers and scales on the AMX tiles), at `1/n_heads`
+    /// of its cost. `None` where the projection is held otherwise (bf16 or 8-bit for `fast`).
     pub fn head_output_projection(
         &self,
         layer: usize,

@@ -606,26 +606,38 @@ impl Linear {
     /// `x[m, ks.len()] · W[:, ks]ᵀ` without the bias, as a new `[m, n]` buffer: the product with
     /// the input columns `ks` alone, the others taken as zero, computed without them (the same
     /// bits as the whole product with zeros there when `k` fits one depth slice of the kernel,
-    /// as on the default model; else equal up to rounding). `None` where the projection is not
-    /// held as f32 panels (then pad with zeros and call [`Linear::forward_unbiased`]).
+    /// as on the default model; else equal up to rounding; on the tiles as integers and scales,
+    /// the same bits always, for columns in whole groups of 32). `None` where the projection is
+    /// held otherwise (then pad with zeros and call [`Linear::forward_unbiased`]).
     pub fn forward_unbiased_cols(
         &self,
         x: &[f32],
         m: usize,
         ks: std::ops::Range<usize>,
     ) -> Option<Vec<f32>> {
-        let Matrix::Packed(pb) = &self.mat else {
-            return None;
-        };
         assert!(
-            ks.end <= self.k && x.len() >= m * ks.len(),
+            ks.start <= ks.end && ks.end <= self.k && x.len() >= m * ks.len(),
             "Linear::forward_unbiased_cols: columns {ks:?} of {} or input too short",
             self.k
         );
-        let mut out = vec![0f32; m * self.n];
         let lda = ks.len();
-        gemm::gemm_sub(x, lda, m, pb, ks, 0..self.n, &mut out, self.n, false, true);
-        Some(out)
+        match &self.mat {
+            Matrix::Packed(pb) => {
+                let mut out = vec![0f32; m * self.n];
+                gemm::gemm_sub(x, lda, m, pb, ks, 0..self.n, &mut out, self.n, false, true);
+                Some(out)
+            }
+            Matrix::Scaled(ps)
+                if ks.start.is_multiple_of(amx::scaled::GROUP)
+                    && ks.end.is_multiple_of(amx::scaled::GROUP) =>
+            {
+                let mut out = vec![0f32; m * self.n];
+                let gs = ks.start / amx::scaled::GROUP..ks.end / amx::scaled::GROUP;
+                amx::scaled::gemm_groups(x, lda, m, ps, gs, &mut out, self.n, false);
+                Some(out)
+            }
+            _ => None,
+        }
     }
 
     /// `x[m, k] · Wᵀ (+ b)` as a new `[m, n]` buffer.
