@@ -72,6 +72,9 @@ struct StreamToFile {
     bar: indicatif::ProgressBar,
     /// buffers with the writer, not yet back
     in_flight: usize,
+    /// how long the forward stood waiting for the writer (to take a tensor, or to finish a
+    /// layer): what the disk cost beyond the computing
+    waited: std::time::Duration,
 }
 
 impl Observer for StreamToFile {
@@ -113,6 +116,7 @@ impl Observer for StreamToFile {
     fn layer_done(&mut self, layer: usize) {
         self.hand_over(layer, Hook::ALL[Hook::ALL.len() - 1]);
         if self.wait {
+            let t = std::time::Instant::now();
             while self.in_flight > 0 {
                 match self.written.recv() {
                     Ok(buf) => self.came_back(buf),
@@ -120,6 +124,7 @@ impl Observer for StreamToFile {
                     Err(_) => break,
                 }
             }
+            self.waited += t.elapsed();
         }
         self.bar.inc(1);
     }
@@ -139,10 +144,13 @@ impl StreamToFile {
             while let Ok(buf) = self.written.try_recv() {
                 self.came_back(buf);
             }
-            // a closed channel means the writer stopped on an error, reported at the end
+            // a closed channel means the writer stopped on an error, reported at the end; the
+            // send waits until the writer takes the tensor
+            let t = std::time::Instant::now();
             if self.to_writer.send(c).is_ok() {
                 self.in_flight += 1;
             }
+            self.waited += t.elapsed();
         }
     }
 
@@ -351,17 +359,19 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             failed: failed.clone(),
             bar,
             in_flight: 0,
+            waited: std::time::Duration::ZERO,
         };
         let forward = model.forward(&tokens, &RunOptions::default(), &mut obs);
         obs.bar.finish_and_clear();
+        let waited = obs.waited;
         // closing the channel ends the writer's loop
         drop(obs);
         (
-            forward,
+            forward.map(|_| waited),
             writing.join().expect("the writer thread does not panic"),
         )
     });
-    forward?;
+    let waited = forward?;
     if let Some(e) = write_error {
         return Err(anyhow::Error::new(e).context(format!("writing {}", a.out.display())));
     }
@@ -392,7 +402,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         })?;
     }
     emit(&format!(
-        "wrote {n_tensors} tensors ({:.1} MB) for {n} tokens of {} ({} precision) to {} {})\n",
+        "wrote {n_tensors} tensors ({:.1} MB) for {n} tokens of {} ({} precision) to {} {}, of which {:.3} s waiting for the disk)\n",
         size as f64 / 1e6,
         model.info.name,
         model.info.precision.name(),
@@ -401,7 +411,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             loaded.as_secs_f64(),
             "forward and writing",
             (start.elapsed() - loaded).as_secs_f64()
-        )
+        ),
+        waited.as_secs_f64()
     ))
 }
 
@@ -467,9 +478,9 @@ mod tests {
     }
 
     /// Runs a capture of patterns and `resid_post` on a tiny model through a writer that takes
-    /// 30 ms a tensor (a slow disk): what the observer held at each layer's attention, and the
-    /// tensors in the order they were written.
-    fn watch(wait: bool) -> (Vec<usize>, Vec<bool>, Vec<String>) {
+    /// 30 ms a tensor (a slow disk): what the observer held at each layer's attention, the
+    /// tensors in the order they were written, and how long the forward waited for the writer.
+    fn watch(wait: bool) -> (Vec<usize>, Vec<bool>, Vec<String>, std::time::Duration) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.gguf");
         write_gguf(
@@ -508,6 +519,7 @@ mod tests {
                     failed: Arc::new(AtomicBool::new(false)),
                     bar: indicatif::ProgressBar::hidden(),
                     in_flight: 0,
+                    waited: std::time::Duration::ZERO,
                 },
                 in_flight_at_attention: Vec::new(),
                 pattern_gone_before_mlp_end: Vec::new(),
@@ -516,15 +528,22 @@ mod tests {
                 .forward(&tokens, &RunOptions::default(), &mut obs)
                 .unwrap();
             let (held, gone) = (obs.in_flight_at_attention, obs.pattern_gone_before_mlp_end);
+            let waited = obs.inner.waited;
             drop(obs.inner);
-            (held, gone, writer.join().unwrap())
+            (held, gone, writer.join().unwrap(), waited)
         })
     }
 
     #[test]
     fn each_layer_waits_for_its_writing_and_its_patterns_leave_before_its_mlp() {
-        let (held, gone, names) = watch(true);
+        let (held, gone, names, waited) = watch(true);
         let layers = held.len();
+        // every layer waited for its last tensor's 30 ms at least (the tiny model computes a
+        // layer in far less), and the capture says so
+        assert!(
+            waited >= std::time::Duration::from_millis(30 * layers as u64),
+            "waited {waited:?} over {layers} layers"
+        );
         assert!(layers >= 2, "the tiny model has {layers} layers");
         // nothing of an earlier layer is in memory when a layer's attention starts
         assert_eq!(held, vec![0; layers]);
@@ -535,7 +554,7 @@ mod tests {
             .collect();
         assert_eq!(names, want);
         // `--two-layers`: the slow writer is still on a layer when the next one's attention starts
-        let (held, gone, names) = watch(false);
+        let (held, gone, names, _) = watch(false);
         assert!(held[1..].iter().any(|&h| h > 0), "{held:?}");
         assert_eq!(gone, vec![true; layers]);
         assert_eq!(names, want);
