@@ -214,8 +214,7 @@ pub fn gemm(
     ldc: usize,
     accumulate: bool,
 ) {
-    assert!(super::available(), "AMX is not available on this CPU");
-    gemm_with(Engine::Tiles, a, lda, m, w, c, ldc, accumulate)
+    gemm_groups(a, lda, m, w, 0..w.groups, c, ldc, accumulate)
 }
 
 /// [`gemm`] on a chosen engine.
