@@ -386,7 +386,7 @@ crate::kernels::simd::multiversion! {
     /// One row of A as three bf16 parts (the same bits as [`split`]: the same operations in the
     /// same order, lane by lane), straight into its rows of the tiles: chunk `c`'s part `sp` at
     /// `dst[base + c·2·TILE + sp·stride..]`. In place, with no staging array: copies of those
-    /// had compiled to calls of memmove, 4-6% of a forward.
+    /// had compiled to calls of memmove, 3.6% of the samples of a forward at 2,048 tokens.
     fn split3_row(src: &[f32], dst: &mut [u16], base: usize, stride: usize) {
         for (c, xs) in src.chunks(KT).enumerate() {
             let (o, len) = (base + c * 2 * TILE, xs.len());
