@@ -633,7 +633,17 @@ impl Linear {
             {
                 let mut out = vec![0f32; m * self.n];
                 let gs = ks.start / amx::scaled::GROUP..ks.end / amx::scaled::GROUP;
-                amx::scaled::gemm_groups(x, lda, m, ps, gs, &mut out, self.n, false);
+                amx::scaled::gemm_groups_with(
+                    amx::Engine::Tiles,
+                    x,
+                    lda,
+                    m,
+                    ps,
+                    gs,
+                    &mut out,
+                    self.n,
+                    false,
+                );
                 Some(out)
             }
             _ => None,

@@ -214,7 +214,7 @@ pub fn gemm(
     ldc: usize,
     accumulate: bool,
 ) {
-    gemm_groups(a, lda, m, w, 0..w.groups, c, ldc, accumulate)
+    gemm_with(Engine::Tiles, a, lda, m, w, c, ldc, accumulate)
 }
 
 /// [`gemm`] on a chosen engine.
@@ -235,24 +235,8 @@ pub fn gemm_with(
 /// `C[m, n] (+)= A[m, 32·gs.len()] · W[:, 32·gs]ᵀ`: the product with the weights' input
 /// columns of the groups `gs` alone (`A`'s columns are those), the others taken as zero and
 /// never read. The same bits as [`gemm`] on rows that are zero outside those columns (a zero
-/// group adds `S·0 + O·0`, which changes no sum). Panics if the CPU has no AMX, or `gs` is not
-/// inside the matrix's groups.
-#[allow(clippy::too_many_arguments)]
-pub fn gemm_groups(
-    a: &[f32],
-    lda: usize,
-    m: usize,
-    w: &PackedScaled,
-    gs: std::ops::Range<usize>,
-    c: &mut [f32],
-    ldc: usize,
-    accumulate: bool,
-) {
-    assert!(super::available(), "AMX is not available on this CPU");
-    gemm_groups_with(Engine::Tiles, a, lda, m, w, gs, c, ldc, accumulate)
-}
-
-/// [`gemm_groups`] on a chosen engine.
+/// group adds `S·0 + O·0`, which changes no sum). Panics if the engine does not run here
+/// (the tiles without AMX), or `gs` is not inside the matrix's groups.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_groups_with(
     engine: Engine,
