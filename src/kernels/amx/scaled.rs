@@ -330,7 +330,7 @@ pub fn gemm_groups_with(
                 unsafe { super::tiles::configure() };
             }
             let mut acc = Block([0f32; MB * NP]);
-            let mut tmp = Block([0f32; MB * NP]);
+            let mut tmp = [Block([0f32; MB * NP]), Block([0f32; MB * NP])];
             for p in q0..q1 {
                 let col0 = p * NP;
                 let cols = NP.min(n - col0);
@@ -360,29 +360,46 @@ pub fn gemm_groups_with(
                         }
                     }
                     let a0 = planes[b * block_len..].as_ptr();
-                    for g in 0..groups {
-                        // g counts the groups taken (A's); the weights' own is g0 + g
-                        let wg = p * all + g0 + g;
-                        let at = wg * 2 * TILE;
-                        let qt = wq[at..at + 2 * TILE].as_ptr();
-                        let a_g = a0.wrapping_add(g * 2 * TILE);
-                        // SAFETY: the pointers name whole tiles of the packed buffers
-                        match engine {
-                            #[cfg(target_arch = "x86_64")]
-                            Engine::Tiles => unsafe {
-                                super::tiles::scaled_group(
-                                    a_g,
-                                    split_stride,
-                                    qt,
-                                    tmp.0.as_mut_ptr(),
-                                )
-                            },
-                            _ => unsafe { emulated_group(a_g, split_stride, qt, &mut tmp.0) },
+                    // two groups on the tiles, then both scaled into the sums in one pass (the
+                    // sums stay in registers between them: half the loads and stores of the
+                    // running sums, the same operations in the same order)
+                    let mut g = 0;
+                    while g < groups {
+                        let pair = (groups - g).min(2);
+                        for (h, t) in tmp.iter_mut().take(pair).enumerate() {
+                            // g + h counts the groups taken (A's); the weights' own is g0 + g + h
+                            let wg = p * all + g0 + g + h;
+                            let at = wg * 2 * TILE;
+                            let qt = wq[at..at + 2 * TILE].as_ptr();
+                            let a_g = a0.wrapping_add((g + h) * 2 * TILE);
+                            // SAFETY: the pointers name whole tiles of the packed buffers
+                            match engine {
+                                #[cfg(target_arch = "x86_64")]
+                                Engine::Tiles => unsafe {
+                                    super::tiles::scaled_group(
+                                        a_g,
+                                        split_stride,
+                                        qt,
+                                        t.0.as_mut_ptr(),
+                                    )
+                                },
+                                _ => unsafe { emulated_group(a_g, split_stride, qt, &mut t.0) },
+                            }
                         }
-                        let sg = &ws[wg * NP..][..NP];
-                        let og =
-                            wo.map(|o| (&o[wg * NP..][..NP], &asum[row0 * groups + g..], groups));
-                        post(&mut acc.0, &tmp.0, sg, og, g == 0 && !accumulate, wide);
+                        let first = g == 0 && !accumulate;
+                        let wg = p * all + g0 + g;
+                        let at = row0 * groups + g;
+                        if pair == 2 {
+                            let gs = [
+                                Scaled::of(&tmp[0].0, ws, wo, &asum, wg, at, groups),
+                                Scaled::of(&tmp[1].0, ws, wo, &asum, wg + 1, at + 1, groups),
+                            ];
+                            post(&mut acc.0, &gs, first, wide);
+                        } else {
+                            let gs = [Scaled::of(&tmp[0].0, ws, wo, &asum, wg, at, groups)];
+                            post(&mut acc.0, &gs, first, wide);
+                        }
+                        g += pair;
                     }
                     for r in 0..rows {
                         let row = &acc.0[r * NP..(r + 1) * NP];
@@ -419,94 +436,110 @@ pub fn gemm_groups_with(
 #[repr(C, align(64))]
 struct Block([f32; MB * NP]);
 
-/// `acc[32, 32] += S ⊙ tmp (+ O ⊙ Σa)`: one group's four tiles (as [`super::tiles::scaled_group`]
-/// stores them) scaled by their columns' scales into the running sums, with the offsets times
-/// each row's sum of A over the group (`asum[r · stride]`) where there are offsets.
-/// `init`: the sums start here from zero (`acc` is not read). `wide`: the CPU has AVX-512
-/// (asked once per product, not per group).
+/// One group's four tiles (as [`super::tiles::scaled_group`] stores them), its columns' scales
+/// and, where the weights have them, its offsets with each row's sum of A over the group
+/// (`asum[r · stride]`).
+struct Scaled<'a> {
+    tmp: &'a [f32; MB * NP],
+    s: &'a [f32],
+    o: Option<(&'a [f32], &'a [f32], usize)>,
+}
+
+impl<'a> Scaled<'a> {
+    /// Group `wg` of the packed weights (its scales `ws[wg·32..]`, offsets likewise), whose
+    /// rows' sums of A start at `asum[at]`, `stride` apart.
+    #[inline(always)]
+    fn of(
+        tmp: &'a [f32; MB * NP],
+        ws: &'a [f32],
+        wo: Option<&'a [f32]>,
+        asum: &'a [f32],
+        wg: usize,
+        at: usize,
+        stride: usize,
+    ) -> Self {
+        Scaled {
+            tmp,
+            s: &ws[wg * NP..][..NP],
+            o: wo.map(|o| (&o[wg * NP..][..NP], &asum[at..], stride)),
+        }
+    }
+}
+
+/// `acc[32, 32] += S ⊙ tmp (+ O ⊙ Σa)` for each group of `gs` in turn: per element the same
+/// chain of fused multiply-adds as one group at a time, with the sums kept in registers between
+/// the groups. `init`: the sums start here from zero (`acc` is not read). `wide`: the CPU has
+/// AVX-512 (asked once per product, not per group).
 #[inline]
-fn post(
-    acc: &mut [f32; MB * NP],
-    tmp: &[f32; MB * NP],
-    s: &[f32],
-    o: Option<(&[f32], &[f32], usize)>,
-    init: bool,
-    wide: bool,
-) {
+fn post(acc: &mut [f32; MB * NP], gs: &[Scaled], init: bool, wide: bool) {
     #[cfg(target_arch = "x86_64")]
     if wide {
         // SAFETY: the CPU has AVX-512; every slice is as long as the loads read
-        unsafe { post_avx512(acc, tmp, s, o, init) };
+        unsafe {
+            match gs {
+                [a] => post_avx512::<1>(acc, [a], init),
+                [a, b] => post_avx512::<2>(acc, [a, b], init),
+                _ => unreachable!("one or two groups at a time"),
+            }
+        }
         return;
     }
-    for r in 0..MB {
-        let t = (r / T) * 2;
-        let rr = r % T;
-        let sa = o.map(|(_, asum, stride)| asum[r * stride]);
-        for j in 0..NP {
-            let x = tmp[(t + j / T) * T * T + rr * T + j % T];
-            let prev = if init { 0.0 } else { acc[r * NP + j] };
-            let mut v = s[j].mul_add(x, prev);
-            if let (Some((o, _, _)), Some(sa)) = (o, sa) {
-                v = o[j].mul_add(sa, v);
+    for (i, g) in gs.iter().enumerate() {
+        let init = init && i == 0;
+        for r in 0..MB {
+            let t = (r / T) * 2;
+            let rr = r % T;
+            let sa = g.o.map(|(_, asum, stride)| asum[r * stride]);
+            for j in 0..NP {
+                let x = g.tmp[(t + j / T) * T * T + rr * T + j % T];
+                let prev = if init { 0.0 } else { acc[r * NP + j] };
+                let mut v = g.s[j].mul_add(x, prev);
+                if let (Some((o, _, _)), Some(sa)) = (g.o, sa) {
+                    v = o[j].mul_add(sa, v);
+                }
+                acc[r * NP + j] = v;
             }
-            acc[r * NP + j] = v;
         }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn post_avx512(
-    acc: &mut [f32; MB * NP],
-    tmp: &[f32; MB * NP],
-    s: &[f32],
-    o: Option<(&[f32], &[f32], usize)>,
-    init: bool,
-) {
+unsafe fn post_avx512<const N: usize>(acc: &mut [f32; MB * NP], gs: [&Scaled; N], init: bool) {
     use std::arch::x86_64::*;
-    // the running sums of row r, or zeros to start them (the same bits as a zeroed block)
-    let prev = |c: *const f32| {
-        if init {
-            _mm512_setzero_ps()
-        } else {
-            _mm512_loadu_ps(c)
-        }
+    let zero = _mm512_setzero_ps();
+    let ld = |x: &[f32]| {
+        (
+            _mm512_loadu_ps(x.as_ptr()),
+            _mm512_loadu_ps(x.as_ptr().add(T)),
+        )
     };
-    let (s0, s1) = (
-        _mm512_loadu_ps(s.as_ptr()),
-        _mm512_loadu_ps(s.as_ptr().add(T)),
-    );
+    let s = gs.map(|g| ld(g.s));
+    let o = gs.map(|g| g.o.map(|(o, _, _)| ld(o)).unwrap_or((zero, zero)));
+    let offsets = gs.map(|g| g.o.is_some());
     let ap = acc.as_mut_ptr();
-    let tp = tmp.as_ptr();
-    match o {
-        None => {
-            for r in 0..MB {
-                let t = (r / T) * 2 * T * T + (r % T) * T;
-                let x0 = _mm512_loadu_ps(tp.add(t));
-                let x1 = _mm512_loadu_ps(tp.add(t + T * T));
-                let c = ap.add(r * NP);
-                _mm512_storeu_ps(c, _mm512_fmadd_ps(s0, x0, prev(c)));
-                _mm512_storeu_ps(c.add(T), _mm512_fmadd_ps(s1, x1, prev(c.add(T))));
-            }
-        }
-        Some((o, asum, stride)) => {
-            let (o0, o1) = (
-                _mm512_loadu_ps(o.as_ptr()),
-                _mm512_loadu_ps(o.as_ptr().add(T)),
-            );
-            for r in 0..MB {
-                let t = (r / T) * 2 * T * T + (r % T) * T;
-                let x0 = _mm512_loadu_ps(tp.add(t));
-                let x1 = _mm512_loadu_ps(tp.add(t + T * T));
+    for r in 0..MB {
+        let t = (r / T) * 2 * T * T + (r % T) * T;
+        let c = ap.add(r * NP);
+        // the running sums of row r, or zeros to start them (the same bits as a zeroed block)
+        let (mut v0, mut v1) = if init {
+            (zero, zero)
+        } else {
+            (_mm512_loadu_ps(c), _mm512_loadu_ps(c.add(T)))
+        };
+        for i in 0..N {
+            let tp = gs[i].tmp.as_ptr();
+            v0 = _mm512_fmadd_ps(s[i].0, _mm512_loadu_ps(tp.add(t)), v0);
+            v1 = _mm512_fmadd_ps(s[i].1, _mm512_loadu_ps(tp.add(t + T * T)), v1);
+            if offsets[i] {
+                let (_, asum, stride) = gs[i].o.expect("offsets");
                 let sa = _mm512_set1_ps(asum[r * stride]);
-                let c = ap.add(r * NP);
-                let v0 = _mm512_fmadd_ps(s0, x0, prev(c));
-                let v1 = _mm512_fmadd_ps(s1, x1, prev(c.add(T)));
-                _mm512_storeu_ps(c, _mm512_fmadd_ps(o0, sa, v0));
-                _mm512_storeu_ps(c.add(T), _mm512_fmadd_ps(o1, sa, v1));
+                v0 = _mm512_fmadd_ps(o[i].0, sa, v0);
+                v1 = _mm512_fmadd_ps(o[i].1, sa, v1);
             }
         }
+        _mm512_storeu_ps(c, v0);
+        _mm512_storeu_ps(c.add(T), v1);
     }
 }
 
