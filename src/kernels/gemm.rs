@@ -783,36 +783,6 @@ unsafe fn kernel_scalar<const DIRECT: bool>(
 mod x86 {
     use std::arch::x86_64::*;
 
-    /// A micro-kernel's loop over depth: `step(a, b)` at each of `kc` steps, A moving `a_step`
-    /// floats a step and B `b_step`. Four steps an iteration, so the loop's own work (the
-    /// strip's row addresses when A is read in place, the counters) comes once per four steps:
-    /// paired with one step an iteration, 25 rounds at the forward's four shapes in one process,
-    /// the AVX-512 kernel ran 5-9% faster and the AVX2 kernel 1-12%; eight steps an iteration
-    /// measured 6% slower than four. Inlined into each kernel (and its instruction set).
-    #[inline(always)]
-    unsafe fn k_steps(
-        kc: usize,
-        a: *const f32,
-        a_step: usize,
-        b: *const f32,
-        b_step: usize,
-        mut step: impl FnMut(*const f32, *const f32),
-    ) {
-        let (mut ap, mut bp) = (a, b);
-        for _ in 0..kc / 4 {
-            for u in 0..4 {
-                step(ap.add(u * a_step), bp.add(u * b_step));
-            }
-            ap = ap.add(4 * a_step);
-            bp = bp.add(4 * b_step);
-        }
-        for _ in 0..kc % 4 {
-            step(ap, bp);
-            ap = ap.add(a_step);
-            bp = bp.add(b_step);
-        }
-    }
-
     // The AVX-512 micro-kernel is written out in assembly: as Rust intrinsics, the same source
     // compiled to a clean loop in one build and, after an edit elsewhere in the crate, to one
     // that hoisted the four unrolled steps' broadcasts to the loop's top and spilled 66 of them
@@ -1073,6 +1043,143 @@ mod x86 {
         }
     }
 
+    // The AVX2 micro-kernel, in assembly for the same reason (its 6 × 16 tile, B's two vectors
+    // and a broadcast take all 16 ymm registers, so a compiler's choice to hoist loads would spill
+    // here too): C in ymm0-11 (row r in ymm2r, ymm2r+1), B in ymm12-13, A's broadcasts in
+    // ymm14-15. The same fused multiply-adds in the same order as the intrinsics it replaces.
+
+    macro_rules! row8 {
+        ($t:literal, $c0:literal, $c1:literal, $($addr:literal),+) => {
+            concat!(
+                "vbroadcastss ymm", $t, ", dword ptr [", $($addr),+, "]\n",
+                "vfmadd231ps ymm", $c0, ", ymm12, ymm", $t, "\n",
+                "vfmadd231ps ymm", $c1, ", ymm13, ymm", $t, "\n",
+            )
+        };
+    }
+
+    macro_rules! b8_step {
+        ($u:literal) => {
+            concat!(
+                "vmovups ymm12, [{b} + 64*",
+                $u,
+                "]\n",
+                "vmovups ymm13, [{b} + 64*",
+                $u,
+                " + 32]\n",
+            )
+        };
+    }
+
+    macro_rules! step8_direct {
+        ($u:literal) => {
+            concat!(
+                b8_step!($u),
+                row8!(14, 0, 1, "{a0} + 4*", $u),
+                row8!(15, 2, 3, "{a0} + {l} + 4*", $u),
+                row8!(14, 4, 5, "{a0} + {l}*2 + 4*", $u),
+                row8!(15, 6, 7, "{a3} + 4*", $u),
+                row8!(14, 8, 9, "{a3} + {l} + 4*", $u),
+                row8!(15, 10, 11, "{a3} + {l}*2 + 4*", $u),
+            )
+        };
+    }
+
+    macro_rules! step8_packed {
+        ($u:literal) => {
+            concat!(
+                b8_step!($u),
+                row8!(14, 0, 1, "{a0} + 24*", $u),
+                row8!(15, 2, 3, "{a0} + 24*", $u, " + 4"),
+                row8!(14, 4, 5, "{a0} + 24*", $u, " + 8"),
+                row8!(15, 6, 7, "{a0} + 24*", $u, " + 12"),
+                row8!(14, 8, 9, "{a0} + 24*", $u, " + 16"),
+                row8!(15, 10, 11, "{a0} + 24*", $u, " + 20"),
+            )
+        };
+    }
+
+    macro_rules! c8_row {
+        (add, $c0:literal, $c1:literal) => {
+            concat!(
+                "vaddps ymm",
+                $c0,
+                ", ymm",
+                $c0,
+                ", [{b}]\n",
+                "vaddps ymm",
+                $c1,
+                ", ymm",
+                $c1,
+                ", [{b} + 32]\n",
+                "add {b}, {ldc}\n",
+            )
+        };
+        (store, $c0:literal, $c1:literal) => {
+            concat!(
+                "vmovups [{b}], ymm",
+                $c0,
+                "\n",
+                "vmovups [{b} + 32], ymm",
+                $c1,
+                "\n",
+                "add {b}, {ldc}\n",
+            )
+        };
+    }
+
+    /// As [`kernel_512`], for the 6 × 16 tile: four steps an iteration, then one at a time.
+    macro_rules! kernel_256 {
+        ($step:ident, $adv4:literal, $adv1:literal) => {
+            concat!(
+                "vxorps ymm0, ymm0, ymm0\nvxorps ymm1, ymm1, ymm1\nvxorps ymm2, ymm2, ymm2\n",
+                "vxorps ymm3, ymm3, ymm3\nvxorps ymm4, ymm4, ymm4\nvxorps ymm5, ymm5, ymm5\n",
+                "vxorps ymm6, ymm6, ymm6\nvxorps ymm7, ymm7, ymm7\nvxorps ymm8, ymm8, ymm8\n",
+                "vxorps ymm9, ymm9, ymm9\nvxorps ymm10, ymm10, ymm10\nvxorps ymm11, ymm11, ymm11\n",
+                "test {n4}, {n4}\n",
+                "jz 3f\n",
+                "2:\n",
+                $step!(0),
+                $step!(1),
+                $step!(2),
+                $step!(3),
+                $adv4,
+                "add {b}, 256\n",
+                "dec {n4}\n",
+                "jnz 2b\n",
+                "3:\n",
+                "test {rem}, {rem}\n",
+                "jz 5f\n",
+                "4:\n",
+                $step!(0),
+                $adv1,
+                "add {b}, 64\n",
+                "dec {rem}\n",
+                "jnz 4b\n",
+                "5:\n",
+                "test {acc}, {acc}\n",
+                "jz 6f\n",
+                "mov {b}, {c}\n",
+                c8_row!(add, 0, 1),
+                c8_row!(add, 2, 3),
+                c8_row!(add, 4, 5),
+                c8_row!(add, 6, 7),
+                c8_row!(add, 8, 9),
+                c8_row!(add, 10, 11),
+                "6:\n",
+                "mov {b}, {c}\n",
+                c8_row!(store, 0, 1),
+                c8_row!(store, 2, 3),
+                c8_row!(store, 4, 5),
+                c8_row!(store, 6, 7),
+                c8_row!(store, 8, 9),
+                c8_row!(store, 10, 11),
+                "vzeroupper\n",
+            )
+        };
+    }
+
+    /// `C[6, 16] (+)= A[6, kc] · B[kc, 16]`, as [`kernel_avx512`].
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn kernel_avx2<const DIRECT: bool>(
         kc: usize,
@@ -1084,31 +1191,48 @@ mod x86 {
         accumulate: bool,
     ) {
         const MR: usize = 6;
-        const NR: usize = 16;
         for r in 0..MR {
             _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc) as *const i8);
             _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc + 8) as *const i8);
         }
-        let mut acc = [[_mm256_setzero_ps(); 2]; MR];
-        let step = |ap: *const f32, bp: *const f32| {
-            let b0 = _mm256_loadu_ps(bp);
-            let b1 = _mm256_loadu_ps(bp.add(8));
-            for r in 0..MR {
-                let ar = _mm256_broadcast_ss(&*(if DIRECT { ap.add(r * lda) } else { ap.add(r) }));
-                acc[r][0] = _mm256_fmadd_ps(ar, b0, acc[r][0]);
-                acc[r][1] = _mm256_fmadd_ps(ar, b1, acc[r][1]);
-            }
-        };
-        k_steps(kc, a, if DIRECT { 1 } else { MR }, b, NR, step);
-        for (r, row) in acc.iter().enumerate() {
-            let dst = c.add(r * ldc);
-            let (mut x0, mut x1) = (row[0], row[1]);
-            if accumulate {
-                x0 = _mm256_add_ps(x0, _mm256_loadu_ps(dst));
-                x1 = _mm256_add_ps(x1, _mm256_loadu_ps(dst.add(8)));
-            }
-            _mm256_storeu_ps(dst, x0);
-            _mm256_storeu_ps(dst.add(8), x1);
+        if DIRECT {
+            std::arch::asm!(
+                kernel_256!(
+                    step8_direct,
+                    "add {a0}, 16\nadd {a3}, 16\n",
+                    "add {a0}, 4\nadd {a3}, 4\n"
+                ),
+                a0 = inout(reg) a => _,
+                a3 = inout(reg) a.wrapping_add(3 * lda) => _,
+                l = in(reg) lda * 4,
+                b = inout(reg) b => _,
+                n4 = inout(reg) kc / 4 => _,
+                rem = inout(reg) kc % 4 => _,
+                c = in(reg) c,
+                ldc = in(reg) ldc * 4,
+                acc = in(reg) accumulate as usize,
+                out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _,
+                out("ymm4") _, out("ymm5") _, out("ymm6") _, out("ymm7") _,
+                out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
+                out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
+                options(nostack),
+            );
+        } else {
+            std::arch::asm!(
+                kernel_256!(step8_packed, "add {a0}, 96\n", "add {a0}, 24\n"),
+                a0 = inout(reg) a => _,
+                b = inout(reg) b => _,
+                n4 = inout(reg) kc / 4 => _,
+                rem = inout(reg) kc % 4 => _,
+                c = in(reg) c,
+                ldc = in(reg) ldc * 4,
+                acc = in(reg) accumulate as usize,
+                out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _,
+                out("ymm4") _, out("ymm5") _, out("ymm6") _, out("ymm7") _,
+                out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
+                out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
+                options(nostack),
+            );
         }
     }
 
