@@ -974,6 +974,48 @@ mod x86 {
         };
     }
 
+    /// Runs a micro-kernel's assembly: A's operands as given (they differ between A in place and
+    /// packed), then B, the depth (four steps an iteration, then the rest), C, its row stride in
+    /// bytes and whether to add to it, with every vector register of the kernel's width clobbered.
+    macro_rules! run_kernel {
+        ($template:expr, ($b:expr, $kc:expr, $c:expr, $ldc:expr, $acc:expr), $regs:ident, $($a:tt)*) => {
+            run_kernel!(@regs $regs, $template, $($a)*
+                b = inout(reg) $b => _,
+                n4 = inout(reg) $kc / 4 => _,
+                rem = inout(reg) $kc % 4 => _,
+                c = in(reg) $c,
+                ldc = in(reg) $ldc * 4,
+                acc = in(reg) $acc as usize,
+            )
+        };
+        (@regs zmm, $template:expr, $($ops:tt)*) => {
+            std::arch::asm!(
+                $template,
+                $($ops)*
+                out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
+                out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
+                out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
+                out("zmm12") _, out("zmm13") _, out("zmm14") _, out("zmm15") _,
+                out("zmm16") _, out("zmm17") _, out("zmm18") _, out("zmm19") _,
+                out("zmm20") _, out("zmm21") _, out("zmm22") _, out("zmm23") _,
+                out("zmm24") _, out("zmm25") _, out("zmm26") _, out("zmm27") _,
+                out("zmm28") _, out("zmm29") _, out("zmm30") _, out("zmm31") _,
+                options(nostack),
+            )
+        };
+        (@regs ymm, $template:expr, $($ops:tt)*) => {
+            std::arch::asm!(
+                $template,
+                $($ops)*
+                out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _,
+                out("ymm4") _, out("ymm5") _, out("ymm6") _, out("ymm7") _,
+                out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
+                out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
+                options(nostack),
+            )
+        };
+    }
+
     /// `C[12, 32] (+)= A[12, kc] · B[kc, 32]`: B packed (32 values a step), A packed (12 a
     /// step) or, `DIRECT`, read in place (row `r` at `a + r·lda`).
     #[target_feature(enable = "avx512f")]
@@ -993,52 +1035,26 @@ mod x86 {
             _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc + 16) as *const i8);
         }
         if DIRECT {
-            std::arch::asm!(
+            run_kernel!(
                 kernel_512!(
                     step_direct,
                     "add {a0}, 16\nadd {a3}, 16\nadd {a6}, 16\nadd {a9}, 16\n",
                     "add {a0}, 4\nadd {a3}, 4\nadd {a6}, 4\nadd {a9}, 4\n"
                 ),
+                (b, kc, c, ldc, accumulate),
+                zmm,
                 a0 = inout(reg) a => _,
                 a3 = inout(reg) a.wrapping_add(3 * lda) => _,
                 a6 = inout(reg) a.wrapping_add(6 * lda) => _,
                 a9 = inout(reg) a.wrapping_add(9 * lda) => _,
                 l = in(reg) lda * 4,
-                b = inout(reg) b => _,
-                n4 = inout(reg) kc / 4 => _,
-                rem = inout(reg) kc % 4 => _,
-                c = in(reg) c,
-                ldc = in(reg) ldc * 4,
-                acc = in(reg) accumulate as usize,
-                out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
-                out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
-                out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
-                out("zmm12") _, out("zmm13") _, out("zmm14") _, out("zmm15") _,
-                out("zmm16") _, out("zmm17") _, out("zmm18") _, out("zmm19") _,
-                out("zmm20") _, out("zmm21") _, out("zmm22") _, out("zmm23") _,
-                out("zmm24") _, out("zmm25") _, out("zmm26") _, out("zmm27") _,
-                out("zmm28") _, out("zmm29") _, out("zmm30") _, out("zmm31") _,
-                options(nostack),
             );
         } else {
-            std::arch::asm!(
+            run_kernel!(
                 kernel_512!(step_packed, "add {a0}, 192\n", "add {a0}, 48\n"),
+                (b, kc, c, ldc, accumulate),
+                zmm,
                 a0 = inout(reg) a => _,
-                b = inout(reg) b => _,
-                n4 = inout(reg) kc / 4 => _,
-                rem = inout(reg) kc % 4 => _,
-                c = in(reg) c,
-                ldc = in(reg) ldc * 4,
-                acc = in(reg) accumulate as usize,
-                out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
-                out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
-                out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
-                out("zmm12") _, out("zmm13") _, out("zmm14") _, out("zmm15") _,
-                out("zmm16") _, out("zmm17") _, out("zmm18") _, out("zmm19") _,
-                out("zmm20") _, out("zmm21") _, out("zmm22") _, out("zmm23") _,
-                out("zmm24") _, out("zmm25") _, out("zmm26") _, out("zmm27") _,
-                out("zmm28") _, out("zmm29") _, out("zmm30") _, out("zmm31") _,
-                options(nostack),
             );
         }
     }
@@ -1196,42 +1212,24 @@ mod x86 {
             _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc + 8) as *const i8);
         }
         if DIRECT {
-            std::arch::asm!(
+            run_kernel!(
                 kernel_256!(
                     step8_direct,
                     "add {a0}, 16\nadd {a3}, 16\n",
                     "add {a0}, 4\nadd {a3}, 4\n"
                 ),
+                (b, kc, c, ldc, accumulate),
+                ymm,
                 a0 = inout(reg) a => _,
                 a3 = inout(reg) a.wrapping_add(3 * lda) => _,
                 l = in(reg) lda * 4,
-                b = inout(reg) b => _,
-                n4 = inout(reg) kc / 4 => _,
-                rem = inout(reg) kc % 4 => _,
-                c = in(reg) c,
-                ldc = in(reg) ldc * 4,
-                acc = in(reg) accumulate as usize,
-                out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _,
-                out("ymm4") _, out("ymm5") _, out("ymm6") _, out("ymm7") _,
-                out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
-                out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
-                options(nostack),
             );
         } else {
-            std::arch::asm!(
+            run_kernel!(
                 kernel_256!(step8_packed, "add {a0}, 96\n", "add {a0}, 24\n"),
+                (b, kc, c, ldc, accumulate),
+                ymm,
                 a0 = inout(reg) a => _,
-                b = inout(reg) b => _,
-                n4 = inout(reg) kc / 4 => _,
-                rem = inout(reg) kc % 4 => _,
-                c = in(reg) c,
-                ldc = in(reg) ldc * 4,
-                acc = in(reg) accumulate as usize,
-                out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _,
-                out("ymm4") _, out("ymm5") _, out("ymm6") _, out("ymm7") _,
-                out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
-                out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
-                options(nostack),
             );
         }
     }

@@ -615,6 +615,69 @@ mod tests {
     }
 
     #[test]
+    fn the_vector_scaling_gives_the_plain_loops_bits_one_or_two_groups_at_a_time() {
+        // post() on AVX-512 keeps the sums in registers across a pair of groups; the plain loop
+        // goes group by group through memory: the same chain of fused multiply-adds, so the
+        // same bits, with and without offsets, starting from zero or from the sums
+        #[cfg(target_arch = "x86_64")]
+        let wide = std::arch::is_x86_feature_detected!("avx512f");
+        #[cfg(not(target_arch = "x86_64"))]
+        let wide = false;
+        if !wide {
+            eprintln!(
+                "no AVX-512 here: only the plain loop runs (checked against a naive product)"
+            );
+        }
+        let mut rng = crate::reference::Rng::new(5);
+        let mut block = || {
+            let v = rng.normals(MB * NP, 1.0);
+            Block(v.try_into().expect("a block"))
+        };
+        let tmp = [block(), block()];
+        let start = block();
+        let ws = block().0[..2 * NP].to_vec();
+        let wo = block().0[..2 * NP].to_vec();
+        let asum = block().0.to_vec();
+        for offsets in [false, true] {
+            for init in [false, true] {
+                for pair in [1, 2] {
+                    let o = offsets.then_some(&wo[..]);
+                    let gs: Vec<Scaled> = (0..pair)
+                        .map(|h| Scaled::of(&tmp[h].0, &ws, o, &asum, h, h, 2))
+                        .collect();
+                    let mut plain = Block(start.0);
+                    post(&mut plain.0, &gs, init, false);
+                    // the plain loop against the formula, element by element
+                    for r in 0..MB {
+                        for j in 0..NP {
+                            let mut want = if init { 0.0 } else { start.0[r * NP + j] };
+                            for (h, t) in tmp.iter().enumerate().take(pair) {
+                                let x = t.0[(r / T * 2 + j / T) * T * T + (r % T) * T + j % T];
+                                want = ws[h * NP + j].mul_add(x, want);
+                                if offsets {
+                                    want = wo[h * NP + j].mul_add(asum[h + r * 2], want);
+                                }
+                            }
+                            assert_eq!(plain.0[r * NP + j].to_bits(), want.to_bits(), "({r},{j})");
+                        }
+                    }
+                    if wide {
+                        let mut vector = Block(start.0);
+                        post(&mut vector.0, &gs, init, true);
+                        for (k, (x, y)) in vector.0.iter().zip(&plain.0).enumerate() {
+                            assert_eq!(
+                                x.to_bits(),
+                                y.to_bits(),
+                                "offsets {offsets} init {init} groups {pair} at {k}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn scaled_products_match_a_naive_product_on_awkward_shapes() {
         let engines = if super::super::available() {
             vec![Engine::Emulated, Engine::Tiles]
