@@ -873,12 +873,13 @@ mod x86 {
 
     /// The loop over depth around `$step` (four steps an iteration, then one at a time; the
     /// loop's own work once per four steps measured 5-9% faster than once per step), `$adv4` /
-    /// `$adv1` moving A on, then C: `C (+)= acc`, row by row from `c` at `ldc` bytes.
-    macro_rules! kernel_512 {
-        ($step:ident, $adv4:literal, $adv1:literal) => {
+    /// `$adv1` moving A on and B moving `$b4` / `$b1` bytes, then C: `C (+)= acc`, row by row
+    /// from `c` at `ldc` bytes. `$zero` clears the accumulators, `$c` gives C's rows (`add`,
+    /// `store`). Shared by both widths.
+    macro_rules! kernel_loop {
+        ($step:ident, $adv4:literal, $adv1:literal, $b4:literal, $b1:literal, $zero:ident, $c:ident) => {
             concat!(
-                zero!(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11),
-                zero!(12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23),
+                $zero!(),
                 "test {n4}, {n4}\n",
                 "jz 3f\n",
                 "2:\n",
@@ -887,7 +888,9 @@ mod x86 {
                 $step!(2),
                 $step!(3),
                 $adv4,
-                "add {b}, 512\n",
+                "add {b}, ",
+                $b4,
+                "\n",
                 "dec {n4}\n",
                 "jnz 2b\n",
                 "3:\n",
@@ -896,17 +899,19 @@ mod x86 {
                 "4:\n",
                 $step!(0),
                 $adv1,
-                "add {b}, 128\n",
+                "add {b}, ",
+                $b1,
+                "\n",
                 "dec {rem}\n",
                 "jnz 4b\n",
                 "5:\n",
                 "test {acc}, {acc}\n",
                 "jz 6f\n",
                 "mov {b}, {c}\n",
-                c_rows!(vaddps_row),
+                $c!(add),
                 "6:\n",
                 "mov {b}, {c}\n",
-                c_rows!(store_row),
+                $c!(store),
                 // the upper halves clean again for the caller's SSE code (as the compiler
                 // does for a function using AVX; without it the first SSE instruction after
                 // each call stalled: 4% of a forward's samples)
@@ -915,62 +920,101 @@ mod x86 {
         };
     }
 
-    macro_rules! zero {
-        ($($r:literal),+) => {
-            concat!($("vpxord zmm", $r, ", zmm", $r, ", zmm", $r, "\n"),+)
-        };
-    }
-
-    /// `$op` on each of C's 12 rows, `{b}` stepping through them.
-    macro_rules! c_rows {
-        ($op:ident) => {
+    /// One row of C, at `{b}`, then `{b}` on to the next: `add`, the accumulators `$w$c0`,
+    /// `$w$c1` plus C's row (the sum `acc + c`, as the intrinsics' `add(acc, c)`); `store`,
+    /// them into it. `$half`: bytes in one register.
+    macro_rules! c_row {
+        (add, $w:literal, $half:literal, $c0:literal, $c1:literal) => {
             concat!(
-                $op!(0, 1),
-                $op!(2, 3),
-                $op!(4, 5),
-                $op!(6, 7),
-                $op!(8, 9),
-                $op!(10, 11),
-                $op!(12, 13),
-                $op!(14, 15),
-                $op!(16, 17),
-                $op!(18, 19),
-                $op!(20, 21),
-                $op!(22, 23),
-            )
-        };
-    }
-
-    /// `acc += C's row` (the sum `acc + c`, as the intrinsics' `_mm512_add_ps(acc, c)`).
-    macro_rules! vaddps_row {
-        ($c0:literal, $c1:literal) => {
-            concat!(
-                "vaddps zmm",
+                "vaddps ",
+                $w,
                 $c0,
-                ", zmm",
+                ", ",
+                $w,
                 $c0,
                 ", [{b}]\n",
-                "vaddps zmm",
+                "vaddps ",
+                $w,
                 $c1,
-                ", zmm",
+                ", ",
+                $w,
                 $c1,
-                ", [{b} + 64]\n",
+                ", [{b} + ",
+                $half,
+                "]\n",
+                "add {b}, {ldc}\n",
+            )
+        };
+        (store, $w:literal, $half:literal, $c0:literal, $c1:literal) => {
+            concat!(
+                "vmovups [{b}], ",
+                $w,
+                $c0,
+                "\n",
+                "vmovups [{b} + ",
+                $half,
+                "], ",
+                $w,
+                $c1,
+                "\n",
                 "add {b}, {ldc}\n",
             )
         };
     }
 
-    macro_rules! store_row {
-        ($c0:literal, $c1:literal) => {
+    /// `$op` (`add`, `store`) on the 12 rows of the AVX-512 tile.
+    macro_rules! c_512 {
+        ($op:ident) => {
             concat!(
-                "vmovups [{b}], zmm",
-                $c0,
-                "\n",
-                "vmovups [{b} + 64], zmm",
-                $c1,
-                "\n",
-                "add {b}, {ldc}\n",
+                c_row!($op, "zmm", "64", 0, 1),
+                c_row!($op, "zmm", "64", 2, 3),
+                c_row!($op, "zmm", "64", 4, 5),
+                c_row!($op, "zmm", "64", 6, 7),
+                c_row!($op, "zmm", "64", 8, 9),
+                c_row!($op, "zmm", "64", 10, 11),
+                c_row!($op, "zmm", "64", 12, 13),
+                c_row!($op, "zmm", "64", 14, 15),
+                c_row!($op, "zmm", "64", 16, 17),
+                c_row!($op, "zmm", "64", 18, 19),
+                c_row!($op, "zmm", "64", 20, 21),
+                c_row!($op, "zmm", "64", 22, 23),
             )
+        };
+    }
+
+    /// `$op` (`add`, `store`) on the 6 rows of the AVX2 tile.
+    macro_rules! c_256 {
+        ($op:ident) => {
+            concat!(
+                c_row!($op, "ymm", "32", 0, 1),
+                c_row!($op, "ymm", "32", 2, 3),
+                c_row!($op, "ymm", "32", 4, 5),
+                c_row!($op, "ymm", "32", 6, 7),
+                c_row!($op, "ymm", "32", 8, 9),
+                c_row!($op, "ymm", "32", 10, 11),
+            )
+        };
+    }
+
+    /// `$op $w$r, $w$r, $w$r` for each register `r`: zeros.
+    macro_rules! zero {
+        ($op:literal, $w:literal, $($r:literal),+) => {
+            concat!($($op, " ", $w, $r, ", ", $w, $r, ", ", $w, $r, "\n"),+)
+        };
+    }
+
+    macro_rules! zero_512 {
+        () => {
+            zero!(
+                "vpxord", "zmm", 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18,
+                19, 20, 21, 22, 23
+            )
+        };
+    }
+
+    macro_rules! zero_256 {
+        () => {
+            zero!("vxorps", "ymm", 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
         };
     }
 
@@ -1036,10 +1080,14 @@ mod x86 {
         }
         if DIRECT {
             run_kernel!(
-                kernel_512!(
+                kernel_loop!(
                     step_direct,
                     "add {a0}, 16\nadd {a3}, 16\nadd {a6}, 16\nadd {a9}, 16\n",
-                    "add {a0}, 4\nadd {a3}, 4\nadd {a6}, 4\nadd {a9}, 4\n"
+                    "add {a0}, 4\nadd {a3}, 4\nadd {a6}, 4\nadd {a9}, 4\n",
+                    "512",
+                    "128",
+                    zero_512,
+                    c_512
                 ),
                 (b, kc, c, ldc, accumulate),
                 zmm,
@@ -1051,7 +1099,15 @@ mod x86 {
             );
         } else {
             run_kernel!(
-                kernel_512!(step_packed, "add {a0}, 192\n", "add {a0}, 48\n"),
+                kernel_loop!(
+                    step_packed,
+                    "add {a0}, 192\n",
+                    "add {a0}, 48\n",
+                    "512",
+                    "128",
+                    zero_512,
+                    c_512
+                ),
                 (b, kc, c, ldc, accumulate),
                 zmm,
                 a0 = inout(reg) a => _,
@@ -1115,86 +1171,6 @@ mod x86 {
         };
     }
 
-    macro_rules! c8_row {
-        (add, $c0:literal, $c1:literal) => {
-            concat!(
-                "vaddps ymm",
-                $c0,
-                ", ymm",
-                $c0,
-                ", [{b}]\n",
-                "vaddps ymm",
-                $c1,
-                ", ymm",
-                $c1,
-                ", [{b} + 32]\n",
-                "add {b}, {ldc}\n",
-            )
-        };
-        (store, $c0:literal, $c1:literal) => {
-            concat!(
-                "vmovups [{b}], ymm",
-                $c0,
-                "\n",
-                "vmovups [{b} + 32], ymm",
-                $c1,
-                "\n",
-                "add {b}, {ldc}\n",
-            )
-        };
-    }
-
-    /// As [`kernel_512`], for the 6 × 16 tile: four steps an iteration, then one at a time.
-    macro_rules! kernel_256 {
-        ($step:ident, $adv4:literal, $adv1:literal) => {
-            concat!(
-                "vxorps ymm0, ymm0, ymm0\nvxorps ymm1, ymm1, ymm1\nvxorps ymm2, ymm2, ymm2\n",
-                "vxorps ymm3, ymm3, ymm3\nvxorps ymm4, ymm4, ymm4\nvxorps ymm5, ymm5, ymm5\n",
-                "vxorps ymm6, ymm6, ymm6\nvxorps ymm7, ymm7, ymm7\nvxorps ymm8, ymm8, ymm8\n",
-                "vxorps ymm9, ymm9, ymm9\nvxorps ymm10, ymm10, ymm10\nvxorps ymm11, ymm11, ymm11\n",
-                "test {n4}, {n4}\n",
-                "jz 3f\n",
-                "2:\n",
-                $step!(0),
-                $step!(1),
-                $step!(2),
-                $step!(3),
-                $adv4,
-                "add {b}, 256\n",
-                "dec {n4}\n",
-                "jnz 2b\n",
-                "3:\n",
-                "test {rem}, {rem}\n",
-                "jz 5f\n",
-                "4:\n",
-                $step!(0),
-                $adv1,
-                "add {b}, 64\n",
-                "dec {rem}\n",
-                "jnz 4b\n",
-                "5:\n",
-                "test {acc}, {acc}\n",
-                "jz 6f\n",
-                "mov {b}, {c}\n",
-                c8_row!(add, 0, 1),
-                c8_row!(add, 2, 3),
-                c8_row!(add, 4, 5),
-                c8_row!(add, 6, 7),
-                c8_row!(add, 8, 9),
-                c8_row!(add, 10, 11),
-                "6:\n",
-                "mov {b}, {c}\n",
-                c8_row!(store, 0, 1),
-                c8_row!(store, 2, 3),
-                c8_row!(store, 4, 5),
-                c8_row!(store, 6, 7),
-                c8_row!(store, 8, 9),
-                c8_row!(store, 10, 11),
-                "vzeroupper\n",
-            )
-        };
-    }
-
     /// `C[6, 16] (+)= A[6, kc] · B[kc, 16]`, as [`kernel_avx512`].
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn kernel_avx2<const DIRECT: bool>(
@@ -1213,10 +1189,14 @@ mod x86 {
         }
         if DIRECT {
             run_kernel!(
-                kernel_256!(
+                kernel_loop!(
                     step8_direct,
                     "add {a0}, 16\nadd {a3}, 16\n",
-                    "add {a0}, 4\nadd {a3}, 4\n"
+                    "add {a0}, 4\nadd {a3}, 4\n",
+                    "256",
+                    "64",
+                    zero_256,
+                    c_256
                 ),
                 (b, kc, c, ldc, accumulate),
                 ymm,
@@ -1226,7 +1206,15 @@ mod x86 {
             );
         } else {
             run_kernel!(
-                kernel_256!(step8_packed, "add {a0}, 96\n", "add {a0}, 24\n"),
+                kernel_loop!(
+                    step8_packed,
+                    "add {a0}, 96\n",
+                    "add {a0}, 24\n",
+                    "256",
+                    "64",
+                    zero_256,
+                    c_256
+                ),
                 (b, kc, c, ldc, accumulate),
                 ymm,
                 a0 = inout(reg) a => _,

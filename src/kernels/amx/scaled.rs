@@ -516,7 +516,6 @@ unsafe fn post_avx512<const N: usize>(acc: &mut [f32; MB * NP], gs: [&Scaled; N]
     };
     let s = gs.map(|g| ld(g.s));
     let o = gs.map(|g| g.o.map(|(o, _, _)| ld(o)).unwrap_or((zero, zero)));
-    let offsets = gs.map(|g| g.o.is_some());
     let ap = acc.as_mut_ptr();
     for r in 0..MB {
         let t = (r / T) * 2 * T * T + (r % T) * T;
@@ -531,8 +530,7 @@ unsafe fn post_avx512<const N: usize>(acc: &mut [f32; MB * NP], gs: [&Scaled; N]
             let tp = gs[i].tmp.as_ptr();
             v0 = _mm512_fmadd_ps(s[i].0, _mm512_loadu_ps(tp.add(t)), v0);
             v1 = _mm512_fmadd_ps(s[i].1, _mm512_loadu_ps(tp.add(t + T * T)), v1);
-            if offsets[i] {
-                let (_, asum, stride) = gs[i].o.expect("offsets");
+            if let Some((_, asum, stride)) = gs[i].o {
                 let sa = _mm512_set1_ps(asum[r * stride]);
                 v0 = _mm512_fmadd_ps(o[i].0, sa, v0);
                 v1 = _mm512_fmadd_ps(o[i].1, sa, v1);
@@ -624,9 +622,7 @@ mod tests {
         #[cfg(not(target_arch = "x86_64"))]
         let wide = false;
         if !wide {
-            eprintln!(
-                "no AVX-512 here: only the plain loop runs (checked against a naive product)"
-            );
+            eprintln!("no AVX-512 here: only the plain loop runs (checked against the formula)");
         }
         let mut rng = crate::reference::Rng::new(5);
         let mut block = || {
