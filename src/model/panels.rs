@@ -310,7 +310,12 @@ fn write_file(
         f.write_all(MAGIC)?;
         f.write_all(&(header.len() as u64).to_le_bytes())?;
         f.write_all(&header)?;
-        let mut at = 16 + header.len();
+        // the data starts where the offsets say: the page after the probe's longer header,
+        // which can be a page past the one after this header (SmolLM2's 120 matrices: every
+        // offset one page off, the file a page short, so every load found it damaged and
+        // packed the weights again)
+        f.write_all(&vec![0u8; data_start - (16 + header.len())])?;
+        let mut at = data_start;
         let zeros = vec![0u8; ALIGN];
         for (_, _, bytes, _) in mats {
             let pad = at.div_ceil(ALIGN) * ALIGN - at;
@@ -600,6 +605,58 @@ mod tests {
         for len in [0, 1, 16 << 20, (16 << 20) + 1, bytes.len()] {
             assert_eq!(crc(&bytes[..len]), crc32fast::hash(&bytes[..len]), "{len}");
         }
+    }
+
+    /// Every matrix lies where the header says and the file is as long as it says, whatever
+    /// the header's length: the probe header (20-digit offsets) can end a page after the real
+    /// one, and the data goes where the probe put it.
+    #[test]
+    fn the_pieces_lie_at_their_offsets_for_any_header_length() {
+        let dir = tempfile::tempdir().unwrap();
+        let identity = Identity {
+            format: FORMAT,
+            attnscope: "test".into(),
+            layout: "test".into(),
+            sources: vec![],
+        };
+        let pieces: Vec<Vec<u8>> = (0..160u32)
+            .map(|i| {
+                (0..(i as usize % 7) * 700 + 1)
+                    .map(|j| (i as usize * 31 + j) as u8)
+                    .collect()
+            })
+            .collect();
+        let mut crossed = 0;
+        for count in 1..=pieces.len() {
+            let mats: Vec<(usize, usize, &[u8], u8)> = pieces[..count]
+                .iter()
+                .map(|p| (1, p.len(), &p[..], 0))
+                .collect();
+            let path = dir.path().join(format!("c{count}.panels"));
+            let len = write_file(&path, &identity, &mats).unwrap();
+            let bytes = std::fs::read(&path).unwrap();
+            assert_eq!(bytes.len(), len, "{count} pieces: the file's length");
+            let header = read_header(&bytes).unwrap();
+            assert_eq!(header.file_len, len);
+            let header_end = 16 + u64::from_le_bytes(bytes[8..16].try_into().unwrap()) as usize;
+            if header.matrices[0].offset > header_end.div_ceil(ALIGN) * ALIGN {
+                crossed += 1;
+            }
+            for (e, p) in header.matrices.iter().zip(&pieces[..count]) {
+                assert!(e.offset.is_multiple_of(ALIGN));
+                assert_eq!(
+                    &bytes[e.offset..e.offset + p.len()],
+                    &p[..],
+                    "{count} pieces"
+                );
+                assert_eq!(crc(p), e.crc);
+            }
+        }
+        // the case that was wrong: the data a page past the one after the header
+        assert!(
+            crossed > 0,
+            "no header length crossed a page; make the pieces more"
+        );
     }
 
     #[test]
