@@ -1184,6 +1184,178 @@ fn bench_reports_rates_forwards_and_commands() {
     assert_eq!(bad.status.code(), Some(2));
 }
 
+/// `bench --transformers`: the anchor script runs between two runs of each command with the
+/// arguments of the comparable route (eager with output_attentions next to capture, sdpa next to
+/// inspect, the same text file), and the ratios are its forward over attnscope's times. A stand-in
+/// for Python records its arguments and prints what hf_anchor.py prints; one that fails names
+/// its error; `--no-commands` and a missing Python are refused.
+#[test]
+fn bench_runs_transformers_between_its_commands_and_reports_ratios() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let log = dir.path().join("calls.log");
+    let fake = dir.path().join("python");
+    std::fs::write(
+        &fake,
+        format!(
+            r#"#!/bin/sh
+echo "$@" >> {log}
+script="$1"; shift
+attn=sdpa; oa=false; file=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --attn) attn="$2"; shift;;
+    --file) file="$2"; shift;;
+    --output-attentions) oa=true;;
+  esac
+  shift
+done
+[ -f "$script" ] && [ -f "$file" ] || {{ echo "no script or text" >&2; exit 3; }}
+grep -q "forward_median_s" "$script" || {{ echo "not the anchor script" >&2; exit 4; }}
+echo "loading the model"
+if [ $attn = eager ]; then t=7.5; else t=4.5; fi
+echo "{{\"gguf\": \"m.gguf\", \"n_tokens\": 12, \"attn\": \"$attn\", \"output_attentions\": $oa, \"threads\": 2, \"import_s\": 1.0, \"tokenizer_s\": 1.0, \"load_s\": 2.0, \"forward_median_s\": $t, \"forward_min_s\": 4.0, \"peak_rss_load_mb\": 100, \"peak_rss_forward_mb\": 200, \"cpu\": \"AVX2\"}}"
+"#,
+            log = log.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = attnscope()
+        .args(["bench", "-m", m.to_str().unwrap(), "--lengths", "8,16"])
+        .args(["--repeats", "1", "--json", "--transformers"])
+        .arg(&fake)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let side = v["transformers"].as_array().unwrap();
+    assert_eq!(side.len(), 4, "capture and inspect at both lengths");
+    let calls = std::fs::read_to_string(&log).unwrap();
+    let calls: Vec<&str> = calls.lines().collect();
+    assert_eq!(calls.len(), 4, "{calls:?}");
+    for (r, call) in side.iter().zip(&calls) {
+        let n = r["n"].as_u64().unwrap();
+        let capture = r["command"] == "capture";
+        let t = r["transformers"].clone();
+        assert_eq!(t["attn"], if capture { "eager" } else { "sdpa" }, "{r}");
+        assert_eq!(t["output_attentions"], capture, "{r}");
+        assert!(
+            call.contains(&format!("--attn {}", t["attn"].as_str().unwrap())),
+            "{call}"
+        );
+        assert_eq!(call.contains("--output-attentions"), capture, "{call}");
+        assert!(
+            call.contains(&format!("text{n}.txt")),
+            "the bench's own text: {call}"
+        );
+        assert!(
+            call.contains(m.to_str().unwrap()),
+            "the model's file: {call}"
+        );
+        let theirs = t["forward_median_s"].as_f64().unwrap();
+        let walls: Vec<f64> = r["wall_s"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        assert!(walls.iter().all(|&w| w > 0.0), "{r}");
+        let ratios: Vec<f64> = walls.iter().map(|w| theirs / w).collect();
+        let by: Vec<f64> = r["faster_by"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        let (lo, hi) = (
+            ratios.iter().copied().fold(f64::INFINITY, f64::min),
+            ratios.iter().copied().fold(0.0, f64::max),
+        );
+        assert!(
+            (by[0] - lo).abs() < 1e-9 && (by[1] - hi).abs() < 1e-9,
+            "{r}"
+        );
+        // after the load: the same ratio over the commands' own timings (none where one of
+        // them reads 0 s, as a tiny model's can)
+        let own: Vec<f64> = r["after_load_s"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        if own.iter().all(|&x| x > 0.0) {
+            let after = r["faster_by_after_load"].as_array().unwrap();
+            let lo = own.iter().map(|x| theirs / x).fold(f64::INFINITY, f64::min);
+            assert!((after[0].as_f64().unwrap() - lo).abs() < 1e-9, "{r}");
+        } else {
+            assert!(r["faster_by_after_load"].is_null(), "{r}");
+        }
+    }
+    // the table names each route, and for capture the floor of an exact forward
+    let out = attnscope()
+        .args(["bench", "-m", m.to_str().unwrap(), "--lengths", "8"])
+        .args(["--repeats", "1", "--transformers"])
+        .arg(&fake)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("Side by side with transformers"), "{text}");
+    assert!(
+        text.contains("eager + output_attentions (12 tokens)"),
+        "{text}"
+    );
+    assert!(text.contains("7.50 s (4.00)"), "{text}");
+    assert!(
+        text.contains("n = 8: 3x transformers' eager forward leaves 2.50 s"),
+        "{text}"
+    );
+    // a Python without torch: its own error, and how to set one up
+    let bad = dir.path().join("bad-python");
+    std::fs::write(
+        &bad,
+        "#!/bin/sh\necho Traceback >&2\necho \"ModuleNotFoundError: No module named 'torch'\" >&2\nexit 1\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&bad, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = attnscope()
+        .args(["bench", "-m", m.to_str().unwrap(), "--lengths", "8"])
+        .args(["--repeats", "1", "--transformers"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", stderr_of(&out));
+    let err = stderr_of(&out);
+    assert!(
+        err.contains("exited with 1")
+            && err.contains("No module named 'torch'")
+            && err.contains("pip install"),
+        "{err}"
+    );
+    for args in [
+        vec!["--no-commands", "--transformers", fake.to_str().unwrap()],
+        vec!["--transformers", "/no/such/python"],
+    ] {
+        let out = attnscope()
+            .args([
+                "bench",
+                "-m",
+                m.to_str().unwrap(),
+                "--lengths",
+                "8",
+                "--repeats",
+                "1",
+            ])
+            .args(&args)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr_of(&out));
+        assert!(stderr_of(&out).contains("--transformers"), "{args:?}");
+    }
+}
+
 /// examples/slurm: the array job's body run as Slurm would (3 tasks, one of them twice, as after a
 /// requeue), then the dependent merge: the aggregate equals one process over all texts.
 #[test]

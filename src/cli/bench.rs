@@ -30,9 +30,22 @@ pub struct Args {
     /// Skip the forward with every pattern captured where the patterns would exceed this many GiB.
     #[arg(long, default_value_t = 8.0)]
     capture_limit_gib: f64,
+    /// Also time the Python route side by side: transformers + torch (the team's hf_anchor
+    /// script, built in) run by this Python, which needs torch, transformers and gguf. Next to
+    /// each length's `capture` it times transformers eager with output_attentions, next to
+    /// `inspect` sdpa, each between two runs of attnscope's command (the machine's speed drifts
+    /// within minutes), and prints the ratios. GGUF models; exact is the comparable precision.
+    #[arg(long, value_name = "PYTHON")]
+    transformers: Option<std::path::PathBuf>,
+    /// The anchor script --transformers runs, in place of the built-in copy.
+    #[arg(long, value_name = "SCRIPT", requires = "transformers")]
+    anchor: Option<std::path::PathBuf>,
     #[arg(long)]
     json: bool,
 }
+
+/// The team's script for the transformers route (`../shared/bench/hf_anchor.py`).
+const HF_ANCHOR: &str = include_str!("../../assets/hf_anchor.py");
 
 #[derive(Serialize, Debug, Clone)]
 struct GemmRow {
@@ -62,6 +75,11 @@ struct ForwardRow {
     with_patterns_s: Option<f64>,
     with_patterns_attention_s: Option<f64>,
     with_patterns_peak_bytes: Option<u64>,
+    /// the products' floating-point operations (projections and useful attention work), and
+    /// the time they take at the machine's measured f32 GEMM rate: the floor of an exact
+    /// forward on the vector units
+    flops: f64,
+    f32_floor_s: f64,
 }
 
 #[derive(Serialize, Debug, Clone)]
@@ -75,6 +93,116 @@ struct CommandRow {
     /// forward, and for `capture` the writing), from the `(load X s, … Y s` it prints
     load_s: Option<f64>,
     after_load_s: Option<f64>,
+}
+
+/// What the anchor script prints (one JSON line); the fields the side-by-side table uses.
+#[derive(serde::Deserialize, Serialize, Debug, Clone)]
+struct AnchorOut {
+    n_tokens: usize,
+    attn: String,
+    output_attentions: bool,
+    load_s: f64,
+    forward_median_s: f64,
+    forward_min_s: f64,
+    peak_rss_forward_mb: f64,
+}
+
+/// One attnscope command between two of its runs the transformers route ran.
+#[derive(Serialize, Debug, Clone)]
+struct SideRow {
+    n: usize,
+    command: &'static str,
+    /// attnscope's wall time, load included, before and after transformers ran
+    wall_s: [f64; 2],
+    after_load_s: [Option<f64>; 2],
+    transformers: AnchorOut,
+    /// transformers' forward (median) over attnscope's wall: the slowest and fastest of the two
+    faster_by: [f64; 2],
+    faster_by_after_load: Option<[f64; 2]>,
+}
+
+/// The file `program` names: itself if it has a `/`, else the first match on `PATH`.
+fn program_path(program: &std::path::Path) -> Option<std::path::PathBuf> {
+    if program.components().count() > 1 || program.is_absolute() {
+        return program.is_file().then(|| program.to_path_buf());
+    }
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|d| d.join(program))
+        .find(|p| p.is_file())
+}
+
+/// Floating-point operations, in GFLOP or TFLOP.
+fn flops_text(flops: f64) -> String {
+    if flops >= 1e11 {
+        format!("{:.2} TFLOP", flops / 1e12)
+    } else {
+        format!("{:.2} GFLOP", flops / 1e9)
+    }
+}
+
+/// The lowest and highest of `theirs / ours` over attnscope's runs.
+fn ratio_range(theirs: f64, ours: &[f64]) -> [f64; 2] {
+    let r: Vec<f64> = ours.iter().map(|&o| theirs / o).collect();
+    [
+        r.iter().copied().fold(f64::INFINITY, f64::min),
+        r.iter().copied().fold(0.0, f64::max),
+    ]
+}
+
+/// The anchor's JSON line: the last line of `stdout` that parses as its output.
+fn anchor_output(stdout: &str) -> Option<AnchorOut> {
+    stdout
+        .lines()
+        .rev()
+        .find_map(|l| serde_json::from_str(l.trim()).ok())
+}
+
+/// Runs the anchor script with `python` on `gguf` and the text in `file`; its forward timed
+/// `reps` times after one warm-up.
+fn run_anchor(
+    python: &std::path::Path,
+    script: &std::path::Path,
+    gguf: &std::path::Path,
+    file: &std::path::Path,
+    attn: &str,
+    output_attentions: bool,
+    reps: usize,
+) -> anyhow::Result<AnchorOut> {
+    let mut cmd = std::process::Command::new(python);
+    cmd.arg(script)
+        .arg("--gguf")
+        .arg(gguf)
+        .arg("--file")
+        .arg(file)
+        .args(["--attn", attn, "--reps", &reps.to_string(), "--warmup", "1"])
+        .args(["--threads", &rayon::current_num_threads().to_string()]);
+    if output_attentions {
+        cmd.arg("--output-attentions");
+    }
+    let out = cmd.output().map_err(|e| {
+        super::common::usage(format!(
+            "--transformers: cannot run {}: {e}; give the path of a Python that has torch and transformers",
+            python.display()
+        ))
+    })?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    match anchor_output(&stdout) {
+        Some(o) if out.status.success() => Ok(o),
+        _ => {
+            let err = String::from_utf8_lossy(&out.stderr);
+            let tail: Vec<&str> = err.lines().rev().take(6).collect();
+            Err(anyhow::anyhow!(
+                "the transformers route ({} {} --attn {attn}) {} and printed no result line; the end of its error output:\n{}\n(it needs torch, transformers and gguf; one way: python3 -m venv ~/.hfenv && ~/.hfenv/bin/pip install torch==2.15.0 transformers==5.24.0 accelerate gguf numpy, then --transformers ~/.hfenv/bin/python)",
+                python.display(),
+                script.display(),
+                match out.status.code() {
+                    Some(c) => format!("exited with {c}"),
+                    None => "was killed".into(),
+                },
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n"),
+            ))
+        }
+    }
 }
 
 /// The [`super::common::timings_opening`] (`(load X s, forward Y s`, or `forward and writing`)
@@ -144,7 +272,29 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.repeats == 0 {
         return Err(usage("--repeats must be at least 1"));
     }
+    if let Some(python) = &a.transformers {
+        if a.no_commands {
+            return Err(usage(
+                "--transformers times the Python route next to attnscope's commands: drop --no-commands",
+            ));
+        }
+        if program_path(python).is_none() {
+            return Err(usage(format!(
+                "--transformers: no program {} (give the path of a Python that has torch and transformers)",
+                python.display()
+            )));
+        }
+        if let Some(p) = a.anchor.as_ref().filter(|p| !p.is_file()) {
+            return Err(usage(format!("--anchor: no script at {}", p.display())));
+        }
+    }
     let model = a.model.load()?;
+    if a.transformers.is_some() && model.info.format != "gguf" {
+        return Err(usage(format!(
+            "--transformers loads the model through transformers' GGUF reader, and {} is a {} model: give a .gguf file or alias",
+            model.info.name, model.info.format
+        )));
+    }
     let d = model.dims.clone();
     let max_n = *a.lengths.iter().max().expect("non-empty");
     if max_n > d.context_len {
@@ -155,7 +305,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }));
     }
     let all = crate::analysis::corpus::builtin_tokens(&model.tokenizer, max_n)?;
-    let steps = 2 + a.lengths.len() * if a.no_commands { 1 } else { 3 };
+    let per_length = match (a.no_commands, a.transformers.is_some()) {
+        (true, _) => 1,
+        (false, false) => 3,
+        // each command, transformers' route, the command again
+        (false, true) => 7,
+    };
+    let steps = 2 + a.lengths.len() * per_length;
     let pb = if std::io::stderr().is_terminal() {
         indicatif::ProgressBar::new(steps as u64)
     } else {
@@ -170,7 +326,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         eprintln!(
             "attnscope bench: {} steps (kernel, GEMM shapes, forwards{}); this takes minutes",
             steps,
-            if a.no_commands { "" } else { ", commands" }
+            match (a.no_commands, a.transformers.is_some()) {
+                (true, _) => "",
+                (false, false) => ", commands",
+                (false, true) => ", commands with transformers between their runs",
+            }
         );
     }
 
@@ -315,14 +475,27 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             with_patterns_s,
             with_patterns_attention_s,
             with_patterns_peak_bytes,
+            flops: proj_flops + attn_flops,
+            f32_floor_s: (proj_flops + attn_flops) / (machine_rate * 1e9),
         });
         pb.inc(1);
     }
 
     // the commands a user runs, start to end (load included), as separate processes
     let mut commands = Vec::new();
+    let mut side = Vec::new();
     if !a.no_commands {
         let dir = tempfile::tempdir()?;
+        // the anchor script where the Python can run it
+        let anchor = match (&a.transformers, &a.anchor) {
+            (Some(_), Some(p)) => Some(p.clone()),
+            (Some(_), None) => {
+                let p = dir.path().join("hf_anchor.py");
+                std::fs::write(&p, HF_ANCHOR)?;
+                Some(p)
+            }
+            _ => None,
+        };
         for &n in &a.lengths {
             let bytes: Vec<u8> = all[..n]
                 .iter()
@@ -381,6 +554,45 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                     after_load_s: own.map(|t| t.1),
                 });
                 pb.inc(1);
+                if let (Some(python), Some(script)) = (&a.transformers, &anchor) {
+                    // what transformers offers for the same question: every weight (eager with
+                    // output_attentions) for capture, the plain forward (sdpa) for inspect
+                    let (attn, oa) = if sub == "capture" {
+                        ("eager", true)
+                    } else {
+                        ("sdpa", false)
+                    };
+                    pb.set_message(format!("transformers {attn}, n = {n}"));
+                    let theirs =
+                        run_anchor(python, script, &model.info.path, &file, attn, oa, a.repeats)?;
+                    pb.inc(1);
+                    pb.set_message(format!("{sub} again, n = {n}"));
+                    let (wall2, _, _, stdout2) = run_self(&args, &dir.path().join("peak"))?;
+                    let own2 = own_timings(&stdout2);
+                    let _ = std::fs::remove_file(dir.path().join(format!("p{n}.safetensors")));
+                    let after = [own.map(|t| t.1), own2.map(|t| t.1)];
+                    side.push(SideRow {
+                        n,
+                        command: if sub == "capture" {
+                            "capture"
+                        } else {
+                            "inspect"
+                        },
+                        wall_s: [wall, wall2],
+                        after_load_s: after,
+                        faster_by: ratio_range(theirs.forward_median_s, &[wall, wall2]),
+                        // (a command's own timing is printed to the millisecond: a tiny
+                        // model's can read 0)
+                        faster_by_after_load: match after {
+                            [Some(x), Some(y)] if x > 0.0 && y > 0.0 => {
+                                Some(ratio_range(theirs.forward_median_s, &[x, y]))
+                            }
+                            _ => None,
+                        },
+                        transformers: theirs,
+                    });
+                    pb.inc(1);
+                }
             }
         }
     }
@@ -392,6 +604,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "model": model.info.name, "precision": model.info.precision.name(), "cpu": cpu, "threads": threads,
             "kernel": isa.name(), "simd": crate::kernels::simd::level().name(), "kernel_peak_gflops": peak, "machine_gemm_gflops": machine_rate,
             "gemm": gemms, "forward": forwards, "commands": commands, "repeats": a.repeats,
+            "transformers": side,
         });
         return emit(&format!("{}\n", serde_json::to_string_pretty(&doc)?));
     }
@@ -517,7 +730,104 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             None => "Their loads pack the weights (no packed-weight cache for this model and precision).\n".into(),
         };
     }
+    if !side.is_empty() {
+        s += &side_by_side(&side, &forwards, machine_rate, peak, a.repeats, &a);
+    }
     emit(&s)
+}
+
+/// The side-by-side table, and for each length what a third of transformers' eager forward
+/// leaves against the floor of an exact forward at the machine's f32 GEMM rate.
+fn side_by_side(
+    side: &[SideRow],
+    forwards: &[ForwardRow],
+    machine_rate: f64,
+    kernel_peak: f64,
+    repeats: usize,
+    a: &Args,
+) -> String {
+    let mut s = format!(
+        "\nSide by side with transformers ({} by {}; its forward alone, median of {repeats} after 1 warm-up, on the same text, between two runs of attnscope's command)\n",
+        a.anchor
+            .as_ref()
+            .map(|p| p.display().to_string())
+            .unwrap_or_else(|| "the built-in hf_anchor.py".into()),
+        a.transformers
+            .as_ref()
+            .map(|p| p.display().to_string())
+            .unwrap_or_default(),
+    );
+    let mut t = Table::new([
+        ("n", Align::Right),
+        ("attnscope", Align::Left),
+        ("wall (two runs)", Align::Right),
+        ("after the load", Align::Right),
+        ("transformers", Align::Left),
+        ("forward (min)", Align::Right),
+        ("faster by", Align::Right),
+        ("after the load", Align::Right),
+    ]);
+    let range = |r: [f64; 2]| {
+        if format!("{:.1}", r[0]) == format!("{:.1}", r[1]) {
+            format!("{:.1}x", r[0])
+        } else {
+            format!("{:.1}-{:.1}x", r[0], r[1])
+        }
+    };
+    for r in side {
+        t.row([
+            r.n.to_string(),
+            r.command.to_string(),
+            format!("{:.2}, {:.2} s", r.wall_s[0], r.wall_s[1]),
+            match r.after_load_s {
+                [Some(x), Some(y)] => format!("{x:.2}, {y:.2} s"),
+                _ => "—".into(),
+            },
+            format!(
+                "{}{} ({} tokens)",
+                r.transformers.attn,
+                if r.transformers.output_attentions {
+                    " + output_attentions"
+                } else {
+                    ""
+                },
+                r.transformers.n_tokens
+            ),
+            format!(
+                "{:.2} s ({:.2})",
+                r.transformers.forward_median_s, r.transformers.forward_min_s
+            ),
+            range(r.faster_by),
+            r.faster_by_after_load
+                .map(range)
+                .unwrap_or_else(|| "—".into()),
+        ]);
+    }
+    s += &t.render();
+    s += "faster by: transformers' forward over attnscope's wall time (its load included) and over attnscope's time after the load; the two runs' lowest and highest.\n";
+    for r in side.iter().filter(|r| r.transformers.output_attentions) {
+        let Some(f) = forwards.iter().find(|f| f.n == r.n) else {
+            continue;
+        };
+        let third = r.transformers.forward_median_s / 3.0;
+        let at_peak = f.flops / (kernel_peak * 1e9);
+        s += &format!(
+            "n = {}: 3x transformers' eager forward leaves {:.2} s; the exact forward's {} take {:.2} s at this machine's f32 GEMM rate ({:.0} GFLOP/s), {:.2} s at the micro-kernel's in-cache rate ({:.0}){}\n",
+            r.n,
+            third,
+            flops_text(f.flops),
+            f.f32_floor_s,
+            machine_rate,
+            at_peak,
+            kernel_peak,
+            if third < at_peak.min(f.f32_floor_s) {
+                ": past what the vector units can do, whatever the kernel (only the AMX tiles, where the CPU has them, go faster than that)"
+            } else {
+                ""
+            }
+        );
+    }
+    s
 }
 
 #[cfg(test)]
