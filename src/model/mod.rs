@@ -272,7 +272,7 @@ impl Model {
         let model = guard::quietly(move || -> Result<Model> {
             Ok(match source {
                 Source::Gguf(path) => Self::from_gguf(
-                    gguf::GgufFile::open(&path)?,
+                    || gguf::GgufFile::open(&path),
                     name,
                     description,
                     precision,
@@ -362,7 +362,7 @@ impl Model {
     pub fn from_gguf_bytes(name: &str, bytes: Vec<u8>, precision: Precision) -> Result<Model> {
         guard::quietly(|| {
             Self::from_gguf(
-                gguf::GgufFile::from_bytes(Path::new(name), bytes)?,
+                || gguf::GgufFile::from_bytes(Path::new(name), bytes),
                 name.to_string(),
                 None,
                 precision,
@@ -377,8 +377,9 @@ impl Model {
         })?
     }
 
+    /// The model of the GGUF file `open` reads.
     fn from_gguf(
-        mut g: gguf::GgufFile,
+        open: impl FnOnce() -> Result<gguf::GgufFile> + Send,
         name: String,
         description: Option<String>,
         precision: Precision,
@@ -386,13 +387,19 @@ impl Model {
         merges: Option<panels::BlobCache>,
         tick: impl FnMut(usize, usize),
     ) -> Result<Model> {
-        let (dims, warnings) = g.dims()?;
-        // the cache file's checksums are checked on the other core while the tokenizer is built
-        let (tokenizer, cached) = rayon::join(
-            || Tokenizer::from_gguf_with(g.metadata(), &g.path, merges.as_ref()),
+        // the cache file's checksums are checked on the other core while the file's metadata is
+        // read and the tokenizer built (the path to the first token: ~0.06 s and ~0.2 s for the
+        // default model, against ~0.1 s of checksums); that core then helps the tokenizer
+        let (opened, cached) = rayon::join(
+            || -> Result<_> {
+                let mut g = open()?;
+                let dims = g.dims()?;
+                let tokenizer = Tokenizer::from_gguf_with(g.metadata(), &g.path, merges.as_ref())?;
+                Ok((g, dims, tokenizer))
+            },
             || open_cache(cache.as_ref()),
         );
-        let tokenizer = tokenizer?;
+        let (mut g, (dims, warnings), tokenizer) = opened?;
         let info = ModelInfo {
             name,
             description: description.or_else(|| g.name()),
