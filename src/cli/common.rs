@@ -50,6 +50,16 @@ impl Default for ModelArgs {
     }
 }
 
+/// Set by the executable's `main` (not by a library user running commands in its process): the
+/// models a command loads are then kept to the end of the process and never dropped, since
+/// freeing a vocabulary's maps one string at a time cost the lesson's `inspect` its last ~30 ms
+/// (the kernel takes the memory back at exit in one piece).
+pub static KEEP_MODELS_TO_EXIT: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// The models kept (statics are never dropped).
+static KEPT: std::sync::Mutex<Vec<std::sync::Arc<Model>>> = std::sync::Mutex::new(Vec::new());
+
 impl ModelArgs {
     pub fn load(&self) -> anyhow::Result<std::sync::Arc<Model>> {
         if let Some(m) = registered(&self.model) {
@@ -64,7 +74,13 @@ impl ModelArgs {
         if self.no_bos {
             m.tokenizer.set_add_bos(false)?;
         }
-        Ok(std::sync::Arc::new(m))
+        let m = std::sync::Arc::new(m);
+        if KEEP_MODELS_TO_EXIT.load(std::sync::atomic::Ordering::Relaxed) {
+            if let Ok(mut kept) = KEPT.lock() {
+                kept.push(m.clone());
+            }
+        }
+        Ok(m)
     }
 }
 
