@@ -1235,6 +1235,13 @@ echo "{{\"gguf\": \"m.gguf\", \"n_tokens\": 12, \"attn\": \"$attn\", \"output_at
     let calls = std::fs::read_to_string(&log).unwrap();
     let calls: Vec<&str> = calls.lines().collect();
     assert_eq!(calls.len(), 4, "{calls:?}");
+    let floats = |v: &serde_json::Value| -> Vec<f64> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect()
+    };
     for (r, call) in side.iter().zip(&calls) {
         let n = r["n"].as_u64().unwrap();
         let capture = r["command"] == "capture";
@@ -1255,20 +1262,10 @@ echo "{{\"gguf\": \"m.gguf\", \"n_tokens\": 12, \"attn\": \"$attn\", \"output_at
             "the model's file: {call}"
         );
         let theirs = t["forward_median_s"].as_f64().unwrap();
-        let walls: Vec<f64> = r["wall_s"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_f64().unwrap())
-            .collect();
+        let walls = floats(&r["wall_s"]);
         assert!(walls.iter().all(|&w| w > 0.0), "{r}");
         let ratios: Vec<f64> = walls.iter().map(|w| theirs / w).collect();
-        let by: Vec<f64> = r["faster_by"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_f64().unwrap())
-            .collect();
+        let by = floats(&r["faster_by"]);
         let (lo, hi) = (
             ratios.iter().copied().fold(f64::INFINITY, f64::min),
             ratios.iter().copied().fold(0.0, f64::max),
@@ -1279,12 +1276,7 @@ echo "{{\"gguf\": \"m.gguf\", \"n_tokens\": 12, \"attn\": \"$attn\", \"output_at
         );
         // after the load: the same ratio over the commands' own timings (none where one of
         // them reads 0 s, as a tiny model's can)
-        let own: Vec<f64> = r["after_load_s"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_f64().unwrap())
-            .collect();
+        let own = floats(&r["after_load_s"]);
         if own.iter().all(|&x| x > 0.0) {
             let after = r["faster_by_after_load"].as_array().unwrap();
             let lo = own.iter().map(|x| theirs / x).fold(f64::INFINITY, f64::min);
@@ -1293,13 +1285,17 @@ echo "{{\"gguf\": \"m.gguf\", \"n_tokens\": 12, \"attn\": \"$attn\", \"output_at
             assert!(r["faster_by_after_load"].is_null(), "{r}");
         }
     }
+    // `bench` at 8 tokens with this Python
+    let bench_8 = |python: &std::path::Path| {
+        attnscope()
+            .args(["bench", "-m", m.to_str().unwrap(), "--lengths", "8"])
+            .args(["--repeats", "1", "--transformers"])
+            .arg(python)
+            .output()
+            .unwrap()
+    };
     // the table names each route, and for capture the floor of an exact forward
-    let out = attnscope()
-        .args(["bench", "-m", m.to_str().unwrap(), "--lengths", "8"])
-        .args(["--repeats", "1", "--transformers"])
-        .arg(&fake)
-        .output()
-        .unwrap();
+    let out = bench_8(&fake);
     assert!(out.status.success(), "{}", stderr_of(&out));
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.contains("Side by side with transformers"), "{text}");
@@ -1320,12 +1316,7 @@ echo "{{\"gguf\": \"m.gguf\", \"n_tokens\": 12, \"attn\": \"$attn\", \"output_at
     )
     .unwrap();
     std::fs::set_permissions(&bad, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let out = attnscope()
-        .args(["bench", "-m", m.to_str().unwrap(), "--lengths", "8"])
-        .args(["--repeats", "1", "--transformers"])
-        .arg(&bad)
-        .output()
-        .unwrap();
+    let out = bench_8(&bad);
     assert_eq!(out.status.code(), Some(1), "{}", stderr_of(&out));
     let err = stderr_of(&out);
     assert!(
@@ -1339,15 +1330,8 @@ echo "{{\"gguf\": \"m.gguf\", \"n_tokens\": 12, \"attn\": \"$attn\", \"output_at
         vec!["--transformers", "/no/such/python"],
     ] {
         let out = attnscope()
-            .args([
-                "bench",
-                "-m",
-                m.to_str().unwrap(),
-                "--lengths",
-                "8",
-                "--repeats",
-                "1",
-            ])
+            .args(["bench", "-m", m.to_str().unwrap()])
+            .args(["--lengths", "8", "--repeats", "1"])
             .args(&args)
             .output()
             .unwrap();
