@@ -392,7 +392,7 @@ impl Model {
         // default model, against ~0.1 s of checksums); that core then helps the tokenizer
         let (opened, cached) = rayon::join(
             || -> Result<_> {
-                let mut g = open()?;
+                let g = open()?;
                 let dims = g.dims()?;
                 let tokenizer = Tokenizer::from_gguf_with(g.metadata(), &g.path, merges.as_ref())?;
                 Ok((g, dims, tokenizer))
