@@ -541,9 +541,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 args.extend(base.iter().cloned());
                 args.extend(["--file".to_string(), fstr.clone()]);
                 args.extend(extra);
-                let (wall, peak_b, exit, stdout) = run_self(&args, &dir.path().join("peak"))?;
-                let own = own_timings(&stdout);
-                let _ = std::fs::remove_file(dir.path().join(format!("p{n}.safetensors")));
+                // the command in its own process: (wall, peak, exit, its own timings), its
+                // output file removed
+                let run_command = || -> anyhow::Result<_> {
+                    let (wall, peak_b, exit, stdout) = run_self(&args, &dir.path().join("peak"))?;
+                    let _ = std::fs::remove_file(dir.path().join(format!("p{n}.safetensors")));
+                    Ok((wall, peak_b, exit, own_timings(&stdout)))
+                };
+                let (wall, peak_b, exit, own) = run_command()?;
                 commands.push(CommandRow {
                     n,
                     command: label.to_string(),
@@ -567,17 +572,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                         run_anchor(python, script, &model.info.path, &file, attn, oa, a.repeats)?;
                     pb.inc(1);
                     pb.set_message(format!("{sub} again, n = {n}"));
-                    let (wall2, _, _, stdout2) = run_self(&args, &dir.path().join("peak"))?;
-                    let own2 = own_timings(&stdout2);
-                    let _ = std::fs::remove_file(dir.path().join(format!("p{n}.safetensors")));
+                    let (wall2, _, _, own2) = run_command()?;
                     let after = [own.map(|t| t.1), own2.map(|t| t.1)];
                     side.push(SideRow {
                         n,
-                        command: if sub == "capture" {
-                            "capture"
-                        } else {
-                            "inspect"
-                        },
+                        command: sub,
                         wall_s: [wall, wall2],
                         after_load_s: after,
                         faster_by: ratio_range(theirs.forward_median_s, &[wall, wall2]),
@@ -731,7 +730,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         };
     }
     if !side.is_empty() {
-        s += &side_by_side(&side, &forwards, machine_rate, peak, a.repeats, &a);
+        s += &side_by_side(&side, &forwards, machine_rate, peak, &a);
     }
     emit(&s)
 }
@@ -743,11 +742,10 @@ fn side_by_side(
     forwards: &[ForwardRow],
     machine_rate: f64,
     kernel_peak: f64,
-    repeats: usize,
     a: &Args,
 ) -> String {
     let mut s = format!(
-        "\nSide by side with transformers ({} by {}; its forward alone, median of {repeats} after 1 warm-up, on the same text, between two runs of attnscope's command)\n",
+        "\nSide by side with transformers ({} by {}; its forward alone, median of {} after 1 warm-up, on the same text, between two runs of attnscope's command)\n",
         a.anchor
             .as_ref()
             .map(|p| p.display().to_string())
@@ -756,6 +754,7 @@ fn side_by_side(
             .as_ref()
             .map(|p| p.display().to_string())
             .unwrap_or_default(),
+        a.repeats,
     );
     let mut t = Table::new([
         ("n", Align::Right),

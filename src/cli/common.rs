@@ -50,15 +50,19 @@ impl Default for ModelArgs {
     }
 }
 
-/// Set by the executable's `main` (not by a library user running commands in its process): the
-/// models a command loads are then kept to the end of the process and never dropped, since
-/// freeing a vocabulary's maps one string at a time cost the lesson's `inspect` its last ~30 ms
-/// (the kernel takes the memory back at exit in one piece).
-pub static KEEP_MODELS_TO_EXIT: std::sync::atomic::AtomicBool =
-    std::sync::atomic::AtomicBool::new(false);
+/// The models commands loaded, kept to the end of the process and never dropped (statics are
+/// not), once the executable's `main` asked for it ([`keep_models_to_exit`]); `None` for a
+/// library user running commands in its own process, whose models are freed as usual.
+static KEPT: std::sync::Mutex<Option<Vec<std::sync::Arc<Model>>>> = std::sync::Mutex::new(None);
 
-/// The models kept (statics are never dropped).
-static KEPT: std::sync::Mutex<Vec<std::sync::Arc<Model>>> = std::sync::Mutex::new(Vec::new());
+/// Keeps every model a command loads from now on to the end of the process: freeing a
+/// vocabulary's maps one string at a time cost the lesson's `inspect` its last ~30 ms, and the
+/// kernel takes the memory back at exit in one piece.
+pub fn keep_models_to_exit() {
+    if let Ok(mut kept) = KEPT.lock() {
+        kept.get_or_insert_with(Vec::new);
+    }
+}
 
 impl ModelArgs {
     pub fn load(&self) -> anyhow::Result<std::sync::Arc<Model>> {
@@ -75,8 +79,8 @@ impl ModelArgs {
             m.tokenizer.set_add_bos(false)?;
         }
         let m = std::sync::Arc::new(m);
-        if KEEP_MODELS_TO_EXIT.load(std::sync::atomic::Ordering::Relaxed) {
-            if let Ok(mut kept) = KEPT.lock() {
+        if let Ok(mut kept) = KEPT.lock() {
+            if let Some(kept) = kept.as_mut() {
                 kept.push(m.clone());
             }
         }

@@ -141,7 +141,7 @@ pub fn main() -> ExitCode {
             return ExitCode::from(code);
         }
     };
-    common::KEEP_MODELS_TO_EXIT.store(true, std::sync::atomic::Ordering::Relaxed);
+    common::keep_models_to_exit();
     let result = run(cli);
     // `attnscope bench` times commands as child processes and asks each for its own peak memory
     // (VmHWM of this process's address space; rusage would include the parent's, inherited)
