@@ -1184,6 +1184,98 @@ fn bench_reports_rates_forwards_and_commands() {
     assert_eq!(bad.status.code(), Some(2));
 }
 
+/// `bench --precision fast --against-exact`: both precisions' forwards at each length, a row per
+/// length whose ratio is the medians' (exact over fast) and whose pairs are each pair's own; the
+/// table says which kernel fast ran; without `--precision fast` the flag is refused.
+#[test]
+fn bench_times_fast_against_exact_in_alternation() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let run = |json: bool| {
+        let mut args = vec![
+            "bench",
+            "-m",
+            m.to_str().unwrap(),
+            "--precision",
+            "fast",
+            "--against-exact",
+            "--no-commands",
+            "--lengths",
+            "8,16",
+            "--repeats",
+            "3",
+        ];
+        if json {
+            args.push("--json");
+        }
+        let out = attnscope().args(args).output().unwrap();
+        assert!(out.status.success(), "{}", stderr_of(&out));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let v: serde_json::Value = serde_json::from_str(&run(true)).unwrap();
+    assert_eq!(v["precision"], "fast");
+    let rows = v["fast_vs_exact"].as_array().unwrap();
+    assert_eq!(
+        rows.iter()
+            .map(|r| r["n"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        vec![8, 16]
+    );
+    for r in rows {
+        let (e, f) = (
+            r["exact_s"].as_f64().unwrap(),
+            r["fast_s"].as_f64().unwrap(),
+        );
+        assert!(e > 0.0 && f > 0.0, "{r}");
+        assert!(
+            (r["faster_by"].as_f64().unwrap() - e / f).abs() < 1e-9,
+            "{r}"
+        );
+        let pairs: Vec<f64> = r["pair_ratios"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        assert_eq!(pairs.len(), 3, "{r}");
+        assert!(pairs.iter().all(|&x| x > 0.0 && x.is_finite()), "{r}");
+    }
+    // without the flag the JSON says so with an empty list
+    let plain = attnscope()
+        .args([
+            "bench",
+            "-m",
+            m.to_str().unwrap(),
+            "--no-commands",
+            "--lengths",
+            "8",
+        ])
+        .args(["--repeats", "1", "--json"])
+        .output()
+        .unwrap();
+    assert!(plain.status.success(), "{}", stderr_of(&plain));
+    let p: serde_json::Value = serde_json::from_slice(&plain.stdout).unwrap();
+    assert_eq!(p["fast_vs_exact"].as_array().map(Vec::len), Some(0));
+    let text = run(false);
+    let kernel = attnscope::model::weights::fast_kernel()
+        .unwrap_or("no kernel of its own here: it runs exact's");
+    assert!(
+        text.contains(&format!("fast ({kernel}) against exact")),
+        "{text}"
+    );
+    assert!(text.contains("fast faster by"), "{text}");
+    let bad = attnscope()
+        .args(["bench", "-m", m.to_str().unwrap(), "--against-exact"])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(
+        stderr_of(&bad).contains("add --precision fast"),
+        "{}",
+        stderr_of(&bad)
+    );
+}
+
 /// `bench --transformers`: the anchor script runs between two runs of each command with the
 /// arguments of the comparable route (eager with output_attentions next to capture, sdpa next to
 /// inspect, the same text file), and the ratios are its forward over attnscope's times. A stand-in

@@ -40,6 +40,11 @@ pub struct Args {
     /// The anchor script --transformers runs, in place of the built-in copy.
     #[arg(long, value_name = "SCRIPT", requires = "transformers")]
     anchor: Option<std::path::PathBuf>,
+    /// With `--precision fast`: load the model at exact precision too and time the two forwards
+    /// in alternation at each length (exact, fast, exact, fast, …: one warm-up pair, then
+    /// --repeats pairs), so fast's lead over exact comes from one run on the same machine state.
+    #[arg(long)]
+    against_exact: bool,
     #[arg(long)]
     json: bool,
 }
@@ -93,6 +98,19 @@ struct CommandRow {
     /// forward, and for `capture` the writing), from the `(load X s, … Y s` it prints
     load_s: Option<f64>,
     after_load_s: Option<f64>,
+}
+
+/// `fast` against `exact` at one length, their forwards timed in alternation.
+#[derive(Serialize, Debug, Clone)]
+struct PrecisionRow {
+    n: usize,
+    /// medians of the timed pairs
+    exact_s: f64,
+    fast_s: f64,
+    /// `exact_s / fast_s`
+    faster_by: f64,
+    /// exact over fast within each pair, in the order they ran
+    pair_ratios: Vec<f64>,
 }
 
 /// What the anchor script prints (one JSON line); the fields the side-by-side table uses.
@@ -272,6 +290,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.repeats == 0 {
         return Err(usage("--repeats must be at least 1"));
     }
+    if a.against_exact && a.model.precision != crate::model::Precision::Fast {
+        return Err(usage(
+            "--against-exact times fast next to exact: add --precision fast",
+        ));
+    }
     if let Some(python) = &a.transformers {
         if a.no_commands {
             return Err(usage(
@@ -311,7 +334,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         // each command, transformers' route, the command again
         (false, true) => 7,
     };
-    let steps = 2 + a.lengths.len() * per_length;
+    let steps = 2 + a.lengths.len() * (per_length + usize::from(a.against_exact));
     let pb = if std::io::stderr().is_terminal() {
         indicatif::ProgressBar::new(steps as u64)
     } else {
@@ -481,6 +504,47 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         pb.inc(1);
     }
 
+    // fast against exact: both models held, their forwards in alternation
+    let mut precisions = Vec::new();
+    if a.against_exact {
+        pb.set_message("loading the exact model");
+        let exact = ModelArgs {
+            precision: crate::model::Precision::Exact,
+            ..a.model.clone()
+        }
+        .load()?;
+        if exact.info.precision != crate::model::Precision::Exact {
+            return Err(usage(format!(
+                "--against-exact: `{}` is a model loaded in this process at {} precision; load it at exact too to compare",
+                a.model.model,
+                exact.info.precision.name()
+            )));
+        }
+        for &n in &a.lengths {
+            pb.set_message(format!("fast against exact, n = {n}"));
+            let (tokens, opts) = (&all[..n], RunOptions::last_logits(n));
+            let (mut exact_s, mut fast_s) = (Vec::new(), Vec::new());
+            for i in 0..=a.repeats {
+                let e = exact.forward(tokens, &opts, &mut NoCapture)?.timings.total;
+                let f = model.forward(tokens, &opts, &mut NoCapture)?.timings.total;
+                if i > 0 {
+                    exact_s.push(e.as_secs_f64());
+                    fast_s.push(f.as_secs_f64());
+                }
+            }
+            let pair_ratios = exact_s.iter().zip(&fast_s).map(|(e, f)| e / f).collect();
+            let (exact_s, fast_s) = (median(exact_s), median(fast_s));
+            precisions.push(PrecisionRow {
+                n,
+                exact_s,
+                fast_s,
+                faster_by: exact_s / fast_s,
+                pair_ratios,
+            });
+            pb.inc(1);
+        }
+    }
+
     // the commands a user runs, start to end (load included), as separate processes
     let mut commands = Vec::new();
     let mut side = Vec::new();
@@ -603,7 +667,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "model": model.info.name, "precision": model.info.precision.name(), "cpu": cpu, "threads": threads,
             "kernel": isa.name(), "simd": crate::kernels::simd::level().name(), "kernel_peak_gflops": peak, "machine_gemm_gflops": machine_rate,
             "gemm": gemms, "forward": forwards, "commands": commands, "repeats": a.repeats,
-            "transformers": side,
+            "transformers": side, "fast_vs_exact": precisions,
         });
         return emit(&format!("{}\n", serde_json::to_string_pretty(&doc)?));
     }
@@ -701,6 +765,34 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     s += &t.render();
     s += "Attention rates count the useful work (q·k and p·v over the visible pairs of every head).\n";
+    if !precisions.is_empty() {
+        s += &format!(
+            "\nfast ({}) against exact, their forwards in alternation (median of {} pairs after a warm-up pair)\n",
+            crate::model::weights::fast_kernel().unwrap_or("no kernel of its own here: it runs exact's"),
+            a.repeats
+        );
+        let mut t = Table::new([
+            ("n", Align::Right),
+            ("exact", Align::Right),
+            ("fast", Align::Right),
+            ("fast faster by", Align::Right),
+            ("each pair", Align::Right),
+        ]);
+        for r in &precisions {
+            t.row([
+                r.n.to_string(),
+                format!("{:.2} s", r.exact_s),
+                format!("{:.2} s", r.fast_s),
+                format!("{:.2}x", r.faster_by),
+                r.pair_ratios
+                    .iter()
+                    .map(|x| format!("{x:.2}x"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            ]);
+        }
+        s += &t.render();
+    }
     if !commands.is_empty() {
         s += "\n";
         let mut t = Table::new([
