@@ -26,9 +26,10 @@ pub struct ModelArgs {
     /// exact: the reference's numbers (to ~1e-5): every product of a weight and an activation
     /// exact, summed in f32 (on CPUs with Intel AMX, a quantized file's projections run on the
     /// tiles as its integers and scales; elsewhere weights dequantized to f32). fast: the
-    /// projections in bf16 on Intel AMX tiles (a forward 2-3x faster than exact, measured on a
-    /// Sapphire Rapids-class Xeon; attention weights move by <1e-2), else in 8-bit blocks on
-    /// AVX-512 VNNI (~1.4x; weights move by <0.04). With neither, fast runs as exact.
+    /// projections in bf16 on Intel AMX tiles (a forward 1.6-3.5x faster than exact, measured
+    /// on a Sapphire Rapids-class Xeon: `bench --precision fast --against-exact`; attention
+    /// weights move by <1e-2), else in 8-bit blocks on AVX-512 VNNI (~1.5x; weights move by
+    /// <0.04). With neither, fast runs as exact.
     #[arg(long, value_enum, default_value_t = Precision::Exact)]
     pub precision: Precision,
     /// Put the model's BOS token first even though its metadata does not ask for one.
