@@ -6,7 +6,7 @@
 //! `C[i, j] = Σ_b sa[i, b] · sw[j, b] · Σ_{t<32} qa[i, 32b + t] · qw[j, 32b + t]`.
 //!
 //! VNNI multiplies unsigned by signed bytes, so the activations go in as `qa + 128` and each
-//! weight block carries `128 · Σ_t qw` to take back out. The integer sums are exact; the only
+//! weight block carries `-128 · Σ_t qw`, where its integer sums start, to take that back out. The integer sums are exact; the only
 //! rounding is the quantization of both sides (relative error ~1/254 per block), which moves the
 //! attention weights of the default model by about 1e-2 (measured in the tests).
 
@@ -17,7 +17,9 @@ use rayon::prelude::*;
 pub const BLOCK: usize = 32;
 /// Columns per packed panel.
 const NP: usize = 16;
-/// Bytes of one panel's block: 8 groups of 4 k-values × 16 columns, 16 scales, 16 sums.
+/// Bytes of one panel's block: 8 groups of 4 k-values × 16 columns, 16 scales, and 16 times
+/// `-128 · Σ_t qw` (where the kernel's integer sums start, which takes the activations' `+ 128`
+/// back out without a subtraction per block).
 const PANEL_BLOCK: usize = BLOCK * NP + NP * 4 + NP * 4;
 
 /// Whether this CPU has the VNNI kernel (AVX-512 F, BW and VNNI).
@@ -98,7 +100,7 @@ impl PackedQ8 {
                         pb[BLOCK * NP + c * 4..BLOCK * NP + c * 4 + 4]
                             .copy_from_slice(&scale.to_le_bytes());
                         pb[BLOCK * NP + NP * 4 + c * 4..BLOCK * NP + NP * 4 + c * 4 + 4]
-                            .copy_from_slice(&(128 * sum).to_le_bytes());
+                            .copy_from_slice(&(-128 * sum).to_le_bytes());
                     }
                 }
             },
@@ -116,8 +118,12 @@ impl PackedQ8 {
     }
 }
 
-/// Activations `A: [m, k]` quantized per row and block of 32: `qa + 128` as unsigned bytes
-/// `[m, k]` (the form VNNI multiplies) and scales `[m, k / 32]`.
+/// Activations `A: [m, k]` quantized per row and block of 32 as `qa + 128` (unsigned bytes, the
+/// form VNNI multiplies), in strips of [`MR`] rows laid out as the kernel reads them: per strip
+/// and block, the 8 groups of 4 bytes of its rows side by side (`[group][row][4]`, 192 bytes),
+/// then the next block; the scales per strip as `[block][row]`. So the kernel's activations of a
+/// block are three consecutive cache lines instead of six rows `k` bytes apart. The rows past
+/// `m` in the last strip are zero (`128`, scale 0) and are never written out.
 pub struct QuantA {
     pub m: usize,
     pub k: usize,
@@ -125,28 +131,105 @@ pub struct QuantA {
     scales: Vec<f32>,
 }
 
+/// Bytes of one strip's block of activations: 8 groups × MR rows × 4.
+const STRIP_BLOCK: usize = BLOCK * MR;
+
 impl QuantA {
     pub fn new(a: &[f32], m: usize, k: usize, lda: usize) -> QuantA {
         assert!(k.is_multiple_of(BLOCK));
+        assert!(m == 0 || a.len() >= (m - 1) * lda + k, "A is too short");
         let blocks = k / BLOCK;
-        let mut qa = vec![0u8; m * k];
-        let mut scales = vec![0f32; m * blocks];
-        qa.par_chunks_mut(k)
-            .zip(scales.par_chunks_mut(blocks))
-            .enumerate()
-            .for_each(|(i, (q, s))| {
-                let row = &a[i * lda..i * lda + k];
-                for b in 0..blocks {
-                    let src = &row[b * BLOCK..(b + 1) * BLOCK];
-                    let amax = src.iter().fold(0f32, |m, &x| m.max(x.abs()));
-                    s[b] = amax / 127.0;
-                    let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
-                    for (t, &x) in src.iter().enumerate() {
-                        q[b * BLOCK + t] = (q8(x, inv) as i32 + 128) as u8;
+        let strips = m.div_ceil(MR);
+        let mut qa = vec![128u8; strips * blocks * STRIP_BLOCK];
+        let mut scales = vec![0f32; strips * blocks * MR];
+        if blocks > 0 {
+            qa.par_chunks_mut(blocks * STRIP_BLOCK)
+                .zip(scales.par_chunks_mut(blocks * MR))
+                .enumerate()
+                .for_each(|(st, (q, sc))| {
+                    for r in 0..MR.min(m - st * MR) {
+                        let i = st * MR + r;
+                        quantize_row(&a[i * lda..i * lda + k], r, q, sc);
                     }
-                }
-            });
+                });
+        }
         QuantA { m, k, qa, scales }
+    }
+
+    /// `qa + 128` of row `r` of strip `st`, value `t` of block `b`.
+    #[inline]
+    fn at(&self, st: usize, b: usize, r: usize, t: usize) -> u8 {
+        let blocks = self.k / BLOCK;
+        self.qa[(st * blocks + b) * STRIP_BLOCK + (t / 4) * MR * 4 + r * 4 + t % 4]
+    }
+
+    /// The scale of row `r` of strip `st` in block `b`.
+    #[inline]
+    fn scale(&self, st: usize, b: usize, r: usize) -> f32 {
+        self.scales[(st * (self.k / BLOCK) + b) * MR + r]
+    }
+}
+
+crate::kernels::simd::multiversion! {
+    /// Row `r` of a strip to `qa + 128` and its blocks' scales, at the machine's vector width:
+    /// the rounding (`f32::round`, half away from zero) is a library call per value in a
+    /// baseline x86-64 build, which made quantizing the activations a large part of `fast`'s
+    /// forward. The same values in every build.
+    fn quantize_row(row: &[f32], r: usize, q: &mut [u8], s: &mut [f32]) {
+        for (b, src) in row.chunks_exact(BLOCK).enumerate() {
+            // in lanes of 16, by comparisons (not f32::max, whose NaN rule keeps the loop from
+            // vectorizing; a NaN is skipped by both)
+            let mut lanes = [0f32; 16];
+            for half in src.chunks_exact(16) {
+                for (m, &x) in lanes.iter_mut().zip(half) {
+                    let a = x.abs();
+                    *m = if a > *m { a } else { *m };
+                }
+            }
+            // then pairwise (a chain of 16 scalar maxima was the loop's critical path)
+            let mut width = 16;
+            while width > 1 {
+                width /= 2;
+                for i in 0..width {
+                    let (x, y) = (lanes[i], lanes[i + width]);
+                    lanes[i] = if y > x { y } else { x };
+                }
+            }
+            let amax = lanes[0];
+            s[b * MR + r] = amax / 127.0;
+            let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+            let mut bytes = [0u8; BLOCK];
+            for (d, &x) in bytes.iter_mut().zip(src) {
+                // q8(x, inv) + 128 without f32::round (no vector instruction rounds half away
+                // from zero: LLVM calls the library per value) nor the saturating casts (a
+                // scalar comparison per value each): rounded as truncation plus the exact
+                // remainder's carry, and the integer v + 128 in 1..=255 read from the low
+                // bits of 2^23 + v + 128
+                let y = x * inv;
+                let t = y.trunc();
+                let rem = y - t;
+                let v = if rem >= 0.5 {
+                    t + 1.0
+                } else if rem <= -0.5 {
+                    t - 1.0
+                } else {
+                    t
+                };
+                let v = if v > 127.0 {
+                    127.0
+                } else if v < -127.0 {
+                    -127.0
+                } else if v.is_nan() {
+                    0.0
+                } else {
+                    v
+                };
+                *d = (v + (128.0 + 8_388_608.0)).to_bits() as u8;
+            }
+            for (g, four) in bytes.chunks_exact(4).enumerate() {
+                q[b * STRIP_BLOCK + g * MR * 4 + r * 4..][..4].copy_from_slice(four);
+            }
+        }
     }
 }
 
@@ -155,57 +238,78 @@ const MR: usize = 6;
 
 /// `C[m, n] (+)= A · Wᵀ` with both sides quantized, C row-major with row stride `ldc`.
 pub fn gemm_q8(a: &QuantA, w: &PackedQ8, c: &mut [f32], ldc: usize, accumulate: bool) {
+    gemm_q8_on(a, w, c, ldc, accumulate, vnni_supported())
+}
+
+/// [`gemm_q8`] on the VNNI kernel (`vnni`, which the CPU must have) or the plain one.
+fn gemm_q8_on(a: &QuantA, w: &PackedQ8, c: &mut [f32], ldc: usize, accumulate: bool, vnni: bool) {
     let (m, n, k) = (a.m, w.n, w.k);
     assert_eq!(a.k, k, "int8 GEMM: A has k = {}, W has k = {k}", a.k);
     if m == 0 || n == 0 {
         return;
     }
     assert!(c.len() >= (m - 1) * ldc + n, "C is too short");
-    let vnni = vnni_supported();
-    // tasks: pairs of panels (32 columns) × row blocks of up to 96 rows
+    // tasks: pairs of panels (32 columns) × row blocks of up to 16 strips (96 rows)
     let col_tasks = n.div_ceil(2 * NP);
-    let rows = (MR * 16).min(m.div_ceil(MR) * MR);
-    let row_tasks = m.div_ceil(rows);
+    let strips = m.div_ceil(MR);
+    let task_strips = strips.min(16);
+    let row_tasks = strips.div_ceil(task_strips);
     let cp = SendPtr(c.as_mut_ptr());
     let blocks = k / BLOCK;
+    // consecutive tasks share the larger operand's part, so it is read from memory once: the
+    // activations' rows (then the weights stream past them), or a pair of weight panels (then
+    // the activations, which fit the cache, stream past it; gate|up's 10 MB and down's 4 MB on
+    // the default model: measured 430 against 560 GOP/s for gate|up at 576 rows)
+    let weights_larger = w.data.len() > a.qa.len();
     (0..col_tasks * row_tasks).into_par_iter().for_each(|t| {
-        let (jt, it) = (t % col_tasks, t / col_tasks);
-        let (i0, i1) = (it * rows, ((it + 1) * rows).min(m));
+        let (jt, it) = if weights_larger {
+            (t / row_tasks, t % row_tasks)
+        } else {
+            (t % col_tasks, t / col_tasks)
+        };
+        let (s0, s1) = (it * task_strips, ((it + 1) * task_strips).min(strips));
         let p0 = 2 * jt;
         let two = p0 + 1 < n.div_ceil(NP);
-        // f32 sums of this task's rows × 32 columns, carried across chunks of blocks: a chunk
-        // of both panels (8 blocks, 10 KiB) stays in L1 while every row tile passes over it
-        let mut sums = vec![0f32; (i1 - i0) * 2 * NP];
+        // f32 sums of this task's strips × 32 columns, carried across chunks of blocks: a chunk
+        // of both panels (8 blocks, 10 KiB) stays in L1 while every strip passes over it
+        let mut sums = vec![0f32; (s1 - s0) * MR * 2 * NP];
         let mut b0 = 0;
         while b0 < blocks {
             let b1 = (b0 + CHUNK).min(blocks);
-            let mut i = i0;
-            while i < i1 {
-                let r = MR.min(i1 - i);
-                let out = &mut sums[(i - i0) * 2 * NP..(i - i0 + r) * 2 * NP];
+            for (st, out) in (s0..s1).zip(sums.chunks_mut(MR * 2 * NP)) {
+                let rows = MR.min(m - st * MR);
                 #[cfg(target_arch = "x86_64")]
-                if vnni && r == MR {
+                if vnni {
                     let pb1 = if two {
                         w.panel(p0 + 1).as_ptr()
                     } else {
                         w.panel(p0).as_ptr()
                     };
-                    // SAFETY: the CPU has VNNI; the panels hold every block; out holds MR rows.
-                    unsafe { x86::tile_vnni(a, i, w.panel(p0).as_ptr(), pb1, b0..b1, out) };
-                } else {
-                    tile_scalar(a, w, i, r, p0, two, b0..b1, out);
+                    let pb0 = w.panel(p0).as_ptr();
+                    // SAFETY: the caller says the CPU has VNNI; the panels hold every block;
+                    // the strip is in A; out holds MR rows of 32.
+                    unsafe {
+                        if rows == MR {
+                            x86::tile_vnni::<false>(a, st, pb0, pb1, b0..b1, out)
+                        } else {
+                            // a last strip of fewer rows: its sums rounded as the plain
+                            // kernel rounds them, which computed such rows until the strips
+                            // came, so fast's numbers stay what they were
+                            x86::tile_vnni::<true>(a, st, pb0, pb1, b0..b1, out)
+                        }
+                    };
+                    continue;
                 }
-                #[cfg(not(target_arch = "x86_64"))]
-                tile_scalar(a, w, i, r, p0, two, b0..b1, out);
-                i += r;
+                tile_scalar(a, w, st, rows, p0, two, b0..b1, out);
             }
             b0 = b1;
         }
         let cols = (2 * NP).min(n - p0 * NP);
-        for (rr, row) in sums.chunks(2 * NP).enumerate() {
-            // SAFETY: this task owns rows i0..i1 × columns 32·jt..32·jt+32 of C.
+        let rows = (s1 * MR).min(m) - s0 * MR;
+        for (rr, row) in sums.chunks(2 * NP).take(rows).enumerate() {
+            // SAFETY: this task owns rows of strips s0..s1 × columns 32·jt..32·jt+32 of C.
             let dst = unsafe {
-                std::slice::from_raw_parts_mut(cp.get().add((i0 + rr) * ldc + p0 * NP), cols)
+                std::slice::from_raw_parts_mut(cp.get().add((s0 * MR + rr) * ldc + p0 * NP), cols)
             };
             for (d, &v) in dst.iter_mut().zip(row) {
                 *d = if accumulate { *d + v } else { v };
@@ -217,19 +321,19 @@ pub fn gemm_q8(a: &QuantA, w: &PackedQ8, c: &mut [f32], ldc: usize, accumulate: 
 /// Blocks of k per chunk (see [`gemm_q8`]).
 const CHUNK: usize = 8;
 
-/// The plain kernel (any CPU, and edge tiles): the same integer sums and scalings.
+/// The plain kernel (any CPU, and a last strip of fewer than MR rows): the same integer sums
+/// and scalings, for the first `rows` rows of strip `st` and 2 panels (32 columns).
 #[allow(clippy::too_many_arguments)]
 fn tile_scalar(
     a: &QuantA,
     w: &PackedQ8,
-    i: usize,
-    r: usize,
+    st: usize,
+    rows: usize,
     p0: usize,
     two: bool,
     bs: std::ops::Range<usize>,
     out: &mut [f32],
 ) {
-    let blocks = w.k / BLOCK;
     for (pi, p) in [p0, p0 + 1].into_iter().enumerate() {
         if pi == 1 && !two {
             break;
@@ -237,12 +341,12 @@ fn tile_scalar(
         let panel = w.panel(p);
         for b in bs.clone() {
             let pb = &panel[b * PANEL_BLOCK..(b + 1) * PANEL_BLOCK];
-            for rr in 0..r {
-                let row = &a.qa[(i + rr) * a.k + b * BLOCK..][..BLOCK];
-                let sa = a.scales[(i + rr) * blocks + b];
+            for rr in 0..rows {
+                let sa = a.scale(st, b, rr);
                 for c in 0..NP {
                     let mut acc = 0i32;
-                    for (t, &x) in row.iter().enumerate() {
+                    for t in 0..BLOCK {
+                        let x = a.at(st, b, rr, t);
                         acc += (x as i32 - 128) * pb[(t / 4) * NP * 4 + c * 4 + t % 4] as i8 as i32;
                     }
                     let sw = f32::from_le_bytes(
@@ -275,20 +379,31 @@ mod x86 {
         out
     }
 
-    /// MR rows × 2 panels (32 columns) over the blocks `bs`, added to the sums in `out`.
+    /// `f + x · s` in f32 lanes, into `f`'s own register (`vfmadd231ps`): written with the
+    /// intrinsic, LLVM put each block's sums in other registers and moved all twelve back at the
+    /// end of every block.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn fma_into(f: &mut __m512, x: __m512, s: __m512) {
+        std::arch::asm!("vfmadd231ps {f}, {x}, {s}", f = inout(zmm_reg) *f, x = in(zmm_reg) x, s = in(zmm_reg) s, options(pure, nomem, nostack));
+    }
+
+    /// The MR rows of strip `st` × 2 panels (32 columns) over the blocks `bs`, added to the
+    /// sums in `out` (`[MR, 32]`). `PLAIN`: each block's sum scaled and added as
+    /// [`tile_scalar`] does (`out + Σ · (sa · sw)`, two roundings more than the fused form).
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    pub unsafe fn tile_vnni(
+    pub unsafe fn tile_vnni<const PLAIN: bool>(
         a: &QuantA,
-        i: usize,
+        st: usize,
         pb0: *const u8,
         pb1: *const u8,
         bs: std::ops::Range<usize>,
         out: &mut [f32],
     ) {
+        assert!(out.len() >= MR * 2 * NP && (st + 1) * MR <= a.m.div_ceil(MR) * MR);
         let blocks = a.k / BLOCK;
-        let k = a.k;
-        let qa = a.qa.as_ptr().add(i * k);
-        let sc = a.scales.as_ptr().add(i * blocks);
+        let qa = a.qa.as_ptr().add(st * blocks * STRIP_BLOCK);
+        let sc = a.scales.as_ptr().add(st * blocks * MR);
         let mut f: [__m512; 2 * MR] = [_mm512_setzero_ps(); 2 * MR];
         for r in 0..MR {
             f[2 * r] = _mm512_loadu_ps(out.as_ptr().add(r * 2 * NP));
@@ -297,36 +412,42 @@ mod x86 {
         for b in bs {
             let w0 = pb0.add(b * PANEL_BLOCK);
             let w1 = pb1.add(b * PANEL_BLOCK);
+            // the sums start at -128 · Σ qw of their column, so they end as Σ qa · qw
+            let c0 = _mm512_loadu_si512(w0.add(BLOCK * NP + NP * 4) as *const __m512i);
+            let c1 = _mm512_loadu_si512(w1.add(BLOCK * NP + NP * 4) as *const __m512i);
             let mut acc: [__m512i; 2 * MR] = [_mm512_setzero_si512(); 2 * MR];
-            let xa = qa.add(b * BLOCK);
-            let mut g = 0;
-            while g < BLOCK / 4 {
+            for r in 0..MR {
+                acc[2 * r] = c0;
+                acc[2 * r + 1] = c1;
+            }
+            let xa = qa.add(b * STRIP_BLOCK);
+            for g in 0..BLOCK / 4 {
                 let v0 = _mm512_loadu_si512(w0.add(g * NP * 4) as *const __m512i);
                 let v1 = _mm512_loadu_si512(w1.add(g * NP * 4) as *const __m512i);
-                let mut r = 0;
-                while r < MR {
-                    // 4 activation bytes (already + 128) in every lane
+                for r in 0..MR {
+                    // 4 activation bytes (already + 128) of row r in every lane
                     let x = _mm512_set1_epi32(std::ptr::read_unaligned(
-                        xa.add(r * k + 4 * g) as *const i32
+                        xa.add(g * MR * 4 + r * 4) as *const i32
                     ));
                     acc[2 * r] = dpbusd(acc[2 * r], x, v0);
                     acc[2 * r + 1] = dpbusd(acc[2 * r + 1], x, v1);
-                    r += 1;
                 }
-                g += 1;
             }
             let s0 = _mm512_loadu_ps(w0.add(BLOCK * NP) as *const f32);
             let s1 = _mm512_loadu_ps(w1.add(BLOCK * NP) as *const f32);
-            let c0 = _mm512_loadu_si512(w0.add(BLOCK * NP + NP * 4) as *const __m512i);
-            let c1 = _mm512_loadu_si512(w1.add(BLOCK * NP + NP * 4) as *const __m512i);
-            let mut r = 0;
-            while r < MR {
-                let sa = _mm512_set1_ps(*sc.add(r * blocks + b));
-                let f0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[2 * r], c0));
-                let f1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[2 * r + 1], c1));
-                f[2 * r] = _mm512_fmadd_ps(_mm512_mul_ps(f0, sa), s0, f[2 * r]);
-                f[2 * r + 1] = _mm512_fmadd_ps(_mm512_mul_ps(f1, sa), s1, f[2 * r + 1]);
-                r += 1;
+            for r in 0..MR {
+                let sa = _mm512_set1_ps(*sc.add(b * MR + r));
+                let f0 = _mm512_cvtepi32_ps(acc[2 * r]);
+                let f1 = _mm512_cvtepi32_ps(acc[2 * r + 1]);
+                if PLAIN {
+                    let p0 = _mm512_mul_ps(f0, _mm512_mul_ps(sa, s0));
+                    let p1 = _mm512_mul_ps(f1, _mm512_mul_ps(sa, s1));
+                    f[2 * r] = _mm512_add_ps(f[2 * r], p0);
+                    f[2 * r + 1] = _mm512_add_ps(f[2 * r + 1], p1);
+                } else {
+                    fma_into(&mut f[2 * r], _mm512_mul_ps(f0, sa), s0);
+                    fma_into(&mut f[2 * r + 1], _mm512_mul_ps(f1, sa), s1);
+                }
             }
         }
         for r in 0..MR {
@@ -401,6 +522,44 @@ mod tests {
                 .iter()
                 .zip(&c)
                 .all(|(x, y)| (x - 1.0 - y).abs() < 1e-4 * (1.0 + y.abs())));
+        }
+    }
+
+    /// The VNNI kernel against the plain one on the same quantized operands: bit for bit on a
+    /// last strip of fewer than MR rows (which rounds as the plain kernel does), within f32
+    /// rounding on whole strips (which fuse the scaling into one multiply-add); every row count
+    /// from 1 to 2 strips, one panel or two, and the weights read in either order.
+    #[test]
+    fn vnni_kernel_matches_the_plain_one() {
+        if !vnni_supported() {
+            eprintln!("NOTE: this CPU has no AVX-512 VNNI: only the plain int8 kernel is tested");
+            return;
+        }
+        let mut rng = crate::reference::Rng::new(5);
+        let small = (1..=2 * MR + 1)
+            .flat_map(|m| [(64, 16), (96, 48), (32, 70), (512, 20)].map(|(k, n)| (m, k, n)));
+        // more activations than weights (the other task order), in several row tasks
+        for (m, k, n) in small.chain([(200, 64, 16), (203, 64, 100)]) {
+            let a = rng.normals(m * k, 1.0);
+            let w = rng.normals(n * k, 0.1);
+            let qa = QuantA::new(&a, m, k, k);
+            let pw = PackedQ8::from_rows(&w, n, k);
+            let (mut plain, mut vnni) = (vec![0f32; m * n], vec![0f32; m * n]);
+            gemm_q8_on(&qa, &pw, &mut plain, n, false, false);
+            gemm_q8_on(&qa, &pw, &mut vnni, n, false, true);
+            for i in 0..m {
+                for j in 0..n {
+                    let (p, v) = (plain[i * n + j], vnni[i * n + j]);
+                    if i >= m / MR * MR {
+                        assert_eq!(p.to_bits(), v.to_bits(), "m={m} k={k} n={n} ({i},{j})");
+                    } else {
+                        assert!(
+                            (p - v).abs() <= 1e-5 * (1.0 + p.abs()),
+                            "m={m} k={k} n={n} ({i},{j}): {p} vs {v}"
+                        );
+                    }
+                }
+            }
         }
     }
 
