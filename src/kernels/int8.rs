@@ -6,9 +6,10 @@
 //! `C[i, j] = Σ_b sa[i, b] · sw[j, b] · Σ_{t<32} qa[i, 32b + t] · qw[j, 32b + t]`.
 //!
 //! VNNI multiplies unsigned by signed bytes, so the activations go in as `qa + 128` and each
-//! weight block carries `-128 · Σ_t qw`, where its integer sums start, to take that back out. The integer sums are exact; the only
-//! rounding is the quantization of both sides (relative error ~1/254 per block), which moves the
-//! attention weights of the default model by about 1e-2 (measured in the tests).
+//! weight block carries `-128 · Σ_t qw`, where its integer sums start, to take that back out.
+//! The integer sums are exact; the only rounding is the quantization of both sides (relative
+//! error ~1/254 per block), which moves the attention weights of the default model by about
+//! 1e-2 (measured in the tests).
 
 use super::SendPtr;
 use rayon::prelude::*;
