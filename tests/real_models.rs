@@ -255,8 +255,9 @@ fn tokenizer_vectors_match_hf() {
 
 /// `--precision fast` (quantized kernels) against the reference: how far it moves, measured.
 /// `--precision fast` on the shared sentence: where this CPU runs the int8 kernel, the sink
-/// profiles stay within 0.01 of the reference, the lesson's top-3 tables (last layer, heads 0-3)
-/// and the head-averaged top-4 name the same tokens, every last-row weight stays within 0.04,
+/// profiles stay within 0.01 of the reference, the lesson's top-3 tables (last layer, heads 0-3;
+/// two keys within 0.01 of each other in the reference may trade places) and the head-averaged
+/// top-4 name the same tokens, every last-row weight stays within 0.04,
 /// and the top next token is the same. Where it does not (no AVX-512 VNNI), fast must give the
 /// exact numbers, and the test says so.
 /// The inspect report of the golden file's tables: every head of the last layer from the last
@@ -351,17 +352,35 @@ fn check_fast(alias: &str, prefix: &str, sink_tolerance: f64) {
     );
     let mut tables = 0;
     for h in r.heads.iter().filter(|h| h.head < 4) {
-        let want = g["last_layer_head_top3_lastq"][h.head.to_string()]
+        let top3 = g["last_layer_head_top3_lastq"][h.head.to_string()]
             .as_array()
             .unwrap();
-        assert_eq!(h.top.len(), want.len());
-        for (got, want) in h.top.iter().zip(want) {
-            assert_eq!(
-                got.pos as u64,
-                want["pos"].as_u64().unwrap(),
-                "{alias} fast: head {} top-3",
-                h.head
-            );
+        assert_eq!(h.top.len(), top3.len());
+        // the reference's weight of key j in this head's last row
+        let ref_w = |j: usize| want[((d.n_layers - 1) * d.n_heads + h.head) * n + j];
+        for (got, w) in h.top.iter().zip(top3) {
+            let pos = w["pos"].as_u64().unwrap() as usize;
+            if got.pos != pos {
+                // two keys closer in the reference than a hundredth may trade places: the
+                // 8-bit blocks move weights by up to 0.04 (SmolLM2's last layer, head 1: keys 23
+                // and 48, 0.084 and 0.079 in the reference)
+                let gap = (ref_w(pos) - ref_w(got.pos)).abs();
+                assert!(
+                    gap < 0.01,
+                    "{alias} fast: head {} top-3 has key {} where the reference has {pos} ({} against {}: not a near tie)",
+                    h.head,
+                    got.pos,
+                    ref_w(got.pos),
+                    ref_w(pos)
+                );
+                eprintln!(
+                    "NOTE: {alias} fast: head {} top-3 has key {} where the reference has {pos}, a near tie there ({} against {})",
+                    h.head,
+                    got.pos,
+                    ref_w(got.pos),
+                    ref_w(pos)
+                );
+            }
             tables += 1;
         }
     }

@@ -278,7 +278,6 @@ fn gemm_q8_on(a: &QuantA, w: &PackedQ8, c: &mut [f32], ldc: usize, accumulate: b
         while b0 < blocks {
             let b1 = (b0 + CHUNK).min(blocks);
             for (st, out) in (s0..s1).zip(sums.chunks_mut(MR * 2 * NP)) {
-                let rows = MR.min(m - st * MR);
                 #[cfg(target_arch = "x86_64")]
                 if vnni {
                     let pb1 = if two {
@@ -289,19 +288,13 @@ fn gemm_q8_on(a: &QuantA, w: &PackedQ8, c: &mut [f32], ldc: usize, accumulate: b
                     let pb0 = w.panel(p0).as_ptr();
                     // SAFETY: the caller says the CPU has VNNI; the panels hold every block;
                     // the strip is in A; out holds MR rows of 32.
-                    unsafe {
-                        if rows == MR {
-                            x86::tile_vnni::<false>(a, st, pb0, pb1, b0..b1, out)
-                        } else {
-                            // a last strip of fewer rows: its sums rounded as the plain
-                            // kernel rounds them, which computed such rows until the strips
-                            // came, so fast's numbers stay what they were
-                            x86::tile_vnni::<true>(a, st, pb0, pb1, b0..b1, out)
-                        }
-                    };
+                    // (a last strip of fewer rows too: its padding rows are zero, and each row's
+                    // sums round the same way wherever it sits, so the logits rows computed
+                    // alone equal those of the whole sequence bit for bit)
+                    unsafe { x86::tile_vnni(a, st, pb0, pb1, b0..b1, out) };
                     continue;
                 }
-                tile_scalar(a, w, st, rows, p0, two, b0..b1, out);
+                tile_scalar(a, w, st, MR.min(m - st * MR), p0, two, b0..b1, out);
             }
             b0 = b1;
         }
@@ -322,8 +315,9 @@ fn gemm_q8_on(a: &QuantA, w: &PackedQ8, c: &mut [f32], ldc: usize, accumulate: b
 /// Blocks of k per chunk (see [`gemm_q8`]).
 const CHUNK: usize = 8;
 
-/// The plain kernel (any CPU, and a last strip of fewer than MR rows): the same integer sums
-/// and scalings, for the first `rows` rows of strip `st` and 2 panels (32 columns).
+/// The plain kernel (CPUs without VNNI): the same integer sums and scalings, rounded as the VNNI
+/// kernel rounds them (`out + (Σ · sa) · sw` in one multiply-add), for the first `rows` rows of
+/// strip `st` and 2 panels (32 columns).
 #[allow(clippy::too_many_arguments)]
 fn tile_scalar(
     a: &QuantA,
@@ -353,7 +347,8 @@ fn tile_scalar(
                     let sw = f32::from_le_bytes(
                         pb[BLOCK * NP + c * 4..][..4].try_into().expect("4 bytes"),
                     );
-                    out[rr * 2 * NP + pi * NP + c] += acc as f32 * (sa * sw);
+                    let o = &mut out[rr * 2 * NP + pi * NP + c];
+                    *o = (acc as f32 * sa).mul_add(sw, *o);
                 }
             }
         }
@@ -390,10 +385,9 @@ mod x86 {
     }
 
     /// The MR rows of strip `st` × 2 panels (32 columns) over the blocks `bs`, added to the
-    /// sums in `out` (`[MR, 32]`). `PLAIN`: each block's sum scaled and added as
-    /// [`tile_scalar`] does (`out + Σ · (sa · sw)`, two roundings more than the fused form).
+    /// sums in `out` (`[MR, 32]`).
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    pub unsafe fn tile_vnni<const PLAIN: bool>(
+    pub unsafe fn tile_vnni(
         a: &QuantA,
         st: usize,
         pb0: *const u8,
@@ -440,15 +434,8 @@ mod x86 {
                 let sa = _mm512_set1_ps(*sc.add(b * MR + r));
                 let f0 = _mm512_cvtepi32_ps(acc[2 * r]);
                 let f1 = _mm512_cvtepi32_ps(acc[2 * r + 1]);
-                if PLAIN {
-                    let p0 = _mm512_mul_ps(f0, _mm512_mul_ps(sa, s0));
-                    let p1 = _mm512_mul_ps(f1, _mm512_mul_ps(sa, s1));
-                    f[2 * r] = _mm512_add_ps(f[2 * r], p0);
-                    f[2 * r + 1] = _mm512_add_ps(f[2 * r + 1], p1);
-                } else {
-                    fma_into(&mut f[2 * r], _mm512_mul_ps(f0, sa), s0);
-                    fma_into(&mut f[2 * r + 1], _mm512_mul_ps(f1, sa), s1);
-                }
+                fma_into(&mut f[2 * r], _mm512_mul_ps(f0, sa), s0);
+                fma_into(&mut f[2 * r + 1], _mm512_mul_ps(f1, sa), s1);
             }
         }
         for r in 0..MR {
@@ -526,10 +513,10 @@ mod tests {
         }
     }
 
-    /// The VNNI kernel against the plain one on the same quantized operands: bit for bit on a
-    /// last strip of fewer than MR rows (which rounds as the plain kernel does), within f32
-    /// rounding on whole strips (which fuse the scaling into one multiply-add); every row count
-    /// from 1 to 2 strips, one panel or two, and the weights read in either order.
+    /// The VNNI kernel against the plain one on the same quantized operands, bit for bit (both
+    /// scale each block's sums in one multiply-add): every row count from 1 to 2 strips and
+    /// more, one panel or several, and the weights read in either order. And a row's numbers do
+    /// not depend on the rows beside it (the logits rows of the last layer run alone).
     #[test]
     fn vnni_kernel_matches_the_plain_one() {
         if !vnni_supported() {
@@ -548,19 +535,22 @@ mod tests {
             let (mut plain, mut vnni) = (vec![0f32; m * n], vec![0f32; m * n]);
             gemm_q8_on(&qa, &pw, &mut plain, n, false, false);
             gemm_q8_on(&qa, &pw, &mut vnni, n, false, true);
-            for i in 0..m {
-                for j in 0..n {
-                    let (p, v) = (plain[i * n + j], vnni[i * n + j]);
-                    if i >= m / MR * MR {
-                        assert_eq!(p.to_bits(), v.to_bits(), "m={m} k={k} n={n} ({i},{j})");
-                    } else {
-                        assert!(
-                            (p - v).abs() <= 1e-5 * (1.0 + p.abs()),
-                            "m={m} k={k} n={n} ({i},{j}): {p} vs {v}"
-                        );
-                    }
-                }
+            for (i, (p, v)) in plain.chunks(n).zip(vnni.chunks(n)).enumerate() {
+                let bits = |r: &[f32]| r.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(p), bits(v), "m={m} k={k} n={n}: row {i}");
             }
+            // the last row alone (one row in a strip of padding) gives the same bits
+            let i = m - 1;
+            let one = QuantA::new(&a[i * k..], 1, k, k);
+            let mut alone = vec![0f32; n];
+            gemm_q8_on(&one, &pw, &mut alone, n, false, true);
+            assert!(
+                alone
+                    .iter()
+                    .zip(&vnni[i * n..])
+                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                "m={m} k={k} n={n}: the last row alone"
+            );
         }
     }
 
