@@ -913,6 +913,14 @@ pub fn attention_into(
                         }
                     }
                 }
+                // a row's maximum, and where it first stands when the statistics want the argmax
+                let peak = |xs: &[f32]| {
+                    if stats {
+                        max_and_index(xs)
+                    } else {
+                        (max_of(xs), None)
+                    }
+                };
                 // online softmax update, one query row at a time: mask, new shift
                 // m' = max(m, block max), rescale the sums by exp(m - m'), and leave
                 // p = exp(s - m') in the buffer for the weighted sum of values
@@ -929,11 +937,7 @@ pub fn attention_into(
                     if !any_knockout && window.is_none() {
                         // the keys of this block the query may see are a prefix of it
                         let n_vis = (i + 1).saturating_sub(k0).min(kn);
-                        let (bmax, at) = if stats {
-                            max_and_index(&row[..n_vis])
-                        } else {
-                            (max_of(&row[..n_vis]), None)
-                        };
+                        let (bmax, at) = peak(&row[..n_vis]);
                         online_update(st, c, row, n_vis, bmax, at, k0, top_k, true);
                     } else {
                         for (j, sc) in row.iter_mut().enumerate() {
@@ -941,11 +945,7 @@ pub fn attention_into(
                                 *sc = f32::NEG_INFINITY;
                             }
                         }
-                        let (bmax, at) = if stats {
-                            max_and_index(row)
-                        } else {
-                            (max_of(row), None)
-                        };
+                        let (bmax, at) = peak(row);
                         online_update(st, c, row, kn, bmax, at, k0, top_k, false);
                     }
                     if single {
@@ -2101,7 +2101,7 @@ mod tests {
         };
         for key_block in [512, 1024] {
             close(
-                &run(&[false; 1100], key_block),
+                &run(&vec![false; n], key_block),
                 &want,
                 &format!("key block {key_block}"),
             );
