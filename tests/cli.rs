@@ -1276,11 +1276,12 @@ fn bench_times_fast_against_exact_in_alternation() {
     );
 }
 
-/// `bench --transformers`: the anchor script runs between two runs of each command with the
-/// arguments of the comparable route (eager with output_attentions next to capture, sdpa next to
-/// inspect, the same text file), and the ratios are its forward over attnscope's times. A stand-in
-/// for Python records its arguments and prints what hf_anchor.py prints; one that fails names
-/// its error; `--no-commands` and a missing Python are refused.
+/// `bench --transformers`: the anchor script runs between --repeats runs of each command and
+/// --repeats more, with the arguments of the comparable route (eager with output_attentions next
+/// to capture, sdpa next to inspect, the same text file), and the ratios are its forward over
+/// attnscope's times (their median, and each run's). A stand-in for Python records its arguments
+/// and prints what hf_anchor.py prints; one that fails names its error; `--no-commands` and a
+/// missing Python are refused.
 #[test]
 fn bench_runs_transformers_between_its_commands_and_reports_ratios() {
     use std::os::unix::fs::PermissionsExt;
@@ -1316,7 +1317,7 @@ echo "{{\"gguf\": \"m.gguf\", \"n_tokens\": 12, \"attn\": \"$attn\", \"output_at
     std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
     let out = attnscope()
         .args(["bench", "-m", m.to_str().unwrap(), "--lengths", "8,16"])
-        .args(["--repeats", "1", "--json", "--transformers"])
+        .args(["--repeats", "2", "--json", "--transformers"])
         .arg(&fake)
         .output()
         .unwrap();
@@ -1355,7 +1356,23 @@ echo "{{\"gguf\": \"m.gguf\", \"n_tokens\": 12, \"attn\": \"$attn\", \"output_at
         );
         let theirs = t["forward_median_s"].as_f64().unwrap();
         let walls = floats(&r["wall_s"]);
+        assert_eq!(
+            walls.len(),
+            4,
+            "--repeats runs before transformers and after: {r}"
+        );
         assert!(walls.iter().all(|&w| w > 0.0), "{r}");
+        let mut sorted = walls.clone();
+        sorted.sort_by(f64::total_cmp);
+        let median = (sorted[1] + sorted[2]) / 2.0;
+        assert!(
+            (r["median_wall_s"].as_f64().unwrap() - median).abs() < 1e-9,
+            "{r}"
+        );
+        assert!(
+            (r["faster_by_median"].as_f64().unwrap() - theirs / median).abs() < 1e-9,
+            "{r}"
+        );
         let ratios: Vec<f64> = walls.iter().map(|w| theirs / w).collect();
         let by = floats(&r["faster_by"]);
         let (lo, hi) = (
@@ -1373,8 +1390,16 @@ echo "{{\"gguf\": \"m.gguf\", \"n_tokens\": 12, \"attn\": \"$attn\", \"output_at
             let after = r["faster_by_after_load"].as_array().unwrap();
             let lo = own.iter().map(|x| theirs / x).fold(f64::INFINITY, f64::min);
             assert!((after[0].as_f64().unwrap() - lo).abs() < 1e-9, "{r}");
+            let mut sorted = own.clone();
+            sorted.sort_by(f64::total_cmp);
+            let median = (sorted[1] + sorted[2]) / 2.0;
+            assert!(
+                (r["faster_by_median_after_load"].as_f64().unwrap() - theirs / median).abs() < 1e-9,
+                "{r}"
+            );
         } else {
             assert!(r["faster_by_after_load"].is_null(), "{r}");
+            assert!(r["faster_by_median_after_load"].is_null(), "{r}");
         }
     }
     // `bench` at 8 tokens with this Python
