@@ -987,15 +987,21 @@ fn gemma3_commands() {
     assert_eq!(j["target"]["id"], 58132, "{}", j["target"]);
 }
 
-/// The packed-weight cache of the default model and of SmolLM2: the load that writes it and the
-/// load that maps it compute every attention weight and the logits bit for bit as a load without
-/// any cache, and the mapped load reads every projection from the file. (SmolLM2's 120 matrices
-/// once made a header whose data went a page before its offsets: every load rebuilt the file.)
+/// The packed-weight cache of the default model and of SmolLM2, exact and fast (whatever layout
+/// fast packs on this CPU: 8-bit VNNI blocks, bf16 AMX tiles or exact's f32 panels): the load
+/// that writes it and the load that maps it compute every attention weight and the logits bit
+/// for bit as a load without any cache, and the mapped load reads every projection from the
+/// file. (SmolLM2's 120 matrices once made a header whose data went a page before its offsets:
+/// every load rebuilt the file.)
 #[test]
 fn packed_weight_caches_change_no_bit_and_are_read_back() {
     use attnscope::model::panels::{Settings, MIN_BYTES};
     use attnscope::model::{Model, Precision};
-    for name in ["qwen2.5-coder-0.5b", "smollm2-135m"] {
+    let models = ["qwen2.5-coder-0.5b", "smollm2-135m"];
+    for (name, precision) in models
+        .iter()
+        .flat_map(|&m| [(m, Precision::Exact), (m, Precision::Fast)])
+    {
         let dir = tempfile::tempdir().unwrap();
         let settings = Settings {
             dir: dir.path().to_path_buf(),
@@ -1014,19 +1020,30 @@ fn packed_weight_caches_change_no_bit_and_are_read_back() {
             }
             bits
         };
-        let want = run(&Model::load_with(name, Precision::Exact, false, None).unwrap());
-        let writer = Model::load_with(name, Precision::Exact, false, Some(&settings)).unwrap();
+        let want = run(&Model::load_with(name, precision, false, None).unwrap());
+        let writer = Model::load_with(name, precision, false, Some(&settings)).unwrap();
         let all = writer.mapped_projections().1;
-        assert_eq!(writer.mapped_projections(), (0, all), "{name}");
+        assert_eq!(
+            writer.mapped_projections(),
+            (0, all),
+            "{name} {precision:?}"
+        );
         assert!(
             run(&writer) == want,
-            "{name}: the load that writes the cache"
+            "{name} {precision:?}: the load that writes the cache"
         );
         drop(writer);
         let files: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
-        assert_eq!(files.len(), 1, "{name}: {files:?}");
-        let reader = Model::load_with(name, Precision::Exact, false, Some(&settings)).unwrap();
-        assert_eq!(reader.mapped_projections(), (all, all), "{name}");
-        assert!(run(&reader) == want, "{name}: the load that maps the cache");
+        assert_eq!(files.len(), 1, "{name} {precision:?}: {files:?}");
+        let reader = Model::load_with(name, precision, false, Some(&settings)).unwrap();
+        assert_eq!(
+            reader.mapped_projections(),
+            (all, all),
+            "{name} {precision:?}"
+        );
+        assert!(
+            run(&reader) == want,
+            "{name} {precision:?}: the load that maps the cache"
+        );
     }
 }

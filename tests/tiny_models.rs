@@ -1122,8 +1122,8 @@ fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_dam
             (0, all),
             "{arch:?}: source changed"
         );
-        // fast precision: bf16 AMX tiles in a file of their own (never the f32 one), 8-bit
-        // blocks not kept at all, and without either kernel the exact f32 panels
+        // fast precision: bf16 AMX tiles or 8-bit VNNI blocks in a file of their own (never the
+        // f32 one), and without either kernel the exact f32 panels
         use attnscope::model::weights::PanelLayout;
         let fast_plain = run(&Model::load_with(spec, Precision::Fast, false, None).unwrap());
         let fast = Model::load_with(spec, Precision::Fast, false, Some(&settings)).unwrap();
@@ -1131,7 +1131,7 @@ fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_dam
         assert_eq!(run(&fast), fast_plain);
         assert_eq!(run(&fast_again), fast_plain, "{arch:?}: fast, mapped");
         match PanelLayout::of(Precision::Fast) {
-            Some(PanelLayout::Bf16 { .. }) => {
+            Some(PanelLayout::Bf16 { .. } | PanelLayout::Int8(_)) => {
                 assert_eq!(fast.mapped_projections(), (0, all), "{arch:?}: fast writes");
                 assert_eq!(
                     fast_again.mapped_projections(),
@@ -1148,7 +1148,7 @@ fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_dam
                 );
                 assert_eq!(fast.panel_file(), touched.panel_file(), "the exact file");
             }
-            None => assert!(fast.panel_file().is_none(), "{arch:?}: 8-bit blocks"),
+            None => panic!("every precision packs in a layout the cache keeps"),
             Some(PanelLayout::Scaled(_)) => panic!("fast never runs on integers and scales"),
         }
     }

@@ -18,6 +18,8 @@ use rayon::prelude::*;
 pub const BLOCK: usize = 32;
 /// Columns per packed panel.
 const NP: usize = 16;
+/// [`NP`], for the name of the packed-weight cache's layout.
+pub const PANEL_COLUMNS: usize = NP;
 /// Bytes of one panel's block: 8 groups of 4 k-values × 16 columns, 16 scales, and 16 times
 /// `-128 · Σ_t qw` (where the kernel's integer sums start, which takes the activations' `+ 128`
 /// back out without a subtraction per block).
@@ -48,7 +50,8 @@ fn q8(x: f32, inv: f32) -> i8 {
 pub struct PackedQ8 {
     pub n: usize,
     pub k: usize,
-    data: Vec<u8>,
+    /// its own memory, or a mapped file that holds the same bytes (the packed-weight cache)
+    data: super::gemm::Panels<u8>,
 }
 
 impl PackedQ8 {
@@ -74,9 +77,9 @@ impl PackedQ8 {
         );
         let blocks = k / BLOCK;
         let panels = n.div_ceil(NP);
-        let mut data = vec![0u8; panels * blocks * PANEL_BLOCK];
+        let mut data = super::gemm::AlignedBuf::<u8>::zeros(panels * blocks * PANEL_BLOCK);
         super::fill_panels(
-            &mut data,
+            data.as_mut_slice(),
             blocks * PANEL_BLOCK,
             NP,
             (n, k),
@@ -106,16 +109,51 @@ impl PackedQ8 {
                 }
             },
         )?;
-        Ok(PackedQ8 { n, k, data })
+        Ok(PackedQ8 {
+            n,
+            k,
+            data: super::gemm::Panels::Owned(data),
+        })
+    }
+
+    /// Bytes a `[k, n]` matrix takes packed (whole panels of 16 columns; `k` whole blocks).
+    pub fn packed_len(n: usize, k: usize) -> usize {
+        n.div_ceil(NP) * (k / BLOCK) * PANEL_BLOCK
+    }
+
+    /// A `[k, n]` matrix whose packed bytes (as [`PackedQ8::as_bytes`] gave them) lie at
+    /// `offset` in `map`. `None` if `k` is not whole blocks, or the bytes would not fit there or
+    /// do not start on a 64-byte boundary: the caller packs the matrix anew.
+    pub fn from_mapped(
+        map: std::sync::Arc<memmap2::Mmap>,
+        offset: usize,
+        n: usize,
+        k: usize,
+    ) -> Option<PackedQ8> {
+        if k == 0 || n == 0 || !k.is_multiple_of(BLOCK) {
+            return None;
+        }
+        let data = super::gemm::Panels::mapped(map, offset, Self::packed_len(n, k))?;
+        Some(PackedQ8 { n, k, data })
+    }
+
+    /// The packed bytes (integers, scales and sums, little-endian), as a cache file stores them.
+    pub fn as_bytes(&self) -> &[u8] {
+        self.data.as_slice()
+    }
+
+    /// Whether the bytes are read from a mapped file rather than held in memory of their own.
+    pub fn is_mapped(&self) -> bool {
+        self.data.is_mapped()
     }
 
     pub fn bytes(&self) -> usize {
-        self.data.len()
+        self.data.as_slice().len()
     }
 
     fn panel(&self, p: usize) -> &[u8] {
         let sz = self.k / BLOCK * PANEL_BLOCK;
-        &self.data[p * sz..(p + 1) * sz]
+        &self.data.as_slice()[p * sz..(p + 1) * sz]
     }
 }
 
@@ -556,5 +594,44 @@ mod tests {
             false,
         );
         assert!(c.iter().all(|&x| x == 0.0));
+    }
+
+    /// The packed bytes written to a file and mapped back (as the packed-weight cache does) give
+    /// the same products bit for bit; a mapping that is too short, off a 64-byte boundary or of a
+    /// depth that is not whole blocks is refused.
+    #[test]
+    fn mapped_blocks_give_the_same_products() {
+        use std::io::Write;
+        let mut rng = crate::reference::Rng::new(5);
+        let (m, k, n) = (13, 96, 40);
+        let a = rng.normals(m * k, 1.0);
+        let w = rng.normals(n * k, 0.1);
+        let owned = PackedQ8::from_rows(&w, n, k);
+        assert!(!owned.is_mapped());
+        assert_eq!(owned.as_bytes().len(), PackedQ8::packed_len(n, k));
+        let mut f = tempfile::tempfile().unwrap();
+        f.write_all(&[0u8; 4096]).unwrap();
+        f.write_all(owned.as_bytes()).unwrap();
+        // SAFETY: a private temporary file nobody else writes
+        let map = std::sync::Arc::new(unsafe { memmap2::Mmap::map(&f) }.unwrap());
+        let mapped = PackedQ8::from_mapped(map.clone(), 4096, n, k).unwrap();
+        assert!(mapped.is_mapped());
+        let qa = QuantA::new(&a, m, k, k);
+        let (mut c1, mut c2) = (vec![0f32; m * n], vec![1f32; m * n]);
+        gemm_q8(&qa, &owned, &mut c1, n, false);
+        gemm_q8(&qa, &mapped, &mut c2, n, false);
+        assert!(c1.iter().zip(&c2).all(|(x, y)| x.to_bits() == y.to_bits()));
+        assert!(
+            PackedQ8::from_mapped(map.clone(), 4096 + 64, n, k).is_none(),
+            "too short"
+        );
+        assert!(
+            PackedQ8::from_mapped(map.clone(), 32, n, k).is_none(),
+            "off a boundary"
+        );
+        assert!(
+            PackedQ8::from_mapped(map, 4096, n, k - 1).is_none(),
+            "not whole blocks"
+        );
     }
 }

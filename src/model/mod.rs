@@ -186,7 +186,7 @@ impl Model {
         self.panel_file.as_deref()
     }
 
-    /// Projections read from a packed-weight cache file (f32 panels or bf16 tiles), of all of
+    /// Projections read from a packed-weight cache file (f32 panels, bf16 tiles or 8-bit blocks), of all of
     /// them.
     pub fn mapped_projections(&self) -> (usize, usize) {
         self.count_projections(weights::Linear::is_mapped)

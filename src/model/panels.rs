@@ -1,6 +1,7 @@
 //! The packed-weight cache: the projections of a model, dequantized and packed once into the
-//! layout their kernel reads (`exact`'s f32 panels; `fast`'s bf16 AMX tiles), kept in a file
-//! next to the model cache and mapped read-only on the next load instead of being packed again.
+//! layout their kernel reads (`exact`'s f32 panels; `fast`'s bf16 AMX tiles or 8-bit VNNI
+//! blocks), kept in a file next to the model cache and mapped read-only on the next load
+//! instead of being packed again.
 //!
 //! Loading the default model spends most of its time dequantizing 1.4 GB of f32 weights into
 //! fresh pages (on a 2-core Xeon: ~0.55 s of a ~0.8 s load, half of it the kernel handing out
@@ -20,6 +21,7 @@ use super::weights::{Matrix, PanelLayout, Weights};
 use crate::kernels::amx::scaled::PackedScaled;
 use crate::kernels::amx::PackedBf16;
 use crate::kernels::gemm::PackedB;
+use crate::kernels::int8::{self, PackedQ8};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::io::Write;
@@ -29,7 +31,7 @@ use std::sync::Arc;
 /// The first bytes of a cache file.
 const MAGIC: &[u8; 8] = b"ATNSPNL1";
 /// Bumped whenever the file's layout or the meaning of its panels changes (2: entries have a
-/// kind).
+/// kind; kind 3, 8-bit blocks, came with a layout of its own name, so no older file holds it).
 const FORMAT: u32 = 2;
 /// Every matrix starts on a page.
 const ALIGN: usize = 4096;
@@ -88,8 +90,11 @@ pub struct Cached {
 /// Bytes a `[k, n]` matrix of entry kind `kind` takes in `layout` (`None`: no such entry).
 fn packed_bytes(layout: PanelLayout, kind: u8, n: usize, k: usize) -> Option<usize> {
     match (layout, kind) {
-        (PanelLayout::F32(isa) | PanelLayout::Scaled(isa), 0) => {
+        (PanelLayout::F32(isa) | PanelLayout::Scaled(isa) | PanelLayout::Int8(isa), 0) => {
             PackedB::packed_len(n, k, isa).checked_mul(4)
+        }
+        (PanelLayout::Int8(_), 3) if k.is_multiple_of(int8::BLOCK) && k > 0 && n > 0 => {
+            Some(PackedQ8::packed_len(n, k))
         }
         (PanelLayout::Bf16 { splits }, 0) => PackedBf16::packed_len(n, k, splits).checked_mul(2),
         (PanelLayout::Scaled(_), 1 | 2) if k.is_multiple_of(32) && k > 0 && n > 0 => {
@@ -450,8 +455,11 @@ impl Cached {
         }
         let map = self.map.clone();
         match (self.layout, e.kind) {
-            (PanelLayout::F32(isa) | PanelLayout::Scaled(isa), 0) => {
+            (PanelLayout::F32(isa) | PanelLayout::Scaled(isa) | PanelLayout::Int8(isa), 0) => {
                 PackedB::from_mapped(map, e.offset, n, k, isa).map(Matrix::Packed)
+            }
+            (PanelLayout::Int8(_), 3) => {
+                PackedQ8::from_mapped(map, e.offset, n, k).map(Matrix::Int8)
             }
             (PanelLayout::Bf16 { splits }, 0) => {
                 PackedBf16::from_mapped(map, e.offset, n, k, splits).map(Matrix::Amx)

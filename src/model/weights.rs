@@ -476,11 +476,13 @@ impl Matrix {
     /// holds f32 panels for the matrices whose weights are not integers times scales).
     fn fits(&self, layout: Option<PanelLayout>) -> bool {
         match (self, layout) {
-            (Matrix::Packed(p), Some(PanelLayout::F32(isa) | PanelLayout::Scaled(isa))) => {
-                p.isa == isa
-            }
+            (
+                Matrix::Packed(p),
+                Some(PanelLayout::F32(isa) | PanelLayout::Scaled(isa) | PanelLayout::Int8(isa)),
+            ) => p.isa == isa,
             (Matrix::Amx(p), Some(PanelLayout::Bf16 { splits })) => p.splits == splits,
             (Matrix::Scaled(_), Some(PanelLayout::Scaled(_))) => true,
+            (Matrix::Int8(_), Some(PanelLayout::Int8(_))) => true,
             _ => false,
         }
     }
@@ -495,11 +497,13 @@ impl Matrix {
         }
     }
 
-    /// What a cache entry says of how the matrix is packed: 0 the layout's own panels, 1
-    /// integers and scales, 2 integers, scales and offsets.
+    /// What a cache entry says of how the matrix is packed: 0 the layout's own panels (f32
+    /// panels in the `Scaled` and `Int8` layouts), 1 integers and scales, 2 integers, scales and
+    /// offsets, 3 8-bit blocks.
     fn kind(&self) -> u8 {
         match self {
             Matrix::Scaled(p) => 1 + p.has_offsets() as u8,
+            Matrix::Int8(_) => 3,
             _ => 0,
         }
     }
@@ -529,7 +533,7 @@ impl Linear {
             Matrix::Packed(p) => Some((kind, p.as_bytes())),
             Matrix::Amx(p) => Some((kind, p.as_bytes())),
             Matrix::Scaled(p) => Some((kind, p.as_bytes())),
-            Matrix::Int8(_) => None,
+            Matrix::Int8(p) => Some((kind, p.as_bytes())),
         }
     }
 
@@ -544,7 +548,7 @@ impl Linear {
             Matrix::Packed(p) => p.is_mapped(),
             Matrix::Amx(p) => p.is_mapped(),
             Matrix::Scaled(p) => p.is_mapped(),
-            Matrix::Int8(_) => false,
+            Matrix::Int8(p) => p.is_mapped(),
         }
     }
 
@@ -771,6 +775,9 @@ pub enum PanelLayout {
     /// `exact` on a CPU with AMX: a quantized file's integers and scales on the tiles where the
     /// weights are of that form, f32 panels of the kernel's width for the others
     Scaled(gemm::Isa),
+    /// `fast` on a CPU with AVX-512 VNNI and no AMX: 8-bit blocks for the VNNI kernel, f32
+    /// panels of the kernel's width for a matrix whose depth is not whole blocks
+    Int8(gemm::Isa),
 }
 
 impl PanelLayout {
@@ -780,10 +787,17 @@ impl PanelLayout {
             PanelLayout::F32(isa) => format!("{}-f32x{}", isa.name(), isa.nr()),
             PanelLayout::Bf16 { splits } => format!("amx-bf16x{splits}"),
             PanelLayout::Scaled(isa) => format!("amx-scaled1-{}-f32x{}", isa.name(), isa.nr()),
+            PanelLayout::Int8(isa) => format!(
+                "vnni-q8b{}p{}-{}-f32x{}",
+                int8::BLOCK,
+                int8::PANEL_COLUMNS,
+                isa.name(),
+                isa.nr()
+            ),
         }
     }
 
-    /// The layout `precision` packs on this CPU; `None` for `fast`'s 8-bit blocks (not cached).
+    /// The layout `precision` packs on this CPU.
     pub fn of(precision: Precision) -> Option<PanelLayout> {
         match precision {
             Precision::Exact if amx::exact_on_tiles() => Some(PanelLayout::Bf16 { splits: 3 }),
@@ -791,7 +805,7 @@ impl PanelLayout {
                 Some(PanelLayout::Scaled(gemm::Isa::detect()))
             }
             Precision::Fast if amx::available() => Some(PanelLayout::Bf16 { splits: 1 }),
-            Precision::Fast if fast_uses_int8() => None,
+            Precision::Fast if fast_uses_int8() => Some(PanelLayout::Int8(gemm::Isa::detect())),
             _ => Some(PanelLayout::F32(gemm::Isa::detect())),
         }
     }
@@ -882,13 +896,14 @@ fn linear(
         (None, Some(PanelLayout::Bf16 { splits })) => {
             Matrix::Amx(PackedBf16::try_from_row_source(n, k, splits, rows)?)
         }
-        (None, None) if k.is_multiple_of(int8::BLOCK) => {
+        (None, Some(PanelLayout::Int8(_))) if k.is_multiple_of(int8::BLOCK) => {
             Matrix::Int8(PackedQ8::try_from_row_source(n, k, rows)?)
         }
         // f32 panels, and 8-bit blocks' fallback for a depth that is not whole blocks
-        (None, Some(PanelLayout::F32(_) | PanelLayout::Scaled(_)) | None) => {
-            Matrix::Packed(PackedB::try_from_row_source(n, k, isa, rows)?)
-        }
+        (
+            None,
+            Some(PanelLayout::F32(_) | PanelLayout::Scaled(_) | PanelLayout::Int8(_)) | None,
+        ) => Matrix::Packed(PackedB::try_from_row_source(n, k, isa, rows)?),
     };
     for w in &weights {
         if let Raw::Mapped(m) = w {
