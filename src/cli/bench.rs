@@ -34,7 +34,8 @@ pub struct Args {
     /// script, built in) run by this Python, which needs torch, transformers and gguf. Next to
     /// each length's `capture` it times transformers eager with output_attentions, next to
     /// `inspect` sdpa, each between --repeats runs of attnscope's command and --repeats more (the
-    /// machine's speed drifts within minutes), and prints the ratios over their median. GGUF models; exact is the comparable precision.
+    /// machine's speed drifts within minutes), and prints the ratios over their median. GGUF
+    /// models; exact is the comparable precision.
     #[arg(long, value_name = "PYTHON")]
     transformers: Option<std::path::PathBuf>,
     /// The anchor script --transformers runs, in place of the built-in copy.
