@@ -1131,7 +1131,7 @@ fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_dam
         assert_eq!(run(&fast), fast_plain);
         assert_eq!(run(&fast_again), fast_plain, "{arch:?}: fast, mapped");
         match PanelLayout::of(Precision::Fast) {
-            Some(PanelLayout::Bf16 { .. } | PanelLayout::Int8(_)) => {
+            PanelLayout::Bf16 { .. } | PanelLayout::Int8(_) => {
                 assert_eq!(fast.mapped_projections(), (0, all), "{arch:?}: fast writes");
                 assert_eq!(
                     fast_again.mapped_projections(),
@@ -1140,7 +1140,7 @@ fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_dam
                 );
                 assert_ne!(fast.panel_file(), touched.panel_file(), "a file per layout");
             }
-            Some(PanelLayout::F32(_)) => {
+            PanelLayout::F32(_) => {
                 assert_eq!(
                     fast_again.mapped_projections(),
                     (all, all),
@@ -1148,8 +1148,7 @@ fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_dam
                 );
                 assert_eq!(fast.panel_file(), touched.panel_file(), "the exact file");
             }
-            None => panic!("every precision packs in a layout the cache keeps"),
-            Some(PanelLayout::Scaled(_)) => panic!("fast never runs on integers and scales"),
+            PanelLayout::Scaled(_) => panic!("fast never runs on integers and scales"),
         }
     }
     // a Hugging Face folder: its safetensors files and config.json make the identity

@@ -167,13 +167,17 @@ fn flops_text(flops: f64) -> String {
     }
 }
 
+/// The lowest and highest of `v`.
+fn spread(v: &[f64]) -> [f64; 2] {
+    [
+        v.iter().copied().fold(f64::INFINITY, f64::min),
+        v.iter().copied().fold(0.0, f64::max),
+    ]
+}
+
 /// The lowest and highest of `theirs / ours` over attnscope's runs.
 fn ratio_range(theirs: f64, ours: &[f64]) -> [f64; 2] {
-    let r: Vec<f64> = ours.iter().map(|&o| theirs / o).collect();
-    [
-        r.iter().copied().fold(f64::INFINITY, f64::min),
-        r.iter().copied().fold(0.0, f64::max),
-    ]
+    spread(&ours.iter().map(|&o| theirs / o).collect::<Vec<_>>())
 }
 
 /// The anchor's JSON line: the last line of `stdout` that parses as its output.
@@ -898,12 +902,6 @@ fn side_by_side(
         } else {
             format!("{:.1}-{:.1}", r[0], r[1])
         }
-    };
-    let spread = |v: &[f64]| {
-        [
-            v.iter().copied().fold(f64::INFINITY, f64::min),
-            v.iter().copied().fold(0.0, f64::max),
-        ]
     };
     for r in side {
         let afters: Option<Vec<f64>> = r.after_load_s.iter().copied().collect();

@@ -138,7 +138,7 @@ fn panel_cache(
 ) -> Option<panels::PanelCache> {
     // each layout has its own file: one precision never maps (and checks) another's, which
     // would bring its pages in for nothing (measured: `fast`'s peak 1.08 → 2.48 GB)
-    let layout = weights::PanelLayout::of(precision)?;
+    let layout = weights::PanelLayout::of(precision);
     let s = settings?;
     panels::PanelCache::new(files, &s.dir, layout, s.min_bytes)
 }

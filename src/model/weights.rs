@@ -474,15 +474,15 @@ pub enum Matrix {
 impl Matrix {
     /// Whether this matrix is packed as `layout` keeps it (a cache file of the `Scaled` layout
     /// holds f32 panels for the matrices whose weights are not integers times scales).
-    fn fits(&self, layout: Option<PanelLayout>) -> bool {
+    fn fits(&self, layout: PanelLayout) -> bool {
         match (self, layout) {
             (
                 Matrix::Packed(p),
-                Some(PanelLayout::F32(isa) | PanelLayout::Scaled(isa) | PanelLayout::Int8(isa)),
+                PanelLayout::F32(isa) | PanelLayout::Scaled(isa) | PanelLayout::Int8(isa),
             ) => p.isa == isa,
-            (Matrix::Amx(p), Some(PanelLayout::Bf16 { splits })) => p.splits == splits,
-            (Matrix::Scaled(_), Some(PanelLayout::Scaled(_))) => true,
-            (Matrix::Int8(_), Some(PanelLayout::Int8(_))) => true,
+            (Matrix::Amx(p), PanelLayout::Bf16 { splits }) => p.splits == splits,
+            (Matrix::Scaled(_), PanelLayout::Scaled(_)) => true,
+            (Matrix::Int8(_), PanelLayout::Int8(_)) => true,
             _ => false,
         }
     }
@@ -525,7 +525,7 @@ impl Linear {
     /// With the bytes, the entry's kind ([`Matrix`]'s: 0 the layout's own panels, 1 or 2
     /// integers and scales).
     pub fn packed_bytes(&self, layout: PanelLayout) -> Option<(u8, &[u8])> {
-        if !self.mat.fits(Some(layout)) || self.is_mapped() {
+        if !self.mat.fits(layout) || self.is_mapped() {
             return None;
         }
         let kind = self.mat.kind();
@@ -798,15 +798,13 @@ impl PanelLayout {
     }
 
     /// The layout `precision` packs on this CPU.
-    pub fn of(precision: Precision) -> Option<PanelLayout> {
+    pub fn of(precision: Precision) -> PanelLayout {
         match precision {
-            Precision::Exact if amx::exact_on_tiles() => Some(PanelLayout::Bf16 { splits: 3 }),
-            Precision::Exact if amx::exact_scaled() => {
-                Some(PanelLayout::Scaled(gemm::Isa::detect()))
-            }
-            Precision::Fast if amx::available() => Some(PanelLayout::Bf16 { splits: 1 }),
-            Precision::Fast if fast_uses_int8() => Some(PanelLayout::Int8(gemm::Isa::detect())),
-            _ => Some(PanelLayout::F32(gemm::Isa::detect())),
+            Precision::Exact if amx::exact_on_tiles() => PanelLayout::Bf16 { splits: 3 },
+            Precision::Exact if amx::exact_scaled() => PanelLayout::Scaled(gemm::Isa::detect()),
+            Precision::Fast if amx::available() => PanelLayout::Bf16 { splits: 1 },
+            Precision::Fast if fast_uses_int8() => PanelLayout::Int8(gemm::Isa::detect()),
+            _ => PanelLayout::F32(gemm::Isa::detect()),
         }
     }
 }
@@ -887,23 +885,22 @@ fn linear(
     };
     // a quantized file's integers and scales on the tiles, where every part has that form
     let scaled = match layout {
-        Some(PanelLayout::Scaled(_)) => scaled_matrix(&weights, &dense, &starts, n, k)?,
+        PanelLayout::Scaled(_) => scaled_matrix(&weights, &dense, &starts, n, k)?,
         _ => None,
     };
     // one decision of the layout, the one the cache keys its files by
     let mat = match (scaled, layout) {
         (Some(p), _) => Matrix::Scaled(p),
-        (None, Some(PanelLayout::Bf16 { splits })) => {
+        (None, PanelLayout::Bf16 { splits }) => {
             Matrix::Amx(PackedBf16::try_from_row_source(n, k, splits, rows)?)
         }
-        (None, Some(PanelLayout::Int8(_))) if k.is_multiple_of(int8::BLOCK) => {
+        (None, PanelLayout::Int8(_)) if k.is_multiple_of(int8::BLOCK) => {
             Matrix::Int8(PackedQ8::try_from_row_source(n, k, rows)?)
         }
         // f32 panels, and 8-bit blocks' fallback for a depth that is not whole blocks
-        (
-            None,
-            Some(PanelLayout::F32(_) | PanelLayout::Scaled(_) | PanelLayout::Int8(_)) | None,
-        ) => Matrix::Packed(PackedB::try_from_row_source(n, k, isa, rows)?),
+        (None, PanelLayout::F32(_) | PanelLayout::Scaled(_) | PanelLayout::Int8(_)) => {
+            Matrix::Packed(PackedB::try_from_row_source(n, k, isa, rows)?)
+        }
     };
     for w in &weights {
         if let Raw::Mapped(m) = w {
