@@ -208,10 +208,17 @@ fn fast_precision_is_close_to_exact() {
         .sum::<f32>()
         / a[1].len() as f32;
     assert!(mean < 0.02, "fast vs exact: mean |diff| {mean}");
-    assert_ne!(
-        a[1], b[1],
-        "fast precision should really use the quantized kernels"
-    );
+    match attnscope::model::weights::fast_kernel() {
+        Some(kernel) => assert_ne!(
+            a[1], b[1],
+            "fast precision should really use the {kernel} kernel"
+        ),
+        None => {
+            // without AMX or AVX-512 VNNI, fast runs exact's kernels: then it must be exact's bits
+            eprintln!("NOTE: this CPU has neither AMX nor AVX-512 VNNI: --precision fast runs the exact kernels here, so only that is checked");
+            assert_eq!(a[1], b[1], "fast = exact without AMX or VNNI");
+        }
+    }
 }
 
 fn tiny_loaded(arch: Arch, seed: u64) -> (tempfile::TempDir, Model) {

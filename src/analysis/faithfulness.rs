@@ -184,6 +184,27 @@ impl std::str::FromStr for Target {
     }
 }
 
+impl Target {
+    /// The token id: the top of `logits` for [`Target::Next`], else the id or the one token the
+    /// text is (an error naming `--target` otherwise).
+    pub fn resolve(&self, model: &Model, logits: &[f32]) -> Result<u32> {
+        Ok(match self {
+            Target::Next => super::max_argmax(logits).1 as u32,
+            Target::Id(i) => {
+                if *i as usize >= model.dims.vocab_size {
+                    return Err(crate::model::Error::OutOfRange {
+                        what: "--target id".into(),
+                        value: i.to_string(),
+                        range: format!("0..{}", model.dims.vocab_size),
+                    });
+                }
+                *i
+            }
+            Target::Text(t) => single_token(model, t, "--target")?,
+        })
+    }
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct TargetInfo {
     pub id: u32,
@@ -290,20 +311,7 @@ pub fn run(
     )?;
     let kv = full.kv.expect("keep_kv was set");
     let full_lp = log_softmax(&full.logits[0]);
-    let target_id = match &opts.target {
-        Target::Next => super::max_argmax(&full.logits[0]).1 as u32,
-        Target::Id(i) => {
-            if *i as usize >= d.vocab_size {
-                return Err(crate::model::Error::OutOfRange {
-                    what: "--target id".into(),
-                    value: i.to_string(),
-                    range: format!("0..{}", d.vocab_size),
-                });
-            }
-            *i
-        }
-        Target::Text(t) => single_token(model, t, "--target")?,
-    };
+    let target_id = opts.target.resolve(model, &full.logits[0])?;
     let replacement = single_token(model, &opts.replacement, "--replace-with")?;
     let base = full_lp[target_id as usize];
     let mut runner = Runner {
@@ -511,7 +519,9 @@ pub fn run(
     })
 }
 
-fn single_token(model: &Model, text: &str, what: &str) -> Result<u32> {
+/// The id of `text` when it is exactly one token (as inside a text: no BOS), else an error naming
+/// `what` (the flag).
+pub fn single_token(model: &Model, text: &str, what: &str) -> Result<u32> {
     // one token as it would appear inside a text: no BOS
     let ids = model.tokenizer.encode_with(text, Some(false))?;
     match ids.as_slice() {

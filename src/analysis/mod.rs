@@ -8,6 +8,7 @@ pub mod corpus;
 pub mod faithfulness;
 pub mod heads;
 pub mod inspect;
+pub mod intervene;
 pub mod measure;
 pub mod norms;
 pub mod stream;

@@ -187,6 +187,22 @@ pub fn parse_index_list(spec: &str, count: usize, what: &str) -> anyhow::Result<
     Ok(out)
 }
 
+/// A progress bar on standard error when it is a terminal (hidden otherwise), drawn with
+/// `template` (indicatif's syntax); its length is set by the caller as the work becomes known.
+pub fn progress_bar(template: &str) -> indicatif::ProgressBar {
+    let bar = if std::io::stderr().is_terminal() {
+        indicatif::ProgressBar::new(1)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(template)
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar
+}
+
 /// How `inspect` and `capture` end their output with their own timings: `(load X s, what Y s`
 /// (the caller closes the parenthesis); `bench` reads them back with the same words.
 pub fn timings_opening(load_s: f64, what: &str, after_s: f64) -> String {

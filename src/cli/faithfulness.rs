@@ -1,12 +1,11 @@
 //! `attnscope faithfulness`: attention rankings against what occluding each token does.
 
-use super::common::{emit, ModelArgs, TextArgs};
+use super::common::{emit, progress_bar, ModelArgs, TextArgs};
 use crate::analysis::faithfulness::{
     run as run_faith, FaithOptions, FaithReport, MetricRow, Target,
 };
 use crate::model::tokenize::visible;
 use crate::render::table::{title, Align, Table};
-use std::io::IsTerminal;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -32,16 +31,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let text = a.text.read()?;
     let model = a.model.load()?;
     let tokens = model.encode(&text, a.model.bos)?;
-    let bar = if std::io::stderr().is_terminal() {
-        indicatif::ProgressBar::new(1)
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("forward passes [{bar:30}] {pos}/{len} ({eta})")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
+    let bar = progress_bar("forward passes [{bar:30}] {pos}/{len} ({eta})");
     let opts = FaithOptions {
         target: a.target,
         replacement: a.replace_with,

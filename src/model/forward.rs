@@ -60,6 +60,46 @@ pub struct Segment<'a> {
     pub logits_at: Vec<usize>,
 }
 
+/// Where a forward starts when it does not start at the embeddings: `layer`'s input residual
+/// stream (`hook_resid_pre`), `[Σ segment lengths, d_model]` (the segments' new positions, stacked).
+/// An intervention at layer `l` leaves every earlier layer as it was, so an edited run resumes
+/// from the clean run's residual at `l` and computes only the layers from `l` on.
+#[derive(Clone, Debug)]
+pub struct Resume {
+    pub layer: usize,
+    pub resid: Vec<f32>,
+}
+
+/// Hands the activation at `hook` to the observer: the live buffer to an editing observer (what
+/// it writes flows on; a non-finite value is refused), a read-only view to one that watches.
+fn hand(
+    obs: &mut dyn Observer,
+    layer: usize,
+    hook: Hook,
+    shape: &[usize],
+    data: &mut [f32],
+) -> Result<()> {
+    if obs.edits(layer, hook) {
+        let name = || super::capture::hook_name(layer, hook);
+        obs.edit(layer, hook, shape, data)
+            .map_err(|msg| Error::Hook { name: name(), msg })?;
+        if !all_finite(data) {
+            return Err(Error::Hook {
+                name: name(),
+                msg: "left a non-finite value (NaN or infinity) in the activation; refused".into(),
+            });
+        }
+    } else if obs.wants(layer, hook) {
+        obs.tensor(layer, hook, shape, data);
+    }
+    Ok(())
+}
+
+/// Whether the observer wants or edits `hook` at `layer`.
+fn touches(obs: &dyn Observer, layer: usize, hook: Hook) -> bool {
+    obs.wants(layer, hook) || obs.edits(layer, hook)
+}
+
 /// Keys and values (after RoPE) of the first `len` positions of a sequence, per layer
 /// (`[n_kv_heads, len, head_dim]` each). Running the rest of a sequence on top of it gives the
 /// same numbers as running the whole sequence, since a causal model's first positions do not
@@ -1429,7 +1469,7 @@ impl Model {
             knockout: opts.knockout.clone(),
             logits_at: opts.logits_at.clone(),
         };
-        self.forward_segments(prefix, std::slice::from_ref(&seg), opts, obs)
+        self.forward_segments(prefix, std::slice::from_ref(&seg), None, opts, obs)
     }
 
     /// Runs several variants of a sequence in one pass, each as positions `c..c+m` after the
@@ -1446,6 +1486,7 @@ impl Model {
         let out = self.forward_segments(
             prefix,
             segments,
+            None,
             &RunOptions::default(),
             &mut super::capture::NoCapture,
         )?;
@@ -1458,11 +1499,15 @@ impl Model {
 
     /// The forward over stacked segments (one for [`Model::forward_from`]): row-wise work
     /// (norms, projections, MLP) runs on all their rows at once, the attention per segment.
-    /// Hooks see the stacked rows, so they are meant for one segment.
-    fn forward_segments(
+    /// Hooks see the stacked rows (an editing observer that batches variants edits each one's
+    /// rows). With `resume`, the forward starts at `resume.layer` from the residual it gives
+    /// (the layers before it are not run; their keys and values come from `prefix` where a
+    /// segment reuses positions).
+    pub fn forward_segments(
         &self,
         prefix: Option<&KvPrefix>,
         segs: &[Segment],
+        resume: Option<Resume>,
         opts: &RunOptions,
         obs: &mut dyn Observer,
     ) -> Result<ForwardOut> {
@@ -1483,9 +1528,10 @@ impl Model {
             )));
         }
         let full = prefix.map_or(0, |p| p.len);
-        if segs.is_empty() || (opts.keep_kv && segs.len() > 1) {
+        let first_layer = resume.as_ref().map_or(0, |r| r.layer);
+        if segs.is_empty() || (opts.keep_kv && (segs.len() > 1 || first_layer > 0)) {
             return Err(Error::Candle(candle_core::Error::Msg(format!(
-                "a forward of {} segments (keep_kv {}): you likely have a bug",
+                "a forward of {} segments (keep_kv {}, from layer {first_layer}): you likely have a bug",
                 segs.len(),
                 opts.keep_kv
             ))));
@@ -1568,29 +1614,20 @@ impl Model {
             .zip(&row0)
             .flat_map(|(seg, &r0)| seg.logits_at.iter().map(move |&p| r0 + p - seg.reuse))
             .collect();
-        let all_tokens: Vec<u32> = segs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
-        let mut x: Vec<f32> = self
-            .weights
-            .embed
-            .lookup(&all_tokens)?
-            .flatten_all()?
-            .to_vec1()?; // [m, d_model]
-        if let Some(pe) = &self.weights.pos_embed {
-            // GPT-2: learned absolute positions
-            for (seg, &r0) in segs.iter().zip(&row0) {
-                let rows = &mut x[r0 * dm..(r0 + seg.tokens.len()) * dm];
-                for (r, row) in rows.chunks_mut(dm).enumerate() {
-                    let p = seg.reuse + r;
-                    row.iter_mut()
-                        .zip(&pe[p * dm..(p + 1) * dm])
-                        .for_each(|(v, e)| *v += e);
+        let mut x: Vec<f32> = match resume {
+            Some(r) => {
+                if r.layer >= dims.n_layers || r.resid.len() != m * dm {
+                    return Err(Error::Candle(candle_core::Error::Msg(format!(
+                        "resuming at layer {} of {} with {} residual values for {m} rows of {dm}: you likely have a bug",
+                        r.layer,
+                        dims.n_layers,
+                        r.resid.len()
+                    ))));
                 }
+                r.resid
             }
-        }
-        if let Some(g) = &dims.gemma {
-            // Gemma scales the embeddings by √d_model
-            x.iter_mut().for_each(|v| *v *= g.embed_scale);
-        }
+            None => self.embed_rows(segs, &row0)?,
+        };
         let (mut attn_time, mut proj_time) = (Duration::ZERO, Duration::ZERO);
         let mut kept = Vec::with_capacity(if opts.keep_kv { dims.n_layers } else { 0 });
         let (nq, nk) = (nh * hd, nkv * hd);
@@ -1609,14 +1646,12 @@ impl Model {
             Some(b) => layer_norm_into(x, w, b, dims.rms_eps, out),
             None => rms_norm_into(x, w, dims.rms_eps, out),
         };
-        for (l, layer) in self.weights.layers.iter().enumerate() {
+        for (l, layer) in self.weights.layers.iter().enumerate().skip(first_layer) {
             let (cos, sin) = match &local_tables {
                 Some(t) if dims.rope_base_of(l) != dims.rope_base => (&t.0, &t.1),
                 _ => (&main_tables.0, &main_tables.1),
             };
-            if obs.wants(l, Hook::ResidPre) {
-                obs.tensor(l, Hook::ResidPre, &[m, dm], &x);
-            }
+            hand(obs, l, Hook::ResidPre, &[m, dm], &mut x)?;
             let bias = layer.norm_biases.as_ref().map(|b| &b.0);
             norm_into(&x, &layer.attn_norm, bias, &mut normed);
             let t = Instant::now();
@@ -1639,12 +1674,17 @@ impl Model {
                 (Hook::K, nq, nk, nkv),
                 (Hook::V, nq + nk, nk, nkv),
             ] {
-                if obs.wants(l, hook) {
-                    let part: Vec<f32> = qkv
+                if touches(obs, l, hook) {
+                    let mut part: Vec<f32> = qkv
                         .chunks(width)
                         .flat_map(|r| r[c0..c0 + w].iter().copied())
                         .collect();
-                    obs.tensor(l, hook, &[m, heads, hd], &part);
+                    hand(obs, l, hook, &[m, heads, hd], &mut part)?;
+                    if obs.edits(l, hook) {
+                        for (row, new) in qkv.chunks_mut(width).zip(part.chunks(w)) {
+                            row[c0..c0 + w].copy_from_slice(new);
+                        }
+                    }
                 }
             }
             let t0 = Instant::now();
@@ -1658,18 +1698,24 @@ impl Model {
                 let rope = (dims.arch != super::config::Arch::Gpt2).then_some((cos, sin, style));
                 let qh = &mut qh[..nh * ms * hd];
                 split_heads_into(rows, ms, width, 0, nh, hd, rope, qh); // [nh, ms, hd]
-                let kh = split_heads(rows, ms, width, nq, nkv, hd, rope);
+                let mut kh = split_heads(rows, ms, width, nq, nkv, hd, rope);
                 let vh = split_heads(rows, ms, width, nq + nk, nkv, hd, None);
-                if obs.wants(l, Hook::RotQ) {
-                    obs.tensor(l, Hook::RotQ, &[ms, nh, hd], &merge_heads(qh, nh, ms, hd));
-                }
-                if obs.wants(l, Hook::RotK) {
-                    obs.tensor(
-                        l,
-                        Hook::RotK,
-                        &[ms, nkv, hd],
-                        &merge_heads(&kh, nkv, ms, hd),
-                    );
+                for (hook, heads, buf) in [
+                    (Hook::RotQ, nh, &mut qh[..]),
+                    (Hook::RotK, nkv, &mut kh[..]),
+                ] {
+                    if touches(obs, l, hook) {
+                        let mut merged = merge_heads(buf, heads, ms, hd);
+                        hand(obs, l, hook, &[ms, heads, hd], &mut merged)?;
+                        if obs.edits(l, hook) {
+                            // back to [heads, ms, hd]
+                            for (r, row) in merged.chunks(heads * hd).enumerate() {
+                                for (h, v) in row.chunks(hd).enumerate() {
+                                    buf[(h * ms + r) * hd..][..hd].copy_from_slice(v);
+                                }
+                            }
+                        }
+                    }
                 }
                 let (kf, vf) = match prefix {
                     Some(p) if p0 > 0 => {
@@ -1715,9 +1761,7 @@ impl Model {
                 }
             }
             attn_time += t0.elapsed();
-            if obs.wants(l, Hook::Z) {
-                obs.tensor(l, Hook::Z, &[m, nh, hd], &z);
-            }
+            hand(obs, l, Hook::Z, &[m, nh, hd], &mut z)?;
             obs.attention_done(l);
             // The last layer's attention output and MLP feed nothing but the logits: unless a
             // hook wants them, they run on the logits rows alone (none for `sinks`, a capture of
@@ -1725,8 +1769,9 @@ impl Model {
             // model's projections saved
             let mut mr = m;
             if l + 1 == self.weights.layers.len()
-                && !obs.wants(l, Hook::AttnOut)
-                && !obs.wants(l, Hook::ResidPost)
+                && ![Hook::AttnOut, Hook::ResidMid, Hook::MlpOut, Hook::ResidPost]
+                    .iter()
+                    .any(|&h| touches(obs, l, h))
             {
                 let gather = |v: &[f32], w: usize| -> Vec<f32> {
                     logit_rows
@@ -1745,25 +1790,22 @@ impl Model {
             }
             let m = mr;
             let t = Instant::now();
-            if let Some((post_attn, _)) = &layer.post_norms {
-                // Gemma: the attention's output is normalized before the residual add
-                let attn_out = rms_norm(&layer.o.forward(&z, m)?, post_attn, dims.rms_eps);
-                proj_time += t.elapsed();
-                if obs.wants(l, Hook::AttnOut) {
-                    obs.tensor(l, Hook::AttnOut, &[m, dm], &attn_out);
+            if layer.post_norms.is_some() || touches(obs, l, Hook::AttnOut) || layer.o.has_bias() {
+                let mut attn_out = layer.o.forward(&z, m)?;
+                if let Some((post_attn, _)) = &layer.post_norms {
+                    // Gemma: the attention's output is normalized before the residual add
+                    attn_out = rms_norm(&attn_out, post_attn, dims.rms_eps);
                 }
-                x.iter_mut().zip(&attn_out).for_each(|(x, a)| *x += a);
-            } else if obs.wants(l, Hook::AttnOut) || layer.o.has_bias() {
-                let attn_out = layer.o.forward(&z, m)?;
                 proj_time += t.elapsed();
-                if obs.wants(l, Hook::AttnOut) {
-                    obs.tensor(l, Hook::AttnOut, &[m, dm], &attn_out);
-                }
+                hand(obs, l, Hook::AttnOut, &[m, dm], &mut attn_out)?;
                 x.iter_mut().zip(&attn_out).for_each(|(x, a)| *x += a);
             } else {
                 layer.o.forward_into(&z, m, &mut x, true)?; // x += z · W_oᵀ
                 proj_time += t.elapsed();
             }
+            hand(obs, l, Hook::ResidMid, &[m, dm], &mut x)?;
+            // hook_mlp_out needs the MLP's output on its own, not added into x as it is computed
+            let mut mlp_out = touches(obs, l, Hook::MlpOut).then(|| vec![0f32; m * dm]);
             // SwiGLU MLP [Shazeer 2020, arXiv:2002.05202, eq. (5)], x += down(silu(gate) · up)
             let bias = layer.norm_biases.as_ref().map(|b| &b.1);
             norm_into(&x, &layer.mlp_norm, bias, &mut normed);
@@ -1785,20 +1827,17 @@ impl Model {
                     swiglu(&gu[..rows * 2 * ff], ff, &mut act[..rows * ff]);
                 }
                 let t = Instant::now();
-                if layer.down.has_bias() {
-                    let out = layer.down.forward(&act[..rows * ff], rows)?;
-                    x[r0 * dm..(r0 + rows) * dm]
-                        .iter_mut()
-                        .zip(&out)
-                        .for_each(|(x, a)| *x += a);
-                } else if let Some((_, post_mlp)) = &layer.post_norms {
-                    // Gemma: the MLP's output is normalized before the residual add
-                    let out = layer.down.forward(&act[..rows * ff], rows)?;
-                    let out = rms_norm(&out, post_mlp, dims.rms_eps);
-                    x[r0 * dm..(r0 + rows) * dm]
-                        .iter_mut()
-                        .zip(&out)
-                        .for_each(|(x, a)| *x += a);
+                if layer.down.has_bias() || layer.post_norms.is_some() || mlp_out.is_some() {
+                    let mut out = layer.down.forward(&act[..rows * ff], rows)?;
+                    if let Some((_, post_mlp)) = &layer.post_norms {
+                        // Gemma: the MLP's output is normalized before the residual add
+                        out = rms_norm(&out, post_mlp, dims.rms_eps);
+                    }
+                    let dest = match mlp_out.as_mut() {
+                        Some(o) => &mut o[r0 * dm..(r0 + rows) * dm],
+                        None => &mut x[r0 * dm..(r0 + rows) * dm],
+                    };
+                    dest.iter_mut().zip(&out).for_each(|(x, a)| *x += a);
                 } else {
                     layer.down.forward_into(
                         &act[..rows * ff],
@@ -1809,15 +1848,17 @@ impl Model {
                 }
                 proj_time += t.elapsed();
             }
+            if let Some(mut out) = mlp_out {
+                hand(obs, l, Hook::MlpOut, &[m, dm], &mut out)?;
+                x.iter_mut().zip(&out).for_each(|(x, a)| *x += a);
+            }
             if !all_finite(&x) {
                 return Err(Error::NonFinite {
                     what: "the residual stream after the layer's MLP".into(),
                     layer: Some(l),
                 });
             }
-            if obs.wants(l, Hook::ResidPost) {
-                obs.tensor(l, Hook::ResidPost, &[m, dm], &x);
-            }
+            hand(obs, l, Hook::ResidPost, &[m, dm], &mut x)?;
             obs.layer_done(l);
             if interrupted() {
                 return Err(Error::Interrupted);
@@ -1874,6 +1915,37 @@ impl Model {
             },
             kv,
         })
+    }
+
+    /// `hook_resid_pre` of layer 0 for the stacked segments: token embeddings, plus GPT-2's
+    /// learned positions, times Gemma's √d_model. `[m, d_model]`.
+    fn embed_rows(&self, segs: &[Segment], row0: &[usize]) -> Result<Vec<f32>> {
+        let dims = &self.dims;
+        let dm = dims.d_model;
+        let all_tokens: Vec<u32> = segs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        let mut x: Vec<f32> = self
+            .weights
+            .embed
+            .lookup(&all_tokens)?
+            .flatten_all()?
+            .to_vec1()?; // [m, d_model]
+        if let Some(pe) = &self.weights.pos_embed {
+            // GPT-2: learned absolute positions
+            for (seg, &r0) in segs.iter().zip(row0) {
+                let rows = &mut x[r0 * dm..(r0 + seg.tokens.len()) * dm];
+                for (r, row) in rows.chunks_mut(dm).enumerate() {
+                    let p = seg.reuse + r;
+                    row.iter_mut()
+                        .zip(&pe[p * dm..(p + 1) * dm])
+                        .for_each(|(v, e)| *v += e);
+                }
+            }
+        }
+        if let Some(g) = &dims.gemma {
+            // Gemma scales the embeddings by √d_model
+            x.iter_mut().for_each(|v| *v *= g.embed_scale);
+        }
+        Ok(x)
     }
 
     /// Logits of the last position only, nothing captured.

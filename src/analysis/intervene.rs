@@ -1,0 +1,686 @@
+//! Interventions: an editing observer ([`Editor`]), head and MLP ablation ([`ablate`]) and
+//! activation patching ([`patch`]), as TransformerLens users run them with editing hooks.
+//!
+//! An edit at layer `l` leaves every earlier layer as it was, and an edit at position `p` leaves
+//! every earlier position as it was. So each edited run resumes from the clean run's residual
+//! stream at layer `l` ([`Resume`]) and, where the edit starts at a position, reuses the clean
+//! run's keys and values of the positions before it ([`KvPrefix`]). Many edited runs of one
+//! text go through one forward as stacked segments (the projections read their weights once for
+//! all of them), each with its own edit. The numbers are each variant's own: the kernels compute
+//! each row alone and the attention runs per segment.
+
+use super::faithfulness::{kendall_tau_b, permutation_p, spearman, Target};
+use crate::model::capture::{AttnCache, CaptureSpec, Hook, Observer, Queries};
+use crate::model::forward::{log_softmax, KvPrefix, Resume, RunOptions, Segment};
+use crate::model::{Error, Model, Result};
+use serde::Serialize;
+use std::ops::Range;
+
+/// What an edit writes.
+#[derive(Clone, Copy, Debug)]
+pub enum Fill<'a> {
+    /// zeros
+    Zero,
+    /// the mean over the segment's rows of the same values (before the edit)
+    Mean,
+    /// the same values of another run: `[segment rows, row width]`, aligned with the segment
+    From(&'a [f32]),
+}
+
+/// One edit of one segment's rows of a hook's tensor.
+#[derive(Clone, Debug)]
+pub struct Patch<'a> {
+    /// the segment's rows in the stacked tensor
+    pub rows: Range<usize>,
+    /// the values of a row it edits (one head's `head·d_head..(head+1)·d_head`, or all of them)
+    pub cols: Range<usize>,
+    /// the segment's rows it writes, relative to `rows.start`
+    pub at: Vec<usize>,
+    pub fill: Fill<'a>,
+}
+
+/// An observer that edits one hook of one layer ([`Observer::edit`]) and watches nothing.
+#[derive(Clone, Debug)]
+pub struct Editor<'a> {
+    pub layer: usize,
+    pub hook: Hook,
+    pub patches: Vec<Patch<'a>>,
+}
+
+impl Editor<'_> {
+    /// Applies the patches to `data` (`[rows, width]`).
+    pub fn apply(&self, width: usize, data: &mut [f32]) -> std::result::Result<(), String> {
+        for p in &self.patches {
+            if p.rows.end * width > data.len() || p.cols.end > width {
+                return Err(format!(
+                    "an edit of rows {:?}, values {:?} does not fit a tensor of {} rows of {width}",
+                    p.rows,
+                    p.cols,
+                    data.len() / width.max(1)
+                ));
+            }
+            let seg = &mut data[p.rows.start * width..p.rows.end * width];
+            let rows = p.rows.len();
+            let mean: Vec<f32> = match p.fill {
+                Fill::Mean => {
+                    let mut acc = vec![0f64; p.cols.len()];
+                    for r in 0..rows {
+                        let row = &seg[r * width..][p.cols.clone()];
+                        acc.iter_mut().zip(row).for_each(|(a, &v)| *a += v as f64);
+                    }
+                    acc.iter().map(|a| (a / rows as f64) as f32).collect()
+                }
+                _ => Vec::new(),
+            };
+            for &r in &p.at {
+                if r >= rows {
+                    return Err(format!("an edit of row {r} of a segment of {rows} rows"));
+                }
+                let dst = &mut seg[r * width..(r + 1) * width][p.cols.clone()];
+                match p.fill {
+                    Fill::Zero => dst.fill(0.0),
+                    Fill::Mean => dst.copy_from_slice(&mean),
+                    Fill::From(src) => {
+                        let from = src
+                            .get(r * width..(r + 1) * width)
+                            .ok_or_else(|| format!("the source has no row {r}"))?;
+                        dst.copy_from_slice(&from[p.cols.clone()])
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Observer for Editor<'_> {
+    fn wants(&self, _: usize, _: Hook) -> bool {
+        false
+    }
+    fn tensor(&mut self, _: usize, _: Hook, _: &[usize], _: &[f32]) {}
+    fn attention_block(&mut self, _: usize, _: Hook, _: usize, _: [usize; 3], _: &[f32]) {}
+    fn edits(&self, layer: usize, hook: Hook) -> bool {
+        layer == self.layer && hook == self.hook
+    }
+    fn edit(
+        &mut self,
+        _: usize,
+        _: Hook,
+        shape: &[usize],
+        data: &mut [f32],
+    ) -> std::result::Result<(), String> {
+        self.apply(shape[1..].iter().product(), data)
+    }
+}
+
+/// One edited run: the text from position `from` on (the positions before it reused), resumed
+/// at the runner's layer, with one edit of its rows (`rows` relative to the variant: `0..n-from`).
+#[derive(Clone, Debug)]
+pub struct Variant<'a> {
+    pub from: usize,
+    pub cols: Range<usize>,
+    pub at: Vec<usize>,
+    pub fill: Fill<'a>,
+}
+
+/// Runs edited variants of one text and returns each one's last-position logits.
+pub struct Runner<'a> {
+    pub model: &'a Model,
+    pub tokens: &'a [u32],
+    /// the clean (unedited) run's `hook_resid_pre` of every layer, `[n, d_model]` each
+    pub resid_pre: Vec<Vec<f32>>,
+    /// the clean run's keys and values (for variants that start past position 0)
+    pub kv: Option<KvPrefix>,
+    /// the most rows stacked in one forward (at least one variant always goes)
+    pub batch_rows: usize,
+    /// forward passes run and rows computed (layers × positions), for the report
+    pub passes: usize,
+    pub layer_rows: usize,
+}
+
+impl<'a> Runner<'a> {
+    /// The clean run of `tokens`: its last-position logits, and a runner that resumes from it.
+    /// `capture` (hooks of every layer, all positions) is filled by the same forward.
+    pub fn clean(
+        model: &'a Model,
+        tokens: &'a [u32],
+        extra: &[Hook],
+    ) -> Result<(Runner<'a>, Vec<f32>, AttnCache)> {
+        let n = tokens.len();
+        let mut hooks = vec![Hook::ResidPre];
+        hooks.extend(extra.iter().filter(|&&h| h != Hook::ResidPre));
+        let mut cache = AttnCache::new(
+            &CaptureSpec {
+                hooks,
+                layers: None,
+                heads: None,
+                queries: Queries::All,
+            },
+            n,
+        );
+        let mut out = model.forward(
+            tokens,
+            &RunOptions {
+                logits_at: vec![n - 1],
+                keep_kv: true,
+                ..Default::default()
+            },
+            &mut cache,
+        )?;
+        let resid_pre = (0..model.dims.n_layers)
+            .map(|l| {
+                cache
+                    .get(l, Hook::ResidPre)
+                    .expect("every layer's hook_resid_pre was captured")
+                    .data
+                    .clone()
+            })
+            .collect();
+        let logits = out.logits.pop().expect("one row of logits was asked for");
+        let runner = Runner {
+            model,
+            tokens,
+            resid_pre,
+            kv: out.kv.take(),
+            batch_rows: 1024,
+            passes: 1,
+            layer_rows: model.dims.n_layers * n,
+        };
+        Ok((runner, logits, cache))
+    }
+
+    /// Runs `variants`, each edited at `hook` of `layer`, resumed there; last-position logits of
+    /// each, in order. `tick(done)` after each forward.
+    pub fn run(
+        &mut self,
+        layer: usize,
+        hook: Hook,
+        variants: &[Variant],
+        mut tick: impl FnMut(usize),
+    ) -> Result<Vec<Vec<f32>>> {
+        let n = self.tokens.len();
+        let dm = self.model.dims.d_model;
+        let mut out = Vec::with_capacity(variants.len());
+        let mut start = 0;
+        while start < variants.len() {
+            // as many variants as fit in batch_rows (at least one)
+            let mut end = start + 1;
+            let mut rows = n - variants[start].from;
+            while end < variants.len() && rows + n - variants[end].from <= self.batch_rows {
+                rows += n - variants[end].from;
+                end += 1;
+            }
+            let chunk = &variants[start..end];
+            let mut segs = Vec::with_capacity(chunk.len());
+            let mut resid = Vec::with_capacity(rows * dm);
+            let mut patches = Vec::with_capacity(chunk.len());
+            let mut r0 = 0;
+            for v in chunk {
+                if v.from >= n {
+                    return Err(Error::OutOfRange {
+                        what: "position".into(),
+                        value: v.from.to_string(),
+                        range: format!("0..={}", n - 1),
+                    });
+                }
+                let m = n - v.from;
+                segs.push(Segment {
+                    tokens: &self.tokens[v.from..],
+                    reuse: v.from,
+                    knockout: Vec::new(),
+                    logits_at: vec![n - 1],
+                });
+                resid.extend_from_slice(&self.resid_pre[layer][v.from * dm..]);
+                patches.push(Patch {
+                    rows: r0..r0 + m,
+                    cols: v.cols.clone(),
+                    at: v.at.clone(),
+                    fill: v.fill,
+                });
+                r0 += m;
+            }
+            let mut editor = Editor {
+                layer,
+                hook,
+                patches,
+            };
+            let prefix = if chunk.iter().any(|v| v.from > 0) {
+                self.kv.as_ref()
+            } else {
+                None
+            };
+            let res = self.model.forward_segments(
+                prefix,
+                &segs,
+                Some(Resume { layer, resid }),
+                &RunOptions::default(),
+                &mut editor,
+            )?;
+            out.extend(res.logits);
+            self.passes += 1;
+            self.layer_rows += (self.model.dims.n_layers - layer) * rows;
+            start = end;
+            tick(end);
+        }
+        Ok(out)
+    }
+}
+
+/// Zero or mean ablation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Method {
+    Zero,
+    Mean,
+}
+
+impl Method {
+    pub fn name(self) -> &'static str {
+        match self {
+            Method::Zero => "zero",
+            Method::Mean => "mean",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct AblateOptions {
+    pub method: Method,
+    pub target: Target,
+    /// positions whose activation is ablated (None: all)
+    pub positions: Option<Vec<usize>>,
+    /// ablate each layer's MLP output too
+    pub mlp: bool,
+    /// the most rows stacked in one forward
+    pub batch_rows: usize,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct TokenRef {
+    pub id: u32,
+    pub text: String,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct HeadEffect {
+    pub layer: usize,
+    pub head: usize,
+    /// log p(target) with the head ablated, minus the clean run's
+    pub delta_logprob: f32,
+    /// KL(clean ‖ ablated) of the next-token distribution, nats
+    pub kl: f32,
+    /// the head's attention for the last query (the one that predicts): largest weight, where,
+    /// weight on the first token, entropy in nats
+    pub max_weight: f32,
+    pub argmax: usize,
+    pub sink: f32,
+    pub entropy: f32,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct MlpEffect {
+    pub layer: usize,
+    pub delta_logprob: f32,
+    pub kl: f32,
+}
+
+/// A rank correlation over the heads between an attention statistic and |Δ log p|.
+#[derive(Clone, Debug, Serialize)]
+pub struct Correlation {
+    pub attention: String,
+    pub effect: String,
+    pub n: usize,
+    pub spearman: Option<f64>,
+    /// two-sided permutation p-value
+    pub spearman_p: Option<f64>,
+    pub kendall: Option<f64>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct AblateReport {
+    pub model: String,
+    pub method: String,
+    pub tokens: Vec<TokenRef>,
+    pub query: usize,
+    pub positions: Option<Vec<usize>>,
+    pub target: TokenRef,
+    pub baseline_logprob: f32,
+    pub heads: Vec<HeadEffect>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub mlp: Vec<MlpEffect>,
+    pub correlations: Vec<Correlation>,
+    /// forward passes (the clean ones included) and the layer-position rows they computed,
+    /// beside what one full forward per ablation would compute
+    pub forward_passes: usize,
+    pub layer_rows: usize,
+    pub layer_rows_from_scratch: usize,
+}
+
+/// Δ log p(target) and KL(clean ‖ edited) from the edited run's logits.
+fn effect(base_lp: &[f32], logits: &[f32], target: u32) -> (f32, f32) {
+    let lp = log_softmax(logits);
+    let kl: f64 = base_lp
+        .iter()
+        .zip(&lp)
+        .map(|(&b, &e)| (b as f64).exp() * (b as f64 - e as f64))
+        .sum();
+    (
+        lp[target as usize] - base_lp[target as usize],
+        kl.max(0.0) as f32,
+    )
+}
+
+/// Ablates every head of every layer (its `hook_z` slice, TransformerLens's head output before
+/// `W_O`), and with `opts.mlp` every layer's MLP output, one at a time; reports each one's effect
+/// on the target beside the head's attention for the last query. `tick(done, total)` reports
+/// progress in variants.
+pub fn ablate(
+    model: &Model,
+    tokens: &[u32],
+    opts: &AblateOptions,
+    mut tick: impl FnMut(usize, usize),
+) -> Result<AblateReport> {
+    let d = &model.dims;
+    let n = tokens.len();
+    let q = n - 1;
+    let positions = match &opts.positions {
+        Some(ps) => {
+            if let Some(&bad) = ps.iter().find(|&&p| p >= n) {
+                return Err(Error::OutOfRange {
+                    what: "--positions".into(),
+                    value: bad.to_string(),
+                    range: format!("0..={q}"),
+                });
+            }
+            ps.clone()
+        }
+        None => (0..n).collect(),
+    };
+    let (mut runner, logits, _) = Runner::clean(model, tokens, &[])?;
+    runner.batch_rows = opts.batch_rows.max(1);
+    let target = opts.target.resolve(model, &logits)?;
+    let base_lp = log_softmax(&logits);
+    // the attention of the last query, every layer and head (a forward that holds no n × n)
+    let mut rows = super::collect::Collector::new(d.n_layers, d.n_heads, n, q);
+    model.forward(tokens, &RunOptions::default(), &mut rows)?;
+    runner.passes += 1;
+    let total = d.n_layers * (d.n_heads + usize::from(opts.mlp));
+    let fill = match opts.method {
+        Method::Zero => Fill::Zero,
+        Method::Mean => Fill::Mean,
+    };
+    let (hd, dm) = (d.head_dim, d.d_model);
+    let mut heads = Vec::with_capacity(d.n_layers * d.n_heads);
+    let mut mlp = Vec::new();
+    let mut done = 0;
+    for l in 0..d.n_layers {
+        let variants: Vec<Variant> = (0..d.n_heads)
+            .map(|h| Variant {
+                from: 0,
+                cols: h * hd..(h + 1) * hd,
+                at: positions.clone(),
+                fill,
+            })
+            .collect();
+        let outs = runner.run(l, Hook::Z, &variants, |k| tick(done + k, total))?;
+        done += variants.len();
+        for (h, lg) in outs.iter().enumerate() {
+            let (delta, kl) = effect(&base_lp, lg, target);
+            let row = rows.row(l, h);
+            let (max_weight, argmax) = super::max_argmax(row);
+            heads.push(HeadEffect {
+                layer: l,
+                head: h,
+                delta_logprob: delta,
+                kl,
+                max_weight,
+                argmax,
+                sink: row[0],
+                entropy: super::entropy(row),
+            });
+        }
+        if opts.mlp {
+            let v = Variant {
+                from: 0,
+                cols: 0..dm,
+                at: positions.clone(),
+                fill,
+            };
+            let outs = runner.run(l, Hook::MlpOut, &[v], |_| {})?;
+            done += 1;
+            tick(done, total);
+            let (delta, kl) = effect(&base_lp, &outs[0], target);
+            mlp.push(MlpEffect {
+                layer: l,
+                delta_logprob: delta,
+                kl,
+            });
+        }
+    }
+    let importance: Vec<f64> = heads.iter().map(|h| h.delta_logprob.abs() as f64).collect();
+    let kls: Vec<f64> = heads.iter().map(|h| h.kl as f64).collect();
+    let correlation = |name: &str, xs: Vec<f64>, effect: &str, ys: &[f64]| Correlation {
+        attention: name.into(),
+        effect: effect.into(),
+        n: xs.len(),
+        spearman: spearman(&xs, ys),
+        spearman_p: permutation_p(&xs, ys, spearman),
+        kendall: kendall_tau_b(&xs, ys),
+    };
+    let maxw: Vec<f64> = heads.iter().map(|h| h.max_weight as f64).collect();
+    let sink: Vec<f64> = heads.iter().map(|h| h.sink as f64).collect();
+    let neg_entropy: Vec<f64> = heads.iter().map(|h| -h.entropy as f64).collect();
+    let correlations = vec![
+        correlation("max_weight", maxw.clone(), "|delta_logprob|", &importance),
+        correlation("-entropy", neg_entropy, "|delta_logprob|", &importance),
+        correlation("sink", sink, "|delta_logprob|", &importance),
+        correlation("max_weight", maxw, "kl", &kls),
+    ];
+    let text = |id: u32| TokenRef {
+        id,
+        text: model.tokenizer.token_text(id),
+    };
+    Ok(AblateReport {
+        model: model.info.name.clone(),
+        method: opts.method.name().into(),
+        tokens: tokens.iter().map(|&t| text(t)).collect(),
+        query: q,
+        positions: opts.positions.clone(),
+        target: text(target),
+        baseline_logprob: base_lp[target as usize],
+        heads,
+        mlp,
+        correlations,
+        forward_passes: runner.passes,
+        layer_rows: runner.layer_rows,
+        layer_rows_from_scratch: (total + 2) * d.n_layers * n,
+    })
+}
+
+/// Which activation a patching run takes from the clean run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PatchHook {
+    /// a decoder layer's input at one position
+    ResidPre,
+    /// the attention block's output at one position
+    AttnOut,
+    /// the MLP's output at one position
+    MlpOut,
+    /// one head's output before `W_O` (`hook_z`) at every position
+    Z,
+}
+
+impl PatchHook {
+    pub fn hook(self) -> Hook {
+        match self {
+            PatchHook::ResidPre => Hook::ResidPre,
+            PatchHook::AttnOut => Hook::AttnOut,
+            PatchHook::MlpOut => Hook::MlpOut,
+            PatchHook::Z => Hook::Z,
+        }
+    }
+    pub fn per_head(self) -> bool {
+        self == PatchHook::Z
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct PatchOptions {
+    pub hook: PatchHook,
+    /// the token the clean run should predict (None: the clean run's top next token)
+    pub answer: Option<Target>,
+    /// the token the corrupted run should predict (None: the corrupted run's top next token)
+    pub wrong: Option<Target>,
+    pub batch_rows: usize,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct PatchCell {
+    pub layer: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pos: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub head: Option<usize>,
+    /// answer's logit minus wrong's at the last position of the patched corrupted run
+    pub logit_diff: f32,
+    /// (patched − corrupt) / (clean − corrupt)
+    pub recovered: f32,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct PatchReport {
+    pub model: String,
+    pub hook: String,
+    pub clean: Vec<TokenRef>,
+    pub corrupt: Vec<TokenRef>,
+    pub answer: TokenRef,
+    pub wrong: TokenRef,
+    pub clean_logit_diff: f32,
+    pub corrupt_logit_diff: f32,
+    pub results: Vec<PatchCell>,
+    pub forward_passes: usize,
+    pub layer_rows: usize,
+    pub layer_rows_from_scratch: usize,
+}
+
+/// The first position where two token lists differ (or the shorter length).
+fn first_difference(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// Activation patching: for every layer and position (or head, for `z`), the corrupted run with
+/// that activation taken from the clean run, scored by the logit difference answer − wrong at
+/// the last position. `tick(done, total)` reports progress in variants.
+pub fn patch(
+    model: &Model,
+    clean: &[u32],
+    corrupt: &[u32],
+    opts: &PatchOptions,
+    mut tick: impl FnMut(usize, usize),
+) -> Result<PatchReport> {
+    let d = &model.dims;
+    let n = clean.len();
+    if corrupt.len() != n {
+        let at = first_difference(clean, corrupt);
+        return Err(Error::OutOfRange {
+            what: "the corrupted text's token count".into(),
+            value: format!(
+                "{} (the clean text has {n}; they first differ at position {at})",
+                corrupt.len()
+            ),
+            range: format!(
+                "{n}: patching pairs positions, so both texts must be the same number of tokens"
+            ),
+        });
+    }
+    let hook = opts.hook.hook();
+    let (_, clean_logits, clean_cache) = Runner::clean(model, clean, &[hook])?;
+    let (mut runner, corrupt_logits, _) = Runner::clean(model, corrupt, &[])?;
+    runner.passes += 1;
+    runner.layer_rows += d.n_layers * n;
+    runner.batch_rows = opts.batch_rows.max(1);
+    let pick = |t: &Option<Target>, logits: &[f32]| match t {
+        Some(t) => t.resolve(model, logits),
+        None => Ok(super::max_argmax(logits).1 as u32),
+    };
+    let answer = pick(&opts.answer, &clean_logits)?;
+    let wrong = pick(&opts.wrong, &corrupt_logits)?;
+    if answer == wrong {
+        return Err(Error::OutOfRange {
+            what: "--answer and --wrong".into(),
+            value: format!(
+                "both {answer} ({:?})",
+                model.tokenizer.token_text(answer)
+            ),
+            range: "two different tokens (the clean and corrupted texts predict the same top token: pass --answer and --wrong)".into(),
+        });
+    }
+    let diff = |lg: &[f32]| lg[answer as usize] - lg[wrong as usize];
+    let (clean_diff, corrupt_diff) = (diff(&clean_logits), diff(&corrupt_logits));
+    let (nh, hd, dm) = (d.n_heads, d.head_dim, d.d_model);
+    let total = d.n_layers * if opts.hook.per_head() { nh } else { n };
+    let mut results = Vec::with_capacity(total);
+    let mut done = 0;
+    for l in 0..d.n_layers {
+        let src = &clean_cache
+            .get(l, hook)
+            .expect("the clean run captured the hook at every layer")
+            .data;
+        let variants: Vec<Variant> = if opts.hook.per_head() {
+            (0..nh)
+                .map(|h| Variant {
+                    from: 0,
+                    cols: h * hd..(h + 1) * hd,
+                    at: (0..n).collect(),
+                    fill: Fill::From(src),
+                })
+                .collect()
+        } else {
+            // position p: the corrupted run recomputed from p on, its row p taken from clean
+            (0..n)
+                .map(|p| Variant {
+                    from: p,
+                    cols: 0..dm,
+                    at: vec![0],
+                    fill: Fill::From(&src[p * dm..]),
+                })
+                .collect()
+        };
+        let outs = runner.run(l, hook, &variants, |k| tick(done + k, total))?;
+        done += variants.len();
+        for (i, lg) in outs.iter().enumerate() {
+            let v = diff(lg);
+            let (pos, head) = if opts.hook.per_head() {
+                (None, Some(i))
+            } else {
+                (Some(i), None)
+            };
+            results.push(PatchCell {
+                layer: l,
+                pos,
+                head,
+                logit_diff: v,
+                recovered: (v - corrupt_diff) / (clean_diff - corrupt_diff),
+            });
+        }
+    }
+    let text = |id: u32| TokenRef {
+        id,
+        text: model.tokenizer.token_text(id),
+    };
+    Ok(PatchReport {
+        model: model.info.name.clone(),
+        hook: crate::model::capture::hook_name(0, hook)
+            .trim_start_matches("blocks.0.")
+            .to_string(),
+        clean: clean.iter().map(|&t| text(t)).collect(),
+        corrupt: corrupt.iter().map(|&t| text(t)).collect(),
+        answer: text(answer),
+        wrong: text(wrong),
+        clean_logit_diff: clean_diff,
+        corrupt_logit_diff: corrupt_diff,
+        results,
+        forward_passes: runner.passes,
+        layer_rows: runner.layer_rows,
+        layer_rows_from_scratch: (total + 2) * d.n_layers * n,
+    })
+}

@@ -1,0 +1,217 @@
+//! `attnscope patch`: activation patching between a clean and a corrupted text.
+
+use super::common::{emit, progress_bar, usage, write_new_file, ModelArgs};
+use crate::analysis::faithfulness::Target;
+use crate::analysis::intervene::{patch, PatchHook, PatchOptions, PatchReport};
+use crate::model::tokenize::visible;
+use crate::render::table::title;
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+pub enum HookArg {
+    /// a decoder layer's input (`blocks.L.hook_resid_pre`), one position at a time
+    ResidPre,
+    /// the attention block's output (`hook_attn_out`), one position at a time
+    AttnOut,
+    /// the MLP's output (`hook_mlp_out`), one position at a time
+    MlpOut,
+    /// one head's output before W_O (`attn.hook_z`), every position
+    Z,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The clean text (the model gets it right).
+    #[arg(long)]
+    clean: String,
+    /// The corrupted text: the same number of tokens, one detail changed.
+    #[arg(long)]
+    corrupt: String,
+    /// The token the clean text should predict: a token id or its text (e.g. " Alice").
+    /// Default: the clean run's top next token.
+    #[arg(long)]
+    answer: Option<Target>,
+    /// The token the corrupted text should predict. Default: the corrupted run's top next token.
+    #[arg(long)]
+    wrong: Option<Target>,
+    /// Which activation is taken from the clean run.
+    #[arg(long, value_enum, default_value_t = HookArg::ResidPre)]
+    hook: HookArg,
+    /// Also write the heatmap as an HTML page (refuses to overwrite a file).
+    #[arg(long)]
+    html: Option<PathBuf>,
+    /// Most positions stacked into one forward.
+    #[arg(long, default_value_t = 1024, hide = true)]
+    batch_rows: usize,
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    let model = a.model.load()?;
+    let clean = model.encode(&a.clean, a.model.bos)?;
+    let corrupt = model.encode(&a.corrupt, a.model.bos)?;
+    for (t, what) in [(&a.answer, "--answer"), (&a.wrong, "--wrong")] {
+        if matches!(t, Some(Target::Next)) {
+            return Err(usage(format!(
+                "{what} next: give a token id or a token's text (the default is already the run's top token)"
+            )));
+        }
+    }
+    let opts = PatchOptions {
+        hook: match a.hook {
+            HookArg::ResidPre => PatchHook::ResidPre,
+            HookArg::AttnOut => PatchHook::AttnOut,
+            HookArg::MlpOut => PatchHook::MlpOut,
+            HookArg::Z => PatchHook::Z,
+        },
+        answer: a.answer,
+        wrong: a.wrong,
+        batch_rows: a.batch_rows,
+    };
+    let bar = progress_bar("patched runs [{bar:30}] {pos}/{len} ({eta})");
+    let report = patch(&model, &clean, &corrupt, &opts, |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    })?;
+    bar.finish_and_clear();
+    if let Some(path) = &a.html {
+        write_new_file(path, html(&report).as_bytes(), false)?;
+    }
+    if a.json {
+        return emit(&format!("{}\n", serde_json::to_string_pretty(&report)?));
+    }
+    emit(&render(&report, std::io::stdout().is_terminal()))
+}
+
+/// The grid: layers as rows, positions (or heads) as columns, values = recovered.
+pub fn grid(r: &PatchReport) -> (Vec<String>, Vec<String>, Vec<f32>) {
+    let layers = r.results.iter().map(|c| c.layer).max().map_or(0, |l| l + 1);
+    let cols: Vec<String> = if r.results.iter().any(|c| c.head.is_some()) {
+        let heads = r.results.len() / layers.max(1);
+        (0..heads).map(|h| format!("h{h}")).collect()
+    } else {
+        r.clean
+            .iter()
+            .zip(&r.corrupt)
+            .enumerate()
+            .map(|(p, (c, x))| {
+                if c.id == x.id {
+                    format!("{p} {}", visible(&c.text))
+                } else {
+                    format!("{p} {}/{}", visible(&c.text), visible(&x.text))
+                }
+            })
+            .collect()
+    };
+    let rows = (0..layers).map(|l| format!("L{l}")).collect();
+    (rows, cols, r.results.iter().map(|c| c.recovered).collect())
+}
+
+/// A shade for a recovered share: blue for 1 (fully restored), red for negative, blank for 0.
+fn shade(v: f32, colour: bool) -> String {
+    let cell = format!("{v:>5.2}");
+    if !colour {
+        return cell;
+    }
+    let t = v.clamp(-1.0, 1.0).abs();
+    let level = (255.0 - 200.0 * t) as u8;
+    let bg = if v >= 0.0 {
+        (level, level, 255)
+    } else {
+        (255, level, level)
+    };
+    format!(
+        "\x1b[48;2;{};{};{}m\x1b[38;2;0;0;0m{cell}\x1b[0m",
+        bg.0, bg.1, bg.2
+    )
+}
+
+pub fn render(r: &PatchReport, colour: bool) -> String {
+    let mut s = title(&format!("activation patching of {}, {}", r.hook, r.model));
+    s += &format!(
+        "logit difference {:?} − {:?} at the last position: clean {:+.4}, corrupt {:+.4}\n",
+        visible(&r.answer.text),
+        visible(&r.wrong.text),
+        r.clean_logit_diff,
+        r.corrupt_logit_diff
+    );
+    s += "each cell: the share of the difference restored when that activation of the corrupted run \
+          is taken from the clean run ((patched − corrupt) / (clean − corrupt))\n\n";
+    let (rows, cols, values) = grid(r);
+    let nc = cols.len();
+    // columns as a numbered legend, then the grid
+    for (i, c) in cols.iter().enumerate() {
+        s += &format!("  c{i:<3} {c}\n");
+    }
+    s += &format!(
+        "\n{:>4} {}\n",
+        "",
+        (0..nc)
+            .map(|i| format!("{:>5}", format!("c{i}")))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    for (l, name) in rows.iter().enumerate() {
+        let cells: Vec<String> = values[l * nc..(l + 1) * nc]
+            .iter()
+            .map(|&v| shade(v, colour))
+            .collect();
+        s += &format!("{name:>4} {}\n", cells.join(" "));
+    }
+    let best = r
+        .results
+        .iter()
+        .max_by(|a, b| a.recovered.total_cmp(&b.recovered));
+    if let Some(b) = best {
+        let at = match (b.pos, b.head) {
+            (Some(p), _) => format!("position {p} ({:?})", visible(&r.clean[p].text)),
+            (_, Some(h)) => format!("head {}.{h}", b.layer),
+            _ => String::new(),
+        };
+        s += &format!(
+            "\nmost restored: layer {}, {at}: {:.2} (logit difference {:+.4})\n",
+            b.layer, b.recovered, b.logit_diff
+        );
+    }
+    s += &format!(
+        "{} forward passes; {} layer-position rows computed ({:.0}% of running each patch from scratch)\n",
+        r.forward_passes,
+        r.layer_rows,
+        100.0 * r.layer_rows as f64 / r.layer_rows_from_scratch.max(1) as f64
+    );
+    s
+}
+
+/// A page with the heatmap (SVG).
+pub fn html(r: &PatchReport) -> String {
+    let (rows, cols, values) = grid(r);
+    let svg = crate::render::heatmap::svg(
+        &values,
+        &rows,
+        &cols,
+        &format!("{}: share of the logit difference restored", r.hook),
+    );
+    let esc = crate::render::html::html_escape;
+    format!(
+        "<!doctype html><html><head><meta charset=\"utf-8\"><title>attnscope patch</title></head>\
+         <body style=\"font-family:sans-serif\"><h1>Activation patching: {}</h1>\
+         <p>{} — answer {} vs wrong {}; clean {:+.4}, corrupt {:+.4}</p>\
+         <p>clean: {}<br>corrupt: {}</p>{svg}</body></html>\n",
+        esc(&r.hook),
+        esc(&r.model),
+        esc(&format!("{:?}", r.answer.text)),
+        esc(&format!("{:?}", r.wrong.text)),
+        r.clean_logit_diff,
+        r.corrupt_logit_diff,
+        esc(&r.clean.iter().map(|t| t.text.as_str()).collect::<String>()),
+        esc(&r
+            .corrupt
+            .iter()
+            .map(|t| t.text.as_str())
+            .collect::<String>()),
+    )
+}
