@@ -8,7 +8,7 @@ mod common;
 use attnscope::model::capture::{AttnCache, CaptureSpec};
 use attnscope::model::forward::RunOptions;
 use attnscope::model::{Model, Precision};
-use common::{golden, golden_json, golden_npy};
+use common::{golden, golden_json, golden_npy, max_abs_diff};
 use std::path::Path;
 
 /// A copy of fixture `name` whose config.json `edit` may change.
@@ -62,17 +62,17 @@ fn model_deviation(model: &Model, name: &str, tokenize: bool) -> (f32, f32, Vec<
         let got: Vec<f32> = (0..model.dims.n_layers)
             .flat_map(|l| cache.pattern(l).unwrap().data.to_vec())
             .collect();
-        attn = got
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(attn, f32::max);
+        attn = attn.max(max_abs_diff(
+            &got,
+            &want,
+            &format!("{name} {which}: attention"),
+        ));
         let (_, want_logits) = golden_npy(&format!("arch/{name}/logits_{which}.npy"));
-        logits = out.logits[0]
-            .iter()
-            .zip(&want_logits)
-            .map(|(a, b)| (a - b).abs())
-            .fold(logits, f32::max);
+        logits = logits.max(max_abs_diff(
+            &out.logits[0],
+            &want_logits,
+            &format!("{name} {which}: logits"),
+        ));
         let argmax = attnscope::analysis::max_argmax(&out.logits[0]).1 as u64;
         next.push((argmax, t["next_token_argmax"].as_u64().unwrap()));
     }

@@ -30,7 +30,8 @@ fn python_package_tests_pass() {
     );
     eprintln!("{so}{se}");
     assert!(out.status.success(), "the Python tests failed:\n{so}\n{se}");
-    // every Python test ran: a skip is a failure here unless no browser is expected
+    // every Python test ran: where CI asks for the package (or the browser), a skip is a failure;
+    // elsewhere it is said loudly, with pytest's reasons (-rs) above
     let summary = so
         .lines()
         .rev()
@@ -40,10 +41,11 @@ fn python_package_tests_pass() {
         !summary.contains("failed") && summary.contains("passed"),
         "{summary}"
     );
-    if std::env::var("ATTNSCOPE_REQUIRE_BROWSER").is_ok_and(|v| v == "1") {
-        assert!(
-            !summary.contains("skipped"),
-            "a Python test was skipped: {summary}"
-        );
+    if summary.contains("skipped") {
+        let required = ["ATTNSCOPE_REQUIRE_PYTHON", "ATTNSCOPE_REQUIRE_BROWSER"]
+            .iter()
+            .any(|v| std::env::var(v).is_ok_and(|v| v == "1"));
+        assert!(!required, "a Python test was skipped: {summary}");
+        eprintln!("NOTE: some Python tests were skipped (reasons above): {summary}");
     }
 }

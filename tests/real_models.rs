@@ -304,12 +304,7 @@ fn check_fast(alias: &str, prefix: &str, sink_tolerance: f64) {
                 .collect::<Vec<_>>()
         })
         .collect();
-    assert_eq!(got.len(), want.len());
-    let max = got
-        .iter()
-        .zip(&want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0f32, f32::max);
+    let max = max_abs_diff(&got, &want, &format!("{alias} fast"));
     let Some(kernel) = attnscope::model::weights::fast_kernel() else {
         eprintln!("NOTE: this CPU has neither AMX nor AVX-512 VNNI: --precision fast runs the exact kernels here, so only that is checked");
         assert_close(

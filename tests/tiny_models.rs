@@ -95,11 +95,7 @@ fn llama_gguf_without_permutation_differs() {
     write_gguf(&unpermuted, Arch::Llama, GgmlDType::F32, &path).unwrap();
     let model = Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();
     let (got, _) = patterns(&model, &TOKENS, 64 << 20);
-    let diff = got[1]
-        .iter()
-        .zip(&want.patterns[1])
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0f32, f32::max);
+    let diff = common::max_abs_diff(&got[1], &want.patterns[1], "a wrong RoPE layout");
     assert!(
         diff > 1e-2,
         "a wrong RoPE layout should change the patterns, max diff {diff}"

@@ -86,7 +86,7 @@ impl Hook {
                 "z" => &[Hook::Z],
                 "attn_out" => &[Hook::AttnOut],
                 "mlp_out" => &[Hook::MlpOut],
-                "resid" => &[Hook::ResidPre, Hook::ResidMid, Hook::ResidPost],
+                "resid" => &[Hook::ResidPre, Hook::ResidPost],
                 "resid_pre" => &[Hook::ResidPre],
                 "resid_mid" => &[Hook::ResidMid],
                 "resid_post" => &[Hook::ResidPost],
@@ -796,6 +796,8 @@ mod tests {
                 "blocks.2.attn.hook_pattern",
                 "blocks.2.attn.hook_z",
                 "blocks.2.hook_attn_out",
+                "blocks.2.hook_resid_mid",
+                "blocks.2.hook_mlp_out",
                 "blocks.2.hook_resid_post",
             ]
         );

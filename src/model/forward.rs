@@ -89,9 +89,188 @@ fn hand(
                 msg: "left a non-finite value (NaN or infinity) in the activation; refused".into(),
             });
         }
-    } else if obs.wants(layer, hook) {
+    }
+    if obs.wants(layer, hook) {
+        // a watching observer sees what flows on, edited or not
         obs.tensor(layer, hook, shape, data);
     }
+    Ok(())
+}
+
+/// Collects one segment's whole attention maps at one layer (for [`attention_edited`]) and hands
+/// everything else to the observer it wraps.
+struct MapTap<'a> {
+    inner: &'a mut dyn Observer,
+    layer: usize,
+    /// absolute position of query row 0, query rows, keys, heads
+    offset: usize,
+    rows: usize,
+    k_len: usize,
+    /// `[heads, rows, k_len]`: masked scores -inf, masked weights 0
+    scores: Vec<f32>,
+    pattern: Vec<f32>,
+}
+
+impl Observer for MapTap<'_> {
+    fn wants(&self, layer: usize, hook: Hook) -> bool {
+        (layer == self.layer && hook.is_attention_map()) || self.inner.wants(layer, hook)
+    }
+    fn tensor(&mut self, layer: usize, hook: Hook, shape: &[usize], data: &[f32]) {
+        self.inner.tensor(layer, hook, shape, data)
+    }
+    fn attention_block(
+        &mut self,
+        layer: usize,
+        hook: Hook,
+        q_start: usize,
+        shape: [usize; 3],
+        data: &[f32],
+    ) {
+        if layer != self.layer {
+            return self
+                .inner
+                .attention_block(layer, hook, q_start, shape, data);
+        }
+        let [heads, rows, kw] = shape;
+        let dest = if hook == Hook::AttnScores {
+            &mut self.scores
+        } else {
+            &mut self.pattern
+        };
+        let r0 = q_start - self.offset;
+        for h in 0..heads {
+            for r in 0..rows {
+                dest[(h * self.rows + r0 + r) * self.k_len..][..kw]
+                    .copy_from_slice(&data[(h * rows + r) * kw..][..kw]);
+            }
+        }
+    }
+    fn wants_stats(&self, layer: usize) -> Option<StatsRequest> {
+        self.inner.wants_stats(layer)
+    }
+    fn attention_stats(&mut self, layer: usize, q_start: usize, stats: &AttnStats) {
+        self.inner.attention_stats(layer, q_start, stats)
+    }
+    fn wants_rows(&self, layer: usize) -> Vec<usize> {
+        self.inner.wants_rows(layer)
+    }
+    fn attention_rows(&mut self, layer: usize, q: usize, n_heads: usize, rows: &[f32]) {
+        self.inner.attention_rows(layer, q, n_heads, rows)
+    }
+}
+
+/// [`attention_into`] for an observer that edits `hook_attn_scores` or `hook_pattern`: the
+/// kernel computes the segment's whole maps; an edit of the scores is followed by the softmax
+/// of the edited scores (a key left at -inf stays masked), an edit of the pattern is taken as
+/// it is, and `z` is then the edited pattern times the values. Each map is handed to the observer
+/// whole (`[heads, q_len, k_len]`, one block).
+#[allow(clippy::too_many_arguments)]
+fn attention_edited(
+    layer: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dims: AttnDims,
+    knockout: &[bool],
+    block_bytes: usize,
+    obs: &mut dyn Observer,
+    z: &mut [f32],
+) -> Result<()> {
+    let (nh, rows, k_len, d) = (dims.n_heads, dims.q_len, dims.k_len, dims.head_dim);
+    let offset = k_len - rows;
+    let mut tap = MapTap {
+        inner: obs,
+        layer,
+        offset,
+        rows,
+        k_len,
+        scores: vec![f32::NEG_INFINITY; nh * rows * k_len],
+        pattern: vec![0f32; nh * rows * k_len],
+    };
+    attention_into(
+        layer,
+        q,
+        k,
+        v,
+        dims,
+        knockout,
+        block_bytes,
+        k_len,
+        &mut tap,
+        z,
+    )?;
+    let (mut scores, mut pattern) = (tap.scores, tap.pattern);
+    let shape = [nh, rows, k_len];
+    // a hook that only reads leaves the kernel's z as it is (the same bits as without it)
+    let before = pattern.clone();
+    let name = |hook| super::capture::hook_name(layer, hook);
+    if obs.edits(layer, Hook::AttnScores) {
+        obs.edit(layer, Hook::AttnScores, &shape, &mut scores)
+            .map_err(|msg| Error::Hook {
+                name: name(Hook::AttnScores),
+                msg,
+            })?;
+        if scores.iter().any(|s| s.is_nan() || *s == f32::INFINITY) {
+            return Err(Error::Hook {
+                name: name(Hook::AttnScores),
+                msg: "left a NaN or +infinity in the scores (-infinity masks a key); refused"
+                    .into(),
+            });
+        }
+        for (row, out) in scores.chunks(k_len).zip(pattern.chunks_mut(k_len)) {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            if max == f32::NEG_INFINITY {
+                return Err(Error::Hook {
+                    name: name(Hook::AttnScores),
+                    msg:
+                        "masked every key of a query row (all -infinity): its softmax is undefined"
+                            .into(),
+                });
+            }
+            let sum: f64 = row.iter().map(|&s| ((s - max) as f64).exp()).sum();
+            for (o, &s) in out.iter_mut().zip(row) {
+                *o = (((s - max) as f64).exp() / sum) as f32;
+            }
+        }
+    }
+    if obs.wants(layer, Hook::AttnScores) {
+        obs.attention_block(layer, Hook::AttnScores, offset, shape, &scores);
+    }
+    if obs.edits(layer, Hook::Pattern) {
+        obs.edit(layer, Hook::Pattern, &shape, &mut pattern)
+            .map_err(|msg| Error::Hook {
+                name: name(Hook::Pattern),
+                msg,
+            })?;
+        if !all_finite(&pattern) {
+            return Err(Error::Hook {
+                name: name(Hook::Pattern),
+                msg: "left a non-finite value (NaN or infinity) in the pattern; refused".into(),
+            });
+        }
+    }
+    if obs.wants(layer, Hook::Pattern) {
+        obs.attention_block(layer, Hook::Pattern, offset, shape, &pattern);
+    }
+    if pattern == before {
+        return Ok(());
+    }
+    // z = pattern · V, each query head on its KV set
+    let group = nh / dims.n_kv_heads;
+    z.par_chunks_mut(nh * d).enumerate().for_each(|(r, zr)| {
+        for h in 0..nh {
+            let g = h / group;
+            let out = &mut zr[h * d..(h + 1) * d];
+            out.fill(0.0);
+            let p = &pattern[(h * rows + r) * k_len..][..k_len];
+            for (j, &w) in p.iter().enumerate() {
+                if w != 0.0 {
+                    let vj = &v[(g * k_len + j) * d..][..d];
+                    out.iter_mut().zip(vj).for_each(|(o, &x)| *o += w * x);
+                }
+            }
+        }
+    });
     Ok(())
 }
 
@@ -1744,18 +1923,33 @@ impl Model {
                     scale: dims.gemma.as_ref().map(|g| g.query_scale),
                     softcap: dims.gemma.as_ref().and_then(|g| g.attn_softcap),
                 };
-                attention_into(
-                    l,
-                    qh,
-                    &kf,
-                    &vf,
-                    adims,
-                    &knocks[si],
-                    opts.block_bytes,
-                    opts.key_block,
-                    obs,
-                    &mut z[r0 * nh * hd..(r0 + ms) * nh * hd],
-                )?; // [ms, nh, hd]
+                let zs = &mut z[r0 * nh * hd..(r0 + ms) * nh * hd];
+                if obs.edits(l, Hook::AttnScores) || obs.edits(l, Hook::Pattern) {
+                    attention_edited(
+                        l,
+                        qh,
+                        &kf,
+                        &vf,
+                        adims,
+                        &knocks[si],
+                        opts.block_bytes,
+                        obs,
+                        zs,
+                    )?;
+                } else {
+                    attention_into(
+                        l,
+                        qh,
+                        &kf,
+                        &vf,
+                        adims,
+                        &knocks[si],
+                        opts.block_bytes,
+                        opts.key_block,
+                        obs,
+                        zs,
+                    )?; // [ms, nh, hd]
+                }
                 if opts.keep_kv {
                     kept.push((kf, vf));
                 }

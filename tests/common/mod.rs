@@ -39,6 +39,26 @@ pub fn real_model(alias: &str) -> &'static Model {
     model
 }
 
+/// The largest `|got - want|`, infinity where either side has a NaN (a plain `fold(.., f32::max)`
+/// drops NaNs), after checking that both have the same length.
+pub fn max_abs_diff(got: &[f32], want: &[f32], label: &str) -> f32 {
+    assert_eq!(
+        got.len(),
+        want.len(),
+        "{label}: length {} != {}",
+        got.len(),
+        want.len()
+    );
+    got.iter().zip(want).fold(0.0f32, |m, (g, w)| {
+        let d = if g == w { 0.0 } else { (g - w).abs() };
+        if d.is_nan() {
+            f32::INFINITY
+        } else {
+            m.max(d)
+        }
+    })
+}
+
 pub fn assert_close(got: &[f32], want: &[f32], tol: f32, label: &str) {
     assert_eq!(
         got.len(),

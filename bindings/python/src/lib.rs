@@ -114,6 +114,116 @@ impl Observer for Wanted {
     }
 }
 
+/// [`Wanted`], and the activations at `edit` handed to a Python callable `editor(name, array)`
+/// that returns the array to carry on with (TransformerLens's editing hooks). An exception raised
+/// there stops the forward and is raised again, as it was, once the engine is done.
+struct Edited {
+    wanted: Wanted,
+    edit: BTreeSet<(usize, Hook)>,
+    editor: Py<PyAny>,
+    error: Option<PyErr>,
+}
+
+impl Edited {
+    fn call(&self, layer: usize, hook: Hook, shape: &[usize], data: &mut [f32]) -> PyResult<()> {
+        Python::attach(|py| {
+            let arr = PyArray1::from_slice(py, data).reshape(shape.to_vec())?;
+            let back = self.editor.call1(py, (hook_name(layer, hook), arr))?;
+            let back = back.bind(py);
+            let back = back.cast::<numpy::PyArrayDyn<f32>>().map_err(|_| {
+                PyValueError::new_err(format!(
+                    "the hook at {} must leave a float32 array",
+                    hook_name(layer, hook)
+                ))
+            })?;
+            let ro = back.readonly();
+            let view = ro.as_array();
+            if view.shape() != shape {
+                return Err(PyValueError::new_err(format!(
+                    "the hook at {} returned an array of shape {:?}; the activation is {:?}",
+                    hook_name(layer, hook),
+                    view.shape(),
+                    shape
+                )));
+            }
+            data.iter_mut().zip(view.iter()).for_each(|(d, &x)| *d = x);
+            Ok(())
+        })
+    }
+}
+
+impl Observer for Edited {
+    fn wants(&self, layer: usize, hook: Hook) -> bool {
+        self.wanted.wants(layer, hook)
+    }
+    fn tensor(&mut self, layer: usize, hook: Hook, shape: &[usize], data: &[f32]) {
+        self.wanted.tensor(layer, hook, shape, data)
+    }
+    fn attention_block(
+        &mut self,
+        layer: usize,
+        hook: Hook,
+        q_start: usize,
+        shape: [usize; 3],
+        data: &[f32],
+    ) {
+        self.wanted
+            .attention_block(layer, hook, q_start, shape, data)
+    }
+    fn pattern_rows(
+        &mut self,
+        layer: usize,
+        q_start: usize,
+        rows: usize,
+        n_heads: usize,
+        k_len: usize,
+    ) -> Option<attnscope::model::capture::PatternRows<'_>> {
+        self.wanted
+            .pattern_rows(layer, q_start, rows, n_heads, k_len)
+    }
+    fn edits(&self, layer: usize, hook: Hook) -> bool {
+        self.error.is_none() && self.edit.contains(&(layer, hook))
+    }
+    fn edit(
+        &mut self,
+        layer: usize,
+        hook: Hook,
+        shape: &[usize],
+        data: &mut [f32],
+    ) -> Result<(), String> {
+        self.call(layer, hook, shape, data).map_err(|e| {
+            let msg = format!("raised {e}");
+            self.error = Some(e);
+            msg
+        })
+    }
+}
+
+/// The (layer, hook) pairs of `(layer, suffix)` items; negative layers count from the end.
+fn hook_pairs(n_layers: usize, hooks: Vec<(i64, String)>) -> PyResult<BTreeSet<(usize, Hook)>> {
+    let mut pairs = BTreeSet::new();
+    for (l, h) in hooks {
+        let layer = if l < 0 { l + n_layers as i64 } else { l };
+        if layer < 0 || layer >= n_layers as i64 {
+            return Err(PyValueError::new_err(format!(
+                "layer {l} is out of range: the model has {n_layers} layers"
+            )));
+        }
+        let hook = hook_by_suffix(&h).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "unknown hook `{h}`; known: {}",
+                Hook::ALL
+                    .iter()
+                    .map(|h| h.suffix())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))
+        })?;
+        pairs.insert((layer as usize, hook));
+    }
+    Ok(pairs)
+}
+
 fn hook_by_suffix(s: &str) -> Option<Hook> {
     Hook::ALL
         .iter()
@@ -202,7 +312,9 @@ impl Model {
     /// Runs `ids` and captures each (layer, hook suffix) in `hooks`, e.g. (0, "hook_pattern").
     /// `logits`: "all", "last" or "none". Returns (logits `[n or 1, vocab]` or None,
     /// [(hook name, array)]); every array is the engine's own buffer, reshaped, never copied.
-    #[pyo3(signature = (ids, hooks, logits = "all"))]
+    /// `edits` (with `editor`): the (layer, hook suffix) pairs whose activation is handed to
+    /// `editor(name, array)` during the forward; the array it returns is what flows on.
+    #[pyo3(signature = (ids, hooks, logits = "all", edits = Vec::new(), editor = None))]
     #[allow(clippy::type_complexity)]
     fn run<'py>(
         &self,
@@ -210,30 +322,18 @@ impl Model {
         ids: Vec<u32>,
         hooks: Vec<(i64, String)>,
         logits: &str,
+        edits: Vec<(i64, String)>,
+        editor: Option<Py<PyAny>>,
     ) -> PyResult<(Option<Bound<'py, PyAny>>, Vec<(String, Bound<'py, PyAny>)>)> {
         let d = &self.inner.dims;
         let n = ids.len();
-        let mut pairs = BTreeSet::new();
-        for (l, h) in hooks {
-            let layer = if l < 0 { l + d.n_layers as i64 } else { l };
-            if layer < 0 || layer >= d.n_layers as i64 {
-                return Err(PyValueError::new_err(format!(
-                    "layer {l} is out of range: the model has {} layers",
-                    d.n_layers
-                )));
-            }
-            let hook = hook_by_suffix(&h).ok_or_else(|| {
-                PyValueError::new_err(format!(
-                    "unknown hook `{h}`; known: {}",
-                    Hook::ALL
-                        .iter()
-                        .map(|h| h.suffix())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ))
-            })?;
-            pairs.insert((layer as usize, hook));
-        }
+        let pairs = hook_pairs(d.n_layers, hooks)?;
+        let edit = hook_pairs(d.n_layers, edits)?;
+        let editor = match (editor, edit.is_empty()) {
+            (Some(e), _) => Some(e),
+            (None, true) => None,
+            (None, false) => return Err(PyValueError::new_err("edits given without an editor")),
+        };
         let logits_at = match logits {
             "all" => (0..n).collect(),
             "last" => vec![n.saturating_sub(1)],
@@ -267,20 +367,33 @@ impl Model {
         };
         let m = self.inner.clone();
         let (out, cache) = engine(py, move || {
-            let mut obs = Wanted {
+            let wanted = Wanted {
                 cache: AttnCache::new(&spec, n),
                 pairs,
             };
-            let out = m.forward(
-                &ids,
-                &RunOptions {
-                    logits_at,
-                    ..Default::default()
-                },
-                &mut obs,
-            )?;
-            Ok((out, obs.cache))
+            let opts = RunOptions {
+                logits_at,
+                ..Default::default()
+            };
+            let Some(editor) = editor else {
+                let mut obs = wanted;
+                let out = m.forward(&ids, &opts, &mut obs)?;
+                return Ok((Ok(out), obs.cache));
+            };
+            let mut obs = Edited {
+                wanted,
+                edit,
+                editor,
+                error: None,
+            };
+            let out = m.forward(&ids, &opts, &mut obs);
+            // an exception in a hook is raised as it was
+            match (out, obs.error) {
+                (_, Some(e)) => Ok((Err(e), obs.wanted.cache)),
+                (out, None) => Ok((Ok(out?), obs.wanted.cache)),
+            }
         })?;
+        let out = out?;
         let logits = if out.logits.is_empty() {
             None
         } else {

@@ -324,3 +324,124 @@ def test_the_quickstart_example_runs(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "examples/quickstart.py"), "smollm2-135m"], capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert r.returncode == 0, r.stderr
     assert "sink profile:" in r.stdout and "head 0:" in r.stdout and (tmp_path / "attnscope-quickstart.html").exists()
+
+
+# --- interventions: TransformerLens's editing hooks, against transformers with torch hooks ----
+
+def _interventions(prefix):
+    return json.loads((GOLDEN / f"{prefix}_interventions.json").read_text())
+
+
+def test_run_with_hooks_zero_ablation_matches_transformers(smol):
+    """A TransformerLens user's head ablation (hook_z, edited in place) gives transformers' numbers."""
+    ref = _interventions("smol")["ablation"]
+    ids = smol.to_tokens(ref["text"])
+    base = smol(ids)[0, -1]
+    base_lp = base - np.log(np.exp(base - base.max()).sum()) - base.max()
+    target = ref["target_id"]
+    assert int(base.argmax()) == target
+    assert abs(float(base_lp[target]) - ref["baseline_logprob"]) < 1e-4
+    for layer, head in [(0, 0), (7, 3), (29, 8)]:
+        def ablate(z, hook):
+            assert hook.name == f"blocks.{layer}.attn.hook_z" and hook.layer() == layer
+            assert z.shape == (1, ids.shape[1], smol.cfg.n_heads, smol.cfg.d_head)
+            z[:, :, head, :] = 0.0
+        lg = smol.run_with_hooks(ids, fwd_hooks=[(attnscope.utils.get_act_name("z", layer), ablate)])[0, -1]
+        lp = lg - np.log(np.exp(lg - lg.max()).sum()) - lg.max()
+        assert abs(float(lp[target] - base_lp[target]) - ref["zero"][layer][head]) < 1e-4, (layer, head)
+
+
+def test_run_with_hooks_patching_matches_transformers(smol):
+    """Activation patching as TransformerLens users write it: cache the clean run, return the
+    patched hook_resid_pre from a hook."""
+    ref = _interventions("smol")["patching"]
+    clean, corrupt = smol.to_tokens(ref["clean"]), smol.to_tokens(ref["corrupt"])
+    _, cache = smol.run_with_cache(clean, names_filter=lambda n: n.endswith("hook_resid_pre"))
+    for layer, pos in [(0, 9), (5, 9), (12, 13)]:
+        def patch(resid, hook):
+            out = resid.copy()
+            out[:, pos, :] = cache[hook.name][:, pos, :]
+            return out
+        lg = smol.run_with_hooks(corrupt, fwd_hooks=[(f"blocks.{layer}.hook_resid_pre", patch)])[0, -1]
+        diff = float(lg[ref["answer_id"]] - lg[ref["wrong_id"]])
+        assert abs(diff - ref["patched_logit_diff"][layer][pos]) < 1e-4, (layer, pos, diff)
+
+
+def test_hooks_context_add_hook_pattern_edits_and_loss(smol):
+    text = "The cat sat on the mat"
+    ids = smol.to_tokens(text)
+    clean = smol(ids)
+    # a context's hooks apply to run_with_cache too, and are gone after it
+    seen = []
+    with smol.hooks(fwd_hooks=[(lambda n: n.endswith("hook_resid_mid"), lambda x, h: seen.append(h.name))]):
+        _, cache = smol.run_with_cache(ids, names_filter="hook_resid_mid")
+    assert len(seen) == smol.cfg.n_layers and len(cache) == smol.cfg.n_layers
+    assert np.array_equal(smol(ids), clean)
+    # add_hook until reset_hooks
+    smol.add_hook("blocks.3.attn.hook_pattern", lambda p, h: None)
+    assert np.array_equal(smol(ids), clean)  # a hook that only reads changes no bit
+    smol.reset_hooks()
+
+    # attention knocked out to the first token only, from layer 2's pattern: the cache sees the edit
+    def to_first(p, hook):
+        p[:] = 0.0
+        p[..., 0] = 1.0
+    with smol.hooks(fwd_hooks=[("blocks.2.attn.hook_pattern", to_first)]):
+        lg, cache = smol.run_with_cache(ids, names_filter=["blocks.2.attn.hook_pattern", "blocks.2.attn.hook_z", "blocks.2.attn.hook_v"])
+    assert np.all(cache["pattern", 2][..., 0] == 1.0)
+    v = cache["blocks.2.attn.hook_v"][0]  # [pos, kv_head, d_head]
+    z = cache["blocks.2.attn.hook_z"][0]  # [pos, head, d_head]
+    group = smol.cfg.n_heads // smol.cfg.n_key_value_heads
+    for h in range(smol.cfg.n_heads):
+        assert np.allclose(z[:, h], v[0, h // group][np.newaxis], atol=1e-6)
+    assert not np.allclose(lg, clean, atol=1e-3)
+    # loss: TransformerLens's mean next-token cross-entropy
+    lg, loss = smol.run_with_hooks(ids, return_type="both")
+    lp = lg[0] - np.log(np.exp(lg[0] - lg[0].max(-1, keepdims=True)).sum(-1, keepdims=True)) - lg[0].max(-1, keepdims=True)
+    want = -np.mean([lp[i, ids[0, i + 1]] for i in range(ids.shape[1] - 1)])
+    assert abs(loss - want) < 1e-4 and smol(ids, return_type="loss") == pytest.approx(loss, abs=1e-6)
+    assert smol.run_with_hooks(ids, return_type=None) is None
+
+
+def test_hook_errors_are_python_exceptions(smol):
+    ids = smol.to_tokens("The cat sat")
+    with pytest.raises(ValueError, match="unknown hook name 'blocks.0.hook_nope'"):
+        smol.run_with_hooks(ids, fwd_hooks=[("blocks.0.hook_nope", lambda x, h: None)])
+    with pytest.raises(ValueError, match="shape"):
+        smol.run_with_hooks(ids, fwd_hooks=[("blocks.0.hook_resid_pre", lambda x, h: x[:, :1])])
+    with pytest.raises(TypeError, match="dtype float64"):
+        smol.run_with_hooks(ids, fwd_hooks=[("blocks.0.hook_resid_pre", lambda x, h: x.astype(np.float64))])
+
+    def nan(x, h):
+        x[0, 0, 0] = np.nan
+    with pytest.raises(ValueError, match="blocks.1.attn.hook_z.*non-finite"):
+        smol.run_with_hooks(ids, fwd_hooks=[("blocks.1.attn.hook_z", nan)])
+
+    class Boom(Exception):
+        pass
+
+    def boom(x, h):
+        raise Boom("from the hook")
+    with pytest.raises(Boom, match="from the hook"):
+        smol.run_with_hooks(ids, fwd_hooks=[("blocks.1.hook_mlp_out", boom)])
+    with pytest.raises(NotImplementedError, match="backward"):
+        smol.run_with_hooks(ids, bwd_hooks=[("blocks.1.hook_mlp_out", boom)])
+    # a failed run leaves no hook behind
+    assert np.array_equal(smol(ids), smol(ids))
+    assert attnscope.utils.get_act_name("pattern", 3) == "blocks.3.attn.hook_pattern"
+    assert attnscope.utils.get_act_name("resid_pre", 0) == "blocks.0.hook_resid_pre"
+    with pytest.raises(ValueError, match="no hook 'embed'"):
+        attnscope.utils.get_act_name("embed")
+    assert smol.to_single_token(" cat") == int(smol.to_tokens(" cat")[0, 0])
+    assert smol.to_string(np.array([[1, 2], [3, 4]])) == [smol.to_string([1, 2]), smol.to_string([3, 4])]
+
+
+def test_ablate_and_patch_equal_the_cli(smol):
+    r = smol.ablate("The cat sat on the mat", method="mean")
+    cli = json.loads(subprocess.run([BIN, "ablate", "-m", "smollm2-135m", "--text", "The cat sat on the mat", "--method", "mean",
+                                     "--json"], check=True, capture_output=True).stdout)
+    assert r["target"] == cli["target"] and len(r["heads"]) == smol.cfg.n_layers * smol.cfg.n_heads
+    assert all(abs(a["delta_logprob"] - b["delta_logprob"]) < 1e-6 for a, b in zip(r["heads"], cli["heads"]))
+    p = smol.patch("When Mary and John went to the store, John gave a drink to",
+                   "When Mary and John went to the store, Mary gave a drink to", hook="z")
+    assert {"clean_logit_diff", "corrupt_logit_diff", "results"} <= set(p) and "head" in p["results"][0]

@@ -12,8 +12,10 @@ GGUF and Hugging Face checkpoints, long inputs on a CPU, and no torch needed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -21,9 +23,11 @@ import numpy as np
 
 from . import _native
 from . import viz
+from . import utils
 from . import distributed  # Ray is imported only when distributed.corpus runs
 
-__all__ = ["HookedModel", "ActivationCache", "Config", "corpus", "corpus_merge", "HOOKS", "viz", "distributed", "__version__"]
+__all__ = ["HookedModel", "ActivationCache", "Config", "HookPoint", "corpus", "corpus_merge", "HOOKS", "viz", "utils",
+           "distributed", "__version__"]
 __version__ = _native.__version__
 
 #: The hook suffixes the engine captures, in TransformerLens's names (`blocks.{l}.` + suffix).
@@ -124,6 +128,44 @@ class ActivationCache:
         return f"ActivationCache({len(self.cache_dict)} tensors: {list(self.cache_dict)[:4]}{'...' if len(self.cache_dict) > 4 else ''})"
 
 
+HookFn = Callable[[np.ndarray, "HookPoint"], Optional[np.ndarray]]
+HookName = Union[str, Callable[[str], bool]]
+
+_MAPS = ("attn.hook_attn_scores", "attn.hook_pattern")
+
+
+class HookPoint:
+    """What a hook function gets as its second argument, as in TransformerLens: ``hook.name``
+    (``"blocks.3.attn.hook_z"``) and ``hook.layer()``."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.ctx: Dict[str, Any] = {}
+
+    def layer(self) -> int:
+        m = re.match(r"blocks\.(\d+)\.", self.name)
+        if m is None:
+            raise ValueError(f"{self.name} is not inside a block")
+        return int(m.group(1))
+
+    def __repr__(self) -> str:
+        return f"HookPoint({self.name!r})"
+
+
+def _as_float32(x: Any, name: str, shape: Tuple[int, ...]) -> np.ndarray:
+    """A hook's return value as a C-contiguous float32 numpy array of the activation's shape
+    (a torch tensor is taken through numpy); anything else raises, naming the hook."""
+    if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor
+        x = x.detach().cpu().numpy()
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"the hook at {name} returned {type(x).__name__}; return None (edited in place) or an array")
+    if x.dtype != np.float32:
+        raise TypeError(f"the hook at {name} returned an array of dtype {x.dtype}; the activation is float32")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"the hook at {name} returned an array of shape {tuple(x.shape)}; the activation is {tuple(shape)}")
+    return np.ascontiguousarray(x)
+
+
 def _run_json(args: List[str]) -> Any:
     return json.loads(_native.run_command(args))
 
@@ -145,6 +187,8 @@ class HookedModel:
             n_ctx=f["n_ctx"], d_vocab=f["d_vocab"], precision=f["precision"], default_prepend_bos=f["adds_bos"],
         )
         self.facts = f
+        # hooks added with add_hook (kept until reset_hooks) and by hooks() contexts
+        self._fwd_hooks: List[Tuple[HookName, HookFn]] = []
 
     @classmethod
     def from_pretrained(cls, name: str = "qwen2.5-coder-0.5b", precision: str = "exact",
@@ -169,10 +213,32 @@ class HookedModel:
         ids = self._ids(text_or_tokens, prepend_bos)
         return self._m.token_texts(ids)
 
-    def to_string(self, tokens: Union[np.ndarray, Sequence[int]]) -> str:
-        """Token ids back to text."""
-        ids = [int(t) for t in np.asarray(tokens).reshape(-1)]
+    def to_string(self, tokens: Union[np.ndarray, Sequence[int]]) -> Union[str, List[str]]:
+        """Token ids back to text; a 2-D batch ``[b, n]`` gives a list of ``b`` texts."""
+        a = np.asarray(tokens)
+        if a.ndim == 2:
+            return [self.to_string(row) for row in a]
+        ids = [int(t) for t in a.reshape(-1)]
         return b"".join(bytes(b) for b in self._m.token_bytes(ids)).decode("utf-8", errors="replace")
+
+    def to_single_token(self, string: str) -> int:
+        """The id of ``string`` when it is exactly one token (no BOS), else a ValueError."""
+        ids = self._m.encode(string, False)
+        if len(ids) != 1:
+            raise ValueError(f"{string!r} is {len(ids)} tokens ({ids}), not one")
+        return int(ids[0])
+
+    def get_token_position(self, single_token: Union[str, int], input: TextOrTokens, mode: str = "first",
+                           prepend_bos: Optional[bool] = None) -> int:
+        """Where a token first (``mode="first"``) or last (``"last"``) occurs in ``input``."""
+        t = self.to_single_token(single_token) if isinstance(single_token, str) else int(single_token)
+        ids = self._ids(input, prepend_bos)
+        where = [i for i, x in enumerate(ids) if x == t]
+        if not where:
+            raise ValueError(f"token {t} ({self._m.token_texts([t])[0]!r}) is not in the input")
+        if mode not in ("first", "last"):
+            raise ValueError(f"mode={mode!r}: use 'first' or 'last'")
+        return where[0] if mode == "first" else where[-1]
 
     def _ids(self, x: Any, prepend_bos: Optional[bool] = None) -> List[int]:
         if isinstance(x, str):
@@ -229,21 +295,158 @@ class HookedModel:
             return [self.run_with_cache(t, names_filter, remove_batch_dim, logits, prepend_bos) for t in input]
         ids = self._ids(input, prepend_bos)
         mode = "none" if logits is None else logits
-        lg, arrays = self._m.run(ids, self._hooks(names_filter), mode)
+        lg, arrays = self._forward(ids, self._hooks(names_filter), mode, self._fwd_hooks)
         cache = {name: a[np.newaxis] for name, a in arrays}
         if lg is not None:
-            lg = lg[np.newaxis]
+            lg = lg[np.newaxis]  # TransformerLens keeps the logits' batch axis even with remove_batch_dim
         c = ActivationCache(cache, self.cfg.n_layers)
         if remove_batch_dim:
             c.remove_batch_dim()
-            if lg is not None:
-                lg = lg[0]
         return lg, c
 
-    def __call__(self, input: TextOrTokens, return_type: Optional[str] = "logits"):
-        """The logits ``[1, n, vocab]`` (``return_type="logits"``) or None."""
-        lg, _ = self.run_with_cache(input, names_filter=[], logits="all" if return_type == "logits" else None)
-        return lg
+    # editing hooks (TransformerLens's run_with_hooks)
+    def _resolve(self, fwd_hooks: Sequence[Tuple[HookName, HookFn]]) -> Dict[str, List[HookFn]]:
+        """Hook functions by full hook name, in the order given."""
+        names = [f"blocks.{l}.{h}" for l in range(self.cfg.n_layers) for h in HOOKS]
+        out: Dict[str, List[HookFn]] = {}
+        for item in fwd_hooks:
+            if not (isinstance(item, tuple) and len(item) == 2 and callable(item[1])):
+                raise TypeError(f"a forward hook is a (name or predicate, function) pair, not {item!r}")
+            name, fn = item
+            if callable(name):
+                chosen = [n for n in names if name(n)]
+            else:
+                if name not in names:
+                    suffixes = ", ".join(HOOKS)
+                    raise ValueError(f"unknown hook name {name!r}; attnscope's hooks are blocks.L.{{{suffixes}}} "
+                                     f"for L in 0..{self.cfg.n_layers - 1}")
+                chosen = [name]
+            for n in chosen:
+                out.setdefault(n, []).append(fn)
+        return out
+
+    def _forward(self, ids: List[int], capture: List[Tuple[int, str]], mode: str,
+                 fwd_hooks: Sequence[Tuple[HookName, HookFn]]):
+        """One forward with the hook functions of ``fwd_hooks`` run where they are attached."""
+        by_name = self._resolve(fwd_hooks)
+        if not by_name:
+            return self._m.run(ids, capture, mode)
+        edits = []
+        for name in by_name:
+            _, l, suffix = name.split(".", 2)
+            edits.append((int(l), suffix))
+
+        def editor(name: str, arr: np.ndarray) -> np.ndarray:
+            act = arr[np.newaxis]  # TransformerLens's batch axis; writable, edited in place
+            hook = HookPoint(name)
+            for fn in by_name[name]:
+                r = fn(act, hook)
+                if r is not None:
+                    act = _as_float32(r, name, act.shape)
+            # the engine refuses a NaN or infinity (a -inf score masks a key), naming the hook
+            return np.ascontiguousarray(act[0], dtype=np.float32)
+
+        return self._m.run(ids, capture, mode, edits, editor)
+
+    def run_with_hooks(self, input: TextOrTokens, fwd_hooks: Sequence[Tuple[HookName, HookFn]] = (),
+                       bwd_hooks: Sequence[Tuple[HookName, HookFn]] = (), reset_hooks_end: bool = True,
+                       clear_contexts: bool = False, return_type: Optional[str] = "logits",
+                       prepend_bos: Optional[bool] = None, **kwargs: Any):
+        """Runs the model with ``fwd_hooks``: ``[(name or predicate on names, fn)]``, each
+        ``fn(activation, hook)`` getting a writable float32 array in TransformerLens's shape
+        (``hook_z``: ``[1, pos, head, d_head]``; ``hook_pattern``: ``[1, head, query, key]``) and a
+        :class:`HookPoint`; it edits in place and returns None, or returns the array that replaces
+        the activation. Hooks added with :meth:`add_hook` or a :meth:`hooks` context run first.
+        ``return_type``: ``"logits"`` ``[1, n, vocab]``, ``"loss"`` (mean next-token cross-entropy),
+        ``"both"`` (logits, loss) or None."""
+        if bwd_hooks:
+            raise NotImplementedError("backward hooks need gradients, and attnscope has no backward pass yet")
+        if kwargs:
+            raise TypeError(f"run_with_hooks got arguments attnscope does not support: {sorted(kwargs)}")
+        if return_type not in ("logits", "loss", "both", None):
+            raise ValueError(f"return_type={return_type!r}: use 'logits', 'loss', 'both' or None")
+        ids = self._ids(input, prepend_bos)
+        hooks = list(self._fwd_hooks) + list(fwd_hooks)
+        lg, _ = self._forward(ids, [], "none" if return_type is None else "all", hooks)
+        if return_type is None:
+            return None
+        lg = lg[np.newaxis]
+        if return_type == "logits":
+            return lg
+        loss = self.loss(lg, ids)
+        return loss if return_type == "loss" else (lg, loss)
+
+    def __call__(self, input: TextOrTokens, return_type: Optional[str] = "logits", prepend_bos: Optional[bool] = None):
+        """The logits ``[1, n, vocab]`` (``return_type="logits"``), the mean next-token loss
+        (``"loss"``), both (``"both"``) or None; hooks added with :meth:`add_hook` or a
+        :meth:`hooks` context apply."""
+        return self.run_with_hooks(input, return_type=return_type, prepend_bos=prepend_bos)
+
+    @staticmethod
+    def loss(logits: np.ndarray, tokens: Union[np.ndarray, Sequence[int]], per_token: bool = False):
+        """Next-token cross-entropy of ``logits`` ``[1, n, vocab]`` against ``tokens`` (TransformerLens's
+        ``lm_cross_entropy_loss``): the mean over positions 0..n-2, or each one with ``per_token``."""
+        lg = np.asarray(logits, dtype=np.float64).reshape(-1, logits.shape[-1])
+        t = np.asarray(tokens).reshape(-1)
+        if len(t) < 2:
+            raise ValueError("the loss needs at least two tokens (it predicts each next one)")
+        z = lg[:-1] - lg[:-1].max(axis=-1, keepdims=True)
+        lp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+        per = -lp[np.arange(len(t) - 1), t[1:]]
+        return per.astype(np.float32) if per_token else float(per.mean())
+
+    def add_hook(self, name: HookName, hook: HookFn, dir: str = "fwd") -> None:
+        """Attaches ``hook`` at ``name`` (a hook name or a predicate on names) for every later
+        forward, until :meth:`reset_hooks`."""
+        if dir != "fwd":
+            raise NotImplementedError("backward hooks need gradients, and attnscope has no backward pass yet")
+        self._resolve([(name, hook)])  # checks the name now
+        self._fwd_hooks.append((name, hook))
+
+    def reset_hooks(self, *args: Any, **kwargs: Any) -> None:
+        """Removes every hook added with :meth:`add_hook`."""
+        self._fwd_hooks = []
+
+    @contextlib.contextmanager
+    def hooks(self, fwd_hooks: Sequence[Tuple[HookName, HookFn]] = (), bwd_hooks: Sequence[Tuple[HookName, HookFn]] = (),
+              reset_hooks_end: bool = True):
+        """A context in which every forward (``run_with_cache`` included) runs ``fwd_hooks``."""
+        if bwd_hooks:
+            raise NotImplementedError("backward hooks need gradients, and attnscope has no backward pass yet")
+        self._resolve(fwd_hooks)
+        saved = list(self._fwd_hooks)
+        self._fwd_hooks = saved + list(fwd_hooks)
+        try:
+            yield self
+        finally:
+            if reset_hooks_end:
+                self._fwd_hooks = saved
+
+    def ablate(self, text: str, method: str = "zero", target: Optional[str] = None, positions: Optional[str] = None,
+               mlp: bool = False, bos: bool = False) -> Dict[str, Any]:
+        """Every head ablated in turn (``attnscope ablate --json``): Δ log p(target) and KL per head
+        beside its attention, and their rank correlations."""
+        a: List[str] = ["--method", method]
+        if target is not None:
+            a += ["--target", target]
+        if positions is not None:
+            a += ["--positions", positions]
+        if mlp:
+            a.append("--mlp")
+        if bos:
+            a.append("--bos")
+        return self._cmd("ablate", text, *a)
+
+    def patch(self, clean: str, corrupt: str, hook: str = "resid-pre", answer: Optional[str] = None,
+              wrong: Optional[str] = None) -> Dict[str, Any]:
+        """Activation patching (``attnscope patch --json``): the corrupted run with one activation
+        from the clean run, per layer × position (``resid-pre``, ``attn-out``, ``mlp-out``) or
+        per layer × head (``z``); ``results`` with ``logit_diff`` and ``recovered``."""
+        argv = ["patch", "--model", self._m.registered, "--clean", clean, "--corrupt", corrupt, "--hook", hook]
+        for flag, v in (("--answer", answer), ("--wrong", wrong)):
+            if v is not None:
+                argv += [flag, v]
+        return _run_json(argv + ["--json"])
 
     # everything the CLI computes, as plain Python objects (the CLI's --json)
     def _cmd(self, sub: str, text: Optional[str], *args: str) -> Any:

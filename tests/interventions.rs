@@ -1,0 +1,633 @@
+//! Interventions: editing hooks on tiny models (edits whose result is known by hand), and
+//! ablation and activation patching on the real models against transformers with torch hooks
+//! (tests/golden/<m>_interventions.json, from ../shared/reference/scripts/interventions_ref.py).
+#![allow(clippy::needless_range_loop)]
+
+mod common;
+use attnscope::analysis::faithfulness::Target;
+use attnscope::analysis::intervene::{
+    ablate, patch, AblateOptions, Editor, Fill, Method, Patch, PatchHook, PatchOptions, Runner,
+    Variant,
+};
+use attnscope::model::capture::{AttnCache, CaptureSpec, Hook, Observer, Queries};
+use attnscope::model::forward::{Resume, RunOptions, Segment};
+use attnscope::model::tiny::{tiny_model, write_gguf};
+use attnscope::model::{Arch, Error, Model, Precision};
+use candle_core::quantized::GgmlDType;
+use common::*;
+
+const TOKENS: [u32; 9] = [72, 101, 108, 108, 111, 32, 256, 258, 259];
+
+fn tiny(arch: Arch) -> (tempfile::TempDir, Model) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.gguf");
+    write_gguf(&tiny_model(arch, 11), arch, GgmlDType::F32, &path).unwrap();
+    let model = Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();
+    (dir, model)
+}
+
+fn all_of(hooks: &[Hook], n: usize) -> AttnCache {
+    AttnCache::new(
+        &CaptureSpec {
+            hooks: hooks.to_vec(),
+            layers: None,
+            heads: None,
+            queries: Queries::All,
+        },
+        n,
+    )
+}
+
+fn last_logits(model: &Model, obs: &mut dyn Observer) -> Result<Vec<f32>, Error> {
+    let n = TOKENS.len();
+    Ok(model
+        .forward(&TOKENS, &RunOptions::last_logits(n), obs)?
+        .logits
+        .remove(0))
+}
+
+/// Captures `watch` while `edit` edits (one observer over both).
+struct EditAndWatch<'a> {
+    edit: Editor<'a>,
+    watch: AttnCache,
+}
+
+impl Observer for EditAndWatch<'_> {
+    fn wants(&self, l: usize, h: Hook) -> bool {
+        self.watch.wants(l, h)
+    }
+    fn tensor(&mut self, l: usize, h: Hook, shape: &[usize], data: &[f32]) {
+        self.watch.tensor(l, h, shape, data)
+    }
+    fn attention_block(&mut self, l: usize, h: Hook, q: usize, shape: [usize; 3], d: &[f32]) {
+        self.watch.attention_block(l, h, q, shape, d)
+    }
+    fn edits(&self, l: usize, h: Hook) -> bool {
+        self.edit.edits(l, h)
+    }
+    fn edit(&mut self, l: usize, h: Hook, s: &[usize], d: &mut [f32]) -> Result<(), String> {
+        self.edit.edit(l, h, s, d)
+    }
+}
+
+/// An edit that writes what was there changes no bit; resuming at a layer from the clean
+/// residual gives the clean run's logits bit for bit.
+#[test]
+fn a_no_op_edit_and_a_resumed_run_change_no_bit() {
+    let mut models: Vec<(String, Model)> = Vec::new();
+    let mut dirs = Vec::new();
+    for arch in [Arch::Qwen2, Arch::Llama] {
+        let (d, model) = tiny(arch);
+        dirs.push(d);
+        models.push((format!("{arch:?}"), model));
+    }
+    // every other family, from the fixtures (Gemma's post-norms and scaled embeddings, Phi-3's
+    // fused projections, GPT-2's biases and learned positions, Qwen3's q/k norms)
+    for fam in [
+        "gemma2", "gemma3", "gpt2", "llama3", "mistral", "phi3", "qwen3",
+    ] {
+        let dir = golden(&format!("arch/{fam}"));
+        let model = Model::load(dir.to_str().unwrap(), Precision::Exact, false).unwrap();
+        models.push((fam.to_string(), model));
+    }
+    for (arch, model) in &models {
+        let model = &model;
+        let n = TOKENS.len();
+        let mut clean = all_of(&[Hook::ResidPre], n);
+        let base = last_logits(model, &mut clean).unwrap();
+        for hook in [
+            Hook::ResidPre,
+            Hook::Q,
+            Hook::K,
+            Hook::V,
+            Hook::RotQ,
+            Hook::RotK,
+            Hook::Z,
+            Hook::AttnOut,
+            Hook::ResidMid,
+            Hook::MlpOut,
+            Hook::ResidPost,
+        ] {
+            for layer in 0..model.dims.n_layers {
+                // a patch with no rows to write: the hook is handed over live, nothing written
+                let mut e = Editor {
+                    layer,
+                    hook,
+                    patches: vec![Patch {
+                        rows: 0..n,
+                        cols: 0..1,
+                        at: vec![],
+                        fill: Fill::Zero,
+                    }],
+                };
+                let got = last_logits(model, &mut e).unwrap();
+                assert_eq!(
+                    got, base,
+                    "{arch}: a no-op edit of {hook:?} at layer {layer}"
+                );
+            }
+        }
+        for layer in 0..model.dims.n_layers {
+            let seg = Segment {
+                tokens: &TOKENS,
+                reuse: 0,
+                knockout: vec![],
+                logits_at: vec![n - 1],
+            };
+            let resid = clean.get(layer, Hook::ResidPre).unwrap().data.clone();
+            let out = model
+                .forward_segments(
+                    None,
+                    &[seg],
+                    Some(Resume { layer, resid }),
+                    &RunOptions::default(),
+                    &mut attnscope::model::capture::NoCapture,
+                )
+                .unwrap();
+            assert_eq!(out.logits[0], base, "{arch}: resumed at layer {layer}");
+        }
+    }
+}
+
+/// Zeroing every head's output at a layer leaves nothing for W_O to add (these models have no
+/// o_proj bias): hook_resid_mid equals hook_resid_pre there; and hook_resid_post is always
+/// hook_resid_mid + hook_mlp_out, which is hook_resid_pre + hook_attn_out + hook_mlp_out.
+#[test]
+fn zeroed_heads_add_nothing_and_the_residual_adds_up() {
+    let (_d, model) = tiny(Arch::Qwen2);
+    let n = TOKENS.len();
+    let (nh, hd, dm) = (model.dims.n_heads, model.dims.head_dim, model.dims.d_model);
+    let hooks = [
+        Hook::ResidPre,
+        Hook::AttnOut,
+        Hook::ResidMid,
+        Hook::MlpOut,
+        Hook::ResidPost,
+        Hook::Z,
+    ];
+    let mut clean = all_of(&hooks, n);
+    last_logits(&model, &mut clean).unwrap();
+    for l in 0..model.dims.n_layers {
+        let get = |h| clean.get(l, h).unwrap().data.clone();
+        let sum: Vec<f32> = get(Hook::ResidPre)
+            .iter()
+            .zip(get(Hook::AttnOut))
+            .zip(get(Hook::MlpOut))
+            .map(|((a, b), c)| a + b + c)
+            .collect();
+        assert_close(
+            &get(Hook::ResidPost),
+            &sum,
+            1e-5,
+            "resid_post = pre + attn + mlp",
+        );
+    }
+    let layer = 1;
+    let mut w = EditAndWatch {
+        edit: Editor {
+            layer,
+            hook: Hook::Z,
+            patches: vec![Patch {
+                rows: 0..n,
+                cols: 0..nh * hd,
+                at: (0..n).collect(),
+                fill: Fill::Zero,
+            }],
+        },
+        watch: all_of(&hooks, n),
+    };
+    last_logits(&model, &mut w).unwrap();
+    let pre = &w.watch.get(layer, Hook::ResidPre).unwrap().data;
+    let mid = &w.watch.get(layer, Hook::ResidMid).unwrap().data;
+    assert_eq!(pre.len(), n * dm);
+    assert_eq!(pre, mid, "zeroed heads: resid_mid = resid_pre");
+    // the watcher sees the edited z
+    assert!(w
+        .watch
+        .get(layer, Hook::Z)
+        .unwrap()
+        .data
+        .iter()
+        .all(|&x| x == 0.0));
+    // and an earlier layer is untouched
+    assert_eq!(
+        w.watch.get(0, Hook::ResidPost).unwrap().data,
+        clean.get(0, Hook::ResidPost).unwrap().data
+    );
+}
+
+/// Mean ablation writes each head's mean over positions at every position; a patch from another
+/// run writes that run's values; batched variants give each one's own numbers.
+#[test]
+fn batched_variants_equal_single_runs() {
+    let (_d, model) = tiny(Arch::Llama);
+    let n = TOKENS.len();
+    let hd = model.dims.head_dim;
+    let (mut runner, _, _) = Runner::clean(&model, &TOKENS, &[]).unwrap();
+    let variants: Vec<Variant> = (0..model.dims.n_heads)
+        .map(|h| Variant {
+            from: 0,
+            cols: h * hd..(h + 1) * hd,
+            at: (0..n).collect(),
+            fill: if h % 2 == 0 { Fill::Mean } else { Fill::Zero },
+        })
+        .chain((1..n).map(|p| Variant {
+            from: p,
+            cols: 0..model.dims.d_model,
+            at: vec![0],
+            fill: Fill::Zero,
+        }))
+        .collect();
+    for layer in 0..model.dims.n_layers {
+        // heads on hook_z (from position 0) in one batch
+        let batched = runner
+            .run(layer, Hook::Z, &variants[..model.dims.n_heads], |_| {})
+            .unwrap();
+        for (i, v) in variants[..model.dims.n_heads].iter().enumerate() {
+            let mut e = Editor {
+                layer,
+                hook: Hook::Z,
+                patches: vec![Patch {
+                    rows: 0..n,
+                    cols: v.cols.clone(),
+                    at: v.at.clone(),
+                    fill: v.fill,
+                }],
+            };
+            let single = last_logits(&model, &mut e).unwrap();
+            assert_eq!(batched[i], single, "layer {layer} head {i}");
+        }
+        // positions on hook_resid_pre, each resumed from its position on the clean prefix
+        let batched = runner
+            .run(
+                layer,
+                Hook::ResidPre,
+                &variants[model.dims.n_heads..],
+                |_| {},
+            )
+            .unwrap();
+        for (i, v) in variants[model.dims.n_heads..].iter().enumerate() {
+            let mut e = Editor {
+                layer,
+                hook: Hook::ResidPre,
+                patches: vec![Patch {
+                    rows: 0..n,
+                    cols: 0..model.dims.d_model,
+                    at: vec![v.from],
+                    fill: Fill::Zero,
+                }],
+            };
+            let single = last_logits(&model, &mut e).unwrap();
+            assert_close(
+                &batched[i],
+                &single,
+                1e-5,
+                &format!("layer {layer} zeroed position {}", v.from),
+            );
+        }
+    }
+    // the mean fill is the mean
+    let mut z = all_of(&[Hook::Z], n);
+    last_logits(&model, &mut z).unwrap();
+    let clean_z = z.get(1, Hook::Z).unwrap().data.clone();
+    let width = model.dims.n_heads * hd;
+    let mut w = EditAndWatch {
+        edit: Editor {
+            layer: 1,
+            hook: Hook::Z,
+            patches: vec![Patch {
+                rows: 0..n,
+                cols: 0..hd,
+                at: (0..n).collect(),
+                fill: Fill::Mean,
+            }],
+        },
+        watch: all_of(&[Hook::Z], n),
+    };
+    last_logits(&model, &mut w).unwrap();
+    let edited = &w.watch.get(1, Hook::Z).unwrap().data;
+    for j in 0..hd {
+        let mean = (0..n).map(|r| clean_z[r * width + j] as f64).sum::<f64>() / n as f64;
+        for r in 0..n {
+            assert!((edited[r * width + j] as f64 - mean).abs() < 1e-6);
+            assert_eq!(
+                edited[r * width + hd + j],
+                clean_z[r * width + hd + j],
+                "head 1 untouched"
+            );
+        }
+    }
+}
+
+/// An edited pattern is what weighs the values: a pattern that puts all weight on the query's
+/// own position makes z the query's own value vector (its KV head's); scores all 0 on the
+/// visible keys give the uniform pattern 1/(i+1); a NaN written by a hook is refused by name.
+#[test]
+fn edited_patterns_and_scores_weigh_the_values() {
+    struct Diag {
+        layer: usize,
+        scores: bool,
+    }
+    impl Observer for Diag {
+        fn wants(&self, l: usize, h: Hook) -> bool {
+            l == self.layer && matches!(h, Hook::Z | Hook::V | Hook::Pattern)
+        }
+        fn tensor(&mut self, _: usize, _: Hook, _: &[usize], _: &[f32]) {}
+        fn attention_block(&mut self, _: usize, _: Hook, _: usize, _: [usize; 3], _: &[f32]) {}
+        fn edits(&self, l: usize, h: Hook) -> bool {
+            l == self.layer
+                && h == if self.scores {
+                    Hook::AttnScores
+                } else {
+                    Hook::Pattern
+                }
+        }
+        fn edit(&mut self, _: usize, _: Hook, s: &[usize], d: &mut [f32]) -> Result<(), String> {
+            let (heads, q, k) = (s[0], s[1], s[2]);
+            for h in 0..heads {
+                for i in 0..q {
+                    for j in 0..k {
+                        let x = &mut d[(h * q + i) * k + j];
+                        if self.scores {
+                            if x.is_finite() {
+                                *x = 0.0;
+                            }
+                        } else {
+                            *x = if i == j { 1.0 } else { 0.0 };
+                        }
+                    }
+                }
+            }
+            Ok(())
+        }
+    }
+    struct Both {
+        inner: Diag,
+        cache: AttnCache,
+    }
+    impl Observer for Both {
+        fn wants(&self, l: usize, h: Hook) -> bool {
+            self.inner.wants(l, h)
+        }
+        fn tensor(&mut self, l: usize, h: Hook, s: &[usize], d: &[f32]) {
+            self.cache.tensor(l, h, s, d)
+        }
+        fn attention_block(&mut self, l: usize, h: Hook, q: usize, s: [usize; 3], d: &[f32]) {
+            self.cache.attention_block(l, h, q, s, d)
+        }
+        fn edits(&self, l: usize, h: Hook) -> bool {
+            self.inner.edits(l, h)
+        }
+        fn edit(&mut self, l: usize, h: Hook, s: &[usize], d: &mut [f32]) -> Result<(), String> {
+            self.inner.edit(l, h, s, d)
+        }
+    }
+    let (_d, model) = tiny(Arch::Qwen2);
+    let n = TOKENS.len();
+    let (nh, nkv, hd) = (
+        model.dims.n_heads,
+        model.dims.n_kv_heads,
+        model.dims.head_dim,
+    );
+    for scores in [false, true] {
+        let mut o = Both {
+            inner: Diag { layer: 1, scores },
+            cache: all_of(&[Hook::Z, Hook::V, Hook::Pattern], n),
+        };
+        last_logits(&model, &mut o).unwrap();
+        let z = &o.cache.get(1, Hook::Z).unwrap().data;
+        let v = &o.cache.get(1, Hook::V).unwrap().data;
+        let p = o.cache.pattern(1).unwrap();
+        for h in 0..nh {
+            let g = h / (nh / nkv);
+            for i in 0..n {
+                let row = p.row_at(h, i).unwrap();
+                for j in 0..n {
+                    let want = match (scores, j <= i) {
+                        (_, false) => 0.0,
+                        (false, true) => (i == j) as u8 as f32,
+                        (true, true) => 1.0 / (i + 1) as f32,
+                    };
+                    assert!(
+                        (row[j] - want).abs() < 1e-6,
+                        "scores {scores}: pattern h{h} ({i},{j}) {}",
+                        row[j]
+                    );
+                }
+                for c in 0..hd {
+                    let want: f32 = if scores {
+                        (0..=i).map(|j| v[(j * nkv + g) * hd + c]).sum::<f32>() / (i + 1) as f32
+                    } else {
+                        v[(i * nkv + g) * hd + c]
+                    };
+                    assert!(
+                        (z[(i * nh + h) * hd + c] - want).abs() < 1e-5,
+                        "scores {scores}: z h{h} row {i}"
+                    );
+                }
+            }
+        }
+    }
+    // a hook that writes a NaN
+    let mut e = Editor {
+        layer: 0,
+        hook: Hook::ResidMid,
+        patches: vec![Patch {
+            rows: 0..n,
+            cols: 0..1,
+            at: vec![2],
+            fill: Fill::From(&[f32::NAN; 1024]),
+        }],
+    };
+    let err = last_logits(&model, &mut e).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        matches!(err, Error::Hook { .. }) && err.is_bad_input(),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("blocks.0.hook_resid_mid") && msg.contains("non-finite"),
+        "{msg}"
+    );
+}
+
+/// Patching needs two texts of one length; the metric needs two different tokens.
+#[test]
+fn patching_refuses_what_it_cannot_pair() {
+    let (_d, model) = tiny(Arch::Qwen2);
+    let opts = PatchOptions {
+        hook: PatchHook::ResidPre,
+        answer: None,
+        wrong: None,
+        batch_rows: 64,
+    };
+    let err = patch(&model, &TOKENS, &TOKENS[..8], &opts, |_, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("8 (the clean text has 9; they first differ at position 8)"),
+        "{err}"
+    );
+    let err = patch(&model, &TOKENS, &TOKENS, &opts, |_, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("pass --answer and --wrong"), "{err}");
+    // with answer/wrong given, a text patched with itself restores nothing and loses nothing
+    let opts = PatchOptions {
+        answer: Some(Target::Id(3)),
+        wrong: Some(Target::Id(4)),
+        ..opts
+    };
+    let r = patch(&model, &TOKENS, &TOKENS, &opts, |_, _| {}).unwrap();
+    assert_eq!(r.results.len(), model.dims.n_layers * TOKENS.len());
+    for c in &r.results {
+        assert!((c.logit_diff - r.clean_logit_diff).abs() < 1e-5);
+    }
+}
+
+fn reference_grid(v: &serde_json::Value) -> Vec<Vec<f64>> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            r.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect()
+        })
+        .collect()
+}
+
+/// Every head's zero and mean ablation on the lesson's sentence, against transformers with a
+/// forward pre-hook on o_proj (its slice of the input set to 0 or to its mean over positions).
+fn check_ablation(alias: &str, prefix: &str) {
+    let model = real_model(alias);
+    let g = golden_json(&format!("{prefix}_interventions.json"));
+    let a = &g["ablation"];
+    let tokens = model.encode(a["text"].as_str().unwrap(), false).unwrap();
+    let want_ids: Vec<u32> = a["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    assert_eq!(tokens, want_ids, "{alias}: token ids");
+    for method in [Method::Zero, Method::Mean] {
+        let opts = AblateOptions {
+            method,
+            target: Target::Next,
+            positions: None,
+            mlp: false,
+            batch_rows: 1024,
+        };
+        let r = ablate(model, &tokens, &opts, |_, _| {}).unwrap();
+        assert_eq!(
+            r.target.id as u64,
+            a["target_id"].as_u64().unwrap(),
+            "{alias}: target"
+        );
+        let base = a["baseline_logprob"].as_f64().unwrap();
+        assert!(
+            (r.baseline_logprob as f64 - base).abs() < 1e-4,
+            "{alias}: baseline {} vs {base}",
+            r.baseline_logprob
+        );
+        let want = reference_grid(&a[method.name()]);
+        assert_eq!(r.heads.len(), model.dims.n_layers * model.dims.n_heads);
+        let mut worst = (0.0f64, 0, 0);
+        for h in &r.heads {
+            let d = (h.delta_logprob as f64 - want[h.layer][h.head]).abs();
+            assert!(d.is_finite() && h.kl >= 0.0 && h.kl.is_finite());
+            if d > worst.0 {
+                worst = (d, h.layer, h.head);
+            }
+        }
+        let largest = want.iter().flatten().fold(0.0f64, |m, &x| m.max(x.abs()));
+        eprintln!(
+            "{alias} {} ablation: worst |Δ log p - transformers| {:.2e} (head {}.{}); largest |Δ| {largest:.4}",
+            method.name(),
+            worst.0,
+            worst.1,
+            worst.2
+        );
+        assert!(
+            worst.0 <= 1e-4,
+            "{alias} {}: head {}.{} off by {:.3e}",
+            method.name(),
+            worst.1,
+            worst.2,
+            worst.0
+        );
+        assert!(largest > 0.1, "{alias}: some head must matter");
+        // the prefix reuse computes at most ~0.6 of the from-scratch rows
+        assert!(
+            (r.layer_rows as f64) < 0.6 * r.layer_rows_from_scratch as f64,
+            "{alias}: {} of {} rows",
+            r.layer_rows,
+            r.layer_rows_from_scratch
+        );
+    }
+}
+
+/// The IOI-style pair: every layer × position of hook_resid_pre taken from the clean run,
+/// against transformers with a forward pre-hook on the decoder layer.
+fn check_patching(alias: &str, prefix: &str) {
+    let model = real_model(alias);
+    let g = golden_json(&format!("{prefix}_interventions.json"));
+    let p = &g["patching"];
+    let clean = model.encode(p["clean"].as_str().unwrap(), false).unwrap();
+    let corrupt = model.encode(p["corrupt"].as_str().unwrap(), false).unwrap();
+    let opts = PatchOptions {
+        hook: PatchHook::ResidPre,
+        answer: Some(Target::Id(p["answer_id"].as_u64().unwrap() as u32)),
+        wrong: Some(Target::Id(p["wrong_id"].as_u64().unwrap() as u32)),
+        batch_rows: 1024,
+    };
+    let r = patch(model, &clean, &corrupt, &opts, |_, _| {}).unwrap();
+    for (got, key) in [
+        (r.clean_logit_diff, "clean_logit_diff"),
+        (r.corrupt_logit_diff, "corrupt_logit_diff"),
+    ] {
+        let want = p[key].as_f64().unwrap();
+        assert!(
+            (got as f64 - want).abs() < 1e-4,
+            "{alias} {key}: {got} vs {want}"
+        );
+    }
+    let want = reference_grid(&p["patched_logit_diff"]);
+    let mut worst = 0.0f64;
+    for c in &r.results {
+        let w = want[c.layer][c.pos.unwrap()];
+        worst = worst.max((c.logit_diff as f64 - w).abs());
+    }
+    eprintln!("{alias} patching: worst |logit diff - transformers| {worst:.2e}");
+    assert!(
+        worst <= 1e-4,
+        "{alias}: patched logit difference off by {worst:.3e}"
+    );
+    // patching every position of layer 0 from clean is the clean run
+    let last = r.results.iter().filter(|c| c.layer == 0).count();
+    assert_eq!(last, clean.len());
+    assert!((r.layer_rows as f64) < 0.6 * r.layer_rows_from_scratch as f64);
+}
+
+#[test]
+fn ablation_matches_transformers_qwen() {
+    check_ablation("qwen2.5-coder-0.5b", "qwen");
+}
+
+#[test]
+fn ablation_matches_transformers_smollm() {
+    check_ablation("smollm2-135m", "smol");
+}
+
+#[test]
+fn patching_matches_transformers_qwen() {
+    check_patching("qwen2.5-coder-0.5b", "qwen");
+}
+
+#[test]
+fn patching_matches_transformers_smollm() {
+    check_patching("smollm2-135m", "smol");
+}
