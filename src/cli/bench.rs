@@ -38,6 +38,12 @@ pub struct Args {
     /// models; exact is the comparable precision.
     #[arg(long, value_name = "PYTHON")]
     transformers: Option<std::path::PathBuf>,
+    /// Time the interventions instead: a `patch --hook resid-pre` sweep against the forwards it
+    /// stands for, and `ablate` of every head (with --transformers: against the same sweep
+    /// through transformers with torch hooks, the built-in hf_ablate.py, between --repeats runs
+    /// of attnscope's and --repeats more).
+    #[arg(long)]
+    interventions: bool,
     /// The anchor script --transformers runs, in place of the built-in copy.
     #[arg(long, value_name = "SCRIPT", requires = "transformers")]
     anchor: Option<std::path::PathBuf>,
@@ -297,6 +303,21 @@ fn run_self(
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
+    if a.interventions {
+        if a.repeats == 0 {
+            return Err(usage("--repeats must be at least 1"));
+        }
+        let model = a.model.load()?;
+        if a.transformers.is_some() && model.info.format != "gguf" {
+            return Err(usage("--transformers loads the model through transformers' GGUF reader: give a .gguf file or alias"));
+        }
+        return super::bench_interventions::run(
+            &model,
+            a.repeats,
+            a.transformers.as_deref(),
+            a.json,
+        );
+    }
     if a.lengths.is_empty() || a.lengths.contains(&0) {
         return Err(usage("--lengths must be positive numbers, e.g. 512,2048"));
     }

@@ -4,6 +4,7 @@
 
 mod ablate;
 mod bench;
+mod bench_interventions;
 mod capture;
 pub mod common;
 mod compare;
