@@ -631,3 +631,98 @@ fn patching_matches_transformers_qwen() {
 fn patching_matches_transformers_smollm() {
     check_patching("smollm2-135m", "smol");
 }
+
+/// Direct logit attribution on a tiny model, computed again here from the reference weights:
+/// each head's part is scale · (W_U[answer] ⊙ γ) · W_Oʰ zʰ with the run's final RMS scale; every
+/// part added up is the logit.
+#[test]
+fn direct_logit_attribution_adds_up_to_the_logit() {
+    use attnscope::analysis::dla::dla;
+    let arch = Arch::Llama;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.gguf");
+    let m = tiny_model(arch, 5);
+    write_gguf(&m, arch, GgmlDType::F32, &path).unwrap();
+    let model = Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();
+    let n = TOKENS.len();
+    let (nh, hd, dm) = (model.dims.n_heads, model.dims.head_dim, model.dims.d_model);
+    let r = dla(&model, &TOKENS, &Target::Id(7), Some(&Target::Id(9))).unwrap();
+    assert_eq!((r.answer.id, r.wrong.as_ref().unwrap().id), (7, 9));
+    assert!(
+        (r.metric - r.sum_of_parts).abs() < 1e-4,
+        "{} vs {}",
+        r.metric,
+        r.sum_of_parts
+    );
+    let mut cache = all_of(&[Hook::Z, Hook::ResidPost], n);
+    last_logits(&model, &mut cache).unwrap();
+    let x = &cache.get(1, Hook::ResidPost).unwrap().data[(n - 1) * dm..];
+    let scale = 1.0
+        / ((x.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / dm as f64) + m.cfg.rms_eps as f64)
+            .sqrt();
+    let unembed = m.lm_head.as_ref().unwrap_or(&m.embed);
+    let u: Vec<f64> = (0..dm)
+        .map(|i| (unembed[7 * dm + i] as f64 - unembed[9 * dm + i] as f64) * m.final_norm[i] as f64)
+        .collect();
+    for l in 0..2 {
+        let z = &cache.get(l, Hook::Z).unwrap().data[(n - 1) * nh * hd..];
+        for h in 0..nh {
+            // W_O: [d_model, n_heads·head_dim]
+            let want: f64 = (0..dm)
+                .map(|i| {
+                    let y: f64 = (0..hd)
+                        .map(|c| {
+                            m.layers[l].w_o[i * nh * hd + h * hd + c] as f64 * z[h * hd + c] as f64
+                        })
+                        .sum();
+                    scale * u[i] * y
+                })
+                .sum();
+            let got = r
+                .heads
+                .iter()
+                .find(|p| p.layer == l && p.head == h)
+                .unwrap()
+                .dla;
+            assert!(
+                (got as f64 - want).abs() < 1e-4,
+                "head {l}.{h}: {got} vs {want}"
+            );
+        }
+    }
+    // the same answer twice is refused
+    let err = dla(&model, &TOKENS, &Target::Id(7), Some(&Target::Id(7))).unwrap_err();
+    assert!(err.is_bad_input(), "{err}");
+}
+
+/// On the real models the parts add up to the logit; Gemma, whose blocks normalize their outputs
+/// before adding them, is refused with the reason.
+#[test]
+fn direct_logit_attribution_on_the_real_models() {
+    use attnscope::analysis::dla::dla;
+    for alias in ["qwen2.5-coder-0.5b", "smollm2-135m"] {
+        let model = real_model(alias);
+        let tokens = model
+            .encode(
+                "Hà Nội là thủ đô của Việt Nam. Thành phố này nằm ở miền Bắc.",
+                false,
+            )
+            .unwrap();
+        let r = dla(model, &tokens, &Target::Next, None).unwrap();
+        eprintln!("{alias}: logit {} = parts {}", r.metric, r.sum_of_parts);
+        assert!(
+            (r.metric - r.sum_of_parts).abs() < 2e-3 * (1.0 + r.metric.abs()),
+            "{alias}: {} vs {}",
+            r.metric,
+            r.sum_of_parts
+        );
+        assert_eq!(r.heads.len(), model.dims.n_layers * model.dims.n_heads);
+    }
+    let gemma = real_model("gemma3-270m");
+    let tokens = gemma.encode("The capital of France is", false).unwrap();
+    let err = dla(gemma, &tokens, &Target::Next, None).unwrap_err();
+    assert!(
+        err.is_bad_input() && err.to_string().contains("post-norms"),
+        "{err}"
+    );
+}

@@ -5,6 +5,7 @@
 pub mod collect;
 pub mod compare;
 pub mod corpus;
+pub mod dla;
 pub mod faithfulness;
 pub mod heads;
 pub mod inspect;

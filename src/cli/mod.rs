@@ -10,6 +10,7 @@ pub mod common;
 mod compare;
 pub mod corpus;
 mod cost;
+mod dla;
 mod explain;
 mod faithfulness;
 pub mod heads;
@@ -58,6 +59,10 @@ pub enum Command {
     /// (per layer × position, or per layer × head) and measure how much of the logit difference
     /// between the answer and the wrong token comes back.
     Patch(patch::Args),
+    /// Direct logit attribution: each head's, MLP's and the embedding's direct contribution to
+    /// the answer's logit (or a logit difference) at the last position, beside each head's
+    /// attention; the parts add up to the logit.
+    Dla(dla::Args),
     /// How often do sinks and concentrated heads occur? Statistics over many texts (built-in
     /// corpus of 224, or your file), with confidence intervals; shardable, resumable, mergeable.
     Corpus(corpus::Args),
@@ -113,6 +118,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Faithfulness(a) => faithfulness::run(a),
         Command::Ablate(a) => ablate::run(a),
         Command::Patch(a) => patch::run(a),
+        Command::Dla(a) => dla::run(a),
         Command::Capture(a) => capture::run(a),
         Command::Fetch(a) => info::fetch(a),
         Command::Bench(a) => bench::run(a),

@@ -101,6 +101,9 @@ pub enum Error {
     LoaderPanic { path: PathBuf, msg: String },
     #[error("{what} holds a non-finite value (NaN or infinity){}; the model's weights are corrupt or its numbers overflow f32, so no attention is printed", layer.map(|l| format!(" at layer {l}")).unwrap_or_default())]
     NonFinite { what: String, layer: Option<usize> },
+    /// An analysis that does not apply to this model (why, and what to use instead).
+    #[error("{0}")]
+    NotApplicable(String),
     #[error("the hook at {name} {msg}")]
     Hook { name: String, msg: String },
     #[error("interrupted")]

@@ -2142,6 +2142,88 @@ impl Model {
         Ok(x)
     }
 
+    /// Each head's part of layer `layer`'s attention output before W_O's bias (TransformerLens's
+    /// `hook_result`) from `z` (`[rows, n_heads, head_dim]`): `[rows, n_heads, d_model]`, and the
+    /// bias (`[d_model]`, zeros without one). Their sum over heads plus the bias is the output
+    /// projection of `z` (up to the order of the additions). One product per head: asked for only.
+    pub fn head_results(
+        &self,
+        layer: usize,
+        z: &[f32],
+        rows: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let d = &self.dims;
+        let (nh, hd, dm) = (d.n_heads, d.head_dim, d.d_model);
+        let o = &self.weights.layers[layer].o;
+        let width = nh * hd;
+        let bias = o.forward(&vec![0f32; width], 1)?;
+        let mut out = vec![0f32; rows * nh * dm];
+        let mut zh = vec![0f32; rows * width];
+        for h in 0..nh {
+            zh.fill(0.0);
+            for r in 0..rows {
+                zh[r * width + h * hd..][..hd].copy_from_slice(&z[r * width + h * hd..][..hd]);
+            }
+            let y = o.forward(&zh, rows)?;
+            for r in 0..rows {
+                let dst = &mut out[(r * nh + h) * dm..][..dm];
+                dst.iter_mut()
+                    .zip(&y[r * dm..(r + 1) * dm])
+                    .zip(&bias)
+                    .for_each(|((o, &y), &b)| *o = y - b);
+            }
+        }
+        Ok((out, bias))
+    }
+
+    /// Row `id` of the output head (TransformerLens's `W_U[:, id]`), `[d_model]` f32.
+    pub fn unembed_row(&self, id: u32) -> Result<Vec<f32>> {
+        let dm = self.dims.d_model;
+        if id as usize >= self.dims.vocab_size {
+            return Err(Error::OutOfRange {
+                what: "token id".into(),
+                value: id.to_string(),
+                range: format!("0..{}", self.dims.vocab_size),
+            });
+        }
+        let row_of = |t: &Tensor| -> Result<Vec<f32>> {
+            Ok(t.to_dtype(DType::F32)?
+                .narrow(0, id as usize, 1)?
+                .flatten_all()?
+                .to_vec1()?)
+        };
+        match &self.weights.lm_head {
+            Head::Rows(m) => {
+                let mut out = vec![0f32; dm];
+                m.rows_to_f32(id as usize, &mut out)?;
+                Ok(out)
+            }
+            Head::Dense(t) => row_of(t),
+            Head::Quant(q) => match q {
+                candle_core::quantized::QMatMul::QTensor(qt) => {
+                    row_of(&qt.dequantize(&Device::Cpu)?)
+                }
+                candle_core::quantized::QMatMul::Tensor(t)
+                | candle_core::quantized::QMatMul::TensorF16(t) => row_of(t),
+            },
+        }
+    }
+
+    /// The final norm's weight and bias (LayerNorm) or weight alone (RMSNorm), and its epsilon.
+    pub fn final_norm(&self) -> (&[f32], Option<&[f32]>, f32) {
+        (
+            &self.weights.final_norm,
+            self.weights.final_norm_bias.as_deref(),
+            self.dims.rms_eps,
+        )
+    }
+
+    /// Whether the blocks normalize their attention and MLP outputs before adding them (Gemma's
+    /// post-norms): then a block's output is not the sum of per-head parts.
+    pub fn has_post_norms(&self) -> bool {
+        self.weights.layers.iter().any(|l| l.post_norms.is_some())
+    }
+
     /// Logits of the last position only, nothing captured.
     pub fn next_token_logits(&self, tokens: &[u32]) -> Result<Vec<f32>> {
         let mut out = self.forward(

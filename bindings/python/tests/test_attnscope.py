@@ -171,6 +171,20 @@ def test_inspect_faithfulness_sinks_equal_the_cli(qwen, smol):
     cli = cli_json("inspect", "--model", "qwen2.5-coder-0.5b", "--text", SENTENCE, "--layer", "5", "--heads", "0,3")
     assert strip_timings(py) == strip_timings(cli)
     assert py["heads"][0]["head"] == 0 and len(py["layers"]) == 24
+    # and against transformers, not only against the CLI it runs: the last layer's per-head top-3
+    # for the last query and the sink profile of every layer
+    g = golden_ids("qwen")
+    last = qwen.inspect(SENTENCE, layer=23, heads="all")
+    top3 = g["last_layer_head_top3_lastq"]
+    assert len(top3) >= 4
+    for h in last["heads"]:
+        want = top3.get(str(h["head"]))
+        if want is None:
+            continue
+        assert [t["pos"] for t in h["top"][:3]] == [t["pos"] for t in want], h["head"]
+        assert all(abs(a["weight"] - b["weight"]) < 1e-4 for a, b in zip(h["top"], want))
+    sinks = [row["sink_query"] for row in last["layers"]]
+    assert np.abs(np.asarray(sinks) - np.asarray(g["sink_share_lastq_full"])).max() < 1e-4
     f = smol.faithfulness("The capital of France is", target=" Paris")
     g = json.loads((GOLDEN / "smol_faithfulness.json").read_text())
     assert f["target"]["token"] == " Paris" and abs(f["target"]["logprob"] - g["target_logprob"]) < 1e-4
@@ -208,6 +222,14 @@ def test_heads_equal_the_cli(smol):
     py = smol.heads(random_repeat=20, seed=4)
     cli = cli_json("heads", "--model", "smollm2-135m", "--random-repeat", "20", "--seed", "4")
     assert py == cli and len(py["roles"]["induction"]) == 30 and len(py["tokens"]) == 40
+    # and against the attention itself: a head's sink score is its mean weight on the first token
+    # over every query (TransformerLens's detector: Σ A⊙P / Σ A), from run_with_cache's patterns
+    _, cache = smol.run_with_cache(np.asarray(py["tokens"]), names_filter="hook_pattern", logits=None)
+    for layer in (0, 15, 29):
+        p = cache["pattern", layer][0]  # [head, q, k]
+        want = p[:, :, 0].mean(axis=1)
+        got = np.asarray(py["roles"]["sink"][layer])
+        assert np.abs(got - want).max() < 1e-4, layer
     assert smol.heads("the hat the hat")["texts"] == 1
 
 
@@ -242,31 +264,32 @@ def test_errors_are_python_exceptions(qwen):
 
 
 def test_the_gil_is_released_during_a_forward(qwen):
+    # the forward runs in a worker; this thread keeps running Python until the worker is done.
+    # Were the GIL held for the forward (one native call), this loop could not turn meanwhile.
     text = "the hat sat on the mat. " * 60
-    done = threading.Event()
-    ticks = []
+    started, done = threading.Event(), threading.Event()
 
-    def count():
-        while not done.is_set():
-            ticks.append(time.perf_counter())
-            time.sleep(0.001)
+    def work():
+        started.set()
+        try:
+            qwen.run_with_cache(text, names_filter=[], logits="last")
+        finally:
+            done.set()
 
-    t = threading.Thread(target=count)
-    t.start()
-    start = time.perf_counter()
-    qwen.run_with_cache(text, names_filter=[], logits="last")
-    took = time.perf_counter() - start
-    done.set()
-    t.join()
-    during = [x for x in ticks if start < x < start + took]
-    # a thread blocked on the GIL would tick a handful of times; a free one every millisecond or so
-    assert took > 0.2 and len(during) > took * 100, f"{len(during)} ticks in {took:.2f} s"
+    worker = threading.Thread(target=work)
+    worker.start()
+    started.wait()
+    turns = 0
+    while not done.wait(0.001):
+        turns += 1
+    worker.join()
+    assert turns >= 20, f"this thread ran {turns} times while the engine worked"
 
 
 def test_ctrl_c_interrupts_a_long_run(smol):
-    # Ctrl-C at 0.5 s, pressed again each second while the run goes on: one full run of the
-    # unbroken 8,192-token forward takes ~20 s. (Once, on a loaded machine, a single SIGINT sent
-    # from a helper thread went unanswered; a second press is what a user would do.)
+    # Ctrl-C pressed while the 8,192-token run goes on (again each second, as a user would): the
+    # engine itself stops between layers and says so ("interrupted"); a KeyboardInterrupt raised
+    # by Python after a run that ignored the signal would have no such message.
     stop, sent = threading.Event(), []
 
     def press():
@@ -277,17 +300,14 @@ def test_ctrl_c_interrupts_a_long_run(smol):
             wait = 1.0
 
     presser = threading.Thread(target=press)
-    start = time.perf_counter()
     presser.start()
     try:
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt) as raised:
             smol.sinks(max_tokens=8192)
     finally:
         stop.set()
         presser.join()
-    took = time.perf_counter() - start
-    # it stopped within a layer or so of a signal, long before the run's end
-    assert sent and took < 4.0, f"stopped after {took:.1f} s, {len(sent)} signals"
+    assert sent and "interrupted" in str(raised.value), repr(raised.value)
     if len(sent) > 1:
         print(f"note: {len(sent)} SIGINTs were needed", file=sys.stderr)
 

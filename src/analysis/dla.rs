@@ -1,0 +1,172 @@
+//! Direct logit attribution: how much each head, each MLP and the embedding write, directly, into
+//! the answer's logit (or a logit difference) at the last position, through the final norm's scale
+//! of the actual run (TransformerLens's `cache.decompose_resid`, `stack_head_results`,
+//! `apply_ln_to_stack` and `logit_attrs`). The residual stream is the embedding plus every
+//! block's outputs, so the parts add up to the logit itself; the report says how closely.
+
+use super::faithfulness::Target;
+use super::intervene::TokenRef;
+use crate::model::capture::{AttnCache, CaptureSpec, Hook, Queries};
+use crate::model::forward::RunOptions;
+use crate::model::{Error, Model, Result};
+use serde::Serialize;
+
+#[derive(Clone, Debug, Serialize)]
+pub struct HeadPart {
+    pub layer: usize,
+    pub head: usize,
+    /// its direct contribution to the metric (logit, or logit difference)
+    pub dla: f32,
+    /// the head's attention for the last query: largest weight, where, and on the first token
+    pub max_weight: f32,
+    pub argmax: usize,
+    pub sink: f32,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct DlaReport {
+    pub model: String,
+    pub tokens: Vec<TokenRef>,
+    pub query: usize,
+    pub answer: TokenRef,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub wrong: Option<TokenRef>,
+    /// the metric as the model computes it: logit(answer) [− logit(wrong)]
+    pub metric: f32,
+    /// the parts below, added up (with the final norm's bias); the gap to `metric` is rounding
+    pub sum_of_parts: f32,
+    pub embed: f32,
+    pub heads: Vec<HeadPart>,
+    /// W_O's bias of each layer (zeros where there is none)
+    pub attn_bias: Vec<f32>,
+    pub mlp: Vec<f32>,
+    pub final_bias: f32,
+    /// the final norm's scale at the last position (1/RMS, or 1/σ for LayerNorm)
+    pub final_scale: f32,
+}
+
+/// The direct logit attribution of the last position's prediction of `answer` (default: the
+/// model's top token), or of `answer − wrong`.
+pub fn dla(
+    model: &Model,
+    tokens: &[u32],
+    answer: &Target,
+    wrong: Option<&Target>,
+) -> Result<DlaReport> {
+    let d = &model.dims;
+    if model.has_post_norms() || d.gemma.as_ref().is_some_and(|g| g.final_softcap.is_some()) {
+        return Err(Error::NotApplicable(format!(
+            "direct logit attribution needs the residual stream to be a sum of each head's and MLP's output, read by a linear unembedding; {} normalizes each block's output before adding it (Gemma's post-norms) or soft-caps the logits, so it is not: use `attnscope ablate` or `patch` for this model",
+            model.info.name
+        )));
+    }
+    let n = tokens.len();
+    let q = n - 1;
+    let mut cache = AttnCache::new(
+        &CaptureSpec {
+            hooks: vec![Hook::ResidPre, Hook::Z, Hook::MlpOut, Hook::ResidPost],
+            layers: None,
+            heads: None,
+            queries: Queries::Last,
+        },
+        n,
+    );
+    let out = model.forward(tokens, &RunOptions::last_logits(n), &mut cache)?;
+    let logits = &out.logits[0];
+    let a = answer.resolve(model, logits)?;
+    let w = wrong.map(|t| t.resolve(model, logits)).transpose()?;
+    if w == Some(a) {
+        return Err(Error::OutOfRange {
+            what: "--wrong".into(),
+            value: a.to_string(),
+            range: "a token other than --answer".into(),
+        });
+    }
+    let mut rows = super::collect::Collector::new(d.n_layers, d.n_heads, n, q);
+    model.forward(tokens, &RunOptions::default(), &mut rows)?;
+    // the direction the final residual is read along: W_U[answer] (− W_U[wrong])
+    let mut u = model.unembed_row(a)?;
+    if let Some(w) = w {
+        u.iter_mut()
+            .zip(model.unembed_row(w)?)
+            .for_each(|(x, y)| *x -= y);
+    }
+    let last =
+        |l: usize, h: Hook| -> &[f32] { &cache.get(l, h).expect("captured at every layer").data };
+    let x = last(d.n_layers - 1, Hook::ResidPost);
+    let (gain, bias, eps) = model.final_norm();
+    let dm = d.d_model;
+    let layer_norm = bias.is_some();
+    let mean = |v: &[f32]| v.iter().map(|&x| x as f64).sum::<f64>() / v.len() as f64;
+    let centred = |v: &[f32]| -> Vec<f64> {
+        let m = if layer_norm { mean(v) } else { 0.0 };
+        v.iter().map(|&x| x as f64 - m).collect()
+    };
+    let xc = centred(x);
+    let var = xc.iter().map(|v| v * v).sum::<f64>() / dm as f64;
+    let scale = 1.0 / (var + eps as f64).sqrt();
+    // a part c adds scale · Σ_i u_i γ_i c_i (LayerNorm centres each part: the mean is linear)
+    let ug: Vec<f64> = u
+        .iter()
+        .zip(gain)
+        .map(|(&u, &g)| u as f64 * g as f64)
+        .collect();
+    let part = |c: &[f32]| -> f32 {
+        (scale * centred(c).iter().zip(&ug).map(|(c, u)| c * u).sum::<f64>()) as f32
+    };
+    let embed = part(last(0, Hook::ResidPre));
+    let (nh, hd) = (d.n_heads, d.head_dim);
+    let mut heads = Vec::with_capacity(d.n_layers * nh);
+    let mut attn_bias = Vec::with_capacity(d.n_layers);
+    let mut mlp = Vec::with_capacity(d.n_layers);
+    for l in 0..d.n_layers {
+        let z = last(l, Hook::Z);
+        debug_assert_eq!(z.len(), nh * hd);
+        let (results, b) = model.head_results(l, z, 1)?;
+        for h in 0..nh {
+            let row = rows.row(l, h);
+            let (max_weight, argmax) = super::max_argmax(row);
+            heads.push(HeadPart {
+                layer: l,
+                head: h,
+                dla: part(&results[h * dm..(h + 1) * dm]),
+                max_weight,
+                argmax,
+                sink: row[0],
+            });
+        }
+        attn_bias.push(part(&b));
+        mlp.push(part(last(l, Hook::MlpOut)));
+    }
+    let final_bias = bias.map_or(0.0, |b| {
+        b.iter()
+            .zip(&u)
+            .map(|(&b, &u)| b as f64 * u as f64)
+            .sum::<f64>() as f32
+    });
+    let sum_of_parts = embed
+        + heads.iter().map(|h| h.dla).sum::<f32>()
+        + attn_bias.iter().sum::<f32>()
+        + mlp.iter().sum::<f32>()
+        + final_bias;
+    let metric = logits[a as usize] - w.map_or(0.0, |w| logits[w as usize]);
+    let text = |id: u32| TokenRef {
+        id,
+        text: model.tokenizer.token_text(id),
+    };
+    Ok(DlaReport {
+        model: model.info.name.clone(),
+        tokens: tokens.iter().map(|&t| text(t)).collect(),
+        query: q,
+        answer: text(a),
+        wrong: w.map(text),
+        metric,
+        sum_of_parts,
+        embed,
+        heads,
+        attn_bias,
+        mlp,
+        final_bias,
+        final_scale: scale as f32,
+    })
+}
