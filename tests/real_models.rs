@@ -1042,3 +1042,73 @@ fn packed_weight_caches_change_no_bit_and_are_read_back() {
         );
     }
 }
+
+/// Gu et al.'s sink metric from the streamed statistics equals the one computed here from the
+/// whole patterns (α₁ = the mean over every query of the weight on the first token); Sun et al.'s
+/// massive activations are the largest values of the captured hook_resid_post.
+#[test]
+fn gu_sink_metric_and_massive_activations_from_the_patterns() {
+    use attnscope::analysis::sinkmetrics::{gu_sink_metric, Massive};
+    use attnscope::model::capture::{Hook, Queries};
+    let model = real_model("qwen2.5-coder-0.5b");
+    let d = &model.dims;
+    let tokens = model.encode(SENTENCE, false).unwrap();
+    let n = tokens.len();
+    let g = gu_sink_metric(model, &[tokens.clone()], 0.3).unwrap();
+    let mut cache = AttnCache::new(
+        &CaptureSpec {
+            hooks: vec![Hook::Pattern, Hook::ResidPost],
+            layers: None,
+            heads: None,
+            queries: Queries::All,
+        },
+        n,
+    );
+    model
+        .forward(&tokens, &RunOptions::default(), &mut cache)
+        .unwrap();
+    let mut want = Vec::new();
+    for l in 0..d.n_layers {
+        let p = cache.pattern(l).unwrap();
+        let over = (0..d.n_heads)
+            .filter(|&h| {
+                (0..n)
+                    .map(|q| p.row_at(h, q).unwrap()[0] as f64)
+                    .sum::<f64>()
+                    / n as f64
+                    > 0.3
+            })
+            .count();
+        want.push(over as f64 / d.n_heads as f64);
+    }
+    for (l, (a, b)) in g.per_layer.iter().zip(&want).enumerate() {
+        assert!((a - b).abs() < 1e-9, "layer {l}: {a} vs {b}");
+    }
+    assert!((g.metric - want.iter().sum::<f64>() / d.n_layers as f64).abs() < 1e-9);
+    assert!(
+        g.metric > 0.2,
+        "the default model has sink heads: {}",
+        g.metric
+    );
+    let mut m = Massive::new(1);
+    for l in 0..d.n_layers {
+        let x = &cache.get(l, Hook::ResidPost).unwrap().data;
+        m.add(l, d.d_model, x);
+        let (i, v) = x
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.abs().total_cmp(&b.1.abs()))
+            .unwrap();
+        let top = &m.layers[l].top[0];
+        assert_eq!(
+            (top.pos, top.dim, top.value),
+            (i / d.d_model, i % d.d_model, *v)
+        );
+    }
+    // the default model's massive activations sit on the first token in its middle layers
+    let massive: Vec<_> = m.layers.iter().filter(|l| l.massive > 0).collect();
+    assert!(
+        !massive.is_empty() && massive.iter().all(|l| l.top[0].pos == 0),
+        "{massive:?}"
+    );
+}

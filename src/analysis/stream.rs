@@ -37,6 +37,8 @@ pub struct StreamStats {
     last_first: Vec<Vec<f32>>,
     last_top: Vec<Vec<Vec<(u32, f32)>>>,
     on_layer: Box<dyn FnMut(usize) + Send>,
+    /// Sun et al.'s massive activations of every layer's output, when asked for
+    pub massive: Option<super::sinkmetrics::Massive>,
 }
 
 impl StreamStats {
@@ -55,7 +57,14 @@ impl StreamStats {
             last_first: vec![vec![0.0; n_heads]; n_layers],
             last_top: vec![vec![Vec::new(); n_heads]; n_layers],
             on_layer,
+            massive: None,
         }
+    }
+
+    /// Also keep the massive activations of every layer's output (its `top` largest each).
+    pub fn with_massive(mut self, top: usize) -> Self {
+        self.massive = Some(super::sinkmetrics::Massive::new(top));
+        self
     }
 
     pub fn layers(&self) -> Vec<LayerStats> {
@@ -89,10 +98,14 @@ impl StreamStats {
 }
 
 impl Observer for StreamStats {
-    fn wants(&self, _: usize, _: Hook) -> bool {
-        false
+    fn wants(&self, _: usize, hook: Hook) -> bool {
+        hook == Hook::ResidPost && self.massive.is_some()
     }
-    fn tensor(&mut self, _: usize, _: Hook, _: &[usize], _: &[f32]) {}
+    fn tensor(&mut self, layer: usize, hook: Hook, shape: &[usize], data: &[f32]) {
+        if let Some(m) = self.massive.as_mut() {
+            m.tensor(layer, hook, shape, data)
+        }
+    }
     fn attention_block(&mut self, _: usize, _: Hook, _: usize, _: [usize; 3], _: &[f32]) {}
     fn wants_stats(&self, layer: usize) -> Option<StatsRequest> {
         (layer < self.sums.len()).then_some(StatsRequest {

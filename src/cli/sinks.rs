@@ -30,6 +30,18 @@ pub struct Args {
     /// α₁ threshold for counting a head as a sink head.
     #[arg(long, default_value_t = 0.3)]
     epsilon: f64,
+    /// Gu et al. 2024's sink metric on this many prompts of --gu-len tokens cut from the text
+    /// (their protocol: 64-token prompts, ε 0.3; α₁ over every query, the first one included);
+    /// 0 leaves it out.
+    #[arg(long, default_value_t = 8)]
+    gu_prompts: usize,
+    /// Tokens per prompt of Gu et al.'s metric.
+    #[arg(long, default_value_t = 64)]
+    gu_len: usize,
+    /// Largest residual values listed per layer (Sun et al. 2024's massive activations: |x| >
+    /// 100 and ≥ 1,000 × the layer's median magnitude are counted); 0 leaves them out.
+    #[arg(long, default_value_t = 3)]
+    massive_top: usize,
     #[arg(long)]
     json: bool,
 }
@@ -109,6 +121,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         a.top,
         Box::new(move |l| b2.set_position(l as u64 + 1)),
     );
+    if a.massive_top > 0 {
+        stats = stats.with_massive(a.massive_top);
+    }
     let t0 = Instant::now();
     let opts = RunOptions {
         logits_at: vec![n - 1],
@@ -119,6 +134,31 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let forward_s = t0.elapsed().as_secs_f64();
     bar_.finish_and_clear();
     let layers = stats.layers();
+    let massive = stats.massive.take().map(|m| m.layers).unwrap_or_default();
+    // Gu et al.'s protocol: prompts of gu_len tokens from the text, each with the model's BOS
+    let gu = if a.gu_prompts > 0 && a.gu_len > 0 {
+        let bos: Vec<u32> = if a.model.bos || model.tokenizer.add_bos {
+            model.tokenizer.encode("", true)?
+        } else {
+            Vec::new()
+        };
+        let body = &tokens[bos.len().min(tokens.len())..];
+        let take = a.gu_len.saturating_sub(bos.len()).max(1);
+        let prompts: Vec<Vec<u32>> = body
+            .chunks_exact(take)
+            .take(a.gu_prompts)
+            .map(|c| bos.iter().chain(c).copied().collect())
+            .collect();
+        if prompts.is_empty() {
+            None
+        } else {
+            Some(crate::analysis::sinkmetrics::gu_sink_metric(
+                &model, &prompts, a.epsilon,
+            )?)
+        }
+    } else {
+        None
+    };
     let peak = peak_rss_bytes();
     let (cpu, threads) = machine();
     let top = crate::analysis::next_token_top_k(&out.logits[0], 1).remove(0);
@@ -127,6 +167,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "model": model.info.name, "precision": model.info.precision.name(), "n_tokens": n, "key_block": a.key_block,
             "forward_s": forward_s, "attention_s": out.timings.attention.as_secs_f64(), "total_s": start.elapsed().as_secs_f64(),
             "peak_rss_bytes": peak, "cpu": cpu, "threads": threads, "layers": layers,
+            "gu_sink_metric": gu, "massive_activations": massive,
             "first_token": model.tokenizer.token_text(tokens[0]),
             "next_token": {"id": top.id, "token": model.tokenizer.token_text(top.id), "prob": top.prob},
         });
@@ -193,6 +234,60 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             windowed.join(", "),
             n - w
         );
+    }
+    if let Some(g) = &gu {
+        s += &format!(
+            "Gu et al. 2024's sink metric (α₁ over every query, first included, > {}) on {} prompts of {} tokens from this text: {:.1}% of heads (per layer {})\n",
+            g.epsilon,
+            g.prompts,
+            g.prompt_len,
+            100.0 * g.metric,
+            sparkline(&g.per_layer.iter().map(|&v| v as f32).collect::<Vec<_>>())
+        );
+    }
+    if !massive.is_empty() {
+        let with: Vec<&crate::analysis::sinkmetrics::LayerMassive> =
+            massive.iter().filter(|m| m.massive > 0).collect();
+        s += &format!(
+            "massive activations (Sun et al. 2024: |x| > 100 and ≥ 1,000 × the layer's median |x|) in {} of {} layers' outputs",
+            with.len(),
+            massive.len()
+        );
+        match with.iter().max_by(|x, y| x.max_abs.total_cmp(&y.max_abs)) {
+            Some(m) => {
+                let t = &m.top[0];
+                s += &format!(
+                    "; the largest: {:.1} at layer {}, dimension {}, token {} {:?} ({:.0} × the median)\n",
+                    t.value,
+                    m.layer,
+                    t.dim,
+                    t.pos,
+                    visible(&model.tokenizer.token_text(tokens[t.pos])),
+                    m.ratio
+                );
+                let dims: std::collections::BTreeSet<usize> = with
+                    .iter()
+                    .flat_map(|m| m.top.iter().map(|t| t.dim))
+                    .collect();
+                let pos: std::collections::BTreeSet<usize> = with
+                    .iter()
+                    .flat_map(|m| m.top.iter().map(|t| t.pos))
+                    .collect();
+                s += &format!(
+                    "  on dimensions {:?} and tokens {}\n",
+                    dims,
+                    pos.iter()
+                        .take(8)
+                        .map(|&p| format!(
+                            "{p} {:?}",
+                            visible(&model.tokenizer.token_text(tokens[p]))
+                        ))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+            }
+            None => s += "\n",
+        }
     }
     s += "\n";
     s += &format!(
