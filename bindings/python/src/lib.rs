@@ -416,6 +416,68 @@ impl Model {
         Ok((logits, arrays))
     }
 
+    /// Each head's part of layer `layer`'s attention output from `z` (`[rows, n_heads, d_head]`,
+    /// flattened): `([rows, n_heads, d_model]` flattened, W_O's bias `[d_model]`), TransformerLens's
+    /// `hook_result` and `b_O`.
+    fn head_results<'py>(
+        &self,
+        py: Python<'py>,
+        layer: usize,
+        z: numpy::PyReadonlyArray1<'py, f32>,
+        rows: usize,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+        let d = &self.inner.dims;
+        if layer >= d.n_layers {
+            return Err(PyValueError::new_err(format!(
+                "layer {layer} is out of range: the model has {} layers",
+                d.n_layers
+            )));
+        }
+        let z = z.as_slice()?.to_vec();
+        if z.len() != rows * d.n_heads * d.head_dim {
+            return Err(PyValueError::new_err(format!(
+                "z has {} values; {rows} rows of {} heads × {} need {}",
+                z.len(),
+                d.n_heads,
+                d.head_dim,
+                rows * d.n_heads * d.head_dim
+            )));
+        }
+        let m = self.inner.clone();
+        let (res, bias) = engine(py, move || Ok(m.head_results(layer, &z, rows)?))?;
+        Ok((
+            PyArray1::from_vec(py, res).into_any(),
+            PyArray1::from_vec(py, bias).into_any(),
+        ))
+    }
+
+    /// Rows `ids` of the output head (`W_U[:, ids]` transposed): `[len(ids), d_model]` flattened.
+    fn unembed_rows<'py>(&self, py: Python<'py>, ids: Vec<u32>) -> PyResult<Bound<'py, PyAny>> {
+        self.check_ids(&ids)?;
+        let m = self.inner.clone();
+        let rows = engine(py, move || {
+            let mut out = Vec::new();
+            for id in ids {
+                out.extend(m.unembed_row(id)?);
+            }
+            Ok(out)
+        })?;
+        Ok(PyArray1::from_vec(py, rows).into_any())
+    }
+
+    /// The final norm: (weight, bias or None, epsilon).
+    fn final_norm<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> (Bound<'py, PyAny>, Option<Bound<'py, PyAny>>, f32) {
+        let (w, b, eps) = self.inner.final_norm();
+        (
+            PyArray1::from_slice(py, w).into_any(),
+            b.map(|b| PyArray1::from_slice(py, b).into_any()),
+            eps,
+        )
+    }
+
     /// The `corpus` records of `(id, text)` pairs: for each, (id, record JSON, "") or (id, "",
     /// the text's error: empty, too long). An engine failure raises.
     #[pyo3(signature = (items, bos = false, faithfulness = false))]

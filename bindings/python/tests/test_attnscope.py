@@ -48,7 +48,7 @@ def test_tokens_match_the_reference(qwen):
     ids = qwen.to_tokens(SENTENCE)
     assert ids.dtype == np.int64 and ids.shape == (1, len(g["token_ids"]))
     assert ids[0].tolist() == g["token_ids"]
-    assert qwen.to_string(ids) == SENTENCE
+    assert qwen.to_string(ids) == [SENTENCE] and qwen.to_string(ids[0]) == SENTENCE  # as TransformerLens: a list for 2-D
     assert len(qwen.to_str_tokens(SENTENCE)) == ids.shape[1]
 
 
@@ -465,3 +465,75 @@ def test_ablate_and_patch_equal_the_cli(smol):
     p = smol.patch("When Mary and John went to the store, John gave a drink to",
                    "When Mary and John went to the store, Mary gave a drink to", hook="z")
     assert {"clean_logit_diff", "corrupt_logit_diff", "results"} <= set(p) and "head" in p["results"][0]
+
+
+def test_direct_logit_attribution_as_transformerlens_users_write_it(qwen):
+    """stack_head_results → apply_ln_to_stack → logit_attrs gives `attnscope dla`'s per-head
+    numbers; decompose_resid adds up to the final residual, and its attributions to the logit."""
+    logits, cache = qwen.run_with_cache(SENTENCE)
+    answer = int(logits[0, -1].argmax())
+    heads, labels = cache.stack_head_results(layer=-1, pos_slice=-1, return_labels=True)
+    assert heads.shape == (24 * 14, 1, 1, 896) and labels[:2] == ["L0H0", "L0H1"]
+    attrs = cache.logit_attrs(cache.apply_ln_to_stack(heads, pos_slice=-1), answer)[:, 0, 0]
+    cli = json.loads(subprocess.run([BIN, "dla", "--text", SENTENCE, "--json"], check=True, capture_output=True).stdout)
+    assert cli["answer"]["id"] == answer
+    want = np.asarray([h["dla"] for h in cli["heads"]])
+    assert np.abs(attrs - want).max() < 1e-4
+    parts, names = cache.decompose_resid(return_labels=True)
+    assert names[0] == "embed" and names[1:3] == ["0_attn_out", "0_mlp_out"] and len(names) == 1 + 2 * 24
+    final = cache["blocks.23.hook_resid_post"]
+    assert np.abs(parts.sum(0) - final).max() < 1e-3 * (1 + np.abs(final).max())
+    last = cache.decompose_resid(pos_slice=-1)
+    total = cache.logit_attrs(cache.apply_ln_to_stack(last, pos_slice=-1), answer)[:, 0, 0].sum()
+    assert abs(total - float(logits[0, -1, answer])) < 1e-2
+    acc = cache.accumulated_resid(incl_mid=True)
+    assert acc.shape == (2 * 24 + 1, 1, len(cache["pattern", 0, "attn"][0, 0]), 896)
+
+
+def test_results_follow_the_array_type(smol, monkeypatch):
+    """With torch imported (a stand-in here: the suite runs without torch), results and hook
+    activations are torch tensors sharing the engine's memory; set_array_type("numpy") forces
+    numpy. The real torch was tried by hand (see docs/commands/interventions.md)."""
+    import types
+
+    class Tensor:
+        def __init__(self, a):
+            self.a = a
+            self.shape = a.shape
+
+        def __setitem__(self, k, v):
+            self.a[k] = v
+
+        def detach(self):
+            return self
+
+        def cpu(self):
+            return self
+
+        def numpy(self):
+            return self.a
+
+    fake = types.ModuleType("torch")
+    fake.from_numpy = Tensor
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    ids = smol.to_tokens("The cat sat")
+    assert isinstance(ids, Tensor)
+    seen = []
+
+    def zero_head(z, hook):
+        seen.append(type(z))
+        z[:, :, 0, :] = 0.0  # through the tensor, into the engine's buffer
+
+    lg = smol.run_with_hooks(ids, fwd_hooks=[("blocks.1.attn.hook_z", zero_head)])
+    assert isinstance(lg, Tensor) and seen == [Tensor]
+    _, cache = smol.run_with_cache(ids, names_filter="blocks.1.attn.hook_z")
+    assert isinstance(cache["z", 1], Tensor)
+    attnscope.set_array_type("numpy")
+    try:
+        lg2 = smol.run_with_hooks(ids, fwd_hooks=[("blocks.1.attn.hook_z", zero_head)])
+        assert isinstance(lg2, np.ndarray) and np.array_equal(lg2, lg.a) and seen[-1] is np.ndarray
+        assert not np.array_equal(lg2, smol(ids))  # the edit through the tensor took effect
+    finally:
+        attnscope.set_array_type("auto")
+    with pytest.raises(ValueError, match="array type"):
+        attnscope.set_array_type("jax")

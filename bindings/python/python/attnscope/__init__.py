@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -27,7 +28,7 @@ from . import utils
 from . import distributed  # Ray is imported only when distributed.corpus runs
 
 __all__ = ["HookedModel", "ActivationCache", "Config", "HookPoint", "corpus", "corpus_merge", "HOOKS", "viz", "utils",
-           "distributed", "__version__"]
+           "distributed", "set_array_type", "__version__"]
 __version__ = _native.__version__
 
 #: The hook suffixes the engine captures, in TransformerLens's names (`blocks.{l}.` + suffix).
@@ -36,6 +37,40 @@ HOOKS: Tuple[str, ...] = tuple(_native.hook_suffixes())
 # short names accepted in cache["pattern", l] and stack_activation("pattern")
 _SHORT = {h.rsplit(".", 1)[-1].replace("hook_", ""): h for h in HOOKS}
 _SHORT.update({h.rsplit(".", 1)[-1]: h for h in HOOKS})
+
+_ARRAY_TYPE = "auto"
+
+
+def set_array_type(kind: str) -> None:
+    """What results are: ``"numpy"`` arrays, ``"torch"`` tensors (``torch.from_numpy``: the same
+    memory, no copy), or ``"auto"`` (the default): torch tensors once the program has imported
+    torch, numpy arrays otherwise. Hook functions get their activation the same way."""
+    global _ARRAY_TYPE
+    if kind not in ("numpy", "torch", "auto"):
+        raise ValueError(f"array type {kind!r}: use 'numpy', 'torch' or 'auto'")
+    if kind == "torch":
+        import torch  # noqa: F401  (fails here, with torch's own message, if it is missing)
+    _ARRAY_TYPE = kind
+
+
+def _wrap(a: Any) -> Any:
+    """A numpy result as the array type in force (see :func:`set_array_type`)."""
+    if a is None or not isinstance(a, np.ndarray):
+        return a
+    kind = _ARRAY_TYPE
+    if kind == "auto":
+        kind = "torch" if "torch" in sys.modules else "numpy"
+    if kind == "torch":
+        return sys.modules["torch"].from_numpy(a) if "torch" in sys.modules else __import__("torch").from_numpy(a)
+    return a
+
+
+def _np(a: Any) -> np.ndarray:
+    """A numpy view of a result or an argument (a torch tensor through ``.numpy()``)."""
+    if hasattr(a, "detach") and hasattr(a, "cpu"):
+        return a.detach().cpu().numpy()
+    return np.asarray(a)
+
 
 NamesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
 TextOrTokens = Union[str, Sequence[str], np.ndarray, Sequence[int]]
@@ -65,14 +100,20 @@ class ActivationCache:
     ``stack_activation("pattern")``, ``remove_batch_dim()``. Values are numpy arrays that share
     the engine's memory (no copy); ``torch.from_numpy`` works on them."""
 
-    def __init__(self, cache: Dict[str, np.ndarray], n_layers: int, has_batch_dim: bool = True):
+    def __init__(self, cache: Dict[str, np.ndarray], n_layers: int, has_batch_dim: bool = True,
+                 model: Optional["HookedModel"] = None):
         self.cache_dict = cache
         self.n_layers = n_layers
         self.has_batch_dim = has_batch_dim
+        self.model = model
 
     def _name(self, key: Any) -> str:
         if isinstance(key, str):
             return key
+        if isinstance(key, tuple) and len(key) == 3 and isinstance(key[0], str):
+            # TransformerLens's cache["pattern", 0, "attn"]: the third part names the block part
+            kind, layer, _ = key
+            return self._name((kind, layer))
         if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str):
             kind, layer = key
             suffix = _SHORT.get(kind)
@@ -86,7 +127,7 @@ class ActivationCache:
     def __getitem__(self, key: Any) -> np.ndarray:
         name = self._name(key)
         try:
-            return self.cache_dict[name]
+            return _wrap(self.cache_dict[name])
         except KeyError:
             raise KeyError(f"{name} was not captured (names_filter); captured: {list(self.cache_dict)[:6]}...") from None
 
@@ -106,16 +147,16 @@ class ActivationCache:
         return self.cache_dict.keys()
 
     def values(self):
-        return self.cache_dict.values()
+        return [_wrap(v) for v in self.cache_dict.values()]
 
     def items(self):
-        return self.cache_dict.items()
+        return [(k, _wrap(v)) for k, v in self.cache_dict.items()]
 
     def stack_activation(self, kind: str, layer: int = -1) -> np.ndarray:
         """The activation of every layer up to `layer` (exclusive, -1 = all), stacked on a new
         first axis: ``[layers, ...]`` (a copy)."""
         top = self.n_layers if layer == -1 else layer
-        return np.stack([self[kind, l] for l in range(top)])
+        return _wrap(np.stack([_np(self[kind, l]) for l in range(top)]))
 
     def remove_batch_dim(self) -> "ActivationCache":
         """Drops the leading batch axis of 1 from every array (views, no copy), in place."""
@@ -123,6 +164,146 @@ class ActivationCache:
             self.cache_dict = {k: v[0] for k, v in self.cache_dict.items()}
             self.has_batch_dim = False
         return self
+
+    # direct logit attribution, as TransformerLens's cache methods (see docs/commands/interventions.md)
+    def _get(self, name: str) -> np.ndarray:
+        """The array with a batch axis, or a KeyError saying which hook to capture."""
+        if name not in self.cache_dict:
+            raise KeyError(f"{name} was not captured; run_with_cache with names_filter=None (or including it) first")
+        a = self.cache_dict[name]
+        return a if self.has_batch_dim else a[np.newaxis]
+
+    def _out(self, stack: np.ndarray, labels: List[str], return_labels: bool):
+        stack = _wrap(stack if self.has_batch_dim else stack[:, 0])
+        return (stack, labels) if return_labels else stack
+
+    def _need_model(self) -> "HookedModel":
+        if self.model is None:
+            raise ValueError("this cache has no model: it comes from run_with_cache, which sets it")
+        return self.model
+
+    @staticmethod
+    def _pos(a: np.ndarray, pos_slice: Any) -> np.ndarray:
+        if pos_slice is None:
+            return a
+        if isinstance(pos_slice, int):
+            return a[..., pos_slice:pos_slice + 1 if pos_slice != -1 else None, :]
+        return a[..., pos_slice, :]
+
+    def accumulated_resid(self, layer: Optional[int] = None, incl_mid: bool = False, apply_ln: bool = False,
+                          pos_slice: Any = None, mlp_input: bool = False, return_labels: bool = False):
+        """The residual stream before each layer up to ``layer`` (all, and the final one, when
+        None), stacked: ``[components, batch, pos, d_model]``; labels ``"0_pre"``, ``"0_mid"``, ...,
+        ``"final_post"``."""
+        top = self.n_layers if layer is None or layer == self.n_layers else layer % (self.n_layers + 1)
+        parts, labels = [], []
+        for l in range(top):
+            parts.append(self._get(f"blocks.{l}.hook_resid_pre"))
+            labels.append(f"{l}_pre")
+            if incl_mid:
+                parts.append(self._get(f"blocks.{l}.hook_resid_mid"))
+                labels.append(f"{l}_mid")
+        if mlp_input and top < self.n_layers:
+            parts.append(self._get(f"blocks.{top}.hook_resid_mid"))
+            labels.append(f"{top}_mid")
+        if top == self.n_layers:
+            parts.append(self._get(f"blocks.{self.n_layers - 1}.hook_resid_post"))
+            labels.append("final_post")
+        stack = self._pos(np.stack(parts), pos_slice)
+        if apply_ln:
+            stack = _np(self.apply_ln_to_stack(stack, pos_slice=pos_slice))
+        return self._out(stack, labels, return_labels)
+
+    def decompose_resid(self, layer: Optional[int] = None, mlp_input: bool = False, mode: str = "all",
+                        apply_ln: bool = False, pos_slice: Any = None, incl_embeds: bool = True,
+                        return_labels: bool = False):
+        """The residual stream as the sum of its parts: the embedding (``blocks.0.hook_resid_pre``:
+        token and learned position embeddings together), then each layer's ``attn_out`` and
+        ``mlp_out`` up to ``layer``; ``[components, batch, pos, d_model]``."""
+        if mode not in ("all", "attn", "mlp"):
+            raise ValueError(f"mode={mode!r}: use 'all', 'attn' or 'mlp'")
+        top = self.n_layers if layer is None else layer
+        parts, labels = [], []
+        if incl_embeds:
+            parts.append(self._get("blocks.0.hook_resid_pre"))
+            labels.append("embed")
+        for l in range(top):
+            if mode in ("all", "attn"):
+                parts.append(self._get(f"blocks.{l}.hook_attn_out"))
+                labels.append(f"{l}_attn_out")
+            if mode in ("all", "mlp"):
+                parts.append(self._get(f"blocks.{l}.hook_mlp_out"))
+                labels.append(f"{l}_mlp_out")
+        if mlp_input and top < self.n_layers and mode in ("all", "attn"):
+            parts.append(self._get(f"blocks.{top}.hook_attn_out"))
+            labels.append(f"{top}_attn_out")
+        stack = self._pos(np.stack(parts), pos_slice)
+        if apply_ln:
+            stack = _np(self.apply_ln_to_stack(stack, pos_slice=pos_slice))
+        return self._out(stack, labels, return_labels)
+
+    def stack_head_results(self, layer: int = -1, return_labels: bool = False, incl_remainder: bool = False,
+                           pos_slice: Any = None, apply_ln: bool = False):
+        """Each head's output (``hook_result``: its ``z`` through its slice of ``W_O``, without the
+        bias), for every head of the layers before ``layer`` (-1: all): ``[layers·heads, batch, pos,
+        d_model]``, labels ``"L{l}H{h}"``. Computed from the captured ``hook_z``; with
+        ``incl_remainder``, one more component: the rest of the residual stream."""
+        m = self._need_model()
+        top = self.n_layers if layer == -1 else layer
+        parts, labels = [], []
+        for l in range(top):
+            z = self._get(f"blocks.{l}.attn.hook_z")  # [batch, pos, head, d_head]
+            b, n, h, dh = z.shape
+            res, _bias = m._m.head_results(l, np.ascontiguousarray(z, dtype=np.float32).reshape(-1), b * n)
+            res = np.asarray(res).reshape(b, n, h, -1)
+            for hh in range(h):
+                parts.append(res[:, :, hh])
+                labels.append(f"L{l}H{hh}")
+        stack = np.stack(parts)
+        if incl_remainder:
+            final = self._get(f"blocks.{top - 1}.hook_resid_post") if top == self.n_layers else self._get(f"blocks.{top}.hook_resid_pre")
+            stack = np.concatenate([stack, (final - stack.sum(0))[np.newaxis]])
+            labels.append("remainder")
+        stack = self._pos(stack, pos_slice)
+        if apply_ln:
+            stack = _np(self.apply_ln_to_stack(stack, pos_slice=pos_slice))
+        return self._out(stack, labels, return_labels)
+
+    def apply_ln_to_stack(self, residual_stack: np.ndarray, layer: Optional[int] = None, mlp_input: bool = False,
+                          pos_slice: Any = None, batch_slice: Any = None, has_batch_dim: bool = True) -> np.ndarray:
+        """Each component through the final norm with the scale of the actual run (frozen: so the
+        components still add up), as TransformerLens does: LayerNorm centres each one, and both
+        divide by the final residual's RMS (σ). The norm's weight is applied by :meth:`logit_attrs`
+        (TransformerLens folds it into ``W_U``)."""
+        if layer is not None and layer != self.n_layers:
+            raise NotImplementedError("apply_ln_to_stack applies the final norm (layer=None); the blocks' norms are not exposed yet")
+        m = self._need_model()
+        w, b, eps = m._m.final_norm()
+        final = self._pos(self._get(f"blocks.{self.n_layers - 1}.hook_resid_post"), pos_slice).astype(np.float64)
+        if b is not None:
+            final = final - final.mean(-1, keepdims=True)
+        scale = np.sqrt((final ** 2).mean(-1, keepdims=True) + eps)  # [batch, pos, 1]
+        stack = _np(residual_stack).astype(np.float64)
+        if not has_batch_dim:
+            scale = scale[0]
+        if b is not None:
+            stack = stack - stack.mean(-1, keepdims=True)
+        return _wrap((stack / scale).astype(np.float32))
+
+    def logit_attrs(self, residual_stack: np.ndarray, tokens: Union[int, str], incorrect_tokens: Optional[Union[int, str]] = None,
+                    pos_slice: Any = None, batch_slice: Any = None, has_batch_dim: bool = True) -> np.ndarray:
+        """Each component's direct contribution to the logit of ``tokens`` (minus that of
+        ``incorrect_tokens``): the normalized stack (:meth:`apply_ln_to_stack`) times the final
+        norm's weight, dotted with ``W_U[:, token]``. Shape: the stack's without ``d_model``."""
+        m = self._need_model()
+        tid = m.to_single_token(tokens) if isinstance(tokens, str) else int(tokens)
+        w, _, _ = m._m.final_norm()
+        u = np.asarray(m._m.unembed_rows([tid]), dtype=np.float64)
+        if incorrect_tokens is not None:
+            wid = m.to_single_token(incorrect_tokens) if isinstance(incorrect_tokens, str) else int(incorrect_tokens)
+            u = u - np.asarray(m._m.unembed_rows([wid]), dtype=np.float64)
+        direction = u * np.asarray(w, dtype=np.float64)
+        return _wrap((_np(residual_stack).astype(np.float64) @ direction).astype(np.float32))
 
     def __repr__(self) -> str:
         return f"ActivationCache({len(self.cache_dict)} tensors: {list(self.cache_dict)[:4]}{'...' if len(self.cache_dict) > 4 else ''})"
@@ -206,7 +387,7 @@ class HookedModel:
     def to_tokens(self, text: str, prepend_bos: Optional[bool] = None) -> np.ndarray:
         """Token ids ``[1, n]`` (int64). BOS comes first when the model asks for one
         (``cfg.default_prepend_bos``), or with ``prepend_bos=True``; ``prepend_bos=False`` leaves it out."""
-        return np.asarray([self._m.encode(text, prepend_bos)], dtype=np.int64)
+        return _wrap(np.asarray([self._m.encode(text, prepend_bos)], dtype=np.int64))
 
     def to_str_tokens(self, text_or_tokens: Union[str, np.ndarray, Sequence[int]], prepend_bos: Optional[bool] = None) -> List[str]:
         """The text of each token."""
@@ -215,7 +396,7 @@ class HookedModel:
 
     def to_string(self, tokens: Union[np.ndarray, Sequence[int]]) -> Union[str, List[str]]:
         """Token ids back to text; a 2-D batch ``[b, n]`` gives a list of ``b`` texts."""
-        a = np.asarray(tokens)
+        a = _np(tokens)
         if a.ndim == 2:
             return [self.to_string(row) for row in a]
         ids = [int(t) for t in a.reshape(-1)]
@@ -243,7 +424,7 @@ class HookedModel:
     def _ids(self, x: Any, prepend_bos: Optional[bool] = None) -> List[int]:
         if isinstance(x, str):
             return list(self._m.encode(x, prepend_bos))
-        a = np.asarray(x)
+        a = _np(x)
         if a.ndim == 2 and a.shape[0] == 1:
             a = a[0]
         if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
@@ -299,10 +480,10 @@ class HookedModel:
         cache = {name: a[np.newaxis] for name, a in arrays}
         if lg is not None:
             lg = lg[np.newaxis]  # TransformerLens keeps the logits' batch axis even with remove_batch_dim
-        c = ActivationCache(cache, self.cfg.n_layers)
+        c = ActivationCache(cache, self.cfg.n_layers, model=self)
         if remove_batch_dim:
             c.remove_batch_dim()
-        return lg, c
+        return _wrap(lg), c
 
     # editing hooks (TransformerLens's run_with_hooks)
     def _resolve(self, fwd_hooks: Sequence[Tuple[HookName, HookFn]]) -> Dict[str, List[HookFn]]:
@@ -340,7 +521,7 @@ class HookedModel:
             act = arr[np.newaxis]  # TransformerLens's batch axis; writable, edited in place
             hook = HookPoint(name)
             for fn in by_name[name]:
-                r = fn(act, hook)
+                r = fn(_wrap(act), hook)  # a torch tensor shares act's memory: in-place edits land
                 if r is not None:
                     act = _as_float32(r, name, act.shape)
             # the engine refuses a NaN or infinity (a -inf score masks a key), naming the hook
@@ -372,9 +553,9 @@ class HookedModel:
             return None
         lg = lg[np.newaxis]
         if return_type == "logits":
-            return lg
+            return _wrap(lg)
         loss = self.loss(lg, ids)
-        return loss if return_type == "loss" else (lg, loss)
+        return loss if return_type == "loss" else (_wrap(lg), loss)
 
     def __call__(self, input: TextOrTokens, return_type: Optional[str] = "logits", prepend_bos: Optional[bool] = None):
         """The logits ``[1, n, vocab]`` (``return_type="logits"``), the mean next-token loss
@@ -386,8 +567,9 @@ class HookedModel:
     def loss(logits: np.ndarray, tokens: Union[np.ndarray, Sequence[int]], per_token: bool = False):
         """Next-token cross-entropy of ``logits`` ``[1, n, vocab]`` against ``tokens`` (TransformerLens's
         ``lm_cross_entropy_loss``): the mean over positions 0..n-2, or each one with ``per_token``."""
-        lg = np.asarray(logits, dtype=np.float64).reshape(-1, logits.shape[-1])
-        t = np.asarray(tokens).reshape(-1)
+        lg = _np(logits).astype(np.float64)
+        lg = lg.reshape(-1, lg.shape[-1])
+        t = _np(tokens).reshape(-1)
         if len(t) < 2:
             raise ValueError("the loss needs at least two tokens (it predicts each next one)")
         z = lg[:-1] - lg[:-1].max(axis=-1, keepdims=True)
