@@ -1054,7 +1054,7 @@ fn gu_sink_metric_and_massive_activations_from_the_patterns() {
     let d = &model.dims;
     let tokens = model.encode(SENTENCE, false).unwrap();
     let n = tokens.len();
-    let g = gu_sink_metric(model, &[tokens.clone()], 0.3).unwrap();
+    let g = gu_sink_metric(model, std::slice::from_ref(&tokens), 0.3).unwrap();
     let mut cache = AttnCache::new(
         &CaptureSpec {
             hooks: vec![Hook::Pattern, Hook::ResidPost],

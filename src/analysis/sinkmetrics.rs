@@ -185,7 +185,7 @@ mod tests {
         assert!(l.ratio > 1000.0);
         // nothing above 100: no massive values whatever the ratio
         let mut m = Massive::new(1);
-        m.add(0, dm, &vec![0.001; 16]);
+        m.add(0, dm, &[0.001; 16]);
         assert_eq!(m.layers[0].massive, 0);
     }
 }

@@ -12,6 +12,7 @@
 //! # Ok::<(), attnscope::model::error::Error>(())
 //! ```
 
+pub mod attention;
 pub mod capture;
 pub mod config;
 pub mod error;
@@ -20,6 +21,7 @@ pub mod forward;
 pub mod gguf;
 pub mod guard;
 pub mod hf;
+pub mod ops;
 pub mod panels;
 pub mod tiny;
 pub mod tokenize;

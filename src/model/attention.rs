@@ -1,0 +1,1042 @@
+//! The attention kernel: causal grouped-query attention fused per head and block of query rows
+//! with an online softmax (`QKᵀ·scale → mask → softmax in f32 → ·V`), the statistics it streams,
+//! and the path for observers that edit the attention maps. The layer loop is in
+//! [`super::forward`]; the readable reference is [`crate::reference`].
+
+use super::capture::{Hook, Observer};
+use super::error::{Error, Result};
+use super::ops::{scale_by, stream_fence, stream_store};
+use crate::kernels::gemm::{self, Isa, PackedB};
+use crate::kernels::simd::multiversion;
+use rayon::prelude::*;
+/// Whether key `j` is visible to the query at absolute position `i` (causal mask, sliding
+/// window and knockout; a token always sees itself).
+#[inline]
+pub(crate) fn visible(i: usize, j: usize, knockout: &[bool], window: Option<usize>) -> bool {
+    j <= i
+        && window.is_none_or(|w| j + w > i)
+        && (j == i || !knockout.get(j).copied().unwrap_or(false))
+}
+
+/// The running state of one (head, query) row of the online softmax.
+#[derive(Clone)]
+pub(crate) struct RowState {
+    /// largest visible score so far (the softmax shift), -inf before any
+    m: f32,
+    /// Σ exp(s - m) over visible keys so far
+    l: f64,
+    /// Σ exp(s - m) · s, for the entropy
+    t: f64,
+    argmax: u32,
+    /// score of the first key (-inf when hidden)
+    s0: f32,
+    /// the `top_k` best (score, key) so far, best first
+    top: Vec<(f32, u32)>,
+}
+
+impl RowState {
+    fn new() -> Self {
+        RowState {
+            m: f32::NEG_INFINITY,
+            l: 0.0,
+            t: 0.0,
+            argmax: 0,
+            s0: f32::NEG_INFINITY,
+            top: Vec::new(),
+        }
+    }
+}
+
+/// A buffer borrowed from a thread-local slot for the length of a call, and put back when
+/// dropped (on every return path, errors included), so the next call finds its pages mapped.
+pub(crate) struct Reused {
+    buf: Vec<f32>,
+    slot: &'static std::thread::LocalKey<std::cell::RefCell<Vec<f32>>>,
+}
+
+impl Reused {
+    /// The slot's buffer, grown to at least `len` floats and never shrunk (so a smaller request
+    /// costs nothing); its contents are whatever the last user left.
+    fn take(
+        slot: &'static std::thread::LocalKey<std::cell::RefCell<Vec<f32>>>,
+        len: usize,
+    ) -> Self {
+        let mut buf = slot.with(|c| std::mem::take(&mut *c.borrow_mut()));
+        if buf.len() < len {
+            buf.resize(len, 0.0);
+        }
+        Reused { buf, slot }
+    }
+}
+
+impl std::ops::Deref for Reused {
+    type Target = Vec<f32>;
+    fn deref(&self) -> &Vec<f32> {
+        &self.buf
+    }
+}
+
+impl std::ops::DerefMut for Reused {
+    fn deref_mut(&mut self) -> &mut Vec<f32> {
+        &mut self.buf
+    }
+}
+
+impl Drop for Reused {
+    fn drop(&mut self) {
+        let buf = std::mem::take(&mut self.buf);
+        self.slot.with(|c| *c.borrow_mut() = buf);
+    }
+}
+
+/// Frees the calling thread's kept attention buffers (the next call allocates them afresh).
+pub(crate) fn release_attention_buffers() {
+    for slot in [&Q_SCALED, &SCRATCH, &RAW_SCRATCH] {
+        slot.with(|c| *c.borrow_mut() = Vec::new());
+    }
+}
+
+thread_local! {
+    /// The scaled queries of [`attention_into`], kept between calls on the calling thread.
+    static Q_SCALED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// Score buffers of [`attention`], kept between calls on the calling thread.
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    static RAW_SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Shapes of one attention call.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnDims {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    /// query rows (the last `q_len` of the `k_len` positions)
+    pub q_len: usize,
+    pub k_len: usize,
+    /// Sliding window: query i sees keys `i - window < j ≤ i` (None = every earlier key).
+    pub window: Option<usize>,
+    /// Scores are `q·k · scale` (None: `1/√head_dim`; Gemma: `query_pre_attn_scalar^-½`).
+    pub scale: Option<f32>,
+    /// Scores become `cap · tanh(s / cap)` before the mask (Gemma 2's soft-capping).
+    pub softcap: Option<f32>,
+}
+
+/// Causal grouped-query attention, fused per (head, block of query rows): `S = (Q/√d) Kᵀ` on
+/// the packed GEMM, then mask and an online softmax [Milakov & Gimelshein 2018,
+/// arXiv:1805.02867; Dao et al. 2022, FlashAttention] over blocks of keys, then `P V` on the
+/// packed GEMM, accumulated with the running rescale. `q: [n_heads, q_len, d]` holds the last
+/// `q_len` of the `k_len` positions of `k, v: [n_kv_heads, k_len, d]` (after RoPE; the first
+/// `k_len - q_len` come from a reused prefix). Returns `z: [q_len, n_heads, d]`.
+///
+/// Keys past a query block's last row are masked for every row of it and are never computed.
+/// When the observer wants `hook_pattern` or `hook_attn_scores`, each key block spans the
+/// whole visible row, which makes the online softmax the ordinary one, and the normalized
+/// weights are handed out from the buffer they were computed in. Otherwise keys stream in
+/// blocks of `key_block`, and no `[n, n]` (not even `[rows, n]`) is ever held; per-row
+/// statistics (first-key weight, entropy, max weight, argmax, top-k) come from the same
+/// accumulators in both cases.
+///
+/// Query heads `g·group..(g+1)·group` share K/V set `g` ([`crate::reference::kv_head`]); each
+/// set is packed once per call and read by its heads, never copied per head.
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    layer: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dims: AttnDims,
+    knockout: &[bool],
+    block_bytes: usize,
+    key_block: usize,
+    obs: &mut dyn Observer,
+) -> Result<Vec<f32>> {
+    let mut z = vec![0f32; dims.q_len * dims.n_heads * dims.head_dim];
+    attention_into(
+        layer,
+        q,
+        k,
+        v,
+        dims,
+        knockout,
+        block_bytes,
+        key_block,
+        obs,
+        &mut z,
+    )?;
+    Ok(z)
+}
+
+/// [`attention`] into `z` (`[q_len, n_heads, head_dim]` floats, every one overwritten): the
+/// forward passes the same buffer for every layer instead of zeroing a fresh one each time.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_into(
+    layer: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dims: AttnDims,
+    knockout: &[bool],
+    block_bytes: usize,
+    key_block: usize,
+    obs: &mut dyn Observer,
+    z: &mut [f32],
+) -> Result<()> {
+    let AttnDims {
+        n_heads,
+        n_kv_heads: n_kv,
+        head_dim: d,
+        q_len: n,
+        k_len,
+        window,
+        scale,
+        softcap,
+    } = dims;
+    if k_len < n
+        || n_kv == 0
+        || n_heads % n_kv != 0
+        || q.len() != n_heads * n * d
+        || k.len() != n_kv * k_len * d
+        || v.len() != k.len()
+    {
+        return Err(Error::Candle(candle_core::Error::Msg(format!(
+            "attention shapes {dims:?} with q {} k {} v {} values: you likely have a bug",
+            q.len(),
+            k.len(),
+            v.len()
+        ))));
+    }
+    let z = &mut z[..n * n_heads * d];
+    if n == 0 {
+        return Ok(());
+    }
+    let isa = Isa::detect();
+    let group = n_heads / n_kv;
+    let scale = scale.unwrap_or(1.0 / (d as f32).sqrt());
+    // the queries scaled once, so the scores come out of the GEMM already divided by √d
+    // in a buffer kept on this thread (a fresh one per layer costs its pages every time)
+    let mut q_scaled = Reused::take(&Q_SCALED, q.len());
+    let q_scaled = &mut q_scaled[..q.len()];
+    if q.len() >= 1 << 16 {
+        q_scaled
+            .par_iter_mut()
+            .zip(q.par_iter())
+            .for_each(|(y, &x)| *y = x * scale);
+    } else {
+        q_scaled
+            .iter_mut()
+            .zip(q)
+            .for_each(|(y, &x)| *y = x * scale);
+    }
+    let q = &*q_scaled;
+
+    let (want_s, want_p) = (
+        obs.wants(layer, Hook::AttnScores),
+        obs.wants(layer, Hook::Pattern),
+    );
+    let materialize = want_s || want_p;
+    let request = obs.wants_stats(layer);
+    // argmax is only looked for when someone takes the statistics
+    let stats = request.is_some();
+    let want_rows: Vec<usize> = obs
+        .wants_rows(layer)
+        .into_iter()
+        .filter(|&i| i < k_len && i + n >= k_len)
+        .collect();
+    let offset = k_len - n; // absolute position of query row 0
+                            // each KV set packed once: K as the right side of Q·Kᵀ, V as the right side of P·V
+    let packed: Vec<(PackedB, PackedB)> = (0..n_kv)
+        .into_par_iter()
+        .map(|g| {
+            let kg = &k[g * k_len * d..(g + 1) * k_len * d];
+            let vg = &v[g * k_len * d..(g + 1) * k_len * d];
+            (
+                PackedB::from_rows(kg, k_len, d, d, isa),
+                PackedB::from_cols(vg, k_len, d, d, isa),
+            )
+        })
+        .collect();
+    let kb_size = if materialize { k_len } else { key_block.max(1) };
+    // rows per block so that one [n_heads, rows, key block] f32 block stays under block_bytes,
+    // a quarter of it when streaming: measured on the default model, streamed attention at
+    // 2,048 tokens took 0.90 s with 2 MiB blocks against 1.00-1.02 s with 8 MiB (512 tokens:
+    // 0.10 s against 0.115 s), while whole rows kept 8 MiB (2.34-2.45 s against 2.73-2.80 s)
+    let budget = if materialize {
+        block_bytes
+    } else {
+        block_bytes / 4
+    };
+    let rows_per_block = (budget / (n_heads * kb_size.min(k_len) * 4).max(1)).clamp(1, n);
+    // whole strips of the GEMM's micro-tile, so no block ends in a mostly empty strip
+    let mr = isa.mr();
+    let rows_per_block = if rows_per_block > mr && rows_per_block < n {
+        rows_per_block / mr * mr
+    } else {
+        rows_per_block
+    };
+    let any_knockout = knockout.iter().any(|&b| b);
+    let mut q0 = 0;
+    while q0 < n {
+        let rows = rows_per_block.min(n - q0);
+        // keys after the block's last query are masked for every row
+        let kw = offset + q0 + rows;
+        // width of one key block's score buffer
+        let kbw = kb_size.min(kw);
+        // a streamed block's rows get a little slack: at 1,024 keys they were 4 KiB apart, so
+        // the 12 rows of one tile fell in one set of the 8-way L1 (the scores' tile stores and
+        // P·V's reads of them missed it, row after row)
+        let slack = if materialize { 0 } else { ROW_SLACK };
+        // floats between rows of a head's block, at most
+        let ldw = kbw + slack;
+        // the score buffers are reused from block to block and layer to layer: a fresh one of
+        // each size would be page-faulted in anew (measured: ~2.5 M faults, ~4 s at 2,048 tokens)
+        let mut scratch = Reused::take(&SCRATCH, n_heads * rows * ldw);
+        let mut raw_scratch =
+            Reused::take(&RAW_SCRATCH, if want_s { n_heads * rows * kbw } else { 0 });
+        let scores = &mut scratch[..n_heads * rows * ldw];
+        let raw_scores = if want_s {
+            &mut raw_scratch[..n_heads * rows * kbw]
+        } else {
+            &mut raw_scratch[..0]
+        };
+        let mut state = vec![RowState::new(); n_heads * rows];
+        let mut zb = vec![0f32; n_heads * rows * d];
+        // the whole rows wanted from this block: (query row in the block, absolute position)
+        let wanted: Vec<(usize, usize)> = want_rows
+            .iter()
+            .filter(|&&i| i >= offset + q0 && i < offset + q0 + rows)
+            .map(|&i| (i - offset - q0, i))
+            .collect();
+        // one chunk per head (of at least one float, so the zip below has a chunk for every head)
+        let row_chunk = (wanted.len() * k_len).max(1);
+        let mut row_out = vec![0f32; n_heads * row_chunk];
+        // the caller's own rows for the pattern, where it offers them: the block's scores,
+        // softmax and P·V then run in place there (a whole row per query: one key block)
+        let (mut dests, zeroed): (Vec<Option<&mut [f32]>>, bool) = match want_p
+            .then(|| obs.pattern_rows(layer, offset + q0, rows, n_heads, k_len))
+            .flatten()
+        {
+            Some(d)
+                if materialize
+                    && d.heads.len() == n_heads
+                    && d.heads.iter().all(|x| x.len() == rows * k_len) =>
+            {
+                (d.heads.into_iter().map(Some).collect(), d.zeroed)
+            }
+            _ => ((0..n_heads).map(|_| None).collect(), false),
+        };
+        let direct = dests[0].is_some();
+        let head_task = |h: usize,
+                         s_h: &mut [f32],
+                         raw_h: &mut [f32],
+                         st_h: &mut [RowState],
+                         z_h: &mut [f32],
+                         rows_h: &mut [f32],
+                         mut dest: Option<&mut [f32]>| {
+            let (kp, vp) = &packed[h / group];
+            let a = &q[(h * n + q0) * d..(h * n + q0 + rows) * d];
+            let mut corr = vec![0f32; rows];
+            // a sliding window hides every key before the block's first query's window: those
+            // key blocks are never computed, so a windowed layer costs O(n · window)
+            let mut k0 = match window {
+                Some(w) if !materialize => (offset + q0 + 1).saturating_sub(w) / kb_size * kb_size,
+                _ => 0,
+            };
+            while k0 < kw {
+                let kn = kb_size.min(kw - k0);
+                let single = k0 == 0 && kn == kw;
+                // rows of kn scores in the scratch block (in L2: the caller's rows are written
+                // once, finished, at the end; computed in place there, with rows 4·k_len bytes
+                // apart, the GEMM's tile stores missed the cache)
+                // (streamed: a stride of whole 2 KiB steps gets the slack)
+                let ld = if slack > 0 && kn % 512 == 0 {
+                    kn + slack
+                } else {
+                    kn
+                };
+                let s = &mut s_h[..rows * ld];
+                // raw scores q·k of this block: [rows, kn]
+                gemm::gemm_sub(a, d, rows, kp, 0..d, k0..k0 + kn, s, ld, false, false);
+                if let Some(cap) = softcap {
+                    for row in s.chunks_mut(ld) {
+                        row[..kn]
+                            .iter_mut()
+                            .for_each(|x| *x = (*x / cap).tanh() * cap);
+                    }
+                }
+                if !raw_h.is_empty() {
+                    for (x, (src, dst)) in s.chunks(ld).zip(raw_h.chunks_mut(kn)).enumerate() {
+                        let i = offset + q0 + x;
+                        for (j, (&sc, out)) in src[..kn].iter().zip(dst.iter_mut()).enumerate() {
+                            *out = if visible(i, k0 + j, knockout, window) {
+                                sc
+                            } else {
+                                f32::NEG_INFINITY
+                            };
+                        }
+                    }
+                }
+                // a row's maximum, and where it first stands when the statistics want the argmax
+                let peak = |xs: &[f32]| {
+                    if stats {
+                        max_and_index(xs)
+                    } else {
+                        (max_of(xs), None)
+                    }
+                };
+                // online softmax update, one query row at a time: mask, new shift
+                // m' = max(m, block max), rescale the sums by exp(m - m'), and leave
+                // p = exp(s - m') in the buffer for the weighted sum of values
+                for (x, (row, (st, c))) in s
+                    .chunks_mut(ld)
+                    .zip(st_h.iter_mut().zip(corr.iter_mut()))
+                    .enumerate()
+                {
+                    let row = &mut row[..kn];
+                    let i = offset + q0 + x;
+                    let top_k = request
+                        .filter(|r| r.top_k > 0 && i >= r.top_k_from)
+                        .map(|r| r.top_k);
+                    if !any_knockout && window.is_none() {
+                        // the keys of this block the query may see are a prefix of it
+                        let n_vis = (i + 1).saturating_sub(k0).min(kn);
+                        let (bmax, at) = peak(&row[..n_vis]);
+                        online_update(st, c, row, n_vis, bmax, at, k0, top_k, true);
+                    } else {
+                        for (j, sc) in row.iter_mut().enumerate() {
+                            if !visible(i, k0 + j, knockout, window) {
+                                *sc = f32::NEG_INFINITY;
+                            }
+                        }
+                        let (bmax, at) = peak(row);
+                        online_update(st, c, row, kn, bmax, at, k0, top_k, false);
+                    }
+                    if single {
+                        // one block holds every visible key: normalize in place, p is the pattern
+                        let inv = if st.l > 0.0 { (1.0 / st.l) as f32 } else { 0.0 };
+                        scale_by(row, inv);
+                    }
+                }
+                if k0 > 0 {
+                    for (zr, &c) in z_h.chunks_mut(d).zip(&corr) {
+                        scale_by(zr, c);
+                    }
+                }
+                gemm::gemm_sub(s, ld, rows, vp, k0..k0 + kn, 0..d, z_h, d, k0 > 0, false);
+                if single {
+                    // the pattern is in the buffer: hand out the wanted rows from it
+                    for (w, &(x, _)) in wanted.iter().enumerate() {
+                        rows_h[w * k_len..w * k_len + kw].copy_from_slice(&s[x * ld..x * ld + kn]);
+                    }
+                    if let Some(out) = dest.as_deref_mut() {
+                        // into the caller's rows, past the cache (nothing reads them here
+                        // again); the keys past the block are masked: zero (already, in fresh
+                        // or recycled memory that says so)
+                        for (src, dst) in s.chunks(ld).zip(out.chunks_mut(k_len)) {
+                            stream_store(&mut dst[..kn], &src[..kn]);
+                            if !zeroed {
+                                dst[kn..].fill(0.0);
+                            }
+                        }
+                        stream_fence();
+                    }
+                    return;
+                }
+                debug_assert!(dest.is_none(), "the caller's rows take one key block");
+                k0 += kn;
+            }
+            for (zr, st) in z_h.chunks_mut(d).zip(st_h.iter()) {
+                let inv = if st.l > 0.0 { (1.0 / st.l) as f32 } else { 0.0 };
+                scale_by(zr, inv);
+            }
+            // streamed: recompute the wanted rows' scores and normalize them with the row's
+            // final shift and sum, p = e^(s - m) / l (one row of work per wanted query)
+            for (w, &(x, i)) in wanted.iter().enumerate() {
+                let st = &st_h[x];
+                let out = &mut rows_h[w * k_len..(w + 1) * k_len];
+                let a_row = &q[(h * n + q0 + x) * d..(h * n + q0 + x + 1) * d];
+                gemm::gemm_sub(
+                    a_row,
+                    d,
+                    1,
+                    kp,
+                    0..d,
+                    0..i + 1,
+                    &mut out[..i + 1],
+                    i + 1,
+                    false,
+                    false,
+                );
+                if let Some(cap) = softcap {
+                    out[..i + 1]
+                        .iter_mut()
+                        .for_each(|x| *x = (*x / cap).tanh() * cap);
+                }
+                for (j, p) in out[..i + 1].iter_mut().enumerate() {
+                    *p = if visible(i, j, knockout, window) && st.l > 0.0 {
+                        (fast_exp(*p - st.m) as f64 / st.l) as f32
+                    } else {
+                        0.0
+                    };
+                }
+            }
+        };
+        let raw_chunk = if want_s { rows * kbw } else { 0 };
+        let tasks = scores
+            .par_chunks_mut(rows * ldw)
+            .zip(state.par_chunks_mut(rows))
+            .zip(zb.par_chunks_mut(rows * d))
+            .zip(row_out.par_chunks_mut(row_chunk))
+            .zip(dests.par_iter_mut())
+            .enumerate();
+        if want_s {
+            tasks.zip(raw_scores.par_chunks_mut(raw_chunk)).for_each(
+                |((h, ((((s_h, st_h), z_h), rows_h), dest)), raw_h)| {
+                    head_task(h, s_h, raw_h, st_h, z_h, rows_h, dest.as_deref_mut())
+                },
+            );
+        } else {
+            tasks.for_each(|(h, ((((s_h, st_h), z_h), rows_h), dest))| {
+                head_task(h, s_h, &mut [], st_h, z_h, rows_h, dest.as_deref_mut())
+            });
+        }
+        drop(dests);
+        // a NaN or infinite score (corrupt weights, an overflow) poisons Σ p·s: refuse the layer
+        // rather than hand out rows in which it silently became weight 0
+        if state
+            .iter()
+            .any(|st| !(st.t.is_finite() && st.l.is_finite() && st.m < f32::INFINITY))
+        {
+            return Err(Error::NonFinite {
+                what: "the attention scores".into(),
+                layer: Some(layer),
+            });
+        }
+        for (w, &(_, i)) in wanted.iter().enumerate() {
+            let mut all = vec![0f32; n_heads * k_len];
+            for h in 0..n_heads {
+                all[h * k_len..(h + 1) * k_len]
+                    .copy_from_slice(&row_out[h * row_chunk + w * k_len..][..k_len]);
+            }
+            obs.attention_rows(layer, i, n_heads, &all);
+        }
+        if want_s {
+            obs.attention_block(
+                layer,
+                Hook::AttnScores,
+                offset + q0,
+                [n_heads, rows, kw],
+                raw_scores,
+            );
+        }
+        if want_p && !direct {
+            obs.attention_block(
+                layer,
+                Hook::Pattern,
+                offset + q0,
+                [n_heads, rows, kw],
+                scores,
+            );
+        }
+        if let Some(r) = request {
+            let stats = AttnStats::from_states(&state, n_heads, rows, r.top_k);
+            obs.attention_stats(layer, offset + q0, &stats);
+        }
+        for h in 0..n_heads {
+            for x in 0..rows {
+                z[((q0 + x) * n_heads + h) * d..][..d]
+                    .copy_from_slice(&zb[(h * rows + x) * d..][..d]);
+            }
+        }
+        q0 += rows;
+    }
+    Ok(())
+}
+
+/// One row's online-softmax step over a key block whose scores (scaled, masked = -inf) are in
+/// `row[..len]` (the rest is masked): updates the shift, the sums, argmax, first-key score and
+/// top-k, leaves `p = exp(s - m')` in `row` (masked → exactly 0) and the rescale factor in `c`.
+/// `dense`: no score in `row[..len]` is masked (the causal prefix without knockout); `at`: where
+/// in the row `bmax` first stands, when the argmax is tracked (nobody but the statistics needs
+/// it).
+#[inline]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn online_update(
+    st: &mut RowState,
+    c: &mut f32,
+    row: &mut [f32],
+    len: usize,
+    bmax: f32,
+    at: Option<usize>,
+    k0: usize,
+    top_k: Option<usize>,
+    dense: bool,
+) {
+    // top_k is None for rows whose top keys nobody asked for
+    if k0 == 0 {
+        st.s0 = row[0];
+    }
+    let m_new = st.m.max(bmax);
+    if m_new == f32::NEG_INFINITY {
+        // nothing visible yet in this row, unless the scores were NaN (which no max sees) or
+        // overflowed to -inf where keys are visible: poison the sums so the layer is refused
+        if (dense && len > 0) || row[..len].iter().any(|x| x.is_nan()) {
+            st.t = f64::NAN;
+        }
+        row.iter_mut().for_each(|p| *p = 0.0);
+        *c = 1.0;
+        return;
+    }
+    *c = if st.m == f32::NEG_INFINITY {
+        0.0
+    } else {
+        (st.m - m_new).exp()
+    };
+    if let Some(j) = at.filter(|_| bmax > st.m) {
+        st.argmax = (k0 + j) as u32;
+    }
+    if let Some(kk) = top_k {
+        for (j, &s_j) in row[..len].iter().enumerate() {
+            if s_j > f32::NEG_INFINITY && (st.top.len() < kk || s_j > st.top[st.top.len() - 1].0) {
+                let at = st
+                    .top
+                    .iter()
+                    .position(|&(ts, _)| s_j > ts)
+                    .unwrap_or(st.top.len());
+                st.top.insert(at, (s_j, (k0 + j) as u32));
+                st.top.truncate(kk);
+            }
+        }
+    }
+    let (l, t) = if dense && bmax > f32::NEG_INFINITY {
+        exp_shift_sums_dense(&mut row[..len], m_new)
+    } else {
+        exp_shift_sums_masked(&mut row[..len], m_new)
+    };
+    row[len..].iter_mut().for_each(|p| *p = 0.0);
+    st.l = st.l * *c as f64 + l;
+    st.t = st.t * *c as f64 + t;
+    st.m = m_new;
+}
+
+/// `x ← exp(x - m)` over a slice, returning `(Σ exp, Σ exp · x)`. With `MASKED`, `-inf` entries
+/// (masked keys) become exactly 0; without, every entry must be finite (the causal prefix without
+/// knockout), which saves the selects. In lanes of 16 without branches, so it vectorizes (at the
+/// machine's width: [`exp_shift_sums_dense`], [`exp_shift_sums_masked`]).
+#[inline(always)]
+pub(crate) fn exp_shift_sums<const MASKED: bool>(xs: &mut [f32], m: f32) -> (f64, f64) {
+    const L: usize = 16;
+    let (mut sl, mut st) = ([0f32; L], [0f32; L]);
+    let mut chunks = xs.chunks_exact_mut(L);
+    for ch in &mut chunks {
+        for k in 0..L {
+            let s = ch[k];
+            let (p, s) = if MASKED {
+                // masked entries are computed on a finite stand-in and then selected away
+                // (`!=`, not `>`: a NaN score stays live, so it poisons the sums and is caught)
+                let live = s != f32::NEG_INFINITY;
+                let p = fast_exp(if live { s - m } else { -100.0 });
+                if live {
+                    (p, s)
+                } else {
+                    (0.0, 0.0)
+                }
+            } else {
+                (fast_exp(s - m), s)
+            };
+            ch[k] = p;
+            sl[k] += p;
+            st[k] += p * s;
+        }
+    }
+    let (mut l, mut t) = (
+        sl.iter().map(|&v| v as f64).sum::<f64>(),
+        st.iter().map(|&v| v as f64).sum::<f64>(),
+    );
+    for x in chunks.into_remainder() {
+        let s = *x;
+        let p = if MASKED && s == f32::NEG_INFINITY {
+            0.0
+        } else {
+            fast_exp(s - m)
+        };
+        *x = p;
+        l += p as f64;
+        if s != f32::NEG_INFINITY {
+            t += (p * s) as f64;
+        }
+    }
+    (l, t)
+}
+
+multiversion! {
+    /// [`exp_shift_sums`] of a row without masked entries.
+    pub(crate) fn exp_shift_sums_dense(xs: &mut [f32], m: f32) -> (f64, f64) {
+        exp_shift_sums::<false>(xs, m)
+    }
+}
+
+multiversion! {
+    /// [`exp_shift_sums`] of a row with masked (`-inf`) entries.
+    pub(crate) fn exp_shift_sums_masked(xs: &mut [f32], m: f32) -> (f64, f64) {
+        exp_shift_sums::<true>(xs, m)
+    }
+}
+
+multiversion! {
+    /// Whether every value is finite (0·x is NaN exactly for NaN and ±inf; in lanes, so it
+    /// vectorizes and costs next to nothing beside the layer that produced `xs`).
+    pub(crate) fn all_finite(xs: &[f32]) -> bool {
+        const L: usize = 16;
+        let mut acc = [0f32; L];
+        let mut chunks = xs.chunks_exact(L);
+        for ch in &mut chunks {
+            for k in 0..L {
+                acc[k] += ch[k] * 0.0;
+            }
+        }
+        acc.iter().chain(chunks.remainder()).all(|v| v.is_finite())
+    }
+}
+
+multiversion! {
+    /// The largest value of a slice (-inf when empty), in lanes of 16 so it vectorizes
+    /// (`f32::max` does not, for its NaN rule; scores are never NaN here).
+    pub(crate) fn max_of(xs: &[f32]) -> f32 {
+        const L: usize = 16;
+        let mut m = [f32::NEG_INFINITY; L];
+        let mut chunks = xs.chunks_exact(L);
+        for ch in &mut chunks {
+            for k in 0..L {
+                m[k] = if ch[k] > m[k] { ch[k] } else { m[k] };
+            }
+        }
+        let mut best = chunks
+            .remainder()
+            .iter()
+            .copied()
+            .fold(f32::NEG_INFINITY, |a, b| if b > a { b } else { a });
+        for v in m {
+            best = if v > best { v } else { best };
+        }
+        best
+    }
+}
+
+/// Floats of slack between the rows of a streamed score block whose rows would otherwise lie a
+/// multiple of 2 KiB apart (64 bytes: one cache line).
+pub(crate) const ROW_SLACK: usize = 16;
+
+multiversion! {
+    /// [`max_of`] and the first index holding the maximum (`None` when every value is -inf or
+    /// the slice is empty), in one pass: each of 16 lanes keeps its largest value and where it
+    /// first saw it, without a branch, so it compiles to vector compares and blends. The argmax
+    /// of a row with statistics: a scalar scan for the maximum after `max_of` took ~1.6% of
+    /// `inspect` at 2,048 tokens, a vector one ~0.7%.
+    pub(crate) fn max_and_index(xs: &[f32]) -> (f32, Option<usize>) {
+        const L: usize = 16;
+        let mut m = [f32::NEG_INFINITY; L];
+        let mut at = [u32::MAX; L];
+        let mut chunks = xs.chunks_exact(L);
+        let mut base = 0u32;
+        for ch in &mut chunks {
+            for k in 0..L {
+                let up = ch[k] > m[k];
+                m[k] = if up { ch[k] } else { m[k] };
+                at[k] = if up { base + k as u32 } else { at[k] };
+            }
+            base += L as u32;
+        }
+        let (mut best, mut first) = (f32::NEG_INFINITY, u32::MAX);
+        for k in 0..L {
+            // the largest value, and among lanes that hold it the earliest place
+            if m[k] > best || (m[k] == best && at[k] < first) {
+                (best, first) = (m[k], at[k]);
+            }
+        }
+        for (j, &x) in chunks.remainder().iter().enumerate() {
+            if x > best {
+                (best, first) = (x, base + j as u32);
+            }
+        }
+        (best, (first != u32::MAX).then_some(first as usize))
+    }
+}
+
+/// `e^x` for x ≤ 0 (the shifted scores of a softmax), as in Cephes `expf`: x = n·ln 2 + r,
+/// e^r by a degree-5 polynomial, 2^n through the exponent bits. Relative error ~1e-7.
+///
+/// Separate multiplies and adds, not fused ones: `mul_add` (same bits at every width through the
+/// C library's `fmaf` on the baseline) took the exponential loop from 1.9% to 1.3% of `inspect`'s
+/// samples at 2,048 tokens, but it moved `fast`'s sink profile on the lesson's sentence from
+/// 0.0095 to 0.0110 off the reference (SmolLM2: 0.0113 to 0.0174), past the 0.01 it is held to:
+/// the 8-bit activations round a little differently and that error happened to come out larger.
+#[inline(always)]
+pub(crate) fn fast_exp(x: f32) -> f32 {
+    // a plain comparison (not f32::max, whose NaN rule keeps it from vectorizing)
+    let x = if x > -87.0 { x } else { -87.0 };
+    // round to nearest by the 1.5·2^23 trick (vectorizes, unlike f32::round)
+    const MAGIC: f32 = 12_582_912.0;
+    let t = x * std::f32::consts::LOG2_E + MAGIC;
+    let n = t - MAGIC;
+    let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
+    let r2 = r * r;
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
+        + 0.166_666_65)
+        * r
+        + 0.5;
+    let er = 1.0 + r + r2 * p;
+    // 2^n from the integer n sitting in t's low mantissa bits (t = 1.5·2^23 + n), in integer
+    // lanes: `n as i32` is a saturating cast that compiles to a scalar compare per value, which
+    // kept this loop from vectorizing (measured: the softmax and SiLU loops ran on scalar
+    // conversions). n lies in -126..=0 here, so n + 127 is a normal exponent.
+    let e = t.to_bits().wrapping_sub(0x4B40_0000).wrapping_add(127) << 23;
+    er * f32::from_bits(e)
+}
+
+/// What an observer asks of the streaming statistics.
+#[derive(Clone, Copy, Debug)]
+pub struct StatsRequest {
+    /// How many top keys to keep per (head, query).
+    pub top_k: usize,
+    /// Top keys only for query positions ≥ this (the rest get padding): keeping a top list
+    /// costs a comparison per key, so ask only for the rows you need.
+    pub top_k_from: usize,
+}
+
+/// Per-(head, query) statistics of a block of query rows, from the online softmax.
+/// Every vector is `[n_heads, rows]` row-major; `top` is `[n_heads, rows, top_k]`.
+#[derive(Clone, Debug)]
+pub struct AttnStats {
+    pub n_heads: usize,
+    pub rows: usize,
+    pub top_k: usize,
+    /// weight on the first key (position 0)
+    pub first_key: Vec<f32>,
+    pub max_weight: Vec<f32>,
+    pub argmax: Vec<u32>,
+    /// entropy of the row, nats
+    pub entropy: Vec<f32>,
+    /// (key, weight), best first; rows with fewer visible keys are padded with (u32::MAX, 0)
+    pub top: Vec<(u32, f32)>,
+}
+
+impl AttnStats {
+    fn from_states(states: &[RowState], n_heads: usize, rows: usize, top_k: usize) -> Self {
+        let mut s = AttnStats {
+            n_heads,
+            rows,
+            top_k,
+            first_key: Vec::new(),
+            max_weight: Vec::new(),
+            argmax: Vec::new(),
+            entropy: Vec::new(),
+            top: Vec::new(),
+        };
+        for st in states {
+            let (l, m) = (st.l, st.m as f64);
+            let w = |score: f32| {
+                if score == f32::NEG_INFINITY || l <= 0.0 {
+                    0.0
+                } else {
+                    ((score as f64 - m).exp() / l) as f32
+                }
+            };
+            s.first_key.push(w(st.s0));
+            s.max_weight
+                .push(if l > 0.0 { (1.0 / l) as f32 } else { 0.0 });
+            s.argmax.push(st.argmax);
+            // H = -Σ p ln p with p = e^(s-m)/l: H = m + ln l - (Σ e^(s-m) s)/l
+            s.entropy.push(if l > 0.0 {
+                (m + l.ln() - st.t / l).max(0.0) as f32
+            } else {
+                0.0
+            });
+            for i in 0..top_k {
+                s.top.push(
+                    st.top
+                        .get(i)
+                        .map(|&(sc, j)| (j, w(sc)))
+                        .unwrap_or((u32::MAX, 0.0)),
+                );
+            }
+        }
+        s
+    }
+}
+
+/// Collects one segment's whole attention maps at one layer (for [`attention_edited`]) and hands
+/// everything else to the observer it wraps.
+pub(crate) struct MapTap<'a> {
+    inner: &'a mut dyn Observer,
+    layer: usize,
+    /// absolute position of query row 0, query rows, keys, heads
+    offset: usize,
+    rows: usize,
+    k_len: usize,
+    /// `[heads, rows, k_len]`: masked scores -inf, masked weights 0
+    scores: Vec<f32>,
+    pattern: Vec<f32>,
+}
+
+impl Observer for MapTap<'_> {
+    fn wants(&self, layer: usize, hook: Hook) -> bool {
+        (layer == self.layer && hook.is_attention_map()) || self.inner.wants(layer, hook)
+    }
+    fn tensor(&mut self, layer: usize, hook: Hook, shape: &[usize], data: &[f32]) {
+        self.inner.tensor(layer, hook, shape, data)
+    }
+    fn attention_block(
+        &mut self,
+        layer: usize,
+        hook: Hook,
+        q_start: usize,
+        shape: [usize; 3],
+        data: &[f32],
+    ) {
+        if layer != self.layer {
+            return self
+                .inner
+                .attention_block(layer, hook, q_start, shape, data);
+        }
+        let [heads, rows, kw] = shape;
+        let dest = if hook == Hook::AttnScores {
+            &mut self.scores
+        } else {
+            &mut self.pattern
+        };
+        let r0 = q_start - self.offset;
+        for h in 0..heads {
+            for r in 0..rows {
+                dest[(h * self.rows + r0 + r) * self.k_len..][..kw]
+                    .copy_from_slice(&data[(h * rows + r) * kw..][..kw]);
+            }
+        }
+    }
+    fn wants_stats(&self, layer: usize) -> Option<StatsRequest> {
+        self.inner.wants_stats(layer)
+    }
+    fn attention_stats(&mut self, layer: usize, q_start: usize, stats: &AttnStats) {
+        self.inner.attention_stats(layer, q_start, stats)
+    }
+    fn wants_rows(&self, layer: usize) -> Vec<usize> {
+        self.inner.wants_rows(layer)
+    }
+    fn attention_rows(&mut self, layer: usize, q: usize, n_heads: usize, rows: &[f32]) {
+        self.inner.attention_rows(layer, q, n_heads, rows)
+    }
+}
+
+/// [`attention_into`] for an observer that edits `hook_attn_scores` or `hook_pattern`: the
+/// kernel computes the segment's whole maps; an edit of the scores is followed by the softmax
+/// of the edited scores (a key left at -inf stays masked), an edit of the pattern is taken as
+/// it is, and `z` is then the edited pattern times the values. Each map is handed to the observer
+/// whole (`[heads, q_len, k_len]`, one block).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention_edited(
+    layer: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dims: AttnDims,
+    knockout: &[bool],
+    block_bytes: usize,
+    obs: &mut dyn Observer,
+    z: &mut [f32],
+) -> Result<()> {
+    let (nh, rows, k_len, d) = (dims.n_heads, dims.q_len, dims.k_len, dims.head_dim);
+    let offset = k_len - rows;
+    let mut tap = MapTap {
+        inner: obs,
+        layer,
+        offset,
+        rows,
+        k_len,
+        scores: vec![f32::NEG_INFINITY; nh * rows * k_len],
+        pattern: vec![0f32; nh * rows * k_len],
+    };
+    attention_into(
+        layer,
+        q,
+        k,
+        v,
+        dims,
+        knockout,
+        block_bytes,
+        k_len,
+        &mut tap,
+        z,
+    )?;
+    let (mut scores, mut pattern) = (tap.scores, tap.pattern);
+    let shape = [nh, rows, k_len];
+    // a hook that only reads leaves the kernel's z as it is (the same bits as without it)
+    let before = pattern.clone();
+    let name = |hook| super::capture::hook_name(layer, hook);
+    if obs.edits(layer, Hook::AttnScores) {
+        obs.edit(layer, Hook::AttnScores, &shape, &mut scores)
+            .map_err(|msg| Error::Hook {
+                name: name(Hook::AttnScores),
+                msg,
+            })?;
+        if scores.iter().any(|s| s.is_nan() || *s == f32::INFINITY) {
+            return Err(Error::Hook {
+                name: name(Hook::AttnScores),
+                msg: "left a NaN or +infinity in the scores (-infinity masks a key); refused"
+                    .into(),
+            });
+        }
+        for (row, out) in scores.chunks(k_len).zip(pattern.chunks_mut(k_len)) {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            if max == f32::NEG_INFINITY {
+                return Err(Error::Hook {
+                    name: name(Hook::AttnScores),
+                    msg:
+                        "masked every key of a query row (all -infinity): its softmax is undefined"
+                            .into(),
+                });
+            }
+            let sum: f64 = row.iter().map(|&s| ((s - max) as f64).exp()).sum();
+            for (o, &s) in out.iter_mut().zip(row) {
+                *o = (((s - max) as f64).exp() / sum) as f32;
+            }
+        }
+    }
+    if obs.wants(layer, Hook::AttnScores) {
+        obs.attention_block(layer, Hook::AttnScores, offset, shape, &scores);
+    }
+    if obs.edits(layer, Hook::Pattern) {
+        obs.edit(layer, Hook::Pattern, &shape, &mut pattern)
+            .map_err(|msg| Error::Hook {
+                name: name(Hook::Pattern),
+                msg,
+            })?;
+        if !all_finite(&pattern) {
+            return Err(Error::Hook {
+                name: name(Hook::Pattern),
+                msg: "left a non-finite value (NaN or infinity) in the pattern; refused".into(),
+            });
+        }
+    }
+    if obs.wants(layer, Hook::Pattern) {
+        obs.attention_block(layer, Hook::Pattern, offset, shape, &pattern);
+    }
+    if pattern == before {
+        return Ok(());
+    }
+    // z = pattern · V, each query head on its KV set
+    let group = nh / dims.n_kv_heads;
+    z.par_chunks_mut(nh * d).enumerate().for_each(|(r, zr)| {
+        for h in 0..nh {
+            let g = h / group;
+            let out = &mut zr[h * d..(h + 1) * d];
+            out.fill(0.0);
+            let p = &pattern[(h * rows + r) * k_len..][..k_len];
+            for (j, &w) in p.iter().enumerate() {
+                if w != 0.0 {
+                    let vj = &v[(g * k_len + j) * d..][..d];
+                    out.iter_mut().zip(vj).for_each(|(o, &x)| *o += w * x);
+                }
+            }
+        }
+    });
+    Ok(())
+}

@@ -1,0 +1,431 @@
+//! The forward's row-wise operations: RoPE tables and rotation, splitting and merging heads,
+//! RMSNorm and LayerNorm, the MLP activations (SwiGLU, GeGLU, GELU), and the output head's logits.
+//! Plain f32 buffers; the layer loop is in [`super::forward`].
+
+use super::attention::fast_exp;
+use super::config::RopeStyle;
+use super::error::{Error, Result};
+use super::weights::{Head, Mapped};
+use crate::kernels::simd::multiversion;
+use candle_core::{DType, Device, Tensor};
+use rayon::prelude::*;
+/// cos/sin tables `[n, head_dim/2]` for positions `0..n`, computed as transformers does
+/// (`inv_freq = 1 / base^(2i/d)` and `pos · inv_freq` in f32), so the rotation angles agree.
+pub fn rope_tables(head_dim: usize, base: f32, n: usize) -> (Vec<f32>, Vec<f32>) {
+    rope_tables_of(
+        &super::config::RopeScaling::Default.inv_freq(head_dim, base),
+        n,
+    )
+}
+
+/// cos/sin tables `[n, inv.len()]` for positions `0..n` from the inverse frequencies `inv`.
+pub fn rope_tables_of(inv: &[f32], n: usize) -> (Vec<f32>, Vec<f32>) {
+    let half = inv.len();
+    let mut cos = Vec::with_capacity(n * half);
+    let mut sin = Vec::with_capacity(n * half);
+    for t in 0..n {
+        for &f in inv {
+            let angle = (t as f32 * f) as f64;
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    (cos, sin)
+}
+
+/// Rotates one head vector in place by the angles of one position (`cos`, `sin`: `[d/2]`).
+/// `Neox` pairs dimension `i` with `i + d/2` (Hugging Face's `rotate_half`); `Interleaved` pairs
+/// `2i` with `2i + 1` (llama.cpp's row order of llama GGUF files).
+#[inline]
+pub(crate) fn rotate(x: &mut [f32], cos: &[f32], sin: &[f32], style: RopeStyle) {
+    let half = x.len() / 2;
+    match style {
+        RopeStyle::Neox => {
+            let (a, b) = x.split_at_mut(half);
+            for i in 0..half {
+                let (x1, x2) = (a[i], b[i]);
+                a[i] = x1 * cos[i] - x2 * sin[i];
+                b[i] = x1 * sin[i] + x2 * cos[i];
+            }
+        }
+        RopeStyle::Interleaved => {
+            for i in 0..half {
+                let (x1, x2) = (x[2 * i], x[2 * i + 1]);
+                x[2 * i] = x1 * cos[i] - x2 * sin[i];
+                x[2 * i + 1] = x1 * sin[i] + x2 * cos[i];
+            }
+        }
+    }
+}
+
+/// Columns `c0..c0 + heads·d` of each row of `src: [m, width]`, as `[heads, m, d]`, each head
+/// vector rotated for its position when `rope` is given (`(cos, sin, style)`, tables from row 0).
+pub(crate) fn split_heads(
+    src: &[f32],
+    m: usize,
+    width: usize,
+    c0: usize,
+    heads: usize,
+    d: usize,
+    rope: Option<(&[f32], &[f32], RopeStyle)>,
+) -> Vec<f32> {
+    let mut out = vec![0f32; heads * m * d];
+    split_heads_into(src, m, width, c0, heads, d, rope, &mut out);
+    out
+}
+
+/// [`split_heads`] into `out` (`heads · m · d` floats, every one overwritten).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn split_heads_into(
+    src: &[f32],
+    m: usize,
+    width: usize,
+    c0: usize,
+    heads: usize,
+    d: usize,
+    rope: Option<(&[f32], &[f32], RopeStyle)>,
+    out: &mut [f32],
+) {
+    out[..heads * m * d]
+        .par_chunks_mut(m * d)
+        .enumerate()
+        .for_each(|(h, dst)| {
+            for (r, v) in dst.chunks_mut(d).enumerate() {
+                v.copy_from_slice(&src[r * width + c0 + h * d..][..d]);
+                if let Some((cos, sin, style)) = rope {
+                    // the tables' width is half the rotated dimensions: the first 2·half of each head
+                    // rotate (all of them unless the rotary factor is partial), the rest pass through
+                    let half = cos.len() / m.max(1);
+                    rotate(
+                        &mut v[..2 * half],
+                        &cos[r * half..][..half],
+                        &sin[r * half..][..half],
+                        style,
+                    );
+                }
+            }
+        });
+}
+
+/// `[heads, m, d]` → `[m, heads, d]` (the hook layout).
+pub(crate) fn merge_heads(x: &[f32], heads: usize, m: usize, d: usize) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    for h in 0..heads {
+        for r in 0..m {
+            out[(r * heads + h) * d..][..d].copy_from_slice(&x[(h * m + r) * d..][..d]);
+        }
+    }
+    out
+}
+
+/// RMSNorm of each `[width]` row [Zhang & Sennrich 2019]: `x / sqrt(mean(x²) + eps) · w`, the
+/// mean accumulated in f64.
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    rms_norm_into(x, w, eps, &mut out);
+    out
+}
+
+/// [`rms_norm`] into `out[..x.len()]`.
+pub(crate) fn rms_norm_into(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let width = w.len();
+    let out = &mut out[..x.len()];
+    let norm_rows = |(src, dst): (&[f32], &mut [f32])| {
+        dst.copy_from_slice(src);
+        rms_norm_in_place(dst, w, eps);
+    };
+    if x.len() >= 1 << 16 {
+        x.par_chunks(width)
+            .zip(out.par_chunks_mut(width))
+            .for_each(norm_rows);
+    } else {
+        x.chunks(width)
+            .zip(out.chunks_mut(width))
+            .for_each(norm_rows);
+    }
+}
+
+/// RMSNorm of one vector in place, as [`rms_norm`] computes each row.
+pub(crate) fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
+    let ms = x.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / x.len() as f64;
+    let inv = 1.0 / ((ms as f32) + eps).sqrt();
+    x.iter_mut().zip(w).for_each(|(v, &g)| *v = *v * inv * g);
+}
+
+/// LayerNorm of each `[width]` row [Ba et al. 2016]: `(x − mean) / sqrt(var + eps) · w + b`,
+/// mean and variance accumulated in f64 (GPT-2).
+pub fn layer_norm(x: &[f32], w: &[f32], b: &[f32], eps: f32) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    layer_norm_into(x, w, b, eps, &mut out);
+    out
+}
+
+/// [`layer_norm`] into `out[..x.len()]`.
+pub(crate) fn layer_norm_into(x: &[f32], w: &[f32], b: &[f32], eps: f32, out: &mut [f32]) {
+    let width = w.len();
+    out[..x.len()]
+        .par_chunks_mut(width)
+        .zip(x.par_chunks(width))
+        .for_each(|(dst, src)| {
+            let mean = src.iter().map(|&v| v as f64).sum::<f64>() / width as f64;
+            let var = src.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / width as f64;
+            let inv = 1.0 / ((var as f32) + eps).sqrt();
+            let mean = mean as f32;
+            for (((d, &v), &g), &bb) in dst.iter_mut().zip(src).zip(w).zip(b) {
+                *d = (v - mean) * inv * g + bb;
+            }
+        });
+}
+
+/// GeLU in its tanh form, `½x(1 + tanh(√(2/π)(x + 0.044715x³)))` (GPT-2's `gelu_new`,
+/// transformers' `gelu_pytorch_tanh`).
+#[inline]
+pub(crate) fn gelu_tanh_of(x: f32) -> f32 {
+    const C: f32 = 0.797_884_6; // √(2/π)
+    0.5 * x * (1.0 + (C * (x + 0.044_715 * x * x * x)).tanh())
+}
+
+/// [`gelu_tanh_of`] of every element (GPT-2's MLP).
+pub(crate) fn gelu_tanh(x: &[f32], out: &mut [f32]) {
+    out.par_chunks_mut(4096)
+        .zip(x.par_chunks(4096))
+        .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, &g)| *d = gelu_tanh_of(g)));
+}
+
+/// GeLU(gate) · up over rows of `gu: [rows, 2·ff]` (Gemma's MLP), GeLU in its tanh form as
+/// transformers' `gelu_pytorch_tanh`: `½x(1 + tanh(√(2/π)(x + 0.044715x³)))`.
+pub(crate) fn geglu_tanh(gu: &[f32], ff: usize, out: &mut [f32]) {
+    out.par_chunks_mut(ff)
+        .zip(gu.par_chunks(2 * ff))
+        .for_each(|(d, s)| {
+            let (g, u) = s.split_at(ff);
+            for ((d, &g), &u) in d.iter_mut().zip(g).zip(u) {
+                *d = gelu_tanh_of(g) * u;
+            }
+        });
+}
+
+/// SiLU(gate) · up over rows of `gu: [rows, 2·ff]` (gate then up) into `out: [rows, ff]`.
+/// SiLU(x) = x · σ(x) [Elfwing et al. 2018]; σ from `e^-|x|` so the exponential never overflows.
+pub(crate) fn swiglu(gu: &[f32], ff: usize, out: &mut [f32]) {
+    let act = |(src, dst): (&[f32], &mut [f32])| {
+        let (g, u) = src.split_at(ff);
+        swiglu_row(g, u, dst);
+    };
+    if out.len() >= 1 << 15 {
+        gu.par_chunks(2 * ff)
+            .zip(out.par_chunks_mut(ff))
+            .for_each(act);
+    } else {
+        gu.chunks(2 * ff).zip(out.chunks_mut(ff)).for_each(act);
+    }
+}
+
+multiversion! {
+    /// `out = SiLU(g) · u`, element by element (one row of [`swiglu`]).
+    pub(crate) fn swiglu_row(g: &[f32], u: &[f32], out: &mut [f32]) {
+        for ((d, &g), &u) in out.iter_mut().zip(g).zip(u) {
+            let e = fast_exp(-g.abs());
+            let sig = if g >= 0.0 {
+                1.0 / (1.0 + e)
+            } else {
+                e / (1.0 + e)
+            };
+            *d = g * sig * u;
+        }
+    }
+}
+
+/// `dst ← src` with stores that bypass the cache where the CPU has AVX-512 (a finished
+/// pattern row, which nothing here reads again: no line of it is fetched before being
+/// overwritten, none evicts the working set); a plain copy elsewhere. Call [`stream_fence`]
+/// before another thread reads `dst`.
+pub(crate) fn stream_store(dst: &mut [f32], src: &[f32]) {
+    assert_eq!(dst.len(), src.len(), "stream_store: lengths differ");
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512 is available; the lengths are equal
+        unsafe { stream_store_avx512(dst, src) };
+        return;
+    }
+    dst.copy_from_slice(src);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn stream_store_avx512(dst: &mut [f32], src: &[f32]) {
+    use std::arch::x86_64::*;
+    let n = dst.len();
+    let (d, s) = (dst.as_mut_ptr(), src.as_ptr());
+    // up to the first 64-byte boundary of dst (< 16 values) and the tail by masked stores (not
+    // calls of memcpy), the whole lines between streamed
+    let masked = |at: usize, len: usize| {
+        let m = ((1u32 << len) - 1) as __mmask16;
+        _mm512_mask_storeu_ps(d.add(at), m, _mm512_maskz_loadu_ps(m, s.add(at)));
+    };
+    let head = d.align_offset(64);
+    if head >= 16 {
+        // not on a 4-byte boundary (no &mut [f32] is): plainly
+        dst.copy_from_slice(src);
+        return;
+    }
+    let head = head.min(n);
+    masked(0, head);
+    let mut i = head;
+    while i + 16 <= n {
+        _mm512_stream_ps(d.add(i), _mm512_loadu_ps(s.add(i)));
+        i += 16;
+    }
+    masked(i, n - i);
+}
+
+/// Orders [`stream_store`]'s stores before the thread's later ones.
+pub(crate) fn stream_fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: sfence has no operands; SSE is part of x86_64
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
+}
+
+multiversion! {
+    /// `xs ← xs · f` (the softmax's normalization and rescale).
+    pub(crate) fn scale_by(xs: &mut [f32], f: f32) {
+        xs.iter_mut().for_each(|x| *x *= f);
+    }
+}
+/// The logits `h · Wᵀ` of `rows` normalized rows `h: [rows, d]`. An f32 head (a float file's,
+/// or the file's blocks dequantized a chunk of vocabulary rows at a time: the same values) is
+/// read in chunks on every core: candle's matmul of `h` by the transposed `[vocab, d]` head took
+/// ~35% of `faithfulness`'s time (one row per forward). `fast`'s quantized head goes through
+/// candle.
+pub(crate) fn logits_rows(
+    head: &Head,
+    h: Vec<f32>,
+    rows: usize,
+    d: usize,
+) -> Result<Vec<Vec<f32>>> {
+    // chunks of vocabulary rows on every core, each writing its stretch of every output row in
+    // place; a quantized head is dequantized a chunk at a time into the worker's own buffer
+    const CHUNK: usize = 256;
+    enum Src<'a> {
+        Slice(&'a [f32]),
+        Blocks(&'a Mapped),
+    }
+    impl Src<'_> {
+        /// Vocabulary rows `v0..v0 + n`, `d` values each (dequantized into `buf` if need be).
+        fn rows<'s>(
+            &'s self,
+            v0: usize,
+            n: usize,
+            d: usize,
+            buf: &'s mut Vec<f32>,
+        ) -> Result<&'s [f32]> {
+            match self {
+                Src::Slice(w) => Ok(&w[v0 * d..(v0 + n) * d]),
+                Src::Blocks(m) => {
+                    buf.resize(n * d, 0.0);
+                    m.rows_to_f32(v0, &mut buf[..n * d])?;
+                    Ok(&buf[..n * d])
+                }
+            }
+        }
+    }
+    let dense = |vocab: usize, src: Src| -> Result<Vec<Vec<f32>>> {
+        let mut out = vec![vec![0f32; vocab]; rows];
+        let mut chunks: Vec<Vec<&mut [f32]>> = (0..vocab.div_ceil(CHUNK))
+            .map(|_| Vec::with_capacity(rows))
+            .collect();
+        for row in out.iter_mut() {
+            for (c, stretch) in row.chunks_mut(CHUNK).enumerate() {
+                chunks[c].push(stretch);
+            }
+        }
+        chunks
+            .into_par_iter()
+            .enumerate()
+            .try_for_each_init(Vec::new, |buf, (c, mut dst)| {
+                let v0 = c * CHUNK;
+                let n = CHUNK.min(vocab - v0);
+                let w = src.rows(v0, n, d, buf)?;
+                dot_rows(&h, w, d, &mut dst);
+                Ok::<_, Error>(())
+            })?;
+        Ok(out)
+    };
+    match head {
+        Head::Rows(m) if d > 0 && m.cols() == d => {
+            let vocab = m.dims.iter().product::<usize>() / d;
+            dense(vocab, Src::Blocks(m))
+        }
+        Head::Dense(w) => {
+            let w = w.to_dtype(DType::F32)?.contiguous()?;
+            let w = w.flatten_all()?;
+            let (storage, layout) = w.storage_and_layout();
+            let candle_core::Storage::Cpu(cpu) = &*storage else {
+                unreachable!("attnscope runs on the CPU")
+            };
+            let (start, end) = layout.contiguous_offsets().expect("made contiguous above");
+            let w = &cpu.as_slice::<f32>()?[start..end];
+            if d == 0 || w.len() % d != 0 {
+                return Err(Error::Candle(candle_core::Error::Msg(format!(
+                    "an output matrix of {} values is not rows of {d}",
+                    w.len()
+                ))));
+            }
+            dense(w.len() / d, Src::Slice(w))
+        }
+        Head::Rows(m) => Err(Error::Candle(candle_core::Error::Msg(format!(
+            "an output matrix of shape {:?} for rows of {d}",
+            m.dims
+        )))),
+        Head::Quant(q) => {
+            let h = Tensor::from_vec(h, (rows, d), &Device::Cpu)?;
+            Ok(candle_core::Module::forward(q, &h)?
+                .to_dtype(DType::F32)?
+                .to_vec2()?)
+        }
+    }
+}
+
+/// `x · y` over 16 lanes, the lanes then summed in a fixed order (the same bits at every vector
+/// width: no lane sees another's values before the end).
+#[inline(always)]
+pub(crate) fn dot16(x: &[f32], y: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let (xs, ys) = (x.chunks_exact(16), y.chunks_exact(16));
+    let tail: f32 = xs
+        .remainder()
+        .iter()
+        .zip(ys.remainder())
+        .map(|(a, b)| a * b)
+        .sum();
+    for (a, b) in xs.zip(ys) {
+        for k in 0..16 {
+            acc[k] += a[k] * b[k];
+        }
+    }
+    let mut half = [0f32; 8];
+    for k in 0..8 {
+        half[k] = acc[k] + acc[k + 8];
+    }
+    let quarter = [
+        half[0] + half[4],
+        half[1] + half[5],
+        half[2] + half[6],
+        half[3] + half[7],
+    ];
+    (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]) + tail
+}
+
+multiversion! {
+    /// `out[i][v] = h_i · w_v` for the rows `w_v` of `w` (`d` values each) and the rows `h_i`
+    /// of `h: [out.len(), d]`.
+    pub(crate) fn dot_rows(h: &[f32], w: &[f32], d: usize, out: &mut [&mut [f32]]) {
+        for (v, wv) in w.chunks_exact(d).enumerate() {
+            for (i, row) in out.iter_mut().enumerate() {
+                row[v] = dot16(&h[i * d..(i + 1) * d], wv);
+            }
+        }
+    }
+}
