@@ -726,3 +726,60 @@ fn direct_logit_attribution_on_the_real_models() {
         "{err}"
     );
 }
+
+/// `patch --hook pattern`: head h's whole pattern taken from the clean run. Checked against one
+/// edit written here by hand (the corrupted run, that head's map replaced), and a text patched
+/// with itself changes nothing.
+#[test]
+fn pattern_patching_takes_a_heads_map_from_the_clean_run() {
+    let (_d, model) = tiny(Arch::Qwen2);
+    let n = TOKENS.len();
+    let nh = model.dims.n_heads;
+    let mut corrupt = TOKENS;
+    corrupt[3] = 200;
+    let opts = PatchOptions {
+        hook: PatchHook::Pattern,
+        answer: Some(Target::Id(3)),
+        wrong: Some(Target::Id(4)),
+        batch_rows: 64,
+    };
+    let r = patch(&model, &TOKENS, &corrupt, &opts, |_, _| {}).unwrap();
+    assert_eq!(r.results.len(), model.dims.n_layers * nh);
+    let mut clean = all_of(&[Hook::Pattern], n);
+    last_logits(&model, &mut clean).unwrap();
+    for c in &r.results {
+        let (l, h) = (c.layer, c.head.unwrap());
+        let src = clean.pattern(l).unwrap().data.to_vec();
+        let mut e = Editor {
+            layer: l,
+            hook: Hook::Pattern,
+            patches: vec![Patch {
+                rows: 0..nh,
+                cols: 0..n * n,
+                at: vec![h],
+                fill: Fill::From(&src),
+            }],
+        };
+        let lg = model
+            .forward(&corrupt, &RunOptions::last_logits(n), &mut e)
+            .unwrap()
+            .logits
+            .remove(0);
+        let want = lg[3] - lg[4];
+        assert!(
+            (c.logit_diff - want).abs() < 1e-5,
+            "{l}.{h}: {} vs {want}",
+            c.logit_diff
+        );
+    }
+    // some head's pattern matters on this pair, and the same text patched with itself is a no-op
+    assert!(r
+        .results
+        .iter()
+        .any(|c| (c.logit_diff - r.corrupt_logit_diff).abs() > 1e-4));
+    let same = patch(&model, &TOKENS, &TOKENS, &opts, |_, _| {}).unwrap();
+    assert!(same
+        .results
+        .iter()
+        .all(|c| (c.logit_diff - same.clean_logit_diff).abs() < 1e-5));
+}

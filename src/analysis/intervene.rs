@@ -114,7 +114,9 @@ impl Observer for Editor<'_> {
 }
 
 /// One edited run: the text from position `from` on (the positions before it reused), resumed
-/// at the runner's layer, with one edit of its rows (`rows` relative to the variant: `0..n-from`).
+/// at the runner's layer, with one edit of its rows (`at` relative to the variant: `0..n-from`).
+/// For an attention map (`hook_pattern`, `hook_attn_scores`: `[heads, query, key]`) `at` names
+/// heads and `cols` the values of a head's map.
 #[derive(Clone, Debug)]
 pub struct Variant<'a> {
     pub from: usize,
@@ -201,12 +203,15 @@ impl<'a> Runner<'a> {
         let n = self.tokens.len();
         let dm = self.model.dims.d_model;
         let mut out = Vec::with_capacity(variants.len());
+        // the maps are handed over per segment: their variants run one at a time
+        let maps = hook.is_attention_map();
         let mut start = 0;
         while start < variants.len() {
             // as many variants as fit in batch_rows (at least one)
             let mut end = start + 1;
             let mut rows = n - variants[start].from;
-            while end < variants.len() && rows + n - variants[end].from <= self.batch_rows {
+            while !maps && end < variants.len() && rows + n - variants[end].from <= self.batch_rows
+            {
                 rows += n - variants[end].from;
                 end += 1;
             }
@@ -232,7 +237,11 @@ impl<'a> Runner<'a> {
                 });
                 resid.extend_from_slice(&self.resid_pre[layer][v.from * dm..]);
                 patches.push(Patch {
-                    rows: r0..r0 + m,
+                    rows: if maps {
+                        0..self.model.dims.n_heads
+                    } else {
+                        r0..r0 + m
+                    },
                     cols: v.cols.clone(),
                     at: v.at.clone(),
                     fill: v.fill,
@@ -507,6 +516,8 @@ pub enum PatchHook {
     MlpOut,
     /// one head's output before `W_O` (`hook_z`) at every position
     Z,
+    /// one head's whole attention pattern (`hook_pattern`)
+    Pattern,
 }
 
 impl PatchHook {
@@ -516,10 +527,11 @@ impl PatchHook {
             PatchHook::AttnOut => Hook::AttnOut,
             PatchHook::MlpOut => Hook::MlpOut,
             PatchHook::Z => Hook::Z,
+            PatchHook::Pattern => Hook::Pattern,
         }
     }
     pub fn per_head(self) -> bool {
-        self == PatchHook::Z
+        matches!(self, PatchHook::Z | PatchHook::Pattern)
     }
 }
 
@@ -625,7 +637,17 @@ pub fn patch(
             .get(l, hook)
             .expect("the clean run captured the hook at every layer")
             .data;
-        let variants: Vec<Variant> = if opts.hook.per_head() {
+        let variants: Vec<Variant> = if opts.hook == PatchHook::Pattern {
+            // head h's [query, key] map from the clean run
+            (0..nh)
+                .map(|h| Variant {
+                    from: 0,
+                    cols: 0..n * n,
+                    at: vec![h],
+                    fill: Fill::From(src),
+                })
+                .collect()
+        } else if opts.hook.per_head() {
             (0..nh)
                 .map(|h| Variant {
                     from: 0,

@@ -18,6 +18,8 @@ pub enum HookArg {
     MlpOut,
     /// one head's output before W_O (`attn.hook_z`), every position
     Z,
+    /// one head's whole attention pattern (`attn.hook_pattern`): where it looks, from the clean run
+    Pattern,
 }
 
 #[derive(clap::Args, Debug)]
@@ -67,6 +69,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             HookArg::AttnOut => PatchHook::AttnOut,
             HookArg::MlpOut => PatchHook::MlpOut,
             HookArg::Z => PatchHook::Z,
+            HookArg::Pattern => PatchHook::Pattern,
         },
         answer: a.answer,
         wrong: a.wrong,
@@ -169,7 +172,7 @@ pub fn render(r: &PatchReport, colour: bool) -> String {
     if let Some(b) = best {
         let at = match (b.pos, b.head) {
             (Some(p), _) => format!("position {p} ({:?})", visible(&r.clean[p].text)),
-            (_, Some(h)) => format!("head {}.{h}", b.layer),
+            (_, Some(h)) => format!("head {h}"),
             _ => String::new(),
         };
         s += &format!(
