@@ -105,6 +105,8 @@ fn a_no_op_edit_and_a_resumed_run_change_no_bit() {
             Hook::Z,
             Hook::AttnOut,
             Hook::ResidMid,
+            Hook::MlpPre,
+            Hook::MlpPost,
             Hook::MlpOut,
             Hook::ResidPost,
         ] {
@@ -214,6 +216,55 @@ fn zeroed_heads_add_nothing_and_the_residual_adds_up() {
         w.watch.get(0, Hook::ResidPost).unwrap().data,
         clean.get(0, Hook::ResidPost).unwrap().data
     );
+    // an MLP whose activation (mlp.hook_post, [pos, d_mlp]) is zeroed adds nothing
+    let ff = model.dims.d_ff;
+    let mut w = EditAndWatch {
+        edit: Editor {
+            layer,
+            hook: Hook::MlpPost,
+            patches: vec![Patch {
+                rows: 0..n,
+                cols: 0..ff,
+                at: (0..n).collect(),
+                fill: Fill::Zero,
+            }],
+        },
+        watch: all_of(
+            &[Hook::ResidMid, Hook::MlpPre, Hook::MlpPost, Hook::ResidPost],
+            n,
+        ),
+    };
+    last_logits(&model, &mut w).unwrap();
+    assert_eq!(w.watch.get(layer, Hook::MlpPre).unwrap().shape, vec![n, ff]);
+    assert!(w
+        .watch
+        .get(layer, Hook::MlpPost)
+        .unwrap()
+        .data
+        .iter()
+        .all(|&x| x == 0.0));
+    assert_eq!(
+        w.watch.get(layer, Hook::ResidMid).unwrap().data,
+        w.watch.get(layer, Hook::ResidPost).unwrap().data
+    );
+    // mlp.hook_post is SiLU(mlp.hook_pre) · up: where the gate's pre-activation is 0, so is it
+    let mut w = EditAndWatch {
+        edit: Editor {
+            layer,
+            hook: Hook::MlpPre,
+            patches: vec![Patch {
+                rows: 0..n,
+                cols: 0..ff,
+                at: vec![2],
+                fill: Fill::Zero,
+            }],
+        },
+        watch: all_of(&[Hook::MlpPost], n),
+    };
+    last_logits(&model, &mut w).unwrap();
+    let post = &w.watch.get(layer, Hook::MlpPost).unwrap().data;
+    assert!(post[2 * ff..3 * ff].iter().all(|&x| x == 0.0));
+    assert!(post[3 * ff..4 * ff].iter().any(|&x| x != 0.0));
 }
 
 /// Mean ablation writes each head's mean over positions at every position; a patch from another

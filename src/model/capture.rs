@@ -9,6 +9,7 @@
 //! | hook | shape |
 //! |---|---|
 //! | `blocks.{l}.hook_resid_pre`, `hook_attn_out`, `hook_resid_mid`, `hook_mlp_out`, `hook_resid_post` | `[pos, d_model]` |
+//! | `blocks.{l}.mlp.hook_pre` (the gate's pre-activation; GPT-2: `c_fc`'s output), `mlp.hook_post` (what `W_out` reads) | `[pos, d_mlp]` |
 //! | `blocks.{l}.attn.hook_q`, `hook_rot_q`, `hook_z` | `[pos, head, head_dim]` |
 //! | `blocks.{l}.attn.hook_k`, `hook_v`, `hook_rot_k` | `[pos, kv_head, head_dim]` (not repeated for GQA) |
 //! | `blocks.{l}.attn.hook_attn_scores` | `[head, query_pos, key_pos]`, scaled, masked = -inf |
@@ -31,12 +32,14 @@ pub enum Hook {
     Z,
     AttnOut,
     ResidMid,
+    MlpPre,
+    MlpPost,
     MlpOut,
     ResidPost,
 }
 
 impl Hook {
-    pub const ALL: [Hook; 13] = [
+    pub const ALL: [Hook; 15] = [
         Hook::ResidPre,
         Hook::Q,
         Hook::K,
@@ -48,6 +51,8 @@ impl Hook {
         Hook::Z,
         Hook::AttnOut,
         Hook::ResidMid,
+        Hook::MlpPre,
+        Hook::MlpPost,
         Hook::MlpOut,
         Hook::ResidPost,
     ];
@@ -66,6 +71,8 @@ impl Hook {
             Hook::Z => "attn.hook_z",
             Hook::AttnOut => "hook_attn_out",
             Hook::ResidMid => "hook_resid_mid",
+            Hook::MlpPre => "mlp.hook_pre",
+            Hook::MlpPost => "mlp.hook_post",
             Hook::MlpOut => "hook_mlp_out",
             Hook::ResidPost => "hook_resid_post",
         }
@@ -86,6 +93,8 @@ impl Hook {
                 "z" => &[Hook::Z],
                 "attn_out" => &[Hook::AttnOut],
                 "mlp_out" => &[Hook::MlpOut],
+                "mlp_pre" => &[Hook::MlpPre],
+                "mlp_post" => &[Hook::MlpPost],
                 "resid" => &[Hook::ResidPre, Hook::ResidPost],
                 "resid_pre" => &[Hook::ResidPre],
                 "resid_mid" => &[Hook::ResidMid],
@@ -93,7 +102,7 @@ impl Hook {
                 "all" => &Hook::ALL,
                 other => {
                     return Err(format!(
-                        "unknown hook `{other}`; choose from pattern, scores, q, k, v, rot_q, rot_k, z, attn_out, mlp_out, resid, resid_pre, resid_mid, resid_post, all"
+                        "unknown hook `{other}`; choose from pattern, scores, q, k, v, rot_q, rot_k, z, attn_out, mlp_pre, mlp_post, mlp_out, resid, resid_pre, resid_mid, resid_post, all"
                     ))
                 }
             };
@@ -170,8 +179,9 @@ pub trait Observer {
     fn attention_done(&mut self, _layer: usize) {}
     /// Called after each layer (for progress).
     fn layer_done(&mut self, _layer: usize) {}
-    /// Whether this observer edits `hook` at `layer` (then [`Observer::edit`] gets it, and
-    /// [`Observer::tensor`] does not). Never asked for the attention maps.
+    /// Whether this observer edits `hook` at `layer` (then [`Observer::edit`] gets it; where the
+    /// observer also [`Observer::wants`] it, [`Observer::tensor`] or
+    /// [`Observer::attention_block`] then hands it the edited tensor).
     fn edits(&self, _layer: usize, _hook: Hook) -> bool {
         false
     }
@@ -287,6 +297,7 @@ impl CaptureSpec {
                     | Hook::ResidMid
                     | Hook::MlpOut
                     | Hook::ResidPost => vec![nq, dims.d_model],
+                    Hook::MlpPre | Hook::MlpPost => vec![nq, dims.d_ff],
                     Hook::Q | Hook::RotQ | Hook::Z => vec![nq, heads, dims.head_dim],
                     Hook::K | Hook::V | Hook::RotK => vec![nq, dims.n_kv_heads, dims.head_dim],
                     Hook::AttnScores | Hook::Pattern => vec![heads, nq, seq_len],
@@ -797,6 +808,8 @@ mod tests {
                 "blocks.2.attn.hook_z",
                 "blocks.2.hook_attn_out",
                 "blocks.2.hook_resid_mid",
+                "blocks.2.mlp.hook_pre",
+                "blocks.2.mlp.hook_post",
                 "blocks.2.hook_mlp_out",
                 "blocks.2.hook_resid_post",
             ]

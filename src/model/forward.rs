@@ -516,9 +516,16 @@ impl Model {
             // model's projections saved
             let mut mr = m;
             if l + 1 == self.weights.layers.len()
-                && ![Hook::AttnOut, Hook::ResidMid, Hook::MlpOut, Hook::ResidPost]
-                    .iter()
-                    .any(|&h| touches(obs, l, h))
+                && ![
+                    Hook::AttnOut,
+                    Hook::ResidMid,
+                    Hook::MlpPre,
+                    Hook::MlpPost,
+                    Hook::MlpOut,
+                    Hook::ResidPost,
+                ]
+                .iter()
+                .any(|&h| touches(obs, l, h))
             {
                 let gather = |v: &[f32], w: usize| -> Vec<f32> {
                     logit_rows
@@ -558,13 +565,34 @@ impl Model {
             norm_into(&x, &layer.mlp_norm, bias, &mut normed);
             let h = &normed;
             let gated = dims.arch != super::config::Arch::Gpt2;
-            for r0 in (0..m).step_by(mlp_rows) {
-                let rows = mlp_rows.min(m - r0);
+            // mlp.hook_pre / hook_post are whole [m, d_mlp] tensors: the MLP then runs in one block
+            let whole = touches(obs, l, Hook::MlpPre) || touches(obs, l, Hook::MlpPost);
+            let mut own =
+                (whole && m > mlp_rows).then(|| (vec![0f32; m * 2 * ff], vec![0f32; m * ff]));
+            let (gu, act) = match own.as_mut() {
+                Some((g, a)) => (g, a),
+                None => (&mut gu, &mut act),
+            };
+            let block = if whole { m } else { mlp_rows };
+            let gw = if gated { 2 * ff } else { ff };
+            for r0 in (0..m).step_by(block) {
+                let rows = block.min(m - r0);
                 let t = Instant::now();
                 layer
                     .gate_up
-                    .forward_into(&h[r0 * dm..(r0 + rows) * dm], rows, &mut gu, false)?;
+                    .forward_into(&h[r0 * dm..(r0 + rows) * dm], rows, gu, false)?;
                 proj_time += t.elapsed();
+                if touches(obs, l, Hook::MlpPre) {
+                    // the gate's pre-activation (GPT-2: c_fc's output), [m, d_mlp]
+                    let mut pre: Vec<f32> = gu[..rows * gw]
+                        .chunks(gw)
+                        .flat_map(|r| r[..ff].iter().copied())
+                        .collect();
+                    hand(obs, l, Hook::MlpPre, &[rows, ff], &mut pre)?;
+                    for (row, new) in gu[..rows * gw].chunks_mut(gw).zip(pre.chunks(ff)) {
+                        row[..ff].copy_from_slice(new);
+                    }
+                }
                 if !gated {
                     // GPT-2: gelu_new(c_fc(h)), no gate
                     gelu_tanh(&gu[..rows * ff], &mut act[..rows * ff]);
@@ -573,6 +601,7 @@ impl Model {
                 } else {
                     swiglu(&gu[..rows * 2 * ff], ff, &mut act[..rows * ff]);
                 }
+                hand(obs, l, Hook::MlpPost, &[rows, ff], &mut act[..rows * ff])?;
                 let t = Instant::now();
                 if layer.down.has_bias() || layer.post_norms.is_some() || mlp_out.is_some() {
                     let mut out = layer.down.forward(&act[..rows * ff], rows)?;
