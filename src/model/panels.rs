@@ -892,6 +892,18 @@ mod tests {
     }
 
     #[test]
+    fn the_cap_is_read_in_gib() {
+        assert_eq!(parse_max_gb(None), Ok(DEFAULT_MAX_BYTES));
+        assert_eq!(parse_max_gb(Some(" ")), Ok(DEFAULT_MAX_BYTES));
+        assert_eq!(parse_max_gb(Some("2")), Ok(2 << 30));
+        assert_eq!(parse_max_gb(Some("0.5")), Ok(1 << 29));
+        assert_eq!(parse_max_gb(Some("0")), Ok(0));
+        for bad in ["-1", "four", "NaN", "inf"] {
+            assert_eq!(parse_max_gb(Some(bad)), Err(bad.to_string()), "{bad}");
+        }
+    }
+
+    #[test]
     fn a_checksum_in_pieces_is_the_checksum_of_the_whole() {
         let bytes: Vec<u8> = (0..(40usize << 20) + 12345)
             .map(|i| ((i * 2654435761) >> 13) as u8)
