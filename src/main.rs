@@ -1,5 +1,10 @@
 // The system allocator: a custom one (big buffers mapped with MAP_POPULATE and cached) was
 // measured against it and against mimalloc and did not win by 10% on anything (issue #15's note).
 fn main() -> std::process::ExitCode {
-    attnscope::cli::main()
+    // a panic is attnscope's bug (third-party readers' panics are caught at the loader boundary
+    // and reported as the file's): said so on standard error, and its own exit code
+    attnscope::model::guard::report_bugs();
+    std::panic::catch_unwind(attnscope::cli::main).unwrap_or(std::process::ExitCode::from(
+        attnscope::model::guard::BUG_EXIT,
+    ))
 }

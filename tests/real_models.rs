@@ -990,7 +990,7 @@ fn gemma3_commands() {
 /// every load rebuilt the file.)
 #[test]
 fn packed_weight_caches_change_no_bit_and_are_read_back() {
-    use attnscope::model::panels::{Settings, MIN_BYTES};
+    use attnscope::model::panels::{Settings, DEFAULT_MAX_BYTES, MIN_BYTES};
     use attnscope::model::{Model, Precision};
     let models = ["qwen2.5-coder-0.5b", "smollm2-135m"];
     for (name, precision) in models
@@ -1001,6 +1001,7 @@ fn packed_weight_caches_change_no_bit_and_are_read_back() {
         let settings = Settings {
             dir: dir.path().to_path_buf(),
             min_bytes: MIN_BYTES,
+            max_bytes: DEFAULT_MAX_BYTES,
         };
         let run = |m: &Model| {
             let tokens = m.encode(SENTENCE, false).unwrap();

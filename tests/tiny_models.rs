@@ -1056,13 +1056,14 @@ fn modified_later(path: &std::path::Path, secs: u64) {
 /// no file.
 #[test]
 fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_damaged() {
-    use attnscope::model::panels::{Settings, MIN_BYTES};
+    use attnscope::model::panels::{Settings, DEFAULT_MAX_BYTES, MIN_BYTES};
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("t.gguf");
     let spec = path.to_str().unwrap();
     let settings = Settings {
         dir: dir.path().join("panels"),
         min_bytes: 0,
+        max_bytes: DEFAULT_MAX_BYTES,
     };
     let cache_files = || -> Vec<std::path::PathBuf> {
         std::fs::read_dir(&settings.dir)
@@ -1202,10 +1203,135 @@ fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_dam
     let small = Settings {
         dir: dir.path().join("small"),
         min_bytes: MIN_BYTES,
+        max_bytes: DEFAULT_MAX_BYTES,
     };
     Model::load_with(spec, Precision::Exact, false, Some(&small)).unwrap();
     assert!(
         !small.dir.join("x").exists()
             && std::fs::read_dir(&small.dir).map_or(0, |d| d.count()) == 0
     );
+}
+
+/// The packed-weight cache knows a model by its file, not by the path it was reached by (a
+/// hard link and a symbolic link find the first path's file, and map it); it is capped, the
+/// least recently used files going first (a mapped file counts as used), and a model larger
+/// than the cap is not kept; `list` names each file's model, layout and size, and `clear`
+/// removes one model's files (by any path to it) or all.
+#[test]
+fn the_packed_weight_cache_is_keyed_by_the_file_and_capped_least_recently_used_first() {
+    use attnscope::model::panels::{self, Settings};
+    let dir = tempfile::tempdir().unwrap();
+    let model = |name: &str, seed: u64| {
+        let p = dir.path().join(name);
+        write_gguf(
+            &tiny_model(Arch::Qwen2, seed),
+            Arch::Qwen2,
+            GgmlDType::F32,
+            &p,
+        )
+        .unwrap();
+        p
+    };
+    let (a, b, c) = (
+        model("a.gguf", 11),
+        model("b.gguf", 12),
+        model("c.gguf", 13),
+    );
+    let hard = dir.path().join("a-hard-link.gguf");
+    std::fs::hard_link(&a, &hard).unwrap();
+    let soft = dir.path().join("a-symlink.gguf");
+    std::os::unix::fs::symlink(&a, &soft).unwrap();
+    let cache = dir.path().join("panels");
+    let settings = |max_bytes: u64| Settings {
+        dir: cache.clone(),
+        min_bytes: 0,
+        max_bytes,
+    };
+    let load = |p: &std::path::Path, s: &Settings| {
+        Model::load_with(p.to_str().unwrap(), Precision::Exact, false, Some(s)).unwrap()
+    };
+    let files = || -> Vec<std::path::PathBuf> {
+        let mut v: Vec<_> = std::fs::read_dir(&cache)
+            .map(|d| d.map(|e| e.unwrap().path()).collect())
+            .unwrap_or_default();
+        v.sort();
+        v
+    };
+    let unlimited = settings(u64::MAX);
+    let first = load(&a, &unlimited);
+    let all = first.mapped_projections().1;
+    assert_eq!(first.mapped_projections(), (0, all), "packed and written");
+    let a_file = first.panel_file().unwrap().to_path_buf();
+    for other in [&hard, &soft] {
+        let m = load(other, &unlimited);
+        assert_eq!(
+            m.mapped_projections(),
+            (all, all),
+            "{}: mapped",
+            other.display()
+        );
+        assert_eq!(
+            m.panel_file(),
+            Some(a_file.as_path()),
+            "{}",
+            other.display()
+        );
+    }
+    assert_eq!(files(), vec![a_file.clone()], "one file for three paths");
+    let size = std::fs::metadata(&a_file).unwrap().len();
+    // room for two files of these (equal) models
+    let capped = settings(2 * size + size / 2);
+    let b_file = load(&b, &capped).panel_file().unwrap().to_path_buf();
+    // a is mapped again: now b is the least recently used
+    assert_eq!(load(&a, &capped).mapped_projections(), (all, all));
+    let c_file = load(&c, &capped).panel_file().unwrap().to_path_buf();
+    let mut want = vec![a_file.clone(), c_file.clone()];
+    want.sort();
+    assert_eq!(files(), want, "b, the least recently used, made room for c");
+    assert!(!b_file.exists());
+    // b again: now a is the least recently used (c was written after a was mapped)
+    let b_again = load(&b, &capped);
+    assert_eq!(
+        b_again.mapped_projections(),
+        (0, all),
+        "b was removed: packed again"
+    );
+    let mut want = vec![b_file.clone(), c_file.clone()];
+    want.sort();
+    assert_eq!(files(), want);
+    // a model larger than the cap is not kept, and nothing is removed for it
+    let tiny_cap = settings(size / 2);
+    let not_kept = load(&a, &tiny_cap);
+    assert_eq!(not_kept.mapped_projections(), (0, all));
+    assert_eq!(not_kept.panel_file(), None);
+    assert_eq!(files(), want);
+    // list: model, layout, size of each file, most recently used first
+    let listed = panels::list(&cache);
+    assert_eq!(listed.len(), 2);
+    assert_eq!(listed[0].path, b_file);
+    assert_eq!(listed[0].model, "b.gguf");
+    assert_eq!(listed[1].model, "c.gguf");
+    let layout = attnscope::model::weights::PanelLayout::of(Precision::Exact).name();
+    for f in &listed {
+        assert_eq!(f.layout, layout);
+        assert_eq!(f.bytes, size);
+        assert!(f.usable, "{f:?}");
+    }
+    // clear one model's files by another path to it, then all
+    load(&a, &unlimited);
+    assert_eq!(files().len(), 3);
+    let removed = panels::clear(&cache, Some(hard.to_str().unwrap())).unwrap();
+    assert_eq!(removed.len(), 1);
+    assert_eq!(removed[0].path, a_file);
+    assert!(!a_file.exists() && b_file.exists() && c_file.exists());
+    assert!(panels::clear(&cache, Some("no-such-model"))
+        .unwrap()
+        .is_empty());
+    assert_eq!(
+        panels::clear(&cache, Some("b")).unwrap().len(),
+        1,
+        "by its name"
+    );
+    assert_eq!(panels::clear(&cache, None).unwrap().len(), 1);
+    assert!(files().is_empty());
 }

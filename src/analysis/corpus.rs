@@ -176,12 +176,19 @@ pub fn aggregate(records: &[Record], epsilon: f32) -> Result<Aggregate, String> 
     recs.sort_by_key(|r| r.id);
     recs.dedup_by_key(|r| r.id);
     let first = recs.first().ok_or("no records to aggregate")?;
-    let (model, nl) = (first.model.clone(), first.sink_all.len());
+    for r in &recs {
+        check_record(r).map_err(|e| format!("record {} is malformed: {e}", r.id))?;
+    }
+    let (model, nl, heads) = (
+        first.model.clone(),
+        first.sink_all.len(),
+        first.head_alpha1[0].len(),
+    );
     if let Some(r) = recs
         .iter()
-        .find(|r| r.model != model || r.sink_all.len() != nl)
+        .find(|r| r.model != model || r.sink_all.len() != nl || r.head_alpha1[0].len() != heads)
     {
-        return Err(format!("record {} comes from model `{}` ({} layers), others from `{model}` ({nl} layers); aggregate one model at a time", r.id, r.model, r.sink_all.len()));
+        return Err(format!("record {} comes from model `{}` ({} layers, {} heads), others from `{model}` ({nl} layers, {heads} heads); aggregate one model at a time", r.id, r.model, r.sink_all.len(), r.head_alpha1[0].len()));
     }
     let mut hist = vec![0usize; 10];
     let layers = (0..nl)
@@ -257,16 +264,134 @@ pub fn aggregate(records: &[Record], epsilon: f32) -> Result<Aggregate, String> 
     })
 }
 
-/// Reads JSON-lines records, naming the file and line of a bad one.
+/// Reads JSON-lines records, naming the file and line of a bad one: a line that is not a record,
+/// or a record whose arrays do not agree ([`check_record`]).
 pub fn read_records(text: &str, source: &str) -> Result<Vec<Record>, String> {
+    Ok(read_lines(text, source)?
+        .into_iter()
+        .map(|(r, _)| r)
+        .collect())
+}
+
+/// Each record with its line number (1-based).
+fn read_lines(text: &str, source: &str) -> Result<Vec<(Record, usize)>, String> {
     text.lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
         .map(|(i, l)| {
-            serde_json::from_str(l)
-                .map_err(|e| format!("{source}:{}: not an attnscope corpus record: {e}", i + 1))
+            let r: Record = serde_json::from_str(l)
+                .map_err(|e| format!("{source}:{}: not an attnscope corpus record: {e}", i + 1))?;
+            check_record(&r).map_err(|e| {
+                format!("{source}:{}: record {} is malformed: {e}; the file is damaged or was not written by `attnscope corpus --out`", i + 1, r.id)
+            })?;
+            Ok((r, i + 1))
         })
         .collect()
+}
+
+/// A record's own shape: at least one layer, every per-layer array as long as the layer count,
+/// the same number of heads (at least one) in every layer of every per-head array.
+pub fn check_record(r: &Record) -> Result<(), String> {
+    let nl = r.sink_all.len();
+    if nl == 0 {
+        return Err("its profile is empty (no layers in `sink_all`)".into());
+    }
+    if r.n_tokens == 0 {
+        return Err("it has 0 tokens".into());
+    }
+    let per_layer: [(&str, usize); 5] = [
+        ("sink_query", r.sink_query.len()),
+        ("head_alpha1", r.head_alpha1.len()),
+        ("head_max_last", r.head_max_last.len()),
+        ("head_mean_max", r.head_mean_max.len()),
+        ("head_mean_entropy", r.head_mean_entropy.len()),
+    ];
+    if let Some((name, n)) = per_layer.iter().find(|(_, n)| *n != nl) {
+        return Err(format!("`{name}` has {n} layers but `sink_all` has {nl}"));
+    }
+    let heads = r.head_alpha1[0].len();
+    if heads == 0 {
+        return Err("layer 0 of `head_alpha1` has no heads".into());
+    }
+    for (name, arr) in [
+        ("head_alpha1", &r.head_alpha1),
+        ("head_max_last", &r.head_max_last),
+        ("head_mean_max", &r.head_mean_max),
+        ("head_mean_entropy", &r.head_mean_entropy),
+    ] {
+        if let Some((l, row)) = arr.iter().enumerate().find(|(_, row)| row.len() != heads) {
+            return Err(format!(
+                "layer {l} of `{name}` has {} heads but layer 0 of `head_alpha1` has {heads}",
+                row.len()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Reads the record files of shards (`(text, source name)` each) for `corpus merge`: every
+/// record is checked ([`check_record`]) and must agree with the first one read (the same model,
+/// layers and heads), and a record id that appears twice must be for the same text (a resumed
+/// shard repeats records; two different corpora under one id would be merged silently). An
+/// error names the file and line of the record at fault, and of the one it disagrees with.
+pub fn read_record_files<S: AsRef<str>>(files: &[(S, S)]) -> Result<Vec<Record>, String> {
+    let mut out: Vec<Record> = Vec::new();
+    // the first record's place, and where each id was first seen
+    let mut first_at = String::new();
+    let mut seen: std::collections::HashMap<usize, (usize, String)> = Default::default();
+    for (text, source) in files {
+        let source = source.as_ref();
+        for (r, line) in read_lines(text.as_ref(), source)? {
+            let at = format!("{source}:{line}");
+            if let Some(r0) = out.first() {
+                let (heads, heads0) = (r.head_alpha1[0].len(), r0.head_alpha1[0].len());
+                if r.model != r0.model || r.sink_all.len() != r0.sink_all.len() || heads != heads0 {
+                    return Err(format!(
+                        "{at}: record {} comes from model `{}` ({} layers, {heads} heads), but {first_at} from `{}` ({} layers, {heads0} heads); merge the records of one model at a time",
+                        r.id, r.model, r.sink_all.len(), r0.model, r0.sink_all.len()
+                    ));
+                }
+            } else {
+                first_at = at.clone();
+            }
+            match seen.get(&r.id) {
+                Some((i, where0)) if out[*i].text != r.text => {
+                    return Err(format!(
+                        "{at}: record {} is for the text {:?}, but {where0} has record {} for {:?}; the files come from different corpora (or --file), so their ids do not name the same texts",
+                        r.id,
+                        excerpt(&r.text),
+                        r.id,
+                        excerpt(&out[*i].text)
+                    ));
+                }
+                Some(_) => {}
+                None => {
+                    seen.insert(r.id, (out.len(), at));
+                }
+            }
+            out.push(r);
+        }
+    }
+    if out.is_empty() {
+        return Err(format!(
+            "{} hold no records",
+            files
+                .iter()
+                .map(|(_, s)| s.as_ref())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    Ok(out)
+}
+
+/// The first 40 characters of a text, for messages.
+fn excerpt(t: &str) -> String {
+    let mut s: String = t.chars().take(40).collect();
+    if t.chars().count() > 40 {
+        s.push('…');
+    }
+    s
 }
 
 #[cfg(test)]

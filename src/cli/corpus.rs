@@ -4,7 +4,8 @@
 use super::common::{emit, usage, ModelArgs};
 use crate::analysis::collect::Collector;
 use crate::analysis::corpus::{
-    aggregate, builtin, parse_lines, read_records, Aggregate, FaithSummary, Record,
+    aggregate, builtin, parse_lines, read_record_files, read_records, Aggregate, FaithSummary,
+    Record,
 };
 use crate::analysis::faithfulness::{run as run_faith, FaithOptions, Target};
 use crate::model::forward::RunOptions;
@@ -195,12 +196,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         json,
     }) = a.cmd
     {
-        let mut records = Vec::new();
+        let mut texts = Vec::new();
         for f in &files {
             let text = std::fs::read_to_string(f)
                 .map_err(|e| usage(format!("cannot read {}: {e}", f.display())))?;
-            records.extend(read_records(&text, &f.display().to_string()).map_err(usage)?);
+            texts.push((text, f.display().to_string()));
         }
+        let records = read_record_files(&texts).map_err(usage)?;
         let agg = aggregate(&records, epsilon).map_err(usage)?;
         let source = format!("{} record files", files.len());
         return emit(&if json {

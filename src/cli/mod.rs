@@ -5,6 +5,7 @@
 mod ablate;
 mod bench;
 mod bench_interventions;
+mod cache;
 mod capture;
 pub mod common;
 mod compare;
@@ -99,6 +100,8 @@ pub enum Command {
     Bench(bench::Args),
     /// Fetch a model alias into the cache (what every command does on first use).
     Fetch(info::FetchArgs),
+    /// The packed-weight cache: list its files (model, layout, size) or clear them.
+    Cache(cache::Args),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -122,6 +125,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Capture(a) => capture::run(a),
         Command::Fetch(a) => info::fetch(a),
         Command::Bench(a) => bench::run(a),
+        Command::Cache(a) => cache::run(a),
     }
 }
 

@@ -1,13 +1,17 @@
 //! `attnscope serve`: a local page to type a sentence and explore the views. The model is loaded
-//! once; the server binds loopback by default and bounds the request size, the text and the
-//! number of requests in flight (more get 503 at once rather than queueing without limit).
+//! once; the server binds loopback by default and bounds the request size and the text. Pages
+//! are computed `--max-concurrent` at a time; the requests that cannot start at once wait their
+//! turn in a bounded queue (`--queue`), first come first served, up to a deadline
+//! (`--queue-timeout`). A request is answered 503, with a `Retry-After` and the reason, only when
+//! the queue is full or its wait would pass the deadline ([`Gate`]).
 
 use super::common::{emit, usage, ModelArgs};
 use crate::render::html::html_escape;
+use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 #[derive(clap::Args, Debug)]
@@ -20,9 +24,17 @@ pub struct Args {
     /// Longest text accepted, in characters.
     #[arg(long, default_value_t = 2000)]
     max_chars: usize,
-    /// Requests handled at once; more are answered 503 immediately.
+    /// Pages computed at once; the requests beyond wait their turn in the queue.
     #[arg(long, default_value_t = 4)]
     max_concurrent: usize,
+    /// Requests that may wait for a turn besides those computed (or still being read); more
+    /// are answered 503 with Retry-After at once.
+    #[arg(long, default_value_t = 64)]
+    queue: usize,
+    /// Seconds a request may wait for its turn; one that would wait longer (judged from the
+    /// recent pages' time) is answered 503 with Retry-After at once, not after the wait.
+    #[arg(long, default_value_t = 30)]
+    queue_timeout: u64,
     /// Seconds a client has to send its whole request (slow clients are cut off after it).
     #[arg(long, default_value_t = 10)]
     request_timeout: u64,
@@ -55,23 +67,181 @@ fn form(model: &str, max_chars: usize, error: Option<&str>) -> String {
         )
 }
 
-/// One slot of `--max-concurrent`, given back when dropped: also when its handler panics.
-struct Slot(Arc<AtomicUsize>);
+/// Why a request was not served: answered 503 with `Retry-After` and this reason.
+#[derive(Debug, PartialEq)]
+pub enum Refusal {
+    /// The queue is full: `open` requests are being read, waiting or computed.
+    Full { open: usize, retry_s: u64 },
+    /// Its wait, `ahead` requests before it of about `wait_s` seconds, would pass the deadline.
+    TooLong {
+        ahead: usize,
+        wait_s: f64,
+        retry_s: u64,
+    },
+    /// It waited until the deadline without getting a turn.
+    Waited { retry_s: u64 },
+}
 
-impl Slot {
-    /// A slot if fewer than `max` are taken.
-    fn take(busy: &Arc<AtomicUsize>, max: usize) -> Option<Slot> {
-        busy.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |b| {
-            (b < max).then_some(b + 1)
-        })
-        .ok()
-        .map(|_| Slot(busy.clone()))
+impl Refusal {
+    pub fn retry_after(&self) -> u64 {
+        match self {
+            Refusal::Full { retry_s, .. }
+            | Refusal::TooLong { retry_s, .. }
+            | Refusal::Waited { retry_s } => *retry_s,
+        }
+    }
+    fn reason(&self, max_running: usize, max_waiting: usize, timeout_s: u64) -> String {
+        match self {
+            Refusal::Full { open, retry_s } => format!("the server is busy: its queue is full ({open} requests are being computed or waiting, --max-concurrent {max_running} + --queue {max_waiting}); try again in {retry_s} s"),
+            Refusal::TooLong { ahead, wait_s, retry_s } => format!("the server is busy: {ahead} requests wait before this one, about {wait_s:.0} s, longer than it waits (--queue-timeout {timeout_s} s); try again in {retry_s} s"),
+            Refusal::Waited { retry_s } => format!("the server is busy: this request waited {timeout_s} s (--queue-timeout) without its turn; try again in {retry_s} s"),
+        }
     }
 }
 
-impl Drop for Slot {
+#[derive(Default)]
+struct GateState {
+    /// Requests admitted and not yet answered (being read, waiting or computed).
+    open: usize,
+    running: usize,
+    /// The waiting requests' numbers, first come first.
+    waiting: VecDeque<u64>,
+    next: u64,
+    /// Seconds a turn took, exponentially weighted (0 until one is measured).
+    turn_s: f64,
+}
+
+/// Admission and turns: at most `max_running + max_waiting` requests are admitted at once
+/// ([`Gate::admit`]: a [`Ticket`]); of those, `max_running` compute at a time and the others
+/// wait in order for a turn ([`Ticket::turn`]) up to their deadline. Both are given back when
+/// dropped, also when a handler panics.
+pub struct Gate {
+    state: Mutex<GateState>,
+    turn_free: Condvar,
+    max_running: usize,
+    max_waiting: usize,
+}
+
+/// An admitted request (counted in the queue's size until dropped).
+pub struct Ticket(Arc<Gate>);
+
+/// A turn at the model, given back (to the next in the queue) when dropped.
+pub struct Turn {
+    gate: Arc<Gate>,
+    started: Instant,
+}
+
+impl Gate {
+    pub fn new(max_running: usize, max_waiting: usize) -> Arc<Gate> {
+        Arc::new(Gate {
+            state: Mutex::new(GateState::default()),
+            turn_free: Condvar::new(),
+            max_running: max_running.max(1),
+            max_waiting,
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, GateState> {
+        // the state stays consistent whatever a panicking handler was doing: its counts are
+        // given back by the drops
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Seconds until `queued` requests (waiting or computed) are done, at the recent pace.
+    fn seconds_for(&self, st: &GateState, queued: usize) -> f64 {
+        st.turn_s * queued.div_ceil(self.max_running) as f64
+    }
+
+    fn retry_s(&self, st: &GateState, queued: usize) -> u64 {
+        (self.seconds_for(st, queued).ceil() as u64).clamp(1, 3600)
+    }
+
+    /// A ticket if the queue has room (fewer than `max_running + max_waiting` admitted).
+    pub fn admit(self: &Arc<Gate>) -> Result<Ticket, Refusal> {
+        let mut st = self.lock();
+        if st.open >= self.max_running + self.max_waiting {
+            let retry_s = self.retry_s(&st, st.waiting.len() + 1);
+            return Err(Refusal::Full {
+                open: st.open,
+                retry_s,
+            });
+        }
+        st.open += 1;
+        Ok(Ticket(self.clone()))
+    }
+}
+
+impl Ticket {
+    /// Waits for a turn, first come first served, until `deadline`; refused at once when the
+    /// wait, judged from the recent turns' time, would pass it.
+    pub fn turn(&self, deadline: Instant) -> Result<Turn, Refusal> {
+        let gate = &self.0;
+        let mut st = gate.lock();
+        let me = st.next;
+        st.next += 1;
+        let ahead = st.waiting.len();
+        let free = gate.max_running.saturating_sub(st.running);
+        if ahead >= free {
+            // it waits for the turns running and those ahead of it to end
+            let wait_s = gate.seconds_for(&st, ahead + 1);
+            let left = deadline
+                .saturating_duration_since(Instant::now())
+                .as_secs_f64();
+            if wait_s > left {
+                let retry_s = gate.retry_s(&st, ahead + 1);
+                return Err(Refusal::TooLong {
+                    ahead,
+                    wait_s,
+                    retry_s,
+                });
+            }
+        }
+        st.waiting.push_back(me);
+        loop {
+            let free = gate.max_running.saturating_sub(st.running);
+            if st.waiting.iter().take(free).any(|&w| w == me) {
+                st.waiting.retain(|&w| w != me);
+                st.running += 1;
+                return Ok(Turn {
+                    gate: gate.clone(),
+                    started: Instant::now(),
+                });
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                st.waiting.retain(|&w| w != me);
+                let retry_s = gate.retry_s(&st, st.waiting.len() + 1);
+                // the one after it may be first now
+                gate.turn_free.notify_all();
+                return Err(Refusal::Waited { retry_s });
+            }
+            st = gate
+                .turn_free
+                .wait_timeout(st, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
+impl Drop for Ticket {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+        self.0.lock().open -= 1;
+    }
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        let took = self.started.elapsed().as_secs_f64();
+        let mut st = self.gate.lock();
+        st.running -= 1;
+        st.turn_s = if st.turn_s == 0.0 {
+            took
+        } else {
+            0.7 * st.turn_s + 0.3 * took
+        };
+        drop(st);
+        self.gate.turn_free.notify_all();
     }
 }
 
@@ -136,7 +306,12 @@ pub fn host_allowed(host: &str, bound: std::net::SocketAddr) -> bool {
 }
 
 fn respond(stream: &mut TcpStream, status: &str, body: &str) {
-    let head = format!("HTTP/1.1 {status}\r\nContent-Type: text/html; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\nX-Content-Type-Options: nosniff\r\n\r\n", body.len());
+    respond_with(stream, status, "", body)
+}
+
+/// The answer, with `extra` header lines (each ending in `\r\n`).
+fn respond_with(stream: &mut TcpStream, status: &str, extra: &str, body: &str) {
+    let head = format!("HTTP/1.1 {status}\r\nContent-Type: text/html; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\nX-Content-Type-Options: nosniff\r\n{extra}\r\n", body.len());
     let mut out = Deadline {
         stream,
         until: Instant::now() + Duration::from_secs(WRITE_DEADLINE_S),
@@ -146,13 +321,24 @@ fn respond(stream: &mut TcpStream, status: &str, body: &str) {
         .and_then(|_| out.write_all(body.as_bytes()));
 }
 
-fn handle(
-    stream: &mut TcpStream,
-    model: &crate::model::Model,
-    a: &Args,
-    bound: std::net::SocketAddr,
-) {
-    let until = Instant::now() + Duration::from_secs(a.request_timeout);
+/// Whether an error is a read that ran out of time.
+fn timed_out(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
+    )
+}
+
+/// The request line and the `Host` header, read (and bounded) within `until`; or the status
+/// and reason to answer instead. The body, if any, is ignored: every request is a GET.
+fn read_request(
+    stream: &TcpStream,
+    until: Instant,
+) -> Result<(String, Option<String>), (&'static str, &'static str)> {
+    const LATE: (&str, &str) = (
+        "408 Request Timeout",
+        "the request was not sent in time (--request-timeout)",
+    );
     let mut reader = BufReader::new(Deadline { stream, until });
     let mut line = String::new();
     match reader
@@ -161,19 +347,14 @@ fn handle(
         .read_line(&mut line)
     {
         Ok(_) if line.ends_with('\n') => {}
+        Err(e) if timed_out(&e) => return Err(LATE),
         _ => {
-            return respond(
-                stream,
+            return Err((
                 "400 Bad Request",
-                &form(
-                    &model.info.name,
-                    a.max_chars,
-                    Some("the request line is too long or incomplete"),
-                ),
-            )
+                "the request line is too long or incomplete",
+            ))
         }
     }
-    // read (and bound) the headers; the body, if any, is ignored: every request is a GET
     let mut total = 0;
     let mut host = None;
     loop {
@@ -191,31 +372,37 @@ fn handle(
                     }
                 }
                 if total > MAX_HEADERS {
-                    return respond(
-                        stream,
+                    return Err((
                         "431 Request Header Fields Too Large",
-                        &form(
-                            &model.info.name,
-                            a.max_chars,
-                            Some("the request headers are too large"),
-                        ),
-                    );
+                        "the request headers are too large",
+                    ));
                 }
             }
-            Err(_) => {
-                return respond(
-                    stream,
-                    "400 Bad Request",
-                    &form(
-                        &model.info.name,
-                        a.max_chars,
-                        Some("the request could not be read"),
-                    ),
-                )
-            }
+            Err(e) if timed_out(&e) => return Err(LATE),
+            Err(_) => return Err(("400 Bad Request", "the request could not be read")),
         }
     }
-    drop(reader);
+    Ok((line, host))
+}
+
+fn handle(
+    stream: &mut TcpStream,
+    model: &crate::model::Model,
+    a: &Args,
+    bound: std::net::SocketAddr,
+    ticket: &Ticket,
+) {
+    let until = Instant::now() + Duration::from_secs(a.request_timeout);
+    let (line, host) = match read_request(stream, until) {
+        Ok(r) => r,
+        Err((status, why)) => {
+            return respond(
+                stream,
+                status,
+                &form(&model.info.name, a.max_chars, Some(why)),
+            )
+        }
+    };
     match host {
         Some(h) if host_allowed(&h, bound) => {}
         Some(h) => {
@@ -300,7 +487,16 @@ fn handle(
                     _ => {}
                 }
             }
-            match super::view::view_html(model, &text, a.model.bos, faith) {
+            // the page waits its turn at the model; the answer is sent after the turn is given
+            // back, so a client that reads slowly does not hold it
+            let deadline = Instant::now() + Duration::from_secs(a.queue_timeout);
+            let turn = match ticket.turn(deadline) {
+                Ok(t) => t,
+                Err(r) => return refuse(stream, &model.info.name, a, &r),
+            };
+            let page = super::view::view_html(model, &text, a.model.bos, faith);
+            drop(turn);
+            match page {
                 Ok((html, _)) => respond(stream, "200 OK", &html),
                 Err(e) => respond(
                     stream,
@@ -321,10 +517,34 @@ fn handle(
     }
 }
 
+/// Answers 503 with `Retry-After` and the reason.
+fn refuse(stream: &mut TcpStream, model: &str, a: &Args, r: &Refusal) {
+    respond_with(
+        stream,
+        "503 Service Unavailable",
+        &format!("Retry-After: {}\r\n", r.retry_after()),
+        &form(
+            model,
+            a.max_chars,
+            Some(&r.reason(a.max_concurrent, a.queue, a.queue_timeout)),
+        ),
+    )
+}
+
+/// Connections refused at once are answered on threads of their own (so a client that does
+/// not read cannot stall the accept loop), at most this many at a time; past them a connection
+/// is closed unanswered.
+const MAX_REFUSING: usize = 64;
+
+/// Seconds a refused client has to send its request before the 503 goes out anyway (the
+/// request is read first: closing a socket with unread bytes would reset it, and the client
+/// could lose the answer).
+const REFUSE_READ_S: u64 = 2;
+
 pub fn run(a: Args) -> anyhow::Result<()> {
-    if a.max_concurrent == 0 || a.max_chars == 0 || a.request_timeout == 0 {
+    if a.max_concurrent == 0 || a.max_chars == 0 || a.request_timeout == 0 || a.queue_timeout == 0 {
         return Err(usage(
-            "--max-concurrent, --max-chars and --request-timeout must be at least 1",
+            "--max-concurrent, --max-chars, --request-timeout and --queue-timeout must be at least 1",
         ));
     }
     let listener = TcpListener::bind(&a.addr)
@@ -338,31 +558,37 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "attnscope serving {} on http://{local}/ (Ctrl-C to stop)\n",
         model.info.name
     ))?;
-    let busy = Arc::new(AtomicUsize::new(0));
+    let gate = Gate::new(a.max_concurrent, a.queue);
+    let refusing = Arc::new(AtomicUsize::new(0));
     let a = Arc::new(a);
     for stream in listener.incoming() {
         let Ok(mut stream) = stream else { continue };
-        let Some(slot) = Slot::take(&busy, a.max_concurrent) else {
-            // answered on a thread of its own, so a client that does not read cannot stall the loop
-            let (name, max_chars) = (model.info.name.clone(), a.max_chars);
-            std::thread::spawn(move || {
-                respond(
-                    &mut stream,
-                    "503 Service Unavailable",
-                    &form(
-                        &name,
-                        max_chars,
-                        Some("the server is busy; try again in a moment"),
-                    ),
-                )
-            });
-            continue;
+        let ticket = match gate.admit() {
+            Ok(t) => t,
+            Err(r) => {
+                let taken = refusing.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                    (n < MAX_REFUSING).then_some(n + 1)
+                });
+                if taken.is_ok() {
+                    let (name, a, refusing) =
+                        (model.info.name.clone(), a.clone(), refusing.clone());
+                    std::thread::spawn(move || {
+                        let until = Instant::now() + Duration::from_secs(REFUSE_READ_S);
+                        let _ = read_request(&stream, until);
+                        refuse(&mut stream, &name, &a, &r);
+                        refusing.fetch_sub(1, Ordering::SeqCst);
+                    });
+                }
+                continue;
+            }
         };
         let (model, a) = (model.clone(), a.clone());
         std::thread::spawn(move || {
-            // the slot is given back when this thread ends, by return or by panic
-            let _slot = slot;
-            handle(&mut stream, &model, &a, local);
+            handle(&mut stream, &model, &a, local, &ticket);
+            // the ticket is given back before the connection closes: a client that has read
+            // its whole answer finds the place free (on a panic, when the thread unwinds)
+            drop(ticket);
+            drop(stream);
         });
     }
     Ok(())
@@ -373,20 +599,91 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_slot_is_given_back_even_when_its_handler_panics() {
-        let busy = Arc::new(AtomicUsize::new(0));
-        let a = Slot::take(&busy, 2).unwrap();
-        let b = Slot::take(&busy, 2).unwrap();
-        assert!(Slot::take(&busy, 2).is_none(), "a third slot of two");
+    fn tickets_and_turns_are_given_back_even_when_a_handler_panics() {
+        let gate = Gate::new(1, 1);
+        let a = gate.admit().unwrap();
+        let b = gate.admit().unwrap();
+        assert!(
+            matches!(gate.admit(), Err(Refusal::Full { open: 2, .. })),
+            "a third request in a queue of 1 + 1"
+        );
+        let far = Instant::now() + Duration::from_secs(3600);
         let t = std::thread::spawn(move || {
-            let _slot = b;
+            let _turn = b.turn(far).unwrap();
             panic!("a handler panics");
         });
         assert!(t.join().is_err());
-        assert_eq!(busy.load(Ordering::SeqCst), 1);
-        assert!(Slot::take(&busy, 2).is_some());
-        drop(a);
-        assert_eq!(busy.load(Ordering::SeqCst), 0);
+        assert_eq!(gate.lock().open, 1);
+        assert_eq!(gate.lock().running, 0);
+        let c = gate.admit().unwrap();
+        let turn = a.turn(far).unwrap();
+        drop((turn, a, c));
+        let st = gate.lock();
+        assert_eq!((st.open, st.running, st.waiting.len()), (0, 0, 0));
+    }
+
+    /// Waiters get their turns in order as turns are given back; one whose wait would pass its
+    /// deadline is refused at once (judged from the turns' measured time), and one that reaches
+    /// its deadline waiting is refused then, and leaves the queue.
+    #[test]
+    fn waiters_are_served_in_order_and_refused_only_past_the_deadline() {
+        use std::sync::mpsc;
+        let gate = Gate::new(1, 8);
+        let far = Instant::now() + Duration::from_secs(3600);
+        let first = gate.admit().unwrap();
+        let running = first.turn(far).unwrap();
+        let (tx, rx) = mpsc::channel();
+        let waiters: Vec<_> = (0..3)
+            .map(|i| {
+                let t = gate.admit().unwrap();
+                let tx = tx.clone();
+                let g = gate.clone();
+                let w = std::thread::spawn(move || {
+                    let turn = t.turn(far).unwrap();
+                    tx.send(i).unwrap();
+                    drop(turn);
+                });
+                // the next waiter joins only after this one is in the queue
+                while g.lock().waiting.len() < i + 1 {
+                    std::thread::yield_now();
+                }
+                w
+            })
+            .collect();
+        // no measured turn yet: an estimate of 0 s, so a deadline already passed waits, and
+        // is refused when it finds no turn
+        let late = gate.admit().unwrap();
+        assert!(matches!(
+            late.turn(Instant::now()),
+            Err(Refusal::Waited { .. })
+        ));
+        assert_eq!(
+            gate.lock().waiting.len(),
+            3,
+            "the refused one left the queue"
+        );
+        drop(running);
+        assert_eq!(rx.iter().take(3).collect::<Vec<_>>(), vec![0, 1, 2]);
+        for w in waiters {
+            w.join().unwrap();
+        }
+        // with a measured turn time, a wait past the deadline is refused before waiting
+        let hold = first.turn(far).unwrap();
+        gate.lock().turn_s = 10.0;
+        let Err(r) = late.turn(Instant::now() + Duration::from_secs(5)) else {
+            panic!("a wait of 10 s within 5 s was not refused")
+        };
+        assert_eq!(
+            r,
+            Refusal::TooLong {
+                ahead: 0,
+                wait_s: 10.0,
+                retry_s: 10
+            }
+        );
+        assert!(r.reason(1, 8, 5).contains("--queue-timeout 5 s"));
+        drop(hold);
+        assert!(late.turn(Instant::now() + Duration::from_secs(5)).is_ok());
     }
 
     #[test]

@@ -98,8 +98,13 @@ impl HfFolder {
         }
         // SAFETY: the files are memory-mapped read-only; attnscope never writes to them while
         // they are open (a concurrent external writer could change what is read, as with any mmap).
-        let st =
-            unsafe { MmapedSafetensors::multi(&files) }.map_err(|e| Error::BadSafetensors {
+        // the loader boundary: a panic in the safetensors reader is the file's, not a crash
+        let st = super::guard::quietly(|| unsafe { MmapedSafetensors::multi(&files) })
+            .map_err(|msg| Error::LoaderPanic {
+                path: files[0].clone(),
+                msg,
+            })?
+            .map_err(|e| Error::BadSafetensors {
                 path: files[0].clone(),
                 reason: e.to_string(),
             })?;
@@ -660,6 +665,18 @@ fn fused_part(c: &HfConfig, l: &Logical) -> Option<(String, usize, usize)> {
     }
 }
 
+impl HfFolder {
+    /// Tensor `name` as the safetensors reader gives it; a panic inside the reader comes back
+    /// as an error (the loader boundary).
+    fn load_tensor(&self, name: &str) -> candle_core::Result<candle_core::Tensor> {
+        super::guard::quietly(|| self.st.load(name, &Device::Cpu)).unwrap_or_else(|msg| {
+            Err(candle_core::Error::Msg(format!(
+                "the safetensors reader failed ({msg})"
+            )))
+        })
+    }
+}
+
 impl TensorSource for HfFolder {
     fn get(&mut self, l: &Logical) -> Result<Option<Raw>> {
         let arch = Arch::parse(&self.arch_string());
@@ -672,7 +689,7 @@ impl TensorSource for HfFolder {
                 path: self.dir.clone(),
                 reason: format!("tensor `{name}`: {e}"),
             };
-            let mut t = self.st.load(&name, &Device::Cpu).map_err(bad)?;
+            let mut t = self.load_tensor(&name).map_err(bad)?;
             if let Some((start, len)) = cols {
                 let last = t.rank() - 1;
                 if t.dim(last).map_err(bad)? < start + len {
@@ -699,7 +716,7 @@ impl TensorSource for HfFolder {
                         path: self.dir.clone(),
                         reason: format!("tensor `{fused}`: {e}"),
                     };
-                    let t = self.st.load(&fused, &Device::Cpu).map_err(bad)?;
+                    let t = self.load_tensor(&fused).map_err(bad)?;
                     if t.dim(0).map_err(bad)? < start + len {
                         return Err(Error::ShapeMismatch {
                             name: fused,
@@ -718,13 +735,10 @@ impl TensorSource for HfFolder {
             }
             return Ok(None);
         }
-        let t = self
-            .st
-            .load(&name, &Device::Cpu)
-            .map_err(|e| Error::BadSafetensors {
-                path: self.dir.clone(),
-                reason: format!("tensor `{name}`: {e}"),
-            })?;
+        let t = self.load_tensor(&name).map_err(|e| Error::BadSafetensors {
+            path: self.dir.clone(),
+            reason: format!("tensor `{name}`: {e}"),
+        })?;
         Ok(Some(Raw::F(t)))
     }
     fn path(&self) -> &Path {

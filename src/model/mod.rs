@@ -142,7 +142,7 @@ fn panel_cache(
     // would bring its pages in for nothing (measured: `fast`'s peak 1.08 → 2.48 GB)
     let layout = weights::PanelLayout::of(precision);
     let s = settings?;
-    panels::PanelCache::new(files, &s.dir, layout, s.min_bytes)
+    panels::PanelCache::new(files, &s.dir, layout, s.min_bytes).map(|c| c.with_cap(s.max_bytes))
 }
 
 /// The cache's panels when its file is valid; a damaged file is named on standard error.
@@ -267,11 +267,10 @@ impl Model {
             bar.set_length(n as u64);
             bar.set_position(i as u64);
         };
-        let source_path = match &source {
-            Source::Gguf(p) | Source::Folder(p) => p.clone(),
-        };
-        // the loader boundary: a panic in a file reader is a corrupt file, not a crash
-        let model = guard::quietly(move || -> Result<Model> {
+        // the loader boundary lies around the third-party readers themselves (candle's GGUF and
+        // safetensors parsing, tokenizers: `guard::quietly`); a panic in attnscope's own
+        // loading and packing is a bug, reported as one by the command line
+        let model = (move || -> Result<Model> {
             Ok(match source {
                 Source::Gguf(path) => Self::from_gguf(
                     || gguf::GgufFile::open(&path),
@@ -286,6 +285,7 @@ impl Model {
                             "sp-merges",
                             s.min_blob_bytes(),
                         )
+                        .map(|b| b.with_cap(s.max_bytes))
                     }),
                     tick,
                 )?,
@@ -343,11 +343,7 @@ impl Model {
                     }
                 }
             })
-        })
-        .map_err(|msg| Error::LoaderPanic {
-            path: source_path,
-            msg,
-        })??;
+        })()?;
         bar.finish_and_clear();
         return_free_memory();
         let mut model = model;
@@ -362,21 +358,15 @@ impl Model {
 
     /// Loads a model from GGUF bytes in memory (fuzzing, tests); `name` is used in messages.
     pub fn from_gguf_bytes(name: &str, bytes: Vec<u8>, precision: Precision) -> Result<Model> {
-        guard::quietly(|| {
-            Self::from_gguf(
-                || gguf::GgufFile::from_bytes(Path::new(name), bytes),
-                name.to_string(),
-                None,
-                precision,
-                None,
-                None,
-                |_, _| {},
-            )
-        })
-        .map_err(|msg| Error::LoaderPanic {
-            path: name.into(),
-            msg,
-        })?
+        Self::from_gguf(
+            || gguf::GgufFile::from_bytes(Path::new(name), bytes),
+            name.to_string(),
+            None,
+            precision,
+            None,
+            None,
+            |_, _| {},
+        )
     }
 
     /// The model of the GGUF file `open` reads.

@@ -9,13 +9,19 @@
 //! checking its checksums ~0.1 s on two cores.
 //!
 //! A cache file is trusted only when everything it was made from is the same: the model files
-//! (path, size, modification time, inode), this program's version, the file format's version
-//! and the kernel's layout ([`PanelLayout::name`]). Each matrix carries a CRC-32 checked before
-//! use, so a file cut short or damaged on disk (a crash before the kernel wrote it all) is
-//! rebuilt, never read. Files are written under a temporary name and renamed into place, so a
-//! reader never sees half of one. Writing one removes the
-//! files of models that are gone. `ATTNSCOPE_PANEL_CACHE=off` turns the cache off; deleting
-//! `<cache>/panels` at any time is safe.
+//! (size, modification time, device and inode: the file itself, not the path it was reached
+//! by, so a model reached by two paths, a hard link or a symbolic one, is cached once), this
+//! program's version, the file format's version and the kernel's layout
+//! ([`PanelLayout::name`]). Each matrix carries a CRC-32 checked before use, so a file cut short
+//! or damaged on disk (a crash before the kernel wrote it all) is rebuilt, never read. Files are
+//! written under a temporary name and renamed into place, so a reader never sees half of one.
+//!
+//! The cache is capped ([`Settings::max_bytes`]: `ATTNSCOPE_PANEL_CACHE_MAX_GB`, default
+//! [`DEFAULT_MAX_BYTES`]): writing a file removes the files of models that are gone or changed,
+//! then the least recently used files (a file's modification time is its last use: set when it
+//! is written or mapped) until the rest fits; a model whose packed weights alone exceed the cap
+//! is not kept. `attnscope cache list|clear` shows and removes the files ([`list`], [`clear`]).
+//! `ATTNSCOPE_PANEL_CACHE=off` turns the cache off; deleting `<cache>/panels` at any time is safe.
 
 use super::weights::{Matrix, PanelLayout, Weights};
 use crate::kernels::amx::scaled::PackedScaled;
@@ -32,12 +38,16 @@ use std::sync::Arc;
 const MAGIC: &[u8; 8] = b"ATNSPNL1";
 /// Bumped whenever the file's layout or the meaning of its panels changes (2: entries have a
 /// kind; kind 3, 8-bit blocks, came with a layout of its own name, so no older file holds it).
-const FORMAT: u32 = 2;
+/// 3: the model files are identified by size, time, device and inode, without their path.
+const FORMAT: u32 = 3;
 /// Every matrix starts on a page.
 const ALIGN: usize = 4096;
 /// Models whose packed projections are smaller than this load fast anyway: no file is written
 /// (the tests' tiny models would otherwise leave one per temporary file).
 pub const MIN_BYTES: usize = 64 << 20;
+/// The cache's default cap: 4 GiB (the default model's f32 panels take ~1.4 GB, its `fast` ones
+/// less); `ATTNSCOPE_PANEL_CACHE_MAX_GB` sets another.
+pub const DEFAULT_MAX_BYTES: u64 = 4 << 30;
 
 /// What a cache file must have been made from to be used.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -46,9 +56,13 @@ struct Identity {
     attnscope: String,
     /// [`PanelLayout::name`]: the kernel's panel width, or the AMX tiles' parts
     layout: String,
-    /// Each model file: canonical path, length, modification time (ns), device and inode.
-    sources: Vec<(String, u64, i128, u64, u64)>,
+    /// Each model file: length, modification time (ns), device and inode (not its path: one
+    /// file reached by two paths is one model).
+    sources: Vec<SourceId>,
 }
+
+/// A model file as the cache knows it: length, modification time (ns), device, inode.
+type SourceId = (u64, i128, u64, u64);
 
 /// One matrix in the file: the projection's place (`layer · 4 + slot`), its shape, where its
 /// panels start and their CRC-32.
@@ -69,15 +83,35 @@ struct Header {
     matrices: Vec<Entry>,
     /// The file's whole length: a shorter file was cut off.
     file_len: usize,
+    /// The model's name for `attnscope cache list` (the GGUF file's, or the folder's).
+    #[serde(default)]
+    model: String,
+    /// The model files' canonical paths when the file was written (each is checked for being
+    /// gone or changed; the identity does not hold them).
+    #[serde(default)]
+    paths: Vec<String>,
+}
+
+/// What [`identify`] finds about a model's files.
+#[derive(Debug)]
+struct Identified {
+    identity: Identity,
+    model: String,
+    paths: Vec<String>,
+    /// The hash of the model files' identities and the kind: the cache file's name (with the
+    /// kind), the same whatever path the model was reached by.
+    tag: String,
 }
 
 /// The cache file of one model (at one kernel layout).
 #[derive(Clone, Debug)]
 pub struct PanelCache {
     pub path: PathBuf,
-    identity: Identity,
+    id: Arc<Identified>,
     layout: PanelLayout,
     min_bytes: usize,
+    /// The cap of the directory's files ([`Settings::max_bytes`]).
+    pub max_bytes: u64,
 }
 
 /// A valid cache file, mapped.
@@ -118,6 +152,9 @@ pub enum Opened {
 pub struct Settings {
     pub dir: PathBuf,
     pub min_bytes: usize,
+    /// The most the directory's files may take together ([`DEFAULT_MAX_BYTES`]); the least
+    /// recently used go first.
+    pub max_bytes: u64,
 }
 
 /// Blobs ([`BlobCache`]) smaller than this are not kept: ~20k SentencePiece merges, where
@@ -134,13 +171,43 @@ impl Settings {
         }
     }
 
-    /// `<cache>/panels` for models of [`MIN_BYTES`] and more, unless `ATTNSCOPE_PANEL_CACHE` is
-    /// `off` (or `0`, `false`, `no`).
+    /// `<cache>/panels` for models of [`MIN_BYTES`] and more, capped at
+    /// `ATTNSCOPE_PANEL_CACHE_MAX_GB` ([`max_bytes_from_env`]), unless `ATTNSCOPE_PANEL_CACHE`
+    /// is `off` (or `0`, `false`, `no`).
     pub fn from_env() -> Option<Settings> {
         enabled(std::env::var("ATTNSCOPE_PANEL_CACHE").ok().as_deref()).then(|| Settings {
-            dir: super::fetch::cache_dir().join("panels"),
+            dir: dir_from_env(),
             min_bytes: MIN_BYTES,
+            max_bytes: max_bytes_from_env(),
         })
+    }
+}
+
+/// `<cache>/panels`: where the cache files are (`ATTNSCOPE_CACHE` moves `<cache>`).
+pub fn dir_from_env() -> PathBuf {
+    super::fetch::cache_dir().join("panels")
+}
+
+/// The cap `ATTNSCOPE_PANEL_CACHE_MAX_GB` sets (GiB, fractions allowed; 0 keeps nothing), or
+/// [`DEFAULT_MAX_BYTES`] when it is unset; a value that is not a number is said and ignored.
+pub fn max_bytes_from_env() -> u64 {
+    let var = std::env::var("ATTNSCOPE_PANEL_CACHE_MAX_GB").ok();
+    parse_max_gb(var.as_deref()).unwrap_or_else(|bad| {
+        eprintln!("attnscope: warning: ATTNSCOPE_PANEL_CACHE_MAX_GB={bad} is not a number of GiB (such as 4 or 0.5); the cache keeps its default cap of {} GiB", DEFAULT_MAX_BYTES >> 30);
+        DEFAULT_MAX_BYTES
+    })
+}
+
+/// The cap a value of `ATTNSCOPE_PANEL_CACHE_MAX_GB` says, or the value when it is not one.
+fn parse_max_gb(var: Option<&str>) -> Result<u64, String> {
+    let Some(v) = var.map(str::trim).filter(|v| !v.is_empty()) else {
+        return Ok(DEFAULT_MAX_BYTES);
+    };
+    match v.parse::<f64>() {
+        Ok(gb) if gb.is_finite() && gb >= 0.0 => {
+            Ok((gb * (1u64 << 30) as f64).min(u64::MAX as f64) as u64)
+        }
+        _ => Err(v.to_string()),
     }
 }
 
@@ -162,13 +229,20 @@ impl PanelCache {
         layout: PanelLayout,
         min_bytes: usize,
     ) -> Option<PanelCache> {
-        let (identity, stem, tag) = identify(files, &layout.name())?;
+        let id = identify(files, &layout.name())?;
         Some(PanelCache {
-            path: dir.join(format!("{stem}-{}-{tag}.panels", layout.name())),
-            identity,
+            path: dir.join(format!("{}-{}.panels", layout.name(), id.tag)),
+            id: Arc::new(id),
             layout,
             min_bytes,
+            max_bytes: u64::MAX,
         })
+    }
+
+    /// The cache with the cap `max_bytes` on its directory.
+    pub fn with_cap(mut self, max_bytes: u64) -> PanelCache {
+        self.max_bytes = max_bytes;
+        self
     }
 
     /// Maps the cache file and checks it: the identity, the length and every matrix's CRC.
@@ -185,7 +259,7 @@ impl PanelCache {
         let Some(header) = read_header(&map) else {
             return self.damaged("its header cannot be read");
         };
-        if header.identity != self.identity {
+        if header.identity != self.id.identity {
             return Opened::Miss;
         }
         if header.file_len != map.len() {
@@ -209,6 +283,8 @@ impl PanelCache {
         if let Some(i) = bad {
             return self.damaged(&format!("matrix {i} fails its checksum"));
         }
+        // used now: the last to be removed for the cap
+        touch(&file, &self.path);
         Opened::Hit(Cached {
             map: Arc::new(map),
             matrices: header.matrices,
@@ -244,13 +320,20 @@ impl PanelCache {
         if total < self.min_bytes || mats.is_empty() {
             return Ok(None);
         }
+        if total as u64 > self.max_bytes {
+            return Err(std::io::Error::other(format!(
+                "they take {}, more than the cache's cap of {}; ATTNSCOPE_PANEL_CACHE_MAX_GB raises it",
+                size_text(total as u64),
+                size_text(self.max_bytes)
+            )));
+        }
         let dir = self.path.parent().unwrap_or(Path::new("."));
         std::fs::create_dir_all(dir)?;
         if free_bytes(dir).is_some_and(|free| free < total as u64 + (1 << 30)) {
             return Ok(None);
         }
-        let file_len = write_file(&self.path, &self.identity, &mats)?;
-        remove_orphans(dir, &self.path);
+        let file_len = write_file(&self.path, &self.id, &mats)?;
+        tidy(dir, &self.path, self.max_bytes);
         Ok(Some(file_len as u64))
     }
 }
@@ -259,9 +342,10 @@ impl PanelCache {
 /// then the pieces, each on a page, under a temporary name renamed into place. Its length.
 fn write_file(
     path: &Path,
-    identity: &Identity,
+    id: &Identified,
     mats: &[(usize, usize, &[u8], u8)],
 ) -> std::io::Result<usize> {
+    let identity = &id.identity;
     let dir = path.parent().unwrap_or(Path::new("."));
     let crcs: Vec<u32> = mats.par_iter().map(|m| crc(m.2)).collect();
     // the header's length depends on the offsets, which depend on its length: the header is
@@ -290,6 +374,8 @@ fn write_file(
         identity: identity.clone(),
         matrices: probe,
         file_len: usize::MAX,
+        model: id.model.clone(),
+        paths: id.paths.clone(),
     })
     .map_err(std::io::Error::other)?
     .len();
@@ -299,6 +385,8 @@ fn write_file(
         identity: identity.clone(),
         matrices,
         file_len,
+        model: id.model.clone(),
+        paths: id.paths.clone(),
     })
     .map_err(std::io::Error::other)?;
     debug_assert!(16 + header.len() <= data_start);
@@ -332,7 +420,9 @@ fn write_file(
         f.write_all(&zeros[..pad])?;
         // no fsync (it cost 2.4 s for the default model): a file cut short by a crash
         // fails its length or checksums on the next open and is rebuilt
-        f.into_inner().map_err(|e| e.into_error())?;
+        let f = f.into_inner().map_err(|e| e.into_error())?;
+        // written now: the most recently used file
+        touch(&f, path);
         std::fs::rename(&tmp, path)
     };
     match write() {
@@ -350,19 +440,22 @@ fn write_file(
 #[derive(Clone, Debug)]
 pub struct BlobCache {
     pub path: PathBuf,
-    identity: Identity,
+    id: Arc<Identified>,
     /// Smaller payloads are not kept (the tests' tiny vocabularies).
     pub min_bytes: usize,
+    /// The cap of the directory's files ([`Settings::max_bytes`]).
+    pub max_bytes: u64,
 }
 
 impl BlobCache {
     /// The `kind` blob of the model read from `files`, in `dir`.
     pub fn new(files: &[PathBuf], dir: &Path, kind: &str, min_bytes: usize) -> Option<BlobCache> {
-        let (identity, stem, tag) = identify(files, kind)?;
+        let id = identify(files, kind)?;
         Some(BlobCache {
-            path: dir.join(format!("{stem}-{kind}-{tag}.bin")),
-            identity,
+            path: dir.join(format!("{kind}-{}.bin", id.tag)),
+            id: Arc::new(id),
             min_bytes,
+            max_bytes: u64::MAX,
         })
     }
 
@@ -370,47 +463,62 @@ impl BlobCache {
     pub fn load(&self) -> Option<Vec<u8>> {
         let bytes = std::fs::read(&self.path).ok()?;
         let h = read_header(&bytes)?;
-        if h.identity != self.identity || h.file_len != bytes.len() || h.matrices.len() != 1 {
+        if h.identity != self.id.identity || h.file_len != bytes.len() || h.matrices.len() != 1 {
             return None;
         }
         let e = &h.matrices[0];
         let payload = bytes.get(e.offset..e.offset.checked_add(e.n)?)?;
-        (e.k == 1 && crc(payload) == e.crc).then(|| payload.to_vec())
+        let ok = e.k == 1 && crc(payload) == e.crc;
+        if ok {
+            if let Ok(f) = std::fs::File::open(&self.path) {
+                touch(&f, &self.path);
+            }
+        }
+        ok.then(|| payload.to_vec())
+    }
+
+    /// The blob with the cap `max_bytes` on its directory.
+    pub fn with_cap(mut self, max_bytes: u64) -> BlobCache {
+        self.max_bytes = max_bytes;
+        self
     }
 
     /// Keeps `payload` (if it is at least `min_bytes`); a failure only costs the next load time.
     pub fn store(&self, payload: &[u8]) {
-        if payload.len() < self.min_bytes {
+        if payload.len() < self.min_bytes || payload.len() as u64 > self.max_bytes {
             return;
         }
         let dir = self.path.parent().unwrap_or(Path::new("."));
-        if std::fs::create_dir_all(dir).is_ok() {
-            let _ = write_file(
-                &self.path,
-                &self.identity,
-                &[(payload.len(), 1, payload, 0)],
-            );
+        if std::fs::create_dir_all(dir).is_ok()
+            && write_file(&self.path, &self.id, &[(payload.len(), 1, payload, 0)]).is_ok()
+        {
+            tidy(dir, &self.path, self.max_bytes);
         }
     }
 }
 
-/// Removes the cache files in `dir` (other than `keep`) whose model files are gone, and
-/// temporary files a killed writer left more than a day ago: a deleted model does not leave
-/// gigabytes behind. Run after each file written; reads only the headers.
-fn remove_orphans(dir: &Path, keep: &Path) {
+/// Whether `name` is one of the cache's files (not a temporary one).
+fn is_cache_file(name: &str) -> bool {
+    !name.starts_with('.') && (name.ends_with(".panels") || name.ends_with(".bin"))
+}
+
+/// Tidies `dir` after `keep` was written: removes the cache files whose model files are gone or
+/// changed (a deleted or edited model does not leave gigabytes behind), temporary files a
+/// killed writer left more than a day ago, then the least recently used files until all of
+/// them take at most `max_bytes` (`keep` stays). Reads only the headers.
+fn tidy(dir: &Path, keep: &Path, max_bytes: u64) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
+    // (last use, name, path, bytes) of the files that stay
+    let mut files: Vec<(std::time::SystemTime, String, PathBuf, u64)> = Vec::new();
     for e in entries.flatten() {
         let path = e.path();
-        if path == keep {
-            continue;
-        }
         let name = e.file_name().to_string_lossy().into_owned();
+        let Ok(md) = e.metadata() else { continue };
         if name.starts_with('.') && name.ends_with(".tmp") {
-            let old = e
-                .metadata()
-                .and_then(|m| m.modified())
+            let old = md
+                .modified()
                 .ok()
                 .and_then(|t| t.elapsed().ok())
                 .is_some_and(|age| age.as_secs() > 24 * 3600);
@@ -419,15 +527,195 @@ fn remove_orphans(dir: &Path, keep: &Path) {
             }
             continue;
         }
-        if !(name.ends_with(".panels") || name.ends_with(".bin")) {
+        if !is_cache_file(&name) {
             continue;
         }
-        let gone = header_of_file(&path)
-            .is_some_and(|h| h.identity.sources.iter().any(|s| !Path::new(&s.0).exists()));
-        if gone {
+        if path != keep && header_of_file(&path).is_some_and(|h| is_stale(&h)) {
             let _ = std::fs::remove_file(&path);
+            continue;
+        }
+        let used = md.modified().unwrap_or(std::time::UNIX_EPOCH);
+        files.push((used, name, path, md.len()));
+    }
+    let mut total: u64 = files.iter().map(|f| f.3).sum();
+    files.sort();
+    for (_, _, path, bytes) in files {
+        if total <= max_bytes {
+            break;
+        }
+        if path != keep && std::fs::remove_file(&path).is_ok() {
+            total -= bytes;
         }
     }
+}
+
+/// Whether the model files a cache file was made from are gone or changed since (its panels
+/// can never be used again).
+fn is_stale(h: &Header) -> bool {
+    h.paths.len() != h.identity.sources.len()
+        || h.paths
+            .iter()
+            .zip(&h.identity.sources)
+            .any(|(p, s)| source_id(Path::new(p)).as_ref() != Some(s))
+}
+
+/// Marks the cache file `f` (at `path`) as used now, for the cap's least-recently-used order:
+/// its modification time becomes now, or just after the newest other file's when the clock
+/// has not moved past it (two uses within one tick of a coarse clock keep their order).
+fn touch(f: &std::fs::File, path: &Path) {
+    let now = std::time::SystemTime::now();
+    let newest = path
+        .parent()
+        .and_then(|d| std::fs::read_dir(d).ok())
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path() != path && is_cache_file(&e.file_name().to_string_lossy()))
+        .filter_map(|e| e.metadata().ok()?.modified().ok())
+        .max();
+    let t = match newest {
+        Some(n) if n >= now => n + std::time::Duration::from_millis(1),
+        _ => now,
+    };
+    let _ = f.set_modified(t);
+}
+
+/// One file of the cache, as `attnscope cache list` shows it.
+#[derive(Clone, Debug, Serialize)]
+pub struct CacheFile {
+    pub path: PathBuf,
+    /// The model's name (its GGUF file's, or its folder's); empty for a file of another version.
+    pub model: String,
+    /// What the file holds: a kernel layout's panels (`f32x16`, `bf16`, ...), or a blob's kind
+    /// (`sp-merges`).
+    pub layout: String,
+    pub bytes: u64,
+    /// Seconds since the Unix epoch of its last use (written or mapped).
+    pub last_used: u64,
+    /// The model files it was made from.
+    pub sources: Vec<String>,
+    /// Whether this attnscope can use it: made by this version from model files that are
+    /// still there, unchanged (a stale file is removed the next time a file is written).
+    pub usable: bool,
+    /// (device, inode) of each model file it was made from.
+    #[serde(skip)]
+    files: Vec<(u64, u64)>,
+    /// The last use, to the clock's precision (the order of [`list`]).
+    #[serde(skip)]
+    used: std::time::SystemTime,
+}
+
+/// `bytes` for a message: GiB from 1 GiB, else MB.
+fn size_text(bytes: u64) -> String {
+    if bytes >= 1 << 30 {
+        format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+    } else {
+        format!("{:.1} MB", bytes as f64 / 1e6)
+    }
+}
+
+/// The cache files in `dir`, most recently used first.
+pub fn list(dir: &Path) -> Vec<CacheFile> {
+    let mut out: Vec<CacheFile> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| is_cache_file(&e.file_name().to_string_lossy()))
+        .filter_map(|e| {
+            let md = e.metadata().ok()?;
+            if !md.is_file() {
+                return None;
+            }
+            let path = e.path();
+            let h = header_of_file(&path);
+            let used = md.modified().unwrap_or(std::time::UNIX_EPOCH);
+            let last_used = used
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            Some(match h {
+                Some(h) => CacheFile {
+                    usable: h.identity.format == FORMAT
+                        && h.identity.attnscope == env!("CARGO_PKG_VERSION")
+                        && !is_stale(&h),
+                    model: h.model.clone(),
+                    layout: h.identity.layout.clone(),
+                    files: h.identity.sources.iter().map(|s| (s.2, s.3)).collect(),
+                    sources: h.paths,
+                    path,
+                    bytes: md.len(),
+                    last_used,
+                    used,
+                },
+                None => CacheFile {
+                    path,
+                    model: String::new(),
+                    layout: String::new(),
+                    bytes: md.len(),
+                    last_used,
+                    sources: Vec::new(),
+                    usable: false,
+                    files: Vec::new(),
+                    used,
+                },
+            })
+        })
+        .collect();
+    out.sort_by(|a, b| b.used.cmp(&a.used).then(a.path.cmp(&b.path)));
+    out
+}
+
+impl CacheFile {
+    /// Whether this file belongs to `model`: its name as [`list`] shows it, an alias, or a
+    /// path to the model's file or folder (the file itself, by device and inode, so any path
+    /// to it does).
+    pub fn is_of(&self, model: &str) -> bool {
+        let stem = Path::new(&self.model).file_stem();
+        if !self.model.is_empty() && (self.model == model || stem == Some(model.as_ref())) {
+            return true;
+        }
+        let path = match super::fetch::alias(model) {
+            Some(a) => super::fetch::alias_path(a),
+            None => PathBuf::from(model),
+        };
+        let files: Vec<PathBuf> = if path.is_dir() {
+            std::fs::read_dir(&path)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.path())
+                .collect()
+        } else {
+            vec![path]
+        };
+        files
+            .iter()
+            .filter_map(|f| source_id(f))
+            .any(|s| self.files.contains(&(s.2, s.3)))
+    }
+}
+
+/// Removes the cache files in `dir` (only `model`'s, [`CacheFile::is_of`], when given) and
+/// the temporary files writers left; the files removed.
+pub fn clear(dir: &Path, model: Option<&str>) -> std::io::Result<Vec<CacheFile>> {
+    let mut removed = Vec::new();
+    for f in list(dir) {
+        if model.is_none_or(|m| f.is_of(m)) {
+            match std::fs::remove_file(&f.path) {
+                Ok(()) => removed.push(f),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    if model.is_none() {
+        for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with('.') && name.ends_with(".tmp") {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    Ok(removed)
 }
 
 /// The header of the cache file at `path`, read without mapping the file.
@@ -472,57 +760,54 @@ impl Cached {
     }
 }
 
-/// What a cache file of `kind` made from `files` must say it was made from, and the stem and
-/// hash its name carries (one name per model path and kind: a changed model replaces its file).
-fn identify(files: &[PathBuf], kind: &str) -> Option<(Identity, String, String)> {
+/// The identity of the model file at `path`: length, modification time, device, inode.
+fn source_id(path: &Path) -> Option<SourceId> {
+    let md = std::fs::metadata(path).ok()?;
+    let mtime = md
+        .modified()
+        .ok()?
+        .duration_since(std::time::UNIX_EPOCH)
+        .ok()?
+        .as_nanos() as i128;
+    #[cfg(unix)]
+    let (dev, ino) = {
+        use std::os::unix::fs::MetadataExt;
+        (md.dev(), md.ino())
+    };
+    #[cfg(not(unix))]
+    let (dev, ino) = (0, 0);
+    Some((md.len(), mtime, dev, ino))
+}
+
+/// What a cache file of `kind` made from `files` must say it was made from, the model's name,
+/// and the hash its name carries. The hash is of the files themselves (size, time,
+/// device, inode), not of their paths: a model reached by another path finds the same file,
+/// and a changed model gets a new one (the old one is removed as stale by [`tidy`]).
+fn identify(files: &[PathBuf], kind: &str) -> Option<Identified> {
     let mut sources = Vec::new();
+    let mut paths = Vec::new();
     for f in files {
         let path = std::fs::canonicalize(f).ok()?;
-        let md = std::fs::metadata(&path).ok()?;
-        let mtime = md
-            .modified()
-            .ok()?
-            .duration_since(std::time::UNIX_EPOCH)
-            .ok()?
-            .as_nanos() as i128;
-        #[cfg(unix)]
-        let (dev, ino) = {
-            use std::os::unix::fs::MetadataExt;
-            (md.dev(), md.ino())
-        };
-        #[cfg(not(unix))]
-        let (dev, ino) = (0, 0);
-        sources.push((
-            path.to_string_lossy().into_owned(),
-            md.len(),
-            mtime,
-            dev,
-            ino,
-        ));
+        sources.push(source_id(&path)?);
+        paths.push(path.to_string_lossy().into_owned());
     }
-    let first = sources.first()?;
-    // one file per model path and layout: a changed model replaces its cache, never adds one
-    let stem = Path::new(&first.0)
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "model".into());
-    let stem: String = stem
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || ".-_".contains(c) {
-                c
-            } else {
-                '_'
-            }
-        })
-        .take(64)
-        .collect();
+    let first = Path::new(paths.first()?);
+    // a GGUF file by its name, a folder's files (safetensors, config.json) by the folder's
+    let model = if files.len() == 1 {
+        first.file_name()
+    } else {
+        first.parent().and_then(|p| p.file_name())
+    }
+    .map(|s| s.to_string_lossy().into_owned())
+    .unwrap_or_else(|| "model".into());
     let tag = {
         use sha2::Digest;
         let mut h = sha2::Sha256::new();
-        for s in &sources {
-            h.update(s.0.as_bytes());
-            h.update([0]);
+        for (len, mtime, dev, ino) in &sources {
+            h.update(len.to_le_bytes());
+            h.update(mtime.to_le_bytes());
+            h.update(dev.to_le_bytes());
+            h.update(ino.to_le_bytes());
         }
         h.update(kind.as_bytes());
         let d = h.finalize();
@@ -531,16 +816,17 @@ fn identify(files: &[PathBuf], kind: &str) -> Option<(Identity, String, String)>
             .map(|b| format!("{b:02x}"))
             .collect::<String>()
     };
-    Some((
-        Identity {
+    Some(Identified {
+        identity: Identity {
             format: FORMAT,
             attnscope: env!("CARGO_PKG_VERSION").into(),
             layout: kind.into(),
             sources,
         },
-        stem,
+        model,
+        paths,
         tag,
-    ))
+    })
 }
 
 fn read_header(map: &[u8]) -> Option<Header> {
@@ -606,6 +892,18 @@ mod tests {
     }
 
     #[test]
+    fn the_cap_is_read_in_gib() {
+        assert_eq!(parse_max_gb(None), Ok(DEFAULT_MAX_BYTES));
+        assert_eq!(parse_max_gb(Some(" ")), Ok(DEFAULT_MAX_BYTES));
+        assert_eq!(parse_max_gb(Some("2")), Ok(2 << 30));
+        assert_eq!(parse_max_gb(Some("0.5")), Ok(1 << 29));
+        assert_eq!(parse_max_gb(Some("0")), Ok(0));
+        for bad in ["-1", "four", "NaN", "inf"] {
+            assert_eq!(parse_max_gb(Some(bad)), Err(bad.to_string()), "{bad}");
+        }
+    }
+
+    #[test]
     fn a_checksum_in_pieces_is_the_checksum_of_the_whole() {
         let bytes: Vec<u8> = (0..(40usize << 20) + 12345)
             .map(|i| ((i * 2654435761) >> 13) as u8)
@@ -621,11 +919,16 @@ mod tests {
     #[test]
     fn the_pieces_lie_at_their_offsets_for_any_header_length() {
         let dir = tempfile::tempdir().unwrap();
-        let identity = Identity {
-            format: FORMAT,
-            attnscope: "test".into(),
-            layout: "test".into(),
-            sources: vec![],
+        let identity = Identified {
+            identity: Identity {
+                format: FORMAT,
+                attnscope: "test".into(),
+                layout: "test".into(),
+                sources: vec![],
+            },
+            model: "test".into(),
+            paths: vec![],
+            tag: "0".into(),
         };
         let pieces: Vec<Vec<u8>> = (0..160u32)
             .map(|i| {

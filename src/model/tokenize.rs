@@ -255,18 +255,23 @@ fn bpe_tokenizer(
         "decoder": decoder,
         "model": {"type": "BPE", "vocab": {}, "merges": []},
     });
-    let mut inner: tokenizers::Tokenizer = doc.to_string().parse().map_err(|e| format!("{e}"))?;
-    let mut bpe = tokenizers::models::bpe::BPE::builder()
-        .vocab_and_merges(parts.vocab, parts.merges)
-        .fuse_unk(parts.fuse_unk)
-        .byte_fallback(parts.byte_fallback)
-        .ignore_merges(parts.ignore_merges);
-    if let Some(unk) = parts.unk {
-        bpe = bpe.unk_token(unk);
-    }
-    inner.with_model(bpe.build().map_err(|e| format!("{e}"))?);
-    inner.add_tokens(added).map_err(|e| format!("{e}"))?;
-    Ok(inner)
+    // the loader boundary: a panic inside the tokenizers crate is the file's vocabulary's
+    super::guard::quietly(move || {
+        let mut inner: tokenizers::Tokenizer =
+            doc.to_string().parse().map_err(|e| format!("{e}"))?;
+        let mut bpe = tokenizers::models::bpe::BPE::builder()
+            .vocab_and_merges(parts.vocab, parts.merges)
+            .fuse_unk(parts.fuse_unk)
+            .byte_fallback(parts.byte_fallback)
+            .ignore_merges(parts.ignore_merges);
+        if let Some(unk) = parts.unk {
+            bpe = bpe.unk_token(unk);
+        }
+        inner.with_model(bpe.build().map_err(|e| format!("{e}"))?);
+        inner.add_tokens(added).map_err(|e| format!("{e}"))?;
+        Ok(inner)
+    })
+    .unwrap_or_else(|msg| Err(format!("the tokenizers library failed ({msg})")))
 }
 
 /// The tokenizer of a SentencePiece vocabulary, and how many merges it has.
@@ -530,7 +535,12 @@ impl Tokenizer {
 
     /// Loads a Hugging Face `tokenizer.json`; `add_bos`/`bos_id` come from the caller (config).
     pub fn from_file(path: &Path, add_bos: bool, bos_id: Option<u32>) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_file(path)
+        // the loader boundary: a panic inside the tokenizers crate is the file's
+        let inner = super::guard::quietly(|| tokenizers::Tokenizer::from_file(path))
+            .map_err(|msg| Error::LoaderPanic {
+                path: path.into(),
+                msg,
+            })?
             .map_err(|e| Error::Tokenizer(format!("cannot load {}: {e}", path.display())))?;
         let kind = format!("{} from {}", model_kind(&inner), path.display());
         // a BPE with byte fallback is SentencePiece-style (`▁`, `<0xNN>`); the rest byte-level

@@ -1229,6 +1229,7 @@ pub fn load_weights(
             mlp_norm: norm(need(src, Logical::MlpNorm(i))?)?,
         };
         layers.push(layer);
+        super::guard::fault_point("pack");
         progress(i + 1, dims.n_layers);
     }
     let rope_freqs = match fetch(src, &Logical::RopeFreqs, dims, name)? {
