@@ -73,10 +73,48 @@ fn python_interrupted() -> bool {
     Python::attach(|py| py.check_signals().is_err())
 }
 
-/// An [`AttnCache`] that keeps only the exact (layer, hook) pairs asked for.
+/// An [`AttnCache`] that keeps only the exact (layer, hook) pairs asked for; and, with an
+/// `editor`, hands the activations at `edit` to that Python callable, `editor(name, array)`,
+/// whose returned array is what flows on (TransformerLens's editing hooks). An exception raised
+/// there stops the forward and is raised again, as it was, once the engine is done.
 struct Wanted {
     cache: AttnCache,
     pairs: BTreeSet<(usize, Hook)>,
+    edit: BTreeSet<(usize, Hook)>,
+    editor: Option<Py<PyAny>>,
+    error: Option<PyErr>,
+}
+
+impl Wanted {
+    fn call(&self, layer: usize, hook: Hook, shape: &[usize], data: &mut [f32]) -> PyResult<()> {
+        Python::attach(|py| {
+            let arr = PyArray1::from_slice(py, data).reshape(shape.to_vec())?;
+            let back = self
+                .editor
+                .as_ref()
+                .expect("edits only with an editor")
+                .call1(py, (hook_name(layer, hook), arr))?;
+            let back = back.bind(py);
+            let back = back.cast::<numpy::PyArrayDyn<f32>>().map_err(|_| {
+                PyValueError::new_err(format!(
+                    "the hook at {} must leave a float32 array",
+                    hook_name(layer, hook)
+                ))
+            })?;
+            let ro = back.readonly();
+            let view = ro.as_array();
+            if view.shape() != shape {
+                return Err(PyValueError::new_err(format!(
+                    "the hook at {} returned an array of shape {:?}; the activation is {:?}",
+                    hook_name(layer, hook),
+                    view.shape(),
+                    shape
+                )));
+            }
+            data.iter_mut().zip(view.iter()).for_each(|(d, &x)| *d = x);
+            Ok(())
+        })
+    }
 }
 
 impl Observer for Wanted {
@@ -112,77 +150,8 @@ impl Observer for Wanted {
         self.cache
             .pattern_rows(layer, q_start, rows, n_heads, k_len)
     }
-}
-
-/// [`Wanted`], and the activations at `edit` handed to a Python callable `editor(name, array)`
-/// that returns the array to carry on with (TransformerLens's editing hooks). An exception raised
-/// there stops the forward and is raised again, as it was, once the engine is done.
-struct Edited {
-    wanted: Wanted,
-    edit: BTreeSet<(usize, Hook)>,
-    editor: Py<PyAny>,
-    error: Option<PyErr>,
-}
-
-impl Edited {
-    fn call(&self, layer: usize, hook: Hook, shape: &[usize], data: &mut [f32]) -> PyResult<()> {
-        Python::attach(|py| {
-            let arr = PyArray1::from_slice(py, data).reshape(shape.to_vec())?;
-            let back = self.editor.call1(py, (hook_name(layer, hook), arr))?;
-            let back = back.bind(py);
-            let back = back.cast::<numpy::PyArrayDyn<f32>>().map_err(|_| {
-                PyValueError::new_err(format!(
-                    "the hook at {} must leave a float32 array",
-                    hook_name(layer, hook)
-                ))
-            })?;
-            let ro = back.readonly();
-            let view = ro.as_array();
-            if view.shape() != shape {
-                return Err(PyValueError::new_err(format!(
-                    "the hook at {} returned an array of shape {:?}; the activation is {:?}",
-                    hook_name(layer, hook),
-                    view.shape(),
-                    shape
-                )));
-            }
-            data.iter_mut().zip(view.iter()).for_each(|(d, &x)| *d = x);
-            Ok(())
-        })
-    }
-}
-
-impl Observer for Edited {
-    fn wants(&self, layer: usize, hook: Hook) -> bool {
-        self.wanted.wants(layer, hook)
-    }
-    fn tensor(&mut self, layer: usize, hook: Hook, shape: &[usize], data: &[f32]) {
-        self.wanted.tensor(layer, hook, shape, data)
-    }
-    fn attention_block(
-        &mut self,
-        layer: usize,
-        hook: Hook,
-        q_start: usize,
-        shape: [usize; 3],
-        data: &[f32],
-    ) {
-        self.wanted
-            .attention_block(layer, hook, q_start, shape, data)
-    }
-    fn pattern_rows(
-        &mut self,
-        layer: usize,
-        q_start: usize,
-        rows: usize,
-        n_heads: usize,
-        k_len: usize,
-    ) -> Option<attnscope::model::capture::PatternRows<'_>> {
-        self.wanted
-            .pattern_rows(layer, q_start, rows, n_heads, k_len)
-    }
     fn edits(&self, layer: usize, hook: Hook) -> bool {
-        self.error.is_none() && self.edit.contains(&(layer, hook))
+        self.editor.is_some() && self.error.is_none() && self.edit.contains(&(layer, hook))
     }
     fn edit(
         &mut self,
@@ -367,30 +336,22 @@ impl Model {
         };
         let m = self.inner.clone();
         let (out, cache) = engine(py, move || {
-            let wanted = Wanted {
+            let mut obs = Wanted {
                 cache: AttnCache::new(&spec, n),
                 pairs,
+                edit,
+                editor,
+                error: None,
             };
             let opts = RunOptions {
                 logits_at,
                 ..Default::default()
             };
-            let Some(editor) = editor else {
-                let mut obs = wanted;
-                let out = m.forward(&ids, &opts, &mut obs)?;
-                return Ok((Ok(out), obs.cache));
-            };
-            let mut obs = Edited {
-                wanted,
-                edit,
-                editor,
-                error: None,
-            };
             let out = m.forward(&ids, &opts, &mut obs);
             // an exception in a hook is raised as it was
             match (out, obs.error) {
-                (_, Some(e)) => Ok((Err(e), obs.wanted.cache)),
-                (out, None) => Ok((Ok(out?), obs.wanted.cache)),
+                (_, Some(e)) => Ok((Err(e), obs.cache)),
+                (out, None) => Ok((Ok(out?), obs.cache)),
             }
         })?;
         let out = out?;
