@@ -95,21 +95,11 @@ fn a_no_op_edit_and_a_resumed_run_change_no_bit() {
         let n = TOKENS.len();
         let mut clean = all_of(&[Hook::ResidPre], n);
         let base = last_logits(model, &mut clean).unwrap();
-        for hook in [
-            Hook::ResidPre,
-            Hook::Q,
-            Hook::K,
-            Hook::V,
-            Hook::RotQ,
-            Hook::RotK,
-            Hook::Z,
-            Hook::AttnOut,
-            Hook::ResidMid,
-            Hook::MlpPre,
-            Hook::MlpPost,
-            Hook::MlpOut,
-            Hook::ResidPost,
-        ] {
+        for hook in Hook::ALL
+            .into_iter()
+            .chain(Hook::GLOBAL)
+            .filter(|h| !h.is_attention_map())
+        {
             for layer in 0..model.dims.n_layers {
                 // a patch with no rows to write: the hook is handed over live, nothing written
                 let mut e = Editor {
@@ -147,6 +137,231 @@ fn a_no_op_edit_and_a_resumed_run_change_no_bit() {
                 )
                 .unwrap();
             assert_eq!(out.logits[0], base, "{arch}: resumed at layer {layer}");
+        }
+    }
+}
+
+/// The models of every family: the two tiny ones the tests write and the fixtures.
+fn every_family() -> (Vec<tempfile::TempDir>, Vec<(String, Model)>) {
+    let mut models: Vec<(String, Model)> = Vec::new();
+    let mut dirs = Vec::new();
+    for arch in [Arch::Qwen2, Arch::Llama] {
+        let (d, model) = tiny(arch);
+        dirs.push(d);
+        models.push((format!("{arch:?}"), model));
+    }
+    for fam in ["gemma2", "gemma3", "gpt2", "phi3", "qwen3"] {
+        let dir = golden(&format!("arch/{fam}"));
+        let model = Model::load(dir.to_str().unwrap(), Precision::Exact, false).unwrap();
+        models.push((fam.to_string(), model));
+    }
+    (dirs, models)
+}
+
+/// An observer that edits one hook with a function (and captures what `watch` asks).
+struct With<'a> {
+    layer: usize,
+    hook: Hook,
+    f: &'a dyn Fn(&mut [f32]),
+    watch: AttnCache,
+}
+
+impl Observer for With<'_> {
+    fn wants(&self, l: usize, h: Hook) -> bool {
+        self.watch.wants(l, h)
+    }
+    fn tensor(&mut self, l: usize, h: Hook, shape: &[usize], data: &[f32]) {
+        self.watch.tensor(l, h, shape, data)
+    }
+    fn attention_block(&mut self, l: usize, h: Hook, q: usize, shape: [usize; 3], d: &[f32]) {
+        self.watch.attention_block(l, h, q, shape, d)
+    }
+    fn edits(&self, l: usize, h: Hook) -> bool {
+        (l, h) == (self.layer, self.hook)
+    }
+    fn edit(&mut self, _: usize, _: Hook, _: &[usize], d: &mut [f32]) -> Result<(), String> {
+        (self.f)(d);
+        Ok(())
+    }
+}
+
+/// TransformerLens's hooks outside attention: hook_embed (+ hook_pos_embed) is resid_pre of
+/// layer 0; ln1/ln2/ln_final's hook_scale is sqrt(mean(x²) + eps) (LayerNorm: of the centered
+/// x) and hook_normalized · hook_scale gives x back; reading them changes no bit of the logits.
+#[test]
+fn embedding_and_norm_hooks_are_what_they_say() {
+    let (_dirs, models) = every_family();
+    let n = TOKENS.len();
+    for (arch, model) in &models {
+        let (dm, nl) = (model.dims.d_model, model.dims.n_layers);
+        let gpt2 = model.dims.arch == Arch::Gpt2;
+        let base = last_logits(model, &mut attnscope::model::capture::NoCapture).unwrap();
+        let all: Vec<Hook> = Hook::ALL.into_iter().chain(Hook::GLOBAL).collect();
+        let mut c = all_of(&all, n);
+        assert_eq!(
+            last_logits(model, &mut c).unwrap(),
+            base,
+            "{arch}: reading changes no bit"
+        );
+        let embed = &c.get(0, Hook::Embed).unwrap().data;
+        let resid0 = &c.get(0, Hook::ResidPre).unwrap().data;
+        match c.get(0, Hook::PosEmbed) {
+            Some(pos) => {
+                assert!(gpt2, "{arch}: only learned positions have hook_pos_embed");
+                let sum: Vec<f32> = embed.iter().zip(&pos.data).map(|(a, b)| a + b).collect();
+                assert_eq!(&sum, resid0, "{arch}");
+            }
+            None => {
+                assert!(!gpt2, "{arch}: GPT-2 hands hook_pos_embed");
+                assert_eq!(embed, resid0, "{arch}");
+            }
+        }
+        // a global hook has its bare name, at its own layer only
+        assert_eq!(c.get(0, Hook::Embed).unwrap().name, "hook_embed");
+        assert!(c.get(1, Hook::Embed).is_none());
+        let fin = c.get(nl - 1, Hook::LnFinalNormalized).unwrap();
+        assert_eq!(
+            (fin.name.as_str(), fin.shape.clone()),
+            ("ln_final.hook_normalized", vec![n, dm])
+        );
+        let checks = (0..nl)
+            .flat_map(|l| {
+                [
+                    (l, Hook::ResidPre, Hook::Ln1Scale, Hook::Ln1Normalized),
+                    (l, Hook::ResidMid, Hook::Ln2Scale, Hook::Ln2Normalized),
+                ]
+            })
+            .chain([(
+                nl - 1,
+                Hook::ResidPost,
+                Hook::LnFinalScale,
+                Hook::LnFinalNormalized,
+            )]);
+        for (l, input, scale, normalized) in checks {
+            let x = &c.get(l, input).unwrap().data;
+            let s = c.get(l, scale).unwrap();
+            assert_eq!(s.shape, vec![n, 1], "{arch} {scale:?}");
+            let y = &c.get(l, normalized).unwrap().data;
+            for r in 0..n {
+                let row = &x[r * dm..(r + 1) * dm];
+                let mean = if gpt2 {
+                    row.iter().map(|&v| v as f64).sum::<f64>() / dm as f64
+                } else {
+                    0.0
+                };
+                let ms = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / dm as f64;
+                let want = (ms + model.dims.rms_eps as f64).sqrt();
+                let got = s.data[r] as f64;
+                assert!(
+                    (got - want).abs() <= 1e-5 * want,
+                    "{arch} layer {l} {scale:?} row {r}: {got} vs {want}"
+                );
+                for j in 0..dm {
+                    let back = y[r * dm + j] as f64 * got + mean;
+                    let err = (back - row[j] as f64).abs();
+                    assert!(
+                        err <= 1e-4 * (1.0 + row[j].abs() as f64),
+                        "{arch} layer {l} {normalized:?} [{r},{j}]"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Edits at the new hooks, whose results are known by hand: ln_final.hook_normalized zeroed
+/// leaves logits of 0 (no final bias, no output bias); mlp.hook_pre_linear zeroed makes the
+/// gated MLP add nothing; ln1.hook_scale doubled halves ln1.hook_normalized; hook_embed zeroed
+/// leaves GPT-2 its positions alone.
+#[test]
+fn edits_at_the_norm_embedding_and_up_projection_hooks() {
+    let (_dirs, models) = every_family();
+    let n = TOKENS.len();
+    for (arch, model) in &models {
+        let (dm, nl) = (model.dims.d_model, model.dims.n_layers);
+        let gpt2 = model.dims.arch == Arch::Gpt2;
+        if matches!(arch.as_str(), "Qwen2" | "Llama") {
+            let zero = |d: &mut [f32]| d.iter_mut().for_each(|v| *v = 0.0);
+            let mut e = With {
+                layer: nl - 1,
+                hook: Hook::LnFinalNormalized,
+                f: &zero,
+                watch: all_of(&[], n),
+            };
+            let got = last_logits(model, &mut e).unwrap();
+            assert!(
+                got.iter().all(|&z| z == 0.0),
+                "{arch}: logits of a zeroed final norm"
+            );
+        }
+        if !gpt2 {
+            let zero = |d: &mut [f32]| d.iter_mut().for_each(|v| *v = 0.0);
+            let mut e = With {
+                layer: 0,
+                hook: Hook::MlpPreLinear,
+                f: &zero,
+                watch: all_of(&[Hook::MlpPost, Hook::MlpOut], n),
+            };
+            last_logits(model, &mut e).unwrap();
+            assert!(
+                e.watch
+                    .get(0, Hook::MlpPost)
+                    .unwrap()
+                    .data
+                    .iter()
+                    .all(|&v| v == 0.0),
+                "{arch}"
+            );
+            // no family but GPT-2 has an MLP bias; Gemma's post-norm of zeros is zeros
+            assert!(
+                e.watch
+                    .get(0, Hook::MlpOut)
+                    .unwrap()
+                    .data
+                    .iter()
+                    .all(|&v| v == 0.0),
+                "{arch}"
+            );
+        }
+        let mut clean = all_of(&[Hook::Ln1Normalized], n);
+        last_logits(model, &mut clean).unwrap();
+        let double = |d: &mut [f32]| d.iter_mut().for_each(|v| *v *= 2.0);
+        let mut e = With {
+            layer: 1,
+            hook: Hook::Ln1Scale,
+            f: &double,
+            watch: all_of(&[Hook::Ln1Normalized], n),
+        };
+        let edited = last_logits(model, &mut e).unwrap();
+        let (a, b) = (
+            &clean.get(1, Hook::Ln1Normalized).unwrap().data,
+            &e.watch.get(1, Hook::Ln1Normalized).unwrap().data,
+        );
+        for (x, y) in a.iter().zip(b.iter()) {
+            assert!(
+                (x / 2.0 - y).abs() <= 1e-6 * (1.0 + x.abs()),
+                "{arch}: halved"
+            );
+        }
+        assert_ne!(
+            edited,
+            last_logits(model, &mut attnscope::model::capture::NoCapture).unwrap(),
+            "{arch}"
+        );
+        if gpt2 {
+            let zero = |d: &mut [f32]| d.iter_mut().for_each(|v| *v = 0.0);
+            let mut e = With {
+                layer: 0,
+                hook: Hook::Embed,
+                f: &zero,
+                watch: all_of(&[Hook::PosEmbed, Hook::ResidPre], n),
+            };
+            last_logits(model, &mut e).unwrap();
+            assert_eq!(
+                e.watch.get(0, Hook::PosEmbed).unwrap().data,
+                e.watch.get(0, Hook::ResidPre).unwrap().data
+            );
+            assert_eq!(e.watch.get(0, Hook::ResidPre).unwrap().shape, vec![n, dm]);
         }
     }
 }
@@ -681,6 +896,18 @@ fn patching_matches_transformers_qwen() {
 #[test]
 fn patching_matches_transformers_smollm() {
     check_patching("smollm2-135m", "smol");
+}
+
+/// Gemma 3 (post-norms, scaled embeddings, q/k norms, sliding layers, `<bos>` first): the
+/// reference made with the same script (tests/golden/README.md).
+#[test]
+fn ablation_matches_transformers_gemma() {
+    check_ablation("gemma3-270m", "gemma");
+}
+
+#[test]
+fn patching_matches_transformers_gemma() {
+    check_patching("gemma3-270m", "gemma");
 }
 
 /// Direct logit attribution on a tiny model, computed again here from the reference weights:

@@ -1112,4 +1112,23 @@ fn gu_sink_metric_and_massive_activations_from_the_patterns() {
         !massive.is_empty() && massive.iter().all(|l| l.top[0].pos == 0),
         "{massive:?}"
     );
+    // `corpus` keeps the same per text: its record's massive activations (3 largest) are the
+    // captured residual's, and Gu's count from its α₁ is the one from the whole patterns
+    let rec = attnscope::cli::corpus::text_record(model, 0, SENTENCE, false, false)
+        .unwrap()
+        .unwrap();
+    let mut m3 = Massive::new(3);
+    for l in 0..d.n_layers {
+        m3.add(l, d.d_model, &cache.get(l, Hook::ResidPost).unwrap().data);
+    }
+    assert_eq!(rec.massive.as_ref().unwrap(), &m3.layers);
+    let agg = attnscope::analysis::corpus::aggregate(std::slice::from_ref(&rec), 0.3).unwrap();
+    for (l, (a, b)) in agg.layers.iter().zip(&want).enumerate() {
+        assert!(
+            (a.gu_heads_fraction - b).abs() < 1e-9,
+            "corpus layer {l}: {} vs {b}",
+            a.gu_heads_fraction
+        );
+    }
+    assert_eq!(agg.massive.unwrap().texts_with_any, 1.0);
 }

@@ -25,6 +25,8 @@ pub struct Collector {
     /// Per layer, `hook_v` (`[n, n_kv_heads, head_dim]`) where [`Collector::keep_values`] asked.
     pub values: Vec<Option<Vec<f32>>>,
     keep_values: Vec<bool>,
+    /// Sun et al.'s massive activations of every layer's output, when asked for
+    pub massive: Option<super::sinkmetrics::Massive>,
 }
 
 impl Collector {
@@ -39,7 +41,14 @@ impl Collector {
             ent_sums: vec![vec![0.0; n_heads]; n_layers],
             values: vec![None; n_layers],
             keep_values: vec![false; n_layers],
+            massive: None,
         }
+    }
+
+    /// Also keep the massive activations of every layer's output (its `top` largest each).
+    pub fn with_massive(mut self, top: usize) -> Self {
+        self.massive = Some(super::sinkmetrics::Massive::new(top));
+        self
     }
 
     /// Also keep the value vectors of `layers` (for norm-based attention): `O(n)` per layer.
@@ -112,10 +121,13 @@ impl Collector {
 impl Observer for Collector {
     fn wants(&self, layer: usize, hook: Hook) -> bool {
         hook == Hook::V && self.keep_values.get(layer).copied().unwrap_or(false)
+            || hook == Hook::ResidPost && self.massive.is_some()
     }
-    fn tensor(&mut self, layer: usize, hook: Hook, _: &[usize], data: &[f32]) {
+    fn tensor(&mut self, layer: usize, hook: Hook, shape: &[usize], data: &[f32]) {
         if hook == Hook::V {
             self.values[layer] = Some(data.to_vec());
+        } else if let Some(m) = self.massive.as_mut() {
+            m.tensor(layer, hook, shape, data)
         }
     }
     fn wants_stats(&self, layer: usize) -> Option<StatsRequest> {

@@ -70,6 +70,10 @@ pub struct Record {
     pub next_token_prob: f32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub faithfulness: Option<Vec<FaithSummary>>,
+    /// Per layer: Sun et al.'s massive activations in the layer's output (`hook_resid_post`),
+    /// when the run kept them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub massive: Option<Vec<super::sinkmetrics::LayerMassive>>,
 }
 
 impl Record {
@@ -103,6 +107,7 @@ impl Record {
             next_token: next.1,
             next_token_prob: next.2,
             faithfulness: None,
+            massive: c.massive.as_ref().map(|m| m.layers.clone()),
         }
     }
 }
@@ -145,6 +150,27 @@ pub struct LayerAggregate {
     /// Fraction of (sentence, head) pairs whose last-query max weight is ≥ 0.9.
     pub concentrated_fraction: f64,
     pub mean_entropy: f64,
+    /// Gu et al. 2024's count: the fraction of (text, head) pairs whose first-token score (α₁
+    /// with the first token's own row, [`super::sinkmetrics::gu_alpha`]) exceeds ε.
+    pub gu_heads_fraction: f64,
+    /// The fraction of texts with a massive activation in this layer's output (records that
+    /// kept them; `None` if none did).
+    pub massive_texts_fraction: Option<f64>,
+}
+
+/// Sun et al.'s massive activations over the corpus.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct MassiveAggregate {
+    /// texts that kept them
+    pub texts: usize,
+    /// the fraction of those texts with a massive activation in some layer
+    pub texts_with_any: f64,
+    /// the residual dimensions they sit on, most (text, layer) pairs first: (dim, pairs)
+    pub dims: Vec<(usize, usize)>,
+    /// the fraction of the listed massive values that sit on the first token
+    pub first_token_share: f64,
+    /// the first layer whose output has one in at least half the texts
+    pub first_layer: Option<usize>,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -168,6 +194,11 @@ pub struct Aggregate {
     /// Layer with the largest mean sink share (all queries).
     pub peak_layer: usize,
     pub faithfulness: Vec<FaithAggregate>,
+    /// Gu et al. 2024's Sink₁^ε on these texts: the mean over layers of `gu_heads_fraction` (they
+    /// measured it on 64-token prompts; `sinks --gu-prompts` runs their protocol).
+    pub gu_sink_metric: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub massive: Option<MassiveAggregate>,
 }
 
 /// Aggregates records (order and duplicates by id do not matter).
@@ -196,10 +227,13 @@ pub fn aggregate(records: &[Record], epsilon: f32) -> Result<Aggregate, String> 
             let all: Vec<f64> = recs.iter().map(|r| r.sink_all[l] as f64).collect();
             let q: Vec<f64> = recs.iter().map(|r| r.sink_query[l] as f64).collect();
             let (mut sink_heads, mut conc, mut total, mut ent) = (0usize, 0usize, 0usize, 0.0f64);
+            let mut gu = 0usize;
             for r in &recs {
                 for (h, &a) in r.head_alpha1[l].iter().enumerate() {
                     total += 1;
                     sink_heads += (a > epsilon) as usize;
+                    gu += (super::sinkmetrics::gu_alpha(a as f64, r.n_tokens) > epsilon as f64)
+                        as usize;
                     let m = r.head_max_last[l][h];
                     conc += (m >= 0.9) as usize;
                     hist[((m * 10.0) as usize).min(9)] += 1;
@@ -207,7 +241,15 @@ pub fn aggregate(records: &[Record], epsilon: f32) -> Result<Aggregate, String> 
                 }
             }
             let t = total.max(1) as f64;
+            let kept: Vec<bool> = recs
+                .iter()
+                .filter_map(|r| r.massive.as_ref())
+                .map(|m| m.iter().any(|x| x.layer == l && x.massive > 0))
+                .collect();
             LayerAggregate {
+                gu_heads_fraction: gu as f64 / t,
+                massive_texts_fraction: (!kept.is_empty())
+                    .then(|| kept.iter().filter(|&&b| b).count() as f64 / kept.len() as f64),
                 layer: l,
                 sink_all: stat(&all),
                 sink_query: stat(&q),
@@ -252,7 +294,12 @@ pub fn aggregate(records: &[Record], epsilon: f32) -> Result<Aggregate, String> 
             });
         }
     }
+    let gu_sink_metric =
+        layers.iter().map(|l| l.gu_heads_fraction).sum::<f64>() / layers.len().max(1) as f64;
+    let massive = massive_aggregate(&recs, &layers);
     Ok(Aggregate {
+        gu_sink_metric,
+        massive,
         model,
         sentences: recs.len(),
         tokens: recs.iter().map(|r| r.n_tokens).sum(),
@@ -261,6 +308,47 @@ pub fn aggregate(records: &[Record], epsilon: f32) -> Result<Aggregate, String> 
         max_weight_histogram: hist,
         peak_layer,
         faithfulness: faith,
+    })
+}
+
+fn massive_aggregate(recs: &[&Record], layers: &[LayerAggregate]) -> Option<MassiveAggregate> {
+    let kept: Vec<&Vec<super::sinkmetrics::LayerMassive>> =
+        recs.iter().filter_map(|r| r.massive.as_ref()).collect();
+    if kept.is_empty() {
+        return None;
+    }
+    let with_any = kept
+        .iter()
+        .filter(|m| m.iter().any(|x| x.massive > 0))
+        .count();
+    let mut dims: std::collections::BTreeMap<usize, usize> = Default::default();
+    let (mut listed, mut first) = (0usize, 0usize);
+    for m in &kept {
+        for layer in m.iter().filter(|x| x.massive > 0) {
+            let cut = (1000.0 * layer.median_abs).max(100.0);
+            let big: Vec<_> = layer.top.iter().filter(|a| a.value.abs() > cut).collect();
+            listed += big.len();
+            first += big.iter().filter(|a| a.pos == 0).count();
+            let mut seen: Vec<usize> = big.iter().map(|a| a.dim).collect();
+            seen.sort_unstable();
+            seen.dedup();
+            for d in seen {
+                *dims.entry(d).or_default() += 1;
+            }
+        }
+    }
+    let mut dims: Vec<(usize, usize)> = dims.into_iter().collect();
+    dims.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    dims.truncate(5);
+    Some(MassiveAggregate {
+        texts: kept.len(),
+        texts_with_any: with_any as f64 / kept.len() as f64,
+        dims,
+        first_token_share: first as f64 / listed.max(1) as f64,
+        first_layer: layers
+            .iter()
+            .find(|l| l.massive_texts_fraction.is_some_and(|f| f >= 0.5))
+            .map(|l| l.layer),
     })
 }
 
@@ -324,6 +412,25 @@ pub fn check_record(r: &Record) -> Result<(), String> {
                 "layer {l} of `{name}` has {} heads but layer 0 of `head_alpha1` has {heads}",
                 row.len()
             ));
+        }
+    }
+    if let Some(m) = &r.massive {
+        if m.len() != nl {
+            return Err(format!(
+                "`massive` has {} layers but `sink_all` has {nl}",
+                m.len()
+            ));
+        }
+        for (l, x) in m.iter().enumerate() {
+            if x.layer != l {
+                return Err(format!("entry {l} of `massive` is for layer {}", x.layer));
+            }
+            if let Some(a) = x.top.iter().find(|a| a.pos >= r.n_tokens) {
+                return Err(format!(
+                    "layer {l} of `massive` lists position {} of a {}-token text",
+                    a.pos, r.n_tokens
+                ));
+            }
         }
     }
     Ok(())
@@ -414,6 +521,7 @@ mod tests {
             next_token: "x".into(),
             next_token_prob: 0.5,
             faithfulness: None,
+            massive: None,
         }
     }
 
@@ -439,6 +547,67 @@ mod tests {
         assert!((single.layers[0].sink_heads_fraction - 10.0 / 14.0).abs() < 1e-12);
         assert!((single.layers[1].concentrated_fraction - 0.5).abs() < 1e-12);
         assert_eq!(single.max_weight_histogram.iter().sum::<usize>(), 28);
+    }
+
+    /// Gu et al.'s count includes the first token's own row: α = (1 + (n−1)·α₁)/n, n = 5.
+    /// Massive activations: a text has one in a layer when its count is > 0; the dims and the
+    /// first-token share come from the listed values above the cut.
+    #[test]
+    fn gu_heads_and_massive_activations_by_hand() {
+        use super::super::sinkmetrics::{Activation, LayerMassive};
+        let mut all: Vec<Record> = (0..4).map(|i| rec(i, 0.2)).collect();
+        // layer 0: head 0 α₁ 0.2 → α 0.36 > 0.3 (but α₁ ≤ 0.3); head 1 α₁ 0.5 → 0.6
+        // layer 1: α₁ 0.1 → 0.28, α₁ 0.2 → 0.36
+        let a = aggregate(&all, 0.3).unwrap();
+        assert_eq!(a.layers[0].sink_heads_fraction, 0.5);
+        assert_eq!(a.layers[0].gu_heads_fraction, 1.0);
+        assert_eq!(a.layers[1].gu_heads_fraction, 0.5);
+        assert!((a.gu_sink_metric - 0.75).abs() < 1e-12);
+        assert!(a.massive.is_none() && a.layers[0].massive_texts_fraction.is_none());
+        let layer = |l: usize, massive: usize, top: Vec<(usize, usize, f32)>| LayerMassive {
+            layer: l,
+            median_abs: 0.05,
+            max_abs: top.first().map_or(1.0, |t| t.2.abs()),
+            ratio: 1.0,
+            massive,
+            top: top
+                .into_iter()
+                .map(|(pos, dim, value)| Activation { pos, dim, value })
+                .collect(),
+        };
+        // texts 0-2 kept them: two with one in layer 1 (dim 7 at the first token, and dim 7
+        // and dim 3 at position 2); text 3 kept none
+        all[0].massive = Some(vec![
+            layer(0, 0, vec![(0, 1, 5.0)]),
+            layer(1, 1, vec![(0, 7, 900.0), (1, 2, 3.0)]),
+        ]);
+        all[1].massive = Some(vec![
+            layer(0, 0, vec![]),
+            layer(1, 2, vec![(2, 7, -800.0), (2, 3, 400.0)]),
+        ]);
+        all[2].massive = Some(vec![layer(0, 0, vec![]), layer(1, 0, vec![(0, 7, 50.0)])]);
+        let a = aggregate(&all, 0.3).unwrap();
+        assert_eq!(a.layers[0].massive_texts_fraction, Some(0.0));
+        assert!((a.layers[1].massive_texts_fraction.unwrap() - 2.0 / 3.0).abs() < 1e-12);
+        let m = a.massive.unwrap();
+        assert_eq!(m.texts, 3);
+        assert!((m.texts_with_any - 2.0 / 3.0).abs() < 1e-12);
+        assert_eq!(m.dims, vec![(7, 2), (3, 1)]);
+        assert!((m.first_token_share - 1.0 / 3.0).abs() < 1e-12);
+        assert_eq!(m.first_layer, Some(1));
+        // a record whose massive list disagrees with it is refused
+        let mut bad = all[0].clone();
+        bad.massive.as_mut().unwrap()[1].top[0].pos = 5;
+        assert!(check_record(&bad)
+            .unwrap_err()
+            .contains("position 5 of a 5-token text"));
+        bad.massive.as_mut().unwrap().pop();
+        assert!(check_record(&bad)
+            .unwrap_err()
+            .contains("`massive` has 1 layers"));
+        // and records round-trip with it
+        let line = serde_json::to_string(&all[1]).unwrap();
+        assert_eq!(read_records(&line, "f").unwrap()[0], all[1]);
     }
 
     #[test]

@@ -65,7 +65,7 @@ pub fn gu_sink_metric(model: &Model, prompts: &[Vec<u32>], epsilon: f64) -> Resu
 }
 
 /// One large residual value.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize, PartialEq)]
 pub struct Activation {
     pub pos: usize,
     pub dim: usize,
@@ -73,7 +73,7 @@ pub struct Activation {
 }
 
 /// Sun et al.'s massive activations in one layer's output (`hook_resid_post`).
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize, PartialEq)]
 pub struct LayerMassive {
     pub layer: usize,
     pub median_abs: f32,

@@ -124,7 +124,8 @@ pub fn text_record(
         Err(e) => return Ok(Err(e.to_string())),
     };
     let n = tokens.len();
-    let mut c = Collector::new(d.n_layers, d.n_heads, n, n - 1);
+    // every layer's output passes through Sun et al.'s statistics (its 3 largest values kept)
+    let mut c = Collector::new(d.n_layers, d.n_heads, n, n - 1).with_massive(3);
     let out = model.forward(&tokens, &RunOptions::last_logits(n), &mut c)?;
     let top = crate::analysis::next_token_top_k(&out.logits[0], 1).remove(0);
     let mut rec = Record::from_collector(
@@ -340,8 +341,10 @@ fn render(a: &Aggregate, source: &str) -> String {
         ("95% CI", Align::Left),
         ("", Align::Left),
         (format!("heads α₁>{}", a.epsilon).as_str(), Align::Right),
+        ("Gu et al.", Align::Right),
         ("heads ≥0.9 on one token", Align::Right),
         ("entropy", Align::Right),
+        ("massive", Align::Right),
     ]);
     for l in &a.layers {
         t.row([
@@ -356,8 +359,11 @@ fn render(a: &Aggregate, source: &str) -> String {
                     ""
                 },
             format!("{:.1}%", 100.0 * l.sink_heads_fraction),
+            format!("{:.1}%", 100.0 * l.gu_heads_fraction),
             format!("{:.1}%", 100.0 * l.concentrated_fraction),
             format!("{:.3}", l.mean_entropy),
+            l.massive_texts_fraction
+                .map_or("-".into(), |f| format!("{:.0}%", 100.0 * f)),
         ]);
     }
     s += &t.render();
@@ -390,6 +396,28 @@ fn render(a: &Aggregate, source: &str) -> String {
         a.peak_layer,
         a.layers[a.peak_layer].sink_all.mean
     );
+    s += &format!(
+        "Gu et al. 2024's sink metric on these texts (heads with α₁ > {} counting the first token's own row, mean over layers): {:.1}% (their protocol, 64-token prompts: `attnscope sinks --gu-prompts`).\n",
+        a.epsilon,
+        100.0 * a.gu_sink_metric
+    );
+    if let Some(m) = &a.massive {
+        let dims: Vec<String> = m.dims.iter().map(|(d, k)| format!("{d} ({k})")).collect();
+        s += &format!(
+            "Massive activations (Sun et al. 2024: |x| > 100 and ≥ 1,000 × the layer's median) in {:.1}% of {} texts{}; {}; {:.1}% of those listed sit on the first token.\n",
+            100.0 * m.texts_with_any,
+            m.texts,
+            m.first_layer
+                .map(|l| format!(", in half of them from layer {l} on"))
+                .unwrap_or_default(),
+            if dims.is_empty() {
+                "no dimension holds one".to_string()
+            } else {
+                format!("dimensions (text-layer pairs): {}", dims.join(", "))
+            },
+            100.0 * m.first_token_share
+        );
+    }
     if !a.faithfulness.is_empty() {
         s += &title("\nFaithfulness: Spearman ρ against leave-one-out, over texts");
         let mut t = Table::new([

@@ -21,7 +21,17 @@ use std::collections::BTreeMap;
 /// A hook point inside one block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Hook {
+    /// `hook_embed`: the token embeddings as they enter the residual stream (Gemma's √d_model
+    /// scale included, as TransformerLens folds it into `W_E`); handed at layer 0.
+    Embed,
+    /// `hook_pos_embed`: GPT-2's learned positions; handed at layer 0 (no other family has one).
+    PosEmbed,
     ResidPre,
+    /// `ln1.hook_scale`: each position's norm scale, `[pos, 1]` (RMS: `sqrt(mean(x²) + eps)`;
+    /// LayerNorm: `sqrt(var + eps)`).
+    Ln1Scale,
+    /// `ln1.hook_normalized`: the normalized residual before the norm's weight (and bias).
+    Ln1Normalized,
     Q,
     K,
     V,
@@ -32,15 +42,26 @@ pub enum Hook {
     Z,
     AttnOut,
     ResidMid,
+    Ln2Scale,
+    Ln2Normalized,
     MlpPre,
+    /// `mlp.hook_pre_linear`: the up projection of a gated MLP (`hook_pre` is the gate's).
+    MlpPreLinear,
     MlpPost,
     MlpOut,
     ResidPost,
+    /// `ln_final.hook_scale` / `hook_normalized`: the final norm, every position; handed at the
+    /// last layer.
+    LnFinalScale,
+    LnFinalNormalized,
 }
 
 impl Hook {
-    pub const ALL: [Hook; 15] = [
+    /// The hooks of a block (`blocks.{l}.…`), in the order the forward hands them out.
+    pub const ALL: [Hook; 20] = [
         Hook::ResidPre,
+        Hook::Ln1Scale,
+        Hook::Ln1Normalized,
         Hook::Q,
         Hook::K,
         Hook::V,
@@ -51,15 +72,51 @@ impl Hook {
         Hook::Z,
         Hook::AttnOut,
         Hook::ResidMid,
+        Hook::Ln2Scale,
+        Hook::Ln2Normalized,
         Hook::MlpPre,
+        Hook::MlpPreLinear,
         Hook::MlpPost,
         Hook::MlpOut,
         Hook::ResidPost,
     ];
 
-    /// The name after `blocks.{l}.`.
+    /// The hooks outside the blocks: `hook_embed`, `hook_pos_embed` (handed at layer 0) and the
+    /// final norm's (handed at the last layer).
+    pub const GLOBAL: [Hook; 4] = [
+        Hook::Embed,
+        Hook::PosEmbed,
+        Hook::LnFinalScale,
+        Hook::LnFinalNormalized,
+    ];
+
+    /// Whether the hook is outside the blocks (its name has no `blocks.{l}.`).
+    pub fn is_global(self) -> bool {
+        Hook::GLOBAL.contains(&self)
+    }
+
+    /// The layer a hook is handed at in a model of `n_layers`: its own for a block's hook; 0 for
+    /// the embeddings, the last for the final norm.
+    pub fn layer_of(self, layer: usize, n_layers: usize) -> usize {
+        match self {
+            Hook::Embed | Hook::PosEmbed => 0,
+            Hook::LnFinalScale | Hook::LnFinalNormalized => n_layers.saturating_sub(1),
+            _ => layer,
+        }
+    }
+
+    /// The name after `blocks.{l}.` (a global hook's whole name).
     pub fn suffix(self) -> &'static str {
         match self {
+            Hook::Embed => "hook_embed",
+            Hook::PosEmbed => "hook_pos_embed",
+            Hook::Ln1Scale => "ln1.hook_scale",
+            Hook::Ln1Normalized => "ln1.hook_normalized",
+            Hook::Ln2Scale => "ln2.hook_scale",
+            Hook::Ln2Normalized => "ln2.hook_normalized",
+            Hook::MlpPreLinear => "mlp.hook_pre_linear",
+            Hook::LnFinalScale => "ln_final.hook_scale",
+            Hook::LnFinalNormalized => "ln_final.hook_normalized",
             Hook::ResidPre => "hook_resid_pre",
             Hook::Q => "attn.hook_q",
             Hook::K => "attn.hook_k",
@@ -95,14 +152,19 @@ impl Hook {
                 "mlp_out" => &[Hook::MlpOut],
                 "mlp_pre" => &[Hook::MlpPre],
                 "mlp_post" => &[Hook::MlpPost],
+                "mlp_pre_linear" => &[Hook::MlpPreLinear],
+                "ln1" => &[Hook::Ln1Scale, Hook::Ln1Normalized],
+                "ln2" => &[Hook::Ln2Scale, Hook::Ln2Normalized],
+                "ln_final" => &[Hook::LnFinalScale, Hook::LnFinalNormalized],
+                "embed" => &[Hook::Embed, Hook::PosEmbed],
                 "resid" => &[Hook::ResidPre, Hook::ResidPost],
                 "resid_pre" => &[Hook::ResidPre],
                 "resid_mid" => &[Hook::ResidMid],
                 "resid_post" => &[Hook::ResidPost],
-                "all" => &Hook::ALL,
+                "all" => &ALL_HOOKS,
                 other => {
                     return Err(format!(
-                        "unknown hook `{other}`; choose from pattern, scores, q, k, v, rot_q, rot_k, z, attn_out, mlp_pre, mlp_post, mlp_out, resid, resid_pre, resid_mid, resid_post, all"
+                        "unknown hook `{other}`; choose from pattern, scores, q, k, v, rot_q, rot_k, z, attn_out, mlp_pre, mlp_pre_linear, mlp_post, mlp_out, resid, resid_pre, resid_mid, resid_post, ln1, ln2, ln_final, embed, all"
                     ))
                 }
             };
@@ -124,9 +186,28 @@ impl Hook {
     }
 }
 
-/// The full TransformerLens-style name of a hook: `blocks.3.attn.hook_pattern`.
+/// Every hook: the blocks' and the global ones.
+const ALL_HOOKS: [Hook; 24] = {
+    let mut all = [Hook::Embed; 24];
+    let mut i = 0;
+    while i < 20 {
+        all[i] = Hook::ALL[i];
+        i += 1;
+    }
+    while i < 24 {
+        all[i] = Hook::GLOBAL[i - 20];
+        i += 1;
+    }
+    all
+};
+
+/// The full TransformerLens-style name of a hook: `blocks.3.attn.hook_pattern`, `hook_embed`.
 pub fn hook_name(layer: usize, hook: Hook) -> String {
-    format!("blocks.{layer}.{}", hook.suffix())
+    if hook.is_global() {
+        hook.suffix().to_string()
+    } else {
+        format!("blocks.{layer}.{}", hook.suffix())
+    }
 }
 
 /// What the forward hands out. Implementations decide what to keep.
@@ -291,7 +372,20 @@ impl CaptureSpec {
         let mut out = Vec::with_capacity(layers.len() * hooks.len());
         for &l in &layers {
             for &h in &hooks {
+                if h.is_global() && h.layer_of(l, dims.n_layers) != l
+                    || h == Hook::PosEmbed && dims.arch != super::config::Arch::Gpt2
+                    || h == Hook::MlpPreLinear && dims.arch == super::config::Arch::Gpt2
+                {
+                    continue; // handed at another layer, or not in this family
+                }
                 let shape = match h {
+                    Hook::Ln1Scale | Hook::Ln2Scale | Hook::LnFinalScale => vec![nq, 1],
+                    Hook::Embed
+                    | Hook::PosEmbed
+                    | Hook::Ln1Normalized
+                    | Hook::Ln2Normalized
+                    | Hook::LnFinalNormalized => vec![nq, dims.d_model],
+                    Hook::MlpPreLinear => vec![nq, dims.d_ff],
                     Hook::ResidPre
                     | Hook::AttnOut
                     | Hook::ResidMid
@@ -798,6 +892,8 @@ mod tests {
             names,
             [
                 "blocks.2.hook_resid_pre",
+                "blocks.2.ln1.hook_scale",
+                "blocks.2.ln1.hook_normalized",
                 "blocks.2.attn.hook_q",
                 "blocks.2.attn.hook_k",
                 "blocks.2.attn.hook_v",
@@ -808,10 +904,23 @@ mod tests {
                 "blocks.2.attn.hook_z",
                 "blocks.2.hook_attn_out",
                 "blocks.2.hook_resid_mid",
+                "blocks.2.ln2.hook_scale",
+                "blocks.2.ln2.hook_normalized",
                 "blocks.2.mlp.hook_pre",
+                "blocks.2.mlp.hook_pre_linear",
                 "blocks.2.mlp.hook_post",
                 "blocks.2.hook_mlp_out",
                 "blocks.2.hook_resid_post",
+            ]
+        );
+        let global: Vec<String> = Hook::GLOBAL.iter().map(|&h| hook_name(2, h)).collect();
+        assert_eq!(
+            global,
+            [
+                "hook_embed",
+                "hook_pos_embed",
+                "ln_final.hook_scale",
+                "ln_final.hook_normalized"
             ]
         );
     }

@@ -9,6 +9,7 @@
 // the kernel and the row-wise operations live in their own modules; their public items are
 // reachable here too, where they were before the split
 pub use super::attention::*;
+use super::block::{MlpKind, NormKind};
 use super::capture::{Hook, Observer};
 use super::error::{Error, Result};
 pub use super::ops::*;
@@ -17,6 +18,9 @@ use super::Model;
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 use std::time::{Duration, Instant};
+
+/// A rotary base's cos and sin tables, `[positions, rotary_dim / 2]` each.
+type RopeTables = (Vec<f32>, Vec<f32>);
 
 /// Options of one forward.
 #[derive(Clone, Debug)]
@@ -101,6 +105,70 @@ fn hand(
 /// Whether the observer wants or edits `hook` at `layer`.
 fn touches(obs: &dyn Observer, layer: usize, hook: Hook) -> bool {
     obs.wants(layer, hook) || obs.edits(layer, hook)
+}
+
+/// A norm (`ln1`, `ln2`, `ln_final`) of the `[m, width]` rows `x` into `out`, with its two hooks
+/// (TransformerLens's order): `hook_scale` `[m, 1]`, then `hook_normalized` `[m, width]` (the
+/// rows over their scale, before the weight and bias). Without a hook on either, the plain norm;
+/// with one that only reads, the same bits (the same operations in the same order).
+#[allow(clippy::too_many_arguments)]
+fn norm_hooked(
+    obs: &mut dyn Observer,
+    l: usize,
+    (scale_hook, normalized_hook): (Hook, Hook),
+    kind: NormKind,
+    x: &[f32],
+    w: &[f32],
+    b: Option<&[f32]>,
+    eps: f32,
+    out: &mut [f32],
+) -> Result<()> {
+    match (kind, b) {
+        (NormKind::Layer, Some(_)) | (NormKind::Rms, None) => {}
+        (kind, b) => {
+            return Err(Error::Candle(candle_core::Error::Msg(format!(
+                "a {kind:?} norm with{} a bias: you likely have a bug",
+                if b.is_some() { "" } else { "out" }
+            ))))
+        }
+    }
+    if !touches(obs, l, scale_hook) && !touches(obs, l, normalized_hook) {
+        match b {
+            Some(b) => layer_norm_into(x, w, b, eps, out),
+            None => rms_norm_into(x, w, eps, out),
+        }
+        return Ok(());
+    }
+    let width = w.len();
+    let m = x.len() / width;
+    let (mut scale, mut normalized) = norm_parts(kind, x, width, eps);
+    hand(obs, l, scale_hook, &[m, 1], &mut scale)?;
+    normalized
+        .chunks_mut(width)
+        .zip(&scale)
+        .for_each(|(row, &s)| {
+            let inv = 1.0 / s;
+            row.iter_mut().for_each(|v| *v *= inv);
+        });
+    hand(obs, l, normalized_hook, &[m, width], &mut normalized)?;
+    for (dst, src) in out[..x.len()]
+        .chunks_mut(width)
+        .zip(normalized.chunks(width))
+    {
+        match b {
+            Some(b) => {
+                for (((d, &v), &g), &bb) in dst.iter_mut().zip(src).zip(w).zip(b) {
+                    *d = v * g + bb;
+                }
+            }
+            None => dst
+                .iter_mut()
+                .zip(src)
+                .zip(w)
+                .for_each(|((d, &v), &g)| *d = v * g),
+        }
+    }
+    Ok(())
 }
 
 /// Keys and values (after RoPE) of the first `len` positions of a sequence, per layer
@@ -332,13 +400,18 @@ impl Model {
             rope_tables_of(&inv, n_max)
         };
         let half = dims.rotary_dim / 2;
-        let main_tables = tables(dims.rope_base);
-        // Gemma 3's sliding layers have their own base
-        let local_tables = dims
-            .gemma
-            .as_ref()
-            .filter(|g| g.rope_base_sliding != dims.rope_base)
-            .map(|g| tables(g.rope_base_sliding));
+        // one pair of tables per rotary base the plans use (Gemma 3's sliding layers have their own)
+        let mut rope_sets: Vec<(f32, RopeTables)> = Vec::new();
+        for base in self
+            .weights
+            .layers
+            .iter()
+            .filter_map(|l| l.plan.rope_base())
+        {
+            if !rope_sets.iter().any(|(b, _)| *b == base) {
+                rope_sets.push((base, tables(base)));
+            }
+        }
         let style = self.weights.rope_style;
         // the stacked rows whose logits are asked for, in order
         let mut logit_rows: Vec<usize> = segs
@@ -358,7 +431,7 @@ impl Model {
                 }
                 r.resid
             }
-            None => self.embed_rows(segs, &row0)?,
+            None => self.embed_rows(segs, &row0, obs)?,
         };
         let (mut attn_time, mut proj_time) = (Duration::ZERO, Duration::ZERO);
         let mut kept = Vec::with_capacity(if opts.keep_kv { dims.n_layers } else { 0 });
@@ -374,18 +447,27 @@ impl Model {
         let mut qkv = vec![0f32; m * width];
         let mut qh = vec![0f32; nh * m * hd];
         let mut z = vec![0f32; m * nh * hd];
-        let norm_into = |x: &[f32], w: &[f32], b: Option<&Vec<f32>>, out: &mut [f32]| match b {
-            Some(b) => layer_norm_into(x, w, b, dims.rms_eps, out),
-            None => rms_norm_into(x, w, dims.rms_eps, out),
-        };
         for (l, layer) in self.weights.layers.iter().enumerate().skip(first_layer) {
-            let (cos, sin) = match &local_tables {
-                Some(t) if dims.rope_base_of(l) != dims.rope_base => (&t.0, &t.1),
-                _ => (&main_tables.0, &main_tables.1),
-            };
+            let plan = layer.plan;
+            let no_tables = (Vec::new(), Vec::new());
+            let (cos, sin) = plan
+                .rope_base()
+                .and_then(|base| rope_sets.iter().find(|(b, _)| *b == base))
+                .map_or(&no_tables, |(_, t)| t);
             hand(obs, l, Hook::ResidPre, &[m, dm], &mut x)?;
-            let bias = layer.norm_biases.as_ref().map(|b| &b.0);
-            norm_into(&x, &layer.attn_norm, bias, &mut normed);
+            let bias = layer.norm_biases.as_ref().map(|b| b.0.as_slice());
+            let ln1 = (Hook::Ln1Scale, Hook::Ln1Normalized);
+            norm_hooked(
+                obs,
+                l,
+                ln1,
+                plan.norm,
+                &x,
+                &layer.attn_norm,
+                bias,
+                dims.rms_eps,
+                &mut normed,
+            )?;
             let t = Instant::now();
             layer.qkv.forward_into(&normed, m, &mut qkv, false)?; // [m, q | k | v]
             proj_time += t.elapsed();
@@ -425,9 +507,10 @@ impl Model {
                 let n = p0 + ms;
                 let rows = &qkv[r0 * width..(r0 + ms) * width];
                 // the tables of this segment's positions, exactly (split_heads reads their width
-                // from their length); GPT-2 has learned positions and no rotation
-                let (cos, sin) = (&cos[p0 * half..n * half], &sin[p0 * half..n * half]);
-                let rope = (dims.arch != super::config::Arch::Gpt2).then_some((cos, sin, style));
+                // from their length); a block with learned positions (GPT-2) has no rotation
+                let rope = plan
+                    .rope_base()
+                    .map(|_| (&cos[p0 * half..n * half], &sin[p0 * half..n * half], style));
                 let qh = &mut qh[..nh * ms * hd];
                 split_heads_into(rows, ms, width, 0, nh, hd, rope, qh); // [nh, ms, hd]
                 let mut kh = split_heads(rows, ms, width, nq, nkv, hd, rope);
@@ -472,9 +555,9 @@ impl Model {
                     head_dim: hd,
                     q_len: ms,
                     k_len: n,
-                    window: dims.window_of(l),
-                    scale: dims.gemma.as_ref().map(|g| g.query_scale),
-                    softcap: dims.gemma.as_ref().and_then(|g| g.attn_softcap),
+                    window: plan.window,
+                    scale: plan.score_scale,
+                    softcap: plan.softcap,
                 };
                 let zs = &mut z[r0 * nh * hd..(r0 + ms) * nh * hd];
                 if obs.edits(l, Hook::AttnScores) || obs.edits(l, Hook::Pattern) {
@@ -521,8 +604,13 @@ impl Model {
                     Hook::ResidMid,
                     Hook::MlpPre,
                     Hook::MlpPost,
+                    Hook::Ln2Scale,
+                    Hook::Ln2Normalized,
+                    Hook::MlpPreLinear,
                     Hook::MlpOut,
                     Hook::ResidPost,
+                    Hook::LnFinalScale,
+                    Hook::LnFinalNormalized,
                 ]
                 .iter()
                 .any(|&h| touches(obs, l, h))
@@ -561,12 +649,25 @@ impl Model {
             // hook_mlp_out needs the MLP's output on its own, not added into x as it is computed
             let mut mlp_out = touches(obs, l, Hook::MlpOut).then(|| vec![0f32; m * dm]);
             // SwiGLU MLP [Shazeer 2020, arXiv:2002.05202, eq. (5)], x += down(silu(gate) · up)
-            let bias = layer.norm_biases.as_ref().map(|b| &b.1);
-            norm_into(&x, &layer.mlp_norm, bias, &mut normed);
+            let bias = layer.norm_biases.as_ref().map(|b| b.1.as_slice());
+            let ln2 = (Hook::Ln2Scale, Hook::Ln2Normalized);
+            norm_hooked(
+                obs,
+                l,
+                ln2,
+                plan.norm,
+                &x,
+                &layer.mlp_norm,
+                bias,
+                dims.rms_eps,
+                &mut normed,
+            )?;
             let h = &normed;
-            let gated = dims.arch != super::config::Arch::Gpt2;
+            let gated = plan.mlp.gated();
             // mlp.hook_pre / hook_post are whole [m, d_mlp] tensors: the MLP then runs in one block
-            let whole = touches(obs, l, Hook::MlpPre) || touches(obs, l, Hook::MlpPost);
+            let whole = [Hook::MlpPre, Hook::MlpPreLinear, Hook::MlpPost]
+                .iter()
+                .any(|&h| touches(obs, l, h));
             let mut own =
                 (whole && m > mlp_rows).then(|| (vec![0f32; m * 2 * ff], vec![0f32; m * ff]));
             let (gu, act) = match own.as_mut() {
@@ -593,13 +694,24 @@ impl Model {
                         row[..ff].copy_from_slice(new);
                     }
                 }
-                if !gated {
+                if gated && touches(obs, l, Hook::MlpPreLinear) {
+                    // a gated MLP's up projection, [m, d_mlp]
+                    let mut lin: Vec<f32> = gu[..rows * gw]
+                        .chunks(gw)
+                        .flat_map(|r| r[ff..].iter().copied())
+                        .collect();
+                    hand(obs, l, Hook::MlpPreLinear, &[rows, ff], &mut lin)?;
+                    for (row, new) in gu[..rows * gw].chunks_mut(gw).zip(lin.chunks(ff)) {
+                        row[ff..].copy_from_slice(new);
+                    }
+                }
+                match plan.mlp {
                     // GPT-2: gelu_new(c_fc(h)), no gate
-                    gelu_tanh(&gu[..rows * ff], &mut act[..rows * ff]);
-                } else if dims.arch.is_gemma() {
-                    geglu_tanh(&gu[..rows * 2 * ff], ff, &mut act[..rows * ff]);
-                } else {
-                    swiglu(&gu[..rows * 2 * ff], ff, &mut act[..rows * ff]);
+                    MlpKind::GeluTanh => gelu_tanh(&gu[..rows * ff], &mut act[..rows * ff]),
+                    MlpKind::GeGluTanh => {
+                        geglu_tanh(&gu[..rows * 2 * ff], ff, &mut act[..rows * ff])
+                    }
+                    MlpKind::SwiGlu => swiglu(&gu[..rows * 2 * ff], ff, &mut act[..rows * ff]),
                 }
                 hand(obs, l, Hook::MlpPost, &[rows, ff], &mut act[..rows * ff])?;
                 let t = Instant::now();
@@ -650,16 +762,52 @@ impl Model {
             super::return_free_memory();
         }
         let n_logits = logit_rows.len();
+        let last = dims.n_layers - 1;
+        let final_bias = self.weights.final_norm_bias.as_deref();
+        let final_kind = if final_bias.is_some() {
+            NormKind::Layer
+        } else {
+            NormKind::Rms
+        };
+        // ln_final's hooks see every position (the last layer then kept them all)
+        let final_all = (touches(obs, last, Hook::LnFinalScale)
+            || touches(obs, last, Hook::LnFinalNormalized))
+        .then(|| -> Result<Vec<f32>> {
+            let mut h = vec![0f32; x.len()];
+            let hooks = (Hook::LnFinalScale, Hook::LnFinalNormalized);
+            let w = &self.weights.final_norm;
+            norm_hooked(
+                obs,
+                last,
+                hooks,
+                final_kind,
+                &x,
+                w,
+                final_bias,
+                dims.rms_eps,
+                &mut h,
+            )?;
+            Ok(h)
+        })
+        .transpose()?;
         let logits = if n_logits == 0 {
             Vec::new()
         } else {
-            let rows: Vec<f32> = logit_rows
-                .iter()
-                .flat_map(|&r| x[r * dm..(r + 1) * dm].iter().copied())
-                .collect();
-            let h = match &self.weights.final_norm_bias {
-                Some(b) => layer_norm(&rows, &self.weights.final_norm, b, dims.rms_eps),
-                None => rms_norm(&rows, &self.weights.final_norm, dims.rms_eps),
+            let gather = |v: &[f32]| -> Vec<f32> {
+                logit_rows
+                    .iter()
+                    .flat_map(|&r| v[r * dm..(r + 1) * dm].iter().copied())
+                    .collect()
+            };
+            let h = match &final_all {
+                Some(h) => gather(h),
+                None => {
+                    let rows = gather(&x);
+                    match final_bias {
+                        Some(b) => layer_norm(&rows, &self.weights.final_norm, b, dims.rms_eps),
+                        None => rms_norm(&rows, &self.weights.final_norm, dims.rms_eps),
+                    }
+                }
             };
             let mut rows = logits_rows(&self.weights.lm_head, h, n_logits, dm)?;
             if let Some(cap) = dims.gemma.as_ref().and_then(|g| g.final_softcap) {
@@ -693,33 +841,41 @@ impl Model {
         })
     }
 
-    /// `hook_resid_pre` of layer 0 for the stacked segments: token embeddings, plus GPT-2's
-    /// learned positions, times Gemma's √d_model. `[m, d_model]`.
-    fn embed_rows(&self, segs: &[Segment], row0: &[usize]) -> Result<Vec<f32>> {
+    /// `hook_resid_pre` of layer 0 for the stacked segments: token embeddings times Gemma's
+    /// √d_model (`hook_embed`), plus GPT-2's learned positions (`hook_pos_embed`). `[m, d_model]`.
+    fn embed_rows(
+        &self,
+        segs: &[Segment],
+        row0: &[usize],
+        obs: &mut dyn Observer,
+    ) -> Result<Vec<f32>> {
         let dims = &self.dims;
         let dm = dims.d_model;
         let all_tokens: Vec<u32> = segs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        let m = all_tokens.len();
         let mut x: Vec<f32> = self
             .weights
             .embed
             .lookup(&all_tokens)?
             .flatten_all()?
             .to_vec1()?; // [m, d_model]
-        if let Some(pe) = &self.weights.pos_embed {
-            // GPT-2: learned absolute positions
-            for (seg, &r0) in segs.iter().zip(row0) {
-                let rows = &mut x[r0 * dm..(r0 + seg.tokens.len()) * dm];
-                for (r, row) in rows.chunks_mut(dm).enumerate() {
-                    let p = seg.reuse + r;
-                    row.iter_mut()
-                        .zip(&pe[p * dm..(p + 1) * dm])
-                        .for_each(|(v, e)| *v += e);
-                }
-            }
-        }
         if let Some(g) = &dims.gemma {
             // Gemma scales the embeddings by √d_model
             x.iter_mut().for_each(|v| *v *= g.embed_scale);
+        }
+        hand(obs, 0, Hook::Embed, &[m, dm], &mut x)?;
+        if let Some(pe) = &self.weights.pos_embed {
+            // GPT-2: learned absolute positions
+            let mut pos = vec![0f32; m * dm];
+            for (seg, &r0) in segs.iter().zip(row0) {
+                let rows = &mut pos[r0 * dm..(r0 + seg.tokens.len()) * dm];
+                for (r, row) in rows.chunks_mut(dm).enumerate() {
+                    let p = seg.reuse + r;
+                    row.copy_from_slice(&pe[p * dm..(p + 1) * dm]);
+                }
+            }
+            hand(obs, 0, Hook::PosEmbed, &[m, dm], &mut pos)?;
+            x.iter_mut().zip(&pos).for_each(|(v, e)| *v += e);
         }
         Ok(x)
     }

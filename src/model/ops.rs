@@ -152,6 +152,36 @@ pub(crate) fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
     x.iter_mut().zip(w).for_each(|(v, &g)| *v = *v * inv * g);
 }
 
+/// A norm's two parts, as [`rms_norm_in_place`] and [`layer_norm_into`] compute them: each
+/// row's scale (`sqrt(mean(x²) + eps)`; LayerNorm: `sqrt(var + eps)`, `[m]`) and the rows it
+/// divides (LayerNorm: centered), `[m, width]`. `row · (1 / scale) · w (+ b)` is the norm.
+pub(crate) fn norm_parts(
+    kind: super::block::NormKind,
+    x: &[f32],
+    width: usize,
+    eps: f32,
+) -> (Vec<f32>, Vec<f32>) {
+    let mut scale = Vec::with_capacity(x.len() / width);
+    let mut rows = x.to_vec();
+    for row in rows.chunks_mut(width) {
+        match kind {
+            super::block::NormKind::Rms => {
+                let ms = row.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / width as f64;
+                scale.push(((ms as f32) + eps).sqrt());
+            }
+            super::block::NormKind::Layer => {
+                let mean = row.iter().map(|&v| v as f64).sum::<f64>() / width as f64;
+                let var =
+                    row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / width as f64;
+                scale.push(((var as f32) + eps).sqrt());
+                let mean = mean as f32;
+                row.iter_mut().for_each(|v| *v -= mean);
+            }
+        }
+    }
+    (scale, rows)
+}
+
 /// LayerNorm of each `[width]` row [Ba et al. 2016]: `(x − mean) / sqrt(var + eps) · w + b`,
 /// mean and variance accumulated in f64 (GPT-2).
 pub fn layer_norm(x: &[f32], w: &[f32], b: &[f32], eps: f32) -> Vec<f32> {

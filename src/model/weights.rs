@@ -663,6 +663,8 @@ impl Linear {
 }
 
 pub struct Layer {
+    /// What the family does in this block that is not a weight (resolved at load).
+    pub plan: super::block::LayerPlan,
     pub attn_norm: Vec<f32>,
     /// Qwen3 / Gemma 3: RMSNorm weights of each head's query and key (`[head_dim]`), before RoPE.
     pub qk_norm: Option<(Vec<f32>, Vec<f32>)>,
@@ -1177,6 +1179,7 @@ pub fn load_weights(
         );
         let gate_up_n = if gpt2 { dims.d_ff } else { 2 * dims.d_ff };
         let layer = Layer {
+            plan: super::block::LayerPlan::of(dims, i),
             qkv: linear(qkv, precision, ready(0, qkv_n, dm))?,
             o: linear(
                 vec![part(src, Logical::O(i), bias(Logical::OBias(i)))?],
