@@ -282,7 +282,8 @@ fn patch_page_holds_every_result_and_refuses_to_overwrite() {
             html.to_str().unwrap(),
         ]);
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success() && err.contains("exists"), "{err}");
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains("already exists"), "{err}");
         assert!(out.stdout.is_empty(), "nothing printed after a refusal");
         assert_eq!(std::fs::read(&html).unwrap(), before);
     }

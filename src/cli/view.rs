@@ -141,6 +141,28 @@ pub struct ViewOptions {
     pub ablate: Option<AblateMethod>,
     /// the token the ablation and faithfulness panels measure (None: the model's top next token)
     pub target: Option<Target>,
+    /// a progress bar for the ablations on standard error, where it is a terminal (the CLI)
+    pub progress: bool,
+}
+
+/// `attnscope ablate`'s report, with its progress bar when `bar` (and standard error is a terminal).
+fn ablate_with_bar(
+    bar: bool,
+    model: &crate::model::Model,
+    tokens: &[u32],
+    opts: &AblateOptions,
+) -> anyhow::Result<crate::analysis::intervene::AblateReport> {
+    let bar = if bar {
+        super::common::progress_bar("view: ablations [{bar:30}] {pos}/{len} ({eta})")
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let report = ablate(model, tokens, opts, |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    })?;
+    bar.finish_and_clear();
+    Ok(report)
 }
 
 /// The view page for `text` on `model` (also served by `attnscope serve`), and the token count.
@@ -242,18 +264,20 @@ pub fn view_html_with(
     // the same report `attnscope ablate --json` prints, with its defaults; through its text, so
     // the page holds the same digits (each f32 as its shortest decimal, not widened to f64)
     let ablation = match opts.ablate {
-        Some(method) => Some(serde_json::from_str(&serde_json::to_string(&ablate(
-            model,
-            &tokens,
-            &AblateOptions {
-                method,
-                target,
-                positions: None,
-                mlp: false,
-                batch_rows: 1024,
-            },
-            |_, _| {},
-        )?)?)?),
+        Some(method) => Some(serde_json::from_str(&serde_json::to_string(
+            &ablate_with_bar(
+                opts.progress,
+                model,
+                &tokens,
+                &AblateOptions {
+                    method,
+                    target,
+                    positions: None,
+                    mlp: false,
+                    batch_rows: 1024,
+                },
+            )?,
+        )?)?),
         None => None,
     };
     let texts = model.token_texts(&tokens);
@@ -342,6 +366,7 @@ pub fn view(a: ViewArgs) -> anyhow::Result<()> {
         faithfulness: a.faithfulness,
         ablate: a.ablate,
         target: a.target,
+        progress: true,
     };
     let (html, n) = view_html_with(&model, &text, a.model.bos, &opts)?;
     let d = &model.dims;

@@ -530,6 +530,7 @@ impl Model {
                         .map_err(|e| PyValueError::new_err(format!("target {t:?}: {e}")))
                 })
                 .transpose()?,
+            progress: false,
         };
         let (m, text) = (self.inner.clone(), text.to_string());
         engine(py, move || Ok(view_html_with(&m, &text, bos, &opts)?.0))
