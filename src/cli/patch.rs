@@ -4,6 +4,7 @@ use super::common::{emit, progress_bar, usage, write_new_file, ModelArgs};
 use crate::analysis::faithfulness::Target;
 use crate::analysis::intervene::{patch, PatchHook, PatchOptions, PatchReport};
 use crate::model::tokenize::visible;
+use crate::render::patch_page::patch_page;
 use crate::render::table::title;
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -42,7 +43,8 @@ pub struct Args {
     /// Which activation is taken from the clean run.
     #[arg(long, value_enum, default_value_t = HookArg::ResidPre)]
     hook: HookArg,
-    /// Also write the heatmap as an HTML page (refuses to overwrite a file).
+    /// Also write the heatmap as a self-contained HTML page: hover a cell for its numbers, click
+    /// it to show them (refuses to overwrite a file).
     #[arg(long)]
     html: Option<PathBuf>,
     /// Most positions stacked into one forward.
@@ -53,6 +55,12 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
+    // refused before the runs, not after them (write_new_file checks again when it writes)
+    if let Some(path) = a.html.as_ref().filter(|p| p.exists()) {
+        return Err(anyhow::Error::new(crate::model::Error::Exists {
+            path: path.clone(),
+        }));
+    }
     let model = a.model.load()?;
     let clean = model.encode(&a.clean, a.model.bos)?;
     let corrupt = model.encode(&a.corrupt, a.model.bos)?;
@@ -82,7 +90,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     })?;
     bar.finish_and_clear();
     if let Some(path) = &a.html {
-        write_new_file(path, html(&report).as_bytes(), false)?;
+        write_new_file(path, patch_page(&report).as_bytes(), false)?;
     }
     if a.json {
         return emit(&format!("{}\n", serde_json::to_string_pretty(&report)?));
@@ -187,34 +195,4 @@ pub fn render(r: &PatchReport, colour: bool) -> String {
         100.0 * r.layer_rows as f64 / r.layer_rows_from_scratch.max(1) as f64
     );
     s
-}
-
-/// A page with the heatmap (SVG).
-pub fn html(r: &PatchReport) -> String {
-    let (rows, cols, values) = grid(r);
-    let svg = crate::render::heatmap::svg(
-        &values,
-        &rows,
-        &cols,
-        &format!("{}: share of the logit difference restored", r.hook),
-    );
-    let esc = crate::render::html::html_escape;
-    format!(
-        "<!doctype html><html><head><meta charset=\"utf-8\"><title>attnscope patch</title></head>\
-         <body style=\"font-family:sans-serif\"><h1>Activation patching: {}</h1>\
-         <p>{} — answer {} vs wrong {}; clean {:+.4}, corrupt {:+.4}</p>\
-         <p>clean: {}<br>corrupt: {}</p>{svg}</body></html>\n",
-        esc(&r.hook),
-        esc(&r.model),
-        esc(&format!("{:?}", r.answer.text)),
-        esc(&format!("{:?}", r.wrong.text)),
-        r.clean_logit_diff,
-        r.corrupt_logit_diff,
-        esc(&r.clean.iter().map(|t| t.text.as_str()).collect::<String>()),
-        esc(&r
-            .corrupt
-            .iter()
-            .map(|t| t.text.as_str())
-            .collect::<String>()),
-    )
 }

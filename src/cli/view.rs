@@ -4,6 +4,8 @@ use super::common::{check_index, emit, usage, write_new_file, ModelArgs, TextArg
 use crate::analysis::collect::Collector;
 use crate::analysis::faithfulness::{run as run_faith, FaithOptions, Target};
 use crate::analysis::inspect::ModelFacts;
+pub use crate::analysis::intervene::Method as AblateMethod;
+use crate::analysis::intervene::{ablate, AblateOptions};
 use crate::analysis::norms::{all_value_norms, Values};
 use crate::model::capture::{AttnCache, CaptureSpec, Hook, Observer};
 use crate::model::forward::RunOptions;
@@ -24,6 +26,15 @@ pub struct ViewArgs {
     /// Also measure faithfulness (occlusion) and show it in a panel.
     #[arg(long)]
     faithfulness: bool,
+    /// Also ablate every head (as `attnscope ablate`) and show the effects in a panel: a
+    /// layers × heads grid of Δ log p and a sortable table; a click selects the head above.
+    /// `zero` (the default when no value is given) or `mean`.
+    #[arg(long, value_name = "METHOD", num_args = 0..=1, default_missing_value = "zero", value_parser = ablate_method)]
+    ablate: Option<AblateMethod>,
+    /// The token whose log-probability the ablation and faithfulness panels measure at the last
+    /// position: `next` (the model's own top token), a token id, or a token's text (one token).
+    #[arg(long)]
+    target: Option<Target>,
     /// Replace --out if it exists.
     #[arg(long)]
     force: bool,
@@ -110,6 +121,50 @@ fn value_norms_of(
         .collect()
 }
 
+/// `zero` or `mean`: how `view --ablate` (and the Python `view(ablate=...)`) removes a head.
+pub fn ablate_method(s: &str) -> anyhow::Result<AblateMethod> {
+    match s {
+        "zero" => Ok(AblateMethod::Zero),
+        "mean" => Ok(AblateMethod::Mean),
+        _ => Err(usage(format!(
+            "unknown ablation method {s:?}: valid values are `zero` (the head's output set to 0) and `mean` (set to its mean over the text's positions)"
+        ))),
+    }
+}
+
+/// What a view page shows beside the attention.
+#[derive(Clone, Debug, Default)]
+pub struct ViewOptions {
+    /// the faithfulness (occlusion) panel
+    pub faithfulness: bool,
+    /// the ablation panel: every head ablated this way (see [`ablate`])
+    pub ablate: Option<AblateMethod>,
+    /// the token the ablation and faithfulness panels measure (None: the model's top next token)
+    pub target: Option<Target>,
+    /// a progress bar for the ablations on standard error, where it is a terminal (the CLI)
+    pub progress: bool,
+}
+
+/// `attnscope ablate`'s report, with its progress bar when `bar` (and standard error is a terminal).
+fn ablate_with_bar(
+    bar: bool,
+    model: &crate::model::Model,
+    tokens: &[u32],
+    opts: &AblateOptions,
+) -> anyhow::Result<crate::analysis::intervene::AblateReport> {
+    let bar = if bar {
+        super::common::progress_bar("view: ablations [{bar:30}] {pos}/{len} ({eta})")
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let report = ablate(model, tokens, opts, |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    })?;
+    bar.finish_and_clear();
+    Ok(report)
+}
+
 /// The view page for `text` on `model` (also served by `attnscope serve`), and the token count.
 pub fn view_html(
     model: &crate::model::Model,
@@ -117,6 +172,30 @@ pub fn view_html(
     bos: bool,
     faithfulness: bool,
 ) -> anyhow::Result<(String, usize)> {
+    view_html_with(
+        model,
+        text,
+        bos,
+        &ViewOptions {
+            faithfulness,
+            ..ViewOptions::default()
+        },
+    )
+}
+
+/// The view page with the panels `opts` asks for, and the token count.
+pub fn view_html_with(
+    model: &crate::model::Model,
+    text: &str,
+    bos: bool,
+    opts: &ViewOptions,
+) -> anyhow::Result<(String, usize)> {
+    let faithfulness = opts.faithfulness;
+    if opts.target.is_some() && !faithfulness && opts.ablate.is_none() {
+        return Err(usage(
+            "--target names the token the ablation (--ablate) and faithfulness (--faithfulness) panels measure; ask for one of them",
+        ));
+    }
     let tokens = model.encode(text, bos)?;
     let (n, d) = (tokens.len(), &model.dims);
     if n > MAX_VIEW_TOKENS {
@@ -125,6 +204,10 @@ pub fn view_html(
     if faithfulness && n > FULL_MAX {
         return Err(usage(format!("--faithfulness occludes every token (3 forwards each); the view runs it on texts of at most {FULL_MAX} tokens, and this one is {n} (run `attnscope faithfulness` on a shorter text)")));
     }
+    if opts.ablate.is_some() && n > FULL_MAX {
+        return Err(usage(format!("--ablate removes every head in turn ({} runs over the text); the view runs it on texts of at most {FULL_MAX} tokens, and this one is {n} (run `attnscope ablate` on a longer text)", d.n_layers * d.n_heads)));
+    }
+    let target = opts.target.clone().unwrap_or(Target::Next);
     let (layers, vnorms) = if n > FULL_MAX {
         let mut sv = SparseView::new(d.n_layers, d.n_heads, n, true);
         let bar = if std::io::stderr().is_terminal() {
@@ -169,7 +252,7 @@ pub fn view_html(
             model,
             &tokens,
             &FaithOptions {
-                target: Target::Next,
+                target: target.clone(),
                 replacement: " ".into(),
                 seed: 7,
             },
@@ -177,6 +260,25 @@ pub fn view_html(
         )?)?)
     } else {
         None
+    };
+    // the same report `attnscope ablate --json` prints, with its defaults; through its text, so
+    // the page holds the same digits (each f32 as its shortest decimal, not widened to f64)
+    let ablation = match opts.ablate {
+        Some(method) => Some(serde_json::from_str(&serde_json::to_string(
+            &ablate_with_bar(
+                opts.progress,
+                model,
+                &tokens,
+                &AblateOptions {
+                    method,
+                    target,
+                    positions: None,
+                    mlp: false,
+                    batch_rows: 1024,
+                },
+            )?,
+        )?)?),
+        None => None,
     };
     let texts = model.token_texts(&tokens);
     let data = ViewData {
@@ -189,6 +291,7 @@ pub fn view_html(
         sink_query: layers.sink_query,
         sink_all: layers.sink_all,
         faithfulness,
+        ablation,
         encoding: layers.encoding,
         patterns: layers.patterns,
         sparse: layers.sparse,
@@ -242,6 +345,7 @@ pub fn pattern_page(
         sink_query: encoded.sink_query,
         sink_all: encoded.sink_all,
         faithfulness: None,
+        ablation: None,
         encoding: encoded.encoding,
         patterns: encoded.patterns,
         sparse: encoded.sparse,
@@ -258,7 +362,13 @@ pub fn view(a: ViewArgs) -> anyhow::Result<()> {
     }
     let text = a.text.read()?;
     let model = a.model.load()?;
-    let (html, n) = view_html(&model, &text, a.model.bos, a.faithfulness)?;
+    let opts = ViewOptions {
+        faithfulness: a.faithfulness,
+        ablate: a.ablate,
+        target: a.target,
+        progress: true,
+    };
+    let (html, n) = view_html_with(&model, &text, a.model.bos, &opts)?;
     let d = &model.dims;
     write_new_file(&a.out, html.as_bytes(), a.force)?;
     emit(&format!("wrote {} ({:.1} MB, {n} tokens, {} layers × {} heads); open it in a browser, no network needed\n", a.out.display(), html.len() as f64 / 1e6, d.n_layers, d.n_heads))

@@ -18,6 +18,8 @@ pub struct ViewData<'a> {
     pub sink_query: Vec<f32>,
     pub sink_all: Vec<f32>,
     pub faithfulness: Option<serde_json::Value>,
+    /// `attnscope ablate`'s report (every head ablated), for the ablation panel
+    pub ablation: Option<serde_json::Value>,
     /// "u16" or "u8" (every weight, `patterns`), or "topk" (`sparse`)
     pub encoding: &'static str,
     pub patterns: Vec<String>,
@@ -130,6 +132,7 @@ mod tests {
             sink_query: vec![0.5],
             sink_all: vec![0.5],
             faithfulness: None,
+            ablation: None,
             encoding: enc,
             patterns: vec![p],
             sparse: None,

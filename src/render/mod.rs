@@ -3,6 +3,7 @@ pub mod direct;
 pub mod heatmap;
 pub mod html;
 pub mod npy;
+pub mod patch_page;
 pub mod report;
 pub mod sparse;
 pub mod table;

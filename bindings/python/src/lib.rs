@@ -504,19 +504,36 @@ impl Model {
         serde_json::to_string(&doc).map_err(|e| PyRuntimeError::new_err(e.to_string()))
     }
 
-    /// The page of `attnscope view` for `text`.
-    #[pyo3(signature = (text, bos = false, faithfulness = false))]
+    /// The page of `attnscope view` for `text`; `ablate` (`zero` or `mean`) adds the ablation
+    /// panel, `target` (`next`, a token id or a token's text) the token it measures.
+    #[pyo3(signature = (text, bos = false, faithfulness = false, ablate = None, target = None))]
     fn view_html(
         &self,
         py: Python<'_>,
         text: &str,
         bos: bool,
         faithfulness: bool,
+        ablate: Option<String>,
+        target: Option<String>,
     ) -> PyResult<String> {
+        use attnscope::cli::view::{ablate_method, view_html_with, ViewOptions};
+        let opts = ViewOptions {
+            faithfulness,
+            ablate: ablate
+                .as_deref()
+                .map(ablate_method)
+                .transpose()
+                .map_err(to_py)?,
+            target: target
+                .map(|t| {
+                    t.parse::<attnscope::analysis::faithfulness::Target>()
+                        .map_err(|e| PyValueError::new_err(format!("target {t:?}: {e}")))
+                })
+                .transpose()?,
+            progress: false,
+        };
         let (m, text) = (self.inner.clone(), text.to_string());
-        engine(py, move || {
-            Ok(attnscope::cli::view::view_html(&m, &text, bos, faithfulness)?.0)
-        })
+        engine(py, move || Ok(view_html_with(&m, &text, bos, &opts)?.0))
     }
 }
 

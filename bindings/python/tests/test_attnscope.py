@@ -340,6 +340,21 @@ def test_views_in_a_notebook(qwen, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def test_view_with_the_ablation_panel(smol):
+    text = "The capital of France is"
+    v = smol.view(text, ablate="mean", target=" Paris")
+    at = v.html.index("const D = ") + len("const D = ")
+    d, _ = json.JSONDecoder().raw_decode(v.html[at:])
+    want = smol.ablate(text, method="mean", target=" Paris")
+    assert d["ablation"]["target"] == want["target"] and d["ablation"]["method"] == "mean"
+    assert d["ablation"]["heads"] == want["heads"] and d["ablation"]["correlations"] == want["correlations"]
+    assert smol.view(text)._repr_html_() and "selectHead" in v.html
+    with pytest.raises(ValueError, match="zero.*mean"):
+        smol.view(text, ablate="half")
+    with pytest.raises(ValueError, match="--ablate"):
+        smol.view(text, target=" Paris")
+
+
 def test_the_quickstart_example_runs(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "examples/quickstart.py"), "smollm2-135m"], capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert r.returncode == 0, r.stderr

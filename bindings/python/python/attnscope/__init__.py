@@ -727,9 +727,16 @@ class HookedModel:
             argv.append("--force")
         return _native.run_command(argv).strip()
 
-    def view(self, text: str, faithfulness: bool = False, bos: bool = False) -> "viz.View":
-        """The ``attnscope view`` page for ``text``; shows inline in a notebook, ``.save(path)``."""
-        return viz.View(self._m.view_html(text, bos, faithfulness))
+    def view(self, text: str, faithfulness: bool = False, bos: bool = False, ablate: Optional[str] = None,
+             target: Optional[Union[int, str]] = None) -> "viz.View":
+        """The ``attnscope view`` page for ``text``; shows inline in a notebook, ``.save(path)``.
+
+        ``ablate="zero"`` (or ``"mean"``) adds the ablation panel of ``attnscope view --ablate``:
+        every head removed in turn, its Δ log p(target) as a layers × heads grid and a sortable
+        table (a click selects the head in the attention views). ``target``: the token the
+        ablation and faithfulness panels measure, a token id or a token's text (default: the
+        model's top next token)."""
+        return viz.View(self._m.view_html(text, bos, faithfulness, ablate, None if target is None else str(target)))
 
     def corpus(self, texts: Optional[Union[str, os.PathLike, Sequence[str]]] = None, limit: Optional[int] = None, **kw: Any) -> Dict[str, Any]:
         """Sink statistics over many texts (``attnscope corpus --json``); see :func:`corpus`."""

@@ -32,8 +32,9 @@ class Model:
         """(id, head-role scores JSON, error) for each (id, text)."""
     def head_roles_document(self, scores: Sequence[str]) -> str:
         """``attnscope heads --each-line --json`` from each text's scores, in order."""
-    def view_html(self, text: str, bos: bool = False, faithfulness: bool = False) -> str:
-        """The page of ``attnscope view``."""
+    def view_html(self, text: str, bos: bool = False, faithfulness: bool = False, ablate: Optional[str] = None,
+                  target: Optional[str] = None) -> str:
+        """The page of ``attnscope view``; ``ablate`` (``"zero"`` or ``"mean"``) adds the ablation panel."""
 
 def run_command(args: Sequence[str]) -> str:
     """Runs ``attnscope ARGS...`` in this process and returns what it prints."""
