@@ -8,6 +8,9 @@
 //! - [`render`]: tables and JSON, no maths;
 //! - [`cli`]: the `attnscope` command (parse, plan, call the library, render).
 
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
+
 pub mod analysis;
 pub mod cli;
 #[doc(hidden)]

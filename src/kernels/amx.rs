@@ -515,106 +515,111 @@ unsafe fn task_run(
     ldc: usize,
     accumulate: bool,
 ) {
-    let splits = w.splits;
-    let chunks = w.chunks;
-    let wbuf = w.buf.as_slice();
-    let panel_len = w.panel_len();
-    let split_stride = chunks * 2 * TILE;
-    let kcs = slice_chunks(splits);
-    let slices = chunks.div_ceil(kcs);
-    let mut spare = [0f32; MB * NP];
-    C_PART.with(|cell| {
-        let mut part = cell.borrow_mut();
-        if slices > 1 {
-            let len = blocks.len() * panels.len() * MB * NP;
-            if part.len() < len {
-                part.resize(len, 0.0);
+    // SAFETY: the caller upholds this function's contract (its doc comment: the pointers cover
+    // the rows and tiles it names, the CPU has the kernel's features); the body only
+    // reads and writes within them.
+    unsafe {
+        let splits = w.splits;
+        let chunks = w.chunks;
+        let wbuf = w.buf.as_slice();
+        let panel_len = w.panel_len();
+        let split_stride = chunks * 2 * TILE;
+        let kcs = slice_chunks(splits);
+        let slices = chunks.div_ceil(kcs);
+        let mut spare = [0f32; MB * NP];
+        C_PART.with(|cell| {
+            let mut part = cell.borrow_mut();
+            if slices > 1 {
+                let len = blocks.len() * panels.len() * MB * NP;
+                if part.len() < len {
+                    part.resize(len, 0.0);
+                }
             }
-        }
-        #[cfg(target_arch = "x86_64")]
-        if engine == Engine::Tiles {
-            tiles::configure();
-        }
-        for si in 0..slices {
-            let c0 = si * kcs;
-            let nch = kcs.min(chunks - c0);
-            let (first, last) = (si == 0, si + 1 == slices);
-            for (bi, b) in blocks.clone().enumerate() {
-                let row0 = b * MB;
-                let rows = MB.min(m.saturating_sub(row0));
-                let a0 = planes[b * block_len + c0 * 2 * TILE..].as_ptr();
-                for (pi, p) in panels.clone().enumerate() {
-                    let bp = wbuf[p * panel_len + c0 * splits * 2 * TILE..].as_ptr();
-                    let col0 = p * NP;
-                    let cols = NP.min(w.n - col0);
-                    let whole = rows == MB && cols == NP;
-                    let in_c = CBlock {
-                        ptr: c.0.add(row0 * ldc + col0),
-                        ld: ldc,
-                    };
-                    let in_spare = CBlock {
-                        ptr: spare.as_mut_ptr(),
-                        ld: NP,
-                    };
-                    let in_part = CBlock {
-                        ptr: part.as_mut_ptr().add((bi * panels.len() + pi) * MB * NP),
-                        ld: NP,
-                    };
-                    let src = if !first {
-                        Some(in_part)
-                    } else if !accumulate {
-                        None
-                    } else if whole {
-                        Some(in_c)
-                    } else {
-                        for r in 0..rows {
-                            for j in 0..cols {
-                                spare[r * NP + j] = *c.0.add((row0 + r) * ldc + col0 + j);
+            #[cfg(target_arch = "x86_64")]
+            if engine == Engine::Tiles {
+                tiles::configure();
+            }
+            for si in 0..slices {
+                let c0 = si * kcs;
+                let nch = kcs.min(chunks - c0);
+                let (first, last) = (si == 0, si + 1 == slices);
+                for (bi, b) in blocks.clone().enumerate() {
+                    let row0 = b * MB;
+                    let rows = MB.min(m.saturating_sub(row0));
+                    let a0 = planes[b * block_len + c0 * 2 * TILE..].as_ptr();
+                    for (pi, p) in panels.clone().enumerate() {
+                        let bp = wbuf[p * panel_len + c0 * splits * 2 * TILE..].as_ptr();
+                        let col0 = p * NP;
+                        let cols = NP.min(w.n - col0);
+                        let whole = rows == MB && cols == NP;
+                        let in_c = CBlock {
+                            ptr: c.0.add(row0 * ldc + col0),
+                            ld: ldc,
+                        };
+                        let in_spare = CBlock {
+                            ptr: spare.as_mut_ptr(),
+                            ld: NP,
+                        };
+                        let in_part = CBlock {
+                            ptr: part.as_mut_ptr().add((bi * panels.len() + pi) * MB * NP),
+                            ld: NP,
+                        };
+                        let src = if !first {
+                            Some(in_part)
+                        } else if !accumulate {
+                            None
+                        } else if whole {
+                            Some(in_c)
+                        } else {
+                            for r in 0..rows {
+                                for j in 0..cols {
+                                    spare[r * NP + j] = *c.0.add((row0 + r) * ldc + col0 + j);
+                                }
                             }
+                            Some(in_spare)
+                        };
+                        let dst = if !last {
+                            in_part
+                        } else if whole {
+                            in_c
+                        } else {
+                            in_spare
+                        };
+                        match engine {
+                            #[cfg(target_arch = "x86_64")]
+                            Engine::Tiles => {
+                                // what the next call reads first: the next panel, or the first
+                                // panel of the next block (prefetching past the end is harmless)
+                                let next = if p + 1 < panels.end {
+                                    (a0, bp.wrapping_add(panel_len))
+                                } else {
+                                    (
+                                        a0.wrapping_add(block_len),
+                                        wbuf.as_ptr().wrapping_add(
+                                            panels.start * panel_len + c0 * splits * 2 * TILE,
+                                        ),
+                                    )
+                                };
+                                tiles::block(nch, splits, a0, split_stride, bp, src, dst, next)
+                            }
+                            _ => emulated_block(nch, splits, a0, split_stride, bp, src, dst),
                         }
-                        Some(in_spare)
-                    };
-                    let dst = if !last {
-                        in_part
-                    } else if whole {
-                        in_c
-                    } else {
-                        in_spare
-                    };
-                    match engine {
-                        #[cfg(target_arch = "x86_64")]
-                        Engine::Tiles => {
-                            // what the next call reads first: the next panel, or the first
-                            // panel of the next block (prefetching past the end is harmless)
-                            let next = if p + 1 < panels.end {
-                                (a0, bp.wrapping_add(panel_len))
-                            } else {
-                                (
-                                    a0.wrapping_add(block_len),
-                                    wbuf.as_ptr().wrapping_add(
-                                        panels.start * panel_len + c0 * splits * 2 * TILE,
-                                    ),
-                                )
-                            };
-                            tiles::block(nch, splits, a0, split_stride, bp, src, dst, next)
-                        }
-                        _ => emulated_block(nch, splits, a0, split_stride, bp, src, dst),
-                    }
-                    if last && !whole {
-                        for r in 0..rows {
-                            for j in 0..cols {
-                                *c.0.add((row0 + r) * ldc + col0 + j) = spare[r * NP + j];
+                        if last && !whole {
+                            for r in 0..rows {
+                                for j in 0..cols {
+                                    *c.0.add((row0 + r) * ldc + col0 + j) = spare[r * NP + j];
+                                }
                             }
                         }
                     }
                 }
             }
-        }
-        #[cfg(target_arch = "x86_64")]
-        if engine == Engine::Tiles {
-            tiles::release();
-        }
-    });
+            #[cfg(target_arch = "x86_64")]
+            if engine == Engine::Tiles {
+                tiles::release();
+            }
+        });
+    }
 }
 
 /// The products of one 32 × 32 block over `nch` chunks, in the order the tile kernel does them:
@@ -636,33 +641,38 @@ unsafe fn emulated_block(
     src: Option<CBlock>,
     dst: CBlock,
 ) {
-    let mut cc = [0f32; MB * NP];
-    if let Some(src) = src {
-        for r in 0..MB {
-            for j in 0..NP {
-                cc[r * NP + j] = *src.ptr.add(r * src.ld + j);
-            }
-        }
-    }
-    let products: &[(usize, usize)] = if splits == 3 {
-        &PRODUCTS3
-    } else {
-        &PRODUCTS3[2..3]
-    };
-    for ch in 0..nch {
-        for &(sa, sb) in products {
-            for half in 0..2 {
-                let tile = b.add(((ch * splits + sb) * 2 + half) * TILE);
-                for rt in 0..2 {
-                    let a = a0.add(sa * split_stride + ch * 2 * TILE + rt * TILE);
-                    emulated_tdp(&mut cc[rt * T * NP + half * T..], NP, a, tile);
+    // SAFETY: the caller upholds this function's contract (its doc comment: the pointers cover
+    // the rows and tiles it names, the CPU has the kernel's features); the body only
+    // reads and writes within them.
+    unsafe {
+        let mut cc = [0f32; MB * NP];
+        if let Some(src) = src {
+            for r in 0..MB {
+                for j in 0..NP {
+                    cc[r * NP + j] = *src.ptr.add(r * src.ld + j);
                 }
             }
         }
-    }
-    for r in 0..MB {
-        for j in 0..NP {
-            *dst.ptr.add(r * dst.ld + j) = cc[r * NP + j];
+        let products: &[(usize, usize)] = if splits == 3 {
+            &PRODUCTS3
+        } else {
+            &PRODUCTS3[2..3]
+        };
+        for ch in 0..nch {
+            for &(sa, sb) in products {
+                for half in 0..2 {
+                    let tile = b.add(((ch * splits + sb) * 2 + half) * TILE);
+                    for rt in 0..2 {
+                        let a = a0.add(sa * split_stride + ch * 2 * TILE + rt * TILE);
+                        emulated_tdp(&mut cc[rt * T * NP + half * T..], NP, a, tile);
+                    }
+                }
+            }
+        }
+        for r in 0..MB {
+            for j in 0..NP {
+                *dst.ptr.add(r * dst.ld + j) = cc[r * NP + j];
+            }
         }
     }
 }
@@ -674,18 +684,23 @@ unsafe fn emulated_block(
 /// # Safety
 /// `a` and `b` point at whole tiles.
 unsafe fn emulated_tdp(c: &mut [f32], ldc: usize, a: *const u16, b: *const u16) {
-    for r in 0..T {
-        let arow = a.add(r * KT);
-        for jj in 0..T {
-            let mut x = c[r * ldc + jj];
-            for pr in 0..KT / 2 {
-                for e in 0..2 {
-                    let av = f32_of(*arow.add(2 * pr + e));
-                    let bv = f32_of(*b.add(pr * 2 * T + jj * 2 + e));
-                    x += av * bv;
+    // SAFETY: the caller upholds this function's contract (its doc comment: the pointers cover
+    // the rows and tiles it names, the CPU has the kernel's features); the body only
+    // reads and writes within them.
+    unsafe {
+        for r in 0..T {
+            let arow = a.add(r * KT);
+            for jj in 0..T {
+                let mut x = c[r * ldc + jj];
+                for pr in 0..KT / 2 {
+                    for e in 0..2 {
+                        let av = f32_of(*arow.add(2 * pr + e));
+                        let bv = f32_of(*b.add(pr * 2 * T + jj * 2 + e));
+                        x += av * bv;
+                    }
                 }
+                c[r * ldc + jj] = x;
             }
-            c[r * ldc + jj] = x;
         }
     }
 }
@@ -701,27 +716,42 @@ mod tiles {
     struct Config([u8; 64]);
 
     pub(super) unsafe fn configure() {
-        let mut cfg = Config([0; 64]);
-        cfg.0[0] = 1;
-        for t in 0..8 {
-            cfg.0[16 + 2 * t] = 64;
-            cfg.0[48 + t] = T as u8;
+        // SAFETY: AMX tile instructions on this thread, after `available()` said the CPU has them and
+        // the kernel asked the OS for the tile state; the pointers are the caller's, valid for what
+        // the doc comment names.
+        unsafe {
+            let mut cfg = Config([0; 64]);
+            cfg.0[0] = 1;
+            for t in 0..8 {
+                cfg.0[16 + 2 * t] = 64;
+                cfg.0[48 + t] = T as u8;
+            }
+            asm!("ldtilecfg [{0}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
         }
-        asm!("ldtilecfg [{0}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
     }
 
     /// Asks for `len` bf16 from `p` on into L1.
     #[inline(always)]
     unsafe fn prefetch(p: *const u16, len: usize) {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        let p = p as *const i8;
-        for line in (0..len * 2).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line));
+        // SAFETY: AMX tile instructions on this thread, after `available()` said the CPU has them and
+        // the kernel asked the OS for the tile state; the pointers are the caller's, valid for what
+        // the doc comment names.
+        unsafe {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            let p = p as *const i8;
+            for line in (0..len * 2).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line));
+            }
         }
     }
 
     pub(super) unsafe fn release() {
-        asm!("tilerelease", options(nostack, nomem));
+        // SAFETY: AMX tile instructions on this thread, after `available()` said the CPU has them and
+        // the kernel asked the OS for the tile state; the pointers are the caller's, valid for what
+        // the doc comment names.
+        unsafe {
+            asm!("tilerelease", options(nostack, nomem));
+        }
     }
 
     /// One 32-deep group of a scaled product ([`super::scaled`]): `tmp[4][16][16] =
@@ -740,48 +770,53 @@ mod tiles {
         q: *const u16,
         tmp: *mut f32,
     ) {
-        let a2 = a.add(split_stride);
-        let a3 = a2.add(split_stride);
-        asm!(
-            "tilezero tmm0",
-            "tilezero tmm1",
-            "tilezero tmm2",
-            "tilezero tmm3",
-            "tileloadd tmm6, [{q0} + {s}*1]",
-            "tileloadd tmm7, [{q1} + {s}*1]",
-            "tileloadd tmm4, [{a3} + {s}*1]",
-            "tileloadd tmm5, [{a3l} + {s}*1]",
-            // each A tile is loaded again as soon as its two products are issued, while the
-            // other's run (the same products, in the same order for each accumulator)
-            "tdpbf16ps tmm0, tmm4, tmm6",
-            "tdpbf16ps tmm1, tmm4, tmm7",
-            "tileloadd tmm4, [{a2} + {s}*1]",
-            "tdpbf16ps tmm2, tmm5, tmm6",
-            "tdpbf16ps tmm3, tmm5, tmm7",
-            "tileloadd tmm5, [{a2l} + {s}*1]",
-            "tdpbf16ps tmm0, tmm4, tmm6",
-            "tdpbf16ps tmm1, tmm4, tmm7",
-            "tileloadd tmm4, [{a1} + {s}*1]",
-            "tdpbf16ps tmm2, tmm5, tmm6",
-            "tdpbf16ps tmm3, tmm5, tmm7",
-            "tileloadd tmm5, [{a1l} + {s}*1]",
-            "tdpbf16ps tmm0, tmm4, tmm6",
-            "tdpbf16ps tmm1, tmm4, tmm7",
-            "tdpbf16ps tmm2, tmm5, tmm6",
-            "tdpbf16ps tmm3, tmm5, tmm7",
-            "tilestored [{t0} + {s}*1], tmm0",
-            "tilestored [{t1} + {s}*1], tmm1",
-            "tilestored [{t2} + {s}*1], tmm2",
-            "tilestored [{t3} + {s}*1], tmm3",
-            q0 = in(reg) q, q1 = in(reg) q.add(TILE),
-            a1 = in(reg) a, a1l = in(reg) a.add(TILE),
-            a2 = in(reg) a2, a2l = in(reg) a2.add(TILE),
-            a3 = in(reg) a3, a3l = in(reg) a3.add(TILE),
-            t0 = in(reg) tmp, t1 = in(reg) tmp.add(T * T),
-            t2 = in(reg) tmp.add(2 * T * T), t3 = in(reg) tmp.add(3 * T * T),
-            s = in(reg) 64usize,
-            options(nostack)
-        );
+        // SAFETY: the caller upholds this function's contract (its doc comment: the pointers cover
+        // the rows and tiles it names, the CPU has the kernel's features); the body only
+        // reads and writes within them.
+        unsafe {
+            let a2 = a.add(split_stride);
+            let a3 = a2.add(split_stride);
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                "tileloadd tmm6, [{q0} + {s}*1]",
+                "tileloadd tmm7, [{q1} + {s}*1]",
+                "tileloadd tmm4, [{a3} + {s}*1]",
+                "tileloadd tmm5, [{a3l} + {s}*1]",
+                // each A tile is loaded again as soon as its two products are issued, while the
+                // other's run (the same products, in the same order for each accumulator)
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tileloadd tmm4, [{a2} + {s}*1]",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                "tileloadd tmm5, [{a2l} + {s}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tileloadd tmm4, [{a1} + {s}*1]",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                "tileloadd tmm5, [{a1l} + {s}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                "tilestored [{t0} + {s}*1], tmm0",
+                "tilestored [{t1} + {s}*1], tmm1",
+                "tilestored [{t2} + {s}*1], tmm2",
+                "tilestored [{t3} + {s}*1], tmm3",
+                q0 = in(reg) q, q1 = in(reg) q.add(TILE),
+                a1 = in(reg) a, a1l = in(reg) a.add(TILE),
+                a2 = in(reg) a2, a2l = in(reg) a2.add(TILE),
+                a3 = in(reg) a3, a3l = in(reg) a3.add(TILE),
+                t0 = in(reg) tmp, t1 = in(reg) tmp.add(T * T),
+                t2 = in(reg) tmp.add(2 * T * T), t3 = in(reg) tmp.add(3 * T * T),
+                s = in(reg) 64usize,
+                options(nostack)
+            );
+        }
     }
 
     /// `C[32, 32] (+)= Σ_chunks Σ_products A_part[32, 32] · W_part[32, 32]`: A's tiles at `a0`
@@ -801,128 +836,133 @@ mod tiles {
         dst: super::CBlock,
         next: (*const u16, *const u16),
     ) {
-        if let Some(src) = src {
-            let (c, cs) = (src.ptr, src.ld * 4);
-            let c1 = c.add(T); // columns 16..32
-            let c2 = c.add(T * src.ld); // rows 16..32
+        // SAFETY: the caller upholds this function's contract (its doc comment: the pointers cover
+        // the rows and tiles it names, the CPU has the kernel's features); the body only
+        // reads and writes within them.
+        unsafe {
+            if let Some(src) = src {
+                let (c, cs) = (src.ptr, src.ld * 4);
+                let c1 = c.add(T); // columns 16..32
+                let c2 = c.add(T * src.ld); // rows 16..32
+                let c3 = c2.add(T);
+                asm!(
+                    "tileloadd tmm0, [{c0} + {cs}*1]",
+                    "tileloadd tmm1, [{c1} + {cs}*1]",
+                    "tileloadd tmm2, [{c2} + {cs}*1]",
+                    "tileloadd tmm3, [{c3} + {cs}*1]",
+                    c0 = in(reg) c, c1 = in(reg) c1, c2 = in(reg) c2, c3 = in(reg) c3, cs = in(reg) cs,
+                    options(nostack, readonly)
+                );
+            } else {
+                asm!(
+                    "tilezero tmm0",
+                    "tilezero tmm1",
+                    "tilezero tmm2",
+                    "tilezero tmm3",
+                    options(nostack, nomem)
+                );
+            }
+            let s_a = 64usize; // A tile row stride in bytes
+            let a_lo = TILE; // rows 16..32 of A: the next tile
+            for ch in 0..nch {
+                let bt = b.add(ch * splits * 2 * TILE);
+                let a1 = a0.add(ch * 2 * TILE);
+                // the next chunk's tiles (or the next block's first) into L1 while these multiply:
+                // a tile load that misses L1 stalls the tile unit (measured: 15% of the time on
+                // the first W load alone)
+                let (na, nb) = if ch + 1 < nch {
+                    (a1.add(2 * TILE), bt.add(splits * 2 * TILE))
+                } else {
+                    next
+                };
+                for sp in 0..splits {
+                    prefetch(na.add(sp * split_stride), 2 * TILE);
+                }
+                prefetch(nb, splits * 2 * TILE);
+                if splits == 1 {
+                    asm!(
+                        "tileloadd tmm4, [{a} + {sa}*1]",
+                        "tileloadd tmm5, [{a16} + {sa}*1]",
+                        "tileloadd tmm6, [{b0} + {sb}*1]",
+                        "tileloadd tmm7, [{b1} + {sb}*1]",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tdpbf16ps tmm1, tmm4, tmm7",
+                        "tdpbf16ps tmm2, tmm5, tmm6",
+                        "tdpbf16ps tmm3, tmm5, tmm7",
+                        a = in(reg) a1, a16 = in(reg) a1.add(a_lo), sa = in(reg) s_a,
+                        b0 = in(reg) bt, b1 = in(reg) bt.add(TILE), sb = in(reg) 64usize,
+                        options(nostack, readonly)
+                    );
+                } else {
+                    let a2 = a1.add(split_stride);
+                    let a3 = a2.add(split_stride);
+                    // W part s, half h at bt + (s·2 + h)·TILE; products smallest first:
+                    // x₁w₃, x₁w₂, x₁w₁, x₂w₁, x₃w₁, x₂w₂ (as PRODUCTS3)
+                    asm!(
+                        "tileloadd tmm4, [{a1} + {sa}*1]",
+                        "tileloadd tmm5, [{a1l} + {sa}*1]",
+                        "tileloadd tmm6, [{w3} + {sb}*1]",
+                        "tileloadd tmm7, [{w3h} + {sb}*1]",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tdpbf16ps tmm1, tmm4, tmm7",
+                        "tdpbf16ps tmm2, tmm5, tmm6",
+                        "tdpbf16ps tmm3, tmm5, tmm7",
+                        "tileloadd tmm6, [{w2} + {sb}*1]",
+                        "tileloadd tmm7, [{w2h} + {sb}*1]",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tdpbf16ps tmm1, tmm4, tmm7",
+                        "tdpbf16ps tmm2, tmm5, tmm6",
+                        "tdpbf16ps tmm3, tmm5, tmm7",
+                        "tileloadd tmm6, [{w1} + {sb}*1]",
+                        "tileloadd tmm7, [{w1h} + {sb}*1]",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tdpbf16ps tmm1, tmm4, tmm7",
+                        "tdpbf16ps tmm2, tmm5, tmm6",
+                        "tdpbf16ps tmm3, tmm5, tmm7",
+                        "tileloadd tmm4, [{a2} + {sa}*1]",
+                        "tileloadd tmm5, [{a2l} + {sa}*1]",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tdpbf16ps tmm1, tmm4, tmm7",
+                        "tdpbf16ps tmm2, tmm5, tmm6",
+                        "tdpbf16ps tmm3, tmm5, tmm7",
+                        "tileloadd tmm4, [{a3} + {sa}*1]",
+                        "tileloadd tmm5, [{a3l} + {sa}*1]",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tdpbf16ps tmm1, tmm4, tmm7",
+                        "tdpbf16ps tmm2, tmm5, tmm6",
+                        "tdpbf16ps tmm3, tmm5, tmm7",
+                        "tileloadd tmm4, [{a2} + {sa}*1]",
+                        "tileloadd tmm5, [{a2l} + {sa}*1]",
+                        "tileloadd tmm6, [{w2} + {sb}*1]",
+                        "tileloadd tmm7, [{w2h} + {sb}*1]",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tdpbf16ps tmm1, tmm4, tmm7",
+                        "tdpbf16ps tmm2, tmm5, tmm6",
+                        "tdpbf16ps tmm3, tmm5, tmm7",
+                        a1 = in(reg) a1, a1l = in(reg) a1.add(a_lo),
+                        a2 = in(reg) a2, a2l = in(reg) a2.add(a_lo),
+                        a3 = in(reg) a3, a3l = in(reg) a3.add(a_lo),
+                        w1 = in(reg) bt, w1h = in(reg) bt.add(TILE),
+                        w2 = in(reg) bt.add(2 * TILE), w2h = in(reg) bt.add(3 * TILE),
+                        w3 = in(reg) bt.add(4 * TILE), w3h = in(reg) bt.add(5 * TILE),
+                        sa = in(reg) s_a, sb = in(reg) 64usize,
+                        options(nostack, readonly)
+                    );
+                }
+            }
+            let (c, cs) = (dst.ptr, dst.ld * 4);
+            let c1 = c.add(T);
+            let c2 = c.add(T * dst.ld);
             let c3 = c2.add(T);
             asm!(
-                "tileloadd tmm0, [{c0} + {cs}*1]",
-                "tileloadd tmm1, [{c1} + {cs}*1]",
-                "tileloadd tmm2, [{c2} + {cs}*1]",
-                "tileloadd tmm3, [{c3} + {cs}*1]",
+                "tilestored [{c0} + {cs}*1], tmm0",
+                "tilestored [{c1} + {cs}*1], tmm1",
+                "tilestored [{c2} + {cs}*1], tmm2",
+                "tilestored [{c3} + {cs}*1], tmm3",
                 c0 = in(reg) c, c1 = in(reg) c1, c2 = in(reg) c2, c3 = in(reg) c3, cs = in(reg) cs,
-                options(nostack, readonly)
-            );
-        } else {
-            asm!(
-                "tilezero tmm0",
-                "tilezero tmm1",
-                "tilezero tmm2",
-                "tilezero tmm3",
-                options(nostack, nomem)
+                options(nostack)
             );
         }
-        let s_a = 64usize; // A tile row stride in bytes
-        let a_lo = TILE; // rows 16..32 of A: the next tile
-        for ch in 0..nch {
-            let bt = b.add(ch * splits * 2 * TILE);
-            let a1 = a0.add(ch * 2 * TILE);
-            // the next chunk's tiles (or the next block's first) into L1 while these multiply:
-            // a tile load that misses L1 stalls the tile unit (measured: 15% of the time on
-            // the first W load alone)
-            let (na, nb) = if ch + 1 < nch {
-                (a1.add(2 * TILE), bt.add(splits * 2 * TILE))
-            } else {
-                next
-            };
-            for sp in 0..splits {
-                prefetch(na.add(sp * split_stride), 2 * TILE);
-            }
-            prefetch(nb, splits * 2 * TILE);
-            if splits == 1 {
-                asm!(
-                    "tileloadd tmm4, [{a} + {sa}*1]",
-                    "tileloadd tmm5, [{a16} + {sa}*1]",
-                    "tileloadd tmm6, [{b0} + {sb}*1]",
-                    "tileloadd tmm7, [{b1} + {sb}*1]",
-                    "tdpbf16ps tmm0, tmm4, tmm6",
-                    "tdpbf16ps tmm1, tmm4, tmm7",
-                    "tdpbf16ps tmm2, tmm5, tmm6",
-                    "tdpbf16ps tmm3, tmm5, tmm7",
-                    a = in(reg) a1, a16 = in(reg) a1.add(a_lo), sa = in(reg) s_a,
-                    b0 = in(reg) bt, b1 = in(reg) bt.add(TILE), sb = in(reg) 64usize,
-                    options(nostack, readonly)
-                );
-            } else {
-                let a2 = a1.add(split_stride);
-                let a3 = a2.add(split_stride);
-                // W part s, half h at bt + (s·2 + h)·TILE; products smallest first:
-                // x₁w₃, x₁w₂, x₁w₁, x₂w₁, x₃w₁, x₂w₂ (as PRODUCTS3)
-                asm!(
-                    "tileloadd tmm4, [{a1} + {sa}*1]",
-                    "tileloadd tmm5, [{a1l} + {sa}*1]",
-                    "tileloadd tmm6, [{w3} + {sb}*1]",
-                    "tileloadd tmm7, [{w3h} + {sb}*1]",
-                    "tdpbf16ps tmm0, tmm4, tmm6",
-                    "tdpbf16ps tmm1, tmm4, tmm7",
-                    "tdpbf16ps tmm2, tmm5, tmm6",
-                    "tdpbf16ps tmm3, tmm5, tmm7",
-                    "tileloadd tmm6, [{w2} + {sb}*1]",
-                    "tileloadd tmm7, [{w2h} + {sb}*1]",
-                    "tdpbf16ps tmm0, tmm4, tmm6",
-                    "tdpbf16ps tmm1, tmm4, tmm7",
-                    "tdpbf16ps tmm2, tmm5, tmm6",
-                    "tdpbf16ps tmm3, tmm5, tmm7",
-                    "tileloadd tmm6, [{w1} + {sb}*1]",
-                    "tileloadd tmm7, [{w1h} + {sb}*1]",
-                    "tdpbf16ps tmm0, tmm4, tmm6",
-                    "tdpbf16ps tmm1, tmm4, tmm7",
-                    "tdpbf16ps tmm2, tmm5, tmm6",
-                    "tdpbf16ps tmm3, tmm5, tmm7",
-                    "tileloadd tmm4, [{a2} + {sa}*1]",
-                    "tileloadd tmm5, [{a2l} + {sa}*1]",
-                    "tdpbf16ps tmm0, tmm4, tmm6",
-                    "tdpbf16ps tmm1, tmm4, tmm7",
-                    "tdpbf16ps tmm2, tmm5, tmm6",
-                    "tdpbf16ps tmm3, tmm5, tmm7",
-                    "tileloadd tmm4, [{a3} + {sa}*1]",
-                    "tileloadd tmm5, [{a3l} + {sa}*1]",
-                    "tdpbf16ps tmm0, tmm4, tmm6",
-                    "tdpbf16ps tmm1, tmm4, tmm7",
-                    "tdpbf16ps tmm2, tmm5, tmm6",
-                    "tdpbf16ps tmm3, tmm5, tmm7",
-                    "tileloadd tmm4, [{a2} + {sa}*1]",
-                    "tileloadd tmm5, [{a2l} + {sa}*1]",
-                    "tileloadd tmm6, [{w2} + {sb}*1]",
-                    "tileloadd tmm7, [{w2h} + {sb}*1]",
-                    "tdpbf16ps tmm0, tmm4, tmm6",
-                    "tdpbf16ps tmm1, tmm4, tmm7",
-                    "tdpbf16ps tmm2, tmm5, tmm6",
-                    "tdpbf16ps tmm3, tmm5, tmm7",
-                    a1 = in(reg) a1, a1l = in(reg) a1.add(a_lo),
-                    a2 = in(reg) a2, a2l = in(reg) a2.add(a_lo),
-                    a3 = in(reg) a3, a3l = in(reg) a3.add(a_lo),
-                    w1 = in(reg) bt, w1h = in(reg) bt.add(TILE),
-                    w2 = in(reg) bt.add(2 * TILE), w2h = in(reg) bt.add(3 * TILE),
-                    w3 = in(reg) bt.add(4 * TILE), w3h = in(reg) bt.add(5 * TILE),
-                    sa = in(reg) s_a, sb = in(reg) 64usize,
-                    options(nostack, readonly)
-                );
-            }
-        }
-        let (c, cs) = (dst.ptr, dst.ld * 4);
-        let c1 = c.add(T);
-        let c2 = c.add(T * dst.ld);
-        let c3 = c2.add(T);
-        asm!(
-            "tilestored [{c0} + {cs}*1], tmm0",
-            "tilestored [{c1} + {cs}*1], tmm1",
-            "tilestored [{c2} + {cs}*1], tmm2",
-            "tilestored [{c3} + {cs}*1], tmm3",
-            c0 = in(reg) c, c1 = in(reg) c1, c2 = in(reg) c2, c3 = in(reg) c3, cs = in(reg) cs,
-            options(nostack)
-        );
     }
 }
 

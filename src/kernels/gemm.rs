@@ -131,12 +131,17 @@ impl Isa {
         ldc: usize,
         accumulate: bool,
     ) {
-        match self {
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => x86::kernel_avx512::<false>(kc, a, 0, b, c, ldc, accumulate),
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => x86::kernel_avx2::<false>(kc, a, 0, b, c, ldc, accumulate),
-            _ => kernel_scalar::<false>(kc, a, 0, b, c, ldc, accumulate),
+        // SAFETY: the caller upholds this function's contract (its doc comment: the pointers cover
+        // the rows and tiles it names, the CPU has the kernel's features); the body only
+        // reads and writes within them.
+        unsafe {
+            match self {
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512 => x86::kernel_avx512::<false>(kc, a, 0, b, c, ldc, accumulate),
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => x86::kernel_avx2::<false>(kc, a, 0, b, c, ldc, accumulate),
+                _ => kernel_scalar::<false>(kc, a, 0, b, c, ldc, accumulate),
+            }
         }
     }
 
@@ -157,12 +162,17 @@ impl Isa {
         ldc: usize,
         accumulate: bool,
     ) {
-        match self {
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => x86::kernel_avx512::<true>(kc, a, lda, b, c, ldc, accumulate),
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => x86::kernel_avx2::<true>(kc, a, lda, b, c, ldc, accumulate),
-            _ => kernel_scalar::<true>(kc, a, lda, b, c, ldc, accumulate),
+        // SAFETY: the caller upholds this function's contract (its doc comment: the pointers cover
+        // the rows and tiles it names, the CPU has the kernel's features); the body only
+        // reads and writes within them.
+        unsafe {
+            match self {
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512 => x86::kernel_avx512::<true>(kc, a, lda, b, c, ldc, accumulate),
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => x86::kernel_avx2::<true>(kc, a, lda, b, c, ldc, accumulate),
+                _ => kernel_scalar::<true>(kc, a, lda, b, c, ldc, accumulate),
+            }
         }
     }
 }
@@ -190,7 +200,7 @@ pub(crate) enum Panels<T = f32> {
     },
 }
 
-impl<T: Copy + Default> Panels<T> {
+impl<T: Copy + Default + bytemuck::Pod> Panels<T> {
     /// `len` values of `T` at `offset` in `map`, if they lie inside it and start on a 64-byte
     /// boundary of the file (mappings start on a page).
     pub(crate) fn mapped(
@@ -209,20 +219,17 @@ impl<T: Copy + Default> Panels<T> {
     pub(crate) fn as_slice(&self) -> &[T] {
         match self {
             Panels::Owned(b) => b.as_slice(),
-            // SAFETY: `mapped` checked that the values lie inside the mapping, on a 64-byte
-            // boundary (T is f32 or u16: plain values, any bits valid); the mapping is read-only
-            // and lives as long as this Arc.
-            Panels::Mapped { map, offset, len } => unsafe {
-                std::slice::from_raw_parts(map.as_ptr().add(*offset) as *const T, *len)
-            },
+            // `mapped` checked that the values lie inside the mapping, on a 64-byte boundary; the
+            // mapping is read-only and lives as long as this Arc
+            Panels::Mapped { map, offset, len } => {
+                bytemuck::cast_slice(&map[*offset..*offset + *len * std::mem::size_of::<T>()])
+            }
         }
     }
 
     /// The values as bytes (native-endian), as a cache file stores them.
     pub(crate) fn as_bytes(&self) -> &[u8] {
-        let v = self.as_slice();
-        // SAFETY: T is a plain number type; the slice covers exactly the values.
-        unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+        bytemuck::cast_slice(self.as_slice())
     }
 
     pub(crate) fn is_mapped(&self) -> bool {
@@ -616,85 +623,99 @@ unsafe fn block(
     ldc: usize,
     accumulate: bool,
 ) {
-    let isa = b.isa;
-    let (mr, nr, kc_max) = (isa.mr(), isa.nr(), isa.kc());
-    A_PACK.with(|cell| {
-        let mut apack = cell.borrow_mut();
-        let mut tile = [0f32; 12 * 32];
-        let mut pc = 0;
-        while pc < k {
-            let kc = kc_max.min(k - pc);
-            let acc = accumulate || pc > 0;
-            let mut i0 = r0;
-            while i0 < r0 + rows {
-                let brows = mc.min(r0 + rows - i0);
-                let strips = brows.div_ceil(mr);
-                let full = brows / mr; // strips read in place; a last partial one is packed
-                if full < strips {
-                    apack.ensure(kc * mr);
-                    let strip = apack.as_mut_slice();
-                    for r in 0..mr {
-                        let rr = full * mr + r;
-                        for kk in 0..kc {
-                            strip[kk * mr + r] = if rr < brows {
-                                a[(i0 + rr) * lda + pc + kk]
-                            } else {
-                                0.0
-                            };
+    // SAFETY: the caller upholds this function's contract (its doc comment: the pointers cover
+    // the rows and tiles it names, the CPU has the kernel's features); the body only
+    // reads and writes within them.
+    unsafe {
+        let isa = b.isa;
+        let (mr, nr, kc_max) = (isa.mr(), isa.nr(), isa.kc());
+        A_PACK.with(|cell| {
+            let mut apack = cell.borrow_mut();
+            let mut tile = [0f32; 12 * 32];
+            let mut pc = 0;
+            while pc < k {
+                let kc = kc_max.min(k - pc);
+                let acc = accumulate || pc > 0;
+                let mut i0 = r0;
+                while i0 < r0 + rows {
+                    let brows = mc.min(r0 + rows - i0);
+                    let strips = brows.div_ceil(mr);
+                    let full = brows / mr; // strips read in place; a last partial one is packed
+                    if full < strips {
+                        apack.ensure(kc * mr);
+                        let strip = apack.as_mut_slice();
+                        for r in 0..mr {
+                            let rr = full * mr + r;
+                            for kk in 0..kc {
+                                strip[kk * mr + r] = if rr < brows {
+                                    a[(i0 + rr) * lda + pc + kk]
+                                } else {
+                                    0.0
+                                };
+                            }
                         }
                     }
-                }
-                let ap = apack.as_slice();
-                for p in bj0 / nr..(bj0 + cols).div_ceil(nr) {
-                    let bp = b.panel(p)[(k0 + pc) * nr..].as_ptr();
-                    // the columns of this panel inside bj0..bj0+cols, as offsets in the panel
-                    let lo = bj0.max(p * nr) - p * nr;
-                    let hi = (bj0 + cols).min(p * nr + nr) - p * nr;
-                    // C column of the panel's first column (may lie before cj0 on an unaligned start)
-                    let cbase = (p * nr) as isize - bj0 as isize + cj0 as isize;
-                    for s in 0..strips {
-                        let srows = mr.min(brows - s * mr);
-                        let crow = c.0.add((i0 + s * mr) * ldc);
-                        let a_in_place = a[(i0 + s * mr) * lda + pc..].as_ptr();
-                        if srows == mr && lo == 0 && hi == nr {
-                            isa.kernel_rows(kc, a_in_place, lda, bp, crow.offset(cbase), ldc, acc);
-                        } else {
-                            // an edge tile: compute the full tile aside, copy in the valid part
-                            for r in 0..srows {
-                                for j in lo..hi {
-                                    tile[r * nr + j] = if acc {
-                                        *crow.offset(cbase + (r * ldc + j) as isize)
-                                    } else {
-                                        0.0
-                                    };
-                                }
-                            }
-                            if srows == mr {
+                    let ap = apack.as_slice();
+                    for p in bj0 / nr..(bj0 + cols).div_ceil(nr) {
+                        let bp = b.panel(p)[(k0 + pc) * nr..].as_ptr();
+                        // the columns of this panel inside bj0..bj0+cols, as offsets in the panel
+                        let lo = bj0.max(p * nr) - p * nr;
+                        let hi = (bj0 + cols).min(p * nr + nr) - p * nr;
+                        // C column of the panel's first column (may lie before cj0 on an unaligned start)
+                        let cbase = (p * nr) as isize - bj0 as isize + cj0 as isize;
+                        for s in 0..strips {
+                            let srows = mr.min(brows - s * mr);
+                            let crow = c.0.add((i0 + s * mr) * ldc);
+                            let a_in_place = a[(i0 + s * mr) * lda + pc..].as_ptr();
+                            if srows == mr && lo == 0 && hi == nr {
                                 isa.kernel_rows(
                                     kc,
                                     a_in_place,
                                     lda,
                                     bp,
-                                    tile.as_mut_ptr(),
-                                    nr,
-                                    true,
+                                    crow.offset(cbase),
+                                    ldc,
+                                    acc,
                                 );
                             } else {
-                                isa.kernel(kc, ap.as_ptr(), bp, tile.as_mut_ptr(), nr, true);
-                            }
-                            for r in 0..srows {
-                                for j in lo..hi {
-                                    *crow.offset(cbase + (r * ldc + j) as isize) = tile[r * nr + j];
+                                // an edge tile: compute the full tile aside, copy in the valid part
+                                for r in 0..srows {
+                                    for j in lo..hi {
+                                        tile[r * nr + j] = if acc {
+                                            *crow.offset(cbase + (r * ldc + j) as isize)
+                                        } else {
+                                            0.0
+                                        };
+                                    }
+                                }
+                                if srows == mr {
+                                    isa.kernel_rows(
+                                        kc,
+                                        a_in_place,
+                                        lda,
+                                        bp,
+                                        tile.as_mut_ptr(),
+                                        nr,
+                                        true,
+                                    );
+                                } else {
+                                    isa.kernel(kc, ap.as_ptr(), bp, tile.as_mut_ptr(), nr, true);
+                                }
+                                for r in 0..srows {
+                                    for j in lo..hi {
+                                        *crow.offset(cbase + (r * ldc + j) as isize) =
+                                            tile[r * nr + j];
+                                    }
                                 }
                             }
                         }
                     }
+                    i0 += brows;
                 }
-                i0 += brows;
+                pc += kc;
             }
-            pc += kc;
-        }
-    });
+        });
+    }
 }
 
 /// The micro-kernel's own rate, GFLOP/s over all of rayon's threads: each thread runs it on
@@ -754,26 +775,31 @@ unsafe fn kernel_scalar<const DIRECT: bool>(
     ldc: usize,
     accumulate: bool,
 ) {
-    const MR: usize = 4;
-    const NR: usize = 8;
-    let mut acc = [[0f32; NR]; MR];
-    for p in 0..kc {
-        let bv = std::slice::from_raw_parts(b.add(p * NR), NR);
-        for (r, row) in acc.iter_mut().enumerate() {
-            let av = if DIRECT {
-                *a.add(r * lda + p)
-            } else {
-                *a.add(p * MR + r)
-            };
-            for j in 0..NR {
-                row[j] = av.mul_add(bv[j], row[j]);
+    // SAFETY: the caller upholds this function's contract (its doc comment: the pointers cover
+    // the rows and tiles it names, the CPU has the kernel's features); the body only
+    // reads and writes within them.
+    unsafe {
+        const MR: usize = 4;
+        const NR: usize = 8;
+        let mut acc = [[0f32; NR]; MR];
+        for p in 0..kc {
+            let bv = std::slice::from_raw_parts(b.add(p * NR), NR);
+            for (r, row) in acc.iter_mut().enumerate() {
+                let av = if DIRECT {
+                    *a.add(r * lda + p)
+                } else {
+                    *a.add(p * MR + r)
+                };
+                for j in 0..NR {
+                    row[j] = av.mul_add(bv[j], row[j]);
+                }
             }
         }
-    }
-    for (r, row) in acc.iter().enumerate() {
-        for (j, &x) in row.iter().enumerate() {
-            let dst = c.add(r * ldc + j);
-            *dst = if accumulate { *dst + x } else { x };
+        for (r, row) in acc.iter().enumerate() {
+            for (j, &x) in row.iter().enumerate() {
+                let dst = c.add(r * ldc + j);
+                *dst = if accumulate { *dst + x } else { x };
+            }
         }
     }
 }
@@ -1072,46 +1098,51 @@ mod x86 {
         ldc: usize,
         accumulate: bool,
     ) {
-        const MR: usize = 12;
-        // C's tile is read (or written) after the loop: start bringing it in now
-        for r in 0..MR {
-            _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc + 16) as *const i8);
-        }
-        if DIRECT {
-            run_kernel!(
-                kernel_loop!(
-                    step_direct,
-                    "add {a0}, 16\nadd {a3}, 16\nadd {a6}, 16\nadd {a9}, 16\n",
-                    "add {a0}, 4\nadd {a3}, 4\nadd {a6}, 4\nadd {a9}, 4\n",
-                    "512",
-                    "128",
-                    zero_512,
-                    c_512
-                ),
-                (b, kc, c, ldc, accumulate),
-                zmm,
-                a0 = inout(reg) a => _,
-                a3 = inout(reg) a.wrapping_add(3 * lda) => _,
-                a6 = inout(reg) a.wrapping_add(6 * lda) => _,
-                a9 = inout(reg) a.wrapping_add(9 * lda) => _,
-                l = in(reg) lda * 4,
-            );
-        } else {
-            run_kernel!(
-                kernel_loop!(
-                    step_packed,
-                    "add {a0}, 192\n",
-                    "add {a0}, 48\n",
-                    "512",
-                    "128",
-                    zero_512,
-                    c_512
-                ),
-                (b, kc, c, ldc, accumulate),
-                zmm,
-                a0 = inout(reg) a => _,
-            );
+        // SAFETY: reached only through the CPU-feature dispatch (`simd::current`, `Isa::detect`), so
+        // the CPU has this function's features; the pointers and lengths are the caller's, valid for
+        // what the doc comment names.
+        unsafe {
+            const MR: usize = 12;
+            // C's tile is read (or written) after the loop: start bringing it in now
+            for r in 0..MR {
+                _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc + 16) as *const i8);
+            }
+            if DIRECT {
+                run_kernel!(
+                    kernel_loop!(
+                        step_direct,
+                        "add {a0}, 16\nadd {a3}, 16\nadd {a6}, 16\nadd {a9}, 16\n",
+                        "add {a0}, 4\nadd {a3}, 4\nadd {a6}, 4\nadd {a9}, 4\n",
+                        "512",
+                        "128",
+                        zero_512,
+                        c_512
+                    ),
+                    (b, kc, c, ldc, accumulate),
+                    zmm,
+                    a0 = inout(reg) a => _,
+                    a3 = inout(reg) a.wrapping_add(3 * lda) => _,
+                    a6 = inout(reg) a.wrapping_add(6 * lda) => _,
+                    a9 = inout(reg) a.wrapping_add(9 * lda) => _,
+                    l = in(reg) lda * 4,
+                );
+            } else {
+                run_kernel!(
+                    kernel_loop!(
+                        step_packed,
+                        "add {a0}, 192\n",
+                        "add {a0}, 48\n",
+                        "512",
+                        "128",
+                        zero_512,
+                        c_512
+                    ),
+                    (b, kc, c, ldc, accumulate),
+                    zmm,
+                    a0 = inout(reg) a => _,
+                );
+            }
         }
     }
 
@@ -1182,43 +1213,48 @@ mod x86 {
         ldc: usize,
         accumulate: bool,
     ) {
-        const MR: usize = 6;
-        for r in 0..MR {
-            _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc + 8) as *const i8);
-        }
-        if DIRECT {
-            run_kernel!(
-                kernel_loop!(
-                    step8_direct,
-                    "add {a0}, 16\nadd {a3}, 16\n",
-                    "add {a0}, 4\nadd {a3}, 4\n",
-                    "256",
-                    "64",
-                    zero_256,
-                    c_256
-                ),
-                (b, kc, c, ldc, accumulate),
-                ymm,
-                a0 = inout(reg) a => _,
-                a3 = inout(reg) a.wrapping_add(3 * lda) => _,
-                l = in(reg) lda * 4,
-            );
-        } else {
-            run_kernel!(
-                kernel_loop!(
-                    step8_packed,
-                    "add {a0}, 96\n",
-                    "add {a0}, 24\n",
-                    "256",
-                    "64",
-                    zero_256,
-                    c_256
-                ),
-                (b, kc, c, ldc, accumulate),
-                ymm,
-                a0 = inout(reg) a => _,
-            );
+        // SAFETY: reached only through the CPU-feature dispatch (`simd::current`, `Isa::detect`), so
+        // the CPU has this function's features; the pointers and lengths are the caller's, valid for
+        // what the doc comment names.
+        unsafe {
+            const MR: usize = 6;
+            for r in 0..MR {
+                _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc + 8) as *const i8);
+            }
+            if DIRECT {
+                run_kernel!(
+                    kernel_loop!(
+                        step8_direct,
+                        "add {a0}, 16\nadd {a3}, 16\n",
+                        "add {a0}, 4\nadd {a3}, 4\n",
+                        "256",
+                        "64",
+                        zero_256,
+                        c_256
+                    ),
+                    (b, kc, c, ldc, accumulate),
+                    ymm,
+                    a0 = inout(reg) a => _,
+                    a3 = inout(reg) a.wrapping_add(3 * lda) => _,
+                    l = in(reg) lda * 4,
+                );
+            } else {
+                run_kernel!(
+                    kernel_loop!(
+                        step8_packed,
+                        "add {a0}, 96\n",
+                        "add {a0}, 24\n",
+                        "256",
+                        "64",
+                        zero_256,
+                        c_256
+                    ),
+                    (b, kc, c, ldc, accumulate),
+                    ymm,
+                    a0 = inout(reg) a => _,
+                );
+            }
         }
     }
 
@@ -1226,40 +1262,45 @@ mod x86 {
     /// `dst[j·ldd + i] = src[i·lds + j]`, by three rounds of in-register shuffles.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn transpose16x16(src: *const f32, lds: usize, dst: *mut f32, ldd: usize) {
-        let mut r = [_mm512_setzero_ps(); 16];
-        for (i, ri) in r.iter_mut().enumerate() {
-            *ri = _mm512_loadu_ps(src.add(i * lds));
-        }
-        // pairs of rows interleaved, then pairs of pairs (as doubles): each 128-bit lane L of
-        // u[4g + c] holds element 4L + c of rows 4g..4g + 4
-        let mut t = [_mm512_setzero_ps(); 16];
-        for i in 0..8 {
-            t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-            t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-        }
-        let pd = |x: __m512| _mm512_castps_pd(x);
-        let mut u = [_mm512_setzero_ps(); 16];
-        for g in 0..4 {
-            let b = 4 * g;
-            u[b] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[b]), pd(t[b + 2])));
-            u[b + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[b]), pd(t[b + 2])));
-            u[b + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[b + 1]), pd(t[b + 3])));
-            u[b + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[b + 1]), pd(t[b + 3])));
-        }
-        // then the 128-bit lanes: groups (0, 1) and (2, 3), then those halves
-        for h in 0..2 {
-            let b = 8 * h;
-            for c in 0..4 {
-                t[b + c] = _mm512_shuffle_f32x4::<0x88>(u[b + c], u[b + 4 + c]);
-                t[b + 4 + c] = _mm512_shuffle_f32x4::<0xdd>(u[b + c], u[b + 4 + c]);
+        // SAFETY: reached only through the CPU-feature dispatch (`simd::current`, `Isa::detect`), so
+        // the CPU has this function's features; the pointers and lengths are the caller's, valid for
+        // what the doc comment names.
+        unsafe {
+            let mut r = [_mm512_setzero_ps(); 16];
+            for (i, ri) in r.iter_mut().enumerate() {
+                *ri = _mm512_loadu_ps(src.add(i * lds));
             }
-        }
-        for c in 0..8 {
-            r[c] = _mm512_shuffle_f32x4::<0x88>(t[c], t[8 + c]);
-            r[8 + c] = _mm512_shuffle_f32x4::<0xdd>(t[c], t[8 + c]);
-        }
-        for (j, rj) in r.iter().enumerate() {
-            _mm512_storeu_ps(dst.add(j * ldd), *rj);
+            // pairs of rows interleaved, then pairs of pairs (as doubles): each 128-bit lane L of
+            // u[4g + c] holds element 4L + c of rows 4g..4g + 4
+            let mut t = [_mm512_setzero_ps(); 16];
+            for i in 0..8 {
+                t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+                t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+            }
+            let pd = |x: __m512| _mm512_castps_pd(x);
+            let mut u = [_mm512_setzero_ps(); 16];
+            for g in 0..4 {
+                let b = 4 * g;
+                u[b] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[b]), pd(t[b + 2])));
+                u[b + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[b]), pd(t[b + 2])));
+                u[b + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[b + 1]), pd(t[b + 3])));
+                u[b + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[b + 1]), pd(t[b + 3])));
+            }
+            // then the 128-bit lanes: groups (0, 1) and (2, 3), then those halves
+            for h in 0..2 {
+                let b = 8 * h;
+                for c in 0..4 {
+                    t[b + c] = _mm512_shuffle_f32x4::<0x88>(u[b + c], u[b + 4 + c]);
+                    t[b + 4 + c] = _mm512_shuffle_f32x4::<0xdd>(u[b + c], u[b + 4 + c]);
+                }
+            }
+            for c in 0..8 {
+                r[c] = _mm512_shuffle_f32x4::<0x88>(t[c], t[8 + c]);
+                r[8 + c] = _mm512_shuffle_f32x4::<0xdd>(t[c], t[8 + c]);
+            }
+            for (j, rj) in r.iter().enumerate() {
+                _mm512_storeu_ps(dst.add(j * ldd), *rj);
+            }
         }
     }
 }

@@ -397,9 +397,14 @@ mod x86 {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn dpbusd(acc: __m512i, x: __m512i, w: __m512i) -> __m512i {
-        let mut out = acc;
-        std::arch::asm!("vpdpbusd {a}, {x}, {w}", a = inout(zmm_reg) out, x = in(zmm_reg) x, w = in(zmm_reg) w, options(pure, nomem, nostack));
-        out
+        // SAFETY: reached only through the CPU-feature dispatch (`simd::current`, `Isa::detect`), so
+        // the CPU has this function's features; the pointers and lengths are the caller's, valid for
+        // what the doc comment names.
+        unsafe {
+            let mut out = acc;
+            std::arch::asm!("vpdpbusd {a}, {x}, {w}", a = inout(zmm_reg) out, x = in(zmm_reg) x, w = in(zmm_reg) w, options(pure, nomem, nostack));
+            out
+        }
     }
 
     /// `f + x · s` in f32 lanes, into `f`'s own register (`vfmadd231ps`): written with the
@@ -408,7 +413,12 @@ mod x86 {
     #[inline]
     #[target_feature(enable = "avx512f")]
     unsafe fn fma_into(f: &mut __m512, x: __m512, s: __m512) {
-        std::arch::asm!("vfmadd231ps {f}, {x}, {s}", f = inout(zmm_reg) *f, x = in(zmm_reg) x, s = in(zmm_reg) s, options(pure, nomem, nostack));
+        // SAFETY: reached only through the CPU-feature dispatch (`simd::current`, `Isa::detect`), so
+        // the CPU has this function's features; the pointers and lengths are the caller's, valid for
+        // what the doc comment names.
+        unsafe {
+            std::arch::asm!("vfmadd231ps {f}, {x}, {s}", f = inout(zmm_reg) *f, x = in(zmm_reg) x, s = in(zmm_reg) s, options(pure, nomem, nostack));
+        }
     }
 
     /// The MR rows of strip `st` × 2 panels (32 columns) over the blocks `bs`, added to the
@@ -422,52 +432,57 @@ mod x86 {
         bs: std::ops::Range<usize>,
         out: &mut [f32],
     ) {
-        assert!(out.len() >= MR * 2 * NP && (st + 1) * MR <= a.m.div_ceil(MR) * MR);
-        let blocks = a.k / BLOCK;
-        let qa = a.qa.as_ptr().add(st * blocks * STRIP_BLOCK);
-        let sc = a.scales.as_ptr().add(st * blocks * MR);
-        let mut f: [__m512; 2 * MR] = [_mm512_setzero_ps(); 2 * MR];
-        for r in 0..MR {
-            f[2 * r] = _mm512_loadu_ps(out.as_ptr().add(r * 2 * NP));
-            f[2 * r + 1] = _mm512_loadu_ps(out.as_ptr().add(r * 2 * NP + NP));
-        }
-        for b in bs {
-            let w0 = pb0.add(b * PANEL_BLOCK);
-            let w1 = pb1.add(b * PANEL_BLOCK);
-            // the sums start at -128 · Σ qw of their column, so they end as Σ qa · qw
-            let c0 = _mm512_loadu_si512(w0.add(BLOCK * NP + NP * 4) as *const __m512i);
-            let c1 = _mm512_loadu_si512(w1.add(BLOCK * NP + NP * 4) as *const __m512i);
-            let mut acc: [__m512i; 2 * MR] = [_mm512_setzero_si512(); 2 * MR];
+        // SAFETY: reached only through the CPU-feature dispatch (`simd::current`, `Isa::detect`), so
+        // the CPU has this function's features; the pointers and lengths are the caller's, valid for
+        // what the doc comment names.
+        unsafe {
+            assert!(out.len() >= MR * 2 * NP && (st + 1) * MR <= a.m.div_ceil(MR) * MR);
+            let blocks = a.k / BLOCK;
+            let qa = a.qa.as_ptr().add(st * blocks * STRIP_BLOCK);
+            let sc = a.scales.as_ptr().add(st * blocks * MR);
+            let mut f: [__m512; 2 * MR] = [_mm512_setzero_ps(); 2 * MR];
             for r in 0..MR {
-                acc[2 * r] = c0;
-                acc[2 * r + 1] = c1;
+                f[2 * r] = _mm512_loadu_ps(out.as_ptr().add(r * 2 * NP));
+                f[2 * r + 1] = _mm512_loadu_ps(out.as_ptr().add(r * 2 * NP + NP));
             }
-            let xa = qa.add(b * STRIP_BLOCK);
-            for g in 0..BLOCK / 4 {
-                let v0 = _mm512_loadu_si512(w0.add(g * NP * 4) as *const __m512i);
-                let v1 = _mm512_loadu_si512(w1.add(g * NP * 4) as *const __m512i);
+            for b in bs {
+                let w0 = pb0.add(b * PANEL_BLOCK);
+                let w1 = pb1.add(b * PANEL_BLOCK);
+                // the sums start at -128 · Σ qw of their column, so they end as Σ qa · qw
+                let c0 = _mm512_loadu_si512(w0.add(BLOCK * NP + NP * 4) as *const __m512i);
+                let c1 = _mm512_loadu_si512(w1.add(BLOCK * NP + NP * 4) as *const __m512i);
+                let mut acc: [__m512i; 2 * MR] = [_mm512_setzero_si512(); 2 * MR];
                 for r in 0..MR {
-                    // 4 activation bytes (already + 128) of row r in every lane
-                    let x = _mm512_set1_epi32(std::ptr::read_unaligned(
-                        xa.add(g * MR * 4 + r * 4) as *const i32
-                    ));
-                    acc[2 * r] = dpbusd(acc[2 * r], x, v0);
-                    acc[2 * r + 1] = dpbusd(acc[2 * r + 1], x, v1);
+                    acc[2 * r] = c0;
+                    acc[2 * r + 1] = c1;
+                }
+                let xa = qa.add(b * STRIP_BLOCK);
+                for g in 0..BLOCK / 4 {
+                    let v0 = _mm512_loadu_si512(w0.add(g * NP * 4) as *const __m512i);
+                    let v1 = _mm512_loadu_si512(w1.add(g * NP * 4) as *const __m512i);
+                    for r in 0..MR {
+                        // 4 activation bytes (already + 128) of row r in every lane
+                        let x = _mm512_set1_epi32(std::ptr::read_unaligned(
+                            xa.add(g * MR * 4 + r * 4) as *const i32,
+                        ));
+                        acc[2 * r] = dpbusd(acc[2 * r], x, v0);
+                        acc[2 * r + 1] = dpbusd(acc[2 * r + 1], x, v1);
+                    }
+                }
+                let s0 = _mm512_loadu_ps(w0.add(BLOCK * NP) as *const f32);
+                let s1 = _mm512_loadu_ps(w1.add(BLOCK * NP) as *const f32);
+                for r in 0..MR {
+                    let sa = _mm512_set1_ps(*sc.add(b * MR + r));
+                    let f0 = _mm512_cvtepi32_ps(acc[2 * r]);
+                    let f1 = _mm512_cvtepi32_ps(acc[2 * r + 1]);
+                    fma_into(&mut f[2 * r], _mm512_mul_ps(f0, sa), s0);
+                    fma_into(&mut f[2 * r + 1], _mm512_mul_ps(f1, sa), s1);
                 }
             }
-            let s0 = _mm512_loadu_ps(w0.add(BLOCK * NP) as *const f32);
-            let s1 = _mm512_loadu_ps(w1.add(BLOCK * NP) as *const f32);
             for r in 0..MR {
-                let sa = _mm512_set1_ps(*sc.add(b * MR + r));
-                let f0 = _mm512_cvtepi32_ps(acc[2 * r]);
-                let f1 = _mm512_cvtepi32_ps(acc[2 * r + 1]);
-                fma_into(&mut f[2 * r], _mm512_mul_ps(f0, sa), s0);
-                fma_into(&mut f[2 * r + 1], _mm512_mul_ps(f1, sa), s1);
+                _mm512_storeu_ps(out.as_mut_ptr().add(r * 2 * NP), f[2 * r]);
+                _mm512_storeu_ps(out.as_mut_ptr().add(r * 2 * NP + NP), f[2 * r + 1]);
             }
-        }
-        for r in 0..MR {
-            _mm512_storeu_ps(out.as_mut_ptr().add(r * 2 * NP), f[2 * r]);
-            _mm512_storeu_ps(out.as_mut_ptr().add(r * 2 * NP + NP), f[2 * r + 1]);
         }
     }
 }

@@ -14,6 +14,7 @@ pub mod simd;
 pub(crate) struct SendPtr(pub(crate) *mut f32);
 // SAFETY: tasks write disjoint tiles of C through it.
 unsafe impl Send for SendPtr {}
+// SAFETY: shared between the tasks only to be offset to each one's own tiles.
 unsafe impl Sync for SendPtr {}
 
 impl SendPtr {

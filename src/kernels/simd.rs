@@ -123,6 +123,7 @@ macro_rules! multiversion {
                 match $crate::kernels::simd::current() {
                     // SAFETY: `current` only names a level whose features this CPU has.
                     $crate::kernels::simd::Level::Avx512 => return unsafe { wide($($arg),*) },
+                    // SAFETY: as above, AVX2 and FMA.
                     $crate::kernels::simd::Level::Avx2 => return unsafe { half($($arg),*) },
                     $crate::kernels::simd::Level::Base => {}
                 }

@@ -284,29 +284,34 @@ pub(crate) fn stream_store(dst: &mut [f32], src: &[f32]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn stream_store_avx512(dst: &mut [f32], src: &[f32]) {
-    use std::arch::x86_64::*;
-    let n = dst.len();
-    let (d, s) = (dst.as_mut_ptr(), src.as_ptr());
-    // up to the first 64-byte boundary of dst (< 16 values) and the tail by masked stores (not
-    // calls of memcpy), the whole lines between streamed
-    let masked = |at: usize, len: usize| {
-        let m = ((1u32 << len) - 1) as __mmask16;
-        _mm512_mask_storeu_ps(d.add(at), m, _mm512_maskz_loadu_ps(m, s.add(at)));
-    };
-    let head = d.align_offset(64);
-    if head >= 16 {
-        // not on a 4-byte boundary (no &mut [f32] is): plainly
-        dst.copy_from_slice(src);
-        return;
+    // SAFETY: reached only through the CPU-feature dispatch (`simd::current`, `Isa::detect`), so
+    // the CPU has this function's features; the pointers and lengths are the caller's, valid for
+    // what the doc comment names.
+    unsafe {
+        use std::arch::x86_64::*;
+        let n = dst.len();
+        let (d, s) = (dst.as_mut_ptr(), src.as_ptr());
+        // up to the first 64-byte boundary of dst (< 16 values) and the tail by masked stores (not
+        // calls of memcpy), the whole lines between streamed
+        let masked = |at: usize, len: usize| {
+            let m = ((1u32 << len) - 1) as __mmask16;
+            _mm512_mask_storeu_ps(d.add(at), m, _mm512_maskz_loadu_ps(m, s.add(at)));
+        };
+        let head = d.align_offset(64);
+        if head >= 16 {
+            // not on a 4-byte boundary (no &mut [f32] is): plainly
+            dst.copy_from_slice(src);
+            return;
+        }
+        let head = head.min(n);
+        masked(0, head);
+        let mut i = head;
+        while i + 16 <= n {
+            _mm512_stream_ps(d.add(i), _mm512_loadu_ps(s.add(i)));
+            i += 16;
+        }
+        masked(i, n - i);
     }
-    let head = head.min(n);
-    masked(0, head);
-    let mut i = head;
-    while i + 16 <= n {
-        _mm512_stream_ps(d.add(i), _mm512_loadu_ps(s.add(i)));
-        i += 16;
-    }
-    masked(i, n - i);
 }
 
 /// Orders [`stream_store`]'s stores before the thread's later ones.

@@ -863,6 +863,7 @@ fn free_bytes(dir: &Path) -> Option<u64> {
     {
         use std::os::unix::ffi::OsStrExt;
         let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+        // SAFETY: statvfs is plain old data, all-zero bytes are a valid value.
         let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
         // SAFETY: a valid NUL-terminated path and a statvfs struct to fill.
         if unsafe { libc::statvfs(c.as_ptr(), &mut s) } != 0 {

@@ -24,10 +24,7 @@ pub enum TensorFormat {
 /// The little-endian bytes of `data` (a view on little-endian machines, a copy elsewhere).
 fn le_bytes(data: &[f32]) -> std::borrow::Cow<'_, [u8]> {
     if cfg!(target_endian = "little") {
-        // SAFETY: f32 has no padding and any byte pattern is a valid u8; the length is exact.
-        std::borrow::Cow::Borrowed(unsafe {
-            std::slice::from_raw_parts(data.as_ptr() as *const u8, std::mem::size_of_val(data))
-        })
+        std::borrow::Cow::Borrowed(bytemuck::cast_slice(data))
     } else {
         std::borrow::Cow::Owned(data.iter().flat_map(|v| v.to_le_bytes()).collect())
     }

@@ -73,11 +73,9 @@ impl PackedScaled {
         let (q_len, s_len) = region_lens(n, k);
         let mut buf = Bf16Buf::zeros(Self::packed_len(n, k, offsets));
         let (qb, rest) = buf.as_mut_slice().split_at_mut(q_len);
-        // SAFETY: the rest of the buffer starts 64-byte aligned (q_len is whole KiB tiles) and
-        // holds 2·s_len (or 4·s_len) u16: the room of s_len (2·s_len) f32, any bits valid
-        let so = unsafe {
-            std::slice::from_raw_parts_mut(rest.as_mut_ptr() as *mut f32, rest.len() / 2)
-        };
+        // the rest of the buffer starts 64-byte aligned (q_len is whole KiB tiles) and holds
+        // 2·s_len (or 4·s_len) u16: the room of s_len (2·s_len) f32
+        let so: &mut [f32] = bytemuck::cast_slice_mut(rest);
         let (sb, ob) = so.split_at_mut(s_len);
         let (panel_q, panel_s) = (groups * 2 * TILE, groups * NP);
         let mut o_chunks: Vec<Option<&mut [f32]>> = if offsets {
@@ -184,8 +182,8 @@ impl PackedScaled {
     fn scales_and_offsets(&self) -> (&[f32], Option<&[f32]>) {
         let (q_len, s_len) = region_lens(self.n, self.k);
         let rest = &self.buf.as_slice()[q_len..];
-        // SAFETY: as in `from_row_source`: 64-byte aligned, 2 u16 per f32, any bits valid
-        let so = unsafe { std::slice::from_raw_parts(rest.as_ptr() as *const f32, rest.len() / 2) };
+        // as in `from_row_source`: 64-byte aligned, 2 u16 per f32
+        let so: &[f32] = bytemuck::cast_slice(rest);
         let (s, o) = so.split_at(s_len);
         (s, self.offsets.then(|| &o[..s_len]))
     }
@@ -350,10 +348,12 @@ pub fn gemm_groups_with(
                             let row = &mut acc.0[r * NP..(r + 1) * NP];
                             if cols == NP {
                                 // fixed length: vector moves, not a call of memcpy
+                                // SAFETY: NP values of the task's own row of C (cols == NP)
                                 let v = unsafe { (src as *const [f32; NP]).read_unaligned() };
                                 row.copy_from_slice(&v);
                             } else {
                                 for (j, x) in row[..cols].iter_mut().enumerate() {
+                                    // SAFETY: j < cols, inside the task's own row of C
                                     *x = unsafe { *src.add(j) };
                                 }
                             }
@@ -372,9 +372,10 @@ pub fn gemm_groups_with(
                             let at = wg * 2 * TILE;
                             let qt = wq[at..at + 2 * TILE].as_ptr();
                             let a_g = a0.wrapping_add((g + h) * 2 * TILE);
-                            // SAFETY: the pointers name whole tiles of the packed buffers
                             match engine {
                                 #[cfg(target_arch = "x86_64")]
+                                // SAFETY: the pointers name whole tiles of the packed buffers, and
+                                // `Engine::Tiles` is chosen only where the tiles are configured
                                 Engine::Tiles => unsafe {
                                     super::tiles::scaled_group(
                                         a_g,
@@ -383,6 +384,7 @@ pub fn gemm_groups_with(
                                         t.0.as_mut_ptr(),
                                     )
                                 },
+                                // SAFETY: the pointers name whole tiles of the packed buffers
                                 _ => unsafe { emulated_group(a_g, split_stride, qt, &mut t.0) },
                             }
                         }
@@ -506,38 +508,43 @@ fn post(acc: &mut [f32; MB * NP], gs: &[Scaled], init: bool, wide: bool) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn post_avx512<const N: usize>(acc: &mut [f32; MB * NP], gs: [&Scaled; N], init: bool) {
-    use std::arch::x86_64::*;
-    let zero = _mm512_setzero_ps();
-    let ld = |x: &[f32]| {
-        (
-            _mm512_loadu_ps(x.as_ptr()),
-            _mm512_loadu_ps(x.as_ptr().add(T)),
-        )
-    };
-    let s = gs.map(|g| ld(g.s));
-    let o = gs.map(|g| g.o.map(|(o, _, _)| ld(o)).unwrap_or((zero, zero)));
-    let ap = acc.as_mut_ptr();
-    for r in 0..MB {
-        let t = (r / T) * 2 * T * T + (r % T) * T;
-        let c = ap.add(r * NP);
-        // the running sums of row r, or zeros to start them (the same bits as a zeroed block)
-        let (mut v0, mut v1) = if init {
-            (zero, zero)
-        } else {
-            (_mm512_loadu_ps(c), _mm512_loadu_ps(c.add(T)))
+    // SAFETY: reached only through the CPU-feature dispatch (`simd::current`, `Isa::detect`), so
+    // the CPU has this function's features; the pointers and lengths are the caller's, valid for
+    // what the doc comment names.
+    unsafe {
+        use std::arch::x86_64::*;
+        let zero = _mm512_setzero_ps();
+        let ld = |x: &[f32]| {
+            (
+                _mm512_loadu_ps(x.as_ptr()),
+                _mm512_loadu_ps(x.as_ptr().add(T)),
+            )
         };
-        for i in 0..N {
-            let tp = gs[i].tmp.as_ptr();
-            v0 = _mm512_fmadd_ps(s[i].0, _mm512_loadu_ps(tp.add(t)), v0);
-            v1 = _mm512_fmadd_ps(s[i].1, _mm512_loadu_ps(tp.add(t + T * T)), v1);
-            if let Some((_, asum, stride)) = gs[i].o {
-                let sa = _mm512_set1_ps(asum[r * stride]);
-                v0 = _mm512_fmadd_ps(o[i].0, sa, v0);
-                v1 = _mm512_fmadd_ps(o[i].1, sa, v1);
+        let s = gs.map(|g| ld(g.s));
+        let o = gs.map(|g| g.o.map(|(o, _, _)| ld(o)).unwrap_or((zero, zero)));
+        let ap = acc.as_mut_ptr();
+        for r in 0..MB {
+            let t = (r / T) * 2 * T * T + (r % T) * T;
+            let c = ap.add(r * NP);
+            // the running sums of row r, or zeros to start them (the same bits as a zeroed block)
+            let (mut v0, mut v1) = if init {
+                (zero, zero)
+            } else {
+                (_mm512_loadu_ps(c), _mm512_loadu_ps(c.add(T)))
+            };
+            for i in 0..N {
+                let tp = gs[i].tmp.as_ptr();
+                v0 = _mm512_fmadd_ps(s[i].0, _mm512_loadu_ps(tp.add(t)), v0);
+                v1 = _mm512_fmadd_ps(s[i].1, _mm512_loadu_ps(tp.add(t + T * T)), v1);
+                if let Some((_, asum, stride)) = gs[i].o {
+                    let sa = _mm512_set1_ps(asum[r * stride]);
+                    v0 = _mm512_fmadd_ps(o[i].0, sa, v0);
+                    v1 = _mm512_fmadd_ps(o[i].1, sa, v1);
+                }
             }
+            _mm512_storeu_ps(c, v0);
+            _mm512_storeu_ps(c.add(T), v1);
         }
-        _mm512_storeu_ps(c, v0);
-        _mm512_storeu_ps(c.add(T), v1);
     }
 }
 
@@ -552,17 +559,22 @@ unsafe fn emulated_group(
     q: *const u16,
     tmp: &mut [f32; MB * NP],
 ) {
-    tmp.fill(0.0);
-    for t in 0..4 {
-        let (rt, ct) = (t / 2, t % 2);
-        for part in (0..3).rev() {
-            let at = a.add(part * split_stride + rt * TILE);
-            super::emulated_tdp(
-                &mut tmp[t * T * T..(t + 1) * T * T],
-                T,
-                at,
-                q.add(ct * TILE),
-            );
+    // SAFETY: the caller upholds this function's contract (its doc comment: the pointers cover
+    // the rows and tiles it names, the CPU has the kernel's features); the body only
+    // reads and writes within them.
+    unsafe {
+        tmp.fill(0.0);
+        for t in 0..4 {
+            let (rt, ct) = (t / 2, t % 2);
+            for part in (0..3).rev() {
+                let at = a.add(part * split_stride + rt * TILE);
+                super::emulated_tdp(
+                    &mut tmp[t * T * T..(t + 1) * T * T],
+                    T,
+                    at,
+                    q.add(ct * TILE),
+                );
+            }
         }
     }
 }
