@@ -30,7 +30,7 @@ pub struct ModelArgs {
     /// on a Sapphire Rapids-class Xeon: `bench --precision fast --against-exact`; attention
     /// weights move by <1e-2), else in 8-bit blocks on AVX-512 VNNI (1.7-2.2x measured on a
     /// Xeon and an AMD EPYC without AMX; weights move by <0.04). With neither, fast runs as exact.
-    #[arg(long, value_enum, default_value_t = Precision::Exact)]
+    #[arg(long, default_value = "exact", value_parser = precision_parser())]
     pub precision: Precision,
     /// Put the model's BOS token first even though its metadata does not ask for one.
     #[arg(long, conflicts_with = "no_bos")]
@@ -340,4 +340,12 @@ mod tests {
             "no temporary file left behind"
         );
     }
+}
+
+/// `--precision`'s parser: the model's [`Precision`] names, listed in `--help` and in the error
+/// for any other value (the model's type knows nothing of the command line).
+pub fn precision_parser() -> impl clap::builder::TypedValueParser<Value = Precision> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(Precision::ALL.map(|p| p.name()))
+        .map(|s| s.parse::<Precision>().expect("one of the possible values"))
 }

@@ -17,7 +17,7 @@ pub struct Args {
     #[arg(long, short = 'm')]
     model: Vec<String>,
     /// exact or fast; give `--precision exact --precision fast` to compare the two.
-    #[arg(long, value_enum)]
+    #[arg(long, value_parser = super::common::precision_parser())]
     precision: Vec<Precision>,
     /// A text; give it twice to compare two texts on one model. Default: the lesson's sentence.
     #[arg(long, short = 't')]

@@ -14,7 +14,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 /// How weights are held in memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
     /// Every product of a weight and an activation exact, summed in f32: the numbers of the
@@ -28,11 +28,29 @@ pub enum Precision {
 }
 
 impl Precision {
+    pub const ALL: [Precision; 2] = [Precision::Exact, Precision::Fast];
+
     pub fn name(self) -> &'static str {
         match self {
             Precision::Exact => "exact",
             Precision::Fast => "fast",
         }
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        Precision::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| format!("unknown precision `{s}`; choose exact or fast"))
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 
