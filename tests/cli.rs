@@ -1383,10 +1383,16 @@ fn streamed_capture_equals_the_in_memory_cache_in_both_formats() {
     let text = "the hat sat on the mat";
     let tokens = model.encode(text, false).unwrap();
     let n = tokens.len();
-    for (hooks_arg, layers, heads, queries) in [
+    for (case, (hooks_arg, layers, heads, queries)) in [
         ("all", "all", "all", "all"),
         ("pattern,scores,z", "1", "1,3", "0,2"),
-    ] {
+        // hook_embed belongs to layer 0 and ln_final to the last (written after it)
+        ("embed,ln_final,result,ln1", "0,1", "2", "all"),
+        ("all", "1", "all", "1,3"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
         let hooks = Hook::parse_list(hooks_arg).unwrap();
         let spec = CaptureSpec {
             hooks: hooks.clone(),
@@ -1404,10 +1410,10 @@ fn streamed_capture_equals_the_in_memory_cache_in_both_formats() {
             .unwrap();
         assert!(!cache.entries.is_empty());
         for ext in ["safetensors", "npz"] {
-            let out = dir.path().join(format!("c-{layers}.{ext}"));
+            let out = dir.path().join(format!("c-{case}.{ext}"));
             // the same tensors when each layer waits for its writing (the default) as when the
             // writing runs on into the next layer (`--two-layers`)
-            let overlapped = dir.path().join(format!("t-{layers}.{ext}"));
+            let overlapped = dir.path().join(format!("t-{case}.{ext}"));
             for (path, flag) in [(&out, None), (&overlapped, Some("--two-layers"))] {
                 let r = attnscope()
                     .args([

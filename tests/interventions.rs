@@ -95,10 +95,12 @@ fn a_no_op_edit_and_a_resumed_run_change_no_bit() {
         let n = TOKENS.len();
         let mut clean = all_of(&[Hook::ResidPre], n);
         let base = last_logits(model, &mut clean).unwrap();
+        // (an edited hook_result replaces the output projection by the sum of the heads' parts:
+        // the same numbers in another order, checked to 1e-5 in its own test)
         for hook in Hook::ALL
             .into_iter()
             .chain(Hook::GLOBAL)
-            .filter(|h| !h.is_attention_map())
+            .filter(|&h| !h.is_attention_map() && h != Hook::Result)
         {
             for layer in 0..model.dims.n_layers {
                 // a patch with no rows to write: the hook is handed over live, nothing written
@@ -362,6 +364,76 @@ fn edits_at_the_norm_embedding_and_up_projection_hooks() {
                 e.watch.get(0, Hook::ResidPre).unwrap().data
             );
             assert_eq!(e.watch.get(0, Hook::ResidPre).unwrap().shape, vec![n, dm]);
+        }
+    }
+}
+
+/// attn.hook_result: each head's z through its slice of W_O; the heads' parts plus W_O's bias
+/// are hook_attn_out (before Gemma's post-norm); zeroing one head's part equals zeroing its z.
+#[test]
+fn head_results_add_up_and_editing_them_ablates_the_head() {
+    let (_dirs, models) = every_family();
+    let n = TOKENS.len();
+    for (arch, model) in &models {
+        let (dm, nh, hd, nl) = (
+            model.dims.d_model,
+            model.dims.n_heads,
+            model.dims.head_dim,
+            model.dims.n_layers,
+        );
+        let mut c = all_of(&[Hook::Result, Hook::AttnOut, Hook::Z], n);
+        let base = last_logits(model, &mut c).unwrap();
+        assert_eq!(
+            base,
+            last_logits(model, &mut attnscope::model::capture::NoCapture).unwrap(),
+            "{arch}: reading hook_result changes no bit"
+        );
+        for l in 0..nl {
+            let r = c.get(l, Hook::Result).unwrap();
+            assert_eq!(
+                (r.name.clone(), r.shape.clone()),
+                (format!("blocks.{l}.attn.hook_result"), vec![n, nh, dm])
+            );
+            if model.has_post_norms() {
+                continue;
+            }
+            let (_, bias) = model
+                .head_results(l, &c.get(l, Hook::Z).unwrap().data, n)
+                .unwrap();
+            let out = &c.get(l, Hook::AttnOut).unwrap().data;
+            for p in 0..n {
+                for j in 0..dm {
+                    let sum: f32 =
+                        (0..nh).map(|h| r.data[(p * nh + h) * dm + j]).sum::<f32>() + bias[j];
+                    let want = out[p * dm + j];
+                    assert!(
+                        (sum - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                        "{arch} layer {l} [{p},{j}]: {sum} vs {want}"
+                    );
+                }
+            }
+        }
+        let (l, h) = (1, 2);
+        let ablate = |hook: Hook, width: usize| {
+            let mut e = Editor {
+                layer: l,
+                hook,
+                patches: vec![Patch {
+                    rows: 0..n,
+                    cols: h * width..(h + 1) * width,
+                    at: (0..n).collect(),
+                    fill: Fill::Zero,
+                }],
+            };
+            last_logits(model, &mut e).unwrap()
+        };
+        let (by_z, by_result) = (ablate(Hook::Z, hd), ablate(Hook::Result, dm));
+        assert_ne!(by_z, base, "{arch}: the head matters");
+        for (a, b) in by_z.iter().zip(&by_result) {
+            assert!(
+                (a - b).abs() <= 1e-4 * (1.0 + a.abs()),
+                "{arch}: {a} vs {b}"
+            );
         }
     }
 }

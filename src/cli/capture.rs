@@ -114,7 +114,7 @@ impl Observer for StreamToFile {
         self.hand_over(layer, Hook::Z);
     }
     fn layer_done(&mut self, layer: usize) {
-        self.hand_over(layer, Hook::ALL[Hook::ALL.len() - 1]);
+        self.hand_over(layer, Hook::ResidPost);
         if self.wait {
             let t = std::time::Instant::now();
             while self.in_flight > 0 {
@@ -136,7 +136,7 @@ impl StreamToFile {
         let keys: Vec<(usize, Hook)> = self
             .cache
             .entries
-            .range((layer, Hook::ALL[0])..=(layer, last))
+            .range((layer, Hook::Embed)..=(layer, last))
             .map(|(k, _)| *k)
             .collect();
         for key in keys {
@@ -362,6 +362,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             waited: std::time::Duration::ZERO,
         };
         let forward = model.forward(&tokens, &RunOptions::default(), &mut obs);
+        // the final norm's hooks come after the last layer
+        obs.hand_over(d.n_layers - 1, Hook::LnFinalNormalized);
         obs.bar.finish_and_clear();
         let waited = obs.waited;
         // closing the channel ends the writer's loop

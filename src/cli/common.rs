@@ -299,6 +299,14 @@ pub fn emit(s: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--precision`'s parser: the model's [`Precision`] names, listed in `--help` and in the error
+/// for any other value (the model's type knows nothing of the command line).
+pub fn precision_parser() -> impl clap::builder::TypedValueParser<Value = Precision> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(Precision::ALL.map(|p| p.name()))
+        .map(|s| s.parse::<Precision>().expect("one of the possible values"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -340,12 +348,4 @@ mod tests {
             "no temporary file left behind"
         );
     }
-}
-
-/// `--precision`'s parser: the model's [`Precision`] names, listed in `--help` and in the error
-/// for any other value (the model's type knows nothing of the command line).
-pub fn precision_parser() -> impl clap::builder::TypedValueParser<Value = Precision> {
-    use clap::builder::TypedValueParser;
-    clap::builder::PossibleValuesParser::new(Precision::ALL.map(|p| p.name()))
-        .map(|s| s.parse::<Precision>().expect("one of the possible values"))
 }

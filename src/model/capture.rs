@@ -40,6 +40,9 @@ pub enum Hook {
     AttnScores,
     Pattern,
     Z,
+    /// `attn.hook_result`: each head's output through its slice of W_O (no bias),
+    /// `[pos, head, d_model]`; computed only when asked.
+    Result,
     AttnOut,
     ResidMid,
     Ln2Scale,
@@ -58,7 +61,7 @@ pub enum Hook {
 
 impl Hook {
     /// The hooks of a block (`blocks.{l}.…`), in the order the forward hands them out.
-    pub const ALL: [Hook; 20] = [
+    pub const ALL: [Hook; 21] = [
         Hook::ResidPre,
         Hook::Ln1Scale,
         Hook::Ln1Normalized,
@@ -70,6 +73,7 @@ impl Hook {
         Hook::AttnScores,
         Hook::Pattern,
         Hook::Z,
+        Hook::Result,
         Hook::AttnOut,
         Hook::ResidMid,
         Hook::Ln2Scale,
@@ -126,6 +130,7 @@ impl Hook {
             Hook::AttnScores => "attn.hook_attn_scores",
             Hook::Pattern => "attn.hook_pattern",
             Hook::Z => "attn.hook_z",
+            Hook::Result => "attn.hook_result",
             Hook::AttnOut => "hook_attn_out",
             Hook::ResidMid => "hook_resid_mid",
             Hook::MlpPre => "mlp.hook_pre",
@@ -148,6 +153,7 @@ impl Hook {
                 "rot_q" => &[Hook::RotQ],
                 "rot_k" => &[Hook::RotK],
                 "z" => &[Hook::Z],
+                "result" => &[Hook::Result],
                 "attn_out" => &[Hook::AttnOut],
                 "mlp_out" => &[Hook::MlpOut],
                 "mlp_pre" => &[Hook::MlpPre],
@@ -164,7 +170,7 @@ impl Hook {
                 "all" => &ALL_HOOKS,
                 other => {
                     return Err(format!(
-                        "unknown hook `{other}`; choose from pattern, scores, q, k, v, rot_q, rot_k, z, attn_out, mlp_pre, mlp_pre_linear, mlp_post, mlp_out, resid, resid_pre, resid_mid, resid_post, ln1, ln2, ln_final, embed, all"
+                        "unknown hook `{other}`; choose from pattern, scores, q, k, v, rot_q, rot_k, z, result, attn_out, mlp_pre, mlp_pre_linear, mlp_post, mlp_out, resid, resid_pre, resid_mid, resid_post, ln1, ln2, ln_final, embed, all"
                     ))
                 }
             };
@@ -187,15 +193,15 @@ impl Hook {
 }
 
 /// Every hook: the blocks' and the global ones.
-const ALL_HOOKS: [Hook; 24] = {
-    let mut all = [Hook::Embed; 24];
+const ALL_HOOKS: [Hook; 25] = {
+    let mut all = [Hook::Embed; 25];
     let mut i = 0;
-    while i < 20 {
+    while i < 21 {
         all[i] = Hook::ALL[i];
         i += 1;
     }
-    while i < 24 {
-        all[i] = Hook::GLOBAL[i - 20];
+    while i < 25 {
+        all[i] = Hook::GLOBAL[i - 21];
         i += 1;
     }
     all
@@ -386,6 +392,7 @@ impl CaptureSpec {
                     | Hook::Ln2Normalized
                     | Hook::LnFinalNormalized => vec![nq, dims.d_model],
                     Hook::MlpPreLinear => vec![nq, dims.d_ff],
+                    Hook::Result => vec![nq, heads, dims.d_model],
                     Hook::ResidPre
                     | Hook::AttnOut
                     | Hook::ResidMid
@@ -695,7 +702,7 @@ impl Observer for AttnCache {
     fn tensor(&mut self, layer: usize, hook: Hook, shape: &[usize], data: &[f32]) {
         // shape [pos, (head,) ...]; keep the chosen query rows, and heads for per-head hooks
         let row: usize = shape[1..].iter().product();
-        let per_head = matches!(hook, Hook::Q | Hook::RotQ | Hook::Z);
+        let per_head = matches!(hook, Hook::Q | Hook::RotQ | Hook::Z | Hook::Result);
         let heads = per_head.then(|| self.head_list(shape[1]));
         let mut out = Vec::new();
         for &q in &self.queries {
@@ -902,6 +909,7 @@ mod tests {
                 "blocks.2.attn.hook_attn_scores",
                 "blocks.2.attn.hook_pattern",
                 "blocks.2.attn.hook_z",
+                "blocks.2.attn.hook_result",
                 "blocks.2.hook_attn_out",
                 "blocks.2.hook_resid_mid",
                 "blocks.2.ln2.hook_scale",

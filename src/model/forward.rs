@@ -600,6 +600,7 @@ impl Model {
             let mut mr = m;
             if l + 1 == self.weights.layers.len()
                 && ![
+                    Hook::Result,
                     Hook::AttnOut,
                     Hook::ResidMid,
                     Hook::MlpPre,
@@ -632,8 +633,38 @@ impl Model {
             }
             let m = mr;
             let t = Instant::now();
-            if layer.post_norms.is_some() || touches(obs, l, Hook::AttnOut) || layer.o.has_bias() {
-                let mut attn_out = layer.o.forward(&z, m)?;
+            // attn.hook_result (each head's z through its slice of W_O, [m, heads, d_model]) is
+            // computed only when asked: one product per head. Read, it changes nothing (the
+            // output projection runs as always); edited, the output is the sum of the edited
+            // results plus W_O's bias
+            let mut results = None;
+            if touches(obs, l, Hook::Result) {
+                let (mut res, bias) = self.head_results(l, &z, m)?;
+                hand(obs, l, Hook::Result, &[m, nh, dm], &mut res)?;
+                if obs.edits(l, Hook::Result) {
+                    let mut out = vec![0f32; m * dm];
+                    for (o, r) in out.chunks_mut(dm).zip(res.chunks(nh * dm)) {
+                        o.copy_from_slice(&bias);
+                        for head in r.chunks(dm) {
+                            o.iter_mut().zip(head).for_each(|(o, v)| *o += v);
+                        }
+                    }
+                    results = Some(out);
+                }
+            }
+            if let Some(out) = results.as_mut().filter(|_| layer.post_norms.is_none()) {
+                proj_time += t.elapsed();
+                hand(obs, l, Hook::AttnOut, &[m, dm], out)?;
+                x.iter_mut().zip(out.iter()).for_each(|(x, a)| *x += a);
+            } else if results.is_some()
+                || layer.post_norms.is_some()
+                || touches(obs, l, Hook::AttnOut)
+                || layer.o.has_bias()
+            {
+                let mut attn_out = match results {
+                    Some(r) => r,
+                    None => layer.o.forward(&z, m)?,
+                };
                 if let Some((post_attn, _)) = &layer.post_norms {
                     // Gemma: the attention's output is normalized before the residual add
                     attn_out = rms_norm(&attn_out, post_attn, dims.rms_eps);
