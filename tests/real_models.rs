@@ -1114,7 +1114,7 @@ fn gu_sink_metric_and_massive_activations_from_the_patterns() {
     );
     // `corpus` keeps the same per text: its record's massive activations (3 largest) are the
     // captured residual's, and Gu's count from its α₁ is the one from the whole patterns
-    let rec = attnscope::cli::corpus::text_record(model, 0, SENTENCE, false, false)
+    let rec = attnscope::analysis::corpus::text_record(model, 0, SENTENCE, false, false)
         .unwrap()
         .unwrap();
     let mut m3 = Massive::new(3);

@@ -3,6 +3,8 @@
 //! `attnscope corpus merge` give exactly the numbers of a single run.
 
 use super::collect::Collector;
+use super::faithfulness::{run as run_faith, FaithOptions, Target};
+use crate::model::forward::RunOptions;
 use serde::{Deserialize, Serialize};
 
 /// The built-in corpus: texts written for this project (Vietnamese, English, Chinese, code,
@@ -499,6 +501,70 @@ fn excerpt(t: &str) -> String {
         s.push('…');
     }
     s
+}
+
+/// The record of text `id` (what `corpus --out` writes for it). The outer error is the engine's
+/// (fatal); the inner one the text's own (empty, too long: the text is skipped, and said).
+pub fn text_record(
+    model: &crate::model::Model,
+    id: usize,
+    text: &str,
+    bos: bool,
+    faithfulness: bool,
+) -> anyhow::Result<Result<Record, String>> {
+    let d = &model.dims;
+    let tokens = match model.encode(text, bos) {
+        Ok(t) => t,
+        Err(e) => return Ok(Err(e.to_string())),
+    };
+    let n = tokens.len();
+    // every layer's output passes through Sun et al.'s statistics (its 3 largest values kept)
+    let mut c = Collector::new(d.n_layers, d.n_heads, n, n - 1).with_massive(3);
+    let out = model.forward(&tokens, &RunOptions::last_logits(n), &mut c)?;
+    let top = crate::analysis::next_token_top_k(&out.logits[0], 1).remove(0);
+    let mut rec = Record::from_collector(
+        id,
+        text,
+        &model.info.name,
+        &c,
+        (top.id, model.tokenizer.token_text(top.id), top.prob),
+    );
+    if faithfulness {
+        let f = run_faith(
+            model,
+            &tokens,
+            &FaithOptions {
+                target: Target::Next,
+                replacement: " ".into(),
+                seed: 7,
+            },
+            |_, _| {},
+        )?;
+        rec.faithfulness = Some(
+            f.metrics
+                .iter()
+                .filter(|m| {
+                    m.truth == "loo"
+                        && [
+                            "attention_last",
+                            "attention_mean",
+                            "rollout",
+                            "norm_last",
+                            "norm_mean",
+                            "random",
+                        ]
+                        .contains(&m.ranking.as_str())
+                })
+                .map(|m| FaithSummary {
+                    ranking: m.ranking.clone(),
+                    without_first: m.without_first,
+                    spearman: m.spearman,
+                    top1: m.top1,
+                })
+                .collect(),
+        );
+    }
+    Ok(Ok(rec))
 }
 
 #[cfg(test)]

@@ -13,7 +13,10 @@
 //! (rows of `[heads, rows, keys]`), so no n × n matrix is ever held, whatever the length.
 
 use crate::model::capture::{Hook, Observer};
+use crate::model::forward::RunOptions;
+use crate::model::Model;
 use serde::Serialize;
+use std::collections::BTreeMap;
 
 pub const ROLES: [&str; 5] = [
     "previous_token",
@@ -186,6 +189,70 @@ pub fn random_repeat(count: usize, vocab: usize, seed: u64) -> Vec<u32> {
         .map(|_| (rng.next_u64() % vocab.max(1) as u64) as u32)
         .collect();
     half.iter().chain(&half).copied().collect()
+}
+
+/// The role scores of one token sequence (streamed: no n × n matrix is held).
+pub fn roles_of(model: &Model, tokens: &[u32]) -> anyhow::Result<HeadRoles> {
+    let d = &model.dims;
+    let mut r = RoleScores::new(d.n_layers, d.n_heads, tokens);
+    model.forward(tokens, &RunOptions::default(), &mut r)?;
+    Ok(r.finish(tokens))
+}
+
+/// The mean of several texts' scores (each text counts once), in the order given.
+pub fn mean_roles(all: &[HeadRoles]) -> BTreeMap<String, Vec<Vec<f64>>> {
+    let mut out = BTreeMap::new();
+    for role in ROLES {
+        let first = &all[0].roles[role];
+        let mean = (0..first.len())
+            .map(|l| {
+                (0..first[l].len())
+                    .map(|h| {
+                        all.iter().map(|r| r.roles[role][l][h]).sum::<f64>() / all.len() as f64
+                    })
+                    .collect()
+            })
+            .collect();
+        out.insert(role.to_string(), mean);
+    }
+    out
+}
+
+/// Each role's uniform-head score, averaged like the scores (each text once).
+pub fn mean_uniform(all: &[HeadRoles]) -> BTreeMap<String, f64> {
+    ROLES
+        .iter()
+        .map(|r| {
+            (
+                r.to_string(),
+                all.iter().map(|x| x.uniform[*r]).sum::<f64>() / all.len() as f64,
+            )
+        })
+        .collect()
+}
+
+/// The document `heads --each-line --json` prints, from each text's scores in order.
+pub fn document(
+    model: &Model,
+    all: &[HeadRoles],
+    extra: serde_json::Map<String, serde_json::Value>,
+) -> anyhow::Result<serde_json::Value> {
+    let mut doc = extra;
+    let uniform = mean_uniform(all);
+    doc.insert("model".into(), model.info.name.clone().into());
+    doc.insert("precision".into(), model.info.precision.name().into());
+    doc.insert("texts".into(), all.len().into());
+    doc.insert(
+        "tokens".into(),
+        if all.len() == 1 {
+            serde_json::to_value(&all[0].tokens)?
+        } else {
+            serde_json::to_value(all.iter().map(|r| &r.tokens).collect::<Vec<_>>())?
+        },
+    );
+    doc.insert("roles".into(), serde_json::to_value(mean_roles(all))?);
+    doc.insert("uniform".into(), serde_json::to_value(&uniform)?);
+    Ok(serde_json::Value::Object(doc))
 }
 
 #[cfg(test)]

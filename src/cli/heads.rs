@@ -2,11 +2,10 @@
 //! induction, sink and local, TransformerLens's head-detector definitions, streamed.
 
 use super::common::{emit, usage, ModelArgs, TextArgs};
-use crate::analysis::heads::{random_repeat, HeadRoles, RoleScores, ROLES};
-use crate::model::forward::RunOptions;
-use crate::model::Model;
+use crate::analysis::heads::{
+    document, mean_roles, mean_uniform, random_repeat, roles_of, HeadRoles, ROLES,
+};
 use crate::render::table::{title, Align, Table};
-use std::collections::BTreeMap;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -31,70 +30,6 @@ pub struct Args {
     /// Print one JSON document: {"tokens", "roles": {role: [[score per head] per layer]}, "uniform", ...}.
     #[arg(long)]
     json: bool,
-}
-
-/// The role scores of one token sequence (streamed: no n × n matrix is held).
-pub fn roles_of(model: &Model, tokens: &[u32]) -> anyhow::Result<HeadRoles> {
-    let d = &model.dims;
-    let mut r = RoleScores::new(d.n_layers, d.n_heads, tokens);
-    model.forward(tokens, &RunOptions::default(), &mut r)?;
-    Ok(r.finish(tokens))
-}
-
-/// The mean of several texts' scores (each text counts once), in the order given.
-pub fn mean_roles(all: &[HeadRoles]) -> BTreeMap<String, Vec<Vec<f64>>> {
-    let mut out = BTreeMap::new();
-    for role in ROLES {
-        let first = &all[0].roles[role];
-        let mean = (0..first.len())
-            .map(|l| {
-                (0..first[l].len())
-                    .map(|h| {
-                        all.iter().map(|r| r.roles[role][l][h]).sum::<f64>() / all.len() as f64
-                    })
-                    .collect()
-            })
-            .collect();
-        out.insert(role.to_string(), mean);
-    }
-    out
-}
-
-/// Each role's uniform-head score, averaged like the scores (each text once).
-fn mean_uniform(all: &[HeadRoles]) -> BTreeMap<String, f64> {
-    ROLES
-        .iter()
-        .map(|r| {
-            (
-                r.to_string(),
-                all.iter().map(|x| x.uniform[*r]).sum::<f64>() / all.len() as f64,
-            )
-        })
-        .collect()
-}
-
-/// The document `heads --each-line --json` prints, from each text's scores in order.
-pub fn document(
-    model: &Model,
-    all: &[HeadRoles],
-    extra: serde_json::Map<String, serde_json::Value>,
-) -> anyhow::Result<serde_json::Value> {
-    let mut doc = extra;
-    let uniform = mean_uniform(all);
-    doc.insert("model".into(), model.info.name.clone().into());
-    doc.insert("precision".into(), model.info.precision.name().into());
-    doc.insert("texts".into(), all.len().into());
-    doc.insert(
-        "tokens".into(),
-        if all.len() == 1 {
-            serde_json::to_value(&all[0].tokens)?
-        } else {
-            serde_json::to_value(all.iter().map(|r| &r.tokens).collect::<Vec<_>>())?
-        },
-    );
-    doc.insert("roles".into(), serde_json::to_value(mean_roles(all))?);
-    doc.insert("uniform".into(), serde_json::to_value(&uniform)?);
-    Ok(serde_json::Value::Object(doc))
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {

@@ -453,7 +453,7 @@ impl Model {
         engine(py, move || {
             let mut out = Vec::with_capacity(items.len());
             for (id, text) in items {
-                match attnscope::cli::corpus::text_record(&m, id, &text, bos, faithfulness)? {
+                match attnscope::analysis::corpus::text_record(&m, id, &text, bos, faithfulness)? {
                     Ok(r) => out.push((id, serde_json::to_string(&r)?, String::new())),
                     Err(e) => out.push((id, String::new(), e)),
                 }
@@ -478,7 +478,7 @@ impl Model {
                 match m.encode(&text, bos) {
                     Ok(t) => out.push((
                         id,
-                        serde_json::to_string(&attnscope::cli::heads::roles_of(&m, &t)?)?,
+                        serde_json::to_string(&attnscope::analysis::heads::roles_of(&m, &t)?)?,
                         String::new(),
                     )),
                     Err(e) => out.push((id, String::new(), e.to_string())),
@@ -499,7 +499,7 @@ impl Model {
         if all.is_empty() {
             return Err(PyValueError::new_err("no scores to merge"));
         }
-        let doc = attnscope::cli::heads::document(&self.inner, &all, serde_json::Map::new())
+        let doc = attnscope::analysis::heads::document(&self.inner, &all, serde_json::Map::new())
             .map_err(to_py)?;
         serde_json::to_string(&doc).map_err(|e| PyRuntimeError::new_err(e.to_string()))
     }
