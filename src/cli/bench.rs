@@ -391,7 +391,38 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         );
     }
 
-    // the machine: the kernel's in-cache peak and the GEMM at the model's shapes
+    let rates = measure_gemms(&d, max_n, a.repeats, &pb)?;
+    let forwards = measure_forwards(&model, &all, &a, rates.machine_rate, &pb)?;
+    let precisions = if a.against_exact {
+        fast_against_exact(&model, &all, &a, &pb)?
+    } else {
+        Vec::new()
+    };
+    let (commands, side) = if a.no_commands {
+        (Vec::new(), Vec::new())
+    } else {
+        time_commands(&model, &all, &a, &pb)?
+    };
+    pb.finish_and_clear();
+    report(&model, &a, &rates, &forwards, &precisions, &commands, &side)
+}
+
+/// The machine's rates: the micro-kernel's in-cache peak and the products at the model's shapes.
+struct Rates {
+    isa: Isa,
+    peak: f64,
+    gemms: Vec<GemmRow>,
+    /// the machine's f32 GEMM rate: the best measured at the shapes the forward runs
+    machine_rate: f64,
+}
+
+/// The kernel's in-cache peak and the GEMM at the model's shapes (f32 packed, candle, AMX).
+fn measure_gemms(
+    d: &crate::model::ModelDims,
+    max_n: usize,
+    repeats: usize,
+    pb: &indicatif::ProgressBar,
+) -> anyhow::Result<Rates> {
     let isa = Isa::detect();
     pb.set_message("kernel peak");
     // a ceiling, so the best of three tries: one of this machine's read 116 GFLOP/s against
@@ -424,13 +455,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let packed = PackedB::from_rows(&w, n, k, k, isa);
         let mut out = vec![0f32; m * n];
         let flops = 2.0 * (m * k * n) as f64;
-        let ours = best_of(a.repeats, || {
+        let ours = best_of(repeats, || {
             gemm::gemm(&x, k, m, &packed, &mut out, n, false)
         });
         let mut amx_rate = |splits: usize| {
             crate::kernels::amx::available().then(|| {
                 let packed = crate::kernels::amx::PackedBf16::from_rows(&w, n, k, k, splits);
-                let t = best_of(a.repeats, || {
+                let t = best_of(repeats, || {
                     crate::kernels::amx::gemm(&x, k, m, &packed, &mut out, n, false)
                 });
                 flops / t / 1e9
@@ -456,7 +487,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                     }
                     true
                 })?;
-                let t = best_of(a.repeats, || {
+                let t = best_of(repeats, || {
                     scaled::gemm(&x, k, m, &packed, &mut out, n, false)
                 });
                 Some(flops / t / 1e9)
@@ -464,7 +495,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             .flatten();
         let xt = candle_core::Tensor::from_vec(x, (m, k), &candle_core::Device::Cpu)?;
         let wt = candle_core::Tensor::from_vec(w, (n, k), &candle_core::Device::Cpu)?;
-        let candle = best_of(a.repeats, || {
+        let candle = best_of(repeats, || {
             std::hint::black_box(xt.matmul(&wt.t().expect("2-d")).expect("matmul"));
         });
         gemms.push(GemmRow {
@@ -485,8 +516,29 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .iter()
         .map(|g| g.attnscope_gflops.max(g.candle_gflops))
         .fold(0.0, f64::max);
+    Ok(Rates {
+        isa,
+        peak,
+        gemms,
+        machine_rate,
+    })
+}
 
-    // forwards
+/// The forward at each length: its parts' times and rates, and with every pattern kept.
+fn measure_forwards(
+    model: &crate::model::Model,
+    all: &[u32],
+    a: &Args,
+    machine_rate: f64,
+    pb: &indicatif::ProgressBar,
+) -> anyhow::Result<Vec<ForwardRow>> {
+    let d = &model.dims;
+    let (nq, nk, dm, ff) = (
+        d.n_heads * d.head_dim,
+        d.n_kv_heads * d.head_dim,
+        d.d_model,
+        d.d_ff,
+    );
     let layers = d.n_layers as f64;
     let mut forwards = Vec::new();
     for &n in &a.lengths {
@@ -541,10 +593,18 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         });
         pb.inc(1);
     }
+    Ok(forwards)
+}
 
-    // fast against exact: both models held, their forwards in alternation
+/// fast against exact: both models held, their forwards in alternation.
+fn fast_against_exact(
+    model: &crate::model::Model,
+    all: &[u32],
+    a: &Args,
+    pb: &indicatif::ProgressBar,
+) -> anyhow::Result<Vec<PrecisionRow>> {
     let mut precisions = Vec::new();
-    if a.against_exact {
+    {
         pb.set_message("loading the exact model");
         let exact = ModelArgs {
             precision: crate::model::Precision::Exact,
@@ -582,11 +642,20 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             pb.inc(1);
         }
     }
+    Ok(precisions)
+}
 
-    // the commands a user runs, start to end (load included), as separate processes
+/// The commands a user runs, start to end (load included), as separate processes; with
+/// `--transformers`, the Python route between their runs.
+fn time_commands(
+    model: &crate::model::Model,
+    all: &[u32],
+    a: &Args,
+    pb: &indicatif::ProgressBar,
+) -> anyhow::Result<(Vec<CommandRow>, Vec<SideRow>)> {
     let mut commands = Vec::new();
     let mut side = Vec::new();
-    if !a.no_commands {
+    {
         let dir = tempfile::tempdir()?;
         // the anchor script where the Python can run it
         let anchor = match (&a.transformers, &a.anchor) {
@@ -714,8 +783,21 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             }
         }
     }
-    pb.finish_and_clear();
+    Ok((commands, side))
+}
 
+/// The tables (or the JSON document) of what was measured.
+fn report(
+    model: &crate::model::Model,
+    a: &Args,
+    rates: &Rates,
+    forwards: &[ForwardRow],
+    precisions: &[PrecisionRow],
+    commands: &[CommandRow],
+    side: &[SideRow],
+) -> anyhow::Result<()> {
+    let (isa, peak, gemms, machine_rate) =
+        (rates.isa, rates.peak, &rates.gemms, rates.machine_rate);
     let (cpu, threads) = machine();
     if a.json {
         let doc = serde_json::json!({
@@ -750,7 +832,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         x.map(|r| format!("{r:.0} GFLOP/s"))
             .unwrap_or_else(|| "no AMX".into())
     };
-    for g in &gemms {
+    for g in gemms {
         t.row([
             g.name.to_string(),
             format!("{} × {} · {} × {}", g.m, g.k, g.k, g.n),
@@ -791,7 +873,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         ("all patterns (attention)", Align::Right),
         ("peak RSS", Align::Right),
     ]);
-    for f in &forwards {
+    for f in forwards {
         t.row([
             f.n.to_string(),
             format!("{:.2} s", f.forward_s),
@@ -835,7 +917,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             ("fast faster by", Align::Right),
             ("each pair", Align::Right),
         ]);
-        for r in &precisions {
+        for r in precisions {
             t.row([
                 r.n.to_string(),
                 format!("{:.2} s", r.exact_s),
@@ -861,7 +943,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             ("peak RSS", Align::Right),
         ]);
         let secs = |x: Option<f64>| x.map(|x| format!("{x:.2} s")).unwrap_or_else(|| "—".into());
-        for c in &commands {
+        for c in commands {
             t.row([
                 c.n.to_string(),
                 c.command.clone(),
@@ -879,7 +961,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         };
     }
     if !side.is_empty() {
-        s += &side_by_side(&side, &forwards, machine_rate, peak, &a);
+        s += &side_by_side(side, forwards, machine_rate, peak, a);
     }
     emit(&s)
 }
