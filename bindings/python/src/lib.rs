@@ -183,21 +183,30 @@ fn hook_pairs(n_layers: usize, hooks: Vec<(i64, String)>) -> PyResult<BTreeSet<(
                 "unknown hook `{h}`; known: {}",
                 Hook::ALL
                     .iter()
+                    .chain(&Hook::GLOBAL)
                     .map(|h| h.suffix())
                     .collect::<Vec<_>>()
                     .join(", ")
             ))
         })?;
-        pairs.insert((layer as usize, hook));
+        // a hook outside the blocks is handed at its own layer (the embeddings at 0, the final
+        // norm at the last)
+        pairs.insert((hook.layer_of(layer as usize, n_layers), hook));
     }
     Ok(pairs)
 }
 
 fn hook_by_suffix(s: &str) -> Option<Hook> {
-    Hook::ALL
+    Hook::GLOBAL
         .iter()
         .copied()
-        .find(|h| h.suffix() == s || h.suffix().rsplit('.').next() == Some(s))
+        .find(|h| h.suffix() == s)
+        .or_else(|| {
+            Hook::ALL
+                .iter()
+                .copied()
+                .find(|h| h.suffix() == s || h.suffix().rsplit('.').next() == Some(s))
+        })
 }
 
 /// A loaded model.
@@ -585,6 +594,13 @@ fn hook_suffixes() -> Vec<&'static str> {
     Hook::ALL.iter().map(|h| h.suffix()).collect()
 }
 
+/// The hooks outside the blocks, by their whole names (`hook_embed`, `hook_pos_embed`,
+/// `ln_final.hook_scale`, `ln_final.hook_normalized`).
+#[pyfunction]
+fn global_hooks() -> Vec<&'static str> {
+    Hook::GLOBAL.iter().map(|h| h.suffix()).collect()
+}
+
 /// `blocks.{layer}.{suffix}`.
 #[pyfunction]
 fn full_hook_name(layer: usize, suffix: &str) -> PyResult<String> {
@@ -600,6 +616,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(run_command, m)?)?;
     m.add_function(wrap_pyfunction!(pattern_page, m)?)?;
     m.add_function(wrap_pyfunction!(hook_suffixes, m)?)?;
+    m.add_function(wrap_pyfunction!(global_hooks, m)?)?;
     m.add_function(wrap_pyfunction!(corpus_texts, m)?)?;
     m.add_function(wrap_pyfunction!(full_hook_name, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

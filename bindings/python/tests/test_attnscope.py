@@ -465,8 +465,13 @@ def test_hook_errors_are_python_exceptions(smol):
     assert np.array_equal(smol(ids), smol(ids))
     assert attnscope.utils.get_act_name("pattern", 3) == "blocks.3.attn.hook_pattern"
     assert attnscope.utils.get_act_name("resid_pre", 0) == "blocks.0.hook_resid_pre"
-    with pytest.raises(ValueError, match="no hook 'embed'"):
-        attnscope.utils.get_act_name("embed")
+    assert attnscope.utils.get_act_name("embed") == "hook_embed"
+    assert attnscope.utils.get_act_name("scale") == "ln_final.hook_scale"
+    assert attnscope.utils.get_act_name("normalized", 2, "ln1") == "blocks.2.ln1.hook_normalized"
+    assert attnscope.utils.get_act_name("result", 4) == "blocks.4.attn.hook_result"
+    assert attnscope.utils.get_act_name("pre_linear", 1) == "blocks.1.mlp.hook_pre_linear"
+    with pytest.raises(ValueError, match="no hook 'resid'"):
+        attnscope.utils.get_act_name("resid", 1)
     assert smol.to_single_token(" cat") == int(smol.to_tokens(" cat")[0, 0])
     assert smol.to_string(np.array([[1, 2], [3, 4]])) == [smol.to_string([1, 2]), smol.to_string([3, 4])]
 
@@ -552,3 +557,53 @@ def test_results_follow_the_array_type(smol, monkeypatch):
         attnscope.set_array_type("auto")
     with pytest.raises(ValueError, match="array type"):
         attnscope.set_array_type("jax")
+
+
+def test_hooks_outside_attention(smol):
+    """hook_embed, the norms' hook_scale / hook_normalized, mlp.hook_pre_linear and
+    attn.hook_result, in TransformerLens's names and shapes; edits at them act as they say."""
+    ids = smol.to_tokens("The cat sat on the mat")
+    n, d, H = ids.shape[1], smol.cfg.d_model, smol.cfg.n_heads
+    names = smol.hook_names()
+    assert names[0] == "hook_embed" and "hook_pos_embed" not in names
+    assert names[-2:] == ["ln_final.hook_scale", "ln_final.hook_normalized"]
+    assert "blocks.3.attn.hook_result" in names and "blocks.3.ln2.hook_normalized" in names
+    want = ["hook_embed", "blocks.0.hook_resid_pre", "blocks.0.ln1.hook_scale", "blocks.0.ln1.hook_normalized",
+            "blocks.2.attn.hook_result", "blocks.2.hook_attn_out", "blocks.1.mlp.hook_pre_linear",
+            "ln_final.hook_scale", "ln_final.hook_normalized", f"blocks.{smol.cfg.n_layers - 1}.hook_resid_post"]
+    logits, cache = smol.run_with_cache(ids, names_filter=want)
+    E, x0 = np.asarray(cache["hook_embed"]), np.asarray(cache["blocks.0.hook_resid_pre"])
+    assert E.shape == (1, n, d) and np.array_equal(E, x0)
+    s, y = np.asarray(cache["blocks.0.ln1.hook_scale"]), np.asarray(cache["blocks.0.ln1.hook_normalized"])
+    assert s.shape == (1, n, 1) and y.shape == (1, n, d)
+    assert np.allclose(y * s, x0, rtol=1e-4, atol=1e-5)
+    r = np.asarray(cache["result", 2])
+    assert r.shape == (1, n, H, d)
+    assert np.allclose(r.sum(axis=2), np.asarray(cache["attn_out", 2]), rtol=1e-4, atol=1e-4)
+    assert np.asarray(cache["blocks.1.mlp.hook_pre_linear"]).shape == (1, n, smol.cfg.d_mlp)
+    last = np.asarray(cache["resid_post", -1])
+    sf = np.sqrt((last.astype(np.float64) ** 2).mean(-1, keepdims=True) + smol._m.final_norm()[2])
+    assert np.allclose(np.asarray(cache["ln_final.hook_scale"]), sf, rtol=1e-4)
+    # reading them changes nothing but hook_attn_out's rounding (read, W_O's product is added to
+    # the residual after it is complete, not accumulated into it); without it, not a bit
+    assert np.allclose(np.asarray(logits), np.asarray(smol(ids)), atol=1e-3)
+    quiet, _ = smol.run_with_cache(ids, names_filter=[w for w in want if w != "blocks.2.hook_attn_out"])
+    assert np.array_equal(np.asarray(quiet), np.asarray(smol(ids)))
+    # the final norm zeroed leaves logits of 0 (no output bias)
+
+    def zero(a, hook):
+        a[...] = 0
+    out = np.asarray(smol.run_with_hooks(ids, fwd_hooks=[("ln_final.hook_normalized", zero)]))
+    assert np.all(out == 0)
+    # zeroing head 3's result at layer 2 is zeroing its z
+    def zero_result(a, hook):
+        a[:, :, 3] = 0
+    def zero_z(a, hook):
+        a[:, :, 3] = 0
+    by_result = np.asarray(smol.run_with_hooks(ids, fwd_hooks=[("blocks.2.attn.hook_result", zero_result)]))
+    by_z = np.asarray(smol.run_with_hooks(ids, fwd_hooks=[("blocks.2.attn.hook_z", zero_z)]))
+    assert np.allclose(by_result, by_z, atol=1e-4) and not np.allclose(by_z, np.asarray(logits), atol=1e-3)
+    with pytest.raises(ValueError, match="no learned positions"):
+        smol.run_with_cache(ids, names_filter="hook_pos_embed")
+    with pytest.raises(ValueError, match="hook_embed"):
+        smol.run_with_hooks(ids, fwd_hooks=[("hook_embd", zero)])

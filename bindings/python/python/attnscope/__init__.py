@@ -27,12 +27,15 @@ from . import viz
 from . import utils
 from . import distributed  # Ray is imported only when distributed.corpus runs
 
-__all__ = ["HookedModel", "ActivationCache", "Config", "HookPoint", "corpus", "corpus_merge", "HOOKS", "viz", "utils",
+__all__ = ["HookedModel", "ActivationCache", "Config", "HookPoint", "corpus", "corpus_merge", "HOOKS", "GLOBAL_HOOKS", "viz", "utils",
            "distributed", "set_array_type", "__version__"]
 __version__ = _native.__version__
 
 #: The hook suffixes the engine captures, in TransformerLens's names (`blocks.{l}.` + suffix).
 HOOKS: Tuple[str, ...] = tuple(_native.hook_suffixes())
+# the hooks outside the blocks, by their whole names: hook_embed, hook_pos_embed (GPT-2's learned
+# positions only), ln_final.hook_scale and ln_final.hook_normalized
+GLOBAL_HOOKS: Tuple[str, ...] = tuple(_native.global_hooks())
 
 # short names accepted in cache["pattern", l] and stack_activation("pattern")
 _SHORT = {h.rsplit(".", 1)[-1].replace("hook_", ""): h for h in HOOKS}
@@ -431,18 +434,40 @@ class HookedModel:
             raise ValueError(f"expected a text or token ids [n] / [1, n], got an array of shape {a.shape} and dtype {a.dtype}")
         return [int(t) for t in a]
 
+    # every hook point's full name, in TransformerLens's order
+    def hook_names(self) -> List[str]:
+        """Every hook point of this model, in TransformerLens's names and order: ``hook_embed``
+        (``hook_pos_embed`` for learned positions), each block's, then ``ln_final``'s."""
+        n = self.cfg.n_layers
+        before = [h for h in GLOBAL_HOOKS if h.startswith("hook_")]
+        if self.cfg.architecture != "gpt2":
+            before = [h for h in before if h != "hook_pos_embed"]
+        after = [h for h in GLOBAL_HOOKS if not h.startswith("hook_")]
+        return before + [f"blocks.{l}.{h}" for l in range(n) for h in HOOKS] + after
+
+    def _split_name(self, name: str) -> Tuple[int, str]:
+        """A full hook name as (layer, suffix); a hook outside the blocks is handed at layer 0
+        (the embeddings) or at the last (the final norm)."""
+        if name in GLOBAL_HOOKS:
+            return (0 if name.startswith("hook_") else self.cfg.n_layers - 1), name
+        _, l, suffix = name.split(".", 2)
+        return int(l), suffix
+
     # the forward with capture
     def _hooks(self, names_filter: NamesFilter) -> List[Tuple[int, str]]:
         n = self.cfg.n_layers
-        everything = [(l, h) for l in range(n) for h in HOOKS]
         if names_filter is None:
-            return everything
+            return [self._split_name(x) for x in self.hook_names()]
         if callable(names_filter):
-            return [(l, h) for l, h in everything if names_filter(f"blocks.{l}.{h}")]
+            return [self._split_name(x) for x in self.hook_names() if names_filter(x)]
         wanted = [names_filter] if isinstance(names_filter, str) else list(names_filter)
         out: List[Tuple[int, str]] = []
         for w in wanted:
-            if w.startswith("blocks."):
+            if w in GLOBAL_HOOKS:
+                if w not in self.hook_names():
+                    raise ValueError(f"{w}: {self.cfg.model_name} has no learned positions (only GPT-2-style models do)")
+                out.append(self._split_name(w))
+            elif w.startswith("blocks."):
                 parts = w.split(".", 2)
                 if len(parts) < 3 or not parts[1].lstrip("-").isdigit() or parts[2] not in HOOKS:
                     raise ValueError(f"unknown hook name {w!r}; hooks are blocks.L.{{{', '.join(HOOKS)}}}")
@@ -488,7 +513,7 @@ class HookedModel:
     # editing hooks (TransformerLens's run_with_hooks)
     def _resolve(self, fwd_hooks: Sequence[Tuple[HookName, HookFn]]) -> Dict[str, List[HookFn]]:
         """Hook functions by full hook name, in the order given."""
-        names = [f"blocks.{l}.{h}" for l in range(self.cfg.n_layers) for h in HOOKS]
+        names = self.hook_names()
         out: Dict[str, List[HookFn]] = {}
         for item in fwd_hooks:
             if not (isinstance(item, tuple) and len(item) == 2 and callable(item[1])):
@@ -500,7 +525,7 @@ class HookedModel:
                 if name not in names:
                     suffixes = ", ".join(HOOKS)
                     raise ValueError(f"unknown hook name {name!r}; attnscope's hooks are blocks.L.{{{suffixes}}} "
-                                     f"for L in 0..{self.cfg.n_layers - 1}")
+                                     f"for L in 0..{self.cfg.n_layers - 1}, and {', '.join(n for n in names if not n.startswith('blocks.'))}")
                 chosen = [name]
             for n in chosen:
                 out.setdefault(n, []).append(fn)
@@ -514,8 +539,7 @@ class HookedModel:
             return self._m.run(ids, capture, mode)
         edits = []
         for name in by_name:
-            _, l, suffix = name.split(".", 2)
-            edits.append((int(l), suffix))
+            edits.append(self._split_name(name))
 
         def editor(name: str, arr: np.ndarray) -> np.ndarray:
             act = arr[np.newaxis]  # TransformerLens's batch axis; writable, edited in place

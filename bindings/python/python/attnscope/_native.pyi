@@ -48,5 +48,9 @@ def corpus_texts(path: Optional[str] = None) -> List[str]:
 def hook_suffixes() -> List[str]:
     """The hook suffixes, in order (``hook_resid_pre``, ``attn.hook_q``, ...)."""
 
+def global_hooks() -> List[str]:
+    """The hooks outside the blocks, by their whole names (``hook_embed``, ``hook_pos_embed``,
+    ``ln_final.hook_scale``, ``ln_final.hook_normalized``)."""
+
 def full_hook_name(layer: int, suffix: str) -> str:
     """``blocks.{layer}.{suffix}``."""

@@ -4,45 +4,47 @@ from __future__ import annotations
 
 from typing import Optional
 
-# TransformerLens's short names -> attnscope's hook suffix (after ``blocks.{layer}.``)
-_ACT = {
-    "resid_pre": "hook_resid_pre",
-    "resid_mid": "hook_resid_mid",
-    "resid_post": "hook_resid_post",
-    "attn_out": "hook_attn_out",
-    "mlp_out": "hook_mlp_out",
-    "pre": "mlp.hook_pre",
-    "post": "mlp.hook_post",
-    "mlp_pre": "mlp.hook_pre",
-    "mlp_post": "mlp.hook_post",
-    "q": "attn.hook_q",
-    "k": "attn.hook_k",
-    "v": "attn.hook_v",
-    "rot_q": "attn.hook_rot_q",
-    "rot_k": "attn.hook_rot_k",
-    "z": "attn.hook_z",
-    "pattern": "attn.hook_pattern",
-    "attn": "attn.hook_pattern",
-    "attn_scores": "attn.hook_attn_scores",
-    "scores": "attn.hook_attn_scores",
-}
+# TransformerLens's aliases
+_ALIAS = {"attn": "pattern", "attn_logits": "attn_scores", "key": "k", "query": "q", "value": "v",
+          "mlp_pre": "pre", "mlp_post": "post", "scores": "attn_scores"}
+_ATTN = {"q", "k", "v", "z", "rot_q", "rot_k", "result", "pattern", "attn_scores"}
+_MLP = {"pre", "post", "pre_linear"}
+_BLOCK = {"resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"}
+_NORM = {"scale", "normalized"}
 
 
 def get_act_name(name: str, layer: Optional[int] = None, layer_type: Optional[str] = None) -> str:
     """The full hook name, as TransformerLens's ``utils.get_act_name``: ``get_act_name("z", 3)``
-    is ``"blocks.3.attn.hook_z"``; a full name is returned as it is. Names attnscope has no hook
-    for (``embed``, ``ln1.hook_scale``, ``mlp.hook_pre``, ...) raise a ValueError naming them."""
-    if name.startswith("blocks.") or name.startswith("hook_") and layer is None:
+    is ``"blocks.3.attn.hook_z"``, ``get_act_name("scale", 3, "ln1")`` is
+    ``"blocks.3.ln1.hook_scale"``, ``get_act_name("scale")`` is ``"ln_final.hook_scale"`` and
+    ``get_act_name("embed")`` is ``"hook_embed"``; a full name is returned as it is. A name
+    attnscope has no hook for raises a ValueError naming the ones it has."""
+    if name.startswith("blocks.") or name.startswith("ln_final.") or name.startswith("hook_") and layer is None:
         return name
     key = name
-    # TransformerLens also accepts e.g. "z3" or "pattern3a"
+    # TransformerLens also accepts e.g. "z3" or "pattern3a" (a: attn, m: mlp)
     digits = "".join(c for c in name if c.isdigit())
     if layer is None and digits and name.rstrip("a").rstrip("m").endswith(digits):
         key = name[: name.index(digits)]
         layer = int(digits)
-    suffix = _ACT.get(key)
-    if suffix is None:
-        raise ValueError(f"attnscope has no hook {name!r}; it has {', '.join(sorted(_ACT))}")
+    key = _ALIAS.get(key, key)
+    if key in ("embed", "pos_embed"):
+        return f"hook_{key}"
+    if key in _NORM:
+        if layer is None:
+            return f"ln_final.hook_{key}"
+        if layer_type not in ("ln1", "ln2"):
+            raise ValueError(f"{name!r} at a layer needs layer_type 'ln1' or 'ln2'")
+        return f"blocks.{int(layer)}.{layer_type}.hook_{key}"
+    if key in _ATTN:
+        suffix = f"attn.hook_{key}"
+    elif key in _MLP:
+        suffix = f"mlp.hook_{key}"
+    elif key in _BLOCK:
+        suffix = f"hook_{key}"
+    else:
+        known = sorted(_ATTN | _MLP | _BLOCK | _NORM | {"embed", "pos_embed"} | set(_ALIAS))
+        raise ValueError(f"attnscope has no hook {name!r}; it has {', '.join(known)}")
     if layer is None:
         raise ValueError(f"{name!r} is a per-layer hook: give the layer")
     return f"blocks.{int(layer)}.{suffix}"
