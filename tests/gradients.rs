@@ -152,3 +152,126 @@ fn family_fixtures_against_finite_differences() {
         check(&model, &TOKENS, name);
     }
 }
+
+/// `max |got − want| / max |want|`, printed.
+fn rel_err(got: &[f32], want: &[f64], label: &str) -> f64 {
+    assert_eq!(got.len(), want.len(), "{label}: lengths");
+    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+    let err = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (*g as f64 - w).abs())
+        .fold(0f64, f64::max);
+    let rel = err / scale.max(1e-30);
+    eprintln!("{label}: worst |error| {err:.3e}, {rel:.2e} of the largest value {scale:.3e}");
+    rel
+}
+
+fn flat(v: &serde_json::Value) -> Vec<f64> {
+    match v {
+        serde_json::Value::Array(a) => a.iter().flat_map(flat).collect(),
+        serde_json::Value::Number(n) => vec![n.as_f64().unwrap()],
+        _ => panic!("not a number array"),
+    }
+}
+
+/// The gradients of the lesson sentence against torch autograd (../shared/reference's
+/// gradient_ref.py). `ig` also runs integrated gradients (33 backward passes).
+fn against_autograd(alias: &str, short: &str, ig: bool) {
+    let model = common::real_model(alias);
+    let refj = common::golden_json(&format!("{short}_gradients.json"));
+    let r = &refj["texts"]["lesson"];
+    let ids: Vec<u32> = flat(&r["token_ids"]).iter().map(|&v| v as u32).collect();
+    let dm = model.dims.d_model;
+    let t0 = std::time::Instant::now();
+    let g = model.gradient(&ids, Metric::LogProb(None)).unwrap();
+    let fb = t0.elapsed();
+    let t0 = std::time::Instant::now();
+    model.next_token_logits(&ids).unwrap();
+    eprintln!(
+        "{short}: {} tokens, forward + backward {:.2}s, forward {:.3}s",
+        ids.len(),
+        fb.as_secs_f64(),
+        t0.elapsed().as_secs_f64()
+    );
+    assert_eq!(
+        g.target as f64,
+        r["target_id"].as_f64().unwrap(),
+        "{short}: target"
+    );
+    let lp = r["logprob"].as_f64().unwrap();
+    eprintln!("{short}: logprob {} vs {lp}", g.logprob);
+    let l2: Vec<f32> = g
+        .grad_input
+        .chunks(dm)
+        .map(|r| r.iter().map(|v| v * v).sum::<f32>().sqrt())
+        .collect();
+    let gxi: Vec<f32> = g
+        .grad_input
+        .chunks(dm)
+        .zip(g.input.chunks(dm))
+        .map(|(a, b)| a.iter().zip(b).map(|(a, b)| a * b).sum())
+        .collect();
+    let resid: Vec<f32> = g
+        .grad_resid_pre
+        .iter()
+        .flat_map(|l| {
+            l.chunks(dm)
+                .map(|r| r.iter().map(|v| v * v).sum::<f32>().sqrt())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let pat: Vec<f32> = g.grad_pattern_last.concat();
+    let errs = [
+        rel_err(
+            &l2,
+            &flat(&r["grad_input_l2"]),
+            &format!("{short} grad_input_l2"),
+        ),
+        rel_err(
+            &gxi,
+            &flat(&r["grad_input_gxi"]),
+            &format!("{short} grad_input_gxi"),
+        ),
+        rel_err(
+            &resid,
+            &flat(&r["grad_resid_pre_l2"]),
+            &format!("{short} grad_resid_pre_l2"),
+        ),
+        rel_err(
+            &pat,
+            &flat(&r["grad_pattern_last"]),
+            &format!("{short} grad_pattern_last"),
+        ),
+    ];
+    let mut worst = errs.iter().fold(0f64, |a, &b| a.max(b));
+    assert!((g.logprob as f64 - lp).abs() < 1e-2, "{short}: logprob");
+    if ig {
+        let t0 = std::time::Instant::now();
+        let igr = model
+            .integrated_gradients(&ids, None, 32, &mut |_| {})
+            .unwrap();
+        eprintln!(
+            "{short}: integrated gradients (32 steps) {:.1}s, gap {} vs {}",
+            t0.elapsed().as_secs_f64(),
+            igr.gap,
+            r["ig_completeness_gap"]
+        );
+        worst = worst.max(rel_err(
+            &igr.scores,
+            &flat(&r["ig"]),
+            &format!("{short} ig"),
+        ));
+    }
+    assert!(worst < 1e-3, "{short}: worst relative error {worst:.2e}");
+}
+
+#[test]
+fn smol_against_autograd() {
+    against_autograd("smollm2-135m", "smol", true);
+}
+
+#[test]
+fn qwen_against_autograd() {
+    against_autograd("qwen2.5-coder-0.5b", "qwen", false);
+}

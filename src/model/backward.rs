@@ -42,6 +42,20 @@ pub struct Gradient {
     pub grad_input: Vec<f32>,
     /// `∂metric/∂resid_pre` of every layer, `[L][n, d_model]`.
     pub grad_resid_pre: Vec<Vec<f32>>,
+    /// `∂metric/∂pattern` of the last query row, every layer and head (masked keys included, as
+    /// autograd gives it), `[L][n_heads, n]`.
+    pub grad_pattern_last: Vec<Vec<f32>>,
+}
+
+/// Integrated gradients [Sundararajan et al. 2017] from the zero input, midpoint rule.
+#[derive(Clone, Debug)]
+pub struct Integrated {
+    /// Per token, `Σ_width x · mean_k ∂f/∂x(α_k x)`.
+    pub scores: Vec<f32>,
+    /// `Σ scores − (f(x) − f(0))`.
+    pub gap: f32,
+    pub target: u32,
+    pub logprob: f32,
 }
 
 /// What one layer's backward needs from its forward.
@@ -185,6 +199,12 @@ impl Model {
     /// [`Model::gradient`] from a given input to layer 0 (`[n, d_model]`: integrated gradients
     /// scale it).
     pub fn gradient_from(&self, x0: &[f32], metric: Metric) -> Result<Gradient> {
+        self.run_from(x0, metric, true)
+    }
+
+    /// [`Model::gradient_from`], or with `backward` false the forward alone (the gradients
+    /// left empty).
+    fn run_from(&self, x0: &[f32], metric: Metric, backward: bool) -> Result<Gradient> {
         let dims = &self.dims;
         let (nh, nkv, hd, dm, ff) = (
             dims.n_heads,
@@ -402,6 +422,18 @@ impl Model {
                 logits[answer as usize] - logits[wrong as usize]
             }
         };
+        if !backward {
+            return Ok(Gradient {
+                target,
+                logprob,
+                value,
+                logits,
+                input: x0.to_vec(),
+                grad_input: Vec::new(),
+                grad_resid_pre: Vec::new(),
+                grad_pattern_last: Vec::new(),
+            });
+        }
         // through the final soft-cap and the head
         let mut dh = vec![0f64; dm];
         for &(v, d) in &dlogit {
@@ -428,9 +460,10 @@ impl Model {
         ));
         // ---- the blocks, last to first
         let mut grad_resid_pre = vec![Vec::new(); dims.n_layers];
+        let mut grad_pattern_last = vec![Vec::new(); dims.n_layers];
         for (l, layer) in self.weights.layers.iter().enumerate().rev() {
             let s = &saved[l];
-            self.block_backward(l, layer, s, n, &mut dx)?;
+            grad_pattern_last[l] = self.block_backward(l, layer, s, n, &mut dx)?;
             if !dx.iter().all(|v| v.is_finite()) {
                 return Err(Error::NonFinite {
                     what: "the gradient of the residual stream".into(),
@@ -447,6 +480,56 @@ impl Model {
             input: x0.to_vec(),
             grad_input: dx,
             grad_resid_pre,
+            grad_pattern_last,
+        })
+    }
+
+    /// Integrated gradients of `log p(target)` (`None`: the top next token) for `tokens`, from
+    /// the zero input with `steps` midpoints; `progress` is called after each step.
+    pub fn integrated_gradients(
+        &self,
+        tokens: &[u32],
+        target: Option<u32>,
+        steps: usize,
+        progress: &mut dyn FnMut(usize),
+    ) -> Result<Integrated> {
+        if steps == 0 {
+            return Err(Error::OutOfRange {
+                what: "steps".into(),
+                value: "0".into(),
+                range: "1..=4096".into(),
+            });
+        }
+        let (x, _) = self.input_embeddings(tokens)?;
+        let full = self.gradient_from(&x, Metric::LogProb(target))?;
+        let metric = Metric::LogProb(Some(full.target));
+        let dm = self.dims.d_model;
+        let mut total = vec![0f64; x.len()];
+        for k in 0..steps {
+            let a = (k as f32 + 0.5) / steps as f32;
+            let xa: Vec<f32> = x.iter().map(|v| v * a).collect();
+            let g = self.gradient_from(&xa, metric)?;
+            total
+                .iter_mut()
+                .zip(&g.grad_input)
+                .for_each(|(t, g)| *t += *g as f64);
+            progress(k + 1);
+        }
+        let zero = self.run_from(&vec![0f32; x.len()], metric, false)?;
+        let scores: Vec<f32> = total
+            .chunks(dm)
+            .zip(x.chunks(dm))
+            .map(|(t, xr)| {
+                (t.iter().zip(xr).map(|(t, x)| t * *x as f64).sum::<f64>() / steps as f64) as f32
+            })
+            .collect();
+        let sum: f64 = scores.iter().map(|&v| v as f64).sum();
+        let gap = (sum - (full.logprob as f64 - zero.logprob as f64)) as f32;
+        Ok(Integrated {
+            scores,
+            gap,
+            target: full.target,
+            logprob: full.logprob,
         })
     }
 
@@ -522,7 +605,7 @@ impl Model {
         s: &Saved,
         n: usize,
         dx: &mut [f32],
-    ) -> Result<()> {
+    ) -> Result<Vec<f32>> {
         let dims = &self.dims;
         let (nh, nkv, hd, dm, ff) = (
             dims.n_heads,
@@ -586,8 +669,15 @@ impl Model {
         let mut dk = vec![0f32; nkv * n * hd];
         let mut dv = vec![0f32; nkv * n * hd];
         let scale = plan.score_scale.unwrap_or(1.0 / (hd as f32).sqrt());
+        let mut dpat = vec![0f32; nh * n];
         for h in 0..nh {
             let g = h / group;
+            // the last query row's pattern gradient, every key (masked ones too)
+            let dzl = &dz[((n - 1) * nh + h) * hd..][..hd];
+            for j in 0..n {
+                let vj = &s.v[(g * n + j) * hd..][..hd];
+                dpat[h * n + j] = dzl.iter().zip(vj).map(|(a, b)| a * b).sum();
+            }
             for i in 0..n {
                 let (p, th) = self.scores(l, &s.q, &s.k, h, g, i, n);
                 let dzi = &dz[(i * nh + h) * hd..][..hd];
@@ -672,7 +762,7 @@ impl Model {
         let d_pre = norm_backward(plan.norm, &s.resid_pre, &layer.attn_norm, eps, &d_h1);
         dx.iter_mut().zip(&d_pre).for_each(|(a, b)| *a += b);
         let _ = (&s.h1, &s.h2, &s.z);
-        Ok(())
+        Ok(dpat)
     }
 }
 
