@@ -13,6 +13,7 @@
 //! ```
 
 pub mod attention;
+pub mod backward;
 pub mod block;
 pub mod capture;
 pub mod config;

@@ -1,0 +1,277 @@
+//! Gradients (issue #39): the backward pass against finite differences on the tiny models of
+//! every family, and its forward against the engine's.
+
+mod common;
+
+use attnscope::model::backward::Metric;
+use attnscope::model::config::Arch;
+use attnscope::model::tiny::{tiny_model, write_gguf};
+use attnscope::model::{Model, Precision};
+use candle_core::quantized::GgmlDType;
+
+const TOKENS: [u32; 9] = [72, 101, 108, 108, 111, 32, 256, 258, 259];
+
+fn tiny(arch: Arch) -> (tempfile::TempDir, Model) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.gguf");
+    write_gguf(&tiny_model(arch, 11), arch, GgmlDType::F32, &path).unwrap();
+    let model = Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();
+    (dir, model)
+}
+
+fn family(name: &str) -> Model {
+    let dir = common::golden(&format!("arch/{name}"));
+    Model::load(dir.to_str().unwrap(), Precision::Exact, false).unwrap()
+}
+
+/// The backward's forward equals the engine's, and the gradient wrt the input equals central
+/// finite differences (along the gradient's direction and along single coordinates).
+fn check(model: &Model, tokens: &[u32], label: &str) {
+    let tokens: Vec<u32> = tokens
+        .iter()
+        .map(|&t| t % model.dims.vocab_size as u32)
+        .collect();
+    let g = model.gradient(&tokens, Metric::LogProb(None)).unwrap();
+    let want = model.next_token_logits(&tokens).unwrap();
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = common::max_abs_diff(&g.logits, &want, label);
+    eprintln!("{label}: logits max |diff| {d:.2e} (largest {scale:.2})");
+    assert!(
+        d <= 1e-5 * scale.max(1.0) * 10.0,
+        "{label}: logits differ by {d}"
+    );
+    let metric = Metric::LogProb(Some(g.target));
+    let f = |x: &[f32]| -> f64 { model.gradient_from(x, metric).unwrap().value as f64 };
+    let norm = g
+        .grad_input
+        .iter()
+        .map(|v| (*v as f64).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    assert!(
+        norm > 0.0 && norm.is_finite(),
+        "{label}: gradient norm {norm}"
+    );
+    let xnorm = g
+        .input
+        .iter()
+        .map(|v| (*v as f64).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    let xrms = xnorm / (g.input.len() as f64).sqrt();
+    // along a fixed pseudo-random direction u of ±1 entries
+    // (scaled by each row's rms: an input row may be small, and a norm is steep there)
+    let dm = model.dims.d_model;
+    let row_rms: Vec<f64> = g
+        .input
+        .chunks(dm)
+        .map(|r| (r.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / dm as f64).sqrt())
+        .collect();
+    let u: Vec<f64> = (0..g.input.len())
+        .map(|i| {
+            let s = if (i * 2654435761usize) >> 7 & 1 == 0 {
+                1.0
+            } else {
+                -1.0
+            };
+            s * row_rms[i / dm] / xrms
+        })
+        .collect();
+    let step = |s: f64| -> Vec<f32> {
+        g.input
+            .iter()
+            .zip(&u)
+            .map(|(x, d)| (*x as f64 + s * d) as f32)
+            .collect()
+    };
+    let cd = |h: f64| (f(&step(h)) - f(&step(-h))) / (2.0 * h);
+    let h = 1e-3 * xrms;
+    // Richardson: the central difference's h² error cancelled
+    let fd = (4.0 * cd(h / 2.0) - cd(h)) / 3.0;
+    let an: f64 = g
+        .grad_input
+        .iter()
+        .zip(&u)
+        .map(|(a, b)| *a as f64 * b)
+        .sum();
+    let bound = norm * u.iter().map(|v| v * v).sum::<f64>().sqrt();
+    let rel = (fd - an).abs() / bound;
+    eprintln!("{label}: directional derivative fd {fd:.6e} vs backward {an:.6e} (error {rel:.1e} of |g||u|)");
+    // single coordinates: the largest few and a few others, against the largest value
+    let gmax = g.grad_input.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+    let mut idx: Vec<usize> = (0..g.grad_input.len()).collect();
+    idx.sort_by(|&a, &b| g.grad_input[b].abs().total_cmp(&g.grad_input[a].abs()));
+    let mut pick: Vec<usize> = idx[..4].to_vec();
+    pick.extend((0..6).map(|i| (i * 7919 + 13) % g.grad_input.len()));
+    let mut worst = 0f64;
+    for &i in &pick {
+        let hh = 1e-3 * row_rms[i / dm];
+        let cd = |hh: f64| {
+            let mut a = g.input.clone();
+            let mut b = g.input.clone();
+            a[i] += hh as f32;
+            b[i] -= hh as f32;
+            (f(&a) - f(&b)) / (2.0 * hh)
+        };
+        let fd = (4.0 * cd(hh / 2.0) - cd(hh)) / 3.0;
+        worst = worst.max((fd - g.grad_input[i] as f64).abs() / gmax);
+    }
+    eprintln!("{label}: worst coordinate error {worst:.1e} of the largest gradient {gmax:.3e}");
+    assert!(worst < 2e-2, "{label}: coordinate error {worst}");
+    assert!(rel < 1e-3, "{label}: directional derivative {fd} vs {an}");
+    // a logit difference
+    let wrong = (g.target + 1) % model.dims.vocab_size as u32;
+    let ld = model
+        .gradient(
+            &tokens,
+            Metric::LogitDiff {
+                answer: g.target,
+                wrong,
+            },
+        )
+        .unwrap();
+    assert!(
+        (ld.value - (want[g.target as usize] - want[wrong as usize])).abs() < 1e-3 * scale.max(1.0)
+    );
+}
+
+#[test]
+fn tiny_models_against_finite_differences() {
+    for arch in [Arch::Qwen2, Arch::Llama] {
+        let (_d, model) = tiny(arch);
+        check(&model, &TOKENS, &format!("tiny {arch:?}"));
+    }
+}
+
+#[test]
+fn family_fixtures_against_finite_differences() {
+    for name in [
+        "gpt2", "llama3", "mistral", "phi3", "qwen3", "gemma3", "gemma2",
+    ] {
+        let model = family(name);
+        check(&model, &TOKENS, name);
+    }
+}
+
+/// `max |got − want| / max |want|`, printed.
+fn rel_err(got: &[f32], want: &[f64], label: &str) -> f64 {
+    assert_eq!(got.len(), want.len(), "{label}: lengths");
+    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+    let err = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (*g as f64 - w).abs())
+        .fold(0f64, f64::max);
+    let rel = err / scale.max(1e-30);
+    eprintln!("{label}: worst |error| {err:.3e}, {rel:.2e} of the largest value {scale:.3e}");
+    rel
+}
+
+fn flat(v: &serde_json::Value) -> Vec<f64> {
+    match v {
+        serde_json::Value::Array(a) => a.iter().flat_map(flat).collect(),
+        serde_json::Value::Number(n) => vec![n.as_f64().unwrap()],
+        _ => panic!("not a number array"),
+    }
+}
+
+/// The gradients of the lesson sentence against torch autograd (../shared/reference's
+/// gradient_ref.py). `ig` also runs integrated gradients (33 backward passes).
+fn against_autograd(alias: &str, short: &str, ig: bool) {
+    let model = common::real_model(alias);
+    let refj = common::golden_json(&format!("{short}_gradients.json"));
+    let r = &refj["texts"]["lesson"];
+    let ids: Vec<u32> = flat(&r["token_ids"]).iter().map(|&v| v as u32).collect();
+    let dm = model.dims.d_model;
+    let t0 = std::time::Instant::now();
+    let g = model.gradient(&ids, Metric::LogProb(None)).unwrap();
+    let fb = t0.elapsed();
+    let t0 = std::time::Instant::now();
+    model.next_token_logits(&ids).unwrap();
+    eprintln!(
+        "{short}: {} tokens, forward + backward {:.2}s, forward {:.3}s",
+        ids.len(),
+        fb.as_secs_f64(),
+        t0.elapsed().as_secs_f64()
+    );
+    assert_eq!(
+        g.target as f64,
+        r["target_id"].as_f64().unwrap(),
+        "{short}: target"
+    );
+    let lp = r["logprob"].as_f64().unwrap();
+    eprintln!("{short}: logprob {} vs {lp}", g.logprob);
+    let l2: Vec<f32> = g
+        .grad_input
+        .chunks(dm)
+        .map(|r| r.iter().map(|v| v * v).sum::<f32>().sqrt())
+        .collect();
+    let gxi: Vec<f32> = g
+        .grad_input
+        .chunks(dm)
+        .zip(g.input.chunks(dm))
+        .map(|(a, b)| a.iter().zip(b).map(|(a, b)| a * b).sum())
+        .collect();
+    let resid: Vec<f32> = g
+        .grad_resid_pre
+        .iter()
+        .flat_map(|l| {
+            l.chunks(dm)
+                .map(|r| r.iter().map(|v| v * v).sum::<f32>().sqrt())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let pat: Vec<f32> = g.grad_pattern_last.concat();
+    let errs = [
+        rel_err(
+            &l2,
+            &flat(&r["grad_input_l2"]),
+            &format!("{short} grad_input_l2"),
+        ),
+        rel_err(
+            &gxi,
+            &flat(&r["grad_input_gxi"]),
+            &format!("{short} grad_input_gxi"),
+        ),
+        rel_err(
+            &resid,
+            &flat(&r["grad_resid_pre_l2"]),
+            &format!("{short} grad_resid_pre_l2"),
+        ),
+        rel_err(
+            &pat,
+            &flat(&r["grad_pattern_last"]),
+            &format!("{short} grad_pattern_last"),
+        ),
+    ];
+    let mut worst = errs.iter().fold(0f64, |a, &b| a.max(b));
+    assert!((g.logprob as f64 - lp).abs() < 1e-2, "{short}: logprob");
+    if ig {
+        let t0 = std::time::Instant::now();
+        let igr = model
+            .integrated_gradients(&ids, None, 32, &mut |_| {})
+            .unwrap();
+        eprintln!(
+            "{short}: integrated gradients (32 steps) {:.1}s, gap {} vs {}",
+            t0.elapsed().as_secs_f64(),
+            igr.gap,
+            r["ig_completeness_gap"]
+        );
+        worst = worst.max(rel_err(
+            &igr.scores,
+            &flat(&r["ig"]),
+            &format!("{short} ig"),
+        ));
+    }
+    assert!(worst < 1e-3, "{short}: worst relative error {worst:.2e}");
+}
+
+#[test]
+fn smol_against_autograd() {
+    against_autograd("smollm2-135m", "smol", true);
+}
+
+#[test]
+fn qwen_against_autograd() {
+    against_autograd("qwen2.5-coder-0.5b", "qwen", false);
+}
