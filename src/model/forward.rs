@@ -658,7 +658,7 @@ impl Model {
                 x.iter_mut().zip(out.iter()).for_each(|(x, a)| *x += a);
             } else if results.is_some()
                 || layer.post_norms.is_some()
-                || touches(obs, l, Hook::AttnOut)
+                || obs.edits(l, Hook::AttnOut)
                 || layer.o.has_bias()
             {
                 let mut attn_out = match results {
@@ -673,12 +673,22 @@ impl Model {
                 hand(obs, l, Hook::AttnOut, &[m, dm], &mut attn_out)?;
                 x.iter_mut().zip(&attn_out).for_each(|(x, a)| *x += a);
             } else {
+                if obs.wants(l, Hook::AttnOut) {
+                    // read only: the output on its own for the hook, while the residual gets the
+                    // product accumulated into it as always, so reading changes no bit
+                    let mut attn_out = layer.o.forward(&z, m)?;
+                    hand(obs, l, Hook::AttnOut, &[m, dm], &mut attn_out)?;
+                }
                 layer.o.forward_into(&z, m, &mut x, true)?; // x += z · W_oᵀ
                 proj_time += t.elapsed();
             }
             hand(obs, l, Hook::ResidMid, &[m, dm], &mut x)?;
             // hook_mlp_out needs the MLP's output on its own, not added into x as it is computed
-            let mut mlp_out = touches(obs, l, Hook::MlpOut).then(|| vec![0f32; m * dm]);
+            // (edited; one that only reads gets its own copy while x accumulates as always, so
+            // reading changes no bit)
+            let mut mlp_out = obs.edits(l, Hook::MlpOut).then(|| vec![0f32; m * dm]);
+            let mut mlp_read =
+                (mlp_out.is_none() && obs.wants(l, Hook::MlpOut)).then(|| vec![0f32; m * dm]);
             // SwiGLU MLP [Shazeer 2020, arXiv:2002.05202, eq. (5)], x += down(silu(gate) · up)
             let bias = layer.norm_biases.as_ref().map(|b| b.1.as_slice());
             let ln2 = (Hook::Ln2Scale, Hook::Ln2Normalized);
@@ -752,12 +762,19 @@ impl Model {
                         // Gemma: the MLP's output is normalized before the residual add
                         out = rms_norm(&out, post_mlp, dims.rms_eps);
                     }
+                    if let Some(o) = mlp_read.as_mut() {
+                        o[r0 * dm..(r0 + rows) * dm].copy_from_slice(&out);
+                    }
                     let dest = match mlp_out.as_mut() {
                         Some(o) => &mut o[r0 * dm..(r0 + rows) * dm],
                         None => &mut x[r0 * dm..(r0 + rows) * dm],
                     };
                     dest.iter_mut().zip(&out).for_each(|(x, a)| *x += a);
                 } else {
+                    if let Some(o) = mlp_read.as_mut() {
+                        let out = layer.down.forward(&act[..rows * ff], rows)?;
+                        o[r0 * dm..(r0 + rows) * dm].copy_from_slice(&out);
+                    }
                     layer.down.forward_into(
                         &act[..rows * ff],
                         rows,
@@ -766,6 +783,9 @@ impl Model {
                     )?;
                 }
                 proj_time += t.elapsed();
+            }
+            if let Some(mut out) = mlp_read {
+                hand(obs, l, Hook::MlpOut, &[m, dm], &mut out)?;
             }
             if let Some(mut out) = mlp_out {
                 hand(obs, l, Hook::MlpOut, &[m, dm], &mut out)?;
