@@ -14,6 +14,7 @@
 pub mod analysis;
 pub mod cli;
 #[doc(hidden)]
+#[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 pub mod kernels;
 pub mod model;

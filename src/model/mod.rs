@@ -25,6 +25,7 @@ pub mod guard;
 pub mod hf;
 pub mod ops;
 pub mod panels;
+#[cfg(any(test, feature = "test-fixtures"))]
 pub mod tiny;
 pub mod tokenize;
 pub mod weights;
