@@ -393,18 +393,3 @@ fn tempdir_in(dir: &Path) -> Result<PathBuf> {
     std::fs::create_dir_all(&p).map_err(|e| Error::io(&p, e))?;
     Ok(p)
 }
-
-/// sha256 of a file, hex.
-pub fn sha256_file(path: &Path) -> Result<String> {
-    let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f.read(&mut buf).map_err(|e| Error::io(path, e))?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-    }
-    Ok(format!("{:x}", h.finalize()))
-}

@@ -9,15 +9,6 @@ use super::weights::{Head, Mapped};
 use crate::kernels::simd::multiversion;
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
-/// cos/sin tables `[n, head_dim/2]` for positions `0..n`, computed as transformers does
-/// (`inv_freq = 1 / base^(2i/d)` and `pos · inv_freq` in f32), so the rotation angles agree.
-pub fn rope_tables(head_dim: usize, base: f32, n: usize) -> (Vec<f32>, Vec<f32>) {
-    rope_tables_of(
-        &super::config::RopeScaling::Default.inv_freq(head_dim, base),
-        n,
-    )
-}
-
 /// cos/sin tables `[n, inv.len()]` for positions `0..n` from the inverse frequencies `inv`.
 pub fn rope_tables_of(inv: &[f32], n: usize) -> (Vec<f32>, Vec<f32>) {
     let half = inv.len();
