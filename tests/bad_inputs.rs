@@ -479,3 +479,40 @@ fn non_finite_scores_are_named_with_their_layer() {
         assert!(String::from_utf8_lossy(&out.stderr).contains(layer));
     }
 }
+
+/// A GGUF whose tensor has a block type attnscope cannot read (llama.cpp's i-quants, or a type
+/// id no one knows) is refused with the type named, not read as something else.
+#[test]
+fn a_tensor_of_a_block_type_attnscope_cannot_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let bytes = tiny_gguf_bytes();
+    // the tensor info of `output_norm.weight`: name, n_dims (u32), dims (u64 each), type (u32)
+    let name = b"output_norm.weight";
+    let at = bytes
+        .windows(name.len())
+        .position(|w| w == name)
+        .expect("the tensor's name is in the file")
+        + name.len();
+    let n_dims = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
+    let ty = at + 4 + 8 * n_dims;
+    assert_eq!(
+        u32::from_le_bytes(bytes[ty..ty + 4].try_into().unwrap()),
+        0,
+        "F32"
+    );
+    for (id, named) in [
+        (20u32, "block type 20 (IQ4_NL)"),
+        (23, "block type 23 (IQ4_XS)"),
+        (99, "block type 99 (a type id no GGML version defines)"),
+    ] {
+        let mut b = bytes.clone();
+        b[ty..ty + 4].copy_from_slice(&id.to_le_bytes());
+        let p = dir.path().join(format!("type{id}.gguf"));
+        std::fs::write(&p, &b).unwrap();
+        let e = load_err(&p);
+        assert!(
+            e.contains(named) && e.contains("`output_norm.weight`") && e.contains("Q4_K_M"),
+            "type {id}: the error names the type: {e}"
+        );
+    }
+}

@@ -43,11 +43,12 @@ impl Backing {
 /// Tensors every layer has at least: two norms, q, k, v, o, gate, up, down.
 const TENSORS_PER_LAYER: usize = 9;
 
-/// Walks the metadata of a GGUF file (without allocating by any count in it) and checks
-/// `general.alignment`: GGUF stores it as a u32 power of two. Anything else would make the
-/// tensor data start somewhere else than the writer meant (or divide by zero inside candle).
+/// Walks the metadata and tensor infos of a GGUF file (without allocating by any count in it)
+/// and checks `general.alignment` (GGUF stores it as a u32 power of two: anything else would make
+/// the tensor data start somewhere else than the writer meant, or divide by zero inside candle)
+/// and that every tensor's block type is one attnscope reads (named with the tensor if not).
 /// A file that ends early or is malformed passes here: candle's reader reports that.
-pub fn check_alignment(b: &[u8]) -> std::result::Result<(), String> {
+pub fn check_header(b: &[u8]) -> std::result::Result<(), String> {
     struct Cur<'a>(&'a [u8], usize);
     impl Cur<'_> {
         fn take(&mut self, n: u64) -> Option<&[u8]> {
@@ -94,7 +95,7 @@ pub fn check_alignment(b: &[u8]) -> std::result::Result<(), String> {
     if !(2..=3).contains(&version) {
         return Ok(());
     }
-    let (Some(_), Some(n_kv)) = (c.u64(), c.u64()) else {
+    let (Some(n_tensors), Some(n_kv)) = (c.u64(), c.u64()) else {
         return Ok(());
     };
     for _ in 0..n_kv {
@@ -121,7 +122,59 @@ pub fn check_alignment(b: &[u8]) -> std::result::Result<(), String> {
             return Ok(());
         }
     }
+    // the tensor infos: name, n_dims, dims, type, offset. A block type candle's reader does not
+    // know is named here with its tensor (candle says only "unknown dtype for tensor 20")
+    for _ in 0..n_tensors {
+        let Some(nlen) = c.u64() else { return Ok(()) };
+        let Some(name) = c
+            .take(nlen)
+            .map(|k| String::from_utf8_lossy(k).into_owned())
+        else {
+            return Ok(());
+        };
+        let Some(n_dims) = c.u32() else { return Ok(()) };
+        if c.take(8 * n_dims as u64).is_none() {
+            return Ok(());
+        }
+        let Some(ty) = c.u32() else { return Ok(()) };
+        if let Some(what) = unread_block_type(ty) {
+            return Err(format!(
+                "tensor `{name}` has block type {ty} ({what}), which attnscope cannot read; it \
+                 reads F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K to Q6_K: use a file \
+                 quantized to one of them (e.g. Q4_K_M or Q8_0)"
+            ));
+        }
+        if c.u64().is_none() {
+            return Ok(());
+        }
+    }
     Ok(())
+}
+
+/// The name of a GGML block type that attnscope does not read (`None` for those it reads).
+fn unread_block_type(ty: u32) -> Option<&'static str> {
+    Some(match ty {
+        0..=3 | 6..=15 | 30 => return None,
+        4 | 5 => "Q4_2/Q4_3, removed from GGML in 2023",
+        16 => "IQ2_XXS",
+        17 => "IQ2_XS",
+        18 => "IQ3_XXS",
+        19 => "IQ1_S",
+        20 => "IQ4_NL",
+        21 => "IQ3_S",
+        22 => "IQ2_S",
+        23 => "IQ4_XS",
+        24 => "I8",
+        25 => "I16",
+        26 => "I32",
+        27 => "I64",
+        28 => "F64",
+        29 => "IQ1_M",
+        34 => "TQ1_0",
+        35 => "TQ2_0",
+        39 => "MXFP4",
+        _ => "a type id no GGML version defines",
+    })
 }
 
 pub struct GgufFile {
@@ -183,8 +236,9 @@ impl GgufFile {
                 version,
             });
         }
-        // candle divides by the alignment without looking at it: check it first
-        check_alignment(&map).map_err(|reason| Error::BadGguf {
+        // candle divides by the alignment without looking at it, and names no unknown block
+        // type's tensor: check both first
+        check_header(&map).map_err(|reason| Error::BadGguf {
             path: path.into(),
             reason,
         })?;

@@ -1318,6 +1318,70 @@ mod tests {
             .unwrap()
     }
 
+    /// Every GGUF block type attnscope reads, dequantized as gguf-py (llama.cpp's own Python
+    /// package) reads it: tests/golden/gguf_dequant.json holds one tensor of 256 weights per type
+    /// (gguf-py's quantization of random values, or random blocks with sane f16 scales for the
+    /// K-quants, which gguf-py cannot quantize) and gguf-py's values for it.
+    #[test]
+    fn every_block_type_dequantizes_as_gguf_py_does() {
+        let golden: serde_json::Value =
+            serde_json::from_str(include_str!("../../tests/golden/gguf_dequant.json")).unwrap();
+        let types = golden["types"].as_object().unwrap();
+        let mut unread = Vec::new();
+        let mut checked = 0;
+        for (name, t) in types {
+            let dtype = match name.as_str() {
+                "F16" => GgmlDType::F16,
+                "BF16" => GgmlDType::BF16,
+                "Q4_0" => GgmlDType::Q4_0,
+                "Q4_1" => GgmlDType::Q4_1,
+                "Q5_0" => GgmlDType::Q5_0,
+                "Q5_1" => GgmlDType::Q5_1,
+                "Q8_0" => GgmlDType::Q8_0,
+                "Q2_K" => GgmlDType::Q2K,
+                "Q3_K" => GgmlDType::Q3K,
+                "Q4_K" => GgmlDType::Q4K,
+                "Q5_K" => GgmlDType::Q5K,
+                "Q6_K" => GgmlDType::Q6K,
+                _ => {
+                    unread.push(name.as_str());
+                    continue;
+                }
+            };
+            let hex = t["hex"].as_str().unwrap();
+            let bytes: Vec<u8> = (0..hex.len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+                .collect();
+            let want: Vec<f32> = t["values"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap() as f32)
+                .collect();
+            assert_eq!(
+                bytes.len() / dtype.type_size() * dtype.block_size(),
+                want.len(),
+                "{name}: the block sizes"
+            );
+            let mut got = vec![f32::NAN; want.len()];
+            dequantize_into(dtype, &bytes, &mut got).unwrap();
+            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                // gguf-py computes in float32 numpy, in its own order of operations
+                assert!(
+                    (g - w).abs() <= 1e-6 * scale.max(1.0) && g.is_finite(),
+                    "{name}: weight {i} is {g}, gguf-py says {w}"
+                );
+            }
+            checked += 1;
+        }
+        assert_eq!(checked, 12);
+        // gguf-py reads these too; candle's GGUF reader (and so attnscope) does not yet: a file
+        // with them is refused when it loads (tests/bad_inputs.rs, `a_tensor_of_a_block_type_attnscope_cannot_read`)
+        assert_eq!(unread, ["IQ4_NL", "IQ4_XS"]);
+    }
+
     #[test]
     fn own_q8_0_and_q5_0_dequantization_equals_candles_bit_for_bit() {
         use crate::kernels::simd::{all_supported, with_level};
