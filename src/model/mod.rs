@@ -26,6 +26,7 @@ pub mod hf;
 pub mod ops;
 pub mod panels;
 pub mod tiny;
+pub mod tl_weights;
 pub mod tokenize;
 pub mod weights;
 
@@ -302,7 +303,8 @@ impl Model {
                             dir.display()
                         )));
                     }
-                    let tokenizer = Tokenizer::from_file(&tok_path, add_bos, bos_id)?;
+                    let mut tokenizer = Tokenizer::from_file(&tok_path, add_bos, bos_id)?;
+                    tokenizer.pad_id = f.pad_token().and_then(|t| tokenizer.id_of(&t));
                     let file_size = f
                         .files
                         .iter()
