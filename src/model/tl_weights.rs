@@ -43,6 +43,9 @@ impl std::str::FromStr for Projection {
     }
 }
 
+/// A projection's weights: `(W [rows, cols] row-major, bias [rows] or None, rows, cols)`.
+pub type ProjectionWeights = (Vec<f32>, Option<Vec<f32>>, usize, usize);
+
 /// A block's norm weights: the weight and, for LayerNorm (GPT-2), the bias.
 pub type NormWeights<'a> = (&'a [f32], Option<&'a [f32]>);
 
@@ -99,11 +102,7 @@ impl Model {
     /// Layer `layer`'s projection `part` as `(W [rows, cols] row-major f32, bias [rows] or None,
     /// rows, cols)`, in Hugging Face's layout (`y = x Wᵀ + b`); Q and K rows in Hugging Face's
     /// order. Computed on each call (a few milliseconds to a second).
-    pub fn projection_weights(
-        &self,
-        layer: usize,
-        part: Projection,
-    ) -> Result<(Vec<f32>, Option<Vec<f32>>, usize, usize)> {
+    pub fn projection_weights(&self, layer: usize, part: Projection) -> Result<ProjectionWeights> {
         self.check_layer(layer)?;
         let l = &self.weights.layers[layer];
         let lin = match part {
