@@ -217,3 +217,12 @@ def test_hooks_see_the_whole_batch(smol):
         smol.run_with_hooks(toks, fwd_hooks=[("blocks.1.hook_resid_post", boom)])
     # and the model still runs afterwards
     assert np.array_equal(smol(toks), np.stack([smol(toks[0])[0], smol(toks[1])[0]]))
+
+
+def test_device_and_loss_fn_as_transformerlens_names_them(smol):
+    assert smol.cfg.device == "cpu"
+    toks = smol.to_tokens(["The cat sat on the mat", "A dog"])
+    lg = smol(toks)
+    per = smol.loss_fn(lg, toks, per_token=True)
+    assert per.shape == (2, toks.shape[1] - 1)
+    assert np.isclose(float(per.mean()), smol(toks, return_type="loss"), rtol=1e-6)

@@ -96,6 +96,8 @@ class Config:
     precision: str
     default_prepend_bos: bool
     pad_token_id: Optional[int] = None
+    #: where the model runs (TransformerLens's ``cfg.device``): always the CPU
+    device: str = "cpu"
 
 
 class ActivationCache:
@@ -935,6 +937,11 @@ class HookedModel:
                 return _wrap(per.astype(np.float32))
             return float(per.sum() / keep.sum())
         return _wrap(per.astype(np.float32)) if per_token else float(per.mean())
+
+    def loss_fn(self, logits: np.ndarray, tokens: Union[np.ndarray, Sequence[int]], attention_mask: Any = None,
+                per_token: bool = False):
+        """TransformerLens's name for :meth:`loss` (its argument order)."""
+        return self.loss(logits, tokens, per_token=per_token, attention_mask=attention_mask)
 
     def add_hook(self, name: HookName, hook: HookFn, dir: str = "fwd") -> None:
         """Attaches ``hook`` at ``name`` (a hook name or a predicate on names) for every later
