@@ -486,7 +486,11 @@ class HookedModel:
         return out
 
     def to_str_tokens(self, text_or_tokens: Union[str, np.ndarray, Sequence[int]], prepend_bos: Optional[bool] = None) -> List[str]:
-        """The text of each token."""
+        """The text of each token; a list of texts or a ``[b, n]`` array gives a list per row."""
+        if isinstance(text_or_tokens, (list, tuple)) and text_or_tokens and all(isinstance(t, str) for t in text_or_tokens):
+            return [self.to_str_tokens(t, prepend_bos) for t in text_or_tokens]
+        if not isinstance(text_or_tokens, (str, list, tuple)) and _np(text_or_tokens).ndim == 2 and _np(text_or_tokens).shape[0] > 1:
+            return [self.to_str_tokens(row) for row in _np(text_or_tokens)]
         ids = self._ids(text_or_tokens, prepend_bos)
         return self._m.token_texts(ids)
 
