@@ -266,6 +266,12 @@ pub trait Observer {
     fn attention_done(&mut self, _layer: usize) {}
     /// Called after each layer (for progress).
     fn layer_done(&mut self, _layer: usize) {}
+    /// Whether the forward ends before block `layer`, once that block's `hook_resid_pre` is
+    /// handed (TransformerLens's `stop_at_layer`); `n_layers`: after the last block, before the
+    /// final norm. A stopped forward computes no logits.
+    fn stops_before(&self, _layer: usize) -> bool {
+        false
+    }
     /// Whether this observer edits `hook` at `layer` (then [`Observer::edit`] gets it; where the
     /// observer also [`Observer::wants`] it, [`Observer::tensor`] or
     /// [`Observer::attention_block`] then hands it the edited tensor).

@@ -11,8 +11,10 @@
 pub use super::attention::*;
 use super::block::{MlpKind, NormKind};
 use super::capture::{Hook, Observer};
+use super::config::RopeStyle;
 use super::error::{Error, Result};
 pub use super::ops::*;
+use super::tl_weights::{half_split_to_interleaved, interleaved_to_half_split};
 use super::weights::Head;
 use super::Model;
 use candle_core::{DType, Device, Tensor};
@@ -447,6 +449,7 @@ impl Model {
         let mut qkv = vec![0f32; m * width];
         let mut qh = vec![0f32; nh * m * hd];
         let mut z = vec![0f32; m * nh * hd];
+        let mut stopped = false;
         for (l, layer) in self.weights.layers.iter().enumerate().skip(first_layer) {
             let plan = layer.plan;
             let no_tables = (Vec::new(), Vec::new());
@@ -455,6 +458,11 @@ impl Model {
                 .and_then(|base| rope_sets.iter().find(|(b, _)| *b == base))
                 .map_or(&no_tables, |(_, t)| t);
             hand(obs, l, Hook::ResidPre, &[m, dm], &mut x)?;
+            if obs.stops_before(l) {
+                // TransformerLens's stop_at_layer: block l and what follows do not run
+                stopped = true;
+                break;
+            }
             let bias = layer.norm_biases.as_ref().map(|b| b.0.as_slice());
             let ln1 = (Hook::Ln1Scale, Hook::Ln1Normalized);
             norm_hooked(
@@ -493,8 +501,17 @@ impl Model {
                         .chunks(width)
                         .flat_map(|r| r[c0..c0 + w].iter().copied())
                         .collect();
+                    // Q and K in Hugging Face's row order whatever the file's (llama GGUF
+                    // interleaves each head's halves)
+                    let reorder = style == RopeStyle::Interleaved && hook != Hook::V;
+                    if reorder {
+                        interleaved_to_half_split(&mut part, hd, 1);
+                    }
                     hand(obs, l, hook, &[m, heads, hd], &mut part)?;
                     if obs.edits(l, hook) {
+                        if reorder {
+                            half_split_to_interleaved(&mut part, hd, 1);
+                        }
                         for (row, new) in qkv.chunks_mut(width).zip(part.chunks(w)) {
                             row[c0..c0 + w].copy_from_slice(new);
                         }
@@ -521,8 +538,15 @@ impl Model {
                 ] {
                     if touches(obs, l, hook) {
                         let mut merged = merge_heads(buf, heads, ms, hd);
+                        let reorder = style == RopeStyle::Interleaved;
+                        if reorder {
+                            interleaved_to_half_split(&mut merged, hd, 1);
+                        }
                         hand(obs, l, hook, &[ms, heads, hd], &mut merged)?;
                         if obs.edits(l, hook) {
+                            if reorder {
+                                half_split_to_interleaved(&mut merged, hd, 1);
+                            }
                             // back to [heads, ms, hd]
                             for (r, row) in merged.chunks(heads * hd).enumerate() {
                                 for (h, v) in row.chunks(hd).enumerate() {
@@ -812,6 +836,11 @@ impl Model {
             release_attention_buffers();
             super::return_free_memory();
         }
+        let stopped = stopped || obs.stops_before(dims.n_layers);
+        if stopped {
+            // stopped before a block, or before the final norm: no logits
+            logit_rows.clear();
+        }
         let n_logits = logit_rows.len();
         let last = dims.n_layers - 1;
         let final_bias = self.weights.final_norm_bias.as_deref();
@@ -821,8 +850,9 @@ impl Model {
             NormKind::Rms
         };
         // ln_final's hooks see every position (the last layer then kept them all)
-        let final_all = (touches(obs, last, Hook::LnFinalScale)
-            || touches(obs, last, Hook::LnFinalNormalized))
+        let final_all = (!stopped
+            && (touches(obs, last, Hook::LnFinalScale)
+                || touches(obs, last, Hook::LnFinalNormalized)))
         .then(|| -> Result<Vec<f32>> {
             let mut h = vec![0f32; x.len()];
             let hooks = (Hook::LnFinalScale, Hook::LnFinalNormalized);

@@ -499,6 +499,18 @@ impl HfFolder {
         (add, id)
     }
 
+    /// The padding token's text from `tokenizer_config.json` (`pad_token`, else `eos_token`).
+    pub fn pad_token(&self) -> Option<String> {
+        let v = std::fs::read_to_string(self.dir.join("tokenizer_config.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())?;
+        let text = |key: &str| match v.get(key)? {
+            serde_json::Value::String(s) => Some(s.clone()),
+            o => o.get("content")?.as_str().map(str::to_string),
+        };
+        text("pad_token").or_else(|| text("eos_token"))
+    }
+
     pub fn tensor_types(&self) -> std::collections::BTreeMap<String, usize> {
         let mut m = std::collections::BTreeMap::new();
         for (_, v) in self.st.tensors() {

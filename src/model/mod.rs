@@ -27,6 +27,7 @@ pub mod ops;
 pub mod panels;
 #[cfg(any(test, feature = "test-fixtures"))]
 pub mod tiny;
+pub mod tl_weights;
 pub mod tokenize;
 pub mod weights;
 
@@ -303,7 +304,8 @@ impl Model {
                             dir.display()
                         )));
                     }
-                    let tokenizer = Tokenizer::from_file(&tok_path, add_bos, bos_id)?;
+                    let mut tokenizer = Tokenizer::from_file(&tok_path, add_bos, bos_id)?;
+                    tokenizer.pad_id = f.pad_token().and_then(|t| tokenizer.id_of(&t));
                     let file_size = f
                         .files
                         .iter()

@@ -24,6 +24,9 @@ pub struct Tokenizer {
     /// Whether the model's metadata asks for a BOS token at the start of the text.
     pub add_bos: bool,
     pub bos_id: Option<u32>,
+    /// The token a batch of texts is padded with (TransformerLens's `tokenizer.pad_token`): the
+    /// model's padding token, else its end-of-text token (as TL sets it when there is none).
+    pub pad_id: Option<u32>,
     /// A short description: "gpt2 byte-level BPE, pre-tokenizer qwen2 (from GGUF metadata)".
     pub kind: String,
     /// How a vocabulary piece spells its bytes.
@@ -406,6 +409,8 @@ impl Tokenizer {
         let get_u32 = |key: &str| md.get(key).and_then(|v| v.to_u32().ok());
         let get_bool = |key: &str| md.get(key).and_then(|v| v.to_bool().ok());
         let bos_id = get_u32("tokenizer.ggml.bos_token_id");
+        let pad_id = get_u32("tokenizer.ggml.padding_token_id")
+            .or_else(|| get_u32("tokenizer.ggml.eos_token_id"));
         let tokens = get_strs("tokenizer.ggml.tokens")?;
         let (built, add_bos, kind, pieces) = match model.as_str() {
             "gpt2" => {
@@ -528,9 +533,15 @@ impl Tokenizer {
             inner,
             add_bos,
             bos_id,
+            pad_id,
             kind,
             pieces,
         })
+    }
+
+    /// The id of the token spelled `piece` in the vocabulary, if there is one.
+    pub fn id_of(&self, piece: &str) -> Option<u32> {
+        self.inner.token_to_id(piece)
     }
 
     /// Loads a Hugging Face `tokenizer.json`; `add_bos`/`bos_id` come from the caller (config).
@@ -553,6 +564,7 @@ impl Tokenizer {
             inner,
             add_bos,
             bos_id,
+            pad_id: None,
             kind,
             pieces,
         })

@@ -672,6 +672,50 @@ impl Linear {
         }
     }
 
+    /// The bias `[n]` (zero where a fused part has none), if the projection adds one.
+    pub fn bias(&self) -> Option<&[f32]> {
+        self.bias.as_deref()
+    }
+
+    /// `W: [n, k]` as f32, row-major: the weights this projection computes with, read back
+    /// through its own kernel (the product with unit vectors, 32 input columns at a time, so
+    /// whatever the packing, quantized blocks included, the values are the ones it multiplies by).
+    pub fn weight_f32(&self) -> Vec<f32> {
+        const C: usize = 32;
+        let (k, n) = (self.k, self.n);
+        let mut w = vec![0f32; n * k];
+        let mut eye = vec![0f32; C * C];
+        let mut wide = Vec::new();
+        for c0 in (0..k).step_by(C) {
+            let c = C.min(k - c0);
+            // [c, n]: row r is column c0 + r of W
+            let cols = match self.forward_unbiased_cols(
+                &{
+                    eye.fill(0.0);
+                    (0..c).for_each(|r| eye[r * c + r] = 1.0);
+                    eye[..c * c].to_vec()
+                },
+                c,
+                c0..c0 + c,
+            ) {
+                Some(out) => out,
+                None => {
+                    // a packing without column slices: unit rows over the whole input
+                    wide.resize(c * k, 0.0);
+                    wide.fill(0.0);
+                    (0..c).for_each(|r| wide[r * k + c0 + r] = 1.0);
+                    self.forward_unbiased(&wide, c)
+                }
+            };
+            for r in 0..c {
+                for (j, &v) in cols[r * n..(r + 1) * n].iter().enumerate() {
+                    w[j * k + c0 + r] = v;
+                }
+            }
+        }
+        w
+    }
+
     /// `x[m, k] · Wᵀ (+ b)` as a new `[m, n]` buffer.
     pub fn forward(&self, x: &[f32], m: usize) -> Result<Vec<f32>> {
         let mut out = vec![0f32; m * self.n];

@@ -83,6 +83,8 @@ struct Wanted {
     edit: BTreeSet<(usize, Hook)>,
     editor: Option<Py<PyAny>>,
     error: Option<PyErr>,
+    /// TransformerLens's `stop_at_layer`: the forward ends before this block
+    stop: Option<usize>,
 }
 
 impl Wanted {
@@ -149,6 +151,9 @@ impl Observer for Wanted {
         }
         self.cache
             .pattern_rows(layer, q_start, rows, n_heads, k_len)
+    }
+    fn stops_before(&self, layer: usize) -> bool {
+        self.stop == Some(layer)
     }
     fn edits(&self, layer: usize, hook: Hook) -> bool {
         self.editor.is_some() && self.error.is_none() && self.edit.contains(&(layer, hook))
@@ -261,6 +266,8 @@ impl Model {
         v["d_vocab"] = d.vocab_size.into();
         v["precision"] = self.inner.info.precision.name().into();
         v["adds_bos"] = self.inner.tokenizer.add_bos.into();
+        v["pad_id"] = self.inner.tokenizer.pad_id.into();
+        v["bos_id"] = self.inner.tokenizer.bos_id.into();
         Ok(v.to_string())
     }
 
@@ -292,8 +299,10 @@ impl Model {
     /// [(hook name, array)]); every array is the engine's own buffer, reshaped, never copied.
     /// `edits` (with `editor`): the (layer, hook suffix) pairs whose activation is handed to
     /// `editor(name, array)` during the forward; the array it returns is what flows on.
-    #[pyo3(signature = (ids, hooks, logits = "all", edits = Vec::new(), editor = None))]
-    #[allow(clippy::type_complexity)]
+    /// `stop_at_layer` (0..=n_layers): the forward ends before that block, once its
+    /// `hook_resid_pre` is handed (`n_layers`: before the final norm); no logits then.
+    #[pyo3(signature = (ids, hooks, logits = "all", edits = Vec::new(), editor = None, stop_at_layer = None))]
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
     fn run<'py>(
         &self,
         py: Python<'py>,
@@ -302,9 +311,18 @@ impl Model {
         logits: &str,
         edits: Vec<(i64, String)>,
         editor: Option<Py<PyAny>>,
+        stop_at_layer: Option<usize>,
     ) -> PyResult<(Option<Bound<'py, PyAny>>, Vec<(String, Bound<'py, PyAny>)>)> {
         let d = &self.inner.dims;
         let n = ids.len();
+        if let Some(s) = stop_at_layer {
+            if s > d.n_layers {
+                return Err(PyValueError::new_err(format!(
+                    "stop_at_layer={s} is out of range: the model has {} layers",
+                    d.n_layers
+                )));
+            }
+        }
         let pairs = hook_pairs(d.n_layers, hooks)?;
         let edit = hook_pairs(d.n_layers, edits)?;
         let editor = match (editor, edit.is_empty()) {
@@ -351,6 +369,7 @@ impl Model {
                 edit,
                 editor,
                 error: None,
+                stop: stop_at_layer,
             };
             let opts = RunOptions {
                 logits_at,
@@ -419,6 +438,72 @@ impl Model {
             PyArray1::from_vec(py, res).into_any(),
             PyArray1::from_vec(py, bias).into_any(),
         ))
+    }
+
+    /// Layer `layer`'s projection `part` (`qkv`, `o`, `gate_up`, `down`) as f32 in Hugging Face's
+    /// layout: (`W` `[out, in]`, bias `[out]` or None); Q and K rows in Hugging Face's order
+    /// (llama GGUF's interleaving undone). The weights the forward multiplies by, dequantized.
+    fn projection<'py>(
+        &self,
+        py: Python<'py>,
+        layer: usize,
+        part: &str,
+    ) -> PyResult<(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>)> {
+        let part: attnscope::model::tl_weights::Projection =
+            part.parse().map_err(PyValueError::new_err)?;
+        let m = self.inner.clone();
+        let (w, b, rows, cols) = engine(py, move || Ok(m.projection_weights(layer, part)?))?;
+        Ok((
+            PyArray1::from_vec(py, w).reshape([rows, cols])?.into_any(),
+            b.map(|b| PyArray1::from_vec(py, b).into_any()),
+        ))
+    }
+
+    /// Layer `layer`'s norms as the forward applies them: (ln1 weight, ln1 bias or None, ln2
+    /// weight, ln2 bias or None).
+    #[allow(clippy::type_complexity)]
+    fn layer_norms<'py>(
+        &self,
+        py: Python<'py>,
+        layer: usize,
+    ) -> PyResult<(
+        Bound<'py, PyAny>,
+        Option<Bound<'py, PyAny>>,
+        Bound<'py, PyAny>,
+        Option<Bound<'py, PyAny>>,
+    )> {
+        let ((w1, b1), (w2, b2)) = self.inner.layer_norms(layer).map_err(|e| to_py(e.into()))?;
+        let arr = |v: &[f32]| PyArray1::from_slice(py, v).into_any();
+        Ok((arr(w1), b1.map(arr), arr(w2), b2.map(arr)))
+    }
+
+    /// The token embeddings `[vocab, d_model]` as the forward adds them (Gemma's √d_model in).
+    fn embedding_matrix<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let m = self.inner.clone();
+        let (v, dm) = (m.dims.vocab_size, m.dims.d_model);
+        let e = engine(py, move || Ok(m.embedding_matrix()?))?;
+        Ok(PyArray1::from_vec(py, e).reshape([v, dm])?.into_any())
+    }
+
+    /// The output head `[vocab, d_model]` (TransformerLens's `W_U` transposed).
+    fn unembed_matrix<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let m = self.inner.clone();
+        let (v, dm) = (m.dims.vocab_size, m.dims.d_model);
+        let e = engine(py, move || Ok(m.unembed_matrix()?))?;
+        Ok(PyArray1::from_vec(py, e).reshape([v, dm])?.into_any())
+    }
+
+    /// GPT-2's learned position embeddings `[n_ctx, d_model]`, or None.
+    fn position_embeddings<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let dm = self.inner.dims.d_model;
+        self.inner
+            .position_embeddings()
+            .map(|p| -> PyResult<_> {
+                Ok(PyArray1::from_slice(py, p)
+                    .reshape([p.len() / dm, dm])?
+                    .into_any())
+            })
+            .transpose()
     }
 
     /// Rows `ids` of the output head (`W_U[:, ids]` transposed): `[len(ids), d_model]` flattened.

@@ -95,6 +95,9 @@ class Config:
     d_vocab: int
     precision: str
     default_prepend_bos: bool
+    pad_token_id: Optional[int] = None
+    #: where the model runs (TransformerLens's ``cfg.device``): always the CPU
+    device: str = "cpu"
 
 
 class ActivationCache:
@@ -350,6 +353,40 @@ def _as_float32(x: Any, name: str, shape: Tuple[int, ...]) -> np.ndarray:
     return np.ascontiguousarray(x)
 
 
+class _Part:
+    """A part of the model whose attributes are TransformerLens's weights of that part
+    (``model.blocks[3].attn.W_Q``, ``model.unembed.W_U``, ``model.ln_final.w``)."""
+
+    def __init__(self, model: "HookedModel", names: Dict[str, str], layer: Optional[int] = None):
+        self._model, self._names, self._layer = model, names, layer
+
+    def __getattr__(self, attr: str) -> Any:
+        names = self.__dict__.get("_names", {})
+        if attr not in names:
+            raise AttributeError(f"{attr}: this part has {sorted(names)}")
+        a = self._model._weight(names[attr])
+        return _wrap(a if self._layer is None else a[self._layer])
+
+    def __dir__(self):
+        return sorted(self._names)
+
+
+class _Block:
+    """``model.blocks[l]``: its weights as ``.attn.W_Q``, ``.attn._W_K`` (GQA: one per KV head),
+    ``.mlp.W_in``, ``.ln1.w``, ... (TransformerLens's names and shapes, without the layer axis)."""
+
+    def __init__(self, model: "HookedModel", layer: int):
+        attn = {k: k for k in ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O", "_W_K", "_W_V", "_b_K", "_b_V")}
+        self.attn = _Part(model, attn, layer)
+        self.mlp = _Part(model, {k: k for k in ("W_in", "W_gate", "W_out", "b_in", "b_out")}, layer)
+        self.ln1 = _Part(model, {"w": "ln1.w", "b": "ln1.b"}, layer)
+        self.ln2 = _Part(model, {"w": "ln2.w", "b": "ln2.b"}, layer)
+        self.layer = layer
+
+    def __repr__(self) -> str:
+        return f"Block({self.layer})"
+
+
 def _run_json(args: List[str]) -> Any:
     return json.loads(_native.run_command(args))
 
@@ -369,31 +406,91 @@ class HookedModel:
             model_name=f["name"], architecture=f["arch"], n_layers=f["n_layers"], n_heads=f["n_heads"],
             n_key_value_heads=f["n_kv_heads"], d_head=f["head_dim"], d_model=f["d_model"], d_mlp=f["d_ff"],
             n_ctx=f["n_ctx"], d_vocab=f["d_vocab"], precision=f["precision"], default_prepend_bos=f["adds_bos"],
+            pad_token_id=f.get("pad_id"),
         )
         self.facts = f
+        self._pad_id: Optional[int] = f.get("pad_id")
+        self._weights: Dict[str, np.ndarray] = {}  # W_Q & co in TransformerLens's shapes, made when first read
+        self.blocks = [_Block(self, l) for l in range(self.cfg.n_layers)]
+        self.embed = _Part(self, {"W_E": "W_E"})
+        self.pos_embed = _Part(self, {"W_pos": "W_pos"})
+        self.unembed = _Part(self, {"W_U": "W_U", "b_U": "b_U"})
+        self.ln_final = _Part(self, {"w": "ln_final.w", "b": "ln_final.b"})
         # hooks added with add_hook (kept until reset_hooks) and by hooks() contexts
         self._fwd_hooks: List[Tuple[HookName, HookFn]] = []
 
     @classmethod
     def from_pretrained(cls, name: str = "qwen2.5-coder-0.5b", precision: str = "exact",
-                        default_prepend_bos: Optional[bool] = None) -> "HookedModel":
+                        default_prepend_bos: Optional[bool] = None, fold_ln: bool = False,
+                        center_writing_weights: bool = False, center_unembed: bool = False,
+                        fold_value_biases: bool = False, refactor_factored_attn_matrices: bool = False,
+                        device: Optional[str] = None) -> "HookedModel":
         """Loads a model (see the class docstring). ``default_prepend_bos``: ``None`` follows the
         model (Gemma puts ``<bos>`` first, Qwen and SmolLM2 do not); ``False`` leaves it out of
-        every text, ``True`` puts it first in every text."""
+        every text, ``True`` puts it first in every text.
+
+        The weights are the checkpoint's own, unprocessed: what TransformerLens's
+        ``from_pretrained_no_processing`` gives. TransformerLens's ``from_pretrained`` folds the
+        norms' weights into the next weights and centres them by default (``fold_ln=True``,
+        ``center_writing_weights=True``, ``center_unembed=True``, ``fold_value_biases=True``);
+        attnscope does not, and raises if one of them is asked for (``W_Q`` and the hooks after a
+        norm would otherwise not be what TL computes). ``device``: only ``None`` or ``"cpu"``."""
+        asked = [k for k, v in (("fold_ln", fold_ln), ("center_writing_weights", center_writing_weights),
+                                ("center_unembed", center_unembed), ("fold_value_biases", fold_value_biases),
+                                ("refactor_factored_attn_matrices", refactor_factored_attn_matrices)) if v]
+        if asked:
+            raise NotImplementedError(
+                f"{', '.join(asked)}: attnscope runs the checkpoint's weights unprocessed (TransformerLens's "
+                "from_pretrained_no_processing); W_Q and the other weights are the unfolded ones")
+        if device not in (None, "cpu"):
+            raise ValueError(f"device={device!r}: attnscope runs on the CPU")
         return cls(_native.Model.load(os.fspath(name), precision, default_prepend_bos))
+
+    @classmethod
+    def from_pretrained_no_processing(cls, name: str = "qwen2.5-coder-0.5b", precision: str = "exact",
+                                      default_prepend_bos: Optional[bool] = None, **kwargs: Any) -> "HookedModel":
+        """TransformerLens's name for loading the weights unprocessed: the same as
+        :meth:`from_pretrained`, which never folds or centres them."""
+        return cls.from_pretrained(name, precision, default_prepend_bos, **kwargs)
 
     def __repr__(self) -> str:
         c = self.cfg
         return f"HookedModel({c.model_name!r}, {c.architecture}, {c.n_layers} layers, {c.n_heads} heads sharing {c.n_key_value_heads} KV sets, {c.precision})"
 
     # tokens
-    def to_tokens(self, text: str, prepend_bos: Optional[bool] = None) -> np.ndarray:
-        """Token ids ``[1, n]`` (int64). BOS comes first when the model asks for one
-        (``cfg.default_prepend_bos``), or with ``prepend_bos=True``; ``prepend_bos=False`` leaves it out."""
-        return _wrap(np.asarray([self._m.encode(text, prepend_bos)], dtype=np.int64))
+    def to_tokens(self, input: Union[str, Sequence[str]], prepend_bos: Optional[bool] = None,
+                  padding_side: Optional[str] = None, move_to_device: bool = True, truncate: bool = True) -> np.ndarray:
+        """Token ids ``[1, n]`` (int64) of a text, or ``[b, n]`` of a list of texts, padded on the
+        right with the pad token (the model's padding token, else its end-of-text token, as
+        TransformerLens's tokenizer does; ``cfg.pad_token_id``) up to the longest. BOS comes
+        first when the model asks for one (``cfg.default_prepend_bos``), or with
+        ``prepend_bos=True``; ``prepend_bos=False`` leaves it out. ``padding_side="left"`` is not
+        supported (TransformerLens then shifts positions under an attention mask)."""
+        if padding_side not in (None, "right"):
+            raise NotImplementedError(f"padding_side={padding_side!r}: attnscope pads on the right (TransformerLens's default)")
+        if isinstance(input, str):
+            return _wrap(np.asarray([self._m.encode(input, prepend_bos)], dtype=np.int64))
+        if not (isinstance(input, (list, tuple)) and input and all(isinstance(t, str) for t in input)):
+            raise TypeError(f"to_tokens takes a text or a non-empty list of texts, not {type(input).__name__}")
+        return _wrap(self._pad([list(self._m.encode(t, prepend_bos)) for t in input]))
+
+    def _pad(self, rows: List[List[int]]) -> np.ndarray:
+        """Rows of ids padded on the right with the pad token: ``[b, longest]`` int64."""
+        n = max(len(r) for r in rows)
+        if any(len(r) != n for r in rows) and self._pad_id is None:
+            raise ValueError(f"{self.cfg.model_name} names no padding or end-of-text token: give texts of one token count "
+                             f"(these have {[len(r) for r in rows]})")
+        out = np.full((len(rows), n), -1 if self._pad_id is None else self._pad_id, dtype=np.int64)
+        for i, r in enumerate(rows):
+            out[i, :len(r)] = r
+        return out
 
     def to_str_tokens(self, text_or_tokens: Union[str, np.ndarray, Sequence[int]], prepend_bos: Optional[bool] = None) -> List[str]:
-        """The text of each token."""
+        """The text of each token; a list of texts or a ``[b, n]`` array gives a list per row."""
+        if isinstance(text_or_tokens, (list, tuple)) and text_or_tokens and all(isinstance(t, str) for t in text_or_tokens):
+            return [self.to_str_tokens(t, prepend_bos) for t in text_or_tokens]
+        if not isinstance(text_or_tokens, (str, list, tuple)) and _np(text_or_tokens).ndim == 2 and _np(text_or_tokens).shape[0] > 1:
+            return [self.to_str_tokens(row) for row in _np(text_or_tokens)]
         ids = self._ids(text_or_tokens, prepend_bos)
         return self._m.token_texts(ids)
 
@@ -424,6 +521,19 @@ class HookedModel:
             raise ValueError(f"mode={mode!r}: use 'first' or 'last'")
         return where[0] if mode == "first" else where[-1]
 
+    def _rows(self, x: Any, prepend_bos: Optional[bool] = None) -> List[List[int]]:
+        """The input as rows of token ids of one length: a text is one row; a list of texts is
+        padded as :meth:`to_tokens` pads it; a ``[b, n]`` array gives its rows as they are."""
+        if isinstance(x, (list, tuple)) and x and all(isinstance(t, str) for t in x):
+            return [[int(t) for t in row] for row in self._pad([list(self._m.encode(t, prepend_bos)) for t in x])]
+        if not isinstance(x, str):
+            a = _np(x)
+            if a.ndim == 2 and a.shape[0] > 1:
+                if not np.issubdtype(a.dtype, np.integer) or a.shape[1] == 0:
+                    raise ValueError(f"expected token ids [b, n], got an array of shape {a.shape} and dtype {a.dtype}")
+                return [[int(t) for t in row] for row in a]
+        return [self._ids(x, prepend_bos)]
+
     def _ids(self, x: Any, prepend_bos: Optional[bool] = None) -> List[int]:
         if isinstance(x, str):
             return list(self._m.encode(x, prepend_bos))
@@ -433,6 +543,105 @@ class HookedModel:
         if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
             raise ValueError(f"expected a text or token ids [n] / [1, n], got an array of shape {a.shape} and dtype {a.dtype}")
         return [int(t) for t in a]
+
+    # the weights in TransformerLens's shapes (unfolded: see from_pretrained)
+    def _weight(self, name: str) -> np.ndarray:
+        """The weight ``name`` for every layer, made from the engine's weights on first use and
+        kept (float32 numpy; a copy: editing it does not change the model)."""
+        if name not in self._weights:
+            self._weights[name] = self._make_weight(name)
+        return self._weights[name]
+
+    def _make_weight(self, name: str) -> np.ndarray:
+        c = self.cfg
+        L, H, G, dh, dm, ff = c.n_layers, c.n_heads, c.n_key_value_heads, c.d_head, c.d_model, c.d_mlp
+        rep = H // G
+        if name in ("W_K", "W_V", "b_K", "b_V"):
+            # TransformerLens repeats each KV set for the query heads that share it (repeat_interleave)
+            return np.repeat(self._weight("_" + name), rep, axis=1)
+        if name in ("W_Q", "_W_K", "_W_V", "b_Q", "_b_K", "_b_V"):
+            out = []
+            for l in range(L):
+                w, b = self._m.projection(l, "qkv")  # [(H + 2G)·dh, dm], Hugging Face's rows
+                lo, n = {"Q": (0, H), "K": (H * dh, G), "V": ((H + G) * dh, G)}[name[-1]]
+                if name.lstrip("_").startswith("W"):
+                    out.append(w[lo:lo + n * dh].reshape(n, dh, dm).transpose(0, 2, 1))
+                else:
+                    out.append(np.zeros((n, dh), np.float32) if b is None else b[lo:lo + n * dh].reshape(n, dh))
+            return np.ascontiguousarray(np.stack(out), dtype=np.float32)
+        if name in ("W_O", "b_O"):
+            out = []
+            for l in range(L):
+                w, b = self._m.projection(l, "o")  # [dm, H·dh]
+                if name == "W_O":
+                    out.append(w.reshape(dm, H, dh).transpose(1, 2, 0))
+                else:
+                    out.append(np.zeros(dm, np.float32) if b is None else b)
+            return np.ascontiguousarray(np.stack(out), dtype=np.float32)
+        if name in ("W_in", "W_gate", "b_in"):
+            out = []
+            for l in range(L):
+                w, b = self._m.projection(l, "gate_up")  # [gate; up] (2·ff rows), or c_fc (ff rows)
+                gated = w.shape[0] == 2 * ff
+                if name == "W_gate" and not gated:
+                    raise AttributeError(f"{c.model_name}'s MLP has no gate (W_gate is for gated MLPs)")
+                lo = 0 if name == "W_gate" or not gated else ff
+                if name == "b_in":
+                    out.append(np.zeros(ff, np.float32) if b is None else b[lo:lo + ff])
+                else:
+                    out.append(w[lo:lo + ff].T)
+            return np.ascontiguousarray(np.stack(out), dtype=np.float32)
+        if name in ("W_out", "b_out"):
+            out = []
+            for l in range(L):
+                w, b = self._m.projection(l, "down")  # [dm, ff]
+                out.append(w.T if name == "W_out" else (np.zeros(dm, np.float32) if b is None else b))
+            return np.ascontiguousarray(np.stack(out), dtype=np.float32)
+        if name in ("ln1.w", "ln1.b", "ln2.w", "ln2.b"):
+            idx = {"ln1.w": 0, "ln1.b": 1, "ln2.w": 2, "ln2.b": 3}[name]
+            got = [self._m.layer_norms(l)[idx] for l in range(L)]
+            if got[0] is None:
+                raise AttributeError(f"{name}: {c.model_name}'s norms are RMSNorms, without a bias")
+            return np.stack([np.asarray(g, dtype=np.float32) for g in got])
+        if name in ("ln_final.w", "ln_final.b"):
+            w, b, _ = self._m.final_norm()
+            if name.endswith("b") and b is None:
+                raise AttributeError(f"ln_final.b: {c.model_name}'s final norm is an RMSNorm, without a bias")
+            return np.array(w if name.endswith("w") else b, dtype=np.float32)
+        if name == "W_E":
+            return self._m.embedding_matrix()
+        if name == "W_pos":
+            p = self._m.position_embeddings()
+            if p is None:
+                raise AttributeError(f"W_pos: {c.model_name} has no learned positions (it rotates q and k: RoPE)")
+            return p
+        if name == "W_U":
+            return np.ascontiguousarray(self._m.unembed_matrix().T)
+        if name == "b_U":
+            return np.zeros(c.d_vocab, np.float32)
+        raise AttributeError(name)
+
+    W_Q = property(lambda self: _wrap(self._weight("W_Q")),
+                   doc="``[layer, head, d_model, d_head]``: ``ln1``'s output (with its weight) @ W_Q[l] + b_Q[l] is ``hook_q``; rows of q and k in Hugging Face's order for every format")
+    W_K = property(lambda self: _wrap(self._weight("W_K")),
+                   doc="``[layer, head, d_model, d_head]``, each KV set repeated for the query heads that share it (TransformerLens's ``repeat_interleave``); ``blocks[l].attn._W_K`` has one per KV head")
+    W_V = property(lambda self: _wrap(self._weight("W_V")), doc="``[layer, head, d_model, d_head]`` (repeated as W_K)")
+    W_O = property(lambda self: _wrap(self._weight("W_O")), doc="``[layer, head, d_head, d_model]``")
+    b_Q = property(lambda self: _wrap(self._weight("b_Q")), doc="``[layer, head, d_head]`` (zeros without a bias)")
+    b_K = property(lambda self: _wrap(self._weight("b_K")), doc="``[layer, head, d_head]`` (repeated as W_K)")
+    b_V = property(lambda self: _wrap(self._weight("b_V")), doc="``[layer, head, d_head]`` (repeated as W_K)")
+    b_O = property(lambda self: _wrap(self._weight("b_O")), doc="``[layer, d_model]``")
+    W_in = property(lambda self: _wrap(self._weight("W_in")), doc="``[layer, d_model, d_mlp]``: the up projection (GPT-2: c_fc)")
+    W_gate = property(lambda self: _wrap(self._weight("W_gate")), doc="``[layer, d_model, d_mlp]``: the gate (gated MLPs)")
+    W_out = property(lambda self: _wrap(self._weight("W_out")), doc="``[layer, d_mlp, d_model]``")
+    b_in = property(lambda self: _wrap(self._weight("b_in")), doc="``[layer, d_mlp]``")
+    b_out = property(lambda self: _wrap(self._weight("b_out")), doc="``[layer, d_model]``")
+    W_E = property(lambda self: _wrap(self._weight("W_E")),
+                   doc="``[d_vocab, d_model]``: what ``hook_embed`` adds (Gemma's √d_model folded in, as TransformerLens does)")
+    W_pos = property(lambda self: _wrap(self._weight("W_pos")), doc="``[n_ctx, d_model]``: learned positions (GPT-2 only)")
+    W_U = property(lambda self: _wrap(self._weight("W_U")), doc="``[d_model, d_vocab]``")
+    b_U = property(lambda self: _wrap(self._weight("b_U")), doc="``[d_vocab]`` (zeros: no output bias)")
+
 
     # every hook point's full name, in TransformerLens's order
     def hook_names(self) -> List[str]:
@@ -486,29 +695,53 @@ class HookedModel:
         remove_batch_dim: bool = False,
         logits: Optional[str] = "all",
         prepend_bos: Optional[bool] = None,
+        stop_at_layer: Optional[int] = None,
+        return_type: Optional[str] = None,
     ):
         """Runs the model and returns ``(logits, cache)``.
 
-        ``input``: a text, token ids ``[n]`` or ``[1, n]``, or a list of texts (run one after
-        another; the result is then a list of ``(logits, cache)``). ``names_filter``: None (every
-        hook: large), a hook name or suffix (``"hook_pattern"``, ``"blocks.3.attn.hook_q"``), a list
-        of them, or a predicate on full names; only what it selects is computed and kept.
-        ``logits``: ``"all"`` ``[1, n, vocab]``, ``"last"`` ``[1, 1, vocab]`` or None.
-        Shapes (with the batch axis): pattern and attn_scores ``[1, head, query, key]``; q, rot_q, z
-        ``[1, pos, head, d_head]``; k, v, rot_k ``[1, pos, kv_head, d_head]``; resid_pre,
-        attn_out, resid_post ``[1, pos, d_model]``."""
-        if isinstance(input, (list, tuple)) and input and all(isinstance(t, str) for t in input):
-            return [self.run_with_cache(t, names_filter, remove_batch_dim, logits, prepend_bos) for t in input]
-        ids = self._ids(input, prepend_bos)
+        ``input``: a text, token ids ``[n]`` or ``[b, n]``, or a list of texts (padded as
+        :meth:`to_tokens` pads them: a batch). Each row of a batch runs as it stands, as
+        TransformerLens runs a right-padded batch (no attention mask): a row's real tokens get
+        exactly what the text alone gets, and the pad positions what the row's tokens give.
+        ``names_filter``: None (every hook: large), a hook name or suffix (``"hook_pattern"``,
+        ``"blocks.3.attn.hook_q"``), a list of them, or a predicate on full names; only what it
+        selects is computed and kept. ``logits``: ``"all"`` ``[b, n, vocab]``, ``"last"``
+        ``[b, 1, vocab]`` or None. ``stop_at_layer``: TransformerLens's; the first result is then the
+        residual stream before that block ``[b, n, d_model]`` (negative: from the end), and the cache
+        holds what ran before it. Shapes (with the batch axis): pattern and attn_scores
+        ``[b, head, query, key]``; q, rot_q, z ``[b, pos, head, d_head]``; k, v, rot_k ``[b, pos,
+        kv_head, d_head]``; resid_pre, attn_out, resid_post ``[b, pos, d_model]``."""
+        if return_type not in (None, "logits"):
+            raise ValueError(f"return_type={return_type!r}: run_with_cache returns the logits (or, with stop_at_layer, the residual)")
+        rows = self._rows(input, prepend_bos)
         mode = "none" if logits is None else logits
-        lg, arrays = self._forward(ids, self._hooks(names_filter), mode, self._fwd_hooks)
-        cache = {name: a[np.newaxis] for name, a in arrays}
-        if lg is not None:
-            lg = lg[np.newaxis]  # TransformerLens keeps the logits' batch axis even with remove_batch_dim
+        stop = self._stop(stop_at_layer)
+        lg, cache = self._run_rows(rows, self._hooks(names_filter), mode, self._fwd_hooks, stop)
         c = ActivationCache(cache, self.cfg.n_layers, model=self)
         if remove_batch_dim:
+            if len(rows) != 1:
+                raise ValueError(f"remove_batch_dim=True needs a batch of one; this one has {len(rows)}")
             c.remove_batch_dim()
-        return _wrap(lg), c
+        return _wrap(lg), c  # TransformerLens keeps the logits' batch axis even with remove_batch_dim
+
+    def _stop(self, stop_at_layer: Optional[int]) -> Optional[int]:
+        """``stop_at_layer`` as a block index 0..n_layers (TransformerLens slices ``blocks[:s]``)."""
+        if stop_at_layer is None:
+            return None
+        n = self.cfg.n_layers
+        s = int(stop_at_layer)
+        if not -n <= s <= n:
+            raise ValueError(f"stop_at_layer={stop_at_layer} is out of range: the model has {n} layers (use -{n}..{n})")
+        return s % n if s < 0 else s
+
+    def _runs_before(self, name: str, stop: Optional[int]) -> bool:
+        """Whether the hook point ``name`` runs when the forward stops before block ``stop``."""
+        if stop is None or name.startswith("hook_"):
+            return True
+        if name.startswith("blocks."):
+            return int(name.split(".", 2)[1]) < stop
+        return False  # ln_final: never, once stopped
 
     # editing hooks (TransformerLens's run_with_hooks)
     def _resolve(self, fwd_hooks: Sequence[Tuple[HookName, HookFn]]) -> Dict[str, List[HookFn]]:
@@ -531,75 +764,188 @@ class HookedModel:
                 out.setdefault(n, []).append(fn)
         return out
 
-    def _forward(self, ids: List[int], capture: List[Tuple[int, str]], mode: str,
-                 fwd_hooks: Sequence[Tuple[HookName, HookFn]]):
-        """One forward with the hook functions of ``fwd_hooks`` run where they are attached."""
-        by_name = self._resolve(fwd_hooks)
-        if not by_name:
-            return self._m.run(ids, capture, mode)
-        edits = []
-        for name in by_name:
-            edits.append(self._split_name(name))
+    def _editor(self, by_name: Dict[str, List[HookFn]], batch: Optional[Tuple[Any, Dict[str, Dict[Any, Any]], int]], row: int):
+        """The callable the engine hands each edited activation to: it runs the hook functions of
+        its name on ``[1, ...]`` (one row), or, in a batch run in lockstep (``batch``: a barrier,
+        the shared slots, the batch size), on the rows of every forward stacked ``[b, ...]``."""
 
-        def editor(name: str, arr: np.ndarray) -> np.ndarray:
-            act = arr[np.newaxis]  # TransformerLens's batch axis; writable, edited in place
+        def run_fns(name: str, act: np.ndarray) -> np.ndarray:
             hook = HookPoint(name)
             for fn in by_name[name]:
                 r = fn(_wrap(act), hook)  # a torch tensor shares act's memory: in-place edits land
                 if r is not None:
                     act = _as_float32(r, name, act.shape)
-            # the engine refuses a NaN or infinity (a -inf score masks a key), naming the hook
-            return np.ascontiguousarray(act[0], dtype=np.float32)
+            return act
 
-        return self._m.run(ids, capture, mode, edits, editor)
+        def editor(name: str, arr: np.ndarray) -> np.ndarray:
+            if batch is None:
+                act = run_fns(name, arr[np.newaxis])  # TransformerLens's batch axis; writable
+                # the engine refuses a NaN or infinity (a -inf score masks a key), naming the hook
+                return np.ascontiguousarray(act[0], dtype=np.float32)
+            barrier, shared, b = batch
+            slot = shared.setdefault(name, {})
+            slot[row] = arr
+            if barrier.wait() == 0:  # one forward (any) runs the hooks on the whole batch
+                try:
+                    slot["out"] = run_fns(name, np.stack([slot[i] for i in range(b)]))
+                except BaseException:
+                    barrier.abort()
+                    raise
+            barrier.wait()
+            return np.ascontiguousarray(slot["out"][row], dtype=np.float32)
+
+        return editor
+
+    def _run_rows(self, rows: List[List[int]], capture: List[Tuple[int, str]], mode: str,
+                  fwd_hooks: Sequence[Tuple[HookName, HookFn]], stop: Optional[int]):
+        """The forward of each row, with the hook functions of ``fwd_hooks`` run where they are
+        attached (on ``[b, ...]``: the rows' forwards run in lockstep, one thread each, meeting at
+        every edited hook point). Returns (logits ``[b, n or 1, vocab]``, or with ``stop`` the
+        residual stream before block ``stop``, or None; the captured arrays ``{name: [b, ...]}``)."""
+        by_name = {k: v for k, v in self._resolve(fwd_hooks).items() if self._runs_before(k, stop)}
+        edits = [self._split_name(x) for x in by_name]
+        n_layers = self.cfg.n_layers
+        capture = [c for c in capture if self._runs_before(self._full_name(*c), stop)]
+        extra = None
+        if stop is not None:
+            # the residual stream before block `stop` (after the last, before the final norm)
+            extra = (stop, "hook_resid_pre") if stop < n_layers else (n_layers - 1, "hook_resid_post")
+            mode = "none"
+        want = capture + ([extra] if extra is not None and extra not in capture else [])
+        b = len(rows)
+        results: List[Any] = [None] * b
+        if not by_name or b == 1:
+            for i, ids in enumerate(rows):
+                ed = self._editor(by_name, None, i) if by_name else None
+                results[i] = self._m.run(ids, want, mode, edits, ed, stop)
+        else:
+            import threading
+
+            barrier, shared = threading.Barrier(b), {}
+
+            def run_row(i: int) -> None:
+                try:
+                    results[i] = self._m.run(rows[i], want, mode, edits, self._editor(by_name, (barrier, shared, b), i), stop)
+                except BaseException as e:  # the others stop at their next meeting
+                    results[i] = e
+                    barrier.abort()
+
+            threads = [threading.Thread(target=run_row, args=(i,), daemon=True) for i in range(b)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                # the cause, not the broken meetings it left behind
+                raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+        one = b == 1
+
+        def stack(arrays: List[np.ndarray]) -> np.ndarray:
+            return arrays[0][np.newaxis] if one else np.stack(arrays)
+
+        names = [name for name, _ in results[0][1]]
+        cache = {name: stack([dict(r[1])[name] for r in results]) for name in names}
+        if extra is not None:
+            first = cache[self._full_name(*extra)]
+            if extra not in capture:
+                del cache[self._full_name(*extra)]
+            return first, cache
+        lg = None if results[0][0] is None else stack([r[0] for r in results])
+        return lg, cache
+
+    def _full_name(self, layer: int, suffix: str) -> str:
+        return suffix if suffix in GLOBAL_HOOKS else f"blocks.{int(layer) % self.cfg.n_layers}.{suffix}"
 
     def run_with_hooks(self, input: TextOrTokens, fwd_hooks: Sequence[Tuple[HookName, HookFn]] = (),
                        bwd_hooks: Sequence[Tuple[HookName, HookFn]] = (), reset_hooks_end: bool = True,
                        clear_contexts: bool = False, return_type: Optional[str] = "logits",
-                       prepend_bos: Optional[bool] = None, **kwargs: Any):
+                       prepend_bos: Optional[bool] = None, stop_at_layer: Optional[int] = None,
+                       loss_per_token: bool = False, attention_mask: Any = None, **kwargs: Any):
         """Runs the model with ``fwd_hooks``: ``[(name or predicate on names, fn)]``, each
         ``fn(activation, hook)`` getting a writable float32 array in TransformerLens's shape
-        (``hook_z``: ``[1, pos, head, d_head]``; ``hook_pattern``: ``[1, head, query, key]``) and a
+        (``hook_z``: ``[b, pos, head, d_head]``; ``hook_pattern``: ``[b, head, query, key]``) and a
         :class:`HookPoint`; it edits in place and returns None, or returns the array that replaces
         the activation. Hooks added with :meth:`add_hook` or a :meth:`hooks` context run first.
-        ``return_type``: ``"logits"`` ``[1, n, vocab]``, ``"loss"`` (mean next-token cross-entropy),
-        ``"both"`` (logits, loss) or None."""
+        ``input``: as :meth:`run_with_cache` (a batch runs each row as it stands).
+        ``return_type``: ``"logits"`` ``[b, n, vocab]``, ``"loss"`` (mean next-token cross-entropy
+        over every row and position, pad positions included, as TransformerLens computes it
+        without an attention mask; ``loss_per_token``: ``[b, n - 1]``), ``"both"`` (logits, loss)
+        or None. ``attention_mask`` (``[b, n]``, 1 on real tokens) is taken for the loss only
+        (TransformerLens's ``lm_cross_entropy_loss``: a prediction counts when its position and the
+        next are real); the logits at pad positions under a mask are not computed (refused).
+        ``stop_at_layer``: returns the residual stream before that block ``[b, n, d_model]``."""
         if bwd_hooks:
             raise NotImplementedError("backward hooks need gradients, and attnscope has no backward pass yet")
         if kwargs:
             raise TypeError(f"run_with_hooks got arguments attnscope does not support: {sorted(kwargs)}")
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(f"return_type={return_type!r}: use 'logits', 'loss', 'both' or None")
-        ids = self._ids(input, prepend_bos)
+        if attention_mask is not None and return_type != "loss":
+            raise NotImplementedError(
+                "attention_mask: attnscope takes it for return_type='loss' only; TransformerLens's logits at masked "
+                "positions (pad queries at shifted positions) are not computed. Without a mask a right-padded batch "
+                "gives TransformerLens's results")
+        rows = self._rows(input, prepend_bos)
         hooks = list(self._fwd_hooks) + list(fwd_hooks)
-        lg, _ = self._forward(ids, [], "none" if return_type is None else "all", hooks)
+        stop = self._stop(stop_at_layer)
+        lg, _ = self._run_rows(rows, [], "none" if return_type is None else "all", hooks, stop)
+        if stop is not None:
+            return _wrap(lg)  # TransformerLens returns the residual whatever return_type says
         if return_type is None:
             return None
-        lg = lg[np.newaxis]
         if return_type == "logits":
             return _wrap(lg)
-        loss = self.loss(lg, ids)
+        loss = self.loss(lg, np.asarray(rows), per_token=loss_per_token, attention_mask=attention_mask)
         return loss if return_type == "loss" else (_wrap(lg), loss)
 
-    def __call__(self, input: TextOrTokens, return_type: Optional[str] = "logits", prepend_bos: Optional[bool] = None):
-        """The logits ``[1, n, vocab]`` (``return_type="logits"``), the mean next-token loss
-        (``"loss"``), both (``"both"``) or None; hooks added with :meth:`add_hook` or a
-        :meth:`hooks` context apply."""
-        return self.run_with_hooks(input, return_type=return_type, prepend_bos=prepend_bos)
+    def __call__(self, input: TextOrTokens, return_type: Optional[str] = "logits", prepend_bos: Optional[bool] = None,
+                 stop_at_layer: Optional[int] = None, loss_per_token: bool = False, attention_mask: Any = None,
+                 padding_side: Optional[str] = None):
+        """The logits ``[b, n, vocab]`` (``return_type="logits"``), the mean next-token loss
+        (``"loss"``), both (``"both"``) or None; with ``stop_at_layer``, the residual stream before
+        that block. Hooks added with :meth:`add_hook` or a :meth:`hooks` context apply. See
+        :meth:`run_with_hooks` for batches and ``attention_mask``."""
+        if padding_side not in (None, "right"):
+            raise NotImplementedError(f"padding_side={padding_side!r}: attnscope pads on the right (TransformerLens's default)")
+        return self.run_with_hooks(input, return_type=return_type, prepend_bos=prepend_bos, stop_at_layer=stop_at_layer,
+                                   loss_per_token=loss_per_token, attention_mask=attention_mask)
 
     @staticmethod
-    def loss(logits: np.ndarray, tokens: Union[np.ndarray, Sequence[int]], per_token: bool = False):
-        """Next-token cross-entropy of ``logits`` ``[1, n, vocab]`` against ``tokens`` (TransformerLens's
-        ``lm_cross_entropy_loss``): the mean over positions 0..n-2, or each one with ``per_token``."""
+    def loss(logits: np.ndarray, tokens: Union[np.ndarray, Sequence[int]], per_token: bool = False,
+             attention_mask: Any = None):
+        """Next-token cross-entropy of ``logits`` ``[b, n, vocab]`` against ``tokens`` ``[b, n]``
+        (TransformerLens's ``lm_cross_entropy_loss``): the mean over every row's positions
+        0..n-2, or each one ``[b, n - 1]`` with ``per_token``. With ``attention_mask`` (1 on real
+        tokens), a prediction counts only where its position and the next are real, and the mean
+        is over those."""
         lg = _np(logits).astype(np.float64)
-        lg = lg.reshape(-1, lg.shape[-1])
-        t = _np(tokens).reshape(-1)
-        if len(t) < 2:
+        if lg.ndim == 2:
+            lg = lg[np.newaxis]
+        t = _np(tokens)
+        t = t.reshape(1, -1) if t.ndim == 1 else t
+        if lg.ndim != 3 or t.shape != lg.shape[:2]:
+            raise ValueError(f"logits {lg.shape} and tokens {t.shape} do not match: [b, n, vocab] and [b, n]")
+        if t.shape[1] < 2:
             raise ValueError("the loss needs at least two tokens (it predicts each next one)")
-        z = lg[:-1] - lg[:-1].max(axis=-1, keepdims=True)
+        z = lg[:, :-1] - lg[:, :-1].max(axis=-1, keepdims=True)
         lp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
-        per = -lp[np.arange(len(t) - 1), t[1:]]
-        return per.astype(np.float32) if per_token else float(per.mean())
+        per = -np.take_along_axis(lp, t[:, 1:, None].astype(np.int64), axis=-1)[..., 0]  # [b, n - 1]
+        if attention_mask is not None:
+            m = _np(attention_mask).astype(bool)
+            if m.shape != t.shape:
+                raise ValueError(f"attention_mask {m.shape} does not match the tokens {t.shape}")
+            keep = m[:, :-1] & m[:, 1:]
+            per = per * keep
+            if per_token:
+                return _wrap(per.astype(np.float32))
+            return float(per.sum() / keep.sum())
+        return _wrap(per.astype(np.float32)) if per_token else float(per.mean())
+
+    def loss_fn(self, logits: np.ndarray, tokens: Union[np.ndarray, Sequence[int]], attention_mask: Any = None,
+                per_token: bool = False):
+        """TransformerLens's name for :meth:`loss` (its argument order)."""
+        return self.loss(logits, tokens, per_token=per_token, attention_mask=attention_mask)
 
     def add_hook(self, name: HookName, hook: HookFn, dir: str = "fwd") -> None:
         """Attaches ``hook`` at ``name`` (a hook name or a predicate on names) for every later

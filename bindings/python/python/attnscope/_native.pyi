@@ -1,6 +1,6 @@
 """Type stubs of the Rust engine (``attnscope._native``). Use the package's ``HookedModel``."""
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import numpy.typing as npt
@@ -12,20 +12,38 @@ class Model:
 
     registered: str
     @staticmethod
-    def load(spec: str, precision: str = "exact") -> "Model":
+    def load(spec: str, precision: str = "exact", add_bos: Optional[bool] = None) -> "Model":
         """Loads an alias (fetched on first use), a .gguf file, a Hugging Face folder or a hub id."""
     def facts_json(self) -> str:
         """The model's dimensions and description, as JSON."""
-    def encode(self, text: str, bos: bool = False) -> List[int]:
+    def encode(self, text: str, bos: Optional[bool] = None) -> List[int]:
         """Token ids (BOS first when the model asks for one, or when ``bos``)."""
     def token_texts(self, ids: Sequence[int]) -> List[str]:
         """The text of each token."""
     def token_bytes(self, ids: Sequence[int]) -> List[bytes]:
         """The bytes of each token."""
     def run(
-        self, ids: Sequence[int], hooks: Sequence[Tuple[int, str]], logits: str = "all"
+        self, ids: Sequence[int], hooks: Sequence[Tuple[int, str]], logits: str = "all",
+        edits: Sequence[Tuple[int, str]] = (), editor: Optional[Callable[[str, npt.NDArray[np.float32]], npt.NDArray[np.float32]]] = None,
+        stop_at_layer: Optional[int] = None,
     ) -> Tuple[Optional[npt.NDArray[np.float32]], List[Tuple[str, npt.NDArray[np.float32]]]]:
-        """One forward capturing exactly the (layer, hook suffix) pairs; arrays share the engine's memory."""
+        """One forward capturing exactly the (layer, hook suffix) pairs; arrays share the engine's memory.
+        ``edits`` are handed to ``editor(name, array)``, whose result flows on; ``stop_at_layer``
+        (0..n_layers) ends the forward before that block, once its hook_resid_pre is handed (no logits)."""
+    def projection(self, layer: int, part: str) -> Tuple[npt.NDArray[np.float32], Optional[npt.NDArray[np.float32]]]:
+        """Layer ``layer``'s ``qkv``, ``o``, ``gate_up`` or ``down`` projection as (W ``[out, in]``, bias or None),
+        in Hugging Face's layout and q/k row order, dequantized."""
+    def layer_norms(self, layer: int) -> Tuple[npt.NDArray[np.float32], Optional[npt.NDArray[np.float32]],
+                                               npt.NDArray[np.float32], Optional[npt.NDArray[np.float32]]]:
+        """(ln1 weight, ln1 bias or None, ln2 weight, ln2 bias or None)."""
+    def embedding_matrix(self) -> npt.NDArray[np.float32]:
+        """The token embeddings ``[vocab, d_model]`` as the forward adds them (Gemma's scale in)."""
+    def unembed_matrix(self) -> npt.NDArray[np.float32]:
+        """The output head ``[vocab, d_model]``."""
+    def position_embeddings(self) -> Optional[npt.NDArray[np.float32]]:
+        """GPT-2's learned positions ``[n_ctx, d_model]``, or None."""
+    def final_norm(self) -> Tuple[npt.NDArray[np.float32], Optional[npt.NDArray[np.float32]], float]:
+        """The final norm's (weight, bias or None, epsilon)."""
     def corpus_records(self, items: Sequence[Tuple[int, str]], bos: bool = False, faithfulness: bool = False) -> List[Tuple[int, str, str]]:
         """(id, record JSON, error) for each (id, text): the records of ``attnscope corpus --out``."""
     def head_roles(self, items: Sequence[Tuple[int, str]], bos: bool = False) -> List[Tuple[int, str, str]]:

@@ -1,0 +1,228 @@
+"""TransformerLens's API beyond the hooks: the weights in TL's shapes (W_Q ... W_U), stop_at_layer,
+and batches of padded texts. The weights are checked against the hooks they make (on SmolLM2, a
+llama GGUF whose q/k rows llama.cpp interleaves, and Qwen2.5, with q/k/v biases), q and k against
+Hugging Face transformers (tests/golden/qk_layer3.npz), batches against each text run alone."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import attnscope
+
+ROOT = Path(__file__).resolve().parents[3]
+QK = np.load(ROOT / "tests" / "golden" / "qk_layer3.npz")
+TEXT = "The cat sat on the mat because it was tired"
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return attnscope.HookedModel.from_pretrained("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return attnscope.HookedModel.from_pretrained("qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(autouse=True)
+def numpy_results():
+    attnscope.set_array_type("numpy")
+    yield
+    attnscope.set_array_type("auto")
+
+
+@pytest.mark.parametrize("which", ["smol", "qwen"])
+def test_q_and_k_hooks_are_in_hugging_faces_row_order(which, request):
+    m = request.getfixturevalue(which)
+    ids = QK[f"{which}_ids"]
+    assert m.to_tokens(TEXT)[0].tolist() == ids.tolist()
+    _, cache = m.run_with_cache(ids, names_filter=["blocks.3.attn.hook_q", "blocks.3.attn.hook_k"])
+    n = len(ids)
+    q, k = cache["q", 3][0].reshape(n, -1), cache["k", 3][0].reshape(n, -1)
+    # transformers on the dequantized file: 1e-5 of values up to ~19
+    assert np.abs(q - QK[f"{which}_q"]).max() < 1e-4 * max(1.0, np.abs(QK[f"{which}_q"]).max())
+    assert np.abs(k - QK[f"{which}_k"]).max() < 1e-4 * max(1.0, np.abs(QK[f"{which}_k"]).max())
+
+
+@pytest.mark.parametrize("which", ["smol", "qwen"])
+def test_weights_in_transformerlens_shapes_make_the_hooks(which, request):
+    m = request.getfixturevalue(which)
+    c = m.cfg
+    L, H, G, dh, dm, ff = c.n_layers, c.n_heads, c.n_key_value_heads, c.d_head, c.d_model, c.d_mlp
+    assert m.W_Q.shape == (L, H, dm, dh) and m.W_K.shape == (L, H, dm, dh) and m.W_V.shape == (L, H, dm, dh)
+    assert m.W_O.shape == (L, H, dh, dm) and m.b_Q.shape == (L, H, dh) and m.b_K.shape == (L, H, dh)
+    assert m.b_O.shape == (L, dm) and m.W_in.shape == (L, dm, ff) and m.W_gate.shape == (L, dm, ff)
+    assert m.W_out.shape == (L, ff, dm) and m.b_in.shape == (L, ff) and m.b_out.shape == (L, dm)
+    assert m.W_E.shape == (c.d_vocab, dm) and m.W_U.shape == (dm, c.d_vocab) and m.b_U.shape == (c.d_vocab,)
+    # GQA: TransformerLens repeats each KV set for its query heads (repeat_interleave)
+    kv = m.blocks[3].attn._W_K
+    assert kv.shape == (G, dm, dh)
+    assert np.array_equal(m.W_K[3, H - 1], kv[G - 1]) and np.array_equal(m.W_K[3, 0], kv[0])
+    assert np.array_equal(m.blocks[3].attn.W_Q, m.W_Q[3]) and np.array_equal(m.blocks[3].mlp.W_out, m.W_out[3])
+    # Qwen has q/k/v biases, SmolLM2 none
+    assert (np.abs(m.b_Q).max() > 0) == (which == "qwen")
+    layer = 3
+    ids = QK[f"{which}_ids"]
+    logits, cache = m.run_with_cache(ids, names_filter=lambda n: n.startswith(f"blocks.{layer}.") or n == "hook_embed"
+                                     or n.startswith("ln_final"))
+    x = cache[f"blocks.{layer}.ln1.hook_normalized"][0] * m.blocks[layer].ln1.w
+    tol = lambda ref: 1e-5 * max(1.0, np.abs(ref).max()) * 10  # noqa: E731  (float32 sums of ~900 terms)
+    q = np.einsum("pd,hde->phe", x, m.W_Q[layer]) + m.b_Q[layer]
+    assert np.abs(q - cache["q", layer][0]).max() < tol(q)
+    k = np.einsum("pd,hde->phe", x, m.blocks[layer].attn._W_K) + m.blocks[layer].attn._b_K
+    assert np.abs(k - cache["k", layer][0]).max() < tol(k)
+    v = np.einsum("pd,hde->phe", x, m.blocks[layer].attn._W_V) + m.blocks[layer].attn._b_V
+    assert np.abs(v - cache["v", layer][0]).max() < tol(v)
+    # z @ W_O summed over heads plus b_O is the attention output (no post-norm here)
+    out = np.einsum("phe,hed->pd", cache["z", layer][0], m.W_O[layer]) + m.b_O[layer]
+    assert np.abs(out - cache["attn_out", layer][0]).max() < tol(out)
+    # the MLP: gate, up, down
+    y = cache[f"blocks.{layer}.ln2.hook_normalized"][0] * m.blocks[layer].ln2.w
+    pre = y @ m.W_gate[layer]
+    assert np.abs(pre - cache[f"blocks.{layer}.mlp.hook_pre"][0]).max() < tol(pre)
+    lin = y @ m.W_in[layer] + m.b_in[layer]
+    assert np.abs(lin - cache[f"blocks.{layer}.mlp.hook_pre_linear"][0]).max() < tol(lin)
+    mo = cache[f"blocks.{layer}.mlp.hook_post"][0] @ m.W_out[layer] + m.b_out[layer]
+    assert np.abs(mo - cache[f"blocks.{layer}.hook_mlp_out"][0]).max() < tol(mo)
+    # the embeddings and the unembedding
+    assert np.array_equal(m.W_E[ids], cache["hook_embed"][0])
+    final = cache["ln_final.hook_normalized"][0] * m.ln_final.w
+    lg = final @ m.W_U + m.b_U
+    assert np.abs(lg - logits[0]).max() < tol(lg)
+    with pytest.raises(AttributeError, match="no learned positions"):
+        m.W_pos
+    with pytest.raises(AttributeError, match="RMSNorm"):
+        m.blocks[0].ln1.b
+
+
+def test_processing_flags_are_refused_not_ignored():
+    with pytest.raises(NotImplementedError, match="fold_ln.*unprocessed"):
+        attnscope.HookedModel.from_pretrained("smollm2-135m", fold_ln=True)
+    with pytest.raises(NotImplementedError, match="center_unembed"):
+        attnscope.HookedModel.from_pretrained_no_processing("smollm2-135m", center_unembed=True)
+    with pytest.raises(ValueError, match="CPU"):
+        attnscope.HookedModel.from_pretrained("smollm2-135m", device="cuda")
+
+
+def test_stop_at_layer_returns_the_residual_before_that_block(smol):
+    ids = smol.to_tokens(TEXT)
+    n = smol.cfg.n_layers
+    _, full = smol.run_with_cache(ids, names_filter=["hook_resid_pre", f"blocks.{n - 1}.hook_resid_post"])
+    for s in (0, 1, 5, n - 1):
+        r = smol(ids, stop_at_layer=s)
+        assert r.shape == (1, ids.shape[1], smol.cfg.d_model)
+        assert np.array_equal(r, full["resid_pre", s])
+    assert np.array_equal(smol(ids, stop_at_layer=-1), full["resid_pre", n - 1])  # TL's blocks[:-1]
+    assert np.array_equal(smol(ids, stop_at_layer=n), full[f"blocks.{n - 1}.hook_resid_post"])
+    # whatever return_type says, the residual (as TL)
+    assert np.array_equal(smol(ids, return_type="loss", stop_at_layer=2), full["resid_pre", 2])
+    # the cache holds what ran before the stop; the hooks of later blocks do not run
+    r, cache = smol.run_with_cache(ids, names_filter=["hook_resid_pre", "hook_z"], stop_at_layer=4)
+    assert np.array_equal(r, full["resid_pre", 4])
+    assert sorted(cache.keys()) == sorted([f"blocks.{l}.hook_resid_pre" for l in range(4)]
+                                          + [f"blocks.{l}.attn.hook_z" for l in range(4)])
+    seen = []
+
+    def note(a, hook):
+        seen.append(hook.name)
+
+    def double(a, hook):
+        a *= 2
+    r = smol.run_with_hooks(ids, fwd_hooks=[(lambda name: name.endswith("hook_resid_pre"), note),
+                                             ("blocks.3.hook_resid_pre", double), ("ln_final.hook_normalized", note)],
+                            stop_at_layer=3)
+    assert seen == [f"blocks.{l}.hook_resid_pre" for l in range(3)]
+    assert np.array_equal(r, full["resid_pre", 3])  # block 3's hook did not run
+    # an edit before the stop shows in the residual
+    r = smol.run_with_hooks(ids, fwd_hooks=[("blocks.1.hook_resid_pre", double)], stop_at_layer=2)
+    assert not np.allclose(r, full["resid_pre", 2], atol=1e-3)
+    for bad in (n + 1, -n - 1):
+        with pytest.raises(ValueError, match="stop_at_layer"):
+            smol(ids, stop_at_layer=bad)
+
+
+def test_a_padded_batch_equals_each_text_alone(qwen):
+    texts = ["The cat sat", "Hà Nội là thủ đô của Việt Nam.", "A"]
+    toks = qwen.to_tokens(texts)
+    lens = [qwen.to_tokens(t).shape[1] for t in texts]
+    assert toks.shape == (3, max(lens)) and toks.dtype == np.int64
+    pad = qwen.cfg.pad_token_id
+    assert pad is not None
+    for i, t in enumerate(texts):  # padded on the right, TransformerLens's default
+        assert toks[i, :lens[i]].tolist() == qwen.to_tokens(t)[0].tolist()
+        assert (toks[i, lens[i]:] == pad).all()
+    with pytest.raises(NotImplementedError, match="right"):
+        qwen.to_tokens(texts, padding_side="left")
+    names = ["blocks.2.attn.hook_pattern", "blocks.5.hook_resid_post", "blocks.1.attn.hook_z"]
+    logits, cache = qwen.run_with_cache(texts, names_filter=names)
+    assert logits.shape == (3, toks.shape[1], qwen.cfg.d_vocab)
+    assert cache["pattern", 2].shape == (3, qwen.cfg.n_heads, toks.shape[1], toks.shape[1])
+    for i, t in enumerate(texts):
+        alone_lg, alone = qwen.run_with_cache(t, names_filter=names)
+        k = lens[i]
+        # a row's real tokens: exactly the text alone (causal attention, right padding)
+        assert np.array_equal(logits[i, :k], alone_lg[0])
+        assert np.array_equal(cache["pattern", 2][i, :, :k, :k], alone["pattern", 2][0])
+        assert np.array_equal(cache["z", 1][i, :k], alone["z", 1][0])
+        # pad positions: the padded row as it stands (TransformerLens without an attention mask)
+        row_lg, row = qwen.run_with_cache(toks[i], names_filter=names)
+        assert np.array_equal(logits[i], row_lg[0]) and np.array_equal(cache["resid_post", 5][i], row["resid_post", 5][0])
+    # a [b, n] array is the same batch; model() too
+    assert np.array_equal(qwen(toks), logits)
+    # the loss: TL's mean over every row and position; with the attention mask, real tokens only
+    per = qwen(toks, return_type="loss", loss_per_token=True)
+    assert per.shape == (3, toks.shape[1] - 1)
+    assert np.isclose(qwen(toks, return_type="loss"), float(per.mean()), rtol=1e-6)
+    mask = (np.arange(toks.shape[1])[None] < np.asarray(lens)[:, None]).astype(np.int64)
+    masked = qwen(toks, return_type="loss", attention_mask=mask)
+    alone = [qwen(t, return_type="loss", loss_per_token=True)[0] for t in texts if qwen.to_tokens(t).shape[1] > 1]
+    assert np.isclose(masked, float(np.concatenate(alone).mean()), rtol=1e-5)
+    with pytest.raises(NotImplementedError, match="attention_mask"):
+        qwen(toks, attention_mask=mask)
+    with pytest.raises(ValueError, match="batch of one"):
+        qwen.run_with_cache(texts, names_filter=names, remove_batch_dim=True)
+
+
+def test_hooks_see_the_whole_batch(smol):
+    texts = ["The cat sat on the mat", "When Mary and John went to the store, John gave"]
+    toks = smol.to_tokens(texts)
+    shapes = []
+
+    def look(a, hook):
+        shapes.append((hook.name, tuple(a.shape)))
+
+    def ablate_head(a, hook):
+        a[:, :, 4] = 0  # head 4 of every row
+
+    out = smol.run_with_hooks(texts, fwd_hooks=[("blocks.2.attn.hook_z", look), ("blocks.2.attn.hook_z", ablate_head),
+                                                ("blocks.3.attn.hook_pattern", look)])
+    n = toks.shape[1]
+    assert shapes == [("blocks.2.attn.hook_z", (2, n, smol.cfg.n_heads, smol.cfg.d_head)),
+                      ("blocks.3.attn.hook_pattern", (2, smol.cfg.n_heads, n, n))]
+    for i in range(2):
+        alone = smol.run_with_hooks(toks[i], fwd_hooks=[("blocks.2.attn.hook_z", ablate_head)])
+        assert np.array_equal(out[i], alone[0])
+
+    # patching between rows, as the IOI demos do: row 1's resid_pre at layer 4 into row 0
+    def patch(a, hook):
+        a[0] = a[1]
+        return a
+    patched = smol.run_with_hooks(toks, fwd_hooks=[("blocks.4.hook_resid_pre", patch)])
+    assert np.allclose(patched[0], patched[1], atol=1e-4)
+    # an exception in a hook is raised as it was, whatever row met it
+    def boom(a, hook):
+        raise KeyError("from the hook")
+    with pytest.raises(KeyError, match="from the hook"):
+        smol.run_with_hooks(toks, fwd_hooks=[("blocks.1.hook_resid_post", boom)])
+    # and the model still runs afterwards
+    assert np.array_equal(smol(toks), np.stack([smol(toks[0])[0], smol(toks[1])[0]]))
+
+
+def test_device_and_loss_fn_as_transformerlens_names_them(smol):
+    assert smol.cfg.device == "cpu"
+    toks = smol.to_tokens(["The cat sat on the mat", "A dog"])
+    lg = smol(toks)
+    per = smol.loss_fn(lg, toks, per_token=True)
+    assert per.shape == (2, toks.shape[1] - 1)
+    assert np.isclose(float(per.mean()), smol(toks, return_type="loss"), rtol=1e-6)
