@@ -62,6 +62,9 @@ pub struct Model {
     weights: weights::Weights,
     /// The packed-weight cache file the projections were mapped from, or written to, at load.
     panel_file: Option<PathBuf>,
+    /// The projections' transposes packed for the backward (`dX = dY · W`), made on the first
+    /// gradient and kept with the model.
+    transposed: std::sync::OnceLock<Vec<backward::LayerT>>,
 }
 
 /// What `--model` named, resolved.
@@ -342,6 +345,7 @@ impl Model {
                         tokenizer,
                         weights,
                         panel_file,
+                        transposed: Default::default(),
                     }
                 }
             })
@@ -422,6 +426,7 @@ impl Model {
             tokenizer,
             weights,
             panel_file,
+            transposed: Default::default(),
         })
     }
 
