@@ -204,32 +204,22 @@ impl Head<'_> {
         );
         for (r, (row, trow)) in p.chunks_mut(ld).zip(th.chunks_mut(ld)).enumerate() {
             let i = i0 + r;
-            let mut max = f32::NEG_INFINITY;
-            for (j, (s, t)) in row.iter_mut().zip(trow.iter_mut()).enumerate() {
-                if j > i || self.window.is_some_and(|w| j + w <= i) {
-                    *s = f32::NEG_INFINITY;
-                    continue;
+            let lo = self.window.map_or(0, |w| (i + 1).saturating_sub(w));
+            row[i + 1..].iter_mut().for_each(|s| *s = 0.0);
+            row[..lo].iter_mut().for_each(|s| *s = 0.0);
+            let live = &mut row[lo..=i];
+            let scale = self.scale;
+            live.iter_mut().for_each(|s| *s *= scale);
+            if let Some(c) = self.softcap {
+                for (s, t) in live.iter_mut().zip(&mut trow[lo..=i]) {
+                    *t = (*s / c).tanh();
+                    *s = *t * c;
                 }
-                let raw = *s * self.scale;
-                *s = match self.softcap {
-                    Some(c) => {
-                        *t = (raw / c).tanh();
-                        *t * c
-                    }
-                    None => raw,
-                };
-                max = max.max(*s);
             }
-            let mut sum = 0f64;
-            for s in row.iter_mut() {
-                *s = if s.is_finite() {
-                    ((*s - max) as f64).exp() as f32
-                } else {
-                    0.0
-                };
-                sum += *s as f64;
-            }
-            row.iter_mut().for_each(|s| *s = (*s as f64 / sum) as f32);
+            let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let (sum, _) = super::attention::exp_shift_sums_masked(live, max);
+            let inv = (1.0 / sum) as f32;
+            live.iter_mut().for_each(|s| *s *= inv);
         }
     }
 
@@ -314,16 +304,19 @@ impl Head<'_> {
                     .zip(dprow.iter())
                     .map(|(&a, &b)| a as f64 * b as f64)
                     .sum();
-                for ((d, &pj), &t) in dprow.iter_mut().zip(prow).zip(trow) {
-                    if pj == 0.0 {
-                        *d = 0.0;
-                        continue;
+                let pdp = pdp as f32;
+                let scale = self.scale;
+                match self.softcap {
+                    Some(_) => {
+                        for ((d, &pj), &t) in dprow.iter_mut().zip(prow).zip(trow) {
+                            *d = pj * (*d - pdp) * (1.0 - t * t) * scale;
+                        }
                     }
-                    let mut ds = (pj as f64 * (*d as f64 - pdp)) as f32;
-                    if self.softcap.is_some() {
-                        ds *= 1.0 - t * t;
+                    None => {
+                        for (d, &pj) in dprow.iter_mut().zip(prow) {
+                            *d = pj * (*d - pdp) * scale;
+                        }
                     }
-                    *d = ds * self.scale;
                 }
             }
             gemm::gemm_sub(
