@@ -90,7 +90,11 @@ fn norm_fwd(kind: NormKind, x: &[f32], w: &[f32], b: Option<&[f32]>, eps: f32) -
 pub fn norm_backward(kind: NormKind, x: &[f32], w: &[f32], eps: f32, dy: &[f32]) -> Vec<f32> {
     let d = w.len();
     let mut dx = vec![0f32; x.len()];
-    for ((xr, dyr), dxr) in x.chunks(d).zip(dy.chunks(d)).zip(dx.chunks_mut(d)) {
+    let rows = x
+        .par_chunks(d)
+        .zip(dy.par_chunks(d))
+        .zip(dx.par_chunks_mut(d));
+    rows.for_each(|((xr, dyr), dxr)| {
         let g: Vec<f64> = dyr
             .iter()
             .zip(w)
@@ -117,7 +121,7 @@ pub fn norm_backward(kind: NormKind, x: &[f32], w: &[f32], eps: f32, dy: &[f32])
                 }
             }
         }
-    }
+    });
     dx
 }
 
@@ -816,34 +820,32 @@ impl Model {
         let d_act = back_matmul(&d_mlp_proj, n, &t.down);
         let gw = if plan.mlp.gated() { 2 * ff } else { ff };
         let mut d_gu = vec![0f32; n * gw];
-        for ((row, da), dg) in
-            s.gu.chunks(gw)
-                .zip(d_act.chunks(ff))
-                .zip(d_gu.chunks_mut(gw))
-        {
-            match plan.mlp {
-                MlpKind::GeluTanh => {
-                    for i in 0..ff {
-                        dg[i] = da[i] * gelu_tanh_grad(row[i]);
-                    }
-                }
-                MlpKind::GeGluTanh => {
-                    for i in 0..ff {
-                        let (g, u) = (row[i], row[ff + i]);
-                        dg[i] = da[i] * u * gelu_tanh_grad(g);
-                        dg[ff + i] = da[i] * gelu_tanh_of(g);
-                    }
-                }
-                MlpKind::SwiGlu => {
-                    for i in 0..ff {
-                        let (g, u) = (row[i], row[ff + i]);
-                        let sg = sigmoid(g);
-                        dg[i] = da[i] * u * sg * (1.0 + g * (1.0 - sg));
-                        dg[ff + i] = da[i] * g * sg;
-                    }
+        let rows =
+            s.gu.par_chunks(gw)
+                .zip(d_act.par_chunks(ff))
+                .zip(d_gu.par_chunks_mut(gw));
+        rows.for_each(|((row, da), dg)| match plan.mlp {
+            MlpKind::GeluTanh => {
+                for i in 0..ff {
+                    dg[i] = da[i] * gelu_tanh_grad(row[i]);
                 }
             }
-        }
+            MlpKind::GeGluTanh => {
+                for i in 0..ff {
+                    let (g, u) = (row[i], row[ff + i]);
+                    dg[i] = da[i] * u * gelu_tanh_grad(g);
+                    dg[ff + i] = da[i] * gelu_tanh_of(g);
+                }
+            }
+            MlpKind::SwiGlu => {
+                for i in 0..ff {
+                    let (g, u) = (row[i], row[ff + i]);
+                    let sg = sigmoid(g);
+                    dg[i] = da[i] * u * sg * (1.0 + g * (1.0 - sg));
+                    dg[ff + i] = da[i] * g * sg;
+                }
+            }
+        });
         let d_h2 = back_matmul(&d_gu, n, &t.gate_up);
         let d_mid = norm_backward(plan.norm, &s.resid_mid, &layer.mlp_norm, eps, &d_h2);
         dx.iter_mut().zip(&d_mid).for_each(|(a, b)| *a += b);
