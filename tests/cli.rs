@@ -1540,6 +1540,24 @@ fn bench_reports_rates_forwards_and_commands() {
         );
         assert!(r["with_patterns_s"].as_f64().unwrap() > 0.0);
     }
+    let b = v["backward"].as_array().unwrap();
+    assert_eq!(
+        b.iter()
+            .map(|r| r["n"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        vec![8, 16]
+    );
+    for r in b {
+        let (f, fb) = (
+            r["forward_s"].as_f64().unwrap(),
+            r["forward_backward_s"].as_f64().unwrap(),
+        );
+        assert!(f > 0.0 && fb > 0.0, "{r}");
+        assert!(
+            (r["ratio"].as_f64().unwrap() - fb / f).abs() < 1e-9 * (fb / f),
+            "{r}"
+        );
+    }
     let c = v["commands"].as_array().unwrap();
     assert_eq!(c.len(), 4, "capture and inspect at both lengths");
     for r in c {

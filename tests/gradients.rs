@@ -275,3 +275,8 @@ fn smol_against_autograd() {
 fn qwen_against_autograd() {
     against_autograd("qwen2.5-coder-0.5b", "qwen", false);
 }
+
+#[test]
+fn gemma_against_autograd() {
+    against_autograd("gemma3-270m", "gemma", false);
+}

@@ -52,6 +52,10 @@ pub struct Args {
     /// --repeats pairs), so fast's lead over exact comes from one run on the same machine state.
     #[arg(long)]
     against_exact: bool,
+    /// Skip timing the backward (`Model::gradient`: a forward and backward of the last
+    /// position's log-probability) against the forward.
+    #[arg(long)]
+    no_backward: bool,
     #[arg(long)]
     json: bool,
 }
@@ -92,6 +96,20 @@ struct ForwardRow {
     /// forward on the vector units
     flops: f64,
     f32_floor_s: f64,
+}
+
+/// A forward against a forward and backward (`Model::gradient`) at one length.
+#[derive(Serialize, Debug, Clone)]
+struct BackwardRow {
+    n: usize,
+    /// the engine's forward (the last position's logits), median
+    forward_s: f64,
+    /// `Model::gradient`: the forward that saves what the backward needs, and the backward
+    forward_backward_s: f64,
+    ratio: f64,
+    /// the process's peak RSS during the forward and backward (the model's weights and their
+    /// transposes included), where the kernel lets it be reset
+    peak_rss_bytes: Option<u64>,
 }
 
 #[derive(Serialize, Debug, Clone)]
@@ -368,7 +386,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         // each command, transformers' route, the command again
         (false, true) => 7,
     };
-    let steps = 2 + a.lengths.len() * (per_length + usize::from(a.against_exact));
+    let steps = 2 + a.lengths.len()
+        * (per_length + usize::from(a.against_exact) + usize::from(!a.no_backward));
     let pb = if std::io::stderr().is_terminal() {
         indicatif::ProgressBar::new(steps as u64)
     } else {
@@ -393,6 +412,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 
     let rates = measure_gemms(&d, max_n, a.repeats, &pb)?;
     let forwards = measure_forwards(&model, &all, &a, rates.machine_rate, &pb)?;
+    let backwards = if a.no_backward {
+        Vec::new()
+    } else {
+        measure_backwards(&model, &all, &a, &pb)?
+    };
     let precisions = if a.against_exact {
         fast_against_exact(&model, &all, &a, &pb)?
     } else {
@@ -404,7 +428,69 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         time_commands(&model, &all, &a, &pb)?
     };
     pb.finish_and_clear();
-    report(&model, &a, &rates, &forwards, &precisions, &commands, &side)
+    let timed = Timed {
+        forwards: &forwards,
+        backwards: &backwards,
+        precisions: &precisions,
+        commands: &commands,
+        side: &side,
+    };
+    report(&model, &a, &rates, &timed)
+}
+
+/// What the steps measured, for the report.
+struct Timed<'a> {
+    forwards: &'a [ForwardRow],
+    backwards: &'a [BackwardRow],
+    precisions: &'a [PrecisionRow],
+    commands: &'a [CommandRow],
+    side: &'a [SideRow],
+}
+
+/// The forward against a forward and backward at each length, in alternation (one warm-up
+/// pair, which also packs the projections' transposes, then --repeats pairs; medians).
+fn measure_backwards(
+    model: &crate::model::Model,
+    all: &[u32],
+    a: &Args,
+    pb: &indicatif::ProgressBar,
+) -> anyhow::Result<Vec<BackwardRow>> {
+    use crate::model::backward::Metric;
+    let mut rows = Vec::new();
+    for &n in &a.lengths {
+        let tokens = &all[..n];
+        pb.set_message(format!("forward + backward, n = {n}"));
+        let opts = RunOptions::last_logits(n);
+        let (mut fw, mut fb) = (Vec::new(), Vec::new());
+        let mut peak = None;
+        for i in 0..=a.repeats {
+            let t0 = Instant::now();
+            model.forward(tokens, &opts, &mut NoCapture)?;
+            let f = t0.elapsed().as_secs_f64();
+            let resettable = i > 0 && reset_peak_rss();
+            let t0 = Instant::now();
+            let g = model.gradient(tokens, Metric::LogProb(None))?;
+            let b = t0.elapsed().as_secs_f64();
+            drop(g);
+            if resettable {
+                peak = peak.max(peak_rss_bytes());
+            }
+            if i > 0 {
+                fw.push(f);
+                fb.push(b);
+            }
+        }
+        let (forward_s, forward_backward_s) = (median(fw), median(fb));
+        rows.push(BackwardRow {
+            n,
+            forward_s,
+            forward_backward_s,
+            ratio: forward_backward_s / forward_s,
+            peak_rss_bytes: peak,
+        });
+        pb.inc(1);
+    }
+    Ok(rows)
 }
 
 /// The machine's rates: the micro-kernel's in-cache peak and the products at the model's shapes.
@@ -791,11 +877,15 @@ fn report(
     model: &crate::model::Model,
     a: &Args,
     rates: &Rates,
-    forwards: &[ForwardRow],
-    precisions: &[PrecisionRow],
-    commands: &[CommandRow],
-    side: &[SideRow],
+    timed: &Timed,
 ) -> anyhow::Result<()> {
+    let (forwards, backwards, precisions, commands, side) = (
+        timed.forwards,
+        timed.backwards,
+        timed.precisions,
+        timed.commands,
+        timed.side,
+    );
     let (isa, peak, gemms, machine_rate) =
         (rates.isa, rates.peak, &rates.gemms, rates.machine_rate);
     let (cpu, threads) = machine();
@@ -803,7 +893,7 @@ fn report(
         let doc = serde_json::json!({
             "model": model.info.name, "precision": model.info.precision.name(), "cpu": cpu, "threads": threads,
             "kernel": isa.name(), "simd": crate::kernels::simd::level().name(), "kernel_peak_gflops": peak, "machine_gemm_gflops": machine_rate,
-            "gemm": gemms, "forward": forwards, "commands": commands, "repeats": a.repeats,
+            "gemm": gemms, "forward": forwards, "backward": backwards, "commands": commands, "repeats": a.repeats,
             "transformers": side, "fast_vs_exact": precisions,
         });
         return emit(&format!("{}\n", serde_json::to_string_pretty(&doc)?));
@@ -904,6 +994,31 @@ fn report(
     }
     s += &t.render();
     s += "Attention rates count the useful work (q·k and p·v over the visible pairs of every head).\n";
+    if !backwards.is_empty() {
+        s += &format!(
+            "\nForward against forward + backward (the gradient of the last position's log-probability wrt every input embedding and resid_pre; in alternation, median of {} pairs after a warm-up pair)\n",
+            a.repeats
+        );
+        let mut t = Table::new([
+            ("n", Align::Right),
+            ("forward", Align::Right),
+            ("forward + backward", Align::Right),
+            ("ratio", Align::Right),
+            ("peak RSS (weights included)", Align::Right),
+        ]);
+        for b in backwards {
+            t.row([
+                b.n.to_string(),
+                format!("{:.2} s", b.forward_s),
+                format!("{:.2} s", b.forward_backward_s),
+                format!("{:.2}x", b.ratio),
+                b.peak_rss_bytes
+                    .map(|x| format!("{:.2} GB", x as f64 / 1e9))
+                    .unwrap_or_else(|| "—".into()),
+            ]);
+        }
+        s += &t.render();
+    }
     if !precisions.is_empty() {
         s += &format!(
             "\nfast ({}) against exact, their forwards in alternation (median of {} pairs after a warm-up pair)\n",

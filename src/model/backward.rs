@@ -11,8 +11,9 @@
 use super::block::{MlpKind, NormKind};
 use super::error::{Error, Result};
 use super::ops::{gelu_tanh_of, layer_norm, rms_norm, rms_norm_in_place, rotate};
-use super::weights::{Layer, Linear};
+use super::weights::Layer;
 use super::Model;
+use crate::kernels::gemm::{self, Isa, PackedB};
 use rayon::prelude::*;
 
 /// The scalar whose gradient is taken, of the last position's logits.
@@ -61,19 +62,15 @@ pub struct Integrated {
 /// What one layer's backward needs from its forward.
 struct Saved {
     resid_pre: Vec<f32>,
-    h1: Vec<f32>,
     /// q, k, v as the projection gave them (before q/k norms and RoPE), `[n, width]`
     qkv: Vec<f32>,
     /// q `[nh, n, hd]`, k and v `[nkv, n, hd]` as attention reads them
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
-    z: Vec<f32>,
     attn_proj: Vec<f32>,
     resid_mid: Vec<f32>,
-    h2: Vec<f32>,
     gu: Vec<f32>,
-    act: Vec<f32>,
     mlp_proj: Vec<f32>,
 }
 
@@ -93,7 +90,11 @@ fn norm_fwd(kind: NormKind, x: &[f32], w: &[f32], b: Option<&[f32]>, eps: f32) -
 pub fn norm_backward(kind: NormKind, x: &[f32], w: &[f32], eps: f32, dy: &[f32]) -> Vec<f32> {
     let d = w.len();
     let mut dx = vec![0f32; x.len()];
-    for ((xr, dyr), dxr) in x.chunks(d).zip(dy.chunks(d)).zip(dx.chunks_mut(d)) {
+    let rows = x
+        .par_chunks(d)
+        .zip(dy.par_chunks(d))
+        .zip(dx.par_chunks_mut(d));
+    rows.for_each(|((xr, dyr), dxr)| {
         let g: Vec<f64> = dyr
             .iter()
             .zip(w)
@@ -120,31 +121,237 @@ pub fn norm_backward(kind: NormKind, x: &[f32], w: &[f32], eps: f32, dy: &[f32])
                 }
             }
         }
-    }
-    dx
-}
-
-/// `Wᵀ` of a projection as `[k, n]` f32, read back from its kernel (`I · Wᵀ`, the bias left out).
-fn transposed(lin: &Linear) -> Vec<f32> {
-    let k = lin.k;
-    let mut eye = vec![0f32; k * k];
-    for i in 0..k {
-        eye[i * k + i] = 1.0;
-    }
-    lin.forward_unbiased(&eye, k)
-}
-
-/// `dX[m, k] = dY[m, n] · W` with `wt = Wᵀ: [k, n]`.
-fn back_matmul(dy: &[f32], m: usize, wt: &[f32], k: usize, n: usize) -> Vec<f32> {
-    let mut dx = vec![0f32; m * k];
-    dx.par_chunks_mut(k).enumerate().for_each(|(r, out)| {
-        let g = &dy[r * n..(r + 1) * n];
-        for (i, o) in out.iter_mut().enumerate() {
-            let w = &wt[i * n..(i + 1) * n];
-            *o = g.iter().zip(w).map(|(a, b)| a * b).sum();
-        }
     });
     dx
+}
+
+/// One layer's projections packed for `dX = dY · W` ([`super::weights::Linear::transposed`]).
+pub struct LayerT {
+    qkv: PackedB,
+    o: PackedB,
+    gate_up: PackedB,
+    down: PackedB,
+}
+
+/// `dX[m, k] = dY[m, n] · W` on the engine's GEMM, `w` packed by [`super::weights::Linear::transposed`].
+fn back_matmul(dy: &[f32], m: usize, w: &PackedB) -> Vec<f32> {
+    let mut dx = vec![0f32; m * w.n];
+    gemm::gemm(dy, w.k, m, w, &mut dx, w.n, false);
+    dx
+}
+
+/// Query rows per block of the attention's forward and backward.
+const QB: usize = 64;
+
+/// One head's attention inputs, `[n, hd]` each, with its layer's score rules.
+struct Head<'a> {
+    q: &'a [f32],
+    v: &'a [f32],
+    n: usize,
+    hd: usize,
+    scale: f32,
+    softcap: Option<f32>,
+    window: Option<usize>,
+}
+
+/// A kv head's keys and values packed both ways (`Q·Kᵀ`, `dS·K`, `dZ·Vᵀ`, `P·V`).
+struct Packed4 {
+    k_rows: PackedB,
+    k_cols: PackedB,
+    v_rows: PackedB,
+    v_cols: PackedB,
+}
+
+impl Packed4 {
+    fn new(k: &[f32], v: &[f32], n: usize, hd: usize) -> Packed4 {
+        let isa = Isa::detect();
+        Packed4 {
+            k_rows: PackedB::from_rows(k, n, hd, hd, isa),
+            k_cols: PackedB::from_cols(k, n, hd, hd, isa),
+            v_rows: PackedB::from_rows(v, n, hd, hd, isa),
+            v_cols: PackedB::from_cols(v, n, hd, hd, isa),
+        }
+    }
+}
+
+/// `[rows, cols]` transposed to `[cols, rows]`.
+fn transpose(a: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut t = vec![0f32; rows * cols];
+    for r in 0..rows {
+        for c in 0..cols {
+            t[c * rows + r] = a[r * cols + c];
+        }
+    }
+    t
+}
+
+impl Head<'_> {
+    /// Query rows `i0..i1`'s probabilities over keys `0..i1` into `p` (`[rows, i1]`), with the
+    /// soft-cap's `tanh` of each score in `th` (for its derivative).
+    fn probs_block(&self, kp: &Packed4, i0: usize, i1: usize, p: &mut Vec<f32>, th: &mut Vec<f32>) {
+        let (hd, rows, ld) = (self.hd, i1 - i0, i1);
+        p.clear();
+        p.resize(rows * ld, 0.0);
+        th.clear();
+        th.resize(rows * ld, 0.0);
+        gemm::gemm_sub(
+            &self.q[i0 * hd..],
+            hd,
+            rows,
+            &kp.k_rows,
+            0..hd,
+            0..ld,
+            p,
+            ld,
+            false,
+            false,
+        );
+        for (r, (row, trow)) in p.chunks_mut(ld).zip(th.chunks_mut(ld)).enumerate() {
+            let i = i0 + r;
+            let lo = self.window.map_or(0, |w| (i + 1).saturating_sub(w));
+            row[i + 1..].iter_mut().for_each(|s| *s = 0.0);
+            row[..lo].iter_mut().for_each(|s| *s = 0.0);
+            let live = &mut row[lo..=i];
+            let scale = self.scale;
+            live.iter_mut().for_each(|s| *s *= scale);
+            if let Some(c) = self.softcap {
+                for (s, t) in live.iter_mut().zip(&mut trow[lo..=i]) {
+                    *t = (*s / c).tanh();
+                    *s = *t * c;
+                }
+            }
+            let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let (sum, _) = super::attention::exp_shift_sums_masked(live, max);
+            let inv = (1.0 / sum) as f32;
+            live.iter_mut().for_each(|s| *s *= inv);
+        }
+    }
+
+    /// The head's output `z`, `[n, hd]`.
+    fn forward(&self, kp: &Packed4) -> Vec<f32> {
+        let (n, hd) = (self.n, self.hd);
+        let mut z = vec![0f32; n * hd];
+        let (mut p, mut th) = (Vec::new(), Vec::new());
+        for i0 in (0..n).step_by(QB) {
+            let i1 = (i0 + QB).min(n);
+            self.probs_block(kp, i0, i1, &mut p, &mut th);
+            gemm::gemm_sub(
+                &p,
+                i1,
+                i1 - i0,
+                &kp.v_cols,
+                0..i1,
+                0..hd,
+                &mut z[i0 * hd..],
+                hd,
+                false,
+                false,
+            );
+        }
+        z
+    }
+
+    /// The head's backward from `dz` (`[n, hd]`): `(dq, dk, dv)`, `[n, hd]` each, and the last
+    /// query row's pattern gradient `[n]`. The probabilities are recomputed a block of query
+    /// rows at a time; no `[n, n]` matrix is held.
+    fn backward(&self, kp: &Packed4, dz: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+        let (n, hd) = (self.n, self.hd);
+        let isa = Isa::detect();
+        let dzl = &dz[(n - 1) * hd..];
+        let dpat: Vec<f32> = self
+            .v
+            .chunks(hd)
+            .map(|vj| dzl.iter().zip(vj).map(|(a, b)| a * b).sum())
+            .collect();
+        let mut dq = vec![0f32; n * hd];
+        let mut dk = vec![0f32; n * hd];
+        let mut dv = vec![0f32; n * hd];
+        let (mut p, mut th, mut dp) = (Vec::new(), Vec::new(), Vec::new());
+        for i0 in (0..n).step_by(QB) {
+            let i1 = (i0 + QB).min(n);
+            let (rows, ld) = (i1 - i0, i1);
+            self.probs_block(kp, i0, i1, &mut p, &mut th);
+            dp.clear();
+            dp.resize(rows * ld, 0.0);
+            let dzb = &dz[i0 * hd..i1 * hd];
+            gemm::gemm_sub(
+                dzb,
+                hd,
+                rows,
+                &kp.v_rows,
+                0..hd,
+                0..ld,
+                &mut dp,
+                ld,
+                false,
+                false,
+            );
+            // dV[0..i1] += Pᵀ · dZ
+            let pt = transpose(&p, rows, ld);
+            let dzp = PackedB::from_cols(dzb, rows, hd, hd, isa);
+            gemm::gemm_sub(
+                &pt,
+                rows,
+                ld,
+                &dzp,
+                0..rows,
+                0..hd,
+                &mut dv,
+                hd,
+                true,
+                false,
+            );
+            // dS = P ⊙ (dP − Σ P·dP), through the soft-cap and the scale
+            for ((prow, dprow), trow) in p.chunks(ld).zip(dp.chunks_mut(ld)).zip(th.chunks(ld)) {
+                let pdp: f64 = prow
+                    .iter()
+                    .zip(dprow.iter())
+                    .map(|(&a, &b)| a as f64 * b as f64)
+                    .sum();
+                let pdp = pdp as f32;
+                let scale = self.scale;
+                match self.softcap {
+                    Some(_) => {
+                        for ((d, &pj), &t) in dprow.iter_mut().zip(prow).zip(trow) {
+                            *d = pj * (*d - pdp) * (1.0 - t * t) * scale;
+                        }
+                    }
+                    None => {
+                        for (d, &pj) in dprow.iter_mut().zip(prow) {
+                            *d = pj * (*d - pdp) * scale;
+                        }
+                    }
+                }
+            }
+            gemm::gemm_sub(
+                &dp,
+                ld,
+                rows,
+                &kp.k_cols,
+                0..ld,
+                0..hd,
+                &mut dq[i0 * hd..],
+                hd,
+                false,
+                false,
+            );
+            let dst = transpose(&dp, rows, ld);
+            let qp = PackedB::from_cols(&self.q[i0 * hd..i1 * hd], rows, hd, hd, isa);
+            gemm::gemm_sub(
+                &dst,
+                rows,
+                ld,
+                &qp,
+                0..rows,
+                0..hd,
+                &mut dk,
+                hd,
+                true,
+                false,
+            );
+        }
+        (dq, dk, dv, dpat)
+    }
 }
 
 fn sigmoid(x: f32) -> f32 {
@@ -227,7 +434,6 @@ impl Model {
         }
         let (nq, nk) = (nh * hd, nkv * hd);
         let width = nq + 2 * nk;
-        let group = nh / nkv;
         let half = dims.rotary_dim / 2;
         let style = self.weights.rope_style;
         let tables = |base: f32| {
@@ -280,20 +486,7 @@ impl Model {
             let q = split(0, nh, true);
             let k = split(nq, nkv, true);
             let v = split(nq + nk, nkv, false);
-            let mut z = vec![0f32; n * nq];
-            for h in 0..nh {
-                let g = h / group;
-                for i in 0..n {
-                    let p = self.probs(l, &q, &k, h, g, i, n);
-                    let zi = &mut z[(i * nh + h) * hd..][..hd];
-                    for (j, &pj) in p.iter().enumerate() {
-                        if pj != 0.0 {
-                            let vj = &v[(g * n + j) * hd..][..hd];
-                            zi.iter_mut().zip(vj).for_each(|(a, b)| *a += pj * b);
-                        }
-                    }
-                }
-            }
+            let z = self.attention_forward(l, &q, &k, &v, n);
             let attn_proj = layer.o.forward(&z, n)?;
             let attn_out = match &layer.post_norms {
                 Some((pa, _)) => rms_norm(&attn_proj, pa, eps),
@@ -334,17 +527,13 @@ impl Model {
             }
             saved.push(Saved {
                 resid_pre,
-                h1,
                 qkv,
                 q,
                 k,
                 v,
-                z,
                 attn_proj,
                 resid_mid,
-                h2,
                 gu,
-                act,
                 mlp_proj,
             });
         }
@@ -459,11 +648,12 @@ impl Model {
             &dh,
         ));
         // ---- the blocks, last to first
+        let transposes = self.transposes();
         let mut grad_resid_pre = vec![Vec::new(); dims.n_layers];
         let mut grad_pattern_last = vec![Vec::new(); dims.n_layers];
         for (l, layer) in self.weights.layers.iter().enumerate().rev() {
             let s = &saved[l];
-            grad_pattern_last[l] = self.block_backward(l, layer, s, n, &mut dx)?;
+            grad_pattern_last[l] = self.block_backward(l, layer, &transposes[l], s, n, &mut dx)?;
             if !dx.iter().all(|v| v.is_finite()) {
                 return Err(Error::NonFinite {
                     what: "the gradient of the residual stream".into(),
@@ -533,68 +723,76 @@ impl Model {
         })
     }
 
-    /// Query `i`'s attention probabilities over keys `0..n` in head `h` (kv group `g`) of layer
-    /// `l`, from the saved (rotated) q and k.
-    #[allow(clippy::too_many_arguments)]
-    fn probs(
+    /// One layer's heads, `(heads, packed kv heads)`, from the saved q `[nh, n, hd]`, k and v
+    /// `[nkv, n, hd]`.
+    fn heads<'a>(
         &self,
         l: usize,
-        q: &[f32],
-        k: &[f32],
-        h: usize,
-        g: usize,
-        i: usize,
+        q: &'a [f32],
+        k: &'a [f32],
+        v: &'a [f32],
         n: usize,
-    ) -> Vec<f32> {
-        let (s, _) = self.scores(l, q, k, h, g, i, n);
-        s
+    ) -> (Vec<Head<'a>>, Vec<Packed4>) {
+        let (nh, nkv, hd) = (self.dims.n_heads, self.dims.n_kv_heads, self.dims.head_dim);
+        let plan = self.weights.layers[l].plan;
+        let group = nh / nkv;
+        let packed: Vec<Packed4> = (0..nkv)
+            .into_par_iter()
+            .map(|g| {
+                let at = g * n * hd..(g + 1) * n * hd;
+                Packed4::new(&k[at.clone()], &v[at], n, hd)
+            })
+            .collect();
+        let heads = (0..nh)
+            .map(|h| {
+                let g = h / group;
+                Head {
+                    q: &q[h * n * hd..(h + 1) * n * hd],
+                    v: &v[g * n * hd..(g + 1) * n * hd],
+                    n,
+                    hd,
+                    scale: plan.score_scale.unwrap_or(1.0 / (hd as f32).sqrt()),
+                    softcap: plan.softcap,
+                    window: plan.window,
+                }
+            })
+            .collect();
+        (heads, packed)
     }
 
-    /// Query `i`'s probabilities and the soft-cap's `tanh` of each score (for its derivative).
-    #[allow(clippy::too_many_arguments)]
-    fn scores(
-        &self,
-        l: usize,
-        q: &[f32],
-        k: &[f32],
-        h: usize,
-        g: usize,
-        i: usize,
-        n: usize,
-    ) -> (Vec<f32>, Vec<f32>) {
-        let plan = self.weights.layers[l].plan;
-        let hd = self.dims.head_dim;
-        let scale = plan.score_scale.unwrap_or(1.0 / (hd as f32).sqrt());
-        let qi = &q[(h * n + i) * hd..][..hd];
-        let mut s = vec![f32::NEG_INFINITY; n];
-        let mut th = vec![0f32; n];
-        for j in 0..=i {
-            if plan.window.is_some_and(|w| j + w <= i) {
-                continue;
+    /// One layer's attention output `z`, `[n, nh·hd]`, every head in parallel.
+    fn attention_forward(&self, l: usize, q: &[f32], k: &[f32], v: &[f32], n: usize) -> Vec<f32> {
+        let (nh, nkv, hd) = (self.dims.n_heads, self.dims.n_kv_heads, self.dims.head_dim);
+        let group = nh / nkv;
+        let (heads, packed) = self.heads(l, q, k, v, n);
+        let zs: Vec<Vec<f32>> = heads
+            .par_iter()
+            .enumerate()
+            .map(|(h, head)| head.forward(&packed[h / group]))
+            .collect();
+        let mut z = vec![0f32; n * nh * hd];
+        for (h, zh) in zs.iter().enumerate() {
+            for (i, row) in zh.chunks(hd).enumerate() {
+                z[(i * nh + h) * hd..][..hd].copy_from_slice(row);
             }
-            let kj = &k[(g * n + j) * hd..][..hd];
-            let raw: f32 = qi.iter().zip(kj).map(|(a, b)| a * scale * b).sum();
-            s[j] = match plan.softcap {
-                Some(c) => {
-                    let t = (raw / c).tanh();
-                    th[j] = t;
-                    t * c
-                }
-                None => raw,
-            };
         }
-        let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0f64;
-        for v in s.iter_mut() {
-            *v = if v.is_finite() {
-                ((*v - max) as f64).exp() as f32
-            } else {
-                0.0
-            };
-            sum += *v as f64;
-        }
-        s.iter_mut().for_each(|v| *v = (*v as f64 / sum) as f32);
-        (s, th)
+        z
+    }
+
+    /// The projections packed for the backward, made on the first call.
+    fn transposes(&self) -> &[LayerT] {
+        self.transposed.get_or_init(|| {
+            self.weights
+                .layers
+                .iter()
+                .map(|layer| LayerT {
+                    qkv: layer.qkv.transposed(),
+                    o: layer.o.transposed(),
+                    gate_up: layer.gate_up.transposed(),
+                    down: layer.down.transposed(),
+                })
+                .collect()
+        })
     }
 
     /// One block's backward: `dx` (`∂/∂resid_post`, `[n, d_model]`) becomes `∂/∂resid_pre`.
@@ -602,18 +800,13 @@ impl Model {
         &self,
         l: usize,
         layer: &Layer,
+        t: &LayerT,
         s: &Saved,
         n: usize,
         dx: &mut [f32],
     ) -> Result<Vec<f32>> {
         let dims = &self.dims;
-        let (nh, nkv, hd, dm, ff) = (
-            dims.n_heads,
-            dims.n_kv_heads,
-            dims.head_dim,
-            dims.d_model,
-            dims.d_ff,
-        );
+        let (nh, nkv, hd, ff) = (dims.n_heads, dims.n_kv_heads, dims.head_dim, dims.d_ff);
         let eps = dims.rms_eps;
         let plan = layer.plan;
         let (nq, nk) = (nh * hd, nkv * hd);
@@ -624,39 +817,36 @@ impl Model {
             Some((_, pm)) => norm_backward(NormKind::Rms, &s.mlp_proj, pm, eps, dx),
             None => dx.to_vec(),
         };
-        let d_act = back_matmul(&d_mlp_proj, n, &transposed(&layer.down), ff, dm);
+        let d_act = back_matmul(&d_mlp_proj, n, &t.down);
         let gw = if plan.mlp.gated() { 2 * ff } else { ff };
         let mut d_gu = vec![0f32; n * gw];
-        for ((row, da), dg) in
-            s.gu.chunks(gw)
-                .zip(d_act.chunks(ff))
-                .zip(d_gu.chunks_mut(gw))
-        {
-            match plan.mlp {
-                MlpKind::GeluTanh => {
-                    for i in 0..ff {
-                        dg[i] = da[i] * gelu_tanh_grad(row[i]);
-                    }
-                }
-                MlpKind::GeGluTanh => {
-                    for i in 0..ff {
-                        let (g, u) = (row[i], row[ff + i]);
-                        dg[i] = da[i] * u * gelu_tanh_grad(g);
-                        dg[ff + i] = da[i] * gelu_tanh_of(g);
-                    }
-                }
-                MlpKind::SwiGlu => {
-                    for i in 0..ff {
-                        let (g, u) = (row[i], row[ff + i]);
-                        let sg = sigmoid(g);
-                        dg[i] = da[i] * u * sg * (1.0 + g * (1.0 - sg));
-                        dg[ff + i] = da[i] * g * sg;
-                    }
+        let rows =
+            s.gu.par_chunks(gw)
+                .zip(d_act.par_chunks(ff))
+                .zip(d_gu.par_chunks_mut(gw));
+        rows.for_each(|((row, da), dg)| match plan.mlp {
+            MlpKind::GeluTanh => {
+                for i in 0..ff {
+                    dg[i] = da[i] * gelu_tanh_grad(row[i]);
                 }
             }
-        }
-        let _ = &s.act;
-        let d_h2 = back_matmul(&d_gu, n, &transposed(&layer.gate_up), dm, gw);
+            MlpKind::GeGluTanh => {
+                for i in 0..ff {
+                    let (g, u) = (row[i], row[ff + i]);
+                    dg[i] = da[i] * u * gelu_tanh_grad(g);
+                    dg[ff + i] = da[i] * gelu_tanh_of(g);
+                }
+            }
+            MlpKind::SwiGlu => {
+                for i in 0..ff {
+                    let (g, u) = (row[i], row[ff + i]);
+                    let sg = sigmoid(g);
+                    dg[i] = da[i] * u * sg * (1.0 + g * (1.0 - sg));
+                    dg[ff + i] = da[i] * g * sg;
+                }
+            }
+        });
+        let d_h2 = back_matmul(&d_gu, n, &t.gate_up);
         let d_mid = norm_backward(plan.norm, &s.resid_mid, &layer.mlp_norm, eps, &d_h2);
         dx.iter_mut().zip(&d_mid).for_each(|(a, b)| *a += b);
         // attention: resid_mid = resid_pre + post(o(attn(qkv(norm(resid_pre)))))
@@ -664,51 +854,30 @@ impl Model {
             Some((pa, _)) => norm_backward(NormKind::Rms, &s.attn_proj, pa, eps, dx),
             None => dx.to_vec(),
         };
-        let dz = back_matmul(&d_attn_proj, n, &transposed(&layer.o), nq, dm);
+        let dz = back_matmul(&d_attn_proj, n, &t.o);
+        let (heads, packed) = self.heads(l, &s.q, &s.k, &s.v, n);
+        let per_head: Vec<_> = heads
+            .par_iter()
+            .enumerate()
+            .map(|(h, head)| {
+                let dzh: Vec<f32> = (0..n)
+                    .flat_map(|i| dz[(i * nh + h) * hd..][..hd].iter().copied())
+                    .collect();
+                head.backward(&packed[h / group], &dzh)
+            })
+            .collect();
         let mut dq = vec![0f32; nh * n * hd];
         let mut dk = vec![0f32; nkv * n * hd];
         let mut dv = vec![0f32; nkv * n * hd];
-        let scale = plan.score_scale.unwrap_or(1.0 / (hd as f32).sqrt());
         let mut dpat = vec![0f32; nh * n];
-        for h in 0..nh {
+        for (h, (dqh, dkh, dvh, dph)) in per_head.into_iter().enumerate() {
             let g = h / group;
-            // the last query row's pattern gradient, every key (masked ones too)
-            let dzl = &dz[((n - 1) * nh + h) * hd..][..hd];
-            for j in 0..n {
-                let vj = &s.v[(g * n + j) * hd..][..hd];
-                dpat[h * n + j] = dzl.iter().zip(vj).map(|(a, b)| a * b).sum();
-            }
-            for i in 0..n {
-                let (p, th) = self.scores(l, &s.q, &s.k, h, g, i, n);
-                let dzi = &dz[(i * nh + h) * hd..][..hd];
-                let mut dp = vec![0f32; n];
-                for j in 0..=i {
-                    if p[j] == 0.0 {
-                        continue;
-                    }
-                    let vj = &s.v[(g * n + j) * hd..][..hd];
-                    dp[j] = dzi.iter().zip(vj).map(|(a, b)| a * b).sum();
-                    let dvj = &mut dv[(g * n + j) * hd..][..hd];
-                    dvj.iter_mut().zip(dzi).for_each(|(a, b)| *a += p[j] * b);
-                }
-                let pdp: f64 = (0..=i).map(|j| p[j] as f64 * dp[j] as f64).sum();
-                let qi: Vec<f32> = s.q[(h * n + i) * hd..][..hd].to_vec();
-                for j in 0..=i {
-                    if p[j] == 0.0 {
-                        continue;
-                    }
-                    let mut ds = (p[j] as f64 * (dp[j] as f64 - pdp)) as f32;
-                    if plan.softcap.is_some() {
-                        ds *= 1.0 - th[j] * th[j];
-                    }
-                    let ds = ds * scale;
-                    let kj = &s.k[(g * n + j) * hd..][..hd];
-                    let dqi = &mut dq[(h * n + i) * hd..][..hd];
-                    dqi.iter_mut().zip(kj).for_each(|(a, b)| *a += ds * b);
-                    let dkj = &mut dk[(g * n + j) * hd..][..hd];
-                    dkj.iter_mut().zip(&qi).for_each(|(a, b)| *a += ds * b);
-                }
-            }
+            dq[h * n * hd..(h + 1) * n * hd].copy_from_slice(&dqh);
+            let gk = &mut dk[g * n * hd..(g + 1) * n * hd];
+            gk.iter_mut().zip(&dkh).for_each(|(a, b)| *a += b);
+            let gv = &mut dv[g * n * hd..(g + 1) * n * hd];
+            gv.iter_mut().zip(&dvh).for_each(|(a, b)| *a += b);
+            dpat[h * n..(h + 1) * n].copy_from_slice(&dph);
         }
         // back through RoPE (rotate by the opposite angles), the q/k norms, into [n, width]
         let half = dims.rotary_dim / 2;
@@ -758,10 +927,9 @@ impl Model {
                 }
             }
         }
-        let d_h1 = back_matmul(&d_qkv, n, &transposed(&layer.qkv), dm, width);
+        let d_h1 = back_matmul(&d_qkv, n, &t.qkv);
         let d_pre = norm_backward(plan.norm, &s.resid_pre, &layer.attn_norm, eps, &d_h1);
         dx.iter_mut().zip(&d_pre).for_each(|(a, b)| *a += b);
-        let _ = (&s.h1, &s.h2, &s.z);
         Ok(dpat)
     }
 }

@@ -64,6 +64,9 @@ pub struct Model {
     weights: weights::Weights,
     /// The packed-weight cache file the projections were mapped from, or written to, at load.
     panel_file: Option<PathBuf>,
+    /// The projections' transposes packed for the backward (`dX = dY · W`), made on the first
+    /// gradient and kept with the model.
+    transposed: std::sync::OnceLock<Vec<backward::LayerT>>,
 }
 
 /// What `--model` named, resolved.
@@ -345,6 +348,7 @@ impl Model {
                         tokenizer,
                         weights,
                         panel_file,
+                        transposed: Default::default(),
                     }
                 }
             })
@@ -425,6 +429,7 @@ impl Model {
             tokenizer,
             weights,
             panel_file,
+            transposed: Default::default(),
         })
     }
 

@@ -716,6 +716,38 @@ impl Linear {
         w
     }
 
+    /// `W: [n, k]` packed as the right-hand side of `dY[m, n] · W` (the backward's product):
+    /// f32 panels are read back as they are; a matrix held otherwise is read back through its own
+    /// kernel (`I · Wᵀ`), the values the forward multiplies by.
+    pub fn transposed(&self) -> PackedB {
+        let (k, n) = (self.k, self.n);
+        use rayon::prelude::*;
+        let isa = gemm::Isa::detect();
+        match &self.mat {
+            Matrix::Packed(pb) => {
+                let mut w = vec![0f32; n * k];
+                w.par_chunks_mut(k)
+                    .enumerate()
+                    .for_each(|(j, row)| row.copy_from_slice(&pb.column(j)));
+                PackedB::from_cols(&w, n, k, k, isa)
+            }
+            _ => {
+                let mut wt = vec![0f32; k * n];
+                let step = 1024;
+                for r0 in (0..k).step_by(step) {
+                    let rows = step.min(k - r0);
+                    let mut eye = vec![0f32; rows * k];
+                    for i in 0..rows {
+                        eye[i * k + r0 + i] = 1.0;
+                    }
+                    let part = self.forward_unbiased(&eye, rows);
+                    wt[r0 * n..(r0 + rows) * n].copy_from_slice(&part);
+                }
+                PackedB::from_rows(&wt, k, n, n, isa)
+            }
+        }
+    }
+
     /// `x[m, k] · Wᵀ (+ b)` as a new `[m, n]` buffer.
     pub fn forward(&self, x: &[f32], m: usize) -> Result<Vec<f32>> {
         let mut out = vec![0f32; m * self.n];
