@@ -18,6 +18,7 @@
 //! ([`crate::model::Model::forward_batch`]): a short variant alone is bound by reading the weights.
 
 use super::norms::{mixed_norms, shares, Values};
+use crate::model::backward::Metric;
 use crate::model::capture::{AttnCache, CaptureSpec};
 use crate::model::forward::{log_softmax, KvPrefix, RunOptions, Segment};
 use crate::model::{Model, Result};
@@ -318,7 +319,7 @@ pub fn run(
         model,
         tokens,
         kv: &kv,
-        target: target_id,
+        metric: Metric::LogProb(Some(target_id)),
         memo: HashMap::new(),
         passes: 1,
     };
@@ -558,12 +559,72 @@ const BATCH_ROWS: usize = 2048;
 /// held twice for a moment, and a long text has many short variants.
 const BATCH_VARIANTS: usize = 64;
 
+/// The value of a resolved `metric` (its target given) on one row of logits.
+pub fn metric_value(metric: Metric, logits: &[f32]) -> f32 {
+    match metric {
+        Metric::LogProb(t) => {
+            let lp = log_softmax(logits);
+            lp[t.unwrap_or_else(|| super::max_argmax(logits).1 as u32) as usize]
+        }
+        Metric::LogitDiff { answer, wrong } => logits[answer as usize] - logits[wrong as usize],
+    }
+}
+
+/// Occlusion by deletion: `metric(text) − metric(text without token i)` for every position
+/// (positive: the token raised the metric), with `metric(text)`. The deletions reuse the full
+/// run's keys and values before each deleted position and run many to a forward, as
+/// `faithfulness` does. `metric` must name its target; a text of one token has nothing to
+/// delete (an error).
+pub fn deletion_effects(
+    model: &Model,
+    tokens: &[u32],
+    metric: Metric,
+    mut tick: impl FnMut(usize, usize),
+) -> Result<(f32, Vec<f32>)> {
+    let n = tokens.len();
+    if n < 2 {
+        return Err(crate::model::Error::OutOfRange {
+            what: "text".into(),
+            value: format!("{n} token(s)"),
+            range: "at least 2 tokens (occlusion deletes one and predicts from the rest)".into(),
+        });
+    }
+    let full = model.forward(
+        tokens,
+        &RunOptions {
+            logits_at: vec![n - 1],
+            keep_kv: true,
+            ..Default::default()
+        },
+        &mut crate::model::capture::NoCapture,
+    )?;
+    let kv = full.kv.expect("keep_kv was set");
+    let base = metric_value(metric, &full.logits[0]);
+    let mut runner = Runner {
+        model,
+        tokens,
+        kv: &kv,
+        metric,
+        memo: HashMap::new(),
+        passes: 1,
+    };
+    let wanted: Vec<(Vec<u32>, Option<usize>)> = (0..n)
+        .map(|j| (without_positions(tokens, &[j]), None))
+        .collect();
+    runner.prefetch(&wanted, &mut tick)?;
+    let deltas = wanted
+        .iter()
+        .map(|(v, _)| runner.logprob(v, None).map(|f| base - f))
+        .collect::<Result<Vec<f32>>>()?;
+    Ok((base, deltas))
+}
+
 /// Forward passes for token variants, memoized, reusing the longest valid KV prefix.
 struct Runner<'a> {
     model: &'a Model,
     tokens: &'a [u32],
     kv: &'a KvPrefix,
-    target: u32,
+    metric: Metric,
     memo: HashMap<(Vec<u32>, Option<usize>), f32>,
     passes: usize,
 }
@@ -627,8 +688,8 @@ impl Runner<'_> {
                 .collect();
             let logits = self.model.forward_batch(Some(self.kv), &segments)?;
             for (&key, rows) in batch.iter().zip(logits) {
-                let lp = log_softmax(&rows[0])[self.target as usize];
-                self.memo.insert(key.clone(), lp);
+                self.memo
+                    .insert(key.clone(), metric_value(self.metric, &rows[0]));
             }
             self.passes += batch.len();
             tick(self.passes, total);
@@ -637,7 +698,8 @@ impl Runner<'_> {
         Ok(())
     }
 
-    /// log p(target) after `variant` (with key `knockout` hidden, if any): from the memo that
+    /// The metric (log p(target), or a logit difference) after `variant` (with key `knockout`
+    /// hidden, if any): from the memo that
     /// [`Runner::prefetch`] fills, running it there first if it is not known yet.
     fn logprob(&mut self, variant: &[u32], knockout: Option<usize>) -> Result<f32> {
         let key = (variant.to_vec(), knockout);
