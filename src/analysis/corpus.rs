@@ -3,7 +3,7 @@
 //! `attnscope corpus merge` give exactly the numbers of a single run.
 
 use super::collect::Collector;
-use super::faithfulness::{run as run_faith, FaithOptions, Target};
+use super::faithfulness::{run as run_faith, FaithOptions};
 use crate::model::forward::RunOptions;
 use serde::{Deserialize, Serialize};
 
@@ -533,11 +533,7 @@ pub fn text_record(
         let f = run_faith(
             model,
             &tokens,
-            &FaithOptions {
-                target: Target::Next,
-                replacement: " ".into(),
-                seed: 7,
-            },
+            &FaithOptions::attention_only(),
             |_, _| {},
         )?;
         rec.faithfulness = Some(

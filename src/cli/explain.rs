@@ -52,7 +52,7 @@ pub struct Args {
 /// `explain --quiz`: each question with its answer computed on the spot.
 fn quiz(a: &Args) -> anyhow::Result<()> {
     use crate::analysis::faithfulness::{
-        permutation_p, run as run_faith, spearman, FaithOptions, Target,
+        permutation_p, run as run_faith, spearman, FaithOptions,
     };
     use crate::model::capture::{AttnCache, CaptureSpec};
     use crate::model::forward::RunOptions;
@@ -156,11 +156,7 @@ fn quiz(a: &Args) -> anyhow::Result<()> {
     let f = run_faith(
         &model,
         &tokens,
-        &FaithOptions {
-            target: Target::Next,
-            replacement: " ".into(),
-            seed: 7,
-        },
+        &FaithOptions::attention_only(),
         |_, _| {},
     )?;
     let rows = &f.tokens;
