@@ -70,7 +70,11 @@ fn against_autograd(alias: &str, short: &str, ig: bool) {
     let run = |method: &str| json(&["attribute", "-m", alias, "--method", method, "--json"]);
     let g = run("gradient");
     assert_eq!(g["method"], "gradient");
-    assert_eq!(g["target"]["id"].as_f64(), r["target_id"].as_f64(), "{short}");
+    assert_eq!(
+        g["target"]["id"].as_f64(),
+        r["target_id"].as_f64(),
+        "{short}"
+    );
     assert!((g["logprob"].as_f64().unwrap() - r["logprob"].as_f64().unwrap()).abs() < 1e-3);
     let got_ids: Vec<u64> = g["tokens"]
         .as_array()
@@ -126,13 +130,20 @@ fn against_autograd(alias: &str, short: &str, ig: bool) {
             "--json",
         ]);
         assert_eq!(v["steps"], 32);
-        worst = worst.max(rel_err(&scores(&v), &flat(&r["ig"]), &format!("{short} ig")));
+        worst = worst.max(rel_err(
+            &scores(&v),
+            &flat(&r["ig"]),
+            &format!("{short} ig"),
+        ));
         let (gap, want) = (
             v["completeness_gap"].as_f64().unwrap(),
             r["ig_completeness_gap"].as_f64().unwrap(),
         );
         eprintln!("{short}: completeness gap {gap} vs {want}");
-        assert!((gap - want).abs() < 1e-3 * want.abs().max(1.0), "{short}: gap");
+        assert!(
+            (gap - want).abs() < 1e-3 * want.abs().max(1.0),
+            "{short}: gap"
+        );
     }
     assert!(worst < 1e-3, "{short}: worst relative error {worst:.2e}");
 }
@@ -250,7 +261,10 @@ fn tiny_model_methods() {
             let a = (k as f32 + 0.5) / steps as f32;
             let xa: Vec<f32> = x.iter().map(|v| v * a).collect();
             let g = model.gradient_from(&xa, metric).unwrap();
-            total.iter_mut().zip(&g.grad_input).for_each(|(t, g)| *t += *g as f64);
+            total
+                .iter_mut()
+                .zip(&g.grad_input)
+                .for_each(|(t, g)| *t += *g as f64);
         }
         let s: Vec<f64> = total
             .chunks(dm)
@@ -258,7 +272,10 @@ fn tiny_model_methods() {
             .map(|(t, x)| t.iter().zip(x).map(|(t, x)| t * *x as f64).sum::<f64>() / steps as f64)
             .collect();
         let fx = model.gradient_from(&x, metric).unwrap().value as f64;
-        let f0 = model.gradient_from(&vec![0.0; x.len()], metric).unwrap().value as f64;
+        let f0 = model
+            .gradient_from(&vec![0.0; x.len()], metric)
+            .unwrap()
+            .value as f64;
         let gap = s.iter().sum::<f64>() - (fx - f0);
         (s, gap)
     };
@@ -267,7 +284,10 @@ fn tiny_model_methods() {
     let (want, want_gap) = ig_by_hand(Metric::LogProb(Some(g.target)), 8);
     assert!(rel_err(&scores(&v), &want, "tiny IG") < 1e-5);
     let gap = v["completeness_gap"].as_f64().unwrap();
-    assert!((gap - want_gap).abs() < 1e-4 * want_gap.abs().max(1.0), "gap {gap} vs {want_gap}");
+    assert!(
+        (gap - want_gap).abs() < 1e-4 * want_gap.abs().max(1.0),
+        "gap {gap} vs {want_gap}"
+    );
     let coarse = run(&["--method", "integrated-gradients", "--steps", "1"]);
     assert_eq!(coarse["steps"], 1);
     // a logit difference: f = logit(a) − logit(w), its IG by the same midpoints
@@ -288,13 +308,35 @@ fn tiny_model_methods() {
     assert_eq!(v["wrong"]["id"], w);
     let f = (logits[a as usize] - logits[w as usize]) as f64;
     assert!((v["value"].as_f64().unwrap() - f).abs() < 1e-4 * f.abs().max(1.0));
-    let (want, want_gap) = ig_by_hand(Metric::LogitDiff { answer: a, wrong: w }, 8);
+    let (want, want_gap) = ig_by_hand(
+        Metric::LogitDiff {
+            answer: a,
+            wrong: w,
+        },
+        8,
+    );
     assert!(rel_err(&scores(&v), &want, "tiny logit-diff IG") < 1e-5);
     let gap = v["completeness_gap"].as_f64().unwrap();
-    assert!((gap - want_gap).abs() < 1e-4 * want_gap.abs().max(1.0), "gap {gap} vs {want_gap}");
-    let v = run(&["--method", "grad-x-input", "--answer", &a_s, "--wrong", &w_s]);
+    assert!(
+        (gap - want_gap).abs() < 1e-4 * want_gap.abs().max(1.0),
+        "gap {gap} vs {want_gap}"
+    );
+    let v = run(&[
+        "--method",
+        "grad-x-input",
+        "--answer",
+        &a_s,
+        "--wrong",
+        &w_s,
+    ]);
     let gd = model
-        .gradient(&tokens, Metric::LogitDiff { answer: a, wrong: w })
+        .gradient(
+            &tokens,
+            Metric::LogitDiff {
+                answer: a,
+                wrong: w,
+            },
+        )
         .unwrap();
     let want: Vec<f64> = gd
         .grad_input
@@ -317,7 +359,10 @@ fn tiny_model_methods() {
     ]);
     let s = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success());
-    assert!(s.contains("completeness gap") && s.contains("rank") && s.contains("[at]+"), "{s}");
+    assert!(
+        s.contains("completeness gap") && s.contains("rank") && s.contains("[at]+"),
+        "{s}"
+    );
     assert!(!s.contains('\x1b'), "NO_COLOR is respected");
 }
 
@@ -337,7 +382,10 @@ fn bad_input_is_refused() {
     };
     check(&["--method", "attnlrp"], "unknown attribution method");
     check(&["--method", "gradient", "--target", "the hat"], "--target");
-    check(&["--method", "integrated-gradients", "--steps", "0"], "--steps");
+    check(
+        &["--method", "integrated-gradients", "--steps", "0"],
+        "--steps",
+    );
     check(
         &["--method", "integrated-gradients", "--steps", "100000"],
         "--steps",
@@ -347,8 +395,19 @@ fn bad_input_is_refused() {
         "--wrong",
     );
     check(&["--method", "gradient", "--wrong", "the hat"], "--wrong");
-    check(&["--method", "gradient", "--target", "99999999"], "--target");
-    let out = attnscope(&["attribute", "-m", &m, "--text", "x", "--method", "occlusion"]);
+    check(
+        &["--method", "gradient", "--target", "99999999"],
+        "--target",
+    );
+    let out = attnscope(&[
+        "attribute",
+        "-m",
+        &m,
+        "--text",
+        "x",
+        "--method",
+        "occlusion",
+    ]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("at least 2 tokens"));
 }
@@ -400,7 +459,11 @@ fn faithfulness_has_the_gradient_rankings() {
             .iter()
             .filter(|x| x["ranking"] == r)
             .collect();
-        assert_eq!(rows.len(), 6, "{r}: 3 truths × with/without the first token");
+        assert_eq!(
+            rows.len(),
+            6,
+            "{r}: 3 truths × with/without the first token"
+        );
         assert!(rows.iter().all(|x| x.get("spearman").is_some()));
     }
     let best = &v["most_faithful"];
@@ -432,5 +495,8 @@ fn faithfulness_has_the_gradient_rankings() {
     assert_eq!(out.status.code(), Some(2));
     let table = attnscope(&["faithfulness", "-m", &m, "--text", TEXT, "--steps", "2"]);
     let s = String::from_utf8_lossy(&table.stdout);
-    assert!(s.contains("attn×grad") && s.contains("integrated_gradients"), "{s}");
+    assert!(
+        s.contains("attn×grad") && s.contains("integrated_gradients"),
+        "{s}"
+    );
 }

@@ -157,7 +157,12 @@ pub fn gradient_norms(grad: &[f32], d_model: usize) -> Vec<f32> {
 pub fn grad_times_input(grad: &[f32], input: &[f32], d_model: usize) -> Vec<f32> {
     grad.chunks(d_model)
         .zip(input.chunks(d_model))
-        .map(|(g, x)| g.iter().zip(x).map(|(&g, &x)| g as f64 * x as f64).sum::<f64>() as f32)
+        .map(|(g, x)| {
+            g.iter()
+                .zip(x)
+                .map(|(&g, &x)| g as f64 * x as f64)
+                .sum::<f64>() as f32
+        })
         .collect()
 }
 
@@ -194,7 +199,9 @@ pub fn resolve_metric(
     match wrong {
         None => Ok(Metric::LogProb(Some(a))),
         Some(w) => {
-            let w = w.resolve(model, &logits).map_err(|e| rename(e, "--wrong"))?;
+            let w = w
+                .resolve(model, &logits)
+                .map_err(|e| rename(e, "--wrong"))?;
             if w == a {
                 return Err(Error::OutOfRange {
                     what: "--wrong".into(),
@@ -202,7 +209,10 @@ pub fn resolve_metric(
                     range: "a token other than the target".into(),
                 });
             }
-            Ok(Metric::LogitDiff { answer: a, wrong: w })
+            Ok(Metric::LogitDiff {
+                answer: a,
+                wrong: w,
+            })
         }
     }
 }
@@ -289,7 +299,11 @@ pub fn last_rows(model: &Model, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
     let mut rows = Collector::new(d.n_layers, d.n_heads, n, n - 1);
     model.forward(tokens, &RunOptions::default(), &mut rows)?;
     Ok((0..d.n_layers)
-        .map(|l| (0..d.n_heads).flat_map(|h| rows.row(l, h).to_vec()).collect())
+        .map(|l| {
+            (0..d.n_heads)
+                .flat_map(|h| rows.row(l, h).to_vec())
+                .collect()
+        })
         .collect())
 }
 
@@ -432,7 +446,10 @@ mod tests {
         let p2 = vec![p[0].clone(), vec![0.0, 0.0, 1.0, 0.0, 0.0, 1.0]];
         let s = attention_times_gradient(&g2, &p2, 3);
         // layer 2: head 0 gives 1 on key 2, head 1 gives −1 → clipped 0; mean 0.5; summed: 1.0
-        assert!((s[2] - 1.0).abs() < 1e-6 && (s[0] - 0.35).abs() < 1e-6, "{s:?}");
+        assert!(
+            (s[2] - 1.0).abs() < 1e-6 && (s[0] - 0.35).abs() < 1e-6,
+            "{s:?}"
+        );
     }
 
     #[test]
@@ -445,7 +462,10 @@ mod tests {
             Method::GradXInput
         );
         let e = "attnlrp".parse::<Method>().unwrap_err();
-        assert!(e.contains("unknown") && e.contains("integrated-gradients"), "{e}");
+        assert!(
+            e.contains("unknown") && e.contains("integrated-gradients"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -530,12 +530,7 @@ pub fn text_record(
         (top.id, model.tokenizer.token_text(top.id), top.prob),
     );
     if faithfulness {
-        let f = run_faith(
-            model,
-            &tokens,
-            &FaithOptions::attention_only(),
-            |_, _| {},
-        )?;
+        let f = run_faith(model, &tokens, &FaithOptions::attention_only(), |_, _| {})?;
         rec.faithfulness = Some(
             f.metrics
                 .iter()

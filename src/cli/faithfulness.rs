@@ -130,7 +130,10 @@ pub fn render(r: &FaithReport) -> String {
     // the gradient columns that ran
     let first = r.tokens.first();
     let grads: Vec<(&str, fn(&TokenRow) -> Option<f32>)> = [
-        ("‖grad‖", (|x: &TokenRow| x.gradient) as fn(&TokenRow) -> Option<f32>),
+        (
+            "‖grad‖",
+            (|x: &TokenRow| x.gradient) as fn(&TokenRow) -> Option<f32>,
+        ),
         ("grad×x", |x: &TokenRow| x.grad_x_input),
         ("IG", |x: &TokenRow| x.integrated_gradients),
         ("attn×grad", |x: &TokenRow| x.attention_x_gradient),
@@ -169,7 +172,9 @@ pub fn render(r: &FaithReport) -> String {
     if !grads.is_empty() {
         s += "‖grad‖ = ‖∂ log p/∂x_i‖₂, grad×x = ∂ log p/∂x_i · x_i, IG = integrated gradients from the zero embedding, attn×grad = Σ_layers mean_heads max(0, ∂ log p/∂A · A) on the last query's row (see `attnscope attribute --help`).\n";
         if let Some(gap) = r.ig_completeness_gap {
-            s += &format!("integrated gradients' completeness gap Σ IG − (log p(x) − log p(0)) = {gap:+.4}\n");
+            s += &format!(
+                "integrated gradients' completeness gap Σ IG − (log p(x) − log p(0)) = {gap:+.4}\n"
+            );
         }
     }
     s += "norm last = ‖Σₕ αʰ·W_Oʰ vⱼ‖ of the last layer, what the token moves into the query (Kobayashi et al. 2020); norm all = its share of each layer's total, averaged over layers.\nΔ = log p(target | occluded) − log p(target | full text); a large negative Δ means the token mattered.\n\n";

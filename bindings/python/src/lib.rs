@@ -544,7 +544,6 @@ impl Model {
         let (m, text) = (self.inner.clone(), text.to_string());
         engine(py, move || Ok(view_html_with(&m, &text, bos, &opts)?.0))
     }
-}
 
     /// A score per token of `ids` for the last position's prediction (`attnscope attribute`):
     /// `method` one of gradient, grad-x-input, integrated-gradients, attention-x-gradient,
@@ -575,13 +574,12 @@ impl Model {
             steps,
         };
         let m = self.inner.clone();
-        let r = engine(py, move || {
-            Ok(attribute(&m, &ids, &opts, &mut |_, _| {})?)
-        })?;
+        let r = engine(py, move || Ok(attribute(&m, &ids, &opts, &mut |_, _| {})?))?;
         let scores: Vec<f32> = r.tokens.iter().map(|t| t.score).collect();
         let json = serde_json::to_string(&r).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
         Ok((json, PyArray1::from_vec(py, scores).into_any()))
     }
+}
 
 impl Model {
     fn check_ids(&self, ids: &[u32]) -> PyResult<()> {
