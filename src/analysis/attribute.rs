@@ -350,7 +350,7 @@ pub fn attribute(
     let (mut gap, mut steps) = (None, None);
     let (scores, logprob, value) = match opts.method {
         Method::Occlusion => {
-            let (value, deltas) = deletion_effects(model, tokens, metric, |d, t| progress(d, t))?;
+            let (value, deltas) = deletion_effects(model, tokens, metric, &mut *progress)?;
             let logits = model.next_token_logits(tokens)?;
             (deltas, log_softmax(&logits)[answer as usize], value)
         }

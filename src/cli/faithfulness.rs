@@ -93,6 +93,9 @@ fn metric_row(t: &mut Table, m: &MetricRow, first: bool) {
     ]);
 }
 
+/// A token row's gradient-method score, if that method ran.
+type Score = fn(&TokenRow) -> Option<f32>;
+
 pub fn render(r: &FaithReport) -> String {
     let mut s = title(&format!(
         "Faithfulness: {} ({} precision)",
@@ -129,11 +132,8 @@ pub fn render(r: &FaithReport) -> String {
     ];
     // the gradient columns that ran
     let first = r.tokens.first();
-    let grads: Vec<(&str, fn(&TokenRow) -> Option<f32>)> = [
-        (
-            "‖grad‖",
-            (|x: &TokenRow| x.gradient) as fn(&TokenRow) -> Option<f32>,
-        ),
+    let grads: Vec<(&str, Score)> = [
+        ("‖grad‖", (|x: &TokenRow| x.gradient) as Score),
         ("grad×x", |x: &TokenRow| x.grad_x_input),
         ("IG", |x: &TokenRow| x.integrated_gradients),
         ("attn×grad", |x: &TokenRow| x.attention_x_gradient),
