@@ -613,6 +613,8 @@ fn faithfulness_occlusions_equal_fresh_runs_smollm() {
             target: Target::Text(" Paris".into()),
             replacement: " ".into(),
             seed: 7,
+            gradients: false,
+            ig_steps: 0,
         },
         |_, _| {},
     )

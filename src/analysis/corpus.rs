@@ -3,7 +3,7 @@
 //! `attnscope corpus merge` give exactly the numbers of a single run.
 
 use super::collect::Collector;
-use super::faithfulness::{run as run_faith, FaithOptions, Target};
+use super::faithfulness::{run as run_faith, FaithOptions};
 use crate::model::forward::RunOptions;
 use serde::{Deserialize, Serialize};
 
@@ -530,16 +530,7 @@ pub fn text_record(
         (top.id, model.tokenizer.token_text(top.id), top.prob),
     );
     if faithfulness {
-        let f = run_faith(
-            model,
-            &tokens,
-            &FaithOptions {
-                target: Target::Next,
-                replacement: " ".into(),
-                seed: 7,
-            },
-            |_, _| {},
-        )?;
+        let f = run_faith(model, &tokens, &FaithOptions::attention_only(), |_, _| {})?;
         rec.faithfulness = Some(
             f.metrics
                 .iter()

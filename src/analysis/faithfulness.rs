@@ -18,6 +18,7 @@
 //! ([`crate::model::Model::forward_batch`]): a short variant alone is bound by reading the weights.
 
 use super::norms::{mixed_norms, shares, Values};
+use crate::model::backward::Metric;
 use crate::model::capture::{AttnCache, CaptureSpec};
 use crate::model::forward::{log_softmax, KvPrefix, RunOptions, Segment};
 use crate::model::{Model, Result};
@@ -231,6 +232,18 @@ pub struct TokenRow {
     /// Δ log p(target) when the token is hidden as a key in every layer and head; None for the
     /// query token itself, which always sees itself (it cannot be knocked out).
     pub knockout: Option<f32>,
+    /// `‖∂ log p(target)/∂x_i‖₂` ([`super::attribute`]; None when gradients were not asked for)
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gradient: Option<f32>,
+    /// `∂ log p(target)/∂x_i · x_i`
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grad_x_input: Option<f32>,
+    /// integrated gradients from the zero embedding (`FaithOptions::ig_steps` midpoints)
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub integrated_gradients: Option<f32>,
+    /// attention × gradient (Chefer et al. 2021), summed over layers, on the last query's row
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attention_x_gradient: Option<f32>,
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -270,7 +283,20 @@ pub struct FaithReport {
     pub tokens: Vec<TokenRow>,
     pub metrics: Vec<MetricRow>,
     pub forward_passes: usize,
+    /// Integrated gradients' completeness gap `Σ scores − (f(x) − f(0))`, when they ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ig_completeness_gap: Option<f32>,
+    /// The explanation (every ranking but the single heads and the random one) with the highest
+    /// Spearman ρ against deletion over all tokens.
+    pub most_faithful: Option<Best>,
     pub conclusion: String,
+}
+
+/// A ranking and its ρ against deletion.
+#[derive(Clone, Debug, Serialize)]
+pub struct Best {
+    pub ranking: String,
+    pub spearman: f64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -286,6 +312,24 @@ pub struct FaithOptions {
     /// Text of the neutral replacement token (must be one token).
     pub replacement: String,
     pub seed: u64,
+    /// Also rank by gradient, gradient × input and attention × gradient (one backward).
+    pub gradients: bool,
+    /// With `gradients`, integrated gradients too, with this many midpoints (0: not run).
+    pub ig_steps: usize,
+}
+
+impl FaithOptions {
+    /// The attention rankings only, as `corpus` and `explain` run them: next token, `" "` as
+    /// the replacement, seed 7.
+    pub fn attention_only() -> Self {
+        FaithOptions {
+            target: Target::Next,
+            replacement: " ".into(),
+            seed: 7,
+            gradients: false,
+            ig_steps: 0,
+        }
+    }
 }
 
 /// Runs every forward needed and computes the report. `tick(done, total)` reports progress.
@@ -318,7 +362,7 @@ pub fn run(
         model,
         tokens,
         kv: &kv,
-        target: target_id,
+        metric: Metric::LogProb(Some(target_id)),
         memo: HashMap::new(),
         passes: 1,
     };
@@ -353,6 +397,53 @@ pub fn run(
         ("norm_last".into(), norm_last.clone()),
         ("norm_mean".into(), norm_mean.clone()),
     ];
+    // gradient-based explanations of the same target: one backward (and IG's steps)
+    let (mut grad, mut gxi, mut ig, mut axg, mut ig_gap) = (None, None, None, None, None);
+    if opts.gradients {
+        let g = model.gradient(tokens, Metric::LogProb(Some(target_id)))?;
+        let pattern: Vec<Vec<f32>> = (0..d.n_layers)
+            .map(|l| {
+                let p = cache.pattern(l).expect("all layers captured");
+                (0..d.n_heads).flat_map(|h| p.row(h, q).to_vec()).collect()
+            })
+            .collect();
+        use super::attribute as at;
+        let dm = d.d_model;
+        grad = Some(at::gradient_norms(&g.grad_input, dm));
+        gxi = Some(at::grad_times_input(&g.grad_input, &g.input, dm));
+        axg = Some(at::attention_times_gradient(
+            &g.grad_pattern_last,
+            &pattern,
+            n,
+        ));
+        if opts.ig_steps > 0 {
+            let (s, gap) = at::integrated(
+                model,
+                tokens,
+                Metric::LogProb(Some(target_id)),
+                opts.ig_steps,
+                &mut |_| {},
+            )?;
+            ig = Some(s);
+            ig_gap = Some(gap);
+        }
+    }
+    for (name, v) in [
+        ("gradient", &grad),
+        ("grad_x_input", &gxi),
+        ("integrated_gradients", &ig),
+        ("attention_x_gradient", &axg),
+    ] {
+        if let Some(v) = v {
+            if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+                return Err(crate::model::Error::NonFinite {
+                    what: format!("the {name} score of position {i}"),
+                    layer: None,
+                });
+            }
+            rankings.push((name.into(), v.clone()));
+        }
+    }
     for h in 0..d.n_heads {
         rankings.push((format!("head_{h}"), last_p.row(h, q).to_vec()));
     }
@@ -416,6 +507,10 @@ pub fn run(
             loo,
             replace,
             knockout,
+            gradient: grad.as_ref().map(|v| v[j]),
+            grad_x_input: gxi.as_ref().map(|v| v[j]),
+            integrated_gradients: ig.as_ref().map(|v| v[j]),
+            attention_x_gradient: axg.as_ref().map(|v| v[j]),
         });
     }
     // 4. metrics
@@ -502,7 +597,27 @@ pub fn run(
         logprob: base,
         prob: p_full,
     };
-    let conclusion = conclude(&rows, &metrics, &target);
+    let most_faithful = metrics
+        .iter()
+        .filter(|m| {
+            m.truth == "loo"
+                && !m.without_first
+                && m.ranking != "random"
+                && !m.ranking.starts_with("head_")
+        })
+        .filter_map(|m| m.spearman.map(|r| (m, r)))
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .map(|(m, r)| Best {
+            ranking: m.ranking.clone(),
+            spearman: r,
+        });
+    let mut conclusion = conclude(&rows, &metrics, &target);
+    if let (true, Some(b)) = (opts.gradients, &most_faithful) {
+        conclusion += &format!(
+            " Of every explanation, {} tracks deletion best here (ρ = {:+.2}).",
+            b.ranking, b.spearman
+        );
+    }
     Ok(FaithReport {
         model: model.info.name.clone(),
         precision: model.info.precision.name().into(),
@@ -515,6 +630,8 @@ pub fn run(
         tokens: rows,
         metrics,
         forward_passes: runner.passes,
+        ig_completeness_gap: ig_gap,
+        most_faithful,
         conclusion,
     })
 }
@@ -558,12 +675,72 @@ const BATCH_ROWS: usize = 2048;
 /// held twice for a moment, and a long text has many short variants.
 const BATCH_VARIANTS: usize = 64;
 
+/// The value of a resolved `metric` (its target given) on one row of logits.
+pub fn metric_value(metric: Metric, logits: &[f32]) -> f32 {
+    match metric {
+        Metric::LogProb(t) => {
+            let lp = log_softmax(logits);
+            lp[t.unwrap_or_else(|| super::max_argmax(logits).1 as u32) as usize]
+        }
+        Metric::LogitDiff { answer, wrong } => logits[answer as usize] - logits[wrong as usize],
+    }
+}
+
+/// Occlusion by deletion: `metric(text) − metric(text without token i)` for every position
+/// (positive: the token raised the metric), with `metric(text)`. The deletions reuse the full
+/// run's keys and values before each deleted position and run many to a forward, as
+/// `faithfulness` does. `metric` must name its target; a text of one token has nothing to
+/// delete (an error).
+pub fn deletion_effects(
+    model: &Model,
+    tokens: &[u32],
+    metric: Metric,
+    mut tick: impl FnMut(usize, usize),
+) -> Result<(f32, Vec<f32>)> {
+    let n = tokens.len();
+    if n < 2 {
+        return Err(crate::model::Error::OutOfRange {
+            what: "text".into(),
+            value: format!("{n} token(s)"),
+            range: "at least 2 tokens (occlusion deletes one and predicts from the rest)".into(),
+        });
+    }
+    let full = model.forward(
+        tokens,
+        &RunOptions {
+            logits_at: vec![n - 1],
+            keep_kv: true,
+            ..Default::default()
+        },
+        &mut crate::model::capture::NoCapture,
+    )?;
+    let kv = full.kv.expect("keep_kv was set");
+    let base = metric_value(metric, &full.logits[0]);
+    let mut runner = Runner {
+        model,
+        tokens,
+        kv: &kv,
+        metric,
+        memo: HashMap::new(),
+        passes: 1,
+    };
+    let wanted: Vec<(Vec<u32>, Option<usize>)> = (0..n)
+        .map(|j| (without_positions(tokens, &[j]), None))
+        .collect();
+    runner.prefetch(&wanted, &mut tick)?;
+    let deltas = wanted
+        .iter()
+        .map(|(v, _)| runner.logprob(v, None).map(|f| base - f))
+        .collect::<Result<Vec<f32>>>()?;
+    Ok((base, deltas))
+}
+
 /// Forward passes for token variants, memoized, reusing the longest valid KV prefix.
 struct Runner<'a> {
     model: &'a Model,
     tokens: &'a [u32],
     kv: &'a KvPrefix,
-    target: u32,
+    metric: Metric,
     memo: HashMap<(Vec<u32>, Option<usize>), f32>,
     passes: usize,
 }
@@ -627,8 +804,8 @@ impl Runner<'_> {
                 .collect();
             let logits = self.model.forward_batch(Some(self.kv), &segments)?;
             for (&key, rows) in batch.iter().zip(logits) {
-                let lp = log_softmax(&rows[0])[self.target as usize];
-                self.memo.insert(key.clone(), lp);
+                self.memo
+                    .insert(key.clone(), metric_value(self.metric, &rows[0]));
             }
             self.passes += batch.len();
             tick(self.passes, total);
@@ -637,7 +814,8 @@ impl Runner<'_> {
         Ok(())
     }
 
-    /// log p(target) after `variant` (with key `knockout` hidden, if any): from the memo that
+    /// The metric (log p(target), or a logit difference) after `variant` (with key `knockout`
+    /// hidden, if any): from the memo that
     /// [`Runner::prefetch`] fills, running it there first if it is not known yet.
     fn logprob(&mut self, variant: &[u32], knockout: Option<usize>) -> Result<f32> {
         let key = (variant.to_vec(), knockout);

@@ -2,6 +2,7 @@
 //! [`collect::Collector`], an observer that keeps only what the lesson's tables need, so a report
 //! on a long text never holds the `[layers, heads, n, n]` patterns.
 
+pub mod attribute;
 pub mod collect;
 pub mod compare;
 pub mod corpus;

@@ -51,9 +51,7 @@ pub struct Args {
 
 /// `explain --quiz`: each question with its answer computed on the spot.
 fn quiz(a: &Args) -> anyhow::Result<()> {
-    use crate::analysis::faithfulness::{
-        permutation_p, run as run_faith, spearman, FaithOptions, Target,
-    };
+    use crate::analysis::faithfulness::{permutation_p, run as run_faith, spearman, FaithOptions};
     use crate::model::capture::{AttnCache, CaptureSpec};
     use crate::model::forward::RunOptions;
     let model = a.model.load()?;
@@ -153,16 +151,7 @@ fn quiz(a: &Args) -> anyhow::Result<()> {
         json!({"max_row_sum_error": worst_sum, "max_masked_weight": worst_masked}),
     );
     // 6. is a high weight an explanation?
-    let f = run_faith(
-        &model,
-        &tokens,
-        &FaithOptions {
-            target: Target::Next,
-            replacement: " ".into(),
-            seed: 7,
-        },
-        |_, _| {},
-    )?;
+    let f = run_faith(&model, &tokens, &FaithOptions::attention_only(), |_, _| {})?;
     let rows = &f.tokens;
     let top_attn = rows
         .iter()

@@ -2,7 +2,7 @@
 
 use super::common::{emit, progress_bar, ModelArgs, TextArgs};
 use crate::analysis::faithfulness::{
-    run as run_faith, FaithOptions, FaithReport, MetricRow, Target,
+    run as run_faith, FaithOptions, FaithReport, MetricRow, Target, TokenRow,
 };
 use crate::model::tokenize::visible;
 use crate::render::table::{title, Align, Table};
@@ -23,11 +23,20 @@ pub struct Args {
     /// Seed of the random baseline ranking.
     #[arg(long, default_value_t = 7)]
     seed: u64,
+    /// The gradient-based rankings (as `attnscope attribute` computes them, for log p(target)):
+    /// `all` (gradient, gradient × input, attention × gradient from one backward, and integrated
+    /// gradients with --steps midpoints), `fast` (all but integrated gradients), `none`.
+    #[arg(long, default_value = "all", value_parser = ["all", "fast", "none"])]
+    gradients: String,
+    /// Integrated gradients' midpoints (1..=4096; each a forward and a backward).
+    #[arg(long, default_value_t = 32)]
+    steps: usize,
     #[arg(long)]
     json: bool,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
+    crate::analysis::attribute::check_steps(a.steps)?;
     let text = a.text.read()?;
     let model = a.model.load()?;
     let tokens = model.encode(&text, a.model.bos)?;
@@ -36,6 +45,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         target: a.target,
         replacement: a.replace_with,
         seed: a.seed,
+        gradients: a.gradients != "none",
+        ig_steps: if a.gradients == "all" { a.steps } else { 0 },
     };
     let report = run_faith(&model, &tokens, &opts, |done, total| {
         bar.set_length(total as u64);
@@ -82,6 +93,9 @@ fn metric_row(t: &mut Table, m: &MetricRow, first: bool) {
     ]);
 }
 
+/// A token row's gradient-method score, if that method ran.
+type Score = fn(&TokenRow) -> Option<f32>;
+
 pub fn render(r: &FaithReport) -> String {
     let mut s = title(&format!(
         "Faithfulness: {} ({} precision)",
@@ -107,7 +121,7 @@ pub fn render(r: &FaithReport) -> String {
             .total_cmp(&b.loo.unwrap_or(0.0))
             .then(a.pos.cmp(&b.pos))
     });
-    let mut t = Table::new([
+    let mut head = vec![
         ("pos", Align::Right),
         ("token", Align::Left),
         ("attn last layer", Align::Right),
@@ -115,12 +129,27 @@ pub fn render(r: &FaithReport) -> String {
         ("rollout", Align::Right),
         ("norm last", Align::Right),
         ("norm all", Align::Right),
+    ];
+    // the gradient columns that ran
+    let first = r.tokens.first();
+    let grads: Vec<(&str, Score)> = [
+        ("‖grad‖", (|x: &TokenRow| x.gradient) as Score),
+        ("grad×x", |x: &TokenRow| x.grad_x_input),
+        ("IG", |x: &TokenRow| x.integrated_gradients),
+        ("attn×grad", |x: &TokenRow| x.attention_x_gradient),
+    ]
+    .into_iter()
+    .filter(|(_, get)| first.is_some_and(|x| get(x).is_some()))
+    .collect();
+    head.extend(grads.iter().map(|(name, _)| (*name, Align::Right)));
+    head.extend([
         ("Δ delete", Align::Right),
         ("Δ replace", Align::Right),
         ("Δ knockout", Align::Right),
     ]);
+    let mut t = Table::new(head);
     for x in rows {
-        t.row([
+        let mut cells = vec![
             x.pos.to_string(),
             visible(&x.text),
             format!("{:.4}", x.attention_last),
@@ -128,14 +157,26 @@ pub fn render(r: &FaithReport) -> String {
             format!("{:.4}", x.rollout),
             format!("{:.3}", x.norm_last),
             format!("{:.4}", x.norm_mean),
+        ];
+        cells.extend(grads.iter().map(|(_, get)| g(get(x))));
+        cells.extend([
             g(x.loo),
             format!("{:+.4}", x.replace),
             x.knockout
                 .map(|k| format!("{k:+.4}"))
                 .unwrap_or_else(|| "n/a (query)".into()),
         ]);
+        t.row(cells);
     }
     s += &t.render();
+    if !grads.is_empty() {
+        s += "‖grad‖ = ‖∂ log p/∂x_i‖₂, grad×x = ∂ log p/∂x_i · x_i, IG = integrated gradients from the zero embedding, attn×grad = Σ_layers mean_heads max(0, ∂ log p/∂A · A) on the last query's row (see `attnscope attribute --help`).\n";
+        if let Some(gap) = r.ig_completeness_gap {
+            s += &format!(
+                "integrated gradients' completeness gap Σ IG − (log p(x) − log p(0)) = {gap:+.4}\n"
+            );
+        }
+    }
     s += "norm last = ‖Σₕ αʰ·W_Oʰ vⱼ‖ of the last layer, what the token moves into the query (Kobayashi et al. 2020); norm all = its share of each layer's total, averaged over layers.\nΔ = log p(target | occluded) − log p(target | full text); a large negative Δ means the token mattered.\n\n";
     for wf in [false, true] {
         s += &title(if wf {

@@ -3,6 +3,7 @@
 //! 0 success, 2 bad input or usage, 1 anything else. A closed pipe (`| head`) exits 0.
 
 mod ablate;
+mod attribute;
 mod bench;
 mod bench_interventions;
 mod cache;
@@ -52,6 +53,10 @@ pub enum Command {
     /// Does attention explain the prediction? Occlude each token (delete, replace, knock out)
     /// and compare the change in the target's log-probability with attention, rollout and heads.
     Faithfulness(faithfulness::Args),
+    /// Which input tokens drive the prediction? A score per token by gradient, gradient × input,
+    /// integrated gradients, attention × gradient (Chefer et al.) or occlusion, for log p(target)
+    /// or a logit difference at the last position; the text shaded by score.
+    Attribute(attribute::Args),
     /// Does a head matter? Remove each head (zero or mean ablation of its output) and measure the
     /// change in the target's log-probability and the KL of the prediction, beside the head's
     /// attention: concentrated against important, with a rank correlation.
@@ -120,6 +125,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Corpus(a) => corpus::run(a),
         Command::Faithfulness(a) => faithfulness::run(a),
         Command::Ablate(a) => ablate::run(a),
+        Command::Attribute(a) => attribute::run(a),
         Command::Patch(a) => patch::run(a),
         Command::Dla(a) => dla::run(a),
         Command::Capture(a) => capture::run(a),

@@ -255,6 +255,8 @@ pub fn view_html_with(
                 target: target.clone(),
                 replacement: " ".into(),
                 seed: 7,
+                gradients: true,
+                ig_steps: 32,
             },
             |_, _| {},
         )?)?)

@@ -629,6 +629,41 @@ impl Model {
         let (m, text) = (self.inner.clone(), text.to_string());
         engine(py, move || Ok(view_html_with(&m, &text, bos, &opts)?.0))
     }
+
+    /// A score per token of `ids` for the last position's prediction (`attnscope attribute`):
+    /// `method` one of gradient, grad-x-input, integrated-gradients, attention-x-gradient,
+    /// occlusion; `target` `next`, a token id or one token's text; `wrong` for a logit difference.
+    /// Returns (the report as JSON, its scores as a float32 array).
+    #[pyo3(signature = (ids, method, target = None, wrong = None, steps = 32))]
+    fn attribute<'py>(
+        &self,
+        py: Python<'py>,
+        ids: Vec<u32>,
+        method: &str,
+        target: Option<String>,
+        wrong: Option<String>,
+        steps: usize,
+    ) -> PyResult<(String, Bound<'py, PyAny>)> {
+        use attnscope::analysis::attribute::{attribute, AttributeOptions};
+        use attnscope::analysis::faithfulness::Target;
+        self.check_ids(&ids)?;
+        let method = method.parse().map_err(PyValueError::new_err)?;
+        let parse = |t: Option<String>| -> PyResult<Option<Target>> {
+            t.map(|t| t.parse::<Target>().map_err(PyValueError::new_err))
+                .transpose()
+        };
+        let opts = AttributeOptions {
+            method,
+            target: parse(target)?.unwrap_or(Target::Next),
+            wrong: parse(wrong)?,
+            steps,
+        };
+        let m = self.inner.clone();
+        let r = engine(py, move || Ok(attribute(&m, &ids, &opts, &mut |_, _| {})?))?;
+        let scores: Vec<f32> = r.tokens.iter().map(|t| t.score).collect();
+        let json = serde_json::to_string(&r).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+        Ok((json, PyArray1::from_vec(py, scores).into_any()))
+    }
 }
 
 impl Model {

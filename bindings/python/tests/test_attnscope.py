@@ -608,3 +608,24 @@ def test_hooks_outside_attention(smol):
         smol.run_with_cache(ids, names_filter="hook_pos_embed")
     with pytest.raises(ValueError, match="hook_embed"):
         smol.run_with_hooks(ids, fwd_hooks=[("hook_embd", zero)])
+
+
+def test_attribute_grad_x_input_against_autograd(smol):
+    """model.attribute (the library, not the CLI) against torch autograd's gradient × input on the
+    lesson sentence (tests/golden/smol_gradients.json), and its bad input."""
+    ref = json.loads((GOLDEN / "smol_gradients.json").read_text())["texts"]["lesson"]
+    sentence = "Hà Nội là thủ đô của Việt Nam. Thành phố này nằm ở miền Bắc."
+    r = smol.attribute(sentence, method="grad-x-input")
+    assert list(r["token_ids"]) == ref["token_ids"]
+    assert r["target"]["id"] == ref["target_id"] and r["method"] == "grad-x-input"
+    assert abs(r["logprob"] - ref["logprob"]) < 1e-3
+    want = np.asarray(ref["grad_input_gxi"])
+    assert r["scores"].dtype == np.float32 and r["scores"].shape == want.shape
+    assert len(r["tokens"]) == len(want) and isinstance(r["tokens"][0], str)
+    assert np.abs(r["scores"] - want).max() < 1e-3 * np.abs(want).max()
+    with pytest.raises(ValueError, match="unknown attribution method"):
+        smol.attribute(sentence, method="attnlrp")
+    with pytest.raises(ValueError, match="steps"):
+        smol.attribute(sentence, method="integrated-gradients", steps=0)
+    with pytest.raises(ValueError, match="--target"):
+        smol.attribute(sentence, method="gradient", target=" Hà Nội")

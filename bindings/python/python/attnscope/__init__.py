@@ -1097,6 +1097,22 @@ class HookedModel:
             argv.append("--force")
         return _native.run_command(argv).strip()
 
+    def attribute(self, text: str, method: str = "grad-x-input", target: Optional[Union[str, int]] = None,
+                  steps: int = 32, wrong: Optional[Union[str, int]] = None) -> Dict[str, Any]:
+        """A score per input token for the last position's prediction, as ``attnscope attribute``
+        computes it (``method``: gradient, grad-x-input, integrated-gradients, attention-x-gradient,
+        occlusion; ``target``: None for the model's top next token, a token id, or one token's text;
+        ``wrong``: explain logit(target) − logit(wrong) instead of log p(target)). Returns the report
+        as a dict with ``scores`` (float32 numpy array, one per token) and ``tokens`` (their texts)."""
+        ids = self._m.encode(text, None)
+        rep, scores = self._m.attribute(ids, method, None if target is None else str(target),
+                                        None if wrong is None else str(wrong), steps)
+        r = json.loads(rep)
+        r["scores"] = scores
+        r["tokens"] = [t["text"] for t in r["tokens"]]
+        r["token_ids"] = np.asarray(ids, dtype=np.int64)
+        return r
+
     def view(self, text: str, faithfulness: bool = False, bos: bool = False, ablate: Optional[str] = None,
              target: Optional[Union[int, str]] = None) -> "viz.View":
         """The ``attnscope view`` page for ``text``; shows inline in a notebook, ``.save(path)``.

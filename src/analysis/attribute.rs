@@ -1,0 +1,477 @@
+//! Per-token attribution of the last position's prediction (issue #39): how much each input token
+//! contributes to a scalar `f` of the last position's logits (`log p(target)`, or a logit
+//! difference), by five methods.
+//!
+//! - `gradient`: `‖∂f/∂x_i‖₂` over the embedding width [Simonyan et al. 2014, arXiv:1312.6034].
+//! - `grad-x-input`: `Σ_d ∂f/∂x_{i,d} · x_{i,d}` [Shrikumar et al. 2016, arXiv:1605.01713].
+//! - `integrated-gradients`: `Σ_d x_{i,d} · mean_k ∂f/∂x_{i,d}(α_k x)`, `α_k = (k + ½)/steps`,
+//!   from the zero embedding [Sundararajan et al. 2017, arXiv:1703.01365]; the completeness gap
+//!   `Σ_i score_i − (f(x) − f(0))` says how far the midpoint sum is from the integral.
+//! - `attention-x-gradient`: per layer and head, `(∂f/∂A ⊙ A)` on the last query's row of the
+//!   pattern `A`, its negative part clipped, averaged over heads and summed over layers:
+//!   `score_j = Σ_l mean_h max(0, ∂f/∂A^{l,h}_{q,j} · A^{l,h}_{q,j})` [Chefer et al. 2021,
+//!   arXiv:2103.15679]: their `Ā = E_h[(∇A ⊙ A)⁺]` of every layer, on the last query's row, added
+//!   up across layers (the first-order term of their rollout, without its identity).
+//! - `occlusion`: `f(text) − f(text without token i)` (deletion, as `faithfulness`'s
+//!   leave-one-out) [Zeiler & Fergus 2014, arXiv:1311.2901].
+//!
+//! The input `x` is what enters layer 0 (the token embeddings, times Gemma's scale, plus GPT-2's
+//! positions). Every score here comes from one forward and backward of the engine
+//! ([`Model::gradient`]), or from forwards alone (occlusion).
+
+use super::collect::Collector;
+use super::faithfulness::{deletion_effects, Target};
+use super::intervene::TokenRef;
+use crate::model::backward::{Gradient, Metric};
+use crate::model::forward::{log_softmax, RunOptions};
+use crate::model::{Error, Model, Result};
+use serde::Serialize;
+
+/// The most integrated-gradients steps accepted (each is a forward and a backward).
+pub const MAX_STEPS: usize = 4096;
+
+/// An attribution method.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Method {
+    /// `‖∂f/∂x_i‖₂`.
+    Gradient,
+    /// `∂f/∂x_i · x_i`.
+    GradXInput,
+    /// Integrated gradients from the zero embedding, midpoint rule.
+    IntegratedGradients,
+    /// `Σ_l mean_h (∂f/∂A ⊙ A)⁺` on the last query's row (Chefer et al. 2021).
+    AttentionXGradient,
+    /// `f(text) − f(text without token i)`.
+    Occlusion,
+}
+
+impl Method {
+    /// Every method, in the order the help lists them.
+    pub const ALL: [Method; 5] = [
+        Method::Gradient,
+        Method::GradXInput,
+        Method::IntegratedGradients,
+        Method::AttentionXGradient,
+        Method::Occlusion,
+    ];
+
+    /// The name on the command line and in the JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Method::Gradient => "gradient",
+            Method::GradXInput => "grad-x-input",
+            Method::IntegratedGradients => "integrated-gradients",
+            Method::AttentionXGradient => "attention-x-gradient",
+            Method::Occlusion => "occlusion",
+        }
+    }
+}
+
+impl std::str::FromStr for Method {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        Method::ALL
+            .into_iter()
+            .find(|m| m.name() == s || m.name().replace('-', "_") == s)
+            .ok_or_else(|| {
+                format!(
+                    "unknown attribution method `{s}`; the methods are {}",
+                    Method::ALL.map(Method::name).join(", ")
+                )
+            })
+    }
+}
+
+/// What to attribute and how.
+#[derive(Clone, Debug)]
+pub struct AttributeOptions {
+    pub method: Method,
+    /// The token whose log-probability is explained (the answer of a logit difference).
+    pub target: Target,
+    /// Explain `logit(target) − logit(wrong)` instead of `log p(target)`.
+    pub wrong: Option<Target>,
+    /// Integrated gradients' midpoints (1..=[`MAX_STEPS`]); ignored by the other methods.
+    pub steps: usize,
+}
+
+/// One input token's score.
+#[derive(Clone, Debug, Serialize)]
+pub struct TokenScore {
+    pub pos: usize,
+    pub id: u32,
+    pub text: String,
+    pub score: f32,
+}
+
+/// An attribution: a score per input token, with the explained metric.
+#[derive(Clone, Debug, Serialize)]
+pub struct AttributeReport {
+    pub model: String,
+    pub precision: String,
+    pub method: Method,
+    /// The explained token (the answer of a logit difference).
+    pub target: TokenRef,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub wrong: Option<TokenRef>,
+    /// `log p(target | text)` at the last position.
+    pub logprob: f32,
+    /// What is explained: `logprob` or `logit_diff`.
+    pub metric: &'static str,
+    /// Its value on the text.
+    pub value: f32,
+    pub tokens: Vec<TokenScore>,
+    /// Integrated gradients: `Σ scores − (f(x) − f(0))`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub completeness_gap: Option<f32>,
+    /// Integrated gradients: the midpoints.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub steps: Option<usize>,
+    /// How the scores are formed, in words.
+    pub definition: &'static str,
+}
+
+/// How each method's score is formed (the report's `definition`).
+pub fn definition(m: Method) -> &'static str {
+    match m {
+        Method::Gradient => "‖∂f/∂x_i‖₂ over the embedding width",
+        Method::GradXInput => "Σ_d ∂f/∂x_{i,d} · x_{i,d}",
+        Method::IntegratedGradients => {
+            "Σ_d x_{i,d} · mean_k ∂f/∂x_{i,d}((k+½)/steps · x), from the zero embedding"
+        }
+        Method::AttentionXGradient => {
+            "Σ_layers mean_heads max(0, ∂f/∂A · A) on the last query's row of each pattern A"
+        }
+        Method::Occlusion => "f(text) − f(text without token i)",
+    }
+}
+
+/// `‖∂f/∂x_i‖₂` per row of a `[n, d_model]` gradient.
+pub fn gradient_norms(grad: &[f32], d_model: usize) -> Vec<f32> {
+    grad.chunks(d_model)
+        .map(|r| r.iter().map(|&v| v as f64 * v as f64).sum::<f64>().sqrt() as f32)
+        .collect()
+}
+
+/// `Σ_d ∂f/∂x_{i,d} · x_{i,d}` per row.
+pub fn grad_times_input(grad: &[f32], input: &[f32], d_model: usize) -> Vec<f32> {
+    grad.chunks(d_model)
+        .zip(input.chunks(d_model))
+        .map(|(g, x)| {
+            g.iter()
+                .zip(x)
+                .map(|(&g, &x)| g as f64 * x as f64)
+                .sum::<f64>() as f32
+        })
+        .collect()
+}
+
+/// Attention × gradient (Chefer et al. 2021) on the last query: `grad[l]` and `pattern[l]` are
+/// layer l's `[n_heads, n]` last rows of `∂f/∂A` and `A`; per key
+/// `Σ_l mean_h max(0, grad · A)`.
+pub fn attention_times_gradient(grad: &[Vec<f32>], pattern: &[Vec<f32>], n: usize) -> Vec<f32> {
+    let mut out = vec![0f64; n];
+    for (g, p) in grad.iter().zip(pattern) {
+        let heads = g.len() / n;
+        for h in 0..heads {
+            for j in 0..n {
+                let v = g[h * n + j] as f64 * p[h * n + j] as f64;
+                out[j] += v.max(0.0) / heads as f64;
+            }
+        }
+    }
+    out.into_iter().map(|v| v as f32).collect()
+}
+
+/// The metric `opts` asks for, its target resolved (the model's top token for `next`).
+pub fn resolve_metric(
+    model: &Model,
+    tokens: &[u32],
+    target: &Target,
+    wrong: Option<&Target>,
+) -> Result<Metric> {
+    let logits = if matches!(target, Target::Next) || matches!(wrong, Some(Target::Next)) {
+        model.next_token_logits(tokens)?
+    } else {
+        Vec::new()
+    };
+    let a = target.resolve(model, &logits)?;
+    match wrong {
+        None => Ok(Metric::LogProb(Some(a))),
+        Some(w) => {
+            let w = w
+                .resolve(model, &logits)
+                .map_err(|e| rename(e, "--wrong"))?;
+            if w == a {
+                return Err(Error::OutOfRange {
+                    what: "--wrong".into(),
+                    value: w.to_string(),
+                    range: "a token other than the target".into(),
+                });
+            }
+            Ok(Metric::LogitDiff {
+                answer: a,
+                wrong: w,
+            })
+        }
+    }
+}
+
+/// An error about `--target` said of `flag` instead.
+fn rename(e: Error, flag: &str) -> Error {
+    match e {
+        Error::OutOfRange { what, value, range } => Error::OutOfRange {
+            what: what.replace("--target", flag),
+            value,
+            range,
+        },
+        e => e,
+    }
+}
+
+/// Refuses a non-finite score, naming the method and the position.
+fn finite(scores: &[f32], what: &str) -> Result<()> {
+    match scores.iter().position(|v| !v.is_finite()) {
+        Some(i) => Err(Error::NonFinite {
+            what: format!("the {what} score of position {i}"),
+            layer: None,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Integrated gradients of any metric from the zero input with `steps` midpoints:
+/// (scores, completeness gap). `log p(target)` goes through [`Model::integrated_gradients`].
+pub fn integrated(
+    model: &Model,
+    tokens: &[u32],
+    metric: Metric,
+    steps: usize,
+    progress: &mut dyn FnMut(usize),
+) -> Result<(Vec<f32>, f32)> {
+    check_steps(steps)?;
+    if let Metric::LogProb(t) = metric {
+        let ig = model.integrated_gradients(tokens, t, steps, progress)?;
+        return Ok((ig.scores, ig.gap));
+    }
+    let (x, _) = model.input_embeddings(tokens)?;
+    let dm = model.dims.d_model;
+    let full = model.gradient_from(&x, metric)?.value;
+    let zero = model.gradient_from(&vec![0f32; x.len()], metric)?.value;
+    let mut total = vec![0f64; x.len()];
+    for k in 0..steps {
+        let a = (k as f32 + 0.5) / steps as f32;
+        let xa: Vec<f32> = x.iter().map(|v| v * a).collect();
+        let g = model.gradient_from(&xa, metric)?;
+        total
+            .iter_mut()
+            .zip(&g.grad_input)
+            .for_each(|(t, g)| *t += *g as f64);
+        progress(k + 1);
+    }
+    let scores: Vec<f32> = total
+        .chunks(dm)
+        .zip(x.chunks(dm))
+        .map(|(t, xr)| {
+            (t.iter().zip(xr).map(|(t, x)| t * *x as f64).sum::<f64>() / steps as f64) as f32
+        })
+        .collect();
+    let sum: f64 = scores.iter().map(|&v| v as f64).sum();
+    Ok((scores, (sum - (full as f64 - zero as f64)) as f32))
+}
+
+/// Refuses a number of integrated-gradients steps outside 1..=[`MAX_STEPS`].
+pub fn check_steps(steps: usize) -> Result<()> {
+    if steps == 0 || steps > MAX_STEPS {
+        return Err(Error::OutOfRange {
+            what: "--steps".into(),
+            value: steps.to_string(),
+            range: format!("1..={MAX_STEPS} (each step is a forward and a backward)"),
+        });
+    }
+    Ok(())
+}
+
+/// The last query's pattern rows of every layer, `[L][n_heads, n]`.
+pub fn last_rows(model: &Model, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
+    let d = &model.dims;
+    let n = tokens.len();
+    let mut rows = Collector::new(d.n_layers, d.n_heads, n, n - 1);
+    model.forward(tokens, &RunOptions::default(), &mut rows)?;
+    Ok((0..d.n_layers)
+        .map(|l| {
+            (0..d.n_heads)
+                .flat_map(|h| rows.row(l, h).to_vec())
+                .collect()
+        })
+        .collect())
+}
+
+/// The scores of the gradient methods that one backward gives: (gradient, grad × input,
+/// attention × gradient).
+pub fn from_gradient(
+    model: &Model,
+    tokens: &[u32],
+    g: &Gradient,
+) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+    let dm = model.dims.d_model;
+    let pattern = last_rows(model, tokens)?;
+    Ok((
+        gradient_norms(&g.grad_input, dm),
+        grad_times_input(&g.grad_input, &g.input, dm),
+        attention_times_gradient(&g.grad_pattern_last, &pattern, tokens.len()),
+    ))
+}
+
+/// Attributes the last position's prediction to each token of `tokens` by `opts.method`.
+/// `progress(done, total)` reports integrated gradients' steps or occlusion's forwards.
+pub fn attribute(
+    model: &Model,
+    tokens: &[u32],
+    opts: &AttributeOptions,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<AttributeReport> {
+    if tokens.is_empty() {
+        return Err(Error::OutOfRange {
+            what: "text".into(),
+            value: "0 tokens".into(),
+            range: "at least one token".into(),
+        });
+    }
+    if opts.method == Method::IntegratedGradients {
+        check_steps(opts.steps)?;
+    }
+    let metric = resolve_metric(model, tokens, &opts.target, opts.wrong.as_ref())?;
+    let (answer, wrong) = match metric {
+        Metric::LogProb(t) => (t.expect("resolved"), None),
+        Metric::LogitDiff { answer, wrong } => (answer, Some(wrong)),
+    };
+    let dm = model.dims.d_model;
+    let (mut gap, mut steps) = (None, None);
+    let (scores, logprob, value) = match opts.method {
+        Method::Occlusion => {
+            let (value, deltas) = deletion_effects(model, tokens, metric, &mut *progress)?;
+            let logits = model.next_token_logits(tokens)?;
+            (deltas, log_softmax(&logits)[answer as usize], value)
+        }
+        Method::IntegratedGradients => {
+            let g = model.gradient(tokens, metric)?;
+            let total = opts.steps;
+            let (s, gp) = integrated(model, tokens, metric, total, &mut |k| progress(k, total))?;
+            gap = Some(gp);
+            steps = Some(total);
+            (s, g.logprob, g.value)
+        }
+        m => {
+            let g = model.gradient(tokens, metric)?;
+            let s = match m {
+                Method::Gradient => gradient_norms(&g.grad_input, dm),
+                Method::GradXInput => grad_times_input(&g.grad_input, &g.input, dm),
+                _ => {
+                    let pattern = last_rows(model, tokens)?;
+                    attention_times_gradient(&g.grad_pattern_last, &pattern, tokens.len())
+                }
+            };
+            (s, g.logprob, g.value)
+        }
+    };
+    finite(&scores, opts.method.name())?;
+    if let Some(g) = gap {
+        if !g.is_finite() {
+            return Err(Error::NonFinite {
+                what: "the integrated gradients' completeness gap".into(),
+                layer: None,
+            });
+        }
+    }
+    let text = |id: u32| TokenRef {
+        id,
+        text: model.tokenizer.token_text(id),
+    };
+    Ok(AttributeReport {
+        model: model.info.name.clone(),
+        precision: model.info.precision.name().into(),
+        method: opts.method,
+        target: text(answer),
+        wrong: wrong.map(text),
+        logprob,
+        metric: if wrong.is_some() {
+            "logit_diff"
+        } else {
+            "logprob"
+        },
+        value,
+        tokens: tokens
+            .iter()
+            .zip(scores)
+            .enumerate()
+            .map(|(pos, (&id, score))| TokenScore {
+                pos,
+                id,
+                text: model.tokenizer.token_text(id),
+                score,
+            })
+            .collect(),
+        completeness_gap: gap,
+        steps,
+        definition: definition(opts.method),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn norms_and_products_by_hand() {
+        // two tokens, width 2: ‖(3, 4)‖ = 5, ‖(0, 1)‖ = 1; (3, 4)·(1, 2) = 11, (0, 1)·(5, -2) = -2
+        let g = [3.0, 4.0, 0.0, 1.0];
+        let x = [1.0, 2.0, 5.0, -2.0];
+        assert_eq!(gradient_norms(&g, 2), vec![5.0, 1.0]);
+        assert_eq!(grad_times_input(&g, &x, 2), vec![11.0, -2.0]);
+    }
+
+    #[test]
+    fn attention_times_gradient_by_hand() {
+        // one layer, two heads, three keys: products (0.5·0.2, −1·0.3, 2·0.5) and (1·0.6, 1·0.4, 0)
+        // → clipped (0.1, 0, 1) and (0.6, 0.4, 0) → mean over heads (0.35, 0.2, 0.5)
+        let g = vec![vec![0.5, -1.0, 2.0, 1.0, 1.0, 0.0]];
+        let p = vec![vec![0.2, 0.3, 0.5, 0.6, 0.4, 0.0]];
+        let s = attention_times_gradient(&g, &p, 3);
+        let want = [0.35, 0.2, 0.5];
+        for (a, b) in s.iter().zip(want) {
+            assert!((a - b).abs() < 1e-6, "{s:?}");
+        }
+        let g2 = vec![g[0].clone(), vec![0.0, 0.0, 1.0, 0.0, 0.0, -1.0]];
+        let p2 = vec![p[0].clone(), vec![0.0, 0.0, 1.0, 0.0, 0.0, 1.0]];
+        let s = attention_times_gradient(&g2, &p2, 3);
+        // layer 2: head 0 gives 1 on key 2, head 1 gives −1 → clipped 0; mean 0.5; summed: 1.0
+        assert!(
+            (s[2] - 1.0).abs() < 1e-6 && (s[0] - 0.35).abs() < 1e-6,
+            "{s:?}"
+        );
+    }
+
+    #[test]
+    fn methods_parse_by_name() {
+        for m in Method::ALL {
+            assert_eq!(m.name().parse::<Method>().unwrap(), m);
+        }
+        assert_eq!(
+            "grad_x_input".parse::<Method>().unwrap(),
+            Method::GradXInput
+        );
+        let e = "attnlrp".parse::<Method>().unwrap_err();
+        assert!(
+            e.contains("unknown") && e.contains("integrated-gradients"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn steps_are_bounded() {
+        assert!(check_steps(0).is_err());
+        assert!(check_steps(MAX_STEPS + 1).is_err());
+        assert!(check_steps(1).is_ok() && check_steps(32).is_ok());
+    }
+}

@@ -1,0 +1,165 @@
+//! `attnscope attribute`: a score per input token for the last position's prediction, by
+//! gradient, gradient × input, integrated gradients, attention × gradient or occlusion.
+
+use super::common::{emit, progress_bar, ModelArgs, TextArgs};
+use crate::analysis::attribute::{attribute, AttributeOptions, AttributeReport, Method};
+use crate::analysis::faithfulness::Target;
+use crate::model::tokenize::visible;
+use crate::render::table::{title, Align, Table};
+use std::io::IsTerminal;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    text: TextArgs,
+    /// gradient: ‖∂f/∂x_i‖₂ over the embedding width (x_i: token i's input to layer 0).
+    /// grad-x-input: Σ_d ∂f/∂x_i,d · x_i,d. integrated-gradients: Σ_d x_i,d · the mean of
+    /// ∂f/∂x_i,d at (k+½)/steps · x for k < steps, from the zero embedding; the completeness gap
+    /// Σ scores − (f(x) − f(0)) is printed. attention-x-gradient (Chefer et al. 2021): per layer
+    /// and head, ∂f/∂A ⊙ A on the last query's row of the pattern A, negative parts clipped to
+    /// 0, averaged over the heads and summed over the layers. occlusion: f(text) − f(text
+    /// without token i).
+    #[arg(long, value_parser = parse_method)]
+    method: Method,
+    /// The token explained: f = log p(target) at the last position. `next` (the model's top
+    /// token), a token id, or a token's text (one token, e.g. " Paris").
+    #[arg(long, visible_alias = "answer", default_value = "next")]
+    target: Target,
+    /// Explain the logit difference f = logit(target) − logit(wrong) instead.
+    #[arg(long)]
+    wrong: Option<Target>,
+    /// Integrated gradients' midpoints (1..=4096; each a forward and a backward).
+    #[arg(long, default_value_t = 32)]
+    steps: usize,
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_method(s: &str) -> Result<Method, String> {
+    s.parse()
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    crate::analysis::attribute::check_steps(a.steps)?;
+    let text = a.text.read()?;
+    let model = a.model.load()?;
+    let tokens = model.encode(&text, a.model.bos)?;
+    let bar = progress_bar("attribution [{bar:30}] {pos}/{len} ({eta})");
+    let opts = AttributeOptions {
+        method: a.method,
+        target: a.target,
+        wrong: a.wrong,
+        steps: a.steps,
+    };
+    let r = attribute(&model, &tokens, &opts, &mut |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    })?;
+    bar.finish_and_clear();
+    if a.json {
+        return emit(&format!("{}\n", serde_json::to_string_pretty(&r)?));
+    }
+    let colour = std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none();
+    emit(&render(&r, colour))
+}
+
+/// A token's text on a background shaded by its score relative to the largest |score|: blue for
+/// positive, red for negative, white for 0 (or, without colour, the text in brackets with a
+/// number of `+`/`−` marks, 0 to 5).
+fn shade(piece: &str, v: f32, max: f32, colour: bool) -> String {
+    let t = if max > 0.0 {
+        (v / max).clamp(-1.0, 1.0)
+    } else {
+        0.0
+    };
+    if !colour {
+        let marks = (t.abs() * 5.0).round() as usize;
+        let m = if t >= 0.0 { "+" } else { "−" }.repeat(marks);
+        return format!("[{piece}]{m}");
+    }
+    let level = (255.0 - 200.0 * t.abs()) as u8;
+    let bg = if t >= 0.0 {
+        (level, level, 255)
+    } else {
+        (255, level, level)
+    };
+    format!(
+        "\x1b[48;2;{};{};{}m\x1b[38;2;0;0;0m{piece}\x1b[0m",
+        bg.0, bg.1, bg.2
+    )
+}
+
+/// The report as the terminal shows it: the text shaded by score, then a table.
+pub fn render(r: &AttributeReport, colour: bool) -> String {
+    let f = match &r.wrong {
+        Some(w) => format!(
+            "logit({:?}) − logit({:?})",
+            visible(&r.target.text),
+            visible(&w.text)
+        ),
+        None => format!("log p({:?})", visible(&r.target.text)),
+    };
+    let mut s = title(&format!(
+        "attribution by {} of f = {f}, {} ({} precision)",
+        r.method.name(),
+        r.model,
+        r.precision
+    ));
+    s += &format!(
+        "at the last position (target id {}): f = {:.4}, log p(target) = {:.4}\nscore: {}\n",
+        r.target.id, r.value, r.logprob, r.definition
+    );
+    if let (Some(gap), Some(steps)) = (r.completeness_gap, r.steps) {
+        let sum: f32 = r.tokens.iter().map(|t| t.score).sum();
+        s += &format!(
+            "{steps} steps; Σ scores = {sum:.4}; completeness gap Σ scores − (f(x) − f(0)) = {gap:+.4}\n"
+        );
+    }
+    let max = r.tokens.iter().fold(0f32, |m, t| m.max(t.score.abs()));
+    s += "\n";
+    s += &r
+        .tokens
+        .iter()
+        .map(|t| shade(&visible(&t.text), t.score, max, colour))
+        .collect::<String>();
+    s += if colour {
+        "\n(blue: raises f, red: lowers it; the deeper, the larger |score|)\n\n"
+    } else {
+        "\n(+: raises f, −: lowers it; one mark per fifth of the largest |score|)\n\n"
+    };
+    let mut order: Vec<&_> = r.tokens.iter().collect();
+    order.sort_by(|a, b| b.score.total_cmp(&a.score).then(a.pos.cmp(&b.pos)));
+    let mut t = Table::new([
+        ("rank", Align::Right),
+        ("pos", Align::Right),
+        ("token", Align::Left),
+        ("id", Align::Right),
+        ("score", Align::Right),
+    ]);
+    for (i, x) in order.iter().enumerate() {
+        t.row([
+            (i + 1).to_string(),
+            x.pos.to_string(),
+            visible(&x.text),
+            x.id.to_string(),
+            format!("{:+.5}", x.score),
+        ]);
+    }
+    s += &t.render();
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shades_without_colour_are_marks() {
+        assert_eq!(shade("a", 1.0, 1.0, false), "[a]+++++");
+        assert_eq!(shade("a", -0.4, 1.0, false), "[a]−−");
+        assert_eq!(shade("a", 0.0, 0.0, false), "[a]");
+        assert!(shade("a", 1.0, 1.0, true).starts_with("\x1b[48;2;55;55;255m"));
+    }
+}

@@ -1,0 +1,502 @@
+//! `attnscope attribute` (issue #39): the scores through the command's JSON against torch
+//! autograd (tests/golden/*_gradients.json), occlusion against transformers'
+//! (smol_faithfulness.json), the methods on a tiny model against the library and by hand, and
+//! bad input.
+
+mod common;
+
+use attnscope::model::backward::Metric;
+use attnscope::model::config::Arch;
+use attnscope::model::tiny::{tiny_model, write_gguf};
+use attnscope::model::{Model, Precision};
+use candle_core::quantized::GgmlDType;
+use std::process::Output;
+
+fn attnscope(args: &[&str]) -> Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_attnscope"))
+        .args(args)
+        .env("NO_COLOR", "1")
+        .output()
+        .unwrap()
+}
+
+fn json(args: &[&str]) -> serde_json::Value {
+    let out = attnscope(args);
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn scores(v: &serde_json::Value) -> Vec<f64> {
+    v["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["score"].as_f64().unwrap())
+        .collect()
+}
+
+fn flat(v: &serde_json::Value) -> Vec<f64> {
+    match v {
+        serde_json::Value::Array(a) => a.iter().flat_map(flat).collect(),
+        serde_json::Value::Number(n) => vec![n.as_f64().unwrap()],
+        _ => panic!("not a number array"),
+    }
+}
+
+/// `max |got − want| / max |want|`, printed.
+fn rel_err(got: &[f64], want: &[f64], label: &str) -> f64 {
+    assert_eq!(got.len(), want.len(), "{label}: lengths");
+    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+    let err = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs())
+        .fold(0f64, f64::max);
+    eprintln!("{label}: worst |error| {err:.3e} of the largest value {scale:.3e}");
+    err / scale.max(1e-30)
+}
+
+/// The lesson sentence's scores from `attribute --json` against torch autograd: gradient norms,
+/// gradient × input, attention × gradient (from transformers' patterns and pattern gradients), and
+/// for SmolLM2 integrated gradients (32 midpoints) with the completeness gap.
+fn against_autograd(alias: &str, short: &str, ig: bool) {
+    let refj = common::golden_json(&format!("{short}_gradients.json"));
+    let r = &refj["texts"]["lesson"];
+    let ids: Vec<u64> = flat(&r["token_ids"]).iter().map(|&v| v as u64).collect();
+    let run = |method: &str| json(&["attribute", "-m", alias, "--method", method, "--json"]);
+    let g = run("gradient");
+    assert_eq!(g["method"], "gradient");
+    assert_eq!(
+        g["target"]["id"].as_f64(),
+        r["target_id"].as_f64(),
+        "{short}"
+    );
+    assert!((g["logprob"].as_f64().unwrap() - r["logprob"].as_f64().unwrap()).abs() < 1e-3);
+    let got_ids: Vec<u64> = g["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["id"].as_u64().unwrap())
+        .collect();
+    assert_eq!(got_ids, ids, "{short}: the lesson's tokens");
+    let mut worst = rel_err(
+        &scores(&g),
+        &flat(&r["grad_input_l2"]),
+        &format!("{short} gradient"),
+    );
+    worst = worst.max(rel_err(
+        &scores(&run("grad-x-input")),
+        &flat(&r["grad_input_gxi"]),
+        &format!("{short} grad-x-input"),
+    ));
+    // attention × gradient from transformers' last rows and autograd's pattern gradients
+    let (shape, pattern) = common::golden_npy(&format!("{short}_transformers_attn_lastrow.npy"));
+    let (layers, heads, n) = (shape[0], shape[1], shape[2]);
+    let gp = flat(&r["grad_pattern_last"]);
+    assert_eq!(gp.len(), layers * heads * n);
+    let want: Vec<f64> = (0..n)
+        .map(|j| {
+            (0..layers)
+                .map(|l| {
+                    (0..heads)
+                        .map(|h| {
+                            let i = (l * heads + h) * n + j;
+                            (gp[i] * pattern[i] as f64).max(0.0)
+                        })
+                        .sum::<f64>()
+                        / heads as f64
+                })
+                .sum()
+        })
+        .collect();
+    worst = worst.max(rel_err(
+        &scores(&run("attention-x-gradient")),
+        &want,
+        &format!("{short} attention-x-gradient"),
+    ));
+    if ig {
+        let v = json(&[
+            "attribute",
+            "-m",
+            alias,
+            "--method",
+            "integrated-gradients",
+            "--steps",
+            "32",
+            "--json",
+        ]);
+        assert_eq!(v["steps"], 32);
+        worst = worst.max(rel_err(
+            &scores(&v),
+            &flat(&r["ig"]),
+            &format!("{short} ig"),
+        ));
+        let (gap, want) = (
+            v["completeness_gap"].as_f64().unwrap(),
+            r["ig_completeness_gap"].as_f64().unwrap(),
+        );
+        eprintln!("{short}: completeness gap {gap} vs {want}");
+        assert!(
+            (gap - want).abs() < 1e-3 * want.abs().max(1.0),
+            "{short}: gap"
+        );
+    }
+    assert!(worst < 1e-3, "{short}: worst relative error {worst:.2e}");
+}
+
+#[test]
+fn smol_scores_against_autograd() {
+    against_autograd("smollm2-135m", "smol", true);
+}
+
+#[test]
+fn qwen_scores_against_autograd() {
+    against_autograd("qwen2.5-coder-0.5b", "qwen", false);
+}
+
+/// Occlusion = −(transformers' Δ log p when the token is deleted).
+#[test]
+fn smol_occlusion_against_transformers() {
+    let g = common::golden_json("smol_faithfulness.json");
+    let v = json(&[
+        "attribute",
+        "-m",
+        "smollm2-135m",
+        "--text",
+        g["text"].as_str().unwrap(),
+        "--target",
+        g["target"].as_str().unwrap(),
+        "--method",
+        "occlusion",
+        "--json",
+    ]);
+    assert_eq!(v["target"]["id"].as_u64(), g["target_id"].as_u64());
+    let want: Vec<f64> = flat(&g["loo_delta"]).iter().map(|d| -d).collect();
+    let err = rel_err(&scores(&v), &want, "smol occlusion");
+    assert!(err < 1e-3, "{err}");
+    assert!((v["logprob"].as_f64().unwrap() - g["target_logprob"].as_f64().unwrap()).abs() < 1e-3);
+}
+
+fn tiny(dir: &tempfile::TempDir) -> (String, Model) {
+    let p = dir.path().join("tiny.gguf");
+    write_gguf(&tiny_model(Arch::Qwen2, 1), Arch::Qwen2, GgmlDType::F32, &p).unwrap();
+    let s = p.to_str().unwrap().to_string();
+    let m = Model::load(&s, Precision::Exact, false).unwrap();
+    (s, m)
+}
+
+const TEXT: &str = "the hat at the cat";
+
+/// Every method on a tiny model: the promised JSON, gradient scores equal to the library's
+/// backward, occlusion equal to fresh forwards of the shortened texts, integrated gradients and
+/// their gap equal to the midpoint sum recomputed here, for log p and for a logit difference.
+#[test]
+fn tiny_model_methods() {
+    let dir = tempfile::tempdir().unwrap();
+    let (m, model) = tiny(&dir);
+    let tokens = model.encode(TEXT, false).unwrap();
+    let n = tokens.len();
+    let dm = model.dims.d_model;
+    let g = model.gradient(&tokens, Metric::LogProb(None)).unwrap();
+    let run = |extra: &[&str]| {
+        let mut a = vec!["attribute", "-m", &m, "--text", TEXT, "--json"];
+        a.extend_from_slice(extra);
+        json(&a)
+    };
+    let v = run(&["--method", "gradient"]);
+    for key in ["target", "logprob", "method", "tokens", "metric", "value"] {
+        assert!(v.get(key).is_some(), "no {key}");
+    }
+    assert_eq!(v["target"]["id"], g.target);
+    assert!(v["target"]["text"].is_string());
+    let t0 = &v["tokens"][0];
+    for key in ["pos", "id", "text", "score"] {
+        assert!(t0.get(key).is_some(), "tokens[] lacks {key}");
+    }
+    assert_eq!(v["tokens"].as_array().unwrap().len(), n);
+    let norms: Vec<f64> = g
+        .grad_input
+        .chunks(dm)
+        .map(|r| r.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt())
+        .collect();
+    assert!(rel_err(&scores(&v), &norms, "tiny gradient") < 1e-6);
+    let gxi: Vec<f64> = g
+        .grad_input
+        .chunks(dm)
+        .zip(g.input.chunks(dm))
+        .map(|(a, b)| a.iter().zip(b).map(|(a, b)| *a as f64 * *b as f64).sum())
+        .collect();
+    let v = run(&["--method", "grad-x-input"]);
+    assert!(rel_err(&scores(&v), &gxi, "tiny grad-x-input") < 1e-5);
+    // attention × gradient: non-negative, and 0 wherever every layer's pattern is 0 (none here:
+    // causal rows of the last query see every key), finite
+    let v = run(&["--method", "attention-x-gradient"]);
+    assert!(scores(&v).iter().all(|s| *s >= 0.0 && s.is_finite()));
+    assert!(scores(&v).iter().any(|s| *s > 0.0));
+    // occlusion: log p(target | full) − log p(target | without token i), fresh forwards
+    let v = run(&["--method", "occlusion"]);
+    let lp = |t: &[u32]| {
+        let l = model.next_token_logits(t).unwrap();
+        attnscope::model::forward::log_softmax(&l)[g.target as usize] as f64
+    };
+    let full = lp(&tokens);
+    let want: Vec<f64> = (0..n)
+        .map(|i| {
+            let t: Vec<u32> = (0..n).filter(|&j| j != i).map(|j| tokens[j]).collect();
+            full - lp(&t)
+        })
+        .collect();
+    assert!(rel_err(&scores(&v), &want, "tiny occlusion") < 1e-4);
+    // integrated gradients: the midpoint sum and its completeness gap, recomputed here from the
+    // library's gradients at (k + ½)/steps · x (the gap does not vanish as the steps grow: a
+    // pre-norm model's f changes mostly near x = 0, where the norm's ε dominates)
+    let ig_by_hand = |metric: Metric, steps: usize| -> (Vec<f64>, f64) {
+        let (x, _) = model.input_embeddings(&tokens).unwrap();
+        let mut total = vec![0f64; x.len()];
+        for k in 0..steps {
+            let a = (k as f32 + 0.5) / steps as f32;
+            let xa: Vec<f32> = x.iter().map(|v| v * a).collect();
+            let g = model.gradient_from(&xa, metric).unwrap();
+            total
+                .iter_mut()
+                .zip(&g.grad_input)
+                .for_each(|(t, g)| *t += *g as f64);
+        }
+        let s: Vec<f64> = total
+            .chunks(dm)
+            .zip(x.chunks(dm))
+            .map(|(t, x)| t.iter().zip(x).map(|(t, x)| t * *x as f64).sum::<f64>() / steps as f64)
+            .collect();
+        let fx = model.gradient_from(&x, metric).unwrap().value as f64;
+        let f0 = model
+            .gradient_from(&vec![0.0; x.len()], metric)
+            .unwrap()
+            .value as f64;
+        let gap = s.iter().sum::<f64>() - (fx - f0);
+        (s, gap)
+    };
+    let v = run(&["--method", "integrated-gradients", "--steps", "8"]);
+    assert_eq!(v["steps"], 8);
+    let (want, want_gap) = ig_by_hand(Metric::LogProb(Some(g.target)), 8);
+    assert!(rel_err(&scores(&v), &want, "tiny IG") < 1e-5);
+    let gap = v["completeness_gap"].as_f64().unwrap();
+    assert!(
+        (gap - want_gap).abs() < 1e-4 * want_gap.abs().max(1.0),
+        "gap {gap} vs {want_gap}"
+    );
+    let coarse = run(&["--method", "integrated-gradients", "--steps", "1"]);
+    assert_eq!(coarse["steps"], 1);
+    // a logit difference: f = logit(a) − logit(w), its IG by the same midpoints
+    let logits = model.next_token_logits(&tokens).unwrap();
+    let (a, w) = (g.target, (g.target + 1) % model.dims.vocab_size as u32);
+    let (a_s, w_s) = (a.to_string(), w.to_string());
+    let v = run(&[
+        "--method",
+        "integrated-gradients",
+        "--steps",
+        "8",
+        "--answer",
+        &a_s,
+        "--wrong",
+        &w_s,
+    ]);
+    assert_eq!(v["metric"], "logit_diff");
+    assert_eq!(v["wrong"]["id"], w);
+    let f = (logits[a as usize] - logits[w as usize]) as f64;
+    assert!((v["value"].as_f64().unwrap() - f).abs() < 1e-4 * f.abs().max(1.0));
+    let (want, want_gap) = ig_by_hand(
+        Metric::LogitDiff {
+            answer: a,
+            wrong: w,
+        },
+        8,
+    );
+    assert!(rel_err(&scores(&v), &want, "tiny logit-diff IG") < 1e-5);
+    let gap = v["completeness_gap"].as_f64().unwrap();
+    assert!(
+        (gap - want_gap).abs() < 1e-4 * want_gap.abs().max(1.0),
+        "gap {gap} vs {want_gap}"
+    );
+    let v = run(&[
+        "--method",
+        "grad-x-input",
+        "--answer",
+        &a_s,
+        "--wrong",
+        &w_s,
+    ]);
+    let gd = model
+        .gradient(
+            &tokens,
+            Metric::LogitDiff {
+                answer: a,
+                wrong: w,
+            },
+        )
+        .unwrap();
+    let want: Vec<f64> = gd
+        .grad_input
+        .chunks(dm)
+        .zip(gd.input.chunks(dm))
+        .map(|(a, b)| a.iter().zip(b).map(|(a, b)| *a as f64 * *b as f64).sum())
+        .collect();
+    assert!(rel_err(&scores(&v), &want, "tiny logit-diff grad-x-input") < 1e-5);
+    // the terminal: a table and the shaded text (marks without colour), the gap for IG
+    let out = attnscope(&[
+        "attribute",
+        "-m",
+        &m,
+        "--text",
+        TEXT,
+        "--method",
+        "integrated-gradients",
+        "--steps",
+        "4",
+    ]);
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    assert!(
+        s.contains("completeness gap") && s.contains("rank") && s.contains("[at]+"),
+        "{s}"
+    );
+    assert!(!s.contains('\x1b'), "NO_COLOR is respected");
+}
+
+/// Bad input: a clear error and exit 2.
+#[test]
+fn bad_input_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (m, _) = tiny(&dir);
+    let check = |extra: &[&str], needle: &str| {
+        let mut a = vec!["attribute", "-m", &m, "--text", TEXT];
+        a.extend_from_slice(extra);
+        let out = attnscope(&a);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {err}");
+        assert!(err.contains(needle), "{extra:?}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    };
+    check(&["--method", "attnlrp"], "unknown attribution method");
+    check(&["--method", "gradient", "--target", "the hat"], "--target");
+    check(
+        &["--method", "integrated-gradients", "--steps", "0"],
+        "--steps",
+    );
+    check(
+        &["--method", "integrated-gradients", "--steps", "100000"],
+        "--steps",
+    );
+    check(
+        &["--method", "gradient", "--target", "5", "--wrong", "5"],
+        "--wrong",
+    );
+    check(&["--method", "gradient", "--wrong", "the hat"], "--wrong");
+    check(
+        &["--method", "gradient", "--target", "99999999"],
+        "--target",
+    );
+    let out = attnscope(&[
+        "attribute",
+        "-m",
+        &m,
+        "--text",
+        "x",
+        "--method",
+        "occlusion",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("at least 2 tokens"));
+}
+
+/// `faithfulness` ranks by the gradient methods too, scored like the others.
+#[test]
+fn faithfulness_has_the_gradient_rankings() {
+    let dir = tempfile::tempdir().unwrap();
+    let (m, model) = tiny(&dir);
+    let v = json(&[
+        "faithfulness",
+        "-m",
+        &m,
+        "--text",
+        TEXT,
+        "--steps",
+        "8",
+        "--json",
+    ]);
+    let tokens = model.encode(TEXT, false).unwrap();
+    let a = json(&[
+        "attribute",
+        "-m",
+        &m,
+        "--text",
+        TEXT,
+        "--method",
+        "grad-x-input",
+        "--json",
+    ]);
+    let toks = v["tokens"].as_array().unwrap();
+    assert_eq!(toks.len(), tokens.len());
+    for (t, s) in toks.iter().zip(scores(&a)) {
+        assert!((t["grad_x_input"].as_f64().unwrap() - s).abs() < 1e-6 * s.abs().max(1.0));
+        for key in ["gradient", "integrated_gradients", "attention_x_gradient"] {
+            assert!(t[key].as_f64().is_some(), "tokens[] lacks {key}");
+        }
+    }
+    assert!(v["ig_completeness_gap"].as_f64().is_some());
+    for r in [
+        "gradient",
+        "grad_x_input",
+        "integrated_gradients",
+        "attention_x_gradient",
+    ] {
+        let rows: Vec<_> = v["metrics"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|x| x["ranking"] == r)
+            .collect();
+        assert_eq!(
+            rows.len(),
+            6,
+            "{r}: 3 truths × with/without the first token"
+        );
+        assert!(rows.iter().all(|x| x.get("spearman").is_some()));
+    }
+    let best = &v["most_faithful"];
+    assert!(best["ranking"].is_string() && best["spearman"].is_f64());
+    let fast = json(&[
+        "faithfulness",
+        "-m",
+        &m,
+        "--text",
+        TEXT,
+        "--gradients",
+        "fast",
+        "--json",
+    ]);
+    assert!(fast["tokens"][0].get("integrated_gradients").is_none());
+    assert!(fast["tokens"][0]["gradient"].is_f64());
+    let none = json(&[
+        "faithfulness",
+        "-m",
+        &m,
+        "--text",
+        TEXT,
+        "--gradients",
+        "none",
+        "--json",
+    ]);
+    assert!(none["tokens"][0].get("gradient").is_none());
+    let out = attnscope(&["faithfulness", "-m", &m, "--text", TEXT, "--steps", "0"]);
+    assert_eq!(out.status.code(), Some(2));
+    let table = attnscope(&["faithfulness", "-m", &m, "--text", TEXT, "--steps", "2"]);
+    let s = String::from_utf8_lossy(&table.stdout);
+    assert!(
+        s.contains("attn×grad") && s.contains("integrated_gradients"),
+        "{s}"
+    );
+}
