@@ -20,6 +20,7 @@ pub mod config;
 pub mod error;
 pub mod fetch;
 pub mod forward;
+pub mod generate;
 pub mod gguf;
 pub mod guard;
 pub mod hf;
@@ -302,7 +303,8 @@ impl Model {
                             dir.display()
                         )));
                     }
-                    let tokenizer = Tokenizer::from_file(&tok_path, add_bos, bos_id)?;
+                    let mut tokenizer = Tokenizer::from_file(&tok_path, add_bos, bos_id)?;
+                    (tokenizer.chat_template, tokenizer.eos_id) = f.chat_template();
                     let file_size = f
                         .files
                         .iter()
