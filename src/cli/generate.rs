@@ -78,8 +78,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             format!("{j}:{}", visible(&model.tokenizer.token_text(id)))
         }
     };
-    let mut gen_ids: Vec<u32> = Vec::new();
     let stream = !a.json;
+    // a character split over tokens is printed once its last byte has come
+    let mut pending: Vec<u8> = Vec::new();
     if stream {
         eprintln!(
             "{} prompt tokens ({}); generating up to {}:",
@@ -93,11 +94,25 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         );
     }
     let g = model.generate(&prompt, &o, |t: &GenToken| {
-        gen_ids.push(t.id);
         if stream {
-            let _ = emit(&t.text);
+            pending.extend(model.tokenizer.token_bytes(t.id));
+            let ok = match std::str::from_utf8(&pending) {
+                Ok(_) => pending.len(),
+                Err(e) if e.error_len().is_none() => e.valid_up_to(),
+                Err(_) => pending.len(),
+            };
+            let _ = emit(&String::from_utf8_lossy(&pending[..ok]));
+            pending.drain(..ok);
         }
     })?;
+    if !pending.is_empty() {
+        emit(&String::from_utf8_lossy(&pending))?;
+    }
+    let all_bytes: Vec<u8> = g
+        .generated
+        .iter()
+        .flat_map(|t| model.tokenizer.token_bytes(t.id))
+        .collect();
     let gen_ids: Vec<u32> = g.generated.iter().map(|t| t.id).collect();
     if a.json {
         let v = serde_json::json!({
@@ -105,7 +120,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "mode": if a.chat.is_some() { "chat" } else { "text" },
             "prompt_ids": g.prompt_ids,
             "prompt_tokens": texts,
-            "text": g.generated.iter().map(|t| t.text.as_str()).collect::<String>(),
+            "text": String::from_utf8_lossy(&all_bytes),
             "stop": g.stop,
             "generated": g.generated.iter().map(|t| serde_json::json!({
                 "id": t.id,

@@ -28,6 +28,14 @@ pub fn render_chat(
     eos_token: &str,
 ) -> Result<String> {
     let mut env = minijinja::Environment::new();
+    // as transformers renders chat templates
+    env.set_syntax(
+        minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| Error::NotApplicable(format!("the template syntax: {e}")))?,
+    );
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_function(
         "raise_exception",
