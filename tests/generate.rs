@@ -47,7 +47,14 @@ fn a_hand_written_template_renders_as_jinja_would() {
     );
     // Python-style methods, namespace, bos_token, tojson, loop controls
     let t = "{{ bos_token }}{% set ns = namespace(n=0) %}{% for m in messages %}{% if m.content.startswith('skip') %}{% continue %}{% endif %}{% set ns.n = ns.n + 1 %}[{{ m.role | upper }}:{{ m.content.lower() | tojson }}]{% endfor %}{{ ns.n }}";
-    let out = render_chat(t, &[msg("user", "skip me"), msg("user", "KEEP")], true, "<s>", "").unwrap();
+    let out = render_chat(
+        t,
+        &[msg("user", "skip me"), msg("user", "KEEP")],
+        true,
+        "<s>",
+        "",
+    )
+    .unwrap();
     assert_eq!(out, "<s>[USER:\"keep\"]1");
 }
 
@@ -113,7 +120,11 @@ fn kv_cache_rows_equal_full_forward_rows_on_every_family() {
         let path = dir.path().join("t.gguf");
         write_gguf(&tiny_model(arch, 5), arch, GgmlDType::F32, &path).unwrap();
         let model = Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();
-        kv_equals_full(&model, &[72, 101, 108, 108, 111, 32, 119], &format!("{arch:?}"));
+        kv_equals_full(
+            &model,
+            &[72, 101, 108, 108, 111, 32, 119],
+            &format!("{arch:?}"),
+        );
     }
     for fam in ["llama3", "qwen3", "mistral", "phi3", "gemma2", "gemma3"] {
         let dir = common::golden(&format!("arch/{fam}"));
@@ -194,7 +205,10 @@ fn chat_through_the_template_and_bad_input() {
     let out = cli(&["generate", "-m", p, "--chat", "hi"]);
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("no chat template") && err.contains("--text"), "{err}");
+    assert!(
+        err.contains("no chat template") && err.contains("--text"),
+        "{err}"
+    );
     for bad in [
         &["--temperature", "-1"][..],
         &["--top-p", "0"],

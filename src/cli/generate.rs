@@ -93,8 +93,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             a.max_new_tokens
         );
     }
+    let stops = model.stop_ids();
     let g = model.generate(&prompt, &o, |t: &GenToken| {
-        if stream {
+        // the end-of-turn token is not printed (it is in the table and in --json)
+        if stream && !stops.contains(&t.id) {
             pending.extend(model.tokenizer.token_bytes(t.id));
             let ok = match std::str::from_utf8(&pending) {
                 Ok(_) => pending.len(),
@@ -122,6 +124,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "prompt_tokens": texts,
             "text": String::from_utf8_lossy(&all_bytes),
             "stop": g.stop,
+            "prefill_s": g.prefill_s,
+            "decode_s": g.decode_s,
+            "decode_tokens_per_s": (g.generated.len().saturating_sub(1)) as f64 / g.decode_s.max(1e-9),
             "generated": g.generated.iter().map(|t| serde_json::json!({
                 "id": t.id,
                 "text": t.text,
@@ -167,6 +172,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             top.join(", ")
         ));
     }
-    s.push_str(&format!("stopped: {:?}\n", g.stop));
+    s.push_str(&format!(
+        "stopped: {:?}; prompt {:.2} s, decoding {:.1} tokens/s\n",
+        g.stop,
+        g.prefill_s,
+        g.generated.len().saturating_sub(1) as f64 / g.decode_s.max(1e-9)
+    ));
     emit(&s)
 }

@@ -216,6 +216,10 @@ pub struct Generation {
     pub prompt_ids: Vec<u32>,
     pub generated: Vec<GenToken>,
     pub stop: StopReason,
+    /// Seconds of the prompt's forward (the first token's).
+    pub prefill_s: f64,
+    /// Seconds of the decoding steps after the first token (one row each on the KV cache).
+    pub decode_s: f64,
 }
 
 /// A small seeded generator (SplitMix64): the same seed gives the same draws everywhere.
@@ -438,6 +442,8 @@ impl Model {
         let mut next: Vec<u32> = prompt.to_vec();
         let mut generated = Vec::new();
         let mut stop = StopReason::MaxNewTokens;
+        let t0 = std::time::Instant::now();
+        let mut prefill_s = 0.0;
         for step in 0..o.max_new_tokens {
             let start = kv.as_ref().map_or(0, |p| p.len);
             let q = start + next.len() - 1;
@@ -454,7 +460,11 @@ impl Model {
                 ..Default::default()
             };
             let out = self.forward_from(kv.as_ref(), &next, &opts, &mut obs)?;
-            let logits = out.logits.into_iter().next().expect("one row was asked for");
+            let logits = out
+                .logits
+                .into_iter()
+                .next()
+                .expect("one row was asked for");
             let id = pick(&logits, o, &mut rng);
             let logprob = log_softmax(&logits)[id as usize];
             let scale = 1.0 / (self.dims.n_heads * self.dims.n_layers) as f64;
@@ -475,6 +485,9 @@ impl Model {
                 top,
                 concentrated: obs.concentrated,
             };
+            if step == 0 {
+                prefill_s = t0.elapsed().as_secs_f64();
+            }
             on_token(&tok);
             generated.push(tok);
             kv = out.kv;
@@ -484,10 +497,13 @@ impl Model {
                 break;
             }
         }
+        let decode_s = t0.elapsed().as_secs_f64() - prefill_s;
         Ok(Generation {
             prompt_ids: prompt.to_vec(),
             generated,
             stop,
+            prefill_s,
+            decode_s,
         })
     }
 }
