@@ -15,6 +15,7 @@ mod cost;
 mod dla;
 mod explain;
 mod faithfulness;
+mod generate;
 pub mod heads;
 mod info;
 mod inspect;
@@ -50,6 +51,10 @@ pub enum Command {
     /// The lesson's tables on a real model: per-head and head-averaged top tokens for a query,
     /// the attention-sink profile, head concentration, and the model's next-token prediction.
     Inspect(inspect::Args),
+    /// Chat with the model (its own chat template) or continue a text, token by token on a KV
+    /// cache, streamed; per answer token, what the query that produced it attended to: the sink
+    /// profile, the top prompt tokens, the concentrated heads.
+    Generate(generate::Args),
     /// Does attention explain the prediction? Occlude each token (delete, replace, knock out)
     /// and compare the change in the target's log-probability with attention, rollout and heads.
     Faithfulness(faithfulness::Args),
@@ -114,6 +119,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Explain(a) => explain::run(a),
         Command::Cost(a) => cost::run(a),
         Command::Inspect(a) => inspect::run(a),
+        Command::Generate(a) => generate::run(a),
         Command::Info(a) => info::run(a),
         Command::Serve(a) => serve::run(a),
         Command::View(a) => view::view(a),

@@ -34,6 +34,8 @@ pub struct HfConfig {
     #[serde(default)]
     pub tie_word_embeddings: bool,
     pub bos_token_id: Option<serde_json::Value>,
+    /// One id or a list (the first is taken).
+    pub eos_token_id: Option<serde_json::Value>,
     /// The hub's style: `{"rope_type": "llama3", "factor": 8, ...}` (older: `"type"`).
     pub rope_scaling: Option<serde_json::Value>,
     /// transformers 5's style: `{"rope_type": ..., "rope_theta": ..., ...}`.
@@ -481,6 +483,29 @@ impl HfFolder {
             reason,
         })?;
         Ok(dims)
+    }
+
+    /// The chat template (a string, or the entry named "default" of a list) from
+    /// tokenizer_config.json, and the EOS id from config.json.
+    pub fn chat_template(&self) -> (Option<String>, Option<u32>) {
+        let cfg = std::fs::read_to_string(self.dir.join("tokenizer_config.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
+        let tpl = cfg.as_ref().and_then(|v| match v.get("chat_template")? {
+            serde_json::Value::String(s) => Some(s.clone()),
+            serde_json::Value::Array(a) => a
+                .iter()
+                .find(|e| e.get("name").and_then(|n| n.as_str()) == Some("default"))
+                .and_then(|e| e.get("template")?.as_str().map(String::from)),
+            _ => None,
+        });
+        let eos = self
+            .config
+            .eos_token_id
+            .as_ref()
+            .and_then(|v| v.as_u64().or_else(|| v.as_array()?.first()?.as_u64()))
+            .map(|x| x as u32);
+        (tpl, eos)
     }
 
     /// `add_bos_token` from tokenizer_config.json (false if absent) and the BOS id.

@@ -20,6 +20,7 @@ pub mod config;
 pub mod error;
 pub mod fetch;
 pub mod forward;
+pub mod generate;
 pub mod gguf;
 pub mod guard;
 pub mod hf;
@@ -309,6 +310,7 @@ impl Model {
                     }
                     let mut tokenizer = Tokenizer::from_file(&tok_path, add_bos, bos_id)?;
                     tokenizer.pad_id = f.pad_token().and_then(|t| tokenizer.id_of(&t));
+                    (tokenizer.chat_template, tokenizer.eos_id) = f.chat_template();
                     let file_size = f
                         .files
                         .iter()

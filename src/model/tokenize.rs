@@ -31,6 +31,10 @@ pub struct Tokenizer {
     pub kind: String,
     /// How a vocabulary piece spells its bytes.
     pub pieces: PieceStyle,
+    /// The model's chat template (Jinja), from `tokenizer.chat_template` or tokenizer_config.json.
+    pub chat_template: Option<String>,
+    /// The end-of-sequence id the model's metadata names.
+    pub eos_id: Option<u32>,
 }
 
 /// How a vocabulary piece spells the bytes it stands for.
@@ -536,6 +540,8 @@ impl Tokenizer {
             pad_id,
             kind,
             pieces,
+            chat_template: get_str("tokenizer.chat_template").ok(),
+            eos_id: get_u32("tokenizer.ggml.eos_token_id"),
         })
     }
 
@@ -567,7 +573,14 @@ impl Tokenizer {
             pad_id: None,
             kind,
             pieces,
+            chat_template: None,
+            eos_id: None,
         })
+    }
+
+    /// The id of a token spelled exactly `text` (a special token such as `<|im_end|>`), if any.
+    pub fn token_id(&self, text: &str) -> Option<u32> {
+        self.inner.token_to_id(text)
     }
 
     /// Whether every text gets the BOS first from now on, whatever the model's metadata said

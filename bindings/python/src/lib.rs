@@ -279,6 +279,55 @@ impl Model {
         engine(py, move || Ok(m.encode_with(&text, bos)?))
     }
 
+    /// Generates from `text` (a chat message through the model's template when `chat`, with
+    /// `system` first if given; else a raw text) or from token `ids`, on a KV cache. Returns
+    /// (prompt ids, generated ids, the whole generation as JSON: per token its log-probability,
+    /// sink profile, top keys and concentrated heads).
+    #[pyo3(signature = (text = None, ids = None, chat = false, system = None, max_new_tokens = 10,
+                        temperature = 0.0, top_k = 0, top_p = 1.0, seed = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn generate(
+        &self,
+        py: Python<'_>,
+        text: Option<String>,
+        ids: Option<Vec<u32>>,
+        chat: bool,
+        system: Option<String>,
+        max_new_tokens: usize,
+        temperature: f32,
+        top_k: usize,
+        top_p: f32,
+        seed: u64,
+    ) -> PyResult<(Vec<u32>, Vec<u32>, String)> {
+        if let Some(ids) = &ids {
+            self.check_ids(ids)?;
+        }
+        let m = self.inner.clone();
+        engine(py, move || {
+            let prompt = match (text, ids) {
+                (Some(t), None) if chat => m.chat_ids(&t, system.as_deref())?,
+                (Some(t), None) => m.encode_with(&t, None)?,
+                (None, Some(ids)) if !chat => ids,
+                _ => {
+                    return Err(anyhow::Error::new(ModelError::NotApplicable(
+                        "generate: give a text, or token ids without chat=True".into(),
+                    )))
+                }
+            };
+            let o = attnscope::model::generate::GenOptions {
+                max_new_tokens,
+                temperature,
+                top_k,
+                top_p,
+                seed,
+                ..Default::default()
+            };
+            let g = m.generate(&prompt, &o, |_| {})?;
+            let gen = g.generated.iter().map(|t| t.id).collect();
+            Ok((g.prompt_ids.clone(), gen, serde_json::to_string(&g)?))
+        })
+    }
+
     /// The text of each token (byte-level pieces decoded; split UTF-8 shown as <xx> bytes).
     fn token_texts(&self, ids: Vec<u32>) -> PyResult<Vec<String>> {
         self.check_ids(&ids)?;

@@ -457,6 +457,33 @@ class HookedModel:
         c = self.cfg
         return f"HookedModel({c.model_name!r}, {c.architecture}, {c.n_layers} layers, {c.n_heads} heads sharing {c.n_key_value_heads} KV sets, {c.precision})"
 
+    def generate(self, input: Union[str, np.ndarray, Sequence[int]], max_new_tokens: int = 10, chat: bool = False,
+                 temperature: float = 0.0, seed: Optional[int] = None, top_k: int = 0, top_p: float = 1.0,
+                 system: Optional[str] = None, return_type: str = "str", verbose: bool = False):
+        """Generates a continuation on a KV cache, like TransformerLens's ``generate``: greedy when
+        ``temperature`` is 0, else sampled (``top_k``, ``top_p``, ``seed`` for the same text again).
+        ``chat=True`` puts ``input`` (a string) through the model's own chat template, with the
+        generation prompt added (``system``: a system message). Stops at EOS / end-of-turn or after
+        ``max_new_tokens``. ``return_type="str"``: the prompt and the continuation as text;
+        ``"tokens"``: their ids, ``[1, n]`` int64; ``"details"``: a dict with each generated
+        token's log-probability, sink profile, top keys and concentrated heads."""
+        if return_type not in ("str", "tokens", "details"):
+            raise ValueError(f"return_type {return_type!r} is not one of: str, tokens, details")
+        if isinstance(input, str):
+            p, g, js = self._m.generate(text=input, chat=chat, system=system, max_new_tokens=max_new_tokens,
+                                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed or 0)
+        else:
+            ids = [int(t) for t in np.asarray(input).reshape(-1)]
+            p, g, js = self._m.generate(ids=ids, chat=chat, max_new_tokens=max_new_tokens,
+                                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed or 0)
+        if verbose:
+            print(b"".join(bytes(b) for b in self._m.token_bytes(g)).decode("utf-8", "replace"))
+        if return_type == "tokens":
+            return _wrap(np.asarray([p + g], dtype=np.int64))
+        if return_type == "details":
+            return json.loads(js)
+        return b"".join(bytes(b) for b in self._m.token_bytes(p + g)).decode("utf-8", "replace")
+
     # tokens
     def to_tokens(self, input: Union[str, Sequence[str]], prepend_bos: Optional[bool] = None,
                   padding_side: Optional[str] = None, move_to_device: bool = True, truncate: bool = True) -> np.ndarray:

@@ -1,0 +1,182 @@
+//! `attnscope generate`: chat with the model (its own template) or continue a text, token by token
+//! on a KV cache, and show what the query that produced each token attended to.
+
+use super::common::{emit, usage, ModelArgs};
+use crate::model::generate::{GenOptions, GenToken};
+use crate::model::tokenize::visible;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// A user message, put through the model's own chat template (generation prompt added).
+    #[arg(long, conflicts_with = "text")]
+    chat: Option<String>,
+    /// A system message for --chat (default: the template's own, if it has one).
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
+    /// A raw text to continue (no template).
+    #[arg(long, short = 't')]
+    text: Option<String>,
+    /// Tokens to generate at most (it stops earlier at an end-of-turn or EOS token).
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
+    /// 0 is greedy; above 0, sample from softmax(logits / temperature).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Sample among the k most likely tokens only (0: all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Sample among the most likely tokens whose probabilities reach p (1: all).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// The sampler's seed: the same seed gives the same text.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// A head is listed as concentrated when its largest weight is at least this.
+    #[arg(long, default_value_t = 0.9)]
+    concentrated: f32,
+    /// Prompt tokens listed per generated token (head- and layer-averaged weight).
+    #[arg(long, short = 'k', default_value_t = 3)]
+    top: usize,
+    /// Print one JSON document at the end instead of streaming text and tables.
+    #[arg(long)]
+    json: bool,
+    /// Stream only the answer's text (no per-token table).
+    #[arg(long)]
+    quiet: bool,
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    let o = GenOptions {
+        max_new_tokens: a.max_new_tokens,
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        seed: a.seed,
+        concentrated: a.concentrated,
+        top: a.top,
+    };
+    o.check()?;
+    if a.chat.is_none() && a.text.is_none() {
+        return Err(usage(
+            "say what to generate from: --chat \"a question\" (the model's chat template) or --text \"a text\" (a raw continuation)",
+        ));
+    }
+    let model = a.model.load()?;
+    let prompt = match (&a.chat, &a.text) {
+        (Some(q), _) => model.chat_ids(q, a.system.as_deref())?,
+        (None, Some(t)) => model.encode(t, a.model.bos)?,
+        _ => unreachable!("checked above"),
+    };
+    let texts = model.token_texts(&prompt);
+    let label = |j: usize, gen: &[u32]| -> String {
+        if j < prompt.len() {
+            format!("{j}:{}", visible(&texts[j]))
+        } else {
+            let id = gen[j - prompt.len()];
+            format!("{j}:{}", visible(&model.tokenizer.token_text(id)))
+        }
+    };
+    let stream = !a.json;
+    // a character split over tokens is printed once its last byte has come
+    let mut pending: Vec<u8> = Vec::new();
+    if stream {
+        eprintln!(
+            "{} prompt tokens ({}); generating up to {}:",
+            prompt.len(),
+            if a.chat.is_some() {
+                "chat template"
+            } else {
+                "raw text"
+            },
+            a.max_new_tokens
+        );
+    }
+    let stops = model.stop_ids();
+    let g = model.generate(&prompt, &o, |t: &GenToken| {
+        // the end-of-turn token is not printed (it is in the table and in --json)
+        if stream && !stops.contains(&t.id) {
+            pending.extend(model.tokenizer.token_bytes(t.id));
+            let ok = match std::str::from_utf8(&pending) {
+                Ok(_) => pending.len(),
+                Err(e) if e.error_len().is_none() => e.valid_up_to(),
+                Err(_) => pending.len(),
+            };
+            let _ = emit(&String::from_utf8_lossy(&pending[..ok]));
+            pending.drain(..ok);
+        }
+    })?;
+    if !pending.is_empty() {
+        emit(&String::from_utf8_lossy(&pending))?;
+    }
+    let all_bytes: Vec<u8> = g
+        .generated
+        .iter()
+        .flat_map(|t| model.tokenizer.token_bytes(t.id))
+        .collect();
+    let gen_ids: Vec<u32> = g.generated.iter().map(|t| t.id).collect();
+    if a.json {
+        let v = serde_json::json!({
+            "model": model.info.name,
+            "mode": if a.chat.is_some() { "chat" } else { "text" },
+            "prompt_ids": g.prompt_ids,
+            "prompt_tokens": texts,
+            "text": String::from_utf8_lossy(&all_bytes),
+            "stop": g.stop,
+            "prefill_s": g.prefill_s,
+            "decode_s": g.decode_s,
+            "decode_tokens_per_s": (g.generated.len().saturating_sub(1)) as f64 / g.decode_s.max(1e-9),
+            "generated": g.generated.iter().map(|t| serde_json::json!({
+                "id": t.id,
+                "text": t.text,
+                "logprob": t.logprob,
+                "position": t.position,
+                "sink": t.sink,
+                "top": t.top.iter().map(|&(k, w)| serde_json::json!({
+                    "position": k, "token": label(k, &gen_ids), "weight": w})).collect::<Vec<_>>(),
+                "concentrated": t.concentrated,
+            })).collect::<Vec<_>>(),
+        });
+        emit(&format!("{}\n", serde_json::to_string_pretty(&v)?))?;
+        return Ok(());
+    }
+    emit("\n")?;
+    if a.quiet {
+        return Ok(());
+    }
+    let n_layers = model.dims.n_layers;
+    let mut s = format!(
+        "\nwhat the query that produced each token attended to (weights averaged over heads and {n_layers} layers; sink = mean weight on position 0 over layers; conc = heads with max ≥ {} off position 0):\n",
+        a.concentrated
+    );
+    s.push_str(&format!(
+        "{:>5}  {:<16} {:>8}  {:>6}  {:>4}  top keys\n",
+        "pos", "token", "logprob", "sink", "conc"
+    ));
+    for t in &g.generated {
+        let sink = t.sink.iter().sum::<f32>() / t.sink.len().max(1) as f32;
+        let conc = t.concentrated.iter().filter(|c| c.key != 0).count();
+        let top: Vec<String> = t
+            .top
+            .iter()
+            .map(|&(k, w)| format!("{} {:.2}", label(k, &gen_ids), w))
+            .collect();
+        s.push_str(&format!(
+            "{:>5}  {:<16} {:>8.3}  {:>6.3}  {:>4}  {}\n",
+            t.position,
+            visible(&t.text),
+            t.logprob,
+            sink,
+            conc,
+            top.join(", ")
+        ));
+    }
+    s.push_str(&format!(
+        "stopped: {:?}; prompt {:.2} s, decoding {:.1} tokens/s\n",
+        g.stop,
+        g.prefill_s,
+        g.generated.len().saturating_sub(1) as f64 / g.decode_s.max(1e-9)
+    ));
+    emit(&s)
+}

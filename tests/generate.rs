@@ -1,0 +1,349 @@
+//! Generation (issue #40): chat templates, KV-cache decoding against full forwards, seeded
+//! sampling, bad input, and greedy generation on the real models against transformers.
+
+mod common;
+
+use attnscope::model::capture::{AttnCache, CaptureSpec};
+use attnscope::model::config::Arch;
+use attnscope::model::forward::{log_softmax, RunOptions};
+use attnscope::model::generate::{pick, render_chat, GenOptions, Message, SplitMix64};
+use attnscope::model::tiny::{tiny_model, write_gguf, write_gguf_with};
+use attnscope::model::{Model, Precision};
+use candle_core::quantized::gguf_file::Value;
+use candle_core::quantized::GgmlDType;
+
+const CHATML: &str = "{%- for m in messages %}{%- if loop.first and m.role != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{%- endif %}<|im_start|>{{ m.role }}\n{{ m.content.strip() }}<|im_end|>\n{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}";
+
+fn msg(role: &str, content: &str) -> Message {
+    Message {
+        role: role.into(),
+        content: content.into(),
+    }
+}
+
+#[test]
+fn a_hand_written_template_renders_as_jinja_would() {
+    // `{%-` strips the newline before it
+    let out = render_chat(CHATML, &[msg("user", "  Hi there ")], true, "", "").unwrap();
+    assert_eq!(
+        out,
+        "<|im_start|>system\nYou are helpful.<|im_end|><|im_start|>user\nHi there<|im_end|><|im_start|>assistant"
+    );
+    // transformers renders with trim_blocks and lstrip_blocks: a block tag's own line leaves nothing
+    let t = "{% for m in messages %}\n    {% if m.role == 'user' %}\n{{ m.content }}\n    {% endif %}\n{% endfor %}";
+    let out = render_chat(t, &[msg("user", "a"), msg("user", "b")], false, "", "").unwrap();
+    assert_eq!(out, "a\nb\n");
+    let out = render_chat(
+        CHATML,
+        &[msg("system", "Be brief."), msg("user", "Q")],
+        false,
+        "",
+        "",
+    )
+    .unwrap();
+    assert_eq!(
+        out,
+        "<|im_start|>system\nBe brief.<|im_end|><|im_start|>user\nQ<|im_end|>"
+    );
+    // Python-style methods, namespace, bos_token, tojson, loop controls
+    let t = "{{ bos_token }}{% set ns = namespace(n=0) %}{% for m in messages %}{% if m.content.startswith('skip') %}{% continue %}{% endif %}{% set ns.n = ns.n + 1 %}[{{ m.role | upper }}:{{ m.content.lower() | tojson }}]{% endfor %}{{ ns.n }}";
+    let out = render_chat(
+        t,
+        &[msg("user", "skip me"), msg("user", "KEEP")],
+        true,
+        "<s>",
+        "",
+    )
+    .unwrap();
+    assert_eq!(out, "<s>[USER:\"keep\"]1");
+}
+
+#[test]
+fn a_template_that_fails_names_the_error() {
+    let t = "{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}ok";
+    let e = render_chat(t, &[msg("system", "x")], true, "", "")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("System role not supported"), "{e}");
+    let e = render_chat("{% for m in messages %}", &[msg("user", "x")], true, "", "")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("chat template") && e.contains("syntax"), "{e}");
+}
+
+/// Every generated token's log-probability and sink profile, computed on the KV cache one row at
+/// a time, equal a full forward over the whole sequence (patterns captured).
+fn kv_equals_full(model: &Model, prompt: &[u32], label: &str) {
+    let o = GenOptions {
+        max_new_tokens: 6,
+        ..Default::default()
+    };
+    let g = model.generate(prompt, &o, |_| {}).unwrap();
+    assert!(!g.generated.is_empty());
+    let mut seq = prompt.to_vec();
+    for t in &g.generated {
+        let n = seq.len();
+        let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
+        let out = model
+            .forward(&seq, &RunOptions::last_logits(n), &mut cache)
+            .unwrap();
+        let lp = log_softmax(&out.logits[0]);
+        let best = (0..lp.len()).fold(0, |b, i| if lp[i] > lp[b] { i } else { b });
+        assert_eq!(t.id as usize, best, "{label}: greedy token at {n}");
+        assert!(
+            (lp[best] - t.logprob).abs() <= 1e-4,
+            "{label}: logprob {} vs {}",
+            t.logprob,
+            lp[best]
+        );
+        assert_eq!(t.sink.len(), model.dims.n_layers, "{label}");
+        let nh = model.dims.n_heads;
+        for l in 0..model.dims.n_layers {
+            let p = cache.pattern(l).unwrap(); // [head, q, k]
+            let s: f32 = (0..nh).map(|h| p.row(h, n - 1)[0]).sum::<f32>() / nh as f32;
+            assert!(
+                (s - t.sink[l]).abs() <= 1e-5,
+                "{label}: layer {l} sink {} vs full {s}",
+                t.sink[l]
+            );
+        }
+        let w: f32 = t.top.iter().map(|x| x.1).sum();
+        assert!(w > 0.0 && w <= 1.0 + 1e-5, "{label}: top weights {w}");
+        seq.push(t.id);
+    }
+}
+
+#[test]
+fn kv_cache_rows_equal_full_forward_rows_on_every_family() {
+    for arch in [Arch::Llama, Arch::Qwen2] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.gguf");
+        write_gguf(&tiny_model(arch, 5), arch, GgmlDType::F32, &path).unwrap();
+        let model = Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();
+        kv_equals_full(
+            &model,
+            &[72, 101, 108, 108, 111, 32, 119],
+            &format!("{arch:?}"),
+        );
+    }
+    for fam in ["llama3", "qwen3", "mistral", "phi3", "gemma2", "gemma3"] {
+        let dir = common::golden(&format!("arch/{fam}"));
+        let model = Model::load(dir.to_str().unwrap(), Precision::Exact, false).unwrap();
+        let prompt: Vec<u32> = (0..20u32).map(|i| (i * 37 + 11) % 250).collect();
+        kv_equals_full(&model, &prompt, fam);
+    }
+}
+
+fn tiny_gguf(dir: &std::path::Path, template: Option<&str>) -> std::path::PathBuf {
+    let path = dir.join("t.gguf");
+    let tpl = template.map(String::from);
+    write_gguf_with(
+        &tiny_model(Arch::Qwen2, 3),
+        Arch::Qwen2,
+        GgmlDType::F32,
+        &path,
+        &move |md, _| {
+            if let Some(t) = &tpl {
+                md.push(("tokenizer.chat_template".into(), Value::String(t.clone())));
+            }
+        },
+    )
+    .unwrap();
+    path
+}
+
+#[test]
+fn seeded_sampling_is_reproducible() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = tiny_gguf(dir.path(), None);
+    let model = Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();
+    let prompt = [72, 101, 108, 108, 111];
+    let run = |seed: u64| -> Vec<u32> {
+        let o = GenOptions {
+            max_new_tokens: 12,
+            temperature: 1.5,
+            top_k: 40,
+            top_p: 0.95,
+            seed,
+            ..Default::default()
+        };
+        let g = model.generate(&prompt, &o, |_| {}).unwrap();
+        g.generated.iter().map(|t| t.id).collect()
+    };
+    let a = run(7);
+    assert_eq!(a, run(7), "the same seed gives the same tokens");
+    assert!(
+        (1..6).any(|s| run(s) != a),
+        "different seeds give different samples"
+    );
+    // top-k 1 is greedy whatever the temperature
+    let logits: Vec<f32> = (0..50).map(|i| ((i * 7919) % 101) as f32 / 10.0).collect();
+    let greedy = pick(&logits, &GenOptions::default(), &mut SplitMix64::new(0));
+    let o = GenOptions {
+        temperature: 3.0,
+        top_k: 1,
+        ..Default::default()
+    };
+    for s in 0..10 {
+        assert_eq!(pick(&logits, &o, &mut SplitMix64::new(s)), greedy);
+    }
+}
+
+fn cli(args: &[&str]) -> std::process::Output {
+    assert_cmd::Command::cargo_bin("attnscope")
+        .unwrap()
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn chat_through_the_template_and_bad_input() {
+    let dir = tempfile::tempdir().unwrap();
+    let plain = tiny_gguf(dir.path(), None);
+    let p = plain.to_str().unwrap();
+    let out = cli(&["generate", "-m", p, "--chat", "hi"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("no chat template") && err.contains("--text"),
+        "{err}"
+    );
+    for bad in [
+        &["--temperature", "-1"][..],
+        &["--top-p", "0"],
+        &["--top-p", "1.5"],
+        &["--max-new-tokens", "0"],
+        &["--max-new-tokens", "100000000"],
+    ] {
+        let mut args = vec!["generate", "-m", p, "--text", "hello"];
+        args.extend_from_slice(bad);
+        let out = cli(&args);
+        assert_eq!(out.status.code(), Some(2), "{bad:?}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("error"));
+    }
+    let dir2 = tempfile::tempdir().unwrap();
+    let broken = tiny_gguf(dir2.path(), Some("{% for m in messages %}{{ m.content }"));
+    let out = cli(&["generate", "-m", broken.to_str().unwrap(), "--chat", "hi"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("chat template failed to render"), "{err}");
+    // a working template: the prompt is the rendered chat, and --json has the per-token fields
+    let dir3 = tempfile::tempdir().unwrap();
+    let good = tiny_gguf(dir3.path(), Some(CHATML));
+    let out = cli(&[
+        "generate",
+        "-m",
+        good.to_str().unwrap(),
+        "--chat",
+        "hi",
+        "--max-new-tokens",
+        "3",
+        "--json",
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let model = Model::load(good.to_str().unwrap(), Precision::Exact, false).unwrap();
+    let rendered = render_chat(CHATML, &[msg("user", "hi")], true, "", "").unwrap();
+    let want = model.encode_with(&rendered, Some(false)).unwrap();
+    let ids: Vec<u32> = v["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    assert_eq!(ids, want);
+    let gen = v["generated"].as_array().unwrap();
+    assert!(!gen.is_empty() && gen.len() <= 3);
+    for (i, t) in gen.iter().enumerate() {
+        assert_eq!(t["position"].as_u64().unwrap() as usize, want.len() + i);
+        assert_eq!(
+            t["sink"].as_array().unwrap().len(),
+            model.dims.n_layers,
+            "one sink value per layer"
+        );
+        assert!(t["logprob"].as_f64().unwrap() <= 0.0);
+    }
+}
+
+/// Greedy generation on a real model equals transformers' token for token (chat through the
+/// model's own template, and raw), and each generated row's sink profile is within 1e-4 of the
+/// reference's eager full-sequence forward.
+fn real(alias: &str, golden: &str) {
+    let model = common::real_model(alias);
+    let g = common::golden_json(golden);
+    let cases = g["cases"].as_object().unwrap();
+    assert!(!cases.is_empty());
+    for (name, c) in cases {
+        let prompt = c["prompt"].as_str().unwrap();
+        let ids = if c["kind"] == "chat" {
+            model.chat_ids(prompt, None).unwrap()
+        } else {
+            model.encode(prompt, false).unwrap()
+        };
+        let want: Vec<u32> = c["prompt_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(ids, want, "{alias} {name}: prompt ids");
+        let o = GenOptions {
+            max_new_tokens: c["max_new_tokens"].as_u64().unwrap() as usize,
+            ..Default::default()
+        };
+        let out = model.generate(&ids, &o, |_| {}).unwrap();
+        let got: Vec<u64> = out.generated.iter().map(|t| t.id as u64).collect();
+        let want_gen: Vec<u64> = c["generated_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect();
+        assert_eq!(got, want_gen, "{alias} {name}: generated ids");
+        for (t, lp) in out.generated.iter().zip(c["logprobs"].as_array().unwrap()) {
+            let d = (t.logprob as f64 - lp.as_f64().unwrap()).abs();
+            assert!(d <= 1e-4, "{alias} {name}: logprob differs by {d}");
+        }
+        let rows = c["sink_rows"].as_array().unwrap();
+        // row i is the query at the prompt's length + i, which produced generated token i + 1
+        // (the last row produced nothing)
+        assert_eq!(rows.len(), out.generated.len());
+        let mut worst = 0f64;
+        for (i, r) in rows.iter().enumerate().take(rows.len() - 1) {
+            let want: Vec<f64> = r
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect();
+            let got = &out.generated[i + 1].sink;
+            assert_eq!(got.len(), want.len());
+            for (a, b) in got.iter().zip(&want) {
+                worst = worst.max((*a as f64 - b).abs());
+            }
+        }
+        eprintln!("{alias} {name}: sink profile max |diff| {worst:.2e}");
+        assert!(worst <= 1e-4, "{alias} {name}: sink differs by {worst}");
+    }
+}
+
+#[test]
+fn qwen_greedy_generation_equals_transformers() {
+    real("qwen2.5-coder-0.5b", "qwen_generate.json");
+}
+
+#[test]
+fn smol_greedy_generation_equals_transformers() {
+    real("smollm2-135m", "smol_generate.json");
+}
+
+#[test]
+fn gemma_greedy_generation_equals_transformers() {
+    real("gemma3-270m", "gemma_generate.json");
+}
