@@ -509,6 +509,23 @@ def test_direct_logit_attribution_as_transformerlens_users_write_it(qwen):
     assert abs(total - float(logits[0, -1, answer])) < 1e-2
     acc = cache.accumulated_resid(incl_mid=True)
     assert acc.shape == (2 * 24 + 1, 1, len(cache["pattern", 0, "attn"][0, 0]), 896)
+    # a block's own norm: the components over ln1's (ln2's) scale of the run, which for the
+    # block's input itself is ln1.hook_normalized (ln2's for resid_mid)
+    x3, mid3 = np.asarray(cache["resid_pre", 3]), np.asarray(cache["resid_mid", 3])
+    by_ln1 = np.asarray(cache.apply_ln_to_stack(x3[None], layer=3))[0]
+    assert np.allclose(by_ln1, np.asarray(cache["blocks.3.ln1.hook_normalized"]), rtol=1e-4, atol=1e-5)
+    by_ln2 = np.asarray(cache.apply_ln_to_stack(mid3[None], layer=3, mlp_input=True))[0]
+    assert np.allclose(by_ln2, np.asarray(cache["blocks.3.ln2.hook_normalized"]), rtol=1e-4, atol=1e-5)
+    assert np.array_equal(np.asarray(cache.apply_ln_to_stack(last, layer=-1, pos_slice=-1)),
+                          np.asarray(cache.apply_ln_to_stack(last, pos_slice=-1)))
+    with pytest.raises(ValueError, match="out of range"):
+        cache.apply_ln_to_stack(x3[None], layer=24 + 1)
+    # tokens_to_residual_directions is W_U's column, for one token or an array of them
+    W_U = np.asarray(qwen.W_U)
+    d = np.asarray(qwen.tokens_to_residual_directions(answer))
+    assert d.shape == (896,) and np.array_equal(d, W_U[:, answer])
+    two = np.asarray(qwen.tokens_to_residual_directions(np.array([[answer, 5]])))
+    assert two.shape == (1, 2, 896) and np.array_equal(two[0, 1], W_U[:, 5])
 
 
 def test_results_follow_the_array_type(smol, monkeypatch):

@@ -280,15 +280,22 @@ class ActivationCache:
         """Each component through the final norm with the scale of the actual run (frozen: so the
         components still add up), as TransformerLens does: LayerNorm centres each one, and both
         divide by the final residual's RMS (σ). The norm's weight is applied by :meth:`logit_attrs`
-        (TransformerLens folds it into ``W_U``)."""
-        if layer is not None and layer != self.n_layers:
-            raise NotImplementedError("apply_ln_to_stack applies the final norm (layer=None); the blocks' norms are not exposed yet")
+        (TransformerLens folds it into ``W_U``). ``layer`` in ``0..n_layers - 1`` takes the scale of
+        that block's ``ln1`` (``ln2`` with ``mlp_input=True``) from the cache instead, as
+        TransformerLens does (capture ``blocks.L.ln1.hook_scale``); ``None``, ``n_layers`` or ``-1``
+        (``accumulated_resid``'s "all layers") mean the final norm."""
         m = self._need_model()
         w, b, eps = m._m.final_norm()
-        final = self._pos(self._get(f"blocks.{self.n_layers - 1}.hook_resid_post"), pos_slice).astype(np.float64)
-        if b is not None:
-            final = final - final.mean(-1, keepdims=True)
-        scale = np.sqrt((final ** 2).mean(-1, keepdims=True) + eps)  # [batch, pos, 1]
+        if layer is not None and layer != -1 and layer != self.n_layers:
+            if not 0 <= layer < self.n_layers:
+                raise ValueError(f"layer={layer} is out of range: 0..{self.n_layers} (or None / -1 for the final norm)")
+            name = f"blocks.{layer}.ln{2 if mlp_input else 1}.hook_scale"
+            scale = self._pos(self._get(name), pos_slice).astype(np.float64)
+        else:
+            final = self._pos(self._get(f"blocks.{self.n_layers - 1}.hook_resid_post"), pos_slice).astype(np.float64)
+            if b is not None:
+                final = final - final.mean(-1, keepdims=True)
+            scale = np.sqrt((final ** 2).mean(-1, keepdims=True) + eps)  # [batch, pos, 1]
         stack = _np(residual_stack).astype(np.float64)
         if not has_batch_dim:
             scale = scale[0]
@@ -528,6 +535,22 @@ class HookedModel:
             return [self.to_string(row) for row in a]
         ids = [int(t) for t in a.reshape(-1)]
         return b"".join(bytes(b) for b in self._m.token_bytes(ids)).decode("utf-8", errors="replace")
+
+    def tokens_to_residual_directions(self, tokens: Union[str, int, np.ndarray, Sequence[int]]):
+        """The unembedding direction of each token, ``W_U[:, token]``, as TransformerLens gives it:
+        ``[d_model]`` for one token (a string that is one token, or an id), ``[..., d_model]`` for
+        an array of ids. (The final norm's weight is not in it, as with TransformerLens's unfolded
+        weights.)"""
+        if isinstance(tokens, str):
+            return _wrap(np.asarray(self._m.unembed_rows([self.to_single_token(tokens)]), dtype=np.float32)[0])
+        a = _np(tokens)
+        if a.ndim == 0:
+            return _wrap(np.asarray(self._m.unembed_rows([int(a)]), dtype=np.float32)[0])
+        ids = [int(t) for t in a.reshape(-1)]
+        if ids and not 0 <= min(ids) <= max(ids) < self.cfg.d_vocab:
+            raise ValueError(f"token ids must be in 0..{self.cfg.d_vocab - 1}")
+        rows = np.asarray(self._m.unembed_rows(ids), dtype=np.float32)
+        return _wrap(rows.reshape(*a.shape, rows.shape[-1]))
 
     def to_single_token(self, string: str) -> int:
         """The id of ``string`` when it is exactly one token (no BOS), else a ValueError."""
