@@ -1,0 +1,316 @@
+//! GGUF blocks to f32 (the dequantization every precision starts from, checked against
+//! gguf-py's), and the integer-and-scale reading of the block types the AMX path multiplies as
+//! they are.
+
+use super::*;
+
+pub(super) fn dequantize_blocks<T: GgmlType>(bytes: &[u8], out: &mut [f32]) -> Result<()> {
+    let size = std::mem::size_of::<T>();
+    if !bytes.len().is_multiple_of(size) || out.len() != bytes.len() / size * T::BLCK_SIZE {
+        return Err(Error::Candle(candle_core::Error::Msg(format!(
+            "{:?}: {} bytes do not make {} values",
+            T::DTYPE,
+            bytes.len(),
+            out.len()
+        ))));
+    }
+    if (bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()) {
+        // SAFETY: the block types are plain old data (integers and f16), the length is a whole
+        // number of blocks and the pointer is aligned for T.
+        let blocks =
+            unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / size) };
+        T::to_float(blocks, out);
+    } else {
+        let mut blocks = vec![T::zeros(); bytes.len() / size];
+        // SAFETY: as above; the destination is a fresh, aligned buffer of the same byte length.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                bytes.as_ptr(),
+                blocks.as_mut_ptr() as *mut u8,
+                bytes.len(),
+            )
+        };
+        T::to_float(&blocks, out);
+    }
+    Ok(())
+}
+
+/// Dequantizes blocks of 32 weights (`block` bytes each) with `f`, after checking the lengths.
+/// Q8_0 and Q5_0 (the default model's main types) are read here from the bytes in lanes that
+/// vectorize: candle's loops took ~15% of a short `inspect`'s time at load. The values are
+/// candle's, bit for bit (`q as f32 · d`, one rounding; see the test).
+pub(super) fn dequantize_simple(
+    bytes: &[u8],
+    block: usize,
+    out: &mut [f32],
+    f: fn(&[u8], &mut [f32]),
+) -> Result<()> {
+    if !bytes.len().is_multiple_of(block) || out.len() != bytes.len() / block * 32 {
+        return Err(Error::Candle(candle_core::Error::Msg(format!(
+            "{block}-byte blocks: {} bytes do not make {} values",
+            bytes.len(),
+            out.len()
+        ))));
+    }
+    f(bytes, out);
+    Ok(())
+}
+
+/// The block's scale: an f16 (exactly representable as f32).
+#[inline(always)]
+pub(super) fn block_scale(b: &[u8]) -> f32 {
+    half::f16::from_le_bytes([b[0], b[1]]).to_f32()
+}
+
+crate::kernels::simd::multiversion! {
+    /// Q8_0 (34 bytes: f16 `d`, 32 × i8 `q`): `w = q · d`.
+    pub(super) fn dequantize_q8_0(bytes: &[u8], out: &mut [f32]) {
+        for (b, o) in bytes.chunks_exact(34).zip(out.chunks_exact_mut(32)) {
+            let d = block_scale(b);
+            for (y, &q) in o.iter_mut().zip(&b[2..34]) {
+                *y = q as i8 as f32 * d;
+            }
+        }
+    }
+}
+
+crate::kernels::simd::multiversion! {
+    /// Q5_0 (22 bytes: f16 `d`, u32 of fifth bits, 16 bytes of nibbles): weight `j` and
+    /// `j + 16` share byte `j`, low and high nibble; `w = (q5 - 16) · d`.
+    pub(super) fn dequantize_q5_0(bytes: &[u8], out: &mut [f32]) {
+        for (b, o) in bytes.chunks_exact(22).zip(out.chunks_exact_mut(32)) {
+            let d = block_scale(b);
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            let (lo, hi) = o.split_at_mut(16);
+            for j in 0..16 {
+                let q = b[6 + j] as u32;
+                let x0 = ((q & 0x0F) | (((qh >> j) << 4) & 0x10)) as i32 - 16;
+                let x1 = ((q >> 4) | ((qh >> (j + 12)) & 0x10)) as i32 - 16;
+                lo[j] = x0 as f32 * d;
+                hi[j] = x1 as f32 * d;
+            }
+        }
+    }
+}
+
+pub(super) fn dequantize_into(dtype: GgmlDType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
+    use candle_core::quantized::k_quants::*;
+    match dtype {
+        GgmlDType::F32 => dequantize_blocks::<f32>(bytes, out),
+        GgmlDType::F16 => dequantize_blocks::<half::f16>(bytes, out),
+        GgmlDType::BF16 => dequantize_blocks::<half::bf16>(bytes, out),
+        GgmlDType::Q4_0 => dequantize_blocks::<BlockQ4_0>(bytes, out),
+        GgmlDType::Q4_1 => dequantize_blocks::<BlockQ4_1>(bytes, out),
+        GgmlDType::Q5_0 => dequantize_simple(bytes, 22, out, dequantize_q5_0),
+        GgmlDType::Q5_1 => dequantize_blocks::<BlockQ5_1>(bytes, out),
+        GgmlDType::Q8_0 => dequantize_simple(bytes, 34, out, dequantize_q8_0),
+        GgmlDType::Q8_1 => dequantize_blocks::<BlockQ8_1>(bytes, out),
+        GgmlDType::Q2K => dequantize_blocks::<BlockQ2K>(bytes, out),
+        GgmlDType::Q3K => dequantize_blocks::<BlockQ3K>(bytes, out),
+        GgmlDType::Q4K => dequantize_blocks::<BlockQ4K>(bytes, out),
+        GgmlDType::Q5K => dequantize_blocks::<BlockQ5K>(bytes, out),
+        GgmlDType::Q6K => dequantize_blocks::<BlockQ6K>(bytes, out),
+        GgmlDType::Q8K => dequantize_blocks::<BlockQ8K>(bytes, out),
+    }
+}
+
+/// Whether a GGUF type's weights are `S · Q + O` per group of 32 with `Q` an integer bf16 holds
+/// exactly: `Some(false)` without offsets (`d · q`), `Some(true)` with, `None` for the other
+/// types (Q6_K's groups are 16 long, Q2_K/Q3_K/Q5_K/Q8_K and floats are not read so).
+pub(super) fn scaled_kind(dtype: GgmlDType) -> Option<bool> {
+    match dtype {
+        GgmlDType::Q8_0 | GgmlDType::Q5_0 | GgmlDType::Q4_0 | GgmlDType::BF16 => Some(false),
+        GgmlDType::Q4_1 | GgmlDType::Q5_1 | GgmlDType::Q4K => Some(true),
+        _ => None,
+    }
+}
+
+/// One row of a GGUF tensor of a [`scaled_kind`] type, from its blocks: the integers `q`, the
+/// scales `s` and offsets `o` of each group of 32. `false` for another type or a length that is
+/// not whole blocks. (The caller checks every weight against the dequantized row.)
+pub(super) fn decode_scaled(
+    dtype: GgmlDType,
+    bytes: &[u8],
+    q: &mut [f32],
+    s: &mut [f32],
+    o: &mut [f32],
+) -> bool {
+    let (bs, per) = (dtype.type_size(), dtype.block_size());
+    if !bytes.len().is_multiple_of(bs)
+        || bytes.len() / bs * per != q.len()
+        || q.len() != s.len() * 32
+    {
+        return false;
+    }
+    let nibbles = |b: &[u8], q: &mut [f32], bias: f32, qh: Option<u32>| {
+        for (q, x) in q.iter_mut().zip(block_nibbles(b, qh)) {
+            *q = x as f32 - bias;
+        }
+    };
+    if dtype == GgmlDType::BF16 {
+        // each weight its own value, scale 1
+        for (q, b) in q.iter_mut().zip(bytes.chunks_exact(2)) {
+            *q = half::bf16::from_le_bytes([b[0], b[1]]).to_f32();
+        }
+        s.fill(1.0);
+        return true;
+    }
+    for (i, b) in bytes.chunks_exact(bs).enumerate() {
+        let q = &mut q[i * per..(i + 1) * per];
+        match dtype {
+            GgmlDType::Q8_0 => {
+                s[i] = block_scale(b);
+                q.iter_mut()
+                    .zip(&b[2..34])
+                    .for_each(|(q, &x)| *q = x as i8 as f32);
+            }
+            GgmlDType::Q5_0 => {
+                s[i] = block_scale(b);
+                nibbles(
+                    &b[6..22],
+                    q,
+                    16.0,
+                    Some(u32::from_le_bytes([b[2], b[3], b[4], b[5]])),
+                );
+            }
+            GgmlDType::Q4_0 => {
+                s[i] = block_scale(b);
+                nibbles(&b[2..18], q, 8.0, None);
+            }
+            GgmlDType::Q4_1 => {
+                (s[i], o[i]) = (block_scale(b), block_scale(&b[2..]));
+                nibbles(&b[4..20], q, 0.0, None);
+            }
+            GgmlDType::Q5_1 => {
+                (s[i], o[i]) = (block_scale(b), block_scale(&b[2..]));
+                nibbles(
+                    &b[8..24],
+                    q,
+                    0.0,
+                    Some(u32::from_le_bytes([b[4], b[5], b[6], b[7]])),
+                );
+            }
+            GgmlDType::Q4K => {
+                // 144 bytes: d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 of nibbles;
+                // sub-block j of 32: w = d·sc_j · q − dmin·m_j (llama.cpp's get_scale_min_k4)
+                let (d, dmin, sc, qs) =
+                    (block_scale(b), block_scale(&b[2..]), &b[4..16], &b[16..144]);
+                let scale_min = |j: usize| -> (u8, u8) {
+                    if j < 4 {
+                        (sc[j] & 63, sc[j + 4] & 63)
+                    } else {
+                        (
+                            (sc[j + 4] & 0x0f) | ((sc[j - 4] >> 6) << 4),
+                            (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4),
+                        )
+                    }
+                };
+                for j in 0..8 {
+                    let (scale, min) = scale_min(j);
+                    s[i * 8 + j] = d * scale as f32;
+                    o[i * 8 + j] = -(dmin * min as f32);
+                    let bytes = &qs[(j / 2) * 32..(j / 2) * 32 + 32];
+                    for (l, &x) in bytes.iter().enumerate() {
+                        q[j * 32 + l] = if j % 2 == 0 { x & 0x0f } else { x >> 4 } as f32;
+                    }
+                }
+            }
+            _ => return false,
+        }
+    }
+    true
+}
+
+/// The part of a fused matrix whose rows start at `starts` that holds row `j`, and the row's
+/// place in it.
+pub(super) fn part_of(starts: &[usize], j: usize) -> (usize, usize) {
+    let part = starts.partition_point(|&st| st <= j) - 1;
+    (part, j - starts[part])
+}
+
+/// The matrix of `parts` (rows `starts[i]..` each) as integers and scales on the AMX tiles, if
+/// every part is a GGUF tensor of a [`scaled_kind`] type or bf16 floats, and every weight is
+/// exactly `S · Q + O` of what its blocks say (checked against the dequantized values, which
+/// the f32 path would use); `None` otherwise.
+pub(super) fn scaled_matrix(
+    parts: &[Raw],
+    dense: &[Option<Vec<f32>>],
+    starts: &[usize],
+    n: usize,
+    k: usize,
+) -> Result<Option<PackedScaled>> {
+    let mut offsets = false;
+    for w in parts {
+        match w {
+            Raw::Mapped(m) => match scaled_kind(m.dtype) {
+                Some(o) => offsets |= o,
+                None => return Ok(None),
+            },
+            Raw::F(t) if t.dtype() == DType::BF16 => {}
+            Raw::F(_) => return Ok(None),
+        }
+    }
+    let row = |j: usize, q: &mut [f32], s: &mut [f32], o: &mut [f32]| -> bool {
+        let (part, local) = part_of(starts, j);
+        match (&parts[part], &dense[part]) {
+            (Raw::Mapped(m), None) => {
+                let rb = m.row_bytes();
+                let Some(bytes) = m.bytes().get(local * rb..(local + 1) * rb) else {
+                    return false;
+                };
+                let mut w = vec![0f32; k];
+                decode_scaled(m.dtype, bytes, q, s, o)
+                    && m.rows_to_f32(local, &mut w).is_ok()
+                    && w.iter()
+                        .enumerate()
+                        .all(|(i, &x)| q[i] * s[i / 32] + o[i / 32] == x)
+            }
+            (Raw::F(_), Some(d)) => {
+                // bf16 floats: each weight its own integer-like value, scale 1
+                q.copy_from_slice(&d[local * k..(local + 1) * k]);
+                s.fill(1.0);
+                true
+            }
+            _ => false,
+        }
+    };
+    Ok(PackedScaled::from_row_source(n, k, offsets, row))
+}
+
+/// The 32 unsigned values of a 32-weight block's nibbles (`qs`, 16 bytes: byte j holds weights
+/// j (low nibble) and j + 16 (high)), with the fifth bits of `qh` where the type has them (Q5_0,
+/// Q5_1: bit j for weight j).
+pub(super) fn block_nibbles(qs: &[u8], qh: Option<u32>) -> [u8; 32] {
+    let mut v = [0u8; 32];
+    for j in 0..16 {
+        let (h0, h1) = qh.map_or((0, 0), |h| {
+            (
+                (((h >> j) & 1) << 4) as u8,
+                (((h >> (j + 16)) & 1) << 4) as u8,
+            )
+        });
+        v[j] = (qs[j] & 0x0f) | h0;
+        v[j + 16] = (qs[j] >> 4) | h1;
+    }
+    v
+}
+
+/// Rewrites Q5_0 blocks as Q8_0 blocks without changing a single value: both store 32 weights
+/// as `d · q` with one f16 scale `d`; Q5_0's 5-bit q (−16..15) fits Q8_0's int8.
+/// Q5_0 block (22 bytes): d f16, qh u32 (the 5th bits), qs[16] (low nibbles: weights j and j+16).
+pub(super) fn repack_q5_0_to_q8_0(q: &QTensor) -> Result<QTensor> {
+    let data = q.data()?;
+    let n_blocks = data.len() / 22;
+    let mut out = Vec::with_capacity(n_blocks * 34);
+    for b in data.chunks_exact(22) {
+        out.extend_from_slice(&b[0..2]);
+        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+        out.extend(
+            block_nibbles(&b[6..22], Some(qh))
+                .iter()
+                .map(|&v| (v as i8 - 16) as u8),
+        );
+    }
+    let storage = QStorage::from_data(Cow::Owned(out), &Device::Cpu, GgmlDType::Q8_0)?;
+    Ok(QTensor::new(storage, q.shape().clone())?)
+}
