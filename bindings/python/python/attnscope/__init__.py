@@ -542,15 +542,13 @@ class HookedModel:
         an array of ids. (The final norm's weight is not in it, as with TransformerLens's unfolded
         weights.)"""
         if isinstance(tokens, str):
-            return _wrap(np.asarray(self._m.unembed_rows([self.to_single_token(tokens)]), dtype=np.float32)[0])
+            tokens = self.to_single_token(tokens)
         a = _np(tokens)
-        if a.ndim == 0:
-            return _wrap(np.asarray(self._m.unembed_rows([int(a)]), dtype=np.float32)[0])
         ids = [int(t) for t in a.reshape(-1)]
         if ids and not 0 <= min(ids) <= max(ids) < self.cfg.d_vocab:
             raise ValueError(f"token ids must be in 0..{self.cfg.d_vocab - 1}")
-        rows = np.asarray(self._m.unembed_rows(ids), dtype=np.float32)
-        return _wrap(rows.reshape(*a.shape, rows.shape[-1]))
+        rows = np.asarray(self._m.unembed_rows(ids), dtype=np.float32).reshape(len(ids), self.cfg.d_model)
+        return _wrap(rows.reshape(*a.shape, self.cfg.d_model))
 
     def to_single_token(self, string: str) -> int:
         """The id of ``string`` when it is exactly one token (no BOS), else a ValueError."""
