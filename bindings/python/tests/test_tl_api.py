@@ -226,3 +226,36 @@ def test_device_and_loss_fn_as_transformerlens_names_them(smol):
     per = smol.loss_fn(lg, toks, per_token=True)
     assert per.shape == (2, toks.shape[1] - 1)
     assert np.isclose(float(per.mean()), smol(toks, return_type="loss"), rtol=1e-6)
+
+
+def test_ov_and_qk_circuits_as_factored_matrices(smol):
+    """model.OV / model.QK are TransformerLens's FactoredMatrix of the unprocessed weights: the
+    product, its SVD, eigenvalues and norm agree with the dense matrix computed in float64."""
+    ov = smol.OV
+    L, H, d = smol.cfg.n_layers, smol.cfg.n_heads, smol.cfg.d_model
+    assert ov.shape == (L, H, d, d) and ov.mdim == smol.cfg.d_head
+    W_V, W_O = np.asarray(smol.W_V, dtype=np.float64), np.asarray(smol.W_O, dtype=np.float64)
+    dense = W_V[1, 4] @ W_O[1, 4]
+    one = ov[1, 4]
+    assert one.shape == (d, d)
+    assert np.allclose(np.asarray(one.AB), dense, atol=1e-5 * np.abs(dense).max())
+    U, S, Vh = (np.asarray(x, dtype=np.float64) for x in one.svd())
+    assert U.shape == (d, smol.cfg.d_head) and S.shape == (smol.cfg.d_head,)
+    assert np.allclose(U @ np.diag(S) @ Vh.T, dense, atol=1e-4 * np.abs(dense).max())
+    assert np.allclose(S, np.linalg.svd(dense, compute_uv=False)[: len(S)], rtol=1e-3, atol=1e-5 * S.max())
+    assert np.isclose(float(one.norm()), np.linalg.norm(dense), rtol=1e-4)
+    # the eigenvalues of BA are AB's non-zero ones
+    ev = np.sort_complex(np.asarray(one.eigenvalues).astype(np.complex128))
+    dense_ev = np.linalg.eigvals(dense)
+    dense_ev = np.sort_complex(dense_ev[np.argsort(-np.abs(dense_ev))[: len(ev)]])
+    assert np.allclose(ev, dense_ev, atol=1e-3 * np.abs(dense_ev).max())
+    # products with arrays and the transpose
+    x = np.random.default_rng(0).standard_normal(d).astype(np.float32)
+    assert np.allclose(np.asarray(one @ x), x.astype(np.float64) @ dense.T, atol=1e-4 * np.abs(dense).max() * np.abs(x).sum())
+    assert np.allclose(np.asarray(one.T.AB), dense.T, atol=1e-5 * np.abs(dense).max())
+    qk = smol.QK[2, 0]
+    W_Q, W_K = np.asarray(smol.W_Q, dtype=np.float64), np.asarray(smol.W_K, dtype=np.float64)
+    want = W_Q[2, 0] @ W_K[2, 0].T
+    assert np.allclose(np.asarray(qk.AB), want, atol=1e-5 * np.abs(want).max())
+    with pytest.raises(IndexError, match="leading dims"):
+        ov[1, 4, 0]

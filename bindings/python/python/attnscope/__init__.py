@@ -25,9 +25,10 @@ import numpy as np
 from . import _native
 from . import viz
 from . import utils
+from .factored import FactoredMatrix
 from . import distributed  # Ray is imported only when distributed.corpus runs
 
-__all__ = ["HookedModel", "ActivationCache", "Config", "HookPoint", "corpus", "corpus_merge", "HOOKS", "GLOBAL_HOOKS", "viz", "utils",
+__all__ = ["HookedModel", "FactoredMatrix", "ActivationCache", "Config", "HookPoint", "corpus", "corpus_merge", "HOOKS", "GLOBAL_HOOKS", "viz", "utils",
            "distributed", "set_array_type", "__version__"]
 __version__ = _native.__version__
 
@@ -668,6 +669,17 @@ class HookedModel:
         if name == "b_U":
             return np.zeros(c.d_vocab, np.float32)
         raise AttributeError(name)
+
+    @property
+    def OV(self) -> FactoredMatrix:
+        """TransformerLens's OV circuits: ``FactoredMatrix(W_V, W_O)``, ``[layer, head, d_model, d_model]``."""
+        return FactoredMatrix(self._weight("W_V"), self._weight("W_O"))
+
+    @property
+    def QK(self) -> FactoredMatrix:
+        """TransformerLens's QK circuits: ``FactoredMatrix(W_Q, W_Kᵀ)``, ``[layer, head, d_model, d_model]``
+        (before RoPE: the positions' rotation is not in it, as in TransformerLens)."""
+        return FactoredMatrix(self._weight("W_Q"), np.swapaxes(self._weight("W_K"), -1, -2))
 
     W_Q = property(lambda self: _wrap(self._weight("W_Q")),
                    doc="``[layer, head, d_model, d_head]``: ``ln1``'s output (with its weight) @ W_Q[l] + b_Q[l] is ``hook_q``; rows of q and k in Hugging Face's order for every format")
