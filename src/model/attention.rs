@@ -211,7 +211,10 @@ pub fn attention_into(
     }
     let isa = Isa::detect();
     let group = n_heads / n_kv;
+    // the scale in f64 for the rows rescored exactly ([`rescore_row`])
+    let scale64 = scale.map_or(1.0 / (d as f64).sqrt(), |s| s as f64);
     let scale = scale.unwrap_or(1.0 / (d as f32).sqrt());
+    let q_raw = q;
     // the queries scaled once, so the scores come out of the GEMM already divided by √d
     // in a buffer kept on this thread (a fresh one per layer costs its pages every time)
     let mut q_scaled = Reused::take(&Q_SCALED, q.len());
@@ -228,6 +231,17 @@ pub fn attention_into(
             .for_each(|(y, &x)| *y = x * scale);
     }
     let q = &*q_scaled;
+    // a layer whose scores can be large (by Cauchy-Schwarz, max‖q‖·max‖k‖·scale) takes whole
+    // rows in one key block, so a row with large scores can be rescored in f64 and shifted by
+    // its exact maximum before it is rounded to f32 ([`rescore_row`]); elsewhere nothing changes
+    let precise = {
+        let max_sq = |xs: &[f32]| {
+            xs.chunks_exact(d)
+                .map(|r| r.iter().map(|&x| x as f64 * x as f64).sum::<f64>())
+                .fold(0f64, f64::max)
+        };
+        (max_sq(q) * max_sq(k)).sqrt() > EXACT_SCORES_ABOVE as f64
+    };
 
     let (want_s, want_p) = (
         obs.wants(layer, Hook::AttnScores),
@@ -255,7 +269,11 @@ pub fn attention_into(
             )
         })
         .collect();
-    let kb_size = if materialize { k_len } else { key_block.max(1) };
+    let kb_size = if materialize || precise {
+        k_len
+    } else {
+        key_block.max(1)
+    };
     // rows per block so that one [n_heads, rows, key block] f32 block stays under block_bytes,
     // a quarter of it when streaming: measured on the default model, streamed attention at
     // 2,048 tokens took 0.90 s with 2 MiB blocks against 1.00-1.02 s with 8 MiB (512 tokens:
@@ -338,7 +356,9 @@ pub fn attention_into(
             // a sliding window hides every key before the block's first query's window: those
             // key blocks are never computed, so a windowed layer costs O(n · window)
             let mut k0 = match window {
-                Some(w) if !materialize => (offset + q0 + 1).saturating_sub(w) / kb_size * kb_size,
+                Some(w) if !materialize && !precise => {
+                    (offset + q0 + 1).saturating_sub(w) / kb_size * kb_size
+                }
                 _ => 0,
             };
             while k0 < kw {
@@ -393,6 +413,21 @@ pub fn attention_into(
                 {
                     let row = &mut row[..kn];
                     let i = offset + q0 + x;
+                    if precise {
+                        // (one key block holds the whole row here: k0 == 0, kn == kw)
+                        let raw = (!raw_h.is_empty()).then(|| &mut raw_h[x * kn..(x + 1) * kn]);
+                        rescore_row(
+                            row,
+                            raw,
+                            &q_raw[(h * n + q0 + x) * d..][..d],
+                            &k[(h / group) * k_len * d..][..k_len * d],
+                            scale64,
+                            softcap,
+                            i,
+                            knockout,
+                            window,
+                        );
+                    }
                     let top_k = request
                         .filter(|r| r.top_k > 0 && i >= r.top_k_from)
                         .map(|r| r.top_k);
@@ -550,6 +585,94 @@ pub fn attention_into(
         q0 += rows;
     }
     Ok(())
+}
+
+/// Scaled scores whose magnitude passes this are computed in f64 and shifted by their row's
+/// exact maximum before they become f32 ([`rescore_row`]). The f32 dot product of 128-wide
+/// heads is off by ~1.5e-7 of the score's size and the f32 score itself by half an ulp, and a
+/// softmax passes an error δ in the scores on as up to δ/4 in the weights: Qwen2.5-1.5B's first
+/// layer has scores near 12,000, where f32 alone left weights 5.5e-4 from a float64 forward of
+/// the same weights (transformers' eager f32: 3.3e-4). Below 256 the same sources stay under
+/// ~1e-5 in the weights.
+pub(crate) const EXACT_SCORES_ABOVE: f32 = 256.0;
+
+/// `Σ a_i·b_i` in f64: every product of two f32 is exact in f64, so the only rounding left is
+/// f64's own (~1e-16 relative); eight lanes so that it vectorizes.
+#[inline]
+fn dot_f64(a: &[f32], b: &[f32]) -> f64 {
+    const L: usize = 8;
+    let mut acc = [0f64; L];
+    let (ca, cb) = (a.chunks_exact(L), b.chunks_exact(L));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..L {
+            acc[l] += x[l] as f64 * y[l] as f64;
+        }
+    }
+    let tail: f64 = ra.iter().zip(rb).map(|(&x, &y)| x as f64 * y as f64).sum();
+    acc.iter().sum::<f64>() + tail
+}
+
+/// A whole visible row of a layer whose scores can be large: when the f32 scores of query `i`
+/// pass [`EXACT_SCORES_ABOVE`], they are computed again from the unscaled query `q` and the
+/// keys `k` (`[k_len, d]`, the row's KV set) in f64 (`q·k·scale`, soft-capped in f64), the
+/// visible ones are shifted by their exact maximum and only then rounded to f32, so the softmax
+/// that follows sees the differences `s - max` to f32's precision at their own (small) size
+/// rather than at the score's. `raw` (the scores hook's row, if anyone wants it) gets the scores
+/// themselves, rounded once. The shift leaves the softmax, the statistics (entropy, weights,
+/// top-k) and the argmax as they are, in exact arithmetic.
+#[allow(clippy::too_many_arguments)]
+fn rescore_row(
+    row: &mut [f32],
+    raw: Option<&mut [f32]>,
+    q: &[f32],
+    k: &[f32],
+    scale: f64,
+    softcap: Option<f32>,
+    i: usize,
+    knockout: &[bool],
+    window: Option<usize>,
+) {
+    let d = q.len();
+    let big = row
+        .iter()
+        .enumerate()
+        .any(|(j, s)| s.abs() > EXACT_SCORES_ABOVE && visible(i, j, knockout, window));
+    if !big {
+        return;
+    }
+    let exact: Vec<Option<f64>> = (0..row.len())
+        .map(|j| {
+            visible(i, j, knockout, window).then(|| {
+                let s = dot_f64(q, &k[j * d..(j + 1) * d]) * scale;
+                match softcap {
+                    Some(cap) => (s / cap as f64).tanh() * cap as f64,
+                    None => s,
+                }
+            })
+        })
+        .collect();
+    let m = exact
+        .iter()
+        .flatten()
+        .copied()
+        .fold(f64::NEG_INFINITY, f64::max);
+    if !m.is_finite() {
+        // a NaN or an overflow: leave the f32 row as it is, whose sums the caller refuses
+        return;
+    }
+    for (j, e) in exact.iter().enumerate() {
+        if let Some(s) = *e {
+            row[j] = (s - m) as f32;
+        }
+    }
+    if let Some(raw) = raw {
+        for (r, e) in raw.iter_mut().zip(&exact) {
+            if let Some(s) = *e {
+                *r = s as f32;
+            }
+        }
+    }
 }
 
 /// One row's online-softmax step over a key block whose scores (scaled, masked = -inf) are in
