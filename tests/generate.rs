@@ -6,9 +6,10 @@ mod common;
 use attnscope::model::capture::{AttnCache, CaptureSpec};
 use attnscope::model::config::Arch;
 use attnscope::model::forward::{log_softmax, RunOptions};
-use attnscope::model::generate::{pick, render_chat, GenOptions, Message, SplitMix64};
+use attnscope::model::generate::{pick, render_chat, GenOptions, Message};
 use attnscope::model::tiny::{tiny_model, write_gguf, write_gguf_with};
 use attnscope::model::{Model, Precision};
+use attnscope::reference::Rng;
 use candle_core::quantized::gguf_file::Value;
 use candle_core::quantized::GgmlDType;
 
@@ -178,14 +179,14 @@ fn seeded_sampling_is_reproducible() {
     );
     // top-k 1 is greedy whatever the temperature
     let logits: Vec<f32> = (0..50).map(|i| ((i * 7919) % 101) as f32 / 10.0).collect();
-    let greedy = pick(&logits, &GenOptions::default(), &mut SplitMix64::new(0));
+    let greedy = pick(&logits, &GenOptions::default(), &mut Rng::new(0));
     let o = GenOptions {
         temperature: 3.0,
         top_k: 1,
         ..Default::default()
     };
     for s in 0..10 {
-        assert_eq!(pick(&logits, &o, &mut SplitMix64::new(s)), greedy);
+        assert_eq!(pick(&logits, &o, &mut Rng::new(s)), greedy);
     }
 }
 

@@ -7,6 +7,7 @@
 use super::capture::{Hook, Observer};
 use super::forward::{log_softmax, KvPrefix, RunOptions};
 use super::{Error, Model, Result};
+use crate::reference::Rng;
 
 /// One message of a chat: `role` ("system", "user", "assistant") and its text.
 #[derive(Clone, Debug)]
@@ -222,32 +223,9 @@ pub struct Generation {
     pub decode_s: f64,
 }
 
-/// A small seeded generator (SplitMix64): the same seed gives the same draws everywhere.
-#[derive(Clone, Debug)]
-pub struct SplitMix64(u64);
-
-impl SplitMix64 {
-    /// A generator from `seed`.
-    pub fn new(seed: u64) -> Self {
-        SplitMix64(seed)
-    }
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// A uniform draw in [0, 1).
-    pub fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
 /// Picks the next token from `logits`: the argmax (lowest id on ties) when the temperature is 0,
 /// else a draw from the softmax of `logits / temperature` restricted by top-k and top-p.
-pub fn pick(logits: &[f32], o: &GenOptions, rng: &mut SplitMix64) -> u32 {
+pub fn pick(logits: &[f32], o: &GenOptions, rng: &mut Rng) -> u32 {
     let argmax = || {
         let mut best = 0;
         for (i, &x) in logits.iter().enumerate() {
@@ -287,7 +265,7 @@ pub fn pick(logits: &[f32], o: &GenOptions, rng: &mut SplitMix64) -> u32 {
         let s: f64 = p.iter().sum();
         p.iter_mut().for_each(|x| *x /= s);
     }
-    let u = rng.next_f64();
+    let u = rng.uniform();
     let mut acc = 0.0;
     for (j, &x) in p.iter().enumerate() {
         acc += x;
@@ -437,7 +415,7 @@ impl Model {
             });
         }
         let stops = self.stop_ids();
-        let mut rng = SplitMix64::new(o.seed);
+        let mut rng = Rng::new(o.seed);
         let mut kv: Option<KvPrefix> = None;
         let mut next: Vec<u32> = prompt.to_vec();
         let mut generated = Vec::new();

@@ -257,7 +257,7 @@ pub fn entropy(row: &[f32]) -> f32 {
 }
 
 /// A small, seeded, dependency-free random number generator (SplitMix64), so that `explain`,
-/// the tests and the tiny models are identical on every machine.
+/// the tests, the tiny models and `generate`'s sampling (`--seed`) are identical on every machine.
 #[derive(Clone, Debug)]
 pub struct Rng(u64);
 
