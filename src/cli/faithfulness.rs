@@ -26,13 +26,25 @@ pub struct Args {
     /// The gradient-based rankings (as `attnscope attribute` computes them, for log p(target)):
     /// `all` (gradient, gradient × input, attention × gradient from one backward, and integrated
     /// gradients with --steps midpoints), `fast` (all but integrated gradients), `none`.
-    #[arg(long, default_value = "all", value_parser = ["all", "fast", "none"])]
-    gradients: String,
+    #[arg(long, value_enum, default_value_t = Gradients::All)]
+    gradients: Gradients,
     /// Integrated gradients' midpoints (1..=4096; each a forward and a backward).
     #[arg(long, default_value_t = 32)]
     steps: usize,
     #[arg(long)]
     json: bool,
+}
+
+/// Which gradient-based rankings `faithfulness` adds to the table.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gradients {
+    /// Gradient, gradient × input and attention × gradient (one backward), and integrated
+    /// gradients (--steps backwards).
+    All,
+    /// All but integrated gradients.
+    Fast,
+    /// No gradient-based ranking.
+    None,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -45,8 +57,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         target: a.target,
         replacement: a.replace_with,
         seed: a.seed,
-        gradients: a.gradients != "none",
-        ig_steps: if a.gradients == "all" { a.steps } else { 0 },
+        gradients: a.gradients != Gradients::None,
+        ig_steps: if a.gradients == Gradients::All {
+            a.steps
+        } else {
+            0
+        },
     };
     let report = run_faith(&model, &tokens, &opts, |done, total| {
         bar.set_length(total as u64);
