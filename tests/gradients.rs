@@ -249,7 +249,7 @@ fn against_autograd(alias: &str, short: &str, ig: bool) {
     if ig {
         let t0 = std::time::Instant::now();
         let igr = model
-            .integrated_gradients(&ids, None, 32, &mut |_| {})
+            .integrated_gradients(&ids, Metric::LogProb(None), 32, &mut |_| {})
             .unwrap();
         eprintln!(
             "{short}: integrated gradients (32 steps) {:.1}s, gap {} vs {}",

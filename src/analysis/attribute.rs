@@ -241,7 +241,7 @@ fn finite(scores: &[f32], what: &str) -> Result<()> {
 }
 
 /// Integrated gradients of any metric from the zero input with `steps` midpoints:
-/// (scores, completeness gap). `log p(target)` goes through [`Model::integrated_gradients`].
+/// (scores, completeness gap), from [`Model::integrated_gradients`].
 pub fn integrated(
     model: &Model,
     tokens: &[u32],
@@ -250,34 +250,8 @@ pub fn integrated(
     progress: &mut dyn FnMut(usize),
 ) -> Result<(Vec<f32>, f32)> {
     check_steps(steps)?;
-    if let Metric::LogProb(t) = metric {
-        let ig = model.integrated_gradients(tokens, t, steps, progress)?;
-        return Ok((ig.scores, ig.gap));
-    }
-    let (x, _) = model.input_embeddings(tokens)?;
-    let dm = model.dims.d_model;
-    let full = model.gradient_from(&x, metric)?.value;
-    let zero = model.gradient_from(&vec![0f32; x.len()], metric)?.value;
-    let mut total = vec![0f64; x.len()];
-    for k in 0..steps {
-        let a = (k as f32 + 0.5) / steps as f32;
-        let xa: Vec<f32> = x.iter().map(|v| v * a).collect();
-        let g = model.gradient_from(&xa, metric)?;
-        total
-            .iter_mut()
-            .zip(&g.grad_input)
-            .for_each(|(t, g)| *t += *g as f64);
-        progress(k + 1);
-    }
-    let scores: Vec<f32> = total
-        .chunks(dm)
-        .zip(x.chunks(dm))
-        .map(|(t, xr)| {
-            (t.iter().zip(xr).map(|(t, x)| t * *x as f64).sum::<f64>() / steps as f64) as f32
-        })
-        .collect();
-    let sum: f64 = scores.iter().map(|&v| v as f64).sum();
-    Ok((scores, (sum - (full as f64 - zero as f64)) as f32))
+    let ig = model.integrated_gradients(tokens, metric, steps, progress)?;
+    Ok((ig.scores, ig.gap))
 }
 
 /// Refuses a number of integrated-gradients steps outside 1..=[`MAX_STEPS`].

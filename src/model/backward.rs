@@ -674,12 +674,14 @@ impl Model {
         })
     }
 
-    /// Integrated gradients of `log p(target)` (`None`: the top next token) for `tokens`, from
-    /// the zero input with `steps` midpoints; `progress` is called after each step.
+    /// Integrated gradients of `metric` (`log p(target)`, `None`: the top next token, or a
+    /// logit difference) for `tokens`, from the zero input with `steps` midpoints; `progress` is
+    /// called after each step. The one implementation: `attribute`, `faithfulness` and Python
+    /// all come here.
     pub fn integrated_gradients(
         &self,
         tokens: &[u32],
-        target: Option<u32>,
+        metric: Metric,
         steps: usize,
         progress: &mut dyn FnMut(usize),
     ) -> Result<Integrated> {
@@ -691,8 +693,12 @@ impl Model {
             });
         }
         let (x, _) = self.input_embeddings(tokens)?;
-        let full = self.gradient_from(&x, Metric::LogProb(target))?;
-        let metric = Metric::LogProb(Some(full.target));
+        let full = self.gradient_from(&x, metric)?;
+        // the top next token is fixed at the full input: every step scores the same token
+        let metric = match metric {
+            Metric::LogProb(_) => Metric::LogProb(Some(full.target)),
+            m => m,
+        };
         let dm = self.dims.d_model;
         let mut total = vec![0f64; x.len()];
         for k in 0..steps {
@@ -714,7 +720,7 @@ impl Model {
             })
             .collect();
         let sum: f64 = scores.iter().map(|&v| v as f64).sum();
-        let gap = (sum - (full.logprob as f64 - zero.logprob as f64)) as f32;
+        let gap = (sum - (full.value as f64 - zero.value as f64)) as f32;
         Ok(Integrated {
             scores,
             gap,
