@@ -657,8 +657,9 @@ fn rescore_row(
         .flatten()
         .copied()
         .fold(f64::NEG_INFINITY, f64::max);
-    if !m.is_finite() {
-        // a NaN or an overflow: leave the f32 row as it is, whose sums the caller refuses
+    if !m.is_finite() || exact.iter().flatten().any(|s| s.abs() > f32::MAX as f64) {
+        // a NaN, or a score past f32's range (its hook could not hold it): leave the f32 row as
+        // it is, whose non-finite sums the caller refuses with the layer named
         return;
     }
     for (j, e) in exact.iter().enumerate() {
