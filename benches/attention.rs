@@ -39,6 +39,7 @@ fn bench(c: &mut Criterion) {
             window: None,
             scale: None,
             softcap: None,
+            causal: true,
         };
         let knock = vec![false; n];
         if n <= 1024 {

@@ -74,7 +74,7 @@ proptest! {
         let knock = vec![false; k_len];
         // materialized: the cache sees every weight
         let mut cache = AttnCache::new(&CaptureSpec::patterns(), k_len);
-        let dims = AttnDims { n_heads: h, n_kv_heads: kv, head_dim: d, q_len: n, k_len, window, scale: None, softcap: None };
+        let dims = AttnDims { n_heads: h, n_kv_heads: kv, head_dim: d, q_len: n, k_len, window, scale: None, softcap: None, causal: true };
         let z = attention(0, &qt, &kt, &vt, dims, &knock, block_bytes, kb, &mut cache).unwrap();
         // z is [pos, head, d], the reference's layout
         prop_assert_eq!(z.len(), want.z.len());

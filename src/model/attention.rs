@@ -1,4 +1,4 @@
-//! The attention kernel: causal grouped-query attention fused per head and block of query rows
+//! The attention kernel: causal (or, for an encoder, bidirectional) grouped-query attention fused per head and block of query rows
 //! with an online softmax (`QKᵀ·scale → mask → softmax in f32 → ·V`), the statistics it streams,
 //! and the path for observers that edit the attention maps. The layer loop is in
 //! [`super::forward`]; the readable reference is [`crate::reference`].
@@ -16,6 +16,22 @@ pub(crate) fn visible(i: usize, j: usize, knockout: &[bool], window: Option<usiz
     j <= i
         && window.is_none_or(|w| j + w > i)
         && (j == i || !knockout.get(j).copied().unwrap_or(false))
+}
+
+/// [`visible`], or with `causal` false (an encoder) every key but the knocked-out ones.
+#[inline]
+pub(crate) fn visible_in(
+    causal: bool,
+    i: usize,
+    j: usize,
+    knockout: &[bool],
+    window: Option<usize>,
+) -> bool {
+    if causal {
+        visible(i, j, knockout, window)
+    } else {
+        j == i || !knockout.get(j).copied().unwrap_or(false)
+    }
 }
 
 /// The running state of one (head, query) row of the online softmax.
@@ -119,6 +135,9 @@ pub struct AttnDims {
     pub scale: Option<f32>,
     /// Scores become `cap · tanh(s / cap)` before the mask (Gemma 2's soft-capping).
     pub softcap: Option<f32>,
+    /// Causal (every decoder): a query sees itself and the keys before it. `false`
+    /// (an encoder): every query sees every key, the keys after it too; no window then.
+    pub causal: bool,
 }
 
 /// Causal grouped-query attention, fused per (head, block of query rows): `S = (Q/√d) Kᵀ` on
@@ -190,8 +209,10 @@ pub fn attention_into(
         window,
         scale,
         softcap,
+        causal,
     } = dims;
     if k_len < n
+        || (!causal && (window.is_some() || k_len != n))
         || n_kv == 0
         || n_heads % n_kv != 0
         || q.len() != n_heads * n * d
@@ -295,8 +316,9 @@ pub fn attention_into(
     let mut q0 = 0;
     while q0 < n {
         let rows = rows_per_block.min(n - q0);
-        // keys after the block's last query are masked for every row
-        let kw = offset + q0 + rows;
+        // keys after the block's last query are masked for every row (causal); an encoder's
+        // rows see every key
+        let kw = if causal { offset + q0 + rows } else { k_len };
         // width of one key block's score buffer
         let kbw = kb_size.min(kw);
         // a streamed block's rows get a little slack: at 1,024 keys they were 4 KiB apart, so
@@ -387,7 +409,7 @@ pub fn attention_into(
                     for (x, (src, dst)) in s.chunks(ld).zip(raw_h.chunks_mut(kn)).enumerate() {
                         let i = offset + q0 + x;
                         for (j, (&sc, out)) in src[..kn].iter().zip(dst.iter_mut()).enumerate() {
-                            *out = if visible(i, k0 + j, knockout, window) {
+                            *out = if visible_in(causal, i, k0 + j, knockout, window) {
                                 sc
                             } else {
                                 f32::NEG_INFINITY
@@ -426,6 +448,7 @@ pub fn attention_into(
                             i,
                             knockout,
                             window,
+                            causal,
                         );
                     }
                     let top_k = request
@@ -433,12 +456,16 @@ pub fn attention_into(
                         .map(|r| r.top_k);
                     if !any_knockout && window.is_none() {
                         // the keys of this block the query may see are a prefix of it
-                        let n_vis = (i + 1).saturating_sub(k0).min(kn);
+                        let n_vis = if causal {
+                            (i + 1).saturating_sub(k0).min(kn)
+                        } else {
+                            kn
+                        };
                         let (bmax, at) = peak(&row[..n_vis]);
                         online_update(st, c, row, n_vis, bmax, at, k0, top_k, true);
                     } else {
                         for (j, sc) in row.iter_mut().enumerate() {
-                            if !visible(i, k0 + j, knockout, window) {
+                            if !visible_in(causal, i, k0 + j, knockout, window) {
                                 *sc = f32::NEG_INFINITY;
                             }
                         }
@@ -489,25 +516,27 @@ pub fn attention_into(
                 let st = &st_h[x];
                 let out = &mut rows_h[w * k_len..(w + 1) * k_len];
                 let a_row = &q[(h * n + q0 + x) * d..(h * n + q0 + x + 1) * d];
+                // the keys the row may see: up to itself (causal), else all
+                let end = if causal { i + 1 } else { k_len };
                 gemm::gemm_sub(
                     a_row,
                     d,
                     1,
                     kp,
                     0..d,
-                    0..i + 1,
-                    &mut out[..i + 1],
-                    i + 1,
+                    0..end,
+                    &mut out[..end],
+                    end,
                     false,
                     false,
                 );
                 if let Some(cap) = softcap {
-                    out[..i + 1]
+                    out[..end]
                         .iter_mut()
                         .for_each(|x| *x = (*x / cap).tanh() * cap);
                 }
-                for (j, p) in out[..i + 1].iter_mut().enumerate() {
-                    *p = if visible(i, j, knockout, window) && st.l > 0.0 {
+                for (j, p) in out[..end].iter_mut().enumerate() {
+                    *p = if visible_in(causal, i, j, knockout, window) && st.l > 0.0 {
                         (fast_exp(*p - st.m) as f64 / st.l) as f32
                     } else {
                         0.0
@@ -632,7 +661,9 @@ fn rescore_row(
     i: usize,
     knockout: &[bool],
     window: Option<usize>,
+    causal: bool,
 ) {
+    let visible = |i, j, knockout, window| visible_in(causal, i, j, knockout, window);
     let d = q.len();
     let big = row
         .iter()

@@ -412,6 +412,8 @@ impl Model {
     /// [`Model::gradient_from`], or with `backward` false the forward alone (the gradients
     /// left empty).
     fn run_from(&self, x0: &[f32], metric: Metric, backward: bool) -> Result<Gradient> {
+        // its blocks are pre-LN and causal, its metrics next-token ones
+        self.require_decoder("gradients of a next-token metric")?;
         let dims = &self.dims;
         let (nh, nkv, hd, dm, ff) = (
             dims.n_heads,
@@ -505,6 +507,10 @@ impl Model {
                         .iter_mut()
                         .zip(row)
                         .for_each(|(a, &g)| *a = gelu_tanh_of(g)),
+                    MlpKind::GeluErf => a
+                        .iter_mut()
+                        .zip(row)
+                        .for_each(|(a, &g)| *a = super::ops::gelu_erf_of(g)),
                     MlpKind::GeGluTanh => {
                         for i in 0..ff {
                             a[i] = gelu_tanh_of(row[i]) * row[ff + i];
@@ -834,6 +840,15 @@ impl Model {
             MlpKind::GeluTanh => {
                 for i in 0..ff {
                     dg[i] = da[i] * gelu_tanh_grad(row[i]);
+                }
+            }
+            MlpKind::GeluErf => {
+                // d/dx ½x(1 + erf(x/√2)) = Φ(x) + x·φ(x)
+                for i in 0..ff {
+                    let x = row[i] as f64;
+                    let cdf = 0.5 * (1.0 + super::ops::erf64(x * std::f64::consts::FRAC_1_SQRT_2));
+                    let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
+                    dg[i] = da[i] * (cdf + x * pdf) as f32;
                 }
             }
             MlpKind::GeGluTanh => {

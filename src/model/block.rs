@@ -8,7 +8,7 @@
 //! that is there is applied. What is not a weight (the norm's kind, the positions, the window,
 //! the score scale, the soft-cap, the MLP's activation) is the plan.
 
-use super::config::{Arch, ModelDims};
+use super::config::ModelDims;
 use serde::Serialize;
 
 /// How a block normalizes (`ln1`, `ln2`, and the final norm).
@@ -39,12 +39,14 @@ pub enum MlpKind {
     GeGluTanh,
     /// `c_proj(gelu_tanh(c_fc(h)))`, no gate (GPT-2).
     GeluTanh,
+    /// `down(gelu(up(h)))` with the exact GeLU, `½x(1 + erf(x/√2))`, no gate (BERT).
+    GeluErf,
 }
 
 impl MlpKind {
     /// Whether the MLP has a gate (its first projection is `[gate; up]`, 2·d_mlp wide).
     pub fn gated(self) -> bool {
-        !matches!(self, MlpKind::GeluTanh)
+        !matches!(self, MlpKind::GeluTanh | MlpKind::GeluErf)
     }
 }
 
@@ -61,12 +63,19 @@ pub struct LayerPlan {
     /// Scores become `cap · tanh(s / cap)` before the mask (Gemma 2).
     pub softcap: Option<f32>,
     pub mlp: MlpKind,
+    /// Whether a query sees only itself and the keys before it (every decoder); an encoder's
+    /// queries see every key (bidirectional).
+    pub causal: bool,
+    /// Post-LN (BERT): each norm comes after its residual add (`x = LN(x + attn(x))`,
+    /// `x = LN(x + mlp(x))`), not before the sublayer.
+    pub post_norm: bool,
 }
 
 impl LayerPlan {
     /// Layer `layer`'s plan for a model of this shape.
     pub fn of(dims: &ModelDims, layer: usize) -> LayerPlan {
-        let gpt2 = dims.arch == Arch::Gpt2;
+        let gpt2 = dims.arch.learned_positions();
+        let encoder = dims.arch.is_encoder();
         LayerPlan {
             norm: if gpt2 { NormKind::Layer } else { NormKind::Rms },
             positions: if gpt2 {
@@ -79,13 +88,17 @@ impl LayerPlan {
             window: dims.window_of(layer),
             score_scale: dims.gemma.as_ref().map(|g| g.query_scale),
             softcap: dims.gemma.as_ref().and_then(|g| g.attn_softcap),
-            mlp: if gpt2 {
+            mlp: if encoder {
+                MlpKind::GeluErf
+            } else if gpt2 {
                 MlpKind::GeluTanh
             } else if dims.arch.is_gemma() {
                 MlpKind::GeGluTanh
             } else {
                 MlpKind::SwiGlu
             },
+            causal: !encoder,
+            post_norm: encoder,
         }
     }
 
@@ -106,7 +119,7 @@ impl LayerPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::config::{GemmaSettings, RopeScaling, RopeStyle};
+    use crate::model::config::{Arch, GemmaSettings, RopeScaling, RopeStyle};
 
     fn dims(arch: Arch, gemma: Option<GemmaSettings>) -> ModelDims {
         ModelDims {
@@ -127,6 +140,7 @@ mod tests {
             gemma,
             rms_eps: 1e-6,
             tied_embeddings: true,
+            type_vocab: 0,
         }
     }
 
@@ -144,6 +158,13 @@ mod tests {
         assert_eq!(gpt2.norm, NormKind::Layer);
         assert_eq!(gpt2.positions, Positions::Learned);
         assert!(!gpt2.mlp.gated() && llama.mlp.gated());
+        assert!(llama.causal && gpt2.causal && !llama.post_norm);
+        let bert = LayerPlan::of(&dims(Arch::Bert, None), 0);
+        assert_eq!(
+            (bert.norm, bert.positions, bert.mlp),
+            (NormKind::Layer, Positions::Learned, MlpKind::GeluErf)
+        );
+        assert!(!bert.causal && bert.post_norm && !bert.mlp.gated());
         let sliding: Vec<bool> = (0..6).map(|l| (l + 1) % 6 != 0).collect();
         let gemma = dims(
             Arch::Gemma3,

@@ -28,6 +28,10 @@ pub enum Arch {
     /// GPT-2: learned absolute positions, LayerNorm with biases, biases everywhere, a GeLU MLP
     /// without gate, no RoPE.
     Gpt2,
+    /// BERT (an encoder): word + learned position + token-type embeddings and a LayerNorm,
+    /// bidirectional attention, post-LN blocks (LayerNorm after each residual add), GELU (erf),
+    /// biases everywhere, no output head.
+    Bert,
 }
 
 impl Arch {
@@ -41,12 +45,26 @@ impl Arch {
             Arch::Gemma2 => "gemma2",
             Arch::Gemma3 => "gemma3",
             Arch::Gpt2 => "gpt2",
+            Arch::Bert => "bert",
         }
     }
     /// Gemma's conventions: (1 + w) norms, post-norms, scaled embeddings, GeLU(tanh).
     pub fn is_gemma(self) -> bool {
         matches!(self, Arch::Gemma2 | Arch::Gemma3)
     }
+    /// An encoder: every token attends to every other (no causal mask), and there is no
+    /// next-token prediction.
+    pub fn is_encoder(self) -> bool {
+        matches!(self, Arch::Bert)
+    }
+    /// Learned absolute positions added to the embeddings, LayerNorms with biases, biases on
+    /// every projection (GPT-2, BERT).
+    pub fn learned_positions(self) -> bool {
+        matches!(self, Arch::Gpt2 | Arch::Bert)
+    }
+    /// The `model_type`s attnscope reads, for messages.
+    pub const SUPPORTED: &'static str =
+        "qwen2, llama, qwen3, mistral, phi3, gemma2, gemma3 (gemma3_text), gpt2, bert";
     pub fn parse(s: &str) -> Option<Arch> {
         match s {
             "qwen2" => Some(Arch::Qwen2),
@@ -57,6 +75,7 @@ impl Arch {
             "gemma2" => Some(Arch::Gemma2),
             "gemma3" | "gemma3_text" => Some(Arch::Gemma3),
             "gpt2" => Some(Arch::Gpt2),
+            "bert" => Some(Arch::Bert),
             _ => None,
         }
     }
@@ -170,6 +189,8 @@ pub struct ModelDims {
     pub gemma: Option<GemmaSettings>,
     pub rms_eps: f32,
     pub tied_embeddings: bool,
+    /// Token types (segment ids) of an encoder's inputs (BERT's `type_vocab_size`; 0: none).
+    pub type_vocab: usize,
 }
 
 impl ModelDims {

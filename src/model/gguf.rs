@@ -549,8 +549,9 @@ impl GgufFile {
                 | Arch::Gemma3
                 | Arch::Gpt2 => RopeStyle::Neox,
                 Arch::Llama => RopeStyle::Interleaved,
-                // llama.cpp converts Mistral checkpoints as `llama` and drops the window
-                Arch::Mistral => {
+                // llama.cpp converts Mistral checkpoints as `llama` and drops the window; BERT
+                // is read from Hugging Face folders only
+                Arch::Mistral | Arch::Bert => {
                     return Err(Error::UnknownArch {
                         arch: format!("{} (in GGUF; use the Hugging Face folder)", arch.name()),
                         path: self.path.clone(),
@@ -559,6 +560,7 @@ impl GgufFile {
             },
             rms_eps,
             tied_embeddings: !self.content.tensor_infos.contains_key("output.weight"),
+            type_vocab: 0,
         };
         dims.validate().map_err(|reason| Error::BadValue {
             key: format!("{a}.*"),
@@ -627,6 +629,11 @@ pub fn gguf_name(l: &Logical) -> String {
         Logical::PostMlpNorm(i) => format!("blk.{i}.post_ffw_norm.weight"),
         Logical::QNorm(i) => format!("blk.{i}.attn_q_norm.weight"),
         Logical::KNorm(i) => format!("blk.{i}.attn_k_norm.weight"),
+        Logical::TypeEmbed
+        | Logical::EmbedNorm
+        | Logical::EmbedNormBias
+        | Logical::Pooler
+        | Logical::PoolerBias => format!("(only an encoder has {l:?})"),
     }
 }
 

@@ -29,7 +29,7 @@ pub struct HfConfig {
     #[serde(alias = "n_positions")]
     pub max_position_embeddings: Option<usize>,
     pub rope_theta: Option<f64>,
-    #[serde(alias = "layer_norm_epsilon")]
+    #[serde(alias = "layer_norm_epsilon", alias = "layer_norm_eps")]
     pub rms_norm_eps: f64,
     #[serde(default)]
     pub tie_word_embeddings: bool,
@@ -185,7 +185,7 @@ impl HfFolder {
         let rope_base = match theta {
             Some(t) => t as f32,
             // GPT-2 has learned positions and no RoPE: the base is never used
-            None if arch == Arch::Gpt2 => 10000.0,
+            None if arch.learned_positions() => 10000.0,
             None => {
                 return Err(Error::MissingKey {
                     key: "rope_theta".into(),
@@ -322,6 +322,23 @@ impl HfFolder {
                     return Err(unsupported(k, v, ""));
                 }
             }
+        } else if arch == Arch::Bert {
+            for (k, ok) in [
+                ("hidden_act", "gelu"),
+                ("position_embedding_type", "absolute"),
+            ] {
+                if let Some(v) = set(k).filter(|v| v.as_str() != Some(ok)) {
+                    let why = format!("; attnscope's BERT has {k} = {ok}");
+                    return Err(unsupported(k, v, &why));
+                }
+            }
+            for k in ["is_decoder", "add_cross_attention"] {
+                if let Some(v) = set(k).filter(|v| v.as_bool() != Some(false)) {
+                    let why =
+                        "; attnscope runs BERT as an encoder (bidirectional, no cross-attention)";
+                    return Err(unsupported(k, v, why));
+                }
+            }
         } else if let Some(v) = set("hidden_act").filter(|v| v.as_str() != Some("silu")) {
             return Err(unsupported(
                 "hidden_act",
@@ -352,7 +369,7 @@ impl HfFolder {
                         ));
                     }
                 }
-                Arch::Llama | Arch::Gpt2 => {
+                Arch::Llama | Arch::Gpt2 | Arch::Bert => {
                     return Err(unsupported(
                         "sliding_window",
                         v,
@@ -476,6 +493,20 @@ impl HfFolder {
             rope_style: RopeStyle::Neox,
             rms_eps: c.rms_norm_eps as f32,
             tied_embeddings: c.tie_word_embeddings,
+            type_vocab: match arch {
+                Arch::Bert => match set("type_vocab_size").map(|v| v.as_u64()) {
+                    None => 2,
+                    Some(Some(t)) if (1..=1024).contains(&t) => t as usize,
+                    Some(_) => {
+                        return Err(Error::BadValue {
+                            key: "type_vocab_size".into(),
+                            path: cfg.clone(),
+                            reason: "not a whole number in 1..=1024".into(),
+                        })
+                    }
+                },
+                _ => 0,
+            },
         };
         dims.validate().map_err(|reason| Error::BadValue {
             key: "config.json".into(),
@@ -622,6 +653,9 @@ fn gpt2_part(c: &HfConfig, l: &Logical) -> (String, Option<(usize, usize)>, bool
 /// differently: its `post_attention_layernorm` follows the attention; GPT-2 names everything
 /// its own way).
 pub fn hf_name_for(arch: Option<Arch>, l: &Logical) -> String {
+    if arch == Some(Arch::Bert) {
+        return bert_name(l);
+    }
     if arch == Some(Arch::Gpt2) {
         // the config is not needed for the name
         return match l {
@@ -644,6 +678,39 @@ pub fn hf_name_for(arch: Option<Arch>, l: &Logical) -> String {
         }
     }
     hf_name(l)
+}
+
+/// BERT's name for a logical weight (transformers' `BertModel`, as sentence-transformers saves
+/// it: no `bert.` prefix). The attention's output LayerNorm is `AttnNorm` and the MLP's is
+/// `MlpNorm`; both come after their residual add (post-LN).
+fn bert_name(l: &Logical) -> String {
+    let layer = |i: &usize, s: &str| format!("encoder.layer.{i}.{s}");
+    match l {
+        Logical::Embed => "embeddings.word_embeddings.weight".into(),
+        Logical::PosEmbed => "embeddings.position_embeddings.weight".into(),
+        Logical::TypeEmbed => "embeddings.token_type_embeddings.weight".into(),
+        Logical::EmbedNorm => "embeddings.LayerNorm.weight".into(),
+        Logical::EmbedNormBias => "embeddings.LayerNorm.bias".into(),
+        Logical::Pooler => "pooler.dense.weight".into(),
+        Logical::PoolerBias => "pooler.dense.bias".into(),
+        Logical::Q(i) => layer(i, "attention.self.query.weight"),
+        Logical::QBias(i) => layer(i, "attention.self.query.bias"),
+        Logical::K(i) => layer(i, "attention.self.key.weight"),
+        Logical::KBias(i) => layer(i, "attention.self.key.bias"),
+        Logical::V(i) => layer(i, "attention.self.value.weight"),
+        Logical::VBias(i) => layer(i, "attention.self.value.bias"),
+        Logical::O(i) => layer(i, "attention.output.dense.weight"),
+        Logical::OBias(i) => layer(i, "attention.output.dense.bias"),
+        Logical::AttnNorm(i) => layer(i, "attention.output.LayerNorm.weight"),
+        Logical::AttnNormBias(i) => layer(i, "attention.output.LayerNorm.bias"),
+        Logical::Up(i) => layer(i, "intermediate.dense.weight"),
+        Logical::UpBias(i) => layer(i, "intermediate.dense.bias"),
+        Logical::Down(i) => layer(i, "output.dense.weight"),
+        Logical::DownBias(i) => layer(i, "output.dense.bias"),
+        Logical::MlpNorm(i) => layer(i, "output.LayerNorm.weight"),
+        Logical::MlpNormBias(i) => layer(i, "output.LayerNorm.bias"),
+        other => format!("(BERT has no {other:?})"),
+    }
 }
 
 /// Hugging Face's name for a logical weight.
@@ -677,6 +744,11 @@ pub fn hf_name(l: &Logical) -> String {
         Logical::PostMlpNorm(i) => format!("(no post-MLP norm in layer {i})"),
         Logical::QNorm(i) => format!("model.layers.{i}.self_attn.q_norm.weight"),
         Logical::KNorm(i) => format!("model.layers.{i}.self_attn.k_norm.weight"),
+        Logical::TypeEmbed
+        | Logical::EmbedNorm
+        | Logical::EmbedNormBias
+        | Logical::Pooler
+        | Logical::PoolerBias => format!("(only an encoder has {l:?})"),
     }
 }
 

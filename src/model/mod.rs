@@ -311,6 +311,8 @@ impl Model {
                     let mut tokenizer = Tokenizer::from_file(&tok_path, add_bos, bos_id)?;
                     tokenizer.pad_id = f.pad_token().and_then(|t| tokenizer.id_of(&t));
                     (tokenizer.chat_template, tokenizer.eos_id) = f.chat_template();
+                    // an encoder's texts are `[CLS] … [SEP]`, as its tokenizer.json builds them
+                    tokenizer.specials = dims.arch.is_encoder();
                     let file_size = f
                         .files
                         .iter()

@@ -206,6 +206,40 @@ pub(crate) fn gelu_tanh_of(x: f32) -> f32 {
     0.5 * x * (1.0 + (C * (x + 0.044_715 * x * x * x)).tanh())
 }
 
+/// erf(z) in f64: its Maclaurin series up to |z| = 4 (the terms' largest is ~1e5 there, so
+/// ~1e-11 is lost to cancellation), ±(1 − erfc) beyond, where erfc(4) = 1.5e-8 is dropped
+/// (below half an f32 ulp of the GeLU it feeds).
+pub(crate) fn erf64(z: f64) -> f64 {
+    if z.abs() > 4.0 {
+        return z.signum();
+    }
+    // erf z = 2/√π Σ (−1)ⁿ z^(2n+1) / (n! (2n+1))
+    let (z2, mut term, mut sum) = (z * z, z, z);
+    for n in 1..200 {
+        term *= -z2 / n as f64;
+        let add = term / (2 * n + 1) as f64;
+        sum += add;
+        if add.abs() < 1e-17 * sum.abs().max(1e-300) {
+            break;
+        }
+    }
+    sum * std::f64::consts::FRAC_2_SQRT_PI
+}
+
+/// The exact GeLU, `½x(1 + erf(x/√2))` (BERT's `gelu`; torch's default), computed in f64.
+#[inline]
+pub(crate) fn gelu_erf_of(x: f32) -> f32 {
+    let x = x as f64;
+    (0.5 * x * (1.0 + erf64(x * std::f64::consts::FRAC_1_SQRT_2))) as f32
+}
+
+/// [`gelu_erf_of`] of every element (BERT's MLP).
+pub(crate) fn gelu_erf(x: &[f32], out: &mut [f32]) {
+    out.par_chunks_mut(4096)
+        .zip(x.par_chunks(4096))
+        .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, &g)| *d = gelu_erf_of(g)));
+}
+
 /// [`gelu_tanh_of`] of every element (GPT-2's MLP).
 pub(crate) fn gelu_tanh(x: &[f32], out: &mut [f32]) {
     out.par_chunks_mut(4096)

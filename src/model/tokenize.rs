@@ -35,6 +35,9 @@ pub struct Tokenizer {
     pub chat_template: Option<String>,
     /// The end-of-sequence id the model's metadata names.
     pub eos_id: Option<u32>,
+    /// Every text gets the special tokens of the file's post-processor (an encoder's
+    /// `[CLS] … [SEP]`, as transformers' tokenizer adds them by default).
+    pub specials: bool,
 }
 
 /// How a vocabulary piece spells the bytes it stands for.
@@ -44,6 +47,8 @@ pub enum PieceStyle {
     ByteLevel,
     /// SentencePiece: `▁` is a space, `<0xNN>` is one byte, anything else is its UTF-8 text.
     SentencePiece,
+    /// WordPiece (BERT): a piece is its text; `##` marks a continuation of the word before.
+    WordPiece,
 }
 
 /// The three shapes of SentencePiece tokenizer a GGUF stands for (transformers picks one by
@@ -542,6 +547,7 @@ impl Tokenizer {
             pieces,
             chat_template: get_str("tokenizer.chat_template").ok(),
             eos_id: get_u32("tokenizer.ggml.eos_token_id"),
+            specials: false,
         })
     }
 
@@ -559,11 +565,19 @@ impl Tokenizer {
                 msg,
             })?
             .map_err(|e| Error::Tokenizer(format!("cannot load {}: {e}", path.display())))?;
+        let mut inner = inner;
         let kind = format!("{} from {}", model_kind(&inner), path.display());
+        // the file's truncation and padding (all-MiniLM-L6-v2's cut and pad every text to 128)
+        // are for batches of a trainer; attnscope runs each text whole, refusing one too long
+        inner
+            .with_truncation(None)
+            .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
+        inner.with_padding(None);
         // a BPE with byte fallback is SentencePiece-style (`▁`, `<0xNN>`); the rest byte-level
         let pieces = match inner.get_model() {
             tokenizers::ModelWrapper::BPE(b) if b.byte_fallback => PieceStyle::SentencePiece,
             tokenizers::ModelWrapper::Unigram(_) => PieceStyle::SentencePiece,
+            tokenizers::ModelWrapper::WordPiece(_) => PieceStyle::WordPiece,
             _ => PieceStyle::ByteLevel,
         };
         Ok(Tokenizer {
@@ -575,7 +589,18 @@ impl Tokenizer {
             pieces,
             chat_template: None,
             eos_id: None,
+            specials: false,
         })
+    }
+
+    /// The ids of the pair `a`, `b` with the post-processor's special tokens (BERT:
+    /// `[CLS] a [SEP] b [SEP]`), and each token's type (0 for `a`'s part, 1 for `b`'s).
+    pub fn encode_pair(&self, a: &str, b: &str) -> Result<(Vec<u32>, Vec<u32>)> {
+        let enc = self
+            .inner
+            .encode((a, b), true)
+            .map_err(|e| Error::Tokenizer(format!("encoding failed: {e}")))?;
+        Ok((enc.get_ids().to_vec(), enc.get_type_ids().to_vec()))
     }
 
     /// The id of a token spelled exactly `text` (a special token such as `<|im_end|>`), if any.
@@ -606,7 +631,7 @@ impl Tokenizer {
     pub fn encode_with(&self, text: &str, bos: Option<bool>) -> Result<Vec<u32>> {
         let enc = self
             .inner
-            .encode(text, false)
+            .encode(text, self.specials)
             .map_err(|e| Error::Tokenizer(format!("encoding failed: {e}")))?;
         let mut ids = Vec::with_capacity(enc.len() + 1);
         if bos.unwrap_or(self.add_bos) {
@@ -638,6 +663,7 @@ impl Tokenizer {
                 byte_level_decode(&piece).unwrap_or_else(|| piece.into_bytes())
             }
             PieceStyle::SentencePiece => sentencepiece_decode(&piece),
+            PieceStyle::WordPiece => piece.into_bytes(),
         }
     }
 

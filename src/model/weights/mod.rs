@@ -516,6 +516,20 @@ pub struct Weights {
     pub final_norm: Vec<f32>,
     pub lm_head: Head,
     pub rope_style: RopeStyle,
+    /// An encoder's own embedding weights (BERT); `None` for a decoder.
+    pub encoder: Option<EncoderWeights>,
+}
+
+/// What an encoder adds to the embeddings: `LayerNorm(word + position + token type)`, and the
+/// pooler over [CLS] when the checkpoint has one.
+pub struct EncoderWeights {
+    /// `[type_vocab, d_model]`.
+    pub token_types: Vec<f32>,
+    pub type_vocab: usize,
+    /// The embeddings' LayerNorm: weight, bias.
+    pub norm: (Vec<f32>, Vec<f32>),
+    /// `tanh(W · h_[CLS] + b)`: `W: [d_model, d_model]` (row-major, `out × in`), `b`.
+    pub pooler: Option<(Vec<f32>, Vec<f32>)>,
 }
 
 /// How the output projection (applied to a few rows, memory-bound) is held for `precision`:
@@ -713,6 +727,8 @@ pub trait TensorSource {
 fn ignorable(name: &str) -> bool {
     // transformers' cached RoPE table (recomputed from the config)
     name.ends_with("rotary_emb.inv_freq")
+        // BERT's position-id buffer (0..max_positions, recomputed)
+        || name == "embeddings.position_ids"
 }
 
 /// Refuses a file holding a tensor the forward would not read (an output bias, a q/k norm, an MLP
@@ -786,6 +802,13 @@ pub enum Logical {
     OBias(usize),
     UpBias(usize),
     DownBias(usize),
+    /// BERT: token-type (segment) embeddings `[type_vocab, d_model]`, the embeddings'
+    /// LayerNorm, and the pooler (`tanh(W · h_[CLS] + b)`).
+    TypeEmbed,
+    EmbedNorm,
+    EmbedNormBias,
+    Pooler,
+    PoolerBias,
 }
 
 impl Logical {
@@ -799,6 +822,16 @@ impl Logical {
         ];
         if arch == Arch::Gpt2 {
             v.extend([Logical::PosEmbed, Logical::FinalNormBias]);
+        }
+        if arch == Arch::Bert {
+            v.extend([
+                Logical::PosEmbed,
+                Logical::TypeEmbed,
+                Logical::EmbedNorm,
+                Logical::EmbedNormBias,
+                Logical::Pooler,
+                Logical::PoolerBias,
+            ]);
         }
         for i in 0..n_layers {
             v.extend([
@@ -821,7 +854,7 @@ impl Logical {
             if arch.is_gemma() {
                 v.extend([Logical::PostAttnNorm(i), Logical::PostMlpNorm(i)]);
             }
-            if arch == Arch::Gpt2 {
+            if arch.learned_positions() {
                 v.extend([
                     Logical::AttnNormBias(i),
                     Logical::MlpNormBias(i),
@@ -848,7 +881,12 @@ impl Logical {
             | Logical::AttnNormBias(_)
             | Logical::MlpNormBias(_)
             | Logical::OBias(_)
-            | Logical::DownBias(_) => vec![dm],
+            | Logical::DownBias(_)
+            | Logical::EmbedNorm
+            | Logical::EmbedNormBias
+            | Logical::PoolerBias => vec![dm],
+            Logical::TypeEmbed => vec![d.type_vocab, dm],
+            Logical::Pooler => vec![dm, dm],
             Logical::UpBias(_) => vec![d.d_ff],
             Logical::PosEmbed => vec![d.context_len, dm],
             Logical::Q(_) => vec![q, dm],
@@ -918,7 +956,9 @@ pub fn load_weights(
         }
         Ok(w)
     };
-    let (embed, lm_head) = match (need(src, Logical::Embed)?, dims.tied_embeddings) {
+    // an encoder has no output head: the word embeddings stand in for it (tied), never read
+    let encoder = dims.arch.is_encoder();
+    let (embed, lm_head) = match (need(src, Logical::Embed)?, dims.tied_embeddings || encoder) {
         // tied quantized embeddings: looked up and applied as the head from the same blocks
         (Raw::Mapped(m), true) => (Embedding::Rows(m.clone()), Head::Rows(m)),
         (Raw::Mapped(m), false) => (
@@ -935,7 +975,11 @@ pub fn load_weights(
             (Embedding::Dense(dense), head)
         }
     };
-    let final_norm = norm(need(src, Logical::FinalNorm)?)?;
+    let final_norm = if encoder {
+        Vec::new()
+    } else {
+        norm(need(src, Logical::FinalNorm)?)?
+    };
     let mut layers = Vec::with_capacity(dims.n_layers.min(src.count()));
     for i in 0..dims.n_layers {
         let part = |src: &mut dyn TensorSource,
@@ -954,7 +998,8 @@ pub fn load_weights(
             part(src, Logical::K(i), Some(Logical::KBias(i)))?,
             part(src, Logical::V(i), Some(Logical::VBias(i)))?,
         ];
-        let gpt2 = dims.arch == Arch::Gpt2;
+        // GPT-2 and BERT: biases everywhere, LayerNorms, an MLP without gate
+        let gpt2 = dims.arch.learned_positions();
         let bias = |l: Logical| gpt2.then_some(l);
         // the cache holds q|k|v, o, gate|up, down of each layer in turn
         let ready =
@@ -1038,7 +1083,7 @@ pub fn load_weights(
         None => None,
     };
     let gpt2 = dims.arch == Arch::Gpt2;
-    let pos_embed = if gpt2 {
+    let pos_embed = if dims.arch.learned_positions() {
         Some(need(src, Logical::PosEmbed)?.to_vec()?)
     } else {
         None
@@ -1057,6 +1102,23 @@ pub fn load_weights(
         final_norm,
         lm_head,
         rope_style,
+        encoder: if encoder {
+            let pooler = match fetch(src, &Logical::Pooler, dims, name)? {
+                Some(w) => Some((w.to_vec()?, need(src, Logical::PoolerBias)?.to_vec()?)),
+                None => None,
+            };
+            Some(EncoderWeights {
+                token_types: need(src, Logical::TypeEmbed)?.to_vec()?,
+                type_vocab: dims.type_vocab,
+                norm: (
+                    need(src, Logical::EmbedNorm)?.to_vec()?,
+                    need(src, Logical::EmbedNormBias)?.to_vec()?,
+                ),
+                pooler,
+            })
+        } else {
+            None
+        },
     })
 }
 

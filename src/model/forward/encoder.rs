@@ -1,0 +1,446 @@
+//! The encoder's forward (BERT): `LayerNorm(word + position + token type)`, then post-LN blocks
+//! with bidirectional attention — `x = LN₁(x + attn(x))`, `x = LN₂(x + mlp(x))` — and no output
+//! head. The attention is the decoders' kernel with `causal: false`; the hooks are the
+//! decoders' names, handed in the same order. Two differ from TransformerLens's `BertBlock`,
+//! which hands `hook_resid_mid` and `hook_resid_post` before their LayerNorm: here both are the
+//! stream after it (what the next sublayer reads), so `resid_post` of layer l is `resid_pre` of
+//! layer l + 1, as for a decoder; `ln1`/`ln2`'s `hook_scale` and `hook_normalized` are the two
+//! post-norms.
+//!
+//! A token's type (segment) is 0 up to and including the first `[SEP]` and 1 after it when more
+//! tokens follow: what the tokenizer gives `[CLS] A [SEP]` (single) and `[CLS] A [SEP] B [SEP]`
+//! (a pair). One sequence runs at a time, so there is no padding to mask.
+
+use super::{hand, norm_hooked, touches, ForwardOut, Resume, RunOptions, Segment, Timings};
+use crate::model::attention::{attention_edited, attention_into, AttnDims};
+use crate::model::block::NormKind;
+use crate::model::capture::{Hook, Observer};
+use crate::model::error::{Error, Result};
+use crate::model::ops::{gelu_erf, layer_norm_into, split_heads, split_heads_into};
+use crate::model::Model;
+use std::time::{Duration, Instant};
+
+impl Model {
+    /// Whether the model is an encoder (BERT): bidirectional attention, no next-token prediction.
+    pub fn is_encoder(&self) -> bool {
+        self.dims.arch.is_encoder()
+    }
+
+    /// Refuses an encoder for `what` (something only a decoder has: next-token logits, generation,
+    /// gradients of a next-token metric), saying why.
+    pub fn require_decoder(&self, what: &str) -> Result<()> {
+        if self.is_encoder() {
+            return Err(Error::NotApplicable(format!(
+                "{what} needs a decoder (a causal language model that predicts the next token); {} is an encoder ({}: bidirectional attention, no next-token prediction)",
+                self.info.name,
+                self.dims.arch.name()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The ids of `[CLS]` and `[SEP]` in an encoder's vocabulary.
+    pub fn special_ids(&self) -> (Option<u32>, Option<u32>) {
+        (
+            self.tokenizer.token_id("[CLS]"),
+            self.tokenizer.token_id("[SEP]"),
+        )
+    }
+
+    /// Each token's type (segment id): 0 up to and including the first `[SEP]`, 1 after it when
+    /// more tokens follow (all 0 for a decoder or a text without a `[SEP]` inside).
+    pub fn token_types(&self, tokens: &[u32]) -> Vec<u32> {
+        let sep = self.special_ids().1;
+        let first = tokens.iter().position(|&t| Some(t) == sep);
+        (0..tokens.len())
+            .map(|i| match first {
+                Some(s) if self.is_encoder() && i > s => 1,
+                _ => 0,
+            })
+            .collect()
+    }
+
+    /// A sentence pair for an encoder: `[CLS] a [SEP] b [SEP]`, token types 0 then 1 (as
+    /// transformers' tokenizer builds it). Refused for a decoder, an empty text, a model with a
+    /// single token type, or a pair past the model's positions.
+    pub fn encode_pair(&self, a: &str, b: &str) -> Result<Vec<u32>> {
+        if !self.is_encoder() {
+            return Err(Error::NotApplicable(format!(
+                "a sentence pair (--pair) is for an encoder (BERT: [CLS] A [SEP] B [SEP]); {} is a decoder",
+                self.info.name
+            )));
+        }
+        if self.dims.type_vocab < 2 {
+            return Err(Error::NotApplicable(format!(
+                "{} has {} token type(s) (type_vocab_size), so it cannot tell the two texts of a pair apart",
+                self.info.name, self.dims.type_vocab
+            )));
+        }
+        if a.trim().is_empty() || b.trim().is_empty() {
+            return Err(Error::EmptyText);
+        }
+        let (ids, types) = self.tokenizer.encode_pair(a, b)?;
+        if ids.len() > self.dims.context_len {
+            return Err(Error::TooLong {
+                n_tokens: ids.len(),
+                limit: self.dims.context_len,
+                model: self.info.name.clone(),
+            });
+        }
+        if types != self.token_types(&ids) {
+            // a text holding "[SEP]" itself: the types the forward derives would differ
+            return Err(Error::NotApplicable(
+                "a text of the pair holds the [SEP] token itself; attnscope tells the pair's two parts apart by the first [SEP]".into(),
+            ));
+        }
+        Ok(ids)
+    }
+
+    /// The encoder's last hidden states, `[n, d_model]` (transformers' `last_hidden_state`).
+    pub fn encoder_states(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        if !self.is_encoder() {
+            return Err(Error::NotApplicable(format!(
+                "hidden states of an encoder were asked for, but {} is a decoder",
+                self.info.name
+            )));
+        }
+        struct Last {
+            layer: usize,
+            out: Vec<f32>,
+        }
+        impl Observer for Last {
+            fn wants(&self, layer: usize, hook: Hook) -> bool {
+                layer == self.layer && hook == Hook::ResidPost
+            }
+            fn tensor(&mut self, _: usize, _: Hook, _: &[usize], data: &[f32]) {
+                self.out = data.to_vec();
+            }
+            fn attention_block(&mut self, _: usize, _: Hook, _: usize, _: [usize; 3], _: &[f32]) {}
+        }
+        let mut last = Last {
+            layer: self.dims.n_layers - 1,
+            out: Vec::new(),
+        };
+        self.forward(tokens, &RunOptions::default(), &mut last)?;
+        Ok(last.out)
+    }
+
+    /// The sentence embedding: the mean of the last hidden states over every token ([CLS] and
+    /// [SEP] included), as sentence-transformers' mean pooling computes it for one text.
+    pub fn embed_tokens(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let h = self.encoder_states(tokens)?;
+        let dm = self.dims.d_model;
+        let n = tokens.len();
+        let mut sum = vec![0f64; dm];
+        for row in h.chunks(dm) {
+            sum.iter_mut().zip(row).for_each(|(s, &v)| *s += v as f64);
+        }
+        Ok(sum.iter().map(|s| (s / n as f64) as f32).collect())
+    }
+
+    /// BERT's pooler output, `tanh(W · h_[CLS] + b)`, where the checkpoint has a pooler.
+    pub fn pooler_output(&self, tokens: &[u32]) -> Result<Option<Vec<f32>>> {
+        let Some((w, b)) = self
+            .weights
+            .encoder
+            .as_ref()
+            .and_then(|e| e.pooler.as_ref())
+        else {
+            return Ok(None);
+        };
+        let h = self.encoder_states(tokens)?;
+        let dm = self.dims.d_model;
+        let cls = &h[..dm];
+        Ok(Some(
+            w.chunks(dm)
+                .zip(b)
+                .map(|(row, &bias)| {
+                    let s: f64 = row
+                        .iter()
+                        .zip(cls)
+                        .map(|(&a, &x)| a as f64 * x as f64)
+                        .sum();
+                    ((s + bias as f64) as f32).tanh()
+                })
+                .collect(),
+        ))
+    }
+
+    /// [`Model::forward_segments`] for an encoder: every segment is its own sequence (no reused
+    /// prefix, no resumed layer, no logits).
+    pub(super) fn forward_encoder(
+        &self,
+        reuses_prefix: bool,
+        segs: &[Segment],
+        resume: Option<Resume>,
+        opts: &RunOptions,
+        obs: &mut dyn Observer,
+    ) -> Result<ForwardOut> {
+        if segs.iter().any(|s| !s.logits_at.is_empty()) {
+            self.require_decoder("a next-token prediction (logits)")?;
+        }
+        if reuses_prefix || resume.is_some() || opts.keep_kv || segs.iter().any(|s| s.reuse > 0) {
+            return Err(Error::NotApplicable(format!(
+                "reusing a prefix's keys and values or resuming at a layer is for decoders (a causal model's earlier positions do not depend on later ones); {} is an encoder",
+                self.info.name
+            )));
+        }
+        let start = Instant::now();
+        let dims = &self.dims;
+        let enc = self.weights.encoder.as_ref().ok_or_else(|| {
+            Error::Candle(candle_core::Error::Msg(
+                "an encoder without its embedding weights: you likely have a bug".into(),
+            ))
+        })?;
+        let (nh, hd, dm, ff) = (dims.n_heads, dims.head_dim, dims.d_model, dims.d_ff);
+        let nkv = dims.n_kv_heads;
+        let mut row0 = Vec::with_capacity(segs.len());
+        let mut m = 0;
+        for seg in segs {
+            let n = seg.tokens.len();
+            if n == 0 {
+                return Err(Error::EmptyText);
+            }
+            if n > dims.context_len {
+                return Err(Error::TooLong {
+                    n_tokens: n,
+                    limit: dims.context_len,
+                    model: self.info.name.clone(),
+                });
+            }
+            if let Some(&bad) = seg.tokens.iter().find(|&&t| t as usize >= dims.vocab_size) {
+                return Err(Error::OutOfRange {
+                    what: "token id".into(),
+                    value: bad.to_string(),
+                    range: format!("0..{}", dims.vocab_size),
+                });
+            }
+            if let Some(&p) = seg.knockout.iter().find(|&&p| p >= n) {
+                return Err(Error::OutOfRange {
+                    what: "position".into(),
+                    value: p.to_string(),
+                    range: format!("0..={}", n - 1),
+                });
+            }
+            row0.push(m);
+            m += n;
+        }
+        // embeddings: word (hook_embed) + position (hook_pos_embed) + token type, then LayerNorm
+        let all: Vec<u32> = segs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        let mut x: Vec<f32> = self.weights.embed.lookup(&all)?.flatten_all()?.to_vec1()?;
+        hand(obs, 0, Hook::Embed, &[m, dm], &mut x)?;
+        let pe = self.weights.pos_embed.as_deref().unwrap_or(&[]);
+        let mut pos = vec![0f32; m * dm];
+        for (seg, &r0) in segs.iter().zip(&row0) {
+            let types = self.token_types(seg.tokens);
+            for (r, &t) in types.iter().enumerate() {
+                let t = t as usize;
+                if t >= enc.type_vocab {
+                    return Err(Error::OutOfRange {
+                        what: "token type".into(),
+                        value: t.to_string(),
+                        range: format!("0..{}", enc.type_vocab),
+                    });
+                }
+                let row = &mut pos[(r0 + r) * dm..][..dm];
+                row.copy_from_slice(&pe[r * dm..(r + 1) * dm]);
+                // transformers adds word + token type, then position
+                let ty = &enc.token_types[t * dm..(t + 1) * dm];
+                row.iter_mut().zip(ty).for_each(|(p, &y)| *p += y);
+            }
+        }
+        // hook_pos_embed holds position + token type (TransformerLens: hook_pos_embed and
+        // hook_token_type_embed, added together)
+        hand(obs, 0, Hook::PosEmbed, &[m, dm], &mut pos)?;
+        x.iter_mut().zip(&pos).for_each(|(v, e)| *v += e);
+        let mut normed = vec![0f32; m * dm];
+        layer_norm_into(&x, &enc.norm.0, &enc.norm.1, dims.rms_eps, &mut normed);
+        let mut x = normed;
+        let (nq, nk) = (nh * hd, nkv * hd);
+        let width = nq + 2 * nk;
+        let mut qkv = vec![0f32; m * width];
+        let mut z = vec![0f32; m * nh * hd];
+        let mut sum = vec![0f32; m * dm];
+        let (mut attn_time, mut proj_time) = (Duration::ZERO, Duration::ZERO);
+        let knocks: Vec<Vec<bool>> = segs
+            .iter()
+            .map(|seg| {
+                let mut k = vec![false; seg.tokens.len()];
+                seg.knockout.iter().for_each(|&p| k[p] = true);
+                k
+            })
+            .collect();
+        for (l, layer) in self.weights.layers.iter().enumerate() {
+            let plan = layer.plan;
+            hand(obs, l, Hook::ResidPre, &[m, dm], &mut x)?;
+            if obs.stops_before(l) {
+                break;
+            }
+            let t = Instant::now();
+            layer.qkv.forward_into(&x, m, &mut qkv, false)?;
+            proj_time += t.elapsed();
+            for (hook, c0, w, heads) in [
+                (Hook::Q, 0, nq, nh),
+                (Hook::K, nq, nk, nkv),
+                (Hook::V, nq + nk, nk, nkv),
+            ] {
+                if touches(obs, l, hook) {
+                    let mut part: Vec<f32> = qkv
+                        .chunks(width)
+                        .flat_map(|r| r[c0..c0 + w].iter().copied())
+                        .collect();
+                    hand(obs, l, hook, &[m, heads, hd], &mut part)?;
+                    if obs.edits(l, hook) {
+                        for (row, new) in qkv.chunks_mut(width).zip(part.chunks(w)) {
+                            row[c0..c0 + w].copy_from_slice(new);
+                        }
+                    }
+                }
+            }
+            let t0 = Instant::now();
+            for (si, (seg, &r0)) in segs.iter().zip(&row0).enumerate() {
+                let n = seg.tokens.len();
+                let rows = &qkv[r0 * width..(r0 + n) * width];
+                let mut qh = vec![0f32; nh * n * hd];
+                split_heads_into(rows, n, width, 0, nh, hd, None, &mut qh);
+                let kh = split_heads(rows, n, width, nq, nkv, hd, None);
+                let vh = split_heads(rows, n, width, nq + nk, nkv, hd, None);
+                let adims = AttnDims {
+                    n_heads: nh,
+                    n_kv_heads: nkv,
+                    head_dim: hd,
+                    q_len: n,
+                    k_len: n,
+                    window: None,
+                    scale: plan.score_scale,
+                    softcap: plan.softcap,
+                    causal: plan.causal,
+                };
+                let zs = &mut z[r0 * nh * hd..(r0 + n) * nh * hd];
+                if obs.edits(l, Hook::AttnScores) || obs.edits(l, Hook::Pattern) {
+                    attention_edited(
+                        l,
+                        &qh,
+                        &kh,
+                        &vh,
+                        adims,
+                        &knocks[si],
+                        opts.block_bytes,
+                        obs,
+                        zs,
+                    )?;
+                } else {
+                    attention_into(
+                        l,
+                        &qh,
+                        &kh,
+                        &vh,
+                        adims,
+                        &knocks[si],
+                        opts.block_bytes,
+                        opts.key_block,
+                        obs,
+                        zs,
+                    )?;
+                }
+            }
+            attn_time += t0.elapsed();
+            hand(obs, l, Hook::Z, &[m, nh, hd], &mut z)?;
+            obs.attention_done(l);
+            let t = Instant::now();
+            let mut attn_out = if touches(obs, l, Hook::Result) {
+                let (mut res, bias) = self.head_results(l, &z, m)?;
+                hand(obs, l, Hook::Result, &[m, nh, dm], &mut res)?;
+                let mut out = vec![0f32; m * dm];
+                for (o, r) in out.chunks_mut(dm).zip(res.chunks(nh * dm)) {
+                    o.copy_from_slice(&bias);
+                    for head in r.chunks(dm) {
+                        o.iter_mut().zip(head).for_each(|(o, v)| *o += v);
+                    }
+                }
+                if obs.edits(l, Hook::Result) {
+                    out
+                } else {
+                    layer.o.forward(&z, m)?
+                }
+            } else {
+                layer.o.forward(&z, m)?
+            };
+            proj_time += t.elapsed();
+            hand(obs, l, Hook::AttnOut, &[m, dm], &mut attn_out)?;
+            // post-LN: x = LN₁(x + attn_out)
+            sum.iter_mut()
+                .zip(x.iter().zip(&attn_out))
+                .for_each(|(s, (a, b))| *s = a + b);
+            let ln = |b: &Option<(Vec<f32>, Vec<f32>)>, second: bool| -> Result<Vec<f32>> {
+                b.as_ref()
+                    .map(|(b1, b2)| if second { b2.clone() } else { b1.clone() })
+                    .ok_or_else(|| {
+                        Error::Candle(candle_core::Error::Msg(
+                            "a BERT block without LayerNorm biases: you likely have a bug".into(),
+                        ))
+                    })
+            };
+            let b1 = ln(&layer.norm_biases, false)?;
+            norm_hooked(
+                obs,
+                l,
+                (Hook::Ln1Scale, Hook::Ln1Normalized),
+                NormKind::Layer,
+                &sum,
+                &layer.attn_norm,
+                Some(&b1),
+                dims.rms_eps,
+                &mut x,
+            )?;
+            hand(obs, l, Hook::ResidMid, &[m, dm], &mut x)?;
+            // MLP: down(gelu(up(x))), then x = LN₂(x + mlp_out)
+            let t = Instant::now();
+            let mut pre = layer.gate_up.forward(&x, m)?;
+            proj_time += t.elapsed();
+            hand(obs, l, Hook::MlpPre, &[m, ff], &mut pre)?;
+            let mut act = vec![0f32; m * ff];
+            gelu_erf(&pre, &mut act);
+            hand(obs, l, Hook::MlpPost, &[m, ff], &mut act)?;
+            let t = Instant::now();
+            let mut mlp_out = layer.down.forward(&act, m)?;
+            proj_time += t.elapsed();
+            hand(obs, l, Hook::MlpOut, &[m, dm], &mut mlp_out)?;
+            sum.iter_mut()
+                .zip(x.iter().zip(&mlp_out))
+                .for_each(|(s, (a, b))| *s = a + b);
+            let b2 = ln(&layer.norm_biases, true)?;
+            norm_hooked(
+                obs,
+                l,
+                (Hook::Ln2Scale, Hook::Ln2Normalized),
+                NormKind::Layer,
+                &sum,
+                &layer.mlp_norm,
+                Some(&b2),
+                dims.rms_eps,
+                &mut x,
+            )?;
+            if !super::all_finite(&x) {
+                return Err(Error::NonFinite {
+                    what: "the residual stream after the layer's MLP".into(),
+                    layer: Some(l),
+                });
+            }
+            hand(obs, l, Hook::ResidPost, &[m, dm], &mut x)?;
+            obs.layer_done(l);
+            if super::interrupted() {
+                return Err(Error::Interrupted);
+            }
+        }
+        Ok(ForwardOut {
+            logits: Vec::new(),
+            timings: Timings {
+                attention: attn_time,
+                projections: proj_time,
+                total: start.elapsed(),
+            },
+            kv: None,
+        })
+    }
+}
