@@ -7,6 +7,7 @@ pub mod collect;
 pub mod compare;
 pub mod corpus;
 pub mod dla;
+pub mod encoder;
 pub mod faithfulness;
 pub mod heads;
 pub mod inspect;

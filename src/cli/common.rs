@@ -97,11 +97,36 @@ pub struct TextArgs {
     /// Read the text from a UTF-8 file (`-` for standard input).
     #[arg(long, short = 'f')]
     pub file: Option<PathBuf>,
+    /// An encoder's second text (`inspect`, `capture`, `view`): the input is the sentence pair
+    /// `[CLS] TEXT [SEP] PAIR [SEP]`, token types 0 then 1.
+    #[arg(long)]
+    pub pair: Option<String>,
 }
 
 impl TextArgs {
-    /// The text: `--text`, `--file`, piped standard input, or the lesson's sentence.
+    /// The text and its tokens: a sentence pair when `--pair` is given (an encoder's), else
+    /// [`Model::encode`] of the text with the BOS as `bos` says.
+    pub fn tokens(&self, model: &Model, bos: bool) -> anyhow::Result<(String, Vec<u32>)> {
+        let text = self.read_any()?;
+        let tokens = match &self.pair {
+            Some(b) => model.encode_pair(&text, b)?,
+            None => model.encode(&text, bos)?,
+        };
+        Ok((text, tokens))
+    }
+
+    /// The text, refusing `--pair` (a command that runs one text).
     pub fn read(&self) -> anyhow::Result<String> {
+        if self.pair.is_some() {
+            return Err(usage(
+                "--pair (a sentence pair for an encoder) is taken by inspect, capture and view; this command runs one text",
+            ));
+        }
+        self.read_any()
+    }
+
+    /// The text: `--text`, `--file`, piped standard input, or the lesson's sentence.
+    fn read_any(&self) -> anyhow::Result<String> {
         if let Some(t) = &self.text {
             return Ok(t.clone());
         }

@@ -1,0 +1,275 @@
+//! What an encoder's attention is read for (Clark et al. 2019, "What does BERT look at?"): per
+//! layer, the share of attention that lands on `[CLS]`, on `[SEP]` and on punctuation, averaged
+//! over heads and queries; and the rows of one query (head-averaged per layer, per head in one
+//! layer). There is no next token to predict, so none is reported.
+
+use super::inspect::TopEntry;
+use super::{entropy, max_argmax, top_k};
+use crate::model::capture::{Hook, Observer};
+use crate::model::error::Result;
+use crate::model::forward::RunOptions;
+use crate::model::Model;
+use serde::Serialize;
+
+/// Whether a token's text is punctuation: every character in Unicode's punctuation categories
+/// (P*), as Python's `unicodedata.category(c).startswith("P")` says. Covered: ASCII (its
+/// symbols `$+<=>^`|~` are not punctuation), Latin-1, General Punctuation, CJK and fullwidth
+/// punctuation.
+pub fn is_punctuation(text: &str) -> bool {
+    !text.is_empty() && text.chars().all(is_punct_char)
+}
+
+fn is_punct_char(c: char) -> bool {
+    let u = c as u32;
+    match u {
+        0x21..=0x7e => c.is_ascii_punctuation() && !"$+<=>^`|~".contains(c),
+        0xa1 | 0xa7 | 0xab | 0xb6 | 0xb7 | 0xbb | 0xbf | 0x37e | 0x387 => true,
+        // General Punctuation: dashes, quotes, daggers, ellipsis, ‰ … (the symbols ⁄ ⁒ are Sm)
+        0x2010..=0x2027 | 0x2030..=0x205e => u != 0x2044 && u != 0x2052,
+        // CJK: 、。〃 brackets 〈〉《》「」『』【】 〔〕…〟 (〒〓 are symbols)
+        0x3001..=0x3003 | 0x3008..=0x3011 | 0x3014..=0x301f | 0x30fb => true,
+        // fullwidth ！＂＃％＆＇（）＊，－．／：；？＠［＼］＿｛｝ and ｡｢｣､･
+        0xff01..=0xff03 | 0xff05..=0xff0a | 0xff0c..=0xff0f | 0xff1a | 0xff1b | 0xff1f | 0xff20 => {
+            true
+        }
+        0xff3b..=0xff3d | 0xff3f | 0xff5b | 0xff5d | 0xff5f..=0xff65 => true,
+        _ => false,
+    }
+}
+
+/// Per layer, the share of attention on `[CLS]`, on `[SEP]` and on punctuation tokens:
+/// `mean over heads and queries of Σ_{keys in the set} α`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct SpecialShares {
+    pub cls: Vec<f32>,
+    pub sep: Vec<f32>,
+    pub punct: Vec<f32>,
+}
+
+/// The observer behind [`inspect`]: per layer, the sums over heads and queries of the weight on
+/// each key set, and the rows of one query (every head).
+struct SharesCollector {
+    n: usize,
+    query: usize,
+    /// Per key: (is [CLS], is [SEP], is punctuation).
+    kinds: Vec<(bool, bool, bool)>,
+    sums: Vec<[f64; 3]>,
+    /// Per layer `[n_heads, n]`.
+    rows: Vec<Vec<f32>>,
+}
+
+impl Observer for SharesCollector {
+    fn wants(&self, _: usize, hook: Hook) -> bool {
+        hook == Hook::Pattern
+    }
+    fn tensor(&mut self, _: usize, _: Hook, _: &[usize], _: &[f32]) {}
+    fn attention_block(
+        &mut self,
+        layer: usize,
+        _: Hook,
+        q_start: usize,
+        [heads, rows, kw]: [usize; 3],
+        data: &[f32],
+    ) {
+        let n = self.n;
+        if self.rows[layer].is_empty() {
+            self.rows[layer] = vec![0f32; heads * n];
+        }
+        for h in 0..heads {
+            for r in 0..rows {
+                let row = &data[(h * rows + r) * kw..][..kw];
+                for (j, &w) in row.iter().enumerate() {
+                    let (c, s, p) = self.kinds[j];
+                    let w = w as f64;
+                    let sums = &mut self.sums[layer];
+                    if c {
+                        sums[0] += w;
+                    }
+                    if s {
+                        sums[1] += w;
+                    }
+                    if p {
+                        sums[2] += w;
+                    }
+                }
+                if q_start + r == self.query {
+                    self.rows[layer][h * n..h * n + kw].copy_from_slice(row);
+                }
+            }
+        }
+    }
+}
+
+/// One layer of [`EncoderReport`]: the head-averaged row of the query, its top keys.
+#[derive(Clone, Debug, Serialize)]
+pub struct EncoderLayer {
+    pub layer: usize,
+    pub top: Vec<TopEntry>,
+}
+
+/// One head of the chosen layer for the query.
+#[derive(Clone, Debug, Serialize)]
+pub struct EncoderHead {
+    pub head: usize,
+    pub top: Vec<TopEntry>,
+    pub max_weight: f32,
+    pub argmax: usize,
+    pub entropy: f32,
+}
+
+/// What `inspect` reports on an encoder.
+#[derive(Clone, Debug, Serialize)]
+pub struct EncoderReport {
+    pub model: super::inspect::ModelFacts,
+    /// "encoder (bidirectional)".
+    pub kind: &'static str,
+    pub tokens: Vec<super::inspect::TokenInfo>,
+    /// Each token's type (segment id): 0, or 1 for the second text of a pair.
+    pub token_types: Vec<u32>,
+    pub query: usize,
+    pub layer: usize,
+    pub special_shares: SpecialShares,
+    pub layers: Vec<EncoderLayer>,
+    pub heads: Vec<EncoderHead>,
+}
+
+/// The special-token shares of every layer, and the rows of `query` (head-averaged top `top`
+/// keys per layer; per head of `layer` for `heads`), from one forward of the encoder.
+pub fn inspect(
+    model: &Model,
+    tokens: &[u32],
+    query: usize,
+    layer: usize,
+    heads: &[usize],
+    top: usize,
+) -> Result<EncoderReport> {
+    let d = &model.dims;
+    let n = tokens.len();
+    let texts = model.token_texts(tokens);
+    let (cls, sep) = model.special_ids();
+    let kinds = tokens
+        .iter()
+        .zip(&texts)
+        .map(|(&t, text)| {
+            let special = Some(t) == cls || Some(t) == sep;
+            (
+                Some(t) == cls,
+                Some(t) == sep,
+                !special && is_punctuation(text),
+            )
+        })
+        .collect();
+    let mut c = SharesCollector {
+        n,
+        query,
+        kinds,
+        sums: vec![[0f64; 3]; d.n_layers],
+        rows: vec![Vec::new(); d.n_layers],
+    };
+    model.forward(tokens, &RunOptions::default(), &mut c)?;
+    let per = (d.n_heads * n) as f64;
+    let share = |k: usize| -> Vec<f32> { c.sums.iter().map(|s| (s[k] / per) as f32).collect() };
+    let entry = |r: super::Ranked| TopEntry {
+        pos: r.pos,
+        token: texts[r.pos].clone(),
+        weight: r.weight,
+    };
+    let layers = (0..d.n_layers)
+        .map(|l| {
+            let mut mean = vec![0f64; n];
+            for row in c.rows[l].chunks(n) {
+                mean.iter_mut().zip(row).for_each(|(m, &w)| *m += w as f64);
+            }
+            let mean: Vec<f32> = mean.iter().map(|m| (m / d.n_heads as f64) as f32).collect();
+            EncoderLayer {
+                layer: l,
+                top: top_k(&mean, top).into_iter().map(entry).collect(),
+            }
+        })
+        .collect();
+    let heads = heads
+        .iter()
+        .map(|&h| {
+            let row = &c.rows[layer][h * n..(h + 1) * n];
+            let (max_weight, argmax) = max_argmax(row);
+            EncoderHead {
+                head: h,
+                top: top_k(row, top).into_iter().map(entry).collect(),
+                max_weight,
+                argmax,
+                entropy: entropy(row),
+            }
+        })
+        .collect();
+    Ok(EncoderReport {
+        model: super::inspect::ModelFacts::of(model),
+        kind: "encoder (bidirectional)",
+        tokens: tokens
+            .iter()
+            .zip(&texts)
+            .enumerate()
+            .map(|(pos, (&id, t))| super::inspect::TokenInfo {
+                pos,
+                id,
+                text: t.clone(),
+            })
+            .collect(),
+        token_types: model.token_types(tokens),
+        query,
+        layer,
+        special_shares: SpecialShares {
+            cls: share(0),
+            sep: share(1),
+            punct: share(2),
+        },
+        layers,
+        heads,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn punctuation_is_unicodes_p_categories() {
+        for p in [
+            ".", ",", "!", "?", "'", "\"", "-", "(", "]", "@", "#", "%", "_", "…", "—", "«", "。",
+            "、", "¿", "...",
+        ] {
+            assert!(is_punctuation(p), "{p}");
+        }
+        for s in [
+            "$", "+", "<", "=", "^", "`", "|", "~", "a", "##s", "[SEP]", "", "a.", "⁄", "€",
+        ] {
+            assert!(!is_punctuation(s), "{s}");
+        }
+    }
+
+    #[test]
+    fn shares_sum_each_key_set_over_heads_and_queries() {
+        // 2 heads, 3 tokens: [CLS] x [SEP]; by hand: cls share = mean of column 0, and so on
+        let mut c = SharesCollector {
+            n: 3,
+            query: 1,
+            kinds: vec![
+                (true, false, false),
+                (false, false, true),
+                (false, true, false),
+            ],
+            sums: vec![[0.0; 3]],
+            rows: vec![Vec::new()],
+        };
+        #[rustfmt::skip]
+        let data = [
+            0.5, 0.25, 0.25,   0.2, 0.2, 0.6,   1.0, 0.0, 0.0,   // head 0
+            0.1, 0.8, 0.1,     0.3, 0.3, 0.4,   0.0, 0.5, 0.5,   // head 1
+        ];
+        c.attention_block(0, Hook::Pattern, 0, [2, 3, 3], &data);
+        let per = 6.0;
+        assert!((c.sums[0][0] / per - (0.5 + 0.2 + 1.0 + 0.1 + 0.3) / 6.0).abs() < 1e-12);
+        assert!((c.sums[0][1] / per - (0.25 + 0.6 + 0.1 + 0.4 + 0.5) / 6.0).abs() < 1e-12);
+        assert!((c.sums[0][2] / per - (0.25 + 0.2 + 0.8 + 0.3 + 0.5) / 6.0).abs() < 1e-12);
+        assert_eq!(c.rows[0], vec![0.2, 0.2, 0.6, 0.3, 0.3, 0.4]);
+    }
+}
