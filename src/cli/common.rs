@@ -97,7 +97,7 @@ pub struct TextArgs {
     /// Read the text from a UTF-8 file (`-` for standard input).
     #[arg(long, short = 'f')]
     pub file: Option<PathBuf>,
-    /// An encoder's second text (`inspect`, `capture`, `view`): the input is the sentence pair
+    /// An encoder's second text (`inspect`, `capture`, `heatmap`): the input is the sentence pair
     /// `[CLS] TEXT [SEP] PAIR [SEP]`, token types 0 then 1.
     #[arg(long)]
     pub pair: Option<String>,
@@ -119,7 +119,7 @@ impl TextArgs {
     pub fn read(&self) -> anyhow::Result<String> {
         if self.pair.is_some() {
             return Err(usage(
-                "--pair (a sentence pair for an encoder) is taken by inspect, capture and view; this command runs one text",
+                "--pair (a sentence pair for an encoder) is taken by inspect, capture and heatmap; this command runs one text",
             ));
         }
         self.read_any()

@@ -64,6 +64,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         ));
     }
     let model = a.model.load()?;
+    model.require_decoder("generate (predicting one token after another)")?;
     let prompt = match (&a.chat, &a.text) {
         (Some(q), _) => model.chat_ids(q, a.system.as_deref())?,
         (None, Some(t)) => model.encode(t, a.model.bos)?,

@@ -45,7 +45,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let d = &m.dims;
     if a.json {
         let (mapped, projections) = m.mapped_projections();
-        let doc = json!({"model": m.info, "dims": d, "group_size": d.group_size(), "gqa": d.gqa_sentence(),
+        let doc = json!({"model": m.info, "dims": d, "kind": model_kind(d), "group_size": d.group_size(), "gqa": d.gqa_sentence(),
                          "cached_alias_path": alias(&m.info.name).map(alias_path),
                          "packed_weight_cache": m.panel_file().map(|p| json!({"path": p, "mapped_projections": mapped, "projections": projections}))});
         return emit(&format!("{}\n", serde_json::to_string_pretty(&doc)?));
@@ -79,6 +79,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     for (k, v) in [
         ("architecture", d.arch.name().to_string()),
+        ("kind", model_kind(d)),
         ("layers", d.n_layers.to_string()),
         ("query heads", d.n_heads.to_string()),
         (
@@ -109,7 +110,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         ("vocab size", d.vocab_size.to_string()),
         (
             "embeddings",
-            if d.tied_embeddings {
+            if d.arch.is_encoder() {
+                "word + learned position + token type, then LayerNorm; no output head"
+            } else if d.tied_embeddings {
                 "tied (output = input embedding)"
             } else {
                 "separate output matrix"
@@ -195,6 +198,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 fn attention_span(d: &crate::model::ModelDims) -> String {
     let windowed = d.windowed_layers();
     match d.sliding_window {
+        None if d.arch.is_encoder() => "every token, before and after it, every layer".to_string(),
         None => "every earlier token, every layer".to_string(),
         Some(w) if windowed.len() == d.n_layers => format!(
             "a sliding window of {w} tokens (itself and the {} before it), every layer",
@@ -219,5 +223,17 @@ fn attention_span(d: &crate::model::ModelDims) -> String {
                 full.join(", ")
             )
         }
+    }
+}
+
+/// "decoder (causal)" or "encoder (bidirectional)" and how an encoder differs.
+fn model_kind(d: &crate::model::ModelDims) -> String {
+    if d.arch.is_encoder() {
+        format!(
+            "encoder (bidirectional): every token attends to every other (no causal mask), post-LN blocks, {} token types ([CLS] A [SEP] B [SEP] with --pair), no next-token prediction (generate and next-token targets are refused)",
+            d.type_vocab
+        )
+    } else {
+        "decoder (causal): each token attends to itself and the tokens before it, and the last one predicts the next".into()
     }
 }

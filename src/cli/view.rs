@@ -413,9 +413,8 @@ pub fn heatmap(a: HeatmapArgs) -> anyhow::Result<()> {
             path: a.out.clone(),
         }));
     }
-    let text = a.text.read()?;
     let model = a.model.load()?;
-    let tokens = model.encode(&text, a.model.bos)?;
+    let (_, tokens) = a.text.tokens(&model, a.model.bos)?;
     let (n, d) = (tokens.len(), &model.dims);
     let layer = check_index(a.layer, d.n_layers, "layer")?;
     let head = match a.head.as_str() {
