@@ -1,0 +1,339 @@
+//! Encoders (issue #41): BERT from a Hugging Face folder against transformers (BertModel, eager,
+//! float32). The real model is all-MiniLM-L6-v2 (`all-minilm-l6-v2`, fetched by the alias); the
+//! tiny random BERT in tests/golden/arch/bert is checked the same way. Goldens:
+//! tests/golden/minilm_encoder.json, minilm_encoder_attn_*.npy and arch/bert, made by
+//! tests/golden/make_encoder_golden.py (see tests/golden/README.md).
+#![allow(clippy::needless_range_loop)]
+
+mod common;
+use attnscope::analysis::encoder::{inspect, is_punctuation};
+use attnscope::model::capture::{AttnCache, CaptureSpec, NoCapture};
+use attnscope::model::forward::{attention, AttnDims, RunOptions};
+use attnscope::model::{Error, Model, Precision};
+use common::{golden, golden_json, golden_npy, max_abs_diff, real_model};
+use std::process::Command;
+
+fn ids_of(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn floats(v: &serde_json::Value) -> Vec<f32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect()
+}
+
+/// The case's tokens as attnscope makes them: a pair, or one text.
+fn tokens_of(model: &Model, case: &serde_json::Value) -> Vec<u32> {
+    let text = case["text"].as_str().unwrap();
+    match case["pair"].as_str() {
+        Some(b) => model.encode_pair(text, b).unwrap(),
+        None => model.encode(text, false).unwrap(),
+    }
+}
+
+/// Every golden layer's attention, the token ids and types, the special-token shares, the
+/// mean-pooled last hidden state and the pooler output of each case; returns the worst
+/// attention difference.
+fn check_cases(model: &Model, cases: &serde_json::Value, npy: &dyn Fn(&str) -> String) -> f32 {
+    let mut worst = 0f32;
+    for (name, case) in cases.as_object().unwrap() {
+        let label = |what: &str| format!("{name}: {what}");
+        let tokens = tokens_of(model, case);
+        assert_eq!(tokens, ids_of(&case["token_ids"]), "{}", label("token ids"));
+        assert_eq!(
+            model.token_types(&tokens),
+            ids_of(&case["token_types"]),
+            "{}",
+            label("token types")
+        );
+        let n = tokens.len();
+        let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
+        let out = model
+            .forward(&tokens, &RunOptions::default(), &mut cache)
+            .unwrap();
+        assert!(out.logits.is_empty(), "an encoder has no logits");
+        let layers = ids_of(&case["attn_layers"]);
+        let (shape, want) = golden_npy(&npy(name));
+        assert_eq!(
+            shape,
+            vec![layers.len(), model.dims.n_heads, n, n],
+            "{}",
+            label("golden shape")
+        );
+        let got: Vec<f32> = layers
+            .iter()
+            .flat_map(|&l| cache.pattern(l as usize).unwrap().data.to_vec())
+            .collect();
+        let d = max_abs_diff(&got, &want, &label("attention"));
+        assert!(d < 1e-4, "{}: {d:.2e}", label("attention"));
+        worst = worst.max(d);
+        let heads: Vec<usize> = (0..model.dims.n_heads).collect();
+        let r = inspect(model, &tokens, 0, model.dims.n_layers - 1, &heads, 3).unwrap();
+        for (key, got) in [
+            ("cls_share", &r.special_shares.cls),
+            ("sep_share", &r.special_shares.sep),
+            ("punct_share", &r.special_shares.punct),
+        ] {
+            let d = max_abs_diff(got, &floats(&case[key]), &label(key));
+            assert!(d < 1e-4, "{}: {d:.2e}", label(key));
+        }
+        // the per-head row of [CLS] in the last layer is the captured pattern's
+        let last = cache.pattern(model.dims.n_layers - 1).unwrap();
+        for h in &r.heads {
+            let row = last.row_at(h.head, 0).expect("the [CLS] row");
+            assert_eq!(h.top[0].weight, analysis_max(row), "{}", label("head top"));
+        }
+        let emb = model.embed_tokens(&tokens).unwrap();
+        let d = max_abs_diff(&emb, &floats(&case["mean_pooled"]), &label("mean pooled"));
+        assert!(d < 1e-4, "{}: {d:.2e}", label("mean pooled"));
+        if let Some(p) = case["pooler_output"].as_array() {
+            let got = model.pooler_output(&tokens).unwrap().expect("a pooler");
+            let want: Vec<f32> = p.iter().map(|x| x.as_f64().unwrap() as f32).collect();
+            let d = max_abs_diff(&got, &want, &label("pooler"));
+            assert!(d < 1e-4, "{}: {d:.2e}", label("pooler"));
+        }
+    }
+    worst
+}
+
+fn analysis_max(row: &[f32]) -> f32 {
+    row.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+}
+
+#[test]
+fn minilm_matches_transformers_on_texts_and_a_pair() {
+    let model = real_model("all-minilm-l6-v2");
+    assert!(model.is_encoder());
+    let g = golden_json("minilm_encoder.json");
+    let worst = check_cases(model, &g["cases"], &|name| {
+        format!("minilm_encoder_attn_{name}.npy")
+    });
+    eprintln!("all-MiniLM-L6-v2: largest attention difference from transformers {worst:.2e}");
+}
+
+#[test]
+fn tiny_bert_fixture_matches_transformers() {
+    let dir = golden("arch/bert");
+    let model = Model::load(dir.to_str().unwrap(), Precision::Exact, false).unwrap();
+    assert_eq!(model.dims.n_layers, 2);
+    let r = golden_json("arch/bert/reference.json");
+    let worst = check_cases(&model, &r["cases"], &|name| {
+        format!("arch/bert/attn_{name}.npy")
+    });
+    // the last hidden state's [CLS] row
+    for (name, case) in r["cases"].as_object().unwrap() {
+        let tokens = tokens_of(&model, case);
+        let h = model.encoder_states(&tokens).unwrap();
+        let d = max_abs_diff(
+            &h[..model.dims.d_model],
+            &floats(&case["cls_hidden"]),
+            &format!("{name}: [CLS] hidden"),
+        );
+        assert!(d < 1e-4, "{name}: [CLS] hidden {d:.2e}");
+    }
+    eprintln!("tiny BERT: largest attention difference {worst:.2e}");
+}
+
+/// Bidirectional attention in the kernel, streamed in small key blocks and whole, against
+/// softmax(q·kᵀ/√d)·v computed plainly (every key visible to every query, one knocked out).
+#[test]
+fn bidirectional_kernel_sees_every_key() {
+    let (nh, nkv, d, n) = (4, 2, 8, 11);
+    let mut seed = 7u64;
+    let mut rnd = || {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+    };
+    let q: Vec<f32> = (0..nh * n * d).map(|_| rnd()).collect();
+    let k: Vec<f32> = (0..nkv * n * d).map(|_| rnd()).collect();
+    let v: Vec<f32> = (0..nkv * n * d).map(|_| rnd()).collect();
+    let dims = AttnDims {
+        n_heads: nh,
+        n_kv_heads: nkv,
+        head_dim: d,
+        q_len: n,
+        k_len: n,
+        window: None,
+        scale: None,
+        softcap: None,
+        causal: false,
+    };
+    for knock in [None, Some(3usize)] {
+        let mut knockout = vec![false; n];
+        if let Some(p) = knock {
+            knockout[p] = true;
+        }
+        // by hand, in f64
+        let mut want_p = vec![0f32; nh * n * n];
+        let mut want_z = vec![0f32; n * nh * d];
+        for h in 0..nh {
+            let g = h / (nh / nkv);
+            for i in 0..n {
+                let s: Vec<f64> = (0..n)
+                    .map(|j| {
+                        if j != i && knockout[j] {
+                            return f64::NEG_INFINITY;
+                        }
+                        (0..d)
+                            .map(|x| q[(h * n + i) * d + x] as f64 * k[(g * n + j) * d + x] as f64)
+                            .sum::<f64>()
+                            / (d as f64).sqrt()
+                    })
+                    .collect();
+                let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                let sum: f64 = e.iter().sum();
+                for j in 0..n {
+                    let p = e[j] / sum;
+                    want_p[(h * n + i) * n + j] = p as f32;
+                    for x in 0..d {
+                        want_z[(i * nh + h) * d + x] += (p * v[(g * n + j) * d + x] as f64) as f32;
+                    }
+                }
+            }
+        }
+        for key_block in [3, 1024] {
+            let z = attention(0, &q, &k, &v, dims, &knockout, 8 << 20, key_block, &mut NoCapture)
+                .unwrap();
+            let dz = max_abs_diff(&z, &want_z, "z");
+            assert!(dz < 1e-5, "knockout {knock:?}, key block {key_block}: z {dz:.2e}");
+        }
+        let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
+        attention(0, &q, &k, &v, dims, &knockout, 8 << 20, 3, &mut cache).unwrap();
+        let got = cache.pattern(0).unwrap().data.to_vec();
+        let dp = max_abs_diff(&got, &want_p, "pattern");
+        assert!(dp < 1e-6, "knockout {knock:?}: pattern {dp:.2e}");
+        // a key after the query carries weight: the mask is not causal
+        assert!(got[1] > 0.0);
+    }
+    // a window or a reused prefix has no meaning without the causal order: refused
+    let windowed = AttnDims {
+        window: Some(2),
+        ..dims
+    };
+    assert!(attention(0, &q, &k, &v, windowed, &[], 8 << 20, 3, &mut NoCapture).is_err());
+}
+
+#[test]
+fn what_needs_a_decoder_is_refused_on_an_encoder() {
+    let dir = golden("arch/bert");
+    let model = Model::load(dir.to_str().unwrap(), Precision::Exact, false).unwrap();
+    let tokens = model.encode("the cat sat", false).unwrap();
+    let e = model
+        .forward(&tokens, &RunOptions::last_logits(tokens.len()), &mut NoCapture)
+        .err()
+        .expect("logits refused");
+    assert!(matches!(e, Error::NotApplicable(_)) && e.to_string().contains("encoder"), "{e}");
+    assert!(model.require_decoder("generate").is_err());
+    // past its 64 positions: refused, naming the limit
+    let long = "the cat sat on the mat. ".repeat(20);
+    let e = model.encode(&long, false).err().expect("too long");
+    assert!(e.to_string().contains("64"), "{e}");
+    let e = model.encode_pair(&long, "the dog").err().expect("too long");
+    assert!(matches!(e, Error::TooLong { limit: 64, .. }), "{e}");
+    // a pair is refused on a decoder, and on an encoder with a single token type
+    let llama = Model::load(golden("arch/llama3").to_str().unwrap(), Precision::Exact, false).unwrap();
+    assert!(llama.encode_pair("a", "b").is_err());
+    let one_type = copy_with(&|c| c["type_vocab_size"] = 1.into());
+    let e = Model::load(one_type.path().to_str().unwrap(), Precision::Exact, false)
+        .err()
+        .expect("the token-type table has 2 rows, the config says 1");
+    assert!(e.to_string().contains("token_type_embeddings"), "{e}");
+}
+
+/// A copy of the tiny BERT whose config.json `edit` changes.
+fn copy_with(edit: &dyn Fn(&mut serde_json::Value)) -> tempfile::TempDir {
+    let src = golden("arch/bert");
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["model.safetensors", "tokenizer.json"] {
+        std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
+    }
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    dir
+}
+
+#[test]
+fn settings_attnscope_does_not_implement_are_refused_by_name() {
+    for (key, value, says) in [
+        ("hidden_act", serde_json::json!("relu"), "hidden_act"),
+        (
+            "position_embedding_type",
+            serde_json::json!("relative_key"),
+            "position_embedding_type",
+        ),
+        ("is_decoder", serde_json::json!(true), "is_decoder"),
+        ("model_type", serde_json::json!("roberta"), "bert"),
+    ] {
+        let dir = copy_with(&|c| c[key] = value.clone());
+        let e = Model::load(dir.path().to_str().unwrap(), Precision::Exact, false)
+            .err()
+            .unwrap_or_else(|| panic!("{key} = {value} accepted"));
+        assert!(e.to_string().contains(says), "{key}: {e}");
+        assert!(e.is_bad_input());
+    }
+}
+
+#[test]
+fn punctuation_follows_unicode() {
+    assert!(is_punctuation("?") && is_punctuation("«") && !is_punctuation("$"));
+}
+
+fn attnscope() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_attnscope"))
+}
+
+#[test]
+fn cli_inspects_a_pair_and_refuses_generate() {
+    let dir = golden("arch/bert");
+    let m = dir.to_str().unwrap();
+    let out = attnscope()
+        .args(["inspect", "--model", m, "--text", "What is it?"])
+        .args(["--pair", "The dog was happy, and it sat!", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let r = golden_json("arch/bert/reference.json");
+    let case = &r["cases"]["pair"];
+    assert_eq!(v["kind"], "encoder (bidirectional)");
+    assert_eq!(v["token_types"], case["token_types"]);
+    for (k, g) in [("cls", "cls_share"), ("sep", "sep_share"), ("punct", "punct_share")] {
+        let got = floats(&v["special_shares"][k]);
+        let d = max_abs_diff(&got, &floats(&case[g]), k);
+        assert!(d < 1e-4, "{k}: {d:.2e}");
+    }
+    assert!(v.get("next_token").is_none(), "no next-token prediction");
+    let text = attnscope()
+        .args(["inspect", "--model", m, "--text", "the cat sat."])
+        .output()
+        .unwrap();
+    let s = String::from_utf8_lossy(&text.stdout);
+    assert!(s.contains("encoder (bidirectional)") && s.contains("[SEP]"), "{s}");
+    let info = attnscope().args(["info", "--model", m]).output().unwrap();
+    assert!(String::from_utf8_lossy(&info.stdout).contains("encoder (bidirectional)"));
+    for args in [
+        vec!["generate", "--text", "the cat"],
+        vec!["dla", "--text", "the cat"],
+        vec!["inspect", "--text", "the cat", "--pair", ""],
+    ] {
+        let out = attnscope().args(&args).args(["--model", m]).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+    let out = attnscope()
+        .args(["generate", "--model", m, "--text", "the cat"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("needs a decoder"));
+}
