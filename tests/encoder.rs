@@ -148,7 +148,9 @@ fn bidirectional_kernel_sees_every_key() {
     let (nh, nkv, d, n) = (4, 2, 8, 11);
     let mut seed = 7u64;
     let mut rnd = || {
-        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
     };
     let q: Vec<f32> = (0..nh * n * d).map(|_| rnd()).collect();
@@ -200,10 +202,23 @@ fn bidirectional_kernel_sees_every_key() {
             }
         }
         for key_block in [3, 1024] {
-            let z = attention(0, &q, &k, &v, dims, &knockout, 8 << 20, key_block, &mut NoCapture)
-                .unwrap();
+            let z = attention(
+                0,
+                &q,
+                &k,
+                &v,
+                dims,
+                &knockout,
+                8 << 20,
+                key_block,
+                &mut NoCapture,
+            )
+            .unwrap();
             let dz = max_abs_diff(&z, &want_z, "z");
-            assert!(dz < 1e-5, "knockout {knock:?}, key block {key_block}: z {dz:.2e}");
+            assert!(
+                dz < 1e-5,
+                "knockout {knock:?}, key block {key_block}: z {dz:.2e}"
+            );
         }
         let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
         attention(0, &q, &k, &v, dims, &knockout, 8 << 20, 3, &mut cache).unwrap();
@@ -227,10 +242,17 @@ fn what_needs_a_decoder_is_refused_on_an_encoder() {
     let model = Model::load(dir.to_str().unwrap(), Precision::Exact, false).unwrap();
     let tokens = model.encode("the cat sat", false).unwrap();
     let e = model
-        .forward(&tokens, &RunOptions::last_logits(tokens.len()), &mut NoCapture)
+        .forward(
+            &tokens,
+            &RunOptions::last_logits(tokens.len()),
+            &mut NoCapture,
+        )
         .err()
         .expect("logits refused");
-    assert!(matches!(e, Error::NotApplicable(_)) && e.to_string().contains("encoder"), "{e}");
+    assert!(
+        matches!(e, Error::NotApplicable(_)) && e.to_string().contains("encoder"),
+        "{e}"
+    );
     assert!(model.require_decoder("generate").is_err());
     // past its 64 positions: refused, naming the limit
     let long = "the cat sat on the mat. ".repeat(20);
@@ -239,7 +261,12 @@ fn what_needs_a_decoder_is_refused_on_an_encoder() {
     let e = model.encode_pair(&long, "the dog").err().expect("too long");
     assert!(matches!(e, Error::TooLong { limit: 64, .. }), "{e}");
     // a pair is refused on a decoder, and on an encoder with a single token type
-    let llama = Model::load(golden("arch/llama3").to_str().unwrap(), Precision::Exact, false).unwrap();
+    let llama = Model::load(
+        golden("arch/llama3").to_str().unwrap(),
+        Precision::Exact,
+        false,
+    )
+    .unwrap();
     assert!(llama.encode_pair("a", "b").is_err());
     let one_type = copy_with(&|c| c["type_vocab_size"] = 1.into());
     let e = Model::load(one_type.path().to_str().unwrap(), Precision::Exact, false)
@@ -281,6 +308,17 @@ fn settings_attnscope_does_not_implement_are_refused_by_name() {
         assert!(e.to_string().contains(says), "{key}: {e}");
         assert!(e.is_bad_input());
     }
+    // a tokenizer.json without the [CLS] … [SEP] post-processor
+    let dir = copy_with(&|_| {});
+    let tok = dir.path().join("tokenizer.json");
+    let mut t: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&tok).unwrap()).unwrap();
+    t["post_processor"] = serde_json::Value::Null;
+    std::fs::write(&tok, t.to_string()).unwrap();
+    let e = Model::load(dir.path().to_str().unwrap(), Precision::Exact, false)
+        .err()
+        .expect("no [CLS] … [SEP]");
+    assert!(e.to_string().contains("[CLS] first"), "{e}");
 }
 
 #[test]
@@ -301,13 +339,21 @@ fn cli_inspects_a_pair_and_refuses_generate() {
         .args(["--pair", "The dog was happy, and it sat!", "--json"])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let r = golden_json("arch/bert/reference.json");
     let case = &r["cases"]["pair"];
     assert_eq!(v["kind"], "encoder (bidirectional)");
     assert_eq!(v["token_types"], case["token_types"]);
-    for (k, g) in [("cls", "cls_share"), ("sep", "sep_share"), ("punct", "punct_share")] {
+    for (k, g) in [
+        ("cls", "cls_share"),
+        ("sep", "sep_share"),
+        ("punct", "punct_share"),
+    ] {
         let got = floats(&v["special_shares"][k]);
         let d = max_abs_diff(&got, &floats(&case[g]), k);
         assert!(d < 1e-4, "{k}: {d:.2e}");
@@ -318,7 +364,10 @@ fn cli_inspects_a_pair_and_refuses_generate() {
         .output()
         .unwrap();
     let s = String::from_utf8_lossy(&text.stdout);
-    assert!(s.contains("encoder (bidirectional)") && s.contains("[SEP]"), "{s}");
+    assert!(
+        s.contains("encoder (bidirectional)") && s.contains("[SEP]"),
+        "{s}"
+    );
     let info = attnscope().args(["info", "--model", m]).output().unwrap();
     assert!(String::from_utf8_lossy(&info.stdout).contains("encoder (bidirectional)"));
     for args in [
@@ -326,7 +375,11 @@ fn cli_inspects_a_pair_and_refuses_generate() {
         vec!["dla", "--text", "the cat"],
         vec!["inspect", "--text", "the cat", "--pair", ""],
     ] {
-        let out = attnscope().args(&args).args(["--model", m]).output().unwrap();
+        let out = attnscope()
+            .args(&args)
+            .args(["--model", m])
+            .output()
+            .unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!err.contains("panicked"), "{args:?}: {err}");

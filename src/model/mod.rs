@@ -317,6 +317,9 @@ impl Model {
                     (tokenizer.chat_template, tokenizer.eos_id) = f.chat_template();
                     // an encoder's texts are `[CLS] … [SEP]`, as its tokenizer.json builds them
                     tokenizer.specials = dims.arch.is_encoder();
+                    if tokenizer.specials {
+                        tokenizer.check_encoder_specials(&tok_path)?;
+                    }
                     let file_size = f
                         .files
                         .iter()

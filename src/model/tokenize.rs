@@ -593,6 +593,38 @@ impl Tokenizer {
         })
     }
 
+    /// Checks that an encoder's tokenizer.json is WordPiece, BPE or Unigram and that its
+    /// post-processor puts `[CLS]` first and `[SEP]` last (what BERT was trained on), naming
+    /// what is missing.
+    pub fn check_encoder_specials(&self, path: &Path) -> Result<()> {
+        if matches!(
+            self.inner.get_model(),
+            tokenizers::ModelWrapper::WordLevel(_)
+        ) {
+            return Err(Error::Tokenizer(format!(
+                "{} is a WordLevel tokenizer; attnscope reads WordPiece, BPE and Unigram vocabularies",
+                path.display()
+            )));
+        }
+        let (cls, sep) = (self.id_of("[CLS]"), self.id_of("[SEP]"));
+        let ids = self
+            .inner
+            .encode("a", true)
+            .map_err(|e| Error::Tokenizer(format!("encoding failed: {e}")))?;
+        let ids = ids.get_ids();
+        if cls.is_none()
+            || sep.is_none()
+            || ids.first() != cls.as_ref()
+            || ids.last() != sep.as_ref()
+        {
+            return Err(Error::Tokenizer(format!(
+                "{} does not put [CLS] first and [SEP] last (its post-processor); an encoder's texts need them, as BERT was trained",
+                path.display()
+            )));
+        }
+        Ok(())
+    }
+
     /// The ids of the pair `a`, `b` with the post-processor's special tokens (BERT:
     /// `[CLS] a [SEP] b [SEP]`), and each token's type (0 for `a`'s part, 1 for `b`'s).
     pub fn encode_pair(&self, a: &str, b: &str) -> Result<(Vec<u32>, Vec<u32>)> {
