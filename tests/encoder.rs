@@ -256,9 +256,9 @@ fn what_needs_a_decoder_is_refused_on_an_encoder() {
     assert!(model.require_decoder("generate").is_err());
     // past its 64 positions: refused, naming the limit
     let long = "the cat sat on the mat. ".repeat(20);
-    let e = model.encode(&long, false).err().expect("too long");
+    let e = model.encode(&long, false).expect_err("too long");
     assert!(e.to_string().contains("64"), "{e}");
-    let e = model.encode_pair(&long, "the dog").err().expect("too long");
+    let e = model.encode_pair(&long, "the dog").expect_err("too long");
     assert!(matches!(e, Error::TooLong { limit: 64, .. }), "{e}");
     // a pair is refused on a decoder, and on an encoder with a single token type
     let llama = Model::load(
