@@ -62,9 +62,6 @@ impl Arch {
     pub fn learned_positions(self) -> bool {
         matches!(self, Arch::Gpt2 | Arch::Bert)
     }
-    /// The `model_type`s attnscope reads, for messages.
-    pub const SUPPORTED: &'static str =
-        "qwen2, llama, qwen3, mistral, phi3, gemma2, gemma3 (gemma3_text), gpt2, bert";
     pub fn parse(s: &str) -> Option<Arch> {
         match s {
             "qwen2" => Some(Arch::Qwen2),

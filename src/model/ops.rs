@@ -207,11 +207,16 @@ pub(crate) fn gelu_tanh_of(x: f32) -> f32 {
 }
 
 /// erf(z) in f64: its Maclaurin series up to |z| = 4 (the terms' largest is ~1e5 there, so
-/// ~1e-11 is lost to cancellation), ±(1 − erfc) beyond, where erfc(4) = 1.5e-8 is dropped
-/// (below half an f32 ulp of the GeLU it feeds).
+/// ~1e-11 is lost to cancellation), beyond it ±(1 − erfc(|z|)) with erfc's asymptotic series
+/// (four terms: relative error < 1e-4 of erfc(4) = 1.5e-8), so the GeLU of a large negative
+/// input keeps its tiny value.
 pub(crate) fn erf64(z: f64) -> f64 {
     if z.abs() > 4.0 {
-        return z.signum();
+        let a = z.abs();
+        let a2 = a * a;
+        let series = 1.0 - 1.0 / (2.0 * a2) + 3.0 / (4.0 * a2 * a2) - 15.0 / (8.0 * a2 * a2 * a2);
+        let erfc = (-a2).exp() / (a * std::f64::consts::PI.sqrt()) * series;
+        return z.signum() * (1.0 - erfc);
     }
     // erf z = 2/√π Σ (−1)ⁿ z^(2n+1) / (n! (2n+1))
     let (z2, mut term, mut sum) = (z * z, z, z);

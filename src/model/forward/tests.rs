@@ -514,3 +514,39 @@ fn every_vector_width_gives_the_same_bits() {
         );
     }
 }
+
+#[test]
+fn erf_and_the_exact_gelu_match_pythons_math_erf() {
+    use crate::model::ops::{erf64, gelu_erf_of};
+    // Python's math.erf
+    for (z, want) in [
+        (0.5, 0.5204998778130465),
+        (1.0, 0.8427007929497149),
+        (2.0, 0.9953222650189527),
+        (3.5, 0.9999992569016276),
+        (-1.0, -0.8427007929497149),
+        (4.2, 0.9999999971445058),
+    ] {
+        // the series loses ~1e-12 to cancellation near |z| = 4: far below f32's precision
+        assert!(
+            (erf64(z) - want).abs() < 1e-11,
+            "erf({z}): {:e}",
+            erf64(z) - want
+        );
+    }
+    // 0.5·x·(1 + math.erf(x/√2)), relative to f32's precision
+    for (x, want) in [
+        (1.0f32, 0.8413447460685429f64),
+        (-0.5, -0.15426876936299344),
+        (3.0, 2.99595030590511),
+        (-4.0, -0.00012668496733247991),
+        (-7.0, -8.958687807200846e-12),
+        (7.0, 6.999999999991041),
+    ] {
+        let got = gelu_erf_of(x) as f64;
+        assert!(
+            (got - want).abs() <= 1e-6 * want.abs().max(1e-5),
+            "gelu({x}) = {got}, want {want}"
+        );
+    }
+}
