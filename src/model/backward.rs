@@ -25,6 +25,16 @@ pub enum Metric {
     LogitDiff { answer: u32, wrong: u32 },
 }
 
+/// How the backward propagates: the true gradient, or AttnLRP's rules in the gradient × input
+/// form ([`super::lrp`]): the identity rule on norms (their scale held constant) and element-wise
+/// nonlinearities (activations, soft-caps), the uniform rule on the bilinear products (the gated
+/// MLP's product, `Q·Kᵀ` and `P·V`), the true gradient elsewhere (softmax, linear maps, sums).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Rules {
+    Gradient,
+    AttnLrp,
+}
+
 /// A forward and backward's result.
 #[derive(Clone, Debug)]
 pub struct Gradient {
@@ -125,6 +135,61 @@ pub fn norm_backward(kind: NormKind, x: &[f32], w: &[f32], eps: f32, dy: &[f32])
     dx
 }
 
+/// A norm's backward under `rules`: the true one ([`norm_backward`]), or AttnLRP's identity
+/// rule ([`norm_identity`]).
+fn norm_back(rules: Rules, kind: NormKind, x: &[f32], w: &[f32], eps: f32, dy: &[f32]) -> Vec<f32> {
+    match rules {
+        Rules::Gradient => norm_backward(kind, x, w, eps, dy),
+        Rules::AttnLrp => norm_identity(kind, x, w, eps, dy),
+    }
+}
+
+/// AttnLRP's identity rule on a norm of each `[w.len()]` row of `x`, as a gradient: the norm
+/// with its scale `1/√(var + ε)` held constant (the mean's subtraction of a LayerNorm stays, a
+/// linear map), so `dx = (dy ⊙ w)/σ` (RMSNorm) or `(g − mean g)/σ` with `g = dy ⊙ w`.
+pub fn norm_identity(kind: NormKind, x: &[f32], w: &[f32], eps: f32, dy: &[f32]) -> Vec<f32> {
+    let d = w.len();
+    let mut dx = vec![0f32; x.len()];
+    let rows = x
+        .par_chunks(d)
+        .zip(dy.par_chunks(d))
+        .zip(dx.par_chunks_mut(d));
+    rows.for_each(|((xr, dyr), dxr)| {
+        let g: Vec<f64> = dyr
+            .iter()
+            .zip(w)
+            .map(|(&a, &b)| a as f64 * b as f64)
+            .collect();
+        let (inv, mg) = match kind {
+            NormKind::Rms => {
+                let ms = xr.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / d as f64;
+                (1.0 / ((ms as f32 + eps) as f64).sqrt(), 0.0)
+            }
+            NormKind::Layer => {
+                let mean = xr.iter().map(|&v| v as f64).sum::<f64>() / d as f64;
+                let var = xr.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / d as f64;
+                (
+                    1.0 / ((var as f32 + eps) as f64).sqrt(),
+                    g.iter().sum::<f64>() / d as f64,
+                )
+            }
+        };
+        for (o, &gi) in dxr.iter_mut().zip(&g) {
+            *o = (inv * (gi - mg)) as f32;
+        }
+    });
+    dx
+}
+
+/// `gelu_tanh(x)/x` (AttnLRP's identity rule on the activation), `½` at 0 (its limit).
+fn gelu_ratio(x: f32) -> f32 {
+    if x == 0.0 {
+        0.5
+    } else {
+        gelu_tanh_of(x) / x
+    }
+}
+
 /// One layer's projections packed for `dX = dY · W` ([`super::weights::Linear::transposed`]).
 pub struct LayerT {
     qkv: PackedB,
@@ -152,6 +217,8 @@ struct Head<'a> {
     scale: f32,
     softcap: Option<f32>,
     window: Option<usize>,
+    /// AttnLRP: the soft-cap by the identity rule (`cap(s)/s` instead of its derivative)
+    lrp: bool,
 }
 
 /// A kv head's keys and values packed both ways (`Q·Kᵀ`, `dS·K`, `dZ·Vᵀ`, `P·V`).
@@ -187,7 +254,8 @@ fn transpose(a: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 
 impl Head<'_> {
     /// Query rows `i0..i1`'s probabilities over keys `0..i1` into `p` (`[rows, i1]`), with the
-    /// soft-cap's `tanh` of each score in `th` (for its derivative).
+    /// soft-cap's factor of each score in `th`: its derivative `1 − tanh²`, or for AttnLRP's
+    /// identity rule `cap(s)/s`.
     fn probs_block(&self, kp: &Packed4, i0: usize, i1: usize, p: &mut Vec<f32>, th: &mut Vec<f32>) {
         let (hd, rows, ld) = (self.hd, i1 - i0, i1);
         p.clear();
@@ -216,8 +284,14 @@ impl Head<'_> {
             live.iter_mut().for_each(|s| *s *= scale);
             if let Some(c) = self.softcap {
                 for (s, t) in live.iter_mut().zip(&mut trow[lo..=i]) {
-                    *t = (*s / c).tanh();
-                    *s = *t * c;
+                    let tanh = (*s / c).tanh();
+                    let capped = tanh * c;
+                    *t = match (self.lrp, *s == 0.0) {
+                        (false, _) => 1.0 - tanh * tanh,
+                        (true, false) => capped / *s,
+                        (true, true) => 1.0,
+                    };
+                    *s = capped;
                 }
             }
             let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -313,7 +387,7 @@ impl Head<'_> {
                 match self.softcap {
                     Some(_) => {
                         for ((d, &pj), &t) in dprow.iter_mut().zip(prow).zip(trow) {
-                            *d = pj * (*d - pdp) * (1.0 - t * t) * scale;
+                            *d = pj * (*d - pdp) * t * scale;
                         }
                     }
                     None => {
@@ -412,6 +486,20 @@ impl Model {
     /// [`Model::gradient_from`], or with `backward` false the forward alone (the gradients
     /// left empty).
     fn run_from(&self, x0: &[f32], metric: Metric, backward: bool) -> Result<Gradient> {
+        self.run_rules(x0, metric, backward, Rules::Gradient)
+    }
+
+    /// [`Model::run_from`] with the backward's `rules`. Under [`Rules::AttnLrp`] the explained
+    /// scalar is the target's logit (or the logit difference), not its log-probability: LRP
+    /// starts from the logit (`value` then holds it).
+    pub(super) fn run_rules(
+        &self,
+        x0: &[f32],
+        metric: Metric,
+        backward: bool,
+        rules: Rules,
+    ) -> Result<Gradient> {
+        let lrp = rules == Rules::AttnLrp;
         let dims = &self.dims;
         let (nh, nkv, hd, dm, ff) = (
             dims.n_heads,
@@ -595,6 +683,10 @@ impl Model {
         // d metric / d logits, as (token, weight) pairs
         let mut dlogit: Vec<(u32, f64)> = Vec::new();
         let value = match metric {
+            Metric::LogProb(_) if lrp => {
+                dlogit.push((target, 1.0));
+                logits[target as usize]
+            }
             Metric::LogProb(_) => {
                 for (v, &lp) in lsm.iter().enumerate() {
                     let p = (lp as f64).exp();
@@ -627,6 +719,15 @@ impl Model {
         let mut dh = vec![0f64; dm];
         for &(v, d) in &dlogit {
             let d = match cap {
+                // the identity rule: what the capped logit holds passes to the raw one
+                Some(_) if lrp => {
+                    let r = raw[v as usize] as f64;
+                    if r == 0.0 {
+                        d
+                    } else {
+                        d * logits[v as usize] as f64 / r
+                    }
+                }
                 Some(c) => {
                     let t = (raw[v as usize] / c).tanh() as f64;
                     d * (1.0 - t * t)
@@ -640,7 +741,8 @@ impl Model {
         }
         let dh: Vec<f32> = dh.iter().map(|&v| v as f32).collect();
         let mut dx = vec![0f32; n * dm];
-        dx[(n - 1) * dm..].copy_from_slice(&norm_backward(
+        dx[(n - 1) * dm..].copy_from_slice(&norm_back(
+            rules,
             fkind,
             last,
             &self.weights.final_norm,
@@ -653,7 +755,8 @@ impl Model {
         let mut grad_pattern_last = vec![Vec::new(); dims.n_layers];
         for (l, layer) in self.weights.layers.iter().enumerate().rev() {
             let s = &saved[l];
-            grad_pattern_last[l] = self.block_backward(l, layer, &transposes[l], s, n, &mut dx)?;
+            grad_pattern_last[l] =
+                self.block_backward(l, layer, &transposes[l], s, n, &mut dx, rules)?;
             if !dx.iter().all(|v| v.is_finite()) {
                 return Err(Error::NonFinite {
                     what: "the gradient of the residual stream".into(),
@@ -738,6 +841,7 @@ impl Model {
         k: &'a [f32],
         v: &'a [f32],
         n: usize,
+        rules: Rules,
     ) -> (Vec<Head<'a>>, Vec<Packed4>) {
         let (nh, nkv, hd) = (self.dims.n_heads, self.dims.n_kv_heads, self.dims.head_dim);
         let plan = self.weights.layers[l].plan;
@@ -760,6 +864,7 @@ impl Model {
                     scale: plan.score_scale.unwrap_or(1.0 / (hd as f32).sqrt()),
                     softcap: plan.softcap,
                     window: plan.window,
+                    lrp: rules == Rules::AttnLrp,
                 }
             })
             .collect();
@@ -770,7 +875,7 @@ impl Model {
     fn attention_forward(&self, l: usize, q: &[f32], k: &[f32], v: &[f32], n: usize) -> Vec<f32> {
         let (nh, nkv, hd) = (self.dims.n_heads, self.dims.n_kv_heads, self.dims.head_dim);
         let group = nh / nkv;
-        let (heads, packed) = self.heads(l, q, k, v, n);
+        let (heads, packed) = self.heads(l, q, k, v, n, Rules::Gradient);
         let zs: Vec<Vec<f32>> = heads
             .par_iter()
             .enumerate()
@@ -810,7 +915,9 @@ impl Model {
         s: &Saved,
         n: usize,
         dx: &mut [f32],
+        rules: Rules,
     ) -> Result<Vec<f32>> {
+        let lrp = rules == Rules::AttnLrp;
         let dims = &self.dims;
         let (nh, nkv, hd, ff) = (dims.n_heads, dims.n_kv_heads, dims.head_dim, dims.d_ff);
         let eps = dims.rms_eps;
@@ -820,7 +927,7 @@ impl Model {
         let group = nh / nkv;
         // MLP: resid_post = resid_mid + post(down(act(gate_up(norm(resid_mid)))))
         let d_mlp_proj = match &layer.post_norms {
-            Some((_, pm)) => norm_backward(NormKind::Rms, &s.mlp_proj, pm, eps, dx),
+            Some((_, pm)) => norm_back(rules, NormKind::Rms, &s.mlp_proj, pm, eps, dx),
             None => dx.to_vec(),
         };
         let d_act = back_matmul(&d_mlp_proj, n, &t.down);
@@ -831,6 +938,29 @@ impl Model {
                 .zip(d_act.par_chunks(ff))
                 .zip(d_gu.par_chunks_mut(gw));
         rows.for_each(|((row, da), dg)| match plan.mlp {
+            // AttnLRP: the identity rule on the activation (its output over its input), the
+            // uniform rule on the gate's product (half to each factor)
+            MlpKind::GeluTanh if lrp => {
+                for i in 0..ff {
+                    dg[i] = da[i] * gelu_ratio(row[i]);
+                }
+            }
+            MlpKind::GeGluTanh if lrp => {
+                for i in 0..ff {
+                    let (g, u) = (row[i], row[ff + i]);
+                    dg[i] = 0.5 * da[i] * u * gelu_ratio(g);
+                    dg[ff + i] = 0.5 * da[i] * gelu_tanh_of(g);
+                }
+            }
+            MlpKind::SwiGlu if lrp => {
+                for i in 0..ff {
+                    let (g, u) = (row[i], row[ff + i]);
+                    let sg = sigmoid(g);
+                    // silu(g)/g = sigmoid(g)
+                    dg[i] = 0.5 * da[i] * u * sg;
+                    dg[ff + i] = 0.5 * da[i] * g * sg;
+                }
+            }
             MlpKind::GeluTanh => {
                 for i in 0..ff {
                     dg[i] = da[i] * gelu_tanh_grad(row[i]);
@@ -853,15 +983,15 @@ impl Model {
             }
         });
         let d_h2 = back_matmul(&d_gu, n, &t.gate_up);
-        let d_mid = norm_backward(plan.norm, &s.resid_mid, &layer.mlp_norm, eps, &d_h2);
+        let d_mid = norm_back(rules, plan.norm, &s.resid_mid, &layer.mlp_norm, eps, &d_h2);
         dx.iter_mut().zip(&d_mid).for_each(|(a, b)| *a += b);
         // attention: resid_mid = resid_pre + post(o(attn(qkv(norm(resid_pre)))))
         let d_attn_proj = match &layer.post_norms {
-            Some((pa, _)) => norm_backward(NormKind::Rms, &s.attn_proj, pa, eps, dx),
+            Some((pa, _)) => norm_back(rules, NormKind::Rms, &s.attn_proj, pa, eps, dx),
             None => dx.to_vec(),
         };
         let dz = back_matmul(&d_attn_proj, n, &t.o);
-        let (heads, packed) = self.heads(l, &s.q, &s.k, &s.v, n);
+        let (heads, packed) = self.heads(l, &s.q, &s.k, &s.v, n, rules);
         let per_head: Vec<_> = heads
             .par_iter()
             .enumerate()
@@ -884,6 +1014,12 @@ impl Model {
             let gv = &mut dv[g * n * hd..(g + 1) * n * hd];
             gv.iter_mut().zip(&dvh).for_each(|(a, b)| *a += b);
             dpat[h * n..(h + 1) * n].copy_from_slice(&dph);
+        }
+        if lrp {
+            // the uniform rule on Q·Kᵀ and on P·V: the scores' share halves at q and k, and
+            // the probabilities' half of P·V halves again there; v keeps half of P·V
+            dq.iter_mut().chain(dk.iter_mut()).for_each(|v| *v *= 0.25);
+            dv.iter_mut().for_each(|v| *v *= 0.5);
         }
         // back through RoPE (rotate by the opposite angles), the q/k norms, into [n, width]
         let half = dims.rotary_dim / 2;
@@ -921,7 +1057,8 @@ impl Model {
                 for (c0, heads, w) in [(0, nh, qn), (nq, nkv, kn)] {
                     for h in 0..heads {
                         let at = c0 + h * hd;
-                        let d = norm_backward(
+                        let d = norm_back(
+                            rules,
                             NormKind::Rms,
                             &row[at..at + hd],
                             w,
@@ -934,7 +1071,7 @@ impl Model {
             }
         }
         let d_h1 = back_matmul(&d_qkv, n, &t.qkv);
-        let d_pre = norm_backward(plan.norm, &s.resid_pre, &layer.attn_norm, eps, &d_h1);
+        let d_pre = norm_back(rules, plan.norm, &s.resid_pre, &layer.attn_norm, eps, &d_h1);
         dx.iter_mut().zip(&d_pre).for_each(|(a, b)| *a += b);
         Ok(dpat)
     }
