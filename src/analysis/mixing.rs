@@ -667,3 +667,17 @@ pub fn scores_of(
         }
     })
 }
+
+/// `faithfulness`'s rankings for `target`: AttnLRP (its relevance and conservation error),
+/// value zeroing's rollout, ALTI-Logit's scores.
+pub fn rankings(
+    model: &Model,
+    tokens: &[u32],
+    target: u32,
+) -> Result<(crate::model::lrp::Relevance, Vec<f32>, Vec<f32>)> {
+    let metric = Metric::LogProb(Some(target));
+    let lrp = model.attnlrp(tokens, metric)?;
+    let vz = value_zeroing(model, tokens, &mut |_, _| {})?;
+    let alti = alti_logit(model, tokens, metric)?;
+    Ok((lrp, vz.rollout_last, alti.scores))
+}
