@@ -52,6 +52,7 @@ pub enum Method {
     /// `f(text) − f(text without token i)`.
     Occlusion,
     /// AttnLRP's relevance of the target's logit (Achtibat et al. 2024).
+    #[serde(rename = "attnlrp")]
     AttnLrp,
     /// Value zeroing's mixing into the last position, rolled out (Mohebbi et al. 2023).
     ValueZeroing,

@@ -95,7 +95,7 @@ impl Observer for ZeroValues {
     }
 }
 
-/// `1 − cos(a, b)`, in f64.
+/// `1 − cos(a, b)`, in f64, at least 0.
 fn cosine_distance(a: &[f32], b: &[f32]) -> f64 {
     let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
     for (&x, &y) in a.iter().zip(b) {
@@ -107,7 +107,8 @@ fn cosine_distance(a: &[f32], b: &[f32]) -> f64 {
     if aa == 0.0 || bb == 0.0 {
         return if aa == bb { 0.0 } else { 1.0 };
     }
-    1.0 - ab / (aa.sqrt() * bb.sqrt())
+    // ≥ 0: identical vectors (a key outside a query's window) may round to 1 − (1 + ε)
+    (1.0 - ab / (aa.sqrt() * bb.sqrt())).max(0.0)
 }
 
 /// Each row of the `[n, n]` matrix `c` divided by its sum (a row summing to 0 stays 0).

@@ -26,7 +26,12 @@ torch hooks, for the argmax next token after the sentence.
   .get_interface on it), so the modules are imported without the package __init__ and the eager
   attention is wrapped directly (what patch_attention does for it).
 
-Usage: PYTHONPATH=<dir with lxt> python make_mixing_golden.py <gguf> <out.json>
+Gemma's post-attention norm is linearized as the final norm is (its scale held at each position's), and
+its norms weigh by (1 + w). lxt has no Mistral or Gemma 2 map: Mistral gets lxt's own Llama patches
+(the same blocks); Gemma 2 gets no AttnLRP (its attention soft-cap has no lxt rule).
+
+Usage: PYTHONPATH=<dir with lxt> python make_mixing_golden.py <gguf file or HF folder> <out.json> [ids]
+(ids: comma-separated token ids; default: the lesson sentence without BOS)
 """
 import json
 import os
@@ -40,18 +45,30 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 SENTENCE = "Hà Nội là thủ đô của Việt Nam. Thành phố này nằm ở miền Bắc."
 torch.set_num_threads(2)
-gguf, out_path = sys.argv[1], sys.argv[2]
-d, f = os.path.split(gguf)
-tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32,
-                                             attn_implementation="eager").eval()
+src, out_path = sys.argv[1], sys.argv[2]
+if os.path.isdir(src):
+    d, f, kw = src, os.path.basename(os.path.normpath(src)), {}
+else:
+    d, f = os.path.split(src)
+    kw = {"gguf_file": f}
+tok = AutoTokenizer.from_pretrained(d, **kw)
+model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager", **kw).eval()
 for p in model.parameters():
     p.requires_grad_(False)
 cfg = model.config
 L, nh, nkv = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
 hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // nh
 layers = model.model.layers
-ids = tok(SENTENCE, add_special_tokens=False)["input_ids"]
+ids = ([int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3
+       else tok(SENTENCE, add_special_tokens=False)["input_ids"])
+gemma = cfg.model_type.startswith("gemma")
+
+
+def norm_of(m):
+    """An RMSNorm's weight as it multiplies (Gemma's 1 + w) and its epsilon."""
+    w = m.weight.double()
+    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+    return (1.0 + w if gemma else w), eps
 n = len(ids)
 t_ids = torch.tensor([ids])
 
@@ -71,7 +88,8 @@ for l, layer in enumerate(layers):
         lambda m, a, o, l=l: cap.__setitem__(("out", l), (o[0] if isinstance(o, tuple) else o)[0].clone())))
     hooks.append(layer.self_attn.v_proj.register_forward_hook(
         lambda m, a, o, l=l: cap.__setitem__(("v", l), o[0].clone())))
-    hooks.append(layer.post_attention_layernorm.register_forward_pre_hook(
+    mid = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
+    hooks.append(mid.register_forward_pre_hook(
         lambda m, a, l=l: cap.__setitem__(("mid", l), a[0][0].clone())))
 hooks.append(model.model.norm.register_forward_pre_hook(
     lambda m, a: cap.__setitem__("final", a[0][0].clone())))
@@ -125,9 +143,9 @@ vz_roll = rollout(vz)
 
 # ---------- ALTI-Logit
 u_w = model.lm_head.weight[target].double()
-g_f = model.model.norm.weight.double()
+g_f, eps_f = norm_of(model.model.norm)
 xf = cap["final"][-1].double()
-rms_f = torch.sqrt(xf.pow(2).mean() + model.model.norm.variance_epsilon)
+rms_f = torch.sqrt(xf.pow(2).mean() + eps_f)
 direction = u_w * g_f / rms_f
 alti, dlogit, worst = [], [], 0.0
 for l in range(L):
@@ -137,8 +155,13 @@ for l in range(L):
     bo = layers[l].self_attn.o_proj.bias
     u = torch.stack([v[:, h // (nh // nkv)] @ wo[:, h * hd:(h + 1) * hd].T for h in range(nh)])  # [nh, n, d]
     T = torch.einsum("htj,hjd->tjd", a, u)
+    proj = T.sum(1) + (bo.double() if bo is not None else 0.0)
+    if gemma:  # the post-attention norm, its scale held at each position's
+        g_p, eps_p = norm_of(layers[l].post_attention_layernorm)
+        scale = g_p[None, :] / torch.sqrt(proj.pow(2).mean(-1, keepdim=True) + eps_p)
+        T, proj = T * scale[:, None, :], proj * scale
     x = cap[("in", l)].double()
-    y = x + T.sum(1) + (bo.double() if bo is not None else 0.0)
+    y = x + proj
     worst = max(worst, float((y - cap[("mid", l)].double()).abs().max() / cap[("mid", l)].abs().max()))
     res = T + torch.einsum("tj,td->tjd", torch.eye(n, dtype=torch.float64), x)
     imp = -(res - y[:, None, :]).abs().sum(-1)
@@ -153,6 +176,8 @@ print("ALTI: resid_mid rebuilt within", worst, "(relative)", flush=True)
 # ---------- AttnLRP with lxt
 import importlib  # noqa: E402
 
+lrp, lrp_logit = None, None
+
 for name in ("lxt.efficient", "lxt.efficient.models"):
     spec = importlib.util.find_spec(name.split(".")[0])
     m = types.ModuleType(name)
@@ -160,20 +185,28 @@ for name in ("lxt.efficient", "lxt.efficient.models"):
     sys.modules[name] = m
 from lxt.efficient import patches  # noqa: E402
 
-arch = cfg.model_type
+arch = {"gemma3_text": "gemma3"}.get(cfg.model_type, cfg.model_type)
 mod = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
-lxt_models = importlib.import_module(f"lxt.efficient.models.{arch}")
-for target_cls, patch in lxt_models.attnLRP.items():
-    if isinstance(target_cls, type):
-        patch(target_cls)
-mod.eager_attention_forward = patches.wrap_attention_forward(mod.eager_attention_forward)
-emb = model.get_input_embeddings()(t_ids).detach().requires_grad_(True)
-out = model(inputs_embeds=emb, use_cache=False).logits[0, -1]
-assert int(out.argmax()) == target
-logit = out[target]
-logit.backward()
-lrp = (emb.grad[0] * emb[0]).sum(-1).detach().double()
-print("AttnLRP: logit", float(logit), "sum of relevances", float(lrp.sum()), flush=True)
+if arch == "mistral":
+    from functools import partial
+    lxt_map = {mod.MistralMLP: partial(patches.patch_method, patches.gated_mlp_forward),
+               mod.MistralRMSNorm: partial(patches.patch_method, patches.rms_norm_forward)}
+elif arch == "gemma2":
+    lxt_map = None
+else:
+    lxt_map = importlib.import_module(f"lxt.efficient.models.{arch}").attnLRP
+if lxt_map is not None:
+    for target_cls, patch in lxt_map.items():
+        if isinstance(target_cls, type):
+            patch(target_cls)
+    mod.eager_attention_forward = patches.wrap_attention_forward(mod.eager_attention_forward)
+    emb = model.get_input_embeddings()(t_ids).detach().requires_grad_(True)
+    out = model(inputs_embeds=emb, use_cache=False).logits[0, -1]
+    assert int(out.argmax()) == target
+    out[target].backward()
+    lrp = (emb.grad[0] * emb[0]).sum(-1).detach().double().tolist()
+    lrp_logit = float(out[target].detach())
+    print("AttnLRP: logit", lrp_logit, "sum of relevances", sum(lrp), flush=True)
 
 import transformers  # noqa: E402
 
@@ -187,6 +220,6 @@ json.dump({
     "alti_last_rows": [c[-1].tolist() for c in alti],
     "alti_logit_layers": [v.tolist() for v in layer_logit],
     "alti_logit": alti_logit.tolist(),
-    "attnlrp": lrp.tolist(),
-    "attnlrp_logit": float(logit),
+    "attnlrp": lrp,
+    "attnlrp_logit": lrp_logit,
 }, open(out_path, "w"), indent=1)
