@@ -1117,6 +1117,39 @@ mod tests {
     }
 
     #[test]
+    fn attnlrp_identity_rules_by_hand() {
+        // RMSNorm of (3, 4), w = (1, 2), ε = 0: scale 1/√12.5 held; dy = (1, 1) → (1, 2)/√12.5
+        let inv = 1.0 / 12.5f32.sqrt();
+        let dx = norm_identity(NormKind::Rms, &[3.0, 4.0], &[1.0, 2.0], 0.0, &[1.0, 1.0]);
+        assert!(
+            (dx[0] - inv).abs() < 1e-6 && (dx[1] - 2.0 * inv).abs() < 1e-6,
+            "{dx:?}"
+        );
+        // LayerNorm of (1, 3): mean 2, σ 1; w = 1, dy = (2, 0) → g − mean g = (1, −1)
+        let dx = norm_identity(NormKind::Layer, &[1.0, 3.0], &[1.0, 1.0], 0.0, &[2.0, 0.0]);
+        assert!(
+            (dx[0] - 1.0).abs() < 1e-6 && (dx[1] + 1.0).abs() < 1e-6,
+            "{dx:?}"
+        );
+        // with the scale held, relevance in = relevance out: Σ x·dx = Σ y·dy (RMS, no ε)
+        let (x, w, dy) = (
+            [0.5f32, -1.5, 2.0],
+            [0.7f32, 1.1, -0.4],
+            [0.3f32, -0.8, 1.9],
+        );
+        let y = rms_norm(&x, &w, 0.0);
+        let dx = norm_identity(NormKind::Rms, &x, &w, 0.0, &dy);
+        let r_in: f32 = x.iter().zip(&dx).map(|(a, b)| a * b).sum();
+        let r_out: f32 = y.iter().zip(&dy).map(|(a, b)| a * b).sum();
+        assert!((r_in - r_out).abs() < 1e-5, "{r_in} vs {r_out}");
+        // gelu(x)/x, ½ at 0
+        assert_eq!(gelu_ratio(0.0), 0.5);
+        for x in [-2.0f32, -1e-3, 0.4, 3.0] {
+            assert!((gelu_ratio(x) * x - gelu_tanh_of(x)).abs() < 1e-6);
+        }
+    }
+
+    #[test]
     fn activation_derivatives() {
         for &x in &[-3.0f32, -0.5, 0.0, 0.7, 2.5] {
             let h = 1e-3f32;
