@@ -181,7 +181,7 @@ pub fn value_zeroing(
     let mut passes = 1;
     let mut layers = Vec::with_capacity(nl);
     let mut c_all: Vec<Vec<f64>> = Vec::with_capacity(nl);
-    for l in 0..nl {
+    for (l, post_l) in post.iter().enumerate() {
         let mut c = vec![0f64; n * n];
         for chunk in &chunks {
             let segs: Vec<Segment> = chunk
@@ -225,7 +225,7 @@ pub fn value_zeroing(
                 let base = rows[k];
                 for i in j..n {
                     let got = &obs.out[(base + i - j) * dm..][..dm];
-                    c[i * n + j] = cosine_distance(got, &post[l][i * dm..][..dm]);
+                    c[i * n + j] = cosine_distance(got, &post_l[i * dm..][..dm]);
                 }
             }
         }

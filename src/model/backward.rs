@@ -907,6 +907,7 @@ impl Model {
     }
 
     /// One block's backward: `dx` (`∂/∂resid_post`, `[n, d_model]`) becomes `∂/∂resid_pre`.
+    #[allow(clippy::too_many_arguments)]
     fn block_backward(
         &self,
         l: usize,
