@@ -8,6 +8,7 @@
 //! backward rather than stored. The weight-transposed products `dX = dY · W` use each
 //! projection's matrix read back from the kernel (`I · Wᵀ`), one layer at a time.
 
+use super::attention::{dot_f64, EXACT_SCORES_ABOVE};
 use super::block::{MlpKind, NormKind};
 use super::error::{Error, Result};
 use super::ops::{gelu_tanh_of, layer_norm, rms_norm, rms_norm_in_place, rotate};
@@ -219,6 +220,11 @@ struct Head<'a> {
     window: Option<usize>,
     /// AttnLRP: the soft-cap by the identity rule (`cap(s)/s` instead of its derivative)
     lrp: bool,
+    /// The head's keys (`[n, hd]`) when its layer's scores can be large: a row whose scores pass
+    /// [`EXACT_SCORES_ABOVE`] is then computed again in f64 and shifted by its exact maximum
+    /// before it is rounded, as the forward does ([`super::attention`]'s `rescore_row`), so the
+    /// backward differentiates the pattern the forward produced.
+    precise_k: Option<&'a [f32]>,
 }
 
 /// A kv head's keys and values packed both ways (`Q·Kᵀ`, `dS·K`, `dZ·Vᵀ`, `P·V`).
@@ -282,6 +288,15 @@ impl Head<'_> {
             let live = &mut row[lo..=i];
             let scale = self.scale;
             live.iter_mut().for_each(|s| *s *= scale);
+            if let Some(k) = self.precise_k {
+                if live.iter().any(|s| s.abs() > EXACT_SCORES_ABOVE) {
+                    self.rescore(k, i, lo, live, &mut trow[lo..=i]);
+                    let (sum, _) = super::attention::exp_shift_sums_masked(live, 0.0);
+                    let inv = (1.0 / sum) as f32;
+                    live.iter_mut().for_each(|s| *s *= inv);
+                    continue;
+                }
+            }
             if let Some(c) = self.softcap {
                 for (s, t) in live.iter_mut().zip(&mut trow[lo..=i]) {
                     let tanh = (*s / c).tanh();
@@ -298,6 +313,38 @@ impl Head<'_> {
             let (sum, _) = super::attention::exp_shift_sums_masked(live, max);
             let inv = (1.0 / sum) as f32;
             live.iter_mut().for_each(|s| *s *= inv);
+        }
+    }
+
+    /// Query `i`'s visible scores `live` (keys `lo..=i`) computed again in f64 from the keys `k`
+    /// (scaled, soft-capped in f64, the soft-cap's factor into `t`), shifted by their exact
+    /// maximum and only then rounded to f32: the shift the softmax that follows needs is 0.
+    fn rescore(&self, k: &[f32], i: usize, lo: usize, live: &mut [f32], t: &mut [f32]) {
+        let hd = self.hd;
+        let qi = &self.q[i * hd..(i + 1) * hd];
+        let scale = self.scale as f64;
+        let exact: Vec<(f64, f64)> = (lo..=i)
+            .map(|j| {
+                let s = dot_f64(qi, &k[j * hd..(j + 1) * hd]) * scale;
+                match self.softcap {
+                    Some(c) => {
+                        let c = c as f64;
+                        let tanh = (s / c).tanh();
+                        let factor = match (self.lrp, s == 0.0) {
+                            (false, _) => 1.0 - tanh * tanh,
+                            (true, false) => tanh * c / s,
+                            (true, true) => 1.0,
+                        };
+                        (tanh * c, factor)
+                    }
+                    None => (s, 1.0),
+                }
+            })
+            .collect();
+        let m = exact.iter().map(|e| e.0).fold(f64::NEG_INFINITY, f64::max);
+        for ((o, f), (s, factor)) in live.iter_mut().zip(t).zip(exact) {
+            *o = (s - m) as f32;
+            *f = factor as f32;
         }
     }
 
@@ -846,6 +893,14 @@ impl Model {
         let (nh, nkv, hd) = (self.dims.n_heads, self.dims.n_kv_heads, self.dims.head_dim);
         let plan = self.weights.layers[l].plan;
         let group = nh / nkv;
+        // the forward's test for a layer whose scores can be large: max‖q‖·max‖k‖·scale
+        let scale = plan.score_scale.unwrap_or(1.0 / (hd as f32).sqrt());
+        let max_sq = |xs: &[f32]| {
+            xs.chunks_exact(hd)
+                .map(|r| r.iter().map(|&x| x as f64 * x as f64).sum::<f64>())
+                .fold(0f64, f64::max)
+        };
+        let precise = (max_sq(q) * max_sq(k)).sqrt() * scale as f64 > EXACT_SCORES_ABOVE as f64;
         let packed: Vec<Packed4> = (0..nkv)
             .into_par_iter()
             .map(|g| {
@@ -861,10 +916,11 @@ impl Model {
                     v: &v[g * n * hd..(g + 1) * n * hd],
                     n,
                     hd,
-                    scale: plan.score_scale.unwrap_or(1.0 / (hd as f32).sqrt()),
+                    scale,
                     softcap: plan.softcap,
                     window: plan.window,
                     lrp: rules == Rules::AttnLrp,
+                    precise_k: precise.then(|| &k[g * n * hd..(g + 1) * n * hd]),
                 }
             })
             .collect();
@@ -1081,6 +1137,70 @@ impl Model {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The backward recomputes the pattern it differentiates; where scores are large (as in
+    /// Qwen2.5's first layers) it must be the forward's rescored pattern, not f32's.
+    #[test]
+    fn large_scores_recomputed_as_the_forward_rescores_them() {
+        let (n, d) = (40usize, 128usize);
+        let mut rng = crate::reference::Rng::new(5);
+        // every key and query near one large direction: scores ≈ 4,000, spread of a few units
+        let u: Vec<f32> = rng.normals(d, 1.0);
+        let big = |rng: &mut crate::reference::Rng, c: f32| -> Vec<f32> {
+            let noise = rng.normals(n * d, 0.4);
+            (0..n * d).map(|i| c * u[i % d] + noise[i]).collect()
+        };
+        let q = big(&mut rng, 8.0);
+        let k = big(&mut rng, 40.0);
+        let v = rng.normals(n * d, 1.0);
+        let scale = 1.0 / (d as f32).sqrt();
+        for window in [None, Some(9)] {
+            let mut worst = [0f64; 2];
+            for (c, precise) in [false, true].into_iter().enumerate() {
+                let head = Head {
+                    q: &q,
+                    v: &v,
+                    n,
+                    hd: d,
+                    scale,
+                    softcap: None,
+                    window,
+                    lrp: false,
+                    precise_k: precise.then_some(&k[..]),
+                };
+                let z = head.forward(&Packed4::new(&k, &v, n, d));
+                let mut largest = 0f64;
+                for i in 0..n {
+                    let lo = window.map_or(0, |w| (i + 1).saturating_sub(w));
+                    let s: Vec<f64> = (lo..=i)
+                        .map(|j| dot_f64(&q[i * d..][..d], &k[j * d..][..d]) * scale as f64)
+                        .collect();
+                    let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    largest = largest.max(m.abs());
+                    let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                    let l: f64 = e.iter().sum();
+                    for ch in 0..d {
+                        let want: f64 =
+                            (lo..=i).map(|j| e[j - lo] / l * v[j * d + ch] as f64).sum();
+                        worst[c] = worst[c].max((z[i * d + ch] as f64 - want).abs());
+                    }
+                }
+                assert!(largest > 1000.0, "scores not large: {largest}");
+            }
+            assert!(
+                worst[1] < 2e-6,
+                "window {window:?}: rescored output {:.2e} from float64",
+                worst[1]
+            );
+            // the check can fail: f32 scores of this size are visibly off
+            assert!(
+                worst[0] > 4.0 * worst[1],
+                "window {window:?}: f32 {:.2e}, rescored {:.2e}",
+                worst[0],
+                worst[1]
+            );
+        }
+    }
 
     #[test]
     fn norm_backward_matches_finite_differences() {
