@@ -16,6 +16,10 @@ use super::Model;
 use crate::kernels::gemm::{self, Isa, PackedB};
 use rayon::prelude::*;
 
+mod taps;
+pub use taps::{ActivationGradients, GradMetric, HookGradients, LayerActs, GRAD_HOOKS};
+use taps::{BlockTap, Tap};
+
 /// The scalar whose gradient is taken, of the last position's logits.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Metric {
@@ -412,6 +416,19 @@ impl Model {
     /// [`Model::gradient_from`], or with `backward` false the forward alone (the gradients
     /// left empty).
     fn run_from(&self, x0: &[f32], metric: Metric, backward: bool) -> Result<Gradient> {
+        self.run_tapped(x0, metric, backward, None)
+    }
+
+    /// [`Model::run_from`], with `tap` (if any) keeping the forward's activations and the
+    /// gradients at the hook points it asks for, and seeding the backward from the loss when
+    /// it says so ([`taps`]).
+    fn run_tapped(
+        &self,
+        x0: &[f32],
+        metric: Metric,
+        backward: bool,
+        mut tap: Option<&mut Tap>,
+    ) -> Result<Gradient> {
         let dims = &self.dims;
         let (nh, nkv, hd, dm, ff) = (
             dims.n_heads,
@@ -492,6 +509,9 @@ impl Model {
                 Some((pa, _)) => rms_norm(&attn_proj, pa, eps),
                 None => attn_proj.clone(),
             };
+            if let Some(t) = tap.as_deref_mut() {
+                t.forward_attn(&resid_pre, &z, &attn_out);
+            }
             x.iter_mut().zip(&attn_out).for_each(|(a, b)| *a += b);
             let resid_mid = x.clone();
             let b2 = layer.norm_biases.as_ref().map(|b| b.1.as_slice());
@@ -518,6 +538,9 @@ impl Model {
                 Some((_, pm)) => rms_norm(&mlp_proj, pm, eps),
                 None => mlp_proj.clone(),
             };
+            if let Some(t) = tap.as_deref_mut() {
+                t.forward_mlp(&mlp_out);
+            }
             x.iter_mut().zip(&mlp_out).for_each(|(a, b)| *a += b);
             if !x.iter().all(|v| v.is_finite()) {
                 return Err(Error::NonFinite {
@@ -647,13 +670,22 @@ impl Model {
             eps,
             &dh,
         ));
+        let mut value = value;
+        if let Some(loss) = tap.as_deref().and_then(|t| t.loss.as_deref()) {
+            (value, dx) = self.loss_seed(&x, loss, fkind)?;
+        }
         // ---- the blocks, last to first
         let transposes = self.transposes();
         let mut grad_resid_pre = vec![Vec::new(); dims.n_layers];
         let mut grad_pattern_last = vec![Vec::new(); dims.n_layers];
         for (l, layer) in self.weights.layers.iter().enumerate().rev() {
             let s = &saved[l];
-            grad_pattern_last[l] = self.block_backward(l, layer, &transposes[l], s, n, &mut dx)?;
+            let mut bt = tap.as_deref().filter(|t| t.wants(l)).map(|_| BlockTap {
+                resid_post: dx.clone(),
+                ..BlockTap::default()
+            });
+            grad_pattern_last[l] =
+                self.block_backward(l, layer, &transposes[l], s, n, &mut dx, bt.as_mut())?;
             if !dx.iter().all(|v| v.is_finite()) {
                 return Err(Error::NonFinite {
                     what: "the gradient of the residual stream".into(),
@@ -661,6 +693,9 @@ impl Model {
                 });
             }
             grad_resid_pre[l] = dx.clone();
+            if let (Some(t), Some(bt)) = (tap.as_deref_mut(), bt) {
+                t.backward_layer(self, l, s, n, bt, &dx);
+            }
         }
         Ok(Gradient {
             target,
@@ -801,7 +836,9 @@ impl Model {
         })
     }
 
-    /// One block's backward: `dx` (`∂/∂resid_post`, `[n, d_model]`) becomes `∂/∂resid_pre`.
+    /// One block's backward: `dx` (`∂/∂resid_post`, `[n, d_model]`) becomes `∂/∂resid_pre`;
+    /// `tap` (if any) keeps the gradients inside the block.
+    #[allow(clippy::too_many_arguments)]
     fn block_backward(
         &self,
         l: usize,
@@ -810,6 +847,7 @@ impl Model {
         s: &Saved,
         n: usize,
         dx: &mut [f32],
+        mut tap: Option<&mut BlockTap>,
     ) -> Result<Vec<f32>> {
         let dims = &self.dims;
         let (nh, nkv, hd, ff) = (dims.n_heads, dims.n_kv_heads, dims.head_dim, dims.d_ff);
@@ -855,12 +893,18 @@ impl Model {
         let d_h2 = back_matmul(&d_gu, n, &t.gate_up);
         let d_mid = norm_backward(plan.norm, &s.resid_mid, &layer.mlp_norm, eps, &d_h2);
         dx.iter_mut().zip(&d_mid).for_each(|(a, b)| *a += b);
+        if let Some(t) = tap.as_deref_mut() {
+            t.resid_mid = dx.to_vec();
+        }
         // attention: resid_mid = resid_pre + post(o(attn(qkv(norm(resid_pre)))))
         let d_attn_proj = match &layer.post_norms {
             Some((pa, _)) => norm_backward(NormKind::Rms, &s.attn_proj, pa, eps, dx),
             None => dx.to_vec(),
         };
         let dz = back_matmul(&d_attn_proj, n, &t.o);
+        if let Some(t) = tap.as_deref_mut() {
+            t.z = dz.clone();
+        }
         let (heads, packed) = self.heads(l, &s.q, &s.k, &s.v, n);
         let per_head: Vec<_> = heads
             .par_iter()
@@ -884,6 +928,9 @@ impl Model {
             let gv = &mut dv[g * n * hd..(g + 1) * n * hd];
             gv.iter_mut().zip(&dvh).for_each(|(a, b)| *a += b);
             dpat[h * n..(h + 1) * n].copy_from_slice(&dph);
+        }
+        if let Some(t) = tap.as_deref_mut() {
+            t.rot = Some((dq.clone(), dk.clone(), dv.clone()));
         }
         // back through RoPE (rotate by the opposite angles), the q/k norms, into [n, width]
         let half = dims.rotary_dim / 2;
@@ -915,6 +962,9 @@ impl Model {
                     d_qkv[r * width + c0 + h * hd..][..hd].copy_from_slice(&v);
                 }
             }
+        }
+        if let Some(t) = tap.as_deref_mut() {
+            t.qkv = d_qkv.clone();
         }
         if let Some((qn, kn)) = &layer.qk_norm {
             for (row, drow) in s.qkv.chunks(width).zip(d_qkv.chunks_mut(width)) {
