@@ -103,15 +103,16 @@ fn attribution_patching_refuses_unpaired_texts() {
 fn hook_gradients_agree_with_the_backward() {
     let model = real_model("smollm2-135m");
     let tokens = model
-        .encode("After Alice and Bob walked to the park, Bob handed a ball to", false)
+        .encode(
+            "After Alice and Bob walked to the park, Bob handed a ball to",
+            false,
+        )
         .unwrap();
     let n = tokens.len();
     let d = &model.dims;
     let g = model.gradient(&tokens, Metric::LogProb(None)).unwrap();
     let want = |name: &str| {
-        name == "hook_embed"
-            || name.starts_with("blocks.3.")
-            || name == "blocks.7.hook_resid_pre"
+        name == "hook_embed" || name.starts_with("blocks.3.") || name == "blocks.7.hook_resid_pre"
     };
     let h = model
         .hook_gradients(&tokens, GradMetric::Metric(Metric::LogProb(None)), &want)
@@ -152,9 +153,18 @@ fn hook_gradients_agree_with_the_backward() {
         let want = &g.grad_pattern_last[3][hh * n..(hh + 1) * n];
         assert_close(last, want, 1e-6, "pattern grad last row");
     }
-    assert_eq!(get("blocks.3.attn.hook_z_grad").1, vec![n, d.n_heads, d.head_dim]);
-    assert_eq!(get("blocks.3.attn.hook_v_grad").1, vec![n, d.n_kv_heads, d.head_dim]);
-    assert_eq!(get("blocks.3.attn.hook_rot_k_grad").1, vec![n, d.n_kv_heads, d.head_dim]);
+    assert_eq!(
+        get("blocks.3.attn.hook_z_grad").1,
+        vec![n, d.n_heads, d.head_dim]
+    );
+    assert_eq!(
+        get("blocks.3.attn.hook_v_grad").1,
+        vec![n, d.n_kv_heads, d.head_dim]
+    );
+    assert_eq!(
+        get("blocks.3.attn.hook_rot_k_grad").1,
+        vec![n, d.n_kv_heads, d.head_dim]
+    );
     // the scores' gradient is 0 at masked keys and each row sums to 0 (softmax's invariance)
     let (_, _, sc) = get("blocks.3.attn.hook_attn_scores_grad");
     for hh in 0..d.n_heads {

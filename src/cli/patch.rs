@@ -144,7 +144,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 }
 
 /// Attribution patching's grid beside the exact one, and how they agree.
-pub fn render_approx(r: &PatchReport, kind: &ApproxKind, agree: &Agreement, colour: bool) -> String {
+pub fn render_approx(
+    r: &PatchReport,
+    kind: &ApproxKind,
+    agree: &Agreement,
+    colour: bool,
+) -> String {
     let mut s = format!(
         "\nattribution patching of {} (2 forward passes, 1 backward): each cell the first-order \
          estimate of the share restored, (clean − corrupt) · ∂(logit diff)/∂activation at the \

@@ -736,7 +736,10 @@ impl Model {
         self.check_ids(&ids)?;
         let m = self.inner.clone();
         let resolve = |t: Option<String>, what: &str| -> PyResult<Option<u32>> {
-            match t.map(|t| t.parse::<Target>().map_err(PyValueError::new_err)).transpose()? {
+            match t
+                .map(|t| t.parse::<Target>().map_err(PyValueError::new_err))
+                .transpose()?
+            {
                 None | Some(Target::Next) => Ok(None),
                 Some(t) => t
                     .resolve(&m, &[])
@@ -756,15 +759,17 @@ impl Model {
                     "metric='logit_diff' needs two different tokens for target= and wrong=",
                 ))
             }
-            ("logit_diff", _, _) => {
-                return Err(PyValueError::new_err(
-                    "metric='logit_diff' needs target= and wrong= (token ids or one token's text each)",
-                ))
-            }
+            ("logit_diff", _, _) => return Err(PyValueError::new_err(
+                "metric='logit_diff' needs target= and wrong= (token ids or one token's text each)",
+            )),
             ("target_logprob" | "loss", _, _) => {
                 return Err(PyValueError::new_err(format!(
                     "metric={metric:?} takes {}; wrong= is for metric='logit_diff'",
-                    if metric == "loss" { "no target= (the loss scores every next token)" } else { "target= only" }
+                    if metric == "loss" {
+                        "no target= (the loss scores every next token)"
+                    } else {
+                        "target= only"
+                    }
                 )))
             }
             _ => {

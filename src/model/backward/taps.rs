@@ -116,8 +116,12 @@ impl Tap {
     /// The forward at a layer's attention output.
     pub(super) fn forward_attn(&mut self, resid_pre: &[f32], z: &[f32], attn_out: &[f32]) {
         if self.acts {
-            self.fwd
-                .push((resid_pre.to_vec(), z.to_vec(), attn_out.to_vec(), Vec::new()));
+            self.fwd.push((
+                resid_pre.to_vec(),
+                z.to_vec(),
+                attn_out.to_vec(),
+                Vec::new(),
+            ));
         }
     }
 
@@ -369,7 +373,9 @@ impl Model {
                 }
             }
             tap.grads_at[l] = !c.is_empty();
-            tap.maps_at[l] = c.iter().any(|h| matches!(h, Hook::Pattern | Hook::AttnScores));
+            tap.maps_at[l] = c
+                .iter()
+                .any(|h| matches!(h, Hook::Pattern | Hook::AttnScores));
         }
         let globals: Vec<Hook> = [Hook::Embed, Hook::PosEmbed]
             .into_iter()
