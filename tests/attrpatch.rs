@@ -13,11 +13,10 @@ use attnscope::model::Error;
 use common::*;
 
 /// Every layer × position (resid_pre, attn_out, mlp_out) and layer × head (z) estimate within
-/// 1e-3 of the largest, against `tests/golden/smol_attrpatch.json` (make_hookgrad_golden.py).
-#[test]
-fn attribution_patching_matches_torch_smollm() {
-    let model = real_model("smollm2-135m");
-    let g = golden_json("smol_attrpatch.json");
+/// 1e-3 of the largest, against `tests/golden/<prefix>_attrpatch.json` (make_hookgrad_golden.py).
+fn check_attribution_patching(alias: &str, prefix: &str) {
+    let model = real_model(alias);
+    let g = golden_json(&format!("{prefix}_attrpatch.json"));
     let clean = model.encode(g["clean"].as_str().unwrap(), false).unwrap();
     let corrupt = model.encode(g["corrupt"].as_str().unwrap(), false).unwrap();
     let (answer, wrong) = (
@@ -58,7 +57,7 @@ fn attribution_patching_matches_torch_smollm() {
             let span = (r.clean_logit_diff - r.corrupt_logit_diff) as f64;
             assert!((c.recovered as f64 - c.estimate as f64 / span).abs() < 1e-6);
         }
-        eprintln!("{name}: worst |estimate − torch| {worst:.2e} (largest {largest:.3})");
+        eprintln!("{alias} {name}: worst |estimate − torch| {worst:.2e} (largest {largest:.3})");
         assert!(largest > 0.1, "{name}: some estimate must matter");
         assert!(
             worst <= 1e-3 * largest,
@@ -82,10 +81,20 @@ fn attribution_patching_matches_torch_smollm() {
     .unwrap();
     let kind = r.kind(PatchHook::ResidPre).unwrap();
     let a = agreement(&exact.results, kind);
-    eprintln!("resid_pre: {a:?}");
+    eprintln!("{alias} resid_pre: {a:?}");
     assert_eq!(a.n, exact.results.len());
     assert!(a.pearson.unwrap() > 0.5, "{a:?}");
     assert!(r.kind(PatchHook::Pattern).is_none());
+}
+
+#[test]
+fn attribution_patching_matches_torch_smollm() {
+    check_attribution_patching("smollm2-135m", "smol");
+}
+
+#[test]
+fn attribution_patching_matches_torch_qwen() {
+    check_attribution_patching("qwen2.5-coder-0.5b", "qwen");
 }
 
 #[test]
@@ -181,4 +190,87 @@ fn hook_gradients_agree_with_the_backward() {
         .hook_gradients(&tokens[..1], GradMetric::Loss, &want)
         .unwrap_err();
     assert!(matches!(err, Error::OutOfRange { .. }), "{err}");
+}
+
+/// `patch --approx --json` on the tiny model: the estimates beside the exact grid with their
+/// agreement; `--hook pattern --approx` is refused with exit 2.
+#[test]
+fn patch_approx_json_and_refusal() {
+    use attnscope::model::tiny::{tiny_model, write_gguf};
+    use attnscope::model::Arch;
+    use candle_core::quantized::GgmlDType;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    write_gguf(
+        &tiny_model(Arch::Llama, 3),
+        Arch::Llama,
+        GgmlDType::F32,
+        &path,
+    )
+    .unwrap();
+    let model = path.to_str().unwrap();
+    let run = |hook: &str| {
+        assert_cmd::Command::cargo_bin("attnscope")
+            .unwrap()
+            .write_stdin("")
+            .args([
+                "patch",
+                "--model",
+                model,
+                "--clean",
+                "the hat at the hat",
+                "--corrupt",
+                "the cat at the hat",
+                "--answer",
+                "104",
+                "--wrong",
+                "99",
+                "--hook",
+                hook,
+                "--approx",
+                "--json",
+            ])
+            .output()
+            .unwrap()
+    };
+    for (hook, name, per_head) in [
+        ("resid-pre", "hook_resid_pre", false),
+        ("z", "attn.hook_z", true),
+    ] {
+        let out = run(hook);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let a = &v["approx"];
+        assert_eq!(a["hook"], name);
+        assert_eq!(a["forward_passes"], 2);
+        assert_eq!(a["backward_passes"], 1);
+        let exact = v["results"].as_array().unwrap();
+        let est = a["results"].as_array().unwrap();
+        assert_eq!(exact.len(), est.len());
+        assert_eq!(a["n"].as_u64().unwrap() as usize, exact.len());
+        let key = if per_head { "head" } else { "pos" };
+        for (e, x) in exact.iter().zip(est) {
+            assert_eq!(e["layer"], x["layer"]);
+            assert_eq!(e[key], x[key]);
+        }
+        let r = a["pearson"].as_f64().unwrap();
+        assert!((-1.0..=1.0).contains(&r));
+        // the estimate's scale: recovered = estimate / (clean − corrupt)
+        let span =
+            v["clean_logit_diff"].as_f64().unwrap() - v["corrupt_logit_diff"].as_f64().unwrap();
+        for x in est {
+            let (e, rec) = (
+                x["estimate"].as_f64().unwrap(),
+                x["recovered"].as_f64().unwrap(),
+            );
+            assert!((e / span - rec).abs() < 1e-4 * rec.abs().max(1.0));
+        }
+    }
+    let out = run("pattern");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--approx"));
 }

@@ -963,7 +963,7 @@ impl Model {
                 }
             }
         }
-        if let Some(t) = tap.as_deref_mut() {
+        if let Some(t) = tap {
             t.qkv = d_qkv.clone();
         }
         if let Some((qn, kn)) = &layer.qk_norm {

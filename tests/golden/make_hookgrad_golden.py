@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Reference for gradients at the hook points and attribution patching (issue #39 items 4 and 6):
-torch autograd through transformers' eager f32 forward (GGUF dequantized), SmolLM2-135M.
+torch autograd through transformers' eager f32 forward (GGUF dequantized), SmolLM2-135M (argument
+`smol`, the default) or Qwen2.5-Coder-0.5B (`qwen`: a smaller set of hooks, named below).
 
 Writes beside this script:
 - smol_hook_grads.npz: for the clean text of the patching pair, the gradients at TransformerLens's
@@ -21,20 +22,25 @@ resid_mid = post_attention_layernorm's input; mlp_out = mlp's output; resid_post
 z = o_proj's input; q, k, v = the projections' outputs; rot_q/rot_k = apply_rotary_pos_emb's outputs;
 attn_scores = the scaled, masked scores (eager attention, replaced by the same code keeping them);
 pattern = the softmax's output.
-Run: REF_MODEL_DIR=~/.cache/attnscope/models ~/.hfenv/bin/python tests/golden/make_hookgrad_golden.py
+For qwen the files are qwen_hook_grads.npz (lp: layer 23's resid_pre and layer 3's q, k, rot_k,
+attn_scores, pattern, z; loss: layer 3's resid_pre; ld: layer 3's pattern) and qwen_attrpatch.json.
+Run: REF_MODEL_DIR=~/.cache/attnscope/models ~/.hfenv/bin/python tests/golden/make_hookgrad_golden.py [smol|qwen]
 """
-import json, os
+import json, os, sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import torch
-import transformers.models.llama.modeling_llama as ml
+import transformers.models.llama.modeling_llama as ml_llama
+import transformers.models.qwen2.modeling_qwen2 as ml_qwen2
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 MODEL_DIR = os.path.expanduser(os.environ.get("REF_MODEL_DIR", "~/.cache/attnscope/models"))
-GGUF = os.environ.get("REF_GGUF", "smollm2-135m.gguf")
+WHICH = sys.argv[1] if len(sys.argv) > 1 else "smol"
+GGUF, ml = {"smol": ("smollm2-135m.gguf", ml_llama), "qwen": ("qwen2.5-coder-0.5b.gguf", ml_qwen2)}[WHICH]
 CLEAN = "After Alice and Bob walked to the park, Bob handed a ball to"
 CORRUPT = "After Alice and Bob walked to the park, Alice handed a ball to"
-ANSWER, WRONG = 8590, 8363  # " Alice", " Bob" (tests/golden/smol_interventions.json)
+# " Alice", " Bob" (tests/golden/<m>_interventions.json)
+ANSWER, WRONG = {"smol": (8590, 8363), "qwen": (29405, 14261)}[WHICH]
 here = os.path.dirname(os.path.abspath(__file__))
 torch.set_num_threads(2)
 tok = AutoTokenizer.from_pretrained(MODEL_DIR, gguf_file=GGUF)
@@ -125,10 +131,14 @@ target = int(lg[-1].argmax())
 f = torch.log_softmax(lg[-1].double(), -1)[target]
 f.backward()
 values.append(float(f.detach()))
-names = ["hook_embed"] + [f"blocks.{l}.hook_resid_pre" for l in (0, 15, L - 1)]
-names += [f"blocks.3.{h}" for h in ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_rot_q", "attn.hook_rot_k",
-                                      "attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z", "hook_attn_out",
-                                      "hook_resid_mid", "hook_mlp_out", "hook_resid_post")]
+if WHICH == "smol":
+    names = ["hook_embed"] + [f"blocks.{l}.hook_resid_pre" for l in (0, 15, L - 1)]
+    names += [f"blocks.3.{h}" for h in ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_rot_q", "attn.hook_rot_k",
+                                          "attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z", "hook_attn_out",
+                                          "hook_resid_mid", "hook_mlp_out", "hook_resid_post")]
+else:
+    names = [f"blocks.{L - 1}.hook_resid_pre"] + [f"blocks.3.attn.{h}" for h in (
+        "hook_q", "hook_k", "hook_rot_k", "hook_attn_scores", "hook_pattern", "hook_z")]
 for nm in names:
     g = tl_shape(nm, acts[nm])
     if nm.endswith("hook_attn_scores"):
@@ -138,19 +148,20 @@ for nm in names:
 lg = run(clean)
 loss = torch.nn.functional.cross_entropy(lg[:-1].double(), torch.tensor(clean[1:]))
 loss.backward()
-values.append(float(loss))
-for nm in ("hook_embed", "blocks.3.hook_resid_pre", "blocks.3.attn.hook_pattern", "blocks.3.attn.hook_z"):
+values.append(float(loss.detach()))
+for nm in (("hook_embed", "blocks.3.hook_resid_pre", "blocks.3.attn.hook_pattern", "blocks.3.attn.hook_z")
+           if WHICH == "smol" else ("blocks.3.hook_resid_pre",)):
     out[f"loss/{nm}_grad"] = tl_shape(nm, acts[nm]).numpy().astype(np.float32)
 # the logit difference
 lg = run(clean)
 d = lg[-1, ANSWER] - lg[-1, WRONG]
 d.backward()
 values.append(float(d))
-for nm in ("blocks.3.hook_resid_pre", "blocks.3.hook_attn_out"):
+for nm in (("blocks.3.hook_resid_pre", "blocks.3.hook_attn_out") if WHICH == "smol" else ("blocks.3.attn.hook_pattern",)):
     out[f"ld/{nm}_grad"] = tl_shape(nm, acts[nm]).numpy().astype(np.float32)
 out["values"] = np.array(values, dtype=np.float64)
 out["tokens"] = np.array(clean, dtype=np.int64)
-np.savez_compressed(os.path.join(here, "smol_hook_grads.npz"), **out)
+np.savez_compressed(os.path.join(here, f"{WHICH}_hook_grads.npz"), **out)
 print("target", target, "values", values, flush=True)
 
 # attribution patching
@@ -174,5 +185,5 @@ for kind in KINDS:
         else:
             rows.append(e.sum(-1).tolist())
     rep[kind.split(".")[-1]] = rows
-json.dump(rep, open(os.path.join(here, "smol_attrpatch.json"), "w"))
+json.dump(rep, open(os.path.join(here, f"{WHICH}_attrpatch.json"), "w"))
 print("attribution patching: clean", rep["clean_logit_diff"], "corrupt", rep["corrupt_logit_diff"])

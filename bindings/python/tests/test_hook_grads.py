@@ -1,7 +1,8 @@
 """run_with_cache(incl_bwd=True): the gradients at the hook points against torch autograd through
-transformers' eager f32 forward (tests/golden/smol_hook_grads.npz, made by
+transformers' eager f32 forward (tests/golden/<m>_hook_grads.npz, made by
 tests/golden/make_hookgrad_golden.py), for the three scalars: log p(top token), TransformerLens's
-loss and a logit difference. Each within 1e-3 of its largest value."""
+loss and a logit difference, on SmolLM2 (a llama GGUF with interleaved q/k rows) and Qwen2.5 (q/k/v
+biases; fewer hooks). Each within 1e-3 of its largest value."""
 
 from pathlib import Path
 
@@ -11,14 +12,22 @@ import pytest
 import attnscope
 
 ROOT = Path(__file__).resolve().parents[3]
-REF = np.load(ROOT / "tests" / "golden" / "smol_hook_grads.npz")
+REFS = {m: np.load(ROOT / "tests" / "golden" / f"{m}_hook_grads.npz") for m in ("smol", "qwen")}
+REF = REFS["smol"]
 CLEAN = "After Alice and Bob walked to the park, Bob handed a ball to"
 ANSWER, WRONG = 8590, 8363
+# " Alice", " Bob" for each model
+PAIRS = {"smol": (8590, 8363), "qwen": (29405, 14261)}
 
 
 @pytest.fixture(scope="module")
 def smol():
     return attnscope.HookedModel.from_pretrained("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return attnscope.HookedModel.from_pretrained("qwen2.5-coder-0.5b")
 
 
 @pytest.fixture(autouse=True)
@@ -28,12 +37,12 @@ def numpy_results():
     attnscope.set_array_type("auto")
 
 
-def check(cache, prefix):
-    keys = [k for k in REF.files if k.startswith(prefix + "/")]
+def check(cache, prefix, ref=REF):
+    keys = [k for k in ref.files if k.startswith(prefix + "/")]
     assert keys
     for key in keys:
         name = key.split("/", 1)[1]
-        want = REF[key]
+        want = ref[key]
         got = np.asarray(cache[name])
         assert got.shape == (1,) + want.shape, (name, got.shape, want.shape)
         got = got[0]
@@ -43,8 +52,20 @@ def check(cache, prefix):
         assert worst <= 1e-3 * largest, f"{prefix} {name}: off by {worst:.3e} (largest {largest:.3e})"
 
 
-def names_of(prefix):
-    return [k.split("/", 1)[1][: -len("_grad")] for k in REF.files if k.startswith(prefix + "/")]
+def names_of(prefix, ref=REF):
+    return [k.split("/", 1)[1][: -len("_grad")] for k in ref.files if k.startswith(prefix + "/")]
+
+
+@pytest.mark.parametrize("which", ["smol", "qwen"])
+def test_every_scalar_matches_torch(which, request):
+    m, ref = request.getfixturevalue(which), REFS[which]
+    assert m.to_tokens(CLEAN, prepend_bos=False)[0].tolist() == ref["tokens"].tolist()
+    answer, wrong = PAIRS[which]
+    for i, (prefix, kw) in enumerate((("lp", {}), ("loss", {"metric": "loss"}),
+                                      ("ld", {"metric": "logit_diff", "target": answer, "wrong": wrong}))):
+        _, cache = m.run_with_cache(CLEAN, names_filter=names_of(prefix, ref), incl_bwd=True, prepend_bos=False, **kw)
+        assert abs(cache.bwd_value - ref["values"][i]) < 1e-4, (which, prefix)
+        check(cache, prefix, ref)
 
 
 def test_tokens_match_the_reference(smol):

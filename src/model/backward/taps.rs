@@ -89,6 +89,10 @@ pub(super) struct BlockTap {
 /// One layer's forward activations: `(resid_pre, z, attn_out, mlp_out)`, `[n, ·]` each.
 pub type LayerActs = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
 
+/// One layer's gradients as the backward kept them: the block's, `∂/∂resid_pre`, and the maps'
+/// `(∂/∂pattern, ∂/∂attn_scores)` `[heads, n, n]` where asked.
+pub(super) type LayerKept = (BlockTap, Vec<f32>, Option<(Vec<f32>, Vec<f32>)>);
+
 /// What a tapped forward and backward keeps ([`Model::run_tapped`]).
 #[derive(Default)]
 pub(crate) struct Tap {
@@ -104,7 +108,7 @@ pub(crate) struct Tap {
     pub fwd: Vec<LayerActs>,
     /// Per layer, what the backward kept: `(block, ∂/∂resid_pre, maps)`, maps `(∂/∂pattern,
     /// ∂/∂attn_scores)` `[heads, n, n]` where asked.
-    pub layers: Vec<Option<(BlockTap, Vec<f32>, Option<(Vec<f32>, Vec<f32>)>)>>,
+    pub layers: Vec<Option<LayerKept>>,
 }
 
 impl Tap {
