@@ -13,6 +13,7 @@ pub mod heads;
 pub mod inspect;
 pub mod intervene;
 pub mod measure;
+pub mod mixing;
 pub mod norms;
 pub mod sinkmetrics;
 pub mod stream;

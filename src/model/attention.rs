@@ -599,7 +599,7 @@ pub(crate) const EXACT_SCORES_ABOVE: f32 = 256.0;
 /// `Σ a_i·b_i` in f64: every product of two f32 is exact in f64, so the only rounding left is
 /// f64's own (~1e-16 relative); eight lanes so that it vectorizes.
 #[inline]
-fn dot_f64(a: &[f32], b: &[f32]) -> f64 {
+pub(crate) fn dot_f64(a: &[f32], b: &[f32]) -> f64 {
     const L: usize = 8;
     let mut acc = [0f64; L];
     let (ca, cb) = (a.chunks_exact(L), b.chunks_exact(L));

@@ -10,7 +10,7 @@
 //! time as the backward does. The scalar is a [`Metric`] of the last position, or TransformerLens's
 //! loss (the mean next-token cross-entropy over the text).
 
-use super::{Head, Metric, Model, NormKind, Packed4, Saved, QB};
+use super::{Head, Metric, Model, NormKind, Packed4, Rules, Saved, QB};
 use crate::model::capture::{hook_name, Hook};
 use crate::model::error::{Error, Result};
 use crate::model::tl_weights::interleaved_to_half_split;
@@ -178,7 +178,8 @@ impl Model {
     fn map_grads(&self, l: usize, s: &Saved, dz: &[f32], n: usize) -> (Vec<f32>, Vec<f32>) {
         let (nh, nkv, hd) = (self.dims.n_heads, self.dims.n_kv_heads, self.dims.head_dim);
         let group = nh / nkv;
-        let (heads, packed): (Vec<Head>, Vec<Packed4>) = self.heads(l, &s.q, &s.k, &s.v, n);
+        let (heads, packed): (Vec<Head>, Vec<Packed4>) =
+            self.heads(l, &s.q, &s.k, &s.v, n, Rules::Gradient);
         let per_head: Vec<(Vec<f32>, Vec<f32>)> = heads
             .par_iter()
             .enumerate()
@@ -331,7 +332,7 @@ impl Model {
             ..Tap::default()
         };
         let (x0, _) = self.input_embeddings(tokens)?;
-        let g = self.run_tapped(&x0, metric, backward, Some(&mut tap))?;
+        let g = self.run_tapped(&x0, metric, backward, Rules::Gradient, Some(&mut tap))?;
         let grads = if backward {
             tap.layers
                 .into_iter()
@@ -394,7 +395,7 @@ impl Model {
             }
         };
         let (x0, _) = self.input_embeddings(tokens)?;
-        let g = self.run_tapped(&x0, m, true, Some(&mut tap))?;
+        let g = self.run_tapped(&x0, m, true, Rules::Gradient, Some(&mut tap))?;
         let (nh, nkv, hd, dm) = (
             self.dims.n_heads,
             self.dims.n_kv_heads,

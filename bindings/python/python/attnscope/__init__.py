@@ -1193,9 +1193,11 @@ class HookedModel:
                   steps: int = 32, wrong: Optional[Union[str, int]] = None) -> Dict[str, Any]:
         """A score per input token for the last position's prediction, as ``attnscope attribute``
         computes it (``method``: gradient, grad-x-input, integrated-gradients, attention-x-gradient,
-        occlusion; ``target``: None for the model's top next token, a token id, or one token's text;
-        ``wrong``: explain logit(target) − logit(wrong) instead of log p(target)). Returns the report
-        as a dict with ``scores`` (float32 numpy array, one per token) and ``tokens`` (their texts)."""
+        attnlrp, value-zeroing, alti-logit, occlusion; ``target``: None for the model's top next
+        token, a token id, or one token's text; ``wrong``: explain logit(target) − logit(wrong)
+        instead of log p(target), or of the logit for attnlrp and alti-logit). Returns the report
+        as a dict with ``scores`` (float32 numpy array, one per token) and ``tokens`` (their texts);
+        attnlrp adds ``conservation_error``, value-zeroing and alti-logit ``layers`` (per layer)."""
         ids = self._m.encode(text, None)
         rep, scores = self._m.attribute(ids, method, None if target is None else str(target),
                                         None if wrong is None else str(wrong), steps)
