@@ -3,6 +3,7 @@
 //! on a long text never holds the `[layers, heads, n, n]` patterns.
 
 pub mod attribute;
+pub mod attrpatch;
 pub mod collect;
 pub mod compare;
 pub mod corpus;

@@ -17,6 +17,10 @@ use super::Model;
 use crate::kernels::gemm::{self, Isa, PackedB};
 use rayon::prelude::*;
 
+mod taps;
+pub use taps::{ActivationGradients, GradMetric, HookGradients, LayerActs, GRAD_HOOKS};
+use taps::{BlockTap, Tap};
+
 /// The scalar whose gradient is taken, of the last position's logits.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Metric {
@@ -546,6 +550,20 @@ impl Model {
         backward: bool,
         rules: Rules,
     ) -> Result<Gradient> {
+        self.run_tapped(x0, metric, backward, rules, None)
+    }
+
+    /// [`Model::run_rules`], with `tap` (if any) keeping the forward's activations and the
+    /// gradients at the hook points it asks for, and seeding the backward from the loss when
+    /// it says so ([`taps`]).
+    fn run_tapped(
+        &self,
+        x0: &[f32],
+        metric: Metric,
+        backward: bool,
+        rules: Rules,
+        mut tap: Option<&mut Tap>,
+    ) -> Result<Gradient> {
         let lrp = rules == Rules::AttnLrp;
         let dims = &self.dims;
         let (nh, nkv, hd, dm, ff) = (
@@ -627,6 +645,9 @@ impl Model {
                 Some((pa, _)) => rms_norm(&attn_proj, pa, eps),
                 None => attn_proj.clone(),
             };
+            if let Some(t) = tap.as_deref_mut() {
+                t.forward_attn(&resid_pre, &z, &attn_out);
+            }
             x.iter_mut().zip(&attn_out).for_each(|(a, b)| *a += b);
             let resid_mid = x.clone();
             let b2 = layer.norm_biases.as_ref().map(|b| b.1.as_slice());
@@ -653,6 +674,9 @@ impl Model {
                 Some((_, pm)) => rms_norm(&mlp_proj, pm, eps),
                 None => mlp_proj.clone(),
             };
+            if let Some(t) = tap.as_deref_mut() {
+                t.forward_mlp(&mlp_out);
+            }
             x.iter_mut().zip(&mlp_out).for_each(|(a, b)| *a += b);
             if !x.iter().all(|v| v.is_finite()) {
                 return Err(Error::NonFinite {
@@ -796,14 +820,22 @@ impl Model {
             eps,
             &dh,
         ));
+        let mut value = value;
+        if let Some(loss) = tap.as_deref().and_then(|t| t.loss.as_deref()) {
+            (value, dx) = self.loss_seed(&x, loss, fkind)?;
+        }
         // ---- the blocks, last to first
         let transposes = self.transposes();
         let mut grad_resid_pre = vec![Vec::new(); dims.n_layers];
         let mut grad_pattern_last = vec![Vec::new(); dims.n_layers];
         for (l, layer) in self.weights.layers.iter().enumerate().rev() {
             let s = &saved[l];
+            let mut bt = tap.as_deref().filter(|t| t.wants(l)).map(|_| BlockTap {
+                resid_post: dx.clone(),
+                ..BlockTap::default()
+            });
             grad_pattern_last[l] =
-                self.block_backward(l, layer, &transposes[l], s, n, &mut dx, rules)?;
+                self.block_backward(l, layer, &transposes[l], s, n, &mut dx, rules, bt.as_mut())?;
             if !dx.iter().all(|v| v.is_finite()) {
                 return Err(Error::NonFinite {
                     what: "the gradient of the residual stream".into(),
@@ -811,6 +843,9 @@ impl Model {
                 });
             }
             grad_resid_pre[l] = dx.clone();
+            if let (Some(t), Some(bt)) = (tap.as_deref_mut(), bt) {
+                t.backward_layer(self, l, s, n, bt, &dx);
+            }
         }
         Ok(Gradient {
             target,
@@ -962,7 +997,8 @@ impl Model {
         })
     }
 
-    /// One block's backward: `dx` (`∂/∂resid_post`, `[n, d_model]`) becomes `∂/∂resid_pre`.
+    /// One block's backward: `dx` (`∂/∂resid_post`, `[n, d_model]`) becomes `∂/∂resid_pre`;
+    /// `tap` (if any) keeps the gradients inside the block.
     #[allow(clippy::too_many_arguments)]
     fn block_backward(
         &self,
@@ -973,6 +1009,7 @@ impl Model {
         n: usize,
         dx: &mut [f32],
         rules: Rules,
+        mut tap: Option<&mut BlockTap>,
     ) -> Result<Vec<f32>> {
         let lrp = rules == Rules::AttnLrp;
         let dims = &self.dims;
@@ -1042,12 +1079,18 @@ impl Model {
         let d_h2 = back_matmul(&d_gu, n, &t.gate_up);
         let d_mid = norm_back(rules, plan.norm, &s.resid_mid, &layer.mlp_norm, eps, &d_h2);
         dx.iter_mut().zip(&d_mid).for_each(|(a, b)| *a += b);
+        if let Some(t) = tap.as_deref_mut() {
+            t.resid_mid = dx.to_vec();
+        }
         // attention: resid_mid = resid_pre + post(o(attn(qkv(norm(resid_pre)))))
         let d_attn_proj = match &layer.post_norms {
             Some((pa, _)) => norm_back(rules, NormKind::Rms, &s.attn_proj, pa, eps, dx),
             None => dx.to_vec(),
         };
         let dz = back_matmul(&d_attn_proj, n, &t.o);
+        if let Some(t) = tap.as_deref_mut() {
+            t.z = dz.clone();
+        }
         let (heads, packed) = self.heads(l, &s.q, &s.k, &s.v, n, rules);
         let per_head: Vec<_> = heads
             .par_iter()
@@ -1071,6 +1114,9 @@ impl Model {
             let gv = &mut dv[g * n * hd..(g + 1) * n * hd];
             gv.iter_mut().zip(&dvh).for_each(|(a, b)| *a += b);
             dpat[h * n..(h + 1) * n].copy_from_slice(&dph);
+        }
+        if let Some(t) = tap.as_deref_mut() {
+            t.rot = Some((dq.clone(), dk.clone(), dv.clone()));
         }
         if lrp {
             // the uniform rule on Q·Kᵀ and on P·V: the scores' share halves at q and k, and
@@ -1108,6 +1154,9 @@ impl Model {
                     d_qkv[r * width + c0 + h * hd..][..hd].copy_from_slice(&v);
                 }
             }
+        }
+        if let Some(t) = tap {
+            t.qkv = d_qkv.clone();
         }
         if let Some((qn, kn)) = &layer.qk_norm {
             for (row, drow) in s.qkv.chunks(width).zip(d_qkv.chunks_mut(width)) {
