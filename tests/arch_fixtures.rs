@@ -8,7 +8,7 @@ mod common;
 use attnscope::model::capture::{AttnCache, CaptureSpec};
 use attnscope::model::forward::RunOptions;
 use attnscope::model::{Model, Precision};
-use common::{golden, golden_json, golden_npy, max_abs_diff};
+use common::{golden, golden_json, golden_npy, max_abs_diff, token_ids};
 use std::path::Path;
 
 /// A copy of fixture `name` whose config.json `edit` may change.
@@ -38,12 +38,7 @@ fn model_deviation(model: &Model, name: &str, tokenize: bool) -> (f32, f32, Vec<
     let (mut attn, mut logits, mut next) = (0f32, 0f32, Vec::new());
     for which in ["short", "long"] {
         let t = &r["texts"][which];
-        let ids: Vec<u32> = t["token_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect();
+        let ids: Vec<u32> = token_ids(&t["token_ids"]);
         let text = t["text"].as_str().unwrap();
         if tokenize {
             assert_eq!(
@@ -640,12 +635,7 @@ fn mistral_sliding_window_matches_transformers() {
     let model = Model::load(dir.path().to_str().unwrap(), Precision::Exact, false).unwrap();
     assert_eq!(model.dims.sliding_window, Some(8));
     let r = golden_json("arch/mistral/reference.json");
-    let ids: Vec<u32> = r["texts"]["long"]["token_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect();
+    let ids: Vec<u32> = token_ids(&r["texts"]["long"]["token_ids"]);
     let n = ids.len();
     let (_, want) = golden_npy("arch/mistral/attn_long.npy");
     let d = &model.dims;

@@ -380,7 +380,7 @@ fn bad_input_is_refused() {
         assert!(err.contains(needle), "{extra:?}: {err}");
         assert!(!err.contains("panicked"), "{err}");
     };
-    check(&["--method", "attnlrp"], "unknown attribution method");
+    check(&["--method", "saliency"], "unknown attribution method");
     check(&["--method", "gradient", "--target", "the hat"], "--target");
     check(
         &["--method", "integrated-gradients", "--steps", "0"],

@@ -10,19 +10,11 @@ use common::*;
 
 const SENTENCE: &str = "Hà Nội là thủ đô của Việt Nam. Thành phố này nằm ở miền Bắc.";
 
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
 fn check_model(alias: &str, prefix: &str) {
     let model = real_model(alias);
     let g = golden_json(&format!("{prefix}_transformers.json"));
     let tokens = model.encode(SENTENCE, false).unwrap();
-    assert_eq!(tokens, ids(&g["token_ids"]), "{alias}: token ids");
+    assert_eq!(tokens, token_ids(&g["token_ids"]), "{alias}: token ids");
     let n = tokens.len();
     let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
     let out = model
@@ -164,7 +156,7 @@ fn gemma3_past_its_window_matches_transformers() {
     let tokens = model.encode(g["text"].as_str().unwrap(), false).unwrap();
     assert_eq!(
         tokens,
-        ids(&g["token_ids"]),
+        token_ids(&g["token_ids"]),
         "gemma: token ids of the long text"
     );
     let n = tokens.len();
@@ -237,7 +229,7 @@ fn tokenizer_vectors_match_hf() {
         let mut failures = Vec::new();
         for case in v["vectors"][key].as_array().unwrap() {
             let text = case["text"].as_str().unwrap();
-            let want = ids(&case["ids"]);
+            let want = token_ids(&case["ids"]);
             // the vectors are add_special_tokens=False: no BOS even where the model adds one
             let got = model.tokenizer.encode_with(text, Some(false)).unwrap();
             if got != want {
@@ -666,7 +658,7 @@ fn faithfulness_occlusions_equal_fresh_runs_smollm() {
     let g = golden_json("smol_faithfulness.json");
     assert_eq!(
         tokens,
-        ids(&g["token_ids"]),
+        token_ids(&g["token_ids"]),
         "the golden numbers are for these tokens"
     );
     assert_eq!(

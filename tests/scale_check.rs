@@ -22,12 +22,7 @@ fn texts() -> Vec<serde_json::Value> {
 fn run(text: &serde_json::Value) -> (Vec<u32>, AttnCache, Vec<f32>) {
     let model = real_model(ALIAS);
     let tokens = model.encode(text["text"].as_str().unwrap(), false).unwrap();
-    let want: Vec<u32> = text["token_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect();
+    let want: Vec<u32> = token_ids(&text["token_ids"]);
     assert_eq!(tokens, want, "token ids of {:?}", text["text"]);
     let n = tokens.len();
     let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);

@@ -14,6 +14,13 @@
 //!   up across layers (the first-order term of their rollout, without its identity).
 //! - `occlusion`: `f(text) − f(text without token i)` (deletion, as `faithfulness`'s
 //!   leave-one-out) [Zeiler & Fergus 2014, arXiv:1311.2901].
+//! - `attnlrp`: AttnLRP's relevance of the target's logit [Achtibat et al. 2024,
+//!   arXiv:2402.05602], a modified backward ([`crate::model::lrp`]); its conservation error
+//!   `Σ_i R_i − logit` is printed.
+//! - `value-zeroing`: how much zeroing token i's values changes the last position's output,
+//!   rolled out across layers [Mohebbi et al. 2023, arXiv:2301.12971]; target-independent.
+//! - `alti-logit`: the target's logit decomposed through each layer's token-to-token
+//!   contributions [Ferrando et al. 2023, arXiv:2305.12535] ([`super::mixing`]).
 //!
 //! The input `x` is what enters layer 0 (the token embeddings, times Gemma's scale, plus GPT-2's
 //! positions). Every score here comes from one forward and backward of the engine
@@ -44,15 +51,25 @@ pub enum Method {
     AttentionXGradient,
     /// `f(text) − f(text without token i)`.
     Occlusion,
+    /// AttnLRP's relevance of the target's logit (Achtibat et al. 2024).
+    #[serde(rename = "attnlrp")]
+    AttnLrp,
+    /// Value zeroing's mixing into the last position, rolled out (Mohebbi et al. 2023).
+    ValueZeroing,
+    /// ALTI-Logit's decomposition of the target's logit (Ferrando et al. 2023).
+    AltiLogit,
 }
 
 impl Method {
     /// Every method, in the order the help lists them.
-    pub const ALL: [Method; 5] = [
+    pub const ALL: [Method; 8] = [
         Method::Gradient,
         Method::GradXInput,
         Method::IntegratedGradients,
         Method::AttentionXGradient,
+        Method::AttnLrp,
+        Method::ValueZeroing,
+        Method::AltiLogit,
         Method::Occlusion,
     ];
 
@@ -64,6 +81,9 @@ impl Method {
             Method::IntegratedGradients => "integrated-gradients",
             Method::AttentionXGradient => "attention-x-gradient",
             Method::Occlusion => "occlusion",
+            Method::AttnLrp => "attnlrp",
+            Method::ValueZeroing => "value-zeroing",
+            Method::AltiLogit => "alti-logit",
         }
     }
 }
@@ -116,7 +136,8 @@ pub struct AttributeReport {
     pub wrong: Option<TokenRef>,
     /// `log p(target | text)` at the last position.
     pub logprob: f32,
-    /// What is explained: `logprob` or `logit_diff`.
+    /// What is explained: `logprob`, `logit` (AttnLRP, ALTI-Logit), `logit_diff`, or `none`
+    /// (value zeroing, which measures mixing into the last position, for no target).
     pub metric: &'static str,
     /// Its value on the text.
     pub value: f32,
@@ -127,6 +148,13 @@ pub struct AttributeReport {
     /// Integrated gradients: the midpoints.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub steps: Option<usize>,
+    /// AttnLRP: `Σ scores − f` (what the rules did not carry to the input).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub conservation_error: Option<f32>,
+    /// Value zeroing: each layer's mixing into the last position (the last row of its `C`);
+    /// ALTI-Logit: each layer's logit updates carried back to the input tokens. `[L][n]`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub layers: Option<Vec<Vec<f32>>>,
     /// How the scores are formed, in words.
     pub definition: &'static str,
 }
@@ -143,6 +171,15 @@ pub fn definition(m: Method) -> &'static str {
             "Σ_layers mean_heads max(0, ∂f/∂A · A) on the last query's row of each pattern A"
         }
         Method::Occlusion => "f(text) − f(text without token i)",
+        Method::AttnLrp => {
+            "Σ_d x_{i,d} · g_{i,d}, g the backward of f = the target's logit under AttnLRP's rules"
+        }
+        Method::ValueZeroing => {
+            "the last row of the rollout of C[l]_{i,j} = cosine distance of i's layer output when j's values are zeroed, rows normalized (no target)"
+        }
+        Method::AltiLogit => {
+            "Σ_l Δlogit^l_j (layer l's attention from source j onto the target's logit) carried to the input by ALTI's rollout"
+        }
     }
 }
 
@@ -322,7 +359,13 @@ pub fn attribute(
     };
     let dm = model.dims.d_model;
     let (mut gap, mut steps) = (None, None);
+    let (mut conservation_error, mut layers) = (None, None);
     let (scores, logprob, value) = match opts.method {
+        Method::AttnLrp | Method::ValueZeroing | Method::AltiLogit => {
+            let m = super::mixing::scores_of(model, tokens, opts.method, metric, &mut *progress)?;
+            (conservation_error, layers) = (m.conservation_error, m.layers);
+            (m.scores, m.logprob, m.value)
+        }
         Method::Occlusion => {
             let (value, deltas) = deletion_effects(model, tokens, metric, &mut *progress)?;
             let logits = model.next_token_logits(tokens)?;
@@ -369,10 +412,11 @@ pub fn attribute(
         target: text(answer),
         wrong: wrong.map(text),
         logprob,
-        metric: if wrong.is_some() {
-            "logit_diff"
-        } else {
-            "logprob"
+        metric: match (opts.method, wrong.is_some()) {
+            (Method::ValueZeroing, _) => "none",
+            (_, true) => "logit_diff",
+            (Method::AttnLrp | Method::AltiLogit, false) => "logit",
+            _ => "logprob",
         },
         value,
         tokens: tokens
@@ -388,6 +432,8 @@ pub fn attribute(
             .collect(),
         completeness_gap: gap,
         steps,
+        conservation_error,
+        layers,
         definition: definition(opts.method),
     })
 }
@@ -435,7 +481,7 @@ mod tests {
             "grad_x_input".parse::<Method>().unwrap(),
             Method::GradXInput
         );
-        let e = "attnlrp".parse::<Method>().unwrap_err();
+        let e = "saliency".parse::<Method>().unwrap_err();
         assert!(
             e.contains("unknown") && e.contains("integrated-gradients"),
             "{e}"

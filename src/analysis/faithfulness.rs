@@ -244,6 +244,15 @@ pub struct TokenRow {
     /// attention × gradient (Chefer et al. 2021), summed over layers, on the last query's row
     #[serde(skip_serializing_if = "Option::is_none")]
     pub attention_x_gradient: Option<f32>,
+    /// AttnLRP's relevance of the target's logit (Achtibat et al. 2024)
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attnlrp: Option<f32>,
+    /// value zeroing's rolled-out mixing into the last position (Mohebbi et al. 2023)
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub value_zeroing: Option<f32>,
+    /// ALTI-Logit's share of the target's logit (Ferrando et al. 2023)
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub alti_logit: Option<f32>,
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -286,6 +295,9 @@ pub struct FaithReport {
     /// Integrated gradients' completeness gap `Σ scores − (f(x) − f(0))`, when they ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ig_completeness_gap: Option<f32>,
+    /// AttnLRP's conservation error `Σ relevances − logit(target)`, when it ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attnlrp_conservation_error: Option<f32>,
     /// The explanation (every ranking but the single heads and the random one) with the highest
     /// Spearman ρ against deletion over all tokens.
     pub most_faithful: Option<Best>,
@@ -312,7 +324,8 @@ pub struct FaithOptions {
     /// Text of the neutral replacement token (must be one token).
     pub replacement: String,
     pub seed: u64,
-    /// Also rank by gradient, gradient × input and attention × gradient (one backward).
+    /// Also rank by gradient, gradient × input and attention × gradient (one backward), AttnLRP
+    /// (one backward), value zeroing and ALTI-Logit.
     pub gradients: bool,
     /// With `gradients`, integrated gradients too, with this many midpoints (0: not run).
     pub ig_steps: usize,
@@ -428,11 +441,20 @@ pub fn run(
             ig_gap = Some(gap);
         }
     }
+    let (lrp, vz, alti, lrp_err) = if opts.gradients {
+        let (r, v, a) = super::mixing::rankings(model, tokens, target_id)?;
+        (Some(r.scores), Some(v), Some(a), Some(r.conservation_error))
+    } else {
+        (None, None, None, None)
+    };
     for (name, v) in [
         ("gradient", &grad),
         ("grad_x_input", &gxi),
         ("integrated_gradients", &ig),
         ("attention_x_gradient", &axg),
+        ("attnlrp", &lrp),
+        ("value_zeroing", &vz),
+        ("alti_logit", &alti),
     ] {
         if let Some(v) = v {
             if let Some(i) = v.iter().position(|x| !x.is_finite()) {
@@ -511,6 +533,9 @@ pub fn run(
             grad_x_input: gxi.as_ref().map(|v| v[j]),
             integrated_gradients: ig.as_ref().map(|v| v[j]),
             attention_x_gradient: axg.as_ref().map(|v| v[j]),
+            attnlrp: lrp.as_ref().map(|v| v[j]),
+            value_zeroing: vz.as_ref().map(|v| v[j]),
+            alti_logit: alti.as_ref().map(|v| v[j]),
         });
     }
     // 4. metrics
@@ -631,6 +656,7 @@ pub fn run(
         metrics,
         forward_passes: runner.passes,
         ig_completeness_gap: ig_gap,
+        attnlrp_conservation_error: lrp_err,
         most_faithful,
         conclusion,
     })

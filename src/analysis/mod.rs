@@ -3,6 +3,7 @@
 //! on a long text never holds the `[layers, heads, n, n]` patterns.
 
 pub mod attribute;
+pub mod attrpatch;
 pub mod collect;
 pub mod compare;
 pub mod corpus;
@@ -13,6 +14,7 @@ pub mod heads;
 pub mod inspect;
 pub mod intervene;
 pub mod measure;
+pub mod mixing;
 pub mod norms;
 pub mod sinkmetrics;
 pub mod stream;

@@ -1,5 +1,6 @@
 //! `attnscope attribute`: a score per input token for the last position's prediction, by
-//! gradient, gradient × input, integrated gradients, attention × gradient or occlusion.
+//! gradient, gradient × input, integrated gradients, attention × gradient, AttnLRP, value
+//! zeroing, ALTI-Logit or occlusion.
 
 use super::common::{emit, progress_bar, ModelArgs, TextArgs};
 use crate::analysis::attribute::{attribute, AttributeOptions, AttributeReport, Method};
@@ -19,8 +20,15 @@ pub struct Args {
     /// ∂f/∂x_i,d at (k+½)/steps · x for k < steps, from the zero embedding; the completeness gap
     /// Σ scores − (f(x) − f(0)) is printed. attention-x-gradient (Chefer et al. 2021): per layer
     /// and head, ∂f/∂A ⊙ A on the last query's row of the pattern A, negative parts clipped to
-    /// 0, averaged over the heads and summed over the layers. occlusion: f(text) − f(text
-    /// without token i).
+    /// 0, averaged over the heads and summed over the layers. attnlrp (Achtibat et al. 2024):
+    /// LRP of f = the target's logit with the rules for softmax, the bilinear products (uniform),
+    /// norms and activations (identity), as input × modified gradient; the conservation error
+    /// Σ scores − f is printed. value-zeroing (Mohebbi et al. 2023): per layer, the cosine
+    /// distance of each position's block output when token j's values are zeroed, rows
+    /// normalized, rolled out across layers, read at the last position (no target).
+    /// alti-logit (Ferrando et al. 2023): f = the target's logit split over each layer's
+    /// attention by source token, carried to the input tokens by ALTI's rollout. occlusion:
+    /// f(text) − f(text without token i).
     #[arg(long, value_parser = parse_method)]
     method: Method,
     /// The token explained: f = log p(target) at the last position. `next` (the model's top
@@ -99,6 +107,7 @@ pub fn render(r: &AttributeReport, colour: bool) -> String {
             visible(&r.target.text),
             visible(&w.text)
         ),
+        None if r.metric == "logit" => format!("logit({:?})", visible(&r.target.text)),
         None => format!("log p({:?})", visible(&r.target.text)),
     };
     let mut s = title(&format!(
@@ -111,6 +120,13 @@ pub fn render(r: &AttributeReport, colour: bool) -> String {
         "at the last position (target id {}): f = {:.4}, log p(target) = {:.4}\nscore: {}\n",
         r.target.id, r.value, r.logprob, r.definition
     );
+    if r.metric == "none" {
+        s += "(value zeroing measures how the context mixes into the last position: f is shown, not explained)\n";
+    }
+    if let Some(e) = r.conservation_error {
+        let sum: f32 = r.tokens.iter().map(|t| t.score).sum();
+        s += &format!("Σ relevances = {sum:.4}; conservation error Σ − f = {e:+.4}\n");
+    }
     if let (Some(gap), Some(steps)) = (r.completeness_gap, r.steps) {
         let sum: f32 = r.tokens.iter().map(|t| t.score).sum();
         s += &format!(

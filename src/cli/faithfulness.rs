@@ -23,9 +23,10 @@ pub struct Args {
     /// Seed of the random baseline ranking.
     #[arg(long, default_value_t = 7)]
     seed: u64,
-    /// The gradient-based rankings (as `attnscope attribute` computes them, for log p(target)):
-    /// `all` (gradient, gradient × input, attention × gradient from one backward, and integrated
-    /// gradients with --steps midpoints), `fast` (all but integrated gradients), `none`.
+    /// The gradient-based and context-mixing rankings (as `attnscope attribute` computes them,
+    /// for the target): `all` (gradient, gradient × input, attention × gradient from one
+    /// backward, AttnLRP, value zeroing, ALTI-Logit, and integrated gradients with --steps
+    /// midpoints), `fast` (all but integrated gradients), `none`.
     #[arg(long, value_enum, default_value_t = Gradients::All)]
     gradients: Gradients,
     /// Integrated gradients' midpoints (1..=4096; each a forward and a backward).
@@ -38,8 +39,8 @@ pub struct Args {
 /// Which gradient-based rankings `faithfulness` adds to the table.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Gradients {
-    /// Gradient, gradient × input and attention × gradient (one backward), and integrated
-    /// gradients (--steps backwards).
+    /// Gradient, gradient × input and attention × gradient (one backward), AttnLRP, value
+    /// zeroing, ALTI-Logit, and integrated gradients (--steps backwards).
     All,
     /// All but integrated gradients.
     Fast,
@@ -153,6 +154,9 @@ pub fn render(r: &FaithReport) -> String {
         ("grad×x", |x: &TokenRow| x.grad_x_input),
         ("IG", |x: &TokenRow| x.integrated_gradients),
         ("attn×grad", |x: &TokenRow| x.attention_x_gradient),
+        ("AttnLRP", |x: &TokenRow| x.attnlrp),
+        ("VZ", |x: &TokenRow| x.value_zeroing),
+        ("ALTI-logit", |x: &TokenRow| x.alti_logit),
     ]
     .into_iter()
     .filter(|(_, get)| first.is_some_and(|x| get(x).is_some()))
@@ -187,6 +191,12 @@ pub fn render(r: &FaithReport) -> String {
     s += &t.render();
     if !grads.is_empty() {
         s += "‖grad‖ = ‖∂ log p/∂x_i‖₂, grad×x = ∂ log p/∂x_i · x_i, IG = integrated gradients from the zero embedding, attn×grad = Σ_layers mean_heads max(0, ∂ log p/∂A · A) on the last query's row (see `attnscope attribute --help`).\n";
+        if first.is_some_and(|x| x.attnlrp.is_some()) {
+            s += "AttnLRP = relevance of logit(target) (Achtibat et al. 2024), VZ = value zeroing's rollout into the last position (Mohebbi et al. 2023), ALTI-logit = logit(target) decomposed through ALTI's token-to-token contributions (Ferrando et al. 2023).\n";
+        }
+        if let Some(e) = r.attnlrp_conservation_error {
+            s += &format!("AttnLRP's conservation error Σ relevances − logit(target) = {e:+.4}\n");
+        }
         if let Some(gap) = r.ig_completeness_gap {
             s += &format!(
                 "integrated gradients' completeness gap Σ IG − (log p(x) − log p(0)) = {gap:+.4}\n"

@@ -628,7 +628,7 @@ pub(crate) const EXACT_SCORES_ABOVE: f32 = 256.0;
 /// `Σ a_i·b_i` in f64: every product of two f32 is exact in f64, so the only rounding left is
 /// f64's own (~1e-16 relative); eight lanes so that it vectorizes.
 #[inline]
-fn dot_f64(a: &[f32], b: &[f32]) -> f64 {
+pub(crate) fn dot_f64(a: &[f32], b: &[f32]) -> f64 {
     const L: usize = 8;
     let mut acc = [0f64; L];
     let (ca, cb) = (a.chunks_exact(L), b.chunks_exact(L));
@@ -672,39 +672,46 @@ fn rescore_row(
     if !big {
         return;
     }
-    let exact: Vec<Option<f64>> = (0..row.len())
-        .map(|j| {
-            visible(i, j, knockout, window).then(|| {
-                let s = dot_f64(q, &k[j * d..(j + 1) * d]) * scale;
-                match softcap {
-                    Some(cap) => (s / cap as f64).tanh() * cap as f64,
-                    None => s,
-                }
-            })
-        })
-        .collect();
-    let m = exact
-        .iter()
-        .flatten()
-        .copied()
-        .fold(f64::NEG_INFINITY, f64::max);
-    if !m.is_finite() || exact.iter().flatten().any(|s| s.abs() > f32::MAX as f64) {
-        // a NaN, or a score past f32's range (its hook could not hold it): leave the f32 row as
-        // it is, whose non-finite sums the caller refuses with the layer named
-        return;
-    }
-    for (j, e) in exact.iter().enumerate() {
-        if let Some(s) = *e {
-            row[j] = (s - m) as f32;
+    EXACT_ROW.with(|cell| {
+        let mut exact = cell.borrow_mut();
+        exact.clear();
+        // the visible scores in f64; an invisible key keeps −∞ (no visible score is: q and k
+        // are finite, and a soft-cap is bounded)
+        exact.extend((0..row.len()).map(|j| {
+            if !visible(i, j, knockout, window) {
+                return f64::NEG_INFINITY;
+            }
+            let s = dot_f64(q, &k[j * d..(j + 1) * d]) * scale;
+            match softcap {
+                Some(cap) => (s / cap as f64).tanh() * cap as f64,
+                None => s,
+            }
+        }));
+        let m = exact.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let live = || exact.iter().filter(|s| **s != f64::NEG_INFINITY);
+        if !m.is_finite() || live().any(|s| s.abs() > f32::MAX as f64) {
+            // a NaN, or a score past f32's range (its hook could not hold it): leave the f32
+            // row as it is, whose non-finite sums the caller refuses with the layer named
+            return;
         }
-    }
-    if let Some(raw) = raw {
-        for (r, e) in raw.iter_mut().zip(&exact) {
-            if let Some(s) = *e {
-                *r = s as f32;
+        for (r, &s) in row.iter_mut().zip(exact.iter()) {
+            if s != f64::NEG_INFINITY {
+                *r = (s - m) as f32;
             }
         }
-    }
+        if let Some(raw) = raw {
+            for (r, &s) in raw.iter_mut().zip(exact.iter()) {
+                if s != f64::NEG_INFINITY {
+                    *r = s as f32;
+                }
+            }
+        }
+    });
+}
+
+thread_local! {
+    /// [`rescore_row`]'s f64 scores, kept per thread so a rescored row allocates nothing.
+    static EXACT_ROW: std::cell::RefCell<Vec<f64>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// One row's online-softmax step over a key block whose scores (scaled, masked = -inf) are in

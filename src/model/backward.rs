@@ -8,6 +8,7 @@
 //! backward rather than stored. The weight-transposed products `dX = dY · W` use each
 //! projection's matrix read back from the kernel (`I · Wᵀ`), one layer at a time.
 
+use super::attention::{dot_f64, EXACT_SCORES_ABOVE};
 use super::block::{MlpKind, NormKind};
 use super::error::{Error, Result};
 use super::ops::{gelu_tanh_of, layer_norm, rms_norm, rms_norm_in_place, rotate};
@@ -16,6 +17,10 @@ use super::Model;
 use crate::kernels::gemm::{self, Isa, PackedB};
 use rayon::prelude::*;
 
+mod taps;
+pub use taps::{ActivationGradients, GradMetric, HookGradients, LayerActs, GRAD_HOOKS};
+use taps::{BlockTap, Tap};
+
 /// The scalar whose gradient is taken, of the last position's logits.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Metric {
@@ -23,6 +28,16 @@ pub enum Metric {
     LogProb(Option<u32>),
     /// `logit(answer) − logit(wrong)`.
     LogitDiff { answer: u32, wrong: u32 },
+}
+
+/// How the backward propagates: the true gradient, or AttnLRP's rules in the gradient × input
+/// form ([`super::lrp`]): the identity rule on norms (their scale held constant) and element-wise
+/// nonlinearities (activations, soft-caps), the uniform rule on the bilinear products (the gated
+/// MLP's product, `Q·Kᵀ` and `P·V`), the true gradient elsewhere (softmax, linear maps, sums).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Rules {
+    Gradient,
+    AttnLrp,
 }
 
 /// A forward and backward's result.
@@ -125,6 +140,61 @@ pub fn norm_backward(kind: NormKind, x: &[f32], w: &[f32], eps: f32, dy: &[f32])
     dx
 }
 
+/// A norm's backward under `rules`: the true one ([`norm_backward`]), or AttnLRP's identity
+/// rule ([`norm_identity`]).
+fn norm_back(rules: Rules, kind: NormKind, x: &[f32], w: &[f32], eps: f32, dy: &[f32]) -> Vec<f32> {
+    match rules {
+        Rules::Gradient => norm_backward(kind, x, w, eps, dy),
+        Rules::AttnLrp => norm_identity(kind, x, w, eps, dy),
+    }
+}
+
+/// AttnLRP's identity rule on a norm of each `[w.len()]` row of `x`, as a gradient: the norm
+/// with its scale `1/√(var + ε)` held constant (the mean's subtraction of a LayerNorm stays, a
+/// linear map), so `dx = (dy ⊙ w)/σ` (RMSNorm) or `(g − mean g)/σ` with `g = dy ⊙ w`.
+pub fn norm_identity(kind: NormKind, x: &[f32], w: &[f32], eps: f32, dy: &[f32]) -> Vec<f32> {
+    let d = w.len();
+    let mut dx = vec![0f32; x.len()];
+    let rows = x
+        .par_chunks(d)
+        .zip(dy.par_chunks(d))
+        .zip(dx.par_chunks_mut(d));
+    rows.for_each(|((xr, dyr), dxr)| {
+        let g: Vec<f64> = dyr
+            .iter()
+            .zip(w)
+            .map(|(&a, &b)| a as f64 * b as f64)
+            .collect();
+        let (inv, mg) = match kind {
+            NormKind::Rms => {
+                let ms = xr.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / d as f64;
+                (1.0 / ((ms as f32 + eps) as f64).sqrt(), 0.0)
+            }
+            NormKind::Layer => {
+                let mean = xr.iter().map(|&v| v as f64).sum::<f64>() / d as f64;
+                let var = xr.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / d as f64;
+                (
+                    1.0 / ((var as f32 + eps) as f64).sqrt(),
+                    g.iter().sum::<f64>() / d as f64,
+                )
+            }
+        };
+        for (o, &gi) in dxr.iter_mut().zip(&g) {
+            *o = (inv * (gi - mg)) as f32;
+        }
+    });
+    dx
+}
+
+/// `gelu_tanh(x)/x` (AttnLRP's identity rule on the activation), `½` at 0 (its limit).
+fn gelu_ratio(x: f32) -> f32 {
+    if x == 0.0 {
+        0.5
+    } else {
+        gelu_tanh_of(x) / x
+    }
+}
+
 /// One layer's projections packed for `dX = dY · W` ([`super::weights::Linear::transposed`]).
 pub struct LayerT {
     qkv: PackedB,
@@ -152,6 +222,13 @@ struct Head<'a> {
     scale: f32,
     softcap: Option<f32>,
     window: Option<usize>,
+    /// AttnLRP: the soft-cap by the identity rule (`cap(s)/s` instead of its derivative)
+    lrp: bool,
+    /// The head's keys (`[n, hd]`) when its layer's scores can be large: a row whose scores pass
+    /// [`EXACT_SCORES_ABOVE`] is then computed again in f64 and shifted by its exact maximum
+    /// before it is rounded, as the forward does ([`super::attention`]'s `rescore_row`), so the
+    /// backward differentiates the pattern the forward produced.
+    precise_k: Option<&'a [f32]>,
 }
 
 /// A kv head's keys and values packed both ways (`Q·Kᵀ`, `dS·K`, `dZ·Vᵀ`, `P·V`).
@@ -187,7 +264,8 @@ fn transpose(a: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 
 impl Head<'_> {
     /// Query rows `i0..i1`'s probabilities over keys `0..i1` into `p` (`[rows, i1]`), with the
-    /// soft-cap's `tanh` of each score in `th` (for its derivative).
+    /// soft-cap's factor of each score in `th`: its derivative `1 − tanh²`, or for AttnLRP's
+    /// identity rule `cap(s)/s`.
     fn probs_block(&self, kp: &Packed4, i0: usize, i1: usize, p: &mut Vec<f32>, th: &mut Vec<f32>) {
         let (hd, rows, ld) = (self.hd, i1 - i0, i1);
         p.clear();
@@ -214,16 +292,63 @@ impl Head<'_> {
             let live = &mut row[lo..=i];
             let scale = self.scale;
             live.iter_mut().for_each(|s| *s *= scale);
+            if let Some(k) = self.precise_k {
+                if live.iter().any(|s| s.abs() > EXACT_SCORES_ABOVE) {
+                    self.rescore(k, i, lo, live, &mut trow[lo..=i]);
+                    let (sum, _) = super::attention::exp_shift_sums_masked(live, 0.0);
+                    let inv = (1.0 / sum) as f32;
+                    live.iter_mut().for_each(|s| *s *= inv);
+                    continue;
+                }
+            }
             if let Some(c) = self.softcap {
                 for (s, t) in live.iter_mut().zip(&mut trow[lo..=i]) {
-                    *t = (*s / c).tanh();
-                    *s = *t * c;
+                    let tanh = (*s / c).tanh();
+                    let capped = tanh * c;
+                    *t = match (self.lrp, *s == 0.0) {
+                        (false, _) => 1.0 - tanh * tanh,
+                        (true, false) => capped / *s,
+                        (true, true) => 1.0,
+                    };
+                    *s = capped;
                 }
             }
             let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let (sum, _) = super::attention::exp_shift_sums_masked(live, max);
             let inv = (1.0 / sum) as f32;
             live.iter_mut().for_each(|s| *s *= inv);
+        }
+    }
+
+    /// Query `i`'s visible scores `live` (keys `lo..=i`) computed again in f64 from the keys `k`
+    /// (scaled, soft-capped in f64, the soft-cap's factor into `t`), shifted by their exact
+    /// maximum and only then rounded to f32: the shift the softmax that follows needs is 0.
+    fn rescore(&self, k: &[f32], i: usize, lo: usize, live: &mut [f32], t: &mut [f32]) {
+        let hd = self.hd;
+        let qi = &self.q[i * hd..(i + 1) * hd];
+        let scale = self.scale as f64;
+        let exact: Vec<(f64, f64)> = (lo..=i)
+            .map(|j| {
+                let s = dot_f64(qi, &k[j * hd..(j + 1) * hd]) * scale;
+                match self.softcap {
+                    Some(c) => {
+                        let c = c as f64;
+                        let tanh = (s / c).tanh();
+                        let factor = match (self.lrp, s == 0.0) {
+                            (false, _) => 1.0 - tanh * tanh,
+                            (true, false) => tanh * c / s,
+                            (true, true) => 1.0,
+                        };
+                        (tanh * c, factor)
+                    }
+                    None => (s, 1.0),
+                }
+            })
+            .collect();
+        let m = exact.iter().map(|e| e.0).fold(f64::NEG_INFINITY, f64::max);
+        for ((o, f), (s, factor)) in live.iter_mut().zip(t).zip(exact) {
+            *o = (s - m) as f32;
+            *f = factor as f32;
         }
     }
 
@@ -313,7 +438,7 @@ impl Head<'_> {
                 match self.softcap {
                     Some(_) => {
                         for ((d, &pj), &t) in dprow.iter_mut().zip(prow).zip(trow) {
-                            *d = pj * (*d - pdp) * (1.0 - t * t) * scale;
+                            *d = pj * (*d - pdp) * t * scale;
                         }
                     }
                     None => {
@@ -412,8 +537,36 @@ impl Model {
     /// [`Model::gradient_from`], or with `backward` false the forward alone (the gradients
     /// left empty).
     fn run_from(&self, x0: &[f32], metric: Metric, backward: bool) -> Result<Gradient> {
+        self.run_rules(x0, metric, backward, Rules::Gradient)
+    }
+
+    /// [`Model::run_from`] with the backward's `rules`. Under [`Rules::AttnLrp`] the explained
+    /// scalar is the target's logit (or the logit difference), not its log-probability: LRP
+    /// starts from the logit (`value` then holds it).
+    pub(super) fn run_rules(
+        &self,
+        x0: &[f32],
+        metric: Metric,
+        backward: bool,
+        rules: Rules,
+    ) -> Result<Gradient> {
+        self.run_tapped(x0, metric, backward, rules, None)
+    }
+
+    /// [`Model::run_rules`], with `tap` (if any) keeping the forward's activations and the
+    /// gradients at the hook points it asks for, and seeding the backward from the loss when
+    /// it says so ([`taps`]).
+    fn run_tapped(
+        &self,
+        x0: &[f32],
+        metric: Metric,
+        backward: bool,
+        rules: Rules,
+        mut tap: Option<&mut Tap>,
+    ) -> Result<Gradient> {
         // its blocks are pre-LN and causal, its metrics next-token ones
         self.require_decoder("gradients of a next-token metric")?;
+        let lrp = rules == Rules::AttnLrp;
         let dims = &self.dims;
         let (nh, nkv, hd, dm, ff) = (
             dims.n_heads,
@@ -494,6 +647,9 @@ impl Model {
                 Some((pa, _)) => rms_norm(&attn_proj, pa, eps),
                 None => attn_proj.clone(),
             };
+            if let Some(t) = tap.as_deref_mut() {
+                t.forward_attn(&resid_pre, &z, &attn_out);
+            }
             x.iter_mut().zip(&attn_out).for_each(|(a, b)| *a += b);
             let resid_mid = x.clone();
             let b2 = layer.norm_biases.as_ref().map(|b| b.1.as_slice());
@@ -524,6 +680,9 @@ impl Model {
                 Some((_, pm)) => rms_norm(&mlp_proj, pm, eps),
                 None => mlp_proj.clone(),
             };
+            if let Some(t) = tap.as_deref_mut() {
+                t.forward_mlp(&mlp_out);
+            }
             x.iter_mut().zip(&mlp_out).for_each(|(a, b)| *a += b);
             if !x.iter().all(|v| v.is_finite()) {
                 return Err(Error::NonFinite {
@@ -601,6 +760,10 @@ impl Model {
         // d metric / d logits, as (token, weight) pairs
         let mut dlogit: Vec<(u32, f64)> = Vec::new();
         let value = match metric {
+            Metric::LogProb(_) if lrp => {
+                dlogit.push((target, 1.0));
+                logits[target as usize]
+            }
             Metric::LogProb(_) => {
                 for (v, &lp) in lsm.iter().enumerate() {
                     let p = (lp as f64).exp();
@@ -633,6 +796,15 @@ impl Model {
         let mut dh = vec![0f64; dm];
         for &(v, d) in &dlogit {
             let d = match cap {
+                // the identity rule: what the capped logit holds passes to the raw one
+                Some(_) if lrp => {
+                    let r = raw[v as usize] as f64;
+                    if r == 0.0 {
+                        d
+                    } else {
+                        d * logits[v as usize] as f64 / r
+                    }
+                }
                 Some(c) => {
                     let t = (raw[v as usize] / c).tanh() as f64;
                     d * (1.0 - t * t)
@@ -646,20 +818,30 @@ impl Model {
         }
         let dh: Vec<f32> = dh.iter().map(|&v| v as f32).collect();
         let mut dx = vec![0f32; n * dm];
-        dx[(n - 1) * dm..].copy_from_slice(&norm_backward(
+        dx[(n - 1) * dm..].copy_from_slice(&norm_back(
+            rules,
             fkind,
             last,
             &self.weights.final_norm,
             eps,
             &dh,
         ));
+        let mut value = value;
+        if let Some(loss) = tap.as_deref().and_then(|t| t.loss.as_deref()) {
+            (value, dx) = self.loss_seed(&x, loss, fkind)?;
+        }
         // ---- the blocks, last to first
         let transposes = self.transposes();
         let mut grad_resid_pre = vec![Vec::new(); dims.n_layers];
         let mut grad_pattern_last = vec![Vec::new(); dims.n_layers];
         for (l, layer) in self.weights.layers.iter().enumerate().rev() {
             let s = &saved[l];
-            grad_pattern_last[l] = self.block_backward(l, layer, &transposes[l], s, n, &mut dx)?;
+            let mut bt = tap.as_deref().filter(|t| t.wants(l)).map(|_| BlockTap {
+                resid_post: dx.clone(),
+                ..BlockTap::default()
+            });
+            grad_pattern_last[l] =
+                self.block_backward(l, layer, &transposes[l], s, n, &mut dx, rules, bt.as_mut())?;
             if !dx.iter().all(|v| v.is_finite()) {
                 return Err(Error::NonFinite {
                     what: "the gradient of the residual stream".into(),
@@ -667,6 +849,9 @@ impl Model {
                 });
             }
             grad_resid_pre[l] = dx.clone();
+            if let (Some(t), Some(bt)) = (tap.as_deref_mut(), bt) {
+                t.backward_layer(self, l, s, n, bt, &dx);
+            }
         }
         Ok(Gradient {
             target,
@@ -744,10 +929,19 @@ impl Model {
         k: &'a [f32],
         v: &'a [f32],
         n: usize,
+        rules: Rules,
     ) -> (Vec<Head<'a>>, Vec<Packed4>) {
         let (nh, nkv, hd) = (self.dims.n_heads, self.dims.n_kv_heads, self.dims.head_dim);
         let plan = self.weights.layers[l].plan;
         let group = nh / nkv;
+        // the forward's test for a layer whose scores can be large: max‖q‖·max‖k‖·scale
+        let scale = plan.score_scale.unwrap_or(1.0 / (hd as f32).sqrt());
+        let max_sq = |xs: &[f32]| {
+            xs.chunks_exact(hd)
+                .map(|r| r.iter().map(|&x| x as f64 * x as f64).sum::<f64>())
+                .fold(0f64, f64::max)
+        };
+        let precise = (max_sq(q) * max_sq(k)).sqrt() * scale as f64 > EXACT_SCORES_ABOVE as f64;
         let packed: Vec<Packed4> = (0..nkv)
             .into_par_iter()
             .map(|g| {
@@ -763,9 +957,11 @@ impl Model {
                     v: &v[g * n * hd..(g + 1) * n * hd],
                     n,
                     hd,
-                    scale: plan.score_scale.unwrap_or(1.0 / (hd as f32).sqrt()),
+                    scale,
                     softcap: plan.softcap,
                     window: plan.window,
+                    lrp: rules == Rules::AttnLrp,
+                    precise_k: precise.then(|| &k[g * n * hd..(g + 1) * n * hd]),
                 }
             })
             .collect();
@@ -776,7 +972,7 @@ impl Model {
     fn attention_forward(&self, l: usize, q: &[f32], k: &[f32], v: &[f32], n: usize) -> Vec<f32> {
         let (nh, nkv, hd) = (self.dims.n_heads, self.dims.n_kv_heads, self.dims.head_dim);
         let group = nh / nkv;
-        let (heads, packed) = self.heads(l, q, k, v, n);
+        let (heads, packed) = self.heads(l, q, k, v, n, Rules::Gradient);
         let zs: Vec<Vec<f32>> = heads
             .par_iter()
             .enumerate()
@@ -807,7 +1003,9 @@ impl Model {
         })
     }
 
-    /// One block's backward: `dx` (`∂/∂resid_post`, `[n, d_model]`) becomes `∂/∂resid_pre`.
+    /// One block's backward: `dx` (`∂/∂resid_post`, `[n, d_model]`) becomes `∂/∂resid_pre`;
+    /// `tap` (if any) keeps the gradients inside the block.
+    #[allow(clippy::too_many_arguments)]
     fn block_backward(
         &self,
         l: usize,
@@ -816,7 +1014,10 @@ impl Model {
         s: &Saved,
         n: usize,
         dx: &mut [f32],
+        rules: Rules,
+        mut tap: Option<&mut BlockTap>,
     ) -> Result<Vec<f32>> {
+        let lrp = rules == Rules::AttnLrp;
         let dims = &self.dims;
         let (nh, nkv, hd, ff) = (dims.n_heads, dims.n_kv_heads, dims.head_dim, dims.d_ff);
         let eps = dims.rms_eps;
@@ -826,7 +1027,7 @@ impl Model {
         let group = nh / nkv;
         // MLP: resid_post = resid_mid + post(down(act(gate_up(norm(resid_mid)))))
         let d_mlp_proj = match &layer.post_norms {
-            Some((_, pm)) => norm_backward(NormKind::Rms, &s.mlp_proj, pm, eps, dx),
+            Some((_, pm)) => norm_back(rules, NormKind::Rms, &s.mlp_proj, pm, eps, dx),
             None => dx.to_vec(),
         };
         let d_act = back_matmul(&d_mlp_proj, n, &t.down);
@@ -837,6 +1038,29 @@ impl Model {
                 .zip(d_act.par_chunks(ff))
                 .zip(d_gu.par_chunks_mut(gw));
         rows.for_each(|((row, da), dg)| match plan.mlp {
+            // AttnLRP: the identity rule on the activation (its output over its input), the
+            // uniform rule on the gate's product (half to each factor)
+            MlpKind::GeluTanh if lrp => {
+                for i in 0..ff {
+                    dg[i] = da[i] * gelu_ratio(row[i]);
+                }
+            }
+            MlpKind::GeGluTanh if lrp => {
+                for i in 0..ff {
+                    let (g, u) = (row[i], row[ff + i]);
+                    dg[i] = 0.5 * da[i] * u * gelu_ratio(g);
+                    dg[ff + i] = 0.5 * da[i] * gelu_tanh_of(g);
+                }
+            }
+            MlpKind::SwiGlu if lrp => {
+                for i in 0..ff {
+                    let (g, u) = (row[i], row[ff + i]);
+                    let sg = sigmoid(g);
+                    // silu(g)/g = sigmoid(g)
+                    dg[i] = 0.5 * da[i] * u * sg;
+                    dg[ff + i] = 0.5 * da[i] * g * sg;
+                }
+            }
             MlpKind::GeluTanh => {
                 for i in 0..ff {
                     dg[i] = da[i] * gelu_tanh_grad(row[i]);
@@ -868,15 +1092,21 @@ impl Model {
             }
         });
         let d_h2 = back_matmul(&d_gu, n, &t.gate_up);
-        let d_mid = norm_backward(plan.norm, &s.resid_mid, &layer.mlp_norm, eps, &d_h2);
+        let d_mid = norm_back(rules, plan.norm, &s.resid_mid, &layer.mlp_norm, eps, &d_h2);
         dx.iter_mut().zip(&d_mid).for_each(|(a, b)| *a += b);
+        if let Some(t) = tap.as_deref_mut() {
+            t.resid_mid = dx.to_vec();
+        }
         // attention: resid_mid = resid_pre + post(o(attn(qkv(norm(resid_pre)))))
         let d_attn_proj = match &layer.post_norms {
-            Some((pa, _)) => norm_backward(NormKind::Rms, &s.attn_proj, pa, eps, dx),
+            Some((pa, _)) => norm_back(rules, NormKind::Rms, &s.attn_proj, pa, eps, dx),
             None => dx.to_vec(),
         };
         let dz = back_matmul(&d_attn_proj, n, &t.o);
-        let (heads, packed) = self.heads(l, &s.q, &s.k, &s.v, n);
+        if let Some(t) = tap.as_deref_mut() {
+            t.z = dz.clone();
+        }
+        let (heads, packed) = self.heads(l, &s.q, &s.k, &s.v, n, rules);
         let per_head: Vec<_> = heads
             .par_iter()
             .enumerate()
@@ -899,6 +1129,15 @@ impl Model {
             let gv = &mut dv[g * n * hd..(g + 1) * n * hd];
             gv.iter_mut().zip(&dvh).for_each(|(a, b)| *a += b);
             dpat[h * n..(h + 1) * n].copy_from_slice(&dph);
+        }
+        if let Some(t) = tap.as_deref_mut() {
+            t.rot = Some((dq.clone(), dk.clone(), dv.clone()));
+        }
+        if lrp {
+            // the uniform rule on Q·Kᵀ and on P·V: the scores' share halves at q and k, and
+            // the probabilities' half of P·V halves again there; v keeps half of P·V
+            dq.iter_mut().chain(dk.iter_mut()).for_each(|v| *v *= 0.25);
+            dv.iter_mut().for_each(|v| *v *= 0.5);
         }
         // back through RoPE (rotate by the opposite angles), the q/k norms, into [n, width]
         let half = dims.rotary_dim / 2;
@@ -931,12 +1170,16 @@ impl Model {
                 }
             }
         }
+        if let Some(t) = tap {
+            t.qkv = d_qkv.clone();
+        }
         if let Some((qn, kn)) = &layer.qk_norm {
             for (row, drow) in s.qkv.chunks(width).zip(d_qkv.chunks_mut(width)) {
                 for (c0, heads, w) in [(0, nh, qn), (nq, nkv, kn)] {
                     for h in 0..heads {
                         let at = c0 + h * hd;
-                        let d = norm_backward(
+                        let d = norm_back(
+                            rules,
                             NormKind::Rms,
                             &row[at..at + hd],
                             w,
@@ -949,7 +1192,7 @@ impl Model {
             }
         }
         let d_h1 = back_matmul(&d_qkv, n, &t.qkv);
-        let d_pre = norm_backward(plan.norm, &s.resid_pre, &layer.attn_norm, eps, &d_h1);
+        let d_pre = norm_back(rules, plan.norm, &s.resid_pre, &layer.attn_norm, eps, &d_h1);
         dx.iter_mut().zip(&d_pre).for_each(|(a, b)| *a += b);
         Ok(dpat)
     }
@@ -958,6 +1201,70 @@ impl Model {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The backward recomputes the pattern it differentiates; where scores are large (as in
+    /// Qwen2.5's first layers) it must be the forward's rescored pattern, not f32's.
+    #[test]
+    fn large_scores_recomputed_as_the_forward_rescores_them() {
+        let (n, d) = (40usize, 128usize);
+        let mut rng = crate::reference::Rng::new(5);
+        // every key and query near one large direction: scores ≈ 4,000, spread of a few units
+        let u: Vec<f32> = rng.normals(d, 1.0);
+        let big = |rng: &mut crate::reference::Rng, c: f32| -> Vec<f32> {
+            let noise = rng.normals(n * d, 0.4);
+            (0..n * d).map(|i| c * u[i % d] + noise[i]).collect()
+        };
+        let q = big(&mut rng, 8.0);
+        let k = big(&mut rng, 40.0);
+        let v = rng.normals(n * d, 1.0);
+        let scale = 1.0 / (d as f32).sqrt();
+        for window in [None, Some(9)] {
+            let mut worst = [0f64; 2];
+            for (c, precise) in [false, true].into_iter().enumerate() {
+                let head = Head {
+                    q: &q,
+                    v: &v,
+                    n,
+                    hd: d,
+                    scale,
+                    softcap: None,
+                    window,
+                    lrp: false,
+                    precise_k: precise.then_some(&k[..]),
+                };
+                let z = head.forward(&Packed4::new(&k, &v, n, d));
+                let mut largest = 0f64;
+                for i in 0..n {
+                    let lo = window.map_or(0, |w| (i + 1).saturating_sub(w));
+                    let s: Vec<f64> = (lo..=i)
+                        .map(|j| dot_f64(&q[i * d..][..d], &k[j * d..][..d]) * scale as f64)
+                        .collect();
+                    let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    largest = largest.max(m.abs());
+                    let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                    let l: f64 = e.iter().sum();
+                    for ch in 0..d {
+                        let want: f64 =
+                            (lo..=i).map(|j| e[j - lo] / l * v[j * d + ch] as f64).sum();
+                        worst[c] = worst[c].max((z[i * d + ch] as f64 - want).abs());
+                    }
+                }
+                assert!(largest > 1000.0, "scores not large: {largest}");
+            }
+            assert!(
+                worst[1] < 2e-6,
+                "window {window:?}: rescored output {:.2e} from float64",
+                worst[1]
+            );
+            // the check can fail: f32 scores of this size are visibly off
+            assert!(
+                worst[0] > 4.0 * worst[1],
+                "window {window:?}: f32 {:.2e}, rescored {:.2e}",
+                worst[0],
+                worst[1]
+            );
+        }
+    }
 
     #[test]
     fn norm_backward_matches_finite_differences() {
@@ -991,6 +1298,39 @@ mod tests {
                     g[i]
                 );
             }
+        }
+    }
+
+    #[test]
+    fn attnlrp_identity_rules_by_hand() {
+        // RMSNorm of (3, 4), w = (1, 2), ε = 0: scale 1/√12.5 held; dy = (1, 1) → (1, 2)/√12.5
+        let inv = 1.0 / 12.5f32.sqrt();
+        let dx = norm_identity(NormKind::Rms, &[3.0, 4.0], &[1.0, 2.0], 0.0, &[1.0, 1.0]);
+        assert!(
+            (dx[0] - inv).abs() < 1e-6 && (dx[1] - 2.0 * inv).abs() < 1e-6,
+            "{dx:?}"
+        );
+        // LayerNorm of (1, 3): mean 2, σ 1; w = 1, dy = (2, 0) → g − mean g = (1, −1)
+        let dx = norm_identity(NormKind::Layer, &[1.0, 3.0], &[1.0, 1.0], 0.0, &[2.0, 0.0]);
+        assert!(
+            (dx[0] - 1.0).abs() < 1e-6 && (dx[1] + 1.0).abs() < 1e-6,
+            "{dx:?}"
+        );
+        // with the scale held, relevance in = relevance out: Σ x·dx = Σ y·dy (RMS, no ε)
+        let (x, w, dy) = (
+            [0.5f32, -1.5, 2.0],
+            [0.7f32, 1.1, -0.4],
+            [0.3f32, -0.8, 1.9],
+        );
+        let y = rms_norm(&x, &w, 0.0);
+        let dx = norm_identity(NormKind::Rms, &x, &w, 0.0, &dy);
+        let r_in: f32 = x.iter().zip(&dx).map(|(a, b)| a * b).sum();
+        let r_out: f32 = y.iter().zip(&dy).map(|(a, b)| a * b).sum();
+        assert!((r_in - r_out).abs() < 1e-5, "{r_in} vs {r_out}");
+        // gelu(x)/x, ½ at 0
+        assert_eq!(gelu_ratio(0.0), 0.5);
+        for x in [-2.0f32, -1e-3, 0.4, 3.0] {
+            assert!((gelu_ratio(x) * x - gelu_tanh_of(x)).abs() < 1e-6);
         }
     }
 

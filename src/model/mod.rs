@@ -24,6 +24,7 @@ pub mod generate;
 pub mod gguf;
 pub mod guard;
 pub mod hf;
+pub mod lrp;
 pub mod ops;
 pub mod panels;
 #[cfg(any(test, feature = "test-fixtures"))]

@@ -137,6 +137,16 @@ impl Model {
         Ok(((&l.attn_norm, b1), (&l.mlp_norm, b2)))
     }
 
+    /// Layer `layer`'s norms after attention and after the MLP (Gemma's post-norms, RMSNorm
+    /// weights with the `1 +` included), if the family has them.
+    pub fn post_norms(&self, layer: usize) -> Result<Option<(&[f32], &[f32])>> {
+        self.check_layer(layer)?;
+        let l = &self.weights.layers[layer];
+        Ok(l.post_norms
+            .as_ref()
+            .map(|(a, m)| (a.as_slice(), m.as_slice())))
+    }
+
     /// The token embeddings `[vocab, d_model]` as the forward adds them (TransformerLens's
     /// `W_E`: Gemma's √d_model scale included, as TL folds it in).
     pub fn embedding_matrix(&self) -> Result<Vec<f32>> {

@@ -21,6 +21,19 @@ pub fn golden_npy(name: &str) -> (Vec<usize>, Vec<f32>) {
         .expect("valid npy")
 }
 
+/// A golden file's array of token ids (`[101, 2023, ...]`), each checked to be a u32.
+pub fn token_ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap_or_else(|| panic!("token ids: not an array: {v}"))
+        .iter()
+        .map(|x| {
+            x.as_u64()
+                .and_then(|x| u32::try_from(x).ok())
+                .unwrap_or_else(|| panic!("token ids: {x} is not a token id"))
+        })
+        .collect()
+}
+
 /// The real models are loaded once per test binary (the alias fetcher runs if they are not
 /// in the cache; `.ci/run` fetches them beforehand).
 pub fn real_model(alias: &str) -> &'static Model {

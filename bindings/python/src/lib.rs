@@ -713,6 +713,82 @@ impl Model {
         let json = serde_json::to_string(&r).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
         Ok((json, PyArray1::from_vec(py, scores).into_any()))
     }
+
+    /// The gradients of a scalar at the hook points `names` (full TransformerLens names, without
+    /// `_grad`; only those with a gradient: `Model::hook_gradients`) from one forward and one
+    /// backward. `metric`: `target_logprob` (log p(target), default the top next token), `loss`
+    /// (the mean next-token cross-entropy) or `logit_diff` (logit(target) − logit(wrong), both
+    /// needed). Returns (the target id, the scalar's value, [(name + "_grad", shape, float32
+    /// array flattened)]).
+    #[pyo3(signature = (ids, names, metric, target = None, wrong = None))]
+    #[allow(clippy::type_complexity)]
+    fn hook_gradients<'py>(
+        &self,
+        py: Python<'py>,
+        ids: Vec<u32>,
+        names: Vec<String>,
+        metric: &str,
+        target: Option<String>,
+        wrong: Option<String>,
+    ) -> PyResult<(u32, f32, Vec<(String, Vec<usize>, Bound<'py, PyAny>)>)> {
+        use attnscope::analysis::faithfulness::Target;
+        use attnscope::model::backward::{GradMetric, Metric};
+        self.check_ids(&ids)?;
+        let m = self.inner.clone();
+        let resolve = |t: Option<String>, what: &str| -> PyResult<Option<u32>> {
+            match t
+                .map(|t| t.parse::<Target>().map_err(PyValueError::new_err))
+                .transpose()?
+            {
+                None | Some(Target::Next) => Ok(None),
+                Some(t) => t
+                    .resolve(&m, &[])
+                    .map(Some)
+                    .map_err(|e| PyValueError::new_err(format!("{what}: {e}"))),
+            }
+        };
+        let (t, w) = (resolve(target, "target")?, resolve(wrong, "wrong")?);
+        let metric = match (metric, t, w) {
+            ("target_logprob", t, None) => GradMetric::Metric(Metric::LogProb(t)),
+            ("loss", None, None) => GradMetric::Loss,
+            ("logit_diff", Some(answer), Some(wrong)) if answer != wrong => {
+                GradMetric::Metric(Metric::LogitDiff { answer, wrong })
+            }
+            ("logit_diff", Some(_), Some(_)) => {
+                return Err(PyValueError::new_err(
+                    "metric='logit_diff' needs two different tokens for target= and wrong=",
+                ))
+            }
+            ("logit_diff", _, _) => return Err(PyValueError::new_err(
+                "metric='logit_diff' needs target= and wrong= (token ids or one token's text each)",
+            )),
+            ("target_logprob" | "loss", _, _) => {
+                return Err(PyValueError::new_err(format!(
+                    "metric={metric:?} takes {}; wrong= is for metric='logit_diff'",
+                    if metric == "loss" {
+                        "no target= (the loss scores every next token)"
+                    } else {
+                        "target= only"
+                    }
+                )))
+            }
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "unknown metric {metric:?}; use 'target_logprob', 'loss' or 'logit_diff'"
+                )))
+            }
+        };
+        let wanted: BTreeSet<String> = names.into_iter().collect();
+        let g = engine(py, move || {
+            Ok(m.hook_gradients(&ids, metric, &|n: &str| wanted.contains(n))?)
+        })?;
+        let grads = g
+            .grads
+            .into_iter()
+            .map(|(name, shape, data)| (name, shape, PyArray1::from_vec(py, data).into_any()))
+            .collect();
+        Ok((g.target, g.value, grads))
+    }
 }
 
 impl Model {

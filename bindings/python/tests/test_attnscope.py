@@ -641,8 +641,25 @@ def test_attribute_grad_x_input_against_autograd(smol):
     assert len(r["tokens"]) == len(want) and isinstance(r["tokens"][0], str)
     assert np.abs(r["scores"] - want).max() < 1e-3 * np.abs(want).max()
     with pytest.raises(ValueError, match="unknown attribution method"):
-        smol.attribute(sentence, method="attnlrp")
+        smol.attribute(sentence, method="saliency")
     with pytest.raises(ValueError, match="steps"):
         smol.attribute(sentence, method="integrated-gradients", steps=0)
     with pytest.raises(ValueError, match="--target"):
         smol.attribute(sentence, method="gradient", target=" Hà Nội")
+
+
+def test_attribute_mixing_and_lrp_against_references(smol):
+    """model.attribute's attnlrp (against the authors' lxt), value-zeroing and alti-logit (against
+    torch hooks on transformers) on the lesson sentence (tests/golden/mixing/smol.json)."""
+    ref = json.loads((GOLDEN / "mixing" / "smol.json").read_text())
+    sentence = "Hà Nội là thủ đô của Việt Nam. Thành phố này nằm ở miền Bắc."
+    for method, key in [("attnlrp", "attnlrp"), ("value-zeroing", "value_zeroing_rollout_last"),
+                        ("alti-logit", "alti_logit")]:
+        r = smol.attribute(sentence, method=method)
+        assert list(r["token_ids"]) == ref["token_ids"] and r["method"] == method
+        want = np.asarray(ref[key])
+        assert np.abs(r["scores"] - want).max() < 1e-4 * np.abs(want).max(), method
+    r = smol.attribute(sentence, method="attnlrp")
+    assert abs(r["value"] - ref["attnlrp_logit"]) < 1e-3 and r["metric"] == "logit"
+    assert abs(r["conservation_error"] - (sum(ref["attnlrp"]) - ref["attnlrp_logit"])) < 1e-3
+    assert len(smol.attribute(sentence, method="alti-logit")["layers"]) == smol.cfg.n_layers

@@ -757,6 +757,10 @@ class HookedModel:
         prepend_bos: Optional[bool] = None,
         stop_at_layer: Optional[int] = None,
         return_type: Optional[str] = None,
+        incl_bwd: bool = False,
+        metric: str = "target_logprob",
+        target: Optional[Union[str, int]] = None,
+        wrong: Optional[Union[str, int]] = None,
     ):
         """Runs the model and returns ``(logits, cache)``.
 
@@ -771,14 +775,42 @@ class HookedModel:
         residual stream before that block ``[b, n, d_model]`` (negative: from the end), and the cache
         holds what ran before it. Shapes (with the batch axis): pattern and attn_scores
         ``[b, head, query, key]``; q, rot_q, z ``[b, pos, head, d_head]``; k, v, rot_k ``[b, pos,
-        kv_head, d_head]``; resid_pre, attn_out, resid_post ``[b, pos, d_model]``."""
+        kv_head, d_head]``; resid_pre, attn_out, resid_post ``[b, pos, d_model]``.
+
+        ``incl_bwd=True`` (TransformerLens's) also caches ``<name>_grad``, the gradient of a scalar
+        with respect to each selected hook point, in the hook's shape (one forward and one backward
+        through the engine; a single text, no hooks attached, no ``stop_at_layer``). ``metric``:
+        ``"target_logprob"`` (log p(``target``) at the last position; default the top next token),
+        ``"loss"`` (TransformerLens's: the mean next-token cross-entropy) or ``"logit_diff"``
+        (logit(``target``) − logit(``wrong``) at the last position); ``target``/``wrong``: a token
+        id or one token's text. Gradients exist for ``hook_embed`` (``hook_pos_embed``),
+        resid_pre/mid/post, attn_out, mlp_out, q, k, v, rot_q, rot_k, z, attn_scores and pattern
+        (``[b, head, n, n]``: ask for the layers you need); the other hooks have none. The
+        scalar's value is ``cache.bwd_value``."""
         if return_type not in (None, "logits"):
             raise ValueError(f"return_type={return_type!r}: run_with_cache returns the logits (or, with stop_at_layer, the residual)")
         rows = self._rows(input, prepend_bos)
         mode = "none" if logits is None else logits
         stop = self._stop(stop_at_layer)
-        lg, cache = self._run_rows(rows, self._hooks(names_filter), mode, self._fwd_hooks, stop)
+        if not incl_bwd and (metric != "target_logprob" or target is not None or wrong is not None):
+            raise ValueError("metric=, target= and wrong= choose the scalar of incl_bwd=True's gradients")
+        if incl_bwd:
+            if len(rows) != 1:
+                raise ValueError(f"incl_bwd=True runs one text; this batch has {len(rows)}")
+            if stop is not None:
+                raise ValueError("incl_bwd=True needs the whole forward: leave stop_at_layer unset")
+            if self._fwd_hooks:
+                raise ValueError("incl_bwd=True differentiates the model as it is: remove the attached hooks first")
+        hooks = self._hooks(names_filter)
+        lg, cache = self._run_rows(rows, hooks, mode, self._fwd_hooks, stop)
         c = ActivationCache(cache, self.cfg.n_layers, model=self)
+        if incl_bwd:
+            names = [self._full_name(*h) for h in hooks]
+            tgt, value, grads = self._m.hook_gradients(rows[0], names, metric, None if target is None else str(target),
+                                                      None if wrong is None else str(wrong))
+            for name, shape, data in grads:
+                cache[name] = data.reshape([1] + list(shape))
+            c.bwd_value, c.bwd_target = value, tgt
         if remove_batch_dim:
             if len(rows) != 1:
                 raise ValueError(f"remove_batch_dim=True needs a batch of one; this one has {len(rows)}")
@@ -1161,9 +1193,11 @@ class HookedModel:
                   steps: int = 32, wrong: Optional[Union[str, int]] = None) -> Dict[str, Any]:
         """A score per input token for the last position's prediction, as ``attnscope attribute``
         computes it (``method``: gradient, grad-x-input, integrated-gradients, attention-x-gradient,
-        occlusion; ``target``: None for the model's top next token, a token id, or one token's text;
-        ``wrong``: explain logit(target) − logit(wrong) instead of log p(target)). Returns the report
-        as a dict with ``scores`` (float32 numpy array, one per token) and ``tokens`` (their texts)."""
+        attnlrp, value-zeroing, alti-logit, occlusion; ``target``: None for the model's top next
+        token, a token id, or one token's text; ``wrong``: explain logit(target) − logit(wrong)
+        instead of log p(target), or of the logit for attnlrp and alti-logit). Returns the report
+        as a dict with ``scores`` (float32 numpy array, one per token) and ``tokens`` (their texts);
+        attnlrp adds ``conservation_error``, value-zeroing and alti-logit ``layers`` (per layer)."""
         ids = self._m.encode(text, None)
         rep, scores = self._m.attribute(ids, method, None if target is None else str(target),
                                         None if wrong is None else str(wrong), steps)

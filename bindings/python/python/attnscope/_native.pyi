@@ -53,6 +53,10 @@ class Model:
     def view_html(self, text: str, bos: bool = False, faithfulness: bool = False, ablate: Optional[str] = None,
                   target: Optional[str] = None) -> str:
         """The page of ``attnscope view``; ``ablate`` (``"zero"`` or ``"mean"``) adds the ablation panel."""
+    def hook_gradients(self, ids: Sequence[int], names: Sequence[str], metric: str, target: Optional[str] = None,
+                       wrong: Optional[str] = None) -> Tuple[int, float, List[Tuple[str, List[int], npt.NDArray[np.float32]]]]:
+        """The gradients of ``metric`` (target_logprob, loss, logit_diff) at the hook points ``names``:
+        (target id, value, [(name + "_grad", shape, flat float32 array)])."""
 
 def run_command(args: Sequence[str]) -> str:
     """Runs ``attnscope ARGS...`` in this process and returns what it prints."""

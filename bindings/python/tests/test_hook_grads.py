@@ -1,0 +1,126 @@
+"""run_with_cache(incl_bwd=True): the gradients at the hook points against torch autograd through
+transformers' eager f32 forward (tests/golden/<m>_hook_grads.npz, made by
+tests/golden/make_hookgrad_golden.py), for the three scalars: log p(top token), TransformerLens's
+loss and a logit difference, on SmolLM2 (a llama GGUF with interleaved q/k rows) and Qwen2.5 (q/k/v
+biases; fewer hooks). Each within 1e-3 of its largest value."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import attnscope
+
+ROOT = Path(__file__).resolve().parents[3]
+REFS = {m: np.load(ROOT / "tests" / "golden" / f"{m}_hook_grads.npz") for m in ("smol", "qwen")}
+REF = REFS["smol"]
+CLEAN = "After Alice and Bob walked to the park, Bob handed a ball to"
+ANSWER, WRONG = 8590, 8363
+# " Alice", " Bob" for each model
+PAIRS = {"smol": (8590, 8363), "qwen": (29405, 14261)}
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return attnscope.HookedModel.from_pretrained("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return attnscope.HookedModel.from_pretrained("qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(autouse=True)
+def numpy_results():
+    attnscope.set_array_type("numpy")
+    yield
+    attnscope.set_array_type("auto")
+
+
+def check(cache, prefix, ref=REF):
+    keys = [k for k in ref.files if k.startswith(prefix + "/")]
+    assert keys
+    for key in keys:
+        name = key.split("/", 1)[1]
+        want = ref[key]
+        got = np.asarray(cache[name])
+        assert got.shape == (1,) + want.shape, (name, got.shape, want.shape)
+        got = got[0]
+        largest = float(np.abs(want).max())
+        worst = float(np.abs(got - want).max())
+        assert largest > 0, name
+        assert worst <= 1e-3 * largest, f"{prefix} {name}: off by {worst:.3e} (largest {largest:.3e})"
+
+
+def names_of(prefix, ref=REF):
+    return [k.split("/", 1)[1][: -len("_grad")] for k in ref.files if k.startswith(prefix + "/")]
+
+
+@pytest.mark.parametrize("which", ["smol", "qwen"])
+def test_every_scalar_matches_torch(which, request):
+    m, ref = request.getfixturevalue(which), REFS[which]
+    assert m.to_tokens(CLEAN, prepend_bos=False)[0].tolist() == ref["tokens"].tolist()
+    answer, wrong = PAIRS[which]
+    for i, (prefix, kw) in enumerate((("lp", {}), ("loss", {"metric": "loss"}),
+                                      ("ld", {"metric": "logit_diff", "target": answer, "wrong": wrong}))):
+        _, cache = m.run_with_cache(CLEAN, names_filter=names_of(prefix, ref), incl_bwd=True, prepend_bos=False, **kw)
+        assert abs(cache.bwd_value - ref["values"][i]) < 1e-4, (which, prefix)
+        check(cache, prefix, ref)
+
+
+def test_tokens_match_the_reference(smol):
+    assert smol.to_tokens(CLEAN, prepend_bos=False)[0].tolist() == REF["tokens"].tolist()
+
+
+def test_target_logprob_gradients_match_torch(smol):
+    names = names_of("lp")
+    _, cache = smol.run_with_cache(CLEAN, names_filter=names, incl_bwd=True, prepend_bos=False)
+    assert abs(cache.bwd_value - REF["values"][0]) < 1e-4
+    assert cache.bwd_target == ANSWER
+    check(cache, "lp")
+    # the forward's values are cached too, and only the selected hooks' gradients
+    assert cache["blocks.3.attn.hook_pattern"].shape == cache["blocks.3.attn.hook_pattern_grad"].shape
+    assert "blocks.4.hook_resid_pre_grad" not in cache
+    assert "blocks.3.hook_resid_pre_grad" not in cache  # layer 3's resid_pre was not asked for
+
+
+def test_loss_gradients_match_torch(smol):
+    names = names_of("loss")
+    _, cache = smol.run_with_cache(CLEAN, names_filter=names, incl_bwd=True, metric="loss", prepend_bos=False)
+    assert abs(cache.bwd_value - REF["values"][1]) < 1e-4
+    check(cache, "loss")
+
+
+def test_logit_diff_gradients_match_torch(smol):
+    names = names_of("ld")
+    _, cache = smol.run_with_cache(CLEAN, names_filter=names, incl_bwd=True, metric="logit_diff",
+                                   target=" Alice", wrong=WRONG, prepend_bos=False)
+    assert abs(cache.bwd_value - REF["values"][2]) < 1e-4
+    check(cache, "ld")
+
+
+def test_names_filter_by_suffix_and_remove_batch_dim(smol):
+    _, cache = smol.run_with_cache(CLEAN, names_filter="hook_z", incl_bwd=True, remove_batch_dim=True,
+                                   prepend_bos=False)
+    n = len(REF["tokens"])
+    for l in range(smol.cfg.n_layers):
+        assert cache[f"blocks.{l}.attn.hook_z_grad"].shape == (n, smol.cfg.n_heads, smol.cfg.d_head)
+    want = REF["lp/blocks.3.attn.hook_z_grad"]
+    assert np.abs(cache["blocks.3.attn.hook_z_grad"] - want).max() <= 1e-3 * np.abs(want).max()
+
+
+def test_bad_requests_are_clear_errors(smol):
+    with pytest.raises(ValueError, match="logit_diff"):
+        smol.run_with_cache(CLEAN, names_filter="hook_z", incl_bwd=True, metric="logit_diff", target=ANSWER)
+    with pytest.raises(ValueError, match="unknown metric"):
+        smol.run_with_cache(CLEAN, names_filter="hook_z", incl_bwd=True, metric="accuracy")
+    with pytest.raises(ValueError, match="one text"):
+        smol.run_with_cache([CLEAN, CLEAN], names_filter="hook_z", incl_bwd=True)
+    with pytest.raises(ValueError, match="stop_at_layer"):
+        smol.run_with_cache(CLEAN, names_filter="hook_z", incl_bwd=True, stop_at_layer=3)
+    with pytest.raises(ValueError, match="incl_bwd"):
+        smol.run_with_cache(CLEAN, names_filter="hook_z", metric="loss")
+    with pytest.raises(ValueError):
+        smol.run_with_cache(CLEAN, names_filter="hook_z", incl_bwd=True, target=10**9)
+    with pytest.raises(ValueError, match="2 or more"):
+        smol.run_with_cache("Hi", names_filter="hook_z", incl_bwd=True, metric="loss", prepend_bos=False)

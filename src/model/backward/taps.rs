@@ -1,0 +1,472 @@
+//! Gradients at the hook points (issue #39, item 6: TransformerLens's `run_with_cache(...,
+//! incl_bwd=True)`), and the forward's activations beside them (attribution patching, item 4).
+//!
+//! The backward of [`super`] already passes through every hook point; a [`Tap`] keeps what it
+//! is asked for as it passes, at the layers asked for: the residual stream (`hook_resid_pre`,
+//! `hook_resid_mid`, `hook_resid_post`), the blocks' outputs (`hook_attn_out`, `hook_mlp_out`),
+//! each head's `hook_z`, `hook_q`/`hook_k`/`hook_v` and the rotated `hook_rot_q`/`hook_rot_k`,
+//! and, only for the layers that ask (they are `[heads, n, n]`), the attention maps
+//! (`hook_pattern`, `hook_attn_scores`), recomputed from the saved q, k, v a block of queries at a
+//! time as the backward does. The scalar is a [`Metric`] of the last position, or TransformerLens's
+//! loss (the mean next-token cross-entropy over the text).
+
+use super::{Head, Metric, Model, NormKind, Packed4, Rules, Saved, QB};
+use crate::model::capture::{hook_name, Hook};
+use crate::model::error::{Error, Result};
+use crate::model::tl_weights::interleaved_to_half_split;
+use rayon::prelude::*;
+
+/// The scalar a [`Model::hook_gradients`] backward starts from.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum GradMetric {
+    /// A metric of the last position's logits (log-probability, logit difference).
+    Metric(Metric),
+    /// TransformerLens's loss: the mean over positions `0..n-1` of `−log p(token[i+1])`.
+    Loss,
+}
+
+/// The hook points whose gradients [`Model::hook_gradients`] gives, per layer, in
+/// TransformerLens's order.
+pub const GRAD_HOOKS: [Hook; 13] = [
+    Hook::ResidPre,
+    Hook::Q,
+    Hook::K,
+    Hook::V,
+    Hook::RotQ,
+    Hook::RotK,
+    Hook::AttnScores,
+    Hook::Pattern,
+    Hook::Z,
+    Hook::AttnOut,
+    Hook::ResidMid,
+    Hook::MlpOut,
+    Hook::ResidPost,
+];
+
+/// What [`Model::hook_gradients`] returns.
+#[derive(Clone, Debug)]
+pub struct HookGradients {
+    /// The target token (the answer for a logit difference; for the loss, the last position's
+    /// top token).
+    pub target: u32,
+    /// The scalar's value (the log-probability, the logit difference, or the loss).
+    pub value: f32,
+    /// `(TransformerLens name + "_grad", shape without the batch axis, values)`, in the order of
+    /// the forward (`hook_embed_grad` first).
+    pub grads: Vec<(String, Vec<usize>, Vec<f32>)>,
+}
+
+/// One run's activations at the hook points attribution patching reads, per layer, and (for
+/// [`Model::activation_gradients`]) the metric's gradients at the same points.
+#[derive(Clone, Debug)]
+pub struct ActivationGradients {
+    /// The last position's logits.
+    pub logits: Vec<f32>,
+    /// The metric's value (0 when no backward ran).
+    pub value: f32,
+    /// Per layer `(resid_pre, z, attn_out, mlp_out)`: `[n, d_model]`, z `[n, heads·head_dim]`.
+    pub acts: Vec<LayerActs>,
+    /// The gradients at the same points, in the same layout (empty when no backward ran).
+    pub grads: Vec<LayerActs>,
+}
+
+/// What the backward keeps inside one block ([`Model::block_backward`]).
+#[derive(Default)]
+pub(super) struct BlockTap {
+    /// `∂/∂resid_post` (= `∂/∂mlp_out`), `[n, d_model]`.
+    pub resid_post: Vec<f32>,
+    /// `∂/∂resid_mid` (= `∂/∂attn_out`), `[n, d_model]`.
+    pub resid_mid: Vec<f32>,
+    /// `∂/∂z`, `[n, heads·head_dim]`.
+    pub z: Vec<f32>,
+    /// `∂/∂` the rotated q, k and v as attention reads them: `[heads, n, head_dim]`, k and v
+    /// `[kv_heads, n, head_dim]`.
+    pub rot: Option<(Vec<f32>, Vec<f32>, Vec<f32>)>,
+    /// `∂/∂` q|k|v before RoPE (after the q/k norms), `[n, width]` in the file's order.
+    pub qkv: Vec<f32>,
+}
+
+/// One layer's forward activations: `(resid_pre, z, attn_out, mlp_out)`, `[n, ·]` each.
+pub type LayerActs = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
+
+/// One layer's gradients as the backward kept them: the block's, `∂/∂resid_pre`, and the maps'
+/// `(∂/∂pattern, ∂/∂attn_scores)` `[heads, n, n]` where asked.
+pub(super) type LayerKept = (BlockTap, Vec<f32>, Option<(Vec<f32>, Vec<f32>)>);
+
+/// What a tapped forward and backward keeps ([`Model::run_tapped`]).
+#[derive(Default)]
+pub(crate) struct Tap {
+    /// Per layer: keep the block's gradients.
+    pub grads_at: Vec<bool>,
+    /// Per layer: also the attention maps' gradients (`[heads, n, n]` each).
+    pub maps_at: Vec<bool>,
+    /// Keep the forward's activations ([`LayerActs`]) at every layer.
+    pub acts: bool,
+    /// Seed the backward from the loss over these tokens instead of the metric.
+    pub loss: Option<Vec<u32>>,
+    /// The forward's activations, per layer (when `acts`).
+    pub fwd: Vec<LayerActs>,
+    /// Per layer, what the backward kept: `(block, ∂/∂resid_pre, maps)`, maps `(∂/∂pattern,
+    /// ∂/∂attn_scores)` `[heads, n, n]` where asked.
+    pub layers: Vec<Option<LayerKept>>,
+}
+
+impl Tap {
+    /// Whether layer `l`'s gradients are kept.
+    pub fn wants(&self, l: usize) -> bool {
+        self.grads_at.get(l).copied().unwrap_or(false)
+    }
+
+    /// The forward at a layer's attention output.
+    pub(super) fn forward_attn(&mut self, resid_pre: &[f32], z: &[f32], attn_out: &[f32]) {
+        if self.acts {
+            self.fwd.push((
+                resid_pre.to_vec(),
+                z.to_vec(),
+                attn_out.to_vec(),
+                Vec::new(),
+            ));
+        }
+    }
+
+    /// The forward at a layer's MLP output.
+    pub(super) fn forward_mlp(&mut self, mlp_out: &[f32]) {
+        if let Some(last) = self.fwd.last_mut().filter(|_| self.acts) {
+            last.3 = mlp_out.to_vec();
+        }
+    }
+
+    /// Layer `l`'s backward is done: `dx` is `∂/∂resid_pre`.
+    pub(super) fn backward_layer(
+        &mut self,
+        model: &Model,
+        l: usize,
+        s: &Saved,
+        n: usize,
+        bt: BlockTap,
+        dx: &[f32],
+    ) {
+        if self.layers.len() <= l {
+            self.layers.resize_with(l + 1, || None);
+        }
+        let maps = self
+            .maps_at
+            .get(l)
+            .copied()
+            .unwrap_or(false)
+            .then(|| model.map_grads(l, s, &bt.z, n));
+        self.layers[l] = Some((bt, dx.to_vec(), maps));
+    }
+}
+
+/// `[heads, n, hd]` to `[n, heads, hd]`.
+fn heads_to_rows(x: &[f32], heads: usize, n: usize, hd: usize) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    for h in 0..heads {
+        for r in 0..n {
+            out[(r * heads + h) * hd..][..hd].copy_from_slice(&x[(h * n + r) * hd..][..hd]);
+        }
+    }
+    out
+}
+
+impl Model {
+    /// The attention maps' gradients of layer `l` from `∂/∂z` (`[n, heads·hd]`):
+    /// `(∂/∂pattern, ∂/∂attn_scores)`, `[heads, n, n]` each. `∂/∂pattern[h, i, j] = dzᵢ · vⱼ`
+    /// for every key (masked ones too, as autograd gives it); `∂/∂scores = P ⊙ (dP − Σ P·dP)`,
+    /// 0 at masked keys (the scores as the softmax sees them: scaled, soft-capped).
+    fn map_grads(&self, l: usize, s: &Saved, dz: &[f32], n: usize) -> (Vec<f32>, Vec<f32>) {
+        let (nh, nkv, hd) = (self.dims.n_heads, self.dims.n_kv_heads, self.dims.head_dim);
+        let group = nh / nkv;
+        let (heads, packed): (Vec<Head>, Vec<Packed4>) =
+            self.heads(l, &s.q, &s.k, &s.v, n, Rules::Gradient);
+        let per_head: Vec<(Vec<f32>, Vec<f32>)> = heads
+            .par_iter()
+            .enumerate()
+            .map(|(h, head)| {
+                let v = head.v;
+                let mut dp = vec![0f32; n * n];
+                for i in 0..n {
+                    let dzi = &dz[(i * nh + h) * hd..][..hd];
+                    for (j, vj) in v.chunks(hd).enumerate() {
+                        dp[i * n + j] = dzi.iter().zip(vj).map(|(a, b)| a * b).sum();
+                    }
+                }
+                let mut ds = vec![0f32; n * n];
+                let (mut p, mut th) = (Vec::new(), Vec::new());
+                for i0 in (0..n).step_by(QB) {
+                    let i1 = (i0 + QB).min(n);
+                    head.probs_block(&packed[h / group], i0, i1, &mut p, &mut th);
+                    for (r, prow) in p.chunks(i1).enumerate() {
+                        let i = i0 + r;
+                        let dprow = &dp[i * n..i * n + i1];
+                        let pdp: f64 = prow
+                            .iter()
+                            .zip(dprow)
+                            .map(|(&a, &b)| a as f64 * b as f64)
+                            .sum();
+                        for j in 0..i1 {
+                            ds[i * n + j] = prow[j] * (dprow[j] - pdp as f32);
+                        }
+                    }
+                }
+                (dp, ds)
+            })
+            .collect();
+        let mut dpat = Vec::with_capacity(nh * n * n);
+        let mut dscores = Vec::with_capacity(nh * n * n);
+        for (dp, ds) in per_head {
+            dpat.extend(dp);
+            dscores.extend(ds);
+        }
+        (dpat, dscores)
+    }
+
+    /// The loss's value and its gradient with respect to the final residual stream `x`
+    /// (`[n, d_model]`), through the final norm of kind `fkind` and the output head: row `i < n−1`
+    /// gets `(softmax(logitsᵢ) − onehot(tokens[i+1])) / (n−1)`.
+    pub(super) fn loss_seed(
+        &self,
+        x: &[f32],
+        tokens: &[u32],
+        fkind: NormKind,
+    ) -> Result<(f32, Vec<f32>)> {
+        let (dm, eps) = (self.dims.d_model, self.dims.rms_eps);
+        let n = x.len() / dm;
+        if n < 2 || tokens.len() != n {
+            return Err(Error::OutOfRange {
+                what: "the text's token count for the loss".into(),
+                value: n.to_string(),
+                range: "2 or more (the loss predicts each next token)".into(),
+            });
+        }
+        let rows = n - 1;
+        let fb = self.weights.final_norm_bias.as_deref();
+        let h = super::norm_fwd(fkind, &x[..rows * dm], &self.weights.final_norm, fb, eps);
+        let raw = crate::model::ops::logits_rows(&self.weights.lm_head, h, rows, dm)?;
+        let cap = self.dims.gemma.as_ref().and_then(|g| g.final_softcap);
+        let vocab = raw.first().map_or(0, |r| r.len());
+        // d loss / d raw logits, [rows, vocab]
+        let mut d = vec![0f32; rows * vocab];
+        let mut loss = 0f64;
+        for (i, r) in raw.iter().enumerate() {
+            let lg: Vec<f32> = match cap {
+                Some(c) => r.iter().map(|&u| (u / c).tanh() * c).collect(),
+                None => r.clone(),
+            };
+            if !lg.iter().all(|v| v.is_finite()) {
+                return Err(Error::NonFinite {
+                    what: "the logits".into(),
+                    layer: None,
+                });
+            }
+            let lsm = crate::model::forward::log_softmax(&lg);
+            let next = tokens[i + 1] as usize;
+            loss -= lsm[next] as f64;
+            let drow = &mut d[i * vocab..(i + 1) * vocab];
+            for (v, (o, &lp)) in drow.iter_mut().zip(&lsm).enumerate() {
+                let p = (lp as f64).exp() - if v == next { 1.0 } else { 0.0 };
+                let p = match cap {
+                    Some(c) => {
+                        let t = (r[v] / c).tanh() as f64;
+                        p * (1.0 - t * t)
+                    }
+                    None => p,
+                };
+                *o = (p / rows as f64) as f32;
+            }
+        }
+        // d loss / d normed rows = d · W_U, a chunk of vocabulary rows at a time
+        let w = self.unembed_matrix()?;
+        const CHUNK: usize = 2048;
+        let dh = (0..vocab.div_ceil(CHUNK))
+            .into_par_iter()
+            .map(|c| {
+                let (v0, v1) = (c * CHUNK, ((c + 1) * CHUNK).min(vocab));
+                let mut acc = vec![0f32; rows * dm];
+                for i in 0..rows {
+                    let a = &mut acc[i * dm..(i + 1) * dm];
+                    for v in v0..v1 {
+                        let g = d[i * vocab + v];
+                        if g != 0.0 {
+                            a.iter_mut()
+                                .zip(&w[v * dm..(v + 1) * dm])
+                                .for_each(|(a, &w)| *a += g * w);
+                        }
+                    }
+                }
+                acc
+            })
+            .reduce(
+                || vec![0f32; rows * dm],
+                |mut a, b| {
+                    a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
+                    a
+                },
+            );
+        let mut dx = vec![0f32; n * dm];
+        dx[..rows * dm].copy_from_slice(&super::norm_backward(
+            fkind,
+            &x[..rows * dm],
+            &self.weights.final_norm,
+            eps,
+            &dh,
+        ));
+        Ok(((loss / rows as f64) as f32, dx))
+    }
+
+    /// The forward's activations at `hook_resid_pre`, `attn.hook_z`, `hook_attn_out` and
+    /// `hook_mlp_out` of every layer, and with `backward` the gradients of `metric` there (one
+    /// forward, one backward): what attribution patching needs of each run.
+    pub fn activation_gradients(
+        &self,
+        tokens: &[u32],
+        metric: Metric,
+        backward: bool,
+    ) -> Result<ActivationGradients> {
+        let nl = self.dims.n_layers;
+        let mut tap = Tap {
+            grads_at: vec![backward; nl],
+            maps_at: vec![false; nl],
+            acts: true,
+            ..Tap::default()
+        };
+        let (x0, _) = self.input_embeddings(tokens)?;
+        let g = self.run_tapped(&x0, metric, backward, Rules::Gradient, Some(&mut tap))?;
+        let grads = if backward {
+            tap.layers
+                .into_iter()
+                .map(|t| {
+                    let (bt, pre, _) =
+                        t.ok_or_else(|| super::bug("a layer's gradients were not kept".into()))?;
+                    Ok((pre, bt.z, bt.resid_mid, bt.resid_post))
+                })
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            Vec::new()
+        };
+        Ok(ActivationGradients {
+            logits: g.logits,
+            value: if backward { g.value } else { 0.0 },
+            acts: tap.fwd,
+            grads,
+        })
+    }
+
+    /// The gradient of `metric` with respect to the hook points `wants` selects (full
+    /// TransformerLens names without `_grad`, e.g. `blocks.3.hook_resid_pre`), from one forward
+    /// and one backward. Names outside [`GRAD_HOOKS`] (and `hook_embed`, GPT-2's
+    /// `hook_pos_embed`) have no gradient here and are not offered to `wants`. The attention
+    /// maps' gradients cost `heads · n²` floats per selected layer.
+    pub fn hook_gradients(
+        &self,
+        tokens: &[u32],
+        metric: GradMetric,
+        wants: &dyn Fn(&str) -> bool,
+    ) -> Result<HookGradients> {
+        let nl = self.dims.n_layers;
+        let mut tap = Tap {
+            grads_at: vec![false; nl],
+            maps_at: vec![false; nl],
+            ..Tap::default()
+        };
+        let mut chosen = vec![Vec::new(); nl];
+        for (l, c) in chosen.iter_mut().enumerate() {
+            for &hk in &GRAD_HOOKS {
+                if wants(&hook_name(l, hk)) {
+                    c.push(hk);
+                }
+            }
+            tap.grads_at[l] = !c.is_empty();
+            tap.maps_at[l] = c
+                .iter()
+                .any(|h| matches!(h, Hook::Pattern | Hook::AttnScores));
+        }
+        let globals: Vec<Hook> = [Hook::Embed, Hook::PosEmbed]
+            .into_iter()
+            .filter(|&h| h == Hook::Embed || self.weights.pos_embed.is_some())
+            .filter(|&h| wants(&hook_name(0, h)))
+            .collect();
+        let m = match metric {
+            GradMetric::Metric(m) => m,
+            GradMetric::Loss => {
+                tap.loss = Some(tokens.to_vec());
+                Metric::LogProb(None)
+            }
+        };
+        let (x0, _) = self.input_embeddings(tokens)?;
+        let g = self.run_tapped(&x0, m, true, Rules::Gradient, Some(&mut tap))?;
+        let (nh, nkv, hd, dm) = (
+            self.dims.n_heads,
+            self.dims.n_kv_heads,
+            self.dims.head_dim,
+            self.dims.d_model,
+        );
+        let n = tokens.len();
+        let (nq, nk) = (nh * hd, nkv * hd);
+        let width = nq + 2 * nk;
+        let reorder = self.qk_interleaved();
+        let mut grads = Vec::new();
+        for h in globals {
+            grads.push((
+                format!("{}_grad", hook_name(0, h)),
+                vec![n, dm],
+                g.grad_input.clone(),
+            ));
+        }
+        for (l, hooks) in chosen.iter().enumerate() {
+            let Some(Some((bt, pre, maps))) = tap.layers.get(l) else {
+                continue;
+            };
+            for &hk in hooks {
+                let cols = |c0: usize, w: usize| -> Vec<f32> {
+                    bt.qkv
+                        .chunks(width)
+                        .flat_map(|r| r[c0..c0 + w].iter().copied())
+                        .collect()
+                };
+                let (shape, mut data) = match hk {
+                    Hook::ResidPre => (vec![n, dm], pre.clone()),
+                    Hook::ResidMid | Hook::AttnOut => (vec![n, dm], bt.resid_mid.clone()),
+                    Hook::ResidPost | Hook::MlpOut => (vec![n, dm], bt.resid_post.clone()),
+                    Hook::Z => (vec![n, nh, hd], bt.z.clone()),
+                    Hook::Q => (vec![n, nh, hd], cols(0, nq)),
+                    Hook::K => (vec![n, nkv, hd], cols(nq, nk)),
+                    Hook::V => (vec![n, nkv, hd], cols(nq + nk, nk)),
+                    Hook::RotQ | Hook::RotK => {
+                        let (dq, dk, _) = bt.rot.as_ref().ok_or_else(|| {
+                            super::bug("the backward kept no q/k gradients".into())
+                        })?;
+                        match hk {
+                            Hook::RotQ => (vec![n, nh, hd], heads_to_rows(dq, nh, n, hd)),
+                            _ => (vec![n, nkv, hd], heads_to_rows(dk, nkv, n, hd)),
+                        }
+                    }
+                    Hook::Pattern | Hook::AttnScores => {
+                        let (dp, ds) = maps.as_ref().ok_or_else(|| {
+                            super::bug("the backward kept no attention maps".into())
+                        })?;
+                        let d = if hk == Hook::Pattern { dp } else { ds };
+                        (vec![nh, n, n], d.clone())
+                    }
+                    _ => continue,
+                };
+                if reorder && matches!(hk, Hook::Q | Hook::K | Hook::RotQ | Hook::RotK) {
+                    interleaved_to_half_split(&mut data, hd, 1);
+                }
+                if let Some(bad) = data.iter().position(|v| !v.is_finite()) {
+                    return Err(Error::NonFinite {
+                        what: format!("the gradient at {} (element {bad})", hook_name(l, hk)),
+                        layer: Some(l),
+                    });
+                }
+                grads.push((format!("{}_grad", hook_name(l, hk)), shape, data));
+            }
+        }
+        Ok(HookGradients {
+            target: g.target,
+            value: g.value,
+            grads,
+        })
+    }
+}

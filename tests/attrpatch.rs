@@ -1,0 +1,276 @@
+//! Attribution patching (issue #39 item 4) against torch autograd through transformers, and the
+//! gradients at the hook points (item 6) against the backward's own outputs that
+//! `tests/gradients.rs` checks against transformers (the Python tests check every hook's
+//! gradient against transformers, `bindings/python/tests/test_hook_grads.py`).
+
+mod common;
+
+use attnscope::analysis::attrpatch::{agreement, attribution_patch, APPROX_HOOKS};
+use attnscope::analysis::faithfulness::Target;
+use attnscope::analysis::intervene::{patch, PatchHook, PatchOptions};
+use attnscope::model::backward::{GradMetric, Metric};
+use attnscope::model::Error;
+use common::*;
+
+/// Every layer × position (resid_pre, attn_out, mlp_out) and layer × head (z) estimate within
+/// 1e-3 of the largest, against `tests/golden/<prefix>_attrpatch.json` (make_hookgrad_golden.py).
+fn check_attribution_patching(alias: &str, prefix: &str) {
+    let model = real_model(alias);
+    let g = golden_json(&format!("{prefix}_attrpatch.json"));
+    let clean = model.encode(g["clean"].as_str().unwrap(), false).unwrap();
+    let corrupt = model.encode(g["corrupt"].as_str().unwrap(), false).unwrap();
+    let (answer, wrong) = (
+        g["answer_id"].as_u64().unwrap() as u32,
+        g["wrong_id"].as_u64().unwrap() as u32,
+    );
+    let r = attribution_patch(model, &clean, &corrupt, answer, wrong).unwrap();
+    for (got, key) in [
+        (r.clean_logit_diff, "clean_logit_diff"),
+        (r.corrupt_logit_diff, "corrupt_logit_diff"),
+    ] {
+        let want = g[key].as_f64().unwrap();
+        assert!((got as f64 - want).abs() < 1e-4, "{key}: {got} vs {want}");
+    }
+    assert_eq!(r.kinds.len(), 4);
+    for (kind, name) in r.kinds.iter().zip(APPROX_HOOKS) {
+        assert_eq!(kind.hook, name);
+        let key = name.rsplit('.').next().unwrap();
+        let want: Vec<Vec<f64>> = g[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|row| {
+                row.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_f64().unwrap())
+                    .collect()
+            })
+            .collect();
+        let cols = want[0].len();
+        assert_eq!(kind.results.len(), want.len() * cols, "{name}");
+        let largest = want.iter().flatten().fold(0f64, |m, v| m.max(v.abs()));
+        let mut worst = 0f64;
+        for c in &kind.results {
+            let j = c.pos.or(c.head).unwrap();
+            worst = worst.max((c.estimate as f64 - want[c.layer][j]).abs());
+            let span = (r.clean_logit_diff - r.corrupt_logit_diff) as f64;
+            assert!((c.recovered as f64 - c.estimate as f64 / span).abs() < 1e-6);
+        }
+        eprintln!("{alias} {name}: worst |estimate − torch| {worst:.2e} (largest {largest:.3})");
+        assert!(largest > 0.1, "{name}: some estimate must matter");
+        assert!(
+            worst <= 1e-3 * largest,
+            "{name}: off by {worst:.3e} (largest {largest:.3})"
+        );
+    }
+    // beside the exact patching: resid_pre at position 0 changes nothing (the same token), and
+    // the estimates correlate with the exact grid
+    let exact = patch(
+        model,
+        &clean,
+        &corrupt,
+        &PatchOptions {
+            hook: PatchHook::ResidPre,
+            answer: Some(Target::Id(answer)),
+            wrong: Some(Target::Id(wrong)),
+            batch_rows: 1024,
+        },
+        |_, _| {},
+    )
+    .unwrap();
+    let kind = r.kind(PatchHook::ResidPre).unwrap();
+    let a = agreement(&exact.results, kind);
+    eprintln!("{alias} resid_pre: {a:?}");
+    assert_eq!(a.n, exact.results.len());
+    assert!(a.pearson.unwrap() > 0.5, "{a:?}");
+    assert!(r.kind(PatchHook::Pattern).is_none());
+}
+
+#[test]
+fn attribution_patching_matches_torch_smollm() {
+    check_attribution_patching("smollm2-135m", "smol");
+}
+
+#[test]
+fn attribution_patching_matches_torch_qwen() {
+    check_attribution_patching("qwen2.5-coder-0.5b", "qwen");
+}
+
+#[test]
+fn attribution_patching_refuses_unpaired_texts() {
+    let model = real_model("smollm2-135m");
+    let clean = model.encode("After Alice and Bob walked", false).unwrap();
+    let err = attribution_patch(model, &clean, &clean[..2], 8590, 8363).unwrap_err();
+    assert!(matches!(err, Error::OutOfRange { .. }), "{err}");
+}
+
+/// `hook_gradients` gives what `Model::gradient` gives (checked against transformers in
+/// tests/gradients.rs) at resid_pre and the pattern's last row, in TransformerLens's shapes, and
+/// only the hooks asked for.
+#[test]
+fn hook_gradients_agree_with_the_backward() {
+    let model = real_model("smollm2-135m");
+    let tokens = model
+        .encode(
+            "After Alice and Bob walked to the park, Bob handed a ball to",
+            false,
+        )
+        .unwrap();
+    let n = tokens.len();
+    let d = &model.dims;
+    let g = model.gradient(&tokens, Metric::LogProb(None)).unwrap();
+    let want = |name: &str| {
+        name == "hook_embed" || name.starts_with("blocks.3.") || name == "blocks.7.hook_resid_pre"
+    };
+    let h = model
+        .hook_gradients(&tokens, GradMetric::Metric(Metric::LogProb(None)), &want)
+        .unwrap();
+    assert_eq!(h.target, g.target);
+    assert!((h.value - g.value).abs() < 1e-6);
+    let get = |name: &str| {
+        h.grads
+            .iter()
+            .find(|(k, _, _)| k == name)
+            .unwrap_or_else(|| panic!("{name} missing"))
+    };
+    assert!(h.grads.iter().all(|(k, _, _)| k.ends_with("_grad")
+        && (k == "hook_embed_grad"
+            || k.starts_with("blocks.3.")
+            || k == "blocks.7.hook_resid_pre_grad")));
+    assert_eq!(h.grads.len(), 1 + 13 + 1);
+    let (_, s, v) = get("hook_embed_grad");
+    assert_eq!(s, &[n, d.d_model]);
+    assert_eq!(v, &g.grad_input);
+    for l in [3, 7] {
+        let (_, s, v) = get(&format!("blocks.{l}.hook_resid_pre_grad"));
+        assert_eq!(s, &[n, d.d_model]);
+        assert_eq!(v, &g.grad_resid_pre[l]);
+    }
+    // resid_post of layer 3 is resid_pre of layer 4; mlp_out shares it, attn_out shares resid_mid
+    let (_, _, post) = get("blocks.3.hook_resid_post_grad");
+    assert_eq!(post, &g.grad_resid_pre[4]);
+    assert_eq!(get("blocks.3.hook_mlp_out_grad").2, *post);
+    assert_eq!(
+        get("blocks.3.hook_attn_out_grad").2,
+        get("blocks.3.hook_resid_mid_grad").2
+    );
+    let (_, s, pat) = get("blocks.3.attn.hook_pattern_grad");
+    assert_eq!(s, &[d.n_heads, n, n]);
+    for hh in 0..d.n_heads {
+        let last = &pat[(hh * n + n - 1) * n..(hh * n + n) * n];
+        let want = &g.grad_pattern_last[3][hh * n..(hh + 1) * n];
+        assert_close(last, want, 1e-6, "pattern grad last row");
+    }
+    assert_eq!(
+        get("blocks.3.attn.hook_z_grad").1,
+        vec![n, d.n_heads, d.head_dim]
+    );
+    assert_eq!(
+        get("blocks.3.attn.hook_v_grad").1,
+        vec![n, d.n_kv_heads, d.head_dim]
+    );
+    assert_eq!(
+        get("blocks.3.attn.hook_rot_k_grad").1,
+        vec![n, d.n_kv_heads, d.head_dim]
+    );
+    // the scores' gradient is 0 at masked keys and each row sums to 0 (softmax's invariance)
+    let (_, _, sc) = get("blocks.3.attn.hook_attn_scores_grad");
+    for hh in 0..d.n_heads {
+        for i in 0..n {
+            let row = &sc[(hh * n + i) * n..(hh * n + i + 1) * n];
+            assert!(row[i + 1..].iter().all(|&v| v == 0.0));
+            let sum: f32 = row.iter().sum();
+            let big = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert!(sum.abs() <= 1e-4 * big.max(1e-6), "row {i} sums to {sum}");
+        }
+    }
+    // the loss needs two tokens
+    let err = model
+        .hook_gradients(&tokens[..1], GradMetric::Loss, &want)
+        .unwrap_err();
+    assert!(matches!(err, Error::OutOfRange { .. }), "{err}");
+}
+
+/// `patch --approx --json` on the tiny model: the estimates beside the exact grid with their
+/// agreement; `--hook pattern --approx` is refused with exit 2.
+#[test]
+fn patch_approx_json_and_refusal() {
+    use attnscope::model::tiny::{tiny_model, write_gguf};
+    use attnscope::model::Arch;
+    use candle_core::quantized::GgmlDType;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    write_gguf(
+        &tiny_model(Arch::Llama, 3),
+        Arch::Llama,
+        GgmlDType::F32,
+        &path,
+    )
+    .unwrap();
+    let model = path.to_str().unwrap();
+    let run = |hook: &str| {
+        assert_cmd::Command::cargo_bin("attnscope")
+            .unwrap()
+            .write_stdin("")
+            .args([
+                "patch",
+                "--model",
+                model,
+                "--clean",
+                "the hat at the hat",
+                "--corrupt",
+                "the cat at the hat",
+                "--answer",
+                "104",
+                "--wrong",
+                "99",
+                "--hook",
+                hook,
+                "--approx",
+                "--json",
+            ])
+            .output()
+            .unwrap()
+    };
+    for (hook, name, per_head) in [
+        ("resid-pre", "hook_resid_pre", false),
+        ("z", "attn.hook_z", true),
+    ] {
+        let out = run(hook);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let a = &v["approx"];
+        assert_eq!(a["hook"], name);
+        assert_eq!(a["forward_passes"], 2);
+        assert_eq!(a["backward_passes"], 1);
+        let exact = v["results"].as_array().unwrap();
+        let est = a["results"].as_array().unwrap();
+        assert_eq!(exact.len(), est.len());
+        assert_eq!(a["n"].as_u64().unwrap() as usize, exact.len());
+        let key = if per_head { "head" } else { "pos" };
+        for (e, x) in exact.iter().zip(est) {
+            assert_eq!(e["layer"], x["layer"]);
+            assert_eq!(e[key], x[key]);
+        }
+        let r = a["pearson"].as_f64().unwrap();
+        assert!((-1.0..=1.0).contains(&r));
+        // the estimate's scale: recovered = estimate / (clean − corrupt)
+        let span =
+            v["clean_logit_diff"].as_f64().unwrap() - v["corrupt_logit_diff"].as_f64().unwrap();
+        for x in est {
+            let (e, rec) = (
+                x["estimate"].as_f64().unwrap(),
+                x["recovered"].as_f64().unwrap(),
+            );
+            assert!((e / span - rec).abs() < 1e-4 * rec.abs().max(1.0));
+        }
+    }
+    let out = run("pattern");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--approx"));
+}

@@ -1,0 +1,439 @@
+//! AttnLRP, value zeroing and ALTI-Logit (issue #39) against independent torch references
+//! (tests/golden/mixing/*.json, made by tests/golden/make_mixing_golden.py: transformers' eager
+//! f32 forward with hooks, and the authors' lxt package for AttnLRP) on the real models and the
+//! tiny Hugging Face fixtures of five families; their invariants on the generated tiny models of
+//! every family; the command line and bad input.
+
+mod common;
+
+use attnscope::analysis::mixing::{alti_logit, value_zeroing, MAX_MIXING_TOKENS};
+use attnscope::model::backward::Metric;
+use attnscope::model::config::Arch;
+use attnscope::model::tiny::{tiny_model, write_gguf};
+use attnscope::model::{Model, Precision};
+use candle_core::quantized::GgmlDType;
+use serde_json::Value;
+
+fn floats(v: &Value) -> Vec<f32> {
+    v.as_array()
+        .unwrap_or_else(|| panic!("not an array: {v}"))
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect()
+}
+
+fn rows(v: &Value) -> Vec<Vec<f32>> {
+    v.as_array().unwrap().iter().map(floats).collect()
+}
+
+/// `max |got − want|` relative to the largest `|want|` (of a whole method's numbers).
+fn rel(got: &[f32], want: &[f32], label: &str) -> f32 {
+    let d = common::max_abs_diff(got, want, label);
+    let top = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    d / top.max(1e-30)
+}
+
+/// Every number of the three methods against the reference `g` for `model` on `ids`.
+fn against_reference(model: &Model, g: &Value, label: &str) {
+    let ids: Vec<u32> = floats(&g["token_ids"]).iter().map(|&v| v as u32).collect();
+    let target = g["target_id"].as_u64().unwrap() as u32;
+    let metric = Metric::LogProb(Some(target));
+    let mut report = Vec::new();
+    // AttnLRP against lxt
+    if !g["attnlrp"].is_null() {
+        let r = model.attnlrp(&ids, metric).unwrap();
+        let want = floats(&g["attnlrp"]);
+        let e = rel(&r.scores, &want, label);
+        report.push(format!("attnlrp {e:.1e}"));
+        assert!(
+            e < 1e-4,
+            "{label}: AttnLRP differs from lxt by {e} (relative)"
+        );
+        let logit = g["attnlrp_logit"].as_f64().unwrap() as f32;
+        assert!(
+            (r.value - logit).abs() < 1e-4 * logit.abs().max(1.0),
+            "{label}: {} vs {logit}",
+            r.value
+        );
+        let sum: f32 = want.iter().sum();
+        assert!(
+            (r.conservation_error - (sum - logit)).abs() < 1e-3 * logit.abs().max(1.0),
+            "{label}: conservation error {} vs lxt's {}",
+            r.conservation_error,
+            sum - logit
+        );
+    }
+    // value zeroing: every layer's last row, and the rollout's
+    let v = value_zeroing(model, &ids, &mut |_, _| {}).unwrap();
+    let n = ids.len();
+    let want = rows(&g["value_zeroing_last_rows"]);
+    assert_eq!(v.layers.len(), want.len(), "{label}");
+    let mut worst = 0f32;
+    for (l, (c, w)) in v.layers.iter().zip(&want).enumerate() {
+        worst = worst.max(common::max_abs_diff(
+            &c[(n - 1) * n..],
+            w,
+            &format!("{label} value zeroing, layer {l}"),
+        ));
+    }
+    let roll = common::max_abs_diff(
+        &v.rollout_last,
+        &floats(&g["value_zeroing_rollout_last"]),
+        label,
+    );
+    report.push(format!("value zeroing {worst:.1e}, rollout {roll:.1e}"));
+    assert!(worst < 1e-4 && roll < 1e-4, "{label}: value zeroing");
+    // ALTI-Logit: ALTI's last rows, each layer's carried-back updates, the scores
+    let a = alti_logit(model, &ids, metric).unwrap();
+    let c = common::max_abs_diff(
+        &a.alti_last.concat(),
+        &rows(&g["alti_last_rows"]).concat(),
+        label,
+    );
+    let want_layers = rows(&g["alti_logit_layers"]).concat();
+    let lay = rel(&a.layers.concat(), &want_layers, label);
+    let sc = rel(&a.scores, &floats(&g["alti_logit"]), label);
+    report.push(format!(
+        "ALTI rows {c:.1e}, layers {lay:.1e}, ALTI-Logit {sc:.1e}"
+    ));
+    assert!(c < 1e-4, "{label}: ALTI contributions differ by {c}");
+    assert!(lay < 1e-4 && sc < 1e-4, "{label}: ALTI-Logit differs");
+    assert!(a.rebuild_error < 1e-5, "{label}: {}", a.rebuild_error);
+    eprintln!("{label}: {}", report.join("; "));
+}
+
+#[test]
+fn tiny_families_against_torch_and_lxt() {
+    for fam in ["llama3", "qwen3", "mistral", "gemma2", "gemma3"] {
+        let dir = common::golden(&format!("arch/{fam}"));
+        let model = Model::load(dir.to_str().unwrap(), Precision::Exact, false).unwrap();
+        let g = common::golden_json(&format!("mixing/{fam}.json"));
+        against_reference(&model, &g, fam);
+    }
+}
+
+#[test]
+fn smol_against_torch_and_lxt() {
+    let g = common::golden_json("mixing/smol.json");
+    against_reference(common::real_model("smollm2-135m"), &g, "smollm2-135m");
+}
+
+#[test]
+fn qwen_against_torch_and_lxt() {
+    let g = common::golden_json("mixing/qwen.json");
+    against_reference(
+        common::real_model("qwen2.5-coder-0.5b"),
+        &g,
+        "qwen2.5-coder-0.5b",
+    );
+}
+
+const TOKENS: [u32; 9] = [72, 101, 108, 108, 111, 32, 256, 258, 259];
+
+fn tiny(arch: Arch, dir: &tempfile::TempDir) -> (String, Model) {
+    let path = dir.path().join(format!("{arch:?}.gguf"));
+    write_gguf(&tiny_model(arch, 5), arch, GgmlDType::F32, &path).unwrap();
+    let s = path.to_str().unwrap().to_string();
+    let model = Model::load(&s, Precision::Exact, false).unwrap();
+    (s, model)
+}
+
+/// The generated tiny models (Qwen2, Llama) and the Hugging Face fixtures of the other families.
+fn every_family(dir: &tempfile::TempDir) -> Vec<(String, Model)> {
+    let mut out: Vec<(String, Model)> = [Arch::Qwen2, Arch::Llama]
+        .into_iter()
+        .map(|a| (format!("{a:?}"), tiny(a, dir).1))
+        .collect();
+    for fam in ["qwen3", "mistral", "phi3", "gemma2", "gemma3", "gpt2"] {
+        let path = common::golden(&format!("arch/{fam}"));
+        let model = Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();
+        out.push((fam.to_string(), model));
+    }
+    out
+}
+
+/// On every family: value zeroing's rows are distributions over the keys a query sees (token 0
+/// only itself), so is the rollout; ALTI's decomposition rebuilds each layer's residual after
+/// attention, its rows are distributions, its layers add up to its scores; AttnLRP is linear in
+/// the explained logits (a difference's relevance is the difference of relevances) and reports
+/// its conservation error as `Σ scores − f`.
+#[test]
+fn invariants_on_every_family() {
+    let dir = tempfile::tempdir().unwrap();
+    for (label, model) in every_family(&dir) {
+        let ids: Vec<u32> = TOKENS
+            .iter()
+            .map(|&t| t % model.dims.vocab_size as u32)
+            .collect();
+        let n = ids.len();
+        let v = value_zeroing(&model, &ids, &mut |_, _| {}).unwrap();
+        assert_eq!(v.layers.len(), model.dims.n_layers);
+        for c in &v.layers {
+            for i in 0..n {
+                let row = &c[i * n..(i + 1) * n];
+                let s: f32 = row.iter().sum();
+                assert!((s - 1.0).abs() < 1e-5, "{label}: row {i} sums to {s}");
+                assert!(row[i + 1..].iter().all(|&x| x == 0.0), "{label}: causal");
+                assert!(row.iter().all(|&x| x >= 0.0), "{label}: a distance < 0");
+            }
+            assert!(
+                (c[0] - 1.0).abs() < 1e-6,
+                "{label}: token 0 sees itself only"
+            );
+        }
+        let s: f32 = v.rollout_last.iter().sum();
+        assert!((s - 1.0).abs() < 1e-4, "{label}: rollout sums to {s}");
+        let a = alti_logit(&model, &ids, Metric::LogProb(None)).unwrap();
+        assert!(a.rebuild_error < 1e-5, "{label}: {}", a.rebuild_error);
+        for row in &a.alti_last {
+            let s: f32 = row.iter().sum();
+            assert!((s - 1.0).abs() < 1e-5, "{label}: ALTI row sums to {s}");
+        }
+        for (j, &sc) in a.scores.iter().enumerate() {
+            let by_layer: f32 = a.layers.iter().map(|l| l[j]).sum();
+            assert!((by_layer - sc).abs() < 1e-4 * sc.abs().max(1.0), "{label}");
+        }
+        let logits = model.next_token_logits(&ids).unwrap();
+        let lrp = model.attnlrp(&ids, Metric::LogProb(None)).unwrap();
+        assert!((lrp.value - logits[lrp.target as usize]).abs() < 1e-4 * lrp.value.abs().max(1.0));
+        let sum: f32 = lrp.scores.iter().sum();
+        assert!((lrp.conservation_error - (sum - lrp.value)).abs() < 1e-4 * sum.abs().max(1.0));
+        let other = (lrp.target + 1) % model.dims.vocab_size as u32;
+        let b = model.attnlrp(&ids, Metric::LogProb(Some(other))).unwrap();
+        let diff = model
+            .attnlrp(
+                &ids,
+                Metric::LogitDiff {
+                    answer: lrp.target,
+                    wrong: other,
+                },
+            )
+            .unwrap();
+        assert!((diff.value - (lrp.value - b.value)).abs() < 1e-4 * lrp.value.abs().max(1.0));
+        let top = lrp.scores.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for j in 0..n {
+            let want = lrp.scores[j] - b.scores[j];
+            assert!(
+                (diff.scores[j] - want).abs() < 1e-4 * top.max(1e-3),
+                "{label}: position {j}: {} vs {want}",
+                diff.scores[j]
+            );
+        }
+        // the rules change the backward: AttnLRP is not gradient × input of the logit
+        let g = model
+            .gradient(
+                &ids,
+                Metric::LogitDiff {
+                    answer: lrp.target,
+                    wrong: other,
+                },
+            )
+            .unwrap();
+        let gxi: Vec<f32> = g
+            .grad_input
+            .chunks(model.dims.d_model)
+            .zip(g.input.chunks(model.dims.d_model))
+            .map(|(a, b)| a.iter().zip(b).map(|(x, y)| x * y).sum())
+            .collect();
+        assert!(
+            common::max_abs_diff(&gxi, &diff.scores, &label) > 1e-6,
+            "{label}: AttnLRP equals gradient × input"
+        );
+    }
+}
+
+fn attnscope(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_attnscope"))
+        .args(args)
+        .env("NO_COLOR", "1")
+        .output()
+        .unwrap()
+}
+
+fn json(args: &[&str]) -> Value {
+    let out = attnscope(args);
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The command line: each method's JSON has the library's numbers and its extras, the terminal
+/// shows the conservation error; `faithfulness` ranks by all three.
+#[test]
+fn command_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let (m, model) = tiny(Arch::Qwen2, &dir);
+    let text = "the hat at the cat";
+    let ids = model.encode(text, false).unwrap();
+    let n = ids.len();
+    let run = |method: &str| {
+        json(&[
+            "attribute",
+            "-m",
+            &m,
+            "--text",
+            text,
+            "--method",
+            method,
+            "--json",
+        ])
+    };
+    let scores = |v: &Value| -> Vec<f32> {
+        v["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["score"].as_f64().unwrap() as f32)
+            .collect()
+    };
+    let lrp = run("attnlrp");
+    assert_eq!(lrp["method"], "attnlrp");
+    assert_eq!(lrp["metric"], "logit");
+    let want = model.attnlrp(&ids, Metric::LogProb(None)).unwrap();
+    assert_eq!(scores(&lrp), want.scores);
+    assert!(
+        (lrp["conservation_error"].as_f64().unwrap() as f32 - want.conservation_error).abs() < 1e-6
+    );
+    let vz = run("value-zeroing");
+    assert_eq!(vz["metric"], "none");
+    let want = value_zeroing(&model, &ids, &mut |_, _| {}).unwrap();
+    assert_eq!(scores(&vz), want.rollout_last);
+    assert_eq!(vz["layers"].as_array().unwrap().len(), model.dims.n_layers);
+    assert_eq!(
+        floats(&vz["layers"][0]),
+        want.layers[0][(n - 1) * n..].to_vec()
+    );
+    let al = run("alti-logit");
+    assert_eq!(al["metric"], "logit");
+    let want = alti_logit(&model, &ids, Metric::LogProb(None)).unwrap();
+    assert_eq!(scores(&al), want.scores);
+    assert_eq!(al["layers"].as_array().unwrap().len(), model.dims.n_layers);
+    // a logit difference
+    let d = json(&[
+        "attribute",
+        "-m",
+        &m,
+        "--text",
+        text,
+        "--method",
+        "alti-logit",
+        "--target",
+        "5",
+        "--wrong",
+        "7",
+        "--json",
+    ]);
+    assert_eq!(d["metric"], "logit_diff");
+    let want = alti_logit(
+        &model,
+        &ids,
+        Metric::LogitDiff {
+            answer: 5,
+            wrong: 7,
+        },
+    )
+    .unwrap();
+    assert_eq!(scores(&d), want.scores);
+    // the terminal
+    let out = attnscope(&["attribute", "-m", &m, "--text", text, "--method", "attnlrp"]);
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        s.contains("conservation error") && s.contains("f = logit("),
+        "{s}"
+    );
+    // faithfulness
+    let f = json(&[
+        "faithfulness",
+        "-m",
+        &m,
+        "--text",
+        text,
+        "--gradients",
+        "fast",
+        "--json",
+    ]);
+    for key in ["attnlrp", "value_zeroing", "alti_logit"] {
+        assert!(
+            f["tokens"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|t| t[key].as_f64().is_some()),
+            "tokens[] lack {key}"
+        );
+        let rows = f["metrics"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|x| x["ranking"] == key)
+            .count();
+        assert_eq!(rows, 6, "{key}: 3 truths × with/without the first token");
+    }
+    assert!(f["attnlrp_conservation_error"].as_f64().is_some());
+    let t = attnscope(&[
+        "faithfulness",
+        "-m",
+        &m,
+        "--text",
+        text,
+        "--gradients",
+        "fast",
+    ]);
+    let s = String::from_utf8_lossy(&t.stdout);
+    assert!(
+        s.contains("AttnLRP") && s.contains("ALTI-logit") && s.contains("VZ"),
+        "{s}"
+    );
+    let none = json(&[
+        "faithfulness",
+        "-m",
+        &m,
+        "--text",
+        text,
+        "--gradients",
+        "none",
+        "--json",
+    ]);
+    assert!(none["tokens"][0].get("attnlrp").is_none());
+}
+
+/// Bad input: a clear error (exit 2 from the command), never a panic.
+#[test]
+fn bad_input_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (m, model) = tiny(Arch::Llama, &dir);
+    for method in ["attnlrp", "value-zeroing", "alti-logit"] {
+        for (extra, needle) in [
+            (&["--text", ""][..], "empty"),
+            (&["--text", "a b", "--target", "99999999"][..], "--target"),
+            (
+                &["--text", "a b", "--target", "5", "--wrong", "5"][..],
+                "--wrong",
+            ),
+        ] {
+            let mut a = vec!["attribute", "-m", &m, "--method", method];
+            a.extend_from_slice(extra);
+            let out = attnscope(&a);
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{method} {extra:?}: {err}");
+            assert!(err.contains(needle), "{method} {extra:?}: {err}");
+            assert!(!err.contains("panicked"), "{err}");
+        }
+    }
+    // the library: an empty text, a text past the length these methods take, a bad token id
+    assert!(value_zeroing(&model, &[], &mut |_, _| {}).is_err());
+    assert!(alti_logit(&model, &[], Metric::LogProb(None)).is_err());
+    assert!(model.attnlrp(&[], Metric::LogProb(None)).is_err());
+    let long = vec![1u32; MAX_MIXING_TOKENS + 1];
+    let e = value_zeroing(&model, &long, &mut |_, _| {}).unwrap_err();
+    assert!(e.to_string().contains("value zeroing"), "{e}");
+    let e = alti_logit(&model, &long, Metric::LogProb(None)).unwrap_err();
+    assert!(e.to_string().contains("ALTI-Logit"), "{e}");
+    let bad = model.dims.vocab_size as u32;
+    assert!(model.attnlrp(&[1, bad], Metric::LogProb(None)).is_err());
+    assert!(alti_logit(&model, &[1, 2], Metric::LogProb(Some(bad))).is_err());
+    assert!(value_zeroing(&model, &[1, bad], &mut |_, _| {}).is_err());
+}
