@@ -116,24 +116,23 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         write_new_file(path, patch_page(&report).as_bytes(), false)?;
     }
     if a.json {
-        let mut v = serde_json::to_value(&report)?;
-        if let (Some((r, kind, agree)), Some(obj)) = (&approx, v.as_object_mut()) {
-            obj.insert(
-                "approx".into(),
-                serde_json::json!({
-                    "method": "attribution patching: (clean − corrupt) · ∂(logit diff)/∂activation at the corrupted run",
-                    "hook": kind.hook,
-                    "results": kind.results,
-                    "pearson": agree.pearson,
-                    "spearman": agree.spearman,
-                    "n": agree.n,
-                    "max_abs_error": agree.max_abs_error,
-                    "forward_passes": r.forward_passes,
-                    "backward_passes": r.backward_passes,
-                }),
-            );
-        }
-        return emit(&format!("{}\n", serde_json::to_string_pretty(&v)?));
+        // serialized straight from the structs (no `serde_json::Value` on the way, which would
+        // widen each f32 to the f64 nearest it): the numbers read as the report holds them
+        let out = JsonOut {
+            report: &report,
+            approx: approx.as_ref().map(|(r, kind, agree)| ApproxJson {
+                method: "attribution patching: (clean − corrupt) · ∂(logit diff)/∂activation at the corrupted run",
+                hook: &kind.hook,
+                results: &kind.results,
+                pearson: agree.pearson,
+                spearman: agree.spearman,
+                n: agree.n,
+                max_abs_error: agree.max_abs_error,
+                forward_passes: r.forward_passes,
+                backward_passes: r.backward_passes,
+            }),
+        };
+        return emit(&format!("{}\n", serde_json::to_string_pretty(&out)?));
     }
     let colour = std::io::stdout().is_terminal();
     let mut out = render(&report, colour);
@@ -144,6 +143,29 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 }
 
 /// Attribution patching's grid beside the exact one, and how they agree.
+/// `patch --json`: the report, with `approx` beside it under `--approx`.
+#[derive(serde::Serialize)]
+struct JsonOut<'a> {
+    #[serde(flatten)]
+    report: &'a PatchReport,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    approx: Option<ApproxJson<'a>>,
+}
+
+/// `patch --approx --json`'s `approx` block.
+#[derive(serde::Serialize)]
+struct ApproxJson<'a> {
+    method: &'static str,
+    hook: &'a str,
+    results: &'a [crate::analysis::attrpatch::ApproxCell],
+    pearson: Option<f64>,
+    spearman: Option<f64>,
+    n: usize,
+    max_abs_error: f32,
+    forward_passes: usize,
+    backward_passes: usize,
+}
+
 pub fn render_approx(
     r: &PatchReport,
     kind: &ApproxKind,
