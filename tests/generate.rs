@@ -348,3 +348,118 @@ fn smol_greedy_generation_equals_transformers() {
 fn gemma_greedy_generation_equals_transformers() {
     real("gemma3-270m", "gemma_generate.json");
 }
+
+/// The ids of a JSON `tokens` list (`[{"id": ...}, ...]`).
+fn ids_of(tokens: &serde_json::Value) -> Vec<u64> {
+    tokens
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["id"].as_u64().unwrap())
+        .collect()
+}
+
+fn golden_chat_ids(golden: &str) -> (String, Vec<u64>) {
+    let g = common::golden_json(golden);
+    let c = &g["cases"]["chat_hanoi"];
+    let ids = c["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
+    (c["prompt"].as_str().unwrap().to_string(), ids)
+}
+
+/// `--chat` on `inspect`, `view`, `faithfulness` and `ablate` runs the analysis on the chat
+/// prompt exactly as transformers' `apply_chat_template` tokenizes it (the golden's prompt ids);
+/// a model without a template (gemma3-270m's GGUF) is refused with exit 2 and a hint of --text.
+#[test]
+fn chat_prompts_run_the_analyses_as_transformers_tokenizes_them() {
+    for (alias, golden) in [
+        ("qwen2.5-coder-0.5b", "qwen_generate.json"),
+        ("smollm2-135m", "smol_generate.json"),
+    ] {
+        common::real_model(alias); // fetched if missing
+        let (question, want) = golden_chat_ids(golden);
+        let out = cli(&["inspect", "-m", alias, "--chat", &question, "--json"]);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(ids_of(&v["tokens"]), want, "{alias}: inspect --chat tokens");
+        // the query defaults to the last position: the template's generation prompt
+        assert_eq!(v["query"].as_u64(), Some(want.len() as u64 - 1));
+    }
+    // the interventions and the view on the small model (each runs many forwards)
+    let (question, want) = golden_chat_ids("smol_generate.json");
+    let m = "smollm2-135m";
+    for args in [
+        &["faithfulness", "--gradients", "none", "--json"][..],
+        &["ablate", "--json"],
+    ] {
+        let mut all = vec![args[0], "-m", m, "--chat", &question];
+        all.extend_from_slice(&args[1..]);
+        let out = cli(&all);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(ids_of(&v["tokens"]), want, "{args:?} --chat tokens");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let page = dir.path().join("chat.html");
+    let out = cli(&[
+        "view",
+        "-m",
+        m,
+        "--chat",
+        &question,
+        "--system",
+        "Answer in one word.",
+        "-o",
+        page.to_str().unwrap(),
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(page.exists());
+    let with_system = common::real_model(m)
+        .chat_ids(&question, Some("Answer in one word."))
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains(&format!("{} tokens", with_system.len())),
+        "{stdout}"
+    );
+    let with_system: Vec<u64> = with_system.iter().map(|&i| i as u64).collect();
+    assert_ne!(with_system, want, "the system message replaces the default one");
+    // no template: exit 2, with the hint
+    common::real_model("gemma3-270m");
+    for cmd in ["inspect", "view", "faithfulness", "ablate"] {
+        let page = dir.path().join("g.html");
+        let mut args = vec![cmd, "-m", "gemma3-270m", "--chat", "hi"];
+        if cmd == "view" {
+            args.extend_from_slice(&["-o", page.to_str().unwrap()]);
+        }
+        let out = cli(&args);
+        assert_eq!(out.status.code(), Some(2), "{cmd}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("no chat template") && err.contains("--text"),
+            "{cmd}: {err}"
+        );
+    }
+    // --system without --chat is a usage error
+    let out = cli(&["inspect", "-m", m, "--system", "x", "--text", "hi"]);
+    assert_eq!(out.status.code(), Some(2));
+}

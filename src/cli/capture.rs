@@ -234,11 +234,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }));
     }
     let hooks = Hook::parse_list(&a.hooks).map_err(usage)?;
-    let text = a.text.read()?;
     let start = std::time::Instant::now();
     let model = a.model.load()?;
     let loaded = start.elapsed();
-    let tokens = model.encode(&text, a.model.bos)?;
+    let tokens = a.text.tokens(&model, a.model.bos)?;
     let n = tokens.len();
     let d = &model.dims;
     if n > d.context_len {

@@ -97,11 +97,35 @@ pub struct TextArgs {
     /// Read the text from a UTF-8 file (`-` for standard input).
     #[arg(long, short = 'f')]
     pub file: Option<PathBuf>,
+    /// A user message put through the model's own chat template (generation prompt added):
+    /// the analysis runs on the chat prompt exactly as the model sees it.
+    #[arg(long, conflicts_with_all = ["text", "file"])]
+    pub chat: Option<String>,
+    /// A system message for --chat (default: the template's own, if it has one).
+    #[arg(long, requires = "chat")]
+    pub system: Option<String>,
 }
 
 impl TextArgs {
+    /// The token ids to run: `--chat` through the model's own template (its BOS as the template
+    /// writes it; a model without a template is refused, exit 2), else [`TextArgs::read`]'s text
+    /// encoded (a BOS first as the model asks, or always with `force_bos`).
+    pub fn tokens(&self, model: &Model, force_bos: bool) -> anyhow::Result<Vec<u32>> {
+        check_system(self.chat.is_some(), self.system.is_some())?;
+        match &self.chat {
+            Some(q) => Ok(model.chat_ids(q, self.system.as_deref())?),
+            None => Ok(model.encode(&self.read()?, force_bos)?),
+        }
+    }
+
     /// The text: `--text`, `--file`, piped standard input, or the lesson's sentence.
     pub fn read(&self) -> anyhow::Result<String> {
+        check_system(self.chat.is_some(), self.system.is_some())?;
+        if self.chat.is_some() {
+            return Err(usage(
+                "--chat gives a chat prompt; this command reads a plain text (--text or --file)",
+            ));
+        }
         if let Some(t) = &self.text {
             return Ok(t.clone());
         }
@@ -142,6 +166,17 @@ impl TextArgs {
         }
         Ok(LESSON_SENTENCE.to_string())
     }
+}
+
+/// Refuses `--system` without `--chat` (clap does not enforce `requires` when a conflicting
+/// argument such as `--text` is present).
+pub fn check_system(chat: bool, system: bool) -> anyhow::Result<()> {
+    if system && !chat {
+        return Err(usage(
+            "--system sets the system message of a chat; give the question with --chat",
+        ));
+    }
+    Ok(())
 }
 
 /// Parses `all`, `3`, `0-3`, `0,12,23` (and mixes such as `0-2,7`) into indices `< count`.

@@ -58,6 +58,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         top: a.top,
     };
     o.check()?;
+    super::common::check_system(a.chat.is_some(), a.system.is_some())?;
     if a.chat.is_none() && a.text.is_none() {
         return Err(usage(
             "say what to generate from: --chat \"a question\" (the model's chat template) or --text \"a text\" (a raw continuation)",

@@ -39,10 +39,9 @@ pub struct Args {
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     let start = Instant::now();
-    let text = a.text.read()?;
     let model = a.model.load()?;
     let loaded = start.elapsed();
-    let tokens = model.encode(&text, a.model.bos)?;
+    let tokens = a.text.tokens(&model, a.model.bos)?;
     let (n, d) = (tokens.len(), &model.dims);
     let query = check_index(a.query.unwrap_or(n - 1), n, "query position")?;
     let layer = check_index(a.layer.unwrap_or(d.n_layers - 1), d.n_layers, "layer")?;

@@ -354,6 +354,15 @@ impl Model {
     /// The token ids of a chat through the model's own template, with the generation prompt
     /// added; `system` adds a system message first (else the template's default, if any).
     pub fn chat_ids(&self, user: &str, system: Option<&str>) -> Result<Vec<u32>> {
+        let rendered = self.chat_text(user, system)?;
+        // the template writes the BOS itself where the model wants one
+        self.encode_with(&rendered, Some(false))
+    }
+
+    /// The text of a chat as the model's own template renders it (generation prompt added), the
+    /// text [`Model::chat_ids`] tokenizes. A model without a template is refused
+    /// ([`Error::NotApplicable`], a bad input), with a suggestion of `--text`.
+    pub fn chat_text(&self, user: &str, system: Option<&str>) -> Result<String> {
         let tpl = self.tokenizer.chat_template.as_deref().ok_or_else(|| {
             Error::NotApplicable(format!(
                 "{} has no chat template (no tokenizer.chat_template in its metadata, no \
@@ -376,15 +385,13 @@ impl Model {
             id.map(|i| String::from_utf8_lossy(&self.tokenizer.token_bytes(i)).into_owned())
                 .unwrap_or_default()
         };
-        let rendered = render_chat(
+        render_chat(
             tpl,
             &msgs,
             true,
             &text_of(self.tokenizer.bos_id),
             &text_of(self.tokenizer.eos_id),
-        )?;
-        // the template writes the BOS itself where the model wants one
-        self.encode_with(&rendered, Some(false))
+        )
     }
 
     /// Generates from `prompt` with a KV cache (one new row per token against every layer's
