@@ -8,6 +8,7 @@ pub mod compare;
 pub mod corpus;
 pub mod dla;
 pub mod faithfulness;
+pub mod gen_attribute;
 pub mod heads;
 pub mod inspect;
 pub mod intervene;

@@ -199,6 +199,10 @@ pub struct GenToken {
     pub top: Vec<(usize, f32)>,
     /// Heads whose largest weight reaches [`GenOptions::concentrated`].
     pub concentrated: Vec<ConcentratedHead>,
+    /// The producing query's whole row, averaged over heads and layers: a weight per key
+    /// `0..=position − 1` (what `top` ranks; the HTML view of `generate --attribute` shows it).
+    #[serde(skip)]
+    pub attention: Vec<f32>,
 }
 
 /// Why generation stopped.
@@ -453,12 +457,8 @@ impl Model {
             let id = pick(&logits, o, &mut rng);
             let logprob = log_softmax(&logits)[id as usize];
             let scale = 1.0 / (self.dims.n_heads * self.dims.n_layers) as f64;
-            let mut top: Vec<(usize, f32)> = obs
-                .avg
-                .iter()
-                .enumerate()
-                .map(|(j, &w)| (j, (w * scale) as f32))
-                .collect();
+            let attention: Vec<f32> = obs.avg.iter().map(|&w| (w * scale) as f32).collect();
+            let mut top: Vec<(usize, f32)> = attention.iter().copied().enumerate().collect();
             top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
             top.truncate(o.top);
             let tok = GenToken {
@@ -469,6 +469,7 @@ impl Model {
                 sink: obs.sink,
                 top,
                 concentrated: obs.concentrated,
+                attention,
             };
             if step == 0 {
                 prefill_s = t0.elapsed().as_secs_f64();
