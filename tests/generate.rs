@@ -463,3 +463,163 @@ fn chat_prompts_run_the_analyses_as_transformers_tokenizes_them() {
     let out = cli(&["inspect", "-m", m, "--system", "x", "--text", "hi"]);
     assert_eq!(out.status.code(), Some(2));
 }
+
+/// `generate --attribute`'s matrix on tiny models: occlusion's one-forward-per-deletion columns
+/// equal `attribute --method occlusion` (one deletion run per answer token) on each answer
+/// token's own input, and every gradient method's columns equal `attribute` on that input;
+/// positions past a token's input are NaN.
+#[test]
+fn the_generation_matrix_equals_attribute_on_each_teacher_forced_input() {
+    use attnscope::analysis::attribute::{attribute, AttributeOptions, Method};
+    use attnscope::analysis::faithfulness::Target;
+    use attnscope::analysis::gen_attribute::attribute_generation;
+    for arch in [Arch::Llama, Arch::Qwen2] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.gguf");
+        write_gguf(&tiny_model(arch, 5), arch, GgmlDType::F32, &path).unwrap();
+        let model = Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();
+        let prompt = [72u32, 101, 108, 108, 111, 32];
+        let answer = [119u32, 111, 114, 108, 100];
+        let (p, a) = (prompt.len(), answer.len());
+        let ids: Vec<u32> = prompt.iter().chain(&answer).copied().collect();
+        for method in [
+            Method::Occlusion,
+            Method::Gradient,
+            Method::GradXInput,
+            Method::IntegratedGradients,
+        ] {
+            let g =
+                attribute_generation(&model, &prompt, &answer, method, 4, &mut |_, _| {}).unwrap();
+            assert_eq!(g.matrix.len(), p + a);
+            assert_eq!(g.answer_len(), a);
+            for j in 0..a {
+                let want = attribute(
+                    &model,
+                    &ids[..p + j],
+                    &AttributeOptions {
+                        method,
+                        target: Target::Id(answer[j]),
+                        wrong: None,
+                        steps: 4,
+                    },
+                    &mut |_, _| {},
+                )
+                .unwrap();
+                assert!(
+                    (g.logprobs[j] - want.logprob).abs() <= 1e-5,
+                    "{arch:?} {method:?} {j}: logprob"
+                );
+                for i in 0..p + a {
+                    let got = g.matrix[i][j];
+                    if i >= p + j {
+                        assert!(got.is_nan(), "{arch:?} {method:?}: ({i}, {j}) is not an input");
+                        continue;
+                    }
+                    let w = want.tokens[i].score;
+                    assert!(
+                        (got - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                        "{arch:?} {method:?} cell ({i}, {j}): {got} vs attribute's {w}"
+                    );
+                }
+            }
+        }
+    }
+    // a one-token prompt: deleting it leaves answer 0 nothing to predict from (NaN), the rest
+    // is defined
+    let dir = tempfile::tempdir().unwrap();
+    let path = tiny_gguf(dir.path(), None);
+    let model = Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();
+    let g = attribute_generation(&model, &[72], &[101, 108], Method::Occlusion, 1, &mut |_, _| {})
+        .unwrap();
+    assert!(g.matrix[0][0].is_nan() && g.matrix[0][1].is_finite() && g.matrix[1][1].is_finite());
+    assert!(attribute_generation(&model, &[72], &[], Method::Occlusion, 1, &mut |_, _| {}).is_err());
+    assert!(
+        attribute_generation(&model, &[72], &[5], Method::IntegratedGradients, 0, &mut |_, _| {})
+            .is_err()
+    );
+}
+
+/// The command: `--json` has the matrix (null above each column's input), `--html` writes a
+/// self-contained page with it, and bad input exits 2.
+#[test]
+fn generate_attribute_json_html_and_bad_input() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = tiny_gguf(dir.path(), None);
+    let p = path.to_str().unwrap();
+    let page = dir.path().join("a.html");
+    let out = cli(&[
+        "generate",
+        "-m",
+        p,
+        "--text",
+        "hello",
+        "--max-new-tokens",
+        "4",
+        "--attribute",
+        "occlusion",
+        "--json",
+        "--html",
+        page.to_str().unwrap(),
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let at = &v["attribution"];
+    assert_eq!(at["method"], "occlusion");
+    let np = at["prompt_tokens"].as_array().unwrap().len();
+    let na = at["answer_tokens"].as_array().unwrap().len();
+    assert_eq!(np, v["prompt_ids"].as_array().unwrap().len());
+    assert_eq!(na, v["generated"].as_array().unwrap().len());
+    let m = at["matrix"].as_array().unwrap();
+    assert_eq!(m.len(), np + na);
+    for (i, row) in m.iter().enumerate() {
+        let row = row.as_array().unwrap();
+        assert_eq!(row.len(), na);
+        for (j, c) in row.iter().enumerate() {
+            assert_eq!(c.is_null(), i >= np + j, "cell ({i}, {j}) = {c}");
+        }
+    }
+    let html = std::fs::read_to_string(&page).unwrap();
+    assert!(html.contains("\"attribution\"") && !html.contains("/*ATTNSCOPE_DATA*/"));
+    assert!(!html.contains("http://") && !html.contains("https://"), "no network");
+    // the terminal matrix without colour
+    let out = assert_cmd::Command::cargo_bin("attnscope")
+        .unwrap()
+        .args([
+            "generate",
+            "-m",
+            p,
+            "--text",
+            "hello",
+            "--max-new-tokens",
+            "3",
+            "--attribute",
+            "grad-x-input",
+        ])
+        .env("NO_COLOR", "1")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        s.contains("why each answer token")
+            && (s.contains(" +9") || s.contains(" -9"))
+            && !s.contains("\x1b["),
+        "{s}"
+    );
+    for bad in [
+        &["--html", "x.html"][..],
+        &["--attribute", "bogus"],
+        &["--attribute", "integrated-gradients", "--steps", "0"],
+        &["--attribute", "occlusion", "--html", page.to_str().unwrap()],
+    ] {
+        let mut args = vec!["generate", "-m", p, "--text", "hello"];
+        args.extend_from_slice(bad);
+        let out = cli(&args);
+        assert_eq!(out.status.code(), Some(2), "{bad:?}");
+    }
+}
