@@ -623,3 +623,68 @@ fn generate_attribute_json_html_and_bad_input() {
         assert_eq!(out.status.code(), Some(2), "{bad:?}");
     }
 }
+
+/// `generate --attribute` on SmolLM2 against transformers + torch autograd
+/// (`tests/golden/smol_gen_attribution.json`, `make_gen_attribution_golden.py`): the chat prompt,
+/// the greedy answer, each answer token's teacher-forced log-probability, and every cell of the
+/// gradient, grad × input, integrated gradients (8 steps) and occlusion (deletion) matrices.
+#[test]
+fn smol_generation_attribution_equals_transformers_and_autograd() {
+    use attnscope::analysis::attribute::Method;
+    use attnscope::analysis::gen_attribute::attribute_generation;
+    let model = common::real_model("smollm2-135m");
+    let g = common::golden_json("smol_gen_attribution.json");
+    let ids = |k: &str| -> Vec<u32> {
+        g[k].as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let (prompt, answer) = (ids("prompt_ids"), ids("answer_ids"));
+    assert_eq!(
+        model.chat_ids(g["question"].as_str().unwrap(), None).unwrap(),
+        prompt,
+        "the chat prompt"
+    );
+    let o = GenOptions {
+        max_new_tokens: answer.len(),
+        ..Default::default()
+    };
+    let gen: Vec<u32> = model
+        .generate(&prompt, &o, |_| {})
+        .unwrap()
+        .generated
+        .iter()
+        .map(|t| t.id)
+        .collect();
+    assert_eq!(gen, answer, "the greedy answer");
+    let p = prompt.len();
+    let steps = g["ig_steps"].as_u64().unwrap() as usize;
+    for (method, key, tol) in [
+        (Method::Gradient, "l2", 1e-4),
+        (Method::GradXInput, "gxi", 1e-4),
+        (Method::IntegratedGradients, "ig", 1e-4),
+        (Method::Occlusion, "occlusion", 1e-4),
+    ] {
+        let m = attribute_generation(model, &prompt, &answer, method, steps, &mut |_, _| {}).unwrap();
+        let (mut err, mut scale) = (0f64, 0f64);
+        for (j, col) in g[key].as_array().unwrap().iter().enumerate() {
+            let col = col.as_array().unwrap();
+            assert_eq!(col.len(), p + j, "{key} column {j}");
+            let lp = g["logprob"][j].as_f64().unwrap();
+            assert!(
+                (m.logprobs[j] as f64 - lp).abs() <= 1e-4,
+                "{key} {j}: logprob {} vs {lp}",
+                m.logprobs[j]
+            );
+            for (i, w) in col.iter().enumerate() {
+                let w = w.as_f64().unwrap();
+                err = err.max((m.matrix[i][j] as f64 - w).abs());
+                scale = scale.max(w.abs());
+            }
+        }
+        eprintln!("smol {key}: worst |error| {err:.3e} of the largest value {scale:.3e}");
+        assert!(err <= tol * scale.max(1.0), "{key}: worst |error| {err:.3e}");
+    }
+}
