@@ -487,6 +487,7 @@ fn the_generation_matrix_equals_attribute_on_each_teacher_forced_input() {
             Method::Gradient,
             Method::GradXInput,
             Method::IntegratedGradients,
+            Method::AttnLrp,
         ] {
             let g =
                 attribute_generation(&model, &prompt, &answer, method, 4, &mut |_, _| {}).unwrap();

@@ -4,8 +4,9 @@
 //! target `answer[j]`; the matrix has a row per position (prompt, then answer) and a column per
 //! answer token, `NaN` where the position is not in that token's input (position ≥ prompt + j).
 //!
-//! - The gradient methods run [`attribute::attribute`] on each answer token's input (one
-//!   backward each, integrated gradients' steps each).
+//! - The gradient methods (and AttnLRP, value zeroing, ALTI-Logit) run [`attribute::attribute`]
+//!   on each answer token's input (one backward or decomposition each, integrated gradients'
+//!   steps each).
 //! - `occlusion` (deletion, `f(input) − f(input without token i)`, as `attribute --method
 //!   occlusion`) runs one forward per deleted token for every answer token at once: causality
 //!   makes the logits at position `p` of `sequence without i` those of the input `prefix without
@@ -14,7 +15,7 @@
 //!   run's keys and values before the deleted position and run many to a forward
 //!   ([`Model::forward_batch`]).
 
-use super::attribute::{attribute, AttributeOptions, Method};
+use super::attribute::{self, attribute, AttributeOptions, Method};
 use super::faithfulness::Target;
 use crate::model::capture::NoCapture;
 use crate::model::forward::{log_softmax, RunOptions, Segment};
@@ -69,7 +70,7 @@ pub fn attribute_generation(
         });
     }
     if method == Method::IntegratedGradients {
-        super::attribute::check_steps(steps)?;
+        attribute::check_steps(steps)?;
     }
     let ids: Vec<u32> = prompt.iter().chain(answer).copied().collect();
     let (p, a, n) = (prompt.len(), answer.len(), ids.len());

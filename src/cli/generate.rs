@@ -53,8 +53,9 @@ pub struct Args {
     /// Why each answer token came: its log-probability, teacher-forced on the generated text,
     /// attributed to the prompt tokens and the answer tokens before it (a matrix, inseq-style):
     /// occlusion (deletion: f − f without the token; one forward per token for the whole answer),
-    /// gradient, grad-x-input, integrated-gradients, attention-x-gradient (one backward per
-    /// answer token; integrated gradients `--steps` each).
+    /// gradient, grad-x-input, integrated-gradients, attention-x-gradient, attnlrp (the
+    /// target's logit under AttnLRP's rules), value-zeroing, alti-logit (one backward or
+    /// decomposition per answer token; integrated gradients `--steps` each), as `attribute`.
     #[arg(long, value_parser = parse_method, value_name = "METHOD")]
     attribute: Option<Method>,
     /// Integrated gradients' midpoints per answer token.
