@@ -442,7 +442,10 @@ fn chat_prompts_run_the_analyses_as_transformers_tokenizes_them() {
         "{stdout}"
     );
     let with_system: Vec<u64> = with_system.iter().map(|&i| i as u64).collect();
-    assert_ne!(with_system, want, "the system message replaces the default one");
+    assert_ne!(
+        with_system, want,
+        "the system message replaces the default one"
+    );
     // no template: exit 2, with the hint
     common::real_model("gemma3-270m");
     for cmd in ["inspect", "view", "faithfulness", "ablate"] {
@@ -513,7 +516,10 @@ fn the_generation_matrix_equals_attribute_on_each_teacher_forced_input() {
                 for i in 0..p + a {
                     let got = g.matrix[i][j];
                     if i >= p + j {
-                        assert!(got.is_nan(), "{arch:?} {method:?}: ({i}, {j}) is not an input");
+                        assert!(
+                            got.is_nan(),
+                            "{arch:?} {method:?}: ({i}, {j}) is not an input"
+                        );
                         continue;
                     }
                     let w = want.tokens[i].score;
@@ -530,14 +536,28 @@ fn the_generation_matrix_equals_attribute_on_each_teacher_forced_input() {
     let dir = tempfile::tempdir().unwrap();
     let path = tiny_gguf(dir.path(), None);
     let model = Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();
-    let g = attribute_generation(&model, &[72], &[101, 108], Method::Occlusion, 1, &mut |_, _| {})
-        .unwrap();
+    let g = attribute_generation(
+        &model,
+        &[72],
+        &[101, 108],
+        Method::Occlusion,
+        1,
+        &mut |_, _| {},
+    )
+    .unwrap();
     assert!(g.matrix[0][0].is_nan() && g.matrix[0][1].is_finite() && g.matrix[1][1].is_finite());
-    assert!(attribute_generation(&model, &[72], &[], Method::Occlusion, 1, &mut |_, _| {}).is_err());
     assert!(
-        attribute_generation(&model, &[72], &[5], Method::IntegratedGradients, 0, &mut |_, _| {})
-            .is_err()
+        attribute_generation(&model, &[72], &[], Method::Occlusion, 1, &mut |_, _| {}).is_err()
     );
+    assert!(attribute_generation(
+        &model,
+        &[72],
+        &[5],
+        Method::IntegratedGradients,
+        0,
+        &mut |_, _| {}
+    )
+    .is_err());
 }
 
 /// The command: `--json` has the matrix (null above each column's input), `--html` writes a
@@ -586,7 +606,10 @@ fn generate_attribute_json_html_and_bad_input() {
     }
     let html = std::fs::read_to_string(&page).unwrap();
     assert!(html.contains("\"attribution\"") && !html.contains("/*ATTNSCOPE_DATA*/"));
-    assert!(!html.contains("http://") && !html.contains("https://"), "no network");
+    assert!(
+        !html.contains("http://") && !html.contains("https://"),
+        "no network"
+    );
     // the terminal matrix without colour
     let out = assert_cmd::Command::cargo_bin("attnscope")
         .unwrap()
@@ -644,7 +667,9 @@ fn smol_generation_attribution_equals_transformers_and_autograd() {
     };
     let (prompt, answer) = (ids("prompt_ids"), ids("answer_ids"));
     assert_eq!(
-        model.chat_ids(g["question"].as_str().unwrap(), None).unwrap(),
+        model
+            .chat_ids(g["question"].as_str().unwrap(), None)
+            .unwrap(),
         prompt,
         "the chat prompt"
     );
@@ -668,7 +693,8 @@ fn smol_generation_attribution_equals_transformers_and_autograd() {
         (Method::IntegratedGradients, "ig", 1e-4),
         (Method::Occlusion, "occlusion", 1e-4),
     ] {
-        let m = attribute_generation(model, &prompt, &answer, method, steps, &mut |_, _| {}).unwrap();
+        let m =
+            attribute_generation(model, &prompt, &answer, method, steps, &mut |_, _| {}).unwrap();
         let (mut err, mut scale) = (0f64, 0f64);
         for (j, col) in g[key].as_array().unwrap().iter().enumerate() {
             let col = col.as_array().unwrap();
@@ -686,6 +712,9 @@ fn smol_generation_attribution_equals_transformers_and_autograd() {
             }
         }
         eprintln!("smol {key}: worst |error| {err:.3e} of the largest value {scale:.3e}");
-        assert!(err <= tol * scale.max(1.0), "{key}: worst |error| {err:.3e}");
+        assert!(
+            err <= tol * scale.max(1.0),
+            "{key}: worst |error| {err:.3e}"
+        );
     }
 }

@@ -96,7 +96,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     if let Some(h) = &a.html {
         if h.exists() && !a.force {
-            return Err(anyhow::Error::new(crate::model::Error::Exists { path: h.clone() }));
+            return Err(anyhow::Error::new(crate::model::Error::Exists {
+                path: h.clone(),
+            }));
         }
     }
     let model = a.model.load()?;
@@ -158,12 +160,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 emit("\n")?;
             }
             let bar = progress_bar("attribution [{bar:30}] {pos}/{len} ({eta})");
-            let r = attribute_generation(&model, &prompt, &gen_ids, method, a.steps, &mut |d, t| {
-                bar.set_length(t as u64);
-                bar.set_position(d as u64);
-            })?;
+            let t0 = std::time::Instant::now();
+            let r =
+                attribute_generation(&model, &prompt, &gen_ids, method, a.steps, &mut |d, t| {
+                    bar.set_length(t as u64);
+                    bar.set_position(d as u64);
+                })?;
             bar.finish_and_clear();
-            Some(r)
+            Some((r, t0.elapsed().as_secs_f64()))
         }
         None => None,
     };
@@ -172,7 +176,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .cloned()
         .chain(gen_ids.iter().map(|&i| model.tokenizer.token_text(i)))
         .collect();
-    if let (Some(r), Some(path)) = (&attribution, &a.html) {
+    if let (Some((r, _)), Some(path)) = (&attribution, &a.html) {
         let attention: Vec<Vec<f32>> = g.generated.iter().map(|t| t.attention.clone()).collect();
         let title = format!(
             "attnscope · {} · why each answer token ({})",
@@ -182,7 +186,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let html = render::page(r, &all_texts, &attention, &title, &model.info.name);
         write_new_file(path, html.as_bytes(), a.force)?;
         if !a.json {
-            eprintln!("wrote {}; open it in a browser, no network needed", path.display());
+            eprintln!(
+                "wrote {}; open it in a browser, no network needed",
+                path.display()
+            );
         }
     }
     if a.json {
@@ -208,8 +215,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             })).collect::<Vec<_>>(),
         });
         let mut v = v;
-        if let Some(r) = &attribution {
+        if let Some((r, secs)) = &attribution {
             v["attribution"] = render::json(r, &all_texts);
+            v["attribution"]["seconds"] = serde_json::json!(secs);
         }
         emit(&format!("{}\n", serde_json::to_string_pretty(&v)?))?;
         return Ok(());
@@ -220,7 +228,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let colour = std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none();
     if a.quiet {
         return match &attribution {
-            Some(r) => emit(&render::terminal(r, &all_texts, colour)),
+            Some((r, _)) => emit(&render::terminal(r, &all_texts, colour)),
             None => Ok(()),
         };
     }
@@ -257,8 +265,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         g.prefill_s,
         g.generated.len().saturating_sub(1) as f64 / g.decode_s.max(1e-9)
     ));
-    if let Some(r) = &attribution {
+    if let Some((r, secs)) = &attribution {
         s.push_str(&render::terminal(r, &all_texts, colour));
+        s.push_str(&format!("attribution {secs:.2} s\n"));
     }
     emit(&s)
 }
