@@ -95,8 +95,8 @@ pub fn terminal(g: &GenAttribution, texts: &[String], colour: bool) -> String {
     for i in 0..p + a - 1 {
         s.push_str(&label(i));
         s.push(' ');
-        for j in 0..a {
-            s.push_str(&cell(g.matrix[i][j], max[j], colour));
+        for (&v, &m) in g.matrix[i].iter().zip(&max) {
+            s.push_str(&cell(v, m, colour));
         }
         s.push('\n');
     }
