@@ -49,6 +49,7 @@ p_len, n_ans = len(at["prompt_tokens"]), len(at["answer_tokens"])
 answer_ids = [t["id"] for t in r["generated"]]
 answer = tok.decode(answer_ids)
 ours = at["seconds"]
+print(f"attnscope: {p_len} prompt + {n_ans} answer tokens, occlusion {ours:.2f} s; inseq next", file=sys.stderr, flush=True)
 
 model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32, attn_implementation="eager").eval()
 im = inseq.load_model(model, "occlusion", tokenizer=tok)
