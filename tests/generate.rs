@@ -348,3 +348,373 @@ fn smol_greedy_generation_equals_transformers() {
 fn gemma_greedy_generation_equals_transformers() {
     real("gemma3-270m", "gemma_generate.json");
 }
+
+/// The ids of a JSON `tokens` list (`[{"id": ...}, ...]`).
+fn ids_of(tokens: &serde_json::Value) -> Vec<u64> {
+    tokens
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["id"].as_u64().unwrap())
+        .collect()
+}
+
+fn golden_chat_ids(golden: &str) -> (String, Vec<u64>) {
+    let g = common::golden_json(golden);
+    let c = &g["cases"]["chat_hanoi"];
+    let ids = c["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
+    (c["prompt"].as_str().unwrap().to_string(), ids)
+}
+
+/// `--chat` on `inspect`, `view`, `faithfulness` and `ablate` runs the analysis on the chat
+/// prompt exactly as transformers' `apply_chat_template` tokenizes it (the golden's prompt ids);
+/// a model without a template (gemma3-270m's GGUF) is refused with exit 2 and a hint of --text.
+#[test]
+fn chat_prompts_run_the_analyses_as_transformers_tokenizes_them() {
+    for (alias, golden) in [
+        ("qwen2.5-coder-0.5b", "qwen_generate.json"),
+        ("smollm2-135m", "smol_generate.json"),
+    ] {
+        common::real_model(alias); // fetched if missing
+        let (question, want) = golden_chat_ids(golden);
+        let out = cli(&["inspect", "-m", alias, "--chat", &question, "--json"]);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(ids_of(&v["tokens"]), want, "{alias}: inspect --chat tokens");
+        // the query defaults to the last position: the template's generation prompt
+        assert_eq!(v["query"].as_u64(), Some(want.len() as u64 - 1));
+    }
+    // the interventions and the view on the small model (each runs many forwards)
+    let (question, want) = golden_chat_ids("smol_generate.json");
+    let m = "smollm2-135m";
+    for args in [
+        &["faithfulness", "--gradients", "none", "--json"][..],
+        &["ablate", "--json"],
+    ] {
+        let mut all = vec![args[0], "-m", m, "--chat", &question];
+        all.extend_from_slice(&args[1..]);
+        let out = cli(&all);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(ids_of(&v["tokens"]), want, "{args:?} --chat tokens");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let page = dir.path().join("chat.html");
+    let out = cli(&[
+        "view",
+        "-m",
+        m,
+        "--chat",
+        &question,
+        "--system",
+        "Answer in one word.",
+        "-o",
+        page.to_str().unwrap(),
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(page.exists());
+    let with_system = common::real_model(m)
+        .chat_ids(&question, Some("Answer in one word."))
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains(&format!("{} tokens", with_system.len())),
+        "{stdout}"
+    );
+    let with_system: Vec<u64> = with_system.iter().map(|&i| i as u64).collect();
+    assert_ne!(
+        with_system, want,
+        "the system message replaces the default one"
+    );
+    // no template: exit 2, with the hint
+    common::real_model("gemma3-270m");
+    for cmd in ["inspect", "view", "faithfulness", "ablate"] {
+        let page = dir.path().join("g.html");
+        let mut args = vec![cmd, "-m", "gemma3-270m", "--chat", "hi"];
+        if cmd == "view" {
+            args.extend_from_slice(&["-o", page.to_str().unwrap()]);
+        }
+        let out = cli(&args);
+        assert_eq!(out.status.code(), Some(2), "{cmd}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("no chat template") && err.contains("--text"),
+            "{cmd}: {err}"
+        );
+    }
+    // --system without --chat is a usage error
+    let out = cli(&["inspect", "-m", m, "--system", "x", "--text", "hi"]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
+/// `generate --attribute`'s matrix on tiny models: occlusion's one-forward-per-deletion columns
+/// equal `attribute --method occlusion` (one deletion run per answer token) on each answer
+/// token's own input, and every gradient method's columns equal `attribute` on that input;
+/// positions past a token's input are NaN.
+#[test]
+fn the_generation_matrix_equals_attribute_on_each_teacher_forced_input() {
+    use attnscope::analysis::attribute::{attribute, AttributeOptions, Method};
+    use attnscope::analysis::faithfulness::Target;
+    use attnscope::analysis::gen_attribute::attribute_generation;
+    for arch in [Arch::Llama, Arch::Qwen2] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.gguf");
+        write_gguf(&tiny_model(arch, 5), arch, GgmlDType::F32, &path).unwrap();
+        let model = Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();
+        let prompt = [72u32, 101, 108, 108, 111, 32];
+        let answer = [119u32, 111, 114, 108, 100];
+        let (p, a) = (prompt.len(), answer.len());
+        let ids: Vec<u32> = prompt.iter().chain(&answer).copied().collect();
+        for method in [
+            Method::Occlusion,
+            Method::Gradient,
+            Method::GradXInput,
+            Method::IntegratedGradients,
+            Method::AttnLrp,
+        ] {
+            let g =
+                attribute_generation(&model, &prompt, &answer, method, 4, &mut |_, _| {}).unwrap();
+            assert_eq!(g.matrix.len(), p + a);
+            assert_eq!(g.answer_len(), a);
+            for j in 0..a {
+                let want = attribute(
+                    &model,
+                    &ids[..p + j],
+                    &AttributeOptions {
+                        method,
+                        target: Target::Id(answer[j]),
+                        wrong: None,
+                        steps: 4,
+                    },
+                    &mut |_, _| {},
+                )
+                .unwrap();
+                assert!(
+                    (g.logprobs[j] - want.logprob).abs() <= 1e-5,
+                    "{arch:?} {method:?} {j}: logprob"
+                );
+                for i in 0..p + a {
+                    let got = g.matrix[i][j];
+                    if i >= p + j {
+                        assert!(
+                            got.is_nan(),
+                            "{arch:?} {method:?}: ({i}, {j}) is not an input"
+                        );
+                        continue;
+                    }
+                    let w = want.tokens[i].score;
+                    assert!(
+                        (got - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                        "{arch:?} {method:?} cell ({i}, {j}): {got} vs attribute's {w}"
+                    );
+                }
+            }
+        }
+    }
+    // a one-token prompt: deleting it leaves answer 0 nothing to predict from (NaN), the rest
+    // is defined
+    let dir = tempfile::tempdir().unwrap();
+    let path = tiny_gguf(dir.path(), None);
+    let model = Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();
+    let g = attribute_generation(
+        &model,
+        &[72],
+        &[101, 108],
+        Method::Occlusion,
+        1,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    assert!(g.matrix[0][0].is_nan() && g.matrix[0][1].is_finite() && g.matrix[1][1].is_finite());
+    assert!(
+        attribute_generation(&model, &[72], &[], Method::Occlusion, 1, &mut |_, _| {}).is_err()
+    );
+    assert!(attribute_generation(
+        &model,
+        &[72],
+        &[5],
+        Method::IntegratedGradients,
+        0,
+        &mut |_, _| {}
+    )
+    .is_err());
+}
+
+/// The command: `--json` has the matrix (null above each column's input), `--html` writes a
+/// self-contained page with it, and bad input exits 2.
+#[test]
+fn generate_attribute_json_html_and_bad_input() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = tiny_gguf(dir.path(), None);
+    let p = path.to_str().unwrap();
+    let page = dir.path().join("a.html");
+    let out = cli(&[
+        "generate",
+        "-m",
+        p,
+        "--text",
+        "hello",
+        "--max-new-tokens",
+        "4",
+        "--attribute",
+        "occlusion",
+        "--json",
+        "--html",
+        page.to_str().unwrap(),
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let at = &v["attribution"];
+    assert_eq!(at["method"], "occlusion");
+    let np = at["prompt_tokens"].as_array().unwrap().len();
+    let na = at["answer_tokens"].as_array().unwrap().len();
+    assert_eq!(np, v["prompt_ids"].as_array().unwrap().len());
+    assert_eq!(na, v["generated"].as_array().unwrap().len());
+    let m = at["matrix"].as_array().unwrap();
+    assert_eq!(m.len(), np + na);
+    for (i, row) in m.iter().enumerate() {
+        let row = row.as_array().unwrap();
+        assert_eq!(row.len(), na);
+        for (j, c) in row.iter().enumerate() {
+            assert_eq!(c.is_null(), i >= np + j, "cell ({i}, {j}) = {c}");
+        }
+    }
+    let html = std::fs::read_to_string(&page).unwrap();
+    assert!(html.contains("\"attribution\"") && !html.contains("/*ATTNSCOPE_DATA*/"));
+    assert!(
+        !html.contains("http://") && !html.contains("https://"),
+        "no network"
+    );
+    // the terminal matrix without colour
+    let out = assert_cmd::Command::cargo_bin("attnscope")
+        .unwrap()
+        .args([
+            "generate",
+            "-m",
+            p,
+            "--text",
+            "hello",
+            "--max-new-tokens",
+            "3",
+            "--attribute",
+            "grad-x-input",
+        ])
+        .env("NO_COLOR", "1")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        s.contains("why each answer token")
+            && (s.contains(" +9") || s.contains(" -9"))
+            && !s.contains("\x1b["),
+        "{s}"
+    );
+    for bad in [
+        &["--html", "x.html"][..],
+        &["--attribute", "bogus"],
+        &["--attribute", "integrated-gradients", "--steps", "0"],
+        &["--attribute", "occlusion", "--html", page.to_str().unwrap()],
+    ] {
+        let mut args = vec!["generate", "-m", p, "--text", "hello"];
+        args.extend_from_slice(bad);
+        let out = cli(&args);
+        assert_eq!(out.status.code(), Some(2), "{bad:?}");
+    }
+}
+
+/// `generate --attribute` on SmolLM2 against transformers + torch autograd
+/// (`tests/golden/smol_gen_attribution.json`, `make_gen_attribution_golden.py`): the chat prompt,
+/// the greedy answer, each answer token's teacher-forced log-probability, and every cell of the
+/// gradient, grad × input, integrated gradients (8 steps) and occlusion (deletion) matrices.
+#[test]
+fn smol_generation_attribution_equals_transformers_and_autograd() {
+    use attnscope::analysis::attribute::Method;
+    use attnscope::analysis::gen_attribute::attribute_generation;
+    let model = common::real_model("smollm2-135m");
+    let g = common::golden_json("smol_gen_attribution.json");
+    let ids = |k: &str| -> Vec<u32> {
+        g[k].as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let (prompt, answer) = (ids("prompt_ids"), ids("answer_ids"));
+    assert_eq!(
+        model
+            .chat_ids(g["question"].as_str().unwrap(), None)
+            .unwrap(),
+        prompt,
+        "the chat prompt"
+    );
+    let o = GenOptions {
+        max_new_tokens: answer.len(),
+        ..Default::default()
+    };
+    let gen: Vec<u32> = model
+        .generate(&prompt, &o, |_| {})
+        .unwrap()
+        .generated
+        .iter()
+        .map(|t| t.id)
+        .collect();
+    assert_eq!(gen, answer, "the greedy answer");
+    let p = prompt.len();
+    let steps = g["ig_steps"].as_u64().unwrap() as usize;
+    for (method, key, tol) in [
+        (Method::Gradient, "l2", 1e-4),
+        (Method::GradXInput, "gxi", 1e-4),
+        (Method::IntegratedGradients, "ig", 1e-4),
+        (Method::Occlusion, "occlusion", 1e-4),
+    ] {
+        let m =
+            attribute_generation(model, &prompt, &answer, method, steps, &mut |_, _| {}).unwrap();
+        let (mut err, mut scale) = (0f64, 0f64);
+        for (j, col) in g[key].as_array().unwrap().iter().enumerate() {
+            let col = col.as_array().unwrap();
+            assert_eq!(col.len(), p + j, "{key} column {j}");
+            let lp = g["logprob"][j].as_f64().unwrap();
+            assert!(
+                (m.logprobs[j] as f64 - lp).abs() <= 1e-4,
+                "{key} {j}: logprob {} vs {lp}",
+                m.logprobs[j]
+            );
+            for (i, w) in col.iter().enumerate() {
+                let w = w.as_f64().unwrap();
+                err = err.max((m.matrix[i][j] as f64 - w).abs());
+                scale = scale.max(w.abs());
+            }
+        }
+        eprintln!("smol {key}: worst |error| {err:.3e} of the largest value {scale:.3e}");
+        assert!(
+            err <= tol * scale.max(1.0),
+            "{key}: worst |error| {err:.3e}"
+        );
+    }
+}

@@ -10,6 +10,7 @@ pub mod corpus;
 pub mod dla;
 pub mod encoder;
 pub mod faithfulness;
+pub mod gen_attribute;
 pub mod heads;
 pub mod inspect;
 pub mod intervene;

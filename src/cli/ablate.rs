@@ -45,9 +45,8 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let text = a.text.read()?;
     let model = a.model.load()?;
-    let tokens = model.encode(&text, a.model.bos)?;
+    let tokens = a.text.tokens(&model, a.model.bos)?;
     let positions = a
         .positions
         .as_deref()

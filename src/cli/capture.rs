@@ -237,7 +237,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let start = std::time::Instant::now();
     let model = a.model.load()?;
     let loaded = start.elapsed();
-    let (_, tokens) = a.text.tokens(&model, a.model.bos)?;
+    let tokens = a.text.tokens_or_pair(&model, a.model.bos)?;
     let n = tokens.len();
     let d = &model.dims;
     if n > d.context_len {

@@ -99,34 +99,66 @@ pub struct TextArgs {
     pub file: Option<PathBuf>,
     /// An encoder's second text (`inspect`, `capture`, `heatmap`): the input is the sentence pair
     /// `[CLS] TEXT [SEP] PAIR [SEP]`, token types 0 then 1.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "chat")]
     pub pair: Option<String>,
+    /// A user message put through the model's own chat template (generation prompt added):
+    /// the analysis runs on the chat prompt exactly as the model sees it.
+    #[arg(long, conflicts_with_all = ["text", "file"])]
+    pub chat: Option<String>,
+    /// A system message for --chat (default: the template's own, if it has one).
+    #[arg(long, requires = "chat")]
+    pub system: Option<String>,
 }
 
 impl TextArgs {
-    /// The text and its tokens: a sentence pair when `--pair` is given (an encoder's), else
-    /// [`Model::encode`] of the text with the BOS as `bos` says.
-    pub fn tokens(&self, model: &Model, bos: bool) -> anyhow::Result<(String, Vec<u32>)> {
-        let text = self.read_any()?;
-        let tokens = match &self.pair {
-            Some(b) => model.encode_pair(&text, b)?,
-            None => model.encode(&text, bos)?,
-        };
-        Ok((text, tokens))
+    /// The token ids to run: `--chat` through the model's own template (its BOS as the template
+    /// writes it; a model without a template is refused, exit 2), else [`TextArgs::read`]'s text
+    /// encoded (a BOS first as the model asks, or always with `force_bos`). `--pair` is refused
+    /// (see [`TextArgs::tokens_or_pair`]).
+    pub fn tokens(&self, model: &Model, force_bos: bool) -> anyhow::Result<Vec<u32>> {
+        check_system(self.chat.is_some(), self.system.is_some())?;
+        match &self.chat {
+            Some(q) => {
+                self.refuse_pair()?;
+                Ok(model.chat_ids(q, self.system.as_deref())?)
+            }
+            None => Ok(model.encode(&self.read()?, force_bos)?),
+        }
     }
 
-    /// The text, refusing `--pair` (a command that runs one text).
-    pub fn read(&self) -> anyhow::Result<String> {
+    /// [`TextArgs::tokens`], or with `--pair` the encoder's sentence pair
+    /// ([`Model::encode_pair`]; a decoder refuses it).
+    pub fn tokens_or_pair(&self, model: &Model, force_bos: bool) -> anyhow::Result<Vec<u32>> {
+        match &self.pair {
+            Some(b) if self.chat.is_none() => Ok(model.encode_pair(&self.read_any()?, b)?),
+            _ => self.tokens(model, force_bos),
+        }
+    }
+
+    fn refuse_pair(&self) -> anyhow::Result<()> {
         if self.pair.is_some() {
             return Err(usage(
-                "--pair (a sentence pair for an encoder) is taken by inspect, capture and heatmap; this command runs one text",
+                "--pair (a sentence pair for an encoder) is taken by inspect, capture and heatmap, without --chat; this command runs one text",
             ));
         }
+        Ok(())
+    }
+
+    /// The text: `--text`, `--file`, piped standard input, or the lesson's sentence (refusing
+    /// `--pair` and `--chat`: a command that reads one plain text).
+    pub fn read(&self) -> anyhow::Result<String> {
+        self.refuse_pair()?;
         self.read_any()
     }
 
     /// The text: `--text`, `--file`, piped standard input, or the lesson's sentence.
     fn read_any(&self) -> anyhow::Result<String> {
+        check_system(self.chat.is_some(), self.system.is_some())?;
+        if self.chat.is_some() {
+            return Err(usage(
+                "--chat gives a chat prompt; this command reads a plain text (--text or --file)",
+            ));
+        }
         if let Some(t) = &self.text {
             return Ok(t.clone());
         }
@@ -167,6 +199,17 @@ impl TextArgs {
         }
         Ok(LESSON_SENTENCE.to_string())
     }
+}
+
+/// Refuses `--system` without `--chat` (clap does not enforce `requires` when a conflicting
+/// argument such as `--text` is present).
+pub fn check_system(chat: bool, system: bool) -> anyhow::Result<()> {
+    if system && !chat {
+        return Err(usage(
+            "--system sets the system message of a chat; give the question with --chat",
+        ));
+    }
+    Ok(())
 }
 
 /// Parses `all`, `3`, `0-3`, `0,12,23` (and mixes such as `0-2,7`) into indices `< count`.

@@ -27,9 +27,8 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let text = a.text.read()?;
     let model = a.model.load()?;
-    let tokens = model.encode(&text, a.model.bos)?;
+    let tokens = a.text.tokens(&model, a.model.bos)?;
     let r = dla(&model, &tokens, &a.answer, a.wrong.as_ref())?;
     if a.json {
         return emit(&format!("{}\n", serde_json::to_string_pretty(&r)?));

@@ -50,9 +50,8 @@ pub enum Gradients {
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     crate::analysis::attribute::check_steps(a.steps)?;
-    let text = a.text.read()?;
     let model = a.model.load()?;
-    let tokens = model.encode(&text, a.model.bos)?;
+    let tokens = a.text.tokens(&model, a.model.bos)?;
     let bar = progress_bar("forward passes [{bar:30}] {pos}/{len} ({eta})");
     let opts = FaithOptions {
         target: a.target,

@@ -1,9 +1,14 @@
 //! `attnscope generate`: chat with the model (its own template) or continue a text, token by token
 //! on a KV cache, and show what the query that produced each token attended to.
 
-use super::common::{emit, usage, ModelArgs};
+use super::common::{emit, progress_bar, usage, write_new_file, ModelArgs};
+use crate::analysis::attribute::Method;
+use crate::analysis::gen_attribute::attribute_generation;
 use crate::model::generate::{GenOptions, GenToken};
 use crate::model::tokenize::visible;
+use crate::render::gen_attribute as render;
+use std::io::IsTerminal;
+use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -45,6 +50,28 @@ pub struct Args {
     /// Stream only the answer's text (no per-token table).
     #[arg(long)]
     quiet: bool,
+    /// Why each answer token came: its log-probability, teacher-forced on the generated text,
+    /// attributed to the prompt tokens and the answer tokens before it (a matrix, inseq-style):
+    /// occlusion (deletion: f − f without the token; one forward per token for the whole answer),
+    /// gradient, grad-x-input, integrated-gradients, attention-x-gradient, attnlrp (the
+    /// target's logit under AttnLRP's rules), value-zeroing, alti-logit (one backward or
+    /// decomposition per answer token; integrated gradients `--steps` each), as `attribute`.
+    #[arg(long, value_parser = parse_method, value_name = "METHOD")]
+    attribute: Option<Method>,
+    /// Integrated gradients' midpoints per answer token.
+    #[arg(long, default_value_t = 32)]
+    steps: usize,
+    /// With --attribute: also write a self-contained HTML page (prompt and answer; click an
+    /// answer token to shade the prompt by attribution and by attention, side by side).
+    #[arg(long, requires = "attribute", value_name = "FILE")]
+    html: Option<PathBuf>,
+    /// Replace an existing --html file.
+    #[arg(long)]
+    force: bool,
+}
+
+fn parse_method(s: &str) -> Result<Method, String> {
+    s.parse()
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -58,10 +85,21 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         top: a.top,
     };
     o.check()?;
+    super::common::check_system(a.chat.is_some(), a.system.is_some())?;
     if a.chat.is_none() && a.text.is_none() {
         return Err(usage(
             "say what to generate from: --chat \"a question\" (the model's chat template) or --text \"a text\" (a raw continuation)",
         ));
+    }
+    if a.attribute == Some(Method::IntegratedGradients) {
+        crate::analysis::attribute::check_steps(a.steps)?;
+    }
+    if let Some(h) = &a.html {
+        if h.exists() && !a.force {
+            return Err(anyhow::Error::new(crate::model::Error::Exists {
+                path: h.clone(),
+            }));
+        }
     }
     let model = a.model.load()?;
     model.require_decoder("generate (predicting one token after another)")?;
@@ -117,6 +155,44 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .flat_map(|t| model.tokenizer.token_bytes(t.id))
         .collect();
     let gen_ids: Vec<u32> = g.generated.iter().map(|t| t.id).collect();
+    let attribution = match a.attribute {
+        Some(method) => {
+            if stream {
+                emit("\n")?;
+            }
+            let bar = progress_bar("attribution [{bar:30}] {pos}/{len} ({eta})");
+            let t0 = std::time::Instant::now();
+            let r =
+                attribute_generation(&model, &prompt, &gen_ids, method, a.steps, &mut |d, t| {
+                    bar.set_length(t as u64);
+                    bar.set_position(d as u64);
+                })?;
+            bar.finish_and_clear();
+            Some((r, t0.elapsed().as_secs_f64()))
+        }
+        None => None,
+    };
+    let all_texts: Vec<String> = texts
+        .iter()
+        .cloned()
+        .chain(gen_ids.iter().map(|&i| model.tokenizer.token_text(i)))
+        .collect();
+    if let (Some((r, _)), Some(path)) = (&attribution, &a.html) {
+        let attention: Vec<Vec<f32>> = g.generated.iter().map(|t| t.attention.clone()).collect();
+        let title = format!(
+            "attnscope · {} · why each answer token ({})",
+            model.info.name,
+            r.method.name()
+        );
+        let html = render::page(r, &all_texts, &attention, &title, &model.info.name);
+        write_new_file(path, html.as_bytes(), a.force)?;
+        if !a.json {
+            eprintln!(
+                "wrote {}; open it in a browser, no network needed",
+                path.display()
+            );
+        }
+    }
     if a.json {
         let v = serde_json::json!({
             "model": model.info.name,
@@ -139,12 +215,23 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 "concentrated": t.concentrated,
             })).collect::<Vec<_>>(),
         });
+        let mut v = v;
+        if let Some((r, secs)) = &attribution {
+            v["attribution"] = render::json(r, &all_texts);
+            v["attribution"]["seconds"] = serde_json::json!(secs);
+        }
         emit(&format!("{}\n", serde_json::to_string_pretty(&v)?))?;
         return Ok(());
     }
-    emit("\n")?;
+    if attribution.is_none() {
+        emit("\n")?;
+    }
+    let colour = std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none();
     if a.quiet {
-        return Ok(());
+        return match &attribution {
+            Some((r, _)) => emit(&render::terminal(r, &all_texts, colour)),
+            None => Ok(()),
+        };
     }
     let n_layers = model.dims.n_layers;
     let mut s = format!(
@@ -179,5 +266,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         g.prefill_s,
         g.generated.len().saturating_sub(1) as f64 / g.decode_s.max(1e-9)
     ));
+    if let Some((r, secs)) = &attribution {
+        s.push_str(&render::terminal(r, &all_texts, colour));
+        s.push_str(&format!("attribution {secs:.2} s\n"));
+    }
     emit(&s)
 }

@@ -15,7 +15,7 @@ pub struct Args {
     text: TextArgs,
     /// Instead of a text: N random token ids, then the same N again (BOS first if the model uses
     /// one). The standard test for induction heads.
-    #[arg(long, value_name = "N", conflicts_with_all = ["text", "file"])]
+    #[arg(long, value_name = "N", conflicts_with_all = ["text", "file", "chat"])]
     random_repeat: Option<usize>,
     /// Seed of --random-repeat.
     #[arg(long, default_value_t = 0)]
@@ -72,7 +72,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         source = format!("{} texts, one per line", texts.len());
     } else {
-        texts.push(model.encode(&a.text.read()?, a.model.bos)?);
+        texts.push(a.text.tokens(&model, a.model.bos)?);
         source = "the text".into();
     }
     let all: Vec<HeadRoles> = texts

@@ -42,7 +42,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let start = Instant::now();
     let model = a.model.load()?;
     let loaded = start.elapsed();
-    let (_, tokens) = a.text.tokens(&model, a.model.bos)?;
+    let tokens = a.text.tokens_or_pair(&model, a.model.bos)?;
     let (n, d) = (tokens.len(), &model.dims);
     if model.is_encoder() {
         return encoder(&a, &model, &tokens, loaded.as_secs_f64());

@@ -190,13 +190,23 @@ pub fn view_html_with(
     bos: bool,
     opts: &ViewOptions,
 ) -> anyhow::Result<(String, usize)> {
+    view_html_tokens(model, &model.encode(text, bos)?, opts)
+}
+
+/// The view page of `tokens` (a text already encoded, or a chat prompt through the model's
+/// template) with the panels `opts` asks for, and the token count.
+pub fn view_html_tokens(
+    model: &crate::model::Model,
+    tokens: &[u32],
+    opts: &ViewOptions,
+) -> anyhow::Result<(String, usize)> {
     let faithfulness = opts.faithfulness;
     if opts.target.is_some() && !faithfulness && opts.ablate.is_none() {
         return Err(usage(
             "--target names the token the ablation (--ablate) and faithfulness (--faithfulness) panels measure; ask for one of them",
         ));
     }
-    let tokens = model.encode(text, bos)?;
+    let tokens = tokens.to_vec();
     let (n, d) = (tokens.len(), &model.dims);
     if n > MAX_VIEW_TOKENS {
         return Err(usage(format!("the text is {n} tokens; the view takes at most {MAX_VIEW_TOKENS} (use `attnscope sinks` for longer texts: it streams any length up to the context)")));
@@ -362,15 +372,15 @@ pub fn view(a: ViewArgs) -> anyhow::Result<()> {
             path: a.out.clone(),
         }));
     }
-    let text = a.text.read()?;
     let model = a.model.load()?;
+    let tokens = a.text.tokens(&model, a.model.bos)?;
     let opts = ViewOptions {
         faithfulness: a.faithfulness,
         ablate: a.ablate,
         target: a.target,
         progress: true,
     };
-    let (html, n) = view_html_with(&model, &text, a.model.bos, &opts)?;
+    let (html, n) = view_html_tokens(&model, &tokens, &opts)?;
     let d = &model.dims;
     write_new_file(&a.out, html.as_bytes(), a.force)?;
     emit(&format!("wrote {} ({:.1} MB, {n} tokens, {} layers × {} heads); open it in a browser, no network needed\n", a.out.display(), html.len() as f64 / 1e6, d.n_layers, d.n_heads))
@@ -414,7 +424,7 @@ pub fn heatmap(a: HeatmapArgs) -> anyhow::Result<()> {
         }));
     }
     let model = a.model.load()?;
-    let (_, tokens) = a.text.tokens(&model, a.model.bos)?;
+    let tokens = a.text.tokens_or_pair(&model, a.model.bos)?;
     let (n, d) = (tokens.len(), &model.dims);
     let layer = check_index(a.layer, d.n_layers, "layer")?;
     let head = match a.head.as_str() {

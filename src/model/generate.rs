@@ -199,6 +199,10 @@ pub struct GenToken {
     pub top: Vec<(usize, f32)>,
     /// Heads whose largest weight reaches [`GenOptions::concentrated`].
     pub concentrated: Vec<ConcentratedHead>,
+    /// The producing query's whole row, averaged over heads and layers: a weight per key
+    /// `0..=position − 1` (what `top` ranks; the HTML view of `generate --attribute` shows it).
+    #[serde(skip)]
+    pub attention: Vec<f32>,
 }
 
 /// Why generation stopped.
@@ -354,6 +358,15 @@ impl Model {
     /// The token ids of a chat through the model's own template, with the generation prompt
     /// added; `system` adds a system message first (else the template's default, if any).
     pub fn chat_ids(&self, user: &str, system: Option<&str>) -> Result<Vec<u32>> {
+        let rendered = self.chat_text(user, system)?;
+        // the template writes the BOS itself where the model wants one
+        self.encode_with(&rendered, Some(false))
+    }
+
+    /// The text of a chat as the model's own template renders it (generation prompt added), the
+    /// text [`Model::chat_ids`] tokenizes. A model without a template is refused
+    /// ([`Error::NotApplicable`], a bad input), with a suggestion of `--text`.
+    pub fn chat_text(&self, user: &str, system: Option<&str>) -> Result<String> {
         let tpl = self.tokenizer.chat_template.as_deref().ok_or_else(|| {
             Error::NotApplicable(format!(
                 "{} has no chat template (no tokenizer.chat_template in its metadata, no \
@@ -376,15 +389,13 @@ impl Model {
             id.map(|i| String::from_utf8_lossy(&self.tokenizer.token_bytes(i)).into_owned())
                 .unwrap_or_default()
         };
-        let rendered = render_chat(
+        render_chat(
             tpl,
             &msgs,
             true,
             &text_of(self.tokenizer.bos_id),
             &text_of(self.tokenizer.eos_id),
-        )?;
-        // the template writes the BOS itself where the model wants one
-        self.encode_with(&rendered, Some(false))
+        )
     }
 
     /// Generates from `prompt` with a KV cache (one new row per token against every layer's
@@ -446,12 +457,8 @@ impl Model {
             let id = pick(&logits, o, &mut rng);
             let logprob = log_softmax(&logits)[id as usize];
             let scale = 1.0 / (self.dims.n_heads * self.dims.n_layers) as f64;
-            let mut top: Vec<(usize, f32)> = obs
-                .avg
-                .iter()
-                .enumerate()
-                .map(|(j, &w)| (j, (w * scale) as f32))
-                .collect();
+            let attention: Vec<f32> = obs.avg.iter().map(|&w| (w * scale) as f32).collect();
+            let mut top: Vec<(usize, f32)> = attention.iter().copied().enumerate().collect();
             top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
             top.truncate(o.top);
             let tok = GenToken {
@@ -462,6 +469,7 @@ impl Model {
                 sink: obs.sink,
                 top,
                 concentrated: obs.concentrated,
+                attention,
             };
             if step == 0 {
                 prefill_s = t0.elapsed().as_secs_f64();

@@ -1,5 +1,6 @@
 //! Renderers: they format what the analyses computed; no maths here.
 pub mod direct;
+pub mod gen_attribute;
 pub mod heatmap;
 pub mod html;
 pub mod npy;

@@ -789,6 +789,76 @@ impl Model {
             .collect();
         Ok((g.target, g.value, grads))
     }
+
+    /// Generates from `text` (a chat message through the model's template when `chat`, with
+    /// `system` first if given; else a raw text), greedy or sampled as [`Model::generate`], then
+    /// attributes each answer token's teacher-forced log-probability to the positions before it
+    /// by `method` (`attnscope generate --attribute`). Returns (the token texts, the prompt's
+    /// length, the matrix `[prompt + answer, answer]` as float32 with NaN where a position is
+    /// not in the token's input, each answer token's log-probability, the ids, the
+    /// head-and-layer-averaged attention row of the query that produced each answer token).
+    #[pyo3(signature = (text, method = "occlusion", chat = true, system = None, max_new_tokens = 32,
+                        temperature = 0.0, top_k = 0, top_p = 1.0, seed = 0, steps = 32))]
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn attribute_generation<'py>(
+        &self,
+        py: Python<'py>,
+        text: String,
+        method: &str,
+        chat: bool,
+        system: Option<String>,
+        max_new_tokens: usize,
+        temperature: f32,
+        top_k: usize,
+        top_p: f32,
+        seed: u64,
+        steps: usize,
+    ) -> PyResult<(
+        Vec<String>,
+        usize,
+        Bound<'py, PyAny>,
+        Vec<f32>,
+        Vec<u32>,
+        Vec<Vec<f32>>,
+    )> {
+        use attnscope::analysis::gen_attribute::attribute_generation;
+        let method: attnscope::analysis::attribute::Method =
+            method.parse().map_err(PyValueError::new_err)?;
+        let m = self.inner.clone();
+        let (r, attention) = engine(py, move || {
+            let prompt = if chat {
+                m.chat_ids(&text, system.as_deref())?
+            } else {
+                m.encode_with(&text, None)?
+            };
+            let o = attnscope::model::generate::GenOptions {
+                max_new_tokens,
+                temperature,
+                top_k,
+                top_p,
+                seed,
+                ..Default::default()
+            };
+            let g = m.generate(&prompt, &o, |_| {})?;
+            let answer: Vec<u32> = g.generated.iter().map(|t| t.id).collect();
+            let r = attribute_generation(&m, &prompt, &answer, method, steps, &mut |_, _| {})?;
+            let attention = g.generated.into_iter().map(|t| t.attention).collect();
+            Ok((r, attention))
+        })?;
+        let (rows, cols) = (r.matrix.len(), r.answer_len());
+        let flat: Vec<f32> = r.matrix.iter().flatten().copied().collect();
+        let matrix = PyArray1::from_vec(py, flat)
+            .reshape([rows, cols])?
+            .into_any();
+        Ok((
+            self.inner.token_texts(&r.ids),
+            r.prompt_len,
+            matrix,
+            r.logprobs,
+            r.ids,
+            attention,
+        ))
+    }
 }
 
 impl Model {

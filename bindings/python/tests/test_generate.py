@@ -42,3 +42,26 @@ def test_seeded_sampling_and_bad_input(smol):
         smol.generate("x", top_p=0.0)
     with pytest.raises(ValueError):
         smol.generate("x", return_type="bytes")
+
+
+ATTR_GOLDEN = os.path.join(os.path.dirname(__file__), "..", "..", "..", "tests", "golden", "smol_gen_attribution.json")
+
+
+def test_attribute_generation_equals_autograd_and_deletions(smol):
+    """model.attribute_generation against transformers + torch autograd (tests/golden/
+    smol_gen_attribution.json): the greedy answer, and the gradient x input and occlusion matrices."""
+    g = json.load(open(ATTR_GOLDEN, encoding="utf-8"))
+    P, A = len(g["prompt_ids"]), len(g["answer_ids"])
+    for method, key in (("grad-x-input", "gxi"), ("occlusion", "occlusion")):
+        r = smol.attribute_generation(g["question"], method=method, max_new_tokens=A)
+        assert list(r["prompt_ids"]) == g["prompt_ids"] and list(r["answer_ids"]) == g["answer_ids"]
+        m = r["matrix"]
+        assert m.dtype == np.float32 and m.shape == (P + A, A)
+        assert len(r["prompt_tokens"]) == P and len(r["answer_tokens"]) == A
+        for j, col in enumerate(g[key]):
+            np.testing.assert_allclose(m[: P + j, j], np.asarray(col), atol=1e-3)
+            assert np.isnan(m[P + j:, j]).all()
+        np.testing.assert_allclose(r["logprobs"], g["logprob"], atol=1e-4)
+        assert len(r["attention"]) == A and all(len(a) == P + j for j, a in enumerate(r["attention"]))
+    with pytest.raises(ValueError):
+        smol.attribute_generation("x", method="bogus")

@@ -1207,6 +1207,29 @@ class HookedModel:
         r["token_ids"] = np.asarray(ids, dtype=np.int64)
         return r
 
+    def attribute_generation(self, input: str, method: str = "occlusion", max_new_tokens: int = 32, chat: bool = True,
+                             system: Optional[str] = None, temperature: float = 0.0, seed: Optional[int] = None,
+                             top_k: int = 0, top_p: float = 1.0, steps: int = 32) -> Dict[str, Any]:
+        """Generates an answer to ``input`` (through the model's chat template when ``chat``, else a raw
+        continuation; greedy unless ``temperature`` > 0), then attributes each answer token's
+        log-probability, teacher-forced on the generated text, to the prompt tokens and the answer
+        tokens before it (``attnscope generate --attribute``; ``method``: occlusion, gradient,
+        grad-x-input, integrated-gradients (``steps`` midpoints), attention-x-gradient, attnlrp,
+        value-zeroing, alti-logit). Returns a dict: ``matrix`` (float32 numpy ``[prompt + answer,
+        answer]``: row a position, column an answer token, NaN where the position is not in that
+        token's input), ``prompt_tokens``, ``answer_tokens`` (token texts), ``prompt_ids``,
+        ``answer_ids``, ``logprobs`` (each answer token's teacher-forced log-probability),
+        ``attention`` (per answer token, the head-and-layer-averaged row of the query that produced
+        it), ``answer`` (the text), ``method``."""
+        texts, p, matrix, logprobs, ids, attention = self._m.attribute_generation(
+            input, method=method, chat=chat, system=system, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed or 0, steps=steps)
+        answer = b"".join(bytes(b) for b in self._m.token_bytes(ids[p:])).decode("utf-8", "replace")
+        return {"method": method, "matrix": matrix, "prompt_tokens": texts[:p], "answer_tokens": texts[p:],
+                "prompt_ids": np.asarray(ids[:p], dtype=np.int64), "answer_ids": np.asarray(ids[p:], dtype=np.int64),
+                "logprobs": np.asarray(logprobs, dtype=np.float32),
+                "attention": [np.asarray(a, dtype=np.float32) for a in attention], "answer": answer}
+
     def view(self, text: str, faithfulness: bool = False, bos: bool = False, ablate: Optional[str] = None,
              target: Optional[Union[int, str]] = None) -> "viz.View":
         """The ``attnscope view`` page for ``text``; shows inline in a notebook, ``.save(path)``.
