@@ -493,6 +493,35 @@ class HookedModel:
         return b"".join(bytes(b) for b in self._m.token_bytes(p + g)).decode("utf-8", "replace")
 
     # tokens
+    def embed(self, texts, normalize: Optional[bool] = None) -> np.ndarray:
+        """Sentence embeddings of an encoder (``all-minilm-l6-v2``): a float32 array ``[n_texts,
+        d_model]``, computed as sentence-transformers' ``encode`` computes them: the mean of the
+        last hidden states over every token ([CLS] and [SEP] included), then divided by its L2
+        norm when the model folder's ``modules.json`` lists a ``Normalize`` module (all-MiniLM-L6-v2's
+        does, so its rows have norm 1). ``normalize=True``/``False`` overrides that.
+
+        ``texts``: a str, a pair ``("A", "B")`` (``[CLS] A [SEP] B [SEP]``, token types 0 then 1),
+        or a list of them. Texts run in parallel in the engine; a text longer than the model's
+        positions is refused (sentence-transformers would cut it at ``max_seq_length``)."""
+        if isinstance(texts, (str, tuple)):
+            texts = [texts]
+        firsts: List[str] = []
+        pairs: List[Optional[str]] = []
+        for t in texts:
+            if isinstance(t, str):
+                firsts.append(t)
+                pairs.append(None)
+            elif isinstance(t, tuple) and len(t) == 2 and all(isinstance(x, str) for x in t):
+                firsts.append(t[0])
+                pairs.append(t[1])
+            else:
+                raise TypeError(f"embed takes a str, a pair (str, str) or a list of them; got {type(t).__name__}")
+        if not firsts:
+            raise ValueError("embed needs at least one text")
+        if normalize not in (None, True, False):
+            raise ValueError(f"normalize={normalize!r}: use None (as modules.json says), True or False")
+        return self._m.embed(firsts, pairs, normalize)
+
     def to_tokens(self, input: Union[str, Sequence[str]], prepend_bos: Optional[bool] = None,
                   padding_side: Optional[str] = None, move_to_device: bool = True, truncate: bool = True) -> np.ndarray:
         """Token ids ``[1, n]`` (int64) of a text, or ``[b, n]`` of a list of texts, padded on the
