@@ -433,7 +433,10 @@ fn embed_matches_sentence_transformers() {
             assert!(d <= 1e-5, "{key} text {i}: max |diff| {d}");
         }
     }
-    assert_eq!(count.load(std::sync::atomic::Ordering::Relaxed), 2 * inputs.len());
+    assert_eq!(
+        count.load(std::sync::atomic::Ordering::Relaxed),
+        2 * inputs.len()
+    );
     // explicit normalization of the unnormalized rows gives unit norms
     let on = model.embed_texts(&inputs[..1], Some(true), &|| {}).unwrap();
     let norm: f64 = on.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt();
@@ -461,6 +464,13 @@ fn embed_matches_sentence_transformers() {
         pair: None,
     };
     assert!(model.embed_texts(&[empty], None, &|| {}).is_err());
+    assert_eq!(model.embed_max_seq_length(), Some(256));
+    let long = EmbedInput {
+        text: "word ".repeat(300),
+        pair: None,
+    };
+    let e = model.embed_texts(&[long], None, &|| {}).unwrap_err();
+    assert!(e.to_string().contains("max_seq_length 256"), "{e}");
 }
 
 #[test]
@@ -484,8 +494,7 @@ fn cli_embed_writes_npy_and_refuses_a_decoder() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let (shape, data) =
-        attnscope::render::npy::from_npy(&std::fs::read(&out).unwrap()).unwrap();
+    let (shape, data) = attnscope::render::npy::from_npy(&std::fs::read(&out).unwrap()).unwrap();
     assert_eq!(shape, vec![texts.len(), 384]);
     for (i, w) in g["normalized"].as_array().unwrap().iter().enumerate() {
         let w = floats(w);
@@ -502,5 +511,9 @@ fn cli_embed_writes_npy_and_refuses_a_decoder() {
         .args(["embed", "-m", "all-minilm-l6-v2", "--text", "hi"])
         .output()
         .unwrap();
-    assert_eq!(o.status.code(), Some(2), "no --out and no --json is a usage error");
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "no --out and no --json is a usage error"
+    );
 }

@@ -45,12 +45,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     texts.extend(a.text.iter().cloned());
     if texts.is_empty() {
-        return Err(usage(
-            "no texts: give --file (one text per line) or --text",
-        ));
+        return Err(usage("no texts: give --file (one text per line) or --text"));
     }
     if a.out.is_none() && !a.json {
-        return Err(usage("say where the embeddings go: --out FILE.npy, or --json"));
+        return Err(usage(
+            "say where the embeddings go: --out FILE.npy, or --json",
+        ));
     }
     let model = a.model.load()?;
     let normalize = match (a.normalize, a.no_normalize) {
@@ -101,9 +101,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     } else {
         emit(&format!(
             "{n} embeddings of {dm} ({}) from {} in {secs:.2} s -> {}\n",
-            if normalized { "L2-normalized" } else { "not normalized" },
+            if normalized {
+                "L2-normalized"
+            } else {
+                "not normalized"
+            },
             model.info.name,
-            a.out.as_ref().map(|p| p.display().to_string()).unwrap_or_default()
+            a.out
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default()
         ))
     }
 }

@@ -13,6 +13,7 @@ mod compare;
 pub mod corpus;
 mod cost;
 mod dla;
+mod embed;
 mod explain;
 mod faithfulness;
 mod generate;
@@ -22,7 +23,6 @@ mod inspect;
 mod patch;
 mod scaling;
 mod serve;
-mod embed;
 mod sinks;
 pub mod view;
 

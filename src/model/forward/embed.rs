@@ -36,11 +36,21 @@ impl Model {
         })
     }
 
+    /// The `max_seq_length` of the model folder's `sentence_bert_config.json`, if any: where
+    /// sentence-transformers cuts a text.
+    pub fn embed_max_seq_length(&self) -> Option<usize> {
+        let text =
+            std::fs::read_to_string(self.info.path.join("sentence_bert_config.json")).ok()?;
+        let v = serde_json::from_str::<serde_json::Value>(&text).ok()?;
+        v["max_seq_length"].as_u64().map(|m| m as usize)
+    }
+
     /// Sentence embeddings `[texts.len(), d_model]`, row-major: each text's mean-pooled last
     /// hidden state ([`Model::embed_tokens`]), L2-normalized when `normalize` says so (`None`:
     /// as [`Model::embeds_normalized`] says). Texts run in parallel; `progress` is called once
-    /// per finished text (from any thread). Refused for a decoder, an empty text, or a text past
-    /// the model's positions.
+    /// per finished text (from any thread). Refused for a decoder, an empty text, a text past
+    /// the model's positions or past sentence-transformers' `max_seq_length` (which would cut it),
+    /// and a single text holding `[SEP]` itself.
     pub fn embed_texts(
         &self,
         texts: &[EmbedInput],
@@ -54,6 +64,7 @@ impl Model {
             )));
         }
         let normalize = normalize.unwrap_or_else(|| self.embeds_normalized());
+        let max_seq = self.embed_max_seq_length();
         let rows: Vec<Vec<f32>> = texts
             .par_iter()
             .map(|t| {
@@ -72,6 +83,13 @@ impl Model {
                         ids
                     }
                 };
+                if let Some(max) = max_seq.filter(|&m| tokens.len() > m) {
+                    return Err(Error::NotApplicable(format!(
+                        "the text `{}` has {} tokens, more than the max_seq_length {max} of the model's sentence_bert_config.json, where sentence-transformers would cut it; shorten it",
+                        t.text,
+                        tokens.len()
+                    )));
+                }
                 let mut e = self.embed_tokens(&tokens)?;
                 if normalize {
                     l2_normalize(&mut e);

@@ -501,8 +501,9 @@ class HookedModel:
         does, so its rows have norm 1). ``normalize=True``/``False`` overrides that.
 
         ``texts``: a str, a pair ``("A", "B")`` (``[CLS] A [SEP] B [SEP]``, token types 0 then 1),
-        or a list of them. Texts run in parallel in the engine; a text longer than the model's
-        positions is refused (sentence-transformers would cut it at ``max_seq_length``)."""
+        or a list of them. Texts run in parallel in the engine; a text longer than
+        ``max_seq_length`` (the folder's sentence_bert_config.json: 256) is refused, where
+        sentence-transformers would cut it; so is a single text holding ``[SEP]`` itself."""
         if isinstance(texts, (str, tuple)):
             texts = [texts]
         firsts: List[str] = []
