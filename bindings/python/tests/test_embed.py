@@ -39,6 +39,9 @@ def test_embed_matches_sentence_transformers(minilm, golden):
     one = minilm.embed(golden["texts"][0])
     assert one.shape == (1, 384)
     check(one, golden["normalized"][:1])
+    # model.embed is still TransformerLens's embedding part
+    assert np.asarray(minilm.embed.W_E).shape[1] == 384
+    check(minilm.embed_sentences(golden["texts"]), golden["normalized"])
 
 
 def test_embed_a_pair(minilm, golden):

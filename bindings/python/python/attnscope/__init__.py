@@ -379,6 +379,15 @@ class _Part:
         return sorted(self._names)
 
 
+class _Embed(_Part):
+    """``model.embed``: TransformerLens's embedding part (``model.embed.W_E``) that, called on
+    texts, gives their sentence embeddings (:meth:`HookedModel.embed_sentences`)."""
+
+    def __call__(self, texts, normalize: Optional[bool] = None) -> np.ndarray:
+        """``model.embed(texts, normalize=None)``: :meth:`HookedModel.embed_sentences`."""
+        return self._model.embed_sentences(texts, normalize)
+
+
 class _Block:
     """``model.blocks[l]``: its weights as ``.attn.W_Q``, ``.attn._W_K`` (GQA: one per KV head),
     ``.mlp.W_in``, ``.ln1.w``, ... (TransformerLens's names and shapes, without the layer axis)."""
@@ -420,7 +429,7 @@ class HookedModel:
         self._pad_id: Optional[int] = f.get("pad_id")
         self._weights: Dict[str, np.ndarray] = {}  # W_Q & co in TransformerLens's shapes, made when first read
         self.blocks = [_Block(self, l) for l in range(self.cfg.n_layers)]
-        self.embed = _Part(self, {"W_E": "W_E"})
+        self.embed = _Embed(self, {"W_E": "W_E"})
         self.pos_embed = _Part(self, {"W_pos": "W_pos"})
         self.unembed = _Part(self, {"W_U": "W_U", "b_U": "b_U"})
         self.ln_final = _Part(self, {"w": "ln_final.w", "b": "ln_final.b"})
@@ -493,8 +502,9 @@ class HookedModel:
         return b"".join(bytes(b) for b in self._m.token_bytes(p + g)).decode("utf-8", "replace")
 
     # tokens
-    def embed(self, texts, normalize: Optional[bool] = None) -> np.ndarray:
-        """Sentence embeddings of an encoder (``all-minilm-l6-v2``): a float32 array ``[n_texts,
+    def embed_sentences(self, texts, normalize: Optional[bool] = None) -> np.ndarray:
+        """``model.embed(texts, normalize=None)`` (``model.embed`` is also TransformerLens's
+        embedding part: ``model.embed.W_E``). Sentence embeddings of an encoder (``all-minilm-l6-v2``): a float32 array ``[n_texts,
         d_model]``, computed as sentence-transformers' ``encode`` computes them: the mean of the
         last hidden states over every token ([CLS] and [SEP] included), then divided by its L2
         norm when the model folder's ``modules.json`` lists a ``Normalize`` module (all-MiniLM-L6-v2's
