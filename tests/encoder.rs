@@ -390,3 +390,130 @@ fn cli_inspects_a_pair_and_refuses_generate() {
         .unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("needs a decoder"));
 }
+
+fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let dot: f64 = a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum();
+    let na: f64 = a.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt();
+    let nb: f64 = b.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt();
+    dot / (na * nb)
+}
+
+/// `Model::embed_texts` against sentence-transformers' `encode` (tests/golden/st_embeddings.py):
+/// normalized (as modules.json says), unnormalized, and a sentence pair; a text holding [SEP]
+/// and a decoder are refused.
+#[test]
+fn embed_matches_sentence_transformers() {
+    use attnscope::model::forward::EmbedInput;
+    let model = real_model("all-minilm-l6-v2");
+    assert!(model.embeds_normalized());
+    let g = golden_json("minilm_st_embeddings.json");
+    let inputs: Vec<EmbedInput> = g["texts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| EmbedInput {
+            text: t.as_str().unwrap().into(),
+            pair: None,
+        })
+        .collect();
+    let dm = model.dims.d_model;
+    let count = std::sync::atomic::AtomicUsize::new(0);
+    let tick = || {
+        count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    };
+    for (key, normalize) in [("normalized", None), ("mean_pooled", Some(false))] {
+        let got = model.embed_texts(&inputs, normalize, &tick).unwrap();
+        let want: Vec<Vec<f32>> = g[key].as_array().unwrap().iter().map(floats).collect();
+        assert_eq!(got.len(), want.len() * dm);
+        for (i, w) in want.iter().enumerate() {
+            let row = &got[i * dm..(i + 1) * dm];
+            let (c, d) = (cosine(row, w), max_abs_diff(row, w, key));
+            eprintln!("{key} text {i}: cosine {c:.9}, max |diff| {d:.2e}");
+            assert!(c >= 0.99999, "{key} text {i}: cosine {c}");
+            assert!(d <= 1e-5, "{key} text {i}: max |diff| {d}");
+        }
+    }
+    assert_eq!(
+        count.load(std::sync::atomic::Ordering::Relaxed),
+        2 * inputs.len()
+    );
+    // explicit normalization of the unnormalized rows gives unit norms
+    let on = model.embed_texts(&inputs[..1], Some(true), &|| {}).unwrap();
+    let norm: f64 = on.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt();
+    assert!((norm - 1.0).abs() < 1e-6, "norm {norm}");
+    // a pair
+    let p = &g["pair"];
+    let pair = EmbedInput {
+        text: p[0].as_str().unwrap().into(),
+        pair: Some(p[1].as_str().unwrap().into()),
+    };
+    let got = model.embed_texts(&[pair], None, &|| {}).unwrap();
+    let want = floats(&g["pair_normalized"]);
+    let (c, d) = (cosine(&got, &want), max_abs_diff(&got, &want, "pair"));
+    eprintln!("pair: cosine {c:.9}, max |diff| {d:.2e}");
+    assert!(c >= 0.99999 && d <= 1e-5, "pair: cosine {c}, |diff| {d}");
+    // refusals
+    let sep = EmbedInput {
+        text: "attend to the [SEP] token".into(),
+        pair: None,
+    };
+    let e = model.embed_texts(&[sep], None, &|| {}).unwrap_err();
+    assert!(e.to_string().contains("[SEP]"), "{e}");
+    let empty = EmbedInput {
+        text: "  ".into(),
+        pair: None,
+    };
+    assert!(model.embed_texts(&[empty], None, &|| {}).is_err());
+    assert_eq!(model.embed_max_seq_length(), Some(256));
+    let long = EmbedInput {
+        text: "word ".repeat(300),
+        pair: None,
+    };
+    let e = model.embed_texts(&[long], None, &|| {}).unwrap_err();
+    assert!(e.to_string().contains("max_seq_length 256"), "{e}");
+}
+
+#[test]
+fn cli_embed_writes_npy_and_refuses_a_decoder() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = golden_json("minilm_st_embeddings.json");
+    let texts: Vec<&str> = g["texts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    let file = dir.path().join("texts.txt");
+    std::fs::write(&file, texts.join("\n\n") + "\n").unwrap();
+    let out = dir.path().join("emb.npy");
+    let o = attnscope()
+        .args(["embed", "-m", "all-minilm-l6-v2", "--file"])
+        .arg(&file)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (shape, data) = attnscope::render::npy::from_npy(&std::fs::read(&out).unwrap()).unwrap();
+    assert_eq!(shape, vec![texts.len(), 384]);
+    for (i, w) in g["normalized"].as_array().unwrap().iter().enumerate() {
+        let w = floats(w);
+        let d = max_abs_diff(&data[i * 384..(i + 1) * 384], &w, "cli");
+        assert!(d <= 1e-5, "text {i}: max |diff| {d}");
+    }
+    let o = attnscope()
+        .args(["embed", "-m", "smollm2-135m", "--text", "hi", "--json"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("encoder"));
+    let o = attnscope()
+        .args(["embed", "-m", "all-minilm-l6-v2", "--text", "hi"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "no --out and no --json is a usage error"
+    );
+}

@@ -13,6 +13,7 @@ mod compare;
 pub mod corpus;
 mod cost;
 mod dla;
+mod embed;
 mod explain;
 mod faithfulness;
 mod generate;
@@ -108,6 +109,10 @@ pub enum Command {
     /// measured rate, projections and attention inside a real forward, and the wall time and peak
     /// memory of `capture` and `inspect`.
     Bench(bench::Args),
+    /// Sentence embeddings of an encoder (all-minilm-l6-v2): mean-pooled last hidden states,
+    /// L2-normalized when the model's modules.json says so, as sentence-transformers computes
+    /// them; one text per line of --file, written as a float32 .npy [n_texts, d_model].
+    Embed(embed::Args),
     /// Fetch a model alias into the cache (what every command does on first use).
     Fetch(info::FetchArgs),
     /// The packed-weight cache: list its files (model, layout, size) or clear them.
@@ -126,6 +131,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Heatmap(a) => view::heatmap(a),
         Command::Scaling(a) => scaling::run(a),
         Command::Sinks(a) => sinks::run(a),
+        Command::Embed(a) => embed::run(a),
         Command::Compare(a) => compare::run(a),
         Command::Heads(a) => heads::run(a),
         Command::Corpus(a) => corpus::run(a),

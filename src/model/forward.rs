@@ -1084,6 +1084,8 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
     logits.iter().map(|&x| x - lse).collect()
 }
 
+mod embed;
 mod encoder;
+pub use embed::{l2_normalize, EmbedInput};
 #[cfg(test)]
 mod tests;

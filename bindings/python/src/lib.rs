@@ -526,6 +526,41 @@ impl Model {
         Ok((arr(w1), b1.map(arr), arr(w2), b2.map(arr)))
     }
 
+    /// Sentence embeddings `[len(texts), d_model]` of an encoder: each item a text or a pair
+    /// `(a, b)` (`pair` None or the second text), mean-pooled last hidden state, L2-normalized as
+    /// `normalize` says (None: when the folder's modules.json lists a Normalize module).
+    #[pyo3(signature = (texts, pairs, normalize = None))]
+    fn embed<'py>(
+        &self,
+        py: Python<'py>,
+        texts: Vec<String>,
+        pairs: Vec<Option<String>>,
+        normalize: Option<bool>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        if texts.len() != pairs.len() {
+            return Err(PyValueError::new_err(format!(
+                "{} texts but {} pair entries",
+                texts.len(),
+                pairs.len()
+            )));
+        }
+        let m = self.inner.clone();
+        let n = texts.len();
+        let dm = m.dims.d_model;
+        let inputs: Vec<attnscope::model::forward::EmbedInput> = texts
+            .into_iter()
+            .zip(pairs)
+            .map(|(text, pair)| attnscope::model::forward::EmbedInput { text, pair })
+            .collect();
+        let e = engine(py, move || Ok(m.embed_texts(&inputs, normalize, &|| {})?))?;
+        Ok(PyArray1::from_vec(py, e).reshape([n, dm])?.into_any())
+    }
+
+    /// Whether the model folder's modules.json lists a Normalize module.
+    fn embeds_normalized(&self) -> bool {
+        self.inner.embeds_normalized()
+    }
+
     /// The token embeddings `[vocab, d_model]` as the forward adds them (Gemma's √d_model in).
     fn embedding_matrix<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let m = self.inner.clone();

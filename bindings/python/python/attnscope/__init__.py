@@ -379,6 +379,15 @@ class _Part:
         return sorted(self._names)
 
 
+class _Embed(_Part):
+    """``model.embed``: TransformerLens's embedding part (``model.embed.W_E``) that, called on
+    texts, gives their sentence embeddings (:meth:`HookedModel.embed_sentences`)."""
+
+    def __call__(self, texts, normalize: Optional[bool] = None) -> np.ndarray:
+        """``model.embed(texts, normalize=None)``: :meth:`HookedModel.embed_sentences`."""
+        return self._model.embed_sentences(texts, normalize)
+
+
 class _Block:
     """``model.blocks[l]``: its weights as ``.attn.W_Q``, ``.attn._W_K`` (GQA: one per KV head),
     ``.mlp.W_in``, ``.ln1.w``, ... (TransformerLens's names and shapes, without the layer axis)."""
@@ -420,7 +429,7 @@ class HookedModel:
         self._pad_id: Optional[int] = f.get("pad_id")
         self._weights: Dict[str, np.ndarray] = {}  # W_Q & co in TransformerLens's shapes, made when first read
         self.blocks = [_Block(self, l) for l in range(self.cfg.n_layers)]
-        self.embed = _Part(self, {"W_E": "W_E"})
+        self.embed = _Embed(self, {"W_E": "W_E"})
         self.pos_embed = _Part(self, {"W_pos": "W_pos"})
         self.unembed = _Part(self, {"W_U": "W_U", "b_U": "b_U"})
         self.ln_final = _Part(self, {"w": "ln_final.w", "b": "ln_final.b"})
@@ -493,6 +502,37 @@ class HookedModel:
         return b"".join(bytes(b) for b in self._m.token_bytes(p + g)).decode("utf-8", "replace")
 
     # tokens
+    def embed_sentences(self, texts, normalize: Optional[bool] = None) -> np.ndarray:
+        """``model.embed(texts, normalize=None)`` (``model.embed`` is also TransformerLens's
+        embedding part: ``model.embed.W_E``). Sentence embeddings of an encoder (``all-minilm-l6-v2``): a float32 array ``[n_texts,
+        d_model]``, computed as sentence-transformers' ``encode`` computes them: the mean of the
+        last hidden states over every token ([CLS] and [SEP] included), then divided by its L2
+        norm when the model folder's ``modules.json`` lists a ``Normalize`` module (all-MiniLM-L6-v2's
+        does, so its rows have norm 1). ``normalize=True``/``False`` overrides that.
+
+        ``texts``: a str, a pair ``("A", "B")`` (``[CLS] A [SEP] B [SEP]``, token types 0 then 1),
+        or a list of them. Texts run in parallel in the engine; a text longer than
+        ``max_seq_length`` (the folder's sentence_bert_config.json: 256) is refused, where
+        sentence-transformers would cut it; so is a single text holding ``[SEP]`` itself."""
+        if isinstance(texts, (str, tuple)):
+            texts = [texts]
+        firsts: List[str] = []
+        pairs: List[Optional[str]] = []
+        for t in texts:
+            if isinstance(t, str):
+                firsts.append(t)
+                pairs.append(None)
+            elif isinstance(t, tuple) and len(t) == 2 and all(isinstance(x, str) for x in t):
+                firsts.append(t[0])
+                pairs.append(t[1])
+            else:
+                raise TypeError(f"embed takes a str, a pair (str, str) or a list of them; got {type(t).__name__}")
+        if not firsts:
+            raise ValueError("embed needs at least one text")
+        if normalize not in (None, True, False):
+            raise ValueError(f"normalize={normalize!r}: use None (as modules.json says), True or False")
+        return self._m.embed(firsts, pairs, normalize)
+
     def to_tokens(self, input: Union[str, Sequence[str]], prepend_bos: Optional[bool] = None,
                   padding_side: Optional[str] = None, move_to_device: bool = True, truncate: bool = True) -> np.ndarray:
         """Token ids ``[1, n]`` (int64) of a text, or ``[b, n]`` of a list of texts, padded on the

@@ -36,6 +36,10 @@ class Model:
     def layer_norms(self, layer: int) -> Tuple[npt.NDArray[np.float32], Optional[npt.NDArray[np.float32]],
                                                npt.NDArray[np.float32], Optional[npt.NDArray[np.float32]]]:
         """(ln1 weight, ln1 bias or None, ln2 weight, ln2 bias or None)."""
+    def embed(self, texts: Sequence[str], pairs: Sequence[Optional[str]], normalize: Optional[bool] = None) -> npt.NDArray[np.float32]:
+        """Sentence embeddings ``[len(texts), d_model]`` of an encoder (mean pooling, L2 as modules.json says)."""
+    def embeds_normalized(self) -> bool:
+        """Whether the model folder's modules.json lists a Normalize module."""
     def embedding_matrix(self) -> npt.NDArray[np.float32]:
         """The token embeddings ``[vocab, d_model]`` as the forward adds them (Gemma's scale in)."""
     def unembed_matrix(self) -> npt.NDArray[np.float32]:

@@ -1,0 +1,116 @@
+//! `attnscope embed`: sentence embeddings of an encoder (sentence-transformers' mean pooling,
+//! L2-normalized when the model folder's `modules.json` says so), written as a `.npy`.
+
+use super::common::{emit, usage, ModelArgs};
+use crate::model::forward::EmbedInput;
+use serde_json::json;
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// A UTF-8 file with one text per line (blank lines are skipped).
+    #[arg(long, short = 'f')]
+    file: Option<PathBuf>,
+    /// A text to embed (repeatable; after the file's texts).
+    #[arg(long, short = 't')]
+    text: Vec<String>,
+    /// Write the embeddings, float32 [n_texts, d_model], to this .npy file.
+    #[arg(long, short = 'o')]
+    out: Option<PathBuf>,
+    /// L2-normalize the embeddings (default: as the model folder's modules.json says).
+    #[arg(long, conflicts_with = "no_normalize")]
+    normalize: bool,
+    /// Leave the embeddings unnormalized.
+    #[arg(long)]
+    no_normalize: bool,
+    /// Print a JSON summary (and the embeddings themselves when there is no --out).
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    let mut texts: Vec<String> = Vec::new();
+    if let Some(f) = &a.file {
+        let s = std::fs::read_to_string(f)
+            .map_err(|e| usage(format!("cannot read --file {}: {e}", f.display())))?;
+        texts.extend(
+            s.lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(str::to_string),
+        );
+    }
+    texts.extend(a.text.iter().cloned());
+    if texts.is_empty() {
+        return Err(usage("no texts: give --file (one text per line) or --text"));
+    }
+    if a.out.is_none() && !a.json {
+        return Err(usage(
+            "say where the embeddings go: --out FILE.npy, or --json",
+        ));
+    }
+    let model = a.model.load()?;
+    let normalize = match (a.normalize, a.no_normalize) {
+        (true, _) => Some(true),
+        (_, true) => Some(false),
+        _ => None,
+    };
+    let normalized = normalize.unwrap_or_else(|| model.embeds_normalized());
+    let inputs: Vec<EmbedInput> = texts
+        .iter()
+        .map(|t| EmbedInput {
+            text: t.clone(),
+            pair: None,
+        })
+        .collect();
+    let pb = if std::io::stderr().is_terminal() {
+        indicatif::ProgressBar::new(inputs.len() as u64)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    pb.set_style(
+        indicatif::ProgressStyle::with_template("embedding [{bar:30}] {pos}/{len} ({elapsed})")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    let start = Instant::now();
+    let emb = model.embed_texts(&inputs, normalize, &|| pb.inc(1))?;
+    let secs = start.elapsed().as_secs_f64();
+    pb.finish_and_clear();
+    let (n, dm) = (inputs.len(), model.dims.d_model);
+    if let Some(out) = &a.out {
+        std::fs::write(out, crate::render::npy::to_npy(&[n, dm], &emb))
+            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", out.display()))?;
+    }
+    if a.json {
+        let mut v = json!({
+            "model": model.info.name,
+            "n_texts": n,
+            "d_model": dm,
+            "normalized": normalized,
+            "seconds": secs,
+            "out": a.out.as_ref().map(|p| p.display().to_string()),
+        });
+        if a.out.is_none() {
+            v["embeddings"] = json!(emb.chunks(dm).collect::<Vec<_>>());
+        }
+        emit(&format!("{v}\n"))
+    } else {
+        emit(&format!(
+            "{n} embeddings of {dm} ({}) from {} in {secs:.2} s -> {}\n",
+            if normalized {
+                "L2-normalized"
+            } else {
+                "not normalized"
+            },
+            model.info.name,
+            a.out
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default()
+        ))
+    }
+}
