@@ -245,6 +245,29 @@ pub fn mlp_block_rows(ff: usize) -> usize {
 }
 
 impl Model {
+    /// A segment of `n` positions (the reused prefix included) holding `tokens`: refused when it
+    /// passes the context or holds a token id past the vocabulary.
+    pub(crate) fn check_tokens(&self, n: usize, tokens: &[u32]) -> Result<()> {
+        let dims = &self.dims;
+        if n > dims.context_len {
+            return Err(Error::TooLong {
+                n_tokens: n,
+                limit: dims.context_len,
+                model: self.info.name.clone(),
+            });
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= dims.vocab_size) {
+            return Err(Error::OutOfRange {
+                what: "token id".into(),
+                value: bad.to_string(),
+                range: format!("0..{}", dims.vocab_size),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Model {
     /// Runs the model over `tokens`, handing every hook point the observer wants to it.
     pub fn forward(
         &self,
@@ -355,20 +378,7 @@ impl Model {
                     "a segment reuses {p0} positions of a {full}-position prefix: you likely have a bug"
                 ))));
             }
-            if n > dims.context_len {
-                return Err(Error::TooLong {
-                    n_tokens: n,
-                    limit: dims.context_len,
-                    model: self.info.name.clone(),
-                });
-            }
-            if let Some(&bad) = seg.tokens.iter().find(|&&t| t as usize >= dims.vocab_size) {
-                return Err(Error::OutOfRange {
-                    what: "token id".into(),
-                    value: bad.to_string(),
-                    range: format!("0..{}", dims.vocab_size),
-                });
-            }
+            self.check_tokens(n, seg.tokens)?;
             for &p in seg.logits_at.iter().chain(&seg.knockout) {
                 if p < p0 || p >= n {
                     return Err(Error::OutOfRange {

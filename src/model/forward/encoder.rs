@@ -201,20 +201,7 @@ impl Model {
             if n == 0 {
                 return Err(Error::EmptyText);
             }
-            if n > dims.context_len {
-                return Err(Error::TooLong {
-                    n_tokens: n,
-                    limit: dims.context_len,
-                    model: self.info.name.clone(),
-                });
-            }
-            if let Some(&bad) = seg.tokens.iter().find(|&&t| t as usize >= dims.vocab_size) {
-                return Err(Error::OutOfRange {
-                    what: "token id".into(),
-                    value: bad.to_string(),
-                    range: format!("0..{}", dims.vocab_size),
-                });
-            }
+            self.check_tokens(n, seg.tokens)?;
             if let Some(&p) = seg.knockout.iter().find(|&&p| p >= n) {
                 return Err(Error::OutOfRange {
                     what: "position".into(),
