@@ -18,6 +18,7 @@ pub mod measure;
 pub mod mixing;
 pub mod norms;
 pub mod sinkmetrics;
+pub mod sinks;
 pub mod stream;
 
 use serde::Serialize;

@@ -38,7 +38,7 @@ pub struct Args {
     #[arg(long, default_value_t = 15)]
     top: usize,
     /// Most positions stacked into one forward (edited runs of one layer go together).
-    #[arg(long, default_value_t = 1024, hide = true)]
+    #[arg(long, default_value_t = crate::analysis::intervene::DEFAULT_BATCH_ROWS, hide = true)]
     batch_rows: usize,
     #[arg(long)]
     json: bool,

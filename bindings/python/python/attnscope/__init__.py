@@ -1110,27 +1110,15 @@ class HookedModel:
                mlp: bool = False, bos: bool = False) -> Dict[str, Any]:
         """Every head ablated in turn (``attnscope ablate --json``): Δ log p(target) and KL per head
         beside its attention, and their rank correlations."""
-        a: List[str] = ["--method", method]
-        if target is not None:
-            a += ["--target", target]
-        if positions is not None:
-            a += ["--positions", positions]
-        if mlp:
-            a.append("--mlp")
-        if bos:
-            a.append("--bos")
-        return self._cmd("ablate", text, *a)
+        return self._m.ablate(text, method, None if target is None else str(target), positions, mlp, bos)
 
     def patch(self, clean: str, corrupt: str, hook: str = "resid-pre", answer: Optional[str] = None,
               wrong: Optional[str] = None) -> Dict[str, Any]:
         """Activation patching (``attnscope patch --json``): the corrupted run with one activation
         from the clean run, per layer × position (``resid-pre``, ``attn-out``, ``mlp-out``) or
         per layer × head (``z``); ``results`` with ``logit_diff`` and ``recovered``."""
-        argv = ["patch", "--model", self._m.registered, "--clean", clean, "--corrupt", corrupt, "--hook", hook]
-        for flag, v in (("--answer", answer), ("--wrong", wrong)):
-            if v is not None:
-                argv += [flag, v]
-        return _run_json(argv + ["--json"])
+        return self._m.patch(clean, corrupt, hook, None if answer is None else str(answer),
+                             None if wrong is None else str(wrong))
 
     # everything the CLI computes, as plain Python objects (the CLI's --json)
     def _cmd(self, sub: str, text: Optional[str], *args: str) -> Any:
@@ -1167,32 +1155,18 @@ class HookedModel:
         """The streamed sink profile and per-head statistics (``attnscope sinks --json``): no
         attention matrix is held, so 32k tokens fit in a few GB. ``text`` or ``file`` (default:
         the built-in corpus repeated up to ``max_tokens``)."""
-        a = ["--key-block", str(key_block), "--top", str(top)]
-        if max_tokens is not None:
-            a += ["--max-tokens", str(max_tokens)]
-        if text is not None:
-            import tempfile
-
-            with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False, encoding="utf-8") as f:
-                f.write(text)
-            try:
-                return self._cmd("sinks", None, "--file", f.name, *a)
-            finally:
-                os.unlink(f.name)
+        if text is not None and file is not None:
+            raise ValueError("give text or file, not both")
         if file is not None:
-            a += ["--file", os.fspath(file)]
-        return self._cmd("sinks", None, *a)
+            with open(os.fspath(file), encoding="utf-8") as f:
+                text = f.read()
+        return self._m.sinks(text, max_tokens, key_block, top)
 
     def heads(self, text: Optional[str] = None, random_repeat: Optional[int] = None, seed: int = 0, bos: bool = False) -> Dict[str, Any]:
         """Head roles (``attnscope heads --json``): previous-token, duplicate-token, induction, sink
         and local scores ``roles[role][layer][head]``, on ``text`` or on ``random_repeat`` random
         tokens repeated once (the induction test)."""
-        a: List[str] = ["--seed", str(seed)]
-        if random_repeat is not None:
-            a += ["--random-repeat", str(random_repeat)]
-        if bos:
-            a.append("--bos")
-        return self._cmd("heads", text if random_repeat is None else None, *a)
+        return self._m.heads(text if random_repeat is None else None, random_repeat, seed, bos)
 
     def compare(self, text: str, other_text: Optional[str] = None, other: Optional[Union["HookedModel", str]] = None,
                 query: Optional[int] = None, top: int = 10, html: Optional[Union[str, os.PathLike]] = None, force: bool = False) -> Dict[str, Any]:
