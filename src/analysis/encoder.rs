@@ -134,10 +134,12 @@ pub struct EncoderReport {
 }
 
 /// The special-token shares of every layer, and the rows of `query` (head-averaged top `top`
-/// keys per layer; per head of `layer` for `heads`), from one forward of the encoder.
+/// keys per layer; per head of `layer` for `heads`), from one forward of the encoder on `tokens`
+/// of the given types (`None`: all 0, one text; a pair's as [`Model::encode_pair`] gives them).
 pub fn inspect(
     model: &Model,
     tokens: &[u32],
+    types: Option<&[u32]>,
     query: usize,
     layer: usize,
     heads: &[usize],
@@ -166,7 +168,11 @@ pub fn inspect(
         sums: vec![[0f64; 3]; d.n_layers],
         rows: vec![Vec::new(); d.n_layers],
     };
-    model.forward(tokens, &RunOptions::default(), &mut c)?;
+    let opts = RunOptions {
+        token_types: types.map(<[u32]>::to_vec),
+        ..Default::default()
+    };
+    model.forward(tokens, &opts, &mut c)?;
     let per = (d.n_heads * n) as f64;
     let share = |k: usize| -> Vec<f32> { c.sums.iter().map(|s| (s[k] / per) as f32).collect() };
     let entry = |r: super::Ranked| TopEntry {
@@ -214,7 +220,7 @@ pub fn inspect(
                 text: t.clone(),
             })
             .collect(),
-        token_types: model.token_types(tokens),
+        token_types: opts.token_types.unwrap_or_else(|| vec![0; n]),
         query,
         layer,
         special_shares: SpecialShares {

@@ -237,7 +237,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let start = std::time::Instant::now();
     let model = a.model.load()?;
     let loaded = start.elapsed();
-    let tokens = a.text.tokens_or_pair(&model, a.model.bos)?;
+    let (tokens, token_types) = a.text.tokens_or_pair(&model, a.model.bos)?;
     let n = tokens.len();
     let d = &model.dims;
     if n > d.context_len {
@@ -360,7 +360,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             in_flight: 0,
             waited: std::time::Duration::ZERO,
         };
-        let forward = model.forward(&tokens, &RunOptions::default(), &mut obs);
+        let opts = RunOptions {
+            token_types,
+            ..Default::default()
+        };
+        let forward = model.forward(&tokens, &opts, &mut obs);
         // the final norm's hooks come after the last layer
         obs.hand_over(d.n_layers - 1, Hook::LnFinalNormalized);
         obs.bar.finish_and_clear();

@@ -424,7 +424,7 @@ pub fn heatmap(a: HeatmapArgs) -> anyhow::Result<()> {
         }));
     }
     let model = a.model.load()?;
-    let tokens = a.text.tokens_or_pair(&model, a.model.bos)?;
+    let (tokens, token_types) = a.text.tokens_or_pair(&model, a.model.bos)?;
     let (n, d) = (tokens.len(), &model.dims);
     let layer = check_index(a.layer, d.n_layers, "layer")?;
     let head = match a.head.as_str() {
@@ -443,7 +443,11 @@ pub fn heatmap(a: HeatmapArgs) -> anyhow::Result<()> {
         queries: crate::model::capture::Queries::All,
     };
     let mut cache = AttnCache::new(&spec, n);
-    model.forward(&tokens, &RunOptions::default(), &mut cache)?;
+    let opts = RunOptions {
+        token_types,
+        ..Default::default()
+    };
+    model.forward(&tokens, &opts, &mut cache)?;
     let p = cache.pattern(layer).expect("captured");
     let map: Vec<f32> = if head.is_some() {
         p.data.to_vec()
