@@ -100,6 +100,52 @@ impl Observer for SharesCollector {
     }
 }
 
+/// Per key: (is [CLS], is [SEP], is punctuation); a [CLS] or [SEP] is never punctuation.
+fn key_kinds(model: &Model, tokens: &[u32]) -> Vec<(bool, bool, bool)> {
+    let (cls, sep) = model.special_ids();
+    tokens
+        .iter()
+        .zip(model.token_texts(tokens))
+        .map(|(&t, text)| {
+            let special = Some(t) == cls || Some(t) == sep;
+            (
+                Some(t) == cls,
+                Some(t) == sep,
+                !special && is_punctuation(&text),
+            )
+        })
+        .collect()
+}
+
+/// The [CLS]/[SEP]/punctuation shares of every layer from patterns captured elsewhere: `maps`
+/// yields each layer's `[n_heads, n, n]` weights (the view's); the same sums as [`inspect`].
+pub fn shares_of_patterns<'a>(
+    model: &Model,
+    tokens: &[u32],
+    maps: impl Iterator<Item = &'a [f32]>,
+) -> SpecialShares {
+    let (n, h) = (tokens.len(), model.dims.n_heads);
+    let mut c = SharesCollector {
+        n,
+        query: usize::MAX,
+        kinds: key_kinds(model, tokens),
+        sums: Vec::new(),
+        rows: Vec::new(),
+    };
+    for (l, p) in maps.enumerate() {
+        c.sums.push([0f64; 3]);
+        c.rows.push(Vec::new());
+        c.attention_block(l, Hook::Pattern, 0, [h, n, n], p);
+    }
+    let per = (h * n) as f64;
+    let share = |k: usize| -> Vec<f32> { c.sums.iter().map(|s| (s[k] / per) as f32).collect() };
+    SpecialShares {
+        cls: share(0),
+        sep: share(1),
+        punct: share(2),
+    }
+}
+
 /// One layer of [`EncoderReport`]: the head-averaged row of the query, its top keys.
 #[derive(Clone, Debug, Serialize)]
 pub struct EncoderLayer {
@@ -148,19 +194,7 @@ pub fn inspect(
     let d = &model.dims;
     let n = tokens.len();
     let texts = model.token_texts(tokens);
-    let (cls, sep) = model.special_ids();
-    let kinds = tokens
-        .iter()
-        .zip(&texts)
-        .map(|(&t, text)| {
-            let special = Some(t) == cls || Some(t) == sep;
-            (
-                Some(t) == cls,
-                Some(t) == sep,
-                !special && is_punctuation(text),
-            )
-        })
-        .collect();
+    let kinds = key_kinds(model, tokens);
     let mut c = SharesCollector {
         n,
         query,

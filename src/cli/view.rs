@@ -14,6 +14,9 @@ use crate::render::sparse::{encode_value_norms, SparseView, FULL_MAX, TOP_HEAD, 
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
+#[path = "view_encoder.rs"]
+mod encoder;
+
 #[derive(clap::Args, Debug)]
 pub struct ViewArgs {
     #[command(flatten)]
@@ -143,6 +146,9 @@ pub struct ViewOptions {
     pub target: Option<Target>,
     /// a progress bar for the ablations on standard error, where it is a terminal (the CLI)
     pub progress: bool,
+    /// an encoder's token types (a sentence pair's 0/1, as [`crate::model::Model::encode_pair`]
+    /// gives them); `None`: all 0, one text
+    pub token_types: Option<Vec<u32>>,
 }
 
 /// `attnscope ablate`'s report, with its progress bar when `bar` (and standard error is a terminal).
@@ -200,6 +206,9 @@ pub fn view_html_tokens(
     tokens: &[u32],
     opts: &ViewOptions,
 ) -> anyhow::Result<(String, usize)> {
+    if model.is_encoder() {
+        return encoder::page_of(model, tokens, opts);
+    }
     let faithfulness = opts.faithfulness;
     if opts.target.is_some() && !faithfulness && opts.ablate.is_none() {
         return Err(usage(
@@ -308,6 +317,7 @@ pub fn view_html_tokens(
         patterns: layers.patterns,
         sparse: layers.sparse,
         vnorms: Some(vnorms),
+        encoder: None,
     };
     Ok((page(&data), n))
 }
@@ -362,6 +372,7 @@ pub fn pattern_page(
         patterns: encoded.patterns,
         sparse: encoded.sparse,
         vnorms: None,
+        encoder: None,
     };
     Ok(page(&data))
 }
@@ -373,12 +384,13 @@ pub fn view(a: ViewArgs) -> anyhow::Result<()> {
         }));
     }
     let model = a.model.load()?;
-    let tokens = a.text.tokens(&model, a.model.bos)?;
+    let (tokens, token_types) = a.text.tokens_or_pair(&model, a.model.bos)?;
     let opts = ViewOptions {
         faithfulness: a.faithfulness,
         ablate: a.ablate,
         target: a.target,
         progress: true,
+        token_types,
     };
     let (html, n) = view_html_tokens(&model, &tokens, &opts)?;
     let d = &model.dims;

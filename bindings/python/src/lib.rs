@@ -709,6 +709,7 @@ impl Model {
                 })
                 .transpose()?,
             progress: false,
+            token_types: None,
         };
         let (m, text) = (self.inner.clone(), text.to_string());
         engine(py, move || Ok(view_html_with(&m, &text, bos, &opts)?.0))
