@@ -270,7 +270,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .map(|(_, s)| s.iter().product::<usize>() as f64 * 4.0)
         .sum();
     let texts = model.token_texts(&tokens);
-    let md = BTreeMap::from([
+    let mut md = BTreeMap::from([
         ("token_ids".to_string(), serde_json::to_string(&tokens)?),
         ("token_strings".to_string(), serde_json::to_string(&texts)?),
         ("model".to_string(), model.info.name.clone()),
@@ -292,6 +292,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             format!("attnscope {}", env!("CARGO_PKG_VERSION")),
         ),
     ]);
+    if model.is_encoder() {
+        // an encoder's token types, as the forward ran them (a pair's 0/1; one text: all 0)
+        let types = token_types.clone().unwrap_or_else(|| vec![0; n]);
+        md.insert("token_types".into(), serde_json::to_string(&types)?);
+    }
     // write into a temporary file beside the target, renamed over it only when complete
     let dir = a
         .out
