@@ -319,3 +319,59 @@ fn corpus_on_an_encoder_reports_special_token_shares_and_merges() {
         .unwrap();
     assert_eq!(o.status.code(), Some(2));
 }
+
+/// Patterns computed elsewhere (Python's `viz.attention_heads`) that put weight above the
+/// diagonal get the encoder's page: every weight stored (not the lower triangle), and the
+/// [CLS]/[SEP]/punctuation shares `inspect` reports for the same text.
+#[test]
+fn bidirectional_patterns_from_elsewhere_get_the_encoder_page() {
+    use attnscope::model::capture::{AttnCache, CaptureSpec};
+    use attnscope::model::forward::RunOptions;
+    use attnscope::model::{Model, Precision};
+    let model = Model::load(
+        golden("arch/bert").to_str().unwrap(),
+        Precision::Exact,
+        false,
+    )
+    .unwrap();
+    let tokens = model.encode("What is it? The dog sat.", false).unwrap();
+    let (n, nl, nh) = (tokens.len(), model.dims.n_layers, model.dims.n_heads);
+    let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
+    model
+        .forward(&tokens, &RunOptions::default(), &mut cache)
+        .unwrap();
+    let all: Vec<f32> = (0..nl)
+        .flat_map(|l| cache.pattern(l).unwrap().data.to_vec())
+        .collect();
+    let texts = model.token_texts(&tokens);
+    let html = attnscope::cli::view::pattern_page(&all, [nl, nh, n, n], &texts, "t").unwrap();
+    let at = html.find("{\"title\"").unwrap();
+    let v: serde_json::Value = serde_json::Deserializer::from_str(&html[at..])
+        .into_iter()
+        .next()
+        .unwrap()
+        .unwrap();
+    assert_eq!(v["kind"], "encoder");
+    let (_, full) = attnscope::render::html::encode_layer_full(&all[..nh * n * n], nh, n);
+    assert_eq!(
+        v["patterns"][0],
+        full.as_str(),
+        "every weight of layer 0, not a triangle"
+    );
+    let heads: Vec<usize> = (0..nh).collect();
+    let r = inspect(&model, &tokens, None, 0, nl - 1, &heads, 1).unwrap();
+    for (k, want) in [
+        ("cls", &r.special_shares.cls),
+        ("sep", &r.special_shares.sep),
+        ("punct", &r.special_shares.punct),
+    ] {
+        let d = max_abs_diff(&floats(&v["special_shares"][k]), want, k);
+        assert!(d < 1e-6, "{k}: {d:.2e}");
+    }
+    // a causal map (nothing above the diagonal) keeps the decoder's page
+    let causal = [1.0f32, 0.0, 0.5, 0.5];
+    let html =
+        attnscope::cli::view::pattern_page(&causal, [1, 1, 2, 2], &["a".into(), "b".into()], "c")
+            .unwrap();
+    assert!(!html.contains("\"kind\":\"encoder\""));
+}

@@ -124,11 +124,37 @@ pub fn shares_of_patterns<'a>(
     tokens: &[u32],
     maps: impl Iterator<Item = &'a [f32]>,
 ) -> SpecialShares {
-    let (n, h) = (tokens.len(), model.dims.n_heads);
+    shares_of_kinds(key_kinds(model, tokens), model.dims.n_heads, maps)
+}
+
+/// [`shares_of_patterns`] for patterns without a model (Python's `viz.attention_heads`): a key
+/// is [CLS] or [SEP] when its text is exactly `[CLS]` or `[SEP]`, punctuation as
+/// [`is_punctuation`] says; `maps` yields each layer's `[heads, n, n]`.
+pub fn shares_of_texts<'a>(
+    texts: &[String],
+    heads: usize,
+    maps: impl Iterator<Item = &'a [f32]>,
+) -> SpecialShares {
+    let kinds = texts
+        .iter()
+        .map(|t| {
+            let (c, s) = (t == "[CLS]", t == "[SEP]");
+            (c, s, !c && !s && is_punctuation(t))
+        })
+        .collect();
+    shares_of_kinds(kinds, heads, maps)
+}
+
+fn shares_of_kinds<'a>(
+    kinds: Vec<(bool, bool, bool)>,
+    h: usize,
+    maps: impl Iterator<Item = &'a [f32]>,
+) -> SpecialShares {
+    let n = kinds.len();
     let mut c = SharesCollector {
         n,
         query: usize::MAX,
-        kinds: key_kinds(model, tokens),
+        kinds,
         sums: Vec::new(),
         rows: Vec::new(),
     };

@@ -324,7 +324,8 @@ pub fn view_html_tokens(
 
 /// The view page for attention patterns computed elsewhere: `patterns` is `[layers, heads, n,
 /// n]` (rows sum to 1, masked weights 0), `tokens` the n token texts. Used by the Python
-/// package's `attnscope.viz.attention_heads`.
+/// package's `attnscope.viz.attention_heads`. Patterns with weight above the diagonal (an
+/// encoder's) get the encoder's page: whole maps, the [CLS]/[SEP]/punctuation chart.
 pub fn pattern_page(
     patterns: &[f32],
     shape: [usize; 4],
@@ -355,6 +356,13 @@ pub fn pattern_page(
         .find(|w| !w.is_finite() || **w < -1e-6 || **w > 1.0 + 1e-6)
     {
         return Err(usage(format!("attention weight {bad} is not in [0, 1]")));
+    }
+    // weight above the diagonal: an encoder's (bidirectional) maps, drawn whole
+    let bidirectional = patterns
+        .chunks(n * n)
+        .any(|m| (0..n).any(|i| m[i * n + i + 1..(i + 1) * n].iter().any(|&w| w > 1e-6)));
+    if bidirectional {
+        return encoder::pattern_page_of(patterns, shape, tokens, title);
     }
     let encoded = encode_layers(patterns.chunks(heads * n * n), layers, heads, n);
     let data = ViewData {

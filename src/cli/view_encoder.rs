@@ -6,7 +6,7 @@
 //! `sentence_b_start`, for the head view's "A→B / B→A / A→A / B→B" selector (BertViz's).
 
 use super::{usage, value_norms_of, ViewOptions};
-use crate::analysis::encoder::shares_of_patterns;
+use crate::analysis::encoder::{shares_of_patterns, shares_of_texts};
 use crate::analysis::inspect::ModelFacts;
 use crate::model::capture::{AttnCache, CaptureSpec, Hook};
 use crate::model::forward::RunOptions;
@@ -103,4 +103,51 @@ pub(super) fn page_of(
         }),
     };
     Ok((page(&data), n))
+}
+
+/// The encoder's page for bidirectional patterns `[layers, heads, n, n]` computed elsewhere
+/// (checked by [`super::pattern_page`]): no values, so no norm-based shading; [CLS] and [SEP]
+/// known by their texts; one text (no pair selector).
+pub(super) fn pattern_page_of(
+    patterns: &[f32],
+    [layers, heads, n, _]: [usize; 4],
+    tokens: &[String],
+    title: &str,
+) -> anyhow::Result<String> {
+    if n > MAX_ENCODER_VIEW_TOKENS {
+        return Err(usage(format!(
+            "{n} tokens of bidirectional attention; an encoder's view takes at most {MAX_ENCODER_VIEW_TOKENS}"
+        )));
+    }
+    let maps = patterns.chunks(heads * n * n);
+    let special_shares = shares_of_texts(tokens, heads, maps.clone());
+    let (mut encoding, mut encoded) = ("u16", Vec::with_capacity(layers));
+    for p in maps {
+        let (e, b64) = encode_layer_full(p, heads, n);
+        encoding = e;
+        encoded.push(b64);
+    }
+    let data = ViewData {
+        title: title.to_string(),
+        model: serde_json::json!({"name": title, "n_layers": layers, "n_heads": heads}),
+        tokens,
+        n_layers: layers,
+        n_heads: heads,
+        n_kv_heads: heads,
+        sink_query: Vec::new(),
+        sink_all: Vec::new(),
+        faithfulness: None,
+        ablation: None,
+        encoding,
+        patterns: encoded,
+        sparse: None,
+        vnorms: None,
+        encoder: Some(EncoderView {
+            kind: "encoder",
+            token_types: vec![0; n],
+            sentence_b_start: None,
+            special_shares,
+        }),
+    };
+    Ok(page(&data))
 }
