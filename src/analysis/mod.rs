@@ -7,6 +7,7 @@ pub mod attrpatch;
 pub mod collect;
 pub mod compare;
 pub mod corpus;
+pub mod corpus_encoder;
 pub mod dla;
 pub mod encoder;
 pub mod faithfulness;

@@ -126,12 +126,21 @@ impl TextArgs {
         }
     }
 
-    /// [`TextArgs::tokens`], or with `--pair` the encoder's sentence pair
-    /// ([`Model::encode_pair`]; a decoder refuses it).
-    pub fn tokens_or_pair(&self, model: &Model, force_bos: bool) -> anyhow::Result<Vec<u32>> {
+    /// [`TextArgs::tokens`] (token types `None`: all 0, as the tokenizer types one text), or
+    /// with `--pair` the encoder's sentence pair and its token types 0/1
+    /// ([`Model::encode_pair`]; a decoder refuses it). The types go to the forward in
+    /// `RunOptions::token_types`.
+    pub fn tokens_or_pair(
+        &self,
+        model: &Model,
+        force_bos: bool,
+    ) -> anyhow::Result<(Vec<u32>, Option<Vec<u32>>)> {
         match &self.pair {
-            Some(b) if self.chat.is_none() => Ok(model.encode_pair(&self.read_any()?, b)?),
-            _ => self.tokens(model, force_bos),
+            Some(b) if self.chat.is_none() => {
+                let (ids, types) = model.encode_pair(&self.read_any()?, b)?;
+                Ok((ids, Some(types)))
+            }
+            _ => Ok((self.tokens(model, force_bos)?, None)),
         }
     }
 

@@ -273,7 +273,15 @@ impl Model {
         v["adds_bos"] = self.inner.tokenizer.add_bos.into();
         v["pad_id"] = self.inner.tokenizer.pad_id.into();
         v["bos_id"] = self.inner.tokenizer.bos_id.into();
+        v["is_encoder"] = self.inner.is_encoder().into();
         Ok(v.to_string())
+    }
+
+    /// An encoder's sentence pair `[CLS] a [SEP] b [SEP]`: (token ids, token types 0 then 1), as
+    /// transformers' tokenizer gives them. Refused on a decoder.
+    fn encode_pair(&self, py: Python<'_>, a: &str, b: &str) -> PyResult<(Vec<u32>, Vec<u32>)> {
+        let (m, a, b) = (self.inner.clone(), a.to_string(), b.to_string());
+        engine(py, move || Ok(m.encode_pair(&a, &b)?))
     }
 
     /// Token ids of `text`, a BOS first as `bos` says: `None` when the model asks for one,
@@ -355,7 +363,8 @@ impl Model {
     /// `editor(name, array)` during the forward; the array it returns is what flows on.
     /// `stop_at_layer` (0..=n_layers): the forward ends before that block, once its
     /// `hook_resid_pre` is handed (`n_layers`: before the final norm); no logits then.
-    #[pyo3(signature = (ids, hooks, logits = "all", edits = Vec::new(), editor = None, stop_at_layer = None))]
+    /// `token_types`: an encoder's token types, one per id (a pair's 0/1); None: all 0.
+    #[pyo3(signature = (ids, hooks, logits = "all", edits = Vec::new(), editor = None, stop_at_layer = None, token_types = None))]
     #[allow(clippy::type_complexity, clippy::too_many_arguments)]
     fn run<'py>(
         &self,
@@ -366,6 +375,7 @@ impl Model {
         edits: Vec<(i64, String)>,
         editor: Option<Py<PyAny>>,
         stop_at_layer: Option<usize>,
+        token_types: Option<Vec<u32>>,
     ) -> PyResult<(Option<Bound<'py, PyAny>>, Vec<(String, Bound<'py, PyAny>)>)> {
         let d = &self.inner.dims;
         let n = ids.len();
@@ -427,6 +437,7 @@ impl Model {
             };
             let opts = RunOptions {
                 logits_at,
+                token_types,
                 ..Default::default()
             };
             let out = m.forward(&ids, &opts, &mut obs);
@@ -714,6 +725,7 @@ impl Model {
                 })
                 .transpose()?,
             progress: false,
+            token_types: None,
         };
         let (m, text) = (self.inner.clone(), text.to_string());
         engine(py, move || Ok(view_html_with(&m, &text, bos, &opts)?.0))

@@ -49,8 +49,7 @@ impl Model {
     /// hidden state ([`Model::embed_tokens`]), L2-normalized when `normalize` says so (`None`:
     /// as [`Model::embeds_normalized`] says). Texts run in parallel; `progress` is called once
     /// per finished text (from any thread). Refused for a decoder, an empty text, a text past
-    /// the model's positions or past sentence-transformers' `max_seq_length` (which would cut it),
-    /// and a single text holding `[SEP]` itself.
+    /// the model's positions or past sentence-transformers' `max_seq_length` (which would cut it).
     pub fn embed_texts(
         &self,
         texts: &[EmbedInput],
@@ -68,20 +67,13 @@ impl Model {
         let rows: Vec<Vec<f32>> = texts
             .par_iter()
             .map(|t| {
-                let tokens = match &t.pair {
-                    Some(b) => self.encode_pair(&t.text, b)?,
-                    None => {
-                        let ids = self.encode(&t.text, false)?;
-                        let sep = self.special_ids().1;
-                        if ids[..ids.len().saturating_sub(1)].iter().any(|&i| Some(i) == sep) {
-                            // the forward would give the tokens after it type 1; the tokenizer 0
-                            return Err(Error::NotApplicable(format!(
-                                "the text `{}` holds the [SEP] token itself; attnscope reads the first [SEP] as the end of a pair's first text (pass a pair instead)",
-                                t.text
-                            )));
-                        }
-                        ids
+                let (tokens, types) = match &t.pair {
+                    Some(b) => {
+                        let (ids, types) = self.encode_pair(&t.text, b)?;
+                        (ids, Some(types))
                     }
+                    // one text: every type 0, a literal [SEP] inside it included
+                    None => (self.encode(&t.text, false)?, None),
                 };
                 if let Some(max) = max_seq.filter(|&m| tokens.len() > m) {
                     return Err(Error::NotApplicable(format!(
@@ -90,7 +82,7 @@ impl Model {
                         tokens.len()
                     )));
                 }
-                let mut e = self.embed_tokens(&tokens)?;
+                let mut e = self.embed_tokens_typed(&tokens, types.as_deref())?;
                 if normalize {
                     l2_normalize(&mut e);
                 }
