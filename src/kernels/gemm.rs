@@ -930,6 +930,84 @@ mod x86;
 mod tests {
     use super::*;
 
+    /// `W: [n, k]` row-major, handing out its panels a depth slice at a time.
+    struct Plain<'a>(&'a [f32], usize, usize);
+    impl PanelSource for Plain<'_> {
+        fn dims(&self) -> (usize, usize) {
+            (self.1, self.2)
+        }
+        fn fill(&self, isa: Isa, p: usize, k0: usize, kc: usize, out: &mut [f32]) {
+            let (nr, k) = (isa.nr(), self.2);
+            let cols = nr.min(self.1 - p * nr);
+            let rows: Vec<f32> = (0..cols)
+                .flat_map(|j| self.0[(p * nr + j) * k + k0..][..kc].to_vec())
+                .collect();
+            out[..kc * nr].fill(0.0);
+            transpose_into_panel(&rows, cols, kc, nr, out);
+        }
+    }
+
+    /// Panels made a depth slice at a time give the packed panels' bits: every ISA, depths past
+    /// one slice, column edges, sub-ranges of depth and columns, accumulation, serial and parallel.
+    #[test]
+    fn panels_from_a_source_give_the_packed_panels_bits() {
+        let mut rng = crate::reference::Rng::new(8);
+        for isa in Isa::all_supported() {
+            for (m, k, n) in [
+                (1, 5, 3),
+                (13, 2 * isa.kc() + 37, 70),
+                (40, 896, 2 * isa.nr() + 5),
+            ] {
+                let w = rng.normals(n * k, 1.0);
+                let a = rng.normals(m * k, 1.0);
+                let packed = PackedB::from_rows(&w, n, k, k, isa);
+                let src = Plain(&w, n, k);
+                for (ks, cols) in [(0..k, 0..n), (k / 3..k - 1, 1..n), (1..2, n - 1..n)] {
+                    for (accumulate, parallel) in [(false, true), (true, false)] {
+                        let lda = ks.len();
+                        let sub: Vec<f32> = (0..m)
+                            .flat_map(|r| a[r * k + ks.start..r * k + ks.end].to_vec())
+                            .collect();
+                        let ldc = cols.len();
+                        let init = rng.normals(m * ldc, 1.0);
+                        let (mut want, mut got) = (init.clone(), init);
+                        gemm_sub(
+                            &sub,
+                            lda,
+                            m,
+                            &packed,
+                            ks.clone(),
+                            cols.clone(),
+                            &mut want,
+                            ldc,
+                            accumulate,
+                            parallel,
+                        );
+                        gemm_source(
+                            &sub,
+                            lda,
+                            m,
+                            &src,
+                            isa,
+                            ks.clone(),
+                            cols.clone(),
+                            &mut got,
+                            ldc,
+                            accumulate,
+                            parallel,
+                        );
+                        assert!(
+                            want.iter()
+                                .zip(&got)
+                                .all(|(x, y)| x.to_bits() == y.to_bits()),
+                            "{isa:?} m {m} k {k} n {n} {ks:?} {cols:?} acc {accumulate}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn panels_transposed_in_blocks_equal_the_plain_transpose() {
         use crate::kernels::simd::{all_supported, with_level};

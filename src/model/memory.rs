@@ -160,6 +160,19 @@ pub fn footprint(
     }
 }
 
+/// The setting `ATTNSCOPE_MEMORY` asks for (`low` or `fast`; unset or empty: none); another
+/// value is refused.
+pub fn from_env() -> super::Result<Option<Memory>> {
+    match std::env::var("ATTNSCOPE_MEMORY") {
+        Ok(v) if !v.trim().is_empty() => v
+            .trim()
+            .parse()
+            .map(Some)
+            .map_err(|e: String| super::Error::NotApplicable(format!("ATTNSCOPE_MEMORY: {e}"))),
+        _ => Ok(None),
+    }
+}
+
 /// The machine's memory that a new process can have without swapping (`MemAvailable`), in
 /// bytes; `None` where /proc/meminfo does not say.
 pub fn available() -> Option<u64> {

@@ -322,7 +322,7 @@ impl Model {
         memory: Option<Memory>,
         progress: bool,
     ) -> Result<Model> {
-        Self::load_with(
+        Self::load_full(
             spec,
             precision,
             memory,
@@ -331,14 +331,30 @@ impl Model {
         )
     }
 
-    /// [`Model::load_memory`] with the packed-weight cache kept as `panels` says (`None`: none).
+    /// [`Model::load`] with the packed-weight cache kept as `panels` says (`None`: none).
     pub fn load_with(
+        spec: &str,
+        precision: Precision,
+        progress: bool,
+        panels: Option<&panels::Settings>,
+    ) -> Result<Model> {
+        Self::load_full(spec, precision, None, progress, panels)
+    }
+
+    /// [`Model::load_memory`] with the packed-weight cache kept as `panels` says (`None`: none).
+    /// A `memory` of `None` takes `ATTNSCOPE_MEMORY` (`low` or `fast`) for `exact` where it is
+    /// set, else the setting [`memory::choose`] picks.
+    pub fn load_full(
         spec: &str,
         precision: Precision,
         memory: Option<Memory>,
         progress: bool,
         panels: Option<&panels::Settings>,
     ) -> Result<Model> {
+        let memory = match memory {
+            None if precision == Precision::Exact => memory::from_env()?,
+            m => m,
+        };
         if memory == Some(Memory::Low) && precision == Precision::Fast {
             return Err(Error::NotApplicable(
                 "--memory low multiplies the file's blocks exactly; it goes with --precision exact (fast holds its own bf16 or 8-bit packing)".into(),
