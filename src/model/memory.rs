@@ -18,9 +18,12 @@ use crate::kernels::int8::PackedQ8;
 use serde::Serialize;
 
 /// The fixed part of a run's peak: the executable, the tokenizer and vocabulary maps, the
-/// allocator's own (measured: an `inspect` of a few tokens minus its weights, 95-140 MB on the
-/// four GGUF models).
-pub const FIXED_BYTES: u64 = 140 << 20;
+/// allocator's own: `FIXED_BYTES + FIXED_PER_TOKEN_TYPE × vocabulary` (fitted to an `inspect`
+/// of a few tokens minus its weights: 28 MB for SmolLM2's 49,152 tokens, 42-53 MB for Qwen2.5's
+/// 151,936, 93 MB for Gemma 3's 262,144).
+pub const FIXED_BYTES: u64 = 15_000_000;
+/// Bytes of the fixed part per vocabulary entry (see [`FIXED_BYTES`]).
+pub const FIXED_PER_TOKEN_TYPE: u64 = 300;
 
 /// One fused projection as the forward multiplies it: `W: [n, k]`, its bytes in the file, and
 /// whether every part's blocks are integers and scales the AMX path reads (`offsets` when some
@@ -44,6 +47,7 @@ pub struct Footprint {
     pub qkv_width: usize,
     pub n_layers: usize,
     pub n_heads: usize,
+    pub vocab: usize,
     /// The fused projections (q|k|v, o, gate|up, down of every layer).
     pub projections: Vec<Projection>,
     /// Bytes of the output head's blocks (resident once the logits are computed).
@@ -53,8 +57,14 @@ pub struct Footprint {
 }
 
 impl Footprint {
-    /// Resident bytes of the weights at `memory` for `precision` on this CPU.
+    /// Resident bytes of the weights at `memory` for `precision` on this CPU, the output head
+    /// included.
     pub fn weights(&self, memory: Memory, precision: Precision) -> u64 {
+        self.projections_bytes(memory, precision) + self.head_bytes + self.small_bytes
+    }
+
+    /// Resident bytes of the projections at `memory` for `precision` on this CPU.
+    pub fn projections_bytes(&self, memory: Memory, precision: Precision) -> u64 {
         let layout = PanelLayout::of(precision);
         let packed = |p: &Projection| -> u64 {
             let (n, k) = (p.n, p.k);
@@ -73,36 +83,39 @@ impl Footprint {
                 PanelLayout::Int8(_) => f32_panels,
             }
         };
-        let projections: u64 = self
-            .projections
+        self.projections
             .iter()
             .map(|p| match memory {
                 Memory::Low if p.low => p.file_bytes,
                 _ => packed(p),
             })
-            .sum();
-        projections + self.head_bytes + self.small_bytes
+            .sum()
     }
 
-    /// The forward's own buffers at `n` tokens (`inspect`: one logits row): the residual
-    /// stream and its normed copy, q|k|v, the attention's output and the heads' keys and values
-    /// packed, gate|up and the activation, and the attention's score blocks (a block of 1,024
-    /// keys per head and thread), f32.
+    /// The forward's own buffers at `n` tokens (`inspect`: one logits row), f32: the layer's
+    /// live buffers (two of the residual stream's width, q|k|v and its rotated copy, gate|up),
+    /// and the attention's score blocks (1,024 keys per head, per thread).
     pub fn activations(&self, n: usize) -> u64 {
         let (d, ff, qkv) = (
             self.dims_d_model as u64,
             self.dims_d_ff as u64,
             self.qkv_width as u64,
         );
-        let per_token = 4 * (4 * d + 2 * qkv + 3 * ff);
+        let per_token = 4 * (2 * d + 2 * qkv + 2 * ff);
         let threads = rayon::current_num_threads() as u64;
         let scores = 4 * 1024 * 64 * self.n_heads as u64 * threads.min(8);
         n as u64 * per_token + scores
     }
 
-    /// Peak resident bytes of an `inspect` of `n` tokens at `memory`.
+    /// Peak resident bytes of an `inspect` of `n` tokens at `memory`: the fixed part, the
+    /// projections and the larger of the forward's buffers and the output head (the forward's
+    /// buffers are freed before the logits bring the head's pages in).
     pub fn need(&self, memory: Memory, precision: Precision, n: usize) -> u64 {
-        FIXED_BYTES + self.weights(memory, precision) + self.activations(n)
+        FIXED_BYTES
+            + FIXED_PER_TOKEN_TYPE * self.vocab as u64
+            + self.projections_bytes(memory, precision)
+            + self.small_bytes
+            + self.head_bytes.max(self.activations(n))
     }
 
     /// Whether `--memory low` reads every projection from the file's blocks.
@@ -154,6 +167,7 @@ pub fn footprint(
         qkv_width,
         n_layers: dims.n_layers,
         n_heads: dims.n_heads,
+        vocab: dims.vocab_size,
         projections,
         head_bytes,
         small_bytes,
