@@ -252,7 +252,9 @@ def test_low_memory_gives_the_same_patterns(qwen):
     low = attnscope.HookedModel.from_pretrained("qwen2.5-coder-0.5b", memory="low")
     la, a = low.run_with_cache(SENTENCE, names_filter="hook_pattern")
     lb, b = qwen.run_with_cache(SENTENCE, names_filter="hook_pattern")
-    assert np.abs(a.stack_activation("pattern") - b.stack_activation("pattern")).max() < 1e-5
+    # bit for bit against the f32 panels; on a CPU with AMX the default holds the projections as
+    # the tiles' integers and scales, which round differently (1.8e-5 measured)
+    assert np.abs(a.stack_activation("pattern") - b.stack_activation("pattern")).max() < 5e-5
     assert np.abs(la - lb).max() < 1e-3
     want = np.load(GOLDEN / "qwen_transformers_attn_full.npy")
     assert np.abs(a.stack_activation("pattern")[:, 0] - want).max() < 1e-4
