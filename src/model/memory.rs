@@ -147,7 +147,7 @@ pub fn footprint(
             let scaled = kinds
                 .iter()
                 .all(|x| x.is_some())
-                .then(|| kinds.iter().any(|x| *x == Some(true)));
+                .then(|| kinds.contains(&Some(true)));
             let low = fused
                 .iter()
                 .all(|p| p.2.is_some_and(super::weights::low_supported));

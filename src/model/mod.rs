@@ -496,6 +496,7 @@ impl Model {
     }
 
     /// The model of the GGUF file `open` reads.
+    #[allow(clippy::too_many_arguments)]
     fn from_gguf(
         open: impl FnOnce() -> Result<gguf::GgufFile> + Send,
         name: String,

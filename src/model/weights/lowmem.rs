@@ -168,7 +168,7 @@ impl PanelSource for QuantB {
                 let bytes = &m.map[row + b0 * ts..row + b1 * ts];
                 let dst = &mut tight[c * kc..(c + 1) * kc];
                 // `of` checked that rows are whole blocks inside the mapping: the lengths agree
-                let done = if k0 % bs == 0 && (k0 + kc) % bs == 0 {
+                let done = if k0.is_multiple_of(bs) && (k0 + kc).is_multiple_of(bs) {
                     dequantize_into(m.dtype, bytes, dst)
                 } else {
                     let span = (b1 - b0) * bs;
