@@ -235,3 +235,69 @@ fn low_memory_refusals_and_fallbacks_say_why() {
     assert_eq!(chosen, Memory::Fast, "1 TB free: {why}");
     assert!(fp.weights(Memory::Low, Precision::Exact) < fp.weights(Memory::Fast, Precision::Exact));
 }
+
+/// The command line: `info --memory low` says the setting and prints the memory model (text and
+/// JSON); `--memory low --precision fast` and an unknown setting exit 2.
+#[test]
+fn the_command_line_says_the_setting_and_refuses_bad_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.gguf");
+    write_gguf(&blockwide_model(5), Arch::Qwen2, GgmlDType::Q4K, &path).unwrap();
+    let m = path.to_str().unwrap();
+    let run = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_attnscope"))
+            .args(args)
+            .env("ATTNSCOPE_PANEL_CACHE", "off")
+            .output()
+            .unwrap()
+    };
+    let out = run(&["info", "-m", m, "--memory", "low"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("low: every projection multiplied from the file's quantized blocks"),
+        "{text}"
+    );
+    assert!(
+        text.contains("asked for (--memory low)") && text.contains("--memory fast"),
+        "{text}"
+    );
+    let out = run(&["info", "-m", m, "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        ["low", "fast"].contains(&v["model"]["memory"].as_str().unwrap()),
+        "{v}"
+    );
+    let rows = v["memory_model"].as_array().unwrap();
+    assert_eq!(rows[0]["tokens"], 128);
+    for r in rows {
+        assert!(
+            r["low_bytes"].as_u64().unwrap() < r["fast_bytes"].as_u64().unwrap(),
+            "{r}"
+        );
+    }
+    let out = run(&[
+        "inspect",
+        "-m",
+        m,
+        "--memory",
+        "low",
+        "--precision",
+        "fast",
+        "-t",
+        "the hat",
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--precision exact"));
+    let out = run(&["inspect", "-m", m, "--memory", "tiny", "-t", "the hat"]);
+    assert_eq!(out.status.code(), Some(2));
+}
