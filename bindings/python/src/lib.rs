@@ -233,8 +233,16 @@ impl Model {
     /// Loads an alias (fetched on first use), a .gguf file, a Hugging Face folder or a hub id.
     #[staticmethod]
     /// `add_bos`: `None` follows the model's metadata; `False` leaves its BOS out, `True` adds one.
-    #[pyo3(signature = (spec, precision = "exact", add_bos = None))]
-    fn load(py: Python<'_>, spec: &str, precision: &str, add_bos: Option<bool>) -> PyResult<Model> {
+    /// `memory`: `"low"` (the file's quantized blocks, mapped, a panel dequantized per product),
+    /// `"fast"` (packed at load), or `None` (chosen from the model's size and the free memory).
+    #[pyo3(signature = (spec, precision = "exact", add_bos = None, memory = None))]
+    fn load(
+        py: Python<'_>,
+        spec: &str,
+        precision: &str,
+        add_bos: Option<bool>,
+        memory: Option<&str>,
+    ) -> PyResult<Model> {
         let precision = match precision {
             "exact" => Precision::Exact,
             "fast" => Precision::Fast,
@@ -244,9 +252,17 @@ impl Model {
                 )))
             }
         };
+        let memory = memory
+            .map(|m| {
+                m.parse::<attnscope::model::Memory>()
+                    .map_err(|e| PyValueError::new_err(format!("memory={m:?}: {e}")))
+            })
+            .transpose()?;
         let spec = spec.to_string();
         let mut model = engine(py, move || {
-            Ok(attnscope::model::Model::load(&spec, precision, false)?)
+            Ok(attnscope::model::Model::load_memory(
+                &spec, precision, memory, false,
+            )?)
         })?;
         if let Some(b) = add_bos {
             model

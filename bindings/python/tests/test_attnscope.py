@@ -269,6 +269,23 @@ def test_corpus_and_capture(smol, tmp_path):
         smol.capture("the hat sat", out)
 
 
+def test_low_memory_gives_the_same_patterns(qwen):
+    # the projections multiplied from the file's quantized blocks: the packed projections' numbers
+    low = attnscope.HookedModel.from_pretrained("qwen2.5-coder-0.5b", memory="low")
+    la, a = low.run_with_cache(SENTENCE, names_filter="hook_pattern")
+    lb, b = qwen.run_with_cache(SENTENCE, names_filter="hook_pattern")
+    # bit for bit against the f32 panels; on a CPU with AMX the default holds the projections as
+    # the tiles' integers and scales, which round differently (1.8e-5 measured)
+    assert np.abs(a.stack_activation("pattern") - b.stack_activation("pattern")).max() < 5e-5
+    assert np.abs(la - lb).max() < 1e-3
+    want = np.load(GOLDEN / "qwen_transformers_attn_full.npy")
+    assert np.abs(a.stack_activation("pattern")[:, 0] - want).max() < 1e-4
+    with pytest.raises(ValueError, match="memory"):
+        attnscope.HookedModel.from_pretrained("qwen2.5-coder-0.5b", memory="tiny")
+    with pytest.raises(ValueError, match="precision exact"):
+        attnscope.HookedModel.from_pretrained("qwen2.5-coder-0.5b", precision="fast", memory="low")
+
+
 def test_errors_are_python_exceptions(qwen):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         attnscope.HookedModel.from_pretrained("/nonexistent/model.gguf")

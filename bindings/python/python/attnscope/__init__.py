@@ -444,7 +444,7 @@ class HookedModel:
                         default_prepend_bos: Optional[bool] = None, fold_ln: bool = False,
                         center_writing_weights: bool = False, center_unembed: bool = False,
                         fold_value_biases: bool = False, refactor_factored_attn_matrices: bool = False,
-                        device: Optional[str] = None) -> "HookedModel":
+                        device: Optional[str] = None, memory: Optional[str] = None) -> "HookedModel":
         """Loads a model (see the class docstring). ``default_prepend_bos``: ``None`` follows the
         model (Gemma puts ``<bos>`` first, Qwen and SmolLM2 do not); ``False`` leaves it out of
         every text, ``True`` puts it first in every text.
@@ -454,7 +454,11 @@ class HookedModel:
         norms' weights into the next weights and centres them by default (``fold_ln=True``,
         ``center_writing_weights=True``, ``center_unembed=True``, ``fold_value_biases=True``);
         attnscope does not, and raises if one of them is asked for (``W_Q`` and the hooks after a
-        norm would otherwise not be what TL computes). ``device``: only ``None`` or ``"cpu"``."""
+        norm would otherwise not be what TL computes). ``device``: only ``None`` or ``"cpu"``.
+        ``memory``: ``"low"`` keeps a GGUF's projections in the file's own quantized blocks and
+        dequantizes a panel just before each product (the same numbers, about the file's size in
+        memory), ``"fast"`` packs them at load; ``None`` chooses from the model's size and the
+        machine's free memory (the CLI's ``--memory``)."""
         asked = [k for k, v in (("fold_ln", fold_ln), ("center_writing_weights", center_writing_weights),
                                 ("center_unembed", center_unembed), ("fold_value_biases", fold_value_biases),
                                 ("refactor_factored_attn_matrices", refactor_factored_attn_matrices)) if v]
@@ -464,7 +468,7 @@ class HookedModel:
                 "from_pretrained_no_processing); W_Q and the other weights are the unfolded ones")
         if device not in (None, "cpu"):
             raise ValueError(f"device={device!r}: attnscope runs on the CPU")
-        return cls(_native.Model.load(os.fspath(name), precision, default_prepend_bos))
+        return cls(_native.Model.load(os.fspath(name), precision, default_prepend_bos, memory))
 
     @classmethod
     def from_pretrained_no_processing(cls, name: str = "qwen2.5-coder-0.5b", precision: str = "exact",

@@ -12,8 +12,11 @@ class Model:
 
     registered: str
     @staticmethod
-    def load(spec: str, precision: str = "exact", add_bos: Optional[bool] = None) -> "Model":
-        """Loads an alias (fetched on first use), a .gguf file, a Hugging Face folder or a hub id."""
+    def load(spec: str, precision: str = "exact", add_bos: Optional[bool] = None,
+             memory: Optional[str] = None) -> "Model":
+        """Loads an alias (fetched on first use), a .gguf file, a Hugging Face folder or a hub id.
+        ``memory``: "low" (the file's quantized blocks, a panel dequantized per product), "fast"
+        (packed at load) or None (chosen from the model's size and the free memory)."""
     def facts_json(self) -> str:
         """The model's dimensions and description, as JSON."""
     def encode(self, text: str, bos: Optional[bool] = None) -> List[int]:
