@@ -20,7 +20,7 @@ mod faithfulness;
 mod generate;
 pub mod heads;
 mod info;
-mod inspect;
+pub mod inspect;
 mod patch;
 mod scaling;
 mod serve;

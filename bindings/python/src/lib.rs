@@ -3,11 +3,11 @@
 //! - [`Model`]: load, tokenize, and `run` a forward that captures exactly the (layer, hook) pairs
 //!   asked for, handing each tensor to numpy without a copy (the Rust buffer becomes the
 //!   array's memory);
-//! - the analyses as typed calls on [`Model`] (`ablate`, `patch`, `heads`, `sinks`, `attribute`,
+//! - the analyses as typed calls on [`Model`] (`inspect`, `ablate`, `patch`, `heads`, `sinks`, `attribute`,
 //!   ...), their reports handed to Python as objects ([`to_object`]);
 //! - [`run_command`]: any `attnscope` subcommand in this process (`--json`), on a loaded model by
 //!   its registered name, returning what the command prints (what has no typed call yet:
-//!   `inspect`, `faithfulness`, `compare`, `capture`, `corpus`);
+//!   `faithfulness`, `compare`, `capture`, `corpus`);
 //! - [`view_page`] / [`pattern_page`]: the HTML page of `attnscope view`.
 //!
 //! The GIL is released while the engine runs, Python's signal handlers are asked between layers
@@ -745,6 +745,46 @@ impl Model {
         };
         let (m, text) = (self.inner.clone(), text.to_string());
         engine(py, move || Ok(view_html_with(&m, &text, bos, &opts)?.0))
+    }
+
+    /// The lesson's tables for one query (`attnscope inspect`) of `text`, or of the encoder pair
+    /// (`text`, `pair`): the report as Python objects, with the forward's `timings`.
+    #[pyo3(signature = (text, pair = None, query = None, layer = None, heads = "0-3".to_string(),
+                        layers = None, top = None, concentrated = 0.9, bos = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn inspect<'py>(
+        &self,
+        py: Python<'py>,
+        text: &str,
+        pair: Option<String>,
+        query: Option<usize>,
+        layer: Option<usize>,
+        heads: String,
+        layers: Option<String>,
+        top: Option<usize>,
+        concentrated: f32,
+        bos: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let req = attnscope::cli::inspect::Request {
+            query,
+            layer,
+            heads,
+            layers,
+            top,
+            concentrated,
+        };
+        let (m, text) = (self.inner.clone(), text.to_string());
+        let v = engine(py, move || {
+            let (tokens, types) = match &pair {
+                Some(b) => {
+                    let (t, ty) = m.encode_pair(&text, b)?;
+                    (t, Some(ty))
+                }
+                None => (m.encode(&text, bos)?, None),
+            };
+            Ok(attnscope::cli::inspect::inspect(&m, &tokens, types.as_deref(), &req)?.json(None)?)
+        })?;
+        to_object(py, &v)
     }
 
     /// Every head (and with `mlp` each MLP) ablated in turn (`attnscope ablate`): the report as

@@ -73,3 +73,17 @@ def test_pairs_are_refused_where_they_would_run_as_one_text(minilm):
         minilm.to_tokens(("How old are you?", ""))
     # a list of two texts stays a batch of two
     assert np.asarray(minilm.to_tokens(["a cat", "the dog sat"])).shape[0] == 2
+
+
+def test_inspect_of_a_pair_gives_transformers_shares(minilm, cases):
+    """``model.inspect(("A", "B"))`` is a typed call (no CLI): the [CLS]/[SEP]/punctuation shares per
+    layer equal transformers', and the token types the tokenizer's."""
+    case = cases["pair"]
+    r = minilm.inspect((case["text"], case["pair"]), heads="all")
+    assert r["kind"].startswith("encoder") and r["query"] == 0
+    assert r["token_types"] == case["token_types"]
+    for ours, theirs in (("cls", "cls_share"), ("sep", "sep_share"), ("punct", "punct_share")):
+        assert np.abs(np.asarray(r["special_shares"][ours]) - np.asarray(case[theirs])).max() < 1e-4, ours
+    assert len(r["heads"]) == 12 and "forward_s" in r["timings"]
+    with pytest.raises(ValueError, match="pair"):
+        minilm.inspect(("only one",))

@@ -1179,17 +1179,18 @@ class HookedModel:
             argv += ["--text", text]
         return _run_json(argv + list(args) + ["--json"])
 
-    def inspect(self, text: str, query: Optional[int] = None, layer: Optional[int] = None, heads: str = "0-3",
+    def inspect(self, text: Union[str, Tuple[str, str]], query: Optional[int] = None, layer: Optional[int] = None, heads: str = "0-3",
                 layers: Optional[str] = None, top: Optional[int] = None, concentrated: float = 0.9, bos: bool = False) -> Dict[str, Any]:
         """The lesson's tables for one query (``attnscope inspect --json``): per-head top tokens of a
-        layer, head-averaged top tokens, the sink profile, concentration, next-token top-5."""
-        a: List[str] = ["--heads", heads, "--concentrated", str(concentrated)]
-        for flag, v in (("--query", query), ("--layer", layer), ("--layers", layers), ("--top", top)):
-            if v is not None:
-                a += [flag, str(v)]
-        if bos:
-            a.append("--bos")
-        return self._cmd("inspect", text, *a)
+        layer, head-averaged top tokens, the sink profile, concentration, next-token top-5. On an
+        encoder ``text`` may be a pair ``("A", "B")``: the [CLS]/[SEP]/punctuation shares and the
+        rows of ``query`` (default [CLS])."""
+        pair = None
+        if isinstance(text, tuple):
+            if len(text) != 2:
+                raise ValueError("a pair is a tuple of two texts: (\"A\", \"B\")")
+            text, pair = text
+        return self._m.inspect(text, pair, query, layer, heads, layers, top, float(concentrated), bos)
 
     def faithfulness(self, text: str, target: Optional[str] = None, replace_with: Optional[str] = None, bos: bool = False) -> Dict[str, Any]:
         """Attention rankings against occlusion (``attnscope faithfulness --json``)."""

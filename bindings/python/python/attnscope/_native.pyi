@@ -1,6 +1,6 @@
 """Type stubs of the Rust engine (``attnscope._native``). Use the package's ``HookedModel``."""
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import numpy.typing as npt
@@ -63,6 +63,22 @@ class Model:
     def view_html(self, text: str, bos: bool = False, faithfulness: bool = False, ablate: Optional[str] = None,
                   target: Optional[str] = None) -> str:
         """The page of ``attnscope view``; ``ablate`` (``"zero"`` or ``"mean"``) adds the ablation panel."""
+    def inspect(self, text: str, pair: Optional[str] = None, query: Optional[int] = None, layer: Optional[int] = None,
+                heads: str = "0-3", layers: Optional[str] = None, top: Optional[int] = None, concentrated: float = 0.9,
+                bos: bool = False) -> Dict[str, Any]:
+        """``attnscope inspect --json``'s report as Python objects."""
+    def ablate(self, text: str, method: str = "zero", target: Optional[str] = None, positions: Optional[str] = None,
+               mlp: bool = False, bos: bool = False) -> Dict[str, Any]:
+        """``attnscope ablate --json``'s report as Python objects."""
+    def patch(self, clean: str, corrupt: str, hook: str = "resid-pre", answer: Optional[str] = None,
+              wrong: Optional[str] = None, bos: bool = False) -> Dict[str, Any]:
+        """``attnscope patch --json``'s report as Python objects."""
+    def heads(self, text: Optional[str] = None, random_repeat: Optional[int] = None, seed: int = 0,
+              bos: bool = False) -> Dict[str, Any]:
+        """``attnscope heads --json``'s document as Python objects."""
+    def sinks(self, text: Optional[str] = None, max_tokens: Optional[int] = None, key_block: int = 1024, top: int = 5,
+              bos: bool = False) -> Dict[str, Any]:
+        """``attnscope sinks --json``'s report as Python objects."""
     def hook_gradients(self, ids: Sequence[int], names: Sequence[str], metric: str, target: Optional[str] = None,
                        wrong: Optional[str] = None) -> Tuple[int, float, List[Tuple[str, List[int], npt.NDArray[np.float32]]]]:
         """The gradients of ``metric`` (target_logprob, loss, logit_diff) at the hook points ``names``:
