@@ -299,7 +299,7 @@ fn gemma_hook_gradients_match_torch() {
         .filter(|f| f.ends_with("_grad.npy"))
         .collect();
     files.sort();
-    assert_eq!(files.len(), 11, "{files:?}");
+    assert_eq!(files.len(), 12, "{files:?}");
     let mut checked = 0;
     for (scalar, metric, value_key) in [
         ("lp", GradMetric::Metric(Metric::LogProb(None)), "logprob"),
