@@ -611,6 +611,7 @@ impl Model {
     ) -> Result<Vec<Gradient>> {
         // its blocks are pre-LN and causal, its metrics next-token ones
         self.require_decoder("gradients of a next-token metric")?;
+        crate::kernels::keep_freed_buffers();
         let Batch { x0, batch } = x;
         let lrp = rules == Rules::AttnLrp;
         let dims = &self.dims;
