@@ -287,7 +287,11 @@ fn gemma_hook_gradients_match_torch() {
     let v = golden_json("gemma_hook_grads/values.json");
     let tokens = token_ids(&v["token_ids"]);
     let clean = "After Alice and Bob walked to the park, Bob handed a ball to";
-    assert_eq!(model.encode(clean, false).unwrap(), tokens, "Gemma's <bos> first");
+    assert_eq!(
+        model.encode(clean, false).unwrap(),
+        tokens,
+        "Gemma's <bos> first"
+    );
     let (answer, wrong) = (
         v["answer_id"].as_u64().unwrap() as u32,
         v["wrong_id"].as_u64().unwrap() as u32,

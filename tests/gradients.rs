@@ -330,7 +330,11 @@ fn batched_steps_equal_step_by_step() {
                 seen.push(k)
             })
             .unwrap();
-        assert_eq!(seen, (1..=7).collect::<Vec<_>>(), "{label}: progress per step");
+        assert_eq!(
+            seen,
+            (1..=7).collect::<Vec<_>>(),
+            "{label}: progress per step"
+        );
         assert_eq!(one.target, three.target);
         let want64: Vec<f64> = one.scores.iter().map(|&v| v as f64).collect();
         let err = rel_err(&three.scores, &want64, &format!("{label} IG batched"));

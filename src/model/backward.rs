@@ -627,7 +627,9 @@ impl Model {
             return Err(Error::EmptyText);
         }
         if batch > 1 && tap.is_some() {
-            return Err(bug("hook gradients are kept for one sequence at a time".into()));
+            return Err(bug(
+                "hook gradients are kept for one sequence at a time".into()
+            ));
         }
         let rows = x0.len() / dm;
         let n = rows / batch;
@@ -710,23 +712,21 @@ impl Model {
             let gw = if plan.mlp.gated() { 2 * ff } else { ff };
             let mut act = vec![0f32; rows * ff];
             let act_rows = gu.par_chunks(gw).zip(act.par_chunks_mut(ff));
-            act_rows.for_each(|(row, a)| {
-                match plan.mlp {
-                    MlpKind::GeluTanh => a
-                        .iter_mut()
-                        .zip(row)
-                        .for_each(|(a, &g)| *a = gelu_tanh_of(g)),
-                    MlpKind::GeluErf => a
-                        .iter_mut()
-                        .zip(row)
-                        .for_each(|(a, &g)| *a = super::ops::gelu_erf_of(g)),
-                    MlpKind::GeGluTanh => {
-                        for i in 0..ff {
-                            a[i] = gelu_tanh_of(row[i]) * row[ff + i];
-                        }
+            act_rows.for_each(|(row, a)| match plan.mlp {
+                MlpKind::GeluTanh => a
+                    .iter_mut()
+                    .zip(row)
+                    .for_each(|(a, &g)| *a = gelu_tanh_of(g)),
+                MlpKind::GeluErf => a
+                    .iter_mut()
+                    .zip(row)
+                    .for_each(|(a, &g)| *a = super::ops::gelu_erf_of(g)),
+                MlpKind::GeGluTanh => {
+                    for i in 0..ff {
+                        a[i] = gelu_tanh_of(row[i]) * row[ff + i];
                     }
-                    MlpKind::SwiGlu => super::ops::swiglu_row(&row[..ff], &row[ff..], a),
                 }
+                MlpKind::SwiGlu => super::ops::swiglu_row(&row[..ff], &row[ff..], a),
             });
             let mlp_proj = layer.down.forward(&act, rows)?;
             let mlp_out = match &layer.post_norms {
@@ -819,8 +819,16 @@ impl Model {
                 ..BlockTap::default()
             });
             let shape = (n, batch);
-            grad_pattern[l] =
-                self.block_backward(l, layer, &transposes[l], s, shape, &mut dx, rules, bt.as_mut())?;
+            grad_pattern[l] = self.block_backward(
+                l,
+                layer,
+                &transposes[l],
+                s,
+                shape,
+                &mut dx,
+                rules,
+                bt.as_mut(),
+            )?;
             if !dx.iter().all(|v| v.is_finite()) {
                 return Err(Error::NonFinite {
                     what: "the gradient of the residual stream".into(),
@@ -851,7 +859,10 @@ impl Model {
                     Vec::new()
                 },
                 grad_pattern_last: if batch == 1 {
-                    grad_pattern.iter().map(|g| g[b * per..(b + 1) * per].to_vec()).collect()
+                    grad_pattern
+                        .iter()
+                        .map(|g| g[b * per..(b + 1) * per].to_vec())
+                        .collect()
                 } else {
                     Vec::new()
                 },
@@ -1096,7 +1107,12 @@ impl Model {
     /// `grad_pattern_last` left empty for a batch of more than one. The row-wise work runs on
     /// all `batch·n` rows at once (each weight matrix read once for the batch), the attention
     /// per sequence and head.
-    pub fn gradient_batch(&self, x0: &[f32], batch: usize, metric: Metric) -> Result<Vec<Gradient>> {
+    pub fn gradient_batch(
+        &self,
+        x0: &[f32],
+        batch: usize,
+        metric: Metric,
+    ) -> Result<Vec<Gradient>> {
         self.run_batch(Batch { x0, batch }, metric, true, Rules::Gradient, None)
     }
 
