@@ -307,6 +307,16 @@ fn batched_steps_equal_step_by_step() {
         let metric = Metric::LogProb(Some(7));
         let batched = model.gradient_batch(&xs, alphas.len(), metric).unwrap();
         assert_eq!(batched.len(), alphas.len());
+        // stacked inputs that are not whole sequences of whole rows: an error, not a panic
+        for (cut, batch) in [(1, 3), (0, 2), (0, 0)] {
+            let err = model
+                .gradient_batch(&xs[..xs.len() - cut], batch, metric)
+                .unwrap_err();
+            assert!(
+                matches!(err, attnscope::model::Error::OutOfRange { .. }),
+                "{label}: {err}"
+            );
+        }
         for (a, got) in alphas.iter().zip(&batched) {
             let xa: Vec<f32> = x.iter().map(|v| v * a).collect();
             let want = model.gradient_from(&xa, metric).unwrap();

@@ -587,10 +587,8 @@ impl Model {
         rules: Rules,
         tap: Option<&mut Tap>,
     ) -> Result<Gradient> {
-        let (x0, batch) = (Batch { x0, batch: 1 }, 1);
-        self.run_batch(x0, metric, backward, rules, tap)?
+        self.run_batch(Batch { x0, batch: 1 }, metric, backward, rules, tap)?
             .pop()
-            .filter(|_| batch == 1)
             .ok_or_else(|| bug("no gradient of the one sequence".into()))
     }
 
@@ -623,8 +621,15 @@ impl Model {
             dims.d_ff,
         );
         let eps = dims.rms_eps;
-        if x0.is_empty() || batch == 0 || !x0.len().is_multiple_of(dm * batch) {
+        if x0.is_empty() {
             return Err(Error::EmptyText);
+        }
+        if batch == 0 || !x0.len().is_multiple_of(dm * batch) {
+            return Err(Error::OutOfRange {
+                what: "values of the stacked inputs".into(),
+                value: x0.len().to_string(),
+                range: format!("a multiple of batch × d_model = {batch} × {dm}"),
+            });
         }
         if batch > 1 && tap.is_some() {
             return Err(bug(
