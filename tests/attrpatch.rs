@@ -274,3 +274,91 @@ fn patch_approx_json_and_refusal() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--approx"));
 }
+
+/// Gemma 3's gradients at the hook points (`hook_gradients`, what Python's
+/// `run_with_cache(incl_bwd=True)` returns) against torch autograd through transformers
+/// (`tests/golden/gemma_hook_grads/`, make_gemma_hookgrad_golden.py): the scaled embedding, a
+/// resid_pre, a sliding-window and a global layer's pattern, z, v, rot_q and rot_k after the q/k
+/// norms and RoPE, attn_out and mlp_out after the post-norms; for log p(top token), the loss and
+/// a logit difference. Each within 1e-3 of its largest value, in TransformerLens's shapes.
+#[test]
+fn gemma_hook_gradients_match_torch() {
+    let model = real_model("gemma3-270m");
+    let v = golden_json("gemma_hook_grads/values.json");
+    let tokens = token_ids(&v["token_ids"]);
+    let clean = "After Alice and Bob walked to the park, Bob handed a ball to";
+    assert_eq!(
+        model.encode(clean, false).unwrap(),
+        tokens,
+        "Gemma's <bos> first"
+    );
+    let (answer, wrong) = (
+        v["answer_id"].as_u64().unwrap() as u32,
+        v["wrong_id"].as_u64().unwrap() as u32,
+    );
+    let dir = golden("gemma_hook_grads");
+    let mut files: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|f| f.ends_with("_grad.npy"))
+        .collect();
+    files.sort();
+    assert_eq!(files.len(), 12, "{files:?}");
+    let mut checked = 0;
+    for (scalar, metric, value_key) in [
+        ("lp", GradMetric::Metric(Metric::LogProb(None)), "logprob"),
+        ("loss", GradMetric::Loss, "loss"),
+        (
+            "ld",
+            GradMetric::Metric(Metric::LogitDiff { answer, wrong }),
+            "logit_diff",
+        ),
+    ] {
+        let mine: Vec<(String, String)> = files
+            .iter()
+            .filter_map(|f| {
+                let (s, rest) = f.split_once("__")?;
+                (s == scalar).then(|| (f.clone(), rest.trim_end_matches(".npy").to_string()))
+            })
+            .collect();
+        assert!(!mine.is_empty(), "{scalar}");
+        let names: Vec<String> = mine
+            .iter()
+            .map(|(_, g)| g.trim_end_matches("_grad").to_string())
+            .collect();
+        let h = model
+            .hook_gradients(&tokens, metric, &|n: &str| names.iter().any(|x| x == n))
+            .unwrap();
+        let want_value = v[value_key].as_f64().unwrap();
+        assert!(
+            (h.value as f64 - want_value).abs() < 1e-4 * want_value.abs().max(1.0),
+            "{scalar}: value {} vs torch {want_value}",
+            h.value
+        );
+        if scalar == "lp" {
+            assert_eq!(h.target as u64, v["target_id"].as_u64().unwrap());
+        }
+        for (file, grad_name) in &mine {
+            let (shape, want) = golden_npy(&format!("gemma_hook_grads/{file}"));
+            let (_, got_shape, got) = h
+                .grads
+                .iter()
+                .find(|(k, _, _)| k == grad_name)
+                .unwrap_or_else(|| panic!("{grad_name} missing"));
+            assert_eq!(got_shape, &shape, "{scalar} {grad_name}: shape");
+            let largest = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let worst = got
+                .iter()
+                .zip(&want)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            eprintln!("gemma {scalar} {grad_name}: worst {worst:.2e} (largest {largest:.3e})");
+            assert!(largest > 0.0, "{scalar} {grad_name}: all zero");
+            assert!(
+                worst <= 1e-3 * largest,
+                "{scalar} {grad_name}: off by {worst:.3e} (largest {largest:.3e})"
+            );
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, files.len());
+}

@@ -74,6 +74,29 @@ pub struct Integrated {
     pub logprob: f32,
 }
 
+/// Integrated gradients' steps: at most this many.
+pub const MAX_IG_STEPS: usize = 4096;
+
+/// The activations integrated gradients' batched steps may keep for the backward at once.
+pub const IG_BATCH_BYTES: usize = 1 << 30;
+
+/// `batch` sequences of `n` tokens each, stacked: `x0` is `[batch·n, d_model]`.
+#[derive(Clone, Copy)]
+struct Batch<'a> {
+    x0: &'a [f32],
+    batch: usize,
+}
+
+/// One sequence's metric at its logits: what the backward starts from.
+struct Seed {
+    target: u32,
+    logprob: f32,
+    value: f32,
+    logits: Vec<f32>,
+    /// `d metric / d raw logit` (before the final soft-cap), as (token, weight) pairs
+    dlogit: Vec<(u32, f64)>,
+}
+
 /// What one layer's backward needs from its forward.
 struct Saved {
     resid_pre: Vec<f32>,
@@ -562,10 +585,32 @@ impl Model {
         metric: Metric,
         backward: bool,
         rules: Rules,
-        mut tap: Option<&mut Tap>,
+        tap: Option<&mut Tap>,
     ) -> Result<Gradient> {
+        self.run_batch(Batch { x0, batch: 1 }, metric, backward, rules, tap)?
+            .pop()
+            .ok_or_else(|| bug("no gradient of the one sequence".into()))
+    }
+
+    /// The forward (and with `backward`, the backward) of `x.batch` sequences of equal length
+    /// at once, one [`Gradient`] each (their `grad_resid_pre` and `grad_pattern_last` only
+    /// for a batch of one): the row-wise work (norms, projections, activations) runs on the
+    /// stacked `batch·n` rows, the attention per sequence and head. Each sequence gets the
+    /// numbers its own run gives (the products of a row do not depend on the other rows). The
+    /// batched forward and backward integrated gradients run their steps on; `tap` needs a batch
+    /// of one.
+    fn run_batch(
+        &self,
+        x: Batch<'_>,
+        metric: Metric,
+        backward: bool,
+        rules: Rules,
+        mut tap: Option<&mut Tap>,
+    ) -> Result<Vec<Gradient>> {
         // its blocks are pre-LN and causal, its metrics next-token ones
         self.require_decoder("gradients of a next-token metric")?;
+        crate::kernels::keep_freed_buffers();
+        let Batch { x0, batch } = x;
         let lrp = rules == Rules::AttnLrp;
         let dims = &self.dims;
         let (nh, nkv, hd, dm, ff) = (
@@ -576,10 +621,23 @@ impl Model {
             dims.d_ff,
         );
         let eps = dims.rms_eps;
-        if x0.is_empty() || !x0.len().is_multiple_of(dm) {
+        if x0.is_empty() {
             return Err(Error::EmptyText);
         }
-        let n = x0.len() / dm;
+        if batch == 0 || !x0.len().is_multiple_of(dm * batch) {
+            return Err(Error::OutOfRange {
+                what: "values of the stacked inputs".into(),
+                value: x0.len().to_string(),
+                range: format!("a multiple of batch × d_model = {batch} × {dm}"),
+            });
+        }
+        if batch > 1 && tap.is_some() {
+            return Err(bug(
+                "hook gradients are kept for one sequence at a time".into()
+            ));
+        }
+        let rows = x0.len() / dm;
+        let n = rows / batch;
         if n > dims.context_len {
             return Err(Error::TooLong {
                 n_tokens: n,
@@ -606,7 +664,7 @@ impl Model {
             let resid_pre = x.clone();
             let b1 = layer.norm_biases.as_ref().map(|b| b.0.as_slice());
             let h1 = norm_fwd(plan.norm, &x, &layer.attn_norm, b1, eps);
-            let qkv = layer.qkv.forward(&h1, n)?;
+            let qkv = layer.qkv.forward(&h1, rows)?;
             let mut normed = qkv.clone();
             if let Some((qn, kn)) = &layer.qk_norm {
                 for row in normed.chunks_mut(width) {
@@ -621,16 +679,17 @@ impl Model {
             }
             let rope = plan.rope_base().map(&tables);
             let split = |c0: usize, heads: usize, rot: bool| -> Vec<f32> {
-                let mut out = vec![0f32; heads * n * hd];
+                let mut out = vec![0f32; heads * rows * hd];
                 for h in 0..heads {
-                    for r in 0..n {
-                        let v = &mut out[(h * n + r) * hd..][..hd];
+                    for r in 0..rows {
+                        let v = &mut out[(h * rows + r) * hd..][..hd];
                         v.copy_from_slice(&normed[r * width + c0 + h * hd..][..hd]);
+                        let pos = r % n;
                         if let (true, Some((cos, sin))) = (rot, &rope) {
                             rotate(
                                 &mut v[..2 * half],
-                                &cos[r * half..][..half],
-                                &sin[r * half..][..half],
+                                &cos[pos * half..][..half],
+                                &sin[pos * half..][..half],
                                 style,
                             );
                         }
@@ -641,8 +700,8 @@ impl Model {
             let q = split(0, nh, true);
             let k = split(nq, nkv, true);
             let v = split(nq + nk, nkv, false);
-            let z = self.attention_forward(l, &q, &k, &v, n);
-            let attn_proj = layer.o.forward(&z, n)?;
+            let z = self.attention_forward(l, &q, &k, &v, n, batch);
+            let attn_proj = layer.o.forward(&z, rows)?;
             let attn_out = match &layer.post_norms {
                 Some((pa, _)) => rms_norm(&attn_proj, pa, eps),
                 None => attn_proj.clone(),
@@ -654,28 +713,27 @@ impl Model {
             let resid_mid = x.clone();
             let b2 = layer.norm_biases.as_ref().map(|b| b.1.as_slice());
             let h2 = norm_fwd(plan.norm, &x, &layer.mlp_norm, b2, eps);
-            let gu = layer.gate_up.forward(&h2, n)?;
+            let gu = layer.gate_up.forward(&h2, rows)?;
             let gw = if plan.mlp.gated() { 2 * ff } else { ff };
-            let mut act = vec![0f32; n * ff];
-            for (row, a) in gu.chunks(gw).zip(act.chunks_mut(ff)) {
-                match plan.mlp {
-                    MlpKind::GeluTanh => a
-                        .iter_mut()
-                        .zip(row)
-                        .for_each(|(a, &g)| *a = gelu_tanh_of(g)),
-                    MlpKind::GeluErf => a
-                        .iter_mut()
-                        .zip(row)
-                        .for_each(|(a, &g)| *a = super::ops::gelu_erf_of(g)),
-                    MlpKind::GeGluTanh => {
-                        for i in 0..ff {
-                            a[i] = gelu_tanh_of(row[i]) * row[ff + i];
-                        }
+            let mut act = vec![0f32; rows * ff];
+            let act_rows = gu.par_chunks(gw).zip(act.par_chunks_mut(ff));
+            act_rows.for_each(|(row, a)| match plan.mlp {
+                MlpKind::GeluTanh => a
+                    .iter_mut()
+                    .zip(row)
+                    .for_each(|(a, &g)| *a = gelu_tanh_of(g)),
+                MlpKind::GeluErf => a
+                    .iter_mut()
+                    .zip(row)
+                    .for_each(|(a, &g)| *a = super::ops::gelu_erf_of(g)),
+                MlpKind::GeGluTanh => {
+                    for i in 0..ff {
+                        a[i] = gelu_tanh_of(row[i]) * row[ff + i];
                     }
-                    MlpKind::SwiGlu => super::ops::swiglu_row(&row[..ff], &row[ff..], a),
                 }
-            }
-            let mlp_proj = layer.down.forward(&act, n)?;
+                MlpKind::SwiGlu => super::ops::swiglu_row(&row[..ff], &row[ff..], a),
+            });
+            let mlp_proj = layer.down.forward(&act, rows)?;
             let mlp_out = match &layer.post_norms {
                 Some((_, pm)) => rms_norm(&mlp_proj, pm, eps),
                 None => mlp_proj.clone(),
@@ -702,19 +760,124 @@ impl Model {
                 mlp_proj,
             });
         }
-        // ---- the last row's logits
-        let last = &x[(n - 1) * dm..];
+        // ---- each sequence's last row's logits
         let fb = self.weights.final_norm_bias.as_deref();
         let fkind = if fb.is_some() {
             NormKind::Layer
         } else {
             NormKind::Rms
         };
-        let hf = norm_fwd(fkind, last, &self.weights.final_norm, fb, eps);
-        let raw = super::ops::logits_rows(&self.weights.lm_head, hf.clone(), 1, dm)?
-            .pop()
-            .ok_or_else(|| bug("no logits row".into()))?;
+        let lasts: Vec<f32> = (0..batch)
+            .flat_map(|b| x[(b * n + n - 1) * dm..][..dm].iter().copied())
+            .collect();
+        let hf = norm_fwd(fkind, &lasts, &self.weights.final_norm, fb, eps);
+        let raws = super::ops::logits_rows(&self.weights.lm_head, hf, batch, dm)?;
+        if raws.len() != batch {
+            return Err(bug("a logits row per sequence".into()));
+        }
         let cap = dims.gemma.as_ref().and_then(|g| g.final_softcap);
+        let mut seeds = Vec::with_capacity(batch);
+        for raw in raws {
+            seeds.push(self.seed(raw, cap, metric, lrp)?);
+        }
+        let input = |b: usize| x0[b * n * dm..(b + 1) * n * dm].to_vec();
+        if !backward {
+            return Ok(seeds
+                .into_iter()
+                .enumerate()
+                .map(|(b, sd)| Gradient {
+                    target: sd.target,
+                    logprob: sd.logprob,
+                    value: sd.value,
+                    logits: sd.logits,
+                    input: input(b),
+                    grad_input: Vec::new(),
+                    grad_resid_pre: Vec::new(),
+                    grad_pattern_last: Vec::new(),
+                })
+                .collect());
+        }
+        // through the final soft-cap, the head and the final norm
+        let dh = self.unembed_back(&seeds)?;
+        let mut dx = vec![0f32; rows * dm];
+        for b in 0..batch {
+            dx[(b * n + n - 1) * dm..][..dm].copy_from_slice(&norm_back(
+                rules,
+                fkind,
+                &lasts[b * dm..(b + 1) * dm],
+                &self.weights.final_norm,
+                eps,
+                &dh[b * dm..(b + 1) * dm],
+            ));
+        }
+        if let Some(loss) = tap.as_deref().and_then(|t| t.loss.as_deref()) {
+            (seeds[0].value, dx) = self.loss_seed(&x, loss, fkind)?;
+        }
+        // ---- the blocks, last to first
+        let transposes = self.transposes();
+        let mut grad_resid_pre = vec![Vec::new(); dims.n_layers];
+        let mut grad_pattern = vec![Vec::new(); dims.n_layers];
+        for (l, layer) in self.weights.layers.iter().enumerate().rev() {
+            let s = &saved[l];
+            let mut bt = tap.as_deref().filter(|t| t.wants(l)).map(|_| BlockTap {
+                resid_post: dx.clone(),
+                ..BlockTap::default()
+            });
+            let shape = (n, batch);
+            grad_pattern[l] = self.block_backward(
+                l,
+                layer,
+                &transposes[l],
+                s,
+                shape,
+                &mut dx,
+                rules,
+                bt.as_mut(),
+            )?;
+            if !dx.iter().all(|v| v.is_finite()) {
+                return Err(Error::NonFinite {
+                    what: "the gradient of the residual stream".into(),
+                    layer: Some(l),
+                });
+            }
+            if batch == 1 {
+                grad_resid_pre[l] = dx.clone();
+            }
+            if let (Some(t), Some(bt)) = (tap.as_deref_mut(), bt) {
+                t.backward_layer(self, l, s, n, bt, &dx);
+            }
+        }
+        let per = nh * n;
+        Ok(seeds
+            .into_iter()
+            .enumerate()
+            .map(|(b, sd)| Gradient {
+                target: sd.target,
+                logprob: sd.logprob,
+                value: sd.value,
+                logits: sd.logits,
+                input: input(b),
+                grad_input: dx[b * n * dm..(b + 1) * n * dm].to_vec(),
+                grad_resid_pre: if batch == 1 {
+                    std::mem::take(&mut grad_resid_pre)
+                } else {
+                    Vec::new()
+                },
+                grad_pattern_last: if batch == 1 {
+                    grad_pattern
+                        .iter()
+                        .map(|g| g[b * per..(b + 1) * per].to_vec())
+                        .collect()
+                } else {
+                    Vec::new()
+                },
+            })
+            .collect())
+    }
+
+    /// One sequence's logits from the head's `raw` row (soft-capped by `cap`), the metric's
+    /// target, value and `d metric / d raw logit` as (token, weight) pairs.
+    fn seed(&self, raw: Vec<f32>, cap: Option<f32>, metric: Metric, lrp: bool) -> Result<Seed> {
         let logits: Vec<f32> = match cap {
             Some(c) => raw.iter().map(|&u| (u / c).tanh() * c).collect(),
             None => raw.clone(),
@@ -780,95 +943,95 @@ impl Model {
                 logits[answer as usize] - logits[wrong as usize]
             }
         };
-        if !backward {
-            return Ok(Gradient {
-                target,
-                logprob,
-                value,
-                logits,
-                input: x0.to_vec(),
-                grad_input: Vec::new(),
-                grad_resid_pre: Vec::new(),
-                grad_pattern_last: Vec::new(),
-            });
-        }
-        // through the final soft-cap and the head
-        let mut dh = vec![0f64; dm];
-        for &(v, d) in &dlogit {
-            let d = match cap {
+        // through the final soft-cap to the raw logits
+        for (v, d) in dlogit.iter_mut() {
+            *d = match cap {
                 // the identity rule: what the capped logit holds passes to the raw one
                 Some(_) if lrp => {
-                    let r = raw[v as usize] as f64;
+                    let r = raw[*v as usize] as f64;
                     if r == 0.0 {
-                        d
+                        *d
                     } else {
-                        d * logits[v as usize] as f64 / r
+                        *d * logits[*v as usize] as f64 / r
                     }
                 }
                 Some(c) => {
-                    let t = (raw[v as usize] / c).tanh() as f64;
-                    d * (1.0 - t * t)
+                    let t = (raw[*v as usize] / c).tanh() as f64;
+                    *d * (1.0 - t * t)
                 }
-                None => d,
+                None => *d,
             };
-            let row = self.unembed_row(v)?;
-            dh.iter_mut()
-                .zip(&row)
-                .for_each(|(a, &w)| *a += d * w as f64);
         }
-        let dh: Vec<f32> = dh.iter().map(|&v| v as f32).collect();
-        let mut dx = vec![0f32; n * dm];
-        dx[(n - 1) * dm..].copy_from_slice(&norm_back(
-            rules,
-            fkind,
-            last,
-            &self.weights.final_norm,
-            eps,
-            &dh,
-        ));
-        let mut value = value;
-        if let Some(loss) = tap.as_deref().and_then(|t| t.loss.as_deref()) {
-            (value, dx) = self.loss_seed(&x, loss, fkind)?;
-        }
-        // ---- the blocks, last to first
-        let transposes = self.transposes();
-        let mut grad_resid_pre = vec![Vec::new(); dims.n_layers];
-        let mut grad_pattern_last = vec![Vec::new(); dims.n_layers];
-        for (l, layer) in self.weights.layers.iter().enumerate().rev() {
-            let s = &saved[l];
-            let mut bt = tap.as_deref().filter(|t| t.wants(l)).map(|_| BlockTap {
-                resid_post: dx.clone(),
-                ..BlockTap::default()
-            });
-            grad_pattern_last[l] =
-                self.block_backward(l, layer, &transposes[l], s, n, &mut dx, rules, bt.as_mut())?;
-            if !dx.iter().all(|v| v.is_finite()) {
-                return Err(Error::NonFinite {
-                    what: "the gradient of the residual stream".into(),
-                    layer: Some(l),
-                });
-            }
-            grad_resid_pre[l] = dx.clone();
-            if let (Some(t), Some(bt)) = (tap.as_deref_mut(), bt) {
-                t.backward_layer(self, l, s, n, bt, &dx);
-            }
-        }
-        Ok(Gradient {
+        Ok(Seed {
             target,
             logprob,
             value,
             logits,
-            input: x0.to_vec(),
-            grad_input: dx,
-            grad_resid_pre,
-            grad_pattern_last,
+            dlogit,
         })
+    }
+
+    /// `Σ_v d_v · W_U[v]` for each seed's (token, weight) pairs, `[seeds, d_model]`: a quantized
+    /// head is read once for every seed, a chunk of vocabulary rows per task (each seed's sum
+    /// in f64, in the order of the vocabulary within a chunk).
+    fn unembed_back(&self, seeds: &[Seed]) -> Result<Vec<f32>> {
+        let dm = self.dims.d_model;
+        let vocab = self.dims.vocab_size;
+        let mut out = vec![0f64; seeds.len() * dm];
+        let dense = seeds.iter().all(|s| s.dlogit.len() * 4 > vocab);
+        match &self.weights.lm_head {
+            super::weights::Head::Rows(m) if dense => {
+                // every seed's weights as a dense vector over the vocabulary
+                let mut w = vec![0f64; seeds.len() * vocab];
+                for (b, sd) in seeds.iter().enumerate() {
+                    for &(v, d) in &sd.dlogit {
+                        w[b * vocab + v as usize] += d;
+                    }
+                }
+                const CHUNK: usize = 512;
+                let parts: Vec<Result<Vec<f64>>> = (0..vocab.div_ceil(CHUNK))
+                    .into_par_iter()
+                    .map(|c| {
+                        let (v0, v1) = (c * CHUNK, ((c + 1) * CHUNK).min(vocab));
+                        let mut rows = vec![0f32; (v1 - v0) * dm];
+                        m.rows_to_f32(v0, &mut rows)?;
+                        let mut acc = vec![0f64; seeds.len() * dm];
+                        for (b, a) in acc.chunks_mut(dm).enumerate() {
+                            for (v, row) in (v0..v1).zip(rows.chunks(dm)) {
+                                let d = w[b * vocab + v];
+                                if d != 0.0 {
+                                    a.iter_mut().zip(row).for_each(|(a, &r)| *a += d * r as f64);
+                                }
+                            }
+                        }
+                        Ok(acc)
+                    })
+                    .collect();
+                for part in parts {
+                    out.iter_mut().zip(part?).for_each(|(o, p)| *o += p);
+                }
+            }
+            _ => {
+                for (b, sd) in seeds.iter().enumerate() {
+                    let acc = &mut out[b * dm..(b + 1) * dm];
+                    for &(v, d) in &sd.dlogit {
+                        let row = self.unembed_row(v)?;
+                        acc.iter_mut()
+                            .zip(&row)
+                            .for_each(|(a, &w)| *a += d * w as f64);
+                    }
+                }
+            }
+        }
+        Ok(out.iter().map(|&v| v as f32).collect())
     }
 
     /// Integrated gradients of `metric` (`log p(target)`, `None`: the top next token, or a
     /// logit difference) for `tokens`, from the zero input with `steps` midpoints; `progress` is
     /// called after each step. The one implementation: `attribute`, `faithfulness` and Python
-    /// all come here.
+    /// all come here. The steps run several at a time through one batched forward and backward
+    /// ([`Model::gradient_batch`]), as many as keep the saved activations within
+    /// [`IG_BATCH_BYTES`].
     pub fn integrated_gradients(
         &self,
         tokens: &[u32],
@@ -876,11 +1039,26 @@ impl Model {
         steps: usize,
         progress: &mut dyn FnMut(usize),
     ) -> Result<Integrated> {
-        if steps == 0 {
+        let per_step = self.saved_bytes_per_row() * tokens.len().max(1);
+        let batch = (IG_BATCH_BYTES / per_step.max(1)).clamp(1, 64);
+        self.integrated_gradients_batched(tokens, metric, steps, batch, progress)
+    }
+
+    /// [`Model::integrated_gradients`] with at most `batch` steps per forward and backward (1:
+    /// one step at a time).
+    pub fn integrated_gradients_batched(
+        &self,
+        tokens: &[u32],
+        metric: Metric,
+        steps: usize,
+        batch: usize,
+        progress: &mut dyn FnMut(usize),
+    ) -> Result<Integrated> {
+        if steps == 0 || steps > MAX_IG_STEPS {
             return Err(Error::OutOfRange {
                 what: "steps".into(),
-                value: "0".into(),
-                range: "1..=4096".into(),
+                value: steps.to_string(),
+                range: format!("1..={MAX_IG_STEPS}"),
             });
         }
         let (x, _) = self.input_embeddings(tokens)?;
@@ -892,15 +1070,23 @@ impl Model {
         };
         let dm = self.dims.d_model;
         let mut total = vec![0f64; x.len()];
-        for k in 0..steps {
-            let a = (k as f32 + 0.5) / steps as f32;
-            let xa: Vec<f32> = x.iter().map(|v| v * a).collect();
-            let g = self.gradient_from(&xa, metric)?;
-            total
-                .iter_mut()
-                .zip(&g.grad_input)
-                .for_each(|(t, g)| *t += *g as f64);
-            progress(k + 1);
+        let batch = batch.clamp(1, steps);
+        let mut done = 0;
+        while done < steps {
+            let take = batch.min(steps - done);
+            let mut xs = Vec::with_capacity(take * x.len());
+            for k in done..done + take {
+                let a = (k as f32 + 0.5) / steps as f32;
+                xs.extend(x.iter().map(|v| v * a));
+            }
+            for g in self.gradient_batch(&xs, take, metric)? {
+                total
+                    .iter_mut()
+                    .zip(&g.grad_input)
+                    .for_each(|(t, g)| *t += *g as f64);
+                done += 1;
+                progress(done);
+            }
         }
         let zero = self.run_from(&vec![0f32; x.len()], metric, false)?;
         let scores: Vec<f32> = total
@@ -920,6 +1106,30 @@ impl Model {
         })
     }
 
+    /// The gradients of `metric` for `batch` inputs to layer 0 of one length, stacked in `x0`
+    /// (`[batch·n, d_model]`), through one batched forward and backward: the same numbers as
+    /// [`Model::gradient_from`] on each (to float rounding), with `grad_resid_pre` and
+    /// `grad_pattern_last` left empty for a batch of more than one. The row-wise work runs on
+    /// all `batch·n` rows at once (each weight matrix read once for the batch), the attention
+    /// per sequence and head.
+    pub fn gradient_batch(
+        &self,
+        x0: &[f32],
+        batch: usize,
+        metric: Metric,
+    ) -> Result<Vec<Gradient>> {
+        self.run_batch(Batch { x0, batch }, metric, true, Rules::Gradient, None)
+    }
+
+    /// Bytes the forward saves for the backward per row (token) of a batch, over every layer.
+    fn saved_bytes_per_row(&self) -> usize {
+        let d = &self.dims;
+        let width = (d.n_heads + 2 * d.n_kv_heads) * d.head_dim;
+        // resid_pre, attn_proj, resid_mid, mlp_proj; qkv and q|k|v; gate|up
+        let floats = 4 * d.d_model + 2 * width + 2 * d.d_ff;
+        floats * 4 * d.n_layers
+    }
+
     /// One layer's heads, `(heads, packed kv heads)`, from the saved q `[nh, n, hd]`, k and v
     /// `[nkv, n, hd]`.
     fn heads<'a>(
@@ -931,57 +1141,95 @@ impl Model {
         n: usize,
         rules: Rules,
     ) -> (Vec<Head<'a>>, Vec<Packed4>) {
+        self.heads_batch(l, q, k, v, n, 1, rules)
+    }
+
+    /// [`Model::heads`] of `batch` sequences of `n` tokens each: q `[nh, batch·n, hd]`, k and v
+    /// `[nkv, batch·n, hd]` (sequence `b` of head `h` at rows `b·n..(b+1)·n` of the head), the
+    /// heads in the order `b·nh + h`, the packed kv heads `b·nkv + g`. Each sequence decides on
+    /// its own whether its scores can be large (as its forward alone would).
+    #[allow(clippy::too_many_arguments)]
+    fn heads_batch<'a>(
+        &self,
+        l: usize,
+        q: &'a [f32],
+        k: &'a [f32],
+        v: &'a [f32],
+        n: usize,
+        batch: usize,
+        rules: Rules,
+    ) -> (Vec<Head<'a>>, Vec<Packed4>) {
         let (nh, nkv, hd) = (self.dims.n_heads, self.dims.n_kv_heads, self.dims.head_dim);
+        let rows = batch * n;
         let plan = self.weights.layers[l].plan;
         let group = nh / nkv;
         // the forward's test for a layer whose scores can be large: max‖q‖·max‖k‖·scale
         let scale = plan.score_scale.unwrap_or(1.0 / (hd as f32).sqrt());
-        let max_sq = |xs: &[f32]| {
-            xs.chunks_exact(hd)
+        let max_sq = |xs: &[f32], heads: usize, b: usize| {
+            (0..heads)
+                .flat_map(|h| xs[(h * rows + b * n) * hd..][..n * hd].chunks_exact(hd))
                 .map(|r| r.iter().map(|&x| x as f64 * x as f64).sum::<f64>())
                 .fold(0f64, f64::max)
         };
-        let precise = (max_sq(q) * max_sq(k)).sqrt() * scale as f64 > EXACT_SCORES_ABOVE as f64;
-        let packed: Vec<Packed4> = (0..nkv)
-            .into_par_iter()
-            .map(|g| {
-                let at = g * n * hd..(g + 1) * n * hd;
-                Packed4::new(&k[at.clone()], &v[at], n, hd)
+        let precise: Vec<bool> = (0..batch)
+            .map(|b| {
+                (max_sq(q, nh, b) * max_sq(k, nkv, b)).sqrt() * scale as f64
+                    > EXACT_SCORES_ABOVE as f64
             })
             .collect();
-        let heads = (0..nh)
-            .map(|h| {
+        let at = |h: usize, b: usize| (h * rows + b * n) * hd..(h * rows + (b + 1) * n) * hd;
+        let packed: Vec<Packed4> = (0..batch * nkv)
+            .into_par_iter()
+            .map(|bg| {
+                let (b, g) = (bg / nkv, bg % nkv);
+                Packed4::new(&k[at(g, b)], &v[at(g, b)], n, hd)
+            })
+            .collect();
+        let heads = (0..batch * nh)
+            .map(|bh| {
+                let (b, h) = (bh / nh, bh % nh);
                 let g = h / group;
                 Head {
-                    q: &q[h * n * hd..(h + 1) * n * hd],
-                    v: &v[g * n * hd..(g + 1) * n * hd],
+                    q: &q[at(h, b)],
+                    v: &v[at(g, b)],
                     n,
                     hd,
                     scale,
                     softcap: plan.softcap,
                     window: plan.window,
                     lrp: rules == Rules::AttnLrp,
-                    precise_k: precise.then(|| &k[g * n * hd..(g + 1) * n * hd]),
+                    precise_k: precise[b].then(|| &k[at(g, b)]),
                 }
             })
             .collect();
         (heads, packed)
     }
 
-    /// One layer's attention output `z`, `[n, nh·hd]`, every head in parallel.
-    fn attention_forward(&self, l: usize, q: &[f32], k: &[f32], v: &[f32], n: usize) -> Vec<f32> {
+    /// One layer's attention output `z`, `[batch·n, nh·hd]`, every head of every sequence in
+    /// parallel (q, k, v as [`Model::heads_batch`] takes them).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_forward(
+        &self,
+        l: usize,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        n: usize,
+        batch: usize,
+    ) -> Vec<f32> {
         let (nh, nkv, hd) = (self.dims.n_heads, self.dims.n_kv_heads, self.dims.head_dim);
         let group = nh / nkv;
-        let (heads, packed) = self.heads(l, q, k, v, n, Rules::Gradient);
+        let (heads, packed) = self.heads_batch(l, q, k, v, n, batch, Rules::Gradient);
         let zs: Vec<Vec<f32>> = heads
             .par_iter()
             .enumerate()
-            .map(|(h, head)| head.forward(&packed[h / group]))
+            .map(|(bh, head)| head.forward(&packed[bh / nh * nkv + bh % nh / group]))
             .collect();
-        let mut z = vec![0f32; n * nh * hd];
-        for (h, zh) in zs.iter().enumerate() {
+        let mut z = vec![0f32; batch * n * nh * hd];
+        for (bh, zh) in zs.iter().enumerate() {
+            let (b, h) = (bh / nh, bh % nh);
             for (i, row) in zh.chunks(hd).enumerate() {
-                z[(i * nh + h) * hd..][..hd].copy_from_slice(row);
+                z[((b * n + i) * nh + h) * hd..][..hd].copy_from_slice(row);
             }
         }
         z
@@ -1003,8 +1251,10 @@ impl Model {
         })
     }
 
-    /// One block's backward: `dx` (`∂/∂resid_post`, `[n, d_model]`) becomes `∂/∂resid_pre`;
-    /// `tap` (if any) keeps the gradients inside the block.
+    /// One block's backward for `batch` sequences of `n` tokens: `dx` (`∂/∂resid_post`,
+    /// `[batch·n, d_model]`) becomes `∂/∂resid_pre`; `tap` (if any, one sequence) keeps the
+    /// gradients inside the block. Returns the last query row's pattern gradients,
+    /// `[batch, n_heads, n]`.
     #[allow(clippy::too_many_arguments)]
     fn block_backward(
         &self,
@@ -1012,7 +1262,7 @@ impl Model {
         layer: &Layer,
         t: &LayerT,
         s: &Saved,
-        n: usize,
+        (n, batch): (usize, usize),
         dx: &mut [f32],
         rules: Rules,
         mut tap: Option<&mut BlockTap>,
@@ -1025,19 +1275,20 @@ impl Model {
         let (nq, nk) = (nh * hd, nkv * hd);
         let width = nq + 2 * nk;
         let group = nh / nkv;
+        let rows = batch * n;
         // MLP: resid_post = resid_mid + post(down(act(gate_up(norm(resid_mid)))))
         let d_mlp_proj = match &layer.post_norms {
             Some((_, pm)) => norm_back(rules, NormKind::Rms, &s.mlp_proj, pm, eps, dx),
             None => dx.to_vec(),
         };
-        let d_act = back_matmul(&d_mlp_proj, n, &t.down);
+        let d_act = back_matmul(&d_mlp_proj, rows, &t.down);
         let gw = if plan.mlp.gated() { 2 * ff } else { ff };
-        let mut d_gu = vec![0f32; n * gw];
-        let rows =
+        let mut d_gu = vec![0f32; rows * gw];
+        let gu_rows =
             s.gu.par_chunks(gw)
                 .zip(d_act.par_chunks(ff))
                 .zip(d_gu.par_chunks_mut(gw));
-        rows.for_each(|((row, da), dg)| match plan.mlp {
+        gu_rows.for_each(|((row, da), dg)| match plan.mlp {
             // AttnLRP: the identity rule on the activation (its output over its input), the
             // uniform rule on the gate's product (half to each factor)
             MlpKind::GeluTanh if lrp => {
@@ -1083,15 +1334,11 @@ impl Model {
                 }
             }
             MlpKind::SwiGlu => {
-                for i in 0..ff {
-                    let (g, u) = (row[i], row[ff + i]);
-                    let sg = sigmoid(g);
-                    dg[i] = da[i] * u * sg * (1.0 + g * (1.0 - sg));
-                    dg[ff + i] = da[i] * g * sg;
-                }
+                let (dgate, dup) = dg.split_at_mut(ff);
+                super::ops::swiglu_backward_row(&row[..ff], &row[ff..], da, dgate, dup);
             }
         });
-        let d_h2 = back_matmul(&d_gu, n, &t.gate_up);
+        let d_h2 = back_matmul(&d_gu, rows, &t.gate_up);
         let d_mid = norm_back(rules, plan.norm, &s.resid_mid, &layer.mlp_norm, eps, &d_h2);
         dx.iter_mut().zip(&d_mid).for_each(|(a, b)| *a += b);
         if let Some(t) = tap.as_deref_mut() {
@@ -1102,33 +1349,34 @@ impl Model {
             Some((pa, _)) => norm_back(rules, NormKind::Rms, &s.attn_proj, pa, eps, dx),
             None => dx.to_vec(),
         };
-        let dz = back_matmul(&d_attn_proj, n, &t.o);
+        let dz = back_matmul(&d_attn_proj, rows, &t.o);
         if let Some(t) = tap.as_deref_mut() {
             t.z = dz.clone();
         }
-        let (heads, packed) = self.heads(l, &s.q, &s.k, &s.v, n, rules);
+        let (heads, packed) = self.heads_batch(l, &s.q, &s.k, &s.v, n, batch, rules);
         let per_head: Vec<_> = heads
             .par_iter()
             .enumerate()
-            .map(|(h, head)| {
-                let dzh: Vec<f32> = (0..n)
+            .map(|(bh, head)| {
+                let (b, h) = (bh / nh, bh % nh);
+                let dzh: Vec<f32> = (b * n..(b + 1) * n)
                     .flat_map(|i| dz[(i * nh + h) * hd..][..hd].iter().copied())
                     .collect();
-                head.backward(&packed[h / group], &dzh)
+                head.backward(&packed[b * nkv + h / group], &dzh)
             })
             .collect();
-        let mut dq = vec![0f32; nh * n * hd];
-        let mut dk = vec![0f32; nkv * n * hd];
-        let mut dv = vec![0f32; nkv * n * hd];
-        let mut dpat = vec![0f32; nh * n];
-        for (h, (dqh, dkh, dvh, dph)) in per_head.into_iter().enumerate() {
+        let mut dq = vec![0f32; nh * rows * hd];
+        let mut dk = vec![0f32; nkv * rows * hd];
+        let mut dv = vec![0f32; nkv * rows * hd];
+        let mut dpat = vec![0f32; batch * nh * n];
+        for (bh, (dqh, dkh, dvh, dph)) in per_head.into_iter().enumerate() {
+            let (b, h) = (bh / nh, bh % nh);
             let g = h / group;
-            dq[h * n * hd..(h + 1) * n * hd].copy_from_slice(&dqh);
-            let gk = &mut dk[g * n * hd..(g + 1) * n * hd];
-            gk.iter_mut().zip(&dkh).for_each(|(a, b)| *a += b);
-            let gv = &mut dv[g * n * hd..(g + 1) * n * hd];
-            gv.iter_mut().zip(&dvh).for_each(|(a, b)| *a += b);
-            dpat[h * n..(h + 1) * n].copy_from_slice(&dph);
+            let at = |h: usize| (h * rows + b * n) * hd..(h * rows + (b + 1) * n) * hd;
+            dq[at(h)].copy_from_slice(&dqh);
+            dk[at(g)].iter_mut().zip(&dkh).for_each(|(a, b)| *a += b);
+            dv[at(g)].iter_mut().zip(&dvh).for_each(|(a, b)| *a += b);
+            dpat[bh * n..(bh + 1) * n].copy_from_slice(&dph);
         }
         if let Some(t) = tap.as_deref_mut() {
             t.rot = Some((dq.clone(), dk.clone(), dv.clone()));
@@ -1149,20 +1397,21 @@ impl Model {
             let (c, s) = super::ops::rope_tables_of(&inv, n);
             (c, s.iter().map(|v| -v).collect::<Vec<f32>>())
         });
-        let mut d_qkv = vec![0f32; n * width];
+        let mut d_qkv = vec![0f32; rows * width];
         for (c0, heads, buf, rot) in [
             (0, nh, &dq, true),
             (nq, nkv, &dk, true),
             (nq + nk, nkv, &dv, false),
         ] {
             for h in 0..heads {
-                for r in 0..n {
-                    let mut v = buf[(h * n + r) * hd..][..hd].to_vec();
+                for r in 0..rows {
+                    let mut v = buf[(h * rows + r) * hd..][..hd].to_vec();
+                    let pos = r % n;
                     if let (true, Some((cos, sin))) = (rot, &rope) {
                         rotate(
                             &mut v[..2 * half],
-                            &cos[r * half..][..half],
-                            &sin[r * half..][..half],
+                            &cos[pos * half..][..half],
+                            &sin[pos * half..][..half],
                             self.weights.rope_style,
                         );
                     }
@@ -1191,7 +1440,7 @@ impl Model {
                 }
             }
         }
-        let d_h1 = back_matmul(&d_qkv, n, &t.qkv);
+        let d_h1 = back_matmul(&d_qkv, rows, &t.qkv);
         let d_pre = norm_back(rules, plan.norm, &s.resid_pre, &layer.attn_norm, eps, &d_h1);
         dx.iter_mut().zip(&d_pre).for_each(|(a, b)| *a += b);
         Ok(dpat)

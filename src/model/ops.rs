@@ -296,6 +296,24 @@ multiversion! {
     }
 }
 
+multiversion! {
+    /// The backward of [`swiglu_row`]: from `da = ∂/∂out`, `dg = da · u · σ(g)(1 + g(1 − σ(g)))`
+    /// and `du = da · SiLU(g)` (σ as the forward computes it).
+    pub(crate) fn swiglu_backward_row(g: &[f32], u: &[f32], da: &[f32], dg: &mut [f32], du: &mut [f32]) {
+        let rows = g.iter().zip(u).zip(da).zip(dg.iter_mut().zip(du.iter_mut()));
+        for (((&g, &u), &da), (dg, du)) in rows {
+            let e = fast_exp(-g.abs());
+            let sig = if g >= 0.0 {
+                1.0 / (1.0 + e)
+            } else {
+                e / (1.0 + e)
+            };
+            *dg = da * u * sig * (1.0 + g * (1.0 - sig));
+            *du = da * g * sig;
+        }
+    }
+}
+
 /// `dst ← src` with stores that bypass the cache where the CPU has AVX-512 (a finished
 /// pattern row, which nothing here reads again: no line of it is fetched before being
 /// overwritten, none evicts the working set); a plain copy elsewhere. Call [`stream_fence`]

@@ -188,6 +188,33 @@ impl PackedScaled {
         (s, self.offsets.then(|| &o[..s_len]))
     }
 
+    /// The whole matrix `W: [n, k]` row-major, each weight `S · Q + O` in f32 as
+    /// [`PackedScaled::weight`] gives it, a panel of 32 rows per task (what the backward packs
+    /// transposed, without a product through the tiles).
+    pub fn dense(&self) -> Vec<f32> {
+        let (n, k, groups) = (self.n, self.k, self.groups);
+        let mut w = vec![0f32; n * k];
+        let q = self.q();
+        let (s, o) = self.scales_and_offsets();
+        w.par_chunks_mut(NP * k).enumerate().for_each(|(p, rows)| {
+            for g in 0..groups {
+                let qg = &q[(p * groups + g) * 2 * TILE..][..2 * TILE];
+                let at = (p * groups + g) * NP;
+                for (jj, row) in rows.chunks_mut(k).enumerate() {
+                    let (half, col) = (jj / T, jj % T);
+                    let (sj, oj) = (s[at + jj], o.map_or(0.0, |o| o[at + jj]));
+                    let out = &mut row[g * GROUP..(g + 1) * GROUP];
+                    for (ii, v) in out.iter_mut().enumerate() {
+                        let (r, e) = (ii / 2, ii % 2);
+                        let qv = f32_of(qg[half * TILE + r * 2 * T + col * 2 + e]);
+                        *v = qv * sj + oj;
+                    }
+                }
+            }
+        });
+        w
+    }
+
     /// Weight `(j, i)` as `S · Q + O` in f32 (for tests).
     pub fn weight(&self, j: usize, i: usize) -> f32 {
         let (p, jj, g) = (j / NP, j % NP, i / GROUP);
@@ -622,6 +649,19 @@ mod tests {
         })
         .expect("integers of 5 bits are exact in bf16");
         (w, packed)
+    }
+
+    #[test]
+    fn dense_gives_every_weight_as_the_dequantizer_computes_it() {
+        for (n, k, offsets) in [(45, 64, false), (33, 96, true), (32, 32, false)] {
+            let (w, packed) = matrix(n, k, offsets, 11 + n as u64);
+            let dense = packed.dense();
+            assert_eq!(dense.len(), n * k);
+            for (x, (a, b)) in dense.iter().zip(&w).enumerate() {
+                assert_eq!(a.to_bits(), b.to_bits(), "{n}x{k} offsets {offsets} at {x}");
+                assert_eq!(a.to_bits(), packed.weight(x / k, x % k).to_bits());
+            }
+        }
     }
 
     #[test]

@@ -469,8 +469,9 @@ impl Linear {
     }
 
     /// `W: [n, k]` packed as the right-hand side of `dY[m, n] · W` (the backward's product):
-    /// f32 panels are read back as they are; a matrix held otherwise is read back through its own
-    /// kernel (`I · Wᵀ`), the values the forward multiplies by.
+    /// f32 panels are read back as they are, integers and scales dequantized as the tiles
+    /// multiply them; a matrix held otherwise is read back through its own kernel (`I · Wᵀ`),
+    /// the values the forward multiplies by.
     pub fn transposed(&self) -> PackedB {
         let (k, n) = (self.k, self.n);
         use rayon::prelude::*;
@@ -483,6 +484,10 @@ impl Linear {
                     .for_each(|(j, row)| row.copy_from_slice(&pb.column(j)));
                 PackedB::from_cols(&w, n, k, k, isa)
             }
+            // a quantized file's integers and scales: `S · Q + O` read off the packed form (the
+            // product through the tiles below gives the same bits, at the cost of a k × k
+            // identity times the matrix)
+            Matrix::Scaled(ps) => PackedB::from_cols(&ps.dense(), n, k, k, isa),
             _ => {
                 let mut wt = vec![0f32; k * n];
                 let step = 1024;
