@@ -78,7 +78,10 @@ pub enum Inspected {
         attention_s: f64,
     },
     /// an encoder's [CLS]/[SEP]/punctuation shares and rows
-    Encoder { report: EncoderReport, forward_s: f64 },
+    Encoder {
+        report: EncoderReport,
+        forward_s: f64,
+    },
 }
 
 impl Inspected {

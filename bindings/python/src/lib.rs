@@ -782,7 +782,10 @@ impl Model {
                 }
                 None => (m.encode(&text, bos)?, None),
             };
-            Ok(attnscope::cli::inspect::inspect(&m, &tokens, types.as_deref(), &req)?.json(None)?)
+            Ok(
+                attnscope::cli::inspect::inspect(&m, &tokens, types.as_deref(), &req)?
+                    .json(None)?,
+            )
         })?;
         to_object(py, &v)
     }
