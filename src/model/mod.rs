@@ -27,6 +27,7 @@ pub mod hf;
 pub mod lrp;
 pub mod ops;
 pub mod panels;
+pub mod segments;
 #[cfg(any(test, feature = "test-fixtures"))]
 pub mod tiny;
 pub mod tl_weights;
