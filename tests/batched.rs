@@ -74,7 +74,11 @@ fn many_texts_in_one_forward_equal_their_own_forwards() {
                 .unwrap();
             let (got, want) = (captured(&model, &caches[i]), captured(&model, &alone));
             let label = format!("{arch:?} {precision:?} text {i}");
-            assert_eq!(got[0].len(), model.dims.n_heads * t.len() * t.len(), "{label}");
+            assert_eq!(
+                got[0].len(),
+                model.dims.n_heads * t.len() * t.len(),
+                "{label}"
+            );
             if bitwise(precision) {
                 assert_eq!(logits[i], out.logits[0], "{label}: logits");
                 assert_eq!(got, want, "{label}: patterns, values, layer outputs");
@@ -124,7 +128,12 @@ fn corpus_records_of_a_batch_equal_one_text_runs_qwen() {
     let model = real_model("qwen2.5-coder-0.5b");
     // 70 built-in texts of every kind: two forwards (64 texts, then 6)
     let all = builtin();
-    let items: Vec<(usize, &str)> = all.iter().take(70).map(String::as_str).enumerate().collect();
+    let items: Vec<(usize, &str)> = all
+        .iter()
+        .take(70)
+        .map(String::as_str)
+        .enumerate()
+        .collect();
     let batch = text_records(model, &items, false, false, |_| {}).unwrap();
     for (i, t) in items.iter() {
         let alone = text_record(model, *i, t, false, false).unwrap();

@@ -71,7 +71,9 @@ pub fn run(model: &Model, n: usize, json: bool) -> anyhow::Result<()> {
             .collect::<anyhow::Result<Vec<_>>>()
     })?;
     if batched != single {
-        anyhow::bail!("the batched corpus records differ from the one-text runs: you likely have a bug");
+        anyhow::bail!(
+            "the batched corpus records differ from the one-text runs: you likely have a bug"
+        );
     }
     let b = SweepBench {
         model: model.info.name.clone(),
@@ -109,7 +111,10 @@ pub fn run(model: &Model, n: usize, json: bool) -> anyhow::Result<()> {
         format!("{:.3} x its passes' forwards", b.faith_vs_passes),
     ]);
     t.row([
-        format!("corpus records of {} texts, one forward each", b.corpus_texts),
+        format!(
+            "corpus records of {} texts, one forward each",
+            b.corpus_texts
+        ),
         format!("{:.2}", b.corpus_one_at_a_time_s),
         String::new(),
     ]);
