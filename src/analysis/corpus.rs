@@ -530,7 +530,79 @@ pub fn text_record(
         (top.id, model.tokenizer.token_text(top.id), top.prob),
     );
     if faithfulness {
-        let f = run_faith(model, &tokens, &FaithOptions::attention_only(), |_, _| {})?;
+        add_faithfulness(model, &tokens, &mut rec)?;
+    }
+    Ok(Ok(rec))
+}
+
+/// Rows per forward of [`text_records`]: about what a 2,048-token forward holds.
+pub const BATCH_ROWS: usize = 2048;
+/// Texts per forward of [`text_records`].
+pub const BATCH_TEXTS: usize = 64;
+
+/// The records of `(id, text)` pairs, as [`text_record`] gives each, with the texts run many to
+/// a forward ([`crate::model::Model::forward_many`]: rows stacked through the projections,
+/// attention per text, no padding; up to [`BATCH_TEXTS`] texts and [`BATCH_ROWS`] tokens per
+/// forward). Every record equals its one-text run's (tested bit for bit on the exact kernels).
+/// `done(k)` is told after each forward how many texts it finished.
+pub fn text_records(
+    model: &crate::model::Model,
+    items: &[(usize, &str)],
+    bos: bool,
+    faithfulness: bool,
+    mut done: impl FnMut(usize),
+) -> anyhow::Result<Vec<Result<Record, String>>> {
+    let d = &model.dims;
+    let encoded: Vec<Result<Vec<u32>, String>> = items
+        .iter()
+        .map(|(_, t)| model.encode(t, bos).map_err(|e| e.to_string()))
+        .collect();
+    let mut out: Vec<Option<Result<Record, String>>> = encoded
+        .iter()
+        .map(|e| e.as_ref().err().map(|e| Err(e.clone())))
+        .collect();
+    let good: Vec<usize> = (0..items.len()).filter(|&i| encoded[i].is_ok()).collect();
+    let tokens = |i: usize| encoded[i].as_ref().expect("kept only the encoded texts");
+    let lens: Vec<usize> = good.iter().map(|&i| tokens(i).len()).collect();
+    for range in crate::model::segments::batches(&lens, BATCH_ROWS, BATCH_TEXTS) {
+        let idx = &good[range];
+        let texts: Vec<&[u32]> = idx.iter().map(|&i| tokens(i).as_slice()).collect();
+        let mut cs: Vec<Collector> = texts
+            .iter()
+            .map(|t| Collector::new(d.n_layers, d.n_heads, t.len(), t.len() - 1).with_massive(3))
+            .collect();
+        let logits = model.forward_many(&texts, &mut cs)?;
+        for ((&i, c), row) in idx.iter().zip(&cs).zip(&logits) {
+            let top = crate::analysis::next_token_top_k(row, 1).remove(0);
+            let (id, text) = items[i];
+            let mut rec = Record::from_collector(
+                id,
+                text,
+                &model.info.name,
+                c,
+                (top.id, model.tokenizer.token_text(top.id), top.prob),
+            );
+            if faithfulness {
+                add_faithfulness(model, tokens(i), &mut rec)?;
+            }
+            out[i] = Some(Ok(rec));
+        }
+        done(idx.len());
+    }
+    Ok(out
+        .into_iter()
+        .map(|r| r.expect("every text has its record or its error"))
+        .collect())
+}
+
+/// The faithfulness summary of a text's record (`corpus --faithfulness`).
+fn add_faithfulness(
+    model: &crate::model::Model,
+    tokens: &[u32],
+    rec: &mut Record,
+) -> anyhow::Result<()> {
+    {
+        let f = run_faith(model, tokens, &FaithOptions::attention_only(), |_, _| {})?;
         rec.faithfulness = Some(
             f.metrics
                 .iter()
@@ -555,7 +627,7 @@ pub fn text_record(
                 .collect(),
         );
     }
-    Ok(Ok(rec))
+    Ok(())
 }
 
 #[cfg(test)]

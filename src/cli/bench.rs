@@ -44,6 +44,14 @@ pub struct Args {
     /// of attnscope's and --repeats more).
     #[arg(long)]
     interventions: bool,
+    /// Time the sweeps that reuse their work instead: `faithfulness` on --sweep-tokens of the
+    /// built-in corpus against its forward passes times one forward of that length, and
+    /// `corpus`'s records of the 224 built-in texts many to a forward against one forward each.
+    #[arg(long)]
+    sweeps: bool,
+    /// The text length of `--sweeps`' faithfulness run.
+    #[arg(long, default_value_t = 200)]
+    sweep_tokens: usize,
     /// The anchor script --transformers runs, in place of the built-in copy.
     #[arg(long, value_name = "SCRIPT", requires = "transformers")]
     anchor: Option<std::path::PathBuf>,
@@ -321,6 +329,13 @@ fn run_self(
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
+    if a.sweeps {
+        if a.sweep_tokens < 2 {
+            return Err(usage("--sweep-tokens must be at least 2"));
+        }
+        let model = a.model.load()?;
+        return super::bench_sweeps::run(&model, a.sweep_tokens, a.json);
+    }
     if a.interventions {
         if a.repeats == 0 {
             return Err(usage("--repeats must be at least 1"));

@@ -3,8 +3,8 @@
 
 use super::common::{emit, usage, ModelArgs};
 use crate::analysis::corpus::{
-    aggregate, builtin, parse_lines, read_record_files, read_records, text_record, Aggregate,
-    Record,
+    aggregate, builtin, parse_lines, read_record_files, read_records, text_records, Aggregate,
+    Record, BATCH_TEXTS,
 };
 use crate::render::table::{bar, sparkline, title, Align, Table};
 use anyhow::Context;
@@ -258,21 +258,26 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             .progress_chars("=> "),
     );
     let mut skipped = Vec::new();
-    for &i in &todo {
-        let rec = match text_record(&model, i, &texts[i], model_args.bos, a.faithfulness)? {
-            Ok(r) => r,
-            Err(e) => {
-                skipped.push(format!("text {i}: {e}"));
-                bar_.inc(1);
-                continue;
+    // many texts to a forward (`text_records`), their records written as each chunk ends
+    for chunk in todo.chunks(BATCH_TEXTS) {
+        let items: Vec<(usize, &str)> = chunk.iter().map(|&i| (i, texts[i].as_str())).collect();
+        let recs = text_records(&model, &items, model_args.bos, a.faithfulness, |_| {})?;
+        for (&i, rec) in chunk.iter().zip(recs) {
+            let rec = match rec {
+                Ok(r) => r,
+                Err(e) => {
+                    skipped.push(format!("text {i}: {e}"));
+                    bar_.inc(1);
+                    continue;
+                }
+            };
+            if let Some(f) = out_file.as_mut() {
+                writeln!(f, "{}", serde_json::to_string(&rec)?).context("appending to --out")?;
+                f.flush()?;
             }
-        };
-        if let Some(f) = out_file.as_mut() {
-            writeln!(f, "{}", serde_json::to_string(&rec)?).context("appending to --out")?;
-            f.flush()?;
+            records.push(rec);
+            bar_.inc(1);
         }
-        records.push(rec);
-        bar_.inc(1);
     }
     bar_.finish_and_clear();
     for s in &skipped {

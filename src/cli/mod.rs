@@ -6,6 +6,7 @@ mod ablate;
 mod attribute;
 mod bench;
 mod bench_interventions;
+mod bench_sweeps;
 mod cache;
 mod capture;
 pub mod common;

@@ -266,6 +266,12 @@ pub trait Observer {
     fn attention_done(&mut self, _layer: usize) {}
     /// Called after each layer (for progress).
     fn layer_done(&mut self, _layer: usize) {}
+    /// In a forward over stacked segments ([`crate::model::Model::forward_segments`]), called
+    /// before each segment's attention with its index: the attention's calls that follow
+    /// (maps, statistics, rows, their query positions the segment's own) belong to that segment
+    /// until the next call. [`crate::model::segments::PerSegment`] hands them to that
+    /// segment's observer.
+    fn segment(&mut self, _index: usize) {}
     /// Whether the forward ends before block `layer`, once that block's `hook_resid_pre` is
     /// handed (TransformerLens's `stop_at_layer`); `n_layers`: after the last block, before the
     /// final norm. A stopped forward computes no logits.

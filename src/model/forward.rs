@@ -539,6 +539,7 @@ impl Model {
             }
             let t0 = Instant::now();
             for (si, (seg, &r0)) in segs.iter().zip(&row0).enumerate() {
+                obs.segment(si);
                 let (p0, ms) = (seg.reuse, seg.tokens.len());
                 let n = p0 + ms;
                 let rows = &qkv[r0 * width..(r0 + ms) * width];

@@ -28,6 +28,7 @@ pub mod lrp;
 pub mod memory;
 pub mod ops;
 pub mod panels;
+pub mod segments;
 #[cfg(any(test, feature = "test-fixtures"))]
 pub mod tiny;
 pub mod tl_weights;

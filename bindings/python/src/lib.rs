@@ -661,11 +661,15 @@ impl Model {
     ) -> PyResult<Vec<(usize, String, String)>> {
         let m = self.inner.clone();
         engine(py, move || {
+            // many texts to a forward: each record is its one-text run's
+            let refs: Vec<(usize, &str)> = items.iter().map(|(i, t)| (*i, t.as_str())).collect();
+            let recs =
+                attnscope::analysis::corpus::text_records(&m, &refs, bos, faithfulness, |_| {})?;
             let mut out = Vec::with_capacity(items.len());
-            for (id, text) in items {
-                match attnscope::analysis::corpus::text_record(&m, id, &text, bos, faithfulness)? {
-                    Ok(r) => out.push((id, serde_json::to_string(&r)?, String::new())),
-                    Err(e) => out.push((id, String::new(), e)),
+            for ((id, _), rec) in items.iter().zip(recs) {
+                match rec {
+                    Ok(r) => out.push((*id, serde_json::to_string(&r)?, String::new())),
+                    Err(e) => out.push((*id, String::new(), e)),
                 }
             }
             Ok(out)

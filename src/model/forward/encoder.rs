@@ -297,6 +297,7 @@ impl Model {
             }
             let t0 = Instant::now();
             for (si, (seg, &r0)) in segs.iter().zip(&row0).enumerate() {
+                obs.segment(si);
                 let n = seg.tokens.len();
                 let rows = &qkv[r0 * width..(r0 + n) * width];
                 let mut qh = vec![0f32; nh * n * hd];

@@ -1,0 +1,106 @@
+"""`attnscope corpus` over the 224 built-in texts against transformers' batched forward with
+`output_attentions=True` on the same texts, side by side in one run on the same machine, with the
+default model (qwen2.5-coder-0.5b, its GGUF dequantized to float32, eager attention: the only one
+that returns the weights).
+
+The two alternate (attnscope, transformers, attnscope, transformers, ...: --reps rounds) because
+these machines' speed drifts within minutes. attnscope's time is the whole `corpus --json` process
+(loading the model, tokenizing, the forwards, the statistics, the aggregate); transformers' is its
+forwards only (tokenizing, padding and the model call per batch; loading excluded), so the ratio is
+conservative. Texts go to transformers sorted by length in batches of --batch (left padding, an
+attention mask), which keeps its padding small.
+
+    ~/.hfenv/bin/python benches/corpus_vs_hf.py [--bin target/release/attnscope] [--reps 2] \
+        [--batch 16] [--threads N] [--limit N]
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def builtin_texts():
+    """`analysis::corpus::builtin`: one text per non-empty line, `#` lines skipped, `\\n` unescaped."""
+    out = []
+    for line in open(os.path.join(HERE, "..", "data", "corpus.txt"), encoding="utf-8").read().split("\n"):
+        line = line.rstrip("\r")
+        if not line.strip() or line.startswith("#"):
+            continue
+        out.append(line.replace("\\n", "\n"))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", default="target/release/attnscope")
+    ap.add_argument("--gguf", default=os.path.expanduser("~/.cache/attnscope/models/qwen2.5-coder-0.5b.gguf"))
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b", help="attnscope's name for the same model")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--limit", type=int, default=0, help="only the first N texts (0: all)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    texts = builtin_texts()
+    if a.limit:
+        texts = texts[: a.limit]
+    d, f = os.path.split(os.path.abspath(a.gguf))
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    order = sorted(range(len(texts)), key=lambda i: len(tok(texts[i])["input_ids"]))
+    n_tokens = sum(len(tok(t)["input_ids"]) for t in texts)
+
+    def hf_once():
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for b in range(0, len(order), a.batch):
+                batch = [texts[i] for i in order[b:b + a.batch]]
+                enc = tok(batch, return_tensors="pt", padding=True)
+                out = model(**enc, output_attentions=True, use_cache=False)
+                assert len(out.attentions) == model.config.num_hidden_layers
+                del out
+        return time.perf_counter() - t0
+
+    cmd = [a.bin, "corpus", "-m", a.model, "--json"] + (["--limit", str(a.limit)] if a.limit else [])
+
+    def ours_once():
+        t0 = time.perf_counter()
+        r = subprocess.run(cmd, check=True, capture_output=True, text=True)
+        dt = time.perf_counter() - t0
+        return dt, json.loads(r.stdout)
+
+    # warm-up: the model file and packed panels in the page cache, torch's first-call costs
+    subprocess.run(cmd[:4] + ["--limit", "2", "--json"], check=True, capture_output=True)
+    with torch.inference_mode():
+        model(**tok(texts[:2], return_tensors="pt", padding=True), output_attentions=True, use_cache=False)
+    ours, hf = [], []
+    for _ in range(a.reps):
+        dt, agg = ours_once()
+        ours.append(dt)
+        hf.append(hf_once())
+    mo, mh = statistics.median(ours), statistics.median(hf)
+    print(json.dumps({
+        "texts": len(texts), "tokens": n_tokens, "threads": torch.get_num_threads(), "hf_batch": a.batch,
+        "attnscope_s": [round(x, 2) for x in ours], "transformers_s": [round(x, 2) for x in hf],
+        "attnscope_median_s": round(mo, 2), "transformers_median_s": round(mh, 2),
+        "speedup": round(mh / mo, 2),
+        "attnscope_texts_in_aggregate": agg.get("n_texts", agg.get("texts")),
+    }))
+
+
+if __name__ == "__main__":
+    main()
