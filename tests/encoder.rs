@@ -405,6 +405,18 @@ fn cli_inspects_a_pair_and_refuses_generate() {
         .output()
         .unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("needs a decoder"));
+    // the head detector's patterns and its uniform baseline are causal: an encoder is refused,
+    // not scored against them
+    let out = attnscope()
+        .args(["heads", "--model", m, "--text", "the cat sat"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("is an encoder") && err.contains("causal"),
+        "{err}"
+    );
 }
 
 fn cosine(a: &[f32], b: &[f32]) -> f64 {

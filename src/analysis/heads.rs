@@ -221,7 +221,19 @@ pub fn random_repeat_tokens(
 }
 
 /// The role scores of one token sequence (streamed: no n × n matrix is held).
+/// An encoder is refused: the patterns are causal ones (a uniform head spreads 1/(i+1) over
+/// keys ≤ i; local means the last four keys), and an encoder's heads look both ways.
 pub fn roles_of(model: &Model, tokens: &[u32]) -> anyhow::Result<HeadRoles> {
+    if model.is_encoder() {
+        return Err(anyhow::Error::new(crate::model::Error::NotApplicable(format!(
+            "{} is an encoder (bidirectional attention), and the head roles are a causal model's \
+             (previous token, duplicate token, induction, sink, local: patterns over the keys before \
+             each query, scored against a uniform causal head); for an encoder's heads use \
+             `attnscope inspect` (the [CLS]/[SEP]/punctuation shares per layer and each head's rows) \
+             or `attnscope corpus` (the shares per head over many texts)",
+            model.info.name
+        ))));
+    }
     let d = &model.dims;
     let mut r = RoleScores::new(d.n_layers, d.n_heads, tokens);
     model.forward(tokens, &RunOptions::default(), &mut r)?;
