@@ -39,17 +39,24 @@ impl Model {
         Ok(())
     }
 
-    /// The ids of `[CLS]` and `[SEP]` in an encoder's vocabulary.
+    /// The ids of `[CLS]` and `[SEP]` in an encoder's vocabulary (RoBERTa's `<s>` and `</s>`,
+    /// which stand where BERT's do, where the vocabulary has no `[CLS]`/`[SEP]`).
     pub fn special_ids(&self) -> (Option<u32>, Option<u32>) {
-        (
-            self.tokenizer.token_id("[CLS]"),
-            self.tokenizer.token_id("[SEP]"),
-        )
+        let id = |a: &str, b: &str| {
+            self.tokenizer
+                .token_id(a)
+                .or_else(|| self.tokenizer.token_id(b))
+        };
+        (id("[CLS]", "<s>"), id("[SEP]", "</s>"))
     }
 
     /// Each token's type (segment id): 0 up to and including the first `[SEP]`, 1 after it when
-    /// more tokens follow (all 0 for a decoder or a text without a `[SEP]` inside).
+    /// more tokens follow (all 0 for a decoder, a text without a `[SEP]` inside, and a model
+    /// with fewer than two token types: RoBERTa's one, DistilBERT's none).
     pub fn token_types(&self, tokens: &[u32]) -> Vec<u32> {
+        if self.dims.type_vocab < 2 {
+            return vec![0; tokens.len()];
+        }
         let sep = self.special_ids().1;
         let first = tokens.iter().position(|&t| Some(t) == sep);
         (0..tokens.len())
@@ -60,9 +67,11 @@ impl Model {
             .collect()
     }
 
-    /// A sentence pair for an encoder: `[CLS] a [SEP] b [SEP]`, token types 0 then 1 (as
-    /// transformers' tokenizer builds it). Refused for a decoder, an empty text, a model with a
-    /// single token type, or a pair past the model's positions.
+    /// A sentence pair for an encoder, as its tokenizer builds it: BERT's `[CLS] a [SEP] b [SEP]`
+    /// with token types 0 then 1, RoBERTa's `<s> a </s></s> b </s>` and DistilBERT's
+    /// `[CLS] a [SEP] b [SEP]`, both without types (every token type 0, as transformers runs
+    /// them). Refused for a decoder, an empty text, a BERT with a single token type (its
+    /// tokenizer's type 1 has no embedding), or a pair past the model's positions.
     pub fn encode_pair(&self, a: &str, b: &str) -> Result<Vec<u32>> {
         if !self.is_encoder() {
             return Err(Error::NotApplicable(format!(
@@ -70,7 +79,7 @@ impl Model {
                 self.info.name
             )));
         }
-        if self.dims.type_vocab < 2 {
+        if self.dims.arch == crate::model::config::Arch::Bert && self.dims.type_vocab < 2 {
             return Err(Error::NotApplicable(format!(
                 "{} has {} token type(s) (type_vocab_size), so it cannot tell the two texts of a pair apart",
                 self.info.name, self.dims.type_vocab
@@ -87,13 +96,36 @@ impl Model {
                 model: self.info.name.clone(),
             });
         }
-        if types != self.token_types(&ids) {
+        if self.dims.type_vocab >= 2 && types != self.token_types(&ids) {
             // a text holding "[SEP]" itself: the types the forward derives would differ
             return Err(Error::NotApplicable(
                 "a text of the pair holds the [SEP] token itself; attnscope tells the pair's two parts apart by the first [SEP]".into(),
             ));
         }
         Ok(ids)
+    }
+
+    /// The row of the learned position table each token takes: its position (BERT,
+    /// DistilBERT); RoBERTa's `padding_idx + 1 +` the count of non-padding tokens before it, and
+    /// `padding_idx` for a padding token (transformers' `create_position_ids_from_input_ids`).
+    pub fn position_rows(&self, tokens: &[u32]) -> Vec<usize> {
+        match self.dims.position_pad {
+            None => (0..tokens.len()).collect(),
+            Some(pad) => {
+                let mut seen = 0;
+                tokens
+                    .iter()
+                    .map(|&t| {
+                        if t as usize == pad {
+                            pad
+                        } else {
+                            seen += 1;
+                            pad + seen
+                        }
+                    })
+                    .collect()
+            }
+        }
     }
 
     /// The encoder's last hidden states, `[n, d_model]` (transformers' `last_hidden_state`).
@@ -220,9 +252,10 @@ impl Model {
         let mut pos = vec![0f32; m * dm];
         for (seg, &r0) in segs.iter().zip(&row0) {
             let types = self.token_types(seg.tokens);
+            let rows = self.position_rows(seg.tokens);
             for (r, &t) in types.iter().enumerate() {
                 let t = t as usize;
-                if t >= enc.type_vocab {
+                if t >= enc.type_vocab.max(1) {
                     return Err(Error::OutOfRange {
                         what: "token type".into(),
                         value: t.to_string(),
@@ -230,10 +263,13 @@ impl Model {
                     });
                 }
                 let row = &mut pos[(r0 + r) * dm..][..dm];
-                row.copy_from_slice(&pe[r * dm..(r + 1) * dm]);
-                // transformers adds word + token type, then position
-                let ty = &enc.token_types[t * dm..(t + 1) * dm];
-                row.iter_mut().zip(ty).for_each(|(p, &y)| *p += y);
+                let p = rows[r];
+                row.copy_from_slice(&pe[p * dm..(p + 1) * dm]);
+                // transformers adds word + token type, then position (DistilBERT: no types)
+                if enc.type_vocab > 0 {
+                    let ty = &enc.token_types[t * dm..(t + 1) * dm];
+                    row.iter_mut().zip(ty).for_each(|(p, &y)| *p += y);
+                }
             }
         }
         // hook_pos_embed holds position + token type (TransformerLens: hook_pos_embed and
