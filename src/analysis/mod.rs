@@ -8,6 +8,8 @@ pub mod collect;
 pub mod compare;
 pub mod corpus;
 pub mod dla;
+pub mod enc_faith;
+pub mod enc_target;
 pub mod encoder;
 pub mod faithfulness;
 pub mod gen_attribute;
