@@ -129,10 +129,12 @@ pub fn render(r: &AttributeReport, colour: bool) -> String {
         r.precision
     ));
     match r.logprob {
-        Some(lp) => s += &format!(
+        Some(lp) => {
+            s += &format!(
             "at the last position (target id {}): f = {:.4}, log p(target) = {lp:.4}\nscore: {}\n",
             target.id, r.value, r.definition
-        ),
+        )
+        }
         None => {
             s += &format!(
                 "an encoder, occlusion by deletion\nscore: {}\n",
