@@ -32,12 +32,16 @@ fn floats(v: &serde_json::Value) -> Vec<f32> {
         .collect()
 }
 
-/// The case's tokens as attnscope makes them: a pair, or one text.
-fn tokens_of(model: &Model, case: &serde_json::Value) -> Vec<u32> {
+/// The case's tokens as attnscope makes them, and their types: a pair, or one text (types all 0).
+fn tokens_of(model: &Model, case: &serde_json::Value) -> (Vec<u32>, Vec<u32>) {
     let text = case["text"].as_str().unwrap();
     match case["pair"].as_str() {
         Some(b) => model.encode_pair(text, b).unwrap(),
-        None => model.encode(text, false).unwrap(),
+        None => {
+            let ids = model.encode(text, false).unwrap();
+            let n = ids.len();
+            (ids, vec![0; n])
+        }
     }
 }
 
@@ -48,19 +52,21 @@ fn check_cases(model: &Model, cases: &serde_json::Value, npy: &dyn Fn(&str) -> S
     let mut worst = 0f32;
     for (name, case) in cases.as_object().unwrap() {
         let label = |what: &str| format!("{name}: {what}");
-        let tokens = tokens_of(model, case);
+        let (tokens, types) = tokens_of(model, case);
         assert_eq!(tokens, ids_of(&case["token_ids"]), "{}", label("token ids"));
         assert_eq!(
-            model.token_types(&tokens),
+            types,
             ids_of(&case["token_types"]),
             "{}",
             label("token types")
         );
         let n = tokens.len();
         let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
-        let out = model
-            .forward(&tokens, &RunOptions::default(), &mut cache)
-            .unwrap();
+        let opts = RunOptions {
+            token_types: case["pair"].is_string().then(|| types.clone()),
+            ..Default::default()
+        };
+        let out = model.forward(&tokens, &opts, &mut cache).unwrap();
         assert!(out.logits.is_empty(), "an encoder has no logits");
         let layers = ids_of(&case["attn_layers"]);
         let (shape, want) = golden_npy(&npy(name));
@@ -78,7 +84,14 @@ fn check_cases(model: &Model, cases: &serde_json::Value, npy: &dyn Fn(&str) -> S
         assert!(d < 1e-4, "{}: {d:.2e}", label("attention"));
         worst = worst.max(d);
         let heads: Vec<usize> = (0..model.dims.n_heads).collect();
-        let r = inspect(model, &tokens, 0, model.dims.n_layers - 1, &heads, 3).unwrap();
+        let typed = case["pair"].is_string().then_some(types.as_slice());
+        let r = inspect(model, &tokens, typed, 0, model.dims.n_layers - 1, &heads, 3).unwrap();
+        assert_eq!(
+            r.token_types,
+            types,
+            "{}",
+            label("the report's token types")
+        );
         for (key, got) in [
             ("cls_share", &r.special_shares.cls),
             ("sep_share", &r.special_shares.sep),
@@ -93,11 +106,14 @@ fn check_cases(model: &Model, cases: &serde_json::Value, npy: &dyn Fn(&str) -> S
             let row = last.row_at(h.head, 0).expect("the [CLS] row");
             assert_eq!(h.top[0].weight, analysis_max(row), "{}", label("head top"));
         }
-        let emb = model.embed_tokens(&tokens).unwrap();
+        let emb = model.embed_tokens_typed(&tokens, typed).unwrap();
         let d = max_abs_diff(&emb, &floats(&case["mean_pooled"]), &label("mean pooled"));
         assert!(d < 1e-4, "{}: {d:.2e}", label("mean pooled"));
         if let Some(p) = case["pooler_output"].as_array() {
-            let got = model.pooler_output(&tokens).unwrap().expect("a pooler");
+            let got = model
+                .pooler_output(&tokens, typed)
+                .unwrap()
+                .expect("a pooler");
             let want: Vec<f32> = p.iter().map(|x| x.as_f64().unwrap() as f32).collect();
             let d = max_abs_diff(&got, &want, &label("pooler"));
             assert!(d < 1e-4, "{}: {d:.2e}", label("pooler"));
@@ -132,8 +148,8 @@ fn tiny_bert_fixture_matches_transformers() {
     });
     // the last hidden state's [CLS] row
     for (name, case) in r["cases"].as_object().unwrap() {
-        let tokens = tokens_of(&model, case);
-        let h = model.encoder_states(&tokens).unwrap();
+        let (tokens, types) = tokens_of(&model, case);
+        let h = model.encoder_states_typed(&tokens, Some(&types)).unwrap();
         let d = max_abs_diff(
             &h[..model.dims.d_model],
             &floats(&case["cls_hidden"]),
@@ -163,15 +179,16 @@ fn tiny_roberta_and_distilbert_fixtures_match_transformers() {
             format!("arch/{name}/attn_{case}.npy")
         });
         for (case_name, case) in r["cases"].as_object().unwrap() {
-            let tokens = tokens_of(&model, case);
-            let h = model.encoder_states(&tokens).unwrap();
+            let (tokens, types) = tokens_of(&model, case);
+            assert!(types.iter().all(|&t| t == 0), "{name}: no type 1");
+            let h = model.encoder_states_typed(&tokens, Some(&types)).unwrap();
             let d = max_abs_diff(
                 &h[..model.dims.d_model],
                 &floats(&case["cls_hidden"]),
                 &format!("{name} {case_name}: first hidden"),
             );
             assert!(d < 1e-4, "{name} {case_name}: first hidden {d:.2e}");
-            assert!(model.pooler_output(&tokens).unwrap().is_none());
+            assert!(model.pooler_output(&tokens, None).unwrap().is_none());
         }
         eprintln!("tiny {name}: largest attention difference {worst:.2e}");
     }
@@ -184,7 +201,11 @@ fn tiny_roberta_and_distilbert_fixtures_match_transformers() {
     .unwrap();
     assert_eq!(rob.dims.context_len, 40);
     assert_eq!(rob.position_rows(&[0, 5, 1, 7, 2]), vec![2, 3, 1, 4, 5]);
-    let ids = rob.encode_pair("it", "sat").unwrap();
+    let (ids, types) = rob.encode_pair("it", "sat").unwrap();
+    assert!(
+        types.iter().all(|&t| t == 0),
+        "RoBERTa has one token type: {types:?}"
+    );
     let (s, e) = (ids[0], *ids.last().unwrap());
     assert_eq!((Some(s), Some(e)), rob.special_ids());
     assert_eq!(ids.iter().filter(|&&t| t == e).count(), 3, "{ids:?}");
@@ -497,8 +518,8 @@ fn cosine(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// `Model::embed_texts` against sentence-transformers' `encode` (tests/golden/st_embeddings.py):
-/// normalized (as modules.json says), unnormalized, and a sentence pair; a text holding [SEP]
-/// and a decoder are refused.
+/// normalized (as modules.json says), unnormalized, a sentence pair, and a text holding a literal
+/// [SEP] (against transformers' mean pooling); bad input is refused.
 #[test]
 fn embed_matches_sentence_transformers() {
     use attnscope::model::forward::EmbedInput;
@@ -550,13 +571,17 @@ fn embed_matches_sentence_transformers() {
     let (c, d) = (cosine(&got, &want), max_abs_diff(&got, &want, "pair"));
     eprintln!("pair: cosine {c:.9}, max |diff| {d:.2e}");
     assert!(c >= 0.99999 && d <= 1e-5, "pair: cosine {c}, |diff| {d}");
-    // refusals
+    // a literal "[SEP]" inside one text: every token type 0, as the tokenizer gives it; the
+    // mean-pooled state equals transformers' (minilm_encoder.json)
+    let case = &golden_json("minilm_encoder.json")["cases"]["literal_sep"];
     let sep = EmbedInput {
-        text: "attend to the [SEP] token".into(),
+        text: case["text"].as_str().unwrap().into(),
         pair: None,
     };
-    let e = model.embed_texts(&[sep], None, &|| {}).unwrap_err();
-    assert!(e.to_string().contains("[SEP]"), "{e}");
+    let got = model.embed_texts(&[sep], Some(false), &|| {}).unwrap();
+    let d = max_abs_diff(&got, &floats(&case["mean_pooled"]), "literal [SEP]");
+    assert!(d <= 1e-5, "a text holding [SEP]: max |diff| {d}");
+    // refusals
     let empty = EmbedInput {
         text: "  ".into(),
         pair: None,

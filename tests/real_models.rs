@@ -114,6 +114,50 @@ fn exact_on_the_f32_kernels_matches_transformers_too() {
     }
 }
 
+/// `--memory low` (every projection multiplied from the file's quantized blocks, a panel
+/// dequantized just before each product): the checks against transformers above, rerun in child
+/// processes with `ATTNSCOPE_MEMORY=low`, the default model's attention and inspect numbers,
+/// SmolLM2's and Gemma 3's patterns.
+#[test]
+fn low_memory_matches_transformers_too() {
+    use attnscope::model::{Memory, Model, Precision};
+    let qwen = Model::load_full(
+        "qwen2.5-coder-0.5b",
+        Precision::Exact,
+        Some(Memory::Low),
+        false,
+        None,
+    )
+    .unwrap();
+    assert_eq!(
+        qwen.low_projections(),
+        (96, 96),
+        "every projection from its blocks"
+    );
+    drop(qwen);
+    for test in [
+        "qwen_matches_transformers",
+        "smollm_matches_transformers",
+        "gemma3_matches_transformers",
+        "inspect_numbers_match_reference_qwen",
+    ] {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([test, "--exact", "--nocapture", "--test-threads=1"])
+            .env("ATTNSCOPE_MEMORY", "low")
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            out.status.success() && text.contains("1 passed"),
+            "{test} with ATTNSCOPE_MEMORY=low:\n{text}"
+        );
+    }
+}
+
 /// Gemma 3 270M (GGUF `gemma3`, SentencePiece vocabulary, `<bos>` first because the file says
 /// so): the token ids, every weight of every layer, head, query and key, the next-token top-5.
 #[test]

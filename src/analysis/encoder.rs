@@ -100,6 +100,78 @@ impl Observer for SharesCollector {
     }
 }
 
+/// Per key: (is [CLS], is [SEP], is punctuation); a [CLS] or [SEP] is never punctuation.
+fn key_kinds(model: &Model, tokens: &[u32]) -> Vec<(bool, bool, bool)> {
+    let (cls, sep) = model.special_ids();
+    tokens
+        .iter()
+        .zip(model.token_texts(tokens))
+        .map(|(&t, text)| {
+            let special = Some(t) == cls || Some(t) == sep;
+            (
+                Some(t) == cls,
+                Some(t) == sep,
+                !special && is_punctuation(&text),
+            )
+        })
+        .collect()
+}
+
+/// The [CLS]/[SEP]/punctuation shares of every layer from patterns captured elsewhere: `maps`
+/// yields each layer's `[n_heads, n, n]` weights (the view's); the same sums as [`inspect`].
+pub fn shares_of_patterns<'a>(
+    model: &Model,
+    tokens: &[u32],
+    maps: impl Iterator<Item = &'a [f32]>,
+) -> SpecialShares {
+    shares_of_kinds(key_kinds(model, tokens), model.dims.n_heads, maps)
+}
+
+/// [`shares_of_patterns`] for patterns without a model (Python's `viz.attention_heads`): a key
+/// is [CLS] or [SEP] when its text is exactly `[CLS]` or `[SEP]`, punctuation as
+/// [`is_punctuation`] says; `maps` yields each layer's `[heads, n, n]`.
+pub fn shares_of_texts<'a>(
+    texts: &[String],
+    heads: usize,
+    maps: impl Iterator<Item = &'a [f32]>,
+) -> SpecialShares {
+    let kinds = texts
+        .iter()
+        .map(|t| {
+            let (c, s) = (t == "[CLS]", t == "[SEP]");
+            (c, s, !c && !s && is_punctuation(t))
+        })
+        .collect();
+    shares_of_kinds(kinds, heads, maps)
+}
+
+fn shares_of_kinds<'a>(
+    kinds: Vec<(bool, bool, bool)>,
+    h: usize,
+    maps: impl Iterator<Item = &'a [f32]>,
+) -> SpecialShares {
+    let n = kinds.len();
+    let mut c = SharesCollector {
+        n,
+        query: usize::MAX,
+        kinds,
+        sums: Vec::new(),
+        rows: Vec::new(),
+    };
+    for (l, p) in maps.enumerate() {
+        c.sums.push([0f64; 3]);
+        c.rows.push(Vec::new());
+        c.attention_block(l, Hook::Pattern, 0, [h, n, n], p);
+    }
+    let per = (h * n) as f64;
+    let share = |k: usize| -> Vec<f32> { c.sums.iter().map(|s| (s[k] / per) as f32).collect() };
+    SpecialShares {
+        cls: share(0),
+        sep: share(1),
+        punct: share(2),
+    }
+}
+
 /// One layer of [`EncoderReport`]: the head-averaged row of the query, its top keys.
 #[derive(Clone, Debug, Serialize)]
 pub struct EncoderLayer {
@@ -134,10 +206,12 @@ pub struct EncoderReport {
 }
 
 /// The special-token shares of every layer, and the rows of `query` (head-averaged top `top`
-/// keys per layer; per head of `layer` for `heads`), from one forward of the encoder.
+/// keys per layer; per head of `layer` for `heads`), from one forward of the encoder on `tokens`
+/// of the given types (`None`: all 0, one text; a pair's as [`Model::encode_pair`] gives them).
 pub fn inspect(
     model: &Model,
     tokens: &[u32],
+    types: Option<&[u32]>,
     query: usize,
     layer: usize,
     heads: &[usize],
@@ -146,19 +220,7 @@ pub fn inspect(
     let d = &model.dims;
     let n = tokens.len();
     let texts = model.token_texts(tokens);
-    let (cls, sep) = model.special_ids();
-    let kinds = tokens
-        .iter()
-        .zip(&texts)
-        .map(|(&t, text)| {
-            let special = Some(t) == cls || Some(t) == sep;
-            (
-                Some(t) == cls,
-                Some(t) == sep,
-                !special && is_punctuation(text),
-            )
-        })
-        .collect();
+    let kinds = key_kinds(model, tokens);
     let mut c = SharesCollector {
         n,
         query,
@@ -166,7 +228,11 @@ pub fn inspect(
         sums: vec![[0f64; 3]; d.n_layers],
         rows: vec![Vec::new(); d.n_layers],
     };
-    model.forward(tokens, &RunOptions::default(), &mut c)?;
+    let opts = RunOptions {
+        token_types: types.map(<[u32]>::to_vec),
+        ..Default::default()
+    };
+    model.forward(tokens, &opts, &mut c)?;
     let per = (d.n_heads * n) as f64;
     let share = |k: usize| -> Vec<f32> { c.sums.iter().map(|s| (s[k] / per) as f32).collect() };
     let entry = |r: super::Ranked| TopEntry {
@@ -214,7 +280,7 @@ pub fn inspect(
                 text: t.clone(),
             })
             .collect(),
-        token_types: model.token_types(tokens),
+        token_types: opts.token_types.unwrap_or_else(|| vec![0; n]),
         query,
         layer,
         special_shares: SpecialShares {

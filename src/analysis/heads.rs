@@ -191,6 +191,35 @@ pub fn random_repeat(count: usize, vocab: usize, seed: u64) -> Vec<u32> {
     half.iter().chain(&half).copied().collect()
 }
 
+/// The induction test's input: `count` random token ids then the same again, after the model's
+/// BOS when it uses one (or `bos`); `count` must leave room in the context.
+pub fn random_repeat_tokens(
+    model: &Model,
+    count: usize,
+    seed: u64,
+    bos: bool,
+) -> crate::model::Result<Vec<u32>> {
+    let d = &model.dims;
+    if count == 0 || 2 * count + 1 > d.context_len {
+        return Err(crate::model::Error::OutOfRange {
+            what: "--random-repeat (Python: random_repeat)".into(),
+            value: count.to_string(),
+            range: format!("1..={}", (d.context_len - 1) / 2),
+        });
+    }
+    let mut t = if bos || model.tokenizer.add_bos {
+        model.tokenizer.encode("", true)?
+    } else {
+        Vec::new()
+    };
+    t.extend(random_repeat(
+        count,
+        model.tokenizer.vocab_size().min(d.vocab_size),
+        seed,
+    ));
+    Ok(t)
+}
+
 /// The role scores of one token sequence (streamed: no n × n matrix is held).
 pub fn roles_of(model: &Model, tokens: &[u32]) -> anyhow::Result<HeadRoles> {
     let d = &model.dims;

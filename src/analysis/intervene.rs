@@ -291,6 +291,9 @@ impl Method {
     }
 }
 
+/// The most positions stacked into one forward by default (`--batch-rows`).
+pub const DEFAULT_BATCH_ROWS: usize = 1024;
+
 #[derive(Clone, Debug)]
 pub struct AblateOptions {
     pub method: Method,

@@ -7,6 +7,7 @@ pub mod attrpatch;
 pub mod collect;
 pub mod compare;
 pub mod corpus;
+pub mod corpus_encoder;
 pub mod dla;
 pub mod enc_faith;
 pub mod enc_target;
@@ -20,6 +21,7 @@ pub mod measure;
 pub mod mixing;
 pub mod norms;
 pub mod sinkmetrics;
+pub mod sinks;
 pub mod stream;
 
 use serde::Serialize;

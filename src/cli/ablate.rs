@@ -5,7 +5,7 @@ use super::common::{emit, parse_index_list, progress_bar, ModelArgs, TextArgs};
 use crate::analysis::faithfulness::Target;
 use crate::analysis::intervene::{ablate, AblateOptions, AblateReport, Method};
 use crate::model::tokenize::visible;
-use crate::render::table::{title, Align, Table};
+use crate::render::table::{order_by_magnitude, title, Align, Table};
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
 pub enum MethodArg {
@@ -38,7 +38,7 @@ pub struct Args {
     #[arg(long, default_value_t = 15)]
     top: usize,
     /// Most positions stacked into one forward (edited runs of one layer go together).
-    #[arg(long, default_value_t = 1024, hide = true)]
+    #[arg(long, default_value_t = crate::analysis::intervene::DEFAULT_BATCH_ROWS, hide = true)]
     batch_rows: usize,
     #[arg(long)]
     json: bool,
@@ -98,14 +98,7 @@ pub fn render(r: &AblateReport, top: usize) -> String {
     if let Some(ps) = &r.positions {
         s += &format!("ablated at positions {ps:?} only\n");
     }
-    let mut order: Vec<usize> = (0..r.heads.len()).collect();
-    order.sort_by(|&x, &y| {
-        r.heads[y]
-            .delta_logprob
-            .abs()
-            .total_cmp(&r.heads[x].delta_logprob.abs())
-            .then(x.cmp(&y))
-    });
+    let order = order_by_magnitude(&r.heads.iter().map(|h| h.delta_logprob).collect::<Vec<_>>());
     let mut t = Table::new([
         ("head", Align::Left),
         ("Δ log p", Align::Right),

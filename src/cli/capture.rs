@@ -237,7 +237,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let start = std::time::Instant::now();
     let model = a.model.load()?;
     let loaded = start.elapsed();
-    let tokens = a.text.tokens_or_pair(&model, a.model.bos)?;
+    let (tokens, token_types) = a.text.tokens_or_pair(&model, a.model.bos)?;
     let n = tokens.len();
     let d = &model.dims;
     if n > d.context_len {
@@ -270,7 +270,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .map(|(_, s)| s.iter().product::<usize>() as f64 * 4.0)
         .sum();
     let texts = model.token_texts(&tokens);
-    let md = BTreeMap::from([
+    let mut md = BTreeMap::from([
         ("token_ids".to_string(), serde_json::to_string(&tokens)?),
         ("token_strings".to_string(), serde_json::to_string(&texts)?),
         ("model".to_string(), model.info.name.clone()),
@@ -292,6 +292,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             format!("attnscope {}", env!("CARGO_PKG_VERSION")),
         ),
     ]);
+    if model.is_encoder() {
+        // an encoder's token types, as the forward ran them (a pair's 0/1; one text: all 0)
+        let types = token_types.clone().unwrap_or_else(|| vec![0; n]);
+        md.insert("token_types".into(), serde_json::to_string(&types)?);
+    }
     // write into a temporary file beside the target, renamed over it only when complete
     let dir = a
         .out
@@ -360,7 +365,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             in_flight: 0,
             waited: std::time::Duration::ZERO,
         };
-        let forward = model.forward(&tokens, &RunOptions::default(), &mut obs);
+        let opts = RunOptions {
+            token_types,
+            ..Default::default()
+        };
+        let forward = model.forward(&tokens, &opts, &mut obs);
         // the final norm's hooks come after the last layer
         obs.hand_over(d.n_layers - 1, Hook::LnFinalNormalized);
         obs.bar.finish_and_clear();

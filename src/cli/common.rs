@@ -1,6 +1,6 @@
 //! Arguments and helpers shared by the subcommands.
 
-use crate::model::{fetch::DEFAULT_MODEL, Model, Precision};
+use crate::model::{fetch::DEFAULT_MODEL, Memory, Model, Precision};
 use anyhow::Context;
 use std::io::{IsTerminal, Read, Write};
 use std::path::{Path, PathBuf};
@@ -32,6 +32,14 @@ pub struct ModelArgs {
     /// Xeon and an AMD EPYC without AMX; weights move by <0.04). With neither, fast runs as exact.
     #[arg(long, default_value = "exact", value_parser = precision_parser())]
     pub precision: Precision,
+    /// How the projections are held (exact only): low keeps the file's own quantized blocks
+    /// (mapped) and dequantizes a panel at a time just before each product (the same numbers;
+    /// peak memory about the file's size plus the forward's buffers); fast packs them at load
+    /// (f32 panels or AMX integers and scales, kept in the packed-weight cache). Default: fast
+    /// when it needs at most half of the machine's available memory at 2,048 tokens (`info`
+    /// says which and why, and what each setting needs).
+    #[arg(long, value_parser = memory_parser())]
+    pub memory: Option<Memory>,
     /// Put the model's BOS token first even though its metadata does not ask for one.
     #[arg(long, conflicts_with = "no_bos")]
     pub bos: bool,
@@ -45,6 +53,7 @@ impl Default for ModelArgs {
         ModelArgs {
             model: DEFAULT_MODEL.into(),
             precision: Precision::Exact,
+            memory: None,
             bos: false,
             no_bos: false,
         }
@@ -74,7 +83,7 @@ impl ModelArgs {
             return Ok(m);
         }
         let progress = std::io::stderr().is_terminal();
-        let mut m = Model::load(&self.model, self.precision, progress)
+        let mut m = Model::load_memory(&self.model, self.precision, self.memory, progress)
             .with_context(|| format!("loading model `{}`", self.model))?;
         if self.no_bos {
             m.tokenizer.set_add_bos(false)?;
@@ -126,12 +135,21 @@ impl TextArgs {
         }
     }
 
-    /// [`TextArgs::tokens`], or with `--pair` the encoder's sentence pair
-    /// ([`Model::encode_pair`]; a decoder refuses it).
-    pub fn tokens_or_pair(&self, model: &Model, force_bos: bool) -> anyhow::Result<Vec<u32>> {
+    /// [`TextArgs::tokens`] (token types `None`: all 0, as the tokenizer types one text), or
+    /// with `--pair` the encoder's sentence pair and its token types 0/1
+    /// ([`Model::encode_pair`]; a decoder refuses it). The types go to the forward in
+    /// `RunOptions::token_types`.
+    pub fn tokens_or_pair(
+        &self,
+        model: &Model,
+        force_bos: bool,
+    ) -> anyhow::Result<(Vec<u32>, Option<Vec<u32>>)> {
         match &self.pair {
-            Some(b) if self.chat.is_none() => Ok(model.encode_pair(&self.read_any()?, b)?),
-            _ => self.tokens(model, force_bos),
+            Some(b) if self.chat.is_none() => {
+                let (ids, types) = model.encode_pair(&self.read_any()?, b)?;
+                Ok((ids, Some(types)))
+            }
+            _ => Ok((self.tokens(model, force_bos)?, None)),
         }
     }
 
@@ -365,6 +383,13 @@ pub fn emit(s: &str) -> anyhow::Result<()> {
     out.write_all(s.as_bytes())?;
     out.flush()?;
     Ok(())
+}
+
+/// `--memory`'s parser: the settings' names, listed in `--help`.
+pub fn memory_parser() -> impl clap::builder::TypedValueParser<Value = Memory> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(Memory::ALL.map(|m| m.name()))
+        .map(|s| s.parse::<Memory>().expect("a listed setting"))
 }
 
 /// `--precision`'s parser: the model's [`Precision`] names, listed in `--help` and in the error

@@ -57,6 +57,7 @@ fn load(spec: &str, precision: Precision, no_bos: bool) -> anyhow::Result<Arc<Mo
     super::common::ModelArgs {
         model: spec.to_string(),
         precision,
+        memory: None,
         bos: false,
         no_bos,
     }

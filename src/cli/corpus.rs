@@ -136,6 +136,19 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 .map_err(|e| usage(format!("cannot read {}: {e}", f.display())))?;
             texts.push((text, f.display().to_string()));
         }
+        let encoders = texts
+            .iter()
+            .filter(|(t, _)| crate::analysis::corpus_encoder::is_encoder_file(t))
+            .count();
+        if encoders == texts.len() {
+            return super::corpus_encoder::merge(&texts, json);
+        }
+        if encoders > 0 {
+            return Err(usage(format!(
+                "{encoders} of the {} record files hold an encoder's records and the others a decoder's; merge the records of one model at a time",
+                texts.len()
+            )));
+        }
         let records = read_record_files(&texts).map_err(usage)?;
         let agg = aggregate(&records, epsilon).map_err(usage)?;
         let source = format!("{} record files", files.len());
@@ -156,6 +169,24 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .filter(|i| i % sn == si)
         .collect();
     let model = model_args.load()?;
+    if model.is_encoder() {
+        if a.faithfulness {
+            return Err(usage(format!("--faithfulness ranks tokens against a next token's probability; {} is an encoder (no next-token prediction)", model.info.name)));
+        }
+        let shard = if sn > 1 {
+            format!(", shard {si}/{sn}")
+        } else {
+            String::new()
+        };
+        return super::corpus_encoder::run(
+            &model,
+            &texts,
+            &selected,
+            a.out.as_deref(),
+            &format!("{source}{shard}"),
+            a.json,
+        );
+    }
     let mut records: Vec<Record> = Vec::new();
     let mut out_file = None;
     if let Some(path) = &a.out {

@@ -4,7 +4,7 @@ use super::common::{emit, ModelArgs, TextArgs};
 use crate::analysis::dla::{dla, DlaReport};
 use crate::analysis::faithfulness::Target;
 use crate::model::tokenize::visible;
-use crate::render::table::{title, Align, Table};
+use crate::render::table::{order_by_magnitude, title, Align, Table};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -58,14 +58,7 @@ pub fn render(r: &DlaReport, top: usize) -> String {
         r.sum_of_parts,
         r.final_scale
     );
-    let mut order: Vec<usize> = (0..r.heads.len()).collect();
-    order.sort_by(|&x, &y| {
-        r.heads[y]
-            .dla
-            .abs()
-            .total_cmp(&r.heads[x].dla.abs())
-            .then(x.cmp(&y))
-    });
+    let order = order_by_magnitude(&r.heads.iter().map(|h| h.dla).collect::<Vec<_>>());
     let mut t = Table::new([
         ("head", Align::Left),
         ("direct", Align::Right),

@@ -3,7 +3,7 @@
 
 use super::common::{emit, usage, ModelArgs, TextArgs};
 use crate::analysis::heads::{
-    document, mean_roles, mean_uniform, random_repeat, roles_of, HeadRoles, ROLES,
+    document, mean_roles, mean_uniform, random_repeat_tokens, roles_of, HeadRoles, ROLES,
 };
 use crate::render::table::{title, Align, Table};
 
@@ -37,27 +37,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         return Err(usage("--top must be at least 1"));
     }
     let model = a.model.load()?;
-    let d = &model.dims;
     let mut texts = Vec::new();
     let mut doc = serde_json::Map::new();
     let source;
     if let Some(nr) = a.random_repeat {
-        if nr == 0 || 2 * nr + 1 > d.context_len {
-            return Err(usage(format!(
-                "--random-repeat {nr} is out of range: 1..={}",
-                (d.context_len - 1) / 2
-            )));
-        }
-        let mut t = if a.model.bos || model.tokenizer.add_bos {
-            model.tokenizer.encode("", true)?
-        } else {
-            Vec::new()
-        };
-        t.extend(random_repeat(
-            nr,
-            model.tokenizer.vocab_size().min(d.vocab_size),
-            a.seed,
-        ));
+        let t = random_repeat_tokens(&model, nr, a.seed, a.model.bos)?;
         texts.push(t);
         source = format!("{nr} random tokens repeated once (seed {})", a.seed);
         doc.insert("random_repeat".into(), nr.into());

@@ -47,7 +47,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let (mapped, projections) = m.mapped_projections();
         let doc = json!({"model": m.info, "dims": d, "kind": model_kind(d), "group_size": d.group_size(), "gqa": d.gqa_sentence(),
                          "cached_alias_path": alias(&m.info.name).map(alias_path),
-                         "packed_weight_cache": m.panel_file().map(|p| json!({"path": p, "mapped_projections": mapped, "projections": projections}))});
+                         "packed_weight_cache": m.panel_file().map(|p| json!({"path": p, "mapped_projections": mapped, "projections": projections})),
+                         "memory_model": memory_model(&m).map(|rows| rows.iter().map(|(n, low, fast)| json!({"tokens": n, "low_bytes": low, "fast_bytes": fast})).collect::<Vec<_>>())});
         return emit(&format!("{}\n", serde_json::to_string_pretty(&doc)?));
     }
     let mut s = title(&format!("{} ({})", m.info.name, m.info.format));
@@ -174,6 +175,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     ] {
         t.row([k.to_string(), v]);
     }
+    t.row(["memory".to_string(), memory_line(&m)]);
     if let Some(g) = &d.gemma {
         t.row([
             "Gemma".to_string(),
@@ -191,7 +193,58 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         ]);
     }
     s += &t.render();
+    if let Some(rows) = memory_model(&m) {
+        s += "\npeak memory of an `inspect` (the memory model: docs/precision.md#memory)\n";
+        let mut mt = Table::new([
+            ("tokens", Align::Right),
+            ("--memory low", Align::Right),
+            ("--memory fast", Align::Right),
+        ]);
+        for (n, low, fast) in rows {
+            mt.row([
+                n.to_string(),
+                format!("{:.2} GB", low as f64 / 1e9),
+                format!("{:.2} GB", fast as f64 / 1e9),
+            ]);
+        }
+        s += &mt.render();
+    }
     emit(&s)
+}
+
+/// The memory setting, how many projections it multiplies from the file's blocks, and why.
+fn memory_line(m: &crate::model::Model) -> String {
+    let (low, all) = m.low_projections();
+    let what = match m.info.memory {
+        crate::model::Memory::Low if low == all => {
+            "low: every projection multiplied from the file's quantized blocks (mapped), a panel dequantized just before each product".to_string()
+        }
+        crate::model::Memory::Low => format!(
+            "low: {low} of {all} projections from the file's blocks; the rest (floats or a type low does not read) packed as f32 panels"
+        ),
+        crate::model::Memory::Fast => "fast: projections packed at load".to_string(),
+    };
+    format!("{what} ({})", m.info.memory_reason)
+}
+
+/// `(tokens, low, fast)` peak bytes of an `inspect` at a few lengths up to the context, for a
+/// GGUF file; `None` for a Hugging Face folder.
+fn memory_model(m: &crate::model::Model) -> Option<Vec<(usize, u64, u64)>> {
+    let fp = m.info.footprint.as_ref()?;
+    let p = m.info.precision;
+    Some(
+        [128, 512, 2048, 8192, 32768]
+            .into_iter()
+            .filter(|&n| n <= m.dims.context_len)
+            .map(|n| {
+                (
+                    n,
+                    fp.need(crate::model::Memory::Low, p, n),
+                    fp.need(crate::model::Memory::Fast, p, n),
+                )
+            })
+            .collect(),
+    )
 }
 
 /// Which keys a query sees: every earlier one, or a window on some layers (and their RoPE base).

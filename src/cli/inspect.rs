@@ -42,10 +42,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let start = Instant::now();
     let model = a.model.load()?;
     let loaded = start.elapsed();
-    let tokens = a.text.tokens_or_pair(&model, a.model.bos)?;
+    let (tokens, types) = a.text.tokens_or_pair(&model, a.model.bos)?;
     let (n, d) = (tokens.len(), &model.dims);
     if model.is_encoder() {
-        return encoder(&a, &model, &tokens, loaded.as_secs_f64());
+        return encoder(&a, &model, &tokens, types.as_deref(), loaded.as_secs_f64());
     }
     let query = check_index(a.query.unwrap_or(n - 1), n, "query position")?;
     let layer = check_index(a.layer.unwrap_or(d.n_layers - 1), d.n_layers, "layer")?;
@@ -111,7 +111,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 
 /// `inspect` on an encoder: the share of attention on [CLS], [SEP] and punctuation per layer,
 /// and the rows of one query (default: [CLS], position 0); no next-token prediction.
-fn encoder(a: &Args, model: &Model, tokens: &[u32], load_s: f64) -> anyhow::Result<()> {
+fn encoder(
+    a: &Args,
+    model: &Model,
+    tokens: &[u32],
+    types: Option<&[u32]>,
+    load_s: f64,
+) -> anyhow::Result<()> {
     let (n, d) = (tokens.len(), &model.dims);
     let query = check_index(a.query.unwrap_or(0), n, "query position")?;
     let layer = check_index(a.layer.unwrap_or(d.n_layers - 1), d.n_layers, "layer")?;
@@ -127,7 +133,7 @@ fn encoder(a: &Args, model: &Model, tokens: &[u32], load_s: f64) -> anyhow::Resu
         )));
     }
     let t0 = Instant::now();
-    let r = crate::analysis::encoder::inspect(model, tokens, query, layer, &heads, top)?;
+    let r = crate::analysis::encoder::inspect(model, tokens, types, query, layer, &heads, top)?;
     let forward = t0.elapsed().as_secs_f64();
     if a.json {
         let mut v = serde_json::to_value(&r)?;

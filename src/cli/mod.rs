@@ -11,6 +11,7 @@ mod capture;
 pub mod common;
 mod compare;
 pub mod corpus;
+mod corpus_encoder;
 mod cost;
 mod dla;
 mod embed;

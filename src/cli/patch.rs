@@ -55,7 +55,7 @@ pub struct Args {
     #[arg(long)]
     approx: bool,
     /// Most positions stacked into one forward.
-    #[arg(long, default_value_t = 1024, hide = true)]
+    #[arg(long, default_value_t = crate::analysis::intervene::DEFAULT_BATCH_ROWS, hide = true)]
     batch_rows: usize,
     #[arg(long)]
     json: bool,

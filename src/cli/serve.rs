@@ -54,10 +54,22 @@ const FORM: &str = r#"<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"
 <style>body{font:15px system-ui,sans-serif;max-width:760px;margin:40px auto;color:#222}textarea{width:100%;height:90px;font-size:15px}
 button{font-size:15px;padding:4px 14px}.err{background:#fdecea;border:1px solid #f5c2bd;padding:10px;border-radius:4px}</style></head>
 <body><h1>attnscope</h1><p>MODEL</p><form method="get" action="/view"><textarea name="text" maxlength="MAXCHARS">Hà Nội là thủ đô của Việt Nam. Thành phố này nằm ở miền Bắc.</textarea>
-<p><label><input type="checkbox" name="faithfulness" value="1"> also measure faithfulness (slower)</label></p><button type="submit">Show attention</button></form>ERROR</body></html>"#;
+EXTRA<button type="submit">Show attention</button></form>ERROR</body></html>"#;
 
-fn form(model: &str, max_chars: usize, error: Option<&str>) -> String {
-    FORM.replace("MODEL", &html_escape(model))
+/// The page's form: a decoder's asks whether to measure faithfulness too; an encoder's takes an
+/// optional second text (a sentence pair, `[CLS] A [SEP] B [SEP]`) instead, since it predicts no
+/// next token to measure.
+const DECODER_EXTRA: &str = r#"<p><label><input type="checkbox" name="faithfulness" value="1"> also measure faithfulness (slower)</label></p>"#;
+const ENCODER_EXTRA: &str = r#"<p>An encoder (bidirectional attention, no next-token prediction). Optionally a second text, for the sentence pair [CLS] A [SEP] B [SEP] (the head view then shows A→B, B→A, A→A, B→B):</p><textarea name="pair" maxlength="MAXCHARS" placeholder="second text (optional)"></textarea>"#;
+
+fn form(model: &crate::model::Model, max_chars: usize, error: Option<&str>) -> String {
+    let extra = if model.is_encoder() {
+        ENCODER_EXTRA
+    } else {
+        DECODER_EXTRA
+    };
+    FORM.replace("EXTRA", extra)
+        .replace("MODEL", &html_escape(&model.info.name))
         .replace("MAXCHARS", &max_chars.to_string())
         .replace(
             "ERROR",
@@ -395,13 +407,7 @@ fn handle(
     let until = Instant::now() + Duration::from_secs(a.request_timeout);
     let (line, host) = match read_request(stream, until) {
         Ok(r) => r,
-        Err((status, why)) => {
-            return respond(
-                stream,
-                status,
-                &form(&model.info.name, a.max_chars, Some(why)),
-            )
-        }
+        Err((status, why)) => return respond(stream, status, &form(model, a.max_chars, Some(why))),
     };
     match host {
         Some(h) if host_allowed(&h, bound) => {}
@@ -410,7 +416,7 @@ fn handle(
                 stream,
                 "421 Misdirected Request",
                 &form(
-                    &model.info.name,
+                    model,
                     a.max_chars,
                     Some(&format!("this server answers to localhost, not to `{h}`")),
                 ),
@@ -420,11 +426,7 @@ fn handle(
             return respond(
                 stream,
                 "400 Bad Request",
-                &form(
-                    &model.info.name,
-                    a.max_chars,
-                    Some("the request has no Host header"),
-                ),
+                &form(model, a.max_chars, Some("the request has no Host header")),
             )
         }
     }
@@ -434,20 +436,23 @@ fn handle(
         return respond(
             stream,
             "405 Method Not Allowed",
-            &form(&model.info.name, a.max_chars, Some("only GET is supported")),
+            &form(model, a.max_chars, Some("only GET is supported")),
         );
     }
     let (path, query) = target.split_once('?').unwrap_or((target, ""));
     match path {
-        "/" => respond(stream, "200 OK", &form(&model.info.name, a.max_chars, None)),
+        "/" => respond(stream, "200 OK", &form(model, a.max_chars, None)),
         // browsers ask for it on their own; an empty answer keeps their consoles clean
         "/favicon.ico" => respond(stream, "204 No Content", ""),
         "/view" => {
             let mut text = None;
+            let mut pair = None;
             let mut faith = false;
             for (k, v) in form_urlencoded::parse(query.as_bytes()) {
                 match k.as_ref() {
                     "text" => text = Some(v.into_owned()),
+                    // an encoder's second text; the form sends an empty one when left blank
+                    "pair" if !v.trim().is_empty() => pair = Some(v.into_owned()),
                     "faithfulness" => faith = v == "1",
                     _ => {}
                 }
@@ -456,19 +461,19 @@ fn handle(
                 return respond(
                     stream,
                     "400 Bad Request",
-                    &form(&model.info.name, a.max_chars, Some("no text was given")),
+                    &form(model, a.max_chars, Some("no text was given")),
                 );
             };
-            if text.chars().count() > a.max_chars {
+            let chars = text.chars().count() + pair.as_ref().map_or(0, |p| p.chars().count());
+            if chars > a.max_chars {
                 return respond(
                     stream,
                     "413 Payload Too Large",
                     &form(
-                        &model.info.name,
+                        model,
                         a.max_chars,
                         Some(&format!(
-                            "the text has {} characters; this server takes at most {}",
-                            text.chars().count(),
+                            "the text has {chars} characters; this server takes at most {}",
                             a.max_chars
                         )),
                     ),
@@ -481,7 +486,7 @@ fn handle(
                         return respond(
                             stream,
                             "413 Payload Too Large",
-                            &form(&model.info.name, a.max_chars, Some(&msg)),
+                            &form(model, a.max_chars, Some(&msg)),
                         );
                     }
                     _ => {}
@@ -492,16 +497,19 @@ fn handle(
             let deadline = Instant::now() + Duration::from_secs(a.queue_timeout);
             let turn = match ticket.turn(deadline) {
                 Ok(t) => t,
-                Err(r) => return refuse(stream, &model.info.name, a, &r),
+                Err(r) => return refuse(stream, model, a, &r),
             };
-            let page = super::view::view_html(model, &text, a.model.bos, faith);
+            let page = match &pair {
+                None => super::view::view_html(model, &text, a.model.bos, faith),
+                Some(b) => view_pair(model, &text, b, faith),
+            };
             drop(turn);
             match page {
                 Ok((html, _)) => respond(stream, "200 OK", &html),
                 Err(e) => respond(
                     stream,
                     "400 Bad Request",
-                    &form(&model.info.name, a.max_chars, Some(&format!("{e:#}"))),
+                    &form(model, a.max_chars, Some(&format!("{e:#}"))),
                 ),
             }
         }
@@ -509,7 +517,7 @@ fn handle(
             stream,
             "404 Not Found",
             &form(
-                &model.info.name,
+                model,
                 a.max_chars,
                 Some(&format!("there is no page {path}")),
             ),
@@ -517,8 +525,24 @@ fn handle(
     }
 }
 
+/// The view page of an encoder's sentence pair (a decoder's refusal says why).
+fn view_pair(
+    model: &crate::model::Model,
+    a: &str,
+    b: &str,
+    faithfulness: bool,
+) -> anyhow::Result<(String, usize)> {
+    let (tokens, types) = model.encode_pair(a, b)?;
+    let opts = super::view::ViewOptions {
+        faithfulness,
+        token_types: Some(types),
+        ..Default::default()
+    };
+    super::view::view_html_tokens(model, &tokens, &opts)
+}
+
 /// Answers 503 with `Retry-After` and the reason.
-fn refuse(stream: &mut TcpStream, model: &str, a: &Args, r: &Refusal) {
+fn refuse(stream: &mut TcpStream, model: &crate::model::Model, a: &Args, r: &Refusal) {
     respond_with(
         stream,
         "503 Service Unavailable",
@@ -570,12 +594,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                     (n < MAX_REFUSING).then_some(n + 1)
                 });
                 if taken.is_ok() {
-                    let (name, a, refusing) =
-                        (model.info.name.clone(), a.clone(), refusing.clone());
+                    let (m, a, refusing) = (model.clone(), a.clone(), refusing.clone());
                     std::thread::spawn(move || {
                         let until = Instant::now() + Duration::from_secs(REFUSE_READ_S);
                         let _ = read_request(&stream, until);
-                        refuse(&mut stream, &name, &a, &r);
+                        refuse(&mut stream, &m, &a, &r);
                         refusing.fetch_sub(1, Ordering::SeqCst);
                     });
                 }

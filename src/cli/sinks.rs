@@ -1,12 +1,9 @@
 //! `attnscope sinks`: the sink profile and per-head statistics of a long text, streamed.
 
 use super::common::{emit, usage, ModelArgs};
-use crate::analysis::measure::{machine, peak_rss_bytes};
-use crate::analysis::stream::StreamStats;
-use crate::model::forward::RunOptions;
+use crate::analysis::sinks::{sinks, sinks_tokens, SinksOptions};
 use crate::model::tokenize::visible;
 use crate::render::table::{bar, sparkline, title, Align, Table};
-use serde_json::json;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -49,57 +46,22 @@ pub struct Args {
 pub fn run(a: Args) -> anyhow::Result<()> {
     let start = Instant::now();
     let model = a.model.load()?;
-    let ctx = model.dims.context_len;
-    let max_tokens = a.max_tokens.unwrap_or(32768.min(ctx));
-    if max_tokens == 0 {
-        return Err(usage("--max-tokens must be at least 1"));
-    }
-    if a.top == 0 || a.top > 64 {
-        return Err(usage(format!(
-            "--top {} is out of range: use 1..=64",
-            a.top
-        )));
-    }
-    let mut tokens = match &a.file {
+    let text = match &a.file {
         Some(f) => {
             let bytes = std::fs::read(f)
                 .map_err(|e| usage(format!("cannot read --file {}: {e}", f.display())))?;
-            let text = String::from_utf8(bytes).map_err(|e| {
+            Some(String::from_utf8(bytes).map_err(|e| {
                 usage(format!(
                     "{} is not valid UTF-8 (first bad byte at offset {})",
                     f.display(),
                     e.utf8_error().valid_up_to()
                 ))
-            })?;
-            model.tokenizer.encode(&text, a.model.bos)?
+            })?)
         }
-        None => {
-            // a BOS first when the model or --bos asks for one, as encode() does for files
-            let mut t = if a.model.bos || model.tokenizer.add_bos {
-                model.tokenizer.encode("", true)?
-            } else {
-                Vec::new()
-            };
-            t.extend(crate::analysis::corpus::builtin_tokens(
-                &model.tokenizer,
-                max_tokens,
-            )?);
-            t
-        }
+        None => None,
     };
-    tokens.truncate(max_tokens);
-    if tokens.is_empty() {
-        return Err(anyhow::Error::new(crate::model::Error::EmptyText));
-    }
-    let n = tokens.len();
-    if n > ctx {
-        return Err(anyhow::Error::new(crate::model::Error::TooLong {
-            n_tokens: n,
-            limit: ctx,
-            model: model.info.name.clone(),
-        }));
-    }
-    let d = &model.dims;
+    let tokens = sinks_tokens(&model, text.as_deref(), a.max_tokens, a.model.bos)?;
+    let (d, n) = (&model.dims, tokens.len());
     let bar_ = if std::io::stderr().is_terminal() {
         indicatif::ProgressBar::new(d.n_layers as u64)
     } else {
@@ -114,65 +76,27 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     );
     bar_.set_message(format!("{n} tokens"));
     let b2 = bar_.clone();
-    let mut stats = StreamStats::new(
-        d.n_layers,
-        d.n_heads,
-        n,
-        a.top,
-        Box::new(move |l| b2.set_position(l as u64 + 1)),
-    );
-    if a.massive_top > 0 {
-        stats = stats.with_massive(a.massive_top);
-    }
-    let t0 = Instant::now();
-    let opts = RunOptions {
-        logits_at: vec![n - 1],
+    let opts = SinksOptions {
         key_block: a.key_block,
-        ..Default::default()
+        top: a.top,
+        epsilon: a.epsilon,
+        gu_prompts: a.gu_prompts,
+        gu_len: a.gu_len,
+        massive_top: a.massive_top,
+        bos: a.model.bos,
     };
-    let out = model.forward(&tokens, &opts, &mut stats)?;
-    let forward_s = t0.elapsed().as_secs_f64();
+    let mut r = sinks(
+        &model,
+        &tokens,
+        &opts,
+        Box::new(move |l| b2.set_position(l as u64 + 1)),
+    )?;
     bar_.finish_and_clear();
-    let layers = stats.layers();
-    let massive = stats.massive.take().map(|m| m.layers).unwrap_or_default();
-    // Gu et al.'s protocol: prompts of gu_len tokens from the text, each with the model's BOS
-    let gu = if a.gu_prompts > 0 && a.gu_len > 0 {
-        let bos: Vec<u32> = if a.model.bos || model.tokenizer.add_bos {
-            model.tokenizer.encode("", true)?
-        } else {
-            Vec::new()
-        };
-        let body = &tokens[bos.len().min(tokens.len())..];
-        let take = a.gu_len.saturating_sub(bos.len()).max(1);
-        let prompts: Vec<Vec<u32>> = body
-            .chunks_exact(take)
-            .take(a.gu_prompts)
-            .map(|c| bos.iter().chain(c).copied().collect())
-            .collect();
-        if prompts.is_empty() {
-            None
-        } else {
-            Some(crate::analysis::sinkmetrics::gu_sink_metric(
-                &model, &prompts, a.epsilon,
-            )?)
-        }
-    } else {
-        None
-    };
-    let peak = peak_rss_bytes();
-    let (cpu, threads) = machine();
-    let top = crate::analysis::next_token_top_k(&out.logits[0], 1).remove(0);
+    r.total_s = start.elapsed().as_secs_f64();
     if a.json {
-        let doc = json!({
-            "model": model.info.name, "precision": model.info.precision.name(), "n_tokens": n, "key_block": a.key_block,
-            "forward_s": forward_s, "attention_s": out.timings.attention.as_secs_f64(), "total_s": start.elapsed().as_secs_f64(),
-            "peak_rss_bytes": peak, "cpu": cpu, "threads": threads, "layers": layers,
-            "gu_sink_metric": gu, "massive_activations": massive,
-            "first_token": model.tokenizer.token_text(tokens[0]),
-            "next_token": {"id": top.id, "token": model.tokenizer.token_text(top.id), "prob": top.prob},
-        });
-        return emit(&format!("{}\n", serde_json::to_string_pretty(&doc)?));
+        return emit(&format!("{}\n", serde_json::to_string_pretty(&r)?));
     }
+    let (layers, gu, massive) = (&r.layers, &r.gu_sink_metric, &r.massive_activations);
     let mut s = title(&format!(
         "Attention sinks over {n} tokens, {} ({} precision), streamed",
         model.info.name,
@@ -199,7 +123,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .max_by(|x, y| x.sink_all_queries.total_cmp(&y.sink_all_queries))
         .map(|l| l.layer)
         .unwrap_or(0);
-    for l in &layers {
+    for l in layers {
         let shade: String = l
             .heads
             .iter()
@@ -235,7 +159,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             n - w
         );
     }
-    if let Some(g) = &gu {
+    if let Some(g) = gu {
         s += &format!(
             "Gu et al. 2024's sink metric (α₁ over every query, first included, > {}) on {} prompts of {} tokens from this text: {:.1}% of heads (per layer {})\n",
             g.epsilon,
@@ -291,10 +215,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     s += "\n";
     s += &format!(
-        "forward {forward_s:.1} s (attention {:.1} s), total {:.1} s; peak memory {}; {threads} threads on {cpu}\n",
-        out.timings.attention.as_secs_f64(),
-        start.elapsed().as_secs_f64(),
-        peak.map(|p| super::cost::human_bytes(p as f64)).unwrap_or_else(|| "unknown".into())
+        "forward {:.1} s (attention {:.1} s), total {:.1} s; peak memory {}; {} threads on {}\n",
+        r.forward_s,
+        r.attention_s,
+        r.total_s,
+        r.peak_rss_bytes
+            .map(|p| super::cost::human_bytes(p as f64))
+            .unwrap_or_else(|| "unknown".into()),
+        r.threads,
+        r.cpu
     );
     emit(&s)
 }

@@ -14,6 +14,9 @@ use crate::render::sparse::{encode_value_norms, SparseView, FULL_MAX, TOP_HEAD, 
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
+#[path = "view_encoder.rs"]
+mod encoder;
+
 #[derive(clap::Args, Debug)]
 pub struct ViewArgs {
     #[command(flatten)]
@@ -143,6 +146,9 @@ pub struct ViewOptions {
     pub target: Option<Target>,
     /// a progress bar for the ablations on standard error, where it is a terminal (the CLI)
     pub progress: bool,
+    /// an encoder's token types (a sentence pair's 0/1, as [`crate::model::Model::encode_pair`]
+    /// gives them); `None`: all 0, one text
+    pub token_types: Option<Vec<u32>>,
 }
 
 /// `attnscope ablate`'s report, with its progress bar when `bar` (and standard error is a terminal).
@@ -200,6 +206,9 @@ pub fn view_html_tokens(
     tokens: &[u32],
     opts: &ViewOptions,
 ) -> anyhow::Result<(String, usize)> {
+    if model.is_encoder() {
+        return encoder::page_of(model, tokens, opts);
+    }
     let faithfulness = opts.faithfulness;
     if opts.target.is_some() && !faithfulness && opts.ablate.is_none() {
         return Err(usage(
@@ -308,13 +317,15 @@ pub fn view_html_tokens(
         patterns: layers.patterns,
         sparse: layers.sparse,
         vnorms: Some(vnorms),
+        encoder: None,
     };
     Ok((page(&data), n))
 }
 
 /// The view page for attention patterns computed elsewhere: `patterns` is `[layers, heads, n,
 /// n]` (rows sum to 1, masked weights 0), `tokens` the n token texts. Used by the Python
-/// package's `attnscope.viz.attention_heads`.
+/// package's `attnscope.viz.attention_heads`. Patterns with weight above the diagonal (an
+/// encoder's) get the encoder's page: whole maps, the [CLS]/[SEP]/punctuation chart.
 pub fn pattern_page(
     patterns: &[f32],
     shape: [usize; 4],
@@ -346,6 +357,13 @@ pub fn pattern_page(
     {
         return Err(usage(format!("attention weight {bad} is not in [0, 1]")));
     }
+    // weight above the diagonal: an encoder's (bidirectional) maps, drawn whole
+    let bidirectional = patterns
+        .chunks(n * n)
+        .any(|m| (0..n).any(|i| m[i * n + i + 1..(i + 1) * n].iter().any(|&w| w > 1e-6)));
+    if bidirectional {
+        return encoder::pattern_page_of(patterns, shape, tokens, title);
+    }
     let encoded = encode_layers(patterns.chunks(heads * n * n), layers, heads, n);
     let data = ViewData {
         title: title.to_string(),
@@ -362,6 +380,7 @@ pub fn pattern_page(
         patterns: encoded.patterns,
         sparse: encoded.sparse,
         vnorms: None,
+        encoder: None,
     };
     Ok(page(&data))
 }
@@ -373,12 +392,13 @@ pub fn view(a: ViewArgs) -> anyhow::Result<()> {
         }));
     }
     let model = a.model.load()?;
-    let tokens = a.text.tokens(&model, a.model.bos)?;
+    let (tokens, token_types) = a.text.tokens_or_pair(&model, a.model.bos)?;
     let opts = ViewOptions {
         faithfulness: a.faithfulness,
         ablate: a.ablate,
         target: a.target,
         progress: true,
+        token_types,
     };
     let (html, n) = view_html_tokens(&model, &tokens, &opts)?;
     let d = &model.dims;
@@ -424,7 +444,7 @@ pub fn heatmap(a: HeatmapArgs) -> anyhow::Result<()> {
         }));
     }
     let model = a.model.load()?;
-    let tokens = a.text.tokens_or_pair(&model, a.model.bos)?;
+    let (tokens, token_types) = a.text.tokens_or_pair(&model, a.model.bos)?;
     let (n, d) = (tokens.len(), &model.dims);
     let layer = check_index(a.layer, d.n_layers, "layer")?;
     let head = match a.head.as_str() {
@@ -443,7 +463,11 @@ pub fn heatmap(a: HeatmapArgs) -> anyhow::Result<()> {
         queries: crate::model::capture::Queries::All,
     };
     let mut cache = AttnCache::new(&spec, n);
-    model.forward(&tokens, &RunOptions::default(), &mut cache)?;
+    let opts = RunOptions {
+        token_types,
+        ..Default::default()
+    };
+    model.forward(&tokens, &opts, &mut cache)?;
     let p = cache.pattern(layer).expect("captured");
     let map: Vec<f32> = if head.is_some() {
         p.data.to_vec()

@@ -285,7 +285,7 @@ impl<T: Copy + Default> AlignedBuf<T> {
 /// Writes `cols` rows of `w: [cols, k]` as a panel `[k, nr]`: `panel[kk·nr + j] = w[j·k + kk]`
 /// (columns `cols..nr` untouched). 16×16 blocks go through AVX-512 shuffles where the CPU has
 /// them (the scalar loop's strided reads took 14% of a short `inspect`'s time at load).
-fn transpose_into_panel(w: &[f32], cols: usize, k: usize, nr: usize, panel: &mut [f32]) {
+pub(crate) fn transpose_into_panel(w: &[f32], cols: usize, k: usize, nr: usize, panel: &mut [f32]) {
     assert!(w.len() >= cols * k && panel.len() >= k * nr && cols <= nr);
     let (mut j_done, mut k_done) = (0, 0);
     #[cfg(target_arch = "x86_64")]
@@ -459,6 +459,76 @@ impl PackedB {
 
 thread_local! {
     static A_PACK: std::cell::RefCell<AlignedBuf> = std::cell::RefCell::new(AlignedBuf::default());
+    /// A task's depth slice of B's panels, made by a [`PanelSource`] just before it is multiplied.
+    static B_PACK: std::cell::RefCell<AlignedBuf> = std::cell::RefCell::new(AlignedBuf::default());
+}
+
+/// A right-hand matrix `B: [k, n]` whose panels are made on demand rather than held packed
+/// (`--memory low`: a quantized file's blocks dequantized a depth slice at a time). The product
+/// asks for each panel's slice once per task and multiplies the same micro-kernel over it, so
+/// the numbers are those of a [`PackedB`] holding the same values.
+pub trait PanelSource: Sync {
+    /// `(n, k)`: B's columns (the weight's rows) and depth.
+    fn dims(&self) -> (usize, usize);
+    /// Writes rows `k0..k0 + kc` of panel `p` (B's columns `p·NR..p·NR + NR`, `NR = isa.nr()`)
+    /// into `out` (`kc · NR` floats, row `kk` at `kk · NR`); columns past `n` must be zero.
+    fn fill(&self, isa: Isa, p: usize, k0: usize, kc: usize, out: &mut [f32]);
+}
+
+/// B as a product reads it: packed panels, or a source that makes them per depth slice.
+#[derive(Clone, Copy)]
+enum BRef<'a> {
+    Packed(&'a PackedB),
+    Source(&'a dyn PanelSource, Isa),
+}
+
+impl BRef<'_> {
+    fn isa(self) -> Isa {
+        match self {
+            BRef::Packed(b) => b.isa,
+            BRef::Source(_, isa) => isa,
+        }
+    }
+    /// `(k, n)`.
+    fn shape(self) -> (usize, usize) {
+        match self {
+            BRef::Packed(b) => (b.k, b.n),
+            BRef::Source(s, _) => {
+                let (n, k) = s.dims();
+                (k, n)
+            }
+        }
+    }
+}
+
+/// [`gemm_sub`] with B's panels made by `src` a depth slice at a time, into a buffer of the
+/// worker thread (`KC × NC` floats: at most ~4 MB on AVX-512), just before they are multiplied.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_source(
+    a: &[f32],
+    lda: usize,
+    m: usize,
+    src: &dyn PanelSource,
+    isa: Isa,
+    ks: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+    parallel: bool,
+) {
+    gemm_on(
+        a,
+        lda,
+        m,
+        BRef::Source(src, isa),
+        ks,
+        cols,
+        c,
+        ldc,
+        accumulate,
+        parallel,
+    )
 }
 
 /// `C[m, n] (+)= A[m, k] · B` where `A` is row-major with row stride `lda` and `C` row-major with
@@ -492,13 +562,39 @@ pub fn gemm_sub(
     accumulate: bool,
     parallel: bool,
 ) {
-    let isa = b.isa;
+    gemm_on(
+        a,
+        lda,
+        m,
+        BRef::Packed(b),
+        ks,
+        cols,
+        c,
+        ldc,
+        accumulate,
+        parallel,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gemm_on(
+    a: &[f32],
+    lda: usize,
+    m: usize,
+    b: BRef,
+    ks: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+    parallel: bool,
+) {
+    let isa = b.isa();
     let (k, n) = (ks.len(), cols.len());
+    let (bk, bn) = b.shape();
     assert!(
-        ks.end <= b.k && cols.end <= b.n,
-        "gemm_sub: ranges {ks:?} × {cols:?} outside B [{}, {}]",
-        b.k,
-        b.n
+        ks.end <= bk && cols.end <= bn,
+        "gemm_sub: ranges {ks:?} × {cols:?} outside B [{bk}, {bn}]"
     );
     if m == 0 || n == 0 {
         return;
@@ -613,7 +709,7 @@ unsafe fn block(
     r0: usize,
     rows: usize,
     mc: usize,
-    b: &PackedB,
+    b: BRef,
     k0: usize,
     k: usize,
     bj0: usize,
@@ -627,93 +723,115 @@ unsafe fn block(
     // the rows and tiles it names, the CPU has the kernel's features); the body only
     // reads and writes within them.
     unsafe {
-        let isa = b.isa;
+        let isa = b.isa();
         let (mr, nr, kc_max) = (isa.mr(), isa.nr(), isa.kc());
+        let p0 = bj0 / nr;
         A_PACK.with(|cell| {
-            let mut apack = cell.borrow_mut();
-            let mut tile = [0f32; 12 * 32];
-            let mut pc = 0;
-            while pc < k {
-                let kc = kc_max.min(k - pc);
-                let acc = accumulate || pc > 0;
-                let mut i0 = r0;
-                while i0 < r0 + rows {
-                    let brows = mc.min(r0 + rows - i0);
-                    let strips = brows.div_ceil(mr);
-                    let full = brows / mr; // strips read in place; a last partial one is packed
-                    if full < strips {
-                        apack.ensure(kc * mr);
-                        let strip = apack.as_mut_slice();
-                        for r in 0..mr {
-                            let rr = full * mr + r;
-                            for kk in 0..kc {
-                                strip[kk * mr + r] = if rr < brows {
-                                    a[(i0 + rr) * lda + pc + kk]
-                                } else {
-                                    0.0
-                                };
-                            }
+            B_PACK.with(|bcell| {
+                let mut apack = cell.borrow_mut();
+                let mut bpack = bcell.borrow_mut();
+                let mut tile = [0f32; 12 * 32];
+                let mut pc = 0;
+                while pc < k {
+                    let kc = kc_max.min(k - pc);
+                    let acc = accumulate || pc > 0;
+                    if let BRef::Source(src, _) = b {
+                        // this slice of the task's panels, made once and read by every row block
+                        let panels = (bj0 + cols).div_ceil(nr) - p0;
+                        bpack.ensure(panels * kc * nr);
+                        for (i, out) in bpack.as_mut_slice().chunks_mut(kc * nr).enumerate() {
+                            src.fill(isa, p0 + i, k0 + pc, kc, out);
                         }
                     }
-                    let ap = apack.as_slice();
-                    for p in bj0 / nr..(bj0 + cols).div_ceil(nr) {
-                        let bp = b.panel(p)[(k0 + pc) * nr..].as_ptr();
-                        // the columns of this panel inside bj0..bj0+cols, as offsets in the panel
-                        let lo = bj0.max(p * nr) - p * nr;
-                        let hi = (bj0 + cols).min(p * nr + nr) - p * nr;
-                        // C column of the panel's first column (may lie before cj0 on an unaligned start)
-                        let cbase = (p * nr) as isize - bj0 as isize + cj0 as isize;
-                        for s in 0..strips {
-                            let srows = mr.min(brows - s * mr);
-                            let crow = c.0.add((i0 + s * mr) * ldc);
-                            let a_in_place = a[(i0 + s * mr) * lda + pc..].as_ptr();
-                            if srows == mr && lo == 0 && hi == nr {
-                                isa.kernel_rows(
-                                    kc,
-                                    a_in_place,
-                                    lda,
-                                    bp,
-                                    crow.offset(cbase),
-                                    ldc,
-                                    acc,
-                                );
-                            } else {
-                                // an edge tile: compute the full tile aside, copy in the valid part
-                                for r in 0..srows {
-                                    for j in lo..hi {
-                                        tile[r * nr + j] = if acc {
-                                            *crow.offset(cbase + (r * ldc + j) as isize)
-                                        } else {
-                                            0.0
-                                        };
-                                    }
+                    let mut i0 = r0;
+                    while i0 < r0 + rows {
+                        let brows = mc.min(r0 + rows - i0);
+                        let strips = brows.div_ceil(mr);
+                        let full = brows / mr; // strips read in place; a last partial one is packed
+                        if full < strips {
+                            apack.ensure(kc * mr);
+                            let strip = apack.as_mut_slice();
+                            for r in 0..mr {
+                                let rr = full * mr + r;
+                                for kk in 0..kc {
+                                    strip[kk * mr + r] = if rr < brows {
+                                        a[(i0 + rr) * lda + pc + kk]
+                                    } else {
+                                        0.0
+                                    };
                                 }
-                                if srows == mr {
+                            }
+                        }
+                        let ap = apack.as_slice();
+                        for p in bj0 / nr..(bj0 + cols).div_ceil(nr) {
+                            let bp = match b {
+                                BRef::Packed(pb) => pb.panel(p)[(k0 + pc) * nr..].as_ptr(),
+                                BRef::Source(..) => bpack.as_slice()[(p - p0) * kc * nr..].as_ptr(),
+                            };
+                            // the columns of this panel inside bj0..bj0+cols, as offsets in the panel
+                            let lo = bj0.max(p * nr) - p * nr;
+                            let hi = (bj0 + cols).min(p * nr + nr) - p * nr;
+                            // C column of the panel's first column (may lie before cj0 on an unaligned start)
+                            let cbase = (p * nr) as isize - bj0 as isize + cj0 as isize;
+                            for s in 0..strips {
+                                let srows = mr.min(brows - s * mr);
+                                let crow = c.0.add((i0 + s * mr) * ldc);
+                                let a_in_place = a[(i0 + s * mr) * lda + pc..].as_ptr();
+                                if srows == mr && lo == 0 && hi == nr {
                                     isa.kernel_rows(
                                         kc,
                                         a_in_place,
                                         lda,
                                         bp,
-                                        tile.as_mut_ptr(),
-                                        nr,
-                                        true,
+                                        crow.offset(cbase),
+                                        ldc,
+                                        acc,
                                     );
                                 } else {
-                                    isa.kernel(kc, ap.as_ptr(), bp, tile.as_mut_ptr(), nr, true);
-                                }
-                                for r in 0..srows {
-                                    for j in lo..hi {
-                                        *crow.offset(cbase + (r * ldc + j) as isize) =
-                                            tile[r * nr + j];
+                                    // an edge tile: compute the full tile aside, copy in the valid part
+                                    for r in 0..srows {
+                                        for j in lo..hi {
+                                            tile[r * nr + j] = if acc {
+                                                *crow.offset(cbase + (r * ldc + j) as isize)
+                                            } else {
+                                                0.0
+                                            };
+                                        }
+                                    }
+                                    if srows == mr {
+                                        isa.kernel_rows(
+                                            kc,
+                                            a_in_place,
+                                            lda,
+                                            bp,
+                                            tile.as_mut_ptr(),
+                                            nr,
+                                            true,
+                                        );
+                                    } else {
+                                        isa.kernel(
+                                            kc,
+                                            ap.as_ptr(),
+                                            bp,
+                                            tile.as_mut_ptr(),
+                                            nr,
+                                            true,
+                                        );
+                                    }
+                                    for r in 0..srows {
+                                        for j in lo..hi {
+                                            *crow.offset(cbase + (r * ldc + j) as isize) =
+                                                tile[r * nr + j];
+                                        }
                                     }
                                 }
                             }
                         }
+                        i0 += brows;
                     }
-                    i0 += brows;
+                    pc += kc;
                 }
-                pc += kc;
-            }
+            })
         });
     }
 }
@@ -811,6 +929,84 @@ mod x86;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `W: [n, k]` row-major, handing out its panels a depth slice at a time.
+    struct Plain<'a>(&'a [f32], usize, usize);
+    impl PanelSource for Plain<'_> {
+        fn dims(&self) -> (usize, usize) {
+            (self.1, self.2)
+        }
+        fn fill(&self, isa: Isa, p: usize, k0: usize, kc: usize, out: &mut [f32]) {
+            let (nr, k) = (isa.nr(), self.2);
+            let cols = nr.min(self.1 - p * nr);
+            let rows: Vec<f32> = (0..cols)
+                .flat_map(|j| self.0[(p * nr + j) * k + k0..][..kc].to_vec())
+                .collect();
+            out[..kc * nr].fill(0.0);
+            transpose_into_panel(&rows, cols, kc, nr, out);
+        }
+    }
+
+    /// Panels made a depth slice at a time give the packed panels' bits: every ISA, depths past
+    /// one slice, column edges, sub-ranges of depth and columns, accumulation, serial and parallel.
+    #[test]
+    fn panels_from_a_source_give_the_packed_panels_bits() {
+        let mut rng = crate::reference::Rng::new(8);
+        for isa in Isa::all_supported() {
+            for (m, k, n) in [
+                (1, 5, 3),
+                (13, 2 * isa.kc() + 37, 70),
+                (40, 896, 2 * isa.nr() + 5),
+            ] {
+                let w = rng.normals(n * k, 1.0);
+                let a = rng.normals(m * k, 1.0);
+                let packed = PackedB::from_rows(&w, n, k, k, isa);
+                let src = Plain(&w, n, k);
+                for (ks, cols) in [(0..k, 0..n), (k / 3..k - 1, 1..n), (1..2, n - 1..n)] {
+                    for (accumulate, parallel) in [(false, true), (true, false)] {
+                        let lda = ks.len();
+                        let sub: Vec<f32> = (0..m)
+                            .flat_map(|r| a[r * k + ks.start..r * k + ks.end].to_vec())
+                            .collect();
+                        let ldc = cols.len();
+                        let init = rng.normals(m * ldc, 1.0);
+                        let (mut want, mut got) = (init.clone(), init);
+                        gemm_sub(
+                            &sub,
+                            lda,
+                            m,
+                            &packed,
+                            ks.clone(),
+                            cols.clone(),
+                            &mut want,
+                            ldc,
+                            accumulate,
+                            parallel,
+                        );
+                        gemm_source(
+                            &sub,
+                            lda,
+                            m,
+                            &src,
+                            isa,
+                            ks.clone(),
+                            cols.clone(),
+                            &mut got,
+                            ldc,
+                            accumulate,
+                            parallel,
+                        );
+                        assert!(
+                            want.iter()
+                                .zip(&got)
+                                .all(|(x, y)| x.to_bits() == y.to_bits()),
+                            "{isa:?} m {m} k {k} n {n} {ks:?} {cols:?} acc {accumulate}"
+                        );
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn panels_transposed_in_blocks_equal_the_plain_transpose() {

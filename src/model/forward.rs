@@ -42,6 +42,11 @@ pub struct RunOptions {
     pub keep_kv: bool,
     /// Keys per block of the streaming softmax (when no pattern is captured).
     pub key_block: usize,
+    /// An encoder's token types (segment ids), one per position of every segment, as the
+    /// tokenizer gave them ([`Model::encode_pair`]: 0 for the first text of a pair, 1 for the
+    /// second). `None`: every token's type is 0, as the tokenizer types a single text (a
+    /// literal `[SEP]` inside it included). A decoder ignores them.
+    pub token_types: Option<Vec<u32>>,
 }
 
 impl Default for RunOptions {
@@ -52,6 +57,7 @@ impl Default for RunOptions {
             block_bytes: 8 << 20,
             keep_kv: false,
             key_block: 1024,
+            token_types: None,
         }
     }
 }

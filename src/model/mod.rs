@@ -25,6 +25,7 @@ pub mod gguf;
 pub mod guard;
 pub mod hf;
 pub mod lrp;
+pub mod memory;
 pub mod ops;
 pub mod panels;
 #[cfg(any(test, feature = "test-fixtures"))]
@@ -35,7 +36,7 @@ pub mod weights;
 
 pub use config::{Arch, ModelDims, RopeStyle};
 pub use error::{Error, Result};
-pub use weights::Precision;
+pub use weights::{Memory, Precision};
 
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -52,6 +53,12 @@ pub struct ModelInfo {
     pub path: PathBuf,
     pub format: &'static str,
     pub precision: Precision,
+    /// How the projections are held (`--memory`), and why that setting.
+    pub memory: Memory,
+    pub memory_reason: String,
+    /// What the weights take at each setting (GGUF files), for `info`'s memory model.
+    #[serde(skip)]
+    pub footprint: Option<memory::Footprint>,
     pub file_size: u64,
     pub tensor_types: BTreeMap<String, usize>,
     pub tokenizer: String,
@@ -194,6 +201,56 @@ fn save_cache(
     }
 }
 
+/// The memory model of a GGUF decoder: its projections' parts as the file's tensor table gives
+/// them (rows, bytes, type), and its output head's bytes.
+fn gguf_footprint(g: &gguf::GgufFile, dims: &ModelDims) -> memory::Footprint {
+    use weights::Logical as L;
+    let info = |l: &L| {
+        g.content
+            .tensor_infos
+            .get(&gguf::gguf_name_for(dims.arch, l))
+    };
+    let part = |l: L| -> (usize, u64, Option<candle_core::quantized::GgmlDType>) {
+        match info(&l) {
+            Some(t) => {
+                let dims = t.shape.dims();
+                let elems: usize = dims.iter().product();
+                let dt = t.ggml_dtype;
+                (
+                    dims.first().copied().unwrap_or(0),
+                    (elems / dt.block_size() * dt.type_size()) as u64,
+                    Some(dt),
+                )
+            }
+            None => (0, 0, None),
+        }
+    };
+    let gpt2 = dims.arch.learned_positions();
+    let head = info(&L::LmHead)
+        .or_else(|| info(&L::Embed))
+        .map(|t| {
+            let dt = t.ggml_dtype;
+            (t.shape.elem_count() / dt.block_size() * dt.type_size()) as u64
+        })
+        .unwrap_or(0);
+    memory::footprint(
+        dims,
+        |l| {
+            [
+                vec![part(L::Q(l)), part(L::K(l)), part(L::V(l))],
+                vec![part(L::O(l))],
+                if gpt2 {
+                    vec![part(L::Up(l))]
+                } else {
+                    vec![part(L::Gate(l)), part(L::Up(l))]
+                },
+                vec![part(L::Down(l))],
+            ]
+        },
+        head,
+    )
+}
+
 impl Model {
     /// The packed-weight cache file of this model ([`panels`]): the one its projections were
     /// mapped from, or the one this load wrote for the next.
@@ -215,6 +272,11 @@ impl Model {
             .iter()
             .flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down]);
         (all.clone().filter(|p| which(p)).count(), all.count())
+    }
+
+    /// Projections multiplied straight from the file's blocks (`--memory low`), of all of them.
+    pub fn low_projections(&self) -> (usize, usize) {
+        self.count_projections(weights::Linear::is_low)
     }
 
     /// Projections that run on the AMX tiles as the file's integers and scales (`exact` on a
@@ -249,9 +311,21 @@ impl Model {
     /// Loads `spec`: an alias (fetched on first use), a `.gguf` file, a Hugging Face folder, or
     /// a hub id `org/name`. `progress` shows progress bars on standard error.
     pub fn load(spec: &str, precision: Precision, progress: bool) -> Result<Model> {
-        Self::load_with(
+        Self::load_memory(spec, precision, None, progress)
+    }
+
+    /// [`Model::load`] with the projections held as `memory` says (`None`: chosen from the
+    /// model's size and the machine's free memory, [`memory::choose`]).
+    pub fn load_memory(
+        spec: &str,
+        precision: Precision,
+        memory: Option<Memory>,
+        progress: bool,
+    ) -> Result<Model> {
+        Self::load_full(
             spec,
             precision,
+            memory,
             progress,
             panels::Settings::from_env().as_ref(),
         )
@@ -264,6 +338,28 @@ impl Model {
         progress: bool,
         panels: Option<&panels::Settings>,
     ) -> Result<Model> {
+        Self::load_full(spec, precision, None, progress, panels)
+    }
+
+    /// [`Model::load_memory`] with the packed-weight cache kept as `panels` says (`None`: none).
+    /// A `memory` of `None` takes `ATTNSCOPE_MEMORY` (`low` or `fast`) for `exact` where it is
+    /// set, else the setting [`memory::choose`] picks.
+    pub fn load_full(
+        spec: &str,
+        precision: Precision,
+        memory: Option<Memory>,
+        progress: bool,
+        panels: Option<&panels::Settings>,
+    ) -> Result<Model> {
+        let memory = match memory {
+            None if precision == Precision::Exact => memory::from_env()?,
+            m => m,
+        };
+        if memory == Some(Memory::Low) && precision == Precision::Fast {
+            return Err(Error::NotApplicable(
+                "--memory low multiplies the file's blocks exactly; it goes with --precision exact (fast holds its own bf16 or 8-bit packing)".into(),
+            ));
+        }
         let (source, name, description) = resolve(spec, progress)?;
         let bar = if progress {
             indicatif::ProgressBar::new(0)
@@ -290,6 +386,7 @@ impl Model {
                     name,
                     description,
                     precision,
+                    memory,
                     panel_cache(panels, precision, std::slice::from_ref(&path)),
                     panels.and_then(|s| {
                         panels::BlobCache::new(
@@ -333,6 +430,12 @@ impl Model {
                         path: dir.clone(),
                         format: "safetensors",
                         precision,
+                        memory: Memory::Fast,
+                        memory_reason: match memory {
+                            Some(Memory::Low) => "a Hugging Face folder's floats have no quantized blocks to read: --memory low packs f32 panels as fast does".into(),
+                            _ => "a Hugging Face folder's floats are packed at load".into(),
+                        },
+                        footprint: None,
                         file_size,
                         tensor_types: f.tensor_types(),
                         tokenizer: tokenizer.kind.clone(),
@@ -348,6 +451,7 @@ impl Model {
                         &mut f,
                         &dims,
                         precision,
+                        Memory::Fast,
                         dims.rope_style,
                         &|l: &weights::Logical| hf::hf_name_for(Some(dims.arch), l),
                         cached.as_ref(),
@@ -384,6 +488,7 @@ impl Model {
             name.to_string(),
             None,
             precision,
+            Some(Memory::Fast),
             None,
             None,
             |_, _| {},
@@ -391,15 +496,35 @@ impl Model {
     }
 
     /// The model of the GGUF file `open` reads.
+    #[allow(clippy::too_many_arguments)]
     fn from_gguf(
         open: impl FnOnce() -> Result<gguf::GgufFile> + Send,
         name: String,
         description: Option<String>,
         precision: Precision,
+        memory: Option<Memory>,
         cache: Option<panels::PanelCache>,
         merges: Option<panels::BlobCache>,
         tick: impl FnMut(usize, usize),
     ) -> Result<Model> {
+        // the packed-weight cache is opened beside the reading of the file unless `low` may be
+        // chosen: its pages would count in the peak for nothing (a file of 8× a 4-bit model's
+        // size, more than half of what is free, may make the default `low`)
+        let avail = memory::available();
+        let maybe_low = match memory {
+            Some(m) => m == Memory::Low,
+            None => {
+                precision == Precision::Exact
+                    && cache.is_some()
+                    && avail.is_none_or(|a| {
+                        cache
+                            .as_ref()
+                            .and_then(|c| c.model_bytes())
+                            .is_none_or(|f| 8 * f + memory::FIXED_BYTES > a / 2)
+                    })
+            }
+        };
+        let early = if maybe_low { None } else { cache.as_ref() };
         // the cache file's checksums are checked on the other core while the file's metadata is
         // read and the tokenizer built (the path to the first token: ~0.06 s and ~0.2 s for the
         // default model, against ~0.1 s of checksums); that core then helps the tokenizer
@@ -410,15 +535,31 @@ impl Model {
                 let tokenizer = Tokenizer::from_gguf_with(g.metadata(), &g.path, merges.as_ref())?;
                 Ok((g, dims, tokenizer))
             },
-            || open_cache(cache.as_ref()),
+            || open_cache(early),
         );
         let (mut g, (dims, warnings), tokenizer) = opened?;
+        let fp = gguf_footprint(&g, &dims);
+        let (memory, memory_reason) = match memory {
+            Some(m) => (m, format!("asked for (--memory {m})")),
+            None => memory::choose(&fp, precision, avail),
+        };
+        let (cache, cached) = match memory {
+            Memory::Low => (None, None),
+            Memory::Fast if maybe_low => {
+                let c = open_cache(cache.as_ref());
+                (cache, c)
+            }
+            Memory::Fast => (cache, cached),
+        };
         let info = ModelInfo {
             name,
             description: description.or_else(|| g.name()),
             path: g.path.clone(),
             format: "gguf",
             precision,
+            memory,
+            memory_reason,
+            footprint: Some(fp),
             file_size: g.file_size,
             tensor_types: g.tensor_types(),
             tokenizer: tokenizer.kind.clone(),
@@ -428,6 +569,7 @@ impl Model {
             &mut g,
             &dims,
             precision,
+            memory,
             dims.rope_style,
             &|l: &weights::Logical| gguf::gguf_name_for(dims.arch, l),
             cached.as_ref(),

@@ -239,6 +239,15 @@ impl PanelCache {
         })
     }
 
+    /// Bytes of the model files the cache is keyed by (their sizes as identified).
+    pub fn model_bytes(&self) -> Option<u64> {
+        self.id
+            .paths
+            .iter()
+            .map(|p| std::fs::metadata(p).ok().map(|m| m.len()))
+            .sum()
+    }
+
     /// The cache with the cap `max_bytes` on its directory.
     pub fn with_cap(mut self, max_bytes: u64) -> PanelCache {
         self.max_bytes = max_bytes;

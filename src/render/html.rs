@@ -28,6 +28,23 @@ pub struct ViewData<'a> {
     /// Per layer, the value norms `‖W_Oʰ vⱼ‖` (see [`super::sparse::encode_value_norms`]), for
     /// the norm-based shading; absent when the page was made from weights alone.
     pub vnorms: Option<Vec<String>>,
+    /// What a view of an encoder adds (absent for a decoder's page).
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub encoder: Option<EncoderView>,
+}
+
+/// An encoder's page (`kind: "encoder"`): bidirectional maps, each stored whole
+/// ([`encode_layer_full`]); no next token, so no prediction panel.
+#[derive(Serialize)]
+pub struct EncoderView {
+    /// "encoder".
+    pub kind: &'static str,
+    /// Each token's type: 0, or 1 for the second text of a pair.
+    pub token_types: Vec<u32>,
+    /// The first position of a pair's second text (BertViz's `sentence_b_start`), if a pair.
+    pub sentence_b_start: Option<usize>,
+    /// Per layer, the share of attention on [CLS], [SEP] and punctuation (as `inspect`).
+    pub special_shares: crate::analysis::encoder::SpecialShares,
 }
 
 /// What a `topk` page holds per layer.
@@ -76,6 +93,22 @@ pub fn encode_layer(pattern: &[f32], heads: usize, n: usize) -> (&'static str, S
     (if wide { "u16" } else { "u8" }, base64(&bytes))
 }
 
+/// Every weight of every head's map (an encoder's: a query attends to the keys after it too),
+/// row by row, quantized as [`encode_layer`] does: `u16` up to 256 tokens, `u8` above.
+pub fn encode_layer_full(pattern: &[f32], heads: usize, n: usize) -> (&'static str, String) {
+    let wide = n <= 256;
+    let mut bytes = Vec::with_capacity(heads * n * n * if wide { 2 } else { 1 });
+    for &w in &pattern[..heads * n * n] {
+        let w = w.clamp(0.0, 1.0);
+        if wide {
+            bytes.extend_from_slice(&((w * 65535.0).round() as u16).to_le_bytes());
+        } else {
+            bytes.push((w * 255.0).round() as u8);
+        }
+    }
+    (if wide { "u16" } else { "u8" }, base64(&bytes))
+}
+
 /// The page, with `data` inlined. Every `<` in the JSON (it can only stand inside a string) is
 /// written `\u003c`, so no token text can end the script element or open a comment (`<!--`).
 pub fn page(data: &ViewData<'_>) -> String {
@@ -116,6 +149,14 @@ mod tests {
             want.extend_from_slice(&v.to_le_bytes());
         }
         assert_eq!(b64, base64(&want));
+        // an encoder's map is stored whole: [[0.5, 0.5], [0.25, 0.75]]
+        let (enc, b64) = encode_layer_full(&[0.5, 0.5, 0.25, 0.75], 1, 2);
+        assert_eq!(enc, "u16");
+        let mut want = Vec::new();
+        for v in [32768u16, 32768, 16384, 49151] {
+            want.extend_from_slice(&v.to_le_bytes());
+        }
+        assert_eq!(b64, base64(&want));
     }
 
     #[test]
@@ -137,6 +178,7 @@ mod tests {
             patterns: vec![p],
             sparse: None,
             vnorms: None,
+            encoder: None,
         };
         let html = page(&d);
         assert!(!html.contains("/*ATTNSCOPE_DATA*/null"));

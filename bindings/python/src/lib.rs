@@ -3,13 +3,18 @@
 //! - [`Model`]: load, tokenize, and `run` a forward that captures exactly the (layer, hook) pairs
 //!   asked for, handing each tensor to numpy without a copy (the Rust buffer becomes the
 //!   array's memory);
+//! - the analyses as typed calls on [`Model`] (`ablate`, `patch`, `heads`, `sinks`, `attribute`,
+//!   ...), their reports handed to Python as objects ([`to_object`]);
 //! - [`run_command`]: any `attnscope` subcommand in this process (`--json`), on a loaded model by
-//!   its registered name, returning what the command prints;
+//!   its registered name, returning what the command prints (what has no typed call yet:
+//!   `inspect`, `faithfulness`, `compare`, `capture`, `corpus`);
 //! - [`view_page`] / [`pattern_page`]: the HTML page of `attnscope view`.
 //!
 //! The GIL is released while the engine runs, Python's signal handlers are asked between layers
 //! (so Ctrl-C interrupts a long forward), and no panic crosses into Python.
 
+use attnscope::analysis::faithfulness::Target;
+use attnscope::cli::common::LESSON_SENTENCE;
 use attnscope::model::capture::{hook_name, AttnCache, CaptureSpec, Hook, Observer, Queries};
 use attnscope::model::forward::RunOptions;
 use attnscope::model::{Error as ModelError, Precision};
@@ -228,8 +233,16 @@ impl Model {
     /// Loads an alias (fetched on first use), a .gguf file, a Hugging Face folder or a hub id.
     #[staticmethod]
     /// `add_bos`: `None` follows the model's metadata; `False` leaves its BOS out, `True` adds one.
-    #[pyo3(signature = (spec, precision = "exact", add_bos = None))]
-    fn load(py: Python<'_>, spec: &str, precision: &str, add_bos: Option<bool>) -> PyResult<Model> {
+    /// `memory`: `"low"` (the file's quantized blocks, mapped, a panel dequantized per product),
+    /// `"fast"` (packed at load), or `None` (chosen from the model's size and the free memory).
+    #[pyo3(signature = (spec, precision = "exact", add_bos = None, memory = None))]
+    fn load(
+        py: Python<'_>,
+        spec: &str,
+        precision: &str,
+        add_bos: Option<bool>,
+        memory: Option<&str>,
+    ) -> PyResult<Model> {
         let precision = match precision {
             "exact" => Precision::Exact,
             "fast" => Precision::Fast,
@@ -239,9 +252,17 @@ impl Model {
                 )))
             }
         };
+        let memory = memory
+            .map(|m| {
+                m.parse::<attnscope::model::Memory>()
+                    .map_err(|e| PyValueError::new_err(format!("memory={m:?}: {e}")))
+            })
+            .transpose()?;
         let spec = spec.to_string();
         let mut model = engine(py, move || {
-            Ok(attnscope::model::Model::load(&spec, precision, false)?)
+            Ok(attnscope::model::Model::load_memory(
+                &spec, precision, memory, false,
+            )?)
         })?;
         if let Some(b) = add_bos {
             model
@@ -268,7 +289,15 @@ impl Model {
         v["adds_bos"] = self.inner.tokenizer.add_bos.into();
         v["pad_id"] = self.inner.tokenizer.pad_id.into();
         v["bos_id"] = self.inner.tokenizer.bos_id.into();
+        v["is_encoder"] = self.inner.is_encoder().into();
         Ok(v.to_string())
+    }
+
+    /// An encoder's sentence pair `[CLS] a [SEP] b [SEP]`: (token ids, token types 0 then 1), as
+    /// transformers' tokenizer gives them. Refused on a decoder.
+    fn encode_pair(&self, py: Python<'_>, a: &str, b: &str) -> PyResult<(Vec<u32>, Vec<u32>)> {
+        let (m, a, b) = (self.inner.clone(), a.to_string(), b.to_string());
+        engine(py, move || Ok(m.encode_pair(&a, &b)?))
     }
 
     /// Token ids of `text`, a BOS first as `bos` says: `None` when the model asks for one,
@@ -350,7 +379,8 @@ impl Model {
     /// `editor(name, array)` during the forward; the array it returns is what flows on.
     /// `stop_at_layer` (0..=n_layers): the forward ends before that block, once its
     /// `hook_resid_pre` is handed (`n_layers`: before the final norm); no logits then.
-    #[pyo3(signature = (ids, hooks, logits = "all", edits = Vec::new(), editor = None, stop_at_layer = None))]
+    /// `token_types`: an encoder's token types, one per id (a pair's 0/1); None: all 0.
+    #[pyo3(signature = (ids, hooks, logits = "all", edits = Vec::new(), editor = None, stop_at_layer = None, token_types = None))]
     #[allow(clippy::type_complexity, clippy::too_many_arguments)]
     fn run<'py>(
         &self,
@@ -361,6 +391,7 @@ impl Model {
         edits: Vec<(i64, String)>,
         editor: Option<Py<PyAny>>,
         stop_at_layer: Option<usize>,
+        token_types: Option<Vec<u32>>,
     ) -> PyResult<(Option<Bound<'py, PyAny>>, Vec<(String, Bound<'py, PyAny>)>)> {
         let d = &self.inner.dims;
         let n = ids.len();
@@ -422,6 +453,7 @@ impl Model {
             };
             let opts = RunOptions {
                 logits_at,
+                token_types,
                 ..Default::default()
             };
             let out = m.forward(&ids, &opts, &mut obs);
@@ -709,9 +741,160 @@ impl Model {
                 })
                 .transpose()?,
             progress: false,
+            token_types: None,
         };
         let (m, text) = (self.inner.clone(), text.to_string());
         engine(py, move || Ok(view_html_with(&m, &text, bos, &opts)?.0))
+    }
+
+    /// Every head (and with `mlp` each MLP) ablated in turn (`attnscope ablate`): the report as
+    /// Python objects. `method` `zero` or `mean`; `target` `next`, a token id or one token's
+    /// text; `positions` like `0,3-5` (default all).
+    #[pyo3(signature = (text, method = "zero", target = None, positions = None, mlp = false, bos = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn ablate<'py>(
+        &self,
+        py: Python<'py>,
+        text: &str,
+        method: &str,
+        target: Option<String>,
+        positions: Option<String>,
+        mlp: bool,
+        bos: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        use attnscope::analysis::intervene::{ablate, AblateOptions, DEFAULT_BATCH_ROWS};
+        let method = attnscope::cli::view::ablate_method(method).map_err(to_py)?;
+        let target = parse_target(target, "target")?.unwrap_or(Target::Next);
+        let (m, text) = (self.inner.clone(), text.to_string());
+        let report = engine(py, move || {
+            let tokens = m.encode(&text, bos)?;
+            let positions = positions
+                .as_deref()
+                .map(|s| attnscope::cli::common::parse_index_list(s, tokens.len(), "position"))
+                .transpose()?;
+            let opts = AblateOptions {
+                method,
+                target,
+                positions,
+                mlp,
+                batch_rows: DEFAULT_BATCH_ROWS,
+            };
+            Ok(ablate(&m, &tokens, &opts, |_, _| {})?)
+        })?;
+        to_object(py, &report)
+    }
+
+    /// Activation patching from `clean` into `corrupt` (`attnscope patch`): the report as Python
+    /// objects. `hook` one of resid-pre, attn-out, mlp-out, z, pattern; `answer`/`wrong` a token
+    /// id or one token's text (default: each run's top next token).
+    #[pyo3(signature = (clean, corrupt, hook = "resid-pre", answer = None, wrong = None, bos = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn patch<'py>(
+        &self,
+        py: Python<'py>,
+        clean: &str,
+        corrupt: &str,
+        hook: &str,
+        answer: Option<String>,
+        wrong: Option<String>,
+        bos: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        use attnscope::analysis::intervene::{patch, PatchHook, PatchOptions, DEFAULT_BATCH_ROWS};
+        let hook = match hook {
+            "resid-pre" => PatchHook::ResidPre,
+            "attn-out" => PatchHook::AttnOut,
+            "mlp-out" => PatchHook::MlpOut,
+            "z" => PatchHook::Z,
+            "pattern" => PatchHook::Pattern,
+            h => {
+                return Err(PyValueError::new_err(format!(
+                    "unknown hook {h:?}: valid values are resid-pre, attn-out, mlp-out, z, pattern"
+                )))
+            }
+        };
+        let (answer, wrong) = (
+            parse_target(answer, "answer")?,
+            parse_target(wrong, "wrong")?,
+        );
+        for (t, what) in [(&answer, "answer"), (&wrong, "wrong")] {
+            if matches!(t, Some(Target::Next)) {
+                return Err(PyValueError::new_err(format!(
+                    "{what}=\"next\": give a token id or a token's text (the default, None, is already the run's top token)"
+                )));
+            }
+        }
+        let opts = PatchOptions {
+            hook,
+            answer,
+            wrong,
+            batch_rows: DEFAULT_BATCH_ROWS,
+        };
+        let (m, clean, corrupt) = (self.inner.clone(), clean.to_string(), corrupt.to_string());
+        let report = engine(py, move || {
+            let (c, k) = (m.encode(&clean, bos)?, m.encode(&corrupt, bos)?);
+            Ok(patch(&m, &c, &k, &opts, |_, _| {})?)
+        })?;
+        to_object(py, &report)
+    }
+
+    /// Head-role scores (`attnscope heads`) of `text`, or of `random_repeat` random tokens
+    /// repeated once (the induction test): the document as Python objects.
+    #[pyo3(signature = (text = None, random_repeat = None, seed = 0, bos = false))]
+    fn heads<'py>(
+        &self,
+        py: Python<'py>,
+        text: Option<String>,
+        random_repeat: Option<usize>,
+        seed: u64,
+        bos: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        use attnscope::analysis::heads::{document, random_repeat_tokens, roles_of};
+        let m = self.inner.clone();
+        let doc = engine(py, move || {
+            let mut extra = serde_json::Map::new();
+            let tokens = match (random_repeat, text) {
+                (Some(nr), None) => {
+                    extra.insert("random_repeat".into(), nr.into());
+                    extra.insert("seed".into(), seed.into());
+                    random_repeat_tokens(&m, nr, seed, bos)?
+                }
+                (None, text) => m.encode(text.as_deref().unwrap_or(LESSON_SENTENCE), bos)?,
+                (Some(_), Some(_)) => {
+                    return Err(attnscope::cli::common::usage(
+                        "give a text or random_repeat, not both",
+                    ))
+                }
+            };
+            document(&m, &[roles_of(&m, &tokens)?], extra)
+        })?;
+        to_object(py, &doc)
+    }
+
+    /// The streamed sink profile (`attnscope sinks`) of `text`, or of the built-in corpus up to
+    /// `max_tokens`: the report as Python objects.
+    #[pyo3(signature = (text = None, max_tokens = None, key_block = 1024, top = 5, bos = false))]
+    fn sinks<'py>(
+        &self,
+        py: Python<'py>,
+        text: Option<String>,
+        max_tokens: Option<usize>,
+        key_block: usize,
+        top: usize,
+        bos: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        use attnscope::analysis::sinks::{sinks, sinks_tokens, SinksOptions};
+        let opts = SinksOptions {
+            key_block,
+            top,
+            bos,
+            ..Default::default()
+        };
+        let m = self.inner.clone();
+        let report = engine(py, move || {
+            let tokens = sinks_tokens(&m, text.as_deref(), max_tokens, bos)?;
+            Ok(sinks(&m, &tokens, &opts, Box::new(|_| {}))?)
+        })?;
+        to_object(py, &report)
     }
 
     /// A score per token of `ids` for the last position's prediction (`attnscope attribute`):
@@ -894,6 +1077,21 @@ impl Model {
             attention,
         ))
     }
+}
+
+/// A report as Python objects (dicts, lists, floats), without a JSON round trip: an f32 becomes
+/// the Python float of the same value.
+fn to_object<'py, T: serde::Serialize>(py: Python<'py>, v: &T) -> PyResult<Bound<'py, PyAny>> {
+    pythonize::pythonize(py, v).map_err(|e| PyRuntimeError::new_err(e.to_string()))
+}
+
+/// `next`, a token id or one token's text, as the CLI's `--target` reads it.
+fn parse_target(t: Option<String>, what: &str) -> PyResult<Option<Target>> {
+    t.map(|t| {
+        t.parse::<Target>()
+            .map_err(|e| PyValueError::new_err(format!("{what}={t:?}: {e}")))
+    })
+    .transpose()
 }
 
 impl Model {

@@ -167,6 +167,25 @@ def strip_timings(v):
     return v
 
 
+def assert_same(a, b, where="", rel=1e-6):
+    """Equal structure and values; floats within `rel` of each other. The typed calls give each
+    f32 as the Python float of that value, the CLI's JSON its shortest decimal (or its f64 digits),
+    so the two agree to f32's precision, not bit for bit."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(a)} != {sorted(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}", rel)
+    elif isinstance(a, (list, tuple)):
+        # a Rust tuple comes as a Python tuple, JSON's as a list
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]", rel)
+    elif isinstance(a, float) or isinstance(b, float):
+        assert abs(a - b) <= rel * max(1.0, abs(a), abs(b)), f"{where}: {a} != {b}"
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
 def test_inspect_faithfulness_sinks_equal_the_cli(qwen, smol):
     py = qwen.inspect(SENTENCE, layer=5, heads="0,3")
     cli = cli_json("inspect", "--model", "qwen2.5-coder-0.5b", "--text", SENTENCE, "--layer", "5", "--heads", "0,3")
@@ -192,6 +211,8 @@ def test_inspect_faithfulness_sinks_equal_the_cli(qwen, smol):
     assert [t["id"] for t in f["tokens"]] == g["token_ids"]
     s = smol.sinks(max_tokens=256)
     assert s["n_tokens"] == 256 and len(s["layers"]) == 30 and s["model"]
+    cli = cli_json("sinks", "--model", "smollm2-135m", "--max-tokens", "256")
+    assert_same(strip_timings(s), strip_timings(cli))
     s2 = smol.sinks(text="the hat sat on the mat. " * 20)
     assert s2["n_tokens"] > 100
 
@@ -222,7 +243,8 @@ def test_compare_and_norms(qwen, tmp_path):
 def test_heads_equal_the_cli(smol):
     py = smol.heads(random_repeat=20, seed=4)
     cli = cli_json("heads", "--model", "smollm2-135m", "--random-repeat", "20", "--seed", "4")
-    assert py == cli and len(py["roles"]["induction"]) == 30 and len(py["tokens"]) == 40
+    assert_same(py, cli)
+    assert len(py["roles"]["induction"]) == 30 and len(py["tokens"]) == 40
     # and against the attention itself: a head's sink score is its mean weight on the first token
     # over every query (TransformerLens's detector: Σ A⊙P / Σ A), from run_with_cache's patterns
     _, cache = smol.run_with_cache(np.asarray(py["tokens"]), names_filter="hook_pattern", logits=None)
@@ -245,6 +267,23 @@ def test_corpus_and_capture(smol, tmp_path):
     assert np.array_equal(z["blocks.1.attn.hook_pattern"], cache["pattern", 1][0])
     with pytest.raises(FileExistsError):
         smol.capture("the hat sat", out)
+
+
+def test_low_memory_gives_the_same_patterns(qwen):
+    # the projections multiplied from the file's quantized blocks: the packed projections' numbers
+    low = attnscope.HookedModel.from_pretrained("qwen2.5-coder-0.5b", memory="low")
+    la, a = low.run_with_cache(SENTENCE, names_filter="hook_pattern")
+    lb, b = qwen.run_with_cache(SENTENCE, names_filter="hook_pattern")
+    # bit for bit against the f32 panels; on a CPU with AMX the default holds the projections as
+    # the tiles' integers and scales, which round differently (1.8e-5 measured)
+    assert np.abs(a.stack_activation("pattern") - b.stack_activation("pattern")).max() < 5e-5
+    assert np.abs(la - lb).max() < 1e-3
+    want = np.load(GOLDEN / "qwen_transformers_attn_full.npy")
+    assert np.abs(a.stack_activation("pattern")[:, 0] - want).max() < 1e-4
+    with pytest.raises(ValueError, match="memory"):
+        attnscope.HookedModel.from_pretrained("qwen2.5-coder-0.5b", memory="tiny")
+    with pytest.raises(ValueError, match="precision exact"):
+        attnscope.HookedModel.from_pretrained("qwen2.5-coder-0.5b", precision="fast", memory="low")
 
 
 def test_errors_are_python_exceptions(qwen):
@@ -348,7 +387,8 @@ def test_view_with_the_ablation_panel(smol):
     d, _ = json.JSONDecoder().raw_decode(v.html[at:])
     want = smol.ablate(text, method="mean", target=" Paris")
     assert d["ablation"]["target"] == want["target"] and d["ablation"]["method"] == "mean"
-    assert d["ablation"]["heads"] == want["heads"] and d["ablation"]["correlations"] == want["correlations"]
+    assert_same(d["ablation"]["heads"], want["heads"])
+    assert_same(d["ablation"]["correlations"], want["correlations"])
     assert smol.view(text)._repr_html_() and "selectHead" in v.html
     with pytest.raises(ValueError, match="zero.*mean"):
         smol.view(text, ablate="half")
@@ -481,11 +521,26 @@ def test_ablate_and_patch_equal_the_cli(smol):
     r = smol.ablate("The cat sat on the mat", method="mean")
     cli = json.loads(subprocess.run([BIN, "ablate", "-m", "smollm2-135m", "--text", "The cat sat on the mat", "--method", "mean",
                                      "--json"], check=True, capture_output=True).stdout)
-    assert r["target"] == cli["target"] and len(r["heads"]) == smol.cfg.n_layers * smol.cfg.n_heads
-    assert all(abs(a["delta_logprob"] - b["delta_logprob"]) < 1e-6 for a, b in zip(r["heads"], cli["heads"]))
-    p = smol.patch("When Mary and John went to the store, John gave a drink to",
-                   "When Mary and John went to the store, Mary gave a drink to", hook="z")
+    assert len(r["heads"]) == smol.cfg.n_layers * smol.cfg.n_heads
+    assert_same(r, cli)
+    clean = "When Mary and John went to the store, John gave a drink to"
+    corrupt = "When Mary and John went to the store, Mary gave a drink to"
+    p = smol.patch(clean, corrupt, hook="z")
     assert {"clean_logit_diff", "corrupt_logit_diff", "results"} <= set(p) and "head" in p["results"][0]
+    cli = json.loads(subprocess.run([BIN, "patch", "-m", "smollm2-135m", "--clean", clean, "--corrupt", corrupt,
+                                     "--hook", "z", "--json"], check=True, capture_output=True).stdout)
+    assert_same(p, cli)
+    # bad arguments are Python exceptions naming them, not CLI usage
+    with pytest.raises(ValueError, match="hook"):
+        smol.patch(clean, corrupt, hook="nope")
+    with pytest.raises(ValueError, match="answer"):
+        smol.patch(clean, corrupt, answer="next")
+    with pytest.raises(ValueError, match="position"):
+        smol.ablate("The cat sat", positions="40")
+    with pytest.raises(ValueError, match="random"):
+        smol.heads(random_repeat=0)
+    with pytest.raises(ValueError, match="top"):
+        smol.sinks(text="the cat", top=0)
 
 
 def test_direct_logit_attribution_as_transformerlens_users_write_it(qwen):

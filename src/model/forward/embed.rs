@@ -109,8 +109,7 @@ impl Model {
     /// hidden state ([`Model::embed_tokens`]), L2-normalized when `normalize` says so (`None`:
     /// as [`Model::embeds_normalized`] says). Texts run in parallel; `progress` is called once
     /// per finished text (from any thread). Refused for a decoder, an empty text, a text past
-    /// the model's positions or past sentence-transformers' `max_seq_length` (which would cut it),
-    /// and a single text holding `[SEP]` itself.
+    /// the model's positions or past sentence-transformers' `max_seq_length` (which would cut it).
     pub fn embed_texts(
         &self,
         texts: &[EmbedInput],
@@ -125,23 +124,16 @@ impl Model {
         }
         let normalize = normalize.unwrap_or_else(|| self.embeds_normalized());
         let max_seq = self.embed_max_seq_length();
-        let seqs: Vec<Vec<u32>> = texts
+        let seqs: Vec<(Vec<u32>, Option<Vec<u32>>)> = texts
             .par_iter()
             .map(|t| {
-                let tokens = match &t.pair {
-                    Some(b) => self.encode_pair(&t.text, b)?,
-                    None => {
-                        let ids = self.encode(&t.text, false)?;
-                        let sep = self.special_ids().1;
-                        if ids[..ids.len().saturating_sub(1)].iter().any(|&i| Some(i) == sep) {
-                            // the forward would give the tokens after it type 1; the tokenizer 0
-                            return Err(Error::NotApplicable(format!(
-                                "the text `{}` holds the [SEP] token itself; attnscope reads the first [SEP] as the end of a pair's first text (pass a pair instead)",
-                                t.text
-                            )));
-                        }
-                        ids
+                let (tokens, types) = match &t.pair {
+                    Some(b) => {
+                        let (ids, types) = self.encode_pair(&t.text, b)?;
+                        (ids, Some(types))
                     }
+                    // one text: every type 0, a literal [SEP] inside it included
+                    None => (self.encode(&t.text, false)?, None),
                 };
                 if let Some(max) = max_seq.filter(|&m| tokens.len() > m) {
                     return Err(Error::NotApplicable(format!(
@@ -150,23 +142,41 @@ impl Model {
                         tokens.len()
                     )));
                 }
-                Ok(tokens)
+                Ok((tokens, types))
             })
             .collect::<Result<_>>()?;
-        let rows: Vec<Vec<f32>> = seqs
+        // single texts (every type 0) run EMBED_BATCH to a forward; a pair (its types) alone
+        let singles: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].1.is_none()).collect();
+        let batched: Vec<Vec<Vec<f32>>> = singles
             .par_chunks(EMBED_BATCH)
-            .map(|batch| {
-                let mut es = self.embed_batch(batch)?;
-                for e in &mut es {
-                    if normalize {
-                        l2_normalize(e);
-                    }
-                    progress();
-                }
+            .map(|idx| {
+                let batch: Vec<Vec<u32>> = idx.iter().map(|&i| seqs[i].0.clone()).collect();
+                let es = self.embed_batch(&batch)?;
+                es.iter().for_each(|_| progress());
                 Ok(es)
             })
-            .collect::<Result<Vec<_>>>()?
-            .concat();
+            .collect::<Result<_>>()?;
+        let mut rows: Vec<Vec<f32>> = vec![Vec::new(); seqs.len()];
+        for (idx, es) in singles.chunks(EMBED_BATCH).zip(batched) {
+            for (&i, e) in idx.iter().zip(es) {
+                rows[i] = e;
+            }
+        }
+        let pairs: Vec<(usize, Vec<f32>)> = (0..seqs.len())
+            .into_par_iter()
+            .filter(|&i| seqs[i].1.is_some())
+            .map(|i| {
+                let e = self.embed_tokens_typed(&seqs[i].0, seqs[i].1.as_deref())?;
+                progress();
+                Ok((i, e))
+            })
+            .collect::<Result<_>>()?;
+        for (i, e) in pairs {
+            rows[i] = e;
+        }
+        if normalize {
+            rows.iter_mut().for_each(|e| l2_normalize(e));
+        }
         Ok(rows.concat())
     }
 }

@@ -7,9 +7,10 @@
 //! layer l + 1, as for a decoder; `ln1`/`ln2`'s `hook_scale` and `hook_normalized` are the two
 //! post-norms.
 //!
-//! A token's type (segment) is 0 up to and including the first `[SEP]` and 1 after it when more
-//! tokens follow: what the tokenizer gives `[CLS] A [SEP]` (single) and `[CLS] A [SEP] B [SEP]`
-//! (a pair). One sequence runs at a time, so there is no padding to mask.
+//! A token's type (segment) comes with the tokens, as the tokenizer gave it
+//! (`RunOptions::token_types`): all 0 for `[CLS] A [SEP]` (a literal `[SEP]` inside A included),
+//! 0 then 1 for the pair `[CLS] A [SEP] B [SEP]` ([`Model::encode_pair`]). One sequence runs at
+//! a time, so there is no padding to mask.
 
 use super::{hand, norm_hooked, touches, ForwardOut, Resume, RunOptions, Segment, Timings};
 use crate::model::attention::{attention_edited, attention_into, AttnDims};
@@ -50,29 +51,14 @@ impl Model {
         (id("[CLS]", "<s>"), id("[SEP]", "</s>"))
     }
 
-    /// Each token's type (segment id): 0 up to and including the first `[SEP]`, 1 after it when
-    /// more tokens follow (all 0 for a decoder, a text without a `[SEP]` inside, and a model
-    /// with fewer than two token types: RoBERTa's one, DistilBERT's none).
-    pub fn token_types(&self, tokens: &[u32]) -> Vec<u32> {
-        if self.dims.type_vocab < 2 {
-            return vec![0; tokens.len()];
-        }
-        let sep = self.special_ids().1;
-        let first = tokens.iter().position(|&t| Some(t) == sep);
-        (0..tokens.len())
-            .map(|i| match first {
-                Some(s) if self.is_encoder() && i > s => 1,
-                _ => 0,
-            })
-            .collect()
-    }
-
-    /// A sentence pair for an encoder, as its tokenizer builds it: BERT's `[CLS] a [SEP] b [SEP]`
-    /// with token types 0 then 1, RoBERTa's `<s> a </s></s> b </s>` and DistilBERT's
-    /// `[CLS] a [SEP] b [SEP]`, both without types (every token type 0, as transformers runs
-    /// them). Refused for a decoder, an empty text, a BERT with a single token type (its
-    /// tokenizer's type 1 has no embedding), or a pair past the model's positions.
-    pub fn encode_pair(&self, a: &str, b: &str) -> Result<Vec<u32>> {
+    /// A sentence pair for an encoder, as its tokenizer builds it: the ids and each token's type
+    /// (pass the types to the forward in `RunOptions::token_types`). BERT's
+    /// `[CLS] a [SEP] b [SEP]` with types 0 then 1; RoBERTa's `<s> a </s></s> b </s>` and
+    /// DistilBERT's `[CLS] a [SEP] b [SEP]` with every type 0 (a RoBERTa has one type, a
+    /// DistilBERT none: transformers runs them so). Refused for a decoder, an empty text, a BERT
+    /// with a single token type (its tokenizer's type 1 has no embedding), or a pair past the
+    /// model's positions.
+    pub fn encode_pair(&self, a: &str, b: &str) -> Result<(Vec<u32>, Vec<u32>)> {
         if !self.is_encoder() {
             return Err(Error::NotApplicable(format!(
                 "a sentence pair (--pair) is for an encoder (BERT: [CLS] A [SEP] B [SEP]); {} is a decoder",
@@ -96,13 +82,12 @@ impl Model {
                 model: self.info.name.clone(),
             });
         }
-        if self.dims.type_vocab >= 2 && types != self.token_types(&ids) {
-            // a text holding "[SEP]" itself: the types the forward derives would differ
-            return Err(Error::NotApplicable(
-                "a text of the pair holds the [SEP] token itself; attnscope tells the pair's two parts apart by the first [SEP]".into(),
-            ));
-        }
-        Ok(ids)
+        let types = if self.dims.type_vocab < 2 {
+            vec![0; ids.len()]
+        } else {
+            types
+        };
+        Ok((ids, types))
     }
 
     /// The row of the learned position table each token takes: its position (BERT,
@@ -128,8 +113,15 @@ impl Model {
         }
     }
 
-    /// The encoder's last hidden states, `[n, d_model]` (transformers' `last_hidden_state`).
+    /// The encoder's last hidden states, `[n, d_model]` (transformers' `last_hidden_state`), of
+    /// one text (every token type 0); a pair's types go to [`Model::encoder_states_typed`].
     pub fn encoder_states(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        self.encoder_states_typed(tokens, None)
+    }
+
+    /// [`Model::encoder_states`] for `tokens` of the given types (`None`: all 0, a single text;
+    /// a pair's as [`Model::encode_pair`] gives them).
+    pub fn encoder_states_typed(&self, tokens: &[u32], types: Option<&[u32]>) -> Result<Vec<f32>> {
         if !self.is_encoder() {
             return Err(Error::NotApplicable(format!(
                 "hidden states of an encoder were asked for, but {} is a decoder",
@@ -153,14 +145,24 @@ impl Model {
             layer: self.dims.n_layers - 1,
             out: Vec::new(),
         };
-        self.forward(tokens, &RunOptions::default(), &mut last)?;
+        let opts = RunOptions {
+            token_types: types.map(<[u32]>::to_vec),
+            ..Default::default()
+        };
+        self.forward(tokens, &opts, &mut last)?;
         Ok(last.out)
     }
 
     /// The sentence embedding: the mean of the last hidden states over every token ([CLS] and
     /// [SEP] included), as sentence-transformers' mean pooling computes it for one text.
     pub fn embed_tokens(&self, tokens: &[u32]) -> Result<Vec<f32>> {
-        let h = self.encoder_states(tokens)?;
+        self.embed_tokens_typed(tokens, None)
+    }
+
+    /// [`Model::embed_tokens`] for `tokens` of the given types (`None`: all 0; a pair's as
+    /// [`Model::encode_pair`] gives them).
+    pub fn embed_tokens_typed(&self, tokens: &[u32], types: Option<&[u32]>) -> Result<Vec<f32>> {
+        let h = self.encoder_states_typed(tokens, types)?;
         let dm = self.dims.d_model;
         let n = tokens.len();
         let mut sum = vec![0f64; dm];
@@ -170,8 +172,9 @@ impl Model {
         Ok(sum.iter().map(|s| (s / n as f64) as f32).collect())
     }
 
-    /// BERT's pooler output, `tanh(W · h_[CLS] + b)`, where the checkpoint has a pooler.
-    pub fn pooler_output(&self, tokens: &[u32]) -> Result<Option<Vec<f32>>> {
+    /// BERT's pooler output, `tanh(W · h_[CLS] + b)`, where the checkpoint has a pooler (`types`
+    /// as in [`Model::encoder_states_typed`]).
+    pub fn pooler_output(&self, tokens: &[u32], types: Option<&[u32]>) -> Result<Option<Vec<f32>>> {
         let Some((w, b)) = self
             .weights
             .encoder
@@ -180,7 +183,7 @@ impl Model {
         else {
             return Ok(None);
         };
-        let h = self.encoder_states(tokens)?;
+        let h = self.encoder_states_typed(tokens, types)?;
         let dm = self.dims.d_model;
         let cls = &h[..dm];
         Ok(Some(
@@ -251,7 +254,17 @@ impl Model {
         let pe = self.weights.pos_embed.as_deref().unwrap_or(&[]);
         let mut pos = vec![0f32; m * dm];
         for (seg, &r0) in segs.iter().zip(&row0) {
-            let types = self.token_types(seg.tokens);
+            let types = match &opts.token_types {
+                Some(t) if t.len() != seg.tokens.len() => {
+                    return Err(Error::NotApplicable(format!(
+                        "{} token types were given for a sequence of {} tokens (one per token)",
+                        t.len(),
+                        seg.tokens.len()
+                    )))
+                }
+                Some(t) => t.clone(),
+                None => vec![0; seg.tokens.len()],
+            };
             let rows = self.position_rows(seg.tokens);
             for (r, &t) in types.iter().enumerate() {
                 let t = t as usize;

@@ -13,7 +13,9 @@ use std::borrow::Cow;
 use std::path::Path;
 use std::sync::Arc;
 
+mod lowmem;
 mod quant;
+pub use lowmem::{low_supported, Memory, QuantB};
 use quant::*;
 
 /// How weights are held in memory.
@@ -217,6 +219,9 @@ pub enum Matrix {
     /// A quantized file's integers and scales on the AMX tiles, exact
     /// ([`crate::kernels::amx::scaled`]).
     Scaled(PackedScaled),
+    /// `--memory low`: the file's own blocks, mapped, dequantized a panel at a time into the
+    /// f32 kernel's layout for each product ([`lowmem`]).
+    Quant(QuantB),
 }
 
 impl Matrix {
@@ -231,6 +236,8 @@ impl Matrix {
             (Matrix::Amx(p), PanelLayout::Bf16 { splits }) => p.splits == splits,
             (Matrix::Scaled(_), PanelLayout::Scaled(_)) => true,
             (Matrix::Int8(_), PanelLayout::Int8(_)) => true,
+            // never kept in (nor read from) the packed-weight cache
+            (Matrix::Quant(_), _) => false,
             _ => false,
         }
     }
@@ -242,6 +249,7 @@ impl Matrix {
             Matrix::Amx(p) => (p.n, p.k),
             Matrix::Int8(p) => (p.n, p.k),
             Matrix::Scaled(p) => (p.n, p.k),
+            Matrix::Quant(q) => q.shape(),
         }
     }
 
@@ -282,6 +290,7 @@ impl Linear {
             Matrix::Amx(p) => Some((kind, p.as_bytes())),
             Matrix::Scaled(p) => Some((kind, p.as_bytes())),
             Matrix::Int8(p) => Some((kind, p.as_bytes())),
+            Matrix::Quant(_) => None,
         }
     }
 
@@ -297,7 +306,13 @@ impl Linear {
             Matrix::Amx(p) => p.is_mapped(),
             Matrix::Scaled(p) => p.is_mapped(),
             Matrix::Int8(p) => p.is_mapped(),
+            Matrix::Quant(_) => false,
         }
+    }
+
+    /// Whether this projection is multiplied straight from the file's blocks (`--memory low`).
+    pub fn is_low(&self) -> bool {
+        matches!(self.mat, Matrix::Quant(_))
     }
 
     /// `out[m, n] = x[m, k] · Wᵀ (+ b)`; with `accumulate`, `out += x · Wᵀ` (no bias allowed).
@@ -320,6 +335,7 @@ impl Linear {
             }
             Matrix::Amx(pa) => amx::gemm(x, k, m, pa, out, n, accumulate),
             Matrix::Scaled(ps) => amx::scaled::gemm(x, k, m, ps, out, n, accumulate),
+            Matrix::Quant(q) => q.gemm(x, k, m, 0..k, out, n, accumulate),
         }
         if let Some(b) = &self.bias {
             assert!(!accumulate, "a biased projection cannot accumulate");
@@ -351,6 +367,7 @@ impl Linear {
             }
             Matrix::Amx(pa) => amx::gemm(x, k, m, pa, &mut out, n, false),
             Matrix::Scaled(ps) => amx::scaled::gemm(x, k, m, ps, &mut out, n, false),
+            Matrix::Quant(q) => q.gemm(x, k, m, 0..k, &mut out, n, false),
         }
         out
     }
@@ -377,6 +394,11 @@ impl Linear {
             Matrix::Packed(pb) => {
                 let mut out = vec![0f32; m * self.n];
                 gemm::gemm_sub(x, lda, m, pb, ks, 0..self.n, &mut out, self.n, false, true);
+                Some(out)
+            }
+            Matrix::Quant(q) => {
+                let mut out = vec![0f32; m * self.n];
+                q.gemm(x, lda, m, ks, &mut out, self.n, false);
                 Some(out)
             }
             Matrix::Scaled(ps)
@@ -611,6 +633,12 @@ impl PanelLayout {
     }
 }
 
+/// Whether `exact` on the AMX tiles reads a GGUF type as integers and scales: `Some(offsets)`,
+/// or `None` for a type it leaves to the f32 kernels.
+pub fn scaled_kind_of(dtype: GgmlDType) -> Option<bool> {
+    scaled_kind(dtype)
+}
+
 /// Whether `fast` runs the int8 kernel on this CPU (AVX-512 VNNI, no AMX).
 pub fn fast_uses_int8() -> bool {
     !amx::available() && int8::vnni_supported()
@@ -625,6 +653,7 @@ pub fn fast_uses_int8() -> bool {
 fn linear(
     parts: Vec<(Raw, Option<Raw>)>,
     precision: Precision,
+    memory: Memory,
     ready: Option<Matrix>,
 ) -> Result<Linear> {
     let isa = gemm::Isa::detect();
@@ -661,6 +690,17 @@ fn linear(
             Some(*acc - w)
         })
         .collect();
+    // `--memory low`: the file's blocks as they are, where every part is a GGUF tensor
+    if memory == Memory::Low {
+        if let Some(q) = QuantB::of(&weights, &starts, n, k) {
+            return Ok(Linear {
+                k,
+                n,
+                mat: Matrix::Quant(q),
+                bias,
+            });
+        }
+    }
     // floating-point tensors (a Hugging Face folder) as f32 once; GGUF blocks stay mapped
     let dense: Vec<Option<Vec<f32>>> = weights
         .iter()
@@ -935,6 +975,7 @@ pub fn load_weights(
     src: &mut dyn TensorSource,
     dims: &ModelDims,
     precision: Precision,
+    memory: Memory,
     rope_style: RopeStyle,
     name: &dyn Fn(&Logical) -> String,
     cached: Option<&super::panels::Cached>,
@@ -1013,10 +1054,11 @@ pub fn load_weights(
         let gate_up_n = if gpt2 { dims.d_ff } else { 2 * dims.d_ff };
         let layer = Layer {
             plan: super::block::LayerPlan::of(dims, i),
-            qkv: linear(qkv, precision, ready(0, qkv_n, dm))?,
+            qkv: linear(qkv, precision, memory, ready(0, qkv_n, dm))?,
             o: linear(
                 vec![part(src, Logical::O(i), bias(Logical::OBias(i)))?],
                 precision,
+                memory,
                 ready(1, dm, dims.n_heads * dims.head_dim),
             )?,
             // GPT-2's MLP has no gate: this holds c_fc alone
@@ -1030,11 +1072,13 @@ pub fn load_weights(
                     ]
                 },
                 precision,
+                memory,
                 ready(2, gate_up_n, dm),
             )?,
             down: linear(
                 vec![part(src, Logical::Down(i), bias(Logical::DownBias(i)))?],
                 precision,
+                memory,
                 ready(3, dm, dims.d_ff),
             )?,
             norm_biases: if gpt2 {

@@ -426,6 +426,9 @@ class HookedModel:
             pad_token_id=f.get("pad_id"),
         )
         self.facts = f
+        #: an encoder (BERT): bidirectional attention, no next-token logits; a 2-tuple of texts
+        #: ``("A", "B")`` is a sentence pair ``[CLS] A [SEP] B [SEP]`` (token types 0 then 1)
+        self.is_encoder: bool = bool(f.get("is_encoder", False))
         self._pad_id: Optional[int] = f.get("pad_id")
         self._weights: Dict[str, np.ndarray] = {}  # W_Q & co in TransformerLens's shapes, made when first read
         self.blocks = [_Block(self, l) for l in range(self.cfg.n_layers)]
@@ -441,7 +444,7 @@ class HookedModel:
                         default_prepend_bos: Optional[bool] = None, fold_ln: bool = False,
                         center_writing_weights: bool = False, center_unembed: bool = False,
                         fold_value_biases: bool = False, refactor_factored_attn_matrices: bool = False,
-                        device: Optional[str] = None) -> "HookedModel":
+                        device: Optional[str] = None, memory: Optional[str] = None) -> "HookedModel":
         """Loads a model (see the class docstring). ``default_prepend_bos``: ``None`` follows the
         model (Gemma puts ``<bos>`` first, Qwen and SmolLM2 do not); ``False`` leaves it out of
         every text, ``True`` puts it first in every text.
@@ -451,7 +454,11 @@ class HookedModel:
         norms' weights into the next weights and centres them by default (``fold_ln=True``,
         ``center_writing_weights=True``, ``center_unembed=True``, ``fold_value_biases=True``);
         attnscope does not, and raises if one of them is asked for (``W_Q`` and the hooks after a
-        norm would otherwise not be what TL computes). ``device``: only ``None`` or ``"cpu"``."""
+        norm would otherwise not be what TL computes). ``device``: only ``None`` or ``"cpu"``.
+        ``memory``: ``"low"`` keeps a GGUF's projections in the file's own quantized blocks and
+        dequantizes a panel just before each product (the same numbers, about the file's size in
+        memory), ``"fast"`` packs them at load; ``None`` chooses from the model's size and the
+        machine's free memory (the CLI's ``--memory``)."""
         asked = [k for k, v in (("fold_ln", fold_ln), ("center_writing_weights", center_writing_weights),
                                 ("center_unembed", center_unembed), ("fold_value_biases", fold_value_biases),
                                 ("refactor_factored_attn_matrices", refactor_factored_attn_matrices)) if v]
@@ -461,7 +468,7 @@ class HookedModel:
                 "from_pretrained_no_processing); W_Q and the other weights are the unfolded ones")
         if device not in (None, "cpu"):
             raise ValueError(f"device={device!r}: attnscope runs on the CPU")
-        return cls(_native.Model.load(os.fspath(name), precision, default_prepend_bos))
+        return cls(_native.Model.load(os.fspath(name), precision, default_prepend_bos, memory))
 
     @classmethod
     def from_pretrained_no_processing(cls, name: str = "qwen2.5-coder-0.5b", precision: str = "exact",
@@ -513,7 +520,8 @@ class HookedModel:
         ``texts``: a str, a pair ``("A", "B")`` (``[CLS] A [SEP] B [SEP]``, token types 0 then 1),
         or a list of them. Texts run in parallel in the engine; a text longer than
         ``max_seq_length`` (the folder's sentence_bert_config.json: 256) is refused, where
-        sentence-transformers would cut it; so is a single text holding ``[SEP]`` itself."""
+        sentence-transformers would cut it. A single text holding ``[SEP]`` itself runs with every
+        token type 0, as the tokenizer gives it."""
         if isinstance(texts, (str, tuple)):
             texts = [texts]
         firsts: List[str] = []
@@ -543,11 +551,26 @@ class HookedModel:
         supported (TransformerLens then shifts positions under an attention mask)."""
         if padding_side not in (None, "right"):
             raise NotImplementedError(f"padding_side={padding_side!r}: attnscope pads on the right (TransformerLens's default)")
+        if self._is_pair(input):
+            return _wrap(np.asarray([self._m.encode_pair(*input)[0]], dtype=np.int64))
         if isinstance(input, str):
             return _wrap(np.asarray([self._m.encode(input, prepend_bos)], dtype=np.int64))
         if not (isinstance(input, (list, tuple)) and input and all(isinstance(t, str) for t in input)):
             raise TypeError(f"to_tokens takes a text or a non-empty list of texts, not {type(input).__name__}")
         return _wrap(self._pad([list(self._m.encode(t, prepend_bos)) for t in input]))
+
+    def _is_pair(self, x: Any) -> bool:
+        """Whether ``x`` is an encoder's sentence pair: a tuple of two texts on an encoder (on a
+        decoder a tuple of texts stays a batch, as TransformerLens reads it)."""
+        return self.is_encoder and isinstance(x, tuple) and len(x) == 2 and all(isinstance(t, str) for t in x)
+
+    def to_token_types(self, input: Union[str, Tuple[str, str], Sequence[str]]) -> np.ndarray:
+        """An encoder's token types (segment ids) ``[1, n]`` int64, as transformers' tokenizer
+        gives them: all 0 for one text (a literal ``[SEP]`` inside it included), 0 then 1 for a
+        pair ``("A", "B")``; ``[b, n]`` zeros for a list of texts (padded as :meth:`to_tokens`)."""
+        if self._is_pair(input):
+            return _wrap(np.asarray([self._m.encode_pair(*input)[1]], dtype=np.int64))
+        return _wrap(np.zeros(np.asarray(self.to_tokens(input)).shape, dtype=np.int64))
 
     def _pad(self, rows: List[List[int]]) -> np.ndarray:
         """Rows of ids padded on the right with the pad token: ``[b, longest]`` int64."""
@@ -561,7 +584,10 @@ class HookedModel:
         return out
 
     def to_str_tokens(self, text_or_tokens: Union[str, np.ndarray, Sequence[int]], prepend_bos: Optional[bool] = None) -> List[str]:
-        """The text of each token; a list of texts or a ``[b, n]`` array gives a list per row."""
+        """The text of each token; a list of texts or a ``[b, n]`` array gives a list per row (on an
+        encoder, a tuple of two texts is a sentence pair: one list)."""
+        if self._is_pair(text_or_tokens):
+            return self._m.token_texts(self._m.encode_pair(*text_or_tokens)[0])
         if isinstance(text_or_tokens, (list, tuple)) and text_or_tokens and all(isinstance(t, str) for t in text_or_tokens):
             return [self.to_str_tokens(t, prepend_bos) for t in text_or_tokens]
         if not isinstance(text_or_tokens, (str, list, tuple)) and _np(text_or_tokens).ndim == 2 and _np(text_or_tokens).shape[0] > 1:
@@ -610,9 +636,16 @@ class HookedModel:
             raise ValueError(f"mode={mode!r}: use 'first' or 'last'")
         return where[0] if mode == "first" else where[-1]
 
-    def _rows(self, x: Any, prepend_bos: Optional[bool] = None) -> List[List[int]]:
+    def _rows(self, x: Any, prepend_bos: Optional[bool] = None, pair_ok: bool = False) -> List[List[int]]:
         """The input as rows of token ids of one length: a text is one row; a list of texts is
-        padded as :meth:`to_tokens` pads it; a ``[b, n]`` array gives its rows as they are."""
+        padded as :meth:`to_tokens` pads it; a ``[b, n]`` array gives its rows as they are; an
+        encoder's pair ``("A", "B")`` one row (where ``pair_ok``: the caller runs its token types,
+        :meth:`_row_types`; elsewhere refused, so B is never run as type 0)."""
+        if self._is_pair(x):
+            if not pair_ok:
+                raise ValueError("a sentence pair (A, B) runs in run_with_cache (and to_tokens, to_str_tokens, "
+                                 "to_token_types, embed); run its token ids with run_with_cache")
+            return [list(self._m.encode_pair(*x)[0])]
         if isinstance(x, (list, tuple)) and x and all(isinstance(t, str) for t in x):
             return [[int(t) for t in row] for row in self._pad([list(self._m.encode(t, prepend_bos)) for t in x])]
         if not isinstance(x, str):
@@ -622,6 +655,12 @@ class HookedModel:
                     raise ValueError(f"expected token ids [b, n], got an array of shape {a.shape} and dtype {a.dtype}")
                 return [[int(t) for t in row] for row in a]
         return [self._ids(x, prepend_bos)]
+
+    def _row_types(self, x: Any) -> Optional[List[Optional[List[int]]]]:
+        """The token types of :meth:`_rows`' rows: a pair's 0/1, else None (all 0)."""
+        if self._is_pair(x):
+            return [list(self._m.encode_pair(*x)[1])]
+        return None
 
     def _ids(self, x: Any, prepend_bos: Optional[bool] = None) -> List[int]:
         if isinstance(x, str):
@@ -826,10 +865,19 @@ class HookedModel:
         id or one token's text. Gradients exist for ``hook_embed`` (``hook_pos_embed``),
         resid_pre/mid/post, attn_out, mlp_out, q, k, v, rot_q, rot_k, z, attn_scores and pattern
         (``[b, head, n, n]``: ask for the layers you need); the other hooks have none. The
-        scalar's value is ``cache.bwd_value``."""
+        scalar's value is ``cache.bwd_value``.
+
+        On an encoder (``model.is_encoder``: all-MiniLM-L6-v2) ``input`` may be a sentence pair
+        ``("A", "B")``: ``[CLS] A [SEP] B [SEP]`` with token types 0 then 1 (:meth:`to_tokens`,
+        :meth:`to_token_types`), the pattern ``[1, head, query, key]`` bidirectional (a query
+        attends to the keys after it too), what ``attnscope capture --text A --pair B`` writes.
+        An encoder has no output head: the default ``logits="all"`` gives None there."""
         if return_type not in (None, "logits"):
             raise ValueError(f"return_type={return_type!r}: run_with_cache returns the logits (or, with stop_at_layer, the residual)")
-        rows = self._rows(input, prepend_bos)
+        rows = self._rows(input, prepend_bos, pair_ok=True)
+        types = self._row_types(input)
+        if self.is_encoder and logits == "all":
+            logits = None
         mode = "none" if logits is None else logits
         stop = self._stop(stop_at_layer)
         if not incl_bwd and (metric != "target_logprob" or target is not None or wrong is not None):
@@ -841,8 +889,10 @@ class HookedModel:
                 raise ValueError("incl_bwd=True needs the whole forward: leave stop_at_layer unset")
             if self._fwd_hooks:
                 raise ValueError("incl_bwd=True differentiates the model as it is: remove the attached hooks first")
+            if types is not None:
+                raise ValueError("incl_bwd=True takes one text, not a sentence pair")
         hooks = self._hooks(names_filter)
-        lg, cache = self._run_rows(rows, hooks, mode, self._fwd_hooks, stop)
+        lg, cache = self._run_rows(rows, hooks, mode, self._fwd_hooks, stop, types)
         c = ActivationCache(cache, self.cfg.n_layers, model=self)
         if incl_bwd:
             names = [self._full_name(*h) for h in hooks]
@@ -929,7 +979,8 @@ class HookedModel:
         return editor
 
     def _run_rows(self, rows: List[List[int]], capture: List[Tuple[int, str]], mode: str,
-                  fwd_hooks: Sequence[Tuple[HookName, HookFn]], stop: Optional[int]):
+                  fwd_hooks: Sequence[Tuple[HookName, HookFn]], stop: Optional[int],
+                  types: Optional[List[Optional[List[int]]]] = None):
         """The forward of each row, with the hook functions of ``fwd_hooks`` run where they are
         attached (on ``[b, ...]``: the rows' forwards run in lockstep, one thread each, meeting at
         every edited hook point). Returns (logits ``[b, n or 1, vocab]``, or with ``stop`` the
@@ -949,7 +1000,7 @@ class HookedModel:
         if not by_name or b == 1:
             for i, ids in enumerate(rows):
                 ed = self._editor(by_name, None, i) if by_name else None
-                results[i] = self._m.run(ids, want, mode, edits, ed, stop)
+                results[i] = self._m.run(ids, want, mode, edits, ed, stop, None if types is None else types[i])
         else:
             import threading
 
@@ -957,7 +1008,8 @@ class HookedModel:
 
             def run_row(i: int) -> None:
                 try:
-                    results[i] = self._m.run(rows[i], want, mode, edits, self._editor(by_name, (barrier, shared, b), i), stop)
+                    results[i] = self._m.run(rows[i], want, mode, edits, self._editor(by_name, (barrier, shared, b), i), stop,
+                                             None if types is None else types[i])
                 except BaseException as e:  # the others stop at their next meeting
                     results[i] = e
                     barrier.abort()
@@ -1110,27 +1162,15 @@ class HookedModel:
                mlp: bool = False, bos: bool = False) -> Dict[str, Any]:
         """Every head ablated in turn (``attnscope ablate --json``): Δ log p(target) and KL per head
         beside its attention, and their rank correlations."""
-        a: List[str] = ["--method", method]
-        if target is not None:
-            a += ["--target", target]
-        if positions is not None:
-            a += ["--positions", positions]
-        if mlp:
-            a.append("--mlp")
-        if bos:
-            a.append("--bos")
-        return self._cmd("ablate", text, *a)
+        return self._m.ablate(text, method, None if target is None else str(target), positions, mlp, bos)
 
     def patch(self, clean: str, corrupt: str, hook: str = "resid-pre", answer: Optional[str] = None,
               wrong: Optional[str] = None) -> Dict[str, Any]:
         """Activation patching (``attnscope patch --json``): the corrupted run with one activation
         from the clean run, per layer × position (``resid-pre``, ``attn-out``, ``mlp-out``) or
         per layer × head (``z``); ``results`` with ``logit_diff`` and ``recovered``."""
-        argv = ["patch", "--model", self._m.registered, "--clean", clean, "--corrupt", corrupt, "--hook", hook]
-        for flag, v in (("--answer", answer), ("--wrong", wrong)):
-            if v is not None:
-                argv += [flag, v]
-        return _run_json(argv + ["--json"])
+        return self._m.patch(clean, corrupt, hook, None if answer is None else str(answer),
+                             None if wrong is None else str(wrong))
 
     # everything the CLI computes, as plain Python objects (the CLI's --json)
     def _cmd(self, sub: str, text: Optional[str], *args: str) -> Any:
@@ -1167,32 +1207,18 @@ class HookedModel:
         """The streamed sink profile and per-head statistics (``attnscope sinks --json``): no
         attention matrix is held, so 32k tokens fit in a few GB. ``text`` or ``file`` (default:
         the built-in corpus repeated up to ``max_tokens``)."""
-        a = ["--key-block", str(key_block), "--top", str(top)]
-        if max_tokens is not None:
-            a += ["--max-tokens", str(max_tokens)]
-        if text is not None:
-            import tempfile
-
-            with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False, encoding="utf-8") as f:
-                f.write(text)
-            try:
-                return self._cmd("sinks", None, "--file", f.name, *a)
-            finally:
-                os.unlink(f.name)
+        if text is not None and file is not None:
+            raise ValueError("give text or file, not both")
         if file is not None:
-            a += ["--file", os.fspath(file)]
-        return self._cmd("sinks", None, *a)
+            with open(os.fspath(file), encoding="utf-8") as f:
+                text = f.read()
+        return self._m.sinks(text, max_tokens, key_block, top)
 
     def heads(self, text: Optional[str] = None, random_repeat: Optional[int] = None, seed: int = 0, bos: bool = False) -> Dict[str, Any]:
         """Head roles (``attnscope heads --json``): previous-token, duplicate-token, induction, sink
         and local scores ``roles[role][layer][head]``, on ``text`` or on ``random_repeat`` random
         tokens repeated once (the induction test)."""
-        a: List[str] = ["--seed", str(seed)]
-        if random_repeat is not None:
-            a += ["--random-repeat", str(random_repeat)]
-        if bos:
-            a.append("--bos")
-        return self._cmd("heads", text if random_repeat is None else None, *a)
+        return self._m.heads(text if random_repeat is None else None, random_repeat, seed, bos)
 
     def compare(self, text: str, other_text: Optional[str] = None, other: Optional[Union["HookedModel", str]] = None,
                 query: Optional[int] = None, top: int = 10, html: Optional[Union[str, os.PathLike]] = None, force: bool = False) -> Dict[str, Any]:

@@ -12,12 +12,17 @@ class Model:
 
     registered: str
     @staticmethod
-    def load(spec: str, precision: str = "exact", add_bos: Optional[bool] = None) -> "Model":
-        """Loads an alias (fetched on first use), a .gguf file, a Hugging Face folder or a hub id."""
+    def load(spec: str, precision: str = "exact", add_bos: Optional[bool] = None,
+             memory: Optional[str] = None) -> "Model":
+        """Loads an alias (fetched on first use), a .gguf file, a Hugging Face folder or a hub id.
+        ``memory``: "low" (the file's quantized blocks, a panel dequantized per product), "fast"
+        (packed at load) or None (chosen from the model's size and the free memory)."""
     def facts_json(self) -> str:
         """The model's dimensions and description, as JSON."""
     def encode(self, text: str, bos: Optional[bool] = None) -> List[int]:
         """Token ids (BOS first when the model asks for one, or when ``bos``)."""
+    def encode_pair(self, a: str, b: str) -> Tuple[List[int], List[int]]:
+        """An encoder's sentence pair ``[CLS] a [SEP] b [SEP]``: (token ids, token types 0 then 1)."""
     def token_texts(self, ids: Sequence[int]) -> List[str]:
         """The text of each token."""
     def token_bytes(self, ids: Sequence[int]) -> List[bytes]:
@@ -25,11 +30,12 @@ class Model:
     def run(
         self, ids: Sequence[int], hooks: Sequence[Tuple[int, str]], logits: str = "all",
         edits: Sequence[Tuple[int, str]] = (), editor: Optional[Callable[[str, npt.NDArray[np.float32]], npt.NDArray[np.float32]]] = None,
-        stop_at_layer: Optional[int] = None,
+        stop_at_layer: Optional[int] = None, token_types: Optional[Sequence[int]] = None,
     ) -> Tuple[Optional[npt.NDArray[np.float32]], List[Tuple[str, npt.NDArray[np.float32]]]]:
         """One forward capturing exactly the (layer, hook suffix) pairs; arrays share the engine's memory.
         ``edits`` are handed to ``editor(name, array)``, whose result flows on; ``stop_at_layer``
-        (0..n_layers) ends the forward before that block, once its hook_resid_pre is handed (no logits)."""
+        (0..n_layers) ends the forward before that block, once its hook_resid_pre is handed (no logits).
+        ``token_types``: an encoder's, one per id (a pair's 0/1); None: all 0."""
     def projection(self, layer: int, part: str) -> Tuple[npt.NDArray[np.float32], Optional[npt.NDArray[np.float32]]]:
         """Layer ``layer``'s ``qkv``, ``o``, ``gate_up`` or ``down`` projection as (W ``[out, in]``, bias or None),
         in Hugging Face's layout and q/k row order, dequantized."""

@@ -1,0 +1,199 @@
+//! The sink profile of a long text, streamed (`attnscope sinks`, Python `model.sinks`): per layer
+//! the share of attention on the first token, per head its statistics, Gu et al.'s sink metric on
+//! prompts cut from the text and Sun et al.'s massive activations, with no attention matrix held.
+
+use crate::analysis::measure::{machine, peak_rss_bytes};
+use crate::analysis::sinkmetrics::{gu_sink_metric, GuSinkMetric, LayerMassive};
+use crate::analysis::stream::{LayerStats, StreamStats};
+use crate::model::forward::RunOptions;
+use crate::model::{Error, Model, Result};
+use serde::Serialize;
+use std::time::Instant;
+
+/// What [`sinks`] computes, with the CLI's defaults ([`SinksOptions::default`]).
+#[derive(Clone, Debug)]
+pub struct SinksOptions {
+    /// Keys per block of the streaming softmax.
+    pub key_block: usize,
+    /// Top keys kept for the last query of each head (1..=64).
+    pub top: usize,
+    /// α₁ threshold of Gu et al.'s sink metric.
+    pub epsilon: f64,
+    /// Prompts of Gu et al.'s metric cut from the text (0 leaves it out).
+    pub gu_prompts: usize,
+    /// Tokens per prompt of Gu et al.'s metric.
+    pub gu_len: usize,
+    /// Largest residual values kept per layer (0 leaves massive activations out).
+    pub massive_top: usize,
+    /// Whether the text starts with the model's BOS (the model's own choice or `--bos`), for
+    /// Gu et al.'s prompts.
+    pub bos: bool,
+}
+
+impl Default for SinksOptions {
+    fn default() -> Self {
+        SinksOptions {
+            key_block: 1024,
+            top: 5,
+            epsilon: 0.3,
+            gu_prompts: 8,
+            gu_len: 64,
+            massive_top: 3,
+            bos: false,
+        }
+    }
+}
+
+/// The next token predicted after the text.
+#[derive(Clone, Debug, Serialize)]
+pub struct NextToken {
+    pub id: u32,
+    pub token: String,
+    pub prob: f32,
+}
+
+/// `attnscope sinks --json`.
+#[derive(Clone, Debug, Serialize)]
+pub struct SinksReport {
+    pub model: String,
+    pub precision: &'static str,
+    pub n_tokens: usize,
+    pub key_block: usize,
+    pub forward_s: f64,
+    pub attention_s: f64,
+    /// the forward and Gu et al.'s prompts (the CLI adds the load)
+    pub total_s: f64,
+    pub peak_rss_bytes: Option<u64>,
+    pub cpu: String,
+    pub threads: usize,
+    pub layers: Vec<LayerStats>,
+    pub gu_sink_metric: Option<GuSinkMetric>,
+    pub massive_activations: Vec<LayerMassive>,
+    pub first_token: String,
+    pub next_token: NextToken,
+}
+
+/// The tokens of a sinks run: `text` (BOS first when `bos` or the model asks for one), or the
+/// built-in corpus repeated up to `max_tokens`; cut to `max_tokens` (default: 32,768, or the
+/// model's context if smaller).
+pub fn sinks_tokens(
+    model: &Model,
+    text: Option<&str>,
+    max_tokens: Option<usize>,
+    bos: bool,
+) -> Result<Vec<u32>> {
+    let ctx = model.dims.context_len;
+    let max_tokens = max_tokens.unwrap_or(32768.min(ctx));
+    if max_tokens == 0 {
+        return Err(Error::OutOfRange {
+            what: "--max-tokens (Python: max_tokens)".into(),
+            value: "0".into(),
+            range: "at least 1".into(),
+        });
+    }
+    let mut tokens = match text {
+        Some(text) => model.tokenizer.encode(text, bos)?,
+        None => {
+            // a BOS first when the model or --bos asks for one, as encode() does for texts
+            let mut t = bos_prefix(model, bos)?;
+            t.extend(crate::analysis::corpus::builtin_tokens(
+                &model.tokenizer,
+                max_tokens,
+            )?);
+            t
+        }
+    };
+    tokens.truncate(max_tokens);
+    if tokens.is_empty() {
+        return Err(Error::EmptyText);
+    }
+    if tokens.len() > ctx {
+        return Err(Error::TooLong {
+            n_tokens: tokens.len(),
+            limit: ctx,
+            model: model.info.name.clone(),
+        });
+    }
+    Ok(tokens)
+}
+
+fn bos_prefix(model: &Model, bos: bool) -> Result<Vec<u32>> {
+    if bos || model.tokenizer.add_bos {
+        model.tokenizer.encode("", true)
+    } else {
+        Ok(Vec::new())
+    }
+}
+
+/// The streamed sink statistics of `tokens` ([`sinks_tokens`]); `on_layer(l)` after each layer.
+pub fn sinks(
+    model: &Model,
+    tokens: &[u32],
+    o: &SinksOptions,
+    on_layer: Box<dyn FnMut(usize) + Send>,
+) -> Result<SinksReport> {
+    let start = Instant::now();
+    if o.top == 0 || o.top > 64 {
+        return Err(Error::OutOfRange {
+            what: "--top (Python: top)".into(),
+            value: o.top.to_string(),
+            range: "1..=64".into(),
+        });
+    }
+    let (d, n) = (&model.dims, tokens.len());
+    let mut stats = StreamStats::new(d.n_layers, d.n_heads, n, o.top, on_layer);
+    if o.massive_top > 0 {
+        stats = stats.with_massive(o.massive_top);
+    }
+    let t0 = Instant::now();
+    let opts = RunOptions {
+        logits_at: vec![n - 1],
+        key_block: o.key_block,
+        ..Default::default()
+    };
+    let out = model.forward(tokens, &opts, &mut stats)?;
+    let forward_s = t0.elapsed().as_secs_f64();
+    let layers = stats.layers();
+    let massive = stats.massive.take().map(|m| m.layers).unwrap_or_default();
+    // Gu et al.'s protocol: prompts of gu_len tokens from the text, each with the model's BOS
+    let gu = if o.gu_prompts > 0 && o.gu_len > 0 {
+        let bos = bos_prefix(model, o.bos)?;
+        let body = &tokens[bos.len().min(n)..];
+        let take = o.gu_len.saturating_sub(bos.len()).max(1);
+        let prompts: Vec<Vec<u32>> = body
+            .chunks_exact(take)
+            .take(o.gu_prompts)
+            .map(|c| bos.iter().chain(c).copied().collect())
+            .collect();
+        if prompts.is_empty() {
+            None
+        } else {
+            Some(gu_sink_metric(model, &prompts, o.epsilon)?)
+        }
+    } else {
+        None
+    };
+    let (cpu, threads) = machine();
+    let top = crate::analysis::next_token_top_k(&out.logits[0], 1).remove(0);
+    Ok(SinksReport {
+        model: model.info.name.clone(),
+        precision: model.info.precision.name(),
+        n_tokens: n,
+        key_block: o.key_block,
+        forward_s,
+        attention_s: out.timings.attention.as_secs_f64(),
+        total_s: start.elapsed().as_secs_f64(),
+        peak_rss_bytes: peak_rss_bytes(),
+        cpu,
+        threads,
+        layers,
+        gu_sink_metric: gu,
+        massive_activations: massive,
+        first_token: model.tokenizer.token_text(tokens[0]),
+        next_token: NextToken {
+            id: top.id,
+            token: model.tokenizer.token_text(top.id),
+            prob: top.prob,
+        },
+    })
+}

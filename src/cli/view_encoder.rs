@@ -1,0 +1,153 @@
+//! `view` on an encoder (BERT): every token attends to every other, so each layer's maps are
+//! stored whole (no mask triangle), the text view shades both directions, and the chart shows
+//! the [CLS]/[SEP]/punctuation shares per layer instead of a sink profile. An encoder predicts no
+//! next token, so the page has no prediction panel, and the panels that measure a next token's
+//! log-probability (ablation, faithfulness) are refused. A sentence pair's page carries
+//! `sentence_b_start`, for the head view's "A→B / B→A / A→A / B→B" selector (BertViz's).
+
+use super::{usage, value_norms_of, ViewOptions};
+use crate::analysis::encoder::{shares_of_patterns, shares_of_texts};
+use crate::analysis::inspect::ModelFacts;
+use crate::model::capture::{AttnCache, CaptureSpec, Hook};
+use crate::model::forward::RunOptions;
+use crate::model::Model;
+use crate::render::html::{encode_layer_full, page, EncoderView, ViewData};
+
+/// The longest text an encoder's view takes: its maps are stored whole (8 bits a weight above
+/// 256 tokens), so 512 tokens, BERT's positions, make a page of ~25 MB for MiniLM.
+pub const MAX_ENCODER_VIEW_TOKENS: usize = 512;
+
+/// The view page of an encoder's `tokens` (types in `opts.token_types`), and the token count.
+pub(super) fn page_of(
+    model: &Model,
+    tokens: &[u32],
+    opts: &ViewOptions,
+) -> anyhow::Result<(String, usize)> {
+    if opts.faithfulness || opts.ablate.is_some() || opts.target.is_some() {
+        return Err(usage(format!(
+            "--faithfulness, --ablate and --target measure the log-probability of a next token; {} is an encoder (bidirectional attention, no next-token prediction), so its view shows the attention alone",
+            model.info.name
+        )));
+    }
+    let (n, d) = (tokens.len(), &model.dims);
+    if n > MAX_ENCODER_VIEW_TOKENS {
+        return Err(usage(format!(
+            "the text is {n} tokens; an encoder's view stores every weight and takes at most {MAX_ENCODER_VIEW_TOKENS}"
+        )));
+    }
+    let types = match &opts.token_types {
+        Some(t) if t.len() != n => {
+            return Err(usage(format!(
+                "{} token types for {n} tokens (one per token)",
+                t.len()
+            )))
+        }
+        Some(t) => t.clone(),
+        None => vec![0; n],
+    };
+    let spec = CaptureSpec {
+        hooks: vec![Hook::Pattern, Hook::V],
+        ..CaptureSpec::patterns()
+    };
+    let mut cache = AttnCache::new(&spec, n);
+    let run = RunOptions {
+        token_types: opts.token_types.clone(),
+        ..Default::default()
+    };
+    model.forward(tokens, &run, &mut cache)?;
+    let maps: Vec<&[f32]> = (0..d.n_layers)
+        .map(|l| cache.pattern(l).expect("every layer was captured").data)
+        .collect();
+    let special_shares = shares_of_patterns(model, tokens, maps.iter().copied());
+    let (mut encoding, mut patterns) = ("u16", Vec::with_capacity(d.n_layers));
+    for p in &maps {
+        let (e, b64) = encode_layer_full(p, d.n_heads, n);
+        encoding = e;
+        patterns.push(b64);
+    }
+    let values: Vec<Option<Vec<f32>>> = (0..d.n_layers)
+        .map(|l| cache.get(l, Hook::V).map(|c| c.data.to_vec()))
+        .collect();
+    let vnorms = value_norms_of(model, &values, n);
+    let texts = model.token_texts(tokens);
+    let sentence_b_start = types.iter().position(|&t| t == 1);
+    let data = ViewData {
+        title: format!(
+            "attnscope · {} · {} tokens{}",
+            model.info.name,
+            n,
+            if sentence_b_start.is_some() {
+                " · a sentence pair"
+            } else {
+                ""
+            }
+        ),
+        model: serde_json::to_value(ModelFacts::of(model))?,
+        tokens: &texts,
+        n_layers: d.n_layers,
+        n_heads: d.n_heads,
+        n_kv_heads: d.n_kv_heads,
+        sink_query: Vec::new(),
+        sink_all: Vec::new(),
+        faithfulness: None,
+        ablation: None,
+        encoding,
+        patterns,
+        sparse: None,
+        vnorms: Some(vnorms),
+        encoder: Some(EncoderView {
+            kind: "encoder",
+            token_types: types,
+            sentence_b_start,
+            special_shares,
+        }),
+    };
+    Ok((page(&data), n))
+}
+
+/// The encoder's page for bidirectional patterns `[layers, heads, n, n]` computed elsewhere
+/// (checked by [`super::pattern_page`]): no values, so no norm-based shading; [CLS] and [SEP]
+/// known by their texts; one text (no pair selector).
+pub(super) fn pattern_page_of(
+    patterns: &[f32],
+    [layers, heads, n, _]: [usize; 4],
+    tokens: &[String],
+    title: &str,
+) -> anyhow::Result<String> {
+    if n > MAX_ENCODER_VIEW_TOKENS {
+        return Err(usage(format!(
+            "{n} tokens of bidirectional attention; an encoder's view takes at most {MAX_ENCODER_VIEW_TOKENS}"
+        )));
+    }
+    let maps = patterns.chunks(heads * n * n);
+    let special_shares = shares_of_texts(tokens, heads, maps.clone());
+    let (mut encoding, mut encoded) = ("u16", Vec::with_capacity(layers));
+    for p in maps {
+        let (e, b64) = encode_layer_full(p, heads, n);
+        encoding = e;
+        encoded.push(b64);
+    }
+    let data = ViewData {
+        title: title.to_string(),
+        model: serde_json::json!({"name": title, "n_layers": layers, "n_heads": heads}),
+        tokens,
+        n_layers: layers,
+        n_heads: heads,
+        n_kv_heads: heads,
+        sink_query: Vec::new(),
+        sink_all: Vec::new(),
+        faithfulness: None,
+        ablation: None,
+        encoding,
+        patterns: encoded,
+        sparse: None,
+        vnorms: None,
+        encoder: Some(EncoderView {
+            kind: "encoder",
+            token_types: vec![0; n],
+            sentence_b_start: None,
+            special_shares,
+        }),
+    };
+    Ok(page(&data))
+}

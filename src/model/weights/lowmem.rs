@@ -1,0 +1,188 @@
+//! `--memory low`: the projections stay in the file's own quantized blocks (the mapped GGUF),
+//! and each product dequantizes a depth slice of a panel of weights into a buffer of the worker
+//! thread, in the packed layout the f32 micro-kernel reads, just before multiplying it
+//! ([`crate::kernels::gemm::PanelSource`]). The values are the ones `fast`'s packed panels hold,
+//! bit for bit (the same dequantization, block by block), so the two settings differ only in the
+//! order of the sums (not at all where a product's depth fits one slice of the kernel).
+
+use super::quant::{dequantize_into, part_of};
+use super::{Mapped, Raw};
+use crate::kernels::gemm::{self, Isa, PanelSource};
+use candle_core::quantized::GgmlDType;
+use serde::Serialize;
+use std::cell::RefCell;
+
+/// How much memory the projections take: `low` keeps them as the file's quantized blocks
+/// (mapped), dequantized a panel at a time for each product; `fast` holds them packed for the
+/// kernels (f32 panels, or the AMX tiles' integers and scales), faster and larger.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Memory {
+    /// The file's own blocks, mapped; a panel dequantized just before each product.
+    Low,
+    /// The projections packed once at load (and kept in the packed-weight cache).
+    Fast,
+}
+
+impl Memory {
+    /// Both settings, in the order `--help` lists them.
+    pub const ALL: [Memory; 2] = [Memory::Low, Memory::Fast];
+
+    /// The setting's name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Memory::Low => "low",
+            Memory::Fast => "fast",
+        }
+    }
+}
+
+impl std::str::FromStr for Memory {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        Memory::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| format!("unknown memory setting `{s}`; choose low or fast"))
+    }
+}
+
+impl std::fmt::Display for Memory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Whether `--memory low` multiplies a GGUF tensor of this type from its blocks: every type
+/// attnscope dequantizes (checked against gguf-py in this module's parent's tests).
+pub fn low_supported(dtype: GgmlDType) -> bool {
+    !matches!(dtype, GgmlDType::Q8_1 | GgmlDType::Q8K)
+}
+
+/// A (possibly fused) projection `W: [n, k]` held as its parts' blocks in the mapped file.
+pub struct QuantB {
+    parts: Vec<Mapped>,
+    /// The first row of each part in the fused matrix.
+    starts: Vec<usize>,
+    n: usize,
+    k: usize,
+}
+
+thread_local! {
+    /// A panel's rows dequantized (`NR × span`), and compacted to the slice asked for.
+    static ROWS: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+impl QuantB {
+    /// The parts as they lie in the file, if every one is a GGUF tensor of a type
+    /// [`low_supported`] reads, `[rows, k]` of whole blocks; `None` otherwise (floats of a
+    /// Hugging Face folder, a type read otherwise): the caller packs the matrix.
+    pub(super) fn of(parts: &[Raw], starts: &[usize], n: usize, k: usize) -> Option<QuantB> {
+        let mut mapped = Vec::with_capacity(parts.len());
+        for (i, p) in parts.iter().enumerate() {
+            let Raw::Mapped(m) = p else { return None };
+            let rows = parts
+                .get(i + 1)
+                .map_or(n, |_| starts[i + 1])
+                .checked_sub(starts[i])?;
+            let (bs, ts) = (m.dtype.block_size(), m.dtype.type_size());
+            let whole = m.dims.len() == 2
+                && m.dims == [rows, k]
+                && k.is_multiple_of(bs)
+                && m.len == rows * (k / bs) * ts
+                && m.offset + m.len <= m.map.len();
+            if !(low_supported(m.dtype) && whole) {
+                return None;
+            }
+            mapped.push(m.clone());
+        }
+        Some(QuantB {
+            parts: mapped,
+            starts: starts.to_vec(),
+            n,
+            k,
+        })
+    }
+
+    /// `(n, k)` of `W`.
+    pub fn shape(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+
+    /// Bytes of the file this projection reads.
+    pub fn file_bytes(&self) -> usize {
+        self.parts.iter().map(|m| m.len).sum()
+    }
+
+    /// The types of its parts, as GGUF names them.
+    pub fn dtypes(&self) -> Vec<GgmlDType> {
+        self.parts.iter().map(|m| m.dtype).collect()
+    }
+
+    /// `C[m, cols] (+)= A[m, ks] · W[cols, ks]ᵀ` on the f32 micro-kernel of `isa`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        a: &[f32],
+        lda: usize,
+        m: usize,
+        ks: std::ops::Range<usize>,
+        c: &mut [f32],
+        ldc: usize,
+        accumulate: bool,
+    ) {
+        gemm::gemm_source(
+            a,
+            lda,
+            m,
+            self,
+            Isa::detect(),
+            ks,
+            0..self.n,
+            c,
+            ldc,
+            accumulate,
+            true,
+        )
+    }
+}
+
+impl PanelSource for QuantB {
+    fn dims(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+
+    fn fill(&self, isa: Isa, p: usize, k0: usize, kc: usize, out: &mut [f32]) {
+        let nr = isa.nr();
+        let j0 = p * nr;
+        let cols = nr.min(self.n - j0);
+        ROWS.with(|cell| {
+            let (wide, tight) = &mut *cell.borrow_mut();
+            tight.resize(nr * kc, 0.0);
+            for c in 0..cols {
+                let (part, local) = part_of(&self.starts, j0 + c);
+                let m = &self.parts[part];
+                let (bs, ts) = (m.dtype.block_size(), m.dtype.type_size());
+                let (b0, b1) = (k0 / bs, (k0 + kc).div_ceil(bs));
+                let row = m.offset + local * (self.k / bs) * ts;
+                let bytes = &m.map[row + b0 * ts..row + b1 * ts];
+                let dst = &mut tight[c * kc..(c + 1) * kc];
+                // `of` checked that rows are whole blocks inside the mapping: the lengths agree
+                let done = if k0.is_multiple_of(bs) && (k0 + kc).is_multiple_of(bs) {
+                    dequantize_into(m.dtype, bytes, dst)
+                } else {
+                    let span = (b1 - b0) * bs;
+                    wide.resize(span, 0.0);
+                    let r = dequantize_into(m.dtype, bytes, &mut wide[..span]);
+                    dst.copy_from_slice(&wide[k0 - b0 * bs..][..kc]);
+                    r
+                };
+                done.expect("whole blocks, checked when the projection was made");
+            }
+            if cols < nr {
+                out[..kc * nr].fill(0.0);
+            }
+            gemm::transpose_into_panel(&tight[..cols * kc], cols, kc, nr, out);
+        });
+    }
+}

@@ -1,0 +1,377 @@
+//! Encoders on the CLI's surfaces (issue #41): `capture` of a text holding a literal "[SEP]"
+//! against transformers (every token type 0, as the tokenizer gives it), `view`'s refusals of
+//! the next-token panels, `serve`'s pair page, and `corpus` / `corpus merge` on
+//! all-MiniLM-L6-v2 (records against `inspect`'s shares, shards merged against one run).
+//! Goldens: tests/golden/minilm_encoder.json and minilm_encoder_attn_*.npy
+//! (tests/golden/make_encoder_golden.py).
+
+mod common;
+use attnscope::analysis::encoder::inspect;
+use common::{golden, golden_json, golden_npy, max_abs_diff, real_model};
+use std::process::Command;
+
+fn attnscope() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_attnscope"))
+}
+
+fn stderr(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn floats(v: &serde_json::Value) -> Vec<f32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect()
+}
+
+/// `capture` of "Is this a [SEP] token? …" and of a pair whose texts hold "[SEP]" give
+/// transformers' attention (last layer), and the file's metadata holds the tokenizer's types.
+#[test]
+fn capture_of_a_literal_sep_matches_transformers() {
+    let g = golden_json("minilm_encoder.json");
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["literal_sep", "literal_sep_pair"] {
+        let case = &g["cases"][name];
+        let out = dir.path().join(format!("{name}.safetensors"));
+        let mut c = attnscope();
+        c.args(["capture", "-m", "all-minilm-l6-v2", "--hooks", "pattern"])
+            .args(["--layers", "5", "--text", case["text"].as_str().unwrap()])
+            .arg("--out")
+            .arg(&out);
+        if let Some(b) = case["pair"].as_str() {
+            c.args(["--pair", b]);
+        }
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        let bytes = std::fs::read(&out).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let p = st.tensor("blocks.5.attn.hook_pattern").unwrap();
+        let got: Vec<f32> = p
+            .data()
+            .chunks(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let (shape, want) = golden_npy(&format!("minilm_encoder_attn_{name}.npy"));
+        assert_eq!(p.shape(), &shape[1..], "{name}");
+        let d = max_abs_diff(&got, &want, name);
+        assert!(d < 1e-4, "{name}: attention {d:.2e} from transformers");
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        let md = meta.metadata().clone().unwrap();
+        let types: serde_json::Value = serde_json::from_str(&md["token_types"]).unwrap();
+        assert_eq!(types, case["token_types"], "{name}: token types");
+        // inspect's token types are the tokenizer's too ("[SEP]" inside the text stays type 0)
+        let mut c = attnscope();
+        c.args(["inspect", "-m", "all-minilm-l6-v2", "--json", "--text"])
+            .arg(case["text"].as_str().unwrap());
+        if let Some(b) = case["pair"].as_str() {
+            c.args(["--pair", b]);
+        }
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(v["token_types"], case["token_types"], "{name}: inspect");
+        for (k, g) in [("cls", "cls_share"), ("sep", "sep_share")] {
+            let d = max_abs_diff(&floats(&v["special_shares"][k]), &floats(&case[g]), k);
+            assert!(d < 1e-4, "{name}: {k} share {d:.2e}");
+        }
+    }
+}
+
+#[test]
+fn view_of_an_encoder_refuses_the_next_token_panels() {
+    let dir = tempfile::tempdir().unwrap();
+    let bert = golden("arch/bert");
+    for extra in [
+        vec!["--ablate"],
+        vec!["--faithfulness"],
+        vec!["--target", "the"],
+    ] {
+        let o = attnscope()
+            .args([
+                "view",
+                "-m",
+                bert.to_str().unwrap(),
+                "--text",
+                "the cat sat",
+            ])
+            .args(&extra)
+            .arg("--out")
+            .arg(dir.path().join("v.html"))
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(2), "{extra:?}");
+        let e = stderr(&o);
+        assert!(e.contains("encoder") && !e.contains("panicked"), "{e}");
+    }
+    // a pair on a decoder's view is refused too
+    let o = attnscope()
+        .args(["view", "-m", "smollm2-135m", "--text", "a", "--pair", "b"])
+        .arg("--out")
+        .arg(dir.path().join("d.html"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("encoder"), "{}", stderr(&o));
+    // the page holds the pair's sentence_b_start and the shares inspect reports
+    let page = dir.path().join("pair.html");
+    let o = attnscope()
+        .args([
+            "view",
+            "-m",
+            bert.to_str().unwrap(),
+            "--text",
+            "What is it?",
+        ])
+        .args(["--pair", "The dog was happy, and it sat!", "--out"])
+        .arg(&page)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let html = std::fs::read_to_string(&page).unwrap();
+    let at = html.find("{\"title\"").unwrap();
+    let v: serde_json::Value = serde_json::Deserializer::from_str(&html[at..])
+        .into_iter()
+        .next()
+        .unwrap()
+        .unwrap();
+    let r = golden_json("arch/bert/reference.json");
+    let case = &r["cases"]["pair"];
+    assert_eq!(v["kind"], "encoder");
+    assert_eq!(v["token_types"], case["token_types"]);
+    assert_eq!(v["sentence_b_start"], 6);
+    let d = max_abs_diff(
+        &floats(&v["special_shares"]["sep"]),
+        &floats(&case["sep_share"]),
+        "page sep share",
+    );
+    assert!(d < 1e-4, "the page's [SEP] shares: {d:.2e}");
+}
+
+/// One GET to a running `serve`; the status line and the body.
+fn get(base: &str, path: &str) -> (String, String) {
+    use std::io::{Read, Write};
+    let addr = base.trim_start_matches("http://");
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let status = out.lines().next().unwrap_or("").to_string();
+    let body = out.split_once("\r\n\r\n").map_or("", |x| x.1).to_string();
+    (status, body)
+}
+
+#[test]
+fn serve_takes_a_pair_on_an_encoder() {
+    use std::io::BufRead;
+    let bert = golden("arch/bert");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_attnscope"))
+        .args([
+            "serve",
+            "-m",
+            bert.to_str().unwrap(),
+            "--addr",
+            "127.0.0.1:0",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let base = line
+        .split_whitespace()
+        .find(|w| w.starts_with("http://"))
+        .unwrap()
+        .trim_end_matches('/')
+        .to_string();
+    let (status, form) = get(&base, "/");
+    assert!(status.contains("200"), "{status}");
+    assert!(form.contains("name=\"pair\"") && !form.contains("name=\"faithfulness\""));
+    let (status, page) = get(
+        &base,
+        "/view?text=What+is+it%3F&pair=The+dog+was+happy%2C+and+it+sat%21",
+    );
+    assert!(status.contains("200"), "{status}");
+    assert!(page.contains("\"sentence_b_start\":6"), "the pair's page");
+    // an empty pair field (the form left blank) is one text
+    let (status, page) = get(&base, "/view?text=the+cat+sat&pair=");
+    assert!(status.contains("200"), "{status}");
+    assert!(page.contains("\"sentence_b_start\":null"));
+    let (status, page) = get(&base, "/view?text=the+cat&faithfulness=1");
+    assert!(status.contains("400"), "{status}");
+    assert!(page.contains("encoder"));
+    child.kill().unwrap();
+    let _ = child.wait();
+}
+
+/// `corpus` on MiniLM: each record's per-layer shares are `inspect`'s, the per-head shares
+/// average to them, and two shards merged give the single run's aggregate; mixing an encoder's
+/// and a decoder's record files is refused.
+#[test]
+fn corpus_on_an_encoder_reports_special_token_shares_and_merges() {
+    let model = real_model("all-minilm-l6-v2");
+    let dir = tempfile::tempdir().unwrap();
+    let run = |args: &[&str], out: &str| -> serde_json::Value {
+        let o = attnscope()
+            .args(["corpus", "-m", "all-minilm-l6-v2", "--limit", "6", "--json"])
+            .args(args)
+            .arg("--out")
+            .arg(dir.path().join(out))
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let single = run(&[], "all.jsonl");
+    run(&["--shard", "0/2"], "s0.jsonl");
+    run(&["--shard", "1/2"], "s1.jsonl");
+    assert_eq!(single["kind"], "encoder");
+    assert_eq!(single["sentences"], 6);
+    let records = std::fs::read_to_string(dir.path().join("all.jsonl")).unwrap();
+    let (mut cls_sum, mut n) = (vec![0f64; 6], 0usize);
+    for line in records.lines() {
+        let r: serde_json::Value = serde_json::from_str(line).unwrap();
+        let tokens = model.encode(r["text"].as_str().unwrap(), false).unwrap();
+        let heads: Vec<usize> = (0..12).collect();
+        let want = inspect(model, &tokens, None, 0, 5, &heads, 1).unwrap();
+        for (k, w) in [
+            ("cls", &want.special_shares.cls),
+            ("sep", &want.special_shares.sep),
+            ("punct", &want.special_shares.punct),
+        ] {
+            let d = max_abs_diff(&floats(&r[k]), w, k);
+            assert!(d < 1e-6, "record {}: {k} {d:.2e} from inspect", r["id"]);
+        }
+        for (k, per) in [("cls", "head_cls"), ("sep", "head_sep")] {
+            for l in 0..6 {
+                let mean = floats(&r[per][l]).iter().sum::<f32>() / 12.0;
+                let want = r[k][l].as_f64().unwrap() as f32;
+                assert!(
+                    (mean - want).abs() < 1e-5,
+                    "{per} layer {l}: {mean} vs {want}"
+                );
+            }
+        }
+        for l in 0..6 {
+            cls_sum[l] += r["cls"][l].as_f64().unwrap() as f32 as f64;
+        }
+        n += 1;
+    }
+    for l in 0..6 {
+        let mean = single["layers"][l]["cls"]["mean"].as_f64().unwrap();
+        assert!(
+            (mean - cls_sum[l] / n as f64).abs() < 1e-9,
+            "layer {l} mean {mean}"
+        );
+    }
+    let o = attnscope()
+        .args(["corpus", "merge", "--json"])
+        .arg(dir.path().join("s0.jsonl"))
+        .arg(dir.path().join("s1.jsonl"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let merged: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(merged, single, "two shards merged equal one run");
+    // resuming skips the texts already in the file: the same aggregate
+    assert_eq!(run(&[], "all.jsonl"), single);
+    // a decoder's records beside an encoder's: refused by name
+    let o = attnscope()
+        .args([
+            "corpus",
+            "-m",
+            "smollm2-135m",
+            "--limit",
+            "1",
+            "--json",
+            "--out",
+        ])
+        .arg(dir.path().join("dec.jsonl"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = attnscope()
+        .args(["corpus", "merge"])
+        .arg(dir.path().join("s0.jsonl"))
+        .arg(dir.path().join("dec.jsonl"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("encoder"), "{}", stderr(&o));
+    let o = attnscope()
+        .args([
+            "corpus",
+            "-m",
+            "all-minilm-l6-v2",
+            "--limit",
+            "1",
+            "--faithfulness",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+}
+
+/// Patterns computed elsewhere (Python's `viz.attention_heads`) that put weight above the
+/// diagonal get the encoder's page: every weight stored (not the lower triangle), and the
+/// [CLS]/[SEP]/punctuation shares `inspect` reports for the same text.
+#[test]
+fn bidirectional_patterns_from_elsewhere_get_the_encoder_page() {
+    use attnscope::model::capture::{AttnCache, CaptureSpec};
+    use attnscope::model::forward::RunOptions;
+    use attnscope::model::{Model, Precision};
+    let model = Model::load(
+        golden("arch/bert").to_str().unwrap(),
+        Precision::Exact,
+        false,
+    )
+    .unwrap();
+    let tokens = model.encode("What is it? The dog sat.", false).unwrap();
+    let (n, nl, nh) = (tokens.len(), model.dims.n_layers, model.dims.n_heads);
+    let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
+    model
+        .forward(&tokens, &RunOptions::default(), &mut cache)
+        .unwrap();
+    let all: Vec<f32> = (0..nl)
+        .flat_map(|l| cache.pattern(l).unwrap().data.to_vec())
+        .collect();
+    let texts = model.token_texts(&tokens);
+    let html = attnscope::cli::view::pattern_page(&all, [nl, nh, n, n], &texts, "t").unwrap();
+    let at = html.find("{\"title\"").unwrap();
+    let v: serde_json::Value = serde_json::Deserializer::from_str(&html[at..])
+        .into_iter()
+        .next()
+        .unwrap()
+        .unwrap();
+    assert_eq!(v["kind"], "encoder");
+    let (_, full) = attnscope::render::html::encode_layer_full(&all[..nh * n * n], nh, n);
+    assert_eq!(
+        v["patterns"][0],
+        full.as_str(),
+        "every weight of layer 0, not a triangle"
+    );
+    let heads: Vec<usize> = (0..nh).collect();
+    let r = inspect(&model, &tokens, None, 0, nl - 1, &heads, 1).unwrap();
+    for (k, want) in [
+        ("cls", &r.special_shares.cls),
+        ("sep", &r.special_shares.sep),
+        ("punct", &r.special_shares.punct),
+    ] {
+        let d = max_abs_diff(&floats(&v["special_shares"][k]), want, k);
+        assert!(d < 1e-6, "{k}: {d:.2e}");
+    }
+    // a causal map (nothing above the diagonal) keeps the decoder's page
+    let causal = [1.0f32, 0.0, 0.5, 0.5];
+    let html =
+        attnscope::cli::view::pattern_page(&causal, [1, 1, 2, 2], &["a".into(), "b".into()], "c")
+            .unwrap();
+    assert!(!html.contains("\"kind\":\"encoder\""));
+}

@@ -1,0 +1,303 @@
+//! `--memory low`: the projections multiplied straight from the file's quantized blocks. A tiny
+//! model of every block type gives the numbers of the packed projections (`fast`), and the
+//! bits of the f32 panels where `exact` runs those; the real models match transformers in both
+//! settings (the golden tests rerun with `ATTNSCOPE_MEMORY=low`).
+#![allow(clippy::needless_range_loop)]
+
+mod common;
+use attnscope::model::capture::{AttnCache, CaptureSpec};
+use attnscope::model::forward::RunOptions;
+use attnscope::model::tiny::{tiny_model, write_gguf};
+use attnscope::model::tl_weights::Projection;
+use attnscope::model::{Arch, Memory, Model, Precision};
+use attnscope::reference::transformer::forward as reference_forward;
+use attnscope::reference::Rng;
+use candle_core::quantized::GgmlDType;
+use common::assert_close;
+
+const TOKENS: [u32; 9] = [72, 101, 108, 108, 111, 32, 256, 258, 259];
+
+/// A tiny Qwen2 whose every matrix's depth is whole blocks of 256 (the K-quants' super-block):
+/// d_model 256, 4 heads of 64 (2 KV heads), d_ff 512.
+fn blockwide_model(seed: u64) -> attnscope::reference::transformer::RefModel {
+    let mut m = tiny_model(Arch::Qwen2, seed);
+    let (dm, hd, nh, nkv, ff) = (256, 64, 4, 2, 512);
+    m.cfg.d_model = dm;
+    m.cfg.head_dim = hd;
+    m.cfg.n_heads = nh;
+    m.cfg.n_kv_heads = nkv;
+    m.cfg.d_ff = ff;
+    let mut rng = Rng::new(seed + 1);
+    let (q, kv) = (nh * hd, nkv * hd);
+    let norm = |rng: &mut Rng| -> Vec<f32> { (0..dm).map(|_| 1.0 + 0.1 * rng.normal()).collect() };
+    for l in &mut m.layers {
+        l.attn_norm = norm(&mut rng);
+        l.w_q = rng.normals(q * dm, 0.1);
+        l.b_q = Some(rng.normals(q, 0.3));
+        l.w_k = rng.normals(kv * dm, 0.1);
+        l.b_k = Some(rng.normals(kv, 0.3));
+        l.w_v = rng.normals(kv * dm, 0.1);
+        l.b_v = Some(rng.normals(kv, 0.1));
+        l.w_o = rng.normals(dm * q, 0.05);
+        l.mlp_norm = norm(&mut rng);
+        l.w_gate = rng.normals(ff * dm, 0.05);
+        l.w_up = rng.normals(ff * dm, 0.05);
+        l.w_down = rng.normals(dm * ff, 0.05);
+    }
+    m.embed = rng.normals(m.cfg.vocab * dm, 1.0);
+    m.final_norm = norm(&mut rng);
+    m.lm_head = Some(rng.normals(m.cfg.vocab * dm, 0.1));
+    m
+}
+
+/// Every layer's pattern and every position's logits.
+fn run(model: &Model) -> (Vec<Vec<f32>>, Vec<f32>) {
+    let mut cache = AttnCache::new(&CaptureSpec::patterns(), TOKENS.len());
+    let opts = RunOptions {
+        logits_at: (0..TOKENS.len()).collect(),
+        ..Default::default()
+    };
+    let out = model.forward(&TOKENS, &opts, &mut cache).unwrap();
+    let p = (0..model.dims.n_layers)
+        .map(|l| cache.pattern(l).unwrap().data.to_vec())
+        .collect();
+    (p, out.logits.concat())
+}
+
+fn load(path: &std::path::Path, memory: Memory) -> Model {
+    Model::load_full(
+        path.to_str().unwrap(),
+        Precision::Exact,
+        Some(memory),
+        false,
+        None,
+    )
+    .unwrap()
+}
+
+const TYPES: [GgmlDType; 12] = [
+    GgmlDType::F32,
+    GgmlDType::F16,
+    GgmlDType::BF16,
+    GgmlDType::Q8_0,
+    GgmlDType::Q5_0,
+    GgmlDType::Q5_1,
+    GgmlDType::Q4_0,
+    GgmlDType::Q4_1,
+    GgmlDType::Q2K,
+    GgmlDType::Q3K,
+    GgmlDType::Q4K,
+    GgmlDType::Q6K,
+];
+
+/// For each block type: `low` multiplies every projection from the blocks, and its patterns,
+/// logits, per-head output projections (column slices that cut the K-quants' super-blocks) and
+/// read-back weights equal `fast`'s: within 1e-5 (1e-4 of the logits' scale) where `fast` runs
+/// the AMX tiles' integers and scales, bit for bit where it runs the f32 panels.
+#[test]
+fn low_memory_equals_the_packed_projections_on_every_block_type() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = blockwide_model(3);
+    let f32_kernels = !attnscope::kernels::amx::exact_scaled();
+    for dtype in TYPES {
+        let path = dir.path().join(format!("t-{dtype:?}.gguf"));
+        write_gguf(&m, Arch::Qwen2, dtype, &path).unwrap();
+        let low = load(&path, Memory::Low);
+        let fast = load(&path, Memory::Fast);
+        assert_eq!(low.info.memory, Memory::Low);
+        assert_eq!(fast.info.memory, Memory::Fast);
+        assert_eq!(
+            low.low_projections(),
+            (8, 8),
+            "{dtype:?}: every projection from its blocks"
+        );
+        assert_eq!(fast.low_projections().0, 0, "{dtype:?}");
+        let (pl, ll) = run(&low);
+        let (pf, lf) = run(&fast);
+        let bits = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        for l in 0..2 {
+            assert_close(
+                &pl[l],
+                &pf[l],
+                1e-5,
+                &format!("{dtype:?} layer {l} pattern"),
+            );
+            if f32_kernels {
+                assert!(
+                    bits(&pl[l], &pf[l]),
+                    "{dtype:?} layer {l}: the f32 panels' bits"
+                );
+            }
+        }
+        let scale = lf.iter().fold(1f32, |s, x| s.max(x.abs()));
+        assert_close(&ll, &lf, 1e-4 * scale, &format!("{dtype:?} logits"));
+        if f32_kernels {
+            assert!(bits(&ll, &lf), "{dtype:?} logits: the f32 panels' bits");
+        }
+        // the same weights, read back through each kernel
+        for part in [
+            Projection::Qkv,
+            Projection::O,
+            Projection::GateUp,
+            Projection::Down,
+        ] {
+            let a = low.projection_weights(1, part).unwrap();
+            let b = fast.projection_weights(1, part).unwrap();
+            assert!(
+                bits(&a.0, &b.0),
+                "{dtype:?} {part:?}: the dequantized weights, bit for bit"
+            );
+        }
+        // a head's columns of the output projection: 64 of 256, inside a K-quant super-block
+        let mut rng = Rng::new(11);
+        let z = rng.normals(5 * 64, 1.0);
+        for h in [1, 3] {
+            let a = low.head_output_projection(0, h, &z, 5).unwrap();
+            let b = fast.head_output_projection(0, h, &z, 5).unwrap();
+            assert_close(
+                &a,
+                &b,
+                1e-5,
+                &format!("{dtype:?} head {h}'s output projection"),
+            );
+        }
+        // F32 blocks are the reference's own weights: the reference forward's numbers
+        if dtype == GgmlDType::F32 {
+            let want = reference_forward(&m, &TOKENS);
+            for l in 0..2 {
+                assert_close(
+                    &pl[l],
+                    &want.patterns[l],
+                    2e-5,
+                    &format!("layer {l} vs reference"),
+                );
+            }
+        }
+    }
+}
+
+/// Where the CPU has AMX, the test above compares `low` with the tiles; rerun it on the f32
+/// kernels, where the two settings must agree bit for bit.
+#[test]
+fn low_memory_equals_the_f32_panels_bit_for_bit() {
+    if !attnscope::kernels::amx::exact_scaled() {
+        eprintln!("NOTE: no AMX here: the test above already compared the f32 panels");
+        return;
+    }
+    let text = common::rerun_with_amx(
+        "low_memory_equals_the_packed_projections_on_every_block_type",
+        "f32",
+    );
+    assert!(text.contains("test result: ok"), "{text}");
+}
+
+/// `low` with `--precision fast` is refused (it multiplies exactly), and so is an
+/// `ATTNSCOPE_MEMORY` that names no setting; a Hugging Face folder's floats fall back to packed
+/// panels and say so.
+#[test]
+fn low_memory_refusals_and_fallbacks_say_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.gguf");
+    write_gguf(
+        &tiny_model(Arch::Qwen2, 1),
+        Arch::Qwen2,
+        GgmlDType::Q8_0,
+        &path,
+    )
+    .unwrap();
+    let e = Model::load_full(
+        path.to_str().unwrap(),
+        Precision::Fast,
+        Some(Memory::Low),
+        false,
+        None,
+    )
+    .err()
+    .expect("low with fast is refused");
+    assert!(e.to_string().contains("--precision exact"), "{e}");
+    let hf = dir.path().join("hf");
+    attnscope::model::tiny::write_hf_folder(&tiny_model(Arch::Qwen2, 1), Arch::Qwen2, &hf, 1)
+        .unwrap();
+    let m = load(&hf, Memory::Low);
+    assert_eq!(m.low_projections().0, 0);
+    assert!(
+        m.info.memory_reason.contains("no quantized blocks"),
+        "{}",
+        m.info.memory_reason
+    );
+    // the default: chosen, and the reason given
+    let m = Model::load_full(path.to_str().unwrap(), Precision::Exact, None, false, None).unwrap();
+    assert!(!m.info.memory_reason.is_empty());
+    let fp = m.info.footprint.as_ref().unwrap();
+    let (chosen, why) = attnscope::model::memory::choose(fp, Precision::Exact, Some(1 << 20));
+    assert_eq!(chosen, Memory::Low, "1 MB free: {why}");
+    let (chosen, why) = attnscope::model::memory::choose(fp, Precision::Exact, Some(1 << 40));
+    assert_eq!(chosen, Memory::Fast, "1 TB free: {why}");
+    assert!(fp.weights(Memory::Low, Precision::Exact) < fp.weights(Memory::Fast, Precision::Exact));
+}
+
+/// The command line: `info --memory low` says the setting and prints the memory model (text and
+/// JSON); `--memory low --precision fast` and an unknown setting exit 2.
+#[test]
+fn the_command_line_says_the_setting_and_refuses_bad_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.gguf");
+    write_gguf(&blockwide_model(5), Arch::Qwen2, GgmlDType::Q4K, &path).unwrap();
+    let m = path.to_str().unwrap();
+    let run = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_attnscope"))
+            .args(args)
+            .env("ATTNSCOPE_PANEL_CACHE", "off")
+            .output()
+            .unwrap()
+    };
+    let out = run(&["info", "-m", m, "--memory", "low"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("low: every projection multiplied from the file's quantized blocks"),
+        "{text}"
+    );
+    assert!(
+        text.contains("asked for (--memory low)") && text.contains("--memory fast"),
+        "{text}"
+    );
+    let out = run(&["info", "-m", m, "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        ["low", "fast"].contains(&v["model"]["memory"].as_str().unwrap()),
+        "{v}"
+    );
+    let rows = v["memory_model"].as_array().unwrap();
+    assert_eq!(rows[0]["tokens"], 128);
+    for r in rows {
+        assert!(
+            r["low_bytes"].as_u64().unwrap() < r["fast_bytes"].as_u64().unwrap(),
+            "{r}"
+        );
+    }
+    let out = run(&[
+        "inspect",
+        "-m",
+        m,
+        "--memory",
+        "low",
+        "--precision",
+        "fast",
+        "-t",
+        "the hat",
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--precision exact"));
+    let out = run(&["inspect", "-m", m, "--memory", "tiny", "-t", "the hat"]);
+    assert_eq!(out.status.code(), Some(2));
+}
