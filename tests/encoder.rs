@@ -6,7 +6,10 @@
 #![allow(clippy::needless_range_loop)]
 
 mod common;
+use attnscope::analysis::attribute::{attribute, AttributeOptions, Method};
+use attnscope::analysis::enc_target::EncoderTarget;
 use attnscope::analysis::encoder::{inspect, is_punctuation};
+use attnscope::analysis::faithfulness::Target;
 use attnscope::model::capture::{AttnCache, CaptureSpec, NoCapture};
 use attnscope::model::forward::{attention, AttnDims, RunOptions};
 use attnscope::model::{Error, Model, Precision};
@@ -155,6 +158,100 @@ fn tiny_bert_fixture_matches_transformers() {
         assert!(d < 1e-4, "{name}: [CLS] hidden {d:.2e}");
     }
     eprintln!("tiny BERT: largest attention difference {worst:.2e}");
+}
+
+/// The tiny RoBERTa (saved from `RobertaForMaskedLM`: `roberta.` prefix and an `lm_head`) and
+/// DistilBERT (`DistilBertForSequenceClassification`: `distilbert.` prefix, classifier) against
+/// transformers' base models, single texts and pairs.
+#[test]
+fn tiny_roberta_and_distilbert_fixtures_match_transformers() {
+    for (name, arch, pair_len) in [("roberta", "roberta", 17), ("distilbert", "distilbert", 18)] {
+        let dir = golden(&format!("arch/{name}"));
+        let model = Model::load(dir.to_str().unwrap(), Precision::Exact, false).unwrap();
+        assert_eq!(model.dims.arch.name(), arch);
+        assert!(model.is_encoder());
+        let r = golden_json(&format!("arch/{name}/reference.json"));
+        assert_eq!(
+            r["cases"]["pair"]["token_ids"].as_array().unwrap().len(),
+            pair_len
+        );
+        let worst = check_cases(&model, &r["cases"], &|case| {
+            format!("arch/{name}/attn_{case}.npy")
+        });
+        for (case_name, case) in r["cases"].as_object().unwrap() {
+            let (tokens, types) = tokens_of(&model, case);
+            assert!(types.iter().all(|&t| t == 0), "{name}: no type 1");
+            let h = model.encoder_states_typed(&tokens, Some(&types)).unwrap();
+            let d = max_abs_diff(
+                &h[..model.dims.d_model],
+                &floats(&case["cls_hidden"]),
+                &format!("{name} {case_name}: first hidden"),
+            );
+            assert!(d < 1e-4, "{name} {case_name}: first hidden {d:.2e}");
+            assert!(model.pooler_output(&tokens, None).unwrap().is_none());
+        }
+        eprintln!("tiny {name}: largest attention difference {worst:.2e}");
+    }
+    // RoBERTa: 40 positions after padding_idx 1 + 1; its pair is <s> A </s></s> B </s>
+    let rob = Model::load(
+        golden("arch/roberta").to_str().unwrap(),
+        Precision::Exact,
+        false,
+    )
+    .unwrap();
+    assert_eq!(rob.dims.context_len, 40);
+    assert_eq!(rob.position_rows(&[0, 5, 1, 7, 2]), vec![2, 3, 1, 4, 5]);
+    let (ids, types) = rob.encode_pair("it", "sat").unwrap();
+    assert!(
+        types.iter().all(|&t| t == 0),
+        "RoBERTa has one token type: {types:?}"
+    );
+    let (s, e) = (ids[0], *ids.last().unwrap());
+    assert_eq!((Some(s), Some(e)), rob.special_ids());
+    assert_eq!(ids.iter().filter(|&&t| t == e).count(), 3, "{ids:?}");
+    let long = "the cat sat on the mat. ".repeat(20);
+    let err = rob.encode(&long, false).expect_err("past 40 positions");
+    assert!(err.to_string().contains("40"), "{err}");
+}
+
+/// A base model's tensor the forward does not read is refused under a prefix too; a task head
+/// outside the prefix is ignored only under a known head's name.
+#[test]
+fn prefixed_checkpoints_ignore_task_heads_but_refuse_unknown_tensors() {
+    use std::collections::HashMap;
+    let src = golden("arch/roberta");
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    for (extra, refused) in [
+        ("roberta.encoder.layer.0.attention.self.extra.weight", true),
+        ("mystery.weight", true),
+        ("classifier.dense.weight", false),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        for f in ["config.json", "tokenizer.json"] {
+            std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
+        }
+        let mut tensors: HashMap<String, safetensors::tensor::TensorView> =
+            st.tensors().into_iter().collect();
+        let one = [0u8; 4];
+        tensors.insert(
+            extra.into(),
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1], &one).unwrap(),
+        );
+        safetensors::serialize_to_file(tensors, None, &dir.path().join("model.safetensors"))
+            .unwrap();
+        let got = Model::load(dir.path().to_str().unwrap(), Precision::Exact, false);
+        match (got, refused) {
+            (Err(e), true) => {
+                let base = extra.strip_prefix("roberta.").unwrap_or(extra);
+                assert!(e.to_string().contains(base), "{extra}: {e}");
+                assert!(e.is_bad_input());
+            }
+            (Ok(_), false) => {}
+            (Err(e), false) => panic!("{extra} refused: {e}"),
+            (Ok(_), true) => panic!("{extra} accepted"),
+        }
+    }
 }
 
 /// Bidirectional attention in the kernel, streamed in small key blocks and whole, against
@@ -315,7 +412,13 @@ fn settings_attnscope_does_not_implement_are_refused_by_name() {
             "position_embedding_type",
         ),
         ("is_decoder", serde_json::json!(true), "is_decoder"),
-        ("model_type", serde_json::json!("roberta"), "bert"),
+        // an unknown family: named, with the supported list
+        ("model_type", serde_json::json!("electra"), "electra"),
+        (
+            "model_type",
+            serde_json::json!("electra"),
+            "bert, roberta and distilbert",
+        ),
     ] {
         let dir = copy_with(&|c| c[key] = value.clone());
         let e = Model::load(dir.path().to_str().unwrap(), Precision::Exact, false)
@@ -548,4 +651,282 @@ fn cli_embed_writes_npy_and_refuses_a_decoder() {
         Some(2),
         "no --out and no --json is a usage error"
     );
+}
+
+/// Occlusion on an encoder: 1 − the cosine similarity of the sentence embedding (and of the
+/// [CLS] vector) without each token, against sentence-transformers (minilm_occlusion.json, made
+/// by make_encoder_targets_golden.py).
+#[test]
+fn minilm_occlusion_matches_sentence_transformers() {
+    let model = real_model("all-minilm-l6-v2");
+    let g = golden_json("minilm_occlusion.json");
+    for case in g["cases"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        let tokens = model.encode(text, false).unwrap();
+        assert_eq!(tokens, ids_of(&case["token_ids"]), "{text}: ids");
+        for (target, key, want_target) in [
+            (Target::Next, "cos_embedding", EncoderTarget::Embedding),
+            (
+                Target::Text("embedding".into()),
+                "cos_embedding",
+                EncoderTarget::Embedding,
+            ),
+            (Target::Text("cls".into()), "cos_cls", EncoderTarget::Cls),
+        ] {
+            let opts = AttributeOptions {
+                method: Method::Occlusion,
+                target,
+                wrong: None,
+                steps: 32,
+            };
+            let mut calls = 0;
+            let r = attribute(model, &tokens, &opts, &mut |_, _| calls += 1).unwrap();
+            assert_eq!(calls, tokens.len(), "one forward per deletion");
+            assert_eq!(r.encoder_target, Some(want_target));
+            assert_eq!((r.metric, r.value), ("cosine", 1.0));
+            assert!(r.target.is_none() && r.logprob.is_none());
+            let got: Vec<f32> = r.tokens.iter().map(|t| t.score).collect();
+            let want: Vec<f32> = floats(&case[key]).iter().map(|c| 1.0 - c).collect();
+            let d = max_abs_diff(&got, &want, &format!("{text} {key}"));
+            assert!(d < 1e-5, "{text} {key}: {d:.2e}");
+        }
+    }
+}
+
+#[test]
+fn encoder_targets_refuse_what_needs_a_decoder() {
+    let dir = golden("arch/bert");
+    let model = Model::load(dir.to_str().unwrap(), Precision::Exact, false).unwrap();
+    let tokens = model.encode("the cat sat", false).unwrap();
+    let run = |method: Method, target: Target, wrong: Option<Target>| {
+        let opts = AttributeOptions {
+            method,
+            target,
+            wrong,
+            steps: 4,
+        };
+        attribute(&model, &tokens, &opts, &mut |_, _| {})
+    };
+    for m in [
+        Method::Gradient,
+        Method::GradXInput,
+        Method::IntegratedGradients,
+        Method::AttentionXGradient,
+    ] {
+        let e = run(m, Target::Next, None).expect_err("a gradient method on an encoder");
+        assert!(e.to_string().contains("decoder-only"), "{e}");
+        assert!(e.is_bad_input());
+    }
+    for m in [Method::AttnLrp, Method::AltiLogit, Method::ValueZeroing] {
+        let e = run(m, Target::Next, None).expect_err("a next-token method");
+        assert!(e.to_string().contains("occlusion"), "{e}");
+    }
+    for t in [Target::Id(5), Target::Text(" cat".into())] {
+        let e = run(Method::Occlusion, t, None).expect_err("a token target");
+        assert!(
+            e.to_string().contains("`embedding`") && e.to_string().contains("`cls`"),
+            "{e}"
+        );
+    }
+    let e = run(Method::Occlusion, Target::Next, Some(Target::Id(3))).expect_err("--wrong");
+    assert!(e.to_string().contains("--wrong"), "{e}");
+    // on the tiny fixture, by hand: deleting token i, then 1 − cos to the full text's embedding
+    let r = run(Method::Occlusion, Target::Text("embedding".into()), None).unwrap();
+    let full = model.embed_tokens(&tokens).unwrap();
+    for (i, t) in r.tokens.iter().enumerate() {
+        let mut v = tokens.clone();
+        v.remove(i);
+        let want = 1.0 - cosine(&model.embed_tokens(&v).unwrap(), &full);
+        assert!(
+            (t.score as f64 - want).abs() < 1e-6,
+            "{i}: {} vs {want}",
+            t.score
+        );
+    }
+    let one = model.encode("a", false).unwrap();
+    assert!(attribute(
+        &model,
+        &one[..1],
+        &AttributeOptions {
+            method: Method::Occlusion,
+            target: Target::Next,
+            wrong: None,
+            steps: 1
+        },
+        &mut |_, _| {}
+    )
+    .is_err());
+}
+
+#[test]
+fn cli_attribute_faithfulness_and_compare_on_an_encoder() {
+    let m = "all-minilm-l6-v2";
+    let o = attnscope()
+        .args(["attribute", "-m", m, "--text", "The cat sat on the mat."])
+        .args(["--method", "occlusion", "--target", "cls", "--json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["encoder_target"], "cls");
+    assert_eq!(v["metric"], "cosine");
+    assert!(v.get("target").is_none() && v.get("logprob").is_none());
+    let g = golden_json("minilm_occlusion.json");
+    let want: Vec<f32> = floats(&g["cases"][0]["cos_cls"])
+        .iter()
+        .map(|c| 1.0 - c)
+        .collect();
+    let got: Vec<f32> = v["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["score"].as_f64().unwrap() as f32)
+        .collect();
+    assert!(max_abs_diff(&got, &want, "cli cls") < 1e-5);
+    let o = attnscope()
+        .args(["attribute", "-m", m, "--text", "The cat sat."])
+        .args(["--method", "gradient"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("decoder-only"));
+    // faithfulness: forward-only rankings against deletion; gradients refused
+    let o = attnscope()
+        .args([
+            "faithfulness",
+            "-m",
+            m,
+            "--text",
+            "The cat sat on the mat.",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["encoder_target"], "embedding");
+    let del: Vec<f32> = v["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["deletion"].as_f64().unwrap() as f32)
+        .collect();
+    let want: Vec<f32> = floats(&g["cases"][0]["cos_embedding"])
+        .iter()
+        .map(|c| 1.0 - c)
+        .collect();
+    assert!(max_abs_diff(&del, &want, "cli faithfulness deletion") < 1e-5);
+    let rankings: Vec<&str> = v["metrics"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["ranking"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        rankings,
+        [
+            "attention_last",
+            "attention_mean",
+            "rollout",
+            "norm_last",
+            "norm_mean",
+            "random"
+        ]
+    );
+    let o = attnscope()
+        .args([
+            "faithfulness",
+            "-m",
+            m,
+            "--text",
+            "The cat sat.",
+            "--gradients",
+            "fast",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("decoder-only"));
+    let o = attnscope()
+        .args([
+            "faithfulness",
+            "-m",
+            m,
+            "--text",
+            "The cat sat.",
+            "--target",
+            " Paris",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("`cls`"));
+    // two texts: their embeddings' cosine beside the attention comparison
+    let st = golden_json("minilm_st_embeddings.json");
+    let (a, b) = (
+        st["texts"][0].as_str().unwrap(),
+        st["texts"][3].as_str().unwrap(),
+    );
+    let o = attnscope()
+        .args(["compare", "-m", m, "--text", a, "--text", b, "--json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let want = cosine(&floats(&st["normalized"][0]), &floats(&st["normalized"][3]));
+    let got = v["embedding_cosine"].as_f64().expect("embedding_cosine");
+    assert!((got - want).abs() < 1e-5, "{got} vs {want}");
+    assert!(
+        v["js"].as_array().is_some(),
+        "the attention comparison is still there"
+    );
+}
+
+/// The encoder's faithfulness on the tiny BERT, by hand: [CLS]'s rows for `cls`, every query's
+/// mean for `embedding`; deletion is 1 − cos of the vectors without each token.
+#[test]
+fn encoder_faithfulness_by_hand() {
+    use attnscope::analysis::enc_faith;
+    use attnscope::analysis::enc_target::cosine as cos;
+    let dir = golden("arch/bert");
+    let model = Model::load(dir.to_str().unwrap(), Precision::Exact, false).unwrap();
+    let tokens = model.encode("the cat sat on the mat.", false).unwrap();
+    let n = tokens.len();
+    let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
+    model
+        .forward(&tokens, &RunOptions::default(), &mut cache)
+        .unwrap();
+    let last = cache.pattern(model.dims.n_layers - 1).unwrap();
+    let nh = model.dims.n_heads;
+    for target in [EncoderTarget::Cls, EncoderTarget::Embedding] {
+        let r = enc_faith::run(&model, &tokens, target, 7, &mut |_, _| {}).unwrap();
+        assert_eq!(r.encoder_target, target);
+        let base = target.vector(&model, &tokens).unwrap();
+        let queries: Vec<usize> = match target {
+            EncoderTarget::Cls => vec![0],
+            EncoderTarget::Embedding => (0..n).collect(),
+        };
+        for (j, row) in r.tokens.iter().enumerate() {
+            let mut v = tokens.clone();
+            v.remove(j);
+            let want = 1.0 - cos(&target.vector(&model, &v).unwrap(), &base);
+            assert!((row.deletion as f64 - want).abs() < 1e-6, "{j}");
+            let mut a = 0f64;
+            for &q in &queries {
+                for h in 0..nh {
+                    a += last.row_at(h, q).unwrap()[j] as f64;
+                }
+            }
+            let a = a / (nh * queries.len()) as f64;
+            assert!(
+                (row.attention_last as f64 - a).abs() < 1e-5,
+                "{j}: attention"
+            );
+        }
+        let roll: f32 = r.tokens.iter().map(|t| t.rollout).sum();
+        assert!((roll - 1.0).abs() < 1e-4, "rollout rows sum to 1: {roll}");
+        assert_eq!(r.metrics.len(), 6);
+        assert!(r.metrics.iter().all(|m| m.truth == "deletion" && m.n == n));
+        assert!(r.most_faithful.is_some());
+    }
 }

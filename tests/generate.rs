@@ -510,7 +510,7 @@ fn the_generation_matrix_equals_attribute_on_each_teacher_forced_input() {
                 )
                 .unwrap();
                 assert!(
-                    (g.logprobs[j] - want.logprob).abs() <= 1e-5,
+                    (g.logprobs[j] - want.logprob.expect("a decoder's log p")).abs() <= 1e-5,
                     "{arch:?} {method:?} {j}: logprob"
                 );
                 for i in 0..p + a {

@@ -130,14 +130,22 @@ pub struct AttributeReport {
     pub model: String,
     pub precision: String,
     pub method: Method,
-    /// The explained token (the answer of a logit difference).
-    pub target: TokenRef,
+    /// The explained token (the answer of a logit difference); none on an encoder, which
+    /// explains a vector (`encoder_target`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub target: Option<TokenRef>,
+    /// An encoder's target vector: `embedding` or `cls` (scores are `1 − cos`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub encoder_target: Option<super::enc_target::EncoderTarget>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub wrong: Option<TokenRef>,
-    /// `log p(target | text)` at the last position.
-    pub logprob: f32,
-    /// What is explained: `logprob`, `logit` (AttnLRP, ALTI-Logit), `logit_diff`, or `none`
-    /// (value zeroing, which measures mixing into the last position, for no target).
+    /// `log p(target | text)` at the last position (none on an encoder).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub logprob: Option<f32>,
+    /// What is explained: `logprob`, `logit` (AttnLRP, ALTI-Logit), `logit_diff`, `none`
+    /// (value zeroing, which measures mixing into the last position, for no target), or
+    /// `cosine` (an encoder: the cosine similarity of a variant's vector to the text's; `value`
+    /// is then 1, the text's own).
     pub metric: &'static str,
     /// Its value on the text.
     pub value: f32,
@@ -352,6 +360,9 @@ pub fn attribute(
     if opts.method == Method::IntegratedGradients {
         check_steps(opts.steps)?;
     }
+    if model.is_encoder() {
+        return attribute_encoder(model, tokens, opts, progress);
+    }
     let metric = resolve_metric(model, tokens, &opts.target, opts.wrong.as_ref())?;
     let (answer, wrong) = match metric {
         Metric::LogProb(t) => (t.expect("resolved"), None),
@@ -409,9 +420,10 @@ pub fn attribute(
         model: model.info.name.clone(),
         precision: model.info.precision.name().into(),
         method: opts.method,
-        target: text(answer),
+        target: Some(text(answer)),
+        encoder_target: None,
         wrong: wrong.map(text),
-        logprob,
+        logprob: Some(logprob),
         metric: match (opts.method, wrong.is_some()) {
             (Method::ValueZeroing, _) => "none",
             (_, true) => "logit_diff",
@@ -435,6 +447,78 @@ pub fn attribute(
         conservation_error,
         layers,
         definition: definition(opts.method),
+    })
+}
+
+/// [`attribute`] on an encoder: occlusion by deletion of the sentence embedding or the [CLS]
+/// vector (`1 − cos` to the text's); the other methods are refused, saying why.
+fn attribute_encoder(
+    model: &Model,
+    tokens: &[u32],
+    opts: &AttributeOptions,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<AttributeReport> {
+    use super::enc_target::{occlusion_cosines, EncoderTarget};
+    let why = match opts.method {
+        Method::Occlusion => None,
+        Method::ValueZeroing => Some(
+            "value zeroing reads how the context mixes into the last position, which predicts the next token in a decoder",
+        ),
+        Method::AttnLrp | Method::AltiLogit => {
+            Some("it explains a next-token logit, which an encoder does not have")
+        }
+        _ => Some("attnscope's backward is decoder-only (it differentiates a next-token log-probability)"),
+    };
+    if let Some(why) = why {
+        return Err(Error::NotApplicable(format!(
+            "--method {} is not available on an encoder ({}): {why}; use --method occlusion, which needs forwards only (--target embedding or cls)",
+            opts.method.name(),
+            model.info.name
+        )));
+    }
+    if opts.wrong.is_some() {
+        return Err(Error::NotApplicable(format!(
+            "--wrong asks for a logit difference of two next tokens; {} is an encoder (its targets are `embedding` and `cls`)",
+            model.info.name
+        )));
+    }
+    let target = EncoderTarget::of(model, &opts.target)?;
+    let cos = occlusion_cosines(model, tokens, target, progress)?;
+    let scores: Vec<f32> = cos.iter().map(|&c| (1.0 - c) as f32).collect();
+    finite(&scores, opts.method.name())?;
+    Ok(AttributeReport {
+        model: model.info.name.clone(),
+        precision: model.info.precision.name().into(),
+        method: opts.method,
+        target: None,
+        encoder_target: Some(target),
+        wrong: None,
+        logprob: None,
+        metric: "cosine",
+        value: 1.0,
+        tokens: tokens
+            .iter()
+            .zip(scores)
+            .enumerate()
+            .map(|(pos, (&id, score))| TokenScore {
+                pos,
+                id,
+                text: model.tokenizer.token_text(id),
+                score,
+            })
+            .collect(),
+        completeness_gap: None,
+        steps: None,
+        conservation_error: None,
+        layers: None,
+        definition: match target {
+            EncoderTarget::Embedding => {
+                "1 − cos(embedding of the text without token i, embedding of the text); embedding: the last hidden states mean-pooled (as sentence-transformers)"
+            }
+            EncoderTarget::Cls => {
+                "1 − cos([CLS] vector of the text without token i, [CLS] vector of the text); the [CLS] vector: the first token's last hidden state"
+            }
+        },
     })
 }
 

@@ -25,10 +25,11 @@ pub struct Side {
     pub sink_query: Vec<f32>,
     /// Per layer, the sink share over all queries 1..n-1.
     pub sink_all: Vec<f32>,
-    /// `[layer][head]`: the query's attention row over keys `0..=query`.
+    /// `[layer][head]`: the query's attention row over keys `0..=query` (every key on an
+    /// encoder, whose queries see both sides).
     #[serde(skip)]
     pub rows: Vec<Vec<Vec<f32>>>,
-    /// The five most likely next tokens after the query.
+    /// The five most likely next tokens after the query (none on an encoder).
     pub next_token: Vec<(String, f32)>,
 }
 
@@ -41,18 +42,20 @@ pub fn run_side(
 ) -> Result<Side> {
     let (n, d) = (tokens.len(), &model.dims);
     let mut c = Collector::new(d.n_layers, d.n_heads, n, query);
+    let encoder = model.is_encoder();
     let out = model.forward(
         tokens,
         &RunOptions {
-            logits_at: vec![query],
+            logits_at: if encoder { vec![] } else { vec![query] },
             ..Default::default()
         },
         &mut c,
     )?;
+    let keys = if encoder { n } else { query + 1 };
     let rows = (0..d.n_layers)
         .map(|l| {
             (0..d.n_heads)
-                .map(|h| c.row(l, h)[..=query].to_vec())
+                .map(|h| c.row(l, h)[..keys].to_vec())
                 .collect()
         })
         .collect();
@@ -66,10 +69,13 @@ pub fn run_side(
         sink_query: (0..d.n_layers).map(|l| c.sink_query(l)).collect(),
         sink_all: (0..d.n_layers).map(|l| c.sink_all_queries(l)).collect(),
         rows,
-        next_token: next_token_top_k(&out.logits[0], 5)
-            .into_iter()
-            .map(|t| (model.tokenizer.token_text(t.id), t.prob))
-            .collect(),
+        next_token: match out.logits.first() {
+            Some(l) if !encoder => next_token_top_k(l, 5)
+                .into_iter()
+                .map(|t| (model.tokenizer.token_text(t.id), t.prob))
+                .collect(),
+            _ => Vec::new(),
+        },
     })
 }
 
@@ -147,6 +153,10 @@ pub struct CompareReport {
     /// The heads with the largest JS divergence, largest first.
     pub top_changed: Vec<HeadChange>,
     pub summary: String,
+    /// Two texts on an encoder: the cosine similarity of their sentence embeddings (mean-pooled,
+    /// as sentence-transformers computes them).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub embedding_cosine: Option<f64>,
 }
 
 fn keys(side: &Side, row: &[f32], k: usize) -> Vec<Key> {
@@ -218,6 +228,7 @@ pub fn compare(mode: &str, a: Side, b: Side, top: usize) -> CompareReport {
         js,
         top_changed,
         summary,
+        embedding_cosine: None,
     }
 }
 

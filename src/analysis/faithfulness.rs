@@ -352,6 +352,12 @@ pub fn run(
     opts: &FaithOptions,
     mut tick: impl FnMut(usize, usize),
 ) -> Result<FaithReport> {
+    if model.is_encoder() {
+        return Err(crate::model::Error::NotApplicable(format!(
+            "faithfulness ranks explanations against a next-token log-probability, and {} is an encoder (no next-token prediction); `analysis::enc_faith::run` (what `attnscope faithfulness` runs on an encoder) ranks against deletion of the sentence embedding or the [CLS] vector instead",
+            model.info.name
+        )));
+    }
     let n = tokens.len();
     let d = &model.dims;
     let q = n - 1;

@@ -98,7 +98,7 @@ pub fn attribute_generation(
             for (i, t) in r.tokens.iter().enumerate() {
                 matrix[i][j] = t.score;
             }
-            logprobs.push(r.logprob);
+            logprobs.push(r.logprob.unwrap_or(f32::NAN)); // always Some on a decoder
             progress(j + 1, a);
         }
         (matrix, logprobs)

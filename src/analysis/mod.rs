@@ -9,6 +9,8 @@ pub mod compare;
 pub mod corpus;
 pub mod corpus_encoder;
 pub mod dla;
+pub mod enc_faith;
+pub mod enc_target;
 pub mod encoder;
 pub mod faithfulness;
 pub mod gen_attribute;

@@ -32,7 +32,9 @@ pub struct Args {
     #[arg(long, value_parser = parse_method)]
     method: Method,
     /// The token explained: f = log p(target) at the last position. `next` (the model's top
-    /// token), a token id, or a token's text (one token, e.g. " Paris").
+    /// token), a token id, or a token's text (one token, e.g. " Paris"). On an encoder (no next
+    /// token): `embedding` (the mean-pooled sentence embedding, the default) or `cls` (the
+    /// [CLS] vector), with f = the cosine similarity to the text's vector (occlusion only).
     #[arg(long, visible_alias = "answer", default_value = "next")]
     target: Target,
     /// Explain the logit difference f = logit(target) − logit(wrong) instead.
@@ -100,14 +102,25 @@ fn shade(piece: &str, v: f32, max: f32, colour: bool) -> String {
 
 /// The report as the terminal shows it: the text shaded by score, then a table.
 pub fn render(r: &AttributeReport, colour: bool) -> String {
+    let target = r
+        .target
+        .clone()
+        .unwrap_or(crate::analysis::intervene::TokenRef {
+            id: 0,
+            text: String::new(),
+        });
     let f = match &r.wrong {
         Some(w) => format!(
             "logit({:?}) − logit({:?})",
-            visible(&r.target.text),
+            visible(&target.text),
             visible(&w.text)
         ),
-        None if r.metric == "logit" => format!("logit({:?})", visible(&r.target.text)),
-        None => format!("log p({:?})", visible(&r.target.text)),
+        None if r.metric == "logit" => format!("logit({:?})", visible(&target.text)),
+        None if r.metric == "cosine" => format!(
+            "cos(v(variant), v(text)) of the {} vector",
+            r.encoder_target.map_or("", |t| t.name())
+        ),
+        None => format!("log p({:?})", visible(&target.text)),
     };
     let mut s = title(&format!(
         "attribution by {} of f = {f}, {} ({} precision)",
@@ -115,10 +128,20 @@ pub fn render(r: &AttributeReport, colour: bool) -> String {
         r.model,
         r.precision
     ));
-    s += &format!(
-        "at the last position (target id {}): f = {:.4}, log p(target) = {:.4}\nscore: {}\n",
-        r.target.id, r.value, r.logprob, r.definition
-    );
+    match r.logprob {
+        Some(lp) => {
+            s += &format!(
+            "at the last position (target id {}): f = {:.4}, log p(target) = {lp:.4}\nscore: {}\n",
+            target.id, r.value, r.definition
+        )
+        }
+        None => {
+            s += &format!(
+                "an encoder, occlusion by deletion\nscore: {}\n",
+                r.definition
+            )
+        }
+    }
     if r.metric == "none" {
         s += "(value zeroing measures how the context mixes into the last position: f is shown, not explained)\n";
     }

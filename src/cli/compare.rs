@@ -206,7 +206,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let b = run_sides.pop().expect("two sides");
     let a_side = run_sides.pop().expect("two sides");
-    let report = compare(mode, a_side, b, a.top);
+    let mut report = compare(mode, a_side, b, a.top);
+    if mode == "texts" && ma.is_encoder() {
+        use crate::analysis::enc_target::{cosine, EncoderTarget};
+        let e = EncoderTarget::Embedding;
+        report.embedding_cosine = Some(cosine(
+            &e.vector(ma, &tokens[0])?,
+            &e.vector(mb, &tokens[1])?,
+        ));
+    }
     if let Some(path) = &a.html {
         write_new_file(path, page(&report).as_bytes(), a.force)?;
         eprintln!("wrote {}", path.display());
@@ -258,6 +266,9 @@ fn render(r: &CompareReport) -> String {
             side.query,
             visible(&side.tokens[side.query])
         );
+    }
+    if let Some(c) = r.embedding_cosine {
+        s += &format!("Sentence embeddings (mean-pooled): cosine similarity {c:.6}\n");
     }
     if !r.same_tokens {
         let (ta, tb) = (&r.a.token_ids, &r.b.token_ids);
@@ -368,26 +379,29 @@ fn render(r: &CompareReport) -> String {
         s += &format!("{l:>4} |{shade}|\n");
     }
     s += "\n";
-    s += &title("Next token");
-    let mut t = Table::new([
-        ("rank", Align::Right),
-        ("A", Align::Left),
-        ("p", Align::Right),
-        ("B", Align::Left),
-        ("p", Align::Right),
-    ]);
-    for i in 0..r.a.next_token.len().max(r.b.next_token.len()) {
-        let cell = |v: &[(String, f32)]| {
-            v.get(i)
-                .map(|(t, p)| (format!("\"{}\"", visible(t)), format!("{p:.4}")))
-                .unwrap_or_default()
-        };
-        let (ta, pa) = cell(&r.a.next_token);
-        let (tb, pb) = cell(&r.b.next_token);
-        t.row([(i + 1).to_string(), ta, pa, tb, pb]);
+    // an encoder has no next-token prediction
+    if !(r.a.next_token.is_empty() && r.b.next_token.is_empty()) {
+        s += &title("Next token");
+        let mut t = Table::new([
+            ("rank", Align::Right),
+            ("A", Align::Left),
+            ("p", Align::Right),
+            ("B", Align::Left),
+            ("p", Align::Right),
+        ]);
+        for i in 0..r.a.next_token.len().max(r.b.next_token.len()) {
+            let cell = |v: &[(String, f32)]| {
+                v.get(i)
+                    .map(|(t, p)| (format!("\"{}\"", visible(t)), format!("{p:.4}")))
+                    .unwrap_or_default()
+            };
+            let (ta, pa) = cell(&r.a.next_token);
+            let (tb, pb) = cell(&r.b.next_token);
+            t.row([(i + 1).to_string(), ta, pa, tb, pb]);
+        }
+        s += &t.render();
+        s += "\n";
     }
-    s += &t.render();
-    s += "\n";
     s += &title("Summary");
     s += &format!("{}\n", r.summary);
     s

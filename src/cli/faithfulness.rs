@@ -14,7 +14,9 @@ pub struct Args {
     #[command(flatten)]
     text: TextArgs,
     /// What the model should predict after the text: `next` (its own top token), a token id,
-    /// or a token's text (e.g. " Paris"; must be one token).
+    /// or a token's text (e.g. " Paris"; must be one token). On an encoder: `embedding` (the
+    /// mean-pooled sentence embedding; also what `next` means there) or `cls` (the [CLS]
+    /// vector), deletion scored by 1 − cosine similarity.
     #[arg(long, default_value = "next")]
     target: Target,
     /// The neutral token swapped in by the replacement occlusion (must be one token).
@@ -26,9 +28,10 @@ pub struct Args {
     /// The gradient-based and context-mixing rankings (as `attnscope attribute` computes them,
     /// for the target): `all` (gradient, gradient × input, attention × gradient from one
     /// backward, AttnLRP, value zeroing, ALTI-Logit, and integrated gradients with --steps
-    /// midpoints), `fast` (all but integrated gradients), `none`.
-    #[arg(long, value_enum, default_value_t = Gradients::All)]
-    gradients: Gradients,
+    /// midpoints), `fast` (all but integrated gradients), `none`. Default `all` (`none` on an
+    /// encoder, whose backward attnscope does not have: `all` or `fast` are refused there).
+    #[arg(long, value_enum)]
+    gradients: Option<Gradients>,
     /// Integrated gradients' midpoints (1..=4096; each a forward and a backward).
     #[arg(long, default_value_t = 32)]
     steps: usize,
@@ -53,12 +56,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let model = a.model.load()?;
     let tokens = a.text.tokens(&model, a.model.bos)?;
     let bar = progress_bar("forward passes [{bar:30}] {pos}/{len} ({eta})");
+    if model.is_encoder() {
+        return run_encoder(&model, &tokens, &a, &bar);
+    }
+    let gradients = a.gradients.unwrap_or(Gradients::All);
     let opts = FaithOptions {
         target: a.target,
         replacement: a.replace_with,
         seed: a.seed,
-        gradients: a.gradients != Gradients::None,
-        ig_steps: if a.gradients == Gradients::All {
+        gradients: gradients != Gradients::None,
+        ig_steps: if gradients == Gradients::All {
             a.steps
         } else {
             0
@@ -75,12 +82,102 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     emit(&render(&report))
 }
 
+/// `faithfulness` on an encoder: the forward-only rankings against deletion of the sentence
+/// embedding or the [CLS] vector.
+fn run_encoder(
+    model: &crate::model::Model,
+    tokens: &[u32],
+    a: &Args,
+    bar: &indicatif::ProgressBar,
+) -> anyhow::Result<()> {
+    use crate::analysis::enc_faith;
+    use crate::analysis::enc_target::EncoderTarget;
+    if let Some(g @ (Gradients::All | Gradients::Fast)) = a.gradients {
+        return Err(crate::model::Error::NotApplicable(format!(
+            "--gradients {} is not available on an encoder ({}): attnscope's backward is decoder-only (it differentiates a next-token log-probability); use --gradients none, or leave it out",
+            if g == Gradients::All { "all" } else { "fast" },
+            model.info.name
+        ))
+        .into());
+    }
+    let target = EncoderTarget::of(model, &a.target)?;
+    let r = enc_faith::run(model, tokens, target, a.seed, &mut |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    })?;
+    bar.finish_and_clear();
+    if a.json {
+        return emit(&format!("{}\n", serde_json::to_string_pretty(&r)?));
+    }
+    let mut s = title(&format!(
+        "Faithfulness on an encoder: {} ({} precision)",
+        r.model, r.precision
+    ));
+    s += &format!(
+        "target: the {} vector; truth: 1 − cos(v(text without the token), v(text)); {} forward passes\n\n",
+        target.name(),
+        r.forward_passes
+    );
+    let mut t = Table::new([
+        ("pos", Align::Right),
+        ("token", Align::Left),
+        ("deletion", Align::Right),
+        ("attn last", Align::Right),
+        ("attn mean", Align::Right),
+        ("rollout", Align::Right),
+        ("norm last", Align::Right),
+        ("norm mean", Align::Right),
+    ]);
+    let mut rows: Vec<_> = r.tokens.iter().collect();
+    rows.sort_by(|x, y| y.deletion.total_cmp(&x.deletion).then(x.pos.cmp(&y.pos)));
+    for x in rows {
+        t.row([
+            x.pos.to_string(),
+            visible(&x.text),
+            format!("{:.4}", x.deletion),
+            format!("{:.4}", x.attention_last),
+            format!("{:.4}", x.attention_mean),
+            format!("{:.4}", x.rollout),
+            format!("{:.4}", x.norm_last),
+            format!("{:.4}", x.norm_mean),
+        ]);
+    }
+    s += &t.render();
+    s += "\n";
+    s += &title("Each ranking against deletion (comprehensiveness and sufficiency as 1 − cos)");
+    let mut t = metric_table();
+    for m in &r.metrics {
+        metric_row(&mut t, m, true);
+    }
+    s += &t.render();
+    s += &format!("\n{}\n", r.conclusion);
+    emit(&s)
+}
+
 fn f(x: Option<f64>) -> String {
     x.map(|v| format!("{v:+.3}")).unwrap_or_else(|| "—".into())
 }
 
 fn g(x: Option<f32>) -> String {
     x.map(|v| format!("{v:+.4}")).unwrap_or_else(|| "—".into())
+}
+
+/// The metrics table's columns.
+fn metric_table() -> Table {
+    Table::new([
+        ("ranking", Align::Left),
+        ("truth", Align::Left),
+        ("n", Align::Right),
+        ("Spearman ρ", Align::Right),
+        ("Kendall τ", Align::Right),
+        ("top-1", Align::Left),
+        ("comp@1", Align::Right),
+        ("comp@3", Align::Right),
+        ("comp@5", Align::Right),
+        ("suff@1", Align::Right),
+        ("suff@3", Align::Right),
+        ("suff@5", Align::Right),
+    ])
 }
 
 /// One row; comprehensiveness and sufficiency do not depend on the truth, so they are printed
@@ -209,20 +306,7 @@ pub fn render(r: &FaithReport) -> String {
         } else {
             "Rankings against occlusion, all tokens"
         });
-        let mut t = Table::new([
-            ("ranking", Align::Left),
-            ("truth", Align::Left),
-            ("n", Align::Right),
-            ("Spearman ρ", Align::Right),
-            ("Kendall τ", Align::Right),
-            ("top-1", Align::Left),
-            ("comp@1", Align::Right),
-            ("comp@3", Align::Right),
-            ("comp@5", Align::Right),
-            ("suff@1", Align::Right),
-            ("suff@3", Align::Right),
-            ("suff@5", Align::Right),
-        ]);
+        let mut t = metric_table();
         for m in r
             .metrics
             .iter()

@@ -283,7 +283,7 @@ fn attention_span(d: &crate::model::ModelDims) -> String {
 fn model_kind(d: &crate::model::ModelDims) -> String {
     if d.arch.is_encoder() {
         format!(
-            "encoder (bidirectional): every token attends to every other (no causal mask), post-LN blocks, {} token types ([CLS] A [SEP] B [SEP] with --pair), no next-token prediction (generate and next-token targets are refused)",
+            "encoder (bidirectional): every token attends to every other (no causal mask), post-LN blocks, {} token types (a pair with --pair, as the tokenizer builds it), no next-token prediction (generate and next-token targets are refused)",
             d.type_vocab
         )
     } else {

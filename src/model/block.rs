@@ -141,6 +141,7 @@ mod tests {
             rms_eps: 1e-6,
             tied_embeddings: true,
             type_vocab: 0,
+            position_pad: None,
         }
     }
 

@@ -32,6 +32,13 @@ pub enum Arch {
     /// bidirectional attention, post-LN blocks (LayerNorm after each residual add), GELU (erf),
     /// biases everywhere, no output head.
     Bert,
+    /// RoBERTa (an encoder): BERT's blocks; positions counted from `padding_idx + 1` (a padding
+    /// token sits at `padding_idx`), usually one token type, a byte-level BPE tokenizer with
+    /// `<s>`/`</s>` (pairs as `<s> A </s></s> B </s>`).
+    Roberta,
+    /// DistilBERT (an encoder): BERT's blocks under its own tensor names, no token types, no
+    /// pooler, LayerNorm epsilon 1e-12.
+    DistilBert,
 }
 
 impl Arch {
@@ -46,6 +53,8 @@ impl Arch {
             Arch::Gemma3 => "gemma3",
             Arch::Gpt2 => "gpt2",
             Arch::Bert => "bert",
+            Arch::Roberta => "roberta",
+            Arch::DistilBert => "distilbert",
         }
     }
     /// Gemma's conventions: (1 + w) norms, post-norms, scaled embeddings, GeLU(tanh).
@@ -55,12 +64,15 @@ impl Arch {
     /// An encoder: every token attends to every other (no causal mask), and there is no
     /// next-token prediction.
     pub fn is_encoder(self) -> bool {
-        matches!(self, Arch::Bert)
+        matches!(self, Arch::Bert | Arch::Roberta | Arch::DistilBert)
     }
     /// Learned absolute positions added to the embeddings, LayerNorms with biases, biases on
     /// every projection (GPT-2, BERT).
     pub fn learned_positions(self) -> bool {
-        matches!(self, Arch::Gpt2 | Arch::Bert)
+        matches!(
+            self,
+            Arch::Gpt2 | Arch::Bert | Arch::Roberta | Arch::DistilBert
+        )
     }
     pub fn parse(s: &str) -> Option<Arch> {
         match s {
@@ -73,6 +85,8 @@ impl Arch {
             "gemma3" | "gemma3_text" => Some(Arch::Gemma3),
             "gpt2" => Some(Arch::Gpt2),
             "bert" => Some(Arch::Bert),
+            "roberta" => Some(Arch::Roberta),
+            "distilbert" => Some(Arch::DistilBert),
             _ => None,
         }
     }
@@ -188,9 +202,19 @@ pub struct ModelDims {
     pub tied_embeddings: bool,
     /// Token types (segment ids) of an encoder's inputs (BERT's `type_vocab_size`; 0: none).
     pub type_vocab: usize,
+    /// RoBERTa's `padding_idx` (`pad_token_id`): positions count from `padding_idx + 1`, and a
+    /// padding token sits at position `padding_idx`; the position table then has
+    /// `context_len + padding_idx + 1` rows. `None` for every other family (positions from 0).
+    pub position_pad: Option<usize>,
 }
 
 impl ModelDims {
+    /// The first row of the learned position table a text's first token takes (RoBERTa:
+    /// `padding_idx + 1`; 0 otherwise).
+    pub fn position_offset(&self) -> usize {
+        self.position_pad.map_or(0, |p| p + 1)
+    }
+
     /// The sliding window of `layer`, if it has one.
     pub fn window_of(&self, layer: usize) -> Option<usize> {
         match &self.gemma {

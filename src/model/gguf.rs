@@ -551,7 +551,7 @@ impl GgufFile {
                 Arch::Llama => RopeStyle::Interleaved,
                 // llama.cpp converts Mistral checkpoints as `llama` and drops the window; BERT
                 // is read from Hugging Face folders only
-                Arch::Mistral | Arch::Bert => {
+                Arch::Mistral | Arch::Bert | Arch::Roberta | Arch::DistilBert => {
                     return Err(Error::UnknownArch {
                         arch: format!("{} (in GGUF; use the Hugging Face folder)", arch.name()),
                         path: self.path.clone(),
@@ -561,6 +561,7 @@ impl GgufFile {
             rms_eps,
             tied_embeddings: !self.content.tensor_infos.contains_key("output.weight"),
             type_vocab: 0,
+            position_pad: None,
         };
         dims.validate().map_err(|reason| Error::BadValue {
             key: format!("{a}.*"),

@@ -51,6 +51,47 @@ pub struct HfFolder {
     st: MmapedSafetensors,
     n_tensors: usize,
     pub files: Vec<PathBuf>,
+    /// The base model's prefix of a checkpoint saved with a task head (`bert.`, `roberta.`,
+    /// `distilbert.`: `BertForMaskedLM` and the like), stripped from its names.
+    prefix: Option<&'static str>,
+}
+
+/// The prefixes under which transformers saves an encoder's base model beside a task head.
+const BASE_PREFIXES: [&str; 3] = ["bert.", "roberta.", "distilbert."];
+
+/// Task heads saved beside an encoder's base model (`BertForMaskedLM`'s `cls.predictions`,
+/// RoBERTa's `lm_head`, DistilBERT's `vocab_*` and classifiers...): the forward reads none, and
+/// they do not change the base model's numbers.
+const TASK_HEADS: [&str; 10] = [
+    "cls.",
+    "lm_head.",
+    "classifier.",
+    "pre_classifier.",
+    "qa_outputs.",
+    "vocab_transform.",
+    "vocab_layer_norm.",
+    "vocab_projector.",
+    "dropout.",
+    "pooler_head.",
+];
+
+/// DistilBERT's config keys under BERT's names (its `config.json` says `dim`, `n_layers`...),
+/// with its fixed LayerNorm epsilon (1e-12) and no token types.
+fn distilbert_config(v: &mut serde_json::Value) {
+    let Some(m) = v.as_object_mut() else { return };
+    for (from, to) in [
+        ("dim", "hidden_size"),
+        ("n_layers", "num_hidden_layers"),
+        ("n_heads", "num_attention_heads"),
+        ("hidden_dim", "intermediate_size"),
+        ("activation", "hidden_act"),
+    ] {
+        if let Some(x) = m.remove(from) {
+            m.entry(to).or_insert(x);
+        }
+    }
+    m.entry("layer_norm_eps").or_insert(1e-12.into());
+    m.insert("type_vocab_size".into(), 0.into());
 }
 
 fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T> {
@@ -68,7 +109,15 @@ impl HfFolder {
         if !cfg_path.is_file() {
             return Err(Error::NoConfig { path: dir.into() });
         }
-        let config: HfConfig = read_json(&cfg_path)?;
+        let mut raw: serde_json::Value = read_json(&cfg_path)?;
+        if raw.get("model_type").and_then(|t| t.as_str()) == Some("distilbert") {
+            distilbert_config(&mut raw);
+        }
+        let config: HfConfig = serde_json::from_value(raw).map_err(|e| Error::BadValue {
+            key: "config.json".into(),
+            path: cfg_path.clone(),
+            reason: format!("not valid JSON of the expected form: {e}"),
+        })?;
         let index = dir.join("model.safetensors.index.json");
         let mut files: Vec<PathBuf> = if index.is_file() {
             #[derive(Deserialize)]
@@ -111,12 +160,24 @@ impl HfFolder {
                 reason: e.to_string(),
             })?;
         let n_tensors = st.tensors().len();
+        let encoder = config
+            .model_type
+            .as_deref()
+            .and_then(Arch::parse)
+            .is_some_and(|a| a.is_encoder());
+        let prefix = BASE_PREFIXES.into_iter().find(|p| {
+            encoder
+                && st
+                    .get(&format!("{p}embeddings.word_embeddings.weight"))
+                    .is_ok()
+        });
         Ok(HfFolder {
             dir: dir.into(),
             config,
             st,
             n_tensors,
             files,
+            prefix,
         })
     }
 
@@ -322,13 +383,13 @@ impl HfFolder {
                     return Err(unsupported(k, v, ""));
                 }
             }
-        } else if arch == Arch::Bert {
+        } else if arch.is_encoder() {
             for (k, ok) in [
                 ("hidden_act", "gelu"),
                 ("position_embedding_type", "absolute"),
             ] {
                 if let Some(v) = set(k).filter(|v| v.as_str() != Some(ok)) {
-                    let why = format!("; attnscope's BERT has {k} = {ok}");
+                    let why = format!("; attnscope's {} has {k} = {ok}", arch.name());
                     return Err(unsupported(k, v, &why));
                 }
             }
@@ -369,7 +430,7 @@ impl HfFolder {
                         ));
                     }
                 }
-                Arch::Llama | Arch::Gpt2 | Arch::Bert => {
+                Arch::Llama | Arch::Gpt2 | Arch::Bert | Arch::Roberta | Arch::DistilBert => {
                     return Err(unsupported(
                         "sliding_window",
                         v,
@@ -439,6 +500,33 @@ impl HfFolder {
                 ));
             }
         }
+        // RoBERTa: positions from padding_idx + 1 (transformers' create_position_ids_from_input_ids)
+        let position_pad = match arch {
+            Arch::Roberta => match set("pad_token_id").map(|v| v.as_u64()) {
+                Some(Some(p)) if p < 1 << 20 => Some(p as usize),
+                None => Some(1),
+                Some(_) => {
+                    return Err(Error::BadValue {
+                        key: "pad_token_id".into(),
+                        path: cfg.clone(),
+                        reason: "not a whole number (RoBERTa's positions count from it)".into(),
+                    })
+                }
+            },
+            _ => None,
+        };
+        let mut context_len = c.max_position_embeddings.unwrap_or(32768);
+        if let Some(p) = position_pad {
+            context_len = context_len.checked_sub(p + 1).filter(|&n| n > 0).ok_or_else(|| {
+                Error::BadValue {
+                    key: "max_position_embeddings".into(),
+                    path: cfg.clone(),
+                    reason: format!(
+                        "{context_len} positions leave none for a text after RoBERTa's padding_idx {p} + 1"
+                    ),
+                }
+            })?;
+        }
         let dims = ModelDims {
             arch,
             n_layers: c.num_hidden_layers,
@@ -460,7 +548,7 @@ impl HfFolder {
                 }
             },
             vocab_size: c.vocab_size,
-            context_len: c.max_position_embeddings.unwrap_or(32768),
+            context_len,
             rope_base,
             rope_scaling,
             sliding_window,
@@ -494,7 +582,8 @@ impl HfFolder {
             rms_eps: c.rms_norm_eps as f32,
             tied_embeddings: c.tie_word_embeddings,
             type_vocab: match arch {
-                Arch::Bert => match set("type_vocab_size").map(|v| v.as_u64()) {
+                Arch::DistilBert => 0,
+                Arch::Bert | Arch::Roberta => match set("type_vocab_size").map(|v| v.as_u64()) {
                     None => 2,
                     Some(Some(t)) if (1..=1024).contains(&t) => t as usize,
                     Some(_) => {
@@ -507,6 +596,7 @@ impl HfFolder {
                 },
                 _ => 0,
             },
+            position_pad,
         };
         dims.validate().map_err(|reason| Error::BadValue {
             key: "config.json".into(),
@@ -653,7 +743,10 @@ fn gpt2_part(c: &HfConfig, l: &Logical) -> (String, Option<(usize, usize)>, bool
 /// differently: its `post_attention_layernorm` follows the attention; GPT-2 names everything
 /// its own way).
 pub fn hf_name_for(arch: Option<Arch>, l: &Logical) -> String {
-    if arch == Some(Arch::Bert) {
+    if arch == Some(Arch::DistilBert) {
+        return distilbert_name(l);
+    }
+    if arch.is_some_and(|a| a.is_encoder()) {
         return bert_name(l);
     }
     if arch == Some(Arch::Gpt2) {
@@ -710,6 +803,35 @@ fn bert_name(l: &Logical) -> String {
         Logical::MlpNorm(i) => layer(i, "output.LayerNorm.weight"),
         Logical::MlpNormBias(i) => layer(i, "output.LayerNorm.bias"),
         other => format!("(BERT has no {other:?})"),
+    }
+}
+
+/// DistilBERT's name for a logical weight (`DistilBertModel`: `transformer.layer.N...`; the
+/// attention's post-norm is `sa_layer_norm`, the MLP's `output_layer_norm`).
+fn distilbert_name(l: &Logical) -> String {
+    let layer = |i: &usize, s: &str| format!("transformer.layer.{i}.{s}");
+    match l {
+        Logical::Embed => "embeddings.word_embeddings.weight".into(),
+        Logical::PosEmbed => "embeddings.position_embeddings.weight".into(),
+        Logical::EmbedNorm => "embeddings.LayerNorm.weight".into(),
+        Logical::EmbedNormBias => "embeddings.LayerNorm.bias".into(),
+        Logical::Q(i) => layer(i, "attention.q_lin.weight"),
+        Logical::QBias(i) => layer(i, "attention.q_lin.bias"),
+        Logical::K(i) => layer(i, "attention.k_lin.weight"),
+        Logical::KBias(i) => layer(i, "attention.k_lin.bias"),
+        Logical::V(i) => layer(i, "attention.v_lin.weight"),
+        Logical::VBias(i) => layer(i, "attention.v_lin.bias"),
+        Logical::O(i) => layer(i, "attention.out_lin.weight"),
+        Logical::OBias(i) => layer(i, "attention.out_lin.bias"),
+        Logical::AttnNorm(i) => layer(i, "sa_layer_norm.weight"),
+        Logical::AttnNormBias(i) => layer(i, "sa_layer_norm.bias"),
+        Logical::Up(i) => layer(i, "ffn.lin1.weight"),
+        Logical::UpBias(i) => layer(i, "ffn.lin1.bias"),
+        Logical::Down(i) => layer(i, "ffn.lin2.weight"),
+        Logical::DownBias(i) => layer(i, "ffn.lin2.bias"),
+        Logical::MlpNorm(i) => layer(i, "output_layer_norm.weight"),
+        Logical::MlpNormBias(i) => layer(i, "output_layer_norm.bias"),
+        other => format!("(DistilBERT has no {other:?})"),
     }
 }
 
@@ -816,7 +938,7 @@ impl TensorSource for HfFolder {
             }
             return Ok(Some(Raw::F(t.contiguous().map_err(bad)?)));
         }
-        let name = hf_name_for(arch, l);
+        let name = format!("{}{}", self.prefix.unwrap_or(""), hf_name_for(arch, l));
         if self.st.get(&name).is_err() {
             // Phi-3 stores q|k|v and gate|up fused: read the part's rows
             if let Some((fused, start, len)) = fused_part(&self.config, l) {
@@ -863,6 +985,16 @@ impl TensorSource for HfFolder {
         // a fused tensor stands for the parts it is read as
         let mut out = Vec::new();
         for (n, _) in self.st.tensors() {
+            // a checkpoint with a task head: the base model's names without their prefix, and
+            // the head's left out (anything else is kept, and refused if the forward skips it)
+            let n = match self.prefix {
+                Some(p) => match n.strip_prefix(p) {
+                    Some(base) => base.to_string(),
+                    None if TASK_HEADS.iter().any(|h| n.starts_with(h)) => continue,
+                    None => n,
+                },
+                None => n,
+            };
             let split: Option<&[&str]> = if n.ends_with(".self_attn.qkv_proj.weight") {
                 Some(&["q_proj", "k_proj", "v_proj"])
             } else if n.ends_with(".mlp.gate_up_proj.weight") {

@@ -594,8 +594,8 @@ impl Tokenizer {
     }
 
     /// Checks that an encoder's tokenizer.json is WordPiece, BPE or Unigram and that its
-    /// post-processor puts `[CLS]` first and `[SEP]` last (what BERT was trained on), naming
-    /// what is missing.
+    /// post-processor puts `[CLS]` first and `[SEP]` last (what BERT was trained on; RoBERTa's
+    /// `<s>` and `</s>` where the vocabulary has no `[CLS]`), naming what is missing.
     pub fn check_encoder_specials(&self, path: &Path) -> Result<()> {
         if matches!(
             self.inner.get_model(),
@@ -606,7 +606,10 @@ impl Tokenizer {
                 path.display()
             )));
         }
-        let (cls, sep) = (self.id_of("[CLS]"), self.id_of("[SEP]"));
+        let (cls, sep) = match self.id_of("[CLS]") {
+            Some(c) => (Some(c), self.id_of("[SEP]")),
+            None => (self.id_of("<s>"), self.id_of("</s>")),
+        };
         let ids = self
             .inner
             .encode("a", true)
@@ -618,7 +621,7 @@ impl Tokenizer {
             || ids.last() != sep.as_ref()
         {
             return Err(Error::Tokenizer(format!(
-                "{} does not put [CLS] first and [SEP] last (its post-processor); an encoder's texts need them, as BERT was trained",
+                "{} does not put [CLS] first and [SEP] last (RoBERTa: <s> and </s>) with its post-processor; an encoder's texts need them, as BERT was trained",
                 path.display()
             )));
         }

@@ -40,18 +40,24 @@ impl Model {
         Ok(())
     }
 
-    /// The ids of `[CLS]` and `[SEP]` in an encoder's vocabulary.
+    /// The ids of `[CLS]` and `[SEP]` in an encoder's vocabulary (RoBERTa's `<s>` and `</s>`,
+    /// which stand where BERT's do, where the vocabulary has no `[CLS]`/`[SEP]`).
     pub fn special_ids(&self) -> (Option<u32>, Option<u32>) {
-        (
-            self.tokenizer.token_id("[CLS]"),
-            self.tokenizer.token_id("[SEP]"),
-        )
+        let id = |a: &str, b: &str| {
+            self.tokenizer
+                .token_id(a)
+                .or_else(|| self.tokenizer.token_id(b))
+        };
+        (id("[CLS]", "<s>"), id("[SEP]", "</s>"))
     }
 
-    /// A sentence pair for an encoder: the ids of `[CLS] a [SEP] b [SEP]` and each token's type,
-    /// 0 then 1, as transformers' tokenizer builds them (pass the types to the forward in
-    /// `RunOptions::token_types`). Refused for a decoder, an empty text, a model with a single
-    /// token type, or a pair past the model's positions.
+    /// A sentence pair for an encoder, as its tokenizer builds it: the ids and each token's type
+    /// (pass the types to the forward in `RunOptions::token_types`). BERT's
+    /// `[CLS] a [SEP] b [SEP]` with types 0 then 1; RoBERTa's `<s> a </s></s> b </s>` and
+    /// DistilBERT's `[CLS] a [SEP] b [SEP]` with every type 0 (a RoBERTa has one type, a
+    /// DistilBERT none: transformers runs them so). Refused for a decoder, an empty text, a BERT
+    /// with a single token type (its tokenizer's type 1 has no embedding), or a pair past the
+    /// model's positions.
     pub fn encode_pair(&self, a: &str, b: &str) -> Result<(Vec<u32>, Vec<u32>)> {
         if !self.is_encoder() {
             return Err(Error::NotApplicable(format!(
@@ -59,7 +65,7 @@ impl Model {
                 self.info.name
             )));
         }
-        if self.dims.type_vocab < 2 {
+        if self.dims.arch == crate::model::config::Arch::Bert && self.dims.type_vocab < 2 {
             return Err(Error::NotApplicable(format!(
                 "{} has {} token type(s) (type_vocab_size), so it cannot tell the two texts of a pair apart",
                 self.info.name, self.dims.type_vocab
@@ -76,7 +82,35 @@ impl Model {
                 model: self.info.name.clone(),
             });
         }
+        let types = if self.dims.type_vocab < 2 {
+            vec![0; ids.len()]
+        } else {
+            types
+        };
         Ok((ids, types))
+    }
+
+    /// The row of the learned position table each token takes: its position (BERT,
+    /// DistilBERT); RoBERTa's `padding_idx + 1 +` the count of non-padding tokens before it, and
+    /// `padding_idx` for a padding token (transformers' `create_position_ids_from_input_ids`).
+    pub fn position_rows(&self, tokens: &[u32]) -> Vec<usize> {
+        match self.dims.position_pad {
+            None => (0..tokens.len()).collect(),
+            Some(pad) => {
+                let mut seen = 0;
+                tokens
+                    .iter()
+                    .map(|&t| {
+                        if t as usize == pad {
+                            pad
+                        } else {
+                            seen += 1;
+                            pad + seen
+                        }
+                    })
+                    .collect()
+            }
+        }
     }
 
     /// The encoder's last hidden states, `[n, d_model]` (transformers' `last_hidden_state`), of
@@ -231,9 +265,10 @@ impl Model {
                 Some(t) => t.clone(),
                 None => vec![0; seg.tokens.len()],
             };
+            let rows = self.position_rows(seg.tokens);
             for (r, &t) in types.iter().enumerate() {
                 let t = t as usize;
-                if t >= enc.type_vocab {
+                if t >= enc.type_vocab.max(1) {
                     return Err(Error::OutOfRange {
                         what: "token type".into(),
                         value: t.to_string(),
@@ -241,10 +276,13 @@ impl Model {
                     });
                 }
                 let row = &mut pos[(r0 + r) * dm..][..dm];
-                row.copy_from_slice(&pe[r * dm..(r + 1) * dm]);
-                // transformers adds word + token type, then position
-                let ty = &enc.token_types[t * dm..(t + 1) * dm];
-                row.iter_mut().zip(ty).for_each(|(p, &y)| *p += y);
+                let p = rows[r];
+                row.copy_from_slice(&pe[p * dm..(p + 1) * dm]);
+                // transformers adds word + token type, then position (DistilBERT: no types)
+                if enc.type_vocab > 0 {
+                    let ty = &enc.token_types[t * dm..(t + 1) * dm];
+                    row.iter_mut().zip(ty).for_each(|(p, &y)| *p += y);
+                }
             }
         }
         // hook_pos_embed holds position + token type (TransformerLens: hook_pos_embed and

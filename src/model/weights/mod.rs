@@ -868,15 +868,17 @@ impl Logical {
         if arch == Arch::Gpt2 {
             v.extend([Logical::PosEmbed, Logical::FinalNormBias]);
         }
-        if arch == Arch::Bert {
+        if arch.is_encoder() {
             v.extend([
                 Logical::PosEmbed,
-                Logical::TypeEmbed,
                 Logical::EmbedNorm,
                 Logical::EmbedNormBias,
                 Logical::Pooler,
                 Logical::PoolerBias,
             ]);
+            if arch != Arch::DistilBert {
+                v.push(Logical::TypeEmbed);
+            }
         }
         for i in 0..n_layers {
             v.extend([
@@ -933,7 +935,7 @@ impl Logical {
             Logical::TypeEmbed => vec![d.type_vocab, dm],
             Logical::Pooler => vec![dm, dm],
             Logical::UpBias(_) => vec![d.d_ff],
-            Logical::PosEmbed => vec![d.context_len, dm],
+            Logical::PosEmbed => vec![d.context_len + d.position_offset(), dm],
             Logical::Q(_) => vec![q, dm],
             Logical::QBias(_) => vec![q],
             Logical::K(_) | Logical::V(_) => vec![kv, dm],
@@ -1157,7 +1159,11 @@ pub fn load_weights(
                 None => None,
             };
             Some(EncoderWeights {
-                token_types: need(src, Logical::TypeEmbed)?.to_vec()?,
+                token_types: if dims.type_vocab == 0 {
+                    Vec::new()
+                } else {
+                    need(src, Logical::TypeEmbed)?.to_vec()?
+                },
                 type_vocab: dims.type_vocab,
                 norm: (
                     need(src, Logical::EmbedNorm)?.to_vec()?,

@@ -1264,7 +1264,10 @@ class HookedModel:
         token, a token id, or one token's text; ``wrong``: explain logit(target) − logit(wrong)
         instead of log p(target), or of the logit for attnlrp and alti-logit). Returns the report
         as a dict with ``scores`` (float32 numpy array, one per token) and ``tokens`` (their texts);
-        attnlrp adds ``conservation_error``, value-zeroing and alti-logit ``layers`` (per layer)."""
+        attnlrp adds ``conservation_error``, value-zeroing and alti-logit ``layers`` (per layer).
+        On an encoder only ``method="occlusion"`` applies, with ``target`` None or "embedding" (the
+        mean-pooled sentence embedding) or "cls" (the [CLS] vector): each score is 1 − the cosine
+        similarity of the vector without that token to the text's (``metric`` "cosine")."""
         ids = self._m.encode(text, None)
         rep, scores = self._m.attribute(ids, method, None if target is None else str(target),
                                         None if wrong is None else str(wrong), steps)

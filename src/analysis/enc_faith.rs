@@ -1,0 +1,251 @@
+//! `faithfulness` on an encoder: the forward-only explanations (attention of the last layer and
+//! of every layer, rollout, norm-based attention) ranked against deletion, where a token's true
+//! importance is `1 − cos(v(text without it), v(text))` for the sentence embedding or the [CLS]
+//! vector ([`EncoderTarget`]). For `cls` the explanations read the [CLS] query's rows; for
+//! `embedding`, which pools every position, the mean of every query's row.
+
+use super::enc_target::{cosine, EncoderTarget};
+use super::faithfulness::{kendall_tau_b, permutation_p, rollout, spearman, top_positions};
+use super::faithfulness::{AtK, Best, MetricRow};
+use super::norms::{mixed_norms, shares, Values};
+use crate::model::capture::{AttnCache, CaptureSpec, Hook, Queries};
+use crate::model::forward::RunOptions;
+use crate::model::{Error, Model, Result};
+use crate::reference::Rng;
+use serde::Serialize;
+use std::collections::HashMap;
+
+/// One token's explanations and its deletion effect.
+#[derive(Clone, Debug, Serialize)]
+pub struct EncTokenRow {
+    pub pos: usize,
+    pub id: u32,
+    pub text: String,
+    /// The last layer's head-averaged attention from the target's queries.
+    pub attention_last: f32,
+    /// The same, averaged over layers.
+    pub attention_mean: f32,
+    /// Attention rollout (Abnar & Zuidema 2020, residual as 0.5 · I) from the target's queries.
+    pub rollout: f32,
+    /// Norm-based attention of the last layer, `‖Σₕ αʰ·W_Oʰ vⱼ‖` (Kobayashi et al. 2020).
+    pub norm_last: f32,
+    /// Norm-based attention, each layer's row as shares of its total, averaged over layers.
+    pub norm_mean: f32,
+    /// `1 − cos(v(text without the token), v(text))`.
+    pub deletion: f32,
+}
+
+/// An encoder's faithfulness report.
+#[derive(Clone, Debug, Serialize)]
+pub struct EncFaithReport {
+    pub model: String,
+    pub precision: String,
+    pub encoder_target: EncoderTarget,
+    pub tokens: Vec<EncTokenRow>,
+    /// Each ranking against `deletion` (truth `deletion`); comprehensiveness at k is
+    /// `1 − cos(v(text without the top k), v(text))`, sufficiency `1 − cos(v(only the top k),
+    /// v(text))` (lower is more sufficient).
+    pub metrics: Vec<MetricRow>,
+    pub forward_passes: usize,
+    pub most_faithful: Option<Best>,
+    pub conclusion: String,
+}
+
+/// Runs the encoder's faithfulness report for `target`; `tick(done, total)` after each forward.
+pub fn run(
+    model: &Model,
+    tokens: &[u32],
+    target: EncoderTarget,
+    seed: u64,
+    tick: &mut dyn FnMut(usize, usize),
+) -> Result<EncFaithReport> {
+    let n = tokens.len();
+    if n < 2 {
+        return Err(Error::OutOfRange {
+            what: "text".into(),
+            value: format!("{n} token(s)"),
+            range: "at least 2 tokens (deletion keeps the rest)".into(),
+        });
+    }
+    let d = &model.dims;
+    let spec = CaptureSpec {
+        hooks: vec![Hook::Pattern, Hook::V],
+        layers: None,
+        heads: None,
+        queries: Queries::All,
+    };
+    let mut cache = AttnCache::new(&spec, n);
+    model.forward(tokens, &RunOptions::default(), &mut cache)?;
+    // the queries the target reads: [CLS]'s, or every position's (mean pooling)
+    let queries: Vec<usize> = match target {
+        EncoderTarget::Cls => vec![0],
+        EncoderTarget::Embedding => (0..n).collect(),
+    };
+    let head_means: Vec<Vec<f32>> = (0..d.n_layers)
+        .map(|l| {
+            let p = cache.pattern(l).expect("all layers captured");
+            super::mean_rows((0..d.n_heads).map(|h| &p.data[h * n * n..][..n * n]))
+        })
+        .collect();
+    let over_queries = |row: &dyn Fn(usize) -> Vec<f32>| -> Vec<f32> {
+        let rows: Vec<Vec<f32>> = queries.iter().map(|&q| row(q)).collect();
+        super::mean_rows(rows.iter().map(Vec::as_slice))
+    };
+    let layer_rows: Vec<Vec<f32>> = head_means
+        .iter()
+        .map(|hm| over_queries(&|q| hm[q * n..][..n].to_vec()))
+        .collect();
+    let attention_last = layer_rows[d.n_layers - 1].clone();
+    let attention_mean = super::mean_rows(layer_rows.iter().map(Vec::as_slice));
+    let roll = over_queries(&|q| rollout(&head_means, n, q));
+    let norm_rows: Vec<Vec<f32>> = (0..d.n_layers)
+        .map(|l| {
+            let p = cache.pattern(l).expect("all layers captured");
+            let v = cache.get(l, Hook::V).expect("values captured");
+            let v = Values::pos_major(&v.data, n, d.n_kv_heads, d.head_dim);
+            over_queries(&|q| {
+                let alphas: Vec<&[f32]> = (0..d.n_heads).map(|h| p.row(h, q)).collect();
+                mixed_norms(model, l, &v, &alphas, n)
+            })
+        })
+        .collect();
+    let norm_last = norm_rows[d.n_layers - 1].clone();
+    let norm_shares: Vec<Vec<f32>> = norm_rows.iter().map(|r| shares(r)).collect();
+    let norm_mean = super::mean_rows(norm_shares.iter().map(Vec::as_slice));
+    let mut rng = Rng::new(seed);
+    let rankings: Vec<(&str, Vec<f32>)> = vec![
+        ("attention_last", attention_last.clone()),
+        ("attention_mean", attention_mean.clone()),
+        ("rollout", roll.clone()),
+        ("norm_last", norm_last.clone()),
+        ("norm_mean", norm_mean.clone()),
+        ("random", (0..n).map(|_| rng.uniform() as f32).collect()),
+    ];
+    // every variant's vector, once each
+    let ks = [1usize, 3, 5];
+    let candidates: Vec<usize> = (0..n).collect();
+    let keep = |f: &dyn Fn(usize) -> bool| -> Vec<u32> {
+        (0..n).filter(|&i| f(i)).map(|i| tokens[i]).collect()
+    };
+    let mut wanted: Vec<Vec<u32>> = vec![tokens.to_vec()];
+    wanted.extend((0..n).map(|j| keep(&|i| i != j)));
+    for (_, scores) in &rankings {
+        for &k in ks.iter().filter(|&&k| k < n) {
+            let top = top_positions(scores, &candidates, k);
+            wanted.push(keep(&|i| !top.contains(&i)));
+            wanted.push(keep(&|i| top.contains(&i)));
+        }
+    }
+    let mut memo: HashMap<Vec<u32>, Vec<f32>> = HashMap::new();
+    let distinct: Vec<Vec<u32>> = {
+        let mut seen = std::collections::HashSet::new();
+        wanted
+            .into_iter()
+            .filter(|w| seen.insert(w.clone()))
+            .collect()
+    };
+    let total = distinct.len();
+    for (i, w) in distinct.into_iter().enumerate() {
+        let v = target.vector(model, &w)?;
+        memo.insert(w, v);
+        tick(i + 1, total);
+    }
+    let base = memo[tokens].clone();
+    let effect = |w: &[u32]| (1.0 - cosine(&memo[w], &base)) as f32;
+    let deletion: Vec<f32> = (0..n).map(|j| effect(&keep(&|i| i != j))).collect();
+    if let Some(i) = deletion.iter().position(|x| !x.is_finite()) {
+        return Err(Error::NonFinite {
+            what: format!("the deletion effect of position {i}"),
+            layer: None,
+        });
+    }
+    let imp: Vec<f64> = deletion.iter().map(|&x| x as f64).collect();
+    let argmax = |v: &[f64]| {
+        v.iter()
+            .enumerate()
+            .max_by(|x, y| x.1.total_cmp(y.1).then(y.0.cmp(&x.0)))
+            .map(|x| x.0)
+    };
+    let mut metrics = Vec::new();
+    for (name, scores) in &rankings {
+        let (mut comp, mut suff) = (AtK::default(), AtK::default());
+        for &k in &ks {
+            let (c, s) = if k < n {
+                let top = top_positions(scores, &candidates, k);
+                (
+                    Some(effect(&keep(&|i| !top.contains(&i)))),
+                    Some(effect(&keep(&|i| top.contains(&i)))),
+                )
+            } else {
+                (None, None)
+            };
+            match k {
+                1 => (comp.k1, suff.k1) = (c, s),
+                3 => (comp.k3, suff.k3) = (c, s),
+                _ => (comp.k5, suff.k5) = (c, s),
+            }
+        }
+        let sc: Vec<f64> = scores.iter().map(|&x| x as f64).collect();
+        metrics.push(MetricRow {
+            ranking: name.to_string(),
+            truth: "deletion".into(),
+            n,
+            spearman: spearman(&sc, &imp),
+            spearman_p: permutation_p(&sc, &imp, spearman),
+            kendall: kendall_tau_b(&sc, &imp),
+            kendall_p: permutation_p(&sc, &imp, kendall_tau_b),
+            top1: Some(argmax(&sc) == argmax(&imp)),
+            comprehensiveness: comp,
+            sufficiency: suff,
+            without_first: false,
+        });
+    }
+    let most_faithful = metrics
+        .iter()
+        .filter(|m| m.ranking != "random")
+        .filter_map(|m| m.spearman.map(|r| (m, r)))
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .map(|(m, r)| Best {
+            ranking: m.ranking.clone(),
+            spearman: r,
+        });
+    let text = |j: usize| model.tokenizer.token_text(tokens[j]);
+    let top = argmax(&imp).unwrap_or(0);
+    let mut conclusion = format!(
+        "Deleting {:?} (position {top}) changes the {} most: 1 − cos = {:.4}.",
+        text(top),
+        match target {
+            EncoderTarget::Embedding => "sentence embedding",
+            EncoderTarget::Cls => "[CLS] vector",
+        },
+        deletion[top]
+    );
+    if let Some(b) = &most_faithful {
+        conclusion += &format!(
+            " Of the forward-only explanations, {} tracks deletion best (Spearman ρ = {:+.2}).",
+            b.ranking, b.spearman
+        );
+    }
+    Ok(EncFaithReport {
+        model: model.info.name.clone(),
+        precision: model.info.precision.name().into(),
+        encoder_target: target,
+        tokens: (0..n)
+            .map(|j| EncTokenRow {
+                pos: j,
+                id: tokens[j],
+                text: text(j),
+                attention_last: attention_last[j],
+                attention_mean: attention_mean[j],
+                rollout: roll[j],
+                norm_last: norm_last[j],
+                norm_mean: norm_mean[j],
+                deletion: deletion[j],
+            })
+            .collect(),
+        metrics,
+        forward_passes: 1 + total,
+        most_faithful,
+        conclusion,
+    })
+}
