@@ -231,6 +231,24 @@ fn corpus_on_an_encoder_reports_special_token_shares_and_merges() {
         serde_json::from_slice(&o.stdout).unwrap()
     };
     let single = run(&[], "all.jsonl");
+    // resumed after a run killed mid-line: the torn line goes, its text runs again, and the
+    // aggregate is the same (the resume logic the decoder's records use)
+    let whole = std::fs::read_to_string(dir.path().join("all.jsonl")).unwrap();
+    let kept: String = whole.lines().take(4).map(|l| format!("{l}\n")).collect();
+    std::fs::write(
+        dir.path().join("torn.jsonl"),
+        format!("{kept}{{\"id\":4,\"mod"),
+    )
+    .unwrap();
+    let resumed = run(&[], "torn.jsonl");
+    assert_eq!(resumed["layers"], single["layers"]);
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("torn.jsonl"))
+            .unwrap()
+            .lines()
+            .count(),
+        6
+    );
     run(&["--shard", "0/2"], "s0.jsonl");
     run(&["--shard", "1/2"], "s1.jsonl");
     assert_eq!(single["kind"], "encoder");

@@ -187,61 +187,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             a.json,
         );
     }
-    let mut records: Vec<Record> = Vec::new();
-    let mut out_file = None;
-    if let Some(path) = &a.out {
-        if path.exists() {
-            let mut text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading {}", path.display()))?;
-            // a run killed while appending leaves a torn last line (no newline, not a whole
-            // record): every complete line is kept, the fragment is dropped and its text runs again
-            if !text.is_empty() && !text.ends_with('\n') {
-                let start = text.rfind('\n').map_or(0, |i| i + 1);
-                let last = &text[start..];
-                let complete = serde_json::from_str::<Record>(last).is_ok();
-                // only a fragment of one of our records is dropped, and only below records that
-                // read back: another kind of file is refused by read_records below, untouched
-                if !complete
-                    && last.starts_with("{\"id\":")
-                    && read_records(&text[..start], "").is_ok()
-                {
-                    eprintln!("attnscope: {} ends in a torn line ({} bytes, written when a run was stopped); dropping it, its text runs again", path.display(), last.len());
-                    std::fs::OpenOptions::new()
-                        .write(true)
-                        .open(path)
-                        .and_then(|f| f.set_len(start as u64))
-                        .with_context(|| format!("dropping the torn line of {}", path.display()))?;
-                    text.truncate(start);
-                } else if complete {
-                    // a whole record whose newline was never written: end its line before appending
-                    std::fs::OpenOptions::new()
-                        .append(true)
-                        .open(path)
-                        .and_then(|mut f| f.write_all(b"\n"))
-                        .with_context(|| format!("appending to {}", path.display()))?;
-                }
-            }
-            records = read_records(&text, &path.display().to_string()).map_err(usage)?;
-            if let Some(r) = records.iter().find(|r| r.model != model.info.name) {
-                return Err(usage(format!(
-                    "{} holds records of model `{}`, not `{}`; use another --out",
-                    path.display(),
-                    r.model,
-                    model.info.name
-                )));
-            }
-            if let Some(r) = records.iter().find(|r| texts.get(r.id) != Some(&r.text)) {
-                return Err(usage(format!("{} holds record {} for a text that is not text {} of {source}; use another --out", path.display(), r.id, r.id)));
-            }
-        }
-        out_file = Some(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(path)
-                .with_context(|| format!("opening {}", path.display()))?,
-        );
-    }
+    let (mut records, mut out_file) = resume::<Record>(
+        a.out.as_deref(),
+        &model.info.name,
+        &texts,
+        &source,
+        &|t, name| read_records(t, name),
+        &|r| (r.model.as_str(), r.id, r.text.as_str()),
+    )?;
     let todo: Vec<usize> = selected
         .iter()
         .copied()
@@ -413,4 +366,70 @@ fn render(a: &Aggregate, source: &str) -> String {
         s += &t.render();
     }
     s
+}
+
+/// `--out`'s records so far and the file opened for appending (none without `--out`): a torn last
+/// line (a run killed while appending: no newline, not a whole record) is dropped and its text runs
+/// again; a whole record whose newline was never written gets it. Records of another model, or of
+/// a text that is not the same text here, are refused: the file belongs to another run.
+/// `parse(text, name)` reads a file's records, `meta(r)` gives a record's (model, id, text).
+#[allow(clippy::type_complexity)]
+pub(super) fn resume<R: serde::de::DeserializeOwned>(
+    out: Option<&std::path::Path>,
+    model_name: &str,
+    texts: &[String],
+    source: &str,
+    parse: &dyn Fn(&str, &str) -> Result<Vec<R>, String>,
+    meta: &dyn Fn(&R) -> (&str, usize, &str),
+) -> anyhow::Result<(Vec<R>, Option<std::fs::File>)> {
+    let Some(path) = out else {
+        return Ok((Vec::new(), None));
+    };
+    let mut records = Vec::new();
+    if path.exists() {
+        let mut text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        if !text.is_empty() && !text.ends_with('\n') {
+            let start = text.rfind('\n').map_or(0, |i| i + 1);
+            let last = &text[start..];
+            let complete = serde_json::from_str::<R>(last).is_ok();
+            // only a fragment of one of our records is dropped, and only below records that
+            // read back: another kind of file is refused by `parse` below, untouched
+            if !complete && last.starts_with("{\"id\":") && parse(&text[..start], "").is_ok() {
+                eprintln!("attnscope: {} ends in a torn line ({} bytes, written when a run was stopped); dropping it, its text runs again", path.display(), last.len());
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(path)
+                    .and_then(|f| f.set_len(start as u64))
+                    .with_context(|| format!("dropping the torn line of {}", path.display()))?;
+                text.truncate(start);
+            } else if complete {
+                // a whole record whose newline was never written: end its line before appending
+                std::fs::OpenOptions::new()
+                    .append(true)
+                    .open(path)
+                    .and_then(|mut f| f.write_all(b"\n"))
+                    .with_context(|| format!("appending to {}", path.display()))?;
+            }
+        }
+        records = parse(&text, &path.display().to_string()).map_err(usage)?;
+        for r in &records {
+            let (model, id, t) = meta(r);
+            if model != model_name {
+                return Err(usage(format!(
+                    "{} holds records of model `{model}`, not `{model_name}`; use another --out",
+                    path.display()
+                )));
+            }
+            if texts.get(id).map(String::as_str) != Some(t) {
+                return Err(usage(format!("{} holds record {id} for a text that is not text {id} of {source}; use another --out", path.display())));
+            }
+        }
+    }
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    Ok((records, Some(file)))
 }

@@ -23,56 +23,20 @@ pub fn run(
     source: &str,
     json: bool,
 ) -> anyhow::Result<()> {
-    let mut records: Vec<EncoderRecord> = Vec::new();
-    let mut out_file = None;
-    if let Some(path) = out {
-        if path.exists() {
-            let mut text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading {}", path.display()))?;
-            // a torn last line (a run stopped while appending) is dropped; its text runs again
-            if !text.is_empty() && !text.ends_with('\n') {
-                let start = text.rfind('\n').map_or(0, |i| i + 1);
-                if serde_json::from_str::<EncoderRecord>(&text[start..]).is_err()
-                    && text[start..].starts_with("{\"id\":")
-                {
-                    std::fs::OpenOptions::new()
-                        .write(true)
-                        .open(path)
-                        .and_then(|f| f.set_len(start as u64))
-                        .with_context(|| format!("dropping the torn line of {}", path.display()))?;
-                    text.truncate(start);
-                } else {
-                    std::fs::OpenOptions::new()
-                        .append(true)
-                        .open(path)
-                        .and_then(|mut f| f.write_all(b"\n"))
-                        .with_context(|| format!("appending to {}", path.display()))?;
-                }
+    let (mut records, mut out_file) = super::corpus::resume::<EncoderRecord>(
+        out,
+        &model.info.name,
+        texts,
+        source,
+        &|t, name| {
+            if t.trim().is_empty() {
+                Ok(Vec::new())
+            } else {
+                read_encoder_records(&[(t, name)])
             }
-            if !text.trim().is_empty() {
-                let name = path.display().to_string();
-                records = read_encoder_records(&[(text.as_str(), name.as_str())]).map_err(usage)?;
-            }
-            if let Some(r) = records.iter().find(|r| r.model != model.info.name) {
-                return Err(usage(format!(
-                    "{} holds records of model `{}`, not `{}`; use another --out",
-                    path.display(),
-                    r.model,
-                    model.info.name
-                )));
-            }
-            if let Some(r) = records.iter().find(|r| texts.get(r.id) != Some(&r.text)) {
-                return Err(usage(format!("{} holds record {} for a text that is not text {} of {source}; use another --out", path.display(), r.id, r.id)));
-            }
-        }
-        out_file = Some(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(path)
-                .with_context(|| format!("opening {}", path.display()))?,
-        );
-    }
+        },
+        &|r| (r.model.as_str(), r.id, r.text.as_str()),
+    )?;
     let mut skipped = Vec::new();
     for &i in selected {
         if records.iter().any(|r| r.id == i) {
