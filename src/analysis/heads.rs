@@ -238,7 +238,7 @@ pub fn roles_of(model: &Model, tokens: &[u32]) -> anyhow::Result<HeadRoles> {
 }
 
 /// [`roles_of`] with an encoder's token types (a sentence pair's, as [`Model::encode_pair`]
-/// gives them; `None`: all 0). A decoder refuses types.
+/// gives them; `None`: all 0; types are an encoder's).
 pub fn roles_of_typed(
     model: &Model,
     tokens: &[u32],
