@@ -205,7 +205,9 @@ fn roberta_pair_segments_come_from_the_pair_structure() {
     assert_eq!(seg, want, "{ids:?}");
     assert_eq!(ids[k], sep, "B's part starts at the second separator");
     // a literal separator inside the first text does not move the split
-    let (ids2, _, seg2) = model.encode_pair_segments("it </s> sat", "the cat").unwrap();
+    let (ids2, _, seg2) = model
+        .encode_pair_segments("it </s> sat", "the cat")
+        .unwrap();
     let first_alone = model.encode("it </s> sat", false).unwrap().len();
     assert_eq!(seg2.iter().position(|&s| s == 1), Some(first_alone));
     assert!(
@@ -227,21 +229,36 @@ fn roberta_pair_segments_come_from_the_pair_structure() {
         false,
     )
     .unwrap();
-    let (_, t, s) = distil.encode_pair_segments("what is it?", "the dog").unwrap();
+    let (_, t, s) = distil
+        .encode_pair_segments("what is it?", "the dog")
+        .unwrap();
     assert!(t.iter().all(|&x| x == 0));
-    assert_eq!(s, bert.encode_pair_segments("what is it?", "the dog").unwrap().2);
+    assert_eq!(
+        s,
+        bert.encode_pair_segments("what is it?", "the dog")
+            .unwrap()
+            .2
+    );
 
     // inspect: token_types as the model ran them, segments 0/1 and the B marks in the text
     let out = attnscope()
-        .args(["inspect", "--model", m, "--text", "it sat", "--pair", "the cat", "--json"])
+        .args([
+            "inspect", "--model", m, "--text", "it sat", "--pair", "the cat", "--json",
+        ])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(token_ids(&v["segments"]), want);
     assert!(token_ids(&v["token_types"]).iter().all(|&t| t == 0));
     let out = attnscope()
-        .args(["inspect", "--model", m, "--text", "it sat", "--pair", "the cat"])
+        .args([
+            "inspect", "--model", m, "--text", "it sat", "--pair", "the cat",
+        ])
         .output()
         .unwrap();
     let s = String::from_utf8_lossy(&out.stdout);
@@ -271,7 +288,11 @@ fn dir_page(m: &str, args: &[&str]) -> String {
         .args(args)
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     std::fs::read_to_string(out_path).unwrap()
 }
 
@@ -290,7 +311,12 @@ fn pattern_page_of_a_pair_has_the_selector() {
     assert!(page.contains("\"sentence_b_start\":3"), "b start");
     assert!(page.contains("\"pair\":\"AB\""), "the first selection");
     assert!(page.contains("\"token_types\":[0,0,0,1,1]"));
-    for (name, value) in [("A→B", "AB"), ("b->a", "BA"), ("BB", "BB"), (" all ", "all")] {
+    for (name, value) in [
+        ("A→B", "AB"),
+        ("b->a", "BA"),
+        ("BB", "BB"),
+        (" all ", "all"),
+    ] {
         assert_eq!(pair_selection(name).unwrap(), value, "{name}");
     }
     let plain = pattern_page_pair(&uniform, [1, 2, n, n], &texts, "t", None, "all").unwrap();

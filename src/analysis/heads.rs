@@ -15,10 +15,10 @@
 //! [`RoleScores`] is an observer: it takes the attention block by block as the forward produces it
 //! (rows of `[heads, rows, keys]`), so no n × n matrix is ever held, whatever the length.
 
+pub use super::heads_encoder::ENCODER_ROLES;
 use crate::model::capture::{Hook, Observer};
 use crate::model::forward::RunOptions;
 use crate::model::Model;
-pub use super::heads_encoder::ENCODER_ROLES;
 use serde::Serialize;
 use std::collections::BTreeMap;
 

@@ -115,7 +115,8 @@ impl EncoderRoleScores {
     /// Each role's score for a head that spreads its weight evenly over the n keys.
     fn uniform(&self) -> BTreeMap<String, f64> {
         let n = self.n.max(1) as f64;
-        let count = |f: fn(&(bool, bool)) -> bool| self.kinds.iter().filter(|k| f(k)).count() as f64;
+        let count =
+            |f: fn(&(bool, bool)) -> bool| self.kinds.iter().filter(|k| f(k)).count() as f64;
         let neighbour = (n - 1.0) / (n * n);
         [
             ("previous_token", neighbour),
@@ -215,7 +216,7 @@ mod tests {
         assert!((s("cls", 0) - 0.5).abs() < 1e-12); // rows 0 and 1 on [CLS]
         assert!((s("sep", 0) - 0.0).abs() < 1e-12);
         assert!(s("broad", 0).abs() < 1e-12); // every row on one key
-        // mixed: next-token weights 0.5 (row 0), 0.5 (row 1), 0.25 (row 2)
+                                              // mixed: next-token weights 0.5 (row 0), 0.5 (row 1), 0.25 (row 2)
         assert!((s("next_token", 1) - 1.25 / 4.0).abs() < 1e-12);
         assert!((s("previous_token", 1) - (0.0 + 0.25 + 0.0) / 4.0).abs() < 1e-12);
         assert!((s("sep", 1) - (0.5 + 0.5 + 0.25 + 1.0) / 4.0).abs() < 1e-12);

@@ -5,8 +5,8 @@
 
 use super::common::{emit, usage, ModelArgs, TextArgs};
 use crate::analysis::heads::{
-    document, mean_roles, mean_uniform, random_repeat_tokens, role_names, roles_of,
-    roles_of_typed, HeadRoles,
+    document, mean_roles, mean_uniform, random_repeat_tokens, role_names, roles_of, roles_of_typed,
+    HeadRoles,
 };
 use crate::render::table::{title, Align, Table};
 

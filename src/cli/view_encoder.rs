@@ -35,7 +35,10 @@ pub(super) fn page_of(
             "the text is {n} tokens; an encoder's view stores every weight and takes at most {MAX_ENCODER_VIEW_TOKENS}"
         )));
     }
-    for (what, t) in [("token types", &opts.token_types), ("segments", &opts.segments)] {
+    for (what, t) in [
+        ("token types", &opts.token_types),
+        ("segments", &opts.segments),
+    ] {
         if let Some(t) = t.as_ref().filter(|t| t.len() != n) {
             return Err(usage(format!(
                 "{} {what} for {n} tokens (one per token)",

@@ -59,7 +59,8 @@ impl Model {
     /// with a single token type (its tokenizer's type 1 has no embedding), or a pair past the
     /// model's positions.
     pub fn encode_pair(&self, a: &str, b: &str) -> Result<(Vec<u32>, Vec<u32>)> {
-        self.encode_pair_typed(a, b).map(|(ids, types, _)| (ids, types))
+        self.encode_pair_typed(a, b)
+            .map(|(ids, types, _)| (ids, types))
     }
 
     /// [`Model::encode_pair`] and, third, each token's segment: 0 for the first text's part, 1
@@ -67,11 +68,7 @@ impl Model {
     /// `</s> B </s>`; DistilBERT: its tokenizer's `[CLS] A [SEP]` then `B [SEP]`). The segments
     /// are for display and selection (`inspect`'s B marks, the view's A→B selector); the forward
     /// takes the second list, the types.
-    pub fn encode_pair_segments(
-        &self,
-        a: &str,
-        b: &str,
-    ) -> Result<(Vec<u32>, Vec<u32>, Vec<u32>)> {
+    pub fn encode_pair_segments(&self, a: &str, b: &str) -> Result<(Vec<u32>, Vec<u32>, Vec<u32>)> {
         let (ids, types, own) = self.encode_pair_typed(a, b)?;
         let segments = self.tokenizer.pair_segments(a, &ids, &own)?;
         Ok((ids, types, segments))
