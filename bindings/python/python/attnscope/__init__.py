@@ -1051,7 +1051,9 @@ class HookedModel:
         (``hook_z``: ``[b, pos, head, d_head]``; ``hook_pattern``: ``[b, head, query, key]``) and a
         :class:`HookPoint`; it edits in place and returns None, or returns the array that replaces
         the activation. Hooks added with :meth:`add_hook` or a :meth:`hooks` context run first.
-        ``input``: as :meth:`run_with_cache` (a batch runs each row as it stands).
+        ``input``: as :meth:`run_with_cache` (a batch runs each row as it stands; on an encoder a
+        sentence pair ``("A", "B")`` with its token types, where ``"logits"`` gives None, there
+        being no output head, and a loss is refused).
         ``return_type``: ``"logits"`` ``[b, n, vocab]``, ``"loss"`` (mean next-token cross-entropy
         over every row and position, pad positions included, as TransformerLens computes it
         without an attention mask; ``loss_per_token``: ``[b, n - 1]``), ``"both"`` (logits, loss)
