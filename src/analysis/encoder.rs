@@ -196,8 +196,12 @@ pub struct EncoderReport {
     /// "encoder (bidirectional)".
     pub kind: &'static str,
     pub tokens: Vec<super::inspect::TokenInfo>,
-    /// Each token's type (segment id): 0, or 1 for the second text of a pair.
+    /// Each token's type as the model ran it: 0, or 1 for the second text of a pair (all 0 on
+    /// a model without token types: RoBERTa, DistilBERT).
     pub token_types: Vec<u32>,
+    /// Which text of a pair each token belongs to: 0, or 1 for the second (RoBERTa's
+    /// `</s> B </s>`), whether or not the model runs token types; all 0 for one text.
+    pub segments: Vec<u32>,
     pub query: usize,
     pub layer: usize,
     pub special_shares: SpecialShares,
@@ -280,6 +284,7 @@ pub fn inspect(
                 text: t.clone(),
             })
             .collect(),
+        segments: opts.token_types.clone().unwrap_or_else(|| vec![0; n]),
         token_types: opts.token_types.unwrap_or_else(|| vec![0; n]),
         query,
         layer,

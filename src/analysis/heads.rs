@@ -9,9 +9,13 @@
 //! - sink: P[i, 0] = 1 (the mean weight on the first position);
 //! - local: P[i, j] = 1 for i - 3 ≤ j ≤ i (the mean weight on the last 4 keys).
 //!
+//! An encoder's heads look both ways, so it is scored on other roles (previous/next token,
+//! [CLS], [SEP], broad), defined in [`super::heads_encoder`]; [`roles_of`] picks by the model.
+//!
 //! [`RoleScores`] is an observer: it takes the attention block by block as the forward produces it
 //! (rows of `[heads, rows, keys]`), so no n × n matrix is ever held, whatever the length.
 
+pub use super::heads_encoder::ENCODER_ROLES;
 use crate::model::capture::{Hook, Observer};
 use crate::model::forward::RunOptions;
 use crate::model::Model;
@@ -200,6 +204,12 @@ pub fn random_repeat_tokens(
     bos: bool,
 ) -> crate::model::Result<Vec<u32>> {
     let d = &model.dims;
+    if model.is_encoder() {
+        return Err(crate::model::Error::NotApplicable(format!(
+            "--random-repeat (Python: random_repeat) is the induction test of a causal model; {} is an encoder (bidirectional attention, no induction to test): give it a text",
+            model.info.name
+        )));
+    }
     if count == 0 || 2 * count + 1 > d.context_len {
         return Err(crate::model::Error::OutOfRange {
             what: "--random-repeat (Python: random_repeat)".into(),
@@ -220,30 +230,47 @@ pub fn random_repeat_tokens(
     Ok(t)
 }
 
-/// The role scores of one token sequence (streamed: no n × n matrix is held).
-/// An encoder is refused: the patterns are causal ones (a uniform head spreads 1/(i+1) over
-/// keys ≤ i; local means the last four keys), and an encoder's heads look both ways.
+/// The role scores of one token sequence (streamed: no n × n matrix is held). On a decoder the
+/// roles of [`ROLES`] (causal patterns, against a uniform causal head); on an encoder those of
+/// [`ENCODER_ROLES`] (previous/next token, [CLS], [SEP], broad: `heads_encoder`'s definitions).
 pub fn roles_of(model: &Model, tokens: &[u32]) -> anyhow::Result<HeadRoles> {
+    roles_of_typed(model, tokens, None)
+}
+
+/// [`roles_of`] with an encoder's token types (a sentence pair's, as [`Model::encode_pair`]
+/// gives them; `None`: all 0; types are an encoder's).
+pub fn roles_of_typed(
+    model: &Model,
+    tokens: &[u32],
+    types: Option<&[u32]>,
+) -> anyhow::Result<HeadRoles> {
     if model.is_encoder() {
-        return Err(anyhow::Error::new(crate::model::Error::NotApplicable(format!(
-            "{} is an encoder (bidirectional attention), and the head roles are a causal model's \
-             (previous token, duplicate token, induction, sink, local: patterns over the keys before \
-             each query, scored against a uniform causal head); for an encoder's heads use \
-             `attnscope inspect` (the [CLS]/[SEP]/punctuation shares per layer and each head's rows) \
-             or `attnscope corpus` (the shares per head over many texts)",
-            model.info.name
-        ))));
+        return Ok(super::heads_encoder::encoder_roles(model, tokens, types)?);
     }
     let d = &model.dims;
     let mut r = RoleScores::new(d.n_layers, d.n_heads, tokens);
-    model.forward(tokens, &RunOptions::default(), &mut r)?;
+    let opts = RunOptions {
+        token_types: types.map(<[u32]>::to_vec),
+        ..Default::default()
+    };
+    model.forward(tokens, &opts, &mut r)?;
     Ok(r.finish(tokens))
+}
+
+/// The roles `model` is scored on, in the order they are listed: [`ROLES`] on a decoder,
+/// [`ENCODER_ROLES`] on an encoder.
+pub fn role_names(model: &Model) -> &'static [&'static str] {
+    if model.is_encoder() {
+        &ENCODER_ROLES
+    } else {
+        &ROLES
+    }
 }
 
 /// The mean of several texts' scores (each text counts once), in the order given.
 pub fn mean_roles(all: &[HeadRoles]) -> BTreeMap<String, Vec<Vec<f64>>> {
     let mut out = BTreeMap::new();
-    for role in ROLES {
+    for role in all[0].roles.keys() {
         let first = &all[0].roles[role];
         let mean = (0..first.len())
             .map(|l| {
@@ -254,19 +281,20 @@ pub fn mean_roles(all: &[HeadRoles]) -> BTreeMap<String, Vec<Vec<f64>>> {
                     .collect()
             })
             .collect();
-        out.insert(role.to_string(), mean);
+        out.insert(role.clone(), mean);
     }
     out
 }
 
 /// Each role's uniform-head score, averaged like the scores (each text once).
 pub fn mean_uniform(all: &[HeadRoles]) -> BTreeMap<String, f64> {
-    ROLES
-        .iter()
+    all[0]
+        .uniform
+        .keys()
         .map(|r| {
             (
-                r.to_string(),
-                all.iter().map(|x| x.uniform[*r]).sum::<f64>() / all.len() as f64,
+                r.clone(),
+                all.iter().map(|x| x.uniform[r]).sum::<f64>() / all.len() as f64,
             )
         })
         .collect()
@@ -278,6 +306,23 @@ pub fn document(
     all: &[HeadRoles],
     extra: serde_json::Map<String, serde_json::Value>,
 ) -> anyhow::Result<serde_json::Value> {
+    let first = all
+        .first()
+        .ok_or_else(|| anyhow::anyhow!("no head-role scores to average"))?;
+    for r in all {
+        let same = r.roles.len() == first.roles.len()
+            && r.uniform.keys().eq(first.uniform.keys())
+            && r.roles.iter().all(|(k, v)| {
+                first.roles.get(k).is_some_and(|f| {
+                    f.len() == v.len() && f.iter().zip(v).all(|(a, b)| a.len() == b.len())
+                })
+            });
+        if !same {
+            return Err(anyhow::Error::new(crate::model::Error::NotApplicable(
+                "head-role scores of different roles or shapes (another model's?) cannot be averaged".into(),
+            )));
+        }
+    }
     let mut doc = extra;
     let uniform = mean_uniform(all);
     doc.insert("model".into(), model.info.name.clone().into());

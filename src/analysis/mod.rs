@@ -15,6 +15,7 @@ pub mod encoder;
 pub mod faithfulness;
 pub mod gen_attribute;
 pub mod heads;
+pub mod heads_encoder;
 pub mod inspect;
 pub mod intervene;
 pub mod measure;

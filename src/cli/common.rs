@@ -98,6 +98,17 @@ impl ModelArgs {
     }
 }
 
+/// The input of a command: its tokens and, for an encoder's sentence pair, the token types the
+/// model runs and each token's segment (which text it belongs to).
+pub struct Encoded {
+    /// the token ids
+    pub tokens: Vec<u32>,
+    /// a pair's token types for the forward (`None`: one text, all 0)
+    pub types: Option<Vec<u32>>,
+    /// a pair's segments, 0 then 1 (`None`: one text)
+    pub segments: Option<Vec<u32>>,
+}
+
 #[derive(clap::Args, Debug, Clone)]
 pub struct TextArgs {
     /// The text to run. Default: the lesson's sentence (or standard input when it is piped).
@@ -106,7 +117,7 @@ pub struct TextArgs {
     /// Read the text from a UTF-8 file (`-` for standard input).
     #[arg(long, short = 'f')]
     pub file: Option<PathBuf>,
-    /// An encoder's second text (`inspect`, `capture`, `heatmap`): the input is the sentence pair
+    /// An encoder's second text (`inspect`, `heads`, `capture`, `heatmap`, `view`): the input is the sentence pair
     /// `[CLS] TEXT [SEP] PAIR [SEP]`, token types 0 then 1.
     #[arg(long, conflicts_with = "chat")]
     pub pair: Option<String>,
@@ -153,10 +164,31 @@ impl TextArgs {
         }
     }
 
+    /// [`TextArgs::tokens_or_pair`] with a pair's segments (0 for the first text's part, 1 for
+    /// the second's, also on a model without token types: [`Model::encode_pair_segments`]), for
+    /// the commands that show which text a token belongs to (`inspect`, `view`).
+    pub fn encoded(&self, model: &Model, force_bos: bool) -> anyhow::Result<Encoded> {
+        match &self.pair {
+            Some(b) if self.chat.is_none() => {
+                let (tokens, types, segments) = model.encode_pair_segments(&self.read_any()?, b)?;
+                Ok(Encoded {
+                    tokens,
+                    types: Some(types),
+                    segments: Some(segments),
+                })
+            }
+            _ => Ok(Encoded {
+                tokens: self.tokens(model, force_bos)?,
+                types: None,
+                segments: None,
+            }),
+        }
+    }
+
     fn refuse_pair(&self) -> anyhow::Result<()> {
         if self.pair.is_some() {
             return Err(usage(
-                "--pair (a sentence pair for an encoder) is taken by inspect, capture and heatmap, without --chat; this command runs one text",
+                "--pair (a sentence pair for an encoder) is taken by inspect, heads, capture, heatmap and view, without --chat (nor --each-line); this command runs one text",
             ));
         }
         Ok(())

@@ -1,9 +1,12 @@
 //! `attnscope heads`: a role score for every (layer, head): previous token, duplicate token,
-//! induction, sink and local, TransformerLens's head-detector definitions, streamed.
+//! induction, sink and local, TransformerLens's head-detector definitions, streamed; on an
+//! encoder previous token, next token, [CLS], [SEP] and broad (Clark et al. 2019), on a text or
+//! a sentence pair (`--pair`).
 
 use super::common::{emit, usage, ModelArgs, TextArgs};
 use crate::analysis::heads::{
-    document, mean_roles, mean_uniform, random_repeat_tokens, roles_of, HeadRoles, ROLES,
+    document, mean_roles, mean_uniform, random_repeat_tokens, role_names, roles_of, roles_of_typed,
+    HeadRoles,
 };
 use crate::render::table::{title, Align, Table};
 
@@ -36,8 +39,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.top == 0 {
         return Err(usage("--top must be at least 1"));
     }
+    if a.random_repeat.is_some() && a.text.pair.is_some() {
+        return Err(usage(
+            "--random-repeat makes its own tokens; --pair (a sentence pair) needs a text",
+        ));
+    }
     let model = a.model.load()?;
     let mut texts = Vec::new();
+    let mut types = None;
     let mut doc = serde_json::Map::new();
     let source;
     if let Some(nr) = a.random_repeat {
@@ -56,13 +65,22 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         source = format!("{} texts, one per line", texts.len());
     } else {
-        texts.push(a.text.tokens(&model, a.model.bos)?);
-        source = "the text".into();
+        let (t, ty) = a.text.tokens_or_pair(&model, a.model.bos)?;
+        texts.push(t);
+        source = if ty.is_some() {
+            "the sentence pair".into()
+        } else {
+            "the text".into()
+        };
+        types = ty;
     }
-    let all: Vec<HeadRoles> = texts
-        .iter()
-        .map(|t| roles_of(&model, t))
-        .collect::<anyhow::Result<_>>()?;
+    let all: Vec<HeadRoles> = match types {
+        Some(ty) => vec![roles_of_typed(&model, &texts[0], Some(&ty))?],
+        None => texts
+            .iter()
+            .map(|t| roles_of(&model, t))
+            .collect::<anyhow::Result<_>>()?,
+    };
     if a.json {
         return emit(&format!(
             "{}\n",
@@ -76,7 +94,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "Head roles of {}, {} ({n_tokens} tokens)",
         model.info.name, source
     ));
-    s += "score = Σ(A ⊙ P) / Σ A for the role's pattern P (TransformerLens's head detector, \"mul\"); × = times a uniform head's score\n\n";
+    s += if model.is_encoder() {
+        "an encoder (bidirectional): each score is a mean over the queries of the weight on the previous token, the next token, [CLS], [SEP], and (broad) the row's entropy / ln n; × = times a uniform head's score\n\n"
+    } else {
+        "score = Σ(A ⊙ P) / Σ A for the role's pattern P (TransformerLens's head detector, \"mul\"); × = times a uniform head's score\n\n"
+    };
     let mut t = Table::new([
         ("role", Align::Left),
         ("uniform head", Align::Right),
@@ -85,7 +107,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             Align::Left,
         ),
     ]);
-    for role in ROLES {
+    let names = role_names(&model);
+    for &role in names {
         let mut ranked: Vec<(usize, usize, f64)> = roles[role]
             .iter()
             .enumerate()
@@ -107,7 +130,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         t.row([role.to_string(), format!("{u:.3}"), top.join(", ")]);
     }
     s += &t.render();
-    for role in ROLES {
+    for &role in names {
         s += &format!("\n{role} (rows: layers; columns: heads; ' ░▒▓█' = 0 .. 1)\n");
         for (l, hs) in roles[role].iter().enumerate() {
             let shade: String = hs

@@ -118,11 +118,13 @@ fn head_list(spec: &str, n_heads: usize) -> anyhow::Result<Vec<usize>> {
     }
 }
 
-/// The `inspect` report of `tokens` (`types`: a pair's token types, for an encoder).
+/// The `inspect` report of `tokens` (`types`: a pair's token types, for an encoder; `segments`:
+/// its segments where they differ from the types, as on RoBERTa, else `None`).
 pub fn inspect(
     model: &Model,
     tokens: &[u32],
     types: Option<&[u32]>,
+    segments: Option<&[u32]>,
     r: &Request,
 ) -> anyhow::Result<Inspected> {
     let (n, d) = (tokens.len(), &model.dims);
@@ -138,7 +140,7 @@ pub fn inspect(
     }
     if model.is_encoder() {
         let t0 = Instant::now();
-        let report = crate::analysis::encoder::inspect(
+        let mut report = crate::analysis::encoder::inspect(
             model,
             tokens,
             types,
@@ -147,6 +149,12 @@ pub fn inspect(
             &heads,
             r.top.unwrap_or(3).min(n),
         )?;
+        if let Some(s) = segments {
+            if s.len() != n {
+                return Err(usage(format!("{} segments for {n} tokens", s.len())));
+            }
+            report.segments = s.to_vec();
+        }
         return Ok(Inspected::Encoder {
             report,
             forward_s: t0.elapsed().as_secs_f64(),
@@ -197,7 +205,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let start = Instant::now();
     let model = a.model.load()?;
     let load_s = start.elapsed().as_secs_f64();
-    let (tokens, types) = a.text.tokens_or_pair(&model, a.model.bos)?;
+    let input = a.text.encoded(&model, a.model.bos)?;
+    let (tokens, types) = (&input.tokens, &input.types);
     let req = Request {
         query: a.query,
         layer: a.layer,
@@ -206,7 +215,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         top: a.top,
         concentrated: a.concentrated,
     };
-    let got = inspect(&model, &tokens, types.as_deref(), &req)?;
+    let got = inspect(
+        &model,
+        tokens,
+        types.as_deref(),
+        input.segments.as_deref(),
+        &req,
+    )?;
     if a.json {
         return emit(&format!(
             "{}\n",
@@ -251,7 +266,7 @@ fn encoder_text(model: &Model, r: &EncoderReport, top: usize, forward: f64, load
     );
     s += "every token attends to every other (no causal mask); no next token is predicted\n\n";
     let pieces: Vec<String> = (0..n)
-        .map(|i| match r.token_types[i] {
+        .map(|i| match r.segments[i] {
             1 => format!("{i}:{}ᴮ", tok(i)),
             _ => format!("{i}:{}", tok(i)),
         })

@@ -532,10 +532,11 @@ fn view_pair(
     b: &str,
     faithfulness: bool,
 ) -> anyhow::Result<(String, usize)> {
-    let (tokens, types) = model.encode_pair(a, b)?;
+    let (tokens, types, segments) = model.encode_pair_segments(a, b)?;
     let opts = super::view::ViewOptions {
         faithfulness,
         token_types: Some(types),
+        segments: Some(segments),
         ..Default::default()
     };
     super::view::view_html_tokens(model, &tokens, &opts)

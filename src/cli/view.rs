@@ -149,6 +149,10 @@ pub struct ViewOptions {
     /// an encoder's token types (a sentence pair's 0/1, as [`crate::model::Model::encode_pair`]
     /// gives them); `None`: all 0, one text
     pub token_types: Option<Vec<u32>>,
+    /// a pair's segments where they differ from its types (RoBERTa, DistilBERT: no types, but
+    /// two texts; [`crate::model::Model::encode_pair_segments`]), for the page's B marks and
+    /// its A→B selector; `None`: the types
+    pub segments: Option<Vec<u32>>,
 }
 
 /// `attnscope ablate`'s report, with its progress bar when `bar` (and standard error is a terminal).
@@ -332,6 +336,61 @@ pub fn pattern_page(
     tokens: &[String],
     title: &str,
 ) -> anyhow::Result<String> {
+    pattern_page_pair(patterns, shape, tokens, title, None, "all")
+}
+
+/// The head view's selections of a sentence pair, by the name Python's
+/// `viz.attention_heads(pair=...)` takes (`"a->b"`: A's queries, B's keys), and the page's own
+/// (its selector's value).
+pub const PAIR_SELECTIONS: [(&str, &str); 5] = [
+    ("all", "all"),
+    ("a->b", "AB"),
+    ("b->a", "BA"),
+    ("a->a", "AA"),
+    ("b->b", "BB"),
+];
+
+/// The page's value for a pair selection named `a->b` (any case; `A→B` and `AB` too).
+pub fn pair_selection(name: &str) -> anyhow::Result<&'static str> {
+    let key = name
+        .trim()
+        .to_ascii_lowercase()
+        .replace('→', "->")
+        .replace(' ', "");
+    PAIR_SELECTIONS
+        .iter()
+        .find(|(k, v)| *k == key || v.to_ascii_lowercase() == key)
+        .map(|(_, v)| *v)
+        .ok_or_else(|| {
+            usage(format!(
+                "pair={name:?} is not a selection: use one of {}",
+                PAIR_SELECTIONS
+                    .iter()
+                    .map(|(k, _)| format!("{k:?}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))
+        })
+}
+
+/// [`pattern_page`] for a sentence pair: `sentence_b_start` (BertViz's) is the first position of
+/// the second text, which turns on the head view's selector (all, A→B, B→A, A→A, B→B), shown
+/// first at `pair` ([`pair_selection`]'s names). Bidirectional patterns only (a pair is an
+/// encoder's input); `pair` other than `all` needs `sentence_b_start`.
+pub fn pattern_page_pair(
+    patterns: &[f32],
+    shape: [usize; 4],
+    tokens: &[String],
+    title: &str,
+    sentence_b_start: Option<usize>,
+    pair: &str,
+) -> anyhow::Result<String> {
+    let selection = pair_selection(pair)?;
+    if selection != "all" && sentence_b_start.is_none() {
+        return Err(usage(format!(
+            "pair={pair:?} selects one sentence of a pair: give sentence_b_start, the first position of the second text"
+        )));
+    }
     let [layers, heads, n, n2] = shape;
     if n != n2
         || layers == 0
@@ -361,8 +420,27 @@ pub fn pattern_page(
     let bidirectional = patterns
         .chunks(n * n)
         .any(|m| (0..n).any(|i| m[i * n + i + 1..(i + 1) * n].iter().any(|&w| w > 1e-6)));
+    if let Some(b) = sentence_b_start {
+        if !bidirectional {
+            return Err(usage(
+                "sentence_b_start marks a sentence pair, an encoder's input; these patterns have no weight above the diagonal (a decoder's, causal)",
+            ));
+        }
+        if b == 0 || b >= n {
+            return Err(usage(format!(
+                "sentence_b_start={b} is out of range: both texts need a token (1..={})",
+                n - 1
+            )));
+        }
+    }
     if bidirectional {
-        return encoder::pattern_page_of(patterns, shape, tokens, title);
+        return encoder::pattern_page_of(
+            patterns,
+            shape,
+            tokens,
+            title,
+            sentence_b_start.map(|b| (b, selection)),
+        );
     }
     let encoded = encode_layers(patterns.chunks(heads * n * n), layers, heads, n);
     let data = ViewData {
@@ -392,13 +470,15 @@ pub fn view(a: ViewArgs) -> anyhow::Result<()> {
         }));
     }
     let model = a.model.load()?;
-    let (tokens, token_types) = a.text.tokens_or_pair(&model, a.model.bos)?;
+    let input = a.text.encoded(&model, a.model.bos)?;
+    let tokens = input.tokens;
     let opts = ViewOptions {
         faithfulness: a.faithfulness,
         ablate: a.ablate,
         target: a.target,
         progress: true,
-        token_types,
+        token_types: input.types,
+        segments: input.segments,
     };
     let (html, n) = view_html_tokens(&model, &tokens, &opts)?;
     let d = &model.dims;

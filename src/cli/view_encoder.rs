@@ -35,16 +35,23 @@ pub(super) fn page_of(
             "the text is {n} tokens; an encoder's view stores every weight and takes at most {MAX_ENCODER_VIEW_TOKENS}"
         )));
     }
-    let types = match &opts.token_types {
-        Some(t) if t.len() != n => {
+    for (what, t) in [
+        ("token types", &opts.token_types),
+        ("segments", &opts.segments),
+    ] {
+        if let Some(t) = t.as_ref().filter(|t| t.len() != n) {
             return Err(usage(format!(
-                "{} token types for {n} tokens (one per token)",
+                "{} {what} for {n} tokens (one per token)",
                 t.len()
-            )))
+            )));
         }
-        Some(t) => t.clone(),
-        None => vec![0; n],
-    };
+    }
+    // which text each token belongs to: the pair's segments, else its types
+    let types = opts
+        .segments
+        .clone()
+        .or_else(|| opts.token_types.clone())
+        .unwrap_or_else(|| vec![0; n]);
     let spec = CaptureSpec {
         hooks: vec![Hook::Pattern, Hook::V],
         ..CaptureSpec::patterns()
@@ -99,6 +106,7 @@ pub(super) fn page_of(
             kind: "encoder",
             token_types: types,
             sentence_b_start,
+            pair: None,
             special_shares,
         }),
     };
@@ -106,13 +114,15 @@ pub(super) fn page_of(
 }
 
 /// The encoder's page for bidirectional patterns `[layers, heads, n, n]` computed elsewhere
-/// (checked by [`super::pattern_page`]): no values, so no norm-based shading; [CLS] and [SEP]
-/// known by their texts; one text (no pair selector).
+/// (checked by [`super::pattern_page_pair`]): no values, so no norm-based shading; [CLS] and
+/// [SEP] known by their texts; with `pair` (the second text's first position, the selection
+/// shown first) the pair selector.
 pub(super) fn pattern_page_of(
     patterns: &[f32],
     [layers, heads, n, _]: [usize; 4],
     tokens: &[String],
     title: &str,
+    pair: Option<(usize, &'static str)>,
 ) -> anyhow::Result<String> {
     if n > MAX_ENCODER_VIEW_TOKENS {
         return Err(usage(format!(
@@ -144,8 +154,11 @@ pub(super) fn pattern_page_of(
         vnorms: None,
         encoder: Some(EncoderView {
             kind: "encoder",
-            token_types: vec![0; n],
-            sentence_b_start: None,
+            token_types: (0..n)
+                .map(|i| u32::from(pair.is_some_and(|(b, _)| i >= b)))
+                .collect(),
+            sentence_b_start: pair.map(|(b, _)| b),
+            pair: pair.map(|(_, s)| s),
             special_shares,
         }),
     };

@@ -638,6 +638,30 @@ impl Tokenizer {
         Ok((enc.get_ids().to_vec(), enc.get_type_ids().to_vec()))
     }
 
+    /// Which text of the pair `a`, `b` each of `ids` (what [`Tokenizer::encode_pair`] gave, with
+    /// its `types`) belongs to: 0 for `a`'s part, 1 for `b`'s. Where the post-processor's types
+    /// tell the two apart (BERT's `[CLS] a [SEP]` 0, `b [SEP]` 1) they are the answer; where it
+    /// types every token 0 (RoBERTa's `<s> a </s></s> b </s>`), `b`'s part starts after `a`
+    /// encoded alone with its special tokens (`<s> a </s>`), so its part is `</s> b </s>`, as
+    /// BERT's is `b [SEP]`. A literal separator inside either text does not move the split.
+    pub fn pair_segments(&self, a: &str, ids: &[u32], types: &[u32]) -> Result<Vec<u32>> {
+        if types.contains(&1) {
+            return Ok(types.to_vec());
+        }
+        let first = self
+            .inner
+            .encode(a, true)
+            .map_err(|e| Error::Tokenizer(format!("encoding failed: {e}")))?;
+        let k = first.get_ids().len();
+        if k == 0 || k >= ids.len() || first.get_ids() != &ids[..k] {
+            return Err(Error::Tokenizer(format!(
+                "cannot tell the pair's two texts apart: the first text alone is {k} tokens, not a prefix of the pair's {}",
+                ids.len()
+            )));
+        }
+        Ok((0..ids.len()).map(|i| u32::from(i >= k)).collect())
+    }
+
     /// The id of a token spelled exactly `text` (a special token such as `<|im_end|>`), if any.
     pub fn token_id(&self, text: &str) -> Option<u32> {
         self.inner.token_to_id(text)

@@ -43,6 +43,9 @@ pub struct EncoderView {
     pub token_types: Vec<u32>,
     /// The first position of a pair's second text (BertViz's `sentence_b_start`), if a pair.
     pub sentence_b_start: Option<usize>,
+    /// The head view's selection shown first for a pair (`AB`, `BA`, `AA`, `BB`; absent: all).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pair: Option<&'static str>,
     /// Per layer, the share of attention on [CLS], [SEP] and punctuation (as `inspect`).
     pub special_shares: crate::analysis::encoder::SpecialShares,
 }

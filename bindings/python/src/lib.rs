@@ -746,6 +746,7 @@ impl Model {
                 .transpose()?,
             progress: false,
             token_types: None,
+            segments: None,
         };
         let (m, text) = (self.inner.clone(), text.to_string());
         engine(py, move || Ok(view_html_with(&m, &text, bos, &opts)?.0))
@@ -779,17 +780,21 @@ impl Model {
         };
         let (m, text) = (self.inner.clone(), text.to_string());
         let v = engine(py, move || {
-            let (tokens, types) = match &pair {
+            let (tokens, types, segments) = match &pair {
                 Some(b) => {
-                    let (t, ty) = m.encode_pair(&text, b)?;
-                    (t, Some(ty))
+                    let (t, ty, seg) = m.encode_pair_segments(&text, b)?;
+                    (t, Some(ty), Some(seg))
                 }
-                None => (m.encode(&text, bos)?, None),
+                None => (m.encode(&text, bos)?, None, None),
             };
-            Ok(
-                attnscope::cli::inspect::inspect(&m, &tokens, types.as_deref(), &req)?
-                    .json(None)?,
-            )
+            Ok(attnscope::cli::inspect::inspect(
+                &m,
+                &tokens,
+                types.as_deref(),
+                segments.as_deref(),
+                &req,
+            )?
+            .json(None)?)
         })?;
         to_object(py, &v)
     }
@@ -884,9 +889,10 @@ impl Model {
         to_object(py, &report)
     }
 
-    /// Head-role scores (`attnscope heads`) of `text`, or of `random_repeat` random tokens
-    /// repeated once (the induction test): the document as Python objects.
-    #[pyo3(signature = (text = None, random_repeat = None, seed = 0, bos = false))]
+    /// Head-role scores (`attnscope heads`) of `text` (with `pair`, an encoder's sentence pair
+    /// `[CLS] text [SEP] pair [SEP]`), or of `random_repeat` random tokens repeated once (the
+    /// induction test): the document as Python objects.
+    #[pyo3(signature = (text = None, random_repeat = None, seed = 0, bos = false, pair = None))]
     fn heads<'py>(
         &self,
         py: Python<'py>,
@@ -894,25 +900,33 @@ impl Model {
         random_repeat: Option<usize>,
         seed: u64,
         bos: bool,
+        pair: Option<String>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        use attnscope::analysis::heads::{document, random_repeat_tokens, roles_of};
+        use attnscope::analysis::heads::{document, random_repeat_tokens, roles_of_typed};
         let m = self.inner.clone();
         let doc = engine(py, move || {
             let mut extra = serde_json::Map::new();
-            let tokens = match (random_repeat, text) {
-                (Some(nr), None) => {
+            let (tokens, types) = match (random_repeat, text, pair) {
+                (Some(nr), None, None) => {
                     extra.insert("random_repeat".into(), nr.into());
                     extra.insert("seed".into(), seed.into());
-                    random_repeat_tokens(&m, nr, seed, bos)?
+                    (random_repeat_tokens(&m, nr, seed, bos)?, None)
                 }
-                (None, text) => m.encode(text.as_deref().unwrap_or(LESSON_SENTENCE), bos)?,
-                (Some(_), Some(_)) => {
+                (None, text, Some(b)) => {
+                    let (t, ty) = m.encode_pair(text.as_deref().unwrap_or(LESSON_SENTENCE), &b)?;
+                    (t, Some(ty))
+                }
+                (None, text, None) => (
+                    m.encode(text.as_deref().unwrap_or(LESSON_SENTENCE), bos)?,
+                    None,
+                ),
+                (Some(_), _, _) => {
                     return Err(attnscope::cli::common::usage(
-                        "give a text or random_repeat, not both",
+                        "give a text (or a pair) or random_repeat, not both",
                     ))
                 }
             };
-            document(&m, &[roles_of(&m, &tokens)?], extra)
+            document(&m, &[roles_of_typed(&m, &tokens, types.as_deref())?], extra)
         })?;
         to_object(py, &doc)
     }
@@ -1160,18 +1174,30 @@ fn run_command(py: Python<'_>, args: Vec<String>) -> PyResult<String> {
     engine(py, move || attnscope::cli::run_captured(&args))
 }
 
-/// The `attnscope view` page for given patterns `[layers, heads, n, n]` and token texts.
+/// The `attnscope view` page for given patterns `[layers, heads, n, n]` and token texts; for a
+/// sentence pair (bidirectional patterns) `sentence_b_start` turns on the head view's selector,
+/// shown first at `pair` (`all`, `a->b`, `b->a`, `a->a`, `b->b`).
 #[pyfunction]
+#[pyo3(signature = (patterns, shape, tokens, title, sentence_b_start = None, pair = "all".to_string()))]
 fn pattern_page(
     py: Python<'_>,
     patterns: numpy::PyReadonlyArray1<'_, f32>,
     shape: [usize; 4],
     tokens: Vec<String>,
     title: String,
+    sentence_b_start: Option<usize>,
+    pair: String,
 ) -> PyResult<String> {
     let patterns = patterns.as_slice()?.to_vec();
     engine(py, move || {
-        attnscope::cli::view::pattern_page(&patterns, shape, &tokens, &title)
+        attnscope::cli::view::pattern_page_pair(
+            &patterns,
+            shape,
+            &tokens,
+            &title,
+            sentence_b_start,
+            &pair,
+        )
     })
 }
 

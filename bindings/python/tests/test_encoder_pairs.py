@@ -67,8 +67,8 @@ def test_pair_pattern_equals_the_cli_capture(minilm, cases, tmp_path):
 
 
 def test_pairs_are_refused_where_they_would_run_as_one_text(minilm):
-    with pytest.raises(ValueError, match="pair"):
-        minilm(("How old are you?", "I am six."), return_type=None)
+    with pytest.raises(ValueError, match="no loss"):
+        minilm(("How old are you?", "I am six."), return_type="loss")
     with pytest.raises(Exception, match="empty|text"):
         minilm.to_tokens(("How old are you?", ""))
     # a list of two texts stays a batch of two
@@ -87,3 +87,85 @@ def test_inspect_of_a_pair_gives_transformers_shares(minilm, cases):
     assert len(r["heads"]) == 12 and "forward_s" in r["timings"]
     with pytest.raises(ValueError, match="pair"):
         minilm.inspect(("only one",))
+
+
+PAIR = ("How old are you?", "I am six years old.")
+
+
+def test_heads_of_a_text_and_a_pair_match_transformers(minilm):
+    """``model.heads`` on an encoder: previous/next-token, [CLS], [SEP] and broad scores per layer and
+    head, against the same formulas on transformers' attentions (tests/golden/encoder_heads.json,
+    made by make_encoder_heads_golden.py)."""
+    g = json.loads((GOLDEN / "encoder_heads.json").read_text())["cases"]
+    for name, inp in (("minilm_pair", PAIR), ("minilm_lesson", g["minilm_lesson"]["text"])):
+        r = minilm.heads(inp)
+        assert r["tokens"] == g[name]["token_ids"], name
+        assert sorted(r["roles"]) == sorted(g[name]["roles"]) == ["broad", "cls", "next_token", "previous_token", "sep"]
+        for role, want in g[name]["roles"].items():
+            assert np.abs(np.asarray(r["roles"][role]) - np.asarray(want)).max() < 1e-4, (name, role)
+            assert abs(r["uniform"][role] - g[name]["uniform"][role]) < 1e-12
+    with pytest.raises(ValueError, match="pair"):
+        minilm.heads(("one",))
+    with pytest.raises(ValueError, match="induction"):
+        minilm.heads(random_repeat=5)
+
+
+def test_run_with_hooks_and_call_take_a_pair(minilm, cases):
+    """A pair through ``run_with_hooks`` and ``model(...)``: what a hook reads equals transformers'
+    pattern, the last block's residual is transformers' last hidden state (its mean over positions
+    the golden mean pooling), and an editing hook gives what ``run_with_cache`` gives under it."""
+    case = cases["pair"]
+    seen = {}
+
+    def keep(act, hook):
+        seen[hook.name] = np.array(act)
+
+    out = minilm.run_with_hooks(PAIR, fwd_hooks=[("blocks.5.attn.hook_pattern", keep)], return_type=None)
+    assert out is None
+    want = np.load(GOLDEN / "minilm_encoder_attn_pair.npy")[5]
+    got = seen["blocks.5.attn.hook_pattern"]
+    assert got.shape == (1,) + want.shape
+    assert np.abs(got[0] - want).max() < 1e-4
+    n, d = len(case["token_ids"]), minilm.cfg.d_model
+    last = np.asarray(minilm(PAIR, stop_at_layer=minilm.cfg.n_layers))
+    assert last.shape == (1, n, d)
+    assert np.abs(last[0].mean(0) - np.asarray(case["mean_pooled"])).max() < 1e-4
+    # the pair's token types reach the forward: as one text (types all 0) the states differ
+    ids = np.asarray(minilm.to_tokens(PAIR))
+    as_one = np.asarray(minilm(ids, stop_at_layer=minilm.cfg.n_layers))
+    assert np.abs(as_one - last).max() > 1e-3
+
+    def zero_head(act, hook):
+        act[:, 3] = 0.0
+
+    edit = [("blocks.2.attn.hook_pattern", zero_head)]
+    edited = np.asarray(minilm.run_with_hooks(PAIR, fwd_hooks=edit, stop_at_layer=minilm.cfg.n_layers))
+    with minilm.hooks(fwd_hooks=edit):
+        _, cache = minilm.run_with_cache(PAIR, names_filter="blocks.5.hook_resid_post")
+    assert np.array_equal(edited, np.asarray(cache["blocks.5.hook_resid_post"]))
+    assert np.abs(edited - last).max() > 1e-3
+    assert minilm(PAIR) is None, "an encoder has no output head"
+
+
+def test_viz_shows_a_pair_with_the_selector(minilm, tmp_path):
+    """``viz.attention_heads(..., sentence_b_start=, pair=)``: the view page's A→B / B→A / A→A / B→B
+    selector on a pair from ``run_with_cache``, as ``attnscope view --pair`` has it."""
+    from attnscope import viz
+
+    _, cache = minilm.run_with_cache(PAIR, names_filter="hook_pattern")
+    pattern = np.asarray(cache.stack_activation("pattern"))[:, 0]
+    tokens = minilm.to_str_tokens(PAIR)
+    b0 = list(np.asarray(minilm.to_token_types(PAIR))[0]).index(1)
+    assert tokens[b0 - 1] == "[SEP]"
+    page = viz.attention_heads(pattern, tokens, sentence_b_start=b0, pair="a->b").html
+    assert f'"sentence_b_start":{b0}' in page and '"pair":"AB"' in page
+    plain = viz.attention_heads(pattern, tokens).html
+    assert '"sentence_b_start":null' in plain and '"pair":' not in plain
+    for kw, match in ((dict(pair="a->b"), "sentence_b_start"), (dict(sentence_b_start=b0, pair="x"), "not a selection"),
+                      (dict(sentence_b_start=len(tokens)), "out of range"), (dict(sentence_b_start=-1), "negative")):
+        with pytest.raises(ValueError, match=match):
+            viz.attention_heads(pattern, tokens, **kw)
+    causal = np.tril(np.ones((2, 4, 4), dtype=np.float32))
+    causal /= causal.sum(-1, keepdims=True)
+    with pytest.raises(ValueError, match="decoder"):
+        viz.attention_heads(causal, ["a", "b", "c", "d"], sentence_b_start=2)

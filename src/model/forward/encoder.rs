@@ -59,6 +59,23 @@ impl Model {
     /// with a single token type (its tokenizer's type 1 has no embedding), or a pair past the
     /// model's positions.
     pub fn encode_pair(&self, a: &str, b: &str) -> Result<(Vec<u32>, Vec<u32>)> {
+        self.encode_pair_typed(a, b)
+            .map(|(ids, types, _)| (ids, types))
+    }
+
+    /// [`Model::encode_pair`] and, third, each token's segment: 0 for the first text's part, 1
+    /// for the second's, also where the model runs no token types (RoBERTa: `<s> A </s>` then
+    /// `</s> B </s>`; DistilBERT: its tokenizer's `[CLS] A [SEP]` then `B [SEP]`). The segments
+    /// are for display and selection (`inspect`'s B marks, the view's A→B selector); the forward
+    /// takes the second list, the types.
+    pub fn encode_pair_segments(&self, a: &str, b: &str) -> Result<(Vec<u32>, Vec<u32>, Vec<u32>)> {
+        let (ids, types, own) = self.encode_pair_typed(a, b)?;
+        let segments = self.tokenizer.pair_segments(a, &ids, &own)?;
+        Ok((ids, types, segments))
+    }
+
+    /// The pair's ids, the types the model runs, and the tokenizer's own types.
+    fn encode_pair_typed(&self, a: &str, b: &str) -> Result<(Vec<u32>, Vec<u32>, Vec<u32>)> {
         if !self.is_encoder() {
             return Err(Error::NotApplicable(format!(
                 "a sentence pair (--pair) is for an encoder (BERT: [CLS] A [SEP] B [SEP]); {} is a decoder",
@@ -82,12 +99,12 @@ impl Model {
                 model: self.info.name.clone(),
             });
         }
-        let types = if self.dims.type_vocab < 2 {
+        let run = if self.dims.type_vocab < 2 {
             vec![0; ids.len()]
         } else {
-            types
+            types.clone()
         };
-        Ok((ids, types))
+        Ok((ids, run, types))
     }
 
     /// The row of the learned position table each token takes: its position (BERT,

@@ -1051,7 +1051,9 @@ class HookedModel:
         (``hook_z``: ``[b, pos, head, d_head]``; ``hook_pattern``: ``[b, head, query, key]``) and a
         :class:`HookPoint`; it edits in place and returns None, or returns the array that replaces
         the activation. Hooks added with :meth:`add_hook` or a :meth:`hooks` context run first.
-        ``input``: as :meth:`run_with_cache` (a batch runs each row as it stands).
+        ``input``: as :meth:`run_with_cache` (a batch runs each row as it stands; on an encoder a
+        sentence pair ``("A", "B")`` with its token types, where ``"logits"`` gives None, there
+        being no output head, and a loss is refused).
         ``return_type``: ``"logits"`` ``[b, n, vocab]``, ``"loss"`` (mean next-token cross-entropy
         over every row and position, pad positions included, as TransformerLens computes it
         without an attention mask; ``loss_per_token``: ``[b, n - 1]``), ``"both"`` (logits, loss)
@@ -1070,10 +1072,15 @@ class HookedModel:
                 "attention_mask: attnscope takes it for return_type='loss' only; TransformerLens's logits at masked "
                 "positions (pad queries at shifted positions) are not computed. Without a mask a right-padded batch "
                 "gives TransformerLens's results")
-        rows = self._rows(input, prepend_bos)
+        rows = self._rows(input, prepend_bos, pair_ok=True)
+        types = self._row_types(input)
+        if self.is_encoder and return_type in ("loss", "both"):
+            raise ValueError(f"return_type={return_type!r}: {self.cfg.model_name} is an encoder (bidirectional attention), "
+                             "with no next-token prediction and so no loss")
         hooks = list(self._fwd_hooks) + list(fwd_hooks)
         stop = self._stop(stop_at_layer)
-        lg, _ = self._run_rows(rows, [], "none" if return_type is None else "all", hooks, stop)
+        mode = "none" if return_type is None or self.is_encoder else "all"
+        lg, _ = self._run_rows(rows, [], mode, hooks, stop, types)
         if stop is not None:
             return _wrap(lg)  # TransformerLens returns the residual whatever return_type says
         if return_type is None:
@@ -1215,11 +1222,19 @@ class HookedModel:
                 text = f.read()
         return self._m.sinks(text, max_tokens, key_block, top)
 
-    def heads(self, text: Optional[str] = None, random_repeat: Optional[int] = None, seed: int = 0, bos: bool = False) -> Dict[str, Any]:
+    def heads(self, text: Optional[Union[str, Tuple[str, str]]] = None, random_repeat: Optional[int] = None, seed: int = 0,
+              bos: bool = False) -> Dict[str, Any]:
         """Head roles (``attnscope heads --json``): previous-token, duplicate-token, induction, sink
         and local scores ``roles[role][layer][head]``, on ``text`` or on ``random_repeat`` random
-        tokens repeated once (the induction test)."""
-        return self._m.heads(text if random_repeat is None else None, random_repeat, seed, bos)
+        tokens repeated once (the induction test). On an encoder the roles are previous_token,
+        next_token, cls, sep and broad (means over the queries; broad = entropy / ln n), and
+        ``text`` may be a pair ``("A", "B")``."""
+        pair = None
+        if isinstance(text, tuple):
+            if not (len(text) == 2 and all(isinstance(t, str) for t in text)):
+                raise ValueError("a pair is a tuple of two texts: (\"A\", \"B\")")
+            text, pair = text
+        return self._m.heads(text if random_repeat is None else None, random_repeat, seed, bos, pair)
 
     def compare(self, text: str, other_text: Optional[str] = None, other: Optional[Union["HookedModel", str]] = None,
                 query: Optional[int] = None, top: int = 10, html: Optional[Union[str, os.PathLike]] = None, force: bool = False) -> Dict[str, Any]:

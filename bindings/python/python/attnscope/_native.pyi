@@ -87,7 +87,8 @@ class Model:
 def run_command(args: Sequence[str]) -> str:
     """Runs ``attnscope ARGS...`` in this process and returns what it prints."""
 
-def pattern_page(patterns: npt.NDArray[np.float32], shape: Sequence[int], tokens: Sequence[str], title: str) -> str:
+def pattern_page(patterns: npt.NDArray[np.float32], shape: Sequence[int], tokens: Sequence[str], title: str,
+                 sentence_b_start: Optional[int] = None, pair: str = "all") -> str:
     """The view page for patterns ``[layers, heads, n, n]`` (flattened) and token texts."""
 
 def corpus_texts(path: Optional[str] = None) -> List[str]:

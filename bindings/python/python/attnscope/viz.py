@@ -41,15 +41,27 @@ class View:
         return f"View({len(self.html) / 1e6:.1f} MB page; show it in a notebook or .save('view.html'))"
 
 
-def attention_heads(attention, tokens: Sequence[str], title: Optional[str] = None) -> View:
+def attention_heads(attention, tokens: Sequence[str], title: Optional[str] = None,
+                    sentence_b_start: Optional[int] = None, pair: str = "all") -> View:
     """CircuitsVis's ``attention_heads(attention, tokens)``: ``attention`` is ``[heads, n, n]``
     (one layer) or ``[layers, heads, n, n]``, a numpy array or anything ``np.asarray`` takes
-    (a torch tensor on the CPU), rows summing to 1; ``tokens`` the n token texts."""
+    (a torch tensor on the CPU), rows summing to 1; ``tokens`` the n token texts.
+
+    For an encoder's sentence pair (bidirectional patterns, e.g. ``run_with_cache(("A", "B"))``'s),
+    ``sentence_b_start`` (BertViz's: the first position of the second text, e.g.
+    ``list(model.to_token_types(("A", "B"))[0]).index(1)``) turns on the head view's selector,
+    as ``attnscope view --pair`` has it, and ``pair`` picks the selection shown first: ``"all"``,
+    ``"a->b"`` (A's queries, B's keys), ``"b->a"``, ``"a->a"`` or ``"b->b"``."""
     a = np.asarray(attention, dtype=np.float32)
     if a.ndim == 3:
         a = a[np.newaxis]
     if a.ndim != 4:
         raise ValueError(f"attention must be [heads, n, n] or [layers, heads, n, n], got shape {a.shape}")
     shape = [int(x) for x in a.shape]
-    page = _native.pattern_page(np.ascontiguousarray(a).reshape(-1), shape, [str(t) for t in tokens], title or f"attention · {shape[1]} heads · {shape[2]} tokens")
+    if sentence_b_start is not None:
+        sentence_b_start = int(sentence_b_start)
+        if sentence_b_start < 0:
+            raise ValueError(f"sentence_b_start={sentence_b_start} is negative: it is the first position of the second text")
+    page = _native.pattern_page(np.ascontiguousarray(a).reshape(-1), shape, [str(t) for t in tokens],
+                                title or f"attention · {shape[1]} heads · {shape[2]} tokens", sentence_b_start, str(pair))
     return View(page)
