@@ -29,7 +29,7 @@
 use super::collect::Collector;
 use super::faithfulness::{deletion_effects, Target};
 use super::intervene::TokenRef;
-use crate::model::backward::{Gradient, Metric};
+use crate::model::backward::Metric;
 use crate::model::forward::{log_softmax, RunOptions};
 use crate::model::{Error, Model, Result};
 use serde::Serialize;
