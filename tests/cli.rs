@@ -644,6 +644,15 @@ fn an_internal_panic_is_reported_as_a_bug_not_as_a_bad_file() {
 fn cache_list_and_clear() {
     use attnscope::model::panels::Settings;
     let dir = tempfile::tempdir().unwrap();
+    // the cache writes no file that would leave less than SPARE_BYTES free: the test needs
+    // that much and the tiny models' few MB
+    let free = attnscope::model::panels::free_bytes(dir.path());
+    assert!(
+        free.is_none_or(|f| f > attnscope::model::panels::SPARE_BYTES + (64 << 20)),
+        "cache_list_and_clear needs 1 GiB + 64 MiB free on the disk holding {} for the packed-weight cache to write its files; it has {} MiB",
+        dir.path().display(),
+        free.unwrap_or(0) >> 20
+    );
     let (a, b) = (dir.path().join("a.gguf"), dir.path().join("b.gguf"));
     write_gguf(&tiny_model(Arch::Qwen2, 1), Arch::Qwen2, GgmlDType::F32, &a).unwrap();
     write_gguf(&tiny_model(Arch::Llama, 2), Arch::Llama, GgmlDType::F32, &b).unwrap();
@@ -662,7 +671,13 @@ fn cache_list_and_clear() {
             Some(&settings),
         )
         .unwrap();
-        written.push(model.panel_file().unwrap().to_path_buf());
+        let file = model.panel_file().unwrap_or_else(|| {
+            panic!(
+                "{} was loaded but no packed-weight file was written (its note on stderr says why)",
+                m.display()
+            )
+        });
+        written.push(file.to_path_buf());
     }
     let cache = |args: &[&str]| {
         let out = attnscope()

@@ -13,6 +13,7 @@ use attnscope::analysis::faithfulness::Target;
 use attnscope::model::capture::{AttnCache, CaptureSpec, NoCapture};
 use attnscope::model::forward::{attention, AttnDims, RunOptions};
 use attnscope::model::{Error, Model, Precision};
+use attnscope::reference::{grouped_query_attention_f64, heads_to_rows};
 use common::{golden, golden_json, golden_npy, max_abs_diff, real_model};
 use std::process::Command;
 
@@ -285,35 +286,16 @@ fn bidirectional_kernel_sees_every_key() {
         if let Some(p) = knock {
             knockout[p] = true;
         }
-        // by hand, in f64
-        let mut want_p = vec![0f32; nh * n * n];
-        let mut want_z = vec![0f32; n * nh * d];
-        for h in 0..nh {
-            let g = h / (nh / nkv);
-            for i in 0..n {
-                let s: Vec<f64> = (0..n)
-                    .map(|j| {
-                        if j != i && knockout[j] {
-                            return f64::NEG_INFINITY;
-                        }
-                        (0..d)
-                            .map(|x| q[(h * n + i) * d + x] as f64 * k[(g * n + j) * d + x] as f64)
-                            .sum::<f64>()
-                            / (d as f64).sqrt()
-                    })
-                    .collect();
-                let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
-                let sum: f64 = e.iter().sum();
-                for j in 0..n {
-                    let p = e[j] / sum;
-                    want_p[(h * n + i) * n + j] = p as f32;
-                    for x in 0..d {
-                        want_z[(i * nh + h) * d + x] += (p * v[(g * n + j) * d + x] as f64) as f32;
-                    }
-                }
-            }
-        }
+        // the reference in f64: every key visible but the knocked-out one (to other queries)
+        let want = grouped_query_attention_f64(
+            &heads_to_rows(&q, nh, d),
+            &heads_to_rows(&k, nkv, d),
+            &heads_to_rows(&v, nkv, d),
+            (nh, nkv, d),
+            |i, j| j == i || !knockout[j],
+        );
+        let want_p: Vec<f32> = want.pattern.iter().map(|&p| p as f32).collect();
+        let want_z: Vec<f32> = want.z.iter().map(|&z| z as f32).collect();
         for key_block in [3, 1024] {
             let z = attention(
                 0,

@@ -161,7 +161,11 @@ fn rel_err(got: &[f32], want: &[f64], label: &str) -> f64 {
         .iter()
         .zip(want)
         .map(|(g, w)| (*g as f64 - w).abs())
-        .fold(0f64, f64::max);
+        // a NaN is the largest error, never dropped
+        .fold(
+            0f64,
+            |m, e| if e.is_nan() { f64::INFINITY } else { m.max(e) },
+        );
     let rel = err / scale.max(1e-30);
     eprintln!("{label}: worst |error| {err:.3e}, {rel:.2e} of the largest value {scale:.3e}");
     rel

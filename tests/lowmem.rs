@@ -93,7 +93,9 @@ const TYPES: [GgmlDType; 12] = [
 /// For each block type: `low` multiplies every projection from the blocks, and its patterns,
 /// logits, per-head output projections (column slices that cut the K-quants' super-blocks) and
 /// read-back weights equal `fast`'s: within 1e-5 (1e-4 of the logits' scale) where `fast` runs
-/// the AMX tiles' integers and scales, bit for bit where it runs the f32 panels.
+/// the AMX tiles' integers and scales, bit for bit where it runs the f32 panels. Where the CPU
+/// has AMX, the test then runs itself again on the f32 kernels (`ATTNSCOPE_AMX=f32`), so the
+/// bits are compared on every CPU.
 #[test]
 fn low_memory_equals_the_packed_projections_on_every_block_type() {
     let dir = tempfile::tempdir().unwrap();
@@ -174,21 +176,14 @@ fn low_memory_equals_the_packed_projections_on_every_block_type() {
             }
         }
     }
-}
-
-/// Where the CPU has AMX, the test above compares `low` with the tiles; rerun it on the f32
-/// kernels, where the two settings must agree bit for bit.
-#[test]
-fn low_memory_equals_the_f32_panels_bit_for_bit() {
-    if !attnscope::kernels::amx::exact_scaled() {
-        eprintln!("NOTE: no AMX here: the test above already compared the f32 panels");
-        return;
+    if !f32_kernels {
+        // the tiles ran above: the same checks on the f32 panels, bit for bit
+        let text = common::rerun_with_amx(
+            "low_memory_equals_the_packed_projections_on_every_block_type",
+            "f32",
+        );
+        assert!(text.contains("test result: ok"), "{text}");
     }
-    let text = common::rerun_with_amx(
-        "low_memory_equals_the_packed_projections_on_every_block_type",
-        "f32",
-    );
-    assert!(text.contains("test result: ok"), "{text}");
 }
 
 /// `low` with `--precision fast` is refused (it multiplies exactly), and so is an

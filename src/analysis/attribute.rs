@@ -29,7 +29,7 @@
 use super::collect::Collector;
 use super::faithfulness::{deletion_effects, Target};
 use super::intervene::TokenRef;
-use crate::model::backward::{Gradient, Metric};
+use crate::model::backward::Metric;
 use crate::model::forward::{log_softmax, RunOptions};
 use crate::model::{Error, Model, Result};
 use serde::Serialize;
@@ -324,22 +324,6 @@ pub fn last_rows(model: &Model, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
                 .collect()
         })
         .collect())
-}
-
-/// The scores of the gradient methods that one backward gives: (gradient, grad × input,
-/// attention × gradient).
-pub fn from_gradient(
-    model: &Model,
-    tokens: &[u32],
-    g: &Gradient,
-) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
-    let dm = model.dims.d_model;
-    let pattern = last_rows(model, tokens)?;
-    Ok((
-        gradient_norms(&g.grad_input, dm),
-        grad_times_input(&g.grad_input, &g.input, dm),
-        attention_times_gradient(&g.grad_pattern_last, &pattern, tokens.len()),
-    ))
 }
 
 /// Attributes the last position's prediction to each token of `tokens` by `opts.method`.

@@ -23,7 +23,7 @@
 //! `track2input_tokens` does. The MLPs' updates are not attributed (they do not mix tokens).
 
 use crate::model::backward::Metric;
-use crate::model::capture::{AttnCache, CaptureSpec, Hook, Observer, PatternRows, Queries};
+use crate::model::capture::{AttnCache, CaptureSpec, Hook, Observer, Queries};
 use crate::model::forward::{RunOptions, Segment};
 use crate::model::{Error, Model, Result};
 use rayon::prelude::*;
@@ -291,34 +291,7 @@ struct AltiObserver<'a> {
 }
 
 impl Observer for AltiObserver<'_> {
-    fn wants(&self, layer: usize, hook: Hook) -> bool {
-        self.cache.wants(layer, hook)
-    }
-    fn tensor(&mut self, layer: usize, hook: Hook, shape: &[usize], data: &[f32]) {
-        self.cache.tensor(layer, hook, shape, data)
-    }
-    fn attention_block(
-        &mut self,
-        layer: usize,
-        hook: Hook,
-        q_start: usize,
-        shape: [usize; 3],
-        data: &[f32],
-    ) {
-        self.cache
-            .attention_block(layer, hook, q_start, shape, data)
-    }
-    fn pattern_rows(
-        &mut self,
-        layer: usize,
-        q_start: usize,
-        rows: usize,
-        n_heads: usize,
-        k_len: usize,
-    ) -> Option<PatternRows<'_>> {
-        self.cache
-            .pattern_rows(layer, q_start, rows, n_heads, k_len)
-    }
+    crate::delegate_observer!(cache: wants, tensor, attention_block, pattern_rows);
     fn layer_done(&mut self, l: usize) {
         if self.err.is_some() {
             return;

@@ -3,15 +3,14 @@
 //! sweep through transformers with torch hooks (`--transformers`, the built-in hf_ablate.py).
 
 use super::common::LESSON_SENTENCE;
+use super::scaling::{before_and_after, measurement_table, median, timed};
 use crate::analysis::faithfulness::Target;
 use crate::analysis::intervene::{ablate, patch, AblateOptions, Method, PatchHook, PatchOptions};
 use crate::model::capture::NoCapture;
 use crate::model::forward::RunOptions;
 use crate::model::Model;
-use crate::render::table::{title, Align, Table};
 use serde::Serialize;
 use std::path::Path;
-use std::time::Instant;
 
 const HF_ABLATE: &str = include_str!("../../assets/hf_ablate.py");
 
@@ -40,23 +39,6 @@ pub struct InterventionBench {
     /// transformers' sweep over attnscope's median sweep
     #[serde(skip_serializing_if = "Option::is_none")]
     pub faster_than_transformers: Option<f64>,
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    let k = s.len();
-    if k % 2 == 1 {
-        s[k / 2]
-    } else {
-        0.5 * (s[k / 2 - 1] + s[k / 2])
-    }
-}
-
-fn timed<T>(f: impl FnOnce() -> crate::model::Result<T>) -> anyhow::Result<(f64, T)> {
-    let t = Instant::now();
-    let r = f()?;
-    Ok((t.elapsed().as_secs_f64(), r))
 }
 
 /// Runs hf_ablate.py with `python` on the model's GGUF; its JSON line.
@@ -100,7 +82,7 @@ pub fn run(model: &Model, repeats: usize, python: Option<&Path>, json: bool) -> 
     let forwards: Vec<f64> = (0..repeats.max(3))
         .map(|_| timed(|| model.forward(&clean, &opts, &mut NoCapture)).map(|t| t.0))
         .collect::<anyhow::Result<_>>()?;
-    let forward_s = median(&forwards);
+    let forward_s = median(forwards.clone());
     bar.inc(1);
     bar.set_message("patch --hook resid-pre");
     let popts = PatchOptions {
@@ -114,7 +96,7 @@ pub fn run(model: &Model, repeats: usize, python: Option<&Path>, json: bool) -> 
         sweeps.push(timed(|| patch(model, &clean, &corrupt, &popts, |_, _| {}))?.0);
         bar.inc(1);
     }
-    let patch_sweep_s = median(&sweeps);
+    let patch_sweep_s = median(sweeps);
     let tokens = model.encode(LESSON_SENTENCE, false)?;
     let aopts = AblateOptions {
         method: Method::Zero,
@@ -124,30 +106,27 @@ pub fn run(model: &Model, repeats: usize, python: Option<&Path>, json: bool) -> 
         batch_rows: 1024,
     };
     let mut ablate_s = Vec::new();
-    let mut sweep = |bar: &indicatif::ProgressBar| -> anyhow::Result<()> {
-        bar.set_message("ablate");
-        ablate_s.push(timed(|| ablate(model, &tokens, &aopts, |_, _| {}))?.0);
-        bar.inc(1);
-        Ok(())
-    };
-    // attnscope's runs before and after transformers' (the machine's speed drifts)
-    for _ in 0..repeats {
-        sweep(&bar)?;
-    }
-    let transformers = match python {
-        Some(p) => {
-            bar.set_message("transformers with torch hooks");
-            let v = run_hf(p, &model.info.path, LESSON_SENTENCE)?;
+    // attnscope's runs before and after transformers'
+    let transformers = before_and_after(
+        repeats,
+        || {
+            bar.set_message("ablate");
+            ablate_s.push(timed(|| ablate(model, &tokens, &aopts, |_, _| {}))?.0);
             bar.inc(1);
-            Some(v)
-        }
-        None => None,
-    };
-    for _ in 0..repeats {
-        sweep(&bar)?;
-    }
+            Ok(())
+        },
+        || match python {
+            Some(p) => {
+                bar.set_message("transformers with torch hooks");
+                let v = run_hf(p, &model.info.path, LESSON_SENTENCE)?;
+                bar.inc(1);
+                Ok(Some(v))
+            }
+            None => Ok(None),
+        },
+    )?;
     bar.finish_and_clear();
-    let ablate_median_s = median(&ablate_s);
+    let ablate_median_s = median(ablate_s.clone());
     let faster = transformers
         .as_ref()
         .and_then(|v| v["sweep_s"].as_f64())
@@ -169,16 +148,7 @@ pub fn run(model: &Model, repeats: usize, python: Option<&Path>, json: bool) -> 
     if json {
         return super::common::emit(&format!("{}\n", serde_json::to_string_pretty(&r)?));
     }
-    let mut s = title(&format!(
-        "interventions, {} ({} threads)",
-        r.model,
-        rayon::current_num_threads()
-    ));
-    let mut t = Table::new([
-        ("measurement", Align::Left),
-        ("seconds", Align::Right),
-        ("", Align::Left),
-    ]);
+    let (mut s, mut t) = measurement_table("interventions", &r.model);
     t.row([
         format!(
             "one forward of the clean pair text ({} tokens)",

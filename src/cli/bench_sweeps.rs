@@ -3,14 +3,13 @@
 //! that length, and `corpus`'s records over the built-in texts, many to a forward, against one
 //! forward per text.
 
+use super::scaling::{before_and_after, measurement_table, median, timed};
 use crate::analysis::corpus::{builtin, builtin_tokens, text_record, text_records};
 use crate::analysis::faithfulness::{run as faithfulness, FaithOptions};
 use crate::model::capture::NoCapture;
 use crate::model::forward::RunOptions;
 use crate::model::Model;
-use crate::render::table::{title, Align, Table};
 use serde::Serialize;
-use std::time::Instant;
 
 #[derive(Debug, Serialize)]
 pub struct SweepBench {
@@ -32,35 +31,21 @@ pub struct SweepBench {
     pub corpus_speedup: f64,
 }
 
-fn timed<T>(f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<(f64, T)> {
-    let t = Instant::now();
-    let r = f()?;
-    Ok((t.elapsed().as_secs_f64(), r))
-}
-
 pub fn run(model: &Model, n: usize, json: bool) -> anyhow::Result<()> {
     // a stretch of the built-in corpus
     let tokens = builtin_tokens(&model.tokenizer, n)?;
     let opts = RunOptions::last_logits(n);
     model.forward(&tokens, &opts, &mut NoCapture)?;
     let mut forwards = Vec::new();
-    let mut time_forwards = |k: usize| -> anyhow::Result<()> {
-        for _ in 0..k {
-            forwards.push(timed(|| Ok(model.forward(&tokens, &opts, &mut NoCapture)?))?.0);
-        }
-        Ok(())
-    };
-    time_forwards(3)?;
-    let (faith_s, r) = timed(|| {
-        Ok(faithfulness(
-            model,
-            &tokens,
-            &FaithOptions::attention_only(),
-            |_, _| {},
-        )?)
-    })?;
-    time_forwards(3)?;
-    let forward_s = super::scaling::median(forwards.clone());
+    let (faith_s, r) = before_and_after(
+        3,
+        || {
+            forwards.push(timed(|| model.forward(&tokens, &opts, &mut NoCapture))?.0);
+            Ok(())
+        },
+        || timed(|| faithfulness(model, &tokens, &FaithOptions::attention_only(), |_, _| {})),
+    )?;
+    let forward_s = median(forwards.clone());
     let texts = builtin();
     let items: Vec<(usize, &str)> = texts.iter().map(String::as_str).enumerate().collect();
     let (batched_s, batched) = timed(|| text_records(model, &items, false, false, |_| {}))?;
@@ -90,16 +75,7 @@ pub fn run(model: &Model, n: usize, json: bool) -> anyhow::Result<()> {
     if json {
         return super::common::emit(&format!("{}\n", serde_json::to_string_pretty(&b)?));
     }
-    let mut s = title(&format!(
-        "sweeps, {} ({} threads)",
-        b.model,
-        rayon::current_num_threads()
-    ));
-    let mut t = Table::new([
-        ("measurement", Align::Left),
-        ("seconds", Align::Right),
-        ("", Align::Left),
-    ]);
+    let (mut s, mut t) = measurement_table("sweeps", &b.model);
     t.row([
         format!("one forward of {} tokens", b.faith_tokens),
         format!("{:.3}", b.forward_s),

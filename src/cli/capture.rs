@@ -81,20 +81,7 @@ impl Observer for StreamToFile {
     fn wants(&self, layer: usize, hook: Hook) -> bool {
         !self.failed.load(std::sync::atomic::Ordering::Relaxed) && self.cache.wants(layer, hook)
     }
-    fn tensor(&mut self, layer: usize, hook: Hook, shape: &[usize], data: &[f32]) {
-        self.cache.tensor(layer, hook, shape, data);
-    }
-    fn attention_block(
-        &mut self,
-        layer: usize,
-        hook: Hook,
-        q_start: usize,
-        shape: [usize; 3],
-        data: &[f32],
-    ) {
-        self.cache
-            .attention_block(layer, hook, q_start, shape, data);
-    }
+    crate::delegate_observer!(cache: tensor, attention_block);
     fn pattern_rows(
         &mut self,
         layer: usize,

@@ -58,6 +58,43 @@ pub(super) fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
+/// `f`'s result and the seconds it took.
+pub(super) fn timed<T, E: Into<anyhow::Error>>(
+    f: impl FnOnce() -> Result<T, E>,
+) -> anyhow::Result<(f64, T)> {
+    let t = std::time::Instant::now();
+    let r = f().map_err(Into::into)?;
+    Ok((t.elapsed().as_secs_f64(), r))
+}
+
+/// `repeat` runs of `each` before `middle` and as many after it (the machine's speed drifts, so
+/// what `middle` is set against is timed on both sides of it); `middle`'s result.
+pub(super) fn before_and_after<T>(
+    repeat: usize,
+    mut each: impl FnMut() -> anyhow::Result<()>,
+    middle: impl FnOnce() -> anyhow::Result<T>,
+) -> anyhow::Result<T> {
+    (0..repeat).try_for_each(|_| each())?;
+    let r = middle()?;
+    (0..repeat).try_for_each(|_| each())?;
+    Ok(r)
+}
+
+/// A bench section's title (`what, model (threads)`) and its table of measurements: what was
+/// measured, the seconds, a note.
+pub(super) fn measurement_table(what: &str, model: &str) -> (String, Table) {
+    let s = title(&format!(
+        "{what}, {model} ({} threads)",
+        rayon::current_num_threads()
+    ));
+    let t = Table::new([
+        ("measurement", Align::Left),
+        ("seconds", Align::Right),
+        ("", Align::Left),
+    ]);
+    (s, t)
+}
+
 pub fn run(a: Args) -> anyhow::Result<()> {
     if a.lengths.is_empty() || a.lengths.contains(&0) {
         return Err(usage(

@@ -39,7 +39,8 @@ pub enum MlpKind {
     GeGluTanh,
     /// `c_proj(gelu_tanh(c_fc(h)))`, no gate (GPT-2).
     GeluTanh,
-    /// `down(gelu(up(h)))` with the exact GeLU, `½x(1 + erf(x/√2))`, no gate (BERT).
+    /// `down(gelu(up(h)))` with the erf GeLU, `½x(1 + erf(x/√2))` (computed to 1.1e-7 relative
+    /// through an erfc Chebyshev fit), no gate (BERT).
     GeluErf,
 }
 

@@ -312,6 +312,123 @@ pub trait Observer {
     }
 }
 
+/// Writes [`Observer`] methods that hand the call on to an inner observer, for an observer that
+/// wraps one (an [`AttnCache`] it fills, or one observer of several) and writes only the methods
+/// it changes itself. The inner observer is named as a field, `cache`, or as a field indexed by
+/// another, `obs[cur]`; then the methods to hand on, by name:
+///
+/// ```ignore
+/// impl Observer for Keeps {
+///     attnscope::delegate_observer!(cache: wants, tensor, attention_block, pattern_rows);
+///     fn layer_done(&mut self, layer: usize) { /* its own */ }
+/// }
+/// ```
+#[macro_export]
+macro_rules! delegate_observer {
+    ($field:ident [$index:ident] : $($method:ident),+ $(,)?) => {
+        $($crate::delegate_observer!(@one ($field [$index]) $method);)+
+    };
+    ($field:ident : $($method:ident),+ $(,)?) => {
+        $($crate::delegate_observer!(@one ($field) $method);)+
+    };
+    (@one ($f:ident $([$i:ident])?) wants) => {
+        fn wants(&self, layer: usize, hook: $crate::model::capture::Hook) -> bool {
+            self.$f$([self.$i])?.wants(layer, hook)
+        }
+    };
+    (@one ($f:ident $([$i:ident])?) tensor) => {
+        fn tensor(
+            &mut self,
+            layer: usize,
+            hook: $crate::model::capture::Hook,
+            shape: &[usize],
+            data: &[f32],
+        ) {
+            self.$f$([self.$i])?.tensor(layer, hook, shape, data)
+        }
+    };
+    (@one ($f:ident $([$i:ident])?) attention_block) => {
+        fn attention_block(
+            &mut self,
+            layer: usize,
+            hook: $crate::model::capture::Hook,
+            q_start: usize,
+            shape: [usize; 3],
+            data: &[f32],
+        ) {
+            self.$f$([self.$i])?.attention_block(layer, hook, q_start, shape, data)
+        }
+    };
+    (@one ($f:ident $([$i:ident])?) wants_stats) => {
+        fn wants_stats(&self, layer: usize) -> Option<$crate::model::forward::StatsRequest> {
+            self.$f$([self.$i])?.wants_stats(layer)
+        }
+    };
+    (@one ($f:ident $([$i:ident])?) attention_stats) => {
+        fn attention_stats(
+            &mut self,
+            layer: usize,
+            q_start: usize,
+            stats: &$crate::model::forward::AttnStats,
+        ) {
+            self.$f$([self.$i])?.attention_stats(layer, q_start, stats)
+        }
+    };
+    (@one ($f:ident $([$i:ident])?) wants_rows) => {
+        fn wants_rows(&self, layer: usize) -> Vec<usize> {
+            self.$f$([self.$i])?.wants_rows(layer)
+        }
+    };
+    (@one ($f:ident $([$i:ident])?) attention_rows) => {
+        fn attention_rows(&mut self, layer: usize, q: usize, n_heads: usize, rows: &[f32]) {
+            self.$f$([self.$i])?.attention_rows(layer, q, n_heads, rows)
+        }
+    };
+    (@one ($f:ident $([$i:ident])?) attention_done) => {
+        fn attention_done(&mut self, layer: usize) {
+            self.$f$([self.$i])?.attention_done(layer)
+        }
+    };
+    (@one ($f:ident $([$i:ident])?) layer_done) => {
+        fn layer_done(&mut self, layer: usize) {
+            self.$f$([self.$i])?.layer_done(layer)
+        }
+    };
+    (@one ($f:ident $([$i:ident])?) stops_before) => {
+        fn stops_before(&self, layer: usize) -> bool {
+            self.$f$([self.$i])?.stops_before(layer)
+        }
+    };
+    (@one ($f:ident $([$i:ident])?) edits) => {
+        fn edits(&self, layer: usize, hook: $crate::model::capture::Hook) -> bool {
+            self.$f$([self.$i])?.edits(layer, hook)
+        }
+    };
+    (@one ($f:ident $([$i:ident])?) edit) => {
+        fn edit(
+            &mut self,
+            layer: usize,
+            hook: $crate::model::capture::Hook,
+            shape: &[usize],
+            data: &mut [f32],
+        ) -> ::std::result::Result<(), String> {
+            self.$f$([self.$i])?.edit(layer, hook, shape, data)
+        }
+    };
+    (@one ($f:ident $([$i:ident])?) pattern_rows) => {
+        fn pattern_rows(
+            &mut self,
+            layer: usize,
+            q_start: usize,
+            rows: usize,
+            n_heads: usize,
+            k_len: usize,
+        ) -> Option<$crate::model::capture::PatternRows<'_>> {
+            self.$f$([self.$i])?.pattern_rows(layer, q_start, rows, n_heads, k_len)
+        }
+    };
+}
+
 /// A caller's rows for the forward to write a pattern block in ([`Observer::pattern_rows`]).
 pub struct PatternRows<'a> {
     /// per head, `rows · k_len` values

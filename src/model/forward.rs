@@ -189,6 +189,9 @@ pub struct KvPrefix {
     n_kv: usize,
     head_dim: usize,
     layers: Vec<(Vec<f32>, Vec<f32>)>,
+    /// per layer, the keys' largest squared norm ([`max_row_sq`]): the key side of the
+    /// attention's score bound, so a step on top of the prefix reads only its new keys for it
+    k_sq: Vec<f64>,
 }
 
 impl KvPrefix {
@@ -206,12 +209,14 @@ impl KvPrefix {
                 .flat_map(|g| x[g * old * hd..(g * old + len) * hd].iter().copied())
                 .collect()
         };
-        let layers = self.layers.iter().map(|(k, v)| (cut(k), cut(v))).collect();
+        let layers: Vec<_> = self.layers.iter().map(|(k, v)| (cut(k), cut(v))).collect();
+        let k_sq = layers.iter().map(|(k, _)| max_row_sq(k, hd)).collect();
         Ok(KvPrefix {
             len,
             n_kv: nkv,
             head_dim: hd,
             layers,
+            k_sq,
         })
     }
 }
@@ -456,6 +461,7 @@ impl Model {
         };
         let (mut attn_time, mut proj_time) = (Duration::ZERO, Duration::ZERO);
         let mut kept = Vec::with_capacity(if opts.keep_kv { dims.n_layers } else { 0 });
+        let mut kept_sq = Vec::with_capacity(kept.capacity());
         let (nq, nk) = (nh * hd, nkv * hd);
         let width = nq + 2 * nk;
         // the MLP runs over blocks of positions so its [positions, 2·d_ff] intermediate stays small
@@ -576,6 +582,12 @@ impl Model {
                         }
                     }
                 }
+                // the keys' bound: a whole prefix's is kept with it, so only the new keys are
+                // read for it; a prefix's part, or keys to keep, get theirs here
+                let k_sq = match prefix {
+                    Some(p) if p0 > 0 && p0 == full => Some(p.k_sq[l].max(max_row_sq(&kh, hd))),
+                    _ => None,
+                };
                 let (kf, vf) = match prefix {
                     Some(p) if p0 > 0 => {
                         // the segment's first p0 positions of each KV set, then its own
@@ -593,6 +605,7 @@ impl Model {
                     }
                     _ => (kh, vh),
                 };
+                let k_sq = k_sq.or_else(|| opts.keep_kv.then(|| max_row_sq(&kf, hd)));
                 let adims = AttnDims {
                     n_heads: nh,
                     n_kv_heads: nkv,
@@ -618,21 +631,22 @@ impl Model {
                         zs,
                     )?;
                 } else {
-                    attention_into(
+                    attention_bounded(
                         l,
                         qh,
                         &kf,
                         &vf,
                         adims,
                         &knocks[si],
-                        opts.block_bytes,
-                        opts.key_block,
+                        (opts.block_bytes, opts.key_block),
+                        k_sq,
                         obs,
                         zs,
                     )?; // [ms, nh, hd]
                 }
-                if opts.keep_kv {
+                if let (true, Some(b)) = (opts.keep_kv, k_sq) {
                     kept.push((kf, vf));
+                    kept_sq.push(b);
                 }
             }
             attn_time += t0.elapsed();
@@ -932,6 +946,7 @@ impl Model {
             n_kv: nkv,
             head_dim: hd,
             layers: kept,
+            k_sq: kept_sq,
         });
         Ok(ForwardOut {
             logits,

@@ -117,11 +117,6 @@ impl Footprint {
             + self.small_bytes
             + self.head_bytes.max(self.activations(n))
     }
-
-    /// Whether `--memory low` reads every projection from the file's blocks.
-    pub fn all_low(&self) -> bool {
-        self.projections.iter().all(|p| p.low)
-    }
 }
 
 /// The footprint of a decoder of shape `dims` whose projection parts are `parts(layer)`: for

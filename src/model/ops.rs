@@ -248,9 +248,9 @@ fn erfc_nonneg(z: f64) -> f64 {
     t * (-z * z + poly).exp()
 }
 
-/// The exact GeLU, `½x(1 + erf(x/√2))` = `½x·erfc(−x/√2)` (BERT's `gelu`; torch's default),
-/// in f64 through [`erfc_nonneg`]: relative error below 1.1e-7 (about one f32 ulp) at every x,
-/// the tiny values of large negative inputs included.
+/// The erf GeLU, `½x(1 + erf(x/√2))` = `½x·erfc(−x/√2)` (BERT's `gelu`; torch's default),
+/// in f64 through [`erfc_nonneg`] (a Chebyshev fit of erfc): computed to 1.1e-7 relative (about
+/// one f32 ulp) at every x, the tiny values of large negative inputs included.
 #[inline]
 pub(crate) fn gelu_erf_of(x: f32) -> f32 {
     let x = x as f64;

@@ -311,8 +311,9 @@ impl PanelCache {
 
     /// Writes `weights`' packed projections to the cache file (under a temporary name, renamed
     /// into place). `Ok(None)` when there is nothing to keep: a projection not packed in the
-    /// cache's layout, or read from a cache already, a model under [`MIN_BYTES`], or too little
-    /// free disk (the file's size plus 1 GiB).
+    /// cache's layout, or read from a cache already, a model under [`MIN_BYTES`]. An error,
+    /// saying why, when the file is past the cap or the disk has too little free (the file's
+    /// size plus [`SPARE_BYTES`]).
     pub fn save(&self, weights: &Weights) -> std::io::Result<Option<u64>> {
         // (n, k, bytes) of each projection in order
         // (n, k, bytes, kind) of each projection in order
@@ -338,8 +339,14 @@ impl PanelCache {
         }
         let dir = self.path.parent().unwrap_or(Path::new("."));
         std::fs::create_dir_all(dir)?;
-        if free_bytes(dir).is_some_and(|free| free < total as u64 + (1 << 30)) {
-            return Ok(None);
+        if let Some(free) = free_bytes(dir).filter(|&f| f < total as u64 + SPARE_BYTES) {
+            return Err(std::io::Error::other(format!(
+                "they take {} and the disk holding {} has {} free; the cache leaves {} to spare",
+                size_text(total as u64),
+                dir.display(),
+                size_text(free),
+                size_text(SPARE_BYTES)
+            )));
         }
         let file_len = write_file(&self.path, &self.id, &mats)?;
         tidy(dir, &self.path, self.max_bytes);
@@ -866,8 +873,13 @@ fn crc(bytes: &[u8]) -> u32 {
     acc.finalize()
 }
 
-/// Free bytes for an unprivileged user on the file system holding `dir`.
-fn free_bytes(dir: &Path) -> Option<u64> {
+/// What a cache file leaves free on its disk: [`PanelCache::save`] writes none that would leave
+/// less.
+pub const SPARE_BYTES: u64 = 1 << 30;
+
+/// Free bytes for an unprivileged user on the file system holding `dir` (`None` where that
+/// cannot be read).
+pub fn free_bytes(dir: &Path) -> Option<u64> {
     #[cfg(unix)]
     {
         use std::os::unix::ffi::OsStrExt;

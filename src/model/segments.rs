@@ -5,9 +5,9 @@
 //! texts this way). Each text's numbers are those of its own [`Model::forward`]: the kernels
 //! compute every row alone, and the attention of a segment sees only its own rows.
 
-use super::capture::{Hook, Observer, PatternRows};
+use super::capture::{Hook, Observer};
 use super::error::Result;
-use super::forward::{AttnStats, RunOptions, Segment, StatsRequest};
+use super::forward::{RunOptions, Segment};
 use super::Model;
 use std::ops::Range;
 
@@ -65,28 +65,8 @@ impl<O: Observer> Observer for PerSegment<'_, O> {
             at += r;
         }
     }
-    fn attention_block(
-        &mut self,
-        layer: usize,
-        hook: Hook,
-        q_start: usize,
-        shape: [usize; 3],
-        data: &[f32],
-    ) {
-        self.obs[self.cur].attention_block(layer, hook, q_start, shape, data)
-    }
-    fn wants_stats(&self, layer: usize) -> Option<StatsRequest> {
-        self.obs[self.cur].wants_stats(layer)
-    }
-    fn attention_stats(&mut self, layer: usize, q_start: usize, stats: &AttnStats) {
-        self.obs[self.cur].attention_stats(layer, q_start, stats)
-    }
-    fn wants_rows(&self, layer: usize) -> Vec<usize> {
-        self.obs[self.cur].wants_rows(layer)
-    }
-    fn attention_rows(&mut self, layer: usize, q: usize, n_heads: usize, rows: &[f32]) {
-        self.obs[self.cur].attention_rows(layer, q, n_heads, rows)
-    }
+    crate::delegate_observer!(obs[cur]:
+        attention_block, wants_stats, attention_stats, wants_rows, attention_rows, pattern_rows);
     fn attention_done(&mut self, layer: usize) {
         self.obs.iter_mut().for_each(|o| o.attention_done(layer))
     }
@@ -95,16 +75,6 @@ impl<O: Observer> Observer for PerSegment<'_, O> {
     }
     fn segment(&mut self, index: usize) {
         self.cur = index;
-    }
-    fn pattern_rows(
-        &mut self,
-        layer: usize,
-        q_start: usize,
-        rows: usize,
-        n_heads: usize,
-        k_len: usize,
-    ) -> Option<PatternRows<'_>> {
-        self.obs[self.cur].pattern_rows(layer, q_start, rows, n_heads, k_len)
     }
 }
 

@@ -209,6 +209,88 @@ pub fn grouped_query_attention(
     MultiHeadOut { z, pattern }
 }
 
+/// [`grouped_query_attention`] in f64, the oracle where f32 itself is too coarse (scores in the
+/// thousands that differ by a few units): every product of two f32 is exact in f64, the scores
+/// are `q·k / √d` summed in f64, and the softmax and `pattern · V` stay in f64, so what is left
+/// is f64's own rounding (~1e-16 relative). Same layout (`q: [q_len, n_heads*d]`,
+/// `k, v: [k_len, n_kv_heads*d]`); `allows(i, j)` says whether query `i` sees key `j` (a
+/// [`Mask`]'s [`Mask::allows`], or a rule that also knocks keys out). A query that sees no key
+/// gets a row of zeros, as in [`softmax_in_place`].
+pub fn grouped_query_attention_f64(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    (n_heads, n_kv_heads, d): (usize, usize, usize),
+    allows: impl Fn(usize, usize) -> bool,
+) -> MultiHeadOut64 {
+    assert!(
+        n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads),
+        "n_heads must be a multiple of n_kv_heads"
+    );
+    let group_size = n_heads / n_kv_heads;
+    let (q_len, k_len) = (q.len() / (n_heads * d), k.len() / (n_kv_heads * d));
+    let scale = 1.0 / (d as f64).sqrt();
+    let mut z = vec![0.0; q_len * n_heads * d];
+    let mut pattern = vec![0.0; n_heads * q_len * k_len];
+    for h in 0..n_heads {
+        let g = kv_head(h, group_size);
+        for i in 0..q_len {
+            let qi = &q[(i * n_heads + h) * d..][..d];
+            // pass 1: the scaled scores in f64, -inf where the query may not look
+            let scores: Vec<f64> = (0..k_len)
+                .map(|j| {
+                    if !allows(i, j) {
+                        return f64::NEG_INFINITY;
+                    }
+                    let kj = &k[(j * n_kv_heads + g) * d..][..d];
+                    qi.iter()
+                        .zip(kj)
+                        .map(|(&a, &b)| a as f64 * b as f64)
+                        .sum::<f64>()
+                        * scale
+                })
+                .collect();
+            // pass 2: softmax, shifted by the row's maximum
+            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            if max == f64::NEG_INFINITY {
+                continue;
+            }
+            let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let sum: f64 = e.iter().sum();
+            let row = &mut pattern[(h * q_len + i) * k_len..][..k_len];
+            // pass 3: the weights, and the weighted sum of the value vectors
+            let out = &mut z[(i * n_heads + h) * d..][..d];
+            for (j, (p, e)) in row.iter_mut().zip(&e).enumerate() {
+                *p = e / sum;
+                let vj = &v[(j * n_kv_heads + g) * d..][..d];
+                out.iter_mut()
+                    .zip(vj)
+                    .for_each(|(o, &x)| *o += *p * x as f64);
+            }
+        }
+    }
+    MultiHeadOut64 { z, pattern }
+}
+
+/// [`grouped_query_attention_f64`]'s result: [`MultiHeadOut`]'s shapes, in f64.
+#[derive(Clone, Debug)]
+pub struct MultiHeadOut64 {
+    /// `[q_len, n_heads * d]`
+    pub z: Vec<f64>,
+    /// `[n_heads, q_len, k_len]`
+    pub pattern: Vec<f64>,
+}
+
+/// `[n_heads, len, d]` (the fast kernel's heads-first layout) as `[len, n_heads * d]` (the
+/// reference's).
+pub fn heads_to_rows(xs: &[f32], n_heads: usize, d: usize) -> Vec<f32> {
+    let len = xs.len() / (n_heads * d);
+    (0..len)
+        .flat_map(|i| (0..n_heads).flat_map(move |h| &xs[(h * len + i) * d..][..d]))
+        .copied()
+        .collect()
+}
+
 /// Repeats every K/V head `group_size` times: `[len, n_kv*d]` → `[len, n_kv*group_size*d]`,
 /// so that grouped-query attention can be run as ordinary multi-head attention.
 pub fn repeat_kv(xs: &[f32], n_kv_heads: usize, group_size: usize, d: usize) -> Vec<f32> {
@@ -439,6 +521,52 @@ pub(crate) mod tests {
             assert_eq!(gqa.pattern, mha.pattern, "pattern {n_heads}/{n_kv}");
             assert_eq!(gqa.z, mha.z, "z {n_heads}/{n_kv}");
         }
+    }
+
+    /// The f64 mode against the f32 reference (GQA, a prefix, a sliding window, an all-masked
+    /// row) and the hand-worked row 1 of [`hand_worked_three_tokens`] to f64's precision.
+    #[test]
+    fn f64_mode_agrees_with_the_f32_reference() {
+        let mut rng = Rng::new(13);
+        let masks = [
+            Mask::Causal { offset: 0 },
+            Mask::Causal { offset: 3 },
+            Mask::Sliding {
+                offset: 2,
+                window: 3,
+            },
+            Mask::None,
+        ];
+        for mask in masks {
+            let (q_len, n_heads, n_kv, d) = (5, 6, 2, 8);
+            let k_len = q_len + 3;
+            let [q, k, v] = random_case(&mut rng, q_len, k_len, n_heads, n_kv, d);
+            let f32s = grouped_query_attention(&q, &k, &v, n_heads, n_kv, d, mask);
+            let f64s = grouped_query_attention_f64(&q, &k, &v, (n_heads, n_kv, d), |i, j| {
+                mask.allows(i, j)
+            });
+            let narrow = |xs: &[f64]| xs.iter().map(|&x| x as f32).collect::<Vec<_>>();
+            assert_close(&narrow(&f64s.pattern), &f32s.pattern, 1e-6, "pattern");
+            assert_close(&narrow(&f64s.z), &f32s.z, 1e-5, "z");
+        }
+        // a query that may see nothing: zeros, as softmax_in_place gives
+        let [q, k, v] = random_case(&mut rng, 2, 2, 1, 1, 4);
+        let none = grouped_query_attention_f64(&q, &k, &v, (1, 1, 4), |_, _| false);
+        assert!(none.pattern.iter().chain(&none.z).all(|&x| x == 0.0));
+        // hand-worked: row 1 sees scores [0, 1/√2] → [1/(1+e^{1/√2}), e^{1/√2}/(1+e^{1/√2})]
+        let q = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0];
+        let v = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let r = grouped_query_attention_f64(&q, &q, &v, (1, 1, 2), |i, j| j <= i);
+        let e = std::f64::consts::FRAC_1_SQRT_2.exp();
+        let (p0, p1) = (1.0 / (1.0 + e), e / (1.0 + e));
+        assert!((r.pattern[3] - p0).abs() < 1e-15 && (r.pattern[4] - p1).abs() < 1e-15);
+        assert!((r.z[2] - (p0 + 3.0 * p1)).abs() < 1e-14);
+        assert!((r.z[3] - (2.0 * p0 + 4.0 * p1)).abs() < 1e-14);
+        // the kernel's heads-first layout as rows
+        assert_eq!(
+            heads_to_rows(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0], 2, 2),
+            vec![1.0, 2.0, 5.0, 6.0, 3.0, 4.0, 7.0, 8.0]
+        );
     }
 
     #[test]

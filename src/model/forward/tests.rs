@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::model::weights::Mapped;
+use crate::reference::{grouped_query_attention_f64, heads_to_rows};
 
 #[test]
 fn fast_exp_is_accurate_on_softmax_inputs() {
@@ -175,40 +176,38 @@ fn large_scores_are_rounded_after_the_shift_not_before() {
             &mut crate::model::capture::NoCapture,
         )
         .unwrap();
-        let mut worst = 0f64;
+        let (qr, kr, vr) = (
+            heads_to_rows(&q, h, d),
+            heads_to_rows(&k, kv, d),
+            heads_to_rows(&v, kv, d),
+        );
+        let want = grouped_query_attention_f64(&qr, &kr, &vr, (h, kv, d), |i, j| {
+            crate::model::attention::visible(i, j, &knock, window)
+        });
+        // every query sees its own key: those scores show how large the scores are
         for hh in 0..h {
             let g = hh / (h / kv);
             for i in 0..n {
-                let qi = &q[(hh * n + i) * d..][..d];
-                let s: Vec<Option<f64>> = (0..n)
-                    .map(|j| {
-                        crate::model::attention::visible(i, j, &knock, window).then(|| {
-                            let kj = &k[(g * n + j) * d..][..d];
-                            qi.iter()
-                                .zip(kj)
-                                .map(|(&a, &b)| a as f64 * b as f64)
-                                .sum::<f64>()
-                                * scale
-                        })
-                    })
-                    .collect();
-                let m = s
+                let qi = &qr[(i * h + hh) * d..][..d];
+                let kj = &kr[(i * kv + g) * d..][..d];
+                let s = qi
                     .iter()
-                    .flatten()
-                    .copied()
-                    .fold(f64::NEG_INFINITY, f64::max);
-                largest = largest.max(m.abs());
-                let e: Vec<f64> = s.iter().map(|x| x.map_or(0.0, |x| (x - m).exp())).collect();
-                let l: f64 = e.iter().sum();
-                for c in 0..d {
-                    let want: f64 = (0..n)
-                        .map(|j| e[j] / l * v[(g * n + j) * d + c] as f64)
-                        .sum();
-                    let got = z[(i * h + hh) * d + c] as f64;
-                    worst = worst.max((got - want).abs());
-                }
+                    .zip(kj)
+                    .map(|(&a, &b)| a as f64 * b as f64)
+                    .sum::<f64>()
+                    * scale;
+                largest = largest.max(s.abs());
             }
         }
+        assert_eq!(z.len(), want.z.len());
+        let worst = z.iter().zip(&want.z).fold(0f64, |m, (&got, &w)| {
+            let diff = (got as f64 - w).abs();
+            if diff.is_nan() {
+                f64::INFINITY
+            } else {
+                m.max(diff)
+            }
+        });
         assert!(
             worst < 2e-6,
             "window {window:?}, key block {key_block}: output {worst:.2e} from float64"
@@ -549,4 +548,51 @@ fn erf_and_the_exact_gelu_match_pythons_math_erf() {
             "gelu({x}) = {got}, want {want}"
         );
     }
+}
+
+/// The keys' bound a [`KvPrefix`] keeps (so a decode step reads only its new keys for the
+/// attention's score bound) is the one its keys give, to the bit: after a prefill, after each
+/// step on top of it, and after a truncation; so the attention takes the path it would take
+/// with the bound computed from every key.
+#[cfg(feature = "test-fixtures")]
+#[test]
+fn a_kv_prefix_keeps_its_keys_bound() {
+    use crate::model::capture::NoCapture;
+    use crate::model::tiny::{tiny_model, write_gguf};
+    use crate::model::{Arch, Precision};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.gguf");
+    let dtype = candle_core::quantized::GgmlDType::F32;
+    write_gguf(&tiny_model(Arch::Qwen2, 1), Arch::Qwen2, dtype, &path).unwrap();
+    let model = Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();
+    let check = |p: &KvPrefix, what: &str| {
+        assert_eq!(p.k_sq.len(), model.dims.n_layers, "{what}");
+        for (l, (k, _)) in p.layers.iter().enumerate() {
+            assert_eq!(k.len(), p.n_kv * p.len * p.head_dim, "{what}");
+            let want = max_row_sq(k, p.head_dim);
+            assert!(want > 0.0, "{what}: layer {l} has keys");
+            assert_eq!(p.k_sq[l].to_bits(), want.to_bits(), "{what}: layer {l}");
+        }
+    };
+    let opts = |at: usize| RunOptions {
+        logits_at: vec![at],
+        keep_kv: true,
+        ..Default::default()
+    };
+    let prompt = [72, 101, 108, 108];
+    let out = model
+        .forward_from(None, &prompt, &opts(3), &mut NoCapture)
+        .unwrap();
+    let mut kv = out.kv.unwrap();
+    check(&kv, "prefill");
+    for t in [111u32, 32, 256] {
+        let at = kv.len;
+        let out = model
+            .forward_from(Some(&kv), &[t], &opts(at), &mut NoCapture)
+            .unwrap();
+        kv = out.kv.unwrap();
+        check(&kv, &format!("step at {at}"));
+    }
+    assert_eq!(kv.len, 7);
+    check(&kv.truncate(2).unwrap(), "truncated");
 }

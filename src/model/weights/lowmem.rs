@@ -114,11 +114,6 @@ impl QuantB {
         self.parts.iter().map(|m| m.len).sum()
     }
 
-    /// The types of its parts, as GGUF names them.
-    pub fn dtypes(&self) -> Vec<GgmlDType> {
-        self.parts.iter().map(|m| m.dtype).collect()
-    }
-
     /// `C[m, cols] (+)= A[m, ks] · W[cols, ks]ᵀ` on the f32 micro-kernel of `isa`.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm(
