@@ -176,6 +176,84 @@ fn low_memory_equals_the_packed_projections_on_every_block_type() {
     }
 }
 
+/// IQ4_NL and IQ4_XS (read by attnscope's own code: candle's GGUF reader does not know them):
+/// a tiny model whose every matrix is of the type loads in both settings; `low` multiplies every
+/// projection from the blocks and gives `fast`'s numbers (bit for bit on the f32 panels, within
+/// 1e-5 on the AMX tiles' integers and scales), and both give the reference forward's on the
+/// weights the file holds. `info` names the type.
+#[test]
+fn iq4_files_run_end_to_end_in_both_settings() {
+    use attnscope::model::weights::BlockType;
+    let dir = tempfile::tempdir().unwrap();
+    let m = blockwide_model(7);
+    let f32_kernels = !attnscope::kernels::amx::exact_scaled();
+    for ty in [BlockType::Iq4Nl, BlockType::Iq4Xs] {
+        let path = dir.path().join(format!("t-{ty:?}.gguf"));
+        let held = attnscope::model::tiny::write_gguf_iq4(&m, Arch::Qwen2, ty, &path).unwrap();
+        let low = load(&path, Memory::Low);
+        let fast = load(&path, Memory::Fast);
+        assert_eq!(
+            low.low_projections(),
+            (8, 8),
+            "{ty:?}: every projection from its blocks"
+        );
+        assert_eq!(fast.low_projections().0, 0, "{ty:?}");
+        let (pl, ll) = run(&low);
+        let (pf, lf) = run(&fast);
+        let want = reference_forward(&held, &TOKENS);
+        let bits = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        for l in 0..2 {
+            assert_close(
+                &pl[l],
+                &pf[l],
+                1e-5,
+                &format!("{ty:?} layer {l} low vs fast"),
+            );
+            if f32_kernels {
+                assert!(
+                    bits(&pl[l], &pf[l]),
+                    "{ty:?} layer {l}: the f32 panels' bits"
+                );
+            }
+            assert_close(
+                &pl[l],
+                &want.patterns[l],
+                2e-5,
+                &format!("{ty:?} layer {l} vs reference"),
+            );
+        }
+        let scale = lf.iter().fold(1f32, |s, x| s.max(x.abs()));
+        assert_close(&ll, &lf, 1e-4 * scale, &format!("{ty:?} logits"));
+        if f32_kernels {
+            assert!(bits(&ll, &lf), "{ty:?} logits: the f32 panels' bits");
+        }
+        let n = TOKENS.len();
+        let vocab = want.logits.len() / n;
+        assert_close(
+            &ll,
+            &want.logits[..n * vocab],
+            1e-4 * scale,
+            &format!("{ty:?} logits vs reference"),
+        );
+        // the weights read back are the file's, bit for bit
+        let w = low.projection_weights(0, Projection::Down).unwrap();
+        assert!(
+            bits(&w.0, &held.layers[0].w_down),
+            "{ty:?}: the down projection's weights"
+        );
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_attnscope"))
+            .args(["info", "-m", path.to_str().unwrap()])
+            .env("ATTNSCOPE_PANEL_CACHE", "off")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && text.contains(&format!("{ty:?}")),
+            "{text}"
+        );
+    }
+}
+
 /// Where the CPU has AMX, the test above compares `low` with the tiles; rerun it on the f32
 /// kernels, where the two settings must agree bit for bit.
 #[test]
@@ -184,11 +262,13 @@ fn low_memory_equals_the_f32_panels_bit_for_bit() {
         eprintln!("NOTE: no AMX here: the test above already compared the f32 panels");
         return;
     }
-    let text = common::rerun_with_amx(
+    for name in [
         "low_memory_equals_the_packed_projections_on_every_block_type",
-        "f32",
-    );
-    assert!(text.contains("test result: ok"), "{text}");
+        "iq4_files_run_end_to_end_in_both_settings",
+    ] {
+        let text = common::rerun_with_amx(name, "f32");
+        assert!(text.contains("test result: ok"), "{text}");
+    }
 }
 
 /// `low` with `--precision fast` is refused (it multiplies exactly), and so is an

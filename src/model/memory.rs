@@ -129,7 +129,7 @@ impl Footprint {
 /// type or None for floats)`.
 pub fn footprint(
     dims: &ModelDims,
-    parts: impl Fn(usize) -> [Vec<(usize, u64, Option<candle_core::quantized::GgmlDType>)>; 4],
+    parts: impl Fn(usize) -> [Vec<(usize, u64, Option<super::weights::BlockType>)>; 4],
     head_bytes: u64,
 ) -> Footprint {
     let (d, hd) = (dims.d_model, dims.head_dim);

@@ -207,16 +207,14 @@ fn save_cache(
 fn gguf_footprint(g: &gguf::GgufFile, dims: &ModelDims) -> memory::Footprint {
     use weights::Logical as L;
     let info = |l: &L| {
-        g.content
-            .tensor_infos
-            .get(&gguf::gguf_name_for(dims.arch, l))
+        let name = gguf::gguf_name_for(dims.arch, l);
+        g.content.tensor_infos.get(&name).zip(g.block_type(&name))
     };
-    let part = |l: L| -> (usize, u64, Option<candle_core::quantized::GgmlDType>) {
+    let part = |l: L| -> (usize, u64, Option<weights::BlockType>) {
         match info(&l) {
-            Some(t) => {
+            Some((t, dt)) => {
                 let dims = t.shape.dims();
                 let elems: usize = dims.iter().product();
-                let dt = t.ggml_dtype;
                 (
                     dims.first().copied().unwrap_or(0),
                     (elems / dt.block_size() * dt.type_size()) as u64,
@@ -229,10 +227,7 @@ fn gguf_footprint(g: &gguf::GgufFile, dims: &ModelDims) -> memory::Footprint {
     let gpt2 = dims.arch.learned_positions();
     let head = info(&L::LmHead)
         .or_else(|| info(&L::Embed))
-        .map(|t| {
-            let dt = t.ggml_dtype;
-            (t.shape.elem_count() / dt.block_size() * dt.type_size()) as u64
-        })
+        .map(|(t, dt)| (t.shape.elem_count() / dt.block_size() * dt.type_size()) as u64)
         .unwrap_or(0);
     memory::footprint(
         dims,

@@ -5,7 +5,7 @@
 //! bit for bit (the same dequantization, block by block), so the two settings differ only in the
 //! order of the sums (not at all where a product's depth fits one slice of the kernel).
 
-use super::quant::{dequantize_into, part_of};
+use super::quant::{dequantize_into, part_of, BlockType};
 use super::{Mapped, Raw};
 use crate::kernels::gemm::{self, Isa, PanelSource};
 use candle_core::quantized::GgmlDType;
@@ -55,8 +55,8 @@ impl std::fmt::Display for Memory {
 
 /// Whether `--memory low` multiplies a GGUF tensor of this type from its blocks: every type
 /// attnscope dequantizes (checked against gguf-py in this module's parent's tests).
-pub fn low_supported(dtype: GgmlDType) -> bool {
-    !matches!(dtype, GgmlDType::Q8_1 | GgmlDType::Q8K)
+pub fn low_supported(dtype: BlockType) -> bool {
+    !matches!(dtype, BlockType::Ggml(GgmlDType::Q8_1 | GgmlDType::Q8K))
 }
 
 /// A (possibly fused) projection `W: [n, k]` held as its parts' blocks in the mapped file.
@@ -115,7 +115,7 @@ impl QuantB {
     }
 
     /// The types of its parts, as GGUF names them.
-    pub fn dtypes(&self) -> Vec<GgmlDType> {
+    pub fn dtypes(&self) -> Vec<BlockType> {
         self.parts.iter().map(|m| m.dtype).collect()
     }
 
