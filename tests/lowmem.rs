@@ -381,3 +381,86 @@ fn the_command_line_says_the_setting_and_refuses_bad_ones() {
     let out = run(&["inspect", "-m", m, "--memory", "tiny", "-t", "the hat"]);
     assert_eq!(out.status.code(), Some(2));
 }
+
+/// A model too big for the machine at the chosen setting is refused before its weights load,
+/// with what it needs and what the machine has (exit 2); `ATTNSCOPE_MEM_AVAILABLE` fakes the
+/// machine's available memory so the test is the same everywhere. Between `low`'s and `fast`'s
+/// needs the default picks `low` and runs, and `--memory fast` is refused pointing at `low`.
+#[test]
+fn a_model_too_big_for_the_machine_is_refused_before_loading() {
+    use attnscope::model::memory::{check_fits, parse_size, FIT_TOKENS};
+    assert_eq!(parse_size("1234"), Some(1234));
+    assert_eq!(parse_size("800M"), Some(800_000_000));
+    assert_eq!(parse_size("1.5G"), Some(1_500_000_000));
+    assert_eq!(parse_size(" 64k "), Some(64_000));
+    for bad in ["", "lots", "-1G", "1.5T", "NaNG"] {
+        assert_eq!(parse_size(bad), None, "{bad}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.gguf");
+    write_gguf(&blockwide_model(5), Arch::Qwen2, GgmlDType::Q4K, &path).unwrap();
+    let m = load(&path, Memory::Fast);
+    let fp = m.info.footprint.as_ref().unwrap();
+    let low = fp.need(Memory::Low, Precision::Exact, FIT_TOKENS);
+    let fast = fp.need(Memory::Fast, Precision::Exact, FIT_TOKENS);
+    assert!(low < fast, "{low} < {fast}");
+    assert!(check_fits(fp, Memory::Fast, Precision::Exact, Some(fast)).is_ok());
+    assert!(check_fits(fp, Memory::Fast, Precision::Exact, None).is_ok());
+    let e = check_fits(fp, Memory::Fast, Precision::Exact, Some(fast - 1)).unwrap_err();
+    assert!(
+        e.is_bad_input() && e.to_string().contains("--memory low needs"),
+        "{e}"
+    );
+    let run = |avail: &str, args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_attnscope"))
+            .args(["inspect", "-m", path.to_str().unwrap(), "-t", "the hat"])
+            .args(args)
+            .env("ATTNSCOPE_PANEL_CACHE", "off")
+            .env_remove("ATTNSCOPE_MEMORY")
+            .env("ATTNSCOPE_MEM_AVAILABLE", avail)
+            .output()
+            .unwrap()
+    };
+    let gb = |b: u64| format!("{:.2} GB", b as f64 / 1e9);
+    // too small for either setting
+    let out = run("1000", &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(&format!("needs {}", gb(low)))
+            && err.contains("--memory low")
+            && err.contains("0.00 GB available (ATTNSCOPE_MEM_AVAILABLE)")
+            && err.contains("smaller model"),
+        "{err}"
+    );
+    // room for low only: the default picks low and runs; fast is refused, pointing at low
+    let between = ((low + fast) / 2).to_string();
+    let out = run(&between, &[]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = run(&between, &["--memory", "fast"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(&format!("needs {}", gb(fast)))
+            && err.contains("--memory fast")
+            && err.contains(&format!("--memory low needs {} and fits", gb(low))),
+        "{err}"
+    );
+    // plenty: fast runs
+    let out = run("1", &["--memory", "fast"]);
+    assert_eq!(out.status.code(), Some(2), "1 byte is too little");
+    let out = run("100G", &["--memory", "fast"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // a value that is not a size
+    let out = run("lots", &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("ATTNSCOPE_MEM_AVAILABLE is `lots`"));
+}

@@ -506,7 +506,7 @@ impl Model {
         // the packed-weight cache is opened beside the reading of the file unless `low` may be
         // chosen: its pages would count in the peak for nothing (a file of 8× a 4-bit model's
         // size, more than half of what is free, may make the default `low`)
-        let avail = memory::available();
+        let avail = memory::available()?;
         let maybe_low = match memory {
             Some(m) => m == Memory::Low,
             None => {
@@ -539,6 +539,7 @@ impl Model {
             Some(m) => (m, format!("asked for (--memory {m})")),
             None => memory::choose(&fp, precision, avail),
         };
+        memory::check_fits(&fp, memory, precision, avail)?;
         let (cache, cached) = match memory {
             Memory::Low => (None, None),
             Memory::Fast if maybe_low => {
