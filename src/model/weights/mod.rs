@@ -403,7 +403,12 @@ impl Linear {
                 gemm::gemm_sub(x, lda, m, pb, ks, 0..self.n, &mut out, self.n, false, true);
                 Some(out)
             }
-            Matrix::Quant(q) => {
+            // on the tiles, only whole groups, as `fast`'s packed matrix (the same bits)
+            Matrix::Quant(q)
+                if !q.on_tiles()
+                    || (ks.start.is_multiple_of(amx::scaled::GROUP)
+                        && ks.end.is_multiple_of(amx::scaled::GROUP)) =>
+            {
                 let mut out = vec![0f32; m * self.n];
                 q.gemm(x, lda, m, ks, &mut out, self.n, false);
                 Some(out)
