@@ -114,8 +114,27 @@ impl Footprint {
         FIXED_BYTES
             + FIXED_PER_TOKEN_TYPE * self.vocab as u64
             + self.projections_bytes(memory, precision)
+            + self.decoded_bytes(memory, precision)
             + self.small_bytes
             + self.head_bytes.max(self.activations(n))
+    }
+
+    /// `low` on the AMX tiles decodes each projection's blocks into the tiles' integers and
+    /// scales for its product and drops them after it: the largest such matrix is held during
+    /// its product (0 otherwise).
+    pub fn decoded_bytes(&self, memory: Memory, precision: Precision) -> u64 {
+        if memory != Memory::Low || !matches!(PanelLayout::of(precision), PanelLayout::Scaled(_)) {
+            return 0;
+        }
+        self.projections
+            .iter()
+            .filter(|p| p.low && p.k.is_multiple_of(crate::kernels::amx::scaled::GROUP))
+            .filter_map(|p| {
+                p.scaled
+                    .map(|off| PackedScaled::packed_len(p.n, p.k, off) as u64 * 2)
+            })
+            .max()
+            .unwrap_or(0)
     }
 
     /// Whether `--memory low` reads every projection from the file's blocks.
@@ -221,7 +240,7 @@ pub fn parse_size(v: &str) -> Option<u64> {
         _ => (v, 1.0),
     };
     let x: f64 = num.trim().parse().ok()?;
-    (x.is_finite() && x >= 0.0 && x * mul < 1.8e19).then(|| (x * mul) as u64)
+    (x.is_finite() && x >= 0.0 && x * mul < 1.8e19).then_some((x * mul) as u64)
 }
 
 /// The text length the load-time check sizes an `inspect` at: the memory model's shortest row.

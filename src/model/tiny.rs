@@ -423,29 +423,6 @@ pub fn write_hf_folder(
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn gguf_permutation_interleaves_each_head() {
-        // one head of dim 4, one column: rows [a0, a1, b0, b1] (pairs (0,2), (1,3)) → [a0, b0, a1, b1]
-        assert_eq!(
-            permute_for_gguf(&[0.0, 1.0, 2.0, 3.0], 1, 4, 1),
-            vec![0.0, 2.0, 1.0, 3.0]
-        );
-    }
-
-    #[test]
-    fn tiny_vocab_has_every_byte() {
-        let (tokens, _, types) = tiny_vocab();
-        assert_eq!(tokens.len(), 262);
-        assert_eq!(tokens[b'a' as usize], "a");
-        assert_eq!(tokens[b' ' as usize], "Ġ");
-        assert_eq!(types[261], 3);
-    }
-}
-
 /// Quantizes rows of `cols` values (`cols` whole blocks of `ty`, IQ4_NL or IQ4_XS) the simple
 /// way (each block's scale from its largest weight, each weight the nearest of
 /// [`super::weights::KVALUES_IQ4`]): the blocks' bytes, and the values they dequantize to
@@ -593,4 +570,27 @@ pub fn write_gguf_iq4(
     }
     std::fs::write(path, file)?;
     Ok(held)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gguf_permutation_interleaves_each_head() {
+        // one head of dim 4, one column: rows [a0, a1, b0, b1] (pairs (0,2), (1,3)) → [a0, b0, a1, b1]
+        assert_eq!(
+            permute_for_gguf(&[0.0, 1.0, 2.0, 3.0], 1, 4, 1),
+            vec![0.0, 2.0, 1.0, 3.0]
+        );
+    }
+
+    #[test]
+    fn tiny_vocab_has_every_byte() {
+        let (tokens, _, types) = tiny_vocab();
+        assert_eq!(tokens.len(), 262);
+        assert_eq!(tokens[b'a' as usize], "a");
+        assert_eq!(tokens[b' ' as usize], "Ġ");
+        assert_eq!(types[261], 3);
+    }
 }
