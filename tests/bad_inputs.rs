@@ -501,8 +501,8 @@ fn a_tensor_of_a_block_type_attnscope_cannot_read() {
         "F32"
     );
     for (id, named) in [
-        (20u32, "block type 20 (IQ4_NL)"),
-        (23, "block type 23 (IQ4_XS)"),
+        (16u32, "block type 16 (IQ2_XXS)"),
+        (39, "block type 39 (MXFP4)"),
         (99, "block type 99 (a type id no GGML version defines)"),
     ] {
         let mut b = bytes.clone();

@@ -92,10 +92,12 @@ const TYPES: [GgmlDType; 12] = [
 
 /// For each block type: `low` multiplies every projection from the blocks, and its patterns,
 /// logits, per-head output projections (column slices that cut the K-quants' super-blocks) and
-/// read-back weights equal `fast`'s: within 1e-5 (1e-4 of the logits' scale) where `fast` runs
-/// the AMX tiles' integers and scales, bit for bit where it runs the f32 panels. Where the CPU
-/// has AMX, the test then runs itself again on the f32 kernels (`ATTNSCOPE_AMX=f32`), so the
-/// bits are compared on every CPU.
+/// read-back weights equal `fast`'s: bit for bit on the f32 panels, and on the AMX tiles for the
+/// types read as integers and scales (`low` decodes them per product into the tiles' layout);
+/// within 1e-5 (1e-4 of the logits' scale) for the others on AMX (Q2_K, Q3_K, Q6_K, F16, F32:
+/// `fast` packs f32 panels in another order of sums).
+/// Where the CPU has AMX, the test then runs itself again on the f32 kernels
+/// (`ATTNSCOPE_AMX=f32`), so the bits are compared on every CPU.
 #[test]
 fn low_memory_equals_the_packed_projections_on_every_block_type() {
     let dir = tempfile::tempdir().unwrap();
@@ -104,6 +106,10 @@ fn low_memory_equals_the_packed_projections_on_every_block_type() {
     for dtype in TYPES {
         let path = dir.path().join(format!("t-{dtype:?}.gguf"));
         write_gguf(&m, Arch::Qwen2, dtype, &path).unwrap();
+        // the same bits: on the f32 panels, and on the AMX tiles where the type is integers
+        // and scales (`low` decodes them per product as `fast` packs them)
+        let same_bits =
+            f32_kernels || attnscope::model::weights::scaled_kind_of(dtype.into()).is_some();
         let low = load(&path, Memory::Low);
         let fast = load(&path, Memory::Fast);
         assert_eq!(low.info.memory, Memory::Low);
@@ -124,17 +130,14 @@ fn low_memory_equals_the_packed_projections_on_every_block_type() {
                 1e-5,
                 &format!("{dtype:?} layer {l} pattern"),
             );
-            if f32_kernels {
-                assert!(
-                    bits(&pl[l], &pf[l]),
-                    "{dtype:?} layer {l}: the f32 panels' bits"
-                );
+            if same_bits {
+                assert!(bits(&pl[l], &pf[l]), "{dtype:?} layer {l}: fast's bits");
             }
         }
         let scale = lf.iter().fold(1f32, |s, x| s.max(x.abs()));
         assert_close(&ll, &lf, 1e-4 * scale, &format!("{dtype:?} logits"));
-        if f32_kernels {
-            assert!(bits(&ll, &lf), "{dtype:?} logits: the f32 panels' bits");
+        if same_bits {
+            assert!(bits(&ll, &lf), "{dtype:?} logits: fast's bits");
         }
         // the same weights, read back through each kernel
         for part in [
@@ -182,6 +185,82 @@ fn low_memory_equals_the_packed_projections_on_every_block_type() {
             "low_memory_equals_the_packed_projections_on_every_block_type",
             "f32",
         );
+        assert!(text.contains("test result: ok"), "{text}");
+    }
+}
+
+/// IQ4_NL and IQ4_XS (read by attnscope's own code: candle's GGUF reader does not know them):
+/// a tiny model whose every matrix is of the type loads in both settings; `low` multiplies every
+/// projection from the blocks and gives `fast`'s numbers (bit for bit on the f32 panels, within
+/// 1e-5 on the AMX tiles' integers and scales), and both give the reference forward's on the
+/// weights the file holds. `info` names the type.
+#[test]
+fn iq4_files_run_end_to_end_in_both_settings() {
+    use attnscope::model::weights::BlockType;
+    let dir = tempfile::tempdir().unwrap();
+    let m = blockwide_model(7);
+    for ty in [BlockType::Iq4Nl, BlockType::Iq4Xs] {
+        let path = dir.path().join(format!("t-{ty:?}.gguf"));
+        let held = attnscope::model::tiny::write_gguf_iq4(&m, Arch::Qwen2, ty, &path).unwrap();
+        let low = load(&path, Memory::Low);
+        let fast = load(&path, Memory::Fast);
+        assert_eq!(
+            low.low_projections(),
+            (8, 8),
+            "{ty:?}: every projection from its blocks"
+        );
+        assert_eq!(fast.low_projections().0, 0, "{ty:?}");
+        let (pl, ll) = run(&low);
+        let (pf, lf) = run(&fast);
+        let want = reference_forward(&held, &TOKENS);
+        let bits = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        for l in 0..2 {
+            assert_close(
+                &pl[l],
+                &pf[l],
+                1e-5,
+                &format!("{ty:?} layer {l} low vs fast"),
+            );
+            // the same bits: the f32 panels, or on AMX the tiles' integers and scales
+            assert!(bits(&pl[l], &pf[l]), "{ty:?} layer {l}: fast's bits");
+            assert_close(
+                &pl[l],
+                &want.patterns[l],
+                2e-5,
+                &format!("{ty:?} layer {l} vs reference"),
+            );
+        }
+        let scale = lf.iter().fold(1f32, |s, x| s.max(x.abs()));
+        assert_close(&ll, &lf, 1e-4 * scale, &format!("{ty:?} logits"));
+        assert!(bits(&ll, &lf), "{ty:?} logits: fast's bits");
+        let n = TOKENS.len();
+        let vocab = want.logits.len() / n;
+        assert_close(
+            &ll,
+            &want.logits[..n * vocab],
+            1e-4 * scale,
+            &format!("{ty:?} logits vs reference"),
+        );
+        // the weights read back are the file's, bit for bit
+        let w = low.projection_weights(0, Projection::Down).unwrap();
+        assert!(
+            bits(&w.0, &held.layers[0].w_down),
+            "{ty:?}: the down projection's weights"
+        );
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_attnscope"))
+            .args(["info", "-m", path.to_str().unwrap()])
+            .env("ATTNSCOPE_PANEL_CACHE", "off")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && text.contains(&format!("{ty:?}")),
+            "{text}"
+        );
+    }
+    if attnscope::kernels::amx::exact_scaled() {
+        // the tiles ran above: the same checks on the f32 panels, bit for bit
+        let text = common::rerun_with_amx("iq4_files_run_end_to_end_in_both_settings", "f32");
         assert!(text.contains("test result: ok"), "{text}");
     }
 }
@@ -295,4 +374,87 @@ fn the_command_line_says_the_setting_and_refuses_bad_ones() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--precision exact"));
     let out = run(&["inspect", "-m", m, "--memory", "tiny", "-t", "the hat"]);
     assert_eq!(out.status.code(), Some(2));
+}
+
+/// A model too big for the machine at the chosen setting is refused before its weights load,
+/// with what it needs and what the machine has (exit 2); `ATTNSCOPE_MEM_AVAILABLE` fakes the
+/// machine's available memory so the test is the same everywhere. Between `low`'s and `fast`'s
+/// needs the default picks `low` and runs, and `--memory fast` is refused pointing at `low`.
+#[test]
+fn a_model_too_big_for_the_machine_is_refused_before_loading() {
+    use attnscope::model::memory::{check_fits, parse_size, FIT_TOKENS};
+    assert_eq!(parse_size("1234"), Some(1234));
+    assert_eq!(parse_size("800M"), Some(800_000_000));
+    assert_eq!(parse_size("1.5G"), Some(1_500_000_000));
+    assert_eq!(parse_size(" 64k "), Some(64_000));
+    for bad in ["", "lots", "-1G", "1.5T", "NaNG"] {
+        assert_eq!(parse_size(bad), None, "{bad}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.gguf");
+    write_gguf(&blockwide_model(5), Arch::Qwen2, GgmlDType::Q4K, &path).unwrap();
+    let m = load(&path, Memory::Fast);
+    let fp = m.info.footprint.as_ref().unwrap();
+    let low = fp.need(Memory::Low, Precision::Exact, FIT_TOKENS);
+    let fast = fp.need(Memory::Fast, Precision::Exact, FIT_TOKENS);
+    assert!(low < fast, "{low} < {fast}");
+    assert!(check_fits(fp, Memory::Fast, Precision::Exact, Some(fast)).is_ok());
+    assert!(check_fits(fp, Memory::Fast, Precision::Exact, None).is_ok());
+    let e = check_fits(fp, Memory::Fast, Precision::Exact, Some(fast - 1)).unwrap_err();
+    assert!(
+        e.is_bad_input() && e.to_string().contains("--memory low needs"),
+        "{e}"
+    );
+    let run = |avail: &str, args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_attnscope"))
+            .args(["inspect", "-m", path.to_str().unwrap(), "-t", "the hat"])
+            .args(args)
+            .env("ATTNSCOPE_PANEL_CACHE", "off")
+            .env_remove("ATTNSCOPE_MEMORY")
+            .env("ATTNSCOPE_MEM_AVAILABLE", avail)
+            .output()
+            .unwrap()
+    };
+    let gb = |b: u64| format!("{:.2} GB", b as f64 / 1e9);
+    // too small for either setting
+    let out = run("1000", &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(&format!("needs {}", gb(low)))
+            && err.contains("--memory low")
+            && err.contains("0.00 GB available (ATTNSCOPE_MEM_AVAILABLE)")
+            && err.contains("smaller model"),
+        "{err}"
+    );
+    // room for low only: the default picks low and runs; fast is refused, pointing at low
+    let between = ((low + fast) / 2).to_string();
+    let out = run(&between, &[]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = run(&between, &["--memory", "fast"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(&format!("needs {}", gb(fast)))
+            && err.contains("--memory fast")
+            && err.contains(&format!("--memory low needs {} and fits", gb(low))),
+        "{err}"
+    );
+    // plenty: fast runs
+    let out = run("1", &["--memory", "fast"]);
+    assert_eq!(out.status.code(), Some(2), "1 byte is too little");
+    let out = run("100G", &["--memory", "fast"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // a value that is not a size
+    let out = run("lots", &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("ATTNSCOPE_MEM_AVAILABLE is `lots`"));
 }

@@ -4,8 +4,9 @@
 
 use super::config::{Arch, GemmaSettings, ModelDims, RopeScaling, RopeStyle};
 use super::error::{Error, Result};
-use super::weights::{Logical, Mapped, Raw, TensorSource};
+use super::weights::{BlockType, Logical, Mapped, Raw, TensorSource};
 use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::quantized::GgmlDType;
 use memmap2::Mmap;
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -48,7 +49,10 @@ const TENSORS_PER_LAYER: usize = 9;
 /// the tensor data start somewhere else than the writer meant, or divide by zero inside candle)
 /// and that every tensor's block type is one attnscope reads (named with the tensor if not).
 /// A file that ends early or is malformed passes here: candle's reader reports that.
-pub fn check_header(b: &[u8]) -> std::result::Result<(), String> {
+///
+/// Returns the tensors of a type attnscope reads itself (IQ4_NL, IQ4_XS: candle's reader refuses
+/// their ids): each one's name, the byte offset of its type id, and its type.
+pub fn check_header(b: &[u8]) -> std::result::Result<(Vec<OwnTyped>, usize), String> {
     struct Cur<'a>(&'a [u8], usize);
     impl Cur<'_> {
         fn take(&mut self, n: u64) -> Option<&[u8]> {
@@ -88,22 +92,27 @@ pub fn check_header(b: &[u8]) -> std::result::Result<(), String> {
             }
         }
     }
+    let mut own = Vec::new();
     let mut c = Cur(b, 4);
     let Some(version) = c.u32() else {
-        return Ok(());
+        return Ok((own, b.len()));
     };
     if !(2..=3).contains(&version) {
-        return Ok(());
+        return Ok((own, b.len()));
     }
     let (Some(n_tensors), Some(n_kv)) = (c.u64(), c.u64()) else {
-        return Ok(());
+        return Ok((own, b.len()));
     };
     for _ in 0..n_kv {
-        let Some(klen) = c.u64() else { return Ok(()) };
-        let Some(key) = c.take(klen).map(|k| k.to_vec()) else {
-            return Ok(());
+        let Some(klen) = c.u64() else {
+            return Ok((own, b.len()));
         };
-        let Some(ty) = c.u32() else { return Ok(()) };
+        let Some(key) = c.take(klen).map(|k| k.to_vec()) else {
+            return Ok((own, b.len()));
+        };
+        let Some(ty) = c.u32() else {
+            return Ok((own, b.len()));
+        };
         if key == b"general.alignment" {
             let v = match ty {
                 0 => c.take(1).map(|s| s[0] as i64),
@@ -114,56 +123,81 @@ pub fn check_header(b: &[u8]) -> std::result::Result<(), String> {
                 5 => c.u32().map(|v| v as i32 as i64),
                 _ => return Err(format!("general.alignment has value type {ty}; GGUF stores it as an unsigned 32-bit integer")),
             };
-            let Some(v) = v else { return Ok(()) };
+            let Some(v) = v else {
+                return Ok((own, b.len()));
+            };
             if v < 1 || (v as u64).count_ones() != 1 {
                 return Err(format!("general.alignment is {v}; it must be a power of two (1, 2, 4, ..., usually 32)"));
             }
         } else if c.skip(ty, 0).is_none() {
-            return Ok(());
+            return Ok((own, b.len()));
         }
     }
     // the tensor infos: name, n_dims, dims, type, offset. A block type candle's reader does not
     // know is named here with its tensor (candle says only "unknown dtype for tensor 20")
     for _ in 0..n_tensors {
-        let Some(nlen) = c.u64() else { return Ok(()) };
+        let Some(nlen) = c.u64() else {
+            return Ok((own, b.len()));
+        };
         let Some(name) = c
             .take(nlen)
             .map(|k| String::from_utf8_lossy(k).into_owned())
         else {
-            return Ok(());
+            return Ok((own, b.len()));
         };
-        let Some(n_dims) = c.u32() else { return Ok(()) };
+        let Some(n_dims) = c.u32() else {
+            return Ok((own, b.len()));
+        };
         if c.take(8 * n_dims as u64).is_none() {
-            return Ok(());
+            return Ok((own, b.len()));
         }
-        let Some(ty) = c.u32() else { return Ok(()) };
+        let at = c.1;
+        let Some(ty) = c.u32() else {
+            return Ok((own, b.len()));
+        };
+        if let Some(t) = BlockType::own(ty) {
+            own.push(OwnTyped { name, at, ty: t });
+            if c.u64().is_none() {
+                return Ok((own, b.len()));
+            }
+            continue;
+        }
         if let Some(what) = unread_block_type(ty) {
             return Err(format!(
                 "tensor `{name}` has block type {ty} ({what}), which attnscope cannot read; it \
-                 reads F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K to Q6_K: use a file \
-                 quantized to one of them (e.g. Q4_K_M or Q8_0)"
+                 reads F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K, IQ4_NL and \
+                 IQ4_XS: use a file quantized to one of them (e.g. Q4_K_M or Q8_0)"
             ));
         }
         if c.u64().is_none() {
-            return Ok(());
+            return Ok((own, b.len()));
         }
     }
-    Ok(())
+    Ok((own, c.1))
+}
+
+/// A tensor whose block type attnscope reads itself, as [`check_header`] found it.
+#[derive(Clone, Debug)]
+pub struct OwnTyped {
+    /// The tensor's name.
+    pub name: String,
+    /// Where its type id lies in the file.
+    pub at: usize,
+    /// Its type.
+    pub ty: BlockType,
 }
 
 /// The name of a GGML block type that attnscope does not read (`None` for those it reads).
 fn unread_block_type(ty: u32) -> Option<&'static str> {
     Some(match ty {
-        0..=3 | 6..=15 | 30 => return None,
+        0..=3 | 6..=15 | 20 | 23 | 30 => return None,
         4 | 5 => "Q4_2/Q4_3, removed from GGML in 2023",
         16 => "IQ2_XXS",
         17 => "IQ2_XS",
         18 => "IQ3_XXS",
         19 => "IQ1_S",
-        20 => "IQ4_NL",
         21 => "IQ3_S",
         22 => "IQ2_S",
-        23 => "IQ4_XS",
         24 => "I8",
         25 => "I16",
         26 => "I32",
@@ -186,6 +220,9 @@ pub struct GgufFile {
     /// The architecture and fused-tensor sizes, read from the metadata once, on the first
     /// tensor asked for.
     layout: Option<Layout>,
+    /// The tensors of a type candle's reader does not know (IQ4_NL, IQ4_XS), by name: their
+    /// `content.tensor_infos` entry holds a stand-in type.
+    own_types: std::collections::HashMap<String, BlockType>,
 }
 
 /// What [`TensorSource::get`] needs to name and cut a tensor.
@@ -238,12 +275,22 @@ impl GgufFile {
         }
         // candle divides by the alignment without looking at it, and names no unknown block
         // type's tensor: check both first
-        check_header(&map).map_err(|reason| Error::BadGguf {
+        let (own, infos_end) = check_header(&map).map_err(|reason| Error::BadGguf {
             path: path.into(),
             reason,
         })?;
+        // candle refuses the ids of IQ4_NL and IQ4_XS: it reads a copy of the header (up to the
+        // last tensor info: the tensor data starts after it) with a stand-in of its own there
+        let patched = (!own.is_empty()).then(|| {
+            let mut h = map[..infos_end].to_vec();
+            for t in &own {
+                h[t.at..t.at + 4].copy_from_slice(&(GgmlDType::Q4_0 as u32).to_le_bytes());
+            }
+            h
+        });
+        let header: &[u8] = patched.as_deref().unwrap_or(&map[..]);
         let content =
-            match super::guard::quietly(|| Content::read(&mut std::io::Cursor::new(&map[..]))) {
+            match super::guard::quietly(|| Content::read(&mut std::io::Cursor::new(header))) {
                 Ok(r) => r.map_err(|e| Error::BadGguf {
                     path: path.into(),
                     reason: e.to_string(),
@@ -265,6 +312,7 @@ impl GgufFile {
             file_size,
             version,
             layout: None,
+            own_types: own.into_iter().map(|t| (t.name, t.ty)).collect(),
         })
     }
 
@@ -589,10 +637,23 @@ impl GgufFile {
     /// Tensor types and how many tensors have each, e.g. `{"Q4K": 120, "F32": 121}`.
     pub fn tensor_types(&self) -> BTreeMap<String, usize> {
         let mut m = BTreeMap::new();
-        for t in self.content.tensor_infos.values() {
-            *m.entry(format!("{:?}", t.ggml_dtype)).or_insert(0) += 1;
+        for name in self.content.tensor_infos.keys() {
+            if let Some(t) = self.block_type(name) {
+                *m.entry(format!("{t:?}")).or_insert(0) += 1;
+            }
         }
         m
+    }
+
+    /// The block type of tensor `name` (`None` if the file has no such tensor).
+    pub fn block_type(&self, name: &str) -> Option<BlockType> {
+        let info = self.content.tensor_infos.get(name)?;
+        Some(
+            self.own_types
+                .get(name)
+                .copied()
+                .unwrap_or(info.ggml_dtype.into()),
+        )
     }
 
     pub fn metadata(&self) -> &std::collections::HashMap<String, Value> {
@@ -718,18 +779,21 @@ impl TensorSource for GgufFile {
             .iter()
             .try_fold(1usize, |a, &d| a.checked_mul(d))
             .ok_or_else(|| bad(format!("dimensions {dims:?} overflow")))?;
-        let (bs, ts) = (info.ggml_dtype.block_size(), info.ggml_dtype.type_size());
+        let ty = self
+            .own_types
+            .get(&name)
+            .copied()
+            .unwrap_or(info.ggml_dtype.into());
+        let (bs, ts) = (ty.block_size(), ty.type_size());
         let cols = dims.last().copied().unwrap_or(1);
         if cols % bs != 0 {
             return Err(bad(format!(
-                "rows of {cols} values are not whole {:?} blocks of {bs}",
-                info.ggml_dtype
+                "rows of {cols} values are not whole {ty:?} blocks of {bs}"
             )));
         }
         let len = (n / bs).checked_mul(ts).ok_or_else(|| {
             bad(format!(
-                "{n} values of {:?} take more bytes than a file can hold",
-                info.ggml_dtype
+                "{n} values of {ty:?} take more bytes than a file can hold"
             ))
         })?;
         let start = self
@@ -773,7 +837,7 @@ impl TensorSource for GgufFile {
             map: self.map.clone(),
             offset,
             len,
-            dtype: info.ggml_dtype,
+            dtype: ty,
             dims,
         })))
     }

@@ -114,8 +114,27 @@ impl Footprint {
         FIXED_BYTES
             + FIXED_PER_TOKEN_TYPE * self.vocab as u64
             + self.projections_bytes(memory, precision)
+            + self.decoded_bytes(memory, precision)
             + self.small_bytes
             + self.head_bytes.max(self.activations(n))
+    }
+
+    /// `low` on the AMX tiles decodes each projection's blocks into the tiles' integers and
+    /// scales for its product and drops them after it: the largest such matrix is held during
+    /// its product (0 otherwise).
+    pub fn decoded_bytes(&self, memory: Memory, precision: Precision) -> u64 {
+        if memory != Memory::Low || !matches!(PanelLayout::of(precision), PanelLayout::Scaled(_)) {
+            return 0;
+        }
+        self.projections
+            .iter()
+            .filter(|p| p.low && p.k.is_multiple_of(crate::kernels::amx::scaled::GROUP))
+            .filter_map(|p| {
+                p.scaled
+                    .map(|off| PackedScaled::packed_len(p.n, p.k, off) as u64 * 2)
+            })
+            .max()
+            .unwrap_or(0)
     }
 }
 
@@ -124,7 +143,7 @@ impl Footprint {
 /// type or None for floats)`.
 pub fn footprint(
     dims: &ModelDims,
-    parts: impl Fn(usize) -> [Vec<(usize, u64, Option<candle_core::quantized::GgmlDType>)>; 4],
+    parts: impl Fn(usize) -> [Vec<(usize, u64, Option<super::weights::BlockType>)>; 4],
     head_bytes: u64,
 ) -> Footprint {
     let (d, hd) = (dims.d_model, dims.head_dim);
@@ -183,12 +202,83 @@ pub fn from_env() -> super::Result<Option<Memory>> {
 }
 
 /// The machine's memory that a new process can have without swapping (`MemAvailable`), in
-/// bytes; `None` where /proc/meminfo does not say.
-pub fn available() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
+/// bytes; `None` where /proc/meminfo does not say. `ATTNSCOPE_MEM_AVAILABLE` (bytes, or with a
+/// decimal `K`/`M`/`G` suffix: `800M`, `1.5G`) stands in for it, to see what a smaller machine
+/// would be told (the tests use it); a value that is not a size is refused.
+pub fn available() -> super::Result<Option<u64>> {
+    if let Ok(v) = std::env::var("ATTNSCOPE_MEM_AVAILABLE") {
+        if !v.trim().is_empty() {
+            return parse_size(&v).map(Some).ok_or_else(|| {
+                super::Error::NotApplicable(format!(
+                    "ATTNSCOPE_MEM_AVAILABLE is `{v}`; give a size in bytes, or with K, M or G \
+                     (e.g. 800M, 1.5G)"
+                ))
+            });
+        }
+    }
+    let from_proc = || -> Option<u64> {
+        let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+        let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
+        let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kb * 1024)
+    };
+    Ok(from_proc())
+}
+
+/// `1234`, `800M`, `1.5G`, `64k` (decimal: K = 1e3 bytes) as bytes; `None` if it is not one.
+pub fn parse_size(v: &str) -> Option<u64> {
+    let v = v.trim();
+    let (num, mul) = match v.char_indices().last()? {
+        (i, 'k' | 'K') => (&v[..i], 1e3),
+        (i, 'm' | 'M') => (&v[..i], 1e6),
+        (i, 'g' | 'G') => (&v[..i], 1e9),
+        _ => (v, 1.0),
+    };
+    let x: f64 = num.trim().parse().ok()?;
+    (x.is_finite() && x >= 0.0 && x * mul < 1.8e19).then_some((x * mul) as u64)
+}
+
+/// The text length the load-time check sizes an `inspect` at: the memory model's shortest row.
+pub const FIT_TOKENS: usize = 128;
+
+/// Refuses a model whose `inspect` of [`FIT_TOKENS`] tokens at `memory` would need more than
+/// the machine's available memory `avail` (`None`: unknown, not checked), saying what it needs,
+/// what the machine has, and whether `--memory low` would fit. Checked before the weights load.
+pub fn check_fits(
+    fp: &Footprint,
+    memory: Memory,
+    precision: Precision,
+    avail: Option<u64>,
+) -> super::Result<()> {
+    let Some(a) = avail else { return Ok(()) };
+    let need = fp.need(memory, precision, FIT_TOKENS);
+    if need <= a {
+        return Ok(());
+    }
+    let gb = |b: u64| b as f64 / 1e9;
+    let low = fp.need(Memory::Low, precision, FIT_TOKENS);
+    let what_then = if memory == Memory::Fast
+        && precision == Precision::Exact
+        && fp.projections.iter().any(|p| p.low)
+        && low <= a
+    {
+        format!("--memory low needs {:.2} GB and fits", gb(low))
+    } else {
+        "use a smaller model or a file quantized to fewer bits, or free memory".to_string()
+    };
+    Err(super::Error::NotApplicable(format!(
+        "the model needs {:.2} GB for an inspect of {FIT_TOKENS} tokens at --memory {memory} \
+         (--precision {precision}; its weights {:.2} GB), but the machine has {:.2} GB available \
+         ({}); {what_then}",
+        gb(need),
+        gb(fp.weights(memory, precision)),
+        gb(a),
+        if std::env::var("ATTNSCOPE_MEM_AVAILABLE").is_ok_and(|v| !v.trim().is_empty()) {
+            "ATTNSCOPE_MEM_AVAILABLE"
+        } else {
+            "MemAvailable"
+        },
+    )))
 }
 
 /// The default `--memory`: `fast` when its peak at 2,048 tokens takes at most half of the

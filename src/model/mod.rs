@@ -207,16 +207,14 @@ fn save_cache(
 fn gguf_footprint(g: &gguf::GgufFile, dims: &ModelDims) -> memory::Footprint {
     use weights::Logical as L;
     let info = |l: &L| {
-        g.content
-            .tensor_infos
-            .get(&gguf::gguf_name_for(dims.arch, l))
+        let name = gguf::gguf_name_for(dims.arch, l);
+        g.content.tensor_infos.get(&name).zip(g.block_type(&name))
     };
-    let part = |l: L| -> (usize, u64, Option<candle_core::quantized::GgmlDType>) {
+    let part = |l: L| -> (usize, u64, Option<weights::BlockType>) {
         match info(&l) {
-            Some(t) => {
+            Some((t, dt)) => {
                 let dims = t.shape.dims();
                 let elems: usize = dims.iter().product();
-                let dt = t.ggml_dtype;
                 (
                     dims.first().copied().unwrap_or(0),
                     (elems / dt.block_size() * dt.type_size()) as u64,
@@ -229,10 +227,7 @@ fn gguf_footprint(g: &gguf::GgufFile, dims: &ModelDims) -> memory::Footprint {
     let gpt2 = dims.arch.learned_positions();
     let head = info(&L::LmHead)
         .or_else(|| info(&L::Embed))
-        .map(|t| {
-            let dt = t.ggml_dtype;
-            (t.shape.elem_count() / dt.block_size() * dt.type_size()) as u64
-        })
+        .map(|(t, dt)| (t.shape.elem_count() / dt.block_size() * dt.type_size()) as u64)
         .unwrap_or(0);
     memory::footprint(
         dims,
@@ -511,7 +506,7 @@ impl Model {
         // the packed-weight cache is opened beside the reading of the file unless `low` may be
         // chosen: its pages would count in the peak for nothing (a file of 8× a 4-bit model's
         // size, more than half of what is free, may make the default `low`)
-        let avail = memory::available();
+        let avail = memory::available()?;
         let maybe_low = match memory {
             Some(m) => m == Memory::Low,
             None => {
@@ -544,6 +539,7 @@ impl Model {
             Some(m) => (m, format!("asked for (--memory {m})")),
             None => memory::choose(&fp, precision, avail),
         };
+        memory::check_fits(&fp, memory, precision, avail)?;
         let (cache, cached) = match memory {
             Memory::Low => (None, None),
             Memory::Fast if maybe_low => {

@@ -423,6 +423,155 @@ pub fn write_hf_folder(
     Ok(())
 }
 
+/// Quantizes rows of `cols` values (`cols` whole blocks of `ty`, IQ4_NL or IQ4_XS) the simple
+/// way (each block's scale from its largest weight, each weight the nearest of
+/// [`super::weights::KVALUES_IQ4`]): the blocks' bytes, and the values they dequantize to
+/// (`d · k`, IQ4_XS's sub-block scale `d · (ls − 32)` rounded to f32 first, as ggml computes
+/// them).
+pub fn quantize_iq4(x: &[f32], ty: super::weights::BlockType) -> (Vec<u8>, Vec<f32>) {
+    use super::weights::{BlockType, KVALUES_IQ4 as K};
+    let nearest = |v: f32| -> u8 {
+        (0..16)
+            .min_by(|&a, &b| (K[a] as f32 - v).abs().total_cmp(&(K[b] as f32 - v).abs()))
+            .unwrap() as u8
+    };
+    // the signed value of largest magnitude
+    let peak = |g: &[f32]| {
+        g.iter()
+            .copied()
+            .fold(0f32, |m, v| if v.abs() > m.abs() { v } else { m })
+    };
+    // one group of 32 with scale `dl`: its 16 bytes of nibbles, and its values
+    let group = |g: &[f32], dl: f32, bytes: &mut Vec<u8>, vals: &mut Vec<f32>| {
+        let q: Vec<u8> = g
+            .iter()
+            .map(|&v| if dl == 0.0 { 8 } else { nearest(v / dl) })
+            .collect();
+        bytes.extend((0..16).map(|j| q[j] | (q[j + 16] << 4)));
+        vals.extend(q.iter().map(|&i| dl * K[i as usize] as f32));
+    };
+    let (mut bytes, mut vals) = (Vec::new(), Vec::with_capacity(x.len()));
+    match ty {
+        BlockType::Iq4Nl => {
+            assert!(x.len().is_multiple_of(32), "whole blocks of 32");
+            for g in x.chunks_exact(32) {
+                let d = half::f16::from_f32(peak(g) / K[0] as f32);
+                bytes.extend(d.to_le_bytes());
+                group(g, d.to_f32(), &mut bytes, &mut vals);
+            }
+        }
+        BlockType::Iq4Xs => {
+            assert!(x.len().is_multiple_of(256), "whole blocks of 256");
+            for sb in x.chunks_exact(256) {
+                let scales: Vec<f32> = sb.chunks_exact(32).map(|g| peak(g) / K[0] as f32).collect();
+                let amax = scales.iter().fold(0f32, |m, s| m.max(s.abs()));
+                let d = half::f16::from_f32(amax / 31.0);
+                let dd = d.to_f32();
+                let ls: Vec<i32> = scales
+                    .iter()
+                    .map(|&s| {
+                        let r = if dd == 0.0 {
+                            0
+                        } else {
+                            (s / dd).round() as i32
+                        };
+                        r.clamp(-32, 31) + 32
+                    })
+                    .collect();
+                let mut sh = 0u16;
+                let mut sl = [0u8; 4];
+                for (j, &l) in ls.iter().enumerate() {
+                    sh |= (((l >> 4) & 3) as u16) << (2 * j);
+                    sl[j / 2] |= ((l & 0x0f) as u8) << (4 * (j % 2));
+                }
+                bytes.extend(d.to_le_bytes());
+                bytes.extend(sh.to_le_bytes());
+                bytes.extend(sl);
+                for (g, &l) in sb.chunks_exact(32).zip(&ls) {
+                    group(g, dd * (l - 32) as f32, &mut bytes, &mut vals);
+                }
+            }
+        }
+        BlockType::Ggml(d) => panic!("quantize_iq4 writes IQ4_NL or IQ4_XS, not {d:?}"),
+    }
+    (bytes, vals)
+}
+
+/// Writes `m` as a GGUF file whose matrices (embeddings, projections, output head) are all
+/// IQ4_NL or IQ4_XS blocks (norms and biases f32), and returns the model with the weights the
+/// file holds ([`quantize_iq4`]'s values), for a reference forward. candle cannot write these
+/// types: each matrix goes in as f16 values of the blocks' bytes, then the header's type id and
+/// row length are set to the real ones (same byte counts, so nothing moves).
+pub fn write_gguf_iq4(
+    m: &RefModel,
+    arch: Arch,
+    ty: super::weights::BlockType,
+    path: &Path,
+) -> candle_core::Result<RefModel> {
+    let (id, bs, ts): (u32, usize, usize) = match ty {
+        super::weights::BlockType::Iq4Nl => (20, 32, 18),
+        super::weights::BlockType::Iq4Xs => (23, 256, 136),
+        super::weights::BlockType::Ggml(d) => {
+            candle_core::bail!("write_gguf_iq4 writes IQ4_NL or IQ4_XS, not {d:?}")
+        }
+    };
+    let round = |w: &[f32]| quantize_iq4(w, ty).1;
+    let mut held = m.clone();
+    held.embed = round(&m.embed);
+    held.lm_head = m.lm_head.as_deref().map(round);
+    for l in &mut held.layers {
+        for w in [
+            &mut l.w_q,
+            &mut l.w_k,
+            &mut l.w_v,
+            &mut l.w_o,
+            &mut l.w_gate,
+            &mut l.w_up,
+            &mut l.w_down,
+        ] {
+            *w = round(w);
+        }
+    }
+    let changed = std::cell::RefCell::new(Vec::new());
+    let edit = |_: &mut Vec<(String, Value)>, tensors: &mut Vec<(String, QTensor)>| {
+        for (name, t) in tensors.iter_mut() {
+            let dims = t.shape().dims().to_vec();
+            let [rows, cols] = dims[..] else { continue };
+            let vals: Vec<f32> = t
+                .dequantize(&Device::Cpu)
+                .and_then(|x| x.flatten_all())
+                .and_then(|x| x.to_vec1())
+                .expect("an f32 matrix");
+            let (bytes, _) = quantize_iq4(&vals, ty);
+            let storage = candle_core::quantized::QStorage::from_data(
+                std::borrow::Cow::Owned(bytes),
+                &Device::Cpu,
+                GgmlDType::F16,
+            )
+            .expect("f16 storage");
+            *t = QTensor::new(storage, (rows, cols / bs * ts / 2)).expect("f16 tensor");
+            changed.borrow_mut().push((name.clone(), cols));
+        }
+    };
+    write_gguf_with(m, arch, GgmlDType::F32, path, &edit)?;
+    let mut file = std::fs::read(path)?;
+    for (name, cols) in changed.into_inner() {
+        // the tensor info: u64 name length, name, u32 n_dims = 2, u64 ne0, u64 ne1, u32 type
+        let mut key = (name.len() as u64).to_le_bytes().to_vec();
+        key.extend(name.as_bytes());
+        key.extend(2u32.to_le_bytes());
+        let at = file
+            .windows(key.len())
+            .position(|w| w == key)
+            .expect("the tensor's info")
+            + key.len();
+        file[at..at + 8].copy_from_slice(&(cols as u64).to_le_bytes());
+        file[at + 16..at + 20].copy_from_slice(&id.to_le_bytes());
+    }
+    std::fs::write(path, file)?;
+    Ok(held)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

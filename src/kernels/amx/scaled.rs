@@ -12,7 +12,7 @@
 //! another order (plus the rounding of each dequantized weight, below 2⁻²⁴ of it, which the
 //! f32 path has and this one does not).
 
-use super::{bf16, f32_of, split_a, Bf16Buf, Engine, A_SPLIT, KT, MB, NP, T, TILE};
+use super::{f32_of, split_a, Bf16Buf, Engine, A_SPLIT, KT, MB, NP, T, TILE};
 use crate::kernels::SendPtr;
 use rayon::prelude::*;
 
@@ -97,13 +97,21 @@ impl PackedScaled {
                         return false;
                     }
                     let (half, col) = (jj / T, jj % T);
-                    for (i, &x) in qr.iter().enumerate() {
-                        let h = bf16(x);
-                        if f32_of(h) != x {
-                            return false;
+                    // a value bf16 holds exactly is its f32 bits' upper half (the lower half
+                    // zero); one check for the row. Weight i of group g goes to row (i % 32) / 2
+                    // of the group's tile `half`, the pair (2r, 2r + 1) side by side
+                    let mut low_bits = 0u32;
+                    for (g, qg) in qr.chunks_exact(KT).enumerate() {
+                        let dst = &mut qp[(g * 2 + half) * TILE + col * 2..][..TILE - col * 2];
+                        for (r, pair) in qg.chunks_exact(2).enumerate() {
+                            let (b0, b1) = (pair[0].to_bits(), pair[1].to_bits());
+                            low_bits |= (b0 | b1) & 0xffff;
+                            dst[r * 2 * T] = (b0 >> 16) as u16;
+                            dst[r * 2 * T + 1] = (b1 >> 16) as u16;
                         }
-                        let (g, r, e) = (i / KT, (i % KT) / 2, i % 2);
-                        qp[(g * 2 + half) * TILE + r * 2 * T + col * 2 + e] = h;
+                    }
+                    if low_bits != 0 || qr.iter().any(|x| !x.is_finite()) {
+                        return false;
                     }
                     for g in 0..groups {
                         sp[g * NP + jj] = sr[g];

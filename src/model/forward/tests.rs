@@ -424,7 +424,7 @@ fn a_quantized_head_read_a_chunk_at_a_time_equals_its_dequantized_matrix() {
         offset: 0,
         len: bytes.len(),
         map: std::sync::Arc::new(super::super::gguf::Backing::Bytes(bytes)),
-        dtype: GgmlDType::Q8_0,
+        dtype: GgmlDType::Q8_0.into(),
         dims: vec![vocab, d],
     };
     let h = rng.normals(rows * d, 1.0);
@@ -446,7 +446,7 @@ fn a_quantized_head_read_a_chunk_at_a_time_equals_its_dequantized_matrix() {
         offset: 0,
         len: 34,
         map: std::sync::Arc::new(super::super::gguf::Backing::Bytes(vec![0; 34])),
-        dtype: GgmlDType::Q8_0,
+        dtype: GgmlDType::Q8_0.into(),
         dims: vec![1, 32],
     };
     assert!(logits_rows(&Head::Rows(bad), vec![0.0; d], 1, d).is_err());

@@ -5,8 +5,9 @@
 //! bit for bit (the same dequantization, block by block), so the two settings differ only in the
 //! order of the sums (not at all where a product's depth fits one slice of the kernel).
 
-use super::quant::{dequantize_into, part_of};
+use super::quant::{decode_scaled, dequantize_into, part_of, scaled_kind, BlockType};
 use super::{Mapped, Raw};
+use crate::kernels::amx::{self, scaled::PackedScaled};
 use crate::kernels::gemm::{self, Isa, PanelSource};
 use candle_core::quantized::GgmlDType;
 use serde::Serialize;
@@ -55,8 +56,8 @@ impl std::fmt::Display for Memory {
 
 /// Whether `--memory low` multiplies a GGUF tensor of this type from its blocks: every type
 /// attnscope dequantizes (checked against gguf-py in this module's parent's tests).
-pub fn low_supported(dtype: GgmlDType) -> bool {
-    !matches!(dtype, GgmlDType::Q8_1 | GgmlDType::Q8K)
+pub fn low_supported(dtype: BlockType) -> bool {
+    !matches!(dtype, BlockType::Ggml(GgmlDType::Q8_1 | GgmlDType::Q8K))
 }
 
 /// A (possibly fused) projection `W: [n, k]` held as its parts' blocks in the mapped file.
@@ -66,6 +67,10 @@ pub struct QuantB {
     starts: Vec<usize>,
     n: usize,
     k: usize,
+    /// `Some(offsets)` where the product runs on the AMX tiles as integers and scales (the
+    /// layout `fast` packs on this CPU: [`amx::exact_scaled`], every part of a
+    /// [`scaled_kind`] type, whole groups of 32 along k), decoded from the blocks per product.
+    scaled: Option<bool>,
 }
 
 thread_local! {
@@ -96,11 +101,16 @@ impl QuantB {
             }
             mapped.push(m.clone());
         }
+        let kinds: Option<Vec<bool>> = mapped.iter().map(|m| scaled_kind(m.dtype)).collect();
+        let scaled = kinds
+            .filter(|_| amx::exact_scaled() && k.is_multiple_of(amx::scaled::GROUP) && k > 0)
+            .map(|ks| ks.contains(&true));
         Some(QuantB {
             parts: mapped,
             starts: starts.to_vec(),
             n,
             k,
+            scaled,
         })
     }
 
@@ -114,7 +124,30 @@ impl QuantB {
         self.parts.iter().map(|m| m.len).sum()
     }
 
-    /// `C[m, cols] (+)= A[m, ks] · W[cols, ks]ᵀ` on the f32 micro-kernel of `isa`.
+    /// Whether the products run on the AMX tiles as the blocks' integers and scales (as
+    /// `fast`'s packed matrix does on this CPU), rather than on f32 panels.
+    pub fn on_tiles(&self) -> bool {
+        self.scaled.is_some()
+    }
+
+    /// The matrix as the AMX tiles' integers and scales, decoded from the blocks on every
+    /// thread (the same values `fast` packs at load: [`decode_scaled`], row by row); `None` if
+    /// the products do not run on the tiles, or a row is not of that form (then f32 panels).
+    fn decode_tiles(&self) -> Option<PackedScaled> {
+        let offsets = self.scaled?;
+        PackedScaled::from_row_source(self.n, self.k, offsets, |j, q, s, o| {
+            let (part, local) = part_of(&self.starts, j);
+            let m = &self.parts[part];
+            let rb = self.k / m.dtype.block_size() * m.dtype.type_size();
+            let row = m.offset + local * rb;
+            decode_scaled(m.dtype, &m.map[row..row + rb], q, s, o)
+        })
+    }
+
+    /// `C[m, cols] (+)= A[m, ks] · W[cols, ks]ᵀ`: on the AMX tiles as integers and scales where
+    /// [`QuantB::on_tiles`] and `ks` is whole groups of 32 (the bits of `fast`'s packed
+    /// matrix: the same values through the same kernel, decoded for this product and dropped
+    /// after it), else on the f32 micro-kernel from panel slices dequantized as they are needed.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm(
         &self,
@@ -126,6 +159,23 @@ impl QuantB {
         ldc: usize,
         accumulate: bool,
     ) {
+        const G: usize = amx::scaled::GROUP;
+        if ks.start.is_multiple_of(G) && ks.end.is_multiple_of(G) && m > 0 {
+            if let Some(ps) = self.decode_tiles() {
+                amx::scaled::gemm_groups_with(
+                    amx::Engine::Tiles,
+                    a,
+                    lda,
+                    m,
+                    &ps,
+                    ks.start / G..ks.end / G,
+                    c,
+                    ldc,
+                    accumulate,
+                );
+                return;
+            }
+        }
         gemm::gemm_source(
             a,
             lda,

@@ -17,6 +17,7 @@ mod lowmem;
 mod quant;
 pub use lowmem::{low_supported, Memory, QuantB};
 use quant::*;
+pub use quant::{BlockType, KVALUES_IQ4};
 
 /// How weights are held in memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -65,7 +66,7 @@ pub struct Mapped {
     pub map: Arc<super::gguf::Backing>,
     pub offset: usize,
     pub len: usize,
-    pub dtype: GgmlDType,
+    pub dtype: BlockType,
     pub dims: Vec<usize>,
 }
 
@@ -134,7 +135,13 @@ impl Mapped {
     }
     /// A candle quantized tensor (one copy of the blocks).
     pub fn to_qtensor(&self) -> Result<QTensor> {
-        let storage = QStorage::from_data(Cow::Borrowed(self.bytes()), &Device::Cpu, self.dtype)?;
+        let dtype = self.dtype.ggml().ok_or_else(|| {
+            Error::Candle(candle_core::Error::Msg(format!(
+                "{:?} has no candle tensor type",
+                self.dtype
+            )))
+        })?;
+        let storage = QStorage::from_data(Cow::Borrowed(self.bytes()), &Device::Cpu, dtype)?;
         Ok(QTensor::new(storage, self.dims.clone())?)
     }
 }
@@ -396,7 +403,12 @@ impl Linear {
                 gemm::gemm_sub(x, lda, m, pb, ks, 0..self.n, &mut out, self.n, false, true);
                 Some(out)
             }
-            Matrix::Quant(q) => {
+            // on the tiles, only whole groups, as `fast`'s packed matrix (the same bits)
+            Matrix::Quant(q)
+                if !q.on_tiles()
+                    || (ks.start.is_multiple_of(amx::scaled::GROUP)
+                        && ks.end.is_multiple_of(amx::scaled::GROUP)) =>
+            {
                 let mut out = vec![0f32; m * self.n];
                 q.gemm(x, lda, m, ks, &mut out, self.n, false);
                 Some(out)
@@ -563,18 +575,21 @@ pub struct EncoderWeights {
 /// `Some(q)` to keep it quantized for candle's mat-vec kernels, `None` for f32.
 fn quantized(raw: &Raw, precision: Precision) -> Result<Option<QMatMul>> {
     Ok(match (raw, precision) {
-        (Raw::Mapped(m), Precision::Fast) => match m.dtype {
+        (Raw::Mapped(m), Precision::Fast) => match m.dtype.ggml() {
             // candle has SIMD kernels for these at every row count
-            GgmlDType::Q4K
-            | GgmlDType::Q5K
-            | GgmlDType::Q6K
-            | GgmlDType::Q8_0
-            | GgmlDType::Q2K
-            | GgmlDType::Q3K => Some(QMatMul::from_qtensor(m.to_qtensor()?)?),
-            GgmlDType::Q5_0 => Some(QMatMul::from_qtensor(repack_q5_0_to_q8_0(
+            Some(
+                GgmlDType::Q4K
+                | GgmlDType::Q5K
+                | GgmlDType::Q6K
+                | GgmlDType::Q8_0
+                | GgmlDType::Q2K
+                | GgmlDType::Q3K,
+            ) => Some(QMatMul::from_qtensor(m.to_qtensor()?)?),
+            Some(GgmlDType::Q5_0) => Some(QMatMul::from_qtensor(repack_q5_0_to_q8_0(
                 &m.to_qtensor()?,
             )?)?),
-            // Q4_0/Q4_1/Q5_1 and float types: the f32 GEMM is faster than candle's scalar kernels
+            // Q4_0/Q4_1/Q5_1 and float types: the f32 GEMM is faster than candle's scalar kernels;
+            // IQ4_NL/IQ4_XS: candle has no kernel
             _ => None,
         },
         _ => None,
@@ -640,7 +655,7 @@ impl PanelLayout {
 
 /// Whether `exact` on the AMX tiles reads a GGUF type as integers and scales: `Some(offsets)`,
 /// or `None` for a type it leaves to the f32 kernels.
-pub fn scaled_kind_of(dtype: GgmlDType) -> Option<bool> {
+pub fn scaled_kind_of(dtype: BlockType) -> Option<bool> {
     scaled_kind(dtype)
 }
 
@@ -1206,28 +1221,30 @@ mod tests {
     /// Every GGUF block type attnscope reads, dequantized as gguf-py (llama.cpp's own Python
     /// package) reads it: tests/golden/gguf_dequant.json holds one tensor of 256 weights per type
     /// (gguf-py's quantization of random values, or random blocks with sane f16 scales for the
-    /// K-quants, which gguf-py cannot quantize) and gguf-py's values for it.
+    /// K-quants and IQ4 types, which gguf-py cannot quantize) and gguf-py's values for it.
     #[test]
     fn every_block_type_dequantizes_as_gguf_py_does() {
         let golden: serde_json::Value =
             serde_json::from_str(include_str!("../../../tests/golden/gguf_dequant.json")).unwrap();
         let types = golden["types"].as_object().unwrap();
         let mut unread = Vec::new();
-        let mut checked = 0;
+        let (mut checked, mut scaled) = (0, 0);
         for (name, t) in types {
-            let dtype = match name.as_str() {
-                "F16" => GgmlDType::F16,
-                "BF16" => GgmlDType::BF16,
-                "Q4_0" => GgmlDType::Q4_0,
-                "Q4_1" => GgmlDType::Q4_1,
-                "Q5_0" => GgmlDType::Q5_0,
-                "Q5_1" => GgmlDType::Q5_1,
-                "Q8_0" => GgmlDType::Q8_0,
-                "Q2_K" => GgmlDType::Q2K,
-                "Q3_K" => GgmlDType::Q3K,
-                "Q4_K" => GgmlDType::Q4K,
-                "Q5_K" => GgmlDType::Q5K,
-                "Q6_K" => GgmlDType::Q6K,
+            let dtype: BlockType = match name.as_str() {
+                "F16" => GgmlDType::F16.into(),
+                "BF16" => GgmlDType::BF16.into(),
+                "Q4_0" => GgmlDType::Q4_0.into(),
+                "Q4_1" => GgmlDType::Q4_1.into(),
+                "Q5_0" => GgmlDType::Q5_0.into(),
+                "Q5_1" => GgmlDType::Q5_1.into(),
+                "Q8_0" => GgmlDType::Q8_0.into(),
+                "Q2_K" => GgmlDType::Q2K.into(),
+                "Q3_K" => GgmlDType::Q3K.into(),
+                "Q4_K" => GgmlDType::Q4K.into(),
+                "Q5_K" => GgmlDType::Q5K.into(),
+                "Q6_K" => GgmlDType::Q6K.into(),
+                "IQ4_NL" => BlockType::Iq4Nl,
+                "IQ4_XS" => BlockType::Iq4Xs,
                 _ => {
                     unread.push(name.as_str());
                     continue;
@@ -1259,12 +1276,38 @@ mod tests {
                     "{name}: weight {i} is {g}, gguf-py says {w}"
                 );
             }
+            // a type `exact` reads as integers and scales on the AMX tiles: `S · Q + O` is the
+            // dequantized weight, Q exact in bf16
+            if scaled_kind(dtype).is_some() && dtype != GgmlDType::BF16.into() {
+                let n = want.len();
+                let (mut q, mut s, mut o) = (
+                    vec![f32::NAN; n],
+                    vec![f32::NAN; n / 32],
+                    vec![0f32; n / 32],
+                );
+                assert!(
+                    decode_scaled(dtype, &bytes, &mut q, &mut s, &mut o),
+                    "{name}"
+                );
+                for i in 0..n {
+                    assert_eq!(q[i] * s[i / 32] + o[i / 32], got[i], "{name} weight {i}");
+                    assert_eq!(
+                        half::bf16::from_f32(q[i]).to_f32(),
+                        q[i],
+                        "{name}: q in bf16"
+                    );
+                }
+                scaled += 1;
+            }
             checked += 1;
         }
-        assert_eq!(checked, 12);
-        // gguf-py reads these too; candle's GGUF reader (and so attnscope) does not yet: a file
-        // with them is refused when it loads (tests/bad_inputs.rs, `a_tensor_of_a_block_type_attnscope_cannot_read`)
-        assert_eq!(unread, ["IQ4_NL", "IQ4_XS"]);
+        // IQ4_NL and IQ4_XS are read by attnscope's own code (candle's reader does not know them)
+        assert_eq!(checked, 14);
+        assert_eq!(
+            scaled, 8,
+            "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, IQ4_NL, IQ4_XS"
+        );
+        assert!(unread.is_empty(), "{unread:?}");
     }
 
     #[test]
@@ -1413,7 +1456,7 @@ mod tests {
                 map: Arc::new(super::super::gguf::Backing::Bytes(bytes)),
                 offset: 0,
                 len,
-                dtype,
+                dtype: dtype.into(),
                 dims: vec![rows, k],
             })
         };

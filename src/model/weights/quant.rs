@@ -93,7 +93,142 @@ crate::kernels::simd::multiversion! {
     }
 }
 
-pub(super) fn dequantize_into(dtype: GgmlDType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
+/// A GGUF tensor's block type: one candle reads, or one of the two non-linear 4-bit types
+/// (IQ4_NL, IQ4_XS) that attnscope reads itself (candle's GGUF reader does not know them:
+/// [`super::super::gguf`] hands candle a copy of the header with their ids replaced, and keeps the
+/// real type by tensor).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum BlockType {
+    /// A type candle's reader knows.
+    Ggml(GgmlDType),
+    /// IQ4_NL (GGML type 20): blocks of 32, an f16 `d` and 16 bytes of nibbles, `w = d ·
+    /// kvalues[q]`.
+    Iq4Nl,
+    /// IQ4_XS (GGML type 23): super-blocks of 256 (f16 `d`, 8 six-bit scales `ls`, 128 bytes of
+    /// nibbles), sub-block `j` of 32: `w = (d · (ls_j − 32)) · kvalues[q]`.
+    Iq4Xs,
+}
+
+/// The 16 values IQ4_NL and IQ4_XS map a nibble to (ggml's `kvalues_iq4nl`).
+pub const KVALUES_IQ4: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
+impl BlockType {
+    /// The type of GGML type id `id` that attnscope reads itself, if it is one.
+    pub fn own(id: u32) -> Option<BlockType> {
+        match id {
+            20 => Some(BlockType::Iq4Nl),
+            23 => Some(BlockType::Iq4Xs),
+            _ => None,
+        }
+    }
+    /// Weights per block.
+    pub fn block_size(self) -> usize {
+        match self {
+            BlockType::Ggml(d) => d.block_size(),
+            BlockType::Iq4Nl => 32,
+            BlockType::Iq4Xs => 256,
+        }
+    }
+    /// Bytes per block.
+    pub fn type_size(self) -> usize {
+        match self {
+            BlockType::Ggml(d) => d.type_size(),
+            BlockType::Iq4Nl => 18,
+            BlockType::Iq4Xs => 136,
+        }
+    }
+    /// candle's type, if it is one of candle's.
+    pub fn ggml(self) -> Option<GgmlDType> {
+        match self {
+            BlockType::Ggml(d) => Some(d),
+            _ => None,
+        }
+    }
+}
+
+impl From<GgmlDType> for BlockType {
+    fn from(d: GgmlDType) -> Self {
+        BlockType::Ggml(d)
+    }
+}
+
+impl std::fmt::Debug for BlockType {
+    /// candle's names for its types (`Q4K`, `Q8_0`), GGML's for the others (`IQ4_NL`).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BlockType::Ggml(d) => write!(f, "{d:?}"),
+            BlockType::Iq4Nl => f.write_str("IQ4_NL"),
+            BlockType::Iq4Xs => f.write_str("IQ4_XS"),
+        }
+    }
+}
+
+/// One 32-weight IQ4 group: nibbles `qs` (16 bytes: byte j holds weights j (low) and j + 16
+/// (high)) as `kvalues`, times `d`.
+#[inline(always)]
+fn iq4_group(qs: &[u8], d: f32, o: &mut [f32]) {
+    let (lo, hi) = o.split_at_mut(16);
+    for j in 0..16 {
+        lo[j] = d * KVALUES_IQ4[(qs[j] & 0x0f) as usize] as f32;
+        hi[j] = d * KVALUES_IQ4[(qs[j] >> 4) as usize] as f32;
+    }
+}
+
+/// IQ4_XS's six-bit scale `ls` of sub-block `j` (`scales_h`: 2 high bits each; `scales_l`: 4
+/// low bits each, two to a byte), as ggml's `dequantize_row_iq4_xs` reads it.
+#[inline(always)]
+fn iq4_xs_scale(b: &[u8], j: usize) -> i32 {
+    let sh = u16::from_le_bytes([b[2], b[3]]) as i32;
+    let sl = b[4 + j / 2] as i32;
+    (((sl >> (4 * (j % 2))) & 0x0f) | (((sh >> (2 * j)) & 3) << 4)) - 32
+}
+
+crate::kernels::simd::multiversion! {
+    /// IQ4_NL (18 bytes: f16 `d`, 16 bytes of nibbles): `w = d · kvalues[q]`.
+    pub(super) fn dequantize_iq4_nl(bytes: &[u8], out: &mut [f32]) {
+        for (b, o) in bytes.chunks_exact(18).zip(out.chunks_exact_mut(32)) {
+            iq4_group(&b[2..18], block_scale(b), o);
+        }
+    }
+}
+
+crate::kernels::simd::multiversion! {
+    /// IQ4_XS (136 bytes: f16 `d`, u16 `scales_h`, 4 bytes `scales_l`, 128 of nibbles):
+    /// sub-block `j` of 32 is `(d · (ls_j − 32)) · kvalues[q]`, the scale rounded to f32 first
+    /// (ggml's and gguf-py's order).
+    pub(super) fn dequantize_iq4_xs(bytes: &[u8], out: &mut [f32]) {
+        for (b, o) in bytes.chunks_exact(136).zip(out.chunks_exact_mut(256)) {
+            let d = block_scale(b);
+            for (j, o) in o.chunks_exact_mut(32).enumerate() {
+                iq4_group(&b[8 + 16 * j..24 + 16 * j], d * iq4_xs_scale(b, j) as f32, o);
+            }
+        }
+    }
+}
+
+/// Dequantizes whole blocks of `dtype` (`bytes`) into `out`; an error if the lengths disagree.
+pub(super) fn dequantize_into(
+    dtype: impl Into<BlockType>,
+    bytes: &[u8],
+    out: &mut [f32],
+) -> Result<()> {
+    let dtype = match dtype.into() {
+        BlockType::Ggml(d) => d,
+        BlockType::Iq4Nl => return dequantize_simple(bytes, 18, out, dequantize_iq4_nl),
+        BlockType::Iq4Xs => {
+            if !bytes.len().is_multiple_of(136) || out.len() != bytes.len() / 136 * 256 {
+                return Err(Error::Candle(candle_core::Error::Msg(format!(
+                    "IQ4_XS: {} bytes do not make {} values",
+                    bytes.len(),
+                    out.len()
+                ))));
+            }
+            dequantize_iq4_xs(bytes, out);
+            return Ok(());
+        }
+    };
     use candle_core::quantized::k_quants::*;
     match dtype {
         GgmlDType::F32 => dequantize_blocks::<f32>(bytes, out),
@@ -117,10 +252,14 @@ pub(super) fn dequantize_into(dtype: GgmlDType, bytes: &[u8], out: &mut [f32]) -
 /// Whether a GGUF type's weights are `S · Q + O` per group of 32 with `Q` an integer bf16 holds
 /// exactly: `Some(false)` without offsets (`d · q`), `Some(true)` with, `None` for the other
 /// types (Q6_K's groups are 16 long, Q2_K/Q3_K/Q5_K/Q8_K and floats are not read so).
-pub(super) fn scaled_kind(dtype: GgmlDType) -> Option<bool> {
-    match dtype {
-        GgmlDType::Q8_0 | GgmlDType::Q5_0 | GgmlDType::Q4_0 | GgmlDType::BF16 => Some(false),
-        GgmlDType::Q4_1 | GgmlDType::Q5_1 | GgmlDType::Q4K => Some(true),
+/// IQ4_NL and IQ4_XS are `d · k` with `k` one of [`KVALUES_IQ4`] (integers of at most 7 bits).
+pub(super) fn scaled_kind(dtype: impl Into<BlockType>) -> Option<bool> {
+    match dtype.into() {
+        BlockType::Iq4Nl | BlockType::Iq4Xs => Some(false),
+        BlockType::Ggml(GgmlDType::Q8_0 | GgmlDType::Q5_0 | GgmlDType::Q4_0 | GgmlDType::BF16) => {
+            Some(false)
+        }
+        BlockType::Ggml(GgmlDType::Q4_1 | GgmlDType::Q5_1 | GgmlDType::Q4K) => Some(true),
         _ => None,
     }
 }
@@ -129,12 +268,13 @@ pub(super) fn scaled_kind(dtype: GgmlDType) -> Option<bool> {
 /// scales `s` and offsets `o` of each group of 32. `false` for another type or a length that is
 /// not whole blocks. (The caller checks every weight against the dequantized row.)
 pub(super) fn decode_scaled(
-    dtype: GgmlDType,
+    dtype: impl Into<BlockType>,
     bytes: &[u8],
     q: &mut [f32],
     s: &mut [f32],
     o: &mut [f32],
 ) -> bool {
+    let dtype = dtype.into();
     let (bs, per) = (dtype.type_size(), dtype.block_size());
     if !bytes.len().is_multiple_of(bs)
         || bytes.len() / bs * per != q.len()
@@ -145,6 +285,35 @@ pub(super) fn decode_scaled(
     let nibbles = |b: &[u8], q: &mut [f32], bias: f32, qh: Option<u32>| {
         for (q, x) in q.iter_mut().zip(block_nibbles(b, qh)) {
             *q = x as f32 - bias;
+        }
+    };
+    let kv = |qs: &[u8], q: &mut [f32]| {
+        for j in 0..16 {
+            q[j] = KVALUES_IQ4[(qs[j] & 0x0f) as usize] as f32;
+            q[j + 16] = KVALUES_IQ4[(qs[j] >> 4) as usize] as f32;
+        }
+    };
+    let dtype = match dtype {
+        BlockType::Ggml(d) => d,
+        BlockType::Iq4Nl => {
+            for (i, b) in bytes.chunks_exact(bs).enumerate() {
+                s[i] = block_scale(b);
+                kv(&b[2..18], &mut q[i * 32..(i + 1) * 32]);
+            }
+            return true;
+        }
+        BlockType::Iq4Xs => {
+            for (i, b) in bytes.chunks_exact(bs).enumerate() {
+                let d = block_scale(b);
+                for j in 0..8 {
+                    s[i * 8 + j] = d * iq4_xs_scale(b, j) as f32;
+                    kv(
+                        &b[8 + 16 * j..24 + 16 * j],
+                        &mut q[(i * 8 + j) * 32..][..32],
+                    );
+                }
+            }
+            return true;
         }
     };
     if dtype == GgmlDType::BF16 {
