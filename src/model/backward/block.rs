@@ -156,7 +156,7 @@ impl Model {
             }
         });
         let d_h2 = back_matmul(d_gu, rows, (&layer.gate_up, &t.gate_up), &mut scratch.d_h2)?;
-        let d_mid = norm_back(rules, plan.norm, &s.resid_mid, &layer.mlp_norm, eps, &d_h2);
+        let d_mid = norm_back(rules, plan.norm, &s.resid_mid, &layer.mlp_norm, eps, d_h2);
         dx.iter_mut().zip(&d_mid).for_each(|(a, b)| *a += b);
         if let Some(t) = tap.as_deref_mut() {
             t.resid_mid = dx.to_vec();
@@ -260,7 +260,7 @@ impl Model {
             }
         }
         let d_h1 = back_matmul(d_qkv, rows, (&layer.qkv, &t.qkv), &mut scratch.d_h1)?;
-        let d_pre = norm_back(rules, plan.norm, &s.resid_pre, &layer.attn_norm, eps, &d_h1);
+        let d_pre = norm_back(rules, plan.norm, &s.resid_pre, &layer.attn_norm, eps, d_h1);
         dx.iter_mut().zip(&d_pre).for_each(|(a, b)| *a += b);
         Ok(dpat)
     }
