@@ -91,7 +91,8 @@ const TYPES: [GgmlDType; 12] = [
 ];
 
 /// For each block type: `low` multiplies every projection from the blocks, and its patterns,
-/// logits, per-head output projections (column slices that cut the K-quants' super-blocks) and
+/// logits, input gradients (the backward's products by the transposes), per-head output
+/// projections (column slices that cut the K-quants' super-blocks) and
 /// read-back weights equal `fast`'s: bit for bit on the f32 panels, and on the AMX tiles for the
 /// types read as integers and scales (`low` decodes them per product into the tiles' layout);
 /// within 1e-5 (1e-4 of the logits' scale) for the others on AMX (Q2_K, Q3_K, Q6_K, F16, F32:
@@ -138,6 +139,24 @@ fn low_memory_equals_the_packed_projections_on_every_block_type() {
         assert_close(&ll, &lf, 1e-4 * scale, &format!("{dtype:?} logits"));
         if same_bits {
             assert!(bits(&ll, &lf), "{dtype:?} logits: fast's bits");
+        }
+        // the backward's products by the transposes: from the blocks (low), packed (fast)
+        let metric = attnscope::model::backward::Metric::LogProb(None);
+        let gl = low.gradient(&TOKENS, metric).unwrap();
+        let gf = fast.gradient(&TOKENS, metric).unwrap();
+        assert_eq!(gl.target, gf.target, "{dtype:?}");
+        let gscale = gf.grad_input.iter().fold(1e-6f32, |s, x| s.max(x.abs()));
+        assert_close(
+            &gl.grad_input,
+            &gf.grad_input,
+            1e-4 * gscale,
+            &format!("{dtype:?} input gradient"),
+        );
+        if f32_kernels {
+            assert!(
+                bits(&gl.grad_input, &gf.grad_input),
+                "{dtype:?} input gradient: the f32 panels' bits"
+            );
         }
         // the same weights, read back through each kernel
         for part in [

@@ -192,6 +192,75 @@ impl QuantB {
     }
 }
 
+impl QuantB {
+    /// `C[m, k] (+)= A[m, n] · W`: the backward's product with the transpose (`dX = dY · W`),
+    /// each panel's depth slice dequantized from the blocks just before it is multiplied, as
+    /// [`QuantB::gemm`] does, so `--memory low` holds no f32 copy of `W` for the backward either.
+    pub fn gemm_transposed(
+        &self,
+        a: &[f32],
+        lda: usize,
+        m: usize,
+        c: &mut [f32],
+        ldc: usize,
+        accumulate: bool,
+    ) {
+        gemm::gemm_source(
+            a,
+            lda,
+            m,
+            &Transposed(self),
+            Isa::detect(),
+            0..self.n,
+            0..self.k,
+            c,
+            ldc,
+            accumulate,
+            true,
+        )
+    }
+}
+
+/// `W: [n, k]` as the right-hand side `B = W` of `dY · W` (depth `n`, columns `k`): a panel is
+/// `NR` of W's columns, its depth slice rows `k0..k0 + kc` of W, each row's blocks that hold the
+/// panel's columns dequantized (one block of 32 for Q8_0/Q5_0/Q4_0, a super-block of 256 for
+/// the K-quants) and the columns copied out.
+struct Transposed<'a>(&'a QuantB);
+
+impl PanelSource for Transposed<'_> {
+    fn dims(&self) -> (usize, usize) {
+        (self.0.k, self.0.n)
+    }
+
+    fn fill(&self, isa: Isa, p: usize, k0: usize, kc: usize, out: &mut [f32]) {
+        let q = self.0;
+        let nr = isa.nr();
+        let j0 = p * nr;
+        let cols = nr.min(q.k - j0);
+        ROWS.with(|cell| {
+            let (wide, _) = &mut *cell.borrow_mut();
+            for (kk, dst) in out.chunks_mut(nr).take(kc).enumerate() {
+                let (part, local) = part_of(&q.starts, k0 + kk);
+                let m = &q.parts[part];
+                let (bs, ts) = (m.dtype.block_size(), m.dtype.type_size());
+                let (b0, b1) = (j0 / bs, (j0 + cols).div_ceil(bs));
+                let row = m.offset + local * (q.k / bs) * ts;
+                let span = (b1 - b0) * bs;
+                wide.resize(span, 0.0);
+                // `of` checked that rows are whole blocks inside the mapping
+                dequantize_into(
+                    m.dtype,
+                    &m.map[row + b0 * ts..row + b1 * ts],
+                    &mut wide[..span],
+                )
+                .expect("whole blocks, checked when the projection was made");
+                dst[..cols].copy_from_slice(&wide[j0 - b0 * bs..][..cols]);
+                dst[cols..].fill(0.0);
+            }
+        });
+    }
+}
+
 impl PanelSource for QuantB {
     fn dims(&self) -> (usize, usize) {
         (self.n, self.k)

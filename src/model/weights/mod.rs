@@ -483,12 +483,14 @@ impl Linear {
     /// `W: [n, k]` packed as the right-hand side of `dY[m, n] · W` (the backward's product):
     /// f32 panels are read back as they are, integers and scales dequantized as the tiles
     /// multiply them; a matrix held otherwise is read back through its own kernel (`I · Wᵀ`),
-    /// the values the forward multiplies by.
-    pub fn transposed(&self) -> PackedB {
+    /// the values the forward multiplies by. `None` for `--memory low`'s blocks: the backward
+    /// multiplies by them as they are ([`Linear::backward_from_blocks`]), with no f32 copy.
+    pub fn transposed(&self) -> Option<PackedB> {
         let (k, n) = (self.k, self.n);
         use rayon::prelude::*;
         let isa = gemm::Isa::detect();
-        match &self.mat {
+        Some(match &self.mat {
+            Matrix::Quant(_) => return None,
             Matrix::Packed(pb) => {
                 let mut w = vec![0f32; n * k];
                 w.par_chunks_mut(k)
@@ -514,6 +516,19 @@ impl Linear {
                 }
                 PackedB::from_rows(&wt, k, n, n, isa)
             }
+        })
+    }
+
+    /// `dX[m, k] = dY[m, n] · W` straight from the file's blocks where `--memory low` holds the
+    /// matrix so (`true`; a panel's depth slice dequantized per product, the values the forward
+    /// multiplies by), `false` otherwise (the backward multiplies by [`Linear::transposed`]).
+    pub fn backward_from_blocks(&self, dy: &[f32], m: usize, dx: &mut [f32]) -> bool {
+        match &self.mat {
+            Matrix::Quant(q) => {
+                q.gemm_transposed(dy, self.n, m, dx, self.k, false);
+                true
+            }
+            _ => false,
         }
     }
 

@@ -1,0 +1,267 @@
+//! One block's backward: the MLP, the attention (per head, [`super::head`]), RoPE and the q/k
+//! norms, with the weight-transposed products `dX = dY · W` on the engine's GEMM.
+
+use super::rowwise::{gelu_ratio, gelu_tanh_grad, norm_back, sigmoid};
+use super::taps::BlockTap;
+use super::{Rules, Saved};
+use crate::kernels::gemm::{self, PackedB};
+use crate::model::block::{MlpKind, NormKind};
+use crate::model::error::Result;
+use crate::model::ops::{gelu_tanh_of, rotate};
+use crate::model::weights::{Layer, Linear};
+use crate::model::Model;
+use rayon::prelude::*;
+
+/// One layer's projections packed for `dX = dY · W` ([`crate::model::weights::Linear::transposed`]).
+/// `None` where `--memory low` holds the matrix as the file's blocks: the product reads them
+/// ([`crate::model::weights::Linear::backward_from_blocks`]).
+pub struct LayerT {
+    pub(super) qkv: Option<PackedB>,
+    pub(super) o: Option<PackedB>,
+    pub(super) gate_up: Option<PackedB>,
+    pub(super) down: Option<PackedB>,
+}
+
+/// `dX[m, k] = dY[m, n] · W` on the engine's GEMM, `w` packed by [`crate::model::weights::Linear::transposed`].
+/// The result goes into `dx`, a buffer kept from layer to layer ([`Scratch`]): resized, never
+/// zeroed (the product writes every value).
+fn back_matmul<'a>(
+    dy: &[f32],
+    m: usize,
+    (lin, w): (&Linear, &Option<PackedB>),
+    dx: &'a mut Vec<f32>,
+) -> Result<&'a [f32]> {
+    dx.resize(m * lin.k, 0.0);
+    match w {
+        Some(w) => gemm::gemm(dy, w.k, m, w, dx, w.n, false),
+        None => {
+            if !lin.backward_from_blocks(dy, m, dx) {
+                return Err(super::bug(
+                    "a projection with no transpose for the backward".into(),
+                ));
+            }
+        }
+    }
+    Ok(dx)
+}
+
+/// The backward's largest buffers, kept from one layer's backward to the next (of one length
+/// and batch: their sizes do not change), so that each is zeroed once per backward, not once
+/// per layer (`memset` took 4% of a backward at 512 tokens).
+#[derive(Default)]
+pub(super) struct Scratch {
+    d_act: Vec<f32>,
+    d_gu: Vec<f32>,
+    d_h2: Vec<f32>,
+    dz: Vec<f32>,
+    d_qkv: Vec<f32>,
+    d_h1: Vec<f32>,
+}
+
+impl Model {
+    /// One block's backward for `batch` sequences of `n` tokens: `dx` (`∂/∂resid_post`,
+    /// `[batch·n, d_model]`) becomes `∂/∂resid_pre`; `tap` (if any, one sequence) keeps the
+    /// gradients inside the block. Returns the last query row's pattern gradients,
+    /// `[batch, n_heads, n]`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn block_backward(
+        &self,
+        l: usize,
+        layer: &Layer,
+        t: &LayerT,
+        s: &Saved,
+        (n, batch): (usize, usize),
+        dx: &mut [f32],
+        rules: Rules,
+        mut tap: Option<&mut BlockTap>,
+        scratch: &mut Scratch,
+    ) -> Result<Vec<f32>> {
+        let lrp = rules == Rules::AttnLrp;
+        let dims = &self.dims;
+        let (nh, nkv, hd, ff) = (dims.n_heads, dims.n_kv_heads, dims.head_dim, dims.d_ff);
+        let eps = dims.rms_eps;
+        let plan = layer.plan;
+        let (nq, nk) = (nh * hd, nkv * hd);
+        let width = nq + 2 * nk;
+        let group = nh / nkv;
+        let rows = batch * n;
+        // MLP: resid_post = resid_mid + post(down(act(gate_up(norm(resid_mid)))))
+        let d_mlp_proj = match &layer.post_norms {
+            Some((_, pm)) => norm_back(rules, NormKind::Rms, &s.mlp_proj, pm, eps, dx),
+            None => dx.to_vec(),
+        };
+        let d_act = back_matmul(
+            &d_mlp_proj,
+            rows,
+            (&layer.down, &t.down),
+            &mut scratch.d_act,
+        )?;
+        let gw = if plan.mlp.gated() { 2 * ff } else { ff };
+        // every value is written below (both halves of a gated row)
+        let d_gu = &mut scratch.d_gu;
+        d_gu.resize(rows * gw, 0.0);
+        let gu_rows =
+            s.gu.par_chunks(gw)
+                .zip(d_act.par_chunks(ff))
+                .zip(d_gu.par_chunks_mut(gw));
+        gu_rows.for_each(|((row, da), dg)| match plan.mlp {
+            // AttnLRP: the identity rule on the activation (its output over its input), the
+            // uniform rule on the gate's product (half to each factor)
+            MlpKind::GeluTanh if lrp => {
+                for i in 0..ff {
+                    dg[i] = da[i] * gelu_ratio(row[i]);
+                }
+            }
+            MlpKind::GeGluTanh if lrp => {
+                for i in 0..ff {
+                    let (g, u) = (row[i], row[ff + i]);
+                    dg[i] = 0.5 * da[i] * u * gelu_ratio(g);
+                    dg[ff + i] = 0.5 * da[i] * gelu_tanh_of(g);
+                }
+            }
+            MlpKind::SwiGlu if lrp => {
+                for i in 0..ff {
+                    let (g, u) = (row[i], row[ff + i]);
+                    let sg = sigmoid(g);
+                    // silu(g)/g = sigmoid(g)
+                    dg[i] = 0.5 * da[i] * u * sg;
+                    dg[ff + i] = 0.5 * da[i] * g * sg;
+                }
+            }
+            MlpKind::GeluTanh => {
+                for i in 0..ff {
+                    dg[i] = da[i] * gelu_tanh_grad(row[i]);
+                }
+            }
+            MlpKind::GeluErf => {
+                // d/dx ½x(1 + erf(x/√2)) = Φ(x) + x·φ(x)
+                for i in 0..ff {
+                    let x = row[i] as f64;
+                    let cdf =
+                        0.5 * (1.0 + crate::model::ops::erf64(x * std::f64::consts::FRAC_1_SQRT_2));
+                    let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
+                    dg[i] = da[i] * (cdf + x * pdf) as f32;
+                }
+            }
+            MlpKind::GeGluTanh => {
+                for i in 0..ff {
+                    let (g, u) = (row[i], row[ff + i]);
+                    dg[i] = da[i] * u * gelu_tanh_grad(g);
+                    dg[ff + i] = da[i] * gelu_tanh_of(g);
+                }
+            }
+            MlpKind::SwiGlu => {
+                let (dgate, dup) = dg.split_at_mut(ff);
+                crate::model::ops::swiglu_backward_row(&row[..ff], &row[ff..], da, dgate, dup);
+            }
+        });
+        let d_h2 = back_matmul(d_gu, rows, (&layer.gate_up, &t.gate_up), &mut scratch.d_h2)?;
+        let d_mid = norm_back(rules, plan.norm, &s.resid_mid, &layer.mlp_norm, eps, d_h2);
+        dx.iter_mut().zip(&d_mid).for_each(|(a, b)| *a += b);
+        if let Some(t) = tap.as_deref_mut() {
+            t.resid_mid = dx.to_vec();
+        }
+        // attention: resid_mid = resid_pre + post(o(attn(qkv(norm(resid_pre)))))
+        let d_attn_proj = match &layer.post_norms {
+            Some((pa, _)) => norm_back(rules, NormKind::Rms, &s.attn_proj, pa, eps, dx),
+            None => dx.to_vec(),
+        };
+        let dz = back_matmul(&d_attn_proj, rows, (&layer.o, &t.o), &mut scratch.dz)?;
+        if let Some(t) = tap.as_deref_mut() {
+            t.z = dz.to_vec();
+        }
+        let (heads, packed) = self.heads_batch(l, &s.q, &s.k, &s.v, n, batch, rules);
+        let per_head: Vec<_> = heads
+            .par_iter()
+            .enumerate()
+            .map(|(bh, head)| {
+                let (b, h) = (bh / nh, bh % nh);
+                let dzh: Vec<f32> = (b * n..(b + 1) * n)
+                    .flat_map(|i| dz[(i * nh + h) * hd..][..hd].iter().copied())
+                    .collect();
+                head.backward(&packed[b * nkv + h / group], &dzh)
+            })
+            .collect();
+        let mut dq = vec![0f32; nh * rows * hd];
+        let mut dk = vec![0f32; nkv * rows * hd];
+        let mut dv = vec![0f32; nkv * rows * hd];
+        let mut dpat = vec![0f32; batch * nh * n];
+        for (bh, (dqh, dkh, dvh, dph)) in per_head.into_iter().enumerate() {
+            let (b, h) = (bh / nh, bh % nh);
+            let g = h / group;
+            let at = |h: usize| (h * rows + b * n) * hd..(h * rows + (b + 1) * n) * hd;
+            dq[at(h)].copy_from_slice(&dqh);
+            dk[at(g)].iter_mut().zip(&dkh).for_each(|(a, b)| *a += b);
+            dv[at(g)].iter_mut().zip(&dvh).for_each(|(a, b)| *a += b);
+            dpat[bh * n..(bh + 1) * n].copy_from_slice(&dph);
+        }
+        if let Some(t) = tap.as_deref_mut() {
+            t.rot = Some((dq.clone(), dk.clone(), dv.clone()));
+        }
+        if lrp {
+            // the uniform rule on Q·Kᵀ and on P·V: the scores' share halves at q and k, and
+            // the probabilities' half of P·V halves again there; v keeps half of P·V
+            dq.iter_mut().chain(dk.iter_mut()).for_each(|v| *v *= 0.25);
+            dv.iter_mut().for_each(|v| *v *= 0.5);
+        }
+        // back through RoPE (rotate by the opposite angles), the q/k norms, into [n, width]
+        let half = dims.rotary_dim / 2;
+        let rope = plan.rope_base().map(|base| {
+            let mut inv = dims.rope_scaling.inv_freq(dims.rotary_dim, base);
+            if let Some(f) = &self.weights.rope_freqs {
+                inv.iter_mut().zip(f).for_each(|(x, f)| *x /= f);
+            }
+            let (c, s) = crate::model::ops::rope_tables_of(&inv, n);
+            (c, s.iter().map(|v| -v).collect::<Vec<f32>>())
+        });
+        // every value is written below (q, k and v of each row)
+        let d_qkv = &mut scratch.d_qkv;
+        d_qkv.resize(rows * width, 0.0);
+        for (c0, heads, buf, rot) in [
+            (0, nh, &dq, true),
+            (nq, nkv, &dk, true),
+            (nq + nk, nkv, &dv, false),
+        ] {
+            for h in 0..heads {
+                for r in 0..rows {
+                    let mut v = buf[(h * rows + r) * hd..][..hd].to_vec();
+                    let pos = r % n;
+                    if let (true, Some((cos, sin))) = (rot, &rope) {
+                        rotate(
+                            &mut v[..2 * half],
+                            &cos[pos * half..][..half],
+                            &sin[pos * half..][..half],
+                            self.weights.rope_style,
+                        );
+                    }
+                    d_qkv[r * width + c0 + h * hd..][..hd].copy_from_slice(&v);
+                }
+            }
+        }
+        if let Some(t) = tap {
+            t.qkv = d_qkv.to_vec();
+        }
+        if let Some((qn, kn)) = &layer.qk_norm {
+            for (row, drow) in s.qkv.chunks(width).zip(d_qkv.chunks_mut(width)) {
+                for (c0, heads, w) in [(0, nh, qn), (nq, nkv, kn)] {
+                    for h in 0..heads {
+                        let at = c0 + h * hd;
+                        let d = norm_back(
+                            rules,
+                            NormKind::Rms,
+                            &row[at..at + hd],
+                            w,
+                            eps,
+                            &drow[at..at + hd],
+                        );
+                        drow[at..at + hd].copy_from_slice(&d);
+                    }
+                }
+            }
+        }
+        let d_h1 = back_matmul(d_qkv, rows, (&layer.qkv, &t.qkv), &mut scratch.d_h1)?;
+        let d_pre = norm_back(rules, plan.norm, &s.resid_pre, &layer.attn_norm, eps, d_h1);
+        dx.iter_mut().zip(&d_pre).for_each(|(a, b)| *a += b);
+        Ok(dpat)
+    }
+}
