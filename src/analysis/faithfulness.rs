@@ -1086,7 +1086,11 @@ mod tests {
                 };
                 let (a, b) = (draw(&mut rng), draw(&mut rng));
                 let (fast, pairs) = (kendall_tau_b(&a, &b), kendall_tau_b_pairs(&a, &b));
-                assert_eq!(fast.map(f64::to_bits), pairs.map(f64::to_bits), "{a:?} {b:?}");
+                assert_eq!(
+                    fast.map(f64::to_bits),
+                    pairs.map(f64::to_bits),
+                    "{a:?} {b:?}"
+                );
             }
         }
         // by hand: a = [1, 2, 3], b = [1, 3, 3]: pairs (1,2) and (1,3) concordant, (2,3) tied

@@ -603,7 +603,9 @@ mod tests {
         let mut rng = crate::reference::Rng::new(11);
         for (d, vocab, rows) in [(896, 11, 3), (37, 8, 5), (16, 3, 1), (5, 6, 2)] {
             let w: Vec<f32> = (0..vocab * d).map(|_| rng.uniform() as f32 - 0.5).collect();
-            let h: Vec<f32> = (0..rows * d).map(|_| rng.uniform() as f32 * 4.0 - 2.0).collect();
+            let h: Vec<f32> = (0..rows * d)
+                .map(|_| rng.uniform() as f32 * 4.0 - 2.0)
+                .collect();
             let mut out = vec![vec![0f32; vocab]; rows];
             let mut refs: Vec<&mut [f32]> = out.iter_mut().map(|r| r.as_mut_slice()).collect();
             dot_rows(&h, &w, d, &mut refs);
