@@ -570,7 +570,7 @@ multiversion! {
     /// of `h` is read once for four; one at a time, the reads of `h` from L2 bounded the logits
     /// of `faithfulness`'s batches of 64 variants).
     pub(crate) fn dot_rows(h: &[f32], w: &[f32], d: usize, out: &mut [&mut [f32]]) {
-        let nv = if d == 0 { 0 } else { w.len() / d };
+        let nv = w.len().checked_div(d).unwrap_or(0);
         let quads = nv / 4 * 4;
         for v in (0..quads).step_by(4) {
             let ws = [
