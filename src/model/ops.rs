@@ -526,94 +526,13 @@ pub(crate) fn dot16(x: &[f32], y: &[f32]) -> f32 {
     (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]) + tail
 }
 
-/// [`dot16`] of `x` with four rows at once, each result its bits (the same lanes, products and
-/// sums in the same order): `x` is read once for the four.
-#[inline(always)]
-fn dot16x4(x: &[f32], w: [&[f32]; 4]) -> [f32; 4] {
-    let mut acc = [[0f32; 16]; 4];
-    let whole = x.len() / 16 * 16;
-    for c in (0..whole).step_by(16) {
-        let a = &x[c..c + 16];
-        for (r, acc) in acc.iter_mut().enumerate() {
-            let b = &w[r][c..c + 16];
-            for k in 0..16 {
-                acc[k] += a[k] * b[k];
-            }
-        }
-    }
-    let mut out = [0f32; 4];
-    for (r, o) in out.iter_mut().enumerate() {
-        let tail: f32 = x[whole..]
-            .iter()
-            .zip(&w[r][whole..x.len()])
-            .map(|(a, b)| a * b)
-            .sum();
-        let acc = &acc[r];
-        let mut half = [0f32; 8];
-        for k in 0..8 {
-            half[k] = acc[k] + acc[k + 8];
-        }
-        let quarter = [
-            half[0] + half[4],
-            half[1] + half[5],
-            half[2] + half[6],
-            half[3] + half[7],
-        ];
-        *o = (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]) + tail;
-    }
-    out
-}
-
 multiversion! {
     /// `out[i][v] = h_i · w_v` for the rows `w_v` of `w` (`d` values each) and the rows `h_i`
-    /// of `h: [out.len(), d]`: each the bits of [`dot16`], four vocabulary rows at a time (a row
-    /// of `h` is read once for four; one at a time, the reads of `h` from L2 bounded the logits
-    /// of `faithfulness`'s batches of 64 variants).
+    /// of `h: [out.len(), d]`.
     pub(crate) fn dot_rows(h: &[f32], w: &[f32], d: usize, out: &mut [&mut [f32]]) {
-        let nv = w.len().checked_div(d).unwrap_or(0);
-        let quads = nv / 4 * 4;
-        for v in (0..quads).step_by(4) {
-            let ws = [
-                &w[v * d..(v + 1) * d],
-                &w[(v + 1) * d..(v + 2) * d],
-                &w[(v + 2) * d..(v + 3) * d],
-                &w[(v + 3) * d..(v + 4) * d],
-            ];
-            for (i, row) in out.iter_mut().enumerate() {
-                row[v..v + 4].copy_from_slice(&dot16x4(&h[i * d..(i + 1) * d], ws));
-            }
-        }
-        for v in quads..nv {
-            let wv = &w[v * d..(v + 1) * d];
+        for (v, wv) in w.chunks_exact(d).enumerate() {
             for (i, row) in out.iter_mut().enumerate() {
                 row[v] = dot16(&h[i * d..(i + 1) * d], wv);
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{dot16, dot_rows};
-
-    #[test]
-    fn dot_rows_gives_each_dot16_bit_for_bit() {
-        // four vocabulary rows at a time and the rest one at a time, with and without a tail
-        // past the 16 lanes: every entry the bits of its own dot16
-        let mut rng = crate::reference::Rng::new(11);
-        for (d, vocab, rows) in [(896, 11, 3), (37, 8, 5), (16, 3, 1), (5, 6, 2)] {
-            let w: Vec<f32> = (0..vocab * d).map(|_| rng.uniform() as f32 - 0.5).collect();
-            let h: Vec<f32> = (0..rows * d)
-                .map(|_| rng.uniform() as f32 * 4.0 - 2.0)
-                .collect();
-            let mut out = vec![vec![0f32; vocab]; rows];
-            let mut refs: Vec<&mut [f32]> = out.iter_mut().map(|r| r.as_mut_slice()).collect();
-            dot_rows(&h, &w, d, &mut refs);
-            for (i, row) in out.iter().enumerate() {
-                for (v, &got) in row.iter().enumerate() {
-                    let want = dot16(&h[i * d..(i + 1) * d], &w[v * d..(v + 1) * d]);
-                    assert_eq!(got.to_bits(), want.to_bits(), "d {d} row {i} vocab {v}");
-                }
             }
         }
     }
