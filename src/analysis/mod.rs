@@ -20,6 +20,7 @@ pub mod intervene;
 pub mod measure;
 pub mod mixing;
 pub mod norms;
+pub mod request;
 pub mod sinkmetrics;
 pub mod sinks;
 pub mod stream;

@@ -5,14 +5,7 @@ use anyhow::Context;
 use std::io::{IsTerminal, Read, Write};
 use std::path::{Path, PathBuf};
 
-/// A mistake in the command line that clap cannot see (a value out of range, say): exit 2.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct UsageError(pub String);
-
-pub fn usage(msg: impl Into<String>) -> anyhow::Error {
-    anyhow::Error::new(UsageError(msg.into()))
-}
+pub use crate::analysis::request::{check_index, parse_index_list, usage, UsageError};
 
 pub const LESSON_SENTENCE: &str = "Hà Nội là thủ đô của Việt Nam. Thành phố này nằm ở miền Bắc.";
 
@@ -230,49 +223,6 @@ pub fn check_system(chat: bool, system: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Parses `all`, `3`, `0-3`, `0,12,23` (and mixes such as `0-2,7`) into indices `< count`.
-pub fn parse_index_list(spec: &str, count: usize, what: &str) -> anyhow::Result<Vec<usize>> {
-    let range = || {
-        format!(
-            "{what} must be in 0..={} (or `all`)",
-            count.saturating_sub(1)
-        )
-    };
-    if spec.trim() == "all" {
-        return Ok((0..count).collect());
-    }
-    let mut out = Vec::new();
-    for part in spec.split(',').map(str::trim) {
-        let (a, b) = match part.split_once('-') {
-            Some((a, b)) => (a.trim(), b.trim()),
-            None => (part, part),
-        };
-        let parse = |s: &str| {
-            s.parse::<usize>().map_err(|_| {
-                usage(format!(
-                    "`{spec}` is not a valid {what} list; write e.g. 0-3, 0,12,23 or all"
-                ))
-            })
-        };
-        let (a, b) = (parse(a)?, parse(b)?);
-        if a > b {
-            return Err(usage(format!("{what} range {a}-{b} is backwards")));
-        }
-        if b >= count {
-            return Err(usage(format!("{what} {b} is out of range: {}", range())));
-        }
-        for i in a..=b {
-            if !out.contains(&i) {
-                out.push(i);
-            }
-        }
-    }
-    if out.is_empty() {
-        return Err(usage(format!("no {what} given")));
-    }
-    Ok(out)
-}
-
 /// A progress bar on standard error when it is a terminal (hidden otherwise), drawn with
 /// `template` (indicatif's syntax); its length is set by the caller as the work becomes known.
 pub fn progress_bar(template: &str) -> indicatif::ProgressBar {
@@ -293,17 +243,6 @@ pub fn progress_bar(template: &str) -> indicatif::ProgressBar {
 /// (the caller closes the parenthesis); `bench` reads them back with the same words.
 pub fn timings_opening(load_s: f64, what: &str, after_s: f64) -> String {
     format!("(load {load_s:.2} s, {what} {after_s:.3} s")
-}
-
-/// Checks one index against its count, with a message naming the valid range.
-pub fn check_index(value: usize, count: usize, what: &str) -> anyhow::Result<usize> {
-    if value >= count {
-        return Err(usage(format!(
-            "{what} {value} is out of range: valid {what}s are 0..={}",
-            count.saturating_sub(1)
-        )));
-    }
-    Ok(value)
 }
 
 /// Writes `bytes` to `path` through a temporary file in the same folder and a rename, so a
@@ -403,27 +342,6 @@ pub fn precision_parser() -> impl clap::builder::TypedValueParser<Value = Precis
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn index_lists() {
-        assert_eq!(
-            parse_index_list("0-3", 14, "head").unwrap(),
-            vec![0, 1, 2, 3]
-        );
-        assert_eq!(
-            parse_index_list("0,12,23", 24, "layer").unwrap(),
-            vec![0, 12, 23]
-        );
-        assert_eq!(parse_index_list("all", 3, "head").unwrap(), vec![0, 1, 2]);
-        let e = parse_index_list("0-14", 14, "head")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("head 14 is out of range") && e.contains("0..=13"),
-            "{e}"
-        );
-        assert!(parse_index_list("x", 3, "layer").is_err());
-    }
 
     #[test]
     fn write_new_file_refuses_to_overwrite() {

@@ -24,6 +24,7 @@ mod info;
 pub mod inspect;
 mod patch;
 mod scaling;
+mod scoring;
 mod serve;
 mod sinks;
 pub mod view;
@@ -31,6 +32,7 @@ pub mod view;
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
+pub use crate::analysis::request::is_bad_input;
 pub use common::{parse_index_list, write_new_file};
 
 /// attnscope: compute, see and measure the attention inside real language models.
@@ -157,15 +159,6 @@ pub fn run_captured<S: AsRef<str>>(args: &[S]) -> anyhow::Result<String> {
     let cli = Cli::try_parse_from(argv).map_err(|e| common::usage(e.render().to_string()))?;
     let (r, out) = common::capture_output(|| run(cli));
     r.map(|()| out)
-}
-
-/// Whether an error was caused by the user's input (exit 2) rather than by the program.
-pub fn is_bad_input(err: &anyhow::Error) -> bool {
-    err.chain().any(|c| {
-        c.downcast_ref::<crate::model::Error>()
-            .is_some_and(|e| e.is_bad_input())
-            || c.downcast_ref::<common::UsageError>().is_some()
-    })
 }
 
 fn is_broken_pipe(err: &anyhow::Error) -> bool {

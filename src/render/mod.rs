@@ -1,4 +1,5 @@
 //! Renderers: they format what the analyses computed; no maths here.
+pub mod compare_page;
 pub mod direct;
 pub mod gen_attribute;
 pub mod heatmap;

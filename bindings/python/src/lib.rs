@@ -769,7 +769,7 @@ impl Model {
         concentrated: f32,
         bos: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let req = attnscope::cli::inspect::Request {
+        let req = attnscope::analysis::inspect::Request {
             query,
             layer,
             heads,
@@ -787,7 +787,7 @@ impl Model {
                 None => (m.encode(&text, bos)?, None),
             };
             Ok(
-                attnscope::cli::inspect::inspect(&m, &tokens, types.as_deref(), &req)?
+                attnscope::analysis::inspect::inspect(&m, &tokens, types.as_deref(), &req)?
                     .json(None)?,
             )
         })?;
