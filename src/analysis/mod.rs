@@ -8,6 +8,7 @@ pub mod collect;
 pub mod compare;
 pub mod corpus;
 pub mod corpus_encoder;
+pub mod corpus_run;
 pub mod dla;
 pub mod enc_faith;
 pub mod enc_target;

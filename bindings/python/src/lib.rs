@@ -1180,7 +1180,9 @@ fn pattern_page(
 #[pyfunction]
 #[pyo3(signature = (path = None))]
 fn corpus_texts(py: Python<'_>, path: Option<std::path::PathBuf>) -> PyResult<Vec<String>> {
-    engine(py, move || Ok(attnscope::cli::corpus::load_texts(&path)?.0))
+    engine(py, move || {
+        Ok(attnscope::analysis::corpus_run::load_texts(path.as_deref())?.0)
+    })
 }
 
 /// The hook names the engine knows, in order (TransformerLens's names).
