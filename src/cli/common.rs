@@ -70,12 +70,6 @@ pub fn keep_models_to_exit() {
 
 impl ModelArgs {
     pub fn load(&self) -> anyhow::Result<std::sync::Arc<Model>> {
-        if let Some(m) = registered(&self.model) {
-            if self.no_bos && m.tokenizer.add_bos {
-                return Err(usage(format!("--no-bos: `{}` is a model loaded in this process, and it adds a BOS token; load it with default_prepend_bos=False instead", self.model)));
-            }
-            return Ok(m);
-        }
         let progress = std::io::stderr().is_terminal();
         let mut m = Model::load_memory(&self.model, self.precision, self.memory, progress)
             .with_context(|| format!("loading model `{}`", self.model))?;
@@ -240,49 +234,8 @@ pub fn progress_bar(template: &str) -> indicatif::ProgressBar {
     bar
 }
 
-thread_local! {
-    /// Set by [`super::run_captured`]: what the command would print goes here instead.
-    static CAPTURED: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
-}
-
-/// Runs `f` with everything [`emit`] prints collected and returned.
-pub fn capture_output<R>(f: impl FnOnce() -> R) -> (R, String) {
-    let before = CAPTURED.with(|c| c.borrow_mut().replace(String::new()));
-    let r = f();
-    let out = CAPTURED
-        .with(|c| std::mem::replace(&mut *c.borrow_mut(), before))
-        .unwrap_or_default();
-    (r, out)
-}
-
-/// Models loaded elsewhere in this process (the Python package), by the name `--model` gives.
-/// Held weakly: the registry never keeps a model alive.
-static MODELS: std::sync::Mutex<Vec<(String, std::sync::Weak<Model>)>> =
-    std::sync::Mutex::new(Vec::new());
-
-/// Makes `model` reachable as `--model NAME` for commands run in this process, without loading
-/// it again. Returns the name.
-pub fn register_model(model: &std::sync::Arc<Model>) -> String {
-    let mut m = MODELS.lock().unwrap_or_else(|e| e.into_inner());
-    m.retain(|(_, w)| w.strong_count() > 0);
-    let name = format!("loaded:{:p}", std::sync::Arc::as_ptr(model));
-    m.push((name.clone(), std::sync::Arc::downgrade(model)));
-    name
-}
-
-fn registered(name: &str) -> Option<std::sync::Arc<Model>> {
-    let m = MODELS.lock().unwrap_or_else(|e| e.into_inner());
-    m.iter()
-        .find(|(n, _)| n == name)
-        .and_then(|(_, w)| w.upgrade())
-}
-
 /// Prints to standard output, turning a closed pipe into an error `main` treats as success.
-/// Inside [`capture_output`] it collects instead.
 pub fn emit(s: &str) -> anyhow::Result<()> {
-    if CAPTURED.with(|c| c.borrow_mut().as_mut().map(|buf| buf.push_str(s)).is_some()) {
-        return Ok(());
-    }
     let mut out = std::io::stdout().lock();
     out.write_all(s.as_bytes())?;
     out.flush()?;

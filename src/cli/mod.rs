@@ -151,16 +151,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
-/// Runs one command in this process, as `attnscope ARGS...` would, and returns what it would
-/// print on standard output (the Python package runs the commands this way, with `--json`).
-/// A usage error from the argument parser comes back as a [`common::UsageError`].
-pub fn run_captured<S: AsRef<str>>(args: &[S]) -> anyhow::Result<String> {
-    let argv = std::iter::once("attnscope").chain(args.iter().map(|a| a.as_ref()));
-    let cli = Cli::try_parse_from(argv).map_err(|e| common::usage(e.render().to_string()))?;
-    let (r, out) = common::capture_output(|| run(cli));
-    r.map(|()| out)
-}
-
 fn is_broken_pipe(err: &anyhow::Error) -> bool {
     err.chain().any(|c| {
         c.downcast_ref::<std::io::Error>()
