@@ -2253,25 +2253,6 @@ fn compare_texts_models_and_precisions_on_tiny_models() {
             stderr_of(&out)
         );
     }
-    // a model loaded in-process has one precision: two precisions of it are refused, not faked
-    let out = attnscope()
-        .args([
-            "compare",
-            "--model",
-            "loaded:0x1",
-            "--precision",
-            "exact",
-            "--precision",
-            "fast",
-        ])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    assert!(
-        stderr_of(&out).contains("already loaded"),
-        "{}",
-        stderr_of(&out)
-    );
 }
 
 /// `view` above 4,096 tokens, or `--faithfulness` above 256, is refused with the limit named

@@ -5,10 +5,12 @@
 //! Each side runs a streamed forward ([`Collector`]): memory is `O(layers · heads · n)`.
 
 use super::collect::Collector;
+use super::request::{check_index, usage};
 use super::{next_token_top_k, top_k, Ranked};
 use crate::model::forward::RunOptions;
 use crate::model::tokenize::visible;
 use crate::model::{Model, Result};
+use anyhow::Context;
 use serde::Serialize;
 
 /// One side of a comparison: what ran, and the rows it produced.
@@ -77,6 +79,152 @@ pub fn run_side(
             _ => Vec::new(),
         },
     })
+}
+
+/// What a comparison sets side by side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Two texts on one model.
+    Texts,
+    /// One text on two models that share a tokenizer (and their layers × heads).
+    Models,
+    /// One text on one model loaded at two precisions.
+    Precisions,
+}
+
+impl Mode {
+    /// `texts`, `models` or `precisions` (the report's `mode`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Texts => "texts",
+            Mode::Models => "models",
+            Mode::Precisions => "precisions",
+        }
+    }
+}
+
+/// One side to run: a model, named as the caller knows it (in messages), its text, and the
+/// label that says what differs ([`text_label`] for two texts).
+pub struct SideInput<'a> {
+    pub model: &'a Model,
+    pub name: &'a str,
+    pub text: &'a str,
+    pub label: String,
+}
+
+/// `text "…"`: a text's label, cut at 60 characters.
+pub fn text_label(text: &str) -> String {
+    let t: String = text.chars().take(60).collect();
+    let t = if t.len() < text.len() {
+        format!("{t}…")
+    } else {
+        t
+    };
+    format!("text \"{t}\"")
+}
+
+/// How two sides are compared: the query position (default the last token of each side), how
+/// many of the most changed heads to list, and whether a BOS token goes first although the
+/// models' metadata does not ask for one.
+#[derive(Clone, Debug)]
+pub struct CompareOptions {
+    pub query: Option<usize>,
+    pub top: usize,
+    pub bos: bool,
+}
+
+impl Default for CompareOptions {
+    /// The last token, the 10 most changed heads, the models' own BOS.
+    fn default() -> Self {
+        CompareOptions {
+            query: None,
+            top: 10,
+            bos: false,
+        }
+    }
+}
+
+impl CompareOptions {
+    /// Refuses what no model could run: `top` 0.
+    pub fn check(&self) -> anyhow::Result<()> {
+        if self.top == 0 {
+            return Err(usage("--top must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+/// `attnscope compare`: both sides tokenized, checked (two models must split the text the same
+/// way and have the same layers × heads; the query must be in range on both sides), run, and
+/// compared; two texts on an encoder get the cosine similarity of their sentence embeddings.
+pub fn compare_runs(
+    mode: Mode,
+    sides: [SideInput<'_>; 2],
+    opts: &CompareOptions,
+) -> anyhow::Result<CompareReport> {
+    opts.check()?;
+    let [sa, sb] = &sides;
+    let (ma, mb) = (sa.model, sb.model);
+    let tokens = [ma.encode(sa.text, opts.bos)?, mb.encode(sb.text, opts.bos)?];
+    if mode == Mode::Models && tokens[0] != tokens[1] {
+        let at = tokens[0]
+            .iter()
+            .zip(&tokens[1])
+            .take_while(|(x, y)| x == y)
+            .count();
+        let piece = |m: &Model, t: &[u32]| {
+            t.get(at)
+                .map(|&id| format!("{id} {:?}", m.tokenizer.token_text(id)))
+                .unwrap_or_else(|| "(end)".into())
+        };
+        return Err(usage(format!(
+            "the two models' tokenizers split the text differently ({}: {} tokens, {}: {} tokens; first difference at position {at}: {} vs {}): compare needs the same tokens on both sides; use two models that share a tokenizer",
+            sa.name,
+            tokens[0].len(),
+            sb.name,
+            tokens[1].len(),
+            piece(ma, &tokens[0]),
+            piece(mb, &tokens[1])
+        )));
+    }
+    if mode == Mode::Models {
+        let (da, db) = (&ma.dims, &mb.dims);
+        if (da.n_layers, da.n_heads) != (db.n_layers, db.n_heads) {
+            return Err(usage(format!(
+                "the two models have different shapes ({}: {} layers × {} heads; {}: {} layers × {} heads): compare matches layers and heads one to one, so they must agree",
+                sa.name, da.n_layers, da.n_heads, sb.name, db.n_layers, db.n_heads
+            )));
+        }
+    }
+    let queries: Vec<usize> = tokens
+        .iter()
+        .map(|t| match opts.query {
+            Some(q) => check_index(q, t.len(), "query position"),
+            None => Ok(t.len() - 1),
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let mut run =
+        sides
+            .iter()
+            .zip(&tokens)
+            .zip(&queries)
+            .enumerate()
+            .map(|(i, ((side, tokens), &query))| {
+                run_side(side.model, tokens, query, side.label.clone())
+                    .with_context(|| format!("running side {}", ["A", "B"][i]))
+            });
+    let a = run.next().expect("two sides")?;
+    let b = run.next().expect("two sides")?;
+    let mut report = compare(mode.name(), a, b, opts.top);
+    if mode == Mode::Texts && ma.is_encoder() {
+        use super::enc_target::{cosine, EncoderTarget};
+        let e = EncoderTarget::Embedding;
+        report.embedding_cosine = Some(cosine(
+            &e.vector(ma, &tokens[0])?,
+            &e.vector(mb, &tokens[1])?,
+        ));
+    }
+    Ok(report)
 }
 
 /// Jensen–Shannon divergence in bits (0 = the same distribution, 1 = disjoint supports) of two

@@ -436,6 +436,110 @@ impl FaithOptions {
     }
 }
 
+/// Which gradient-based rankings [`faithfulness`] adds beside the attention ones.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gradients {
+    /// Gradient, gradient × input and attention × gradient (one backward), AttnLRP, value
+    /// zeroing, ALTI-Logit, and integrated gradients (`steps` backwards).
+    All,
+    /// All but integrated gradients.
+    Fast,
+    /// No gradient-based ranking.
+    None,
+}
+
+impl Gradients {
+    /// `all`, `fast` or `none`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Gradients::All => "all",
+            Gradients::Fast => "fast",
+            Gradients::None => "none",
+        }
+    }
+}
+
+/// What `faithfulness` is asked: the CLI's flags, Python's `model.faithfulness` arguments.
+#[derive(Clone, Debug)]
+pub struct FaithRequest {
+    /// The target: the model's next token, an id or a token's text; on an encoder `next` or
+    /// `embedding` (the sentence embedding) or `cls` (the [CLS] vector).
+    pub target: Target,
+    /// The neutral token swapped in by the replacement occlusion (one token).
+    pub replacement: String,
+    /// The seed of the random baseline ranking.
+    pub seed: u64,
+    /// The gradient-based rankings; `None`: all on a decoder, none on an encoder (whose
+    /// backward attnscope does not have: `All` and `Fast` are refused there).
+    pub gradients: Option<Gradients>,
+    /// Integrated gradients' midpoints (1..=4096).
+    pub steps: usize,
+}
+
+impl Default for FaithRequest {
+    /// The CLI's defaults: the next token, `" "`, seed 7, the default gradients, 32 steps.
+    fn default() -> Self {
+        FaithRequest {
+            target: Target::Next,
+            replacement: " ".into(),
+            seed: 7,
+            gradients: None,
+            steps: 32,
+        }
+    }
+}
+
+/// A faithfulness report: a decoder's (against occlusion, for the target's log-probability) or
+/// an encoder's (against deletion, for the sentence embedding or the [CLS] vector). Serialized
+/// as the report itself (`faithfulness --json`).
+#[derive(Clone, Debug, Serialize)]
+#[serde(untagged)]
+pub enum Faithfulness {
+    /// A decoder's report.
+    Decoder(FaithReport),
+    /// An encoder's report.
+    Encoder(super::enc_faith::EncFaithReport),
+}
+
+/// `attnscope faithfulness` on `tokens`: the request checked against the model (the steps'
+/// range; gradients refused on an encoder), then the decoder's or the encoder's report.
+/// `tick(done, total)` after each forward.
+pub fn faithfulness(
+    model: &Model,
+    tokens: &[u32],
+    req: &FaithRequest,
+    tick: &mut dyn FnMut(usize, usize),
+) -> Result<Faithfulness> {
+    super::attribute::check_steps(req.steps)?;
+    if model.is_encoder() {
+        use super::enc_target::EncoderTarget;
+        if let Some(g @ (Gradients::All | Gradients::Fast)) = req.gradients {
+            return Err(crate::model::Error::NotApplicable(format!(
+                "--gradients {} is not available on an encoder ({}): attnscope's backward is decoder-only (it differentiates a next-token log-probability); use --gradients none, or leave it out",
+                g.name(),
+                model.info.name
+            )));
+        }
+        let target = EncoderTarget::of(model, &req.target)?;
+        return Ok(Faithfulness::Encoder(super::enc_faith::run(
+            model, tokens, target, req.seed, tick,
+        )?));
+    }
+    let gradients = req.gradients.unwrap_or(Gradients::All);
+    let opts = FaithOptions {
+        target: req.target.clone(),
+        replacement: req.replacement.clone(),
+        seed: req.seed,
+        gradients: gradients != Gradients::None,
+        ig_steps: if gradients == Gradients::All {
+            req.steps
+        } else {
+            0
+        },
+    };
+    Ok(Faithfulness::Decoder(run(model, tokens, &opts, tick)?))
+}
+
 /// Runs every forward needed and computes the report. `tick(done, total)` reports progress.
 pub fn run(
     model: &Model,

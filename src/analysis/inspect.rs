@@ -1,12 +1,18 @@
-//! The report of `attnscope inspect`, built from a [`Collector`] and the next-token logits.
-//! Pure data; `render::report` turns it into text, serde into JSON.
+//! The report of `attnscope inspect`, built from a [`Collector`] and the next-token logits, and
+//! [`inspect`], which resolves a [`Request`] (the CLI's flags, Python's arguments) against the
+//! model and the text and runs it.
+//! The report is pure data; `render::report` turns it into text, serde into JSON.
 
 use super::collect::Collector;
+use super::encoder::EncoderReport;
 use super::norms::{mixed_norms, shares, value_norms, Values};
+use super::request::{check_index, parse_index_list, usage};
 use super::{entropy, max_argmax, next_token_top_k, profile_marks, top_k, ProfileMarks};
+use crate::model::forward::RunOptions;
 use crate::model::{Model, ModelDims};
 use crate::reference::kv_head;
 use serde::Serialize;
+use std::time::Instant;
 
 #[derive(Clone, Debug, Serialize)]
 pub struct ModelFacts {
@@ -324,4 +330,166 @@ fn caution(texts: &[String], sink: &SinkSummary, layers: &[LayerRow], q: usize) 
         layers[m.peak_layer].sink_query * 100.0,
         layers.len()
     )
+}
+
+/// What `inspect` reports on: the CLI's flags, Python's `model.inspect` arguments.
+#[derive(Clone, Debug)]
+pub struct Request {
+    /// the query position (default: the last token; an encoder's [CLS])
+    pub query: Option<usize>,
+    /// the layer of the per-head table (default: the last)
+    pub layer: Option<usize>,
+    /// the heads of the per-head table: `0-3`, `1,5`, `all`
+    pub heads: String,
+    /// the layers of the head-averaged table (default: first, middle, last)
+    pub layers: Option<String>,
+    /// top keys listed (default: 3 per head, 4 head-averaged)
+    pub top: Option<usize>,
+    /// the max weight from which a head counts as concentrated
+    pub concentrated: f32,
+}
+
+impl Default for Request {
+    fn default() -> Self {
+        Request {
+            query: None,
+            layer: None,
+            heads: "0-3".into(),
+            layers: None,
+            top: None,
+            concentrated: 0.9,
+        }
+    }
+}
+
+/// An `inspect` report with the forward's timings.
+pub enum Inspected {
+    /// a decoder's tables and next-token prediction
+    Decoder {
+        report: InspectReport,
+        forward_s: f64,
+        attention_s: f64,
+    },
+    /// an encoder's [CLS]/[SEP]/punctuation shares and rows
+    Encoder {
+        report: EncoderReport,
+        forward_s: f64,
+    },
+}
+
+impl Inspected {
+    /// `inspect --json`: the report with `timings` (the load's too, when given).
+    pub fn json(&self, load_s: Option<f64>) -> serde_json::Result<serde_json::Value> {
+        let (mut v, mut t) = match self {
+            Inspected::Decoder {
+                report,
+                forward_s,
+                attention_s,
+            } => (
+                serde_json::to_value(report)?,
+                serde_json::json!({"forward_s": forward_s, "attention_s": attention_s}),
+            ),
+            Inspected::Encoder { report, forward_s } => (
+                serde_json::to_value(report)?,
+                serde_json::json!({ "forward_s": forward_s }),
+            ),
+        };
+        if let Some(l) = load_s {
+            t["load_s"] = l.into();
+        }
+        v["timings"] = t;
+        Ok(v)
+    }
+}
+
+/// The heads of the per-head table: `0-3` means every head on a model with fewer than 4.
+fn head_list(spec: &str, n_heads: usize) -> anyhow::Result<Vec<usize>> {
+    if spec == "0-3" && n_heads < 4 {
+        Ok((0..n_heads).collect())
+    } else {
+        parse_index_list(spec, n_heads, "head")
+    }
+}
+
+/// The `inspect` report of `tokens` (`types`: a pair's token types, for an encoder; `segments`:
+/// its segments where they differ from the types, as on RoBERTa, else `None`).
+pub fn inspect(
+    model: &Model,
+    tokens: &[u32],
+    types: Option<&[u32]>,
+    segments: Option<&[u32]>,
+    r: &Request,
+) -> anyhow::Result<Inspected> {
+    let (n, d) = (tokens.len(), &model.dims);
+    let default_query = if model.is_encoder() { 0 } else { n - 1 };
+    let query = check_index(r.query.unwrap_or(default_query), n, "query position")?;
+    let layer = check_index(r.layer.unwrap_or(d.n_layers - 1), d.n_layers, "layer")?;
+    let heads = head_list(&r.heads, d.n_heads)?;
+    if r.top == Some(0) || r.top.is_some_and(|k| k > n) {
+        return Err(usage(format!(
+            "--top {} is out of range: valid values are 1..={n} (the number of tokens)",
+            r.top.unwrap_or(0)
+        )));
+    }
+    if model.is_encoder() {
+        let t0 = Instant::now();
+        let mut report = crate::analysis::encoder::inspect(
+            model,
+            tokens,
+            types,
+            query,
+            layer,
+            &heads,
+            r.top.unwrap_or(3).min(n),
+        )?;
+        if let Some(s) = segments {
+            if s.len() != n {
+                return Err(usage(format!("{} segments for {n} tokens", s.len())));
+            }
+            report.segments = s.to_vec();
+        }
+        return Ok(Inspected::Encoder {
+            report,
+            forward_s: t0.elapsed().as_secs_f64(),
+        });
+    }
+    let layers = match &r.layers {
+        Some(s) => parse_index_list(s, d.n_layers, "layer")?,
+        None => {
+            let mut v = vec![0, d.n_layers / 2, d.n_layers - 1];
+            v.dedup();
+            v
+        }
+    };
+    if !(0.0..=1.0).contains(&r.concentrated) {
+        return Err(usage(format!(
+            "--concentrated {} is out of range: use a weight in 0..=1",
+            r.concentrated
+        )));
+    }
+    let plan = InspectPlan {
+        query,
+        layer,
+        heads,
+        top_heads: r.top.unwrap_or(3),
+        layers,
+        top_layers: r.top.unwrap_or(4),
+        concentrated_at: r.concentrated,
+    };
+    let mut collector = plan.collector(d, n);
+    let t0 = Instant::now();
+    let out = model.forward(
+        tokens,
+        &RunOptions {
+            logits_at: vec![query],
+            ..Default::default()
+        },
+        &mut collector,
+    )?;
+    let forward_s = t0.elapsed().as_secs_f64();
+    Ok(Inspected::Decoder {
+        report: build(model, tokens, &collector, &out.logits[0], &plan),
+        forward_s,
+        attention_s: out.timings.attention.as_secs_f64(),
+    })
 }

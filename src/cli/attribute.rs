@@ -2,7 +2,8 @@
 //! gradient, gradient × input, integrated gradients, attention × gradient, AttnLRP, value
 //! zeroing, ALTI-Logit or occlusion.
 
-use super::common::{emit, progress_bar, ModelArgs, TextArgs};
+use super::common::{ModelArgs, TextArgs};
+use super::scoring::{run_scored, ScoringArgs};
 use crate::analysis::attribute::{attribute, AttributeOptions, AttributeReport, Method};
 use crate::analysis::faithfulness::Target;
 use crate::model::tokenize::visible;
@@ -40,11 +41,8 @@ pub struct Args {
     /// Explain the logit difference f = logit(target) − logit(wrong) instead.
     #[arg(long)]
     wrong: Option<Target>,
-    /// Integrated gradients' midpoints (1..=4096; each a forward and a backward).
-    #[arg(long, default_value_t = 32)]
-    steps: usize,
-    #[arg(long)]
-    json: bool,
+    #[command(flatten)]
+    scoring: ScoringArgs,
 }
 
 fn parse_method(s: &str) -> Result<Method, String> {
@@ -52,26 +50,23 @@ fn parse_method(s: &str) -> Result<Method, String> {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    crate::analysis::attribute::check_steps(a.steps)?;
-    let model = a.model.load()?;
-    let tokens = a.text.tokens(&model, a.model.bos)?;
-    let bar = progress_bar("attribution [{bar:30}] {pos}/{len} ({eta})");
     let opts = AttributeOptions {
         method: a.method,
         target: a.target,
         wrong: a.wrong,
-        steps: a.steps,
+        steps: a.scoring.steps,
     };
-    let r = attribute(&model, &tokens, &opts, &mut |done, total| {
-        bar.set_length(total as u64);
-        bar.set_position(done as u64);
-    })?;
-    bar.finish_and_clear();
-    if a.json {
-        return emit(&format!("{}\n", serde_json::to_string_pretty(&r)?));
-    }
-    let colour = std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none();
-    emit(&render(&r, colour))
+    run_scored(
+        &a.model,
+        &a.text,
+        &a.scoring,
+        "attribution",
+        |model, tokens, tick| Ok(attribute(model, tokens, &opts, tick)?),
+        |r| {
+            let colour = std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none();
+            render(r, colour)
+        },
+    )
 }
 
 /// A token's text on a background shaded by its score relative to the largest |score|: blue for

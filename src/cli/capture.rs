@@ -1,14 +1,11 @@
-//! `attnscope capture`: run a model and save the captured hook tensors to a file.
+//! `attnscope capture`: run a model and save the captured hook tensors to a file
+//! ([`crate::render::capture`] does it).
 
-use super::common::{emit, parse_index_list, usage, ModelArgs, TextArgs};
-use crate::model::capture::{AttnCache, CaptureSpec, Captured, Hook, Observer, Queries};
-use crate::model::forward::RunOptions;
-use crate::render::direct::DirectFile;
-use crate::render::tensorfile::{TensorFormat, TensorWriter, HEAP_PHASE};
-use anyhow::Context;
-use std::collections::BTreeMap;
+use super::common::{emit, ModelArgs, TextArgs};
+use crate::render::capture::{capture, CaptureRequest};
+use crate::render::tensorfile::TensorFormat;
 use std::io::IsTerminal;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 enum Format {
@@ -53,273 +50,32 @@ pub struct Args {
     two_layers: bool,
 }
 
-/// The forward's observer for `capture`: an [`AttnCache`] that hands a layer's tensors to a
-/// writer thread as soon as they are final, and lets them go: the patterns (and every hook up to
-/// `z`) when the layer's attention is done, so they are written while its MLP runs, the rest when
-/// the layer is done. Then the layer waits until its tensors are written (`wait`), so memory
-/// holds one layer's capture (measured at 2,048 tokens of the default model: the writing of each
-/// 235 MB layer past the page cache was always done before the MLP, so the waiting cost nothing;
-/// 1.81 GB peak against 2.04 GB for two layers, 1.75 GB once the recycled patterns' zeros above
-/// the diagonal were no longer written again). Without `wait` (`--two-layers`) the writing may
-/// run on into the next layer. Written buffers come back for the next layer.
-struct StreamToFile {
-    /// wait for each layer's writing before going on
-    wait: bool,
-    cache: AttnCache,
-    to_writer: std::sync::mpsc::SyncSender<Captured>,
-    written: std::sync::mpsc::Receiver<Captured>,
-    failed: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    bar: indicatif::ProgressBar,
-    /// buffers with the writer, not yet back
-    in_flight: usize,
-    /// how long the forward stood waiting for the writer (to take a tensor, or to finish a
-    /// layer): what the disk cost beyond the computing
-    waited: std::time::Duration,
-}
-
-impl Observer for StreamToFile {
-    fn wants(&self, layer: usize, hook: Hook) -> bool {
-        !self.failed.load(std::sync::atomic::Ordering::Relaxed) && self.cache.wants(layer, hook)
-    }
-    crate::delegate_observer!(cache: tensor, attention_block);
-    fn pattern_rows(
-        &mut self,
-        layer: usize,
-        q_start: usize,
-        rows: usize,
-        n_heads: usize,
-        k_len: usize,
-    ) -> Option<crate::model::capture::PatternRows<'_>> {
-        if self.failed.load(std::sync::atomic::Ordering::Relaxed) {
-            return None;
-        }
-        self.cache
-            .pattern_rows(layer, q_start, rows, n_heads, k_len)
-    }
-    fn attention_done(&mut self, layer: usize) {
-        // the patterns are final: they are written while the MLP runs
-        self.hand_over(layer, Hook::Z);
-    }
-    fn layer_done(&mut self, layer: usize) {
-        self.hand_over(layer, Hook::ResidPost);
-        if self.wait {
-            let t = std::time::Instant::now();
-            while self.in_flight > 0 {
-                match self.written.recv() {
-                    Ok(buf) => self.came_back(buf),
-                    // the writer thread is gone (its error is reported at the end)
-                    Err(_) => break,
-                }
-            }
-            self.waited += t.elapsed();
-        }
-        self.bar.inc(1);
-    }
-}
-
-impl StreamToFile {
-    /// Hands `layer`'s tensors of hooks up to `last` (in file order) to the writer thread.
-    fn hand_over(&mut self, layer: usize, last: Hook) {
-        let keys: Vec<(usize, Hook)> = self
-            .cache
-            .entries
-            .range((layer, Hook::Embed)..=(layer, last))
-            .map(|(k, _)| *k)
-            .collect();
-        for key in keys {
-            let c = self.cache.take(key.0, key.1).expect("listed above");
-            while let Ok(buf) = self.written.try_recv() {
-                self.came_back(buf);
-            }
-            // a closed channel means the writer stopped on an error, reported at the end; the
-            // send waits until the writer takes the tensor
-            let t = std::time::Instant::now();
-            if self.to_writer.send(c).is_ok() {
-                self.in_flight += 1;
-            }
-            self.waited += t.elapsed();
-        }
-    }
-
-    fn came_back(&mut self, c: Captured) {
-        self.in_flight -= 1;
-        self.cache.recycle_entry(c);
-    }
-}
-
-/// Where a capture's bytes go: see [`DirectFile`].
-enum Out {
-    Direct(DirectFile),
-    Buffered(std::io::BufWriter<std::fs::File>),
-}
-
-impl Out {
-    fn finish(self) -> std::io::Result<()> {
-        match self {
-            Out::Direct(d) => d.finish().map(drop),
-            Out::Buffered(b) => b.into_inner().map(drop).map_err(|e| e.into_error()),
-        }
-    }
-}
-
-impl std::io::Write for Out {
-    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
-        match self {
-            Out::Direct(d) => d.write(data),
-            Out::Buffered(b) => b.write(data),
-        }
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        match self {
-            Out::Direct(d) => d.flush(),
-            Out::Buffered(b) => b.flush(),
-        }
-    }
-}
-
-impl std::io::Seek for Out {
-    fn seek(&mut self, to: std::io::SeekFrom) -> std::io::Result<u64> {
-        match self {
-            Out::Direct(d) => d.seek(to),
-            Out::Buffered(b) => b.seek(to),
-        }
-    }
-}
-
-/// The writer thread's loop: writes what arrives in order, sends each buffer back; after the
-/// first error it only drains (and `failed` tells the forward to stop capturing).
-fn write_layers<W: std::io::Write + std::io::Seek>(
-    w: &mut TensorWriter<W>,
-    from: std::sync::mpsc::Receiver<Captured>,
-    back: std::sync::mpsc::Sender<Captured>,
-    failed: &std::sync::atomic::AtomicBool,
-) -> Option<std::io::Error> {
-    let mut error = None;
-    for c in from {
-        if error.is_none() {
-            if let Err(e) = w.write(&c.name, &c.data) {
-                failed.store(true, std::sync::atomic::Ordering::Relaxed);
-                error = Some(e);
-            }
-        }
-        let _ = back.send(c);
-    }
-    error
-}
-
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let format = a
-        .format
-        .unwrap_or(if a.out.extension().is_some_and(|e| e == "npz") {
-            Format::Npz
-        } else {
-            Format::Safetensors
-        });
-    if a.out.exists() && !a.force {
-        return Err(anyhow::Error::new(crate::model::Error::Exists {
-            path: a.out.clone(),
-        }));
-    }
-    let hooks = Hook::parse_list(&a.hooks).map_err(usage)?;
+    let req = CaptureRequest {
+        out: a.out.clone(),
+        hooks: a.hooks.clone(),
+        layers: a.layers.clone(),
+        heads: a.heads.clone(),
+        queries: a.queries.clone(),
+        format: a.format.map(|f| match f {
+            Format::Safetensors => TensorFormat::Safetensors,
+            Format::Npz => TensorFormat::Npz,
+        }),
+        force: a.force,
+        two_layers: a.two_layers,
+    };
+    req.check()?;
     let start = std::time::Instant::now();
     let model = a.model.load()?;
     let loaded = start.elapsed();
     let (tokens, token_types) = a.text.tokens_or_pair(&model, a.model.bos)?;
     let n = tokens.len();
-    let d = &model.dims;
-    if n > d.context_len {
-        return Err(anyhow::Error::new(crate::model::Error::TooLong {
-            n_tokens: n,
-            limit: d.context_len,
-            model: model.info.name.clone(),
-        }));
-    }
-    let layers = parse_index_list(&a.layers, d.n_layers, "layer")?;
-    let heads = parse_index_list(&a.heads, d.n_heads, "head")?;
-    let queries = match a.queries.as_str() {
-        "all" => Queries::All,
-        "last" => Queries::Last,
-        s => Queries::List(parse_index_list(s, n, "query position")?),
-    };
-    let spec = CaptureSpec {
-        hooks,
-        layers: Some(layers),
-        heads: Some(heads),
-        queries,
-    };
-    // every tensor's name and shape, in file order, before the forward
-    let mut order = spec.tensors(d, n);
-    if format == Format::Npz {
-        order.push(("token_ids".into(), vec![n]));
-    }
-    let total_bytes: f64 = order
-        .iter()
-        .map(|(_, s)| s.iter().product::<usize>() as f64 * 4.0)
-        .sum();
-    let texts = model.token_texts(&tokens);
-    let mut md = BTreeMap::from([
-        ("token_ids".to_string(), serde_json::to_string(&tokens)?),
-        ("token_strings".to_string(), serde_json::to_string(&texts)?),
-        ("model".to_string(), model.info.name.clone()),
-        (
-            "model_description".to_string(),
-            model.info.description.clone().unwrap_or_default(),
-        ),
-        (
-            "precision".to_string(),
-            model.info.precision.name().to_string(),
-        ),
-        (
-            "queries".to_string(),
-            serde_json::to_string(&spec.queries.resolve(n))?,
-        ),
-        ("heads".to_string(), serde_json::to_string(&spec.heads)?),
-        (
-            "producer".to_string(),
-            format!("attnscope {}", env!("CARGO_PKG_VERSION")),
-        ),
-    ]);
-    if model.is_encoder() {
-        // an encoder's token types, as the forward ran them (a pair's 0/1; one text: all 0)
-        let types = token_types.clone().unwrap_or_else(|| vec![0; n]);
-        md.insert("token_types".into(), serde_json::to_string(&types)?);
-    }
-    // write into a temporary file beside the target, renamed over it only when complete
-    let dir = a
-        .out
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let mut builder = tempfile::Builder::new();
-    builder.prefix(".attnscope-capture-");
-    #[cfg(unix)]
-    {
-        // the mode of an ordinary new file (0666 less the umask), not the temporary file's 0600
-        use std::os::unix::fs::PermissionsExt;
-        builder.permissions(std::fs::Permissions::from_mode(0o666));
-    }
-    let tmp = builder
-        .tempfile_in(dir)
-        .with_context(|| format!("creating a temporary file in {}", dir.display()))?;
-    let tf = match format {
-        Format::Safetensors => TensorFormat::Safetensors,
-        Format::Npz => TensorFormat::Npz,
-    };
-    // safetensors is written front to back, so past the page cache where the file system lets
-    // it; npz through a buffer (the zip writer goes back to fill in sizes)
-    let file = match tf {
-        TensorFormat::Safetensors => Out::Direct(DirectFile::new(tmp.as_file().try_clone()?)),
-        TensorFormat::Npz => Out::Buffered(std::io::BufWriter::with_capacity(
-            4 << 20,
-            tmp.as_file().try_clone()?,
-        )),
-    };
-    let n_tensors = order.len();
-    let writer = TensorWriter::with_data_phase(file, tf, order, &md, HEAP_PHASE)
-        .with_context(|| format!("writing {}", a.out.display()))?;
+    let plan = req.plan(&model, n)?;
+    let (n_tensors, total_bytes) = (plan.n_tensors(), plan.total_bytes());
+    let n_layers = model.dims.n_layers;
     let terminal = std::io::stderr().is_terminal();
     let bar = if terminal {
-        indicatif::ProgressBar::new(d.n_layers as u64)
+        indicatif::ProgressBar::new(n_layers as u64)
     } else {
         indicatif::ProgressBar::hidden()
     };
@@ -332,228 +88,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     );
     bar.set_message(format!("{n} tokens, {:.1} GB", total_bytes / 1e9));
     if !terminal && total_bytes > 100e6 {
-        eprintln!("attnscope: capturing {n_tensors} tensors ({:.1} GB) over {} layers of {n} tokens into {}", total_bytes / 1e9, d.n_layers, a.out.display());
+        eprintln!("attnscope: capturing {n_tensors} tensors ({:.1} GB) over {n_layers} layers of {n} tokens into {}", total_bytes / 1e9, a.out.display());
     }
-    let mut writer = writer;
-    let failed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let (tx, rx) = std::sync::mpsc::sync_channel::<Captured>(0);
-    let (back_tx, back_rx) = std::sync::mpsc::channel();
-    let (forward, write_error) = std::thread::scope(|s| {
-        let flag = failed.clone();
-        let w = &mut writer;
-        let writing = s.spawn(move || write_layers(w, rx, back_tx, &flag));
-        let mut obs = StreamToFile {
-            wait: !a.two_layers,
-            cache: AttnCache::new(&spec, n),
-            to_writer: tx,
-            written: back_rx,
-            failed: failed.clone(),
-            bar,
-            in_flight: 0,
-            waited: std::time::Duration::ZERO,
-        };
-        let opts = RunOptions {
-            token_types,
-            ..Default::default()
-        };
-        let forward = model.forward(&tokens, &opts, &mut obs);
-        // the final norm's hooks come after the last layer
-        obs.hand_over(d.n_layers - 1, Hook::LnFinalNormalized);
-        obs.bar.finish_and_clear();
-        let waited = obs.waited;
-        // closing the channel ends the writer's loop
-        drop(obs);
-        (
-            forward.map(|_| waited),
-            writing.join().expect("the writer thread does not panic"),
-        )
+    let report = capture(&model, &tokens, token_types, &req, plan, &mut |_| {
+        bar.inc(1)
     });
-    let waited = forward?;
-    if let Some(e) = write_error {
-        return Err(anyhow::Error::new(e).context(format!("writing {}", a.out.display())));
-    }
-    let mut w = writer;
-    if tf == TensorFormat::Npz {
-        let ids: Vec<f32> = tokens.iter().map(|&t| t as f32).collect();
-        w.write("token_ids", &ids)?;
-    }
-    w.finish()
-        .and_then(Out::finish)
-        .with_context(|| format!("writing {}", a.out.display()))?;
-    let size = tmp.as_file().metadata()?.len();
-    if a.force {
-        tmp.persist(&a.out)
-            .map_err(|e| e.error)
-            .with_context(|| format!("renaming the capture to {}", a.out.display()))?;
-    } else {
-        // never replaces a file that appeared meanwhile
-        tmp.persist_noclobber(&a.out).map_err(|e| {
-            if e.error.kind() == std::io::ErrorKind::AlreadyExists {
-                anyhow::Error::new(crate::model::Error::Exists {
-                    path: a.out.clone(),
-                })
-            } else {
-                anyhow::Error::new(e.error)
-                    .context(format!("renaming the capture to {}", a.out.display()))
-            }
-        })?;
-    }
-    emit(&format!(
-        "wrote {n_tensors} tensors ({:.1} MB) for {n} tokens of {} ({} precision) to {} {}, of which {:.3} s waiting for the disk)\n",
-        size as f64 / 1e6,
-        model.info.name,
-        model.info.precision.name(),
-        a.out.display(),
-        super::common::timings_opening(
-            loaded.as_secs_f64(),
-            "forward and writing",
-            (start.elapsed() - loaded).as_secs_f64()
-        ),
-        waited.as_secs_f64()
+    bar.finish_and_clear();
+    let report = report?;
+    emit(&report.message(
+        loaded.as_secs_f64(),
+        (start.elapsed() - loaded).as_secs_f64(),
     ))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::model::capture::{hook_name, PatternRows};
-    use crate::model::config::Arch;
-    use crate::model::tiny::{tiny_model, write_gguf};
-    use crate::model::{Model, Precision};
-    use std::sync::atomic::AtomicBool;
-    use std::sync::mpsc;
-    use std::sync::Arc;
-
-    /// The capture observer, watched from outside: what it holds when a layer's attention
-    /// begins, and whether its patterns are gone before the layer's MLP.
-    struct Watch {
-        inner: StreamToFile,
-        /// per layer, the tensors still with the writer when its attention asked for rows
-        in_flight_at_attention: Vec<usize>,
-        /// per layer, whether its pattern was handed over before `layer_done`
-        pattern_gone_before_mlp_end: Vec<bool>,
-    }
-
-    impl Observer for Watch {
-        fn wants(&self, layer: usize, hook: Hook) -> bool {
-            self.inner.wants(layer, hook)
-        }
-        fn tensor(&mut self, layer: usize, hook: Hook, shape: &[usize], data: &[f32]) {
-            self.inner.tensor(layer, hook, shape, data)
-        }
-        fn attention_block(&mut self, l: usize, h: Hook, q: usize, s: [usize; 3], d: &[f32]) {
-            self.inner.attention_block(l, h, q, s, d)
-        }
-        fn pattern_rows(
-            &mut self,
-            layer: usize,
-            q_start: usize,
-            rows: usize,
-            n_heads: usize,
-            k_len: usize,
-        ) -> Option<PatternRows<'_>> {
-            if q_start == 0 {
-                self.in_flight_at_attention.push(self.inner.in_flight);
-                assert_eq!(self.in_flight_at_attention.len(), layer + 1);
-            }
-            self.inner
-                .pattern_rows(layer, q_start, rows, n_heads, k_len)
-        }
-        fn attention_done(&mut self, layer: usize) {
-            self.inner.attention_done(layer)
-        }
-        fn layer_done(&mut self, layer: usize) {
-            self.pattern_gone_before_mlp_end.push(
-                !self
-                    .inner
-                    .cache
-                    .entries
-                    .contains_key(&(layer, Hook::Pattern)),
-            );
-            self.inner.layer_done(layer)
-        }
-    }
-
-    /// Runs a capture of patterns and `resid_post` on a tiny model through a writer that takes
-    /// 30 ms a tensor (a slow disk): what the observer held at each layer's attention, the
-    /// tensors in the order they were written, and how long the forward waited for the writer.
-    fn watch(wait: bool) -> (Vec<usize>, Vec<bool>, Vec<String>, std::time::Duration) {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("t.gguf");
-        write_gguf(
-            &tiny_model(Arch::Qwen2, 3),
-            Arch::Qwen2,
-            candle_core::quantized::GgmlDType::F32,
-            &path,
-        )
-        .unwrap();
-        let model = Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();
-        let tokens = model.encode("the hat sat on the mat", false).unwrap();
-        let spec = CaptureSpec {
-            hooks: vec![Hook::Pattern, Hook::ResidPost],
-            layers: None,
-            heads: None,
-            queries: Queries::All,
-        };
-        let (tx, rx) = mpsc::sync_channel::<Captured>(0);
-        let (back_tx, back_rx) = mpsc::channel();
-        std::thread::scope(|s| {
-            let writer = s.spawn(move || {
-                let mut names = Vec::new();
-                for c in rx {
-                    std::thread::sleep(std::time::Duration::from_millis(30));
-                    names.push(c.name.clone());
-                    let _ = back_tx.send(c);
-                }
-                names
-            });
-            let mut obs = Watch {
-                inner: StreamToFile {
-                    wait,
-                    cache: AttnCache::new(&spec, tokens.len()),
-                    to_writer: tx,
-                    written: back_rx,
-                    failed: Arc::new(AtomicBool::new(false)),
-                    bar: indicatif::ProgressBar::hidden(),
-                    in_flight: 0,
-                    waited: std::time::Duration::ZERO,
-                },
-                in_flight_at_attention: Vec::new(),
-                pattern_gone_before_mlp_end: Vec::new(),
-            };
-            model
-                .forward(&tokens, &RunOptions::default(), &mut obs)
-                .unwrap();
-            let (held, gone) = (obs.in_flight_at_attention, obs.pattern_gone_before_mlp_end);
-            let waited = obs.inner.waited;
-            drop(obs.inner);
-            (held, gone, writer.join().unwrap(), waited)
-        })
-    }
-
-    #[test]
-    fn each_layer_waits_for_its_writing_and_its_patterns_leave_before_its_mlp() {
-        let (held, gone, names, waited) = watch(true);
-        let layers = held.len();
-        // every layer waited for its last tensor's 30 ms at least (the tiny model computes a
-        // layer in far less), and the capture says so
-        assert!(
-            waited >= std::time::Duration::from_millis(30 * layers as u64),
-            "waited {waited:?} over {layers} layers"
-        );
-        assert!(layers >= 2, "the tiny model has {layers} layers");
-        // nothing of an earlier layer is in memory when a layer's attention starts
-        assert_eq!(held, vec![0; layers]);
-        assert_eq!(gone, vec![true; layers]);
-        // in file order: each layer's pattern, then its residual stream
-        let want: Vec<String> = (0..layers)
-            .flat_map(|l| [hook_name(l, Hook::Pattern), hook_name(l, Hook::ResidPost)])
-            .collect();
-        assert_eq!(names, want);
-        // `--two-layers`: the slow writer is still on a layer when the next one's attention starts
-        let (held, gone, names, _) = watch(false);
-        assert!(held[1..].iter().any(|&h| h > 0), "{held:?}");
-        assert_eq!(gone, vec![true; layers]);
-        assert_eq!(names, want);
-    }
 }

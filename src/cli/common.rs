@@ -3,16 +3,10 @@
 use crate::model::{fetch::DEFAULT_MODEL, Memory, Model, Precision};
 use anyhow::Context;
 use std::io::{IsTerminal, Read, Write};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-/// A mistake in the command line that clap cannot see (a value out of range, say): exit 2.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct UsageError(pub String);
-
-pub fn usage(msg: impl Into<String>) -> anyhow::Error {
-    anyhow::Error::new(UsageError(msg.into()))
-}
+pub use crate::analysis::request::{check_index, parse_index_list, usage, UsageError};
+pub use crate::render::{timings_opening, write_new_file};
 
 pub const LESSON_SENTENCE: &str = "Hà Nội là thủ đô của Việt Nam. Thành phố này nằm ở miền Bắc.";
 
@@ -76,12 +70,6 @@ pub fn keep_models_to_exit() {
 
 impl ModelArgs {
     pub fn load(&self) -> anyhow::Result<std::sync::Arc<Model>> {
-        if let Some(m) = registered(&self.model) {
-            if self.no_bos && m.tokenizer.add_bos {
-                return Err(usage(format!("--no-bos: `{}` is a model loaded in this process, and it adds a BOS token; load it with default_prepend_bos=False instead", self.model)));
-            }
-            return Ok(m);
-        }
         let progress = std::io::stderr().is_terminal();
         let mut m = Model::load_memory(&self.model, self.precision, self.memory, progress)
             .with_context(|| format!("loading model `{}`", self.model))?;
@@ -262,49 +250,6 @@ pub fn check_system(chat: bool, system: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Parses `all`, `3`, `0-3`, `0,12,23` (and mixes such as `0-2,7`) into indices `< count`.
-pub fn parse_index_list(spec: &str, count: usize, what: &str) -> anyhow::Result<Vec<usize>> {
-    let range = || {
-        format!(
-            "{what} must be in 0..={} (or `all`)",
-            count.saturating_sub(1)
-        )
-    };
-    if spec.trim() == "all" {
-        return Ok((0..count).collect());
-    }
-    let mut out = Vec::new();
-    for part in spec.split(',').map(str::trim) {
-        let (a, b) = match part.split_once('-') {
-            Some((a, b)) => (a.trim(), b.trim()),
-            None => (part, part),
-        };
-        let parse = |s: &str| {
-            s.parse::<usize>().map_err(|_| {
-                usage(format!(
-                    "`{spec}` is not a valid {what} list; write e.g. 0-3, 0,12,23 or all"
-                ))
-            })
-        };
-        let (a, b) = (parse(a)?, parse(b)?);
-        if a > b {
-            return Err(usage(format!("{what} range {a}-{b} is backwards")));
-        }
-        if b >= count {
-            return Err(usage(format!("{what} {b} is out of range: {}", range())));
-        }
-        for i in a..=b {
-            if !out.contains(&i) {
-                out.push(i);
-            }
-        }
-    }
-    if out.is_empty() {
-        return Err(usage(format!("no {what} given")));
-    }
-    Ok(out)
-}
-
 /// A progress bar on standard error when it is a terminal (hidden otherwise), drawn with
 /// `template` (indicatif's syntax); its length is set by the caller as the work becomes known.
 pub fn progress_bar(template: &str) -> indicatif::ProgressBar {
@@ -321,96 +266,8 @@ pub fn progress_bar(template: &str) -> indicatif::ProgressBar {
     bar
 }
 
-/// How `inspect` and `capture` end their output with their own timings: `(load X s, what Y s`
-/// (the caller closes the parenthesis); `bench` reads them back with the same words.
-pub fn timings_opening(load_s: f64, what: &str, after_s: f64) -> String {
-    format!("(load {load_s:.2} s, {what} {after_s:.3} s")
-}
-
-/// Checks one index against its count, with a message naming the valid range.
-pub fn check_index(value: usize, count: usize, what: &str) -> anyhow::Result<usize> {
-    if value >= count {
-        return Err(usage(format!(
-            "{what} {value} is out of range: valid {what}s are 0..={}",
-            count.saturating_sub(1)
-        )));
-    }
-    Ok(value)
-}
-
-/// Writes `bytes` to `path` through a temporary file in the same folder and a rename, so a
-/// reader never sees half a file; refuses to replace an existing file unless `force`.
-pub fn write_new_file(path: &Path, bytes: &[u8], force: bool) -> anyhow::Result<()> {
-    if path.exists() && !force {
-        return Err(anyhow::Error::new(crate::model::Error::Exists {
-            path: path.into(),
-        }));
-    }
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "out".into());
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    let result = (|| -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if let Err(e) = result {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(e).with_context(|| format!("writing {}", path.display()));
-    }
-    Ok(())
-}
-
-thread_local! {
-    /// Set by [`super::run_captured`]: what the command would print goes here instead.
-    static CAPTURED: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
-}
-
-/// Runs `f` with everything [`emit`] prints collected and returned.
-pub fn capture_output<R>(f: impl FnOnce() -> R) -> (R, String) {
-    let before = CAPTURED.with(|c| c.borrow_mut().replace(String::new()));
-    let r = f();
-    let out = CAPTURED
-        .with(|c| std::mem::replace(&mut *c.borrow_mut(), before))
-        .unwrap_or_default();
-    (r, out)
-}
-
-/// Models loaded elsewhere in this process (the Python package), by the name `--model` gives.
-/// Held weakly: the registry never keeps a model alive.
-static MODELS: std::sync::Mutex<Vec<(String, std::sync::Weak<Model>)>> =
-    std::sync::Mutex::new(Vec::new());
-
-/// Makes `model` reachable as `--model NAME` for commands run in this process, without loading
-/// it again. Returns the name.
-pub fn register_model(model: &std::sync::Arc<Model>) -> String {
-    let mut m = MODELS.lock().unwrap_or_else(|e| e.into_inner());
-    m.retain(|(_, w)| w.strong_count() > 0);
-    let name = format!("loaded:{:p}", std::sync::Arc::as_ptr(model));
-    m.push((name.clone(), std::sync::Arc::downgrade(model)));
-    name
-}
-
-fn registered(name: &str) -> Option<std::sync::Arc<Model>> {
-    let m = MODELS.lock().unwrap_or_else(|e| e.into_inner());
-    m.iter()
-        .find(|(n, _)| n == name)
-        .and_then(|(_, w)| w.upgrade())
-}
-
 /// Prints to standard output, turning a closed pipe into an error `main` treats as success.
-/// Inside [`capture_output`] it collects instead.
 pub fn emit(s: &str) -> anyhow::Result<()> {
-    if CAPTURED.with(|c| c.borrow_mut().as_mut().map(|buf| buf.push_str(s)).is_some()) {
-        return Ok(());
-    }
     let mut out = std::io::stdout().lock();
     out.write_all(s.as_bytes())?;
     out.flush()?;
@@ -430,47 +287,4 @@ pub fn precision_parser() -> impl clap::builder::TypedValueParser<Value = Precis
     use clap::builder::TypedValueParser;
     clap::builder::PossibleValuesParser::new(Precision::ALL.map(|p| p.name()))
         .map(|s| s.parse::<Precision>().expect("one of the possible values"))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn index_lists() {
-        assert_eq!(
-            parse_index_list("0-3", 14, "head").unwrap(),
-            vec![0, 1, 2, 3]
-        );
-        assert_eq!(
-            parse_index_list("0,12,23", 24, "layer").unwrap(),
-            vec![0, 12, 23]
-        );
-        assert_eq!(parse_index_list("all", 3, "head").unwrap(), vec![0, 1, 2]);
-        let e = parse_index_list("0-14", 14, "head")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("head 14 is out of range") && e.contains("0..=13"),
-            "{e}"
-        );
-        assert!(parse_index_list("x", 3, "layer").is_err());
-    }
-
-    #[test]
-    fn write_new_file_refuses_to_overwrite() {
-        let d = tempfile::tempdir().unwrap();
-        let p = d.path().join("a.bin");
-        write_new_file(&p, b"one", false).unwrap();
-        let e = write_new_file(&p, b"two", false).unwrap_err();
-        assert!(format!("{e:#}").contains("--force"));
-        assert_eq!(std::fs::read(&p).unwrap(), b"one");
-        write_new_file(&p, b"two", true).unwrap();
-        assert_eq!(std::fs::read(&p).unwrap(), b"two");
-        assert_eq!(
-            std::fs::read_dir(d.path()).unwrap().count(),
-            1,
-            "no temporary file left behind"
-        );
-    }
 }

@@ -1,12 +1,14 @@
 //! `attnscope compare`: two texts, two models or two precisions side by side.
 
-use super::common::{check_index, emit, usage, write_new_file, LESSON_SENTENCE};
-use crate::analysis::compare::{compare, run_side, CompareReport};
+use super::common::{emit, usage, write_new_file, LESSON_SENTENCE};
+use crate::analysis::compare::{
+    compare_runs, text_label, CompareOptions, CompareReport, Mode, SideInput,
+};
 use crate::model::fetch::DEFAULT_MODEL;
 use crate::model::tokenize::visible;
 use crate::model::{Model, Precision};
+use crate::render::compare_page::page;
 use crate::render::table::{bar, title, Align, Table};
-use anyhow::Context;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -48,11 +50,6 @@ pub struct Args {
     force: bool,
 }
 
-/// One side to run: the model, the text, and the label that says what differs.
-type SideSpec = (Arc<Model>, String, String);
-
-const TEMPLATE: &str = include_str!("../../assets/compare.html");
-
 fn load(spec: &str, precision: Precision, no_bos: bool) -> anyhow::Result<Arc<Model>> {
     super::common::ModelArgs {
         model: spec.to_string(),
@@ -64,19 +61,13 @@ fn load(spec: &str, precision: Precision, no_bos: bool) -> anyhow::Result<Arc<Mo
     .load()
 }
 
-fn short(text: &str) -> String {
-    let t: String = text.chars().take(60).collect();
-    if t.len() < text.len() {
-        format!("{t}…")
-    } else {
-        t
-    }
-}
-
 pub fn run(a: Args) -> anyhow::Result<()> {
-    if a.top == 0 {
-        return Err(usage("--top must be at least 1"));
-    }
+    let opts = CompareOptions {
+        query: a.query,
+        top: a.top,
+        bos: a.bos,
+    };
+    opts.check()?;
     let mut texts = a.text.clone();
     for f in &a.file {
         let bytes = std::fs::read(f)
@@ -111,110 +102,41 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             precisions.len()
         )));
     }
-    let (mode, sides): (&str, Vec<SideSpec>) = if texts.len() == 2 {
+    // the two sides: (model, its name, text, label)
+    let side = |spec: &String, p: Precision, text: &String, label: String| -> anyhow::Result<_> {
+        Ok((load(spec, p, a.no_bos)?, spec.clone(), text.clone(), label))
+    };
+    let (mode, sides) = if texts.len() == 2 {
         let m = load(&models[0], precisions[0], a.no_bos)?;
-        (
-            "texts",
-            texts
-                .iter()
-                .map(|t| (m.clone(), t.clone(), format!("text \"{}\"", short(t))))
-                .collect(),
-        )
+        let side = |t: &String| (m.clone(), models[0].clone(), t.clone(), text_label(t));
+        (Mode::Texts, vec![side(&texts[0]), side(&texts[1])])
     } else if models.len() == 2 {
+        let label = |s: &String| format!("model {s}");
+        let (m0, m1) = (&models[0], &models[1]);
+        let first = side(m0, precisions[0], &texts[0], label(m0))?;
         (
-            "models",
-            models
-                .iter()
-                .map(|s| {
-                    Ok((
-                        load(s, precisions[0], a.no_bos)?,
-                        texts[0].clone(),
-                        format!("model {s}"),
-                    ))
-                })
-                .collect::<anyhow::Result<_>>()?,
+            Mode::Models,
+            vec![first, side(m1, precisions[0], &texts[0], label(m1))?],
         )
     } else {
-        if models[0].starts_with("loaded:") {
-            return Err(usage(format!(
-                "`{}` is a model already loaded in this process, with one precision; to compare two precisions name the model by its file or alias, or load it twice and compare the two models",
-                models[0]
-            )));
-        }
+        let label = |p: Precision| format!("precision {}", p.name());
+        let (p0, p1) = (precisions[0], precisions[1]);
+        let first = side(&models[0], p0, &texts[0], label(p0))?;
         (
-            "precisions",
-            precisions
-                .iter()
-                .map(|&p| {
-                    Ok((
-                        load(&models[0], p, a.no_bos)?,
-                        texts[0].clone(),
-                        format!("precision {}", p.name()),
-                    ))
-                })
-                .collect::<anyhow::Result<_>>()?,
+            Mode::Precisions,
+            vec![first, side(&models[0], p1, &texts[0], label(p1))?],
         )
     };
-    let (ma, mb) = (&sides[0].0, &sides[1].0);
-    let tokens: Vec<Vec<u32>> = sides
-        .iter()
-        .map(|(m, t, _)| m.encode(t, a.bos))
-        .collect::<Result<_, _>>()?;
-    if mode == "models" && tokens[0] != tokens[1] {
-        let at = tokens[0]
-            .iter()
-            .zip(&tokens[1])
-            .take_while(|(x, y)| x == y)
-            .count();
-        let piece = |m: &Model, t: &[u32]| {
-            t.get(at)
-                .map(|&id| format!("{id} {:?}", m.tokenizer.token_text(id)))
-                .unwrap_or_else(|| "(end)".into())
-        };
-        return Err(usage(format!(
-            "the two models' tokenizers split the text differently ({}: {} tokens, {}: {} tokens; first difference at position {at}: {} vs {}): compare needs the same tokens on both sides; use two models that share a tokenizer",
-            models[0],
-            tokens[0].len(),
-            models[1],
-            tokens[1].len(),
-            piece(ma, &tokens[0]),
-            piece(mb, &tokens[1])
-        )));
-    }
-    if mode == "models" {
-        let (da, db) = (&ma.dims, &mb.dims);
-        if (da.n_layers, da.n_heads) != (db.n_layers, db.n_heads) {
-            return Err(usage(format!(
-                "the two models have different shapes ({}: {} layers × {} heads; {}: {} layers × {} heads): compare matches layers and heads one to one, so they must agree",
-                models[0], da.n_layers, da.n_heads, models[1], db.n_layers, db.n_heads
-            )));
+    let input = |i: usize| {
+        let (m, name, text, label) = &sides[i];
+        SideInput {
+            model: m,
+            name,
+            text,
+            label: label.clone(),
         }
-    }
-    let queries: Vec<usize> = tokens
-        .iter()
-        .map(|t| match a.query {
-            Some(q) => check_index(q, t.len(), "query position"),
-            None => Ok(t.len() - 1),
-        })
-        .collect::<anyhow::Result<_>>()?;
-    let mut run_sides = Vec::new();
-    for (i, (m, _, label)) in sides.iter().enumerate() {
-        run_sides.push(
-            run_side(m, &tokens[i], queries[i], label.clone())
-                .with_context(|| format!("running side {}", ["A", "B"][i]))?,
-        );
-    }
-    let b = run_sides.pop().expect("two sides");
-    let a_side = run_sides.pop().expect("two sides");
-    let mut report = compare(mode, a_side, b, a.top);
-    if mode == "texts" && ma.is_encoder() {
-        use crate::analysis::enc_target::{cosine, EncoderTarget};
-        let e = EncoderTarget::Embedding;
-        report.embedding_cosine = Some(cosine(
-            &e.vector(ma, &tokens[0])?,
-            &e.vector(mb, &tokens[1])?,
-        ));
-    }
+    };
+    let report = compare_runs(mode, [input(0), input(1)], &opts)?;
     if let Some(path) = &a.html {
         write_new_file(path, page(&report).as_bytes(), a.force)?;
         eprintln!("wrote {}", path.display());
@@ -228,30 +150,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         return emit(&format!("{}\n", serde_json::to_string_pretty(&v)?));
     }
     emit(&render(&report))
-}
-
-/// The compare page: both sides' data inline, no network.
-pub fn page(r: &CompareReport) -> String {
-    let round = |rows: &Vec<Vec<Vec<f32>>>| -> serde_json::Value {
-        serde_json::to_value(
-            rows.iter()
-                .map(|l| {
-                    l.iter()
-                        .map(|h| h.iter().map(|&x| (x * 1e5).round() / 1e5).collect())
-                        .collect()
-                })
-                .collect::<Vec<Vec<Vec<f32>>>>(),
-        )
-        .expect("rows serialize")
-    };
-    let mut v = serde_json::to_value(r).expect("report serializes");
-    v["a"]["rows"] = round(&r.a.rows);
-    v["b"]["rows"] = round(&r.b.rows);
-    let json = v.to_string().replace('<', "\\u003c");
-    TEMPLATE.replace("/*ATTNSCOPE_DATA*/null", &json).replace(
-        "<!--TITLE-->",
-        &crate::render::html::html_escape(&format!("attnscope compare: {}", r.mode)),
-    )
 }
 
 fn render(r: &CompareReport) -> String {

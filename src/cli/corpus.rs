@@ -1,14 +1,12 @@
 //! `attnscope corpus`: sink and head statistics over many texts, shardable and resumable;
 //! `attnscope corpus merge` combines shards.
 
-use super::common::{emit, usage, ModelArgs};
-use crate::analysis::corpus::{
-    aggregate, builtin, parse_lines, read_record_files, read_records, text_records, Aggregate,
-    Record, BATCH_TEXTS,
+use super::common::{emit, progress_bar, ModelArgs};
+use crate::analysis::corpus::Aggregate;
+use crate::analysis::corpus_run::{
+    load_texts, merge_files, parse_shard, run_corpus, CorpusAggregate, CorpusRequest,
 };
 use crate::render::table::{bar, sparkline, title, Align, Table};
-use anyhow::Context;
-use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
@@ -58,71 +56,6 @@ enum Sub {
     },
 }
 
-/// The texts of `--file` (or the built-in corpus) with the ids `corpus` gives them, and a name
-/// for the source.
-pub fn load_texts(file: &Option<PathBuf>) -> anyhow::Result<(Vec<String>, String)> {
-    let Some(f) = file else {
-        return Ok((builtin(), "the built-in corpus".into()));
-    };
-    let bytes =
-        std::fs::read(f).map_err(|e| usage(format!("cannot read --file {}: {e}", f.display())))?;
-    let text = String::from_utf8(bytes).map_err(|e| {
-        usage(format!(
-            "{} is not valid UTF-8 (first bad byte at offset {})",
-            f.display(),
-            e.utf8_error().valid_up_to()
-        ))
-    })?;
-    let texts = if f.extension().is_some_and(|e| e == "jsonl") {
-        text.lines()
-            .enumerate()
-            .filter(|(_, l)| !l.trim().is_empty())
-            .map(|(i, l)| {
-                let v: serde_json::Value = serde_json::from_str(l)
-                    .map_err(|e| usage(format!("{}:{}: not JSON: {e}", f.display(), i + 1)))?;
-                match v {
-                    serde_json::Value::String(s) => Ok(s),
-                    serde_json::Value::Object(o) => o
-                        .get("text")
-                        .and_then(|t| t.as_str())
-                        .map(String::from)
-                        .ok_or_else(|| {
-                            usage(format!("{}:{}: no \"text\" field", f.display(), i + 1))
-                        }),
-                    _ => Err(usage(format!(
-                        "{}:{}: expected a string or an object with \"text\"",
-                        f.display(),
-                        i + 1
-                    ))),
-                }
-            })
-            .collect::<anyhow::Result<Vec<_>>>()?
-    } else {
-        parse_lines(&text, false)
-    };
-    if texts.is_empty() {
-        return Err(usage(format!("{} holds no texts", f.display())));
-    }
-    Ok((texts, f.display().to_string()))
-}
-
-fn parse_shard(s: &str) -> anyhow::Result<(usize, usize)> {
-    let bad = || {
-        usage(format!(
-            "--shard {s} is not of the form i/n with 0 <= i < n, e.g. 0/4"
-        ))
-    };
-    let (i, n) = s.split_once('/').ok_or_else(bad)?;
-    let (i, n): (usize, usize) = (
-        i.trim().parse().map_err(|_| bad())?,
-        n.trim().parse().map_err(|_| bad())?,
-    );
-    if n == 0 || i >= n {
-        return Err(bad());
-    }
-    Ok((i, n))
-}
-
 pub fn run(a: Args) -> anyhow::Result<()> {
     if let Some(Sub::Merge {
         files,
@@ -130,123 +63,53 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         json,
     }) = a.cmd
     {
-        let mut texts = Vec::new();
-        for f in &files {
-            let text = std::fs::read_to_string(f)
-                .map_err(|e| usage(format!("cannot read {}: {e}", f.display())))?;
-            texts.push((text, f.display().to_string()));
-        }
-        let encoders = texts
-            .iter()
-            .filter(|(t, _)| crate::analysis::corpus_encoder::is_encoder_file(t))
-            .count();
-        if encoders == texts.len() {
-            return super::corpus_encoder::merge(&texts, json);
-        }
-        if encoders > 0 {
-            return Err(usage(format!(
-                "{encoders} of the {} record files hold an encoder's records and the others a decoder's; merge the records of one model at a time",
-                texts.len()
-            )));
-        }
-        let records = read_record_files(&texts).map_err(usage)?;
-        let agg = aggregate(&records, epsilon).map_err(usage)?;
-        let source = format!("{} record files", files.len());
-        return emit(&if json {
-            format!("{}\n", serde_json::to_string_pretty(&agg)?)
-        } else {
-            render(&agg, &source)
-        });
+        let agg = merge_files(&files, epsilon)?;
+        return print(&agg, &format!("{} record files", files.len()), json);
     }
     // clap leaves the flattened model arguments out when none is given
     let model_args = a.model.clone().unwrap_or_default();
-    let (texts, source) = load_texts(&a.file)?;
-    let (si, sn) = match &a.shard {
-        Some(s) => parse_shard(s)?,
-        None => (0, 1),
+    let (texts, source) = load_texts(a.file.as_deref())?;
+    let req = CorpusRequest {
+        limit: a.limit,
+        shard: match &a.shard {
+            Some(s) => parse_shard(s)?,
+            None => (0, 1),
+        },
+        out: a.out.clone(),
+        faithfulness: a.faithfulness,
+        epsilon: a.epsilon,
+        bos: model_args.bos,
     };
-    let selected: Vec<usize> = (0..texts.len().min(a.limit.unwrap_or(usize::MAX)))
-        .filter(|i| i % sn == si)
-        .collect();
     let model = model_args.load()?;
-    if model.is_encoder() {
-        if a.faithfulness {
-            return Err(usage(format!("--faithfulness ranks tokens against a next token's probability; {} is an encoder (no next-token prediction)", model.info.name)));
-        }
-        let shard = if sn > 1 {
-            format!(", shard {si}/{sn}")
-        } else {
-            String::new()
-        };
-        return super::corpus_encoder::run(
-            &model,
-            &texts,
-            &selected,
-            a.out.as_deref(),
-            &format!("{source}{shard}"),
-            a.json,
-        );
-    }
-    let (mut records, mut out_file) = resume::<Record>(
-        a.out.as_deref(),
-        &model.info.name,
+    let bar = progress_bar("texts [{bar:30}] {pos}/{len} ({eta} left)");
+    let outcome = run_corpus(
+        &model,
         &texts,
         &source,
-        &|t, name| read_records(t, name),
-        &|r| (r.model.as_str(), r.id, r.text.as_str()),
-    )?;
-    let todo: Vec<usize> = selected
-        .iter()
-        .copied()
-        .filter(|i| !records.iter().any(|r| r.id == *i))
-        .collect();
-    let bar_ = if std::io::stderr().is_terminal() {
-        indicatif::ProgressBar::new(todo.len() as u64)
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
-    bar_.set_style(
-        indicatif::ProgressStyle::with_template("texts [{bar:30}] {pos}/{len} ({eta} left)")
-            .expect("valid template")
-            .progress_chars("=> "),
+        &req,
+        &mut |note| eprintln!("attnscope: {note}"),
+        &mut |done, total| {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64);
+        },
     );
-    let mut skipped = Vec::new();
-    // many texts to a forward (`text_records`), their records written as each chunk ends
-    for chunk in todo.chunks(BATCH_TEXTS) {
-        let items: Vec<(usize, &str)> = chunk.iter().map(|&i| (i, texts[i].as_str())).collect();
-        let recs = text_records(&model, &items, model_args.bos, a.faithfulness, |_| {})?;
-        for (&i, rec) in chunk.iter().zip(recs) {
-            let rec = match rec {
-                Ok(r) => r,
-                Err(e) => {
-                    skipped.push(format!("text {i}: {e}"));
-                    bar_.inc(1);
-                    continue;
-                }
-            };
-            if let Some(f) = out_file.as_mut() {
-                writeln!(f, "{}", serde_json::to_string(&rec)?).context("appending to --out")?;
-                f.flush()?;
-            }
-            records.push(rec);
-            bar_.inc(1);
-        }
-    }
-    bar_.finish_and_clear();
-    for s in &skipped {
+    bar.finish_and_clear();
+    let outcome = outcome?;
+    for s in &outcome.skipped {
         eprintln!("attnscope: skipped {s}");
     }
-    let agg = aggregate(&records, a.epsilon).map_err(usage)?;
-    let shard = if sn > 1 {
-        format!(", shard {si}/{sn}")
-    } else {
-        String::new()
-    };
-    let source = format!("{source}{shard}");
-    emit(&if a.json {
-        format!("{}\n", serde_json::to_string_pretty(&agg)?)
-    } else {
-        render(&agg, &source)
+    let source = format!("{source}{}", req.shard_suffix());
+    print(&outcome.aggregate, &source, a.json)
+}
+
+/// The aggregate as JSON (`--json`) or as tables.
+fn print(agg: &CorpusAggregate, source: &str, json: bool) -> anyhow::Result<()> {
+    if json {
+        return emit(&format!("{}\n", serde_json::to_string_pretty(agg)?));
+    }
+    emit(&match agg {
+        CorpusAggregate::Decoder(a) => render(a, source),
+        CorpusAggregate::Encoder(a) => super::corpus_encoder::render(a, source),
     })
 }
 
@@ -366,70 +229,4 @@ fn render(a: &Aggregate, source: &str) -> String {
         s += &t.render();
     }
     s
-}
-
-/// `--out`'s records so far and the file opened for appending (none without `--out`): a torn last
-/// line (a run killed while appending: no newline, not a whole record) is dropped and its text runs
-/// again; a whole record whose newline was never written gets it. Records of another model, or of
-/// a text that is not the same text here, are refused: the file belongs to another run.
-/// `parse(text, name)` reads a file's records, `meta(r)` gives a record's (model, id, text).
-#[allow(clippy::type_complexity)]
-pub(super) fn resume<R: serde::de::DeserializeOwned>(
-    out: Option<&std::path::Path>,
-    model_name: &str,
-    texts: &[String],
-    source: &str,
-    parse: &dyn Fn(&str, &str) -> Result<Vec<R>, String>,
-    meta: &dyn Fn(&R) -> (&str, usize, &str),
-) -> anyhow::Result<(Vec<R>, Option<std::fs::File>)> {
-    let Some(path) = out else {
-        return Ok((Vec::new(), None));
-    };
-    let mut records = Vec::new();
-    if path.exists() {
-        let mut text =
-            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        if !text.is_empty() && !text.ends_with('\n') {
-            let start = text.rfind('\n').map_or(0, |i| i + 1);
-            let last = &text[start..];
-            let complete = serde_json::from_str::<R>(last).is_ok();
-            // only a fragment of one of our records is dropped, and only below records that
-            // read back: another kind of file is refused by `parse` below, untouched
-            if !complete && last.starts_with("{\"id\":") && parse(&text[..start], "").is_ok() {
-                eprintln!("attnscope: {} ends in a torn line ({} bytes, written when a run was stopped); dropping it, its text runs again", path.display(), last.len());
-                std::fs::OpenOptions::new()
-                    .write(true)
-                    .open(path)
-                    .and_then(|f| f.set_len(start as u64))
-                    .with_context(|| format!("dropping the torn line of {}", path.display()))?;
-                text.truncate(start);
-            } else if complete {
-                // a whole record whose newline was never written: end its line before appending
-                std::fs::OpenOptions::new()
-                    .append(true)
-                    .open(path)
-                    .and_then(|mut f| f.write_all(b"\n"))
-                    .with_context(|| format!("appending to {}", path.display()))?;
-            }
-        }
-        records = parse(&text, &path.display().to_string()).map_err(usage)?;
-        for r in &records {
-            let (model, id, t) = meta(r);
-            if model != model_name {
-                return Err(usage(format!(
-                    "{} holds records of model `{model}`, not `{model_name}`; use another --out",
-                    path.display()
-                )));
-            }
-            if texts.get(id).map(String::as_str) != Some(t) {
-                return Err(usage(format!("{} holds record {id} for a text that is not text {id} of {source}; use another --out", path.display())));
-            }
-        }
-    }
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .with_context(|| format!("opening {}", path.display()))?;
-    Ok((records, Some(file)))
 }

@@ -1,8 +1,10 @@
 //! `attnscope faithfulness`: attention rankings against what occluding each token does.
 
-use super::common::{emit, progress_bar, ModelArgs, TextArgs};
+use super::common::{ModelArgs, TextArgs};
+use super::scoring::{run_scored, ScoringArgs};
+use crate::analysis::enc_faith::EncFaithReport;
 use crate::analysis::faithfulness::{
-    run as run_faith, FaithOptions, FaithReport, MetricRow, Target, TokenRow,
+    faithfulness, FaithReport, FaithRequest, Faithfulness, MetricRow, Target, TokenRow,
 };
 use crate::model::tokenize::visible;
 use crate::render::table::{title, Align, Table};
@@ -32,11 +34,8 @@ pub struct Args {
     /// encoder, whose backward attnscope does not have: `all` or `fast` are refused there).
     #[arg(long, value_enum)]
     gradients: Option<Gradients>,
-    /// Integrated gradients' midpoints (1..=4096; each a forward and a backward).
-    #[arg(long, default_value_t = 32)]
-    steps: usize,
-    #[arg(long)]
-    json: bool,
+    #[command(flatten)]
+    scoring: ScoringArgs,
 }
 
 /// Which gradient-based rankings `faithfulness` adds to the table.
@@ -51,71 +50,47 @@ pub enum Gradients {
     None,
 }
 
-pub fn run(a: Args) -> anyhow::Result<()> {
-    crate::analysis::attribute::check_steps(a.steps)?;
-    let model = a.model.load()?;
-    let tokens = a.text.tokens(&model, a.model.bos)?;
-    let bar = progress_bar("forward passes [{bar:30}] {pos}/{len} ({eta})");
-    if model.is_encoder() {
-        return run_encoder(&model, &tokens, &a, &bar);
+impl From<Gradients> for crate::analysis::faithfulness::Gradients {
+    fn from(g: Gradients) -> Self {
+        match g {
+            Gradients::All => Self::All,
+            Gradients::Fast => Self::Fast,
+            Gradients::None => Self::None,
+        }
     }
-    let gradients = a.gradients.unwrap_or(Gradients::All);
-    let opts = FaithOptions {
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    let req = FaithRequest {
         target: a.target,
         replacement: a.replace_with,
         seed: a.seed,
-        gradients: gradients != Gradients::None,
-        ig_steps: if gradients == Gradients::All {
-            a.steps
-        } else {
-            0
-        },
+        gradients: a.gradients.map(Into::into),
+        steps: a.scoring.steps,
     };
-    let report = run_faith(&model, &tokens, &opts, |done, total| {
-        bar.set_length(total as u64);
-        bar.set_position(done as u64);
-    })?;
-    bar.finish_and_clear();
-    if a.json {
-        return emit(&format!("{}\n", serde_json::to_string_pretty(&report)?));
-    }
-    emit(&render(&report))
+    run_scored(
+        &a.model,
+        &a.text,
+        &a.scoring,
+        "forward passes",
+        |model, tokens, tick| Ok(faithfulness(model, tokens, &req, tick)?),
+        |r| match r {
+            Faithfulness::Decoder(r) => render(r),
+            Faithfulness::Encoder(r) => render_encoder(r),
+        },
+    )
 }
 
-/// `faithfulness` on an encoder: the forward-only rankings against deletion of the sentence
-/// embedding or the [CLS] vector.
-fn run_encoder(
-    model: &crate::model::Model,
-    tokens: &[u32],
-    a: &Args,
-    bar: &indicatif::ProgressBar,
-) -> anyhow::Result<()> {
-    use crate::analysis::enc_faith;
-    use crate::analysis::enc_target::EncoderTarget;
-    if let Some(g @ (Gradients::All | Gradients::Fast)) = a.gradients {
-        return Err(crate::model::Error::NotApplicable(format!(
-            "--gradients {} is not available on an encoder ({}): attnscope's backward is decoder-only (it differentiates a next-token log-probability); use --gradients none, or leave it out",
-            if g == Gradients::All { "all" } else { "fast" },
-            model.info.name
-        ))
-        .into());
-    }
-    let target = EncoderTarget::of(model, &a.target)?;
-    let r = enc_faith::run(model, tokens, target, a.seed, &mut |done, total| {
-        bar.set_length(total as u64);
-        bar.set_position(done as u64);
-    })?;
-    bar.finish_and_clear();
-    if a.json {
-        return emit(&format!("{}\n", serde_json::to_string_pretty(&r)?));
-    }
+/// `faithfulness` on an encoder, as text: the forward-only rankings against deletion of the
+/// sentence embedding or the [CLS] vector.
+fn render_encoder(r: &EncFaithReport) -> String {
     let mut s = title(&format!(
         "Faithfulness on an encoder: {} ({} precision)",
         r.model, r.precision
     ));
     s += &format!(
         "target: the {} vector; truth: 1 − cos(v(text without the token), v(text)); {} forward passes\n\n",
-        target.name(),
+        r.encoder_target.name(),
         r.forward_passes
     );
     let mut t = Table::new([
@@ -151,7 +126,7 @@ fn run_encoder(
     }
     s += &t.render();
     s += &format!("\n{}\n", r.conclusion);
-    emit(&s)
+    s
 }
 
 fn f(x: Option<f64>) -> String {

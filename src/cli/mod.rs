@@ -11,7 +11,7 @@ mod cache;
 mod capture;
 pub mod common;
 mod compare;
-pub mod corpus;
+mod corpus;
 mod corpus_encoder;
 mod cost;
 mod dla;
@@ -21,9 +21,10 @@ mod faithfulness;
 mod generate;
 pub mod heads;
 mod info;
-pub mod inspect;
+mod inspect;
 mod patch;
 mod scaling;
+mod scoring;
 mod serve;
 mod sinks;
 pub mod view;
@@ -31,6 +32,7 @@ pub mod view;
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
+pub use crate::analysis::request::is_bad_input;
 pub use common::{parse_index_list, write_new_file};
 
 /// attnscope: compute, see and measure the attention inside real language models.
@@ -147,25 +149,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(a) => bench::run(a),
         Command::Cache(a) => cache::run(a),
     }
-}
-
-/// Runs one command in this process, as `attnscope ARGS...` would, and returns what it would
-/// print on standard output (the Python package runs the commands this way, with `--json`).
-/// A usage error from the argument parser comes back as a [`common::UsageError`].
-pub fn run_captured<S: AsRef<str>>(args: &[S]) -> anyhow::Result<String> {
-    let argv = std::iter::once("attnscope").chain(args.iter().map(|a| a.as_ref()));
-    let cli = Cli::try_parse_from(argv).map_err(|e| common::usage(e.render().to_string()))?;
-    let (r, out) = common::capture_output(|| run(cli));
-    r.map(|()| out)
-}
-
-/// Whether an error was caused by the user's input (exit 2) rather than by the program.
-pub fn is_bad_input(err: &anyhow::Error) -> bool {
-    err.chain().any(|c| {
-        c.downcast_ref::<crate::model::Error>()
-            .is_some_and(|e| e.is_bad_input())
-            || c.downcast_ref::<common::UsageError>().is_some()
-    })
 }
 
 fn is_broken_pipe(err: &anyhow::Error) -> bool {

@@ -3,11 +3,10 @@
 //! - [`Model`]: load, tokenize, and `run` a forward that captures exactly the (layer, hook) pairs
 //!   asked for, handing each tensor to numpy without a copy (the Rust buffer becomes the
 //!   array's memory);
-//! - the analyses as typed calls on [`Model`] (`inspect`, `ablate`, `patch`, `heads`, `sinks`, `attribute`,
-//!   ...), their reports handed to Python as objects ([`to_object`]);
-//! - [`run_command`]: any `attnscope` subcommand in this process (`--json`), on a loaded model by
-//!   its registered name, returning what the command prints (what has no typed call yet:
-//!   `faithfulness`, `compare`, `capture`, `corpus`);
+//! - the analyses as typed calls on [`Model`] (`inspect`, `faithfulness`, `ablate`, `patch`,
+//!   `heads`, `sinks`, `compare`, `capture`, `corpus`, `attribute`, ...) and [`corpus_merge`]: the
+//!   library's own functions, their reports handed to Python as objects ([`to_object`]), never
+//!   through command-line arguments or JSON text;
 //! - [`view_page`] / [`pattern_page`]: the HTML page of `attnscope view`.
 //!
 //! The GIL is released while the engine runs, Python's signal handlers are asked between layers
@@ -48,7 +47,7 @@ fn to_py(e: anyhow::Error) -> PyErr {
             }
         }
     }
-    if attnscope::cli::is_bad_input(&e) {
+    if attnscope::analysis::request::is_bad_input(&e) {
         PyValueError::new_err(msg)
     } else {
         PyRuntimeError::new_err(msg)
@@ -128,20 +127,7 @@ impl Observer for Wanted {
     fn wants(&self, layer: usize, hook: Hook) -> bool {
         self.pairs.contains(&(layer, hook))
     }
-    fn tensor(&mut self, layer: usize, hook: Hook, shape: &[usize], data: &[f32]) {
-        self.cache.tensor(layer, hook, shape, data)
-    }
-    fn attention_block(
-        &mut self,
-        layer: usize,
-        hook: Hook,
-        q_start: usize,
-        shape: [usize; 3],
-        data: &[f32],
-    ) {
-        self.cache
-            .attention_block(layer, hook, q_start, shape, data)
-    }
+    attnscope::delegate_observer!(cache: tensor, attention_block);
     fn pattern_rows(
         &mut self,
         layer: usize,
@@ -223,9 +209,8 @@ fn hook_by_suffix(s: &str) -> Option<Hook> {
 #[pyclass(frozen, module = "attnscope._native")]
 struct Model {
     inner: Arc<attnscope::model::Model>,
-    /// its name for `run_command`'s `--model`
-    #[pyo3(get)]
-    registered: String,
+    /// what it was loaded from (an alias, a path, a hub id): its name in `compare`'s labels
+    spec: String,
 }
 
 #[pymethods]
@@ -259,9 +244,10 @@ impl Model {
             })
             .transpose()?;
         let spec = spec.to_string();
+        let from = spec.clone();
         let mut model = engine(py, move || {
             Ok(attnscope::model::Model::load_memory(
-                &spec, precision, memory, false,
+                &from, precision, memory, false,
             )?)
         })?;
         if let Some(b) = add_bos {
@@ -270,9 +256,10 @@ impl Model {
                 .set_add_bos(b)
                 .map_err(|e| PyValueError::new_err(format!("default_prepend_bos={b}: {e}")))?;
         }
-        let inner = Arc::new(model);
-        let registered = attnscope::cli::common::register_model(&inner);
-        Ok(Model { inner, registered })
+        Ok(Model {
+            inner: Arc::new(model),
+            spec,
+        })
     }
 
     /// The model's facts as JSON (`attnscope info --json`'s `model` part).
@@ -770,7 +757,7 @@ impl Model {
         concentrated: f32,
         bos: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let req = attnscope::cli::inspect::Request {
+        let req = attnscope::analysis::inspect::Request {
             query,
             layer,
             heads,
@@ -787,7 +774,7 @@ impl Model {
                 }
                 None => (m.encode(&text, bos)?, None, None),
             };
-            Ok(attnscope::cli::inspect::inspect(
+            Ok(attnscope::analysis::inspect::inspect(
                 &m,
                 &tokens,
                 types.as_deref(),
@@ -797,6 +784,202 @@ impl Model {
             .json(None)?)
         })?;
         to_object(py, &v)
+    }
+
+    /// Attention rankings against occlusion (`attnscope faithfulness`) of `text`, for `target`
+    /// (`next`, a token id or one token's text; an encoder's `embedding` or `cls`), with
+    /// `replace_with` (one token; default " ") as the replacement: the report as Python objects.
+    #[pyo3(signature = (text, target = None, replace_with = None, bos = false))]
+    fn faithfulness<'py>(
+        &self,
+        py: Python<'py>,
+        text: &str,
+        target: Option<String>,
+        replace_with: Option<String>,
+        bos: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        use attnscope::analysis::faithfulness::{faithfulness, FaithRequest};
+        let mut req = FaithRequest {
+            target: parse_target(target, "target")?.unwrap_or(Target::Next),
+            ..Default::default()
+        };
+        if let Some(r) = replace_with {
+            req.replacement = r;
+        }
+        let (m, text) = (self.inner.clone(), text.to_string());
+        let report = engine(py, move || {
+            let tokens = m.encode(&text, bos)?;
+            Ok(faithfulness(&m, &tokens, &req, &mut |_, _| {})?)
+        })?;
+        to_object(py, &report)
+    }
+
+    /// Two runs side by side (`attnscope compare`): `text` against `other_text` on this model,
+    /// or `text` on this model against `other`. The report as Python objects, each side's
+    /// `rows` a float32 array `[layers, heads, keys]`; `html` also writes the page (refusing
+    /// an existing file unless `force`).
+    #[pyo3(signature = (text, other_text = None, other = None, query = None, top = 10, html = None, force = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn compare<'py>(
+        &self,
+        py: Python<'py>,
+        text: String,
+        other_text: Option<String>,
+        other: Option<PyRef<'py, Model>>,
+        query: Option<i64>,
+        top: i64,
+        html: Option<std::path::PathBuf>,
+        force: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        use attnscope::analysis::compare::{
+            compare_runs, text_label, CompareOptions, Mode, SideInput,
+        };
+        let opts = CompareOptions {
+            query: query.map(|q| count(q, "query")).transpose()?,
+            top: match count(top, "top")? {
+                0 => return Err(PyValueError::new_err("top=0: list at least 1 head")),
+                t => t,
+            },
+            bos: false,
+        };
+        let (mode, (b, b_spec), other_text) =
+            match (other_text, other) {
+                (Some(t), None) => (Mode::Texts, (self.inner.clone(), self.spec.clone()), t),
+                (None, Some(o)) => (
+                    Mode::Models,
+                    (o.inner.clone(), o.spec.clone()),
+                    text.clone(),
+                ),
+                _ => return Err(PyValueError::new_err(
+                    "give other_text (two texts on this model) or other (a second model), not both",
+                )),
+            };
+        let sides = [
+            (self.inner.clone(), self.spec.clone(), text),
+            (b, b_spec, other_text),
+        ];
+        let report = engine(py, move || {
+            let [a, b] = sides.each_ref().map(|(m, name, text)| SideInput {
+                model: m,
+                name,
+                text,
+                label: match mode {
+                    Mode::Texts => text_label(text),
+                    _ => format!("model {name}"),
+                },
+            });
+            let report = compare_runs(mode, [a, b], &opts)?;
+            if let Some(path) = html {
+                let page = attnscope::render::compare_page::page(&report);
+                attnscope::render::write_new_file(&path, page.as_bytes(), force)?;
+            }
+            Ok(report)
+        })?;
+        let dict = to_object(py, &report)?;
+        for (k, side) in [("a", &report.a), ("b", &report.b)] {
+            let (l, h) = (side.rows.len(), side.rows.first().map_or(0, Vec::len));
+            let keys = side
+                .rows
+                .first()
+                .and_then(|r| r.first())
+                .map_or(0, Vec::len);
+            let flat: Vec<f32> = side.rows.iter().flatten().flatten().copied().collect();
+            let rows = PyArray1::from_vec(py, flat).reshape([l, h, keys])?;
+            dict.get_item(k)?.set_item("rows", rows)?;
+        }
+        Ok(dict)
+    }
+
+    /// Streams the captured tensors of `text` to `path` (`.safetensors` or `.npz`; `attnscope
+    /// capture`): `hooks`, `layers`, `heads` and `queries` as the CLI's flags take them;
+    /// refuses an existing file unless `force`. Returns the line the command prints.
+    #[pyo3(signature = (text, path, hooks = "pattern".to_string(), layers = "all".to_string(),
+                        heads = "all".to_string(), queries = "all".to_string(), force = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn capture(
+        &self,
+        py: Python<'_>,
+        text: String,
+        path: std::path::PathBuf,
+        hooks: String,
+        layers: String,
+        heads: String,
+        queries: String,
+        force: bool,
+    ) -> PyResult<String> {
+        use attnscope::render::capture::{capture, CaptureRequest};
+        let req = CaptureRequest {
+            hooks,
+            layers,
+            heads,
+            queries,
+            force,
+            ..CaptureRequest::new(path)
+        };
+        let m = self.inner.clone();
+        let report = engine(py, move || {
+            req.check()?;
+            let tokens = m.encode(&text, false)?;
+            let plan = req.plan(&m, tokens.len())?;
+            capture(&m, &tokens, None, &req, plan, &mut |_| {})
+        })?;
+        // the model was loaded before: no load time
+        Ok(report.message(0.0, report.seconds).trim_end().to_string())
+    }
+
+    /// Sink statistics over many texts (`attnscope corpus`): `texts` (a list) or the texts of
+    /// the file `path` (or of the built-in corpus), the first `limit`, shard `shard` (`i/n`),
+    /// records appended to `out` (and resumed from it); the aggregate as Python objects. What
+    /// the command says on standard error (a skipped text, a torn line dropped) goes there.
+    #[pyo3(signature = (texts = None, path = None, limit = None, shard = None, out = None,
+                        epsilon = 0.3, faithfulness = false, bos = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn corpus<'py>(
+        &self,
+        py: Python<'py>,
+        texts: Option<Vec<String>>,
+        path: Option<std::path::PathBuf>,
+        limit: Option<i64>,
+        shard: Option<String>,
+        out: Option<std::path::PathBuf>,
+        epsilon: f32,
+        faithfulness: bool,
+        bos: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        use attnscope::analysis::corpus_run::{load_texts, parse_shard, run_corpus, CorpusRequest};
+        let req = CorpusRequest {
+            limit: limit.map(|l| count(l, "limit")).transpose()?,
+            shard: match &shard {
+                Some(s) => parse_shard(s)
+                    .map_err(|e| PyValueError::new_err(format!("shard={s:?}: {e:#}")))?,
+                None => (0, 1),
+            },
+            out,
+            faithfulness,
+            epsilon,
+            bos,
+        };
+        if texts.as_ref().is_some_and(Vec::is_empty) {
+            return Err(PyValueError::new_err(
+                "texts: an empty list; give at least one text",
+            ));
+        }
+        if texts.is_some() && path.is_some() {
+            return Err(PyValueError::new_err("give texts or path, not both"));
+        }
+        let m = self.inner.clone();
+        let outcome = engine(py, move || {
+            let (texts, source) = match texts {
+                Some(t) => (t, "the given texts".to_string()),
+                None => load_texts(path.as_deref())?,
+            };
+            let note = &mut |n: &str| eprintln!("attnscope: {n}");
+            run_corpus(&m, &texts, &source, &req, note, &mut |_, _| {})
+        })?;
+        for s in &outcome.skipped {
+            eprintln!("attnscope: skipped {s}");
+        }
+        to_object(py, &outcome.aggregate)
     }
 
     /// Every head (and with `mlp` each MLP) ablated in turn (`attnscope ablate`): the report as
@@ -822,7 +1005,9 @@ impl Model {
             let tokens = m.encode(&text, bos)?;
             let positions = positions
                 .as_deref()
-                .map(|s| attnscope::cli::common::parse_index_list(s, tokens.len(), "position"))
+                .map(|s| {
+                    attnscope::analysis::request::parse_index_list(s, tokens.len(), "position")
+                })
                 .transpose()?;
             let opts = AblateOptions {
                 method,
@@ -921,7 +1106,7 @@ impl Model {
                     None,
                 ),
                 (Some(_), _, _) => {
-                    return Err(attnscope::cli::common::usage(
+                    return Err(attnscope::analysis::request::usage(
                         "give a text (or a pair) or random_repeat, not both",
                     ))
                 }
@@ -1155,6 +1340,11 @@ fn parse_target(t: Option<String>, what: &str) -> PyResult<Option<Target>> {
     .transpose()
 }
 
+/// A count or an index given from Python (an int): negative ones are refused, naming `what`.
+fn count(v: i64, what: &str) -> PyResult<usize> {
+    usize::try_from(v).map_err(|_| PyValueError::new_err(format!("{what}={v}: must be 0 or more")))
+}
+
 impl Model {
     fn check_ids(&self, ids: &[u32]) -> PyResult<()> {
         let v = self.inner.dims.vocab_size;
@@ -1167,11 +1357,24 @@ impl Model {
     }
 }
 
-/// Runs `attnscope ARGS...` in this process and returns what it prints (use `--json`). A model
-/// loaded by [`Model::load`] is reached by its `registered` name.
+/// `attnscope corpus merge`: the aggregate of the record files `files` (`corpus --out`'s), as
+/// Python objects.
 #[pyfunction]
-fn run_command(py: Python<'_>, args: Vec<String>) -> PyResult<String> {
-    engine(py, move || attnscope::cli::run_captured(&args))
+#[pyo3(signature = (files, epsilon = 0.3))]
+fn corpus_merge(
+    py: Python<'_>,
+    files: Vec<std::path::PathBuf>,
+    epsilon: f32,
+) -> PyResult<Bound<'_, PyAny>> {
+    if files.is_empty() {
+        return Err(PyValueError::new_err(
+            "files: an empty list; give at least one record file",
+        ));
+    }
+    let agg = engine(py, move || {
+        attnscope::analysis::corpus_run::merge_files(&files, epsilon)
+    })?;
+    to_object(py, &agg)
 }
 
 /// The `attnscope view` page for given patterns `[layers, heads, n, n]` and token texts; for a
@@ -1206,7 +1409,9 @@ fn pattern_page(
 #[pyfunction]
 #[pyo3(signature = (path = None))]
 fn corpus_texts(py: Python<'_>, path: Option<std::path::PathBuf>) -> PyResult<Vec<String>> {
-    engine(py, move || Ok(attnscope::cli::corpus::load_texts(&path)?.0))
+    engine(py, move || {
+        Ok(attnscope::analysis::corpus_run::load_texts(path.as_deref())?.0)
+    })
 }
 
 /// The hook names the engine knows, in order (TransformerLens's names).
@@ -1234,7 +1439,7 @@ fn full_hook_name(layer: usize, suffix: &str) -> PyResult<String> {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     attnscope::model::forward::set_interrupt_check(python_interrupted);
     m.add_class::<Model>()?;
-    m.add_function(wrap_pyfunction!(run_command, m)?)?;
+    m.add_function(wrap_pyfunction!(corpus_merge, m)?)?;
     m.add_function(wrap_pyfunction!(pattern_page, m)?)?;
     m.add_function(wrap_pyfunction!(hook_suffixes, m)?)?;
     m.add_function(wrap_pyfunction!(global_hooks, m)?)?;

@@ -209,6 +209,10 @@ def test_inspect_faithfulness_sinks_equal_the_cli(qwen, smol):
     g = json.loads((GOLDEN / "smol_faithfulness.json").read_text())
     assert f["target"]["token"] == " Paris" and abs(f["target"]["logprob"] - g["target_logprob"]) < 1e-4
     assert [t["id"] for t in f["tokens"]] == g["token_ids"]
+    cli = cli_json("faithfulness", "--model", "smollm2-135m", "--text", "The capital of France is", "--target", " Paris")
+    assert_same(f, cli)
+    with pytest.raises(ValueError, match="target"):
+        smol.faithfulness("The capital of France is", target=" Paris is")
     s = smol.sinks(max_tokens=256)
     assert s["n_tokens"] == 256 and len(s["layers"]) == 30 and s["model"]
     cli = cli_json("sinks", "--model", "smollm2-135m", "--max-tokens", "256")
@@ -223,6 +227,9 @@ def test_compare_and_norms(qwen, tmp_path):
     r = qwen.compare(SENTENCE, other_text=other, html=tmp_path / "cmp.html")
     want = np.load(GOLDEN / "qwen_transformers_attn_lastrow.npy")
     assert r["mode"] == "texts" and r["a"]["rows"].shape == want.shape
+    assert r["a"]["rows"].dtype == np.float32
+    cli = cli_json("compare", "--model", "qwen2.5-coder-0.5b", "--text", SENTENCE, "--text", other)
+    assert_same({**r, **{k: {**r[k], "rows": r[k]["rows"].tolist()} for k in ("a", "b")}}, cli)
     assert np.abs(r["a"]["rows"] - want).max() < 1e-4
     js = np.asarray(r["js"])
     assert js.shape == (24, 14) and (js >= 0).all() and (js <= 1).all() and js.max() > 1e-4
@@ -230,8 +237,13 @@ def test_compare_and_norms(qwen, tmp_path):
     # the same model against itself: nothing changes
     same = qwen.compare(SENTENCE, other=qwen)
     assert same["mode"] == "models" and np.asarray(same["js"]).max() == 0.0
+    assert same["a"]["label"] == same["b"]["label"] == "model qwen2.5-coder-0.5b"
     with pytest.raises(ValueError):
         qwen.compare(SENTENCE)
+    with pytest.raises(ValueError, match="top"):
+        qwen.compare(SENTENCE, other_text=other, top=0)
+    with pytest.raises(ValueError, match="query"):
+        qwen.compare(SENTENCE, other_text=other, query=100)
     # norm-based attention in inspect: per head α·‖W_O v‖ equals the golden numbers of transformers
     norms = np.load(GOLDEN / "qwen_norms_lastrow.npy")
     ins = qwen.inspect(SENTENCE, layer=23, heads="all", layers="0,23")
@@ -257,8 +269,20 @@ def test_heads_equal_the_cli(smol):
 
 
 def test_corpus_and_capture(smol, tmp_path):
-    agg = smol.corpus(["The cat sat on the mat.", "Hà Nội là thủ đô của Việt Nam."])
+    texts = ["The cat sat on the mat.", "Hà Nội là thủ đô của Việt Nam."]
+    agg = smol.corpus(texts)
     assert agg["sentences"] == 2 and len(agg["layers"]) == 30
+    (tmp_path / "texts.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    assert_same(agg, cli_json("corpus", "--model", "smollm2-135m", "--file", str(tmp_path / "texts.txt")))
+    # shards with record files, merged: the aggregate of one run
+    parts = [tmp_path / f"s{i}.jsonl" for i in (0, 1)]
+    for i, p in enumerate(parts):
+        smol.corpus(texts, shard=f"{i}/2", out=p)
+    assert_same(attnscope.corpus_merge(parts), agg)
+    with pytest.raises(ValueError, match="shard"):
+        smol.corpus(texts, shard="2/2")
+    with pytest.raises(ValueError, match="limit"):
+        smol.corpus(texts, limit=-1)
     out = tmp_path / "cap.npz"
     msg = smol.capture("the hat sat", out, layers="0,1")
     assert out.exists() and "wrote" in msg

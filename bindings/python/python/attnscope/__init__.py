@@ -404,10 +404,6 @@ class _Block:
         return f"Block({self.layer})"
 
 
-def _run_json(args: List[str]) -> Any:
-    return json.loads(_native.run_command(args))
-
-
 class HookedModel:
     """A language model whose attention can be captured, inspected and measured.
 
@@ -1179,13 +1175,6 @@ class HookedModel:
         return self._m.patch(clean, corrupt, hook, None if answer is None else str(answer),
                              None if wrong is None else str(wrong))
 
-    # everything the CLI computes, as plain Python objects (the CLI's --json)
-    def _cmd(self, sub: str, text: Optional[str], *args: str) -> Any:
-        argv = [sub, "--model", self._m.registered]
-        if text is not None:
-            argv += ["--text", text]
-        return _run_json(argv + list(args) + ["--json"])
-
     def inspect(self, text: Union[str, Tuple[str, str]], query: Optional[int] = None, layer: Optional[int] = None, heads: str = "0-3",
                 layers: Optional[str] = None, top: Optional[int] = None, concentrated: float = 0.9, bos: bool = False) -> Dict[str, Any]:
         """The lesson's tables for one query (``attnscope inspect --json``): per-head top tokens of a
@@ -1201,14 +1190,7 @@ class HookedModel:
 
     def faithfulness(self, text: str, target: Optional[str] = None, replace_with: Optional[str] = None, bos: bool = False) -> Dict[str, Any]:
         """Attention rankings against occlusion (``attnscope faithfulness --json``)."""
-        a: List[str] = []
-        if target is not None:
-            a += ["--target", target]
-        if replace_with is not None:
-            a += ["--replace-with", replace_with]
-        if bos:
-            a.append("--bos")
-        return self._cmd("faithfulness", text, *a)
+        return self._m.faithfulness(text, None if target is None else str(target), replace_with, bos)
 
     def sinks(self, text: Optional[str] = None, max_tokens: Optional[int] = None, key_block: int = 1024, top: int = 5,
               file: Optional[str] = None) -> Dict[str, Any]:
@@ -1246,30 +1228,16 @@ class HookedModel:
         arrays. ``html``: also write the side-by-side page."""
         if (other_text is None) == (other is None):
             raise ValueError("give other_text (two texts on this model) or other (a second model), not both")
-        argv = ["compare", "--model", self._m.registered]
+        o = None
         if other is not None:
-            argv += ["--model", other._m.registered if isinstance(other, HookedModel) else str(other), "--text", text]
-        else:
-            argv += ["--text", text, "--text", other_text]
-        argv += ["--top", str(top)]
-        if query is not None:
-            argv += ["--query", str(query)]
-        if html is not None:
-            argv += ["--html", os.fspath(html)] + (["--force"] if force else [])
-        r = _run_json(argv + ["--json"])
-        for side in ("a", "b"):
-            r[side]["rows"] = np.asarray(r[side]["rows"], dtype=np.float32)
-        return r
+            o = other._m if isinstance(other, HookedModel) else _native.Model.load(str(other))
+        return self._m.compare(text, other_text, o, query, top, None if html is None else os.fspath(html), force)
 
     def capture(self, text: str, path: Union[str, os.PathLike], hooks: str = "pattern", layers: str = "all", heads: str = "all",
                 queries: str = "all", force: bool = False) -> str:
         """Streams captured tensors to ``.safetensors`` or ``.npz`` (``attnscope capture``); returns
         what the command printed."""
-        argv = ["capture", "--model", self._m.registered, "--text", text, "--out", os.fspath(path), "--hooks", hooks,
-                "--layers", layers, "--heads", heads, "--queries", queries]
-        if force:
-            argv.append("--force")
-        return _native.run_command(argv).strip()
+        return self._m.capture(text, os.fspath(path), hooks, layers, heads, queries, force)
 
     def attribute(self, text: str, method: str = "grad-x-input", target: Optional[Union[str, int]] = None,
                   steps: int = 32, wrong: Optional[Union[str, int]] = None) -> Dict[str, Any]:
@@ -1336,29 +1304,14 @@ def corpus(texts: Optional[Union[str, os.PathLike, Sequence[str]]] = None, model
            epsilon: float = 0.3) -> Dict[str, Any]:
     """``attnscope corpus --json``: per-text sink records aggregated with confidence intervals.
     ``texts``: None (the built-in corpus), a .txt / .jsonl path, or a list of texts."""
-    name = model._m.registered if isinstance(model, HookedModel) else str(model)
-    argv = ["corpus", "--model", name, "--epsilon", str(epsilon), "--json"]
-    tmp = None
+    m = model._m if isinstance(model, HookedModel) else _native.Model.load(str(model))
+    out = None if out is None else os.fspath(out)
     if isinstance(texts, (list, tuple)):
-        import tempfile
-
-        with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False, encoding="utf-8") as f:
-            for t in texts:
-                f.write(json.dumps({"text": t}, ensure_ascii=False) + "\n")
-        tmp = f.name
-        argv += ["--file", tmp]
-    elif texts is not None:
-        argv += ["--file", os.fspath(texts)]
-    for flag, v in (("--limit", limit), ("--shard", shard), ("--out", out)):
-        if v is not None:
-            argv += [flag, os.fspath(v) if flag == "--out" else str(v)]
-    try:
-        return _run_json(argv)
-    finally:
-        if tmp:
-            os.unlink(tmp)
+        return m.corpus(texts=list(texts), limit=limit, shard=shard, out=out, epsilon=float(epsilon))
+    path = None if texts is None else os.fspath(texts)
+    return m.corpus(path=path, limit=limit, shard=shard, out=out, epsilon=float(epsilon))
 
 
 def corpus_merge(files: Sequence[Union[str, os.PathLike]], epsilon: float = 0.3) -> Dict[str, Any]:
     """``attnscope corpus merge --json``: the exact aggregate of record files from shards."""
-    return _run_json(["corpus", "merge", *[os.fspath(f) for f in files], "--epsilon", str(epsilon), "--json"])
+    return _native.corpus_merge([os.fspath(f) for f in files], float(epsilon))

@@ -10,7 +10,6 @@ __version__: str
 class Model:
     """A loaded model (weights in the engine's memory)."""
 
-    registered: str
     @staticmethod
     def load(spec: str, precision: str = "exact", add_bos: Optional[bool] = None,
              memory: Optional[str] = None) -> "Model":
@@ -67,6 +66,21 @@ class Model:
                 heads: str = "0-3", layers: Optional[str] = None, top: Optional[int] = None, concentrated: float = 0.9,
                 bos: bool = False) -> Dict[str, Any]:
         """``attnscope inspect --json``'s report as Python objects."""
+    def faithfulness(self, text: str, target: Optional[str] = None, replace_with: Optional[str] = None,
+                     bos: bool = False) -> Dict[str, Any]:
+        """``attnscope faithfulness --json``'s report as Python objects."""
+    def compare(self, text: str, other_text: Optional[str] = None, other: Optional["Model"] = None,
+                query: Optional[int] = None, top: int = 10, html: Optional[str] = None,
+                force: bool = False) -> Dict[str, Any]:
+        """``attnscope compare --json``'s report as Python objects; each side's ``rows`` a float32
+        array ``[layers, heads, keys]``."""
+    def capture(self, text: str, path: str, hooks: str = "pattern", layers: str = "all", heads: str = "all",
+                queries: str = "all", force: bool = False) -> str:
+        """Streams the captured tensors to ``path`` (``attnscope capture``); returns the line it prints."""
+    def corpus(self, texts: Optional[Sequence[str]] = None, path: Optional[str] = None, limit: Optional[int] = None,
+               shard: Optional[str] = None, out: Optional[str] = None, epsilon: float = 0.3,
+               faithfulness: bool = False, bos: bool = False) -> Dict[str, Any]:
+        """``attnscope corpus --json``'s aggregate as Python objects."""
     def ablate(self, text: str, method: str = "zero", target: Optional[str] = None, positions: Optional[str] = None,
                mlp: bool = False, bos: bool = False) -> Dict[str, Any]:
         """``attnscope ablate --json``'s report as Python objects."""
@@ -84,8 +98,8 @@ class Model:
         """The gradients of ``metric`` (target_logprob, loss, logit_diff) at the hook points ``names``:
         (target id, value, [(name + "_grad", shape, flat float32 array)])."""
 
-def run_command(args: Sequence[str]) -> str:
-    """Runs ``attnscope ARGS...`` in this process and returns what it prints."""
+def corpus_merge(files: Sequence[str], epsilon: float = 0.3) -> Dict[str, Any]:
+    """``attnscope corpus merge --json``'s aggregate of record files, as Python objects."""
 
 def pattern_page(patterns: npt.NDArray[np.float32], shape: Sequence[int], tokens: Sequence[str], title: str,
                  sentence_b_start: Optional[int] = None, pair: str = "all") -> str:

@@ -99,7 +99,7 @@ def _merge(records: Iterable[str], epsilon: float) -> Dict[str, Any]:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             for r in records:
                 f.write(r + "\n")
-        return json.loads(_native.run_command(["corpus", "merge", path, "--epsilon", repr(float(epsilon)), "--json"]))
+        return _native.corpus_merge([path], float(epsilon))
     finally:
         os.unlink(path)
 

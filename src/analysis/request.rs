@@ -1,0 +1,120 @@
+//! What a caller asked for, checked against the model and the text: index lists (`0-3`,
+//! `0,12,23`, `all`), single indices, and the error that says the request was wrong
+//! ([`UsageError`]: exit 2 from the CLI, `ValueError` in Python) rather than the program.
+
+/// A request that cannot be met as given (a value out of range, two options that exclude each
+/// other, a file that is not what it should be): the caller's mistake, exit 2.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct UsageError(pub String);
+
+/// A [`UsageError`] with this message.
+pub fn usage(msg: impl Into<String>) -> anyhow::Error {
+    anyhow::Error::new(UsageError(msg.into()))
+}
+
+/// Whether an error was caused by the caller's input (exit 2, Python's `ValueError`) rather
+/// than by the program: a [`UsageError`] or a model error that is bad input, anywhere in its
+/// chain.
+pub fn is_bad_input(err: &anyhow::Error) -> bool {
+    err.chain().any(|c| {
+        c.downcast_ref::<crate::model::Error>()
+            .is_some_and(|e| e.is_bad_input())
+            || c.downcast_ref::<UsageError>().is_some()
+    })
+}
+
+/// Parses `all`, `3`, `0-3`, `0,12,23` (and mixes such as `0-2,7`) into indices `< count`.
+pub fn parse_index_list(spec: &str, count: usize, what: &str) -> anyhow::Result<Vec<usize>> {
+    let range = || {
+        format!(
+            "{what} must be in 0..={} (or `all`)",
+            count.saturating_sub(1)
+        )
+    };
+    if spec.trim() == "all" {
+        return Ok((0..count).collect());
+    }
+    let mut out = Vec::new();
+    for part in spec.split(',').map(str::trim) {
+        let (a, b) = match part.split_once('-') {
+            Some((a, b)) => (a.trim(), b.trim()),
+            None => (part, part),
+        };
+        let parse = |s: &str| {
+            s.parse::<usize>().map_err(|_| {
+                usage(format!(
+                    "`{spec}` is not a valid {what} list; write e.g. 0-3, 0,12,23 or all"
+                ))
+            })
+        };
+        let (a, b) = (parse(a)?, parse(b)?);
+        if a > b {
+            return Err(usage(format!("{what} range {a}-{b} is backwards")));
+        }
+        if b >= count {
+            return Err(usage(format!("{what} {b} is out of range: {}", range())));
+        }
+        for i in a..=b {
+            if !out.contains(&i) {
+                out.push(i);
+            }
+        }
+    }
+    if out.is_empty() {
+        return Err(usage(format!("no {what} given")));
+    }
+    Ok(out)
+}
+
+/// Checks one index against its count, with a message naming the valid range.
+pub fn check_index(value: usize, count: usize, what: &str) -> anyhow::Result<usize> {
+    if value >= count {
+        return Err(usage(format!(
+            "{what} {value} is out of range: valid {what}s are 0..={}",
+            count.saturating_sub(1)
+        )));
+    }
+    Ok(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn index_lists() {
+        assert_eq!(
+            parse_index_list("0-3", 14, "head").unwrap(),
+            vec![0, 1, 2, 3]
+        );
+        assert_eq!(
+            parse_index_list("0,12,23", 24, "layer").unwrap(),
+            vec![0, 12, 23]
+        );
+        assert_eq!(parse_index_list("all", 3, "head").unwrap(), vec![0, 1, 2]);
+        let e = parse_index_list("0-14", 14, "head").unwrap_err();
+        assert!(is_bad_input(&e));
+        let e = e.to_string();
+        assert!(
+            e.contains("head 14 is out of range") && e.contains("0..=13"),
+            "{e}"
+        );
+        assert!(parse_index_list("x", 3, "layer").is_err());
+        assert!(parse_index_list("3-1", 5, "layer")
+            .unwrap_err()
+            .to_string()
+            .contains("backwards"));
+    }
+
+    #[test]
+    fn one_index_names_its_range() {
+        assert_eq!(check_index(2, 3, "layer").unwrap(), 2);
+        let e = check_index(3, 3, "query position").unwrap_err();
+        assert!(is_bad_input(&e));
+        assert_eq!(
+            e.to_string(),
+            "query position 3 is out of range: valid query positions are 0..=2"
+        );
+    }
+}
