@@ -317,11 +317,34 @@ pub trait Observer {
 /// it changes itself. The inner observer is named as a field, `cache`, or as a field indexed by
 /// another, `obs[cur]`; then the methods to hand on, by name:
 ///
-/// ```ignore
-/// impl Observer for Keeps {
-///     attnscope::delegate_observer!(cache: wants, tensor, attention_block, pattern_rows);
-///     fn layer_done(&mut self, layer: usize) { /* its own */ }
+/// ```
+/// use attnscope::model::capture::{AttnCache, Observer};
+///
+/// /// An observer that fills a cache and counts the blocks it was handed.
+/// struct Keeps {
+///     cache: AttnCache,
+///     blocks: usize,
 /// }
+///
+/// impl Observer for Keeps {
+///     attnscope::delegate_observer!(cache: wants, tensor, pattern_rows);
+///     fn attention_block(
+///         &mut self,
+///         layer: usize,
+///         hook: attnscope::model::capture::Hook,
+///         q_start: usize,
+///         shape: [usize; 3],
+///         data: &[f32],
+///     ) {
+///         self.blocks += 1;
+///         self.cache.attention_block(layer, hook, q_start, shape, data);
+///     }
+/// }
+///
+/// // a default cache asks for nothing, and the wrapper says so through the handed-on `wants`
+/// let keeps = Keeps { cache: AttnCache::default(), blocks: 0 };
+/// assert!(!keeps.wants(0, attnscope::model::capture::Hook::Pattern));
+/// assert_eq!(keeps.blocks, 0);
 /// ```
 #[macro_export]
 macro_rules! delegate_observer {
