@@ -16,6 +16,7 @@ use rayon::prelude::*;
 mod batch;
 mod block;
 mod head;
+mod profile;
 mod rowwise;
 mod taps;
 pub use block::LayerT;
@@ -103,6 +104,9 @@ struct Seed {
 
 /// What one layer's backward needs from its forward.
 struct Saved {
+    /// the last layer with no tap: `attn_proj`, `resid_mid`, `gu` and `mlp_proj` hold each
+    /// sequence's last row only (the only rows the metric reads)
+    last_only: bool,
     resid_pre: Vec<f32>,
     /// q, k, v as the projection gave them (before q/k norms and RoPE), `[n, width]`
     qkv: Vec<f32>,

@@ -77,6 +77,9 @@ impl Model {
             crate::model::ops::rope_tables_of(&inv, n)
         };
         // ---- forward, saving what the backward needs
+        let mut scratch = Scratch::default();
+        let prof = &mut scratch.prof;
+        prof.lap("(setup)");
         let mut x = x0.to_vec();
         let mut saved: Vec<Saved> = Vec::with_capacity(dims.n_layers);
         for (l, layer) in self.weights.layers.iter().enumerate() {
@@ -84,7 +87,9 @@ impl Model {
             let resid_pre = x.clone();
             let b1 = layer.norm_biases.as_ref().map(|b| b.0.as_slice());
             let h1 = norm_fwd(plan.norm, &x, &layer.attn_norm, b1, eps);
+            prof.lap("fwd norms");
             let qkv = layer.qkv.forward(&h1, rows)?;
+            prof.lap("fwd q|k|v");
             let mut normed = qkv.clone();
             if let Some((qn, kn)) = &layer.qk_norm {
                 for row in normed.chunks_mut(width) {
@@ -120,8 +125,26 @@ impl Model {
             let q = split(0, nh, true);
             let k = split(nq, nkv, true);
             let v = split(nq + nk, nkv, false);
+            prof.lap("fwd q/k norms, RoPE, split");
             let z = self.attention_forward(l, &q, &k, &v, n, batch);
-            let attn_proj = layer.o.forward(&z, rows)?;
+            prof.lap("fwd attention");
+            // the last layer: only each sequence's last row reaches the metric (but a tap's
+            // hooks and the loss want every row): the o projection and the MLP run on those
+            let last_only = l + 1 == dims.n_layers && tap.is_none();
+            let (kept, m) = if last_only {
+                (last_rows(n, batch), batch)
+            } else {
+                (Vec::new(), rows)
+            };
+            let z = if last_only { gather(&z, nq, &kept) } else { z };
+            let mut x_all = std::mem::take(&mut x);
+            let mut xs = if last_only {
+                gather(&x_all, dm, &kept)
+            } else {
+                std::mem::take(&mut x_all)
+            };
+            let attn_proj = layer.o.forward(&z, m)?;
+            prof.lap("fwd o");
             let attn_out = match &layer.post_norms {
                 Some((pa, _)) => rms_norm(&attn_proj, pa, eps),
                 None => attn_proj.clone(),
@@ -129,31 +152,18 @@ impl Model {
             if let Some(t) = tap.as_deref_mut() {
                 t.forward_attn(&resid_pre, &z, &attn_out);
             }
-            x.iter_mut().zip(&attn_out).for_each(|(a, b)| *a += b);
-            let resid_mid = x.clone();
+            xs.iter_mut().zip(&attn_out).for_each(|(a, b)| *a += b);
+            let resid_mid = xs.clone();
             let b2 = layer.norm_biases.as_ref().map(|b| b.1.as_slice());
-            let h2 = norm_fwd(plan.norm, &x, &layer.mlp_norm, b2, eps);
-            let gu = layer.gate_up.forward(&h2, rows)?;
+            let h2 = norm_fwd(plan.norm, &xs, &layer.mlp_norm, b2, eps);
+            prof.lap("fwd norms");
+            let gu = layer.gate_up.forward(&h2, m)?;
+            prof.lap("fwd gate|up");
             let gw = if plan.mlp.gated() { 2 * ff } else { ff };
-            let mut act = vec![0f32; rows * ff];
-            let act_rows = gu.par_chunks(gw).zip(act.par_chunks_mut(ff));
-            act_rows.for_each(|(row, a)| match plan.mlp {
-                MlpKind::GeluTanh => a
-                    .iter_mut()
-                    .zip(row)
-                    .for_each(|(a, &g)| *a = gelu_tanh_of(g)),
-                MlpKind::GeluErf => a
-                    .iter_mut()
-                    .zip(row)
-                    .for_each(|(a, &g)| *a = crate::model::ops::gelu_erf_of(g)),
-                MlpKind::GeGluTanh => {
-                    for i in 0..ff {
-                        a[i] = gelu_tanh_of(row[i]) * row[ff + i];
-                    }
-                }
-                MlpKind::SwiGlu => crate::model::ops::swiglu_row(&row[..ff], &row[ff..], a),
-            });
-            let mlp_proj = layer.down.forward(&act, rows)?;
+            let act = activation(plan.mlp, &gu, gw, ff);
+            prof.lap("fwd activation");
+            let mlp_proj = layer.down.forward(&act, m)?;
+            prof.lap("fwd down");
             let mlp_out = match &layer.post_norms {
                 Some((_, pm)) => rms_norm(&mlp_proj, pm, eps),
                 None => mlp_proj.clone(),
@@ -161,14 +171,21 @@ impl Model {
             if let Some(t) = tap.as_deref_mut() {
                 t.forward_mlp(&mlp_out);
             }
-            x.iter_mut().zip(&mlp_out).for_each(|(a, b)| *a += b);
-            if !x.iter().all(|v| v.is_finite()) {
+            xs.iter_mut().zip(&mlp_out).for_each(|(a, b)| *a += b);
+            if !xs.iter().all(|v| v.is_finite()) {
                 return Err(Error::NonFinite {
                     what: "the residual stream after the layer's MLP".into(),
                     layer: Some(l),
                 });
             }
+            x = if last_only {
+                scatter(&xs, dm, &kept, &mut x_all);
+                x_all
+            } else {
+                xs
+            };
             saved.push(Saved {
+                last_only,
                 resid_pre,
                 qkv,
                 q,
@@ -179,6 +196,7 @@ impl Model {
                 gu,
                 mlp_proj,
             });
+            prof.lap("fwd norms");
         }
         // ---- each sequence's last row's logits
         let fb = self.weights.final_norm_bias.as_deref();
@@ -196,10 +214,12 @@ impl Model {
             return Err(bug("a logits row per sequence".into()));
         }
         let cap = dims.gemma.as_ref().and_then(|g| g.final_softcap);
+        prof.lap("fwd final norm, logits");
         let mut seeds = Vec::with_capacity(batch);
         for raw in raws {
             seeds.push(self.seed(raw, cap, metric, lrp)?);
         }
+        prof.lap("seed");
         let input = |b: usize| x0[b * n * dm..(b + 1) * n * dm].to_vec();
         if !backward {
             return Ok(seeds
@@ -219,6 +239,7 @@ impl Model {
         }
         // through the final soft-cap, the head and the final norm
         let dh = self.unembed_back(&seeds)?;
+        scratch.prof.lap("bwd unembedding");
         let mut dx = vec![0f32; rows * dm];
         for b in 0..batch {
             dx[(b * n + n - 1) * dm..][..dm].copy_from_slice(&norm_back(
@@ -235,9 +256,9 @@ impl Model {
         }
         // ---- the blocks, last to first
         let transposes = self.transposes();
+        scratch.prof.lap("bwd final norm, transposes");
         let mut grad_resid_pre = vec![Vec::new(); dims.n_layers];
         let mut grad_pattern = vec![Vec::new(); dims.n_layers];
-        let mut scratch = Scratch::default();
         for (l, layer) in self.weights.layers.iter().enumerate().rev() {
             let s = &saved[l];
             let mut bt = tap.as_deref().filter(|t| t.wants(l)).map(|_| BlockTap {
@@ -269,6 +290,8 @@ impl Model {
                 t.backward_layer(self, l, s, n, bt, &dx);
             }
         }
+        scratch.prof.lap("bwd residual copies");
+        scratch.prof.report(rows);
         let per = nh * n;
         Ok(seeds
             .into_iter()
@@ -296,4 +319,48 @@ impl Model {
             })
             .collect())
     }
+}
+
+/// Each sequence's last row among `batch` sequences of `n` rows, stacked.
+pub(super) fn last_rows(n: usize, batch: usize) -> Vec<usize> {
+    (0..batch).map(|b| b * n + n - 1).collect()
+}
+
+/// Rows `rows` of `a` (rows of `width` values), in that order.
+pub(super) fn gather(a: &[f32], width: usize, rows: &[usize]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(rows.len() * width);
+    for &r in rows {
+        out.extend_from_slice(&a[r * width..(r + 1) * width]);
+    }
+    out
+}
+
+/// `a`'s rows (of `width` values) written to rows `rows` of `into`.
+pub(super) fn scatter(a: &[f32], width: usize, rows: &[usize], into: &mut [f32]) {
+    for (src, &r) in a.chunks_exact(width).zip(rows) {
+        into[r * width..(r + 1) * width].copy_from_slice(src);
+    }
+}
+
+/// The MLP's activation of each row of `gu` (`gw` values: gate, then up where gated): `[rows, ff]`.
+fn activation(kind: MlpKind, gu: &[f32], gw: usize, ff: usize) -> Vec<f32> {
+    let mut act = vec![0f32; gu.len() / gw * ff];
+    let act_rows = gu.par_chunks(gw).zip(act.par_chunks_mut(ff));
+    act_rows.for_each(|(row, a)| match kind {
+        MlpKind::GeluTanh => a
+            .iter_mut()
+            .zip(row)
+            .for_each(|(a, &g)| *a = gelu_tanh_of(g)),
+        MlpKind::GeluErf => a
+            .iter_mut()
+            .zip(row)
+            .for_each(|(a, &g)| *a = crate::model::ops::gelu_erf_of(g)),
+        MlpKind::GeGluTanh => {
+            for i in 0..ff {
+                a[i] = gelu_tanh_of(row[i]) * row[ff + i];
+            }
+        }
+        MlpKind::SwiGlu => crate::model::ops::swiglu_row(&row[..ff], &row[ff..], a),
+    });
+    act
 }

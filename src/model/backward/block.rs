@@ -1,6 +1,7 @@
 //! One block's backward: the MLP, the attention (per head, [`super::head`]), RoPE and the q/k
 //! norms, with the weight-transposed products `dX = dY · W` on the engine's GEMM.
 
+use super::batch::{gather, last_rows, scatter};
 use super::rowwise::{gelu_ratio, gelu_tanh_grad, norm_back, sigmoid};
 use super::taps::BlockTap;
 use super::{Rules, Saved};
@@ -56,6 +57,8 @@ pub(super) struct Scratch {
     dz: Vec<f32>,
     d_qkv: Vec<f32>,
     d_h1: Vec<f32>,
+    /// the per-step timer (`ATTNSCOPE_PROFILE_BACKWARD=1`)
+    pub(super) prof: super::profile::Profile,
 }
 
 impl Model {
@@ -78,99 +81,60 @@ impl Model {
     ) -> Result<Vec<f32>> {
         let lrp = rules == Rules::AttnLrp;
         let dims = &self.dims;
-        let (nh, nkv, hd, ff) = (dims.n_heads, dims.n_kv_heads, dims.head_dim, dims.d_ff);
+        let (nh, nkv, hd) = (dims.n_heads, dims.n_kv_heads, dims.head_dim);
         let eps = dims.rms_eps;
         let plan = layer.plan;
         let (nq, nk) = (nh * hd, nkv * hd);
         let width = nq + 2 * nk;
         let group = nh / nkv;
         let rows = batch * n;
-        // MLP: resid_post = resid_mid + post(down(act(gate_up(norm(resid_mid)))))
-        let d_mlp_proj = match &layer.post_norms {
-            Some((_, pm)) => norm_back(rules, NormKind::Rms, &s.mlp_proj, pm, eps, dx),
-            None => dx.to_vec(),
+        scratch.prof.lap("bwd residual copies");
+        let kept = if s.last_only {
+            last_rows(n, batch)
+        } else {
+            Vec::new()
         };
-        let d_act = back_matmul(
-            &d_mlp_proj,
-            rows,
-            (&layer.down, &t.down),
-            &mut scratch.d_act,
-        )?;
-        let gw = if plan.mlp.gated() { 2 * ff } else { ff };
-        // every value is written below (both halves of a gated row)
-        let d_gu = &mut scratch.d_gu;
-        d_gu.resize(rows * gw, 0.0);
-        let gu_rows =
-            s.gu.par_chunks(gw)
-                .zip(d_act.par_chunks(ff))
-                .zip(d_gu.par_chunks_mut(gw));
-        gu_rows.for_each(|((row, da), dg)| match plan.mlp {
-            // AttnLRP: the identity rule on the activation (its output over its input), the
-            // uniform rule on the gate's product (half to each factor)
-            MlpKind::GeluTanh if lrp => {
-                for i in 0..ff {
-                    dg[i] = da[i] * gelu_ratio(row[i]);
-                }
-            }
-            MlpKind::GeGluTanh if lrp => {
-                for i in 0..ff {
-                    let (g, u) = (row[i], row[ff + i]);
-                    dg[i] = 0.5 * da[i] * u * gelu_ratio(g);
-                    dg[ff + i] = 0.5 * da[i] * gelu_tanh_of(g);
-                }
-            }
-            MlpKind::SwiGlu if lrp => {
-                for i in 0..ff {
-                    let (g, u) = (row[i], row[ff + i]);
-                    let sg = sigmoid(g);
-                    // silu(g)/g = sigmoid(g)
-                    dg[i] = 0.5 * da[i] * u * sg;
-                    dg[ff + i] = 0.5 * da[i] * g * sg;
-                }
-            }
-            MlpKind::GeluTanh => {
-                for i in 0..ff {
-                    dg[i] = da[i] * gelu_tanh_grad(row[i]);
-                }
-            }
-            MlpKind::GeluErf => {
-                // d/dx ½x(1 + erf(x/√2)) = Φ(x) + x·φ(x)
-                for i in 0..ff {
-                    let x = row[i] as f64;
-                    let cdf =
-                        0.5 * (1.0 + crate::model::ops::erf64(x * std::f64::consts::FRAC_1_SQRT_2));
-                    let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
-                    dg[i] = da[i] * (cdf + x * pdf) as f32;
-                }
-            }
-            MlpKind::GeGluTanh => {
-                for i in 0..ff {
-                    let (g, u) = (row[i], row[ff + i]);
-                    dg[i] = da[i] * u * gelu_tanh_grad(g);
-                    dg[ff + i] = da[i] * gelu_tanh_of(g);
-                }
-            }
-            MlpKind::SwiGlu => {
-                let (dgate, dup) = dg.split_at_mut(ff);
-                crate::model::ops::swiglu_backward_row(&row[..ff], &row[ff..], da, dgate, dup);
-            }
-        });
-        let d_h2 = back_matmul(d_gu, rows, (&layer.gate_up, &t.gate_up), &mut scratch.d_h2)?;
-        let d_mid = norm_back(rules, plan.norm, &s.resid_mid, &layer.mlp_norm, eps, d_h2);
-        dx.iter_mut().zip(&d_mid).for_each(|(a, b)| *a += b);
+        if s.last_only {
+            let mut dxc = gather(dx, dims.d_model, &kept);
+            self.mlp_backward(layer, t, s, batch, &mut dxc, rules, scratch)?;
+            scatter(&dxc, dims.d_model, &kept, dx);
+        } else {
+            self.mlp_backward(layer, t, s, rows, dx, rules, scratch)?;
+        }
         if let Some(t) = tap.as_deref_mut() {
             t.resid_mid = dx.to_vec();
         }
         // attention: resid_mid = resid_pre + post(o(attn(qkv(norm(resid_pre)))))
-        let d_attn_proj = match &layer.post_norms {
-            Some((pa, _)) => norm_back(rules, NormKind::Rms, &s.attn_proj, pa, eps, dx),
-            None => dx.to_vec(),
+        let dy = if s.last_only {
+            gather(dx, dims.d_model, &kept)
+        } else {
+            dx.to_vec()
         };
-        let dz = back_matmul(&d_attn_proj, rows, (&layer.o, &t.o), &mut scratch.dz)?;
+        let d_attn_proj = match &layer.post_norms {
+            Some((pa, _)) => norm_back(rules, NormKind::Rms, &s.attn_proj, pa, eps, &dy),
+            None => dy,
+        };
+        scratch.prof.lap("bwd norms");
+        let m = d_attn_proj.len() / dims.d_model;
+        let dz = back_matmul(&d_attn_proj, m, (&layer.o, &t.o), &mut scratch.dz)?;
+        // the last layer's other rows: no gradient reaches their attention output
+        let dz_rows;
+        let dz = if s.last_only {
+            dz_rows = {
+                let mut all = vec![0f32; rows * nq];
+                scatter(dz, nq, &kept, &mut all);
+                all
+            };
+            &dz_rows[..]
+        } else {
+            dz
+        };
+        scratch.prof.lap("bwd o");
         if let Some(t) = tap.as_deref_mut() {
             t.z = dz.to_vec();
         }
         let (heads, packed) = self.heads_batch(l, &s.q, &s.k, &s.v, n, batch, rules);
+        scratch.prof.lap("bwd attention packing");
         let per_head: Vec<_> = heads
             .par_iter()
             .enumerate()
@@ -182,6 +146,7 @@ impl Model {
                 head.backward(&packed[b * nkv + h / group], &dzh)
             })
             .collect();
+        scratch.prof.lap("bwd attention heads");
         let mut dq = vec![0f32; nh * rows * hd];
         let mut dk = vec![0f32; nkv * rows * hd];
         let mut dv = vec![0f32; nkv * rows * hd];
@@ -259,9 +224,107 @@ impl Model {
                 }
             }
         }
+        scratch.prof.lap("bwd gather, RoPE, q/k norms");
         let d_h1 = back_matmul(d_qkv, rows, (&layer.qkv, &t.qkv), &mut scratch.d_h1)?;
+        scratch.prof.lap("bwd q|k|v");
         let d_pre = norm_back(rules, plan.norm, &s.resid_pre, &layer.attn_norm, eps, d_h1);
         dx.iter_mut().zip(&d_pre).for_each(|(a, b)| *a += b);
+        scratch.prof.lap("bwd norms");
         Ok(dpat)
+    }
+
+    /// The MLP's backward on `m` rows: `dx` (`∂/∂resid_post`, `[m, d_model]`) becomes
+    /// `∂/∂resid_mid`, the MLP's rows of `s` being those `m`.
+    #[allow(clippy::too_many_arguments)]
+    fn mlp_backward(
+        &self,
+        layer: &Layer,
+        t: &LayerT,
+        s: &Saved,
+        rows: usize,
+        dx: &mut [f32],
+        rules: Rules,
+        scratch: &mut Scratch,
+    ) -> Result<()> {
+        let lrp = rules == Rules::AttnLrp;
+        let (ff, eps, plan) = (self.dims.d_ff, self.dims.rms_eps, layer.plan);
+        // MLP: resid_post = resid_mid + post(down(act(gate_up(norm(resid_mid)))))
+        let d_mlp_proj = match &layer.post_norms {
+            Some((_, pm)) => norm_back(rules, NormKind::Rms, &s.mlp_proj, pm, eps, dx),
+            None => dx.to_vec(),
+        };
+        scratch.prof.lap("bwd norms");
+        let d_act = back_matmul(
+            &d_mlp_proj,
+            rows,
+            (&layer.down, &t.down),
+            &mut scratch.d_act,
+        )?;
+        scratch.prof.lap("bwd down");
+        let gw = if plan.mlp.gated() { 2 * ff } else { ff };
+        // every value is written below (both halves of a gated row)
+        let d_gu = &mut scratch.d_gu;
+        d_gu.resize(rows * gw, 0.0);
+        let gu_rows =
+            s.gu.par_chunks(gw)
+                .zip(d_act.par_chunks(ff))
+                .zip(d_gu.par_chunks_mut(gw));
+        gu_rows.for_each(|((row, da), dg)| match plan.mlp {
+            // AttnLRP: the identity rule on the activation (its output over its input), the
+            // uniform rule on the gate's product (half to each factor)
+            MlpKind::GeluTanh if lrp => {
+                for i in 0..ff {
+                    dg[i] = da[i] * gelu_ratio(row[i]);
+                }
+            }
+            MlpKind::GeGluTanh if lrp => {
+                for i in 0..ff {
+                    let (g, u) = (row[i], row[ff + i]);
+                    dg[i] = 0.5 * da[i] * u * gelu_ratio(g);
+                    dg[ff + i] = 0.5 * da[i] * gelu_tanh_of(g);
+                }
+            }
+            MlpKind::SwiGlu if lrp => {
+                for i in 0..ff {
+                    let (g, u) = (row[i], row[ff + i]);
+                    let sg = sigmoid(g);
+                    // silu(g)/g = sigmoid(g)
+                    dg[i] = 0.5 * da[i] * u * sg;
+                    dg[ff + i] = 0.5 * da[i] * g * sg;
+                }
+            }
+            MlpKind::GeluTanh => {
+                for i in 0..ff {
+                    dg[i] = da[i] * gelu_tanh_grad(row[i]);
+                }
+            }
+            MlpKind::GeluErf => {
+                // d/dx ½x(1 + erf(x/√2)) = Φ(x) + x·φ(x)
+                for i in 0..ff {
+                    let x = row[i] as f64;
+                    let cdf =
+                        0.5 * (1.0 + crate::model::ops::erf64(x * std::f64::consts::FRAC_1_SQRT_2));
+                    let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
+                    dg[i] = da[i] * (cdf + x * pdf) as f32;
+                }
+            }
+            MlpKind::GeGluTanh => {
+                for i in 0..ff {
+                    let (g, u) = (row[i], row[ff + i]);
+                    dg[i] = da[i] * u * gelu_tanh_grad(g);
+                    dg[ff + i] = da[i] * gelu_tanh_of(g);
+                }
+            }
+            MlpKind::SwiGlu => {
+                let (dgate, dup) = dg.split_at_mut(ff);
+                crate::model::ops::swiglu_backward_row(&row[..ff], &row[ff..], da, dgate, dup);
+            }
+        });
+        scratch.prof.lap("bwd activation");
+        let d_h2 = back_matmul(d_gu, rows, (&layer.gate_up, &t.gate_up), &mut scratch.d_h2)?;
+        scratch.prof.lap("bwd gate|up");
+        let d_mid = norm_back(rules, plan.norm, &s.resid_mid, &layer.mlp_norm, eps, d_h2);
+        dx.iter_mut().zip(&d_mid).for_each(|(a, b)| *a += b);
+        Ok(())
     }
 }

@@ -206,10 +206,14 @@ impl Head<'_> {
         for i0 in (0..n).step_by(QB) {
             let i1 = (i0 + QB).min(n);
             let (rows, ld) = (i1 - i0, i1);
+            let dzb = &dz[i0 * hd..i1 * hd];
+            // a block no gradient reaches adds nothing (the last layer's, but for its last row)
+            if dzb.iter().all(|&g| g == 0.0) {
+                continue;
+            }
             self.probs_block(kp, i0, i1, &mut p, &mut th);
             // no zeroing: the product writes every value
             dp.resize(rows * ld, 0.0);
-            let dzb = &dz[i0 * hd..i1 * hd];
             gemm::gemm_sub(
                 dzb,
                 hd,
