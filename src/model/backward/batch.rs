@@ -2,6 +2,7 @@
 //! several sequences of one length at once (one sequence is a batch of one).
 
 use super::block::Scratch;
+use super::profile::Profile;
 use super::rowwise::{norm_back, norm_fwd};
 use super::taps::{BlockTap, Tap};
 use super::{bug, Batch, Gradient, Metric, Rules, Saved};
@@ -33,14 +34,7 @@ impl Model {
         let Batch { x0, batch } = x;
         let lrp = rules == Rules::AttnLrp;
         let dims = &self.dims;
-        let (nh, nkv, hd, dm, ff) = (
-            dims.n_heads,
-            dims.n_kv_heads,
-            dims.head_dim,
-            dims.d_model,
-            dims.d_ff,
-        );
-        let eps = dims.rms_eps;
+        let (nh, dm, eps) = (dims.n_heads, dims.d_model, dims.rms_eps);
         if x0.is_empty() {
             return Err(Error::EmptyText);
         }
@@ -65,139 +59,12 @@ impl Model {
                 model: self.info.name.clone(),
             });
         }
-        let (nq, nk) = (nh * hd, nkv * hd);
-        let width = nq + 2 * nk;
-        let half = dims.rotary_dim / 2;
-        let style = self.weights.rope_style;
-        let tables = |base: f32| {
-            let mut inv = dims.rope_scaling.inv_freq(dims.rotary_dim, base);
-            if let Some(f) = &self.weights.rope_freqs {
-                inv.iter_mut().zip(f).for_each(|(x, f)| *x /= f);
-            }
-            crate::model::ops::rope_tables_of(&inv, n)
-        };
         // ---- forward, saving what the backward needs
         let mut scratch = Scratch::default();
+        scratch.prof.lap("(setup)");
+        let (x, saved) =
+            self.save_forward(x0, (n, batch), tap.as_deref_mut(), &mut scratch.prof)?;
         let prof = &mut scratch.prof;
-        prof.lap("(setup)");
-        let mut x = x0.to_vec();
-        let mut saved: Vec<Saved> = Vec::with_capacity(dims.n_layers);
-        for (l, layer) in self.weights.layers.iter().enumerate() {
-            let plan = layer.plan;
-            let resid_pre = x.clone();
-            let b1 = layer.norm_biases.as_ref().map(|b| b.0.as_slice());
-            let h1 = norm_fwd(plan.norm, &x, &layer.attn_norm, b1, eps);
-            prof.lap("fwd norms");
-            let qkv = layer.qkv.forward(&h1, rows)?;
-            prof.lap("fwd q|k|v");
-            let mut normed = qkv.clone();
-            if let Some((qn, kn)) = &layer.qk_norm {
-                for row in normed.chunks_mut(width) {
-                    let (q, rest) = row.split_at_mut(nq);
-                    for head in q.chunks_mut(hd) {
-                        rms_norm_in_place(head, qn, eps);
-                    }
-                    for head in rest[..nk].chunks_mut(hd) {
-                        rms_norm_in_place(head, kn, eps);
-                    }
-                }
-            }
-            let rope = plan.rope_base().map(&tables);
-            let split = |c0: usize, heads: usize, rot: bool| -> Vec<f32> {
-                let mut out = vec![0f32; heads * rows * hd];
-                for h in 0..heads {
-                    for r in 0..rows {
-                        let v = &mut out[(h * rows + r) * hd..][..hd];
-                        v.copy_from_slice(&normed[r * width + c0 + h * hd..][..hd]);
-                        let pos = r % n;
-                        if let (true, Some((cos, sin))) = (rot, &rope) {
-                            rotate(
-                                &mut v[..2 * half],
-                                &cos[pos * half..][..half],
-                                &sin[pos * half..][..half],
-                                style,
-                            );
-                        }
-                    }
-                }
-                out
-            };
-            let q = split(0, nh, true);
-            let k = split(nq, nkv, true);
-            let v = split(nq + nk, nkv, false);
-            prof.lap("fwd q/k norms, RoPE, split");
-            let z = self.attention_forward(l, &q, &k, &v, n, batch);
-            prof.lap("fwd attention");
-            // the last layer: only each sequence's last row reaches the metric (but a tap's
-            // hooks and the loss want every row): the o projection and the MLP run on those
-            let last_only = l + 1 == dims.n_layers && tap.is_none();
-            let (kept, m) = if last_only {
-                (last_rows(n, batch), batch)
-            } else {
-                (Vec::new(), rows)
-            };
-            let z = if last_only { gather(&z, nq, &kept) } else { z };
-            let mut x_all = std::mem::take(&mut x);
-            let mut xs = if last_only {
-                gather(&x_all, dm, &kept)
-            } else {
-                std::mem::take(&mut x_all)
-            };
-            let attn_proj = layer.o.forward(&z, m)?;
-            prof.lap("fwd o");
-            let attn_out = match &layer.post_norms {
-                Some((pa, _)) => rms_norm(&attn_proj, pa, eps),
-                None => attn_proj.clone(),
-            };
-            if let Some(t) = tap.as_deref_mut() {
-                t.forward_attn(&resid_pre, &z, &attn_out);
-            }
-            xs.iter_mut().zip(&attn_out).for_each(|(a, b)| *a += b);
-            let resid_mid = xs.clone();
-            let b2 = layer.norm_biases.as_ref().map(|b| b.1.as_slice());
-            let h2 = norm_fwd(plan.norm, &xs, &layer.mlp_norm, b2, eps);
-            prof.lap("fwd norms");
-            let gu = layer.gate_up.forward(&h2, m)?;
-            prof.lap("fwd gate|up");
-            let gw = if plan.mlp.gated() { 2 * ff } else { ff };
-            let act = activation(plan.mlp, &gu, gw, ff);
-            prof.lap("fwd activation");
-            let mlp_proj = layer.down.forward(&act, m)?;
-            prof.lap("fwd down");
-            let mlp_out = match &layer.post_norms {
-                Some((_, pm)) => rms_norm(&mlp_proj, pm, eps),
-                None => mlp_proj.clone(),
-            };
-            if let Some(t) = tap.as_deref_mut() {
-                t.forward_mlp(&mlp_out);
-            }
-            xs.iter_mut().zip(&mlp_out).for_each(|(a, b)| *a += b);
-            if !xs.iter().all(|v| v.is_finite()) {
-                return Err(Error::NonFinite {
-                    what: "the residual stream after the layer's MLP".into(),
-                    layer: Some(l),
-                });
-            }
-            x = if last_only {
-                scatter(&xs, dm, &kept, &mut x_all);
-                x_all
-            } else {
-                xs
-            };
-            saved.push(Saved {
-                last_only,
-                resid_pre,
-                qkv,
-                q,
-                k,
-                v,
-                attn_proj,
-                resid_mid,
-                gu,
-                mlp_proj,
-            });
-            prof.lap("fwd norms");
-        }
         // ---- each sequence's last row's logits
         let fb = self.weights.final_norm_bias.as_deref();
         let fkind = if fb.is_some() {
@@ -318,6 +185,159 @@ impl Model {
                 },
             })
             .collect())
+    }
+
+    /// The forward of `batch` stacked sequences of `n` rows from `x0`, keeping each layer's
+    /// [`Saved`] (and handing `tap` the activations it keeps): the last residual stream (in the
+    /// last layer, with no tap, only each sequence's last row is brought up to date) and what
+    /// was saved.
+    fn save_forward(
+        &self,
+        x0: &[f32],
+        (n, batch): (usize, usize),
+        mut tap: Option<&mut Tap>,
+        prof: &mut Profile,
+    ) -> Result<(Vec<f32>, Vec<Saved>)> {
+        let dims = &self.dims;
+        let (nh, nkv, hd, dm, ff) = (
+            dims.n_heads,
+            dims.n_kv_heads,
+            dims.head_dim,
+            dims.d_model,
+            dims.d_ff,
+        );
+        let eps = dims.rms_eps;
+        let rows = n * batch;
+        let (nq, nk) = (nh * hd, nkv * hd);
+        let width = nq + 2 * nk;
+        let half = dims.rotary_dim / 2;
+        let style = self.weights.rope_style;
+        let tables = |base: f32| {
+            let mut inv = dims.rope_scaling.inv_freq(dims.rotary_dim, base);
+            if let Some(f) = &self.weights.rope_freqs {
+                inv.iter_mut().zip(f).for_each(|(x, f)| *x /= f);
+            }
+            crate::model::ops::rope_tables_of(&inv, n)
+        };
+        let mut x = x0.to_vec();
+        let mut saved: Vec<Saved> = Vec::with_capacity(dims.n_layers);
+        for (l, layer) in self.weights.layers.iter().enumerate() {
+            let plan = layer.plan;
+            let resid_pre = x.clone();
+            let b1 = layer.norm_biases.as_ref().map(|b| b.0.as_slice());
+            let h1 = norm_fwd(plan.norm, &x, &layer.attn_norm, b1, eps);
+            prof.lap("fwd norms");
+            let qkv = layer.qkv.forward(&h1, rows)?;
+            prof.lap("fwd q|k|v");
+            let mut normed = qkv.clone();
+            if let Some((qn, kn)) = &layer.qk_norm {
+                for row in normed.chunks_mut(width) {
+                    let (q, rest) = row.split_at_mut(nq);
+                    for head in q.chunks_mut(hd) {
+                        rms_norm_in_place(head, qn, eps);
+                    }
+                    for head in rest[..nk].chunks_mut(hd) {
+                        rms_norm_in_place(head, kn, eps);
+                    }
+                }
+            }
+            let rope = plan.rope_base().map(&tables);
+            let split = |c0: usize, heads: usize, rot: bool| -> Vec<f32> {
+                let mut out = vec![0f32; heads * rows * hd];
+                for h in 0..heads {
+                    for r in 0..rows {
+                        let v = &mut out[(h * rows + r) * hd..][..hd];
+                        v.copy_from_slice(&normed[r * width + c0 + h * hd..][..hd]);
+                        let pos = r % n;
+                        if let (true, Some((cos, sin))) = (rot, &rope) {
+                            rotate(
+                                &mut v[..2 * half],
+                                &cos[pos * half..][..half],
+                                &sin[pos * half..][..half],
+                                style,
+                            );
+                        }
+                    }
+                }
+                out
+            };
+            let q = split(0, nh, true);
+            let k = split(nq, nkv, true);
+            let v = split(nq + nk, nkv, false);
+            prof.lap("fwd q/k norms, RoPE, split");
+            let z = self.attention_forward(l, &q, &k, &v, n, batch);
+            prof.lap("fwd attention");
+            // the last layer: only each sequence's last row reaches the metric (but a tap's
+            // hooks and the loss want every row): the o projection and the MLP run on those
+            let last_only = l + 1 == dims.n_layers && tap.is_none();
+            let (kept, m) = if last_only {
+                (last_rows(n, batch), batch)
+            } else {
+                (Vec::new(), rows)
+            };
+            let z = if last_only { gather(&z, nq, &kept) } else { z };
+            let mut x_all = std::mem::take(&mut x);
+            let mut xs = if last_only {
+                gather(&x_all, dm, &kept)
+            } else {
+                std::mem::take(&mut x_all)
+            };
+            let attn_proj = layer.o.forward(&z, m)?;
+            prof.lap("fwd o");
+            let attn_out = match &layer.post_norms {
+                Some((pa, _)) => rms_norm(&attn_proj, pa, eps),
+                None => attn_proj.clone(),
+            };
+            if let Some(t) = tap.as_deref_mut() {
+                t.forward_attn(&resid_pre, &z, &attn_out);
+            }
+            xs.iter_mut().zip(&attn_out).for_each(|(a, b)| *a += b);
+            let resid_mid = xs.clone();
+            let b2 = layer.norm_biases.as_ref().map(|b| b.1.as_slice());
+            let h2 = norm_fwd(plan.norm, &xs, &layer.mlp_norm, b2, eps);
+            prof.lap("fwd norms");
+            let gu = layer.gate_up.forward(&h2, m)?;
+            prof.lap("fwd gate|up");
+            let gw = if plan.mlp.gated() { 2 * ff } else { ff };
+            let act = activation(plan.mlp, &gu, gw, ff);
+            prof.lap("fwd activation");
+            let mlp_proj = layer.down.forward(&act, m)?;
+            prof.lap("fwd down");
+            let mlp_out = match &layer.post_norms {
+                Some((_, pm)) => rms_norm(&mlp_proj, pm, eps),
+                None => mlp_proj.clone(),
+            };
+            if let Some(t) = tap.as_deref_mut() {
+                t.forward_mlp(&mlp_out);
+            }
+            xs.iter_mut().zip(&mlp_out).for_each(|(a, b)| *a += b);
+            if !xs.iter().all(|v| v.is_finite()) {
+                return Err(Error::NonFinite {
+                    what: "the residual stream after the layer's MLP".into(),
+                    layer: Some(l),
+                });
+            }
+            x = if last_only {
+                scatter(&xs, dm, &kept, &mut x_all);
+                x_all
+            } else {
+                xs
+            };
+            saved.push(Saved {
+                last_only,
+                resid_pre,
+                qkv,
+                q,
+                k,
+                v,
+                attn_proj,
+                resid_mid,
+                gu,
+                mlp_proj,
+            });
+            prof.lap("fwd norms");
+        }
+        Ok((x, saved))
     }
 }
 

@@ -86,7 +86,6 @@ impl Model {
         let plan = layer.plan;
         let (nq, nk) = (nh * hd, nkv * hd);
         let width = nq + 2 * nk;
-        let group = nh / nkv;
         let rows = batch * n;
         scratch.prof.lap("bwd residual copies");
         let kept = if s.last_only {
@@ -133,33 +132,8 @@ impl Model {
         if let Some(t) = tap.as_deref_mut() {
             t.z = dz.to_vec();
         }
-        let (heads, packed) = self.heads_batch(l, &s.q, &s.k, &s.v, n, batch, rules);
-        scratch.prof.lap("bwd attention packing");
-        let per_head: Vec<_> = heads
-            .par_iter()
-            .enumerate()
-            .map(|(bh, head)| {
-                let (b, h) = (bh / nh, bh % nh);
-                let dzh: Vec<f32> = (b * n..(b + 1) * n)
-                    .flat_map(|i| dz[(i * nh + h) * hd..][..hd].iter().copied())
-                    .collect();
-                head.backward(&packed[b * nkv + h / group], &dzh)
-            })
-            .collect();
-        scratch.prof.lap("bwd attention heads");
-        let mut dq = vec![0f32; nh * rows * hd];
-        let mut dk = vec![0f32; nkv * rows * hd];
-        let mut dv = vec![0f32; nkv * rows * hd];
-        let mut dpat = vec![0f32; batch * nh * n];
-        for (bh, (dqh, dkh, dvh, dph)) in per_head.into_iter().enumerate() {
-            let (b, h) = (bh / nh, bh % nh);
-            let g = h / group;
-            let at = |h: usize| (h * rows + b * n) * hd..(h * rows + (b + 1) * n) * hd;
-            dq[at(h)].copy_from_slice(&dqh);
-            dk[at(g)].iter_mut().zip(&dkh).for_each(|(a, b)| *a += b);
-            dv[at(g)].iter_mut().zip(&dvh).for_each(|(a, b)| *a += b);
-            dpat[bh * n..(bh + 1) * n].copy_from_slice(&dph);
-        }
+        let (mut dq, mut dk, mut dv, dpat) =
+            self.heads_backward(l, s, dz, (n, batch), rules, &mut scratch.prof);
         if let Some(t) = tap.as_deref_mut() {
             t.rot = Some((dq.clone(), dk.clone(), dv.clone()));
         }
@@ -326,5 +300,50 @@ impl Model {
         let d_mid = norm_back(rules, plan.norm, &s.resid_mid, &layer.mlp_norm, eps, d_h2);
         dx.iter_mut().zip(&d_mid).for_each(|(a, b)| *a += b);
         Ok(())
+    }
+
+    /// The attention's backward, every head of every sequence in parallel, from `dz`
+    /// (`∂/∂z`, `[batch·n, nh·hd]`): `(dq, dk, dv)` as [`Model::heads_batch`] lays q, k, v out
+    /// (a kv head's sums over its query heads), and the last query row's pattern gradients
+    /// `[batch, nh, n]`.
+    fn heads_backward(
+        &self,
+        l: usize,
+        s: &Saved,
+        dz: &[f32],
+        (n, batch): (usize, usize),
+        rules: Rules,
+        prof: &mut super::profile::Profile,
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+        let (nh, nkv, hd) = (self.dims.n_heads, self.dims.n_kv_heads, self.dims.head_dim);
+        let (group, rows) = (nh / nkv, batch * n);
+        let (heads, packed) = self.heads_batch(l, &s.q, &s.k, &s.v, n, batch, rules);
+        prof.lap("bwd attention packing");
+        let per_head: Vec<_> = heads
+            .par_iter()
+            .enumerate()
+            .map(|(bh, head)| {
+                let (b, h) = (bh / nh, bh % nh);
+                let dzh: Vec<f32> = (b * n..(b + 1) * n)
+                    .flat_map(|i| dz[(i * nh + h) * hd..][..hd].iter().copied())
+                    .collect();
+                head.backward(&packed[b * nkv + h / group], &dzh)
+            })
+            .collect();
+        prof.lap("bwd attention heads");
+        let mut dq = vec![0f32; nh * rows * hd];
+        let mut dk = vec![0f32; nkv * rows * hd];
+        let mut dv = vec![0f32; nkv * rows * hd];
+        let mut dpat = vec![0f32; batch * nh * n];
+        for (bh, (dqh, dkh, dvh, dph)) in per_head.into_iter().enumerate() {
+            let (b, h) = (bh / nh, bh % nh);
+            let g = h / group;
+            let at = |h: usize| (h * rows + b * n) * hd..(h * rows + (b + 1) * n) * hd;
+            dq[at(h)].copy_from_slice(&dqh);
+            dk[at(g)].iter_mut().zip(&dkh).for_each(|(a, b)| *a += b);
+            dv[at(g)].iter_mut().zip(&dvh).for_each(|(a, b)| *a += b);
+            dpat[bh * n..(bh + 1) * n].copy_from_slice(&dph);
+        }
+        (dq, dk, dv, dpat)
     }
 }

@@ -3,7 +3,7 @@
 
 use super::Rules;
 use crate::kernels::gemm::{self, Isa, PackedB};
-use crate::model::attention::{dot_f64, EXACT_SCORES_ABOVE};
+use crate::model::attention::{dot_f64, max_row_sq, EXACT_SCORES_ABOVE};
 use crate::model::Model;
 use rayon::prelude::*;
 
@@ -308,11 +308,11 @@ impl Model {
         let plan = self.weights.layers[l].plan;
         let group = nh / nkv;
         // the forward's test for a layer whose scores can be large: max‖q‖·max‖k‖·scale
+        // ([`crate::model::attention`]'s bound, on each sequence's rows of every head)
         let scale = plan.score_scale.unwrap_or(1.0 / (hd as f32).sqrt());
         let max_sq = |xs: &[f32], heads: usize, b: usize| {
             (0..heads)
-                .flat_map(|h| xs[(h * rows + b * n) * hd..][..n * hd].chunks_exact(hd))
-                .map(|r| r.iter().map(|&x| x as f64 * x as f64).sum::<f64>())
+                .map(|h| max_row_sq(&xs[(h * rows + b * n) * hd..][..n * hd], hd))
                 .fold(0f64, f64::max)
         };
         let precise: Vec<bool> = (0..batch)
@@ -415,22 +415,20 @@ mod tests {
                     precise_k: precise.then_some(&k[..]),
                 };
                 let z = head.forward(&Packed4::new(&k, &v, n, d));
-                let mut largest = 0f64;
-                for i in 0..n {
-                    let lo = window.map_or(0, |w| (i + 1).saturating_sub(w));
-                    let s: Vec<f64> = (lo..=i)
-                        .map(|j| dot_f64(&q[i * d..][..d], &k[j * d..][..d]) * scale as f64)
-                        .collect();
-                    let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                    largest = largest.max(m.abs());
-                    let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
-                    let l: f64 = e.iter().sum();
-                    for ch in 0..d {
-                        let want: f64 =
-                            (lo..=i).map(|j| e[j - lo] / l * v[j * d + ch] as f64).sum();
-                        worst[c] = worst[c].max((z[i * d + ch] as f64 - want).abs());
-                    }
+                let sees = |i: usize, j: usize| j <= i && window.is_none_or(|w| j + w > i);
+                // one head: [n, d] is the reference's [q_len, n_heads·d]
+                let want =
+                    crate::reference::grouped_query_attention_f64(&q, &k, &v, (1, 1, d), sees);
+                for (got, want) in z.iter().zip(&want.z) {
+                    worst[c] = worst[c].max((*got as f64 - want).abs());
                 }
+                assert_eq!(z.len(), want.z.len());
+                let largest = (0..n)
+                    .flat_map(|i| (0..=i).map(move |j| (i, j)))
+                    .map(|(i, j)| {
+                        (dot_f64(&q[i * d..][..d], &k[j * d..][..d]) * scale as f64).abs()
+                    })
+                    .fold(0f64, f64::max);
                 assert!(largest > 1000.0, "scores not large: {largest}");
             }
             assert!(

@@ -21,8 +21,14 @@ pub(super) fn norm_fwd(
     }
 }
 
-/// The backward of a norm of each `[w.len()]` row of `x`: `dx` from `dy`.
-pub fn norm_backward(kind: NormKind, x: &[f32], w: &[f32], eps: f32, dy: &[f32]) -> Vec<f32> {
+/// `f(x row, g row, dx row)` on each `[w.len()]` row of `x`, in parallel, with `g = dy ⊙ w` in
+/// f64: a norm's backward (its rows independent), `dx` as `f` writes it.
+fn norm_rows(
+    x: &[f32],
+    w: &[f32],
+    dy: &[f32],
+    f: impl Fn(&[f32], &[f64], &mut [f32]) + Sync,
+) -> Vec<f32> {
     let d = w.len();
     let mut dx = vec![0f32; x.len()];
     let rows = x
@@ -35,29 +41,50 @@ pub fn norm_backward(kind: NormKind, x: &[f32], w: &[f32], eps: f32, dy: &[f32])
             .zip(w)
             .map(|(&a, &b)| a as f64 * b as f64)
             .collect();
+        f(xr, &g, dxr)
+    });
+    dx
+}
+
+/// A row's norm scale `1/√(var + ε)` (the mean square for RMSNorm) and its mean (0 for RMSNorm,
+/// which does not subtract it), as the forward computes them.
+fn row_scale(kind: NormKind, xr: &[f32], eps: f32) -> (f64, f64) {
+    let d = xr.len() as f64;
+    match kind {
+        NormKind::Rms => {
+            let ms = xr.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / d;
+            (1.0 / ((ms as f32 + eps) as f64).sqrt(), 0.0)
+        }
+        NormKind::Layer => {
+            let mean = xr.iter().map(|&v| v as f64).sum::<f64>() / d;
+            let var = xr.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / d;
+            (1.0 / ((var as f32 + eps) as f64).sqrt(), mean)
+        }
+    }
+}
+
+/// The backward of a norm of each `[w.len()]` row of `x`: `dx` from `dy`.
+pub fn norm_backward(kind: NormKind, x: &[f32], w: &[f32], eps: f32, dy: &[f32]) -> Vec<f32> {
+    let d = w.len() as f64;
+    norm_rows(x, w, dy, |xr, g, dxr| {
+        let (inv, mean) = row_scale(kind, xr, eps);
         match kind {
             NormKind::Rms => {
-                let ms = xr.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / d as f64;
-                let inv = 1.0 / ((ms as f32 + eps) as f64).sqrt();
-                let gx = g.iter().zip(xr).map(|(g, &x)| g * x as f64).sum::<f64>() / d as f64;
-                for ((o, &gi), &xi) in dxr.iter_mut().zip(&g).zip(xr) {
+                let gx = g.iter().zip(xr).map(|(g, &x)| g * x as f64).sum::<f64>() / d;
+                for ((o, &gi), &xi) in dxr.iter_mut().zip(g).zip(xr) {
                     *o = (inv * gi - inv * inv * inv * xi as f64 * gx) as f32;
                 }
             }
             NormKind::Layer => {
-                let mean = xr.iter().map(|&v| v as f64).sum::<f64>() / d as f64;
-                let var = xr.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / d as f64;
-                let inv = 1.0 / ((var as f32 + eps) as f64).sqrt();
                 let xh: Vec<f64> = xr.iter().map(|&v| (v as f64 - mean) * inv).collect();
-                let mg = g.iter().sum::<f64>() / d as f64;
-                let mgx = g.iter().zip(&xh).map(|(a, b)| a * b).sum::<f64>() / d as f64;
-                for ((o, &gi), &xi) in dxr.iter_mut().zip(&g).zip(&xh) {
+                let mg = g.iter().sum::<f64>() / d;
+                let mgx = g.iter().zip(&xh).map(|(a, b)| a * b).sum::<f64>() / d;
+                for ((o, &gi), &xi) in dxr.iter_mut().zip(g).zip(&xh) {
                     *o = (inv * (gi - mg - xi * mgx)) as f32;
                 }
             }
         }
-    });
-    dx
+    })
 }
 
 /// A norm's backward under `rules`: the true one ([`norm_backward`]), or AttnLRP's identity
@@ -80,37 +107,17 @@ pub(super) fn norm_back(
 /// with its scale `1/√(var + ε)` held constant (the mean's subtraction of a LayerNorm stays, a
 /// linear map), so `dx = (dy ⊙ w)/σ` (RMSNorm) or `(g − mean g)/σ` with `g = dy ⊙ w`.
 pub fn norm_identity(kind: NormKind, x: &[f32], w: &[f32], eps: f32, dy: &[f32]) -> Vec<f32> {
-    let d = w.len();
-    let mut dx = vec![0f32; x.len()];
-    let rows = x
-        .par_chunks(d)
-        .zip(dy.par_chunks(d))
-        .zip(dx.par_chunks_mut(d));
-    rows.for_each(|((xr, dyr), dxr)| {
-        let g: Vec<f64> = dyr
-            .iter()
-            .zip(w)
-            .map(|(&a, &b)| a as f64 * b as f64)
-            .collect();
-        let (inv, mg) = match kind {
-            NormKind::Rms => {
-                let ms = xr.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / d as f64;
-                (1.0 / ((ms as f32 + eps) as f64).sqrt(), 0.0)
-            }
-            NormKind::Layer => {
-                let mean = xr.iter().map(|&v| v as f64).sum::<f64>() / d as f64;
-                let var = xr.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / d as f64;
-                (
-                    1.0 / ((var as f32 + eps) as f64).sqrt(),
-                    g.iter().sum::<f64>() / d as f64,
-                )
-            }
+    let d = w.len() as f64;
+    norm_rows(x, w, dy, |xr, g, dxr| {
+        let (inv, _) = row_scale(kind, xr, eps);
+        let mg = match kind {
+            NormKind::Rms => 0.0,
+            NormKind::Layer => g.iter().sum::<f64>() / d,
         };
-        for (o, &gi) in dxr.iter_mut().zip(&g) {
+        for (o, &gi) in dxr.iter_mut().zip(g) {
             *o = (inv * (gi - mg)) as f32;
         }
-    });
-    dx
+    })
 }
 
 /// `gelu_tanh(x)/x` (AttnLRP's identity rule on the activation), `½` at 0 (its limit).
