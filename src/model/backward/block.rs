@@ -239,61 +239,7 @@ impl Model {
         // every value is written below (both halves of a gated row)
         let d_gu = &mut scratch.d_gu;
         d_gu.resize(rows * gw, 0.0);
-        let gu_rows =
-            s.gu.par_chunks(gw)
-                .zip(d_act.par_chunks(ff))
-                .zip(d_gu.par_chunks_mut(gw));
-        gu_rows.for_each(|((row, da), dg)| match plan.mlp {
-            // AttnLRP: the identity rule on the activation (its output over its input), the
-            // uniform rule on the gate's product (half to each factor)
-            MlpKind::GeluTanh if lrp => {
-                for i in 0..ff {
-                    dg[i] = da[i] * gelu_ratio(row[i]);
-                }
-            }
-            MlpKind::GeGluTanh if lrp => {
-                for i in 0..ff {
-                    let (g, u) = (row[i], row[ff + i]);
-                    dg[i] = 0.5 * da[i] * u * gelu_ratio(g);
-                    dg[ff + i] = 0.5 * da[i] * gelu_tanh_of(g);
-                }
-            }
-            MlpKind::SwiGlu if lrp => {
-                for i in 0..ff {
-                    let (g, u) = (row[i], row[ff + i]);
-                    let sg = sigmoid(g);
-                    // silu(g)/g = sigmoid(g)
-                    dg[i] = 0.5 * da[i] * u * sg;
-                    dg[ff + i] = 0.5 * da[i] * g * sg;
-                }
-            }
-            MlpKind::GeluTanh => {
-                for i in 0..ff {
-                    dg[i] = da[i] * gelu_tanh_grad(row[i]);
-                }
-            }
-            MlpKind::GeluErf => {
-                // d/dx ½x(1 + erf(x/√2)) = Φ(x) + x·φ(x)
-                for i in 0..ff {
-                    let x = row[i] as f64;
-                    let cdf =
-                        0.5 * (1.0 + crate::model::ops::erf64(x * std::f64::consts::FRAC_1_SQRT_2));
-                    let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
-                    dg[i] = da[i] * (cdf + x * pdf) as f32;
-                }
-            }
-            MlpKind::GeGluTanh => {
-                for i in 0..ff {
-                    let (g, u) = (row[i], row[ff + i]);
-                    dg[i] = da[i] * u * gelu_tanh_grad(g);
-                    dg[ff + i] = da[i] * gelu_tanh_of(g);
-                }
-            }
-            MlpKind::SwiGlu => {
-                let (dgate, dup) = dg.split_at_mut(ff);
-                crate::model::ops::swiglu_backward_row(&row[..ff], &row[ff..], da, dgate, dup);
-            }
-        });
+        activation_backward(plan.mlp, lrp, &s.gu, d_act, d_gu, ff);
         scratch.prof.lap("bwd activation");
         let d_h2 = back_matmul(d_gu, rows, (&layer.gate_up, &t.gate_up), &mut scratch.d_h2)?;
         scratch.prof.lap("bwd gate|up");
@@ -346,4 +292,73 @@ impl Model {
         }
         (dq, dk, dv, dpat)
     }
+}
+
+/// The backward of the MLP's activation (the identity and uniform rules for AttnLRP): from
+/// `d_act` (`[rows, ff]`) and the saved gate|up rows `gu`, `d_gu` (`[rows, gw]`, every value
+/// written).
+fn activation_backward(
+    kind: MlpKind,
+    lrp: bool,
+    gu: &[f32],
+    d_act: &[f32],
+    d_gu: &mut [f32],
+    ff: usize,
+) {
+    let gw = if kind.gated() { 2 * ff } else { ff };
+    let gu_rows = gu
+        .par_chunks(gw)
+        .zip(d_act.par_chunks(ff))
+        .zip(d_gu.par_chunks_mut(gw));
+    gu_rows.for_each(|((row, da), dg)| match kind {
+        // AttnLRP: the identity rule on the activation (its output over its input), the
+        // uniform rule on the gate's product (half to each factor)
+        MlpKind::GeluTanh if lrp => {
+            for i in 0..ff {
+                dg[i] = da[i] * gelu_ratio(row[i]);
+            }
+        }
+        MlpKind::GeGluTanh if lrp => {
+            for i in 0..ff {
+                let (g, u) = (row[i], row[ff + i]);
+                dg[i] = 0.5 * da[i] * u * gelu_ratio(g);
+                dg[ff + i] = 0.5 * da[i] * gelu_tanh_of(g);
+            }
+        }
+        MlpKind::SwiGlu if lrp => {
+            for i in 0..ff {
+                let (g, u) = (row[i], row[ff + i]);
+                let sg = sigmoid(g);
+                // silu(g)/g = sigmoid(g)
+                dg[i] = 0.5 * da[i] * u * sg;
+                dg[ff + i] = 0.5 * da[i] * g * sg;
+            }
+        }
+        MlpKind::GeluTanh => {
+            for i in 0..ff {
+                dg[i] = da[i] * gelu_tanh_grad(row[i]);
+            }
+        }
+        MlpKind::GeluErf => {
+            // d/dx ½x(1 + erf(x/√2)) = Φ(x) + x·φ(x)
+            for i in 0..ff {
+                let x = row[i] as f64;
+                let cdf =
+                    0.5 * (1.0 + crate::model::ops::erf64(x * std::f64::consts::FRAC_1_SQRT_2));
+                let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
+                dg[i] = da[i] * (cdf + x * pdf) as f32;
+            }
+        }
+        MlpKind::GeGluTanh => {
+            for i in 0..ff {
+                let (g, u) = (row[i], row[ff + i]);
+                dg[i] = da[i] * u * gelu_tanh_grad(g);
+                dg[ff + i] = da[i] * gelu_tanh_of(g);
+            }
+        }
+        MlpKind::SwiGlu => {
+            let (dgate, dup) = dg.split_at_mut(ff);
+            crate::model::ops::swiglu_backward_row(&row[..ff], &row[ff..], da, dgate, dup);
+        }
+    });
 }
