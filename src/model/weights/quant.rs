@@ -390,6 +390,84 @@ pub(super) fn decode_scaled(
     true
 }
 
+/// [`decode_scaled`] with the integers as bf16 pairs, as the AMX tiles read them: `q[16 ·
+/// groups]`, pair r of a group holding weight 2r in its low half and 2r + 1 in its high half.
+/// Q8_0, Q5_0 and Q4_0 (the default model's types) are read straight into the pairs; the other
+/// types through [`decode_scaled`]'s f32 integers. `false` for another type, a length that is
+/// not whole blocks, or an integer that is not exact in bf16 (none of these types has one).
+pub(super) fn decode_pairs(
+    dtype: impl Into<BlockType>,
+    bytes: &[u8],
+    q: &mut [u32],
+    s: &mut [f32],
+    o: &mut [f32],
+) -> bool {
+    let dtype = dtype.into();
+    let (bs, per) = (dtype.type_size(), dtype.block_size());
+    if !bytes.len().is_multiple_of(bs)
+        || bytes.len() / bs * per != q.len() * 2
+        || q.len() != s.len() * 16
+    {
+        return false;
+    }
+    // a small integer's bf16 bits: its f32 bits' upper half (exact below 2⁸)
+    let bf = |x: i32| (x as f32).to_bits() >> 16;
+    let pairs = |v: &[i32; 32], q: &mut [u32]| {
+        for (r, d) in q.iter_mut().enumerate() {
+            *d = bf(v[2 * r]) | (bf(v[2 * r + 1]) << 16);
+        }
+    };
+    let nibbles = |b: &[u8], q: &mut [u32], bias: i32, qh: Option<u32>| {
+        pairs(&block_nibbles(b, qh).map(|x| x as i32 - bias), q);
+    };
+    match dtype {
+        BlockType::Ggml(GgmlDType::Q8_0) => {
+            for ((b, q), s) in bytes.chunks_exact(34).zip(q.chunks_exact_mut(16)).zip(s) {
+                *s = block_scale(b);
+                for (r, d) in q.iter_mut().enumerate() {
+                    let (x0, x1) = (b[2 + 2 * r] as i8, b[3 + 2 * r] as i8);
+                    *d = bf(x0 as i32) | (bf(x1 as i32) << 16);
+                }
+            }
+            true
+        }
+        BlockType::Ggml(GgmlDType::Q5_0) => {
+            for ((b, q), s) in bytes.chunks_exact(22).zip(q.chunks_exact_mut(16)).zip(s) {
+                *s = block_scale(b);
+                let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+                nibbles(&b[6..22], q, 16, Some(qh));
+            }
+            true
+        }
+        BlockType::Ggml(GgmlDType::Q4_0) => {
+            for ((b, q), s) in bytes.chunks_exact(18).zip(q.chunks_exact_mut(16)).zip(s) {
+                *s = block_scale(b);
+                nibbles(&b[2..18], q, 8, None);
+            }
+            true
+        }
+        _ => PAIRS_F32.with(|cell| {
+            let mut f = cell.borrow_mut();
+            f.resize(q.len() * 2, 0.0);
+            if !decode_scaled(dtype, bytes, &mut f, s, o) {
+                return false;
+            }
+            let mut low_bits = 0u32;
+            for (d, pair) in q.iter_mut().zip(f.chunks_exact(2)) {
+                let (b0, b1) = (pair[0].to_bits(), pair[1].to_bits());
+                low_bits |= (b0 | b1) & 0xffff;
+                *d = (b0 >> 16) | (b1 & 0xffff_0000);
+            }
+            low_bits == 0
+        }),
+    }
+}
+
+thread_local! {
+    /// [`decode_pairs`]'s f32 integers for the types it reads through [`decode_scaled`].
+    static PAIRS_F32: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// The part of a fused matrix whose rows start at `starts` that holds row `j`, and the row's
 /// place in it.
 pub(super) fn part_of(starts: &[usize], j: usize) -> (usize, usize) {
