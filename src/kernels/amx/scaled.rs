@@ -1198,6 +1198,109 @@ mod tests {
         }
     }
 
+    /// A [`RowSource`] of the same rows as [`matrix`]'s packed form.
+    struct Rows {
+        n: usize,
+        k: usize,
+        offsets: bool,
+        packed: PackedScaled,
+    }
+
+    impl RowSource for Rows {
+        fn layout(&self) -> (usize, usize, bool) {
+            (self.n, self.k / GROUP, self.offsets)
+        }
+
+        fn row(
+            &self,
+            j: usize,
+            gs: std::ops::Range<usize>,
+            q: &mut [u32],
+            s: &mut [f32],
+            o: &mut [f32],
+        ) -> bool {
+            // read back from the packed tiles: S·Q + O = weight, with Q the tile's value
+            let (p, jj) = (j / NP, j % NP);
+            let (half, col) = (jj / T, jj % T);
+            let (ws, wo) = self.packed.scales_and_offsets();
+            for (lg, g) in gs.enumerate() {
+                let tile =
+                    &self.packed.q()[(p * self.packed.groups + g) * 2 * TILE + half * TILE..];
+                for r in 0..KT / 2 {
+                    let (lo, hi) = (tile[r * 2 * T + col * 2], tile[r * 2 * T + col * 2 + 1]);
+                    q[lg * 16 + r] = lo as u32 | (hi as u32) << 16;
+                }
+                let at = (p * self.packed.groups + g) * NP + jj;
+                s[lg] = ws[at];
+                o[lg] = wo.map_or(0.0, |o| o[at]);
+            }
+            true
+        }
+    }
+
+    #[test]
+    fn decoding_panels_in_the_product_gives_the_packed_matrix_bits() {
+        let engines = if super::super::available() {
+            vec![Engine::Emulated, Engine::Tiles]
+        } else {
+            eprintln!("AMX tiles not available here: checking the emulation of tdpbf16ps only");
+            vec![Engine::Emulated]
+        };
+        // 70 groups: three depth slices (32, 32, 6 → 24, 24, 22); 100 columns: a partial
+        // panel; 1,700 columns: runs of many panels on each thread
+        for (m, k, n, seed) in [(45, 70 * 32, 100, 1), (70, 256, 1700, 2), (1, 64, 33, 3)] {
+            for offsets in [false, true] {
+                let (_, packed) = matrix(n, k, offsets, seed + offsets as u64);
+                let rows = Rows {
+                    n,
+                    k,
+                    offsets,
+                    packed: packed.clone(),
+                };
+                let groups = k / GROUP;
+                let mut rng = crate::reference::Rng::new(seed + 50);
+                for gs in [0..groups, 1..groups - 1, 0..1, 2..2] {
+                    let lda = gs.len() * GROUP;
+                    let a = rng.normals(m * lda.max(1), 1.0);
+                    let ldc = n + 5;
+                    for &engine in &engines {
+                        for accumulate in [false, true] {
+                            let base = if accumulate { 0.75f32 } else { f32::NAN };
+                            let (mut want, mut got) = (vec![base; m * ldc], vec![base; m * ldc]);
+                            let lda = lda.max(1);
+                            gemm_groups_with(
+                                engine,
+                                &a,
+                                lda,
+                                m,
+                                &packed,
+                                gs.clone(),
+                                &mut want,
+                                ldc,
+                                accumulate,
+                            );
+                            gemm_decoded(
+                                engine,
+                                &a,
+                                lda,
+                                m,
+                                &rows,
+                                gs.clone(),
+                                &mut got,
+                                ldc,
+                                accumulate,
+                            );
+                            assert!(
+                                got.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits()),
+                                "{engine:?} m={m} k={k} n={n} offsets={offsets} groups {gs:?} acc={accumulate}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn weights_that_are_not_small_integers_are_refused() {
         let k = 64;

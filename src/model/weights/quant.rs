@@ -561,3 +561,84 @@ pub(super) fn repack_q5_0_to_q8_0(q: &QTensor) -> Result<QTensor> {
     let storage = QStorage::from_data(Cow::Owned(out), &Device::Cpu, GgmlDType::Q8_0)?;
     Ok(QTensor::new(storage, q.shape().clone())?)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The pairs are [`decode_scaled`]'s integers in bf16, two at a time (weight 2r low), with
+    /// its scales and offsets, for every type the tiles take (Q8_0, Q5_0 and Q4_0 read straight
+    /// from the blocks, the others through the f32 integers); a length that is not whole
+    /// blocks is refused.
+    #[test]
+    fn the_pairs_are_the_scaled_integers_bf16_bits_two_at_a_time() {
+        let mut rng = crate::reference::Rng::new(21);
+        let (rows, cols) = (2, 512);
+        let mut w = rng.normals(rows * cols, 1.0);
+        w[32..64].iter_mut().for_each(|x| *x = 0.0);
+        w[600..632].iter_mut().for_each(|x| *x *= 300.0);
+        let t = Tensor::from_vec(w.clone(), (rows, cols), &Device::Cpu).unwrap();
+        let types = [
+            GgmlDType::Q8_0,
+            GgmlDType::Q5_0,
+            GgmlDType::Q4_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q5_1,
+            GgmlDType::Q4K,
+            GgmlDType::BF16,
+        ];
+        for dtype in types {
+            let bytes: Vec<u8> = if dtype == GgmlDType::BF16 {
+                w.iter()
+                    .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                    .collect()
+            } else {
+                QTensor::quantize(&t, dtype)
+                    .unwrap()
+                    .data()
+                    .unwrap()
+                    .to_vec()
+            };
+            let rb = bytes.len() / rows;
+            for r in 0..rows {
+                let row = &bytes[r * rb..(r + 1) * rb];
+                let g = cols / 32;
+                let (mut q, mut s, mut o) = (vec![0f32; cols], vec![0f32; g], vec![0f32; g]);
+                assert!(
+                    decode_scaled(dtype, row, &mut q, &mut s, &mut o),
+                    "{dtype:?}"
+                );
+                let (mut p, mut ps, mut po) = (vec![0u32; cols / 2], vec![0f32; g], vec![0f32; g]);
+                assert!(
+                    decode_pairs(dtype, row, &mut p, &mut ps, &mut po),
+                    "{dtype:?}"
+                );
+                for (i, pair) in p.iter().enumerate() {
+                    let (lo, hi) = (pair & 0xffff, pair >> 16);
+                    assert_eq!(
+                        lo << 16,
+                        q[2 * i].to_bits(),
+                        "{dtype:?} row {r} weight {}",
+                        2 * i
+                    );
+                    assert_eq!(
+                        hi << 16,
+                        q[2 * i + 1].to_bits(),
+                        "{dtype:?} row {r} weight {}",
+                        2 * i + 1
+                    );
+                }
+                let bits =
+                    |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(
+                    bits(&s, &ps) && bits(&o, &po),
+                    "{dtype:?} row {r}: scales and offsets"
+                );
+                assert!(
+                    !decode_pairs(dtype, &row[..row.len() - 1], &mut p, &mut ps, &mut po),
+                    "{dtype:?}: a cut block"
+                );
+            }
+        }
+    }
+}
