@@ -287,32 +287,10 @@ pub(super) fn decode_scaled(
             *q = x as f32 - bias;
         }
     };
-    let kv = |qs: &[u8], q: &mut [f32]| {
-        for j in 0..16 {
-            q[j] = KVALUES_IQ4[(qs[j] & 0x0f) as usize] as f32;
-            q[j + 16] = KVALUES_IQ4[(qs[j] >> 4) as usize] as f32;
-        }
-    };
     let dtype = match dtype {
         BlockType::Ggml(d) => d,
-        BlockType::Iq4Nl => {
-            for (i, b) in bytes.chunks_exact(bs).enumerate() {
-                s[i] = block_scale(b);
-                kv(&b[2..18], &mut q[i * 32..(i + 1) * 32]);
-            }
-            return true;
-        }
-        BlockType::Iq4Xs => {
-            for (i, b) in bytes.chunks_exact(bs).enumerate() {
-                let d = block_scale(b);
-                for j in 0..8 {
-                    s[i * 8 + j] = d * iq4_xs_scale(b, j) as f32;
-                    kv(
-                        &b[8 + 16 * j..24 + 16 * j],
-                        &mut q[(i * 8 + j) * 32..][..32],
-                    );
-                }
-            }
+        iq4 => {
+            iq4_scaled(iq4, bytes, q, s);
             return true;
         }
     };
@@ -359,35 +337,66 @@ pub(super) fn decode_scaled(
                     Some(u32::from_le_bytes([b[4], b[5], b[6], b[7]])),
                 );
             }
-            GgmlDType::Q4K => {
-                // 144 bytes: d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 of nibbles;
-                // sub-block j of 32: w = d·sc_j · q − dmin·m_j (llama.cpp's get_scale_min_k4)
-                let (d, dmin, sc, qs) =
-                    (block_scale(b), block_scale(&b[2..]), &b[4..16], &b[16..144]);
-                let scale_min = |j: usize| -> (u8, u8) {
-                    if j < 4 {
-                        (sc[j] & 63, sc[j + 4] & 63)
-                    } else {
-                        (
-                            (sc[j + 4] & 0x0f) | ((sc[j - 4] >> 6) << 4),
-                            (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4),
-                        )
-                    }
-                };
-                for j in 0..8 {
-                    let (scale, min) = scale_min(j);
-                    s[i * 8 + j] = d * scale as f32;
-                    o[i * 8 + j] = -(dmin * min as f32);
-                    let bytes = &qs[(j / 2) * 32..(j / 2) * 32 + 32];
-                    for (l, &x) in bytes.iter().enumerate() {
-                        q[j * 32 + l] = if j % 2 == 0 { x & 0x0f } else { x >> 4 } as f32;
-                    }
-                }
-            }
+            GgmlDType::Q4K => q4k_scaled(b, q, &mut s[i * 8..][..8], &mut o[i * 8..][..8]),
             _ => return false,
         }
     }
     true
+}
+
+/// IQ4_NL and IQ4_XS blocks (whole ones, as [`decode_scaled`] checked) as its integers (the
+/// non-linear table's values) and scales.
+fn iq4_scaled(dtype: BlockType, bytes: &[u8], q: &mut [f32], s: &mut [f32]) {
+    let kv = |qs: &[u8], q: &mut [f32]| {
+        for j in 0..16 {
+            q[j] = KVALUES_IQ4[(qs[j] & 0x0f) as usize] as f32;
+            q[j + 16] = KVALUES_IQ4[(qs[j] >> 4) as usize] as f32;
+        }
+    };
+    let bs = dtype.type_size();
+    if dtype == BlockType::Iq4Nl {
+        for (i, b) in bytes.chunks_exact(bs).enumerate() {
+            s[i] = block_scale(b);
+            kv(&b[2..18], &mut q[i * 32..(i + 1) * 32]);
+        }
+        return;
+    }
+    for (i, b) in bytes.chunks_exact(bs).enumerate() {
+        let d = block_scale(b);
+        for j in 0..8 {
+            s[i * 8 + j] = d * iq4_xs_scale(b, j) as f32;
+            kv(
+                &b[8 + 16 * j..24 + 16 * j],
+                &mut q[(i * 8 + j) * 32..][..32],
+            );
+        }
+    }
+}
+
+/// One Q4_K super-block (144 bytes: d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 of
+/// nibbles) as [`decode_scaled`] reads it: sub-block j of 32 is `w = d·sc_j · q − dmin·m_j`
+/// (llama.cpp's get_scale_min_k4), so `s[j] = d·sc_j`, `o[j] = −dmin·m_j`.
+fn q4k_scaled(b: &[u8], q: &mut [f32], s: &mut [f32], o: &mut [f32]) {
+    let (d, dmin, sc, qs) = (block_scale(b), block_scale(&b[2..]), &b[4..16], &b[16..144]);
+    let scale_min = |j: usize| -> (u8, u8) {
+        if j < 4 {
+            (sc[j] & 63, sc[j + 4] & 63)
+        } else {
+            (
+                (sc[j + 4] & 0x0f) | ((sc[j - 4] >> 6) << 4),
+                (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4),
+            )
+        }
+    };
+    for j in 0..8 {
+        let (scale, min) = scale_min(j);
+        s[j] = d * scale as f32;
+        o[j] = -(dmin * min as f32);
+        let bytes = &qs[(j / 2) * 32..(j / 2) * 32 + 32];
+        for (l, &x) in bytes.iter().enumerate() {
+            q[j * 32 + l] = if j % 2 == 0 { x & 0x0f } else { x >> 4 } as f32;
+        }
+    }
 }
 
 /// [`decode_scaled`] with the integers as bf16 pairs, as the AMX tiles read them: `q[16 ·
