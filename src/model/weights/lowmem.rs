@@ -159,21 +159,20 @@ impl QuantB {
         accumulate: bool,
     ) {
         const G: usize = amx::scaled::GROUP;
-        if ks.start.is_multiple_of(G) && ks.end.is_multiple_of(G) && m > 0 {
-            if self.scaled.is_some() {
-                amx::scaled::gemm_decoded(
-                    amx::Engine::Tiles,
-                    a,
-                    lda,
-                    m,
-                    self,
-                    ks.start / G..ks.end / G,
-                    c,
-                    ldc,
-                    accumulate,
-                );
-                return;
-            }
+        if ks.start.is_multiple_of(G) && ks.end.is_multiple_of(G) && m > 0 && self.scaled.is_some()
+        {
+            amx::scaled::gemm_decoded(
+                amx::Engine::Tiles,
+                a,
+                lda,
+                m,
+                self,
+                ks.start / G..ks.end / G,
+                c,
+                ldc,
+                accumulate,
+            );
+            return;
         }
         gemm::gemm_source(
             a,
