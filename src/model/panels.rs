@@ -361,8 +361,31 @@ fn write_file(
     id: &Identified,
     mats: &[(usize, usize, &[u8], u8)],
 ) -> std::io::Result<usize> {
-    let identity = &id.identity;
     let dir = path.parent().unwrap_or(Path::new("."));
+    let (header, data_start, file_len) = header_bytes(id, mats)?;
+    let tmp = dir.join(format!(
+        ".{}.{}.{:?}.tmp",
+        path.file_name()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    match write_pieces(&tmp, path, &header, data_start, mats) {
+        Ok(()) => Ok(file_len),
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            Err(e)
+        }
+    }
+}
+
+/// The header of a cache file of `mats` (each piece's shape, offset and CRC-32), where its data
+/// starts, and the file's length.
+fn header_bytes(
+    id: &Identified,
+    mats: &[(usize, usize, &[u8], u8)],
+) -> std::io::Result<(Vec<u8>, usize, usize)> {
     let crcs: Vec<u32> = mats.par_iter().map(|m| crc(m.2)).collect();
     // the header's length depends on the offsets, which depend on its length: the header is
     // given room for offsets of up to 20 digits, then padded to the page
@@ -385,69 +408,59 @@ fn write_file(
             .collect();
         (entries, at)
     };
+    let json = |matrices: Vec<Entry>, file_len: usize| {
+        serde_json::to_vec(&Header {
+            identity: id.identity.clone(),
+            matrices,
+            file_len,
+            model: id.model.clone(),
+            paths: id.paths.clone(),
+        })
+        .map_err(std::io::Error::other)
+    };
     let (probe, _) = layout(usize::MAX / 2);
-    let probe_len = serde_json::to_vec(&Header {
-        identity: identity.clone(),
-        matrices: probe,
-        file_len: usize::MAX,
-        model: id.model.clone(),
-        paths: id.paths.clone(),
-    })
-    .map_err(std::io::Error::other)?
-    .len();
+    let probe_len = json(probe, usize::MAX)?.len();
     let data_start = (16 + probe_len).div_ceil(ALIGN) * ALIGN;
     let (matrices, file_len) = layout(data_start);
-    let header = serde_json::to_vec(&Header {
-        identity: identity.clone(),
-        matrices,
-        file_len,
-        model: id.model.clone(),
-        paths: id.paths.clone(),
-    })
-    .map_err(std::io::Error::other)?;
+    let header = json(matrices, file_len)?;
     debug_assert!(16 + header.len() <= data_start);
-    let tmp = dir.join(format!(
-        ".{}.{}.{:?}.tmp",
-        path.file_name()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_default(),
-        std::process::id(),
-        std::thread::current().id()
-    ));
-    let write = || -> std::io::Result<()> {
-        let mut f = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(&tmp)?);
-        f.write_all(MAGIC)?;
-        f.write_all(&(header.len() as u64).to_le_bytes())?;
-        f.write_all(&header)?;
-        // the data starts where the offsets say: the page after the probe's longer header,
-        // which can be a page past the one after this header (SmolLM2's 120 matrices: every
-        // offset one page off, the file a page short, so every load found it damaged and
-        // packed the weights again)
-        f.write_all(&vec![0u8; data_start - (16 + header.len())])?;
-        let mut at = data_start;
-        let zeros = vec![0u8; ALIGN];
-        for (_, _, bytes, _) in mats {
-            let pad = at.div_ceil(ALIGN) * ALIGN - at;
-            f.write_all(&zeros[..pad])?;
-            f.write_all(bytes)?;
-            at += pad + bytes.len();
-        }
+    Ok((header, data_start, file_len))
+}
+
+/// Writes the header and the pieces (each on a page from `data_start`) to `tmp`, then renames it
+/// to `path`.
+fn write_pieces(
+    tmp: &Path,
+    path: &Path,
+    header: &[u8],
+    data_start: usize,
+    mats: &[(usize, usize, &[u8], u8)],
+) -> std::io::Result<()> {
+    let mut f = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(tmp)?);
+    f.write_all(MAGIC)?;
+    f.write_all(&(header.len() as u64).to_le_bytes())?;
+    f.write_all(header)?;
+    // the data starts where the offsets say: the page after the probe's longer header,
+    // which can be a page past the one after this header (SmolLM2's 120 matrices: every
+    // offset one page off, the file a page short, so every load found it damaged and
+    // packed the weights again)
+    f.write_all(&vec![0u8; data_start - (16 + header.len())])?;
+    let mut at = data_start;
+    let zeros = vec![0u8; ALIGN];
+    for (_, _, bytes, _) in mats {
         let pad = at.div_ceil(ALIGN) * ALIGN - at;
         f.write_all(&zeros[..pad])?;
-        // no fsync (it cost 2.4 s for the default model): a file cut short by a crash
-        // fails its length or checksums on the next open and is rebuilt
-        let f = f.into_inner().map_err(|e| e.into_error())?;
-        // written now: the most recently used file
-        touch(&f, path);
-        std::fs::rename(&tmp, path)
-    };
-    match write() {
-        Ok(()) => Ok(file_len),
-        Err(e) => {
-            let _ = std::fs::remove_file(&tmp);
-            Err(e)
-        }
+        f.write_all(bytes)?;
+        at += pad + bytes.len();
     }
+    let pad = at.div_ceil(ALIGN) * ALIGN - at;
+    f.write_all(&zeros[..pad])?;
+    // no fsync (it cost 2.4 s for the default model): a file cut short by a crash
+    // fails its length or checksums on the next open and is rebuilt
+    let f = f.into_inner().map_err(|e| e.into_error())?;
+    // written now: the most recently used file
+    touch(&f, path);
+    std::fs::rename(tmp, path)
 }
 
 /// A small derived artifact of a model kept next to its packed weights (Gemma's SentencePiece

@@ -53,6 +53,72 @@ fn region_lens(n: usize, k: usize) -> (usize, usize) {
     (panels * groups * 2 * TILE, panels * groups * NP)
 }
 
+/// One row's integers (as bf16 pairs: 16 a group, weight 2r in the low half of pair r),
+/// scales and offsets, and (for a source of f32 rows) the row as f32, reused from row to row.
+#[derive(Default)]
+struct RowBuf {
+    q: Vec<u32>,
+    s: Vec<f32>,
+    o: Vec<f32>,
+    f: Vec<f32>,
+}
+
+impl RowBuf {
+    /// Room for `groups` groups: `(q, s, o)`, the offsets zeroed (a source without them writes
+    /// none).
+    fn get(&mut self, groups: usize) -> (&mut [u32], &mut [f32], &mut [f32]) {
+        self.q.resize(groups * GROUP / 2, 0);
+        self.s.resize(groups, 0.0);
+        self.o.clear();
+        self.o.resize(groups, 0.0);
+        (&mut self.q, &mut self.s, &mut self.o)
+    }
+}
+
+/// `q`'s f32 integers as bf16 pairs into `pairs` (weight 2r in the low half of pair r); `false`
+/// if one is not exact in bf16 (its f32 bits' lower half not zero) or not finite (every
+/// exponent bit set).
+fn to_pairs(q: &[f32], pairs: &mut [u32]) -> bool {
+    let (mut low_bits, mut exp_all) = (0u32, false);
+    for (d, pair) in pairs.iter_mut().zip(q.chunks_exact(2)) {
+        let (b0, b1) = (pair[0].to_bits(), pair[1].to_bits());
+        low_bits |= (b0 | b1) & 0xffff;
+        exp_all |= (b0 & 0x7f80_0000) == 0x7f80_0000 || (b1 & 0x7f80_0000) == 0x7f80_0000;
+        *d = (b0 >> 16) | (b1 & 0xffff_0000);
+    }
+    low_bits == 0 && !exp_all
+}
+
+/// Writes column `jj` of a panel (`qp`: its groups' tiles as bf16 pairs, `sp`/`op`: its scales
+/// and offsets, `[group][32 columns]`) from one row's pairs (16 a group), scales `sr` and
+/// offsets `or` of the same groups. Pair r of group g goes to row r of the group's tile
+/// `jj / 16`, column `jj % 16`.
+fn put_row(
+    qp: &mut [u32],
+    sp: &mut [f32],
+    op: Option<&mut [f32]>,
+    jj: usize,
+    pairs: &[u32],
+    sr: &[f32],
+    or: &[f32],
+) {
+    let (half, col) = (jj / T, jj % T);
+    for (g, pg) in pairs.chunks_exact(KT / 2).enumerate() {
+        let dst = &mut qp[(g * 2 + half) * TILE / 2 + col..][..TILE / 2 - col];
+        for (r, &x) in pg.iter().enumerate() {
+            dst[r * T] = x;
+        }
+    }
+    for (g, &s) in sr.iter().enumerate() {
+        sp[g * NP + jj] = s;
+    }
+    if let Some(op) = op {
+        for (g, &o) in or.iter().enumerate() {
+            op[g * NP + jj] = o;
+        }
+    }
+}
+
 impl PackedScaled {
     /// Packs `W: [n, k]` (k a multiple of [`GROUP`]) from `row(j, q, s, o)`, which writes row
     /// `j`'s integers `q[k]` (as f32), scales `s[k / 32]` and, with `offsets`, offsets
@@ -89,38 +155,20 @@ impl PackedScaled {
             .zip(o_chunks.par_iter_mut())
             .enumerate()
             .all(|(p, ((qp, sp), op))| {
-                let (mut qr, mut sr, mut or) =
-                    (vec![0f32; k], vec![0f32; groups], vec![0f32; groups]);
-                for jj in 0..NP.min(n - p * NP) {
-                    or.fill(0.0);
-                    if !row(p * NP + jj, &mut qr, &mut sr, &mut or) {
-                        return false;
+                // whole tiles of a 64-byte aligned buffer: u32 pairs
+                let qp: &mut [u32] = bytemuck::cast_slice_mut(qp);
+                let mut rows = RowBuf::default();
+                (0..NP.min(n - p * NP)).all(|jj| {
+                    let mut f = std::mem::take(&mut rows.f);
+                    f.resize(k, 0.0);
+                    let (pairs, sr, or) = rows.get(groups);
+                    let ok = row(p * NP + jj, &mut f, sr, or) && to_pairs(&f, pairs);
+                    if ok {
+                        put_row(qp, sp, op.as_deref_mut(), jj, pairs, sr, or);
                     }
-                    let (half, col) = (jj / T, jj % T);
-                    // a value bf16 holds exactly is its f32 bits' upper half (the lower half
-                    // zero); one check for the row. Weight i of group g goes to row (i % 32) / 2
-                    // of the group's tile `half`, the pair (2r, 2r + 1) side by side
-                    let mut low_bits = 0u32;
-                    for (g, qg) in qr.chunks_exact(KT).enumerate() {
-                        let dst = &mut qp[(g * 2 + half) * TILE + col * 2..][..TILE - col * 2];
-                        for (r, pair) in qg.chunks_exact(2).enumerate() {
-                            let (b0, b1) = (pair[0].to_bits(), pair[1].to_bits());
-                            low_bits |= (b0 | b1) & 0xffff;
-                            dst[r * 2 * T] = (b0 >> 16) as u16;
-                            dst[r * 2 * T + 1] = (b1 >> 16) as u16;
-                        }
-                    }
-                    if low_bits != 0 || qr.iter().any(|x| !x.is_finite()) {
-                        return false;
-                    }
-                    for g in 0..groups {
-                        sp[g * NP + jj] = sr[g];
-                        if let Some(op) = op.as_deref_mut() {
-                            op[g * NP + jj] = or[g];
-                        }
-                    }
-                }
-                true
+                    rows.f = f;
+                    ok
+                })
             });
         drop(o_chunks);
         ok.then_some(PackedScaled {
@@ -282,14 +330,130 @@ pub fn gemm_groups_with(
     ldc: usize,
     accumulate: bool,
 ) {
+    product(
+        engine,
+        (a, lda, m),
+        Weights::Packed(w),
+        gs,
+        (c, ldc),
+        accumulate,
+    )
+}
+
+/// A matrix `W: [n, 32·groups]` of integers and scales that is not held packed (`--memory
+/// low`: a quantized file's blocks, mapped): [`gemm_decoded`] asks for its rows a depth slice
+/// at a time and puts them in the tiles' layout, a few panels at a time, just before they are
+/// multiplied.
+pub trait RowSource: Sync {
+    /// `(n, groups, offsets)`: the rows, the groups of 32 along k, and whether the weights have
+    /// per-group offsets besides their scales.
+    fn layout(&self) -> (usize, usize, bool);
+
+    /// Writes row `j`'s integers of the groups `gs` into `q[16·gs.len()]` as bf16 pairs (pair r
+    /// of a group: weight 2r in the low half, 2r + 1 in the high), their scales into
+    /// `s[gs.len()]` and, with offsets, their offsets into `o[gs.len()]`; `false` if the row has
+    /// not that form. Every integer must be exact in bf16 and finite: the source checks that
+    /// once, before its first product (a row that is not panics).
+    fn row(
+        &self,
+        j: usize,
+        gs: std::ops::Range<usize>,
+        q: &mut [u32],
+        s: &mut [f32],
+        o: &mut [f32],
+    ) -> bool;
+}
+
+/// [`gemm_groups_with`] for weights decoded as they are multiplied: the same bits as on the
+/// packed matrix the same rows make ([`PackedScaled::from_row_source`]). Each worker thread
+/// decodes a run of panels (a depth slice of them, a buffer of about [`DECODE_BYTES`]) and
+/// walks every block of rows over it, so each weight is decoded once per product, and the two
+/// cores decode and multiply side by side.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_decoded(
+    engine: Engine,
+    a: &[f32],
+    lda: usize,
+    m: usize,
+    w: &dyn RowSource,
+    gs: std::ops::Range<usize>,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+) {
+    product(
+        engine,
+        (a, lda, m),
+        Weights::Decoded(w),
+        gs,
+        (c, ldc),
+        accumulate,
+    )
+}
+
+/// Bytes of a worker's decoded panels (the rest of a 2 MiB L2 holds a block of A's rows).
+pub const DECODE_BYTES: usize = 1 << 20;
+
+/// Groups in a depth slice of decoded panels: A's three parts of a block of rows over a slice
+/// take 6 KiB a group.
+const SLICE_GROUPS: usize = 32;
+
+/// Where a product's weights come from.
+enum Weights<'a> {
+    Packed(&'a PackedScaled),
+    Decoded(&'a dyn RowSource),
+}
+
+impl Weights<'_> {
+    fn layout(&self) -> (usize, usize, bool) {
+        match self {
+            Weights::Packed(w) => (w.n, w.groups, w.offsets),
+            Weights::Decoded(w) => w.layout(),
+        }
+    }
+}
+
+/// A panel's tiles, scales and offsets for a run of groups, from its first.
+struct PanelView<'a> {
+    q: &'a [u16],
+    s: &'a [f32],
+    o: Option<&'a [f32]>,
+}
+
+/// What every task of one product shares: A split into three bf16 parts, the sums of A's rows
+/// over each group (for the offsets), the shapes and C.
+struct Shared<'a> {
+    engine: Engine,
+    planes: &'a [u16],
+    asum: &'a [f32],
+    split_stride: usize,
+    block_len: usize,
+    /// Groups taken (A's columns / 32).
+    groups: usize,
+    m: usize,
+    n: usize,
+    blocks: usize,
+    wide: bool,
+    cp: SendPtr,
+    ldc: usize,
+    accumulate: bool,
+}
+
+fn product(
+    engine: Engine,
+    (a, lda, m): (&[f32], usize, usize),
+    w: Weights,
+    gs: std::ops::Range<usize>,
+    (c, ldc): (&mut [f32], usize),
+    accumulate: bool,
+) {
+    let (n, all, offsets) = w.layout();
     assert!(
-        gs.start <= gs.end && gs.end <= w.groups,
-        "groups {gs:?} outside the matrix's {}",
-        w.groups
+        gs.start <= gs.end && gs.end <= all,
+        "groups {gs:?} outside the matrix's {all}"
     );
-    // the groups taken, the first of them, and the matrix's own count (the packed strides)
-    let (groups, g0, all) = (gs.len(), gs.start, w.groups);
-    let (k, n) = (groups * GROUP, w.n);
+    let groups = gs.len();
+    let k = groups * GROUP;
     if m == 0 || n == 0 {
         return;
     }
@@ -302,21 +466,8 @@ pub fn gemm_groups_with(
         return;
     }
     let blocks = m.div_ceil(MB);
-    // Σ of each row of A over each group, for the offsets (padded rows 0)
-    let (ws, wo) = w.scales_and_offsets();
-    let wq = w.q();
-    let asum: Vec<f32> = if wo.is_some() {
-        let mut v = vec![0f32; blocks * MB * groups];
-        v.par_chunks_mut(groups)
-            .take(m)
-            .enumerate()
-            .for_each(|(r, out)| {
-                for (g, x) in out.iter_mut().enumerate() {
-                    let xs = &a[r * lda + g * GROUP..r * lda + (g + 1) * GROUP];
-                    *x = xs.iter().map(|&v| v as f64).sum::<f64>() as f32;
-                }
-            });
-        v
+    let asum = if offsets {
+        group_sums(a, lda, m, groups, blocks)
     } else {
         Vec::new()
     };
@@ -325,17 +476,83 @@ pub fn gemm_groups_with(
     #[cfg(not(target_arch = "x86_64"))]
     let wide = false;
     let split_stride = groups * 2 * TILE;
-    let block_len = 3 * split_stride;
     A_SPLIT.with(|cell| {
         let mut abuf = cell.borrow_mut();
         split_a(&mut abuf, a, lda, m, k, 3);
-        let planes = abuf.as_slice();
-        let panels = n.div_ceil(NP);
+        let sh = Shared {
+            engine,
+            planes: abuf.as_slice(),
+            asum: &asum,
+            split_stride,
+            block_len: 3 * split_stride,
+            groups,
+            m,
+            n,
+            blocks,
+            wide,
+            cp: SendPtr(c.as_mut_ptr()),
+            ldc,
+            accumulate,
+        };
+        let parallel = 2.0 * (m * n * k) as f64 > 4e6;
+        match w {
+            Weights::Packed(w) => sh.run_packed(w, gs.start, parallel),
+            Weights::Decoded(w) => sh.run_decoded(w, gs.start, offsets, parallel),
+        }
+    });
+}
+
+/// Σ of each row of A over each group, `[blocks · 32][groups]` (padded rows 0), in f64 rounded
+/// once: what the offsets multiply.
+fn group_sums(a: &[f32], lda: usize, m: usize, groups: usize, blocks: usize) -> Vec<f32> {
+    let mut v = vec![0f32; blocks * MB * groups];
+    v.par_chunks_mut(groups)
+        .take(m)
+        .enumerate()
+        .for_each(|(r, out)| {
+            for (g, x) in out.iter_mut().enumerate() {
+                let xs = &a[r * lda + g * GROUP..r * lda + (g + 1) * GROUP];
+                *x = xs.iter().map(|&v| v as f64).sum::<f64>() as f32;
+            }
+        });
+    v
+}
+
+/// Runs `task(t)` for `t < tasks`, on the pool where there is more than one and `parallel`,
+/// with the tiles configured on each thread for the task.
+fn run_tasks(engine: Engine, tasks: usize, parallel: bool, task: impl Fn(usize) + Sync) {
+    let on_tiles = |t: usize| {
+        #[cfg(target_arch = "x86_64")]
+        if engine == Engine::Tiles {
+            // SAFETY: the engine runs here (`check_args`): the CPU has AMX
+            unsafe { super::tiles::configure() };
+        }
+        task(t);
+        #[cfg(target_arch = "x86_64")]
+        if engine == Engine::Tiles {
+            // SAFETY: configured above on this thread
+            unsafe { super::tiles::release() };
+        }
+    };
+    if tasks > 1 && parallel {
+        (0..tasks).into_par_iter().for_each(on_tiles);
+    } else {
+        (0..tasks).for_each(on_tiles);
+    }
+}
+
+impl Shared<'_> {
+    /// The packed matrix's product: tasks of row groups whose three parts stay in L2 while the
+    /// task walks its panels, × runs of panels; `g0`: the matrix's first group taken.
+    fn run_packed(&self, w: &PackedScaled, g0: usize, parallel: bool) {
+        let (ws, wo) = w.scales_and_offsets();
+        let wq = w.q();
+        let all = w.groups;
+        let panels = self.n.div_ceil(NP);
         let threads = rayon::current_num_threads();
-        // tasks: row groups whose three parts stay in L2 while the task walks its panels, ×
-        // runs of panels, at least four tasks a thread where the shape allows
-        let per_group = (A_BYTES / (2 * block_len)).clamp(1, 8);
-        let row_groups = blocks.div_ceil(per_group);
+        // at least four tasks a thread where the shape allows
+        let per_group = (A_BYTES / (2 * self.block_len)).clamp(1, 8);
+        let row_groups = self.blocks.div_ceil(per_group);
         let mut runs = 1;
         while row_groups * runs < 4 * threads && runs < panels {
             runs += 1;
@@ -349,124 +566,254 @@ pub fn gemm_groups_with(
                 runs = r;
             }
         }
-        let group = blocks.div_ceil(row_groups);
+        let group = self.blocks.div_ceil(row_groups);
         let run = panels.div_ceil(runs);
-        let cp = SendPtr(c.as_mut_ptr());
-        let task = |t: usize| {
-            let cp = &cp; // the whole SendPtr, not its raw field
+        run_tasks(self.engine, row_groups * runs, parallel, |t| {
             let (gi, r) = (t / runs, t % runs);
-            let (b0, b1) = (gi * group, ((gi + 1) * group).min(blocks));
-            let (q0, q1) = (r * run, ((r + 1) * run).min(panels));
-            #[cfg(target_arch = "x86_64")]
-            if engine == Engine::Tiles {
-                // SAFETY: AMX is available (asserted above)
-                unsafe { super::tiles::configure() };
-            }
-            let mut acc = Block([0f32; MB * NP]);
-            let mut tmp = [Block([0f32; MB * NP]), Block([0f32; MB * NP])];
-            for p in q0..q1 {
-                let col0 = p * NP;
-                let cols = NP.min(n - col0);
+            let (b0, b1) = (gi * group, ((gi + 1) * group).min(self.blocks));
+            let mut scratch = Scratch::new();
+            for p in r * run..((r + 1) * run).min(panels) {
+                let first = p * all + g0;
+                let view = PanelView {
+                    q: &wq[first * 2 * TILE..],
+                    s: &ws[first * NP..],
+                    o: wo.map(|o| &o[first * NP..]),
+                };
                 for b in b0..b1 {
-                    let row0 = b * MB;
-                    let rows = MB.min(m - row0);
-                    // without `accumulate` the first group's scaling starts the sums from zero
-                    // (no fill: a memset of 4 KiB per block was 1% of a forward)
-                    if accumulate && rows < MB {
-                        acc.0.fill(0.0);
+                    self.block(&mut scratch, &view, b, p, 0..self.groups);
+                }
+            }
+        });
+    }
+
+    /// The decoded matrix's product: a task per run of panels; for each depth slice, the run's
+    /// panels decoded into the thread's buffer, then every block of rows multiplied by them.
+    fn run_decoded(&self, w: &dyn RowSource, g0: usize, offsets: bool, parallel: bool) {
+        let panels = self.n.div_ceil(NP);
+        let threads = rayon::current_num_threads();
+        let slices = self.groups.div_ceil(SLICE_GROUPS);
+        let slice = self.groups.div_ceil(slices);
+        let (panel_q, panel_s) = (slice * TILE, slice * NP);
+        let panel_bytes = 4 * panel_q + 4 * panel_s * if offsets { 2 } else { 1 };
+        let fit = (DECODE_BYTES / panel_bytes).max(1);
+        // runs the threads share evenly (two each at least, where there are panels enough)
+        let mut runs = panels.div_ceil(fit).max(2 * threads).min(panels);
+        runs = runs.div_ceil(threads) * threads;
+        let run = panels.div_ceil(runs.min(panels));
+        let runs = panels.div_ceil(run);
+        run_tasks(self.engine, runs, parallel, |t| {
+            let ps = t * run..((t + 1) * run).min(panels);
+            DECODED.with(|cell| {
+                let mut d = cell.borrow_mut();
+                let Decoded { q, s, o, rows } = &mut *d;
+                q.resize(ps.len() * panel_q, 0);
+                s.resize(ps.len() * panel_s, 0.0);
+                o.resize(if offsets { ps.len() * panel_s } else { 0 }, 0.0);
+                let mut scratch = Scratch::new();
+                for s0 in (0..self.groups).step_by(slice) {
+                    let sl = s0..(s0 + slice).min(self.groups);
+                    let (lq, ls) = (sl.len() * TILE, sl.len() * NP);
+                    for (i, p) in ps.clone().enumerate() {
+                        let qp = &mut q[i * panel_q..][..lq];
+                        let sp = &mut s[i * panel_s..][..ls];
+                        let op = offsets.then(|| &mut o[i * panel_s..][..ls]);
+                        let cols = NP.min(self.n - p * NP);
+                        decode_panel(
+                            w,
+                            p * NP,
+                            cols,
+                            g0 + sl.start..g0 + sl.end,
+                            rows,
+                            qp,
+                            sp,
+                            op,
+                        );
                     }
-                    if accumulate {
-                        for r in 0..rows {
-                            // SAFETY: the task owns rows b0·32..b1·32 × panels q0..q1 of C;
-                            // sizes checked above
-                            let src = unsafe { cp.0.add((row0 + r) * ldc + col0) };
-                            let row = &mut acc.0[r * NP..(r + 1) * NP];
-                            if cols == NP {
-                                // fixed length: vector moves, not a call of memcpy
-                                // SAFETY: NP values of the task's own row of C (cols == NP)
-                                let v = unsafe { (src as *const [f32; NP]).read_unaligned() };
-                                row.copy_from_slice(&v);
-                            } else {
-                                for (j, x) in row[..cols].iter_mut().enumerate() {
-                                    // SAFETY: j < cols, inside the task's own row of C
-                                    *x = unsafe { *src.add(j) };
-                                }
-                            }
-                        }
-                    }
-                    let a0 = planes[b * block_len..].as_ptr();
-                    // two groups on the tiles, then both scaled into the sums in one pass (the
-                    // sums stay in registers between them: half the loads and stores of the
-                    // running sums, the same operations in the same order)
-                    let mut g = 0;
-                    while g < groups {
-                        let pair = (groups - g).min(2);
-                        for (h, t) in tmp.iter_mut().take(pair).enumerate() {
-                            // g + h counts the groups taken (A's); the weights' own is g0 + g + h
-                            let wg = p * all + g0 + g + h;
-                            let at = wg * 2 * TILE;
-                            let qt = wq[at..at + 2 * TILE].as_ptr();
-                            let a_g = a0.wrapping_add((g + h) * 2 * TILE);
-                            match engine {
-                                #[cfg(target_arch = "x86_64")]
-                                // SAFETY: the pointers name whole tiles of the packed buffers, and
-                                // `Engine::Tiles` is chosen only where the tiles are configured
-                                Engine::Tiles => unsafe {
-                                    super::tiles::scaled_group(
-                                        a_g,
-                                        split_stride,
-                                        qt,
-                                        t.0.as_mut_ptr(),
-                                    )
-                                },
-                                // SAFETY: the pointers name whole tiles of the packed buffers
-                                _ => unsafe { emulated_group(a_g, split_stride, qt, &mut t.0) },
-                            }
-                        }
-                        let first = g == 0 && !accumulate;
-                        let wg = p * all + g0 + g;
-                        let at = row0 * groups + g;
-                        if pair == 2 {
-                            let gs = [
-                                Scaled::of(&tmp[0].0, ws, wo, &asum, wg, at, groups),
-                                Scaled::of(&tmp[1].0, ws, wo, &asum, wg + 1, at + 1, groups),
-                            ];
-                            post(&mut acc.0, &gs, first, wide);
-                        } else {
-                            let gs = [Scaled::of(&tmp[0].0, ws, wo, &asum, wg, at, groups)];
-                            post(&mut acc.0, &gs, first, wide);
-                        }
-                        g += pair;
-                    }
-                    for r in 0..rows {
-                        let row = &acc.0[r * NP..(r + 1) * NP];
-                        // SAFETY: as above
-                        unsafe {
-                            let dst = cp.0.add((row0 + r) * ldc + col0);
-                            if cols == NP {
-                                // a whole row of the block: two vector stores, not a call
-                                (dst as *mut [f32; NP])
-                                    .write_unaligned(row.try_into().expect("a row of the block"));
-                            } else {
-                                std::ptr::copy_nonoverlapping(row.as_ptr(), dst, cols);
-                            }
+                    for b in 0..self.blocks {
+                        for (i, p) in ps.clone().enumerate() {
+                            let view = PanelView {
+                                q: bytemuck::cast_slice(&q[i * panel_q..]),
+                                s: &s[i * panel_s..],
+                                o: offsets.then(|| &o[i * panel_s..]),
+                            };
+                            self.block(&mut scratch, &view, b, p, sl.clone());
                         }
                     }
                 }
+            });
+        });
+    }
+
+    /// One 32 × 32 block of C (rows of block `b`, columns of panel `p`) over the groups `sl`
+    /// (A's, counted from the first taken; the view's, from `sl.start`): the running sums start
+    /// from C where the product accumulates or an earlier slice wrote them, from zero otherwise.
+    fn block(
+        &self,
+        sc: &mut Scratch,
+        view: &PanelView,
+        b: usize,
+        p: usize,
+        sl: std::ops::Range<usize>,
+    ) {
+        let (row0, col0) = (b * MB, p * NP);
+        let (rows, cols) = (MB.min(self.m - row0), NP.min(self.n - col0));
+        let from_c = self.accumulate || sl.start > 0;
+        let acc = &mut sc.acc.0;
+        if from_c {
+            // without it the first group's scaling starts the sums from zero (no fill: a memset
+            // of 4 KiB per block was 1% of a forward)
+            if rows < MB {
+                acc.fill(0.0);
             }
-            #[cfg(target_arch = "x86_64")]
-            if engine == Engine::Tiles {
-                // SAFETY: configured above on this thread
-                unsafe { super::tiles::release() };
-            }
-        };
-        let tasks = row_groups * runs;
-        if tasks > 1 && 2.0 * (m * n * k) as f64 > 4e6 {
-            (0..tasks).into_par_iter().for_each(task);
-        } else {
-            (0..tasks).for_each(task);
+            self.load_rows(acc, row0, rows, col0, cols);
         }
-    });
+        let a0 = self.planes[b * self.block_len..].as_ptr();
+        // two groups on the tiles, then both scaled into the sums in one pass (the sums stay in
+        // registers between them: half the loads and stores of the running sums, the same
+        // operations in the same order)
+        let mut g = sl.start;
+        while g < sl.end {
+            let pair = (sl.end - g).min(2);
+            let lg = g - sl.start;
+            for (h, t) in sc.tmp.iter_mut().take(pair).enumerate() {
+                let qt = view.q[(lg + h) * 2 * TILE..][..2 * TILE].as_ptr();
+                let a_g = a0.wrapping_add((g + h) * 2 * TILE);
+                match self.engine {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: the pointers name whole tiles of the packed buffers, and
+                    // `Engine::Tiles` runs only in a task that configured the tiles
+                    Engine::Tiles => unsafe {
+                        super::tiles::scaled_group(a_g, self.split_stride, qt, t.0.as_mut_ptr())
+                    },
+                    // SAFETY: the pointers name whole tiles of the packed buffers
+                    _ => unsafe { emulated_group(a_g, self.split_stride, qt, &mut t.0) },
+                }
+            }
+            let first = g == sl.start && !from_c;
+            let at = row0 * self.groups + g;
+            let (ws, wo, asum, st) = (view.s, view.o, self.asum, self.groups);
+            if pair == 2 {
+                let gs = [
+                    Scaled::of(&sc.tmp[0].0, ws, wo, asum, lg, at, st),
+                    Scaled::of(&sc.tmp[1].0, ws, wo, asum, lg + 1, at + 1, st),
+                ];
+                post(acc, &gs, first, self.wide);
+            } else {
+                let gs = [Scaled::of(&sc.tmp[0].0, ws, wo, asum, lg, at, st)];
+                post(acc, &gs, first, self.wide);
+            }
+            g += pair;
+        }
+        self.store_rows(acc, row0, rows, col0, cols);
+    }
+
+    /// The block's running sums from C's rows `row0..row0 + rows`, columns `col0..col0 + cols`.
+    fn load_rows(
+        &self,
+        acc: &mut [f32; MB * NP],
+        row0: usize,
+        rows: usize,
+        col0: usize,
+        cols: usize,
+    ) {
+        for r in 0..rows {
+            // SAFETY: the task owns these rows × its panels' columns of C; `check_args` checked
+            // that C holds m rows of n at ldc
+            let src = unsafe { self.cp.get().add((row0 + r) * self.ldc + col0) };
+            let row = &mut acc[r * NP..(r + 1) * NP];
+            if cols == NP {
+                // fixed length: vector moves, not a call of memcpy
+                // SAFETY: NP values of the task's own row of C (cols == NP)
+                let v = unsafe { (src as *const [f32; NP]).read_unaligned() };
+                row.copy_from_slice(&v);
+            } else {
+                for (j, x) in row[..cols].iter_mut().enumerate() {
+                    // SAFETY: j < cols, inside the task's own row of C
+                    *x = unsafe { *src.add(j) };
+                }
+            }
+        }
+    }
+
+    /// The block's sums into C (as [`Shared::load_rows`] reads them).
+    fn store_rows(&self, acc: &[f32; MB * NP], row0: usize, rows: usize, col0: usize, cols: usize) {
+        for r in 0..rows {
+            let row = &acc[r * NP..(r + 1) * NP];
+            // SAFETY: as in `load_rows`: the task's own rows and columns of C
+            unsafe {
+                let dst = self.cp.get().add((row0 + r) * self.ldc + col0);
+                if cols == NP {
+                    // a whole row of the block: two vector stores, not a call
+                    (dst as *mut [f32; NP])
+                        .write_unaligned(row.try_into().expect("a row of the block"));
+                } else {
+                    std::ptr::copy_nonoverlapping(row.as_ptr(), dst, cols);
+                }
+            }
+        }
+    }
+}
+
+/// Panel columns `j0..j0 + cols` of `w` over the groups `gs`, in the tiles' layout (columns
+/// past `cols` zero). Panics on a row the source cannot give as exact integers: it checks its
+/// rows before the first product.
+#[allow(clippy::too_many_arguments)]
+fn decode_panel(
+    w: &dyn RowSource,
+    j0: usize,
+    cols: usize,
+    gs: std::ops::Range<usize>,
+    rows: &mut RowBuf,
+    qp: &mut [u32],
+    sp: &mut [f32],
+    mut op: Option<&mut [f32]>,
+) {
+    if cols < NP {
+        qp.fill(0);
+        sp.fill(0.0);
+        if let Some(op) = op.as_deref_mut() {
+            op.fill(0.0);
+        }
+    }
+    for jj in 0..cols {
+        let (qr, sr, or) = rows.get(gs.len());
+        let ok = w.row(j0 + jj, gs.clone(), qr, sr, or);
+        assert!(
+            ok,
+            "row {} is not integers and scales: checked before the product",
+            j0 + jj
+        );
+        put_row(qp, sp, op.as_deref_mut(), jj, qr, sr, or);
+    }
+}
+
+/// A worker's decoded panels (integers, scales, offsets) and its row buffer, kept from product
+/// to product.
+#[derive(Default)]
+struct Decoded {
+    q: Vec<u32>,
+    s: Vec<f32>,
+    o: Vec<f32>,
+    rows: RowBuf,
+}
+
+thread_local! {
+    static DECODED: std::cell::RefCell<Decoded> = std::cell::RefCell::new(Decoded::default());
+}
+
+/// A task's running sums and two groups' tiles.
+struct Scratch {
+    acc: Block,
+    tmp: [Block; 2],
+}
+
+impl Scratch {
+    fn new() -> Self {
+        Scratch {
+            acc: Block([0f32; MB * NP]),
+            tmp: [Block([0f32; MB * NP]), Block([0f32; MB * NP])],
+        }
+    }
 }
 
 /// A 32 × 32 f32 block on a cache line.
@@ -845,6 +1192,109 @@ mod tests {
                     );
                     if gs.is_empty() {
                         assert!(want.iter().all(|&x| x == 0.0), "zero rows give zeros");
+                    }
+                }
+            }
+        }
+    }
+
+    /// A [`RowSource`] of the same rows as [`matrix`]'s packed form.
+    struct Rows {
+        n: usize,
+        k: usize,
+        offsets: bool,
+        packed: PackedScaled,
+    }
+
+    impl RowSource for Rows {
+        fn layout(&self) -> (usize, usize, bool) {
+            (self.n, self.k / GROUP, self.offsets)
+        }
+
+        fn row(
+            &self,
+            j: usize,
+            gs: std::ops::Range<usize>,
+            q: &mut [u32],
+            s: &mut [f32],
+            o: &mut [f32],
+        ) -> bool {
+            // read back from the packed tiles: S·Q + O = weight, with Q the tile's value
+            let (p, jj) = (j / NP, j % NP);
+            let (half, col) = (jj / T, jj % T);
+            let (ws, wo) = self.packed.scales_and_offsets();
+            for (lg, g) in gs.enumerate() {
+                let tile =
+                    &self.packed.q()[(p * self.packed.groups + g) * 2 * TILE + half * TILE..];
+                for r in 0..KT / 2 {
+                    let (lo, hi) = (tile[r * 2 * T + col * 2], tile[r * 2 * T + col * 2 + 1]);
+                    q[lg * 16 + r] = lo as u32 | (hi as u32) << 16;
+                }
+                let at = (p * self.packed.groups + g) * NP + jj;
+                s[lg] = ws[at];
+                o[lg] = wo.map_or(0.0, |o| o[at]);
+            }
+            true
+        }
+    }
+
+    #[test]
+    fn decoding_panels_in_the_product_gives_the_packed_matrix_bits() {
+        let engines = if super::super::available() {
+            vec![Engine::Emulated, Engine::Tiles]
+        } else {
+            eprintln!("AMX tiles not available here: checking the emulation of tdpbf16ps only");
+            vec![Engine::Emulated]
+        };
+        // 70 groups: three depth slices (32, 32, 6 → 24, 24, 22); 100 columns: a partial
+        // panel; 1,700 columns: runs of many panels on each thread
+        for (m, k, n, seed) in [(45, 70 * 32, 100, 1), (70, 256, 1700, 2), (1, 64, 33, 3)] {
+            for offsets in [false, true] {
+                let (_, packed) = matrix(n, k, offsets, seed + offsets as u64);
+                let rows = Rows {
+                    n,
+                    k,
+                    offsets,
+                    packed: packed.clone(),
+                };
+                let groups = k / GROUP;
+                let mut rng = crate::reference::Rng::new(seed + 50);
+                for gs in [0..groups, 1..groups - 1, 0..1, 2..2] {
+                    let lda = gs.len() * GROUP;
+                    let a = rng.normals(m * lda.max(1), 1.0);
+                    let ldc = n + 5;
+                    for &engine in &engines {
+                        for accumulate in [false, true] {
+                            let base = if accumulate { 0.75f32 } else { f32::NAN };
+                            let (mut want, mut got) = (vec![base; m * ldc], vec![base; m * ldc]);
+                            let lda = lda.max(1);
+                            gemm_groups_with(
+                                engine,
+                                &a,
+                                lda,
+                                m,
+                                &packed,
+                                gs.clone(),
+                                &mut want,
+                                ldc,
+                                accumulate,
+                            );
+                            gemm_decoded(
+                                engine,
+                                &a,
+                                lda,
+                                m,
+                                &rows,
+                                gs.clone(),
+                                &mut got,
+                                ldc,
+                                accumulate,
+                            );
+                            assert!(
+                                got.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits()),
+                                "{engine:?} m={m} k={k} n={n} offsets={offsets} groups {gs:?} acc={accumulate}"
+                            );
+                        }
                     }
                 }
             }

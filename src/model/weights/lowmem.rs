@@ -5,9 +5,9 @@
 //! bit for bit (the same dequantization, block by block), so the two settings differ only in the
 //! order of the sums (not at all where a product's depth fits one slice of the kernel).
 
-use super::quant::{decode_scaled, dequantize_into, part_of, scaled_kind, BlockType};
+use super::quant::{decode_pairs, dequantize_into, part_of, scaled_kind, BlockType};
 use super::{Mapped, Raw};
-use crate::kernels::amx::{self, scaled::PackedScaled};
+use crate::kernels::amx::{self, scaled::RowSource};
 use crate::kernels::gemm::{self, Isa, PanelSource};
 use candle_core::quantized::GgmlDType;
 use serde::Serialize;
@@ -76,6 +76,10 @@ pub struct QuantB {
 thread_local! {
     /// A panel's rows dequantized (`NR × span`), and compacted to the slice asked for.
     static ROWS: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    /// The blocks that hold a row's groups, as integers, scales and offsets, where the groups
+    /// asked for start or end inside a block (a K-quant's super-block of 256).
+    static WIDE: RefCell<(Vec<u32>, Vec<f32>, Vec<f32>)> =
+        const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
 }
 
 impl QuantB {
@@ -102,8 +106,17 @@ impl QuantB {
             mapped.push(m.clone());
         }
         let kinds: Option<Vec<bool>> = mapped.iter().map(|m| scaled_kind(m.dtype)).collect();
+        // every integer of these types is exact in bf16; a BF16 weight that is not finite
+        // (every exponent bit set) is not: such a matrix stays on the f32 panels
+        let finite = |m: &Mapped| {
+            m.dtype != BlockType::Ggml(GgmlDType::BF16)
+                || m.map[m.offset..m.offset + m.len]
+                    .chunks_exact(2)
+                    .all(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7f80 != 0x7f80)
+        };
         let scaled = kinds
             .filter(|_| amx::exact_scaled() && k.is_multiple_of(amx::scaled::GROUP) && k > 0)
+            .filter(|_| mapped.iter().all(finite))
             .map(|ks| ks.contains(&true));
         Some(QuantB {
             parts: mapped,
@@ -130,20 +143,6 @@ impl QuantB {
         self.scaled.is_some()
     }
 
-    /// The matrix as the AMX tiles' integers and scales, decoded from the blocks on every
-    /// thread (the same values `fast` packs at load: [`decode_scaled`], row by row); `None` if
-    /// the products do not run on the tiles, or a row is not of that form (then f32 panels).
-    fn decode_tiles(&self) -> Option<PackedScaled> {
-        let offsets = self.scaled?;
-        PackedScaled::from_row_source(self.n, self.k, offsets, |j, q, s, o| {
-            let (part, local) = part_of(&self.starts, j);
-            let m = &self.parts[part];
-            let rb = self.k / m.dtype.block_size() * m.dtype.type_size();
-            let row = m.offset + local * rb;
-            decode_scaled(m.dtype, &m.map[row..row + rb], q, s, o)
-        })
-    }
-
     /// `C[m, cols] (+)= A[m, ks] · W[cols, ks]ᵀ`: on the AMX tiles as integers and scales where
     /// [`QuantB::on_tiles`] and `ks` is whole groups of 32 (the bits of `fast`'s packed
     /// matrix: the same values through the same kernel, decoded for this product and dropped
@@ -160,21 +159,20 @@ impl QuantB {
         accumulate: bool,
     ) {
         const G: usize = amx::scaled::GROUP;
-        if ks.start.is_multiple_of(G) && ks.end.is_multiple_of(G) && m > 0 {
-            if let Some(ps) = self.decode_tiles() {
-                amx::scaled::gemm_groups_with(
-                    amx::Engine::Tiles,
-                    a,
-                    lda,
-                    m,
-                    &ps,
-                    ks.start / G..ks.end / G,
-                    c,
-                    ldc,
-                    accumulate,
-                );
-                return;
-            }
+        if ks.start.is_multiple_of(G) && ks.end.is_multiple_of(G) && m > 0 && self.scaled.is_some()
+        {
+            amx::scaled::gemm_decoded(
+                amx::Engine::Tiles,
+                a,
+                lda,
+                m,
+                self,
+                ks.start / G..ks.end / G,
+                c,
+                ldc,
+                accumulate,
+            );
+            return;
         }
         gemm::gemm_source(
             a,
@@ -298,5 +296,56 @@ impl PanelSource for QuantB {
             }
             gemm::transpose_into_panel(&tight[..cols * kc], cols, kc, nr, out);
         });
+    }
+}
+
+/// The rows of a projection that runs on the AMX tiles ([`QuantB::on_tiles`]), decoded from
+/// the blocks as `fast` packs them (the integers of [`super::quant::decode_scaled`], as bf16
+/// pairs: [`decode_pairs`]), a depth slice at a time.
+impl RowSource for QuantB {
+    fn layout(&self) -> (usize, usize, bool) {
+        (
+            self.n,
+            self.k / amx::scaled::GROUP,
+            self.scaled == Some(true),
+        )
+    }
+
+    fn row(
+        &self,
+        j: usize,
+        gs: std::ops::Range<usize>,
+        q: &mut [u32],
+        s: &mut [f32],
+        o: &mut [f32],
+    ) -> bool {
+        const G: usize = amx::scaled::GROUP;
+        let (part, local) = part_of(&self.starts, j);
+        let m = &self.parts[part];
+        let (bs, ts) = (m.dtype.block_size(), m.dtype.type_size());
+        let (v0, v1) = (gs.start * G, gs.end * G);
+        let (b0, b1) = (v0 / bs, v1.div_ceil(bs));
+        let row = m.offset + local * (self.k / bs) * ts;
+        let bytes = &m.map[row + b0 * ts..row + b1 * ts];
+        if v0.is_multiple_of(bs) && v1.is_multiple_of(bs) {
+            return decode_pairs(m.dtype, bytes, q, s, o);
+        }
+        // the whole blocks, then the groups asked for
+        WIDE.with(|cell| {
+            let (wq, ws, wo) = &mut *cell.borrow_mut();
+            let span = (b1 - b0) * bs;
+            wq.resize(span / 2, 0);
+            ws.resize(span / G, 0.0);
+            wo.clear();
+            wo.resize(span / G, 0.0);
+            if !decode_pairs(m.dtype, bytes, wq, ws, wo) {
+                return false;
+            }
+            let (skip, gl) = ((v0 - b0 * bs) / G, gs.len());
+            q.copy_from_slice(&wq[skip * G / 2..][..gl * G / 2]);
+            s.copy_from_slice(&ws[skip..][..gl]);
+            o.copy_from_slice(&wo[skip..][..gl]);
+            true
+        })
     }
 }

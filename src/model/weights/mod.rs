@@ -691,33 +691,19 @@ fn linear(
     memory: Memory,
     ready: Option<Matrix>,
 ) -> Result<Linear> {
-    let isa = gemm::Isa::detect();
     let k = *parts[0]
         .0
         .dims()
         .last()
         .expect("matrices have two dimensions");
-    let widths: Vec<usize> = parts.iter().map(|(w, _)| w.dims()[0]).collect();
+    let (weights, widths, bias) = fuse_parts(parts)?;
     let n: usize = widths.iter().sum();
-    let any_bias = parts.iter().any(|(_, b)| b.is_some());
-    let mut bias = any_bias.then(|| vec![0f32; n]);
-    let mut col0 = 0;
-    let mut weights = Vec::with_capacity(parts.len());
-    for ((w, b), width) in parts.into_iter().zip(&widths) {
-        if let (Some(b), Some(all)) = (b, bias.as_mut()) {
-            all[col0..col0 + width].copy_from_slice(&b.to_vec()?);
-        }
-        weights.push(w);
-        col0 += width;
-    }
     // a matrix from the cache, if it has this precision's layout and this shape
     let layout = PanelLayout::of(precision);
     let ready = ready.filter(|m| m.fits(layout) && m.shape() == (n, k));
     if let Some(mat) = ready {
         return Ok(Linear { k, n, mat, bias });
     }
-    // straight from the file into the packed panels, a few rows at a time: the weights are
-    // never held whole as plain f32 next to their packed copy
     let starts: Vec<usize> = widths
         .iter()
         .scan(0, |acc, &w| {
@@ -736,6 +722,48 @@ fn linear(
             });
         }
     }
+    let mat = pack(&weights, &widths, &starts, k, layout)?;
+    for w in &weights {
+        if let Raw::Mapped(m) = w {
+            m.release_pages();
+        }
+    }
+    Ok(Linear { k, n, mat, bias })
+}
+
+/// The parts' weights, their row counts, and their biases concatenated (zeros for a part
+/// without one; `None` where no part has one).
+type Fused = (Vec<Raw>, Vec<usize>, Option<Vec<f32>>);
+
+/// Splits a projection's parts into [`Fused`]'s weights, widths and bias.
+fn fuse_parts(parts: Vec<(Raw, Option<Raw>)>) -> Result<Fused> {
+    let widths: Vec<usize> = parts.iter().map(|(w, _)| w.dims()[0]).collect();
+    let n: usize = widths.iter().sum();
+    let any_bias = parts.iter().any(|(_, b)| b.is_some());
+    let mut bias = any_bias.then(|| vec![0f32; n]);
+    let mut col0 = 0;
+    let mut weights = Vec::with_capacity(parts.len());
+    for ((w, b), width) in parts.into_iter().zip(&widths) {
+        if let (Some(b), Some(all)) = (b, bias.as_mut()) {
+            all[col0..col0 + width].copy_from_slice(&b.to_vec()?);
+        }
+        weights.push(w);
+        col0 += width;
+    }
+    Ok((weights, widths, bias))
+}
+
+/// Packs the parts (rows `starts[i]..` of the fused `[Σ widths, k]` matrix) in `layout`,
+/// straight from the file into the packed panels, a few rows at a time: the weights are never
+/// held whole as plain f32 next to their packed copy.
+fn pack(
+    weights: &[Raw],
+    widths: &[usize],
+    starts: &[usize],
+    k: usize,
+    layout: PanelLayout,
+) -> Result<Matrix> {
+    let n: usize = widths.iter().sum();
     // floating-point tensors (a Hugging Face folder) as f32 once; GGUF blocks stay mapped
     let dense: Vec<Option<Vec<f32>>> = weights
         .iter()
@@ -747,7 +775,7 @@ fn linear(
     let rows = |r0: usize, out: &mut [f32]| -> Result<()> {
         let (mut r, mut done) = (r0, 0);
         while done < out.len() {
-            let (part, local) = part_of(&starts, r);
+            let (part, local) = part_of(starts, r);
             let count = (widths[part] - local).min((out.len() - done) / k);
             let dst = &mut out[done..done + count * k];
             match (&weights[part], &dense[part]) {
@@ -762,11 +790,11 @@ fn linear(
     };
     // a quantized file's integers and scales on the tiles, where every part has that form
     let scaled = match layout {
-        PanelLayout::Scaled(_) => scaled_matrix(&weights, &dense, &starts, n, k)?,
+        PanelLayout::Scaled(_) => scaled_matrix(weights, &dense, starts, n, k)?,
         _ => None,
     };
     // one decision of the layout, the one the cache keys its files by
-    let mat = match (scaled, layout) {
+    Ok(match (scaled, layout) {
         (Some(p), _) => Matrix::Scaled(p),
         (None, PanelLayout::Bf16 { splits }) => {
             Matrix::Amx(PackedBf16::try_from_row_source(n, k, splits, rows)?)
@@ -776,15 +804,14 @@ fn linear(
         }
         // f32 panels, and 8-bit blocks' fallback for a depth that is not whole blocks
         (None, PanelLayout::F32(_) | PanelLayout::Scaled(_) | PanelLayout::Int8(_)) => {
-            Matrix::Packed(PackedB::try_from_row_source(n, k, isa, rows)?)
+            Matrix::Packed(PackedB::try_from_row_source(
+                n,
+                k,
+                gemm::Isa::detect(),
+                rows,
+            )?)
         }
-    };
-    for w in &weights {
-        if let Raw::Mapped(m) = w {
-            m.release_pages();
-        }
-    }
-    Ok(Linear { k, n, mat, bias })
+    })
 }
 
 /// Looks up one weight by its logical name, checking its shape.

@@ -287,32 +287,10 @@ pub(super) fn decode_scaled(
             *q = x as f32 - bias;
         }
     };
-    let kv = |qs: &[u8], q: &mut [f32]| {
-        for j in 0..16 {
-            q[j] = KVALUES_IQ4[(qs[j] & 0x0f) as usize] as f32;
-            q[j + 16] = KVALUES_IQ4[(qs[j] >> 4) as usize] as f32;
-        }
-    };
     let dtype = match dtype {
         BlockType::Ggml(d) => d,
-        BlockType::Iq4Nl => {
-            for (i, b) in bytes.chunks_exact(bs).enumerate() {
-                s[i] = block_scale(b);
-                kv(&b[2..18], &mut q[i * 32..(i + 1) * 32]);
-            }
-            return true;
-        }
-        BlockType::Iq4Xs => {
-            for (i, b) in bytes.chunks_exact(bs).enumerate() {
-                let d = block_scale(b);
-                for j in 0..8 {
-                    s[i * 8 + j] = d * iq4_xs_scale(b, j) as f32;
-                    kv(
-                        &b[8 + 16 * j..24 + 16 * j],
-                        &mut q[(i * 8 + j) * 32..][..32],
-                    );
-                }
-            }
+        iq4 => {
+            iq4_scaled(iq4, bytes, q, s);
             return true;
         }
     };
@@ -359,35 +337,144 @@ pub(super) fn decode_scaled(
                     Some(u32::from_le_bytes([b[4], b[5], b[6], b[7]])),
                 );
             }
-            GgmlDType::Q4K => {
-                // 144 bytes: d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 of nibbles;
-                // sub-block j of 32: w = d·sc_j · q − dmin·m_j (llama.cpp's get_scale_min_k4)
-                let (d, dmin, sc, qs) =
-                    (block_scale(b), block_scale(&b[2..]), &b[4..16], &b[16..144]);
-                let scale_min = |j: usize| -> (u8, u8) {
-                    if j < 4 {
-                        (sc[j] & 63, sc[j + 4] & 63)
-                    } else {
-                        (
-                            (sc[j + 4] & 0x0f) | ((sc[j - 4] >> 6) << 4),
-                            (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4),
-                        )
-                    }
-                };
-                for j in 0..8 {
-                    let (scale, min) = scale_min(j);
-                    s[i * 8 + j] = d * scale as f32;
-                    o[i * 8 + j] = -(dmin * min as f32);
-                    let bytes = &qs[(j / 2) * 32..(j / 2) * 32 + 32];
-                    for (l, &x) in bytes.iter().enumerate() {
-                        q[j * 32 + l] = if j % 2 == 0 { x & 0x0f } else { x >> 4 } as f32;
-                    }
-                }
-            }
+            GgmlDType::Q4K => q4k_scaled(b, q, &mut s[i * 8..][..8], &mut o[i * 8..][..8]),
             _ => return false,
         }
     }
     true
+}
+
+/// IQ4_NL and IQ4_XS blocks (whole ones, as [`decode_scaled`] checked) as its integers (the
+/// non-linear table's values) and scales.
+fn iq4_scaled(dtype: BlockType, bytes: &[u8], q: &mut [f32], s: &mut [f32]) {
+    let kv = |qs: &[u8], q: &mut [f32]| {
+        for j in 0..16 {
+            q[j] = KVALUES_IQ4[(qs[j] & 0x0f) as usize] as f32;
+            q[j + 16] = KVALUES_IQ4[(qs[j] >> 4) as usize] as f32;
+        }
+    };
+    let bs = dtype.type_size();
+    if dtype == BlockType::Iq4Nl {
+        for (i, b) in bytes.chunks_exact(bs).enumerate() {
+            s[i] = block_scale(b);
+            kv(&b[2..18], &mut q[i * 32..(i + 1) * 32]);
+        }
+        return;
+    }
+    for (i, b) in bytes.chunks_exact(bs).enumerate() {
+        let d = block_scale(b);
+        for j in 0..8 {
+            s[i * 8 + j] = d * iq4_xs_scale(b, j) as f32;
+            kv(
+                &b[8 + 16 * j..24 + 16 * j],
+                &mut q[(i * 8 + j) * 32..][..32],
+            );
+        }
+    }
+}
+
+/// One Q4_K super-block (144 bytes: d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 of
+/// nibbles) as [`decode_scaled`] reads it: sub-block j of 32 is `w = d·sc_j · q − dmin·m_j`
+/// (llama.cpp's get_scale_min_k4), so `s[j] = d·sc_j`, `o[j] = −dmin·m_j`.
+fn q4k_scaled(b: &[u8], q: &mut [f32], s: &mut [f32], o: &mut [f32]) {
+    let (d, dmin, sc, qs) = (block_scale(b), block_scale(&b[2..]), &b[4..16], &b[16..144]);
+    let scale_min = |j: usize| -> (u8, u8) {
+        if j < 4 {
+            (sc[j] & 63, sc[j + 4] & 63)
+        } else {
+            (
+                (sc[j + 4] & 0x0f) | ((sc[j - 4] >> 6) << 4),
+                (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4),
+            )
+        }
+    };
+    for j in 0..8 {
+        let (scale, min) = scale_min(j);
+        s[j] = d * scale as f32;
+        o[j] = -(dmin * min as f32);
+        let bytes = &qs[(j / 2) * 32..(j / 2) * 32 + 32];
+        for (l, &x) in bytes.iter().enumerate() {
+            q[j * 32 + l] = if j % 2 == 0 { x & 0x0f } else { x >> 4 } as f32;
+        }
+    }
+}
+
+/// [`decode_scaled`] with the integers as bf16 pairs, as the AMX tiles read them: `q[16 ·
+/// groups]`, pair r of a group holding weight 2r in its low half and 2r + 1 in its high half.
+/// Q8_0, Q5_0 and Q4_0 (the default model's types) are read straight into the pairs; the other
+/// types through [`decode_scaled`]'s f32 integers. `false` for another type, a length that is
+/// not whole blocks, or an integer that is not exact in bf16 (none of these types has one).
+pub(super) fn decode_pairs(
+    dtype: impl Into<BlockType>,
+    bytes: &[u8],
+    q: &mut [u32],
+    s: &mut [f32],
+    o: &mut [f32],
+) -> bool {
+    let dtype = dtype.into();
+    let (bs, per) = (dtype.type_size(), dtype.block_size());
+    if !bytes.len().is_multiple_of(bs)
+        || bytes.len() / bs * per != q.len() * 2
+        || q.len() != s.len() * 16
+    {
+        return false;
+    }
+    // a small integer's bf16 bits: its f32 bits' upper half (exact below 2⁸)
+    let bf = |x: i32| (x as f32).to_bits() >> 16;
+    let pairs = |v: &[i32; 32], q: &mut [u32]| {
+        for (r, d) in q.iter_mut().enumerate() {
+            *d = bf(v[2 * r]) | (bf(v[2 * r + 1]) << 16);
+        }
+    };
+    let nibbles = |b: &[u8], q: &mut [u32], bias: i32, qh: Option<u32>| {
+        pairs(&block_nibbles(b, qh).map(|x| x as i32 - bias), q);
+    };
+    match dtype {
+        BlockType::Ggml(GgmlDType::Q8_0) => {
+            for ((b, q), s) in bytes.chunks_exact(34).zip(q.chunks_exact_mut(16)).zip(s) {
+                *s = block_scale(b);
+                for (r, d) in q.iter_mut().enumerate() {
+                    let (x0, x1) = (b[2 + 2 * r] as i8, b[3 + 2 * r] as i8);
+                    *d = bf(x0 as i32) | (bf(x1 as i32) << 16);
+                }
+            }
+            true
+        }
+        BlockType::Ggml(GgmlDType::Q5_0) => {
+            for ((b, q), s) in bytes.chunks_exact(22).zip(q.chunks_exact_mut(16)).zip(s) {
+                *s = block_scale(b);
+                let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+                nibbles(&b[6..22], q, 16, Some(qh));
+            }
+            true
+        }
+        BlockType::Ggml(GgmlDType::Q4_0) => {
+            for ((b, q), s) in bytes.chunks_exact(18).zip(q.chunks_exact_mut(16)).zip(s) {
+                *s = block_scale(b);
+                nibbles(&b[2..18], q, 8, None);
+            }
+            true
+        }
+        _ => PAIRS_F32.with(|cell| {
+            let mut f = cell.borrow_mut();
+            f.resize(q.len() * 2, 0.0);
+            if !decode_scaled(dtype, bytes, &mut f, s, o) {
+                return false;
+            }
+            let mut low_bits = 0u32;
+            for (d, pair) in q.iter_mut().zip(f.chunks_exact(2)) {
+                let (b0, b1) = (pair[0].to_bits(), pair[1].to_bits());
+                low_bits |= (b0 | b1) & 0xffff;
+                *d = (b0 >> 16) | (b1 & 0xffff_0000);
+            }
+            low_bits == 0
+        }),
+    }
+}
+
+thread_local! {
+    /// [`decode_pairs`]'s f32 integers for the types it reads through [`decode_scaled`].
+    static PAIRS_F32: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// The part of a fused matrix whose rows start at `starts` that holds row `j`, and the row's
@@ -482,4 +569,85 @@ pub(super) fn repack_q5_0_to_q8_0(q: &QTensor) -> Result<QTensor> {
     }
     let storage = QStorage::from_data(Cow::Owned(out), &Device::Cpu, GgmlDType::Q8_0)?;
     Ok(QTensor::new(storage, q.shape().clone())?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The pairs are [`decode_scaled`]'s integers in bf16, two at a time (weight 2r low), with
+    /// its scales and offsets, for every type the tiles take (Q8_0, Q5_0 and Q4_0 read straight
+    /// from the blocks, the others through the f32 integers); a length that is not whole
+    /// blocks is refused.
+    #[test]
+    fn the_pairs_are_the_scaled_integers_bf16_bits_two_at_a_time() {
+        let mut rng = crate::reference::Rng::new(21);
+        let (rows, cols) = (2, 512);
+        let mut w = rng.normals(rows * cols, 1.0);
+        w[32..64].iter_mut().for_each(|x| *x = 0.0);
+        w[600..632].iter_mut().for_each(|x| *x *= 300.0);
+        let t = Tensor::from_vec(w.clone(), (rows, cols), &Device::Cpu).unwrap();
+        let types = [
+            GgmlDType::Q8_0,
+            GgmlDType::Q5_0,
+            GgmlDType::Q4_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q5_1,
+            GgmlDType::Q4K,
+            GgmlDType::BF16,
+        ];
+        for dtype in types {
+            let bytes: Vec<u8> = if dtype == GgmlDType::BF16 {
+                w.iter()
+                    .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                    .collect()
+            } else {
+                QTensor::quantize(&t, dtype)
+                    .unwrap()
+                    .data()
+                    .unwrap()
+                    .to_vec()
+            };
+            let rb = bytes.len() / rows;
+            for r in 0..rows {
+                let row = &bytes[r * rb..(r + 1) * rb];
+                let g = cols / 32;
+                let (mut q, mut s, mut o) = (vec![0f32; cols], vec![0f32; g], vec![0f32; g]);
+                assert!(
+                    decode_scaled(dtype, row, &mut q, &mut s, &mut o),
+                    "{dtype:?}"
+                );
+                let (mut p, mut ps, mut po) = (vec![0u32; cols / 2], vec![0f32; g], vec![0f32; g]);
+                assert!(
+                    decode_pairs(dtype, row, &mut p, &mut ps, &mut po),
+                    "{dtype:?}"
+                );
+                for (i, pair) in p.iter().enumerate() {
+                    let (lo, hi) = (pair & 0xffff, pair >> 16);
+                    assert_eq!(
+                        lo << 16,
+                        q[2 * i].to_bits(),
+                        "{dtype:?} row {r} weight {}",
+                        2 * i
+                    );
+                    assert_eq!(
+                        hi << 16,
+                        q[2 * i + 1].to_bits(),
+                        "{dtype:?} row {r} weight {}",
+                        2 * i + 1
+                    );
+                }
+                let bits =
+                    |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(
+                    bits(&s, &ps) && bits(&o, &po),
+                    "{dtype:?} row {r}: scales and offsets"
+                );
+                assert!(
+                    !decode_pairs(dtype, &row[..row.len() - 1], &mut p, &mut ps, &mut po),
+                    "{dtype:?}: a cut block"
+                );
+            }
+        }
+    }
 }
