@@ -62,7 +62,8 @@ fn the_memory_model_matches_measured_peaks_on_the_real_models() {
             let ratio = measured as f64 / predicted as f64;
             worst = worst.max((ratio - 1.0).abs());
             table += &format!(
-                "{alias:<21} {memory:<6} {:>7.1} MB {:>7.1} MB  {ratio:.3}\n",
+                "{alias:<21} {:<6} {:>7.1} MB {:>7.1} MB  {ratio:.3}\n",
+                memory.name(),
                 predicted as f64 / 1e6,
                 measured as f64 / 1e6
             );
