@@ -277,7 +277,7 @@ fn facts_table(m: &crate::model::Model) -> Table {
     ] {
         t.row([k.to_string(), v]);
     }
-    t.row(["memory".to_string(), memory_line(&m)]);
+    t.row(["memory".to_string(), memory_line(m)]);
     if let Some(g) = &d.gemma {
         t.row([
             "Gemma".to_string(),
