@@ -183,3 +183,36 @@ fn a_folder_too_big_for_the_machine_is_refused_from_its_headers() {
         "{text}"
     );
 }
+
+/// all-MiniLM-L6-v2 (an F32 folder) converted to F16 in a temporary folder: every projection
+/// read from the bytes at `low`, and the last hidden states within f16's rounding of the F32
+/// original's (the weights move by up to 2⁻¹¹ relative).
+#[test]
+fn minilm_in_f16_runs_from_its_bytes() {
+    let f32_model = common::real_model("all-minilm-l6-v2");
+    let dir = tempfile::tempdir().unwrap();
+    let half = dir.path().join("minilm-f16");
+    convert_folder(&f32_model.info.path, &half, &|t| {
+        t.to_dtype(DType::F16).unwrap()
+    });
+    let low = load(&half, Memory::Low);
+    assert_eq!(low.info.tensor_types.get("F16"), Some(&104));
+    let (n_low, all) = low.low_projections();
+    assert_eq!(n_low, all);
+    let fp = low.info.footprint.as_ref().unwrap();
+    // low: 2 bytes a weight; fast: f32 panels, 4 (F16 is not an AMX integers-and-scales type)
+    assert!(
+        2 * fp.projections_bytes(Memory::Low, Precision::Exact)
+            <= fp.projections_bytes(Memory::Fast, Precision::Exact),
+        "low holds the projections at half their f32 size"
+    );
+    let tokens = f32_model
+        .encode("The quick brown fox jumps over the lazy dog.", false)
+        .unwrap();
+    let want = f32_model.encoder_states(&tokens).unwrap();
+    let got = low.encoder_states(&tokens).unwrap();
+    let d = max_abs_diff(&got, &want, "MiniLM F16");
+    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+    eprintln!("MiniLM F16 against F32: max |difference| {d:.2e} (values up to {scale:.2})");
+    assert!(d > 0.0 && d < 2e-2 * scale, "{d:.2e} of {scale:.2}");
+}
