@@ -197,8 +197,9 @@ impl HfFolder {
                 float_file_bytes += file;
                 f32_bytes
             }
-            Some((file, _, true)) => file,
-            None => 0,
+            // an encoder never reads its head (the tied embedding stands in, unused)
+            Some((file, _, true)) if !dims.arch.is_encoder() => file,
+            _ => 0,
         };
         let mut fp = memory::footprint(dims, |l| projections[l].clone(), head_bytes);
         fp.small_bytes += dense + float_file_bytes;
