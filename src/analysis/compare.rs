@@ -7,7 +7,8 @@
 use super::collect::Collector;
 use super::request::{check_index, usage};
 use super::{next_token_top_k, top_k, Ranked};
-use crate::model::forward::RunOptions;
+use crate::model::capture::Observer;
+use crate::model::forward::{AttnStats, KvPrefix, RunOptions};
 use crate::model::tokenize::visible;
 use crate::model::{Model, Result};
 use anyhow::Context;
@@ -42,17 +43,116 @@ pub fn run_side(
     query: usize,
     label: impl Into<String>,
 ) -> Result<Side> {
+    run_side_sharing(model, tokens, query, label, Share::None).map(|(side, _)| side)
+}
+
+/// What one side of two texts on one decoder shares with the other: nothing, the first `p`
+/// positions to keep for it (its keys and values, and the per-query statistics of those
+/// positions), or those of the other side to start from.
+enum Share<'a> {
+    None,
+    Keep(usize),
+    From(&'a Prefix),
+}
+
+/// The first positions of a side's run, for the other side that starts with the same tokens:
+/// their keys and values, and the statistics of their query rows as the attention handed them
+/// (layer, first query, block), cut at the prefix's end.
+struct Prefix {
+    kv: KvPrefix,
+    stats: Vec<(usize, usize, AttnStats)>,
+}
+
+/// Hands everything to a [`Collector`] and keeps the statistics of the query rows before `upto`.
+struct Keeping<'a> {
+    inner: &'a mut Collector,
+    upto: usize,
+    stats: Vec<(usize, usize, AttnStats)>,
+}
+
+impl Observer for Keeping<'_> {
+    crate::delegate_observer!(inner: wants, tensor, wants_stats, wants_rows, attention_rows, attention_block);
+    fn attention_stats(&mut self, layer: usize, q_start: usize, s: &AttnStats) {
+        if q_start < self.upto {
+            self.stats
+                .push((layer, q_start, first_rows(s, self.upto - q_start)));
+        }
+        self.inner.attention_stats(layer, q_start, s);
+    }
+}
+
+/// The statistics of the first `keep` query rows of a block.
+fn first_rows(s: &AttnStats, keep: usize) -> AttnStats {
+    if keep >= s.rows {
+        return s.clone();
+    }
+    let cut = |v: &[f32]| -> Vec<f32> {
+        (0..s.n_heads)
+            .flat_map(|h| v[h * s.rows..h * s.rows + keep].iter().copied())
+            .collect()
+    };
+    let k = s.top_k;
+    AttnStats {
+        n_heads: s.n_heads,
+        rows: keep,
+        top_k: k,
+        first_key: cut(&s.first_key),
+        max_weight: cut(&s.max_weight),
+        argmax: (0..s.n_heads)
+            .flat_map(|h| s.argmax[h * s.rows..h * s.rows + keep].iter().copied())
+            .collect(),
+        entropy: cut(&s.entropy),
+        top: (0..s.n_heads)
+            .flat_map(|h| {
+                s.top[h * s.rows * k..(h * s.rows + keep) * k]
+                    .iter()
+                    .copied()
+            })
+            .collect(),
+    }
+}
+
+/// [`run_side`], keeping the first positions for the other side (`Share::Keep`) or starting
+/// after the other side's (`Share::From`: the statistics of those query rows handed to this
+/// side's collector first, in the order a whole run hands them, so its sums are the whole
+/// run's, bit for bit).
+fn run_side_sharing(
+    model: &Model,
+    tokens: &[u32],
+    query: usize,
+    label: impl Into<String>,
+    share: Share<'_>,
+) -> Result<(Side, Option<Prefix>)> {
     let (n, d) = (tokens.len(), &model.dims);
     let mut c = Collector::new(d.n_layers, d.n_heads, n, query);
     let encoder = model.is_encoder();
-    let out = model.forward(
-        tokens,
-        &RunOptions {
-            logits_at: if encoder { vec![] } else { vec![query] },
-            ..Default::default()
-        },
-        &mut c,
-    )?;
+    let opts = RunOptions {
+        logits_at: if encoder { vec![] } else { vec![query] },
+        keep_kv: matches!(share, Share::Keep(_)),
+        ..Default::default()
+    };
+    let (out, kept) = match share {
+        Share::None => (model.forward(tokens, &opts, &mut c)?, None),
+        Share::Keep(p) => {
+            let mut k = Keeping {
+                inner: &mut c,
+                upto: p,
+                stats: Vec::new(),
+            };
+            let mut out = model.forward(tokens, &opts, &mut k)?;
+            let stats = k.stats;
+            let kv = out.kv.take().expect("keep_kv was set").truncate(p)?;
+            (out, Some(Prefix { kv, stats }))
+        }
+        Share::From(prefix) => {
+            for (layer, q_start, s) in &prefix.stats {
+                c.attention_stats(*layer, *q_start, s);
+            }
+            let out =
+                model.forward_from(Some(&prefix.kv), &tokens[prefix.kv.len..], &opts, &mut c)?;
+            (out, None)
+        }
+    };
     let keys = if encoder { n } else { query + 1 };
     let rows = (0..d.n_layers)
         .map(|l| {
@@ -61,7 +161,7 @@ pub fn run_side(
                 .collect()
         })
         .collect();
-    Ok(Side {
+    let side = Side {
         label: label.into(),
         model: model.info.name.clone(),
         precision: model.info.precision.name().into(),
@@ -78,7 +178,16 @@ pub fn run_side(
                 .collect(),
             _ => Vec::new(),
         },
-    })
+    };
+    Ok((side, kept))
+}
+
+/// How many first tokens two texts on one decoder share that side B can start after: at
+/// least one, fewer than B's length, and not past B's query (whose row B's own run gives).
+/// `None` where B runs whole.
+pub fn shared_prefix(model: &Model, a: &[u32], b: &[u32], query_b: usize) -> Option<usize> {
+    let p = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    (!model.is_encoder() && p >= 1 && p < b.len() && query_b >= p).then_some(p)
 }
 
 /// What a comparison sets side by side.
@@ -203,18 +312,28 @@ pub fn compare_runs(
             None => Ok(t.len() - 1),
         })
         .collect::<anyhow::Result<_>>()?;
-    let mut run =
-        sides
-            .iter()
-            .zip(&tokens)
-            .zip(&queries)
-            .enumerate()
-            .map(|(i, ((side, tokens), &query))| {
-                run_side(side.model, tokens, query, side.label.clone())
-                    .with_context(|| format!("running side {}", ["A", "B"][i]))
-            });
-    let a = run.next().expect("two sides")?;
-    let b = run.next().expect("two sides")?;
+    // two texts that start alike: B runs from the first token that differs, on A's keys and
+    // values (the same numbers: a causal model's first positions ignore what follows them)
+    let shared = match mode {
+        Mode::Texts => shared_prefix(ma, &tokens[0], &tokens[1], queries[1]),
+        _ => None,
+    };
+    let (a, prefix) = run_side_sharing(
+        ma,
+        &tokens[0],
+        queries[0],
+        sa.label.clone(),
+        shared.map_or(Share::None, Share::Keep),
+    )
+    .context("running side A")?;
+    let (b, _) = run_side_sharing(
+        mb,
+        &tokens[1],
+        queries[1],
+        sb.label.clone(),
+        prefix.as_ref().map_or(Share::None, Share::From),
+    )
+    .context("running side B")?;
     let mut report = compare(mode.name(), a, b, opts.top);
     if mode == Mode::Texts && ma.is_encoder() {
         use super::enc_target::{cosine, EncoderTarget};

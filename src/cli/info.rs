@@ -41,16 +41,112 @@ pub fn fetch(a: FetchArgs) -> anyhow::Result<()> {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let m = a.model.load()?;
-    let d = &m.dims;
+    let m = match a.model.load() {
+        Ok(m) => m,
+        Err(e) => return too_big(&a, e),
+    };
     if a.json {
-        let (mapped, projections) = m.mapped_projections();
-        let doc = json!({"model": m.info, "dims": d, "kind": model_kind(d), "group_size": d.group_size(), "gqa": d.gqa_sentence(),
-                         "cached_alias_path": alias(&m.info.name).map(alias_path),
-                         "packed_weight_cache": m.panel_file().map(|p| json!({"path": p, "mapped_projections": mapped, "projections": projections})),
-                         "memory_model": memory_model(&m).map(|rows| rows.iter().map(|(n, low, fast)| json!({"tokens": n, "low_bytes": low, "fast_bytes": fast})).collect::<Vec<_>>())});
+        return emit(&format!(
+            "{}\n",
+            serde_json::to_string_pretty(&json_report(&m))?
+        ));
+    }
+    let mut s = header(&m);
+    s += &facts_table(&m).render();
+    if let Some(rows) = memory_model(&m) {
+        s += &memory_table(&rows);
+    }
+    emit(&s)
+}
+
+/// `info --json`: the model's description, shape, packed-weight cache and memory model.
+fn json_report(m: &crate::model::Model) -> serde_json::Value {
+    let d = &m.dims;
+    let (mapped, projections) = m.mapped_projections();
+    json!({"model": m.info, "dims": d, "kind": model_kind(d), "group_size": d.group_size(), "gqa": d.gqa_sentence(),
+           "cached_alias_path": alias(&m.info.name).map(alias_path),
+           "packed_weight_cache": m.panel_file().map(|p| json!({"path": p, "mapped_projections": mapped, "projections": projections})),
+           "memory_model": memory_model(m).map(|rows| memory_json(&rows))})
+}
+
+/// The memory model's rows as JSON.
+fn memory_json(rows: &[(usize, u64, u64)]) -> Vec<serde_json::Value> {
+    rows.iter()
+        .map(|(n, low, fast)| json!({"tokens": n, "low_bytes": low, "fast_bytes": fast}))
+        .collect()
+}
+
+/// `info` of a model whose loading failed: where the model is too big for this machine at the
+/// setting a run would take (the refusal every command that runs it gives), its shape and
+/// memory model from the file's tables, read without loading the weights; any other error as
+/// it came.
+fn too_big(a: &Args, e: anyhow::Error) -> anyhow::Result<()> {
+    use crate::model::memory;
+    let Ok(plan) = memory::plan(&a.model.model, false) else {
+        return Err(e);
+    };
+    let avail = memory::available()?;
+    let p = a.model.precision;
+    let setting = memory::setting(&plan.footprint, p, a.model.memory, avail)?;
+    let Err(refusal) = memory::check_fits(&plan.footprint, setting, p, avail) else {
+        return Err(e);
+    };
+    let rows = memory_rows(&plan.footprint, p, plan.dims.context_len);
+    if a.json {
+        let doc = json!({"model": {"name": plan.name, "path": plan.path, "format": plan.format, "file_size": plan.file_size, "precision": p, "memory": setting},
+                         "dims": plan.dims, "kind": model_kind(&plan.dims), "fits": false, "refusal": refusal.to_string(),
+                         "memory_model": memory_json(&rows)});
         return emit(&format!("{}\n", serde_json::to_string_pretty(&doc)?));
     }
+    let d = &plan.dims;
+    let mut s = title(&format!("{} ({})", plan.name, plan.format));
+    s += &format!(
+        "file: {} ({:.1} MB)\nnot loaded: too big for this machine; commands that run it refuse it: {refusal}\n\n",
+        plan.path.display(),
+        plan.file_size as f64 / 1e6
+    );
+    let mut t = Table::new([("", Align::Left), ("", Align::Left)]);
+    for (k, v) in [
+        ("architecture", d.arch.name().to_string()),
+        ("kind", model_kind(d)),
+        ("layers", d.n_layers.to_string()),
+        ("query heads", d.n_heads.to_string()),
+        ("KV heads", d.n_kv_heads.to_string()),
+        ("head dim", d.head_dim.to_string()),
+        ("d_model", d.d_model.to_string()),
+        ("MLP width", d.d_ff.to_string()),
+        ("context length", d.context_len.to_string()),
+        ("vocab size", d.vocab_size.to_string()),
+    ] {
+        t.row([k.to_string(), v]);
+    }
+    s += &t.render();
+    s += &memory_table(&rows);
+    emit(&s)
+}
+
+/// The memory model as `info` prints it.
+fn memory_table(rows: &[(usize, u64, u64)]) -> String {
+    let mut s =
+        "\npeak memory of an `inspect` (the memory model: docs/precision.md#memory)\n".to_string();
+    let mut mt = Table::new([
+        ("tokens", Align::Right),
+        ("--memory low", Align::Right),
+        ("--memory fast", Align::Right),
+    ]);
+    for &(n, low, fast) in rows {
+        mt.row([
+            n.to_string(),
+            format!("{:.2} GB", low as f64 / 1e9),
+            format!("{:.2} GB", fast as f64 / 1e9),
+        ]);
+    }
+    s += &mt.render();
+    s
+}
+
+/// The title, the description, the file and the packed-weight cache it maps or wrote.
+fn header(m: &crate::model::Model) -> String {
     let mut s = title(&format!("{} ({})", m.info.name, m.info.format));
     if let Some(desc) = &m.info.description {
         s += &format!("{desc}\n");
@@ -73,6 +169,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         };
     }
     s += "\n";
+    s
+}
+
+/// The model's facts: shape, positions, embeddings, types, tokenizer, precision and memory.
+fn facts_table(m: &crate::model::Model) -> Table {
+    let d = &m.dims;
     let mut t = Table::new([("", Align::Left), ("", Align::Left)]);
     let rope = match d.rope_style {
         crate::model::RopeStyle::Neox => "half-split pairs (i, i+d/2)",
@@ -175,7 +277,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     ] {
         t.row([k.to_string(), v]);
     }
-    t.row(["memory".to_string(), memory_line(&m)]);
+    t.row(["memory".to_string(), memory_line(m)]);
     if let Some(g) = &d.gemma {
         t.row([
             "Gemma".to_string(),
@@ -192,24 +294,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             ),
         ]);
     }
-    s += &t.render();
-    if let Some(rows) = memory_model(&m) {
-        s += "\npeak memory of an `inspect` (the memory model: docs/precision.md#memory)\n";
-        let mut mt = Table::new([
-            ("tokens", Align::Right),
-            ("--memory low", Align::Right),
-            ("--memory fast", Align::Right),
-        ]);
-        for (n, low, fast) in rows {
-            mt.row([
-                n.to_string(),
-                format!("{:.2} GB", low as f64 / 1e9),
-                format!("{:.2} GB", fast as f64 / 1e9),
-            ]);
-        }
-        s += &mt.render();
-    }
-    emit(&s)
+    t
 }
 
 /// The memory setting, how many projections it multiplies from the file's blocks, and why.
@@ -227,24 +312,31 @@ fn memory_line(m: &crate::model::Model) -> String {
     format!("{what} ({})", m.info.memory_reason)
 }
 
-/// `(tokens, low, fast)` peak bytes of an `inspect` at a few lengths up to the context, for a
-/// GGUF file; `None` for a Hugging Face folder.
+/// `(tokens, low, fast)` peak bytes of an `inspect` at a few lengths up to the context.
 fn memory_model(m: &crate::model::Model) -> Option<Vec<(usize, u64, u64)>> {
     let fp = m.info.footprint.as_ref()?;
-    let p = m.info.precision;
-    Some(
-        [128, 512, 2048, 8192, 32768]
-            .into_iter()
-            .filter(|&n| n <= m.dims.context_len)
-            .map(|n| {
-                (
-                    n,
-                    fp.need(crate::model::Memory::Low, p, n),
-                    fp.need(crate::model::Memory::Fast, p, n),
-                )
-            })
-            .collect(),
-    )
+    Some(memory_rows(fp, m.info.precision, m.dims.context_len))
+}
+
+/// `(tokens, low, fast)` peak bytes of an `inspect` of `fp` at 128, 512, ... tokens up to
+/// `context` (at least the first row).
+fn memory_rows(
+    fp: &crate::model::memory::Footprint,
+    p: crate::model::Precision,
+    context: usize,
+) -> Vec<(usize, u64, u64)> {
+    [128, 512, 2048, 8192, 32768]
+        .into_iter()
+        .enumerate()
+        .filter(|&(i, n)| i == 0 || n <= context)
+        .map(|(_, n)| {
+            (
+                n,
+                fp.need(crate::model::Memory::Low, p, n),
+                fp.need(crate::model::Memory::Fast, p, n),
+            )
+        })
+        .collect()
 }
 
 /// Which keys a query sees: every earlier one, or a window on some layers (and their RoPE base).

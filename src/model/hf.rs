@@ -9,6 +9,8 @@ use candle_core::Device;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
+mod mapped;
+
 /// The fields of `config.json` attnscope reads (HF names).
 #[derive(Debug, Deserialize)]
 pub struct HfConfig {
@@ -54,6 +56,9 @@ pub struct HfFolder {
     /// The base model's prefix of a checkpoint saved with a task head (`bert.`, `roberta.`,
     /// `distilbert.`: `BertForMaskedLM` and the like), stripped from its names.
     prefix: Option<&'static str>,
+    /// Every tensor's place in the files (their headers, read at open), the files mapped: F16
+    /// and BF16 tensors are handed out as these bytes.
+    table: mapped::Table,
 }
 
 /// The prefixes under which transformers saves an encoder's base model beside a task head.
@@ -160,6 +165,7 @@ impl HfFolder {
                 reason: e.to_string(),
             })?;
         let n_tensors = st.tensors().len();
+        let table = mapped::Table::open(&files)?;
         let encoder = config
             .model_type
             .as_deref()
@@ -178,6 +184,7 @@ impl HfFolder {
             n_tensors,
             files,
             prefix,
+            table,
         })
     }
 
@@ -939,9 +946,16 @@ impl TensorSource for HfFolder {
             return Ok(Some(Raw::F(t.contiguous().map_err(bad)?)));
         }
         let name = format!("{}{}", self.prefix.unwrap_or(""), hf_name_for(arch, l));
+        // F16/BF16: the file's own bytes, decoded where they are read (no f32 copy)
+        if let Some(m) = self.table.half(&name, None) {
+            return Ok(Some(Raw::Mapped(m)));
+        }
         if self.st.get(&name).is_err() {
             // Phi-3 stores q|k|v and gate|up fused: read the part's rows
             if let Some((fused, start, len)) = fused_part(&self.config, l) {
+                if let Some(m) = self.table.half(&fused, Some((start, len))) {
+                    return Ok(Some(Raw::Mapped(m)));
+                }
                 if self.st.get(&fused).is_ok() {
                     let bad = |e: candle_core::Error| Error::BadSafetensors {
                         path: self.dir.clone(),

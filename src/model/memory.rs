@@ -321,3 +321,70 @@ pub fn choose(fp: &Footprint, precision: Precision, avail: Option<u64>) -> (Memo
         ),
     }
 }
+
+/// What `info` says of a model without loading its weights: where it is, its shape and its
+/// memory model, from the GGUF's metadata and tensor table or a folder's config and
+/// safetensors headers.
+pub struct Plan {
+    /// The alias, or the path as given.
+    pub name: String,
+    pub path: std::path::PathBuf,
+    /// `gguf` or `safetensors`.
+    pub format: &'static str,
+    /// Bytes of the model's files.
+    pub file_size: u64,
+    pub dims: ModelDims,
+    pub footprint: Footprint,
+}
+
+/// The [`Plan`] of `spec` (an alias, a `.gguf` file, a folder or a hub id, fetched as loading
+/// would): no tensor is read.
+pub fn plan(spec: &str, progress: bool) -> super::Result<Plan> {
+    let (source, name, _) = super::resolve(spec, progress)?;
+    Ok(match source {
+        super::Source::Gguf(path) => {
+            let g = super::gguf::GgufFile::open(&path)?;
+            let (dims, _) = g.dims()?;
+            Plan {
+                name,
+                path,
+                format: "gguf",
+                file_size: g.file_size,
+                footprint: super::gguf_footprint(&g, &dims),
+                dims,
+            }
+        }
+        super::Source::Folder(dir) => {
+            let f = super::hf::HfFolder::open(&dir)?;
+            let dims = f.dims()?;
+            Plan {
+                name,
+                format: "safetensors",
+                file_size: f
+                    .files
+                    .iter()
+                    .filter_map(|p| std::fs::metadata(p).ok())
+                    .map(|m| m.len())
+                    .sum(),
+                footprint: f.footprint(&dims),
+                path: dir,
+                dims,
+            }
+        }
+    })
+}
+
+/// The setting a load of `fp` at `precision` takes when `asked` (`--memory`) is `None`:
+/// `ATTNSCOPE_MEMORY` for `exact`, else [`choose`]'s.
+pub fn setting(
+    fp: &Footprint,
+    precision: Precision,
+    asked: Option<Memory>,
+    avail: Option<u64>,
+) -> super::Result<Memory> {
+    let asked = match asked {
+        None if precision == Precision::Exact => from_env()?,
+        m => m,
+    };
+    Ok(asked.unwrap_or_else(|| choose(fp, precision, avail).0))
+}

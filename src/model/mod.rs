@@ -398,6 +398,19 @@ impl Model {
                 Source::Folder(dir) => {
                     let mut f = hf::HfFolder::open(&dir)?;
                     let dims = f.dims()?;
+                    // sized from the files' headers, refused before any tensor is read
+                    let fp = f.footprint(&dims);
+                    let avail = memory::available()?;
+                    let (memory, memory_reason) = match memory {
+                        // F32 tensors have no blocks to read: `low` would pack them as `fast`
+                        Some(Memory::Low) if !fp.projections.iter().any(|p| p.low) => (
+                            Memory::Fast,
+                            "a Hugging Face folder's F32 floats have no quantized blocks to read: --memory low packs f32 panels as fast does (F16/BF16 folders are read from their bytes)".into(),
+                        ),
+                        Some(m) => (m, format!("asked for (--memory {m})")),
+                        None => memory::choose(&fp, precision, avail),
+                    };
+                    memory::check_fits(&fp, memory, precision, avail)?;
                     let (add_bos, bos_id) = f.bos();
                     let tok_path = dir.join("tokenizer.json");
                     if !tok_path.is_file() {
@@ -426,12 +439,9 @@ impl Model {
                         path: dir.clone(),
                         format: "safetensors",
                         precision,
-                        memory: Memory::Fast,
-                        memory_reason: match memory {
-                            Some(Memory::Low) => "a Hugging Face folder's floats have no quantized blocks to read: --memory low packs f32 panels as fast does".into(),
-                            _ => "a Hugging Face folder's floats are packed at load".into(),
-                        },
-                        footprint: None,
+                        memory,
+                        memory_reason,
+                        footprint: Some(fp),
                         file_size,
                         tensor_types: f.tensor_types(),
                         tokenizer: tokenizer.kind.clone(),
@@ -441,13 +451,16 @@ impl Model {
                     // the panels are
                     let mut files = f.files.clone();
                     files.push(dir.join("config.json"));
-                    let cache = panel_cache(panels, precision, &files);
+                    let cache = match memory {
+                        Memory::Low => None,
+                        Memory::Fast => panel_cache(panels, precision, &files),
+                    };
                     let cached = open_cache(cache.as_ref());
                     let weights = weights::load_weights(
                         &mut f,
                         &dims,
                         precision,
-                        Memory::Fast,
+                        memory,
                         dims.rope_style,
                         &|l: &weights::Logical| hf::hf_name_for(Some(dims.arch), l),
                         cached.as_ref(),
