@@ -1405,12 +1405,51 @@ pub(crate) fn attention_edited(
     obs: &mut dyn Observer,
     z: &mut [f32],
 ) -> Result<()> {
-    let (nh, rows, k_len, d) = (dims.n_heads, dims.q_len, dims.k_len, dims.head_dim);
+    let (nh, rows, k_len) = (dims.n_heads, dims.q_len, dims.k_len);
     let offset = k_len - rows;
+    let (mut scores, mut pattern) =
+        whole_maps(layer, q, k, v, dims, knockout, block_bytes, obs, z)?;
+    let shape = [nh, rows, k_len];
+    // a hook that only reads leaves the kernel's z as it is (the same bits as without it)
+    let before = pattern.clone();
+    if obs.edits(layer, Hook::AttnScores) {
+        edit_scores(obs, layer, &shape, &mut scores, &mut pattern)?;
+    }
+    if obs.wants(layer, Hook::AttnScores) {
+        obs.attention_block(layer, Hook::AttnScores, offset, shape, &scores);
+    }
+    if obs.edits(layer, Hook::Pattern) {
+        edit_pattern(obs, layer, &shape, &mut pattern)?;
+    }
+    if obs.wants(layer, Hook::Pattern) {
+        obs.attention_block(layer, Hook::Pattern, offset, shape, &pattern);
+    }
+    if pattern != before {
+        pattern_times_values(&pattern, v, dims, z);
+    }
+    Ok(())
+}
+
+/// The fast kernel run with whole rows (one key block) into `z`, its scores and pattern kept
+/// whole by a [`MapTap`] (what the observer wants besides is handed on): `(scores, pattern)`,
+/// `[n_heads, q_len, k_len]` each, masked keys -inf and 0.
+#[allow(clippy::too_many_arguments)]
+fn whole_maps(
+    layer: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dims: AttnDims,
+    knockout: &[bool],
+    block_bytes: usize,
+    obs: &mut dyn Observer,
+    z: &mut [f32],
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let (nh, rows, k_len) = (dims.n_heads, dims.q_len, dims.k_len);
     let mut tap = MapTap {
         inner: obs,
         layer,
-        offset,
+        offset: k_len - rows,
         rows,
         k_len,
         scores: vec![f32::NEG_INFINITY; nh * rows * k_len],
@@ -1428,63 +1467,69 @@ pub(crate) fn attention_edited(
         &mut tap,
         z,
     )?;
-    let (mut scores, mut pattern) = (tap.scores, tap.pattern);
-    let shape = [nh, rows, k_len];
-    // a hook that only reads leaves the kernel's z as it is (the same bits as without it)
-    let before = pattern.clone();
-    let name = |hook| super::capture::hook_name(layer, hook);
-    if obs.edits(layer, Hook::AttnScores) {
-        obs.edit(layer, Hook::AttnScores, &shape, &mut scores)
-            .map_err(|msg| Error::Hook {
-                name: name(Hook::AttnScores),
-                msg,
-            })?;
-        if scores.iter().any(|s| s.is_nan() || *s == f32::INFINITY) {
+    Ok((tap.scores, tap.pattern))
+}
+
+/// `hook_attn_scores` handed to the editing observer, then every edited row softmaxed again
+/// into `pattern` (f64 sums); a NaN or +inf, or a row with every key masked, is refused.
+fn edit_scores(
+    obs: &mut dyn Observer,
+    layer: usize,
+    shape: &[usize; 3],
+    scores: &mut [f32],
+    pattern: &mut [f32],
+) -> Result<()> {
+    let k_len = shape[2];
+    let name = || super::capture::hook_name(layer, Hook::AttnScores);
+    obs.edit(layer, Hook::AttnScores, shape, scores)
+        .map_err(|msg| Error::Hook { name: name(), msg })?;
+    if scores.iter().any(|s| s.is_nan() || *s == f32::INFINITY) {
+        return Err(Error::Hook {
+            name: name(),
+            msg: "left a NaN or +infinity in the scores (-infinity masks a key); refused".into(),
+        });
+    }
+    for (row, out) in scores.chunks(k_len).zip(pattern.chunks_mut(k_len)) {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        if max == f32::NEG_INFINITY {
             return Err(Error::Hook {
-                name: name(Hook::AttnScores),
-                msg: "left a NaN or +infinity in the scores (-infinity masks a key); refused"
+                name: name(),
+                msg: "masked every key of a query row (all -infinity): its softmax is undefined"
                     .into(),
             });
         }
-        for (row, out) in scores.chunks(k_len).zip(pattern.chunks_mut(k_len)) {
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            if max == f32::NEG_INFINITY {
-                return Err(Error::Hook {
-                    name: name(Hook::AttnScores),
-                    msg:
-                        "masked every key of a query row (all -infinity): its softmax is undefined"
-                            .into(),
-                });
-            }
-            let sum: f64 = row.iter().map(|&s| ((s - max) as f64).exp()).sum();
-            for (o, &s) in out.iter_mut().zip(row) {
-                *o = (((s - max) as f64).exp() / sum) as f32;
-            }
+        let sum: f64 = row.iter().map(|&s| ((s - max) as f64).exp()).sum();
+        for (o, &s) in out.iter_mut().zip(row) {
+            *o = (((s - max) as f64).exp() / sum) as f32;
         }
     }
-    if obs.wants(layer, Hook::AttnScores) {
-        obs.attention_block(layer, Hook::AttnScores, offset, shape, &scores);
+    Ok(())
+}
+
+/// `hook_pattern` handed to the editing observer; a non-finite weight is refused (the pattern
+/// then weighs the values as it is, unnormalized or not).
+fn edit_pattern(
+    obs: &mut dyn Observer,
+    layer: usize,
+    shape: &[usize; 3],
+    pattern: &mut [f32],
+) -> Result<()> {
+    let name = || super::capture::hook_name(layer, Hook::Pattern);
+    obs.edit(layer, Hook::Pattern, shape, pattern)
+        .map_err(|msg| Error::Hook { name: name(), msg })?;
+    if !all_finite(pattern) {
+        return Err(Error::Hook {
+            name: name(),
+            msg: "left a non-finite value (NaN or infinity) in the pattern; refused".into(),
+        });
     }
-    if obs.edits(layer, Hook::Pattern) {
-        obs.edit(layer, Hook::Pattern, &shape, &mut pattern)
-            .map_err(|msg| Error::Hook {
-                name: name(Hook::Pattern),
-                msg,
-            })?;
-        if !all_finite(&pattern) {
-            return Err(Error::Hook {
-                name: name(Hook::Pattern),
-                msg: "left a non-finite value (NaN or infinity) in the pattern; refused".into(),
-            });
-        }
-    }
-    if obs.wants(layer, Hook::Pattern) {
-        obs.attention_block(layer, Hook::Pattern, offset, shape, &pattern);
-    }
-    if pattern == before {
-        return Ok(());
-    }
-    // z = pattern · V, each query head on its KV set
+    Ok(())
+}
+
+/// `z = pattern · V` (`z`: `[q_len, n_heads, head_dim]`), each query head on its KV set, for
+/// an edited pattern.
+fn pattern_times_values(pattern: &[f32], v: &[f32], dims: AttnDims, z: &mut [f32]) {
+    let (nh, rows, k_len, d) = (dims.n_heads, dims.q_len, dims.k_len, dims.head_dim);
     let group = nh / dims.n_kv_heads;
     z.par_chunks_mut(nh * d).enumerate().for_each(|(r, zr)| {
         for h in 0..nh {
@@ -1500,5 +1545,4 @@ pub(crate) fn attention_edited(
             }
         }
     });
-    Ok(())
 }
