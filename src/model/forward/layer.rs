@@ -490,55 +490,17 @@ impl Model {
                 .gate_up
                 .forward_into(&h[r0 * dm..(r0 + rows) * dm], rows, gu, false)?;
             timings.projections += t.elapsed();
-            if touches(obs, l, Hook::MlpPre) {
-                // the gate's pre-activation (GPT-2: c_fc's output), [m, d_mlp]
-                let mut pre: Vec<f32> = gu[..rows * gw]
-                    .chunks(gw)
-                    .flat_map(|r| r[..ff].iter().copied())
-                    .collect();
-                hand(obs, l, Hook::MlpPre, &[rows, ff], &mut pre)?;
-                for (row, new) in gu[..rows * gw].chunks_mut(gw).zip(pre.chunks(ff)) {
-                    row[..ff].copy_from_slice(new);
-                }
-            }
-            if gated && touches(obs, l, Hook::MlpPreLinear) {
-                // a gated MLP's up projection, [m, d_mlp]
-                let mut lin: Vec<f32> = gu[..rows * gw]
-                    .chunks(gw)
-                    .flat_map(|r| r[ff..].iter().copied())
-                    .collect();
-                hand(obs, l, Hook::MlpPreLinear, &[rows, ff], &mut lin)?;
-                for (row, new) in gu[..rows * gw].chunks_mut(gw).zip(lin.chunks(ff)) {
-                    row[ff..].copy_from_slice(new);
-                }
-            }
+            pre_activation_hooks(obs, l, gated, &mut gu[..rows * gw], ff)?;
             activate(plan.mlp, &gu[..rows * gw], ff, &mut act[..rows * ff]);
             hand(obs, l, Hook::MlpPost, &[rows, ff], &mut act[..rows * ff])?;
             let t = Instant::now();
             let out_rows = r0 * dm..(r0 + rows) * dm;
-            if layer.down.has_bias() || layer.post_norms.is_some() || mlp_out.is_some() {
-                let mut out = layer.down.forward(&act[..rows * ff], rows)?;
-                if let Some((_, post_mlp)) = &layer.post_norms {
-                    // Gemma: the MLP's output is normalized before the residual add
-                    out = rms_norm(&out, post_mlp, dims.rms_eps);
-                }
-                if let Some(o) = mlp_read.as_mut() {
-                    o[out_rows.clone()].copy_from_slice(&out);
-                }
-                let dest = match mlp_out.as_mut() {
-                    Some(o) => &mut o[out_rows],
-                    None => &mut x[out_rows],
-                };
-                dest.iter_mut().zip(&out).for_each(|(x, a)| *x += a);
-            } else {
-                if let Some(o) = mlp_read.as_mut() {
-                    let out = layer.down.forward(&act[..rows * ff], rows)?;
-                    o[out_rows.clone()].copy_from_slice(&out);
-                }
-                layer
-                    .down
-                    .forward_into(&act[..rows * ff], rows, &mut x[out_rows], true)?;
-            }
+            let read = mlp_read.as_mut().map(|o| &mut o[out_rows.clone()]);
+            let dest = match mlp_out.as_mut() {
+                Some(o) => (&mut o[out_rows], true),
+                None => (&mut x[out_rows], false),
+            };
+            self.down_step(layer, &act[..rows * ff], rows, dest, read)?;
             timings.projections += t.elapsed();
         }
         if let Some(mut out) = mlp_read {
@@ -547,6 +509,39 @@ impl Model {
         if let Some(mut out) = mlp_out {
             hand(obs, l, Hook::MlpOut, &[m, dm], &mut out)?;
             x.iter_mut().zip(&out).for_each(|(x, a)| *x += a);
+        }
+        Ok(())
+    }
+
+    /// The MLP's down projection of `rows` activation rows `act`, added into `dest` (the
+    /// residual's rows, or `hook_mlp_out`'s own buffer when that is edited: `dest.1`), and
+    /// copied into `read` for an observer that only reads `hook_mlp_out` (while the residual
+    /// gets the product accumulated into it as always, so reading changes no bit). Gemma
+    /// normalizes the output before the add.
+    fn down_step(
+        &self,
+        layer: &Layer,
+        act: &[f32],
+        rows: usize,
+        (dest, own): (&mut [f32], bool),
+        read: Option<&mut [f32]>,
+    ) -> Result<()> {
+        if layer.down.has_bias() || layer.post_norms.is_some() || own {
+            let mut out = layer.down.forward(act, rows)?;
+            if let Some((_, post_mlp)) = &layer.post_norms {
+                // Gemma: the MLP's output is normalized before the residual add
+                out = rms_norm(&out, post_mlp, self.dims.rms_eps);
+            }
+            if let Some(o) = read {
+                o.copy_from_slice(&out);
+            }
+            dest.iter_mut().zip(&out).for_each(|(x, a)| *x += a);
+        } else {
+            if let Some(o) = read {
+                let out = layer.down.forward(act, rows)?;
+                o.copy_from_slice(&out);
+            }
+            layer.down.forward_into(act, rows, dest, true)?;
         }
         Ok(())
     }
@@ -629,6 +624,34 @@ impl Model {
         }
         Ok(rows)
     }
+}
+
+/// `mlp.hook_pre` (the gate's pre-activation; GPT-2: c_fc's output) and, for a gated MLP,
+/// `mlp.hook_pre_linear` (the up projection), each `[rows, d_mlp]`, handed from the gate|up
+/// rows `gu` (`[rows, gw]`) and written back into them.
+fn pre_activation_hooks(
+    obs: &mut dyn Observer,
+    l: usize,
+    gated: bool,
+    gu: &mut [f32],
+    ff: usize,
+) -> Result<()> {
+    let gw = if gated { 2 * ff } else { ff };
+    let rows = gu.len() / gw;
+    for (hook, cols) in [(Hook::MlpPre, 0..ff), (Hook::MlpPreLinear, ff..2 * ff)] {
+        if (hook == Hook::MlpPreLinear && !gated) || !touches(obs, l, hook) {
+            continue;
+        }
+        let mut part: Vec<f32> = gu
+            .chunks(gw)
+            .flat_map(|r| r[cols.clone()].iter().copied())
+            .collect();
+        hand(obs, l, hook, &[rows, ff], &mut part)?;
+        for (row, new) in gu.chunks_mut(gw).zip(part.chunks(ff)) {
+            row[cols.clone()].copy_from_slice(new);
+        }
+    }
+    Ok(())
 }
 
 /// The MLP's activation of `rows` gate|up rows `gu` (`[rows, 2·d_ff]`, gated; `[rows, d_ff]`
