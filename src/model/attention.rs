@@ -228,6 +228,12 @@ pub(crate) fn max_row_sq(xs: &[f32], d: usize) -> f64 {
 /// beside the cache ([`crate::model::forward::KvPrefix`]), so a step does not read every
 /// cached key again for it (measured: 7 ms of each step at 2,048 cached tokens of the default
 /// model). `None`: computed here. `blocks`: `(block_bytes, key_block)`.
+///
+/// The steps: the shapes checked ([`check_shapes`]), the queries scaled once
+/// ([`scale_queries`]), what the observer wants and how the keys are blocked
+/// ([`Kernel::new`]), then one block of query rows at a time ([`Kernel::query_block`]): every
+/// head's key blocks ([`Kernel::head`]), then the block's maps, rows, statistics and `z`
+/// handed out ([`Kernel::hand_out`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_bounded(
     layer: usize,
@@ -241,6 +247,35 @@ pub(crate) fn attention_bounded(
     obs: &mut dyn Observer,
     z: &mut [f32],
 ) -> Result<()> {
+    check_shapes(&dims, q, k, v)?;
+    let n = dims.q_len;
+    let z = &mut z[..n * dims.n_heads * dims.head_dim];
+    if n == 0 {
+        return Ok(());
+    }
+    // the queries scaled once, so the scores come out of the GEMM already divided by √d
+    let scale = dims.scale.unwrap_or(1.0 / (dims.head_dim as f32).sqrt());
+    let q_scaled = scale_queries(q, scale);
+    let kernel = Kernel::new(
+        layer,
+        (q, &q_scaled[..q.len()], k, v),
+        dims,
+        knockout,
+        (block_bytes, key_block),
+        k_sq,
+        obs,
+    );
+    let mut q0 = 0;
+    while q0 < n {
+        let rows = kernel.rows_per_block.min(n - q0);
+        kernel.query_block(q0, rows, obs, z)?;
+        q0 += rows;
+    }
+    Ok(())
+}
+
+/// Refuses shapes that do not fit [`AttnDims`] (a bug in the caller).
+fn check_shapes(dims: &AttnDims, q: &[f32], k: &[f32], v: &[f32]) -> Result<()> {
     let AttnDims {
         n_heads,
         n_kv_heads: n_kv,
@@ -248,10 +283,9 @@ pub(crate) fn attention_bounded(
         q_len: n,
         k_len,
         window,
-        scale,
-        softcap,
         causal,
-    } = dims;
+        ..
+    } = *dims;
     if k_len < n
         || (!causal && (window.is_some() || k_len != n))
         || n_kv == 0
@@ -267,105 +301,202 @@ pub(crate) fn attention_bounded(
             v.len()
         ))));
     }
-    let z = &mut z[..n * n_heads * d];
-    if n == 0 {
-        return Ok(());
-    }
-    let isa = Isa::detect();
-    let group = n_heads / n_kv;
-    // the scale in f64 for the rows rescored exactly ([`rescore_row`])
-    let scale64 = scale.map_or(1.0 / (d as f64).sqrt(), |s| s as f64);
-    let scale = scale.unwrap_or(1.0 / (d as f32).sqrt());
-    let q_raw = q;
-    // the queries scaled once, so the scores come out of the GEMM already divided by √d
-    // in a buffer kept on this thread (a fresh one per layer costs its pages every time)
+    Ok(())
+}
+
+/// `q · scale` in a buffer kept on this thread (a fresh one per layer costs its pages every
+/// time); its first `q.len()` floats are the scaled queries.
+fn scale_queries(q: &[f32], scale: f32) -> Reused {
     let mut q_scaled = Reused::take(&Q_SCALED, q.len());
-    let q_scaled = &mut q_scaled[..q.len()];
+    let out = &mut q_scaled[..q.len()];
     if q.len() >= 1 << 16 {
-        q_scaled
-            .par_iter_mut()
+        out.par_iter_mut()
             .zip(q.par_iter())
             .for_each(|(y, &x)| *y = x * scale);
     } else {
-        q_scaled
-            .iter_mut()
-            .zip(q)
-            .for_each(|(y, &x)| *y = x * scale);
+        out.iter_mut().zip(q).for_each(|(y, &x)| *y = x * scale);
     }
-    let q = &*q_scaled;
-    // a layer whose scores can be large (by Cauchy-Schwarz, max‖q‖·max‖k‖·scale) takes whole
-    // rows in one key block, so a row with large scores can be rescored in f64 and shifted by
-    // its exact maximum before it is rounded to f32 ([`rescore_row`]); elsewhere nothing changes
-    let precise = {
-        let k_sq = k_sq.unwrap_or_else(|| max_row_sq(k, d));
-        (max_row_sq(q, d) * k_sq).sqrt() > EXACT_SCORES_ABOVE as f64
-    };
+    q_scaled
+}
 
-    let (want_s, want_p) = (
-        obs.wants(layer, Hook::AttnScores),
-        obs.wants(layer, Hook::Pattern),
-    );
-    let materialize = want_s || want_p;
-    let request = obs.wants_stats(layer);
-    // argmax is only looked for when someone takes the statistics
-    let stats = request.is_some();
-    let want_rows: Vec<usize> = obs
-        .wants_rows(layer)
-        .into_iter()
-        .filter(|&i| i < k_len && i + n >= k_len)
-        .collect();
-    let offset = k_len - n; // absolute position of query row 0
-                            // each KV set packed once: K as the right side of Q·Kᵀ, V as the right side of P·V
-    let packed: Vec<(PackedB, PackedB)> = (0..n_kv)
-        .into_par_iter()
-        .map(|g| {
-            let kg = &k[g * k_len * d..(g + 1) * k_len * d];
-            let vg = &v[g * k_len * d..(g + 1) * k_len * d];
-            (
-                PackedB::from_rows(kg, k_len, d, d, isa),
-                PackedB::from_cols(vg, k_len, d, d, isa),
-            )
-        })
-        .collect();
-    let kb_size = if materialize || precise {
-        k_len
-    } else {
-        key_block.max(1)
-    };
-    // rows per block so that one [n_heads, rows, key block] f32 block stays under block_bytes,
-    // a quarter of it when streaming: measured on the default model, streamed attention at
-    // 2,048 tokens took 0.90 s with 2 MiB blocks against 1.00-1.02 s with 8 MiB (512 tokens:
-    // 0.10 s against 0.115 s), while whole rows kept 8 MiB (2.34-2.45 s against 2.73-2.80 s)
-    let budget = if materialize {
-        block_bytes
-    } else {
-        block_bytes / 4
-    };
-    let rows_per_block = (budget / (n_heads * kb_size.min(k_len) * 4).max(1)).clamp(1, n);
-    // whole strips of the GEMM's micro-tile, so no block ends in a mostly empty strip
-    let mr = isa.mr();
-    let rows_per_block = if rows_per_block > mr && rows_per_block < n {
-        rows_per_block / mr * mr
-    } else {
-        rows_per_block
-    };
-    let any_knockout = knockout.iter().any(|&b| b);
-    let mut q0 = 0;
-    while q0 < n {
-        let rows = rows_per_block.min(n - q0);
-        // keys after the block's last query are masked for every row (causal); an encoder's
-        // rows see every key
-        let kw = if causal { offset + q0 + rows } else { k_len };
-        // width of one key block's score buffer
-        let kbw = kb_size.min(kw);
+/// One call of the fast kernel, set up: the inputs, what the observer wants of this layer, and
+/// how the keys and query rows are blocked.
+struct Kernel<'a> {
+    layer: usize,
+    /// the queries as given (for the rows rescored exactly) and scaled
+    q_raw: &'a [f32],
+    q: &'a [f32],
+    k: &'a [f32],
+    dims: AttnDims,
+    knockout: &'a [bool],
+    any_knockout: bool,
+    /// query heads per KV set
+    group: usize,
+    /// the scale in f64 for the rows rescored exactly ([`rescore_row`])
+    scale64: f64,
+    /// each KV set packed once: K as the right side of Q·Kᵀ, V as the right side of P·V
+    packed: Vec<(PackedB, PackedB)>,
+    /// scores can be large: whole rows in one key block, rescored in f64 where they are
+    precise: bool,
+    want_s: bool,
+    want_p: bool,
+    /// a map is wanted: a key block spans the whole row
+    materialize: bool,
+    request: Option<StatsRequest>,
+    /// the query positions whose whole rows the observer wants
+    want_rows: Vec<usize>,
+    /// absolute position of query row 0
+    offset: usize,
+    /// keys per key block
+    kb_size: usize,
+    /// query rows per block
+    rows_per_block: usize,
+    /// floats of slack between a streamed block's rows
+    slack: usize,
+}
+
+/// One block of query rows, as its heads see it.
+struct QueryBlock<'b> {
+    /// its first query row and its rows
+    q0: usize,
+    rows: usize,
+    /// the keys any of its rows may see (causal: up to its last row)
+    kw: usize,
+    /// the whole rows wanted from it: (query row in the block, absolute position)
+    wanted: &'b [(usize, usize)],
+    /// the caller's rows for the pattern are zeroed already
+    zeroed: bool,
+}
+
+impl<'a> Kernel<'a> {
+    /// The kernel's plan for `q` (as given and scaled), `k`, `v`: the KV sets packed, whether
+    /// the scores can be large, and the blocks. A layer whose scores can be large (by
+    /// Cauchy-Schwarz, max‖q‖·max‖k‖·scale) takes whole rows in one key block, so a row with
+    /// large scores can be rescored in f64 and shifted by its exact maximum before it is
+    /// rounded to f32 ([`rescore_row`]); elsewhere nothing changes.
+    fn new(
+        layer: usize,
+        (q_raw, q, k, v): (&'a [f32], &'a [f32], &'a [f32], &'a [f32]),
+        dims: AttnDims,
+        knockout: &'a [bool],
+        (block_bytes, key_block): (usize, usize),
+        k_sq: Option<f64>,
+        obs: &mut dyn Observer,
+    ) -> Self {
+        let AttnDims {
+            n_heads,
+            n_kv_heads: n_kv,
+            head_dim: d,
+            q_len: n,
+            k_len,
+            scale,
+            ..
+        } = dims;
+        let isa = Isa::detect();
+        let scale64 = scale.map_or(1.0 / (d as f64).sqrt(), |s| s as f64);
+        let precise = {
+            let k_sq = k_sq.unwrap_or_else(|| max_row_sq(k, d));
+            (max_row_sq(q, d) * k_sq).sqrt() > EXACT_SCORES_ABOVE as f64
+        };
+        let (want_s, want_p) = (
+            obs.wants(layer, Hook::AttnScores),
+            obs.wants(layer, Hook::Pattern),
+        );
+        let materialize = want_s || want_p;
+        let want_rows: Vec<usize> = obs
+            .wants_rows(layer)
+            .into_iter()
+            .filter(|&i| i < k_len && i + n >= k_len)
+            .collect();
+        let packed: Vec<(PackedB, PackedB)> = (0..n_kv)
+            .into_par_iter()
+            .map(|g| {
+                let kg = &k[g * k_len * d..(g + 1) * k_len * d];
+                let vg = &v[g * k_len * d..(g + 1) * k_len * d];
+                (
+                    PackedB::from_rows(kg, k_len, d, d, isa),
+                    PackedB::from_cols(vg, k_len, d, d, isa),
+                )
+            })
+            .collect();
+        let kb_size = if materialize || precise {
+            k_len
+        } else {
+            key_block.max(1)
+        };
+        // rows per block so that one [n_heads, rows, key block] f32 block stays under
+        // block_bytes, a quarter of it when streaming: measured on the default model, streamed
+        // attention at 2,048 tokens took 0.90 s with 2 MiB blocks against 1.00-1.02 s with
+        // 8 MiB (512 tokens: 0.10 s against 0.115 s), while whole rows kept 8 MiB (2.34-2.45 s
+        // against 2.73-2.80 s)
+        let budget = if materialize {
+            block_bytes
+        } else {
+            block_bytes / 4
+        };
+        let rows_per_block = (budget / (n_heads * kb_size.min(k_len) * 4).max(1)).clamp(1, n);
+        // whole strips of the GEMM's micro-tile, so no block ends in a mostly empty strip
+        let mr = isa.mr();
+        let rows_per_block = if rows_per_block > mr && rows_per_block < n {
+            rows_per_block / mr * mr
+        } else {
+            rows_per_block
+        };
         // a streamed block's rows get a little slack: at 1,024 keys they were 4 KiB apart, so
         // the 12 rows of one tile fell in one set of the 8-way L1 (the scores' tile stores and
         // P·V's reads of them missed it, row after row)
         let slack = if materialize { 0 } else { ROW_SLACK };
-        // floats between rows of a head's block, at most
-        let ldw = kbw + slack;
-        // the score buffers are reused from block to block and layer to layer: a fresh one of
-        // each size would be page-faulted in anew (measured: ~2.5 M faults, ~4 s at 2,048 tokens)
+        Kernel {
+            layer,
+            q_raw,
+            q,
+            k,
+            dims,
+            knockout,
+            any_knockout: knockout.iter().any(|&b| b),
+            group: n_heads / n_kv,
+            scale64,
+            packed,
+            precise,
+            want_s,
+            want_p,
+            materialize,
+            request: obs.wants_stats(layer),
+            want_rows,
+            offset: k_len - n,
+            kb_size,
+            rows_per_block,
+            slack,
+        }
+    }
+
+    /// Query rows `q0..q0 + rows`: every head's scores, softmax and `P·V` in parallel
+    /// ([`Kernel::head`]), in score buffers reused from block to block and layer to layer (a
+    /// fresh one of each size would be page-faulted in anew: measured ~2.5 M faults, ~4 s at
+    /// 2,048 tokens), or in the caller's own rows for the pattern where it offers them (the
+    /// block's scores, softmax and P·V then run in place there: a whole row per query, one key
+    /// block); then [`Kernel::hand_out`].
+    fn query_block(
+        &self,
+        q0: usize,
+        rows: usize,
+        obs: &mut dyn Observer,
+        z: &mut [f32],
+    ) -> Result<()> {
+        let AttnDims {
+            n_heads,
+            head_dim: d,
+            k_len,
+            causal,
+            ..
+        } = self.dims;
+        let (layer, offset, want_s) = (self.layer, self.offset, self.want_s);
+        // keys after the block's last query are masked for every row (causal); an encoder's
+        // rows see every key
+        let kw = if causal { offset + q0 + rows } else { k_len };
+        // width of one key block's score buffer, and floats between rows of a head's block
+        let kbw = self.kb_size.min(kw);
+        let ldw = kbw + self.slack;
         let mut scratch = Reused::take(&SCRATCH, n_heads * rows * ldw);
         let mut raw_scratch =
             Reused::take(&RAW_SCRATCH, if want_s { n_heads * rows * kbw } else { 0 });
@@ -377,8 +508,8 @@ pub(crate) fn attention_bounded(
         };
         let mut state = vec![RowState::new(); n_heads * rows];
         let mut zb = vec![0f32; n_heads * rows * d];
-        // the whole rows wanted from this block: (query row in the block, absolute position)
-        let wanted: Vec<(usize, usize)> = want_rows
+        let wanted: Vec<(usize, usize)> = self
+            .want_rows
             .iter()
             .filter(|&&i| i >= offset + q0 && i < offset + q0 + rows)
             .map(|&i| (i - offset - q0, i))
@@ -386,14 +517,13 @@ pub(crate) fn attention_bounded(
         // one chunk per head (of at least one float, so the zip below has a chunk for every head)
         let row_chunk = (wanted.len() * k_len).max(1);
         let mut row_out = vec![0f32; n_heads * row_chunk];
-        // the caller's own rows for the pattern, where it offers them: the block's scores,
-        // softmax and P·V then run in place there (a whole row per query: one key block)
-        let (mut dests, zeroed): (Vec<Option<&mut [f32]>>, bool) = match want_p
+        let (mut dests, zeroed): (Vec<Option<&mut [f32]>>, bool) = match self
+            .want_p
             .then(|| obs.pattern_rows(layer, offset + q0, rows, n_heads, k_len))
             .flatten()
         {
             Some(d)
-                if materialize
+                if self.materialize
                     && d.heads.len() == n_heads
                     && d.heads.iter().all(|x| x.len() == rows * k_len) =>
             {
@@ -402,184 +532,12 @@ pub(crate) fn attention_bounded(
             _ => ((0..n_heads).map(|_| None).collect(), false),
         };
         let direct = dests[0].is_some();
-        let head_task = |h: usize,
-                         s_h: &mut [f32],
-                         raw_h: &mut [f32],
-                         st_h: &mut [RowState],
-                         z_h: &mut [f32],
-                         rows_h: &mut [f32],
-                         mut dest: Option<&mut [f32]>| {
-            let (kp, vp) = &packed[h / group];
-            let a = &q[(h * n + q0) * d..(h * n + q0 + rows) * d];
-            let mut corr = vec![0f32; rows];
-            // a sliding window hides every key before the block's first query's window: those
-            // key blocks are never computed, so a windowed layer costs O(n · window)
-            let mut k0 = match window {
-                Some(w) if !materialize && !precise => {
-                    (offset + q0 + 1).saturating_sub(w) / kb_size * kb_size
-                }
-                _ => 0,
-            };
-            while k0 < kw {
-                let kn = kb_size.min(kw - k0);
-                let single = k0 == 0 && kn == kw;
-                // rows of kn scores in the scratch block (in L2: the caller's rows are written
-                // once, finished, at the end; computed in place there, with rows 4·k_len bytes
-                // apart, the GEMM's tile stores missed the cache)
-                // (streamed: a stride of whole 2 KiB steps gets the slack)
-                let ld = if slack > 0 && kn % 512 == 0 {
-                    kn + slack
-                } else {
-                    kn
-                };
-                let s = &mut s_h[..rows * ld];
-                // raw scores q·k of this block: [rows, kn]
-                gemm::gemm_sub(a, d, rows, kp, 0..d, k0..k0 + kn, s, ld, false, false);
-                if let Some(cap) = softcap {
-                    for row in s.chunks_mut(ld) {
-                        row[..kn]
-                            .iter_mut()
-                            .for_each(|x| *x = (*x / cap).tanh() * cap);
-                    }
-                }
-                if !raw_h.is_empty() {
-                    for (x, (src, dst)) in s.chunks(ld).zip(raw_h.chunks_mut(kn)).enumerate() {
-                        let i = offset + q0 + x;
-                        for (j, (&sc, out)) in src[..kn].iter().zip(dst.iter_mut()).enumerate() {
-                            *out = if visible_in(causal, i, k0 + j, knockout, window) {
-                                sc
-                            } else {
-                                f32::NEG_INFINITY
-                            };
-                        }
-                    }
-                }
-                // a row's maximum, and where it first stands when the statistics want the argmax
-                let peak = |xs: &[f32]| {
-                    if stats {
-                        max_and_index(xs)
-                    } else {
-                        (max_of(xs), None)
-                    }
-                };
-                // online softmax update, one query row at a time: mask, new shift
-                // m' = max(m, block max), rescale the sums by exp(m - m'), and leave
-                // p = exp(s - m') in the buffer for the weighted sum of values
-                for (x, (row, (st, c))) in s
-                    .chunks_mut(ld)
-                    .zip(st_h.iter_mut().zip(corr.iter_mut()))
-                    .enumerate()
-                {
-                    let row = &mut row[..kn];
-                    let i = offset + q0 + x;
-                    if precise {
-                        // (one key block holds the whole row here: k0 == 0, kn == kw)
-                        let raw = (!raw_h.is_empty()).then(|| &mut raw_h[x * kn..(x + 1) * kn]);
-                        rescore_row(
-                            row,
-                            raw,
-                            &q_raw[(h * n + q0 + x) * d..][..d],
-                            &k[(h / group) * k_len * d..][..k_len * d],
-                            scale64,
-                            softcap,
-                            i,
-                            knockout,
-                            window,
-                            causal,
-                        );
-                    }
-                    let top_k = request
-                        .filter(|r| r.top_k > 0 && i >= r.top_k_from)
-                        .map(|r| r.top_k);
-                    if !any_knockout && window.is_none() {
-                        // the keys of this block the query may see are a prefix of it
-                        let n_vis = if causal {
-                            (i + 1).saturating_sub(k0).min(kn)
-                        } else {
-                            kn
-                        };
-                        let (bmax, at) = peak(&row[..n_vis]);
-                        online_update(st, c, row, n_vis, bmax, at, k0, top_k, true);
-                    } else {
-                        for (j, sc) in row.iter_mut().enumerate() {
-                            if !visible_in(causal, i, k0 + j, knockout, window) {
-                                *sc = f32::NEG_INFINITY;
-                            }
-                        }
-                        let (bmax, at) = peak(row);
-                        online_update(st, c, row, kn, bmax, at, k0, top_k, false);
-                    }
-                    if single {
-                        // one block holds every visible key: normalize in place, p is the pattern
-                        let inv = if st.l > 0.0 { (1.0 / st.l) as f32 } else { 0.0 };
-                        scale_by(row, inv);
-                    }
-                }
-                if k0 > 0 {
-                    for (zr, &c) in z_h.chunks_mut(d).zip(&corr) {
-                        scale_by(zr, c);
-                    }
-                }
-                gemm::gemm_sub(s, ld, rows, vp, k0..k0 + kn, 0..d, z_h, d, k0 > 0, false);
-                if single {
-                    // the pattern is in the buffer: hand out the wanted rows from it
-                    for (w, &(x, _)) in wanted.iter().enumerate() {
-                        rows_h[w * k_len..w * k_len + kw].copy_from_slice(&s[x * ld..x * ld + kn]);
-                    }
-                    if let Some(out) = dest.as_deref_mut() {
-                        // into the caller's rows, past the cache (nothing reads them here
-                        // again); the keys past the block are masked: zero (already, in fresh
-                        // or recycled memory that says so)
-                        for (src, dst) in s.chunks(ld).zip(out.chunks_mut(k_len)) {
-                            stream_store(&mut dst[..kn], &src[..kn]);
-                            if !zeroed {
-                                dst[kn..].fill(0.0);
-                            }
-                        }
-                        stream_fence();
-                    }
-                    return;
-                }
-                debug_assert!(dest.is_none(), "the caller's rows take one key block");
-                k0 += kn;
-            }
-            for (zr, st) in z_h.chunks_mut(d).zip(st_h.iter()) {
-                let inv = if st.l > 0.0 { (1.0 / st.l) as f32 } else { 0.0 };
-                scale_by(zr, inv);
-            }
-            // streamed: recompute the wanted rows' scores and normalize them with the row's
-            // final shift and sum, p = e^(s - m) / l (one row of work per wanted query)
-            for (w, &(x, i)) in wanted.iter().enumerate() {
-                let st = &st_h[x];
-                let out = &mut rows_h[w * k_len..(w + 1) * k_len];
-                let a_row = &q[(h * n + q0 + x) * d..(h * n + q0 + x + 1) * d];
-                // the keys the row may see: up to itself (causal), else all
-                let end = if causal { i + 1 } else { k_len };
-                gemm::gemm_sub(
-                    a_row,
-                    d,
-                    1,
-                    kp,
-                    0..d,
-                    0..end,
-                    &mut out[..end],
-                    end,
-                    false,
-                    false,
-                );
-                if let Some(cap) = softcap {
-                    out[..end]
-                        .iter_mut()
-                        .for_each(|x| *x = (*x / cap).tanh() * cap);
-                }
-                for (j, p) in out[..end].iter_mut().enumerate() {
-                    *p = if visible_in(causal, i, j, knockout, window) && st.l > 0.0 {
-                        (fast_exp(*p - st.m) as f64 / st.l) as f32
-                    } else {
-                        0.0
-                    };
-                }
-            }
+        let blk = QueryBlock {
+            q0,
+            rows,
+            kw,
+            wanted: &wanted,
+            zeroed,
         };
         let raw_chunk = if want_s { rows * kbw } else { 0 };
         let tasks = scores
@@ -592,17 +550,52 @@ pub(crate) fn attention_bounded(
         if want_s {
             tasks.zip(raw_scores.par_chunks_mut(raw_chunk)).for_each(
                 |((h, ((((s_h, st_h), z_h), rows_h), dest)), raw_h)| {
-                    head_task(h, s_h, raw_h, st_h, z_h, rows_h, dest.as_deref_mut())
+                    self.head(&blk, h, s_h, raw_h, st_h, z_h, rows_h, dest.as_deref_mut())
                 },
             );
         } else {
             tasks.for_each(|(h, ((((s_h, st_h), z_h), rows_h), dest))| {
-                head_task(h, s_h, &mut [], st_h, z_h, rows_h, dest.as_deref_mut())
+                self.head(
+                    &blk,
+                    h,
+                    s_h,
+                    &mut [],
+                    st_h,
+                    z_h,
+                    rows_h,
+                    dest.as_deref_mut(),
+                )
             });
         }
         drop(dests);
-        // a NaN or infinite score (corrupt weights, an overflow) poisons Σ p·s: refuse the layer
-        // rather than hand out rows in which it silently became weight 0
+        let maps = (&*raw_scores, (!direct).then_some(&*scores));
+        self.hand_out(&blk, &state, &row_out, maps, &zb, obs, z)
+    }
+
+    /// A block's results handed out: refused when a score was not finite (a NaN or infinite
+    /// score, from corrupt weights or an overflow, poisons Σ p·s: refuse the layer rather than
+    /// hand out rows in which it silently became weight 0), then the wanted whole rows
+    /// (`attention_rows`), the maps (`raw` scores, `pattern` unless the caller's rows hold it),
+    /// the statistics, and `zb` (`[n_heads, rows, d]`) into `z` (`[n, n_heads, d]`).
+    #[allow(clippy::too_many_arguments)]
+    fn hand_out(
+        &self,
+        blk: &QueryBlock,
+        state: &[RowState],
+        row_out: &[f32],
+        (raw, pattern): (&[f32], Option<&[f32]>),
+        zb: &[f32],
+        obs: &mut dyn Observer,
+        z: &mut [f32],
+    ) -> Result<()> {
+        let AttnDims {
+            n_heads,
+            head_dim: d,
+            k_len,
+            ..
+        } = self.dims;
+        let (layer, q0, rows, kw) = (self.layer, blk.q0, blk.rows, blk.kw);
+        let start = self.offset + q0;
         if state
             .iter()
             .any(|st| !(st.t.is_finite() && st.l.is_finite() && st.m < f32::INFINITY))
@@ -612,7 +605,8 @@ pub(crate) fn attention_bounded(
                 layer: Some(layer),
             });
         }
-        for (w, &(_, i)) in wanted.iter().enumerate() {
+        let row_chunk = (blk.wanted.len() * k_len).max(1);
+        for (w, &(_, i)) in blk.wanted.iter().enumerate() {
             let mut all = vec![0f32; n_heads * k_len];
             for h in 0..n_heads {
                 all[h * k_len..(h + 1) * k_len]
@@ -620,27 +614,15 @@ pub(crate) fn attention_bounded(
             }
             obs.attention_rows(layer, i, n_heads, &all);
         }
-        if want_s {
-            obs.attention_block(
-                layer,
-                Hook::AttnScores,
-                offset + q0,
-                [n_heads, rows, kw],
-                raw_scores,
-            );
+        if self.want_s {
+            obs.attention_block(layer, Hook::AttnScores, start, [n_heads, rows, kw], raw);
         }
-        if want_p && !direct {
-            obs.attention_block(
-                layer,
-                Hook::Pattern,
-                offset + q0,
-                [n_heads, rows, kw],
-                scores,
-            );
+        if let (true, Some(p)) = (self.want_p, pattern) {
+            obs.attention_block(layer, Hook::Pattern, start, [n_heads, rows, kw], p);
         }
-        if let Some(r) = request {
-            let stats = AttnStats::from_states(&state, n_heads, rows, r.top_k);
-            obs.attention_stats(layer, offset + q0, &stats);
+        if let Some(r) = self.request {
+            let stats = AttnStats::from_states(state, n_heads, rows, r.top_k);
+            obs.attention_stats(layer, start, &stats);
         }
         for h in 0..n_heads {
             for x in 0..rows {
@@ -648,9 +630,290 @@ pub(crate) fn attention_bounded(
                     .copy_from_slice(&zb[(h * rows + x) * d..][..d]);
             }
         }
-        q0 += rows;
+        Ok(())
     }
-    Ok(())
+
+    /// Head `h` of a query block: its key blocks one after another (scores
+    /// [`Kernel::scores`], online softmax [`Kernel::softmax_rows`], `P·V` accumulated with the
+    /// running rescale into `z_h`), then `z_h` normalized and the wanted rows recomputed
+    /// ([`Kernel::streamed_rows`]); with one key block for the whole row the pattern is in the
+    /// buffer and is handed from there ([`Kernel::pattern_out`]).
+    #[allow(clippy::too_many_arguments)]
+    fn head(
+        &self,
+        blk: &QueryBlock,
+        h: usize,
+        s_h: &mut [f32],
+        raw_h: &mut [f32],
+        st_h: &mut [RowState],
+        z_h: &mut [f32],
+        rows_h: &mut [f32],
+        mut dest: Option<&mut [f32]>,
+    ) {
+        let AttnDims {
+            head_dim: d,
+            window,
+            ..
+        } = self.dims;
+        let (q0, rows, kw) = (blk.q0, blk.rows, blk.kw);
+        let (_, vp) = &self.packed[h / self.group];
+        let mut corr = vec![0f32; rows];
+        // a sliding window hides every key before the block's first query's window: those
+        // key blocks are never computed, so a windowed layer costs O(n · window)
+        let mut k0 = match window {
+            Some(w) if !self.materialize && !self.precise => {
+                (self.offset + q0 + 1).saturating_sub(w) / self.kb_size * self.kb_size
+            }
+            _ => 0,
+        };
+        while k0 < kw {
+            let kn = self.kb_size.min(kw - k0);
+            let single = k0 == 0 && kn == kw;
+            // rows of kn scores in the scratch block (in L2: the caller's rows are written
+            // once, finished, at the end; computed in place there, with rows 4·k_len bytes
+            // apart, the GEMM's tile stores missed the cache)
+            // (streamed: a stride of whole 2 KiB steps gets the slack)
+            let ld = if self.slack > 0 && kn % 512 == 0 {
+                kn + self.slack
+            } else {
+                kn
+            };
+            let s = &mut s_h[..rows * ld];
+            self.scores(blk, h, k0..k0 + kn, s, ld, raw_h);
+            self.softmax_rows(blk, h, k0..k0 + kn, s, ld, raw_h, st_h, &mut corr);
+            if k0 > 0 {
+                for (zr, &c) in z_h.chunks_mut(d).zip(&corr) {
+                    scale_by(zr, c);
+                }
+            }
+            gemm::gemm_sub(s, ld, rows, vp, k0..k0 + kn, 0..d, z_h, d, k0 > 0, false);
+            if single {
+                self.pattern_out(blk, s, ld, kn, rows_h, dest.as_deref_mut());
+                return;
+            }
+            debug_assert!(dest.is_none(), "the caller's rows take one key block");
+            k0 += kn;
+        }
+        for (zr, st) in z_h.chunks_mut(d).zip(st_h.iter()) {
+            let inv = if st.l > 0.0 { (1.0 / st.l) as f32 } else { 0.0 };
+            scale_by(zr, inv);
+        }
+        self.streamed_rows(blk, h, st_h, rows_h);
+    }
+
+    /// Head `h`'s raw scores `q·k` of the keys `keys` into `s` (`[rows, ld]`), soft-capped
+    /// (Gemma 2); a copy with the masked keys at -inf into `raw_h` when `hook_attn_scores`
+    /// is wanted.
+    fn scores(
+        &self,
+        blk: &QueryBlock,
+        h: usize,
+        keys: std::ops::Range<usize>,
+        s: &mut [f32],
+        ld: usize,
+        raw_h: &mut [f32],
+    ) {
+        let AttnDims {
+            head_dim: d,
+            q_len: n,
+            softcap,
+            window,
+            causal,
+            ..
+        } = self.dims;
+        let (q0, rows) = (blk.q0, blk.rows);
+        let (k0, kn) = (keys.start, keys.len());
+        let (kp, _) = &self.packed[h / self.group];
+        let a = &self.q[(h * n + q0) * d..(h * n + q0 + rows) * d];
+        gemm::gemm_sub(a, d, rows, kp, 0..d, keys, s, ld, false, false);
+        if let Some(cap) = softcap {
+            for row in s.chunks_mut(ld) {
+                row[..kn]
+                    .iter_mut()
+                    .for_each(|x| *x = (*x / cap).tanh() * cap);
+            }
+        }
+        if !raw_h.is_empty() {
+            for (x, (src, dst)) in s.chunks(ld).zip(raw_h.chunks_mut(kn)).enumerate() {
+                let i = self.offset + q0 + x;
+                for (j, (&sc, out)) in src[..kn].iter().zip(dst.iter_mut()).enumerate() {
+                    *out = if visible_in(causal, i, k0 + j, self.knockout, window) {
+                        sc
+                    } else {
+                        f32::NEG_INFINITY
+                    };
+                }
+            }
+        }
+    }
+
+    /// The online softmax update of a key block's scores `s`, one query row at a time: mask,
+    /// new shift m' = max(m, block max), rescale the sums by exp(m - m') (the factor left in
+    /// `corr` for `z`), and leave p = exp(s - m') in the buffer for the weighted sum of values;
+    /// normalized in place when the block holds the whole row (p is then the pattern). A row
+    /// with large scores is rescored exactly first ([`rescore_row`]).
+    #[allow(clippy::too_many_arguments)]
+    fn softmax_rows(
+        &self,
+        blk: &QueryBlock,
+        h: usize,
+        keys: std::ops::Range<usize>,
+        s: &mut [f32],
+        ld: usize,
+        raw_h: &mut [f32],
+        st_h: &mut [RowState],
+        corr: &mut [f32],
+    ) {
+        let AttnDims {
+            head_dim: d,
+            q_len: n,
+            k_len,
+            softcap,
+            window,
+            causal,
+            ..
+        } = self.dims;
+        let (q0, kw) = (blk.q0, blk.kw);
+        let (k0, kn) = (keys.start, keys.len());
+        let single = k0 == 0 && kn == kw;
+        let knockout = self.knockout;
+        // a row's maximum, and where it first stands when the statistics want the argmax
+        // (argmax is only looked for when someone takes the statistics)
+        let stats = self.request.is_some();
+        let peak = |xs: &[f32]| {
+            if stats {
+                max_and_index(xs)
+            } else {
+                (max_of(xs), None)
+            }
+        };
+        for (x, (row, (st, c))) in s
+            .chunks_mut(ld)
+            .zip(st_h.iter_mut().zip(corr.iter_mut()))
+            .enumerate()
+        {
+            let row = &mut row[..kn];
+            let i = self.offset + q0 + x;
+            if self.precise {
+                // (one key block holds the whole row here: k0 == 0, kn == kw)
+                let raw = (!raw_h.is_empty()).then(|| &mut raw_h[x * kn..(x + 1) * kn]);
+                rescore_row(
+                    row,
+                    raw,
+                    &self.q_raw[(h * n + q0 + x) * d..][..d],
+                    &self.k[(h / self.group) * k_len * d..][..k_len * d],
+                    self.scale64,
+                    softcap,
+                    i,
+                    knockout,
+                    window,
+                    causal,
+                );
+            }
+            let top_k = self
+                .request
+                .filter(|r| r.top_k > 0 && i >= r.top_k_from)
+                .map(|r| r.top_k);
+            if !self.any_knockout && window.is_none() {
+                // the keys of this block the query may see are a prefix of it
+                let n_vis = if causal {
+                    (i + 1).saturating_sub(k0).min(kn)
+                } else {
+                    kn
+                };
+                let (bmax, at) = peak(&row[..n_vis]);
+                online_update(st, c, row, n_vis, bmax, at, k0, top_k, true);
+            } else {
+                for (j, sc) in row.iter_mut().enumerate() {
+                    if !visible_in(causal, i, k0 + j, knockout, window) {
+                        *sc = f32::NEG_INFINITY;
+                    }
+                }
+                let (bmax, at) = peak(row);
+                online_update(st, c, row, kn, bmax, at, k0, top_k, false);
+            }
+            if single {
+                // one block holds every visible key: normalize in place, p is the pattern
+                let inv = if st.l > 0.0 { (1.0 / st.l) as f32 } else { 0.0 };
+                scale_by(row, inv);
+            }
+        }
+    }
+
+    /// The pattern of a block held whole in `s` (`[rows, ld]`, `kn` keys): the wanted rows
+    /// into `rows_h`, and every row into the caller's `dest` past the cache (nothing reads them
+    /// here again); the keys past the block are masked: zero (already, in fresh or recycled
+    /// memory that says so).
+    fn pattern_out(
+        &self,
+        blk: &QueryBlock,
+        s: &[f32],
+        ld: usize,
+        kn: usize,
+        rows_h: &mut [f32],
+        dest: Option<&mut [f32]>,
+    ) {
+        let k_len = self.dims.k_len;
+        let kw = blk.kw;
+        for (w, &(x, _)) in blk.wanted.iter().enumerate() {
+            rows_h[w * k_len..w * k_len + kw].copy_from_slice(&s[x * ld..x * ld + kn]);
+        }
+        if let Some(out) = dest {
+            for (src, dst) in s.chunks(ld).zip(out.chunks_mut(k_len)) {
+                stream_store(&mut dst[..kn], &src[..kn]);
+                if !blk.zeroed {
+                    dst[kn..].fill(0.0);
+                }
+            }
+            stream_fence();
+        }
+    }
+
+    /// Streamed: the wanted rows' scores recomputed and normalized with the row's final shift
+    /// and sum, p = e^(s - m) / l (one row of work per wanted query), into `rows_h`.
+    fn streamed_rows(&self, blk: &QueryBlock, h: usize, st_h: &[RowState], rows_h: &mut [f32]) {
+        let AttnDims {
+            head_dim: d,
+            q_len: n,
+            k_len,
+            softcap,
+            window,
+            causal,
+            ..
+        } = self.dims;
+        let (kp, _) = &self.packed[h / self.group];
+        for (w, &(x, i)) in blk.wanted.iter().enumerate() {
+            let st = &st_h[x];
+            let out = &mut rows_h[w * k_len..(w + 1) * k_len];
+            let a_row = &self.q[(h * n + blk.q0 + x) * d..(h * n + blk.q0 + x + 1) * d];
+            // the keys the row may see: up to itself (causal), else all
+            let end = if causal { i + 1 } else { k_len };
+            gemm::gemm_sub(
+                a_row,
+                d,
+                1,
+                kp,
+                0..d,
+                0..end,
+                &mut out[..end],
+                end,
+                false,
+                false,
+            );
+            if let Some(cap) = softcap {
+                out[..end]
+                    .iter_mut()
+                    .for_each(|x| *x = (*x / cap).tanh() * cap);
+            }
+            for (j, p) in out[..end].iter_mut().enumerate() {
+                *p = if visible_in(causal, i, j, self.knockout, window) && st.l > 0.0 {
+                    (fast_exp(*p - st.m) as f64 / st.l) as f32
+                } else {
+                    0.0
+                };
+            }
+        }
+    }
 }
 
 /// Scaled scores whose magnitude passes this are computed in f64 and shifted by their row's
@@ -1142,12 +1405,51 @@ pub(crate) fn attention_edited(
     obs: &mut dyn Observer,
     z: &mut [f32],
 ) -> Result<()> {
-    let (nh, rows, k_len, d) = (dims.n_heads, dims.q_len, dims.k_len, dims.head_dim);
+    let (nh, rows, k_len) = (dims.n_heads, dims.q_len, dims.k_len);
     let offset = k_len - rows;
+    let (mut scores, mut pattern) =
+        whole_maps(layer, q, k, v, dims, knockout, block_bytes, obs, z)?;
+    let shape = [nh, rows, k_len];
+    // a hook that only reads leaves the kernel's z as it is (the same bits as without it)
+    let before = pattern.clone();
+    if obs.edits(layer, Hook::AttnScores) {
+        edit_scores(obs, layer, &shape, &mut scores, &mut pattern)?;
+    }
+    if obs.wants(layer, Hook::AttnScores) {
+        obs.attention_block(layer, Hook::AttnScores, offset, shape, &scores);
+    }
+    if obs.edits(layer, Hook::Pattern) {
+        edit_pattern(obs, layer, &shape, &mut pattern)?;
+    }
+    if obs.wants(layer, Hook::Pattern) {
+        obs.attention_block(layer, Hook::Pattern, offset, shape, &pattern);
+    }
+    if pattern != before {
+        pattern_times_values(&pattern, v, dims, z);
+    }
+    Ok(())
+}
+
+/// The fast kernel run with whole rows (one key block) into `z`, its scores and pattern kept
+/// whole by a [`MapTap`] (what the observer wants besides is handed on): `(scores, pattern)`,
+/// `[n_heads, q_len, k_len]` each, masked keys -inf and 0.
+#[allow(clippy::too_many_arguments)]
+fn whole_maps(
+    layer: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dims: AttnDims,
+    knockout: &[bool],
+    block_bytes: usize,
+    obs: &mut dyn Observer,
+    z: &mut [f32],
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let (nh, rows, k_len) = (dims.n_heads, dims.q_len, dims.k_len);
     let mut tap = MapTap {
         inner: obs,
         layer,
-        offset,
+        offset: k_len - rows,
         rows,
         k_len,
         scores: vec![f32::NEG_INFINITY; nh * rows * k_len],
@@ -1165,63 +1467,69 @@ pub(crate) fn attention_edited(
         &mut tap,
         z,
     )?;
-    let (mut scores, mut pattern) = (tap.scores, tap.pattern);
-    let shape = [nh, rows, k_len];
-    // a hook that only reads leaves the kernel's z as it is (the same bits as without it)
-    let before = pattern.clone();
-    let name = |hook| super::capture::hook_name(layer, hook);
-    if obs.edits(layer, Hook::AttnScores) {
-        obs.edit(layer, Hook::AttnScores, &shape, &mut scores)
-            .map_err(|msg| Error::Hook {
-                name: name(Hook::AttnScores),
-                msg,
-            })?;
-        if scores.iter().any(|s| s.is_nan() || *s == f32::INFINITY) {
+    Ok((tap.scores, tap.pattern))
+}
+
+/// `hook_attn_scores` handed to the editing observer, then every edited row softmaxed again
+/// into `pattern` (f64 sums); a NaN or +inf, or a row with every key masked, is refused.
+fn edit_scores(
+    obs: &mut dyn Observer,
+    layer: usize,
+    shape: &[usize; 3],
+    scores: &mut [f32],
+    pattern: &mut [f32],
+) -> Result<()> {
+    let k_len = shape[2];
+    let name = || super::capture::hook_name(layer, Hook::AttnScores);
+    obs.edit(layer, Hook::AttnScores, shape, scores)
+        .map_err(|msg| Error::Hook { name: name(), msg })?;
+    if scores.iter().any(|s| s.is_nan() || *s == f32::INFINITY) {
+        return Err(Error::Hook {
+            name: name(),
+            msg: "left a NaN or +infinity in the scores (-infinity masks a key); refused".into(),
+        });
+    }
+    for (row, out) in scores.chunks(k_len).zip(pattern.chunks_mut(k_len)) {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        if max == f32::NEG_INFINITY {
             return Err(Error::Hook {
-                name: name(Hook::AttnScores),
-                msg: "left a NaN or +infinity in the scores (-infinity masks a key); refused"
+                name: name(),
+                msg: "masked every key of a query row (all -infinity): its softmax is undefined"
                     .into(),
             });
         }
-        for (row, out) in scores.chunks(k_len).zip(pattern.chunks_mut(k_len)) {
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            if max == f32::NEG_INFINITY {
-                return Err(Error::Hook {
-                    name: name(Hook::AttnScores),
-                    msg:
-                        "masked every key of a query row (all -infinity): its softmax is undefined"
-                            .into(),
-                });
-            }
-            let sum: f64 = row.iter().map(|&s| ((s - max) as f64).exp()).sum();
-            for (o, &s) in out.iter_mut().zip(row) {
-                *o = (((s - max) as f64).exp() / sum) as f32;
-            }
+        let sum: f64 = row.iter().map(|&s| ((s - max) as f64).exp()).sum();
+        for (o, &s) in out.iter_mut().zip(row) {
+            *o = (((s - max) as f64).exp() / sum) as f32;
         }
     }
-    if obs.wants(layer, Hook::AttnScores) {
-        obs.attention_block(layer, Hook::AttnScores, offset, shape, &scores);
+    Ok(())
+}
+
+/// `hook_pattern` handed to the editing observer; a non-finite weight is refused (the pattern
+/// then weighs the values as it is, unnormalized or not).
+fn edit_pattern(
+    obs: &mut dyn Observer,
+    layer: usize,
+    shape: &[usize; 3],
+    pattern: &mut [f32],
+) -> Result<()> {
+    let name = || super::capture::hook_name(layer, Hook::Pattern);
+    obs.edit(layer, Hook::Pattern, shape, pattern)
+        .map_err(|msg| Error::Hook { name: name(), msg })?;
+    if !all_finite(pattern) {
+        return Err(Error::Hook {
+            name: name(),
+            msg: "left a non-finite value (NaN or infinity) in the pattern; refused".into(),
+        });
     }
-    if obs.edits(layer, Hook::Pattern) {
-        obs.edit(layer, Hook::Pattern, &shape, &mut pattern)
-            .map_err(|msg| Error::Hook {
-                name: name(Hook::Pattern),
-                msg,
-            })?;
-        if !all_finite(&pattern) {
-            return Err(Error::Hook {
-                name: name(Hook::Pattern),
-                msg: "left a non-finite value (NaN or infinity) in the pattern; refused".into(),
-            });
-        }
-    }
-    if obs.wants(layer, Hook::Pattern) {
-        obs.attention_block(layer, Hook::Pattern, offset, shape, &pattern);
-    }
-    if pattern == before {
-        return Ok(());
-    }
-    // z = pattern · V, each query head on its KV set
+    Ok(())
+}
+
+/// `z = pattern · V` (`z`: `[q_len, n_heads, head_dim]`), each query head on its KV set, for
+/// an edited pattern.
+fn pattern_times_values(pattern: &[f32], v: &[f32], dims: AttnDims, z: &mut [f32]) {
+    let (nh, rows, k_len, d) = (dims.n_heads, dims.q_len, dims.k_len, dims.head_dim);
     let group = nh / dims.n_kv_heads;
     z.par_chunks_mut(nh * d).enumerate().for_each(|(r, zr)| {
         for h in 0..nh {
@@ -1237,5 +1545,4 @@ pub(crate) fn attention_edited(
             }
         }
     });
-    Ok(())
 }

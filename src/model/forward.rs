@@ -9,16 +9,13 @@
 // the kernel and the row-wise operations live in their own modules; their public items are
 // reachable here too, where they were before the split
 pub use super::attention::*;
-use super::block::{MlpKind, NormKind};
+use super::block::NormKind;
 use super::capture::{Hook, Observer};
-use super::config::RopeStyle;
 use super::error::{Error, Result};
 pub use super::ops::*;
-use super::tl_weights::{half_split_to_interleaved, interleaved_to_half_split};
 use super::weights::Head;
 use super::Model;
 use candle_core::{DType, Device, Tensor};
-use rayon::prelude::*;
 use std::time::{Duration, Instant};
 
 /// A rotary base's cos and sin tables, `[positions, rotary_dim / 2]` each.
@@ -81,6 +78,22 @@ pub struct Segment<'a> {
 pub struct Resume {
     pub layer: usize,
     pub resid: Vec<f32>,
+}
+
+/// The segments of one forward, checked and stacked ([`Model::forward_segments`]).
+struct Stack {
+    /// each segment's first row among the stacked rows
+    row0: Vec<usize>,
+    /// the stacked rows (the segments' new positions)
+    m: usize,
+    /// the longest segment's positions, its reused ones included
+    n_max: usize,
+    /// per segment, whether each of its positions is knocked out
+    knocks: Vec<Vec<bool>>,
+    /// the prefix's positions (0 without one)
+    full: usize,
+    /// the stacked rows whose logits are asked for, in order
+    logit_rows: Vec<usize>,
 }
 
 /// Hands the activation at `hook` to the observer: the live buffer to an editing observer (what
@@ -339,6 +352,12 @@ impl Model {
     /// rows). With `resume`, the forward starts at `resume.layer` from the residual it gives
     /// (the layers before it are not run; their keys and values come from `prefix` where a
     /// segment reuses positions).
+    ///
+    /// The loop reads as a block's steps (`forward/layer.rs`): `hook_resid_pre`, `ln1` and
+    /// q|k|v ([`Model::qkv_step`]), the attention per segment ([`Model::attention_step`]),
+    /// `hook_z`, the output projection ([`Model::attn_out_step`]), `hook_resid_mid`, the MLP
+    /// ([`Model::mlp_step`]), `hook_resid_post`; then the final norm and the logits
+    /// ([`Model::final_logits`]).
     pub fn forward_segments(
         &self,
         prefix: Option<&KvPrefix>,
@@ -352,22 +371,105 @@ impl Model {
         }
         let start = Instant::now();
         let dims = &self.dims;
-        let (nh, nkv, hd, dm, ff) = (
-            dims.n_heads,
-            dims.n_kv_heads,
-            dims.head_dim,
-            dims.d_model,
-            dims.d_ff,
-        );
-        if prefix
-            .is_some_and(|p| p.layers.len() != dims.n_layers || p.n_kv != nkv || p.head_dim != hd)
-        {
+        let (nh, hd, dm) = (dims.n_heads, dims.head_dim, dims.d_model);
+        let first_layer = resume.as_ref().map_or(0, |r| r.layer);
+        let mut stack = self.stack_segments(prefix, segs, first_layer, opts)?;
+        let m = stack.m;
+        let rope_sets = self.rope_sets(stack.n_max);
+        let mut x: Vec<f32> = match resume {
+            Some(r) => self.check_resume(r, m)?,
+            None => self.embed_rows(segs, &stack.row0, obs)?,
+        };
+        let mut timings = Timings::default();
+        let mut kept = KeptKv::default();
+        let mut s = Scratch::new(self, m);
+        let no_tables = (Vec::new(), Vec::new());
+        let mut stopped = false;
+        for (l, layer) in self.weights.layers.iter().enumerate().skip(first_layer) {
+            hand(obs, l, Hook::ResidPre, &[m, dm], &mut x)?;
+            if obs.stops_before(l) {
+                // TransformerLens's stop_at_layer: block l and what follows do not run
+                stopped = true;
+                break;
+            }
+            self.qkv_step(obs, l, layer, &x, m, &mut s, &mut timings)?;
+            let tables = layer
+                .plan
+                .rope_base()
+                .and_then(|base| rope_sets.iter().find(|(b, _)| *b == base))
+                .map_or(&no_tables, |(_, t)| t);
+            let t = Instant::now();
+            let stacked = (segs, &stack);
+            self.attention_step(
+                obs, l, layer, stacked, prefix, opts, tables, &mut s, &mut kept,
+            )?;
+            timings.attention += t.elapsed();
+            hand(obs, l, Hook::Z, &[m, nh, hd], &mut s.z)?;
+            obs.attention_done(l);
+            let m = if only_logits_follow(self, obs, l) {
+                narrow_to_logit_rows(&mut x, &mut s.z, &mut stack.logit_rows, dm, nh * hd)
+            } else {
+                m
+            };
+            if m == 0 {
+                obs.layer_done(l);
+                break;
+            }
+            self.attn_out_step(obs, l, layer, &mut x, &s.z, m, &mut timings)?;
+            hand(obs, l, Hook::ResidMid, &[m, dm], &mut x)?;
+            self.mlp_step(obs, l, layer, &mut x, m, &mut s, &mut timings)?;
+            if !all_finite(&x) {
+                return Err(Error::NonFinite {
+                    what: "the residual stream after the layer's MLP".into(),
+                    layer: Some(l),
+                });
+            }
+            hand(obs, l, Hook::ResidPost, &[m, dm], &mut x)?;
+            obs.layer_done(l);
+            if interrupted() {
+                return Err(Error::Interrupted);
+            }
+        }
+        s.release();
+        // stopped before a block, or before the final norm: no logits
+        let stopped = stopped || obs.stops_before(dims.n_layers);
+        let logits = self.final_logits(obs, &x, &stack.logit_rows, stopped)?;
+        let kv = opts.keep_kv.then_some(KvPrefix {
+            len: stack.n_max,
+            n_kv: dims.n_kv_heads,
+            head_dim: hd,
+            layers: kept.layers,
+            k_sq: kept.k_sq,
+        });
+        timings.total = start.elapsed();
+        Ok(ForwardOut {
+            logits,
+            timings,
+            kv,
+        })
+    }
+
+    /// The segments of one forward checked (against the model, the prefix and `opts`) and
+    /// stacked: each one's first row, the rows in all, the longest, the knocked-out keys and
+    /// the rows whose logits are asked for.
+    fn stack_segments(
+        &self,
+        prefix: Option<&KvPrefix>,
+        segs: &[Segment],
+        first_layer: usize,
+        opts: &RunOptions,
+    ) -> Result<Stack> {
+        let dims = &self.dims;
+        if prefix.is_some_and(|p| {
+            p.layers.len() != dims.n_layers
+                || p.n_kv != dims.n_kv_heads
+                || p.head_dim != dims.head_dim
+        }) {
             return Err(Error::Candle(candle_core::Error::Msg(
                 "the KV prefix belongs to another model: you likely have a bug".into(),
             )));
         }
         let full = prefix.map_or(0, |p| p.len);
-        let first_layer = resume.as_ref().map_or(0, |r| r.layer);
         if segs.is_empty() || (opts.keep_kv && (segs.len() > 1 || first_layer > 0)) {
             return Err(Error::Candle(candle_core::Error::Msg(format!(
                 "a forward of {} segments (keep_kv {}, from layer {first_layer}): you likely have a bug",
@@ -417,16 +519,34 @@ impl Model {
                 knock
             })
             .collect();
+        // the stacked rows whose logits are asked for, in order
+        let logit_rows: Vec<usize> = segs
+            .iter()
+            .zip(&row0)
+            .flat_map(|(seg, &r0)| seg.logits_at.iter().map(move |&p| r0 + p - seg.reuse))
+            .collect();
+        Ok(Stack {
+            row0,
+            m,
+            n_max,
+            knocks,
+            full,
+            logit_rows,
+        })
+    }
+
+    /// One pair of RoPE tables (`n` positions) per rotary base the layers' plans use (Gemma 3's
+    /// sliding layers have their own), with llama.cpp's per-frequency divisors where the file
+    /// has them: `theta_i = pos · base^(-2i/d) / freq_factors[i]`.
+    fn rope_sets(&self, n: usize) -> Vec<(f32, RopeTables)> {
+        let dims = &self.dims;
         let tables = |base: f32| {
             let mut inv = dims.rope_scaling.inv_freq(dims.rotary_dim, base);
             if let Some(f) = &self.weights.rope_freqs {
-                // llama.cpp: theta_i = pos · base^(-2i/d) / freq_factors[i]
                 inv.iter_mut().zip(f).for_each(|(x, f)| *x /= f);
             }
-            rope_tables_of(&inv, n_max)
+            rope_tables_of(&inv, n)
         };
-        let half = dims.rotary_dim / 2;
-        // one pair of tables per rotary base the plans use (Gemma 3's sliding layers have their own)
         let mut rope_sets: Vec<(f32, RopeTables)> = Vec::new();
         for base in self
             .weights
@@ -438,525 +558,21 @@ impl Model {
                 rope_sets.push((base, tables(base)));
             }
         }
-        let style = self.weights.rope_style;
-        // the stacked rows whose logits are asked for, in order
-        let mut logit_rows: Vec<usize> = segs
-            .iter()
-            .zip(&row0)
-            .flat_map(|(seg, &r0)| seg.logits_at.iter().map(move |&p| r0 + p - seg.reuse))
-            .collect();
-        let mut x: Vec<f32> = match resume {
-            Some(r) => {
-                if r.layer >= dims.n_layers || r.resid.len() != m * dm {
-                    return Err(Error::Candle(candle_core::Error::Msg(format!(
-                        "resuming at layer {} of {} with {} residual values for {m} rows of {dm}: you likely have a bug",
-                        r.layer,
-                        dims.n_layers,
-                        r.resid.len()
-                    ))));
-                }
-                r.resid
-            }
-            None => self.embed_rows(segs, &row0, obs)?,
-        };
-        let (mut attn_time, mut proj_time) = (Duration::ZERO, Duration::ZERO);
-        let mut kept = Vec::with_capacity(if opts.keep_kv { dims.n_layers } else { 0 });
-        let mut kept_sq = Vec::with_capacity(kept.capacity());
-        let (nq, nk) = (nh * hd, nkv * hd);
-        let width = nq + 2 * nk;
-        // the MLP runs over blocks of positions so its [positions, 2·d_ff] intermediate stays small
-        let mlp_rows = mlp_block_rows(ff).min(m);
-        let mut gu = vec![0f32; mlp_rows * 2 * ff];
-        let mut act = vec![0f32; mlp_rows * ff];
-        // the layer's other big buffers, allocated once and reused by every layer (fresh ones
-        // were zeroed anew for every layer: memset took 4% of a 2,048-token run)
-        let mut normed = vec![0f32; m * dm];
-        let mut qkv = vec![0f32; m * width];
-        let mut qh = vec![0f32; nh * m * hd];
-        let mut z = vec![0f32; m * nh * hd];
-        let mut stopped = false;
-        for (l, layer) in self.weights.layers.iter().enumerate().skip(first_layer) {
-            let plan = layer.plan;
-            let no_tables = (Vec::new(), Vec::new());
-            let (cos, sin) = plan
-                .rope_base()
-                .and_then(|base| rope_sets.iter().find(|(b, _)| *b == base))
-                .map_or(&no_tables, |(_, t)| t);
-            hand(obs, l, Hook::ResidPre, &[m, dm], &mut x)?;
-            if obs.stops_before(l) {
-                // TransformerLens's stop_at_layer: block l and what follows do not run
-                stopped = true;
-                break;
-            }
-            let bias = layer.norm_biases.as_ref().map(|b| b.0.as_slice());
-            let ln1 = (Hook::Ln1Scale, Hook::Ln1Normalized);
-            norm_hooked(
-                obs,
-                l,
-                ln1,
-                plan.norm,
-                &x,
-                &layer.attn_norm,
-                bias,
-                dims.rms_eps,
-                &mut normed,
-            )?;
-            let t = Instant::now();
-            layer.qkv.forward_into(&normed, m, &mut qkv, false)?; // [m, q | k | v]
-            proj_time += t.elapsed();
-            if let Some((qn, kn)) = &layer.qk_norm {
-                // Qwen3: RMSNorm over each head's query and key, before RoPE
-                qkv.par_chunks_mut(width).for_each(|row| {
-                    let (q, rest) = row.split_at_mut(nq);
-                    for head in q.chunks_mut(hd) {
-                        rms_norm_in_place(head, qn, dims.rms_eps);
-                    }
-                    for head in rest[..nk].chunks_mut(hd) {
-                        rms_norm_in_place(head, kn, dims.rms_eps);
-                    }
-                });
-            }
-            for (hook, c0, w, heads) in [
-                (Hook::Q, 0, nq, nh),
-                (Hook::K, nq, nk, nkv),
-                (Hook::V, nq + nk, nk, nkv),
-            ] {
-                if touches(obs, l, hook) {
-                    let mut part: Vec<f32> = qkv
-                        .chunks(width)
-                        .flat_map(|r| r[c0..c0 + w].iter().copied())
-                        .collect();
-                    // Q and K in Hugging Face's row order whatever the file's (llama GGUF
-                    // interleaves each head's halves)
-                    let reorder = style == RopeStyle::Interleaved && hook != Hook::V;
-                    if reorder {
-                        interleaved_to_half_split(&mut part, hd, 1);
-                    }
-                    hand(obs, l, hook, &[m, heads, hd], &mut part)?;
-                    if obs.edits(l, hook) {
-                        if reorder {
-                            half_split_to_interleaved(&mut part, hd, 1);
-                        }
-                        for (row, new) in qkv.chunks_mut(width).zip(part.chunks(w)) {
-                            row[c0..c0 + w].copy_from_slice(new);
-                        }
-                    }
-                }
-            }
-            let t0 = Instant::now();
-            for (si, (seg, &r0)) in segs.iter().zip(&row0).enumerate() {
-                obs.segment(si);
-                let (p0, ms) = (seg.reuse, seg.tokens.len());
-                let n = p0 + ms;
-                let rows = &qkv[r0 * width..(r0 + ms) * width];
-                // the tables of this segment's positions, exactly (split_heads reads their width
-                // from their length); a block with learned positions (GPT-2) has no rotation
-                let rope = plan
-                    .rope_base()
-                    .map(|_| (&cos[p0 * half..n * half], &sin[p0 * half..n * half], style));
-                let qh = &mut qh[..nh * ms * hd];
-                split_heads_into(rows, ms, width, 0, nh, hd, rope, qh); // [nh, ms, hd]
-                let mut kh = split_heads(rows, ms, width, nq, nkv, hd, rope);
-                let vh = split_heads(rows, ms, width, nq + nk, nkv, hd, None);
-                for (hook, heads, buf) in [
-                    (Hook::RotQ, nh, &mut qh[..]),
-                    (Hook::RotK, nkv, &mut kh[..]),
-                ] {
-                    if touches(obs, l, hook) {
-                        let mut merged = merge_heads(buf, heads, ms, hd);
-                        let reorder = style == RopeStyle::Interleaved;
-                        if reorder {
-                            interleaved_to_half_split(&mut merged, hd, 1);
-                        }
-                        hand(obs, l, hook, &[ms, heads, hd], &mut merged)?;
-                        if obs.edits(l, hook) {
-                            if reorder {
-                                half_split_to_interleaved(&mut merged, hd, 1);
-                            }
-                            // back to [heads, ms, hd]
-                            for (r, row) in merged.chunks(heads * hd).enumerate() {
-                                for (h, v) in row.chunks(hd).enumerate() {
-                                    buf[(h * ms + r) * hd..][..hd].copy_from_slice(v);
-                                }
-                            }
-                        }
-                    }
-                }
-                // the keys' bound: a whole prefix's is kept with it, so only the new keys are
-                // read for it; a prefix's part, or keys to keep, get theirs here
-                let k_sq = match prefix {
-                    Some(p) if p0 > 0 && p0 == full => Some(p.k_sq[l].max(max_row_sq(&kh, hd))),
-                    _ => None,
-                };
-                let (kf, vf) = match prefix {
-                    Some(p) if p0 > 0 => {
-                        // the segment's first p0 positions of each KV set, then its own
-                        let cat = |old: &[f32], new: &[f32]| -> Vec<f32> {
-                            (0..nkv)
-                                .flat_map(|g| {
-                                    old[g * full * hd..(g * full + p0) * hd]
-                                        .iter()
-                                        .chain(&new[g * ms * hd..(g + 1) * ms * hd])
-                                        .copied()
-                                })
-                                .collect()
-                        };
-                        (cat(&p.layers[l].0, &kh), cat(&p.layers[l].1, &vh))
-                    }
-                    _ => (kh, vh),
-                };
-                let k_sq = k_sq.or_else(|| opts.keep_kv.then(|| max_row_sq(&kf, hd)));
-                let adims = AttnDims {
-                    n_heads: nh,
-                    n_kv_heads: nkv,
-                    head_dim: hd,
-                    q_len: ms,
-                    k_len: n,
-                    window: plan.window,
-                    scale: plan.score_scale,
-                    softcap: plan.softcap,
-                    causal: plan.causal,
-                };
-                let zs = &mut z[r0 * nh * hd..(r0 + ms) * nh * hd];
-                if obs.edits(l, Hook::AttnScores) || obs.edits(l, Hook::Pattern) {
-                    attention_edited(
-                        l,
-                        qh,
-                        &kf,
-                        &vf,
-                        adims,
-                        &knocks[si],
-                        opts.block_bytes,
-                        obs,
-                        zs,
-                    )?;
-                } else {
-                    attention_bounded(
-                        l,
-                        qh,
-                        &kf,
-                        &vf,
-                        adims,
-                        &knocks[si],
-                        (opts.block_bytes, opts.key_block),
-                        k_sq,
-                        obs,
-                        zs,
-                    )?; // [ms, nh, hd]
-                }
-                if let (true, Some(b)) = (opts.keep_kv, k_sq) {
-                    kept.push((kf, vf));
-                    kept_sq.push(b);
-                }
-            }
-            attn_time += t0.elapsed();
-            hand(obs, l, Hook::Z, &[m, nh, hd], &mut z)?;
-            obs.attention_done(l);
-            // The last layer's attention output and MLP feed nothing but the logits: unless a
-            // hook wants them, they run on the logits rows alone (none for `sinks`, a capture of
-            // patterns or statistics; one for `inspect`'s prediction), 1/24 of the default
-            // model's projections saved
-            let mut mr = m;
-            if l + 1 == self.weights.layers.len()
-                && ![
-                    Hook::Result,
-                    Hook::AttnOut,
-                    Hook::ResidMid,
-                    Hook::MlpPre,
-                    Hook::MlpPost,
-                    Hook::Ln2Scale,
-                    Hook::Ln2Normalized,
-                    Hook::MlpPreLinear,
-                    Hook::MlpOut,
-                    Hook::ResidPost,
-                    Hook::LnFinalScale,
-                    Hook::LnFinalNormalized,
-                ]
-                .iter()
-                .any(|&h| touches(obs, l, h))
-            {
-                let gather = |v: &[f32], w: usize| -> Vec<f32> {
-                    logit_rows
-                        .iter()
-                        .flat_map(|&r| v[r * w..(r + 1) * w].iter().copied())
-                        .collect()
-                };
-                x = gather(&x, dm);
-                z = gather(&z, nh * hd);
-                mr = logit_rows.len();
-                logit_rows = (0..mr).collect();
-            }
-            if mr == 0 {
-                obs.layer_done(l);
-                break;
-            }
-            let m = mr;
-            let t = Instant::now();
-            // attn.hook_result (each head's z through its slice of W_O, [m, heads, d_model]) is
-            // computed only when asked: one product per head. Read, it changes nothing (the
-            // output projection runs as always); edited, the output is the sum of the edited
-            // results plus W_O's bias
-            let mut results = None;
-            if touches(obs, l, Hook::Result) {
-                let (mut res, bias) = self.head_results(l, &z, m)?;
-                hand(obs, l, Hook::Result, &[m, nh, dm], &mut res)?;
-                if obs.edits(l, Hook::Result) {
-                    let mut out = vec![0f32; m * dm];
-                    for (o, r) in out.chunks_mut(dm).zip(res.chunks(nh * dm)) {
-                        o.copy_from_slice(&bias);
-                        for head in r.chunks(dm) {
-                            o.iter_mut().zip(head).for_each(|(o, v)| *o += v);
-                        }
-                    }
-                    results = Some(out);
-                }
-            }
-            if let Some(out) = results.as_mut().filter(|_| layer.post_norms.is_none()) {
-                proj_time += t.elapsed();
-                hand(obs, l, Hook::AttnOut, &[m, dm], out)?;
-                x.iter_mut().zip(out.iter()).for_each(|(x, a)| *x += a);
-            } else if results.is_some()
-                || layer.post_norms.is_some()
-                || obs.edits(l, Hook::AttnOut)
-                || layer.o.has_bias()
-            {
-                let mut attn_out = match results {
-                    Some(r) => r,
-                    None => layer.o.forward(&z, m)?,
-                };
-                if let Some((post_attn, _)) = &layer.post_norms {
-                    // Gemma: the attention's output is normalized before the residual add
-                    attn_out = rms_norm(&attn_out, post_attn, dims.rms_eps);
-                }
-                proj_time += t.elapsed();
-                hand(obs, l, Hook::AttnOut, &[m, dm], &mut attn_out)?;
-                x.iter_mut().zip(&attn_out).for_each(|(x, a)| *x += a);
-            } else {
-                if obs.wants(l, Hook::AttnOut) {
-                    // read only: the output on its own for the hook, while the residual gets the
-                    // product accumulated into it as always, so reading changes no bit
-                    let mut attn_out = layer.o.forward(&z, m)?;
-                    hand(obs, l, Hook::AttnOut, &[m, dm], &mut attn_out)?;
-                }
-                layer.o.forward_into(&z, m, &mut x, true)?; // x += z · W_oᵀ
-                proj_time += t.elapsed();
-            }
-            hand(obs, l, Hook::ResidMid, &[m, dm], &mut x)?;
-            // hook_mlp_out needs the MLP's output on its own, not added into x as it is computed
-            // (edited; one that only reads gets its own copy while x accumulates as always, so
-            // reading changes no bit)
-            let mut mlp_out = obs.edits(l, Hook::MlpOut).then(|| vec![0f32; m * dm]);
-            let mut mlp_read =
-                (mlp_out.is_none() && obs.wants(l, Hook::MlpOut)).then(|| vec![0f32; m * dm]);
-            // SwiGLU MLP [Shazeer 2020, arXiv:2002.05202, eq. (5)], x += down(silu(gate) · up)
-            let bias = layer.norm_biases.as_ref().map(|b| b.1.as_slice());
-            let ln2 = (Hook::Ln2Scale, Hook::Ln2Normalized);
-            norm_hooked(
-                obs,
-                l,
-                ln2,
-                plan.norm,
-                &x,
-                &layer.mlp_norm,
-                bias,
-                dims.rms_eps,
-                &mut normed,
-            )?;
-            let h = &normed;
-            let gated = plan.mlp.gated();
-            // mlp.hook_pre / hook_post are whole [m, d_mlp] tensors: the MLP then runs in one block
-            let whole = [Hook::MlpPre, Hook::MlpPreLinear, Hook::MlpPost]
-                .iter()
-                .any(|&h| touches(obs, l, h));
-            let mut own =
-                (whole && m > mlp_rows).then(|| (vec![0f32; m * 2 * ff], vec![0f32; m * ff]));
-            let (gu, act) = match own.as_mut() {
-                Some((g, a)) => (g, a),
-                None => (&mut gu, &mut act),
-            };
-            let block = if whole { m } else { mlp_rows };
-            let gw = if gated { 2 * ff } else { ff };
-            for r0 in (0..m).step_by(block) {
-                let rows = block.min(m - r0);
-                let t = Instant::now();
-                layer
-                    .gate_up
-                    .forward_into(&h[r0 * dm..(r0 + rows) * dm], rows, gu, false)?;
-                proj_time += t.elapsed();
-                if touches(obs, l, Hook::MlpPre) {
-                    // the gate's pre-activation (GPT-2: c_fc's output), [m, d_mlp]
-                    let mut pre: Vec<f32> = gu[..rows * gw]
-                        .chunks(gw)
-                        .flat_map(|r| r[..ff].iter().copied())
-                        .collect();
-                    hand(obs, l, Hook::MlpPre, &[rows, ff], &mut pre)?;
-                    for (row, new) in gu[..rows * gw].chunks_mut(gw).zip(pre.chunks(ff)) {
-                        row[..ff].copy_from_slice(new);
-                    }
-                }
-                if gated && touches(obs, l, Hook::MlpPreLinear) {
-                    // a gated MLP's up projection, [m, d_mlp]
-                    let mut lin: Vec<f32> = gu[..rows * gw]
-                        .chunks(gw)
-                        .flat_map(|r| r[ff..].iter().copied())
-                        .collect();
-                    hand(obs, l, Hook::MlpPreLinear, &[rows, ff], &mut lin)?;
-                    for (row, new) in gu[..rows * gw].chunks_mut(gw).zip(lin.chunks(ff)) {
-                        row[ff..].copy_from_slice(new);
-                    }
-                }
-                match plan.mlp {
-                    // GPT-2: gelu_new(c_fc(h)), no gate
-                    MlpKind::GeluTanh => gelu_tanh(&gu[..rows * ff], &mut act[..rows * ff]),
-                    MlpKind::GeluErf => gelu_erf(&gu[..rows * ff], &mut act[..rows * ff]),
-                    MlpKind::GeGluTanh => {
-                        geglu_tanh(&gu[..rows * 2 * ff], ff, &mut act[..rows * ff])
-                    }
-                    MlpKind::SwiGlu => swiglu(&gu[..rows * 2 * ff], ff, &mut act[..rows * ff]),
-                }
-                hand(obs, l, Hook::MlpPost, &[rows, ff], &mut act[..rows * ff])?;
-                let t = Instant::now();
-                if layer.down.has_bias() || layer.post_norms.is_some() || mlp_out.is_some() {
-                    let mut out = layer.down.forward(&act[..rows * ff], rows)?;
-                    if let Some((_, post_mlp)) = &layer.post_norms {
-                        // Gemma: the MLP's output is normalized before the residual add
-                        out = rms_norm(&out, post_mlp, dims.rms_eps);
-                    }
-                    if let Some(o) = mlp_read.as_mut() {
-                        o[r0 * dm..(r0 + rows) * dm].copy_from_slice(&out);
-                    }
-                    let dest = match mlp_out.as_mut() {
-                        Some(o) => &mut o[r0 * dm..(r0 + rows) * dm],
-                        None => &mut x[r0 * dm..(r0 + rows) * dm],
-                    };
-                    dest.iter_mut().zip(&out).for_each(|(x, a)| *x += a);
-                } else {
-                    if let Some(o) = mlp_read.as_mut() {
-                        let out = layer.down.forward(&act[..rows * ff], rows)?;
-                        o[r0 * dm..(r0 + rows) * dm].copy_from_slice(&out);
-                    }
-                    layer.down.forward_into(
-                        &act[..rows * ff],
-                        rows,
-                        &mut x[r0 * dm..(r0 + rows) * dm],
-                        true,
-                    )?;
-                }
-                proj_time += t.elapsed();
-            }
-            if let Some(mut out) = mlp_read {
-                hand(obs, l, Hook::MlpOut, &[m, dm], &mut out)?;
-            }
-            if let Some(mut out) = mlp_out {
-                hand(obs, l, Hook::MlpOut, &[m, dm], &mut out)?;
-                x.iter_mut().zip(&out).for_each(|(x, a)| *x += a);
-            }
-            if !all_finite(&x) {
-                return Err(Error::NonFinite {
-                    what: "the residual stream after the layer's MLP".into(),
-                    layer: Some(l),
-                });
-            }
-            hand(obs, l, Hook::ResidPost, &[m, dm], &mut x)?;
-            obs.layer_done(l);
-            if interrupted() {
-                return Err(Error::Interrupted);
-            }
+        rope_sets
+    }
+
+    /// The residual a resumed forward starts from, checked against the model and the `m`
+    /// stacked rows.
+    fn check_resume(&self, r: Resume, m: usize) -> Result<Vec<f32>> {
+        let (n_layers, dm) = (self.dims.n_layers, self.dims.d_model);
+        if r.layer >= n_layers || r.resid.len() != m * dm {
+            return Err(Error::Candle(candle_core::Error::Msg(format!(
+                "resuming at layer {} of {n_layers} with {} residual values for {m} rows of {dm}: you likely have a bug",
+                r.layer,
+                r.resid.len()
+            ))));
         }
-        // the layers' buffers are done with: a long input's tens of megabytes go back to the
-        // system before the logits bring in the output head's pages (measured: `inspect` at
-        // 2,041 tokens peaks 1.72 → 1.64 GB)
-        let freed = 4 * (gu.len() + act.len() + normed.len() + qkv.len() + qh.len() + z.len());
-        drop((gu, act, normed, qkv, qh, z));
-        if freed >= 16 << 20 {
-            release_attention_buffers();
-            super::return_free_memory();
-        }
-        let stopped = stopped || obs.stops_before(dims.n_layers);
-        if stopped {
-            // stopped before a block, or before the final norm: no logits
-            logit_rows.clear();
-        }
-        let n_logits = logit_rows.len();
-        let last = dims.n_layers - 1;
-        let final_bias = self.weights.final_norm_bias.as_deref();
-        let final_kind = if final_bias.is_some() {
-            NormKind::Layer
-        } else {
-            NormKind::Rms
-        };
-        // ln_final's hooks see every position (the last layer then kept them all)
-        let final_all = (!stopped
-            && (touches(obs, last, Hook::LnFinalScale)
-                || touches(obs, last, Hook::LnFinalNormalized)))
-        .then(|| -> Result<Vec<f32>> {
-            let mut h = vec![0f32; x.len()];
-            let hooks = (Hook::LnFinalScale, Hook::LnFinalNormalized);
-            let w = &self.weights.final_norm;
-            norm_hooked(
-                obs,
-                last,
-                hooks,
-                final_kind,
-                &x,
-                w,
-                final_bias,
-                dims.rms_eps,
-                &mut h,
-            )?;
-            Ok(h)
-        })
-        .transpose()?;
-        let logits = if n_logits == 0 {
-            Vec::new()
-        } else {
-            let gather = |v: &[f32]| -> Vec<f32> {
-                logit_rows
-                    .iter()
-                    .flat_map(|&r| v[r * dm..(r + 1) * dm].iter().copied())
-                    .collect()
-            };
-            let h = match &final_all {
-                Some(h) => gather(h),
-                None => {
-                    let rows = gather(&x);
-                    match final_bias {
-                        Some(b) => layer_norm(&rows, &self.weights.final_norm, b, dims.rms_eps),
-                        None => rms_norm(&rows, &self.weights.final_norm, dims.rms_eps),
-                    }
-                }
-            };
-            let mut rows = logits_rows(&self.weights.lm_head, h, n_logits, dm)?;
-            if let Some(cap) = dims.gemma.as_ref().and_then(|g| g.final_softcap) {
-                // Gemma 2: final-logit soft-capping
-                rows.iter_mut()
-                    .flatten()
-                    .for_each(|z| *z = (*z / cap).tanh() * cap);
-            }
-            if !rows.iter().all(|r| all_finite(r)) {
-                return Err(Error::NonFinite {
-                    what: "the logits".into(),
-                    layer: None,
-                });
-            }
-            rows
-        };
-        let kv = opts.keep_kv.then_some(KvPrefix {
-            len: n_max,
-            n_kv: nkv,
-            head_dim: hd,
-            layers: kept,
-            k_sq: kept_sq,
-        });
-        Ok(ForwardOut {
-            logits,
-            timings: Timings {
-                attention: attn_time,
-                projections: proj_time,
-                total: start.elapsed(),
-            },
-            kv,
-        })
+        Ok(r.resid)
     }
 
     /// `hook_resid_pre` of layer 0 for the stacked segments: token embeddings times Gemma's
@@ -1118,6 +734,8 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
 
 mod embed;
 mod encoder;
+mod layer;
 pub use embed::{l2_normalize, EmbedInput};
+use layer::{narrow_to_logit_rows, only_logits_follow, KeptKv, Scratch};
 #[cfg(test)]
 mod tests;

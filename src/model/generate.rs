@@ -408,6 +408,43 @@ impl Model {
         o: &GenOptions,
         mut on_token: impl FnMut(&GenToken),
     ) -> Result<Generation> {
+        self.check_prompt(prompt, o)?;
+        let stops = self.stop_ids();
+        let mut rng = Rng::new(o.seed);
+        let mut kv: Option<KvPrefix> = None;
+        let mut next: Vec<u32> = prompt.to_vec();
+        let mut generated = Vec::new();
+        let mut stop = StopReason::MaxNewTokens;
+        let t0 = std::time::Instant::now();
+        let mut prefill_s = 0.0;
+        for step in 0..o.max_new_tokens {
+            let (tok, new_kv) =
+                self.generate_step(kv.as_ref(), &next, prompt.len() + step, o, &mut rng)?;
+            if step == 0 {
+                prefill_s = t0.elapsed().as_secs_f64();
+            }
+            on_token(&tok);
+            let id = tok.id;
+            generated.push(tok);
+            kv = new_kv;
+            next = vec![id];
+            if stops.contains(&id) {
+                stop = StopReason::Eos;
+                break;
+            }
+        }
+        let decode_s = t0.elapsed().as_secs_f64() - prefill_s;
+        Ok(Generation {
+            prompt_ids: prompt.to_vec(),
+            generated,
+            stop,
+            prefill_s,
+            decode_s,
+        })
+    }
+
+    /// Refuses bad options, an empty prompt, or a prompt plus `max_new_tokens` past the context.
+    fn check_prompt(&self, prompt: &[u32], o: &GenOptions) -> Result<()> {
         o.check()?;
         if prompt.is_empty() {
             return Err(Error::EmptyText);
@@ -425,71 +462,58 @@ impl Model {
                 ),
             });
         }
-        let stops = self.stop_ids();
-        let mut rng = Rng::new(o.seed);
-        let mut kv: Option<KvPrefix> = None;
-        let mut next: Vec<u32> = prompt.to_vec();
-        let mut generated = Vec::new();
-        let mut stop = StopReason::MaxNewTokens;
-        let t0 = std::time::Instant::now();
-        let mut prefill_s = 0.0;
-        for step in 0..o.max_new_tokens {
-            let start = kv.as_ref().map_or(0, |p| p.len);
-            let q = start + next.len() - 1;
-            let mut obs = RowStats {
-                q,
-                threshold: o.concentrated,
-                sink: Vec::new(),
-                avg: Vec::new(),
-                concentrated: Vec::new(),
-            };
-            let opts = RunOptions {
-                logits_at: vec![q],
-                keep_kv: true,
-                ..Default::default()
-            };
-            let out = self.forward_from(kv.as_ref(), &next, &opts, &mut obs)?;
-            let logits = out
-                .logits
-                .into_iter()
-                .next()
-                .expect("one row was asked for");
-            let id = pick(&logits, o, &mut rng);
-            let logprob = log_softmax(&logits)[id as usize];
-            let scale = 1.0 / (self.dims.n_heads * self.dims.n_layers) as f64;
-            let attention: Vec<f32> = obs.avg.iter().map(|&w| (w * scale) as f32).collect();
-            let mut top: Vec<(usize, f32)> = attention.iter().copied().enumerate().collect();
-            top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-            top.truncate(o.top);
-            let tok = GenToken {
-                id,
-                text: String::from_utf8_lossy(&self.tokenizer.token_bytes(id)).into_owned(),
-                logprob,
-                position: prompt.len() + step,
-                sink: obs.sink,
-                top,
-                concentrated: obs.concentrated,
-                attention,
-            };
-            if step == 0 {
-                prefill_s = t0.elapsed().as_secs_f64();
-            }
-            on_token(&tok);
-            generated.push(tok);
-            kv = out.kv;
-            next = vec![id];
-            if stops.contains(&id) {
-                stop = StopReason::Eos;
-                break;
-            }
-        }
-        let decode_s = t0.elapsed().as_secs_f64() - prefill_s;
-        Ok(Generation {
-            prompt_ids: prompt.to_vec(),
-            generated,
-            stop,
-            prefill_s,
-            decode_s,
-        })
+        Ok(())
+    }
+
+    /// One step: `next` (the prompt, then the last token) run on the cache `kv`, the token
+    /// at `position` picked from the last row's logits, with its log-probability and the
+    /// attention of its query row (sink weight, average over heads and layers, the top keys,
+    /// the concentrated heads); returns it and the grown cache.
+    fn generate_step(
+        &self,
+        kv: Option<&KvPrefix>,
+        next: &[u32],
+        position: usize,
+        o: &GenOptions,
+        rng: &mut Rng,
+    ) -> Result<(GenToken, Option<KvPrefix>)> {
+        let start = kv.map_or(0, |p| p.len);
+        let q = start + next.len() - 1;
+        let mut obs = RowStats {
+            q,
+            threshold: o.concentrated,
+            sink: Vec::new(),
+            avg: Vec::new(),
+            concentrated: Vec::new(),
+        };
+        let opts = RunOptions {
+            logits_at: vec![q],
+            keep_kv: true,
+            ..Default::default()
+        };
+        let out = self.forward_from(kv, next, &opts, &mut obs)?;
+        let logits = out
+            .logits
+            .into_iter()
+            .next()
+            .expect("one row was asked for");
+        let id = pick(&logits, o, rng);
+        let logprob = log_softmax(&logits)[id as usize];
+        let scale = 1.0 / (self.dims.n_heads * self.dims.n_layers) as f64;
+        let attention: Vec<f32> = obs.avg.iter().map(|&w| (w * scale) as f32).collect();
+        let mut top: Vec<(usize, f32)> = attention.iter().copied().enumerate().collect();
+        top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        top.truncate(o.top);
+        let tok = GenToken {
+            id,
+            text: String::from_utf8_lossy(&self.tokenizer.token_bytes(id)).into_owned(),
+            logprob,
+            position,
+            sink: obs.sink,
+            top,
+            concentrated: obs.concentrated,
+            attention,
+        };
+        Ok((tok, out.kv))
     }
 }

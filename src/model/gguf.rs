@@ -53,65 +53,88 @@ const TENSORS_PER_LAYER: usize = 9;
 /// Returns the tensors of a type attnscope reads itself (IQ4_NL, IQ4_XS: candle's reader refuses
 /// their ids): each one's name, the byte offset of its type id, and its type.
 pub fn check_header(b: &[u8]) -> std::result::Result<(Vec<OwnTyped>, usize), String> {
-    struct Cur<'a>(&'a [u8], usize);
-    impl Cur<'_> {
-        fn take(&mut self, n: u64) -> Option<&[u8]> {
-            let n = usize::try_from(n).ok()?;
-            let end = self.1.checked_add(n)?;
-            let s = self.0.get(self.1..end)?;
-            self.1 = end;
-            Some(s)
-        }
-        fn u32(&mut self) -> Option<u32> {
-            self.take(4)
-                .map(|s| u32::from_le_bytes(s.try_into().expect("4 bytes")))
-        }
-        fn u64(&mut self) -> Option<u64> {
-            self.take(8)
-                .map(|s| u64::from_le_bytes(s.try_into().expect("8 bytes")))
-        }
-        fn skip(&mut self, ty: u32, depth: u32) -> Option<()> {
-            match ty {
-                0 | 1 | 7 => self.take(1).map(drop),
-                2 | 3 => self.take(2).map(drop),
-                4..=6 => self.take(4).map(drop),
-                10..=12 => self.take(8).map(drop),
-                8 => {
-                    let n = self.u64()?;
-                    self.take(n).map(drop)
-                }
-                9 if depth < 4 => {
-                    let (et, count) = (self.u32()?, self.u64()?);
-                    // each element takes at least one byte: a count beyond the file is malformed
-                    if count > (self.0.len() - self.1) as u64 {
-                        return None;
-                    }
-                    (0..count).try_for_each(|_| self.skip(et, depth + 1))
-                }
-                _ => None,
-            }
-        }
-    }
     let mut own = Vec::new();
     let mut c = Cur(b, 4);
-    let Some(version) = c.u32() else {
+    // `None` below: the header ends early or is malformed (candle's reader says so)
+    let Some((n_tensors, n_kv)) = header_counts(&mut c) else {
         return Ok((own, b.len()));
     };
-    if !(2..=3).contains(&version) {
+    if check_metadata(&mut c, n_kv)?.is_none()
+        || check_tensor_infos(&mut c, n_tensors, &mut own)?.is_none()
+    {
         return Ok((own, b.len()));
     }
-    let (Some(n_tensors), Some(n_kv)) = (c.u64(), c.u64()) else {
-        return Ok((own, b.len()));
-    };
+    Ok((own, c.1))
+}
+
+/// A cursor over a GGUF header's bytes: the bytes and the position; every read is `None`
+/// past the end.
+struct Cur<'a>(&'a [u8], usize);
+
+impl Cur<'_> {
+    /// The next `n` bytes.
+    fn take(&mut self, n: u64) -> Option<&[u8]> {
+        let n = usize::try_from(n).ok()?;
+        let end = self.1.checked_add(n)?;
+        let s = self.0.get(self.1..end)?;
+        self.1 = end;
+        Some(s)
+    }
+    /// A little-endian u32.
+    fn u32(&mut self) -> Option<u32> {
+        self.take(4)
+            .map(|s| u32::from_le_bytes(s.try_into().expect("4 bytes")))
+    }
+    /// A little-endian u64.
+    fn u64(&mut self) -> Option<u64> {
+        self.take(8)
+            .map(|s| u64::from_le_bytes(s.try_into().expect("8 bytes")))
+    }
+    /// Skips a metadata value of type `ty` (arrays nested at most 4 deep).
+    fn skip(&mut self, ty: u32, depth: u32) -> Option<()> {
+        match ty {
+            0 | 1 | 7 => self.take(1).map(drop),
+            2 | 3 => self.take(2).map(drop),
+            4..=6 => self.take(4).map(drop),
+            10..=12 => self.take(8).map(drop),
+            8 => {
+                let n = self.u64()?;
+                self.take(n).map(drop)
+            }
+            9 if depth < 4 => {
+                let (et, count) = (self.u32()?, self.u64()?);
+                // each element takes at least one byte: a count beyond the file is malformed
+                if count > (self.0.len() - self.1) as u64 {
+                    return None;
+                }
+                (0..count).try_for_each(|_| self.skip(et, depth + 1))
+            }
+            _ => None,
+        }
+    }
+}
+
+/// The version (2 or 3; another is `None`), then the tensors' and the metadata's counts.
+fn header_counts(c: &mut Cur) -> Option<(u64, u64)> {
+    let version = c.u32()?;
+    if !(2..=3).contains(&version) {
+        return None;
+    }
+    Some((c.u64()?, c.u64()?))
+}
+
+/// The `n_kv` metadata entries skipped, `general.alignment` checked (a power of two, stored as
+/// an integer). `Ok(None)`: the header ends early or is malformed.
+fn check_metadata(c: &mut Cur, n_kv: u64) -> std::result::Result<Option<()>, String> {
     for _ in 0..n_kv {
         let Some(klen) = c.u64() else {
-            return Ok((own, b.len()));
+            return Ok(None);
         };
         let Some(key) = c.take(klen).map(|k| k.to_vec()) else {
-            return Ok((own, b.len()));
+            return Ok(None);
         };
         let Some(ty) = c.u32() else {
-            return Ok((own, b.len()));
+            return Ok(None);
         };
         if key == b"general.alignment" {
             let v = match ty {
@@ -124,41 +147,51 @@ pub fn check_header(b: &[u8]) -> std::result::Result<(Vec<OwnTyped>, usize), Str
                 _ => return Err(format!("general.alignment has value type {ty}; GGUF stores it as an unsigned 32-bit integer")),
             };
             let Some(v) = v else {
-                return Ok((own, b.len()));
+                return Ok(None);
             };
             if v < 1 || (v as u64).count_ones() != 1 {
                 return Err(format!("general.alignment is {v}; it must be a power of two (1, 2, 4, ..., usually 32)"));
             }
         } else if c.skip(ty, 0).is_none() {
-            return Ok((own, b.len()));
+            return Ok(None);
         }
     }
-    // the tensor infos: name, n_dims, dims, type, offset. A block type candle's reader does not
-    // know is named here with its tensor (candle says only "unknown dtype for tensor 20")
+    Ok(Some(()))
+}
+
+/// The `n_tensors` tensor infos (name, n_dims, dims, type, offset): a block type candle's
+/// reader does not know is named here with its tensor (candle says only "unknown dtype for
+/// tensor 20"); the types attnscope reads itself are collected in `own`. `Ok(None)`: the
+/// header ends early or is malformed.
+fn check_tensor_infos(
+    c: &mut Cur,
+    n_tensors: u64,
+    own: &mut Vec<OwnTyped>,
+) -> std::result::Result<Option<()>, String> {
     for _ in 0..n_tensors {
         let Some(nlen) = c.u64() else {
-            return Ok((own, b.len()));
+            return Ok(None);
         };
         let Some(name) = c
             .take(nlen)
             .map(|k| String::from_utf8_lossy(k).into_owned())
         else {
-            return Ok((own, b.len()));
+            return Ok(None);
         };
         let Some(n_dims) = c.u32() else {
-            return Ok((own, b.len()));
+            return Ok(None);
         };
         if c.take(8 * n_dims as u64).is_none() {
-            return Ok((own, b.len()));
+            return Ok(None);
         }
         let at = c.1;
         let Some(ty) = c.u32() else {
-            return Ok((own, b.len()));
+            return Ok(None);
         };
         if let Some(t) = BlockType::own(ty) {
             own.push(OwnTyped { name, at, ty: t });
             if c.u64().is_none() {
-                return Ok((own, b.len()));
+                return Ok(None);
             }
             continue;
         }
@@ -170,10 +203,10 @@ pub fn check_header(b: &[u8]) -> std::result::Result<(Vec<OwnTyped>, usize), Str
             ));
         }
         if c.u64().is_none() {
-            return Ok((own, b.len()));
+            return Ok(None);
         }
     }
-    Ok((own, c.1))
+    Ok(Some(()))
 }
 
 /// A tensor whose block type attnscope reads itself, as [`check_header`] found it.
@@ -424,148 +457,13 @@ impl GgufFile {
             path: self.path.clone(),
             arch: a.clone(),
         })?;
-        // metadata that changes the numbers and that this forward does not implement
-        let unsupported = |key: &str, value: String, reason: &str| Error::Unsupported {
-            key: key.into(),
-            value,
-            path: self.path.clone(),
-            reason: reason.into(),
-        };
-        let shown = |v: &Value| match v {
-            Value::String(s) => format!("{s:?}"),
-            other => format!("{other:?}"),
-        };
-        let key = format!("{a}.rope.scaling.type");
-        if let Some(v) = self.md(&key) {
-            if !matches!(v, Value::String(s) if s == "none") {
-                return Err(unsupported(&key, shown(v), "; attnscope implements unscaled RoPE and Llama 3's per-frequency factors (rope_freqs.weight)"));
-            }
-        }
-        let key = format!("{a}.rope.scaling.factor");
-        if let Some(f) = self.float(&key) {
-            if f != 1.0 && f != 0.0 {
-                return Err(unsupported(&key, f.to_string(), ""));
-            }
-        }
-        // what this family's forward implements is read below; the rest is refused by name
-        let implemented: &[&str] = match arch {
-            Arch::Gemma2 | Arch::Gemma3 => &[
-                "attention.sliding_window",
-                "attn_logit_softcapping",
-                "final_logit_softcapping",
-                "attention.scale",
-                "attention.sliding_window_pattern",
-            ],
-            Arch::Phi3 => &["attention.sliding_window"],
-            _ => &[],
-        };
-        for k in [
-            "attention.sliding_window",
-            "attn_logit_softcapping",
-            "final_logit_softcapping",
-            "attention.query_pre_attn_scalar",
-            "attention.scale",
-            "attention.sliding_window_pattern",
-        ] {
-            let key = format!("{a}.{k}");
-            if let Some(v) = self.md(&key).filter(|_| !implemented.contains(&k)) {
-                return Err(unsupported(&key, shown(v), ""));
-            }
-        }
+        self.refuse_unimplemented(&a, arch)?;
         let n_layers = self.uint(&format!("{a}.block_count"), &a)?;
-        let key = format!("{a}.rope.dimension_count");
-        let mut rotary_dim = head_dim;
-        if let Ok(rot) = self.uint(&key, &a) {
-            if arch == Arch::Phi3 && rot > 0 && rot <= head_dim && rot % 2 == 0 {
-                // Phi-3's partial rotary factor
-                rotary_dim = rot;
-            } else if rot != head_dim && arch != Arch::Gpt2 {
-                return Err(unsupported(
-                    &key,
-                    rot.to_string(),
-                    &format!("; attnscope rotates every dimension of a head (head_dim {head_dim})"),
-                ));
-            }
-        }
-        let window_key = format!("{a}.attention.sliding_window");
-        let window = match self.md(&window_key) {
-            Some(_) => match self.uint(&window_key, &a)? {
-                0 => {
-                    return Err(Error::BadValue {
-                        key: window_key,
-                        path: self.path.clone(),
-                        reason: "a window of 0 keys".into(),
-                    })
-                }
-                w => Some(w),
-            },
-            None => None,
-        };
+        let rotary_dim = self.rotary_dim(&a, arch, head_dim)?;
+        let window = self.sliding_window(&a)?;
         let gemma = if arch.is_gemma() {
-            if window.is_none() {
-                return Err(Error::MissingKey {
-                    key: window_key,
-                    path: self.path.clone(),
-                    arch: a.clone(),
-                });
-            }
-            // no pattern key in llama.cpp's files: Gemma 2 alternates (even layers slide), Gemma 3
-            // has every 6th layer full, as transformers and llama.cpp take them
-            // (llama.cpp's `sliding_window_pattern` key, where a file has it, is either N or one
-            // flag per layer, true where the layer slides)
-            let pattern_key = format!("{a}.attention.sliding_window_pattern");
-            let sliding_layers: Vec<bool> = match self.md(&pattern_key) {
-                Some(Value::Array(flags)) => {
-                    let flags: Option<Vec<bool>> = flags.iter().map(|f| f.to_bool().ok()).collect();
-                    match flags {
-                        Some(f) if f.len() == n_layers => f,
-                        _ => {
-                            return Err(Error::BadValue {
-                                key: pattern_key,
-                                path: self.path.clone(),
-                                reason: format!(
-                                    "expected {n_layers} true/false flags, one per layer"
-                                ),
-                            })
-                        }
-                    }
-                }
-                other => {
-                    let pattern = match other {
-                        Some(_) => self.uint(&pattern_key, &a)?.max(1),
-                        None if arch == Arch::Gemma2 => 2,
-                        None => 6,
-                    };
-                    (0..n_layers).map(|i| (i + 1) % pattern != 0).collect()
-                }
-            };
-            // `attention.scale` (llama.cpp's key) is the multiplier itself; where the file says
-            // nothing, llama.cpp's rule: 1/√head_dim, except the 27B models (Gemma 2: 46 layers,
-            // Gemma 3: 62), which scale by 1/√(d_model / heads) (their query_pre_attn_scalar)
-            let big = (arch == Arch::Gemma2 && n_layers == 46)
-                || (arch == Arch::Gemma3 && n_layers == 62);
-            let scalar = if big {
-                (d_model / n_heads.max(1)) as f64
-            } else {
-                head_dim as f64
-            };
-            let query_scale = self
-                .float(&format!("{a}.attention.scale"))
-                .unwrap_or(scalar.powf(-0.5) as f32);
-            Some(GemmaSettings {
-                embed_scale: (d_model as f64).sqrt() as f32,
-                query_scale,
-                attn_softcap: self.float(&format!("{a}.attn_logit_softcapping")),
-                final_softcap: self.float(&format!("{a}.final_logit_softcapping")),
-                sliding_layers,
-                // Gemma 3's local base is fixed at 10000 (llama.cpp, and transformers' default)
-                rope_base_sliding: if arch == Arch::Gemma3 {
-                    10000.0
-                } else {
-                    rope_base
-                },
-                norms_include_one: true,
-            })
+            let shape = (n_layers, d_model, n_heads, head_dim);
+            Some(self.gemma_settings(&a, arch, window, shape, rope_base)?)
         } else {
             None
         };
@@ -616,6 +514,188 @@ impl GgufFile {
             path: self.path.clone(),
             reason,
         })?;
+        self.check_layer_count(&a, &dims)?;
+        Ok((dims, warnings))
+    }
+
+    /// Refuses the metadata that changes the numbers and that this forward does not implement:
+    /// scaled RoPE, and the window, soft-cap and scale keys of a family that does not read them.
+    fn refuse_unimplemented(&self, a: &str, arch: Arch) -> Result<()> {
+        // metadata that changes the numbers and that this forward does not implement
+        let unsupported = |key: &str, value: String, reason: &str| Error::Unsupported {
+            key: key.into(),
+            value,
+            path: self.path.clone(),
+            reason: reason.into(),
+        };
+        let shown = |v: &Value| match v {
+            Value::String(s) => format!("{s:?}"),
+            other => format!("{other:?}"),
+        };
+        let key = format!("{a}.rope.scaling.type");
+        if let Some(v) = self.md(&key) {
+            if !matches!(v, Value::String(s) if s == "none") {
+                return Err(unsupported(&key, shown(v), "; attnscope implements unscaled RoPE and Llama 3's per-frequency factors (rope_freqs.weight)"));
+            }
+        }
+        let key = format!("{a}.rope.scaling.factor");
+        if let Some(f) = self.float(&key) {
+            if f != 1.0 && f != 0.0 {
+                return Err(unsupported(&key, f.to_string(), ""));
+            }
+        }
+        // what this family's forward implements is read below; the rest is refused by name
+        let implemented: &[&str] = match arch {
+            Arch::Gemma2 | Arch::Gemma3 => &[
+                "attention.sliding_window",
+                "attn_logit_softcapping",
+                "final_logit_softcapping",
+                "attention.scale",
+                "attention.sliding_window_pattern",
+            ],
+            Arch::Phi3 => &["attention.sliding_window"],
+            _ => &[],
+        };
+        for k in [
+            "attention.sliding_window",
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+            "attention.query_pre_attn_scalar",
+            "attention.scale",
+            "attention.sliding_window_pattern",
+        ] {
+            let key = format!("{a}.{k}");
+            if let Some(v) = self.md(&key).filter(|_| !implemented.contains(&k)) {
+                return Err(unsupported(&key, shown(v), ""));
+            }
+        }
+        Ok(())
+    }
+
+    /// The dimensions RoPE rotates: every one of a head's, or Phi-3's partial rotary factor; a
+    /// `rope.dimension_count` otherwise different from `head_dim` is refused (GPT-2 has no RoPE).
+    fn rotary_dim(&self, a: &str, arch: Arch, head_dim: usize) -> Result<usize> {
+        let unsupported = |key: &str, value: String, reason: &str| Error::Unsupported {
+            key: key.into(),
+            value,
+            path: self.path.clone(),
+            reason: reason.into(),
+        };
+        let key = format!("{a}.rope.dimension_count");
+        let mut rotary_dim = head_dim;
+        if let Ok(rot) = self.uint(&key, a) {
+            if arch == Arch::Phi3 && rot > 0 && rot <= head_dim && rot % 2 == 0 {
+                // Phi-3's partial rotary factor
+                rotary_dim = rot;
+            } else if rot != head_dim && arch != Arch::Gpt2 {
+                return Err(unsupported(
+                    &key,
+                    rot.to_string(),
+                    &format!("; attnscope rotates every dimension of a head (head_dim {head_dim})"),
+                ));
+            }
+        }
+        Ok(rotary_dim)
+    }
+
+    /// `attention.sliding_window`, where the file has it (a window of 0 keys is refused).
+    fn sliding_window(&self, a: &str) -> Result<Option<usize>> {
+        let window_key = format!("{a}.attention.sliding_window");
+        Ok(match self.md(&window_key) {
+            Some(_) => match self.uint(&window_key, a)? {
+                0 => {
+                    return Err(Error::BadValue {
+                        key: window_key,
+                        path: self.path.clone(),
+                        reason: "a window of 0 keys".into(),
+                    })
+                }
+                w => Some(w),
+            },
+            None => None,
+        })
+    }
+
+    /// Gemma's settings: which layers slide (the file's `sliding_window_pattern`, else Gemma 2
+    /// alternates and Gemma 3 has every 6th layer full), the query scale, the soft-caps, the
+    /// embeddings' √d_model and the sliding layers' RoPE base. `shape`: `(n_layers, d_model,
+    /// n_heads, head_dim)`.
+    fn gemma_settings(
+        &self,
+        a: &str,
+        arch: Arch,
+        window: Option<usize>,
+        (n_layers, d_model, n_heads, head_dim): (usize, usize, usize, usize),
+        rope_base: f32,
+    ) -> Result<GemmaSettings> {
+        if window.is_none() {
+            return Err(Error::MissingKey {
+                key: format!("{a}.attention.sliding_window"),
+                path: self.path.clone(),
+                arch: a.to_string(),
+            });
+        }
+        // no pattern key in llama.cpp's files: Gemma 2 alternates (even layers slide), Gemma 3
+        // has every 6th layer full, as transformers and llama.cpp take them
+        // (llama.cpp's `sliding_window_pattern` key, where a file has it, is either N or one
+        // flag per layer, true where the layer slides)
+        let pattern_key = format!("{a}.attention.sliding_window_pattern");
+        let sliding_layers: Vec<bool> = match self.md(&pattern_key) {
+            Some(Value::Array(flags)) => {
+                let flags: Option<Vec<bool>> = flags.iter().map(|f| f.to_bool().ok()).collect();
+                match flags {
+                    Some(f) if f.len() == n_layers => f,
+                    _ => {
+                        return Err(Error::BadValue {
+                            key: pattern_key,
+                            path: self.path.clone(),
+                            reason: format!("expected {n_layers} true/false flags, one per layer"),
+                        })
+                    }
+                }
+            }
+            other => {
+                let pattern = match other {
+                    Some(_) => self.uint(&pattern_key, a)?.max(1),
+                    None if arch == Arch::Gemma2 => 2,
+                    None => 6,
+                };
+                (0..n_layers).map(|i| (i + 1) % pattern != 0).collect()
+            }
+        };
+        // `attention.scale` (llama.cpp's key) is the multiplier itself; where the file says
+        // nothing, llama.cpp's rule: 1/√head_dim, except the 27B models (Gemma 2: 46 layers,
+        // Gemma 3: 62), which scale by 1/√(d_model / heads) (their query_pre_attn_scalar)
+        let big =
+            (arch == Arch::Gemma2 && n_layers == 46) || (arch == Arch::Gemma3 && n_layers == 62);
+        let scalar = if big {
+            (d_model / n_heads.max(1)) as f64
+        } else {
+            head_dim as f64
+        };
+        let query_scale = self
+            .float(&format!("{a}.attention.scale"))
+            .unwrap_or(scalar.powf(-0.5) as f32);
+        Ok(GemmaSettings {
+            embed_scale: (d_model as f64).sqrt() as f32,
+            query_scale,
+            attn_softcap: self.float(&format!("{a}.attn_logit_softcapping")),
+            final_softcap: self.float(&format!("{a}.final_logit_softcapping")),
+            sliding_layers,
+            // Gemma 3's local base is fixed at 10000 (llama.cpp, and transformers' default)
+            rope_base_sliding: if arch == Arch::Gemma3 {
+                10000.0
+            } else {
+                rope_base
+            },
+            norms_include_one: true,
+        })
+    }
+
+    /// Every count checked against what the file holds before anything is sized by it: the
+    /// layers need their tensors.
+    fn check_layer_count(&self, a: &str, dims: &ModelDims) -> Result<()> {
+        let arch = dims.arch;
         // every count is checked against what the file holds before anything is sized by it
         let tensors = self.content.tensor_infos.len();
         // Phi-3 fuses q|k|v and gate|up: 6 tensors a layer
@@ -631,7 +711,7 @@ impl GgufFile {
                 reason: format!("{} layers need at least {} tensors, but the file holds {tensors}; the file is corrupt or truncated", dims.n_layers, dims.n_layers.saturating_mul(per_layer)),
             });
         }
-        Ok((dims, warnings))
+        Ok(())
     }
 
     /// Tensor types and how many tensors have each, e.g. `{"Q4K": 120, "F32": 121}`.
@@ -758,18 +838,11 @@ impl Layout {
     }
 }
 
-impl TensorSource for GgufFile {
-    fn get(&mut self, l: &Logical) -> Result<Option<Raw>> {
-        let layout = self.layout()?;
-        let name = match layout.arch {
-            Some(a) => gguf_name_for(a, l),
-            None => gguf_name(l),
-        };
-        if !self.content.tensor_infos.contains_key(&name) {
-            return Ok(None);
-        }
-        let fused = layout.fused_rows(l);
-        let info = &self.content.tensor_infos[&name];
+impl GgufFile {
+    /// Tensor `name`'s bytes in the file, checked: `(offset, len, block type, dims)`; refused
+    /// when its size overflows, its rows are not whole blocks, or the file ends before it.
+    fn tensor_bytes(&self, name: &str) -> Result<(usize, usize, BlockType, Vec<usize>)> {
+        let info = &self.content.tensor_infos[name];
         let bad = |reason: String| Error::BadGguf {
             path: self.path.clone(),
             reason: format!("tensor `{name}`: {reason}"),
@@ -781,7 +854,7 @@ impl TensorSource for GgufFile {
             .ok_or_else(|| bad(format!("dimensions {dims:?} overflow")))?;
         let ty = self
             .own_types
-            .get(&name)
+            .get(name)
             .copied()
             .unwrap_or(info.ggml_dtype.into());
         let (bs, ts) = (ty.block_size(), ty.type_size());
@@ -810,29 +883,56 @@ impl TensorSource for GgufFile {
                 self.file_size
             )));
         }
-        let (mut offset, mut len, mut dims) = (start as usize, len, dims);
-        if let Some((first, rows, all)) = fused {
-            // rows are whole blocks, so a row range is a byte range
-            let (got_rows, row_len) = match dims.as_slice() {
-                [r, c] => (*r, (c / bs) * ts),
-                [r] if bs == 1 => (*r, ts),
-                _ => (0, 0),
-            };
-            if got_rows != all {
-                return Err(Error::ShapeMismatch {
-                    name,
-                    path: self.path.clone(),
-                    // the fused rows the config implies, each as long as the file's
-                    want: std::iter::once(all)
-                        .chain(dims.iter().skip(1).copied())
-                        .collect(),
-                    got: dims,
-                });
-            }
-            offset += first * row_len;
-            len = rows * row_len;
-            dims[0] = rows;
+        Ok((start as usize, len, ty, dims))
+    }
+
+    /// Rows `first..first + rows` of a fused tensor of `all` rows (llama.cpp's q|k|v or
+    /// gate|up in one matrix) at `offset`: its byte range and dims. Rows are whole blocks, so
+    /// a row range is a byte range; a tensor of another row count is refused.
+    fn fused_part(
+        &self,
+        name: String,
+        (offset, ty, dims): (usize, BlockType, Vec<usize>),
+        (first, rows, all): (usize, usize, usize),
+    ) -> Result<(usize, usize, Vec<usize>)> {
+        let (bs, ts) = (ty.block_size(), ty.type_size());
+        let (got_rows, row_len) = match dims.as_slice() {
+            [r, c] => (*r, (c / bs) * ts),
+            [r] if bs == 1 => (*r, ts),
+            _ => (0, 0),
+        };
+        if got_rows != all {
+            return Err(Error::ShapeMismatch {
+                name,
+                path: self.path.clone(),
+                // the fused rows the config implies, each as long as the file's
+                want: std::iter::once(all)
+                    .chain(dims.iter().skip(1).copied())
+                    .collect(),
+                got: dims,
+            });
         }
+        let mut dims = dims;
+        dims[0] = rows;
+        Ok((offset + first * row_len, rows * row_len, dims))
+    }
+}
+
+impl TensorSource for GgufFile {
+    fn get(&mut self, l: &Logical) -> Result<Option<Raw>> {
+        let layout = self.layout()?;
+        let name = match layout.arch {
+            Some(a) => gguf_name_for(a, l),
+            None => gguf_name(l),
+        };
+        if !self.content.tensor_infos.contains_key(&name) {
+            return Ok(None);
+        }
+        let (offset, len, ty, dims) = self.tensor_bytes(&name)?;
+        let (offset, len, dims) = match layout.fused_rows(l) {
+            Some(part) => self.fused_part(name, (offset, ty, dims), part)?,
+            None => (offset, len, dims),
+        };
         Ok(Some(Raw::Mapped(Mapped {
             map: self.map.clone(),
             offset,

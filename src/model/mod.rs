@@ -357,17 +357,7 @@ impl Model {
             ));
         }
         let (source, name, description) = resolve(spec, progress)?;
-        let bar = if progress {
-            indicatif::ProgressBar::new(0)
-        } else {
-            indicatif::ProgressBar::hidden()
-        };
-        bar.set_style(
-            indicatif::ProgressStyle::with_template("loading {msg} [{bar:30}] layer {pos}/{len}")
-                .expect("valid template")
-                .progress_chars("=> "),
-        );
-        bar.set_message(name.clone());
+        let bar = load_bar(&name, progress);
         let tick = |i: usize, n: usize| {
             bar.set_length(n as u64);
             bar.set_position(i as u64);
@@ -384,97 +374,11 @@ impl Model {
                     precision,
                     memory,
                     panel_cache(panels, precision, std::slice::from_ref(&path)),
-                    panels.and_then(|s| {
-                        panels::BlobCache::new(
-                            std::slice::from_ref(&path),
-                            &s.dir,
-                            "sp-merges",
-                            s.min_blob_bytes(),
-                        )
-                        .map(|b| b.with_cap(s.max_bytes))
-                    }),
+                    merges_cache(panels, &path),
                     tick,
                 )?,
                 Source::Folder(dir) => {
-                    let mut f = hf::HfFolder::open(&dir)?;
-                    let dims = f.dims()?;
-                    // sized from the files' headers, refused before any tensor is read
-                    let fp = f.footprint(&dims);
-                    let avail = memory::available()?;
-                    let (memory, memory_reason) = match memory {
-                        // F32 tensors have no blocks to read: `low` would pack them as `fast`
-                        Some(Memory::Low) if !fp.projections.iter().any(|p| p.low) => (
-                            Memory::Fast,
-                            "a Hugging Face folder's F32 floats have no quantized blocks to read: --memory low packs f32 panels as fast does (F16/BF16 folders are read from their bytes)".into(),
-                        ),
-                        Some(m) => (m, format!("asked for (--memory {m})")),
-                        None => memory::choose(&fp, precision, avail),
-                    };
-                    memory::check_fits(&fp, memory, precision, avail)?;
-                    let (add_bos, bos_id) = f.bos();
-                    let tok_path = dir.join("tokenizer.json");
-                    if !tok_path.is_file() {
-                        return Err(Error::Tokenizer(format!(
-                            "{} has no tokenizer.json; a Hugging Face model folder needs one",
-                            dir.display()
-                        )));
-                    }
-                    let mut tokenizer = Tokenizer::from_file(&tok_path, add_bos, bos_id)?;
-                    tokenizer.pad_id = f.pad_token().and_then(|t| tokenizer.id_of(&t));
-                    (tokenizer.chat_template, tokenizer.eos_id) = f.chat_template();
-                    // an encoder's texts are `[CLS] … [SEP]`, as its tokenizer.json builds them
-                    tokenizer.specials = dims.arch.is_encoder();
-                    if tokenizer.specials {
-                        tokenizer.check_encoder_specials(&tok_path)?;
-                    }
-                    let file_size = f
-                        .files
-                        .iter()
-                        .filter_map(|p| std::fs::metadata(p).ok())
-                        .map(|m| m.len())
-                        .sum();
-                    let info = ModelInfo {
-                        name,
-                        description,
-                        path: dir.clone(),
-                        format: "safetensors",
-                        precision,
-                        memory,
-                        memory_reason,
-                        footprint: Some(fp),
-                        file_size,
-                        tensor_types: f.tensor_types(),
-                        tokenizer: tokenizer.kind.clone(),
-                        warnings: Vec::new(),
-                    };
-                    // the config says how the files' tensors are cut and fused: part of what
-                    // the panels are
-                    let mut files = f.files.clone();
-                    files.push(dir.join("config.json"));
-                    let cache = match memory {
-                        Memory::Low => None,
-                        Memory::Fast => panel_cache(panels, precision, &files),
-                    };
-                    let cached = open_cache(cache.as_ref());
-                    let weights = weights::load_weights(
-                        &mut f,
-                        &dims,
-                        precision,
-                        memory,
-                        dims.rope_style,
-                        &|l: &weights::Logical| hf::hf_name_for(Some(dims.arch), l),
-                        cached.as_ref(),
-                        tick,
-                    )?;
-                    let panel_file = save_cache(cache.as_ref(), cached.is_some(), &weights);
-                    Model {
-                        dims,
-                        info,
-                        tokenizer,
-                        weights,
-                        panel_file,
-                        transposed: Default::default(),
-                    }
+                    Self::from_folder(&dir, name, description, precision, memory, panels, tick)?
                 }
             })
         })()?;
@@ -488,6 +392,100 @@ impl Model {
             eprintln!("attnscope: warning: {w}");
         }
         Ok(model)
+    }
+
+    /// The model of a Hugging Face folder `dir`: its config, tokenizer.json (an encoder's
+    /// `[CLS] … [SEP]` checked), and the weights packed at load (or from the panel cache,
+    /// keyed by the files and config.json). `memory` is reported only: a folder's floats have
+    /// no quantized blocks to keep.
+    fn from_folder(
+        dir: &Path,
+        name: String,
+        description: Option<String>,
+        precision: Precision,
+        memory: Option<Memory>,
+        panels: Option<&panels::Settings>,
+        tick: impl FnMut(usize, usize),
+    ) -> Result<Model> {
+        let mut f = hf::HfFolder::open(dir)?;
+        let dims = f.dims()?;
+        // sized from the files' headers, refused before any tensor is read
+        let fp = f.footprint(&dims);
+        let avail = memory::available()?;
+        let (memory, memory_reason) = match memory {
+            // F32 tensors have no blocks to read: `low` would pack them as `fast`
+            Some(Memory::Low) if !fp.projections.iter().any(|p| p.low) => (
+                Memory::Fast,
+                "a Hugging Face folder's F32 floats have no quantized blocks to read: --memory low packs f32 panels as fast does (F16/BF16 folders are read from their bytes)".into(),
+            ),
+            Some(m) => (m, format!("asked for (--memory {m})")),
+            None => memory::choose(&fp, precision, avail),
+        };
+        memory::check_fits(&fp, memory, precision, avail)?;
+        let (add_bos, bos_id) = f.bos();
+        let tok_path = dir.join("tokenizer.json");
+        if !tok_path.is_file() {
+            return Err(Error::Tokenizer(format!(
+                "{} has no tokenizer.json; a Hugging Face model folder needs one",
+                dir.display()
+            )));
+        }
+        let mut tokenizer = Tokenizer::from_file(&tok_path, add_bos, bos_id)?;
+        tokenizer.pad_id = f.pad_token().and_then(|t| tokenizer.id_of(&t));
+        (tokenizer.chat_template, tokenizer.eos_id) = f.chat_template();
+        // an encoder's texts are `[CLS] … [SEP]`, as its tokenizer.json builds them
+        tokenizer.specials = dims.arch.is_encoder();
+        if tokenizer.specials {
+            tokenizer.check_encoder_specials(&tok_path)?;
+        }
+        let file_size = f
+            .files
+            .iter()
+            .filter_map(|p| std::fs::metadata(p).ok())
+            .map(|m| m.len())
+            .sum();
+        let info = ModelInfo {
+            name,
+            description,
+            path: dir.to_path_buf(),
+            format: "safetensors",
+            precision,
+            memory,
+            memory_reason,
+            footprint: Some(fp),
+            file_size,
+            tensor_types: f.tensor_types(),
+            tokenizer: tokenizer.kind.clone(),
+            warnings: Vec::new(),
+        };
+        // the config says how the files' tensors are cut and fused: part of what
+        // the panels are
+        let mut files = f.files.clone();
+        files.push(dir.join("config.json"));
+        let cache = match memory {
+            Memory::Low => None,
+            Memory::Fast => panel_cache(panels, precision, &files),
+        };
+        let cached = open_cache(cache.as_ref());
+        let weights = weights::load_weights(
+            &mut f,
+            &dims,
+            precision,
+            memory,
+            dims.rope_style,
+            &|l: &weights::Logical| hf::hf_name_for(Some(dims.arch), l),
+            cached.as_ref(),
+            tick,
+        )?;
+        let panel_file = save_cache(cache.as_ref(), cached.is_some(), &weights);
+        Ok(Model {
+            dims,
+            info,
+            tokenizer,
+            weights,
+            panel_file,
+            transposed: Default::default(),
+        })
     }
 
     /// Loads a model from GGUF bytes in memory (fuzzing, tests); `name` is used in messages.
@@ -520,19 +518,7 @@ impl Model {
         // chosen: its pages would count in the peak for nothing (a file of 8× a 4-bit model's
         // size, more than half of what is free, may make the default `low`)
         let avail = memory::available()?;
-        let maybe_low = match memory {
-            Some(m) => m == Memory::Low,
-            None => {
-                precision == Precision::Exact
-                    && cache.is_some()
-                    && avail.is_none_or(|a| {
-                        cache
-                            .as_ref()
-                            .and_then(|c| c.model_bytes())
-                            .is_none_or(|f| 8 * f + memory::FIXED_BYTES > a / 2)
-                    })
-            }
-        };
+        let maybe_low = may_be_low(memory, precision, cache.as_ref(), avail);
         let early = if maybe_low { None } else { cache.as_ref() };
         // the cache file's checksums are checked on the other core while the file's metadata is
         // read and the tokenizer built (the path to the first token: ~0.06 s and ~0.2 s for the
@@ -624,6 +610,59 @@ impl Model {
     pub fn token_texts(&self, ids: &[u32]) -> Vec<String> {
         ids.iter().map(|&i| self.tokenizer.token_text(i)).collect()
     }
+}
+
+/// Whether a GGUF model may load with `--memory low` (asked for, or `exact` with a cache whose
+/// file is large against what is free: a file of 8× a 4-bit model's size, more than half of what
+/// is free, may make the default `low`).
+fn may_be_low(
+    memory: Option<Memory>,
+    precision: Precision,
+    cache: Option<&panels::PanelCache>,
+    avail: Option<u64>,
+) -> bool {
+    match memory {
+        Some(m) => m == Memory::Low,
+        None => {
+            precision == Precision::Exact
+                && cache.is_some()
+                && avail.is_none_or(|a| {
+                    cache
+                        .and_then(|c| c.model_bytes())
+                        .is_none_or(|f| 8 * f + memory::FIXED_BYTES > a / 2)
+                })
+        }
+    }
+}
+
+/// The loading progress bar (hidden without `progress`): `loading NAME [...] layer i/n`.
+fn load_bar(name: &str, progress: bool) -> indicatif::ProgressBar {
+    let bar = if progress {
+        indicatif::ProgressBar::new(0)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("loading {msg} [{bar:30}] layer {pos}/{len}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_message(name.to_string());
+    bar
+}
+
+/// The cache of a GGUF file's SentencePiece merges beside the packed weights (`None` without
+/// a panel cache).
+fn merges_cache(panels: Option<&panels::Settings>, path: &Path) -> Option<panels::BlobCache> {
+    panels.and_then(|s| {
+        panels::BlobCache::new(
+            std::slice::from_ref(&path.to_path_buf()),
+            &s.dir,
+            "sp-merges",
+            s.min_blob_bytes(),
+        )
+        .map(|b| b.with_cap(s.max_bytes))
+    })
 }
 
 #[cfg(test)]

@@ -404,67 +404,19 @@ multiversion! {
 }
 /// The logits `h · Wᵀ` of `rows` normalized rows `h: [rows, d]`. An f32 head (a float file's,
 /// or the file's blocks dequantized a chunk of vocabulary rows at a time: the same values) is
-/// read in chunks on every core: candle's matmul of `h` by the transposed `[vocab, d]` head took
-/// ~35% of `faithfulness`'s time (one row per forward). `fast`'s quantized head goes through
-/// candle.
+/// read in chunks on every core ([`dense_logits`]): candle's matmul of `h` by the transposed
+/// `[vocab, d]` head took ~35% of `faithfulness`'s time (one row per forward). `fast`'s
+/// quantized head goes through candle.
 pub(crate) fn logits_rows(
     head: &Head,
     h: Vec<f32>,
     rows: usize,
     d: usize,
 ) -> Result<Vec<Vec<f32>>> {
-    // chunks of vocabulary rows on every core, each writing its stretch of every output row in
-    // place; a quantized head is dequantized a chunk at a time into the worker's own buffer
-    const CHUNK: usize = 256;
-    enum Src<'a> {
-        Slice(&'a [f32]),
-        Blocks(&'a Mapped),
-    }
-    impl Src<'_> {
-        /// Vocabulary rows `v0..v0 + n`, `d` values each (dequantized into `buf` if need be).
-        fn rows<'s>(
-            &'s self,
-            v0: usize,
-            n: usize,
-            d: usize,
-            buf: &'s mut Vec<f32>,
-        ) -> Result<&'s [f32]> {
-            match self {
-                Src::Slice(w) => Ok(&w[v0 * d..(v0 + n) * d]),
-                Src::Blocks(m) => {
-                    buf.resize(n * d, 0.0);
-                    m.rows_to_f32(v0, &mut buf[..n * d])?;
-                    Ok(&buf[..n * d])
-                }
-            }
-        }
-    }
-    let dense = |vocab: usize, src: Src| -> Result<Vec<Vec<f32>>> {
-        let mut out = vec![vec![0f32; vocab]; rows];
-        let mut chunks: Vec<Vec<&mut [f32]>> = (0..vocab.div_ceil(CHUNK))
-            .map(|_| Vec::with_capacity(rows))
-            .collect();
-        for row in out.iter_mut() {
-            for (c, stretch) in row.chunks_mut(CHUNK).enumerate() {
-                chunks[c].push(stretch);
-            }
-        }
-        chunks
-            .into_par_iter()
-            .enumerate()
-            .try_for_each_init(Vec::new, |buf, (c, mut dst)| {
-                let v0 = c * CHUNK;
-                let n = CHUNK.min(vocab - v0);
-                let w = src.rows(v0, n, d, buf)?;
-                dot_rows(&h, w, d, &mut dst);
-                Ok::<_, Error>(())
-            })?;
-        Ok(out)
-    };
     match head {
         Head::Rows(m) if d > 0 && m.cols() == d => {
             let vocab = m.dims.iter().product::<usize>() / d;
-            dense(vocab, Src::Blocks(m))
+            dense_logits(&h, rows, d, vocab, HeadRows::Blocks(m))
         }
         Head::Dense(w) => {
             let w = w.to_dtype(DType::F32)?.contiguous()?;
@@ -481,7 +433,7 @@ pub(crate) fn logits_rows(
                     w.len()
                 ))));
             }
-            dense(w.len() / d, Src::Slice(w))
+            dense_logits(&h, rows, d, w.len() / d, HeadRows::Slice(w))
         }
         Head::Rows(m) => Err(Error::Candle(candle_core::Error::Msg(format!(
             "an output matrix of shape {:?} for rows of {d}",
@@ -494,6 +446,67 @@ pub(crate) fn logits_rows(
                 .to_vec2()?)
         }
     }
+}
+
+/// Vocabulary rows of f32 output heads per task of [`dense_logits`].
+const LOGIT_CHUNK: usize = 256;
+
+/// Where [`dense_logits`] reads the output head's rows: f32 values, or a file's blocks.
+enum HeadRows<'a> {
+    Slice(&'a [f32]),
+    Blocks(&'a Mapped),
+}
+
+impl HeadRows<'_> {
+    /// Vocabulary rows `v0..v0 + n`, `d` values each (dequantized into `buf` if need be).
+    fn rows<'s>(
+        &'s self,
+        v0: usize,
+        n: usize,
+        d: usize,
+        buf: &'s mut Vec<f32>,
+    ) -> Result<&'s [f32]> {
+        match self {
+            HeadRows::Slice(w) => Ok(&w[v0 * d..(v0 + n) * d]),
+            HeadRows::Blocks(m) => {
+                buf.resize(n * d, 0.0);
+                m.rows_to_f32(v0, &mut buf[..n * d])?;
+                Ok(&buf[..n * d])
+            }
+        }
+    }
+}
+
+/// The logits of `rows` rows `h` (`[rows, d]`) against a `vocab`-row head: chunks of
+/// vocabulary rows on every core, each writing its stretch of every output row in place; a
+/// quantized head is dequantized a chunk at a time into the worker's own buffer.
+fn dense_logits(
+    h: &[f32],
+    rows: usize,
+    d: usize,
+    vocab: usize,
+    src: HeadRows,
+) -> Result<Vec<Vec<f32>>> {
+    let mut out = vec![vec![0f32; vocab]; rows];
+    let mut chunks: Vec<Vec<&mut [f32]>> = (0..vocab.div_ceil(LOGIT_CHUNK))
+        .map(|_| Vec::with_capacity(rows))
+        .collect();
+    for row in out.iter_mut() {
+        for (c, stretch) in row.chunks_mut(LOGIT_CHUNK).enumerate() {
+            chunks[c].push(stretch);
+        }
+    }
+    chunks
+        .into_par_iter()
+        .enumerate()
+        .try_for_each_init(Vec::new, |buf, (c, mut dst)| {
+            let v0 = c * LOGIT_CHUNK;
+            let n = LOGIT_CHUNK.min(vocab - v0);
+            let w = src.rows(v0, n, d, buf)?;
+            dot_rows(h, w, d, &mut dst);
+            Ok::<_, Error>(())
+        })?;
+    Ok(out)
 }
 
 /// `x · y` over 16 lanes, the lanes then summed in a fixed order (the same bits at every vector

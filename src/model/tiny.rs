@@ -147,9 +147,23 @@ pub fn write_gguf_with(
     path: &Path,
     edit: GgufEdit<'_>,
 ) -> candle_core::Result<()> {
+    let mut tensors = gguf_tensors(m, arch, dtype)?;
+    let mut md = gguf_metadata(m, arch);
+    edit(&mut md, &mut tensors);
+    let mut f = std::fs::File::create(path)?;
+    let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut f, &md_refs, &t_refs)
+}
+
+/// The tensors of `m` as llama.cpp names and lays them out (a llama file's q/k rows
+/// interleaved per head), in `dtype`.
+fn gguf_tensors(
+    m: &RefModel,
+    arch: Arch,
+    dtype: GgmlDType,
+) -> candle_core::Result<Vec<(String, QTensor)>> {
     let c = &m.cfg;
-    let a = arch.name();
-    let (tokens, merges, types) = tiny_vocab();
     let (dm, q, kv, ff) = (
         c.d_model,
         c.n_heads * c.head_dim,
@@ -209,14 +223,23 @@ pub fn write_gguf_with(
         tensors.push((p("ffn_up.weight"), qt(&l.w_up, &[ff, dm], dtype)?));
         tensors.push((p("ffn_down.weight"), qt(&l.w_down, &[dm, ff], dtype)?));
     }
+    Ok(tensors)
+}
+
+/// The metadata of `m` as a GGUF file of `arch` has it: the shapes, RoPE and norm settings,
+/// and the tiny byte-level BPE vocabulary ([`tiny_vocab`]).
+fn gguf_metadata(m: &RefModel, arch: Arch) -> Vec<(String, Value)> {
+    let c = &m.cfg;
+    let a = arch.name();
+    let (tokens, merges, types) = tiny_vocab();
     let u32v = |x: usize| Value::U32(x as u32);
-    let md: Vec<(String, Value)> = vec![
+    vec![
         ("general.architecture".into(), Value::String(a.into())),
         ("general.name".into(), Value::String(format!("tiny-{a}"))),
         (format!("{a}.block_count"), u32v(c.n_layers)),
         (format!("{a}.context_length"), u32v(256)),
-        (format!("{a}.embedding_length"), u32v(dm)),
-        (format!("{a}.feed_forward_length"), u32v(ff)),
+        (format!("{a}.embedding_length"), u32v(c.d_model)),
+        (format!("{a}.feed_forward_length"), u32v(c.d_ff)),
         (format!("{a}.attention.head_count"), u32v(c.n_heads)),
         (format!("{a}.attention.head_count_kv"), u32v(c.n_kv_heads)),
         (format!("{a}.rope.freq_base"), Value::F32(c.rope_base)),
@@ -250,13 +273,7 @@ pub fn write_gguf_with(
         ),
         ("tokenizer.ggml.bos_token_id".into(), u32v(tokens.len() - 2)),
         ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)),
-    ];
-    let mut md = md;
-    edit(&mut md, &mut tensors);
-    let mut f = std::fs::File::create(path)?;
-    let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    gguf_file::write(&mut f, &md_refs, &t_refs)
+    ]
 }
 
 /// A tiny SentencePiece vocabulary as GGUF metadata (`tokenizer.ggml.model = llama`): control

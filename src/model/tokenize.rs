@@ -360,6 +360,204 @@ fn sentencepiece_tokenizer(
     Ok((tokenizer, n_merges))
 }
 
+/// A GGUF file's metadata as the tokenizer reads it, with errors that name the file.
+struct GgufMeta<'a> {
+    md: &'a std::collections::HashMap<String, candle_core::quantized::gguf_file::Value>,
+    path: &'a Path,
+}
+
+impl GgufMeta<'_> {
+    /// The key is missing.
+    fn missing(&self, key: &str) -> Error {
+        Error::MissingKey {
+            key: key.into(),
+            path: self.path.into(),
+            arch: "tokenizer".into(),
+        }
+    }
+
+    /// The key's value is not what it should be.
+    fn bad(&self, key: &str, reason: String) -> Error {
+        Error::BadValue {
+            key: key.into(),
+            path: self.path.into(),
+            reason,
+        }
+    }
+
+    /// A string value.
+    fn string(&self, key: &str) -> Result<String> {
+        use candle_core::quantized::gguf_file::Value as V;
+        match self.md.get(key) {
+            Some(V::String(s)) => Ok(s.clone()),
+            Some(_) => Err(self.bad(key, "not a string".into())),
+            None => Err(self.missing(key)),
+        }
+    }
+
+    /// An array of strings.
+    fn strings(&self, key: &str) -> Result<Vec<String>> {
+        use candle_core::quantized::gguf_file::Value as V;
+        match self.md.get(key) {
+            Some(V::Array(a)) => a
+                .iter()
+                .map(|v| match v {
+                    V::String(s) => Ok(s.clone()),
+                    _ => Err(self.bad(key, "array of non-strings".into())),
+                })
+                .collect(),
+            Some(_) => Err(self.bad(key, "not an array".into())),
+            None => Err(self.missing(key)),
+        }
+    }
+
+    /// An unsigned integer, if present and one.
+    fn u32(&self, key: &str) -> Option<u32> {
+        self.md.get(key).and_then(|v| v.to_u32().ok())
+    }
+
+    /// A boolean, if present and one.
+    fn bool(&self, key: &str) -> Option<bool> {
+        self.md.get(key).and_then(|v| v.to_bool().ok())
+    }
+
+    /// `tokenizer.ggml.token_type`, one per token (1, normal, where a value is not a number;
+    /// empty without the key).
+    fn token_types(&self) -> Vec<i64> {
+        use candle_core::quantized::gguf_file::Value as V;
+        match self.md.get("tokenizer.ggml.token_type") {
+            Some(V::Array(a)) => a
+                .iter()
+                .map(|v| v.to_i32().map(|x| x as i64).unwrap_or(1))
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+}
+
+/// A GGUF vocabulary built: the tokenizer (or why not), whether it adds BOS, how `info`
+/// describes it, and how its pieces spell text.
+struct BuiltVocab {
+    built: std::result::Result<tokenizers::Tokenizer, String>,
+    add_bos: bool,
+    kind: String,
+    pieces: PieceStyle,
+}
+
+/// A byte-level BPE vocabulary (`tokenizer.ggml.model = gpt2`): its pre-tokenizer by name
+/// (`tokenizer.ggml.pre`, refused when unknown), the vocabulary's map and the merges' pairs.
+fn byte_level_vocab(meta: &GgufMeta, tokens: &[String], types: &[i64]) -> Result<BuiltVocab> {
+    use candle_core::quantized::gguf_file::Value as V;
+    let pre = match meta.md.get("tokenizer.ggml.pre") {
+        Some(V::String(s)) => s.clone(),
+        _ => "default".to_string(),
+    };
+    let (normalizer, pre_tok, ignore_merges) =
+        pre_tokenizer_for(&pre).ok_or_else(|| Error::UnknownPreTokenizer {
+            pre: pre.clone(),
+            path: meta.path.into(),
+            known: KNOWN_PRE.join(", "),
+        })?;
+    // the vocabulary's map and the merges' pairs side by side (151k of each in Qwen2.5's:
+    // ~40 ms each; another core is free once the cache is checked)
+    let (vocab, merges) = rayon::join(
+        || vocab_map(tokens),
+        || -> Result<_> {
+            let merges = meta.strings("tokenizer.ggml.merges")?;
+            let pairs = split_merges(&merges).map_err(|e| meta.bad("tokenizer.ggml.merges", e))?;
+            Ok((merges.len(), pairs))
+        },
+    );
+    let (n_merges, pairs) = merges?;
+    let built = bpe_tokenizer(
+        added_tokens(tokens, types, &|_| true),
+        normalizer,
+        pre_tok,
+        json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true}),
+        BpeParts {
+            vocab,
+            merges: pairs,
+            unk: None,
+            fuse_unk: false,
+            byte_fallback: false,
+            ignore_merges,
+        },
+    );
+    let kind = format!(
+        "byte-level BPE ({} tokens, {n_merges} merges), pre-tokenizer `{pre}`, from GGUF metadata",
+        tokens.len(),
+    );
+    Ok(BuiltVocab {
+        built,
+        add_bos: meta.bool("tokenizer.ggml.add_bos_token").unwrap_or(false),
+        kind,
+        pieces: PieceStyle::ByteLevel,
+    })
+}
+
+/// A SentencePiece BPE vocabulary (`tokenizer.ggml.model = llama`): its style by the file's
+/// architecture (Gemma, Phi-3, Llama), its scores (one per token; Gemma's order ranks the
+/// merges instead), the merges recovered ([`sentencepiece_tokenizer`], kept in `merges_cache`).
+fn sentencepiece_vocab(
+    meta: &GgufMeta,
+    tokens: &[String],
+    types: &[i64],
+    merges_cache: Option<&super::panels::BlobCache>,
+) -> Result<BuiltVocab> {
+    use candle_core::quantized::gguf_file::Value as V;
+    let arch = match meta.md.get("general.architecture") {
+        Some(V::String(s)) => s.as_str(),
+        _ => "",
+    };
+    let style = match arch {
+        "gemma" | "gemma2" | "gemma3" => SpStyle::Gemma,
+        "phi3" => SpStyle::Phi3,
+        // transformers puts the `▁` before the first word whatever the file's add_space_prefix
+        // says (llama.cpp follows the key); we follow the reference and say so where the file
+        // says otherwise
+        _ => SpStyle::Llama {
+            file_says_no_prefix: meta.bool("tokenizer.ggml.add_space_prefix") == Some(false),
+        },
+    };
+    let scores: Vec<f32> = match (style, meta.md.get("tokenizer.ggml.scores")) {
+        (SpStyle::Gemma, _) => Vec::new(),
+        (_, Some(V::Array(a))) if a.len() == tokens.len() => a
+            .iter()
+            .map(|v| {
+                v.to_f32()
+                    .map_err(|_| meta.bad("tokenizer.ggml.scores", "not numbers".into()))
+            })
+            .collect::<Result<_>>()?,
+        (_, Some(_)) => {
+            return Err(meta.bad(
+                "tokenizer.ggml.scores",
+                format!("expected {} numbers, one per token", tokens.len()),
+            ))
+        }
+        (_, None) => return Err(meta.missing("tokenizer.ggml.scores")),
+    };
+    let built = sentencepiece_tokenizer(tokens, &scores, types, style, merges_cache);
+    let n_merges = built.as_ref().map(|b| b.1).unwrap_or(0);
+    let kind = format!(
+        "SentencePiece BPE ({} tokens, {n_merges} merges recovered from the {}), byte fallback, {}, from GGUF metadata",
+        tokens.len(),
+        if style == SpStyle::Gemma { "vocabulary order" } else { "scores" },
+        match style {
+            SpStyle::Gemma => "no space prefix (Gemma)",
+            SpStyle::Phi3 => "space prefix (Phi-3)",
+            SpStyle::Llama { file_says_no_prefix: false } => "space prefix",
+            SpStyle::Llama { file_says_no_prefix: true } => "space prefix as transformers adds it (the file's add_space_prefix = false, which llama.cpp follows, would drop the first word's `▁`)",
+        }
+    );
+    // llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
+    Ok(BuiltVocab {
+        built: built.map(|b| b.0),
+        add_bos: meta.bool("tokenizer.ggml.add_bos_token").unwrap_or(true),
+        kind,
+        pieces: PieceStyle::SentencePiece,
+    })
+}
+
 impl Tokenizer {
     /// Builds the tokenizer from GGUF metadata.
     pub fn from_gguf(
@@ -376,163 +574,25 @@ impl Tokenizer {
         path: &Path,
         merges_cache: Option<&super::panels::BlobCache>,
     ) -> Result<Self> {
-        use candle_core::quantized::gguf_file::Value as V;
-        let missing = |key: &str| Error::MissingKey {
-            key: key.into(),
-            path: path.into(),
-            arch: "tokenizer".into(),
-        };
-        let bad = |key: &str, reason: String| Error::BadValue {
-            key: key.into(),
-            path: path.into(),
-            reason,
-        };
-        let get_str = |key: &str| -> Result<String> {
-            match md.get(key) {
-                Some(V::String(s)) => Ok(s.clone()),
-                Some(_) => Err(bad(key, "not a string".into())),
-                None => Err(missing(key)),
-            }
-        };
-        let get_strs = |key: &str| -> Result<Vec<String>> {
-            match md.get(key) {
-                Some(V::Array(a)) => a
-                    .iter()
-                    .map(|v| match v {
-                        V::String(s) => Ok(s.clone()),
-                        _ => Err(bad(key, "array of non-strings".into())),
-                    })
-                    .collect(),
-                Some(_) => Err(bad(key, "not an array".into())),
-                None => Err(missing(key)),
-            }
-        };
-        let model = get_str("tokenizer.ggml.model")?;
-        let types: Vec<i64> = match md.get("tokenizer.ggml.token_type") {
-            Some(V::Array(a)) => a
-                .iter()
-                .map(|v| v.to_i32().map(|x| x as i64).unwrap_or(1))
-                .collect(),
-            _ => Vec::new(),
-        };
-        let get_u32 = |key: &str| md.get(key).and_then(|v| v.to_u32().ok());
-        let get_bool = |key: &str| md.get(key).and_then(|v| v.to_bool().ok());
-        let bos_id = get_u32("tokenizer.ggml.bos_token_id");
-        let pad_id = get_u32("tokenizer.ggml.padding_token_id")
-            .or_else(|| get_u32("tokenizer.ggml.eos_token_id"));
-        let tokens = get_strs("tokenizer.ggml.tokens")?;
-        let (built, add_bos, kind, pieces) = match model.as_str() {
-            "gpt2" => {
-                let pre = match md.get("tokenizer.ggml.pre") {
-                    Some(V::String(s)) => s.clone(),
-                    _ => "default".to_string(),
-                };
-                let (normalizer, pre_tok, ignore_merges) =
-                    pre_tokenizer_for(&pre).ok_or_else(|| Error::UnknownPreTokenizer {
-                        pre: pre.clone(),
-                        path: path.into(),
-                        known: KNOWN_PRE.join(", "),
-                    })?;
-                // the vocabulary's map and the merges' pairs side by side (151k of each in
-                // Qwen2.5's: ~40 ms each; another core is free once the cache is checked)
-                let (vocab, merges) = rayon::join(
-                    || vocab_map(&tokens),
-                    || -> Result<_> {
-                        let merges = get_strs("tokenizer.ggml.merges")?;
-                        let pairs = split_merges(&merges)
-                            .map_err(|e| bad("tokenizer.ggml.merges", e))?;
-                        Ok((merges.len(), pairs))
-                    },
-                );
-                let (n_merges, pairs) = merges?;
-                let built = bpe_tokenizer(
-                    added_tokens(&tokens, &types, &|_| true),
-                    normalizer,
-                    pre_tok,
-                    json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true}),
-                    BpeParts {
-                        vocab,
-                        merges: pairs,
-                        unk: None,
-                        fuse_unk: false,
-                        byte_fallback: false,
-                        ignore_merges,
-                    },
-                );
-                let kind = format!(
-                    "byte-level BPE ({} tokens, {n_merges} merges), pre-tokenizer `{pre}`, from GGUF metadata",
-                    tokens.len(),
-                );
-                (
-                    built,
-                    get_bool("tokenizer.ggml.add_bos_token").unwrap_or(false),
-                    kind,
-                    PieceStyle::ByteLevel,
-                )
-            }
-            "llama" => {
-                let arch = match md.get("general.architecture") {
-                    Some(V::String(s)) => s.as_str(),
-                    _ => "",
-                };
-                let style = match arch {
-                    "gemma" | "gemma2" | "gemma3" => SpStyle::Gemma,
-                    "phi3" => SpStyle::Phi3,
-                    // transformers puts the `▁` before the first word whatever the file's
-                    // add_space_prefix says (llama.cpp follows the key); we follow the reference
-                    // and say so where the file says otherwise
-                    _ => SpStyle::Llama {
-                        file_says_no_prefix: get_bool("tokenizer.ggml.add_space_prefix")
-                            == Some(false),
-                    },
-                };
-                let scores: Vec<f32> = match (style, md.get("tokenizer.ggml.scores")) {
-                    (SpStyle::Gemma, _) => Vec::new(),
-                    (_, Some(V::Array(a))) if a.len() == tokens.len() => a
-                        .iter()
-                        .map(|v| {
-                            v.to_f32()
-                                .map_err(|_| bad("tokenizer.ggml.scores", "not numbers".into()))
-                        })
-                        .collect::<Result<_>>()?,
-                    (_, Some(_)) => {
-                        return Err(bad(
-                            "tokenizer.ggml.scores",
-                            format!("expected {} numbers, one per token", tokens.len()),
-                        ))
-                    }
-                    (_, None) => return Err(missing("tokenizer.ggml.scores")),
-                };
-                let built =
-                    sentencepiece_tokenizer(&tokens, &scores, &types, style, merges_cache);
-                let n_merges = built.as_ref().map(|b| b.1).unwrap_or(0);
-                let kind = format!(
-                    "SentencePiece BPE ({} tokens, {n_merges} merges recovered from the {}), byte fallback, {}, from GGUF metadata",
-                    tokens.len(),
-                    if style == SpStyle::Gemma { "vocabulary order" } else { "scores" },
-                    match style {
-                        SpStyle::Gemma => "no space prefix (Gemma)",
-                        SpStyle::Phi3 => "space prefix (Phi-3)",
-                        SpStyle::Llama { file_says_no_prefix: false } => "space prefix",
-                        SpStyle::Llama { file_says_no_prefix: true } => "space prefix as transformers adds it (the file's add_space_prefix = false, which llama.cpp follows, would drop the first word's `▁`)",
-                    }
-                );
-                // llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
-                (
-                    built.map(|b| b.0),
-                    get_bool("tokenizer.ggml.add_bos_token").unwrap_or(true),
-                    kind,
-                    PieceStyle::SentencePiece,
-                )
-            }
+        let meta = GgufMeta { md, path };
+        let model = meta.string("tokenizer.ggml.model")?;
+        let types = meta.token_types();
+        let bos_id = meta.u32("tokenizer.ggml.bos_token_id");
+        let pad_id = meta
+            .u32("tokenizer.ggml.padding_token_id")
+            .or_else(|| meta.u32("tokenizer.ggml.eos_token_id"));
+        let tokens = meta.strings("tokenizer.ggml.tokens")?;
+        let v = match model.as_str() {
+            "gpt2" => byte_level_vocab(&meta, &tokens, &types)?,
+            "llama" => sentencepiece_vocab(&meta, &tokens, &types, merges_cache)?,
             other => {
-                return Err(bad(
+                return Err(meta.bad(
                     "tokenizer.ggml.model",
                     format!("`{other}` is not supported; attnscope reads byte-level BPE (`gpt2`) and SentencePiece BPE (`llama`) vocabularies"),
                 ))
             }
         };
-        let inner = built.map_err(|e| {
+        let inner = v.built.map_err(|e| {
             Error::Tokenizer(format!(
                 "building the tokenizer from {}: {e}",
                 path.display()
@@ -540,13 +600,13 @@ impl Tokenizer {
         })?;
         Ok(Tokenizer {
             inner,
-            add_bos,
+            add_bos: v.add_bos,
             bos_id,
             pad_id,
-            kind,
-            pieces,
-            chat_template: get_str("tokenizer.chat_template").ok(),
-            eos_id: get_u32("tokenizer.ggml.eos_token_id"),
+            kind: v.kind,
+            pieces: v.pieces,
+            chat_template: meta.string("tokenizer.chat_template").ok(),
+            eos_id: meta.u32("tokenizer.ggml.eos_token_id"),
             specials: false,
         })
     }

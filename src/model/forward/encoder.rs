@@ -18,8 +18,9 @@ use crate::model::block::NormKind;
 use crate::model::capture::{Hook, Observer};
 use crate::model::error::{Error, Result};
 use crate::model::ops::{gelu_erf, layer_norm_into, split_heads, split_heads_into};
+use crate::model::weights::Layer;
 use crate::model::Model;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 impl Model {
     /// Whether the model is an encoder (BERT): bidirectional attention, no next-token prediction.
@@ -219,7 +220,10 @@ impl Model {
     }
 
     /// [`Model::forward_segments`] for an encoder: every segment is its own sequence (no reused
-    /// prefix, no resumed layer, no logits).
+    /// prefix, no resumed layer, no logits). A block's steps: `hook_resid_pre`, q|k|v
+    /// ([`Model::encoder_qkv`]), the attention per segment ([`Model::encoder_attention`]),
+    /// `hook_z`, the output projection and `ln1` ([`Model::encoder_attn_out`]),
+    /// `hook_resid_mid`, the MLP and `ln2` ([`Model::encoder_mlp`]), `hook_resid_post`.
     pub(super) fn forward_encoder(
         &self,
         reuses_prefix: bool,
@@ -228,24 +232,79 @@ impl Model {
         opts: &RunOptions,
         obs: &mut dyn Observer,
     ) -> Result<ForwardOut> {
+        let row0 = self.check_encoder_segments(reuses_prefix, segs, resume.is_some(), opts)?;
+        let start = Instant::now();
+        let dims = &self.dims;
+        let (nh, hd, dm) = (dims.n_heads, dims.head_dim, dims.d_model);
+        let m: usize = segs.iter().map(|s| s.tokens.len()).sum();
+        let mut x = self.encoder_embeddings(segs, &row0, opts, obs)?;
+        let width = (nh + 2 * dims.n_kv_heads) * hd;
+        let mut qkv = vec![0f32; m * width];
+        let mut z = vec![0f32; m * nh * hd];
+        let mut sum = vec![0f32; m * dm];
+        let mut timings = Timings::default();
+        let knocks: Vec<Vec<bool>> = segs
+            .iter()
+            .map(|seg| {
+                let mut k = vec![false; seg.tokens.len()];
+                seg.knockout.iter().for_each(|&p| k[p] = true);
+                k
+            })
+            .collect();
+        for (l, layer) in self.weights.layers.iter().enumerate() {
+            hand(obs, l, Hook::ResidPre, &[m, dm], &mut x)?;
+            if obs.stops_before(l) {
+                break;
+            }
+            self.encoder_qkv(obs, l, layer, &x, m, &mut qkv, &mut timings)?;
+            let t0 = Instant::now();
+            let stacked = (segs, &row0[..], &knocks[..]);
+            self.encoder_attention(obs, l, layer, stacked, opts, &qkv, &mut z)?;
+            timings.attention += t0.elapsed();
+            hand(obs, l, Hook::Z, &[m, nh, hd], &mut z)?;
+            obs.attention_done(l);
+            self.encoder_attn_out(obs, l, layer, (&mut x, &mut sum), &z, m, &mut timings)?;
+            hand(obs, l, Hook::ResidMid, &[m, dm], &mut x)?;
+            self.encoder_mlp(obs, l, layer, (&mut x, &mut sum), m, &mut timings)?;
+            if !super::all_finite(&x) {
+                return Err(Error::NonFinite {
+                    what: "the residual stream after the layer's MLP".into(),
+                    layer: Some(l),
+                });
+            }
+            hand(obs, l, Hook::ResidPost, &[m, dm], &mut x)?;
+            obs.layer_done(l);
+            if super::interrupted() {
+                return Err(Error::Interrupted);
+            }
+        }
+        timings.total = start.elapsed();
+        Ok(ForwardOut {
+            logits: Vec::new(),
+            timings,
+            kv: None,
+        })
+    }
+
+    /// An encoder's segments checked (no logits, no prefix, no resumed layer or kept keys,
+    /// tokens and knockouts in range): each one's first row among the stacked rows.
+    fn check_encoder_segments(
+        &self,
+        reuses_prefix: bool,
+        segs: &[Segment],
+        resumes: bool,
+        opts: &RunOptions,
+    ) -> Result<Vec<usize>> {
         if segs.iter().any(|s| !s.logits_at.is_empty()) {
             self.require_decoder("a next-token prediction (logits)")?;
         }
-        if reuses_prefix || resume.is_some() || opts.keep_kv || segs.iter().any(|s| s.reuse > 0) {
+        if reuses_prefix || resumes || opts.keep_kv || segs.iter().any(|s| s.reuse > 0) {
             return Err(Error::NotApplicable(format!(
                 "reusing a prefix's keys and values or resuming at a layer is for decoders (a causal model's earlier positions do not depend on later ones); {} is an encoder",
                 self.info.name
             )));
         }
-        let start = Instant::now();
-        let dims = &self.dims;
-        let enc = self.weights.encoder.as_ref().ok_or_else(|| {
-            Error::Candle(candle_core::Error::Msg(
-                "an encoder without its embedding weights: you likely have a bug".into(),
-            ))
-        })?;
-        let (nh, hd, dm, ff) = (dims.n_heads, dims.head_dim, dims.d_model, dims.d_ff);
-        let nkv = dims.n_kv_heads;
+        self.encoder_weights()?;
         let mut row0 = Vec::with_capacity(segs.len());
         let mut m = 0;
         for seg in segs {
@@ -264,13 +323,38 @@ impl Model {
             row0.push(m);
             m += n;
         }
-        // embeddings: word (hook_embed) + position (hook_pos_embed) + token type, then LayerNorm
+        Ok(row0)
+    }
+
+    /// The encoder's embedding weights (a bug when missing).
+    fn encoder_weights(&self) -> Result<&crate::model::weights::EncoderWeights> {
+        self.weights.encoder.as_ref().ok_or_else(|| {
+            Error::Candle(candle_core::Error::Msg(
+                "an encoder without its embedding weights: you likely have a bug".into(),
+            ))
+        })
+    }
+
+    /// `hook_resid_pre` of layer 0: word (`hook_embed`) + position and token type
+    /// (`hook_pos_embed`), then the embeddings' LayerNorm. A token type past the model's, or
+    /// types not one per token, are refused.
+    fn encoder_embeddings(
+        &self,
+        segs: &[Segment],
+        row0: &[usize],
+        opts: &RunOptions,
+        obs: &mut dyn Observer,
+    ) -> Result<Vec<f32>> {
+        let dims = &self.dims;
+        let dm = dims.d_model;
+        let enc = self.encoder_weights()?;
         let all: Vec<u32> = segs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        let m = all.len();
         let mut x: Vec<f32> = self.weights.embed.lookup(&all)?.flatten_all()?.to_vec1()?;
         hand(obs, 0, Hook::Embed, &[m, dm], &mut x)?;
         let pe = self.weights.pos_embed.as_deref().unwrap_or(&[]);
         let mut pos = vec![0f32; m * dm];
-        for (seg, &r0) in segs.iter().zip(&row0) {
+        for (seg, &r0) in segs.iter().zip(row0) {
             let types = match &opts.token_types {
                 Some(t) if t.len() != seg.tokens.len() => {
                     return Err(Error::NotApplicable(format!(
@@ -308,193 +392,201 @@ impl Model {
         x.iter_mut().zip(&pos).for_each(|(v, e)| *v += e);
         let mut normed = vec![0f32; m * dm];
         layer_norm_into(&x, &enc.norm.0, &enc.norm.1, dims.rms_eps, &mut normed);
-        let mut x = normed;
+        Ok(normed)
+    }
+
+    /// The q|k|v projection of the residual `x` (`m` rows) into `qkv`, with `hook_q`, `hook_k`,
+    /// `hook_v` (edits written back).
+    #[allow(clippy::too_many_arguments)]
+    fn encoder_qkv(
+        &self,
+        obs: &mut dyn Observer,
+        l: usize,
+        layer: &Layer,
+        x: &[f32],
+        m: usize,
+        qkv: &mut [f32],
+        timings: &mut Timings,
+    ) -> Result<()> {
+        let (nh, nkv, hd) = (self.dims.n_heads, self.dims.n_kv_heads, self.dims.head_dim);
         let (nq, nk) = (nh * hd, nkv * hd);
         let width = nq + 2 * nk;
-        let mut qkv = vec![0f32; m * width];
-        let mut z = vec![0f32; m * nh * hd];
-        let mut sum = vec![0f32; m * dm];
-        let (mut attn_time, mut proj_time) = (Duration::ZERO, Duration::ZERO);
-        let knocks: Vec<Vec<bool>> = segs
-            .iter()
-            .map(|seg| {
-                let mut k = vec![false; seg.tokens.len()];
-                seg.knockout.iter().for_each(|&p| k[p] = true);
-                k
-            })
-            .collect();
-        for (l, layer) in self.weights.layers.iter().enumerate() {
-            let plan = layer.plan;
-            hand(obs, l, Hook::ResidPre, &[m, dm], &mut x)?;
-            if obs.stops_before(l) {
-                break;
-            }
-            let t = Instant::now();
-            layer.qkv.forward_into(&x, m, &mut qkv, false)?;
-            proj_time += t.elapsed();
-            for (hook, c0, w, heads) in [
-                (Hook::Q, 0, nq, nh),
-                (Hook::K, nq, nk, nkv),
-                (Hook::V, nq + nk, nk, nkv),
-            ] {
-                if touches(obs, l, hook) {
-                    let mut part: Vec<f32> = qkv
-                        .chunks(width)
-                        .flat_map(|r| r[c0..c0 + w].iter().copied())
-                        .collect();
-                    hand(obs, l, hook, &[m, heads, hd], &mut part)?;
-                    if obs.edits(l, hook) {
-                        for (row, new) in qkv.chunks_mut(width).zip(part.chunks(w)) {
-                            row[c0..c0 + w].copy_from_slice(new);
-                        }
+        let t = Instant::now();
+        layer.qkv.forward_into(x, m, qkv, false)?;
+        timings.projections += t.elapsed();
+        for (hook, c0, w, heads) in [
+            (Hook::Q, 0, nq, nh),
+            (Hook::K, nq, nk, nkv),
+            (Hook::V, nq + nk, nk, nkv),
+        ] {
+            if touches(obs, l, hook) {
+                let mut part: Vec<f32> = qkv
+                    .chunks(width)
+                    .flat_map(|r| r[c0..c0 + w].iter().copied())
+                    .collect();
+                hand(obs, l, hook, &[m, heads, hd], &mut part)?;
+                if obs.edits(l, hook) {
+                    for (row, new) in qkv.chunks_mut(width).zip(part.chunks(w)) {
+                        row[c0..c0 + w].copy_from_slice(new);
                     }
                 }
-            }
-            let t0 = Instant::now();
-            for (si, (seg, &r0)) in segs.iter().zip(&row0).enumerate() {
-                obs.segment(si);
-                let n = seg.tokens.len();
-                let rows = &qkv[r0 * width..(r0 + n) * width];
-                let mut qh = vec![0f32; nh * n * hd];
-                split_heads_into(rows, n, width, 0, nh, hd, None, &mut qh);
-                let kh = split_heads(rows, n, width, nq, nkv, hd, None);
-                let vh = split_heads(rows, n, width, nq + nk, nkv, hd, None);
-                let adims = AttnDims {
-                    n_heads: nh,
-                    n_kv_heads: nkv,
-                    head_dim: hd,
-                    q_len: n,
-                    k_len: n,
-                    window: None,
-                    scale: plan.score_scale,
-                    softcap: plan.softcap,
-                    causal: plan.causal,
-                };
-                let zs = &mut z[r0 * nh * hd..(r0 + n) * nh * hd];
-                if obs.edits(l, Hook::AttnScores) || obs.edits(l, Hook::Pattern) {
-                    attention_edited(
-                        l,
-                        &qh,
-                        &kh,
-                        &vh,
-                        adims,
-                        &knocks[si],
-                        opts.block_bytes,
-                        obs,
-                        zs,
-                    )?;
-                } else {
-                    attention_into(
-                        l,
-                        &qh,
-                        &kh,
-                        &vh,
-                        adims,
-                        &knocks[si],
-                        opts.block_bytes,
-                        opts.key_block,
-                        obs,
-                        zs,
-                    )?;
-                }
-            }
-            attn_time += t0.elapsed();
-            hand(obs, l, Hook::Z, &[m, nh, hd], &mut z)?;
-            obs.attention_done(l);
-            let t = Instant::now();
-            let mut attn_out = if touches(obs, l, Hook::Result) {
-                let (mut res, bias) = self.head_results(l, &z, m)?;
-                hand(obs, l, Hook::Result, &[m, nh, dm], &mut res)?;
-                let mut out = vec![0f32; m * dm];
-                for (o, r) in out.chunks_mut(dm).zip(res.chunks(nh * dm)) {
-                    o.copy_from_slice(&bias);
-                    for head in r.chunks(dm) {
-                        o.iter_mut().zip(head).for_each(|(o, v)| *o += v);
-                    }
-                }
-                if obs.edits(l, Hook::Result) {
-                    out
-                } else {
-                    layer.o.forward(&z, m)?
-                }
-            } else {
-                layer.o.forward(&z, m)?
-            };
-            proj_time += t.elapsed();
-            hand(obs, l, Hook::AttnOut, &[m, dm], &mut attn_out)?;
-            // post-LN: x = LN₁(x + attn_out)
-            sum.iter_mut()
-                .zip(x.iter().zip(&attn_out))
-                .for_each(|(s, (a, b))| *s = a + b);
-            let ln = |b: &Option<(Vec<f32>, Vec<f32>)>, second: bool| -> Result<Vec<f32>> {
-                b.as_ref()
-                    .map(|(b1, b2)| if second { b2.clone() } else { b1.clone() })
-                    .ok_or_else(|| {
-                        Error::Candle(candle_core::Error::Msg(
-                            "a BERT block without LayerNorm biases: you likely have a bug".into(),
-                        ))
-                    })
-            };
-            let b1 = ln(&layer.norm_biases, false)?;
-            norm_hooked(
-                obs,
-                l,
-                (Hook::Ln1Scale, Hook::Ln1Normalized),
-                NormKind::Layer,
-                &sum,
-                &layer.attn_norm,
-                Some(&b1),
-                dims.rms_eps,
-                &mut x,
-            )?;
-            hand(obs, l, Hook::ResidMid, &[m, dm], &mut x)?;
-            // MLP: down(gelu(up(x))), then x = LN₂(x + mlp_out)
-            let t = Instant::now();
-            let mut pre = layer.gate_up.forward(&x, m)?;
-            proj_time += t.elapsed();
-            hand(obs, l, Hook::MlpPre, &[m, ff], &mut pre)?;
-            let mut act = vec![0f32; m * ff];
-            gelu_erf(&pre, &mut act);
-            hand(obs, l, Hook::MlpPost, &[m, ff], &mut act)?;
-            let t = Instant::now();
-            let mut mlp_out = layer.down.forward(&act, m)?;
-            proj_time += t.elapsed();
-            hand(obs, l, Hook::MlpOut, &[m, dm], &mut mlp_out)?;
-            sum.iter_mut()
-                .zip(x.iter().zip(&mlp_out))
-                .for_each(|(s, (a, b))| *s = a + b);
-            let b2 = ln(&layer.norm_biases, true)?;
-            norm_hooked(
-                obs,
-                l,
-                (Hook::Ln2Scale, Hook::Ln2Normalized),
-                NormKind::Layer,
-                &sum,
-                &layer.mlp_norm,
-                Some(&b2),
-                dims.rms_eps,
-                &mut x,
-            )?;
-            if !super::all_finite(&x) {
-                return Err(Error::NonFinite {
-                    what: "the residual stream after the layer's MLP".into(),
-                    layer: Some(l),
-                });
-            }
-            hand(obs, l, Hook::ResidPost, &[m, dm], &mut x)?;
-            obs.layer_done(l);
-            if super::interrupted() {
-                return Err(Error::Interrupted);
             }
         }
-        Ok(ForwardOut {
-            logits: Vec::new(),
-            timings: Timings {
-                attention: attn_time,
-                projections: proj_time,
-                total: start.elapsed(),
-            },
-            kv: None,
-        })
+        Ok(())
     }
+
+    /// Layer `l`'s bidirectional attention, one segment at a time (`Observer::segment(i)`
+    /// first), from its rows of `qkv` into its rows of `z`: the kernel with `causal: false`, or
+    /// [`attention_edited`] when an observer edits the maps.
+    #[allow(clippy::too_many_arguments)]
+    fn encoder_attention(
+        &self,
+        obs: &mut dyn Observer,
+        l: usize,
+        layer: &Layer,
+        (segs, row0, knocks): (&[Segment], &[usize], &[Vec<bool>]),
+        opts: &RunOptions,
+        qkv: &[f32],
+        z: &mut [f32],
+    ) -> Result<()> {
+        let (nh, nkv, hd) = (self.dims.n_heads, self.dims.n_kv_heads, self.dims.head_dim);
+        let (nq, nk) = (nh * hd, nkv * hd);
+        let width = nq + 2 * nk;
+        let plan = layer.plan;
+        for (si, (seg, &r0)) in segs.iter().zip(row0).enumerate() {
+            obs.segment(si);
+            let n = seg.tokens.len();
+            let rows = &qkv[r0 * width..(r0 + n) * width];
+            let mut qh = vec![0f32; nh * n * hd];
+            split_heads_into(rows, n, width, 0, nh, hd, None, &mut qh);
+            let kh = split_heads(rows, n, width, nq, nkv, hd, None);
+            let vh = split_heads(rows, n, width, nq + nk, nkv, hd, None);
+            let adims = AttnDims {
+                n_heads: nh,
+                n_kv_heads: nkv,
+                head_dim: hd,
+                q_len: n,
+                k_len: n,
+                window: None,
+                scale: plan.score_scale,
+                softcap: plan.softcap,
+                causal: plan.causal,
+            };
+            let zs = &mut z[r0 * nh * hd..(r0 + n) * nh * hd];
+            let knock = &knocks[si];
+            if obs.edits(l, Hook::AttnScores) || obs.edits(l, Hook::Pattern) {
+                attention_edited(l, &qh, &kh, &vh, adims, knock, opts.block_bytes, obs, zs)?;
+            } else {
+                let (bb, kb) = (opts.block_bytes, opts.key_block);
+                attention_into(l, &qh, &kh, &vh, adims, knock, bb, kb, obs, zs)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The attention's output (`hook_result` when asked: the output is then the sum of the
+    /// results plus W_O's bias where edited), `hook_attn_out`, then post-LN:
+    /// `x = LN₁(x + attn_out)` (`sum` holds the sum).
+    #[allow(clippy::too_many_arguments)]
+    fn encoder_attn_out(
+        &self,
+        obs: &mut dyn Observer,
+        l: usize,
+        layer: &Layer,
+        (x, sum): (&mut [f32], &mut [f32]),
+        z: &[f32],
+        m: usize,
+        timings: &mut Timings,
+    ) -> Result<()> {
+        let (nh, dm) = (self.dims.n_heads, self.dims.d_model);
+        let t = Instant::now();
+        let mut attn_out = if touches(obs, l, Hook::Result) {
+            let (mut res, bias) = self.head_results(l, z, m)?;
+            hand(obs, l, Hook::Result, &[m, nh, dm], &mut res)?;
+            let mut out = vec![0f32; m * dm];
+            for (o, r) in out.chunks_mut(dm).zip(res.chunks(nh * dm)) {
+                o.copy_from_slice(&bias);
+                for head in r.chunks(dm) {
+                    o.iter_mut().zip(head).for_each(|(o, v)| *o += v);
+                }
+            }
+            if obs.edits(l, Hook::Result) {
+                out
+            } else {
+                layer.o.forward(z, m)?
+            }
+        } else {
+            layer.o.forward(z, m)?
+        };
+        timings.projections += t.elapsed();
+        hand(obs, l, Hook::AttnOut, &[m, dm], &mut attn_out)?;
+        sum.iter_mut()
+            .zip(x.iter().zip(&attn_out))
+            .for_each(|(s, (a, b))| *s = a + b);
+        let b1 = ln_bias(layer, false)?;
+        norm_hooked(
+            obs,
+            l,
+            (Hook::Ln1Scale, Hook::Ln1Normalized),
+            NormKind::Layer,
+            sum,
+            &layer.attn_norm,
+            Some(&b1),
+            self.dims.rms_eps,
+            x,
+        )
+    }
+
+    /// The MLP, `down(gelu(up(x)))` with `hook_pre`, `hook_post`, `hook_mlp_out`, then
+    /// post-LN: `x = LN₂(x + mlp_out)` (`sum` holds the sum).
+    fn encoder_mlp(
+        &self,
+        obs: &mut dyn Observer,
+        l: usize,
+        layer: &Layer,
+        (x, sum): (&mut [f32], &mut [f32]),
+        m: usize,
+        timings: &mut Timings,
+    ) -> Result<()> {
+        let (dm, ff) = (self.dims.d_model, self.dims.d_ff);
+        let t = Instant::now();
+        let mut pre = layer.gate_up.forward(x, m)?;
+        timings.projections += t.elapsed();
+        hand(obs, l, Hook::MlpPre, &[m, ff], &mut pre)?;
+        let mut act = vec![0f32; m * ff];
+        gelu_erf(&pre, &mut act);
+        hand(obs, l, Hook::MlpPost, &[m, ff], &mut act)?;
+        let t = Instant::now();
+        let mut mlp_out = layer.down.forward(&act, m)?;
+        timings.projections += t.elapsed();
+        hand(obs, l, Hook::MlpOut, &[m, dm], &mut mlp_out)?;
+        sum.iter_mut()
+            .zip(x.iter().zip(&mlp_out))
+            .for_each(|(s, (a, b))| *s = a + b);
+        let b2 = ln_bias(layer, true)?;
+        norm_hooked(
+            obs,
+            l,
+            (Hook::Ln2Scale, Hook::Ln2Normalized),
+            NormKind::Layer,
+            sum,
+            &layer.mlp_norm,
+            Some(&b2),
+            self.dims.rms_eps,
+            x,
+        )
+    }
+}
+
+/// A BERT block's LayerNorm bias: `ln1`'s, or `ln2`'s when `second` (a bug when missing).
+fn ln_bias(layer: &Layer, second: bool) -> Result<Vec<f32>> {
+    layer
+        .norm_biases
+        .as_ref()
+        .map(|(b1, b2)| if second { b2.clone() } else { b1.clone() })
+        .ok_or_else(|| {
+            Error::Candle(candle_core::Error::Msg(
+                "a BERT block without LayerNorm biases: you likely have a bug".into(),
+            ))
+        })
 }
