@@ -1411,12 +1411,12 @@ fn streamed_capture_equals_the_in_memory_cache_in_both_formats() {
         let hooks = Hook::parse_list(hooks_arg).unwrap();
         let spec = CaptureSpec {
             hooks: hooks.clone(),
-            layers: Some(attnscope::cli::parse_index_list(layers, 2, "layer").unwrap()),
-            heads: Some(attnscope::cli::parse_index_list(heads, 4, "head").unwrap()),
+            layers: Some(attnscope::analysis::request::parse_index_list(layers, 2, "layer").unwrap()),
+            heads: Some(attnscope::analysis::request::parse_index_list(heads, 4, "head").unwrap()),
             queries: if queries == "all" {
                 Queries::All
             } else {
-                Queries::List(attnscope::cli::parse_index_list(queries, n, "q").unwrap())
+                Queries::List(attnscope::analysis::request::parse_index_list(queries, n, "q").unwrap())
             },
         };
         let mut cache = AttnCache::new(&spec, n);

@@ -362,7 +362,7 @@ fn bidirectional_patterns_from_elsewhere_get_the_encoder_page() {
         .flat_map(|l| cache.pattern(l).unwrap().data.to_vec())
         .collect();
     let texts = model.token_texts(&tokens);
-    let html = attnscope::cli::view::pattern_page(&all, [nl, nh, n, n], &texts, "t").unwrap();
+    let html = attnscope::render::view::pattern_page(&all, [nl, nh, n, n], &texts, "t").unwrap();
     let at = html.find("{\"title\"").unwrap();
     let v: serde_json::Value = serde_json::Deserializer::from_str(&html[at..])
         .into_iter()
@@ -389,7 +389,7 @@ fn bidirectional_patterns_from_elsewhere_get_the_encoder_page() {
     // a causal map (nothing above the diagonal) keeps the decoder's page
     let causal = [1.0f32, 0.0, 0.5, 0.5];
     let html =
-        attnscope::cli::view::pattern_page(&causal, [1, 1, 2, 2], &["a".into(), "b".into()], "c")
+        attnscope::render::view::pattern_page(&causal, [1, 1, 2, 2], &["a".into(), "b".into()], "c")
             .unwrap();
     assert!(!html.contains("\"kind\":\"encoder\""));
 }

@@ -1,7 +1,7 @@
 //! `attnscope ablate`: every head's (and MLP's) effect on the prediction when it is removed,
 //! beside what its attention looks like: the lesson's "a weight is not an explanation", measured.
 
-use super::common::{emit, parse_index_list, progress_bar, ModelArgs, TextArgs};
+use super::common::{emit, on_bar, parse_index_list, progress_bar, ModelArgs, TextArgs};
 use crate::analysis::faithfulness::Target;
 use crate::analysis::intervene::{ablate, AblateOptions, AblateReport, Method};
 use crate::model::tokenize::visible;
@@ -63,10 +63,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         batch_rows: a.batch_rows,
     };
     let bar = progress_bar("ablations [{bar:30}] {pos}/{len} ({eta})");
-    let report = ablate(&model, &tokens, &opts, |done, total| {
-        bar.set_length(total as u64);
-        bar.set_position(done as u64);
-    })?;
+    let report = ablate(&model, &tokens, &opts, on_bar(&bar))?;
     bar.finish_and_clear();
     if a.json {
         return emit(&format!("{}\n", serde_json::to_string_pretty(&report)?));

@@ -1,7 +1,7 @@
 //! `attnscope corpus`: sink and head statistics over many texts, shardable and resumable;
 //! `attnscope corpus merge` combines shards.
 
-use super::common::{emit, progress_bar, ModelArgs};
+use super::common::{emit, on_bar, progress_bar, ModelArgs};
 use crate::analysis::corpus::Aggregate;
 use crate::analysis::corpus_run::{
     load_texts, merge_files, parse_shard, run_corpus, CorpusAggregate, CorpusRequest,
@@ -88,10 +88,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         &source,
         &req,
         &mut |note| eprintln!("attnscope: {note}"),
-        &mut |done, total| {
-            bar.set_length(total as u64);
-            bar.set_position(done as u64);
-        },
+        &mut on_bar(&bar),
     );
     bar.finish_and_clear();
     let outcome = outcome?;

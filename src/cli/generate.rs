@@ -1,7 +1,7 @@
 //! `attnscope generate`: chat with the model (its own template) or continue a text, token by token
 //! on a KV cache, and show what the query that produced each token attended to.
 
-use super::common::{emit, progress_bar, usage, write_new_file, ModelArgs};
+use super::common::{emit, on_bar, progress_bar, usage, write_new_file, ModelArgs};
 use crate::analysis::attribute::Method;
 use crate::analysis::gen_attribute::attribute_generation;
 use crate::model::generate::{GenOptions, GenToken};
@@ -163,10 +163,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             let bar = progress_bar("attribution [{bar:30}] {pos}/{len} ({eta})");
             let t0 = std::time::Instant::now();
             let r =
-                attribute_generation(&model, &prompt, &gen_ids, method, a.steps, &mut |d, t| {
-                    bar.set_length(t as u64);
-                    bar.set_position(d as u64);
-                })?;
+                attribute_generation(&model, &prompt, &gen_ids, method, a.steps, &mut on_bar(&bar))?;
             bar.finish_and_clear();
             Some((r, t0.elapsed().as_secs_f64()))
         }

@@ -500,7 +500,7 @@ fn handle(
                 Err(r) => return refuse(stream, model, a, &r),
             };
             let page = match &pair {
-                None => super::view::view_html(model, &text, a.model.bos, faith),
+                None => crate::render::view::view_html(model, &text, a.model.bos, faith),
                 Some(b) => view_pair(model, &text, b, faith),
             };
             drop(turn);
@@ -533,13 +533,13 @@ fn view_pair(
     faithfulness: bool,
 ) -> anyhow::Result<(String, usize)> {
     let (tokens, types, segments) = model.encode_pair_segments(a, b)?;
-    let opts = super::view::ViewOptions {
+    let opts = crate::render::view::ViewOptions {
         faithfulness,
         token_types: Some(types),
         segments: Some(segments),
         ..Default::default()
     };
-    super::view::view_html_tokens(model, &tokens, &opts)
+    crate::render::view::view_html_tokens(model, &tokens, &opts)
 }
 
 /// Answers 503 with `Retry-After` and the reason.
