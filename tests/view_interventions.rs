@@ -9,6 +9,7 @@ use assert_cmd::Command;
 use attnscope::model::tiny::{tiny_model, write_gguf};
 use attnscope::model::Arch;
 use candle_core::quantized::GgmlDType;
+use common::browser;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
@@ -306,22 +307,6 @@ fn view_ablation_on_smollm_equals_ablate() {
         .unwrap()
         .iter()
         .any(|h| h["delta_logprob"].as_f64().unwrap().abs() > 1e-3));
-}
-
-/// The chromium executable, by the lookup .ci/run and tests/browser.rs use.
-fn browser() -> String {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/browser/find-browser.sh");
-    let out = std::process::Command::new("sh")
-        .arg(script)
-        .output()
-        .expect("sh runs");
-    assert!(
-        out.status.success(),
-        "{} (ATTNSCOPE_REQUIRE_BROWSER={:?})",
-        String::from_utf8_lossy(&out.stderr).trim(),
-        std::env::var("ATTNSCOPE_REQUIRE_BROWSER").ok()
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
 /// In headless Chromium: a click on the top row of the ablation table selects that head in the

@@ -162,8 +162,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             }
             let bar = progress_bar("attribution [{bar:30}] {pos}/{len} ({eta})");
             let t0 = std::time::Instant::now();
-            let r =
-                attribute_generation(&model, &prompt, &gen_ids, method, a.steps, &mut on_bar(&bar))?;
+            let r = attribute_generation(
+                &model,
+                &prompt,
+                &gen_ids,
+                method,
+                a.steps,
+                &mut on_bar(&bar),
+            )?;
             bar.finish_and_clear();
             Some((r, t0.elapsed().as_secs_f64()))
         }

@@ -492,15 +492,7 @@ mod tests {
     }
 
     impl Observer for Watch<'_> {
-        fn wants(&self, layer: usize, hook: Hook) -> bool {
-            self.inner.wants(layer, hook)
-        }
-        fn tensor(&mut self, layer: usize, hook: Hook, shape: &[usize], data: &[f32]) {
-            self.inner.tensor(layer, hook, shape, data)
-        }
-        fn attention_block(&mut self, l: usize, h: Hook, q: usize, s: [usize; 3], d: &[f32]) {
-            self.inner.attention_block(l, h, q, s, d)
-        }
+        crate::delegate_observer!(inner: wants, tensor, attention_block, attention_done);
         fn pattern_rows(
             &mut self,
             layer: usize,
@@ -515,9 +507,6 @@ mod tests {
             }
             self.inner
                 .pattern_rows(layer, q_start, rows, n_heads, k_len)
-        }
-        fn attention_done(&mut self, layer: usize) {
-            self.inner.attention_done(layer)
         }
         fn layer_done(&mut self, layer: usize) {
             self.pattern_gone_before_mlp_end.push(

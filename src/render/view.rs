@@ -1,13 +1,13 @@
 //! The view page (`attnscope view`, `serve`, Python's `view` and `viz.attention_heads`): a text's
 //! attention on a model, or patterns computed elsewhere, as one self-contained HTML page.
 
-use crate::analysis::request::usage;
 use crate::analysis::collect::Collector;
 use crate::analysis::faithfulness::{run as run_faith, FaithOptions, Target};
 use crate::analysis::inspect::ModelFacts;
 pub use crate::analysis::intervene::Method as AblateMethod;
 use crate::analysis::intervene::{ablate, AblateOptions};
 use crate::analysis::norms::{all_value_norms, Values};
+use crate::analysis::request::usage;
 use crate::model::capture::{AttnCache, CaptureSpec, Hook, Observer};
 use crate::model::forward::RunOptions;
 use crate::render::html::{encode_layer, page, SparseLayers, ViewData};
