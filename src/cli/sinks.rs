@@ -221,10 +221,7 @@ fn massive_lines(model: &crate::model::Model, tokens: &[u32], massive: &[LayerMa
         dims,
         pos.iter()
             .take(8)
-            .map(|&p| format!(
-                "{p} {:?}",
-                visible(&model.tokenizer.token_text(tokens[p]))
-            ))
+            .map(|&p| format!("{p} {:?}", visible(&model.tokenizer.token_text(tokens[p]))))
             .collect::<Vec<_>>()
             .join(", ")
     );

@@ -12,7 +12,6 @@ use crate::model::capture::{AttnCache, CaptureSpec, Hook, Observer};
 use crate::model::forward::RunOptions;
 use crate::render::html::{encode_layer, page, SparseLayers, ViewData};
 use crate::render::sparse::{encode_value_norms, SparseView, FULL_MAX, TOP_HEAD, TOP_MEAN};
-use std::io::IsTerminal;
 
 #[path = "view_encoder.rs"]
 mod encoder;
@@ -185,98 +184,12 @@ pub fn view_html_tokens(
     if model.is_encoder() {
         return encoder::page_of(model, tokens, opts);
     }
-    let faithfulness = opts.faithfulness;
-    if opts.target.is_some() && !faithfulness && opts.ablate.is_none() {
-        return Err(usage(
-            "--target names the token the ablation (--ablate) and faithfulness (--faithfulness) panels measure; ask for one of them",
-        ));
-    }
+    check_view(model, tokens.len(), opts)?;
     let tokens = tokens.to_vec();
     let (n, d) = (tokens.len(), &model.dims);
-    if n > MAX_VIEW_TOKENS {
-        return Err(usage(format!("the text is {n} tokens; the view takes at most {MAX_VIEW_TOKENS} (use `attnscope sinks` for longer texts: it streams any length up to the context)")));
-    }
-    if faithfulness && n > FULL_MAX {
-        return Err(usage(format!("--faithfulness occludes every token (3 forwards each); the view runs it on texts of at most {FULL_MAX} tokens, and this one is {n} (run `attnscope faithfulness` on a shorter text)")));
-    }
-    if opts.ablate.is_some() && n > FULL_MAX {
-        return Err(usage(format!("--ablate removes every head in turn ({} runs over the text); the view runs it on texts of at most {FULL_MAX} tokens, and this one is {n} (run `attnscope ablate` on a longer text)", d.n_layers * d.n_heads)));
-    }
     let target = opts.target.clone().unwrap_or(Target::Next);
-    let (layers, vnorms) = if n > FULL_MAX {
-        let mut sv = SparseView::new(d.n_layers, d.n_heads, n, true);
-        let bar = if std::io::stderr().is_terminal() {
-            indicatif::ProgressBar::new(d.n_layers as u64)
-        } else {
-            indicatif::ProgressBar::hidden()
-        };
-        bar.set_style(
-            indicatif::ProgressStyle::with_template(
-                "view: {msg} [{bar:30}] layer {pos}/{len} ({elapsed}, {eta} left)",
-            )
-            .expect("valid template")
-            .progress_chars("=> "),
-        );
-        bar.set_message(format!("{n} tokens"));
-        let b2 = bar.clone();
-        sv.on_layer = Some(Box::new(move |l| b2.set_position(l as u64 + 1)));
-        model.forward(&tokens, &RunOptions::last_logits(n), &mut sv)?;
-        bar.finish_and_clear();
-        let vn = value_norms_of(model, &sv.values, n);
-        (sparse_layers(&sv, d.n_layers), vn)
-    } else {
-        let spec = CaptureSpec {
-            hooks: vec![Hook::Pattern, Hook::V],
-            ..CaptureSpec::patterns()
-        };
-        let mut cache = AttnCache::new(&spec, n);
-        model.forward(&tokens, &RunOptions::last_logits(n), &mut cache)?;
-        let layers = encode_layers(
-            (0..d.n_layers).map(|l| cache.pattern(l).expect("every layer was captured").data),
-            d.n_layers,
-            d.n_heads,
-            n,
-        );
-        let values: Vec<Option<Vec<f32>>> = (0..d.n_layers)
-            .map(|l| cache.get(l, Hook::V).map(|c| c.data.to_vec()))
-            .collect();
-        (layers, value_norms_of(model, &values, n))
-    };
-    let faithfulness = if faithfulness {
-        Some(serde_json::to_value(run_faith(
-            model,
-            &tokens,
-            &FaithOptions {
-                target: target.clone(),
-                replacement: " ".into(),
-                seed: 7,
-                gradients: true,
-                ig_steps: 32,
-            },
-            |_, _| {},
-        )?)?)
-    } else {
-        None
-    };
-    // the same report `attnscope ablate --json` prints, with its defaults; through its text, so
-    // the page holds the same digits (each f32 as its shortest decimal, not widened to f64)
-    let ablation = match opts.ablate {
-        Some(method) => Some(serde_json::from_str(&serde_json::to_string(
-            &ablate_with_bar(
-                opts.progress,
-                model,
-                &tokens,
-                &AblateOptions {
-                    method,
-                    target,
-                    positions: None,
-                    mlp: false,
-                    batch_rows: 1024,
-                },
-            )?,
-        )?)?),
-        None => None,
-    };
+    let (layers, vnorms) = capture_layers(model, &tokens)?;
+    let (faithfulness, ablation) = panels(model, &tokens, opts, target)?;
     let texts = model.token_texts(&tokens);
     let data = ViewData {
         title: format!("attnscope · {} · {} tokens", model.info.name, n),
@@ -296,6 +209,114 @@ pub fn view_html_tokens(
         encoder: None,
     };
     Ok((page(&data), n))
+}
+
+/// Refuses what the view cannot show for `n` tokens: `--target` without a panel that measures
+/// it, a text longer than [`MAX_VIEW_TOKENS`], the panels above [`FULL_MAX`] tokens.
+fn check_view(model: &crate::model::Model, n: usize, opts: &ViewOptions) -> anyhow::Result<()> {
+    let d = &model.dims;
+    let faithfulness = opts.faithfulness;
+    if opts.target.is_some() && !faithfulness && opts.ablate.is_none() {
+        return Err(usage(
+            "--target names the token the ablation (--ablate) and faithfulness (--faithfulness) panels measure; ask for one of them",
+        ));
+    }
+    if n > MAX_VIEW_TOKENS {
+        return Err(usage(format!("the text is {n} tokens; the view takes at most {MAX_VIEW_TOKENS} (use `attnscope sinks` for longer texts: it streams any length up to the context)")));
+    }
+    if faithfulness && n > FULL_MAX {
+        return Err(usage(format!("--faithfulness occludes every token (3 forwards each); the view runs it on texts of at most {FULL_MAX} tokens, and this one is {n} (run `attnscope faithfulness` on a shorter text)")));
+    }
+    if opts.ablate.is_some() && n > FULL_MAX {
+        return Err(usage(format!("--ablate removes every head in turn ({} runs over the text); the view runs it on texts of at most {FULL_MAX} tokens, and this one is {n} (run `attnscope ablate` on a longer text)", d.n_layers * d.n_heads)));
+    }
+    Ok(())
+}
+
+/// Every layer's weights encoded for the page, and the value norms: whole maps up to
+/// [`FULL_MAX`] tokens, streamed into the bounded encoding above (with a progress bar).
+fn capture_layers(
+    model: &crate::model::Model,
+    tokens: &[u32],
+) -> anyhow::Result<(EncodedLayers, Vec<String>)> {
+    let (n, d) = (tokens.len(), &model.dims);
+    Ok(if n > FULL_MAX {
+        let mut sv = SparseView::new(d.n_layers, d.n_heads, n, true);
+        let bar = super::progress::progress_bar(
+            "view: {msg} [{bar:30}] layer {pos}/{len} ({elapsed}, {eta} left)",
+        );
+        bar.set_length(d.n_layers as u64);
+        bar.set_message(format!("{n} tokens"));
+        let b2 = bar.clone();
+        sv.on_layer = Some(Box::new(move |l| b2.set_position(l as u64 + 1)));
+        model.forward(tokens, &RunOptions::last_logits(n), &mut sv)?;
+        bar.finish_and_clear();
+        let vn = value_norms_of(model, &sv.values, n);
+        (sparse_layers(&sv, d.n_layers), vn)
+    } else {
+        let spec = CaptureSpec {
+            hooks: vec![Hook::Pattern, Hook::V],
+            ..CaptureSpec::patterns()
+        };
+        let mut cache = AttnCache::new(&spec, n);
+        model.forward(tokens, &RunOptions::last_logits(n), &mut cache)?;
+        let layers = encode_layers(
+            (0..d.n_layers).map(|l| cache.pattern(l).expect("every layer was captured").data),
+            d.n_layers,
+            d.n_heads,
+            n,
+        );
+        let values: Vec<Option<Vec<f32>>> = (0..d.n_layers)
+            .map(|l| cache.get(l, Hook::V).map(|c| c.data.to_vec()))
+            .collect();
+        (layers, value_norms_of(model, &values, n))
+    })
+}
+
+/// The faithfulness panel's report and the ablation panel's, where `opts` asks for them, both
+/// measuring `target`.
+fn panels(
+    model: &crate::model::Model,
+    tokens: &[u32],
+    opts: &ViewOptions,
+    target: Target,
+) -> anyhow::Result<(Option<serde_json::Value>, Option<serde_json::Value>)> {
+    let faithfulness = if opts.faithfulness {
+        Some(serde_json::to_value(run_faith(
+            model,
+            tokens,
+            &FaithOptions {
+                target: target.clone(),
+                replacement: " ".into(),
+                seed: 7,
+                gradients: true,
+                ig_steps: 32,
+            },
+            |_, _| {},
+        )?)?)
+    } else {
+        None
+    };
+    // the same report `attnscope ablate --json` prints, with its defaults; through its text, so
+    // the page holds the same digits (each f32 as its shortest decimal, not widened to f64)
+    let ablation = match opts.ablate {
+        Some(method) => Some(serde_json::from_str(&serde_json::to_string(
+            &ablate_with_bar(
+                opts.progress,
+                model,
+                tokens,
+                &AblateOptions {
+                    method,
+                    target,
+                    positions: None,
+                    mlp: false,
+                    batch_rows: 1024,
+                },
+            )?,
+        )?)?),
+        None => None,
+    };
+    Ok((faithfulness, ablation))
 }
 
 /// The view page for attention patterns computed elsewhere: `patterns` is `[layers, heads, n,
