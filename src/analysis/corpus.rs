@@ -263,7 +263,7 @@ fn layer_aggregate(recs: &[&Record], l: usize, epsilon: f32, hist: &mut [usize])
     let q: Vec<f64> = recs.iter().map(|r| r.sink_query[l] as f64).collect();
     let (mut sink_heads, mut conc, mut total, mut ent) = (0usize, 0usize, 0usize, 0.0f64);
     let mut gu = 0usize;
-    for r in &recs {
+    for r in recs {
         for (h, &a) in r.head_alpha1[l].iter().enumerate() {
             total += 1;
             sink_heads += (a > epsilon) as usize;
