@@ -8,29 +8,16 @@
 // index loops over (layer, head, query) read like the maths; nested test types stay inline
 #![allow(clippy::needless_range_loop, clippy::type_complexity)]
 
+mod common;
+
 use assert_cmd::Command;
 use attnscope::model::capture::{AttnCache, CaptureSpec};
 use attnscope::model::forward::RunOptions;
 use attnscope::model::tiny::{tiny_model, write_gguf};
 use attnscope::model::{Arch, Model, Precision};
 use candle_core::quantized::GgmlDType;
+use common::{browser, start_serve};
 use std::path::{Path, PathBuf};
-
-/// The chromium executable, by the lookup .ci/run uses too; panics naming what is missing.
-fn browser() -> String {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/browser/find-browser.sh");
-    let out = std::process::Command::new("sh")
-        .arg(script)
-        .output()
-        .expect("sh runs");
-    assert!(
-        out.status.success(),
-        "{} (ATTNSCOPE_REQUIRE_BROWSER={:?})",
-        String::from_utf8_lossy(&out.stderr).trim(),
-        std::env::var("ATTNSCOPE_REQUIRE_BROWSER").ok()
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
 
 fn run_node(chromium: &str, url: &str, expected: &str, shot: &Path) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/browser/view.mjs");
@@ -118,29 +105,9 @@ fn view_works_in_a_real_browser() {
     );
 
     // the same page from the server
-    use std::io::BufRead;
-    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("attnscope"))
-        .args([
-            "serve",
-            "--model",
-            gguf.to_str().unwrap(),
-            "--addr",
-            "127.0.0.1:0",
-        ])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let base = line
-        .split_whitespace()
-        .find(|w| w.starts_with("http://"))
-        .unwrap()
-        .trim_end_matches('/')
-        .to_string();
+    let (mut child, addr) =
+        start_serve(&["--model", gguf.to_str().unwrap(), "--addr", "127.0.0.1:0"]);
+    let base = format!("http://{addr}");
     run_node(
         &chromium,
         &format!("{base}/view?text=the+hat+at+the+hat"),

@@ -7,25 +7,13 @@
 //! prediction panel. Ignored without a browser unless `ATTNSCOPE_REQUIRE_BROWSER=1`.
 #![allow(clippy::needless_range_loop)]
 
+mod common;
+
 use attnscope::model::capture::{AttnCache, CaptureSpec};
 use attnscope::model::forward::RunOptions;
 use attnscope::model::{Model, Precision};
+use common::{browser, start_serve};
 use std::path::{Path, PathBuf};
-
-fn browser() -> String {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/browser/find-browser.sh");
-    let out = std::process::Command::new("sh")
-        .arg(script)
-        .output()
-        .expect("sh runs");
-    assert!(
-        out.status.success(),
-        "{} (ATTNSCOPE_REQUIRE_BROWSER={:?})",
-        String::from_utf8_lossy(&out.stderr).trim(),
-        std::env::var("ATTNSCOPE_REQUIRE_BROWSER").ok()
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
 
 fn run_node(chromium: &str, url: &str, expected: &Path, shot: &Path) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/browser/encoder.mjs");
@@ -141,23 +129,8 @@ fn encoder_view_and_pair_selector_work_in_a_real_browser() {
         );
     }
     // the pair's page from the server
-    use std::io::BufRead;
-    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("attnscope"))
-        .args(["serve", "--model", m, "--addr", "127.0.0.1:0"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let base = line
-        .split_whitespace()
-        .find(|w| w.starts_with("http://"))
-        .unwrap()
-        .trim_end_matches('/')
-        .to_string();
+    let (mut child, addr) = start_serve(&["--model", m, "--addr", "127.0.0.1:0"]);
+    let base = format!("http://{addr}");
     let exp = dir.path().join("serve.json");
     std::fs::write(&exp, expected(&model, a, Some(b)).to_string()).unwrap();
     let q: String = form_urlencoded::Serializer::new(String::new())

@@ -300,7 +300,7 @@ fn dir_page(m: &str, args: &[&str]) -> String {
 /// selection shown first; bad selections refused with the reason.
 #[test]
 fn pattern_page_of_a_pair_has_the_selector() {
-    use attnscope::cli::view::{pair_selection, pattern_page_pair};
+    use attnscope::render::view::{pair_selection, pattern_page_pair};
     let n = 5;
     let uniform = vec![1.0 / n as f32; 2 * n * n];
     let texts: Vec<String> = ["[CLS]", "a", "[SEP]", "b", "[SEP]"]

@@ -7,7 +7,7 @@
 
 mod common;
 use attnscope::analysis::encoder::inspect;
-use common::{golden, golden_json, golden_npy, max_abs_diff, real_model};
+use common::{golden, golden_json, golden_npy, max_abs_diff, real_model, start_serve};
 use std::process::Command;
 
 fn attnscope() -> Command {
@@ -168,30 +168,9 @@ fn get(base: &str, path: &str) -> (String, String) {
 
 #[test]
 fn serve_takes_a_pair_on_an_encoder() {
-    use std::io::BufRead;
     let bert = golden("arch/bert");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_attnscope"))
-        .args([
-            "serve",
-            "-m",
-            bert.to_str().unwrap(),
-            "--addr",
-            "127.0.0.1:0",
-        ])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let base = line
-        .split_whitespace()
-        .find(|w| w.starts_with("http://"))
-        .unwrap()
-        .trim_end_matches('/')
-        .to_string();
+    let (mut child, addr) = start_serve(&["-m", bert.to_str().unwrap(), "--addr", "127.0.0.1:0"]);
+    let base = format!("http://{addr}");
     let (status, form) = get(&base, "/");
     assert!(status.contains("200"), "{status}");
     assert!(form.contains("name=\"pair\"") && !form.contains("name=\"faithfulness\""));
@@ -362,7 +341,7 @@ fn bidirectional_patterns_from_elsewhere_get_the_encoder_page() {
         .flat_map(|l| cache.pattern(l).unwrap().data.to_vec())
         .collect();
     let texts = model.token_texts(&tokens);
-    let html = attnscope::cli::view::pattern_page(&all, [nl, nh, n, n], &texts, "t").unwrap();
+    let html = attnscope::render::view::pattern_page(&all, [nl, nh, n, n], &texts, "t").unwrap();
     let at = html.find("{\"title\"").unwrap();
     let v: serde_json::Value = serde_json::Deserializer::from_str(&html[at..])
         .into_iter()
@@ -388,8 +367,12 @@ fn bidirectional_patterns_from_elsewhere_get_the_encoder_page() {
     }
     // a causal map (nothing above the diagonal) keeps the decoder's page
     let causal = [1.0f32, 0.0, 0.5, 0.5];
-    let html =
-        attnscope::cli::view::pattern_page(&causal, [1, 1, 2, 2], &["a".into(), "b".into()], "c")
-            .unwrap();
+    let html = attnscope::render::view::pattern_page(
+        &causal,
+        [1, 1, 2, 2],
+        &["a".into(), "b".into()],
+        "c",
+    )
+    .unwrap();
     assert!(!html.contains("\"kind\":\"encoder\""));
 }

@@ -340,17 +340,60 @@ fn check_fast(alias: &str, prefix: &str, sink_tolerance: f64) {
                 .collect::<Vec<_>>()
         })
         .collect();
-    let max = max_abs_diff(&got, &want, &format!("{alias} fast"));
-    let Some(kernel) = attnscope::model::weights::fast_kernel() else {
-        eprintln!("NOTE: this CPU has neither AMX nor AVX-512 VNNI: --precision fast runs the exact kernels here, so only that is checked");
-        assert_close(
-            &got,
-            &want,
-            1e-4,
-            &format!("{alias}: fast = exact without AMX or VNNI"),
-        );
-        return;
-    };
+    match attnscope::model::weights::fast_kernel() {
+        Some(kernel) => check_fast_kernel(
+            &FastRun {
+                alias,
+                model: &model,
+                tokens: &tokens,
+                g: &g,
+                want: &want,
+                max: max_abs_diff(&got, &want, &format!("{alias} fast")),
+                logits: &out.logits[0],
+            },
+            kernel,
+            sink_tolerance,
+        ),
+        None => {
+            eprintln!("NOTE: this CPU has neither AMX nor AVX-512 VNNI: --precision fast runs the exact kernels here, so only that is checked");
+            assert_close(
+                &got,
+                &want,
+                1e-4,
+                &format!("{alias}: fast = exact without AMX or VNNI"),
+            );
+        }
+    }
+}
+
+/// One fast-precision run of the lesson sentence, beside the reference's numbers.
+struct FastRun<'a> {
+    alias: &'a str,
+    model: &'a attnscope::model::Model,
+    tokens: &'a [u32],
+    /// the golden JSON (tables, sinks, next tokens)
+    g: &'a serde_json::Value,
+    /// transformers' last rows, `[layers, heads, n]`
+    want: &'a [f32],
+    /// the largest |weight - reference| over those rows
+    max: f32,
+    /// the last position's logits
+    logits: &'a [f32],
+}
+
+/// The checks of a fast run on a CPU with a fast kernel (`kernel`): its deviation bound, that it
+/// really ran, the sink profile within `sink_tolerance`, the top-3 tables and the next token.
+fn check_fast_kernel(run: &FastRun, kernel: &str, sink_tolerance: f64) {
+    let FastRun {
+        alias,
+        model,
+        tokens,
+        g,
+        want,
+        max,
+        logits,
+    } = *run;
+    let (n, d) = (tokens.len(), &model.dims);
     eprintln!(
         "{alias} fast precision ({kernel}): max |attention weight - reference| over the last rows = {max:.4}"
     );
@@ -365,7 +408,7 @@ fn check_fast(alias: &str, prefix: &str, sink_tolerance: f64) {
         max > 1e-4,
         "{alias}: fast precision should really use the {kernel} kernel (max deviation {max})"
     );
-    let r = lesson_report(&model, &tokens, &g);
+    let r = lesson_report(model, tokens, g);
     let mut worst_sink = 0f64;
     for (l, row) in r.layers.iter().enumerate() {
         worst_sink = worst_sink
@@ -432,7 +475,7 @@ fn check_fast(alias: &str, prefix: &str, sink_tolerance: f64) {
         tables += 1;
     }
     assert_eq!(tables, 4 * 3 + 3, "every table was compared");
-    let top1 = out.logits[0]
+    let top1 = logits
         .iter()
         .enumerate()
         .max_by(|a, b| a.1.total_cmp(b.1))

@@ -9,6 +9,7 @@ use assert_cmd::Command;
 use attnscope::model::tiny::{tiny_model, write_gguf};
 use attnscope::model::Arch;
 use candle_core::quantized::GgmlDType;
+use common::browser;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
@@ -187,8 +188,8 @@ fn view_ablation_refuses_what_it_cannot_do() {
     let d = page_data(&std::fs::read_to_string(&out_path).unwrap());
     assert!(d["ablation"].is_null());
     // the API: ablate_method names the valid values
-    let e = attnscope::cli::view::ablate_method("Zero").unwrap_err();
-    assert!(format!("{e}").contains("`zero`") && attnscope::cli::is_bad_input(&e));
+    let e = attnscope::render::view::ablate_method("Zero").unwrap_err();
+    assert!(format!("{e}").contains("`zero`") && attnscope::analysis::request::is_bad_input(&e));
 }
 
 /// Runs `patch --json --html` and checks the page holds every result's numbers.
@@ -306,22 +307,6 @@ fn view_ablation_on_smollm_equals_ablate() {
         .unwrap()
         .iter()
         .any(|h| h["delta_logprob"].as_f64().unwrap().abs() > 1e-3));
-}
-
-/// The chromium executable, by the lookup .ci/run and tests/browser.rs use.
-fn browser() -> String {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/browser/find-browser.sh");
-    let out = std::process::Command::new("sh")
-        .arg(script)
-        .output()
-        .expect("sh runs");
-    assert!(
-        out.status.success(),
-        "{} (ATTNSCOPE_REQUIRE_BROWSER={:?})",
-        String::from_utf8_lossy(&out.stderr).trim(),
-        std::env::var("ATTNSCOPE_REQUIRE_BROWSER").ok()
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
 /// In headless Chromium: a click on the top row of the ablation table selects that head in the

@@ -225,41 +225,7 @@ pub fn aggregate(records: &[Record], epsilon: f32) -> Result<Aggregate, String> 
     }
     let mut hist = vec![0usize; 10];
     let layers = (0..nl)
-        .map(|l| {
-            let all: Vec<f64> = recs.iter().map(|r| r.sink_all[l] as f64).collect();
-            let q: Vec<f64> = recs.iter().map(|r| r.sink_query[l] as f64).collect();
-            let (mut sink_heads, mut conc, mut total, mut ent) = (0usize, 0usize, 0usize, 0.0f64);
-            let mut gu = 0usize;
-            for r in &recs {
-                for (h, &a) in r.head_alpha1[l].iter().enumerate() {
-                    total += 1;
-                    sink_heads += (a > epsilon) as usize;
-                    gu += (super::sinkmetrics::gu_alpha(a as f64, r.n_tokens) > epsilon as f64)
-                        as usize;
-                    let m = r.head_max_last[l][h];
-                    conc += (m >= 0.9) as usize;
-                    hist[((m * 10.0) as usize).min(9)] += 1;
-                    ent += r.head_mean_entropy[l][h] as f64;
-                }
-            }
-            let t = total.max(1) as f64;
-            let kept: Vec<bool> = recs
-                .iter()
-                .filter_map(|r| r.massive.as_ref())
-                .map(|m| m.iter().any(|x| x.layer == l && x.massive > 0))
-                .collect();
-            LayerAggregate {
-                gu_heads_fraction: gu as f64 / t,
-                massive_texts_fraction: (!kept.is_empty())
-                    .then(|| kept.iter().filter(|&&b| b).count() as f64 / kept.len() as f64),
-                layer: l,
-                sink_all: stat(&all),
-                sink_query: stat(&q),
-                sink_heads_fraction: sink_heads as f64 / t,
-                concentrated_fraction: conc as f64 / t,
-                mean_entropy: ent / t,
-            }
-        })
+        .map(|l| layer_aggregate(&recs, l, epsilon, &mut hist))
         .collect::<Vec<_>>();
     let peak_layer = layers
         .iter()
@@ -271,6 +237,65 @@ pub fn aggregate(records: &[Record], epsilon: f32) -> Result<Aggregate, String> 
         })
         .map(|l| l.layer)
         .unwrap_or(0);
+    let faith = faith_aggregates(&recs);
+    let gu_sink_metric =
+        layers.iter().map(|l| l.gu_heads_fraction).sum::<f64>() / layers.len().max(1) as f64;
+    let massive = massive_aggregate(&recs, &layers);
+    Ok(Aggregate {
+        gu_sink_metric,
+        massive,
+        model,
+        sentences: recs.len(),
+        tokens: recs.iter().map(|r| r.n_tokens).sum(),
+        epsilon,
+        layers,
+        max_weight_histogram: hist,
+        peak_layer,
+        faithfulness: faith,
+    })
+}
+
+/// Layer `l`'s aggregate over `recs`: the sink shares' statistics, the fractions of sink heads
+/// (α₁ > `epsilon`, ours and Gu et al.'s), of concentrated heads and of texts with massive
+/// activations, the mean entropy; each head's last-query max weight counted into `hist`.
+fn layer_aggregate(recs: &[&Record], l: usize, epsilon: f32, hist: &mut [usize]) -> LayerAggregate {
+    let all: Vec<f64> = recs.iter().map(|r| r.sink_all[l] as f64).collect();
+    let q: Vec<f64> = recs.iter().map(|r| r.sink_query[l] as f64).collect();
+    let (mut sink_heads, mut conc, mut total, mut ent) = (0usize, 0usize, 0usize, 0.0f64);
+    let mut gu = 0usize;
+    for r in recs {
+        for (h, &a) in r.head_alpha1[l].iter().enumerate() {
+            total += 1;
+            sink_heads += (a > epsilon) as usize;
+            gu += (super::sinkmetrics::gu_alpha(a as f64, r.n_tokens) > epsilon as f64) as usize;
+            let m = r.head_max_last[l][h];
+            conc += (m >= 0.9) as usize;
+            hist[((m * 10.0) as usize).min(9)] += 1;
+            ent += r.head_mean_entropy[l][h] as f64;
+        }
+    }
+    let t = total.max(1) as f64;
+    let kept: Vec<bool> = recs
+        .iter()
+        .filter_map(|r| r.massive.as_ref())
+        .map(|m| m.iter().any(|x| x.layer == l && x.massive > 0))
+        .collect();
+    LayerAggregate {
+        gu_heads_fraction: gu as f64 / t,
+        massive_texts_fraction: (!kept.is_empty())
+            .then(|| kept.iter().filter(|&&b| b).count() as f64 / kept.len() as f64),
+        layer: l,
+        sink_all: stat(&all),
+        sink_query: stat(&q),
+        sink_heads_fraction: sink_heads as f64 / t,
+        concentrated_fraction: conc as f64 / t,
+        mean_entropy: ent / t,
+    }
+}
+
+/// Each ranking's (and first-token setting's) Spearman ρ statistics and top-1 rate over the
+/// records that measured faithfulness.
+fn faith_aggregates(recs: &[&Record]) -> Vec<FaithAggregate> {
     let mut faith: Vec<FaithAggregate> = Vec::new();
     let with_f: Vec<&Vec<FaithSummary>> = recs
         .iter()
@@ -296,21 +321,7 @@ pub fn aggregate(records: &[Record], epsilon: f32) -> Result<Aggregate, String> 
             });
         }
     }
-    let gu_sink_metric =
-        layers.iter().map(|l| l.gu_heads_fraction).sum::<f64>() / layers.len().max(1) as f64;
-    let massive = massive_aggregate(&recs, &layers);
-    Ok(Aggregate {
-        gu_sink_metric,
-        massive,
-        model,
-        sentences: recs.len(),
-        tokens: recs.iter().map(|r| r.n_tokens).sum(),
-        epsilon,
-        layers,
-        max_weight_histogram: hist,
-        peak_layer,
-        faithfulness: faith,
-    })
+    faith
 }
 
 fn massive_aggregate(recs: &[&Record], layers: &[LayerAggregate]) -> Option<MassiveAggregate> {

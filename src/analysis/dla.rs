@@ -93,51 +93,11 @@ pub fn dla(
     }
     let last =
         |l: usize, h: Hook| -> &[f32] { &cache.get(l, h).expect("captured at every layer").data };
-    let x = last(d.n_layers - 1, Hook::ResidPost);
-    let (gain, bias, eps) = model.final_norm();
-    let dm = d.d_model;
-    let layer_norm = bias.is_some();
-    let mean = |v: &[f32]| v.iter().map(|&x| x as f64).sum::<f64>() / v.len() as f64;
-    let centred = |v: &[f32]| -> Vec<f64> {
-        let m = if layer_norm { mean(v) } else { 0.0 };
-        v.iter().map(|&x| x as f64 - m).collect()
-    };
-    let xc = centred(x);
-    let var = xc.iter().map(|v| v * v).sum::<f64>() / dm as f64;
-    let scale = 1.0 / (var + eps as f64).sqrt();
-    // a part c adds scale · Σ_i u_i γ_i c_i (LayerNorm centres each part: the mean is linear)
-    let ug: Vec<f64> = u
-        .iter()
-        .zip(gain)
-        .map(|(&u, &g)| u as f64 * g as f64)
-        .collect();
-    let part = |c: &[f32]| -> f32 {
-        (scale * centred(c).iter().zip(&ug).map(|(c, u)| c * u).sum::<f64>()) as f32
-    };
+    let (_, bias, _) = model.final_norm();
+    let proj = Projection::new(model, &u, last(d.n_layers - 1, Hook::ResidPost));
+    let part = |c: &[f32]| proj.part(c);
     let embed = part(last(0, Hook::ResidPre));
-    let (nh, hd) = (d.n_heads, d.head_dim);
-    let mut heads = Vec::with_capacity(d.n_layers * nh);
-    let mut attn_bias = Vec::with_capacity(d.n_layers);
-    let mut mlp = Vec::with_capacity(d.n_layers);
-    for l in 0..d.n_layers {
-        let z = last(l, Hook::Z);
-        debug_assert_eq!(z.len(), nh * hd);
-        let (results, b) = model.head_results(l, z, 1)?;
-        for h in 0..nh {
-            let row = rows.row(l, h);
-            let (max_weight, argmax) = super::max_argmax(row);
-            heads.push(HeadPart {
-                layer: l,
-                head: h,
-                dla: part(&results[h * dm..(h + 1) * dm]),
-                max_weight,
-                argmax,
-                sink: row[0],
-            });
-        }
-        attn_bias.push(part(&b));
-        mlp.push(part(last(l, Hook::MlpOut)));
-    }
+    let (heads, attn_bias, mlp) = layer_parts(model, &rows, &last, &part)?;
     let final_bias = bias.map_or(0.0, |b| {
         b.iter()
             .zip(&u)
@@ -167,6 +127,95 @@ pub fn dla(
         attn_bias,
         mlp,
         final_bias,
-        final_scale: scale as f32,
+        final_scale: proj.scale as f32,
     })
+}
+/// What a part of the final residual adds to the metric: `scale · Σ_i u_i γ_i c_i` for the
+/// direction `u`, the final norm's gain γ, and its scale at the last position (LayerNorm centres
+/// each part: the mean is linear).
+struct Projection {
+    /// the final norm's 1/RMS (or 1/σ) at the last position
+    scale: f64,
+    /// u ⊙ γ
+    ug: Vec<f64>,
+    /// whether the norm is a LayerNorm (parts are centred)
+    layer_norm: bool,
+}
+
+impl Projection {
+    /// The projection along `u` of the final residual `x`'s parts.
+    fn new(model: &Model, u: &[f32], x: &[f32]) -> Projection {
+        let (gain, bias, eps) = model.final_norm();
+        let dm = model.dims.d_model;
+        let layer_norm = bias.is_some();
+        let xc = centred(x, layer_norm);
+        let var = xc.iter().map(|v| v * v).sum::<f64>() / dm as f64;
+        let scale = 1.0 / (var + eps as f64).sqrt();
+        let ug: Vec<f64> = u
+            .iter()
+            .zip(gain)
+            .map(|(&u, &g)| u as f64 * g as f64)
+            .collect();
+        Projection {
+            scale,
+            ug,
+            layer_norm,
+        }
+    }
+
+    /// What part `c` adds to the metric.
+    fn part(&self, c: &[f32]) -> f32 {
+        (self.scale
+            * centred(c, self.layer_norm)
+                .iter()
+                .zip(&self.ug)
+                .map(|(c, u)| c * u)
+                .sum::<f64>()) as f32
+    }
+}
+
+/// `v` in f64, less its mean when `layer_norm`.
+fn centred(v: &[f32], layer_norm: bool) -> Vec<f64> {
+    let m = if layer_norm {
+        v.iter().map(|&x| x as f64).sum::<f64>() / v.len() as f64
+    } else {
+        0.0
+    };
+    v.iter().map(|&x| x as f64 - m).collect()
+}
+
+/// Each layer's parts: every head's (from its `hook_z` at the last position, with its attention
+/// row from `rows`), W_O's bias and the MLP's, each projected by `part`.
+#[allow(clippy::type_complexity)]
+fn layer_parts<'c>(
+    model: &Model,
+    rows: &super::collect::Collector,
+    last: &dyn Fn(usize, Hook) -> &'c [f32],
+    part: &dyn Fn(&[f32]) -> f32,
+) -> Result<(Vec<HeadPart>, Vec<f32>, Vec<f32>)> {
+    let d = &model.dims;
+    let (nh, hd, dm) = (d.n_heads, d.head_dim, d.d_model);
+    let mut heads = Vec::with_capacity(d.n_layers * nh);
+    let mut attn_bias = Vec::with_capacity(d.n_layers);
+    let mut mlp = Vec::with_capacity(d.n_layers);
+    for l in 0..d.n_layers {
+        let z = last(l, Hook::Z);
+        debug_assert_eq!(z.len(), nh * hd);
+        let (results, b) = model.head_results(l, z, 1)?;
+        for h in 0..nh {
+            let row = rows.row(l, h);
+            let (max_weight, argmax) = super::max_argmax(row);
+            heads.push(HeadPart {
+                layer: l,
+                head: h,
+                dla: part(&results[h * dm..(h + 1) * dm]),
+                max_weight,
+                argmax,
+                sink: row[0],
+            });
+        }
+        attn_bias.push(part(&b));
+        mlp.push(part(last(l, Hook::MlpOut)));
+    }
+    Ok((heads, attn_bias, mlp))
 }

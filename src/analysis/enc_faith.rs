@@ -67,92 +67,20 @@ pub fn run(
             range: "at least 2 tokens (deletion keeps the rest)".into(),
         });
     }
-    let d = &model.dims;
-    let spec = CaptureSpec {
-        hooks: vec![Hook::Pattern, Hook::V],
-        layers: None,
-        heads: None,
-        queries: Queries::All,
-    };
-    let mut cache = AttnCache::new(&spec, n);
-    model.forward(tokens, &RunOptions::default(), &mut cache)?;
-    // the queries the target reads: [CLS]'s, or every position's (mean pooling)
-    let queries: Vec<usize> = match target {
-        EncoderTarget::Cls => vec![0],
-        EncoderTarget::Embedding => (0..n).collect(),
-    };
-    let head_means: Vec<Vec<f32>> = (0..d.n_layers)
-        .map(|l| {
-            let p = cache.pattern(l).expect("all layers captured");
-            super::mean_rows((0..d.n_heads).map(|h| &p.data[h * n * n..][..n * n]))
-        })
-        .collect();
-    let over_queries = |row: &dyn Fn(usize) -> Vec<f32>| -> Vec<f32> {
-        let rows: Vec<Vec<f32>> = queries.iter().map(|&q| row(q)).collect();
-        super::mean_rows(rows.iter().map(Vec::as_slice))
-    };
-    let layer_rows: Vec<Vec<f32>> = head_means
-        .iter()
-        .map(|hm| over_queries(&|q| hm[q * n..][..n].to_vec()))
-        .collect();
-    let attention_last = layer_rows[d.n_layers - 1].clone();
-    let attention_mean = super::mean_rows(layer_rows.iter().map(Vec::as_slice));
-    let roll = over_queries(&|q| rollout(&head_means, n, q));
-    let norm_rows: Vec<Vec<f32>> = (0..d.n_layers)
-        .map(|l| {
-            let p = cache.pattern(l).expect("all layers captured");
-            let v = cache.get(l, Hook::V).expect("values captured");
-            let v = Values::pos_major(&v.data, n, d.n_kv_heads, d.head_dim);
-            over_queries(&|q| {
-                let alphas: Vec<&[f32]> = (0..d.n_heads).map(|h| p.row(h, q)).collect();
-                mixed_norms(model, l, &v, &alphas, n)
-            })
-        })
-        .collect();
-    let norm_last = norm_rows[d.n_layers - 1].clone();
-    let norm_shares: Vec<Vec<f32>> = norm_rows.iter().map(|r| shares(r)).collect();
-    let norm_mean = super::mean_rows(norm_shares.iter().map(Vec::as_slice));
+    let ex = explanations(model, tokens, target)?;
     let mut rng = Rng::new(seed);
     let rankings: Vec<(&str, Vec<f32>)> = vec![
-        ("attention_last", attention_last.clone()),
-        ("attention_mean", attention_mean.clone()),
-        ("rollout", roll.clone()),
-        ("norm_last", norm_last.clone()),
-        ("norm_mean", norm_mean.clone()),
+        ("attention_last", ex.attention_last.clone()),
+        ("attention_mean", ex.attention_mean.clone()),
+        ("rollout", ex.rollout.clone()),
+        ("norm_last", ex.norm_last.clone()),
+        ("norm_mean", ex.norm_mean.clone()),
         ("random", (0..n).map(|_| rng.uniform() as f32).collect()),
     ];
-    // every variant's vector, once each
-    let ks = [1usize, 3, 5];
-    let candidates: Vec<usize> = (0..n).collect();
-    let keep = |f: &dyn Fn(usize) -> bool| -> Vec<u32> {
-        (0..n).filter(|&i| f(i)).map(|i| tokens[i]).collect()
-    };
-    let mut wanted: Vec<Vec<u32>> = vec![tokens.to_vec()];
-    wanted.extend((0..n).map(|j| keep(&|i| i != j)));
-    for (_, scores) in &rankings {
-        for &k in ks.iter().filter(|&&k| k < n) {
-            let top = top_positions(scores, &candidates, k);
-            wanted.push(keep(&|i| !top.contains(&i)));
-            wanted.push(keep(&|i| top.contains(&i)));
-        }
-    }
-    let mut memo: HashMap<Vec<u32>, Vec<f32>> = HashMap::new();
-    let distinct: Vec<Vec<u32>> = {
-        let mut seen = std::collections::HashSet::new();
-        wanted
-            .into_iter()
-            .filter(|w| seen.insert(w.clone()))
-            .collect()
-    };
-    let total = distinct.len();
-    for (i, w) in distinct.into_iter().enumerate() {
-        let v = target.vector(model, &w)?;
-        memo.insert(w, v);
-        tick(i + 1, total);
-    }
+    let memo = vectors(model, tokens, target, &rankings, tick)?;
     let base = memo[tokens].clone();
     let effect = |w: &[u32]| (1.0 - cosine(&memo[w], &base)) as f32;
-    let deletion: Vec<f32> = (0..n).map(|j| effect(&keep(&|i| i != j))).collect();
+    let deletion: Vec<f32> = (0..n).map(|j| effect(&keep(tokens, |i| i != j))).collect();
     if let Some(i) = deletion.iter().position(|x| !x.is_finite()) {
         return Err(Error::NonFinite {
             what: format!("the deletion effect of position {i}"),
@@ -160,46 +88,10 @@ pub fn run(
         });
     }
     let imp: Vec<f64> = deletion.iter().map(|&x| x as f64).collect();
-    let argmax = |v: &[f64]| {
-        v.iter()
-            .enumerate()
-            .max_by(|x, y| x.1.total_cmp(y.1).then(y.0.cmp(&x.0)))
-            .map(|x| x.0)
-    };
-    let mut metrics = Vec::new();
-    for (name, scores) in &rankings {
-        let (mut comp, mut suff) = (AtK::default(), AtK::default());
-        for &k in &ks {
-            let (c, s) = if k < n {
-                let top = top_positions(scores, &candidates, k);
-                (
-                    Some(effect(&keep(&|i| !top.contains(&i)))),
-                    Some(effect(&keep(&|i| top.contains(&i)))),
-                )
-            } else {
-                (None, None)
-            };
-            match k {
-                1 => (comp.k1, suff.k1) = (c, s),
-                3 => (comp.k3, suff.k3) = (c, s),
-                _ => (comp.k5, suff.k5) = (c, s),
-            }
-        }
-        let sc: Vec<f64> = scores.iter().map(|&x| x as f64).collect();
-        metrics.push(MetricRow {
-            ranking: name.to_string(),
-            truth: "deletion".into(),
-            n,
-            spearman: spearman(&sc, &imp),
-            spearman_p: permutation_p(&sc, &imp, spearman),
-            kendall: kendall_tau_b(&sc, &imp),
-            kendall_p: permutation_p(&sc, &imp, kendall_tau_b),
-            top1: Some(argmax(&sc) == argmax(&imp)),
-            comprehensiveness: comp,
-            sufficiency: suff,
-            without_first: false,
-        });
-    }
+    let metrics: Vec<MetricRow> = rankings
+        .iter()
+        .map(|(name, scores)| metric_row(name, scores, &imp, &effect, tokens))
+        .collect();
     let most_faithful = metrics
         .iter()
         .filter(|m| m.ranking != "random")
@@ -235,17 +127,178 @@ pub fn run(
                 pos: j,
                 id: tokens[j],
                 text: text(j),
-                attention_last: attention_last[j],
-                attention_mean: attention_mean[j],
-                rollout: roll[j],
-                norm_last: norm_last[j],
-                norm_mean: norm_mean[j],
+                attention_last: ex.attention_last[j],
+                attention_mean: ex.attention_mean[j],
+                rollout: ex.rollout[j],
+                norm_last: ex.norm_last[j],
+                norm_mean: ex.norm_mean[j],
                 deletion: deletion[j],
             })
             .collect(),
         metrics,
-        forward_passes: 1 + total,
+        forward_passes: 1 + memo.len(),
         most_faithful,
         conclusion,
     })
+}
+
+/// The k of comprehensiveness and sufficiency at k.
+const TOP_KS: [usize; 3] = [1, 3, 5];
+
+/// The tokens at the positions `f` keeps.
+fn keep(tokens: &[u32], f: impl Fn(usize) -> bool) -> Vec<u32> {
+    (0..tokens.len())
+        .filter(|&i| f(i))
+        .map(|i| tokens[i])
+        .collect()
+}
+
+/// The position of the largest value (ties to the earliest); None when empty.
+fn argmax(v: &[f64]) -> Option<usize> {
+    v.iter()
+        .enumerate()
+        .max_by(|x, y| x.1.total_cmp(y.1).then(y.0.cmp(&x.0)))
+        .map(|x| x.0)
+}
+
+/// The forward-only explanations of an encoder's `target`, from one forward's patterns and values.
+struct Explanations {
+    attention_last: Vec<f32>,
+    attention_mean: Vec<f32>,
+    rollout: Vec<f32>,
+    norm_last: Vec<f32>,
+    norm_mean: Vec<f32>,
+}
+
+/// The explanations read from the target's queries: [CLS]'s, or the mean of every position's
+/// (the embedding pools them all).
+fn explanations(model: &Model, tokens: &[u32], target: EncoderTarget) -> Result<Explanations> {
+    let (n, d) = (tokens.len(), &model.dims);
+    let spec = CaptureSpec {
+        hooks: vec![Hook::Pattern, Hook::V],
+        layers: None,
+        heads: None,
+        queries: Queries::All,
+    };
+    let mut cache = AttnCache::new(&spec, n);
+    model.forward(tokens, &RunOptions::default(), &mut cache)?;
+    // the queries the target reads: [CLS]'s, or every position's (mean pooling)
+    let queries: Vec<usize> = match target {
+        EncoderTarget::Cls => vec![0],
+        EncoderTarget::Embedding => (0..n).collect(),
+    };
+    let head_means: Vec<Vec<f32>> = (0..d.n_layers)
+        .map(|l| {
+            let p = cache.pattern(l).expect("all layers captured");
+            super::mean_rows((0..d.n_heads).map(|h| &p.data[h * n * n..][..n * n]))
+        })
+        .collect();
+    let over_queries = |row: &dyn Fn(usize) -> Vec<f32>| -> Vec<f32> {
+        let rows: Vec<Vec<f32>> = queries.iter().map(|&q| row(q)).collect();
+        super::mean_rows(rows.iter().map(Vec::as_slice))
+    };
+    let layer_rows: Vec<Vec<f32>> = head_means
+        .iter()
+        .map(|hm| over_queries(&|q| hm[q * n..][..n].to_vec()))
+        .collect();
+    let norm_rows: Vec<Vec<f32>> = (0..d.n_layers)
+        .map(|l| {
+            let p = cache.pattern(l).expect("all layers captured");
+            let v = cache.get(l, Hook::V).expect("values captured");
+            let v = Values::pos_major(&v.data, n, d.n_kv_heads, d.head_dim);
+            over_queries(&|q| {
+                let alphas: Vec<&[f32]> = (0..d.n_heads).map(|h| p.row(h, q)).collect();
+                mixed_norms(model, l, &v, &alphas, n)
+            })
+        })
+        .collect();
+    let norm_shares: Vec<Vec<f32>> = norm_rows.iter().map(|r| shares(r)).collect();
+    Ok(Explanations {
+        attention_last: layer_rows[d.n_layers - 1].clone(),
+        attention_mean: super::mean_rows(layer_rows.iter().map(Vec::as_slice)),
+        rollout: over_queries(&|q| rollout(&head_means, n, q)),
+        norm_last: norm_rows[d.n_layers - 1].clone(),
+        norm_mean: super::mean_rows(norm_shares.iter().map(Vec::as_slice)),
+    })
+}
+
+/// The target's vector of every variant the report reads, each distinct one computed once: the
+/// text, each position deleted, and each ranking's top k deleted and kept alone.
+fn vectors(
+    model: &Model,
+    tokens: &[u32],
+    target: EncoderTarget,
+    rankings: &[(&str, Vec<f32>)],
+    tick: &mut dyn FnMut(usize, usize),
+) -> Result<HashMap<Vec<u32>, Vec<f32>>> {
+    let n = tokens.len();
+    let candidates: Vec<usize> = (0..n).collect();
+    let mut wanted: Vec<Vec<u32>> = vec![tokens.to_vec()];
+    wanted.extend((0..n).map(|j| keep(tokens, |i| i != j)));
+    for (_, scores) in rankings {
+        for &k in TOP_KS.iter().filter(|&&k| k < n) {
+            let top = top_positions(scores, &candidates, k);
+            wanted.push(keep(tokens, |i| !top.contains(&i)));
+            wanted.push(keep(tokens, |i| top.contains(&i)));
+        }
+    }
+    let mut memo: HashMap<Vec<u32>, Vec<f32>> = HashMap::new();
+    let distinct: Vec<Vec<u32>> = {
+        let mut seen = std::collections::HashSet::new();
+        wanted
+            .into_iter()
+            .filter(|w| seen.insert(w.clone()))
+            .collect()
+    };
+    let total = distinct.len();
+    for (i, w) in distinct.into_iter().enumerate() {
+        let v = target.vector(model, &w)?;
+        memo.insert(w, v);
+        tick(i + 1, total);
+    }
+    Ok(memo)
+}
+
+/// One ranking against deletion (`imp`): ρ, τ-b and their permutation p-values, top-1
+/// agreement, comprehensiveness and sufficiency at k by `effect` (1 − cos to the text's vector).
+fn metric_row(
+    name: &str,
+    scores: &[f32],
+    imp: &[f64],
+    effect: &dyn Fn(&[u32]) -> f32,
+    tokens: &[u32],
+) -> MetricRow {
+    let n = tokens.len();
+    let candidates: Vec<usize> = (0..n).collect();
+    let (mut comp, mut suff) = (AtK::default(), AtK::default());
+    for &k in &TOP_KS {
+        let (c, s) = if k < n {
+            let top = top_positions(scores, &candidates, k);
+            (
+                Some(effect(&keep(tokens, |i| !top.contains(&i)))),
+                Some(effect(&keep(tokens, |i| top.contains(&i)))),
+            )
+        } else {
+            (None, None)
+        };
+        match k {
+            1 => (comp.k1, suff.k1) = (c, s),
+            3 => (comp.k3, suff.k3) = (c, s),
+            _ => (comp.k5, suff.k5) = (c, s),
+        }
+    }
+    let sc: Vec<f64> = scores.iter().map(|&x| x as f64).collect();
+    MetricRow {
+        ranking: name.to_string(),
+        truth: "deletion".into(),
+        n,
+        spearman: spearman(&sc, imp),
+        spearman_p: permutation_p(&sc, imp, spearman),
+        kendall: kendall_tau_b(&sc, imp),
+        kendall_p: permutation_p(&sc, imp, kendall_tau_b),
+        top1: Some(argmax(&sc) == argmax(imp)),
+        comprehensiveness: comp,
+        sufficiency: suff,
+        without_first: false,
+    }
 }

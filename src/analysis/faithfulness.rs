@@ -554,7 +554,6 @@ pub fn run(
         )));
     }
     let n = tokens.len();
-    let d = &model.dims;
     let q = n - 1;
     // 1. the full run: patterns of every layer and head, keys/values for prefix reuse
     let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
@@ -580,103 +579,233 @@ pub fn run(
         memo: HashMap::new(),
         passes: 1,
     };
-    // 2. attention rankings from the full run
-    let head_means: Vec<Vec<f32>> = (0..d.n_layers)
-        .map(|l| {
-            let p = cache.pattern(l).expect("all layers captured");
-            super::mean_rows((0..d.n_heads).map(|h| &p.data[h * n * n..][..n * n]))
-        })
-        .collect();
-    let last_row = |hm: &Vec<f32>| hm[q * n..][..n].to_vec();
-    let attention_last = last_row(&head_means[d.n_layers - 1]);
-    let attention_mean = super::mean_rows(head_means.iter().map(|hm| &hm[q * n..][..n]));
-    let roll = rollout(&head_means, n, q);
-    let last_p = cache.pattern(d.n_layers - 1).expect("captured");
-    // norm-based attention [Kobayashi et al. 2020]: what each key moves, per layer
-    let norm_rows: Vec<Vec<f32>> = (0..d.n_layers)
-        .map(|l| {
-            let p = cache.pattern(l).expect("all layers captured");
-            let alphas: Vec<&[f32]> = (0..d.n_heads).map(|h| p.row(h, q)).collect();
-            let v = Values::head_major(kv.values(l), n, d.n_kv_heads, d.head_dim);
-            mixed_norms(model, l, &v, &alphas, n)
-        })
-        .collect();
-    let norm_last = norm_rows[d.n_layers - 1].clone();
-    let norm_shares: Vec<Vec<f32>> = norm_rows.iter().map(|r| shares(r)).collect();
-    let norm_mean = super::mean_rows(norm_shares.iter().map(Vec::as_slice));
-    let mut rankings: Vec<(String, Vec<f32>)> = vec![
-        ("attention_last".into(), attention_last.clone()),
-        ("attention_mean".into(), attention_mean.clone()),
-        ("rollout".into(), roll.clone()),
-        ("norm_last".into(), norm_last.clone()),
-        ("norm_mean".into(), norm_mean.clone()),
-    ];
-    // gradient-based explanations of the same target: one backward (and IG's steps)
-    let (mut grad, mut gxi, mut ig, mut axg, mut ig_gap) = (None, None, None, None, None);
-    if opts.gradients {
-        let g = model.gradient(tokens, Metric::LogProb(Some(target_id)))?;
+    // 2. the explanations' rankings, from the full run (and the backward)
+    let ex = Explanations::of(model, tokens, &cache, &kv, opts, target_id)?;
+    let rankings = ex.rankings(model, &cache, n, opts.seed)?;
+    // 3. every occlusion the report needs, run in batches (the loops below then read them)
+    let wanted = occlusions_wanted(tokens, replacement, &rankings);
+    runner.prefetch(&wanted, &mut tick)?;
+    let rows = token_rows(&mut runner, &ex, replacement, base)?;
+    // 4. metrics
+    let p_full = base.exp();
+    let metrics = metric_rows(&mut runner, &rankings, &rows, p_full)?;
+    tick(runner.passes, runner.passes);
+    let target = TargetInfo {
+        id: target_id,
+        token: model.tokenizer.token_text(target_id),
+        logprob: base,
+        prob: p_full,
+    };
+    let most_faithful = most_faithful(&metrics);
+    let mut conclusion = conclude(&rows, &metrics, &target);
+    if let (true, Some(b)) = (opts.gradients, &most_faithful) {
+        conclusion += &format!(
+            " Of every explanation, {} tracks deletion best here (ρ = {:+.2}).",
+            b.ranking, b.spearman
+        );
+    }
+    Ok(FaithReport {
+        model: model.info.name.clone(),
+        precision: model.info.precision.name().into(),
+        target,
+        replacement: TargetInfoLite {
+            id: replacement,
+            token: model.tokenizer.token_text(replacement),
+        },
+        query: q,
+        tokens: rows,
+        metrics,
+        forward_passes: runner.passes,
+        ig_completeness_gap: ex.ig_gap,
+        attnlrp_conservation_error: ex.lrp_err,
+        most_faithful,
+        conclusion,
+    })
+}
+
+/// The k of comprehensiveness and sufficiency at k.
+const TOP_KS: [usize; 3] = [1, 3, 5];
+
+/// Every explanation's score per position of the last query: the attention ones from the full
+/// run's patterns and values, and (with `FaithOptions::gradients`) the gradient-based and mixing
+/// ones of the same target.
+struct Explanations {
+    attention_last: Vec<f32>,
+    attention_mean: Vec<f32>,
+    rollout: Vec<f32>,
+    norm_last: Vec<f32>,
+    norm_mean: Vec<f32>,
+    gradient: Option<Vec<f32>>,
+    grad_x_input: Option<Vec<f32>>,
+    integrated_gradients: Option<Vec<f32>>,
+    attention_x_gradient: Option<Vec<f32>>,
+    attnlrp: Option<Vec<f32>>,
+    value_zeroing: Option<Vec<f32>>,
+    alti_logit: Option<Vec<f32>>,
+    /// integrated gradients' completeness gap, when they ran
+    ig_gap: Option<f32>,
+    /// AttnLRP's conservation error, when it ran
+    lrp_err: Option<f32>,
+}
+
+impl Explanations {
+    /// The explanations of `target_id` at the last position, from the full run's `cache` (every
+    /// layer's patterns) and `kv` (its values), plus one backward (and IG's steps) and the
+    /// mixing methods when `opts.gradients`.
+    fn of(
+        model: &Model,
+        tokens: &[u32],
+        cache: &AttnCache,
+        kv: &KvPrefix,
+        opts: &FaithOptions,
+        target_id: u32,
+    ) -> Result<Self> {
+        let (n, d) = (tokens.len(), &model.dims);
+        let q = n - 1;
+        let head_means: Vec<Vec<f32>> = (0..d.n_layers)
+            .map(|l| {
+                let p = cache.pattern(l).expect("all layers captured");
+                super::mean_rows((0..d.n_heads).map(|h| &p.data[h * n * n..][..n * n]))
+            })
+            .collect();
+        // norm-based attention [Kobayashi et al. 2020]: what each key moves, per layer
+        let norm_rows: Vec<Vec<f32>> = (0..d.n_layers)
+            .map(|l| {
+                let p = cache.pattern(l).expect("all layers captured");
+                let alphas: Vec<&[f32]> = (0..d.n_heads).map(|h| p.row(h, q)).collect();
+                let v = Values::head_major(kv.values(l), n, d.n_kv_heads, d.head_dim);
+                mixed_norms(model, l, &v, &alphas, n)
+            })
+            .collect();
+        let norm_shares: Vec<Vec<f32>> = norm_rows.iter().map(|r| shares(r)).collect();
+        let mut ex = Explanations {
+            attention_last: head_means[d.n_layers - 1][q * n..][..n].to_vec(),
+            attention_mean: super::mean_rows(head_means.iter().map(|hm| &hm[q * n..][..n])),
+            rollout: rollout(&head_means, n, q),
+            norm_last: norm_rows[d.n_layers - 1].clone(),
+            norm_mean: super::mean_rows(norm_shares.iter().map(Vec::as_slice)),
+            gradient: None,
+            grad_x_input: None,
+            integrated_gradients: None,
+            attention_x_gradient: None,
+            attnlrp: None,
+            value_zeroing: None,
+            alti_logit: None,
+            ig_gap: None,
+            lrp_err: None,
+        };
+        if opts.gradients {
+            ex.add_gradients(model, tokens, cache, opts.ig_steps, target_id)?;
+        }
+        Ok(ex)
+    }
+
+    /// The gradient-based explanations of the same target (one backward, and IG's steps when
+    /// `ig_steps` > 0) and the mixing ones (AttnLRP, value zeroing, ALTI-Logit).
+    fn add_gradients(
+        &mut self,
+        model: &Model,
+        tokens: &[u32],
+        cache: &AttnCache,
+        ig_steps: usize,
+        target_id: u32,
+    ) -> Result<()> {
+        use super::attribute as at;
+        let (n, d) = (tokens.len(), &model.dims);
+        let q = n - 1;
+        let metric = Metric::LogProb(Some(target_id));
+        let g = model.gradient(tokens, metric)?;
         let pattern: Vec<Vec<f32>> = (0..d.n_layers)
             .map(|l| {
                 let p = cache.pattern(l).expect("all layers captured");
                 (0..d.n_heads).flat_map(|h| p.row(h, q).to_vec()).collect()
             })
             .collect();
-        use super::attribute as at;
         let dm = d.d_model;
-        grad = Some(at::gradient_norms(&g.grad_input, dm));
-        gxi = Some(at::grad_times_input(&g.grad_input, &g.input, dm));
-        axg = Some(at::attention_times_gradient(
+        self.gradient = Some(at::gradient_norms(&g.grad_input, dm));
+        self.grad_x_input = Some(at::grad_times_input(&g.grad_input, &g.input, dm));
+        self.attention_x_gradient = Some(at::attention_times_gradient(
             &g.grad_pattern_last,
             &pattern,
             n,
         ));
-        if opts.ig_steps > 0 {
-            let (s, gap) = at::integrated(
-                model,
-                tokens,
-                Metric::LogProb(Some(target_id)),
-                opts.ig_steps,
-                &mut |_| {},
-            )?;
-            ig = Some(s);
-            ig_gap = Some(gap);
+        if ig_steps > 0 {
+            let (s, gap) = at::integrated(model, tokens, metric, ig_steps, &mut |_| {})?;
+            self.integrated_gradients = Some(s);
+            self.ig_gap = Some(gap);
         }
-    }
-    let (lrp, vz, alti, lrp_err) = if opts.gradients {
         let (r, v, a) = super::mixing::rankings(model, tokens, target_id)?;
-        (Some(r.scores), Some(v), Some(a), Some(r.conservation_error))
-    } else {
-        (None, None, None, None)
-    };
-    for (name, v) in [
-        ("gradient", &grad),
-        ("grad_x_input", &gxi),
-        ("integrated_gradients", &ig),
-        ("attention_x_gradient", &axg),
-        ("attnlrp", &lrp),
-        ("value_zeroing", &vz),
-        ("alti_logit", &alti),
-    ] {
-        if let Some(v) = v {
-            if let Some(i) = v.iter().position(|x| !x.is_finite()) {
-                return Err(crate::model::Error::NonFinite {
-                    what: format!("the {name} score of position {i}"),
-                    layer: None,
-                });
+        self.attnlrp = Some(r.scores);
+        self.value_zeroing = Some(v);
+        self.alti_logit = Some(a);
+        self.lrp_err = Some(r.conservation_error);
+        Ok(())
+    }
+
+    /// Every ranking the metrics compare, by name: the attention ones, the gradient-based ones
+    /// that ran (each checked finite), each head of the last layer, and a seeded random one.
+    fn rankings(
+        &self,
+        model: &Model,
+        cache: &AttnCache,
+        n: usize,
+        seed: u64,
+    ) -> Result<Vec<(String, Vec<f32>)>> {
+        let mut rankings: Vec<(String, Vec<f32>)> = vec![
+            ("attention_last".into(), self.attention_last.clone()),
+            ("attention_mean".into(), self.attention_mean.clone()),
+            ("rollout".into(), self.rollout.clone()),
+            ("norm_last".into(), self.norm_last.clone()),
+            ("norm_mean".into(), self.norm_mean.clone()),
+        ];
+        for (name, v) in [
+            ("gradient", &self.gradient),
+            ("grad_x_input", &self.grad_x_input),
+            ("integrated_gradients", &self.integrated_gradients),
+            ("attention_x_gradient", &self.attention_x_gradient),
+            ("attnlrp", &self.attnlrp),
+            ("value_zeroing", &self.value_zeroing),
+            ("alti_logit", &self.alti_logit),
+        ] {
+            if let Some(v) = v {
+                if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+                    return Err(crate::model::Error::NonFinite {
+                        what: format!("the {name} score of position {i}"),
+                        layer: None,
+                    });
+                }
+                rankings.push((name.into(), v.clone()));
             }
-            rankings.push((name.into(), v.clone()));
         }
+        let d = &model.dims;
+        let last_p = cache.pattern(d.n_layers - 1).expect("captured");
+        for h in 0..d.n_heads {
+            rankings.push((format!("head_{h}"), last_p.row(h, n - 1).to_vec()));
+        }
+        let mut rng = Rng::new(seed);
+        rankings.push((
+            "random".into(),
+            (0..n).map(|_| rng.uniform() as f32).collect(),
+        ));
+        Ok(rankings)
     }
-    for h in 0..d.n_heads {
-        rankings.push((format!("head_{h}"), last_p.row(h, q).to_vec()));
-    }
-    let mut rng = Rng::new(opts.seed);
-    rankings.push((
-        "random".into(),
-        (0..n).map(|_| rng.uniform() as f32).collect(),
-    ));
-    // 3. every occlusion the report needs, run in batches (the loops below then read them)
-    let ks = [1usize, 3, 5];
+}
+
+/// The candidates of the metrics: every position, or every position but the first.
+fn candidates_of(n: usize, without_first: bool) -> Vec<usize> {
+    (if without_first { 1 } else { 0 }..n).collect()
+}
+
+/// Every token variant the report reads (with the key knocked out, if any): each position
+/// deleted, replaced by `replacement` and knocked out, and each ranking's top-k deleted and
+/// kept alone, over all positions and without the first.
+fn occlusions_wanted(
+    tokens: &[u32],
+    replacement: u32,
+    rankings: &[(String, Vec<f32>)],
+) -> Vec<(Vec<u32>, Option<usize>)> {
+    let n = tokens.len();
+    let q = n - 1;
     let mut wanted: Vec<(Vec<u32>, Option<usize>)> = Vec::new();
     for j in 0..n {
         if n > 1 {
@@ -690,9 +819,9 @@ pub fn run(
         }
     }
     for without_first in [false, true] {
-        let candidates: Vec<usize> = (if without_first { 1 } else { 0 }..n).collect();
-        for (_, scores) in &rankings {
-            for &k in ks.iter().filter(|&&k| k <= candidates.len()) {
+        let candidates = candidates_of(n, without_first);
+        for (_, scores) in rankings {
+            for &k in TOP_KS.iter().filter(|&&k| k <= candidates.len()) {
                 let top = top_positions(scores, &candidates, k);
                 let (without, only) = without_and_only(tokens, &top, without_first);
                 if !without.is_empty() {
@@ -702,7 +831,20 @@ pub fn run(
             }
         }
     }
-    runner.prefetch(&wanted, &mut tick)?;
+    wanted
+}
+
+/// Each position's row: its explanations' scores and the three deletion truths (Δ log p of the
+/// target when it is deleted, replaced by `replacement`, knocked out), against `base`.
+fn token_rows(
+    runner: &mut Runner,
+    ex: &Explanations,
+    replacement: u32,
+    base: f32,
+) -> Result<Vec<TokenRow>> {
+    let (model, tokens) = (runner.model, runner.tokens);
+    let n = tokens.len();
+    let q = n - 1;
     let mut rows = Vec::with_capacity(n);
     for j in 0..n {
         let loo = if n > 1 {
@@ -718,90 +860,85 @@ pub fn run(
         } else {
             Some(runner.logprob(tokens, Some(j))? - base)
         };
+        let at = |v: &Option<Vec<f32>>| v.as_ref().map(|v| v[j]);
         rows.push(TokenRow {
             pos: j,
             id: tokens[j],
             text: model.tokenizer.token_text(tokens[j]),
-            attention_last: attention_last[j],
-            attention_mean: attention_mean[j],
-            rollout: roll[j],
-            norm_last: norm_last[j],
-            norm_mean: norm_mean[j],
+            attention_last: ex.attention_last[j],
+            attention_mean: ex.attention_mean[j],
+            rollout: ex.rollout[j],
+            norm_last: ex.norm_last[j],
+            norm_mean: ex.norm_mean[j],
             loo,
             replace,
             knockout,
-            gradient: grad.as_ref().map(|v| v[j]),
-            grad_x_input: gxi.as_ref().map(|v| v[j]),
-            integrated_gradients: ig.as_ref().map(|v| v[j]),
-            attention_x_gradient: axg.as_ref().map(|v| v[j]),
-            attnlrp: lrp.as_ref().map(|v| v[j]),
-            value_zeroing: vz.as_ref().map(|v| v[j]),
-            alti_logit: alti.as_ref().map(|v| v[j]),
+            gradient: at(&ex.gradient),
+            grad_x_input: at(&ex.grad_x_input),
+            integrated_gradients: at(&ex.integrated_gradients),
+            attention_x_gradient: at(&ex.attention_x_gradient),
+            attnlrp: at(&ex.attnlrp),
+            value_zeroing: at(&ex.value_zeroing),
+            alti_logit: at(&ex.alti_logit),
         });
     }
-    // 4. metrics
-    let p_full = base.exp();
+    Ok(rows)
+}
+
+/// Comprehensiveness and sufficiency at each k of [`TOP_KS`] for `scores`' top positions among
+/// `candidates` (None where k is more than there are), as drops of the target's probability
+/// from `p_full`.
+fn at_k(
+    runner: &mut Runner,
+    scores: &[f32],
+    candidates: &[usize],
+    without_first: bool,
+    p_full: f32,
+) -> Result<(AtK, AtK)> {
+    let tokens = runner.tokens;
+    let (mut comp, mut suff) = (AtK::default(), AtK::default());
+    for &k in &TOP_KS {
+        let (c, s) = if k <= candidates.len() {
+            let top = top_positions(scores, candidates, k);
+            let (without, only) = without_and_only(tokens, &top, without_first);
+            let c = if without.is_empty() {
+                None
+            } else {
+                Some(p_full - runner.logprob(&without, None)?.exp())
+            };
+            let s = Some(p_full - runner.logprob(&only, None)?.exp());
+            (c, s)
+        } else {
+            (None, None)
+        };
+        match k {
+            1 => (comp.k1, suff.k1) = (c, s),
+            3 => (comp.k3, suff.k3) = (c, s),
+            _ => (comp.k5, suff.k5) = (c, s),
+        }
+    }
+    Ok((comp, suff))
+}
+
+/// Each ranking's agreement with each deletion truth (`loo`, `replace`, `knockout`), over all
+/// positions and without the first: Spearman's ρ, Kendall's τ-b and their permutation p-values,
+/// top-1 agreement, and comprehensiveness and sufficiency at k.
+fn metric_rows(
+    runner: &mut Runner,
+    rankings: &[(String, Vec<f32>)],
+    rows: &[TokenRow],
+    p_full: f32,
+) -> Result<Vec<MetricRow>> {
+    let n = runner.tokens.len();
     let mut metrics = Vec::new();
     // each metric row's (scores, importances), for its p-values
     let mut pending: Vec<(Vec<f64>, Vec<f64>)> = Vec::new();
     for without_first in [false, true] {
-        let candidates: Vec<usize> = (if without_first { 1 } else { 0 }..n).collect();
-        for (name, scores) in &rankings {
-            let mut comp = AtK::default();
-            let mut suff = AtK::default();
-            for &k in &ks {
-                let (c, s) = if k <= candidates.len() {
-                    let top = top_positions(scores, &candidates, k);
-                    let (without, only) = without_and_only(tokens, &top, without_first);
-                    let c = if without.is_empty() {
-                        None
-                    } else {
-                        Some(p_full - runner.logprob(&without, None)?.exp())
-                    };
-                    let s = Some(p_full - runner.logprob(&only, None)?.exp());
-                    (c, s)
-                } else {
-                    (None, None)
-                };
-                match k {
-                    1 => (comp.k1, suff.k1) = (c, s),
-                    3 => (comp.k3, suff.k3) = (c, s),
-                    _ => (comp.k5, suff.k5) = (c, s),
-                }
-            }
+        let candidates = candidates_of(n, without_first);
+        for (name, scores) in rankings {
+            let (comp, suff) = at_k(runner, scores, &candidates, without_first, p_full)?;
             for truth in ["loo", "replace", "knockout"] {
-                // the query cannot be knocked out (it sees itself): it has no knockout truth
-                let cands: Vec<usize> = candidates
-                    .iter()
-                    .copied()
-                    .filter(|&i| truth != "knockout" || rows[i].knockout.is_some())
-                    .collect();
-                let imp: Vec<f64> = cands
-                    .iter()
-                    .map(|&i| {
-                        let r = &rows[i];
-                        -(match truth {
-                            "loo" => r.loo.unwrap_or(0.0),
-                            "replace" => r.replace,
-                            _ => r.knockout.unwrap_or(0.0),
-                        }) as f64
-                    })
-                    .collect();
-                let sc: Vec<f64> = cands.iter().map(|&i| scores[i] as f64).collect();
-                let candidates = &cands;
-                let top1 = (!candidates.is_empty()).then(|| {
-                    let a = sc
-                        .iter()
-                        .enumerate()
-                        .max_by(|x, y| x.1.total_cmp(y.1).then(y.0.cmp(&x.0)))
-                        .map(|x| x.0);
-                    let b = imp
-                        .iter()
-                        .enumerate()
-                        .max_by(|x, y| x.1.total_cmp(y.1).then(y.0.cmp(&x.0)))
-                        .map(|x| x.0);
-                    a == b
-                });
+                let (sc, imp) = scores_and_importances(scores, rows, &candidates, truth);
                 metrics.push(MetricRow {
                     ranking: name.clone(),
                     truth: truth.into(),
@@ -811,7 +948,7 @@ pub fn run(
                     spearman_p: None,
                     kendall: kendall_tau_b(&sc, &imp),
                     kendall_p: None,
-                    top1,
+                    top1: top1_agrees(&sc, &imp),
                     comprehensiveness: comp.clone(),
                     sufficiency: suff.clone(),
                     without_first,
@@ -833,14 +970,53 @@ pub fn run(
     for (m, (sp, kp)) in metrics.iter_mut().zip(ps) {
         (m.spearman_p, m.kendall_p) = (sp, kp);
     }
-    tick(runner.passes, runner.passes);
-    let target = TargetInfo {
-        id: target_id,
-        token: model.tokenizer.token_text(target_id),
-        logprob: base,
-        prob: p_full,
+    Ok(metrics)
+}
+
+/// A ranking's scores and the importances a deletion `truth` gives (minus its Δ log p), over the
+/// `candidates` that have that truth (the query cannot be knocked out: it sees itself).
+fn scores_and_importances(
+    scores: &[f32],
+    rows: &[TokenRow],
+    candidates: &[usize],
+    truth: &str,
+) -> (Vec<f64>, Vec<f64>) {
+    let cands: Vec<usize> = candidates
+        .iter()
+        .copied()
+        .filter(|&i| truth != "knockout" || rows[i].knockout.is_some())
+        .collect();
+    let imp: Vec<f64> = cands
+        .iter()
+        .map(|&i| {
+            let r = &rows[i];
+            -(match truth {
+                "loo" => r.loo.unwrap_or(0.0),
+                "replace" => r.replace,
+                _ => r.knockout.unwrap_or(0.0),
+            }) as f64
+        })
+        .collect();
+    let sc: Vec<f64> = cands.iter().map(|&i| scores[i] as f64).collect();
+    (sc, imp)
+}
+
+/// Whether the top-scored candidate is the most important one (ties to the earliest); None
+/// without candidates.
+fn top1_agrees(sc: &[f64], imp: &[f64]) -> Option<bool> {
+    let first_max = |v: &[f64]| {
+        v.iter()
+            .enumerate()
+            .max_by(|x, y| x.1.total_cmp(y.1).then(y.0.cmp(&x.0)))
+            .map(|x| x.0)
     };
-    let most_faithful = metrics
+    (!sc.is_empty()).then(|| first_max(sc) == first_max(imp))
+}
+
+/// The explanation with the highest Spearman ρ against deletion over all positions (every
+/// ranking but the single heads and the random one).
+fn most_faithful(metrics: &[MetricRow]) -> Option<Best> {
+    metrics
         .iter()
         .filter(|m| {
             m.truth == "loo"
@@ -853,31 +1029,7 @@ pub fn run(
         .map(|(m, r)| Best {
             ranking: m.ranking.clone(),
             spearman: r,
-        });
-    let mut conclusion = conclude(&rows, &metrics, &target);
-    if let (true, Some(b)) = (opts.gradients, &most_faithful) {
-        conclusion += &format!(
-            " Of every explanation, {} tracks deletion best here (ρ = {:+.2}).",
-            b.ranking, b.spearman
-        );
-    }
-    Ok(FaithReport {
-        model: model.info.name.clone(),
-        precision: model.info.precision.name().into(),
-        target,
-        replacement: TargetInfoLite {
-            id: replacement,
-            token: model.tokenizer.token_text(replacement),
-        },
-        query: q,
-        tokens: rows,
-        metrics,
-        forward_passes: runner.passes,
-        ig_completeness_gap: ig_gap,
-        attnlrp_conservation_error: lrp_err,
-        most_faithful,
-        conclusion,
-    })
+        })
 }
 
 /// The id of `text` when it is exactly one token (as inside a text: no BOS), else an error naming

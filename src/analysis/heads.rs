@@ -126,19 +126,13 @@ impl RoleScores {
     fn scores(&self) -> std::collections::BTreeMap<String, Vec<Vec<f64>>> {
         let mut roles = std::collections::BTreeMap::new();
         for (r, name) in ROLES.iter().enumerate() {
-            let per_layer = (0..self.n_layers)
-                .map(|l| {
-                    (0..self.n_heads)
-                        .map(|h| {
-                            if self.mass[l][h] > 0.0 {
-                                self.sums[r][l][h] / self.mass[l][h]
-                            } else {
-                                0.0
-                            }
-                        })
-                        .collect()
-                })
-                .collect();
+            let per_layer = per_head(self.n_layers, self.n_heads, |l, h| {
+                if self.mass[l][h] > 0.0 {
+                    self.sums[r][l][h] / self.mass[l][h]
+                } else {
+                    0.0
+                }
+            });
             roles.insert(name.to_string(), per_layer);
         }
         roles
@@ -169,20 +163,62 @@ impl Observer for RoleScores {
         shape: [usize; 3],
         data: &[f32],
     ) {
-        if hook != Hook::Pattern {
-            return;
+        if hook == Hook::Pattern {
+            let (n_heads, n) = (self.n_heads, self.n);
+            each_row(n_heads, n, q_start, shape, data, |h, i, row| {
+                self.add_row(layer, h, i, row)
+            });
         }
-        let [heads, rows, kw] = shape;
-        for h in 0..heads.min(self.n_heads) {
-            for x in 0..rows {
-                let i = q_start + x;
-                if i < self.n {
-                    let row = &data[(h * rows + x) * kw..(h * rows + x + 1) * kw];
-                    self.add_row(layer, h, i, row);
-                }
+    }
+}
+
+/// Hands each query row of a streamed block of `hook_pattern` (`[heads, rows, k_width]`, its
+/// first row query `q_start`) to `add(head, query, row)`, for the first `n_heads` heads and the
+/// queries below `n`: the per-head collection of both role scorers (a decoder's and
+/// [`super::heads_encoder`]'s).
+pub(super) fn each_row(
+    n_heads: usize,
+    n: usize,
+    q_start: usize,
+    [heads, rows, kw]: [usize; 3],
+    data: &[f32],
+    mut add: impl FnMut(usize, usize, &[f32]),
+) {
+    for h in 0..heads.min(n_heads) {
+        for x in 0..rows {
+            let i = q_start + x;
+            if i < n {
+                add(h, i, &data[(h * rows + x) * kw..(h * rows + x + 1) * kw]);
             }
         }
     }
+}
+
+/// `table[layer][head]` of `f(layer, head)`: one role's scores.
+pub(super) fn per_head(
+    n_layers: usize,
+    n_heads: usize,
+    f: impl Fn(usize, usize) -> f64,
+) -> Vec<Vec<f64>> {
+    (0..n_layers)
+        .map(|l| (0..n_heads).map(|h| f(l, h)).collect())
+        .collect()
+}
+
+/// One forward of `tokens` (with an encoder's token `types`; `None`: all 0) watched by a role
+/// scorer `obs`.
+pub(super) fn run_scored(
+    model: &Model,
+    tokens: &[u32],
+    types: Option<&[u32]>,
+    obs: &mut dyn Observer,
+) -> crate::model::Result<()> {
+    let opts = RunOptions {
+        token_types: types.map(<[u32]>::to_vec),
+        ..Default::default()
+    };
+    model.forward(tokens, &opts, obs)?;
+    Ok(())
 }
 
 /// `count` ids drawn from `0..vocab` (seeded), then the same ids again: the standard induction
@@ -249,11 +285,7 @@ pub fn roles_of_typed(
     }
     let d = &model.dims;
     let mut r = RoleScores::new(d.n_layers, d.n_heads, tokens);
-    let opts = RunOptions {
-        token_types: types.map(<[u32]>::to_vec),
-        ..Default::default()
-    };
-    model.forward(tokens, &opts, &mut r)?;
+    run_scored(model, tokens, types, &mut r)?;
     Ok(r.finish(tokens))
 }
 

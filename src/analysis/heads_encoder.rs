@@ -14,9 +14,8 @@
 //! [`EncoderRoleScores`] is an observer fed the attention block by block, as the forward hands
 //! it out.
 
-use super::heads::HeadRoles;
+use super::heads::{each_row, per_head, run_scored, HeadRoles};
 use crate::model::capture::{Hook, Observer};
-use crate::model::forward::RunOptions;
 use crate::model::Model;
 use std::collections::BTreeMap;
 
@@ -89,20 +88,14 @@ impl EncoderRoleScores {
         let ln_n = (self.n as f64).ln();
         let mut roles = BTreeMap::new();
         for (r, name) in ENCODER_ROLES.iter().enumerate() {
-            let per_layer = (0..self.n_layers)
-                .map(|l| {
-                    (0..self.n_heads)
-                        .map(|h| {
-                            let mean = self.sums[r][l][h] / n;
-                            match *name {
-                                "broad" if ln_n > 0.0 => mean / ln_n,
-                                "broad" => 0.0,
-                                _ => mean,
-                            }
-                        })
-                        .collect()
-                })
-                .collect();
+            let per_layer = per_head(self.n_layers, self.n_heads, |l, h| {
+                let mean = self.sums[r][l][h] / n;
+                match *name {
+                    "broad" if ln_n > 0.0 => mean / ln_n,
+                    "broad" => 0.0,
+                    _ => mean,
+                }
+            });
             roles.insert(name.to_string(), per_layer);
         }
         HeadRoles {
@@ -141,20 +134,14 @@ impl Observer for EncoderRoleScores {
         layer: usize,
         hook: Hook,
         q_start: usize,
-        [heads, rows, kw]: [usize; 3],
+        shape: [usize; 3],
         data: &[f32],
     ) {
-        if hook != Hook::Pattern {
-            return;
-        }
-        for h in 0..heads.min(self.n_heads) {
-            for x in 0..rows {
-                let i = q_start + x;
-                if i < self.n {
-                    let row = &data[(h * rows + x) * kw..(h * rows + x + 1) * kw];
-                    self.add_row(layer, h, i, row);
-                }
-            }
+        if hook == Hook::Pattern {
+            let (n_heads, n) = (self.n_heads, self.n);
+            each_row(n_heads, n, q_start, shape, data, |h, i, row| {
+                self.add_row(layer, h, i, row)
+            });
         }
     }
 }
@@ -169,11 +156,7 @@ pub fn encoder_roles(
     let d = &model.dims;
     let (cls, sep) = model.special_ids();
     let mut r = EncoderRoleScores::new(d.n_layers, d.n_heads, tokens, cls, sep);
-    let opts = RunOptions {
-        token_types: types.map(<[u32]>::to_vec),
-        ..Default::default()
-    };
-    model.forward(tokens, &opts, &mut r)?;
+    run_scored(model, tokens, types, &mut r)?;
     Ok(r.finish(tokens))
 }
 

@@ -188,95 +188,14 @@ pub fn build(
     plan: &InspectPlan,
 ) -> InspectReport {
     let texts = model.token_texts(tokens);
-    let entry = |r: super::Ranked| TopEntry {
-        pos: r.pos,
-        token: texts[r.pos].clone(),
-        weight: r.weight,
+    let parts = Parts {
+        model,
+        c,
+        plan,
+        texts: &texts,
     };
-    let q = plan.query;
-    let group = model.dims.group_size();
-    let d = &model.dims;
-    let values = |l: usize| {
-        let v = c.values[l]
-            .as_deref()
-            .expect("inspect keeps the values of its layers");
-        Values::pos_major(v, c.n, d.n_kv_heads, d.head_dim)
-    };
-    let norm_entries = |norms: &[f32], weights: &[f32], k: usize| -> Vec<NormEntry> {
-        let sh = shares(norms);
-        top_k(norms, k)
-            .into_iter()
-            .map(|r| NormEntry {
-                pos: r.pos,
-                token: texts[r.pos].clone(),
-                norm: r.weight,
-                share: sh[r.pos],
-                weight: weights[r.pos],
-            })
-            .collect()
-    };
-    let vnorms = value_norms(model, plan.layer, &values(plan.layer), &plan.heads, q + 1);
-    let heads = plan
-        .heads
-        .iter()
-        .zip(vnorms)
-        .map(|(&h, value_norms)| {
-            // keys after the query are masked (0); rank only the keys it can see
-            let row = &c.row(plan.layer, h)[..=q];
-            let (max_weight, argmax) = max_argmax(row);
-            let norms: Vec<f32> = row.iter().zip(&value_norms).map(|(a, f)| a * f).collect();
-            let sh = shares(&norms);
-            HeadRow {
-                norm_top: norm_entries(&norms, row, plan.top_heads),
-                first_key: FirstKeyNorm {
-                    weight: row[0],
-                    value_norm: Some(value_norms[0]),
-                    norm: norms[0],
-                    norm_share: sh[0],
-                },
-                norms,
-                value_norms,
-                head: h,
-                kv_head: kv_head(h, group),
-                top: top_k(row, plan.top_heads).into_iter().map(entry).collect(),
-                max_weight,
-                argmax,
-                entropy: entropy(row),
-                concentrated: max_weight >= plan.concentrated_at,
-            }
-        })
-        .collect();
-    let layers: Vec<LayerRow> = (0..c.n_layers())
-        .map(|l| {
-            let chosen = plan.layers.contains(&l);
-            let mean = c.head_mean(l);
-            let norms = chosen.then(|| {
-                let alphas: Vec<&[f32]> = (0..d.n_heads).map(|h| c.row(l, h)).collect();
-                mixed_norms(model, l, &values(l), &alphas, q + 1)
-            });
-            LayerRow {
-                layer: l,
-                top: chosen.then(|| {
-                    top_k(&mean[..=q], plan.top_layers)
-                        .into_iter()
-                        .map(entry)
-                        .collect()
-                }),
-                norm_top: norms
-                    .as_ref()
-                    .map(|nr| norm_entries(nr, &mean, plan.top_layers)),
-                first_key: norms.as_ref().map(|nr| FirstKeyNorm {
-                    weight: mean[0],
-                    value_norm: None,
-                    norm: nr[0],
-                    norm_share: shares(nr)[0],
-                }),
-                norms,
-                sink_query: c.sink_query(l),
-                sink_all_queries: c.sink_all_queries(l),
-            }
-        })
-        .collect();
+    let heads = parts.head_rows();
+    let layers = parts.layer_rows();
     let sq: Vec<f32> = layers.iter().map(|l| l.sink_query).collect();
     let sa: Vec<f32> = layers.iter().map(|l| l.sink_all_queries).collect();
     let sink = SinkSummary {
@@ -292,6 +211,7 @@ pub fn build(
             logit: t.logit,
         })
         .collect::<Vec<_>>();
+    let q = plan.query;
     let caution = caution(&texts, &sink, &layers, q);
     InspectReport {
         model: ModelFacts::of(model),
@@ -312,6 +232,134 @@ pub fn build(
         sink,
         next_token,
         caution,
+    }
+}
+
+/// What [`build`]'s tables are made from: the collected rows and values, the plan and the
+/// tokens' texts.
+struct Parts<'a> {
+    model: &'a Model,
+    c: &'a Collector,
+    plan: &'a InspectPlan,
+    texts: &'a [String],
+}
+
+impl Parts<'_> {
+    /// A ranked key as a table entry, with its text.
+    fn entry(&self, r: super::Ranked) -> TopEntry {
+        TopEntry {
+            pos: r.pos,
+            token: self.texts[r.pos].clone(),
+            weight: r.weight,
+        }
+    }
+
+    /// Layer `l`'s kept values.
+    fn values(&self, l: usize) -> Values<'_> {
+        let d = &self.model.dims;
+        let v = self.c.values[l]
+            .as_deref()
+            .expect("inspect keeps the values of its layers");
+        Values::pos_major(v, self.c.n, d.n_kv_heads, d.head_dim)
+    }
+
+    /// The top `k` keys by norm, with their shares of the total and their attention weights.
+    fn norm_entries(&self, norms: &[f32], weights: &[f32], k: usize) -> Vec<NormEntry> {
+        let sh = shares(norms);
+        top_k(norms, k)
+            .into_iter()
+            .map(|r| NormEntry {
+                pos: r.pos,
+                token: self.texts[r.pos].clone(),
+                norm: r.weight,
+                share: sh[r.pos],
+                weight: weights[r.pos],
+            })
+            .collect()
+    }
+
+    /// Each asked head of the plan's layer: its top keys for the query, max, entropy, and the
+    /// norm-based view (weight × value norm).
+    fn head_rows(&self) -> Vec<HeadRow> {
+        let (plan, c, q) = (self.plan, self.c, self.plan.query);
+        let group = self.model.dims.group_size();
+        let vnorms = value_norms(
+            self.model,
+            plan.layer,
+            &self.values(plan.layer),
+            &plan.heads,
+            q + 1,
+        );
+        plan.heads
+            .iter()
+            .zip(vnorms)
+            .map(|(&h, value_norms)| {
+                // keys after the query are masked (0); rank only the keys it can see
+                let row = &c.row(plan.layer, h)[..=q];
+                let (max_weight, argmax) = max_argmax(row);
+                let norms: Vec<f32> = row.iter().zip(&value_norms).map(|(a, f)| a * f).collect();
+                let sh = shares(&norms);
+                HeadRow {
+                    norm_top: self.norm_entries(&norms, row, plan.top_heads),
+                    first_key: FirstKeyNorm {
+                        weight: row[0],
+                        value_norm: Some(value_norms[0]),
+                        norm: norms[0],
+                        norm_share: sh[0],
+                    },
+                    norms,
+                    value_norms,
+                    head: h,
+                    kv_head: kv_head(h, group),
+                    top: top_k(row, plan.top_heads)
+                        .into_iter()
+                        .map(|r| self.entry(r))
+                        .collect(),
+                    max_weight,
+                    argmax,
+                    entropy: entropy(row),
+                    concentrated: max_weight >= plan.concentrated_at,
+                }
+            })
+            .collect()
+    }
+
+    /// Every layer's sink shares; for the plan's layers, the head-averaged top keys and the
+    /// norm-based ones.
+    fn layer_rows(&self) -> Vec<LayerRow> {
+        let (plan, c, q) = (self.plan, self.c, self.plan.query);
+        let d = &self.model.dims;
+        (0..c.n_layers())
+            .map(|l| {
+                let chosen = plan.layers.contains(&l);
+                let mean = c.head_mean(l);
+                let norms = chosen.then(|| {
+                    let alphas: Vec<&[f32]> = (0..d.n_heads).map(|h| c.row(l, h)).collect();
+                    mixed_norms(self.model, l, &self.values(l), &alphas, q + 1)
+                });
+                LayerRow {
+                    layer: l,
+                    top: chosen.then(|| {
+                        top_k(&mean[..=q], plan.top_layers)
+                            .into_iter()
+                            .map(|r| self.entry(r))
+                            .collect()
+                    }),
+                    norm_top: norms
+                        .as_ref()
+                        .map(|nr| self.norm_entries(nr, &mean, plan.top_layers)),
+                    first_key: norms.as_ref().map(|nr| FirstKeyNorm {
+                        weight: mean[0],
+                        value_norm: None,
+                        norm: nr[0],
+                        norm_share: shares(nr)[0],
+                    }),
+                    norms,
+                    sink_query: c.sink_query(l),
+                    sink_all_queries: c.sink_all_queries(l),
+                }
+            })
+            .collect()
     }
 }
 

@@ -381,6 +381,47 @@ fn effect(base_lp: &[f32], logits: &[f32], target: u32) -> (f32, f32) {
     )
 }
 
+/// The positions `--positions` ablates (each checked below `n`), or every position.
+fn ablated_positions(positions: Option<&[usize]>, n: usize) -> Result<Vec<usize>> {
+    match positions {
+        Some(ps) => {
+            if let Some(&bad) = ps.iter().find(|&&p| p >= n) {
+                return Err(Error::OutOfRange {
+                    what: "--positions".into(),
+                    value: bad.to_string(),
+                    range: format!("0..={}", n - 1),
+                });
+            }
+            Ok(ps.to_vec())
+        }
+        None => Ok((0..n).collect()),
+    }
+}
+
+/// The rank correlations over the heads of their attention (max weight, −entropy, sink) with
+/// their ablation's effect (|Δ log p|, KL).
+fn correlations(heads: &[HeadEffect]) -> Vec<Correlation> {
+    let importance: Vec<f64> = heads.iter().map(|h| h.delta_logprob.abs() as f64).collect();
+    let kls: Vec<f64> = heads.iter().map(|h| h.kl as f64).collect();
+    let correlation = |name: &str, xs: Vec<f64>, effect: &str, ys: &[f64]| Correlation {
+        attention: name.into(),
+        effect: effect.into(),
+        n: xs.len(),
+        spearman: spearman(&xs, ys),
+        spearman_p: permutation_p(&xs, ys, spearman),
+        kendall: kendall_tau_b(&xs, ys),
+    };
+    let maxw: Vec<f64> = heads.iter().map(|h| h.max_weight as f64).collect();
+    let sink: Vec<f64> = heads.iter().map(|h| h.sink as f64).collect();
+    let neg_entropy: Vec<f64> = heads.iter().map(|h| -h.entropy as f64).collect();
+    vec![
+        correlation("max_weight", maxw.clone(), "|delta_logprob|", &importance),
+        correlation("-entropy", neg_entropy, "|delta_logprob|", &importance),
+        correlation("sink", sink, "|delta_logprob|", &importance),
+        correlation("max_weight", maxw, "kl", &kls),
+    ]
+}
+
 /// Ablates every head of every layer (its `hook_z` slice, TransformerLens's head output before
 /// `W_O`), and with `opts.mlp` every layer's MLP output, one at a time; reports each one's effect
 /// on the target beside the head's attention for the last query. `tick(done, total)` reports
@@ -394,19 +435,7 @@ pub fn ablate(
     let d = &model.dims;
     let n = tokens.len();
     let q = n - 1;
-    let positions = match &opts.positions {
-        Some(ps) => {
-            if let Some(&bad) = ps.iter().find(|&&p| p >= n) {
-                return Err(Error::OutOfRange {
-                    what: "--positions".into(),
-                    value: bad.to_string(),
-                    range: format!("0..={q}"),
-                });
-            }
-            ps.clone()
-        }
-        None => (0..n).collect(),
-    };
+    let positions = ablated_positions(opts.positions.as_deref(), n)?;
     let (mut runner, logits, _) = Runner::clean(model, tokens, &[])?;
     runner.batch_rows = opts.batch_rows.max(1);
     let target = opts.target.resolve(model, &logits)?;
@@ -468,25 +497,7 @@ pub fn ablate(
             });
         }
     }
-    let importance: Vec<f64> = heads.iter().map(|h| h.delta_logprob.abs() as f64).collect();
-    let kls: Vec<f64> = heads.iter().map(|h| h.kl as f64).collect();
-    let correlation = |name: &str, xs: Vec<f64>, effect: &str, ys: &[f64]| Correlation {
-        attention: name.into(),
-        effect: effect.into(),
-        n: xs.len(),
-        spearman: spearman(&xs, ys),
-        spearman_p: permutation_p(&xs, ys, spearman),
-        kendall: kendall_tau_b(&xs, ys),
-    };
-    let maxw: Vec<f64> = heads.iter().map(|h| h.max_weight as f64).collect();
-    let sink: Vec<f64> = heads.iter().map(|h| h.sink as f64).collect();
-    let neg_entropy: Vec<f64> = heads.iter().map(|h| -h.entropy as f64).collect();
-    let correlations = vec![
-        correlation("max_weight", maxw.clone(), "|delta_logprob|", &importance),
-        correlation("-entropy", neg_entropy, "|delta_logprob|", &importance),
-        correlation("sink", sink, "|delta_logprob|", &importance),
-        correlation("max_weight", maxw, "kl", &kls),
-    ];
+    let correlations = correlations(&heads);
     let text = |id: u32| TokenRef {
         id,
         text: model.tokenizer.token_text(id),
@@ -582,17 +593,9 @@ fn first_difference(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
-/// Activation patching: for every layer and position (or head, for `z`), the corrupted run with
-/// that activation taken from the clean run, scored by the logit difference answer − wrong at
-/// the last position. `tick(done, total)` reports progress in variants.
-pub fn patch(
-    model: &Model,
-    clean: &[u32],
-    corrupt: &[u32],
-    opts: &PatchOptions,
-    mut tick: impl FnMut(usize, usize),
-) -> Result<PatchReport> {
-    let d = &model.dims;
+/// Refuses a corrupted text of another token count than the clean one (patching pairs
+/// positions), naming where they first differ.
+fn check_same_length(clean: &[u32], corrupt: &[u32]) -> Result<()> {
     let n = clean.len();
     if corrupt.len() != n {
         let at = first_difference(clean, corrupt);
@@ -607,6 +610,65 @@ pub fn patch(
             ),
         });
     }
+    Ok(())
+}
+
+/// The variants of one layer's patching of `hook` from the clean run's activation `src`: each
+/// head's map (`hook_pattern`) or its `hook_z` columns at every position, or each position's row
+/// (the corrupted run recomputed from there).
+fn patch_variants(
+    hook: PatchHook,
+    src: &[f32],
+    n: usize,
+    nh: usize,
+    hd: usize,
+    dm: usize,
+) -> Vec<Variant<'_>> {
+    if hook == PatchHook::Pattern {
+        // head h's [query, key] map from the clean run
+        (0..nh)
+            .map(|h| Variant {
+                from: 0,
+                cols: 0..n * n,
+                at: vec![h],
+                fill: Fill::From(src),
+            })
+            .collect()
+    } else if hook.per_head() {
+        (0..nh)
+            .map(|h| Variant {
+                from: 0,
+                cols: h * hd..(h + 1) * hd,
+                at: (0..n).collect(),
+                fill: Fill::From(src),
+            })
+            .collect()
+    } else {
+        // position p: the corrupted run recomputed from p on, its row p taken from clean
+        (0..n)
+            .map(|p| Variant {
+                from: p,
+                cols: 0..dm,
+                at: vec![0],
+                fill: Fill::From(&src[p * dm..]),
+            })
+            .collect()
+    }
+}
+
+/// Activation patching: for every layer and position (or head, for `z`), the corrupted run with
+/// that activation taken from the clean run, scored by the logit difference answer − wrong at
+/// the last position. `tick(done, total)` reports progress in variants.
+pub fn patch(
+    model: &Model,
+    clean: &[u32],
+    corrupt: &[u32],
+    opts: &PatchOptions,
+    mut tick: impl FnMut(usize, usize),
+) -> Result<PatchReport> {
+    let d = &model.dims;
+    let n = clean.len();
+    check_same_length(clean, corrupt)?;
     let hook = opts.hook.hook();
     let (_, clean_logits, clean_cache) = Runner::clean(model, clean, &[hook])?;
     let (mut runner, corrupt_logits, _) = Runner::clean(model, corrupt, &[])?;
@@ -640,36 +702,7 @@ pub fn patch(
             .get(l, hook)
             .expect("the clean run captured the hook at every layer")
             .data;
-        let variants: Vec<Variant> = if opts.hook == PatchHook::Pattern {
-            // head h's [query, key] map from the clean run
-            (0..nh)
-                .map(|h| Variant {
-                    from: 0,
-                    cols: 0..n * n,
-                    at: vec![h],
-                    fill: Fill::From(src),
-                })
-                .collect()
-        } else if opts.hook.per_head() {
-            (0..nh)
-                .map(|h| Variant {
-                    from: 0,
-                    cols: h * hd..(h + 1) * hd,
-                    at: (0..n).collect(),
-                    fill: Fill::From(src),
-                })
-                .collect()
-        } else {
-            // position p: the corrupted run recomputed from p on, its row p taken from clean
-            (0..n)
-                .map(|p| Variant {
-                    from: p,
-                    cols: 0..dm,
-                    at: vec![0],
-                    fill: Fill::From(&src[p * dm..]),
-                })
-                .collect()
-        };
+        let variants = patch_variants(opts.hook, src, n, nh, hd, dm);
         let outs = runner.run(l, hook, &variants, |k| tick(done + k, total))?;
         done += variants.len();
         for (i, lg) in outs.iter().enumerate() {

@@ -29,6 +29,10 @@ pub mod stream;
 
 use serde::Serialize;
 
+/// The lesson's sentence: the text `explain`, `compare`, the benches and Python's `heads` use when
+/// none is given.
+pub const LESSON_SENTENCE: &str = "Hà Nội là thủ đô của Việt Nam. Thành phố này nằm ở miền Bắc.";
+
 /// One attended position.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Ranked {

@@ -1,7 +1,7 @@
 //! `attnscope ablate`: every head's (and MLP's) effect on the prediction when it is removed,
 //! beside what its attention looks like: the lesson's "a weight is not an explanation", measured.
 
-use super::common::{emit, parse_index_list, progress_bar, ModelArgs, TextArgs};
+use super::common::{emit, on_bar, parse_index_list, progress_bar, ModelArgs, TextArgs};
 use crate::analysis::faithfulness::Target;
 use crate::analysis::intervene::{ablate, AblateOptions, AblateReport, Method};
 use crate::model::tokenize::visible;
@@ -63,10 +63,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         batch_rows: a.batch_rows,
     };
     let bar = progress_bar("ablations [{bar:30}] {pos}/{len} ({eta})");
-    let report = ablate(&model, &tokens, &opts, |done, total| {
-        bar.set_length(total as u64);
-        bar.set_position(done as u64);
-    })?;
+    let report = ablate(&model, &tokens, &opts, on_bar(&bar))?;
     bar.finish_and_clear();
     if a.json {
         return emit(&format!("{}\n", serde_json::to_string_pretty(&report)?));
@@ -79,6 +76,8 @@ fn opt(x: Option<f64>, digits: usize) -> String {
         .unwrap_or_else(|| "—".into())
 }
 
+/// `ablate`'s text report: the target, the heads whose removal matters most, the most
+/// concentrated heads and their ranks, the MLPs, the rank correlations and the work done.
 pub fn render(r: &AblateReport, top: usize) -> String {
     let piece = |p: usize| visible(&r.tokens[p].text);
     let mut s = title(&format!(
@@ -99,6 +98,43 @@ pub fn render(r: &AblateReport, top: usize) -> String {
         s += &format!("ablated at positions {ps:?} only\n");
     }
     let order = order_by_magnitude(&r.heads.iter().map(|h| h.delta_logprob).collect::<Vec<_>>());
+    s += &top_heads(r, &order, top);
+    s += &concentrated_heads(r, &order);
+    if !r.mlp.is_empty() {
+        s += "\nMLP ablations:\n";
+        let mut t = Table::new([
+            ("layer", Align::Right),
+            ("Δ log p", Align::Right),
+            ("KL", Align::Right),
+        ]);
+        for m in &r.mlp {
+            t.row([
+                m.layer.to_string(),
+                format!("{:+.4}", m.delta_logprob),
+                format!("{:.4}", m.kl),
+            ]);
+        }
+        s += &t.render();
+    }
+    s += &correlations(r);
+    s += &format!(
+        "\n{} forward passes; {} layer-position rows computed ({:.0}% of running each ablation from scratch)\n",
+        r.forward_passes,
+        r.layer_rows,
+        100.0 * r.layer_rows as f64 / r.layer_rows_from_scratch.max(1) as f64
+    );
+    s
+}
+
+/// A token's text by position, made visible.
+fn piece(r: &AblateReport, p: usize) -> String {
+    visible(&r.tokens[p].text)
+}
+
+/// The `top` heads by |Δ log p| (`order`), with their attention of the last query.
+fn top_heads(r: &AblateReport, order: &[usize], top: usize) -> String {
+    let piece = |p: usize| piece(r, p);
+    let mut s = String::new();
     let mut t = Table::new([
         ("head", Align::Left),
         ("Δ log p", Align::Right),
@@ -125,6 +161,13 @@ pub fn render(r: &AblateReport, top: usize) -> String {
         top.min(r.heads.len())
     );
     s += &t.render();
+    s
+}
+
+/// The 5 most concentrated heads and where their removal ranks by |Δ log p| (`order`).
+fn concentrated_heads(r: &AblateReport, order: &[usize]) -> String {
+    let piece = |p: usize| piece(r, p);
+    let mut s = String::new();
     // the most concentrated heads, to set beside the most important ones
     let mut conc: Vec<usize> = (0..r.heads.len()).collect();
     conc.sort_by(|&x, &y| {
@@ -153,22 +196,12 @@ pub fn render(r: &AblateReport, top: usize) -> String {
         ]);
     }
     s += &t.render();
-    if !r.mlp.is_empty() {
-        s += "\nMLP ablations:\n";
-        let mut t = Table::new([
-            ("layer", Align::Right),
-            ("Δ log p", Align::Right),
-            ("KL", Align::Right),
-        ]);
-        for m in &r.mlp {
-            t.row([
-                m.layer.to_string(),
-                format!("{:+.4}", m.delta_logprob),
-                format!("{:.4}", m.kl),
-            ]);
-        }
-        s += &t.render();
-    }
+    s
+}
+
+/// The rank correlations of attention against the effects over the heads.
+fn correlations(r: &AblateReport) -> String {
+    let mut s = String::new();
     s += "\nIs a concentrated head an important one? Rank correlations over the heads:\n";
     let mut t = Table::new([
         ("attention", Align::Left),
@@ -191,11 +224,5 @@ pub fn render(r: &AblateReport, top: usize) -> String {
         ]);
     }
     s += &t.render();
-    s += &format!(
-        "\n{} forward passes; {} layer-position rows computed ({:.0}% of running each ablation from scratch)\n",
-        r.forward_passes,
-        r.layer_rows,
-        100.0 * r.layer_rows as f64 / r.layer_rows_from_scratch.max(1) as f64
-    );
     s
 }

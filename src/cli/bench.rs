@@ -403,16 +403,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     let steps = 2 + a.lengths.len()
         * (per_length + usize::from(a.against_exact) + usize::from(!a.no_backward));
-    let pb = if std::io::stderr().is_terminal() {
-        indicatif::ProgressBar::new(steps as u64)
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
-    pb.set_style(
-        indicatif::ProgressStyle::with_template("{msg:32} [{bar:30}] {pos}/{len} ({elapsed})")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
+    let pb = super::common::progress_bar("{msg:32} [{bar:30}] {pos}/{len} ({elapsed})");
+    pb.set_length(steps as u64);
     if !std::io::stderr().is_terminal() {
         eprintln!(
             "attnscope bench: {} steps (kernel, GEMM shapes, forwards{}); this takes minutes",
@@ -923,6 +915,27 @@ fn report(
         "Micro-kernel in cache (the ceiling of any product; best of 3 tries): {peak:.0} GFLOP/s\n"
     );
     s += &format!("Machine f32 GEMM rate (best measured below, at the shapes of the forward's products): {machine_rate:.0} GFLOP/s\n\n");
+    s += &gemm_table(model, gemms);
+    s += &forward_table(forwards, machine_rate);
+    if !backwards.is_empty() {
+        s += &backward_table(backwards, a.repeats);
+    }
+    if !precisions.is_empty() {
+        s += &precision_table(precisions, a.repeats);
+    }
+    if !commands.is_empty() {
+        s += &command_table(model, commands);
+    }
+    if !side.is_empty() {
+        s += &side_by_side(side, forwards, machine_rate, peak, a);
+    }
+    emit(&s)
+}
+
+/// The GEMM table: each of the forward's products on the packed f32 kernel, candle and the AMX
+/// tiles, and which of them the forward runs.
+fn gemm_table(model: &crate::model::Model, gemms: &[GemmRow]) -> String {
+    let mut s = String::new();
     let mut t = Table::new([
         ("f32 GEMM, m tokens", Align::Left),
         ("m × k · k × n", Align::Right),
@@ -968,6 +981,13 @@ fn report(
         );
     }
     s += "\n";
+    s
+}
+
+/// The forward at each length: projections and attention, their rates against the machine's,
+/// and the forward with every pattern kept.
+fn forward_table(forwards: &[ForwardRow], machine_rate: f64) -> String {
+    let mut s = String::new();
     let mut t = Table::new([
         ("n", Align::Right),
         ("forward", Align::Right),
@@ -1009,91 +1029,101 @@ fn report(
     }
     s += &t.render();
     s += "Attention rates count the useful work (q·k and p·v over the visible pairs of every head).\n";
-    if !backwards.is_empty() {
-        s += &format!(
-            "\nForward against forward + backward (the gradient of the last position's log-probability wrt every input embedding and resid_pre; in alternation, median of {} pairs after a warm-up pair)\n",
-            a.repeats
-        );
-        let mut t = Table::new([
-            ("n", Align::Right),
-            ("forward", Align::Right),
-            ("forward + backward", Align::Right),
-            ("ratio", Align::Right),
-            ("peak RSS (weights included)", Align::Right),
+    s
+}
+
+/// The forward against forward + backward at each length (medians of `repeats` pairs).
+fn backward_table(backwards: &[BackwardRow], repeats: usize) -> String {
+    let mut s = String::new();
+    s += &format!(
+        "\nForward against forward + backward (the gradient of the last position's log-probability wrt every input embedding and resid_pre; in alternation, median of {} pairs after a warm-up pair)\n",
+        repeats
+    );
+    let mut t = Table::new([
+        ("n", Align::Right),
+        ("forward", Align::Right),
+        ("forward + backward", Align::Right),
+        ("ratio", Align::Right),
+        ("peak RSS (weights included)", Align::Right),
+    ]);
+    for b in backwards {
+        t.row([
+            b.n.to_string(),
+            format!("{:.2} s", b.forward_s),
+            format!("{:.2} s", b.forward_backward_s),
+            format!("{:.2}x", b.ratio),
+            b.peak_rss_bytes
+                .map(|x| format!("{:.2} GB", x as f64 / 1e9))
+                .unwrap_or_else(|| "—".into()),
         ]);
-        for b in backwards {
-            t.row([
-                b.n.to_string(),
-                format!("{:.2} s", b.forward_s),
-                format!("{:.2} s", b.forward_backward_s),
-                format!("{:.2}x", b.ratio),
-                b.peak_rss_bytes
-                    .map(|x| format!("{:.2} GB", x as f64 / 1e9))
-                    .unwrap_or_else(|| "—".into()),
-            ]);
-        }
-        s += &t.render();
     }
-    if !precisions.is_empty() {
-        s += &format!(
-            "\nfast ({}) against exact, their forwards in alternation (median of {} pairs after a warm-up pair)\n",
-            crate::model::weights::fast_kernel().unwrap_or("no kernel of its own here: it runs exact's"),
-            a.repeats
-        );
-        let mut t = Table::new([
-            ("n", Align::Right),
-            ("exact", Align::Right),
-            ("fast", Align::Right),
-            ("fast faster by", Align::Right),
-            ("each pair", Align::Right),
+    s += &t.render();
+    s
+}
+
+/// fast against exact at each length (medians of `repeats` pairs, and each pair's ratio).
+fn precision_table(precisions: &[PrecisionRow], repeats: usize) -> String {
+    let mut s = String::new();
+    s += &format!(
+        "\nfast ({}) against exact, their forwards in alternation (median of {} pairs after a warm-up pair)\n",
+        crate::model::weights::fast_kernel().unwrap_or("no kernel of its own here: it runs exact's"),
+        repeats
+    );
+    let mut t = Table::new([
+        ("n", Align::Right),
+        ("exact", Align::Right),
+        ("fast", Align::Right),
+        ("fast faster by", Align::Right),
+        ("each pair", Align::Right),
+    ]);
+    for r in precisions {
+        t.row([
+            r.n.to_string(),
+            format!("{:.2} s", r.exact_s),
+            format!("{:.2} s", r.fast_s),
+            format!("{:.2}x", r.faster_by),
+            r.pair_ratios
+                .iter()
+                .map(|x| format!("{x:.2}x"))
+                .collect::<Vec<_>>()
+                .join(", "),
         ]);
-        for r in precisions {
-            t.row([
-                r.n.to_string(),
-                format!("{:.2} s", r.exact_s),
-                format!("{:.2} s", r.fast_s),
-                format!("{:.2}x", r.faster_by),
-                r.pair_ratios
-                    .iter()
-                    .map(|x| format!("{x:.2}x"))
-                    .collect::<Vec<_>>()
-                    .join(", "),
-            ]);
-        }
-        s += &t.render();
     }
-    if !commands.is_empty() {
-        s += "\n";
-        let mut t = Table::new([
-            ("n", Align::Right),
-            ("command (own process, load included)", Align::Left),
-            ("wall", Align::Right),
-            ("of which load", Align::Right),
-            ("after the load", Align::Right),
-            ("peak RSS", Align::Right),
+    s += &t.render();
+    s
+}
+
+/// Each command in its own process: wall time, its load, after the load, peak memory, and
+/// where its load took the packed weights from.
+fn command_table(model: &crate::model::Model, commands: &[CommandRow]) -> String {
+    let mut s = String::new();
+    s += "\n";
+    let mut t = Table::new([
+        ("n", Align::Right),
+        ("command (own process, load included)", Align::Left),
+        ("wall", Align::Right),
+        ("of which load", Align::Right),
+        ("after the load", Align::Right),
+        ("peak RSS", Align::Right),
+    ]);
+    let secs = |x: Option<f64>| x.map(|x| format!("{x:.2} s")).unwrap_or_else(|| "—".into());
+    for c in commands {
+        t.row([
+            c.n.to_string(),
+            c.command.clone(),
+            format!("{:.2} s", c.wall_s),
+            secs(c.load_s),
+            secs(c.after_load_s),
+            format!("{:.2} GB", c.peak_rss_bytes as f64 / 1e9),
         ]);
-        let secs = |x: Option<f64>| x.map(|x| format!("{x:.2} s")).unwrap_or_else(|| "—".into());
-        for c in commands {
-            t.row([
-                c.n.to_string(),
-                c.command.clone(),
-                format!("{:.2} s", c.wall_s),
-                secs(c.load_s),
-                secs(c.after_load_s),
-                format!("{:.2} GB", c.peak_rss_bytes as f64 / 1e9),
-            ]);
-        }
-        s += &t.render();
-        s += "Load and after the load are the commands' own timings (tokenizing and printing or renaming are in neither). Compare with transformers timed in the same session on this machine (eager with output_attentions for capture, sdpa for inspect): its forward alone, or its forward plus its own load.\n";
-        s += &match model.panel_file() {
-            Some(p) => format!("Their loads map the packed weights from {} (this bench's own load wrote it if it was missing); ATTNSCOPE_PANEL_CACHE=off times packing them instead.\n", p.display()),
-            None => "Their loads pack the weights (no packed-weight cache for this model and precision).\n".into(),
-        };
     }
-    if !side.is_empty() {
-        s += &side_by_side(side, forwards, machine_rate, peak, a);
-    }
-    emit(&s)
+    s += &t.render();
+    s += "Load and after the load are the commands' own timings (tokenizing and printing or renaming are in neither). Compare with transformers timed in the same session on this machine (eager with output_attentions for capture, sdpa for inspect): its forward alone, or its forward plus its own load.\n";
+    s += &match model.panel_file() {
+        Some(p) => format!("Their loads map the packed weights from {} (this bench's own load wrote it if it was missing); ATTNSCOPE_PANEL_CACHE=off times packing them instead.\n", p.display()),
+        None => "Their loads pack the weights (no packed-weight cache for this model and precision).\n".into(),
+    };
+    s
 }
 
 /// The side-by-side table, and for each length what a third of transformers' eager forward

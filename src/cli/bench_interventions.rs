@@ -70,7 +70,23 @@ fn run_hf(python: &Path, gguf: &Path, text: &str) -> anyhow::Result<serde_json::
     }
 }
 
+/// `bench --interventions`: `patch`'s and `ablate`'s sweeps timed against one forward (and
+/// transformers' hooks), as JSON or a table.
 pub fn run(model: &Model, repeats: usize, python: Option<&Path>, json: bool) -> anyhow::Result<()> {
+    let (r, n_forwards) = measure(model, repeats, python)?;
+    if json {
+        return super::common::emit(&format!("{}\n", serde_json::to_string_pretty(&r)?));
+    }
+    super::common::emit(&render(&r, n_forwards, model.dims.n_layers))
+}
+
+/// The interventions' timings: one forward, `patch`'s sweep and `ablate`'s (around
+/// transformers' own sweep when `python` is given); the bench and the number of forwards timed.
+fn measure(
+    model: &Model,
+    repeats: usize,
+    python: Option<&Path>,
+) -> anyhow::Result<(InterventionBench, usize)> {
     let d = &model.dims;
     let clean = model.encode(CLEAN, false)?;
     let corrupt = model.encode(CORRUPT, false)?;
@@ -145,9 +161,11 @@ pub fn run(model: &Model, repeats: usize, python: Option<&Path>, json: bool) -> 
         transformers,
         faster_than_transformers: faster,
     };
-    if json {
-        return super::common::emit(&format!("{}\n", serde_json::to_string_pretty(&r)?));
-    }
+    Ok((r, forwards.len()))
+}
+
+/// The table of an interventions bench whose forward is the median of `n_forwards`.
+fn render(r: &InterventionBench, n_forwards: usize, n_layers: usize) -> String {
     let (mut s, mut t) = measurement_table("interventions", &r.model);
     t.row([
         format!(
@@ -155,18 +173,18 @@ pub fn run(model: &Model, repeats: usize, python: Option<&Path>, json: bool) -> 
             r.patch_tokens
         ),
         format!("{:.4}", r.forward_s),
-        format!("median of {}", forwards.len()),
+        format!("median of {n_forwards}"),
     ]);
     t.row([
         format!(
             "patch --hook resid-pre: {} layers x {} positions",
-            d.n_layers, r.patch_tokens
+            n_layers, r.patch_tokens
         ),
         format!("{:.3}", r.patch_sweep_s),
         format!(
             "{:.2} x the {} forwards it stands for",
             r.patch_vs_forwards,
-            d.n_layers * r.patch_tokens
+            n_layers * r.patch_tokens
         ),
     ]);
     t.row([
@@ -199,5 +217,5 @@ pub fn run(model: &Model, repeats: usize, python: Option<&Path>, json: bool) -> 
         ]);
     }
     s += &t.render();
-    super::common::emit(&s)
+    s
 }

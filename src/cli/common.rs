@@ -5,10 +5,10 @@ use anyhow::Context;
 use std::io::{IsTerminal, Read, Write};
 use std::path::PathBuf;
 
-pub use crate::analysis::request::{check_index, parse_index_list, usage, UsageError};
+pub use crate::analysis::request::{check_index, parse_index_list, usage};
+pub use crate::analysis::LESSON_SENTENCE;
+pub use crate::render::progress::{on_bar, progress_bar};
 pub use crate::render::{timings_opening, write_new_file};
-
-pub const LESSON_SENTENCE: &str = "Hà Nội là thủ đô của Việt Nam. Thành phố này nằm ở miền Bắc.";
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelArgs {
@@ -248,22 +248,6 @@ pub fn check_system(chat: bool, system: bool) -> anyhow::Result<()> {
         ));
     }
     Ok(())
-}
-
-/// A progress bar on standard error when it is a terminal (hidden otherwise), drawn with
-/// `template` (indicatif's syntax); its length is set by the caller as the work becomes known.
-pub fn progress_bar(template: &str) -> indicatif::ProgressBar {
-    let bar = if std::io::stderr().is_terminal() {
-        indicatif::ProgressBar::new(1)
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(template)
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
-    bar
 }
 
 /// Prints to standard output, turning a closed pipe into an error `main` treats as success.

@@ -1,7 +1,7 @@
 //! `attnscope corpus`: sink and head statistics over many texts, shardable and resumable;
 //! `attnscope corpus merge` combines shards.
 
-use super::common::{emit, progress_bar, ModelArgs};
+use super::common::{emit, on_bar, progress_bar, ModelArgs};
 use crate::analysis::corpus::Aggregate;
 use crate::analysis::corpus_run::{
     load_texts, merge_files, parse_shard, run_corpus, CorpusAggregate, CorpusRequest,
@@ -88,10 +88,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         &source,
         &req,
         &mut |note| eprintln!("attnscope: {note}"),
-        &mut |done, total| {
-            bar.set_length(total as u64);
-            bar.set_position(done as u64);
-        },
+        &mut on_bar(&bar),
     );
     bar.finish_and_clear();
     let outcome = outcome?;
@@ -113,65 +110,19 @@ fn print(agg: &CorpusAggregate, source: &str, json: bool) -> anyhow::Result<()> 
     })
 }
 
+/// `corpus`'s text report: the per-layer table, the sink profile, the histogram of the heads'
+/// concentration, the summary sentences and the faithfulness table.
 fn render(a: &Aggregate, source: &str) -> String {
     let mut s = title(&format!(
         "Attention over {} texts ({} tokens) of {source}, model {}",
         a.sentences, a.tokens, a.model
     ));
     s += "These numbers belong to this corpus and this model; another text set or checkpoint gives others.\n\n";
-    let mut t = Table::new([
-        ("layer", Align::Right),
-        ("sink share (all queries)", Align::Right),
-        ("± std", Align::Right),
-        ("95% CI", Align::Left),
-        ("", Align::Left),
-        (format!("heads α₁>{}", a.epsilon).as_str(), Align::Right),
-        ("Gu et al.", Align::Right),
-        ("heads ≥0.9 on one token", Align::Right),
-        ("entropy", Align::Right),
-        ("massive", Align::Right),
-    ]);
-    for l in &a.layers {
-        t.row([
-            l.layer.to_string(),
-            format!("{:.4}", l.sink_all.mean),
-            format!("{:.4}", l.sink_all.std),
-            format!("[{:.4}, {:.4}]", l.sink_all.ci95.0, l.sink_all.ci95.1),
-            bar(l.sink_all.mean as f32, 20)
-                + if l.layer == a.peak_layer {
-                    " ▲ peak"
-                } else {
-                    ""
-                },
-            format!("{:.1}%", 100.0 * l.sink_heads_fraction),
-            format!("{:.1}%", 100.0 * l.gu_heads_fraction),
-            format!("{:.1}%", 100.0 * l.concentrated_fraction),
-            format!("{:.3}", l.mean_entropy),
-            l.massive_texts_fraction
-                .map_or("-".into(), |f| format!("{:.0}%", 100.0 * f)),
-        ]);
-    }
-    s += &t.render();
+    s += &layer_table(a);
     let means: Vec<f32> = a.layers.iter().map(|l| l.sink_all.mean as f32).collect();
     s += &format!("sink profile  {}\n\n", sparkline(&means));
     let total: usize = a.max_weight_histogram.iter().sum();
-    s += &title(
-        "How concentrated are heads? Last-query max weight over all texts, layers and heads",
-    );
-    let mut t = Table::new([
-        ("max weight", Align::Left),
-        ("share", Align::Right),
-        ("", Align::Left),
-    ]);
-    for (i, &c) in a.max_weight_histogram.iter().enumerate() {
-        let f = c as f32 / total.max(1) as f32;
-        t.row([
-            format!("{:.1}–{:.1}", i as f32 / 10.0, (i + 1) as f32 / 10.0),
-            format!("{:.1}%", 100.0 * f),
-            bar(f, 40),
-        ]);
-    }
-    s += &t.render();
+    s += &histogram(a, total);
     let conc = a.max_weight_histogram[9] as f64 / total.max(1) as f64;
     let sinky = a.layers.iter().filter(|l| l.sink_all.ci95.0 > 0.5).count();
     s += &format!(
@@ -204,29 +155,98 @@ fn render(a: &Aggregate, source: &str) -> String {
         );
     }
     if !a.faithfulness.is_empty() {
-        s += &title("\nFaithfulness: Spearman ρ against leave-one-out, over texts");
-        let mut t = Table::new([
-            ("ranking", Align::Left),
-            ("first token", Align::Left),
-            ("mean ρ", Align::Right),
-            ("95% CI", Align::Left),
-            ("top-1 agreement", Align::Right),
-        ]);
-        for f in &a.faithfulness {
-            t.row([
-                f.ranking.clone(),
-                if f.without_first {
-                    "excluded"
-                } else {
-                    "included"
-                }
-                .into(),
-                format!("{:+.3}", f.spearman.mean),
-                format!("[{:+.3}, {:+.3}]", f.spearman.ci95.0, f.spearman.ci95.1),
-                format!("{:.1}%", 100.0 * f.top1_rate),
-            ]);
-        }
-        s += &t.render();
+        s += &faithfulness_table(a);
     }
+    s
+}
+
+/// Each layer's sink share (mean, std, 95% CI, ▲ at the peak), sink heads (ours and Gu et
+/// al.'s), concentrated heads, entropy and massive activations.
+fn layer_table(a: &Aggregate) -> String {
+    let mut t = Table::new([
+        ("layer", Align::Right),
+        ("sink share (all queries)", Align::Right),
+        ("± std", Align::Right),
+        ("95% CI", Align::Left),
+        ("", Align::Left),
+        (format!("heads α₁>{}", a.epsilon).as_str(), Align::Right),
+        ("Gu et al.", Align::Right),
+        ("heads ≥0.9 on one token", Align::Right),
+        ("entropy", Align::Right),
+        ("massive", Align::Right),
+    ]);
+    for l in &a.layers {
+        t.row([
+            l.layer.to_string(),
+            format!("{:.4}", l.sink_all.mean),
+            format!("{:.4}", l.sink_all.std),
+            format!("[{:.4}, {:.4}]", l.sink_all.ci95.0, l.sink_all.ci95.1),
+            bar(l.sink_all.mean as f32, 20)
+                + if l.layer == a.peak_layer {
+                    " ▲ peak"
+                } else {
+                    ""
+                },
+            format!("{:.1}%", 100.0 * l.sink_heads_fraction),
+            format!("{:.1}%", 100.0 * l.gu_heads_fraction),
+            format!("{:.1}%", 100.0 * l.concentrated_fraction),
+            format!("{:.3}", l.mean_entropy),
+            l.massive_texts_fraction
+                .map_or("-".into(), |f| format!("{:.0}%", 100.0 * f)),
+        ]);
+    }
+    t.render()
+}
+
+/// The histogram of the last query's max weight over every text, layer and head (`total` rows).
+fn histogram(a: &Aggregate, total: usize) -> String {
+    let mut s = String::new();
+    s += &title(
+        "How concentrated are heads? Last-query max weight over all texts, layers and heads",
+    );
+    let mut t = Table::new([
+        ("max weight", Align::Left),
+        ("share", Align::Right),
+        ("", Align::Left),
+    ]);
+    for (i, &c) in a.max_weight_histogram.iter().enumerate() {
+        let f = c as f32 / total.max(1) as f32;
+        t.row([
+            format!("{:.1}–{:.1}", i as f32 / 10.0, (i + 1) as f32 / 10.0),
+            format!("{:.1}%", 100.0 * f),
+            bar(f, 40),
+        ]);
+    }
+    s += &t.render();
+    s
+}
+
+/// Each ranking's mean Spearman ρ against leave-one-out over the texts, with its 95% CI and
+/// top-1 agreement.
+fn faithfulness_table(a: &Aggregate) -> String {
+    let mut s = String::new();
+    s += &title("\nFaithfulness: Spearman ρ against leave-one-out, over texts");
+    let mut t = Table::new([
+        ("ranking", Align::Left),
+        ("first token", Align::Left),
+        ("mean ρ", Align::Right),
+        ("95% CI", Align::Left),
+        ("top-1 agreement", Align::Right),
+    ]);
+    for f in &a.faithfulness {
+        t.row([
+            f.ranking.clone(),
+            if f.without_first {
+                "excluded"
+            } else {
+                "included"
+            }
+            .into(),
+            format!("{:+.3}", f.spearman.mean),
+            format!("[{:+.3}, {:+.3}]", f.spearman.ci95.0, f.spearman.ci95.1),
+            format!("{:.1}%", 100.0 * f.top1_rate),
+        ]);
+    }
+    s += &t.render();
     s
 }

@@ -4,7 +4,6 @@
 use super::common::{emit, usage, ModelArgs};
 use crate::model::forward::EmbedInput;
 use serde_json::json;
-use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -66,16 +65,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             pair: None,
         })
         .collect();
-    let pb = if std::io::stderr().is_terminal() {
-        indicatif::ProgressBar::new(inputs.len() as u64)
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
-    pb.set_style(
-        indicatif::ProgressStyle::with_template("embedding [{bar:30}] {pos}/{len} ({elapsed})")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
+    let pb = super::common::progress_bar("embedding [{bar:30}] {pos}/{len} ({elapsed})");
+    pb.set_length(inputs.len() as u64);
     let start = Instant::now();
     let emb = model.embed_texts(&inputs, normalize, &|| pb.inc(1))?;
     let secs = start.elapsed().as_secs_f64();

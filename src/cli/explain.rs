@@ -49,146 +49,32 @@ pub struct Args {
     model: super::common::ModelArgs,
 }
 
+/// A quiz question, its answer and the numbers behind it.
+type Answer = (&'static str, String, serde_json::Value);
+
 /// `explain --quiz`: each question with its answer computed on the spot.
 fn quiz(a: &Args) -> anyhow::Result<()> {
-    use crate::analysis::faithfulness::{permutation_p, run as run_faith, spearman, FaithOptions};
-    use crate::model::capture::{AttnCache, CaptureSpec};
-    use crate::model::forward::RunOptions;
     let model = a.model.load()?;
     let d = &model.dims;
     let tokens = model.encode(&a.text, a.model.bos)?;
-    let n = tokens.len();
     let texts: Vec<String> = model
         .token_texts(&tokens)
         .iter()
         .map(|t| crate::model::tokenize::visible(t))
         .collect();
-    let mut qs: Vec<serde_json::Value> = Vec::new();
-    let mut ask = |q: &str, answer: String, numbers: serde_json::Value| {
-        qs.push(json!({"question": q, "answer": answer, "numbers": numbers}))
-    };
-    // 1. cost
-    let (n1, n2) = (2048f64, 8192f64);
-    let per_head = |n: f64| n * n * 4.0;
-    let all = |n: f64| per_head(n) * (d.n_layers * d.n_heads) as f64;
-    ask(
-        "The text grows from 2,048 to 8,192 tokens. How much bigger is the attention-score matrix?",
-        format!(
-            "(8192 / 2048)² = {:.0}x: each head's scores go from {} to {} (f32), and all {} layers × {} heads of {} from {} to {}. Four times the length, sixteen times the attention.",
-            (n2 / n1).powi(2),
-            super::cost::human_bytes(per_head(n1)),
-            super::cost::human_bytes(per_head(n2)),
-            d.n_layers,
-            d.n_heads,
-            model.info.name,
-            super::cost::human_bytes(all(n1)),
-            super::cost::human_bytes(all(n2))
-        ),
-        json!({"ratio": (n2 / n1).powi(2), "bytes_per_head": [per_head(n1), per_head(n2)], "bytes_all_heads": [all(n1), all(n2)]}),
-    );
-    // 2. head width
-    let split = d.d_model as f64 / d.n_heads as f64;
-    ask(
-        "How many numbers does each head work with?",
-        if d.head_dim * d.n_heads == d.d_model {
-            format!(
-                "{} / {} = {} per head: the heads split the model's width.",
-                d.d_model, d.n_heads, d.head_dim
-            )
-        } else {
-            format!(
-                "{} per head; here the heads do not split the width ({} / {} = {split:.1}).",
-                d.head_dim, d.d_model, d.n_heads
-            )
-        },
-        json!({"d_model": d.d_model, "n_heads": d.n_heads, "head_dim": d.head_dim}),
-    );
-    // 3. GQA
-    ask(
-        "How many query heads share each key/value set, and what does it save?",
-        format!(
-            "{} query heads, {} key/value sets: {}. The keys and values kept per token shrink {}x ({} instead of {} numbers per layer).",
-            d.n_heads,
-            d.n_kv_heads,
-            d.gqa_sentence(),
-            d.n_heads / d.n_kv_heads,
-            2 * d.n_kv_heads * d.head_dim,
-            2 * d.n_heads * d.head_dim
-        ),
-        json!({"n_heads": d.n_heads, "n_kv_heads": d.n_kv_heads, "group": d.n_heads / d.n_kv_heads}),
-    );
-    // 4. the mask of the user's sentence
-    let masked = n * (n - 1) / 2;
-    let shown: Vec<String> = texts.iter().take(10).cloned().collect();
-    ask(
-        "What does the causal mask do to your sentence?",
-        format!(
-            "It has {n} tokens: of the {} scores, the {masked} above the diagonal ({:.0}%) are set to -inf before the softmax, so token i sees tokens 0..=i only (its row has i + 1 weights).\n{}",
-            n * n,
-            100.0 * masked as f64 / (n * n) as f64,
-            mask_grid(&shown)
-        ),
-        json!({"tokens": texts, "scores": n * n, "masked": masked}),
-    );
-    // 5. rows and masked weights, measured on the model
-    let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
-    let out = model.forward(&tokens, &RunOptions::last_logits(n), &mut cache)?;
-    let (mut worst_sum, mut worst_masked) = (0f64, 0f32);
-    for l in 0..d.n_layers {
-        let p = cache.pattern(l).expect("captured");
-        for h in 0..d.n_heads {
-            for i in 0..n {
-                let row = p.row_at(h, i).expect("row");
-                worst_sum = worst_sum.max((row.iter().map(|&x| x as f64).sum::<f64>() - 1.0).abs());
-                worst_masked =
-                    worst_masked.max(row[i + 1..].iter().fold(0f32, |m, &x| m.max(x.abs())));
-            }
-        }
-    }
-    ask(
-        "After the softmax, do the rows sum to 1, and are the masked weights 0?",
-        format!("Measured on all {} layers × {} heads × {n} rows: the sums are 1 to within {worst_sum:.1e}, and the largest masked weight is {worst_masked}.", d.n_layers, d.n_heads),
-        json!({"max_row_sum_error": worst_sum, "max_masked_weight": worst_masked}),
-    );
-    // 6. is a high weight an explanation?
-    let f = run_faith(&model, &tokens, &FaithOptions::attention_only(), |_, _| {})?;
-    let rows = &f.tokens;
-    let top_attn = rows
-        .iter()
-        .max_by(|x, y| x.attention_last.total_cmp(&y.attention_last))
-        .expect("a token");
-    let top_loo = rows
-        .iter()
-        .filter(|r| r.loo.is_some())
-        .min_by(|x, y| x.loo.unwrap_or(0.0).total_cmp(&y.loo.unwrap_or(0.0)));
-    let sc: Vec<f64> = rows.iter().map(|r| r.attention_last as f64).collect();
-    let imp: Vec<f64> = rows
-        .iter()
-        .map(|r| -(r.loo.unwrap_or(0.0) as f64))
+    let (rows, logits) = quiz_rows(&model, &tokens)?;
+    let answers = [
+        quiz_cost(&model),
+        quiz_head_width(d),
+        quiz_gqa(d),
+        quiz_mask(&texts),
+        rows,
+        quiz_explanation(&model, &tokens, &logits)?,
+    ];
+    let qs: Vec<serde_json::Value> = answers
+        .into_iter()
+        .map(|(q, answer, numbers)| json!({"question": q, "answer": answer, "numbers": numbers}))
         .collect();
-    let (rho, p) = (spearman(&sc, &imp), permutation_p(&sc, &imp, spearman));
-    let next = crate::analysis::next_token_top_k(&out.logits[0], 1).remove(0);
-    let answer = match top_loo {
-        Some(t) => format!(
-            "Not by itself. The model predicts {:?} next. The last layer's attention (head mean) is highest on token {} {:?} ({:.3}), but deleting token {} {:?} changes the prediction most (Δ log p = {:+.3}). Over all {n} tokens, attention against deletion: Spearman ρ = {} (permutation p = {}). {}",
-            crate::model::tokenize::visible(&model.tokenizer.token_text(next.id)),
-            top_attn.pos,
-            crate::model::tokenize::visible(&top_attn.text),
-            top_attn.attention_last,
-            t.pos,
-            crate::model::tokenize::visible(&t.text),
-            t.loo.unwrap_or(0.0),
-            rho.map(|r| format!("{r:+.2}")).unwrap_or_else(|| "undefined".into()),
-            p.map(|p| format!("{p:.2}")).unwrap_or_else(|| "—".into()),
-            if top_attn.pos == t.pos { "Here they agree on the top token; the ranking still says how far the agreement goes." } else { "Here the most-attended token is not the one the prediction depends on." }
-        ),
-        None => "A one-token text has nothing to occlude; give a longer --text.".into(),
-    };
-    ask(
-        "Is a high attention weight an explanation?",
-        answer,
-        json!({"next_token": next.id, "top_attention_pos": top_attn.pos, "top_deletion_pos": top_loo.map(|t| t.pos), "spearman": rho, "spearman_p": p, "n": n}),
-    );
     if a.json {
         return emit(&format!(
             "{}\n",
@@ -210,6 +96,159 @@ fn quiz(a: &Args) -> anyhow::Result<()> {
         );
     }
     emit(&s)
+}
+
+/// Question 1: the cost of four times the length.
+fn quiz_cost(model: &crate::model::Model) -> Answer {
+    let d = &model.dims;
+    let (n1, n2) = (2048f64, 8192f64);
+    let per_head = |n: f64| n * n * 4.0;
+    let all = |n: f64| per_head(n) * (d.n_layers * d.n_heads) as f64;
+    (
+        "The text grows from 2,048 to 8,192 tokens. How much bigger is the attention-score matrix?",
+        format!(
+            "(8192 / 2048)² = {:.0}x: each head's scores go from {} to {} (f32), and all {} layers × {} heads of {} from {} to {}. Four times the length, sixteen times the attention.",
+            (n2 / n1).powi(2),
+            super::cost::human_bytes(per_head(n1)),
+            super::cost::human_bytes(per_head(n2)),
+            d.n_layers,
+            d.n_heads,
+            model.info.name,
+            super::cost::human_bytes(all(n1)),
+            super::cost::human_bytes(all(n2))
+        ),
+        json!({"ratio": (n2 / n1).powi(2), "bytes_per_head": [per_head(n1), per_head(n2)], "bytes_all_heads": [all(n1), all(n2)]}),
+    )
+}
+
+/// Question 2: each head's width.
+fn quiz_head_width(d: &crate::model::config::ModelDims) -> Answer {
+    let split = d.d_model as f64 / d.n_heads as f64;
+    (
+        "How many numbers does each head work with?",
+        if d.head_dim * d.n_heads == d.d_model {
+            format!(
+                "{} / {} = {} per head: the heads split the model's width.",
+                d.d_model, d.n_heads, d.head_dim
+            )
+        } else {
+            format!(
+                "{} per head; here the heads do not split the width ({} / {} = {split:.1}).",
+                d.head_dim, d.d_model, d.n_heads
+            )
+        },
+        json!({"d_model": d.d_model, "n_heads": d.n_heads, "head_dim": d.head_dim}),
+    )
+}
+
+/// Question 3: grouped-query attention's sharing and what it saves.
+fn quiz_gqa(d: &crate::model::config::ModelDims) -> Answer {
+    (
+        "How many query heads share each key/value set, and what does it save?",
+        format!(
+            "{} query heads, {} key/value sets: {}. The keys and values kept per token shrink {}x ({} instead of {} numbers per layer).",
+            d.n_heads,
+            d.n_kv_heads,
+            d.gqa_sentence(),
+            d.n_heads / d.n_kv_heads,
+            2 * d.n_kv_heads * d.head_dim,
+            2 * d.n_heads * d.head_dim
+        ),
+        json!({"n_heads": d.n_heads, "n_kv_heads": d.n_kv_heads, "group": d.n_heads / d.n_kv_heads}),
+    )
+}
+
+/// Question 4: the causal mask of the user's sentence (its tokens' `texts`).
+fn quiz_mask(texts: &[String]) -> Answer {
+    let n = texts.len();
+    let masked = n * (n - 1) / 2;
+    let shown: Vec<String> = texts.iter().take(10).cloned().collect();
+    (
+        "What does the causal mask do to your sentence?",
+        format!(
+            "It has {n} tokens: of the {} scores, the {masked} above the diagonal ({:.0}%) are set to -inf before the softmax, so token i sees tokens 0..=i only (its row has i + 1 weights).\n{}",
+            n * n,
+            100.0 * masked as f64 / (n * n) as f64,
+            mask_grid(&shown)
+        ),
+        json!({"tokens": texts, "scores": n * n, "masked": masked}),
+    )
+}
+
+/// Question 5: the rows' sums and the masked weights, measured on every layer and head; and the
+/// last position's logits.
+fn quiz_rows(model: &crate::model::Model, tokens: &[u32]) -> anyhow::Result<(Answer, Vec<f32>)> {
+    use crate::model::capture::{AttnCache, CaptureSpec};
+    use crate::model::forward::RunOptions;
+    let (d, n) = (&model.dims, tokens.len());
+    let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
+    let out = model.forward(tokens, &RunOptions::last_logits(n), &mut cache)?;
+    let (mut worst_sum, mut worst_masked) = (0f64, 0f32);
+    for l in 0..d.n_layers {
+        let p = cache.pattern(l).expect("captured");
+        for h in 0..d.n_heads {
+            for i in 0..n {
+                let row = p.row_at(h, i).expect("row");
+                worst_sum = worst_sum.max((row.iter().map(|&x| x as f64).sum::<f64>() - 1.0).abs());
+                worst_masked =
+                    worst_masked.max(row[i + 1..].iter().fold(0f32, |m, &x| m.max(x.abs())));
+            }
+        }
+    }
+    let answer = (
+        "After the softmax, do the rows sum to 1, and are the masked weights 0?",
+        format!("Measured on all {} layers × {} heads × {n} rows: the sums are 1 to within {worst_sum:.1e}, and the largest masked weight is {worst_masked}.", d.n_layers, d.n_heads),
+        json!({"max_row_sum_error": worst_sum, "max_masked_weight": worst_masked}),
+    );
+    Ok((answer, out.logits.into_iter().next().unwrap_or_default()))
+}
+
+/// Question 6: is the most-attended token the one the prediction (from `logits`) depends on?
+fn quiz_explanation(
+    model: &crate::model::Model,
+    tokens: &[u32],
+    logits: &[f32],
+) -> anyhow::Result<Answer> {
+    use crate::analysis::faithfulness::{permutation_p, run as run_faith, spearman, FaithOptions};
+    let n = tokens.len();
+    let f = run_faith(model, tokens, &FaithOptions::attention_only(), |_, _| {})?;
+    let rows = &f.tokens;
+    let top_attn = rows
+        .iter()
+        .max_by(|x, y| x.attention_last.total_cmp(&y.attention_last))
+        .expect("a token");
+    let top_loo = rows
+        .iter()
+        .filter(|r| r.loo.is_some())
+        .min_by(|x, y| x.loo.unwrap_or(0.0).total_cmp(&y.loo.unwrap_or(0.0)));
+    let sc: Vec<f64> = rows.iter().map(|r| r.attention_last as f64).collect();
+    let imp: Vec<f64> = rows
+        .iter()
+        .map(|r| -(r.loo.unwrap_or(0.0) as f64))
+        .collect();
+    let (rho, p) = (spearman(&sc, &imp), permutation_p(&sc, &imp, spearman));
+    let next = crate::analysis::next_token_top_k(logits, 1).remove(0);
+    let answer = match top_loo {
+        Some(t) => format!(
+            "Not by itself. The model predicts {:?} next. The last layer's attention (head mean) is highest on token {} {:?} ({:.3}), but deleting token {} {:?} changes the prediction most (Δ log p = {:+.3}). Over all {n} tokens, attention against deletion: Spearman ρ = {} (permutation p = {}). {}",
+            crate::model::tokenize::visible(&model.tokenizer.token_text(next.id)),
+            top_attn.pos,
+            crate::model::tokenize::visible(&top_attn.text),
+            top_attn.attention_last,
+            t.pos,
+            crate::model::tokenize::visible(&t.text),
+            t.loo.unwrap_or(0.0),
+            rho.map(|r| format!("{r:+.2}")).unwrap_or_else(|| "undefined".into()),
+            p.map(|p| format!("{p:.2}")).unwrap_or_else(|| "—".into()),
+            if top_attn.pos == t.pos { "Here they agree on the top token; the ranking still says how far the agreement goes." } else { "Here the most-attended token is not the one the prediction depends on." }
+        ),
+        None => "A one-token text has nothing to occlude; give a longer --text.".into(),
+    };
+    Ok((
+        "Is a high attention weight an explanation?",
+        answer,
+        json!({"next_token": next.id, "top_attention_pos": top_attn.pos, "top_deletion_pos": top_loo.map(|t| t.pos), "spearman": rho, "spearman_p": p, "n": n}),
+    ))
 }
 
 /// `explain --rnn`: the table of the lesson's last chapter.
@@ -393,7 +432,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 
 fn render(w: &Walkthrough, sat: &[(usize, f32, f32, f32, f32)], split: &str, a: &Args) -> String {
     let (n, d) = (w.words.len(), w.d);
-    let dims: Vec<String> = (0..d).map(|j| format!("{j}")).collect();
     let words = &w.words;
     let mut s = String::new();
     s += &title("One attention step, by hand");
@@ -402,6 +440,37 @@ fn render(w: &Walkthrough, sat: &[(usize, f32, f32, f32, f32)], split: &str, a: 
         words.join(", "),
         w.seed
     );
+    s += &inputs_section(w);
+    s += &scores_section(w);
+    s += &title("Causal mask");
+    s += &mask_grid(words);
+    s += "\n";
+    s += &scale_section(sat);
+    s += &title("Many heads, shared keys and values");
+    s += &format!(
+        "d_model {} split into {} heads: each head attends with its own {}-dim q, k, v, and the {} head outputs are concatenated back to {} and mixed by W_O.\n",
+        a.d_model,
+        a.heads,
+        a.d_model / a.heads,
+        a.heads,
+        a.d_model
+    );
+    s += &format!(
+        "With {} key/value heads (grouped-query attention) each KV set serves {} query heads (kv_head = head / {}):\n{split}\n",
+        a.kv_heads,
+        a.heads / a.kv_heads,
+        a.heads / a.kv_heads
+    );
+    s
+}
+
+/// The inputs, the weights, Q, K and V, and one score worked out by hand (the last query
+/// against the first key).
+fn inputs_section(w: &Walkthrough) -> String {
+    let (n, d) = (w.words.len(), w.d);
+    let dims: Vec<String> = (0..d).map(|j| format!("{j}")).collect();
+    let words = &w.words;
+    let mut s = String::new();
     s += &matrix(
         "X",
         "the input vector of each word, one row per position",
@@ -454,6 +523,16 @@ fn render(w: &Walkthrough, sat: &[(usize, f32, f32, f32, f32)], split: &str, a: 
         terms.join(" + "),
         dot(qi, kj)
     );
+    s
+}
+
+/// The scores, scaled, masked and softmaxed (the last row by hand), and the output Y.
+fn scores_section(w: &Walkthrough) -> String {
+    let (n, d) = (w.words.len(), w.d);
+    let dims: Vec<String> = (0..d).map(|j| format!("{j}")).collect();
+    let words = &w.words;
+    let i = n - 1;
+    let mut s = String::new();
     s += &matrix(
         "Scores Q·Kᵀ",
         "entry (i, j) = q_i·k_j; rows are queries, columns keys",
@@ -504,9 +583,12 @@ fn render(w: &Walkthrough, sat: &[(usize, f32, f32, f32, f32)], split: &str, a: 
         &dims,
         4,
     );
-    s += &title("Causal mask");
-    s += &mask_grid(words);
-    s += "\n";
+    s
+}
+
+/// Why divide by √d: the softmax's max weight and entropy with and without the scale, per d.
+fn scale_section(sat: &[(usize, f32, f32, f32, f32)]) -> String {
+    let mut s = String::new();
     s += &title("Why divide by √d");
     s += "Softmax of q·k over 16 keys, q and k with independent N(0,1) entries, mean of 500 draws:\n";
     let mut t = Table::new([
@@ -529,21 +611,6 @@ fn render(w: &Walkthrough, sat: &[(usize, f32, f32, f32, f32)], split: &str, a: 
     s += &format!(
         "q·k has variance d, so without the scale the scores spread out as d grows and softmax puts almost everything on one key\n(entropy → 0; uniform would be ln 16 = {:.3}). Dividing by √d keeps the spread, and the weights, the same for every d.\n\n",
         16f32.ln()
-    );
-    s += &title("Many heads, shared keys and values");
-    s += &format!(
-        "d_model {} split into {} heads: each head attends with its own {}-dim q, k, v, and the {} head outputs are concatenated back to {} and mixed by W_O.\n",
-        a.d_model,
-        a.heads,
-        a.d_model / a.heads,
-        a.heads,
-        a.d_model
-    );
-    s += &format!(
-        "With {} key/value heads (grouped-query attention) each KV set serves {} query heads (kv_head = head / {}):\n{split}\n",
-        a.kv_heads,
-        a.heads / a.kv_heads,
-        a.heads / a.kv_heads
     );
     s
 }

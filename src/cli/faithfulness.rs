@@ -184,6 +184,8 @@ fn metric_row(t: &mut Table, m: &MetricRow, first: bool) {
 /// A token row's gradient-method score, if that method ran.
 type Score = fn(&TokenRow) -> Option<f32>;
 
+/// `faithfulness`'s text report: the target, each token's explanations against occlusion, the
+/// rankings' metrics (all tokens, then without the first) and the conclusion.
 pub fn render(r: &FaithReport) -> String {
     let mut s = title(&format!(
         "Faithfulness: {} ({} precision)",
@@ -202,6 +204,20 @@ pub fn render(r: &FaithReport) -> String {
     s += &title(
         "Each token: attention against Δ log p(target) when it is occluded (most important first)",
     );
+    s += &token_table(r);
+    for wf in [false, true] {
+        s += &rankings_table(r, wf);
+    }
+    s += "comp@k = p(full) − p(without the ranking's top k tokens), higher = the ranking found tokens that matter;\nsuff@k = p(full) − p(only those k tokens), lower = they suffice (DeYoung et al. 2020).\n\n";
+    s += &title("Conclusion");
+    s += &format!("{}\n", r.conclusion);
+    s
+}
+
+/// Each token (most important first): its explanations, the gradient methods that ran, and the
+/// three occlusions' Δ log p, with the notes that define them.
+fn token_table(r: &FaithReport) -> String {
+    let mut s = String::new();
     let mut rows: Vec<_> = r.tokens.iter().collect();
     rows.sort_by(|a, b| {
         a.loo
@@ -275,50 +291,52 @@ pub fn render(r: &FaithReport) -> String {
         }
     }
     s += "norm last = ‖Σₕ αʰ·W_Oʰ vⱼ‖ of the last layer, what the token moves into the query (Kobayashi et al. 2020); norm all = its share of each layer's total, averaged over layers.\nΔ = log p(target | occluded) − log p(target | full text); a large negative Δ means the token mattered.\n\n";
-    for wf in [false, true] {
-        s += &title(if wf {
-            "Rankings against occlusion, first token excluded (the sink)"
-        } else {
-            "Rankings against occlusion, all tokens"
-        });
-        let mut t = metric_table();
-        for m in r
-            .metrics
-            .iter()
-            .filter(|m| m.without_first == wf && !m.ranking.starts_with("head_"))
-        {
-            metric_row(&mut t, m, m.truth == "loo");
-        }
-        // the heads of the last layer: the best one by ρ against deletion
-        let heads: Vec<&MetricRow> = r
-            .metrics
-            .iter()
-            .filter(|m| m.without_first == wf && m.ranking.starts_with("head_") && m.truth == "loo")
-            .collect();
-        if let Some(best) = heads
-            .iter()
-            .filter(|m| m.spearman.is_some())
-            .max_by(|a, b| {
-                a.spearman
-                    .unwrap_or(-2.0)
-                    .total_cmp(&b.spearman.unwrap_or(-2.0))
-            })
-        {
-            let mut b = (*best).clone();
-            b.ranking = format!("best head ({})", best.ranking);
-            metric_row(&mut t, &b, true);
-            let rhos: Vec<f64> = heads.iter().filter_map(|m| m.spearman).collect();
-            if !rhos.is_empty() {
-                s += &t.render();
-                s += &format!("mean Spearman ρ over the {} heads of the last layer (against deletion): {:+.3}\n\n", heads.len(), rhos.iter().sum::<f64>() / rhos.len() as f64);
-                continue;
-            }
-        }
-        s += &t.render();
-        s += "\n";
+    s
+}
+
+/// The rankings' metrics against occlusion (`wf`: without the first token), the last layer's best
+/// head and the heads' mean ρ.
+fn rankings_table(r: &FaithReport, wf: bool) -> String {
+    let mut s = String::new();
+    s += &title(if wf {
+        "Rankings against occlusion, first token excluded (the sink)"
+    } else {
+        "Rankings against occlusion, all tokens"
+    });
+    let mut t = metric_table();
+    for m in r
+        .metrics
+        .iter()
+        .filter(|m| m.without_first == wf && !m.ranking.starts_with("head_"))
+    {
+        metric_row(&mut t, m, m.truth == "loo");
     }
-    s += "comp@k = p(full) − p(without the ranking's top k tokens), higher = the ranking found tokens that matter;\nsuff@k = p(full) − p(only those k tokens), lower = they suffice (DeYoung et al. 2020).\n\n";
-    s += &title("Conclusion");
-    s += &format!("{}\n", r.conclusion);
+    // the heads of the last layer: the best one by ρ against deletion
+    let heads: Vec<&MetricRow> = r
+        .metrics
+        .iter()
+        .filter(|m| m.without_first == wf && m.ranking.starts_with("head_") && m.truth == "loo")
+        .collect();
+    if let Some(best) = heads
+        .iter()
+        .filter(|m| m.spearman.is_some())
+        .max_by(|a, b| {
+            a.spearman
+                .unwrap_or(-2.0)
+                .total_cmp(&b.spearman.unwrap_or(-2.0))
+        })
+    {
+        let mut b = (*best).clone();
+        b.ranking = format!("best head ({})", best.ranking);
+        metric_row(&mut t, &b, true);
+        let rhos: Vec<f64> = heads.iter().filter_map(|m| m.spearman).collect();
+        if !rhos.is_empty() {
+            s += &t.render();
+            s += &format!("mean Spearman ρ over the {} heads of the last layer (against deletion): {:+.3}\n\n", heads.len(), rhos.iter().sum::<f64>() / rhos.len() as f64);
+            return s;
+        }
+    }
+    s += &t.render();
+    s += "\n";
     s
 }

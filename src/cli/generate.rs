@@ -1,10 +1,10 @@
 //! `attnscope generate`: chat with the model (its own template) or continue a text, token by token
 //! on a KV cache, and show what the query that produced each token attended to.
 
-use super::common::{emit, progress_bar, usage, write_new_file, ModelArgs};
+use super::common::{emit, on_bar, progress_bar, usage, write_new_file, ModelArgs};
 use crate::analysis::attribute::Method;
-use crate::analysis::gen_attribute::attribute_generation;
-use crate::model::generate::{GenOptions, GenToken};
+use crate::analysis::gen_attribute::{attribute_generation, GenAttribution};
+use crate::model::generate::{GenOptions, GenToken, Generation};
 use crate::model::tokenize::visible;
 use crate::render::gen_attribute as render;
 use std::io::IsTerminal;
@@ -74,6 +74,8 @@ fn parse_method(s: &str) -> Result<Method, String> {
     s.parse()
 }
 
+/// `attnscope generate`: the answer streamed as it comes, then (with `--attribute`) why each
+/// answer token came, and the table of what each token's query attended to, or `--json`.
 pub fn run(a: Args) -> anyhow::Result<()> {
     let o = GenOptions {
         max_new_tokens: a.max_new_tokens,
@@ -85,22 +87,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         top: a.top,
     };
     o.check()?;
-    super::common::check_system(a.chat.is_some(), a.system.is_some())?;
-    if a.chat.is_none() && a.text.is_none() {
-        return Err(usage(
-            "say what to generate from: --chat \"a question\" (the model's chat template) or --text \"a text\" (a raw continuation)",
-        ));
-    }
-    if a.attribute == Some(Method::IntegratedGradients) {
-        crate::analysis::attribute::check_steps(a.steps)?;
-    }
-    if let Some(h) = &a.html {
-        if h.exists() && !a.force {
-            return Err(anyhow::Error::new(crate::model::Error::Exists {
-                path: h.clone(),
-            }));
-        }
-    }
+    check_request(&a)?;
     let model = a.model.load()?;
     model.require_decoder("generate (predicting one token after another)")?;
     let prompt = match (&a.chat, &a.text) {
@@ -109,51 +96,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         _ => unreachable!("checked above"),
     };
     let texts = model.token_texts(&prompt);
-    let label = |j: usize, gen: &[u32]| -> String {
-        if j < prompt.len() {
-            format!("{j}:{}", visible(&texts[j]))
-        } else {
-            let id = gen[j - prompt.len()];
-            format!("{j}:{}", visible(&model.tokenizer.token_text(id)))
-        }
-    };
     let stream = !a.json;
-    // a character split over tokens is printed once its last byte has come
-    let mut pending: Vec<u8> = Vec::new();
-    if stream {
-        eprintln!(
-            "{} prompt tokens ({}); generating up to {}:",
-            prompt.len(),
-            if a.chat.is_some() {
-                "chat template"
-            } else {
-                "raw text"
-            },
-            a.max_new_tokens
-        );
-    }
-    let stops = model.stop_ids();
-    let g = model.generate(&prompt, &o, |t: &GenToken| {
-        // the end-of-turn token is not printed (it is in the table and in --json)
-        if stream && !stops.contains(&t.id) {
-            pending.extend(model.tokenizer.token_bytes(t.id));
-            let ok = match std::str::from_utf8(&pending) {
-                Ok(_) => pending.len(),
-                Err(e) if e.error_len().is_none() => e.valid_up_to(),
-                Err(_) => pending.len(),
-            };
-            let _ = emit(&String::from_utf8_lossy(&pending[..ok]));
-            pending.drain(..ok);
-        }
-    })?;
-    if !pending.is_empty() {
-        emit(&String::from_utf8_lossy(&pending))?;
-    }
-    let all_bytes: Vec<u8> = g
-        .generated
-        .iter()
-        .flat_map(|t| model.tokenizer.token_bytes(t.id))
-        .collect();
+    let g = generate_streamed(&model, &prompt, &o, &a)?;
     let gen_ids: Vec<u32> = g.generated.iter().map(|t| t.id).collect();
     let attribution = match a.attribute {
         Some(method) => {
@@ -162,11 +106,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             }
             let bar = progress_bar("attribution [{bar:30}] {pos}/{len} ({eta})");
             let t0 = std::time::Instant::now();
-            let r =
-                attribute_generation(&model, &prompt, &gen_ids, method, a.steps, &mut |d, t| {
-                    bar.set_length(t as u64);
-                    bar.set_position(d as u64);
-                })?;
+            let r = attribute_generation(
+                &model,
+                &prompt,
+                &gen_ids,
+                method,
+                a.steps,
+                &mut on_bar(&bar),
+            )?;
             bar.finish_and_clear();
             Some((r, t0.elapsed().as_secs_f64()))
         }
@@ -178,44 +125,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .chain(gen_ids.iter().map(|&i| model.tokenizer.token_text(i)))
         .collect();
     if let (Some((r, _)), Some(path)) = (&attribution, &a.html) {
-        let attention: Vec<Vec<f32>> = g.generated.iter().map(|t| t.attention.clone()).collect();
-        let title = format!(
-            "attnscope · {} · why each answer token ({})",
-            model.info.name,
-            r.method.name()
-        );
-        let html = render::page(r, &all_texts, &attention, &title, &model.info.name);
-        write_new_file(path, html.as_bytes(), a.force)?;
-        if !a.json {
-            eprintln!(
-                "wrote {}; open it in a browser, no network needed",
-                path.display()
-            );
-        }
+        write_page(&model, r, &g, &all_texts, path, &a)?;
     }
+    // position j's label: `j:token`, the prompt's or the answer's
+    let label = |j: usize| format!("{j}:{}", visible(&all_texts[j]));
     if a.json {
-        let v = serde_json::json!({
-            "model": model.info.name,
-            "mode": if a.chat.is_some() { "chat" } else { "text" },
-            "prompt_ids": g.prompt_ids,
-            "prompt_tokens": texts,
-            "text": String::from_utf8_lossy(&all_bytes),
-            "stop": g.stop,
-            "prefill_s": g.prefill_s,
-            "decode_s": g.decode_s,
-            "decode_tokens_per_s": (g.generated.len().saturating_sub(1)) as f64 / g.decode_s.max(1e-9),
-            "generated": g.generated.iter().map(|t| serde_json::json!({
-                "id": t.id,
-                "text": t.text,
-                "logprob": t.logprob,
-                "position": t.position,
-                "sink": t.sink,
-                "top": t.top.iter().map(|&(k, w)| serde_json::json!({
-                    "position": k, "token": label(k, &gen_ids), "weight": w})).collect::<Vec<_>>(),
-                "concentrated": t.concentrated,
-            })).collect::<Vec<_>>(),
-        });
-        let mut v = v;
+        let mut v = json_doc(&model, &a, &g, &texts, &label);
         if let Some((r, secs)) = &attribution {
             v["attribution"] = render::json(r, &all_texts);
             v["attribution"]["seconds"] = serde_json::json!(secs);
@@ -233,10 +148,152 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             None => Ok(()),
         };
     }
-    let n_layers = model.dims.n_layers;
+    let mut s = token_table(model.dims.n_layers, a.concentrated, &g, &label);
+    if let Some((r, secs)) = &attribution {
+        s.push_str(&render::terminal(r, &all_texts, colour));
+        s.push_str(&format!("attribution {secs:.2} s\n"));
+    }
+    emit(&s)
+}
+
+/// The checks that need no model: `--system` with `--chat`, a prompt given, `--steps` for
+/// integrated gradients, `--html` new (or `--force`).
+fn check_request(a: &Args) -> anyhow::Result<()> {
+    super::common::check_system(a.chat.is_some(), a.system.is_some())?;
+    if a.chat.is_none() && a.text.is_none() {
+        return Err(usage(
+            "say what to generate from: --chat \"a question\" (the model's chat template) or --text \"a text\" (a raw continuation)",
+        ));
+    }
+    if a.attribute == Some(Method::IntegratedGradients) {
+        crate::analysis::attribute::check_steps(a.steps)?;
+    }
+    if let Some(h) = &a.html {
+        if h.exists() && !a.force {
+            return Err(anyhow::Error::new(crate::model::Error::Exists {
+                path: h.clone(),
+            }));
+        }
+    }
+    Ok(())
+}
+
+/// Generates from `prompt`, printing each token's text as it comes unless `--json` (the
+/// end-of-turn token not printed; a character split over tokens printed once its last byte came).
+fn generate_streamed(
+    model: &crate::model::Model,
+    prompt: &[u32],
+    o: &GenOptions,
+    a: &Args,
+) -> anyhow::Result<Generation> {
+    let stream = !a.json;
+    // a character split over tokens is printed once its last byte has come
+    let mut pending: Vec<u8> = Vec::new();
+    if stream {
+        eprintln!(
+            "{} prompt tokens ({}); generating up to {}:",
+            prompt.len(),
+            if a.chat.is_some() {
+                "chat template"
+            } else {
+                "raw text"
+            },
+            a.max_new_tokens
+        );
+    }
+    let stops = model.stop_ids();
+    let g = model.generate(prompt, o, |t: &GenToken| {
+        // the end-of-turn token is not printed (it is in the table and in --json)
+        if stream && !stops.contains(&t.id) {
+            pending.extend(model.tokenizer.token_bytes(t.id));
+            let ok = match std::str::from_utf8(&pending) {
+                Ok(_) => pending.len(),
+                Err(e) if e.error_len().is_none() => e.valid_up_to(),
+                Err(_) => pending.len(),
+            };
+            let _ = emit(&String::from_utf8_lossy(&pending[..ok]));
+            pending.drain(..ok);
+        }
+    })?;
+    if !pending.is_empty() {
+        emit(&String::from_utf8_lossy(&pending))?;
+    }
+    Ok(g)
+}
+
+/// `--html`: the page of the answer's attribution beside each answer token's attention.
+fn write_page(
+    model: &crate::model::Model,
+    r: &GenAttribution,
+    g: &Generation,
+    all_texts: &[String],
+    path: &std::path::Path,
+    a: &Args,
+) -> anyhow::Result<()> {
+    let attention: Vec<Vec<f32>> = g.generated.iter().map(|t| t.attention.clone()).collect();
+    let title = format!(
+        "attnscope · {} · why each answer token ({})",
+        model.info.name,
+        r.method.name()
+    );
+    let html = render::page(r, all_texts, &attention, &title, &model.info.name);
+    write_new_file(path, html.as_bytes(), a.force)?;
+    if !a.json {
+        eprintln!(
+            "wrote {}; open it in a browser, no network needed",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+/// `--json`'s document (without the attribution): the prompt, the text, each answer token with
+/// its sink profile, top keys (labelled by `label`) and concentrated heads, and the timings.
+fn json_doc(
+    model: &crate::model::Model,
+    a: &Args,
+    g: &Generation,
+    texts: &[String],
+    label: &dyn Fn(usize) -> String,
+) -> serde_json::Value {
+    let all_bytes: Vec<u8> = g
+        .generated
+        .iter()
+        .flat_map(|t| model.tokenizer.token_bytes(t.id))
+        .collect();
+    serde_json::json!({
+        "model": model.info.name,
+        "mode": if a.chat.is_some() { "chat" } else { "text" },
+        "prompt_ids": g.prompt_ids,
+        "prompt_tokens": texts,
+        "text": String::from_utf8_lossy(&all_bytes),
+        "stop": g.stop,
+        "prefill_s": g.prefill_s,
+        "decode_s": g.decode_s,
+        "decode_tokens_per_s": (g.generated.len().saturating_sub(1)) as f64 / g.decode_s.max(1e-9),
+        "generated": g.generated.iter().map(|t| serde_json::json!({
+            "id": t.id,
+            "text": t.text,
+            "logprob": t.logprob,
+            "position": t.position,
+            "sink": t.sink,
+            "top": t.top.iter().map(|&(k, w)| serde_json::json!({
+                "position": k, "token": label(k), "weight": w})).collect::<Vec<_>>(),
+            "concentrated": t.concentrated,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// The table of what the query that produced each token attended to, and the timings.
+fn token_table(
+    n_layers: usize,
+    concentrated: f32,
+    g: &Generation,
+    label: &dyn Fn(usize) -> String,
+) -> String {
     let mut s = format!(
         "\nwhat the query that produced each token attended to (weights averaged over heads and {n_layers} layers; sink = mean weight on position 0 over layers; conc = heads with max ≥ {} off position 0):\n",
-        a.concentrated
+        concentrated
     );
     s.push_str(&format!(
         "{:>5}  {:<16} {:>8}  {:>6}  {:>4}  top keys\n",
@@ -248,7 +305,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let top: Vec<String> = t
             .top
             .iter()
-            .map(|&(k, w)| format!("{} {:.2}", label(k, &gen_ids), w))
+            .map(|&(k, w)| format!("{} {:.2}", label(k), w))
             .collect();
         s.push_str(&format!(
             "{:>5}  {:<16} {:>8.3}  {:>6.3}  {:>4}  {}\n",
@@ -266,9 +323,5 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         g.prefill_s,
         g.generated.len().saturating_sub(1) as f64 / g.decode_s.max(1e-9)
     ));
-    if let Some((r, secs)) = &attribution {
-        s.push_str(&render::terminal(r, &all_texts, colour));
-        s.push_str(&format!("attribution {secs:.2} s\n"));
-    }
-    emit(&s)
+    s
 }

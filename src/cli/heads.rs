@@ -9,6 +9,7 @@ use crate::analysis::heads::{
     HeadRoles,
 };
 use crate::render::table::{title, Align, Table};
+use std::collections::BTreeMap;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -35,6 +36,8 @@ pub struct Args {
     json: bool,
 }
 
+/// `attnscope heads`: the role scores of the input, as JSON or as the top heads per role and a
+/// shaded grid per role.
 pub fn run(a: Args) -> anyhow::Result<()> {
     if a.top == 0 {
         return Err(usage("--top must be at least 1"));
@@ -45,38 +48,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         ));
     }
     let model = a.model.load()?;
-    let mut texts = Vec::new();
-    let mut types = None;
-    let mut doc = serde_json::Map::new();
-    let source;
-    if let Some(nr) = a.random_repeat {
-        let t = random_repeat_tokens(&model, nr, a.seed, a.model.bos)?;
-        texts.push(t);
-        source = format!("{nr} random tokens repeated once (seed {})", a.seed);
-        doc.insert("random_repeat".into(), nr.into());
-        doc.insert("seed".into(), a.seed.into());
-    } else if a.each_line {
-        let text = a.text.read()?;
-        for line in crate::analysis::corpus::parse_lines(&text, false) {
-            texts.push(model.encode(&line, a.model.bos)?);
-        }
-        if texts.is_empty() {
-            return Err(anyhow::Error::new(crate::model::Error::EmptyText));
-        }
-        source = format!("{} texts, one per line", texts.len());
-    } else {
-        let (t, ty) = a.text.tokens_or_pair(&model, a.model.bos)?;
-        texts.push(t);
-        source = if ty.is_some() {
-            "the sentence pair".into()
-        } else {
-            "the text".into()
-        };
-        types = ty;
-    }
-    let all: Vec<HeadRoles> = match types {
-        Some(ty) => vec![roles_of_typed(&model, &texts[0], Some(&ty))?],
-        None => texts
+    let input = inputs(&model, &a)?;
+    let all: Vec<HeadRoles> = match input.types {
+        Some(ty) => vec![roles_of_typed(&model, &input.texts[0], Some(&ty))?],
+        None => input
+            .texts
             .iter()
             .map(|t| roles_of(&model, t))
             .collect::<anyhow::Result<_>>()?,
@@ -84,7 +60,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.json {
         return emit(&format!(
             "{}\n",
-            serde_json::to_string_pretty(&document(&model, &all, doc)?)?
+            serde_json::to_string_pretty(&document(&model, &all, input.doc)?)?
         ));
     }
     let roles = mean_roles(&all);
@@ -92,44 +68,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let n_tokens: usize = all.iter().map(|r| r.tokens.len()).sum();
     let mut s = title(&format!(
         "Head roles of {}, {} ({n_tokens} tokens)",
-        model.info.name, source
+        model.info.name, input.source
     ));
     s += if model.is_encoder() {
         "an encoder (bidirectional): each score is a mean over the queries of the weight on the previous token, the next token, [CLS], [SEP], and (broad) the row's entropy / ln n; × = times a uniform head's score\n\n"
     } else {
         "score = Σ(A ⊙ P) / Σ A for the role's pattern P (TransformerLens's head detector, \"mul\"); × = times a uniform head's score\n\n"
     };
-    let mut t = Table::new([
-        ("role", Align::Left),
-        ("uniform head", Align::Right),
-        (
-            format!("top {} heads (layer.head score ×uniform)", a.top).as_str(),
-            Align::Left,
-        ),
-    ]);
     let names = role_names(&model);
-    for &role in names {
-        let mut ranked: Vec<(usize, usize, f64)> = roles[role]
-            .iter()
-            .enumerate()
-            .flat_map(|(l, hs)| hs.iter().enumerate().map(move |(h, &v)| (l, h, v)))
-            .collect();
-        ranked.sort_by(|x, y| y.2.total_cmp(&x.2).then(x.0.cmp(&y.0)).then(x.1.cmp(&y.1)));
-        let u = uniform[role];
-        let top: Vec<String> = ranked
-            .iter()
-            .take(a.top)
-            .map(|&(l, h, v)| {
-                if u > 0.0 {
-                    format!("{l}.{h} {v:.3} ×{:.1}", v / u)
-                } else {
-                    format!("{l}.{h} {v:.3}")
-                }
-            })
-            .collect();
-        t.row([role.to_string(), format!("{u:.3}"), top.join(", ")]);
-    }
-    s += &t.render();
+    s += &top_heads_table(names, &roles, &uniform, a.top);
     for &role in names {
         s += &format!("\n{role} (rows: layers; columns: heads; ' ░▒▓█' = 0 .. 1)\n");
         for (l, hs) in roles[role].iter().enumerate() {
@@ -141,4 +88,96 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
     }
     emit(&s)
+}
+
+/// What `heads` scores: the token sequences, a pair's token types, the JSON document's extra
+/// fields and the words that name the input.
+struct Inputs {
+    texts: Vec<Vec<u32>>,
+    types: Option<Vec<u32>>,
+    doc: serde_json::Map<String, serde_json::Value>,
+    source: String,
+}
+
+/// The input `a` asks for: random repeated tokens, each line of the text, or the text (or pair).
+fn inputs(model: &crate::model::Model, a: &Args) -> anyhow::Result<Inputs> {
+    let mut doc = serde_json::Map::new();
+    if let Some(nr) = a.random_repeat {
+        let t = random_repeat_tokens(model, nr, a.seed, a.model.bos)?;
+        doc.insert("random_repeat".into(), nr.into());
+        doc.insert("seed".into(), a.seed.into());
+        return Ok(Inputs {
+            texts: vec![t],
+            types: None,
+            doc,
+            source: format!("{nr} random tokens repeated once (seed {})", a.seed),
+        });
+    }
+    if a.each_line {
+        let text = a.text.read()?;
+        let mut texts = Vec::new();
+        for line in crate::analysis::corpus::parse_lines(&text, false) {
+            texts.push(model.encode(&line, a.model.bos)?);
+        }
+        if texts.is_empty() {
+            return Err(anyhow::Error::new(crate::model::Error::EmptyText));
+        }
+        let source = format!("{} texts, one per line", texts.len());
+        return Ok(Inputs {
+            texts,
+            types: None,
+            doc,
+            source,
+        });
+    }
+    let (t, ty) = a.text.tokens_or_pair(model, a.model.bos)?;
+    Ok(Inputs {
+        texts: vec![t],
+        source: if ty.is_some() {
+            "the sentence pair".into()
+        } else {
+            "the text".into()
+        },
+        types: ty,
+        doc,
+    })
+}
+
+/// Per role, the uniform head's score and the `top` heads by score (×uniform where it is > 0).
+fn top_heads_table(
+    names: &[&str],
+    roles: &BTreeMap<String, Vec<Vec<f64>>>,
+    uniform: &BTreeMap<String, f64>,
+    top: usize,
+) -> String {
+    let mut t = Table::new([
+        ("role", Align::Left),
+        ("uniform head", Align::Right),
+        (
+            format!("top {top} heads (layer.head score ×uniform)").as_str(),
+            Align::Left,
+        ),
+    ]);
+    for &role in names {
+        let mut ranked: Vec<(usize, usize, f64)> = roles[role]
+            .iter()
+            .enumerate()
+            .flat_map(|(l, hs)| hs.iter().enumerate().map(move |(h, &v)| (l, h, v)))
+            .collect();
+        ranked.sort_by(|x, y| y.2.total_cmp(&x.2).then(x.0.cmp(&y.0)).then(x.1.cmp(&y.1)));
+        let u = uniform[role];
+        let listed: Vec<String> = ranked
+            .iter()
+            .take(top)
+            .map(|&(l, h, v)| {
+                if u > 0.0 {
+                    format!("{l}.{h} {v:.3} ×{:.1}", v / u)
+                } else {
+                    format!("{l}.{h} {v:.3}")
+                }
+            })
+            .collect();
+        t.row([role.to_string(), format!("{u:.3}"), listed.join(", ")]);
+    }
+    t.render()
 }

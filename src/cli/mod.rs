@@ -9,7 +9,7 @@ mod bench_interventions;
 mod bench_sweeps;
 mod cache;
 mod capture;
-pub mod common;
+mod common;
 mod compare;
 mod corpus;
 mod corpus_encoder;
@@ -19,7 +19,7 @@ mod embed;
 mod explain;
 mod faithfulness;
 mod generate;
-pub mod heads;
+mod heads;
 mod info;
 mod inspect;
 mod patch;
@@ -27,13 +27,12 @@ mod scaling;
 mod scoring;
 mod serve;
 mod sinks;
-pub mod view;
+mod view;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
-pub use crate::analysis::request::is_bad_input;
-pub use common::{parse_index_list, write_new_file};
+use crate::analysis::request::is_bad_input;
 
 /// attnscope: compute, see and measure the attention inside real language models.
 ///

@@ -1,6 +1,6 @@
 //! `attnscope patch`: activation patching between a clean and a corrupted text.
 
-use super::common::{emit, progress_bar, usage, write_new_file, ModelArgs};
+use super::common::{emit, on_bar, progress_bar, usage, write_new_file, ModelArgs};
 use crate::analysis::attrpatch::{agreement, attribution_patch, Agreement, ApproxKind};
 use crate::analysis::faithfulness::Target;
 use crate::analysis::intervene::{patch, PatchHook, PatchOptions, PatchReport};
@@ -96,10 +96,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         batch_rows: a.batch_rows,
     };
     let bar = progress_bar("patched runs [{bar:30}] {pos}/{len} ({eta})");
-    let report = patch(&model, &clean, &corrupt, &opts, |done, total| {
-        bar.set_length(total as u64);
-        bar.set_position(done as u64);
-    })?;
+    let report = patch(&model, &clean, &corrupt, &opts, on_bar(&bar))?;
     bar.finish_and_clear();
     let approx = if a.approx {
         let r = attribution_patch(&model, &clean, &corrupt, report.answer.id, report.wrong.id)?;

@@ -1,12 +1,11 @@
 //! `attnscope scaling`: how the cost of attention grows with the length, measured.
 
-use super::common::{emit, usage, ModelArgs};
+use super::common::{emit, progress_bar, usage, ModelArgs};
 use crate::analysis::measure::{loglog_slope, machine, peak_rss_bytes, reset_peak_rss, rss_bytes};
 use crate::model::capture::{AttnCache, CaptureSpec, NoCapture};
 use crate::model::forward::RunOptions;
 use crate::render::table::{bar, title, Align, Table};
 use serde::Serialize;
-use std::io::IsTerminal;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -95,6 +94,8 @@ pub(super) fn measurement_table(what: &str, model: &str) -> (String, Table) {
     (s, t)
 }
 
+/// `attnscope scaling`: the settings measured at each length, the fitted exponents, as JSON or
+/// a table and a log-scale chart.
 pub fn run(a: Args) -> anyhow::Result<()> {
     if a.lengths.is_empty() || a.lengths.contains(&0) {
         return Err(usage(
@@ -114,97 +115,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             model: model.info.name.clone(),
         }));
     }
-    let all = crate::analysis::corpus::builtin_tokens(&model.tokenizer, max_n)?;
-    let bar_ = if std::io::stderr().is_terminal() {
-        indicatif::ProgressBar::new((a.lengths.len() * 2) as u64)
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
-    bar_.set_style(
-        indicatif::ProgressStyle::with_template("{msg:24} [{bar:30}] {pos}/{len} ({elapsed})")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
-    let measure = |tokens: &[u32], capture: bool| -> anyhow::Result<Setting> {
-        let n = tokens.len();
-        let once = |capture: bool| -> anyhow::Result<(f64, f64)> {
-            let opts = RunOptions::last_logits(n);
-            let out = if capture {
-                let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
-                model.forward(tokens, &opts, &mut cache)?
-            } else {
-                model.forward(tokens, &opts, &mut NoCapture)?
-            };
-            Ok((
-                out.timings.total.as_secs_f64(),
-                out.timings.attention.as_secs_f64(),
-            ))
-        };
-        once(capture)?; // warm-up
-        let before = rss_bytes();
-        let resettable = reset_peak_rss();
-        let mut runs = Vec::new();
-        let mut attn = Vec::new();
-        for _ in 0..a.repeats {
-            let (t, at) = once(capture)?;
-            runs.push(t);
-            attn.push(at);
-        }
-        let peak = if resettable { peak_rss_bytes() } else { None };
-        Ok(Setting {
-            median_s: median(runs.clone()),
-            attention_s: median(attn),
-            runs_s: runs,
-            peak_rss_bytes: peak,
-            extra_bytes: peak.zip(before).map(|(p, b)| p.saturating_sub(b)),
-        })
-    };
-    let mut rows = Vec::new();
-    for &n in &a.lengths {
-        let tokens = &all[..n];
-        bar_.set_message(format!("n = {n}, no capture"));
-        let no_capture = measure(tokens, false)?;
-        bar_.inc(1);
-        let pattern_bytes = 4.0 * (d.n_layers * d.n_heads) as f64 * (n as f64).powi(2);
-        let capture = if pattern_bytes <= a.capture_limit_gib * (1u64 << 30) as f64 {
-            bar_.set_message(format!("n = {n}, capture"));
-            Some(measure(tokens, true)?)
-        } else {
-            None
-        };
-        bar_.inc(1);
-        rows.push(Row {
-            n,
-            no_capture,
-            capture,
-            pattern_bytes,
-        });
-    }
-    bar_.finish_and_clear();
-    let ns: Vec<f64> = rows.iter().map(|r| r.n as f64).collect();
-    let attn: Vec<f64> = rows.iter().map(|r| r.no_capture.attention_s).collect();
-    let total: Vec<f64> = rows.iter().map(|r| r.no_capture.median_s).collect();
-    let proj: Vec<f64> = rows
-        .iter()
-        .map(|r| (r.no_capture.median_s - r.no_capture.attention_s).max(1e-9))
-        .collect();
-    let cap: Vec<(f64, f64)> = rows
-        .iter()
-        .filter_map(|r| r.capture.as_ref().map(|c| (r.n as f64, c.median_s)))
-        .collect();
-    // the exponent over the longer half, where fixed costs no longer dominate
-    let half = ns.len() / 2;
-    let fit = |ys: &[f64]| {
-        (
-            loglog_slope(&ns, ys),
-            loglog_slope(&ns[half..], &ys[half..]),
-        )
-    };
-    let (attn_fit, proj_fit, total_fit) = (fit(&attn), fit(&proj), fit(&total));
-    let cap_fit = loglog_slope(
-        &cap.iter().map(|c| c.0).collect::<Vec<_>>(),
-        &cap.iter().map(|c| c.1).collect::<Vec<_>>(),
-    );
+    let rows = measure_rows(&model, &a)?;
+    let fits = Fits::of(&rows);
     let (cpu, threads) = machine();
     // layers that attend through a sliding window cost O(n · window), not O(n²)
     let windowed = d.windowed_layers();
@@ -213,15 +125,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "model": model.info.name, "precision": model.info.precision.name(), "cpu": cpu, "threads": threads,
             "repeats": a.repeats, "warmup_runs": 1, "rows": rows,
             "sliding_window": d.sliding_window, "windowed_layers": windowed,
-            "exponents": {"attention": attn_fit.0, "attention_long_half": attn_fit.1, "projections": proj_fit.0, "projections_long_half": proj_fit.1,
-                          "forward": total_fit.0, "forward_long_half": total_fit.1, "forward_with_capture": cap_fit},
+            "exponents": {"attention": fits.attention.0, "attention_long_half": fits.attention.1, "projections": fits.projections.0, "projections_long_half": fits.projections.1,
+                          "forward": fits.forward.0, "forward_long_half": fits.forward.1, "forward_with_capture": fits.capture},
         });
         return emit(&format!("{}\n", serde_json::to_string_pretty(&doc)?));
     }
-    let mb = |b: Option<u64>| {
-        b.map(|x| format!("{:.0} MB", x as f64 / 1e6))
-            .unwrap_or_else(|| "—".into())
-    };
     let mut s = title(&format!(
         "Scaling of {} ({} precision) with the sequence length",
         model.info.name,
@@ -238,6 +146,148 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         );
     }
     s += "\n";
+    s += &rows_table(&rows);
+    s += &log_chart(&rows, &fits);
+    let f = |x: Option<f64>| x.map(|v| format!("{v:.2}")).unwrap_or_else(|| "—".into());
+    s += &format!(
+        "\nfitted exponents (time ~ n^k, all lengths / longer half): attention {} / {}, projections+MLP {} / {}, whole forward {} / {}; with capture {}\n",
+        f(fits.attention.0), f(fits.attention.1), f(fits.projections.0), f(fits.projections.1), f(fits.forward.0), f(fits.forward.1), f(fits.capture)
+    );
+    s += "Attention should approach 2 (every query against every key) and the projections 1 (each token on its own).\n";
+    emit(&s)
+}
+
+/// One setting at one length: a warm-up forward, then `repeats` timed ones (with every pattern
+/// captured when `capture`), and the peak memory they reached.
+fn measure_setting(
+    model: &crate::model::Model,
+    tokens: &[u32],
+    capture: bool,
+    repeats: usize,
+) -> anyhow::Result<Setting> {
+    let n = tokens.len();
+    let once = |capture: bool| -> anyhow::Result<(f64, f64)> {
+        let opts = RunOptions::last_logits(n);
+        let out = if capture {
+            let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
+            model.forward(tokens, &opts, &mut cache)?
+        } else {
+            model.forward(tokens, &opts, &mut NoCapture)?
+        };
+        Ok((
+            out.timings.total.as_secs_f64(),
+            out.timings.attention.as_secs_f64(),
+        ))
+    };
+    once(capture)?; // warm-up
+    let before = rss_bytes();
+    let resettable = reset_peak_rss();
+    let mut runs = Vec::new();
+    let mut attn = Vec::new();
+    for _ in 0..repeats {
+        let (t, at) = once(capture)?;
+        runs.push(t);
+        attn.push(at);
+    }
+    let peak = if resettable { peak_rss_bytes() } else { None };
+    Ok(Setting {
+        median_s: median(runs.clone()),
+        attention_s: median(attn),
+        runs_s: runs,
+        peak_rss_bytes: peak,
+        extra_bytes: peak.zip(before).map(|(p, b)| p.saturating_sub(b)),
+    })
+}
+
+/// Each length of `--lengths` on the built-in corpus's text: without capture, and with every
+/// pattern captured where the patterns fit `--capture-limit-gib`.
+fn measure_rows(model: &crate::model::Model, a: &Args) -> anyhow::Result<Vec<Row>> {
+    let d = &model.dims;
+    let max_n = *a.lengths.iter().max().expect("non-empty");
+    let all = crate::analysis::corpus::builtin_tokens(&model.tokenizer, max_n)?;
+    let bar_ = progress_bar("{msg:24} [{bar:30}] {pos}/{len} ({elapsed})");
+    bar_.set_length((a.lengths.len() * 2) as u64);
+    let mut rows = Vec::new();
+    for &n in &a.lengths {
+        let tokens = &all[..n];
+        bar_.set_message(format!("n = {n}, no capture"));
+        let no_capture = measure_setting(model, tokens, false, a.repeats)?;
+        bar_.inc(1);
+        let pattern_bytes = 4.0 * (d.n_layers * d.n_heads) as f64 * (n as f64).powi(2);
+        let capture = if pattern_bytes <= a.capture_limit_gib * (1u64 << 30) as f64 {
+            bar_.set_message(format!("n = {n}, capture"));
+            Some(measure_setting(model, tokens, true, a.repeats)?)
+        } else {
+            None
+        };
+        bar_.inc(1);
+        rows.push(Row {
+            n,
+            no_capture,
+            capture,
+            pattern_bytes,
+        });
+    }
+    bar_.finish_and_clear();
+    Ok(rows)
+}
+
+/// The measured times per length and their fitted exponents (time ~ n^k): over all lengths and
+/// over the longer half, where fixed costs no longer dominate.
+struct Fits {
+    /// the attention's seconds per length, without capture
+    attn: Vec<f64>,
+    /// the projections' and MLP's seconds per length (the forward less the attention)
+    proj: Vec<f64>,
+    attention: (Option<f64>, Option<f64>),
+    projections: (Option<f64>, Option<f64>),
+    forward: (Option<f64>, Option<f64>),
+    /// the forward with capture, over the lengths where it ran
+    capture: Option<f64>,
+}
+
+impl Fits {
+    /// The fits of `rows`.
+    fn of(rows: &[Row]) -> Fits {
+        let ns: Vec<f64> = rows.iter().map(|r| r.n as f64).collect();
+        let attn: Vec<f64> = rows.iter().map(|r| r.no_capture.attention_s).collect();
+        let total: Vec<f64> = rows.iter().map(|r| r.no_capture.median_s).collect();
+        let proj: Vec<f64> = rows
+            .iter()
+            .map(|r| (r.no_capture.median_s - r.no_capture.attention_s).max(1e-9))
+            .collect();
+        let cap: Vec<(f64, f64)> = rows
+            .iter()
+            .filter_map(|r| r.capture.as_ref().map(|c| (r.n as f64, c.median_s)))
+            .collect();
+        // the exponent over the longer half, where fixed costs no longer dominate
+        let half = ns.len() / 2;
+        let fit = |ys: &[f64]| {
+            (
+                loglog_slope(&ns, ys),
+                loglog_slope(&ns[half..], &ys[half..]),
+            )
+        };
+        Fits {
+            attention: fit(&attn),
+            projections: fit(&proj),
+            forward: fit(&total),
+            capture: loglog_slope(
+                &cap.iter().map(|c| c.0).collect::<Vec<_>>(),
+                &cap.iter().map(|c| c.1).collect::<Vec<_>>(),
+            ),
+            attn,
+            proj,
+        }
+    }
+}
+
+/// The table of every length: attention, projections+MLP, forward, peak memory, with capture.
+fn rows_table(rows: &[Row]) -> String {
+    let mb = |b: Option<u64>| {
+        b.map(|x| format!("{:.0} MB", x as f64 / 1e6))
+            .unwrap_or_else(|| "—".into())
+    };
     let mut t = Table::new([
         ("n", Align::Right),
         ("attention", Align::Right),
@@ -248,7 +298,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         ("peak RSS", Align::Right),
         ("patterns", Align::Right),
     ]);
-    for r in &rows {
+    for r in rows {
         t.row([
             r.n.to_string(),
             format!("{:.3} s", r.no_capture.attention_s),
@@ -266,18 +316,22 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             format!("{:.0} MB", r.pattern_bytes / 1e6),
         ]);
     }
-    s += &t.render();
-    // a log-scale chart: each bar spans log10(time) from the fastest to the slowest figure
+    t.render()
+}
+
+/// A log-scale chart: each bar spans log10(time) from the fastest to the slowest figure.
+fn log_chart(rows: &[Row], fits: &Fits) -> String {
+    let (attn, proj) = (&fits.attn, &fits.proj);
     let lo = attn
         .iter()
-        .chain(&proj)
+        .chain(proj)
         .copied()
         .fold(f64::INFINITY, f64::min)
         .max(1e-6)
         .log10();
     let hi = attn
         .iter()
-        .chain(&proj)
+        .chain(proj)
         .copied()
         .fold(0.0f64, f64::max)
         .max(1e-6)
@@ -289,7 +343,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             1.0
         }
     };
-    s += "\nlog-scale time per length (A = attention, P = projections + MLP):\n";
+    let mut s = "\nlog-scale time per length (A = attention, P = projections + MLP):\n".to_string();
     for (i, r) in rows.iter().enumerate() {
         s += &format!(
             "{:>6} A {:<40} {:.3} s\n       P {:<40} {:.3} s\n",
@@ -300,11 +354,5 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             proj[i]
         );
     }
-    let f = |x: Option<f64>| x.map(|v| format!("{v:.2}")).unwrap_or_else(|| "—".into());
-    s += &format!(
-        "\nfitted exponents (time ~ n^k, all lengths / longer half): attention {} / {}, projections+MLP {} / {}, whole forward {} / {}; with capture {}\n",
-        f(attn_fit.0), f(attn_fit.1), f(proj_fit.0), f(proj_fit.1), f(total_fit.0), f(total_fit.1), f(cap_fit)
-    );
-    s += "Attention should approach 2 (every query against every key) and the projections 1 (each token on its own).\n";
-    emit(&s)
+    s
 }

@@ -3,7 +3,7 @@
 //! before loading, show a progress bar over their forwards, and print the report as JSON or
 //! as text.
 
-use super::common::{emit, progress_bar, ModelArgs, TextArgs};
+use super::common::{emit, on_bar, progress_bar, ModelArgs, TextArgs};
 use crate::model::Model;
 
 /// The flags `attribute` and `faithfulness` end with.
@@ -31,10 +31,7 @@ pub fn run_scored<R: serde::Serialize>(
     let m = model.load()?;
     let tokens = text.tokens(&m, model.bos)?;
     let bar = progress_bar(&format!("{label} [{{bar:30}}] {{pos}}/{{len}} ({{eta}})"));
-    let report = score(&m, &tokens, &mut |done, total| {
-        bar.set_length(total as u64);
-        bar.set_position(done as u64);
-    })?;
+    let report = score(&m, &tokens, &mut on_bar(&bar))?;
     bar.finish_and_clear();
     if a.json {
         return emit(&format!("{}\n", serde_json::to_string_pretty(&report)?));

@@ -397,6 +397,9 @@ fn read_request(
     Ok((line, host))
 }
 
+/// Answers one connection: the request read within `--request-timeout`, its Host checked
+/// against `bound`, then the form, the view page (its turn at the model from `ticket`) or an
+/// error page.
 fn handle(
     stream: &mut TcpStream,
     model: &crate::model::Model,
@@ -409,26 +412,8 @@ fn handle(
         Ok(r) => r,
         Err((status, why)) => return respond(stream, status, &form(model, a.max_chars, Some(why))),
     };
-    match host {
-        Some(h) if host_allowed(&h, bound) => {}
-        Some(h) => {
-            return respond(
-                stream,
-                "421 Misdirected Request",
-                &form(
-                    model,
-                    a.max_chars,
-                    Some(&format!("this server answers to localhost, not to `{h}`")),
-                ),
-            )
-        }
-        None => {
-            return respond(
-                stream,
-                "400 Bad Request",
-                &form(model, a.max_chars, Some("the request has no Host header")),
-            )
-        }
+    if let Err((status, why)) = check_host(host.as_deref(), bound) {
+        return respond(stream, status, &form(model, a.max_chars, Some(&why)));
     }
     let mut parts = line.split_whitespace();
     let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
@@ -444,75 +429,7 @@ fn handle(
         "/" => respond(stream, "200 OK", &form(model, a.max_chars, None)),
         // browsers ask for it on their own; an empty answer keeps their consoles clean
         "/favicon.ico" => respond(stream, "204 No Content", ""),
-        "/view" => {
-            let mut text = None;
-            let mut pair = None;
-            let mut faith = false;
-            for (k, v) in form_urlencoded::parse(query.as_bytes()) {
-                match k.as_ref() {
-                    "text" => text = Some(v.into_owned()),
-                    // an encoder's second text; the form sends an empty one when left blank
-                    "pair" if !v.trim().is_empty() => pair = Some(v.into_owned()),
-                    "faithfulness" => faith = v == "1",
-                    _ => {}
-                }
-            }
-            let Some(text) = text else {
-                return respond(
-                    stream,
-                    "400 Bad Request",
-                    &form(model, a.max_chars, Some("no text was given")),
-                );
-            };
-            let chars = text.chars().count() + pair.as_ref().map_or(0, |p| p.chars().count());
-            if chars > a.max_chars {
-                return respond(
-                    stream,
-                    "413 Payload Too Large",
-                    &form(
-                        model,
-                        a.max_chars,
-                        Some(&format!(
-                            "the text has {chars} characters; this server takes at most {}",
-                            a.max_chars
-                        )),
-                    ),
-                );
-            }
-            if faith {
-                match model.encode(&text, a.model.bos) {
-                    Ok(t) if t.len() > a.max_faithfulness_tokens => {
-                        let msg = format!("the text is {} tokens; this server measures faithfulness (one forward per token) on at most {} (--max-faithfulness-tokens); untick it, or run `attnscope faithfulness`", t.len(), a.max_faithfulness_tokens);
-                        return respond(
-                            stream,
-                            "413 Payload Too Large",
-                            &form(model, a.max_chars, Some(&msg)),
-                        );
-                    }
-                    _ => {}
-                }
-            }
-            // the page waits its turn at the model; the answer is sent after the turn is given
-            // back, so a client that reads slowly does not hold it
-            let deadline = Instant::now() + Duration::from_secs(a.queue_timeout);
-            let turn = match ticket.turn(deadline) {
-                Ok(t) => t,
-                Err(r) => return refuse(stream, model, a, &r),
-            };
-            let page = match &pair {
-                None => super::view::view_html(model, &text, a.model.bos, faith),
-                Some(b) => view_pair(model, &text, b, faith),
-            };
-            drop(turn);
-            match page {
-                Ok((html, _)) => respond(stream, "200 OK", &html),
-                Err(e) => respond(
-                    stream,
-                    "400 Bad Request",
-                    &form(model, a.max_chars, Some(&format!("{e:#}"))),
-                ),
-            }
-        }
+        "/view" => serve_view(stream, model, a, query, ticket),
         _ => respond(
             stream,
             "404 Not Found",
@@ -525,6 +442,114 @@ fn handle(
     }
 }
 
+/// Refuses a request without a Host header (400) or to a host that is not this server (421:
+/// DNS rebinding).
+fn check_host(
+    host: Option<&str>,
+    bound: std::net::SocketAddr,
+) -> Result<(), (&'static str, String)> {
+    match host {
+        Some(h) if host_allowed(h, bound) => Ok(()),
+        Some(h) => Err((
+            "421 Misdirected Request",
+            format!("this server answers to localhost, not to `{h}`"),
+        )),
+        None => Err(("400 Bad Request", "the request has no Host header".into())),
+    }
+}
+
+/// What `/view?...` asks for: the text, an encoder's second text, the faithfulness panel.
+struct ViewRequest {
+    text: Option<String>,
+    pair: Option<String>,
+    faith: bool,
+}
+
+impl ViewRequest {
+    /// The request in `query` (URL-encoded); an empty `pair` is none (the form sends one).
+    fn parse(query: &str) -> ViewRequest {
+        let mut r = ViewRequest {
+            text: None,
+            pair: None,
+            faith: false,
+        };
+        for (k, v) in form_urlencoded::parse(query.as_bytes()) {
+            match k.as_ref() {
+                "text" => r.text = Some(v.into_owned()),
+                // an encoder's second text; the form sends an empty one when left blank
+                "pair" if !v.trim().is_empty() => r.pair = Some(v.into_owned()),
+                "faithfulness" => r.faith = v == "1",
+                _ => {}
+            }
+        }
+        r
+    }
+
+    /// Refuses what this server will not run: no text (400), more than `--max-chars`
+    /// characters, faithfulness on more than `--max-faithfulness-tokens` tokens (413).
+    fn check(&self, model: &crate::model::Model, a: &Args) -> Result<(), (&'static str, String)> {
+        let Some(text) = &self.text else {
+            return Err(("400 Bad Request", "no text was given".into()));
+        };
+        let chars = text.chars().count() + self.pair.as_ref().map_or(0, |p| p.chars().count());
+        if chars > a.max_chars {
+            return Err((
+                "413 Payload Too Large",
+                format!(
+                    "the text has {chars} characters; this server takes at most {}",
+                    a.max_chars
+                ),
+            ));
+        }
+        if self.faith {
+            match model.encode(text, a.model.bos) {
+                Ok(t) if t.len() > a.max_faithfulness_tokens => {
+                    let msg = format!("the text is {} tokens; this server measures faithfulness (one forward per token) on at most {} (--max-faithfulness-tokens); untick it, or run `attnscope faithfulness`", t.len(), a.max_faithfulness_tokens);
+                    return Err(("413 Payload Too Large", msg));
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `/view`: the request checked, a turn at the model waited for (or refused with 503), the page
+/// made, the turn given back, then the page sent.
+fn serve_view(
+    stream: &mut TcpStream,
+    model: &crate::model::Model,
+    a: &Args,
+    query: &str,
+    ticket: &Ticket,
+) {
+    let req = ViewRequest::parse(query);
+    if let Err((status, why)) = req.check(model, a) {
+        return respond(stream, status, &form(model, a.max_chars, Some(&why)));
+    }
+    let text = req.text.as_deref().expect("checked");
+    // the page waits its turn at the model; the answer is sent after the turn is given
+    // back, so a client that reads slowly does not hold it
+    let deadline = Instant::now() + Duration::from_secs(a.queue_timeout);
+    let turn = match ticket.turn(deadline) {
+        Ok(t) => t,
+        Err(r) => return refuse(stream, model, a, &r),
+    };
+    let page = match &req.pair {
+        None => crate::render::view::view_html(model, text, a.model.bos, req.faith),
+        Some(b) => view_pair(model, text, b, req.faith),
+    };
+    drop(turn);
+    match page {
+        Ok((html, _)) => respond(stream, "200 OK", &html),
+        Err(e) => respond(
+            stream,
+            "400 Bad Request",
+            &form(model, a.max_chars, Some(&format!("{e:#}"))),
+        ),
+    }
+}
+
 /// The view page of an encoder's sentence pair (a decoder's refusal says why).
 fn view_pair(
     model: &crate::model::Model,
@@ -533,13 +558,13 @@ fn view_pair(
     faithfulness: bool,
 ) -> anyhow::Result<(String, usize)> {
     let (tokens, types, segments) = model.encode_pair_segments(a, b)?;
-    let opts = super::view::ViewOptions {
+    let opts = crate::render::view::ViewOptions {
         faithfulness,
         token_types: Some(types),
         segments: Some(segments),
         ..Default::default()
     };
-    super::view::view_html_tokens(model, &tokens, &opts)
+    crate::render::view::view_html_tokens(model, &tokens, &opts)
 }
 
 /// Answers 503 with `Retry-After` and the reason.

@@ -1,10 +1,11 @@
 //! `attnscope sinks`: the sink profile and per-head statistics of a long text, streamed.
 
-use super::common::{emit, usage, ModelArgs};
+use super::common::{emit, progress_bar, usage, ModelArgs};
+use crate::analysis::sinkmetrics::LayerMassive;
 use crate::analysis::sinks::{sinks, sinks_tokens, SinksOptions};
+use crate::analysis::stream::LayerStats;
 use crate::model::tokenize::visible;
 use crate::render::table::{bar, sparkline, title, Align, Table};
-use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -43,37 +44,16 @@ pub struct Args {
     json: bool,
 }
 
+/// `attnscope sinks`: the text's tokens streamed through the model, the report as JSON or as
+/// the per-layer table, the sink profile, Gu et al.'s metric and the massive activations.
 pub fn run(a: Args) -> anyhow::Result<()> {
     let start = Instant::now();
     let model = a.model.load()?;
-    let text = match &a.file {
-        Some(f) => {
-            let bytes = std::fs::read(f)
-                .map_err(|e| usage(format!("cannot read --file {}: {e}", f.display())))?;
-            Some(String::from_utf8(bytes).map_err(|e| {
-                usage(format!(
-                    "{} is not valid UTF-8 (first bad byte at offset {})",
-                    f.display(),
-                    e.utf8_error().valid_up_to()
-                ))
-            })?)
-        }
-        None => None,
-    };
+    let text = a.file.as_deref().map(read_text).transpose()?;
     let tokens = sinks_tokens(&model, text.as_deref(), a.max_tokens, a.model.bos)?;
     let (d, n) = (&model.dims, tokens.len());
-    let bar_ = if std::io::stderr().is_terminal() {
-        indicatif::ProgressBar::new(d.n_layers as u64)
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
-    bar_.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{msg} [{bar:30}] layer {pos}/{len} ({elapsed}, {eta} left)",
-        )
-        .expect("valid template")
-        .progress_chars("=> "),
-    );
+    let bar_ = progress_bar("{msg} [{bar:30}] layer {pos}/{len} ({elapsed}, {eta} left)");
+    bar_.set_length(d.n_layers as u64);
     bar_.set_message(format!("{n} tokens"));
     let b2 = bar_.clone();
     let opts = SinksOptions {
@@ -96,7 +76,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.json {
         return emit(&format!("{}\n", serde_json::to_string_pretty(&r)?));
     }
-    let (layers, gu, massive) = (&r.layers, &r.gu_sink_metric, &r.massive_activations);
+    let layers = &r.layers;
     let mut s = title(&format!(
         "Attention sinks over {n} tokens, {} ({} precision), streamed",
         model.info.name,
@@ -108,42 +88,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         a.key_block,
         super::cost::human_bytes(4.0 * (d.n_layers * d.n_heads) as f64 * (n as f64).powi(2))
     );
-    let mut t = Table::new([
-        ("layer", Align::Right),
-        ("sink (all queries)", Align::Right),
-        ("", Align::Left),
-        ("last query", Align::Right),
-        (format!("heads α₁>{}", a.epsilon).as_str(), Align::Right),
-        ("heads by α₁ (░▒▓█)", Align::Left),
-        ("mean entropy", Align::Right),
-        ("rows ≥0.9", Align::Right),
-    ]);
     let peak_layer = layers
         .iter()
         .max_by(|x, y| x.sink_all_queries.total_cmp(&y.sink_all_queries))
         .map(|l| l.layer)
         .unwrap_or(0);
-    for l in layers {
-        let shade: String = l
-            .heads
-            .iter()
-            .map(|h| [' ', '░', '▒', '▓', '█'][((h.first_token * 4.0).round() as usize).min(4)])
-            .collect();
-        let sinks = l.heads.iter().filter(|h| h.first_token > a.epsilon).count();
-        let ent = l.heads.iter().map(|h| h.mean_entropy).sum::<f64>() / l.heads.len() as f64;
-        let conc = l.heads.iter().map(|h| h.concentrated).sum::<f64>() / l.heads.len() as f64;
-        t.row([
-            l.layer.to_string(),
-            format!("{:.4}", l.sink_all_queries),
-            bar(l.sink_all_queries as f32, 20) + if l.layer == peak_layer { " ▲" } else { "" },
-            format!("{:.4}", l.sink_last_query),
-            format!("{sinks}/{}", l.heads.len()),
-            format!("|{shade}|"),
-            format!("{ent:.3}"),
-            format!("{:.1}%", 100.0 * conc),
-        ]);
-    }
-    s += &t.render();
+    s += &layer_table(layers, a.epsilon, peak_layer);
     let prof: Vec<f32> = layers.iter().map(|l| l.sink_all_queries as f32).collect();
     s += &format!(
         "sink profile {}\npeak: layer {peak_layer} ({:.4})\n",
@@ -159,7 +109,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             n - w
         );
     }
-    if let Some(g) = gu {
+    if let Some(g) = &r.gu_sink_metric {
         s += &format!(
             "Gu et al. 2024's sink metric (α₁ over every query, first included, > {}) on {} prompts of {} tokens from this text: {:.1}% of heads (per layer {})\n",
             g.epsilon,
@@ -169,49 +119,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             sparkline(&g.per_layer.iter().map(|&v| v as f32).collect::<Vec<_>>())
         );
     }
-    if !massive.is_empty() {
-        let with: Vec<&crate::analysis::sinkmetrics::LayerMassive> =
-            massive.iter().filter(|m| m.massive > 0).collect();
-        s += &format!(
-            "massive activations (Sun et al. 2024: |x| > 100 and ≥ 1,000 × the layer's median |x|) in {} of {} layers' outputs",
-            with.len(),
-            massive.len()
-        );
-        match with.iter().max_by(|x, y| x.max_abs.total_cmp(&y.max_abs)) {
-            Some(m) => {
-                let t = &m.top[0];
-                s += &format!(
-                    "; the largest: {:.1} at layer {}, dimension {}, token {} {:?} ({:.0} × the median)\n",
-                    t.value,
-                    m.layer,
-                    t.dim,
-                    t.pos,
-                    visible(&model.tokenizer.token_text(tokens[t.pos])),
-                    m.ratio
-                );
-                let dims: std::collections::BTreeSet<usize> = with
-                    .iter()
-                    .flat_map(|m| m.top.iter().map(|t| t.dim))
-                    .collect();
-                let pos: std::collections::BTreeSet<usize> = with
-                    .iter()
-                    .flat_map(|m| m.top.iter().map(|t| t.pos))
-                    .collect();
-                s += &format!(
-                    "  on dimensions {:?} and tokens {}\n",
-                    dims,
-                    pos.iter()
-                        .take(8)
-                        .map(|&p| format!(
-                            "{p} {:?}",
-                            visible(&model.tokenizer.token_text(tokens[p]))
-                        ))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                );
-            }
-            None => s += "\n",
-        }
+    if !r.massive_activations.is_empty() {
+        s += &massive_lines(&model, &tokens, &r.massive_activations);
     }
     s += "\n";
     s += &format!(
@@ -226,4 +135,95 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         r.cpu
     );
     emit(&s)
+}
+
+/// `--file`'s text, refused (exit 2) when it cannot be read or is not UTF-8.
+fn read_text(f: &std::path::Path) -> anyhow::Result<String> {
+    let bytes =
+        std::fs::read(f).map_err(|e| usage(format!("cannot read --file {}: {e}", f.display())))?;
+    String::from_utf8(bytes).map_err(|e| {
+        usage(format!(
+            "{} is not valid UTF-8 (first bad byte at offset {})",
+            f.display(),
+            e.utf8_error().valid_up_to()
+        ))
+    })
+}
+
+/// The table of every layer: its sink share (all queries, with a bar; ▲ at `peak_layer`), the
+/// last query's, the heads above `epsilon` and each head shaded by α₁, entropy, concentration.
+fn layer_table(layers: &[LayerStats], epsilon: f64, peak_layer: usize) -> String {
+    let mut t = Table::new([
+        ("layer", Align::Right),
+        ("sink (all queries)", Align::Right),
+        ("", Align::Left),
+        ("last query", Align::Right),
+        (format!("heads α₁>{epsilon}").as_str(), Align::Right),
+        ("heads by α₁ (░▒▓█)", Align::Left),
+        ("mean entropy", Align::Right),
+        ("rows ≥0.9", Align::Right),
+    ]);
+    for l in layers {
+        let shade: String = l
+            .heads
+            .iter()
+            .map(|h| [' ', '░', '▒', '▓', '█'][((h.first_token * 4.0).round() as usize).min(4)])
+            .collect();
+        let sinks = l.heads.iter().filter(|h| h.first_token > epsilon).count();
+        let ent = l.heads.iter().map(|h| h.mean_entropy).sum::<f64>() / l.heads.len() as f64;
+        let conc = l.heads.iter().map(|h| h.concentrated).sum::<f64>() / l.heads.len() as f64;
+        t.row([
+            l.layer.to_string(),
+            format!("{:.4}", l.sink_all_queries),
+            bar(l.sink_all_queries as f32, 20) + if l.layer == peak_layer { " ▲" } else { "" },
+            format!("{:.4}", l.sink_last_query),
+            format!("{sinks}/{}", l.heads.len()),
+            format!("|{shade}|"),
+            format!("{ent:.3}"),
+            format!("{:.1}%", 100.0 * conc),
+        ]);
+    }
+    t.render()
+}
+
+/// The massive activations' lines (Sun et al. 2024): in how many layers, the largest, and the
+/// dimensions and tokens they sit on.
+fn massive_lines(model: &crate::model::Model, tokens: &[u32], massive: &[LayerMassive]) -> String {
+    let with: Vec<&LayerMassive> = massive.iter().filter(|m| m.massive > 0).collect();
+    let mut s = format!(
+        "massive activations (Sun et al. 2024: |x| > 100 and ≥ 1,000 × the layer's median |x|) in {} of {} layers' outputs",
+        with.len(),
+        massive.len()
+    );
+    let Some(m) = with.iter().max_by(|x, y| x.max_abs.total_cmp(&y.max_abs)) else {
+        return s + "\n";
+    };
+    let t = &m.top[0];
+    s += &format!(
+        "; the largest: {:.1} at layer {}, dimension {}, token {} {:?} ({:.0} × the median)\n",
+        t.value,
+        m.layer,
+        t.dim,
+        t.pos,
+        visible(&model.tokenizer.token_text(tokens[t.pos])),
+        m.ratio
+    );
+    let dims: std::collections::BTreeSet<usize> = with
+        .iter()
+        .flat_map(|m| m.top.iter().map(|t| t.dim))
+        .collect();
+    let pos: std::collections::BTreeSet<usize> = with
+        .iter()
+        .flat_map(|m| m.top.iter().map(|t| t.pos))
+        .collect();
+    s += &format!(
+        "  on dimensions {:?} and tokens {}\n",
+        dims,
+        pos.iter()
+            .take(8)
+            .map(|&p| format!("{p} {:?}", visible(&model.tokenizer.token_text(tokens[p]))))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    s
 }

@@ -320,28 +320,15 @@ fn write_layers<W: std::io::Write + std::io::Seek>(
     error
 }
 
-/// Runs `model` on `tokens` (an encoder's `token_types`, or `None`) and streams the tensors of
-/// `plan` (from `req`) into `req.out`: written under a temporary name beside it and renamed
-/// into place when complete (never over a file that appeared meanwhile, unless `force`).
-/// `on_layer(layer)` after each layer.
-pub fn capture(
+/// The file's metadata: the tokens (ids and texts), the model, its precision, the queries and
+/// heads kept, the producer, and an encoder's token types (all 0 for one text).
+fn metadata(
     model: &Model,
     tokens: &[u32],
-    token_types: Option<Vec<u32>>,
-    req: &CaptureRequest,
-    plan: CapturePlan,
-    on_layer: &mut dyn FnMut(usize),
-) -> anyhow::Result<CaptureReport> {
-    let start = std::time::Instant::now();
-    let CapturePlan {
-        spec,
-        format,
-        order,
-        n,
-    } = plan;
-    assert_eq!(n, tokens.len(), "the plan is for these tokens");
-    let d = &model.dims;
-    let out = &req.out;
+    token_types: Option<&[u32]>,
+    spec: &CaptureSpec,
+) -> anyhow::Result<BTreeMap<String, String>> {
+    let n = tokens.len();
     let texts = model.token_texts(tokens);
     let mut md = BTreeMap::from([
         ("token_ids".to_string(), serde_json::to_string(&tokens)?),
@@ -367,9 +354,15 @@ pub fn capture(
     ]);
     if model.is_encoder() {
         // an encoder's token types, as the forward ran them (a pair's 0/1; one text: all 0)
-        let types = token_types.clone().unwrap_or_else(|| vec![0; n]);
+        let types = token_types.map_or_else(|| vec![0; n], <[u32]>::to_vec);
         md.insert("token_types".into(), serde_json::to_string(&types)?);
     }
+    Ok(md)
+}
+
+/// A temporary file beside `out` (mode 0666 less the umask on unix), renamed over it only when
+/// complete.
+fn temp_beside(out: &Path) -> anyhow::Result<tempfile::NamedTempFile> {
     // write into a temporary file beside the target, renamed over it only when complete
     let dir = out
         .parent()
@@ -383,9 +376,58 @@ pub fn capture(
         use std::os::unix::fs::PermissionsExt;
         builder.permissions(std::fs::Permissions::from_mode(0o666));
     }
-    let tmp = builder
+    builder
         .tempfile_in(dir)
-        .with_context(|| format!("creating a temporary file in {}", dir.display()))?;
+        .with_context(|| format!("creating a temporary file in {}", dir.display()))
+}
+
+/// Renames the complete capture `tmp` to `out`: over an existing file with `force`, else never
+/// over a file that appeared meanwhile.
+fn persist(tmp: tempfile::NamedTempFile, out: &Path, force: bool) -> anyhow::Result<()> {
+    if force {
+        tmp.persist(out)
+            .map_err(|e| e.error)
+            .with_context(|| format!("renaming the capture to {}", out.display()))?;
+    } else {
+        // never replaces a file that appeared meanwhile
+        tmp.persist_noclobber(out).map_err(|e| {
+            if e.error.kind() == std::io::ErrorKind::AlreadyExists {
+                anyhow::Error::new(Error::Exists {
+                    path: out.to_path_buf(),
+                })
+            } else {
+                anyhow::Error::new(e.error)
+                    .context(format!("renaming the capture to {}", out.display()))
+            }
+        })?;
+    }
+    Ok(())
+}
+
+/// Runs `model` on `tokens` (an encoder's `token_types`, or `None`) and streams the tensors of
+/// `plan` (from `req`) into `req.out`: written under a temporary name beside it and renamed
+/// into place when complete (never over a file that appeared meanwhile, unless `force`).
+/// `on_layer(layer)` after each layer.
+pub fn capture(
+    model: &Model,
+    tokens: &[u32],
+    token_types: Option<Vec<u32>>,
+    req: &CaptureRequest,
+    plan: CapturePlan,
+    on_layer: &mut dyn FnMut(usize),
+) -> anyhow::Result<CaptureReport> {
+    let start = std::time::Instant::now();
+    let CapturePlan {
+        spec,
+        format,
+        order,
+        n,
+    } = plan;
+    assert_eq!(n, tokens.len(), "the plan is for these tokens");
+    let d = &model.dims;
+    let out = &req.out;
+    let md = metadata(model, tokens, token_types.as_deref(), &spec)?;
+    let tmp = temp_beside(out)?;
     // safetensors is written front to back, so past the page cache where the file system lets
     // it; npz through a buffer (the zip writer goes back to fill in sizes)
     let file = match format {
@@ -443,21 +485,7 @@ pub fn capture(
         .and_then(Out::finish)
         .with_context(|| format!("writing {}", out.display()))?;
     let size = tmp.as_file().metadata()?.len();
-    if req.force {
-        tmp.persist(out)
-            .map_err(|e| e.error)
-            .with_context(|| format!("renaming the capture to {}", out.display()))?;
-    } else {
-        // never replaces a file that appeared meanwhile
-        tmp.persist_noclobber(out).map_err(|e| {
-            if e.error.kind() == std::io::ErrorKind::AlreadyExists {
-                anyhow::Error::new(Error::Exists { path: out.clone() })
-            } else {
-                anyhow::Error::new(e.error)
-                    .context(format!("renaming the capture to {}", out.display()))
-            }
-        })?;
-    }
+    persist(tmp, out, req.force)?;
     Ok(CaptureReport {
         path: out.clone(),
         tensors: n_tensors,
@@ -492,15 +520,7 @@ mod tests {
     }
 
     impl Observer for Watch<'_> {
-        fn wants(&self, layer: usize, hook: Hook) -> bool {
-            self.inner.wants(layer, hook)
-        }
-        fn tensor(&mut self, layer: usize, hook: Hook, shape: &[usize], data: &[f32]) {
-            self.inner.tensor(layer, hook, shape, data)
-        }
-        fn attention_block(&mut self, l: usize, h: Hook, q: usize, s: [usize; 3], d: &[f32]) {
-            self.inner.attention_block(l, h, q, s, d)
-        }
+        crate::delegate_observer!(inner: wants, tensor, attention_block, attention_done);
         fn pattern_rows(
             &mut self,
             layer: usize,
@@ -515,9 +535,6 @@ mod tests {
             }
             self.inner
                 .pattern_rows(layer, q_start, rows, n_heads, k_len)
-        }
-        fn attention_done(&mut self, layer: usize) {
-            self.inner.attention_done(layer)
         }
         fn layer_done(&mut self, layer: usize) {
             self.pattern_gone_before_mlp_end.push(

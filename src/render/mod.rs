@@ -7,10 +7,12 @@ pub mod heatmap;
 pub mod html;
 pub mod npy;
 pub mod patch_page;
+pub mod progress;
 pub mod report;
 pub mod sparse;
 pub mod table;
 pub mod tensorfile;
+pub mod view;
 
 use anyhow::Context;
 use std::io::Write;

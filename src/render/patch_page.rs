@@ -122,7 +122,41 @@ pub fn patch_page(r: &PatchReport) -> String {
         cols,
         if per_head { "heads" } else { "positions" }
     );
-    // the summary
+    s += &summary(r);
+    // the heatmap
+    s += &format!(
+        "<section id=\"map\"><h2>Share of the logit difference restored, {} of the corrupted run taken from the clean run</h2>",
+        esc(&r.hook)
+    );
+    s += &format!(
+        "<p class=\"note\">Each cell: (patched − corrupt) / (clean − corrupt) for {}; 1 restores the clean run's difference, 0 changes nothing. Hover a cell for its numbers, click it to show them below.</p>",
+        if per_head {
+            "one head of one layer (its value at every position)"
+        } else {
+            "one layer at one position (the corrupted run recomputed from there)"
+        }
+    );
+    s += &grid(r, &at, layers, cols, per_head);
+    s += "</table></div>";
+    let (lo, _) = shade(-1.0);
+    let (hi, _) = shade(1.0);
+    s += &format!(
+        "<div class=\"legend\" id=\"legend\"><span>−1</span><span class=\"bar\" style=\"background:linear-gradient(to right, {lo}, #fff, {hi})\"></span><span>+1 recovered (beyond ±1 as at ±1)</span></div></section>\n"
+    );
+    s += "<section id=\"cell\"><h2>Selected cell</h2><div id=\"detail\" class=\"note\">Click a cell of the map.</div></section>\n</main>\n";
+    // the report, for the script: every `<` written \u003c so no text ends the element
+    let json = serde_json::to_string(r)
+        .expect("the patch report serializes")
+        .replace('<', "\\u003c");
+    s += &format!("<script type=\"application/json\" id=\"report\">{json}</script>\n");
+    s += &format!("<script>{SCRIPT}</script>\n</body>\n</html>\n");
+    s
+}
+
+/// The summary: the two texts, the answer and the wrong token, the two logit differences and
+/// the work done.
+fn summary(r: &PatchReport) -> String {
+    let mut s = String::new();
     s += "<section id=\"summary\"><h2>Clean and corrupted runs</h2><table>";
     s += &format!(
         "<tr><td>clean text</td><td class=\"tok\">{}</td></tr><tr><td>corrupted text</td><td class=\"tok\">{}</td></tr>",
@@ -146,19 +180,20 @@ pub fn patch_page(r: &PatchReport) -> String {
         r.layer_rows,
         100.0 * r.layer_rows as f64 / r.layer_rows_from_scratch.max(1) as f64
     );
-    // the heatmap
-    s += &format!(
-        "<section id=\"map\"><h2>Share of the logit difference restored, {} of the corrupted run taken from the clean run</h2>",
-        esc(&r.hook)
-    );
-    s += &format!(
-        "<p class=\"note\">Each cell: (patched − corrupt) / (clean − corrupt) for {}; 1 restores the clean run's difference, 0 changes nothing. Hover a cell for its numbers, click it to show them below.</p>",
-        if per_head {
-            "one head of one layer (its value at every position)"
-        } else {
-            "one layer at one position (the corrupted run recomputed from there)"
-        }
-    );
+    s
+}
+
+/// The heatmap's table: a column per head or position (the corrupted token under the clean one
+/// where they differ), a row per layer, each cell shaded by its share recovered; `at` is the
+/// result index of each (layer, column).
+fn grid(
+    r: &PatchReport,
+    at: &[Option<usize>],
+    layers: usize,
+    cols: usize,
+    per_head: bool,
+) -> String {
+    let mut s = String::new();
     s += "<div id=\"grid\"><table><tr><th></th>";
     for col in 0..cols {
         if per_head {
@@ -208,19 +243,6 @@ pub fn patch_page(r: &PatchReport) -> String {
         }
         s += "</tr>\n";
     }
-    s += "</table></div>";
-    let (lo, _) = shade(-1.0);
-    let (hi, _) = shade(1.0);
-    s += &format!(
-        "<div class=\"legend\" id=\"legend\"><span>−1</span><span class=\"bar\" style=\"background:linear-gradient(to right, {lo}, #fff, {hi})\"></span><span>+1 recovered (beyond ±1 as at ±1)</span></div></section>\n"
-    );
-    s += "<section id=\"cell\"><h2>Selected cell</h2><div id=\"detail\" class=\"note\">Click a cell of the map.</div></section>\n</main>\n";
-    // the report, for the script: every `<` written \u003c so no text ends the element
-    let json = serde_json::to_string(r)
-        .expect("the patch report serializes")
-        .replace('<', "\\u003c");
-    s += &format!("<script type=\"application/json\" id=\"report\">{json}</script>\n");
-    s += &format!("<script>{SCRIPT}</script>\n</body>\n</html>\n");
     s
 }
 

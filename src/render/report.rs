@@ -121,6 +121,21 @@ pub fn render(r: &InspectReport, mask_tokens: usize) -> String {
     s += &mask_grid(&labels);
     s += "\n";
     let qtok = quoted(&r.tokens[r.query].text);
+    s += &heads_section(r, &qtok);
+    let chosen: Vec<&LayerRow> = r.layers.iter().filter(|l| l.top.is_some()).collect();
+    s += &layers_section(r, &qtok, &chosen);
+    let first = quoted(&r.tokens[0].text);
+    s += &norm_section(r, &qtok, &first, &chosen);
+    s += &sink_section(r, &first);
+    s += &answer_section(r);
+    s += &title("9. Caution");
+    s += &format!("{}\n", r.caution);
+    s
+}
+
+/// Section 4: the chosen layer's heads, each head's top keys for the query, max and entropy.
+fn heads_section(r: &InspectReport, qtok: &str) -> String {
+    let mut s = String::new();
     let top_n = r.heads.first().map(|h| h.top.len()).unwrap_or(0);
     s += &title(&format!(
         "4. Layer {}, query {} {qtok}: top {top_n} keys of each head",
@@ -155,7 +170,12 @@ pub fn render(r: &InspectReport, mask_tokens: usize) -> String {
     }
     s += &t.render();
     s += "entropy in nats (0 = all weight on one token; ln n = spread evenly). ◀ marks a head with max weight ≥ 0.9.\n\n";
-    let chosen: Vec<_> = r.layers.iter().filter(|l| l.top.is_some()).collect();
+    s
+}
+
+/// Section 5: the head-averaged top keys of the query in each of the `chosen` layers.
+fn layers_section(r: &InspectReport, qtok: &str, chosen: &[&LayerRow]) -> String {
+    let mut s = String::new();
     let k = chosen
         .first()
         .and_then(|l| l.top.as_ref())
@@ -170,7 +190,7 @@ pub fn render(r: &InspectReport, mask_tokens: usize) -> String {
         hdr.push((format!("top {}", i + 1), Align::Left));
     }
     let mut t = Table::new(hdr);
-    for l in &chosen {
+    for l in chosen {
         let mut row = vec![l.layer.to_string()];
         row.extend(
             l.top
@@ -183,8 +203,14 @@ pub fn render(r: &InspectReport, mask_tokens: usize) -> String {
     }
     s += &t.render();
     s += "\n";
-    let first = quoted(&r.tokens[0].text);
-    s += &norm_section(r, &qtok, &first, &chosen);
+    s
+}
+
+/// Section 7: the attention sink per layer (the query's and all queries'), its peaks and
+/// largest rise, what a sliding window does to it, and its sparklines.
+fn sink_section(r: &InspectReport, first: &str) -> String {
+    let m = &r.model;
+    let mut s = String::new();
     s += &title(&format!(
         "7. Attention sink: share of attention on the first token {first}, averaged over heads"
     ));
@@ -254,6 +280,12 @@ pub fn render(r: &InspectReport, mask_tokens: usize) -> String {
         pq.middle_mean,
         r.query
     );
+    s
+}
+
+/// Section 8: the model's answer, the next-token candidates.
+fn answer_section(r: &InspectReport) -> String {
+    let mut s = String::new();
     s += &title(&format!(
         "8. The model's answer: next token after position {}",
         r.query
@@ -278,7 +310,5 @@ pub fn render(r: &InspectReport, mask_tokens: usize) -> String {
     }
     s += &t.render();
     s += "\n";
-    s += &title("9. Caution");
-    s += &format!("{}\n", r.caution);
     s
 }

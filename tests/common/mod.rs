@@ -123,3 +123,73 @@ pub fn rerun_with_amx(test: &str, value: &str) -> String {
     );
     text
 }
+
+/// The `attnscope` executable, its standard input empty (a command that reads a text from stdin
+/// gets none).
+pub fn attnscope() -> assert_cmd::Command {
+    let mut c = assert_cmd::Command::cargo_bin("attnscope").unwrap();
+    c.write_stdin("");
+    c
+}
+
+/// A tiny Qwen2 model (seed 1) written as an f32 GGUF file in `dir`.
+#[cfg(feature = "test-fixtures")]
+pub fn tiny_gguf(dir: &tempfile::TempDir) -> PathBuf {
+    let p = dir.path().join("tiny.gguf");
+    attnscope::model::tiny::write_gguf(
+        &attnscope::model::tiny::tiny_model(attnscope::model::Arch::Qwen2, 1),
+        attnscope::model::Arch::Qwen2,
+        candle_core::quantized::GgmlDType::F32,
+        &p,
+    )
+    .unwrap();
+    p
+}
+
+/// A finished command's standard error, as text.
+pub fn stderr_of(out: &std::process::Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Starts `attnscope serve` with `args` (give it `--addr 127.0.0.1:0`) and returns the child and
+/// the `host:port` it printed it listens on.
+pub fn start_serve(args: &[&str]) -> (std::process::Child, String) {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_attnscope"))
+        .arg("serve")
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .unwrap_or_else(|| panic!("serve printed no address: {line:?}"))
+        .split(|c: char| c == '/' || c.is_whitespace())
+        .next()
+        .unwrap()
+        .to_string();
+    (child, addr)
+}
+
+/// The chromium executable, by the lookup `.ci/run` uses (`tests/browser/find-browser.sh`).
+pub fn browser() -> String {
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/browser/find-browser.sh");
+    let out = std::process::Command::new("sh")
+        .arg(script)
+        .output()
+        .expect("sh runs");
+    assert!(
+        out.status.success(),
+        "{} (ATTNSCOPE_REQUIRE_BROWSER={:?})",
+        String::from_utf8_lossy(&out.stderr).trim(),
+        std::env::var("ATTNSCOPE_REQUIRE_BROWSER").ok()
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}

@@ -13,7 +13,7 @@
 //! (so Ctrl-C interrupts a long forward), and no panic crosses into Python.
 
 use attnscope::analysis::faithfulness::Target;
-use attnscope::cli::common::LESSON_SENTENCE;
+use attnscope::analysis::LESSON_SENTENCE;
 use attnscope::model::capture::{hook_name, AttnCache, CaptureSpec, Hook, Observer, Queries};
 use attnscope::model::forward::RunOptions;
 use attnscope::model::{Error as ModelError, Precision};
@@ -162,6 +162,56 @@ impl Observer for Wanted {
             msg
         })
     }
+}
+
+/// The rows `run(logits=...)` asks logits for: `all`, `last` or `none` of `n` positions.
+fn logit_rows(logits: &str, n: usize) -> PyResult<Vec<usize>> {
+    match logits {
+        "all" => Ok((0..n).collect()),
+        "last" => Ok(vec![n.saturating_sub(1)]),
+        "none" => Ok(Vec::new()),
+        o => Err(PyValueError::new_err(format!(
+            "logits=`{o}` is not one of: all, last, None"
+        ))),
+    }
+}
+
+/// The capture that keeps every (layer, hook) of `pairs`, every head and query.
+fn spec_of(pairs: &BTreeSet<(usize, Hook)>) -> CaptureSpec {
+    let layers: BTreeSet<usize> = pairs.iter().map(|p| p.0).collect();
+    let hooks: BTreeSet<Hook> = pairs.iter().map(|p| p.1).collect();
+    CaptureSpec {
+        hooks: hooks.into_iter().collect(),
+        layers: Some(layers.into_iter().collect()),
+        heads: None,
+        queries: Queries::All,
+    }
+}
+
+/// The forward's logit rows as one `[rows, vocab]` array, or None when none were asked for.
+fn logits_array(py: Python<'_>, logits: Vec<Vec<f32>>) -> PyResult<Option<Bound<'_, PyAny>>> {
+    let Some(vocab) = logits.first().map(Vec::len) else {
+        return Ok(None);
+    };
+    let rows = logits.len();
+    let flat: Vec<f32> = logits.into_iter().flatten().collect();
+    Ok(Some(
+        PyArray1::from_vec(py, flat)
+            .reshape([rows, vocab])?
+            .into_any(),
+    ))
+}
+
+/// Each captured tensor as (hook name, array): the engine's buffer, reshaped, never copied.
+fn cache_arrays(py: Python<'_>, cache: AttnCache) -> PyResult<Vec<(String, Bound<'_, PyAny>)>> {
+    let mut arrays = Vec::with_capacity(cache.entries.len());
+    for (_, c) in cache.entries {
+        let arr = PyArray1::from_vec(py, c.data)
+            .reshape(c.shape.clone())?
+            .into_any();
+        arrays.push((c.name, arr));
+    }
+    Ok(arrays)
 }
 
 /// The (layer, hook) pairs of `(layer, suffix)` items; negative layers count from the end.
@@ -382,13 +432,11 @@ impl Model {
     ) -> PyResult<(Option<Bound<'py, PyAny>>, Vec<(String, Bound<'py, PyAny>)>)> {
         let d = &self.inner.dims;
         let n = ids.len();
-        if let Some(s) = stop_at_layer {
-            if s > d.n_layers {
-                return Err(PyValueError::new_err(format!(
-                    "stop_at_layer={s} is out of range: the model has {} layers",
-                    d.n_layers
-                )));
-            }
+        if let Some(s) = stop_at_layer.filter(|&s| s > d.n_layers) {
+            return Err(PyValueError::new_err(format!(
+                "stop_at_layer={s} is out of range: the model has {} layers",
+                d.n_layers
+            )));
         }
         let pairs = hook_pairs(d.n_layers, hooks)?;
         let edit = hook_pairs(d.n_layers, edits)?;
@@ -397,37 +445,11 @@ impl Model {
             (None, true) => None,
             (None, false) => return Err(PyValueError::new_err("edits given without an editor")),
         };
-        let logits_at = match logits {
-            "all" => (0..n).collect(),
-            "last" => vec![n.saturating_sub(1)],
-            "none" => Vec::new(),
-            o => {
-                return Err(PyValueError::new_err(format!(
-                    "logits=`{o}` is not one of: all, last, None"
-                )))
-            }
-        };
+        let logits_at = logit_rows(logits, n)?;
         if n == 0 {
             return Err(to_py(ModelError::EmptyText.into()));
         }
-        let layers: Vec<usize> = pairs
-            .iter()
-            .map(|p| p.0)
-            .collect::<BTreeSet<_>>()
-            .into_iter()
-            .collect();
-        let hook_list: Vec<Hook> = pairs
-            .iter()
-            .map(|p| p.1)
-            .collect::<BTreeSet<_>>()
-            .into_iter()
-            .collect();
-        let spec = CaptureSpec {
-            hooks: hook_list,
-            layers: Some(layers),
-            heads: None,
-            queries: Queries::All,
-        };
+        let spec = spec_of(&pairs);
         let m = self.inner.clone();
         let (out, cache) = engine(py, move || {
             let mut obs = Wanted {
@@ -450,27 +472,8 @@ impl Model {
                 (out, None) => Ok((Ok(out?), obs.cache)),
             }
         })?;
-        let out = out?;
-        let logits = if out.logits.is_empty() {
-            None
-        } else {
-            let rows = out.logits.len();
-            let vocab = out.logits[0].len();
-            let flat: Vec<f32> = out.logits.into_iter().flatten().collect();
-            Some(
-                PyArray1::from_vec(py, flat)
-                    .reshape([rows, vocab])?
-                    .into_any(),
-            )
-        };
-        let mut arrays = Vec::with_capacity(cache.entries.len());
-        for (_, c) in cache.entries {
-            let arr = PyArray1::from_vec(py, c.data)
-                .reshape(c.shape.clone())?
-                .into_any();
-            arrays.push((c.name, arr));
-        }
-        Ok((logits, arrays))
+        let logits = logits_array(py, out?.logits)?;
+        Ok((logits, cache_arrays(py, cache)?))
     }
 
     /// Each head's part of layer `layer`'s attention output from `z` (`[rows, n_heads, d_head]`,
@@ -717,7 +720,7 @@ impl Model {
         ablate: Option<String>,
         target: Option<String>,
     ) -> PyResult<String> {
-        use attnscope::cli::view::{ablate_method, view_html_with, ViewOptions};
+        use attnscope::render::view::{ablate_method, view_html_with, ViewOptions};
         let opts = ViewOptions {
             faithfulness,
             ablate: ablate
@@ -998,7 +1001,7 @@ impl Model {
         bos: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         use attnscope::analysis::intervene::{ablate, AblateOptions, DEFAULT_BATCH_ROWS};
-        let method = attnscope::cli::view::ablate_method(method).map_err(to_py)?;
+        let method = attnscope::render::view::ablate_method(method).map_err(to_py)?;
         let target = parse_target(target, "target")?.unwrap_or(Target::Next);
         let (m, text) = (self.inner.clone(), text.to_string());
         let report = engine(py, move || {
@@ -1393,7 +1396,7 @@ fn pattern_page(
 ) -> PyResult<String> {
     let patterns = patterns.as_slice()?.to_vec();
     engine(py, move || {
-        attnscope::cli::view::pattern_page_pair(
+        attnscope::render::view::pattern_page_pair(
             &patterns,
             shape,
             &tokens,

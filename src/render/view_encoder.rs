@@ -5,9 +5,10 @@
 //! log-probability (ablation, faithfulness) are refused. A sentence pair's page carries
 //! `sentence_b_start`, for the head view's "A→B / B→A / A→A / B→B" selector (BertViz's).
 
-use super::{usage, value_norms_of, ViewOptions};
+use super::{value_norms_of, ViewOptions};
 use crate::analysis::encoder::{shares_of_patterns, shares_of_texts};
 use crate::analysis::inspect::ModelFacts;
+use crate::analysis::request::usage;
 use crate::model::capture::{AttnCache, CaptureSpec, Hook};
 use crate::model::forward::RunOptions;
 use crate::model::Model;

@@ -1,0 +1,455 @@
+//! `corpus` (shards, resume, merge, Slurm arrays), `cache list|clear` and the loader's report of an internal panic, on tiny generated models.
+// index loops over (layer, head, query) read like the maths; nested test types stay inline
+#![allow(clippy::needless_range_loop, clippy::type_complexity)]
+
+mod common;
+
+use attnscope::model::tiny::{tiny_model, write_gguf};
+use attnscope::model::Arch;
+use candle_core::quantized::GgmlDType;
+use common::{attnscope, stderr_of, tiny_gguf};
+
+#[test]
+fn corpus_shards_merge_to_the_single_run_and_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let m = m.to_str().unwrap();
+    let texts = dir.path().join("texts.txt");
+    std::fs::write(
+        &texts,
+        "the hat\nat the the\nhe sat\n\nthe the the at\nhat\n",
+    )
+    .unwrap();
+    let run = |extra: &[&str]| {
+        let out = attnscope()
+            .args([
+                "corpus",
+                "--model",
+                m,
+                "--file",
+                texts.to_str().unwrap(),
+                "--json",
+            ])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", stderr_of(&out));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let single = run(&[]);
+    assert_eq!(single["sentences"], 5);
+    let (a, b) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"));
+    run(&["--shard", "0/2", "--out", a.to_str().unwrap()]);
+    let b_first = run(&["--shard", "1/2", "--out", b.to_str().unwrap()]);
+    assert_eq!(b_first["sentences"], 2);
+    // resume: a second run with the same --out adds nothing
+    run(&["--shard", "1/2", "--out", b.to_str().unwrap()]);
+    assert_eq!(std::fs::read_to_string(&b).unwrap().lines().count(), 2);
+    // a run killed in the middle of a line: the torn line is dropped (and said), the complete
+    // one kept, and the resumed file equals the uninterrupted one
+    let whole = std::fs::read_to_string(&b).unwrap();
+    let cut = whole.find('\n').unwrap() + 1 + 40;
+    std::fs::write(&b, &whole[..cut]).unwrap();
+    let out = attnscope()
+        .args([
+            "corpus",
+            "--model",
+            m,
+            "--file",
+            texts.to_str().unwrap(),
+            "--json",
+            "--shard",
+            "1/2",
+            "--out",
+            b.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    assert!(stderr_of(&out).contains("torn line"), "{}", stderr_of(&out));
+    assert_eq!(std::fs::read_to_string(&b).unwrap(), whole);
+    // a last record whose newline was lost is kept, and the next record starts on its own line
+    std::fs::write(
+        &b,
+        whole
+            .trim_end_matches('\n')
+            .split_inclusive('\n')
+            .next()
+            .unwrap()
+            .trim_end(),
+    )
+    .unwrap();
+    run(&["--shard", "1/2", "--out", b.to_str().unwrap()]);
+    assert_eq!(std::fs::read_to_string(&b).unwrap(), whole);
+    // a file that is not ours is refused, not cut
+    let other = dir.path().join("other.jsonl");
+    std::fs::write(&other, "{\"hello\": 1}\n{\"id\": 3, \"te").unwrap();
+    let out = attnscope()
+        .args([
+            "corpus",
+            "--model",
+            m,
+            "--file",
+            texts.to_str().unwrap(),
+            "--out",
+            other.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        std::fs::read_to_string(&other).unwrap(),
+        "{\"hello\": 1}\n{\"id\": 3, \"te"
+    );
+    let merged = attnscope()
+        .args([
+            "corpus",
+            "merge",
+            a.to_str().unwrap(),
+            b.to_str().unwrap(),
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(merged.status.success(), "{}", stderr_of(&merged));
+    let merged: serde_json::Value = serde_json::from_slice(&merged.stdout).unwrap();
+    assert_eq!(merged, single, "merged shards must equal the single run");
+    let bad = attnscope()
+        .args(["corpus", "--model", m, "--shard", "2/2"])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+}
+
+/// A panic in attnscope's own loading (here the packing, made to panic with ATTNSCOPE_FAULT) is
+/// reported as attnscope's bug with exit code 70 (EX_SOFTWARE), never as the user's corrupt
+/// file (exit 2, "fetch it again"), which is what the loader boundary said before it wrapped
+/// only the third-party readers; a truly corrupt file still gets exit 2 and its message.
+#[test]
+fn an_internal_panic_is_reported_as_a_bug_not_as_a_bad_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let run = |fault: Option<&str>, model: &std::path::Path| {
+        let mut c = attnscope();
+        c.args(["inspect", "--model"])
+            .arg(model)
+            .args(["--text", "the hat"]);
+        c.env("ATTNSCOPE_PANEL_CACHE", "off");
+        match fault {
+            Some(f) => c.env("ATTNSCOPE_FAULT", f),
+            None => c.env_remove("ATTNSCOPE_FAULT"),
+        };
+        c.output().unwrap()
+    };
+    let ok = run(None, &m);
+    assert_eq!(ok.status.code(), Some(0), "{}", stderr_of(&ok));
+    let bug = run(Some("pack"), &m);
+    let err = stderr_of(&bug);
+    assert_eq!(bug.status.code(), Some(70), "{err}");
+    assert!(
+        err.contains("internal error: fault injected at `pack`")
+            && err.contains("this is a bug in attnscope")
+            && err.contains("not a problem with your input or your model file"),
+        "{err}"
+    );
+    for blame in ["corrupt", "fetch it again", "truncated", "panicked at"] {
+        assert!(
+            !err.contains(blame),
+            "the bug is blamed on the file ({blame}): {err}"
+        );
+    }
+    assert!(bug.stdout.is_empty());
+    // a damaged file is still the file's: exit 2, the file named
+    let bytes = std::fs::read(&m).unwrap();
+    let cut = dir.path().join("cut.gguf");
+    std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
+    let bad = run(None, &cut);
+    assert_eq!(bad.status.code(), Some(2), "{}", stderr_of(&bad));
+    assert!(stderr_of(&bad).contains("cut.gguf"), "{}", stderr_of(&bad));
+}
+
+/// `attnscope cache list --json` names each packed-weight cache file's model, layout and size
+/// (with the total and the cap, ATTNSCOPE_PANEL_CACHE_MAX_GB), and `cache clear` removes one
+/// model's files (by a path to it) or all of them; ATTNSCOPE_CACHE points at a temporary folder.
+#[test]
+fn cache_list_and_clear() {
+    use attnscope::model::panels::Settings;
+    let dir = tempfile::tempdir().unwrap();
+    // the cache writes no file that would leave less than SPARE_BYTES free: the test needs
+    // that much and the tiny models' few MB
+    let free = attnscope::model::panels::free_bytes(dir.path());
+    assert!(
+        free.is_none_or(|f| f > attnscope::model::panels::SPARE_BYTES + (64 << 20)),
+        "cache_list_and_clear needs 1 GiB + 64 MiB free on the disk holding {} for the packed-weight cache to write its files; it has {} MiB",
+        dir.path().display(),
+        free.unwrap_or(0) >> 20
+    );
+    let (a, b) = (dir.path().join("a.gguf"), dir.path().join("b.gguf"));
+    write_gguf(&tiny_model(Arch::Qwen2, 1), Arch::Qwen2, GgmlDType::F32, &a).unwrap();
+    write_gguf(&tiny_model(Arch::Llama, 2), Arch::Llama, GgmlDType::F32, &b).unwrap();
+    // the tiny models are under the command line's 64 MB floor: written through the library
+    let settings = Settings {
+        dir: dir.path().join("panels"),
+        min_bytes: 0,
+        max_bytes: u64::MAX,
+    };
+    let mut written = Vec::new();
+    for m in [&a, &b] {
+        let model = attnscope::model::Model::load_with(
+            m.to_str().unwrap(),
+            attnscope::model::Precision::Exact,
+            false,
+            Some(&settings),
+        )
+        .unwrap();
+        let file = model.panel_file().unwrap_or_else(|| {
+            panic!(
+                "{} was loaded but no packed-weight file was written (its note on stderr says why)",
+                m.display()
+            )
+        });
+        written.push(file.to_path_buf());
+    }
+    let cache = |args: &[&str]| {
+        let out = attnscope()
+            .arg("cache")
+            .args(args)
+            .env("ATTNSCOPE_CACHE", dir.path())
+            .env("ATTNSCOPE_PANEL_CACHE_MAX_GB", "0.5")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {}", stderr_of(&out));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let listed: serde_json::Value = serde_json::from_str(&cache(&["list", "--json"])).unwrap();
+    assert_eq!(listed["max_bytes"], 1u64 << 29);
+    let files = listed["files"].as_array().unwrap();
+    assert_eq!(files.len(), 2, "{listed}");
+    let mut models: Vec<&str> = files.iter().map(|f| f["model"].as_str().unwrap()).collect();
+    models.sort();
+    assert_eq!(models, ["a.gguf", "b.gguf"]);
+    let layout =
+        attnscope::model::weights::PanelLayout::of(attnscope::model::Precision::Exact).name();
+    let mut total = 0;
+    for f in files {
+        assert_eq!(f["layout"], layout.as_str());
+        let path = std::path::PathBuf::from(f["path"].as_str().unwrap());
+        assert_eq!(f["bytes"], std::fs::metadata(&path).unwrap().len());
+        assert_eq!(f["usable"], true);
+        total += f["bytes"].as_u64().unwrap();
+    }
+    assert_eq!(listed["total_bytes"], total);
+    let text = cache(&["list"]);
+    assert!(
+        text.contains("a.gguf") && text.contains("2 files"),
+        "{text}"
+    );
+    // one model's, by another path to it
+    let link = dir.path().join("link-to-a.gguf");
+    std::fs::hard_link(&a, &link).unwrap();
+    let out = cache(&["clear", "--model", link.to_str().unwrap()]);
+    assert!(out.starts_with("removed 1 files"), "{out}");
+    assert!(!written[0].exists() && written[1].exists());
+    let out = cache(&["clear"]);
+    assert!(out.starts_with("removed 1 files"), "{out}");
+    assert!(!written[1].exists());
+    let listed: serde_json::Value = serde_json::from_str(&cache(&["list", "--json"])).unwrap();
+    assert_eq!(listed["files"].as_array().unwrap().len(), 0);
+}
+
+/// A corpus record (what `corpus --out` writes) with `layers` layers of `heads` heads.
+fn corpus_record(
+    id: usize,
+    text: &str,
+    model: &str,
+    layers: usize,
+    heads: usize,
+) -> serde_json::Value {
+    let per_head = vec![vec![0.5f32; heads]; layers];
+    serde_json::json!({
+        "id": id, "text": text, "model": model, "n_tokens": 3,
+        "sink_query": vec![0.4f32; layers], "sink_all": vec![0.6f32; layers],
+        "head_alpha1": per_head, "head_max_last": per_head, "head_mean_max": per_head,
+        "head_mean_entropy": per_head,
+        "next_token_id": 1, "next_token": "x", "next_token_prob": 0.5,
+    })
+}
+
+/// `corpus merge` checks every record and refuses (exit 2, naming the file and line) a record
+/// whose arrays disagree with its layer count or with the other records (it used to panic, exit
+/// 101), an empty profile, another model, and an id that names two different texts (it used to
+/// merge them silently); a repeated record of the same text is merged once.
+#[test]
+fn corpus_merge_refuses_records_that_do_not_agree() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("a.jsonl");
+    let lines = |rs: &[serde_json::Value]| rs.iter().map(|r| format!("{r}\n")).collect::<String>();
+    std::fs::write(
+        &good,
+        lines(&[
+            corpus_record(0, "the hat", "m", 2, 3),
+            corpus_record(1, "he sat", "m", 2, 3),
+        ]),
+    )
+    .unwrap();
+    let merge = |second: &str| {
+        let b = dir.path().join("b.jsonl");
+        std::fs::write(&b, second).unwrap();
+        attnscope()
+            .args(["corpus", "merge", "--json"])
+            .arg(&good)
+            .arg(&b)
+            .output()
+            .unwrap()
+    };
+    // the same record again (a resumed shard) and a new one: merged, the repeat once
+    let ok = merge(&lines(&[
+        corpus_record(1, "he sat", "m", 2, 3),
+        corpus_record(2, "at", "m", 2, 3),
+    ]));
+    assert_eq!(ok.status.code(), Some(0), "{}", stderr_of(&ok));
+    let agg: serde_json::Value = serde_json::from_slice(&ok.stdout).unwrap();
+    assert_eq!(agg["sentences"], 3);
+    let mut short_query = corpus_record(3, "hat", "m", 2, 3);
+    short_query["sink_query"] = serde_json::json!([0.4]);
+    let mut ragged_heads = corpus_record(3, "hat", "m", 2, 3);
+    ragged_heads["head_max_last"][1] = serde_json::json!([0.5, 0.5]);
+    let empty = corpus_record(3, "hat", "m", 0, 3);
+    let cases: [(serde_json::Value, &str); 6] = [
+        (
+            short_query,
+            "`sink_query` has 1 layers but `sink_all` has 2",
+        ),
+        (ragged_heads, "layer 1 of `head_max_last` has 2 heads"),
+        (empty, "its profile is empty"),
+        // every array one layer shorter than the other records'
+        (
+            corpus_record(3, "hat", "m", 1, 3),
+            "(1 layers, 3 heads), but",
+        ),
+        (
+            corpus_record(3, "hat", "m", 2, 2),
+            "(2 layers, 2 heads), but",
+        ),
+        (corpus_record(3, "hat", "other", 2, 3), "from model `other`"),
+    ];
+    for (bad, want) in cases {
+        let out = merge(&lines(&[corpus_record(2, "at", "m", 2, 3), bad]));
+        let err = stderr_of(&out);
+        assert_eq!(out.status.code(), Some(2), "{want}: {err}");
+        assert!(
+            err.contains("b.jsonl:2:"),
+            "{want}: the file and line: {err}"
+        );
+        assert!(err.contains(want), "{want}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+    // one id, two texts: both places are named
+    let out = merge(&lines(&[corpus_record(1, "a different text", "m", 2, 3)]));
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("b.jsonl:1: record 1 is for the text \"a different text\"")
+            && err.contains("a.jsonl:2 has record 1 for \"he sat\""),
+        "{err}"
+    );
+    // no records at all
+    let out = merge("\n");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "a.jsonl still holds records: {}",
+        stderr_of(&out)
+    );
+    let empty = dir.path().join("empty.jsonl");
+    std::fs::write(&empty, "").unwrap();
+    let out = attnscope()
+        .args(["corpus", "merge"])
+        .arg(&empty)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", stderr_of(&out));
+    assert!(
+        stderr_of(&out).contains("hold no records"),
+        "{}",
+        stderr_of(&out)
+    );
+}
+
+/// examples/slurm: the array job's body run as Slurm would (3 tasks, one of them twice, as after a
+/// requeue), then the dependent merge: the aggregate equals one process over all texts.
+#[test]
+fn slurm_array_shards_merge_to_the_single_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let texts = dir.path().join("texts.txt");
+    std::fs::write(
+        &texts,
+        "the hat\nat the the\nhe sat\n\nthe the the at\nhat\nsat at the hat he\n",
+    )
+    .unwrap();
+    let out = dir.path().join("out");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/slurm");
+    let bin = assert_cmd::cargo::cargo_bin("attnscope");
+    let sh = |script: &str, task: Option<usize>| {
+        let mut c = std::process::Command::new("bash");
+        c.arg(root.join(script))
+            .env("TEXTS", &texts)
+            .env("MODEL", &m)
+            .env("OUT", &out)
+            .env("ATTNSCOPE", &bin)
+            .env_remove("SLURM_CPUS_PER_TASK");
+        if let Some(t) = task {
+            c.env("SLURM_ARRAY_TASK_ID", t.to_string())
+                .env("SLURM_ARRAY_TASK_COUNT", "3");
+        }
+        let o = c.output().unwrap();
+        assert!(
+            o.status.success(),
+            "{script} {task:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    };
+    for t in [0, 1, 2, 1] {
+        sh("corpus.sbatch", Some(t));
+    }
+    sh("merge.sbatch", None);
+    let merged: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("aggregate.json")).unwrap())
+            .unwrap();
+    let single = attnscope()
+        .args([
+            "corpus",
+            "--model",
+            m.to_str().unwrap(),
+            "--file",
+            texts.to_str().unwrap(),
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(single.status.success(), "{}", stderr_of(&single));
+    let single: serde_json::Value = serde_json::from_slice(&single.stdout).unwrap();
+    assert_eq!(single["sentences"], 6);
+    assert_eq!(
+        merged, single,
+        "the merged shards must equal the single run"
+    );
+    // the requeued task added nothing: 6 records in all
+    let records: usize = (0..3)
+        .map(|t| {
+            std::fs::read_to_string(out.join(format!("shard_{t}.jsonl")))
+                .unwrap()
+                .lines()
+                .count()
+        })
+        .sum();
+    assert_eq!(records, 6);
+    // without TEXTS the script says what is missing
+    let o = std::process::Command::new("bash")
+        .arg(root.join("corpus.sbatch"))
+        .env_remove("TEXTS")
+        .output()
+        .unwrap();
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("set TEXTS"));
+}

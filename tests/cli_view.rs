@@ -1,0 +1,471 @@
+//! `view`, `heatmap` and `serve` on tiny generated models: the files written, the limits named, the server's queue and its refusals.
+// index loops over (layer, head, query) read like the maths; nested test types stay inline
+#![allow(clippy::needless_range_loop, clippy::type_complexity)]
+
+mod common;
+
+use attnscope::model::tiny::tiny_model;
+use attnscope::model::Arch;
+use candle_core::quantized::GgmlDType;
+use common::{attnscope, start_serve, stderr_of, tiny_gguf};
+
+fn http_get(addr: &str, target: &str) -> (String, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60)))
+        .unwrap();
+    write!(s, "GET {target} HTTP/1.1\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
+    (
+        head.lines().next().unwrap_or("").to_string(),
+        body.to_string(),
+    )
+}
+
+fn raw_request(addr: &str, request: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60)))
+        .unwrap();
+    s.write_all(request.as_bytes()).unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out.lines().next().unwrap_or("").to_string()
+}
+
+/// The whole answer to a request (status line, headers and body), read to the end.
+fn raw_answer(addr: &str, request: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60)))
+        .unwrap();
+    s.write_all(request.as_bytes()).unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out
+}
+
+/// The hardened server, without sleeps or timings: past its queue (here --max-concurrent 1 and
+/// --queue 0, held by a client that has not finished its request) a request gets 503 with
+/// Retry-After and the reason, and the place comes back once that client is answered; a client
+/// that dribbles its request is cut off by the overall deadline (408) however often it sends;
+/// a Host that is not this server (DNS rebinding) is refused; --bos reaches the page;
+/// faithfulness is capped in tokens.
+#[test]
+fn serve_limits_slow_clients_hosts_and_load() {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let (mut child, addr) = start_serve(&[
+        "--model",
+        m.to_str().unwrap(),
+        "--addr",
+        "127.0.0.1:0",
+        "--max-concurrent",
+        "1",
+        "--queue",
+        "0",
+        "--request-timeout",
+        "600",
+        "--bos",
+        "--max-faithfulness-tokens",
+        "8",
+    ]);
+    // a client that has sent half its request holds the only place (the server accepts in
+    // order, and this connection was made first) ...
+    let mut holder = std::net::TcpStream::connect(&addr).unwrap();
+    holder
+        .write_all(b"GET /view?text=the+hat HTTP/1.1\r\nHost: localhost\r\n")
+        .unwrap();
+    // ... so the next request is refused at once, with when to come back and why
+    let busy = raw_answer(&addr, &format!("GET / HTTP/1.1\r\nHost: {addr}\r\n\r\n"));
+    assert!(busy.starts_with("HTTP/1.1 503"), "{busy}");
+    assert!(busy.contains("\r\nRetry-After: "), "{busy}");
+    assert!(
+        busy.contains("its queue is full") && busy.contains("--queue 0"),
+        "{busy}"
+    );
+    // the holder finishes its request and is answered; then the place is free again
+    holder.write_all(b"\r\n").unwrap();
+    let mut answer = String::new();
+    holder.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let (status, body) = http_get(&addr, "/view?text=the+hat");
+    assert!(status.contains("200"), "the place came back: {status}");
+    // --bos: the page has one token more than the text
+    let plain = attnscope()
+        .args([
+            "inspect",
+            "--model",
+            m.to_str().unwrap(),
+            "--text",
+            "the hat",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let n: usize = serde_json::from_slice::<serde_json::Value>(&plain.stdout).unwrap()["tokens"]
+        .as_array()
+        .unwrap()
+        .len();
+    assert!(
+        body.contains(&format!("· {} tokens", n + 1)),
+        "--bos did not reach the page (text has {n} tokens)"
+    );
+    // hosts
+    for host in ["evil.example", "evil.example:80", "localhost.evil.example"] {
+        let status = raw_request(&addr, &format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n"));
+        assert!(status.contains("421"), "{host}: {status}");
+    }
+    assert!(
+        raw_request(&addr, "GET / HTTP/1.1\r\n\r\n").contains("400"),
+        "no Host"
+    );
+    assert!(raw_request(&addr, "GET / HTTP/1.1\r\nHost: localhost\r\n\r\n").contains("200"));
+    // faithfulness beyond the cap is refused with the reason; below it, it runs
+    let (status, body) = http_get(
+        &addr,
+        "/view?text=the+hat+at+the+hat+at+the+hat+at+the+hat&faithfulness=1",
+    );
+    assert!(
+        status.contains("413") && body.contains("--max-faithfulness-tokens"),
+        "{status}"
+    );
+    let (status, _) = http_get(&addr, "/view?text=the&faithfulness=1");
+    assert!(status.contains("200"), "{status}");
+    child.kill().unwrap();
+    let _ = child.wait();
+
+    // a client that dribbles a byte at a time: each byte comes well within any read timeout,
+    // but the overall deadline (1 s) cuts it off with 408. The dribbling stops when the answer
+    // arrives (an event); the cap on bytes (~100 s of dribbling) only turns a server that
+    // never cuts it off into a failure instead of a hang.
+    let (mut child, addr) = start_serve(&[
+        "--model",
+        m.to_str().unwrap(),
+        "--addr",
+        "127.0.0.1:0",
+        "--request-timeout",
+        "1",
+    ]);
+    let mut slow = std::net::TcpStream::connect(&addr).unwrap();
+    let mut reader = slow.try_clone().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut out = String::new();
+        let _ = reader.read_to_string(&mut out);
+        let _ = tx.send(out);
+    });
+    slow.write_all(b"GET / HTTP/1.1\r\nHost: localhost\r\nX-Slow: ")
+        .unwrap();
+    let mut sent = 0;
+    let answer = loop {
+        match rx.recv_timeout(std::time::Duration::from_millis(50)) {
+            Ok(a) => break a,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+            Err(e) => panic!("{e}"),
+        }
+        // the server may close first; the answer is then on its way to the reader
+        let _ = slow.write_all(b"a");
+        sent += 1;
+        assert!(sent < 2000, "a dribbling client was never cut off");
+    };
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("--request-timeout"), "{answer}");
+    // its place came back
+    let (status, _) = http_get(&addr, "/view?text=the+hat");
+    assert!(status.contains("200"), "{status}");
+    child.kill().unwrap();
+    let _ = child.wait();
+}
+
+/// The server under load: 16 clients on loopback each send 8 requests, one after another,
+/// to a server that computes 2 pages at a time: every request is answered (none lost), and
+/// each with its page (the queue holds them all, and a page of the tiny model takes
+/// milliseconds against the 30 s deadline) or, were the machine too slow, a 503 that says why
+/// and when to come back. The server's peak memory stays bounded (Linux: VmHWM).
+#[test]
+fn serve_queues_concurrent_clients_and_answers_every_request() {
+    const CLIENTS: usize = 16;
+    const REQUESTS: usize = 8;
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let (mut child, addr) = start_serve(&[
+        "--model",
+        m.to_str().unwrap(),
+        "--addr",
+        "127.0.0.1:0",
+        "--max-concurrent",
+        "2",
+    ]);
+    let t = std::time::Instant::now();
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|c| {
+            let a = addr.clone();
+            std::thread::spawn(move || {
+                (0..REQUESTS)
+                    .map(|r| {
+                        raw_answer(
+                            &a,
+                            &format!("GET /view?text=the+hat+{c}+at+{r} HTTP/1.1\r\nHost: localhost\r\n\r\n"),
+                        )
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let answers: Vec<String> = clients
+        .into_iter()
+        .flat_map(|h| h.join().unwrap())
+        .collect();
+    let took = t.elapsed();
+    assert_eq!(answers.len(), CLIENTS * REQUESTS);
+    let (mut ok, mut refused) = (0, 0);
+    for a in &answers {
+        if a.starts_with("HTTP/1.1 200") {
+            assert!(a.contains("Head view"), "a 200 without its page");
+            ok += 1;
+        } else {
+            assert!(
+                a.starts_with("HTTP/1.1 503")
+                    && a.contains("Retry-After: ")
+                    && a.contains("the server is busy"),
+                "an answer that is neither a page nor a refusal with a reason: {:?}",
+                a.lines().next()
+            );
+            refused += 1;
+        }
+    }
+    let peak_kb = std::fs::read_to_string(format!("/proc/{}/status", child.id()))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        });
+    eprintln!(
+        "serve load: {} requests from {CLIENTS} clients: {ok} pages, {refused} refused, in {took:?}; server peak memory {peak_kb:?} kB",
+        answers.len()
+    );
+    assert_eq!(
+        ok,
+        CLIENTS * REQUESTS,
+        "{refused} refused although the queue holds every client"
+    );
+    if let Some(kb) = peak_kb {
+        assert!(kb < 1 << 20, "the server's peak memory is {kb} kB");
+    }
+    child.kill().unwrap();
+    let _ = child.wait();
+}
+
+/// `serve` answers on loopback, survives 100 sequential requests and 8 concurrent ones, and
+/// answers bad requests with a page that says what is wrong.
+#[test]
+fn serve_survives_sequential_and_concurrent_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let (mut child, addr) = start_serve(&[
+        "--model",
+        m.to_str().unwrap(),
+        "--addr",
+        "127.0.0.1:0",
+        "--max-concurrent",
+        "16",
+    ]);
+    let (status, body) = http_get(&addr, "/");
+    assert!(status.contains("200") && body.contains("<form"), "{status}");
+    for i in 0..100 {
+        let (status, body) = http_get(&addr, &format!("/view?text=the+hat+{i}"));
+        assert!(status.contains("200"), "request {i}: {status}");
+        assert!(body.contains("Head view") && body.contains("\"n_heads\":4"));
+    }
+    let handles: Vec<_> = (0..8)
+        .map(|i| {
+            let a = addr.clone();
+            std::thread::spawn(move || http_get(&a, &format!("/view?text=at+the+{i}")))
+        })
+        .collect();
+    for h in handles {
+        let (status, body) = h.join().unwrap();
+        assert!(
+            status.contains("200") && body.contains("Head view"),
+            "a concurrent request failed: {status}"
+        );
+    }
+    let (status, body) = http_get(&addr, "/view?text=%20%20");
+    assert!(
+        status.contains("400") && body.contains("text is empty"),
+        "{status}"
+    );
+    let (status, body) = http_get(&addr, &format!("/view?text={}", "a".repeat(3000)));
+    assert!(
+        status.contains("413") && body.contains("at most 2000"),
+        "{status}"
+    );
+    let (status, _) = http_get(&addr, "/nothing");
+    assert!(status.contains("404"));
+    let (status, _) = http_get(&addr, "/");
+    assert!(status.contains("200"), "still serving after all that");
+    child.kill().unwrap();
+    let _ = child.wait();
+}
+
+#[test]
+fn view_and_heatmap_write_their_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let html = dir.path().join("v.html");
+    let out = attnscope()
+        .args([
+            "view",
+            "--model",
+            m.to_str().unwrap(),
+            "--text",
+            "the hat",
+            "--out",
+            html.to_str().unwrap(),
+            "--faithfulness",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    let page = std::fs::read_to_string(&html).unwrap();
+    assert!(
+        page.contains("\"n_heads\":4")
+            && page.contains("\"faithfulness\":{")
+            && page.contains("Head view")
+    );
+    assert!(
+        !page.contains("src=\"http") && !page.contains("<link"),
+        "self-contained"
+    );
+    let png = dir.path().join("h.png");
+    let out = attnscope()
+        .args([
+            "heatmap",
+            "--model",
+            m.to_str().unwrap(),
+            "--text",
+            "the hat",
+            "--layer",
+            "1",
+            "--head",
+            "2",
+            "--out",
+            png.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    assert_eq!(&std::fs::read(&png).unwrap()[..4], b"\x89PNG");
+    let svg = dir.path().join("h.svg");
+    assert!(attnscope()
+        .args([
+            "heatmap",
+            "--model",
+            m.to_str().unwrap(),
+            "--text",
+            "the hat",
+            "--layer",
+            "0",
+            "--out",
+            svg.to_str().unwrap()
+        ])
+        .output()
+        .unwrap()
+        .status
+        .success());
+    assert!(std::fs::read_to_string(&svg)
+        .unwrap()
+        .contains("mean of heads"));
+    let bad = attnscope()
+        .args([
+            "heatmap",
+            "--model",
+            m.to_str().unwrap(),
+            "--layer",
+            "0",
+            "--out",
+            "x.jpg",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    let bad = attnscope()
+        .args([
+            "heatmap",
+            "--model",
+            m.to_str().unwrap(),
+            "--layer",
+            "0",
+            "--head",
+            "9",
+            "--out",
+            dir.path().join("y.png").to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(stderr_of(&bad).contains("head 9 is out of range"));
+}
+
+/// `view` above 4,096 tokens, or `--faithfulness` above 256, is refused with the limit named
+/// (exit 2); the bounded page of 257..=4,096 tokens is written.
+#[test]
+fn view_limits_are_named() {
+    use attnscope::model::tiny::write_gguf_with;
+    use candle_core::quantized::gguf_file::Value;
+    let dir = tempfile::tempdir().unwrap();
+    let m = dir.path().join("tiny.gguf");
+    write_gguf_with(
+        &tiny_model(Arch::Qwen2, 1),
+        Arch::Qwen2,
+        GgmlDType::F32,
+        &m,
+        &|md, _| {
+            for (k, v) in md.iter_mut() {
+                if k.ends_with(".context_length") {
+                    *v = Value::U32(8192);
+                }
+            }
+        },
+    )
+    .unwrap();
+    let out_path = dir.path().join("v.html");
+    let view = |text: String, extra: &[&str]| {
+        attnscope()
+            .args([
+                "view",
+                "--model",
+                m.to_str().unwrap(),
+                "--force",
+                "--out",
+                out_path.to_str().unwrap(),
+                "--text",
+                &text,
+            ])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = view("the cat at the hat ".repeat(500), &[]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr_of(&out));
+    assert!(
+        stderr_of(&out).contains("at most 4096") && stderr_of(&out).contains("sinks"),
+        "{}",
+        stderr_of(&out)
+    );
+    let out = view("the cat at the hat ".repeat(40), &["--faithfulness"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr_of(&out));
+    assert!(
+        stderr_of(&out).contains("at most 256"),
+        "{}",
+        stderr_of(&out)
+    );
+    let out = view("the cat at the hat ".repeat(40), &[]);
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    let page = std::fs::read_to_string(&out_path).unwrap();
+    assert!(page.contains("\"encoding\":\"topk\"") && page.contains("\"k_head\":6"));
+}
