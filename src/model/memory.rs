@@ -120,12 +120,20 @@ impl Footprint {
     }
 
     /// `low` on the AMX tiles decodes each projection's blocks into the tiles' integers and
-    /// scales for its product and drops them after it: the largest such matrix is held during
-    /// its product (0 otherwise).
+    /// scales inside its product: each worker thread holds a run of decoded panels of about
+    /// [`DECODE_BYTES`](crate::kernels::amx::scaled::DECODE_BYTES) (never more than the largest
+    /// such matrix), 0 on the other kernels.
     pub fn decoded_bytes(&self, memory: Memory, precision: Precision) -> u64 {
         if memory != Memory::Low || !matches!(PanelLayout::of(precision), PanelLayout::Scaled(_)) {
             return 0;
         }
+        let per_thread = crate::kernels::amx::scaled::DECODE_BYTES as u64;
+        let workers = rayon::current_num_threads() as u64;
+        self.largest_decoded().min(workers * per_thread)
+    }
+
+    /// The largest projection `low` decodes for the AMX tiles, whole (bytes of its tiles).
+    fn largest_decoded(&self) -> u64 {
         self.projections
             .iter()
             .filter(|p| p.low && p.k.is_multiple_of(crate::kernels::amx::scaled::GROUP))
