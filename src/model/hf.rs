@@ -202,358 +202,33 @@ impl HfFolder {
             arch: a.clone(),
             path: self.dir.join("config.json"),
         })?;
-        let cfg = self.dir.join("config.json");
-        let unsupported = |key: &str, value: &serde_json::Value, reason: &str| Error::Unsupported {
-            key: key.into(),
-            value: value.to_string(),
-            path: cfg.clone(),
-            reason: reason.into(),
+        let r = ConfigReader {
+            c,
+            cfg: self.dir.join("config.json"),
+            arch,
+            a,
         };
-        // RoPE: transformers 5's `rope_parameters`, or the hub's `rope_theta` + `rope_scaling`
-        let (mut params, mut pkey) = match (&c.rope_parameters, &c.rope_scaling) {
-            (Some(p), _) if !p.is_null() => (Some(p), "rope_parameters"),
-            (_, Some(p)) if !p.is_null() => (Some(p), "rope_scaling"),
-            _ => (None, ""),
-        };
-        // Gemma 3 (transformers 5): one set per layer type; the hub: `rope_local_base_freq`
-        let mut sliding_base = c.extra.get("rope_local_base_freq").and_then(|v| v.as_f64());
-        if let (Arch::Gemma3, Some(p)) = (arch, params) {
-            if let (Some(full), Some(local)) = (p.get("full_attention"), p.get("sliding_attention"))
-            {
-                let kind = local.get("rope_type").and_then(|t| t.as_str());
-                if kind.is_some_and(|k| k != "default") {
-                    return Err(unsupported(
-                        "rope_parameters.sliding_attention.rope_type",
-                        &local["rope_type"],
-                        "; attnscope implements the default RoPE on sliding layers",
-                    ));
-                }
-                sliding_base = local.get("rope_theta").and_then(|v| v.as_f64());
-                params = Some(full);
-                pkey = "rope_parameters.full_attention";
-            }
-        }
-        if let Some(p) = params {
-            let flat = p.is_object()
-                && (p.get("rope_type").is_some()
-                    || p.get("type").is_some()
-                    || p.get("rope_theta").is_some());
-            if !flat {
-                return Err(unsupported(
-                    pkey,
-                    p,
-                    "; attnscope reads one set of RoPE parameters for every layer",
-                ));
-            }
-        }
-        let theta = params
-            .and_then(|p| p.get("rope_theta"))
-            .and_then(|v| v.as_f64())
-            .or(c.rope_theta);
-        let rope_base = match theta {
-            Some(t) => t as f32,
-            // GPT-2 has learned positions and no RoPE: the base is never used
-            None if arch.learned_positions() => 10000.0,
-            None => {
-                return Err(Error::MissingKey {
-                    key: "rope_theta".into(),
-                    path: cfg.clone(),
-                    arch: a,
-                })
-            }
-        };
-        let rope_type = params.and_then(|p| p.get("rope_type").or_else(|| p.get("type")));
-        let rope_scaling = match rope_type.map(|t| (t, t.as_str())) {
-            None | Some((_, Some("default"))) => RopeScaling::Default,
-            Some((_, Some("llama3"))) => {
-                let p = params.expect("a rope type comes from the parameters");
-                let num = |k: &str| -> Result<f32> {
-                    p.get(k)
-                        .and_then(|v| v.as_f64())
-                        .map(|x| x as f32)
-                        .ok_or_else(|| Error::MissingKey {
-                            key: format!("{pkey}.{k}"),
-                            path: cfg.clone(),
-                            arch: "llama3-scaled".into(),
-                        })
-                };
-                let r = RopeScaling::Llama3 {
-                    factor: num("factor")?,
-                    low_freq_factor: num("low_freq_factor")?,
-                    high_freq_factor: num("high_freq_factor")?,
-                    original_context: num("original_max_position_embeddings")?,
-                };
-                if let RopeScaling::Llama3 {
-                    factor,
-                    low_freq_factor,
-                    high_freq_factor,
-                    original_context,
-                } = r
-                {
-                    if !(factor > 0.0
-                        && low_freq_factor > 0.0
-                        && high_freq_factor > low_freq_factor
-                        && original_context > 0.0)
-                    {
-                        return Err(Error::BadValue {
-                            key: pkey.into(),
-                            path: cfg.clone(),
-                            reason: "llama3 scaling needs factor > 0, low_freq_factor > 0, high_freq_factor > low_freq_factor and original_max_position_embeddings > 0".into(),
-                        });
-                    }
-                }
-                r
-            }
-            Some((v, _)) => {
-                return Err(unsupported(
-                    &format!("{pkey}.rope_type"),
-                    v,
-                    "; attnscope implements the default RoPE and llama3 scaling",
-                ))
-            }
-        };
-        // settings of other families that change every number
-        let set = |k: &str| c.extra.get(k).filter(|v| !v.is_null());
-        let gemma_keys = [
-            "attn_logit_softcapping",
-            "final_logit_softcapping",
-            "query_pre_attn_scalar",
-        ];
-        for k in [
-            "attn_logit_softcapping",
-            "final_logit_softcapping",
-            "query_pre_attn_scalar",
-            "embedding_multiplier",
-            "residual_multiplier",
-            "attention_multiplier",
-            "logits_scaling",
-        ] {
-            if let Some(v) = set(k).filter(|_| !(arch.is_gemma() && gemma_keys.contains(&k))) {
-                return Err(unsupported(k, v, ""));
-            }
-        }
-        // partial rotary (Phi-3): only the first `factor · head_dim` dimensions of a head rotate
+        let rope = r.rope_parameters()?;
+        let rope_base = r.rope_base(rope.params)?;
+        let rope_scaling = r.rope_scaling(rope.params, rope.key)?;
+        r.refuse_foreign_settings()?;
         let head_dim = c
             .head_dim
             .unwrap_or(c.hidden_size / c.num_attention_heads.max(1));
-        let factor = params
-            .and_then(|p| p.get("partial_rotary_factor"))
-            .or(set("partial_rotary_factor"));
-        let rotary_dim = match factor {
-            None => head_dim,
-            Some(f) => match f.as_f64() {
-                Some(x) if x > 0.0 && x <= 1.0 && (x * head_dim as f64).fract() == 0.0 => {
-                    (x * head_dim as f64) as usize
-                }
-                _ => {
-                    return Err(Error::BadValue {
-                        key: "partial_rotary_factor".into(),
-                        path: cfg.clone(),
-                        reason: format!("{f} is not a factor in (0, 1] giving a whole number of the {head_dim} dimensions of a head"),
-                    })
-                }
-            },
-        };
-        if arch.is_gemma() {
-            for k in ["hidden_activation", "hidden_act"] {
-                if let Some(v) = set(k).filter(|v| v.as_str() != Some("gelu_pytorch_tanh")) {
-                    return Err(unsupported(
-                        k,
-                        v,
-                        "; attnscope's Gemma MLP is GeGLU with gelu_pytorch_tanh",
-                    ));
-                }
-            }
-            if let Some(v) =
-                set("use_bidirectional_attention").filter(|v| v.as_bool() == Some(true))
-            {
-                return Err(unsupported(
-                    "use_bidirectional_attention",
-                    v,
-                    "; attnscope runs causal attention",
-                ));
-            }
-        } else if arch == Arch::Gpt2 {
-            if let Some(v) = set("activation_function").filter(|v| v.as_str() != Some("gelu_new")) {
-                return Err(unsupported(
-                    "activation_function",
-                    v,
-                    "; attnscope's GPT-2 MLP uses gelu_new",
-                ));
-            }
-            for (k, ok) in [
-                ("scale_attn_by_inverse_layer_idx", false),
-                ("scale_attn_weights", true),
-                ("add_cross_attention", false),
-            ] {
-                if let Some(v) = set(k).filter(|v| v.as_bool() != Some(ok)) {
-                    return Err(unsupported(k, v, ""));
-                }
-            }
-        } else if arch.is_encoder() {
-            for (k, ok) in [
-                ("hidden_act", "gelu"),
-                ("position_embedding_type", "absolute"),
-            ] {
-                if let Some(v) = set(k).filter(|v| v.as_str() != Some(ok)) {
-                    let why = format!("; attnscope's {} has {k} = {ok}", arch.name());
-                    return Err(unsupported(k, v, &why));
-                }
-            }
-            for k in ["is_decoder", "add_cross_attention"] {
-                if let Some(v) = set(k).filter(|v| v.as_bool() != Some(false)) {
-                    let why =
-                        "; attnscope runs BERT as an encoder (bidirectional, no cross-attention)";
-                    return Err(unsupported(k, v, why));
-                }
-            }
-        } else if let Some(v) = set("hidden_act").filter(|v| v.as_str() != Some("silu")) {
-            return Err(unsupported(
-                "hidden_act",
-                v,
-                "; attnscope's MLP is SwiGLU with silu",
-            ));
-        }
-        let mut sliding_window = None;
-        if let Some(v) = set("sliding_window") {
-            match arch {
-                Arch::Mistral | Arch::Phi3 | Arch::Gemma2 | Arch::Gemma3 => match v.as_u64() {
-                    Some(w) if w > 0 => sliding_window = Some(w as usize),
-                    _ => {
-                        return Err(Error::BadValue {
-                            key: "sliding_window".into(),
-                            path: cfg.clone(),
-                            reason: format!("{v} is not a positive whole number"),
-                        })
-                    }
-                },
-                // Qwen configs carry a window with `use_sliding_window: false`: then it is unused
-                Arch::Qwen2 | Arch::Qwen3 => {
-                    if set("use_sliding_window").and_then(|u| u.as_bool()) == Some(true) {
-                        return Err(unsupported(
-                            "use_sliding_window",
-                            &true.into(),
-                            "; attnscope implements Mistral's window on every layer, not Qwen's per-layer windows",
-                        ));
-                    }
-                }
-                Arch::Llama | Arch::Gpt2 | Arch::Bert | Arch::Roberta | Arch::DistilBert => {
-                    return Err(unsupported(
-                        "sliding_window",
-                        v,
-                        "; for a llama model attnscope attends to every earlier token",
-                    ))
-                }
-            }
-        }
-        let mut sliding_layers = None;
-        if arch.is_gemma() {
-            let n = c.num_hidden_layers;
-            let layers: Vec<bool> = match set("layer_types") {
-                Some(v) => {
-                    let a =
-                        v.as_array()
-                            .filter(|a| a.len() == n)
-                            .ok_or_else(|| Error::BadValue {
-                                key: "layer_types".into(),
-                                path: cfg.clone(),
-                                reason: format!("expected a list of {n} layer types"),
-                            })?;
-                    a.iter()
-                        .map(|t| match t.as_str() {
-                            Some("sliding_attention") => Ok(true),
-                            Some("full_attention") => Ok(false),
-                            _ => Err(unsupported(
-                                "layer_types",
-                                v,
-                                "; attnscope knows sliding_attention and full_attention",
-                            )),
-                        })
-                        .collect::<Result<_>>()?
-                }
-                None => {
-                    // the hub's style: Gemma 2 alternates (even layers slide); Gemma 3 has
-                    // `sliding_window_pattern` N (every Nth layer is full)
-                    let pattern = set("sliding_window_pattern")
-                        .or(set("_sliding_window_pattern"))
-                        .and_then(|v| v.as_u64())
-                        .unwrap_or(if arch == Arch::Gemma2 { 2 } else { 6 })
-                        as usize;
-                    (0..n).map(|i| (i + 1) % pattern.max(1) != 0).collect()
-                }
-            };
-            if sliding_window.is_none() && layers.iter().any(|&b| b) {
-                return Err(Error::MissingKey {
-                    key: "sliding_window".into(),
-                    path: cfg.clone(),
-                    arch: a.clone(),
-                });
-            }
-            sliding_layers = Some(layers);
-        } else if let Some(v) = set("layer_types") {
-            let expected = if sliding_window.is_some() {
-                "sliding_attention"
-            } else {
-                "full_attention"
-            };
-            let all_full = v
-                .as_array()
-                .is_some_and(|a| a.iter().all(|t| t.as_str() == Some(expected)));
-            if !all_full {
-                return Err(unsupported(
-                    "layer_types",
-                    v,
-                    "; attnscope attends to every earlier token in every layer",
-                ));
-            }
-        }
-        // RoBERTa: positions from padding_idx + 1 (transformers' create_position_ids_from_input_ids)
-        let position_pad = match arch {
-            Arch::Roberta => match set("pad_token_id").map(|v| v.as_u64()) {
-                Some(Some(p)) if p < 1 << 20 => Some(p as usize),
-                None => Some(1),
-                Some(_) => {
-                    return Err(Error::BadValue {
-                        key: "pad_token_id".into(),
-                        path: cfg.clone(),
-                        reason: "not a whole number (RoBERTa's positions count from it)".into(),
-                    })
-                }
-            },
-            _ => None,
-        };
-        let mut context_len = c.max_position_embeddings.unwrap_or(32768);
-        if let Some(p) = position_pad {
-            context_len = context_len.checked_sub(p + 1).filter(|&n| n > 0).ok_or_else(|| {
-                Error::BadValue {
-                    key: "max_position_embeddings".into(),
-                    path: cfg.clone(),
-                    reason: format!(
-                        "{context_len} positions leave none for a text after RoBERTa's padding_idx {p} + 1"
-                    ),
-                }
-            })?;
-        }
+        let rotary_dim = r.rotary_dim(rope.params, head_dim)?;
+        r.check_activation()?;
+        let sliding_window = r.sliding_window()?;
+        let sliding_layers = r.sliding_layers(sliding_window)?;
+        let position_pad = r.position_pad()?;
+        let context_len = r.context_len(position_pad)?;
         let dims = ModelDims {
             arch,
             n_layers: c.num_hidden_layers,
             d_model: c.hidden_size,
             n_heads: c.num_attention_heads,
             n_kv_heads: c.num_key_value_heads.unwrap_or(c.num_attention_heads),
-            head_dim: c
-                .head_dim
-                .unwrap_or(c.hidden_size / c.num_attention_heads.max(1)),
-            d_ff: match (c.intermediate_size, arch) {
-                (Some(ff), _) => ff,
-                (None, Arch::Gpt2) => 4 * c.hidden_size,
-                (None, _) => {
-                    return Err(Error::MissingKey {
-                        key: "intermediate_size".into(),
-                        path: cfg.clone(),
-                        arch: a,
-                    })
-                }
-            },
+            head_dim,
+            d_ff: r.d_ff()?,
             vocab_size: c.vocab_size,
             context_len,
             rope_base,
@@ -562,25 +237,7 @@ impl HfFolder {
             rotary_dim,
             gemma: match sliding_layers {
                 Some(layers) => {
-                    let f = |k: &str| set(k).and_then(|v| v.as_f64());
-                    Some(GemmaSettings {
-                        embed_scale: (c.hidden_size as f64).sqrt() as f32,
-                        query_scale: f("query_pre_attn_scalar")
-                            .map(|q| q.powf(-0.5) as f32)
-                            .unwrap_or(1.0 / (head_dim as f32).sqrt()),
-                        attn_softcap: f("attn_logit_softcapping").map(|x| x as f32),
-                        final_softcap: f("final_logit_softcapping").map(|x| x as f32),
-                        sliding_layers: layers,
-                        rope_base_sliding: match arch {
-                            Arch::Gemma3 => sliding_base.ok_or_else(|| Error::MissingKey {
-                                key: "rope_local_base_freq".into(),
-                                path: cfg.clone(),
-                                arch: a.clone(),
-                            })? as f32,
-                            _ => rope_base,
-                        },
-                        norms_include_one: false,
-                    })
+                    Some(r.gemma_settings(layers, rope.sliding_base, rope_base, head_dim)?)
                 }
                 None => None,
             },
@@ -588,21 +245,7 @@ impl HfFolder {
             rope_style: RopeStyle::Neox,
             rms_eps: c.rms_norm_eps as f32,
             tied_embeddings: c.tie_word_embeddings,
-            type_vocab: match arch {
-                Arch::DistilBert => 0,
-                Arch::Bert | Arch::Roberta => match set("type_vocab_size").map(|v| v.as_u64()) {
-                    None => 2,
-                    Some(Some(t)) if (1..=1024).contains(&t) => t as usize,
-                    Some(_) => {
-                        return Err(Error::BadValue {
-                            key: "type_vocab_size".into(),
-                            path: cfg.clone(),
-                            reason: "not a whole number in 1..=1024".into(),
-                        })
-                    }
-                },
-                _ => 0,
-            },
+            type_vocab: r.type_vocab()?,
             position_pad,
         };
         dims.validate().map_err(|reason| Error::BadValue {
@@ -670,6 +313,454 @@ impl HfFolder {
             *m.entry(format!("{:?}", v.dtype())).or_insert(0) += 1;
         }
         m
+    }
+}
+
+/// A folder's config.json read for [`HfFolder::dims`]: each method reads one concern and refuses,
+/// naming the key, a setting attnscope does not implement.
+struct ConfigReader<'a> {
+    c: &'a HfConfig,
+    /// config.json's path, for the messages.
+    cfg: PathBuf,
+    arch: Arch,
+    /// `model_type` as written.
+    a: String,
+}
+
+/// The RoPE parameters a config gives: the set for every (or every full-attention) layer, the key
+/// it was read from, and Gemma 3's base for its sliding layers.
+struct RopeParameters<'a> {
+    params: Option<&'a serde_json::Value>,
+    key: &'static str,
+    sliding_base: Option<f64>,
+}
+
+impl<'a> ConfigReader<'a> {
+    fn unsupported(&self, key: &str, value: &serde_json::Value, reason: &str) -> Error {
+        Error::Unsupported {
+            key: key.into(),
+            value: value.to_string(),
+            path: self.cfg.clone(),
+            reason: reason.into(),
+        }
+    }
+
+    fn bad_value(&self, key: &str, reason: String) -> Error {
+        Error::BadValue {
+            key: key.into(),
+            path: self.cfg.clone(),
+            reason,
+        }
+    }
+
+    fn missing(&self, key: &str, arch: &str) -> Error {
+        Error::MissingKey {
+            key: key.into(),
+            path: self.cfg.clone(),
+            arch: arch.into(),
+        }
+    }
+
+    /// A key outside the typed fields, when it is set (not null).
+    fn set(&self, k: &str) -> Option<&'a serde_json::Value> {
+        self.c.extra.get(k).filter(|v| !v.is_null())
+    }
+
+    /// RoPE: transformers 5's `rope_parameters`, or the hub's `rope_theta` + `rope_scaling`; one
+    /// flat set of them for every layer (Gemma 3's per-layer-type sets: the full layers' set,
+    /// and the sliding layers' base).
+    fn rope_parameters(&self) -> Result<RopeParameters<'a>> {
+        let c = self.c;
+        let (mut params, mut key) = match (&c.rope_parameters, &c.rope_scaling) {
+            (Some(p), _) if !p.is_null() => (Some(p), "rope_parameters"),
+            (_, Some(p)) if !p.is_null() => (Some(p), "rope_scaling"),
+            _ => (None, ""),
+        };
+        // Gemma 3 (transformers 5): one set per layer type; the hub: `rope_local_base_freq`
+        let mut sliding_base = c.extra.get("rope_local_base_freq").and_then(|v| v.as_f64());
+        if let (Arch::Gemma3, Some(p)) = (self.arch, params) {
+            if let (Some(full), Some(local)) = (p.get("full_attention"), p.get("sliding_attention"))
+            {
+                let kind = local.get("rope_type").and_then(|t| t.as_str());
+                if kind.is_some_and(|k| k != "default") {
+                    return Err(self.unsupported(
+                        "rope_parameters.sliding_attention.rope_type",
+                        &local["rope_type"],
+                        "; attnscope implements the default RoPE on sliding layers",
+                    ));
+                }
+                sliding_base = local.get("rope_theta").and_then(|v| v.as_f64());
+                params = Some(full);
+                key = "rope_parameters.full_attention";
+            }
+        }
+        if let Some(p) = params {
+            let flat = p.is_object()
+                && (p.get("rope_type").is_some()
+                    || p.get("type").is_some()
+                    || p.get("rope_theta").is_some());
+            if !flat {
+                return Err(self.unsupported(
+                    key,
+                    p,
+                    "; attnscope reads one set of RoPE parameters for every layer",
+                ));
+            }
+        }
+        Ok(RopeParameters {
+            params,
+            key,
+            sliding_base,
+        })
+    }
+
+    /// RoPE's base (`rope_theta`); GPT-2's learned positions use none.
+    fn rope_base(&self, params: Option<&serde_json::Value>) -> Result<f32> {
+        let theta = params
+            .and_then(|p| p.get("rope_theta"))
+            .and_then(|v| v.as_f64())
+            .or(self.c.rope_theta);
+        match theta {
+            Some(t) => Ok(t as f32),
+            // GPT-2 has learned positions and no RoPE: the base is never used
+            None if self.arch.learned_positions() => Ok(10000.0),
+            None => Err(self.missing("rope_theta", &self.a)),
+        }
+    }
+
+    /// The RoPE type: the default, or llama3's scaling with its four checked parameters.
+    fn rope_scaling(&self, params: Option<&serde_json::Value>, pkey: &str) -> Result<RopeScaling> {
+        let rope_type = params.and_then(|p| p.get("rope_type").or_else(|| p.get("type")));
+        match rope_type.map(|t| (t, t.as_str())) {
+            None | Some((_, Some("default"))) => Ok(RopeScaling::Default),
+            Some((_, Some("llama3"))) => {
+                let p = params.expect("a rope type comes from the parameters");
+                let num = |k: &str| -> Result<f32> {
+                    p.get(k)
+                        .and_then(|v| v.as_f64())
+                        .map(|x| x as f32)
+                        .ok_or_else(|| self.missing(&format!("{pkey}.{k}"), "llama3-scaled"))
+                };
+                let (factor, low_freq_factor, high_freq_factor, original_context) = (
+                    num("factor")?,
+                    num("low_freq_factor")?,
+                    num("high_freq_factor")?,
+                    num("original_max_position_embeddings")?,
+                );
+                if !(factor > 0.0
+                    && low_freq_factor > 0.0
+                    && high_freq_factor > low_freq_factor
+                    && original_context > 0.0)
+                {
+                    return Err(self.bad_value(pkey, "llama3 scaling needs factor > 0, low_freq_factor > 0, high_freq_factor > low_freq_factor and original_max_position_embeddings > 0".into()));
+                }
+                Ok(RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_context,
+                })
+            }
+            Some((v, _)) => Err(self.unsupported(
+                &format!("{pkey}.rope_type"),
+                v,
+                "; attnscope implements the default RoPE and llama3 scaling",
+            )),
+        }
+    }
+
+    /// Settings of other families that change every number (Gemma's own are read later).
+    fn refuse_foreign_settings(&self) -> Result<()> {
+        let gemma_keys = [
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+            "query_pre_attn_scalar",
+        ];
+        for k in [
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+            "query_pre_attn_scalar",
+            "embedding_multiplier",
+            "residual_multiplier",
+            "attention_multiplier",
+            "logits_scaling",
+        ] {
+            if let Some(v) = self
+                .set(k)
+                .filter(|_| !(self.arch.is_gemma() && gemma_keys.contains(&k)))
+            {
+                return Err(self.unsupported(k, v, ""));
+            }
+        }
+        Ok(())
+    }
+
+    /// Partial rotary (Phi-3): only the first `factor · head_dim` dimensions of a head rotate.
+    fn rotary_dim(&self, params: Option<&serde_json::Value>, head_dim: usize) -> Result<usize> {
+        let factor = params
+            .and_then(|p| p.get("partial_rotary_factor"))
+            .or(self.set("partial_rotary_factor"));
+        match factor {
+            None => Ok(head_dim),
+            Some(f) => match f.as_f64() {
+                Some(x) if x > 0.0 && x <= 1.0 && (x * head_dim as f64).fract() == 0.0 => {
+                    Ok((x * head_dim as f64) as usize)
+                }
+                _ => Err(self.bad_value(
+                    "partial_rotary_factor",
+                    format!("{f} is not a factor in (0, 1] giving a whole number of the {head_dim} dimensions of a head"),
+                )),
+            },
+        }
+    }
+
+    /// The MLP's activation and the attention's kind, as each family implements them.
+    fn check_activation(&self) -> Result<()> {
+        let arch = self.arch;
+        if arch.is_gemma() {
+            for k in ["hidden_activation", "hidden_act"] {
+                if let Some(v) = self
+                    .set(k)
+                    .filter(|v| v.as_str() != Some("gelu_pytorch_tanh"))
+                {
+                    return Err(self.unsupported(
+                        k,
+                        v,
+                        "; attnscope's Gemma MLP is GeGLU with gelu_pytorch_tanh",
+                    ));
+                }
+            }
+            if let Some(v) = self
+                .set("use_bidirectional_attention")
+                .filter(|v| v.as_bool() == Some(true))
+            {
+                return Err(self.unsupported(
+                    "use_bidirectional_attention",
+                    v,
+                    "; attnscope runs causal attention",
+                ));
+            }
+        } else if arch == Arch::Gpt2 {
+            if let Some(v) = self
+                .set("activation_function")
+                .filter(|v| v.as_str() != Some("gelu_new"))
+            {
+                return Err(self.unsupported(
+                    "activation_function",
+                    v,
+                    "; attnscope's GPT-2 MLP uses gelu_new",
+                ));
+            }
+            for (k, ok) in [
+                ("scale_attn_by_inverse_layer_idx", false),
+                ("scale_attn_weights", true),
+                ("add_cross_attention", false),
+            ] {
+                if let Some(v) = self.set(k).filter(|v| v.as_bool() != Some(ok)) {
+                    return Err(self.unsupported(k, v, ""));
+                }
+            }
+        } else if arch.is_encoder() {
+            for (k, ok) in [
+                ("hidden_act", "gelu"),
+                ("position_embedding_type", "absolute"),
+            ] {
+                if let Some(v) = self.set(k).filter(|v| v.as_str() != Some(ok)) {
+                    let why = format!("; attnscope's {} has {k} = {ok}", arch.name());
+                    return Err(self.unsupported(k, v, &why));
+                }
+            }
+            for k in ["is_decoder", "add_cross_attention"] {
+                if let Some(v) = self.set(k).filter(|v| v.as_bool() != Some(false)) {
+                    let why =
+                        "; attnscope runs BERT as an encoder (bidirectional, no cross-attention)";
+                    return Err(self.unsupported(k, v, why));
+                }
+            }
+        } else if let Some(v) = self
+            .set("hidden_act")
+            .filter(|v| v.as_str() != Some("silu"))
+        {
+            return Err(self.unsupported("hidden_act", v, "; attnscope's MLP is SwiGLU with silu"));
+        }
+        Ok(())
+    }
+
+    /// The sliding window, for the families that have one on every (or Gemma's sliding) layer.
+    fn sliding_window(&self) -> Result<Option<usize>> {
+        let Some(v) = self.set("sliding_window") else {
+            return Ok(None);
+        };
+        match self.arch {
+            Arch::Mistral | Arch::Phi3 | Arch::Gemma2 | Arch::Gemma3 => match v.as_u64() {
+                Some(w) if w > 0 => Ok(Some(w as usize)),
+                _ => Err(self.bad_value(
+                    "sliding_window",
+                    format!("{v} is not a positive whole number"),
+                )),
+            },
+            // Qwen configs carry a window with `use_sliding_window: false`: then it is unused
+            Arch::Qwen2 | Arch::Qwen3 => {
+                if self.set("use_sliding_window").and_then(|u| u.as_bool()) == Some(true) {
+                    return Err(self.unsupported(
+                        "use_sliding_window",
+                        &true.into(),
+                        "; attnscope implements Mistral's window on every layer, not Qwen's per-layer windows",
+                    ));
+                }
+                Ok(None)
+            }
+            Arch::Llama | Arch::Gpt2 | Arch::Bert | Arch::Roberta | Arch::DistilBert => Err(self
+                .unsupported(
+                    "sliding_window",
+                    v,
+                    "; for a llama model attnscope attends to every earlier token",
+                )),
+        }
+    }
+
+    /// Gemma's per-layer kinds (true: sliding), from `layer_types` or the hub's pattern; other
+    /// families must have one kind on every layer.
+    fn sliding_layers(&self, sliding_window: Option<usize>) -> Result<Option<Vec<bool>>> {
+        if !self.arch.is_gemma() {
+            if let Some(v) = self.set("layer_types") {
+                let expected = if sliding_window.is_some() {
+                    "sliding_attention"
+                } else {
+                    "full_attention"
+                };
+                let all_full = v
+                    .as_array()
+                    .is_some_and(|a| a.iter().all(|t| t.as_str() == Some(expected)));
+                if !all_full {
+                    return Err(self.unsupported(
+                        "layer_types",
+                        v,
+                        "; attnscope attends to every earlier token in every layer",
+                    ));
+                }
+            }
+            return Ok(None);
+        }
+        let n = self.c.num_hidden_layers;
+        let layers: Vec<bool> = match self.set("layer_types") {
+            Some(v) => {
+                let a = v.as_array().filter(|a| a.len() == n).ok_or_else(|| {
+                    self.bad_value("layer_types", format!("expected a list of {n} layer types"))
+                })?;
+                a.iter()
+                    .map(|t| match t.as_str() {
+                        Some("sliding_attention") => Ok(true),
+                        Some("full_attention") => Ok(false),
+                        _ => Err(self.unsupported(
+                            "layer_types",
+                            v,
+                            "; attnscope knows sliding_attention and full_attention",
+                        )),
+                    })
+                    .collect::<Result<_>>()?
+            }
+            None => {
+                // the hub's style: Gemma 2 alternates (even layers slide); Gemma 3 has
+                // `sliding_window_pattern` N (every Nth layer is full)
+                let pattern = self
+                    .set("sliding_window_pattern")
+                    .or(self.set("_sliding_window_pattern"))
+                    .and_then(|v| v.as_u64())
+                    .unwrap_or(if self.arch == Arch::Gemma2 { 2 } else { 6 })
+                    as usize;
+                (0..n).map(|i| (i + 1) % pattern.max(1) != 0).collect()
+            }
+        };
+        if sliding_window.is_none() && layers.iter().any(|&b| b) {
+            return Err(self.missing("sliding_window", &self.a));
+        }
+        Ok(Some(layers))
+    }
+
+    /// RoBERTa: positions from padding_idx + 1 (transformers' create_position_ids_from_input_ids).
+    fn position_pad(&self) -> Result<Option<usize>> {
+        match self.arch {
+            Arch::Roberta => match self.set("pad_token_id").map(|v| v.as_u64()) {
+                Some(Some(p)) if p < 1 << 20 => Ok(Some(p as usize)),
+                None => Ok(Some(1)),
+                Some(_) => Err(self.bad_value(
+                    "pad_token_id",
+                    "not a whole number (RoBERTa's positions count from it)".into(),
+                )),
+            },
+            _ => Ok(None),
+        }
+    }
+
+    /// The longest text: the position table, less RoBERTa's padding positions.
+    fn context_len(&self, position_pad: Option<usize>) -> Result<usize> {
+        let context_len = self.c.max_position_embeddings.unwrap_or(32768);
+        let Some(p) = position_pad else {
+            return Ok(context_len);
+        };
+        context_len
+            .checked_sub(p + 1)
+            .filter(|&n| n > 0)
+            .ok_or_else(|| {
+                self.bad_value(
+                    "max_position_embeddings",
+                    format!(
+                        "{context_len} positions leave none for a text after RoBERTa's padding_idx {p} + 1"
+                    ),
+                )
+            })
+    }
+
+    /// The MLP's width (GPT-2's default: 4 × the model's).
+    fn d_ff(&self) -> Result<usize> {
+        match (self.c.intermediate_size, self.arch) {
+            (Some(ff), _) => Ok(ff),
+            (None, Arch::Gpt2) => Ok(4 * self.c.hidden_size),
+            (None, _) => Err(self.missing("intermediate_size", &self.a)),
+        }
+    }
+
+    /// Gemma's scalings, soft-caps and per-layer windows.
+    fn gemma_settings(
+        &self,
+        layers: Vec<bool>,
+        sliding_base: Option<f64>,
+        rope_base: f32,
+        head_dim: usize,
+    ) -> Result<GemmaSettings> {
+        let f = |k: &str| self.set(k).and_then(|v| v.as_f64());
+        Ok(GemmaSettings {
+            embed_scale: (self.c.hidden_size as f64).sqrt() as f32,
+            query_scale: f("query_pre_attn_scalar")
+                .map(|q| q.powf(-0.5) as f32)
+                .unwrap_or(1.0 / (head_dim as f32).sqrt()),
+            attn_softcap: f("attn_logit_softcapping").map(|x| x as f32),
+            final_softcap: f("final_logit_softcapping").map(|x| x as f32),
+            sliding_layers: layers,
+            rope_base_sliding: match self.arch {
+                Arch::Gemma3 => sliding_base
+                    .ok_or_else(|| self.missing("rope_local_base_freq", &self.a))?
+                    as f32,
+                _ => rope_base,
+            },
+            norms_include_one: false,
+        })
+    }
+
+    /// Token-type embeddings (BERT, RoBERTa; none elsewhere).
+    fn type_vocab(&self) -> Result<usize> {
+        match self.arch {
+            Arch::DistilBert => Ok(0),
+            Arch::Bert | Arch::Roberta => match self.set("type_vocab_size").map(|v| v.as_u64()) {
+                None => Ok(2),
+                Some(Some(t)) if (1..=1024).contains(&t) => Ok(t as usize),
+                Some(_) => {
+                    Err(self.bad_value("type_vocab_size", "not a whole number in 1..=1024".into()))
+                }
+            },
+            _ => Ok(0),
+        }
     }
 }
 
