@@ -1044,160 +1044,40 @@ pub fn load_weights(
     mut progress: impl FnMut(usize, usize),
 ) -> Result<Weights> {
     check_every_tensor_used(src, dims, name)?;
-    let need = |src: &mut dyn TensorSource, l: Logical| -> Result<Raw> {
-        fetch(src, &l, dims, name)?.ok_or_else(|| Error::MissingTensor {
-            name: name(&l),
-            path: src.path().into(),
-            arch: src.arch_name(),
-            found: src.count(),
-        })
-    };
-    // Gemma's RMSNorm multiplies by (1 + w) (computed in f32, as transformers does): stored once
-    let gemma = dims.gemma.as_ref().is_some_and(|g| !g.norms_include_one);
-    let norm = |r: Raw| -> Result<Vec<f32>> {
-        let mut w = r.to_vec()?;
-        if gemma {
-            w.iter_mut().for_each(|x| *x += 1.0);
-        }
-        Ok(w)
+    let mut ld = Loading {
+        src,
+        dims,
+        name,
+        precision,
+        memory,
+        cached,
+        // Gemma's RMSNorm multiplies by (1 + w) (computed in f32, as transformers does): stored
+        // once
+        gemma: dims.gemma.as_ref().is_some_and(|g| !g.norms_include_one),
     };
     // an encoder has no output head: the word embeddings stand in for it (tied), never read
     let encoder = dims.arch.is_encoder();
-    let (embed, lm_head) = match (need(src, Logical::Embed)?, dims.tied_embeddings || encoder) {
-        // tied quantized embeddings: looked up and applied as the head from the same blocks
-        (Raw::Mapped(m), true) => (Embedding::Rows(m.clone()), Head::Rows(m)),
-        (Raw::Mapped(m), false) => (
-            Embedding::Rows(m),
-            head_matrix(need(src, Logical::LmHead)?, precision)?,
-        ),
-        (raw, tied) => {
-            let dense = raw.to_f32()?;
-            let head = if tied {
-                Head::Dense(dense.clone())
-            } else {
-                head_matrix(need(src, Logical::LmHead)?, precision)?
-            };
-            (Embedding::Dense(dense), head)
-        }
-    };
+    let (embed, lm_head) = ld.embeddings(encoder)?;
     let final_norm = if encoder {
         Vec::new()
     } else {
-        norm(need(src, Logical::FinalNorm)?)?
+        ld.norm(Logical::FinalNorm)?
     };
-    let mut layers = Vec::with_capacity(dims.n_layers.min(src.count()));
+    let mut layers = Vec::with_capacity(dims.n_layers.min(ld.src.count()));
     for i in 0..dims.n_layers {
-        let part = |src: &mut dyn TensorSource,
-                    w: Logical,
-                    b: Option<Logical>|
-         -> Result<(Raw, Option<Raw>)> {
-            let w = need(src, w)?;
-            let b = match b {
-                Some(b) => fetch(src, &b, dims, name)?,
-                None => None,
-            };
-            Ok((w, b))
-        };
-        let qkv = vec![
-            part(src, Logical::Q(i), Some(Logical::QBias(i)))?,
-            part(src, Logical::K(i), Some(Logical::KBias(i)))?,
-            part(src, Logical::V(i), Some(Logical::VBias(i)))?,
-        ];
-        // GPT-2 and BERT: biases everywhere, LayerNorms, an MLP without gate
-        let gpt2 = dims.arch.learned_positions();
-        let bias = |l: Logical| gpt2.then_some(l);
-        // the cache holds q|k|v, o, gate|up, down of each layer in turn
-        let ready =
-            |slot: usize, n: usize, k: usize| cached.and_then(|c| c.get(4 * i + slot, n, k));
-        let (dm, qkv_n) = (
-            dims.d_model,
-            (dims.n_heads + 2 * dims.n_kv_heads) * dims.head_dim,
-        );
-        let gate_up_n = if gpt2 { dims.d_ff } else { 2 * dims.d_ff };
-        let layer = Layer {
-            plan: super::block::LayerPlan::of(dims, i),
-            qkv: linear(qkv, precision, memory, ready(0, qkv_n, dm))?,
-            o: linear(
-                vec![part(src, Logical::O(i), bias(Logical::OBias(i)))?],
-                precision,
-                memory,
-                ready(1, dm, dims.n_heads * dims.head_dim),
-            )?,
-            // GPT-2's MLP has no gate: this holds c_fc alone
-            gate_up: linear(
-                if gpt2 {
-                    vec![part(src, Logical::Up(i), Some(Logical::UpBias(i)))?]
-                } else {
-                    vec![
-                        part(src, Logical::Gate(i), None)?,
-                        part(src, Logical::Up(i), None)?,
-                    ]
-                },
-                precision,
-                memory,
-                ready(2, gate_up_n, dm),
-            )?,
-            down: linear(
-                vec![part(src, Logical::Down(i), bias(Logical::DownBias(i)))?],
-                precision,
-                memory,
-                ready(3, dm, dims.d_ff),
-            )?,
-            norm_biases: if gpt2 {
-                Some((
-                    need(src, Logical::AttnNormBias(i))?.to_vec()?,
-                    need(src, Logical::MlpNormBias(i))?.to_vec()?,
-                ))
-            } else {
-                None
-            },
-            qk_norm: if matches!(dims.arch, Arch::Qwen3 | Arch::Gemma3) {
-                Some((
-                    norm(need(src, Logical::QNorm(i))?)?,
-                    norm(need(src, Logical::KNorm(i))?)?,
-                ))
-            } else {
-                None
-            },
-            post_norms: if dims.arch.is_gemma() {
-                Some((
-                    norm(need(src, Logical::PostAttnNorm(i))?)?,
-                    norm(need(src, Logical::PostMlpNorm(i))?)?,
-                ))
-            } else {
-                None
-            },
-            attn_norm: norm(need(src, Logical::AttnNorm(i))?)?,
-            mlp_norm: norm(need(src, Logical::MlpNorm(i))?)?,
-        };
-        layers.push(layer);
+        layers.push(ld.layer(i)?);
         super::guard::fault_point("pack");
         progress(i + 1, dims.n_layers);
     }
-    let rope_freqs = match fetch(src, &Logical::RopeFreqs, dims, name)? {
-        Some(raw) => {
-            let f = raw.to_vec()?;
-            if let Some(bad) = f.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
-                return Err(Error::BadValue {
-                    key: name(&Logical::RopeFreqs),
-                    path: src.path().into(),
-                    reason: format!(
-                        "a RoPE frequency factor is {bad}; they must be positive numbers"
-                    ),
-                });
-            }
-            Some(f)
-        }
-        None => None,
-    };
+    let rope_freqs = ld.rope_freqs()?;
     let gpt2 = dims.arch == Arch::Gpt2;
     let pos_embed = if dims.arch.learned_positions() {
-        Some(need(src, Logical::PosEmbed)?.to_vec()?)
+        Some(ld.need(Logical::PosEmbed)?.to_vec()?)
     } else {
         None
     };
     let final_norm_bias = if gpt2 {
-        Some(need(src, Logical::FinalNormBias)?.to_vec()?)
+        Some(ld.need(Logical::FinalNormBias)?.to_vec()?)
     } else {
         None
     };
@@ -1211,27 +1091,201 @@ pub fn load_weights(
         lm_head,
         rope_style,
         encoder: if encoder {
-            let pooler = match fetch(src, &Logical::Pooler, dims, name)? {
-                Some(w) => Some((w.to_vec()?, need(src, Logical::PoolerBias)?.to_vec()?)),
-                None => None,
-            };
-            Some(EncoderWeights {
-                token_types: if dims.type_vocab == 0 {
-                    Vec::new()
-                } else {
-                    need(src, Logical::TypeEmbed)?.to_vec()?
-                },
-                type_vocab: dims.type_vocab,
-                norm: (
-                    need(src, Logical::EmbedNorm)?.to_vec()?,
-                    need(src, Logical::EmbedNormBias)?.to_vec()?,
-                ),
-                pooler,
-            })
+            Some(ld.encoder_weights()?)
         } else {
             None
         },
     })
+}
+
+/// What [`load_weights`] reads from, and how it packs what it reads.
+struct Loading<'a> {
+    src: &'a mut dyn TensorSource,
+    dims: &'a ModelDims,
+    name: &'a dyn Fn(&Logical) -> String,
+    precision: Precision,
+    memory: Memory,
+    cached: Option<&'a super::panels::Cached>,
+    /// Gemma's norms hold `1 + w`.
+    gemma: bool,
+}
+
+impl Loading<'_> {
+    /// A tensor the model cannot run without: missing, it is refused by name.
+    fn need(&mut self, l: Logical) -> Result<Raw> {
+        fetch(self.src, &l, self.dims, self.name)?.ok_or_else(|| Error::MissingTensor {
+            name: (self.name)(&l),
+            path: self.src.path().into(),
+            arch: self.src.arch_name(),
+            found: self.src.count(),
+        })
+    }
+
+    /// A tensor the model may lack (biases, the pooler, RoPE's factors).
+    fn maybe(&mut self, l: Logical) -> Result<Option<Raw>> {
+        fetch(self.src, &l, self.dims, self.name)
+    }
+
+    /// A norm's weights (Gemma's as `1 + w`).
+    fn norm(&mut self, l: Logical) -> Result<Vec<f32>> {
+        let mut w = self.need(l)?.to_vec()?;
+        if self.gemma {
+            w.iter_mut().for_each(|x| *x += 1.0);
+        }
+        Ok(w)
+    }
+
+    /// The token embeddings and the output head (tied quantized embeddings: looked up and
+    /// applied as the head from the same blocks).
+    fn embeddings(&mut self, encoder: bool) -> Result<(Embedding, Head)> {
+        let precision = self.precision;
+        Ok(
+            match (
+                self.need(Logical::Embed)?,
+                self.dims.tied_embeddings || encoder,
+            ) {
+                (Raw::Mapped(m), true) => (Embedding::Rows(m.clone()), Head::Rows(m)),
+                (Raw::Mapped(m), false) => (
+                    Embedding::Rows(m),
+                    head_matrix(self.need(Logical::LmHead)?, precision)?,
+                ),
+                (raw, tied) => {
+                    let dense = raw.to_f32()?;
+                    let head = if tied {
+                        Head::Dense(dense.clone())
+                    } else {
+                        head_matrix(self.need(Logical::LmHead)?, precision)?
+                    };
+                    (Embedding::Dense(dense), head)
+                }
+            },
+        )
+    }
+
+    /// A weight and its bias (if `b` names one and the file has it).
+    fn part(&mut self, w: Logical, b: Option<Logical>) -> Result<(Raw, Option<Raw>)> {
+        let w = self.need(w)?;
+        let b = match b {
+            Some(b) => self.maybe(b)?,
+            None => None,
+        };
+        Ok((w, b))
+    }
+
+    /// Fuses `parts` into cache slot `slot` of layer `i` (q|k|v, o, gate|up, down in turn).
+    fn linear(
+        &self,
+        parts: Vec<(Raw, Option<Raw>)>,
+        i: usize,
+        slot: usize,
+        (n, k): (usize, usize),
+    ) -> Result<Linear> {
+        let ready = self.cached.and_then(|c| c.get(4 * i + slot, n, k));
+        linear(parts, self.precision, self.memory, ready)
+    }
+
+    /// Layer `i`'s projections (packed or kept in their blocks) and norms.
+    fn layer(&mut self, i: usize) -> Result<Layer> {
+        let dims = self.dims;
+        let qkv = vec![
+            self.part(Logical::Q(i), Some(Logical::QBias(i)))?,
+            self.part(Logical::K(i), Some(Logical::KBias(i)))?,
+            self.part(Logical::V(i), Some(Logical::VBias(i)))?,
+        ];
+        // GPT-2 and BERT: biases everywhere, LayerNorms, an MLP without gate
+        let gpt2 = dims.arch.learned_positions();
+        let bias = |l: Logical| gpt2.then_some(l);
+        let (dm, qkv_n) = (
+            dims.d_model,
+            (dims.n_heads + 2 * dims.n_kv_heads) * dims.head_dim,
+        );
+        let gate_up_n = if gpt2 { dims.d_ff } else { 2 * dims.d_ff };
+        let qkv = self.linear(qkv, i, 0, (qkv_n, dm))?;
+        let o = self.part(Logical::O(i), bias(Logical::OBias(i)))?;
+        let o = self.linear(vec![o], i, 1, (dm, dims.n_heads * dims.head_dim))?;
+        // GPT-2's MLP has no gate: this holds c_fc alone
+        let gate_up = if gpt2 {
+            vec![self.part(Logical::Up(i), Some(Logical::UpBias(i)))?]
+        } else {
+            vec![
+                self.part(Logical::Gate(i), None)?,
+                self.part(Logical::Up(i), None)?,
+            ]
+        };
+        let gate_up = self.linear(gate_up, i, 2, (gate_up_n, dm))?;
+        let down = self.part(Logical::Down(i), bias(Logical::DownBias(i)))?;
+        let down = self.linear(vec![down], i, 3, (dm, dims.d_ff))?;
+        let norm_biases = if gpt2 {
+            Some((
+                self.need(Logical::AttnNormBias(i))?.to_vec()?,
+                self.need(Logical::MlpNormBias(i))?.to_vec()?,
+            ))
+        } else {
+            None
+        };
+        let qk_norm = if matches!(dims.arch, Arch::Qwen3 | Arch::Gemma3) {
+            Some((self.norm(Logical::QNorm(i))?, self.norm(Logical::KNorm(i))?))
+        } else {
+            None
+        };
+        let post_norms = if dims.arch.is_gemma() {
+            Some((
+                self.norm(Logical::PostAttnNorm(i))?,
+                self.norm(Logical::PostMlpNorm(i))?,
+            ))
+        } else {
+            None
+        };
+        Ok(Layer {
+            plan: super::block::LayerPlan::of(dims, i),
+            qkv,
+            o,
+            gate_up,
+            down,
+            norm_biases,
+            qk_norm,
+            post_norms,
+            attn_norm: self.norm(Logical::AttnNorm(i))?,
+            mlp_norm: self.norm(Logical::MlpNorm(i))?,
+        })
+    }
+
+    /// Llama 3's RoPE frequency factors, if the file has them (each a positive number).
+    fn rope_freqs(&mut self) -> Result<Option<Vec<f32>>> {
+        let Some(raw) = self.maybe(Logical::RopeFreqs)? else {
+            return Ok(None);
+        };
+        let f = raw.to_vec()?;
+        if let Some(bad) = f.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+            return Err(Error::BadValue {
+                key: (self.name)(&Logical::RopeFreqs),
+                path: self.src.path().into(),
+                reason: format!("a RoPE frequency factor is {bad}; they must be positive numbers"),
+            });
+        }
+        Ok(Some(f))
+    }
+
+    /// An encoder's token types, embedding norm and pooler.
+    fn encoder_weights(&mut self) -> Result<EncoderWeights> {
+        let pooler = match self.maybe(Logical::Pooler)? {
+            Some(w) => Some((w.to_vec()?, self.need(Logical::PoolerBias)?.to_vec()?)),
+            None => None,
+        };
+        Ok(EncoderWeights {
+            token_types: if self.dims.type_vocab == 0 {
+                Vec::new()
+            } else {
+                self.need(Logical::TypeEmbed)?.to_vec()?
+            },
+            type_vocab: self.dims.type_vocab,
+            norm: (
+                self.need(Logical::EmbedNorm)?.to_vec()?,
+                self.need(Logical::EmbedNormBias)?.to_vec()?,
+            ),
+            pooler,
+        })
+    }
 }
 
 /// The output projection (applied to a few rows only): quantized in `fast`, else f32 values
