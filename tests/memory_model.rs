@@ -1,9 +1,9 @@
 //! The memory model `info` prints, checked against measured peaks: `inspect` of a fixed text
 //! (under 128 tokens) at each `--memory` setting, in a child process that reports its own peak
-//! resident memory (`VmHWM`, `ATTNSCOPE_PEAK_FILE`), on the three real models and the 1.5B
-//! (all fetched by `.ci/run`). The bound (docs/precision.md#memory): the measured peak within
-//! ±10% of the model's 128-token row. Measured on a 2-core Sapphire Rapids-class machine
-//! (AMX): every peak within 0.3-2.3% of its prediction.
+//! resident memory (`VmHWM`, `ATTNSCOPE_PEAK_FILE`), on the three real models and the 1.5B at
+//! `low` (all fetched by `.ci/run`). The bound (docs/precision.md#memory): the measured peak within
+//! ±10% of the model's 128-token row. Measured on a 2-core Sapphire Rapids-class machine (AMX) and
+//! an AVX2-only EPYC: every peak within 0.3-2.3% of its prediction.
 
 use attnscope::model::memory::{plan, FIT_TOKENS};
 use attnscope::model::{Memory, Precision};
@@ -56,7 +56,14 @@ fn the_memory_model_matches_measured_peaks_on_the_real_models() {
         "qwen2.5-coder-1.5b",
     ] {
         let p = plan(alias, false).unwrap();
-        for memory in Memory::ALL {
+        // the 1.5B at `low` only: its `fast` row (5.5 GB of f32 panels, ~40 s to pack without the
+        // cache) checks the same arithmetic as the smaller models' `fast` rows
+        let settings: &[Memory] = if alias == "qwen2.5-coder-1.5b" {
+            &[Memory::Low]
+        } else {
+            &Memory::ALL
+        };
+        for &memory in settings {
             let predicted = p.footprint.need(memory, Precision::Exact, FIT_TOKENS);
             let measured = measured_peak(alias, memory);
             let ratio = measured as f64 / predicted as f64;
