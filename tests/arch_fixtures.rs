@@ -8,7 +8,7 @@ mod common;
 use attnscope::model::capture::{AttnCache, CaptureSpec};
 use attnscope::model::forward::RunOptions;
 use attnscope::model::{Model, Precision};
-use common::{golden, golden_json, golden_npy, max_abs_diff, token_ids};
+use common::{golden, golden_json, golden_npy, max_abs_diff, run_err, run_json, run_ok, token_ids};
 use std::path::Path;
 
 /// A copy of fixture `name` whose config.json `edit` may change.
@@ -224,18 +224,17 @@ fn what_is_not_implemented_is_refused_by_name() {
     let dir = fixture_copy("llama3", &|c| {
         c["rope_parameters"]["rope_type"] = "yarn".into()
     });
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_attnscope"))
-        .args([
+    let out = run_err(
+        [
             "inspect",
             "--model",
             dir.path().to_str().unwrap(),
             "--text",
             "The cat",
-        ])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    let e = String::from_utf8_lossy(&out.stderr);
+        ],
+        2,
+    );
+    let e = out;
     assert!(
         e.contains("rope_parameters.rope_type") && e.contains("\"yarn\""),
         "{e}"
@@ -488,126 +487,18 @@ fn qwen3_gguf_matches_transformers() {
 /// capture, view and compare.
 #[test]
 fn commands_run_on_every_fixture() {
-    let bin = env!("CARGO_BIN_EXE_attnscope");
     let dir = tempfile::tempdir().unwrap();
     for name in [
         "llama3", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "gpt2",
     ] {
         let m = golden(&format!("arch/{name}"));
         let m = m.to_str().unwrap();
-        let npz = dir.path().join(format!("{name}.npz"));
-        let html = dir.path().join(format!("{name}.html"));
-        for args in [
-            vec![
-                "inspect",
-                "-m",
-                m,
-                "--text",
-                "The cat sat on the mat.",
-                "--json",
-            ],
-            vec!["faithfulness", "-m", m, "--text", "The cat sat", "--json"],
-            vec!["heads", "-m", m, "--random-repeat", "10", "--json"],
-            vec![
-                "capture",
-                "-m",
-                m,
-                "--text",
-                "The cat",
-                "--out",
-                npz.to_str().unwrap(),
-            ],
-            vec![
-                "view",
-                "-m",
-                m,
-                "--text",
-                "The cat",
-                "--out",
-                html.to_str().unwrap(),
-            ],
-            vec![
-                "compare", "-m", m, "--text", "The cat", "--text", "The dog", "--json",
-            ],
-            vec!["info", "-m", m],
-        ] {
-            let out = std::process::Command::new(bin)
-                .args(&args)
-                .output()
-                .unwrap();
-            assert!(
-                out.status.success(),
-                "{name}: {args:?}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            if args.contains(&"--json") {
-                let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-                assert!(v.is_object(), "{name}: {args:?}");
-            }
-        }
-        let v: serde_json::Value = serde_json::from_slice(
-            &std::process::Command::new(bin)
-                .args([
-                    "inspect",
-                    "-m",
-                    m,
-                    "--text",
-                    "The cat sat on the mat.",
-                    "--json",
-                ])
-                .output()
-                .unwrap()
-                .stdout,
-        )
-        .unwrap();
+        let v = every_command_runs(name, m, dir.path());
         if name == "mistral" {
-            // the sink section says the window hides the first token from late queries
-            let out = std::process::Command::new(bin)
-                .args([
-                    "inspect",
-                    "-m",
-                    m,
-                    "--text",
-                    "The cat sat on the mat again and again.",
-                ])
-                .output()
-                .unwrap();
-            let text = String::from_utf8_lossy(&out.stdout);
-            assert!(
-                text.contains("sliding window of 8 tokens")
-                    && text.contains("cannot see the first token"),
-                "{text}"
-            );
+            mistral_says_its_window_hides_the_first_token(m);
         }
         if name == "gemma2" {
-            // alternating windows: layer 0 slides, so query ≥ 8 cannot see the first token there
-            let out = std::process::Command::new(bin)
-                .args([
-                    "inspect",
-                    "-m",
-                    m,
-                    "--text",
-                    "The cat sat on the mat again and again.",
-                    "--json",
-                ])
-                .output()
-                .unwrap();
-            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-            assert_eq!(v["layers"][0]["sink_query"], 0.0, "layer 0 is windowed");
-            // scaling says which layers grow as n · window
-            let out = std::process::Command::new(bin)
-                .args(["scaling", "-m", m, "--lengths", "16,64", "--repeats", "1"])
-                .output()
-                .unwrap();
-            let text = String::from_utf8_lossy(&out.stdout);
-            assert!(
-                text.contains("2 of 3 layers (0, 2) attend through a sliding window of 8"),
-                "{text}"
-            );
-            assert!(
-                v["layers"][1]["sink_query"].as_f64().unwrap() > 0.0,
-                "layer 1 is full"
-            );
+            gemma2_windows_every_other_layer(m);
         }
         let arch = if name == "llama3" { "llama" } else { name };
         assert_eq!(v["model"]["arch"], arch);
@@ -616,6 +507,98 @@ fn commands_run_on_every_fixture() {
             if name == "qwen3" { 24 } else { 16 }
         );
     }
+}
+
+/// Runs every command on the fixture `m` (writing its files in `dir`), each to exit 0 and each
+/// `--json` to print an object; returns `inspect`'s JSON.
+fn every_command_runs(name: &str, m: &str, dir: &Path) -> serde_json::Value {
+    let npz = dir.join(format!("{name}.npz"));
+    let html = dir.join(format!("{name}.html"));
+    let mut inspected = None;
+    for args in [
+        vec![
+            "inspect",
+            "-m",
+            m,
+            "--text",
+            "The cat sat on the mat.",
+            "--json",
+        ],
+        vec!["faithfulness", "-m", m, "--text", "The cat sat", "--json"],
+        vec!["heads", "-m", m, "--random-repeat", "10", "--json"],
+        vec![
+            "capture",
+            "-m",
+            m,
+            "--text",
+            "The cat",
+            "--out",
+            npz.to_str().unwrap(),
+        ],
+        vec![
+            "view",
+            "-m",
+            m,
+            "--text",
+            "The cat",
+            "--out",
+            html.to_str().unwrap(),
+        ],
+        vec![
+            "compare", "-m", m, "--text", "The cat", "--text", "The dog", "--json",
+        ],
+        vec!["info", "-m", m],
+    ] {
+        let out = run_ok(&args);
+        if args.contains(&"--json") {
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            assert!(v.is_object(), "{name}: {args:?}");
+            if args[0] == "inspect" {
+                inspected = Some(v);
+            }
+        }
+    }
+    inspected.unwrap()
+}
+
+/// The sink section says the window hides the first token from late queries.
+fn mistral_says_its_window_hides_the_first_token(m: &str) {
+    let out = run_ok([
+        "inspect",
+        "-m",
+        m,
+        "--text",
+        "The cat sat on the mat again and again.",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("sliding window of 8 tokens") && text.contains("cannot see the first token"),
+        "{text}"
+    );
+}
+
+/// Alternating windows: layer 0 slides, so query ≥ 8 cannot see the first token there; and
+/// scaling says which layers grow as n · window.
+fn gemma2_windows_every_other_layer(m: &str) {
+    let v = run_json([
+        "inspect",
+        "-m",
+        m,
+        "--text",
+        "The cat sat on the mat again and again.",
+        "--json",
+    ]);
+    assert_eq!(v["layers"][0]["sink_query"], 0.0, "layer 0 is windowed");
+    let out = run_ok(["scaling", "-m", m, "--lengths", "16,64", "--repeats", "1"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("2 of 3 layers (0, 2) attend through a sliding window of 8"),
+        "{text}"
+    );
+    assert!(
+        v["layers"][1]["sink_query"].as_f64().unwrap() > 0.0,
+        "layer 1 is full"
+    );
 }
 
 /// Mistral: a sliding window of 8 on every layer (a query sees itself and the 7 keys before it),
@@ -988,7 +971,12 @@ fn gemma_phi3_gpt2_ggufs_match_transformers() {
     );
     assert_eq!(m.dims.rotary_dim, 8);
     check_gguf("gpt2", "gpt2", &[]);
-    // without the keys the fixtures need, the numbers move: they are really read
+    numbers_move_without_the_keys_the_fixtures_need();
+    a_bad_fused_qkv_or_a_missing_window_is_refused_by_key();
+}
+
+/// Without the keys the fixtures need, the numbers move: they are really read.
+fn numbers_move_without_the_keys_the_fixtures_need() {
     for (name, arch, extra) in [
         ("gemma2", "gemma2", vec![]),
         ("gemma3", "gemma3", vec![]),
@@ -1006,7 +994,11 @@ fn gemma_phi3_gpt2_ggufs_match_transformers() {
             Err(e) => panic!("{name}: {e}"),
         }
     }
-    // a fused q|k|v whose rows do not add up to what the heads say is refused, naming it
+}
+
+/// A fused q|k|v whose rows do not add up to what the heads say is refused, naming it; a Gemma
+/// GGUF without its window is refused by key.
+fn a_bad_fused_qkv_or_a_missing_window_is_refused_by_key() {
     let (_d, path) = fixture_gguf("phi3", "phi3", &[]);
     let mut bytes = std::fs::read(&path).unwrap();
     let key = b"phi3.attention.head_count_kv";

@@ -7,7 +7,7 @@ mod common;
 use attnscope::model::tiny::{tiny_model, write_gguf};
 use attnscope::model::Arch;
 use candle_core::quantized::GgmlDType;
-use common::{attnscope, stderr_of, tiny_gguf};
+use common::{attnscope, fails_with, run_err, run_json, stderr_of, succeeds, tiny_gguf};
 
 #[test]
 fn corpus_shards_merge_to_the_single_run_and_resume() {
@@ -20,21 +20,22 @@ fn corpus_shards_merge_to_the_single_run_and_resume() {
         "the hat\nat the the\nhe sat\n\nthe the the at\nhat\n",
     )
     .unwrap();
+    let corpus = |extra: &[&str]| {
+        succeeds(
+            attnscope()
+                .args([
+                    "corpus",
+                    "--model",
+                    m,
+                    "--file",
+                    texts.to_str().unwrap(),
+                    "--json",
+                ])
+                .args(extra),
+        )
+    };
     let run = |extra: &[&str]| {
-        let out = attnscope()
-            .args([
-                "corpus",
-                "--model",
-                m,
-                "--file",
-                texts.to_str().unwrap(),
-                "--json",
-            ])
-            .args(extra)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", stderr_of(&out));
-        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+        serde_json::from_slice::<serde_json::Value>(&corpus(extra).stdout).unwrap()
     };
     let single = run(&[]);
     assert_eq!(single["sentences"], 5);
@@ -50,22 +51,7 @@ fn corpus_shards_merge_to_the_single_run_and_resume() {
     let whole = std::fs::read_to_string(&b).unwrap();
     let cut = whole.find('\n').unwrap() + 1 + 40;
     std::fs::write(&b, &whole[..cut]).unwrap();
-    let out = attnscope()
-        .args([
-            "corpus",
-            "--model",
-            m,
-            "--file",
-            texts.to_str().unwrap(),
-            "--json",
-            "--shard",
-            "1/2",
-            "--out",
-            b.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr_of(&out));
+    let out = corpus(&["--shard", "1/2", "--out", b.to_str().unwrap()]);
     assert!(stderr_of(&out).contains("torn line"), "{}", stderr_of(&out));
     assert_eq!(std::fs::read_to_string(&b).unwrap(), whole);
     // a last record whose newline was lost is kept, and the next record starts on its own line
@@ -84,8 +70,8 @@ fn corpus_shards_merge_to_the_single_run_and_resume() {
     // a file that is not ours is refused, not cut
     let other = dir.path().join("other.jsonl");
     std::fs::write(&other, "{\"hello\": 1}\n{\"id\": 3, \"te").unwrap();
-    let out = attnscope()
-        .args([
+    run_err(
+        [
             "corpus",
             "--model",
             m,
@@ -93,32 +79,22 @@ fn corpus_shards_merge_to_the_single_run_and_resume() {
             texts.to_str().unwrap(),
             "--out",
             other.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
+        ],
+        2,
+    );
     assert_eq!(
         std::fs::read_to_string(&other).unwrap(),
         "{\"hello\": 1}\n{\"id\": 3, \"te"
     );
-    let merged = attnscope()
-        .args([
-            "corpus",
-            "merge",
-            a.to_str().unwrap(),
-            b.to_str().unwrap(),
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(merged.status.success(), "{}", stderr_of(&merged));
-    let merged: serde_json::Value = serde_json::from_slice(&merged.stdout).unwrap();
+    let merged = run_json([
+        "corpus",
+        "merge",
+        a.to_str().unwrap(),
+        b.to_str().unwrap(),
+        "--json",
+    ]);
     assert_eq!(merged, single, "merged shards must equal the single run");
-    let bad = attnscope()
-        .args(["corpus", "--model", m, "--shard", "2/2"])
-        .output()
-        .unwrap();
-    assert_eq!(bad.status.code(), Some(2));
+    run_err(["corpus", "--model", m, "--shard", "2/2"], 2);
 }
 
 /// A panic in attnscope's own loading (here the packing, made to panic with ATTNSCOPE_FAULT) is
@@ -363,17 +339,8 @@ fn corpus_merge_refuses_records_that_do_not_agree() {
     );
     let empty = dir.path().join("empty.jsonl");
     std::fs::write(&empty, "").unwrap();
-    let out = attnscope()
-        .args(["corpus", "merge"])
-        .arg(&empty)
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2), "{}", stderr_of(&out));
-    assert!(
-        stderr_of(&out).contains("hold no records"),
-        "{}",
-        stderr_of(&out)
-    );
+    let out = fails_with(attnscope().args(["corpus", "merge"]).arg(&empty), 2);
+    assert!(out.contains("hold no records"), "{}", out);
 }
 
 /// examples/slurm: the array job's body run as Slurm would (3 tasks, one of them twice, as after a
@@ -417,19 +384,14 @@ fn slurm_array_shards_merge_to_the_single_run() {
     let merged: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("aggregate.json")).unwrap())
             .unwrap();
-    let single = attnscope()
-        .args([
-            "corpus",
-            "--model",
-            m.to_str().unwrap(),
-            "--file",
-            texts.to_str().unwrap(),
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(single.status.success(), "{}", stderr_of(&single));
-    let single: serde_json::Value = serde_json::from_slice(&single.stdout).unwrap();
+    let single = run_json([
+        "corpus",
+        "--model",
+        m.to_str().unwrap(),
+        "--file",
+        texts.to_str().unwrap(),
+        "--json",
+    ]);
     assert_eq!(single["sentences"], 6);
     assert_eq!(
         merged, single,

@@ -11,9 +11,16 @@ use attnscope::model::tiny::{tiny_model, write_gguf, write_hf_folder};
 use attnscope::model::{Arch, Model, Precision};
 use attnscope::reference::transformer::forward as reference_forward;
 use candle_core::quantized::GgmlDType;
-use common::assert_close;
+use common::{assert_close, run_json};
 
 const TOKENS: [u32; 9] = [72, 101, 108, 108, 111, 32, 256, 258, 259];
+
+/// The kernels the row-by-row tests run: Llama and Qwen2 exact, and Qwen2 fast.
+const EXACT_BOTH_FAST_QWEN2: [(Arch, Precision); 3] = [
+    (Arch::Llama, Precision::Exact),
+    (Arch::Qwen2, Precision::Exact),
+    (Arch::Qwen2, Precision::Fast),
+];
 
 fn patterns(model: &Model, tokens: &[u32], block_bytes: usize) -> (Vec<Vec<f32>>, Vec<f32>) {
     let mut cache = AttnCache::new(&CaptureSpec::patterns(), tokens.len());
@@ -252,11 +259,7 @@ fn full_run(model: &Model) -> (Vec<f32>, attnscope::model::forward::KvPrefix) {
 #[test]
 fn the_last_layer_on_the_logits_rows_alone_equals_the_whole_tail() {
     use attnscope::model::capture::{CaptureSpec, Queries};
-    for (arch, precision) in [
-        (Arch::Llama, Precision::Exact),
-        (Arch::Qwen2, Precision::Exact),
-        (Arch::Qwen2, Precision::Fast),
-    ] {
+    for (arch, precision) in EXACT_BOTH_FAST_QWEN2 {
         let (_dir, model) = tiny_loaded_as(arch, 17, precision);
         let last = model.dims.n_layers - 1;
         let opts = RunOptions {
@@ -314,11 +317,7 @@ fn prefix_reuse_equals_a_full_run() {
 #[test]
 fn a_batch_of_variants_equals_their_own_runs() {
     use attnscope::model::forward::Segment;
-    for (arch, precision) in [
-        (Arch::Llama, Precision::Exact),
-        (Arch::Qwen2, Precision::Exact),
-        (Arch::Qwen2, Precision::Fast),
-    ] {
+    for (arch, precision) in EXACT_BOTH_FAST_QWEN2 {
         let (_dir, model) = tiny_loaded_as(arch, 13, precision);
         if precision == Precision::Fast {
             eprintln!(
@@ -678,24 +677,14 @@ fn head_role_scores_equal_the_formulas_on_materialized_patterns() {
     let p = dir.path().join("tiny.gguf");
     write_gguf(&tiny_model(Arch::Llama, 5), Arch::Llama, GgmlDType::F32, &p).unwrap();
     let text = "the hat at the hat sat at the the hat he sat";
-    let out = assert_cmd::Command::cargo_bin("attnscope")
-        .unwrap()
-        .args([
-            "heads",
-            "--model",
-            p.to_str().unwrap(),
-            "--text",
-            text,
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = run_json([
+        "heads",
+        "--model",
+        p.to_str().unwrap(),
+        "--text",
+        text,
+        "--json",
+    ]);
     let model = Model::load(p.to_str().unwrap(), Precision::Exact, false).unwrap();
     let t = model.encode(text, false).unwrap();
     let n = t.len();
