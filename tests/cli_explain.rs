@@ -114,7 +114,7 @@ fn help_explains_every_subcommand() {
 /// closed form ρ^(n-1)‖U‖ in every row, the tanh RNN's vanishes, attention's path stays 1.
 #[test]
 fn explain_rnn_measures_the_last_chapter() {
-    let out = run_ok([
+    let rnn = [
         "explain",
         "--rnn",
         "--lengths",
@@ -122,7 +122,8 @@ fn explain_rnn_measures_the_last_chapter() {
         "--d",
         "6",
         "--json",
-    ]);
+    ];
+    let out = run_ok(rnn);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let rows = v["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 3);
@@ -147,18 +148,7 @@ fn explain_rnn_measures_the_last_chapter() {
             > rows[0]["attention_gradient"].as_f64().unwrap() / 128.0
     );
     // the same seed gives the same numbers
-    let again = attnscope()
-        .args([
-            "explain",
-            "--rnn",
-            "--lengths",
-            "4,32,128",
-            "--d",
-            "6",
-            "--json",
-        ])
-        .output()
-        .unwrap();
+    let again = run_ok(rnn);
     assert_eq!(again.stdout, out.stdout);
     run_err(["explain", "--rnn", "--lengths", "1,x"], 2);
 }

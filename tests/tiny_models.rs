@@ -23,17 +23,7 @@ const EXACT_BOTH_FAST_QWEN2: [(Arch, Precision); 3] = [
 ];
 
 fn patterns(model: &Model, tokens: &[u32], block_bytes: usize) -> (Vec<Vec<f32>>, Vec<f32>) {
-    let mut cache = AttnCache::new(&CaptureSpec::patterns(), tokens.len());
-    let opts = RunOptions {
-        logits_at: (0..tokens.len()).collect(),
-        block_bytes,
-        ..Default::default()
-    };
-    let out = model.forward(tokens, &opts, &mut cache).unwrap();
-    let p = (0..model.dims.n_layers)
-        .map(|l| cache.pattern(l).unwrap().data.to_vec())
-        .collect();
-    (p, out.logits.concat())
+    common::patterns_and_logits_in_blocks(model, tokens, block_bytes)
 }
 
 fn check(arch: Arch) {
@@ -1059,15 +1049,10 @@ fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_dam
             .map(|d| d.map(|e| e.unwrap().path()).collect())
             .unwrap_or_default()
     };
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    let run = |m: &Model| {
-        let (p, logits) = patterns(m, &TOKENS, 1 << 20);
-        (p.iter().map(|x| bits(x)).collect::<Vec<_>>(), bits(&logits))
-    };
     for (arch, seed) in [(Arch::Qwen2, 3), (Arch::Llama, 4)] {
         write_gguf(&tiny_model(arch, seed), arch, GgmlDType::F32, &path).unwrap();
         let plain = Model::load_with(spec, Precision::Exact, false, None).unwrap();
-        let want = run(&plain);
+        let want = bits_of_a_run(&plain);
         let all = plain.mapped_projections().1;
         assert_eq!(plain.mapped_projections(), (0, all));
 
@@ -1075,7 +1060,7 @@ fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_dam
         // previous arch's cache: packed again, the file replaced
         let first = Model::load_with(spec, Precision::Exact, false, Some(&settings)).unwrap();
         assert_eq!(first.mapped_projections(), (0, all), "{arch:?}: packed");
-        assert_eq!(run(&first), want);
+        assert_eq!(bits_of_a_run(&first), want);
         // one file per model and layout, replaced when the model changes: this one, and the
         // previous arch's fast one where fast has a layout of its own
         let files = [first.panel_file().unwrap().to_path_buf()];
@@ -1083,30 +1068,15 @@ fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_dam
         assert!(cache_files().len() <= 2, "{arch:?}: {:?}", cache_files());
         let second = Model::load_with(spec, Precision::Exact, false, Some(&settings)).unwrap();
         assert_eq!(second.mapped_projections(), (all, all), "{arch:?}: mapped");
-        assert_eq!(run(&second), want, "{arch:?}: mapped panels, same bits");
+        assert_eq!(
+            bits_of_a_run(&second),
+            want,
+            "{arch:?}: mapped panels, same bits"
+        );
         drop(second);
 
         // one flipped byte in the panels, then a file cut short: packed again, file rebuilt
-        let file = &files[0];
-        let mut bytes = std::fs::read(file).unwrap();
-        let at = bytes.len() - 4096 - 17;
-        bytes[at] ^= 0x20;
-        std::fs::write(file, &bytes).unwrap();
-        let damaged = Model::load_with(spec, Precision::Exact, false, Some(&settings)).unwrap();
-        assert_eq!(damaged.mapped_projections(), (0, all), "{arch:?}: damaged");
-        assert_eq!(run(&damaged), want);
-        let mut bytes = std::fs::read(file).unwrap();
-        bytes.truncate(bytes.len() - 4096);
-        std::fs::write(file, &bytes).unwrap();
-        let short = Model::load_with(spec, Precision::Exact, false, Some(&settings)).unwrap();
-        assert_eq!(short.mapped_projections(), (0, all), "{arch:?}: cut short");
-        let rebuilt = Model::load_with(spec, Precision::Exact, false, Some(&settings)).unwrap();
-        assert_eq!(
-            rebuilt.mapped_projections(),
-            (all, all),
-            "{arch:?}: rebuilt"
-        );
-        assert_eq!(run(&rebuilt), want);
+        damaged_panels_are_packed_again(spec, &settings, &files[0], (arch, all), &want);
         // a later modification time (the next arch rewrites the file anyway)
         modified_later(&path, 5);
         let touched = Model::load_with(spec, Precision::Exact, false, Some(&settings)).unwrap();
@@ -1117,77 +1087,12 @@ fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_dam
         );
         // fast precision: bf16 AMX tiles or 8-bit VNNI blocks in a file of their own (never the
         // f32 one), and without either kernel the exact f32 panels
-        use attnscope::model::weights::PanelLayout;
-        let fast_plain = run(&Model::load_with(spec, Precision::Fast, false, None).unwrap());
-        let fast = Model::load_with(spec, Precision::Fast, false, Some(&settings)).unwrap();
-        let fast_again = Model::load_with(spec, Precision::Fast, false, Some(&settings)).unwrap();
-        assert_eq!(run(&fast), fast_plain);
-        assert_eq!(run(&fast_again), fast_plain, "{arch:?}: fast, mapped");
-        match PanelLayout::of(Precision::Fast) {
-            PanelLayout::Bf16 { .. } | PanelLayout::Int8(_) => {
-                assert_eq!(fast.mapped_projections(), (0, all), "{arch:?}: fast writes");
-                assert_eq!(
-                    fast_again.mapped_projections(),
-                    (all, all),
-                    "{arch:?}: fast"
-                );
-                assert_ne!(fast.panel_file(), touched.panel_file(), "a file per layout");
-            }
-            PanelLayout::F32(_) => {
-                assert_eq!(
-                    fast_again.mapped_projections(),
-                    (all, all),
-                    "{arch:?}: fast"
-                );
-                assert_eq!(fast.panel_file(), touched.panel_file(), "the exact file");
-            }
-            PanelLayout::Scaled(_) => panic!("fast never runs on integers and scales"),
-        }
+        fast_has_a_file_per_layout(spec, &settings, (arch, all), touched.panel_file());
     }
     // a Hugging Face folder: its safetensors files and config.json make the identity
-    let hf = dir.path().join("hf");
-    write_hf_folder(&tiny_model(Arch::Qwen2, 3), Arch::Qwen2, &hf, 2).unwrap();
-    let hf_spec = hf.to_str().unwrap();
-    let want = run(&Model::load_with(hf_spec, Precision::Exact, false, None).unwrap());
-    let first = Model::load_with(hf_spec, Precision::Exact, false, Some(&settings)).unwrap();
-    let all = first.mapped_projections().1;
-    assert_eq!(first.mapped_projections(), (0, all));
-    let second = Model::load_with(hf_spec, Precision::Exact, false, Some(&settings)).unwrap();
-    assert_eq!(second.mapped_projections(), (all, all), "folder: mapped");
-    assert_eq!(run(&second), want, "folder: mapped panels, same bits");
-    let cfg = hf.join("config.json");
-    modified_later(&cfg, 5);
-    let edited = Model::load_with(hf_spec, Precision::Exact, false, Some(&settings)).unwrap();
-    assert_eq!(
-        edited.mapped_projections(),
-        (0, all),
-        "folder: config changed"
-    );
+    a_folders_files_and_config_make_its_identity(dir.path(), &settings);
     // a model that is gone loses its file the next time any file is written
-    let other = dir.path().join("other.gguf");
-    write_gguf(
-        &tiny_model(Arch::Llama, 8),
-        Arch::Llama,
-        GgmlDType::F32,
-        &other,
-    )
-    .unwrap();
-    let gone = Model::load_with(
-        other.to_str().unwrap(),
-        Precision::Exact,
-        false,
-        Some(&settings),
-    )
-    .unwrap()
-    .panel_file()
-    .unwrap()
-    .to_path_buf();
-    assert!(gone.exists());
-    std::fs::remove_file(&other).unwrap();
-    modified_later(&path, 9);
-    let rewritten = Model::load_with(spec, Precision::Exact, false, Some(&settings)).unwrap();
-    assert!(rewritten.panel_file().unwrap().exists());
-    assert!(!gone.exists(), "the gone model's file is removed");
+    a_gone_models_file_is_removed_at_the_next_write(dir.path(), &path, &settings);
     // under the size floor: no file at all
     let small = Settings {
         dir: dir.path().join("small"),
@@ -1199,6 +1104,151 @@ fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_dam
         !small.dir.join("x").exists()
             && std::fs::read_dir(&small.dir).map_or(0, |d| d.count()) == 0
     );
+}
+
+/// Every layer's pattern and every position's logits, as bits.
+fn bits_of_a_run(m: &Model) -> (Vec<Vec<u32>>, Vec<u32>) {
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let (p, logits) = patterns(m, &TOKENS, 1 << 20);
+    (p.iter().map(|x| bits(x)).collect::<Vec<_>>(), bits(&logits))
+}
+
+/// The cache `file` of the model `spec` (`arch`, with `all` projections) with one flipped byte,
+/// then cut short: packed again (the same bits as `want`), and the file rebuilt.
+fn damaged_panels_are_packed_again(
+    spec: &str,
+    settings: &attnscope::model::panels::Settings,
+    file: &std::path::Path,
+    (arch, all): (Arch, usize),
+    want: &(Vec<Vec<u32>>, Vec<u32>),
+) {
+    let mut bytes = std::fs::read(file).unwrap();
+    let at = bytes.len() - 4096 - 17;
+    bytes[at] ^= 0x20;
+    std::fs::write(file, &bytes).unwrap();
+    let damaged = Model::load_with(spec, Precision::Exact, false, Some(settings)).unwrap();
+    assert_eq!(damaged.mapped_projections(), (0, all), "{arch:?}: damaged");
+    assert_eq!(bits_of_a_run(&damaged), *want);
+    let mut bytes = std::fs::read(file).unwrap();
+    bytes.truncate(bytes.len() - 4096);
+    std::fs::write(file, &bytes).unwrap();
+    let short = Model::load_with(spec, Precision::Exact, false, Some(settings)).unwrap();
+    assert_eq!(short.mapped_projections(), (0, all), "{arch:?}: cut short");
+    let rebuilt = Model::load_with(spec, Precision::Exact, false, Some(settings)).unwrap();
+    assert_eq!(
+        rebuilt.mapped_projections(),
+        (all, all),
+        "{arch:?}: rebuilt"
+    );
+    assert_eq!(bits_of_a_run(&rebuilt), *want);
+}
+
+/// Fast precision: bf16 AMX tiles or 8-bit VNNI blocks in a file of their own (never the f32
+/// one, `exact_file`), and without either kernel the exact f32 panels.
+fn fast_has_a_file_per_layout(
+    spec: &str,
+    settings: &attnscope::model::panels::Settings,
+    (arch, all): (Arch, usize),
+    exact_file: Option<&std::path::Path>,
+) {
+    use attnscope::model::weights::PanelLayout;
+    let fast_plain = bits_of_a_run(&Model::load_with(spec, Precision::Fast, false, None).unwrap());
+    let fast = Model::load_with(spec, Precision::Fast, false, Some(settings)).unwrap();
+    let fast_again = Model::load_with(spec, Precision::Fast, false, Some(settings)).unwrap();
+    assert_eq!(bits_of_a_run(&fast), fast_plain);
+    assert_eq!(
+        bits_of_a_run(&fast_again),
+        fast_plain,
+        "{arch:?}: fast, mapped"
+    );
+    match PanelLayout::of(Precision::Fast) {
+        PanelLayout::Bf16 { .. } | PanelLayout::Int8(_) => {
+            assert_eq!(fast.mapped_projections(), (0, all), "{arch:?}: fast writes");
+            assert_eq!(
+                fast_again.mapped_projections(),
+                (all, all),
+                "{arch:?}: fast"
+            );
+            assert_ne!(fast.panel_file(), exact_file, "a file per layout");
+        }
+        PanelLayout::F32(_) => {
+            assert_eq!(
+                fast_again.mapped_projections(),
+                (all, all),
+                "{arch:?}: fast"
+            );
+            assert_eq!(fast.panel_file(), exact_file, "the exact file");
+        }
+        PanelLayout::Scaled(_) => panic!("fast never runs on integers and scales"),
+    }
+}
+
+/// A Hugging Face folder (in `dir`): its safetensors files and config.json make the identity.
+fn a_folders_files_and_config_make_its_identity(
+    dir: &std::path::Path,
+    settings: &attnscope::model::panels::Settings,
+) {
+    let hf = dir.join("hf");
+    write_hf_folder(&tiny_model(Arch::Qwen2, 3), Arch::Qwen2, &hf, 2).unwrap();
+    let hf_spec = hf.to_str().unwrap();
+    let want = bits_of_a_run(&Model::load_with(hf_spec, Precision::Exact, false, None).unwrap());
+    let first = Model::load_with(hf_spec, Precision::Exact, false, Some(settings)).unwrap();
+    let all = first.mapped_projections().1;
+    assert_eq!(first.mapped_projections(), (0, all));
+    let second = Model::load_with(hf_spec, Precision::Exact, false, Some(settings)).unwrap();
+    assert_eq!(second.mapped_projections(), (all, all), "folder: mapped");
+    assert_eq!(
+        bits_of_a_run(&second),
+        want,
+        "folder: mapped panels, same bits"
+    );
+    let cfg = hf.join("config.json");
+    modified_later(&cfg, 5);
+    let edited = Model::load_with(hf_spec, Precision::Exact, false, Some(settings)).unwrap();
+    assert_eq!(
+        edited.mapped_projections(),
+        (0, all),
+        "folder: config changed"
+    );
+}
+
+/// A model (in `dir`) that is gone loses its file the next time any file is written (here the
+/// model at `path`, modified).
+fn a_gone_models_file_is_removed_at_the_next_write(
+    dir: &std::path::Path,
+    path: &std::path::Path,
+    settings: &attnscope::model::panels::Settings,
+) {
+    let other = dir.join("other.gguf");
+    write_gguf(
+        &tiny_model(Arch::Llama, 8),
+        Arch::Llama,
+        GgmlDType::F32,
+        &other,
+    )
+    .unwrap();
+    let gone = Model::load_with(
+        other.to_str().unwrap(),
+        Precision::Exact,
+        false,
+        Some(settings),
+    )
+    .unwrap()
+    .panel_file()
+    .unwrap()
+    .to_path_buf();
+    assert!(gone.exists());
+    std::fs::remove_file(&other).unwrap();
+    modified_later(path, 9);
+    let rewritten = Model::load_with(
+        path.to_str().unwrap(),
+        Precision::Exact,
+        false,
+        Some(settings),
+    )
+    .unwrap();
+    assert!(rewritten.panel_file().unwrap().exists());
+    assert!(!gone.exists(), "the gone model's file is removed");
 }
 
 /// The packed-weight cache knows a model by its file, not by the path it was reached by (a

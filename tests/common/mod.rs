@@ -276,10 +276,21 @@ where
 /// Every layer's pattern (a vector each) and every position's logits (one after another) of a
 /// forward over `tokens`.
 pub fn patterns_and_logits(model: &Model, tokens: &[u32]) -> (Vec<Vec<f32>>, Vec<f32>) {
+    let block_bytes = attnscope::model::forward::RunOptions::default().block_bytes;
+    patterns_and_logits_in_blocks(model, tokens, block_bytes)
+}
+
+/// [`patterns_and_logits`] with the attention computed in blocks of `block_bytes`.
+pub fn patterns_and_logits_in_blocks(
+    model: &Model,
+    tokens: &[u32],
+    block_bytes: usize,
+) -> (Vec<Vec<f32>>, Vec<f32>) {
     use attnscope::model::capture::{AttnCache, CaptureSpec};
     let mut cache = AttnCache::new(&CaptureSpec::patterns(), tokens.len());
     let opts = attnscope::model::forward::RunOptions {
         logits_at: (0..tokens.len()).collect(),
+        block_bytes,
         ..Default::default()
     };
     let out = model.forward(tokens, &opts, &mut cache).unwrap();
