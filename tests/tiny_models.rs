@@ -679,9 +679,23 @@ fn head_role_scores_equal_the_formulas_on_materialized_patterns() {
     let t = model.encode(text, false).unwrap();
     let n = t.len();
     assert_eq!(v["tokens"].as_array().unwrap().len(), n);
+    assert_every_role_is_its_formula(&model, &t, &v);
+    // the text repeats tokens, so the duplicate and induction patterns are not empty
+    assert!(
+        v["uniform"]["duplicate_token"].as_f64().unwrap() > 0.0
+            && v["uniform"]["induction"].as_f64().unwrap() > 0.0
+    );
+    each_line_is_the_mean_of_the_lines(&p, dir.path());
+    random_repeat_copies_its_first_half(&p);
+}
+
+/// Each role's score of each (layer, head) in `heads --json` (`v`) is Σ(A ⊙ P) / Σ A of the
+/// pattern the model materializes over `t`.
+fn assert_every_role_is_its_formula(model: &Model, t: &[u32], v: &serde_json::Value) {
+    let n = t.len();
     let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
     model
-        .forward(&t, &RunOptions::default(), &mut cache)
+        .forward(t, &RunOptions::default(), &mut cache)
         .unwrap();
     let roles: [(&str, Box<dyn Fn(usize, usize) -> bool>); 5] = [
         ("previous_token", Box::new(|i, j| i >= 1 && j == i - 1)),
@@ -719,45 +733,31 @@ fn head_role_scores_equal_the_formulas_on_materialized_patterns() {
         }
     }
     assert_eq!(checked, 5 * model.dims.n_layers * model.dims.n_heads);
-    // the text repeats tokens, so the duplicate and induction patterns are not empty
-    assert!(
-        v["uniform"]["duplicate_token"].as_f64().unwrap() > 0.0
-            && v["uniform"]["induction"].as_f64().unwrap() > 0.0
-    );
-    // --each-line: the mean over the lines, each computed alone
-    let f = dir.path().join("lines.txt");
+}
+
+/// `heads --each-line` on the model `p`: the mean over the lines (written in `dir`), each
+/// computed alone.
+fn each_line_is_the_mean_of_the_lines(p: &std::path::Path, dir: &std::path::Path) {
+    let f = dir.join("lines.txt");
     std::fs::write(&f, "the hat at the hat\n\nsat at the the hat\n").unwrap();
-    let each = assert_cmd::Command::cargo_bin("attnscope")
-        .unwrap()
-        .args([
+    let each = run_json([
+        "heads",
+        "--model",
+        p.to_str().unwrap(),
+        "--file",
+        f.to_str().unwrap(),
+        "--each-line",
+        "--json",
+    ]);
+    let one = |s: &str| {
+        run_json([
             "heads",
             "--model",
             p.to_str().unwrap(),
-            "--file",
-            f.to_str().unwrap(),
-            "--each-line",
+            "--text",
+            s,
             "--json",
         ])
-        .output()
-        .unwrap();
-    let each: serde_json::Value = serde_json::from_slice(&each.stdout).unwrap();
-    let one = |s: &str| -> serde_json::Value {
-        serde_json::from_slice(
-            &assert_cmd::Command::cargo_bin("attnscope")
-                .unwrap()
-                .args([
-                    "heads",
-                    "--model",
-                    p.to_str().unwrap(),
-                    "--text",
-                    s,
-                    "--json",
-                ])
-                .output()
-                .unwrap()
-                .stdout,
-        )
-        .unwrap()
     };
     let (a, b) = (one("the hat at the hat"), one("sat at the the hat"));
     assert_eq!(each["texts"], 2);
@@ -767,22 +767,20 @@ fn head_role_scores_equal_the_formulas_on_materialized_patterns() {
         each["roles"]["induction"][1][2].as_f64().unwrap(),
     );
     assert!((m - (x + y) / 2.0).abs() < 1e-12);
-    // --random-repeat: 2N tokens, the second half a copy of the first
-    let rr = assert_cmd::Command::cargo_bin("attnscope")
-        .unwrap()
-        .args([
-            "heads",
-            "--model",
-            p.to_str().unwrap(),
-            "--random-repeat",
-            "7",
-            "--seed",
-            "3",
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    let rr: serde_json::Value = serde_json::from_slice(&rr.stdout).unwrap();
+}
+
+/// `heads --random-repeat` on the model `p`: 2N tokens, the second half a copy of the first.
+fn random_repeat_copies_its_first_half(p: &std::path::Path) {
+    let rr = run_json([
+        "heads",
+        "--model",
+        p.to_str().unwrap(),
+        "--random-repeat",
+        "7",
+        "--seed",
+        "3",
+        "--json",
+    ]);
     let toks: Vec<u64> = rr["tokens"]
         .as_array()
         .unwrap()
