@@ -201,7 +201,12 @@ fn what_is_not_implemented_is_refused_by_name() {
         let e = load_err(dir.path());
         assert!(e.contains(want), "{what}: {e}");
     }
-    // a tensor the forward would not read (an output bias): refused, named
+    an_unread_tensor_is_refused_by_name();
+    the_binary_exits_2_naming_the_key();
+}
+
+/// A tensor the forward would not read (an output bias): refused, named.
+fn an_unread_tensor_is_refused_by_name() {
     let dir = fixture_copy("llama3", &|_| {});
     let st = dir.path().join("model.safetensors");
     let mut tensors: Vec<(String, candle_core::Tensor)> =
@@ -220,11 +225,14 @@ fn what_is_not_implemented_is_refused_by_name() {
         e.contains("model.layers.0.self_attn.o_proj.bias") && e.contains("does not use"),
         "{e}"
     );
-    // and through the binary: exit 2, the key named
+}
+
+/// Through the binary: exit 2, the key named.
+fn the_binary_exits_2_naming_the_key() {
     let dir = fixture_copy("llama3", &|c| {
         c["rope_parameters"]["rope_type"] = "yarn".into()
     });
-    let out = run_err(
+    let e = run_err(
         [
             "inspect",
             "--model",
@@ -234,7 +242,6 @@ fn what_is_not_implemented_is_refused_by_name() {
         ],
         2,
     );
-    let e = out;
     assert!(
         e.contains("rope_parameters.rope_type") && e.contains("\"yarn\""),
         "{e}"
