@@ -768,71 +768,103 @@ fn fixture_gguf(
         tensors.push((n, QTensor::quantize(&w, GgmlDType::F32).unwrap()));
     };
     for (hf, w) in &t {
-        let parts: Vec<&str> = hf.split('.').collect();
-        let (gg, norm, transpose) = match parts.as_slice() {
-            ["model", "embed_tokens", "weight"] | ["transformer", "wte", "weight"] => {
-                ("token_embd.weight".to_string(), false, false)
-            }
-            ["lm_head", "weight"] => ("output.weight".into(), false, false),
-            ["model", "norm", "weight"] => ("output_norm.weight".into(), true, false),
-            ["transformer", "ln_f", p] => (format!("output_norm.{p}"), false, false),
-            ["transformer", "wpe", "weight"] => ("position_embd.weight".into(), false, false),
-            ["model", "layers", i, rest @ ..] => {
-                let (g, norm) = match (rest.join(".").as_str(), arch) {
-                    ("input_layernorm.weight", _) => ("attn_norm.weight", true),
-                    ("post_attention_layernorm.weight", "phi3") => ("ffn_norm.weight", false),
-                    ("post_attention_layernorm.weight", _) => ("post_attention_norm.weight", true),
-                    ("pre_feedforward_layernorm.weight", _) => ("ffn_norm.weight", true),
-                    ("post_feedforward_layernorm.weight", _) => ("post_ffw_norm.weight", true),
-                    ("self_attn.q_norm.weight", _) => ("attn_q_norm.weight", true),
-                    ("self_attn.k_norm.weight", _) => ("attn_k_norm.weight", true),
-                    ("self_attn.q_proj.weight", _) => ("attn_q.weight", false),
-                    ("self_attn.k_proj.weight", _) => ("attn_k.weight", false),
-                    ("self_attn.v_proj.weight", _) => ("attn_v.weight", false),
-                    ("self_attn.qkv_proj.weight", _) => ("attn_qkv.weight", false),
-                    ("self_attn.o_proj.weight", _) => ("attn_output.weight", false),
-                    ("mlp.gate_proj.weight", _) => ("ffn_gate.weight", false),
-                    ("mlp.up_proj.weight", _) => ("ffn_up.weight", false),
-                    ("mlp.gate_up_proj.weight", _) => ("ffn_up.weight", false),
-                    ("mlp.down_proj.weight", _) => ("ffn_down.weight", false),
-                    (other, _) => panic!("{name}: no GGUF name for {other}"),
-                };
-                (format!("blk.{i}.{g}"), norm, false)
-            }
-            ["transformer", "h", i, ln @ ("ln_1" | "ln_2"), p] => {
-                let g = if *ln == "ln_1" {
-                    "attn_norm"
-                } else {
-                    "ffn_norm"
-                };
-                (format!("blk.{i}.{g}.{p}"), false, false)
-            }
-            ["transformer", "h", i, a, b, p] => {
-                let g = match (*a, *b) {
-                    ("attn", "c_attn") => "attn_qkv",
-                    ("attn", "c_proj") => "attn_output",
-                    ("mlp", "c_fc") => "ffn_up",
-                    ("mlp", "c_proj") => "ffn_down",
-                    _ => panic!("{name}: no GGUF name for {hf}"),
-                };
-                (format!("blk.{i}.{g}.{p}"), false, *p == "weight")
-            }
-            _ => panic!("{name}: no GGUF name for {hf}"),
-        };
+        let (gg, norm, transpose) = gguf_tensor_name(name, arch, hf);
         push(gg, w.clone(), norm, transpose);
         // llama.cpp's GPT-2 converter writes the tied embedding again as the output
         if arch == "gpt2" && hf == "transformer.wte.weight" {
             push("output.weight".into(), w.clone(), false, false);
         }
     }
-    let u = |k: &str, alt: &str| {
-        Value::U32(
-            cfg.get(k)
-                .or(cfg.get(alt))
-                .and_then(|v| v.as_u64())
-                .unwrap() as u32,
-        )
-    };
+    let mut md = gguf_metadata(arch, &cfg);
+    for (k, v) in extra {
+        md.push((k.to_string(), v.clone()));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(format!("{name}.gguf"));
+    let mut f = std::fs::File::create(&path).unwrap();
+    let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut f, &md_refs, &t_refs).unwrap();
+    (dir, path)
+}
+
+/// The GGUF name of the fixture's tensor `hf` for GGUF architecture `arch`, whether it is a
+/// norm (Gemma's get the `+ 1`), and whether it is a Conv1D weight to transpose.
+fn gguf_tensor_name(name: &str, arch: &str, hf: &str) -> (String, bool, bool) {
+    let parts: Vec<&str> = hf.split('.').collect();
+    match parts.as_slice() {
+        ["model", "embed_tokens", "weight"] | ["transformer", "wte", "weight"] => {
+            ("token_embd.weight".to_string(), false, false)
+        }
+        ["lm_head", "weight"] => ("output.weight".into(), false, false),
+        ["model", "norm", "weight"] => ("output_norm.weight".into(), true, false),
+        ["transformer", "ln_f", p] => (format!("output_norm.{p}"), false, false),
+        ["transformer", "wpe", "weight"] => ("position_embd.weight".into(), false, false),
+        ["model", "layers", i, rest @ ..] => {
+            let (g, norm) = match (rest.join(".").as_str(), arch) {
+                ("input_layernorm.weight", _) => ("attn_norm.weight", true),
+                ("post_attention_layernorm.weight", "phi3") => ("ffn_norm.weight", false),
+                ("post_attention_layernorm.weight", _) => ("post_attention_norm.weight", true),
+                ("pre_feedforward_layernorm.weight", _) => ("ffn_norm.weight", true),
+                ("post_feedforward_layernorm.weight", _) => ("post_ffw_norm.weight", true),
+                ("self_attn.q_norm.weight", _) => ("attn_q_norm.weight", true),
+                ("self_attn.k_norm.weight", _) => ("attn_k_norm.weight", true),
+                ("self_attn.q_proj.weight", _) => ("attn_q.weight", false),
+                ("self_attn.k_proj.weight", _) => ("attn_k.weight", false),
+                ("self_attn.v_proj.weight", _) => ("attn_v.weight", false),
+                ("self_attn.qkv_proj.weight", _) => ("attn_qkv.weight", false),
+                ("self_attn.o_proj.weight", _) => ("attn_output.weight", false),
+                ("mlp.gate_proj.weight", _) => ("ffn_gate.weight", false),
+                ("mlp.up_proj.weight", _) => ("ffn_up.weight", false),
+                ("mlp.gate_up_proj.weight", _) => ("ffn_up.weight", false),
+                ("mlp.down_proj.weight", _) => ("ffn_down.weight", false),
+                (other, _) => panic!("{name}: no GGUF name for {other}"),
+            };
+            (format!("blk.{i}.{g}"), norm, false)
+        }
+        ["transformer", "h", i, ln @ ("ln_1" | "ln_2"), p] => {
+            let g = if *ln == "ln_1" {
+                "attn_norm"
+            } else {
+                "ffn_norm"
+            };
+            (format!("blk.{i}.{g}.{p}"), false, false)
+        }
+        ["transformer", "h", i, a, b, p] => {
+            let g = match (*a, *b) {
+                ("attn", "c_attn") => "attn_qkv",
+                ("attn", "c_proj") => "attn_output",
+                ("mlp", "c_fc") => "ffn_up",
+                ("mlp", "c_proj") => "ffn_down",
+                _ => panic!("{name}: no GGUF name for {hf}"),
+            };
+            (format!("blk.{i}.{g}.{p}"), false, *p == "weight")
+        }
+        _ => panic!("{name}: no GGUF name for {hf}"),
+    }
+}
+
+/// The config's `k` (or `alt`) as a GGUF u32.
+fn config_u32(
+    cfg: &serde_json::Value,
+    k: &str,
+    alt: &str,
+) -> candle_core::quantized::gguf_file::Value {
+    candle_core::quantized::gguf_file::Value::U32(
+        cfg.get(k)
+            .or(cfg.get(alt))
+            .and_then(|v| v.as_u64())
+            .unwrap() as u32,
+    )
+}
+
+/// The fixture's config as `{arch}.*` keys, and a placeholder vocabulary.
+fn gguf_metadata(
+    arch: &str,
+    cfg: &serde_json::Value,
+) -> Vec<(String, candle_core::quantized::gguf_file::Value)> {
+    use candle_core::quantized::gguf_file::Value;
+    let u = |k: &str, alt: &str| config_u32(cfg, k, alt);
     let vocab = cfg["vocab_size"].as_u64().unwrap() as usize;
     let mut md: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::String(arch.into())),
@@ -871,28 +903,7 @@ fn fixture_gguf(
             Value::F32(cfg["layer_norm_epsilon"].as_f64().unwrap() as f32),
         ));
     } else {
-        md.push((
-            format!("{arch}.feed_forward_length"),
-            u("intermediate_size", ""),
-        ));
-        md.push((
-            format!("{arch}.attention.head_count_kv"),
-            u("num_key_value_heads", ""),
-        ));
-        let hd = cfg["head_dim"].as_u64().unwrap_or(
-            cfg["hidden_size"].as_u64().unwrap() / cfg["num_attention_heads"].as_u64().unwrap(),
-        ) as u32;
-        md.push((format!("{arch}.attention.key_length"), Value::U32(hd)));
-        md.push((format!("{arch}.attention.value_length"), Value::U32(hd)));
-        md.push((
-            format!("{arch}.attention.layer_norm_rms_epsilon"),
-            Value::F32(cfg["rms_norm_eps"].as_f64().unwrap() as f32),
-        ));
-        let theta = cfg["rope_parameters"]["rope_theta"]
-            .as_f64()
-            .or(cfg["rope_parameters"]["full_attention"]["rope_theta"].as_f64())
-            .unwrap();
-        md.push((format!("{arch}.rope.freq_base"), Value::F32(theta as f32)));
+        md.extend(rms_norm_family_keys(arch, cfg));
     }
     if let Some(w) = cfg.get("sliding_window").and_then(|v| v.as_u64()) {
         md.push((
@@ -905,16 +916,41 @@ fn fixture_gguf(
             md.push((format!("{arch}.{k}"), Value::F32(x as f32)));
         }
     }
-    for (k, v) in extra {
-        md.push((k.to_string(), v.clone()));
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join(format!("{name}.gguf"));
-    let mut f = std::fs::File::create(&path).unwrap();
-    let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    gguf_file::write(&mut f, &md_refs, &t_refs).unwrap();
-    (dir, path)
+    md
+}
+
+/// The keys of the families with RMS norms (all but GPT-2): the MLP's width, the key/value heads
+/// and their widths, the norms' epsilon and RoPE's base.
+fn rms_norm_family_keys(
+    arch: &str,
+    cfg: &serde_json::Value,
+) -> Vec<(String, candle_core::quantized::gguf_file::Value)> {
+    use candle_core::quantized::gguf_file::Value;
+    let u = |k: &str, alt: &str| config_u32(cfg, k, alt);
+    let mut keys = Vec::new();
+    keys.push((
+        format!("{arch}.feed_forward_length"),
+        u("intermediate_size", ""),
+    ));
+    keys.push((
+        format!("{arch}.attention.head_count_kv"),
+        u("num_key_value_heads", ""),
+    ));
+    let hd = cfg["head_dim"].as_u64().unwrap_or(
+        cfg["hidden_size"].as_u64().unwrap() / cfg["num_attention_heads"].as_u64().unwrap(),
+    ) as u32;
+    keys.push((format!("{arch}.attention.key_length"), Value::U32(hd)));
+    keys.push((format!("{arch}.attention.value_length"), Value::U32(hd)));
+    keys.push((
+        format!("{arch}.attention.layer_norm_rms_epsilon"),
+        Value::F32(cfg["rms_norm_eps"].as_f64().unwrap() as f32),
+    ));
+    let theta = cfg["rope_parameters"]["rope_theta"]
+        .as_f64()
+        .or(cfg["rope_parameters"]["full_attention"]["rope_theta"].as_f64())
+        .unwrap();
+    keys.push((format!("{arch}.rope.freq_base"), Value::F32(theta as f32)));
+    keys
 }
 
 fn check_gguf(
