@@ -9,6 +9,29 @@ use attnscope::model::Arch;
 use candle_core::quantized::GgmlDType;
 use common::{attnscope, fails_with, run_err, run_json, stderr_of, succeeds, tiny_gguf};
 
+/// `corpus` of the model `model` on the lines of `texts`, with `--json`.
+struct Corpus<'a> {
+    model: &'a str,
+    texts: &'a std::path::Path,
+}
+
+impl Corpus<'_> {
+    /// Runs it with `extra` after, asserted to succeed.
+    fn run(&self, extra: &[&str]) -> std::process::Output {
+        succeeds(
+            attnscope()
+                .args(["corpus", "--model", self.model, "--file"])
+                .arg(self.texts)
+                .arg("--json")
+                .args(extra),
+        )
+    }
+
+    fn json(&self, extra: &[&str]) -> serde_json::Value {
+        serde_json::from_slice(&self.run(extra).stdout).unwrap()
+    }
+}
+
 #[test]
 fn corpus_shards_merge_to_the_single_run_and_resume() {
     let dir = tempfile::tempdir().unwrap();
@@ -20,72 +43,21 @@ fn corpus_shards_merge_to_the_single_run_and_resume() {
         "the hat\nat the the\nhe sat\n\nthe the the at\nhat\n",
     )
     .unwrap();
-    let corpus = |extra: &[&str]| {
-        succeeds(
-            attnscope()
-                .args([
-                    "corpus",
-                    "--model",
-                    m,
-                    "--file",
-                    texts.to_str().unwrap(),
-                    "--json",
-                ])
-                .args(extra),
-        )
+    let corpus = Corpus {
+        model: m,
+        texts: &texts,
     };
-    let run = |extra: &[&str]| {
-        serde_json::from_slice::<serde_json::Value>(&corpus(extra).stdout).unwrap()
-    };
-    let single = run(&[]);
+    let single = corpus.json(&[]);
     assert_eq!(single["sentences"], 5);
     let (a, b) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"));
-    run(&["--shard", "0/2", "--out", a.to_str().unwrap()]);
-    let b_first = run(&["--shard", "1/2", "--out", b.to_str().unwrap()]);
+    corpus.json(&["--shard", "0/2", "--out", a.to_str().unwrap()]);
+    let b_first = corpus.json(&["--shard", "1/2", "--out", b.to_str().unwrap()]);
     assert_eq!(b_first["sentences"], 2);
     // resume: a second run with the same --out adds nothing
-    run(&["--shard", "1/2", "--out", b.to_str().unwrap()]);
+    corpus.json(&["--shard", "1/2", "--out", b.to_str().unwrap()]);
     assert_eq!(std::fs::read_to_string(&b).unwrap().lines().count(), 2);
-    // a run killed in the middle of a line: the torn line is dropped (and said), the complete
-    // one kept, and the resumed file equals the uninterrupted one
-    let whole = std::fs::read_to_string(&b).unwrap();
-    let cut = whole.find('\n').unwrap() + 1 + 40;
-    std::fs::write(&b, &whole[..cut]).unwrap();
-    let out = corpus(&["--shard", "1/2", "--out", b.to_str().unwrap()]);
-    assert!(stderr_of(&out).contains("torn line"), "{}", stderr_of(&out));
-    assert_eq!(std::fs::read_to_string(&b).unwrap(), whole);
-    // a last record whose newline was lost is kept, and the next record starts on its own line
-    std::fs::write(
-        &b,
-        whole
-            .trim_end_matches('\n')
-            .split_inclusive('\n')
-            .next()
-            .unwrap()
-            .trim_end(),
-    )
-    .unwrap();
-    run(&["--shard", "1/2", "--out", b.to_str().unwrap()]);
-    assert_eq!(std::fs::read_to_string(&b).unwrap(), whole);
-    // a file that is not ours is refused, not cut
-    let other = dir.path().join("other.jsonl");
-    std::fs::write(&other, "{\"hello\": 1}\n{\"id\": 3, \"te").unwrap();
-    run_err(
-        [
-            "corpus",
-            "--model",
-            m,
-            "--file",
-            texts.to_str().unwrap(),
-            "--out",
-            other.to_str().unwrap(),
-        ],
-        2,
-    );
-    assert_eq!(
-        std::fs::read_to_string(&other).unwrap(),
-        "{\"hello\": 1}\n{\"id\": 3, \"te"
-    );
+    a_resumed_shard_keeps_its_whole_records(&corpus, &b);
+    a_file_that_is_not_ours_is_refused_not_cut(&corpus, &dir.path().join("other.jsonl"));
     let merged = run_json([
         "corpus",
         "merge",
@@ -95,6 +67,49 @@ fn corpus_shards_merge_to_the_single_run_and_resume() {
     ]);
     assert_eq!(merged, single, "merged shards must equal the single run");
     run_err(["corpus", "--model", m, "--shard", "2/2"], 2);
+}
+
+/// Resuming shard 1/2 into `b` (its whole output): a run killed in the middle of a line has the
+/// torn line dropped (and said), the complete one kept, and the resumed file equals the
+/// uninterrupted one; a last record whose newline was lost is kept, and the next record starts
+/// on its own line.
+fn a_resumed_shard_keeps_its_whole_records(corpus: &Corpus, b: &std::path::Path) {
+    let resume = || corpus.run(&["--shard", "1/2", "--out", b.to_str().unwrap()]);
+    let whole = std::fs::read_to_string(b).unwrap();
+    let cut = whole.find('\n').unwrap() + 1 + 40;
+    std::fs::write(b, &whole[..cut]).unwrap();
+    let out = resume();
+    assert!(stderr_of(&out).contains("torn line"), "{}", stderr_of(&out));
+    assert_eq!(std::fs::read_to_string(b).unwrap(), whole);
+    std::fs::write(
+        b,
+        whole
+            .trim_end_matches('\n')
+            .split_inclusive('\n')
+            .next()
+            .unwrap()
+            .trim_end(),
+    )
+    .unwrap();
+    resume();
+    assert_eq!(std::fs::read_to_string(b).unwrap(), whole);
+}
+
+/// An `--out` file (`other`) that is not ours is refused, not cut.
+fn a_file_that_is_not_ours_is_refused_not_cut(corpus: &Corpus, other: &std::path::Path) {
+    std::fs::write(other, "{\"hello\": 1}\n{\"id\": 3, \"te").unwrap();
+    fails_with(
+        attnscope()
+            .args(["corpus", "--model", corpus.model, "--file"])
+            .arg(corpus.texts)
+            .arg("--out")
+            .arg(other),
+        2,
+    );
+    assert_eq!(
+        std::fs::read_to_string(other).unwrap(),
+        "{\"hello\": 1}\n{\"id\": 3, \"te"
+    );
 }
 
 /// A panic in attnscope's own loading (here the packing, made to panic with ATTNSCOPE_FAULT) is
