@@ -7,7 +7,9 @@ mod common;
 use attnscope::model::tiny::tiny_model;
 use attnscope::model::Arch;
 use candle_core::quantized::GgmlDType;
-use common::{attnscope, run_err, run_json, run_ok, start_serve, stderr_of, tiny_gguf};
+use common::{
+    attnscope, fails_with, run_json, run_ok, start_serve, stderr_of, succeeds, tiny_gguf,
+};
 
 fn http_get(addr: &str, target: &str) -> (String, String) {
     use std::io::{Read, Write};
@@ -355,65 +357,36 @@ fn view_and_heatmap_write_their_files() {
         !page.contains("src=\"http") && !page.contains("<link"),
         "self-contained"
     );
-    let png = dir.path().join("h.png");
-    run_ok([
-        "heatmap",
-        "--model",
-        m.to_str().unwrap(),
-        "--text",
-        "the hat",
-        "--layer",
-        "1",
-        "--head",
-        "2",
-        "--out",
-        png.to_str().unwrap(),
-    ]);
+    heatmaps_are_png_or_svg_and_bad_values_are_refused(&m, dir.path());
+}
+
+/// `heatmap` of one head as PNG, of the mean of the heads as SVG; another file type, or a head
+/// out of range, is refused.
+fn heatmaps_are_png_or_svg_and_bad_values_are_refused(m: &std::path::Path, dir: &std::path::Path) {
+    let heatmap = |args: &[&str], out: &std::path::Path| {
+        let mut c = attnscope();
+        c.args(["heatmap", "--model", m.to_str().unwrap()])
+            .args(args)
+            .arg("--out")
+            .arg(out);
+        c
+    };
+    let png = dir.join("h.png");
+    succeeds(&mut heatmap(
+        &["--text", "the hat", "--layer", "1", "--head", "2"],
+        &png,
+    ));
     assert_eq!(&std::fs::read(&png).unwrap()[..4], b"\x89PNG");
-    let svg = dir.path().join("h.svg");
-    assert!(attnscope()
-        .args([
-            "heatmap",
-            "--model",
-            m.to_str().unwrap(),
-            "--text",
-            "the hat",
-            "--layer",
-            "0",
-            "--out",
-            svg.to_str().unwrap()
-        ])
-        .output()
-        .unwrap()
-        .status
-        .success());
+    let svg = dir.join("h.svg");
+    succeeds(&mut heatmap(&["--text", "the hat", "--layer", "0"], &svg));
     assert!(std::fs::read_to_string(&svg)
         .unwrap()
         .contains("mean of heads"));
-    run_err(
-        [
-            "heatmap",
-            "--model",
-            m.to_str().unwrap(),
-            "--layer",
-            "0",
-            "--out",
-            "x.jpg",
-        ],
+    fails_with(
+        &mut heatmap(&["--layer", "0"], std::path::Path::new("x.jpg")),
         2,
     );
-    let bad = attnscope()
-        .args([
-            "heatmap",
-            "--model",
-            m.to_str().unwrap(),
-            "--layer",
-            "0",
-            "--head",
-            "9",
-            "--out",
-            dir.path().join("y.png").to_str().unwrap(),
-        ])
+    let bad = heatmap(&["--layer", "0", "--head", "9"], &dir.join("y.png"))
         .output()
         .unwrap();
     assert!(stderr_of(&bad).contains("head 9 is out of range"));
