@@ -164,7 +164,6 @@ fn an_internal_panic_is_reported_as_a_bug_not_as_a_bad_file() {
 /// model's files (by a path to it) or all of them; ATTNSCOPE_CACHE points at a temporary folder.
 #[test]
 fn cache_list_and_clear() {
-    use attnscope::model::panels::Settings;
     let dir = tempfile::tempdir().unwrap();
     // the cache writes no file that would leave less than SPARE_BYTES free: the test needs
     // that much and the tiny models' few MB
@@ -179,28 +178,7 @@ fn cache_list_and_clear() {
     write_gguf(&tiny_model(Arch::Qwen2, 1), Arch::Qwen2, GgmlDType::F32, &a).unwrap();
     write_gguf(&tiny_model(Arch::Llama, 2), Arch::Llama, GgmlDType::F32, &b).unwrap();
     // the tiny models are under the command line's 64 MB floor: written through the library
-    let settings = Settings {
-        dir: dir.path().join("panels"),
-        min_bytes: 0,
-        max_bytes: u64::MAX,
-    };
-    let mut written = Vec::new();
-    for m in [&a, &b] {
-        let model = attnscope::model::Model::load_with(
-            m.to_str().unwrap(),
-            attnscope::model::Precision::Exact,
-            false,
-            Some(&settings),
-        )
-        .unwrap();
-        let file = model.panel_file().unwrap_or_else(|| {
-            panic!(
-                "{} was loaded but no packed-weight file was written (its note on stderr says why)",
-                m.display()
-            )
-        });
-        written.push(file.to_path_buf());
-    }
+    let written = write_packed_weights(&[&a, &b], &dir.path().join("panels"));
     let cache = |args: &[&str]| {
         let out = attnscope()
             .arg("cache")
@@ -246,6 +224,38 @@ fn cache_list_and_clear() {
     assert!(!written[1].exists());
     let listed: serde_json::Value = serde_json::from_str(&cache(&["list", "--json"])).unwrap();
     assert_eq!(listed["files"].as_array().unwrap().len(), 0);
+}
+
+/// Loads each of `models` with the packed-weight cache in `panels` (no floor, no cap), which
+/// writes its file; returns the files.
+fn write_packed_weights(
+    models: &[&std::path::Path],
+    panels: &std::path::Path,
+) -> Vec<std::path::PathBuf> {
+    use attnscope::model::panels::Settings;
+    let settings = Settings {
+        dir: panels.to_path_buf(),
+        min_bytes: 0,
+        max_bytes: u64::MAX,
+    };
+    let mut written = Vec::new();
+    for m in models {
+        let model = attnscope::model::Model::load_with(
+            m.to_str().unwrap(),
+            attnscope::model::Precision::Exact,
+            false,
+            Some(&settings),
+        )
+        .unwrap();
+        let file = model.panel_file().unwrap_or_else(|| {
+            panic!(
+                "{} was loaded but no packed-weight file was written (its note on stderr says why)",
+                m.display()
+            )
+        });
+        written.push(file.to_path_buf());
+    }
+    written
 }
 
 /// A corpus record (what `corpus --out` writes) with `layers` layers of `heads` heads.
