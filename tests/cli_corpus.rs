@@ -296,19 +296,15 @@ fn corpus_merge_refuses_records_that_do_not_agree() {
     let merge = |second: &str| {
         let b = dir.path().join("b.jsonl");
         std::fs::write(&b, second).unwrap();
-        attnscope()
-            .args(["corpus", "merge", "--json"])
-            .arg(&good)
-            .arg(&b)
-            .output()
-            .unwrap()
+        let mut c = attnscope();
+        c.args(["corpus", "merge", "--json"]).arg(&good).arg(&b);
+        c
     };
     // the same record again (a resumed shard) and a new one: merged, the repeat once
-    let ok = merge(&lines(&[
+    let ok = succeeds(&mut merge(&lines(&[
         corpus_record(1, "he sat", "m", 2, 3),
         corpus_record(2, "at", "m", 2, 3),
-    ]));
-    assert_eq!(ok.status.code(), Some(0), "{}", stderr_of(&ok));
+    ])));
     let agg: serde_json::Value = serde_json::from_slice(&ok.stdout).unwrap();
     assert_eq!(agg["sentences"], 3);
     let mut short_query = corpus_record(3, "hat", "m", 2, 3);
@@ -335,9 +331,10 @@ fn corpus_merge_refuses_records_that_do_not_agree() {
         (corpus_record(3, "hat", "other", 2, 3), "from model `other`"),
     ];
     for (bad, want) in cases {
-        let out = merge(&lines(&[corpus_record(2, "at", "m", 2, 3), bad]));
-        let err = stderr_of(&out);
-        assert_eq!(out.status.code(), Some(2), "{want}: {err}");
+        let err = fails_with(
+            &mut merge(&lines(&[corpus_record(2, "at", "m", 2, 3), bad])),
+            2,
+        );
         assert!(
             err.contains("b.jsonl:2:"),
             "{want}: the file and line: {err}"
@@ -346,22 +343,17 @@ fn corpus_merge_refuses_records_that_do_not_agree() {
         assert!(!err.contains("panicked"), "{err}");
     }
     // one id, two texts: both places are named
-    let out = merge(&lines(&[corpus_record(1, "a different text", "m", 2, 3)]));
-    let err = stderr_of(&out);
-    assert_eq!(out.status.code(), Some(2), "{err}");
+    let err = fails_with(
+        &mut merge(&lines(&[corpus_record(1, "a different text", "m", 2, 3)])),
+        2,
+    );
     assert!(
         err.contains("b.jsonl:1: record 1 is for the text \"a different text\"")
             && err.contains("a.jsonl:2 has record 1 for \"he sat\""),
         "{err}"
     );
-    // no records at all
-    let out = merge("\n");
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "a.jsonl still holds records: {}",
-        stderr_of(&out)
-    );
+    // no records in one file (a.jsonl still holds records), then none at all
+    succeeds(&mut merge("\n"));
     let empty = dir.path().join("empty.jsonl");
     std::fs::write(&empty, "").unwrap();
     let out = fails_with(attnscope().args(["corpus", "merge"]).arg(&empty), 2);
