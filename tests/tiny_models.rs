@@ -619,43 +619,54 @@ fn collector_from_streamed_rows_equals_collector_from_patterns() {
                 };
                 model.forward(&tokens, &opts, &mut got).unwrap();
                 let label = format!("query {query}, key block {key_block}, knockout {knockout:?}");
-                for l in 0..2 {
-                    assert_eq!(
-                        got.query_rows[l].len(),
-                        4 * n,
-                        "{label}: rows of layer {l} were handed out"
-                    );
-                    assert_close(
-                        &got.query_rows[l],
-                        &want.query_rows[l],
-                        1e-5,
-                        &format!("{label}: rows of layer {l}"),
-                    );
-                    assert!(
-                        (got.sink_all_queries(l) - want.sink_all_queries(l)).abs() < 1e-5,
-                        "{label}: sink share"
-                    );
-                    assert_close(
-                        &got.mean_max_weight(l),
-                        &want.mean_max_weight(l),
-                        1e-5,
-                        &format!("{label}: max weight"),
-                    );
-                    assert_close(
-                        &got.mean_entropy(l),
-                        &want.mean_entropy(l),
-                        1e-4,
-                        &format!("{label}: entropy"),
-                    );
-                    assert_close(
-                        &got.head_sink(l),
-                        &want.head_sink(l),
-                        1e-5,
-                        &format!("{label}: α₁"),
-                    );
-                }
+                assert_same_collection(&got, &want, n, &label);
             }
         }
+    }
+}
+
+/// `got` (streamed) collected what `want` (from the patterns) did over `n` keys, for each of the
+/// 2 layers: the query rows, sink shares, max weights, entropies and α₁.
+fn assert_same_collection(
+    got: &attnscope::analysis::collect::Collector,
+    want: &attnscope::analysis::collect::Collector,
+    n: usize,
+    label: &str,
+) {
+    for l in 0..2 {
+        assert_eq!(
+            got.query_rows[l].len(),
+            4 * n,
+            "{label}: rows of layer {l} were handed out"
+        );
+        assert_close(
+            &got.query_rows[l],
+            &want.query_rows[l],
+            1e-5,
+            &format!("{label}: rows of layer {l}"),
+        );
+        assert!(
+            (got.sink_all_queries(l) - want.sink_all_queries(l)).abs() < 1e-5,
+            "{label}: sink share"
+        );
+        assert_close(
+            &got.mean_max_weight(l),
+            &want.mean_max_weight(l),
+            1e-5,
+            &format!("{label}: max weight"),
+        );
+        assert_close(
+            &got.mean_entropy(l),
+            &want.mean_entropy(l),
+            1e-4,
+            &format!("{label}: entropy"),
+        );
+        assert_close(
+            &got.head_sink(l),
+            &want.head_sink(l),
+            1e-5,
+            &format!("{label}: α₁"),
+        );
     }
 }
 
