@@ -376,21 +376,32 @@ fn a_batch_of_variants_equals_their_own_runs() {
             "{arch:?}: distinct variants, distinct logits"
         );
         // a segment cannot reuse more than the prefix holds, nor name a position outside itself
-        let bad = Segment {
-            tokens: &TOKENS[1..],
-            reuse: n + 1,
-            knockout: vec![],
-            logits_at: vec![n - 1],
-        };
-        assert!(model.forward_batch(Some(&kv), &[bad]).is_err());
-        let outside = Segment {
-            tokens: &TOKENS[4..],
-            reuse: 4,
-            knockout: vec![2],
-            logits_at: vec![n - 1],
-        };
-        assert!(model.forward_batch(Some(&kv), &[outside]).is_err());
+        a_segment_outside_its_prefix_is_refused(&model, &kv);
     }
+}
+
+/// A segment cannot reuse more than the prefix (`kv`, of [`TOKENS`]) holds, nor name a position
+/// outside itself.
+fn a_segment_outside_its_prefix_is_refused(
+    model: &Model,
+    kv: &attnscope::model::forward::KvPrefix,
+) {
+    use attnscope::model::forward::Segment;
+    let n = TOKENS.len();
+    let bad = Segment {
+        tokens: &TOKENS[1..],
+        reuse: n + 1,
+        knockout: vec![],
+        logits_at: vec![n - 1],
+    };
+    assert!(model.forward_batch(Some(kv), &[bad]).is_err());
+    let outside = Segment {
+        tokens: &TOKENS[4..],
+        reuse: 4,
+        knockout: vec![2],
+        logits_at: vec![n - 1],
+    };
+    assert!(model.forward_batch(Some(kv), &[outside]).is_err());
 }
 
 /// The batch test again in a child process with the AMX tiles off (read once per process), so
