@@ -158,15 +158,15 @@ fn explain_rnn_measures_the_last_chapter() {
 fn explain_quiz_answers_with_numbers() {
     let dir = tempfile::tempdir().unwrap();
     let m = tiny_gguf(&dir);
-    let v = run_json([
+    let quiz = [
         "explain",
         "--quiz",
         "--model",
         m.to_str().unwrap(),
         "--text",
         "the hat at the hat",
-        "--json",
-    ]);
+    ];
+    let v = run_json([&quiz[..], &["--json"]].concat());
     let q = v["questions"].as_array().unwrap();
     assert_eq!(q.len(), 6);
     assert_eq!(q[0]["numbers"]["ratio"], 16.0);
@@ -198,17 +198,7 @@ fn explain_quiz_answers_with_numbers() {
         .as_str()
         .unwrap()
         .starts_with("Not by itself"));
-    let text = attnscope()
-        .args([
-            "explain",
-            "--quiz",
-            "--model",
-            m.to_str().unwrap(),
-            "--text",
-            "the hat at the hat",
-        ])
-        .output()
-        .unwrap();
+    let text = run_ok(quiz);
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(text.contains("6. Is a high attention weight an explanation?") && text.contains("16x"));
 }
