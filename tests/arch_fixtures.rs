@@ -8,7 +8,7 @@ mod common;
 use attnscope::model::capture::{AttnCache, CaptureSpec};
 use attnscope::model::forward::RunOptions;
 use attnscope::model::{Model, Precision};
-use common::{golden, golden_json, golden_npy, max_abs_diff, token_ids};
+use common::{golden, golden_json, golden_npy, max_abs_diff, run_err, run_json, run_ok, token_ids};
 use std::path::Path;
 
 /// A copy of fixture `name` whose config.json `edit` may change.
@@ -201,7 +201,12 @@ fn what_is_not_implemented_is_refused_by_name() {
         let e = load_err(dir.path());
         assert!(e.contains(want), "{what}: {e}");
     }
-    // a tensor the forward would not read (an output bias): refused, named
+    an_unread_tensor_is_refused_by_name();
+    the_binary_exits_2_naming_the_key();
+}
+
+/// A tensor the forward would not read (an output bias): refused, named.
+fn an_unread_tensor_is_refused_by_name() {
     let dir = fixture_copy("llama3", &|_| {});
     let st = dir.path().join("model.safetensors");
     let mut tensors: Vec<(String, candle_core::Tensor)> =
@@ -220,22 +225,23 @@ fn what_is_not_implemented_is_refused_by_name() {
         e.contains("model.layers.0.self_attn.o_proj.bias") && e.contains("does not use"),
         "{e}"
     );
-    // and through the binary: exit 2, the key named
+}
+
+/// Through the binary: exit 2, the key named.
+fn the_binary_exits_2_naming_the_key() {
     let dir = fixture_copy("llama3", &|c| {
         c["rope_parameters"]["rope_type"] = "yarn".into()
     });
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_attnscope"))
-        .args([
+    let e = run_err(
+        [
             "inspect",
             "--model",
             dir.path().to_str().unwrap(),
             "--text",
             "The cat",
-        ])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    let e = String::from_utf8_lossy(&out.stderr);
+        ],
+        2,
+    );
     assert!(
         e.contains("rope_parameters.rope_type") && e.contains("\"yarn\""),
         "{e}"
@@ -488,126 +494,18 @@ fn qwen3_gguf_matches_transformers() {
 /// capture, view and compare.
 #[test]
 fn commands_run_on_every_fixture() {
-    let bin = env!("CARGO_BIN_EXE_attnscope");
     let dir = tempfile::tempdir().unwrap();
     for name in [
         "llama3", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "gpt2",
     ] {
         let m = golden(&format!("arch/{name}"));
         let m = m.to_str().unwrap();
-        let npz = dir.path().join(format!("{name}.npz"));
-        let html = dir.path().join(format!("{name}.html"));
-        for args in [
-            vec![
-                "inspect",
-                "-m",
-                m,
-                "--text",
-                "The cat sat on the mat.",
-                "--json",
-            ],
-            vec!["faithfulness", "-m", m, "--text", "The cat sat", "--json"],
-            vec!["heads", "-m", m, "--random-repeat", "10", "--json"],
-            vec![
-                "capture",
-                "-m",
-                m,
-                "--text",
-                "The cat",
-                "--out",
-                npz.to_str().unwrap(),
-            ],
-            vec![
-                "view",
-                "-m",
-                m,
-                "--text",
-                "The cat",
-                "--out",
-                html.to_str().unwrap(),
-            ],
-            vec![
-                "compare", "-m", m, "--text", "The cat", "--text", "The dog", "--json",
-            ],
-            vec!["info", "-m", m],
-        ] {
-            let out = std::process::Command::new(bin)
-                .args(&args)
-                .output()
-                .unwrap();
-            assert!(
-                out.status.success(),
-                "{name}: {args:?}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            if args.contains(&"--json") {
-                let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-                assert!(v.is_object(), "{name}: {args:?}");
-            }
-        }
-        let v: serde_json::Value = serde_json::from_slice(
-            &std::process::Command::new(bin)
-                .args([
-                    "inspect",
-                    "-m",
-                    m,
-                    "--text",
-                    "The cat sat on the mat.",
-                    "--json",
-                ])
-                .output()
-                .unwrap()
-                .stdout,
-        )
-        .unwrap();
+        let v = every_command_runs(name, m, dir.path());
         if name == "mistral" {
-            // the sink section says the window hides the first token from late queries
-            let out = std::process::Command::new(bin)
-                .args([
-                    "inspect",
-                    "-m",
-                    m,
-                    "--text",
-                    "The cat sat on the mat again and again.",
-                ])
-                .output()
-                .unwrap();
-            let text = String::from_utf8_lossy(&out.stdout);
-            assert!(
-                text.contains("sliding window of 8 tokens")
-                    && text.contains("cannot see the first token"),
-                "{text}"
-            );
+            mistral_says_its_window_hides_the_first_token(m);
         }
         if name == "gemma2" {
-            // alternating windows: layer 0 slides, so query ≥ 8 cannot see the first token there
-            let out = std::process::Command::new(bin)
-                .args([
-                    "inspect",
-                    "-m",
-                    m,
-                    "--text",
-                    "The cat sat on the mat again and again.",
-                    "--json",
-                ])
-                .output()
-                .unwrap();
-            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-            assert_eq!(v["layers"][0]["sink_query"], 0.0, "layer 0 is windowed");
-            // scaling says which layers grow as n · window
-            let out = std::process::Command::new(bin)
-                .args(["scaling", "-m", m, "--lengths", "16,64", "--repeats", "1"])
-                .output()
-                .unwrap();
-            let text = String::from_utf8_lossy(&out.stdout);
-            assert!(
-                text.contains("2 of 3 layers (0, 2) attend through a sliding window of 8"),
-                "{text}"
-            );
-            assert!(
-                v["layers"][1]["sink_query"].as_f64().unwrap() > 0.0,
-                "layer 1 is full"
-            );
+            gemma2_windows_every_other_layer(m);
         }
         let arch = if name == "llama3" { "llama" } else { name };
         assert_eq!(v["model"]["arch"], arch);
@@ -616,6 +514,98 @@ fn commands_run_on_every_fixture() {
             if name == "qwen3" { 24 } else { 16 }
         );
     }
+}
+
+/// Runs every command on the fixture `m` (writing its files in `dir`), each to exit 0 and each
+/// `--json` to print an object; returns `inspect`'s JSON.
+fn every_command_runs(name: &str, m: &str, dir: &Path) -> serde_json::Value {
+    let npz = dir.join(format!("{name}.npz"));
+    let html = dir.join(format!("{name}.html"));
+    let mut inspected = None;
+    for args in [
+        vec![
+            "inspect",
+            "-m",
+            m,
+            "--text",
+            "The cat sat on the mat.",
+            "--json",
+        ],
+        vec!["faithfulness", "-m", m, "--text", "The cat sat", "--json"],
+        vec!["heads", "-m", m, "--random-repeat", "10", "--json"],
+        vec![
+            "capture",
+            "-m",
+            m,
+            "--text",
+            "The cat",
+            "--out",
+            npz.to_str().unwrap(),
+        ],
+        vec![
+            "view",
+            "-m",
+            m,
+            "--text",
+            "The cat",
+            "--out",
+            html.to_str().unwrap(),
+        ],
+        vec![
+            "compare", "-m", m, "--text", "The cat", "--text", "The dog", "--json",
+        ],
+        vec!["info", "-m", m],
+    ] {
+        let out = run_ok(&args);
+        if args.contains(&"--json") {
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            assert!(v.is_object(), "{name}: {args:?}");
+            if args[0] == "inspect" {
+                inspected = Some(v);
+            }
+        }
+    }
+    inspected.unwrap()
+}
+
+/// The sink section says the window hides the first token from late queries.
+fn mistral_says_its_window_hides_the_first_token(m: &str) {
+    let out = run_ok([
+        "inspect",
+        "-m",
+        m,
+        "--text",
+        "The cat sat on the mat again and again.",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("sliding window of 8 tokens") && text.contains("cannot see the first token"),
+        "{text}"
+    );
+}
+
+/// Alternating windows: layer 0 slides, so query ≥ 8 cannot see the first token there; and
+/// scaling says which layers grow as n · window.
+fn gemma2_windows_every_other_layer(m: &str) {
+    let v = run_json([
+        "inspect",
+        "-m",
+        m,
+        "--text",
+        "The cat sat on the mat again and again.",
+        "--json",
+    ]);
+    assert_eq!(v["layers"][0]["sink_query"], 0.0, "layer 0 is windowed");
+    let out = run_ok(["scaling", "-m", m, "--lengths", "16,64", "--repeats", "1"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("2 of 3 layers (0, 2) attend through a sliding window of 8"),
+        "{text}"
+    );
+    assert!(
+        v["layers"][1]["sink_query"].as_f64().unwrap() > 0.0,
+        "layer 1 is full"
+    );
 }
 
 /// Mistral: a sliding window of 8 on every layer (a query sees itself and the 7 keys before it),
@@ -778,71 +768,103 @@ fn fixture_gguf(
         tensors.push((n, QTensor::quantize(&w, GgmlDType::F32).unwrap()));
     };
     for (hf, w) in &t {
-        let parts: Vec<&str> = hf.split('.').collect();
-        let (gg, norm, transpose) = match parts.as_slice() {
-            ["model", "embed_tokens", "weight"] | ["transformer", "wte", "weight"] => {
-                ("token_embd.weight".to_string(), false, false)
-            }
-            ["lm_head", "weight"] => ("output.weight".into(), false, false),
-            ["model", "norm", "weight"] => ("output_norm.weight".into(), true, false),
-            ["transformer", "ln_f", p] => (format!("output_norm.{p}"), false, false),
-            ["transformer", "wpe", "weight"] => ("position_embd.weight".into(), false, false),
-            ["model", "layers", i, rest @ ..] => {
-                let (g, norm) = match (rest.join(".").as_str(), arch) {
-                    ("input_layernorm.weight", _) => ("attn_norm.weight", true),
-                    ("post_attention_layernorm.weight", "phi3") => ("ffn_norm.weight", false),
-                    ("post_attention_layernorm.weight", _) => ("post_attention_norm.weight", true),
-                    ("pre_feedforward_layernorm.weight", _) => ("ffn_norm.weight", true),
-                    ("post_feedforward_layernorm.weight", _) => ("post_ffw_norm.weight", true),
-                    ("self_attn.q_norm.weight", _) => ("attn_q_norm.weight", true),
-                    ("self_attn.k_norm.weight", _) => ("attn_k_norm.weight", true),
-                    ("self_attn.q_proj.weight", _) => ("attn_q.weight", false),
-                    ("self_attn.k_proj.weight", _) => ("attn_k.weight", false),
-                    ("self_attn.v_proj.weight", _) => ("attn_v.weight", false),
-                    ("self_attn.qkv_proj.weight", _) => ("attn_qkv.weight", false),
-                    ("self_attn.o_proj.weight", _) => ("attn_output.weight", false),
-                    ("mlp.gate_proj.weight", _) => ("ffn_gate.weight", false),
-                    ("mlp.up_proj.weight", _) => ("ffn_up.weight", false),
-                    ("mlp.gate_up_proj.weight", _) => ("ffn_up.weight", false),
-                    ("mlp.down_proj.weight", _) => ("ffn_down.weight", false),
-                    (other, _) => panic!("{name}: no GGUF name for {other}"),
-                };
-                (format!("blk.{i}.{g}"), norm, false)
-            }
-            ["transformer", "h", i, ln @ ("ln_1" | "ln_2"), p] => {
-                let g = if *ln == "ln_1" {
-                    "attn_norm"
-                } else {
-                    "ffn_norm"
-                };
-                (format!("blk.{i}.{g}.{p}"), false, false)
-            }
-            ["transformer", "h", i, a, b, p] => {
-                let g = match (*a, *b) {
-                    ("attn", "c_attn") => "attn_qkv",
-                    ("attn", "c_proj") => "attn_output",
-                    ("mlp", "c_fc") => "ffn_up",
-                    ("mlp", "c_proj") => "ffn_down",
-                    _ => panic!("{name}: no GGUF name for {hf}"),
-                };
-                (format!("blk.{i}.{g}.{p}"), false, *p == "weight")
-            }
-            _ => panic!("{name}: no GGUF name for {hf}"),
-        };
+        let (gg, norm, transpose) = gguf_tensor_name(name, arch, hf);
         push(gg, w.clone(), norm, transpose);
         // llama.cpp's GPT-2 converter writes the tied embedding again as the output
         if arch == "gpt2" && hf == "transformer.wte.weight" {
             push("output.weight".into(), w.clone(), false, false);
         }
     }
-    let u = |k: &str, alt: &str| {
-        Value::U32(
-            cfg.get(k)
-                .or(cfg.get(alt))
-                .and_then(|v| v.as_u64())
-                .unwrap() as u32,
-        )
-    };
+    let mut md = gguf_metadata(arch, &cfg);
+    for (k, v) in extra {
+        md.push((k.to_string(), v.clone()));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(format!("{name}.gguf"));
+    let mut f = std::fs::File::create(&path).unwrap();
+    let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut f, &md_refs, &t_refs).unwrap();
+    (dir, path)
+}
+
+/// The GGUF name of the fixture's tensor `hf` for GGUF architecture `arch`, whether it is a
+/// norm (Gemma's get the `+ 1`), and whether it is a Conv1D weight to transpose.
+fn gguf_tensor_name(name: &str, arch: &str, hf: &str) -> (String, bool, bool) {
+    let parts: Vec<&str> = hf.split('.').collect();
+    match parts.as_slice() {
+        ["model", "embed_tokens", "weight"] | ["transformer", "wte", "weight"] => {
+            ("token_embd.weight".to_string(), false, false)
+        }
+        ["lm_head", "weight"] => ("output.weight".into(), false, false),
+        ["model", "norm", "weight"] => ("output_norm.weight".into(), true, false),
+        ["transformer", "ln_f", p] => (format!("output_norm.{p}"), false, false),
+        ["transformer", "wpe", "weight"] => ("position_embd.weight".into(), false, false),
+        ["model", "layers", i, rest @ ..] => {
+            let (g, norm) = match (rest.join(".").as_str(), arch) {
+                ("input_layernorm.weight", _) => ("attn_norm.weight", true),
+                ("post_attention_layernorm.weight", "phi3") => ("ffn_norm.weight", false),
+                ("post_attention_layernorm.weight", _) => ("post_attention_norm.weight", true),
+                ("pre_feedforward_layernorm.weight", _) => ("ffn_norm.weight", true),
+                ("post_feedforward_layernorm.weight", _) => ("post_ffw_norm.weight", true),
+                ("self_attn.q_norm.weight", _) => ("attn_q_norm.weight", true),
+                ("self_attn.k_norm.weight", _) => ("attn_k_norm.weight", true),
+                ("self_attn.q_proj.weight", _) => ("attn_q.weight", false),
+                ("self_attn.k_proj.weight", _) => ("attn_k.weight", false),
+                ("self_attn.v_proj.weight", _) => ("attn_v.weight", false),
+                ("self_attn.qkv_proj.weight", _) => ("attn_qkv.weight", false),
+                ("self_attn.o_proj.weight", _) => ("attn_output.weight", false),
+                ("mlp.gate_proj.weight", _) => ("ffn_gate.weight", false),
+                ("mlp.up_proj.weight", _) => ("ffn_up.weight", false),
+                ("mlp.gate_up_proj.weight", _) => ("ffn_up.weight", false),
+                ("mlp.down_proj.weight", _) => ("ffn_down.weight", false),
+                (other, _) => panic!("{name}: no GGUF name for {other}"),
+            };
+            (format!("blk.{i}.{g}"), norm, false)
+        }
+        ["transformer", "h", i, ln @ ("ln_1" | "ln_2"), p] => {
+            let g = if *ln == "ln_1" {
+                "attn_norm"
+            } else {
+                "ffn_norm"
+            };
+            (format!("blk.{i}.{g}.{p}"), false, false)
+        }
+        ["transformer", "h", i, a, b, p] => {
+            let g = match (*a, *b) {
+                ("attn", "c_attn") => "attn_qkv",
+                ("attn", "c_proj") => "attn_output",
+                ("mlp", "c_fc") => "ffn_up",
+                ("mlp", "c_proj") => "ffn_down",
+                _ => panic!("{name}: no GGUF name for {hf}"),
+            };
+            (format!("blk.{i}.{g}.{p}"), false, *p == "weight")
+        }
+        _ => panic!("{name}: no GGUF name for {hf}"),
+    }
+}
+
+/// The config's `k` (or `alt`) as a GGUF u32.
+fn config_u32(
+    cfg: &serde_json::Value,
+    k: &str,
+    alt: &str,
+) -> candle_core::quantized::gguf_file::Value {
+    candle_core::quantized::gguf_file::Value::U32(
+        cfg.get(k)
+            .or(cfg.get(alt))
+            .and_then(|v| v.as_u64())
+            .unwrap() as u32,
+    )
+}
+
+/// The fixture's config as `{arch}.*` keys, and a placeholder vocabulary.
+fn gguf_metadata(
+    arch: &str,
+    cfg: &serde_json::Value,
+) -> Vec<(String, candle_core::quantized::gguf_file::Value)> {
+    use candle_core::quantized::gguf_file::Value;
+    let u = |k: &str, alt: &str| config_u32(cfg, k, alt);
     let vocab = cfg["vocab_size"].as_u64().unwrap() as usize;
     let mut md: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::String(arch.into())),
@@ -881,28 +903,7 @@ fn fixture_gguf(
             Value::F32(cfg["layer_norm_epsilon"].as_f64().unwrap() as f32),
         ));
     } else {
-        md.push((
-            format!("{arch}.feed_forward_length"),
-            u("intermediate_size", ""),
-        ));
-        md.push((
-            format!("{arch}.attention.head_count_kv"),
-            u("num_key_value_heads", ""),
-        ));
-        let hd = cfg["head_dim"].as_u64().unwrap_or(
-            cfg["hidden_size"].as_u64().unwrap() / cfg["num_attention_heads"].as_u64().unwrap(),
-        ) as u32;
-        md.push((format!("{arch}.attention.key_length"), Value::U32(hd)));
-        md.push((format!("{arch}.attention.value_length"), Value::U32(hd)));
-        md.push((
-            format!("{arch}.attention.layer_norm_rms_epsilon"),
-            Value::F32(cfg["rms_norm_eps"].as_f64().unwrap() as f32),
-        ));
-        let theta = cfg["rope_parameters"]["rope_theta"]
-            .as_f64()
-            .or(cfg["rope_parameters"]["full_attention"]["rope_theta"].as_f64())
-            .unwrap();
-        md.push((format!("{arch}.rope.freq_base"), Value::F32(theta as f32)));
+        md.extend(rms_norm_family_keys(arch, cfg));
     }
     if let Some(w) = cfg.get("sliding_window").and_then(|v| v.as_u64()) {
         md.push((
@@ -915,16 +916,41 @@ fn fixture_gguf(
             md.push((format!("{arch}.{k}"), Value::F32(x as f32)));
         }
     }
-    for (k, v) in extra {
-        md.push((k.to_string(), v.clone()));
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join(format!("{name}.gguf"));
-    let mut f = std::fs::File::create(&path).unwrap();
-    let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    gguf_file::write(&mut f, &md_refs, &t_refs).unwrap();
-    (dir, path)
+    md
+}
+
+/// The keys of the families with RMS norms (all but GPT-2): the MLP's width, the key/value heads
+/// and their widths, the norms' epsilon and RoPE's base.
+fn rms_norm_family_keys(
+    arch: &str,
+    cfg: &serde_json::Value,
+) -> Vec<(String, candle_core::quantized::gguf_file::Value)> {
+    use candle_core::quantized::gguf_file::Value;
+    let u = |k: &str, alt: &str| config_u32(cfg, k, alt);
+    let mut keys = Vec::new();
+    keys.push((
+        format!("{arch}.feed_forward_length"),
+        u("intermediate_size", ""),
+    ));
+    keys.push((
+        format!("{arch}.attention.head_count_kv"),
+        u("num_key_value_heads", ""),
+    ));
+    let hd = cfg["head_dim"].as_u64().unwrap_or(
+        cfg["hidden_size"].as_u64().unwrap() / cfg["num_attention_heads"].as_u64().unwrap(),
+    ) as u32;
+    keys.push((format!("{arch}.attention.key_length"), Value::U32(hd)));
+    keys.push((format!("{arch}.attention.value_length"), Value::U32(hd)));
+    keys.push((
+        format!("{arch}.attention.layer_norm_rms_epsilon"),
+        Value::F32(cfg["rms_norm_eps"].as_f64().unwrap() as f32),
+    ));
+    let theta = cfg["rope_parameters"]["rope_theta"]
+        .as_f64()
+        .or(cfg["rope_parameters"]["full_attention"]["rope_theta"].as_f64())
+        .unwrap();
+    keys.push((format!("{arch}.rope.freq_base"), Value::F32(theta as f32)));
+    keys
 }
 
 fn check_gguf(
@@ -988,7 +1014,12 @@ fn gemma_phi3_gpt2_ggufs_match_transformers() {
     );
     assert_eq!(m.dims.rotary_dim, 8);
     check_gguf("gpt2", "gpt2", &[]);
-    // without the keys the fixtures need, the numbers move: they are really read
+    numbers_move_without_the_keys_the_fixtures_need();
+    a_bad_fused_qkv_or_a_missing_window_is_refused_by_key();
+}
+
+/// Without the keys the fixtures need, the numbers move: they are really read.
+fn numbers_move_without_the_keys_the_fixtures_need() {
     for (name, arch, extra) in [
         ("gemma2", "gemma2", vec![]),
         ("gemma3", "gemma3", vec![]),
@@ -1006,7 +1037,11 @@ fn gemma_phi3_gpt2_ggufs_match_transformers() {
             Err(e) => panic!("{name}: {e}"),
         }
     }
-    // a fused q|k|v whose rows do not add up to what the heads say is refused, naming it
+}
+
+/// A fused q|k|v whose rows do not add up to what the heads say is refused, naming it; a Gemma
+/// GGUF without its window is refused by key.
+fn a_bad_fused_qkv_or_a_missing_window_is_refused_by_key() {
     let (_d, path) = fixture_gguf("phi3", "phi3", &[]);
     let mut bytes = std::fs::read(&path).unwrap();
     let key = b"phi3.attention.head_count_kv";

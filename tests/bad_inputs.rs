@@ -3,11 +3,14 @@
 // index loops over (layer, head, query) read like the maths; nested test types stay inline
 #![allow(clippy::needless_range_loop, clippy::type_complexity)]
 
+mod common;
+
 use attnscope::model::tiny::{tiny_model, write_gguf, write_gguf_with, write_hf_folder};
 use attnscope::model::{Arch, Model, Precision};
 use candle_core::quantized::gguf_file::Value;
 use candle_core::quantized::GgmlDType;
-use std::path::Path;
+use common::{attnscope, fails_with, run_err};
+use std::path::{Path, PathBuf};
 
 fn load_err(path: &Path) -> String {
     match Model::load(path.to_str().unwrap(), Precision::Exact, false) {
@@ -223,10 +226,9 @@ fn a_shape_that_does_not_match_the_config() {
     );
 }
 
-#[test]
-fn unknown_architectures_are_named() {
-    let dir = tempfile::tempdir().unwrap();
-    let p = dir.path().join("bloom.gguf");
+/// A tiny Qwen2 GGUF file `name` in `dir` whose metadata string `key` says `value`.
+fn qwen2_gguf_with_string(dir: &tempfile::TempDir, name: &str, key: &str, value: &str) -> PathBuf {
+    let p = dir.path().join(name);
     write_gguf_with(
         &tiny_model(Arch::Qwen2, 1),
         Arch::Qwen2,
@@ -234,11 +236,18 @@ fn unknown_architectures_are_named() {
         &p,
         &|md, _| {
             md.iter_mut()
-                .filter(|(k, _)| k == "general.architecture")
-                .for_each(|(_, v)| *v = Value::String("bloom".into()));
+                .filter(|(k, _)| k == key)
+                .for_each(|(_, v)| *v = Value::String(value.into()));
         },
     )
     .unwrap();
+    p
+}
+
+#[test]
+fn unknown_architectures_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = qwen2_gguf_with_string(&dir, "bloom.gguf", "general.architecture", "bloom");
     let e = load_err(&p);
     assert!(
         e.contains("unsupported architecture `bloom`") && e.contains("qwen2, llama"),
@@ -260,19 +269,7 @@ fn unknown_architectures_are_named() {
 #[test]
 fn an_unknown_pre_tokenizer_is_named() {
     let dir = tempfile::tempdir().unwrap();
-    let p = dir.path().join("pre.gguf");
-    write_gguf_with(
-        &tiny_model(Arch::Qwen2, 1),
-        Arch::Qwen2,
-        GgmlDType::F32,
-        &p,
-        &|md, _| {
-            md.iter_mut()
-                .filter(|(k, _)| k == "tokenizer.ggml.pre")
-                .for_each(|(_, v)| *v = Value::String("bloom".into()));
-        },
-    )
-    .unwrap();
+    let p = qwen2_gguf_with_string(&dir, "pre.gguf", "tokenizer.ggml.pre", "bloom");
     let e = load_err(&p);
     assert!(
         e.contains("unknown pre-tokenizer `bloom`") && e.contains("qwen2"),
@@ -329,18 +326,8 @@ fn a_zero_or_odd_alignment_is_refused() {
             "{name}: {e}"
         );
         // the binary exits 2 with the message, not 101
-        let out = assert_cmd::Command::cargo_bin("attnscope")
-            .unwrap()
-            .args(["info", "--model", p.to_str().unwrap()])
-            .output()
-            .unwrap();
-        assert_eq!(
-            out.status.code(),
-            Some(2),
-            "{name}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(!String::from_utf8_lossy(&out.stderr).contains("panicked"));
+        let err = run_err(["info", "--model", p.to_str().unwrap()], 2);
+        assert!(!err.contains("panicked"), "{name}: {err}");
     }
     // a 64-bit alignment is not what GGUF stores: candle would quietly use 32
     let p = Raw::new(3, 0, 1)
@@ -384,13 +371,14 @@ fn a_huge_block_count_is_refused_without_memory() {
         "{e}"
     );
     let peak = dir.path().join("peak");
-    let out = assert_cmd::Command::cargo_bin("attnscope")
-        .unwrap()
-        .env("ATTNSCOPE_PEAK_FILE", &peak)
-        .args(["info", "--model", p.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
+    fails_with(
+        attnscope().env("ATTNSCOPE_PEAK_FILE", &peak).args([
+            "info",
+            "--model",
+            p.to_str().unwrap(),
+        ]),
+        2,
+    );
     let peak: u64 = std::fs::read_to_string(&peak)
         .unwrap()
         .trim()
@@ -459,24 +447,17 @@ fn non_finite_scores_are_named_with_their_layer() {
             "at layer 1"
         };
         assert!(e.contains("non-finite") && e.contains(layer), "{name}: {e}");
-        let out = assert_cmd::Command::cargo_bin("attnscope")
-            .unwrap()
-            .args([
+        let err = run_err(
+            [
                 "inspect",
                 "--model",
                 p.to_str().unwrap(),
                 "--text",
                 "the hat at the hat",
-            ])
-            .output()
-            .unwrap();
-        assert_eq!(
-            out.status.code(),
-            Some(1),
-            "{name}: {}",
-            String::from_utf8_lossy(&out.stderr)
+            ],
+            1,
         );
-        assert!(String::from_utf8_lossy(&out.stderr).contains(layer));
+        assert!(err.contains(layer), "{name}: {err}");
     }
 }
 

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{attnscope, stderr_of, tiny_gguf};
+use common::{attnscope, run_err, run_json, run_ok, stderr_of, succeeds, tiny_gguf};
 
 /// `bench` on a tiny model: every part is measured and reported as positive rates and times,
 /// the child processes (`capture`, `inspect`) run and report their own peak memory.
@@ -12,21 +12,16 @@ use common::{attnscope, stderr_of, tiny_gguf};
 fn bench_reports_rates_forwards_and_commands() {
     let dir = tempfile::tempdir().unwrap();
     let m = tiny_gguf(&dir);
-    let out = attnscope()
-        .args([
-            "bench",
-            "-m",
-            m.to_str().unwrap(),
-            "--lengths",
-            "8,16",
-            "--repeats",
-            "1",
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr_of(&out));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = run_json([
+        "bench",
+        "-m",
+        m.to_str().unwrap(),
+        "--lengths",
+        "8,16",
+        "--repeats",
+        "1",
+        "--json",
+    ]);
     assert!(v["kernel_peak_gflops"].as_f64().unwrap() > 0.0);
     assert!(
         ["avx512", "avx2+fma", "baseline"].contains(&v["simd"].as_str().unwrap()),
@@ -81,11 +76,7 @@ fn bench_reports_rates_forwards_and_commands() {
         assert!(r["peak_rss_bytes"].as_u64().unwrap() > 1 << 20, "{r}");
         assert_eq!(r["exit"].as_i64().unwrap(), 0);
     }
-    let bad = attnscope()
-        .args(["bench", "-m", m.to_str().unwrap(), "--lengths", "0"])
-        .output()
-        .unwrap();
-    assert_eq!(bad.status.code(), Some(2));
+    run_err(["bench", "-m", m.to_str().unwrap(), "--lengths", "0"], 2);
 }
 
 /// `bench --precision fast --against-exact`: both precisions' forwards at each length, a row per
@@ -112,8 +103,7 @@ fn bench_times_fast_against_exact_in_alternation() {
         if json {
             args.push("--json");
         }
-        let out = attnscope().args(args).output().unwrap();
-        assert!(out.status.success(), "{}", stderr_of(&out));
+        let out = run_ok(args);
         String::from_utf8(out.stdout).unwrap()
     };
     let v: serde_json::Value = serde_json::from_str(&run(true)).unwrap();
@@ -145,19 +135,18 @@ fn bench_times_fast_against_exact_in_alternation() {
         assert!(pairs.iter().all(|&x| x > 0.0 && x.is_finite()), "{r}");
     }
     // without the flag the JSON says so with an empty list
-    let plain = attnscope()
-        .args([
-            "bench",
-            "-m",
-            m.to_str().unwrap(),
-            "--no-commands",
-            "--lengths",
-            "8",
-        ])
-        .args(["--repeats", "1", "--json"])
-        .output()
-        .unwrap();
-    assert!(plain.status.success(), "{}", stderr_of(&plain));
+    let plain = succeeds(
+        attnscope()
+            .args([
+                "bench",
+                "-m",
+                m.to_str().unwrap(),
+                "--no-commands",
+                "--lengths",
+                "8",
+            ])
+            .args(["--repeats", "1", "--json"]),
+    );
     let p: serde_json::Value = serde_json::from_slice(&plain.stdout).unwrap();
     assert_eq!(p["fast_vs_exact"].as_array().map(Vec::len), Some(0));
     let text = run(false);
@@ -168,16 +157,8 @@ fn bench_times_fast_against_exact_in_alternation() {
         "{text}"
     );
     assert!(text.contains("fast faster by"), "{text}");
-    let bad = attnscope()
-        .args(["bench", "-m", m.to_str().unwrap(), "--against-exact"])
-        .output()
-        .unwrap();
-    assert_eq!(bad.status.code(), Some(2));
-    assert!(
-        stderr_of(&bad).contains("add --precision fast"),
-        "{}",
-        stderr_of(&bad)
-    );
+    let bad = run_err(["bench", "-m", m.to_str().unwrap(), "--against-exact"], 2);
+    assert!(bad.contains("add --precision fast"), "{}", bad);
 }
 
 /// `bench --transformers`: the anchor script runs between --repeats runs of each command and
@@ -192,119 +173,21 @@ fn bench_runs_transformers_between_its_commands_and_reports_ratios() {
     let dir = tempfile::tempdir().unwrap();
     let m = tiny_gguf(&dir);
     let log = dir.path().join("calls.log");
-    let fake = dir.path().join("python");
-    std::fs::write(
-        &fake,
-        format!(
-            r#"#!/bin/sh
-echo "$@" >> {log}
-script="$1"; shift
-attn=sdpa; oa=false; file=""
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --attn) attn="$2"; shift;;
-    --file) file="$2"; shift;;
-    --output-attentions) oa=true;;
-  esac
-  shift
-done
-[ -f "$script" ] && [ -f "$file" ] || {{ echo "no script or text" >&2; exit 3; }}
-grep -q "forward_median_s" "$script" || {{ echo "not the anchor script" >&2; exit 4; }}
-echo "loading the model"
-if [ $attn = eager ]; then t=7.5; else t=4.5; fi
-echo "{{\"gguf\": \"m.gguf\", \"n_tokens\": 12, \"attn\": \"$attn\", \"output_attentions\": $oa, \"threads\": 2, \"import_s\": 1.0, \"tokenizer_s\": 1.0, \"load_s\": 2.0, \"forward_median_s\": $t, \"forward_min_s\": 4.0, \"peak_rss_load_mb\": 100, \"peak_rss_forward_mb\": 200, \"cpu\": \"AVX2\"}}"
-"#,
-            log = log.display()
-        ),
-    )
-    .unwrap();
-    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let out = attnscope()
-        .args(["bench", "-m", m.to_str().unwrap(), "--lengths", "8,16"])
-        .args(["--repeats", "2", "--json", "--transformers"])
-        .arg(&fake)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr_of(&out));
+    let fake = fake_python(dir.path(), &log);
+    let out = succeeds(
+        attnscope()
+            .args(["bench", "-m", m.to_str().unwrap(), "--lengths", "8,16"])
+            .args(["--repeats", "2", "--json", "--transformers"])
+            .arg(&fake),
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let side = v["transformers"].as_array().unwrap();
     assert_eq!(side.len(), 4, "capture and inspect at both lengths");
     let calls = std::fs::read_to_string(&log).unwrap();
     let calls: Vec<&str> = calls.lines().collect();
     assert_eq!(calls.len(), 4, "{calls:?}");
-    let floats = |v: &serde_json::Value| -> Vec<f64> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_f64().unwrap())
-            .collect()
-    };
     for (r, call) in side.iter().zip(&calls) {
-        let n = r["n"].as_u64().unwrap();
-        let capture = r["command"] == "capture";
-        let t = r["transformers"].clone();
-        assert_eq!(t["attn"], if capture { "eager" } else { "sdpa" }, "{r}");
-        assert_eq!(t["output_attentions"], capture, "{r}");
-        assert!(
-            call.contains(&format!("--attn {}", t["attn"].as_str().unwrap())),
-            "{call}"
-        );
-        assert_eq!(call.contains("--output-attentions"), capture, "{call}");
-        assert!(
-            call.contains(&format!("text{n}.txt")),
-            "the bench's own text: {call}"
-        );
-        assert!(
-            call.contains(m.to_str().unwrap()),
-            "the model's file: {call}"
-        );
-        let theirs = t["forward_median_s"].as_f64().unwrap();
-        let walls = floats(&r["wall_s"]);
-        assert_eq!(
-            walls.len(),
-            4,
-            "--repeats runs before transformers and after: {r}"
-        );
-        assert!(walls.iter().all(|&w| w > 0.0), "{r}");
-        let mut sorted = walls.clone();
-        sorted.sort_by(f64::total_cmp);
-        let median = (sorted[1] + sorted[2]) / 2.0;
-        assert!(
-            (r["median_wall_s"].as_f64().unwrap() - median).abs() < 1e-9,
-            "{r}"
-        );
-        assert!(
-            (r["faster_by_median"].as_f64().unwrap() - theirs / median).abs() < 1e-9,
-            "{r}"
-        );
-        let ratios: Vec<f64> = walls.iter().map(|w| theirs / w).collect();
-        let by = floats(&r["faster_by"]);
-        let (lo, hi) = (
-            ratios.iter().copied().fold(f64::INFINITY, f64::min),
-            ratios.iter().copied().fold(0.0, f64::max),
-        );
-        assert!(
-            (by[0] - lo).abs() < 1e-9 && (by[1] - hi).abs() < 1e-9,
-            "{r}"
-        );
-        // after the load: the same ratio over the commands' own timings (none where one of
-        // them reads 0 s, as a tiny model's can)
-        let own = floats(&r["after_load_s"]);
-        if own.iter().all(|&x| x > 0.0) {
-            let after = r["faster_by_after_load"].as_array().unwrap();
-            let lo = own.iter().map(|x| theirs / x).fold(f64::INFINITY, f64::min);
-            assert!((after[0].as_f64().unwrap() - lo).abs() < 1e-9, "{r}");
-            let mut sorted = own.clone();
-            sorted.sort_by(f64::total_cmp);
-            let median = (sorted[1] + sorted[2]) / 2.0;
-            assert!(
-                (r["faster_by_median_after_load"].as_f64().unwrap() - theirs / median).abs() < 1e-9,
-                "{r}"
-            );
-        } else {
-            assert!(r["faster_by_after_load"].is_null(), "{r}");
-            assert!(r["faster_by_median_after_load"].is_null(), "{r}");
-        }
+        assert_row_times_both_routes(r, call, m.to_str().unwrap());
     }
     // `bench` at 8 tokens with this Python
     let bench_8 = |python: &std::path::Path| {
@@ -358,5 +241,116 @@ echo "{{\"gguf\": \"m.gguf\", \"n_tokens\": 12, \"attn\": \"$attn\", \"output_at
             .unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr_of(&out));
         assert!(stderr_of(&out).contains("--transformers"), "{args:?}");
+    }
+}
+
+/// A stand-in for Python that appends its arguments to `log` and prints what hf_anchor.py
+/// prints (eager forwards of 7.5 s, sdpa of 4.5 s), after checking it was given the anchor
+/// script and a text file.
+fn fake_python(dir: &std::path::Path, log: &std::path::Path) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let fake = dir.join("python");
+    std::fs::write(
+        &fake,
+        format!(
+            r#"#!/bin/sh
+echo "$@" >> {log}
+script="$1"; shift
+attn=sdpa; oa=false; file=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --attn) attn="$2"; shift;;
+    --file) file="$2"; shift;;
+    --output-attentions) oa=true;;
+  esac
+  shift
+done
+[ -f "$script" ] && [ -f "$file" ] || {{ echo "no script or text" >&2; exit 3; }}
+grep -q "forward_median_s" "$script" || {{ echo "not the anchor script" >&2; exit 4; }}
+echo "loading the model"
+if [ $attn = eager ]; then t=7.5; else t=4.5; fi
+echo "{{\"gguf\": \"m.gguf\", \"n_tokens\": 12, \"attn\": \"$attn\", \"output_attentions\": $oa, \"threads\": 2, \"import_s\": 1.0, \"tokenizer_s\": 1.0, \"load_s\": 2.0, \"forward_median_s\": $t, \"forward_min_s\": 4.0, \"peak_rss_load_mb\": 100, \"peak_rss_forward_mb\": 200, \"cpu\": \"AVX2\"}}"
+"#,
+            log = log.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    fake
+}
+
+fn floats(v: &serde_json::Value) -> Vec<f64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect()
+}
+
+/// One row of `bench --transformers`: the anchor ran the command's comparable route (`call`, on
+/// the bench's text and the `model` file) and the ratios are its forward over each of the
+/// command's times, their median's, and those after the load.
+fn assert_row_times_both_routes(r: &serde_json::Value, call: &str, model: &str) {
+    let n = r["n"].as_u64().unwrap();
+    let capture = r["command"] == "capture";
+    let t = r["transformers"].clone();
+    assert_eq!(t["attn"], if capture { "eager" } else { "sdpa" }, "{r}");
+    assert_eq!(t["output_attentions"], capture, "{r}");
+    assert!(
+        call.contains(&format!("--attn {}", t["attn"].as_str().unwrap())),
+        "{call}"
+    );
+    assert_eq!(call.contains("--output-attentions"), capture, "{call}");
+    assert!(
+        call.contains(&format!("text{n}.txt")),
+        "the bench's own text: {call}"
+    );
+    assert!(call.contains(model), "the model's file: {call}");
+    let theirs = t["forward_median_s"].as_f64().unwrap();
+    let walls = floats(&r["wall_s"]);
+    assert_eq!(
+        walls.len(),
+        4,
+        "--repeats runs before transformers and after: {r}"
+    );
+    assert!(walls.iter().all(|&w| w > 0.0), "{r}");
+    let mut sorted = walls.clone();
+    sorted.sort_by(f64::total_cmp);
+    let median = (sorted[1] + sorted[2]) / 2.0;
+    assert!(
+        (r["median_wall_s"].as_f64().unwrap() - median).abs() < 1e-9,
+        "{r}"
+    );
+    assert!(
+        (r["faster_by_median"].as_f64().unwrap() - theirs / median).abs() < 1e-9,
+        "{r}"
+    );
+    let ratios: Vec<f64> = walls.iter().map(|w| theirs / w).collect();
+    let by = floats(&r["faster_by"]);
+    let (lo, hi) = (
+        ratios.iter().copied().fold(f64::INFINITY, f64::min),
+        ratios.iter().copied().fold(0.0, f64::max),
+    );
+    assert!(
+        (by[0] - lo).abs() < 1e-9 && (by[1] - hi).abs() < 1e-9,
+        "{r}"
+    );
+    // after the load: the same ratio over the commands' own timings (none where one of
+    // them reads 0 s, as a tiny model's can)
+    let own = floats(&r["after_load_s"]);
+    if own.iter().all(|&x| x > 0.0) {
+        let after = r["faster_by_after_load"].as_array().unwrap();
+        let lo = own.iter().map(|x| theirs / x).fold(f64::INFINITY, f64::min);
+        assert!((after[0].as_f64().unwrap() - lo).abs() < 1e-9, "{r}");
+        let mut sorted = own.clone();
+        sorted.sort_by(f64::total_cmp);
+        let median = (sorted[1] + sorted[2]) / 2.0;
+        assert!(
+            (r["faster_by_median_after_load"].as_f64().unwrap() - theirs / median).abs() < 1e-9,
+            "{r}"
+        );
+    } else {
+        assert!(r["faster_by_after_load"].is_null(), "{r}");
+        assert!(r["faster_by_median_after_load"].is_null(), "{r}");
     }
 }

@@ -7,7 +7,8 @@ mod common;
 use attnscope::model::tiny::{tiny_model, write_gguf};
 use attnscope::model::Arch;
 use candle_core::quantized::GgmlDType;
-use common::{attnscope, stderr_of, tiny_gguf};
+use common::{attnscope, fails_with, stderr_of, succeeds, tiny_gguf};
+use std::path::Path;
 
 /// Jensen–Shannon divergence in bits, written again here from the definition.
 fn js_bits(p: &[f64], q: &[f64]) -> f64 {
@@ -27,6 +28,18 @@ fn rows_of(side: &serde_json::Value) -> Vec<Vec<Vec<f64>>> {
     serde_json::from_value(side["rows"].clone()).unwrap()
 }
 
+/// `compare --model a --model b` with `args` after, asserted to succeed.
+fn compare_models(a: &Path, b: &Path, args: &[&str]) -> std::process::Output {
+    succeeds(
+        attnscope()
+            .args(["compare", "--model"])
+            .arg(a)
+            .arg("--model")
+            .arg(b)
+            .args(args),
+    )
+}
+
 #[test]
 fn compare_texts_models_and_precisions_on_tiny_models() {
     let dir = tempfile::tempdir().unwrap();
@@ -40,14 +53,22 @@ fn compare_texts_models_and_precisions_on_tiny_models() {
     )
     .unwrap();
     let html = dir.path().join("cmp.html");
-    // two texts on one model
-    let out = attnscope()
-        .args(["compare", "--model", m1.to_str().unwrap()])
-        .args(["--text", "the hat at the", "--text", "the cat at the hat"])
-        .args(["--json", "--html", html.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr_of(&out));
+    two_texts_on_one_model_and_their_page(&m1, &html);
+    one_model_twice_differs_nowhere(&m1);
+    two_models_name_the_mode(&m1, &m2);
+    two_precisions_of_one_model(&m1);
+    what_compare_refuses(&m1);
+}
+
+/// Two texts on one model: the JS divergence of each head's rows, the most changed head first, the
+/// sink differences; the page `html` is self-contained and not overwritten without --force.
+fn two_texts_on_one_model_and_their_page(m1: &Path, html: &Path) {
+    let out = succeeds(
+        attnscope()
+            .args(["compare", "--model", m1.to_str().unwrap()])
+            .args(["--text", "the hat at the", "--text", "the cat at the hat"])
+            .args(["--json", "--html", html.to_str().unwrap()]),
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["mode"], "texts");
     assert_eq!(v["same_tokens"], false);
@@ -73,38 +94,30 @@ fn compare_texts_models_and_precisions_on_tiny_models() {
         let d = l["sink_all_b"].as_f64().unwrap() - l["sink_all_a"].as_f64().unwrap();
         assert!((l["sink_all_diff"].as_f64().unwrap() - d).abs() < 1e-6);
     }
-    let page = std::fs::read_to_string(&html).unwrap();
+    let page = std::fs::read_to_string(html).unwrap();
     assert!(page.contains("\"mode\":\"texts\"") && !page.contains("/*ATTNSCOPE_DATA*/"));
     assert!(!page.contains("src=\"http") && !page.contains("href=\"http"));
     // the page is not overwritten without --force
-    let again = attnscope()
-        .args(["compare", "--model", m1.to_str().unwrap()])
-        .args([
-            "--text",
-            "a",
-            "--text",
-            "b",
-            "--html",
-            html.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    assert_eq!(again.status.code(), Some(2), "{}", stderr_of(&again));
-    assert!(stderr_of(&again).contains("--force"));
-    assert_eq!(std::fs::read_to_string(&html).unwrap(), page);
-    // one model twice: nothing differs
-    let out = attnscope()
-        .args([
-            "compare",
-            "--model",
-            m1.to_str().unwrap(),
-            "--model",
-            m1.to_str().unwrap(),
-        ])
-        .args(["--text", "the hat at the", "--json"])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr_of(&out));
+    let again = fails_with(
+        attnscope()
+            .args(["compare", "--model", m1.to_str().unwrap()])
+            .args([
+                "--text",
+                "a",
+                "--text",
+                "b",
+                "--html",
+                html.to_str().unwrap(),
+            ]),
+        2,
+    );
+    assert!(again.contains("--force"));
+    assert_eq!(std::fs::read_to_string(html).unwrap(), page);
+}
+
+/// One model twice: nothing differs.
+fn one_model_twice_differs_nowhere(m1: &Path) {
+    let out = compare_models(m1, m1, &["--text", "the hat at the", "--json"]);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["mode"], "models");
     assert!(v["js"]
@@ -113,19 +126,11 @@ fn compare_texts_models_and_precisions_on_tiny_models() {
         .iter()
         .flat_map(|l| l.as_array().unwrap())
         .all(|x| x.as_f64().unwrap() == 0.0));
-    // two models with one tokenizer: rows differ, the table names the mode
-    let out = attnscope()
-        .args([
-            "compare",
-            "--model",
-            m1.to_str().unwrap(),
-            "--model",
-            m2.to_str().unwrap(),
-        ])
-        .args(["--text", "the hat at the"])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr_of(&out));
+}
+
+/// Two models with one tokenizer: rows differ, the table names the mode.
+fn two_models_name_the_mode(m1: &Path, m2: &Path) {
+    let out = compare_models(m1, m2, &["--text", "the hat at the"]);
     let text = String::from_utf8(out.stdout).unwrap();
     for want in [
         "Compare two models",
@@ -136,21 +141,23 @@ fn compare_texts_models_and_precisions_on_tiny_models() {
     ] {
         assert!(text.contains(want), "compare output lacks {want}:\n{text}");
     }
-    // two precisions
-    let out = attnscope()
-        .args(["compare", "--model", m1.to_str().unwrap()])
-        .args([
-            "--precision",
-            "exact",
-            "--precision",
-            "fast",
-            "--text",
-            "the hat at the",
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr_of(&out));
+}
+
+/// Two precisions of one model.
+fn two_precisions_of_one_model(m1: &Path) {
+    let out = succeeds(
+        attnscope()
+            .args(["compare", "--model", m1.to_str().unwrap()])
+            .args([
+                "--precision",
+                "exact",
+                "--precision",
+                "fast",
+                "--text",
+                "the hat at the",
+                "--json",
+            ]),
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(
         (
@@ -160,7 +167,10 @@ fn compare_texts_models_and_precisions_on_tiny_models() {
         ),
         (Some("precisions"), Some("exact"), Some("fast"))
     );
-    // what compare refuses, with exit 2 and the reason
+}
+
+/// What compare refuses, with exit 2 and the reason.
+fn what_compare_refuses(m1: &Path) {
     for (args, want) in [
         (vec!["--text", "a"], "exactly two of one thing"),
         (

@@ -7,7 +7,30 @@ mod common;
 use attnscope::model::tiny::{tiny_model, write_gguf};
 use attnscope::model::Arch;
 use candle_core::quantized::GgmlDType;
-use common::{attnscope, stderr_of, tiny_gguf};
+use common::{attnscope, fails_with, run_err, run_json, stderr_of, succeeds, tiny_gguf};
+
+/// `corpus` of the model `model` on the lines of `texts`, with `--json`.
+struct Corpus<'a> {
+    model: &'a str,
+    texts: &'a std::path::Path,
+}
+
+impl Corpus<'_> {
+    /// Runs it with `extra` after, asserted to succeed.
+    fn run(&self, extra: &[&str]) -> std::process::Output {
+        succeeds(
+            attnscope()
+                .args(["corpus", "--model", self.model, "--file"])
+                .arg(self.texts)
+                .arg("--json")
+                .args(extra),
+        )
+    }
+
+    fn json(&self, extra: &[&str]) -> serde_json::Value {
+        serde_json::from_slice(&self.run(extra).stdout).unwrap()
+    }
+}
 
 #[test]
 fn corpus_shards_merge_to_the_single_run_and_resume() {
@@ -20,57 +43,46 @@ fn corpus_shards_merge_to_the_single_run_and_resume() {
         "the hat\nat the the\nhe sat\n\nthe the the at\nhat\n",
     )
     .unwrap();
-    let run = |extra: &[&str]| {
-        let out = attnscope()
-            .args([
-                "corpus",
-                "--model",
-                m,
-                "--file",
-                texts.to_str().unwrap(),
-                "--json",
-            ])
-            .args(extra)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", stderr_of(&out));
-        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    let corpus = Corpus {
+        model: m,
+        texts: &texts,
     };
-    let single = run(&[]);
+    let single = corpus.json(&[]);
     assert_eq!(single["sentences"], 5);
     let (a, b) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"));
-    run(&["--shard", "0/2", "--out", a.to_str().unwrap()]);
-    let b_first = run(&["--shard", "1/2", "--out", b.to_str().unwrap()]);
+    corpus.json(&["--shard", "0/2", "--out", a.to_str().unwrap()]);
+    let b_first = corpus.json(&["--shard", "1/2", "--out", b.to_str().unwrap()]);
     assert_eq!(b_first["sentences"], 2);
     // resume: a second run with the same --out adds nothing
-    run(&["--shard", "1/2", "--out", b.to_str().unwrap()]);
+    corpus.json(&["--shard", "1/2", "--out", b.to_str().unwrap()]);
     assert_eq!(std::fs::read_to_string(&b).unwrap().lines().count(), 2);
-    // a run killed in the middle of a line: the torn line is dropped (and said), the complete
-    // one kept, and the resumed file equals the uninterrupted one
-    let whole = std::fs::read_to_string(&b).unwrap();
+    a_resumed_shard_keeps_its_whole_records(&corpus, &b);
+    a_file_that_is_not_ours_is_refused_not_cut(&corpus, &dir.path().join("other.jsonl"));
+    let merged = run_json([
+        "corpus",
+        "merge",
+        a.to_str().unwrap(),
+        b.to_str().unwrap(),
+        "--json",
+    ]);
+    assert_eq!(merged, single, "merged shards must equal the single run");
+    run_err(["corpus", "--model", m, "--shard", "2/2"], 2);
+}
+
+/// Resuming shard 1/2 into `b` (its whole output): a run killed in the middle of a line has the
+/// torn line dropped (and said), the complete one kept, and the resumed file equals the
+/// uninterrupted one; a last record whose newline was lost is kept, and the next record starts
+/// on its own line.
+fn a_resumed_shard_keeps_its_whole_records(corpus: &Corpus, b: &std::path::Path) {
+    let resume = || corpus.run(&["--shard", "1/2", "--out", b.to_str().unwrap()]);
+    let whole = std::fs::read_to_string(b).unwrap();
     let cut = whole.find('\n').unwrap() + 1 + 40;
-    std::fs::write(&b, &whole[..cut]).unwrap();
-    let out = attnscope()
-        .args([
-            "corpus",
-            "--model",
-            m,
-            "--file",
-            texts.to_str().unwrap(),
-            "--json",
-            "--shard",
-            "1/2",
-            "--out",
-            b.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr_of(&out));
+    std::fs::write(b, &whole[..cut]).unwrap();
+    let out = resume();
     assert!(stderr_of(&out).contains("torn line"), "{}", stderr_of(&out));
-    assert_eq!(std::fs::read_to_string(&b).unwrap(), whole);
-    // a last record whose newline was lost is kept, and the next record starts on its own line
+    assert_eq!(std::fs::read_to_string(b).unwrap(), whole);
     std::fs::write(
-        &b,
+        b,
         whole
             .trim_end_matches('\n')
             .split_inclusive('\n')
@@ -79,46 +91,25 @@ fn corpus_shards_merge_to_the_single_run_and_resume() {
             .trim_end(),
     )
     .unwrap();
-    run(&["--shard", "1/2", "--out", b.to_str().unwrap()]);
-    assert_eq!(std::fs::read_to_string(&b).unwrap(), whole);
-    // a file that is not ours is refused, not cut
-    let other = dir.path().join("other.jsonl");
-    std::fs::write(&other, "{\"hello\": 1}\n{\"id\": 3, \"te").unwrap();
-    let out = attnscope()
-        .args([
-            "corpus",
-            "--model",
-            m,
-            "--file",
-            texts.to_str().unwrap(),
-            "--out",
-            other.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
+    resume();
+    assert_eq!(std::fs::read_to_string(b).unwrap(), whole);
+}
+
+/// An `--out` file (`other`) that is not ours is refused, not cut.
+fn a_file_that_is_not_ours_is_refused_not_cut(corpus: &Corpus, other: &std::path::Path) {
+    std::fs::write(other, "{\"hello\": 1}\n{\"id\": 3, \"te").unwrap();
+    fails_with(
+        attnscope()
+            .args(["corpus", "--model", corpus.model, "--file"])
+            .arg(corpus.texts)
+            .arg("--out")
+            .arg(other),
+        2,
+    );
     assert_eq!(
-        std::fs::read_to_string(&other).unwrap(),
+        std::fs::read_to_string(other).unwrap(),
         "{\"hello\": 1}\n{\"id\": 3, \"te"
     );
-    let merged = attnscope()
-        .args([
-            "corpus",
-            "merge",
-            a.to_str().unwrap(),
-            b.to_str().unwrap(),
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(merged.status.success(), "{}", stderr_of(&merged));
-    let merged: serde_json::Value = serde_json::from_slice(&merged.stdout).unwrap();
-    assert_eq!(merged, single, "merged shards must equal the single run");
-    let bad = attnscope()
-        .args(["corpus", "--model", m, "--shard", "2/2"])
-        .output()
-        .unwrap();
-    assert_eq!(bad.status.code(), Some(2));
 }
 
 /// A panic in attnscope's own loading (here the packing, made to panic with ATTNSCOPE_FAULT) is
@@ -173,7 +164,6 @@ fn an_internal_panic_is_reported_as_a_bug_not_as_a_bad_file() {
 /// model's files (by a path to it) or all of them; ATTNSCOPE_CACHE points at a temporary folder.
 #[test]
 fn cache_list_and_clear() {
-    use attnscope::model::panels::Settings;
     let dir = tempfile::tempdir().unwrap();
     // the cache writes no file that would leave less than SPARE_BYTES free: the test needs
     // that much and the tiny models' few MB
@@ -188,28 +178,7 @@ fn cache_list_and_clear() {
     write_gguf(&tiny_model(Arch::Qwen2, 1), Arch::Qwen2, GgmlDType::F32, &a).unwrap();
     write_gguf(&tiny_model(Arch::Llama, 2), Arch::Llama, GgmlDType::F32, &b).unwrap();
     // the tiny models are under the command line's 64 MB floor: written through the library
-    let settings = Settings {
-        dir: dir.path().join("panels"),
-        min_bytes: 0,
-        max_bytes: u64::MAX,
-    };
-    let mut written = Vec::new();
-    for m in [&a, &b] {
-        let model = attnscope::model::Model::load_with(
-            m.to_str().unwrap(),
-            attnscope::model::Precision::Exact,
-            false,
-            Some(&settings),
-        )
-        .unwrap();
-        let file = model.panel_file().unwrap_or_else(|| {
-            panic!(
-                "{} was loaded but no packed-weight file was written (its note on stderr says why)",
-                m.display()
-            )
-        });
-        written.push(file.to_path_buf());
-    }
+    let written = write_packed_weights(&[&a, &b], &dir.path().join("panels"));
     let cache = |args: &[&str]| {
         let out = attnscope()
             .arg("cache")
@@ -257,6 +226,38 @@ fn cache_list_and_clear() {
     assert_eq!(listed["files"].as_array().unwrap().len(), 0);
 }
 
+/// Loads each of `models` with the packed-weight cache in `panels` (no floor, no cap), which
+/// writes its file; returns the files.
+fn write_packed_weights(
+    models: &[&std::path::Path],
+    panels: &std::path::Path,
+) -> Vec<std::path::PathBuf> {
+    use attnscope::model::panels::Settings;
+    let settings = Settings {
+        dir: panels.to_path_buf(),
+        min_bytes: 0,
+        max_bytes: u64::MAX,
+    };
+    let mut written = Vec::new();
+    for m in models {
+        let model = attnscope::model::Model::load_with(
+            m.to_str().unwrap(),
+            attnscope::model::Precision::Exact,
+            false,
+            Some(&settings),
+        )
+        .unwrap();
+        let file = model.panel_file().unwrap_or_else(|| {
+            panic!(
+                "{} was loaded but no packed-weight file was written (its note on stderr says why)",
+                m.display()
+            )
+        });
+        written.push(file.to_path_buf());
+    }
+    written
+}
+
 /// A corpus record (what `corpus --out` writes) with `layers` layers of `heads` heads.
 fn corpus_record(
     id: usize,
@@ -295,19 +296,15 @@ fn corpus_merge_refuses_records_that_do_not_agree() {
     let merge = |second: &str| {
         let b = dir.path().join("b.jsonl");
         std::fs::write(&b, second).unwrap();
-        attnscope()
-            .args(["corpus", "merge", "--json"])
-            .arg(&good)
-            .arg(&b)
-            .output()
-            .unwrap()
+        let mut c = attnscope();
+        c.args(["corpus", "merge", "--json"]).arg(&good).arg(&b);
+        c
     };
     // the same record again (a resumed shard) and a new one: merged, the repeat once
-    let ok = merge(&lines(&[
+    let ok = succeeds(&mut merge(&lines(&[
         corpus_record(1, "he sat", "m", 2, 3),
         corpus_record(2, "at", "m", 2, 3),
-    ]));
-    assert_eq!(ok.status.code(), Some(0), "{}", stderr_of(&ok));
+    ])));
     let agg: serde_json::Value = serde_json::from_slice(&ok.stdout).unwrap();
     assert_eq!(agg["sentences"], 3);
     let mut short_query = corpus_record(3, "hat", "m", 2, 3);
@@ -334,9 +331,10 @@ fn corpus_merge_refuses_records_that_do_not_agree() {
         (corpus_record(3, "hat", "other", 2, 3), "from model `other`"),
     ];
     for (bad, want) in cases {
-        let out = merge(&lines(&[corpus_record(2, "at", "m", 2, 3), bad]));
-        let err = stderr_of(&out);
-        assert_eq!(out.status.code(), Some(2), "{want}: {err}");
+        let err = fails_with(
+            &mut merge(&lines(&[corpus_record(2, "at", "m", 2, 3), bad])),
+            2,
+        );
         assert!(
             err.contains("b.jsonl:2:"),
             "{want}: the file and line: {err}"
@@ -345,35 +343,21 @@ fn corpus_merge_refuses_records_that_do_not_agree() {
         assert!(!err.contains("panicked"), "{err}");
     }
     // one id, two texts: both places are named
-    let out = merge(&lines(&[corpus_record(1, "a different text", "m", 2, 3)]));
-    let err = stderr_of(&out);
-    assert_eq!(out.status.code(), Some(2), "{err}");
+    let err = fails_with(
+        &mut merge(&lines(&[corpus_record(1, "a different text", "m", 2, 3)])),
+        2,
+    );
     assert!(
         err.contains("b.jsonl:1: record 1 is for the text \"a different text\"")
             && err.contains("a.jsonl:2 has record 1 for \"he sat\""),
         "{err}"
     );
-    // no records at all
-    let out = merge("\n");
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "a.jsonl still holds records: {}",
-        stderr_of(&out)
-    );
+    // no records in one file (a.jsonl still holds records), then none at all
+    succeeds(&mut merge("\n"));
     let empty = dir.path().join("empty.jsonl");
     std::fs::write(&empty, "").unwrap();
-    let out = attnscope()
-        .args(["corpus", "merge"])
-        .arg(&empty)
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2), "{}", stderr_of(&out));
-    assert!(
-        stderr_of(&out).contains("hold no records"),
-        "{}",
-        stderr_of(&out)
-    );
+    let out = fails_with(attnscope().args(["corpus", "merge"]).arg(&empty), 2);
+    assert!(out.contains("hold no records"), "{}", out);
 }
 
 /// examples/slurm: the array job's body run as Slurm would (3 tasks, one of them twice, as after a
@@ -417,19 +401,14 @@ fn slurm_array_shards_merge_to_the_single_run() {
     let merged: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("aggregate.json")).unwrap())
             .unwrap();
-    let single = attnscope()
-        .args([
-            "corpus",
-            "--model",
-            m.to_str().unwrap(),
-            "--file",
-            texts.to_str().unwrap(),
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(single.status.success(), "{}", stderr_of(&single));
-    let single: serde_json::Value = serde_json::from_slice(&single.stdout).unwrap();
+    let single = run_json([
+        "corpus",
+        "--model",
+        m.to_str().unwrap(),
+        "--file",
+        texts.to_str().unwrap(),
+        "--json",
+    ]);
     assert_eq!(single["sentences"], 6);
     assert_eq!(
         merged, single,

@@ -4,12 +4,11 @@
 
 mod common;
 
-use common::{attnscope, stderr_of, tiny_gguf};
+use common::{attnscope, run_err, run_json, run_ok, succeeds, tiny_gguf};
 
 #[test]
 fn explain_prints_every_step_and_is_deterministic() {
-    let a = attnscope().arg("explain").output().unwrap();
-    assert!(a.status.success());
+    let a = succeeds(attnscope().arg("explain"));
     let s = String::from_utf8(a.stdout.clone()).unwrap();
     for part in [
         "X (5 × 4)",
@@ -44,12 +43,7 @@ fn explain_prints_every_step_and_is_deterministic() {
 
 #[test]
 fn explain_json_rows_sum_to_one() {
-    let out = attnscope()
-        .args(["explain", "--json", "--d", "3", "--text", "a b c d"])
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = run_json(["explain", "--json", "--d", "3", "--text", "a b c d"]);
     for row in v["weights"].as_array().unwrap() {
         let s: f64 = row
             .as_array()
@@ -66,21 +60,13 @@ fn explain_json_rows_sum_to_one() {
 
 #[test]
 fn explain_rejects_bad_shapes() {
-    let out = attnscope()
-        .args(["explain", "--heads", "14", "--kv-heads", "3"])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    assert!(stderr_of(&out).contains("not a multiple of --kv-heads 3"));
+    let out = run_err(["explain", "--heads", "14", "--kv-heads", "3"], 2);
+    assert!(out.contains("not a multiple of --kv-heads 3"));
 }
 
 #[test]
 fn cost_shows_sixteen_times_for_four_times_the_length() {
-    let out = attnscope()
-        .args(["cost", "4096", "16384"])
-        .output()
-        .unwrap();
-    assert!(out.status.success());
+    let out = run_ok(["cost", "4096", "16384"]);
     let s = String::from_utf8(out.stdout).unwrap();
     assert!(s.contains("16.0x"), "{s}");
     let v: serde_json::Value = serde_json::from_slice(
@@ -128,19 +114,16 @@ fn help_explains_every_subcommand() {
 /// closed form ρ^(n-1)‖U‖ in every row, the tanh RNN's vanishes, attention's path stays 1.
 #[test]
 fn explain_rnn_measures_the_last_chapter() {
-    let out = attnscope()
-        .args([
-            "explain",
-            "--rnn",
-            "--lengths",
-            "4,32,128",
-            "--d",
-            "6",
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr_of(&out));
+    let rnn = [
+        "explain",
+        "--rnn",
+        "--lengths",
+        "4,32,128",
+        "--d",
+        "6",
+        "--json",
+    ];
+    let out = run_ok(rnn);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let rows = v["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 3);
@@ -165,24 +148,9 @@ fn explain_rnn_measures_the_last_chapter() {
             > rows[0]["attention_gradient"].as_f64().unwrap() / 128.0
     );
     // the same seed gives the same numbers
-    let again = attnscope()
-        .args([
-            "explain",
-            "--rnn",
-            "--lengths",
-            "4,32,128",
-            "--d",
-            "6",
-            "--json",
-        ])
-        .output()
-        .unwrap();
+    let again = run_ok(rnn);
     assert_eq!(again.stdout, out.stdout);
-    let bad = attnscope()
-        .args(["explain", "--rnn", "--lengths", "1,x"])
-        .output()
-        .unwrap();
-    assert_eq!(bad.status.code(), Some(2));
+    run_err(["explain", "--rnn", "--lengths", "1,x"], 2);
 }
 
 /// `explain --quiz`: the lesson's self-check, every answer computed on the model and the text.
@@ -190,20 +158,15 @@ fn explain_rnn_measures_the_last_chapter() {
 fn explain_quiz_answers_with_numbers() {
     let dir = tempfile::tempdir().unwrap();
     let m = tiny_gguf(&dir);
-    let out = attnscope()
-        .args([
-            "explain",
-            "--quiz",
-            "--model",
-            m.to_str().unwrap(),
-            "--text",
-            "the hat at the hat",
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr_of(&out));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let quiz = [
+        "explain",
+        "--quiz",
+        "--model",
+        m.to_str().unwrap(),
+        "--text",
+        "the hat at the hat",
+    ];
+    let v = run_json([&quiz[..], &["--json"]].concat());
     let q = v["questions"].as_array().unwrap();
     assert_eq!(q.len(), 6);
     assert_eq!(q[0]["numbers"]["ratio"], 16.0);
@@ -235,17 +198,7 @@ fn explain_quiz_answers_with_numbers() {
         .as_str()
         .unwrap()
         .starts_with("Not by itself"));
-    let text = attnscope()
-        .args([
-            "explain",
-            "--quiz",
-            "--model",
-            m.to_str().unwrap(),
-            "--text",
-            "the hat at the hat",
-        ])
-        .output()
-        .unwrap();
+    let text = run_ok(quiz);
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(text.contains("6. Is a high attention weight an explanation?") && text.contains("16x"));
 }

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{attnscope, stderr_of, tiny_gguf};
+use common::{attnscope, run_err, run_json, run_ok, stderr_of, succeeds, tiny_gguf};
 
 /// The element-wise loops run at the widest vector width the CPU has, chosen at run time
 /// (`ATTNSCOPE_SIMD` caps it): every width prints the same report, bit for bit.
@@ -30,8 +30,7 @@ fn every_vector_width_prints_the_same_report() {
         if let Some(l) = simd {
             c.env("ATTNSCOPE_SIMD", l);
         }
-        let out = c.output().unwrap();
-        assert!(out.status.success(), "{}", stderr_of(&out));
+        let out = succeeds(&mut c);
         let mut v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         // everything but the wall times
         assert!(v.as_object_mut().unwrap().remove("timings").is_some());
@@ -51,21 +50,16 @@ fn every_vector_width_prints_the_same_report() {
 fn inspect_json_on_tiny_model() {
     let dir = tempfile::tempdir().unwrap();
     let m = tiny_gguf(&dir);
-    let out = attnscope()
-        .args([
-            "inspect",
-            "--model",
-            m.to_str().unwrap(),
-            "--text",
-            "the hat",
-            "--json",
-            "--heads",
-            "all",
-        ])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr_of(&out));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = run_json([
+        "inspect",
+        "--model",
+        m.to_str().unwrap(),
+        "--text",
+        "the hat",
+        "--json",
+        "--heads",
+        "all",
+    ]);
     assert_eq!(v["model"]["n_heads"], 4);
     assert_eq!(v["model"]["n_kv_heads"], 2);
     let n = v["tokens"].as_array().unwrap().len();
@@ -137,20 +131,12 @@ fn inspect_out_of_range_values_name_the_valid_range() {
 fn bad_models_and_texts_get_clear_errors() {
     let dir = tempfile::tempdir().unwrap();
     let m = tiny_gguf(&dir);
-    let missing = attnscope()
-        .args(["inspect", "--model", "/nonexistent/model.gguf"])
-        .output()
-        .unwrap();
-    assert_eq!(missing.status.code(), Some(2));
-    assert!(stderr_of(&missing).contains("does not exist"));
+    let missing = run_err(["inspect", "--model", "/nonexistent/model.gguf"], 2);
+    assert!(missing.contains("does not exist"));
     let junk = dir.path().join("junk.gguf");
     std::fs::write(&junk, b"this is not a model at all").unwrap();
-    let out = attnscope()
-        .args(["info", "--model", junk.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    assert!(stderr_of(&out).contains("is not a GGUF or safetensors model"));
+    let out = run_err(["info", "--model", junk.to_str().unwrap()], 2);
+    assert!(out.contains("is not a GGUF or safetensors model"));
     let empty = attnscope()
         .args(["inspect", "--model", m.to_str().unwrap(), "--text", "   "])
         .output()
@@ -158,30 +144,24 @@ fn bad_models_and_texts_get_clear_errors() {
     assert_eq!(empty.status.code(), Some(2));
     assert!(stderr_of(&empty).contains("text is empty"));
     let long = "the ".repeat(300);
-    let out = attnscope()
-        .args(["inspect", "--model", m.to_str().unwrap(), "--text", &long])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    assert!(
-        stderr_of(&out).contains("has a context of 256 tokens"),
-        "{}",
-        stderr_of(&out)
+    let out = run_err(
+        ["inspect", "--model", m.to_str().unwrap(), "--text", &long],
+        2,
     );
+    assert!(out.contains("has a context of 256 tokens"), "{}", out);
     let bad_utf8 = dir.path().join("bad.txt");
     std::fs::write(&bad_utf8, [b'a', 0xff, b'b']).unwrap();
-    let out = attnscope()
-        .args([
+    let out = run_err(
+        [
             "inspect",
             "--model",
             m.to_str().unwrap(),
             "--file",
             bad_utf8.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    assert!(stderr_of(&out).contains("not valid UTF-8"));
+        ],
+        2,
+    );
+    assert!(out.contains("not valid UTF-8"));
 }
 
 #[test]
@@ -231,21 +211,54 @@ fn capture_writes_safetensors_and_refuses_to_overwrite() {
 fn faithfulness_json_has_the_promised_fields() {
     let dir = tempfile::tempdir().unwrap();
     let m = tiny_gguf(&dir);
-    let out = attnscope()
-        .args([
+    let v = run_json([
+        "faithfulness",
+        "--model",
+        m.to_str().unwrap(),
+        "--text",
+        "the hat at the",
+        "--json",
+    ]);
+    assert!(v["target"]["logprob"].as_f64().unwrap() < 0.0);
+    let toks = v["tokens"].as_array().unwrap();
+    assert_every_token_has_its_scores(toks);
+    let metrics = v["metrics"].as_array().unwrap();
+    assert_metrics_rank_by_everything(metrics, toks.len() as u64);
+    // the table prints n/a for the query's knockout and the p-values
+    let table = run_ok([
+        "faithfulness",
+        "--model",
+        m.to_str().unwrap(),
+        "--text",
+        "the hat at the hat",
+    ]);
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(
+        table.contains("n/a (query)") && table.contains("(p "),
+        "{table}"
+    );
+    assert!(
+        metrics[0]["comprehensiveness"].get("1").is_some()
+            && metrics[0]["sufficiency"].get("5").is_some()
+    );
+    run_err(
+        [
             "faithfulness",
             "--model",
             m.to_str().unwrap(),
             "--text",
-            "the hat at the",
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr_of(&out));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert!(v["target"]["logprob"].as_f64().unwrap() < 0.0);
-    let toks = v["tokens"].as_array().unwrap();
+            "the hat",
+            "--target",
+            "99999",
+        ],
+        2,
+    );
+}
+
+/// Every token of `faithfulness --json` has each ranking's score and each truth's: norm-based
+/// attention non-negative, its layer-averaged shares and the rollout row summing to 1, and the
+/// query's own knockout n/a.
+fn assert_every_token_has_its_scores(toks: &[serde_json::Value]) {
     for key in [
         "pos",
         "id",
@@ -272,7 +285,11 @@ fn faithfulness_json_has_the_promised_fields() {
         .all(|t| t["knockout"].as_f64().is_some()));
     let rollout: f64 = toks.iter().map(|t| t["rollout"].as_f64().unwrap()).sum();
     assert!((rollout - 1.0).abs() < 1e-4, "rollout row sums to 1");
-    let metrics = v["metrics"].as_array().unwrap();
+}
+
+/// Every ranking has metrics (with and without the first token), with n and permutation p-values
+/// beside ρ and τ; knockout ranks one token fewer than the `n_tok` (no query).
+fn assert_metrics_rank_by_everything(metrics: &[serde_json::Value], n_tok: u64) {
     let rankings: std::collections::BTreeSet<&str> = metrics
         .iter()
         .map(|m| m["ranking"].as_str().unwrap())
@@ -291,7 +308,6 @@ fn faithfulness_json_has_the_promised_fields() {
     }
     assert!(metrics.iter().any(|m| m["without_first"] == true));
     // n and permutation p-values beside ρ and τ; knockout ranks one token fewer (no query)
-    let n_tok = toks.len() as u64;
     for m in metrics
         .iter()
         .filter(|m| m["without_first"] == false && m["ranking"] == "attention_last")
@@ -307,39 +323,6 @@ fn faithfulness_json_has_the_promised_fields() {
             assert!(p > 0.0 && p <= 1.0, "{m}");
         }
     }
-    // the table prints n/a for the query's knockout and the p-values
-    let table = attnscope()
-        .args([
-            "faithfulness",
-            "--model",
-            m.to_str().unwrap(),
-            "--text",
-            "the hat at the hat",
-        ])
-        .output()
-        .unwrap();
-    let table = String::from_utf8_lossy(&table.stdout);
-    assert!(
-        table.contains("n/a (query)") && table.contains("(p "),
-        "{table}"
-    );
-    assert!(
-        metrics[0]["comprehensiveness"].get("1").is_some()
-            && metrics[0]["sufficiency"].get("5").is_some()
-    );
-    let bad = attnscope()
-        .args([
-            "faithfulness",
-            "--model",
-            m.to_str().unwrap(),
-            "--text",
-            "the hat",
-            "--target",
-            "99999",
-        ])
-        .output()
-        .unwrap();
-    assert_eq!(bad.status.code(), Some(2));
 }
 
 /// The streamed sink profile (`sinks`, online softmax over key blocks of 7) equals the one
@@ -351,21 +334,16 @@ fn sinks_streamed_equal_inspect_materialized() {
     let text = "the hat at the the hat he sat at the hat the at he the hat sat";
     let f = dir.path().join("long.txt");
     std::fs::write(&f, text).unwrap();
-    let s = attnscope()
-        .args([
-            "sinks",
-            "--model",
-            m.to_str().unwrap(),
-            "--file",
-            f.to_str().unwrap(),
-            "--key-block",
-            "7",
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(s.status.success(), "{}", stderr_of(&s));
-    let s: serde_json::Value = serde_json::from_slice(&s.stdout).unwrap();
+    let s = run_json([
+        "sinks",
+        "--model",
+        m.to_str().unwrap(),
+        "--file",
+        f.to_str().unwrap(),
+        "--key-block",
+        "7",
+        "--json",
+    ]);
     let i = attnscope()
         .args([
             "inspect",
@@ -397,21 +375,16 @@ fn sinks_streamed_equal_inspect_materialized() {
 fn scaling_reports_exponents() {
     let dir = tempfile::tempdir().unwrap();
     let m = tiny_gguf(&dir);
-    let out = attnscope()
-        .args([
-            "scaling",
-            "--model",
-            m.to_str().unwrap(),
-            "--lengths",
-            "16,32,64",
-            "--repeats",
-            "1",
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr_of(&out));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = run_json([
+        "scaling",
+        "--model",
+        m.to_str().unwrap(),
+        "--lengths",
+        "16,32,64",
+        "--repeats",
+        "1",
+        "--json",
+    ]);
     assert_eq!(v["rows"].as_array().unwrap().len(), 3);
     assert!(
         v["exponents"]["attention"].as_f64().is_some()
@@ -419,17 +392,16 @@ fn scaling_reports_exponents() {
     );
     assert!(v["rows"][2]["capture"]["median_s"].as_f64().unwrap() > 0.0);
     assert!(v["threads"].as_u64().unwrap() >= 1);
-    let bad = attnscope()
-        .args([
+    run_err(
+        [
             "scaling",
             "--model",
             m.to_str().unwrap(),
             "--lengths",
             "100000",
-        ])
-        .output()
-        .unwrap();
-    assert_eq!(bad.status.code(), Some(2));
+        ],
+        2,
+    );
 }
 
 /// `capture` streams each layer to the file as it is produced. Every hook of every layer, as
@@ -438,16 +410,12 @@ fn scaling_reports_exponents() {
 /// queries and layers too.
 #[test]
 fn streamed_capture_equals_the_in_memory_cache_in_both_formats() {
-    use attnscope::model::capture::{AttnCache, CaptureSpec, Hook, Queries};
-    use attnscope::model::forward::RunOptions;
     use attnscope::model::{Model, Precision};
-    use std::io::Read;
     let dir = tempfile::tempdir().unwrap();
     let m = tiny_gguf(&dir);
     let model = Model::load(m.to_str().unwrap(), Precision::Exact, false).unwrap();
     let text = "the hat sat on the mat";
     let tokens = model.encode(text, false).unwrap();
-    let n = tokens.len();
     for (case, (hooks_arg, layers, heads, queries)) in [
         ("all", "all", "all", "all"),
         ("pattern,scores,z", "1", "1,3", "0,2"),
@@ -458,25 +426,7 @@ fn streamed_capture_equals_the_in_memory_cache_in_both_formats() {
     .into_iter()
     .enumerate()
     {
-        let hooks = Hook::parse_list(hooks_arg).unwrap();
-        let spec = CaptureSpec {
-            hooks: hooks.clone(),
-            layers: Some(
-                attnscope::analysis::request::parse_index_list(layers, 2, "layer").unwrap(),
-            ),
-            heads: Some(attnscope::analysis::request::parse_index_list(heads, 4, "head").unwrap()),
-            queries: if queries == "all" {
-                Queries::All
-            } else {
-                Queries::List(
-                    attnscope::analysis::request::parse_index_list(queries, n, "q").unwrap(),
-                )
-            },
-        };
-        let mut cache = AttnCache::new(&spec, n);
-        model
-            .forward(&tokens, &RunOptions::default(), &mut cache)
-            .unwrap();
+        let cache = in_memory_capture(&model, &tokens, [hooks_arg, layers, heads, queries]);
         assert!(!cache.entries.is_empty());
         for ext in ["safetensors", "npz"] {
             let out = dir.path().join(format!("c-{case}.{ext}"));
@@ -484,78 +434,130 @@ fn streamed_capture_equals_the_in_memory_cache_in_both_formats() {
             // writing runs on into the next layer (`--two-layers`)
             let overlapped = dir.path().join(format!("t-{case}.{ext}"));
             for (path, flag) in [(&out, None), (&overlapped, Some("--two-layers"))] {
-                let r = attnscope()
-                    .args([
-                        "capture",
-                        "-m",
-                        m.to_str().unwrap(),
-                        "--text",
-                        text,
-                        "--hooks",
-                        hooks_arg,
-                        "--layers",
-                        layers,
-                        "--heads",
-                        heads,
-                        "--queries",
-                        queries,
-                        "--out",
-                        path.to_str().unwrap(),
-                    ])
-                    .args(flag)
-                    .output()
-                    .unwrap();
-                assert!(r.status.success(), "{}", stderr_of(&r));
+                succeeds(
+                    attnscope()
+                        .args([
+                            "capture",
+                            "-m",
+                            m.to_str().unwrap(),
+                            "--text",
+                            text,
+                            "--hooks",
+                            hooks_arg,
+                            "--layers",
+                            layers,
+                            "--heads",
+                            heads,
+                            "--queries",
+                            queries,
+                            "--out",
+                            path.to_str().unwrap(),
+                        ])
+                        .args(flag),
+                );
             }
             for (writer, path) in [("waiting", &out), ("--two-layers", &overlapped)] {
                 let bytes = std::fs::read(path).unwrap();
                 let ext = format!("{ext} ({writer} writer)");
-                let mut got: std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)> =
-                    Default::default();
-                if ext.starts_with("safetensors") {
-                    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-                    for (name, t) in st.tensors() {
-                        let data = t
-                            .data()
-                            .chunks(4)
-                            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                            .collect();
-                        got.insert(name, (t.shape().to_vec(), data));
-                    }
+                let got = if ext.starts_with("safetensors") {
+                    read_safetensors(&bytes)
                 } else {
-                    let mut z = zip::ZipArchive::new(std::io::Cursor::new(&bytes)).unwrap();
-                    for i in 0..z.len() {
-                        let mut f = z.by_index(i).unwrap();
-                        let name = f.name().unwrap().trim_end_matches(".npy").to_string();
-                        let mut body = Vec::new();
-                        f.read_to_end(&mut body).unwrap(); // the zip crate checks each member's CRC-32
-                        got.insert(name, attnscope::render::npy::from_npy(&body).unwrap());
-                    }
+                    let mut got = read_npz(&bytes);
                     let ids = got.remove("token_ids").expect("npz carries the token ids");
                     assert_eq!(ids.1, tokens.iter().map(|&t| t as f32).collect::<Vec<_>>());
-                }
-                assert_eq!(
-                    got.len(),
-                    cache.entries.len(),
-                    "{ext}: tensors {:?}",
-                    got.keys().collect::<Vec<_>>()
-                );
-                for c in cache.iter() {
-                    let (shape, data) = got
-                        .get(&c.name)
-                        .unwrap_or_else(|| panic!("{ext}: {} missing", c.name));
-                    assert_eq!(shape, &c.shape, "{ext}: {} shape", c.name);
-                    assert_eq!(data.len(), c.data.len());
-                    // bit-identical: the same forward, the same numbers
-                    assert!(
-                        data.iter()
-                            .zip(&c.data)
-                            .all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{ext}: {} differs",
-                        c.name
-                    );
-                }
+                    got
+                };
+                assert_bit_identical(&got, &cache, &ext);
             }
         }
+    }
+}
+
+/// What a forward over `tokens` captures in memory for `capture`'s `--hooks`, `--layers`,
+/// `--heads` and `--queries`.
+fn in_memory_capture(
+    model: &attnscope::model::Model,
+    tokens: &[u32],
+    [hooks, layers, heads, queries]: [&str; 4],
+) -> attnscope::model::capture::AttnCache {
+    use attnscope::analysis::request::parse_index_list;
+    use attnscope::model::capture::{AttnCache, CaptureSpec, Hook, Queries};
+    let n = tokens.len();
+    let spec = CaptureSpec {
+        hooks: Hook::parse_list(hooks).unwrap(),
+        layers: Some(parse_index_list(layers, 2, "layer").unwrap()),
+        heads: Some(parse_index_list(heads, 4, "head").unwrap()),
+        queries: if queries == "all" {
+            Queries::All
+        } else {
+            Queries::List(parse_index_list(queries, n, "q").unwrap())
+        },
+    };
+    let mut cache = AttnCache::new(&spec, n);
+    model
+        .forward(
+            tokens,
+            &attnscope::model::forward::RunOptions::default(),
+            &mut cache,
+        )
+        .unwrap();
+    cache
+}
+
+/// Each tensor's name, shape and values, as a capture file holds them.
+type Tensors = std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)>;
+
+fn read_safetensors(bytes: &[u8]) -> Tensors {
+    let st = safetensors::SafeTensors::deserialize(bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(name, t)| {
+            let data = t
+                .data()
+                .chunks(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            (name, (t.shape().to_vec(), data))
+        })
+        .collect()
+}
+
+/// Every member of an .npz, each parsed as .npy (`token_ids` among them).
+fn read_npz(bytes: &[u8]) -> Tensors {
+    use std::io::Read;
+    let mut got = Tensors::new();
+    let mut z = zip::ZipArchive::new(std::io::Cursor::new(bytes)).unwrap();
+    for i in 0..z.len() {
+        let mut f = z.by_index(i).unwrap();
+        let name = f.name().unwrap().trim_end_matches(".npy").to_string();
+        let mut body = Vec::new();
+        f.read_to_end(&mut body).unwrap(); // the zip crate checks each member's CRC-32
+        got.insert(name, attnscope::render::npy::from_npy(&body).unwrap());
+    }
+    got
+}
+
+/// `got` holds exactly the cache's tensors, of the same shapes and bits.
+fn assert_bit_identical(got: &Tensors, cache: &attnscope::model::capture::AttnCache, ext: &str) {
+    assert_eq!(
+        got.len(),
+        cache.entries.len(),
+        "{ext}: tensors {:?}",
+        got.keys().collect::<Vec<_>>()
+    );
+    for c in cache.iter() {
+        let (shape, data) = got
+            .get(&c.name)
+            .unwrap_or_else(|| panic!("{ext}: {} missing", c.name));
+        assert_eq!(shape, &c.shape, "{ext}: {} shape", c.name);
+        assert_eq!(data.len(), c.data.len());
+        // bit-identical: the same forward, the same numbers
+        assert!(
+            data.iter()
+                .zip(&c.data)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{ext}: {} differs",
+            c.name
+        );
     }
 }

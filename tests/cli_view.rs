@@ -7,7 +7,9 @@ mod common;
 use attnscope::model::tiny::tiny_model;
 use attnscope::model::Arch;
 use candle_core::quantized::GgmlDType;
-use common::{attnscope, start_serve, stderr_of, tiny_gguf};
+use common::{
+    attnscope, fails_with, run_json, run_ok, start_serve, stderr_of, succeeds, tiny_gguf,
+};
 
 fn http_get(addr: &str, target: &str) -> (String, String) {
     use std::io::{Read, Write};
@@ -55,7 +57,6 @@ fn raw_answer(addr: &str, request: &str) -> String {
 /// faithfulness is capped in tokens.
 #[test]
 fn serve_limits_slow_clients_hosts_and_load() {
-    use std::io::{Read, Write};
     let dir = tempfile::tempdir().unwrap();
     let m = tiny_gguf(&dir);
     let (mut child, addr) = start_serve(&[
@@ -73,14 +74,27 @@ fn serve_limits_slow_clients_hosts_and_load() {
         "--max-faithfulness-tokens",
         "8",
     ]);
+    let body = a_half_sent_request_holds_the_only_place(&addr);
+    bos_reaches_the_page(&m, &body);
+    only_local_hosts_are_answered(&addr);
+    faithfulness_beyond_the_cap_is_refused(&addr);
+    child.kill().unwrap();
+    let _ = child.wait();
+    a_dribbling_client_is_cut_off(&m);
+}
+
+/// A client that has sent half its request holds the only place, so the next request is refused
+/// at once; once it is answered the place is free again. Returns the page then served.
+fn a_half_sent_request_holds_the_only_place(addr: &str) -> String {
+    use std::io::{Read, Write};
     // a client that has sent half its request holds the only place (the server accepts in
     // order, and this connection was made first) ...
-    let mut holder = std::net::TcpStream::connect(&addr).unwrap();
+    let mut holder = std::net::TcpStream::connect(addr).unwrap();
     holder
         .write_all(b"GET /view?text=the+hat HTTP/1.1\r\nHost: localhost\r\n")
         .unwrap();
     // ... so the next request is refused at once, with when to come back and why
-    let busy = raw_answer(&addr, &format!("GET / HTTP/1.1\r\nHost: {addr}\r\n\r\n"));
+    let busy = raw_answer(addr, &format!("GET / HTTP/1.1\r\nHost: {addr}\r\n\r\n"));
     assert!(busy.starts_with("HTTP/1.1 503"), "{busy}");
     assert!(busy.contains("\r\nRetry-After: "), "{busy}");
     assert!(
@@ -92,56 +106,61 @@ fn serve_limits_slow_clients_hosts_and_load() {
     let mut answer = String::new();
     holder.read_to_string(&mut answer).unwrap();
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
-    let (status, body) = http_get(&addr, "/view?text=the+hat");
+    let (status, body) = http_get(addr, "/view?text=the+hat");
     assert!(status.contains("200"), "the place came back: {status}");
-    // --bos: the page has one token more than the text
-    let plain = attnscope()
-        .args([
-            "inspect",
-            "--model",
-            m.to_str().unwrap(),
-            "--text",
-            "the hat",
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    let n: usize = serde_json::from_slice::<serde_json::Value>(&plain.stdout).unwrap()["tokens"]
-        .as_array()
-        .unwrap()
-        .len();
+    body
+}
+
+/// The page (`body`) served with `--bos` has one token more than `inspect` finds in the text.
+fn bos_reaches_the_page(m: &std::path::Path, body: &str) {
+    let plain = run_json([
+        "inspect",
+        "--model",
+        m.to_str().unwrap(),
+        "--text",
+        "the hat",
+        "--json",
+    ]);
+    let n: usize = plain["tokens"].as_array().unwrap().len();
     assert!(
         body.contains(&format!("· {} tokens", n + 1)),
         "--bos did not reach the page (text has {n} tokens)"
     );
-    // hosts
+}
+
+/// A request for another host is refused (421), one without a Host is bad (400).
+fn only_local_hosts_are_answered(addr: &str) {
     for host in ["evil.example", "evil.example:80", "localhost.evil.example"] {
-        let status = raw_request(&addr, &format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n"));
+        let status = raw_request(addr, &format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n"));
         assert!(status.contains("421"), "{host}: {status}");
     }
     assert!(
-        raw_request(&addr, "GET / HTTP/1.1\r\n\r\n").contains("400"),
+        raw_request(addr, "GET / HTTP/1.1\r\n\r\n").contains("400"),
         "no Host"
     );
-    assert!(raw_request(&addr, "GET / HTTP/1.1\r\nHost: localhost\r\n\r\n").contains("200"));
-    // faithfulness beyond the cap is refused with the reason; below it, it runs
+    assert!(raw_request(addr, "GET / HTTP/1.1\r\nHost: localhost\r\n\r\n").contains("200"));
+}
+
+/// Faithfulness beyond the cap is refused with the reason; below it, it runs.
+fn faithfulness_beyond_the_cap_is_refused(addr: &str) {
     let (status, body) = http_get(
-        &addr,
+        addr,
         "/view?text=the+hat+at+the+hat+at+the+hat+at+the+hat&faithfulness=1",
     );
     assert!(
         status.contains("413") && body.contains("--max-faithfulness-tokens"),
         "{status}"
     );
-    let (status, _) = http_get(&addr, "/view?text=the&faithfulness=1");
+    let (status, _) = http_get(addr, "/view?text=the&faithfulness=1");
     assert!(status.contains("200"), "{status}");
-    child.kill().unwrap();
-    let _ = child.wait();
+}
 
-    // a client that dribbles a byte at a time: each byte comes well within any read timeout,
-    // but the overall deadline (1 s) cuts it off with 408. The dribbling stops when the answer
-    // arrives (an event); the cap on bytes (~100 s of dribbling) only turns a server that
-    // never cuts it off into a failure instead of a hang.
+/// A client that dribbles a byte at a time: each byte comes well within any read timeout, but the
+/// overall deadline (1 s) cuts it off with 408. The dribbling stops when the answer arrives (an
+/// event); the cap on bytes (~100 s of dribbling) only turns a server that never cuts it off into
+/// a failure instead of a hang.
+fn a_dribbling_client_is_cut_off(m: &std::path::Path) {
+    use std::io::{Read, Write};
     let (mut child, addr) = start_serve(&[
         "--model",
         m.to_str().unwrap(),
@@ -318,20 +337,16 @@ fn view_and_heatmap_write_their_files() {
     let dir = tempfile::tempdir().unwrap();
     let m = tiny_gguf(&dir);
     let html = dir.path().join("v.html");
-    let out = attnscope()
-        .args([
-            "view",
-            "--model",
-            m.to_str().unwrap(),
-            "--text",
-            "the hat",
-            "--out",
-            html.to_str().unwrap(),
-            "--faithfulness",
-        ])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr_of(&out));
+    run_ok([
+        "view",
+        "--model",
+        m.to_str().unwrap(),
+        "--text",
+        "the hat",
+        "--out",
+        html.to_str().unwrap(),
+        "--faithfulness",
+    ]);
     let page = std::fs::read_to_string(&html).unwrap();
     assert!(
         page.contains("\"n_heads\":4")
@@ -342,70 +357,36 @@ fn view_and_heatmap_write_their_files() {
         !page.contains("src=\"http") && !page.contains("<link"),
         "self-contained"
     );
-    let png = dir.path().join("h.png");
-    let out = attnscope()
-        .args([
-            "heatmap",
-            "--model",
-            m.to_str().unwrap(),
-            "--text",
-            "the hat",
-            "--layer",
-            "1",
-            "--head",
-            "2",
-            "--out",
-            png.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr_of(&out));
+    heatmaps_are_png_or_svg_and_bad_values_are_refused(&m, dir.path());
+}
+
+/// `heatmap` of one head as PNG, of the mean of the heads as SVG; another file type, or a head
+/// out of range, is refused.
+fn heatmaps_are_png_or_svg_and_bad_values_are_refused(m: &std::path::Path, dir: &std::path::Path) {
+    let heatmap = |args: &[&str], out: &std::path::Path| {
+        let mut c = attnscope();
+        c.args(["heatmap", "--model", m.to_str().unwrap()])
+            .args(args)
+            .arg("--out")
+            .arg(out);
+        c
+    };
+    let png = dir.join("h.png");
+    succeeds(&mut heatmap(
+        &["--text", "the hat", "--layer", "1", "--head", "2"],
+        &png,
+    ));
     assert_eq!(&std::fs::read(&png).unwrap()[..4], b"\x89PNG");
-    let svg = dir.path().join("h.svg");
-    assert!(attnscope()
-        .args([
-            "heatmap",
-            "--model",
-            m.to_str().unwrap(),
-            "--text",
-            "the hat",
-            "--layer",
-            "0",
-            "--out",
-            svg.to_str().unwrap()
-        ])
-        .output()
-        .unwrap()
-        .status
-        .success());
+    let svg = dir.join("h.svg");
+    succeeds(&mut heatmap(&["--text", "the hat", "--layer", "0"], &svg));
     assert!(std::fs::read_to_string(&svg)
         .unwrap()
         .contains("mean of heads"));
-    let bad = attnscope()
-        .args([
-            "heatmap",
-            "--model",
-            m.to_str().unwrap(),
-            "--layer",
-            "0",
-            "--out",
-            "x.jpg",
-        ])
-        .output()
-        .unwrap();
-    assert_eq!(bad.status.code(), Some(2));
-    let bad = attnscope()
-        .args([
-            "heatmap",
-            "--model",
-            m.to_str().unwrap(),
-            "--layer",
-            "0",
-            "--head",
-            "9",
-            "--out",
-            dir.path().join("y.png").to_str().unwrap(),
-        ])
+    fails_with(
+        &mut heatmap(&["--layer", "0"], std::path::Path::new("x.jpg")),
+        2,
+    );
+    let bad = heatmap(&["--layer", "0", "--head", "9"], &dir.join("y.png"))
         .output()
         .unwrap();
     assert!(stderr_of(&bad).contains("head 9 is out of range"));

@@ -14,8 +14,10 @@ use attnscope::model::capture::{AttnCache, CaptureSpec, NoCapture};
 use attnscope::model::forward::{attention, AttnDims, RunOptions};
 use attnscope::model::{Error, Model, Precision};
 use attnscope::reference::{grouped_query_attention_f64, heads_to_rows};
-use common::{golden, golden_json, golden_npy, max_abs_diff, real_model};
-use std::process::Command;
+use common::{
+    attnscope, fails_with, golden, golden_json, golden_npy, max_abs_diff, real_model, run_err,
+    run_json, succeeds,
+};
 
 fn ids_of(v: &serde_json::Value) -> Vec<u32> {
     v.as_array()
@@ -427,23 +429,14 @@ fn punctuation_follows_unicode() {
     assert!(is_punctuation("?") && is_punctuation("«") && !is_punctuation("$"));
 }
 
-fn attnscope() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_attnscope"))
-}
-
 #[test]
 fn cli_inspects_a_pair_and_refuses_generate() {
     let dir = golden("arch/bert");
     let m = dir.to_str().unwrap();
-    let out = attnscope()
-        .args(["inspect", "--model", m, "--text", "What is it?"])
-        .args(["--pair", "The dog was happy, and it sat!", "--json"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = succeeds(
+        attnscope()
+            .args(["inspect", "--model", m, "--text", "What is it?"])
+            .args(["--pair", "The dog was happy, and it sat!", "--json"]),
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let r = golden_json("arch/bert/reference.json");
@@ -492,12 +485,7 @@ fn cli_inspects_a_pair_and_refuses_generate() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("needs a decoder"));
     // the head detector's causal roles are not scored on an encoder: its own are
     // (tests/encoder_heads.rs checks their numbers)
-    let out = attnscope()
-        .args(["heads", "--model", m, "--text", "the cat sat", "--json"])
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = run_json(["heads", "--model", m, "--text", "the cat sat", "--json"]);
     assert!(v["roles"].get("induction").is_none() && v["roles"].get("next_token").is_some());
 }
 
@@ -600,14 +588,13 @@ fn cli_embed_writes_npy_and_refuses_a_decoder() {
     let file = dir.path().join("texts.txt");
     std::fs::write(&file, texts.join("\n\n") + "\n").unwrap();
     let out = dir.path().join("emb.npy");
-    let o = attnscope()
-        .args(["embed", "-m", "all-minilm-l6-v2", "--file"])
-        .arg(&file)
-        .arg("--out")
-        .arg(&out)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    succeeds(
+        attnscope()
+            .args(["embed", "-m", "all-minilm-l6-v2", "--file"])
+            .arg(&file)
+            .arg("--out")
+            .arg(&out),
+    );
     let (shape, data) = attnscope::render::npy::from_npy(&std::fs::read(&out).unwrap()).unwrap();
     assert_eq!(shape, vec![texts.len(), 384]);
     for (i, w) in g["normalized"].as_array().unwrap().iter().enumerate() {
@@ -615,12 +602,8 @@ fn cli_embed_writes_npy_and_refuses_a_decoder() {
         let d = max_abs_diff(&data[i * 384..(i + 1) * 384], &w, "cli");
         assert!(d <= 1e-5, "text {i}: max |diff| {d}");
     }
-    let o = attnscope()
-        .args(["embed", "-m", "smollm2-135m", "--text", "hi", "--json"])
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("encoder"));
+    let o = run_err(["embed", "-m", "smollm2-135m", "--text", "hi", "--json"], 2);
+    assert!(o.contains("encoder"));
     let o = attnscope()
         .args(["embed", "-m", "all-minilm-l6-v2", "--text", "hi"])
         .output()
@@ -740,12 +723,11 @@ fn encoder_targets_refuse_what_needs_a_decoder() {
 #[test]
 fn cli_attribute_faithfulness_and_compare_on_an_encoder() {
     let m = "all-minilm-l6-v2";
-    let o = attnscope()
-        .args(["attribute", "-m", m, "--text", "The cat sat on the mat."])
-        .args(["--method", "occlusion", "--target", "cls", "--json"])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = succeeds(
+        attnscope()
+            .args(["attribute", "-m", m, "--text", "The cat sat on the mat."])
+            .args(["--method", "occlusion", "--target", "cls", "--json"]),
+    );
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["encoder_target"], "cls");
     assert_eq!(v["metric"], "cosine");
@@ -762,27 +744,22 @@ fn cli_attribute_faithfulness_and_compare_on_an_encoder() {
         .map(|t| t["score"].as_f64().unwrap() as f32)
         .collect();
     assert!(max_abs_diff(&got, &want, "cli cls") < 1e-5);
-    let o = attnscope()
-        .args(["attribute", "-m", m, "--text", "The cat sat."])
-        .args(["--method", "gradient"])
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("decoder-only"));
+    let o = fails_with(
+        attnscope()
+            .args(["attribute", "-m", m, "--text", "The cat sat."])
+            .args(["--method", "gradient"]),
+        2,
+    );
+    assert!(o.contains("decoder-only"));
     // faithfulness: forward-only rankings against deletion; gradients refused
-    let o = attnscope()
-        .args([
-            "faithfulness",
-            "-m",
-            m,
-            "--text",
-            "The cat sat on the mat.",
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let v = run_json([
+        "faithfulness",
+        "-m",
+        m,
+        "--text",
+        "The cat sat on the mat.",
+        "--json",
+    ]);
     assert_eq!(v["encoder_target"], "embedding");
     let del: Vec<f32> = v["tokens"]
         .as_array()
@@ -812,46 +789,25 @@ fn cli_attribute_faithfulness_and_compare_on_an_encoder() {
             "random"
         ]
     );
-    let o = attnscope()
-        .args([
-            "faithfulness",
-            "-m",
-            m,
-            "--text",
-            "The cat sat.",
-            "--gradients",
-            "fast",
-        ])
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("decoder-only"));
-    let o = attnscope()
-        .args([
-            "faithfulness",
-            "-m",
-            m,
-            "--text",
-            "The cat sat.",
-            "--target",
-            " Paris",
-        ])
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("`cls`"));
+    for (extra, want) in [
+        (["--gradients", "fast"], "decoder-only"),
+        (["--target", " Paris"], "`cls`"),
+    ] {
+        let o = run_err(
+            ["faithfulness", "-m", m, "--text", "The cat sat."]
+                .into_iter()
+                .chain(extra),
+            2,
+        );
+        assert!(o.contains(want), "{extra:?}: {o}");
+    }
     // two texts: their embeddings' cosine beside the attention comparison
     let st = golden_json("minilm_st_embeddings.json");
     let (a, b) = (
         st["texts"][0].as_str().unwrap(),
         st["texts"][3].as_str().unwrap(),
     );
-    let o = attnscope()
-        .args(["compare", "-m", m, "--text", a, "--text", b, "--json"])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let v = run_json(["compare", "-m", m, "--text", a, "--text", b, "--json"]);
     let want = cosine(&floats(&st["normalized"][0]), &floats(&st["normalized"][3]));
     let got = v["embedding_cosine"].as_f64().expect("embedding_cosine");
     assert!((got - want).abs() < 1e-5, "{got} vs {want}");

@@ -7,12 +7,7 @@
 mod common;
 use attnscope::analysis::heads::{roles_of_typed, ENCODER_ROLES};
 use attnscope::model::{Model, Precision};
-use common::{golden, golden_json, real_model, token_ids};
-use std::process::Command;
-
-fn attnscope() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_attnscope"))
-}
+use common::{attnscope, golden, golden_json, real_model, run_json, succeeds, token_ids};
 
 /// Every role of every (layer, head) of `roles` (`{role: [[score per head] per layer]}`) against
 /// the golden case's; returns the worst difference.
@@ -241,18 +236,9 @@ fn roberta_pair_segments_come_from_the_pair_structure() {
     );
 
     // inspect: token_types as the model ran them, segments 0/1 and the B marks in the text
-    let out = attnscope()
-        .args([
-            "inspect", "--model", m, "--text", "it sat", "--pair", "the cat", "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = run_json([
+        "inspect", "--model", m, "--text", "it sat", "--pair", "the cat", "--json",
+    ]);
     assert_eq!(token_ids(&v["segments"]), want);
     assert!(token_ids(&v["token_types"]).iter().all(|&t| t == 0));
     let out = attnscope()
@@ -283,15 +269,10 @@ fn roberta_pair_segments_come_from_the_pair_structure() {
 fn dir_page(m: &str, args: &[&str]) -> String {
     let dir = tempfile::tempdir().unwrap();
     let out_path = dir.path().join("v.html");
-    let out = attnscope()
-        .args(["view", "--model", m, "--out", out_path.to_str().unwrap()])
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    succeeds(
+        attnscope()
+            .args(["view", "--model", m, "--out", out_path.to_str().unwrap()])
+            .args(args),
     );
     std::fs::read_to_string(out_path).unwrap()
 }

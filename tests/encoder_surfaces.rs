@@ -7,16 +7,10 @@
 
 mod common;
 use attnscope::analysis::encoder::inspect;
-use common::{golden, golden_json, golden_npy, max_abs_diff, real_model, start_serve};
-use std::process::Command;
-
-fn attnscope() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_attnscope"))
-}
-
-fn stderr(o: &std::process::Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
+use common::{
+    attnscope, fails_with, golden, golden_json, golden_npy, max_abs_diff, real_model, run_err,
+    start_serve, stderr_of,
+};
 
 fn floats(v: &serde_json::Value) -> Vec<f32> {
     v.as_array()
@@ -44,7 +38,7 @@ fn capture_of_a_literal_sep_matches_transformers() {
             c.args(["--pair", b]);
         }
         let o = c.output().unwrap();
-        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        assert!(o.status.success(), "{name}: {}", stderr_of(&o));
         let bytes = std::fs::read(&out).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         let p = st.tensor("blocks.5.attn.hook_pattern").unwrap();
@@ -69,7 +63,7 @@ fn capture_of_a_literal_sep_matches_transformers() {
             c.args(["--pair", b]);
         }
         let o = c.output().unwrap();
-        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        assert!(o.status.success(), "{name}: {}", stderr_of(&o));
         let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         assert_eq!(v["token_types"], case["token_types"], "{name}: inspect");
         for (k, g) in [("cls", "cls_share"), ("sep", "sep_share")] {
@@ -102,18 +96,18 @@ fn view_of_an_encoder_refuses_the_next_token_panels() {
             .output()
             .unwrap();
         assert_eq!(o.status.code(), Some(2), "{extra:?}");
-        let e = stderr(&o);
+        let e = stderr_of(&o);
         assert!(e.contains("encoder") && !e.contains("panicked"), "{e}");
     }
     // a pair on a decoder's view is refused too
-    let o = attnscope()
-        .args(["view", "-m", "smollm2-135m", "--text", "a", "--pair", "b"])
-        .arg("--out")
-        .arg(dir.path().join("d.html"))
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(2));
-    assert!(stderr(&o).contains("encoder"), "{}", stderr(&o));
+    let o = fails_with(
+        attnscope()
+            .args(["view", "-m", "smollm2-135m", "--text", "a", "--pair", "b"])
+            .arg("--out")
+            .arg(dir.path().join("d.html")),
+        2,
+    );
+    assert!(o.contains("encoder"), "{o}");
     // the page holds the pair's sentence_b_start and the shares inspect reports
     let page = dir.path().join("pair.html");
     let o = attnscope()
@@ -128,7 +122,7 @@ fn view_of_an_encoder_refuses_the_next_token_panels() {
         .arg(&page)
         .output()
         .unwrap();
-    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(o.status.success(), "{}", stderr_of(&o));
     let html = std::fs::read_to_string(&page).unwrap();
     let at = html.find("{\"title\"").unwrap();
     let v: serde_json::Value = serde_json::Deserializer::from_str(&html[at..])
@@ -206,7 +200,7 @@ fn corpus_on_an_encoder_reports_special_token_shares_and_merges() {
             .arg(dir.path().join(out))
             .output()
             .unwrap();
-        assert!(o.status.success(), "{}", stderr(&o));
+        assert!(o.status.success(), "{}", stderr_of(&o));
         serde_json::from_slice(&o.stdout).unwrap()
     };
     let single = run(&[], "all.jsonl");
@@ -275,7 +269,7 @@ fn corpus_on_an_encoder_reports_special_token_shares_and_merges() {
         .arg(dir.path().join("s1.jsonl"))
         .output()
         .unwrap();
-    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(o.status.success(), "{}", stderr_of(&o));
     let merged: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(merged, single, "two shards merged equal one run");
     // resuming skips the texts already in the file: the same aggregate
@@ -294,27 +288,26 @@ fn corpus_on_an_encoder_reports_special_token_shares_and_merges() {
         .arg(dir.path().join("dec.jsonl"))
         .output()
         .unwrap();
-    assert!(o.status.success(), "{}", stderr(&o));
-    let o = attnscope()
-        .args(["corpus", "merge"])
-        .arg(dir.path().join("s0.jsonl"))
-        .arg(dir.path().join("dec.jsonl"))
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(2));
-    assert!(stderr(&o).contains("encoder"), "{}", stderr(&o));
-    let o = attnscope()
-        .args([
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    let o = fails_with(
+        attnscope()
+            .args(["corpus", "merge"])
+            .arg(dir.path().join("s0.jsonl"))
+            .arg(dir.path().join("dec.jsonl")),
+        2,
+    );
+    assert!(o.contains("encoder"), "{o}");
+    run_err(
+        [
             "corpus",
             "-m",
             "all-minilm-l6-v2",
             "--limit",
             "1",
             "--faithfulness",
-        ])
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(2));
+        ],
+        2,
+    );
 }
 
 /// Patterns computed elsewhere (Python's `viz.attention_heads`) that put weight above the

@@ -232,7 +232,7 @@ fn chat_through_the_template_and_bad_input() {
     // a working template: the prompt is the rendered chat, and --json has the per-token fields
     let dir3 = tempfile::tempdir().unwrap();
     let good = tiny_gguf(dir3.path(), Some(CHATML));
-    let out = cli(&[
+    let out = common::run_ok([
         "generate",
         "-m",
         good.to_str().unwrap(),
@@ -242,12 +242,6 @@ fn chat_through_the_template_and_bad_input() {
         "3",
         "--json",
     ]);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let model = Model::load(good.to_str().unwrap(), Precision::Exact, false).unwrap();
     let rendered = render_chat(CHATML, &[msg("user", "hi")], true, "", "").unwrap();
@@ -382,13 +376,7 @@ fn chat_prompts_run_the_analyses_as_transformers_tokenizes_them() {
     ] {
         common::real_model(alias); // fetched if missing
         let (question, want) = golden_chat_ids(golden);
-        let out = cli(&["inspect", "-m", alias, "--chat", &question, "--json"]);
-        assert_eq!(
-            out.status.code(),
-            Some(0),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let out = common::run_ok(["inspect", "-m", alias, "--chat", &question, "--json"]);
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(ids_of(&v["tokens"]), want, "{alias}: inspect --chat tokens");
         // the query defaults to the last position: the template's generation prompt
@@ -415,7 +403,7 @@ fn chat_prompts_run_the_analyses_as_transformers_tokenizes_them() {
     }
     let dir = tempfile::tempdir().unwrap();
     let page = dir.path().join("chat.html");
-    let out = cli(&[
+    let out = common::run_ok([
         "view",
         "-m",
         m,
@@ -426,12 +414,6 @@ fn chat_prompts_run_the_analyses_as_transformers_tokenizes_them() {
         "-o",
         page.to_str().unwrap(),
     ]);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     assert!(page.exists());
     let with_system = common::real_model(m)
         .chat_ids(&question, Some("Answer in one word."))
@@ -568,7 +550,7 @@ fn generate_attribute_json_html_and_bad_input() {
     let path = tiny_gguf(dir.path(), None);
     let p = path.to_str().unwrap();
     let page = dir.path().join("a.html");
-    let out = cli(&[
+    let out = common::run_ok([
         "generate",
         "-m",
         p,
@@ -582,12 +564,6 @@ fn generate_attribute_json_html_and_bad_input() {
         "--html",
         page.to_str().unwrap(),
     ]);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let at = &v["attribution"];
     assert_eq!(at["method"], "occlusion");
@@ -611,23 +587,21 @@ fn generate_attribute_json_html_and_bad_input() {
         "no network"
     );
     // the terminal matrix without colour
-    let out = assert_cmd::Command::cargo_bin("attnscope")
-        .unwrap()
-        .args([
-            "generate",
-            "-m",
-            p,
-            "--text",
-            "hello",
-            "--max-new-tokens",
-            "3",
-            "--attribute",
-            "grad-x-input",
-        ])
-        .env("NO_COLOR", "1")
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(0));
+    let out = common::succeeds(
+        common::attnscope()
+            .args([
+                "generate",
+                "-m",
+                p,
+                "--text",
+                "hello",
+                "--max-new-tokens",
+                "3",
+                "--attribute",
+                "grad-x-input",
+            ])
+            .env("NO_COLOR", "1"),
+    );
     let s = String::from_utf8_lossy(&out.stdout);
     assert!(
         s.contains("why each answer token")

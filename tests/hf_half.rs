@@ -4,8 +4,6 @@
 //! file's bytes; a folder too big for the machine is refused from its headers, before loading.
 
 mod common;
-use attnscope::model::capture::{AttnCache, CaptureSpec};
-use attnscope::model::forward::RunOptions;
 use attnscope::model::memory::FIT_TOKENS;
 use attnscope::model::tiny::{tiny_model, write_hf_folder};
 use attnscope::model::{Arch, Memory, Model, Precision};
@@ -47,16 +45,8 @@ fn load(path: &Path, memory: Memory) -> Model {
 
 /// Every layer's pattern and every position's logits.
 fn run(model: &Model) -> (Vec<f32>, Vec<f32>) {
-    let mut cache = AttnCache::new(&CaptureSpec::patterns(), TOKENS.len());
-    let opts = RunOptions {
-        logits_at: (0..TOKENS.len()).collect(),
-        ..Default::default()
-    };
-    let out = model.forward(&TOKENS, &opts, &mut cache).unwrap();
-    let p = (0..model.dims.n_layers)
-        .flat_map(|l| cache.pattern(l).unwrap().data.to_vec())
-        .collect();
-    (p, out.logits.concat())
+    let (p, logits) = common::patterns_and_logits(model, &TOKENS);
+    (p.concat(), logits)
 }
 
 /// For F16 and BF16, with a tied and an untied head: the folder's numbers at `fast` and `low`

@@ -46,13 +46,28 @@ fn last_logits(model: &Model, obs: &mut dyn Observer) -> Result<Vec<f32>, Error>
         .remove(0))
 }
 
+/// What edits a run's hooks: an [`Editor`], or [`OneHook`]'s function.
+trait Edits {
+    fn edits(&self, l: usize, h: Hook) -> bool;
+    fn edit(&mut self, l: usize, h: Hook, s: &[usize], d: &mut [f32]) -> Result<(), String>;
+}
+
+impl Edits for Editor<'_> {
+    fn edits(&self, l: usize, h: Hook) -> bool {
+        Observer::edits(self, l, h)
+    }
+    fn edit(&mut self, l: usize, h: Hook, s: &[usize], d: &mut [f32]) -> Result<(), String> {
+        Observer::edit(self, l, h, s, d)
+    }
+}
+
 /// Captures `watch` while `edit` edits (one observer over both).
-struct EditAndWatch<'a> {
-    edit: Editor<'a>,
+struct EditAndWatch<E> {
+    edit: E,
     watch: AttnCache,
 }
 
-impl Observer for EditAndWatch<'_> {
+impl<E: Edits> Observer for EditAndWatch<E> {
     fn wants(&self, l: usize, h: Hook) -> bool {
         self.watch.wants(l, h)
     }
@@ -160,30 +175,33 @@ fn every_family() -> (Vec<tempfile::TempDir>, Vec<(String, Model)>) {
     (dirs, models)
 }
 
-/// An observer that edits one hook with a function (and captures what `watch` asks).
-struct With<'a> {
+/// Edits one hook with a function.
+struct OneHook<'a> {
     layer: usize,
     hook: Hook,
     f: &'a dyn Fn(&mut [f32]),
-    watch: AttnCache,
 }
 
-impl Observer for With<'_> {
-    fn wants(&self, l: usize, h: Hook) -> bool {
-        self.watch.wants(l, h)
-    }
-    fn tensor(&mut self, l: usize, h: Hook, shape: &[usize], data: &[f32]) {
-        self.watch.tensor(l, h, shape, data)
-    }
-    fn attention_block(&mut self, l: usize, h: Hook, q: usize, shape: [usize; 3], d: &[f32]) {
-        self.watch.attention_block(l, h, q, shape, d)
-    }
+impl Edits for OneHook<'_> {
     fn edits(&self, l: usize, h: Hook) -> bool {
         (l, h) == (self.layer, self.hook)
     }
     fn edit(&mut self, _: usize, _: Hook, _: &[usize], d: &mut [f32]) -> Result<(), String> {
         (self.f)(d);
         Ok(())
+    }
+}
+
+/// An observer that edits `hook` of `layer` with `f` (and captures what `watch` asks).
+fn with<'a>(
+    layer: usize,
+    hook: Hook,
+    f: &'a dyn Fn(&mut [f32]),
+    watch: AttnCache,
+) -> EditAndWatch<OneHook<'a>> {
+    EditAndWatch {
+        edit: OneHook { layer, hook, f },
+        watch,
     }
 }
 
@@ -284,12 +302,7 @@ fn edits_at_the_norm_embedding_and_up_projection_hooks() {
         let gpt2 = model.dims.arch == Arch::Gpt2;
         if matches!(arch.as_str(), "Qwen2" | "Llama") {
             let zero = |d: &mut [f32]| d.iter_mut().for_each(|v| *v = 0.0);
-            let mut e = With {
-                layer: nl - 1,
-                hook: Hook::LnFinalNormalized,
-                f: &zero,
-                watch: all_of(&[], n),
-            };
+            let mut e = with(nl - 1, Hook::LnFinalNormalized, &zero, all_of(&[], n));
             let got = last_logits(model, &mut e).unwrap();
             assert!(
                 got.iter().all(|&z| z == 0.0),
@@ -298,12 +311,12 @@ fn edits_at_the_norm_embedding_and_up_projection_hooks() {
         }
         if !gpt2 {
             let zero = |d: &mut [f32]| d.iter_mut().for_each(|v| *v = 0.0);
-            let mut e = With {
-                layer: 0,
-                hook: Hook::MlpPreLinear,
-                f: &zero,
-                watch: all_of(&[Hook::MlpPost, Hook::MlpOut], n),
-            };
+            let mut e = with(
+                0,
+                Hook::MlpPreLinear,
+                &zero,
+                all_of(&[Hook::MlpPost, Hook::MlpOut], n),
+            );
             last_logits(model, &mut e).unwrap();
             assert!(
                 e.watch
@@ -328,12 +341,12 @@ fn edits_at_the_norm_embedding_and_up_projection_hooks() {
         let mut clean = all_of(&[Hook::Ln1Normalized], n);
         last_logits(model, &mut clean).unwrap();
         let double = |d: &mut [f32]| d.iter_mut().for_each(|v| *v *= 2.0);
-        let mut e = With {
-            layer: 1,
-            hook: Hook::Ln1Scale,
-            f: &double,
-            watch: all_of(&[Hook::Ln1Normalized], n),
-        };
+        let mut e = with(
+            1,
+            Hook::Ln1Scale,
+            &double,
+            all_of(&[Hook::Ln1Normalized], n),
+        );
         let edited = last_logits(model, &mut e).unwrap();
         let (a, b) = (
             &clean.get(1, Hook::Ln1Normalized).unwrap().data,
@@ -352,12 +365,12 @@ fn edits_at_the_norm_embedding_and_up_projection_hooks() {
         );
         if gpt2 {
             let zero = |d: &mut [f32]| d.iter_mut().for_each(|v| *v = 0.0);
-            let mut e = With {
-                layer: 0,
-                hook: Hook::Embed,
-                f: &zero,
-                watch: all_of(&[Hook::PosEmbed, Hook::ResidPre], n),
-            };
+            let mut e = with(
+                0,
+                Hook::Embed,
+                &zero,
+                all_of(&[Hook::PosEmbed, Hook::ResidPre], n),
+            );
             last_logits(model, &mut e).unwrap();
             assert_eq!(
                 e.watch.get(0, Hook::PosEmbed).unwrap().data,

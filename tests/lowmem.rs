@@ -5,8 +5,6 @@
 #![allow(clippy::needless_range_loop)]
 
 mod common;
-use attnscope::model::capture::{AttnCache, CaptureSpec};
-use attnscope::model::forward::RunOptions;
 use attnscope::model::tiny::{tiny_model, write_gguf};
 use attnscope::model::tl_weights::Projection;
 use attnscope::model::{Arch, Memory, Model, Precision};
@@ -52,16 +50,7 @@ fn blockwide_model(seed: u64) -> attnscope::reference::transformer::RefModel {
 
 /// Every layer's pattern and every position's logits.
 fn run(model: &Model) -> (Vec<Vec<f32>>, Vec<f32>) {
-    let mut cache = AttnCache::new(&CaptureSpec::patterns(), TOKENS.len());
-    let opts = RunOptions {
-        logits_at: (0..TOKENS.len()).collect(),
-        ..Default::default()
-    };
-    let out = model.forward(&TOKENS, &opts, &mut cache).unwrap();
-    let p = (0..model.dims.n_layers)
-        .map(|l| cache.pattern(l).unwrap().data.to_vec())
-        .collect();
-    (p, out.logits.concat())
+    common::patterns_and_logits(model, &TOKENS)
 }
 
 fn load(path: &std::path::Path, memory: Memory) -> Model {

@@ -345,7 +345,7 @@ fn command_line() {
         "{s}"
     );
     // faithfulness
-    let f = json(&[
+    let faithfulness: [&str; 7] = [
         "faithfulness",
         "-m",
         &m,
@@ -353,8 +353,8 @@ fn command_line() {
         text,
         "--gradients",
         "fast",
-        "--json",
-    ]);
+    ];
+    let f = json(&[&faithfulness[..], &["--json"]].concat());
     for key in ["attnlrp", "value_zeroing", "alti_logit"] {
         assert!(
             f["tokens"]
@@ -373,15 +373,7 @@ fn command_line() {
         assert_eq!(rows, 6, "{key}: 3 truths × with/without the first token");
     }
     assert!(f["attnlrp_conservation_error"].as_f64().is_some());
-    let t = attnscope(&[
-        "faithfulness",
-        "-m",
-        &m,
-        "--text",
-        text,
-        "--gradients",
-        "fast",
-    ]);
+    let t = attnscope(&faithfulness);
     let s = String::from_utf8_lossy(&t.stdout);
     assert!(
         s.contains("AttnLRP") && s.contains("ALTI-logit") && s.contains("VZ"),

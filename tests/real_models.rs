@@ -141,20 +141,7 @@ fn low_memory_matches_transformers_too() {
         "gemma3_matches_transformers",
         "inspect_numbers_match_reference_qwen",
     ] {
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([test, "--exact", "--nocapture", "--test-threads=1"])
-            .env("ATTNSCOPE_MEMORY", "low")
-            .output()
-            .unwrap();
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(
-            out.status.success() && text.contains("1 passed"),
-            "{test} with ATTNSCOPE_MEMORY=low:\n{text}"
-        );
+        rerun_with_env(test, "ATTNSCOPE_MEMORY", "low");
     }
 }
 
@@ -805,16 +792,7 @@ fn faithfulness_occlusions_equal_fresh_runs_smollm() {
 /// spreads its weight evenly (measured: the best ~0.48, about 70x a uniform head's 0.007).
 #[test]
 fn the_default_model_has_induction_heads() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_attnscope"))
-        .args(["heads", "--random-repeat", "50", "--json"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = run_json(["heads", "--random-repeat", "50", "--json"]);
     let ind = v["roles"]["induction"].as_array().unwrap();
     assert_eq!(ind.len(), 24);
     let best = ind

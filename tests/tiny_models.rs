@@ -11,22 +11,19 @@ use attnscope::model::tiny::{tiny_model, write_gguf, write_hf_folder};
 use attnscope::model::{Arch, Model, Precision};
 use attnscope::reference::transformer::forward as reference_forward;
 use candle_core::quantized::GgmlDType;
-use common::assert_close;
+use common::{assert_close, run_json};
 
 const TOKENS: [u32; 9] = [72, 101, 108, 108, 111, 32, 256, 258, 259];
 
+/// The kernels the row-by-row tests run: Llama and Qwen2 exact, and Qwen2 fast.
+const EXACT_BOTH_FAST_QWEN2: [(Arch, Precision); 3] = [
+    (Arch::Llama, Precision::Exact),
+    (Arch::Qwen2, Precision::Exact),
+    (Arch::Qwen2, Precision::Fast),
+];
+
 fn patterns(model: &Model, tokens: &[u32], block_bytes: usize) -> (Vec<Vec<f32>>, Vec<f32>) {
-    let mut cache = AttnCache::new(&CaptureSpec::patterns(), tokens.len());
-    let opts = RunOptions {
-        logits_at: (0..tokens.len()).collect(),
-        block_bytes,
-        ..Default::default()
-    };
-    let out = model.forward(tokens, &opts, &mut cache).unwrap();
-    let p = (0..model.dims.n_layers)
-        .map(|l| cache.pattern(l).unwrap().data.to_vec())
-        .collect();
-    (p, out.logits.concat())
+    common::patterns_and_logits_in_blocks(model, tokens, block_bytes)
 }
 
 fn check(arch: Arch) {
@@ -252,11 +249,7 @@ fn full_run(model: &Model) -> (Vec<f32>, attnscope::model::forward::KvPrefix) {
 #[test]
 fn the_last_layer_on_the_logits_rows_alone_equals_the_whole_tail() {
     use attnscope::model::capture::{CaptureSpec, Queries};
-    for (arch, precision) in [
-        (Arch::Llama, Precision::Exact),
-        (Arch::Qwen2, Precision::Exact),
-        (Arch::Qwen2, Precision::Fast),
-    ] {
+    for (arch, precision) in EXACT_BOTH_FAST_QWEN2 {
         let (_dir, model) = tiny_loaded_as(arch, 17, precision);
         let last = model.dims.n_layers - 1;
         let opts = RunOptions {
@@ -314,11 +307,7 @@ fn prefix_reuse_equals_a_full_run() {
 #[test]
 fn a_batch_of_variants_equals_their_own_runs() {
     use attnscope::model::forward::Segment;
-    for (arch, precision) in [
-        (Arch::Llama, Precision::Exact),
-        (Arch::Qwen2, Precision::Exact),
-        (Arch::Qwen2, Precision::Fast),
-    ] {
+    for (arch, precision) in EXACT_BOTH_FAST_QWEN2 {
         let (_dir, model) = tiny_loaded_as(arch, 13, precision);
         if precision == Precision::Fast {
             eprintln!(
@@ -387,21 +376,32 @@ fn a_batch_of_variants_equals_their_own_runs() {
             "{arch:?}: distinct variants, distinct logits"
         );
         // a segment cannot reuse more than the prefix holds, nor name a position outside itself
-        let bad = Segment {
-            tokens: &TOKENS[1..],
-            reuse: n + 1,
-            knockout: vec![],
-            logits_at: vec![n - 1],
-        };
-        assert!(model.forward_batch(Some(&kv), &[bad]).is_err());
-        let outside = Segment {
-            tokens: &TOKENS[4..],
-            reuse: 4,
-            knockout: vec![2],
-            logits_at: vec![n - 1],
-        };
-        assert!(model.forward_batch(Some(&kv), &[outside]).is_err());
+        a_segment_outside_its_prefix_is_refused(&model, &kv);
     }
+}
+
+/// A segment cannot reuse more than the prefix (`kv`, of [`TOKENS`]) holds, nor name a position
+/// outside itself.
+fn a_segment_outside_its_prefix_is_refused(
+    model: &Model,
+    kv: &attnscope::model::forward::KvPrefix,
+) {
+    use attnscope::model::forward::Segment;
+    let n = TOKENS.len();
+    let bad = Segment {
+        tokens: &TOKENS[1..],
+        reuse: n + 1,
+        knockout: vec![],
+        logits_at: vec![n - 1],
+    };
+    assert!(model.forward_batch(Some(kv), &[bad]).is_err());
+    let outside = Segment {
+        tokens: &TOKENS[4..],
+        reuse: 4,
+        knockout: vec![2],
+        logits_at: vec![n - 1],
+    };
+    assert!(model.forward_batch(Some(kv), &[outside]).is_err());
 }
 
 /// The batch test again in a child process with the AMX tiles off (read once per process), so
@@ -630,43 +630,54 @@ fn collector_from_streamed_rows_equals_collector_from_patterns() {
                 };
                 model.forward(&tokens, &opts, &mut got).unwrap();
                 let label = format!("query {query}, key block {key_block}, knockout {knockout:?}");
-                for l in 0..2 {
-                    assert_eq!(
-                        got.query_rows[l].len(),
-                        4 * n,
-                        "{label}: rows of layer {l} were handed out"
-                    );
-                    assert_close(
-                        &got.query_rows[l],
-                        &want.query_rows[l],
-                        1e-5,
-                        &format!("{label}: rows of layer {l}"),
-                    );
-                    assert!(
-                        (got.sink_all_queries(l) - want.sink_all_queries(l)).abs() < 1e-5,
-                        "{label}: sink share"
-                    );
-                    assert_close(
-                        &got.mean_max_weight(l),
-                        &want.mean_max_weight(l),
-                        1e-5,
-                        &format!("{label}: max weight"),
-                    );
-                    assert_close(
-                        &got.mean_entropy(l),
-                        &want.mean_entropy(l),
-                        1e-4,
-                        &format!("{label}: entropy"),
-                    );
-                    assert_close(
-                        &got.head_sink(l),
-                        &want.head_sink(l),
-                        1e-5,
-                        &format!("{label}: α₁"),
-                    );
-                }
+                assert_same_collection(&got, &want, n, &label);
             }
         }
+    }
+}
+
+/// `got` (streamed) collected what `want` (from the patterns) did over `n` keys, for each of the
+/// 2 layers: the query rows, sink shares, max weights, entropies and α₁.
+fn assert_same_collection(
+    got: &attnscope::analysis::collect::Collector,
+    want: &attnscope::analysis::collect::Collector,
+    n: usize,
+    label: &str,
+) {
+    for l in 0..2 {
+        assert_eq!(
+            got.query_rows[l].len(),
+            4 * n,
+            "{label}: rows of layer {l} were handed out"
+        );
+        assert_close(
+            &got.query_rows[l],
+            &want.query_rows[l],
+            1e-5,
+            &format!("{label}: rows of layer {l}"),
+        );
+        assert!(
+            (got.sink_all_queries(l) - want.sink_all_queries(l)).abs() < 1e-5,
+            "{label}: sink share"
+        );
+        assert_close(
+            &got.mean_max_weight(l),
+            &want.mean_max_weight(l),
+            1e-5,
+            &format!("{label}: max weight"),
+        );
+        assert_close(
+            &got.mean_entropy(l),
+            &want.mean_entropy(l),
+            1e-4,
+            &format!("{label}: entropy"),
+        );
+        assert_close(
+            &got.head_sink(l),
+            &want.head_sink(l),
+            1e-5,
+            &format!("{label}: α₁"),
+        );
     }
 }
 
@@ -678,31 +689,35 @@ fn head_role_scores_equal_the_formulas_on_materialized_patterns() {
     let p = dir.path().join("tiny.gguf");
     write_gguf(&tiny_model(Arch::Llama, 5), Arch::Llama, GgmlDType::F32, &p).unwrap();
     let text = "the hat at the hat sat at the the hat he sat";
-    let out = assert_cmd::Command::cargo_bin("attnscope")
-        .unwrap()
-        .args([
-            "heads",
-            "--model",
-            p.to_str().unwrap(),
-            "--text",
-            text,
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = run_json([
+        "heads",
+        "--model",
+        p.to_str().unwrap(),
+        "--text",
+        text,
+        "--json",
+    ]);
     let model = Model::load(p.to_str().unwrap(), Precision::Exact, false).unwrap();
     let t = model.encode(text, false).unwrap();
     let n = t.len();
     assert_eq!(v["tokens"].as_array().unwrap().len(), n);
+    assert_every_role_is_its_formula(&model, &t, &v);
+    // the text repeats tokens, so the duplicate and induction patterns are not empty
+    assert!(
+        v["uniform"]["duplicate_token"].as_f64().unwrap() > 0.0
+            && v["uniform"]["induction"].as_f64().unwrap() > 0.0
+    );
+    each_line_is_the_mean_of_the_lines(&p, dir.path());
+    random_repeat_copies_its_first_half(&p);
+}
+
+/// Each role's score of each (layer, head) in `heads --json` (`v`) is Σ(A ⊙ P) / Σ A of the
+/// pattern the model materializes over `t`.
+fn assert_every_role_is_its_formula(model: &Model, t: &[u32], v: &serde_json::Value) {
+    let n = t.len();
     let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
     model
-        .forward(&t, &RunOptions::default(), &mut cache)
+        .forward(t, &RunOptions::default(), &mut cache)
         .unwrap();
     let roles: [(&str, Box<dyn Fn(usize, usize) -> bool>); 5] = [
         ("previous_token", Box::new(|i, j| i >= 1 && j == i - 1)),
@@ -740,45 +755,31 @@ fn head_role_scores_equal_the_formulas_on_materialized_patterns() {
         }
     }
     assert_eq!(checked, 5 * model.dims.n_layers * model.dims.n_heads);
-    // the text repeats tokens, so the duplicate and induction patterns are not empty
-    assert!(
-        v["uniform"]["duplicate_token"].as_f64().unwrap() > 0.0
-            && v["uniform"]["induction"].as_f64().unwrap() > 0.0
-    );
-    // --each-line: the mean over the lines, each computed alone
-    let f = dir.path().join("lines.txt");
+}
+
+/// `heads --each-line` on the model `p`: the mean over the lines (written in `dir`), each
+/// computed alone.
+fn each_line_is_the_mean_of_the_lines(p: &std::path::Path, dir: &std::path::Path) {
+    let f = dir.join("lines.txt");
     std::fs::write(&f, "the hat at the hat\n\nsat at the the hat\n").unwrap();
-    let each = assert_cmd::Command::cargo_bin("attnscope")
-        .unwrap()
-        .args([
+    let each = run_json([
+        "heads",
+        "--model",
+        p.to_str().unwrap(),
+        "--file",
+        f.to_str().unwrap(),
+        "--each-line",
+        "--json",
+    ]);
+    let one = |s: &str| {
+        run_json([
             "heads",
             "--model",
             p.to_str().unwrap(),
-            "--file",
-            f.to_str().unwrap(),
-            "--each-line",
+            "--text",
+            s,
             "--json",
         ])
-        .output()
-        .unwrap();
-    let each: serde_json::Value = serde_json::from_slice(&each.stdout).unwrap();
-    let one = |s: &str| -> serde_json::Value {
-        serde_json::from_slice(
-            &assert_cmd::Command::cargo_bin("attnscope")
-                .unwrap()
-                .args([
-                    "heads",
-                    "--model",
-                    p.to_str().unwrap(),
-                    "--text",
-                    s,
-                    "--json",
-                ])
-                .output()
-                .unwrap()
-                .stdout,
-        )
-        .unwrap()
     };
     let (a, b) = (one("the hat at the hat"), one("sat at the the hat"));
     assert_eq!(each["texts"], 2);
@@ -788,22 +789,20 @@ fn head_role_scores_equal_the_formulas_on_materialized_patterns() {
         each["roles"]["induction"][1][2].as_f64().unwrap(),
     );
     assert!((m - (x + y) / 2.0).abs() < 1e-12);
-    // --random-repeat: 2N tokens, the second half a copy of the first
-    let rr = assert_cmd::Command::cargo_bin("attnscope")
-        .unwrap()
-        .args([
-            "heads",
-            "--model",
-            p.to_str().unwrap(),
-            "--random-repeat",
-            "7",
-            "--seed",
-            "3",
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    let rr: serde_json::Value = serde_json::from_slice(&rr.stdout).unwrap();
+}
+
+/// `heads --random-repeat` on the model `p`: 2N tokens, the second half a copy of the first.
+fn random_repeat_copies_its_first_half(p: &std::path::Path) {
+    let rr = run_json([
+        "heads",
+        "--model",
+        p.to_str().unwrap(),
+        "--random-repeat",
+        "7",
+        "--seed",
+        "3",
+        "--json",
+    ]);
     let toks: Vec<u64> = rr["tokens"]
         .as_array()
         .unwrap()
@@ -1070,15 +1069,10 @@ fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_dam
             .map(|d| d.map(|e| e.unwrap().path()).collect())
             .unwrap_or_default()
     };
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    let run = |m: &Model| {
-        let (p, logits) = patterns(m, &TOKENS, 1 << 20);
-        (p.iter().map(|x| bits(x)).collect::<Vec<_>>(), bits(&logits))
-    };
     for (arch, seed) in [(Arch::Qwen2, 3), (Arch::Llama, 4)] {
         write_gguf(&tiny_model(arch, seed), arch, GgmlDType::F32, &path).unwrap();
         let plain = Model::load_with(spec, Precision::Exact, false, None).unwrap();
-        let want = run(&plain);
+        let want = bits_of_a_run(&plain);
         let all = plain.mapped_projections().1;
         assert_eq!(plain.mapped_projections(), (0, all));
 
@@ -1086,7 +1080,7 @@ fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_dam
         // previous arch's cache: packed again, the file replaced
         let first = Model::load_with(spec, Precision::Exact, false, Some(&settings)).unwrap();
         assert_eq!(first.mapped_projections(), (0, all), "{arch:?}: packed");
-        assert_eq!(run(&first), want);
+        assert_eq!(bits_of_a_run(&first), want);
         // one file per model and layout, replaced when the model changes: this one, and the
         // previous arch's fast one where fast has a layout of its own
         let files = [first.panel_file().unwrap().to_path_buf()];
@@ -1094,30 +1088,15 @@ fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_dam
         assert!(cache_files().len() <= 2, "{arch:?}: {:?}", cache_files());
         let second = Model::load_with(spec, Precision::Exact, false, Some(&settings)).unwrap();
         assert_eq!(second.mapped_projections(), (all, all), "{arch:?}: mapped");
-        assert_eq!(run(&second), want, "{arch:?}: mapped panels, same bits");
+        assert_eq!(
+            bits_of_a_run(&second),
+            want,
+            "{arch:?}: mapped panels, same bits"
+        );
         drop(second);
 
         // one flipped byte in the panels, then a file cut short: packed again, file rebuilt
-        let file = &files[0];
-        let mut bytes = std::fs::read(file).unwrap();
-        let at = bytes.len() - 4096 - 17;
-        bytes[at] ^= 0x20;
-        std::fs::write(file, &bytes).unwrap();
-        let damaged = Model::load_with(spec, Precision::Exact, false, Some(&settings)).unwrap();
-        assert_eq!(damaged.mapped_projections(), (0, all), "{arch:?}: damaged");
-        assert_eq!(run(&damaged), want);
-        let mut bytes = std::fs::read(file).unwrap();
-        bytes.truncate(bytes.len() - 4096);
-        std::fs::write(file, &bytes).unwrap();
-        let short = Model::load_with(spec, Precision::Exact, false, Some(&settings)).unwrap();
-        assert_eq!(short.mapped_projections(), (0, all), "{arch:?}: cut short");
-        let rebuilt = Model::load_with(spec, Precision::Exact, false, Some(&settings)).unwrap();
-        assert_eq!(
-            rebuilt.mapped_projections(),
-            (all, all),
-            "{arch:?}: rebuilt"
-        );
-        assert_eq!(run(&rebuilt), want);
+        damaged_panels_are_packed_again(spec, &settings, &files[0], (arch, all), &want);
         // a later modification time (the next arch rewrites the file anyway)
         modified_later(&path, 5);
         let touched = Model::load_with(spec, Precision::Exact, false, Some(&settings)).unwrap();
@@ -1128,77 +1107,12 @@ fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_dam
         );
         // fast precision: bf16 AMX tiles or 8-bit VNNI blocks in a file of their own (never the
         // f32 one), and without either kernel the exact f32 panels
-        use attnscope::model::weights::PanelLayout;
-        let fast_plain = run(&Model::load_with(spec, Precision::Fast, false, None).unwrap());
-        let fast = Model::load_with(spec, Precision::Fast, false, Some(&settings)).unwrap();
-        let fast_again = Model::load_with(spec, Precision::Fast, false, Some(&settings)).unwrap();
-        assert_eq!(run(&fast), fast_plain);
-        assert_eq!(run(&fast_again), fast_plain, "{arch:?}: fast, mapped");
-        match PanelLayout::of(Precision::Fast) {
-            PanelLayout::Bf16 { .. } | PanelLayout::Int8(_) => {
-                assert_eq!(fast.mapped_projections(), (0, all), "{arch:?}: fast writes");
-                assert_eq!(
-                    fast_again.mapped_projections(),
-                    (all, all),
-                    "{arch:?}: fast"
-                );
-                assert_ne!(fast.panel_file(), touched.panel_file(), "a file per layout");
-            }
-            PanelLayout::F32(_) => {
-                assert_eq!(
-                    fast_again.mapped_projections(),
-                    (all, all),
-                    "{arch:?}: fast"
-                );
-                assert_eq!(fast.panel_file(), touched.panel_file(), "the exact file");
-            }
-            PanelLayout::Scaled(_) => panic!("fast never runs on integers and scales"),
-        }
+        fast_has_a_file_per_layout(spec, &settings, (arch, all), touched.panel_file());
     }
     // a Hugging Face folder: its safetensors files and config.json make the identity
-    let hf = dir.path().join("hf");
-    write_hf_folder(&tiny_model(Arch::Qwen2, 3), Arch::Qwen2, &hf, 2).unwrap();
-    let hf_spec = hf.to_str().unwrap();
-    let want = run(&Model::load_with(hf_spec, Precision::Exact, false, None).unwrap());
-    let first = Model::load_with(hf_spec, Precision::Exact, false, Some(&settings)).unwrap();
-    let all = first.mapped_projections().1;
-    assert_eq!(first.mapped_projections(), (0, all));
-    let second = Model::load_with(hf_spec, Precision::Exact, false, Some(&settings)).unwrap();
-    assert_eq!(second.mapped_projections(), (all, all), "folder: mapped");
-    assert_eq!(run(&second), want, "folder: mapped panels, same bits");
-    let cfg = hf.join("config.json");
-    modified_later(&cfg, 5);
-    let edited = Model::load_with(hf_spec, Precision::Exact, false, Some(&settings)).unwrap();
-    assert_eq!(
-        edited.mapped_projections(),
-        (0, all),
-        "folder: config changed"
-    );
+    a_folders_files_and_config_make_its_identity(dir.path(), &settings);
     // a model that is gone loses its file the next time any file is written
-    let other = dir.path().join("other.gguf");
-    write_gguf(
-        &tiny_model(Arch::Llama, 8),
-        Arch::Llama,
-        GgmlDType::F32,
-        &other,
-    )
-    .unwrap();
-    let gone = Model::load_with(
-        other.to_str().unwrap(),
-        Precision::Exact,
-        false,
-        Some(&settings),
-    )
-    .unwrap()
-    .panel_file()
-    .unwrap()
-    .to_path_buf();
-    assert!(gone.exists());
-    std::fs::remove_file(&other).unwrap();
-    modified_later(&path, 9);
-    let rewritten = Model::load_with(spec, Precision::Exact, false, Some(&settings)).unwrap();
-    assert!(rewritten.panel_file().unwrap().exists());
-    assert!(!gone.exists(), "the gone model's file is removed");
+    a_gone_models_file_is_removed_at_the_next_write(dir.path(), &path, &settings);
     // under the size floor: no file at all
     let small = Settings {
         dir: dir.path().join("small"),
@@ -1210,6 +1124,151 @@ fn the_packed_weight_cache_gives_the_same_numbers_and_is_never_read_stale_or_dam
         !small.dir.join("x").exists()
             && std::fs::read_dir(&small.dir).map_or(0, |d| d.count()) == 0
     );
+}
+
+/// Every layer's pattern and every position's logits, as bits.
+fn bits_of_a_run(m: &Model) -> (Vec<Vec<u32>>, Vec<u32>) {
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let (p, logits) = patterns(m, &TOKENS, 1 << 20);
+    (p.iter().map(|x| bits(x)).collect::<Vec<_>>(), bits(&logits))
+}
+
+/// The cache `file` of the model `spec` (`arch`, with `all` projections) with one flipped byte,
+/// then cut short: packed again (the same bits as `want`), and the file rebuilt.
+fn damaged_panels_are_packed_again(
+    spec: &str,
+    settings: &attnscope::model::panels::Settings,
+    file: &std::path::Path,
+    (arch, all): (Arch, usize),
+    want: &(Vec<Vec<u32>>, Vec<u32>),
+) {
+    let mut bytes = std::fs::read(file).unwrap();
+    let at = bytes.len() - 4096 - 17;
+    bytes[at] ^= 0x20;
+    std::fs::write(file, &bytes).unwrap();
+    let damaged = Model::load_with(spec, Precision::Exact, false, Some(settings)).unwrap();
+    assert_eq!(damaged.mapped_projections(), (0, all), "{arch:?}: damaged");
+    assert_eq!(bits_of_a_run(&damaged), *want);
+    let mut bytes = std::fs::read(file).unwrap();
+    bytes.truncate(bytes.len() - 4096);
+    std::fs::write(file, &bytes).unwrap();
+    let short = Model::load_with(spec, Precision::Exact, false, Some(settings)).unwrap();
+    assert_eq!(short.mapped_projections(), (0, all), "{arch:?}: cut short");
+    let rebuilt = Model::load_with(spec, Precision::Exact, false, Some(settings)).unwrap();
+    assert_eq!(
+        rebuilt.mapped_projections(),
+        (all, all),
+        "{arch:?}: rebuilt"
+    );
+    assert_eq!(bits_of_a_run(&rebuilt), *want);
+}
+
+/// Fast precision: bf16 AMX tiles or 8-bit VNNI blocks in a file of their own (never the f32
+/// one, `exact_file`), and without either kernel the exact f32 panels.
+fn fast_has_a_file_per_layout(
+    spec: &str,
+    settings: &attnscope::model::panels::Settings,
+    (arch, all): (Arch, usize),
+    exact_file: Option<&std::path::Path>,
+) {
+    use attnscope::model::weights::PanelLayout;
+    let fast_plain = bits_of_a_run(&Model::load_with(spec, Precision::Fast, false, None).unwrap());
+    let fast = Model::load_with(spec, Precision::Fast, false, Some(settings)).unwrap();
+    let fast_again = Model::load_with(spec, Precision::Fast, false, Some(settings)).unwrap();
+    assert_eq!(bits_of_a_run(&fast), fast_plain);
+    assert_eq!(
+        bits_of_a_run(&fast_again),
+        fast_plain,
+        "{arch:?}: fast, mapped"
+    );
+    match PanelLayout::of(Precision::Fast) {
+        PanelLayout::Bf16 { .. } | PanelLayout::Int8(_) => {
+            assert_eq!(fast.mapped_projections(), (0, all), "{arch:?}: fast writes");
+            assert_eq!(
+                fast_again.mapped_projections(),
+                (all, all),
+                "{arch:?}: fast"
+            );
+            assert_ne!(fast.panel_file(), exact_file, "a file per layout");
+        }
+        PanelLayout::F32(_) => {
+            assert_eq!(
+                fast_again.mapped_projections(),
+                (all, all),
+                "{arch:?}: fast"
+            );
+            assert_eq!(fast.panel_file(), exact_file, "the exact file");
+        }
+        PanelLayout::Scaled(_) => panic!("fast never runs on integers and scales"),
+    }
+}
+
+/// A Hugging Face folder (in `dir`): its safetensors files and config.json make the identity.
+fn a_folders_files_and_config_make_its_identity(
+    dir: &std::path::Path,
+    settings: &attnscope::model::panels::Settings,
+) {
+    let hf = dir.join("hf");
+    write_hf_folder(&tiny_model(Arch::Qwen2, 3), Arch::Qwen2, &hf, 2).unwrap();
+    let hf_spec = hf.to_str().unwrap();
+    let want = bits_of_a_run(&Model::load_with(hf_spec, Precision::Exact, false, None).unwrap());
+    let first = Model::load_with(hf_spec, Precision::Exact, false, Some(settings)).unwrap();
+    let all = first.mapped_projections().1;
+    assert_eq!(first.mapped_projections(), (0, all));
+    let second = Model::load_with(hf_spec, Precision::Exact, false, Some(settings)).unwrap();
+    assert_eq!(second.mapped_projections(), (all, all), "folder: mapped");
+    assert_eq!(
+        bits_of_a_run(&second),
+        want,
+        "folder: mapped panels, same bits"
+    );
+    let cfg = hf.join("config.json");
+    modified_later(&cfg, 5);
+    let edited = Model::load_with(hf_spec, Precision::Exact, false, Some(settings)).unwrap();
+    assert_eq!(
+        edited.mapped_projections(),
+        (0, all),
+        "folder: config changed"
+    );
+}
+
+/// A model (in `dir`) that is gone loses its file the next time any file is written (here the
+/// model at `path`, modified).
+fn a_gone_models_file_is_removed_at_the_next_write(
+    dir: &std::path::Path,
+    path: &std::path::Path,
+    settings: &attnscope::model::panels::Settings,
+) {
+    let other = dir.join("other.gguf");
+    write_gguf(
+        &tiny_model(Arch::Llama, 8),
+        Arch::Llama,
+        GgmlDType::F32,
+        &other,
+    )
+    .unwrap();
+    let gone = Model::load_with(
+        other.to_str().unwrap(),
+        Precision::Exact,
+        false,
+        Some(settings),
+    )
+    .unwrap()
+    .panel_file()
+    .unwrap()
+    .to_path_buf();
+    assert!(gone.exists());
+    std::fs::remove_file(&other).unwrap();
+    modified_later(path, 9);
+    let rewritten = Model::load_with(
+        path.to_str().unwrap(),
+        Precision::Exact,
+        false,
+        Some(settings),
+    )
+    .unwrap();
+    assert!(rewritten.panel_file().unwrap().exists());
+    assert!(!gone.exists(), "the gone model's file is removed");
 }
 
 /// The packed-weight cache knows a model by its file, not by the path it was reached by (a

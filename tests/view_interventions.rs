@@ -9,7 +9,7 @@ use assert_cmd::Command;
 use attnscope::model::tiny::{tiny_model, write_gguf};
 use attnscope::model::Arch;
 use candle_core::quantized::GgmlDType;
-use common::browser;
+use common::{browser, run_ok as ok, succeeds};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
@@ -30,22 +30,7 @@ fn tiny() -> (tempfile::TempDir, String) {
 }
 
 fn attnscope(args: &[&str]) -> std::process::Output {
-    Command::cargo_bin("attnscope")
-        .unwrap()
-        .write_stdin("")
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn ok(args: &[&str]) -> std::process::Output {
-    let out = attnscope(args);
-    assert!(
-        out.status.success(),
-        "attnscope {args:?} failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
+    common::attnscope().args(args).output().unwrap()
 }
 
 /// The data a view page embeds (`const D = {...}`), read back as JSON.
@@ -184,7 +169,7 @@ fn view_ablation_refuses_what_it_cannot_do() {
     );
     assert!(!out_path.exists());
     // without --ablate the page has no panel data
-    ok(&["view", "--model", &model, "--text", TEXT, "--out", out]);
+    ok(["view", "--model", &model, "--text", TEXT, "--out", out]);
     let d = page_data(&std::fs::read_to_string(&out_path).unwrap());
     assert!(d["ablation"].is_null());
     // the API: ablate_method names the valid values
@@ -192,9 +177,10 @@ fn view_ablation_refuses_what_it_cannot_do() {
     assert!(format!("{e}").contains("`zero`") && attnscope::analysis::request::is_bad_input(&e));
 }
 
-/// Runs `patch --json --html` and checks the page holds every result's numbers.
-fn patch_page_holds_the_report(model: &str, hook: &str, html: &Path) -> (Value, String) {
-    let out = ok(&[
+/// `patch` of the clean text against the corrupted one at `hook`, writing its page to `html`.
+fn patch_to_page(model: &str, hook: &str, html: &Path) -> Command {
+    let mut c = common::attnscope();
+    c.args([
         "patch",
         "--model",
         model,
@@ -208,10 +194,15 @@ fn patch_page_holds_the_report(model: &str, hook: &str, html: &Path) -> (Value, 
         "99",
         "--hook",
         hook,
-        "--json",
         "--html",
-        html.to_str().unwrap(),
-    ]);
+    ])
+    .arg(html);
+    c
+}
+
+/// Runs `patch --json --html` and checks the page holds every result's numbers.
+fn patch_page_holds_the_report(model: &str, hook: &str, html: &Path) -> (Value, String) {
+    let out = succeeds(patch_to_page(model, hook, html).arg("--json"));
     let want: Value = serde_json::from_slice(&out.stdout).unwrap();
     let page = std::fs::read_to_string(html).unwrap();
     assert_eq!(patch_data(&page), want, "the page embeds the report");
@@ -265,23 +256,7 @@ fn patch_page_holds_every_result_and_refuses_to_overwrite() {
         assert!(r["results"].as_array().unwrap().len() > 1);
         // a second run refuses to overwrite the page, before running anything
         let before = std::fs::read(&html).unwrap();
-        let out = attnscope(&[
-            "patch",
-            "--model",
-            &model,
-            "--clean",
-            "the hat at the hat",
-            "--corrupt",
-            "the cat at the hat",
-            "--answer",
-            "104",
-            "--wrong",
-            "99",
-            "--hook",
-            hook,
-            "--html",
-            html.to_str().unwrap(),
-        ]);
+        let out = patch_to_page(&model, hook, &html).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{err}");
         assert!(err.contains("already exists"), "{err}");
@@ -321,7 +296,7 @@ fn ablation_and_patch_pages_click_through_in_a_real_browser() {
     let chromium = browser();
     let (dir, model) = tiny();
     let view = dir.path().join("view.html");
-    ok(&[
+    ok([
         "view",
         "--model",
         &model,

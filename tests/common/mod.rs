@@ -107,9 +107,15 @@ pub fn rerun_without_amx(test: &str) -> String {
 /// Runs `test` of the current test binary again in a child process with `ATTNSCOPE_AMX=value`
 /// (read once per process); asserts that it passed and returns what it printed.
 pub fn rerun_with_amx(test: &str, value: &str) -> String {
+    rerun_with_env(test, "ATTNSCOPE_AMX", value)
+}
+
+/// Runs `test` of the current test binary again in a child process with `var=value` set;
+/// asserts that it passed and returns what it printed.
+pub fn rerun_with_env(test: &str, var: &str, value: &str) -> String {
     let out = std::process::Command::new(std::env::current_exe().unwrap())
         .args([test, "--exact", "--nocapture", "--test-threads=1"])
-        .env("ATTNSCOPE_AMX", value)
+        .env(var, value)
         .output()
         .unwrap();
     let text = format!(
@@ -119,7 +125,7 @@ pub fn rerun_with_amx(test: &str, value: &str) -> String {
     );
     assert!(
         out.status.success() && text.contains("1 passed"),
-        "{test} with ATTNSCOPE_AMX={value}:\n{text}"
+        "{test} with {var}={value}:\n{text}"
     );
     text
 }
@@ -192,4 +198,104 @@ pub fn browser() -> String {
         std::env::var("ATTNSCOPE_REQUIRE_BROWSER").ok()
     );
     String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// A command the tests run to its end: `attnscope` as [`attnscope`] makes it, or a plain
+/// `std::process::Command`.
+pub trait Runs: std::fmt::Debug {
+    fn run_to_end(&mut self) -> std::process::Output;
+}
+
+impl Runs for assert_cmd::Command {
+    fn run_to_end(&mut self) -> std::process::Output {
+        self.output().unwrap()
+    }
+}
+
+impl Runs for std::process::Command {
+    fn run_to_end(&mut self) -> std::process::Output {
+        self.output().unwrap()
+    }
+}
+
+/// Runs `cmd` and asserts that it exited 0, printing the command, its standard output and its
+/// standard error if not; returns what it wrote.
+pub fn succeeds(cmd: &mut impl Runs) -> std::process::Output {
+    let out = cmd.run_to_end();
+    assert!(
+        out.status.success(),
+        "{cmd:?} exited with {:?}\nstdout:\n{}\nstderr:\n{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        stderr_of(&out)
+    );
+    out
+}
+
+/// Runs `cmd` and asserts that it exited with `code`, printing the command, its standard output
+/// and its standard error if not; returns its standard error.
+pub fn fails_with(cmd: &mut impl Runs, code: i32) -> String {
+    let out = cmd.run_to_end();
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "{cmd:?}\nstdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        stderr_of(&out)
+    );
+    stderr_of(&out)
+}
+
+/// `attnscope ARGS`, asserted to exit 0 (see [`succeeds`]); what it wrote.
+pub fn run_ok<I, S>(args: I) -> std::process::Output
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    succeeds(attnscope().args(args))
+}
+
+/// `attnscope ARGS`, asserted to exit 0; its standard output parsed as JSON.
+pub fn run_json<I, S>(args: I) -> serde_json::Value
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    serde_json::from_slice(&run_ok(args).stdout).unwrap()
+}
+
+/// `attnscope ARGS`, asserted to exit with `code` (see [`fails_with`]); its standard error.
+pub fn run_err<I, S>(args: I, code: i32) -> String
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    fails_with(attnscope().args(args), code)
+}
+
+/// Every layer's pattern (a vector each) and every position's logits (one after another) of a
+/// forward over `tokens`.
+pub fn patterns_and_logits(model: &Model, tokens: &[u32]) -> (Vec<Vec<f32>>, Vec<f32>) {
+    let block_bytes = attnscope::model::forward::RunOptions::default().block_bytes;
+    patterns_and_logits_in_blocks(model, tokens, block_bytes)
+}
+
+/// [`patterns_and_logits`] with the attention computed in blocks of `block_bytes`.
+pub fn patterns_and_logits_in_blocks(
+    model: &Model,
+    tokens: &[u32],
+    block_bytes: usize,
+) -> (Vec<Vec<f32>>, Vec<f32>) {
+    use attnscope::model::capture::{AttnCache, CaptureSpec};
+    let mut cache = AttnCache::new(&CaptureSpec::patterns(), tokens.len());
+    let opts = attnscope::model::forward::RunOptions {
+        logits_at: (0..tokens.len()).collect(),
+        block_bytes,
+        ..Default::default()
+    };
+    let out = model.forward(tokens, &opts, &mut cache).unwrap();
+    let p = (0..model.dims.n_layers)
+        .map(|l| cache.pattern(l).unwrap().data.to_vec())
+        .collect();
+    (p, out.logits.concat())
 }

@@ -22,16 +22,6 @@ SENTENCE = "Hà Nội là thủ đô của Việt Nam. Thành phố này nằm �
 BIN = os.environ.get("ATTNSCOPE_BIN", str(ROOT / "target" / "release" / "attnscope"))
 
 
-@pytest.fixture(scope="session")
-def qwen():
-    return attnscope.HookedModel.from_pretrained("qwen2.5-coder-0.5b")
-
-
-@pytest.fixture(scope="session")
-def smol():
-    return attnscope.HookedModel.from_pretrained("smollm2-135m")
-
-
 def golden_ids(prefix):
     g = json.loads((GOLDEN / f"{prefix}_transformers.json").read_text())
     return g

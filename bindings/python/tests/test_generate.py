@@ -11,11 +11,6 @@ import attnscope
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "..", "..", "tests", "golden", "smol_generate.json")
 
 
-@pytest.fixture(scope="module")
-def smol():
-    return attnscope.HookedModel.from_pretrained("smollm2-135m")
-
-
 def test_greedy_equals_transformers(smol):
     cases = json.load(open(GOLDEN, encoding="utf-8"))["cases"]
     for c in cases.values():

@@ -20,21 +20,7 @@ ANSWER, WRONG = 8590, 8363
 PAIRS = {"smol": (8590, 8363), "qwen": (29405, 14261)}
 
 
-@pytest.fixture(scope="module")
-def smol():
-    return attnscope.HookedModel.from_pretrained("smollm2-135m")
-
-
-@pytest.fixture(scope="module")
-def qwen():
-    return attnscope.HookedModel.from_pretrained("qwen2.5-coder-0.5b")
-
-
-@pytest.fixture(autouse=True)
-def numpy_results():
-    attnscope.set_array_type("numpy")
-    yield
-    attnscope.set_array_type("auto")
+pytestmark = pytest.mark.usefixtures("numpy_results")
 
 
 def check(cache, prefix, ref=REF):

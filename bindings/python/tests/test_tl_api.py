@@ -15,21 +15,7 @@ QK = np.load(ROOT / "tests" / "golden" / "qk_layer3.npz")
 TEXT = "The cat sat on the mat because it was tired"
 
 
-@pytest.fixture(scope="module")
-def smol():
-    return attnscope.HookedModel.from_pretrained("smollm2-135m")
-
-
-@pytest.fixture(scope="module")
-def qwen():
-    return attnscope.HookedModel.from_pretrained("qwen2.5-coder-0.5b")
-
-
-@pytest.fixture(autouse=True)
-def numpy_results():
-    attnscope.set_array_type("numpy")
-    yield
-    attnscope.set_array_type("auto")
+pytestmark = pytest.mark.usefixtures("numpy_results")
 
 
 @pytest.mark.parametrize("which", ["smol", "qwen"])
