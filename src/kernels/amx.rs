@@ -1170,21 +1170,9 @@ pub fn kernel_peak_gflops(seconds: f64) -> f64 {
 mod tests {
     use super::*;
 
-    fn naive(a: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f64> {
-        let mut c = vec![0f64; m * n];
-        for i in 0..m {
-            for j in 0..n {
-                c[i * n + j] = (0..k)
-                    .map(|p| a[i * k + p] as f64 * w[j * k + p] as f64)
-                    .sum();
-            }
-        }
-        c
-    }
-
     /// The engines this machine runs: the emulation always, the tiles where AMX is available
     /// (said on stderr, so a run without them is visible).
-    fn engines() -> Vec<Engine> {
+    pub(super) fn engines() -> Vec<Engine> {
         if available() {
             vec![Engine::Emulated, Engine::Tiles]
         } else {
@@ -1257,11 +1245,11 @@ mod tests {
         let mut rng = crate::reference::Rng::new(seed);
         let a = rng.normals(m * k, 1.0);
         let w = rng.normals(n * k, 1.0);
-        let want = naive(&a, m, k, &w, n);
+        let want = crate::kernels::naive_product(&a, m, k, &w, n);
         // Σ|a·w| per output: the scale of the rounding error of any f32 summation
         let aa: Vec<f32> = a.iter().map(|x| x.abs()).collect();
         let wa: Vec<f32> = w.iter().map(|x| x.abs()).collect();
-        let mass = naive(&aa, m, k, &wa, n);
+        let mass = crate::kernels::naive_product(&aa, m, k, &wa, n);
         let packed = PackedBf16::from_rows(&w, n, k, k, splits);
         for j in [0, n / 2, n - 1] {
             let col = packed.column(j);

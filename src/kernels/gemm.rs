@@ -1124,19 +1124,6 @@ mod tests {
         }
     }
 
-    fn naive(a: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f64> {
-        // a [m, k], w [n, k] → [m, n]
-        let mut c = vec![0f64; m * n];
-        for i in 0..m {
-            for j in 0..n {
-                c[i * n + j] = (0..k)
-                    .map(|p| a[i * k + p] as f64 * w[j * k + p] as f64)
-                    .sum();
-            }
-        }
-        c
-    }
-
     fn check(m: usize, k: usize, n: usize, isa: Isa, seed: u64) {
         check_tampered(m, k, n, isa, seed, |_| {})
     }
@@ -1147,7 +1134,7 @@ mod tests {
         let mut rng = crate::reference::Rng::new(seed);
         let a = rng.normals(m * k, 1.0);
         let mut w = rng.normals(n * k, 1.0);
-        let want = naive(&a, m, k, &w, n);
+        let want = crate::kernels::naive_product(&a, m, k, &w, n);
         tamper(&mut w);
         // W [n, k] as rows, and its transpose [k, n] as columns: the same product
         let wt: Vec<f32> = (0..k * n).map(|i| w[(i % n) * k + i / n]).collect();
