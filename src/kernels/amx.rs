@@ -515,110 +515,201 @@ unsafe fn task_run(
     ldc: usize,
     accumulate: bool,
 ) {
-    // SAFETY: the caller upholds this function's contract (its doc comment: the pointers cover
-    // the rows and tiles it names, the CPU has the kernel's features); the body only
-    // reads and writes within them.
-    unsafe {
-        let splits = w.splits;
-        let chunks = w.chunks;
-        let wbuf = w.buf.as_slice();
-        let panel_len = w.panel_len();
-        let split_stride = chunks * 2 * TILE;
-        let kcs = slice_chunks(splits);
-        let slices = chunks.div_ceil(kcs);
-        let mut spare = [0f32; MB * NP];
-        C_PART.with(|cell| {
-            let mut part = cell.borrow_mut();
-            if slices > 1 {
-                let len = blocks.len() * panels.len() * MB * NP;
-                if part.len() < len {
-                    part.resize(len, 0.0);
+    let task = Task {
+        engine,
+        planes,
+        block_len,
+        w,
+        panels,
+        m,
+        c,
+        ldc,
+        accumulate,
+    };
+    // SAFETY: the caller upholds this function's contract, which is [`Task::run`]'s.
+    unsafe { task.run(blocks) }
+}
+
+/// One task of [`task_run`]: its inputs, and the panels of C it computes.
+struct Task<'a> {
+    engine: Engine,
+    planes: &'a [u16],
+    block_len: usize,
+    w: &'a PackedBf16,
+    panels: std::ops::Range<usize>,
+    m: usize,
+    c: SendPtr,
+    ldc: usize,
+    accumulate: bool,
+}
+
+/// One k slice of a task: chunks `c0..c0 + nch`, and whether it is the first and the last.
+#[derive(Clone, Copy)]
+struct KSlice {
+    c0: usize,
+    nch: usize,
+    first: bool,
+    last: bool,
+}
+
+impl Task<'_> {
+    /// Every k slice over row blocks `blocks` × the task's panels, the tiles configured around
+    /// them (with `Engine::Tiles`); the sums between slices in the task's buffer `C_PART`.
+    ///
+    /// # Safety
+    /// As [`task_run`].
+    unsafe fn run(&self, blocks: std::ops::Range<usize>) {
+        // SAFETY: the caller upholds this function's contract (its doc comment: the pointers cover
+        // the rows and tiles it names, the CPU has the kernel's features); the body only
+        // reads and writes within them.
+        unsafe {
+            let chunks = self.w.chunks;
+            let kcs = slice_chunks(self.w.splits);
+            let slices = chunks.div_ceil(kcs);
+            let panels = self.panels.clone();
+            let mut spare = [0f32; MB * NP];
+            C_PART.with(|cell| {
+                let mut part = cell.borrow_mut();
+                if slices > 1 {
+                    let len = blocks.len() * panels.len() * MB * NP;
+                    if part.len() < len {
+                        part.resize(len, 0.0);
+                    }
                 }
-            }
-            #[cfg(target_arch = "x86_64")]
-            if engine == Engine::Tiles {
-                tiles::configure();
-            }
-            for si in 0..slices {
-                let c0 = si * kcs;
-                let nch = kcs.min(chunks - c0);
-                let (first, last) = (si == 0, si + 1 == slices);
-                for (bi, b) in blocks.clone().enumerate() {
-                    let row0 = b * MB;
-                    let rows = MB.min(m.saturating_sub(row0));
-                    let a0 = planes[b * block_len + c0 * 2 * TILE..].as_ptr();
-                    for (pi, p) in panels.clone().enumerate() {
-                        let bp = wbuf[p * panel_len + c0 * splits * 2 * TILE..].as_ptr();
-                        let col0 = p * NP;
-                        let cols = NP.min(w.n - col0);
-                        let whole = rows == MB && cols == NP;
-                        let in_c = CBlock {
-                            ptr: c.0.add(row0 * ldc + col0),
-                            ld: ldc,
-                        };
-                        let in_spare = CBlock {
-                            ptr: spare.as_mut_ptr(),
-                            ld: NP,
-                        };
-                        let in_part = CBlock {
-                            ptr: part.as_mut_ptr().add((bi * panels.len() + pi) * MB * NP),
-                            ld: NP,
-                        };
-                        let src = if !first {
-                            Some(in_part)
-                        } else if !accumulate {
-                            None
-                        } else if whole {
-                            Some(in_c)
-                        } else {
-                            for r in 0..rows {
-                                for j in 0..cols {
-                                    spare[r * NP + j] = *c.0.add((row0 + r) * ldc + col0 + j);
-                                }
-                            }
-                            Some(in_spare)
-                        };
-                        let dst = if !last {
-                            in_part
-                        } else if whole {
-                            in_c
-                        } else {
-                            in_spare
-                        };
-                        match engine {
-                            #[cfg(target_arch = "x86_64")]
-                            Engine::Tiles => {
-                                // what the next call reads first: the next panel, or the first
-                                // panel of the next block (prefetching past the end is harmless)
-                                let next = if p + 1 < panels.end {
-                                    (a0, bp.wrapping_add(panel_len))
-                                } else {
-                                    (
-                                        a0.wrapping_add(block_len),
-                                        wbuf.as_ptr().wrapping_add(
-                                            panels.start * panel_len + c0 * splits * 2 * TILE,
-                                        ),
-                                    )
-                                };
-                                tiles::block(nch, splits, a0, split_stride, bp, src, dst, next)
-                            }
-                            _ => emulated_block(nch, splits, a0, split_stride, bp, src, dst),
-                        }
-                        if last && !whole {
-                            for r in 0..rows {
-                                for j in 0..cols {
-                                    *c.0.add((row0 + r) * ldc + col0 + j) = spare[r * NP + j];
-                                }
-                            }
+                #[cfg(target_arch = "x86_64")]
+                if self.engine == Engine::Tiles {
+                    tiles::configure();
+                }
+                for si in 0..slices {
+                    let c0 = si * kcs;
+                    let slice = KSlice {
+                        c0,
+                        nch: kcs.min(chunks - c0),
+                        first: si == 0,
+                        last: si + 1 == slices,
+                    };
+                    for (bi, b) in blocks.clone().enumerate() {
+                        let a0 = self.planes[b * self.block_len + c0 * 2 * TILE..].as_ptr();
+                        for (pi, p) in panels.clone().enumerate() {
+                            let in_part = part.as_mut_ptr().add((bi * panels.len() + pi) * MB * NP);
+                            self.tile(slice, (b, a0), p, in_part, &mut spare);
                         }
                     }
                 }
+                #[cfg(target_arch = "x86_64")]
+                if self.engine == Engine::Tiles {
+                    tiles::release();
+                }
+            });
+        }
+    }
+
+    /// Row block `b` (its A tiles at `a0`) × panel `p` over one k slice. Its sums come from
+    /// and go to: the task's buffer `part` between slices; C itself for a whole tile; `spare`
+    /// for an edge tile (the valid part of C copied in and out).
+    ///
+    /// # Safety
+    /// As [`task_run`]; `part` valid for a `[32, 32]` block when there is more than one slice.
+    #[inline(always)]
+    unsafe fn tile(
+        &self,
+        slice: KSlice,
+        (b, a0): (usize, *const u16),
+        p: usize,
+        part: *mut f32,
+        spare: &mut [f32; MB * NP],
+    ) {
+        // SAFETY: as this function's contract: C's rows and columns named exist, and the
+        // task's tiles of it are written by no one else.
+        unsafe {
+            let (c, ldc) = (self.c, self.ldc);
+            let row0 = b * MB;
+            let rows = MB.min(self.m.saturating_sub(row0));
+            let col0 = p * NP;
+            let cols = NP.min(self.w.n - col0);
+            let whole = rows == MB && cols == NP;
+            let in_c = CBlock {
+                ptr: c.0.add(row0 * ldc + col0),
+                ld: ldc,
+            };
+            let in_spare = CBlock {
+                ptr: spare.as_mut_ptr(),
+                ld: NP,
+            };
+            let in_part = CBlock { ptr: part, ld: NP };
+            let src = if !slice.first {
+                Some(in_part)
+            } else if !self.accumulate {
+                None
+            } else if whole {
+                Some(in_c)
+            } else {
+                for r in 0..rows {
+                    for j in 0..cols {
+                        spare[r * NP + j] = *c.0.add((row0 + r) * ldc + col0 + j);
+                    }
+                }
+                Some(in_spare)
+            };
+            let dst = if !slice.last {
+                in_part
+            } else if whole {
+                in_c
+            } else {
+                in_spare
+            };
+            self.multiply(slice, a0, p, src, dst);
+            if slice.last && !whole {
+                for r in 0..rows {
+                    for j in 0..cols {
+                        *c.0.add((row0 + r) * ldc + col0 + j) = spare[r * NP + j];
+                    }
+                }
             }
-            #[cfg(target_arch = "x86_64")]
-            if engine == Engine::Tiles {
-                tiles::release();
+        }
+    }
+
+    /// `dst = src + A · W` of one tile over one k slice (A's tiles at `a0`, panel `p`): on the
+    /// tiles, the next call's first tiles prefetched, or emulated.
+    ///
+    /// # Safety
+    /// As [`task_run`]; `src` and `dst` valid for a `[32, 32]` block.
+    #[inline(always)]
+    unsafe fn multiply(
+        &self,
+        slice: KSlice,
+        a0: *const u16,
+        p: usize,
+        src: Option<CBlock>,
+        dst: CBlock,
+    ) {
+        let (splits, nch, c0) = (self.w.splits, slice.nch, slice.c0);
+        let wbuf = self.w.buf.as_slice();
+        let panel_len = self.w.panel_len();
+        let split_stride = self.w.chunks * 2 * TILE;
+        let bp = wbuf[p * panel_len + c0 * splits * 2 * TILE..].as_ptr();
+        // SAFETY: as this function's contract: the pointers cover the tiles they name.
+        unsafe {
+            match self.engine {
+                #[cfg(target_arch = "x86_64")]
+                Engine::Tiles => {
+                    // what the next call reads first: the next panel, or the first
+                    // panel of the next block (prefetching past the end is harmless)
+                    let next = if p + 1 < self.panels.end {
+                        (a0, bp.wrapping_add(panel_len))
+                    } else {
+                        (
+                            a0.wrapping_add(self.block_len),
+                            wbuf.as_ptr().wrapping_add(
+                                self.panels.start * panel_len + c0 * splits * 2 * TILE,
+                            ),
+                        )
+                    };
+                    tiles::block(nch, splits, a0, split_stride, bp, src, dst, next)
+                }
+                _ => emulated_block(nch, splits, a0, split_stride, bp, src, dst),
             }
-        });
+        }
     }
 }
 
@@ -840,6 +931,41 @@ mod tiles {
         // the rows and tiles it names, the CPU has the kernel's features); the body only
         // reads and writes within them.
         unsafe {
+            load_sums(src);
+            for ch in 0..nch {
+                let bt = b.add(ch * splits * 2 * TILE);
+                let a1 = a0.add(ch * 2 * TILE);
+                // the next chunk's tiles (or the next block's first) into L1 while these multiply:
+                // a tile load that misses L1 stalls the tile unit (measured: 15% of the time on
+                // the first W load alone)
+                let (na, nb) = if ch + 1 < nch {
+                    (a1.add(2 * TILE), bt.add(splits * 2 * TILE))
+                } else {
+                    next
+                };
+                for sp in 0..splits {
+                    prefetch(na.add(sp * split_stride), 2 * TILE);
+                }
+                prefetch(nb, splits * 2 * TILE);
+                if splits == 1 {
+                    chunk_one_part(a1, bt);
+                } else {
+                    chunk_three_parts(a1, split_stride, bt);
+                }
+            }
+            store_sums(dst);
+        }
+    }
+
+    /// The running sums of a 32 × 32 block into tmm0..tmm3 (columns 0..16 and 16..32 of rows
+    /// 0..16, then of rows 16..32): loaded from `src`, or zero without one.
+    ///
+    /// # Safety
+    /// Tiles configured on this thread; `src` valid for a `[32, 32]` f32 block.
+    #[inline(always)]
+    unsafe fn load_sums(src: Option<super::CBlock>) {
+        // SAFETY: the caller's contract: tiles configured, `src` valid for the block it names.
+        unsafe {
             if let Some(src) = src {
                 let (c, cs) = (src.ptr, src.ld * 4);
                 let c1 = c.add(T); // columns 16..32
@@ -862,94 +988,113 @@ mod tiles {
                     options(nostack, nomem)
                 );
             }
-            let s_a = 64usize; // A tile row stride in bytes
-            let a_lo = TILE; // rows 16..32 of A: the next tile
-            for ch in 0..nch {
-                let bt = b.add(ch * splits * 2 * TILE);
-                let a1 = a0.add(ch * 2 * TILE);
-                // the next chunk's tiles (or the next block's first) into L1 while these multiply:
-                // a tile load that misses L1 stalls the tile unit (measured: 15% of the time on
-                // the first W load alone)
-                let (na, nb) = if ch + 1 < nch {
-                    (a1.add(2 * TILE), bt.add(splits * 2 * TILE))
-                } else {
-                    next
-                };
-                for sp in 0..splits {
-                    prefetch(na.add(sp * split_stride), 2 * TILE);
-                }
-                prefetch(nb, splits * 2 * TILE);
-                if splits == 1 {
-                    asm!(
-                        "tileloadd tmm4, [{a} + {sa}*1]",
-                        "tileloadd tmm5, [{a16} + {sa}*1]",
-                        "tileloadd tmm6, [{b0} + {sb}*1]",
-                        "tileloadd tmm7, [{b1} + {sb}*1]",
-                        "tdpbf16ps tmm0, tmm4, tmm6",
-                        "tdpbf16ps tmm1, tmm4, tmm7",
-                        "tdpbf16ps tmm2, tmm5, tmm6",
-                        "tdpbf16ps tmm3, tmm5, tmm7",
-                        a = in(reg) a1, a16 = in(reg) a1.add(a_lo), sa = in(reg) s_a,
-                        b0 = in(reg) bt, b1 = in(reg) bt.add(TILE), sb = in(reg) 64usize,
-                        options(nostack, readonly)
-                    );
-                } else {
-                    let a2 = a1.add(split_stride);
-                    let a3 = a2.add(split_stride);
-                    // W part s, half h at bt + (s·2 + h)·TILE; products smallest first:
-                    // x₁w₃, x₁w₂, x₁w₁, x₂w₁, x₃w₁, x₂w₂ (as PRODUCTS3)
-                    asm!(
-                        "tileloadd tmm4, [{a1} + {sa}*1]",
-                        "tileloadd tmm5, [{a1l} + {sa}*1]",
-                        "tileloadd tmm6, [{w3} + {sb}*1]",
-                        "tileloadd tmm7, [{w3h} + {sb}*1]",
-                        "tdpbf16ps tmm0, tmm4, tmm6",
-                        "tdpbf16ps tmm1, tmm4, tmm7",
-                        "tdpbf16ps tmm2, tmm5, tmm6",
-                        "tdpbf16ps tmm3, tmm5, tmm7",
-                        "tileloadd tmm6, [{w2} + {sb}*1]",
-                        "tileloadd tmm7, [{w2h} + {sb}*1]",
-                        "tdpbf16ps tmm0, tmm4, tmm6",
-                        "tdpbf16ps tmm1, tmm4, tmm7",
-                        "tdpbf16ps tmm2, tmm5, tmm6",
-                        "tdpbf16ps tmm3, tmm5, tmm7",
-                        "tileloadd tmm6, [{w1} + {sb}*1]",
-                        "tileloadd tmm7, [{w1h} + {sb}*1]",
-                        "tdpbf16ps tmm0, tmm4, tmm6",
-                        "tdpbf16ps tmm1, tmm4, tmm7",
-                        "tdpbf16ps tmm2, tmm5, tmm6",
-                        "tdpbf16ps tmm3, tmm5, tmm7",
-                        "tileloadd tmm4, [{a2} + {sa}*1]",
-                        "tileloadd tmm5, [{a2l} + {sa}*1]",
-                        "tdpbf16ps tmm0, tmm4, tmm6",
-                        "tdpbf16ps tmm1, tmm4, tmm7",
-                        "tdpbf16ps tmm2, tmm5, tmm6",
-                        "tdpbf16ps tmm3, tmm5, tmm7",
-                        "tileloadd tmm4, [{a3} + {sa}*1]",
-                        "tileloadd tmm5, [{a3l} + {sa}*1]",
-                        "tdpbf16ps tmm0, tmm4, tmm6",
-                        "tdpbf16ps tmm1, tmm4, tmm7",
-                        "tdpbf16ps tmm2, tmm5, tmm6",
-                        "tdpbf16ps tmm3, tmm5, tmm7",
-                        "tileloadd tmm4, [{a2} + {sa}*1]",
-                        "tileloadd tmm5, [{a2l} + {sa}*1]",
-                        "tileloadd tmm6, [{w2} + {sb}*1]",
-                        "tileloadd tmm7, [{w2h} + {sb}*1]",
-                        "tdpbf16ps tmm0, tmm4, tmm6",
-                        "tdpbf16ps tmm1, tmm4, tmm7",
-                        "tdpbf16ps tmm2, tmm5, tmm6",
-                        "tdpbf16ps tmm3, tmm5, tmm7",
-                        a1 = in(reg) a1, a1l = in(reg) a1.add(a_lo),
-                        a2 = in(reg) a2, a2l = in(reg) a2.add(a_lo),
-                        a3 = in(reg) a3, a3l = in(reg) a3.add(a_lo),
-                        w1 = in(reg) bt, w1h = in(reg) bt.add(TILE),
-                        w2 = in(reg) bt.add(2 * TILE), w2h = in(reg) bt.add(3 * TILE),
-                        w3 = in(reg) bt.add(4 * TILE), w3h = in(reg) bt.add(5 * TILE),
-                        sa = in(reg) s_a, sb = in(reg) 64usize,
-                        options(nostack, readonly)
-                    );
-                }
-            }
+        }
+    }
+
+    /// One chunk of one part: `tmm0..3 += A[32, 32] · W[32, 32]`, A's two row tiles at `a1`
+    /// (rows 16..32 one tile on), W's two column tiles at `bt`.
+    ///
+    /// # Safety
+    /// Tiles configured on this thread; `a1` and `bt` valid for two tiles each.
+    #[inline(always)]
+    unsafe fn chunk_one_part(a1: *const u16, bt: *const u16) {
+        // A tile row stride in bytes; rows 16..32 of A: the next tile
+        let (s_a, a_lo) = (64usize, TILE);
+        // SAFETY: the caller's contract: tiles configured, the pointers valid for their tiles.
+        unsafe {
+            asm!(
+                "tileloadd tmm4, [{a} + {sa}*1]",
+                "tileloadd tmm5, [{a16} + {sa}*1]",
+                "tileloadd tmm6, [{b0} + {sb}*1]",
+                "tileloadd tmm7, [{b1} + {sb}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                a = in(reg) a1, a16 = in(reg) a1.add(a_lo), sa = in(reg) s_a,
+                b0 = in(reg) bt, b1 = in(reg) bt.add(TILE), sb = in(reg) 64usize,
+                options(nostack, readonly)
+            );
+        }
+    }
+
+    /// One chunk of three parts: the six products of [`super::PRODUCTS3`] into `tmm0..3`, A's
+    /// part `s` at `a1 + s·split_stride`, W's part `s`, half `h` at `bt + (s·2 + h)·TILE`.
+    ///
+    /// # Safety
+    /// Tiles configured on this thread; the pointers valid for the parts' tiles.
+    #[inline(always)]
+    unsafe fn chunk_three_parts(a1: *const u16, split_stride: usize, bt: *const u16) {
+        // A tile row stride in bytes; rows 16..32 of A: the next tile
+        let (s_a, a_lo) = (64usize, TILE);
+        // SAFETY: the caller's contract: tiles configured, the pointers valid for the parts'
+        // tiles.
+        unsafe {
+            let a2 = a1.add(split_stride);
+            let a3 = a2.add(split_stride);
+            // W part s, half h at bt + (s·2 + h)·TILE; products smallest first:
+            // x₁w₃, x₁w₂, x₁w₁, x₂w₁, x₃w₁, x₂w₂ (as PRODUCTS3)
+            asm!(
+                "tileloadd tmm4, [{a1} + {sa}*1]",
+                "tileloadd tmm5, [{a1l} + {sa}*1]",
+                "tileloadd tmm6, [{w3} + {sb}*1]",
+                "tileloadd tmm7, [{w3h} + {sb}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                "tileloadd tmm6, [{w2} + {sb}*1]",
+                "tileloadd tmm7, [{w2h} + {sb}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                "tileloadd tmm6, [{w1} + {sb}*1]",
+                "tileloadd tmm7, [{w1h} + {sb}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                "tileloadd tmm4, [{a2} + {sa}*1]",
+                "tileloadd tmm5, [{a2l} + {sa}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                "tileloadd tmm4, [{a3} + {sa}*1]",
+                "tileloadd tmm5, [{a3l} + {sa}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                "tileloadd tmm4, [{a2} + {sa}*1]",
+                "tileloadd tmm5, [{a2l} + {sa}*1]",
+                "tileloadd tmm6, [{w2} + {sb}*1]",
+                "tileloadd tmm7, [{w2h} + {sb}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                a1 = in(reg) a1, a1l = in(reg) a1.add(a_lo),
+                a2 = in(reg) a2, a2l = in(reg) a2.add(a_lo),
+                a3 = in(reg) a3, a3l = in(reg) a3.add(a_lo),
+                w1 = in(reg) bt, w1h = in(reg) bt.add(TILE),
+                w2 = in(reg) bt.add(2 * TILE), w2h = in(reg) bt.add(3 * TILE),
+                w3 = in(reg) bt.add(4 * TILE), w3h = in(reg) bt.add(5 * TILE),
+                sa = in(reg) s_a, sb = in(reg) 64usize,
+                options(nostack, readonly)
+            );
+        }
+    }
+
+    /// tmm0..tmm3 stored into the block `dst` (as [`load_sums`] reads it).
+    ///
+    /// # Safety
+    /// Tiles configured on this thread; `dst` valid for a `[32, 32]` f32 block.
+    #[inline(always)]
+    unsafe fn store_sums(dst: super::CBlock) {
+        // SAFETY: the caller's contract: tiles configured, `dst` valid for the block it names.
+        unsafe {
             let (c, cs) = (dst.ptr, dst.ld * 4);
             let c1 = c.add(T);
             let c2 = c.add(T * dst.ld);
@@ -1025,21 +1170,9 @@ pub fn kernel_peak_gflops(seconds: f64) -> f64 {
 mod tests {
     use super::*;
 
-    fn naive(a: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f64> {
-        let mut c = vec![0f64; m * n];
-        for i in 0..m {
-            for j in 0..n {
-                c[i * n + j] = (0..k)
-                    .map(|p| a[i * k + p] as f64 * w[j * k + p] as f64)
-                    .sum();
-            }
-        }
-        c
-    }
-
     /// The engines this machine runs: the emulation always, the tiles where AMX is available
     /// (said on stderr, so a run without them is visible).
-    fn engines() -> Vec<Engine> {
+    pub(super) fn engines() -> Vec<Engine> {
         if available() {
             vec![Engine::Emulated, Engine::Tiles]
         } else {
@@ -1112,11 +1245,11 @@ mod tests {
         let mut rng = crate::reference::Rng::new(seed);
         let a = rng.normals(m * k, 1.0);
         let w = rng.normals(n * k, 1.0);
-        let want = naive(&a, m, k, &w, n);
+        let want = crate::kernels::naive_product(&a, m, k, &w, n);
         // Σ|a·w| per output: the scale of the rounding error of any f32 summation
         let aa: Vec<f32> = a.iter().map(|x| x.abs()).collect();
         let wa: Vec<f32> = w.iter().map(|x| x.abs()).collect();
-        let mass = naive(&aa, m, k, &wa, n);
+        let mass = crate::kernels::naive_product(&aa, m, k, &wa, n);
         let packed = PackedBf16::from_rows(&w, n, k, k, splits);
         for j in [0, n / 2, n - 1] {
             let col = packed.column(j);

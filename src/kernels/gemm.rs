@@ -719,13 +719,23 @@ unsafe fn block(
     ldc: usize,
     accumulate: bool,
 ) {
+    let ops = Operands {
+        a,
+        lda,
+        b,
+        k0,
+        bj0,
+        cols,
+        c,
+        cj0,
+        ldc,
+        isa: b.isa(),
+    };
     // SAFETY: the caller upholds this function's contract (its doc comment: the pointers cover
     // the rows and tiles it names, the CPU has the kernel's features); the body only
     // reads and writes within them.
     unsafe {
-        let isa = b.isa();
-        let (mr, nr, kc_max) = (isa.mr(), isa.nr(), isa.kc());
-        let p0 = bj0 / nr;
+        let kc_max = ops.isa.kc();
         A_PACK.with(|cell| {
             B_PACK.with(|bcell| {
                 let mut apack = cell.borrow_mut();
@@ -736,103 +746,178 @@ unsafe fn block(
                     let kc = kc_max.min(k - pc);
                     let acc = accumulate || pc > 0;
                     if let BRef::Source(src, _) = b {
-                        // this slice of the task's panels, made once and read by every row block
-                        let panels = (bj0 + cols).div_ceil(nr) - p0;
-                        bpack.ensure(panels * kc * nr);
-                        for (i, out) in bpack.as_mut_slice().chunks_mut(kc * nr).enumerate() {
-                            src.fill(isa, p0 + i, k0 + pc, kc, out);
-                        }
+                        ops.pack_b_slice(src, k0 + pc, kc, &mut bpack);
                     }
                     let mut i0 = r0;
                     while i0 < r0 + rows {
                         let brows = mc.min(r0 + rows - i0);
-                        let strips = brows.div_ceil(mr);
-                        let full = brows / mr; // strips read in place; a last partial one is packed
-                        if full < strips {
-                            apack.ensure(kc * mr);
-                            let strip = apack.as_mut_slice();
-                            for r in 0..mr {
-                                let rr = full * mr + r;
-                                for kk in 0..kc {
-                                    strip[kk * mr + r] = if rr < brows {
-                                        a[(i0 + rr) * lda + pc + kk]
-                                    } else {
-                                        0.0
-                                    };
-                                }
-                            }
-                        }
-                        let ap = apack.as_slice();
-                        for p in bj0 / nr..(bj0 + cols).div_ceil(nr) {
-                            let bp = match b {
-                                BRef::Packed(pb) => pb.panel(p)[(k0 + pc) * nr..].as_ptr(),
-                                BRef::Source(..) => bpack.as_slice()[(p - p0) * kc * nr..].as_ptr(),
-                            };
-                            // the columns of this panel inside bj0..bj0+cols, as offsets in the panel
-                            let lo = bj0.max(p * nr) - p * nr;
-                            let hi = (bj0 + cols).min(p * nr + nr) - p * nr;
-                            // C column of the panel's first column (may lie before cj0 on an unaligned start)
-                            let cbase = (p * nr) as isize - bj0 as isize + cj0 as isize;
-                            for s in 0..strips {
-                                let srows = mr.min(brows - s * mr);
-                                let crow = c.0.add((i0 + s * mr) * ldc);
-                                let a_in_place = a[(i0 + s * mr) * lda + pc..].as_ptr();
-                                if srows == mr && lo == 0 && hi == nr {
-                                    isa.kernel_rows(
-                                        kc,
-                                        a_in_place,
-                                        lda,
-                                        bp,
-                                        crow.offset(cbase),
-                                        ldc,
-                                        acc,
-                                    );
-                                } else {
-                                    // an edge tile: compute the full tile aside, copy in the valid part
-                                    for r in 0..srows {
-                                        for j in lo..hi {
-                                            tile[r * nr + j] = if acc {
-                                                *crow.offset(cbase + (r * ldc + j) as isize)
-                                            } else {
-                                                0.0
-                                            };
-                                        }
-                                    }
-                                    if srows == mr {
-                                        isa.kernel_rows(
-                                            kc,
-                                            a_in_place,
-                                            lda,
-                                            bp,
-                                            tile.as_mut_ptr(),
-                                            nr,
-                                            true,
-                                        );
-                                    } else {
-                                        isa.kernel(
-                                            kc,
-                                            ap.as_ptr(),
-                                            bp,
-                                            tile.as_mut_ptr(),
-                                            nr,
-                                            true,
-                                        );
-                                    }
-                                    for r in 0..srows {
-                                        for j in lo..hi {
-                                            *crow.offset(cbase + (r * ldc + j) as isize) =
-                                                tile[r * nr + j];
-                                        }
-                                    }
-                                }
-                            }
-                        }
+                        let rb = RowBlock {
+                            i0,
+                            brows,
+                            pc,
+                            kc,
+                            acc,
+                        };
+                        ops.row_block(rb, &mut apack, &bpack, &mut tile);
                         i0 += brows;
                     }
                     pc += kc;
                 }
             })
         });
+    }
+}
+
+/// What one task of [`block`] multiplies: A (rows at stride `lda`), B's columns
+/// `bj0..bj0 + cols` from its row `k0`, into C's columns `cj0..` at row stride `ldc`.
+#[derive(Clone, Copy)]
+struct Operands<'a> {
+    a: &'a [f32],
+    lda: usize,
+    b: BRef<'a>,
+    k0: usize,
+    bj0: usize,
+    cols: usize,
+    c: SendPtr,
+    cj0: usize,
+    ldc: usize,
+    isa: Isa,
+}
+
+/// One block of A's rows over one depth slice: rows `i0..i0 + brows`, B rows `pc..pc + kc`
+/// (from the task's `k0`); `acc`: C's values are added to (else overwritten).
+#[derive(Clone, Copy)]
+struct RowBlock {
+    i0: usize,
+    brows: usize,
+    pc: usize,
+    kc: usize,
+    acc: bool,
+}
+
+impl Operands<'_> {
+    /// The B panels of the task's columns, B rows `k..k + kc`, made once into `bpack` and read
+    /// by every row block of the slice.
+    #[inline(always)]
+    fn pack_b_slice(&self, src: &dyn PanelSource, k: usize, kc: usize, bpack: &mut AlignedBuf) {
+        let nr = self.isa.nr();
+        let p0 = self.bj0 / nr;
+        let panels = (self.bj0 + self.cols).div_ceil(nr) - p0;
+        bpack.ensure(panels * kc * nr);
+        for (i, out) in bpack.as_mut_slice().chunks_mut(kc * nr).enumerate() {
+            src.fill(self.isa, p0 + i, k, kc, out);
+        }
+    }
+
+    /// A row block over every panel of the task's columns: its whole strips of `mr` rows read
+    /// in place, a last partial one packed ([`Operands::pack_partial_strip`]), each strip ×
+    /// panel one micro-kernel call ([`Operands::strip`]).
+    ///
+    /// # Safety
+    /// As [`block`].
+    #[inline(always)]
+    unsafe fn row_block(
+        &self,
+        rb: RowBlock,
+        apack: &mut AlignedBuf,
+        bpack: &AlignedBuf,
+        tile: &mut [f32; 12 * 32],
+    ) {
+        let (mr, nr) = (self.isa.mr(), self.isa.nr());
+        let (bj0, cols) = (self.bj0, self.cols);
+        let p0 = bj0 / nr;
+        let strips = rb.brows.div_ceil(mr);
+        let full = rb.brows / mr; // strips read in place; a last partial one is packed
+        if full < strips {
+            self.pack_partial_strip(rb, full, apack);
+        }
+        let ap = apack.as_slice();
+        for p in bj0 / nr..(bj0 + cols).div_ceil(nr) {
+            let bp = match self.b {
+                BRef::Packed(pb) => pb.panel(p)[(self.k0 + rb.pc) * nr..].as_ptr(),
+                BRef::Source(..) => bpack.as_slice()[(p - p0) * rb.kc * nr..].as_ptr(),
+            };
+            // the columns of this panel inside bj0..bj0+cols, as offsets in the panel
+            let lo = bj0.max(p * nr) - p * nr;
+            let hi = (bj0 + cols).min(p * nr + nr) - p * nr;
+            // C column of the panel's first column (may lie before cj0 on an unaligned start)
+            let cbase = (p * nr) as isize - bj0 as isize + self.cj0 as isize;
+            for s in 0..strips {
+                // SAFETY: as this function's contract.
+                unsafe { self.strip(rb, s, (bp, lo..hi, cbase), ap, tile) };
+            }
+        }
+    }
+
+    /// The block's last, partial strip of rows packed into `apack` (`[kc, mr]`), the rows past
+    /// the block zero.
+    #[inline(always)]
+    fn pack_partial_strip(&self, rb: RowBlock, full: usize, apack: &mut AlignedBuf) {
+        let mr = self.isa.mr();
+        let (a, lda, kc) = (self.a, self.lda, rb.kc);
+        apack.ensure(kc * mr);
+        let strip = apack.as_mut_slice();
+        for r in 0..mr {
+            let rr = full * mr + r;
+            for kk in 0..kc {
+                strip[kk * mr + r] = if rr < rb.brows {
+                    a[(rb.i0 + rr) * lda + rb.pc + kk]
+                } else {
+                    0.0
+                };
+            }
+        }
+    }
+
+    /// Strip `s` of the row block × one panel (`bp`; its columns `lo..hi` are the task's, the
+    /// panel's first at C column `cbase`): a whole tile straight into C, an edge tile computed
+    /// aside in `tile` and its valid part copied in and out of C.
+    ///
+    /// # Safety
+    /// As [`block`].
+    #[inline(always)]
+    unsafe fn strip(
+        &self,
+        rb: RowBlock,
+        s: usize,
+        (bp, cols, cbase): (*const f32, std::ops::Range<usize>, isize),
+        ap: &[f32],
+        tile: &mut [f32; 12 * 32],
+    ) {
+        let (isa, ldc, kc, acc) = (self.isa, self.ldc, rb.kc, rb.acc);
+        let (mr, nr) = (isa.mr(), isa.nr());
+        let (lo, hi) = (cols.start, cols.end);
+        let srows = mr.min(rb.brows - s * mr);
+        // SAFETY: as this function's contract: the strip's rows and the panel's columns of C
+        // are the task's.
+        unsafe {
+            let crow = self.c.0.add((rb.i0 + s * mr) * ldc);
+            let a_in_place = self.a[(rb.i0 + s * mr) * self.lda + rb.pc..].as_ptr();
+            if srows == mr && lo == 0 && hi == nr {
+                isa.kernel_rows(kc, a_in_place, self.lda, bp, crow.offset(cbase), ldc, acc);
+            } else {
+                // an edge tile: compute the full tile aside, copy in the valid part
+                for r in 0..srows {
+                    for j in lo..hi {
+                        tile[r * nr + j] = if acc {
+                            *crow.offset(cbase + (r * ldc + j) as isize)
+                        } else {
+                            0.0
+                        };
+                    }
+                }
+                if srows == mr {
+                    isa.kernel_rows(kc, a_in_place, self.lda, bp, tile.as_mut_ptr(), nr, true);
+                } else {
+                    isa.kernel(kc, ap.as_ptr(), bp, tile.as_mut_ptr(), nr, true);
+                }
+                for r in 0..srows {
+                    for j in lo..hi {
+                        *crow.offset(cbase + (r * ldc + j) as isize) = tile[r * nr + j];
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -1039,19 +1124,6 @@ mod tests {
         }
     }
 
-    fn naive(a: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f64> {
-        // a [m, k], w [n, k] → [m, n]
-        let mut c = vec![0f64; m * n];
-        for i in 0..m {
-            for j in 0..n {
-                c[i * n + j] = (0..k)
-                    .map(|p| a[i * k + p] as f64 * w[j * k + p] as f64)
-                    .sum();
-            }
-        }
-        c
-    }
-
     fn check(m: usize, k: usize, n: usize, isa: Isa, seed: u64) {
         check_tampered(m, k, n, isa, seed, |_| {})
     }
@@ -1062,7 +1134,7 @@ mod tests {
         let mut rng = crate::reference::Rng::new(seed);
         let a = rng.normals(m * k, 1.0);
         let mut w = rng.normals(n * k, 1.0);
-        let want = naive(&a, m, k, &w, n);
+        let want = crate::kernels::naive_product(&a, m, k, &w, n);
         tamper(&mut w);
         // W [n, k] as rows, and its transpose [k, n] as columns: the same product
         let wt: Vec<f32> = (0..k * n).map(|i| w[(i % n) * k + i / n]).collect();

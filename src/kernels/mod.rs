@@ -99,3 +99,17 @@ pub fn keep_freed_buffers() {
         }
     });
 }
+
+/// `A · Wᵀ` in f64 for the kernels' tests: `a: [m, k]`, `w: [n, k]` → `[m, n]`.
+#[cfg(test)]
+pub(crate) fn naive_product(a: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f64> {
+    let mut c = vec![0f64; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            c[i * n + j] = (0..k)
+                .map(|p| a[i * k + p] as f64 * w[j * k + p] as f64)
+                .sum();
+        }
+    }
+    c
+}

@@ -1082,12 +1082,7 @@ mod tests {
 
     #[test]
     fn scaled_products_match_a_naive_product_on_awkward_shapes() {
-        let engines = if super::super::available() {
-            vec![Engine::Emulated, Engine::Tiles]
-        } else {
-            eprintln!("AMX tiles not available here: checking the emulation of tdpbf16ps only");
-            vec![Engine::Emulated]
-        };
+        let engines = super::super::tests::engines();
         for (i, &(m, k, n)) in [
             (1, 32, 1),
             (5, 64, 17),
@@ -1146,12 +1141,7 @@ mod tests {
 
     #[test]
     fn a_range_of_groups_gives_the_bits_of_the_whole_product_with_zeros_elsewhere() {
-        let engines = if super::super::available() {
-            vec![Engine::Emulated, Engine::Tiles]
-        } else {
-            eprintln!("AMX tiles not available here: checking the emulation of tdpbf16ps only");
-            vec![Engine::Emulated]
-        };
+        let engines = super::super::tests::engines();
         let (m, k, n) = (45, 256, 70);
         let groups = k / GROUP;
         for offsets in [false, true] {
@@ -1240,12 +1230,7 @@ mod tests {
 
     #[test]
     fn decoding_panels_in_the_product_gives_the_packed_matrix_bits() {
-        let engines = if super::super::available() {
-            vec![Engine::Emulated, Engine::Tiles]
-        } else {
-            eprintln!("AMX tiles not available here: checking the emulation of tdpbf16ps only");
-            vec![Engine::Emulated]
-        };
+        let engines = super::super::tests::engines();
         // 70 groups: three depth slices (32, 32, 6 → 24, 24, 22); 100 columns: a partial
         // panel; 1,700 columns: runs of many panels on each thread
         for (m, k, n, seed) in [(45, 70 * 32, 100, 1), (70, 256, 1700, 2), (1, 64, 33, 3)] {
