@@ -148,8 +148,7 @@ pub fn value_zeroing(
 ) -> Result<ValueZeroing> {
     let n = tokens.len();
     check_len(n, "value zeroing")?;
-    let d = &model.dims;
-    let (nl, dm) = (d.n_layers, d.d_model);
+    let nl = model.dims.n_layers;
     let (runner, _, mut cache) =
         super::intervene::Runner::clean(model, tokens, &[Hook::ResidPost])?;
     let post: Vec<Vec<f32>> = (0..nl)
@@ -160,74 +159,22 @@ pub fn value_zeroing(
                 .data
         })
         .collect();
-    let kv = runner
-        .kv
-        .as_ref()
-        .expect("the clean run keeps its keys and values");
-    // the variants j = 0..n of one layer: n − j rows each, stacked into forwards of ≤ 1,024 rows
-    const BATCH_ROWS: usize = 1024;
-    let mut chunks: Vec<std::ops::Range<usize>> = Vec::new();
-    let mut start = 0;
-    while start < n {
-        let (mut end, mut rows) = (start + 1, n - start);
-        while end < n && rows + n - end <= BATCH_ROWS {
-            rows += n - end;
-            end += 1;
-        }
-        chunks.push(start..end);
-        start = end;
-    }
-    let total = nl * chunks.len();
+    let run = ZeroingRun {
+        model,
+        tokens,
+        runner: &runner,
+        chunks: variant_batches(n),
+    };
+    let total = nl * run.chunks.len();
     let mut passes = 1;
     let mut layers = Vec::with_capacity(nl);
     let mut c_all: Vec<Vec<f64>> = Vec::with_capacity(nl);
     for (l, post_l) in post.iter().enumerate() {
         let mut c = vec![0f64; n * n];
-        for chunk in &chunks {
-            let segs: Vec<Segment> = chunk
-                .clone()
-                .map(|j| Segment {
-                    tokens: &tokens[j..],
-                    reuse: j,
-                    knockout: Vec::new(),
-                    logits_at: Vec::new(),
-                })
-                .collect();
-            let mut resid = Vec::new();
-            let mut rows = Vec::new();
-            for j in chunk.clone() {
-                rows.push(resid.len() / dm);
-                resid.extend_from_slice(&runner.resid_pre[l][j * dm..]);
-            }
-            let mut obs = ZeroValues {
-                layer: l,
-                rows: rows.clone(),
-                out: Vec::new(),
-            };
-            let prefix = (chunk.end > 1).then_some(kv);
-            model.forward_segments(
-                prefix,
-                &segs,
-                Some(crate::model::forward::Resume { layer: l, resid }),
-                &RunOptions::default(),
-                &mut obs,
-            )?;
+        for chunk in &run.chunks {
+            run.chunk_distances(l, chunk.clone(), post_l, &mut c)?;
             passes += 1;
             progress(passes - 1, total);
-            let want: usize = chunk.clone().map(|j| n - j).sum();
-            if obs.out.len() != want * dm {
-                return Err(Error::Candle(candle_core::Error::Msg(format!(
-                    "value zeroing got {} values of layer {l}'s output: you likely have a bug",
-                    obs.out.len()
-                ))));
-            }
-            for (k, j) in chunk.clone().enumerate() {
-                let base = rows[k];
-                for i in j..n {
-                    let got = &obs.out[(base + i - j) * dm..][..dm];
-                    c[i * n + j] = cosine_distance(got, &post_l[i * dm..][..dm]);
-                }
-            }
         }
         if let Some(i) = c.iter().position(|v| !v.is_finite()) {
             return Err(Error::NonFinite {
@@ -247,6 +194,95 @@ pub fn value_zeroing(
         rollout_last: roll.iter().map(|&v| v as f32).collect(),
         passes,
     })
+}
+
+/// The variants `j = 0..n` of one layer (`n − j` rows each), grouped into ranges of `j` stacked
+/// into forwards of at most 1,024 rows.
+fn variant_batches(n: usize) -> Vec<std::ops::Range<usize>> {
+    const BATCH_ROWS: usize = 1024;
+    let mut chunks: Vec<std::ops::Range<usize>> = Vec::new();
+    let mut start = 0;
+    while start < n {
+        let (mut end, mut rows) = (start + 1, n - start);
+        while end < n && rows + n - end <= BATCH_ROWS {
+            rows += n - end;
+            end += 1;
+        }
+        chunks.push(start..end);
+        start = end;
+    }
+    chunks
+}
+
+/// Value zeroing's zeroed variants, run from the clean run's residuals and keys and values.
+struct ZeroingRun<'a> {
+    model: &'a Model,
+    tokens: &'a [u32],
+    runner: &'a super::intervene::Runner<'a>,
+    chunks: Vec<std::ops::Range<usize>>,
+}
+
+impl ZeroingRun<'_> {
+    /// Runs layer `l` once per `j` in `chunk` with token `j`'s values zeroed (one stacked
+    /// forward) and writes the cosine distances to the clean output `post_l` into `c[i, j]`.
+    fn chunk_distances(
+        &self,
+        l: usize,
+        chunk: std::ops::Range<usize>,
+        post_l: &[f32],
+        c: &mut [f64],
+    ) -> Result<()> {
+        let (n, dm) = (self.tokens.len(), self.model.dims.d_model);
+        let tokens = self.tokens;
+        let kv = self
+            .runner
+            .kv
+            .as_ref()
+            .expect("the clean run keeps its keys and values");
+        let segs: Vec<Segment> = chunk
+            .clone()
+            .map(|j| Segment {
+                tokens: &tokens[j..],
+                reuse: j,
+                knockout: Vec::new(),
+                logits_at: Vec::new(),
+            })
+            .collect();
+        let mut resid = Vec::new();
+        let mut rows = Vec::new();
+        for j in chunk.clone() {
+            rows.push(resid.len() / dm);
+            resid.extend_from_slice(&self.runner.resid_pre[l][j * dm..]);
+        }
+        let mut obs = ZeroValues {
+            layer: l,
+            rows: rows.clone(),
+            out: Vec::new(),
+        };
+        let prefix = (chunk.end > 1).then_some(kv);
+        self.model.forward_segments(
+            prefix,
+            &segs,
+            Some(crate::model::forward::Resume { layer: l, resid }),
+            &RunOptions::default(),
+            &mut obs,
+        )?;
+        let want: usize = chunk.clone().map(|j| n - j).sum();
+        if obs.out.len() != want * dm {
+            return Err(Error::Candle(candle_core::Error::Msg(format!(
+                "value zeroing got {} values of layer {l}'s output: you likely have a bug",
+                obs.out.len()
+            ))));
+        }
+        for (k, j) in chunk.enumerate() {
+            let base = rows[k];
+            for i in j..n {
+                let got = &obs.out[(base + i - j) * dm..][..dm];
+                c[i * n + j] = cosine_distance(got, &post_l[i * dm..][..dm]);
+            }
+        }
+        Ok(())
+    }
 }
 
 /// ALTI-Logit's decomposition of the last position's logit.
@@ -329,7 +365,7 @@ fn alti_layer(
     attn_out: &[f32],
 ) -> Result<AltiLayer> {
     let d = &model.dims;
-    let (nh, nkv, hd, dm) = (d.n_heads, d.n_kv_heads, d.head_dim, d.d_model);
+    let (nh, nkv, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
     let group = nh / nkv;
     // u[j, h] = W_O^h v_j^{g(h)}: the head results of a z holding each head's value
     let mut z = vec![0f32; n * nh * hd];
@@ -339,74 +375,20 @@ fn alti_layer(
         }
     }
     let (u, bias) = model.head_results(l, &z, n)?;
-    let post = model.post_norms(l)?.map(|(pa, _)| pa);
-    let eps = d.rms_eps as f64;
-    let per_t: Vec<(Vec<f64>, Vec<f64>, f64)> = (0..n)
-        .into_par_iter()
-        .map(|t| {
-            // T_t(x_j) for j ≤ t, [n, dm] (0 past t)
-            let mut tt = vec![0f64; n * dm];
-            for j in 0..=t {
-                let row = &mut tt[j * dm..(j + 1) * dm];
-                for h in 0..nh {
-                    let a = p[(h * n + t) * n + j] as f64;
-                    if a != 0.0 {
-                        let uh = &u[(j * nh + h) * dm..][..dm];
-                        row.iter_mut()
-                            .zip(uh)
-                            .for_each(|(o, &w)| *o += a * w as f64);
-                    }
-                }
-            }
-            let mut proj: Vec<f64> = bias.iter().map(|&b| b as f64).collect();
-            for j in 0..=t {
-                proj.iter_mut()
-                    .zip(&tt[j * dm..(j + 1) * dm])
-                    .for_each(|(o, &w)| *o += w);
-            }
-            // Gemma's post-attention norm, its scale held: γ ⊙ (·) / rms(attn_proj_t)
-            if let Some(g) = post {
-                let ms = proj.iter().map(|v| v * v).sum::<f64>() / dm as f64;
-                let inv = 1.0 / ((ms as f32 as f64) + eps).sqrt();
-                let scale: Vec<f64> = g.iter().map(|&w| w as f64 * inv).collect();
-                for row in tt.chunks_mut(dm).chain(std::iter::once(&mut proj[..])) {
-                    row.iter_mut().zip(&scale).for_each(|(o, s)| *o *= s);
-                }
-            }
-            // y_t: the residual after attention as the decomposition rebuilds it
-            let xt = &x[t * dm..(t + 1) * dm];
-            let y: Vec<f64> = proj.iter().zip(xt).map(|(&a, &b)| a + b as f64).collect();
-            let real: Vec<f64> = xt
-                .iter()
-                .zip(&attn_out[t * dm..(t + 1) * dm])
-                .map(|(&a, &b)| a as f64 + b as f64)
-                .collect();
-            let top = real.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
-            let rebuild = y
-                .iter()
-                .zip(&real)
-                .fold(0f64, |m, (a, b)| m.max((a - b).abs()))
-                / top;
-            let ynorm: f64 = y.iter().map(|v| v.abs()).sum();
-            let mut c = vec![0f64; n];
-            for j in 0..=t {
-                let tj = &tt[j * dm..(j + 1) * dm];
-                let dist: f64 = (0..dm)
-                    .map(|k| {
-                        let own = tj[k] + if j == t { xt[k] as f64 } else { 0.0 };
-                        (y[k] - own).abs()
-                    })
-                    .sum();
-                c[j] = (ynorm - dist).max(0.0);
-            }
-            let s: f64 = c.iter().sum();
-            if s > 0.0 {
-                c.iter_mut().for_each(|v| *v /= s);
-            }
-            let keep = if t == n - 1 { tt } else { Vec::new() };
-            (c, keep, rebuild)
-        })
-        .collect();
+    let split = SourceSplit {
+        n,
+        nh,
+        dm: d.d_model,
+        x,
+        p,
+        attn_out,
+        u: &u,
+        bias: &bias,
+        post: model.post_norms(l)?.map(|(pa, _)| pa),
+        eps: d.rms_eps as f64,
+    };
+    let per_t: Vec<(Vec<f64>, Vec<f64>, f64)> =
+        (0..n).into_par_iter().map(|t| split.row(t)).collect();
     let mut c = Vec::with_capacity(n * n);
     let mut t_last = Vec::new();
     let mut rebuild = 0f64;
@@ -426,14 +408,155 @@ fn alti_layer(
     Ok(AltiLayer { c, t_last, rebuild })
 }
 
+/// One layer's attention output split by source token, position by position.
+struct SourceSplit<'a> {
+    n: usize,
+    nh: usize,
+    dm: usize,
+    /// the layer's input `[n, dm]`
+    x: &'a [f32],
+    /// the pattern `[nh, n, n]`
+    p: &'a [f32],
+    /// the attention block's output `[n, dm]`
+    attn_out: &'a [f32],
+    /// each head's result of each source's value `[n, nh, dm]`
+    u: &'a [f32],
+    /// the output projection's bias `[dm]`
+    bias: &'a [f32],
+    /// Gemma's post-attention norm
+    post: Option<&'a [f32]>,
+    eps: f64,
+}
+
+impl SourceSplit<'_> {
+    /// Position `t`'s ALTI row (normalized), its `T_t(x_j)` when `t` is the last position (empty
+    /// otherwise) and the relative error of rebuilding its residual.
+    fn row(&self, t: usize) -> (Vec<f64>, Vec<f64>, f64) {
+        let (mut tt, mut proj) = self.by_source(t);
+        self.hold_post_norm(&mut tt, &mut proj);
+        // y_t: the residual after attention as the decomposition rebuilds it
+        let dm = self.dm;
+        let xt = &self.x[t * dm..(t + 1) * dm];
+        let y: Vec<f64> = proj.iter().zip(xt).map(|(&a, &b)| a + b as f64).collect();
+        let rebuild = self.rebuild_error(t, &y);
+        let c = self.contributions(t, &tt, &y);
+        let keep = if t == self.n - 1 { tt } else { Vec::new() };
+        (c, keep, rebuild)
+    }
+
+    /// `T_t(x_j)` for `j ≤ t`, `[n, dm]` (0 past `t`), and their sum with the bias.
+    fn by_source(&self, t: usize) -> (Vec<f64>, Vec<f64>) {
+        let (n, nh, dm) = (self.n, self.nh, self.dm);
+        let mut tt = vec![0f64; n * dm];
+        for j in 0..=t {
+            let row = &mut tt[j * dm..(j + 1) * dm];
+            for h in 0..nh {
+                let a = self.p[(h * n + t) * n + j] as f64;
+                if a != 0.0 {
+                    let uh = &self.u[(j * nh + h) * dm..][..dm];
+                    row.iter_mut()
+                        .zip(uh)
+                        .for_each(|(o, &w)| *o += a * w as f64);
+                }
+            }
+        }
+        let mut proj: Vec<f64> = self.bias.iter().map(|&b| b as f64).collect();
+        for j in 0..=t {
+            proj.iter_mut()
+                .zip(&tt[j * dm..(j + 1) * dm])
+                .for_each(|(o, &w)| *o += w);
+        }
+        (tt, proj)
+    }
+
+    /// Gemma's post-attention norm, its scale held: γ ⊙ (·) / rms(attn_proj_t).
+    fn hold_post_norm(&self, tt: &mut [f64], proj: &mut [f64]) {
+        let Some(g) = self.post else { return };
+        let dm = self.dm;
+        let ms = proj.iter().map(|v| v * v).sum::<f64>() / dm as f64;
+        let inv = 1.0 / ((ms as f32 as f64) + self.eps).sqrt();
+        let scale: Vec<f64> = g.iter().map(|&w| w as f64 * inv).collect();
+        for row in tt.chunks_mut(dm).chain(std::iter::once(proj)) {
+            row.iter_mut().zip(&scale).for_each(|(o, s)| *o *= s);
+        }
+    }
+
+    /// The largest gap between the rebuilt residual `y` and the real one, relative to the latter.
+    fn rebuild_error(&self, t: usize, y: &[f64]) -> f64 {
+        let dm = self.dm;
+        let real: Vec<f64> = self.x[t * dm..(t + 1) * dm]
+            .iter()
+            .zip(&self.attn_out[t * dm..(t + 1) * dm])
+            .map(|(&a, &b)| a as f64 + b as f64)
+            .collect();
+        let top = real.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
+        y.iter()
+            .zip(&real)
+            .fold(0f64, |m, (a, b)| m.max((a - b).abs()))
+            / top
+    }
+
+    /// ALTI's `c_{t,j} = max(0, ‖y_t‖₁ − ‖y_t − T_t(x_j) − [t = j] x_t‖₁)`, normalized.
+    fn contributions(&self, t: usize, tt: &[f64], y: &[f64]) -> Vec<f64> {
+        let dm = self.dm;
+        let xt = &self.x[t * dm..(t + 1) * dm];
+        let ynorm: f64 = y.iter().map(|v| v.abs()).sum();
+        let mut c = vec![0f64; self.n];
+        for j in 0..=t {
+            let tj = &tt[j * dm..(j + 1) * dm];
+            let dist: f64 = (0..dm)
+                .map(|k| {
+                    let own = tj[k] + if j == t { xt[k] as f64 } else { 0.0 };
+                    (y[k] - own).abs()
+                })
+                .sum();
+            c[j] = (ynorm - dist).max(0.0);
+        }
+        let s: f64 = c.iter().sum();
+        if s > 0.0 {
+            c.iter_mut().for_each(|v| *v /= s);
+        }
+        c
+    }
+}
+
 /// ALTI-Logit [Ferrando et al. 2023] of the last position's `metric` for `tokens`:
 /// [`Metric::LogProb`] explains the target's logit (`None`: the top next token),
 /// [`Metric::LogitDiff`] the logit difference.
 pub fn alti_logit(model: &Model, tokens: &[u32], metric: Metric) -> Result<AltiLogit> {
     let n = tokens.len();
     check_len(n, "ALTI-Logit")?;
-    let d = &model.dims;
-    let (nl, dm) = (d.n_layers, d.d_model);
+    let (mut obs, logits) = run_alti_forward(model, tokens)?;
+    let lsm = crate::model::forward::log_softmax(&logits);
+    let goal = MetricDirection::new(model, &logits, metric)?;
+    let direction = through_final_norm(model, &mut obs, &goal.u)?;
+    let (scores, layers) = carry_updates_to_inputs(&obs.layers, &direction, model.dims.d_model, n);
+    let rebuild = obs.layers.iter().fold(0f64, |m, a| m.max(a.rebuild)) as f32;
+    if let Some(i) = scores.iter().position(|v| !v.is_finite()) {
+        return Err(Error::NonFinite {
+            what: format!("the ALTI-Logit score of position {i}"),
+            layer: None,
+        });
+    }
+    Ok(AltiLogit {
+        target: goal.target,
+        logprob: lsm[goal.target as usize],
+        value: goal.value,
+        scores: scores.iter().map(|&v| v as f32).collect(),
+        layers,
+        alti_last: obs
+            .layers
+            .iter()
+            .map(|a| a.c[(n - 1) * n..].iter().map(|&v| v as f32).collect())
+            .collect(),
+        rebuild_error: rebuild,
+    })
+}
+
+/// The forward that records every layer's ALTI maps; returns the observer (its layers and the
+/// cache holding the final residual) and the last position's logits.
+fn run_alti_forward<'a>(model: &'a Model, tokens: &[u32]) -> Result<(AltiObserver<'a>, Vec<f32>)> {
+    let n = tokens.len();
     let spec = CaptureSpec {
         hooks: vec![
             Hook::ResidPre,
@@ -450,7 +573,7 @@ pub fn alti_logit(model: &Model, tokens: &[u32], metric: Metric) -> Result<AltiL
         model,
         cache: AttnCache::new(&spec, n),
         n,
-        layers: Vec::with_capacity(nl),
+        layers: Vec::with_capacity(model.dims.n_layers),
         err: None,
     };
     let mut out = model.forward(
@@ -465,38 +588,54 @@ pub fn alti_logit(model: &Model, tokens: &[u32], metric: Metric) -> Result<AltiL
         return Err(e);
     }
     let logits = out.logits.pop().expect("one row of logits was asked for");
-    let lsm = crate::model::forward::log_softmax(&logits);
-    let argmax = logits
-        .iter()
-        .enumerate()
-        .fold((0usize, f32::NEG_INFINITY), |b, (i, &v)| {
-            if v > b.1 {
-                (i, v)
-            } else {
-                b
+    Ok((obs, logits))
+}
+
+/// The metric's target token, its value and its direction `u` in the unembedding space.
+struct MetricDirection {
+    target: u32,
+    value: f32,
+    u: Vec<f64>,
+}
+
+impl MetricDirection {
+    fn new(model: &Model, logits: &[f32], metric: Metric) -> Result<Self> {
+        let argmax = logits
+            .iter()
+            .enumerate()
+            .fold((0usize, f32::NEG_INFINITY), |b, (i, &v)| {
+                if v > b.1 {
+                    (i, v)
+                } else {
+                    b
+                }
+            })
+            .0 as u32;
+        let (target, weights): (u32, Vec<(u32, f64)>) = match metric {
+            Metric::LogProb(t) => {
+                let t = t.unwrap_or(argmax);
+                (t, vec![(t, 1.0)])
             }
-        })
-        .0 as u32;
-    // the unembedding direction of the metric
-    let (target, weights): (u32, Vec<(u32, f64)>) = match metric {
-        Metric::LogProb(t) => {
-            let t = t.unwrap_or(argmax);
-            (t, vec![(t, 1.0)])
+            Metric::LogitDiff { answer, wrong } => (answer, vec![(answer, 1.0), (wrong, -1.0)]),
+        };
+        let mut u = vec![0f64; model.dims.d_model];
+        for &(id, w) in &weights {
+            let row = model.unembed_row(id)?;
+            u.iter_mut()
+                .zip(&row)
+                .for_each(|(o, &r)| *o += w * r as f64);
         }
-        Metric::LogitDiff { answer, wrong } => (answer, vec![(answer, 1.0), (wrong, -1.0)]),
-    };
-    let mut u = vec![0f64; dm];
-    for &(id, w) in &weights {
-        let row = model.unembed_row(id)?;
-        u.iter_mut()
-            .zip(&row)
-            .for_each(|(o, &r)| *o += w * r as f64);
+        let value = weights
+            .iter()
+            .map(|&(id, w)| w * logits[id as usize] as f64)
+            .sum::<f64>() as f32;
+        Ok(Self { target, value, u })
     }
-    let value = weights
-        .iter()
-        .map(|&(id, w)| w * logits[id as usize] as f64)
-        .sum::<f64>() as f32;
-    // the final norm, its scale held at the last position's
+}
+
+/// The unembedding direction `u` through the final norm, its scale held at the last position's.
+fn through_final_norm(model: &Model, obs: &mut AltiObserver, u: &[f64]) -> Result<Vec<f64>> {
+    let (nl, dm, n) = (model.dims.n_layers, model.dims.d_model, obs.n);
     let last = obs
         .cache
         .take(nl - 1, Hook::ResidPost)
@@ -505,7 +644,7 @@ pub fn alti_logit(model: &Model, tokens: &[u32], metric: Metric) -> Result<AltiL
     let xf = &last[(n - 1) * dm..];
     let (gf, bf, eps) = model.final_norm();
     let c: Vec<f64> = u.iter().zip(gf).map(|(&a, &g)| a * g as f64).collect();
-    let direction: Vec<f64> = if bf.is_some() {
+    Ok(if bf.is_some() {
         let mean = xf.iter().map(|&v| v as f64).sum::<f64>() / dm as f64;
         let var = xf.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / dm as f64;
         let inv = 1.0 / ((var as f32 + eps) as f64).sqrt();
@@ -515,40 +654,31 @@ pub fn alti_logit(model: &Model, tokens: &[u32], metric: Metric) -> Result<AltiL
         let ms = xf.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / dm as f64;
         let inv = 1.0 / ((ms as f32 + eps) as f64).sqrt();
         c.iter().map(|&v| v * inv).collect()
-    };
-    let cs: Vec<Vec<f64>> = obs.layers.iter().map(|a| a.c.clone()).collect();
-    let mut layers = Vec::with_capacity(nl);
+    })
+}
+
+/// Each layer's logit updates by source token, carried back to the input tokens by the rollout
+/// of the layers before it: the summed scores `[n]` and each layer's share.
+fn carry_updates_to_inputs(
+    alti: &[AltiLayer],
+    direction: &[f64],
+    dm: usize,
+    n: usize,
+) -> (Vec<f64>, Vec<Vec<f32>>) {
+    let cs: Vec<Vec<f64>> = alti.iter().map(|a| a.c.clone()).collect();
+    let mut layers = Vec::with_capacity(alti.len());
     let mut scores = vec![0f64; n];
-    for (l, a) in obs.layers.iter().enumerate() {
+    for (l, a) in alti.iter().enumerate() {
         let dlogit: Vec<f64> = a
             .t_last
             .chunks(dm)
-            .map(|row| row.iter().zip(&direction).map(|(a, b)| a * b).sum())
+            .map(|row| row.iter().zip(direction).map(|(a, b)| a * b).sum())
             .collect();
         let carried = carry_back(&dlogit, &cs, l, n);
         scores.iter_mut().zip(&carried).for_each(|(s, c)| *s += c);
         layers.push(carried.iter().map(|&v| v as f32).collect());
     }
-    let rebuild = obs.layers.iter().fold(0f64, |m, a| m.max(a.rebuild)) as f32;
-    if let Some(i) = scores.iter().position(|v| !v.is_finite()) {
-        return Err(Error::NonFinite {
-            what: format!("the ALTI-Logit score of position {i}"),
-            layer: None,
-        });
-    }
-    Ok(AltiLogit {
-        target,
-        logprob: lsm[target as usize],
-        value,
-        scores: scores.iter().map(|&v| v as f32).collect(),
-        layers,
-        alti_last: obs
-            .layers
-            .iter()
-            .map(|a| a.c[(n - 1) * n..].iter().map(|&v| v as f32).collect())
-            .collect(),
-        rebuild_error: rebuild,
-    })
+    (scores, layers)
 }
 
 #[cfg(test)]
