@@ -1,7 +1,7 @@
 //! `attnscope ablate`: every head's (and MLP's) effect on the prediction when it is removed,
 //! beside what its attention looks like: the lesson's "a weight is not an explanation", measured.
 
-use super::common::{emit, on_bar, parse_index_list, progress_bar, ModelArgs, TextArgs};
+use super::common::{emit, on_bar, parse_index_list, progress_bar, ModelText};
 use crate::analysis::faithfulness::Target;
 use crate::analysis::intervene::{ablate, AblateOptions, AblateReport, Method};
 use crate::model::tokenize::visible;
@@ -18,9 +18,7 @@ pub enum MethodArg {
 #[derive(clap::Args, Debug)]
 pub struct Args {
     #[command(flatten)]
-    model: ModelArgs,
-    #[command(flatten)]
-    text: TextArgs,
+    input: ModelText,
     /// How a head is removed.
     #[arg(long, value_enum, default_value_t = MethodArg::Zero)]
     method: MethodArg,
@@ -45,8 +43,8 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let model = a.model.load()?;
-    let tokens = a.text.tokens(&model, a.model.bos)?;
+    let model = a.input.model.load()?;
+    let tokens = a.input.text.tokens(&model, a.input.model.bos)?;
     let positions = a
         .positions
         .as_deref()

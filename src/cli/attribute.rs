@@ -2,7 +2,7 @@
 //! gradient, gradient × input, integrated gradients, attention × gradient, AttnLRP, value
 //! zeroing, ALTI-Logit or occlusion.
 
-use super::common::{ModelArgs, TextArgs};
+use super::common::ModelText;
 use super::scoring::{run_scored, ScoringArgs};
 use crate::analysis::attribute::{attribute, AttributeOptions, AttributeReport, Method};
 use crate::analysis::faithfulness::Target;
@@ -13,9 +13,7 @@ use std::io::IsTerminal;
 #[derive(clap::Args, Debug)]
 pub struct Args {
     #[command(flatten)]
-    model: ModelArgs,
-    #[command(flatten)]
-    text: TextArgs,
+    input: ModelText,
     /// gradient: ‖∂f/∂x_i‖₂ over the embedding width (x_i: token i's input to layer 0).
     /// grad-x-input: Σ_d ∂f/∂x_i,d · x_i,d. integrated-gradients: Σ_d x_i,d · the mean of
     /// ∂f/∂x_i,d at (k+½)/steps · x for k < steps, from the zero embedding; the completeness gap
@@ -57,8 +55,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         steps: a.scoring.steps,
     };
     run_scored(
-        &a.model,
-        &a.text,
+        &a.input.model,
+        &a.input.text,
         &a.scoring,
         "attribution",
         |model, tokens, tick| Ok(attribute(model, tokens, &opts, tick)?),
@@ -104,19 +102,7 @@ pub fn render(r: &AttributeReport, colour: bool) -> String {
             id: 0,
             text: String::new(),
         });
-    let f = match &r.wrong {
-        Some(w) => format!(
-            "logit({:?}) − logit({:?})",
-            visible(&target.text),
-            visible(&w.text)
-        ),
-        None if r.metric == "logit" => format!("logit({:?})", visible(&target.text)),
-        None if r.metric == "cosine" => format!(
-            "cos(v(variant), v(text)) of the {} vector",
-            r.encoder_target.map_or("", |t| t.name())
-        ),
-        None => format!("log p({:?})", visible(&target.text)),
-    };
+    let f = measured_quantity(r, &target);
     let mut s = title(&format!(
         "attribution by {} of f = {f}, {} ({} precision)",
         r.method.name(),
@@ -150,6 +136,31 @@ pub fn render(r: &AttributeReport, colour: bool) -> String {
             "{steps} steps; Σ scores = {sum:.4}; completeness gap Σ scores − (f(x) − f(0)) = {gap:+.4}\n"
         );
     }
+    s += &shaded_text(r, colour);
+    s += &ranking_table(r);
+    s
+}
+
+/// What f is: a logit difference, a logit, an encoder's cosine or a log-probability.
+fn measured_quantity(r: &AttributeReport, target: &crate::analysis::intervene::TokenRef) -> String {
+    match &r.wrong {
+        Some(w) => format!(
+            "logit({:?}) − logit({:?})",
+            visible(&target.text),
+            visible(&w.text)
+        ),
+        None if r.metric == "logit" => format!("logit({:?})", visible(&target.text)),
+        None if r.metric == "cosine" => format!(
+            "cos(v(variant), v(text)) of the {} vector",
+            r.encoder_target.map_or("", |t| t.name())
+        ),
+        None => format!("log p({:?})", visible(&target.text)),
+    }
+}
+
+/// The text with each token shaded (or marked) by its score, and the legend.
+fn shaded_text(r: &AttributeReport, colour: bool) -> String {
+    let mut s = String::new();
     let max = r.tokens.iter().fold(0f32, |m, t| m.max(t.score.abs()));
     s += "\n";
     s += &r
@@ -162,6 +173,11 @@ pub fn render(r: &AttributeReport, colour: bool) -> String {
     } else {
         "\n(+: raises f, −: lowers it; one mark per fifth of the largest |score|)\n\n"
     };
+    s
+}
+
+/// Every token ranked by score, largest first.
+fn ranking_table(r: &AttributeReport) -> String {
     let mut order: Vec<&_> = r.tokens.iter().collect();
     order.sort_by(|a, b| b.score.total_cmp(&a.score).then(a.pos.cmp(&b.pos)));
     let mut t = Table::new([
@@ -180,8 +196,7 @@ pub fn render(r: &AttributeReport, colour: bool) -> String {
             format!("{:+.5}", x.score),
         ]);
     }
-    s += &t.render();
-    s
+    t.render()
 }
 
 #[cfg(test)]

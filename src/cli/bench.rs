@@ -12,6 +12,7 @@ use crate::model::forward::RunOptions;
 use crate::render::table::{title, Align, Table};
 use serde::Serialize;
 use std::io::IsTerminal;
+use std::path::PathBuf;
 use std::time::Instant;
 
 #[derive(clap::Args, Debug)]
@@ -351,71 +352,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             a.json,
         );
     }
-    if a.lengths.is_empty() || a.lengths.contains(&0) {
-        return Err(usage("--lengths must be positive numbers, e.g. 512,2048"));
-    }
-    if a.repeats == 0 {
-        return Err(usage("--repeats must be at least 1"));
-    }
-    if a.against_exact && a.model.precision != crate::model::Precision::Fast {
-        return Err(usage(
-            "--against-exact times fast next to exact: add --precision fast",
-        ));
-    }
-    if let Some(python) = &a.transformers {
-        if a.no_commands {
-            return Err(usage(
-                "--transformers times the Python route next to attnscope's commands: drop --no-commands",
-            ));
-        }
-        if program_path(python).is_none() {
-            return Err(usage(format!(
-                "--transformers: no program {} (give the path of a Python that has torch and transformers)",
-                python.display()
-            )));
-        }
-        if let Some(p) = a.anchor.as_ref().filter(|p| !p.is_file()) {
-            return Err(usage(format!("--anchor: no script at {}", p.display())));
-        }
-    }
+    check_flags(&a)?;
     let model = a.model.load()?;
-    if a.transformers.is_some() && model.info.format != "gguf" {
-        return Err(usage(format!(
-            "--transformers loads the model through transformers' GGUF reader, and {} is a {} model: give a .gguf file or alias",
-            model.info.name, model.info.format
-        )));
-    }
+    let max_n = check_model(&model, &a)?;
     let d = model.dims.clone();
-    let max_n = *a.lengths.iter().max().expect("non-empty");
-    if max_n > d.context_len {
-        return Err(anyhow::Error::new(crate::model::Error::TooLong {
-            n_tokens: max_n,
-            limit: d.context_len,
-            model: model.info.name.clone(),
-        }));
-    }
     let all = crate::analysis::corpus::builtin_tokens(&model.tokenizer, max_n)?;
-    let per_length = match (a.no_commands, a.transformers.is_some()) {
-        (true, _) => 1,
-        (false, false) => 3,
-        // each command, transformers' route, the command again
-        (false, true) => 7,
-    };
-    let steps = 2 + a.lengths.len()
-        * (per_length + usize::from(a.against_exact) + usize::from(!a.no_backward));
-    let pb = super::common::progress_bar("{msg:32} [{bar:30}] {pos}/{len} ({elapsed})");
-    pb.set_length(steps as u64);
-    if !std::io::stderr().is_terminal() {
-        eprintln!(
-            "attnscope bench: {} steps (kernel, GEMM shapes, forwards{}); this takes minutes",
-            steps,
-            match (a.no_commands, a.transformers.is_some()) {
-                (true, _) => "",
-                (false, false) => ", commands",
-                (false, true) => ", commands with transformers between their runs",
-            }
-        );
-    }
+    let pb = steps_bar(&a);
 
     let rates = measure_gemms(&d, max_n, a.repeats, &pb)?;
     let forwards = measure_forwards(&model, &all, &a, rates.machine_rate, &pb)?;
@@ -443,6 +385,86 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         side: &side,
     };
     report(&model, &a, &rates, &timed)
+}
+
+/// Refuses (exit 2) flags that contradict each other or name nothing, before the model loads.
+fn check_flags(a: &Args) -> anyhow::Result<()> {
+    if a.lengths.is_empty() || a.lengths.contains(&0) {
+        return Err(usage("--lengths must be positive numbers, e.g. 512,2048"));
+    }
+    if a.repeats == 0 {
+        return Err(usage("--repeats must be at least 1"));
+    }
+    if a.against_exact && a.model.precision != crate::model::Precision::Fast {
+        return Err(usage(
+            "--against-exact times fast next to exact: add --precision fast",
+        ));
+    }
+    if let Some(python) = &a.transformers {
+        if a.no_commands {
+            return Err(usage(
+                "--transformers times the Python route next to attnscope's commands: drop --no-commands",
+            ));
+        }
+        if program_path(python).is_none() {
+            return Err(usage(format!(
+                "--transformers: no program {} (give the path of a Python that has torch and transformers)",
+                python.display()
+            )));
+        }
+        if let Some(p) = a.anchor.as_ref().filter(|p| !p.is_file()) {
+            return Err(usage(format!("--anchor: no script at {}", p.display())));
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a model transformers cannot read, or lengths past its context; the longest length.
+fn check_model(model: &crate::model::Model, a: &Args) -> anyhow::Result<usize> {
+    if a.transformers.is_some() && model.info.format != "gguf" {
+        return Err(usage(format!(
+            "--transformers loads the model through transformers' GGUF reader, and {} is a {} model: give a .gguf file or alias",
+            model.info.name, model.info.format
+        )));
+    }
+    let d = &model.dims;
+    let max_n = *a.lengths.iter().max().expect("non-empty");
+    if max_n > d.context_len {
+        return Err(anyhow::Error::new(crate::model::Error::TooLong {
+            n_tokens: max_n,
+            limit: d.context_len,
+            model: model.info.name.clone(),
+        }));
+    }
+    Ok(max_n)
+}
+
+/// The progress bar over every step the bench takes (and, off a terminal, a line saying how
+/// many there are).
+fn steps_bar(a: &Args) -> indicatif::ProgressBar {
+    let per_length = match (a.no_commands, a.transformers.is_some()) {
+        (true, _) => 1,
+        (false, false) => 3,
+        // each command, transformers' route, the command again
+        (false, true) => 7,
+    };
+    let steps = 2 + a.lengths.len()
+        * (per_length + usize::from(a.against_exact) + usize::from(!a.no_backward));
+    let pb = super::common::progress_bar("{msg:32} [{bar:30}] {pos}/{len} ({elapsed})");
+    pb.set_length(steps as u64);
+    if !std::io::stderr().is_terminal() {
+        eprintln!(
+            "attnscope bench: {} steps (kernel, GEMM shapes, forwards{}); this takes minutes",
+            steps,
+            match (a.no_commands, a.transformers.is_some()) {
+                (true, _) => "",
+                (false, false) => ", commands",
+                (false, true) => ", commands with transformers between their runs",
+            }
+        );
+    }
+
+    pb
 }
 
 /// What the steps measured, for the report.
@@ -543,65 +565,12 @@ fn measure_gemms(
     let mut rng = crate::reference::Rng::new(1);
     let mut gemms = Vec::new();
     for (name, m, k, n) in shapes {
-        let x = rng.normals(m * k, 1.0);
-        let w = rng.normals(n * k, 0.05);
-        let packed = PackedB::from_rows(&w, n, k, k, isa);
-        let mut out = vec![0f32; m * n];
-        let flops = 2.0 * (m * k * n) as f64;
-        let ours = best_of(repeats, || {
-            gemm::gemm(&x, k, m, &packed, &mut out, n, false)
-        });
-        let mut amx_rate = |splits: usize| {
-            crate::kernels::amx::available().then(|| {
-                let packed = crate::kernels::amx::PackedBf16::from_rows(&w, n, k, k, splits);
-                let t = best_of(repeats, || {
-                    crate::kernels::amx::gemm(&x, k, m, &packed, &mut out, n, false)
-                });
-                flops / t / 1e9
-            })
-        };
-        let (amx_exact_gflops, amx_fast_gflops) = (amx_rate(3), amx_rate(1));
-        // W as Q5_0 holds it: per group of 32, a scale and integers −16..15
-        let amx_scaled_gflops = crate::kernels::amx::available()
-            .then(|| {
-                use crate::kernels::amx::scaled::{self, PackedScaled, GROUP};
-                let packed = PackedScaled::from_row_source(n, k, false, |j, q, s, _| {
-                    let row = &w[j * k..(j + 1) * k];
-                    for (g, xs) in row.chunks(GROUP).enumerate() {
-                        let top = xs.iter().fold(0f32, |m, x| m.max(x.abs()));
-                        s[g] = half::f16::from_f32(top / 15.0).to_f32();
-                        for (i, &x) in xs.iter().enumerate() {
-                            q[g * GROUP + i] = if s[g] > 0.0 {
-                                (x / s[g]).round().clamp(-16.0, 15.0)
-                            } else {
-                                0.0
-                            };
-                        }
-                    }
-                    true
-                })?;
-                let t = best_of(repeats, || {
-                    scaled::gemm(&x, k, m, &packed, &mut out, n, false)
-                });
-                Some(flops / t / 1e9)
-            })
-            .flatten();
-        let xt = candle_core::Tensor::from_vec(x, (m, k), &candle_core::Device::Cpu)?;
-        let wt = candle_core::Tensor::from_vec(w, (n, k), &candle_core::Device::Cpu)?;
-        let candle = best_of(repeats, || {
-            std::hint::black_box(xt.matmul(&wt.t().expect("2-d")).expect("matmul"));
-        });
-        gemms.push(GemmRow {
-            name,
-            m,
-            k,
-            n,
-            attnscope_gflops: flops / ours / 1e9,
-            candle_gflops: flops / candle / 1e9,
-            amx_exact_gflops,
-            amx_fast_gflops,
-            amx_scaled_gflops,
-        });
+        gemms.push(time_shape(
+            GemmShape { name, m, k, n },
+            isa,
+            repeats,
+            &mut rng,
+        )?);
     }
     pb.inc(1);
     // the machine's f32 GEMM rate: the best measured at the shapes the forward runs
@@ -615,6 +584,99 @@ fn measure_gemms(
         gemms,
         machine_rate,
     })
+}
+
+/// A product's shape: m rows of x (k wide) times the n rows of W.
+#[derive(Clone, Copy)]
+struct GemmShape {
+    name: &'static str,
+    m: usize,
+    k: usize,
+    n: usize,
+}
+
+/// One shape's rates: attnscope's packed f32 GEMM, AMX (bf16x3, bf16, Q5_0's integers and
+/// scales) where the CPU has it, and candle's matmul.
+fn time_shape(
+    shape: GemmShape,
+    isa: Isa,
+    repeats: usize,
+    rng: &mut crate::reference::Rng,
+) -> anyhow::Result<GemmRow> {
+    let GemmShape { name, m, k, n } = shape;
+    let x = rng.normals(m * k, 1.0);
+    let w = rng.normals(n * k, 0.05);
+    let packed = PackedB::from_rows(&w, n, k, k, isa);
+    let mut out = vec![0f32; m * n];
+    let flops = 2.0 * (m * k * n) as f64;
+    let ours = best_of(repeats, || {
+        gemm::gemm(&x, k, m, &packed, &mut out, n, false)
+    });
+    let mut amx_rate = |splits: usize| {
+        crate::kernels::amx::available().then(|| {
+            let packed = crate::kernels::amx::PackedBf16::from_rows(&w, n, k, k, splits);
+            let t = best_of(repeats, || {
+                crate::kernels::amx::gemm(&x, k, m, &packed, &mut out, n, false)
+            });
+            flops / t / 1e9
+        })
+    };
+    let (amx_exact_gflops, amx_fast_gflops) = (amx_rate(3), amx_rate(1));
+    let amx_scaled_gflops = amx_scaled_rate(&x, &w, shape, repeats, &mut out);
+    let xt = candle_core::Tensor::from_vec(x, (m, k), &candle_core::Device::Cpu)?;
+    let wt = candle_core::Tensor::from_vec(w, (n, k), &candle_core::Device::Cpu)?;
+    let candle = best_of(repeats, || {
+        std::hint::black_box(xt.matmul(&wt.t().expect("2-d")).expect("matmul"));
+    });
+    Ok(GemmRow {
+        name,
+        m,
+        k,
+        n,
+        attnscope_gflops: flops / ours / 1e9,
+        candle_gflops: flops / candle / 1e9,
+        amx_exact_gflops,
+        amx_fast_gflops,
+        amx_scaled_gflops,
+    })
+}
+
+/// The AMX rate with W as Q5_0 holds it (per group of 32, a scale and integers −16..15);
+/// `None` without AMX.
+fn amx_scaled_rate(
+    x: &[f32],
+    w: &[f32],
+    shape: GemmShape,
+    repeats: usize,
+    out: &mut [f32],
+) -> Option<f64> {
+    let GemmShape { m, k, n, .. } = shape;
+    let flops = 2.0 * (m * k * n) as f64;
+    // W as Q5_0 holds it: per group of 32, a scale and integers −16..15
+    crate::kernels::amx::available()
+        .then(|| {
+            use crate::kernels::amx::scaled::{self, PackedScaled, GROUP};
+            let packed = PackedScaled::from_row_source(n, k, false, |j, q, s, _| {
+                let row = &w[j * k..(j + 1) * k];
+                for (g, xs) in row.chunks(GROUP).enumerate() {
+                    let top = xs.iter().fold(0f32, |m, x| m.max(x.abs()));
+                    s[g] = half::f16::from_f32(top / 15.0).to_f32();
+                    for (i, &x) in xs.iter().enumerate() {
+                        q[g * GROUP + i] = if s[g] > 0.0 {
+                            (x / s[g]).round().clamp(-16.0, 15.0)
+                        } else {
+                            0.0
+                        };
+                    }
+                }
+                true
+            })?;
+            let t = best_of(repeats, || {
+                scaled::gemm(x, k, m, &packed, &mut *out, n, false)
+            });
+            Some(flops / t / 1e9)
+        })
+        .flatten()
 }
 
 /// The forward at each length: its parts' times and rates, and with every pattern kept.
@@ -750,36 +812,10 @@ fn time_commands(
     let mut side = Vec::new();
     {
         let dir = tempfile::tempdir()?;
-        // the anchor script where the Python can run it
-        let anchor = match (&a.transformers, &a.anchor) {
-            (Some(_), Some(p)) => Some(p.clone()),
-            (Some(_), None) => {
-                let p = dir.path().join("hf_anchor.py");
-                std::fs::write(&p, HF_ANCHOR)?;
-                Some(p)
-            }
-            _ => None,
-        };
+        let anchor = anchor_script(a, dir.path())?;
         for &n in &a.lengths {
-            let bytes: Vec<u8> = all[..n]
-                .iter()
-                .flat_map(|&t| model.tokenizer.token_bytes(t))
-                .collect();
-            let text = String::from_utf8_lossy(&bytes).into_owned();
-            let file = dir.path().join(format!("text{n}.txt"));
-            std::fs::write(&file, &text)?;
-            let mut base = vec![
-                "-m".to_string(),
-                a.model.model.clone(),
-                "--precision".into(),
-                a.model.precision.name().into(),
-            ];
-            if a.model.bos {
-                base.push("--bos".into());
-            }
-            if a.model.no_bos {
-                base.push("--no-bos".into());
-            }
+            let file = write_text(model, &all[..n], &dir.path().join(format!("text{n}.txt")))?;
+            let base = model_flags(a);
             let fstr = file.to_string_lossy().into_owned();
             for (label, extra) in [
                 (
@@ -824,59 +860,149 @@ fn time_commands(
                 });
                 pb.inc(1);
                 if let (Some(python), Some(script)) = (&a.transformers, &anchor) {
-                    // --repeats runs of the command before transformers (the first one above)
-                    // and --repeats after it: the machine's speed drifts within minutes, and a
-                    // median of several runs on each side says more than any one of them
-                    let mut walls = vec![wall];
-                    let mut afters = vec![own.map(|t| t.1)];
-                    for _ in 1..a.repeats {
-                        let (w, _, _, o) = run_command()?;
-                        walls.push(w);
-                        afters.push(o.map(|t| t.1));
-                    }
-                    // what transformers offers for the same question: every weight (eager with
-                    // output_attentions) for capture, the plain forward (sdpa) for inspect
-                    let (attn, oa) = if sub == "capture" {
-                        ("eager", true)
-                    } else {
-                        ("sdpa", false)
+                    let first = (wall, own.map(|t| t.1));
+                    let route = PythonRoute {
+                        python,
+                        script,
+                        gguf: &model.info.path,
+                        file: &file,
                     };
-                    pb.set_message(format!("transformers {attn}, n = {n}"));
-                    let theirs =
-                        run_anchor(python, script, &model.info.path, &file, attn, oa, a.repeats)?;
-                    pb.inc(1);
-                    pb.set_message(format!("{sub} again, n = {n}"));
-                    for _ in 0..a.repeats {
-                        let (w, _, _, o) = run_command()?;
-                        walls.push(w);
-                        afters.push(o.map(|t| t.1));
-                    }
-                    // (a command's own timing is printed to the millisecond: a tiny model's
-                    // can read 0)
-                    let after: Option<Vec<f64>> =
-                        afters.iter().map(|x| x.filter(|&x| x > 0.0)).collect();
-                    let median_wall = median(walls.clone());
-                    let median_after = after.as_ref().map(|v| median(v.clone()));
-                    let t = theirs.forward_median_s;
-                    side.push(SideRow {
+                    side.push(beside_transformers(
+                        &route,
                         n,
-                        command: sub,
-                        faster_by: ratio_range(t, &walls),
-                        faster_by_median: t / median_wall,
-                        faster_by_after_load: after.as_ref().map(|v| ratio_range(t, v)),
-                        faster_by_median_after_load: median_after.map(|m| t / m),
-                        wall_s: walls,
-                        after_load_s: afters,
-                        median_wall_s: median_wall,
-                        median_after_load_s: median_after,
-                        transformers: theirs,
-                    });
-                    pb.inc(1);
+                        sub,
+                        first,
+                        a.repeats,
+                        pb,
+                        run_command,
+                    )?);
                 }
             }
         }
     }
     Ok((commands, side))
+}
+
+/// The anchor script where the Python can run it: --anchor's, or the built-in one written into
+/// `dir`; `None` without --transformers.
+fn anchor_script(a: &Args, dir: &std::path::Path) -> anyhow::Result<Option<PathBuf>> {
+    Ok(match (&a.transformers, &a.anchor) {
+        (Some(_), Some(p)) => Some(p.clone()),
+        (Some(_), None) => {
+            let p = dir.join("hf_anchor.py");
+            std::fs::write(&p, HF_ANCHOR)?;
+            Some(p)
+        }
+        _ => None,
+    })
+}
+
+/// The tokens' text written to `file` (the commands read it back).
+fn write_text(
+    model: &crate::model::Model,
+    tokens: &[u32],
+    file: &std::path::Path,
+) -> anyhow::Result<PathBuf> {
+    let bytes: Vec<u8> = tokens
+        .iter()
+        .flat_map(|&t| model.tokenizer.token_bytes(t))
+        .collect();
+    let text = String::from_utf8_lossy(&bytes).into_owned();
+    std::fs::write(file, &text)?;
+    Ok(file.to_path_buf())
+}
+
+/// The model flags the timed commands get: the bench's own model, precision and BOS choice.
+fn model_flags(a: &Args) -> Vec<String> {
+    let mut base = vec![
+        "-m".to_string(),
+        a.model.model.clone(),
+        "--precision".into(),
+        a.model.precision.name().into(),
+    ];
+    if a.model.bos {
+        base.push("--bos".into());
+    }
+    if a.model.no_bos {
+        base.push("--no-bos".into());
+    }
+    base
+}
+
+/// Where transformers runs: the Python, the anchor script, the model file and the text.
+struct PythonRoute<'a> {
+    python: &'a std::path::Path,
+    script: &'a std::path::Path,
+    gguf: &'a std::path::Path,
+    file: &'a std::path::Path,
+}
+
+/// A command's runs around transformers' route: `first` (its wall time and time after the
+/// load) and --repeats − 1 more before transformers, --repeats after; the medians and ratios.
+fn beside_transformers(
+    route: &PythonRoute,
+    n: usize,
+    sub: &'static str,
+    first: (f64, Option<f64>),
+    repeats: usize,
+    pb: &indicatif::ProgressBar,
+    run_command: impl Fn() -> anyhow::Result<(f64, u64, i32, Option<(f64, f64)>)>,
+) -> anyhow::Result<SideRow> {
+    // --repeats runs of the command before transformers (the first one above)
+    // and --repeats after it: the machine's speed drifts within minutes, and a
+    // median of several runs on each side says more than any one of them
+    let mut walls = vec![first.0];
+    let mut afters = vec![first.1];
+    for _ in 1..repeats {
+        let (w, _, _, o) = run_command()?;
+        walls.push(w);
+        afters.push(o.map(|t| t.1));
+    }
+    // what transformers offers for the same question: every weight (eager with
+    // output_attentions) for capture, the plain forward (sdpa) for inspect
+    let (attn, oa) = if sub == "capture" {
+        ("eager", true)
+    } else {
+        ("sdpa", false)
+    };
+    pb.set_message(format!("transformers {attn}, n = {n}"));
+    let theirs = run_anchor(
+        route.python,
+        route.script,
+        route.gguf,
+        route.file,
+        attn,
+        oa,
+        repeats,
+    )?;
+    pb.inc(1);
+    pb.set_message(format!("{sub} again, n = {n}"));
+    for _ in 0..repeats {
+        let (w, _, _, o) = run_command()?;
+        walls.push(w);
+        afters.push(o.map(|t| t.1));
+    }
+    // (a command's own timing is printed to the millisecond: a tiny model's
+    // can read 0)
+    let after: Option<Vec<f64>> = afters.iter().map(|x| x.filter(|&x| x > 0.0)).collect();
+    let median_wall = median(walls.clone());
+    let median_after = after.as_ref().map(|v| median(v.clone()));
+    let t = theirs.forward_median_s;
+    let row = SideRow {
+        n,
+        command: sub,
+        faster_by: ratio_range(t, &walls),
+        faster_by_median: t / median_wall,
+        faster_by_after_load: after.as_ref().map(|v| ratio_range(t, v)),
+        faster_by_median_after_load: median_after.map(|m| t / m),
+        wall_s: walls,
+        after_load_s: afters,
+        median_wall_s: median_wall,
+        median_after_load_s: median_after,
+        transformers: theirs,
+    };
+    pb.inc(1);
+    Ok(row)
 }
 
 /// The tables (or the JSON document) of what was measured.
@@ -1149,6 +1275,14 @@ fn side_by_side(
         a.repeats,
         a.repeats,
     );
+    s += &side_table(side);
+    s += &format!("faster by: transformers' forward (median) over attnscope's median wall time (its load included) and over its median time after the load; in brackets the same over each of attnscope's {} runs, lowest and highest.\n", 2 * a.repeats);
+    s += &eager_budget_lines(side, forwards, machine_rate, kernel_peak);
+    s
+}
+
+/// Each command's wall time against transformers' forward at each length: how much faster.
+fn side_table(side: &[SideRow]) -> String {
     let mut t = Table::new([
         ("n", Align::Right),
         ("attnscope", Align::Left),
@@ -1201,8 +1335,18 @@ fn side_by_side(
             },
         ]);
     }
-    s += &t.render();
-    s += &format!("faster by: transformers' forward (median) over attnscope's median wall time (its load included) and over its median time after the load; in brackets the same over each of attnscope's {} runs, lowest and highest.\n", 2 * a.repeats);
+    t.render()
+}
+
+/// Where transformers' eager forward keeps every weight: what a third of its time leaves
+/// against the exact forward's floor at the machine's GEMM rate and at the kernel's peak.
+fn eager_budget_lines(
+    side: &[SideRow],
+    forwards: &[ForwardRow],
+    machine_rate: f64,
+    kernel_peak: f64,
+) -> String {
+    let mut s = String::new();
     for r in side.iter().filter(|r| r.transformers.output_attentions) {
         let Some(f) = forwards.iter().find(|f| f.n == r.n) else {
             continue;

@@ -92,27 +92,10 @@ fn measure(
     let corrupt = model.encode(CORRUPT, false)?;
     let bar = super::common::progress_bar("{msg} [{bar:30}] {pos}/{len}");
     bar.set_length((4 * repeats + usize::from(python.is_some()) + 1) as u64);
-    // one plain forward of that length
-    let opts = RunOptions::last_logits(clean.len());
-    model.forward(&clean, &opts, &mut NoCapture)?;
-    let forwards: Vec<f64> = (0..repeats.max(3))
-        .map(|_| timed(|| model.forward(&clean, &opts, &mut NoCapture)).map(|t| t.0))
-        .collect::<anyhow::Result<_>>()?;
+    let forwards = time_forwards(model, &clean, repeats)?;
     let forward_s = median(forwards.clone());
     bar.inc(1);
-    bar.set_message("patch --hook resid-pre");
-    let popts = PatchOptions {
-        hook: PatchHook::ResidPre,
-        answer: None,
-        wrong: None,
-        batch_rows: 1024,
-    };
-    let mut sweeps = Vec::new();
-    for _ in 0..repeats {
-        sweeps.push(timed(|| patch(model, &clean, &corrupt, &popts, |_, _| {}))?.0);
-        bar.inc(1);
-    }
-    let patch_sweep_s = median(sweeps);
+    let patch_sweep_s = time_patch_sweeps(model, &clean, &corrupt, repeats, &bar)?;
     let tokens = model.encode(LESSON_SENTENCE, false)?;
     let aopts = AblateOptions {
         method: Method::Zero,
@@ -162,6 +145,38 @@ fn measure(
         faster_than_transformers: faster,
     };
     Ok((r, forwards.len()))
+}
+
+/// One plain forward of the clean text's length, warmed up, then timed at least 3 times.
+fn time_forwards(model: &Model, clean: &[u32], repeats: usize) -> anyhow::Result<Vec<f64>> {
+    let opts = RunOptions::last_logits(clean.len());
+    model.forward(clean, &opts, &mut NoCapture)?;
+    (0..repeats.max(3))
+        .map(|_| timed(|| model.forward(clean, &opts, &mut NoCapture)).map(|t| t.0))
+        .collect()
+}
+
+/// `patch --hook resid-pre`'s sweep, timed `repeats` times; the median.
+fn time_patch_sweeps(
+    model: &Model,
+    clean: &[u32],
+    corrupt: &[u32],
+    repeats: usize,
+    bar: &indicatif::ProgressBar,
+) -> anyhow::Result<f64> {
+    bar.set_message("patch --hook resid-pre");
+    let popts = PatchOptions {
+        hook: PatchHook::ResidPre,
+        answer: None,
+        wrong: None,
+        batch_rows: 1024,
+    };
+    let mut sweeps = Vec::new();
+    for _ in 0..repeats {
+        sweeps.push(timed(|| patch(model, clean, corrupt, &popts, |_, _| {}))?.0);
+        bar.inc(1);
+    }
+    Ok(median(sweeps))
 }
 
 /// The table of an interventions bench whose forward is the median of `n_forwards`.

@@ -1,7 +1,7 @@
 //! `attnscope capture`: run a model and save the captured hook tensors to a file
 //! ([`crate::render::capture`] does it).
 
-use super::common::{emit, ModelArgs, TextArgs};
+use super::common::{emit, ModelText};
 use crate::render::capture::{capture, CaptureRequest};
 use crate::render::tensorfile::TensorFormat;
 use std::io::IsTerminal;
@@ -16,9 +16,7 @@ enum Format {
 #[derive(clap::Args, Debug)]
 pub struct Args {
     #[command(flatten)]
-    model: ModelArgs,
-    #[command(flatten)]
-    text: TextArgs,
+    input: ModelText,
     /// Output file (.safetensors or .npz).
     #[arg(long, short = 'o')]
     out: PathBuf,
@@ -66,9 +64,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     req.check()?;
     let start = std::time::Instant::now();
-    let model = a.model.load()?;
+    let model = a.input.model.load()?;
     let loaded = start.elapsed();
-    let (tokens, token_types) = a.text.tokens_or_pair(&model, a.model.bos)?;
+    let (tokens, token_types) = a.input.text.tokens_or_pair(&model, a.input.model.bos)?;
     let n = tokens.len();
     let plan = req.plan(&model, n)?;
     let (n_tensors, total_bytes) = (plan.n_tensors(), plan.total_bytes());

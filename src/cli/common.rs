@@ -97,6 +97,15 @@ pub struct Encoded {
     pub segments: Option<Vec<u32>>,
 }
 
+/// The model and the text most commands run on.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ModelText {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub text: TextArgs,
+}
+
 #[derive(clap::Args, Debug, Clone)]
 pub struct TextArgs {
     /// The text to run. Default: the lesson's sentence (or standard input when it is piped).
@@ -271,4 +280,17 @@ pub fn precision_parser() -> impl clap::builder::TypedValueParser<Value = Precis
     use clap::builder::TypedValueParser;
     clap::builder::PossibleValuesParser::new(Precision::ALL.map(|p| p.name()))
         .map(|s| s.parse::<Precision>().expect("one of the possible values"))
+}
+
+/// `--file`'s text, refused (exit 2) when it cannot be read or is not UTF-8.
+pub fn read_text(f: &std::path::Path) -> anyhow::Result<String> {
+    let bytes =
+        std::fs::read(f).map_err(|e| usage(format!("cannot read --file {}: {e}", f.display())))?;
+    String::from_utf8(bytes).map_err(|e| {
+        usage(format!(
+            "{} is not valid UTF-8 (first bad byte at offset {})",
+            f.display(),
+            e.utf8_error().valid_up_to()
+        ))
+    })
 }

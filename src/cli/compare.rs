@@ -1,6 +1,6 @@
 //! `attnscope compare`: two texts, two models or two precisions side by side.
 
-use super::common::{emit, usage, write_new_file, LESSON_SENTENCE};
+use super::common::{emit, read_text, usage, write_new_file, LESSON_SENTENCE};
 use crate::analysis::compare::{
     compare_runs, text_label, CompareOptions, CompareReport, Mode, SideInput,
 };
@@ -68,21 +68,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         bos: a.bos,
     };
     opts.check()?;
-    let mut texts = a.text.clone();
-    for f in &a.file {
-        let bytes = std::fs::read(f)
-            .map_err(|e| usage(format!("cannot read --file {}: {e}", f.display())))?;
-        texts.push(String::from_utf8(bytes).map_err(|e| {
-            usage(format!(
-                "{} is not valid UTF-8 (first bad byte at offset {})",
-                f.display(),
-                e.utf8_error().valid_up_to()
-            ))
-        })?);
-    }
-    if texts.is_empty() {
-        texts.push(LESSON_SENTENCE.into());
-    }
+    let texts = texts_of(&a)?;
     let models = if a.model.is_empty() {
         vec![DEFAULT_MODEL.to_string()]
     } else {
@@ -93,40 +79,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     } else {
         a.precision.clone()
     };
-    let twos = [texts.len(), models.len(), precisions.len()];
-    if twos.iter().any(|&c| c > 2) || twos.iter().filter(|&&c| c == 2).count() != 1 {
-        return Err(usage(format!(
-            "compare needs exactly two of one thing: two texts (--text A --text B), two models (--model M1 --model M2) or two precisions (--precision exact --precision fast); got {} text(s), {} model(s), {} precision(s)",
-            texts.len(),
-            models.len(),
-            precisions.len()
-        )));
-    }
-    // the two sides: (model, its name, text, label)
-    let side = |spec: &String, p: Precision, text: &String, label: String| -> anyhow::Result<_> {
-        Ok((load(spec, p, a.no_bos)?, spec.clone(), text.clone(), label))
-    };
-    let (mode, sides) = if texts.len() == 2 {
-        let m = load(&models[0], precisions[0], a.no_bos)?;
-        let side = |t: &String| (m.clone(), models[0].clone(), t.clone(), text_label(t));
-        (Mode::Texts, vec![side(&texts[0]), side(&texts[1])])
-    } else if models.len() == 2 {
-        let label = |s: &String| format!("model {s}");
-        let (m0, m1) = (&models[0], &models[1]);
-        let first = side(m0, precisions[0], &texts[0], label(m0))?;
-        (
-            Mode::Models,
-            vec![first, side(m1, precisions[0], &texts[0], label(m1))?],
-        )
-    } else {
-        let label = |p: Precision| format!("precision {}", p.name());
-        let (p0, p1) = (precisions[0], precisions[1]);
-        let first = side(&models[0], p0, &texts[0], label(p0))?;
-        (
-            Mode::Precisions,
-            vec![first, side(&models[0], p1, &texts[0], label(p1))?],
-        )
-    };
+    check_two_of_one(&texts, &models, &precisions)?;
+    let (mode, sides) = load_sides(&texts, &models, &precisions, a.no_bos)?;
     let input = |i: usize| {
         let (m, name, text, label) = &sides[i];
         SideInput {
@@ -152,8 +106,90 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     emit(&render(&report))
 }
 
+/// The --text texts, then the --file ones; the lesson's sentence when none is given.
+fn texts_of(a: &Args) -> anyhow::Result<Vec<String>> {
+    let mut texts = a.text.clone();
+    for f in &a.file {
+        texts.push(read_text(f)?);
+    }
+    if texts.is_empty() {
+        texts.push(LESSON_SENTENCE.into());
+    }
+    Ok(texts)
+}
+
+/// Refuses (exit 2) anything but exactly two of one thing: texts, models or precisions.
+fn check_two_of_one(
+    texts: &[String],
+    models: &[String],
+    precisions: &[Precision],
+) -> anyhow::Result<()> {
+    let twos = [texts.len(), models.len(), precisions.len()];
+    if twos.iter().any(|&c| c > 2) || twos.iter().filter(|&&c| c == 2).count() != 1 {
+        return Err(usage(format!(
+            "compare needs exactly two of one thing: two texts (--text A --text B), two models (--model M1 --model M2) or two precisions (--precision exact --precision fast); got {} text(s), {} model(s), {} precision(s)",
+            texts.len(),
+            models.len(),
+            precisions.len()
+        )));
+    }
+    Ok(())
+}
+
+/// One side of the comparison: its model, the model's name, its text and its label.
+type Side = (Arc<Model>, String, String, String);
+
+/// The two sides, loaded: one model on two texts, two models on one text, or one model at two
+/// precisions.
+fn load_sides(
+    texts: &[String],
+    models: &[String],
+    precisions: &[Precision],
+    no_bos: bool,
+) -> anyhow::Result<(Mode, Vec<Side>)> {
+    let side = |spec: &String, p: Precision, text: &String, label: String| -> anyhow::Result<_> {
+        Ok((load(spec, p, no_bos)?, spec.clone(), text.clone(), label))
+    };
+    Ok(if texts.len() == 2 {
+        let m = load(&models[0], precisions[0], no_bos)?;
+        let side = |t: &String| (m.clone(), models[0].clone(), t.clone(), text_label(t));
+        (Mode::Texts, vec![side(&texts[0]), side(&texts[1])])
+    } else if models.len() == 2 {
+        let label = |s: &String| format!("model {s}");
+        let (m0, m1) = (&models[0], &models[1]);
+        let first = side(m0, precisions[0], &texts[0], label(m0))?;
+        (
+            Mode::Models,
+            vec![first, side(m1, precisions[0], &texts[0], label(m1))?],
+        )
+    } else {
+        let label = |p: Precision| format!("precision {}", p.name());
+        let (p0, p1) = (precisions[0], precisions[1]);
+        let first = side(&models[0], p0, &texts[0], label(p0))?;
+        (
+            Mode::Precisions,
+            vec![first, side(&models[0], p1, &texts[0], label(p1))?],
+        )
+    })
+}
+
 fn render(r: &CompareReport) -> String {
     let mut s = title(&format!("Compare two {}", r.mode));
+    s += &sides_lines(r);
+    s += "\n";
+    s += &sink_profile_table(r);
+    s += &top_changed_table(r);
+    s += &js_shades(r);
+    s += &next_token_table(r);
+    s += &title("Summary");
+    s += &format!("{}\n", r.summary);
+    s
+}
+
+/// Each side's label, model, precision, length and query; the embeddings' cosine; where the
+/// tokens differ.
+fn sides_lines(r: &CompareReport) -> String {
+    let mut s = String::new();
     for (k, side) in [("A", &r.a), ("B", &r.b)] {
         s += &format!(
             "{k}: {} · {} · {} · {} tokens, query {} \"{}\"\n",
@@ -183,7 +219,12 @@ fn render(r: &CompareReport) -> String {
             s += "The two sides have different lengths: rows are compared by key position (a shorter row counts as 0 beyond its end).\n";
         }
     }
-    s += "\n";
+    s
+}
+
+/// The share of attention on the first token per layer, A against B, with the mean JS.
+fn sink_profile_table(r: &CompareReport) -> String {
+    let mut s = String::new();
     s += &title("Sink profile per layer: share of attention on the first token (mean over heads)");
     let mut t = Table::new([
         ("layer", Align::Right),
@@ -229,6 +270,12 @@ fn render(r: &CompareReport) -> String {
     }
     s += &t.render();
     s += &format!("bars: |B − A| over all queries, scaled to the largest ({max_diff:.4}). mean JS: Jensen–Shannon divergence of the query's rows, in bits, averaged over the layer's heads.\n\n");
+    s
+}
+
+/// The heads whose query rows changed most, with each side's top keys.
+fn top_changed_table(r: &CompareReport) -> String {
+    let mut s = String::new();
     s += &title(&format!(
         "The {} heads whose query rows changed most (JS divergence, bits)",
         r.top_changed.len()
@@ -254,6 +301,12 @@ fn render(r: &CompareReport) -> String {
         ]);
     }
     s += &t.render();
+    s
+}
+
+/// The JS divergence of every head as a shaded grid (rows: layers).
+fn js_shades(r: &CompareReport) -> String {
+    let mut s = String::new();
     let max_js =
         r.js.iter()
             .flatten()
@@ -277,6 +330,12 @@ fn render(r: &CompareReport) -> String {
         s += &format!("{l:>4} |{shade}|\n");
     }
     s += "\n";
+    s
+}
+
+/// Each side's next-token prediction (none for an encoder).
+fn next_token_table(r: &CompareReport) -> String {
+    let mut s = String::new();
     // an encoder has no next-token prediction
     if !(r.a.next_token.is_empty() && r.b.next_token.is_empty()) {
         s += &title("Next token");
@@ -300,7 +359,5 @@ fn render(r: &CompareReport) -> String {
         s += &t.render();
         s += "\n";
     }
-    s += &title("Summary");
-    s += &format!("{}\n", r.summary);
     s
 }

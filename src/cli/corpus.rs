@@ -180,13 +180,8 @@ fn layer_table(a: &Aggregate) -> String {
             l.layer.to_string(),
             format!("{:.4}", l.sink_all.mean),
             format!("{:.4}", l.sink_all.std),
-            format!("[{:.4}, {:.4}]", l.sink_all.ci95.0, l.sink_all.ci95.1),
-            bar(l.sink_all.mean as f32, 20)
-                + if l.layer == a.peak_layer {
-                    " ▲ peak"
-                } else {
-                    ""
-                },
+            ci95_text(&l.sink_all),
+            mean_bar(&l.sink_all, l.layer == a.peak_layer),
             format!("{:.1}%", 100.0 * l.sink_heads_fraction),
             format!("{:.1}%", 100.0 * l.gu_heads_fraction),
             format!("{:.1}%", 100.0 * l.concentrated_fraction),
@@ -249,4 +244,13 @@ fn faithfulness_table(a: &Aggregate) -> String {
     }
     s += &t.render();
     s
+}
+/// A statistic's 95% confidence interval, as the tables print it.
+pub(super) fn ci95_text(s: &crate::analysis::corpus::Stat) -> String {
+    format!("[{:.4}, {:.4}]", s.ci95.0, s.ci95.1)
+}
+
+/// A bar of a statistic's mean, marked when its layer is the peak.
+pub(super) fn mean_bar(s: &crate::analysis::corpus::Stat, peak: bool) -> String {
+    bar(s.mean as f32, 20) + if peak { " ▲ peak" } else { "" }
 }

@@ -3,7 +3,7 @@
 //! merge` in [`crate::analysis::corpus_run`], as for a decoder's records).
 
 use crate::analysis::corpus_encoder::{EncoderAggregate, SEP_HEAD_SHARE};
-use crate::render::table::{bar, sparkline, title, Align, Table};
+use crate::render::table::{sparkline, title, Align, Table};
 
 /// An encoder's aggregate as tables.
 pub fn render(a: &EncoderAggregate, source: &str) -> String {
@@ -35,13 +35,8 @@ pub fn render(a: &EncoderAggregate, source: &str) -> String {
             format!("{:.4}", l.cls.mean),
             format!("{:.4}", l.sep.mean),
             format!("{:.4}", l.sep.std),
-            format!("[{:.4}, {:.4}]", l.sep.ci95.0, l.sep.ci95.1),
-            bar(l.sep.mean as f32, 20)
-                + if l.layer == a.peak_sep_layer {
-                    " ▲ peak"
-                } else {
-                    ""
-                },
+            super::corpus::ci95_text(&l.sep),
+            super::corpus::mean_bar(&l.sep, l.layer == a.peak_sep_layer),
             format!("{:.4}", l.punct.mean),
             format!("{:.1}%", 100.0 * l.sep_heads_fraction),
             format!("{:.1}%", 100.0 * l.cls_heads_fraction),

@@ -1,6 +1,6 @@
 //! `attnscope dla`: each head's and MLP's direct contribution to the answer's logit.
 
-use super::common::{emit, ModelArgs, TextArgs};
+use super::common::{emit, ModelText};
 use crate::analysis::dla::{dla, DlaReport};
 use crate::analysis::faithfulness::Target;
 use crate::model::tokenize::visible;
@@ -9,9 +9,7 @@ use crate::render::table::{order_by_magnitude, title, Align, Table};
 #[derive(clap::Args, Debug)]
 pub struct Args {
     #[command(flatten)]
-    model: ModelArgs,
-    #[command(flatten)]
-    text: TextArgs,
+    input: ModelText,
     /// The token whose logit at the last position is decomposed: `next` (the model's top token),
     /// a token id, or a token's text (one token).
     #[arg(long, default_value = "next")]
@@ -27,8 +25,8 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let model = a.model.load()?;
-    let tokens = a.text.tokens(&model, a.model.bos)?;
+    let model = a.input.model.load()?;
+    let tokens = a.input.text.tokens(&model, a.input.model.bos)?;
     let r = dla(&model, &tokens, &a.answer, a.wrong.as_ref())?;
     if a.json {
         return emit(&format!("{}\n", serde_json::to_string_pretty(&r)?));

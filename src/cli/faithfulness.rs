@@ -1,6 +1,6 @@
 //! `attnscope faithfulness`: attention rankings against what occluding each token does.
 
-use super::common::{ModelArgs, TextArgs};
+use super::common::ModelText;
 use super::scoring::{run_scored, ScoringArgs};
 use crate::analysis::enc_faith::EncFaithReport;
 use crate::analysis::faithfulness::{
@@ -12,9 +12,7 @@ use crate::render::table::{title, Align, Table};
 #[derive(clap::Args, Debug)]
 pub struct Args {
     #[command(flatten)]
-    model: ModelArgs,
-    #[command(flatten)]
-    text: TextArgs,
+    input: ModelText,
     /// What the model should predict after the text: `next` (its own top token), a token id,
     /// or a token's text (e.g. " Paris"; must be one token). On an encoder: `embedding` (the
     /// mean-pooled sentence embedding; also what `next` means there) or `cls` (the [CLS]
@@ -69,8 +67,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         steps: a.scoring.steps,
     };
     run_scored(
-        &a.model,
-        &a.text,
+        &a.input.model,
+        &a.input.text,
         &a.scoring,
         "forward passes",
         |model, tokens, tick| Ok(faithfulness(model, tokens, &req, tick)?),

@@ -3,7 +3,7 @@
 //! encoder previous token, next token, [CLS], [SEP] and broad (Clark et al. 2019), on a text or
 //! a sentence pair (`--pair`).
 
-use super::common::{emit, usage, ModelArgs, TextArgs};
+use super::common::{emit, usage, ModelText};
 use crate::analysis::heads::{
     document, mean_roles, mean_uniform, random_repeat_tokens, role_names, roles_of, roles_of_typed,
     HeadRoles,
@@ -14,9 +14,7 @@ use std::collections::BTreeMap;
 #[derive(clap::Args, Debug)]
 pub struct Args {
     #[command(flatten)]
-    model: ModelArgs,
-    #[command(flatten)]
-    text: TextArgs,
+    input: ModelText,
     /// Instead of a text: N random token ids, then the same N again (BOS first if the model uses
     /// one). The standard test for induction heads.
     #[arg(long, value_name = "N", conflicts_with_all = ["text", "file", "chat"])]
@@ -42,12 +40,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.top == 0 {
         return Err(usage("--top must be at least 1"));
     }
-    if a.random_repeat.is_some() && a.text.pair.is_some() {
+    if a.random_repeat.is_some() && a.input.text.pair.is_some() {
         return Err(usage(
             "--random-repeat makes its own tokens; --pair (a sentence pair) needs a text",
         ));
     }
-    let model = a.model.load()?;
+    let model = a.input.model.load()?;
     let input = inputs(&model, &a)?;
     let all: Vec<HeadRoles> = match input.types {
         Some(ty) => vec![roles_of_typed(&model, &input.texts[0], Some(&ty))?],
@@ -103,7 +101,7 @@ struct Inputs {
 fn inputs(model: &crate::model::Model, a: &Args) -> anyhow::Result<Inputs> {
     let mut doc = serde_json::Map::new();
     if let Some(nr) = a.random_repeat {
-        let t = random_repeat_tokens(model, nr, a.seed, a.model.bos)?;
+        let t = random_repeat_tokens(model, nr, a.seed, a.input.model.bos)?;
         doc.insert("random_repeat".into(), nr.into());
         doc.insert("seed".into(), a.seed.into());
         return Ok(Inputs {
@@ -114,10 +112,10 @@ fn inputs(model: &crate::model::Model, a: &Args) -> anyhow::Result<Inputs> {
         });
     }
     if a.each_line {
-        let text = a.text.read()?;
+        let text = a.input.text.read()?;
         let mut texts = Vec::new();
         for line in crate::analysis::corpus::parse_lines(&text, false) {
-            texts.push(model.encode(&line, a.model.bos)?);
+            texts.push(model.encode(&line, a.input.model.bos)?);
         }
         if texts.is_empty() {
             return Err(anyhow::Error::new(crate::model::Error::EmptyText));
@@ -130,7 +128,7 @@ fn inputs(model: &crate::model::Model, a: &Args) -> anyhow::Result<Inputs> {
             source,
         });
     }
-    let (t, ty) = a.text.tokens_or_pair(model, a.model.bos)?;
+    let (t, ty) = a.input.text.tokens_or_pair(model, a.input.model.bos)?;
     Ok(Inputs {
         texts: vec![t],
         source: if ty.is_some() {

@@ -195,106 +195,117 @@ fn facts_table(m: &crate::model::Model) -> Table {
         ("MLP width", d.d_ff.to_string()),
         ("context length", d.context_len.to_string()),
         ("RoPE base", format!("{}", d.rope_base)),
-        (
-            "RoPE scaling",
-            match &d.rope_scaling {
-                crate::model::config::RopeScaling::Default => "none".to_string(),
-                crate::model::config::RopeScaling::Llama3 {
-                    factor,
-                    low_freq_factor,
-                    high_freq_factor,
-                    original_context,
-                } => format!("llama3: factor {factor}, low/high frequency factors {low_freq_factor}/{high_freq_factor}, original context {original_context}"),
-            },
-        ),
+        ("RoPE scaling", rope_scaling_line(d)),
         ("RoPE layout", rope.to_string()),
         ("attention span", attention_span(d)),
         ("RMSNorm eps", format!("{:e}", d.rms_eps)),
         ("vocab size", d.vocab_size.to_string()),
-        (
-            "embeddings",
-            if d.arch.is_encoder() {
-                "word + learned position + token type, then LayerNorm; no output head"
-            } else if d.tied_embeddings {
-                "tied (output = input embedding)"
-            } else {
-                "separate output matrix"
-            }
-            .to_string(),
-        ),
-        (
-            "tensor types",
-            m.info
-                .tensor_types
-                .iter()
-                .map(|(k, v)| format!("{k}×{v}"))
-                .collect::<Vec<_>>()
-                .join(", "),
-        ),
+        ("embeddings", embeddings_line(d).to_string()),
+        ("tensor types", tensor_types_line(m)),
         ("tokenizer", m.info.tokenizer.clone()),
-        (
-            "BOS",
-            match (m.tokenizer.add_bos, m.tokenizer.bos_id) {
-                (true, Some(b)) => format!(
-                    "`{}` (id {b}) put first by default (--no-bos leaves it out)",
-                    m.tokenizer.token_text(b)
-                ),
-                (_, Some(b)) => format!(
-                    "none by default (--bos puts `{}`, id {b}, first)",
-                    m.tokenizer.token_text(b)
-                ),
-                (_, None) => "none (the model defines no BOS token)".to_string(),
-            },
-        ),
-        (
-            "precision",
-            match m.info.precision {
-                crate::model::Precision::Fast => format!(
-                    "fast: projections {}, attention f32 ({} kernel)",
-                    crate::model::weights::fast_kernel()
-                        .unwrap_or("on the exact f32 kernels (no AMX nor AVX-512 VNNI here)"),
-                    crate::kernels::gemm::Isa::detect().name()
-                ),
-                crate::model::Precision::Exact => {
-                    let (scaled, all) = m.scaled_projections();
-                    if crate::kernels::amx::exact_on_tiles() {
-                        "exact: f32 throughout (bf16x3 on AMX tiles)".to_string()
-                    } else if scaled > 0 {
-                        format!(
-                            "exact: every product exact, summed in f32; {scaled} of {all} projections on AMX tiles as the file's integers and scales, {} attention on the {} kernel",
-                            if scaled == all { "" } else { "the rest and" },
-                            crate::kernels::gemm::Isa::detect().name()
-                        )
-                    } else {
-                        format!(
-                            "exact: f32 throughout ({} kernel)",
-                            crate::kernels::gemm::Isa::detect().name()
-                        )
-                    }
-                }
-            },
-        ),
+        ("BOS", bos_line(m)),
+        ("precision", precision_line(m)),
     ] {
         t.row([k.to_string(), v]);
     }
     t.row(["memory".to_string(), memory_line(m)]);
     if let Some(g) = &d.gemma {
-        t.row([
-            "Gemma".to_string(),
-            format!(
-                "embeddings × {:.4} (√d_model); scores × {:.5}{}{}",
-                g.embed_scale,
-                g.query_scale,
-                g.attn_softcap
-                    .map(|c| format!("; scores soft-capped at {c}"))
-                    .unwrap_or_default(),
-                g.final_softcap
-                    .map(|c| format!("; logits soft-capped at {c}"))
-                    .unwrap_or_default()
-            ),
-        ]);
+        t.row(["Gemma".to_string(), gemma_line(g)]);
     }
     t
+}
+
+/// The RoPE scaling row: none, or Llama 3's factors.
+fn rope_scaling_line(d: &crate::model::ModelDims) -> String {
+    match &d.rope_scaling {
+        crate::model::config::RopeScaling::Default => "none".to_string(),
+        crate::model::config::RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_context,
+        } => format!("llama3: factor {factor}, low/high frequency factors {low_freq_factor}/{high_freq_factor}, original context {original_context}"),
+    }
+}
+
+/// The embeddings row: an encoder's sum of embeddings, or a decoder's tied or separate head.
+fn embeddings_line(d: &crate::model::ModelDims) -> &'static str {
+    if d.arch.is_encoder() {
+        "word + learned position + token type, then LayerNorm; no output head"
+    } else if d.tied_embeddings {
+        "tied (output = input embedding)"
+    } else {
+        "separate output matrix"
+    }
+}
+
+/// The tensor types row: each type with how many tensors have it.
+fn tensor_types_line(m: &crate::model::Model) -> String {
+    m.info
+        .tensor_types
+        .iter()
+        .map(|(k, v)| format!("{k}×{v}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The BOS row: which token is put first by default, and the flag that changes it.
+fn bos_line(m: &crate::model::Model) -> String {
+    match (m.tokenizer.add_bos, m.tokenizer.bos_id) {
+        (true, Some(b)) => format!(
+            "`{}` (id {b}) put first by default (--no-bos leaves it out)",
+            m.tokenizer.token_text(b)
+        ),
+        (_, Some(b)) => format!(
+            "none by default (--bos puts `{}`, id {b}, first)",
+            m.tokenizer.token_text(b)
+        ),
+        (_, None) => "none (the model defines no BOS token)".to_string(),
+    }
+}
+
+/// The precision row: which kernels run the projections and the attention.
+fn precision_line(m: &crate::model::Model) -> String {
+    match m.info.precision {
+        crate::model::Precision::Fast => format!(
+            "fast: projections {}, attention f32 ({} kernel)",
+            crate::model::weights::fast_kernel()
+                .unwrap_or("on the exact f32 kernels (no AMX nor AVX-512 VNNI here)"),
+            crate::kernels::gemm::Isa::detect().name()
+        ),
+        crate::model::Precision::Exact => {
+            let (scaled, all) = m.scaled_projections();
+            if crate::kernels::amx::exact_on_tiles() {
+                "exact: f32 throughout (bf16x3 on AMX tiles)".to_string()
+            } else if scaled > 0 {
+                format!(
+                    "exact: every product exact, summed in f32; {scaled} of {all} projections on AMX tiles as the file's integers and scales, {} attention on the {} kernel",
+                    if scaled == all { "" } else { "the rest and" },
+                    crate::kernels::gemm::Isa::detect().name()
+                )
+            } else {
+                format!(
+                    "exact: f32 throughout ({} kernel)",
+                    crate::kernels::gemm::Isa::detect().name()
+                )
+            }
+        }
+    }
+}
+
+/// Gemma's scalings and soft-caps.
+fn gemma_line(g: &crate::model::config::GemmaSettings) -> String {
+    format!(
+        "embeddings × {:.4} (√d_model); scores × {:.5}{}{}",
+        g.embed_scale,
+        g.query_scale,
+        g.attn_softcap
+            .map(|c| format!("; scores soft-capped at {c}"))
+            .unwrap_or_default(),
+        g.final_softcap
+            .map(|c| format!("; logits soft-capped at {c}"))
+            .unwrap_or_default()
+    )
 }
 
 /// The memory setting, how many projections it multiplies from the file's blocks, and why.

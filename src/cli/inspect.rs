@@ -1,6 +1,6 @@
 //! `attnscope inspect`: the lesson's tables on a real model.
 
-use super::common::{emit, ModelArgs, TextArgs};
+use super::common::{emit, ModelText};
 use crate::analysis::encoder::EncoderReport;
 use crate::analysis::inspect::{inspect, Inspected, Request};
 use crate::model::Model;
@@ -9,9 +9,7 @@ use std::time::Instant;
 #[derive(clap::Args, Debug)]
 pub struct Args {
     #[command(flatten)]
-    model: ModelArgs,
-    #[command(flatten)]
-    text: TextArgs,
+    input: ModelText,
     /// Query position to look from (default: the last token).
     #[arg(long, short = 'q')]
     query: Option<usize>,
@@ -40,9 +38,9 @@ pub struct Args {
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     let start = Instant::now();
-    let model = a.model.load()?;
+    let model = a.input.model.load()?;
     let load_s = start.elapsed().as_secs_f64();
-    let input = a.text.encoded(&model, a.model.bos)?;
+    let input = a.input.text.encoded(&model, a.input.model.bos)?;
     let (tokens, types) = (&input.tokens, &input.types);
     let req = Request {
         query: a.query,

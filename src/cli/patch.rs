@@ -177,14 +177,7 @@ pub fn render_approx(
     );
     let (rows, cols, _) = grid(r);
     let nc = cols.len();
-    s += &format!(
-        "{:>4} {}\n",
-        "",
-        (0..nc)
-            .map(|i| format!("{:>5}", format!("c{i}")))
-            .collect::<Vec<_>>()
-            .join(" ")
-    );
+    s += &format!("{:>4} {}\n", "", column_numbers(nc));
     for (l, name) in rows.iter().enumerate() {
         let cells: Vec<String> = kind
             .results
@@ -265,14 +258,7 @@ pub fn render(r: &PatchReport, colour: bool) -> String {
     for (i, c) in cols.iter().enumerate() {
         s += &format!("  c{i:<3} {c}\n");
     }
-    s += &format!(
-        "\n{:>4} {}\n",
-        "",
-        (0..nc)
-            .map(|i| format!("{:>5}", format!("c{i}")))
-            .collect::<Vec<_>>()
-            .join(" ")
-    );
+    s += &format!("\n{:>4} {}\n", "", column_numbers(nc));
     for (l, name) in rows.iter().enumerate() {
         let cells: Vec<String> = values[l * nc..(l + 1) * nc]
             .iter()
@@ -302,4 +288,11 @@ pub fn render(r: &PatchReport, colour: bool) -> String {
         100.0 * r.layer_rows as f64 / r.layer_rows_from_scratch.max(1) as f64
     );
     s
+}
+/// The grid's column heads: c0, c1, … right-aligned to the cells' width.
+fn column_numbers(nc: usize) -> String {
+    (0..nc)
+        .map(|i| format!("{:>5}", format!("c{i}")))
+        .collect::<Vec<_>>()
+        .join(" ")
 }

@@ -1,10 +1,11 @@
 //! `attnscope sinks`: the sink profile and per-head statistics of a long text, streamed.
 
-use super::common::{emit, progress_bar, usage, ModelArgs};
+use super::common::{emit, progress_bar, read_text, ModelArgs};
 use crate::analysis::sinkmetrics::LayerMassive;
-use crate::analysis::sinks::{sinks, sinks_tokens, SinksOptions};
+use crate::analysis::sinks::{sinks, sinks_tokens, SinksOptions, SinksReport};
 use crate::analysis::stream::LayerStats;
 use crate::model::tokenize::visible;
+use crate::model::Model;
 use crate::render::table::{bar, sparkline, title, Align, Table};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -51,6 +52,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let model = a.model.load()?;
     let text = a.file.as_deref().map(read_text).transpose()?;
     let tokens = sinks_tokens(&model, text.as_deref(), a.max_tokens, a.model.bos)?;
+    let mut r = stream(&model, &tokens, &a)?;
+    r.total_s = start.elapsed().as_secs_f64();
+    if a.json {
+        return emit(&format!("{}\n", serde_json::to_string_pretty(&r)?));
+    }
+    emit(&render(&model, &tokens, &a, &r))
+}
+
+/// The tokens through the model layer by layer, with a progress bar.
+fn stream(model: &Model, tokens: &[u32], a: &Args) -> anyhow::Result<SinksReport> {
     let (d, n) = (&model.dims, tokens.len());
     let bar_ = progress_bar("{msg} [{bar:30}] layer {pos}/{len} ({elapsed}, {eta} left)");
     bar_.set_length(d.n_layers as u64);
@@ -65,17 +76,20 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         massive_top: a.massive_top,
         bos: a.model.bos,
     };
-    let mut r = sinks(
-        &model,
-        &tokens,
+    let r = sinks(
+        model,
+        tokens,
         &opts,
         Box::new(move |l| b2.set_position(l as u64 + 1)),
     )?;
     bar_.finish_and_clear();
-    r.total_s = start.elapsed().as_secs_f64();
-    if a.json {
-        return emit(&format!("{}\n", serde_json::to_string_pretty(&r)?));
-    }
+    Ok(r)
+}
+
+/// The report as text: the per-layer table, the sink profile, what a sliding window hides,
+/// Gu et al.'s metric, the massive activations and the timings.
+fn render(model: &Model, tokens: &[u32], a: &Args, r: &SinksReport) -> String {
+    let (d, n) = (&model.dims, tokens.len());
     let layers = &r.layers;
     let mut s = title(&format!(
         "Attention sinks over {n} tokens, {} ({} precision), streamed",
@@ -100,6 +114,28 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         sparkline(&prof),
         layers[peak_layer].sink_all_queries
     );
+    s += &window_and_gu_lines(d, n, r);
+    if !r.massive_activations.is_empty() {
+        s += &massive_lines(model, tokens, &r.massive_activations);
+    }
+    s += "\n";
+    s += &format!(
+        "forward {:.1} s (attention {:.1} s), total {:.1} s; peak memory {}; {} threads on {}\n",
+        r.forward_s,
+        r.attention_s,
+        r.total_s,
+        r.peak_rss_bytes
+            .map(|p| super::cost::human_bytes(p as f64))
+            .unwrap_or_else(|| "unknown".into()),
+        r.threads,
+        r.cpu
+    );
+    s
+}
+
+/// What a sliding window hides from the first token, and Gu et al.'s metric when measured.
+fn window_and_gu_lines(d: &crate::model::ModelDims, n: usize, r: &SinksReport) -> String {
+    let mut s = String::new();
     // a sliding window hides the first token from every query at or past the window
     let windowed: Vec<String> = d.windowed_layers().iter().map(|l| l.to_string()).collect();
     if let (false, Some(w)) = (windowed.is_empty(), d.sliding_window.filter(|&w| n > w)) {
@@ -119,35 +155,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             sparkline(&g.per_layer.iter().map(|&v| v as f32).collect::<Vec<_>>())
         );
     }
-    if !r.massive_activations.is_empty() {
-        s += &massive_lines(&model, &tokens, &r.massive_activations);
-    }
-    s += "\n";
-    s += &format!(
-        "forward {:.1} s (attention {:.1} s), total {:.1} s; peak memory {}; {} threads on {}\n",
-        r.forward_s,
-        r.attention_s,
-        r.total_s,
-        r.peak_rss_bytes
-            .map(|p| super::cost::human_bytes(p as f64))
-            .unwrap_or_else(|| "unknown".into()),
-        r.threads,
-        r.cpu
-    );
-    emit(&s)
-}
-
-/// `--file`'s text, refused (exit 2) when it cannot be read or is not UTF-8.
-fn read_text(f: &std::path::Path) -> anyhow::Result<String> {
-    let bytes =
-        std::fs::read(f).map_err(|e| usage(format!("cannot read --file {}: {e}", f.display())))?;
-    String::from_utf8(bytes).map_err(|e| {
-        usage(format!(
-            "{} is not valid UTF-8 (first bad byte at offset {})",
-            f.display(),
-            e.utf8_error().valid_up_to()
-        ))
-    })
+    s
 }
 
 /// The table of every layer: its sink share (all queries, with a bar; ▲ at `peak_layer`), the
