@@ -30,6 +30,10 @@ struct BlockGradients {
     grad_pattern: Vec<Vec<f32>>,
 }
 
+/// A layer's q|k|v projection `[rows, width]` and its q `[nh, rows, hd]`, k and v
+/// `[nkv, rows, hd]` as attention reads them.
+type AttentionInputs = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
+
 /// The sizes of one layer's forward on `batch` stacked sequences of `n` rows.
 #[derive(Clone, Copy)]
 pub(super) struct Shape {
@@ -386,7 +390,7 @@ impl Model {
         x: &[f32],
         shape: Shape,
         prof: &mut Profile,
-    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)> {
+    ) -> Result<AttentionInputs> {
         let dims = &self.dims;
         let (nh, nkv, eps) = (dims.n_heads, dims.n_kv_heads, dims.rms_eps);
         let Shape {
