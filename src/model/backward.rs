@@ -104,9 +104,6 @@ struct Seed {
 
 /// What one layer's backward needs from its forward.
 struct Saved {
-    /// the last layer with no tap: `attn_proj`, `resid_mid`, `gu` and `mlp_proj` hold each
-    /// sequence's last row only (the only rows the metric reads)
-    last_only: bool,
     resid_pre: Vec<f32>,
     /// q, k, v as the projection gave them (before q/k norms and RoPE), `[n, width]`
     qkv: Vec<f32>,
@@ -118,6 +115,15 @@ struct Saved {
     resid_mid: Vec<f32>,
     gu: Vec<f32>,
     mlp_proj: Vec<f32>,
+}
+
+impl Saved {
+    /// The last layer with no tap: `attn_proj`, `resid_mid`, `gu` and `mlp_proj` hold each
+    /// sequence's last row only (the only rows the metric reads), fewer rows than `resid_pre`
+    /// (with one token per sequence they are every row: nothing was left out).
+    fn last_only(&self) -> bool {
+        self.resid_mid.len() < self.resid_pre.len()
+    }
 }
 
 fn bug(msg: String) -> Error {

@@ -5,12 +5,110 @@ use super::block::Scratch;
 use super::profile::Profile;
 use super::rowwise::{norm_back, norm_fwd};
 use super::taps::{BlockTap, Tap};
-use super::{bug, Batch, Gradient, Metric, Rules, Saved};
+use super::{bug, Batch, Gradient, Metric, Rules, Saved, Seed};
 use crate::model::block::{MlpKind, NormKind};
+use crate::model::config::RopeStyle;
 use crate::model::error::{Error, Result};
 use crate::model::ops::{gelu_tanh_of, rms_norm, rms_norm_in_place, rotate};
+use crate::model::weights::Layer;
 use crate::model::Model;
 use rayon::prelude::*;
+
+/// The final norm's input rows the metric reads: each sequence's last row, `[batch, d_model]`,
+/// and the norm's kind.
+struct LastRows {
+    kind: NormKind,
+    rows: Vec<f32>,
+}
+
+/// What the backward through every block gives besides the seeds: `∂/∂input` of the stacked
+/// rows, and (for a batch of one) every layer's `∂/∂resid_pre` and last query row's pattern
+/// gradients.
+struct BlockGradients {
+    grad_input: Vec<f32>,
+    grad_resid_pre: Vec<Vec<f32>>,
+    grad_pattern: Vec<Vec<f32>>,
+}
+
+/// A layer's q|k|v projection `[rows, width]` and its q `[nh, rows, hd]`, k and v
+/// `[nkv, rows, hd]` as attention reads them.
+type AttentionInputs = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
+
+/// The sizes of one layer's forward on `batch` stacked sequences of `n` rows.
+#[derive(Clone, Copy)]
+pub(super) struct Shape {
+    pub(super) n: usize,
+    pub(super) rows: usize,
+    pub(super) hd: usize,
+    /// the q columns (`n_heads·head_dim`) and the k (and v) columns of a row of q|k|v
+    pub(super) nq: usize,
+    pub(super) nk: usize,
+    /// a row of q|k|v: `nq + 2·nk`
+    pub(super) width: usize,
+}
+
+impl Shape {
+    pub(super) fn of(model: &Model, (n, batch): (usize, usize)) -> Self {
+        let dims = &model.dims;
+        let hd = dims.head_dim;
+        let (nq, nk) = (dims.n_heads * hd, dims.n_kv_heads * hd);
+        Shape {
+            n,
+            rows: n * batch,
+            hd,
+            nq,
+            nk,
+            width: nq + 2 * nk,
+        }
+    }
+}
+
+/// One layer's RoPE tables for `n` positions (its base, the model's scaling and frequency
+/// factors): the forward rotates by them, the backward by the opposite angles.
+pub(super) struct Rope {
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    half: usize,
+    style: RopeStyle,
+}
+
+impl Rope {
+    /// The tables of `layer` (`None` where it has no rotary positions).
+    pub(super) fn of(model: &Model, layer: &Layer, n: usize) -> Option<Self> {
+        let dims = &model.dims;
+        layer.plan.rope_base().map(|base| {
+            let mut inv = dims.rope_scaling.inv_freq(dims.rotary_dim, base);
+            if let Some(f) = &model.weights.rope_freqs {
+                inv.iter_mut().zip(f).for_each(|(x, f)| *x /= f);
+            }
+            let (cos, sin) = crate::model::ops::rope_tables_of(&inv, n);
+            Rope {
+                cos,
+                sin,
+                half: dims.rotary_dim / 2,
+                style: model.weights.rope_style,
+            }
+        })
+    }
+
+    /// The rotation by the opposite angles (the backward's).
+    pub(super) fn inverse(mut self) -> Self {
+        self.sin.iter_mut().for_each(|v| *v = -*v);
+        self
+    }
+
+    /// Rotates the head vector `v` as at position `pos`.
+    #[inline]
+    pub(super) fn rotate(&self, v: &mut [f32], pos: usize) {
+        let half = self.half;
+        rotate(
+            &mut v[..2 * half],
+            &self.cos[pos * half..][..half],
+            &self.sin[pos * half..][..half],
+            self.style,
+        );
+    }
+}
 
 impl Model {
     /// The forward (and with `backward`, the backward) of `x.batch` sequences of equal length
@@ -31,10 +129,41 @@ impl Model {
         // its blocks are pre-LN and causal, its metrics next-token ones
         self.require_decoder("gradients of a next-token metric")?;
         crate::kernels::keep_freed_buffers();
+        let n = self.sequence_length(x, tap.is_some())?;
         let Batch { x0, batch } = x;
-        let lrp = rules == Rules::AttnLrp;
+        // ---- forward, saving what the backward needs
+        let mut scratch = Scratch::default();
+        scratch.prof.lap("(setup)");
+        let (x, saved) =
+            self.save_forward(x0, (n, batch), tap.as_deref_mut(), &mut scratch.prof)?;
+        let (last, mut seeds) =
+            self.seeds_at_last_rows(&x, (n, batch), metric, rules, &mut scratch.prof)?;
+        if !backward {
+            return Ok(gradients(seeds, x0, (n, batch), self.dims.n_heads, None));
+        }
+        let mut dx = self.final_backward(&seeds, &last, (n, batch), rules)?;
+        scratch.prof.lap("bwd unembedding");
+        if let Some(loss) = tap.as_deref().and_then(|t| t.loss.as_deref()) {
+            (seeds[0].value, dx) = self.loss_seed(&x, loss, last.kind)?;
+        }
+        let back = self.blocks_backward(&saved, (n, batch), dx, rules, tap, &mut scratch)?;
+        scratch.prof.lap("bwd residual copies");
+        scratch.prof.report(n * batch);
+        Ok(gradients(
+            seeds,
+            x0,
+            (n, batch),
+            self.dims.n_heads,
+            Some(back),
+        ))
+    }
+
+    /// The length `n` of each of `x.batch` stacked sequences, checked: a whole number of rows
+    /// per sequence, within the context, and a tap only on a batch of one.
+    fn sequence_length(&self, x: Batch<'_>, tapped: bool) -> Result<usize> {
+        let Batch { x0, batch } = x;
         let dims = &self.dims;
-        let (nh, dm, eps) = (dims.n_heads, dims.d_model, dims.rms_eps);
+        let dm = dims.d_model;
         if x0.is_empty() {
             return Err(Error::EmptyText);
         }
@@ -45,13 +174,12 @@ impl Model {
                 range: format!("a multiple of batch × d_model = {batch} × {dm}"),
             });
         }
-        if batch > 1 && tap.is_some() {
+        if batch > 1 && tapped {
             return Err(bug(
                 "hook gradients are kept for one sequence at a time".into()
             ));
         }
-        let rows = x0.len() / dm;
-        let n = rows / batch;
+        let n = x0.len() / dm / batch;
         if n > dims.context_len {
             return Err(Error::TooLong {
                 n_tokens: n,
@@ -59,23 +187,31 @@ impl Model {
                 model: self.info.name.clone(),
             });
         }
-        // ---- forward, saving what the backward needs
-        let mut scratch = Scratch::default();
-        scratch.prof.lap("(setup)");
-        let (x, saved) =
-            self.save_forward(x0, (n, batch), tap.as_deref_mut(), &mut scratch.prof)?;
-        let prof = &mut scratch.prof;
-        // ---- each sequence's last row's logits
+        Ok(n)
+    }
+
+    /// Each sequence's last row of the residual stream `x` through the final norm and the
+    /// head: those rows (what the final norm's backward reads) and each sequence's [`Seed`].
+    fn seeds_at_last_rows(
+        &self,
+        x: &[f32],
+        (n, batch): (usize, usize),
+        metric: Metric,
+        rules: Rules,
+        prof: &mut Profile,
+    ) -> Result<(LastRows, Vec<Seed>)> {
+        let dims = &self.dims;
+        let dm = dims.d_model;
         let fb = self.weights.final_norm_bias.as_deref();
-        let fkind = if fb.is_some() {
+        let kind = if fb.is_some() {
             NormKind::Layer
         } else {
             NormKind::Rms
         };
-        let lasts: Vec<f32> = (0..batch)
+        let rows: Vec<f32> = (0..batch)
             .flat_map(|b| x[(b * n + n - 1) * dm..][..dm].iter().copied())
             .collect();
-        let hf = norm_fwd(fkind, &lasts, &self.weights.final_norm, fb, eps);
+        let hf = norm_fwd(kind, &rows, &self.weights.final_norm, fb, dims.rms_eps);
         let raws = crate::model::ops::logits_rows(&self.weights.lm_head, hf, batch, dm)?;
         if raws.len() != batch {
             return Err(bug("a logits row per sequence".into()));
@@ -84,66 +220,68 @@ impl Model {
         prof.lap("fwd final norm, logits");
         let mut seeds = Vec::with_capacity(batch);
         for raw in raws {
-            seeds.push(self.seed(raw, cap, metric, lrp)?);
+            seeds.push(self.seed(raw, cap, metric, rules == Rules::AttnLrp)?);
         }
         prof.lap("seed");
-        let input = |b: usize| x0[b * n * dm..(b + 1) * n * dm].to_vec();
-        if !backward {
-            return Ok(seeds
-                .into_iter()
-                .enumerate()
-                .map(|(b, sd)| Gradient {
-                    target: sd.target,
-                    logprob: sd.logprob,
-                    value: sd.value,
-                    logits: sd.logits,
-                    input: input(b),
-                    grad_input: Vec::new(),
-                    grad_resid_pre: Vec::new(),
-                    grad_pattern_last: Vec::new(),
-                })
-                .collect());
-        }
-        // through the final soft-cap, the head and the final norm
-        let dh = self.unembed_back(&seeds)?;
-        scratch.prof.lap("bwd unembedding");
-        let mut dx = vec![0f32; rows * dm];
+        Ok((LastRows { kind, rows }, seeds))
+    }
+
+    /// The seeds back through the final soft-cap, the head and the final norm: `∂/∂` the last
+    /// residual stream, `[batch·n, d_model]` (zero but at each sequence's last row).
+    fn final_backward(
+        &self,
+        seeds: &[Seed],
+        last: &LastRows,
+        (n, batch): (usize, usize),
+        rules: Rules,
+    ) -> Result<Vec<f32>> {
+        let dm = self.dims.d_model;
+        let dh = self.unembed_back(seeds)?;
+        let mut dx = vec![0f32; n * batch * dm];
         for b in 0..batch {
             dx[(b * n + n - 1) * dm..][..dm].copy_from_slice(&norm_back(
                 rules,
-                fkind,
-                &lasts[b * dm..(b + 1) * dm],
+                last.kind,
+                &last.rows[b * dm..(b + 1) * dm],
                 &self.weights.final_norm,
-                eps,
+                self.dims.rms_eps,
                 &dh[b * dm..(b + 1) * dm],
             ));
         }
-        if let Some(loss) = tap.as_deref().and_then(|t| t.loss.as_deref()) {
-            (seeds[0].value, dx) = self.loss_seed(&x, loss, fkind)?;
-        }
-        // ---- the blocks, last to first
+        Ok(dx)
+    }
+
+    /// `dx` (`∂/∂` the last residual stream) back through the blocks, last to first, each
+    /// checked finite and handed to `tap`'s layers.
+    fn blocks_backward(
+        &self,
+        saved: &[Saved],
+        (n, batch): (usize, usize),
+        mut dx: Vec<f32>,
+        rules: Rules,
+        mut tap: Option<&mut Tap>,
+        scratch: &mut Scratch,
+    ) -> Result<BlockGradients> {
         let transposes = self.transposes();
         scratch.prof.lap("bwd final norm, transposes");
-        let mut grad_resid_pre = vec![Vec::new(); dims.n_layers];
-        let mut grad_pattern = vec![Vec::new(); dims.n_layers];
+        let n_layers = self.dims.n_layers;
+        let mut grad_resid_pre = vec![Vec::new(); n_layers];
+        let mut grad_pattern = vec![Vec::new(); n_layers];
         for (l, layer) in self.weights.layers.iter().enumerate().rev() {
             let s = &saved[l];
             let mut bt = tap.as_deref().filter(|t| t.wants(l)).map(|_| BlockTap {
                 resid_post: dx.clone(),
                 ..BlockTap::default()
             });
-            let shape = (n, batch);
-            grad_pattern[l] = self.block_backward(
+            let step = super::block::BlockStep {
                 l,
                 layer,
-                &transposes[l],
+                t: &transposes[l],
                 s,
-                shape,
-                &mut dx,
+                shape: (n, batch),
                 rules,
-                bt.as_mut(),
-                &mut scratch,
-            )?;
+            };
+            grad_pattern[l] = self.block_backward(step, &mut dx, bt.as_mut(), scratch)?;
             if !dx.iter().all(|v| v.is_finite()) {
                 return Err(Error::NonFinite {
                     what: "the gradient of the residual stream".into(),
@@ -157,34 +295,11 @@ impl Model {
                 t.backward_layer(self, l, s, n, bt, &dx);
             }
         }
-        scratch.prof.lap("bwd residual copies");
-        scratch.prof.report(rows);
-        let per = nh * n;
-        Ok(seeds
-            .into_iter()
-            .enumerate()
-            .map(|(b, sd)| Gradient {
-                target: sd.target,
-                logprob: sd.logprob,
-                value: sd.value,
-                logits: sd.logits,
-                input: input(b),
-                grad_input: dx[b * n * dm..(b + 1) * n * dm].to_vec(),
-                grad_resid_pre: if batch == 1 {
-                    std::mem::take(&mut grad_resid_pre)
-                } else {
-                    Vec::new()
-                },
-                grad_pattern_last: if batch == 1 {
-                    grad_pattern
-                        .iter()
-                        .map(|g| g[b * per..(b + 1) * per].to_vec())
-                        .collect()
-                } else {
-                    Vec::new()
-                },
-            })
-            .collect())
+        Ok(BlockGradients {
+            grad_input: dx,
+            grad_resid_pre,
+            grad_pattern,
+        })
     }
 
     /// The forward of `batch` stacked sequences of `n` rows from `x0`, keeping each layer's
@@ -199,72 +314,13 @@ impl Model {
         prof: &mut Profile,
     ) -> Result<(Vec<f32>, Vec<Saved>)> {
         let dims = &self.dims;
-        let (nh, nkv, hd, dm, ff) = (
-            dims.n_heads,
-            dims.n_kv_heads,
-            dims.head_dim,
-            dims.d_model,
-            dims.d_ff,
-        );
-        let eps = dims.rms_eps;
-        let rows = n * batch;
-        let (nq, nk) = (nh * hd, nkv * hd);
-        let width = nq + 2 * nk;
-        let half = dims.rotary_dim / 2;
-        let style = self.weights.rope_style;
-        let tables = |base: f32| {
-            let mut inv = dims.rope_scaling.inv_freq(dims.rotary_dim, base);
-            if let Some(f) = &self.weights.rope_freqs {
-                inv.iter_mut().zip(f).for_each(|(x, f)| *x /= f);
-            }
-            crate::model::ops::rope_tables_of(&inv, n)
-        };
+        let dm = dims.d_model;
+        let shape = Shape::of(self, (n, batch));
         let mut x = x0.to_vec();
         let mut saved: Vec<Saved> = Vec::with_capacity(dims.n_layers);
         for (l, layer) in self.weights.layers.iter().enumerate() {
-            let plan = layer.plan;
             let resid_pre = x.clone();
-            let b1 = layer.norm_biases.as_ref().map(|b| b.0.as_slice());
-            let h1 = norm_fwd(plan.norm, &x, &layer.attn_norm, b1, eps);
-            prof.lap("fwd norms");
-            let qkv = layer.qkv.forward(&h1, rows)?;
-            prof.lap("fwd q|k|v");
-            let mut normed = qkv.clone();
-            if let Some((qn, kn)) = &layer.qk_norm {
-                for row in normed.chunks_mut(width) {
-                    let (q, rest) = row.split_at_mut(nq);
-                    for head in q.chunks_mut(hd) {
-                        rms_norm_in_place(head, qn, eps);
-                    }
-                    for head in rest[..nk].chunks_mut(hd) {
-                        rms_norm_in_place(head, kn, eps);
-                    }
-                }
-            }
-            let rope = plan.rope_base().map(&tables);
-            let split = |c0: usize, heads: usize, rot: bool| -> Vec<f32> {
-                let mut out = vec![0f32; heads * rows * hd];
-                for h in 0..heads {
-                    for r in 0..rows {
-                        let v = &mut out[(h * rows + r) * hd..][..hd];
-                        v.copy_from_slice(&normed[r * width + c0 + h * hd..][..hd]);
-                        let pos = r % n;
-                        if let (true, Some((cos, sin))) = (rot, &rope) {
-                            rotate(
-                                &mut v[..2 * half],
-                                &cos[pos * half..][..half],
-                                &sin[pos * half..][..half],
-                                style,
-                            );
-                        }
-                    }
-                }
-                out
-            };
-            let q = split(0, nh, true);
-            let k = split(nq, nkv, true);
-            let v = split(nq + nk, nkv, false);
-            prof.lap("fwd q/k norms, RoPE, split");
+            let (qkv, q, k, v) = self.attention_inputs(layer, &x, shape, prof)?;
             let z = self.attention_forward(l, &q, &k, &v, n, batch);
             prof.lap("fwd attention");
             // the last layer: only each sequence's last row reaches the metric (but a tap's
@@ -273,40 +329,26 @@ impl Model {
             let (kept, m) = if last_only {
                 (last_rows(n, batch), batch)
             } else {
-                (Vec::new(), rows)
+                (Vec::new(), shape.rows)
             };
-            let z = if last_only { gather(&z, nq, &kept) } else { z };
+            let z = if last_only {
+                gather(&z, shape.nq, &kept)
+            } else {
+                z
+            };
             let mut x_all = std::mem::take(&mut x);
             let mut xs = if last_only {
                 gather(&x_all, dm, &kept)
             } else {
                 std::mem::take(&mut x_all)
             };
-            let attn_proj = layer.o.forward(&z, m)?;
-            prof.lap("fwd o");
-            let attn_out = match &layer.post_norms {
-                Some((pa, _)) => rms_norm(&attn_proj, pa, eps),
-                None => attn_proj.clone(),
-            };
+            let (attn_proj, attn_out) = self.o_forward(layer, &z, m, prof)?;
             if let Some(t) = tap.as_deref_mut() {
                 t.forward_attn(&resid_pre, &z, &attn_out);
             }
             xs.iter_mut().zip(&attn_out).for_each(|(a, b)| *a += b);
             let resid_mid = xs.clone();
-            let b2 = layer.norm_biases.as_ref().map(|b| b.1.as_slice());
-            let h2 = norm_fwd(plan.norm, &xs, &layer.mlp_norm, b2, eps);
-            prof.lap("fwd norms");
-            let gu = layer.gate_up.forward(&h2, m)?;
-            prof.lap("fwd gate|up");
-            let gw = if plan.mlp.gated() { 2 * ff } else { ff };
-            let act = activation(plan.mlp, &gu, gw, ff);
-            prof.lap("fwd activation");
-            let mlp_proj = layer.down.forward(&act, m)?;
-            prof.lap("fwd down");
-            let mlp_out = match &layer.post_norms {
-                Some((_, pm)) => rms_norm(&mlp_proj, pm, eps),
-                None => mlp_proj.clone(),
-            };
+            let (gu, mlp_proj, mlp_out) = self.mlp_forward(layer, &xs, m, prof)?;
             if let Some(t) = tap.as_deref_mut() {
                 t.forward_mlp(&mlp_out);
             }
@@ -324,7 +366,6 @@ impl Model {
                 xs
             };
             saved.push(Saved {
-                last_only,
                 resid_pre,
                 qkv,
                 q,
@@ -339,6 +380,171 @@ impl Model {
         }
         Ok((x, saved))
     }
+
+    /// The attention's inputs from the residual stream `x`: the norm, the q|k|v projection
+    /// (`[rows, width]`, saved), then the q/k norms and RoPE on q and k, split into q
+    /// `[nh, rows, hd]`, k and v `[nkv, rows, hd]` as attention reads them.
+    fn attention_inputs(
+        &self,
+        layer: &Layer,
+        x: &[f32],
+        shape: Shape,
+        prof: &mut Profile,
+    ) -> Result<AttentionInputs> {
+        let dims = &self.dims;
+        let (nh, nkv, eps) = (dims.n_heads, dims.n_kv_heads, dims.rms_eps);
+        let Shape {
+            hd, nq, nk, width, ..
+        } = shape;
+        let b1 = layer.norm_biases.as_ref().map(|b| b.0.as_slice());
+        let h1 = norm_fwd(layer.plan.norm, x, &layer.attn_norm, b1, eps);
+        prof.lap("fwd norms");
+        let qkv = layer.qkv.forward(&h1, shape.rows)?;
+        prof.lap("fwd q|k|v");
+        let mut normed = qkv.clone();
+        if let Some((qn, kn)) = &layer.qk_norm {
+            for row in normed.chunks_mut(width) {
+                let (q, rest) = row.split_at_mut(nq);
+                for head in q.chunks_mut(hd) {
+                    rms_norm_in_place(head, qn, eps);
+                }
+                for head in rest[..nk].chunks_mut(hd) {
+                    rms_norm_in_place(head, kn, eps);
+                }
+            }
+        }
+        let rope = Rope::of(self, layer, shape.n);
+        let split = |c0: usize, heads: usize, rope: Option<&Rope>| -> Vec<f32> {
+            let mut out = vec![0f32; heads * shape.rows * hd];
+            for_each_head_row(shape, c0, heads, |at, head_at, pos| {
+                let v = &mut out[head_at..][..hd];
+                v.copy_from_slice(&normed[at..][..hd]);
+                if let Some(rope) = rope {
+                    rope.rotate(v, pos);
+                }
+            });
+            out
+        };
+        let q = split(0, nh, rope.as_ref());
+        let k = split(nq, nkv, rope.as_ref());
+        let v = split(nq + nk, nkv, None);
+        prof.lap("fwd q/k norms, RoPE, split");
+        Ok((qkv, q, k, v))
+    }
+
+    /// The o projection of the attention's output `z` on `m` rows: its product (saved) and,
+    /// after Gemma's post-attention norm, what the residual stream gains.
+    fn o_forward(
+        &self,
+        layer: &Layer,
+        z: &[f32],
+        m: usize,
+        prof: &mut Profile,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let attn_proj = layer.o.forward(z, m)?;
+        prof.lap("fwd o");
+        let post = layer.post_norms.as_ref().map(|(pa, _)| pa.as_slice());
+        let attn_out = post_norm(&attn_proj, post, self.dims.rms_eps);
+        Ok((attn_proj, attn_out))
+    }
+
+    /// The MLP on `m` rows of the residual stream `xs`: the gate|up product and the down
+    /// product (both saved) and, after Gemma's post-MLP norm, what the residual stream gains.
+    fn mlp_forward(
+        &self,
+        layer: &Layer,
+        xs: &[f32],
+        m: usize,
+        prof: &mut Profile,
+    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        let (ff, eps, plan) = (self.dims.d_ff, self.dims.rms_eps, layer.plan);
+        let b2 = layer.norm_biases.as_ref().map(|b| b.1.as_slice());
+        let h2 = norm_fwd(plan.norm, xs, &layer.mlp_norm, b2, eps);
+        prof.lap("fwd norms");
+        let gu = layer.gate_up.forward(&h2, m)?;
+        prof.lap("fwd gate|up");
+        let gw = if plan.mlp.gated() { 2 * ff } else { ff };
+        let act = activation(plan.mlp, &gu, gw, ff);
+        prof.lap("fwd activation");
+        let mlp_proj = layer.down.forward(&act, m)?;
+        prof.lap("fwd down");
+        let post = layer.post_norms.as_ref().map(|(_, pm)| pm.as_slice());
+        let mlp_out = post_norm(&mlp_proj, post, eps);
+        Ok((gu, mlp_proj, mlp_out))
+    }
+}
+
+/// Gemma's norm after a sublayer (`w`), else the sublayer's output as it is.
+fn post_norm(proj: &[f32], w: Option<&[f32]>, eps: f32) -> Vec<f32> {
+    match w {
+        Some(w) => rms_norm(proj, w, eps),
+        None => proj.to_vec(),
+    }
+}
+
+/// Calls `f(at, head_at, pos)` for each of `heads` heads (from column `c0` of a q|k|v row) and
+/// each row: `at`, where that head's values of the row start in the `[rows, width]` q|k|v
+/// layout, `head_at` where in the `[heads, rows, hd]` one, and `pos` the row's position in its
+/// sequence (RoPE's angle).
+#[inline]
+pub(super) fn for_each_head_row(
+    shape: Shape,
+    c0: usize,
+    heads: usize,
+    mut f: impl FnMut(usize, usize, usize),
+) {
+    let Shape {
+        n, rows, hd, width, ..
+    } = shape;
+    for h in 0..heads {
+        for r in 0..rows {
+            f(r * width + c0 + h * hd, (h * rows + r) * hd, r % n);
+        }
+    }
+}
+
+/// One [`Gradient`] per sequence: its seed's numbers and its rows of the input `x0`; with the
+/// backward's `back`, its rows of `∂/∂input` and (for a batch of one) the gradients inside.
+fn gradients(
+    seeds: Vec<Seed>,
+    x0: &[f32],
+    (n, batch): (usize, usize),
+    nh: usize,
+    mut back: Option<BlockGradients>,
+) -> Vec<Gradient> {
+    let span = x0.len() / batch;
+    let per = nh * n;
+    seeds
+        .into_iter()
+        .enumerate()
+        .map(|(b, sd)| {
+            let rows = b * span..(b + 1) * span;
+            let (grad_input, grad_resid_pre, grad_pattern_last) = match back.as_mut() {
+                None => (Vec::new(), Vec::new(), Vec::new()),
+                Some(g) if batch > 1 => {
+                    (g.grad_input[rows.clone()].to_vec(), Vec::new(), Vec::new())
+                }
+                Some(g) => (
+                    g.grad_input[rows.clone()].to_vec(),
+                    std::mem::take(&mut g.grad_resid_pre),
+                    g.grad_pattern
+                        .iter()
+                        .map(|p| p[b * per..(b + 1) * per].to_vec())
+                        .collect(),
+                ),
+            };
+            Gradient {
+                target: sd.target,
+                logprob: sd.logprob,
+                value: sd.value,
+                logits: sd.logits,
+                input: x0[rows].to_vec(),
+                grad_input,
+                grad_resid_pre,
+                grad_pattern_last,
+            }
+        })
+        .collect()
 }
 
 /// Each sequence's last row among `batch` sequences of `n` rows, stacked.

@@ -1,17 +1,19 @@
 //! One block's backward: the MLP, the attention (per head, [`super::head`]), RoPE and the q/k
 //! norms, with the weight-transposed products `dX = dY · W` on the engine's GEMM.
 
-use super::batch::{gather, last_rows, scatter};
+use super::batch::{for_each_head_row, gather, last_rows, scatter, Rope, Shape};
+use super::profile::Profile;
 use super::rowwise::{gelu_ratio, gelu_tanh_grad, norm_back, sigmoid};
 use super::taps::BlockTap;
 use super::{Rules, Saved};
 use crate::kernels::gemm::{self, PackedB};
 use crate::model::block::{MlpKind, NormKind};
 use crate::model::error::Result;
-use crate::model::ops::{gelu_tanh_of, rotate};
+use crate::model::ops::gelu_tanh_of;
 use crate::model::weights::{Layer, Linear};
 use crate::model::Model;
 use rayon::prelude::*;
+use std::borrow::Cow;
 
 /// One layer's projections packed for `dX = dY · W` ([`crate::model::weights::Linear::transposed`]).
 /// `None` where `--memory low` holds the matrix as the file's blocks: the product reads them
@@ -46,6 +48,18 @@ fn back_matmul<'a>(
     Ok(dx)
 }
 
+/// One layer's backward: the layer `l` (its weights, transposes and what its forward saved)
+/// of `batch` sequences of `n` tokens, `shape` `(n, batch)`, by `rules`.
+#[derive(Clone, Copy)]
+pub(super) struct BlockStep<'a> {
+    pub(super) l: usize,
+    pub(super) layer: &'a Layer,
+    pub(super) t: &'a LayerT,
+    pub(super) s: &'a Saved,
+    pub(super) shape: (usize, usize),
+    pub(super) rules: Rules,
+}
+
 /// The backward's largest buffers, kept from one layer's backward to the next (of one length
 /// and batch: their sizes do not change), so that each is zeroed once per backward, not once
 /// per layer (`memset` took 4% of a backward at 512 tokens).
@@ -62,131 +76,178 @@ pub(super) struct Scratch {
 }
 
 impl Model {
-    /// One block's backward for `batch` sequences of `n` tokens: `dx` (`∂/∂resid_post`,
+    /// One block's backward for `batch` sequences of `n` tokens (`step`): `dx` (`∂/∂resid_post`,
     /// `[batch·n, d_model]`) becomes `∂/∂resid_pre`; `tap` (if any, one sequence) keeps the
     /// gradients inside the block. Returns the last query row's pattern gradients,
     /// `[batch, n_heads, n]`.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn block_backward(
         &self,
-        l: usize,
-        layer: &Layer,
-        t: &LayerT,
-        s: &Saved,
-        (n, batch): (usize, usize),
+        step: BlockStep<'_>,
         dx: &mut [f32],
-        rules: Rules,
         mut tap: Option<&mut BlockTap>,
         scratch: &mut Scratch,
     ) -> Result<Vec<f32>> {
-        let lrp = rules == Rules::AttnLrp;
-        let dims = &self.dims;
-        let (nh, nkv, hd) = (dims.n_heads, dims.n_kv_heads, dims.head_dim);
-        let eps = dims.rms_eps;
-        let plan = layer.plan;
-        let (nq, nk) = (nh * hd, nkv * hd);
-        let width = nq + 2 * nk;
+        let BlockStep {
+            l,
+            layer,
+            t,
+            s,
+            shape: (n, batch),
+            rules,
+        } = step;
         let rows = batch * n;
         scratch.prof.lap("bwd residual copies");
-        let kept = if s.last_only {
+        let kept = if s.last_only() {
             last_rows(n, batch)
         } else {
             Vec::new()
         };
-        if s.last_only {
-            let mut dxc = gather(dx, dims.d_model, &kept);
-            self.mlp_backward(layer, t, s, batch, &mut dxc, rules, scratch)?;
-            scatter(&dxc, dims.d_model, &kept, dx);
-        } else {
-            self.mlp_backward(layer, t, s, rows, dx, rules, scratch)?;
-        }
+        self.mlp_backward_kept(&step, &kept, dx, scratch)?;
         if let Some(t) = tap.as_deref_mut() {
             t.resid_mid = dx.to_vec();
         }
         // attention: resid_mid = resid_pre + post(o(attn(qkv(norm(resid_pre)))))
-        let dy = if s.last_only {
-            gather(dx, dims.d_model, &kept)
+        let dz = self.o_backward(&step, &kept, dx, &mut scratch.dz, &mut scratch.prof)?;
+        if let Some(t) = tap.as_deref_mut() {
+            t.z = dz.to_vec();
+        }
+        let (dq, dk, dv, dpat) =
+            self.heads_backward(l, s, &dz, (n, batch), rules, &mut scratch.prof);
+        if let Some(t) = tap.as_deref_mut() {
+            t.rot = Some((dq.clone(), dk.clone(), dv.clone()));
+        }
+        self.qkv_backward(&step, (dq, dk, dv), &mut scratch.d_qkv, tap);
+        scratch.prof.lap("bwd gather, RoPE, q/k norms");
+        let d_h1 = back_matmul(
+            &scratch.d_qkv,
+            rows,
+            (&layer.qkv, &t.qkv),
+            &mut scratch.d_h1,
+        )?;
+        scratch.prof.lap("bwd q|k|v");
+        let eps = self.dims.rms_eps;
+        let d_pre = norm_back(
+            rules,
+            layer.plan.norm,
+            &s.resid_pre,
+            &layer.attn_norm,
+            eps,
+            d_h1,
+        );
+        dx.iter_mut().zip(&d_pre).for_each(|(a, b)| *a += b);
+        scratch.prof.lap("bwd norms");
+        Ok(dpat)
+    }
+
+    /// The MLP's backward on the rows it ran on: every row, or (the last layer with no tap)
+    /// only the `kept` ones, gathered from `dx` and written back.
+    fn mlp_backward_kept(
+        &self,
+        step: &BlockStep<'_>,
+        kept: &[usize],
+        dx: &mut [f32],
+        scratch: &mut Scratch,
+    ) -> Result<()> {
+        let (n, batch) = step.shape;
+        let dm = self.dims.d_model;
+        if step.s.last_only() {
+            let mut dxc = gather(dx, dm, kept);
+            self.mlp_backward(step, batch, &mut dxc, scratch)?;
+            scatter(&dxc, dm, kept, dx);
+            Ok(())
+        } else {
+            self.mlp_backward(step, batch * n, dx, scratch)
+        }
+    }
+
+    /// The o projection's backward (through Gemma's post-attention norm) from `dx`
+    /// (`∂/∂resid_mid`): `∂/∂z`, `[batch·n, nh·hd]`, in `dz_buf` (zero, in the last layer with
+    /// no tap, but at the `kept` rows: no gradient reaches the other rows' attention output).
+    fn o_backward<'a>(
+        &self,
+        step: &BlockStep<'_>,
+        kept: &[usize],
+        dx: &[f32],
+        dz_buf: &'a mut Vec<f32>,
+        prof: &mut Profile,
+    ) -> Result<Cow<'a, [f32]>> {
+        let BlockStep {
+            layer, t, s, rules, ..
+        } = *step;
+        let dims = &self.dims;
+        let (n, batch) = step.shape;
+        let dy = if s.last_only() {
+            gather(dx, dims.d_model, kept)
         } else {
             dx.to_vec()
         };
         let d_attn_proj = match &layer.post_norms {
-            Some((pa, _)) => norm_back(rules, NormKind::Rms, &s.attn_proj, pa, eps, &dy),
+            Some((pa, _)) => norm_back(rules, NormKind::Rms, &s.attn_proj, pa, dims.rms_eps, &dy),
             None => dy,
         };
-        scratch.prof.lap("bwd norms");
+        prof.lap("bwd norms");
         let m = d_attn_proj.len() / dims.d_model;
-        let dz = back_matmul(&d_attn_proj, m, (&layer.o, &t.o), &mut scratch.dz)?;
-        // the last layer's other rows: no gradient reaches their attention output
-        let dz_rows;
-        let dz = if s.last_only {
-            dz_rows = {
-                let mut all = vec![0f32; rows * nq];
-                scatter(dz, nq, &kept, &mut all);
-                all
-            };
-            &dz_rows[..]
+        let dz = back_matmul(&d_attn_proj, m, (&layer.o, &t.o), dz_buf)?;
+        let dz = if s.last_only() {
+            let mut all = vec![0f32; batch * n * dims.n_heads * dims.head_dim];
+            scatter(dz, dims.n_heads * dims.head_dim, kept, &mut all);
+            Cow::Owned(all)
         } else {
-            dz
+            Cow::Borrowed(dz)
         };
-        scratch.prof.lap("bwd o");
-        if let Some(t) = tap.as_deref_mut() {
-            t.z = dz.to_vec();
-        }
-        let (mut dq, mut dk, mut dv, dpat) =
-            self.heads_backward(l, s, dz, (n, batch), rules, &mut scratch.prof);
-        if let Some(t) = tap.as_deref_mut() {
-            t.rot = Some((dq.clone(), dk.clone(), dv.clone()));
-        }
-        if lrp {
+        prof.lap("bwd o");
+        Ok(dz)
+    }
+
+    /// `(dq, dk, dv)` (as attention reads q, k, v) back into the q|k|v rows `d_qkv`
+    /// (`[batch·n, width]`, every value written): AttnLRP's uniform rule on the bilinear
+    /// products, RoPE by the opposite angles, and (after `tap` keeps them) the q/k norms.
+    fn qkv_backward(
+        &self,
+        step: &BlockStep<'_>,
+        (mut dq, mut dk, mut dv): (Vec<f32>, Vec<f32>, Vec<f32>),
+        d_qkv: &mut Vec<f32>,
+        tap: Option<&mut BlockTap>,
+    ) {
+        let dims = &self.dims;
+        let (nh, nkv, eps) = (dims.n_heads, dims.n_kv_heads, dims.rms_eps);
+        let shape = Shape::of(self, step.shape);
+        let Shape {
+            hd, nq, nk, width, ..
+        } = shape;
+        if step.rules == Rules::AttnLrp {
             // the uniform rule on Q·Kᵀ and on P·V: the scores' share halves at q and k, and
             // the probabilities' half of P·V halves again there; v keeps half of P·V
             dq.iter_mut().chain(dk.iter_mut()).for_each(|v| *v *= 0.25);
             dv.iter_mut().for_each(|v| *v *= 0.5);
         }
         // back through RoPE (rotate by the opposite angles), the q/k norms, into [n, width]
-        let half = dims.rotary_dim / 2;
-        let rope = plan.rope_base().map(|base| {
-            let mut inv = dims.rope_scaling.inv_freq(dims.rotary_dim, base);
-            if let Some(f) = &self.weights.rope_freqs {
-                inv.iter_mut().zip(f).for_each(|(x, f)| *x /= f);
-            }
-            let (c, s) = crate::model::ops::rope_tables_of(&inv, n);
-            (c, s.iter().map(|v| -v).collect::<Vec<f32>>())
-        });
+        let rope = Rope::of(self, step.layer, shape.n).map(Rope::inverse);
         // every value is written below (q, k and v of each row)
-        let d_qkv = &mut scratch.d_qkv;
-        d_qkv.resize(rows * width, 0.0);
-        for (c0, heads, buf, rot) in [
-            (0, nh, &dq, true),
-            (nq, nkv, &dk, true),
-            (nq + nk, nkv, &dv, false),
+        d_qkv.resize(shape.rows * width, 0.0);
+        for (c0, heads, buf, rope) in [
+            (0, nh, &dq, rope.as_ref()),
+            (nq, nkv, &dk, rope.as_ref()),
+            (nq + nk, nkv, &dv, None),
         ] {
-            for h in 0..heads {
-                for r in 0..rows {
-                    let mut v = buf[(h * rows + r) * hd..][..hd].to_vec();
-                    let pos = r % n;
-                    if let (true, Some((cos, sin))) = (rot, &rope) {
-                        rotate(
-                            &mut v[..2 * half],
-                            &cos[pos * half..][..half],
-                            &sin[pos * half..][..half],
-                            self.weights.rope_style,
-                        );
-                    }
-                    d_qkv[r * width + c0 + h * hd..][..hd].copy_from_slice(&v);
+            for_each_head_row(shape, c0, heads, |at, head_at, pos| {
+                let v = &mut d_qkv[at..][..hd];
+                v.copy_from_slice(&buf[head_at..][..hd]);
+                if let Some(rope) = rope {
+                    rope.rotate(v, pos);
                 }
-            }
+            });
         }
         if let Some(t) = tap {
             t.qkv = d_qkv.to_vec();
         }
-        if let Some((qn, kn)) = &layer.qk_norm {
-            for (row, drow) in s.qkv.chunks(width).zip(d_qkv.chunks_mut(width)) {
+        if let Some((qn, kn)) = &step.layer.qk_norm {
+            for (row, drow) in step.s.qkv.chunks(width).zip(d_qkv.chunks_mut(width)) {
                 for (c0, heads, w) in [(0, nh, qn), (nq, nkv, kn)] {
                     for h in 0..heads {
                         let at = c0 + h * hd;
                         let d = norm_back(
-                            rules,
+                            step.rules,
                             NormKind::Rms,
                             &row[at..at + hd],
                             w,
@@ -198,28 +259,20 @@ impl Model {
                 }
             }
         }
-        scratch.prof.lap("bwd gather, RoPE, q/k norms");
-        let d_h1 = back_matmul(d_qkv, rows, (&layer.qkv, &t.qkv), &mut scratch.d_h1)?;
-        scratch.prof.lap("bwd q|k|v");
-        let d_pre = norm_back(rules, plan.norm, &s.resid_pre, &layer.attn_norm, eps, d_h1);
-        dx.iter_mut().zip(&d_pre).for_each(|(a, b)| *a += b);
-        scratch.prof.lap("bwd norms");
-        Ok(dpat)
     }
 
     /// The MLP's backward on `m` rows: `dx` (`∂/∂resid_post`, `[m, d_model]`) becomes
     /// `∂/∂resid_mid`, the MLP's rows of `s` being those `m`.
-    #[allow(clippy::too_many_arguments)]
     fn mlp_backward(
         &self,
-        layer: &Layer,
-        t: &LayerT,
-        s: &Saved,
+        step: &BlockStep<'_>,
         rows: usize,
         dx: &mut [f32],
-        rules: Rules,
         scratch: &mut Scratch,
     ) -> Result<()> {
+        let BlockStep {
+            layer, t, s, rules, ..
+        } = *step;
         let lrp = rules == Rules::AttnLrp;
         let (ff, eps, plan) = (self.dims.d_ff, self.dims.rms_eps, layer.plan);
         // MLP: resid_post = resid_mid + post(down(act(gate_up(norm(resid_mid)))))
