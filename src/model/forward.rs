@@ -13,6 +13,7 @@ use super::block::NormKind;
 use super::capture::{Hook, Observer};
 use super::error::{Error, Result};
 pub use super::ops::*;
+use super::tl_weights::{half_split_to_interleaved, interleaved_to_half_split};
 use super::weights::Head;
 use super::Model;
 use candle_core::{DType, Device, Tensor};
@@ -126,6 +127,94 @@ fn hand(
 /// Whether the observer wants or edits `hook` at `layer`.
 fn touches(obs: &dyn Observer, layer: usize, hook: Hook) -> bool {
     obs.wants(layer, hook) || obs.edits(layer, hook)
+}
+
+/// `hook_q`, `hook_k`, `hook_v` on the `[m, q | k | v]` rows `qkv`: each part the observer
+/// touches is copied out as `[m, heads, head_dim]`, handed over and, when edited, written back.
+/// With `interleaved` (llama GGUF interleaves each head's halves), Q and K are handed in Hugging
+/// Face's row order and put back in the file's.
+fn hand_qkv(
+    obs: &mut dyn Observer,
+    l: usize,
+    qkv: &mut [f32],
+    m: usize,
+    dims: &super::config::ModelDims,
+    interleaved: bool,
+) -> Result<()> {
+    let (nh, nkv, hd) = (dims.n_heads, dims.n_kv_heads, dims.head_dim);
+    let (nq, nk) = (nh * hd, nkv * hd);
+    let width = nq + 2 * nk;
+    for (hook, c0, w, heads) in [
+        (Hook::Q, 0, nq, nh),
+        (Hook::K, nq, nk, nkv),
+        (Hook::V, nq + nk, nk, nkv),
+    ] {
+        if touches(obs, l, hook) {
+            let mut part: Vec<f32> = qkv
+                .chunks(width)
+                .flat_map(|r| r[c0..c0 + w].iter().copied())
+                .collect();
+            let reorder = interleaved && hook != Hook::V;
+            hand_half_split(obs, l, hook, &[m, heads, hd], &mut part, reorder)?;
+            if obs.edits(l, hook) {
+                for (row, new) in qkv.chunks_mut(width).zip(part.chunks(w)) {
+                    row[c0..c0 + w].copy_from_slice(new);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// [`hand`] of `[rows, heads, head_dim]` query or key heads in Hugging Face's row order: with
+/// `reorder` (a llama GGUF interleaves each head's halves) they are handed half-split, and an
+/// edit is put back in the file's order.
+fn hand_half_split(
+    obs: &mut dyn Observer,
+    l: usize,
+    hook: Hook,
+    shape: &[usize; 3],
+    data: &mut [f32],
+    reorder: bool,
+) -> Result<()> {
+    let hd = shape[2];
+    if reorder {
+        interleaved_to_half_split(data, hd, 1);
+    }
+    hand(obs, l, hook, shape, data)?;
+    if reorder && obs.edits(l, hook) {
+        half_split_to_interleaved(data, hd, 1);
+    }
+    Ok(())
+}
+
+/// The RoPE tables of `layer`'s rotary base among `rope_sets` (none for a layer without RoPE).
+fn layer_rope_tables<'a>(
+    layer: &super::weights::Layer,
+    rope_sets: &'a [(f32, RopeTables)],
+) -> Option<&'a RopeTables> {
+    let base = layer.plan.rope_base()?;
+    rope_sets.iter().find(|(b, _)| *b == base).map(|(_, t)| t)
+}
+
+/// Which of a segment's positions (the reused ones included) are knocked out as keys.
+fn knocked_out_keys(seg: &Segment) -> Vec<bool> {
+    let mut knock = vec![false; seg.reuse + seg.tokens.len()];
+    for &p in &seg.knockout {
+        knock[p] = true;
+    }
+    knock
+}
+
+/// Refuses a residual stream that left layer `l`'s MLP with a NaN or an infinity.
+fn check_residual_finite(x: &[f32], l: usize) -> Result<()> {
+    if all_finite(x) {
+        return Ok(());
+    }
+    Err(Error::NonFinite {
+        what: "the residual stream after the layer's MLP".into(),
+        layer: Some(l),
+    })
 }
 
 /// A norm (`ln1`, `ln2`, `ln_final`) of the `[m, width]` rows `x` into `out`, with its two hooks
@@ -393,11 +482,7 @@ impl Model {
                 break;
             }
             self.qkv_step(obs, l, layer, &x, m, &mut s, &mut timings)?;
-            let tables = layer
-                .plan
-                .rope_base()
-                .and_then(|base| rope_sets.iter().find(|(b, _)| *b == base))
-                .map_or(&no_tables, |(_, t)| t);
+            let tables = layer_rope_tables(layer, &rope_sets).unwrap_or(&no_tables);
             let t = Instant::now();
             let stacked = (segs, &stack);
             self.attention_step(
@@ -418,12 +503,7 @@ impl Model {
             self.attn_out_step(obs, l, layer, &mut x, &s.z, m, &mut timings)?;
             hand(obs, l, Hook::ResidMid, &[m, dm], &mut x)?;
             self.mlp_step(obs, l, layer, &mut x, m, &mut s, &mut timings)?;
-            if !all_finite(&x) {
-                return Err(Error::NonFinite {
-                    what: "the residual stream after the layer's MLP".into(),
-                    layer: Some(l),
-                });
-            }
+            check_residual_finite(&x, l)?;
             hand(obs, l, Hook::ResidPost, &[m, dm], &mut x)?;
             obs.layer_done(l);
             if interrupted() {
@@ -434,13 +514,7 @@ impl Model {
         // stopped before a block, or before the final norm: no logits
         let stopped = stopped || obs.stops_before(dims.n_layers);
         let logits = self.final_logits(obs, &x, &stack.logit_rows, stopped)?;
-        let kv = opts.keep_kv.then_some(KvPrefix {
-            len: stack.n_max,
-            n_kv: dims.n_kv_heads,
-            head_dim: hd,
-            layers: kept.layers,
-            k_sq: kept.k_sq,
-        });
+        let kv = opts.keep_kv.then(|| self.kv_prefix_of(kept, stack.n_max));
         timings.total = start.elapsed();
         Ok(ForwardOut {
             logits,
@@ -459,16 +533,7 @@ impl Model {
         first_layer: usize,
         opts: &RunOptions,
     ) -> Result<Stack> {
-        let dims = &self.dims;
-        if prefix.is_some_and(|p| {
-            p.layers.len() != dims.n_layers
-                || p.n_kv != dims.n_kv_heads
-                || p.head_dim != dims.head_dim
-        }) {
-            return Err(Error::Candle(candle_core::Error::Msg(
-                "the KV prefix belongs to another model: you likely have a bug".into(),
-            )));
-        }
+        self.check_prefix_fits(prefix)?;
         let full = prefix.map_or(0, |p| p.len);
         if segs.is_empty() || (opts.keep_kv && (segs.len() > 1 || first_layer > 0)) {
             return Err(Error::Candle(candle_core::Error::Msg(format!(
@@ -481,44 +546,16 @@ impl Model {
         let mut row0 = Vec::with_capacity(segs.len());
         let mut m = 0;
         for seg in segs {
-            let (p0, ms) = (seg.reuse, seg.tokens.len());
-            let n = p0 + ms;
-            if ms == 0 {
-                return Err(Error::EmptyText);
-            }
-            if p0 > full {
-                return Err(Error::Candle(candle_core::Error::Msg(format!(
-                    "a segment reuses {p0} positions of a {full}-position prefix: you likely have a bug"
-                ))));
-            }
-            self.check_tokens(n, seg.tokens)?;
-            for &p in seg.logits_at.iter().chain(&seg.knockout) {
-                if p < p0 || p >= n {
-                    return Err(Error::OutOfRange {
-                        what: "position".into(),
-                        value: p.to_string(),
-                        range: format!("{p0}..={}", n - 1),
-                    });
-                }
-            }
+            self.check_segment(seg, full)?;
             row0.push(m);
-            m += ms;
+            m += seg.tokens.len();
         }
         let n_max = segs
             .iter()
             .map(|s| s.reuse + s.tokens.len())
             .max()
             .unwrap_or(0);
-        let knocks: Vec<Vec<bool>> = segs
-            .iter()
-            .map(|seg| {
-                let mut knock = vec![false; seg.reuse + seg.tokens.len()];
-                for &p in &seg.knockout {
-                    knock[p] = true;
-                }
-                knock
-            })
-            .collect();
+        let knocks = segs.iter().map(knocked_out_keys).collect();
         // the stacked rows whose logits are asked for, in order
         let logit_rows: Vec<usize> = segs
             .iter()
@@ -533,6 +570,60 @@ impl Model {
             full,
             logit_rows,
         })
+    }
+
+    /// Refuses a KV prefix whose layers, KV heads or head width are not this model's.
+    fn check_prefix_fits(&self, prefix: Option<&KvPrefix>) -> Result<()> {
+        let dims = &self.dims;
+        if prefix.is_some_and(|p| {
+            p.layers.len() != dims.n_layers
+                || p.n_kv != dims.n_kv_heads
+                || p.head_dim != dims.head_dim
+        }) {
+            return Err(Error::Candle(candle_core::Error::Msg(
+                "the KV prefix belongs to another model: you likely have a bug".into(),
+            )));
+        }
+        Ok(())
+    }
+
+    /// Checks one segment against the model and a prefix of `full` positions: some tokens,
+    /// no more reused positions than the prefix has, tokens that fit the vocabulary and the
+    /// context, and logits and knockouts among its own new positions.
+    fn check_segment(&self, seg: &Segment, full: usize) -> Result<()> {
+        let (p0, ms) = (seg.reuse, seg.tokens.len());
+        let n = p0 + ms;
+        if ms == 0 {
+            return Err(Error::EmptyText);
+        }
+        if p0 > full {
+            return Err(Error::Candle(candle_core::Error::Msg(format!(
+                "a segment reuses {p0} positions of a {full}-position prefix: you likely have a bug"
+            ))));
+        }
+        self.check_tokens(n, seg.tokens)?;
+        for &p in seg.logits_at.iter().chain(&seg.knockout) {
+            if p < p0 || p >= n {
+                return Err(Error::OutOfRange {
+                    what: "position".into(),
+                    value: p.to_string(),
+                    range: format!("{p0}..={}", n - 1),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The KV cache a forward leaves for the next one: the `kept` keys and values of its
+    /// `len` positions.
+    fn kv_prefix_of(&self, kept: KeptKv, len: usize) -> KvPrefix {
+        KvPrefix {
+            len,
+            n_kv: self.dims.n_kv_heads,
+            head_dim: self.dims.head_dim,
+            layers: kept.layers,
+            k_sq: kept.k_sq,
+        }
     }
 
     /// One pair of RoPE tables (`n` positions) per rotary base the layers' plans use (Gemma 3's

@@ -426,37 +426,10 @@ impl GgufFile {
         let mut warnings = Vec::new();
         let n_heads = self.uint(&format!("{a}.attention.head_count"), &a)?;
         let d_model = self.uint(&format!("{a}.embedding_length"), &a)?;
-        let head_dim = match self.uint(&format!("{a}.attention.key_length"), &a) {
-            Ok(k) => k,
-            Err(_) if n_heads > 0 => d_model / n_heads,
-            Err(e) => return Err(e),
-        };
-        let vocab_size = match self.md("tokenizer.ggml.tokens") {
-            Some(Value::Array(t)) => t.len(),
-            _ => self.uint(&format!("{a}.vocab_size"), &a)?,
-        };
-        let rope_base = match self.float(&format!("{a}.rope.freq_base")) {
-            Some(b) => b,
-            // GPT-2 has learned positions, no RoPE
-            None if arch == Arch::Gpt2 => 10000.0,
-            None => {
-                // llama.cpp's default; said out loud because it changes every pattern
-                warnings.push(format!(
-                    "{a}.rope.freq_base is missing; using llama.cpp's default 10000"
-                ));
-                10000.0
-            }
-        };
-        // GPT-2 normalizes with LayerNorm, the others with RMSNorm
-        let eps_key = match arch {
-            Arch::Gpt2 => format!("{a}.attention.layer_norm_epsilon"),
-            _ => format!("{a}.attention.layer_norm_rms_epsilon"),
-        };
-        let rms_eps = self.float(&eps_key).ok_or_else(|| Error::MissingKey {
-            key: eps_key.clone(),
-            path: self.path.clone(),
-            arch: a.clone(),
-        })?;
+        let head_dim = self.head_dim(&a, n_heads, d_model)?;
+        let vocab_size = self.vocab_size(&a)?;
+        let rope_base = self.rope_base(&a, arch, &mut warnings);
+        let rms_eps = self.norm_eps(&a, arch)?;
         self.refuse_unimplemented(&a, arch)?;
         let n_layers = self.uint(&format!("{a}.block_count"), &a)?;
         let rotary_dim = self.rotary_dim(&a, arch, head_dim)?;
@@ -467,43 +440,28 @@ impl GgufFile {
         } else {
             None
         };
+        let n_kv_heads = self
+            .uint(&format!("{a}.attention.head_count_kv"), &a)
+            .unwrap_or(n_heads);
+        let d_ff = self.uint(&format!("{a}.feed_forward_length"), &a)?;
+        let context_len = self.uint(&format!("{a}.context_length"), &a)?;
+        let rope_style = self.rope_style(arch)?;
         let dims = ModelDims {
             arch,
             n_layers,
             d_model,
             n_heads,
-            n_kv_heads: self
-                .uint(&format!("{a}.attention.head_count_kv"), &a)
-                .unwrap_or(n_heads),
+            n_kv_heads,
             head_dim,
-            d_ff: self.uint(&format!("{a}.feed_forward_length"), &a)?,
+            d_ff,
             vocab_size,
-            context_len: self.uint(&format!("{a}.context_length"), &a)?,
+            context_len,
             rope_base,
             rope_scaling: RopeScaling::Default,
             sliding_window: window,
             rotary_dim,
             gemma,
-            rope_style: match arch {
-                // llama.cpp: LLAMA_ROPE_TYPE_NEOX for qwen2/qwen3/phi3/gemma2/gemma3 (their
-                // converters keep Hugging Face's layout), NORM for llama (permuted q/k); GPT-2
-                // has no RoPE (learned positions)
-                Arch::Qwen2
-                | Arch::Qwen3
-                | Arch::Phi3
-                | Arch::Gemma2
-                | Arch::Gemma3
-                | Arch::Gpt2 => RopeStyle::Neox,
-                Arch::Llama => RopeStyle::Interleaved,
-                // llama.cpp converts Mistral checkpoints as `llama` and drops the window; BERT
-                // is read from Hugging Face folders only
-                Arch::Mistral | Arch::Bert | Arch::Roberta | Arch::DistilBert => {
-                    return Err(Error::UnknownArch {
-                        arch: format!("{} (in GGUF; use the Hugging Face folder)", arch.name()),
-                        path: self.path.clone(),
-                    })
-                }
-            },
+            rope_style,
             rms_eps,
             tied_embeddings: !self.content.tensor_infos.contains_key("output.weight"),
             type_vocab: 0,
@@ -516,6 +474,76 @@ impl GgufFile {
         })?;
         self.check_layer_count(&a, &dims)?;
         Ok((dims, warnings))
+    }
+
+    /// `{arch}.attention.key_length`, or `d_model / n_heads` when the file leaves it out.
+    fn head_dim(&self, a: &str, n_heads: usize, d_model: usize) -> Result<usize> {
+        match self.uint(&format!("{a}.attention.key_length"), a) {
+            Ok(k) => Ok(k),
+            Err(_) if n_heads > 0 => Ok(d_model / n_heads),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The tokenizer's token count, or `{arch}.vocab_size` when the file has no token list.
+    fn vocab_size(&self, a: &str) -> Result<usize> {
+        match self.md("tokenizer.ggml.tokens") {
+            Some(Value::Array(t)) => Ok(t.len()),
+            _ => self.uint(&format!("{a}.vocab_size"), a),
+        }
+    }
+
+    /// `{arch}.rope.freq_base`, or llama.cpp's default 10000 (with a warning, except for GPT-2,
+    /// which has no RoPE).
+    fn rope_base(&self, a: &str, arch: Arch, warnings: &mut Vec<String>) -> f32 {
+        match self.float(&format!("{a}.rope.freq_base")) {
+            Some(b) => b,
+            // GPT-2 has learned positions, no RoPE
+            None if arch == Arch::Gpt2 => 10000.0,
+            None => {
+                // llama.cpp's default; said out loud because it changes every pattern
+                warnings.push(format!(
+                    "{a}.rope.freq_base is missing; using llama.cpp's default 10000"
+                ));
+                10000.0
+            }
+        }
+    }
+
+    /// The normalization's epsilon: LayerNorm's for GPT-2, RMSNorm's for the others.
+    fn norm_eps(&self, a: &str, arch: Arch) -> Result<f32> {
+        // GPT-2 normalizes with LayerNorm, the others with RMSNorm
+        let eps_key = match arch {
+            Arch::Gpt2 => format!("{a}.attention.layer_norm_epsilon"),
+            _ => format!("{a}.attention.layer_norm_rms_epsilon"),
+        };
+        self.float(&eps_key).ok_or_else(|| Error::MissingKey {
+            key: eps_key.clone(),
+            path: self.path.clone(),
+            arch: a.to_string(),
+        })
+    }
+
+    /// How the family's GGUF converter lays out q/k for RoPE; the families read only from
+    /// Hugging Face folders are refused here.
+    fn rope_style(&self, arch: Arch) -> Result<RopeStyle> {
+        match arch {
+            // llama.cpp: LLAMA_ROPE_TYPE_NEOX for qwen2/qwen3/phi3/gemma2/gemma3 (their
+            // converters keep Hugging Face's layout), NORM for llama (permuted q/k); GPT-2
+            // has no RoPE (learned positions)
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Phi3 | Arch::Gemma2 | Arch::Gemma3 | Arch::Gpt2 => {
+                Ok(RopeStyle::Neox)
+            }
+            Arch::Llama => Ok(RopeStyle::Interleaved),
+            // llama.cpp converts Mistral checkpoints as `llama` and drops the window; BERT
+            // is read from Hugging Face folders only
+            Arch::Mistral | Arch::Bert | Arch::Roberta | Arch::DistilBert => {
+                Err(Error::UnknownArch {
+                    arch: format!("{} (in GGUF; use the Hugging Face folder)", arch.name()),
+                    path: self.path.clone(),
+                })
+            }
+        }
     }
 
     /// Refuses the metadata that changes the numbers and that this forward does not implement:

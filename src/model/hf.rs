@@ -4,8 +4,6 @@
 use super::config::{Arch, GemmaSettings, ModelDims, RopeScaling, RopeStyle};
 use super::error::{Error, Result};
 use super::weights::{Logical, Raw, TensorSource};
-use candle_core::safetensors::MmapedSafetensors;
-use candle_core::Device;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
@@ -50,14 +48,12 @@ pub struct HfConfig {
 pub struct HfFolder {
     pub dir: PathBuf,
     pub config: HfConfig,
-    st: MmapedSafetensors,
-    n_tensors: usize,
     pub files: Vec<PathBuf>,
     /// The base model's prefix of a checkpoint saved with a task head (`bert.`, `roberta.`,
     /// `distilbert.`: `BertForMaskedLM` and the like), stripped from its names.
     prefix: Option<&'static str>,
-    /// Every tensor's place in the files (their headers, read at open), the files mapped: F16
-    /// and BF16 tensors are handed out as these bytes.
+    /// Every tensor's place in the files (their headers, read at open), the files mapped once:
+    /// F16 and BF16 tensors are handed out as these bytes, the others read from them.
     table: mapped::Table,
 }
 
@@ -152,20 +148,13 @@ impl HfFolder {
         for f in &files {
             check_safetensors_header(f)?;
         }
-        // SAFETY: the files are memory-mapped read-only; attnscope never writes to them while
-        // they are open (a concurrent external writer could change what is read, as with any mmap).
         // the loader boundary: a panic in the safetensors reader is the file's, not a crash
-        let st = super::guard::quietly(|| unsafe { MmapedSafetensors::multi(&files) })
-            .map_err(|msg| Error::LoaderPanic {
+        let table = super::guard::quietly(|| mapped::Table::open(&files)).map_err(|msg| {
+            Error::LoaderPanic {
                 path: files[0].clone(),
                 msg,
-            })?
-            .map_err(|e| Error::BadSafetensors {
-                path: files[0].clone(),
-                reason: e.to_string(),
-            })?;
-        let n_tensors = st.tensors().len();
-        let table = mapped::Table::open(&files)?;
+            }
+        })??;
         let encoder = config
             .model_type
             .as_deref()
@@ -173,15 +162,13 @@ impl HfFolder {
             .is_some_and(|a| a.is_encoder());
         let prefix = BASE_PREFIXES.into_iter().find(|p| {
             encoder
-                && st
-                    .get(&format!("{p}embeddings.word_embeddings.weight"))
-                    .is_ok()
+                && table
+                    .entry(&format!("{p}embeddings.word_embeddings.weight"))
+                    .is_some()
         });
         Ok(HfFolder {
             dir: dir.into(),
             config,
-            st,
-            n_tensors,
             files,
             prefix,
             table,
@@ -309,8 +296,8 @@ impl HfFolder {
 
     pub fn tensor_types(&self) -> std::collections::BTreeMap<String, usize> {
         let mut m = std::collections::BTreeMap::new();
-        for (_, v) in self.st.tensors() {
-            *m.entry(format!("{:?}", v.dtype())).or_insert(0) += 1;
+        for (_, dtype) in self.table.listed() {
+            *m.entry(format!("{dtype:?}")).or_insert(0) += 1;
         }
         m
     }
@@ -998,7 +985,7 @@ impl HfFolder {
     /// Tensor `name` as the safetensors reader gives it; a panic inside the reader comes back
     /// as an error (the loader boundary).
     fn load_tensor(&self, name: &str) -> candle_core::Result<candle_core::Tensor> {
-        super::guard::quietly(|| self.st.load(name, &Device::Cpu)).unwrap_or_else(|msg| {
+        super::guard::quietly(|| self.table.load(name)).unwrap_or_else(|msg| {
             Err(candle_core::Error::Msg(format!(
                 "the safetensors reader failed ({msg})"
             )))
@@ -1011,7 +998,7 @@ impl TensorSource for HfFolder {
         let arch = Arch::parse(&self.arch_string());
         if arch == Some(Arch::Gpt2) {
             let (name, cols, transposed) = gpt2_part(&self.config, l);
-            if self.st.get(&name).is_err() {
+            if self.table.entry(&name).is_none() {
                 return Ok(None);
             }
             let bad = |e: candle_core::Error| Error::BadSafetensors {
@@ -1041,13 +1028,13 @@ impl TensorSource for HfFolder {
         if let Some(m) = self.table.half(&name, None) {
             return Ok(Some(Raw::Mapped(m)));
         }
-        if self.st.get(&name).is_err() {
+        if self.table.entry(&name).is_none() {
             // Phi-3 stores q|k|v and gate|up fused: read the part's rows
             if let Some((fused, start, len)) = fused_part(&self.config, l) {
                 if let Some(m) = self.table.half(&fused, Some((start, len))) {
                     return Ok(Some(Raw::Mapped(m)));
                 }
-                if self.st.get(&fused).is_ok() {
+                if self.table.entry(&fused).is_some() {
                     let bad = |e: candle_core::Error| Error::BadSafetensors {
                         path: self.dir.clone(),
                         reason: format!("tensor `{fused}`: {e}"),
@@ -1081,7 +1068,7 @@ impl TensorSource for HfFolder {
         &self.dir
     }
     fn count(&self) -> usize {
-        self.n_tensors
+        self.table.listed().len()
     }
     fn arch_name(&self) -> String {
         self.arch_string()
@@ -1089,7 +1076,7 @@ impl TensorSource for HfFolder {
     fn names(&self) -> Vec<String> {
         // a fused tensor stands for the parts it is read as
         let mut out = Vec::new();
-        for (n, _) in self.st.tensors() {
+        for n in self.table.listed().iter().map(|(n, _)| n.clone()) {
             // a checkpoint with a task head: the base model's names without their prefix, and
             // the head's left out (anything else is kept, and refused if the forward skips it)
             let n = match self.prefix {

@@ -412,32 +412,9 @@ impl Model {
         // sized from the files' headers, refused before any tensor is read
         let fp = f.footprint(&dims);
         let avail = memory::available()?;
-        let (memory, memory_reason) = match memory {
-            // F32 tensors have no blocks to read: `low` would pack them as `fast`
-            Some(Memory::Low) if !fp.projections.iter().any(|p| p.low) => (
-                Memory::Fast,
-                "a Hugging Face folder's F32 floats have no quantized blocks to read: --memory low packs f32 panels as fast does (F16/BF16 folders are read from their bytes)".into(),
-            ),
-            Some(m) => (m, format!("asked for (--memory {m})")),
-            None => memory::choose(&fp, precision, avail),
-        };
+        let (memory, memory_reason) = folder_memory(memory, &fp, precision, avail);
         memory::check_fits(&fp, memory, precision, avail)?;
-        let (add_bos, bos_id) = f.bos();
-        let tok_path = dir.join("tokenizer.json");
-        if !tok_path.is_file() {
-            return Err(Error::Tokenizer(format!(
-                "{} has no tokenizer.json; a Hugging Face model folder needs one",
-                dir.display()
-            )));
-        }
-        let mut tokenizer = Tokenizer::from_file(&tok_path, add_bos, bos_id)?;
-        tokenizer.pad_id = f.pad_token().and_then(|t| tokenizer.id_of(&t));
-        (tokenizer.chat_template, tokenizer.eos_id) = f.chat_template();
-        // an encoder's texts are `[CLS] … [SEP]`, as its tokenizer.json builds them
-        tokenizer.specials = dims.arch.is_encoder();
-        if tokenizer.specials {
-            tokenizer.check_encoder_specials(&tok_path)?;
-        }
+        let tokenizer = folder_tokenizer(&f, dir, &dims)?;
         let file_size = f
             .files
             .iter()
@@ -478,14 +455,25 @@ impl Model {
             tick,
         )?;
         let panel_file = save_cache(cache.as_ref(), cached.is_some(), &weights);
-        Ok(Model {
+        Ok(Model::assembled(dims, info, tokenizer, weights, panel_file))
+    }
+
+    /// A loaded model from its parts, with no transposed weights made yet.
+    fn assembled(
+        dims: ModelDims,
+        info: ModelInfo,
+        tokenizer: Tokenizer,
+        weights: weights::Weights,
+        panel_file: Option<PathBuf>,
+    ) -> Model {
+        Model {
             dims,
             info,
             tokenizer,
             weights,
             panel_file,
             transposed: Default::default(),
-        })
+        }
     }
 
     /// Loads a model from GGUF bytes in memory (fuzzing, tests); `name` is used in messages.
@@ -573,14 +561,7 @@ impl Model {
         )?;
         g.release_pages();
         let panel_file = save_cache(cache.as_ref(), cached.is_some(), &weights);
-        Ok(Model {
-            dims,
-            info,
-            tokenizer,
-            weights,
-            panel_file,
-            transposed: Default::default(),
-        })
+        Ok(Model::assembled(dims, info, tokenizer, weights, panel_file))
     }
 
     /// Tokenizes `text` (BOS only if the model asks for it or `force_bos`), refusing empty text
@@ -633,6 +614,48 @@ fn may_be_low(
                 })
         }
     }
+}
+
+/// The memory setting of a Hugging Face folder and why: `memory` as asked (but `low` packs f32
+/// panels as `fast` does when no projection has F16/BF16 bytes to read), else what
+/// [`memory::choose`] picks for the `avail` bytes free.
+fn folder_memory(
+    memory: Option<Memory>,
+    fp: &memory::Footprint,
+    precision: Precision,
+    avail: Option<u64>,
+) -> (Memory, String) {
+    match memory {
+        // F32 tensors have no blocks to read: `low` would pack them as `fast`
+        Some(Memory::Low) if !fp.projections.iter().any(|p| p.low) => (
+            Memory::Fast,
+            "a Hugging Face folder's F32 floats have no quantized blocks to read: --memory low packs f32 panels as fast does (F16/BF16 folders are read from their bytes)".into(),
+        ),
+        Some(m) => (m, format!("asked for (--memory {m})")),
+        None => memory::choose(fp, precision, avail),
+    }
+}
+
+/// The tokenizer of the folder `dir`: its tokenizer.json (required) with the config's BOS, pad
+/// token, chat template and EOS, and an encoder's `[CLS] … [SEP]` checked.
+fn folder_tokenizer(f: &hf::HfFolder, dir: &Path, dims: &ModelDims) -> Result<Tokenizer> {
+    let (add_bos, bos_id) = f.bos();
+    let tok_path = dir.join("tokenizer.json");
+    if !tok_path.is_file() {
+        return Err(Error::Tokenizer(format!(
+            "{} has no tokenizer.json; a Hugging Face model folder needs one",
+            dir.display()
+        )));
+    }
+    let mut tokenizer = Tokenizer::from_file(&tok_path, add_bos, bos_id)?;
+    tokenizer.pad_id = f.pad_token().and_then(|t| tokenizer.id_of(&t));
+    (tokenizer.chat_template, tokenizer.eos_id) = f.chat_template();
+    // an encoder's texts are `[CLS] … [SEP]`, as its tokenizer.json builds them
+    tokenizer.specials = dims.arch.is_encoder();
+    if tokenizer.specials {
+        tokenizer.check_encoder_specials(&tok_path)?;
+    }
+    Ok(tokenizer)
 }
 
 /// The loading progress bar (hidden without `progress`): `loading NAME [...] layer i/n`.

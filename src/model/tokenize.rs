@@ -1062,7 +1062,6 @@ mod tests {
     /// the same; a damaged, foreign or out-of-range file is not used (the merges are recovered).
     #[test]
     fn kept_sentencepiece_merges_tokenize_the_same() {
-        use crate::model::panels::BlobCache;
         let dir = tempfile::tempdir().unwrap();
         let model = dir.path().join("sp.gguf");
         std::fs::write(&model, b"stands for the model file").unwrap();
@@ -1078,13 +1077,7 @@ mod tests {
                 crate::model::tiny::tiny_sentencepiece_md(arch, prefix)
                     .into_iter()
                     .collect();
-            let cache = BlobCache::new(
-                std::slice::from_ref(&model),
-                dir.path(),
-                &format!("m-{arch}"),
-                0,
-            )
-            .unwrap();
+            let cache = merges_cache_of(&model, dir.path(), arch);
             let plain = Tokenizer::from_gguf(&md, &model).unwrap();
             let ids = |t: &Tokenizer| -> Vec<Vec<u32>> {
                 texts.iter().map(|x| t.encode(x, false).unwrap()).collect()
@@ -1098,12 +1091,7 @@ mod tests {
             assert_eq!(ids(&second), want, "{arch}: read back");
             assert_eq!(second.kind, plain.kind);
             // a flipped byte: the CRC refuses it, the merges are recovered
-            let mut bytes = std::fs::read(&cache.path).unwrap();
-            let n = bytes.len();
-            bytes[n - 4096 + 1] ^= 1;
-            let at = bytes.iter().rposition(|&b| b != 0).unwrap();
-            bytes[at] ^= 0x40;
-            std::fs::write(&cache.path, &bytes).unwrap();
+            flip_kept_bytes(&cache.path);
             assert!(cache.load().is_none(), "{arch}: damaged");
             let third = Tokenizer::from_gguf_with(&md, &model, Some(&cache)).unwrap();
             assert_eq!(ids(&third), want, "{arch}: damaged file not used");
@@ -1117,19 +1105,42 @@ mod tests {
             f.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(7))
                 .unwrap();
             drop(f);
-            let moved = BlobCache::new(
-                std::slice::from_ref(&model),
-                dir.path(),
-                &format!("m-{arch}"),
-                0,
-            )
-            .unwrap();
+            let moved = merges_cache_of(&model, dir.path(), arch);
             assert!(moved.load().is_none(), "{arch}: stale");
             let fourth = Tokenizer::from_gguf_with(&md, &model, Some(&moved)).unwrap();
             assert_eq!(ids(&fourth), want);
             assert_eq!(moved.load(), Some(kept), "{arch}: stale file replaced");
         }
-        // ids past the vocabulary are refused, not spelled
+    }
+
+    /// The kept-merges cache of the model file `model` of family `arch`, in `dir`.
+    fn merges_cache_of(
+        model: &std::path::Path,
+        dir: &std::path::Path,
+        arch: &str,
+    ) -> crate::model::panels::BlobCache {
+        crate::model::panels::BlobCache::new(
+            std::slice::from_ref(&model.to_path_buf()),
+            dir,
+            &format!("m-{arch}"),
+            0,
+        )
+        .unwrap()
+    }
+
+    /// Damages a kept file: a bit flipped in its last 4 KiB and one in its last non-zero byte.
+    fn flip_kept_bytes(path: &std::path::Path) {
+        let mut bytes = std::fs::read(path).unwrap();
+        let n = bytes.len();
+        bytes[n - 4096 + 1] ^= 1;
+        let at = bytes.iter().rposition(|&b| b != 0).unwrap();
+        bytes[at] ^= 0x40;
+        std::fs::write(path, &bytes).unwrap();
+    }
+
+    /// Kept merge ids past the vocabulary are refused, not spelled; a cut pair is refused.
+    #[test]
+    fn kept_merge_ids_past_the_vocabulary_are_refused() {
         let spelled = vec!["a".to_string(), "b".to_string()];
         let mut bad = Vec::new();
         for id in [0u32, 1, 1, 2] {

@@ -266,12 +266,7 @@ impl Model {
             self.encoder_attn_out(obs, l, layer, (&mut x, &mut sum), &z, m, &mut timings)?;
             hand(obs, l, Hook::ResidMid, &[m, dm], &mut x)?;
             self.encoder_mlp(obs, l, layer, (&mut x, &mut sum), m, &mut timings)?;
-            if !super::all_finite(&x) {
-                return Err(Error::NonFinite {
-                    what: "the residual stream after the layer's MLP".into(),
-                    layer: Some(l),
-                });
-            }
+            super::check_residual_finite(&x, l)?;
             hand(obs, l, Hook::ResidPost, &[m, dm], &mut x)?;
             obs.layer_done(l);
             if super::interrupted() {
@@ -408,31 +403,10 @@ impl Model {
         qkv: &mut [f32],
         timings: &mut Timings,
     ) -> Result<()> {
-        let (nh, nkv, hd) = (self.dims.n_heads, self.dims.n_kv_heads, self.dims.head_dim);
-        let (nq, nk) = (nh * hd, nkv * hd);
-        let width = nq + 2 * nk;
         let t = Instant::now();
         layer.qkv.forward_into(x, m, qkv, false)?;
         timings.projections += t.elapsed();
-        for (hook, c0, w, heads) in [
-            (Hook::Q, 0, nq, nh),
-            (Hook::K, nq, nk, nkv),
-            (Hook::V, nq + nk, nk, nkv),
-        ] {
-            if touches(obs, l, hook) {
-                let mut part: Vec<f32> = qkv
-                    .chunks(width)
-                    .flat_map(|r| r[c0..c0 + w].iter().copied())
-                    .collect();
-                hand(obs, l, hook, &[m, heads, hd], &mut part)?;
-                if obs.edits(l, hook) {
-                    for (row, new) in qkv.chunks_mut(width).zip(part.chunks(w)) {
-                        row[c0..c0 + w].copy_from_slice(new);
-                    }
-                }
-            }
-        }
-        Ok(())
+        super::hand_qkv(obs, l, qkv, m, &self.dims, false)
     }
 
     /// Layer `l`'s bidirectional attention, one segment at a time (`Observer::segment(i)`

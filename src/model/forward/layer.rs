@@ -12,13 +12,13 @@ use super::{
     split_heads_into, swiglu, AttnDims,
 };
 use super::{
-    hand, norm_hooked, touches, KvPrefix, RopeTables, RunOptions, Segment, Stack, Timings,
+    hand, hand_half_split, hand_qkv, norm_hooked, touches, KvPrefix, RopeTables, RunOptions,
+    Segment, Stack, Timings,
 };
 use crate::model::block::{MlpKind, NormKind};
 use crate::model::capture::{Hook, Observer};
 use crate::model::config::RopeStyle;
 use crate::model::error::{Error, Result};
-use crate::model::tl_weights::{half_split_to_interleaved, interleaved_to_half_split};
 use crate::model::weights::Layer;
 use crate::model::Model;
 use rayon::prelude::*;
@@ -180,36 +180,8 @@ impl Model {
                 }
             });
         }
-        let style = self.weights.rope_style;
-        for (hook, c0, w, heads) in [
-            (Hook::Q, 0, nq, nh),
-            (Hook::K, nq, nk, nkv),
-            (Hook::V, nq + nk, nk, nkv),
-        ] {
-            if touches(obs, l, hook) {
-                let mut part: Vec<f32> = s
-                    .qkv
-                    .chunks(width)
-                    .flat_map(|r| r[c0..c0 + w].iter().copied())
-                    .collect();
-                // Q and K in Hugging Face's row order whatever the file's (llama GGUF
-                // interleaves each head's halves)
-                let reorder = style == RopeStyle::Interleaved && hook != Hook::V;
-                if reorder {
-                    interleaved_to_half_split(&mut part, hd, 1);
-                }
-                hand(obs, l, hook, &[m, heads, hd], &mut part)?;
-                if obs.edits(l, hook) {
-                    if reorder {
-                        half_split_to_interleaved(&mut part, hd, 1);
-                    }
-                    for (row, new) in s.qkv.chunks_mut(width).zip(part.chunks(w)) {
-                        row[c0..c0 + w].copy_from_slice(new);
-                    }
-                }
-            }
-        }
-        Ok(())
+        let interleaved = self.weights.rope_style == RopeStyle::Interleaved;
+        hand_qkv(obs, l, &mut s.qkv, m, dims, interleaved)
     }
 
     /// Layer `l`'s attention, one segment at a time (`Observer::segment(i)` first): its rows
@@ -304,14 +276,8 @@ impl Model {
             if touches(obs, l, hook) {
                 let mut merged = merge_heads(buf, heads, ms, hd);
                 let reorder = style == RopeStyle::Interleaved;
-                if reorder {
-                    interleaved_to_half_split(&mut merged, hd, 1);
-                }
-                hand(obs, l, hook, &[ms, heads, hd], &mut merged)?;
+                hand_half_split(obs, l, hook, &[ms, heads, hd], &mut merged, reorder)?;
                 if obs.edits(l, hook) {
-                    if reorder {
-                        half_split_to_interleaved(&mut merged, hd, 1);
-                    }
                     // back to [heads, ms, hd]
                     for (r, row) in merged.chunks(heads * hd).enumerate() {
                         for (h, v) in row.chunks(hd).enumerate() {

@@ -65,17 +65,7 @@ fn all_finite_sees_every_nan_and_infinity() {
 
 #[test]
 fn a_nan_score_fails_the_layer() {
-    let dims = AttnDims {
-        n_heads: 2,
-        n_kv_heads: 1,
-        head_dim: 4,
-        q_len: 5,
-        k_len: 5,
-        window: None,
-        scale: None,
-        softcap: None,
-        causal: true,
-    };
+    let dims = causal_dims((2, 1, 4), 5, None);
     let mut rng = crate::reference::Rng::new(3);
     let (q, k, v) = (
         rng.normals(2 * 5 * 4, 1.0),
@@ -127,6 +117,60 @@ fn a_nan_score_fails_the_layer() {
     }
 }
 
+/// Causal attention dimensions of `(n_heads, n_kv_heads, head_dim)` over `n` queries and keys.
+fn causal_dims((h, kv, d): (usize, usize, usize), n: usize, window: Option<usize>) -> AttnDims {
+    AttnDims {
+        n_heads: h,
+        n_kv_heads: kv,
+        head_dim: d,
+        q_len: n,
+        k_len: n,
+        window,
+        scale: None,
+        softcap: None,
+        causal: true,
+    }
+}
+
+/// The largest `|q_i · k_i| · scale` of every head's query with its own position's key (rows
+/// `[n, heads, d]`, query head `hh` reading KV head `hh / (h / kv)`), in float64.
+fn largest_own_score(
+    qr: &[f32],
+    kr: &[f32],
+    (h, kv, d): (usize, usize, usize),
+    n: usize,
+    scale: f64,
+) -> f64 {
+    let mut largest = 0f64;
+    for hh in 0..h {
+        let g = hh / (h / kv);
+        for i in 0..n {
+            let qi = &qr[(i * h + hh) * d..][..d];
+            let kj = &kr[(i * kv + g) * d..][..d];
+            let s = qi
+                .iter()
+                .zip(kj)
+                .map(|(&a, &b)| a as f64 * b as f64)
+                .sum::<f64>()
+                * scale;
+            largest = largest.max(s.abs());
+        }
+    }
+    largest
+}
+
+/// The largest difference of `got` from the float64 `want` (infinite for a NaN).
+fn largest_difference(got: &[f32], want: &[f64]) -> f64 {
+    got.iter().zip(want).fold(0f64, |m, (&got, &w)| {
+        let diff = (got as f64 - w).abs();
+        if diff.is_nan() {
+            f64::INFINITY
+        } else {
+            m.max(diff)
+        }
+    })
+}
+
 /// Scores in the thousands that differ by a few units (Qwen2.5-1.5B's first layer): the
 /// weights and outputs within 2e-6 of a float64 computation of the same q, k, v, streamed
 /// or not, with a knockout and a sliding window (the masked paths); f32 scores alone miss by
@@ -153,17 +197,7 @@ fn large_scores_are_rounded_after_the_shift_not_before() {
     ];
     let mut largest = 0f64;
     for (knock, window, key_block) in cases {
-        let dims = AttnDims {
-            n_heads: h,
-            n_kv_heads: kv,
-            head_dim: d,
-            q_len: n,
-            k_len: n,
-            window,
-            scale: None,
-            softcap: None,
-            causal: true,
-        };
+        let dims = causal_dims((h, kv, d), n, window);
         let z = attention(
             0,
             &q,
@@ -185,29 +219,9 @@ fn large_scores_are_rounded_after_the_shift_not_before() {
             crate::model::attention::visible(i, j, &knock, window)
         });
         // every query sees its own key: those scores show how large the scores are
-        for hh in 0..h {
-            let g = hh / (h / kv);
-            for i in 0..n {
-                let qi = &qr[(i * h + hh) * d..][..d];
-                let kj = &kr[(i * kv + g) * d..][..d];
-                let s = qi
-                    .iter()
-                    .zip(kj)
-                    .map(|(&a, &b)| a as f64 * b as f64)
-                    .sum::<f64>()
-                    * scale;
-                largest = largest.max(s.abs());
-            }
-        }
+        largest = largest.max(largest_own_score(&qr, &kr, (h, kv, d), n, scale));
         assert_eq!(z.len(), want.z.len());
-        let worst = z.iter().zip(&want.z).fold(0f64, |m, (&got, &w)| {
-            let diff = (got as f64 - w).abs();
-            if diff.is_nan() {
-                f64::INFINITY
-            } else {
-                m.max(diff)
-            }
-        });
+        let worst = largest_difference(&z, &want.z);
         assert!(
             worst < 2e-6,
             "window {window:?}, key block {key_block}: output {worst:.2e} from float64"
@@ -228,17 +242,7 @@ fn streamed_blocks_with_row_slack_match_the_reference() {
         rng.normals(kv * n * d, 1.0),
         rng.normals(kv * n * d, 1.0),
     );
-    let dims = AttnDims {
-        n_heads: h,
-        n_kv_heads: kv,
-        head_dim: d,
-        q_len: n,
-        k_len: n,
-        window: None,
-        scale: None,
-        softcap: None,
-        causal: true,
-    };
+    let dims = causal_dims((h, kv, d), n, None);
     let run = |knock: &[bool], key_block: usize| {
         attention(
             0,

@@ -30,10 +30,14 @@ pub(super) struct Entry {
     shape: Vec<usize>,
 }
 
-/// Every tensor of a folder's safetensors files, by name, with the files mapped read-only.
+/// Every tensor of a folder's safetensors files, by name, with the files mapped read-only (once:
+/// F16/BF16 tensors are handed out as these bytes, the others read from them by candle).
 pub(super) struct Table {
     maps: Vec<Arc<Backing>>,
+    /// By name; a name in several files is the last file's.
     entries: HashMap<String, Entry>,
+    /// Every file's tensors, file after file (a name in several files once per file).
+    listed: Vec<(String, Dtype)>,
 }
 
 /// The block type a safetensors float type is read as from the file's bytes (`None`: read as
@@ -48,22 +52,26 @@ pub(super) fn half_type(d: Dtype) -> Option<BlockType> {
 
 impl Table {
     /// Maps `files` and reads their headers (checked by the safetensors crate: offsets within
-    /// the file, in order, matching each tensor's type and shape).
+    /// the file, in order, matching each tensor's type and shape). A file that cannot be opened,
+    /// mapped or read is refused in the words of candle's multi-file reader (naming the first
+    /// file, and the file in the reason).
     pub(super) fn open(files: &[PathBuf]) -> Result<Table> {
         let mut maps = Vec::with_capacity(files.len());
         let mut entries = HashMap::new();
+        let mut listed = Vec::new();
         for (i, path) in files.iter().enumerate() {
-            let bad = |reason: String| Error::BadSafetensors {
-                path: path.clone(),
-                reason,
+            let bad = |e: candle_core::Error| Error::BadSafetensors {
+                path: files[0].clone(),
+                reason: e.with_path(path).to_string(),
             };
-            let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+            let file = std::fs::File::open(path).map_err(|e| bad(e.into()))?;
             // SAFETY: mapped read-only; attnscope never writes to a model's files while they are
             // open (a concurrent external writer could change what is read, as with any mmap)
-            let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-            let (n, meta) = safetensors::SafeTensors::read_metadata(&map)
-                .map_err(|e| bad(format!("its header: {e}")))?;
+            let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| bad(e.into()))?;
+            let (n, meta) =
+                safetensors::SafeTensors::read_metadata(&map).map_err(|e| bad(e.into()))?;
             for (name, info) in meta.tensors() {
+                listed.push((name.clone(), info.dtype));
                 let (a, b) = info.data_offsets;
                 entries.insert(
                     name,
@@ -78,12 +86,37 @@ impl Table {
             }
             maps.push(Arc::new(Backing::Map(map)));
         }
-        Ok(Table { maps, entries })
+        Ok(Table {
+            maps,
+            entries,
+            listed,
+        })
     }
 
     /// The tensor `name`'s header entry.
     pub(super) fn entry(&self, name: &str) -> Option<&Entry> {
         self.entries.get(name)
+    }
+
+    /// Every file's tensors with their types, file after file (a name in several files once
+    /// per file).
+    pub(super) fn listed(&self) -> &[(String, Dtype)] {
+        &self.listed
+    }
+
+    /// Tensor `name` read by candle from its file's bytes, as its safetensors reader reads it
+    /// (any type, converted as candle converts it).
+    pub(super) fn load(&self, name: &str) -> candle_core::Result<candle_core::Tensor> {
+        use candle_core::safetensors::Load;
+        let e = self
+            .entries
+            .get(name)
+            .ok_or_else(|| candle_core::Error::CannotFindTensor {
+                path: name.to_string(),
+            })?;
+        let bytes = &self.maps[e.file][e.start..e.start + e.len];
+        safetensors::tensor::TensorView::new(e.dtype, e.shape.clone(), bytes)?
+            .load(&candle_core::Device::Cpu)
     }
 
     /// Tensor `name` (rows `r0..r0 + rows` of it, or all of it) as its file's F16/BF16 bytes;

@@ -571,6 +571,39 @@ pub(super) fn repack_q5_0_to_q8_0(q: &QTensor) -> Result<QTensor> {
     Ok(QTensor::new(storage, q.shape().clone())?)
 }
 
+/// The types `exact` reads as integers and scales, each with the `rows × cols` weights `w` in
+/// its bytes (candle's quantization, or BF16's bits).
+#[cfg(test)]
+pub(super) fn scaled_types_of(w: &[f32], rows: usize, cols: usize) -> Vec<(GgmlDType, Vec<u8>)> {
+    let t = candle_core::Tensor::from_vec(w.to_vec(), (rows, cols), &Device::Cpu).unwrap();
+    let types = [
+        GgmlDType::Q8_0,
+        GgmlDType::Q5_0,
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q5_1,
+        GgmlDType::Q4K,
+        GgmlDType::BF16,
+    ];
+    types
+        .into_iter()
+        .map(|dtype| {
+            let bytes: Vec<u8> = if dtype == GgmlDType::BF16 {
+                w.iter()
+                    .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                    .collect()
+            } else {
+                QTensor::quantize(&t, dtype)
+                    .unwrap()
+                    .data()
+                    .unwrap()
+                    .to_vec()
+            };
+            (dtype, bytes)
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -586,28 +619,7 @@ mod tests {
         let mut w = rng.normals(rows * cols, 1.0);
         w[32..64].iter_mut().for_each(|x| *x = 0.0);
         w[600..632].iter_mut().for_each(|x| *x *= 300.0);
-        let t = Tensor::from_vec(w.clone(), (rows, cols), &Device::Cpu).unwrap();
-        let types = [
-            GgmlDType::Q8_0,
-            GgmlDType::Q5_0,
-            GgmlDType::Q4_0,
-            GgmlDType::Q4_1,
-            GgmlDType::Q5_1,
-            GgmlDType::Q4K,
-            GgmlDType::BF16,
-        ];
-        for dtype in types {
-            let bytes: Vec<u8> = if dtype == GgmlDType::BF16 {
-                w.iter()
-                    .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
-                    .collect()
-            } else {
-                QTensor::quantize(&t, dtype)
-                    .unwrap()
-                    .data()
-                    .unwrap()
-                    .to_vec()
-            };
+        for (dtype, bytes) in scaled_types_of(&w, rows, cols) {
             let rb = bytes.len() / rows;
             for r in 0..rows {
                 let row = &bytes[r * rb..(r + 1) * rb];
