@@ -105,6 +105,20 @@ fn attribution_patching_refuses_unpaired_texts() {
     assert!(matches!(err, Error::OutOfRange { .. }), "{err}");
 }
 
+/// The scores' gradient (`[heads, n, n]`) is 0 at masked keys and each row sums to 0
+/// (softmax's invariance to a shift of its inputs).
+fn assert_scores_grad_masked_and_centred(sc: &[f32], heads: usize, n: usize) {
+    for hh in 0..heads {
+        for i in 0..n {
+            let row = &sc[(hh * n + i) * n..(hh * n + i + 1) * n];
+            assert!(row[i + 1..].iter().all(|&v| v == 0.0));
+            let sum: f32 = row.iter().sum();
+            let big = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert!(sum.abs() <= 1e-4 * big.max(1e-6), "row {i} sums to {sum}");
+        }
+    }
+}
+
 /// `hook_gradients` gives what `Model::gradient` gives (checked against transformers in
 /// tests/gradients.rs) at resid_pre and the pattern's last row, in TransformerLens's shapes, and
 /// only the hooks asked for.
@@ -174,17 +188,8 @@ fn hook_gradients_agree_with_the_backward() {
         get("blocks.3.attn.hook_rot_k_grad").1,
         vec![n, d.n_kv_heads, d.head_dim]
     );
-    // the scores' gradient is 0 at masked keys and each row sums to 0 (softmax's invariance)
     let (_, _, sc) = get("blocks.3.attn.hook_attn_scores_grad");
-    for hh in 0..d.n_heads {
-        for i in 0..n {
-            let row = &sc[(hh * n + i) * n..(hh * n + i + 1) * n];
-            assert!(row[i + 1..].iter().all(|&v| v == 0.0));
-            let sum: f32 = row.iter().sum();
-            let big = row.iter().fold(0f32, |m, v| m.max(v.abs()));
-            assert!(sum.abs() <= 1e-4 * big.max(1e-6), "row {i} sums to {sum}");
-        }
-    }
+    assert_scores_grad_masked_and_centred(sc, d.n_heads, n);
     // the loss needs two tokens
     let err = model
         .hook_gradients(&tokens[..1], GradMetric::Loss, &want)

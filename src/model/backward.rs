@@ -210,90 +210,12 @@ impl Model {
     /// One sequence's logits from the head's `raw` row (soft-capped by `cap`), the metric's
     /// target, value and `d metric / d raw logit` as (token, weight) pairs.
     fn seed(&self, raw: Vec<f32>, cap: Option<f32>, metric: Metric, lrp: bool) -> Result<Seed> {
-        let logits: Vec<f32> = match cap {
-            Some(c) => raw.iter().map(|&u| (u / c).tanh() * c).collect(),
-            None => raw.clone(),
-        };
-        if !logits.iter().all(|v| v.is_finite()) {
-            return Err(Error::NonFinite {
-                what: "the logits".into(),
-                layer: None,
-            });
-        }
+        let logits = soft_capped_logits(&raw, cap)?;
         let lsm = super::forward::log_softmax(&logits);
-        let argmax = logits
-            .iter()
-            .enumerate()
-            .fold(
-                (0, f32::NEG_INFINITY),
-                |b, (i, &v)| if v > b.1 { (i, v) } else { b },
-            )
-            .0 as u32;
-        let target = match metric {
-            Metric::LogProb(t) => t.unwrap_or(argmax),
-            Metric::LogitDiff { answer, .. } => answer,
-        };
-        for t in [
-            Some(target),
-            match metric {
-                Metric::LogitDiff { wrong, .. } => Some(wrong),
-                _ => None,
-            },
-        ]
-        .into_iter()
-        .flatten()
-        {
-            if t as usize >= logits.len() {
-                return Err(Error::OutOfRange {
-                    what: "target token id".into(),
-                    value: t.to_string(),
-                    range: format!("0..{}", logits.len()),
-                });
-            }
-        }
+        let target = metric_target(metric, &logits)?;
         let logprob = lsm[target as usize];
-        // d metric / d logits, as (token, weight) pairs
-        let mut dlogit: Vec<(u32, f64)> = Vec::new();
-        let value = match metric {
-            Metric::LogProb(_) if lrp => {
-                dlogit.push((target, 1.0));
-                logits[target as usize]
-            }
-            Metric::LogProb(_) => {
-                for (v, &lp) in lsm.iter().enumerate() {
-                    let p = (lp as f64).exp();
-                    let d = if v as u32 == target { 1.0 - p } else { -p };
-                    if d.abs() > 1e-12 {
-                        dlogit.push((v as u32, d));
-                    }
-                }
-                logprob
-            }
-            Metric::LogitDiff { answer, wrong } => {
-                dlogit.push((answer, 1.0));
-                dlogit.push((wrong, -1.0));
-                logits[answer as usize] - logits[wrong as usize]
-            }
-        };
-        // through the final soft-cap to the raw logits
-        for (v, d) in dlogit.iter_mut() {
-            *d = match cap {
-                // the identity rule: what the capped logit holds passes to the raw one
-                Some(_) if lrp => {
-                    let r = raw[*v as usize] as f64;
-                    if r == 0.0 {
-                        *d
-                    } else {
-                        *d * logits[*v as usize] as f64 / r
-                    }
-                }
-                Some(c) => {
-                    let t = (raw[*v as usize] / c).tanh() as f64;
-                    *d * (1.0 - t * t)
-                }
-                None => *d,
-            };
-        }
+        let (value, mut dlogit) = metric_logit_grads(metric, target, &logits, &lsm, lrp);
+        through_final_softcap(&mut dlogit, &raw, &logits, cap, lrp);
         Ok(Seed {
             target,
             logprob,
@@ -476,5 +398,124 @@ impl Model {
                 })
                 .collect()
         })
+    }
+}
+
+/// A row of raw logits through the final soft-cap `cap` (if any), refused when not finite.
+fn soft_capped_logits(raw: &[f32], cap: Option<f32>) -> Result<Vec<f32>> {
+    let logits: Vec<f32> = match cap {
+        Some(c) => raw.iter().map(|&u| (u / c).tanh() * c).collect(),
+        None => raw.to_vec(),
+    };
+    if !logits.iter().all(|v| v.is_finite()) {
+        return Err(Error::NonFinite {
+            what: "the logits".into(),
+            layer: None,
+        });
+    }
+    Ok(logits)
+}
+
+/// The soft-cap's derivative at the raw logit `raw`: `1 − tanh²(raw / c)`.
+#[inline]
+fn softcap_slope(raw: f32, c: f32) -> f64 {
+    let t = (raw / c).tanh() as f64;
+    1.0 - t * t
+}
+
+/// The metric's target token (the top token when it names none), with every token it names
+/// checked against the vocabulary.
+fn metric_target(metric: Metric, logits: &[f32]) -> Result<u32> {
+    let argmax = logits
+        .iter()
+        .enumerate()
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+        )
+        .0 as u32;
+    let target = match metric {
+        Metric::LogProb(t) => t.unwrap_or(argmax),
+        Metric::LogitDiff { answer, .. } => answer,
+    };
+    for t in [
+        Some(target),
+        match metric {
+            Metric::LogitDiff { wrong, .. } => Some(wrong),
+            _ => None,
+        },
+    ]
+    .into_iter()
+    .flatten()
+    {
+        if t as usize >= logits.len() {
+            return Err(Error::OutOfRange {
+                what: "target token id".into(),
+                value: t.to_string(),
+                range: format!("0..{}", logits.len()),
+            });
+        }
+    }
+    Ok(target)
+}
+
+/// The metric's value and `d metric / d (capped) logit` as (token, weight) pairs, from the
+/// logits and their log-softmax `lsm`. Under AttnLRP (`lrp`) a log-probability is explained
+/// from the target's logit.
+fn metric_logit_grads(
+    metric: Metric,
+    target: u32,
+    logits: &[f32],
+    lsm: &[f32],
+    lrp: bool,
+) -> (f32, Vec<(u32, f64)>) {
+    let mut dlogit: Vec<(u32, f64)> = Vec::new();
+    let value = match metric {
+        Metric::LogProb(_) if lrp => {
+            dlogit.push((target, 1.0));
+            logits[target as usize]
+        }
+        Metric::LogProb(_) => {
+            for (v, &lp) in lsm.iter().enumerate() {
+                let p = (lp as f64).exp();
+                let d = if v as u32 == target { 1.0 - p } else { -p };
+                if d.abs() > 1e-12 {
+                    dlogit.push((v as u32, d));
+                }
+            }
+            lsm[target as usize]
+        }
+        Metric::LogitDiff { answer, wrong } => {
+            dlogit.push((answer, 1.0));
+            dlogit.push((wrong, -1.0));
+            logits[answer as usize] - logits[wrong as usize]
+        }
+    };
+    (value, dlogit)
+}
+
+/// `dlogit` (on the capped logits) carried through the final soft-cap to the raw logits: by the
+/// soft-cap's derivative, or under AttnLRP (`lrp`) by the identity rule (what the capped logit
+/// holds passes to the raw one).
+fn through_final_softcap(
+    dlogit: &mut [(u32, f64)],
+    raw: &[f32],
+    logits: &[f32],
+    cap: Option<f32>,
+    lrp: bool,
+) {
+    for (v, d) in dlogit.iter_mut() {
+        *d = match cap {
+            Some(_) if lrp => {
+                let r = raw[*v as usize] as f64;
+                if r == 0.0 {
+                    *d
+                } else {
+                    *d * logits[*v as usize] as f64 / r
+                }
+            }
+            Some(c) => *d * softcap_slope(raw[*v as usize], c),
+            None => *d,
+        };
     }
 }

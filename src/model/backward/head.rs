@@ -193,12 +193,7 @@ impl Head<'_> {
     ) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
         let (n, hd) = (self.n, self.hd);
         let isa = Isa::detect();
-        let dzl = &dz[(n - 1) * hd..];
-        let dpat: Vec<f32> = self
-            .v
-            .chunks(hd)
-            .map(|vj| dzl.iter().zip(vj).map(|(a, b)| a * b).sum())
-            .collect();
+        let dpat = self.last_row_pattern_grad(&dz[(n - 1) * hd..]);
         let mut dq = vec![0f32; n * hd];
         let mut dk = vec![0f32; n * hd];
         let mut dv = vec![0f32; n * hd];
@@ -230,29 +225,7 @@ impl Head<'_> {
             transpose_into(&p, rows, ld, &mut t);
             let dzp = PackedB::from_cols(dzb, rows, hd, hd, isa);
             gemm::gemm_sub(&t, rows, ld, &dzp, 0..rows, 0..hd, &mut dv, hd, true, false);
-            // dS = P ⊙ (dP − Σ P·dP), through the soft-cap and the scale
-            for (r, (prow, dprow)) in p.chunks(ld).zip(dp.chunks_mut(ld)).enumerate() {
-                let pdp: f64 = prow
-                    .iter()
-                    .zip(dprow.iter())
-                    .map(|(&a, &b)| a as f64 * b as f64)
-                    .sum();
-                let pdp = pdp as f32;
-                let scale = self.scale;
-                match self.softcap {
-                    Some(_) => {
-                        let trow = &th[r * ld..(r + 1) * ld];
-                        for ((d, &pj), &t) in dprow.iter_mut().zip(prow).zip(trow) {
-                            *d = pj * (*d - pdp) * t * scale;
-                        }
-                    }
-                    None => {
-                        for (d, &pj) in dprow.iter_mut().zip(prow) {
-                            *d = pj * (*d - pdp) * scale;
-                        }
-                    }
-                }
-            }
+            self.scores_grad_in_place(&p, &th, &mut dp, ld);
             gemm::gemm_sub(
                 &dp,
                 ld,
@@ -271,24 +244,48 @@ impl Head<'_> {
         }
         (dq, dk, dv, dpat)
     }
+
+    /// The last query row's pattern gradient `[n]` from its `∂/∂z` row `dzl` (`[hd]`):
+    /// `dzl · vⱼ` for every key `j`.
+    fn last_row_pattern_grad(&self, dzl: &[f32]) -> Vec<f32> {
+        self.v
+            .chunks(self.hd)
+            .map(|vj| dzl.iter().zip(vj).map(|(a, b)| a * b).sum())
+            .collect()
+    }
+
+    /// A block's `∂/∂pattern` `dp` (`[rows, ld]`) turned into `∂/∂scores` in place:
+    /// `dS = P ⊙ (dP − Σ P·dP)`, through the soft-cap (its factors `th`) and the scale.
+    #[inline]
+    fn scores_grad_in_place(&self, p: &[f32], th: &[f32], dp: &mut [f32], ld: usize) {
+        for (r, (prow, dprow)) in p.chunks(ld).zip(dp.chunks_mut(ld)).enumerate() {
+            let pdp: f64 = prow
+                .iter()
+                .zip(dprow.iter())
+                .map(|(&a, &b)| a as f64 * b as f64)
+                .sum();
+            let pdp = pdp as f32;
+            let scale = self.scale;
+            match self.softcap {
+                Some(_) => {
+                    let trow = &th[r * ld..(r + 1) * ld];
+                    for ((d, &pj), &t) in dprow.iter_mut().zip(prow).zip(trow) {
+                        *d = pj * (*d - pdp) * t * scale;
+                    }
+                }
+                None => {
+                    for (d, &pj) in dprow.iter_mut().zip(prow) {
+                        *d = pj * (*d - pdp) * scale;
+                    }
+                }
+            }
+        }
+    }
 }
 
 impl Model {
-    /// One layer's heads, `(heads, packed kv heads)`, from the saved q `[nh, n, hd]`, k and v
-    /// `[nkv, n, hd]`.
-    pub(super) fn heads<'a>(
-        &self,
-        l: usize,
-        q: &'a [f32],
-        k: &'a [f32],
-        v: &'a [f32],
-        n: usize,
-        rules: Rules,
-    ) -> (Vec<Head<'a>>, Vec<Packed4>) {
-        self.heads_batch(l, q, k, v, n, 1, rules)
-    }
-
-    /// [`Model::heads`] of `batch` sequences of `n` tokens each: q `[nh, batch·n, hd]`, k and v
+    /// One layer's heads, `(heads, packed kv heads)`, of `batch` sequences of `n` tokens each
+    /// (`batch` 1: one sequence's saved q and k, v): q `[nh, batch·n, hd]`, k and v
     /// `[nkv, batch·n, hd]` (sequence `b` of head `h` at rows `b·n..(b+1)·n` of the head), the
     /// heads in the order `b·nh + h`, the packed kv heads `b·nkv + g`. Each sequence decides on
     /// its own whether its scores can be large (as its forward alone would).

@@ -159,6 +159,33 @@ impl Tap {
     }
 }
 
+/// The hook points a [`Model::hook_gradients`] call asks for.
+struct ChosenHooks {
+    /// Per layer, the hooks of [`GRAD_HOOKS`] asked for.
+    layers: Vec<Vec<Hook>>,
+    /// The embeddings' hooks asked for (their gradient is the input's).
+    globals: Vec<Hook>,
+}
+
+impl ChosenHooks {
+    /// The tap that keeps what the chosen hooks need: a layer's gradients where any hook of it
+    /// is asked for, its attention maps' where the pattern or the scores are.
+    fn tap(&self) -> Tap {
+        Tap {
+            grads_at: self.layers.iter().map(|c| !c.is_empty()).collect(),
+            maps_at: self
+                .layers
+                .iter()
+                .map(|c| {
+                    c.iter()
+                        .any(|h| matches!(h, Hook::Pattern | Hook::AttnScores))
+                })
+                .collect(),
+            ..Tap::default()
+        }
+    }
+}
+
 /// `[heads, n, hd]` to `[n, heads, hd]`.
 fn heads_to_rows(x: &[f32], heads: usize, n: usize, hd: usize) -> Vec<f32> {
     let mut out = vec![0f32; x.len()];
@@ -170,6 +197,36 @@ fn heads_to_rows(x: &[f32], heads: usize, n: usize, hd: usize) -> Vec<f32> {
     out
 }
 
+/// The summed loss over the rows of raw logits `raw` (`[rows][vocab]`, row `i` predicting
+/// `tokens[i+1]`) and `d loss / d raw logits`, `[rows, vocab]`, of the mean loss (through the
+/// final soft-cap `cap`).
+fn loss_logit_grads(
+    raw: &[Vec<f32>],
+    vocab: usize,
+    tokens: &[u32],
+    cap: Option<f32>,
+) -> Result<(f64, Vec<f32>)> {
+    let rows = raw.len();
+    let mut d = vec![0f32; rows * vocab];
+    let mut loss = 0f64;
+    for (i, r) in raw.iter().enumerate() {
+        let lg = super::soft_capped_logits(r, cap)?;
+        let lsm = crate::model::forward::log_softmax(&lg);
+        let next = tokens[i + 1] as usize;
+        loss -= lsm[next] as f64;
+        let drow = &mut d[i * vocab..(i + 1) * vocab];
+        for (v, (o, &lp)) in drow.iter_mut().zip(&lsm).enumerate() {
+            let p = (lp as f64).exp() - if v == next { 1.0 } else { 0.0 };
+            let p = match cap {
+                Some(c) => p * super::softcap_slope(r[v], c),
+                None => p,
+            };
+            *o = (p / rows as f64) as f32;
+        }
+    }
+    Ok((loss, d))
+}
+
 impl Model {
     /// The attention maps' gradients of layer `l` from `∂/∂z` (`[n, heads·hd]`):
     /// `(∂/∂pattern, ∂/∂attn_scores)`, `[heads, n, n]` each. `∂/∂pattern[h, i, j] = dzᵢ · vⱼ`
@@ -179,7 +236,7 @@ impl Model {
         let (nh, nkv, hd) = (self.dims.n_heads, self.dims.n_kv_heads, self.dims.head_dim);
         let group = nh / nkv;
         let (heads, packed): (Vec<Head>, Vec<Packed4>) =
-            self.heads(l, &s.q, &s.k, &s.v, n, Rules::Gradient);
+            self.heads_batch(l, &s.q, &s.k, &s.v, n, 1, Rules::Gradient);
         let per_head: Vec<(Vec<f32>, Vec<f32>)> = heads
             .par_iter()
             .enumerate()
@@ -246,40 +303,27 @@ impl Model {
         let raw = crate::model::ops::logits_rows(&self.weights.lm_head, h, rows, dm)?;
         let cap = self.dims.gemma.as_ref().and_then(|g| g.final_softcap);
         let vocab = raw.first().map_or(0, |r| r.len());
-        // d loss / d raw logits, [rows, vocab]
-        let mut d = vec![0f32; rows * vocab];
-        let mut loss = 0f64;
-        for (i, r) in raw.iter().enumerate() {
-            let lg: Vec<f32> = match cap {
-                Some(c) => r.iter().map(|&u| (u / c).tanh() * c).collect(),
-                None => r.clone(),
-            };
-            if !lg.iter().all(|v| v.is_finite()) {
-                return Err(Error::NonFinite {
-                    what: "the logits".into(),
-                    layer: None,
-                });
-            }
-            let lsm = crate::model::forward::log_softmax(&lg);
-            let next = tokens[i + 1] as usize;
-            loss -= lsm[next] as f64;
-            let drow = &mut d[i * vocab..(i + 1) * vocab];
-            for (v, (o, &lp)) in drow.iter_mut().zip(&lsm).enumerate() {
-                let p = (lp as f64).exp() - if v == next { 1.0 } else { 0.0 };
-                let p = match cap {
-                    Some(c) => {
-                        let t = (r[v] / c).tanh() as f64;
-                        p * (1.0 - t * t)
-                    }
-                    None => p,
-                };
-                *o = (p / rows as f64) as f32;
-            }
-        }
-        // d loss / d normed rows = d · W_U, a chunk of vocabulary rows at a time
+        let (loss, d) = loss_logit_grads(&raw, vocab, tokens, cap)?;
+        let dh = self.unembed_rows_back(&d, rows, vocab)?;
+        let mut dx = vec![0f32; n * dm];
+        dx[..rows * dm].copy_from_slice(&super::norm_backward(
+            fkind,
+            &x[..rows * dm],
+            &self.weights.final_norm,
+            eps,
+            &dh,
+        ));
+        Ok(((loss / rows as f64) as f32, dx))
+    }
+
+    /// `d · W_U` for `rows` rows of `d loss / d raw logits` (`[rows, vocab]`): the loss's
+    /// gradient at the final norm's output, `[rows, d_model]`, a chunk of vocabulary rows per
+    /// task.
+    fn unembed_rows_back(&self, d: &[f32], rows: usize, vocab: usize) -> Result<Vec<f32>> {
+        let dm = self.dims.d_model;
         let w = self.unembed_matrix()?;
         const CHUNK: usize = 2048;
-        let dh = (0..vocab.div_ceil(CHUNK))
+        Ok((0..vocab.div_ceil(CHUNK))
             .into_par_iter()
             .map(|c| {
                 let (v0, v1) = (c * CHUNK, ((c + 1) * CHUNK).min(vocab));
@@ -303,16 +347,7 @@ impl Model {
                     a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
                     a
                 },
-            );
-        let mut dx = vec![0f32; n * dm];
-        dx[..rows * dm].copy_from_slice(&super::norm_backward(
-            fkind,
-            &x[..rows * dm],
-            &self.weights.final_norm,
-            eps,
-            &dh,
-        ));
-        Ok(((loss / rows as f64) as f32, dx))
+            ))
     }
 
     /// The forward's activations at `hook_resid_pre`, `attn.hook_z`, `hook_attn_out` and
@@ -364,29 +399,8 @@ impl Model {
         metric: GradMetric,
         wants: &dyn Fn(&str) -> bool,
     ) -> Result<HookGradients> {
-        let nl = self.dims.n_layers;
-        let mut tap = Tap {
-            grads_at: vec![false; nl],
-            maps_at: vec![false; nl],
-            ..Tap::default()
-        };
-        let mut chosen = vec![Vec::new(); nl];
-        for (l, c) in chosen.iter_mut().enumerate() {
-            for &hk in &GRAD_HOOKS {
-                if wants(&hook_name(l, hk)) {
-                    c.push(hk);
-                }
-            }
-            tap.grads_at[l] = !c.is_empty();
-            tap.maps_at[l] = c
-                .iter()
-                .any(|h| matches!(h, Hook::Pattern | Hook::AttnScores));
-        }
-        let globals: Vec<Hook> = [Hook::Embed, Hook::PosEmbed]
-            .into_iter()
-            .filter(|&h| h == Hook::Embed || self.weights.pos_embed.is_some())
-            .filter(|&h| wants(&hook_name(0, h)))
-            .collect();
+        let chosen = self.chosen_hooks(wants);
+        let mut tap = chosen.tap();
         let m = match metric {
             GradMetric::Metric(m) => m,
             GradMetric::Loss => {
@@ -396,64 +410,23 @@ impl Model {
         };
         let (x0, _) = self.input_embeddings(tokens)?;
         let g = self.run_tapped(&x0, m, true, Rules::Gradient, Some(&mut tap))?;
-        let (nh, nkv, hd, dm) = (
-            self.dims.n_heads,
-            self.dims.n_kv_heads,
-            self.dims.head_dim,
-            self.dims.d_model,
-        );
         let n = tokens.len();
-        let (nq, nk) = (nh * hd, nkv * hd);
-        let width = nq + 2 * nk;
-        let reorder = self.qk_interleaved();
         let mut grads = Vec::new();
-        for h in globals {
+        for h in chosen.globals {
             grads.push((
                 format!("{}_grad", hook_name(0, h)),
-                vec![n, dm],
+                vec![n, self.dims.d_model],
                 g.grad_input.clone(),
             ));
         }
-        for (l, hooks) in chosen.iter().enumerate() {
-            let Some(Some((bt, pre, maps))) = tap.layers.get(l) else {
+        for (l, hooks) in chosen.layers.iter().enumerate() {
+            let Some(Some(kept)) = tap.layers.get(l) else {
                 continue;
             };
             for &hk in hooks {
-                let cols = |c0: usize, w: usize| -> Vec<f32> {
-                    bt.qkv
-                        .chunks(width)
-                        .flat_map(|r| r[c0..c0 + w].iter().copied())
-                        .collect()
+                let Some((shape, data)) = self.kept_gradient(kept, hk, n)? else {
+                    continue;
                 };
-                let (shape, mut data) = match hk {
-                    Hook::ResidPre => (vec![n, dm], pre.clone()),
-                    Hook::ResidMid | Hook::AttnOut => (vec![n, dm], bt.resid_mid.clone()),
-                    Hook::ResidPost | Hook::MlpOut => (vec![n, dm], bt.resid_post.clone()),
-                    Hook::Z => (vec![n, nh, hd], bt.z.clone()),
-                    Hook::Q => (vec![n, nh, hd], cols(0, nq)),
-                    Hook::K => (vec![n, nkv, hd], cols(nq, nk)),
-                    Hook::V => (vec![n, nkv, hd], cols(nq + nk, nk)),
-                    Hook::RotQ | Hook::RotK => {
-                        let (dq, dk, _) = bt.rot.as_ref().ok_or_else(|| {
-                            super::bug("the backward kept no q/k gradients".into())
-                        })?;
-                        match hk {
-                            Hook::RotQ => (vec![n, nh, hd], heads_to_rows(dq, nh, n, hd)),
-                            _ => (vec![n, nkv, hd], heads_to_rows(dk, nkv, n, hd)),
-                        }
-                    }
-                    Hook::Pattern | Hook::AttnScores => {
-                        let (dp, ds) = maps.as_ref().ok_or_else(|| {
-                            super::bug("the backward kept no attention maps".into())
-                        })?;
-                        let d = if hk == Hook::Pattern { dp } else { ds };
-                        (vec![nh, n, n], d.clone())
-                    }
-                    _ => continue,
-                };
-                if reorder && matches!(hk, Hook::Q | Hook::K | Hook::RotQ | Hook::RotK) {
-                    interleaved_to_half_split(&mut data, hd, 1);
-                }
                 if let Some(bad) = data.iter().position(|v| !v.is_finite()) {
                     return Err(Error::NonFinite {
                         what: format!("the gradient at {} (element {bad})", hook_name(l, hk)),
@@ -468,5 +441,80 @@ impl Model {
             value: g.value,
             grads,
         })
+    }
+
+    /// The hook points `wants` selects: per layer those of [`GRAD_HOOKS`], in its order, and the
+    /// embeddings' (`hook_embed`, and `hook_pos_embed` where the model has one).
+    fn chosen_hooks(&self, wants: &dyn Fn(&str) -> bool) -> ChosenHooks {
+        let layers = (0..self.dims.n_layers)
+            .map(|l| {
+                GRAD_HOOKS
+                    .iter()
+                    .copied()
+                    .filter(|&hk| wants(&hook_name(l, hk)))
+                    .collect()
+            })
+            .collect();
+        let globals = [Hook::Embed, Hook::PosEmbed]
+            .into_iter()
+            .filter(|&h| h == Hook::Embed || self.weights.pos_embed.is_some())
+            .filter(|&h| wants(&hook_name(0, h)))
+            .collect();
+        ChosenHooks { layers, globals }
+    }
+
+    /// One hook point's gradient from what the backward kept of its layer, `(shape, values)` in
+    /// TransformerLens's layout (q and k in its half-split order); `None` for a hook without one.
+    fn kept_gradient(
+        &self,
+        (bt, pre, maps): &LayerKept,
+        hk: Hook,
+        n: usize,
+    ) -> Result<Option<(Vec<usize>, Vec<f32>)>> {
+        let (nh, nkv, hd, dm) = (
+            self.dims.n_heads,
+            self.dims.n_kv_heads,
+            self.dims.head_dim,
+            self.dims.d_model,
+        );
+        let (nq, nk) = (nh * hd, nkv * hd);
+        let width = nq + 2 * nk;
+        let cols = |c0: usize, w: usize| -> Vec<f32> {
+            bt.qkv
+                .chunks(width)
+                .flat_map(|r| r[c0..c0 + w].iter().copied())
+                .collect()
+        };
+        let (shape, mut data) = match hk {
+            Hook::ResidPre => (vec![n, dm], pre.clone()),
+            Hook::ResidMid | Hook::AttnOut => (vec![n, dm], bt.resid_mid.clone()),
+            Hook::ResidPost | Hook::MlpOut => (vec![n, dm], bt.resid_post.clone()),
+            Hook::Z => (vec![n, nh, hd], bt.z.clone()),
+            Hook::Q => (vec![n, nh, hd], cols(0, nq)),
+            Hook::K => (vec![n, nkv, hd], cols(nq, nk)),
+            Hook::V => (vec![n, nkv, hd], cols(nq + nk, nk)),
+            Hook::RotQ | Hook::RotK => {
+                let (dq, dk, _) = bt
+                    .rot
+                    .as_ref()
+                    .ok_or_else(|| super::bug("the backward kept no q/k gradients".into()))?;
+                match hk {
+                    Hook::RotQ => (vec![n, nh, hd], heads_to_rows(dq, nh, n, hd)),
+                    _ => (vec![n, nkv, hd], heads_to_rows(dk, nkv, n, hd)),
+                }
+            }
+            Hook::Pattern | Hook::AttnScores => {
+                let (dp, ds) = maps
+                    .as_ref()
+                    .ok_or_else(|| super::bug("the backward kept no attention maps".into()))?;
+                let d = if hk == Hook::Pattern { dp } else { ds };
+                (vec![nh, n, n], d.clone())
+            }
+            _ => return Ok(None),
+        };
+        if self.qk_interleaved() && matches!(hk, Hook::Q | Hook::K | Hook::RotQ | Hook::RotK) {
+            interleaved_to_half_split(&mut data, hd, 1);
+        }
+        Ok(Some((shape, data)))
     }
 }
