@@ -5,8 +5,8 @@
 //! `embedding`, which pools every position, the mean of every query's row.
 
 use super::enc_target::{cosine, EncoderTarget};
+use super::faithfulness::{best_of, AtK, Best, MetricRow};
 use super::faithfulness::{kendall_tau_b, permutation_p, rollout, spearman, top_positions};
-use super::faithfulness::{AtK, Best, MetricRow};
 use super::norms::{mixed_norms, shares, Values};
 use crate::model::capture::{AttnCache, CaptureSpec, Hook, Queries};
 use crate::model::forward::RunOptions;
@@ -68,78 +68,86 @@ pub fn run(
         });
     }
     let ex = explanations(model, tokens, target)?;
-    let mut rng = Rng::new(seed);
-    let rankings: Vec<(&str, Vec<f32>)> = vec![
-        ("attention_last", ex.attention_last.clone()),
-        ("attention_mean", ex.attention_mean.clone()),
-        ("rollout", ex.rollout.clone()),
-        ("norm_last", ex.norm_last.clone()),
-        ("norm_mean", ex.norm_mean.clone()),
-        ("random", (0..n).map(|_| rng.uniform() as f32).collect()),
-    ];
+    let rankings = ex.rankings(n, seed);
     let memo = vectors(model, tokens, target, &rankings, tick)?;
     let base = memo[tokens].clone();
     let effect = |w: &[u32]| (1.0 - cosine(&memo[w], &base)) as f32;
-    let deletion: Vec<f32> = (0..n).map(|j| effect(&keep(tokens, |i| i != j))).collect();
-    if let Some(i) = deletion.iter().position(|x| !x.is_finite()) {
-        return Err(Error::NonFinite {
-            what: format!("the deletion effect of position {i}"),
-            layer: None,
-        });
-    }
+    let deletion = deletion_effects(tokens, &effect)?;
     let imp: Vec<f64> = deletion.iter().map(|&x| x as f64).collect();
     let metrics: Vec<MetricRow> = rankings
         .iter()
         .map(|(name, scores)| metric_row(name, scores, &imp, &effect, tokens))
         .collect();
-    let most_faithful = metrics
-        .iter()
-        .filter(|m| m.ranking != "random")
-        .filter_map(|m| m.spearman.map(|r| (m, r)))
-        .max_by(|a, b| a.1.total_cmp(&b.1))
-        .map(|(m, r)| Best {
-            ranking: m.ranking.clone(),
-            spearman: r,
-        });
+    let most_faithful = most_faithful(&metrics);
     let text = |j: usize| model.tokenizer.token_text(tokens[j]);
     let top = argmax(&imp).unwrap_or(0);
-    let mut conclusion = format!(
-        "Deleting {:?} (position {top}) changes the {} most: 1 − cos = {:.4}.",
-        text(top),
-        match target {
-            EncoderTarget::Embedding => "sentence embedding",
-            EncoderTarget::Cls => "[CLS] vector",
-        },
-        deletion[top]
+    let conclusion = conclude(
+        target,
+        &text(top),
+        top,
+        deletion[top],
+        most_faithful.as_ref(),
     );
-    if let Some(b) = &most_faithful {
-        conclusion += &format!(
-            " Of the forward-only explanations, {} tracks deletion best (Spearman ρ = {:+.2}).",
-            b.ranking, b.spearman
-        );
-    }
     Ok(EncFaithReport {
         model: model.info.name.clone(),
         precision: model.info.precision.name().into(),
         encoder_target: target,
         tokens: (0..n)
-            .map(|j| EncTokenRow {
-                pos: j,
-                id: tokens[j],
-                text: text(j),
-                attention_last: ex.attention_last[j],
-                attention_mean: ex.attention_mean[j],
-                rollout: ex.rollout[j],
-                norm_last: ex.norm_last[j],
-                norm_mean: ex.norm_mean[j],
-                deletion: deletion[j],
-            })
+            .map(|j| ex.row(j, tokens[j], text(j), deletion[j]))
             .collect(),
         metrics,
         forward_passes: 1 + memo.len(),
         most_faithful,
         conclusion,
     })
+}
+
+/// Each position's deletion effect, `effect` of the text without it; an error where one is not
+/// finite.
+fn deletion_effects(tokens: &[u32], effect: &dyn Fn(&[u32]) -> f32) -> Result<Vec<f32>> {
+    let deletion: Vec<f32> = (0..tokens.len())
+        .map(|j| effect(&keep(tokens, |i| i != j)))
+        .collect();
+    if let Some(i) = deletion.iter().position(|x| !x.is_finite()) {
+        return Err(Error::NonFinite {
+            what: format!("the deletion effect of position {i}"),
+            layer: None,
+        });
+    }
+    Ok(deletion)
+}
+
+/// The forward-only explanation with the highest Spearman ρ against deletion (not the random
+/// ranking).
+fn most_faithful(metrics: &[MetricRow]) -> Option<Best> {
+    best_of(metrics.iter().filter(|m| m.ranking != "random"))
+}
+
+/// The report's conclusion: the token whose deletion (`effect`, 1 − cos) changes the target's
+/// vector most, `text` at position `top`, and the explanation that tracks deletion best.
+fn conclude(
+    target: EncoderTarget,
+    text: &str,
+    top: usize,
+    effect: f32,
+    most_faithful: Option<&Best>,
+) -> String {
+    let mut conclusion = format!(
+        "Deleting {:?} (position {top}) changes the {} most: 1 − cos = {:.4}.",
+        text,
+        match target {
+            EncoderTarget::Embedding => "sentence embedding",
+            EncoderTarget::Cls => "[CLS] vector",
+        },
+        effect
+    );
+    if let Some(b) = most_faithful {
+        conclusion += &format!(
+            " Of the forward-only explanations, {} tracks deletion best (Spearman ρ = {:+.2}).",
+            b.ranking, b.spearman
+        );
+    }
+    conclusion
 }
 
 /// The k of comprehensiveness and sufficiency at k.
@@ -168,6 +176,37 @@ struct Explanations {
     rollout: Vec<f32>,
     norm_last: Vec<f32>,
     norm_mean: Vec<f32>,
+}
+
+impl Explanations {
+    /// Every ranking the metrics compare, by name: the explanations and a seeded random one of
+    /// `n` positions.
+    fn rankings(&self, n: usize, seed: u64) -> Vec<(&'static str, Vec<f32>)> {
+        let mut rng = Rng::new(seed);
+        vec![
+            ("attention_last", self.attention_last.clone()),
+            ("attention_mean", self.attention_mean.clone()),
+            ("rollout", self.rollout.clone()),
+            ("norm_last", self.norm_last.clone()),
+            ("norm_mean", self.norm_mean.clone()),
+            ("random", (0..n).map(|_| rng.uniform() as f32).collect()),
+        ]
+    }
+
+    /// Position `pos`'s row: token `id` (`text`), its explanations and its `deletion` effect.
+    fn row(&self, pos: usize, id: u32, text: String, deletion: f32) -> EncTokenRow {
+        EncTokenRow {
+            pos,
+            id,
+            text,
+            attention_last: self.attention_last[pos],
+            attention_mean: self.attention_mean[pos],
+            rollout: self.rollout[pos],
+            norm_last: self.norm_last[pos],
+            norm_mean: self.norm_mean[pos],
+            deletion,
+        }
+    }
 }
 
 /// The explanations read from the target's queries: [CLS]'s, or the mean of every position's

@@ -100,6 +100,47 @@ impl Observer for SharesCollector {
     }
 }
 
+impl SharesCollector {
+    /// A collector for keys of `kinds` (one per token) over `layers` layers, keeping the rows
+    /// of `query` (`usize::MAX`: none).
+    fn new(kinds: Vec<(bool, bool, bool)>, query: usize, layers: usize) -> Self {
+        SharesCollector {
+            n: kinds.len(),
+            query,
+            kinds,
+            sums: vec![[0f64; 3]; layers],
+            rows: vec![Vec::new(); layers],
+        }
+    }
+
+    /// Per layer, each key set's share: its sum over `heads` heads and every query, divided by
+    /// their count.
+    fn shares(&self, heads: usize) -> SpecialShares {
+        let per = (heads * self.n) as f64;
+        let share =
+            |k: usize| -> Vec<f32> { self.sums.iter().map(|s| (s[k] / per) as f32).collect() };
+        SpecialShares {
+            cls: share(0),
+            sep: share(1),
+            punct: share(2),
+        }
+    }
+
+    /// The query's row at `layer`, averaged over its `heads` heads.
+    fn head_mean(&self, layer: usize, heads: usize) -> Vec<f32> {
+        let mut mean = vec![0f64; self.n];
+        for row in self.rows[layer].chunks(self.n) {
+            mean.iter_mut().zip(row).for_each(|(m, &w)| *m += w as f64);
+        }
+        mean.iter().map(|m| (m / heads as f64) as f32).collect()
+    }
+
+    /// The query's row of head `h` at `layer`.
+    fn head_row(&self, layer: usize, h: usize) -> &[f32] {
+        &self.rows[layer][h * self.n..(h + 1) * self.n]
+    }
+}
+
 /// Per key: (is [CLS], is [SEP], is punctuation); a [CLS] or [SEP] is never punctuation.
 fn key_kinds(model: &Model, tokens: &[u32]) -> Vec<(bool, bool, bool)> {
     let (cls, sep) = model.special_ids();
@@ -151,25 +192,13 @@ fn shares_of_kinds<'a>(
     maps: impl Iterator<Item = &'a [f32]>,
 ) -> SpecialShares {
     let n = kinds.len();
-    let mut c = SharesCollector {
-        n,
-        query: usize::MAX,
-        kinds,
-        sums: Vec::new(),
-        rows: Vec::new(),
-    };
+    let mut c = SharesCollector::new(kinds, usize::MAX, 0);
     for (l, p) in maps.enumerate() {
         c.sums.push([0f64; 3]);
         c.rows.push(Vec::new());
         c.attention_block(l, Hook::Pattern, 0, [h, n, n], p);
     }
-    let per = (h * n) as f64;
-    let share = |k: usize| -> Vec<f32> { c.sums.iter().map(|s| (s[k] / per) as f32).collect() };
-    SpecialShares {
-        cls: share(0),
-        sep: share(1),
-        punct: share(2),
-    }
+    c.shares(h)
 }
 
 /// One layer of [`EncoderReport`]: the head-averaged row of the query, its top keys.
@@ -224,78 +253,85 @@ pub fn inspect(
     let d = &model.dims;
     let n = tokens.len();
     let texts = model.token_texts(tokens);
-    let kinds = key_kinds(model, tokens);
-    let mut c = SharesCollector {
-        n,
+    let c = collect_shares(model, tokens, types, query)?;
+    let layers = (0..d.n_layers)
+        .map(|l| EncoderLayer {
+            layer: l,
+            top: top_entries(&c.head_mean(l, d.n_heads), top, &texts),
+        })
+        .collect();
+    let heads = heads
+        .iter()
+        .map(|&h| head_of(c.head_row(layer, h), h, top, &texts))
+        .collect();
+    let types = types.map_or_else(|| vec![0; n], <[u32]>::to_vec);
+    Ok(EncoderReport {
+        model: super::inspect::ModelFacts::of(model),
+        kind: "encoder (bidirectional)",
+        tokens: token_infos(tokens, &texts),
+        segments: types.clone(),
+        token_types: types,
         query,
-        kinds,
-        sums: vec![[0f64; 3]; d.n_layers],
-        rows: vec![Vec::new(); d.n_layers],
-    };
+        layer,
+        special_shares: c.shares(d.n_heads),
+        layers,
+        heads,
+    })
+}
+
+/// One forward of the encoder on `tokens` (of `types`) into a [`SharesCollector`] that keeps
+/// the rows of `query`.
+fn collect_shares(
+    model: &Model,
+    tokens: &[u32],
+    types: Option<&[u32]>,
+    query: usize,
+) -> Result<SharesCollector> {
+    let mut c = SharesCollector::new(key_kinds(model, tokens), query, model.dims.n_layers);
     let opts = RunOptions {
         token_types: types.map(<[u32]>::to_vec),
         ..Default::default()
     };
     model.forward(tokens, &opts, &mut c)?;
-    let per = (d.n_heads * n) as f64;
-    let share = |k: usize| -> Vec<f32> { c.sums.iter().map(|s| (s[k] / per) as f32).collect() };
-    let entry = |r: super::Ranked| TopEntry {
-        pos: r.pos,
-        token: texts[r.pos].clone(),
-        weight: r.weight,
-    };
-    let layers = (0..d.n_layers)
-        .map(|l| {
-            let mut mean = vec![0f64; n];
-            for row in c.rows[l].chunks(n) {
-                mean.iter_mut().zip(row).for_each(|(m, &w)| *m += w as f64);
-            }
-            let mean: Vec<f32> = mean.iter().map(|m| (m / d.n_heads as f64) as f32).collect();
-            EncoderLayer {
-                layer: l,
-                top: top_k(&mean, top).into_iter().map(entry).collect(),
-            }
+    Ok(c)
+}
+
+/// The `top` keys of `row`, with their texts.
+fn top_entries(row: &[f32], top: usize, texts: &[String]) -> Vec<TopEntry> {
+    top_k(row, top)
+        .into_iter()
+        .map(|r| TopEntry {
+            pos: r.pos,
+            token: texts[r.pos].clone(),
+            weight: r.weight,
         })
-        .collect();
-    let heads = heads
+        .collect()
+}
+
+/// Head `head`'s report from its `row` of the query: its top keys, largest weight and entropy.
+fn head_of(row: &[f32], head: usize, top: usize, texts: &[String]) -> EncoderHead {
+    let (max_weight, argmax) = max_argmax(row);
+    EncoderHead {
+        head,
+        top: top_entries(row, top, texts),
+        max_weight,
+        argmax,
+        entropy: entropy(row),
+    }
+}
+
+/// Each token's position, id and text.
+fn token_infos(tokens: &[u32], texts: &[String]) -> Vec<super::inspect::TokenInfo> {
+    tokens
         .iter()
-        .map(|&h| {
-            let row = &c.rows[layer][h * n..(h + 1) * n];
-            let (max_weight, argmax) = max_argmax(row);
-            EncoderHead {
-                head: h,
-                top: top_k(row, top).into_iter().map(entry).collect(),
-                max_weight,
-                argmax,
-                entropy: entropy(row),
-            }
+        .zip(texts)
+        .enumerate()
+        .map(|(pos, (&id, t))| super::inspect::TokenInfo {
+            pos,
+            id,
+            text: t.clone(),
         })
-        .collect();
-    Ok(EncoderReport {
-        model: super::inspect::ModelFacts::of(model),
-        kind: "encoder (bidirectional)",
-        tokens: tokens
-            .iter()
-            .zip(&texts)
-            .enumerate()
-            .map(|(pos, (&id, t))| super::inspect::TokenInfo {
-                pos,
-                id,
-                text: t.clone(),
-            })
-            .collect(),
-        segments: opts.token_types.clone().unwrap_or_else(|| vec![0; n]),
-        token_types: opts.token_types.unwrap_or_else(|| vec![0; n]),
-        query,
-        layer,
-        special_shares: SpecialShares {
-            cls: share(0),
-            sep: share(1),
-            punct: share(2),
-        },
-        layers,
-        heads,
-    })
+        .collect()
 }
 
 #[cfg(test)]

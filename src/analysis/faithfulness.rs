@@ -19,7 +19,7 @@
 
 use super::norms::{mixed_norms, shares, Values};
 use crate::model::backward::Metric;
-use crate::model::capture::{AttnCache, CaptureSpec};
+use crate::model::capture::{AttnCache, CaptureSpec, Observer};
 use crate::model::forward::{log_softmax, KvPrefix, RunOptions, Segment};
 use crate::model::{Model, Result};
 use crate::reference::Rng;
@@ -557,28 +557,12 @@ pub fn run(
     let q = n - 1;
     // 1. the full run: patterns of every layer and head, keys/values for prefix reuse
     let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
-    let full = model.forward(
-        tokens,
-        &RunOptions {
-            logits_at: vec![q],
-            keep_kv: true,
-            ..Default::default()
-        },
-        &mut cache,
-    )?;
-    let kv = full.kv.expect("keep_kv was set");
-    let full_lp = log_softmax(&full.logits[0]);
-    let target_id = opts.target.resolve(model, &full.logits[0])?;
+    let (logits, kv) = full_run(model, tokens, &mut cache)?;
+    let full_lp = log_softmax(&logits);
+    let target_id = opts.target.resolve(model, &logits)?;
     let replacement = single_token(model, &opts.replacement, "--replace-with")?;
     let base = full_lp[target_id as usize];
-    let mut runner = Runner {
-        model,
-        tokens,
-        kv: &kv,
-        metric: Metric::LogProb(Some(target_id)),
-        memo: HashMap::new(),
-        passes: 1,
-    };
+    let mut runner = Runner::new(model, tokens, &kv, Metric::LogProb(Some(target_id)));
     // 2. the explanations' rankings, from the full run (and the backward)
     let ex = Explanations::of(model, tokens, &cache, &kv, opts, target_id)?;
     let rankings = ex.rankings(model, &cache, n, opts.seed)?;
@@ -1016,14 +1000,18 @@ fn top1_agrees(sc: &[f64], imp: &[f64]) -> Option<bool> {
 /// The explanation with the highest Spearman ρ against deletion over all positions (every
 /// ranking but the single heads and the random one).
 fn most_faithful(metrics: &[MetricRow]) -> Option<Best> {
+    best_of(metrics.iter().filter(|m| {
+        m.truth == "loo"
+            && !m.without_first
+            && m.ranking != "random"
+            && !m.ranking.starts_with("head_")
+    }))
+}
+
+/// The metric row with the highest Spearman ρ among `metrics` (those that have one; ties to
+/// the last), as a [`Best`].
+pub(super) fn best_of<'a>(metrics: impl Iterator<Item = &'a MetricRow>) -> Option<Best> {
     metrics
-        .iter()
-        .filter(|m| {
-            m.truth == "loo"
-                && !m.without_first
-                && m.ranking != "random"
-                && !m.ranking.starts_with("head_")
-        })
         .filter_map(|m| m.spearman.map(|r| (m, r)))
         .max_by(|a, b| a.1.total_cmp(&b.1))
         .map(|(m, r)| Best {
@@ -1101,25 +1089,9 @@ pub fn deletion_effects(
             range: "at least 2 tokens (occlusion deletes one and predicts from the rest)".into(),
         });
     }
-    let full = model.forward(
-        tokens,
-        &RunOptions {
-            logits_at: vec![n - 1],
-            keep_kv: true,
-            ..Default::default()
-        },
-        &mut crate::model::capture::NoCapture,
-    )?;
-    let kv = full.kv.expect("keep_kv was set");
-    let base = metric_value(metric, &full.logits[0]);
-    let mut runner = Runner {
-        model,
-        tokens,
-        kv: &kv,
-        metric,
-        memo: HashMap::new(),
-        passes: 1,
-    };
+    let (logits, kv) = full_run(model, tokens, &mut crate::model::capture::NoCapture)?;
+    let base = metric_value(metric, &logits);
+    let mut runner = Runner::new(model, tokens, &kv, metric);
     let wanted: Vec<(Vec<u32>, Option<usize>)> = (0..n)
         .map(|j| (without_positions(tokens, &[j]), None))
         .collect();
@@ -1129,6 +1101,27 @@ pub fn deletion_effects(
         .map(|(v, _)| runner.logprob(v, None).map(|f| base - f))
         .collect::<Result<Vec<f32>>>()?;
     Ok((base, deltas))
+}
+
+/// The full run of `tokens` into `obs`, that every occlusion starts from: the last position's
+/// logits, and every layer's keys and values (the prefix the occlusions reuse).
+fn full_run(model: &Model, tokens: &[u32], obs: &mut dyn Observer) -> Result<(Vec<f32>, KvPrefix)> {
+    let full = model.forward(
+        tokens,
+        &RunOptions {
+            logits_at: vec![tokens.len() - 1],
+            keep_kv: true,
+            ..Default::default()
+        },
+        obs,
+    )?;
+    let kv = full.kv.expect("keep_kv was set");
+    let logits = full
+        .logits
+        .into_iter()
+        .next()
+        .expect("one row of logits was asked for");
+    Ok((logits, kv))
 }
 
 /// Forward passes for token variants, memoized, reusing the longest valid KV prefix.
@@ -1141,7 +1134,20 @@ struct Runner<'a> {
     passes: usize,
 }
 
-impl Runner<'_> {
+impl<'a> Runner<'a> {
+    /// A runner of `tokens`' variants from the full run's keys and values `kv`, measuring
+    /// `metric`; the full run counts as the first pass.
+    fn new(model: &'a Model, tokens: &'a [u32], kv: &'a KvPrefix, metric: Metric) -> Self {
+        Runner {
+            model,
+            tokens,
+            kv,
+            metric,
+            memo: HashMap::new(),
+            passes: 1,
+        }
+    }
+
     /// Positions of the full run's prefix that `variant` (with `knockout`) can reuse: those
     /// before its first change and before the knocked-out key, and at least one new position.
     fn reuse(&self, variant: &[u32], knockout: Option<usize>) -> usize {
@@ -1222,6 +1228,9 @@ impl Runner<'_> {
     }
 }
 
+/// The report's conclusion: the most attended token against the one whose deletion matters
+/// most, how last-layer attention, rollout and norm-based attention rank against leave-one-out
+/// (beside a random ranking), and a verdict.
 fn conclude(rows: &[TokenRow], metrics: &[MetricRow], target: &TargetInfo) -> String {
     let find = |ranking: &str, truth: &str, wf: bool| {
         metrics
@@ -1232,22 +1241,7 @@ fn conclude(rows: &[TokenRow], metrics: &[MetricRow], target: &TargetInfo) -> St
         x.map(|v| format!("{v:+.2}"))
             .unwrap_or_else(|| "n/a".into())
     };
-    let most_attended = rows
-        .iter()
-        .max_by(|a, b| {
-            a.attention_last
-                .total_cmp(&b.attention_last)
-                .then(b.pos.cmp(&a.pos))
-        })
-        .expect("at least one token");
-    let most_important = rows
-        .iter()
-        .max_by(|a, b| {
-            (-a.loo.unwrap_or(0.0))
-                .total_cmp(&-b.loo.unwrap_or(0.0))
-                .then(b.pos.cmp(&a.pos))
-        })
-        .expect("at least one token");
+    let (most_attended, most_important) = (most_attended(rows), most_important(rows));
     let (al, ro, ra) = (
         find("attention_last", "loo", false),
         find("rollout", "loo", false),
@@ -1255,31 +1249,11 @@ fn conclude(rows: &[TokenRow], metrics: &[MetricRow], target: &TargetInfo) -> St
     );
     let alw = find("attention_last", "loo", true);
     let nl = find("norm_last", "loo", false);
-    let norm_total: f32 = rows.iter().map(|r| r.norm_last).sum();
-    let norm_share = if norm_total > 0.0 {
-        most_attended.norm_last / norm_total
-    } else {
-        0.0
-    };
-    let strength = |r: Option<f64>| match r {
-        Some(v) if v >= 0.7 => "strong",
-        Some(v) if v >= 0.4 => "moderate",
-        Some(v) if v >= 0.2 => "weak",
-        Some(_) => "no",
-        None => "no measurable",
-    };
+    let norm_share = norm_share(rows, most_attended);
     let rho = al.and_then(|m| m.spearman);
     let rand_rho = ra.and_then(|m| m.spearman).unwrap_or(0.0);
     let same = most_attended.pos == most_important.pos;
-    let verdict = match rho {
-        Some(r) if r >= 0.7 && same => "Here attention ranks the tokens much as occlusion does, but that is a finding about this sentence, not a guarantee.".to_string(),
-        Some(r) if r > rand_rho + 0.2 => format!(
-            "Attention beats the random ranking by {:.2} in ρ, yet {} of the importance order is unexplained: read the weights as a hint, not as importance.",
-            r - rand_rho,
-            if r < 0.7 { "much" } else { "some" }
-        ),
-        _ => "Attention does no better than a random ranking here: high weight is not importance.".to_string(),
-    };
+    let verdict = verdict(rho, rand_rho, same);
     format!(
         "Target \"{}\" (p = {:.4}). The last layer attends most to {} \"{}\" (weight {:.3}); deleting it changes log p by {:+.3}. The token whose deletion matters most is {} \"{}\" (Δ log p = {:+.3}){}. Against leave-one-out, last-layer attention has Spearman ρ = {} ({} agreement; without the first token {}), rollout {}, norm-based attention {} (it gives {} \"{}\" {:.1}% of what the last layer moves), a random ranking {}. {verdict}",
         target.token,
@@ -1302,6 +1276,64 @@ fn conclude(rows: &[TokenRow], metrics: &[MetricRow], target: &TargetInfo) -> St
         norm_share * 100.0,
         fmt(ra.and_then(|m| m.spearman)),
     )
+}
+
+/// The token the last layer attends to most (ties to the earliest).
+fn most_attended(rows: &[TokenRow]) -> &TokenRow {
+    rows.iter()
+        .max_by(|a, b| {
+            a.attention_last
+                .total_cmp(&b.attention_last)
+                .then(b.pos.cmp(&a.pos))
+        })
+        .expect("at least one token")
+}
+
+/// The token whose deletion lowers log p(target) most (ties to the earliest).
+fn most_important(rows: &[TokenRow]) -> &TokenRow {
+    rows.iter()
+        .max_by(|a, b| {
+            (-a.loo.unwrap_or(0.0))
+                .total_cmp(&-b.loo.unwrap_or(0.0))
+                .then(b.pos.cmp(&a.pos))
+        })
+        .expect("at least one token")
+}
+
+/// `row`'s share of the last layer's norm-based attention over every token (0 when it moves
+/// nothing).
+fn norm_share(rows: &[TokenRow], row: &TokenRow) -> f32 {
+    let norm_total: f32 = rows.iter().map(|r| r.norm_last).sum();
+    if norm_total > 0.0 {
+        row.norm_last / norm_total
+    } else {
+        0.0
+    }
+}
+
+/// A correlation's strength in words.
+fn strength(r: Option<f64>) -> &'static str {
+    match r {
+        Some(v) if v >= 0.7 => "strong",
+        Some(v) if v >= 0.4 => "moderate",
+        Some(v) if v >= 0.2 => "weak",
+        Some(_) => "no",
+        None => "no measurable",
+    }
+}
+
+/// The conclusion's verdict from last-layer attention's ρ against leave-one-out, the random
+/// ranking's, and whether the most attended token is the most important one (`same`).
+fn verdict(rho: Option<f64>, rand_rho: f64, same: bool) -> String {
+    match rho {
+        Some(r) if r >= 0.7 && same => "Here attention ranks the tokens much as occlusion does, but that is a finding about this sentence, not a guarantee.".to_string(),
+        Some(r) if r > rand_rho + 0.2 => format!(
+            "Attention beats the random ranking by {:.2} in ρ, yet {} of the importance order is unexplained: read the weights as a hint, not as importance.",
+            r - rand_rho,
+            if r < 0.7 { "much" } else { "some" }
+        ),
+        _ => "Attention does no better than a random ranking here: high weight is not importance.".to_string(),
+    }
 }
 
 #[cfg(test)]

@@ -230,7 +230,39 @@ impl Observer for StreamToFile<'_> {
     }
 }
 
-impl StreamToFile<'_> {
+/// The writer thread's ends of a [`StreamToFile`]'s channels: the tensors to write, the way
+/// back for written buffers, and the flag that tells the forward the writing failed.
+struct WriterEnds {
+    from: std::sync::mpsc::Receiver<Captured>,
+    back: std::sync::mpsc::Sender<Captured>,
+    failed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl<'a> StreamToFile<'a> {
+    /// The observer filling `cache` (waiting for each layer's writing when `wait`), and the
+    /// writer thread's ends of its channels.
+    fn new(cache: AttnCache, wait: bool, on_layer: &'a mut dyn FnMut(usize)) -> (Self, WriterEnds) {
+        let failed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Captured>(0);
+        let (back_tx, back_rx) = std::sync::mpsc::channel();
+        let obs = StreamToFile {
+            wait,
+            cache,
+            to_writer: tx,
+            written: back_rx,
+            failed: failed.clone(),
+            on_layer,
+            in_flight: 0,
+            waited: std::time::Duration::ZERO,
+        };
+        let ends = WriterEnds {
+            from: rx,
+            back: back_tx,
+            failed,
+        };
+        (obs, ends)
+    }
+
     /// Hands `layer`'s tensors of hooks up to `last` (in file order) to the writer thread.
     fn hand_over(&mut self, layer: usize, last: Hook) {
         let keys: Vec<(usize, Hook)> = self
@@ -267,6 +299,19 @@ enum Out {
 }
 
 impl Out {
+    /// `tmp`'s file opened for `format`: safetensors is written front to back, so past the page
+    /// cache where the file system lets it; npz through a buffer (the zip writer goes back to
+    /// fill in sizes).
+    fn open(tmp: &tempfile::NamedTempFile, format: TensorFormat) -> std::io::Result<Out> {
+        Ok(match format {
+            TensorFormat::Safetensors => Out::Direct(DirectFile::new(tmp.as_file().try_clone()?)),
+            TensorFormat::Npz => Out::Buffered(std::io::BufWriter::with_capacity(
+                4 << 20,
+                tmp.as_file().try_clone()?,
+            )),
+        })
+    }
+
     fn finish(self) -> std::io::Result<()> {
         match self {
             Out::Direct(d) => d.finish().map(drop),
@@ -424,66 +469,20 @@ pub fn capture(
         n,
     } = plan;
     assert_eq!(n, tokens.len(), "the plan is for these tokens");
-    let d = &model.dims;
     let out = &req.out;
     let md = metadata(model, tokens, token_types.as_deref(), &spec)?;
     let tmp = temp_beside(out)?;
-    // safetensors is written front to back, so past the page cache where the file system lets
-    // it; npz through a buffer (the zip writer goes back to fill in sizes)
-    let file = match format {
-        TensorFormat::Safetensors => Out::Direct(DirectFile::new(tmp.as_file().try_clone()?)),
-        TensorFormat::Npz => Out::Buffered(std::io::BufWriter::with_capacity(
-            4 << 20,
-            tmp.as_file().try_clone()?,
-        )),
-    };
+    let file = Out::open(&tmp, format)?;
     let n_tensors = order.len();
     let mut writer = TensorWriter::with_data_phase(file, format, order, &md, HEAP_PHASE)
         .with_context(|| format!("writing {}", out.display()))?;
-    let failed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let (tx, rx) = std::sync::mpsc::sync_channel::<Captured>(0);
-    let (back_tx, back_rx) = std::sync::mpsc::channel();
-    let (forward, write_error) = std::thread::scope(|s| {
-        let flag = failed.clone();
-        let w = &mut writer;
-        let writing = s.spawn(move || write_layers(w, rx, back_tx, &flag));
-        let mut obs = StreamToFile {
-            wait: !req.two_layers,
-            cache: AttnCache::new(&spec, n),
-            to_writer: tx,
-            written: back_rx,
-            failed: failed.clone(),
-            on_layer,
-            in_flight: 0,
-            waited: std::time::Duration::ZERO,
-        };
-        let opts = RunOptions {
-            token_types,
-            ..Default::default()
-        };
-        let forward = model.forward(tokens, &opts, &mut obs);
-        // the final norm's hooks come after the last layer
-        obs.hand_over(d.n_layers - 1, Hook::LnFinalNormalized);
-        let waited = obs.waited;
-        // closing the channel ends the writer's loop
-        drop(obs);
-        (
-            forward.map(|_| waited),
-            writing.join().expect("the writer thread does not panic"),
-        )
-    });
+    let (obs, ends) = StreamToFile::new(AttnCache::new(&spec, n), !req.two_layers, on_layer);
+    let (forward, write_error) = stream_forward(model, tokens, token_types, obs, &mut writer, ends);
     let waited = forward?;
     if let Some(e) = write_error {
         return Err(anyhow::Error::new(e).context(format!("writing {}", out.display())));
     }
-    let mut w = writer;
-    if format == TensorFormat::Npz {
-        let ids: Vec<f32> = tokens.iter().map(|&t| t as f32).collect();
-        w.write("token_ids", &ids)?;
-    }
-    w.finish()
-        .and_then(Out::finish)
-        .with_context(|| format!("writing {}", out.display()))?;
+    finish_file(writer, format, tokens, out)?;
     let size = tmp.as_file().metadata()?.len();
     persist(tmp, out, req.force)?;
     Ok(CaptureReport {
@@ -498,6 +497,57 @@ pub fn capture(
     })
 }
 
+/// The forward of `model` on `tokens` into `obs`, whose tensors a writer thread (on `ends`)
+/// writes to `writer` as they come: how long the forward waited for the disk (or its error),
+/// and the writer's first error.
+fn stream_forward(
+    model: &Model,
+    tokens: &[u32],
+    token_types: Option<Vec<u32>>,
+    mut obs: StreamToFile<'_>,
+    writer: &mut TensorWriter<Out>,
+    ends: WriterEnds,
+) -> (
+    crate::model::Result<std::time::Duration>,
+    Option<std::io::Error>,
+) {
+    std::thread::scope(|s| {
+        let writing = s.spawn(move || write_layers(writer, ends.from, ends.back, &ends.failed));
+        let opts = RunOptions {
+            token_types,
+            ..Default::default()
+        };
+        let forward = model.forward(tokens, &opts, &mut obs);
+        // the final norm's hooks come after the last layer
+        obs.hand_over(model.dims.n_layers - 1, Hook::LnFinalNormalized);
+        let waited = obs.waited;
+        // closing the channel ends the writer's loop
+        drop(obs);
+        (
+            forward.map(|_| waited),
+            writing.join().expect("the writer thread does not panic"),
+        )
+    })
+}
+
+/// Completes the file `out` once every captured tensor is written: an npz's `token_ids`
+/// (`tokens`), then the format's closing bytes, and the buffered rest on the disk.
+fn finish_file(
+    mut w: TensorWriter<Out>,
+    format: TensorFormat,
+    tokens: &[u32],
+    out: &Path,
+) -> anyhow::Result<()> {
+    if format == TensorFormat::Npz {
+        let ids: Vec<f32> = tokens.iter().map(|&t| t as f32).collect();
+        w.write("token_ids", &ids)?;
+    }
+    w.finish()
+        .and_then(Out::finish)
+        .with_context(|| format!("writing {}", out.display()))?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -505,9 +555,6 @@ mod tests {
     use crate::model::config::Arch;
     use crate::model::tiny::{tiny_model, write_gguf};
     use crate::model::{Model, Precision};
-    use std::sync::atomic::AtomicBool;
-    use std::sync::mpsc;
-    use std::sync::Arc;
 
     /// The capture observer, watched from outside: what it holds when a layer's attention
     /// begins, and whether its patterns are gone before the layer's MLP.
@@ -569,9 +616,13 @@ mod tests {
             heads: None,
             queries: Queries::All,
         };
-        let (tx, rx) = mpsc::sync_channel::<Captured>(0);
-        let (back_tx, back_rx) = mpsc::channel();
         let mut tick = |_: usize| {};
+        let (inner, ends) = StreamToFile::new(AttnCache::new(&spec, tokens.len()), wait, &mut tick);
+        let WriterEnds {
+            from: rx,
+            back: back_tx,
+            ..
+        } = ends;
         std::thread::scope(|s| {
             let writer = s.spawn(move || {
                 let mut names = Vec::new();
@@ -583,16 +634,7 @@ mod tests {
                 names
             });
             let mut obs = Watch {
-                inner: StreamToFile {
-                    wait,
-                    cache: AttnCache::new(&spec, tokens.len()),
-                    to_writer: tx,
-                    written: back_rx,
-                    failed: Arc::new(AtomicBool::new(false)),
-                    on_layer: &mut tick,
-                    in_flight: 0,
-                    waited: std::time::Duration::ZERO,
-                },
+                inner,
                 in_flight_at_attention: Vec::new(),
                 pattern_gone_before_mlp_end: Vec::new(),
             };

@@ -10,7 +10,7 @@ use crate::analysis::norms::{all_value_norms, Values};
 use crate::analysis::request::usage;
 use crate::model::capture::{AttnCache, CaptureSpec, Hook, Observer};
 use crate::model::forward::RunOptions;
-use crate::render::html::{encode_layer, page, SparseLayers, ViewData};
+use crate::render::html::{encode_layer, page, EncoderView, SparseLayers, ViewData};
 use crate::render::sparse::{encode_value_norms, SparseView, FULL_MAX, TOP_HEAD, TOP_MEAN};
 
 #[path = "view_encoder.rs"]
@@ -436,6 +436,25 @@ pub fn pattern_page_pair(
         );
     }
     let encoded = encode_layers(patterns.chunks(heads * n * n), layers, heads, n);
+    Ok(page_of_patterns(
+        title,
+        tokens,
+        [layers, heads],
+        encoded,
+        None,
+    ))
+}
+
+/// The page of `[layers, heads, n, n]` patterns computed elsewhere ([`pattern_page_pair`]),
+/// `encoded`: named by `title` alone, every head its own key/value head, no panels and no
+/// values; `encoder` for bidirectional patterns.
+fn page_of_patterns(
+    title: &str,
+    tokens: &[String],
+    [layers, heads]: [usize; 2],
+    encoded: EncodedLayers,
+    encoder: Option<EncoderView>,
+) -> String {
     let data = ViewData {
         title: title.to_string(),
         model: serde_json::json!({"name": title, "n_layers": layers, "n_heads": heads}),
@@ -451,7 +470,7 @@ pub fn pattern_page_pair(
         patterns: encoded.patterns,
         sparse: encoded.sparse,
         vnorms: None,
-        encoder: None,
+        encoder,
     };
-    Ok(page(&data))
+    page(&data)
 }
