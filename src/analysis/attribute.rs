@@ -26,11 +26,10 @@
 //! positions). Every score here comes from one forward and backward of the engine
 //! ([`Model::gradient`]), or from forwards alone (occlusion).
 
-use super::collect::Collector;
 use super::faithfulness::{deletion_effects, Target};
-use super::intervene::TokenRef;
+use super::intervene::{last_query_attention, TokenRef};
 use crate::model::backward::Metric;
-use crate::model::forward::{log_softmax, RunOptions};
+use crate::model::forward::log_softmax;
 use crate::model::{Error, Model, Result};
 use serde::Serialize;
 
@@ -314,9 +313,7 @@ pub fn check_steps(steps: usize) -> Result<()> {
 /// The last query's pattern rows of every layer, `[L][n_heads, n]`.
 pub fn last_rows(model: &Model, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
     let d = &model.dims;
-    let n = tokens.len();
-    let mut rows = Collector::new(d.n_layers, d.n_heads, n, n - 1);
-    model.forward(tokens, &RunOptions::default(), &mut rows)?;
+    let rows = last_query_attention(model, tokens)?;
     Ok((0..d.n_layers)
         .map(|l| {
             (0..d.n_heads)
@@ -334,6 +331,38 @@ pub fn attribute(
     opts: &AttributeOptions,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<AttributeReport> {
+    check_request(tokens, opts)?;
+    if model.is_encoder() {
+        return attribute_encoder(model, tokens, opts, progress);
+    }
+    let metric = resolve_metric(model, tokens, &opts.target, opts.wrong.as_ref())?;
+    let (answer, wrong) = match metric {
+        Metric::LogProb(t) => (t.expect("resolved"), None),
+        Metric::LogitDiff { answer, wrong } => (answer, Some(wrong)),
+    };
+    let s = decoder_scores(model, tokens, opts, metric, progress)?;
+    s.check_finite(opts.method)?;
+    Ok(AttributeReport {
+        model: model.info.name.clone(),
+        precision: model.info.precision.name().into(),
+        method: opts.method,
+        target: Some(TokenRef::of(model, answer)),
+        encoder_target: None,
+        wrong: wrong.map(|w| TokenRef::of(model, w)),
+        logprob: Some(s.logprob),
+        metric: metric_name(opts.method, wrong.is_some()),
+        value: s.value,
+        tokens: token_scores(model, tokens, s.scores),
+        completeness_gap: s.gap,
+        steps: s.steps,
+        conservation_error: s.conservation_error,
+        layers: s.layers,
+        definition: definition(opts.method),
+    })
+}
+
+/// Refuses an empty text, and integrated gradients' steps out of range.
+fn check_request(tokens: &[u32], opts: &AttributeOptions) -> Result<()> {
     if tokens.is_empty() {
         return Err(Error::OutOfRange {
             what: "text".into(),
@@ -344,35 +373,87 @@ pub fn attribute(
     if opts.method == Method::IntegratedGradients {
         check_steps(opts.steps)?;
     }
-    if model.is_encoder() {
-        return attribute_encoder(model, tokens, opts, progress);
+    Ok(())
+}
+
+/// A decoder's scores by one method, with the metric's value and the method's extras.
+struct DecoderScores {
+    scores: Vec<f32>,
+    logprob: f32,
+    value: f32,
+    /// Integrated gradients: the completeness gap and the midpoints.
+    gap: Option<f32>,
+    steps: Option<usize>,
+    /// AttnLRP, value zeroing, ALTI-Logit: what [`super::mixing::scores_of`] reports.
+    conservation_error: Option<f32>,
+    layers: Option<Vec<Vec<f32>>>,
+}
+
+impl DecoderScores {
+    /// Scores from one gradient-based method (no extras).
+    fn plain(scores: Vec<f32>, logprob: f32, value: f32) -> Self {
+        DecoderScores {
+            scores,
+            logprob,
+            value,
+            gap: None,
+            steps: None,
+            conservation_error: None,
+            layers: None,
+        }
     }
-    let metric = resolve_metric(model, tokens, &opts.target, opts.wrong.as_ref())?;
-    let (answer, wrong) = match metric {
-        Metric::LogProb(t) => (t.expect("resolved"), None),
-        Metric::LogitDiff { answer, wrong } => (answer, Some(wrong)),
-    };
+
+    /// Refuses a non-finite score or completeness gap.
+    fn check_finite(&self, method: Method) -> Result<()> {
+        finite(&self.scores, method.name())?;
+        if let Some(g) = self.gap {
+            if !g.is_finite() {
+                return Err(Error::NonFinite {
+                    what: "the integrated gradients' completeness gap".into(),
+                    layer: None,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Runs `opts.method` on a decoder for the resolved `metric`.
+fn decoder_scores(
+    model: &Model,
+    tokens: &[u32],
+    opts: &AttributeOptions,
+    metric: Metric,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<DecoderScores> {
     let dm = model.dims.d_model;
-    let (mut gap, mut steps) = (None, None);
-    let (mut conservation_error, mut layers) = (None, None);
-    let (scores, logprob, value) = match opts.method {
+    Ok(match opts.method {
         Method::AttnLrp | Method::ValueZeroing | Method::AltiLogit => {
             let m = super::mixing::scores_of(model, tokens, opts.method, metric, &mut *progress)?;
-            (conservation_error, layers) = (m.conservation_error, m.layers);
-            (m.scores, m.logprob, m.value)
+            DecoderScores {
+                conservation_error: m.conservation_error,
+                layers: m.layers,
+                ..DecoderScores::plain(m.scores, m.logprob, m.value)
+            }
         }
         Method::Occlusion => {
+            let answer = match metric {
+                Metric::LogProb(t) => t.expect("resolved"),
+                Metric::LogitDiff { answer, .. } => answer,
+            };
             let (value, deltas) = deletion_effects(model, tokens, metric, &mut *progress)?;
             let logits = model.next_token_logits(tokens)?;
-            (deltas, log_softmax(&logits)[answer as usize], value)
+            DecoderScores::plain(deltas, log_softmax(&logits)[answer as usize], value)
         }
         Method::IntegratedGradients => {
             let g = model.gradient(tokens, metric)?;
             let total = opts.steps;
             let (s, gp) = integrated(model, tokens, metric, total, &mut |k| progress(k, total))?;
-            gap = Some(gp);
-            steps = Some(total);
-            (s, g.logprob, g.value)
+            DecoderScores {
+                gap: Some(gp),
+                steps: Some(total),
+                ..DecoderScores::plain(s, g.logprob, g.value)
+            }
         }
         m => {
             let g = model.gradient(tokens, metric)?;
@@ -384,54 +465,34 @@ pub fn attribute(
                     attention_times_gradient(&g.grad_pattern_last, &pattern, tokens.len())
                 }
             };
-            (s, g.logprob, g.value)
+            DecoderScores::plain(s, g.logprob, g.value)
         }
-    };
-    finite(&scores, opts.method.name())?;
-    if let Some(g) = gap {
-        if !g.is_finite() {
-            return Err(Error::NonFinite {
-                what: "the integrated gradients' completeness gap".into(),
-                layer: None,
-            });
-        }
-    }
-    let text = |id: u32| TokenRef {
-        id,
-        text: model.tokenizer.token_text(id),
-    };
-    Ok(AttributeReport {
-        model: model.info.name.clone(),
-        precision: model.info.precision.name().into(),
-        method: opts.method,
-        target: Some(text(answer)),
-        encoder_target: None,
-        wrong: wrong.map(text),
-        logprob: Some(logprob),
-        metric: match (opts.method, wrong.is_some()) {
-            (Method::ValueZeroing, _) => "none",
-            (_, true) => "logit_diff",
-            (Method::AttnLrp | Method::AltiLogit, false) => "logit",
-            _ => "logprob",
-        },
-        value,
-        tokens: tokens
-            .iter()
-            .zip(scores)
-            .enumerate()
-            .map(|(pos, (&id, score))| TokenScore {
-                pos,
-                id,
-                text: model.tokenizer.token_text(id),
-                score,
-            })
-            .collect(),
-        completeness_gap: gap,
-        steps,
-        conservation_error,
-        layers,
-        definition: definition(opts.method),
     })
+}
+
+/// The report's `metric`: what a decoder's method explains.
+fn metric_name(method: Method, has_wrong: bool) -> &'static str {
+    match (method, has_wrong) {
+        (Method::ValueZeroing, _) => "none",
+        (_, true) => "logit_diff",
+        (Method::AttnLrp | Method::AltiLogit, false) => "logit",
+        _ => "logprob",
+    }
+}
+
+/// Each token of `tokens` with its score.
+fn token_scores(model: &Model, tokens: &[u32], scores: Vec<f32>) -> Vec<TokenScore> {
+    tokens
+        .iter()
+        .zip(scores)
+        .enumerate()
+        .map(|(pos, (&id, score))| TokenScore {
+            pos,
+            id,
+            text: model.tokenizer.token_text(id),
+            score,
+        })
+        .collect()
 }
 
 /// [`attribute`] on an encoder: occlusion by deletion of the sentence embedding or the [CLS]
@@ -480,17 +541,7 @@ fn attribute_encoder(
         logprob: None,
         metric: "cosine",
         value: 1.0,
-        tokens: tokens
-            .iter()
-            .zip(scores)
-            .enumerate()
-            .map(|(pos, (&id, score))| TokenScore {
-                pos,
-                id,
-                text: model.tokenizer.token_text(id),
-                score,
-            })
-            .collect(),
+        tokens: token_scores(model, tokens, scores),
         completeness_gap: None,
         steps: None,
         conservation_error: None,

@@ -6,7 +6,7 @@
 //! [`super::intervene::patch`] scores the exact patching it approximates.
 
 use super::intervene::{PatchCell, PatchHook};
-use crate::model::backward::Metric;
+use crate::model::backward::{LayerActs, Metric};
 use crate::model::{Error, Model, Result};
 use serde::Serialize;
 
@@ -91,68 +91,27 @@ pub fn attribution_patch(
     answer: u32,
     wrong: u32,
 ) -> Result<ApproxReport> {
-    let n = clean.len();
-    if corrupt.len() != n || n == 0 {
-        return Err(Error::OutOfRange {
-            what: "the corrupted text's token count".into(),
-            value: corrupt.len().to_string(),
-            range: format!("{n} (the clean text's): attribution patching pairs positions"),
-        });
-    }
+    check_pair(clean, corrupt)?;
     let metric = Metric::LogitDiff { answer, wrong };
     let c = model.activation_gradients(clean, metric, false)?;
     let x = model.activation_gradients(corrupt, metric, true)?;
     let diff = |lg: &[f32]| lg[answer as usize] - lg[wrong as usize];
     let (clean_diff, corrupt_diff) = (diff(&c.logits), diff(&x.logits));
-    let span = clean_diff - corrupt_diff;
-    let (nh, hd) = (model.dims.n_heads, model.dims.head_dim);
-    let dot = |a: &[f32], b: &[f32], g: &[f32]| -> f32 {
-        a.iter()
-            .zip(b)
-            .zip(g)
-            .map(|((a, b), g)| (*a as f64 - *b as f64) * *g as f64)
-            .sum::<f64>() as f32
-    };
-    let cell = |layer: usize, pos: Option<usize>, head: Option<usize>, estimate: f32| ApproxCell {
-        layer,
-        pos,
-        head,
-        estimate,
-        recovered: estimate / span,
+    let est = Estimator {
+        n: clean.len(),
+        nh: model.dims.n_heads,
+        hd: model.dims.head_dim,
+        span: clean_diff - corrupt_diff,
     };
     let mut kinds = Vec::with_capacity(4);
     for (k, name) in APPROX_HOOKS.iter().enumerate() {
         let mut results = Vec::new();
         for (l, ((ca, xa), g)) in c.acts.iter().zip(&x.acts).zip(&x.grads).enumerate() {
-            let pick = |t: &(Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)| -> Vec<f32> {
-                match k {
-                    0 => t.0.clone(),
-                    1 => t.2.clone(),
-                    2 => t.3.clone(),
-                    _ => t.1.clone(),
-                }
-            };
-            let (ca, xa, g) = (pick(ca), pick(xa), pick(g));
+            let (ca, xa, g) = (hook_values(ca, k), hook_values(xa, k), hook_values(g, k));
             if k == 3 {
-                for h in 0..nh {
-                    let mut e = 0f32;
-                    for p in 0..n {
-                        let at = (p * nh + h) * hd..(p * nh + h + 1) * hd;
-                        e += dot(&ca[at.clone()], &xa[at.clone()], &g[at]);
-                    }
-                    results.push(cell(l, None, Some(h), e));
-                }
+                est.head_cells(l, ca, xa, g, &mut results);
             } else {
-                let w = ca.len() / n;
-                for p in 0..n {
-                    let at = p * w..(p + 1) * w;
-                    results.push(cell(
-                        l,
-                        Some(p),
-                        None,
-                        dot(&ca[at.clone()], &xa[at.clone()], &g[at]),
-                    ));
-                }
+                est.position_cells(l, ca, xa, g, &mut results);
             }
         }
         kinds.push(ApproxKind {
@@ -167,6 +126,90 @@ pub fn attribution_patch(
         forward_passes: 2,
         backward_passes: 1,
     })
+}
+
+/// Refuses a corrupted text of another token count than the clean one, or an empty pair.
+fn check_pair(clean: &[u32], corrupt: &[u32]) -> Result<()> {
+    let n = clean.len();
+    if corrupt.len() != n || n == 0 {
+        return Err(Error::OutOfRange {
+            what: "the corrupted text's token count".into(),
+            value: corrupt.len().to_string(),
+            range: format!("{n} (the clean text's): attribution patching pairs positions"),
+        });
+    }
+    Ok(())
+}
+
+/// The values of [`APPROX_HOOKS`]`[k]` in one layer's `(resid_pre, z, attn_out, mlp_out)`.
+fn hook_values(t: &LayerActs, k: usize) -> &[f32] {
+    match k {
+        0 => &t.0,
+        1 => &t.2,
+        2 => &t.3,
+        _ => &t.1,
+    }
+}
+
+/// `Σ (a − b) · g`, in f64.
+fn diff_dot(a: &[f32], b: &[f32], g: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .zip(g)
+        .map(|((a, b), g)| (*a as f64 - *b as f64) * *g as f64)
+        .sum::<f64>() as f32
+}
+
+/// The estimates of one layer's hook from the clean (`ca`) and corrupted (`xa`) activations and
+/// the corrupted run's gradient `g`, each `[n, width]`.
+struct Estimator {
+    n: usize,
+    nh: usize,
+    hd: usize,
+    /// clean − corrupt logit difference
+    span: f32,
+}
+
+impl Estimator {
+    fn cell(&self, layer: usize, pos: Option<usize>, head: Option<usize>, e: f32) -> ApproxCell {
+        ApproxCell {
+            layer,
+            pos,
+            head,
+            estimate: e,
+            recovered: e / self.span,
+        }
+    }
+
+    /// One cell per head of `hook_z` (`[n, heads·head_dim]`), summed over the positions.
+    fn head_cells(&self, l: usize, ca: &[f32], xa: &[f32], g: &[f32], out: &mut Vec<ApproxCell>) {
+        let (nh, hd) = (self.nh, self.hd);
+        for h in 0..nh {
+            let mut e = 0f32;
+            for p in 0..self.n {
+                let at = (p * nh + h) * hd..(p * nh + h + 1) * hd;
+                e += diff_dot(&ca[at.clone()], &xa[at.clone()], &g[at]);
+            }
+            out.push(self.cell(l, None, Some(h), e));
+        }
+    }
+
+    /// One cell per position of a residual-width hook.
+    fn position_cells(
+        &self,
+        l: usize,
+        ca: &[f32],
+        xa: &[f32],
+        g: &[f32],
+        out: &mut Vec<ApproxCell>,
+    ) {
+        let w = ca.len() / self.n;
+        for p in 0..self.n {
+            let at = p * w..(p + 1) * w;
+            let e = diff_dot(&ca[at.clone()], &xa[at.clone()], &g[at]);
+            out.push(self.cell(l, Some(p), None, e));
+        }
+    }
 }
 
 fn pearson(a: &[f64], b: &[f64]) -> Option<f64> {

@@ -5,7 +5,7 @@
 //! block's outputs, so the parts add up to the logit itself; the report says how closely.
 
 use super::faithfulness::Target;
-use super::intervene::TokenRef;
+use super::intervene::{last_query_attention, TokenRef};
 use crate::model::capture::{AttnCache, CaptureSpec, Hook, Queries};
 use crate::model::forward::RunOptions;
 use crate::model::{Error, Model, Result};
@@ -53,44 +53,13 @@ pub fn dla(
     answer: &Target,
     wrong: Option<&Target>,
 ) -> Result<DlaReport> {
+    check_linear_readout(model)?;
     let d = &model.dims;
-    if model.has_post_norms() || d.gemma.as_ref().is_some_and(|g| g.final_softcap.is_some()) {
-        return Err(Error::NotApplicable(format!(
-            "direct logit attribution needs the residual stream to be a sum of each head's and MLP's output, read by a linear unembedding; {} normalizes each block's output before adding it (Gemma's post-norms) or soft-caps the logits, so it is not: use `attnscope ablate` or `patch` for this model",
-            model.info.name
-        )));
-    }
     let n = tokens.len();
-    let q = n - 1;
-    let mut cache = AttnCache::new(
-        &CaptureSpec {
-            hooks: vec![Hook::ResidPre, Hook::Z, Hook::MlpOut, Hook::ResidPost],
-            layers: None,
-            heads: None,
-            queries: Queries::Last,
-        },
-        n,
-    );
-    let out = model.forward(tokens, &RunOptions::last_logits(n), &mut cache)?;
-    let logits = &out.logits[0];
-    let a = answer.resolve(model, logits)?;
-    let w = wrong.map(|t| t.resolve(model, logits)).transpose()?;
-    if w == Some(a) {
-        return Err(Error::OutOfRange {
-            what: "--wrong".into(),
-            value: a.to_string(),
-            range: "a token other than --answer".into(),
-        });
-    }
-    let mut rows = super::collect::Collector::new(d.n_layers, d.n_heads, n, q);
-    model.forward(tokens, &RunOptions::default(), &mut rows)?;
-    // the direction the final residual is read along: W_U[answer] (− W_U[wrong])
-    let mut u = model.unembed_row(a)?;
-    if let Some(w) = w {
-        u.iter_mut()
-            .zip(model.unembed_row(w)?)
-            .for_each(|(x, y)| *x -= y);
-    }
+    let (cache, logits) = last_position_run(model, tokens)?;
+    let (a, w) = resolve_tokens(model, &logits, answer, wrong)?;
+    let rows = last_query_attention(model, tokens)?;
+    let u = readout_direction(model, a, w)?;
     let last =
         |l: usize, h: Hook| -> &[f32] { &cache.get(l, h).expect("captured at every layer").data };
     let (_, bias, _) = model.final_norm();
@@ -110,16 +79,12 @@ pub fn dla(
         + mlp.iter().sum::<f32>()
         + final_bias;
     let metric = logits[a as usize] - w.map_or(0.0, |w| logits[w as usize]);
-    let text = |id: u32| TokenRef {
-        id,
-        text: model.tokenizer.token_text(id),
-    };
     Ok(DlaReport {
         model: model.info.name.clone(),
-        tokens: tokens.iter().map(|&t| text(t)).collect(),
-        query: q,
-        answer: text(a),
-        wrong: w.map(text),
+        tokens: TokenRef::all(model, tokens),
+        query: n - 1,
+        answer: TokenRef::of(model, a),
+        wrong: w.map(|w| TokenRef::of(model, w)),
         metric,
         sum_of_parts,
         embed,
@@ -130,6 +95,68 @@ pub fn dla(
         final_scale: proj.scale as f32,
     })
 }
+
+/// Refuses a model whose residual stream is not a plain sum of its parts read by a linear
+/// unembedding (Gemma's post-norms, or soft-capped logits).
+fn check_linear_readout(model: &Model) -> Result<()> {
+    let d = &model.dims;
+    if model.has_post_norms() || d.gemma.as_ref().is_some_and(|g| g.final_softcap.is_some()) {
+        return Err(Error::NotApplicable(format!(
+            "direct logit attribution needs the residual stream to be a sum of each head's and MLP's output, read by a linear unembedding; {} normalizes each block's output before adding it (Gemma's post-norms) or soft-caps the logits, so it is not: use `attnscope ablate` or `patch` for this model",
+            model.info.name
+        )));
+    }
+    Ok(())
+}
+
+/// The run that captures every layer's parts at the last position: the cache and its
+/// last-position logits.
+fn last_position_run(model: &Model, tokens: &[u32]) -> Result<(AttnCache, Vec<f32>)> {
+    let n = tokens.len();
+    let mut cache = AttnCache::new(
+        &CaptureSpec {
+            hooks: vec![Hook::ResidPre, Hook::Z, Hook::MlpOut, Hook::ResidPost],
+            layers: None,
+            heads: None,
+            queries: Queries::Last,
+        },
+        n,
+    );
+    let out = model.forward(tokens, &RunOptions::last_logits(n), &mut cache)?;
+    let logits = out.logits.into_iter().next().expect("one row of logits");
+    Ok((cache, logits))
+}
+
+/// The answer and the wrong token, resolved on the logits and refused when they are the same.
+fn resolve_tokens(
+    model: &Model,
+    logits: &[f32],
+    answer: &Target,
+    wrong: Option<&Target>,
+) -> Result<(u32, Option<u32>)> {
+    let a = answer.resolve(model, logits)?;
+    let w = wrong.map(|t| t.resolve(model, logits)).transpose()?;
+    if w == Some(a) {
+        return Err(Error::OutOfRange {
+            what: "--wrong".into(),
+            value: a.to_string(),
+            range: "a token other than --answer".into(),
+        });
+    }
+    Ok((a, w))
+}
+
+/// The direction the final residual is read along: W_U[answer] (− W_U[wrong]).
+fn readout_direction(model: &Model, a: u32, w: Option<u32>) -> Result<Vec<f32>> {
+    let mut u = model.unembed_row(a)?;
+    if let Some(w) = w {
+        u.iter_mut()
+            .zip(model.unembed_row(w)?)
+            .for_each(|(x, y)| *x -= y);
+    }
+    Ok(u)
+}
+
 /// What a part of the final residual adds to the metric: `scale · Σ_i u_i γ_i c_i` for the
 /// direction `u`, the final norm's gain γ, and its scale at the last position (LayerNorm centres
 /// each part: the mean is linear).

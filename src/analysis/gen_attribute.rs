@@ -18,7 +18,7 @@
 use super::attribute::{self, attribute, AttributeOptions, Method};
 use super::faithfulness::Target;
 use crate::model::capture::NoCapture;
-use crate::model::forward::{log_softmax, RunOptions, Segment};
+use crate::model::forward::{log_softmax, KvPrefix, RunOptions, Segment};
 use crate::model::{Error, Model, Result};
 
 /// New positions per batched forward of occlusion's deletions.
@@ -121,69 +121,16 @@ fn occlusion(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(Vec<Vec<f32>>, Vec<f32>)> {
     let (n, a) = (ids.len(), ids.len() - p);
-    // the inputs: every token but the last answer token; answer j is predicted at p − 1 + j
-    let s = &ids[..n - 1];
-    let full = model.forward(
-        s,
-        &RunOptions {
-            logits_at: (p - 1..n - 1).collect(),
-            keep_kv: true,
-            ..Default::default()
-        },
-        &mut NoCapture,
-    )?;
-    let base: Vec<f32> = full
-        .logits
-        .iter()
-        .enumerate()
-        .map(|(j, l)| log_softmax(l)[ids[p + j] as usize])
-        .collect();
-    let kv = full.kv.expect("keep_kv was set");
+    let (base, kv) = teacher_forced_run(model, ids, p)?;
     let mut matrix = vec![vec![f32::NAN; a]; n];
-    // deleting s[i]: answer j (with i in its input, i ≤ p − 1 + j) is predicted at p − 2 + j of
-    // the shortened sequence; the positions before i are the full run's, reused (from i − 1
-    // where that row's logits are needed: its input lost its last token)
-    struct Variant {
-        deleted: usize,
-        tokens: Vec<u32>,
-        reuse: usize,
-        answers: Vec<usize>,
-    }
-    let variants: Vec<Variant> = (0..n - 1)
-        .filter_map(|i| {
-            let answers: Vec<usize> = (i.saturating_sub(p - 1)..a)
-                .filter(|&j| p + j >= 2)
-                .collect();
-            if answers.is_empty() {
-                return None;
-            }
-            let tokens: Vec<u32> = s[..i].iter().chain(&s[i + 1..]).copied().collect();
-            let reuse = i.min(p + answers[0] - 2);
-            Some(Variant {
-                deleted: i,
-                tokens,
-                reuse,
-                answers,
-            })
-        })
-        .collect();
+    let variants = deletion_variants(ids, p);
     let total = variants.len();
     progress(0, total);
     let max_logits = (LOGITS_BYTES / (4 * model.dims.vocab_size.max(1))).max(1);
     let mut rest = variants.as_slice();
     let mut done = 0;
     while !rest.is_empty() {
-        let (mut take, mut rows, mut logits) = (0, 0, 0);
-        for v in rest {
-            let (new, l) = (v.tokens.len() - v.reuse, v.answers.len());
-            if take > 0 && (rows + new > BATCH_ROWS || logits + l > max_logits) {
-                break;
-            }
-            take += 1;
-            rows += new;
-            logits += l;
-        }
-        let (batch, later) = rest.split_at(take);
+        let (batch, later) = rest.split_at(batch_len(rest, max_logits));
         let segments: Vec<Segment> = batch
             .iter()
             .map(|v| Segment {
@@ -203,6 +150,90 @@ fn occlusion(
         progress(done, total);
         rest = later;
     }
+    check_occlusion_finite(&matrix, p)?;
+    Ok((matrix, base))
+}
+
+/// The full teacher-forced run over every token but the last answer token (answer j is
+/// predicted at p − 1 + j): each answer token's log-probability, and the keys and values the
+/// deletions reuse.
+fn teacher_forced_run(model: &Model, ids: &[u32], p: usize) -> Result<(Vec<f32>, KvPrefix)> {
+    let n = ids.len();
+    let full = model.forward(
+        &ids[..n - 1],
+        &RunOptions {
+            logits_at: (p - 1..n - 1).collect(),
+            keep_kv: true,
+            ..Default::default()
+        },
+        &mut NoCapture,
+    )?;
+    let base: Vec<f32> = full
+        .logits
+        .iter()
+        .enumerate()
+        .map(|(j, l)| log_softmax(l)[ids[p + j] as usize])
+        .collect();
+    Ok((base, full.kv.expect("keep_kv was set")))
+}
+
+/// The inputs with one token deleted, and the answer tokens each one scores.
+struct Variant {
+    deleted: usize,
+    tokens: Vec<u32>,
+    /// The full run's positions reused (those before the deletion).
+    reuse: usize,
+    answers: Vec<usize>,
+}
+
+/// One [`Variant`] per deletable input token that some answer token has in its input.
+///
+/// Deleting s[i]: answer j (with i in its input, i ≤ p − 1 + j) is predicted at p − 2 + j of
+/// the shortened sequence; the positions before i are the full run's, reused (from i − 1
+/// where that row's logits are needed: its input lost its last token).
+fn deletion_variants(ids: &[u32], p: usize) -> Vec<Variant> {
+    let (n, a) = (ids.len(), ids.len() - p);
+    let s = &ids[..n - 1];
+    (0..n - 1)
+        .filter_map(|i| {
+            let answers: Vec<usize> = (i.saturating_sub(p - 1)..a)
+                .filter(|&j| p + j >= 2)
+                .collect();
+            if answers.is_empty() {
+                return None;
+            }
+            let tokens: Vec<u32> = s[..i].iter().chain(&s[i + 1..]).copied().collect();
+            let reuse = i.min(p + answers[0] - 2);
+            Some(Variant {
+                deleted: i,
+                tokens,
+                reuse,
+                answers,
+            })
+        })
+        .collect()
+}
+
+/// How many of `rest` go in the next batched forward: at least one, then as many as fit in
+/// [`BATCH_ROWS`] new positions and `max_logits` logits rows.
+fn batch_len(rest: &[Variant], max_logits: usize) -> usize {
+    let (mut take, mut rows, mut logits) = (0, 0, 0);
+    for v in rest {
+        let (new, l) = (v.tokens.len() - v.reuse, v.answers.len());
+        if take > 0 && (rows + new > BATCH_ROWS || logits + l > max_logits) {
+            break;
+        }
+        take += 1;
+        rows += new;
+        logits += l;
+    }
+    take
+}
+
+/// Refuses a non-finite occlusion score among the cells that are in their answer token's input.
+fn check_occlusion_finite(matrix: &[Vec<f32>], p: usize) -> Result<()> {
+    let n = matrix.len();
+    let a = matrix.first().map_or(0, Vec::len);
     if let Some((i, j)) = (0..n).find_map(|i| {
         (0..a)
             .find(|&j| i < p + j && p + j >= 2 && !matrix[i][j].is_finite())
@@ -213,5 +244,5 @@ fn occlusion(
             layer: None,
         });
     }
-    Ok((matrix, base))
+    Ok(())
 }

@@ -9,6 +9,7 @@
 //! all of them), each with its own edit. The numbers are each variant's own: the kernels compute
 //! each row alone and the attention runs per segment.
 
+use super::collect::Collector;
 use super::faithfulness::{kendall_tau_b, permutation_p, spearman, Target};
 use crate::model::capture::{AttnCache, CaptureSpec, Hook, Observer, Queries};
 use crate::model::forward::{log_softmax, KvPrefix, Resume, RunOptions, Segment};
@@ -312,6 +313,30 @@ pub struct TokenRef {
     pub text: String,
 }
 
+impl TokenRef {
+    /// Token `id` with its text.
+    pub(crate) fn of(model: &Model, id: u32) -> TokenRef {
+        TokenRef {
+            id,
+            text: model.tokenizer.token_text(id),
+        }
+    }
+
+    /// Every token of `ids` with its text.
+    pub(crate) fn all(model: &Model, ids: &[u32]) -> Vec<TokenRef> {
+        ids.iter().map(|&t| TokenRef::of(model, t)).collect()
+    }
+}
+
+/// The attention of the last query, every layer and head, from a forward that holds no n × n.
+pub(crate) fn last_query_attention(model: &Model, tokens: &[u32]) -> Result<Collector> {
+    let d = &model.dims;
+    let n = tokens.len();
+    let mut rows = Collector::new(d.n_layers, d.n_heads, n, n - 1);
+    model.forward(tokens, &RunOptions::default(), &mut rows)?;
+    Ok(rows)
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct HeadEffect {
     pub layer: usize,
@@ -422,6 +447,68 @@ fn correlations(heads: &[HeadEffect]) -> Vec<Correlation> {
     ]
 }
 
+/// One ablation setting: what each edit writes where, and what its effect is measured against.
+struct Ablation<'a> {
+    /// the positions whose activation is ablated
+    positions: &'a [usize],
+    fill: Fill<'static>,
+    /// the clean run's next-token log-probabilities
+    base_lp: &'a [f32],
+    target: u32,
+}
+
+impl Ablation<'_> {
+    /// The edit of values `cols` at the ablated positions (the whole text rerun from layer l).
+    fn variant(&self, cols: Range<usize>) -> Variant<'static> {
+        Variant {
+            from: 0,
+            cols,
+            at: self.positions.to_vec(),
+            fill: self.fill,
+        }
+    }
+
+    /// One variant per head: its `hook_z` slice.
+    fn head_variants(&self, n_heads: usize, head_dim: usize) -> Vec<Variant<'static>> {
+        (0..n_heads)
+            .map(|h| self.variant(h * head_dim..(h + 1) * head_dim))
+            .collect()
+    }
+
+    /// Each head's effect at layer `l` (from its ablated run's logits `outs[h]`), beside its
+    /// attention for the last query (`rows`).
+    fn head_effects(&self, l: usize, outs: &[Vec<f32>], rows: &Collector) -> Vec<HeadEffect> {
+        outs.iter()
+            .enumerate()
+            .map(|(h, lg)| {
+                let (delta, kl) = effect(self.base_lp, lg, self.target);
+                let row = rows.row(l, h);
+                let (max_weight, argmax) = super::max_argmax(row);
+                HeadEffect {
+                    layer: l,
+                    head: h,
+                    delta_logprob: delta,
+                    kl,
+                    max_weight,
+                    argmax,
+                    sink: row[0],
+                    entropy: super::entropy(row),
+                }
+            })
+            .collect()
+    }
+
+    /// Layer `l`'s MLP effect from its ablated run's logits.
+    fn mlp_effect(&self, l: usize, logits: &[f32]) -> MlpEffect {
+        let (delta, kl) = effect(self.base_lp, logits, self.target);
+        MlpEffect {
+            layer: l,
+            delta_logprob: delta,
+            kl,
+        }
+    }
+}
+
 /// Ablates every head of every layer (its `hook_z` slice, TransformerLens's head output before
 /// `W_O`), and with `opts.mlp` every layer's MLP output, one at a time; reports each one's effect
 /// on the target beside the head's attention for the last query. `tick(done, total)` reports
@@ -434,81 +521,47 @@ pub fn ablate(
 ) -> Result<AblateReport> {
     let d = &model.dims;
     let n = tokens.len();
-    let q = n - 1;
     let positions = ablated_positions(opts.positions.as_deref(), n)?;
     let (mut runner, logits, _) = Runner::clean(model, tokens, &[])?;
     runner.batch_rows = opts.batch_rows.max(1);
     let target = opts.target.resolve(model, &logits)?;
     let base_lp = log_softmax(&logits);
-    // the attention of the last query, every layer and head (a forward that holds no n × n)
-    let mut rows = super::collect::Collector::new(d.n_layers, d.n_heads, n, q);
-    model.forward(tokens, &RunOptions::default(), &mut rows)?;
+    let rows = last_query_attention(model, tokens)?;
     runner.passes += 1;
     let total = d.n_layers * (d.n_heads + usize::from(opts.mlp));
-    let fill = match opts.method {
-        Method::Zero => Fill::Zero,
-        Method::Mean => Fill::Mean,
+    let ablation = Ablation {
+        positions: &positions,
+        fill: match opts.method {
+            Method::Zero => Fill::Zero,
+            Method::Mean => Fill::Mean,
+        },
+        base_lp: &base_lp,
+        target,
     };
-    let (hd, dm) = (d.head_dim, d.d_model);
     let mut heads = Vec::with_capacity(d.n_layers * d.n_heads);
     let mut mlp = Vec::new();
     let mut done = 0;
     for l in 0..d.n_layers {
-        let variants: Vec<Variant> = (0..d.n_heads)
-            .map(|h| Variant {
-                from: 0,
-                cols: h * hd..(h + 1) * hd,
-                at: positions.clone(),
-                fill,
-            })
-            .collect();
+        let variants = ablation.head_variants(d.n_heads, d.head_dim);
         let outs = runner.run(l, Hook::Z, &variants, |k| tick(done + k, total))?;
         done += variants.len();
-        for (h, lg) in outs.iter().enumerate() {
-            let (delta, kl) = effect(&base_lp, lg, target);
-            let row = rows.row(l, h);
-            let (max_weight, argmax) = super::max_argmax(row);
-            heads.push(HeadEffect {
-                layer: l,
-                head: h,
-                delta_logprob: delta,
-                kl,
-                max_weight,
-                argmax,
-                sink: row[0],
-                entropy: super::entropy(row),
-            });
-        }
+        heads.extend(ablation.head_effects(l, &outs, &rows));
         if opts.mlp {
-            let v = Variant {
-                from: 0,
-                cols: 0..dm,
-                at: positions.clone(),
-                fill,
-            };
+            let v = ablation.variant(0..d.d_model);
             let outs = runner.run(l, Hook::MlpOut, &[v], |_| {})?;
             done += 1;
             tick(done, total);
-            let (delta, kl) = effect(&base_lp, &outs[0], target);
-            mlp.push(MlpEffect {
-                layer: l,
-                delta_logprob: delta,
-                kl,
-            });
+            mlp.push(ablation.mlp_effect(l, &outs[0]));
         }
     }
     let correlations = correlations(&heads);
-    let text = |id: u32| TokenRef {
-        id,
-        text: model.tokenizer.token_text(id),
-    };
     Ok(AblateReport {
         model: model.info.name.clone(),
         method: opts.method.name().into(),
-        tokens: tokens.iter().map(|&t| text(t)).collect(),
-        query: q,
+        tokens: TokenRef::all(model, tokens),
+        query: n - 1,
         positions: opts.positions.clone(),
-        target: text(target),
+        target: TokenRef::of(model, target),
         baseline_logprob: base_lp[target as usize],
         heads,
         mlp,
@@ -656,6 +709,68 @@ fn patch_variants(
     }
 }
 
+/// How a patched run is scored: the logit difference answer − wrong at the last position, and
+/// how much of the clean run's it recovers from the corrupted run's.
+struct LogitDiff {
+    answer: u32,
+    wrong: u32,
+    clean: f32,
+    corrupt: f32,
+}
+
+impl LogitDiff {
+    /// `opts`' answer (default: the clean run's top token) and wrong token (default: the
+    /// corrupted run's), refused when they are the same token.
+    fn resolve(
+        model: &Model,
+        opts: &PatchOptions,
+        clean_logits: &[f32],
+        corrupt_logits: &[f32],
+    ) -> Result<LogitDiff> {
+        let pick = |t: &Option<Target>, logits: &[f32]| match t {
+            Some(t) => t.resolve(model, logits),
+            None => Ok(super::max_argmax(logits).1 as u32),
+        };
+        let answer = pick(&opts.answer, clean_logits)?;
+        let wrong = pick(&opts.wrong, corrupt_logits)?;
+        if answer == wrong {
+            return Err(Error::OutOfRange {
+                what: "--answer and --wrong".into(),
+                value: format!(
+                    "both {answer} ({:?})",
+                    model.tokenizer.token_text(answer)
+                ),
+                range: "two different tokens (the clean and corrupted texts predict the same top token: pass --answer and --wrong)".into(),
+            });
+        }
+        let diff = |lg: &[f32]| lg[answer as usize] - lg[wrong as usize];
+        Ok(LogitDiff {
+            answer,
+            wrong,
+            clean: diff(clean_logits),
+            corrupt: diff(corrupt_logits),
+        })
+    }
+
+    /// The cell of layer `layer`'s `i`-th variant (a head when `per_head`, else a position),
+    /// scored from its run's logits.
+    fn cell(&self, layer: usize, i: usize, per_head: bool, lg: &[f32]) -> PatchCell {
+        let v = lg[self.answer as usize] - lg[self.wrong as usize];
+        let (pos, head) = if per_head {
+            (None, Some(i))
+        } else {
+            (Some(i), None)
+        };
+        PatchCell {
+            layer,
+            pos,
+            head,
+            logit_diff: v,
+            recovered: (v - self.corrupt) / (self.clean - self.corrupt),
+        }
+    }
+}
+
 /// Activation patching: for every layer and position (or head, for `z`), the corrupted run with
 /// that activation taken from the clean run, scored by the logit difference answer − wrong at
 /// the last position. `tick(done, total)` reports progress in variants.
@@ -675,26 +790,10 @@ pub fn patch(
     runner.passes += 1;
     runner.layer_rows += d.n_layers * n;
     runner.batch_rows = opts.batch_rows.max(1);
-    let pick = |t: &Option<Target>, logits: &[f32]| match t {
-        Some(t) => t.resolve(model, logits),
-        None => Ok(super::max_argmax(logits).1 as u32),
-    };
-    let answer = pick(&opts.answer, &clean_logits)?;
-    let wrong = pick(&opts.wrong, &corrupt_logits)?;
-    if answer == wrong {
-        return Err(Error::OutOfRange {
-            what: "--answer and --wrong".into(),
-            value: format!(
-                "both {answer} ({:?})",
-                model.tokenizer.token_text(answer)
-            ),
-            range: "two different tokens (the clean and corrupted texts predict the same top token: pass --answer and --wrong)".into(),
-        });
-    }
-    let diff = |lg: &[f32]| lg[answer as usize] - lg[wrong as usize];
-    let (clean_diff, corrupt_diff) = (diff(&clean_logits), diff(&corrupt_logits));
+    let score = LogitDiff::resolve(model, opts, &clean_logits, &corrupt_logits)?;
     let (nh, hd, dm) = (d.n_heads, d.head_dim, d.d_model);
-    let total = d.n_layers * if opts.hook.per_head() { nh } else { n };
+    let per_head = opts.hook.per_head();
+    let total = d.n_layers * if per_head { nh } else { n };
     let mut results = Vec::with_capacity(total);
     let mut done = 0;
     for l in 0..d.n_layers {
@@ -706,36 +805,20 @@ pub fn patch(
         let outs = runner.run(l, hook, &variants, |k| tick(done + k, total))?;
         done += variants.len();
         for (i, lg) in outs.iter().enumerate() {
-            let v = diff(lg);
-            let (pos, head) = if opts.hook.per_head() {
-                (None, Some(i))
-            } else {
-                (Some(i), None)
-            };
-            results.push(PatchCell {
-                layer: l,
-                pos,
-                head,
-                logit_diff: v,
-                recovered: (v - corrupt_diff) / (clean_diff - corrupt_diff),
-            });
+            results.push(score.cell(l, i, per_head, lg));
         }
     }
-    let text = |id: u32| TokenRef {
-        id,
-        text: model.tokenizer.token_text(id),
-    };
     Ok(PatchReport {
         model: model.info.name.clone(),
         hook: crate::model::capture::hook_name(0, hook)
             .trim_start_matches("blocks.0.")
             .to_string(),
-        clean: clean.iter().map(|&t| text(t)).collect(),
-        corrupt: corrupt.iter().map(|&t| text(t)).collect(),
-        answer: text(answer),
-        wrong: text(wrong),
-        clean_logit_diff: clean_diff,
-        corrupt_logit_diff: corrupt_diff,
+        clean: TokenRef::all(model, clean),
+        corrupt: TokenRef::all(model, corrupt),
+        answer: TokenRef::of(model, score.answer),
+        wrong: TokenRef::of(model, score.wrong),
+        clean_logit_diff: score.clean,
+        corrupt_logit_diff: score.corrupt,
         results,
         forward_passes: runner.passes,
         layer_rows: runner.layer_rows,
