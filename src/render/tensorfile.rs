@@ -43,6 +43,30 @@ enum Sink<W: Write + Seek> {
     Npz(Box<zip::ZipWriter<W>>),
 }
 
+/// A safetensors header as the `safetensors` crate writes it (`__metadata__`, then the tensors in
+/// the order of their data), but with the metadata in key order: the crate keeps it in a
+/// `HashMap`, whose order changes from run to run, so two captures of one run differed byte for
+/// byte.
+struct Header<'a> {
+    metadata: &'a BTreeMap<String, String>,
+    tensors: &'a [(String, safetensors::tensor::TensorInfo)],
+}
+
+impl serde::Serialize for Header<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let with_metadata = !self.metadata.is_empty();
+        let mut map = serializer.serialize_map(Some(self.tensors.len() + usize::from(with_metadata)))?;
+        if with_metadata {
+            map.serialize_entry("__metadata__", self.metadata)?;
+        }
+        for (name, info) in self.tensors {
+            map.serialize_entry(name, info)?;
+        }
+        map.end()
+    }
+}
+
 /// Writes tensors one after another into `W` while they are produced, so a capture never holds
 /// more than the tensor being written: every name and shape is declared up front (the
 /// safetensors header comes first), then [`TensorWriter::write`] takes them in that order.
@@ -107,15 +131,14 @@ impl<W: Write + Seek> TensorWriter<W> {
                     ));
                     at += len;
                 }
-                let md = (!metadata.is_empty()).then(|| {
-                    metadata
-                        .iter()
-                        .map(|(k, v)| (k.clone(), v.clone()))
-                        .collect()
-                });
-                let meta = safetensors::tensor::Metadata::new(md, infos)
+                // the crate checks the offsets; the header is written by `Header`, in a fixed order
+                safetensors::tensor::Metadata::new(None, infos.clone())
                     .map_err(|e| invalid(format!("safetensors header: {e}")))?;
-                let mut h = serde_json::to_string(&meta)
+                let header = Header {
+                    metadata,
+                    tensors: &infos,
+                };
+                let mut h = serde_json::to_string(&header)
                     .map_err(|e| invalid(format!("safetensors header: {e}")))?
                     .into_bytes();
                 // the data starts 8-byte aligned, as the crate pads it, and at the phase asked for
@@ -277,6 +300,41 @@ mod tests {
         assert_eq!(t.shape(), &[1, 2, 3]);
         assert_eq!(t.data().len(), 24);
         assert_eq!(&t.data()[4..8], &2.0f32.to_le_bytes());
+    }
+
+    /// The header is the crate's own JSON with the metadata in key order and the tensors in the
+    /// order of their data, so the same tensors and metadata give the same bytes every time.
+    #[test]
+    fn the_header_is_the_crates_with_the_metadata_in_key_order() {
+        let a = [1.0f32; 6];
+        let md: BTreeMap<String, String> =
+            (0..20).map(|i| (format!("key{i:02}"), i.to_string())).collect();
+        let tensors = [
+            NamedTensor {
+                name: "b",
+                shape: &[2, 3],
+                data: &a,
+            },
+            NamedTensor {
+                name: "a",
+                shape: &[6],
+                data: &a,
+            },
+        ];
+        let first = to_safetensors(&tensors, &md);
+        for _ in 0..4 {
+            assert!(to_safetensors(&tensors, &md) == first, "a second write differs");
+        }
+        let len = u64::from_le_bytes(first[..8].try_into().unwrap()) as usize;
+        let ours = std::str::from_utf8(&first[8..8 + len]).unwrap().trim_end();
+        let at = |key: &str| ours.find(&format!("\"{key}\"")).unwrap();
+        let keys: Vec<usize> = md.keys().map(|k| at(k)).collect();
+        assert!(keys.windows(2).all(|w| w[0] < w[1]), "metadata out of key order: {ours}");
+        assert!(at("__metadata__") < at("b") && at("b") < at("a"), "{ours}");
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&first).unwrap();
+        let crates = serde_json::to_value(&meta).unwrap();
+        let parsed: serde_json::Value = serde_json::from_str(ours).unwrap();
+        assert_eq!(parsed, crates, "not the crate's header");
     }
 
     #[test]

@@ -13,11 +13,6 @@ GOLDEN = Path(__file__).resolve().parents[3] / "tests" / "golden"
 
 
 @pytest.fixture(scope="module")
-def minilm():
-    return attnscope.HookedModel.from_pretrained("all-minilm-l6-v2")
-
-
-@pytest.fixture(scope="module")
 def golden():
     return json.loads((GOLDEN / "minilm_st_embeddings.json").read_text())
 

@@ -19,11 +19,6 @@ BIN = os.environ.get("ATTNSCOPE_BIN", str(ROOT / "target" / "release" / "attnsco
 
 
 @pytest.fixture(scope="module")
-def minilm():
-    return attnscope.HookedModel.from_pretrained("all-minilm-l6-v2")
-
-
-@pytest.fixture(scope="module")
 def cases():
     return json.loads((GOLDEN / "minilm_encoder.json").read_text())["cases"]
 
