@@ -5,7 +5,7 @@
 
 mod common;
 
-use attnscope::model::backward::Metric;
+use attnscope::model::backward::{Gradient, Metric};
 use attnscope::model::config::Arch;
 use attnscope::model::tiny::{tiny_model, write_gguf};
 use attnscope::model::{Model, Precision};
@@ -70,9 +70,34 @@ fn rel_err(got: &[f64], want: &[f64], label: &str) -> f64 {
 fn against_autograd(alias: &str, short: &str, ig: bool) {
     let refj = common::golden_json(&format!("{short}_gradients.json"));
     let r = &refj["texts"]["lesson"];
-    let ids: Vec<u64> = flat(&r["token_ids"]).iter().map(|&v| v as u64).collect();
     let run = |method: &str| json(&["attribute", "-m", alias, "--method", method, "--json"]);
     let g = run("gradient");
+    check_target_logprob_and_tokens(&g, r, short);
+    let mut worst = rel_err(
+        &scores(&g),
+        &flat(&r["grad_input_l2"]),
+        &format!("{short} gradient"),
+    );
+    worst = worst.max(rel_err(
+        &scores(&run("grad-x-input")),
+        &flat(&r["grad_input_gxi"]),
+        &format!("{short} grad-x-input"),
+    ));
+    worst = worst.max(rel_err(
+        &scores(&run("attention-x-gradient")),
+        &attention_x_gradient_from_autograd(short, r),
+        &format!("{short} attention-x-gradient"),
+    ));
+    if ig {
+        worst = worst.max(integrated_gradients_error(alias, short, r));
+    }
+    assert!(worst < 1e-3, "{short}: worst relative error {worst:.2e}");
+}
+
+/// `attribute --method gradient --json` (`g`) explains the reference's target, with its log p,
+/// over the lesson's tokens.
+fn check_target_logprob_and_tokens(g: &serde_json::Value, r: &serde_json::Value, short: &str) {
+    let ids: Vec<u64> = flat(&r["token_ids"]).iter().map(|&v| v as u64).collect();
     assert_eq!(g["method"], "gradient");
     assert_eq!(
         g["target"]["id"].as_f64(),
@@ -87,22 +112,16 @@ fn against_autograd(alias: &str, short: &str, ig: bool) {
         .map(|t| t["id"].as_u64().unwrap())
         .collect();
     assert_eq!(got_ids, ids, "{short}: the lesson's tokens");
-    let mut worst = rel_err(
-        &scores(&g),
-        &flat(&r["grad_input_l2"]),
-        &format!("{short} gradient"),
-    );
-    worst = worst.max(rel_err(
-        &scores(&run("grad-x-input")),
-        &flat(&r["grad_input_gxi"]),
-        &format!("{short} grad-x-input"),
-    ));
-    // attention × gradient from transformers' last rows and autograd's pattern gradients
+}
+
+/// Attention × gradient from transformers' last rows and autograd's pattern gradients: per key,
+/// the sum over layers of the mean over heads of `max(0, pattern · ∂f/∂pattern)`.
+fn attention_x_gradient_from_autograd(short: &str, r: &serde_json::Value) -> Vec<f64> {
     let (shape, pattern) = common::golden_npy(&format!("{short}_transformers_attn_lastrow.npy"));
     let (layers, heads, n) = (shape[0], shape[1], shape[2]);
     let gp = flat(&r["grad_pattern_last"]);
     assert_eq!(gp.len(), layers * heads * n);
-    let want: Vec<f64> = (0..n)
+    (0..n)
         .map(|j| {
             (0..layers)
                 .map(|l| {
@@ -116,40 +135,34 @@ fn against_autograd(alias: &str, short: &str, ig: bool) {
                 })
                 .sum()
         })
-        .collect();
-    worst = worst.max(rel_err(
-        &scores(&run("attention-x-gradient")),
-        &want,
-        &format!("{short} attention-x-gradient"),
-    ));
-    if ig {
-        let v = json(&[
-            "attribute",
-            "-m",
-            alias,
-            "--method",
-            "integrated-gradients",
-            "--steps",
-            "32",
-            "--json",
-        ]);
-        assert_eq!(v["steps"], 32);
-        worst = worst.max(rel_err(
-            &scores(&v),
-            &flat(&r["ig"]),
-            &format!("{short} ig"),
-        ));
-        let (gap, want) = (
-            v["completeness_gap"].as_f64().unwrap(),
-            r["ig_completeness_gap"].as_f64().unwrap(),
-        );
-        eprintln!("{short}: completeness gap {gap} vs {want}");
-        assert!(
-            (gap - want).abs() < 1e-3 * want.abs().max(1.0),
-            "{short}: gap"
-        );
-    }
-    assert!(worst < 1e-3, "{short}: worst relative error {worst:.2e}");
+        .collect()
+}
+
+/// Integrated gradients (32 midpoints) against autograd's: the completeness gap checked here, the
+/// scores' relative error returned.
+fn integrated_gradients_error(alias: &str, short: &str, r: &serde_json::Value) -> f64 {
+    let v = json(&[
+        "attribute",
+        "-m",
+        alias,
+        "--method",
+        "integrated-gradients",
+        "--steps",
+        "32",
+        "--json",
+    ]);
+    assert_eq!(v["steps"], 32);
+    let err = rel_err(&scores(&v), &flat(&r["ig"]), &format!("{short} ig"));
+    let (gap, want) = (
+        v["completeness_gap"].as_f64().unwrap(),
+        r["ig_completeness_gap"].as_f64().unwrap(),
+    );
+    eprintln!("{short}: completeness gap {gap} vs {want}");
+    assert!(
+        (gap - want).abs() < 1e-3 * want.abs().max(1.0),
+        "{short}: gap"
+    );
+    err
 }
 
 #[test]
@@ -203,102 +216,164 @@ fn tiny_model_methods() {
     let dir = tempfile::tempdir().unwrap();
     let (m, model) = tiny(&dir);
     let tokens = model.encode(TEXT, false).unwrap();
-    let n = tokens.len();
-    let dm = model.dims.d_model;
     let g = model.gradient(&tokens, Metric::LogProb(None)).unwrap();
-    let run = |extra: &[&str]| {
-        let mut a = vec!["attribute", "-m", &m, "--text", TEXT, "--json"];
+    let t = Tiny {
+        m: &m,
+        model: &model,
+        tokens,
+        g,
+    };
+    check_gradient_json(&t);
+    check_grad_x_input(&t);
+    check_attention_x_gradient(&t);
+    check_occlusion_equals_fresh_forwards(&t);
+    check_integrated_gradients(&t);
+    // a logit difference: f = logit(a) − logit(w)
+    let (a, w) = (t.g.target, (t.g.target + 1) % model.dims.vocab_size as u32);
+    check_logit_difference_integrated_gradients(&t, a, w);
+    check_logit_difference_grad_x_input(&t, a, w);
+    check_terminal_table(&t);
+}
+
+/// The tiny model (`m`, its file), [`TEXT`]'s tokens and the library's gradient of log p(top
+/// token) over them.
+struct Tiny<'a> {
+    m: &'a str,
+    model: &'a Model,
+    tokens: Vec<u32>,
+    g: Gradient,
+}
+
+impl Tiny<'_> {
+    /// `attribute -m M --text TEXT --json EXTRA`, parsed.
+    fn run(&self, extra: &[&str]) -> serde_json::Value {
+        let mut a = vec!["attribute", "-m", self.m, "--text", TEXT, "--json"];
         a.extend_from_slice(extra);
         json(&a)
-    };
-    let v = run(&["--method", "gradient"]);
+    }
+
+    fn dm(&self) -> usize {
+        self.model.dims.d_model
+    }
+}
+
+/// Per token, `Σ_d ∂f/∂x · x` of the library's gradient.
+fn grad_x_input(g: &Gradient, dm: usize) -> Vec<f64> {
+    g.grad_input
+        .chunks(dm)
+        .zip(g.input.chunks(dm))
+        .map(|(a, b)| a.iter().zip(b).map(|(a, b)| *a as f64 * *b as f64).sum())
+        .collect()
+}
+
+/// `--method gradient`: the promised keys, and the scores are the gradient rows' L2 norms.
+fn check_gradient_json(t: &Tiny) {
+    let v = t.run(&["--method", "gradient"]);
     for key in ["target", "logprob", "method", "tokens", "metric", "value"] {
         assert!(v.get(key).is_some(), "no {key}");
     }
-    assert_eq!(v["target"]["id"], g.target);
+    assert_eq!(v["target"]["id"], t.g.target);
     assert!(v["target"]["text"].is_string());
     let t0 = &v["tokens"][0];
     for key in ["pos", "id", "text", "score"] {
         assert!(t0.get(key).is_some(), "tokens[] lacks {key}");
     }
-    assert_eq!(v["tokens"].as_array().unwrap().len(), n);
-    let norms: Vec<f64> = g
-        .grad_input
-        .chunks(dm)
-        .map(|r| r.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt())
-        .collect();
+    assert_eq!(v["tokens"].as_array().unwrap().len(), t.tokens.len());
+    let norms: Vec<f64> =
+        t.g.grad_input
+            .chunks(t.dm())
+            .map(|r| r.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt())
+            .collect();
     assert!(rel_err(&scores(&v), &norms, "tiny gradient") < 1e-6);
-    let gxi: Vec<f64> = g
-        .grad_input
-        .chunks(dm)
-        .zip(g.input.chunks(dm))
-        .map(|(a, b)| a.iter().zip(b).map(|(a, b)| *a as f64 * *b as f64).sum())
-        .collect();
-    let v = run(&["--method", "grad-x-input"]);
+}
+
+fn check_grad_x_input(t: &Tiny) {
+    let gxi = grad_x_input(&t.g, t.dm());
+    let v = t.run(&["--method", "grad-x-input"]);
     assert!(rel_err(&scores(&v), &gxi, "tiny grad-x-input") < 1e-5);
-    // attention × gradient: non-negative, and 0 wherever every layer's pattern is 0 (none here:
-    // causal rows of the last query see every key), finite
-    let v = run(&["--method", "attention-x-gradient"]);
+}
+
+/// Attention × gradient: non-negative, and 0 wherever every layer's pattern is 0 (none here:
+/// causal rows of the last query see every key), finite.
+fn check_attention_x_gradient(t: &Tiny) {
+    let v = t.run(&["--method", "attention-x-gradient"]);
     assert!(scores(&v).iter().all(|s| *s >= 0.0 && s.is_finite()));
     assert!(scores(&v).iter().any(|s| *s > 0.0));
-    // occlusion: log p(target | full) − log p(target | without token i), fresh forwards
-    let v = run(&["--method", "occlusion"]);
-    let lp = |t: &[u32]| {
-        let l = model.next_token_logits(t).unwrap();
-        attnscope::model::forward::log_softmax(&l)[g.target as usize] as f64
+}
+
+/// Occlusion: log p(target | full) − log p(target | without token i), fresh forwards.
+fn check_occlusion_equals_fresh_forwards(t: &Tiny) {
+    let v = t.run(&["--method", "occlusion"]);
+    let lp = |toks: &[u32]| {
+        let l = t.model.next_token_logits(toks).unwrap();
+        attnscope::model::forward::log_softmax(&l)[t.g.target as usize] as f64
     };
-    let full = lp(&tokens);
+    let (tokens, n) = (&t.tokens, t.tokens.len());
+    let full = lp(tokens);
     let want: Vec<f64> = (0..n)
         .map(|i| {
-            let t: Vec<u32> = (0..n).filter(|&j| j != i).map(|j| tokens[j]).collect();
-            full - lp(&t)
+            let shorter: Vec<u32> = (0..n).filter(|&j| j != i).map(|j| tokens[j]).collect();
+            full - lp(&shorter)
         })
         .collect();
     assert!(rel_err(&scores(&v), &want, "tiny occlusion") < 1e-4);
-    // integrated gradients: the midpoint sum and its completeness gap, recomputed here from the
-    // library's gradients at (k + ½)/steps · x (the gap does not vanish as the steps grow: a
-    // pre-norm model's f changes mostly near x = 0, where the norm's ε dominates)
-    let ig_by_hand = |metric: Metric, steps: usize| -> (Vec<f64>, f64) {
-        let (x, _) = model.input_embeddings(&tokens).unwrap();
-        let mut total = vec![0f64; x.len()];
-        for k in 0..steps {
-            let a = (k as f32 + 0.5) / steps as f32;
-            let xa: Vec<f32> = x.iter().map(|v| v * a).collect();
-            let g = model.gradient_from(&xa, metric).unwrap();
-            total
-                .iter_mut()
-                .zip(&g.grad_input)
-                .for_each(|(t, g)| *t += *g as f64);
-        }
-        let s: Vec<f64> = total
-            .chunks(dm)
-            .zip(x.chunks(dm))
-            .map(|(t, x)| t.iter().zip(x).map(|(t, x)| t * *x as f64).sum::<f64>() / steps as f64)
-            .collect();
-        let fx = model.gradient_from(&x, metric).unwrap().value as f64;
-        let f0 = model
-            .gradient_from(&vec![0.0; x.len()], metric)
-            .unwrap()
-            .value as f64;
-        let gap = s.iter().sum::<f64>() - (fx - f0);
-        (s, gap)
-    };
-    let v = run(&["--method", "integrated-gradients", "--steps", "8"]);
-    assert_eq!(v["steps"], 8);
-    let (want, want_gap) = ig_by_hand(Metric::LogProb(Some(g.target)), 8);
-    assert!(rel_err(&scores(&v), &want, "tiny IG") < 1e-5);
+}
+
+/// Integrated gradients by hand: the midpoint sum and its completeness gap, recomputed here from
+/// the library's gradients at (k + ½)/steps · x (the gap does not vanish as the steps grow: a
+/// pre-norm model's f changes mostly near x = 0, where the norm's ε dominates).
+fn ig_by_hand(t: &Tiny, metric: Metric, steps: usize) -> (Vec<f64>, f64) {
+    let (model, dm) = (t.model, t.dm());
+    let (x, _) = model.input_embeddings(&t.tokens).unwrap();
+    let mut total = vec![0f64; x.len()];
+    for k in 0..steps {
+        let a = (k as f32 + 0.5) / steps as f32;
+        let xa: Vec<f32> = x.iter().map(|v| v * a).collect();
+        let g = model.gradient_from(&xa, metric).unwrap();
+        total
+            .iter_mut()
+            .zip(&g.grad_input)
+            .for_each(|(t, g)| *t += *g as f64);
+    }
+    let s: Vec<f64> = total
+        .chunks(dm)
+        .zip(x.chunks(dm))
+        .map(|(t, x)| t.iter().zip(x).map(|(t, x)| t * *x as f64).sum::<f64>() / steps as f64)
+        .collect();
+    let fx = model.gradient_from(&x, metric).unwrap().value as f64;
+    let f0 = model
+        .gradient_from(&vec![0.0; x.len()], metric)
+        .unwrap()
+        .value as f64;
+    let gap = s.iter().sum::<f64>() - (fx - f0);
+    (s, gap)
+}
+
+/// A command's `completeness_gap` against the one recomputed by hand.
+fn assert_gap(v: &serde_json::Value, want_gap: f64) {
     let gap = v["completeness_gap"].as_f64().unwrap();
     assert!(
         (gap - want_gap).abs() < 1e-4 * want_gap.abs().max(1.0),
         "gap {gap} vs {want_gap}"
     );
-    let coarse = run(&["--method", "integrated-gradients", "--steps", "1"]);
+}
+
+/// Integrated gradients of log p (8 steps) equal the midpoint sum by hand; 1 step is taken too.
+fn check_integrated_gradients(t: &Tiny) {
+    let v = t.run(&["--method", "integrated-gradients", "--steps", "8"]);
+    assert_eq!(v["steps"], 8);
+    let (want, want_gap) = ig_by_hand(t, Metric::LogProb(Some(t.g.target)), 8);
+    assert!(rel_err(&scores(&v), &want, "tiny IG") < 1e-5);
+    assert_gap(&v, want_gap);
+    let coarse = t.run(&["--method", "integrated-gradients", "--steps", "1"]);
     assert_eq!(coarse["steps"], 1);
-    // a logit difference: f = logit(a) − logit(w), its IG by the same midpoints
-    let logits = model.next_token_logits(&tokens).unwrap();
-    let (a, w) = (g.target, (g.target + 1) % model.dims.vocab_size as u32);
+}
+
+/// `--answer a --wrong w`: f = logit(a) − logit(w), its IG by the same midpoints.
+fn check_logit_difference_integrated_gradients(t: &Tiny, a: u32, w: u32) {
+    let logits = t.model.next_token_logits(&t.tokens).unwrap();
     let (a_s, w_s) = (a.to_string(), w.to_string());
-    let v = run(&[
+    let v = t.run(&[
         "--method",
         "integrated-gradients",
         "--steps",
@@ -313,6 +388,7 @@ fn tiny_model_methods() {
     let f = (logits[a as usize] - logits[w as usize]) as f64;
     assert!((v["value"].as_f64().unwrap() - f).abs() < 1e-4 * f.abs().max(1.0));
     let (want, want_gap) = ig_by_hand(
+        t,
         Metric::LogitDiff {
             answer: a,
             wrong: w,
@@ -320,12 +396,13 @@ fn tiny_model_methods() {
         8,
     );
     assert!(rel_err(&scores(&v), &want, "tiny logit-diff IG") < 1e-5);
-    let gap = v["completeness_gap"].as_f64().unwrap();
-    assert!(
-        (gap - want_gap).abs() < 1e-4 * want_gap.abs().max(1.0),
-        "gap {gap} vs {want_gap}"
-    );
-    let v = run(&[
+    assert_gap(&v, want_gap);
+}
+
+/// `--answer a --wrong w` with gradient × input equals the library's gradient of the difference.
+fn check_logit_difference_grad_x_input(t: &Tiny, a: u32, w: u32) {
+    let (a_s, w_s) = (a.to_string(), w.to_string());
+    let v = t.run(&[
         "--method",
         "grad-x-input",
         "--answer",
@@ -333,27 +410,26 @@ fn tiny_model_methods() {
         "--wrong",
         &w_s,
     ]);
-    let gd = model
+    let gd = t
+        .model
         .gradient(
-            &tokens,
+            &t.tokens,
             Metric::LogitDiff {
                 answer: a,
                 wrong: w,
             },
         )
         .unwrap();
-    let want: Vec<f64> = gd
-        .grad_input
-        .chunks(dm)
-        .zip(gd.input.chunks(dm))
-        .map(|(a, b)| a.iter().zip(b).map(|(a, b)| *a as f64 * *b as f64).sum())
-        .collect();
+    let want = grad_x_input(&gd, t.dm());
     assert!(rel_err(&scores(&v), &want, "tiny logit-diff grad-x-input") < 1e-5);
-    // the terminal: a table and the shaded text (marks without colour), the gap for IG
+}
+
+/// The terminal: a table and the shaded text (marks without colour), the gap for IG.
+fn check_terminal_table(t: &Tiny) {
     let out = attnscope(&[
         "attribute",
         "-m",
-        &m,
+        t.m,
         "--text",
         TEXT,
         "--method",
@@ -421,21 +497,28 @@ fn bad_input_is_refused() {
 fn faithfulness_has_the_gradient_rankings() {
     let dir = tempfile::tempdir().unwrap();
     let (m, model) = tiny(&dir);
-    let v = json(&[
-        "faithfulness",
-        "-m",
-        &m,
-        "--text",
-        TEXT,
-        "--steps",
-        "8",
-        "--json",
-    ]);
+    let v = faithfulness_json(&m, &["--steps", "8"]);
     let tokens = model.encode(TEXT, false).unwrap();
+    check_tokens_have_the_gradient_scores(&m, &v, tokens.len());
+    check_metrics_rank_by_the_gradients(&v);
+    check_gradients_fast_and_none(&m);
+    check_steps_refused_and_table(&m);
+}
+
+/// `faithfulness -m M --text TEXT EXTRA --json`, parsed.
+fn faithfulness_json(m: &str, extra: &[&str]) -> serde_json::Value {
+    let head = ["faithfulness", "-m", m, "--text", TEXT];
+    let args: [&[&str]; 3] = [&head, extra, &["--json"]];
+    json(&args.concat())
+}
+
+/// Each of `faithfulness`'s `n` tokens (`v`) has the gradient methods' scores, gradient × input
+/// equal to `attribute`'s.
+fn check_tokens_have_the_gradient_scores(m: &str, v: &serde_json::Value, n: usize) {
     let a = json(&[
         "attribute",
         "-m",
-        &m,
+        m,
         "--text",
         TEXT,
         "--method",
@@ -443,13 +526,18 @@ fn faithfulness_has_the_gradient_rankings() {
         "--json",
     ]);
     let toks = v["tokens"].as_array().unwrap();
-    assert_eq!(toks.len(), tokens.len());
+    assert_eq!(toks.len(), n);
     for (t, s) in toks.iter().zip(scores(&a)) {
         assert!((t["grad_x_input"].as_f64().unwrap() - s).abs() < 1e-6 * s.abs().max(1.0));
         for key in ["gradient", "integrated_gradients", "attention_x_gradient"] {
             assert!(t[key].as_f64().is_some(), "tokens[] lacks {key}");
         }
     }
+}
+
+/// Every gradient ranking is scored against the 3 truths, with and without the first token, and
+/// the most faithful one is named.
+fn check_metrics_rank_by_the_gradients(v: &serde_json::Value) {
     assert!(v["ig_completeness_gap"].as_f64().is_some());
     for r in [
         "gradient",
@@ -472,32 +560,22 @@ fn faithfulness_has_the_gradient_rankings() {
     }
     let best = &v["most_faithful"];
     assert!(best["ranking"].is_string() && best["spearman"].is_f64());
-    let fast = json(&[
-        "faithfulness",
-        "-m",
-        &m,
-        "--text",
-        TEXT,
-        "--gradients",
-        "fast",
-        "--json",
-    ]);
+}
+
+/// `--gradients fast` leaves integrated gradients out, `--gradients none` every gradient.
+fn check_gradients_fast_and_none(m: &str) {
+    let fast = faithfulness_json(m, &["--gradients", "fast"]);
     assert!(fast["tokens"][0].get("integrated_gradients").is_none());
     assert!(fast["tokens"][0]["gradient"].is_f64());
-    let none = json(&[
-        "faithfulness",
-        "-m",
-        &m,
-        "--text",
-        TEXT,
-        "--gradients",
-        "none",
-        "--json",
-    ]);
+    let none = faithfulness_json(m, &["--gradients", "none"]);
     assert!(none["tokens"][0].get("gradient").is_none());
-    let out = attnscope(&["faithfulness", "-m", &m, "--text", TEXT, "--steps", "0"]);
+}
+
+/// `--steps 0` is refused; the terminal table has the gradient columns.
+fn check_steps_refused_and_table(m: &str) {
+    let out = attnscope(&["faithfulness", "-m", m, "--text", TEXT, "--steps", "0"]);
     assert_eq!(out.status.code(), Some(2));
-    let table = attnscope(&["faithfulness", "-m", &m, "--text", TEXT, "--steps", "2"]);
+    let table = attnscope(&["faithfulness", "-m", m, "--text", TEXT, "--steps", "2"]);
     let s = String::from_utf8_lossy(&table.stdout);
     assert!(
         s.contains("attn×grad") && s.contains("integrated_gradients"),

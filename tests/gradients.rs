@@ -3,7 +3,7 @@
 
 mod common;
 
-use attnscope::model::backward::Metric;
+use attnscope::model::backward::{Gradient, Metric};
 use attnscope::model::config::Arch;
 use attnscope::model::tiny::{tiny_model, write_gguf};
 use attnscope::model::{Model, Precision};
@@ -34,96 +34,149 @@ fn check(model: &Model, tokens: &[u32], label: &str) {
     let g = model.gradient(&tokens, Metric::LogProb(None)).unwrap();
     let want = model.next_token_logits(&tokens).unwrap();
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let d = common::max_abs_diff(&g.logits, &want, label);
+    check_logits_equal_the_engines(&g, &want, scale, label);
+    let fd = FiniteDifferences::new(model, &g);
+    assert!(
+        fd.norm > 0.0 && fd.norm.is_finite(),
+        "{label}: gradient norm {}",
+        fd.norm
+    );
+    let (fd_dir, an, rel) = fd.directional(label);
+    let worst = fd.worst_coordinate_error(label);
+    assert!(worst < 2e-2, "{label}: coordinate error {worst}");
+    assert!(
+        rel < 1e-3,
+        "{label}: directional derivative {fd_dir} vs {an}"
+    );
+    check_logit_difference_value(model, &tokens, &g, &want, scale);
+}
+
+/// The last position's logits of the backward's forward against the engine's (`want`, whose
+/// largest `|logit|` is `scale`).
+fn check_logits_equal_the_engines(g: &Gradient, want: &[f32], scale: f32, label: &str) {
+    let d = common::max_abs_diff(&g.logits, want, label);
     eprintln!("{label}: logits max |diff| {d:.2e} (largest {scale:.2})");
     assert!(
         d <= 1e-5 * scale.max(1.0) * 10.0,
         "{label}: logits differ by {d}"
     );
-    let metric = Metric::LogProb(Some(g.target));
-    let f = |x: &[f32]| -> f64 { model.gradient_from(x, metric).unwrap().value as f64 };
-    let norm = g
-        .grad_input
-        .iter()
-        .map(|v| (*v as f64).powi(2))
-        .sum::<f64>()
-        .sqrt();
-    assert!(
-        norm > 0.0 && norm.is_finite(),
-        "{label}: gradient norm {norm}"
-    );
-    let xnorm = g
-        .input
-        .iter()
-        .map(|v| (*v as f64).powi(2))
-        .sum::<f64>()
-        .sqrt();
-    let xrms = xnorm / (g.input.len() as f64).sqrt();
-    // along a fixed pseudo-random direction u of ±1 entries
-    // (scaled by each row's rms: an input row may be small, and a norm is steep there)
-    let dm = model.dims.d_model;
-    let row_rms: Vec<f64> = g
-        .input
-        .chunks(dm)
-        .map(|r| (r.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / dm as f64).sqrt())
-        .collect();
-    let u: Vec<f64> = (0..g.input.len())
-        .map(|i| {
-            let s = if (i * 2654435761usize) >> 7 & 1 == 0 {
-                1.0
-            } else {
-                -1.0
-            };
-            s * row_rms[i / dm] / xrms
-        })
-        .collect();
-    let step = |s: f64| -> Vec<f32> {
-        g.input
+}
+
+/// The gradient of `log p(target)` wrt the input against central finite differences of the
+/// metric, with Richardson's extrapolation cancelling their h² error.
+struct FiniteDifferences<'a> {
+    model: &'a Model,
+    g: &'a Gradient,
+    metric: Metric,
+    /// `|∂f/∂x|`
+    norm: f64,
+    /// the input's root mean square
+    xrms: f64,
+    /// each input row's root mean square
+    row_rms: Vec<f64>,
+}
+
+impl<'a> FiniteDifferences<'a> {
+    fn new(model: &'a Model, g: &'a Gradient) -> Self {
+        let l2 = |v: &[f32]| v.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt();
+        let dm = model.dims.d_model;
+        FiniteDifferences {
+            model,
+            g,
+            metric: Metric::LogProb(Some(g.target)),
+            norm: l2(&g.grad_input),
+            xrms: l2(&g.input) / (g.input.len() as f64).sqrt(),
+            row_rms: g
+                .input
+                .chunks(dm)
+                .map(|r| (r.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / dm as f64).sqrt())
+                .collect(),
+        }
+    }
+
+    fn f(&self, x: &[f32]) -> f64 {
+        self.model.gradient_from(x, self.metric).unwrap().value as f64
+    }
+
+    /// `(4·cd(h/2) − cd(h)) / 3` of the central difference `cd`.
+    fn richardson(h: f64, cd: impl Fn(f64) -> f64) -> f64 {
+        (4.0 * cd(h / 2.0) - cd(h)) / 3.0
+    }
+
+    /// Along a fixed pseudo-random direction u of ±1 entries (scaled by each row's rms: an input
+    /// row may be small, and a norm is steep there): the finite difference, the backward's
+    /// `g · u`, and their difference relative to `|g||u|`.
+    fn directional(&self, label: &str) -> (f64, f64, f64) {
+        let (g, dm) = (self.g, self.model.dims.d_model);
+        let u: Vec<f64> = (0..g.input.len())
+            .map(|i| {
+                let s = if (i * 2654435761usize) >> 7 & 1 == 0 {
+                    1.0
+                } else {
+                    -1.0
+                };
+                s * self.row_rms[i / dm] / self.xrms
+            })
+            .collect();
+        let step = |s: f64| -> Vec<f32> {
+            g.input
+                .iter()
+                .zip(&u)
+                .map(|(x, d)| (*x as f64 + s * d) as f32)
+                .collect()
+        };
+        let cd = |h: f64| (self.f(&step(h)) - self.f(&step(-h))) / (2.0 * h);
+        let fd = Self::richardson(1e-3 * self.xrms, cd);
+        let an: f64 = g
+            .grad_input
             .iter()
             .zip(&u)
-            .map(|(x, d)| (*x as f64 + s * d) as f32)
-            .collect()
-    };
-    let cd = |h: f64| (f(&step(h)) - f(&step(-h))) / (2.0 * h);
-    let h = 1e-3 * xrms;
-    // Richardson: the central difference's h² error cancelled
-    let fd = (4.0 * cd(h / 2.0) - cd(h)) / 3.0;
-    let an: f64 = g
-        .grad_input
-        .iter()
-        .zip(&u)
-        .map(|(a, b)| *a as f64 * b)
-        .sum();
-    let bound = norm * u.iter().map(|v| v * v).sum::<f64>().sqrt();
-    let rel = (fd - an).abs() / bound;
-    eprintln!("{label}: directional derivative fd {fd:.6e} vs backward {an:.6e} (error {rel:.1e} of |g||u|)");
-    // single coordinates: the largest few and a few others, against the largest value
-    let gmax = g.grad_input.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
-    let mut idx: Vec<usize> = (0..g.grad_input.len()).collect();
-    idx.sort_by(|&a, &b| g.grad_input[b].abs().total_cmp(&g.grad_input[a].abs()));
-    let mut pick: Vec<usize> = idx[..4].to_vec();
-    pick.extend((0..6).map(|i| (i * 7919 + 13) % g.grad_input.len()));
-    let mut worst = 0f64;
-    for &i in &pick {
-        let hh = 1e-3 * row_rms[i / dm];
-        let cd = |hh: f64| {
-            let mut a = g.input.clone();
-            let mut b = g.input.clone();
-            a[i] += hh as f32;
-            b[i] -= hh as f32;
-            (f(&a) - f(&b)) / (2.0 * hh)
-        };
-        let fd = (4.0 * cd(hh / 2.0) - cd(hh)) / 3.0;
-        worst = worst.max((fd - g.grad_input[i] as f64).abs() / gmax);
+            .map(|(a, b)| *a as f64 * b)
+            .sum();
+        let bound = self.norm * u.iter().map(|v| v * v).sum::<f64>().sqrt();
+        let rel = (fd - an).abs() / bound;
+        eprintln!("{label}: directional derivative fd {fd:.6e} vs backward {an:.6e} (error {rel:.1e} of |g||u|)");
+        (fd, an, rel)
     }
-    eprintln!("{label}: worst coordinate error {worst:.1e} of the largest gradient {gmax:.3e}");
-    assert!(worst < 2e-2, "{label}: coordinate error {worst}");
-    assert!(rel < 1e-3, "{label}: directional derivative {fd} vs {an}");
-    // a logit difference
+
+    /// Single coordinates, the largest few and a few others: the worst error against the
+    /// largest value.
+    fn worst_coordinate_error(&self, label: &str) -> f64 {
+        let (g, dm) = (self.g, self.model.dims.d_model);
+        let gmax = g.grad_input.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+        let mut idx: Vec<usize> = (0..g.grad_input.len()).collect();
+        idx.sort_by(|&a, &b| g.grad_input[b].abs().total_cmp(&g.grad_input[a].abs()));
+        let mut pick: Vec<usize> = idx[..4].to_vec();
+        pick.extend((0..6).map(|i| (i * 7919 + 13) % g.grad_input.len()));
+        let mut worst = 0f64;
+        for &i in &pick {
+            let cd = |hh: f64| {
+                let mut a = g.input.clone();
+                let mut b = g.input.clone();
+                a[i] += hh as f32;
+                b[i] -= hh as f32;
+                (self.f(&a) - self.f(&b)) / (2.0 * hh)
+            };
+            let fd = Self::richardson(1e-3 * self.row_rms[i / dm], cd);
+            worst = worst.max((fd - g.grad_input[i] as f64).abs() / gmax);
+        }
+        eprintln!("{label}: worst coordinate error {worst:.1e} of the largest gradient {gmax:.3e}");
+        worst
+    }
+}
+
+/// A logit difference's value equals the engine's logits' difference.
+fn check_logit_difference_value(
+    model: &Model,
+    tokens: &[u32],
+    g: &Gradient,
+    want: &[f32],
+    scale: f32,
+) {
     let wrong = (g.target + 1) % model.dims.vocab_size as u32;
     let ld = model
         .gradient(
-            &tokens,
+            tokens,
             Metric::LogitDiff {
                 answer: g.target,
                 wrong,
@@ -186,18 +239,7 @@ fn against_autograd(alias: &str, short: &str, ig: bool) {
     let refj = common::golden_json(&format!("{short}_gradients.json"));
     let r = &refj["texts"]["lesson"];
     let ids: Vec<u32> = flat(&r["token_ids"]).iter().map(|&v| v as u32).collect();
-    let dm = model.dims.d_model;
-    let t0 = std::time::Instant::now();
-    let g = model.gradient(&ids, Metric::LogProb(None)).unwrap();
-    let fb = t0.elapsed();
-    let t0 = std::time::Instant::now();
-    model.next_token_logits(&ids).unwrap();
-    eprintln!(
-        "{short}: {} tokens, forward + backward {:.2}s, forward {:.3}s",
-        ids.len(),
-        fb.as_secs_f64(),
-        t0.elapsed().as_secs_f64()
-    );
+    let g = timed_gradient(model, &ids, short);
     assert_eq!(
         g.target as f64,
         r["target_id"].as_f64().unwrap(),
@@ -205,69 +247,77 @@ fn against_autograd(alias: &str, short: &str, ig: bool) {
     );
     let lp = r["logprob"].as_f64().unwrap();
     eprintln!("{short}: logprob {} vs {lp}", g.logprob);
-    let l2: Vec<f32> = g
-        .grad_input
-        .chunks(dm)
-        .map(|r| r.iter().map(|v| v * v).sum::<f32>().sqrt())
-        .collect();
+    let mut worst = worst_gradient_error(&g, model.dims.d_model, r, short);
+    assert!((g.logprob as f64 - lp).abs() < 1e-2, "{short}: logprob");
+    if ig {
+        worst = worst.max(integrated_gradients_error(model, &ids, r, short));
+    }
+    assert!(worst < 1e-3, "{short}: worst relative error {worst:.2e}");
+}
+
+/// The gradient of log p(top next token) for `ids`, its time printed next to a forward's.
+fn timed_gradient(model: &Model, ids: &[u32], short: &str) -> Gradient {
+    let t0 = std::time::Instant::now();
+    let g = model.gradient(ids, Metric::LogProb(None)).unwrap();
+    let fb = t0.elapsed();
+    let t0 = std::time::Instant::now();
+    model.next_token_logits(ids).unwrap();
+    eprintln!(
+        "{short}: {} tokens, forward + backward {:.2}s, forward {:.3}s",
+        ids.len(),
+        fb.as_secs_f64(),
+        t0.elapsed().as_secs_f64()
+    );
+    g
+}
+
+/// The worst relative error of the input gradient's per-token L2 norms and gradient × input, of
+/// each layer's `resid_pre` gradient norms and of the last row's pattern gradients against the
+/// reference `r`.
+fn worst_gradient_error(g: &Gradient, dm: usize, r: &serde_json::Value, short: &str) -> f64 {
+    let row_norms = |x: &[f32]| -> Vec<f32> {
+        x.chunks(dm)
+            .map(|r| r.iter().map(|v| v * v).sum::<f32>().sqrt())
+            .collect()
+    };
+    let l2 = row_norms(&g.grad_input);
     let gxi: Vec<f32> = g
         .grad_input
         .chunks(dm)
         .zip(g.input.chunks(dm))
         .map(|(a, b)| a.iter().zip(b).map(|(a, b)| a * b).sum())
         .collect();
-    let resid: Vec<f32> = g
-        .grad_resid_pre
-        .iter()
-        .flat_map(|l| {
-            l.chunks(dm)
-                .map(|r| r.iter().map(|v| v * v).sum::<f32>().sqrt())
-                .collect::<Vec<_>>()
-        })
-        .collect();
+    let resid: Vec<f32> = g.grad_resid_pre.iter().flat_map(|l| row_norms(l)).collect();
     let pat: Vec<f32> = g.grad_pattern_last.concat();
-    let errs = [
-        rel_err(
-            &l2,
-            &flat(&r["grad_input_l2"]),
-            &format!("{short} grad_input_l2"),
-        ),
-        rel_err(
-            &gxi,
-            &flat(&r["grad_input_gxi"]),
-            &format!("{short} grad_input_gxi"),
-        ),
-        rel_err(
-            &resid,
-            &flat(&r["grad_resid_pre_l2"]),
-            &format!("{short} grad_resid_pre_l2"),
-        ),
-        rel_err(
-            &pat,
-            &flat(&r["grad_pattern_last"]),
-            &format!("{short} grad_pattern_last"),
-        ),
-    ];
-    let mut worst = errs.iter().fold(0f64, |a, &b| a.max(b));
-    assert!((g.logprob as f64 - lp).abs() < 1e-2, "{short}: logprob");
-    if ig {
-        let t0 = std::time::Instant::now();
-        let igr = model
-            .integrated_gradients(&ids, Metric::LogProb(None), 32, &mut |_| {})
-            .unwrap();
-        eprintln!(
-            "{short}: integrated gradients (32 steps) {:.1}s, gap {} vs {}",
-            t0.elapsed().as_secs_f64(),
-            igr.gap,
-            r["ig_completeness_gap"]
-        );
-        worst = worst.max(rel_err(
-            &igr.scores,
-            &flat(&r["ig"]),
-            &format!("{short} ig"),
-        ));
-    }
-    assert!(worst < 1e-3, "{short}: worst relative error {worst:.2e}");
+    [
+        (&l2, "grad_input_l2"),
+        (&gxi, "grad_input_gxi"),
+        (&resid, "grad_resid_pre_l2"),
+        (&pat, "grad_pattern_last"),
+    ]
+    .iter()
+    .map(|(got, key)| rel_err(got, &flat(&r[*key]), &format!("{short} {key}")))
+    .fold(0f64, |a, b| a.max(b))
+}
+
+/// Integrated gradients (32 steps) against the reference's, their relative error.
+fn integrated_gradients_error(
+    model: &Model,
+    ids: &[u32],
+    r: &serde_json::Value,
+    short: &str,
+) -> f64 {
+    let t0 = std::time::Instant::now();
+    let igr = model
+        .integrated_gradients(ids, Metric::LogProb(None), 32, &mut |_| {})
+        .unwrap();
+    eprintln!(
+        "{short}: integrated gradients (32 steps) {:.1}s, gap {} vs {}",
+        t0.elapsed().as_secs_f64(),
+        igr.gap,
+        r["ig_completeness_gap"]
+    );
+    rel_err(&igr.scores, &flat(&r["ig"]), &format!("{short} ig"))
 }
 
 #[test]

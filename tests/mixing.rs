@@ -9,6 +9,7 @@ mod common;
 use attnscope::analysis::mixing::{alti_logit, value_zeroing, MAX_MIXING_TOKENS};
 use attnscope::model::backward::Metric;
 use attnscope::model::config::Arch;
+use attnscope::model::lrp::Relevance;
 use attnscope::model::tiny::{tiny_model, write_gguf};
 use attnscope::model::{Model, Precision};
 use candle_core::quantized::GgmlDType;
@@ -165,81 +166,112 @@ fn invariants_on_every_family() {
             .iter()
             .map(|&t| t % model.dims.vocab_size as u32)
             .collect();
-        let n = ids.len();
-        let v = value_zeroing(&model, &ids, &mut |_, _| {}).unwrap();
-        assert_eq!(v.layers.len(), model.dims.n_layers);
-        for c in &v.layers {
-            for i in 0..n {
-                let row = &c[i * n..(i + 1) * n];
-                let s: f32 = row.iter().sum();
-                assert!((s - 1.0).abs() < 1e-5, "{label}: row {i} sums to {s}");
-                assert!(row[i + 1..].iter().all(|&x| x == 0.0), "{label}: causal");
-                assert!(row.iter().all(|&x| x >= 0.0), "{label}: a distance < 0");
-            }
-            assert!(
-                (c[0] - 1.0).abs() < 1e-6,
-                "{label}: token 0 sees itself only"
-            );
-        }
-        let s: f32 = v.rollout_last.iter().sum();
-        assert!((s - 1.0).abs() < 1e-4, "{label}: rollout sums to {s}");
-        let a = alti_logit(&model, &ids, Metric::LogProb(None)).unwrap();
-        assert!(a.rebuild_error < 1e-5, "{label}: {}", a.rebuild_error);
-        for row in &a.alti_last {
+        check_value_zeroing_rows_are_distributions(&model, &ids, &label);
+        check_alti_rebuilds_and_adds_up(&model, &ids, &label);
+        let lrp = check_attnlrp_conserves(&model, &ids);
+        let (logit_diff, diff) = check_attnlrp_is_linear_in_the_logits(&model, &ids, &lrp, &label);
+        check_attnlrp_is_not_gradient_x_input(&model, &ids, logit_diff, &diff, &label);
+    }
+}
+
+/// Value zeroing's rows (every layer's) and its rollout are distributions over the keys a query
+/// sees, token 0 only itself.
+fn check_value_zeroing_rows_are_distributions(model: &Model, ids: &[u32], label: &str) {
+    let n = ids.len();
+    let v = value_zeroing(model, ids, &mut |_, _| {}).unwrap();
+    assert_eq!(v.layers.len(), model.dims.n_layers);
+    for c in &v.layers {
+        for i in 0..n {
+            let row = &c[i * n..(i + 1) * n];
             let s: f32 = row.iter().sum();
-            assert!((s - 1.0).abs() < 1e-5, "{label}: ALTI row sums to {s}");
+            assert!((s - 1.0).abs() < 1e-5, "{label}: row {i} sums to {s}");
+            assert!(row[i + 1..].iter().all(|&x| x == 0.0), "{label}: causal");
+            assert!(row.iter().all(|&x| x >= 0.0), "{label}: a distance < 0");
         }
-        for (j, &sc) in a.scores.iter().enumerate() {
-            let by_layer: f32 = a.layers.iter().map(|l| l[j]).sum();
-            assert!((by_layer - sc).abs() < 1e-4 * sc.abs().max(1.0), "{label}");
-        }
-        let logits = model.next_token_logits(&ids).unwrap();
-        let lrp = model.attnlrp(&ids, Metric::LogProb(None)).unwrap();
-        assert!((lrp.value - logits[lrp.target as usize]).abs() < 1e-4 * lrp.value.abs().max(1.0));
-        let sum: f32 = lrp.scores.iter().sum();
-        assert!((lrp.conservation_error - (sum - lrp.value)).abs() < 1e-4 * sum.abs().max(1.0));
-        let other = (lrp.target + 1) % model.dims.vocab_size as u32;
-        let b = model.attnlrp(&ids, Metric::LogProb(Some(other))).unwrap();
-        let diff = model
-            .attnlrp(
-                &ids,
-                Metric::LogitDiff {
-                    answer: lrp.target,
-                    wrong: other,
-                },
-            )
-            .unwrap();
-        assert!((diff.value - (lrp.value - b.value)).abs() < 1e-4 * lrp.value.abs().max(1.0));
-        let top = lrp.scores.iter().fold(0f32, |m, v| m.max(v.abs()));
-        for j in 0..n {
-            let want = lrp.scores[j] - b.scores[j];
-            assert!(
-                (diff.scores[j] - want).abs() < 1e-4 * top.max(1e-3),
-                "{label}: position {j}: {} vs {want}",
-                diff.scores[j]
-            );
-        }
-        // the rules change the backward: AttnLRP is not gradient × input of the logit
-        let g = model
-            .gradient(
-                &ids,
-                Metric::LogitDiff {
-                    answer: lrp.target,
-                    wrong: other,
-                },
-            )
-            .unwrap();
-        let gxi: Vec<f32> = g
-            .grad_input
-            .chunks(model.dims.d_model)
-            .zip(g.input.chunks(model.dims.d_model))
-            .map(|(a, b)| a.iter().zip(b).map(|(x, y)| x * y).sum())
-            .collect();
         assert!(
-            common::max_abs_diff(&gxi, &diff.scores, &label) > 1e-6,
-            "{label}: AttnLRP equals gradient × input"
+            (c[0] - 1.0).abs() < 1e-6,
+            "{label}: token 0 sees itself only"
         );
     }
+    let s: f32 = v.rollout_last.iter().sum();
+    assert!((s - 1.0).abs() < 1e-4, "{label}: rollout sums to {s}");
+}
+
+/// ALTI's decomposition rebuilds each layer's residual after attention, its rows are
+/// distributions, its layers add up to its scores.
+fn check_alti_rebuilds_and_adds_up(model: &Model, ids: &[u32], label: &str) {
+    let a = alti_logit(model, ids, Metric::LogProb(None)).unwrap();
+    assert!(a.rebuild_error < 1e-5, "{label}: {}", a.rebuild_error);
+    for row in &a.alti_last {
+        let s: f32 = row.iter().sum();
+        assert!((s - 1.0).abs() < 1e-5, "{label}: ALTI row sums to {s}");
+    }
+    for (j, &sc) in a.scores.iter().enumerate() {
+        let by_layer: f32 = a.layers.iter().map(|l| l[j]).sum();
+        assert!((by_layer - sc).abs() < 1e-4 * sc.abs().max(1.0), "{label}");
+    }
+}
+
+/// AttnLRP of the top token's logit: its value is that logit, its conservation error is
+/// `Σ scores − f`; returned for the next steps.
+fn check_attnlrp_conserves(model: &Model, ids: &[u32]) -> Relevance {
+    let logits = model.next_token_logits(ids).unwrap();
+    let lrp = model.attnlrp(ids, Metric::LogProb(None)).unwrap();
+    assert!((lrp.value - logits[lrp.target as usize]).abs() < 1e-4 * lrp.value.abs().max(1.0));
+    let sum: f32 = lrp.scores.iter().sum();
+    assert!((lrp.conservation_error - (sum - lrp.value)).abs() < 1e-4 * sum.abs().max(1.0));
+    lrp
+}
+
+/// AttnLRP of the logit difference between `lrp`'s target and the next token id is the
+/// difference of the two logits' relevances, position by position; returns that metric and its
+/// relevances.
+fn check_attnlrp_is_linear_in_the_logits(
+    model: &Model,
+    ids: &[u32],
+    lrp: &Relevance,
+    label: &str,
+) -> (Metric, Relevance) {
+    let other = (lrp.target + 1) % model.dims.vocab_size as u32;
+    let b = model.attnlrp(ids, Metric::LogProb(Some(other))).unwrap();
+    let logit_diff = Metric::LogitDiff {
+        answer: lrp.target,
+        wrong: other,
+    };
+    let diff = model.attnlrp(ids, logit_diff).unwrap();
+    assert!((diff.value - (lrp.value - b.value)).abs() < 1e-4 * lrp.value.abs().max(1.0));
+    let top = lrp.scores.iter().fold(0f32, |m, v| m.max(v.abs()));
+    for j in 0..ids.len() {
+        let want = lrp.scores[j] - b.scores[j];
+        assert!(
+            (diff.scores[j] - want).abs() < 1e-4 * top.max(1e-3),
+            "{label}: position {j}: {} vs {want}",
+            diff.scores[j]
+        );
+    }
+    (logit_diff, diff)
+}
+
+/// The rules change the backward: AttnLRP of a logit difference (`diff`) is not gradient × input
+/// of it.
+fn check_attnlrp_is_not_gradient_x_input(
+    model: &Model,
+    ids: &[u32],
+    logit_diff: Metric,
+    diff: &Relevance,
+    label: &str,
+) {
+    let g = model.gradient(ids, logit_diff).unwrap();
+    let gxi: Vec<f32> = g
+        .grad_input
+        .chunks(model.dims.d_model)
+        .zip(g.input.chunks(model.dims.d_model))
+        .map(|(a, b)| a.iter().zip(b).map(|(x, y)| x * y).sum())
+        .collect();
+    assert!(
+        common::max_abs_diff(&gxi, &diff.scores, label) > 1e-6,
+        "{label}: AttnLRP equals gradient × input"
+    );
 }
 
 fn attnscope(args: &[&str]) -> std::process::Output {
@@ -266,70 +298,92 @@ fn json(args: &[&str]) -> Value {
 fn command_line() {
     let dir = tempfile::tempdir().unwrap();
     let (m, model) = tiny(Arch::Qwen2, &dir);
-    let text = "the hat at the cat";
-    let ids = model.encode(text, false).unwrap();
-    let n = ids.len();
-    let run = |method: &str| {
-        json(&[
-            "attribute",
-            "-m",
-            &m,
-            "--text",
-            text,
-            "--method",
-            method,
-            "--json",
-        ])
-    };
-    let scores = |v: &Value| -> Vec<f32> {
-        v["tokens"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t["score"].as_f64().unwrap() as f32)
-            .collect()
-    };
-    let lrp = run("attnlrp");
+    let ids = model.encode(CLI_TEXT, false).unwrap();
+    let cli = Cli { m, model, ids };
+    check_attnlrp_json(&cli);
+    check_value_zeroing_json(&cli);
+    check_alti_logit_json(&cli);
+    check_alti_logit_of_a_logit_difference(&cli);
+    check_terminal_shows_the_conservation_error(&cli);
+    check_faithfulness_ranks_by_all_three(&cli);
+}
+
+const CLI_TEXT: &str = "the hat at the cat";
+
+/// The tiny model the command line runs (`m`, its file) and [`CLI_TEXT`]'s tokens.
+struct Cli {
+    m: String,
+    model: Model,
+    ids: Vec<u32>,
+}
+
+impl Cli {
+    /// `attribute -m M --text CLI_TEXT EXTRA --json`, parsed.
+    fn attribute(&self, extra: &[&str]) -> Value {
+        let head = ["attribute", "-m", &self.m, "--text", CLI_TEXT];
+        let args: [&[&str]; 3] = [&head, extra, &["--json"]];
+        json(&args.concat())
+    }
+
+    fn method(&self, method: &str) -> Value {
+        self.attribute(&["--method", method])
+    }
+}
+
+/// The `score` of each of a command's `tokens[]`.
+fn scores(v: &Value) -> Vec<f32> {
+    v["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["score"].as_f64().unwrap() as f32)
+        .collect()
+}
+
+fn check_attnlrp_json(cli: &Cli) {
+    let lrp = cli.method("attnlrp");
     assert_eq!(lrp["method"], "attnlrp");
     assert_eq!(lrp["metric"], "logit");
-    let want = model.attnlrp(&ids, Metric::LogProb(None)).unwrap();
+    let want = cli.model.attnlrp(&cli.ids, Metric::LogProb(None)).unwrap();
     assert_eq!(scores(&lrp), want.scores);
     assert!(
         (lrp["conservation_error"].as_f64().unwrap() as f32 - want.conservation_error).abs() < 1e-6
     );
-    let vz = run("value-zeroing");
+}
+
+fn check_value_zeroing_json(cli: &Cli) {
+    let n = cli.ids.len();
+    let vz = cli.method("value-zeroing");
     assert_eq!(vz["metric"], "none");
-    let want = value_zeroing(&model, &ids, &mut |_, _| {}).unwrap();
+    let want = value_zeroing(&cli.model, &cli.ids, &mut |_, _| {}).unwrap();
     assert_eq!(scores(&vz), want.rollout_last);
-    assert_eq!(vz["layers"].as_array().unwrap().len(), model.dims.n_layers);
+    assert_eq!(
+        vz["layers"].as_array().unwrap().len(),
+        cli.model.dims.n_layers
+    );
     assert_eq!(
         floats(&vz["layers"][0]),
         want.layers[0][(n - 1) * n..].to_vec()
     );
-    let al = run("alti-logit");
+}
+
+fn check_alti_logit_json(cli: &Cli) {
+    let al = cli.method("alti-logit");
     assert_eq!(al["metric"], "logit");
-    let want = alti_logit(&model, &ids, Metric::LogProb(None)).unwrap();
+    let want = alti_logit(&cli.model, &cli.ids, Metric::LogProb(None)).unwrap();
     assert_eq!(scores(&al), want.scores);
-    assert_eq!(al["layers"].as_array().unwrap().len(), model.dims.n_layers);
-    // a logit difference
-    let d = json(&[
-        "attribute",
-        "-m",
-        &m,
-        "--text",
-        text,
-        "--method",
-        "alti-logit",
-        "--target",
-        "5",
-        "--wrong",
-        "7",
-        "--json",
-    ]);
+    assert_eq!(
+        al["layers"].as_array().unwrap().len(),
+        cli.model.dims.n_layers
+    );
+}
+
+fn check_alti_logit_of_a_logit_difference(cli: &Cli) {
+    let d = cli.attribute(&["--method", "alti-logit", "--target", "5", "--wrong", "7"]);
     assert_eq!(d["metric"], "logit_diff");
     let want = alti_logit(
-        &model,
-        &ids,
+        &cli.model,
+        &cli.ids,
         Metric::LogitDiff {
             answer: 5,
             wrong: 7,
@@ -337,20 +391,34 @@ fn command_line() {
     )
     .unwrap();
     assert_eq!(scores(&d), want.scores);
-    // the terminal
-    let out = attnscope(&["attribute", "-m", &m, "--text", text, "--method", "attnlrp"]);
+}
+
+fn check_terminal_shows_the_conservation_error(cli: &Cli) {
+    let out = attnscope(&[
+        "attribute",
+        "-m",
+        &cli.m,
+        "--text",
+        CLI_TEXT,
+        "--method",
+        "attnlrp",
+    ]);
     let s = String::from_utf8_lossy(&out.stdout);
     assert!(
         s.contains("conservation error") && s.contains("f = logit("),
         "{s}"
     );
-    // faithfulness
+}
+
+/// `faithfulness` scores every token by the three methods and ranks by each (JSON and
+/// terminal), and leaves them out with `--gradients none`.
+fn check_faithfulness_ranks_by_all_three(cli: &Cli) {
     let faithfulness: [&str; 7] = [
         "faithfulness",
         "-m",
-        &m,
+        &cli.m,
         "--text",
-        text,
+        CLI_TEXT,
         "--gradients",
         "fast",
     ];
@@ -382,9 +450,9 @@ fn command_line() {
     let none = json(&[
         "faithfulness",
         "-m",
-        &m,
+        &cli.m,
         "--text",
-        text,
+        CLI_TEXT,
         "--gradients",
         "none",
         "--json",
