@@ -36,6 +36,31 @@ fn run_node(chromium: &str, url: &str, expected: &str, shot: &Path) {
     );
 }
 
+/// target/browser-artifacts (made if missing), where the screenshots and measurements go.
+fn artifacts() -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/browser-artifacts");
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// `attnscope view --model GGUF --text TEXT --out HTML`, asserted to succeed.
+fn write_view(gguf: &Path, text: &str, html: &Path) {
+    Command::cargo_bin("attnscope")
+        .unwrap()
+        .write_stdin("")
+        .args([
+            "view",
+            "--model",
+            gguf.to_str().unwrap(),
+            "--text",
+            text,
+            "--out",
+            html.to_str().unwrap(),
+        ])
+        .assert()
+        .success();
+}
+
 #[test]
 #[cfg_attr(
     browser_missing,
@@ -54,20 +79,7 @@ fn view_works_in_a_real_browser() {
     .unwrap();
     let text = "the hat at the hat";
     let html = dir.path().join("view.html");
-    Command::cargo_bin("attnscope")
-        .unwrap()
-        .write_stdin("")
-        .args([
-            "view",
-            "--model",
-            gguf.to_str().unwrap(),
-            "--text",
-            text,
-            "--out",
-            html.to_str().unwrap(),
-        ])
-        .assert()
-        .success();
+    write_view(&gguf, text, &html);
     // the lines the page must draw at its default threshold 0.02, from the weights themselves
     // (as embedded: quantized to 1/65535)
     let model = Model::load(gguf.to_str().unwrap(), Precision::Exact, false).unwrap();
@@ -95,8 +107,7 @@ fn view_works_in_a_real_browser() {
     let expected = serde_json::json!({"layer": 1, "all": per_head.iter().sum::<usize>(), "per_head": per_head, "query": query, "query_lines": query_lines, "row": 18});
     let exp_path = dir.path().join("expected.json");
     std::fs::write(&exp_path, expected.to_string()).unwrap();
-    let artifacts = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/browser-artifacts");
-    std::fs::create_dir_all(&artifacts).unwrap();
+    let artifacts = artifacts();
     run_node(
         &chromium,
         &format!("file://{}", html.display()),
@@ -182,122 +193,26 @@ fn as_stored(row: &[f32], sparse: bool, k: usize) -> Vec<f32> {
     ignore = "no browser here (tests/browser/find-browser.sh says what is missing); .ci/run installs one"
 )]
 fn text_view_shows_what_the_page_stores() {
-    use attnscope::analysis::norms::{all_value_norms, Values};
-    use attnscope::model::capture::Hook;
-    use attnscope::model::tiny::write_gguf_with;
-    use candle_core::quantized::gguf_file::Value;
     let chromium = browser();
     let dir = tempfile::tempdir().unwrap();
     let gguf = dir.path().join("tiny.gguf");
-    // the tiny model with a context of 1,024 tokens, so a text can go past 256
-    write_gguf_with(
-        &tiny_model(Arch::Qwen2, 4),
-        Arch::Qwen2,
-        GgmlDType::F32,
-        &gguf,
-        &|md, _| {
-            for (k, v) in md.iter_mut() {
-                if k.ends_with(".context_length") {
-                    *v = Value::U32(1024);
-                }
-            }
-        },
-    )
-    .unwrap();
+    write_tiny_with_a_long_context(&gguf);
     let model = Model::load(gguf.to_str().unwrap(), Precision::Exact, false).unwrap();
-    let d = &model.dims;
-    let artifacts = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/browser-artifacts");
-    std::fs::create_dir_all(&artifacts).unwrap();
+    let artifacts = artifacts();
     for (label, text) in [
         ("short", "the hat at the hat".to_string()),
         ("long", "the cat sat at the hat. ".repeat(20)),
     ] {
         let tokens = model.encode(&text, false).unwrap();
         let n = tokens.len();
-        let sparse = n > 256;
-        assert_eq!(sparse, label == "long", "{label}: {n} tokens");
-        let spec = CaptureSpec {
-            hooks: vec![Hook::Pattern, Hook::V],
-            ..CaptureSpec::patterns()
-        };
-        let mut cache = AttnCache::new(&spec, n);
-        model
-            .forward(&tokens, &RunOptions::last_logits(n), &mut cache)
-            .unwrap();
-        let row = |l: usize, h: isize, q: usize| -> Vec<f32> {
-            let p = cache.pattern(l).unwrap();
-            if h >= 0 {
-                p.row_at(h as usize, q).unwrap()[..=q].to_vec()
-            } else {
-                (0..=q)
-                    .map(|j| {
-                        (0..d.n_heads)
-                            .map(|k| p.row_at(k, q).unwrap()[j])
-                            .sum::<f32>()
-                            / d.n_heads as f32
-                    })
-                    .collect()
-            }
-        };
-        let stored = |l: usize, h: isize, q: usize| {
-            as_stored(&row(l, h, q), sparse, if h >= 0 { 6 } else { 16 })
-        };
-        let vnorm = |l: usize| -> Vec<f32> {
-            let v = cache.get(l, Hook::V).unwrap();
-            let all = all_value_norms(
-                &model,
-                l,
-                &Values::pos_major(&v.data, n, d.n_kv_heads, d.head_dim),
-            );
-            let max = all.iter().copied().fold(0.0f32, f32::max);
-            all.iter().map(|&x| q16(x / max) * max).collect()
-        };
-        let mut checks = Vec::new();
-        let (q1, q2) = (n - 1, n / 2);
-        for (l, h, q) in [(1usize, 2isize, q1), (0, -1, q2), (1, -1, q1), (0, 3, q2)] {
-            checks.push(serde_json::json!({"layer": l, "head": h, "query": q, "measure": "weight", "values": stored(l, h, q), "tol": 2e-5}));
-        }
-        // the first token hidden: its weight 0, the rest renormalized
-        let mut r = stored(1, 1, q1);
-        let rest = 1.0 - r[0];
-        r[0] = 0.0;
-        r.iter_mut().skip(1).for_each(|x| *x /= rest);
-        checks.push(serde_json::json!({"layer": 1, "head": 1, "query": q1, "measure": "weight", "nosink": true, "values": r, "tol": 5e-5}));
-        // norm-based: α·‖W_Oʰ vⱼ‖ per head, and its mean over heads
-        for (l, h, q) in [(1usize, 0isize, q1), (0, -1, q2)] {
-            let vn = vnorm(l);
-            let heads: Vec<usize> = if h >= 0 {
-                vec![h as usize]
-            } else {
-                (0..d.n_heads).collect()
-            };
-            let mut vals = vec![0f32; q + 1];
-            for &k in &heads {
-                let a = stored(l, k as isize, q);
-                for j in 0..=q {
-                    vals[j] += a[j] * vn[k * n + j] / heads.len() as f32;
-                }
-            }
-            let tol = 1e-4 * vals.iter().copied().fold(1.0f32, f32::max);
-            checks.push(serde_json::json!({"layer": l, "head": h, "query": q, "measure": "norm", "values": vals, "tol": tol}));
-        }
+        let captured = Captured::new(&model, &tokens);
+        assert_eq!(captured.sparse, label == "long", "{label}: {n} tokens");
+        let mut checks = weight_checks(&captured);
+        checks.extend(norm_checks(&captured));
         let exp = dir.path().join(format!("{label}.json"));
         std::fs::write(&exp, serde_json::json!({"checks": checks}).to_string()).unwrap();
         let html = dir.path().join(format!("{label}.html"));
-        Command::cargo_bin("attnscope")
-            .unwrap()
-            .write_stdin("")
-            .args([
-                "view",
-                "--model",
-                gguf.to_str().unwrap(),
-                "--text",
-                &text,
-                "--out",
-                html.to_str().unwrap(),
-            ])
-            .assert()
-            .success();
+        write_view(&gguf, &text, &html);
         let m = run_longview(
             &chromium,
             &format!("file://{}", html.display()),
@@ -307,6 +222,137 @@ fn text_view_shows_what_the_page_stores() {
         );
         assert_eq!(m["n"].as_u64().unwrap() as usize, n);
     }
+}
+
+/// The tiny model with a context of 1,024 tokens, so a text can go past 256, written to `gguf`.
+fn write_tiny_with_a_long_context(gguf: &Path) {
+    use attnscope::model::tiny::write_gguf_with;
+    use candle_core::quantized::gguf_file::Value;
+    write_gguf_with(
+        &tiny_model(Arch::Qwen2, 4),
+        Arch::Qwen2,
+        GgmlDType::F32,
+        gguf,
+        &|md, _| {
+            for (k, v) in md.iter_mut() {
+                if k.ends_with(".context_length") {
+                    *v = Value::U32(1024);
+                }
+            }
+        },
+    )
+    .unwrap();
+}
+
+/// A text's patterns and values on a model, and what the page stores of them (sparse rows above
+/// 256 tokens).
+struct Captured<'a> {
+    model: &'a Model,
+    cache: AttnCache,
+    n: usize,
+    sparse: bool,
+}
+
+impl<'a> Captured<'a> {
+    fn new(model: &'a Model, tokens: &[u32]) -> Self {
+        use attnscope::model::capture::Hook;
+        let n = tokens.len();
+        let spec = CaptureSpec {
+            hooks: vec![Hook::Pattern, Hook::V],
+            ..CaptureSpec::patterns()
+        };
+        let mut cache = AttnCache::new(&spec, n);
+        model
+            .forward(tokens, &RunOptions::last_logits(n), &mut cache)
+            .unwrap();
+        Captured {
+            model,
+            cache,
+            n,
+            sparse: n > 256,
+        }
+    }
+
+    /// Head `h`'s weights of query `q` at layer `l` (`h` = -1: their mean over the heads).
+    fn row(&self, l: usize, h: isize, q: usize) -> Vec<f32> {
+        let d = &self.model.dims;
+        let p = self.cache.pattern(l).unwrap();
+        if h >= 0 {
+            p.row_at(h as usize, q).unwrap()[..=q].to_vec()
+        } else {
+            (0..=q)
+                .map(|j| {
+                    (0..d.n_heads)
+                        .map(|k| p.row_at(k, q).unwrap()[j])
+                        .sum::<f32>()
+                        / d.n_heads as f32
+                })
+                .collect()
+        }
+    }
+
+    /// [`Captured::row`] as the page stores it: a head's top 6 weights, the mean's top 16.
+    fn stored(&self, l: usize, h: isize, q: usize) -> Vec<f32> {
+        as_stored(&self.row(l, h, q), self.sparse, if h >= 0 { 6 } else { 16 })
+    }
+
+    /// Every head's ‖W_Oʰ vⱼ‖ at layer `l` (`[head, position]`), rounded as the page stores
+    /// them (to 1/65535 of the largest).
+    fn vnorm(&self, l: usize) -> Vec<f32> {
+        use attnscope::analysis::norms::{all_value_norms, Values};
+        use attnscope::model::capture::Hook;
+        let d = &self.model.dims;
+        let v = self.cache.get(l, Hook::V).unwrap();
+        let all = all_value_norms(
+            self.model,
+            l,
+            &Values::pos_major(&v.data, self.n, d.n_kv_heads, d.head_dim),
+        );
+        let max = all.iter().copied().fold(0.0f32, f32::max);
+        all.iter().map(|&x| q16(x / max) * max).collect()
+    }
+}
+
+/// The weights the page must shade by: per head and head-averaged at two queries, and with the
+/// first token hidden (its weight 0, the rest renormalized).
+fn weight_checks(c: &Captured) -> Vec<serde_json::Value> {
+    let mut checks = Vec::new();
+    let (q1, q2) = (c.n - 1, c.n / 2);
+    for (l, h, q) in [(1usize, 2isize, q1), (0, -1, q2), (1, -1, q1), (0, 3, q2)] {
+        checks.push(serde_json::json!({"layer": l, "head": h, "query": q, "measure": "weight", "values": c.stored(l, h, q), "tol": 2e-5}));
+    }
+    // the first token hidden: its weight 0, the rest renormalized
+    let mut r = c.stored(1, 1, q1);
+    let rest = 1.0 - r[0];
+    r[0] = 0.0;
+    r.iter_mut().skip(1).for_each(|x| *x /= rest);
+    checks.push(serde_json::json!({"layer": 1, "head": 1, "query": q1, "measure": "weight", "nosink": true, "values": r, "tol": 5e-5}));
+    checks
+}
+
+/// The norm-based values the page must shade by: α·‖W_Oʰ vⱼ‖ of one head, and its mean over
+/// the heads.
+fn norm_checks(c: &Captured) -> Vec<serde_json::Value> {
+    let mut checks = Vec::new();
+    let (q1, q2) = (c.n - 1, c.n / 2);
+    for (l, h, q) in [(1usize, 0isize, q1), (0, -1, q2)] {
+        let vn = c.vnorm(l);
+        let heads: Vec<usize> = if h >= 0 {
+            vec![h as usize]
+        } else {
+            (0..c.model.dims.n_heads).collect()
+        };
+        let mut vals = vec![0f32; q + 1];
+        for &k in &heads {
+            let a = c.stored(l, k as isize, q);
+            for j in 0..=q {
+                vals[j] += a[j] * vn[k * c.n + j] / heads.len() as f32;
+            }
+        }
+        let tol = 1e-4 * vals.iter().copied().fold(1.0f32, f32::max);
+        checks.push(serde_json::json!({"layer": l, "head": h, "query": q, "measure": "norm", "values": vals, "tol": tol}));
+    }
+    checks
 }
 
 /// The long-text view on the default model at about 512 and 4,096 tokens (texts from the built-in
@@ -322,8 +368,7 @@ fn long_text_view_is_bounded_and_measured() {
     let chromium = browser();
     let model = Model::load("qwen2.5-coder-0.5b", Precision::Exact, false).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let artifacts = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/browser-artifacts");
-    std::fs::create_dir_all(&artifacts).unwrap();
+    let artifacts = artifacts();
     let sentences = attnscope::analysis::corpus::builtin();
     for target in [512usize, 4096] {
         // whole sentences, as many as fit in `target` tokens
@@ -445,8 +490,7 @@ fn compare_page_works_in_a_real_browser() {
     });
     let exp = dir.path().join("expected.json");
     std::fs::write(&exp, expected.to_string()).unwrap();
-    let artifacts = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/browser-artifacts");
-    std::fs::create_dir_all(&artifacts).unwrap();
+    let artifacts = artifacts();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/browser/compare.mjs");
     let res = std::process::Command::new("node")
         .env("CHROMIUM", &chromium)

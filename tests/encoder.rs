@@ -720,9 +720,37 @@ fn encoder_targets_refuse_what_needs_a_decoder() {
     .is_err());
 }
 
+/// The encoder's `attribute`, `faithfulness` and `compare` on the command line, against
+/// sentence-transformers (minilm_occlusion.json, minilm_st_embeddings.json), and what they refuse.
 #[test]
 fn cli_attribute_faithfulness_and_compare_on_an_encoder() {
     let m = "all-minilm-l6-v2";
+    let g = golden_json("minilm_occlusion.json");
+    cli_attribute_cls_is_sentence_transformers_occlusion(m, &g);
+    cli_attribute_refuses_gradients(m);
+    cli_faithfulness_deletion_and_forward_only_rankings(m, &g);
+    cli_faithfulness_refuses_gradients_and_token_targets(m);
+    cli_compare_adds_the_embeddings_cosine(m);
+}
+
+/// 1 − each golden cosine (`case[key]` of minilm_occlusion.json): occlusion's scores.
+fn one_minus(cosines: &serde_json::Value) -> Vec<f32> {
+    floats(cosines).iter().map(|c| 1.0 - c).collect()
+}
+
+/// Each token's `key` in a command's `--json` report.
+fn token_column(v: &serde_json::Value, key: &str) -> Vec<f32> {
+    v["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t[key].as_f64().unwrap() as f32)
+        .collect()
+}
+
+/// `attribute --method occlusion --target cls`: cosine scores against sentence-transformers,
+/// and no decoder's target or log p in the report.
+fn cli_attribute_cls_is_sentence_transformers_occlusion(m: &str, g: &serde_json::Value) {
     let o = succeeds(
         attnscope()
             .args(["attribute", "-m", m, "--text", "The cat sat on the mat."])
@@ -732,18 +760,13 @@ fn cli_attribute_faithfulness_and_compare_on_an_encoder() {
     assert_eq!(v["encoder_target"], "cls");
     assert_eq!(v["metric"], "cosine");
     assert!(v.get("target").is_none() && v.get("logprob").is_none());
-    let g = golden_json("minilm_occlusion.json");
-    let want: Vec<f32> = floats(&g["cases"][0]["cos_cls"])
-        .iter()
-        .map(|c| 1.0 - c)
-        .collect();
-    let got: Vec<f32> = v["tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t["score"].as_f64().unwrap() as f32)
-        .collect();
+    let want = one_minus(&g["cases"][0]["cos_cls"]);
+    let got = token_column(&v, "score");
     assert!(max_abs_diff(&got, &want, "cli cls") < 1e-5);
+}
+
+/// `attribute --method gradient` on an encoder exits 2: gradients are decoder-only.
+fn cli_attribute_refuses_gradients(m: &str) {
     let o = fails_with(
         attnscope()
             .args(["attribute", "-m", m, "--text", "The cat sat."])
@@ -751,7 +774,11 @@ fn cli_attribute_faithfulness_and_compare_on_an_encoder() {
         2,
     );
     assert!(o.contains("decoder-only"));
-    // faithfulness: forward-only rankings against deletion; gradients refused
+}
+
+/// `faithfulness`: deletion against sentence-transformers' embedding, and only the
+/// forward-only rankings.
+fn cli_faithfulness_deletion_and_forward_only_rankings(m: &str, g: &serde_json::Value) {
     let v = run_json([
         "faithfulness",
         "-m",
@@ -761,16 +788,8 @@ fn cli_attribute_faithfulness_and_compare_on_an_encoder() {
         "--json",
     ]);
     assert_eq!(v["encoder_target"], "embedding");
-    let del: Vec<f32> = v["tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t["deletion"].as_f64().unwrap() as f32)
-        .collect();
-    let want: Vec<f32> = floats(&g["cases"][0]["cos_embedding"])
-        .iter()
-        .map(|c| 1.0 - c)
-        .collect();
+    let del = token_column(&v, "deletion");
+    let want = one_minus(&g["cases"][0]["cos_embedding"]);
     assert!(max_abs_diff(&del, &want, "cli faithfulness deletion") < 1e-5);
     let rankings: Vec<&str> = v["metrics"]
         .as_array()
@@ -789,6 +808,10 @@ fn cli_attribute_faithfulness_and_compare_on_an_encoder() {
             "random"
         ]
     );
+}
+
+/// `faithfulness --gradients fast` and a token target exit 2, each with its reason.
+fn cli_faithfulness_refuses_gradients_and_token_targets(m: &str) {
     for (extra, want) in [
         (["--gradients", "fast"], "decoder-only"),
         (["--target", " Paris"], "`cls`"),
@@ -801,7 +824,11 @@ fn cli_attribute_faithfulness_and_compare_on_an_encoder() {
         );
         assert!(o.contains(want), "{extra:?}: {o}");
     }
-    // two texts: their embeddings' cosine beside the attention comparison
+}
+
+/// `compare` of two texts: their embeddings' cosine (sentence-transformers') beside the
+/// attention comparison.
+fn cli_compare_adds_the_embeddings_cosine(m: &str) {
     let st = golden_json("minilm_st_embeddings.json");
     let (a, b) = (
         st["texts"][0].as_str().unwrap(),

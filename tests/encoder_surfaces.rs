@@ -191,66 +191,85 @@ fn serve_takes_a_pair_on_an_encoder() {
 #[test]
 fn corpus_on_an_encoder_reports_special_token_shares_and_merges() {
     let model = real_model("all-minilm-l6-v2");
-    let dir = tempfile::tempdir().unwrap();
-    let run = |args: &[&str], out: &str| -> serde_json::Value {
-        let o = attnscope()
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let single = corpus_json(dir, &[], "all.jsonl");
+    a_torn_record_file_resumes_to_the_same_aggregate(dir, &single);
+    corpus_json(dir, &["--shard", "0/2"], "s0.jsonl");
+    corpus_json(dir, &["--shard", "1/2"], "s1.jsonl");
+    assert_eq!(single["kind"], "encoder");
+    assert_eq!(single["sentences"], 6);
+    let records = std::fs::read_to_string(dir.join("all.jsonl")).unwrap();
+    records_hold_inspects_shares_and_make_the_aggregate(model, &records, &single);
+    two_shards_merged_equal_one_run(dir, &single);
+    // resuming skips the texts already in the file: the same aggregate
+    assert_eq!(corpus_json(dir, &[], "all.jsonl"), single);
+    a_decoders_records_beside_an_encoders_are_refused(dir);
+    run_err(
+        [
+            "corpus",
+            "-m",
+            "all-minilm-l6-v2",
+            "--limit",
+            "1",
+            "--faithfulness",
+        ],
+        2,
+    );
+}
+
+/// Runs `cmd` (an `attnscope corpus` command), asserts that it succeeded (showing its standard
+/// error if not) and returns its standard output.
+fn corpus_ok(cmd: &mut assert_cmd::Command) -> Vec<u8> {
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    o.stdout
+}
+
+/// `corpus` on MiniLM (6 texts, or a shard of them with `args`), its records in `dir`/`out`:
+/// the aggregate it prints.
+fn corpus_json(dir: &std::path::Path, args: &[&str], out: &str) -> serde_json::Value {
+    let stdout = corpus_ok(
+        attnscope()
             .args(["corpus", "-m", "all-minilm-l6-v2", "--limit", "6", "--json"])
             .args(args)
             .arg("--out")
-            .arg(dir.path().join(out))
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", stderr_of(&o));
-        serde_json::from_slice(&o.stdout).unwrap()
-    };
-    let single = run(&[], "all.jsonl");
-    // resumed after a run killed mid-line: the torn line goes, its text runs again, and the
-    // aggregate is the same (the resume logic the decoder's records use)
-    let whole = std::fs::read_to_string(dir.path().join("all.jsonl")).unwrap();
+            .arg(dir.join(out)),
+    );
+    serde_json::from_slice(&stdout).unwrap()
+}
+
+/// Resumed after a run killed mid-line: the torn line goes, its text runs again, and the
+/// aggregate is the same (the resume logic the decoder's records use).
+fn a_torn_record_file_resumes_to_the_same_aggregate(
+    dir: &std::path::Path,
+    single: &serde_json::Value,
+) {
+    let whole = std::fs::read_to_string(dir.join("all.jsonl")).unwrap();
     let kept: String = whole.lines().take(4).map(|l| format!("{l}\n")).collect();
-    std::fs::write(
-        dir.path().join("torn.jsonl"),
-        format!("{kept}{{\"id\":4,\"mod"),
-    )
-    .unwrap();
-    let resumed = run(&[], "torn.jsonl");
+    std::fs::write(dir.join("torn.jsonl"), format!("{kept}{{\"id\":4,\"mod")).unwrap();
+    let resumed = corpus_json(dir, &[], "torn.jsonl");
     assert_eq!(resumed["layers"], single["layers"]);
     assert_eq!(
-        std::fs::read_to_string(dir.path().join("torn.jsonl"))
+        std::fs::read_to_string(dir.join("torn.jsonl"))
             .unwrap()
             .lines()
             .count(),
         6
     );
-    run(&["--shard", "0/2"], "s0.jsonl");
-    run(&["--shard", "1/2"], "s1.jsonl");
-    assert_eq!(single["kind"], "encoder");
-    assert_eq!(single["sentences"], 6);
-    let records = std::fs::read_to_string(dir.path().join("all.jsonl")).unwrap();
+}
+
+/// Each record's per-layer shares are `inspect`'s on its text and its per-head shares average
+/// to them; the aggregate's per-layer [CLS] mean is the records' mean.
+fn records_hold_inspects_shares_and_make_the_aggregate(
+    model: &attnscope::model::Model,
+    records: &str,
+    single: &serde_json::Value,
+) {
     let (mut cls_sum, mut n) = (vec![0f64; 6], 0usize);
     for line in records.lines() {
         let r: serde_json::Value = serde_json::from_str(line).unwrap();
-        let tokens = model.encode(r["text"].as_str().unwrap(), false).unwrap();
-        let heads: Vec<usize> = (0..12).collect();
-        let want = inspect(model, &tokens, None, 0, 5, &heads, 1).unwrap();
-        for (k, w) in [
-            ("cls", &want.special_shares.cls),
-            ("sep", &want.special_shares.sep),
-            ("punct", &want.special_shares.punct),
-        ] {
-            let d = max_abs_diff(&floats(&r[k]), w, k);
-            assert!(d < 1e-6, "record {}: {k} {d:.2e} from inspect", r["id"]);
-        }
-        for (k, per) in [("cls", "head_cls"), ("sep", "head_sep")] {
-            for l in 0..6 {
-                let mean = floats(&r[per][l]).iter().sum::<f32>() / 12.0;
-                let want = r[k][l].as_f64().unwrap() as f32;
-                assert!(
-                    (mean - want).abs() < 1e-5,
-                    "{per} layer {l}: {mean} vs {want}"
-                );
-            }
-        }
+        record_has_inspects_shares(model, &r);
         for l in 0..6 {
             cls_sum[l] += r["cls"][l].as_f64().unwrap() as f32 as f64;
         }
@@ -263,51 +282,69 @@ fn corpus_on_an_encoder_reports_special_token_shares_and_merges() {
             "layer {l} mean {mean}"
         );
     }
-    let o = attnscope()
-        .args(["corpus", "merge", "--json"])
-        .arg(dir.path().join("s0.jsonl"))
-        .arg(dir.path().join("s1.jsonl"))
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", stderr_of(&o));
-    let merged: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(merged, single, "two shards merged equal one run");
-    // resuming skips the texts already in the file: the same aggregate
-    assert_eq!(run(&[], "all.jsonl"), single);
-    // a decoder's records beside an encoder's: refused by name
-    let o = attnscope()
-        .args([
-            "corpus",
-            "-m",
-            "smollm2-135m",
-            "--limit",
-            "1",
-            "--json",
-            "--out",
-        ])
-        .arg(dir.path().join("dec.jsonl"))
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", stderr_of(&o));
+}
+
+/// One record's [CLS]/[SEP]/punctuation shares are `inspect`'s (all layers, all 12 heads), and
+/// its per-head [CLS] and [SEP] shares average to the per-layer ones.
+fn record_has_inspects_shares(model: &attnscope::model::Model, r: &serde_json::Value) {
+    let tokens = model.encode(r["text"].as_str().unwrap(), false).unwrap();
+    let heads: Vec<usize> = (0..12).collect();
+    let want = inspect(model, &tokens, None, 0, 5, &heads, 1).unwrap();
+    for (k, w) in [
+        ("cls", &want.special_shares.cls),
+        ("sep", &want.special_shares.sep),
+        ("punct", &want.special_shares.punct),
+    ] {
+        let d = max_abs_diff(&floats(&r[k]), w, k);
+        assert!(d < 1e-6, "record {}: {k} {d:.2e} from inspect", r["id"]);
+    }
+    for (k, per) in [("cls", "head_cls"), ("sep", "head_sep")] {
+        for l in 0..6 {
+            let mean = floats(&r[per][l]).iter().sum::<f32>() / 12.0;
+            let want = r[k][l].as_f64().unwrap() as f32;
+            assert!(
+                (mean - want).abs() < 1e-5,
+                "{per} layer {l}: {mean} vs {want}"
+            );
+        }
+    }
+}
+
+/// `corpus merge` of the two shards' records gives the single run's aggregate.
+fn two_shards_merged_equal_one_run(dir: &std::path::Path, single: &serde_json::Value) {
+    let stdout = corpus_ok(
+        attnscope()
+            .args(["corpus", "merge", "--json"])
+            .arg(dir.join("s0.jsonl"))
+            .arg(dir.join("s1.jsonl")),
+    );
+    let merged: serde_json::Value = serde_json::from_slice(&stdout).unwrap();
+    assert_eq!(&merged, single, "two shards merged equal one run");
+}
+
+/// A decoder's records (smollm2-135m) merged with an encoder's: refused by name.
+fn a_decoders_records_beside_an_encoders_are_refused(dir: &std::path::Path) {
+    corpus_ok(
+        attnscope()
+            .args([
+                "corpus",
+                "-m",
+                "smollm2-135m",
+                "--limit",
+                "1",
+                "--json",
+                "--out",
+            ])
+            .arg(dir.join("dec.jsonl")),
+    );
     let o = fails_with(
         attnscope()
             .args(["corpus", "merge"])
-            .arg(dir.path().join("s0.jsonl"))
-            .arg(dir.path().join("dec.jsonl")),
+            .arg(dir.join("s0.jsonl"))
+            .arg(dir.join("dec.jsonl")),
         2,
     );
     assert!(o.contains("encoder"), "{o}");
-    run_err(
-        [
-            "corpus",
-            "-m",
-            "all-minilm-l6-v2",
-            "--limit",
-            "1",
-            "--faithfulness",
-        ],
-        2,
-    );
 }
 
 /// Patterns computed elsewhere (Python's `viz.attention_heads`) that put weight above the

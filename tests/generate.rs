@@ -455,18 +455,12 @@ fn chat_prompts_run_the_analyses_as_transformers_tokenizes_them() {
 /// positions past a token's input are NaN.
 #[test]
 fn the_generation_matrix_equals_attribute_on_each_teacher_forced_input() {
-    use attnscope::analysis::attribute::{attribute, AttributeOptions, Method};
-    use attnscope::analysis::faithfulness::Target;
-    use attnscope::analysis::gen_attribute::attribute_generation;
+    use attnscope::analysis::attribute::Method;
     for arch in [Arch::Llama, Arch::Qwen2] {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.gguf");
         write_gguf(&tiny_model(arch, 5), arch, GgmlDType::F32, &path).unwrap();
         let model = Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();
-        let prompt = [72u32, 101, 108, 108, 111, 32];
-        let answer = [119u32, 111, 114, 108, 100];
-        let (p, a) = (prompt.len(), answer.len());
-        let ids: Vec<u32> = prompt.iter().chain(&answer).copied().collect();
         for method in [
             Method::Occlusion,
             Method::Gradient,
@@ -474,47 +468,70 @@ fn the_generation_matrix_equals_attribute_on_each_teacher_forced_input() {
             Method::IntegratedGradients,
             Method::AttnLrp,
         ] {
-            let g =
-                attribute_generation(&model, &prompt, &answer, method, 4, &mut |_, _| {}).unwrap();
-            assert_eq!(g.matrix.len(), p + a);
-            assert_eq!(g.answer_len(), a);
-            for j in 0..a {
-                let want = attribute(
-                    &model,
-                    &ids[..p + j],
-                    &AttributeOptions {
-                        method,
-                        target: Target::Id(answer[j]),
-                        wrong: None,
-                        steps: 4,
-                    },
-                    &mut |_, _| {},
-                )
-                .unwrap();
-                assert!(
-                    (g.logprobs[j] - want.logprob.expect("a decoder's log p")).abs() <= 1e-5,
-                    "{arch:?} {method:?} {j}: logprob"
-                );
-                for i in 0..p + a {
-                    let got = g.matrix[i][j];
-                    if i >= p + j {
-                        assert!(
-                            got.is_nan(),
-                            "{arch:?} {method:?}: ({i}, {j}) is not an input"
-                        );
-                        continue;
-                    }
-                    let w = want.tokens[i].score;
-                    assert!(
-                        (got - w).abs() <= 1e-5 * (1.0 + w.abs()),
-                        "{arch:?} {method:?} cell ({i}, {j}): {got} vs attribute's {w}"
-                    );
-                }
-            }
+            columns_equal_attribute_on_each_answer_tokens_input(&model, arch, method);
         }
     }
-    // a one-token prompt: deleting it leaves answer 0 nothing to predict from (NaN), the rest
-    // is defined
+    a_one_token_prompt_and_what_is_refused();
+}
+
+/// `method`'s generation matrix of a prompt and its answer: each answer token's log p and column
+/// equal `attribute` (4 steps) on that token's teacher-forced input, and the positions past that
+/// input are NaN.
+fn columns_equal_attribute_on_each_answer_tokens_input(
+    model: &Model,
+    arch: Arch,
+    method: attnscope::analysis::attribute::Method,
+) {
+    use attnscope::analysis::attribute::{attribute, AttributeOptions};
+    use attnscope::analysis::faithfulness::Target;
+    use attnscope::analysis::gen_attribute::attribute_generation;
+    let prompt = [72u32, 101, 108, 108, 111, 32];
+    let answer = [119u32, 111, 114, 108, 100];
+    let (p, a) = (prompt.len(), answer.len());
+    let ids: Vec<u32> = prompt.iter().chain(&answer).copied().collect();
+    let g = attribute_generation(model, &prompt, &answer, method, 4, &mut |_, _| {}).unwrap();
+    assert_eq!(g.matrix.len(), p + a);
+    assert_eq!(g.answer_len(), a);
+    for j in 0..a {
+        let want = attribute(
+            model,
+            &ids[..p + j],
+            &AttributeOptions {
+                method,
+                target: Target::Id(answer[j]),
+                wrong: None,
+                steps: 4,
+            },
+            &mut |_, _| {},
+        )
+        .unwrap();
+        assert!(
+            (g.logprobs[j] - want.logprob.expect("a decoder's log p")).abs() <= 1e-5,
+            "{arch:?} {method:?} {j}: logprob"
+        );
+        for i in 0..p + a {
+            let got = g.matrix[i][j];
+            if i >= p + j {
+                assert!(
+                    got.is_nan(),
+                    "{arch:?} {method:?}: ({i}, {j}) is not an input"
+                );
+                continue;
+            }
+            let w = want.tokens[i].score;
+            assert!(
+                (got - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                "{arch:?} {method:?} cell ({i}, {j}): {got} vs attribute's {w}"
+            );
+        }
+    }
+}
+
+/// A one-token prompt: deleting it leaves answer 0 nothing to predict from (NaN), the rest is
+/// defined; an empty answer, and integrated gradients with 0 steps, are refused.
+fn a_one_token_prompt_and_what_is_refused() {
+    use attnscope::analysis::attribute::Method;
+    use attnscope::analysis::gen_attribute::attribute_generation;
     let dir = tempfile::tempdir().unwrap();
     let path = tiny_gguf(dir.path(), None);
     let model = Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();

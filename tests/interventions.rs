@@ -15,6 +15,7 @@ use attnscope::model::tiny::{tiny_model, write_gguf};
 use attnscope::model::{Arch, Error, Model, Precision};
 use candle_core::quantized::GgmlDType;
 use common::*;
+use std::ops::Range;
 
 const TOKENS: [u32; 9] = [72, 101, 108, 108, 111, 32, 256, 258, 259];
 
@@ -205,6 +206,37 @@ fn with<'a>(
     }
 }
 
+/// Zeroes every value a hook hands over (a function for [`with`]).
+fn zero(d: &mut [f32]) {
+    d.iter_mut().for_each(|v| *v = 0.0);
+}
+
+/// Whether every value `c` captured of `hook` at `layer` is 0.
+fn all_zero(c: &AttnCache, layer: usize, hook: Hook) -> bool {
+    c.get(layer, hook).unwrap().data.iter().all(|&v| v == 0.0)
+}
+
+/// An [`Editor`] of `hook` at `layer` over the whole of [`TOKENS`] that writes `fill` to values
+/// `cols` of positions `at`.
+fn edit_rows<'a>(
+    layer: usize,
+    hook: Hook,
+    cols: Range<usize>,
+    at: Vec<usize>,
+    fill: Fill<'a>,
+) -> Editor<'a> {
+    Editor {
+        layer,
+        hook,
+        patches: vec![Patch {
+            rows: 0..TOKENS.len(),
+            cols,
+            at,
+            fill,
+        }],
+    }
+}
+
 /// TransformerLens's hooks outside attention: hook_embed (+ hook_pos_embed) is resid_pre of
 /// layer 0; ln1/ln2/ln_final's hook_scale is sqrt(mean(x²) + eps) (LayerNorm: of the centered
 /// x) and hook_normalized · hook_scale gives x back; reading them changes no bit of the logits.
@@ -296,89 +328,87 @@ fn embedding_and_norm_hooks_are_what_they_say() {
 #[test]
 fn edits_at_the_norm_embedding_and_up_projection_hooks() {
     let (_dirs, models) = every_family();
-    let n = TOKENS.len();
     for (arch, model) in &models {
-        let (dm, nl) = (model.dims.d_model, model.dims.n_layers);
         let gpt2 = model.dims.arch == Arch::Gpt2;
         if matches!(arch.as_str(), "Qwen2" | "Llama") {
-            let zero = |d: &mut [f32]| d.iter_mut().for_each(|v| *v = 0.0);
-            let mut e = with(nl - 1, Hook::LnFinalNormalized, &zero, all_of(&[], n));
-            let got = last_logits(model, &mut e).unwrap();
-            assert!(
-                got.iter().all(|&z| z == 0.0),
-                "{arch}: logits of a zeroed final norm"
-            );
+            zeroed_final_norm_leaves_logits_of_zero(arch, model);
         }
         if !gpt2 {
-            let zero = |d: &mut [f32]| d.iter_mut().for_each(|v| *v = 0.0);
-            let mut e = with(
-                0,
-                Hook::MlpPreLinear,
-                &zero,
-                all_of(&[Hook::MlpPost, Hook::MlpOut], n),
-            );
-            last_logits(model, &mut e).unwrap();
-            assert!(
-                e.watch
-                    .get(0, Hook::MlpPost)
-                    .unwrap()
-                    .data
-                    .iter()
-                    .all(|&v| v == 0.0),
-                "{arch}"
-            );
-            // no family but GPT-2 has an MLP bias; Gemma's post-norm of zeros is zeros
-            assert!(
-                e.watch
-                    .get(0, Hook::MlpOut)
-                    .unwrap()
-                    .data
-                    .iter()
-                    .all(|&v| v == 0.0),
-                "{arch}"
-            );
+            zeroed_up_projection_input_adds_no_mlp(arch, model);
         }
-        let mut clean = all_of(&[Hook::Ln1Normalized], n);
-        last_logits(model, &mut clean).unwrap();
-        let double = |d: &mut [f32]| d.iter_mut().for_each(|v| *v *= 2.0);
-        let mut e = with(
-            1,
-            Hook::Ln1Scale,
-            &double,
-            all_of(&[Hook::Ln1Normalized], n),
-        );
-        let edited = last_logits(model, &mut e).unwrap();
-        let (a, b) = (
-            &clean.get(1, Hook::Ln1Normalized).unwrap().data,
-            &e.watch.get(1, Hook::Ln1Normalized).unwrap().data,
-        );
-        for (x, y) in a.iter().zip(b.iter()) {
-            assert!(
-                (x / 2.0 - y).abs() <= 1e-6 * (1.0 + x.abs()),
-                "{arch}: halved"
-            );
-        }
-        assert_ne!(
-            edited,
-            last_logits(model, &mut attnscope::model::capture::NoCapture).unwrap(),
-            "{arch}"
-        );
+        doubled_ln1_scale_halves_ln1_normalized(arch, model);
         if gpt2 {
-            let zero = |d: &mut [f32]| d.iter_mut().for_each(|v| *v = 0.0);
-            let mut e = with(
-                0,
-                Hook::Embed,
-                &zero,
-                all_of(&[Hook::PosEmbed, Hook::ResidPre], n),
-            );
-            last_logits(model, &mut e).unwrap();
-            assert_eq!(
-                e.watch.get(0, Hook::PosEmbed).unwrap().data,
-                e.watch.get(0, Hook::ResidPre).unwrap().data
-            );
-            assert_eq!(e.watch.get(0, Hook::ResidPre).unwrap().shape, vec![n, dm]);
+            zeroed_embedding_leaves_the_positions(model);
         }
     }
+}
+
+/// ln_final.hook_normalized zeroed leaves logits of 0 (the tiny models have no final bias and
+/// no output bias).
+fn zeroed_final_norm_leaves_logits_of_zero(arch: &str, model: &Model) {
+    let n = TOKENS.len();
+    let nl = model.dims.n_layers;
+    let mut e = with(nl - 1, Hook::LnFinalNormalized, &zero, all_of(&[], n));
+    let got = last_logits(model, &mut e).unwrap();
+    assert!(
+        got.iter().all(|&z| z == 0.0),
+        "{arch}: logits of a zeroed final norm"
+    );
+}
+
+/// mlp.hook_pre_linear zeroed at layer 0: the gated MLP's activation and its output are 0.
+fn zeroed_up_projection_input_adds_no_mlp(arch: &str, model: &Model) {
+    let n = TOKENS.len();
+    let watch = all_of(&[Hook::MlpPost, Hook::MlpOut], n);
+    let mut e = with(0, Hook::MlpPreLinear, &zero, watch);
+    last_logits(model, &mut e).unwrap();
+    assert!(all_zero(&e.watch, 0, Hook::MlpPost), "{arch}");
+    // no family but GPT-2 has an MLP bias; Gemma's post-norm of zeros is zeros
+    assert!(all_zero(&e.watch, 0, Hook::MlpOut), "{arch}");
+}
+
+/// ln1.hook_scale doubled at layer 1 halves ln1.hook_normalized there, and changes the logits.
+fn doubled_ln1_scale_halves_ln1_normalized(arch: &str, model: &Model) {
+    let n = TOKENS.len();
+    let mut clean = all_of(&[Hook::Ln1Normalized], n);
+    last_logits(model, &mut clean).unwrap();
+    let double = |d: &mut [f32]| d.iter_mut().for_each(|v| *v *= 2.0);
+    let mut e = with(
+        1,
+        Hook::Ln1Scale,
+        &double,
+        all_of(&[Hook::Ln1Normalized], n),
+    );
+    let edited = last_logits(model, &mut e).unwrap();
+    let (a, b) = (
+        &clean.get(1, Hook::Ln1Normalized).unwrap().data,
+        &e.watch.get(1, Hook::Ln1Normalized).unwrap().data,
+    );
+    for (x, y) in a.iter().zip(b.iter()) {
+        assert!(
+            (x / 2.0 - y).abs() <= 1e-6 * (1.0 + x.abs()),
+            "{arch}: halved"
+        );
+    }
+    assert_ne!(
+        edited,
+        last_logits(model, &mut attnscope::model::capture::NoCapture).unwrap(),
+        "{arch}"
+    );
+}
+
+/// hook_embed zeroed leaves GPT-2 its learned positions alone: resid_pre is hook_pos_embed.
+fn zeroed_embedding_leaves_the_positions(model: &Model) {
+    let n = TOKENS.len();
+    let dm = model.dims.d_model;
+    let watch = all_of(&[Hook::PosEmbed, Hook::ResidPre], n);
+    let mut e = with(0, Hook::Embed, &zero, watch);
+    last_logits(model, &mut e).unwrap();
+    assert_eq!(
+        e.watch.get(0, Hook::PosEmbed).unwrap().data,
+        e.watch.get(0, Hook::ResidPre).unwrap().data
+    );
+    assert_eq!(e.watch.get(0, Hook::ResidPre).unwrap().shape, vec![n, dm]);
 }
 
 /// attn.hook_result: each head's z through its slice of W_O; the heads' parts plus W_O's bias
@@ -457,18 +487,27 @@ fn head_results_add_up_and_editing_them_ablates_the_head() {
 #[test]
 fn zeroed_heads_add_nothing_and_the_residual_adds_up() {
     let (_d, model) = tiny(Arch::Qwen2);
-    let n = TOKENS.len();
-    let (nh, hd, dm) = (model.dims.n_heads, model.dims.head_dim, model.dims.d_model);
-    let hooks = [
-        Hook::ResidPre,
-        Hook::AttnOut,
-        Hook::ResidMid,
-        Hook::MlpOut,
-        Hook::ResidPost,
-        Hook::Z,
-    ];
-    let mut clean = all_of(&hooks, n);
+    let mut clean = all_of(&RESIDUAL_HOOKS, TOKENS.len());
     last_logits(&model, &mut clean).unwrap();
+    resid_post_is_pre_plus_attn_plus_mlp(&model, &clean);
+    let layer = 1;
+    zeroed_heads_leave_resid_mid_as_resid_pre(&model, &clean, layer);
+    zeroed_mlp_activation_adds_nothing(&model, layer);
+    zeroed_gate_pre_activation_zeroes_mlp_post(&model, layer);
+}
+
+/// The residual stream's hooks around a block, and z.
+const RESIDUAL_HOOKS: [Hook; 6] = [
+    Hook::ResidPre,
+    Hook::AttnOut,
+    Hook::ResidMid,
+    Hook::MlpOut,
+    Hook::ResidPost,
+    Hook::Z,
+];
+
+/// Every layer's hook_resid_post is hook_resid_pre + hook_attn_out + hook_mlp_out.
+fn resid_post_is_pre_plus_attn_plus_mlp(model: &Model, clean: &AttnCache) {
     for l in 0..model.dims.n_layers {
         let get = |h| clean.get(l, h).unwrap().data.clone();
         let sum: Vec<f32> = get(Hook::ResidPre)
@@ -484,84 +523,58 @@ fn zeroed_heads_add_nothing_and_the_residual_adds_up() {
             "resid_post = pre + attn + mlp",
         );
     }
-    let layer = 1;
+}
+
+/// Every head's z zeroed at `layer`: resid_mid equals resid_pre there, a watcher sees the zeroed
+/// z, and layer 0 is the clean run's.
+fn zeroed_heads_leave_resid_mid_as_resid_pre(model: &Model, clean: &AttnCache, layer: usize) {
+    let n = TOKENS.len();
+    let (nh, hd, dm) = (model.dims.n_heads, model.dims.head_dim, model.dims.d_model);
     let mut w = EditAndWatch {
-        edit: Editor {
-            layer,
-            hook: Hook::Z,
-            patches: vec![Patch {
-                rows: 0..n,
-                cols: 0..nh * hd,
-                at: (0..n).collect(),
-                fill: Fill::Zero,
-            }],
-        },
-        watch: all_of(&hooks, n),
+        edit: edit_rows(layer, Hook::Z, 0..nh * hd, (0..n).collect(), Fill::Zero),
+        watch: all_of(&RESIDUAL_HOOKS, n),
     };
-    last_logits(&model, &mut w).unwrap();
+    last_logits(model, &mut w).unwrap();
     let pre = &w.watch.get(layer, Hook::ResidPre).unwrap().data;
     let mid = &w.watch.get(layer, Hook::ResidMid).unwrap().data;
     assert_eq!(pre.len(), n * dm);
     assert_eq!(pre, mid, "zeroed heads: resid_mid = resid_pre");
     // the watcher sees the edited z
-    assert!(w
-        .watch
-        .get(layer, Hook::Z)
-        .unwrap()
-        .data
-        .iter()
-        .all(|&x| x == 0.0));
+    assert!(all_zero(&w.watch, layer, Hook::Z));
     // and an earlier layer is untouched
     assert_eq!(
         w.watch.get(0, Hook::ResidPost).unwrap().data,
         clean.get(0, Hook::ResidPost).unwrap().data
     );
-    // an MLP whose activation (mlp.hook_post, [pos, d_mlp]) is zeroed adds nothing
-    let ff = model.dims.d_ff;
+}
+
+/// An MLP whose activation (mlp.hook_post, [pos, d_mlp]) is zeroed adds nothing.
+fn zeroed_mlp_activation_adds_nothing(model: &Model, layer: usize) {
+    let (n, ff) = (TOKENS.len(), model.dims.d_ff);
     let mut w = EditAndWatch {
-        edit: Editor {
-            layer,
-            hook: Hook::MlpPost,
-            patches: vec![Patch {
-                rows: 0..n,
-                cols: 0..ff,
-                at: (0..n).collect(),
-                fill: Fill::Zero,
-            }],
-        },
+        edit: edit_rows(layer, Hook::MlpPost, 0..ff, (0..n).collect(), Fill::Zero),
         watch: all_of(
             &[Hook::ResidMid, Hook::MlpPre, Hook::MlpPost, Hook::ResidPost],
             n,
         ),
     };
-    last_logits(&model, &mut w).unwrap();
+    last_logits(model, &mut w).unwrap();
     assert_eq!(w.watch.get(layer, Hook::MlpPre).unwrap().shape, vec![n, ff]);
-    assert!(w
-        .watch
-        .get(layer, Hook::MlpPost)
-        .unwrap()
-        .data
-        .iter()
-        .all(|&x| x == 0.0));
+    assert!(all_zero(&w.watch, layer, Hook::MlpPost));
     assert_eq!(
         w.watch.get(layer, Hook::ResidMid).unwrap().data,
         w.watch.get(layer, Hook::ResidPost).unwrap().data
     );
-    // mlp.hook_post is SiLU(mlp.hook_pre) · up: where the gate's pre-activation is 0, so is it
+}
+
+/// mlp.hook_post is SiLU(mlp.hook_pre) · up: where the gate's pre-activation is 0, so is it.
+fn zeroed_gate_pre_activation_zeroes_mlp_post(model: &Model, layer: usize) {
+    let (n, ff) = (TOKENS.len(), model.dims.d_ff);
     let mut w = EditAndWatch {
-        edit: Editor {
-            layer,
-            hook: Hook::MlpPre,
-            patches: vec![Patch {
-                rows: 0..n,
-                cols: 0..ff,
-                at: vec![2],
-                fill: Fill::Zero,
-            }],
-        },
+        edit: edit_rows(layer, Hook::MlpPre, 0..ff, vec![2], Fill::Zero),
         watch: all_of(&[Hook::MlpPost], n),
     };
-    last_logits(&model, &mut w).unwrap();
+    last_logits(model, &mut w).unwrap();
     let post = &w.watch.get(layer, Hook::MlpPost).unwrap().data;
     assert!(post[2 * ff..3 * ff].iter().all(|&x| x == 0.0));
     assert!(post[3 * ff..4 * ff].iter().any(|&x| x != 0.0));
@@ -572,10 +585,22 @@ fn zeroed_heads_add_nothing_and_the_residual_adds_up() {
 #[test]
 fn batched_variants_equal_single_runs() {
     let (_d, model) = tiny(Arch::Llama);
+    let nh = model.dims.n_heads;
+    let (mut runner, _, _) = Runner::clean(&model, &TOKENS, &[]).unwrap();
+    let variants = heads_then_positions(&model);
+    for layer in 0..model.dims.n_layers {
+        batched_heads_equal_single_edits(&mut runner, layer, &variants[..nh]);
+        batched_positions_equal_single_edits(&mut runner, layer, &variants[nh..]);
+    }
+    mean_fill_is_the_mean(&model);
+}
+
+/// One variant per head of z (from position 0; mean-ablated for even heads, zeroed for odd
+/// ones), then one per later position, resumed from it, zeroing that position's row.
+fn heads_then_positions(model: &Model) -> Vec<Variant<'static>> {
     let n = TOKENS.len();
     let hd = model.dims.head_dim;
-    let (mut runner, _, _) = Runner::clean(&model, &TOKENS, &[]).unwrap();
-    let variants: Vec<Variant> = (0..model.dims.n_heads)
+    (0..model.dims.n_heads)
         .map(|h| Variant {
             from: 0,
             cols: h * hd..(h + 1) * hd,
@@ -588,74 +613,59 @@ fn batched_variants_equal_single_runs() {
             at: vec![0],
             fill: Fill::Zero,
         }))
-        .collect();
-    for layer in 0..model.dims.n_layers {
-        // heads on hook_z (from position 0) in one batch
-        let batched = runner
-            .run(layer, Hook::Z, &variants[..model.dims.n_heads], |_| {})
-            .unwrap();
-        for (i, v) in variants[..model.dims.n_heads].iter().enumerate() {
-            let mut e = Editor {
-                layer,
-                hook: Hook::Z,
-                patches: vec![Patch {
-                    rows: 0..n,
-                    cols: v.cols.clone(),
-                    at: v.at.clone(),
-                    fill: v.fill,
-                }],
-            };
-            let single = last_logits(&model, &mut e).unwrap();
-            assert_eq!(batched[i], single, "layer {layer} head {i}");
-        }
-        // positions on hook_resid_pre, each resumed from its position on the clean prefix
-        let batched = runner
-            .run(
-                layer,
-                Hook::ResidPre,
-                &variants[model.dims.n_heads..],
-                |_| {},
-            )
-            .unwrap();
-        for (i, v) in variants[model.dims.n_heads..].iter().enumerate() {
-            let mut e = Editor {
-                layer,
-                hook: Hook::ResidPre,
-                patches: vec![Patch {
-                    rows: 0..n,
-                    cols: 0..model.dims.d_model,
-                    at: vec![v.from],
-                    fill: Fill::Zero,
-                }],
-            };
-            let single = last_logits(&model, &mut e).unwrap();
-            assert_close(
-                &batched[i],
-                &single,
-                1e-5,
-                &format!("layer {layer} zeroed position {}", v.from),
-            );
-        }
+        .collect()
+}
+
+/// Heads on hook_z (from position 0) in one batch: each one's logits are its own edited run's,
+/// bit for bit.
+fn batched_heads_equal_single_edits(runner: &mut Runner<'_>, layer: usize, heads: &[Variant<'_>]) {
+    let model = runner.model;
+    let batched = runner.run(layer, Hook::Z, heads, |_| {}).unwrap();
+    for (i, v) in heads.iter().enumerate() {
+        let mut e = edit_rows(layer, Hook::Z, v.cols.clone(), v.at.clone(), v.fill);
+        let single = last_logits(model, &mut e).unwrap();
+        assert_eq!(batched[i], single, "layer {layer} head {i}");
     }
-    // the mean fill is the mean
+}
+
+/// Positions on hook_resid_pre in one batch, each resumed from its position on the clean
+/// prefix: each one's logits are those of the run with that position zeroed.
+fn batched_positions_equal_single_edits(
+    runner: &mut Runner<'_>,
+    layer: usize,
+    positions: &[Variant<'_>],
+) {
+    let model = runner.model;
+    let batched = runner
+        .run(layer, Hook::ResidPre, positions, |_| {})
+        .unwrap();
+    for (i, v) in positions.iter().enumerate() {
+        let cols = 0..model.dims.d_model;
+        let mut e = edit_rows(layer, Hook::ResidPre, cols, vec![v.from], Fill::Zero);
+        let single = last_logits(model, &mut e).unwrap();
+        assert_close(
+            &batched[i],
+            &single,
+            1e-5,
+            &format!("layer {layer} zeroed position {}", v.from),
+        );
+    }
+}
+
+/// The mean fill is the mean: head 0's z at layer 1 becomes its mean over positions at every
+/// position, and head 1's is untouched.
+fn mean_fill_is_the_mean(model: &Model) {
+    let n = TOKENS.len();
+    let hd = model.dims.head_dim;
     let mut z = all_of(&[Hook::Z], n);
-    last_logits(&model, &mut z).unwrap();
+    last_logits(model, &mut z).unwrap();
     let clean_z = z.get(1, Hook::Z).unwrap().data.clone();
     let width = model.dims.n_heads * hd;
     let mut w = EditAndWatch {
-        edit: Editor {
-            layer: 1,
-            hook: Hook::Z,
-            patches: vec![Patch {
-                rows: 0..n,
-                cols: 0..hd,
-                at: (0..n).collect(),
-                fill: Fill::Mean,
-            }],
-        },
+        edit: edit_rows(1, Hook::Z, 0..hd, (0..n).collect(), Fill::Mean),
         watch: all_of(&[Hook::Z], n),
     };
-    last_logits(&model, &mut w).unwrap();
+    last_logits(model, &mut w).unwrap();
     let edited = &w.watch.get(1, Hook::Z).unwrap().data;
     for j in 0..hd {
         let mean = (0..n).map(|r| clean_z[r * width + j] as f64).sum::<f64>() / n as f64;
@@ -675,122 +685,131 @@ fn batched_variants_equal_single_runs() {
 /// visible keys give the uniform pattern 1/(i+1); a NaN written by a hook is refused by name.
 #[test]
 fn edited_patterns_and_scores_weigh_the_values() {
-    struct Diag {
-        layer: usize,
-        scores: bool,
+    let (_d, model) = tiny(Arch::Qwen2);
+    let layer = 1;
+    for scores in [false, true] {
+        let mut o = EditAndWatch {
+            edit: Diagonal { layer, scores },
+            watch: AttnCache::new(
+                &CaptureSpec {
+                    hooks: vec![Hook::Z, Hook::V, Hook::Pattern],
+                    layers: Some(vec![layer]),
+                    heads: None,
+                    queries: Queries::All,
+                },
+                TOKENS.len(),
+            ),
+        };
+        last_logits(&model, &mut o).unwrap();
+        pattern_is_the_edited_one(&model, &o.watch, &o.edit);
+        z_weighs_the_values_by_it(&model, &o.watch, &o.edit);
     }
-    impl Observer for Diag {
-        fn wants(&self, l: usize, h: Hook) -> bool {
-            l == self.layer && matches!(h, Hook::Z | Hook::V | Hook::Pattern)
+    a_nan_written_by_a_hook_is_refused_by_name(&model);
+}
+
+/// Edits `layer`'s pattern to the diagonal (all weight on the query's own position), or, with
+/// `scores`, its attention scores to 0 on the visible keys.
+struct Diagonal {
+    layer: usize,
+    scores: bool,
+}
+
+impl Diagonal {
+    /// The weight the edit leaves on key `j` of query `i`: nothing above the diagonal; the
+    /// diagonal, or the uniform 1/(i+1) with `scores`.
+    fn weight(&self, i: usize, j: usize) -> f32 {
+        match (self.scores, j <= i) {
+            (_, false) => 0.0,
+            (false, true) => (i == j) as u8 as f32,
+            (true, true) => 1.0 / (i + 1) as f32,
         }
-        fn tensor(&mut self, _: usize, _: Hook, _: &[usize], _: &[f32]) {}
-        fn attention_block(&mut self, _: usize, _: Hook, _: usize, _: [usize; 3], _: &[f32]) {}
-        fn edits(&self, l: usize, h: Hook) -> bool {
-            l == self.layer
-                && h == if self.scores {
-                    Hook::AttnScores
-                } else {
-                    Hook::Pattern
-                }
-        }
-        fn edit(&mut self, _: usize, _: Hook, s: &[usize], d: &mut [f32]) -> Result<(), String> {
-            let (heads, q, k) = (s[0], s[1], s[2]);
-            for h in 0..heads {
-                for i in 0..q {
-                    for j in 0..k {
-                        let x = &mut d[(h * q + i) * k + j];
-                        if self.scores {
-                            if x.is_finite() {
-                                *x = 0.0;
-                            }
-                        } else {
-                            *x = if i == j { 1.0 } else { 0.0 };
+    }
+}
+
+impl Edits for Diagonal {
+    fn edits(&self, l: usize, h: Hook) -> bool {
+        l == self.layer
+            && h == if self.scores {
+                Hook::AttnScores
+            } else {
+                Hook::Pattern
+            }
+    }
+    fn edit(&mut self, _: usize, _: Hook, s: &[usize], d: &mut [f32]) -> Result<(), String> {
+        let (heads, q, k) = (s[0], s[1], s[2]);
+        for h in 0..heads {
+            for i in 0..q {
+                for j in 0..k {
+                    let x = &mut d[(h * q + i) * k + j];
+                    if self.scores {
+                        if x.is_finite() {
+                            *x = 0.0;
                         }
+                    } else {
+                        *x = if i == j { 1.0 } else { 0.0 };
                     }
                 }
             }
-            Ok(())
         }
+        Ok(())
     }
-    struct Both {
-        inner: Diag,
-        cache: AttnCache,
-    }
-    impl Observer for Both {
-        fn wants(&self, l: usize, h: Hook) -> bool {
-            self.inner.wants(l, h)
-        }
-        fn tensor(&mut self, l: usize, h: Hook, s: &[usize], d: &[f32]) {
-            self.cache.tensor(l, h, s, d)
-        }
-        fn attention_block(&mut self, l: usize, h: Hook, q: usize, s: [usize; 3], d: &[f32]) {
-            self.cache.attention_block(l, h, q, s, d)
-        }
-        fn edits(&self, l: usize, h: Hook) -> bool {
-            self.inner.edits(l, h)
-        }
-        fn edit(&mut self, l: usize, h: Hook, s: &[usize], d: &mut [f32]) -> Result<(), String> {
-            self.inner.edit(l, h, s, d)
-        }
-    }
-    let (_d, model) = tiny(Arch::Qwen2);
+}
+
+/// Every head's captured pattern at the edited layer is the edit's.
+fn pattern_is_the_edited_one(model: &Model, cache: &AttnCache, edit: &Diagonal) {
     let n = TOKENS.len();
+    let scores = edit.scores;
+    let p = cache.pattern(edit.layer).unwrap();
+    for h in 0..model.dims.n_heads {
+        for i in 0..n {
+            let row = p.row_at(h, i).unwrap();
+            for j in 0..n {
+                let want = edit.weight(i, j);
+                assert!(
+                    (row[j] - want).abs() < 1e-6,
+                    "scores {scores}: pattern h{h} ({i},{j}) {}",
+                    row[j]
+                );
+            }
+        }
+    }
+}
+
+/// z at the edited layer is the values weighed by the edited pattern: the query's own value
+/// vector (its KV head's), or the mean of the visible ones with `scores`.
+fn z_weighs_the_values_by_it(model: &Model, cache: &AttnCache, edit: &Diagonal) {
+    let n = TOKENS.len();
+    let scores = edit.scores;
     let (nh, nkv, hd) = (
         model.dims.n_heads,
         model.dims.n_kv_heads,
         model.dims.head_dim,
     );
-    for scores in [false, true] {
-        let mut o = Both {
-            inner: Diag { layer: 1, scores },
-            cache: all_of(&[Hook::Z, Hook::V, Hook::Pattern], n),
-        };
-        last_logits(&model, &mut o).unwrap();
-        let z = &o.cache.get(1, Hook::Z).unwrap().data;
-        let v = &o.cache.get(1, Hook::V).unwrap().data;
-        let p = o.cache.pattern(1).unwrap();
-        for h in 0..nh {
-            let g = h / (nh / nkv);
-            for i in 0..n {
-                let row = p.row_at(h, i).unwrap();
-                for j in 0..n {
-                    let want = match (scores, j <= i) {
-                        (_, false) => 0.0,
-                        (false, true) => (i == j) as u8 as f32,
-                        (true, true) => 1.0 / (i + 1) as f32,
-                    };
-                    assert!(
-                        (row[j] - want).abs() < 1e-6,
-                        "scores {scores}: pattern h{h} ({i},{j}) {}",
-                        row[j]
-                    );
-                }
-                for c in 0..hd {
-                    let want: f32 = if scores {
-                        (0..=i).map(|j| v[(j * nkv + g) * hd + c]).sum::<f32>() / (i + 1) as f32
-                    } else {
-                        v[(i * nkv + g) * hd + c]
-                    };
-                    assert!(
-                        (z[(i * nh + h) * hd + c] - want).abs() < 1e-5,
-                        "scores {scores}: z h{h} row {i}"
-                    );
-                }
+    let z = &cache.get(edit.layer, Hook::Z).unwrap().data;
+    let v = &cache.get(edit.layer, Hook::V).unwrap().data;
+    for h in 0..nh {
+        let g = h / (nh / nkv);
+        for i in 0..n {
+            for c in 0..hd {
+                let want: f32 = if scores {
+                    (0..=i).map(|j| v[(j * nkv + g) * hd + c]).sum::<f32>() / (i + 1) as f32
+                } else {
+                    v[(i * nkv + g) * hd + c]
+                };
+                assert!(
+                    (z[(i * nh + h) * hd + c] - want).abs() < 1e-5,
+                    "scores {scores}: z h{h} row {i}"
+                );
             }
         }
     }
-    // a hook that writes a NaN
-    let mut e = Editor {
-        layer: 0,
-        hook: Hook::ResidMid,
-        patches: vec![Patch {
-            rows: 0..n,
-            cols: 0..1,
-            at: vec![2],
-            fill: Fill::From(&[f32::NAN; 1024]),
-        }],
-    };
-    let err = last_logits(&model, &mut e).unwrap_err();
+}
+
+/// A hook that writes a NaN is refused as bad input, naming the hook.
+fn a_nan_written_by_a_hook_is_refused_by_name(model: &Model) {
+    let nans = [f32::NAN; 1024];
+    let mut e = edit_rows(0, Hook::ResidMid, 0..1, vec![2], Fill::From(&nans));
+    let err = last_logits(model, &mut e).unwrap_err();
     let msg = err.to_string();
     assert!(
         matches!(err, Error::Hook { .. }) && err.is_bad_input(),
