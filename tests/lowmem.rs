@@ -79,6 +79,104 @@ const TYPES: [GgmlDType; 12] = [
     GgmlDType::Q6K,
 ];
 
+/// Whether `a` and `b` hold the same bits (as far as the shorter goes).
+fn bits(a: &[f32], b: &[f32]) -> bool {
+    a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// One file of block type `dtype` loaded in both settings: `low` multiplies every projection
+/// from the blocks, `fast` packs them.
+struct LowAndFast {
+    dtype: GgmlDType,
+    low: Model,
+    fast: Model,
+}
+
+impl LowAndFast {
+    /// Every layer's pattern within 1e-5 of fast's and the logits within 1e-4 of their scale,
+    /// and bit for bit where `same_bits`. Returns low's patterns.
+    fn patterns_and_logits_agree(&self, same_bits: bool) -> Vec<Vec<f32>> {
+        let dtype = self.dtype;
+        let (pl, ll) = run(&self.low);
+        let (pf, lf) = run(&self.fast);
+        for l in 0..2 {
+            assert_close(
+                &pl[l],
+                &pf[l],
+                1e-5,
+                &format!("{dtype:?} layer {l} pattern"),
+            );
+            if same_bits {
+                assert!(bits(&pl[l], &pf[l]), "{dtype:?} layer {l}: fast's bits");
+            }
+        }
+        let scale = lf.iter().fold(1f32, |s, x| s.max(x.abs()));
+        assert_close(&ll, &lf, 1e-4 * scale, &format!("{dtype:?} logits"));
+        if same_bits {
+            assert!(bits(&ll, &lf), "{dtype:?} logits: fast's bits");
+        }
+        pl
+    }
+
+    /// The backward's products by the transposes: from the blocks (low), packed (fast); the
+    /// input gradients within 1e-4 of their scale, bit for bit on the f32 panels
+    /// (`f32_kernels`).
+    fn input_gradients_agree(&self, f32_kernels: bool) {
+        let dtype = self.dtype;
+        let metric = attnscope::model::backward::Metric::LogProb(None);
+        let gl = self.low.gradient(&TOKENS, metric).unwrap();
+        let gf = self.fast.gradient(&TOKENS, metric).unwrap();
+        assert_eq!(gl.target, gf.target, "{dtype:?}");
+        let gscale = gf.grad_input.iter().fold(1e-6f32, |s, x| s.max(x.abs()));
+        assert_close(
+            &gl.grad_input,
+            &gf.grad_input,
+            1e-4 * gscale,
+            &format!("{dtype:?} input gradient"),
+        );
+        if f32_kernels {
+            assert!(
+                bits(&gl.grad_input, &gf.grad_input),
+                "{dtype:?} input gradient: the f32 panels' bits"
+            );
+        }
+    }
+
+    /// The same weights, read back through each kernel: layer 1's four projections.
+    fn read_back_weights_are_the_same_bits(&self) {
+        for part in [
+            Projection::Qkv,
+            Projection::O,
+            Projection::GateUp,
+            Projection::Down,
+        ] {
+            let a = self.low.projection_weights(1, part).unwrap();
+            let b = self.fast.projection_weights(1, part).unwrap();
+            assert!(
+                bits(&a.0, &b.0),
+                "{:?} {part:?}: the dequantized weights, bit for bit",
+                self.dtype
+            );
+        }
+    }
+
+    /// A head's columns of the output projection: 64 of 256, inside a K-quant super-block.
+    fn head_output_projections_agree(&self) {
+        let mut rng = Rng::new(11);
+        let z = rng.normals(5 * 64, 1.0);
+        for h in [1, 3] {
+            let a = self.low.head_output_projection(0, h, &z, 5).unwrap();
+            let b = self.fast.head_output_projection(0, h, &z, 5).unwrap();
+            assert_close(
+                &a,
+                &b,
+                1e-5,
+                &format!("{:?} head {h}'s output projection", self.dtype),
+            );
+        }
+    }
+}
+
 /// For each block type: `low` multiplies every projection from the blocks, and its patterns,
 /// logits, input gradients (the backward's products by the transposes), per-head output
 /// projections (column slices that cut the K-quants' super-blocks) and
@@ -100,80 +198,23 @@ fn low_memory_equals_the_packed_projections_on_every_block_type() {
         // and scales (`low` decodes them per product as `fast` packs them)
         let same_bits =
             f32_kernels || attnscope::model::weights::scaled_kind_of(dtype.into()).is_some();
-        let low = load(&path, Memory::Low);
-        let fast = load(&path, Memory::Fast);
-        assert_eq!(low.info.memory, Memory::Low);
-        assert_eq!(fast.info.memory, Memory::Fast);
+        let both = LowAndFast {
+            dtype,
+            low: load(&path, Memory::Low),
+            fast: load(&path, Memory::Fast),
+        };
+        assert_eq!(both.low.info.memory, Memory::Low);
+        assert_eq!(both.fast.info.memory, Memory::Fast);
         assert_eq!(
-            low.low_projections(),
+            both.low.low_projections(),
             (8, 8),
             "{dtype:?}: every projection from its blocks"
         );
-        assert_eq!(fast.low_projections().0, 0, "{dtype:?}");
-        let (pl, ll) = run(&low);
-        let (pf, lf) = run(&fast);
-        let bits = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-        for l in 0..2 {
-            assert_close(
-                &pl[l],
-                &pf[l],
-                1e-5,
-                &format!("{dtype:?} layer {l} pattern"),
-            );
-            if same_bits {
-                assert!(bits(&pl[l], &pf[l]), "{dtype:?} layer {l}: fast's bits");
-            }
-        }
-        let scale = lf.iter().fold(1f32, |s, x| s.max(x.abs()));
-        assert_close(&ll, &lf, 1e-4 * scale, &format!("{dtype:?} logits"));
-        if same_bits {
-            assert!(bits(&ll, &lf), "{dtype:?} logits: fast's bits");
-        }
-        // the backward's products by the transposes: from the blocks (low), packed (fast)
-        let metric = attnscope::model::backward::Metric::LogProb(None);
-        let gl = low.gradient(&TOKENS, metric).unwrap();
-        let gf = fast.gradient(&TOKENS, metric).unwrap();
-        assert_eq!(gl.target, gf.target, "{dtype:?}");
-        let gscale = gf.grad_input.iter().fold(1e-6f32, |s, x| s.max(x.abs()));
-        assert_close(
-            &gl.grad_input,
-            &gf.grad_input,
-            1e-4 * gscale,
-            &format!("{dtype:?} input gradient"),
-        );
-        if f32_kernels {
-            assert!(
-                bits(&gl.grad_input, &gf.grad_input),
-                "{dtype:?} input gradient: the f32 panels' bits"
-            );
-        }
-        // the same weights, read back through each kernel
-        for part in [
-            Projection::Qkv,
-            Projection::O,
-            Projection::GateUp,
-            Projection::Down,
-        ] {
-            let a = low.projection_weights(1, part).unwrap();
-            let b = fast.projection_weights(1, part).unwrap();
-            assert!(
-                bits(&a.0, &b.0),
-                "{dtype:?} {part:?}: the dequantized weights, bit for bit"
-            );
-        }
-        // a head's columns of the output projection: 64 of 256, inside a K-quant super-block
-        let mut rng = Rng::new(11);
-        let z = rng.normals(5 * 64, 1.0);
-        for h in [1, 3] {
-            let a = low.head_output_projection(0, h, &z, 5).unwrap();
-            let b = fast.head_output_projection(0, h, &z, 5).unwrap();
-            assert_close(
-                &a,
-                &b,
-                1e-5,
-                &format!("{dtype:?} head {h}'s output projection"),
-            );
-        }
+        assert_eq!(both.fast.low_projections().0, 0, "{dtype:?}");
+        let pl = both.patterns_and_logits_agree(same_bits);
+        both.input_gradients_agree(f32_kernels);
+        both.read_back_weights_are_the_same_bits();
+        both.head_output_projections_agree();
         // F32 blocks are the reference's own weights: the reference forward's numbers
         if dtype == GgmlDType::F32 {
             let want = reference_forward(&m, &TOKENS);
@@ -221,7 +262,6 @@ fn iq4_files_run_end_to_end_in_both_settings() {
         let (pl, ll) = run(&low);
         let (pf, lf) = run(&fast);
         let want = reference_forward(&held, &TOKENS);
-        let bits = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
         for l in 0..2 {
             assert_close(
                 &pl[l],

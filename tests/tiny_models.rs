@@ -7,6 +7,7 @@
 mod common;
 use attnscope::model::capture::{AttnCache, CaptureSpec, Hook, Queries};
 use attnscope::model::forward::RunOptions;
+use attnscope::model::panels;
 use attnscope::model::tiny::{tiny_model, write_gguf, write_hf_folder};
 use attnscope::model::{Arch, Model, Precision};
 use attnscope::reference::transformer::forward as reference_forward;
@@ -819,7 +820,7 @@ fn random_repeat_copies_its_first_half(p: &std::path::Path) {
 /// products with the reference weights. Values and weights are the engine's captures.
 #[test]
 fn norm_based_attention_is_hand_computable() {
-    use attnscope::analysis::norms::{all_value_norms, mixed_norms, shares, value_norms, Values};
+    use attnscope::analysis::norms::{mixed_norms, shares, value_norms, Values};
     let mut m = tiny_model(Arch::Qwen2, 9);
     let (dm, hd, nh, nkv) = (
         m.cfg.d_model,
@@ -846,7 +847,6 @@ fn norm_based_attention_is_hand_computable() {
         .forward(&TOKENS, &RunOptions::last_logits(n), &mut cache)
         .unwrap();
     let heads: Vec<usize> = (0..nh).collect();
-    let group = nh / nkv;
     for l in 0..2 {
         let v = cache.get(l, Hook::V).unwrap();
         let vals = Values::pos_major(&v.data, n, nkv, hd);
@@ -854,82 +854,140 @@ fn norm_based_attention_is_hand_computable() {
         let q = n - 1;
         let alphas: Vec<&[f32]> = heads.iter().map(|&h| p.row(h, q)).collect();
         let vn = value_norms(&model, l, &vals, &heads, n);
-        // one head through its own columns of W_O: the bits of the whole product with zeros
-        for h in 0..nh {
-            let z_h: Vec<f32> = (0..n)
-                .flat_map(|j| vals.get(j, h / group).to_vec())
-                .collect();
-            let mut padded = vec![0f32; n * nh * hd];
-            for j in 0..n {
-                padded[j * nh * hd + h * hd..][..hd].copy_from_slice(vals.get(j, h / group));
-            }
-            let whole = model.output_projection(l, &padded, n);
-            let own = model.head_output_projection(l, h, &z_h, n).unwrap();
-            assert!(
-                own.iter()
-                    .zip(&whole)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "layer {l} head {h}"
-            );
-        }
-        // the Gram-matrix route of the long view gives the same norms
-        let all = all_value_norms(&model, l, &vals);
-        for h in 0..nh {
-            for j in 0..n {
-                assert!((all[h * n + j] - vn[h][j]).abs() < 1e-5 * vn[h][j].max(1.0));
-            }
-        }
+        one_heads_columns_are_the_padded_product(&model, l, &vals);
+        gram_route_gives_the_same_norms(&model, l, &vals, &vn);
         let mixed = mixed_norms(&model, l, &vals, &alphas, n);
+        let layer = HandLayer {
+            m: &m,
+            l,
+            s,
+            vals: &vals,
+            alphas: &alphas,
+            vn: &vn,
+        };
         for j in 0..n {
-            let mut total = vec![0f64; dm];
-            for h in 0..nh {
-                let vj: Vec<f64> = vals.get(j, h / group).iter().map(|&x| x as f64).collect();
-                // f_h(v_j) = W_O[:, h·hd..(h+1)·hd] · v_j, from the reference's weights
-                let f: Vec<f64> = (0..dm)
-                    .map(|r| {
-                        (0..hd)
-                            .map(|c| m.layers[l].w_o[r * dm + h * hd + c] as f64 * vj[c])
-                            .sum()
-                    })
-                    .collect();
-                let norm = f.iter().map(|x| x * x).sum::<f64>().sqrt();
-                if l == 0 {
-                    let by_hand = s as f64 * vj.iter().map(|x| x * x).sum::<f64>().sqrt();
-                    assert!((norm - by_hand).abs() < 1e-9 * by_hand.max(1.0));
-                }
-                assert!(
-                    (vn[h][j] as f64 - norm).abs() < 1e-5 * norm.max(1.0),
-                    "layer {l} head {h} key {j}: ‖f(x)‖ {} vs {norm}",
-                    vn[h][j]
-                );
-                f.iter()
-                    .zip(total.iter_mut())
-                    .for_each(|(x, t)| *t += alphas[h][j] as f64 * x);
-            }
-            let want = total.iter().map(|x| x * x).sum::<f64>().sqrt();
-            if l == 0 {
-                let by_hand = (0..nh)
-                    .map(|h| {
-                        let a = alphas[h][j] as f64 * s as f64;
-                        a * a
-                            * vals
-                                .get(j, h / group)
-                                .iter()
-                                .map(|&x| (x as f64).powi(2))
-                                .sum::<f64>()
-                    })
-                    .sum::<f64>()
-                    .sqrt();
-                assert!((want - by_hand).abs() < 1e-9 * by_hand.max(1.0));
-            }
-            assert!(
-                (mixed[j] as f64 - want).abs() < 1e-5 * want.max(1.0),
-                "layer {l} key {j}: whole-layer norm {} vs {want}",
-                mixed[j]
-            );
+            layer.check_key_against_f64_products(j, mixed[j]);
         }
         let sh = shares(&mixed);
         assert!((sh.iter().sum::<f32>() - 1.0).abs() < 1e-5);
+    }
+}
+
+/// One head through its own columns of W_O: the bits of the whole product with zeros.
+fn one_heads_columns_are_the_padded_product(
+    model: &Model,
+    l: usize,
+    vals: &attnscope::analysis::norms::Values,
+) {
+    for h in 0..model.dims.n_heads {
+        let (own, whole) =
+            common::one_head_and_padded_output_projection(model, l, h, vals, TOKENS.len());
+        assert!(
+            own.unwrap()
+                .iter()
+                .zip(&whole)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "layer {l} head {h}"
+        );
+    }
+}
+
+/// The Gram-matrix route of the long view gives the same norms as `value_norms`' (`vn`).
+fn gram_route_gives_the_same_norms(
+    model: &Model,
+    l: usize,
+    vals: &attnscope::analysis::norms::Values,
+    vn: &[Vec<f32>],
+) {
+    let all = attnscope::analysis::norms::all_value_norms(model, l, vals);
+    let n = TOKENS.len();
+    for h in 0..model.dims.n_heads {
+        for j in 0..n {
+            assert!((all[h * n + j] - vn[h][j]).abs() < 1e-5 * vn[h][j].max(1.0));
+        }
+    }
+}
+
+/// One layer of the hand-computable norm test: the reference's weights `m`, the scale `s` of
+/// layer 0's `W_O = s·I`, the engine's captured values, the last query's weights and its
+/// per-head norms `‖fₕ(vⱼ)‖`.
+struct HandLayer<'a> {
+    m: &'a attnscope::reference::transformer::RefModel,
+    l: usize,
+    s: f32,
+    vals: &'a attnscope::analysis::norms::Values<'a>,
+    alphas: &'a [&'a [f32]],
+    vn: &'a [Vec<f32>],
+}
+
+impl HandLayer<'_> {
+    /// Head `h`'s value at key `j`.
+    fn value(&self, h: usize, j: usize) -> &[f32] {
+        let c = &self.m.cfg;
+        self.vals.get(j, h / (c.n_heads / c.n_kv_heads))
+    }
+
+    /// f_h(v_j) = W_O[:, h·hd..(h+1)·hd] · v_j, from the reference's weights, in f64.
+    fn head_write(&self, h: usize, vj: &[f64]) -> Vec<f64> {
+        let (dm, hd) = (self.m.cfg.d_model, self.m.cfg.head_dim);
+        (0..dm)
+            .map(|r| {
+                (0..hd)
+                    .map(|c| self.m.layers[self.l].w_o[r * dm + h * hd + c] as f64 * vj[c])
+                    .sum()
+            })
+            .collect()
+    }
+
+    /// Key `j`: each head's `‖fₕ(vⱼ)‖` in f64 (on layer 0, `s·‖vⱼ‖` by hand) against the
+    /// engine's, and the whole layer's `‖Σₕ αʰ fₕ(vⱼ)‖` (on layer 0, by hand) against `mixed`,
+    /// the engine's.
+    fn check_key_against_f64_products(&self, j: usize, mixed: f32) {
+        let l = self.l;
+        let mut total = vec![0f64; self.m.cfg.d_model];
+        for h in 0..self.m.cfg.n_heads {
+            let vj: Vec<f64> = self.value(h, j).iter().map(|&x| x as f64).collect();
+            let f = self.head_write(h, &vj);
+            let norm = f.iter().map(|x| x * x).sum::<f64>().sqrt();
+            if l == 0 {
+                let by_hand = self.s as f64 * vj.iter().map(|x| x * x).sum::<f64>().sqrt();
+                assert!((norm - by_hand).abs() < 1e-9 * by_hand.max(1.0));
+            }
+            assert!(
+                (self.vn[h][j] as f64 - norm).abs() < 1e-5 * norm.max(1.0),
+                "layer {l} head {h} key {j}: ‖f(x)‖ {} vs {norm}",
+                self.vn[h][j]
+            );
+            f.iter()
+                .zip(total.iter_mut())
+                .for_each(|(x, t)| *t += self.alphas[h][j] as f64 * x);
+        }
+        let want = total.iter().map(|x| x * x).sum::<f64>().sqrt();
+        if l == 0 {
+            let by_hand = self.whole_layer_by_hand(j);
+            assert!((want - by_hand).abs() < 1e-9 * by_hand.max(1.0));
+        }
+        assert!(
+            (mixed as f64 - want).abs() < 1e-5 * want.max(1.0),
+            "layer {l} key {j}: whole-layer norm {} vs {want}",
+            mixed
+        );
+    }
+
+    /// Layer 0's whole-layer norm at key `j` by hand: `s·√(Σₕ (αʰ‖vⱼ‖)²)`.
+    fn whole_layer_by_hand(&self, j: usize) -> f64 {
+        (0..self.m.cfg.n_heads)
+            .map(|h| {
+                let a = self.alphas[h][j] as f64 * self.s as f64;
+                a * a
+                    * self
+                        .value(h, j)
+                        .iter()
+                        .map(|&x| (x as f64).powi(2))
+                        .sum::<f64>()
+            })
+            .sum::<f64>()
+            .sqrt()
     }
 }
 
@@ -1278,10 +1336,63 @@ fn a_gone_models_file_is_removed_at_the_next_write(
 /// removes one model's files (by any path to it) or all.
 #[test]
 fn the_packed_weight_cache_is_keyed_by_the_file_and_capped_least_recently_used_first() {
-    use attnscope::model::panels::{self, Settings};
-    let dir = tempfile::tempdir().unwrap();
-    let model = |name: &str, seed: u64| {
-        let p = dir.path().join(name);
+    let t = ModelsAndCache::new();
+    let (a, b, c) = (
+        t.model("a.gguf", 11),
+        t.model("b.gguf", 12),
+        t.model("c.gguf", 13),
+    );
+    let hard = t.dir.path().join("a-hard-link.gguf");
+    std::fs::hard_link(&a, &hard).unwrap();
+    let soft = t.dir.path().join("a-symlink.gguf");
+    std::os::unix::fs::symlink(&a, &soft).unwrap();
+    let (a_file, all) = links_map_the_first_paths_file(&t, &a, [&hard, &soft]);
+    let size = std::fs::metadata(&a_file).unwrap().len();
+    let [b_file, c_file] = the_least_recently_used_make_room(&t, [&a, &b, &c], &a_file, size, all);
+    let mut want = vec![b_file.clone(), c_file.clone()];
+    want.sort();
+    // a model larger than the cap is not kept, and nothing is removed for it
+    let tiny_cap = t.settings(size / 2);
+    let not_kept = t.load(&a, &tiny_cap);
+    assert_eq!(not_kept.mapped_projections(), (0, all));
+    assert_eq!(not_kept.panel_file(), None);
+    assert_eq!(t.files(), want);
+    list_names_each_files_model_layout_and_size(&t, &b_file, size);
+    // clear one model's files by another path to it, then all
+    t.load(&a, &t.settings(u64::MAX));
+    assert_eq!(t.files().len(), 3);
+    let removed = panels::clear(&t.cache, Some(hard.to_str().unwrap())).unwrap();
+    assert_eq!(removed.len(), 1);
+    assert_eq!(removed[0].path, a_file);
+    assert!(!a_file.exists() && b_file.exists() && c_file.exists());
+    assert!(panels::clear(&t.cache, Some("no-such-model"))
+        .unwrap()
+        .is_empty());
+    assert_eq!(
+        panels::clear(&t.cache, Some("b")).unwrap().len(),
+        1,
+        "by its name"
+    );
+    assert_eq!(panels::clear(&t.cache, None).unwrap().len(), 1);
+    assert!(t.files().is_empty());
+}
+
+/// A folder of tiny models and a packed-weight cache (`cache`) inside it.
+struct ModelsAndCache {
+    dir: tempfile::TempDir,
+    cache: std::path::PathBuf,
+}
+
+impl ModelsAndCache {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = dir.path().join("panels");
+        ModelsAndCache { dir, cache }
+    }
+
+    /// A tiny Qwen2 of `seed`, written as `name`.
+    fn model(&self, name: &str, seed: u64) -> std::path::PathBuf {
+        let p = self.dir.path().join(name);
         write_gguf(
             &tiny_model(Arch::Qwen2, seed),
             Arch::Qwen2,
@@ -1290,39 +1401,45 @@ fn the_packed_weight_cache_is_keyed_by_the_file_and_capped_least_recently_used_f
         )
         .unwrap();
         p
-    };
-    let (a, b, c) = (
-        model("a.gguf", 11),
-        model("b.gguf", 12),
-        model("c.gguf", 13),
-    );
-    let hard = dir.path().join("a-hard-link.gguf");
-    std::fs::hard_link(&a, &hard).unwrap();
-    let soft = dir.path().join("a-symlink.gguf");
-    std::os::unix::fs::symlink(&a, &soft).unwrap();
-    let cache = dir.path().join("panels");
-    let settings = |max_bytes: u64| Settings {
-        dir: cache.clone(),
-        min_bytes: 0,
-        max_bytes,
-    };
-    let load = |p: &std::path::Path, s: &Settings| {
+    }
+
+    /// The cache, capped at `max_bytes`, for models of any size.
+    fn settings(&self, max_bytes: u64) -> panels::Settings {
+        panels::Settings {
+            dir: self.cache.clone(),
+            min_bytes: 0,
+            max_bytes,
+        }
+    }
+
+    fn load(&self, p: &std::path::Path, s: &panels::Settings) -> Model {
         Model::load_with(p.to_str().unwrap(), Precision::Exact, false, Some(s)).unwrap()
-    };
-    let files = || -> Vec<std::path::PathBuf> {
-        let mut v: Vec<_> = std::fs::read_dir(&cache)
+    }
+
+    /// The cache's files, sorted.
+    fn files(&self) -> Vec<std::path::PathBuf> {
+        let mut v: Vec<_> = std::fs::read_dir(&self.cache)
             .map(|d| d.map(|e| e.unwrap().path()).collect())
             .unwrap_or_default();
         v.sort();
         v
-    };
-    let unlimited = settings(u64::MAX);
-    let first = load(&a, &unlimited);
+    }
+}
+
+/// The first load of `a` packs and writes its file; the `links` to it map that file, and no
+/// other is written. Returns the file and the model's number of projections.
+fn links_map_the_first_paths_file(
+    t: &ModelsAndCache,
+    a: &std::path::Path,
+    links: [&std::path::Path; 2],
+) -> (std::path::PathBuf, usize) {
+    let unlimited = t.settings(u64::MAX);
+    let first = t.load(a, &unlimited);
     let all = first.mapped_projections().1;
     assert_eq!(first.mapped_projections(), (0, all), "packed and written");
     let a_file = first.panel_file().unwrap().to_path_buf();
-    for other in [&hard, &soft] {
-        let m = load(other, &unlimited);
+    for other in links {
+        let m = t.load(other, &unlimited);
         assert_eq!(
             m.mapped_projections(),
             (all, all),
@@ -1336,20 +1453,36 @@ fn the_packed_weight_cache_is_keyed_by_the_file_and_capped_least_recently_used_f
             other.display()
         );
     }
-    assert_eq!(files(), vec![a_file.clone()], "one file for three paths");
-    let size = std::fs::metadata(&a_file).unwrap().len();
+    assert_eq!(t.files(), vec![a_file.clone()], "one file for three paths");
+    (a_file, all)
+}
+
+/// With room for two files of `size` and `a`'s (`a_file`) already there: `b`, then `a` mapped again, then
+/// `c` removes `b`, the least recently used; `b` again removes `a`. Returns `b`'s and `c`'s
+/// files, the two left.
+fn the_least_recently_used_make_room(
+    t: &ModelsAndCache,
+    [a, b, c]: [&std::path::Path; 3],
+    a_file: &std::path::Path,
+    size: u64,
+    all: usize,
+) -> [std::path::PathBuf; 2] {
     // room for two files of these (equal) models
-    let capped = settings(2 * size + size / 2);
-    let b_file = load(&b, &capped).panel_file().unwrap().to_path_buf();
+    let capped = t.settings(2 * size + size / 2);
+    let b_file = t.load(b, &capped).panel_file().unwrap().to_path_buf();
     // a is mapped again: now b is the least recently used
-    assert_eq!(load(&a, &capped).mapped_projections(), (all, all));
-    let c_file = load(&c, &capped).panel_file().unwrap().to_path_buf();
-    let mut want = vec![a_file.clone(), c_file.clone()];
+    assert_eq!(t.load(a, &capped).mapped_projections(), (all, all));
+    let c_file = t.load(c, &capped).panel_file().unwrap().to_path_buf();
+    let mut want = vec![a_file.to_path_buf(), c_file.clone()];
     want.sort();
-    assert_eq!(files(), want, "b, the least recently used, made room for c");
+    assert_eq!(
+        t.files(),
+        want,
+        "b, the least recently used, made room for c"
+    );
     assert!(!b_file.exists());
     // b again: now a is the least recently used (c was written after a was mapped)
-    let b_again = load(&b, &capped);
+    let b_again = t.load(b, &capped);
     assert_eq!(
         b_again.mapped_projections(),
         (0, all),
@@ -1357,15 +1490,17 @@ fn the_packed_weight_cache_is_keyed_by_the_file_and_capped_least_recently_used_f
     );
     let mut want = vec![b_file.clone(), c_file.clone()];
     want.sort();
-    assert_eq!(files(), want);
-    // a model larger than the cap is not kept, and nothing is removed for it
-    let tiny_cap = settings(size / 2);
-    let not_kept = load(&a, &tiny_cap);
-    assert_eq!(not_kept.mapped_projections(), (0, all));
-    assert_eq!(not_kept.panel_file(), None);
-    assert_eq!(files(), want);
-    // list: model, layout, size of each file, most recently used first
-    let listed = panels::list(&cache);
+    assert_eq!(t.files(), want);
+    [b_file, c_file]
+}
+
+/// `list`: model, layout, size of each file (`b_file`, then c's), most recently used first.
+fn list_names_each_files_model_layout_and_size(
+    t: &ModelsAndCache,
+    b_file: &std::path::Path,
+    size: u64,
+) {
+    let listed = panels::list(&t.cache);
     assert_eq!(listed.len(), 2);
     assert_eq!(listed[0].path, b_file);
     assert_eq!(listed[0].model, "b.gguf");
@@ -1376,21 +1511,4 @@ fn the_packed_weight_cache_is_keyed_by_the_file_and_capped_least_recently_used_f
         assert_eq!(f.bytes, size);
         assert!(f.usable, "{f:?}");
     }
-    // clear one model's files by another path to it, then all
-    load(&a, &unlimited);
-    assert_eq!(files().len(), 3);
-    let removed = panels::clear(&cache, Some(hard.to_str().unwrap())).unwrap();
-    assert_eq!(removed.len(), 1);
-    assert_eq!(removed[0].path, a_file);
-    assert!(!a_file.exists() && b_file.exists() && c_file.exists());
-    assert!(panels::clear(&cache, Some("no-such-model"))
-        .unwrap()
-        .is_empty());
-    assert_eq!(
-        panels::clear(&cache, Some("b")).unwrap().len(),
-        1,
-        "by its name"
-    );
-    assert_eq!(panels::clear(&cache, None).unwrap().len(), 1);
-    assert!(files().is_empty());
 }

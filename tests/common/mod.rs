@@ -299,3 +299,26 @@ pub fn patterns_and_logits_in_blocks(
         .collect();
     (p, out.logits.concat())
 }
+
+/// Head `h`'s values (from `vals`, `[n, head_dim]`) through layer `l`'s own columns of W_O
+/// (`None` where W_O takes no column range), and the whole W_O product of rows that hold them
+/// and zeros outside head `h`: the two the norm tests compare bit for bit.
+pub fn one_head_and_padded_output_projection(
+    model: &Model,
+    l: usize,
+    h: usize,
+    vals: &attnscope::analysis::norms::Values,
+    n: usize,
+) -> (Option<Vec<f32>>, Vec<f32>) {
+    let d = &model.dims;
+    let (hd, width) = (d.head_dim, d.n_heads * d.head_dim);
+    let z_h: Vec<f32> = (0..n)
+        .flat_map(|j| vals.get(j, h / d.group_size()).to_vec())
+        .collect();
+    let mut padded = vec![0f32; n * width];
+    for j in 0..n {
+        padded[j * width + h * hd..][..hd].copy_from_slice(&z_h[j * hd..][..hd]);
+    }
+    let whole = model.output_projection(l, &padded, n);
+    (model.head_output_projection(l, h, &z_h, n), whole)
+}
