@@ -56,7 +56,8 @@ impl serde::Serialize for Header<'_> {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeMap;
         let with_metadata = !self.metadata.is_empty();
-        let mut map = serializer.serialize_map(Some(self.tensors.len() + usize::from(with_metadata)))?;
+        let mut map =
+            serializer.serialize_map(Some(self.tensors.len() + usize::from(with_metadata)))?;
         if with_metadata {
             map.serialize_entry("__metadata__", self.metadata)?;
         }
@@ -307,8 +308,9 @@ mod tests {
     #[test]
     fn the_header_is_the_crates_with_the_metadata_in_key_order() {
         let a = [1.0f32; 6];
-        let md: BTreeMap<String, String> =
-            (0..20).map(|i| (format!("key{i:02}"), i.to_string())).collect();
+        let md: BTreeMap<String, String> = (0..20)
+            .map(|i| (format!("key{i:02}"), i.to_string()))
+            .collect();
         let tensors = [
             NamedTensor {
                 name: "b",
@@ -323,13 +325,19 @@ mod tests {
         ];
         let first = to_safetensors(&tensors, &md);
         for _ in 0..4 {
-            assert!(to_safetensors(&tensors, &md) == first, "a second write differs");
+            assert!(
+                to_safetensors(&tensors, &md) == first,
+                "a second write differs"
+            );
         }
         let len = u64::from_le_bytes(first[..8].try_into().unwrap()) as usize;
         let ours = std::str::from_utf8(&first[8..8 + len]).unwrap().trim_end();
         let at = |key: &str| ours.find(&format!("\"{key}\"")).unwrap();
         let keys: Vec<usize> = md.keys().map(|k| at(k)).collect();
-        assert!(keys.windows(2).all(|w| w[0] < w[1]), "metadata out of key order: {ours}");
+        assert!(
+            keys.windows(2).all(|w| w[0] < w[1]),
+            "metadata out of key order: {ours}"
+        );
         assert!(at("__metadata__") < at("b") && at("b") < at("a"), "{ours}");
         let (_, meta) = safetensors::SafeTensors::read_metadata(&first).unwrap();
         let crates = serde_json::to_value(&meta).unwrap();
