@@ -573,9 +573,8 @@ fn check_gradients_fast_and_none(m: &str) {
 
 /// `--steps 0` is refused; the terminal table has the gradient columns.
 fn check_steps_refused_and_table(m: &str) {
-    let out = attnscope(&["faithfulness", "-m", m, "--text", TEXT, "--steps", "0"]);
-    assert_eq!(out.status.code(), Some(2));
-    let table = attnscope(&["faithfulness", "-m", m, "--text", TEXT, "--steps", "2"]);
+    common::run_err(["faithfulness", "-m", m, "--text", TEXT, "--steps", "0"], 2);
+    let table = common::run_ok(["faithfulness", "-m", m, "--text", TEXT, "--steps", "2"]);
     let s = String::from_utf8_lossy(&table.stdout);
     assert!(
         s.contains("attn×grad") && s.contains("integrated_gradients"),

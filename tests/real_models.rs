@@ -277,13 +277,6 @@ fn tokenizer_vectors_match_hf() {
     }
 }
 
-/// `--precision fast` (quantized kernels) against the reference: how far it moves, measured.
-/// `--precision fast` on the shared sentence: where this CPU runs the int8 kernel, the sink
-/// profiles stay within 0.01 of the reference, the lesson's top-3 tables (last layer, heads 0-3;
-/// two keys within 0.01 of each other in the reference may trade places) and the head-averaged
-/// top-4 name the same tokens, every last-row weight stays within 0.04,
-/// and the top next token is the same. Where it does not (no AVX-512 VNNI), fast must give the
-/// exact numbers, and the test says so.
 /// The inspect report of the golden file's tables: every head of the last layer from the last
 /// query, head averages of the first, middle and last layers.
 fn lesson_report(
@@ -310,6 +303,13 @@ fn lesson_report(
     build(model, tokens, &c, &out.logits[0], &plan)
 }
 
+/// `--precision fast` (quantized kernels) against the reference: how far it moves, measured.
+/// `--precision fast` on the shared sentence: where this CPU runs the int8 kernel, the sink
+/// profiles stay within `sink_tolerance` of the reference, the lesson's top-3 tables (last layer, heads 0-3;
+/// two keys within 0.01 of each other in the reference may trade places) and the head-averaged
+/// top-4 name the same tokens, every last-row weight stays within 0.04,
+/// and the top next token is the same. Where it does not (no AVX-512 VNNI), fast must give the
+/// exact numbers, and the test says so.
 fn check_fast(alias: &str, prefix: &str, sink_tolerance: f64) {
     let model =
         attnscope::model::Model::load(alias, attnscope::model::Precision::Fast, false).unwrap();

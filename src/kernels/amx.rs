@@ -644,9 +644,11 @@ impl Task<'_> {
             } else if whole {
                 Some(in_c)
             } else {
+                // through `in_spare.ptr` (not `spare`), so the pointer the product uses stays
+                // the one every access goes through
                 for r in 0..rows {
                     for j in 0..cols {
-                        spare[r * NP + j] = *c.0.add((row0 + r) * ldc + col0 + j);
+                        *in_spare.ptr.add(r * NP + j) = *c.0.add((row0 + r) * ldc + col0 + j);
                     }
                 }
                 Some(in_spare)
@@ -662,7 +664,7 @@ impl Task<'_> {
             if slice.last && !whole {
                 for r in 0..rows {
                     for j in 0..cols {
-                        *c.0.add((row0 + r) * ldc + col0 + j) = spare[r * NP + j];
+                        *c.0.add((row0 + r) * ldc + col0 + j) = *in_spare.ptr.add(r * NP + j);
                     }
                 }
             }
