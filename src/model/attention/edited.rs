@@ -88,8 +88,35 @@ pub(crate) fn attention_edited(
 ) -> Result<()> {
     let (nh, rows, k_len) = (dims.n_heads, dims.q_len, dims.k_len);
     let offset = k_len - rows;
-    let (mut scores, mut pattern) =
-        whole_maps(layer, q, k, v, dims, knockout, block_bytes, obs, z)?;
+    // the fast kernel with whole rows (one key block) into `z`, its maps kept whole by a
+    // [`MapTap`] (what the observer wants besides is handed on); masked keys -inf and 0
+    let mut tap = MapTap {
+        inner: obs,
+        layer,
+        offset,
+        rows,
+        k_len,
+        scores: vec![f32::NEG_INFINITY; nh * rows * k_len],
+        pattern: vec![0f32; nh * rows * k_len],
+    };
+    attention_into(
+        layer,
+        q,
+        k,
+        v,
+        dims,
+        knockout,
+        block_bytes,
+        k_len,
+        &mut tap,
+        z,
+    )?;
+    let MapTap {
+        inner: obs,
+        mut scores,
+        mut pattern,
+        ..
+    } = tap;
     let shape = [nh, rows, k_len];
     // a hook that only reads leaves the kernel's z as it is (the same bits as without it)
     let before = pattern.clone();
@@ -109,46 +136,6 @@ pub(crate) fn attention_edited(
         pattern_times_values(&pattern, v, dims, z);
     }
     Ok(())
-}
-
-/// The fast kernel run with whole rows (one key block) into `z`, its scores and pattern kept
-/// whole by a [`MapTap`] (what the observer wants besides is handed on): `(scores, pattern)`,
-/// `[n_heads, q_len, k_len]` each, masked keys -inf and 0.
-#[allow(clippy::too_many_arguments)]
-fn whole_maps(
-    layer: usize,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    dims: AttnDims,
-    knockout: &[bool],
-    block_bytes: usize,
-    obs: &mut dyn Observer,
-    z: &mut [f32],
-) -> Result<(Vec<f32>, Vec<f32>)> {
-    let (nh, rows, k_len) = (dims.n_heads, dims.q_len, dims.k_len);
-    let mut tap = MapTap {
-        inner: obs,
-        layer,
-        offset: k_len - rows,
-        rows,
-        k_len,
-        scores: vec![f32::NEG_INFINITY; nh * rows * k_len],
-        pattern: vec![0f32; nh * rows * k_len],
-    };
-    attention_into(
-        layer,
-        q,
-        k,
-        v,
-        dims,
-        knockout,
-        block_bytes,
-        k_len,
-        &mut tap,
-        z,
-    )?;
-    Ok((tap.scores, tap.pattern))
 }
 
 /// `hook_attn_scores` handed to the editing observer, then every edited row softmaxed again
