@@ -322,3 +322,106 @@ pub fn one_head_and_padded_output_projection(
     let whole = model.output_projection(l, &padded, n);
     (model.head_output_projection(l, h, &z_h, n), whole)
 }
+
+/// How far a compared cell may be from its reference.
+#[derive(Clone, Copy, Debug)]
+pub enum Bound {
+    /// `|got - want| <= x` for every cell.
+    Abs(f64),
+    /// `|got - want| <= x * max |want|` over the reference's cells.
+    RelMax(f64),
+}
+
+/// Compares a report with a reference cell by cell and returns the worst `|got - want|`.
+///
+/// Fails (with the label, the cell and both values) when an expected cell is missing, appears
+/// twice, or is not expected at all; when either side holds a NaN or an infinity (a plain
+/// `fold(.., f64::max)` drops NaNs, so a NaN would pass); or when the worst difference is over
+/// `bound`. Prints the worst difference and the bound, so a run shows the measured figure.
+/// The keys name the cells (`(layer, head)`, `"L3.H5"`, ...): any `Ord + Debug` type.
+pub fn assert_cells<K, G, W>(label: &str, got: G, want: W, bound: Bound) -> f64
+where
+    K: Ord + std::fmt::Debug + Clone,
+    G: IntoIterator<Item = (K, f64)>,
+    W: IntoIterator<Item = (K, f64)>,
+{
+    use std::collections::BTreeMap;
+    let mut expected: BTreeMap<K, f64> = BTreeMap::new();
+    for (k, w) in want {
+        assert!(w.is_finite(), "{label}: the reference's cell {k:?} is {w}");
+        assert!(
+            expected.insert(k.clone(), w).is_none(),
+            "{label}: the reference has cell {k:?} twice"
+        );
+    }
+    assert!(!expected.is_empty(), "{label}: the reference has no cells");
+    let scale = expected.values().fold(0.0f64, |m, w| m.max(w.abs()));
+    let tol = match bound {
+        Bound::Abs(x) => x,
+        Bound::RelMax(x) => x * scale,
+    };
+    let mut seen: BTreeMap<K, f64> = BTreeMap::new();
+    let (mut worst, mut at) = (0.0f64, None);
+    for (k, g) in got {
+        assert!(g.is_finite(), "{label}: cell {k:?} is {g}");
+        let Some(&w) = expected.get(&k) else {
+            panic!("{label}: cell {k:?} (= {g}) is not in the reference");
+        };
+        assert!(
+            seen.insert(k.clone(), g).is_none(),
+            "{label}: cell {k:?} is reported twice"
+        );
+        let d = (g - w).abs();
+        if at.is_none() || d > worst {
+            worst = d;
+            at = Some((k, g, w));
+        }
+    }
+    let missing: Vec<&K> = expected.keys().filter(|k| !seen.contains_key(*k)).collect();
+    assert!(
+        missing.is_empty(),
+        "{label}: {} of {} reference cells missing, first {:?}",
+        missing.len(),
+        expected.len(),
+        missing[0]
+    );
+    let (k, g, w) = at.expect("at least one cell");
+    eprintln!(
+        "{label}: {} cells, max |difference| {worst:.2e} at {k:?} (bound {tol:.1e}{})",
+        expected.len(),
+        match bound {
+            Bound::RelMax(x) => format!(" = {x:.0e} x max |ref| {scale:.3e}"),
+            Bound::Abs(_) => String::new(),
+        }
+    );
+    assert!(
+        worst <= tol,
+        "{label}: max |difference| {worst:.3e} > bound {tol:.2e} at cell {k:?} (got {g}, want {w})"
+    );
+    worst
+}
+
+/// The cells of a row-major array of `shape`, keyed by their index vector: what
+/// [`assert_cells`] compares for two arrays of the same shape.
+pub fn array_cells(shape: &[usize], data: &[f32]) -> Vec<(Vec<usize>, f64)> {
+    let n: usize = shape.iter().product();
+    assert_eq!(
+        n,
+        data.len(),
+        "array of shape {shape:?} has {} values",
+        data.len()
+    );
+    let mut idx = vec![0usize; shape.len()];
+    let mut out = Vec::with_capacity(n);
+    for &v in data {
+        out.push((idx.clone(), v as f64));
+        for d in (0..shape.len()).rev() {
+            idx[d] += 1;
+            if idx[d] < shape[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+    out
+}
