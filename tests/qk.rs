@@ -40,71 +40,14 @@ fn check_case(model: &Model, ids: &[u32], case: &Value, label: &str) {
     let (layer, head, query, key) = (u("layer"), u("head"), u("query"), u("key"));
     let label = format!("{label} layer {layer} head {head} query {query} key {key}");
     let r = qk(model, &opts(ids, layer, head, query, Some(key))).unwrap();
-    // the forward's scores of the row against transformers'
-    let want: Vec<f64> = case["row_scores"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap())
-        .collect();
-    let got: Vec<(usize, f64)> = r
-        .row_scores
-        .iter()
-        .enumerate()
-        .map(|(j, s)| (j, s.unwrap()))
-        .collect();
-    assert_cells(
-        &format!("{label}: row scores"),
-        got,
-        want.iter().copied().enumerate(),
-        Bound::RelMax(1e-4),
-    );
-    let top = want
-        .iter()
-        .enumerate()
-        .max_by(|a, b| a.1.total_cmp(b.1))
-        .unwrap()
-        .0;
-    assert_eq!(top, key, "{label}: the reference's key is its row's top");
-    // the 50 largest terms, each against torch's, and no other term larger than the 50th
-    let mine = terms_by_pair(&r);
-    let want_terms: Vec<((String, String), f64)> = case["terms_top"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| {
-            let s = |k: &str| t[k].as_str().unwrap().to_string();
-            (
-                (s("query_side"), s("key_side")),
-                t["value"].as_f64().unwrap(),
-            )
-        })
-        .collect();
-    let got = want_terms.iter().map(|(k, _)| {
-        let v = *mine
-            .get(k)
-            .unwrap_or_else(|| panic!("{label}: no term {k:?}"));
-        (k.clone(), v)
-    });
-    let worst = assert_cells(
-        &format!("{label}: 50 largest terms"),
-        got,
-        want_terms.clone(),
-        Bound::RelMax(1e-3),
-    );
-    let fiftieth = want_terms.last().unwrap().1.abs();
-    let largest = want_terms[0].1.abs();
-    let outside = r.terms[50..]
-        .iter()
-        .map(|t| t.value.abs())
-        .fold(0.0, f64::max);
-    assert!(
-        outside <= fiftieth + 1e-3 * largest,
-        "{label}: a term outside the reference's top 50 is {outside} > {fiftieth}"
-    );
+    check_row(&r, case, &label);
+    let worst = check_terms(&r, case, &label);
     // the sum against the score, and against the reference's
     let want_sum = case["terms_sum"].as_f64().unwrap();
-    eprintln!("{label}: score {:.6} sum {:.6} gap {:.2e}; torch's sum {want_sum:.6}; worst term {worst:.2e}", r.score, r.sum, r.gap);
+    eprintln!(
+        "{label}: score {:.6} sum {:.6} gap {:.2e}; torch's sum {want_sum:.6}; worst term {worst:.2e}",
+        r.score, r.sum, r.gap
+    );
     assert!(
         r.gap.abs() <= 1e-4 * r.score.abs().max(1.0),
         "{label}: the terms add up to {} but the score is {}",
@@ -121,6 +64,81 @@ fn check_case(model: &Model, ids: &[u32], case: &Value, label: &str) {
         (r.components.len() + 1).pow(2),
         "{label}: every term"
     );
+}
+
+/// The forward's scores of the row against transformers', their softmax against transformers'
+/// attention, and the reference's key its row's top.
+fn check_row(r: &QkReport, case: &Value, label: &str) {
+    let cells = |v: &Value| -> Vec<(usize, f64)> {
+        let row = v.as_array().unwrap().iter().enumerate();
+        row.filter_map(|(j, s)| s.as_f64().map(|s| (j, s)))
+            .collect()
+    };
+    let want = cells(&case["row_scores"]);
+    let got: Vec<(usize, f64)> = r
+        .row_scores
+        .iter()
+        .enumerate()
+        .filter_map(|(j, s)| s.map(|s| (j, s)))
+        .collect();
+    assert_cells(
+        &format!("{label}: row scores"),
+        got.clone(),
+        want.clone(),
+        Bound::RelMax(1e-4),
+    );
+    let top = want.iter().max_by(|a, b| a.1.total_cmp(&b.1)).unwrap().0;
+    assert_eq!(top, r.key, "{label}: the reference's key is its row's top");
+    let max = got.iter().map(|x| x.1).fold(f64::MIN, f64::max);
+    let z: f64 = got.iter().map(|(_, s)| (s - max).exp()).sum();
+    let probs = got.iter().map(|&(j, s)| (j, (s - max).exp() / z));
+    let want = cells(&case["row_probs_transformers"]);
+    assert_cells(
+        &format!("{label}: softmax of the row against transformers' attention"),
+        probs,
+        want,
+        Bound::Abs(1e-5),
+    );
+}
+
+/// The 50 largest terms, each against torch's, and no other term larger than the 50th; the
+/// worst difference.
+fn check_terms(r: &QkReport, case: &Value, label: &str) -> f64 {
+    let mine = terms_by_pair(r);
+    let want: Vec<((String, String), f64)> = case["terms_top"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            let s = |k: &str| t[k].as_str().unwrap().to_string();
+            (
+                (s("query_side"), s("key_side")),
+                t["value"].as_f64().unwrap(),
+            )
+        })
+        .collect();
+    let got = want.iter().map(|(k, _)| {
+        let v = *mine
+            .get(k)
+            .unwrap_or_else(|| panic!("{label}: no term {k:?}"));
+        (k.clone(), v)
+    });
+    let worst = assert_cells(
+        &format!("{label}: 50 largest terms"),
+        got,
+        want.clone(),
+        Bound::RelMax(1e-3),
+    );
+    let (largest, fiftieth) = (want[0].1.abs(), want[49].1.abs());
+    let outside = r.terms[50..]
+        .iter()
+        .map(|t| t.value.abs())
+        .fold(0.0, f64::max);
+    assert!(
+        outside <= fiftieth + 1e-3 * largest,
+        "{label}: a term outside the reference's top 50 is {outside} > {fiftieth}"
+    );
+    worst
 }
 
 /// Every reference case of `g` (`{"clean", "clean_ids", "qk": [...]}`) on `alias`.
