@@ -6,8 +6,8 @@
 mod common;
 use attnscope::analysis::faithfulness::Target;
 use attnscope::analysis::intervene::{
-    ablate, patch, AblateOptions, Editor, Fill, Method, Patch, PatchHook, PatchOptions, Runner,
-    Variant,
+    ablate, check_logit_diff_gap, patch, AblateOptions, Editor, Fill, Method, Patch, PatchHook,
+    PatchOptions, Runner, Variant,
 };
 use attnscope::model::capture::{AttnCache, CaptureSpec, Hook, Observer, Queries};
 use attnscope::model::forward::{Resume, RunOptions, Segment};
@@ -842,17 +842,38 @@ fn patching_refuses_what_it_cannot_pair() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("pass --answer and --wrong"), "{err}");
-    // with answer/wrong given, a text patched with itself restores nothing and loses nothing
+    // both given and the same token: no advice to pass what was passed (#56)
+    let same = PatchOptions {
+        answer: Some(Target::Id(3)),
+        wrong: Some(Target::Id(3)),
+        ..opts.clone()
+    };
+    let err = patch(&model, &TOKENS, &TOKENS, &same, |_, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("--answer and --wrong name the same token") && !err.contains("pass --"),
+        "{err}"
+    );
+    // with answer/wrong given, a text patched with itself has equal clean and corrupted logit
+    // differences: every recovered share would be 0/0, so it is refused (#56: a NaN grid, exit 0)
     let opts = PatchOptions {
         answer: Some(Target::Id(3)),
         wrong: Some(Target::Id(4)),
         ..opts
     };
-    let r = patch(&model, &TOKENS, &TOKENS, &opts, |_, _| {}).unwrap();
-    assert_eq!(r.results.len(), model.dims.n_layers * TOKENS.len());
-    for c in &r.results {
-        assert!((c.logit_diff - r.clean_logit_diff).abs() < 1e-5);
-    }
+    let err = patch(&model, &TOKENS, &TOKENS, &opts, |_, _| {}).unwrap_err();
+    assert!(err.is_bad_input(), "{err}");
+    let err = err.to_string();
+    assert!(
+        err.contains("the same logit difference") && err.contains("would divide by zero"),
+        "{err}"
+    );
+    // a gap below 0.1 logits is warned about (recovered is then a ratio of small numbers)
+    let warned = check_logit_diff_gap(2.0, 1.95).unwrap().unwrap();
+    assert!(warned.contains("differ by only 0.0500"), "{warned}");
+    assert!(check_logit_diff_gap(2.0, -1.0).unwrap().is_none());
+    assert!(check_logit_diff_gap(2.0, 2.0).is_err());
 }
 
 fn reference_grid(v: &serde_json::Value) -> Vec<Vec<f64>> {
