@@ -501,10 +501,7 @@ fn a_tensor_of_a_block_type_attnscope_cannot_read() {
 // Issue #56, defect 9: messages that named the wrong thing.
 
 /// A multi-token `--answer`/`--wrong` is reported under its own flag (was `--target`); the same
-/// token for both, both given, is not told to pass them (it was); an empty `--clean` is not told
-/// to use `--text`; `generate --max-new-tokens` past the context names that option (it said to
-/// shorten the text); `patch` with equal clean and corrupted logit differences is refused, exit
-/// 2 (it printed a grid of NaN, exit 0: defect 4).
+/// token for both, both given, is not told to pass them (it was).
 #[test]
 fn messages_name_the_flag_that_was_given() {
     let dir = tempfile::tempdir().unwrap();
@@ -545,6 +542,16 @@ fn messages_name_the_flag_that_was_given() {
         e.contains("--answer and --wrong name the same token") && !e.contains("pass --"),
         "{e}"
     );
+}
+
+/// An empty `--clean` is not told to use `--text`; `generate --max-new-tokens` past the context
+/// names that option (it said to shorten the text); `patch` with equal clean and corrupted logit
+/// differences is refused, exit 2 (it printed a grid of NaN, exit 0: defect 4).
+#[test]
+fn messages_name_the_text_and_the_count_that_are_wrong() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = common::tiny_gguf(&dir);
+    let m = m.to_str().unwrap();
     let e = run_err(
         ["patch", "-m", m, "--clean", " ", "--corrupt", "the hat"],
         2,

@@ -92,115 +92,67 @@ fn command(cache: &Path, cwd: &Path) -> Command {
     c
 }
 
-/// The base invocation of each command on the fixtures (long option names only, so a swept
-/// option replaces the base's own), run in `out` (a fresh folder, where a command writes its
-/// file); `None` for `fetch`, whose base would download a model (it is swept with bad values
-/// only). A command not listed fails the test: give it a base here.
+/// Each command's base invocation on the fixtures, long option names only (so a swept option
+/// replaces the base's own): `{m}` the tiny model, `{texts}` a text file, `{records}` a corpus
+/// record file, `{bert}` the tiny BERT, `{out}` the run's own folder (where a command writes).
+const BASES: &[(&str, &str)] = &[
+    ("explain", "--model {m}"),
+    ("cost", "8"),
+    ("inspect", "--model {m} --text the_hat_at_the"),
+    ("generate", "--model {m} --text the_hat --max-new-tokens 2"),
+    ("faithfulness", "--model {m} --text the_hat_at"),
+    (
+        "attribute",
+        "--model {m} --text the_hat_at --method gradient",
+    ),
+    ("ablate", "--model {m} --text the_hat_at"),
+    ("patch", "--model {m} --clean the_hat --corrupt the_cat"),
+    ("dla", "--model {m} --text the_hat_at"),
+    ("corpus", "--model {m} --limit 2"),
+    ("corpus merge", "{records}"),
+    ("sinks", "--model {m} --file {texts}"),
+    ("compare", "--model {m} --text the_hat --text the_cat"),
+    ("heads", "--model {m} --text the_hat_at_the_hat"),
+    ("scaling", "--model {m} --lengths 8 --repeats 1"),
+    ("view", "--model {m} --text the_hat --out {out}/v.html"),
+    (
+        "heatmap",
+        "--model {m} --text the_hat --layer 0 --out {out}/h.png",
+    ),
+    ("serve", "--model {m} --addr 127.0.0.1:0"),
+    ("info", "--model {m}"),
+    (
+        "capture",
+        "--model {m} --text the_hat --out {out}/c.safetensors",
+    ),
+    ("bench", "--model {m} --lengths 8 --repeats 1 --no-commands"),
+    ("embed", "--model {bert} --file {texts} --out {out}/e.npy"),
+    ("cache", "list"),
+    ("cache list", ""),
+    ("cache clear", ""),
+];
+
+/// The base invocation of a command (see [`BASES`]; `_` in a text is a space), run in `out`;
+/// `None` for `fetch`, whose base would download a model (it is swept with bad values only). A
+/// command not listed fails the test: give it a base in [`BASES`].
 fn base(cmd: &[String], f: &Fixtures, out: &Path) -> Option<Vec<String>> {
-    let m = f.model.as_str();
-    let o = |name: &str| out.join(name).to_str().unwrap().to_string();
-    let words: Vec<&str> = cmd.iter().map(String::as_str).collect();
-    let args: &[&str] = match words[..] {
-        ["explain"] => &["explain", "--model", m],
-        ["cost"] => &["cost", "8"],
-        ["inspect"] => &["inspect", "--model", m, "--text", "the hat at the"],
-        ["generate"] => &[
-            "generate",
-            "--model",
-            m,
-            "--text",
-            "the hat",
-            "--max-new-tokens",
-            "2",
-        ],
-        ["faithfulness"] => &["faithfulness", "--model", m, "--text", "the hat at"],
-        ["attribute"] => &[
-            "attribute",
-            "--model",
-            m,
-            "--text",
-            "the hat at",
-            "--method",
-            "gradient",
-        ],
-        ["ablate"] => &["ablate", "--model", m, "--text", "the hat at"],
-        ["patch"] => &[
-            "patch",
-            "--model",
-            m,
-            "--clean",
-            "the hat",
-            "--corrupt",
-            "the cat",
-        ],
-        ["dla"] => &["dla", "--model", m, "--text", "the hat at"],
-        ["corpus"] => &["corpus", "--model", m, "--limit", "2"],
-        ["corpus", "merge"] => &["corpus", "merge", &f.records],
-        ["sinks"] => &["sinks", "--model", m, "--file", &f.texts],
-        ["compare"] => &[
-            "compare", "--model", m, "--text", "the hat", "--text", "the cat",
-        ],
-        ["heads"] => &["heads", "--model", m, "--text", "the hat at the hat"],
-        ["scaling"] => &["scaling", "--model", m, "--lengths", "8", "--repeats", "1"],
-        ["view"] => &[
-            "view",
-            "--model",
-            m,
-            "--text",
-            "the hat",
-            "--out",
-            &o("v.html"),
-        ],
-        ["heatmap"] => &[
-            "heatmap",
-            "--model",
-            m,
-            "--text",
-            "the hat",
-            "--layer",
-            "0",
-            "--out",
-            &o("h.png"),
-        ],
-        ["serve"] => &["serve", "--model", m, "--addr", "127.0.0.1:0"],
-        ["info"] => &["info", "--model", m],
-        ["capture"] => &[
-            "capture",
-            "--model",
-            m,
-            "--text",
-            "the hat",
-            "--out",
-            &o("c.safetensors"),
-        ],
-        ["bench"] => &[
-            "bench",
-            "--model",
-            m,
-            "--lengths",
-            "8",
-            "--repeats",
-            "1",
-            "--no-commands",
-        ],
-        ["embed"] => &[
-            "embed",
-            "--model",
-            &f.bert,
-            "--file",
-            &f.texts,
-            "--out",
-            &o("e.npy"),
-        ],
-        ["fetch"] => return None,
-        ["cache"] | ["cache", "list"] => &["cache", "list"],
-        ["cache", "clear"] => &["cache", "clear"],
-        _ => panic!(
-            "no base invocation for `{}`: add one to tests/option_sweep.rs",
-            cmd.join(" ")
-        ),
-    };
-    Some(args.iter().map(|s| s.to_string()).collect())
+    let name = cmd.join(" ");
+    if name == "fetch" {
+        return None;
+    }
+    let (_, rest) = BASES
+        .iter()
+        .find(|(c, _)| *c == name)
+        .unwrap_or_else(|| panic!("no base invocation for `{name}`: add one to BASES"));
+    let args = rest.split_whitespace().map(|a| {
+        a.replace('_', " ")
+            .replace("{m}", &f.model)
+            .replace("{texts}", &f.texts)
+            .replace("{records}", &f.records)
+            .replace("{bert}", &f.bert)
+            .replace("{out}", out.to_str().unwrap())
+    });
+    Some(cmd.iter().cloned().chain(args).collect())
 }
 
 /// `base` with option `opt` given `value` (replacing the base's own value of it, and a

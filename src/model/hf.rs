@@ -131,6 +131,38 @@ fn encoder_defaults(v: &mut serde_json::Value) -> Vec<String> {
     filled
 }
 
+/// A folder's config.json (DistilBERT's keys under BERT's names, an encoder's missing settings
+/// given transformers' defaults), and what was defaulted, in words.
+fn read_config(dir: &Path) -> Result<(HfConfig, Vec<String>)> {
+    let cfg_path = dir.join("config.json");
+    if !cfg_path.is_file() {
+        return Err(Error::NoConfig { path: dir.into() });
+    }
+    let mut raw: serde_json::Value = read_json(&cfg_path)?;
+    let model_type = raw
+        .get("model_type")
+        .and_then(|t| t.as_str())
+        .map(str::to_string);
+    let model_type = model_type.as_deref();
+    if model_type == Some("distilbert") {
+        distilbert_config(&mut raw);
+    }
+    let defaulted = if model_type
+        .and_then(Arch::parse)
+        .is_some_and(|a| a.is_encoder())
+    {
+        encoder_defaults(&mut raw)
+    } else {
+        Vec::new()
+    };
+    let config: HfConfig = serde_json::from_value(raw).map_err(|e| Error::BadValue {
+        key: "config.json".into(),
+        path: cfg_path.clone(),
+        reason: format!("not valid JSON of the expected form: {e}"),
+    })?;
+    Ok((config, defaulted))
+}
+
 fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
     serde_json::from_str(&text).map_err(|e| Error::BadValue {
@@ -142,32 +174,7 @@ fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T> {
 
 impl HfFolder {
     pub fn open(dir: &Path) -> Result<Self> {
-        let cfg_path = dir.join("config.json");
-        if !cfg_path.is_file() {
-            return Err(Error::NoConfig { path: dir.into() });
-        }
-        let mut raw: serde_json::Value = read_json(&cfg_path)?;
-        let model_type = raw
-            .get("model_type")
-            .and_then(|t| t.as_str())
-            .map(str::to_string);
-        let model_type = model_type.as_deref();
-        if model_type == Some("distilbert") {
-            distilbert_config(&mut raw);
-        }
-        let defaulted = if model_type
-            .and_then(Arch::parse)
-            .is_some_and(|a| a.is_encoder())
-        {
-            encoder_defaults(&mut raw)
-        } else {
-            Vec::new()
-        };
-        let config: HfConfig = serde_json::from_value(raw).map_err(|e| Error::BadValue {
-            key: "config.json".into(),
-            path: cfg_path.clone(),
-            reason: format!("not valid JSON of the expected form: {e}"),
-        })?;
+        let (config, defaulted) = read_config(dir)?;
         let index = dir.join("model.safetensors.index.json");
         let mut files: Vec<PathBuf> = if index.is_file() {
             #[derive(Deserialize)]
