@@ -22,6 +22,7 @@ mod generate;
 mod heads;
 mod info;
 mod inspect;
+mod options;
 mod patch;
 mod qk;
 mod scaling;
@@ -126,6 +127,9 @@ pub enum Command {
     Fetch(info::FetchArgs),
     /// The packed-weight cache: list its files (model, layout, size) or clear them.
     Cache(cache::Args),
+    /// Every subcommand's options, from clap's own tree, as JSON (for tests/option_sweep.rs).
+    #[command(name = "__options", hide = true)]
+    Options(options::Args),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -154,6 +158,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Fetch(a) => info::fetch(a),
         Command::Bench(a) => bench::run(a),
         Command::Cache(a) => cache::run(a),
+        Command::Options(a) => options::run(a),
     }
 }
 

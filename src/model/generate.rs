@@ -450,15 +450,27 @@ impl Model {
             return Err(Error::EmptyText);
         }
         let limit = self.dims.context_len;
-        if prompt.len() + o.max_new_tokens > limit {
+        if prompt.len() >= limit {
+            // no room for even one new token: the prompt is what is too long
             return Err(Error::TooLong {
-                n_tokens: prompt.len() + o.max_new_tokens,
+                n_tokens: prompt.len() + 1,
                 limit,
                 model: format!(
-                    "{} (the prompt's {} tokens plus --max-new-tokens {})",
+                    "{} (the prompt's {} tokens plus one new token)",
                     self.info.name,
-                    prompt.len(),
-                    o.max_new_tokens
+                    prompt.len()
+                ),
+            });
+        }
+        let room = limit - prompt.len();
+        if o.max_new_tokens > room {
+            return Err(Error::OutOfRange {
+                what: "max-new-tokens".into(),
+                value: o.max_new_tokens.to_string(),
+                range: format!(
+                    "1..={room}: {} has a context of {limit} tokens and the prompt takes {}",
+                    self.info.name,
+                    prompt.len()
                 ),
             });
         }
