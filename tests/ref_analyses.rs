@@ -99,21 +99,23 @@ fn compare_against_transformers(alias: &str) {
     compare_divergences(alias, &v, r);
 }
 
-/// The JS divergence of every head and each layer's mean and head-mean divergence, and the sink
+/// The JS divergence of every head and each layer's mean and head-mean divergence (within 5e-5
+/// bits: the rows' 1e-4 moves a divergence by about half their summed change; measured 4.8e-6 at
+/// the default model's layer 0, whose rows are the furthest from transformers'), and the sink
 /// differences B − A, against the reference `r`.
 fn compare_divergences(alias: &str, v: &Value, r: &Value) {
     assert_cells(
         &format!("{alias} compare JS per head (bits)"),
         nested(&v["js"]),
         nested(&r["js"]),
-        Bound::Abs(1e-5),
+        Bound::Abs(5e-5),
     );
     for (what, key) in [("mean_js", "mean_js"), ("head_mean_js", "head_mean_js")] {
         assert_cells(
             &format!("{alias} compare {what} per layer (bits)"),
             field(&v["layers"], key),
             nested(&r[key]).into_iter().map(|(i, x)| (i[0], x)),
-            Bound::Abs(1e-5),
+            Bound::Abs(5e-5),
         );
     }
     for (what, key) in [
