@@ -233,8 +233,9 @@ fn flat(v: &serde_json::Value) -> Vec<f64> {
 }
 
 /// The gradients of the lesson sentence against torch autograd (../shared/reference's
-/// gradient_ref.py). `ig` also runs integrated gradients (33 backward passes).
-fn against_autograd(alias: &str, short: &str, ig: bool) {
+/// gradient_ref.py), and integrated gradients (33 backward passes) against
+/// [`common::ig_reference`]'s reference within its bound.
+fn against_autograd(alias: &str, short: &str) {
     let model = common::real_model(alias);
     let refj = common::golden_json(&format!("{short}_gradients.json"));
     let r = &refj["texts"]["lesson"];
@@ -247,12 +248,15 @@ fn against_autograd(alias: &str, short: &str, ig: bool) {
     );
     let lp = r["logprob"].as_f64().unwrap();
     eprintln!("{short}: logprob {} vs {lp}", g.logprob);
-    let mut worst = worst_gradient_error(&g, model.dims.d_model, r, short);
+    let worst = worst_gradient_error(&g, model.dims.d_model, r, short);
     assert!((g.logprob as f64 - lp).abs() < 1e-2, "{short}: logprob");
-    if ig {
-        worst = worst.max(integrated_gradients_error(model, &ids, r, short));
-    }
     assert!(worst < 1e-3, "{short}: worst relative error {worst:.2e}");
+    let (want, bound) = common::ig_reference(short, r);
+    let err = integrated_gradients_error(model, &ids, &want, short);
+    assert!(
+        err < bound,
+        "{short}: integrated gradients' relative error {err:.2e} (bound {bound:.0e})"
+    );
 }
 
 /// The gradient of log p(top next token) for `ids`, its time printed next to a forward's.
@@ -322,17 +326,17 @@ fn integrated_gradients_error(
 
 #[test]
 fn smol_against_autograd() {
-    against_autograd("smollm2-135m", "smol", true);
+    against_autograd("smollm2-135m", "smol");
 }
 
 #[test]
 fn qwen_against_autograd() {
-    against_autograd("qwen2.5-coder-0.5b", "qwen", false);
+    against_autograd("qwen2.5-coder-0.5b", "qwen");
 }
 
 #[test]
 fn gemma_against_autograd() {
-    against_autograd("gemma3-270m", "gemma", false);
+    against_autograd("gemma3-270m", "gemma");
 }
 
 /// The batched forward and backward (`Model::gradient_batch`: several inputs of one length as
