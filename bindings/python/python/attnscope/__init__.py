@@ -80,6 +80,14 @@ NamesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
 TextOrTokens = Union[str, Sequence[str], np.ndarray, Sequence[int]]
 
 
+# attnscope's backward computes the gradients at the hook points in one pass but calls no Python
+# hook during it: a backward hook is refused, naming what gives the gradients instead.
+_NO_BACKWARD_HOOKS = (
+    "backward hooks are not supported: attnscope's backward calls no hook while it runs; "
+    "run_with_cache(..., incl_bwd=True) caches the gradients at the hook points (<name>_grad)"
+)
+
+
 @dataclass(frozen=True)
 class Config:
     """A model's dimensions, in TransformerLens's names."""
@@ -1058,7 +1066,7 @@ class HookedModel:
         next are real); the logits at pad positions under a mask are not computed (refused).
         ``stop_at_layer``: returns the residual stream before that block ``[b, n, d_model]``."""
         if bwd_hooks:
-            raise NotImplementedError("backward hooks need gradients, and attnscope has no backward pass yet")
+            raise NotImplementedError(_NO_BACKWARD_HOOKS)
         if kwargs:
             raise TypeError(f"run_with_hooks got arguments attnscope does not support: {sorted(kwargs)}")
         if return_type not in ("logits", "loss", "both", None):
@@ -1138,7 +1146,7 @@ class HookedModel:
         """Attaches ``hook`` at ``name`` (a hook name or a predicate on names) for every later
         forward, until :meth:`reset_hooks`."""
         if dir != "fwd":
-            raise NotImplementedError("backward hooks need gradients, and attnscope has no backward pass yet")
+            raise NotImplementedError(_NO_BACKWARD_HOOKS)
         self._resolve([(name, hook)])  # checks the name now
         self._fwd_hooks.append((name, hook))
 
@@ -1151,7 +1159,7 @@ class HookedModel:
               reset_hooks_end: bool = True):
         """A context in which every forward (``run_with_cache`` included) runs ``fwd_hooks``."""
         if bwd_hooks:
-            raise NotImplementedError("backward hooks need gradients, and attnscope has no backward pass yet")
+            raise NotImplementedError(_NO_BACKWARD_HOOKS)
         self._resolve(fwd_hooks)
         saved = list(self._fwd_hooks)
         self._fwd_hooks = saved + list(fwd_hooks)
