@@ -80,7 +80,7 @@ fn names_from(rest: &str) -> Vec<String> {
             (&inner[..end], &inner[end + 1..])
         } else {
             let end = s.find(|c: char| !is_ident(c)).unwrap_or(s.len());
-            if end == 0 || s[end..].starts_with(|c: char| matches!(c, '/' | '.' | '`')) {
+            if end == 0 || s[end..].starts_with(['/', '.', '`']) {
                 break;
             }
             (&s[..end], &s[end..])
