@@ -79,8 +79,9 @@ fn assert_logprob(label: &str, got: &serde_json::Value, want: &serde_json::Value
 
 /// The lesson sentence's scores from `attribute --json` against torch autograd: gradient norms,
 /// gradient × input, attention × gradient (from transformers' patterns and pattern gradients), and
-/// for SmolLM2 integrated gradients (32 midpoints) with the completeness gap.
-fn against_autograd(alias: &str, short: &str, ig: bool) {
+/// integrated gradients (32 midpoints) with the completeness gap against [`common::ig_reference`]'s
+/// reference within its bound.
+fn against_autograd(alias: &str, short: &str) {
     let refj = common::golden_json(&format!("{short}_gradients.json"));
     let r = &refj["texts"]["lesson"];
     let run = |method: &str| json(&["attribute", "-m", alias, "--method", method, "--json"]);
@@ -104,9 +105,8 @@ fn against_autograd(alias: &str, short: &str, ig: bool) {
         &attention_x_gradient_from_autograd(short, r),
         AUTOGRAD,
     );
-    if ig {
-        check_ig_against_autograd(alias, short, r);
-    }
+    let (want, bound) = common::ig_reference(short, r);
+    check_ig_against_reference(alias, short, &want, bound);
 }
 
 /// `attribute --method gradient --json` (`g`) explains the reference's target, with its log p,
@@ -157,9 +157,9 @@ fn attention_x_gradient_from_autograd(short: &str, r: &serde_json::Value) -> Vec
         .collect()
 }
 
-/// Integrated gradients (32 midpoints) against autograd's: the scores within [`AUTOGRAD`] of the
-/// largest, the completeness gap within 3e-5 of max(|gap|, 1) (measured: 4.0e-6).
-fn check_ig_against_autograd(alias: &str, short: &str, r: &serde_json::Value) {
+/// Integrated gradients (32 midpoints) against the reference `r`'s ([`common::ig_reference`]):
+/// the scores and the completeness gap within `bound` of the largest score, and of max(|gap|, 1).
+fn check_ig_against_reference(alias: &str, short: &str, r: &serde_json::Value, bound: f64) {
     let v = json(&[
         "attribute",
         "-m",
@@ -172,10 +172,10 @@ fn check_ig_against_autograd(alias: &str, short: &str, r: &serde_json::Value) {
     ]);
     assert_eq!(v["steps"], 32);
     assert_scores(
-        &format!("{short} ig [token] vs autograd"),
+        &format!("{short} ig [token] vs the reference"),
         &v,
         &flat(&r["ig"]),
-        AUTOGRAD,
+        bound,
     );
     let (gap, want) = (
         v["completeness_gap"].as_f64().unwrap_or(f64::NAN),
@@ -183,21 +183,21 @@ fn check_ig_against_autograd(alias: &str, short: &str, r: &serde_json::Value) {
     );
     let scale = want.abs().max(1.0);
     common::assert_cells(
-        &format!("{short}: completeness gap / max(|gap|, 1) vs autograd"),
+        &format!("{short}: completeness gap / max(|gap|, 1) vs the reference"),
         [((), gap / scale)],
         [((), want / scale)],
-        common::Bound::Abs(3e-5),
+        common::Bound::Abs(bound),
     );
 }
 
 #[test]
 fn smol_scores_against_autograd() {
-    against_autograd("smollm2-135m", "smol", true);
+    against_autograd("smollm2-135m", "smol");
 }
 
 #[test]
 fn qwen_scores_against_autograd() {
-    against_autograd("qwen2.5-coder-0.5b", "qwen", false);
+    against_autograd("qwen2.5-coder-0.5b", "qwen");
 }
 
 /// Occlusion = −(transformers' Δ log p when the token is deleted).

@@ -6,8 +6,8 @@
 mod common;
 use attnscope::analysis::faithfulness::Target;
 use attnscope::analysis::intervene::{
-    ablate, patch, AblateOptions, Editor, Fill, Method, Patch, PatchHook, PatchOptions, Runner,
-    Variant,
+    ablate, check_logit_diff_gap, patch, AblateOptions, Editor, Fill, Method, Patch, PatchHook,
+    PatchOptions, Runner, Variant,
 };
 use attnscope::model::capture::{AttnCache, CaptureSpec, Hook, Observer, Queries};
 use attnscope::model::forward::{Resume, RunOptions, Segment};
@@ -842,17 +842,38 @@ fn patching_refuses_what_it_cannot_pair() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("pass --answer and --wrong"), "{err}");
-    // with answer/wrong given, a text patched with itself restores nothing and loses nothing
+    // both given and the same token: no advice to pass what was passed (#56)
+    let same = PatchOptions {
+        answer: Some(Target::Id(3)),
+        wrong: Some(Target::Id(3)),
+        ..opts.clone()
+    };
+    let err = patch(&model, &TOKENS, &TOKENS, &same, |_, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("--answer and --wrong name the same token") && !err.contains("pass --"),
+        "{err}"
+    );
+    // with answer/wrong given, a text patched with itself has equal clean and corrupted logit
+    // differences: every recovered share would be 0/0, so it is refused (#56: a NaN grid, exit 0)
     let opts = PatchOptions {
         answer: Some(Target::Id(3)),
         wrong: Some(Target::Id(4)),
         ..opts
     };
-    let r = patch(&model, &TOKENS, &TOKENS, &opts, |_, _| {}).unwrap();
-    assert_eq!(r.results.len(), model.dims.n_layers * TOKENS.len());
-    for c in &r.results {
-        assert!((c.logit_diff - r.clean_logit_diff).abs() < 1e-5);
-    }
+    let err = patch(&model, &TOKENS, &TOKENS, &opts, |_, _| {}).unwrap_err();
+    assert!(err.is_bad_input(), "{err}");
+    let err = err.to_string();
+    assert!(
+        err.contains("the same logit difference") && err.contains("would divide by zero"),
+        "{err}"
+    );
+    // a gap below 0.1 logits is warned about (recovered is then a ratio of small numbers)
+    let warned = check_logit_diff_gap(2.0, 1.95).unwrap().unwrap();
+    assert!(warned.contains("differ by only 0.0500"), "{warned}");
+    assert!(check_logit_diff_gap(2.0, -1.0).unwrap().is_none());
+    assert!(check_logit_diff_gap(2.0, 2.0).is_err());
 }
 
 /// A reference grid `[a][b]` as cells keyed `(a, b)`.
@@ -1094,8 +1115,8 @@ fn direct_logit_attribution_on_the_real_models() {
 }
 
 /// `patch --hook pattern`: head h's whole pattern taken from the clean run. Checked against one
-/// edit written here by hand (the corrupted run, that head's map replaced), and a text patched
-/// with itself changes nothing.
+/// edit written here by hand (the corrupted run, that head's map replaced), and a text's own
+/// maps put back change nothing.
 #[test]
 fn pattern_patching_takes_a_heads_map_from_the_clean_run() {
     let (_d, model) = tiny(Arch::Qwen2);
@@ -1138,14 +1159,39 @@ fn pattern_patching_takes_a_heads_map_from_the_clean_run() {
             c.logit_diff
         );
     }
-    // some head's pattern matters on this pair, and the same text patched with itself is a no-op
+    // some head's pattern matters on this pair
     assert!(r
         .results
         .iter()
         .any(|c| (c.logit_diff - r.corrupt_logit_diff).abs() > 1e-4));
-    let same = patch(&model, &TOKENS, &TOKENS, &opts, |_, _| {}).unwrap();
-    assert!(same
-        .results
-        .iter()
-        .all(|c| (c.logit_diff - same.clean_logit_diff).abs() < 1e-5));
+    a_text_patched_with_its_own_maps_is_unchanged(&model, &clean);
+}
+
+/// Each head's map of the clean text put back into the clean text's own run changes no logit
+/// (`patch` itself refuses a text patched with itself: equal logit differences, #56).
+fn a_text_patched_with_its_own_maps_is_unchanged(model: &Model, clean: &AttnCache) {
+    let (n, nh) = (TOKENS.len(), model.dims.n_heads);
+    let plain = last_logits(model, &mut all_of(&[], n)).unwrap();
+    for l in 0..model.dims.n_layers {
+        let src = clean.pattern(l).unwrap().data.to_vec();
+        for h in 0..nh {
+            let mut e = Editor {
+                layer: l,
+                hook: Hook::Pattern,
+                patches: vec![Patch {
+                    rows: 0..nh,
+                    cols: 0..n * n,
+                    at: vec![h],
+                    fill: Fill::From(&src),
+                }],
+            };
+            let lg = last_logits(model, &mut e).unwrap();
+            let worst = lg
+                .iter()
+                .zip(&plain)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            assert!(worst < 1e-5, "{l}.{h}: a logit moved by {worst}");
+        }
+    }
 }

@@ -22,6 +22,7 @@ pub mod intervene;
 pub mod measure;
 pub mod mixing;
 pub mod norms;
+pub mod qk;
 pub mod request;
 pub mod sinkmetrics;
 pub mod sinks;

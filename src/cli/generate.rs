@@ -29,7 +29,7 @@ pub struct Args {
     /// 0 is greedy; above 0, sample from softmax(logits / temperature).
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
-    /// Sample among the k most likely tokens only (0: all).
+    /// Sample among the k most likely tokens only, and any tied with the k-th (0: all).
     #[arg(long, default_value_t = 0)]
     top_k: usize,
     /// Sample among the most likely tokens whose probabilities reach p (1: all).

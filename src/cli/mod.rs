@@ -22,7 +22,9 @@ mod generate;
 mod heads;
 mod info;
 mod inspect;
+mod options;
 mod patch;
+mod qk;
 mod scaling;
 mod scoring;
 mod serve;
@@ -78,6 +80,11 @@ pub enum Command {
     /// the answer's logit (or a logit difference) at the last position, beside each head's
     /// attention; the parts add up to the logit.
     Dla(dla::Args),
+    /// Why a head attends where it does: its pre-softmax score of a query and a key split
+    /// exactly into (query-side component × key-side component) terms over the residual
+    /// stream's components (the embedding, each earlier head and MLP) and the biases, each
+    /// position's norm scale frozen and its rotation applied; the terms add up to the score.
+    Qk(qk::Args),
     /// How often do sinks and concentrated heads occur? Statistics over many texts (built-in
     /// corpus of 224, or your file), with confidence intervals; shardable, resumable, mergeable.
     Corpus(corpus::Args),
@@ -120,6 +127,9 @@ pub enum Command {
     Fetch(info::FetchArgs),
     /// The packed-weight cache: list its files (model, layout, size) or clear them.
     Cache(cache::Args),
+    /// Every subcommand's options, from clap's own tree, as JSON (for tests/option_sweep.rs).
+    #[command(name = "__options", hide = true)]
+    Options(options::Args),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -143,10 +153,12 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Attribute(a) => attribute::run(a),
         Command::Patch(a) => patch::run(a),
         Command::Dla(a) => dla::run(a),
+        Command::Qk(a) => qk::run(a),
         Command::Capture(a) => capture::run(a),
         Command::Fetch(a) => info::fetch(a),
         Command::Bench(a) => bench::run(a),
         Command::Cache(a) => cache::run(a),
+        Command::Options(a) => options::run(a),
     }
 }
 

@@ -29,10 +29,10 @@ pub struct Args {
     #[command(flatten)]
     model: ModelArgs,
     /// The clean text (the model gets it right).
-    #[arg(long)]
+    #[arg(long, value_parser = some_text)]
     clean: String,
     /// The corrupted text: the same number of tokens, one detail changed.
-    #[arg(long)]
+    #[arg(long, value_parser = some_text)]
     corrupt: String,
     /// The token the clean text should predict: a token id or its text (e.g. " Alice").
     /// Default: the clean run's top next token.
@@ -59,6 +59,15 @@ pub struct Args {
     batch_rows: usize,
     #[arg(long)]
     json: bool,
+}
+
+/// `--clean`'s and `--corrupt`'s parser: an empty text is refused under the flag's own name
+/// (the model's message would say to use --text).
+fn some_text(s: &str) -> Result<String, String> {
+    if s.trim().is_empty() {
+        return Err("the text is empty (or only whitespace)".into());
+    }
+    Ok(s.to_string())
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -98,6 +107,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let bar = progress_bar("patched runs [{bar:30}] {pos}/{len} ({eta})");
     let report = patch(&model, &clean, &corrupt, &opts, on_bar(&bar))?;
     bar.finish_and_clear();
+    for w in &report.warnings {
+        eprintln!("attnscope: warning: {w}");
+    }
     let approx = if a.approx {
         let r = attribution_patch(&model, &clean, &corrupt, report.answer.id, report.wrong.id)?;
         let kind = r

@@ -1,6 +1,7 @@
 //! `attnscope sinks`: the sink profile and per-head statistics of a long text, streamed.
 
 use super::common::{emit, progress_bar, read_text, ModelArgs};
+use crate::analysis::request::weight_threshold;
 use crate::analysis::sinkmetrics::LayerMassive;
 use crate::analysis::sinks::{sinks, sinks_tokens, SinksOptions, SinksReport};
 use crate::analysis::stream::LayerStats;
@@ -27,7 +28,7 @@ pub struct Args {
     #[arg(long, default_value_t = 5)]
     top: usize,
     /// α₁ threshold for counting a head as a sink head.
-    #[arg(long, default_value_t = 0.3)]
+    #[arg(long, default_value_t = 0.3, value_parser = weight_threshold::<f64>)]
     epsilon: f64,
     /// Gu et al. 2024's sink metric on this many prompts of --gu-len tokens cut from the text
     /// (their protocol: 64-token prompts, ε 0.3; α₁ over every query, the first one included);

@@ -326,7 +326,7 @@ impl GgufFile {
             match super::guard::quietly(|| Content::read(&mut std::io::Cursor::new(header))) {
                 Ok(r) => r.map_err(|e| Error::BadGguf {
                     path: path.into(),
-                    reason: e.to_string(),
+                    reason: super::error::candle_message(&e),
                 })?,
                 Err(msg) => {
                     return Err(Error::BadGguf {

@@ -98,6 +98,28 @@ fn looks_like_hub_id(s: &str) -> bool {
         && !s.ends_with(".safetensors")
 }
 
+/// What a path that is neither a file nor a folder is, in words.
+#[cfg(unix)]
+fn special_file_kind(t: &std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if t.is_fifo() {
+        "a named pipe (FIFO)"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else if t.is_socket() {
+        "a socket"
+    } else {
+        "neither a file nor a folder"
+    }
+}
+
+#[cfg(not(unix))]
+fn special_file_kind(_: &std::fs::FileType) -> &'static str {
+    "neither a file nor a folder"
+}
+
 fn resolve(spec: &str, progress: bool) -> Result<(Source, String, Option<String>)> {
     if let Some(a) = fetch::alias(spec) {
         let path = fetch::ensure(a, progress)?;
@@ -129,6 +151,14 @@ fn resolve(spec: &str, progress: bool) -> Result<(Source, String, Option<String>
             return Ok((Source::Folder(dir.into()), name, None));
         }
         return Ok((Source::Gguf(path.into()), name, None));
+    }
+    if let Ok(meta) = std::fs::metadata(path) {
+        // it exists, but is neither a file nor a folder (a FIFO, /dev/null): never opened,
+        // since reading a FIFO would wait for a writer
+        return Err(Error::NotAModelFile {
+            path: path.into(),
+            kind: special_file_kind(&meta.file_type()),
+        });
     }
     if looks_like_hub_id(spec) {
         let dir = hf::fetch_hub(spec)?;
@@ -433,7 +463,7 @@ impl Model {
             file_size,
             tensor_types: f.tensor_types(),
             tokenizer: tokenizer.kind.clone(),
-            warnings: Vec::new(),
+            warnings: f.defaulted.clone(),
         };
         // the config says how the files' tensors are cut and fused: part of what
         // the panels are
@@ -573,6 +603,7 @@ impl Model {
     /// As [`Model::encode`], with a BOS first as `bos` says: `Some(true)` always, `Some(false)`
     /// never, `None` when the model asks for one.
     pub fn encode_with(&self, text: &str, bos: Option<bool>) -> Result<Vec<u32>> {
+        let text = without_bom(text);
         if text.trim().is_empty() {
             return Err(Error::EmptyText);
         }
@@ -590,6 +621,23 @@ impl Model {
     /// Readable text of each token.
     pub fn token_texts(&self, ids: &[u32]) -> Vec<String> {
         ids.iter().map(|&i| self.tokenizer.token_text(i)).collect()
+    }
+}
+
+/// `text` without a UTF-8 byte-order mark (U+FEFF) at its start, said once per process on
+/// standard error. A file saved with one (Windows Notepad's UTF-8) would otherwise begin with
+/// three byte tokens on a byte-level BPE (transformers keeps them there: a string's BOM is left
+/// to whoever read the file, as Python's `utf-8-sig` drops it; BERT's normalizer drops it).
+fn without_bom(text: &str) -> &str {
+    match text.strip_prefix('\u{feff}') {
+        Some(rest) => {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                eprintln!("attnscope: note: the text starts with a UTF-8 byte-order mark (U+FEFF), a file's encoding marker rather than text; it is left out")
+            });
+            rest
+        }
+        None => text,
     }
 }
 

@@ -950,6 +950,7 @@ impl Model {
         bos: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         use attnscope::analysis::corpus_run::{load_texts, parse_shard, run_corpus, CorpusRequest};
+        check_epsilon(epsilon)?;
         let req = CorpusRequest {
             limit: limit.map(|l| count(l, "limit")).transpose()?,
             shard: match &shard {
@@ -982,7 +983,7 @@ impl Model {
         for s in &outcome.skipped {
             eprintln!("attnscope: skipped {s}");
         }
-        to_object(py, &outcome.aggregate)
+        epsilon_as_given(to_object(py, &outcome.aggregate)?, epsilon)
     }
 
     /// Every head (and with `mlp` each MLP) ablated in turn (`attnscope ablate`): the report as
@@ -1060,6 +1061,13 @@ impl Model {
             if matches!(t, Some(Target::Next)) {
                 return Err(PyValueError::new_err(format!(
                     "{what}=\"next\": give a token id or a token's text (the default, None, is already the run's top token)"
+                )));
+            }
+        }
+        for (text, what) in [(clean, "clean"), (corrupt, "corrupt")] {
+            if text.trim().is_empty() {
+                return Err(PyValueError::new_err(format!(
+                    "{what} is empty (or only whitespace); give the {what} text"
                 )));
             }
         }
@@ -1374,10 +1382,30 @@ fn corpus_merge(
             "files: an empty list; give at least one record file",
         ));
     }
+    check_epsilon(epsilon)?;
     let agg = engine(py, move || {
         attnscope::analysis::corpus_run::merge_files(&files, epsilon)
     })?;
-    to_object(py, &agg)
+    epsilon_as_given(to_object(py, &agg)?, epsilon)
+}
+
+/// Refuses an `epsilon` that is NaN or outside [0, 1] (`--epsilon`'s rule), naming it.
+fn check_epsilon(epsilon: f32) -> PyResult<()> {
+    attnscope::analysis::request::check_weight_threshold(epsilon.into())
+        .map_err(|e| PyValueError::new_err(format!("epsilon={epsilon}: {e}")))
+}
+
+/// A corpus aggregate's `epsilon` as `corpus --json` prints it: pythonize widens the f32 to the
+/// f64 of its bits (0.30000001192092896), the CLI's JSON writes its shortest decimal (0.3),
+/// which is what the user gave.
+fn epsilon_as_given(obj: Bound<'_, PyAny>, epsilon: f32) -> PyResult<Bound<'_, PyAny>> {
+    if let Ok(d) = obj.cast::<pyo3::types::PyDict>() {
+        if d.contains("epsilon")? {
+            let shortest: f64 = epsilon.to_string().parse().expect("an f32's decimal");
+            d.set_item("epsilon", shortest)?;
+        }
+    }
+    Ok(obj)
 }
 
 /// The `attnscope view` page for given patterns `[layers, heads, n, n]` and token texts; for a

@@ -508,6 +508,102 @@ def test_hooks_context_add_hook_pattern_edits_and_loss(smol):
     assert smol.run_with_hooks(ids, return_type=None) is None
 
 
+def test_hooks_belong_to_their_thread_and_interleaved_blocks_leave_none(smol):
+    """#56: two threads' hooks() blocks, ordered by events (A enters, B enters, A exits, B exits).
+    Inside A's block B's plain forward is unedited; B's own block runs B's hook alone, also after A
+    has left; afterwards a plain forward equals the unhooked logits bit for bit (the context once
+    saved and restored the whole hook list, so the interleaved exits left A's hook installed)."""
+    ids = smol.to_tokens("The cat sat on the mat")
+    clean = smol(ids)
+
+    def to_first(p, hook):
+        p[:] = 0.0
+        p[..., 0] = 1.0
+
+    def zero(x, hook):
+        x[:] = 0.0
+    a_hooks = [("blocks.2.attn.hook_pattern", to_first)]
+    b_hooks = [("blocks.1.hook_mlp_out", zero)]
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    got, errors = {}, []
+
+    def wait(e):
+        assert e.wait(300), "the other thread did not get there"
+
+    def a():
+        try:
+            with smol.hooks(fwd_hooks=a_hooks):
+                got["a"] = smol(ids)
+                a_in.set()
+                wait(b_in)
+            a_out.set()
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+            a_in.set(), a_out.set()
+
+    def b():
+        try:
+            wait(a_in)
+            got["b plain in A's block"] = smol(ids)
+            with smol.hooks(fwd_hooks=b_hooks):
+                b_in.set()
+                wait(a_out)
+                got["b after A left"] = smol(ids)
+        except BaseException as e:
+            errors.append(e)
+            b_in.set()
+    threads = [threading.Thread(target=f) for f in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert np.array_equal(got["b plain in A's block"], clean), "a plain forward in B saw A's hook"
+    assert not np.allclose(got["a"], clean, atol=1e-3), "A's hook did not edit A's forward"
+    assert np.array_equal(got["b after A left"], smol.run_with_hooks(ids, fwd_hooks=b_hooks)), \
+        "B's block did not run B's hook alone"
+    assert np.array_equal(smol(ids), clean), "a hook was left installed"
+    assert smol._fwd_hooks == []
+    # in one thread, TransformerLens's semantics: a block removes its own hooks only
+    keep = ("blocks.3.attn.hook_pattern", lambda p, h: None)
+    with smol.hooks(fwd_hooks=a_hooks):
+        smol.add_hook(*keep)
+    try:
+        assert smol._fwd_hooks == [keep] and np.array_equal(smol(ids), clean)
+    finally:
+        smol.reset_hooks()
+
+
+def test_bad_arguments_get_messages_not_conversion_errors(smol):
+    """#56: a negative token id, ragged token lists and names_filter=3 raised the conversion's own
+    errors (OverflowError, numpy's inhomogeneous shape, 'int' object is not iterable); an empty
+    text for patch was told to use --text; equal clean and corrupted logit differences gave
+    recovered = nan."""
+    with pytest.raises(ValueError, match=r"token id -1 at position 1 is out of range; valid: 0\.\."):
+        smol([1, -1, 2])
+    with pytest.raises(ValueError, match=r"token id -5 at position 0 of row 1 is out of range"):
+        smol.run_with_cache(np.array([[1, 2], [-5, 3]]))
+    with pytest.raises(ValueError, match=r"token lists of different lengths \[3, 2\]"):
+        smol.run_with_cache([[1, 2, 3], [4, 5]])
+    with pytest.raises(TypeError, match="names_filter=3"):
+        smol.run_with_cache("The cat", names_filter=3)
+    with pytest.raises(ValueError, match="clean is empty"):
+        smol.patch("  ", "The cat sat")
+    with pytest.raises(ValueError, match="the same logit difference"):
+        smol.patch("The cat sat", "The cat sat", answer=" on", wrong=" in")
+
+
+def test_corpus_merge_gives_epsilon_as_the_cli_prints_it(tmp_path):
+    """#56: the typed merge (what attnscope.distributed.corpus returns) gave epsilon as the f32's
+    exact value, 0.30000001192092896, where `corpus --json` prints 0.3."""
+    rec = tmp_path / "rec.jsonl"
+    subprocess.run([BIN, "corpus", "-m", "smollm2-135m", "--limit", "2", "--out", str(rec)], check=True, capture_output=True)
+    cli = json.loads(subprocess.run([BIN, "corpus", "merge", str(rec), "--json"], check=True, capture_output=True).stdout)
+    py = attnscope._native.corpus_merge([str(rec)], 0.3)
+    assert cli["epsilon"] == 0.3 and py["epsilon"] == 0.3
+    assert_same(py, cli)
+
+
 def test_hook_errors_are_python_exceptions(smol):
     ids = smol.to_tokens("The cat sat")
     with pytest.raises(ValueError, match="unknown hook name 'blocks.0.hook_nope'"):
