@@ -1377,6 +1377,52 @@ fn the_packed_weight_cache_is_keyed_by_the_file_and_capped_least_recently_used_f
     assert!(t.files().is_empty());
 }
 
+/// Issue #56, defect 7: the packed-weight cache knew a model file by its size, modification
+/// time, device and inode, so a file changed in place with its modification time set back was
+/// served the old panels (a NaN written into the file: unseen by the default run, while
+/// `--memory low` saw it). The file's change time (which only the kernel sets) is now part of
+/// its identity: the changed file is packed afresh, and its NaN stops the forward.
+#[test]
+fn a_model_changed_in_place_with_its_mtime_set_back_is_not_served_old_panels() {
+    let t = ModelsAndCache::new();
+    let a = t.model("a.gguf", 11);
+    let s = t.settings(u64::MAX);
+    let first = t.load(&a, &s);
+    let all = first.mapped_projections().1;
+    let old_file = first.panel_file().unwrap().to_path_buf();
+    assert_eq!(t.load(&a, &s).mapped_projections(), (all, all), "cached");
+    // a NaN into the first weight of layer 0's q projection, in place, the mtime set back
+    let offset = {
+        let mut f = std::fs::File::open(&a).unwrap();
+        let c = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
+        c.tensor_data_offset + c.tensor_infos["blk.0.attn_q.weight"].offset
+    };
+    let mtime = std::fs::metadata(&a).unwrap().modified().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    {
+        use std::io::{Seek, Write};
+        let mut f = std::fs::OpenOptions::new().write(true).open(&a).unwrap();
+        f.seek(std::io::SeekFrom::Start(offset)).unwrap();
+        f.write_all(&f32::NAN.to_le_bytes()).unwrap();
+        f.set_modified(mtime).unwrap();
+    }
+    assert_eq!(std::fs::metadata(&a).unwrap().modified().unwrap(), mtime);
+    let changed = t.load(&a, &s);
+    assert_eq!(
+        changed.mapped_projections(),
+        (0, all),
+        "packed afresh, not mapped"
+    );
+    assert_ne!(changed.panel_file(), Some(old_file.as_path()));
+    let tokens = changed.encode("the hat", false).unwrap();
+    let mut cache = AttnCache::new(&CaptureSpec::patterns(), tokens.len());
+    let e = changed
+        .forward(&tokens, &RunOptions::last_logits(tokens.len()), &mut cache)
+        .err()
+        .expect("the NaN stops the forward");
+    assert!(e.to_string().contains("non-finite"), "{e}");
+}
+
 /// A folder of tiny models and a packed-weight cache (`cache`) inside it.
 struct ModelsAndCache {
     dir: tempfile::TempDir,

@@ -14,6 +14,7 @@ pub mod enc_faith;
 pub mod enc_target;
 pub mod encoder;
 pub mod faithfulness;
+pub mod files;
 pub mod gen_attribute;
 pub mod heads;
 pub mod heads_encoder;

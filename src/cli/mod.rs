@@ -179,6 +179,8 @@ pub fn main() -> ExitCode {
         }
     };
     common::keep_models_to_exit();
+    // Ctrl-C while a file is written removes its temporary file (a capture's is hundreds of MB)
+    crate::analysis::files::remove_temp_files_on_signal();
     let result = run(cli);
     // `attnscope bench` times commands as child processes and asks each for its own peak memory
     // (VmHWM of this process's address space; rusage would include the parent's, inherited)

@@ -216,6 +216,20 @@ def test_inspect_faithfulness_sinks_equal_the_cli(qwen, smol):
     assert s2["n_tokens"] > 100
 
 
+def test_texts_are_bounded(smol, tmp_path):
+    """Issue #56: a text larger than the model's context can need (64 bytes a token, plus 64 KiB:
+    589,824 bytes for SmolLM2's 8,192 tokens) is refused before it is tokenized; sinks(file=)
+    reads a long file only as far as max_tokens can reach, the tokens those of the whole text."""
+    with pytest.raises(ValueError, match="589824"):
+        smol.inspect("the hat " * 80_000)
+    long = tmp_path / "long.txt"
+    long.write_text("the hat sat on the mat. " * 100_000, encoding="utf-8")
+    a = smol.sinks(file=long, max_tokens=128)
+    b = smol.sinks(text="the hat sat on the mat. " * 40, max_tokens=128)
+    assert a["n_tokens"] == b["n_tokens"] == 128
+    assert a["layers"] == b["layers"]
+
+
 def test_compare_and_norms(qwen, tmp_path):
     # two texts: side A's rows are the reference attention of the shared sentence
     other = "Hà Nội là thủ đô của Việt Nam. Thành phố này nằm ở miền Nam."
@@ -385,6 +399,15 @@ def test_views_in_a_notebook(qwen, tmp_path):
         assert "require(" not in v.html
     saved = v2.save(tmp_path / "view.html")
     assert Path(saved).read_text(encoding="utf-8") == v2.html
+    # issue #56: save() replaced any file; now only with overwrite=True, never half a page
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        v1.save(tmp_path / "view.html")
+    assert Path(saved).read_text(encoding="utf-8") == v2.html
+    v1.save(tmp_path / "view.html", overwrite=True)
+    assert Path(saved).read_text(encoding="utf-8") == v1.html
+    with pytest.raises(ValueError, match="does not exist"):
+        v1.save(tmp_path / "no-such-folder" / "view.html")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["view.html"]
     # both views in one page, opened in a real browser (when one is here)
     nb = tmp_path / "notebook.html"
     nb.write_text(f"<!DOCTYPE html><html><head><meta charset='utf-8'></head><body>{h1}<p>text between cells</p>{h2}</body></html>", encoding="utf-8")

@@ -1262,10 +1262,8 @@ class HookedModel:
         the built-in corpus repeated up to ``max_tokens``)."""
         if text is not None and file is not None:
             raise ValueError("give text or file, not both")
-        if file is not None:
-            with open(os.fspath(file), encoding="utf-8") as f:
-                text = f.read()
-        return self._m.sinks(text, max_tokens, key_block, top)
+        # a file is read as far as max_tokens tokens can reach (64 bytes a token), no further
+        return self._m.sinks(text, max_tokens, key_block, top, file=None if file is None else os.fspath(file))
 
     def heads(self, text: Optional[Union[str, Tuple[str, str]]] = None, random_repeat: Optional[int] = None, seed: int = 0,
               bos: bool = False) -> Dict[str, Any]:
