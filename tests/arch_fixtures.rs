@@ -579,6 +579,9 @@ type GgufParts = (
     Vec<(String, candle_core::quantized::QTensor)>,
 );
 
+/// An edit of a GGUF's parts, for [`edited_gguf`].
+type GgufEdit = Box<dyn Fn(&mut GgufParts)>;
+
 /// A copy of fixture `name`'s GGUF after `edit` (read and written back by candle's GGUF reader
 /// and writer, which keep every key and tensor as they are: the layout stays gguf-py's).
 fn edited_gguf(
@@ -702,7 +705,7 @@ fn gguf_keys_and_tensors_are_read() {
         ("gemma3", 1e-3),
         ("phi3", 1e-3),
     ] {
-        let edit: Box<dyn Fn(&mut GgufParts)> = match name {
+        let edit: GgufEdit = match name {
             "llama3" => Box::new(drop_rope_freqs),
             "gemma2" => Box::new(without_key("gemma2.attention.scale")),
             "gemma3" => Box::new(without_key("gemma3.attention.sliding_window_pattern")),
@@ -728,7 +731,7 @@ fn gguf_keys_and_tensors_are_read() {
 #[test]
 fn gguf_fixtures_with_a_wrong_key_are_refused_by_name() {
     use candle_core::quantized::gguf_file::Value;
-    let cases: [(&str, Box<dyn Fn(&mut GgufParts)>, &[&str]); 4] = [
+    let cases: [(&str, GgufEdit, &[&str]); 4] = [
         (
             "phi3",
             Box::new(with_key("phi3.attention.head_count_kv", Value::U32(1))),

@@ -110,6 +110,9 @@ pub enum Error {
     Interrupted,
     #[error("tensor computation failed: {0}")]
     Candle(#[from] candle_core::Error),
+    /// `ATTNSCOPE_ISA` / `ATTNSCOPE_AMX` ask for a kernel this CPU cannot run (or name none).
+    #[error("{0}")]
+    Kernels(String),
 }
 
 impl Error {
