@@ -136,9 +136,10 @@ fn exact_on_the_f32_kernels_matches_transformers_too() {
             "SmolLM2 on the tiles"
         );
     } else {
-        eprintln!(
-            "NOTE: no AMX here (or ATTNSCOPE_AMX set): exact runs the f32 kernels only; the reruns below check the same path"
-        );
+        untested_kernel(&format!(
+            "exact on AMX tiles as the files' integers and scales: this process runs {}",
+            attnscope::kernels::select::kernels().exact_name()
+        ));
         assert_eq!(qwen.scaled_projections().0, 0);
         assert_eq!(smol.scaled_projections().0, 0);
     }
@@ -342,8 +343,9 @@ fn lesson_report(
 /// weight and the sink profiles stay within that kernel's bound of docs/precision.md
 /// ([`FastBounds`]), the lesson's top-3 tables (last layer, heads 0-3; two keys within 0.01 of
 /// each other in the reference may trade places) and the head-averaged top-4 name the same
-/// tokens, and the top next token is the same. Where it has none (no AMX, no AVX-512 VNNI), fast
-/// must give the exact numbers, and the test says so.
+/// tokens, and the top next token is the same. Where it has none (no AMX nor VNNI, or
+/// `ATTNSCOPE_ISA` below them), fast must give the exact numbers: that is checked, and said loudly
+/// and counted as fast precision not tested (`untested_kernel`).
 fn check_fast(alias: &str, prefix: &str, bounds: FastBounds) {
     let model =
         attnscope::model::Model::load(alias, attnscope::model::Precision::Fast, false).unwrap();
@@ -378,7 +380,10 @@ fn check_fast(alias: &str, prefix: &str, bounds: FastBounds) {
             bounds,
         ),
         None => {
-            eprintln!("NOTE: this CPU has neither AMX nor AVX-512 VNNI: --precision fast runs the exact kernels here, so only that is checked");
+            untested_kernel(&format!(
+                "{alias}: --precision fast has no kernel of its own here ({}); only fast = exact is checked",
+                attnscope::kernels::select::kernels().why_no_fast_kernel()
+            ));
             assert_array(
                 &format!("{alias}: fast = exact without AMX or VNNI [layer, head, key]"),
                 &shape,
@@ -572,32 +577,32 @@ fn fast_precision_deviation_on_smollm() {
     );
 }
 
-/// On a CPU with AMX, `fast` runs bf16 tiles and the tests above never reach the 8-bit VNNI
-/// kernel that AVX-512 machines without AMX run. This runs the same checks (the deviation bound
-/// of 8-bit blocks, the sink profile, the top-3 tables and the next token) in a child test
-/// process with the tiles off (`ATTNSCOPE_AMX=0`, read once per process), so the int8 kernel is
-/// checked on the real models wherever the CPU has VNNI.
+/// The checks above ran the fast kernel this process picks (bf16 tiles on a CPU with AMX); this
+/// runs them again in child processes on every other fast kernel the CPU has (the 8-bit VNNI
+/// blocks with the tiles off, `ATTNSCOPE_AMX=0`), so each one is checked on the real models: the
+/// deviation bound of its kind, the sink profile, the top-3 tables and the next token.
 #[test]
-fn fast_precision_on_int8_blocks_without_amx() {
-    let vnni = attnscope::kernels::int8::vnni_supported();
-    for test in [
-        "fast_precision_deviation_on_qwen",
-        "fast_precision_deviation_on_smollm",
-    ] {
-        let text = rerun_without_amx(test);
-        if vnni {
+fn fast_precision_on_every_fast_kernel_of_this_cpu() {
+    let others = other_fast_kernels();
+    if others.is_empty() {
+        eprintln!(
+            "NOTE: the checks above ran the only fast kernel of this process: {}",
+            attnscope::model::weights::fast_kernel().unwrap_or("none")
+        );
+    }
+    for (kernel, var, value) in others {
+        for test in [
+            "fast_precision_deviation_on_qwen",
+            "fast_precision_deviation_on_smollm",
+        ] {
+            let text = rerun_with_env(test, var, value);
             assert!(
-                text.contains("fast precision (8-bit blocks on AVX-512 VNNI)"),
-                "{test} did not run the 8-bit kernel:\n{text}"
+                text.contains(&format!("fast precision ({kernel})")),
+                "{test} with {var}={value} did not run {kernel}:\n{text}"
             );
-        } else {
-            assert!(text.contains("runs the exact kernels here"), "{text}");
-            eprintln!(
-                "NOTE: this CPU has no AVX-512 VNNI: {test} without AMX checked the exact kernels"
-            );
-        }
-        for line in text.lines().filter(|l| l.contains("fast precision")) {
-            eprintln!("ATTNSCOPE_AMX=0 {test}: {line}");
+            for line in text.lines().filter(|l| l.contains("fast precision")) {
+                eprintln!("{var}={value} {test}: {line}");
+            }
         }
     }
 }
@@ -1061,13 +1066,10 @@ fn one_heads_columns_are_the_padded_product(
         );
         for h in [0, d.n_heads / 2, d.n_heads - 1] {
             let (own, whole) = one_head_and_padded_output_projection(model, l, h, &v, n);
-            let own =
-                own.unwrap_or_else(|| panic!("{alias}: layer {l}'s W_O takes no column range"));
-            assert!(
-                own.iter()
-                    .zip(&whole)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{alias}: layer {l} head {h}: one head's columns differ from the padded product"
+            assert_head_columns_are_the_padded_product(
+                own,
+                &whole,
+                &format!("{alias}: layer {l} head {h}"),
             );
         }
     }

@@ -178,6 +178,12 @@ pub fn main() -> ExitCode {
             return ExitCode::from(code);
         }
     };
+    // ATTNSCOPE_ISA / ATTNSCOPE_AMX asking for a kernel this CPU cannot run: refused before any
+    // command starts (never an illegal instruction, never silently another kernel)
+    if let Err(e) = crate::kernels::select::check() {
+        eprintln!("attnscope: error: {e}");
+        return ExitCode::from(2);
+    }
     common::keep_models_to_exit();
     // Ctrl-C while a file is written removes its temporary file (a capture's is hundreds of MB)
     crate::analysis::files::remove_temp_files_on_signal();

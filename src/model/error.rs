@@ -122,6 +122,9 @@ pub enum Error {
     /// `source` either, so the printed cause chain does not show it a second time)
     #[error("tensor computation failed: {}", candle_message(.0))]
     Candle(candle_core::Error),
+    /// `ATTNSCOPE_ISA` / `ATTNSCOPE_AMX` ask for a kernel this CPU cannot run (or name none).
+    #[error("{0}")]
+    Kernels(String),
 }
 
 impl From<candle_core::Error> for Error {

@@ -426,6 +426,7 @@ impl Model {
         progress: bool,
         panels: Option<&panels::Settings>,
     ) -> Result<Model> {
+        crate::kernels::select::check().map_err(Error::Kernels)?;
         let memory = match memory {
             None if precision == Precision::Exact => memory::from_env()?,
             m => m,
@@ -465,7 +466,10 @@ impl Model {
         return_free_memory();
         let mut model = model;
         if precision == Precision::Fast && weights::fast_kernel().is_none() {
-            model.info.warnings.push("this CPU has neither AMX nor AVX-512 VNNI, so --precision fast runs the exact f32 kernels (the same numbers as exact)".into());
+            let why = crate::kernels::select::kernels().why_no_fast_kernel();
+            model.info.warnings.push(format!(
+                "{why}, so --precision fast runs the exact f32 kernels (the same numbers as exact)"
+            ));
         }
         for w in &model.info.warnings {
             eprintln!("attnscope: warning: {w}");
@@ -558,6 +562,7 @@ impl Model {
 
     /// Loads a model from GGUF bytes in memory (fuzzing, tests); `name` is used in messages.
     pub fn from_gguf_bytes(name: &str, bytes: Vec<u8>, precision: Precision) -> Result<Model> {
+        crate::kernels::select::check().map_err(Error::Kernels)?;
         Self::from_gguf(
             || gguf::GgufFile::from_bytes(Path::new(name), bytes),
             name.to_string(),

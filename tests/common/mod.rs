@@ -121,6 +121,51 @@ pub fn rerun_with_env(test: &str, var: &str, value: &str) -> String {
     text
 }
 
+/// Says loudly that `what` could not run on a kernel the engine has, because this CPU lacks it
+/// or `ATTNSCOPE_ISA`/`ATTNSCOPE_AMX` hold the process below it, and counts it: one line in
+/// `target/tmp/untested-kernels.txt`, which `.ci/run` prints and counts at its end. A test that
+/// checks a kernel never passes quietly where the kernel did not run.
+#[allow(dead_code)]
+pub fn untested_kernel(what: &str) {
+    use std::io::Write;
+    let env = |k: &str| std::env::var(k).unwrap_or_else(|_| "unset".into());
+    let line = format!(
+        "{what} [{}; ATTNSCOPE_ISA {}, ATTNSCOPE_AMX {}]",
+        std::env::current_exe()
+            .unwrap()
+            .file_name()
+            .unwrap()
+            .to_string_lossy(),
+        env("ATTNSCOPE_ISA"),
+        env("ATTNSCOPE_AMX"),
+    );
+    eprintln!("\n!!!!!!!! KERNEL NOT TESTED: {line}\n");
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("untested-kernels.txt");
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .unwrap();
+    writeln!(f, "{line}").unwrap();
+}
+
+/// The fast kernels this CPU has beside the one this process runs, each as
+/// `(fast_kernel()'s name, variable, value)` that puts a child process on it: the 8-bit VNNI
+/// blocks (`ATTNSCOPE_AMX=0`) where the process runs bf16 tiles. None when `ATTNSCOPE_ISA` or
+/// `ATTNSCOPE_AMX` is set: such a run is there for the kernel it forces.
+#[allow(dead_code)]
+pub fn other_fast_kernels() -> Vec<(&'static str, &'static str, &'static str)> {
+    use attnscope::kernels::select::{kernels, FastOn, Hardware};
+    let (k, hw) = (kernels(), Hardware::detect());
+    if k.forced.is_some() {
+        return Vec::new();
+    }
+    match k.fast {
+        FastOn::Bf16 if hw.vnni => vec![("8-bit blocks on AVX-512 VNNI", "ATTNSCOPE_AMX", "0")],
+        _ => Vec::new(),
+    }
+}
+
 /// The `attnscope` executable, its standard input empty (a command that reads a text from stdin
 /// gets none).
 pub fn attnscope() -> assert_cmd::Command {
@@ -312,6 +357,32 @@ pub fn one_head_and_padded_output_projection(
     }
     let whole = model.output_projection(l, &padded, n);
     (model.head_output_projection(l, h, &z_h, n), whole)
+}
+
+/// One head's columns of W_O (`own`, [`one_head_and_padded_output_projection`]) give the bits of
+/// the padded product (`whole`). Where `exact` runs three bf16 parts on the AMX tiles
+/// (`ATTNSCOPE_AMX=exact`) a column range has no product of its own (`None`): the analyses then
+/// take the padded product itself, and there is nothing to compare.
+#[allow(dead_code)]
+pub fn assert_head_columns_are_the_padded_product(
+    own: Option<Vec<f32>>,
+    whole: &[f32],
+    label: &str,
+) {
+    use attnscope::kernels::select::{kernels, ExactOn};
+    match own {
+        Some(own) => assert!(
+            own.iter()
+                .zip(whole)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{label}: one head's columns differ from the padded product"
+        ),
+        None => assert_eq!(
+            kernels().exact,
+            ExactOn::Bf16x3,
+            "{label}: W_O takes no column range"
+        ),
+    }
 }
 
 /// How far a compared cell may be from its reference.
