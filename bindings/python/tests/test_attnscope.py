@@ -422,12 +422,6 @@ def test_view_with_the_ablation_panel(smol):
         smol.view(text, target=" Paris")
 
 
-def test_the_quickstart_example_runs(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "examples/quickstart.py"), "smollm2-135m"], capture_output=True, text=True, cwd=tmp_path, timeout=600)
-    assert r.returncode == 0, r.stderr
-    assert "sink profile:" in r.stdout and "head 0:" in r.stdout and (tmp_path / "attnscope-quickstart.html").exists()
-
-
 # --- interventions: TransformerLens's editing hooks, against transformers with torch hooks ----
 
 def _interventions(prefix):
