@@ -1,6 +1,7 @@
 """The examples the docs point at (examples/), run as a user runs them, their output checked: the
-quick start (numpy only), the TransformerLens demo snippets ("13 of 15 run", docs/commands/
-interventions.md) and the TransformerLens demo, the last two with torch and einops.
+quick start (numpy only), the Slurm array job (examples/slurm/, with a stand-in ``sbatch``), the
+TransformerLens demo snippets ("13 of 15 run", docs/commands/interventions.md) and the
+TransformerLens demo, the last two with torch and einops.
 
 torch comes from a second interpreter: ``$ATTNSCOPE_TORCH_PYTHON``, else ``target/torchenv/bin/python``
 (.ci/run makes it: Debian's CPU build of torch, einops from PyPI), with this package put on its
@@ -8,8 +9,10 @@ path (a link to the package this test imports, nothing else of this environment,
 stays the one its torch was built with). Without one the TL tests are skipped with the reason, and
 CI, which requires every Python test, fails."""
 
+import json
 import os
 import re
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +23,7 @@ import attnscope
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = ROOT / "examples"
+BIN = os.environ.get("ATTNSCOPE_BIN", str(ROOT / "target" / "release" / "attnscope"))
 
 
 def run(python, script, cwd, *args, env=None):
@@ -66,6 +70,59 @@ def test_the_quickstart(tmp_path, smol):
     page = tmp_path / "attnscope-quickstart.html"
     assert f"wrote {page.name}" in out or f"wrote {page}" in out, out
     assert "<!DOCTYPE html>" in page.read_text(encoding="utf-8")[:200]
+
+
+# A stand-in for Slurm's sbatch: runs the script at once, an array job's tasks one after another
+# (SLURM_ARRAY_TASK_ID, SLURM_ARRAY_TASK_COUNT as Slurm sets them), and logs each submission. It
+# refuses a dependent job whose dependency did not succeed, as afterok would leave it pending.
+FAKE_SBATCH = """#!PYTHON
+import os, subprocess, sys
+args, env = sys.argv[1:], dict(os.environ)
+script = args[-1]
+opts = dict(a[2:].split("=", 1) for a in args[:-1] if a.startswith("--") and "=" in a)
+with open(os.environ["SBATCH_LOG"], "a") as log:
+    log.write(" ".join(args) + "\\n")
+if "dependency" in opts and not os.path.exists(os.environ["SBATCH_LOG"] + ".ok"):
+    sys.exit("sbatch: the dependency did not succeed")
+lo, hi = map(int, opts["array"].split("-")) if "array" in opts else (None, None)
+for i in range(lo, hi + 1) if lo is not None else [None]:
+    if i is not None:
+        env.update(SLURM_ARRAY_TASK_ID=str(i), SLURM_ARRAY_TASK_COUNT=str(hi - lo + 1))
+    subprocess.run(["bash", script], env=env, check=True)
+open(os.environ["SBATCH_LOG"] + ".ok", "w").close()
+print(4242)
+"""
+
+
+def test_the_slurm_array_job(tmp_path):
+    # examples/slurm/submit.sh as corpus.md shows it (TEXTS, TASKS, OUT), on SmolLM2 with a
+    # stand-in sbatch: three shards, then the merge; the merged aggregate is the single process's
+    texts = tmp_path / "texts.txt"
+    texts.write_text("".join(f"the hat {i} sat on the mat number {i * i}.\n" for i in range(7)), encoding="utf-8")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    sbatch = bin_dir / "sbatch"
+    sbatch.write_text(FAKE_SBATCH.replace("PYTHON", sys.executable, 1))
+    sbatch.chmod(sbatch.stat().st_mode | stat.S_IXUSR)
+    out, log = tmp_path / "corpus-out", tmp_path / "sbatch.log"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SBATCH_LOG": str(log), "TEXTS": str(texts),
+           "TASKS": "3", "OUT": str(out), "MODEL": "smollm2-135m", "ATTNSCOPE": BIN, "SLURM_CPUS_PER_TASK": "1"}
+    r = subprocess.run(["bash", str(EXAMPLES / "slurm" / "submit.sh")], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+    jobs = log.read_text().splitlines()
+    assert len(jobs) == 2 and "--array=0-2" in jobs[0] and "--dependency=afterok:4242" in jobs[1], jobs
+    assert sorted(p.name for p in out.glob("shard_*.jsonl")) == [f"shard_{i}.jsonl" for i in range(3)]
+    shards = [len((out / f"shard_{i}.jsonl").read_text().splitlines()) for i in range(3)]
+    assert sum(shards) == 7 and all(shards), shards
+    merged = json.loads((out / "aggregate.json").read_text())
+    one = subprocess.run([BIN, "corpus", "--model", "smollm2-135m", "--file", str(texts), "--json"],
+                         capture_output=True, text=True, check=True)
+    want = json.loads(one.stdout)
+    for d in (merged, want):
+        d.pop("seconds", None)
+    assert merged["sentences"] == 7 and merged == want
+    assert (out / "aggregate.txt").read_text().strip(), "the merge's text report is empty"
 
 
 # the snippets that fail, and why (docs/commands/interventions.md): written for GPT-2, they index
