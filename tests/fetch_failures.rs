@@ -9,16 +9,28 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 /// `attnscope fetch alias` with the cache in `cache` and pip's settings `pip` (pip's own
-/// configuration files ignored, so this machine's index settings do not leak in).
+/// configuration files and this machine's index and proxy settings ignored, so none leaks in: a
+/// proxy would answer for the loopback index of the no-network test).
 fn fetch(cache: &Path, alias: &str, pip: &[(&str, &str)]) -> Output {
     let mut c = Command::new(env!("CARGO_BIN_EXE_attnscope"));
     c.args(["fetch", alias])
         .env("ATTNSCOPE_CACHE", cache)
-        .env("PIP_CONFIG_FILE", "/dev/null")
-        .env_remove("PIP_FIND_LINKS")
-        .env_remove("PIP_INDEX_URL")
-        .env_remove("PIP_EXTRA_INDEX_URL")
-        .env_remove("PIP_NO_INDEX");
+        .env("PIP_CONFIG_FILE", "/dev/null");
+    for v in [
+        "PIP_FIND_LINKS",
+        "PIP_INDEX_URL",
+        "PIP_EXTRA_INDEX_URL",
+        "PIP_NO_INDEX",
+        "PIP_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "all_proxy",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "ALL_PROXY",
+    ] {
+        c.env_remove(v);
+    }
     for (k, v) in pip {
         c.env(k, v);
     }
