@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -337,53 +336,66 @@ def test_errors_are_python_exceptions(qwen):
         attnscope.viz.attention_heads(np.ones((2, 3)), ["a", "b"])
 
 
-def test_the_gil_is_released_during_a_forward(qwen):
-    # the forward runs in a worker; this thread keeps running Python until the worker is done.
-    # Were the GIL held for the forward (one native call), this loop could not turn meanwhile.
-    text = "the hat sat on the mat. " * 60
-    started, done = threading.Event(), threading.Event()
-
-    def work():
-        started.set()
-        try:
-            qwen.run_with_cache(text, names_filter=[], logits="last")
-        finally:
-            done.set()
-
-    worker = threading.Thread(target=work)
-    worker.start()
-    started.wait()
-    turns = 0
-    while not done.wait(0.001):
-        turns += 1
-    worker.join()
-    assert turns >= 20, f"this thread ran {turns} times while the engine worked"
+# The engine's call blocked in native code until another thread's Python has run: it reads its
+# texts from a FIFO that only that thread writes. A call that kept the GIL would hang (the writer
+# could never run); the subprocess's timeout turns that hang into a failure, and is no measure of
+# speed: the run takes a second or two.
+GIL_PROBE = """
+import json, sys, threading
+import attnscope
+fifo, texts = sys.argv[1], sys.argv[2:]
+model = attnscope.HookedModel.from_pretrained("smollm2-135m")
+done = {}
+worker = threading.Thread(target=lambda: done.update(agg=model.corpus(fifo)))
+worker.start()
+# this thread writes the texts the worker's engine call is waiting for: it runs only because
+# that call let go of the GIL (and the same call then runs the forwards over these texts)
+with open(fifo, "w", encoding="utf-8") as f:
+    f.write("\\n".join(texts) + "\\n")
+worker.join()
+print(json.dumps(done["agg"]))
+"""
 
 
-def test_ctrl_c_interrupts_a_long_run(smol):
-    # Ctrl-C pressed while the 8,192-token run goes on (again each second, as a user would): the
-    # engine itself stops between layers and says so ("interrupted"); a KeyboardInterrupt raised
-    # by Python after a run that ignored the signal would have no such message.
-    stop, sent = threading.Event(), []
+def test_the_gil_is_released_during_a_forward(smol, tmp_path):
+    fifo = tmp_path / "texts.txt"
+    os.mkfifo(fifo)
+    texts = ["the hat sat on the mat", "one two three four", "Hà Nội là thủ đô của Việt Nam."]
+    try:
+        r = subprocess.run([sys.executable, "-c", GIL_PROBE, str(fifo), *texts], capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the engine held the GIL: the thread that writes its input never ran ({e.stderr})")
+    assert r.returncode == 0, r.stderr
+    # the forwards ran over exactly what the other thread wrote
+    assert json.loads(r.stdout) == json.loads(json.dumps(smol.corpus(texts)))
+
+
+def test_ctrl_c_interrupts_a_long_run(smol, tmp_path):
+    # Ctrl-C pressed once the engine is inside its call (it has opened the FIFO it reads its
+    # texts from, so the other end's open returns), before it has its texts: the signal is
+    # pending before the first layer ends, and the engine itself stops there and says so
+    # ("interrupted"). A KeyboardInterrupt raised by Python after a run that ignored the signal
+    # would have no such message.
+    fifo = tmp_path / "texts.txt"
+    os.mkfifo(fifo)
+    pressed = []
 
     def press():
-        wait = 0.5
-        while not stop.wait(wait):
-            sent.append(time.perf_counter())
+        with open(fifo, "w", encoding="utf-8") as f:
             os.kill(os.getpid(), signal.SIGINT)
-            wait = 1.0
+            pressed.append(True)
+            f.write("the hat sat on the mat\n" * 4)
 
     presser = threading.Thread(target=press)
     presser.start()
     try:
         with pytest.raises(KeyboardInterrupt) as raised:
-            smol.sinks(max_tokens=8192)
+            smol.corpus(fifo)
     finally:
-        stop.set()
         presser.join()
-    assert sent and "interrupted" in str(raised.value), repr(raised.value)
-    if len(sent) > 1:
-        print(f"note: {len(sent)} SIGINTs were needed", file=sys.stderr)
+    assert pressed and "interrupted" in str(raised.value), repr(raised.value)
+    # the engine is usable again at once: the signal was taken, not left pending
+    assert smol.corpus(["the hat sat on the mat"])["sentences"] == 1
 
 
 def test_views_in_a_notebook(qwen, tmp_path):
@@ -437,12 +449,6 @@ def test_view_with_the_ablation_panel(smol):
         smol.view(text, ablate="half")
     with pytest.raises(ValueError, match="--ablate"):
         smol.view(text, target=" Paris")
-
-
-def test_the_quickstart_example_runs(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "examples/quickstart.py"), "smollm2-135m"], capture_output=True, text=True, cwd=tmp_path, timeout=600)
-    assert r.returncode == 0, r.stderr
-    assert "sink profile:" in r.stdout and "head 0:" in r.stdout and (tmp_path / "attnscope-quickstart.html").exists()
 
 
 # --- interventions: TransformerLens's editing hooks, against transformers with torch hooks ----
