@@ -42,6 +42,8 @@ pub struct CircuitBench {
     pub eap_ig_s: f64,
     /// eap_ig_s / (6 forward + backward pairs); the goal is at most 1.5
     pub eap_ig_vs_goal_unit: f64,
+    /// packing the edited forward's q|k|v panels (once per `circuit` run)
+    pub pack_s: f64,
     /// `--evaluate`'s ladder (20 circuits and the two runs), median
     pub ladder_s: f64,
     /// ladder_s / (10 forwards); the goal is at most 1
@@ -114,38 +116,57 @@ fn median_of(repeats: usize, mut f: impl FnMut() -> anyhow::Result<()>) -> anyho
     Ok(median(t))
 }
 
-/// EAP's timings on `pair` beside its forwards; with `peak`, the peak memory it adds.
-fn eap_times(
+/// EAP's peak memory over the memory before it (the model loaded and warmed up).
+fn eap_peak(model: &Model, pairs: &[PairTokens]) -> anyhow::Result<Option<u64>> {
+    let before = rss_bytes();
+    if !reset_peak_rss() {
+        return Ok(None);
+    }
+    scores(model, pairs, Method::Eap, MetricKind::LogitDiff)?;
+    Ok(peak_rss_bytes()
+        .zip(before)
+        .map(|(p, b)| p.saturating_sub(b)))
+}
+
+/// The timings of one pair: EAP (and with `all`, EAP-IG, the edited forward's packing and the
+/// evaluation ladder) between the forwards and backwards they are set against; with `peak`,
+/// EAP's peak memory.
+fn pair_times(
     model: &Model,
     pair: &PairTokens,
     repeats: usize,
-    peak: bool,
-) -> anyhow::Result<(CircuitTimes, Option<u64>)> {
+    (all, peak): (bool, bool),
+) -> anyhow::Result<(CircuitTimes, [f64; 3], Option<u64>)> {
     let pairs = std::slice::from_ref(pair);
     let eap = || scores(model, pairs, Method::Eap, MetricKind::LogitDiff).map(|_| ());
+    let ig = Method::EapIg { steps: 5 };
     // warm-up: the backward's transposes, the pages of the buffers
-    eap()?;
-    let (f, fb, (eap_s, bytes)) = around(model, &pair.clean, repeats, || {
-        let before = rss_bytes();
-        let bytes = (peak && reset_peak_rss())
-            .then(|| eap().map(|_| peak_rss_bytes()))
-            .transpose()?
-            .flatten()
-            .zip(before)
-            .map(|(p, b)| p.saturating_sub(b));
-        Ok((median_of(repeats, eap)?, bytes))
+    let s = scores(model, pairs, ig, MetricKind::LogitDiff)?;
+    let (f, fb, (eap_s, more, bytes)) = around(model, &pair.clean, repeats, || {
+        let bytes = if peak { eap_peak(model, pairs)? } else { None };
+        let eap_s = median_of(repeats, eap)?;
+        let mut more = [0f64; 3];
+        if all {
+            more[0] = median_of(repeats, || {
+                scores(model, pairs, ig, MetricKind::LogitDiff).map(|_| ())
+            })?;
+            let (pack_s, fwd) = timed(|| model.edited_forward())?;
+            more[1] = pack_s;
+            more[2] = median_of(repeats, || {
+                evaluate(&fwd, pairs, MetricKind::LogitDiff, &s).map(|_| ())
+            })?;
+        }
+        Ok((eap_s, more, bytes))
     })?;
     let backward = (fb - f).max(0.0);
-    Ok((
-        CircuitTimes {
-            tokens: pair.clean.len(),
-            forward_s: f,
-            forward_backward_s: fb,
-            eap_s,
-            eap_vs_goal_unit: eap_s / (2.0 * f + backward),
-        },
-        bytes,
-    ))
+    let times = CircuitTimes {
+        tokens: pair.clean.len(),
+        forward_s: f,
+        forward_backward_s: fb,
+        eap_s,
+        eap_vs_goal_unit: eap_s / (2.0 * f + backward),
+    };
+    Ok((times, more, bytes))
 }
 
 /// The circuit timings of the IOI-style pair and a pair of `long_tokens` tokens.
@@ -159,38 +180,25 @@ fn measure(model: &Model, repeats: usize, long_tokens: usize) -> anyhow::Result<
     )?
     .remove(0);
     let bar = super::common::progress_bar("{msg} [{bar:30}] {pos}/{len}");
-    bar.set_length(4);
-    bar.set_message("EAP, the IOI-style pair");
-    let (short, _) = eap_times(model, &pair, repeats, false)?;
+    bar.set_length(2);
+    bar.set_message("EAP, EAP-IG and the evaluation ladder, the IOI-style pair");
+    let (short, [eap_ig_s, pack_s, ladder_s], _) =
+        pair_times(model, &pair, repeats, (true, false))?;
     bar.inc(1);
-    bar.set_message("EAP-IG and the evaluation ladder");
-    let pairs = std::slice::from_ref(&pair);
-    let ig = Method::EapIg { steps: 5 };
-    let s = scores(model, pairs, ig, MetricKind::LogitDiff)?;
-    evaluate(model, pairs, MetricKind::LogitDiff, &s)?;
-    let (f, fb, (eap_ig_s, ladder_s)) = around(model, &pair.clean, repeats, || {
-        let ig_s = median_of(repeats, || {
-            scores(model, pairs, ig, MetricKind::LogitDiff).map(|_| ())
-        })?;
-        let ladder = median_of(repeats, || {
-            evaluate(model, pairs, MetricKind::LogitDiff, &s).map(|_| ())
-        })?;
-        Ok((ig_s, ladder))
-    })?;
-    bar.inc(2);
     bar.set_message(format!("EAP and its memory, {long_tokens} tokens"));
     let long = long_pair(model, long_tokens)?;
-    let (long, peak) = eap_times(model, &long, repeats, true)?;
+    let (long, _, peak) = pair_times(model, &long, repeats, (false, true))?;
     bar.finish_and_clear();
     Ok(CircuitBench {
         model: model.info.name.clone(),
         repeats,
-        edges: s.graph.n_edges(),
-        pair: short,
+        edges: crate::analysis::circuit::graph::Graph::new(&model.dims).n_edges(),
         eap_ig_s,
-        eap_ig_vs_goal_unit: eap_ig_s / (6.0 * fb),
+        eap_ig_vs_goal_unit: eap_ig_s / (6.0 * short.forward_backward_s),
+        pack_s,
         ladder_s,
-        ladder_vs_goal_unit: ladder_s / (10.0 * f),
+        ladder_vs_goal_unit: ladder_s / (10.0 * short.forward_s),
+        pair: short,
         long,
         long_eap_peak_bytes: peak,
     })
@@ -227,6 +235,11 @@ fn render(r: &CircuitBench) -> String {
             "{:.2} x (6 forward + backward pairs); goal ≤ 1.5",
             r.eap_ig_vs_goal_unit
         ),
+    ]);
+    t.row([
+        "--evaluate's f32 q|k|v panels (packed once per run)".to_string(),
+        format!("{:.3}", r.pack_s),
+        String::new(),
     ]);
     t.row([
         format!(

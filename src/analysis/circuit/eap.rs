@@ -57,8 +57,14 @@ impl ScoreSink<'_> {
     fn packed(&mut self) -> &PackedB {
         let (k, nodes) = (self.width, self.graph.n_nodes());
         let delta = std::mem::take(&mut self.delta);
-        self.packed
-            .get_or_insert_with(|| PackedB::from_rows(&delta, nodes, k, k, Isa::detect()))
+        self.packed.get_or_insert_with(|| {
+            // the rows transposed 16 × 16 at a time into the panels
+            let rows = crate::kernels::rows_of(&delta, k, k);
+            match PackedB::try_from_row_source(nodes, k, Isa::detect(), rows) {
+                Ok(p) => p,
+                Err(never) => match never {},
+            }
+        })
     }
 
     /// Adds `weight ×` the scores of the edges into the readers `readers` (consecutive, from

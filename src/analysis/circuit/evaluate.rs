@@ -132,11 +132,10 @@ impl ReaderEdit for Recorder<'_> {
 fn record(
     fwd: &EditedForward,
     g: &Graph,
-    model: &Model,
     tokens: &[u32],
     m: crate::model::backward::Metric,
 ) -> Result<Record> {
-    let (x, _) = model.input_embeddings(tokens)?;
+    let (x, _) = fwd.model().input_embeddings(tokens)?;
     let mut r = Recorder {
         graph: g,
         width: x.len(),
@@ -284,14 +283,14 @@ fn area(y: &[f64]) -> f64 {
 /// The circuits of the top edges at MIB's sizes, by |score| and by −score, evaluated by exact
 /// edge patching on every pair; faithfulness, CPR and CMD.
 pub fn evaluate(
-    model: &Model,
+    fwd: &EditedForward,
     pairs: &[PairTokens],
     metric: MetricKind,
     s: &Scores,
 ) -> anyhow::Result<Evaluation> {
     let t0 = std::time::Instant::now();
     let g = &s.graph;
-    let fwd = model.edited_forward()?;
+    let model = fwd.model();
     let (abs, signed) = (
         ranks(&s.scores, Ranking::Absolute),
         ranks(&s.scores, Ranking::Signed),
@@ -310,10 +309,10 @@ pub fn evaluate(
     let w = 1.0 / pairs.len() as f64;
     for p in pairs {
         let m = metric.of(p);
-        let rc = record(&fwd, g, model, &p.corrupt, m)?;
+        let rc = record(fwd, g, &p.corrupt, m)?;
         let (x, _) = model.input_embeddings(&p.clean)?;
-        let clean_m = record(&fwd, g, model, &p.clean, m)?.metric;
-        let vals = circuit_metrics(&fwd, g, (&x, p.clean.len()), &rc, &circuits, m)?;
+        let clean_m = record(fwd, g, &p.clean, m)?.metric;
+        let vals = circuit_metrics(fwd, g, (&x, p.clean.len()), &rc, &circuits, m)?;
         sums.iter_mut()
             .zip(&vals)
             .for_each(|(s, v)| *s += *v as f64 * w);
@@ -438,7 +437,7 @@ fn edge_deltas(
 /// The top `k` edges by |score|, each patched alone exactly (mean Δm over the pairs), beside
 /// their scores, with the rank correlation.
 pub fn exact_edges(
-    model: &Model,
+    fwd: &EditedForward,
     pairs: &[PairTokens],
     metric: MetricKind,
     s: &Scores,
@@ -450,14 +449,13 @@ pub fn exact_edges(
         .into_iter()
         .take(k)
         .collect();
-    let fwd = model.edited_forward()?;
     let mut sums = vec![0f64; top.len()];
     let w = 1.0 / pairs.len() as f64;
     for p in pairs {
         let m = metric.of(p);
-        let clean = record(&fwd, g, model, &p.clean, m)?;
-        let corrupt = record(&fwd, g, model, &p.corrupt, m)?;
-        let d = edge_deltas(&fwd, g, (&clean, &corrupt), (p.clean.len(), &top), m)?;
+        let clean = record(fwd, g, &p.clean, m)?;
+        let corrupt = record(fwd, g, &p.corrupt, m)?;
+        let d = edge_deltas(fwd, g, (&clean, &corrupt), (p.clean.len(), &top), m)?;
         sums.iter_mut().zip(d).for_each(|(s, v)| *s += v as f64 * w);
     }
     let edges: Vec<ExactEdge> = top
@@ -494,8 +492,8 @@ pub fn run_circuits(
 ) -> anyhow::Result<(f32, f32, Vec<f32>)> {
     let fwd = model.edited_forward()?;
     let m = metric.of(pair);
-    let clean = record(&fwd, g, model, &pair.clean, m)?.metric;
-    let rc = record(&fwd, g, model, &pair.corrupt, m)?;
+    let clean = record(&fwd, g, &pair.clean, m)?.metric;
+    let rc = record(&fwd, g, &pair.corrupt, m)?;
     // each circuit as ranks: its edges first (0..k), every other edge after
     let ranks: Vec<Vec<u32>> = circuits
         .iter()
@@ -527,8 +525,8 @@ pub fn patch_edges(
 ) -> anyhow::Result<Vec<f32>> {
     let fwd = model.edited_forward()?;
     let m = metric.of(pair);
-    let clean = record(&fwd, g, model, &pair.clean, m)?;
-    let corrupt = record(&fwd, g, model, &pair.corrupt, m)?;
+    let clean = record(&fwd, g, &pair.clean, m)?;
+    let corrupt = record(&fwd, g, &pair.corrupt, m)?;
     Ok(edge_deltas(
         &fwd,
         g,

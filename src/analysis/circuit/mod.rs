@@ -292,13 +292,18 @@ pub fn circuit(model: &Model, opts: &CircuitOptions) -> anyhow::Result<CircuitRe
     let t0 = std::time::Instant::now();
     let pairs = tokenize_pairs(model, &opts.pairs, opts.metric, opts.force_bos)?;
     let s = scores(model, &pairs, opts.method, opts.metric)?;
-    let evaluation = match opts.evaluate {
-        true => Some(evaluate::evaluate(model, &pairs, opts.metric, &s)?),
+    // the forward with edited readers, packed once for both
+    let fwd = match opts.evaluate || opts.exact_edges > 0 {
+        true => Some(model.edited_forward()?),
         false => None,
     };
-    let exact_edges = match opts.exact_edges {
-        0 => None,
-        k => Some(evaluate::exact_edges(model, &pairs, opts.metric, &s, k)?),
+    let evaluation = match (&fwd, opts.evaluate) {
+        (Some(f), true) => Some(evaluate::evaluate(f, &pairs, opts.metric, &s)?),
+        _ => None,
+    };
+    let exact_edges = match (&fwd, opts.exact_edges) {
+        (Some(f), k) if k > 0 => Some(evaluate::exact_edges(f, &pairs, opts.metric, &s, k)?),
+        _ => None,
     };
     let g = &s.graph;
     let edges = graph::ranked(&s.scores, graph::Ranking::Absolute)

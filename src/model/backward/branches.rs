@@ -16,6 +16,7 @@ use super::rowwise::norm_back;
 use super::taps::{BlockTap, Tap};
 use super::{Metric, Rules, Saved};
 use crate::kernels::gemm;
+use crate::model::block::NormKind;
 use crate::model::error::Result;
 use crate::model::Model;
 use rayon::prelude::*;
@@ -138,21 +139,23 @@ impl Model {
         let (nh, nkv, dm) = (self.dims.n_heads, self.dims.n_kv_heads, self.dims.d_model);
         let shape = Shape::of(self, (n, 1));
         let Shape { hd, nq, nk, .. } = shape;
+        let layer = &self.weights.layers[l];
         let per = |c0: usize, heads: usize| -> Result<Vec<f32>> {
             let mut out = vec![0f32; heads * n * dm];
             for (h, dst) in out.chunks_mut(n * dm).enumerate() {
                 let cols = c0 + h * hd..c0 + (h + 1) * hd;
-                let dy = self.qkv_slice_back(l, &bt.qkv_proj, shape, cols)?;
-                let layer = &self.weights.layers[l];
-                let g = norm_back(
-                    Rules::Gradient,
-                    layer.plan.norm,
-                    &s.resid_pre,
-                    &layer.attn_norm,
-                    self.dims.rms_eps,
-                    &dy,
-                );
-                dst.copy_from_slice(&g);
+                self.qkv_slice_back(l, &bt.qkv_proj, shape, cols, dst)?;
+            }
+            // through the layer's input norm, at the run's own scale
+            let (x, w, eps) = (&s.resid_pre, &layer.attn_norm, self.dims.rms_eps);
+            match layer.plan.norm {
+                NormKind::Rms => rms_backward_many(x, w, eps, &mut out),
+                kind => {
+                    for dy in out.chunks_mut(n * dm) {
+                        let g = norm_back(Rules::Gradient, kind, x, w, eps, dy);
+                        dy.copy_from_slice(&g);
+                    }
+                }
             }
             Ok(out)
         };
@@ -172,13 +175,13 @@ impl Model {
         d_qkv: &[f32],
         shape: Shape,
         cols: std::ops::Range<usize>,
-    ) -> Result<Vec<f32>> {
+        out: &mut [f32],
+    ) -> Result<()> {
         let (rows, width, dm) = (shape.rows, shape.width, self.dims.d_model);
-        let mut out = vec![0f32; rows * dm];
         match &self.transposes()[l].qkv {
             Some(w) => {
                 let a = &d_qkv[cols.start..];
-                gemm::gemm_sub(a, width, rows, w, cols, 0..dm, &mut out, dm, false, true);
+                gemm::gemm_sub(a, width, rows, w, cols, 0..dm, out, dm, false, true);
             }
             None => {
                 // `--memory low`: the product from the file's blocks, zeros outside the slice
@@ -188,7 +191,7 @@ impl Model {
                 }
                 if !self.weights.layers[l]
                     .qkv
-                    .backward_from_blocks(&dy, rows, &mut out)
+                    .backward_from_blocks(&dy, rows, out)
                 {
                     return Err(super::bug(
                         "a projection with no transpose for the backward".into(),
@@ -196,8 +199,37 @@ impl Model {
                 }
             }
         }
-        Ok(out)
+        Ok(())
     }
+}
+
+/// The RMSNorm backward of each `[n, d]` block of `dys` (in place) at the rows `x`, with
+/// weights `w`: [`super::norm_backward`]'s arithmetic (f64 per row), the rows' scales computed
+/// once for every block.
+fn rms_backward_many(x: &[f32], w: &[f32], eps: f32, dys: &mut [f32]) {
+    let d = w.len();
+    let inv: Vec<f64> = x
+        .chunks(d)
+        .map(|r| {
+            let ms = r.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / d as f64;
+            1.0 / ((ms as f32 + eps) as f64).sqrt()
+        })
+        .collect();
+    let rows = x.len() / d;
+    dys.par_chunks_mut(d).enumerate().for_each(|(i, dy)| {
+        let (xr, inv) = (&x[(i % rows) * d..][..d], inv[i % rows]);
+        let gx = dy
+            .iter()
+            .zip(w)
+            .zip(xr)
+            .map(|((&g, &w), &x)| g as f64 * w as f64 * x as f64)
+            .sum::<f64>()
+            / d as f64;
+        let c = inv * inv * inv * gx;
+        for ((o, &w), &x) in dy.iter_mut().zip(w).zip(xr) {
+            *o = (inv * (*o as f64 * w as f64) - c * x as f64) as f32;
+        }
+    });
 }
 
 /// Each row's RMSNorm scale `1/√(mean(x²) + ε)` of `x` (`[rows, width]`), as the forward's

@@ -55,13 +55,30 @@ impl Model {
             .weights
             .layers
             .iter()
-            .map(|l| PackedB::from_rows(&l.qkv.weight_f32(), l.qkv.n, l.qkv.k, l.qkv.k, isa))
+            .map(|l| {
+                let (w, k) = (l.qkv.weight_f32(), l.qkv.k);
+                // the rows transposed 16 × 16 at a time into the panels
+                match PackedB::try_from_row_source(
+                    l.qkv.n,
+                    k,
+                    isa,
+                    crate::kernels::rows_of(&w, k, k),
+                ) {
+                    Ok(p) => p,
+                    Err(never) => match never {},
+                }
+            })
             .collect();
         Ok(EditedForward { model: self, qkv })
     }
 }
 
-impl EditedForward<'_> {
+impl<'m> EditedForward<'m> {
+    /// The model it runs.
+    pub fn model(&self) -> &'m Model {
+        self.model
+    }
+
     /// `batch` sequences of `n` rows each, from the residual stream entering layer `from` (`x`,
     /// `[batch·n, d_model]`; layer 0's input is [`Model::input_embeddings`]) to `metric` at each
     /// sequence's last row, every reader's input as `edit` says. The metric of each sequence.
