@@ -497,3 +497,261 @@ fn a_tensor_of_a_block_type_attnscope_cannot_read() {
         );
     }
 }
+
+// Issue #56, defect 9: messages that named the wrong thing.
+
+/// A multi-token `--answer`/`--wrong` is reported under its own flag (was `--target`); the same
+/// token for both, both given, is not told to pass them (it was).
+#[test]
+fn messages_name_the_flag_that_was_given() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = common::tiny_gguf(&dir);
+    let m = m.to_str().unwrap();
+    let patch = |extra: &[&str]| {
+        let mut a = vec![
+            "patch",
+            "-m",
+            m,
+            "--clean",
+            "the hat",
+            "--corrupt",
+            "the cat",
+        ];
+        a.extend_from_slice(extra);
+        a.into_iter().map(String::from).collect::<Vec<_>>()
+    };
+    for (args, want) in [
+        (patch(&["--answer", "ab"]), "--answer \"ab\" (2 tokens"),
+        (
+            patch(&["--answer", "3", "--wrong", "ab"]),
+            "--wrong \"ab\" (2 tokens",
+        ),
+        (
+            vec!["dla", "-m", m, "--text", "the hat", "--answer", "ab"]
+                .into_iter()
+                .map(String::from)
+                .collect(),
+            "--answer \"ab\" (2 tokens",
+        ),
+    ] {
+        let e = run_err(&args, 2);
+        assert!(e.contains(want) && !e.contains("--target"), "{args:?}: {e}");
+    }
+    let e = run_err(patch(&["--answer", "3", "--wrong", "3"]), 2);
+    assert!(
+        e.contains("--answer and --wrong name the same token") && !e.contains("pass --"),
+        "{e}"
+    );
+}
+
+/// An empty `--clean` is not told to use `--text`; `generate --max-new-tokens` past the context
+/// names that option (it said to shorten the text); `patch` with equal clean and corrupted logit
+/// differences is refused, exit 2 (it printed a grid of NaN, exit 0: defect 4).
+#[test]
+fn messages_name_the_text_and_the_count_that_are_wrong() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = common::tiny_gguf(&dir);
+    let m = m.to_str().unwrap();
+    let e = run_err(
+        ["patch", "-m", m, "--clean", " ", "--corrupt", "the hat"],
+        2,
+    );
+    assert!(e.contains("--clean") && !e.contains("--text"), "{e}");
+    let e = run_err(
+        [
+            "generate",
+            "-m",
+            m,
+            "--text",
+            "the hat",
+            "--max-new-tokens",
+            "1000000000",
+        ],
+        2,
+    );
+    assert!(
+        e.contains("max-new-tokens 1000000000 is out of range") && !e.contains("shorten the text"),
+        "{e}"
+    );
+    let out = attnscope()
+        .args([
+            "patch",
+            "-m",
+            m,
+            "--clean",
+            "the hat",
+            "--corrupt",
+            "the hat",
+        ])
+        .args(["--answer", "3", "--wrong", "4"])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        common::stderr_of(&out),
+    );
+    assert_eq!(out.status.code(), Some(2), "{stdout}{stderr}");
+    assert!(
+        !stdout.contains("NaN") && stderr.contains("the same logit difference"),
+        "{stderr}"
+    );
+}
+
+/// `-m` on a FIFO or on /dev/null says what the path is (it said the file does not exist); the
+/// FIFO is never opened (that would wait for a writer).
+#[test]
+fn a_fifo_or_a_device_is_not_a_missing_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("model.gguf");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    for (path, kind) in [
+        (
+            fifo.to_str().unwrap(),
+            "is a named pipe (FIFO), not a model file",
+        ),
+        ("/dev/null", "is a character device, not a model file"),
+    ] {
+        let e = run_err(["info", "-m", path], 2);
+        assert!(e.contains(kind) && !e.contains("does not exist"), "{e}");
+    }
+}
+
+/// With RUST_BACKTRACE=1 (as CI and many shells set it), a truncated GGUF's message is one
+/// line: candle appends a backtrace to its errors then, which was printed (14 frames).
+#[test]
+fn a_truncated_gguf_message_holds_no_backtrace() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("cut.gguf");
+    std::fs::write(&p, &tiny_gguf_bytes()[..100]).unwrap();
+    let e = fails_with(
+        attnscope()
+            .env("RUST_BACKTRACE", "1")
+            .args(["info", "-m", p.to_str().unwrap()]),
+        2,
+    );
+    assert!(e.contains("cannot read GGUF file"), "{e}");
+    assert_eq!(e.trim_end().lines().count(), 1, "{e}");
+    assert!(!e.contains("candle_core::"), "{e}");
+}
+
+/// A safetensors header whose shape does not fill a tensor's bytes names the tensor (the
+/// safetensors crate's message names none).
+#[test]
+fn a_safetensors_shape_error_names_the_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    let hf = dir.path().join("hf");
+    write_hf_folder(&tiny_model(Arch::Llama, 1), Arch::Llama, &hf, 1).unwrap();
+    let st = hf.join("model.safetensors");
+    let bytes = std::fs::read(&st).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let name = "model.layers.1.mlp.up_proj.weight";
+    let shape = header[name]["shape"].clone();
+    header[name]["shape"] = serde_json::json!([shape[0].as_u64().unwrap() + 1, shape[1]]);
+    let mut h = header.to_string().into_bytes();
+    h.resize(h.len().next_multiple_of(8), b' ');
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend(&h);
+    out.extend(&bytes[8 + n..]);
+    std::fs::write(&st, out).unwrap();
+    let e = load_err(&hf);
+    assert!(e.contains(&format!("tensor `{name}` has shape [")), "{e}");
+}
+
+/// A BERT config.json without `layer_norm_eps` or `max_position_embeddings` takes transformers'
+/// defaults (1e-12 and 512: `BertConfig`), with a warning; it was refused as missing
+/// `rms_norm_eps`. The tiny BERT's own values are 1e-12 and 64, so without `layer_norm_eps` it
+/// gives the same numbers, and without `max_position_embeddings` its 64-row position table no
+/// longer matches (as in transformers). A decoder without its epsilon is refused naming its key.
+#[test]
+fn a_bert_config_takes_transformers_defaults() {
+    let dir = tempfile::tempdir().unwrap();
+    let bert = common::golden("arch/bert");
+    let inspect = |m: &Path| {
+        attnscope()
+            .args([
+                "inspect",
+                "-m",
+                m.to_str().unwrap(),
+                "--text",
+                "the cat sat",
+                "--json",
+            ])
+            .output()
+            .unwrap()
+    };
+    let want = inspect(&bert);
+    assert!(want.status.success(), "{}", common::stderr_of(&want));
+    let copy = |drop: &str| {
+        let d = dir.path().join(drop);
+        std::fs::create_dir(&d).unwrap();
+        for f in std::fs::read_dir(&bert).unwrap() {
+            let f = f.unwrap().path();
+            std::fs::copy(&f, d.join(f.file_name().unwrap())).unwrap();
+        }
+        let mut cfg: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(d.join("config.json")).unwrap()).unwrap();
+        cfg.as_object_mut().unwrap().remove(drop);
+        std::fs::write(d.join("config.json"), cfg.to_string()).unwrap();
+        d
+    };
+    let got = inspect(&copy("layer_norm_eps"));
+    let stderr = common::stderr_of(&got);
+    assert!(got.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("no `layer_norm_eps`; transformers' default for the architecture, 1e-12"),
+        "{stderr}"
+    );
+    let (got, want): (serde_json::Value, serde_json::Value) = (
+        serde_json::from_slice(&got.stdout).unwrap(),
+        serde_json::from_slice(&want.stdout).unwrap(),
+    );
+    for k in ["tokens", "heads", "layers", "special_shares"] {
+        assert_eq!(got[k], want[k], "{k}");
+    }
+    let e = load_err(&copy("max_position_embeddings"));
+    assert!(
+        e.contains("position_embeddings.weight") && e.contains("[512, 64]"),
+        "{e}"
+    );
+    let hf = dir.path().join("qwen");
+    write_hf_folder(&tiny_model(Arch::Qwen2, 1), Arch::Qwen2, &hf, 1).unwrap();
+    let cfg_path = hf.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
+    cfg.as_object_mut().unwrap().remove("rms_norm_eps");
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let e = load_err(&hf);
+    assert!(e.contains("metadata key `rms_norm_eps` missing"), "{e}");
+}
+
+/// A UTF-8 byte-order mark at the start of a text (a file saved by Notepad) is left out, with a
+/// note; it was kept as 3 byte tokens at position 0.
+#[test]
+fn a_byte_order_mark_is_left_out_and_said() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = common::tiny_gguf(&dir);
+    let file = dir.path().join("bom.txt");
+    std::fs::write(&file, "\u{feff}the hat").unwrap();
+    let tokens = |args: &[&str]| {
+        let out = attnscope()
+            .args(["inspect", "-m", m.to_str().unwrap(), "--json"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", common::stderr_of(&out));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        (v["tokens"].clone(), common::stderr_of(&out))
+    };
+    let (plain, _) = tokens(&["--text", "the hat"]);
+    for args in [
+        &["--text", "\u{feff}the hat"][..],
+        &["--file", file.to_str().unwrap()][..],
+    ] {
+        let (got, stderr) = tokens(args);
+        assert_eq!(got, plain, "{args:?}");
+        assert!(stderr.contains("byte-order mark (U+FEFF)"), "{stderr}");
+    }
+}

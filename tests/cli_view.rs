@@ -332,6 +332,108 @@ fn serve_survives_sequential_and_concurrent_requests() {
     let _ = child.wait();
 }
 
+/// A TCP connection to `to` from the local address `from` (bound first: on Linux every
+/// address of 127/8 is loopback, so 127.0.0.2 is another client address on this machine).
+fn connect_from(from: std::net::Ipv4Addr, to: std::net::SocketAddrV4) -> std::net::TcpStream {
+    use std::os::fd::FromRawFd;
+    let sockaddr = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(ip).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: a fresh socket, owned by the TcpStream from here on (closed when it drops)
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+    // SAFETY: fd is a valid socket no one else owns
+    let stream = unsafe { std::net::TcpStream::from_raw_fd(fd) };
+    let (local, remote) = (sockaddr(from, 0), sockaddr(*to.ip(), to.port()));
+    // SAFETY: both addresses are sockaddr_in values that live across the calls, with their length
+    let bound = unsafe { libc::bind(fd, (&raw const local).cast(), len) };
+    assert_eq!(bound, 0, "bind {from}: {}", std::io::Error::last_os_error());
+    // SAFETY: as above
+    let connected = unsafe { libc::connect(fd, (&raw const remote).cast(), len) };
+    assert_eq!(
+        connected,
+        0,
+        "connect {to}: {}",
+        std::io::Error::last_os_error()
+    );
+    stream
+}
+
+/// #56: ~70 idle connections from one client (connected, nothing sent) locked every other
+/// client out, 10 s at a time: they held the whole queue (--max-concurrent 4 + --queue 64) until
+/// the request timeout. Now one address holds at most --max-per-client (16) connections and its
+/// others are answered 503 at once, so another client (127.0.0.2) is served while the idle ones
+/// are still open. No timing: the server accepts in order, so every idle connection was
+/// accepted before the other client's, and --request-timeout 600 keeps the held ones open.
+#[test]
+fn idle_connections_from_one_client_do_not_lock_out_another() {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let (mut child, addr) = start_serve(&[
+        "--model",
+        m.to_str().unwrap(),
+        "--addr",
+        "127.0.0.1:0",
+        "--request-timeout",
+        "600",
+    ]);
+    let idle: Vec<std::net::TcpStream> = (0..70)
+        .map(|_| std::net::TcpStream::connect(&addr).unwrap())
+        .collect();
+    let mut other = connect_from(std::net::Ipv4Addr::new(127, 0, 0, 2), addr.parse().unwrap());
+    other
+        .set_read_timeout(Some(std::time::Duration::from_secs(120)))
+        .unwrap();
+    write!(
+        other,
+        "GET /view?text=the+hat HTTP/1.1\r\nHost: {addr}\r\n\r\n"
+    )
+    .unwrap();
+    let mut answer = String::new();
+    let _ = other.read_to_string(&mut answer);
+    assert!(
+        answer.starts_with("HTTP/1.1 200") && answer.contains("Head view"),
+        "another client was not served while one held 70 idle connections: {:?}",
+        answer.lines().next()
+    );
+    let (mut held, mut refused) = (0, 0);
+    for mut s in idle {
+        s.set_nonblocking(true).unwrap();
+        let mut got = Vec::new();
+        let r = s.read_to_end(&mut got);
+        let got = String::from_utf8_lossy(&got);
+        if got.is_empty() {
+            assert!(
+                matches!(&r, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+                "an idle connection was closed unanswered: {r:?}"
+            );
+            held += 1;
+        } else {
+            assert!(
+                got.starts_with("HTTP/1.1 503")
+                    && got.contains("Retry-After: ")
+                    && got.contains("--max-per-client 16"),
+                "{got}"
+            );
+            refused += 1;
+        }
+    }
+    assert_eq!(
+        (held, refused),
+        (16, 54),
+        "held and refused idle connections"
+    );
+    child.kill().unwrap();
+    let _ = child.wait();
+}
+
 #[test]
 fn view_and_heatmap_write_their_files() {
     let dir = tempfile::tempdir().unwrap();

@@ -243,9 +243,7 @@ pub fn resolve_metric(
     match wrong {
         None => Ok(Metric::LogProb(Some(a))),
         Some(w) => {
-            let w = w
-                .resolve(model, &logits)
-                .map_err(|e| rename(e, "--wrong"))?;
+            let w = w.resolve_as(model, &logits, "--wrong")?;
             if w == a {
                 return Err(Error::OutOfRange {
                     what: "--wrong".into(),
@@ -258,18 +256,6 @@ pub fn resolve_metric(
                 wrong: w,
             })
         }
-    }
-}
-
-/// An error about `--target` said of `flag` instead.
-fn rename(e: Error, flag: &str) -> Error {
-    match e {
-        Error::OutOfRange { what, value, range } => Error::OutOfRange {
-            what: what.replace("--target", flag),
-            value,
-            range,
-        },
-        e => e,
     }
 }
 

@@ -109,8 +109,13 @@ impl Collector {
     }
 
     /// Per head, the mean over queries 1..n-1 of the weight on the first token (α₁ of Gu et al.).
+    /// For a one-token text it is 1 by definition, as [`Collector::sink_all_queries`] (their head
+    /// mean) and `sinks`' α₁ are.
     pub fn head_sink(&self, layer: usize) -> Vec<f32> {
-        let d = (self.n.max(2) - 1) as f64;
+        if self.n < 2 {
+            return vec![1.0; self.n_heads];
+        }
+        let d = (self.n - 1) as f64;
         self.sink_sums[layer]
             .iter()
             .map(|s| (s / d) as f32)
@@ -215,5 +220,13 @@ mod tests {
         assert_eq!(c.row(0, 1), &[0.6, 0.2, 0.2]);
         assert_eq!(c.head_mean(0), vec![0.4, 0.25, 0.35]);
         assert!((c.mean_max_weight(0)[0] - (1.0 + 0.5 + 0.5) / 3.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_one_token_text_is_all_sink() {
+        let mut c = Collector::new(1, 2, 1, 0);
+        c.attention_block(0, Hook::Pattern, 0, [2, 1, 1], &[1.0, 1.0]);
+        assert_eq!(c.sink_all_queries(0), 1.0);
+        assert_eq!(c.head_sink(0), vec![1.0, 1.0]);
     }
 }

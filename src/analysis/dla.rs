@@ -134,8 +134,10 @@ fn resolve_tokens(
     answer: &Target,
     wrong: Option<&Target>,
 ) -> Result<(u32, Option<u32>)> {
-    let a = answer.resolve(model, logits)?;
-    let w = wrong.map(|t| t.resolve(model, logits)).transpose()?;
+    let a = answer.resolve_as(model, logits, "--answer")?;
+    let w = wrong
+        .map(|t| t.resolve_as(model, logits, "--wrong"))
+        .transpose()?;
     if w == Some(a) {
         return Err(Error::OutOfRange {
             what: "--wrong".into(),

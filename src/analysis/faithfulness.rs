@@ -280,19 +280,24 @@ impl Target {
     /// The token id: the top of `logits` for [`Target::Next`], else the id or the one token the
     /// text is (an error naming `--target` otherwise).
     pub fn resolve(&self, model: &Model, logits: &[f32]) -> Result<u32> {
+        self.resolve_as(model, logits, "--target")
+    }
+
+    /// [`Target::resolve`] for the flag `flag` (`--answer`, `--wrong`): its errors name it.
+    pub fn resolve_as(&self, model: &Model, logits: &[f32], flag: &str) -> Result<u32> {
         Ok(match self {
             Target::Next => super::max_argmax(logits).1 as u32,
             Target::Id(i) => {
                 if *i as usize >= model.dims.vocab_size {
                     return Err(crate::model::Error::OutOfRange {
-                        what: "--target id".into(),
+                        what: format!("{flag} id"),
                         value: i.to_string(),
                         range: format!("0..{}", model.dims.vocab_size),
                     });
                 }
                 *i
             }
-            Target::Text(t) => single_token(model, t, "--target")?,
+            Target::Text(t) => single_token(model, t, flag)?,
         })
     }
 }

@@ -639,6 +639,36 @@ pub struct PatchReport {
     pub forward_passes: usize,
     pub layer_rows: usize,
     pub layer_rows_from_scratch: usize,
+    /// what makes the numbers hard to read (a clean and corrupted logit difference so close
+    /// that `recovered`, which divides by their gap, is a ratio of small numbers)
+    pub warnings: Vec<String>,
+}
+
+/// Below this gap between the clean and the corrupted logit difference (in logits), `recovered`
+/// is warned about: a change of 0.001 in a patched run's logit difference already moves it by
+/// more than 1%, and the texts barely tell the answer from the wrong token.
+pub const SMALL_LOGIT_DIFF_GAP: f32 = 0.1;
+
+/// Refuses a clean and a corrupted logit difference (answer − wrong) that are equal, since
+/// `recovered` divides by their gap (it would be NaN or infinite in every cell), and returns a
+/// warning when the gap is below [`SMALL_LOGIT_DIFF_GAP`].
+pub fn check_logit_diff_gap(clean: f32, corrupt: f32) -> Result<Option<String>> {
+    let gap = clean - corrupt;
+    if gap == 0.0 || !gap.is_finite() {
+        return Err(Error::NotApplicable(format!(
+            "the clean and corrupted runs give the same logit difference answer − wrong (clean {clean:+.6}, \
+             corrupt {corrupt:+.6}): each cell's recovered share, (patched − corrupt) / (clean − corrupt), \
+             would divide by zero; choose texts the model tells apart, or another --answer/--wrong"
+        )));
+    }
+    Ok((gap.abs() < SMALL_LOGIT_DIFF_GAP).then(|| {
+        format!(
+            "the clean and corrupted logit differences differ by only {:.4} (clean {clean:+.4}, corrupt {corrupt:+.4}; \
+             below {SMALL_LOGIT_DIFF_GAP}): recovered divides by that gap, so it is a ratio of small numbers \
+             and hard to read; texts the model tells apart, or another --answer/--wrong, give a clearer grid",
+            gap.abs()
+        )
+    }))
 }
 
 /// The first position where two token lists differ (or the shorter length).
@@ -709,6 +739,17 @@ fn patch_variants(
     }
 }
 
+/// What to do when the answer and the wrong token are one token, by which of them were given.
+fn same_token_advice(opts: &PatchOptions) -> String {
+    match (opts.answer.is_some(), opts.wrong.is_some()) {
+        (false, false) => "two different tokens (the clean and corrupted texts predict the same top token: pass --answer and --wrong)",
+        (true, false) => "two different tokens (--answer is the corrupted run's top token, the default --wrong: pass --wrong)",
+        (false, true) => "two different tokens (--wrong is the clean run's top token, the default --answer: pass --answer)",
+        (true, true) => "two different tokens (--answer and --wrong name the same token)",
+    }
+    .into()
+}
+
 /// How a patched run is scored: the logit difference answer − wrong at the last position, and
 /// how much of the clean run's it recovers from the corrupted run's.
 struct LogitDiff {
@@ -727,20 +768,17 @@ impl LogitDiff {
         clean_logits: &[f32],
         corrupt_logits: &[f32],
     ) -> Result<LogitDiff> {
-        let pick = |t: &Option<Target>, logits: &[f32]| match t {
-            Some(t) => t.resolve(model, logits),
+        let pick = |t: &Option<Target>, logits: &[f32], flag: &str| match t {
+            Some(t) => t.resolve_as(model, logits, flag),
             None => Ok(super::max_argmax(logits).1 as u32),
         };
-        let answer = pick(&opts.answer, clean_logits)?;
-        let wrong = pick(&opts.wrong, corrupt_logits)?;
+        let answer = pick(&opts.answer, clean_logits, "--answer")?;
+        let wrong = pick(&opts.wrong, corrupt_logits, "--wrong")?;
         if answer == wrong {
             return Err(Error::OutOfRange {
                 what: "--answer and --wrong".into(),
-                value: format!(
-                    "both {answer} ({:?})",
-                    model.tokenizer.token_text(answer)
-                ),
-                range: "two different tokens (the clean and corrupted texts predict the same top token: pass --answer and --wrong)".into(),
+                value: format!("both {answer} ({:?})", model.tokenizer.token_text(answer)),
+                range: same_token_advice(opts),
             });
         }
         let diff = |lg: &[f32]| lg[answer as usize] - lg[wrong as usize];
@@ -791,6 +829,9 @@ pub fn patch(
     runner.layer_rows += d.n_layers * n;
     runner.batch_rows = opts.batch_rows.max(1);
     let score = LogitDiff::resolve(model, opts, &clean_logits, &corrupt_logits)?;
+    let warnings = check_logit_diff_gap(score.clean, score.corrupt)?
+        .into_iter()
+        .collect();
     let (nh, hd, dm) = (d.n_heads, d.head_dim, d.d_model);
     let per_head = opts.hook.per_head();
     let total = d.n_layers * if per_head { nh } else { n };
@@ -823,5 +864,6 @@ pub fn patch(
         forward_passes: runner.passes,
         layer_rows: runner.layer_rows,
         layer_rows_from_scratch: (total + 2) * d.n_layers * n,
+        warnings,
     })
 }

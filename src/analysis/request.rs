@@ -67,6 +67,42 @@ pub fn parse_index_list(spec: &str, count: usize, what: &str) -> anyhow::Result<
     Ok(out)
 }
 
+/// A threshold on attention weights (`--epsilon`: a head counts as a sink head when its
+/// first-token weight exceeds it) read from text: a number in [0, 1]. NaN is refused (every
+/// comparison with it is false, so no head would count and the tables would print NaN), and so
+/// are numbers outside [0, 1], which no weight crosses.
+pub fn weight_threshold<T>(s: &str) -> Result<T, String>
+where
+    T: std::str::FromStr + Into<f64> + Copy,
+    T::Err: std::fmt::Display,
+{
+    let v: T = s.trim().parse().map_err(|e| format!("{e}"))?;
+    check_weight_threshold(v.into()).map(|_| v)
+}
+
+/// Refuses a weight threshold that is NaN or outside [0, 1] (see [`weight_threshold`]).
+pub fn check_weight_threshold(v: f64) -> Result<(), String> {
+    if (0.0..=1.0).contains(&v) {
+        Ok(())
+    } else {
+        Err(format!(
+            "{v} is not an attention weight: give a number from 0 to 1"
+        ))
+    }
+}
+
+/// An amount read from text that may be 0 or more (`--capture-limit-gib`; infinity allowed: no
+/// limit): NaN and negative numbers are refused (a NaN limit compares false with everything, so
+/// the limit would silently skip every capture).
+pub fn non_negative(s: &str) -> Result<f64, String> {
+    let v: f64 = s.trim().parse().map_err(|e| format!("{e}"))?;
+    if v >= 0.0 {
+        Ok(v)
+    } else {
+        Err(format!("{v}: give a number 0 or more"))
+    }
+}
+
 /// Checks one index against its count, with a message naming the valid range.
 pub fn check_index(value: usize, count: usize, what: &str) -> anyhow::Result<usize> {
     if value >= count {

@@ -22,14 +22,14 @@ pub struct Args {
     /// Sequence lengths (tokens of real text: the built-in corpus, repeated as needed).
     #[arg(long, value_delimiter = ',', default_value = "512,2048")]
     lengths: Vec<usize>,
-    /// Timed runs per setting (after one warm-up run); the median is reported.
-    #[arg(long, default_value_t = 2)]
+    /// Timed runs per setting (after one warm-up run), 1 to 1000; the median is reported.
+    #[arg(long, default_value_t = 2, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1000))]
     repeats: usize,
     /// Skip timing `capture` and `inspect` as separate processes (start to end, with loading).
     #[arg(long)]
     no_commands: bool,
     /// Skip the forward with every pattern captured where the patterns would exceed this many GiB.
-    #[arg(long, default_value_t = 8.0)]
+    #[arg(long, default_value_t = 8.0, value_parser = crate::analysis::request::non_negative)]
     capture_limit_gib: f64,
     /// Also time the Python route side by side: transformers + torch (the team's hf_anchor
     /// script, built in) run by this Python, which needs torch, transformers and gguf. Next to

@@ -6,6 +6,7 @@ use crate::analysis::corpus::Aggregate;
 use crate::analysis::corpus_run::{
     load_texts, merge_files, parse_shard, run_corpus, CorpusAggregate, CorpusRequest,
 };
+use crate::analysis::request::weight_threshold;
 use crate::render::table::{bar, sparkline, title, Align, Table};
 use std::path::PathBuf;
 
@@ -35,7 +36,7 @@ pub struct Args {
     faithfulness: bool,
     /// A head counts as a sink head when its mean first-token weight α₁ exceeds this
     /// (Gu et al. 2025 use 0.3).
-    #[arg(long, default_value_t = 0.3)]
+    #[arg(long, default_value_t = 0.3, value_parser = weight_threshold::<f32>)]
     epsilon: f32,
     /// Print the aggregate as JSON.
     #[arg(long)]
@@ -49,7 +50,7 @@ enum Sub {
         /// Record files written with --out.
         #[arg(required = true)]
         files: Vec<PathBuf>,
-        #[arg(long, default_value_t = 0.3)]
+        #[arg(long, default_value_t = 0.3, value_parser = weight_threshold::<f32>)]
         epsilon: f32,
         #[arg(long)]
         json: bool,
@@ -79,7 +80,17 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         faithfulness: a.faithfulness,
         epsilon: a.epsilon,
         bos: model_args.bos,
+        inputs: model_args
+            .input_paths()
+            .into_iter()
+            .chain(a.file.clone())
+            .collect(),
     };
+    if let Some(out) = &req.out {
+        // refused before the model loads (the run checks it again before it appends)
+        let inputs: Vec<&std::path::Path> = req.inputs.iter().map(PathBuf::as_path).collect();
+        crate::analysis::files::Output::check_append(out, &inputs)?;
+    }
     let model = model_args.load()?;
     let bar = progress_bar("texts [{bar:30}] {pos}/{len} ({eta} left)");
     let outcome = run_corpus(

@@ -63,7 +63,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 fn json_report(m: &crate::model::Model) -> serde_json::Value {
     let d = &m.dims;
     let (mapped, projections) = m.mapped_projections();
-    json!({"model": m.info, "dims": d, "kind": model_kind(d), "group_size": d.group_size(), "gqa": d.gqa_sentence(),
+    let k = crate::kernels::select::kernels();
+    let kernels = json!({"exact": k.exact_name(), "fast": k.fast_name(), "gemm": k.gemm.name(), "forced": k.forced});
+    json!({"model": m.info, "dims": d, "kind": model_kind(d), "group_size": d.group_size(), "gqa": d.gqa_sentence(), "kernels": kernels,
            "cached_alias_path": alias(&m.info.name).map(alias_path),
            "packed_weight_cache": m.panel_file().map(|p| json!({"path": p, "mapped_projections": mapped, "projections": projections})),
            "circuit_graph": circuit_graph(d).map(|(nodes, readers, edges)| json!({"nodes": nodes, "readers": readers, "edges": edges})),
@@ -206,6 +208,7 @@ fn facts_table(m: &crate::model::Model) -> Table {
         ("tokenizer", m.info.tokenizer.clone()),
         ("BOS", bos_line(m)),
         ("precision", precision_line(m)),
+        ("kernels", crate::kernels::select::kernels().describe()),
     ] {
         t.row([k.to_string(), v]);
     }
@@ -303,7 +306,11 @@ fn precision_line(m: &crate::model::Model) -> String {
         crate::model::Precision::Fast => format!(
             "fast: projections {}, attention f32 ({} kernel)",
             crate::model::weights::fast_kernel()
-                .unwrap_or("on the exact f32 kernels (no AMX nor AVX-512 VNNI here)"),
+                .map(str::to_string)
+                .unwrap_or_else(|| format!(
+                    "on the exact f32 kernels ({})",
+                    crate::kernels::select::kernels().why_no_fast_kernel()
+                )),
             crate::kernels::gemm::Isa::detect().name()
         ),
         crate::model::Precision::Exact => {
@@ -313,7 +320,7 @@ fn precision_line(m: &crate::model::Model) -> String {
             } else if scaled > 0 {
                 format!(
                     "exact: every product exact, summed in f32; {scaled} of {all} projections on AMX tiles as the file's integers and scales, {} attention on the {} kernel",
-                    if scaled == all { "" } else { "the rest and" },
+                    if scaled == all { "the" } else { "the rest and the" },
                     crate::kernels::gemm::Isa::detect().name()
                 )
             } else {

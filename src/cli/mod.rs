@@ -24,7 +24,9 @@ mod generate;
 mod heads;
 mod info;
 mod inspect;
+mod options;
 mod patch;
+mod qk;
 mod scaling;
 mod scoring;
 mod serve;
@@ -85,6 +87,11 @@ pub enum Command {
     /// the answer's logit (or a logit difference) at the last position, beside each head's
     /// attention; the parts add up to the logit.
     Dla(dla::Args),
+    /// Why a head attends where it does: its pre-softmax score of a query and a key split
+    /// exactly into (query-side component × key-side component) terms over the residual
+    /// stream's components (the embedding, each earlier head and MLP) and the biases, each
+    /// position's norm scale frozen and its rotation applied; the terms add up to the score.
+    Qk(qk::Args),
     /// How often do sinks and concentrated heads occur? Statistics over many texts (built-in
     /// corpus of 224, or your file), with confidence intervals; shardable, resumable, mergeable.
     Corpus(corpus::Args),
@@ -127,6 +134,9 @@ pub enum Command {
     Fetch(info::FetchArgs),
     /// The packed-weight cache: list its files (model, layout, size) or clear them.
     Cache(cache::Args),
+    /// Every subcommand's options, from clap's own tree, as JSON (for tests/option_sweep.rs).
+    #[command(name = "__options", hide = true)]
+    Options(options::Args),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -151,10 +161,12 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Patch(a) => patch::run(a),
         Command::Dla(a) => dla::run(a),
         Command::Circuit(a) => circuit::run(a),
+        Command::Qk(a) => qk::run(a),
         Command::Capture(a) => capture::run(a),
         Command::Fetch(a) => info::fetch(a),
         Command::Bench(a) => bench::run(a),
         Command::Cache(a) => cache::run(a),
+        Command::Options(a) => options::run(a),
     }
 }
 
@@ -174,7 +186,15 @@ pub fn main() -> ExitCode {
             return ExitCode::from(code);
         }
     };
+    // ATTNSCOPE_ISA / ATTNSCOPE_AMX asking for a kernel this CPU cannot run: refused before any
+    // command starts (never an illegal instruction, never silently another kernel)
+    if let Err(e) = crate::kernels::select::check() {
+        eprintln!("attnscope: error: {e}");
+        return ExitCode::from(2);
+    }
     common::keep_models_to_exit();
+    // Ctrl-C while a file is written removes its temporary file (a capture's is hundreds of MB)
+    crate::analysis::files::remove_temp_files_on_signal();
     let result = run(cli);
     // `attnscope bench` times commands as child processes and asks each for its own peak memory
     // (VmHWM of this process's address space; rusage would include the parent's, inherited)

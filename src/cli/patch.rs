@@ -1,6 +1,6 @@
 //! `attnscope patch`: activation patching between a clean and a corrupted text.
 
-use super::common::{emit, on_bar, progress_bar, usage, write_new_file, ModelArgs};
+use super::common::{emit, on_bar, output_path, progress_bar, usage, ModelArgs};
 use crate::analysis::attrpatch::{agreement, attribution_patch, Agreement, ApproxKind};
 use crate::analysis::faithfulness::Target;
 use crate::analysis::intervene::{patch, PatchHook, PatchOptions, PatchReport};
@@ -29,10 +29,10 @@ pub struct Args {
     #[command(flatten)]
     model: ModelArgs,
     /// The clean text (the model gets it right).
-    #[arg(long)]
+    #[arg(long, value_parser = some_text)]
     clean: String,
     /// The corrupted text: the same number of tokens, one detail changed.
-    #[arg(long)]
+    #[arg(long, value_parser = some_text)]
     corrupt: String,
     /// The token the clean text should predict: a token id or its text (e.g. " Alice").
     /// Default: the clean run's top next token.
@@ -45,9 +45,12 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = HookArg::ResidPre)]
     hook: HookArg,
     /// Also write the heatmap as a self-contained HTML page: hover a cell for its numbers, click
-    /// it to show them (refuses to overwrite a file).
+    /// it to show them.
     #[arg(long)]
     html: Option<PathBuf>,
+    /// Replace the --html file if it exists.
+    #[arg(long)]
+    force: bool,
     /// Also attribution patching: each cell estimated to first order, (clean − corrupt) ·
     /// ∂(logit diff)/∂activation at the corrupted run, from two forwards and one backward; printed
     /// beside the exact grid with their Pearson and Spearman correlations (resid-pre, attn-out,
@@ -61,13 +64,22 @@ pub struct Args {
     json: bool,
 }
 
-pub fn run(a: Args) -> anyhow::Result<()> {
-    // refused before the runs, not after them (write_new_file checks again when it writes)
-    if let Some(path) = a.html.as_ref().filter(|p| p.exists()) {
-        return Err(anyhow::Error::new(crate::model::Error::Exists {
-            path: path.clone(),
-        }));
+/// `--clean`'s and `--corrupt`'s parser: an empty text is refused under the flag's own name
+/// (the model's message would say to use --text).
+fn some_text(s: &str) -> Result<String, String> {
+    if s.trim().is_empty() {
+        return Err("the text is empty (or only whitespace)".into());
     }
+    Ok(s.to_string())
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    // refused before the runs, not after them (the rename checks again)
+    let output = a
+        .html
+        .as_deref()
+        .map(|h| output_path(h, a.force, &a.model.input_paths()))
+        .transpose()?;
     let model = a.model.load()?;
     let clean = model.encode(&a.clean, a.model.bos)?;
     let corrupt = model.encode(&a.corrupt, a.model.bos)?;
@@ -98,6 +110,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let bar = progress_bar("patched runs [{bar:30}] {pos}/{len} ({eta})");
     let report = patch(&model, &clean, &corrupt, &opts, on_bar(&bar))?;
     bar.finish_and_clear();
+    for w in &report.warnings {
+        eprintln!("attnscope: warning: {w}");
+    }
     let approx = if a.approx {
         let r = attribution_patch(&model, &clean, &corrupt, report.answer.id, report.wrong.id)?;
         let kind = r
@@ -109,8 +124,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     } else {
         None
     };
-    if let Some(path) = &a.html {
-        write_new_file(path, patch_page(&report).as_bytes(), false)?;
+    if let Some(out) = &output {
+        out.write(patch_page(&report).as_bytes())?;
     }
     if a.json {
         // serialized straight from the structs (no `serde_json::Value` on the way, which would

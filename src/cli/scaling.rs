@@ -18,11 +18,11 @@ pub struct Args {
         default_value = "128,256,512,1024,2048,4096"
     )]
     lengths: Vec<usize>,
-    /// Timed runs per setting (after one warm-up run); the median is reported.
-    #[arg(long, default_value_t = 3)]
+    /// Timed runs per setting (after one warm-up run), 1 to 1000; the median is reported.
+    #[arg(long, default_value_t = 3, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1000))]
     repeats: usize,
     /// Skip pattern capture where the patterns alone would exceed this many GiB.
-    #[arg(long, default_value_t = 6.0)]
+    #[arg(long, default_value_t = 6.0, value_parser = crate::analysis::request::non_negative)]
     capture_limit_gib: f64,
     #[arg(long)]
     json: bool,

@@ -3,7 +3,10 @@
 //! are computed `--max-concurrent` at a time; the requests that cannot start at once wait their
 //! turn in a bounded queue (`--queue`), first come first served, up to a deadline
 //! (`--queue-timeout`). A request is answered 503, with a `Retry-After` and the reason, only when
-//! the queue is full or its wait would pass the deadline ([`Gate`]).
+//! the queue is full or its wait would pass the deadline ([`Gate`]). One client address holds at
+//! most `--max-per-client` connections at a time ([`Clients`]): past them its connections are
+//! answered 503 at once, so idle connections from one client cannot fill the queue and lock the
+//! others out (issue #56: ~70 half-open connections did, 10 s at a time).
 
 use super::common::{emit, usage, ModelArgs};
 use crate::render::html::html_escape;
@@ -31,12 +34,17 @@ pub struct Args {
     /// are answered 503 with Retry-After at once.
     #[arg(long, default_value_t = 64)]
     queue: usize,
+    /// Connections one client address may hold at once (being read, waiting or computed); its
+    /// connections past them are answered 503 at once, so one client cannot fill the queue.
+    #[arg(long, default_value_t = 16)]
+    max_per_client: usize,
     /// Seconds a request may wait for its turn; one that would wait longer (judged from the
     /// recent pages' time) is answered 503 with Retry-After at once, not after the wait.
     #[arg(long, default_value_t = 30)]
     queue_timeout: u64,
-    /// Seconds a client has to send its whole request (slow clients are cut off after it).
-    #[arg(long, default_value_t = 10)]
+    /// Seconds a client has to send its whole request, headers included (slow clients are cut
+    /// off after it, and their place given back).
+    #[arg(long, default_value_t = 5)]
     request_timeout: u64,
     /// Longest text (in tokens) on which the page's faithfulness panel is computed: occlusion
     /// runs one forward per token, which cannot be interrupted once started.
@@ -254,6 +262,60 @@ impl Drop for Turn {
         };
         drop(st);
         self.gate.turn_free.notify_all();
+    }
+}
+
+/// The connections each client address holds (being read, waiting or computed), at most
+/// `max_each` per address ([`Clients::admit`]: a [`ClientSlot`], given back when dropped).
+pub struct Clients {
+    open: Mutex<std::collections::HashMap<std::net::IpAddr, usize>>,
+    max_each: usize,
+}
+
+/// One connection of a client address, counted until dropped.
+pub struct ClientSlot {
+    clients: Arc<Clients>,
+    ip: std::net::IpAddr,
+}
+
+impl Clients {
+    pub fn new(max_each: usize) -> Arc<Clients> {
+        Arc::new(Clients {
+            open: Mutex::new(std::collections::HashMap::new()),
+            max_each,
+        })
+    }
+
+    fn lock(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<std::net::IpAddr, usize>> {
+        self.open.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A slot for one more connection of `ip`, or `None` when it holds `max_each` already.
+    pub fn admit(self: &Arc<Clients>, ip: std::net::IpAddr) -> Option<ClientSlot> {
+        let mut open = self.lock();
+        let n = open.entry(ip).or_insert(0);
+        if *n >= self.max_each {
+            return None;
+        }
+        *n += 1;
+        Some(ClientSlot {
+            clients: self.clone(),
+            ip,
+        })
+    }
+}
+
+impl Drop for ClientSlot {
+    fn drop(&mut self) {
+        let mut open = self.clients.lock();
+        if let Some(n) = open.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                open.remove(&self.ip);
+            }
+        }
     }
 }
 
@@ -591,10 +653,27 @@ const MAX_REFUSING: usize = 64;
 /// could lose the answer).
 const REFUSE_READ_S: u64 = 2;
 
+/// Closes a connection from a client address that holds `--max-per-client` connections already,
+/// with a 503 saying so written without waiting (the socket's send buffer is empty; its request
+/// is not read, so the accept loop never waits on that client).
+fn refuse_client(mut stream: TcpStream, ip: std::net::IpAddr, max: usize) {
+    let body = format!("<!DOCTYPE html><p>the server is busy for {ip}: it holds {max} connections from this address already (--max-per-client {max}); try again in 1 s</p>");
+    let answer = format!("HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/html; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\nRetry-After: 1\r\n\r\n{body}", body.len());
+    if stream.set_nonblocking(true).is_ok() {
+        let _ = stream.write(answer.as_bytes());
+    }
+    let _ = stream.shutdown(std::net::Shutdown::Write);
+}
+
 pub fn run(a: Args) -> anyhow::Result<()> {
-    if a.max_concurrent == 0 || a.max_chars == 0 || a.request_timeout == 0 || a.queue_timeout == 0 {
+    if a.max_concurrent == 0
+        || a.max_chars == 0
+        || a.request_timeout == 0
+        || a.queue_timeout == 0
+        || a.max_per_client == 0
+    {
         return Err(usage(
-            "--max-concurrent, --max-chars, --request-timeout and --queue-timeout must be at least 1",
+            "--max-concurrent, --max-chars, --request-timeout, --queue-timeout and --max-per-client must be at least 1",
         ));
     }
     let listener = TcpListener::bind(&a.addr)
@@ -609,10 +688,18 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         model.info.name
     ))?;
     let gate = Gate::new(a.max_concurrent, a.queue);
+    let clients = Clients::new(a.max_per_client);
     let refusing = Arc::new(AtomicUsize::new(0));
     let a = Arc::new(a);
     for stream in listener.incoming() {
         let Ok(mut stream) = stream else { continue };
+        let Ok(peer) = stream.peer_addr() else {
+            continue;
+        };
+        let Some(slot) = clients.admit(peer.ip()) else {
+            refuse_client(stream, peer.ip(), a.max_per_client);
+            continue;
+        };
         let ticket = match gate.admit() {
             Ok(t) => t,
             Err(r) => {
@@ -626,6 +713,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                         let _ = read_request(&stream, until);
                         refuse(&mut stream, &m, &a, &r);
                         refusing.fetch_sub(1, Ordering::SeqCst);
+                        drop(slot);
                     });
                 }
                 continue;
@@ -634,9 +722,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let (model, a) = (model.clone(), a.clone());
         std::thread::spawn(move || {
             handle(&mut stream, &model, &a, local, &ticket);
-            // the ticket is given back before the connection closes: a client that has read
-            // its whole answer finds the place free (on a panic, when the thread unwinds)
+            // the ticket and the client's slot are given back before the connection closes: a
+            // client that has read its whole answer finds the place free (on a panic, when the
+            // thread unwinds)
             drop(ticket);
+            drop(slot);
             drop(stream);
         });
     }

@@ -1,8 +1,11 @@
 //! `attnscope sinks`: the sink profile and per-head statistics of a long text, streamed.
 
-use super::common::{emit, progress_bar, read_text, ModelArgs};
+use super::common::{emit, progress_bar, ModelArgs};
+use crate::analysis::request::weight_threshold;
 use crate::analysis::sinkmetrics::LayerMassive;
-use crate::analysis::sinks::{sinks, sinks_tokens, SinksOptions, SinksReport};
+use crate::analysis::sinks::{
+    max_tokens_of, prefix_bytes, sinks, sinks_tokens, SinksOptions, SinksReport,
+};
 use crate::analysis::stream::LayerStats;
 use crate::model::tokenize::visible;
 use crate::model::Model;
@@ -27,7 +30,7 @@ pub struct Args {
     #[arg(long, default_value_t = 5)]
     top: usize,
     /// α₁ threshold for counting a head as a sink head.
-    #[arg(long, default_value_t = 0.3)]
+    #[arg(long, default_value_t = 0.3, value_parser = weight_threshold::<f64>)]
     epsilon: f64,
     /// Gu et al. 2024's sink metric on this many prompts of --gu-len tokens cut from the text
     /// (their protocol: 64-token prompts, ε 0.3; α₁ over every query, the first one included);
@@ -50,7 +53,13 @@ pub struct Args {
 pub fn run(a: Args) -> anyhow::Result<()> {
     let start = Instant::now();
     let model = a.model.load()?;
-    let text = a.file.as_deref().map(read_text).transpose()?;
+    // a long text (a book) is read as far as --max-tokens tokens can reach, no further
+    let reach = prefix_bytes(max_tokens_of(&model, a.max_tokens));
+    let text = a
+        .file
+        .as_deref()
+        .map(|f| crate::analysis::files::read_text_prefix(f, reach))
+        .transpose()?;
     let tokens = sinks_tokens(&model, text.as_deref(), a.max_tokens, a.model.bos)?;
     let mut r = stream(&model, &tokens, &a)?;
     r.total_s = start.elapsed().as_secs_f64();

@@ -8,6 +8,8 @@ use std::path::PathBuf;
 pub enum Error {
     #[error("model file {path} does not exist; pass a .gguf file, a Hugging Face folder, a hub id (org/name) or one of the aliases: {aliases}")]
     MissingModel { path: PathBuf, aliases: String },
+    #[error("{path} is {kind}, not a model file; pass a .gguf file, a Hugging Face folder, a hub id (org/name) or one of the aliases")]
+    NotAModelFile { path: PathBuf, kind: &'static str },
     #[error("{path} is a folder but has no config.json; a Hugging Face model folder needs config.json, *.safetensors and tokenizer.json")]
     NoConfig { path: PathBuf },
     #[error("{path} is not a GGUF or safetensors model (first bytes {magic:02x?}); pass a .gguf file or a Hugging Face folder")]
@@ -81,6 +83,14 @@ pub enum Error {
         limit: usize,
         model: String,
     },
+    #[error("the text is {bytes} bytes, more than the {limit} a text for {model} may take ({per_token} bytes a token, generously, for its context of {context} tokens, plus 64 KiB); shorten the text")]
+    TextTooLarge {
+        bytes: usize,
+        limit: usize,
+        per_token: usize,
+        context: usize,
+        model: String,
+    },
     #[error("{what} {value} is out of range; valid: {range}")]
     OutOfRange {
         what: String,
@@ -108,8 +118,32 @@ pub enum Error {
     Hook { name: String, msg: String },
     #[error("interrupted")]
     Interrupted,
-    #[error("tensor computation failed: {0}")]
-    Candle(#[from] candle_core::Error),
+    /// candle's error, said without the backtrace candle appends under `RUST_BACKTRACE` (not a
+    /// `source` either, so the printed cause chain does not show it a second time)
+    #[error("tensor computation failed: {}", candle_message(.0))]
+    Candle(candle_core::Error),
+    /// `ATTNSCOPE_ISA` / `ATTNSCOPE_AMX` ask for a kernel this CPU cannot run (or name none).
+    #[error("{0}")]
+    Kernels(String),
+}
+
+impl From<candle_core::Error> for Error {
+    fn from(e: candle_core::Error) -> Self {
+        Error::Candle(e)
+    }
+}
+
+/// A candle error's message without the backtrace candle appends to it when `RUST_BACKTRACE` is
+/// set (its `WithBacktrace` wrapper, at any depth of its context and path wrappers): a message
+/// for the user, not a trace of candle's frames.
+pub fn candle_message(e: &candle_core::Error) -> String {
+    use candle_core::Error as C;
+    match e {
+        C::WithBacktrace { inner, .. } => candle_message(inner),
+        C::Context { inner, context } => format!("{context}: {}", candle_message(inner)),
+        C::WithPath { inner, path } => format!("{}: {}", path.display(), candle_message(inner)),
+        e => e.to_string(),
+    }
 }
 
 impl Error {

@@ -415,8 +415,9 @@ fn fetch(a: &Alias, dest: &Path, progress: bool) -> Result<()> {
     result
 }
 
-/// The sha256 of a file, hex.
-fn sha256_file(path: &Path) -> Result<String> {
+/// The sha256 of a file, hex (sha2 on the CPU's SHA extensions where it has them: ~0.3 s for
+/// the default model's 491 MB from the page cache).
+pub(crate) fn sha256_file(path: &Path) -> Result<String> {
     let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];

@@ -630,14 +630,7 @@ impl Model {
     /// sliding layers have their own), with llama.cpp's per-frequency divisors where the file
     /// has them: `theta_i = pos · base^(-2i/d) / freq_factors[i]`.
     fn rope_sets(&self, n: usize) -> Vec<(f32, RopeTables)> {
-        let dims = &self.dims;
-        let tables = |base: f32| {
-            let mut inv = dims.rope_scaling.inv_freq(dims.rotary_dim, base);
-            if let Some(f) = &self.weights.rope_freqs {
-                inv.iter_mut().zip(f).for_each(|(x, f)| *x /= f);
-            }
-            rope_tables_of(&inv, n)
-        };
+        let tables = |base: f32| self.rope_tables_of_base(base, n);
         let mut rope_sets: Vec<(f32, RopeTables)> = Vec::new();
         for base in self
             .weights
@@ -650,6 +643,26 @@ impl Model {
             }
         }
         rope_sets
+    }
+
+    /// The RoPE tables of rotary base `base` for positions `0..n`, with the model's scaling and
+    /// llama.cpp's per-frequency divisors where the file has them.
+    fn rope_tables_of_base(&self, base: f32, n: usize) -> RopeTables {
+        let dims = &self.dims;
+        let mut inv = dims.rope_scaling.inv_freq(dims.rotary_dim, base);
+        if let Some(f) = &self.weights.rope_freqs {
+            inv.iter_mut().zip(f).for_each(|(x, f)| *x /= f);
+        }
+        rope_tables_of(&inv, n)
+    }
+
+    /// Layer `layer`'s RoPE tables for positions `0..n`, as the forward rotates by them:
+    /// `(cos, sin)`, `[n, rotary_dim / 2]` each; the first `rotary_dim` values of a head vector
+    /// rotate, pairs `(i, i + rotary_dim/2)` in Hugging Face's row order. `None` for a layer
+    /// without rotary positions (GPT-2's learned ones) or out of range.
+    pub fn rope_tables(&self, layer: usize, n: usize) -> Option<(Vec<f32>, Vec<f32>)> {
+        let base = self.weights.layers.get(layer)?.plan.rope_base()?;
+        Some(self.rope_tables_of_base(base, n))
     }
 
     /// The residual a resumed forward starts from, checked against the model and the `m`

@@ -117,7 +117,7 @@ pub struct GenOptions {
     pub max_new_tokens: usize,
     /// 0 is greedy (the default); otherwise the logits are divided by it before sampling.
     pub temperature: f32,
-    /// Sample among the `top_k` most likely tokens only (0: all).
+    /// Sample among the `top_k` most likely tokens only, and those tied with the k-th (0: all).
     pub top_k: usize,
     /// Sample among the smallest set of tokens whose probability reaches `top_p` (1: all).
     pub top_p: f32,
@@ -228,7 +228,11 @@ pub struct Generation {
 }
 
 /// Picks the next token from `logits`: the argmax (lowest id on ties) when the temperature is 0,
-/// else a draw from the softmax of `logits / temperature` restricted by top-k and top-p.
+/// else a draw from the softmax of `logits / temperature` restricted by top-k and top-p, as
+/// transformers' TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper restrict it (in
+/// that order): top-k keeps the tokens tied with the k-th too; top-p keeps the most likely
+/// tokens up to and including the one whose cumulative probability reaches p
+/// (`tests/ref_sampling.rs` checks the draws against transformers' distributions).
 pub fn pick(logits: &[f32], o: &GenOptions, rng: &mut Rng) -> u32 {
     let argmax = || {
         let mut best = 0;
@@ -244,8 +248,15 @@ pub fn pick(logits: &[f32], o: &GenOptions, rng: &mut Rng) -> u32 {
     }
     let mut idx: Vec<usize> = (0..logits.len()).collect();
     idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-    if o.top_k > 0 {
-        idx.truncate(o.top_k);
+    if o.top_k > 0 && o.top_k < idx.len() {
+        // transformers' TopKLogitsWarper removes only the tokens below the k-th logit: tokens
+        // tied with it stay
+        let kth = logits[idx[o.top_k - 1]];
+        let tied = idx[o.top_k..]
+            .iter()
+            .take_while(|&&i| logits[i] == kth)
+            .count();
+        idx.truncate(o.top_k + tied);
     }
     let t = o.temperature as f64;
     let max = logits[idx[0]] as f64;
@@ -450,15 +461,27 @@ impl Model {
             return Err(Error::EmptyText);
         }
         let limit = self.dims.context_len;
-        if prompt.len() + o.max_new_tokens > limit {
+        if prompt.len() >= limit {
+            // no room for even one new token: the prompt is what is too long
             return Err(Error::TooLong {
-                n_tokens: prompt.len() + o.max_new_tokens,
+                n_tokens: prompt.len() + 1,
                 limit,
                 model: format!(
-                    "{} (the prompt's {} tokens plus --max-new-tokens {})",
+                    "{} (the prompt's {} tokens plus one new token)",
                     self.info.name,
-                    prompt.len(),
-                    o.max_new_tokens
+                    prompt.len()
+                ),
+            });
+        }
+        let room = limit - prompt.len();
+        if o.max_new_tokens > room {
+            return Err(Error::OutOfRange {
+                what: "max-new-tokens".into(),
+                value: o.max_new_tokens.to_string(),
+                range: format!(
+                    "1..={room}: {} has a context of {limit} tokens and the prompt takes {}",
+                    self.info.name,
+                    prompt.len()
                 ),
             });
         }

@@ -29,8 +29,11 @@ pub struct HfConfig {
     #[serde(alias = "n_positions")]
     pub max_position_embeddings: Option<usize>,
     pub rope_theta: Option<f64>,
+    /// The norms' epsilon under any family's name; `None` when config.json has none (an
+    /// encoder's is transformers' default then, see [`encoder_defaults`]; others are refused,
+    /// naming their family's key).
     #[serde(alias = "layer_norm_epsilon", alias = "layer_norm_eps")]
-    pub rms_norm_eps: f64,
+    pub rms_norm_eps: Option<f64>,
     #[serde(default)]
     pub tie_word_embeddings: bool,
     pub bos_token_id: Option<serde_json::Value>,
@@ -49,6 +52,9 @@ pub struct HfFolder {
     pub dir: PathBuf,
     pub config: HfConfig,
     pub files: Vec<PathBuf>,
+    /// The settings config.json leaves out and that were given transformers' defaults (said as
+    /// warnings when the model loads).
+    pub defaulted: Vec<String>,
     /// The base model's prefix of a checkpoint saved with a task head (`bert.`, `roberta.`,
     /// `distilbert.`: `BertForMaskedLM` and the like), stripped from its names.
     prefix: Option<&'static str>,
@@ -95,6 +101,68 @@ fn distilbert_config(v: &mut serde_json::Value) {
     m.insert("type_vocab_size".into(), 0.into());
 }
 
+/// An encoder's settings that transformers' config classes give defaults (`BertConfig`,
+/// `RobertaConfig`, `DistilBertConfig`: `layer_norm_eps` 1e-12, `max_position_embeddings` 512)
+/// filled in where config.json leaves them out, as transformers reads it; returns what was
+/// filled in, in words.
+fn encoder_defaults(v: &mut serde_json::Value) -> Vec<String> {
+    let Some(m) = v.as_object_mut() else {
+        return Vec::new();
+    };
+    let mut filled = Vec::new();
+    for (keys, default) in [
+        (
+            &["layer_norm_eps", "layer_norm_epsilon", "rms_norm_eps"][..],
+            serde_json::json!(1e-12),
+        ),
+        (
+            &["max_position_embeddings", "n_positions"][..],
+            serde_json::json!(512),
+        ),
+    ] {
+        if keys.iter().all(|k| m.get(*k).is_none_or(|x| x.is_null())) {
+            filled.push(format!(
+                "config.json has no `{}`; transformers' default for the architecture, {default}, is used",
+                keys[0]
+            ));
+            m.insert(keys[0].into(), default);
+        }
+    }
+    filled
+}
+
+/// A folder's config.json (DistilBERT's keys under BERT's names, an encoder's missing settings
+/// given transformers' defaults), and what was defaulted, in words.
+fn read_config(dir: &Path) -> Result<(HfConfig, Vec<String>)> {
+    let cfg_path = dir.join("config.json");
+    if !cfg_path.is_file() {
+        return Err(Error::NoConfig { path: dir.into() });
+    }
+    let mut raw: serde_json::Value = read_json(&cfg_path)?;
+    let model_type = raw
+        .get("model_type")
+        .and_then(|t| t.as_str())
+        .map(str::to_string);
+    let model_type = model_type.as_deref();
+    if model_type == Some("distilbert") {
+        distilbert_config(&mut raw);
+    }
+    let defaulted = if model_type
+        .and_then(Arch::parse)
+        .is_some_and(|a| a.is_encoder())
+    {
+        encoder_defaults(&mut raw)
+    } else {
+        Vec::new()
+    };
+    let config: HfConfig = serde_json::from_value(raw).map_err(|e| Error::BadValue {
+        key: "config.json".into(),
+        path: cfg_path.clone(),
+        reason: format!("not valid JSON of the expected form: {e}"),
+    })?;
+    Ok((config, defaulted))
+}
+
 fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
     serde_json::from_str(&text).map_err(|e| Error::BadValue {
@@ -106,19 +174,7 @@ fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T> {
 
 impl HfFolder {
     pub fn open(dir: &Path) -> Result<Self> {
-        let cfg_path = dir.join("config.json");
-        if !cfg_path.is_file() {
-            return Err(Error::NoConfig { path: dir.into() });
-        }
-        let mut raw: serde_json::Value = read_json(&cfg_path)?;
-        if raw.get("model_type").and_then(|t| t.as_str()) == Some("distilbert") {
-            distilbert_config(&mut raw);
-        }
-        let config: HfConfig = serde_json::from_value(raw).map_err(|e| Error::BadValue {
-            key: "config.json".into(),
-            path: cfg_path.clone(),
-            reason: format!("not valid JSON of the expected form: {e}"),
-        })?;
+        let (config, defaulted) = read_config(dir)?;
         let index = dir.join("model.safetensors.index.json");
         let mut files: Vec<PathBuf> = if index.is_file() {
             #[derive(Deserialize)]
@@ -170,6 +226,7 @@ impl HfFolder {
             dir: dir.into(),
             config,
             files,
+            defaulted,
             prefix,
             table,
         })
@@ -230,7 +287,7 @@ impl HfFolder {
             },
             // every HF checkpoint uses transformers' rotate_half: pairs (i, i + d/2)
             rope_style: RopeStyle::Neox,
-            rms_eps: c.rms_norm_eps as f32,
+            rms_eps: r.norm_eps()? as f32,
             tied_embeddings: c.tie_word_embeddings,
             type_vocab: r.type_vocab()?,
             position_pad,
@@ -680,6 +737,23 @@ impl<'a> ConfigReader<'a> {
         }
     }
 
+    /// The norms' epsilon; a config without one is refused naming the key its family's
+    /// config.json writes (GPT-2's `layer_norm_epsilon`, an encoder's `layer_norm_eps`).
+    fn norm_eps(&self) -> Result<f64> {
+        self.c.rms_norm_eps.ok_or_else(|| {
+            let key = match self.arch {
+                Arch::Gpt2 => "layer_norm_epsilon",
+                a if a.is_encoder() => "layer_norm_eps",
+                _ => "rms_norm_eps",
+            };
+            Error::MissingKey {
+                key: key.into(),
+                path: self.cfg.clone(),
+                arch: self.a.clone(),
+            }
+        })
+    }
+
     /// The longest text: the position table, less RoBERTa's padding positions.
     fn context_len(&self, position_pad: Option<usize>) -> Result<usize> {
         let context_len = self.c.max_position_embeddings.unwrap_or(32768);
@@ -1003,7 +1077,7 @@ impl TensorSource for HfFolder {
             }
             let bad = |e: candle_core::Error| Error::BadSafetensors {
                 path: self.dir.clone(),
-                reason: format!("tensor `{name}`: {e}"),
+                reason: format!("tensor `{name}`: {}", super::error::candle_message(&e)),
             };
             let mut t = self.load_tensor(&name).map_err(bad)?;
             if let Some((start, len)) = cols {
@@ -1037,7 +1111,7 @@ impl TensorSource for HfFolder {
                 if self.table.entry(&fused).is_some() {
                     let bad = |e: candle_core::Error| Error::BadSafetensors {
                         path: self.dir.clone(),
-                        reason: format!("tensor `{fused}`: {e}"),
+                        reason: format!("tensor `{fused}`: {}", super::error::candle_message(&e)),
                     };
                     let t = self.load_tensor(&fused).map_err(bad)?;
                     if t.dim(0).map_err(bad)? < start + len {
@@ -1060,7 +1134,7 @@ impl TensorSource for HfFolder {
         }
         let t = self.load_tensor(&name).map_err(|e| Error::BadSafetensors {
             path: self.dir.clone(),
-            reason: format!("tensor `{name}`: {e}"),
+            reason: format!("tensor `{name}`: {}", super::error::candle_message(&e)),
         })?;
         Ok(Some(Raw::F(t)))
     }

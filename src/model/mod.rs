@@ -77,6 +77,20 @@ pub struct Model {
     /// The projections' transposes packed for the backward (`dX = dY · W`), made on the first
     /// gradient and kept with the model.
     transposed: std::sync::OnceLock<Vec<backward::LayerT>>,
+    /// [`Model::sha256`], computed on first use.
+    sha256: std::sync::OnceLock<String>,
+}
+
+/// Bytes a token may take in a text, generously: text averages 3-5 bytes a token, and the
+/// longest tokens of the aliases' vocabularies are 48 (Gemma 3) to ~190 bytes (runs of spaces or
+/// `=` in Qwen2.5's); only a text made of such runs averages more than 64.
+pub const TEXT_BYTES_PER_TOKEN: usize = 64;
+
+/// The most bytes of a text for a context of `context` tokens ([`Model::max_text_bytes`]).
+pub fn text_bytes_bound(context: usize) -> usize {
+    TEXT_BYTES_PER_TOKEN
+        .saturating_mul(context)
+        .saturating_add(64 << 10)
 }
 
 /// What `--model` named, resolved.
@@ -96,6 +110,28 @@ fn looks_like_hub_id(s: &str) -> bool {
         && !s.starts_with('.')
         && !s.ends_with(".gguf")
         && !s.ends_with(".safetensors")
+}
+
+/// What a path that is neither a file nor a folder is, in words.
+#[cfg(unix)]
+fn special_file_kind(t: &std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if t.is_fifo() {
+        "a named pipe (FIFO)"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else if t.is_socket() {
+        "a socket"
+    } else {
+        "neither a file nor a folder"
+    }
+}
+
+#[cfg(not(unix))]
+fn special_file_kind(_: &std::fs::FileType) -> &'static str {
+    "neither a file nor a folder"
 }
 
 fn resolve(spec: &str, progress: bool) -> Result<(Source, String, Option<String>)> {
@@ -129,6 +165,14 @@ fn resolve(spec: &str, progress: bool) -> Result<(Source, String, Option<String>
             return Ok((Source::Folder(dir.into()), name, None));
         }
         return Ok((Source::Gguf(path.into()), name, None));
+    }
+    if let Ok(meta) = std::fs::metadata(path) {
+        // it exists, but is neither a file nor a folder (a FIFO, /dev/null): never opened,
+        // since reading a FIFO would wait for a writer
+        return Err(Error::NotAModelFile {
+            path: path.into(),
+            kind: special_file_kind(&meta.file_type()),
+        });
     }
     if looks_like_hub_id(spec) {
         let dir = hf::fetch_hub(spec)?;
@@ -248,6 +292,41 @@ fn gguf_footprint(g: &gguf::GgufFile, dims: &ModelDims) -> memory::Footprint {
 }
 
 impl Model {
+    /// The sha256 (hex) of the model's files, what `corpus` records name the model by: a GGUF
+    /// file's own; a folder's `*.safetensors` and `*.json` files in name order, each as its
+    /// name, a NUL and its own sha256, hashed together. Computed on the first call (the default
+    /// model's 491 MB: ~0.3 s on a CPU with SHA extensions) and kept.
+    pub fn sha256(&self) -> Result<String> {
+        if let Some(h) = self.sha256.get() {
+            return Ok(h.clone());
+        }
+        let path = &self.info.path;
+        let h = if path.is_dir() {
+            use sha2::Digest;
+            let mut files: Vec<PathBuf> = std::fs::read_dir(path)
+                .map_err(|e| Error::io(path, e))?
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| {
+                    p.is_file()
+                        && p.extension()
+                            .is_some_and(|e| e == "safetensors" || e == "json")
+                })
+                .collect();
+            files.sort();
+            let mut all = sha2::Sha256::new();
+            for f in &files {
+                all.update(f.file_name().unwrap_or_default().as_encoded_bytes());
+                all.update([0]);
+                all.update(fetch::sha256_file(f)?.as_bytes());
+            }
+            format!("{:x}", all.finalize())
+        } else {
+            fetch::sha256_file(path)?
+        };
+        Ok(self.sha256.get_or_init(|| h).clone())
+    }
+
     /// The packed-weight cache file of this model ([`panels`]): the one its projections were
     /// mapped from, or the one this load wrote for the next.
     pub fn panel_file(&self) -> Option<&Path> {
@@ -347,6 +426,7 @@ impl Model {
         progress: bool,
         panels: Option<&panels::Settings>,
     ) -> Result<Model> {
+        crate::kernels::select::check().map_err(Error::Kernels)?;
         let memory = match memory {
             None if precision == Precision::Exact => memory::from_env()?,
             m => m,
@@ -386,7 +466,10 @@ impl Model {
         return_free_memory();
         let mut model = model;
         if precision == Precision::Fast && weights::fast_kernel().is_none() {
-            model.info.warnings.push("this CPU has neither AMX nor AVX-512 VNNI, so --precision fast runs the exact f32 kernels (the same numbers as exact)".into());
+            let why = crate::kernels::select::kernels().why_no_fast_kernel();
+            model.info.warnings.push(format!(
+                "{why}, so --precision fast runs the exact f32 kernels (the same numbers as exact)"
+            ));
         }
         for w in &model.info.warnings {
             eprintln!("attnscope: warning: {w}");
@@ -433,7 +516,7 @@ impl Model {
             file_size,
             tensor_types: f.tensor_types(),
             tokenizer: tokenizer.kind.clone(),
-            warnings: Vec::new(),
+            warnings: f.defaulted.clone(),
         };
         // the config says how the files' tensors are cut and fused: part of what
         // the panels are
@@ -473,11 +556,13 @@ impl Model {
             weights,
             panel_file,
             transposed: Default::default(),
+            sha256: Default::default(),
         }
     }
 
     /// Loads a model from GGUF bytes in memory (fuzzing, tests); `name` is used in messages.
     pub fn from_gguf_bytes(name: &str, bytes: Vec<u8>, precision: Precision) -> Result<Model> {
+        crate::kernels::select::check().map_err(Error::Kernels)?;
         Self::from_gguf(
             || gguf::GgufFile::from_bytes(Path::new(name), bytes),
             name.to_string(),
@@ -570,9 +655,33 @@ impl Model {
         self.encode_with(text, force_bos.then_some(true))
     }
 
+    /// The most bytes a text for this model may take: [`TEXT_BYTES_PER_TOKEN`] a token for its
+    /// whole context, plus 64 KiB. A longer text is refused before it is tokenized (a 10 MB
+    /// text took 2.7 GB to be told it was too long), and the readers of `--file` and standard
+    /// input stop at it ([`crate::analysis::files`]).
+    pub fn max_text_bytes(&self) -> usize {
+        text_bytes_bound(self.dims.context_len)
+    }
+
+    /// Refuses a text of `bytes` bytes past [`Model::max_text_bytes`] ([`Error::TextTooLarge`]).
+    pub fn check_text_bytes(&self, bytes: usize) -> Result<()> {
+        if bytes > self.max_text_bytes() {
+            return Err(Error::TextTooLarge {
+                bytes,
+                limit: self.max_text_bytes(),
+                per_token: TEXT_BYTES_PER_TOKEN,
+                context: self.dims.context_len,
+                model: self.info.name.clone(),
+            });
+        }
+        Ok(())
+    }
+
     /// As [`Model::encode`], with a BOS first as `bos` says: `Some(true)` always, `Some(false)`
     /// never, `None` when the model asks for one.
     pub fn encode_with(&self, text: &str, bos: Option<bool>) -> Result<Vec<u32>> {
+        self.check_text_bytes(text.len())?;
+        let text = without_bom(text);
         if text.trim().is_empty() {
             return Err(Error::EmptyText);
         }
@@ -590,6 +699,23 @@ impl Model {
     /// Readable text of each token.
     pub fn token_texts(&self, ids: &[u32]) -> Vec<String> {
         ids.iter().map(|&i| self.tokenizer.token_text(i)).collect()
+    }
+}
+
+/// `text` without a UTF-8 byte-order mark (U+FEFF) at its start, said once per process on
+/// standard error. A file saved with one (Windows Notepad's UTF-8) would otherwise begin with
+/// three byte tokens on a byte-level BPE (transformers keeps them there: a string's BOM is left
+/// to whoever read the file, as Python's `utf-8-sig` drops it; BERT's normalizer drops it).
+fn without_bom(text: &str) -> &str {
+    match text.strip_prefix('\u{feff}') {
+        Some(rest) => {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                eprintln!("attnscope: note: the text starts with a UTF-8 byte-order mark (U+FEFF), a file's encoding marker rather than text; it is left out")
+            });
+            rest
+        }
+        None => text,
     }
 }
 

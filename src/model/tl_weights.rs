@@ -147,6 +147,28 @@ impl Model {
             .map(|(a, m)| (a.as_slice(), m.as_slice())))
     }
 
+    /// Layer `layer`'s per-head RMSNorm weights of the queries and of the keys (`[head_dim]`
+    /// each, applied before RoPE: Qwen3, Gemma 3), in Hugging Face's row order, if the family
+    /// has them.
+    pub fn qk_norms(&self, layer: usize) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
+        self.check_layer(layer)?;
+        let hd = self.dims.head_dim;
+        Ok(self.weights.layers[layer].qk_norm.as_ref().map(|(q, k)| {
+            let (mut q, mut k) = (q.clone(), k.clone());
+            if self.qk_interleaved() {
+                interleaved_to_half_split(&mut q, hd, 1);
+                interleaved_to_half_split(&mut k, hd, 1);
+            }
+            (q, k)
+        }))
+    }
+
+    /// Layer `layer`'s output projection's bias (`b_O`, `[d_model]`), if it has one (GPT-2).
+    pub fn output_bias(&self, layer: usize) -> Result<Option<&[f32]>> {
+        self.check_layer(layer)?;
+        Ok(self.weights.layers[layer].o.bias())
+    }
+
     /// The token embeddings `[vocab, d_model]` as the forward adds them (TransformerLens's
     /// `W_E`: Gemma's √d_model scale included, as TL folds it in).
     pub fn embedding_matrix(&self) -> Result<Vec<f32>> {

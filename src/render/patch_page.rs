@@ -282,6 +282,7 @@ mod tests {
             forward_passes: 3,
             layer_rows: 10,
             layer_rows_from_scratch: 20,
+            warnings: Vec::new(),
         }
     }
 

@@ -862,6 +862,11 @@ impl Model {
             (b, b_spec, other_text),
         ];
         let report = engine(py, move || {
+            // the page's path checked before the runs, written after them
+            let output = html
+                .as_deref()
+                .map(|p| attnscope::render::Output::check(p, force, &[]))
+                .transpose()?;
             let [a, b] = sides.each_ref().map(|(m, name, text)| SideInput {
                 model: m,
                 name,
@@ -872,9 +877,8 @@ impl Model {
                 },
             });
             let report = compare_runs(mode, [a, b], &opts)?;
-            if let Some(path) = html {
-                let page = attnscope::render::compare_page::page(&report);
-                attnscope::render::write_new_file(&path, page.as_bytes(), force)?;
+            if let Some(out) = output {
+                out.write(attnscope::render::compare_page::page(&report).as_bytes())?;
             }
             Ok(report)
         })?;
@@ -950,6 +954,7 @@ impl Model {
         bos: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         use attnscope::analysis::corpus_run::{load_texts, parse_shard, run_corpus, CorpusRequest};
+        check_epsilon(epsilon)?;
         let req = CorpusRequest {
             limit: limit.map(|l| count(l, "limit")).transpose()?,
             shard: match &shard {
@@ -961,6 +966,7 @@ impl Model {
             faithfulness,
             epsilon,
             bos,
+            inputs: path.iter().cloned().collect(),
         };
         if texts.as_ref().is_some_and(Vec::is_empty) {
             return Err(PyValueError::new_err(
@@ -982,7 +988,7 @@ impl Model {
         for s in &outcome.skipped {
             eprintln!("attnscope: skipped {s}");
         }
-        to_object(py, &outcome.aggregate)
+        epsilon_as_given(to_object(py, &outcome.aggregate)?, epsilon)
     }
 
     /// Every head (and with `mlp` each MLP) ablated in turn (`attnscope ablate`): the report as
@@ -1063,6 +1069,13 @@ impl Model {
                 )));
             }
         }
+        for (text, what) in [(clean, "clean"), (corrupt, "corrupt")] {
+            if text.trim().is_empty() {
+                return Err(PyValueError::new_err(format!(
+                    "{what} is empty (or only whitespace); give the {what} text"
+                )));
+            }
+        }
         let opts = PatchOptions {
             hook,
             answer,
@@ -1121,7 +1134,8 @@ impl Model {
 
     /// The streamed sink profile (`attnscope sinks`) of `text`, or of the built-in corpus up to
     /// `max_tokens`: the report as Python objects.
-    #[pyo3(signature = (text = None, max_tokens = None, key_block = 1024, top = 5, bos = false))]
+    #[pyo3(signature = (text = None, max_tokens = None, key_block = 1024, top = 5, bos = false, file = None))]
+    #[allow(clippy::too_many_arguments)]
     fn sinks<'py>(
         &self,
         py: Python<'py>,
@@ -1130,8 +1144,11 @@ impl Model {
         key_block: usize,
         top: usize,
         bos: bool,
+        file: Option<std::path::PathBuf>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        use attnscope::analysis::sinks::{sinks, sinks_tokens, SinksOptions};
+        use attnscope::analysis::sinks::{
+            max_tokens_of, prefix_bytes, sinks, sinks_tokens, SinksOptions,
+        };
         let opts = SinksOptions {
             key_block,
             top,
@@ -1140,6 +1157,12 @@ impl Model {
         };
         let m = self.inner.clone();
         let report = engine(py, move || {
+            // a file is read as far as max_tokens tokens can reach, as `attnscope sinks --file`
+            let reach = prefix_bytes(max_tokens_of(&m, max_tokens));
+            let text = match file {
+                Some(f) => Some(attnscope::analysis::files::read_text_prefix(&f, reach)?),
+                None => text,
+            };
             let tokens = sinks_tokens(&m, text.as_deref(), max_tokens, bos)?;
             Ok(sinks(&m, &tokens, &opts, Box::new(|_| {}))?)
         })?;
@@ -1374,10 +1397,30 @@ fn corpus_merge(
             "files: an empty list; give at least one record file",
         ));
     }
+    check_epsilon(epsilon)?;
     let agg = engine(py, move || {
         attnscope::analysis::corpus_run::merge_files(&files, epsilon)
     })?;
-    to_object(py, &agg)
+    epsilon_as_given(to_object(py, &agg)?, epsilon)
+}
+
+/// Refuses an `epsilon` that is NaN or outside [0, 1] (`--epsilon`'s rule), naming it.
+fn check_epsilon(epsilon: f32) -> PyResult<()> {
+    attnscope::analysis::request::check_weight_threshold(epsilon.into())
+        .map_err(|e| PyValueError::new_err(format!("epsilon={epsilon}: {e}")))
+}
+
+/// A corpus aggregate's `epsilon` as `corpus --json` prints it: pythonize widens the f32 to the
+/// f64 of its bits (0.30000001192092896), the CLI's JSON writes its shortest decimal (0.3),
+/// which is what the user gave.
+fn epsilon_as_given(obj: Bound<'_, PyAny>, epsilon: f32) -> PyResult<Bound<'_, PyAny>> {
+    if let Ok(d) = obj.cast::<pyo3::types::PyDict>() {
+        if d.contains("epsilon")? {
+            let shortest: f64 = epsilon.to_string().parse().expect("an f32's decimal");
+            d.set_item("epsilon", shortest)?;
+        }
+    }
+    Ok(obj)
 }
 
 /// The `attnscope view` page for given patterns `[layers, heads, n, n]` and token texts; for a
@@ -1404,6 +1447,23 @@ fn pattern_page(
             sentence_b_start,
             &pair,
         )
+    })
+}
+
+/// Writes `text` to the file `path` as every attnscope writer does (a temporary file beside it,
+/// renamed into place; a missing or unwritable folder is a `ValueError`): an existing file is
+/// replaced only with `overwrite`, else `FileExistsError`. Returns the path.
+#[pyfunction]
+#[pyo3(signature = (path, text, overwrite = false))]
+fn write_new_file(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    text: String,
+    overwrite: bool,
+) -> PyResult<String> {
+    engine(py, move || {
+        attnscope::render::write_new_file(&path, text.as_bytes(), overwrite)?;
+        Ok(path.display().to_string())
     })
 }
 
@@ -1447,6 +1507,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hook_suffixes, m)?)?;
     m.add_function(wrap_pyfunction!(global_hooks, m)?)?;
     m.add_function(wrap_pyfunction!(corpus_texts, m)?)?;
+    m.add_function(wrap_pyfunction!(write_new_file, m)?)?;
     m.add_function(wrap_pyfunction!(full_hook_name, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -50,6 +50,49 @@ pub(super) fn half_type(d: Dtype) -> Option<BlockType> {
     }
 }
 
+/// The first tensor (in the order of its bytes) of a safetensors file's header whose shape and
+/// type do not fill its data offsets exactly, described with its name; `None` when every one
+/// fits (or the header cannot be read as JSON: the crate's own message says so then).
+fn misfit_tensor(file: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Info {
+        dtype: Dtype,
+        shape: Vec<usize>,
+        data_offsets: (usize, usize),
+    }
+    let n = usize::try_from(u64::from_le_bytes(file.get(..8)?.try_into().ok()?)).ok()?;
+    let header: HashMap<String, serde_json::Value> =
+        serde_json::from_slice(file.get(8..8usize.checked_add(n)?)?).ok()?;
+    let mut infos: Vec<(String, Info)> = header
+        .into_iter()
+        .filter(|(name, _)| name != "__metadata__")
+        .filter_map(|(name, v)| Some((name, serde_json::from_value(v).ok()?)))
+        .collect();
+    infos.sort_by_key(|(_, i)| i.data_offsets);
+    infos.into_iter().find_map(|(name, i)| {
+        let (s, e) = i.data_offsets;
+        let bits = i
+            .shape
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .and_then(|count| count.checked_mul(i.dtype.bitsize()));
+        let size = match bits {
+            Some(b) if b % 8 == 0 => format!("{} bytes", b / 8),
+            Some(b) => format!("{b} bits, not a whole number of bytes"),
+            None => "more bytes than a usize counts".into(),
+        };
+        let fits = bits.is_some_and(|b| b % 8 == 0 && e.checked_sub(s) == Some(b / 8));
+        (!fits).then(|| {
+            format!(
+                "tensor `{name}` has shape {:?} of {:?} ({size}), but its data_offsets [{s}, {e}] hold {} bytes",
+                i.shape,
+                i.dtype,
+                e.saturating_sub(s)
+            )
+        })
+    })
+}
+
 impl Table {
     /// Maps `files` and reads their headers (checked by the safetensors crate: offsets within
     /// the file, in order, matching each tensor's type and shape). A file that cannot be opened,
@@ -60,16 +103,26 @@ impl Table {
         let mut entries = HashMap::new();
         let mut listed = Vec::new();
         for (i, path) in files.iter().enumerate() {
+            // the file in the reason when it is not the one named first
             let bad = |e: candle_core::Error| Error::BadSafetensors {
                 path: files[0].clone(),
-                reason: e.with_path(path).to_string(),
+                reason: super::super::error::candle_message(&if i == 0 {
+                    e
+                } else {
+                    e.with_path(path)
+                }),
             };
             let file = std::fs::File::open(path).map_err(|e| bad(e.into()))?;
             // SAFETY: mapped read-only; attnscope never writes to a model's files while they are
             // open (a concurrent external writer could change what is read, as with any mmap)
             let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| bad(e.into()))?;
-            let (n, meta) =
-                safetensors::SafeTensors::read_metadata(&map).map_err(|e| bad(e.into()))?;
+            let (n, meta) = safetensors::SafeTensors::read_metadata(&map).map_err(|e| {
+                // the crate's "invalid shape, data type, or offset for tensor" names none
+                match misfit_tensor(&map) {
+                    Some(which) => bad(candle_core::Error::Msg(format!("{e}: {which}"))),
+                    None => bad(e.into()),
+                }
+            })?;
             for (name, info) in meta.tensors() {
                 listed.push((name.clone(), info.dtype));
                 let (a, b) = info.data_offsets;

@@ -17,6 +17,8 @@ import json
 import os
 import re
 import sys
+import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -76,8 +78,29 @@ def _np(a: Any) -> np.ndarray:
     return np.asarray(a)
 
 
+def _token_array(x: Any) -> np.ndarray:
+    """Token ids as a numpy array; rows of different lengths (which numpy cannot stack) refused
+    with a message that says so, not numpy's."""
+    try:
+        return _np(x)
+    except ValueError:
+        if isinstance(x, (list, tuple)):
+            lengths = [len(r) if hasattr(r, "__len__") else 1 for r in x]
+            raise ValueError(f"token lists of different lengths {lengths}: a batch is rows of one length [b, n]; "
+                             "pad them (to_tokens pads a list of texts) or run them one at a time") from None
+        raise
+
+
 NamesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
 TextOrTokens = Union[str, Sequence[str], np.ndarray, Sequence[int]]
+
+
+# attnscope's backward computes the gradients at the hook points in one pass but calls no Python
+# hook during it: a backward hook is refused, naming what gives the gradients instead.
+_NO_BACKWARD_HOOKS = (
+    "backward hooks are not supported: attnscope's backward calls no hook while it runs; "
+    "run_with_cache(..., incl_bwd=True) caches the gradients at the hook points (<name>_grad)"
+)
 
 
 @dataclass(frozen=True)
@@ -432,8 +455,10 @@ class HookedModel:
         self.pos_embed = _Part(self, {"W_pos": "W_pos"})
         self.unembed = _Part(self, {"W_U": "W_U", "b_U": "b_U"})
         self.ln_final = _Part(self, {"w": "ln_final.w", "b": "ln_final.b"})
-        # hooks added with add_hook (kept until reset_hooks) and by hooks() contexts
-        self._fwd_hooks: List[Tuple[HookName, HookFn]] = []
+        # hooks added with add_hook (kept until reset_hooks) and by hooks() contexts, per thread:
+        # a forward runs the hooks its own thread attached, never another thread's (two threads'
+        # interleaved hooks() blocks once left one installed for good, #56)
+        self._local = threading.local()
 
     @classmethod
     def from_pretrained(cls, name: str = "qwen2.5-coder-0.5b", precision: str = "exact",
@@ -645,12 +670,25 @@ class HookedModel:
         if isinstance(x, (list, tuple)) and x and all(isinstance(t, str) for t in x):
             return [[int(t) for t in row] for row in self._pad([list(self._m.encode(t, prepend_bos)) for t in x])]
         if not isinstance(x, str):
-            a = _np(x)
+            a = _token_array(x)
             if a.ndim == 2 and a.shape[0] > 1:
                 if not np.issubdtype(a.dtype, np.integer) or a.shape[1] == 0:
                     raise ValueError(f"expected token ids [b, n], got an array of shape {a.shape} and dtype {a.dtype}")
+                self._check_ids(a)
                 return [[int(t) for t in row] for row in a]
         return [self._ids(x, prepend_bos)]
+
+    def _check_ids(self, a: np.ndarray) -> None:
+        """Refuses a token id outside the vocabulary (a negative one included), naming it and
+        where it is."""
+        if a.size == 0:
+            return
+        bad = np.argwhere((a < 0) | (a >= self.cfg.d_vocab))
+        if len(bad):
+            at = tuple(int(i) for i in bad[0])
+            where = f"position {at[-1]}" + (f" of row {at[0]}" if len(at) == 2 else "")
+            raise ValueError(f"token id {int(a[at])} at {where} is out of range; valid: 0..{self.cfg.d_vocab - 1} "
+                             f"({self.cfg.model_name}'s vocabulary)")
 
     def _row_types(self, x: Any) -> Optional[List[Optional[List[int]]]]:
         """The token types of :meth:`_rows`' rows: a pair's 0/1, else None (all 0)."""
@@ -661,11 +699,12 @@ class HookedModel:
     def _ids(self, x: Any, prepend_bos: Optional[bool] = None) -> List[int]:
         if isinstance(x, str):
             return list(self._m.encode(x, prepend_bos))
-        a = _np(x)
+        a = _token_array(x)
         if a.ndim == 2 and a.shape[0] == 1:
             a = a[0]
         if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
             raise ValueError(f"expected a text or token ids [n] / [1, n], got an array of shape {a.shape} and dtype {a.dtype}")
+        self._check_ids(a)
         return [int(t) for t in a]
 
     # the weights in TransformerLens's shapes (unfolded: see from_pretrained)
@@ -804,7 +843,13 @@ class HookedModel:
             return [self._split_name(x) for x in self.hook_names()]
         if callable(names_filter):
             return [self._split_name(x) for x in self.hook_names() if names_filter(x)]
-        wanted = [names_filter] if isinstance(names_filter, str) else list(names_filter)
+        try:
+            wanted = [names_filter] if isinstance(names_filter, str) else list(names_filter)
+        except TypeError:  # not iterable: an int, a float...
+            wanted = None
+        if wanted is None or not all(isinstance(w, str) for w in wanted):
+            raise TypeError(f"names_filter={names_filter!r}: give None (every hook), a hook name or suffix "
+                            "(\"hook_pattern\"), a list of them, or a function of a hook name that returns a bool")
         out: List[Tuple[int, str]] = []
         for w in wanted:
             if w in GLOBAL_HOOKS:
@@ -998,8 +1043,6 @@ class HookedModel:
                 ed = self._editor(by_name, None, i) if by_name else None
                 results[i] = self._m.run(ids, want, mode, edits, ed, stop, None if types is None else types[i])
         else:
-            import threading
-
             barrier, shared = threading.Barrier(b), {}
 
             def run_row(i: int) -> None:
@@ -1058,7 +1101,7 @@ class HookedModel:
         next are real); the logits at pad positions under a mask are not computed (refused).
         ``stop_at_layer``: returns the residual stream before that block ``[b, n, d_model]``."""
         if bwd_hooks:
-            raise NotImplementedError("backward hooks need gradients, and attnscope has no backward pass yet")
+            raise NotImplementedError(_NO_BACKWARD_HOOKS)
         if kwargs:
             raise TypeError(f"run_with_hooks got arguments attnscope does not support: {sorted(kwargs)}")
         if return_type not in ("logits", "loss", "both", None):
@@ -1134,32 +1177,47 @@ class HookedModel:
         """TransformerLens's name for :meth:`loss` (its argument order)."""
         return self.loss(logits, tokens, per_token=per_token, attention_mask=attention_mask)
 
+    @property
+    def _fwd_hooks(self) -> List[Tuple[HookName, HookFn]]:
+        """The hooks this thread attached (:meth:`add_hook`, :meth:`hooks`), in order."""
+        hooks = getattr(self._local, "fwd_hooks", None)
+        if hooks is None:
+            hooks = self._local.fwd_hooks = []
+        return hooks
+
     def add_hook(self, name: HookName, hook: HookFn, dir: str = "fwd") -> None:
         """Attaches ``hook`` at ``name`` (a hook name or a predicate on names) for every later
-        forward, until :meth:`reset_hooks`."""
+        forward of this thread, until :meth:`reset_hooks`. Hooks belong to the thread that adds
+        them: a forward in another thread does not run them."""
         if dir != "fwd":
-            raise NotImplementedError("backward hooks need gradients, and attnscope has no backward pass yet")
+            raise NotImplementedError(_NO_BACKWARD_HOOKS)
         self._resolve([(name, hook)])  # checks the name now
         self._fwd_hooks.append((name, hook))
 
     def reset_hooks(self, *args: Any, **kwargs: Any) -> None:
-        """Removes every hook added with :meth:`add_hook`."""
-        self._fwd_hooks = []
+        """Removes every hook this thread added (with :meth:`add_hook` or a :meth:`hooks` context)."""
+        self._fwd_hooks.clear()
 
     @contextlib.contextmanager
     def hooks(self, fwd_hooks: Sequence[Tuple[HookName, HookFn]] = (), bwd_hooks: Sequence[Tuple[HookName, HookFn]] = (),
               reset_hooks_end: bool = True):
-        """A context in which every forward (``run_with_cache`` included) runs ``fwd_hooks``."""
+        """A context in which every forward of this thread (``run_with_cache`` included) runs
+        ``fwd_hooks``; forwards in other threads do not see them. On leaving it (with
+        ``reset_hooks_end``) exactly these hooks are removed, whatever else was added meanwhile."""
         if bwd_hooks:
-            raise NotImplementedError("backward hooks need gradients, and attnscope has no backward pass yet")
+            raise NotImplementedError(_NO_BACKWARD_HOOKS)
         self._resolve(fwd_hooks)
-        saved = list(self._fwd_hooks)
-        self._fwd_hooks = saved + list(fwd_hooks)
+        # entries of their own (fresh tuples), so removal takes these and not an equal pair
+        # added by add_hook or by another context
+        mine = [(name, fn) for name, fn in fwd_hooks]
+        hooks = self._fwd_hooks
+        hooks.extend(mine)
         try:
             yield self
         finally:
             if reset_hooks_end:
-                self._fwd_hooks = saved
+                ids = {id(e) for e in mine}
+                hooks[:] = [e for e in hooks if id(e) not in ids]
 
     def ablate(self, text: str, method: str = "zero", target: Optional[str] = None, positions: Optional[str] = None,
                mlp: bool = False, bos: bool = False) -> Dict[str, Any]:
@@ -1171,9 +1229,14 @@ class HookedModel:
               wrong: Optional[str] = None) -> Dict[str, Any]:
         """Activation patching (``attnscope patch --json``): the corrupted run with one activation
         from the clean run, per layer × position (``resid-pre``, ``attn-out``, ``mlp-out``) or
-        per layer × head (``z``); ``results`` with ``logit_diff`` and ``recovered``."""
-        return self._m.patch(clean, corrupt, hook, None if answer is None else str(answer),
-                             None if wrong is None else str(wrong))
+        per layer × head (``z``); ``results`` with ``logit_diff`` and ``recovered``. Equal clean and
+        corrupted logit differences raise ValueError (``recovered`` divides by their gap); a gap
+        below 0.1 is warned about (``warnings``, and a Python warning)."""
+        r = self._m.patch(clean, corrupt, hook, None if answer is None else str(answer),
+                          None if wrong is None else str(wrong))
+        for w in r.get("warnings", []):
+            warnings.warn(w, stacklevel=2)
+        return r
 
     def inspect(self, text: Union[str, Tuple[str, str]], query: Optional[int] = None, layer: Optional[int] = None, heads: str = "0-3",
                 layers: Optional[str] = None, top: Optional[int] = None, concentrated: float = 0.9, bos: bool = False) -> Dict[str, Any]:
@@ -1199,10 +1262,8 @@ class HookedModel:
         the built-in corpus repeated up to ``max_tokens``)."""
         if text is not None and file is not None:
             raise ValueError("give text or file, not both")
-        if file is not None:
-            with open(os.fspath(file), encoding="utf-8") as f:
-                text = f.read()
-        return self._m.sinks(text, max_tokens, key_block, top)
+        # a file is read as far as max_tokens tokens can reach (64 bytes a token), no further
+        return self._m.sinks(text, max_tokens, key_block, top, file=None if file is None else os.fspath(file))
 
     def heads(self, text: Optional[Union[str, Tuple[str, str]]] = None, random_repeat: Optional[int] = None, seed: int = 0,
               bos: bool = False) -> Dict[str, Any]:
