@@ -1,8 +1,9 @@
-//! Circuits (issue #58) against torch: EAP and EAP-IG edge scores within 1e-3 of the largest |score|
-//! of autograd through transformers, and exact edge patching within 1e-4 of a float64 torch forward
-//! whose readers read their own inputs (`tests/golden/<m>_circuits.json`, made by
-//! `make_circuits_golden.py`); the readers' gradients add up to each branch's; the empty and the
-//! full circuits are the corrupted and the clean runs exactly; bad input is refused (exit 2).
+//! Circuits (issue #58) against torch on SmolLM2, the default model and Gemma 3: EAP and EAP-IG
+//! edge scores within 1e-3 of the largest |score| of autograd through transformers, and exact
+//! edge patching within 1e-4 of a float64 torch forward whose readers read their own inputs
+//! (`tests/golden/<m>_circuits.json`, made by `make_circuits_golden.py`); the readers' gradients
+//! add up to each branch's; the empty and the full circuits are the corrupted and the clean runs
+//! exactly; bad input is refused (exit 2).
 
 mod common;
 
@@ -189,6 +190,16 @@ fn qwen_scores_and_patching_against_torch() {
     let g = golden_json("qwen_circuits.json");
     check_scores(model, &g, "qwen");
     check_patching(model, &g, "qwen");
+}
+
+/// Gemma 3: its post-norms at the run's scale (a head's node output is its share of the
+/// post-normed attention output; each patched run recomputes its own post-norms, as torch does).
+#[test]
+fn gemma3_scores_and_patching_against_torch() {
+    let model = real_model("gemma3-270m");
+    let g = golden_json("gemma_circuits.json");
+    check_scores(model, &g, "gemma3");
+    check_patching(model, &g, "gemma3");
 }
 
 /// Keeps each layer's reader gradients.

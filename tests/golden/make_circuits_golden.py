@@ -26,8 +26,11 @@ clean run (that edge carries a_u(corrupt)), as delta = m(patched) - m(clean).
 
 Kept for the tests (tests/circuits.rs): per method the top 2,000 edges by |score| and 2,000 others
 drawn at random (seed 58), as [from, to, score]; n_edges; both runs' metrics.
-Run: REF_MODEL_DIR=<folder with smollm2-135m.gguf and qwen2.5-coder-0.5b.gguf>
-     python make_circuits_golden.py smol   (writes smol_circuits.json beside this script)
+Gemma 3 (gemma): its <bos> first; the post-norms taken at each run's own scale (a head's node output is
+its share of the post-normed attention output, (1 + w) / rms(o_proj's output) times z_h W_O^h; m{L} the
+MLP's post-normed output), the q/k norms, the sliding layers' window and rotary base, all in float64.
+Run: REF_MODEL_DIR=<folder with smollm2-135m.gguf, qwen2.5-coder-0.5b.gguf, gemma3-270m.gguf>
+     python make_circuits_golden.py smol|qwen|gemma   (writes <m>_circuits.json beside this script)
 transformers 5.25.0, torch 2.15.0, CPU, 2 threads.
 """
 import copy, json, os, random, sys
@@ -36,7 +39,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 MODEL_DIR = os.environ.get("REF_MODEL_DIR", ".")
-MODELS = {"smol": "smollm2-135m.gguf", "qwen": "qwen2.5-coder-0.5b.gguf"}
+MODELS = {"smol": "smollm2-135m.gguf", "qwen": "qwen2.5-coder-0.5b.gguf", "gemma": "gemma3-270m.gguf"}
 here = os.path.dirname(os.path.abspath(__file__))
 m = sys.argv[1]
 torch.set_num_threads(2)
@@ -51,11 +54,16 @@ D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
 G = H // KV
 layers = model.model.layers
 enc = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+# Gemma 3: its <bos> first (as its tokenizer and attnscope put it); each block's output goes through a
+# post-norm before it joins the residual stream, and the MLP reads its own pre-norm
+GEMMA = cfg.model_type.startswith("gemma")
+text_ids = (lambda t: tok(t)["input_ids"]) if GEMMA else enc  # noqa: E731
+mlp_norm = lambda lay: lay.pre_feedforward_layernorm if GEMMA else lay.post_attention_layernorm  # noqa: E731
 
 clean = "After Alice and Bob walked to the park, Bob handed a ball to"
 corrupt = "After Alice and Bob walked to the park, Alice handed a ball to"
 names = (" Alice", " Bob")
-ci, xi = enc(clean), enc(corrupt)
+ci, xi = text_ids(clean), text_ids(corrupt)
 assert len(ci) == len(xi), (len(ci), len(xi))
 ans, wrong = enc(names[0])[-1], enc(names[1])[-1]
 n = len(ci)
@@ -63,33 +71,60 @@ n = len(ci)
 up_names = ["input"] + [f"a{l}.h{h}" for l in range(L) for h in range(H)] + [f"m{l}" for l in range(L)]
 
 
+def norm_weight(norm):
+    """An RMSNorm's effective weight in float64: Gemma's norms multiply by (1 + w)."""
+    w = norm.weight.detach().double()
+    return 1.0 + w if GEMMA else w
+
+
+def norm64(norm, x):
+    """An RMSNorm in float64 (the modules compute in float32 whatever they are given)."""
+    eps = getattr(norm, "variance_epsilon", None) or norm.eps
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm_weight(norm)
+
+
+def post_share(lay, proj):
+    """Gemma's post-attention norm as a per-row factor of the run: (1 + w) / rms(o_proj's output)."""
+    norm = lay.post_attention_layernorm
+    r = torch.rsqrt(proj.pow(2).mean(-1, keepdim=True) + norm.eps)
+    return r * (1.0 + norm.weight.detach().double())
+
+
 def node_outputs(ids):
-    """Every upstream node's output [n, d] (float64), and the logits."""
-    z, mo = {}, {}
+    """Every upstream node's output [n, d] (float64), and the logits. Gemma: a head's output is its
+    share of the post-normed attention output (the post-norm's scale of this run), the MLP's is the
+    post-normed MLP output."""
+    z, mo, proj = {}, {}, {}
     hs = []
     for l in range(L):
         hs.append(layers[l].self_attn.o_proj.register_forward_pre_hook(
             lambda mod, a, l=l: z.__setitem__(l, a[0][0].detach().double())))
-        hs.append(layers[l].mlp.register_forward_hook(
+        hs.append(layers[l].self_attn.o_proj.register_forward_hook(
+            lambda mod, a, o, l=l: proj.__setitem__(l, o[0].detach().double())))
+        out_mod = layers[l].post_feedforward_layernorm if GEMMA else layers[l].mlp
+        hs.append(out_mod.register_forward_hook(
             lambda mod, a, o, l=l: mo.__setitem__(l, o[0].detach().double())))
     with torch.no_grad():
         lg = model(torch.tensor([ids]), use_cache=False).logits[0]
+        emb = model.model.embed_tokens(torch.tensor([ids]))[0].detach().double()
     for h_ in hs:
         h_.remove()
-    out = {"input": model.model.embed_tokens.weight.detach().double()[ids]}
+    out = {"input": emb}
     for l in range(L):
         Wo = layers[l].self_attn.o_proj.weight.detach().double()
+        share = post_share(layers[l], proj[l]) if GEMMA else 1.0
         for h in range(H):
             s = slice(h * D, (h + 1) * D)
-            out[f"a{l}.h{h}"] = z[l][:, s] @ Wo[:, s].T
+            out[f"a{l}.h{h}"] = (z[l][:, s] @ Wo[:, s].T) * share
         out[f"m{l}"] = mo[l]
     return out, lg
 
 
 def rms_back(norm, x, gy):
-    """Gradient at the norm's input x [n, d] from the gradient gy at its output (RMSNorm, f64)."""
-    w = norm.weight.detach().double()
-    eps = norm.variance_epsilon
+    """Gradient at the norm's input x [n, d] from the gradient gy at its output (RMSNorm, f64; Gemma's
+    (1 + w) form by autograd through a float64 copy of the norm)."""
+    w = norm_weight(norm)
+    eps = getattr(norm, "variance_epsilon", None) or norm.eps
     x = x.double(); gy = gy.double()
     r = torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
     d = x.shape[-1]
@@ -120,7 +155,7 @@ def input_grads(embeds):
         def mid(mod, a, l=l):
             saved[("resid_mid", l)] = a[0].detach()
             a[0].register_hook(keep(("g_resid_mid", l)))
-        hs.append(layers[l].post_attention_layernorm.register_forward_pre_hook(mid))
+        hs.append(mlp_norm(layers[l]).register_forward_pre_hook(mid))
     hs.append(model.model.norm.register_forward_pre_hook(
         lambda mod, a: (a[0].register_hook(keep("final")), None)[1]))
     e = embeds.clone().float().requires_grad_(True)
@@ -142,7 +177,7 @@ def input_grads(embeds):
             for nm, key in (("k_proj", "k"), ("v_proj", "v")):
                 gy = saved[(nm, l)][0][:, s].double() @ getattr(at, nm).weight.detach().double()[s]
                 grads[f"a{l}.kv{kv}.{key}"] = rms_back(layers[l].input_layernorm, x, gy)
-        grads[f"m{l}"] = rms_back(layers[l].post_attention_layernorm, saved[("resid_mid", l)][0],
+        grads[f"m{l}"] = rms_back(mlp_norm(layers[l]), saved[("resid_mid", l)][0],
                                   saved[("mlp_in", l)][0])
         # self-check: the attention inputs' gradients add up to the attention branch's gradient
         branch = saved[("g_resid_pre", l)][0].double() - saved[("g_resid_mid", l)][0].double()
@@ -177,14 +212,16 @@ acts_c, lc = node_outputs(ci)
 acts_x, lx = node_outputs(xi)
 delta = {u: acts_x[u] - acts_c[u] for u in up_names}
 edges = edges_of()
-emb = model.model.embed_tokens.weight.detach()
-gc, mc = input_grads(emb[ci])
+with torch.no_grad():  # the input to layer 0 (Gemma's embeddings come scaled)
+    emb_c = model.model.embed_tokens(torch.tensor([ci]))[0].detach()
+    emb_x = model.model.embed_tokens(torch.tensor([xi]))[0].detach()
+gc, mc = input_grads(emb_c)
 eap = [[u, v, float((delta[u] * gc[v]).sum())] for u, v in edges]
 k = 5
 acc = None
 for i in range(k):
     a = (i + 0.5) / k
-    gi, _ = input_grads(emb[xi] + a * (emb[ci] - emb[xi]))
+    gi, _ = input_grads(emb_x + a * (emb_c - emb_x))
     acc = gi if acc is None else {key: acc[key] + gi[key] for key in acc}
 eap_ig = [[u, v, float((delta[u] * acc[v] / k).sum())] for u, v in edges]
 print(m, len(edges), "edges; clean metric", mc, "largest |eap|", max(abs(e[2]) for e in eap), flush=True)
@@ -193,16 +230,30 @@ print(m, len(edges), "edges; clean metric", mc, "largest |eap|", max(abs(e[2]) f
 m64 = copy.deepcopy(model).double()
 L64 = m64.model.layers
 pos_ids = torch.arange(n)[None]
-cos, sin = m64.model.rotary_emb(torch.zeros(1, n, cfg.hidden_size, dtype=torch.float64), pos_ids)
-cos, sin = cos[0], sin[0]  # [n, D]
-causal = torch.full((n, n), float("-inf"), dtype=torch.float64).triu(1)
+x_dummy = torch.zeros(1, n, cfg.hidden_size, dtype=torch.float64)
+if GEMMA:  # one rotary table per layer type (local and global bases)
+    tables = {t: m64.model.rotary_emb(x_dummy, pos_ids, t) for t in set(cfg.layer_types)}
+    rope_of = {l: tables[cfg.layer_types[l]] for l in range(L)}
+else:
+    t = m64.model.rotary_emb(x_dummy, pos_ids)
+    rope_of = {l: t for l in range(L)}
 up_index = {u: i for i, u in enumerate(up_names)}
 
 
-def rope(x):  # x [n, heads, D], rotate_half convention (transformers' for both families)
+def mask_of(at):
+    """Causal, and a sliding window's (a query sees itself and the window - 1 keys before it)."""
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None]
+    hidden = j > i
+    if getattr(at, "sliding_window", None):
+        hidden = hidden | (j <= i - at.sliding_window)
+    return torch.zeros(n, n, dtype=torch.float64).masked_fill(hidden, float("-inf"))
+
+
+def rope(x, l):  # x [n, heads, D], rotate_half convention (transformers' for these families)
+    cos, sin = (t[0][:, None] for t in rope_of[l])
     h = x.shape[-1] // 2
     rot = torch.cat([-x[..., h:], x[..., :h]], -1)
-    return x * cos[:, None] + rot * sin[:, None]
+    return x * cos + rot * sin
 
 
 def ups_of(reader):
@@ -214,32 +265,50 @@ def ups_of(reader):
             (not attn and u.startswith("a") and layer_of(u) == lr)]
 
 
+def attention64(l, read, x, nodes):
+    """Layer l's heads' outputs {a{l}.h{h}: [n, d]} from each reader's own input."""
+    lay, at = L64[l], L64[l].self_attn
+    def proj(r, mod, s, qk_norm):
+        y = mod(norm64(lay.input_layernorm, read(r, x, nodes)))[:, s]
+        return norm64(qk_norm, y) if qk_norm is not None else y
+    qn, kn = (at.q_norm, at.k_norm) if GEMMA else (None, None)
+    q = torch.stack([proj(f"a{l}.h{h}.q", at.q_proj, slice(h * D, (h + 1) * D), qn) for h in range(H)], 1)
+    kk = torch.stack([proj(f"a{l}.kv{g_}.k", at.k_proj, slice(g_ * D, (g_ + 1) * D), kn) for g_ in range(KV)], 1)
+    vv = torch.stack([proj(f"a{l}.kv{g_}.v", at.v_proj, slice(g_ * D, (g_ + 1) * D), None) for g_ in range(KV)], 1)
+    q, kk = rope(q, l), rope(kk, l)
+    Wo, mask = at.o_proj.weight.detach(), mask_of(at)
+    heads = {}
+    for h in range(H):
+        sc = q[:, h] @ kk[:, h // G].T * at.scaling
+        if getattr(at, "attn_logit_softcapping", None):
+            sc = torch.tanh(sc / at.attn_logit_softcapping) * at.attn_logit_softcapping
+        zh = torch.softmax(sc + mask, -1) @ vv[:, h // G]
+        heads[f"a{l}.h{h}"] = zh @ Wo[:, h * D:(h + 1) * D].T
+    if GEMMA:  # each head's share of the post-normed output, at this run's scale
+        share = post_share(lay, sum(heads.values()))
+        heads = {k: v * share for k, v in heads.items()}
+    return heads
+
+
 def forward64(ids, read):
-    """The float64 forward with every reader's input from read(reader, resid, nodes); the metric, the
-    nodes' outputs {name: [n, d]} and the residual stream before each layer and at the end."""
-    nodes = {"input": m64.model.embed_tokens.weight.detach()[ids]}
-    x = nodes["input"].clone()
+    """The float64 forward with every reader's input from read(reader, resid, nodes); the metric and
+    the nodes' outputs {name: [n, d]}."""
     with torch.no_grad():
+        nodes = {"input": m64.model.embed_tokens(torch.tensor([ids]))[0]}
+        x = nodes["input"].clone()
         for l in range(L):
-            lay, at = L64[l], L64[l].self_attn
-            proj = lambda r, mod, s: mod(lay.input_layernorm(read(r, x, nodes)))[:, s]  # noqa: E731
-            q = torch.stack([proj(f"a{l}.h{h}.q", at.q_proj, slice(h * D, (h + 1) * D)) for h in range(H)], 1)
-            kk = torch.stack([proj(f"a{l}.kv{g_}.k", at.k_proj, slice(g_ * D, (g_ + 1) * D)) for g_ in range(KV)], 1)
-            vv = torch.stack([proj(f"a{l}.kv{g_}.v", at.v_proj, slice(g_ * D, (g_ + 1) * D)) for g_ in range(KV)], 1)
-            q, kk = rope(q), rope(kk)
-            Wo = at.o_proj.weight.detach()
-            attn_out = 0
-            for h in range(H):
-                sc = q[:, h] @ kk[:, h // G].T * at.scaling + causal
-                zh = torch.softmax(sc, -1) @ vv[:, h // G]
-                nodes[f"a{l}.h{h}"] = zh @ Wo[:, h * D:(h + 1) * D].T
-                attn_out = attn_out + nodes[f"a{l}.h{h}"]
-            if at.o_proj.bias is not None:
-                attn_out = attn_out + at.o_proj.bias.detach()
-            x = x + attn_out
-            nodes[f"m{l}"] = lay.mlp(lay.post_attention_layernorm(read(f"m{l}", x, nodes)))
+            lay = L64[l]
+            heads = attention64(l, read, x, nodes)
+            nodes.update(heads)
+            bias = lay.self_attn.o_proj.bias
+            x = x + sum(heads.values()) + (bias.detach() if bias is not None else 0)
+            out = lay.mlp(norm64(mlp_norm(lay), read(f"m{l}", x, nodes)))
+            nodes[f"m{l}"] = norm64(lay.post_feedforward_layernorm, out) if GEMMA else out
             x = x + nodes[f"m{l}"]
-        lg = m64.lm_head(m64.model.norm(read("logits", x, nodes)))[-1]
+        lg = m64.lm_head(norm64(m64.model.norm, read("logits", x, nodes)))[-1]
+        cap = getattr(cfg, "final_logit_softcapping", None)
+        if cap:
+            lg = torch.tanh(lg / cap) * cap
     return float(lg[ans] - lg[wrong]), nodes
 
 
