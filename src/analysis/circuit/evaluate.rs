@@ -23,6 +23,7 @@ use super::{edge_score, MetricKind, PairTokens, Scores};
 use crate::analysis::faithfulness::spearman;
 use crate::model::backward::{EditedForward, ReaderEdit};
 use crate::model::{Model, Result};
+use rayon::prelude::*;
 use serde::Serialize;
 
 /// MIB's circuit sizes, as fractions of the edges.
@@ -169,11 +170,13 @@ impl CircuitEdit<'_> {
         let (w, b) = (self.width, self.circuits.len());
         let corr = &self.corrupt.nodes[u * w..(u + 1) * w];
         let dst = &mut self.diff[u * b * w..(u + 1) * b * w];
-        for (d, o) in dst.chunks_mut(w).zip(outs.chunks(w)) {
-            for ((d, o), c) in d.iter_mut().zip(o).zip(corr) {
-                *d = o - c;
-            }
-        }
+        dst.par_chunks_mut(w)
+            .zip(outs.par_chunks(w))
+            .for_each(|(d, o)| {
+                for ((d, o), c) in d.iter_mut().zip(o).zip(corr) {
+                    *d = o - c;
+                }
+            });
     }
 }
 
@@ -209,25 +212,31 @@ impl ReaderEdit for CircuitEdit<'_> {
             Reader::Mlp { layer } => &self.corrupt.mid[layer],
             Reader::Logits => &self.corrupt.last,
         };
-        let mut edited = false;
-        for (b, &(rank, size)) in self.circuits.iter().enumerate() {
-            let inside = |u: usize| (rank[off + u] as usize) < size;
-            let n_in = (0..reads).filter(|&u| inside(u)).count();
-            let (dst, src) = (&mut out[b * w..(b + 1) * w], &resid[b * w..(b + 1) * w]);
-            // the shorter sum: from the corrupted stream up the circuit's edges, or from this
-            // run's stream down the others
-            let (from_corrupt, sign) = if n_in <= reads - n_in {
-                (true, 1.0)
-            } else {
-                (false, -1.0)
-            };
-            dst.copy_from_slice(if from_corrupt { corr } else { src });
-            for u in (0..reads).filter(|&u| inside(u) == from_corrupt) {
-                let d = &self.diff[(u * nb + b) * w..(u * nb + b + 1) * w];
-                dst.iter_mut().zip(d).for_each(|(o, d)| *o += sign * d);
-            }
-            edited |= n_in < reads;
-        }
+        let diff = &self.diff;
+        // the variants apart, in parallel (each writes its own rows)
+        let edited = out[..nb * w]
+            .par_chunks_mut(w)
+            .zip(resid.par_chunks(w))
+            .zip(self.circuits.par_iter())
+            .enumerate()
+            .map(|(b, ((dst, src), &(rank, size)))| {
+                let inside = |u: usize| (rank[off + u] as usize) < size;
+                let n_in = (0..reads).filter(|&u| inside(u)).count();
+                // the shorter sum: from the corrupted stream up the circuit's edges, or from
+                // this run's stream down the others
+                let (from_corrupt, sign) = if n_in <= reads - n_in {
+                    (true, 1.0)
+                } else {
+                    (false, -1.0)
+                };
+                dst.copy_from_slice(if from_corrupt { corr } else { src });
+                for u in (0..reads).filter(|&u| inside(u) == from_corrupt) {
+                    let d = &diff[(u * nb + b) * w..(u * nb + b + 1) * w];
+                    dst.iter_mut().zip(d).for_each(|(o, d)| *o += sign * d);
+                }
+                n_in < reads
+            })
+            .reduce(|| false, |a, b| a | b);
         Ok(edited)
     }
 }
