@@ -751,7 +751,7 @@ fn gguf_keys_and_tensors_are_read() {
         };
         let (_d, path) = edited_gguf(name, &*edit);
         let model = gguf_load(&path).unwrap_or_else(|e| panic!("{name}: {e}"));
-        let (attn, _, _) = model_deviation(&model, name, false);
+        let (attn, _, _) = model_deviation(&model, name, false, MEASURE);
         eprintln!("{name} GGUF without what it needs: attention off by {attn:.2e}");
         assert!(
             attn > far,

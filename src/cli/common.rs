@@ -25,7 +25,7 @@ pub struct ModelArgs {
     /// tiles as its integers and scales; elsewhere weights dequantized to f32). fast: the
     /// projections in bf16 on Intel AMX tiles (a forward 1.6-3.5x faster than exact, measured
     /// on a Sapphire Rapids-class Xeon: `bench --precision fast --against-exact`; attention
-    /// weights move by <1e-2), else in 8-bit blocks on AVX-512 VNNI (1.7-2.2x measured on a
+    /// weights move by <2e-2), else in 8-bit blocks on AVX-512 VNNI (1.7-2.2x measured on a
     /// Xeon and an AMD EPYC without AMX; weights move by <0.04). With neither, fast runs as exact.
     #[arg(long, default_value = "exact", value_parser = precision_parser())]
     pub precision: Precision,

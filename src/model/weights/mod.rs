@@ -28,7 +28,7 @@ pub enum Precision {
     /// a quantized file's integers and scales on the tiles (activations as three bf16 parts).
     Exact,
     /// The projections in lower precision, attention in f32: bf16 on Intel AMX tiles where the
-    /// CPU has them (weights move by <1e-2), else 8-bit blocks on AVX-512 VNNI (<0.04), else
+    /// CPU has them (weights move by <2e-2), else 8-bit blocks on AVX-512 VNNI (<0.04), else
     /// the exact kernels (no other kernel there beats them).
     Fast,
 }
