@@ -31,7 +31,10 @@ its share of the post-normed attention output, (1 + w) / rms(o_proj's output) ti
 MLP's post-normed output), the q/k norms, the sliding layers' window and rotary base, all in float64.
 Run: REF_MODEL_DIR=<folder with smollm2-135m.gguf, qwen2.5-coder-0.5b.gguf, gemma3-270m.gguf>
      python make_circuits_golden.py smol|qwen|gemma   (writes <m>_circuits.json beside this script)
-transformers 5.25.0, torch 2.15.0, CPU, 2 threads.
+transformers 5.25.0, torch 2.15.0, CPU, 2 threads. smol_circuits.json and gemma_circuits.json are this
+script's; qwen_circuits.json is its version before the Gemma changes, whose float64 forward ran the norms
+through transformers' modules (float32 inside): on SmolLM2 the two versions' patched metrics differ by
+2.3e-6 at most, the scores not at all.
 """
 import copy, json, os, random, sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
