@@ -314,7 +314,7 @@ fn sinks_reads_a_long_file_as_far_as_its_tokens_reach() {
 /// once its first layer is handed to the writer, and waits until its temporary file exists: the
 /// child and the temporary file.
 fn stalled_capture(m: &Path, out: &Path) -> (std::process::Child, PathBuf) {
-    let child = std::process::Command::new(assert_cmd::cargo::cargo_bin("attnscope"))
+    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("attnscope"))
         .args(["capture", "--hooks", "all", "-m"])
         .arg(m)
         .args(["--text", "the hat sat on the hat", "--out"])
@@ -333,6 +333,8 @@ fn stalled_capture(m: &Path, out: &Path) -> (std::process::Child, PathBuf) {
         }
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
+    let _ = child.kill();
+    let _ = child.wait();
     panic!("capture made no temporary file in 30 s");
 }
 

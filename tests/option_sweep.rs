@@ -109,6 +109,10 @@ const BASES: &[(&str, &str)] = &[
     ("patch", "--model {m} --clean the_hat --corrupt the_cat"),
     ("dla", "--model {m} --text the_hat_at"),
     ("qk", "--model {m} --text the_hat_at --layer 0 --head 0"),
+    (
+        "circuit",
+        "--model {m} --clean the_hat --corrupt the_cat --answer a --wrong b",
+    ),
     ("corpus", "--model {m} --limit 2"),
     ("corpus merge", "{records}"),
     ("sinks", "--model {m} --file {texts}"),

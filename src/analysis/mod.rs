@@ -4,6 +4,7 @@
 
 pub mod attribute;
 pub mod attrpatch;
+pub mod circuit;
 pub mod collect;
 pub mod compare;
 pub mod corpus;

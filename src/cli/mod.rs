@@ -5,10 +5,12 @@
 mod ablate;
 mod attribute;
 mod bench;
+mod bench_circuits;
 mod bench_interventions;
 mod bench_sweeps;
 mod cache;
 mod capture;
+mod circuit;
 mod common;
 mod compare;
 mod corpus;
@@ -76,6 +78,11 @@ pub enum Command {
     /// (per layer × position, or per layer × head) and measure how much of the logit difference
     /// between the answer and the wrong token comes back.
     Patch(patch::Args),
+    /// Circuits: which edges between the input, the heads and the MLPs carry the answer, scored
+    /// by edge attribution patching (EAP) or EAP with integrated gradients on a clean/corrupted
+    /// pair (or many, --pairs), and with --evaluate how faithful the circuits of the top edges
+    /// are by exact edge patching (MIB's CPR and CMD).
+    Circuit(circuit::Args),
     /// Direct logit attribution: each head's, MLP's and the embedding's direct contribution to
     /// the answer's logit (or a logit difference) at the last position, beside each head's
     /// attention; the parts add up to the logit.
@@ -153,6 +160,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Attribute(a) => attribute::run(a),
         Command::Patch(a) => patch::run(a),
         Command::Dla(a) => dla::run(a),
+        Command::Circuit(a) => circuit::run(a),
         Command::Qk(a) => qk::run(a),
         Command::Capture(a) => capture::run(a),
         Command::Fetch(a) => info::fetch(a),
