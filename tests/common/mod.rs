@@ -566,15 +566,16 @@ pub fn assert_json<G: Copy + Into<f64>>(
 /// `ig_completeness_gap`) and its bound, a fraction of the largest score: torch autograd's f32
 /// (`r`, the model's `*_gradients.json` text) within 3e-4 (measured: 3.9e-5 on SmolLM2, 2.5e-6 on
 /// Gemma 3), but for Qwen2.5 float64 autograd's
-/// (`qwen_ig_f64.json`, `make_ig_f64_golden.py`) within 5e-3. Qwen2.5's first midpoints (α =
+/// (`qwen_ig_f64.json`, `make_ig_f64_golden.py`) within 1e-2. Qwen2.5's first midpoints (α =
 /// 1/64, 3/64) put layer 0's attention, tiny inputs beside large q/k biases, where f32 is
 /// ill-conditioned: at α = 1/64 attnscope's gradient × input is 0.85 from float64's (of 156),
 /// transformers' f32 autograd's 1.9 (0.08 with layer 0's attention alone in float64), so over 32
-/// steps attnscope's scores are 3.3e-3 and transformers' f32 ones 7.1e-3 of the largest from
-/// float64's.
+/// steps attnscope's scores are 3.3e-3 (AMX integer tiles, the default here) to 6.8e-3 (the
+/// AVX-512 f32 GEMM, `ATTNSCOPE_ISA=avx512`) and transformers' f32 ones 7.1e-3 of the largest from
+/// float64's: the bound holds f32's own conditioning on every kernel, and a tenfold drift fails.
 pub fn ig_reference(short: &str, r: &serde_json::Value) -> (serde_json::Value, f64) {
     match short {
-        "qwen" => (golden_json("qwen_ig_f64.json"), 5e-3),
+        "qwen" => (golden_json("qwen_ig_f64.json"), 1e-2),
         _ => (r.clone(), 3e-4),
     }
 }
