@@ -332,8 +332,12 @@ pub fn gemm_with(
     // A as tiles ([`split_a`])
     let block_len = splits * chunks * 2 * TILE;
     A_SPLIT.with(|cell| {
-        let mut abuf = cell.borrow_mut();
-        split_a(&mut abuf, a, lda, m, k, splits);
+        // a rayon worker waiting inside this product may run another task that multiplies
+        // too (nested parallel loops): then the thread's buffer is held, so it takes a fresh one
+        let mut fresh = Bf16Buf::default();
+        let mut held = cell.try_borrow_mut();
+        let abuf: &mut Bf16Buf = held.as_deref_mut().unwrap_or(&mut fresh);
+        split_a(abuf, a, lda, m, k, splits);
         let planes = abuf.as_slice();
         let panels = n.div_ceil(NP);
         let threads = rayon::current_num_threads();

@@ -477,8 +477,11 @@ fn product(
     let wide = false;
     let split_stride = groups * 2 * TILE;
     A_SPLIT.with(|cell| {
-        let mut abuf = cell.borrow_mut();
-        split_a(&mut abuf, a, lda, m, k, 3);
+        // a nested product on this thread (rayon work stealing) takes a fresh buffer
+        let mut fresh = Bf16Buf::default();
+        let mut held = cell.try_borrow_mut();
+        let abuf: &mut Bf16Buf = held.as_deref_mut().unwrap_or(&mut fresh);
+        split_a(abuf, a, lda, m, k, 3);
         let sh = Shared {
             engine,
             planes: abuf.as_slice(),
