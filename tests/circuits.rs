@@ -511,4 +511,20 @@ fn bad_input_is_refused() {
         2,
     );
     assert!(e.contains("needs a decoder"), "{e}");
+    // --html never writes over a file without --force, nor over an input even with it; the
+    // refusal comes before any run, and the files stay as they were
+    let page = dir.path().join("page.html");
+    std::fs::write(&page, "mine").unwrap();
+    let e = run(&[&pair[..], &["--html", page.to_str().unwrap()]].concat());
+    assert!(e.contains("already exists; pass --force"), "{e}");
+    assert_eq!(std::fs::read_to_string(&page).unwrap(), "mine");
+    let pairs_text = std::fs::read_to_string(&file).unwrap();
+    let e = run(&["--pairs", file.to_str().unwrap()]
+        .into_iter()
+        .chain(["--html", file.to_str().unwrap(), "--force"])
+        .collect::<Vec<_>>());
+    assert!(e.contains(file.to_str().unwrap()), "{e}");
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), pairs_text);
+    let e = run(&[&pair[..], &["--html", m, "--force"]].concat());
+    assert!(e.contains(m), "{e}");
 }
