@@ -529,3 +529,57 @@ fn page_checks_compare_cell_by_cell() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// The `circuit --html` page in the browser: the slider steps through the evaluation's ladder,
+/// drawing each size's top edges and naming its faithfulness as the report has it; hovering the
+/// largest edge names it with its score and exact patch; no console errors and no network.
+#[test]
+#[cfg_attr(
+    browser_missing,
+    ignore = "no browser here (tests/browser/find-browser.sh says what is missing); .ci/run installs one"
+)]
+fn circuit_page_works_in_a_real_browser() {
+    let chromium = browser();
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = common::tiny_gguf(&dir);
+    let html = dir.path().join("circuit.html");
+    let out = Command::cargo_bin("attnscope")
+        .unwrap()
+        .write_stdin("")
+        .args(["circuit", "--model", gguf.to_str().unwrap()])
+        .args(["--clean", "abcd", "--corrupt", "abxd", "--answer", "e"])
+        .args(["--wrong", "f", "--evaluate", "--exact-edges", "3", "--json"])
+        .args(["--html", html.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", common::stderr_of(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let ladder = v["evaluation"]["ladder"].as_array().unwrap();
+    let exact = &v["exact_edges"]["edges"][0];
+    assert_eq!(exact["from"], v["edges"][0]["from"]);
+    let expected = serde_json::json!({
+        "n_edges": v["n_edges"],
+        "kept": attnscope::render::circuit_page::MAX_EDGES,
+        "sizes": ladder.iter().map(|p| p["edges"].clone()).collect::<Vec<_>>(),
+        "faithfulness": ladder.iter().map(|p| p["faithfulness"].clone()).collect::<Vec<_>>(),
+        "first": {"from": exact["from"], "to": exact["to"], "score": exact["score"],
+                  "exact": exact["exact"]},
+    });
+    let exp = dir.path().join("expected.json");
+    std::fs::write(&exp, expected.to_string()).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/browser/circuit.mjs");
+    let res = std::process::Command::new("node")
+        .env("CHROMIUM", &chromium)
+        .arg(script)
+        .arg(format!("file://{}", html.display()))
+        .arg(&exp)
+        .arg(artifacts().join("circuit-tiny.png"))
+        .output()
+        .expect("node runs");
+    assert!(
+        res.status.success(),
+        "circuit page check failed:\n{}\n{}",
+        String::from_utf8_lossy(&res.stdout),
+        String::from_utf8_lossy(&res.stderr)
+    );
+}

@@ -9,7 +9,9 @@ mod common;
 
 use attnscope::analysis::circuit::evaluate::{patch_edges, run_circuits};
 use attnscope::analysis::circuit::graph::Graph;
-use attnscope::analysis::circuit::{scores, Method, MetricKind, PairTokens};
+use attnscope::analysis::circuit::{
+    read_pairs, scores, tokenize_pairs, Method, MetricKind, PairTokens,
+};
 use attnscope::model::backward::{BranchSink, GradMetric, Metric, ReaderGrads};
 use attnscope::model::{Model, Precision};
 use common::*;
@@ -190,6 +192,35 @@ fn qwen_scores_and_patching_against_torch() {
     let g = golden_json("qwen_circuits.json");
     check_scores(model, &g, "qwen");
     check_patching(model, &g, "qwen");
+}
+
+/// examples/ioi_pairs.jsonl (docs/commands/circuits.md's IOI study): 20 pairs, ABBA and BABA
+/// alike, each clean and corrupted text of one token count and each name one token on both
+/// models, the answer the clean text's first name mention (the indirect object) and the wrong
+/// token the subject, repeated.
+#[test]
+fn the_ioi_pairs_fit_both_models() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/ioi_pairs.jsonl");
+    let text = std::fs::read_to_string(&path).expect("examples/ioi_pairs.jsonl");
+    let pairs = read_pairs(&text, "ioi_pairs.jsonl").expect("the pairs parse");
+    assert_eq!(pairs.len(), 20);
+    for name in ["smollm2-135m", "qwen2.5-coder-0.5b"] {
+        let model = real_model(name);
+        let toks = tokenize_pairs(model, &pairs, MetricKind::LogitDiff, false)
+            .unwrap_or_else(|e| panic!("{name}: {e:#}"));
+        for (i, t) in toks.iter().enumerate() {
+            let at = |id: u32| t.clean.iter().filter(|&&x| x == id).count();
+            // the indirect object once, the subject twice in the clean text; once each corrupted
+            assert_eq!((at(t.answer), at(t.wrong)), (1, 2), "{name} pair {}", i + 1);
+            let diff = t
+                .clean
+                .iter()
+                .zip(&t.corrupt)
+                .filter(|(a, b)| a != b)
+                .count();
+            assert_eq!(diff, 1, "{name} pair {}: one token changed", i + 1);
+        }
+    }
 }
 
 /// Gemma 3: its post-norms at the run's scale (a head's node output is its share of the
@@ -480,4 +511,20 @@ fn bad_input_is_refused() {
         2,
     );
     assert!(e.contains("needs a decoder"), "{e}");
+    // --html never writes over a file without --force, nor over an input even with it; the
+    // refusal comes before any run, and the files stay as they were
+    let page = dir.path().join("page.html");
+    std::fs::write(&page, "mine").unwrap();
+    let e = run(&[&pair[..], &["--html", page.to_str().unwrap()]].concat());
+    assert!(e.contains("already exists; pass --force"), "{e}");
+    assert_eq!(std::fs::read_to_string(&page).unwrap(), "mine");
+    let pairs_text = std::fs::read_to_string(&file).unwrap();
+    let e = run(&["--pairs", file.to_str().unwrap()]
+        .into_iter()
+        .chain(["--html", file.to_str().unwrap(), "--force"])
+        .collect::<Vec<_>>());
+    assert!(e.contains(file.to_str().unwrap()), "{e}");
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), pairs_text);
+    let e = run(&[&pair[..], &["--html", m, "--force"]].concat());
+    assert!(e.contains(m), "{e}");
 }

@@ -7,6 +7,7 @@ use crate::analysis::circuit::{
     circuit, read_pairs, CircuitOptions, CircuitReport, Method, MetricKind, Pair,
 };
 use crate::analysis::faithfulness::Target;
+use crate::render::circuit_page::page;
 use crate::render::table::{title, Align, Table};
 use std::path::PathBuf;
 
@@ -67,12 +68,32 @@ pub struct Args {
     top: usize,
     #[arg(long)]
     json: bool,
+    /// Also write the circuit's page: the graph (layers left to right, the top edges by score),
+    /// a slider for the circuit size beside the faithfulness curve (with --evaluate), each
+    /// edge's score and exact patch (with --exact-edges) on hover.
+    #[arg(long, value_name = "FILE")]
+    html: Option<PathBuf>,
+    /// Replace the --html file if it exists.
+    #[arg(long, requires = "html")]
+    force: bool,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     let opts = options(&a)?;
+    let mut inputs = a.model.input_paths();
+    inputs.extend(a.pairs.iter().cloned());
+    let output = a
+        .html
+        .as_deref()
+        .map(|h| super::common::output_path(h, a.force, &inputs))
+        .transpose()?;
     let model = a.model.load()?;
     let report = circuit(&model, &opts)?;
+    if let Some(out) = &output {
+        let d = &model.dims;
+        out.write(page(&report, d.n_layers, d.n_heads, d.n_kv_heads).as_bytes())?;
+        eprintln!("wrote {}", out.path.display());
+    }
     if a.json {
         return emit(&format!("{}\n", serde_json::to_string(&report)?));
     }

@@ -1,5 +1,6 @@
 //! Renderers: they format what the analyses computed; no maths here.
 pub mod capture;
+pub mod circuit_page;
 pub mod compare_page;
 pub mod direct;
 pub mod gen_attribute;

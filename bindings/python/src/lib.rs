@@ -26,6 +26,8 @@ use pyo3::prelude::*;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
+mod circuits;
+
 /// The Python exception for an engine error, with the CLI's message.
 fn to_py(e: anyhow::Error) -> PyErr {
     let msg = format!("{e:#}");
@@ -1088,6 +1090,72 @@ impl Model {
             Ok(patch(&m, &c, &k, &opts, |_, _| {})?)
         })?;
         to_object(py, &report)
+    }
+
+    /// `attnscope circuit`: one pair (`clean`, `corrupt`, `answer`, `wrong`) or `pairs`, a JSONL
+    /// text (`pairs_source` names it in errors). Returns (the report without `edges`, the scores
+    /// as a float32 `[n_nodes, n_readers]` matrix with NaN where no edge is, and the ranked
+    /// edges' node indices, reader indices and scores).
+    #[pyo3(signature = (clean = None, corrupt = None, answer = None, wrong = None, pairs = None,
+                        pairs_source = "pairs".to_string(), method = "eap".to_string(), steps = None,
+                        metric = "logit-diff".to_string(), evaluate = false, exact_edges = 0, bos = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn circuit<'py>(
+        &self,
+        py: Python<'py>,
+        clean: Option<String>,
+        corrupt: Option<String>,
+        answer: Option<String>,
+        wrong: Option<String>,
+        pairs: Option<String>,
+        pairs_source: String,
+        method: String,
+        steps: Option<usize>,
+        metric: String,
+        evaluate: bool,
+        exact_edges: usize,
+        bos: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let one = match (clean, corrupt, answer, wrong) {
+            (Some(c), Some(k), Some(a), Some(w)) => Some([c, k, a, w]),
+            (None, None, None, None) => None,
+            _ => {
+                return Err(PyValueError::new_err(
+                    "give clean, corrupt, answer and wrong together (or pairs)",
+                ))
+            }
+        };
+        let args = circuits::CircuitArgs {
+            one,
+            pairs: pairs.map(|t| (t, pairs_source)),
+            method,
+            steps,
+            metric,
+            evaluate,
+            exact_edges,
+            bos,
+        };
+        circuits::run_circuit(py, &self.inner, args)
+    }
+
+    /// `attnscope qk`: head `layer`.`head`'s score of `query` and `key` on `text` split into
+    /// (query-side × key-side) terms; without `key`, the attended key's lead over `against`
+    /// (`second` or `mean`). The report as Python objects.
+    #[pyo3(signature = (text, layer, head, query = None, key = None, against = "second", bos = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn qk_attribution<'py>(
+        &self,
+        py: Python<'py>,
+        text: String,
+        layer: usize,
+        head: usize,
+        query: Option<usize>,
+        key: Option<usize>,
+        against: &str,
+        bos: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let at = (layer, head);
+        circuits::run_qk(py, &self.inner, text, at, (query, key), against, bos)
     }
 
     /// Head-role scores (`attnscope heads`) of `text` (with `pair`, an encoder's sentence pair

@@ -30,7 +30,7 @@ from . import utils
 from .factored import FactoredMatrix
 from . import distributed  # Ray is imported only when distributed.corpus runs
 
-__all__ = ["HookedModel", "FactoredMatrix", "ActivationCache", "Config", "HookPoint", "corpus", "corpus_merge", "HOOKS", "GLOBAL_HOOKS", "viz", "utils",
+__all__ = ["HookedModel", "CircuitResult", "FactoredMatrix", "ActivationCache", "Config", "HookPoint", "corpus", "corpus_merge", "HOOKS", "GLOBAL_HOOKS", "viz", "utils",
            "distributed", "set_array_type", "__version__"]
 __version__ = _native.__version__
 
@@ -1344,6 +1344,91 @@ class HookedModel:
                 "logprobs": np.asarray(logprobs, dtype=np.float32),
                 "attention": [np.asarray(a, dtype=np.float32) for a in attention], "answer": answer}
 
+    def circuit(self, clean: Optional[str] = None, corrupt: Optional[str] = None, answer: Optional[Union[str, int]] = None,
+                wrong: Optional[Union[str, int]] = None, method: str = "eap", steps: Optional[int] = None,
+                metric: str = "logit-diff", pairs: Optional[Union[str, os.PathLike, Sequence[Dict[str, Any]]]] = None,
+                evaluate: bool = False, exact_edges: int = 0, bos: bool = False) -> Dict[str, Any]:
+        """Which edges between the input, the heads and the MLPs carry the answer (``attnscope
+        circuit --json``): every edge scored by edge attribution patching (``method="eap"``, Syed
+        et al. 2023) or EAP with integrated gradients (``"eap-ig"``, ``steps`` midpoints between
+        the corrupted and the clean embeddings, default 5; Hanna et al. 2024) on ``clean`` /
+        ``corrupt`` (the same token count) with ``answer`` / ``wrong`` (a token's text, exactly one
+        token, or its id; ``wrong`` is not needed for ``metric="logprob"``), or on ``pairs`` (a
+        JSONL path, or a list of dicts with ``clean``, ``corrupt``, ``answer``, ``wrong``;
+        averaged). ``evaluate``: the faithfulness of the top edges' circuits by exact edge
+        patching (``evaluation``: the ladder, MIB's CPR and CMD); ``exact_edges=N``: the top N
+        edges patched one at a time (``exact_edges``, with Spearman's ρ).
+
+        Returns the JSON report's fields (``model``, ``method``, ``metric``, ``clean_metric``,
+        ``corrupt_metric``, ``nodes``, ``evaluation``, ``exact_edges``, ...) with the edges as
+        arrays instead of ``edges``: ``node_names`` (upstream: ``input``, ``a{L}.h{H}``, ``m{L}``,
+        the names of Hanna et al.'s EAP-IG library), ``reader_names`` (downstream:
+        ``a{L}.h{H}.q``, ``a{L}.kv{G}.k``, ``a{L}.kv{G}.v``, ``m{L}``, ``logits``), ``scores``
+        (float32 ``[n_nodes, n_readers]``, NaN where no edge joins the two), and the edges
+        ranked by |score| as the JSON ranks them: ``edge_from`` (indices into ``node_names``),
+        ``edge_to`` (into ``reader_names``), ``edge_scores``. ``node_hooks`` / ``reader_hooks``:
+        the TransformerLens hook point each node writes or reads (``hook_embed``,
+        ``blocks.{L}.attn.hook_result``, ``blocks.{L}.hook_mlp_out``; ``blocks.{L}.hook_q_input``,
+        ``hook_k_input``, ``hook_v_input``, ``hook_mlp_in``, and the last ``hook_resid_post``
+        for the logits), the head's index into it being the node's ``head``. ``edges(k)`` gives
+        the top ``k`` as ``(from, to, score)`` tuples."""
+        one = [clean, corrupt, answer, wrong]
+        if pairs is not None:
+            if any(x is not None for x in one):
+                raise ValueError("give clean, corrupt, answer and wrong, or pairs, not both")
+            if isinstance(pairs, (str, os.PathLike)):
+                source = os.fspath(pairs)
+                with open(source, encoding="utf-8") as f:
+                    text = f.read()
+            else:
+                source = "pairs"
+                text = "\n".join(json.dumps(p) for p in pairs)
+            args: Dict[str, Any] = dict(pairs=text, pairs_source=source)
+        else:
+            if wrong is None and metric == "logprob":
+                wrong = answer
+            missing = [n for n, v in zip(("clean", "corrupt", "answer", "wrong"), one[:3] + [wrong]) if v is None]
+            if missing:
+                raise ValueError(f"{missing[0]} is missing: give clean, corrupt, answer and wrong (or pairs)")
+            args = dict(clean=clean, corrupt=corrupt, answer=str(answer), wrong=str(wrong))
+        if exact_edges < 0:
+            raise ValueError(f"exact_edges={exact_edges}: must be 0 or more")
+        rep, scores, efrom, eto, escores = self._m.circuit(method=method, steps=steps, metric=metric, evaluate=evaluate,
+                                                           exact_edges=exact_edges, bos=bos, **args)
+        return CircuitResult(rep, scores, efrom, eto, escores, self.cfg.n_layers)
+
+    def qk_attribution(self, text: str, layer: int, head: int, query: Optional[int] = None, key: Optional[int] = None,
+                       against: str = "second", bos: bool = False) -> Dict[str, Any]:
+        """Why head ``layer``.``head`` attends where it does (``attnscope qk --json``): its
+        pre-softmax score of ``query`` (default the last token) and ``key`` on ``text`` split
+        exactly into terms, each a query-side component × a key-side component of the residual
+        stream (``input``, each earlier head ``a{L}.h{H}``, each earlier MLP ``m{L}``, ``bias``),
+        with each position's norm scale frozen from the run and its rotary rotation applied.
+        Without ``key``: the split of the attended key's lead over the second key (``against=
+        "second"``) or over the mean score of the keys the query sees (``"mean"``).
+
+        Returns the JSON report (``score``, ``terms``: ``[{"query_side", "key_side", "value"}]``
+        largest |value| first, ``sum``, ``gap``, ``components``, ``tokens``, ...) and the terms as
+        arrays: ``values`` (float64), ``query_sides`` and ``key_sides`` (names), and ``matrix``
+        (float64 ``[query component, key component]`` in ``components`` order, then ``bias``,
+        0 where no term is)."""
+        if key is not None and against != "second":
+            raise ValueError(f"against={against!r} is for the attended key's lead: give it without key")
+        r = self._m.qk_attribution(text, layer, head, query, key, against, bos)
+        names = list(r["components"])
+        for t in r["terms"]:  # "bias" after the components
+            names += [n for n in (t["query_side"], t["key_side"]) if n not in names]
+        at = {n: i for i, n in enumerate(names)}
+        matrix = np.zeros((len(names), len(names)), dtype=np.float64)
+        for t in r["terms"]:
+            matrix[at[t["query_side"]], at[t["key_side"]]] += t["value"]
+        r["values"] = np.asarray([t["value"] for t in r["terms"]], dtype=np.float64)
+        r["query_sides"] = [t["query_side"] for t in r["terms"]]
+        r["key_sides"] = [t["key_side"] for t in r["terms"]]
+        r["matrix"] = matrix
+        r["matrix_names"] = names
+        return r
+
     def view(self, text: str, faithfulness: bool = False, bos: bool = False, ablate: Optional[str] = None,
              target: Optional[Union[int, str]] = None) -> "viz.View":
         """The ``attnscope view`` page for ``text``; shows inline in a notebook, ``.save(path)``.
@@ -1358,6 +1443,39 @@ class HookedModel:
     def corpus(self, texts: Optional[Union[str, os.PathLike, Sequence[str]]] = None, limit: Optional[int] = None, **kw: Any) -> Dict[str, Any]:
         """Sink statistics over many texts (``attnscope corpus --json``); see :func:`corpus`."""
         return corpus(texts, model=self, limit=limit, **kw)
+
+
+class CircuitResult(dict):
+    """``HookedModel.circuit``'s result: the JSON report's fields as a dict, the edges as arrays
+    (see :meth:`HookedModel.circuit`)."""
+
+    def __init__(self, rep: Dict[str, Any], scores: np.ndarray, efrom: np.ndarray, eto: np.ndarray, escores: np.ndarray,
+                 n_layers: int):
+        super().__init__(rep)
+        ups = [n for n in rep["nodes"] if n["upstream"]]
+        downs = [n for n in rep["nodes"] if not n["upstream"]]
+        self["node_names"] = [n["name"] for n in ups]
+        self["reader_names"] = [n["name"] for n in downs]
+        self["node_hooks"] = [_tl_hook(n, n_layers) for n in ups]
+        self["reader_hooks"] = [_tl_hook(n, n_layers) for n in downs]
+        self["scores"] = scores
+        self["edge_from"] = efrom
+        self["edge_to"] = eto
+        self["edge_scores"] = escores
+
+    def edges(self, k: Optional[int] = None) -> List[Tuple[str, str, float]]:
+        """The top ``k`` edges (all when None), largest |score| first: ``(from, to, score)``."""
+        n = len(self["edge_scores"]) if k is None else min(k, len(self["edge_scores"]))
+        nf, nt = self["node_names"], self["reader_names"]
+        return [(nf[self["edge_from"][i]], nt[self["edge_to"][i]], float(self["edge_scores"][i])) for i in range(n)]
+
+
+def _tl_hook(node: Dict[str, Any], n_layers: int) -> str:
+    """The TransformerLens hook point a circuit node writes (upstream) or reads (downstream)."""
+    kind, layer = node["kind"], node.get("layer")
+    return {"input": "hook_embed", "head": f"blocks.{layer}.attn.hook_result", "mlp": f"blocks.{layer}.hook_mlp_out",
+            "q": f"blocks.{layer}.hook_q_input", "k": f"blocks.{layer}.hook_k_input", "v": f"blocks.{layer}.hook_v_input",
+            "mlp_in": f"blocks.{layer}.hook_mlp_in", "logits": f"blocks.{n_layers - 1}.hook_resid_post"}[kind]
 
 
 def corpus(texts: Optional[Union[str, os.PathLike, Sequence[str]]] = None, model: Union[str, HookedModel] = "qwen2.5-coder-0.5b",

@@ -87,6 +87,18 @@ class Model:
     def patch(self, clean: str, corrupt: str, hook: str = "resid-pre", answer: Optional[str] = None,
               wrong: Optional[str] = None, bos: bool = False) -> Dict[str, Any]:
         """``attnscope patch --json``'s report as Python objects."""
+    def circuit(self, clean: Optional[str] = None, corrupt: Optional[str] = None, answer: Optional[str] = None,
+                wrong: Optional[str] = None, pairs: Optional[str] = None, pairs_source: str = "pairs",
+                method: str = "eap", steps: Optional[int] = None, metric: str = "logit-diff", evaluate: bool = False,
+                exact_edges: int = 0, bos: bool = False
+                ) -> Tuple[Dict[str, Any], npt.NDArray[np.float32], npt.NDArray[np.int64], npt.NDArray[np.int64],
+                           npt.NDArray[np.float32]]:
+        """``attnscope circuit --json``'s report without ``edges``; the scores as ``[n_nodes, n_readers]``
+        (NaN where no edge is); the ranked edges' node indices, reader indices and scores. ``pairs``: a
+        JSONL text (``pairs_source`` names it in errors)."""
+    def qk_attribution(self, text: str, layer: int, head: int, query: Optional[int] = None, key: Optional[int] = None,
+                       against: str = "second", bos: bool = False) -> Dict[str, Any]:
+        """``attnscope qk --json``'s report as Python objects."""
     def heads(self, text: Optional[str] = None, random_repeat: Optional[int] = None, seed: int = 0,
               bos: bool = False) -> Dict[str, Any]:
         """``attnscope heads --json``'s document as Python objects."""
