@@ -82,11 +82,15 @@ def test_weights_in_transformerlens_shapes_make_the_hooks(which, request):
         m.blocks[0].ln1.b
 
 
-def test_processing_flags_are_refused_not_ignored():
-    with pytest.raises(NotImplementedError, match="fold_ln.*unprocessed"):
-        attnscope.HookedModel.from_pretrained("smollm2-135m", fold_ln=True)
-    with pytest.raises(NotImplementedError, match="center_unembed"):
+def test_unimplemented_processing_is_refused_not_ignored():
+    with pytest.raises(NotImplementedError, match="refactor_factored_attn_matrices"):
+        attnscope.HookedModel.from_pretrained("smollm2-135m", refactor_factored_attn_matrices=True)
+    with pytest.raises(ValueError, match="center_unembed=True.*no_processing"):
         attnscope.HookedModel.from_pretrained_no_processing("smollm2-135m", center_unembed=True)
+    with pytest.raises(NotImplementedError, match="encoder"):
+        attnscope.HookedModel.from_pretrained("all-minilm-l6-v2", fold_ln=True)
+    with pytest.raises(NotImplementedError, match="Gemma"):
+        attnscope.HookedModel.from_pretrained("gemma3-270m", center_unembed=True)
     with pytest.raises(ValueError, match="CPU"):
         attnscope.HookedModel.from_pretrained("smollm2-135m", device="cuda")
 

@@ -27,6 +27,7 @@ import numpy as np
 from . import _native
 from . import viz
 from . import utils
+from . import processing
 from .factored import FactoredMatrix
 from . import distributed  # Ray is imported only when distributed.corpus runs
 
@@ -462,32 +463,32 @@ class HookedModel:
         model (Gemma puts ``<bos>`` first, Qwen and SmolLM2 do not); ``False`` leaves it out of
         every text, ``True`` puts it first in every text.
 
-        The weights are the checkpoint's own, unprocessed: what TransformerLens's
-        ``from_pretrained_no_processing`` gives. TransformerLens's ``from_pretrained`` folds the
-        norms' weights into the next weights and centres them by default (``fold_ln=True``,
-        ``center_writing_weights=True``, ``center_unembed=True``, ``fold_value_biases=True``);
-        attnscope does not, and raises if one of them is asked for (``W_Q`` and the hooks after a
-        norm would otherwise not be what TL computes). ``device``: only ``None`` or ``"cpu"``.
+        ``fold_ln``, ``center_writing_weights``, ``center_unembed``, ``fold_value_biases``:
+        TransformerLens's weight processing, with its semantics (:mod:`attnscope.processing`:
+        ``W_Q`` & co folded, the logits centred, the value biases in ``b_O``; the attention
+        patterns are the same either way). Off by default here for now (the checkpoint's own
+        weights: TransformerLens's ``from_pretrained_no_processing``); Qwen2 and Llama/SmolLM2
+        only, other families refuse it. ``refactor_factored_attn_matrices`` is not implemented.
+        ``device``: only ``None`` or ``"cpu"``.
         ``memory``: ``"low"`` keeps a GGUF's projections in the file's own quantized blocks and
         dequantizes a panel just before each product (the same numbers, about the file's size in
         memory), ``"fast"`` packs them at load; ``None`` chooses from the model's size and the
         machine's free memory (the CLI's ``--memory``)."""
-        asked = [k for k, v in (("fold_ln", fold_ln), ("center_writing_weights", center_writing_weights),
-                                ("center_unembed", center_unembed), ("fold_value_biases", fold_value_biases),
-                                ("refactor_factored_attn_matrices", refactor_factored_attn_matrices)) if v]
-        if asked:
-            raise NotImplementedError(
-                f"{', '.join(asked)}: attnscope runs the checkpoint's weights unprocessed (TransformerLens's "
-                "from_pretrained_no_processing); W_Q and the other weights are the unfolded ones")
+        steps = processing.asked_steps(
+            fold_ln=fold_ln, center_writing_weights=center_writing_weights, center_unembed=center_unembed,
+            fold_value_biases=fold_value_biases, refactor_factored_attn_matrices=refactor_factored_attn_matrices)
         if device not in (None, "cpu"):
             raise ValueError(f"device={device!r}: attnscope runs on the CPU")
-        return cls(_native.Model.load(os.fspath(name), precision, default_prepend_bos, memory))
+        return cls(_native.Model.load(os.fspath(name), precision, default_prepend_bos, memory, steps))
 
     @classmethod
     def from_pretrained_no_processing(cls, name: str = "qwen2.5-coder-0.5b", precision: str = "exact",
                                       default_prepend_bos: Optional[bool] = None, **kwargs: Any) -> "HookedModel":
-        """TransformerLens's name for loading the weights unprocessed: the same as
-        :meth:`from_pretrained`, which never folds or centres them."""
+        """TransformerLens's name for loading the weights unprocessed (every processing step off)."""
+        for s in processing.STEPS:
+            if kwargs.get(s):
+                raise ValueError(f"{s}=True: from_pretrained_no_processing loads the weights unprocessed; use from_pretrained")
+            kwargs[s] = False
         return cls.from_pretrained(name, precision, default_prepend_bos, **kwargs)
 
     def __repr__(self) -> str:
@@ -699,12 +700,16 @@ class HookedModel:
         self._check_ids(a)
         return [int(t) for t in a]
 
-    # the weights in TransformerLens's shapes (unfolded: see from_pretrained)
+    # the weights in TransformerLens's shapes (processed as the load asked: see from_pretrained)
     def _weight(self, name: str) -> np.ndarray:
         """The weight ``name`` for every layer, made from the engine's weights on first use and
         kept (float32 numpy; a copy: editing it does not change the model)."""
         if name not in self._weights:
-            self._weights[name] = self._make_weight(name)
+            raw = self._make_weight(name)
+            steps = self.facts.get("processing") or {}
+            if any(steps.values()):
+                raw = processing.processed_weight(name, raw, steps, self._make_weight)
+            self._weights[name] = raw
         return self._weights[name]
 
     def _make_weight(self, name: str) -> np.ndarray:

@@ -1,0 +1,140 @@
+"""#59: attnscope against real TransformerLens on the same weights, with and without TL's weight
+processing. TransformerLens 4 (`TransformerBridge.boot_transformers` + `enable_compatibility_mode`,
+what TL's own demos use) runs offline on the Hugging Face model transformers builds from the same
+GGUF, dequantized to float32.
+
+Runs when `transformer_lens` and `torch` import; without them the module is skipped with the
+reason, and `ATTNSCOPE_REQUIRE_TL=1` (CI) turns the skip into a failure. SmolLM2 by default;
+`ATTNSCOPE_TL_MODELS=smollm2-135m,qwen2.5-coder-0.5b` adds the default model (slower)."""
+
+import copy
+import os
+
+import numpy as np
+import pytest
+
+import attnscope
+
+try:
+    import torch
+    from transformer_lens.model_bridge import TransformerBridge
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+except ImportError as e:  # pragma: no cover - depends on the environment
+    if os.environ.get("ATTNSCOPE_REQUIRE_TL") == "1":
+        raise
+    pytest.skip(f"real TransformerLens is not installed ({e}): the comparison with it did NOT run",
+                allow_module_level=True)
+
+pytestmark = pytest.mark.usefixtures("numpy_results")
+
+MODELS = os.environ.get("ATTNSCOPE_TL_MODELS", "smollm2-135m").split(",")
+TEXT = "The cat sat on the mat because it was"
+PROCESS = dict(fold_ln=True, center_writing_weights=True, center_unembed=True, fold_value_biases=True)
+MODES = ("no_processing", "processed")
+# TL's weights by attnscope's names (TL 4's bridge gives W_K/W_V one per KV head: attnscope's _W_K)
+WEIGHTS = {"W_Q": "W_Q", "W_K": "_W_K", "W_V": "_W_V", "W_O": "W_O", "b_Q": "b_Q", "b_K": "_b_K",
+           "b_V": "_b_V", "b_O": "b_O", "W_in": "W_in", "W_gate": "W_gate", "W_out": "W_out",
+           "W_U": "W_U", "b_U": "b_U", "W_E": "W_E"}
+
+
+def _tl_run(gguf: str, ids, mode: str) -> dict:
+    """TL's logits, cache and weights (numpy) on `ids`, processed as `mode` says."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    folder, name = os.path.split(gguf)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    b = TransformerBridge.boot_transformers("local", hf_model=hf, tokenizer=tok, device="cpu")
+    b.enable_compatibility_mode(disable_warnings=True, no_processing=(mode == "no_processing"))
+    with torch.no_grad():
+        logits, cache = b.run_with_cache(torch.tensor([ids]))
+    acts = {k: v.detach().float().numpy() for k, v in cache.items() if isinstance(v, torch.Tensor)}
+    weights = {}
+    for tl, ours in WEIGHTS.items():
+        try:
+            weights[ours] = getattr(b, tl).detach().float().numpy()
+        except AttributeError:  # a bias the checkpoint does not have (TL raises for it)
+            pass
+    for norm in ("ln1", "ln2"):
+        weights[f"{norm}.w"] = torch.stack([getattr(blk, norm).w for blk in b.blocks]).detach().numpy()
+    weights["ln_final.w"] = b.ln_final.w.detach().numpy()
+    return {"logits": logits.numpy(), "acts": acts, "weights": weights}
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def pair(request):
+    """(alias, {mode: (attnscope model, its logits, its cache, TL's run)})."""
+    alias = request.param
+    gguf = os.path.join(os.environ.get("ATTNSCOPE_CACHE", os.path.expanduser("~/.cache/attnscope")),
+                        "models", f"{alias}.gguf")
+    if not os.path.exists(gguf):
+        pytest.fail(f"{gguf} is missing: fetch {alias} first (attnscope fetch {alias})")
+    torch.set_num_threads(2)
+    runs = {}
+    for mode in MODES:
+        kw = PROCESS if mode == "processed" else {}
+        m = attnscope.HookedModel.from_pretrained(alias, **kw)
+        ids = [int(t) for t in m.to_tokens(TEXT)[0]]
+        logits, cache = m.run_with_cache(np.array([ids]))
+        runs[mode] = (m, logits, cache, _tl_run(gguf, ids, mode))
+    return alias, runs
+
+
+def _rel(got: np.ndarray, want: np.ndarray) -> float:
+    """The largest difference relative to the largest |value| of `want`; masked (-inf) cells must
+    be masked in both."""
+    assert got.shape == want.shape, (got.shape, want.shape)
+    fin = np.isfinite(want)
+    assert np.array_equal(fin, np.isfinite(got)), "the masked cells differ"
+    scale = float(np.abs(want[fin]).max()) if fin.any() else 0.0
+    diff = float(np.abs(got[fin].astype(np.float64) - want[fin]).max()) if fin.any() else 0.0
+    return diff / scale if scale > 0 else diff
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_hook_point_matches_transformer_lens(pair, mode):
+    alias, runs = pair
+    _, _, cache, tl = runs[mode]
+    compared, worst = 0, (0.0, "")
+    for name, want in tl["acts"].items():
+        if name not in cache.cache_dict:
+            continue  # TL 4's own component hooks (hook_in/hook_out, rotary cos/sin): not TL 3's
+        r = _rel(np.asarray(cache[name]), want)
+        worst = max(worst, (r, name))
+        compared += 1
+    # every hook point attnscope captures is among them: 25 per block and the global ones
+    assert compared >= 20 * len(runs[mode][0].blocks), compared
+    print(f"\n{alias} {mode}: {compared} hook points, worst relative difference {worst[0]:.3g} ({worst[1]})")
+    assert worst[0] <= 1e-4, worst
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_logits_match_transformer_lens(pair, mode):
+    alias, runs = pair
+    _, logits, _, tl = runs[mode]
+    r = _rel(np.asarray(logits), tl["logits"])
+    print(f"\n{alias} {mode}: logits' worst difference relative to the largest {r:.3g}")
+    assert r <= 1e-4
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_weights_match_transformer_lens(pair, mode):
+    alias, runs = pair
+    m, _, _, tl = runs[mode]
+    worst = (0.0, "")
+    for name, want in tl["weights"].items():
+        worst = max(worst, (_rel(m._weight(name), want), name))
+    print(f"\n{alias} {mode}: {len(tl['weights'])} weights, worst relative difference {worst[0]:.3g} ({worst[1]})")
+    assert worst[0] <= 1e-5, worst
+
+
+def test_processing_leaves_the_attention_exact(pair):
+    """The patterns do not move with the processing: layer 0's bit for bit, the later layers'
+    within float32 rounding (fold_value_biases adds the same numbers in another order)."""
+    alias, runs = pair
+    (m, _, raw, _), (_, _, proc, _) = runs["no_processing"], runs["processed"]
+    np.testing.assert_array_equal(raw["pattern", 0], proc["pattern", 0])
+    worst = max(float(np.abs(raw["pattern", l] - proc["pattern", l]).max()) for l in range(len(m.blocks)))
+    print(f"\n{alias}: processed vs unprocessed patterns, worst difference {worst:.3g}")
+    assert worst <= 1e-5, worst
+
