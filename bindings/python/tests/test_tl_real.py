@@ -58,7 +58,7 @@ def _tl_run(gguf: str, ids, mode: str) -> dict:
     for norm in ("ln1", "ln2"):
         weights[f"{norm}.w"] = torch.stack([getattr(blk, norm).w for blk in b.blocks]).detach().numpy()
     weights["ln_final.w"] = b.ln_final.w.detach().numpy()
-    return {"logits": logits.numpy(), "acts": acts, "weights": weights}
+    return {"logits": logits.numpy(), "acts": acts, "weights": weights, "cache": cache}
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -138,3 +138,65 @@ def test_processing_leaves_the_attention_exact(pair):
     print(f"\n{alias}: processed vs unprocessed patterns, worst difference {worst:.3g}")
     assert worst <= 1e-5, worst
 
+
+def _cache_cases(n_layers: int):
+    """(method, kwargs) over every layer / pos_slice / incl_* argument form of TL's cache methods,
+    negatives included."""
+    mid = n_layers // 2
+    slices = (None, -1, 0, (1, 4), [0, 2, 3])
+    for layer in (None, -1, 0, mid, n_layers):
+        for pos in slices:
+            for kw in (dict(), dict(incl_mid=True), dict(apply_ln=True)):
+                yield "accumulated_resid", dict(layer=layer, pos_slice=pos, **kw)
+            for kw in (dict(), dict(mode="attn"), dict(mode="mlp"), dict(apply_ln=True), dict(incl_embeds=False)):
+                if layer == 0 and kw.get("incl_embeds") is False:
+                    continue  # nothing to stack: TL fails inside torch.stack, attnscope names it
+                yield "decompose_resid", dict(layer=layer, pos_slice=pos, **kw)
+        yield "accumulated_resid", dict(layer=mid, mlp_input=True, apply_ln=True)
+        yield "decompose_resid", dict(layer=mid, mlp_input=True, apply_ln=True)
+    for layer in (-1, 0, mid):
+        for pos in slices:
+            for kw in (dict(), dict(incl_remainder=True), dict(apply_ln=True)):
+                if layer == 0 and kw.get("incl_remainder"):
+                    # TL takes resid_post[layer - 1] = resid_post[-1], the final stream; the rest
+                    # of the stream before layer 0 is the embedding (attnscope's, tested below)
+                    continue
+                yield "stack_head_results", dict(layer=layer, pos_slice=pos, **kw)
+
+
+def test_every_cache_method_argument_means_what_it_means_in_transformer_lens(pair):
+    """accumulated_resid, decompose_resid, stack_head_results (and apply_ln_to_stack through
+    them) against TL's ActivationCache on the same run (processed: TL's default), labels and
+    values, for every layer / pos_slice / incl_* form."""
+    alias, runs = pair
+    m, _, cache, tl = runs["processed"]
+    n, worst = 0, (0.0, "")
+    for method, kw in _cache_cases(m.cfg.n_layers):
+        got, got_labels = getattr(cache, method)(return_labels=True, **kw)
+        want, want_labels = getattr(tl["cache"], method)(return_labels=True, **kw)
+        assert got_labels == want_labels, (method, kw)
+        worst = max(worst, (_rel(np.asarray(got), want.detach().float().numpy()), f"{method}({kw})"))
+        n += 1
+    print(f"\n{alias}: {n} cache-method calls, worst relative difference {worst[0]:.3g} ({worst[1]})")
+    assert worst[0] <= 1e-4, worst
+
+
+def test_direct_logit_attribution_recipe_gives_the_logit(pair):
+    """TL's recipe: decompose_resid(layer=-1) -> apply_ln_to_stack(layer=-1, pos_slice=-1) ->
+    @ W_U[:, token] sums to the token's logit at the last position (processed weights), and
+    logit_attrs gives TL's numbers."""
+    alias, runs = pair
+    m, logits, cache, tl = runs["processed"]
+    tok = int(np.argmax(logits[0, -1]))
+    stack = cache.decompose_resid(layer=-1, pos_slice=-1)
+    scaled = np.asarray(cache.apply_ln_to_stack(stack, layer=-1, pos_slice=-1))
+    total = float((scaled @ m.W_U[:, tok]).sum())
+    print(f"\n{alias}: DLA recipe {total:.5f} vs the logit {float(logits[0, -1, tok]):.5f}")
+    assert abs(total - float(logits[0, -1, tok])) <= 1e-4 * float(np.abs(logits).max())
+    other = (tok + 1) % m.cfg.d_vocab
+    got = np.asarray(cache.logit_attrs(stack, tok, other, pos_slice=-1))
+    tl_stack = tl["cache"].decompose_resid(layer=-1, pos_slice=-1)
+    want = tl["cache"].logit_attrs(tl_stack, tok, other, pos_slice=-1).detach().numpy()
+    assert _rel(got, want) <= 1e-4
+    rest = np.asarray(cache.stack_head_results(layer=0, incl_remainder=True))
+    assert rest.shape[0] == 1 and np.array_equal(rest[0], cache["blocks.0.hook_resid_pre"])

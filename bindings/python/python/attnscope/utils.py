@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
+
+import numpy as np
 
 # TransformerLens's aliases
 _ALIAS = {"attn": "pattern", "attn_logits": "attn_scores", "key": "k", "query": "q", "value": "v",
@@ -48,3 +50,23 @@ def get_act_name(name: str, layer: Optional[int] = None, layer_type: Optional[st
     if layer is None:
         raise ValueError(f"{name!r} is a per-layer hook: give the layer")
     return f"blocks.{int(layer)}.{suffix}"
+
+
+def tl_slice(s: Any):
+    """TransformerLens's ``Slice`` input as a numpy index: ``None`` everything, an int (numpy's,
+    or a 0-d tensor) that position (the axis dropped), a tuple ``slice(*s)``, a slice itself, a
+    list, array or tensor those positions."""
+    if s is None:
+        return slice(None)
+    if isinstance(s, slice):
+        return s
+    if isinstance(s, tuple):
+        return slice(*s)
+    if isinstance(s, (int, np.integer)) and not isinstance(s, bool):
+        return int(s)
+    a = np.asarray(s.detach().cpu().numpy() if hasattr(s, "detach") else s)
+    if a.ndim == 0 and a.dtype.kind in "iu":
+        return int(a)
+    if a.ndim == 1 and (a.dtype.kind in "iu" or a.size == 0):
+        return a.astype(np.int64)
+    raise ValueError(f"pos_slice={s!r}: use None, an int, a tuple (start, stop[, step]), a slice or a list of positions")
