@@ -249,3 +249,33 @@ def test_ov_and_qk_circuits_as_factored_matrices(smol):
     assert np.allclose(np.asarray(qk.AB), want, atol=1e-5 * np.abs(want).max())
     with pytest.raises(IndexError, match="leading dims"):
         ov[1, 4, 0]
+
+
+def test_cache_keys_in_transformer_lens_forms(smol):
+    """#59: TL's key forms resolve to the hook names (compared with TL's own cache in
+    test_tl_real.py); unknown keys raise a KeyError naming the close ones."""
+    _, cache = smol.run_with_cache("The cat sat on the mat")
+    n = smol.cfg.n_layers
+    forms = {"embed": "hook_embed", ("attn", 5): "blocks.5.attn.hook_pattern",
+             ("pattern", -1): f"blocks.{n - 1}.attn.hook_pattern", ("scale", 1, "ln1"): "blocks.1.ln1.hook_scale",
+             "scale": "ln_final.hook_scale", "z3": "blocks.3.attn.hook_z", ("pre", 4, "m"): "blocks.4.mlp.hook_pre",
+             ("resid_pre", 3, "b"): "blocks.3.hook_resid_pre", ("value", -2): f"blocks.{n - 2}.attn.hook_v",
+             ("attn.hook_z", 3): "blocks.3.attn.hook_z", ("ln2.hook_normalized", 2): "blocks.2.ln2.hook_normalized"}
+    for key, name in forms.items():
+        assert np.array_equal(np.asarray(cache[key]), np.asarray(cache[name])), key
+    with pytest.raises(KeyError, match="close ones.*blocks.3.attn.hook_z"):
+        cache["blocks.3.attn.hook_zz"]
+    with pytest.raises(KeyError, match="no hook 'patern'.*pattern"):
+        cache["patern", 2]
+    with pytest.raises(KeyError, match="out of range"):
+        cache["z", n]
+
+
+def test_config_has_transformer_lens_fields(smol):
+    """#59: HookedTransformerConfig's fields (compared with TL's in test_tl_real.py)."""
+    c = smol.cfg
+    assert (c.normalization_type, c.positional_embedding_type, c.act_fn, c.original_architecture) == (
+        "RMS", "rotary", "silu", "LlamaForCausalLM")
+    assert (c.gated_mlp, c.final_rms, c.attn_only, c.tokenizer_prepends_bos, c.d_vocab_out) == (True, True, False, False, 49152)
+    assert (c.rotary_base, c.rotary_dim, c.dtype, c.device) == (100000.0, 64, "float32", "cpu")
+    assert abs(c.eps - 1e-5) < 1e-9

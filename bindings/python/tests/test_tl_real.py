@@ -58,7 +58,7 @@ def _tl_run(gguf: str, ids, mode: str) -> dict:
     for norm in ("ln1", "ln2"):
         weights[f"{norm}.w"] = torch.stack([getattr(blk, norm).w for blk in b.blocks]).detach().numpy()
     weights["ln_final.w"] = b.ln_final.w.detach().numpy()
-    return {"logits": logits.numpy(), "acts": acts, "weights": weights, "cache": cache}
+    return {"logits": logits.numpy(), "acts": acts, "weights": weights, "cache": cache, "cfg": b.cfg}
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -200,3 +200,39 @@ def test_direct_logit_attribution_recipe_gives_the_logit(pair):
     assert _rel(got, want) <= 1e-4
     rest = np.asarray(cache.stack_head_results(layer=0, incl_remainder=True))
     assert rest.shape[0] == 1 and np.array_equal(rest[0], cache["blocks.0.hook_resid_pre"])
+
+
+KEYS = ["embed", "hook_embed", ("attn", 5), ("pattern", -1), ("scale", 1, "ln1"), ("normalized", 2, "ln2"),
+        "scale", "normalized", ("resid_pre", 3), ("resid_pre", 3, "b"), "z3", ("q", 0, "attn"), ("k", 2),
+        ("v", -2), ("attn_scores", 4), ("post", 4), ("pre", 4, "m"), ("mlp_out", 4), ("attn_out", -1),
+        ("resid_post", -1), ("rot_q", 1), ("key", 2), ("query", 2), ("value", 2), ("attn_logits", 3),
+        ("mlp_pre", 1), ("mlp_post", 1), ("pre_linear", 2), "blocks.3.attn.hook_z", "ln_final.hook_scale",
+        ("pattern", 0, "attn"), ("resid_mid", -3, "block")]
+
+
+def test_every_cache_key_form_means_what_it_means_in_transformer_lens(pair):
+    """cache[key] for TL's key forms (short names, aliases, (name, layer[, layer_type]), negative
+    layers) gives what TL's ActivationCache gives for the same key on the same run."""
+    alias, runs = pair
+    _, _, cache, tl = runs["processed"]
+    for key in KEYS:
+        want = tl["cache"][key].detach().float().numpy()
+        assert _rel(np.asarray(cache[key]), want) <= 1e-4, key
+    with pytest.raises(KeyError, match="close ones"):
+        cache["blocks.3.attn.hook_zz"]
+
+
+CFG = ("normalization_type positional_embedding_type act_fn eps d_vocab_out gated_mlp final_rms uses_rms_norm "
+       "attn_only tokenizer_prepends_bos tokenizer_appends_eos use_attn_result parallel_attn_mlp n_key_value_heads "
+       "d_head d_model d_mlp n_ctx d_vocab n_layers n_heads device").split()
+
+
+def test_config_fields_have_transformer_lens_values(pair):
+    """cfg's TransformerLens fields equal TL's for the same model (TL 4's bridge reports
+    rotary_base 10000 and rotary_dim None for every family: attnscope gives the model's own;
+    original_architecture is None in TL for a model handed over as hf_model)."""
+    alias, runs = pair
+    for mode in MODES:
+        m, tl_cfg = runs[mode][0], runs[mode][3]["cfg"]
+        diff = {f: (getattr(m.cfg, f), getattr(tl_cfg, f)) for f in CFG if getattr(m.cfg, f) != getattr(tl_cfg, f)}
+        assert not diff, (mode, diff)

@@ -115,6 +115,51 @@ class Config:
     pad_token_id: Optional[int] = None
     #: where the model runs (TransformerLens's ``cfg.device``): always the CPU
     device: str = "cpu"
+    # the rest of TransformerLens's HookedTransformerConfig that has a meaning here (#59), with
+    # TL's values for these families (``config_fields``)
+    normalization_type: Optional[str] = None
+    positional_embedding_type: str = "rotary"
+    act_fn: Optional[str] = None
+    original_architecture: Optional[str] = None
+    dtype: str = "float32"
+    eps: float = 1e-5
+    d_vocab_out: int = 0
+    gated_mlp: bool = True
+    final_rms: bool = True
+    uses_rms_norm: bool = True
+    attn_only: bool = False
+    tokenizer_prepends_bos: bool = False
+    tokenizer_appends_eos: bool = False
+    rotary_base: Optional[float] = None
+    rotary_dim: Optional[int] = None
+    use_attn_result: bool = False
+    parallel_attn_mlp: bool = False
+    tie_word_embeddings: bool = False
+
+
+# per family: (TL's act_fn, Hugging Face's architecture class)
+_FAMILY = {"qwen2": ("silu", "Qwen2ForCausalLM"), "qwen3": ("silu", "Qwen3ForCausalLM"),
+           "llama": ("silu", "LlamaForCausalLM"), "mistral": ("silu", "MistralForCausalLM"),
+           "phi3": ("silu", "Phi3ForCausalLM"), "gemma2": ("gelu_pytorch_tanh", "Gemma2ForCausalLM"),
+           "gemma3": ("gelu_pytorch_tanh", "Gemma3ForCausalLM"), "gpt2": ("gelu_new", "GPT2LMHeadModel"),
+           "bert": ("gelu", "BertModel"), "roberta": ("gelu", "RobertaModel"),
+           "distilbert": ("gelu", "DistilBertModel")}
+
+
+def config_fields(f: Dict[str, Any]) -> Dict[str, Any]:
+    """TransformerLens's config fields from the engine's facts ``f``: the norm (``RMS``, ``LN``),
+    the positions (``rotary``; GPT-2's and encoders' learned ``standard``), the activation, the
+    architecture class, ``eps``, the rotation's base and width (the model's own: TL 4's bridge
+    reports 10000 for every family), whether the tokenizer adds BOS."""
+    arch = f["arch"]
+    rms = arch not in ("gpt2", "bert", "roberta", "distilbert")
+    act, cls = _FAMILY.get(arch, (None, None))
+    rotary = rms
+    return dict(normalization_type="RMS" if rms else "LN", positional_embedding_type="rotary" if rotary else "standard",
+                act_fn=act, original_architecture=cls, eps=f.get("eps", 1e-5), d_vocab_out=f["d_vocab"],
+                gated_mlp=rms, final_rms=rms, uses_rms_norm=rms, tokenizer_prepends_bos=bool(f["adds_bos"]),
+                rotary_base=f.get("rope_base") if rotary else None, rotary_dim=f.get("rotary_dim") if rotary else None,
+                tie_word_embeddings=bool(f.get("tied_embeddings", False)))
 
 
 class ActivationCache:
@@ -131,28 +176,39 @@ class ActivationCache:
         self.model = model
 
     def _name(self, key: Any) -> str:
+        """The hook name ``key`` means, as TransformerLens's ``ActivationCache.__getitem__`` reads
+        it: a name in the cache; a short name through ``utils.get_act_name`` (``"embed"``,
+        ``"scale"``: ``ln_final``'s, ``"z3"``); a tuple ``(name, layer[, layer_type])`` with a
+        negative layer counted from the end (``("attn", 5)``: the pattern, ``("scale", 1,
+        "ln1")``). An unknown name raises a KeyError naming the close ones."""
         if isinstance(key, str):
-            return key
-        if isinstance(key, tuple) and len(key) == 3 and isinstance(key[0], str):
-            # TransformerLens's cache["pattern", 0, "attn"]: the third part names the block part
-            kind, layer, _ = key
-            return self._name((kind, layer))
-        if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str):
-            kind, layer = key
-            suffix = _SHORT.get(kind)
-            if suffix is None:
-                raise KeyError(f"unknown activation {kind!r}; known: {sorted(set(_SHORT))}")
-            if not -self.n_layers <= int(layer) < self.n_layers:
-                raise KeyError(f"layer {layer} is out of range: the model has {self.n_layers} layers")
-            return f"blocks.{int(layer) % self.n_layers}.{suffix}"
-        raise KeyError(f"{key!r}: use a hook name or (name, layer)")
+            if key in self.cache_dict:
+                return key
+            return self._act_name(key, (key,))
+        if isinstance(key, tuple) and 2 <= len(key) <= 3 and isinstance(key[0], str):
+            kind, layer, *rest = key
+            if layer is not None:
+                if not -self.n_layers <= int(layer) < self.n_layers:
+                    raise KeyError(f"layer {layer} is out of range: the model has {self.n_layers} layers")
+                layer = int(layer) % self.n_layers
+            return self._act_name(key, (kind, layer, *rest))
+        raise KeyError(f"{key!r}: use a hook name, or (name, layer[, layer_type]) as in TransformerLens")
+
+    def _act_name(self, key: Any, args: tuple) -> str:
+        try:
+            return utils.get_act_name(*args)
+        except ValueError as e:
+            raise KeyError(f"{key!r}: {e}") from None
 
     def __getitem__(self, key: Any) -> np.ndarray:
         name = self._name(key)
         try:
             return _wrap(self.cache_dict[name])
         except KeyError:
-            raise KeyError(f"{name} was not captured (names_filter); captured: {list(self.cache_dict)[:6]}...") from None
+            import difflib
+            close = difflib.get_close_matches(name, list(self.cache_dict), n=4, cutoff=0.6)
+            hint = f"; close ones: {close}" if close else f"; captured: {list(self.cache_dict)[:6]}..."
+            raise KeyError(f"{name} is not in the cache (not captured: names_filter, or no such hook){hint}") from None
 
     def __contains__(self, key: Any) -> bool:
         try:
@@ -482,7 +538,7 @@ class HookedModel:
             model_name=f["name"], architecture=f["arch"], n_layers=f["n_layers"], n_heads=f["n_heads"],
             n_key_value_heads=f["n_kv_heads"], d_head=f["head_dim"], d_model=f["d_model"], d_mlp=f["d_ff"],
             n_ctx=f["n_ctx"], d_vocab=f["d_vocab"], precision=f["precision"], default_prepend_bos=f["adds_bos"],
-            pad_token_id=f.get("pad_id"),
+            pad_token_id=f.get("pad_id"), **config_fields(f),
         )
         self.facts = f
         #: an encoder (BERT): bidirectional attention, no next-token logits; a 2-tuple of texts

@@ -24,10 +24,16 @@ def get_act_name(name: str, layer: Optional[int] = None, layer_type: Optional[st
     if name.startswith("blocks.") or name.startswith("ln_final.") or name.startswith("hook_") and layer is None:
         return name
     key = name
+    if layer is not None and (name.startswith("hook_") or "." in name):
+        # a block's hook suffix with its layer (attnscope's ("attn.hook_z", 3), ("ln1.hook_scale", 3))
+        part, _, hook = name.rpartition(".")
+        key = hook[len("hook_"):] if hook.startswith("hook_") else hook
+        if part in ("ln1", "ln2") and layer_type is None:
+            layer_type = part
     # TransformerLens also accepts e.g. "z3" or "pattern3a" (a: attn, m: mlp)
-    digits = "".join(c for c in name if c.isdigit())
-    if layer is None and digits and name.rstrip("a").rstrip("m").endswith(digits):
-        key = name[: name.index(digits)]
+    digits = "".join(c for c in key if c.isdigit())
+    if layer is None and digits and key.rstrip("a").rstrip("m").endswith(digits):
+        key = key[: key.index(digits)]
         layer = int(digits)
     key = _ALIAS.get(key, key)
     if key in ("embed", "pos_embed"):
