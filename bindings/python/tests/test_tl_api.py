@@ -279,3 +279,15 @@ def test_config_has_transformer_lens_fields(smol):
     assert (c.gated_mlp, c.final_rms, c.attn_only, c.tokenizer_prepends_bos, c.d_vocab_out) == (True, True, False, False, 49152)
     assert (c.rotary_base, c.rotary_dim, c.dtype, c.device) == (100000.0, 64, "float32", "cpu")
     assert abs(c.eps - 1e-5) < 1e-9
+
+
+def test_utils_helpers_as_transformer_lens_has_them(smol, capsys):
+    """#59: utils.test_prompt prints TL's table and ranks (compared with TL's own in
+    test_tl_real.py); to_numpy, get_device."""
+    attnscope.utils.test_prompt("The capital of France is", ["Paris", "London"], smol, top_k=2)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "Tokenized prompt: ['The', ' capital', ' of', ' France', ' is']"
+    assert out[-1] == "Ranks of the answer tokens: [[(' Paris', 0), (' London', 2)]]"
+    assert sum(line.startswith("Top ") for line in out) == 2
+    assert attnscope.utils.get_device() == "cpu"
+    assert np.array_equal(attnscope.utils.to_numpy([1, 2]), np.array([1, 2]))

@@ -58,7 +58,7 @@ def _tl_run(gguf: str, ids, mode: str) -> dict:
     for norm in ("ln1", "ln2"):
         weights[f"{norm}.w"] = torch.stack([getattr(blk, norm).w for blk in b.blocks]).detach().numpy()
     weights["ln_final.w"] = b.ln_final.w.detach().numpy()
-    return {"logits": logits.numpy(), "acts": acts, "weights": weights, "cache": cache, "cfg": b.cfg}
+    return {"logits": logits.numpy(), "acts": acts, "weights": weights, "cache": cache, "cfg": b.cfg, "bridge": b}
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -236,3 +236,20 @@ def test_config_fields_have_transformer_lens_values(pair):
         m, tl_cfg = runs[mode][0], runs[mode][3]["cfg"]
         diff = {f: (getattr(m.cfg, f), getattr(tl_cfg, f)) for f in CFG if getattr(m.cfg, f) != getattr(tl_cfg, f)}
         assert not diff, (mode, diff)
+
+
+def test_test_prompt_prints_transformer_lens_ranks(pair, capsys):
+    """utils.test_prompt: the same tokenization, answer ranks and top tokens as TL's own."""
+    from transformer_lens import utilities as tl_utils  # TL 4: utilities (utils before 4.0)
+    alias, runs = pair
+    m, _, _, tl = runs["processed"]
+    for answer in ("mat", ["mat", "floor", "chair"]):
+        tl_utils.test_prompt("The cat sat on the", answer, tl["bridge"], prepend_bos=False, top_k=5)
+        want = capsys.readouterr().out.splitlines()
+        attnscope.utils.test_prompt("The cat sat on the", answer, m, prepend_bos=False, top_k=5)
+        got = capsys.readouterr().out.splitlines()
+        assert got[-1] == want[-1] and got[:2] == want[:2]
+        tops = [line.rsplit("Token: ", 1)[1] for line in got if line.startswith("Top ")]
+        assert tops == [line.rsplit("Token: ", 1)[1] for line in want if line.startswith("Top ")]
+    with capsys.disabled():
+        print(f"\n{alias}: test_prompt's ranks equal TL's: {got[-1]}")

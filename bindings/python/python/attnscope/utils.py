@@ -76,3 +76,61 @@ def tl_slice(s: Any):
     if a.ndim == 1 and (a.dtype.kind in "iu" or a.size == 0):
         return a.astype(np.int64)
     raise ValueError(f"pos_slice={s!r}: use None, an int, a tuple (start, stop[, step]), a slice or a list of positions")
+
+
+def test_prompt(prompt: str, answer, model, prepend_space_to_answer: bool = True, print_details: bool = True,
+                prepend_bos: Optional[bool] = None, top_k: int = 10) -> None:
+    """TransformerLens's ``utils.test_prompt``: how the model does on ``answer`` (a string: every
+    token of it; a list: the first token of each, as alternatives) after ``prompt``: the rank,
+    logit and probability of each answer token and the ``top_k`` tokens, printed as TL prints
+    them (without rich's bold), then the ranks. Returns None, as TL."""
+    answers = [answer] if isinstance(answer, str) else list(answer)
+    multi = len(answers) > 1
+    if prepend_space_to_answer:
+        answers = [a if a.startswith(" ") else " " + a for a in answers]
+    p = np.asarray(model.to_tokens(prompt, prepend_bos=prepend_bos))[0]
+    if multi:
+        ans = [np.asarray(model.to_tokens(a, prepend_bos=False))[0, :1] for a in answers]
+    else:
+        ans = [np.asarray(model.to_tokens(answers[0], prepend_bos=False))[0]]
+    tokens = np.stack([np.concatenate([p, a]) for a in ans]).astype(np.int64)
+    prompt_str = model.to_str_tokens(prompt, prepend_bos=prepend_bos)
+    ans_str = [model.to_str_tokens(a, prepend_bos=False) for a in answers]
+    n_prompt, n_answer = len(prompt_str), 1 if multi else len(ans_str[0])
+    if print_details:
+        print("Tokenized prompt:", prompt_str)
+        print("Tokenized answers:" if multi else "Tokenized answer:", ans_str if multi else ans_str[0])
+    logits = np.asarray(model(tokens), dtype=np.float64)
+    z = logits - logits.max(-1, keepdims=True)
+    probs = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
+    ranks = []
+    for index in range(n_prompt, n_prompt + n_answer):
+        toks = tokens[:, index]
+        strs = [a[index - n_prompt] for a in ans_str]
+        order = np.argsort(-probs[:, index - 1], axis=-1, kind="stable")
+        rank = [int(np.nonzero(order[i] == toks[i])[0][0]) for i in range(len(answers))]
+        ranks.append(list(zip(strs, rank)))
+        if print_details:
+            print(f"Performance on answer token{'s' if multi else ''}:\n" + "\n".join(
+                f"Rank: {rank[i]: <8} Logit: {logits[i, index - 1, toks[i]]:5.2f} Prob: {probs[i, index - 1, toks[i]]:6.2%} Token: |{strs[i]}|"
+                for i in range(len(answers))))
+            for i in range(top_k):
+                t = int(order[0, i])
+                print(f"Top {i}th token. Logit: {logits[0, index - 1, t]:5.2f} Prob: {probs[0, index - 1, t]:6.2%} Token: |{model.to_string(t)}|")
+    print("Ranks of the answer tokens:", [r[0] for r in ranks] if not multi else ranks)
+
+
+test_prompt.__test__ = False  # pytest: a helper, not a test
+
+
+def to_numpy(tensor) -> np.ndarray:
+    """TransformerLens's ``utils.to_numpy``: a torch tensor (detached, on the CPU), a list or a
+    number as a numpy array."""
+    if hasattr(tensor, "detach"):
+        return tensor.detach().cpu().numpy()
+    return np.asarray(tensor)
+
+
+def get_device() -> str:
+    """TransformerLens's ``utils.get_device``: attnscope runs on the CPU."""
+    return "cpu"
