@@ -6,7 +6,10 @@ is Captum's time over the mean of attnscope's two. Both explain log p(top next t
 position for the same token ids; the largest difference between their scores is printed too.
 
     PYTHONPATH=/path/to/captum ~/.hfenv/bin/python benches/ig_vs_captum.py \\
-        [--model smollm2-135m] [--n 128] [--steps 32] [--bin target/release/attnscope] [--threads 2]
+        [--model smollm2-135m] [--n 128] [--steps 32] [--bin target/release/attnscope] [--threads 2] [--smoke]
+
+`--smoke`: 16 tokens, 4 steps (checks the script; without torch, transformers and Captum it says
+so and times attnscope alone, the text cut by words). Ends with a table: one row per side.
 
 Captum imports matplotlib for its plots only; where matplotlib is missing, a stub stands in
 (IntegratedGradients never draws).
@@ -21,6 +24,8 @@ import sys
 import tempfile
 import time
 import types
+
+from bench_util import models_dir, reference, table
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -63,6 +68,48 @@ def stub_matplotlib():
     sys.meta_path.insert(0, Finder())
 
 
+def imports():
+    stub_matplotlib()
+    import torch
+    from captum.attr import IntegratedGradients
+    import transformers
+    return torch, IntegratedGradients, transformers
+
+
+def ours(a, text, ids):
+    """attnscope's integrated gradients of `text` (the CLI, start to end): seconds and its JSON."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "text.txt")
+        open(path, "w").write(text)
+        t0 = time.perf_counter()
+        r = subprocess.run([a.bin, "attribute", "-m", a.model, "--no-bos", "-f", path, "--method",
+                            "integrated-gradients", "--steps", str(a.steps), "--json"],
+                           check=True, capture_output=True, text=True)
+        el = time.perf_counter() - t0
+    j = json.loads(r.stdout)
+    assert ids is None or [t["id"] for t in j["tokens"]] == ids, "attnscope tokenized the text differently"
+    return el, j
+
+
+def captum(a, mods, model, ids):
+    """Captum's integrated gradients of log p(top next token): seconds, the target, the scores, the gap."""
+    torch, IntegratedGradients, _ = mods
+    t = torch.tensor([ids])
+    x = model.get_input_embeddings()(t).detach()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        target = int(model(t, use_cache=False).logits[0, -1].argmax())
+
+    def f(e):
+        return torch.log_softmax(model(inputs_embeds=e, use_cache=False).logits[:, -1].float(), -1)[:, target]
+
+    attr, delta = IntegratedGradients(f).attribute(
+        x, baselines=torch.zeros_like(x), n_steps=a.steps, method="riemann_middle",
+        internal_batch_size=a.batch, return_convergence_delta=True)
+    el = time.perf_counter() - t0
+    return el, target, attr[0].sum(-1).tolist(), float(delta)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -71,56 +118,31 @@ def main():
     ap.add_argument("--bin", default="target/release/attnscope")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--batch", type=int, default=8, help="Captum's internal_batch_size")
+    ap.add_argument("--smoke", action="store_true", help="16 tokens, 4 steps: checks the script")
     a = ap.parse_args()
-    stub_matplotlib()
-    import torch
-    from captum.attr import IntegratedGradients
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    if a.smoke:
+        a.n, a.steps = 16, 4
+    mods = reference(a.smoke, "Captum", imports)
+    if mods is None:
+        text = " ".join(TEXT.split()[: max(1, a.n * 3 // 4)])
+        t1, j = ours(a, text, None)
+        table(["side", "tokens", "steps", "seconds"],
+              [{"side": "attnscope attribute (whole process)", "tokens": len(j["tokens"]), "steps": a.steps, "seconds": t1}])
+        return
+    torch, _, transformers = mods
     torch.set_num_threads(a.threads)
-    d = os.path.expanduser("~/.cache/attnscope/models")
-    g = a.model + ".gguf"
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=g)
+    d, g = models_dir(), a.model + ".gguf"
+    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=g)
     ids = tok((TEXT + " ") * 4, add_special_tokens=False)["input_ids"][: a.n]
     text = tok.decode(ids)
     assert tok(text, add_special_tokens=False)["input_ids"] == ids, "the text does not round-trip"
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=g, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=g, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
     for p in model.parameters():
         p.requires_grad_(False)
-
-    def ours(path):
-        t0 = time.perf_counter()
-        r = subprocess.run([a.bin, "attribute", "-m", a.model, "--no-bos", "-f", path, "--method",
-                            "integrated-gradients", "--steps", str(a.steps), "--json"],
-                           check=True, capture_output=True, text=True)
-        el = time.perf_counter() - t0
-        j = json.loads(r.stdout)
-        assert [t["id"] for t in j["tokens"]] == ids, "attnscope tokenized the text differently"
-        return el, j
-
-    def captum():
-        t = torch.tensor([ids])
-        x = model.get_input_embeddings()(t).detach()
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            target = int(model(t, use_cache=False).logits[0, -1].argmax())
-
-        def f(e):
-            return torch.log_softmax(model(inputs_embeds=e, use_cache=False).logits[:, -1].float(), -1)[:, target]
-
-        attr, delta = IntegratedGradients(f).attribute(
-            x, baselines=torch.zeros_like(x), n_steps=a.steps, method="riemann_middle",
-            internal_batch_size=a.batch, return_convergence_delta=True)
-        el = time.perf_counter() - t0
-        return el, target, attr[0].sum(-1).tolist(), float(delta)
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "text.txt")
-        open(path, "w").write(text)
-        t1, j = ours(path)
-        tc, target, scores, delta = captum()
-        t2, _ = ours(path)
+    t1, j = ours(a, text, ids)
+    tc, target, scores, delta = captum(a, mods, model, ids)
+    t2, _ = ours(a, text, ids)
     mine = [t["score"] for t in j["tokens"]]
     diff = max(abs(x - y) for x, y in zip(mine, scores))
     big = max(abs(y) for y in scores)
@@ -136,6 +158,10 @@ def main():
     print(f"{a.model}, {len(ids)} tokens, {a.steps} steps: attnscope {t1:.1f} s / {t2:.1f} s, "
           f"Captum {tc:.1f} s: attnscope {tc / mean:.2f}x faster; scores within {diff:.2e} "
           f"(largest {big:.2f})", file=sys.stderr)
+    table(["side", "tokens", "steps", "seconds", "ratio", "max score diff"],
+          [{"side": "attnscope attribute (whole process, mean of 2)", "tokens": len(ids), "steps": a.steps, "seconds": mean},
+           {"side": "Captum IntegratedGradients", "tokens": len(ids), "steps": a.steps, "seconds": tc,
+            "ratio": tc / mean, "max score diff": diff}])
 
 
 if __name__ == "__main__":

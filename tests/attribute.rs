@@ -47,21 +47,34 @@ fn flat(v: &serde_json::Value) -> Vec<f64> {
     }
 }
 
-/// `max |got − want| / max |want|`, printed.
-fn rel_err(got: &[f64], want: &[f64], label: &str) -> f64 {
-    assert_eq!(got.len(), want.len(), "{label}: lengths");
-    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
-    let err = got
+/// The bound against torch autograd, relative to the largest score (as tests/gradients.rs).
+const AUTOGRAD: f64 = 3e-4;
+
+/// A command's per-token scores (`tokens[i].score`, a `null` a NaN cell) against a reference's,
+/// cell by cell, within `rel` of the reference's largest value.
+fn assert_scores(label: &str, v: &serde_json::Value, want: &[f64], rel: f64) -> f64 {
+    let got = v["tokens"]
+        .as_array()
+        .unwrap()
         .iter()
-        .zip(want)
-        .map(|(g, w)| (g - w).abs())
-        // a NaN is the largest error, never dropped
-        .fold(
-            0f64,
-            |m, e| if e.is_nan() { f64::INFINITY } else { m.max(e) },
-        );
-    eprintln!("{label}: worst |error| {err:.3e} of the largest value {scale:.3e}");
-    err / scale.max(1e-30)
+        .enumerate()
+        .map(|(i, t)| (i, t["score"].as_f64().unwrap_or(f64::NAN)));
+    common::assert_cells(
+        label,
+        got,
+        want.iter().copied().enumerate(),
+        common::Bound::RelMax(rel),
+    )
+}
+
+/// A command's log p against a reference's, within 1e-4.
+fn assert_logprob(label: &str, got: &serde_json::Value, want: &serde_json::Value) {
+    common::assert_cells(
+        label,
+        [((), got.as_f64().unwrap_or(f64::NAN))],
+        [((), want.as_f64().unwrap())],
+        common::Bound::Abs(1e-4),
+    );
 }
 
 /// The lesson sentence's scores from `attribute --json` against torch autograd: gradient norms,
@@ -74,28 +87,26 @@ fn against_autograd(alias: &str, short: &str) {
     let run = |method: &str| json(&["attribute", "-m", alias, "--method", method, "--json"]);
     let g = run("gradient");
     check_target_logprob_and_tokens(&g, r, short);
-    let mut worst = rel_err(
-        &scores(&g),
+    assert_scores(
+        &format!("{short} gradient [token] vs autograd"),
+        &g,
         &flat(&r["grad_input_l2"]),
-        &format!("{short} gradient"),
+        AUTOGRAD,
     );
-    worst = worst.max(rel_err(
-        &scores(&run("grad-x-input")),
+    assert_scores(
+        &format!("{short} grad-x-input [token] vs autograd"),
+        &run("grad-x-input"),
         &flat(&r["grad_input_gxi"]),
-        &format!("{short} grad-x-input"),
-    ));
-    worst = worst.max(rel_err(
-        &scores(&run("attention-x-gradient")),
-        &attention_x_gradient_from_autograd(short, r),
-        &format!("{short} attention-x-gradient"),
-    ));
-    assert!(worst < 1e-3, "{short}: worst relative error {worst:.2e}");
-    let (want, bound) = common::ig_reference(short, r);
-    let err = integrated_gradients_error(alias, short, &want, bound);
-    assert!(
-        err < bound,
-        "{short}: integrated gradients' relative error {err:.2e} (bound {bound:.0e})"
+        AUTOGRAD,
     );
+    assert_scores(
+        &format!("{short} attention-x-gradient [token] vs autograd"),
+        &run("attention-x-gradient"),
+        &attention_x_gradient_from_autograd(short, r),
+        AUTOGRAD,
+    );
+    let (want, bound) = common::ig_reference(short, r);
+    check_ig_against_reference(alias, short, &want, bound);
 }
 
 /// `attribute --method gradient --json` (`g`) explains the reference's target, with its log p,
@@ -108,7 +119,11 @@ fn check_target_logprob_and_tokens(g: &serde_json::Value, r: &serde_json::Value,
         r["target_id"].as_f64(),
         "{short}"
     );
-    assert!((g["logprob"].as_f64().unwrap() - r["logprob"].as_f64().unwrap()).abs() < 1e-3);
+    assert_logprob(
+        &format!("{short}: log p of the target"),
+        &g["logprob"],
+        &r["logprob"],
+    );
     let got_ids: Vec<u64> = g["tokens"]
         .as_array()
         .unwrap()
@@ -142,9 +157,9 @@ fn attention_x_gradient_from_autograd(short: &str, r: &serde_json::Value) -> Vec
         .collect()
 }
 
-/// Integrated gradients (32 midpoints) against the reference `r`'s: the completeness gap checked
-/// here (within `bound` of it, or of 1), the scores' relative error returned.
-fn integrated_gradients_error(alias: &str, short: &str, r: &serde_json::Value, bound: f64) -> f64 {
+/// Integrated gradients (32 midpoints) against the reference `r`'s ([`common::ig_reference`]):
+/// the scores and the completeness gap within `bound` of the largest score, and of max(|gap|, 1).
+fn check_ig_against_reference(alias: &str, short: &str, r: &serde_json::Value, bound: f64) {
     let v = json(&[
         "attribute",
         "-m",
@@ -156,17 +171,23 @@ fn integrated_gradients_error(alias: &str, short: &str, r: &serde_json::Value, b
         "--json",
     ]);
     assert_eq!(v["steps"], 32);
-    let err = rel_err(&scores(&v), &flat(&r["ig"]), &format!("{short} ig"));
+    assert_scores(
+        &format!("{short} ig [token] vs the reference"),
+        &v,
+        &flat(&r["ig"]),
+        bound,
+    );
     let (gap, want) = (
-        v["completeness_gap"].as_f64().unwrap(),
+        v["completeness_gap"].as_f64().unwrap_or(f64::NAN),
         r["ig_completeness_gap"].as_f64().unwrap(),
     );
-    eprintln!("{short}: completeness gap {gap} vs {want}");
-    assert!(
-        (gap - want).abs() < bound * want.abs().max(1.0),
-        "{short}: gap"
+    let scale = want.abs().max(1.0);
+    common::assert_cells(
+        &format!("{short}: completeness gap / max(|gap|, 1) vs the reference"),
+        [((), gap / scale)],
+        [((), want / scale)],
+        common::Bound::Abs(bound),
     );
-    err
 }
 
 #[test]
@@ -197,9 +218,12 @@ fn smol_occlusion_against_transformers() {
     ]);
     assert_eq!(v["target"]["id"].as_u64(), g["target_id"].as_u64());
     let want: Vec<f64> = flat(&g["loo_delta"]).iter().map(|d| -d).collect();
-    let err = rel_err(&scores(&v), &want, "smol occlusion");
-    assert!(err < 1e-3, "{err}");
-    assert!((v["logprob"].as_f64().unwrap() - g["target_logprob"].as_f64().unwrap()).abs() < 1e-3);
+    assert_scores("smol occlusion [token] vs transformers", &v, &want, 1e-5);
+    assert_logprob(
+        "smol occlusion: log p of the target",
+        &v["logprob"],
+        &g["target_logprob"],
+    );
 }
 
 fn tiny(dir: &tempfile::TempDir) -> (String, Model) {
@@ -288,13 +312,13 @@ fn check_gradient_json(t: &Tiny) {
             .chunks(t.dm())
             .map(|r| r.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt())
             .collect();
-    assert!(rel_err(&scores(&v), &norms, "tiny gradient") < 1e-6);
+    assert_scores("tiny gradient", &v, &norms, 1e-6);
 }
 
 fn check_grad_x_input(t: &Tiny) {
     let gxi = grad_x_input(&t.g, t.dm());
     let v = t.run(&["--method", "grad-x-input"]);
-    assert!(rel_err(&scores(&v), &gxi, "tiny grad-x-input") < 1e-5);
+    assert_scores("tiny grad-x-input", &v, &gxi, 1e-5);
 }
 
 /// Attention × gradient: non-negative, and 0 wherever every layer's pattern is 0 (none here:
@@ -320,7 +344,7 @@ fn check_occlusion_equals_fresh_forwards(t: &Tiny) {
             full - lp(&shorter)
         })
         .collect();
-    assert!(rel_err(&scores(&v), &want, "tiny occlusion") < 1e-4);
+    assert_scores("tiny occlusion", &v, &want, 1e-4);
 }
 
 /// Integrated gradients by hand: the midpoint sum and its completeness gap, recomputed here from
@@ -367,7 +391,7 @@ fn check_integrated_gradients(t: &Tiny) {
     let v = t.run(&["--method", "integrated-gradients", "--steps", "8"]);
     assert_eq!(v["steps"], 8);
     let (want, want_gap) = ig_by_hand(t, Metric::LogProb(Some(t.g.target)), 8);
-    assert!(rel_err(&scores(&v), &want, "tiny IG") < 1e-5);
+    assert_scores("tiny IG", &v, &want, 1e-5);
     assert_gap(&v, want_gap);
     let coarse = t.run(&["--method", "integrated-gradients", "--steps", "1"]);
     assert_eq!(coarse["steps"], 1);
@@ -399,7 +423,7 @@ fn check_logit_difference_integrated_gradients(t: &Tiny, a: u32, w: u32) {
         },
         8,
     );
-    assert!(rel_err(&scores(&v), &want, "tiny logit-diff IG") < 1e-5);
+    assert_scores("tiny logit-diff IG", &v, &want, 1e-5);
     assert_gap(&v, want_gap);
 }
 
@@ -425,7 +449,7 @@ fn check_logit_difference_grad_x_input(t: &Tiny, a: u32, w: u32) {
         )
         .unwrap();
     let want = grad_x_input(&gd, t.dm());
-    assert!(rel_err(&scores(&v), &want, "tiny logit-diff grad-x-input") < 1e-5);
+    assert_scores("tiny logit-diff grad-x-input", &v, &want, 1e-5);
 }
 
 /// The terminal: a table and the shaded text (marks without colour), the gap for IG.

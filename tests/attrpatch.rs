@@ -13,7 +13,8 @@ use attnscope::model::Error;
 use common::*;
 
 /// Every layer × position (resid_pre, attn_out, mlp_out) and layer × head (z) estimate within
-/// 1e-3 of the largest, against `tests/golden/<prefix>_attrpatch.json` (make_hookgrad_golden.py).
+/// 3e-5 of the largest (measured: 4.1e-6, Qwen2.5's mlp_out), against
+/// `tests/golden/<prefix>_attrpatch.json` (make_hookgrad_golden.py).
 fn check_attribution_patching(alias: &str, prefix: &str) {
     let model = real_model(alias);
     let g = golden_json(&format!("{prefix}_attrpatch.json"));
@@ -24,44 +25,48 @@ fn check_attribution_patching(alias: &str, prefix: &str) {
         g["wrong_id"].as_u64().unwrap() as u32,
     );
     let r = attribution_patch(model, &clean, &corrupt, answer, wrong).unwrap();
-    for (got, key) in [
-        (r.clean_logit_diff, "clean_logit_diff"),
-        (r.corrupt_logit_diff, "corrupt_logit_diff"),
-    ] {
-        let want = g[key].as_f64().unwrap();
-        assert!((got as f64 - want).abs() < 1e-4, "{key}: {got} vs {want}");
-    }
+    assert_cells(
+        &format!("{alias}: clean and corrupt logit differences"),
+        [
+            ("clean", r.clean_logit_diff as f64),
+            ("corrupt", r.corrupt_logit_diff as f64),
+        ],
+        [
+            ("clean", g["clean_logit_diff"].as_f64().unwrap()),
+            ("corrupt", g["corrupt_logit_diff"].as_f64().unwrap()),
+        ],
+        Bound::Abs(1e-4),
+    );
     assert_eq!(r.kinds.len(), 4);
+    let span = (r.clean_logit_diff - r.corrupt_logit_diff) as f64;
     for (kind, name) in r.kinds.iter().zip(APPROX_HOOKS) {
         assert_eq!(kind.hook, name);
         let key = name.rsplit('.').next().unwrap();
-        let want: Vec<Vec<f64>> = g[key]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|row| {
-                row.as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|v| v.as_f64().unwrap())
-                    .collect()
-            })
+        let want: Vec<((usize, usize), f64)> = json_cells(&g[key])
+            .into_iter()
+            .map(|(i, w)| ((i[0], i[1]), w))
             .collect();
-        let cols = want[0].len();
-        assert_eq!(kind.results.len(), want.len() * cols, "{name}");
-        let largest = want.iter().flatten().fold(0f64, |m, v| m.max(v.abs()));
-        let mut worst = 0f64;
-        for c in &kind.results {
-            let j = c.pos.or(c.head).unwrap();
-            worst = worst.max((c.estimate as f64 - want[c.layer][j]).abs());
-            let span = (r.clean_logit_diff - r.corrupt_logit_diff) as f64;
-            assert!((c.recovered as f64 - c.estimate as f64 / span).abs() < 1e-6);
-        }
-        eprintln!("{alias} {name}: worst |estimate − torch| {worst:.2e} (largest {largest:.3})");
+        let largest = want.iter().fold(0f64, |m, &(_, v)| m.max(v.abs()));
         assert!(largest > 0.1, "{name}: some estimate must matter");
-        assert!(
-            worst <= 1e-3 * largest,
-            "{name}: off by {worst:.3e} (largest {largest:.3})"
+        // every layer × position (× head for z) of the reference, each once
+        assert_cells(
+            &format!("{alias} {name}: estimate [layer, position | head] vs torch"),
+            kind.results.iter().map(|c| {
+                let j = c.pos.or(c.head).expect("a position or a head");
+                ((c.layer, j), c.estimate as f64)
+            }),
+            want,
+            Bound::RelMax(3e-5),
+        );
+        assert_cells(
+            &format!("{alias} {name}: recovered = estimate / (clean - corrupt)"),
+            kind.results
+                .iter()
+                .map(|c| ((c.layer, c.pos, c.head), c.recovered as f64)),
+            kind.results
+                .iter()
+                .map(|c| ((c.layer, c.pos, c.head), c.estimate as f64 / span)),
+            Bound::Abs(1e-6),
         );
     }
     // beside the exact patching: resid_pre at position 0 changes nothing (the same token), and
@@ -285,7 +290,8 @@ fn patch_approx_json_and_refusal() {
 /// (`tests/golden/gemma_hook_grads/`, make_gemma_hookgrad_golden.py): the scaled embedding, a
 /// resid_pre, a sliding-window and a global layer's pattern, z, v, rot_q and rot_k after the q/k
 /// norms and RoPE, attn_out and mlp_out after the post-norms; for log p(top token), the loss and
-/// a logit difference. Each within 1e-3 of its largest value, in TransformerLens's shapes.
+/// a logit difference. Each within 1e-4 of its largest value (measured: at most 1.8e-5, the lp
+/// gradient at blocks.17.hook_resid_pre), in TransformerLens's shapes.
 #[test]
 fn gemma_hook_gradients_match_torch() {
     let model = real_model("gemma3-270m");
@@ -335,35 +341,47 @@ fn gemma_hook_gradients_match_torch() {
             .hook_gradients(&tokens, metric, &|n: &str| names.iter().any(|x| x == n))
             .unwrap();
         let want_value = v[value_key].as_f64().unwrap();
-        assert!(
-            (h.value as f64 - want_value).abs() < 1e-4 * want_value.abs().max(1.0),
-            "{scalar}: value {} vs torch {want_value}",
-            h.value
+        assert_cells(
+            &format!("gemma {scalar}: value vs torch (1e-4 of max(|value|, 1))"),
+            [((), h.value as f64 / want_value.abs().max(1.0))],
+            [((), want_value / want_value.abs().max(1.0))],
+            Bound::Abs(1e-4),
         );
         if scalar == "lp" {
             assert_eq!(h.target as u64, v["target_id"].as_u64().unwrap());
         }
         for (file, grad_name) in &mine {
-            let (shape, want) = golden_npy(&format!("gemma_hook_grads/{file}"));
-            let (_, got_shape, got) = h
-                .grads
-                .iter()
-                .find(|(k, _, _)| k == grad_name)
-                .unwrap_or_else(|| panic!("{grad_name} missing"));
-            assert_eq!(got_shape, &shape, "{scalar} {grad_name}: shape");
-            let largest = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let worst = got
-                .iter()
-                .zip(&want)
-                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-            eprintln!("gemma {scalar} {grad_name}: worst {worst:.2e} (largest {largest:.3e})");
-            assert!(largest > 0.0, "{scalar} {grad_name}: all zero");
-            assert!(
-                worst <= 1e-3 * largest,
-                "{scalar} {grad_name}: off by {worst:.3e} (largest {largest:.3e})"
-            );
+            gemma_hook_gradient_matches(&h, scalar, file, grad_name);
             checked += 1;
         }
     }
     assert_eq!(checked, files.len());
+}
+
+/// One of `h`'s gradients (`grad_name`) against the golden `file`: the same shape, every cell
+/// within 1e-4 of the largest value.
+fn gemma_hook_gradient_matches(
+    h: &attnscope::model::backward::HookGradients,
+    scalar: &str,
+    file: &str,
+    grad_name: &str,
+) {
+    let (shape, want) = golden_npy(&format!("gemma_hook_grads/{file}"));
+    let (_, got_shape, got) = h
+        .grads
+        .iter()
+        .find(|(k, _, _)| k == grad_name)
+        .unwrap_or_else(|| panic!("{grad_name} missing"));
+    assert_eq!(got_shape, &shape, "{scalar} {grad_name}: shape");
+    assert!(
+        want.iter().any(|&v| v != 0.0),
+        "{scalar} {grad_name}: all zero"
+    );
+    assert_array(
+        &format!("gemma {scalar} {grad_name} vs torch"),
+        &shape,
+        got,
+        &want,
+        Bound::RelMax(1e-4),
+    );
 }

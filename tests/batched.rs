@@ -84,6 +84,7 @@ fn many_texts_in_one_forward_equal_their_own_forwards() {
                 assert_eq!(got, want, "{label}: patterns, values, layer outputs");
             } else {
                 assert_close(&logits[i], &out.logits[0], 1e-4, &label);
+                assert_eq!(got.len(), want.len(), "{label}: captured tensors");
                 for (g, w) in got.iter().zip(&want) {
                     assert_close(g, w, 1e-4, &label);
                 }

@@ -507,3 +507,25 @@ fn compare_page_works_in_a_real_browser() {
         String::from_utf8_lossy(&res.stderr)
     );
 }
+
+/// The page checks' one comparison (`tests/browser/cells.mjs`) fails on what a plain
+/// `Math.abs(a - b) > tol` lets through: `+undefined`, a NaN, an infinity, a missing or an
+/// extra cell (`tests/browser/cells_check.mjs` runs each case; node only, no browser).
+#[test]
+#[cfg_attr(
+    browser_missing,
+    ignore = "no browser here (tests/browser/find-browser.sh says what is missing); .ci/run installs one"
+)]
+fn page_checks_compare_cell_by_cell() {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/browser/cells_check.mjs");
+    let out = std::process::Command::new("node")
+        .arg(script)
+        .output()
+        .expect("node runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.trim() == "ok",
+        "cells_check.mjs:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

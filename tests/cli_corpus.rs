@@ -269,6 +269,8 @@ fn corpus_record(
     let per_head = vec![vec![0.5f32; heads]; layers];
     serde_json::json!({
         "id": id, "text": text, "model": model, "n_tokens": 3,
+        "model_sha256": "ab".repeat(32), "bos": false, "precision": "exact",
+        "attnscope_version": env!("CARGO_PKG_VERSION"),
         "sink_query": vec![0.4f32; layers], "sink_all": vec![0.6f32; layers],
         "head_alpha1": per_head, "head_max_last": per_head, "head_mean_max": per_head,
         "head_mean_entropy": per_head,
@@ -358,6 +360,121 @@ fn corpus_merge_refuses_records_that_do_not_agree() {
     std::fs::write(&empty, "").unwrap();
     let out = fails_with(attnscope().args(["corpus", "merge"]).arg(&empty), 2);
     assert!(out.contains("hold no records"), "{}", out);
+}
+
+/// Issue #56, defect 3: records did not say what made them, so `corpus merge` and a resumed
+/// `--out` mixed BOS and no-BOS records (or two precisions) silently, and a record id seen twice
+/// with the same text but other numbers was "merged once" (whichever came first). Each record
+/// now names the model file's sha256, BOS, precision and attnscope's version; a resume or a
+/// merge that mixes them is refused (exit 2, naming both values and places), as is a repeated
+/// id with other numbers, and a record without these fields (an older attnscope's) is told how
+/// to regenerate its file.
+#[test]
+fn corpus_records_carry_their_settings_and_are_never_mixed() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let texts = dir.path().join("texts.txt");
+    std::fs::write(
+        &texts,
+        "the hat
+at the the
+he sat
+",
+    )
+    .unwrap();
+    let corpus = |out: &std::path::Path, extra: &[&str]| {
+        let mut c = attnscope();
+        c.args(["corpus", "--json", "--model"])
+            .arg(&m)
+            .arg("--file")
+            .arg(&texts);
+        c.arg("--out").arg(out).args(extra);
+        c
+    };
+    let (plain, bos) = (dir.path().join("plain.jsonl"), dir.path().join("bos.jsonl"));
+    succeeds(&mut corpus(&plain, &["--limit", "2"]));
+    succeeds(&mut corpus(&bos, &["--bos"]));
+    let first: serde_json::Value = serde_json::from_str(
+        std::fs::read_to_string(&plain)
+            .unwrap()
+            .lines()
+            .next()
+            .unwrap(),
+    )
+    .unwrap();
+    let sha = {
+        use sha2::Digest;
+        format!("{:x}", sha2::Sha256::digest(std::fs::read(&m).unwrap()))
+    };
+    assert_eq!(first["model_sha256"], sha.as_str());
+    assert_eq!(first["bos"], false);
+    assert_eq!(first["precision"], "exact");
+    assert_eq!(first["attnscope_version"], env!("CARGO_PKG_VERSION"));
+    // resuming the no-BOS file with --bos: refused, the file untouched
+    let before = std::fs::read_to_string(&plain).unwrap();
+    let err = fails_with(&mut corpus(&plain, &["--bos"]), 2);
+    assert!(
+        err.contains("bos false") && err.contains("bos true"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read_to_string(&plain).unwrap(), before);
+    // merging them: refused, naming both places
+    let err = fails_with(
+        attnscope().args(["corpus", "merge"]).arg(&plain).arg(&bos),
+        2,
+    );
+    assert!(
+        err.contains("bos.jsonl:1") && err.contains("plain.jsonl:1") && err.contains("bos true"),
+        "{err}"
+    );
+    // one id, one text, other numbers (a record of the BOS run under the plain file's settings)
+    let mut other: serde_json::Value = serde_json::from_str(
+        std::fs::read_to_string(&bos)
+            .unwrap()
+            .lines()
+            .next()
+            .unwrap(),
+    )
+    .unwrap();
+    other["bos"] = serde_json::json!(false);
+    let twin = dir.path().join("twin.jsonl");
+    std::fs::write(
+        &twin,
+        format!(
+            "{other}
+"
+        ),
+    )
+    .unwrap();
+    let err = fails_with(
+        attnscope().args(["corpus", "merge"]).arg(&plain).arg(&twin),
+        2,
+    );
+    assert!(
+        err.contains("twin.jsonl:1") && err.contains("other numbers"),
+        "{err}"
+    );
+    // an older attnscope's record (no settings): told how to regenerate
+    let mut old = first.clone();
+    for k in ["model_sha256", "bos", "precision", "attnscope_version"] {
+        old.as_object_mut().unwrap().remove(k);
+    }
+    let old_file = dir.path().join("old.jsonl");
+    std::fs::write(
+        &old_file,
+        format!(
+            "{old}
+"
+        ),
+    )
+    .unwrap();
+    let err = fails_with(attnscope().args(["corpus", "merge"]).arg(&old_file), 2);
+    assert!(
+        err.contains("old.jsonl:1") && err.contains("regenerate"),
+        "{err}"
+    );
+    let err = fails_with(&mut corpus(&old_file, &[]), 2);
+    assert!(err.contains("regenerate"), "{err}");
 }
 
 /// examples/slurm: the array job's body run as Slurm would (3 tasks, one of them twice, as after a

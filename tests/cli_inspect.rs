@@ -356,17 +356,22 @@ fn sinks_streamed_equal_inspect_materialized() {
         .output()
         .unwrap();
     let i: serde_json::Value = serde_json::from_slice(&i.stdout).unwrap();
-    for l in 0..2 {
-        let a = s["layers"][l]["sink_all_queries"].as_f64().unwrap();
-        let b = i["layers"][l]["sink_all_queries"].as_f64().unwrap();
-        assert!(
-            (a - b).abs() < 1e-5,
-            "layer {l}: streamed {a} vs materialized {b}"
-        );
-        let a = s["layers"][l]["sink_last_query"].as_f64().unwrap();
-        let b = i["layers"][l]["sink_query"].as_f64().unwrap();
-        assert!((a - b).abs() < 1e-5, "layer {l} last query: {a} vs {b}");
-    }
+    // every layer of each report, both shares; a null (a NaN) or a missing layer fails
+    let cells = |v: &serde_json::Value, all: &str, last: &str| {
+        let layers = v["layers"].as_array().expect("layers");
+        let mut out = Vec::new();
+        for (l, row) in layers.iter().enumerate() {
+            out.push(((l, "all"), row[all].as_f64().unwrap_or(f64::NAN)));
+            out.push(((l, "last"), row[last].as_f64().unwrap_or(f64::NAN)));
+        }
+        out
+    };
+    common::assert_cells(
+        "sinks streamed vs inspect materialized [layer, share]",
+        cells(&s, "sink_all_queries", "sink_last_query"),
+        cells(&i, "sink_all_queries", "sink_query"),
+        common::Bound::Abs(1e-5),
+    );
     assert_eq!(s["layers"][0]["heads"].as_array().unwrap().len(), 4);
     assert!(s["peak_rss_bytes"].as_u64().unwrap() > 0);
 }

@@ -200,11 +200,13 @@ fn a_dribbling_client_is_cut_off(m: &std::path::Path) {
     let _ = child.wait();
 }
 
-/// The server under load: 16 clients on loopback each send 8 requests, one after another,
-/// to a server that computes 2 pages at a time: every request is answered (none lost), and
-/// each with its page (the queue holds them all, and a page of the tiny model takes
-/// milliseconds against the 30 s deadline) or, were the machine too slow, a 503 that says why
-/// and when to come back. The server's peak memory stays bounded (Linux: VmHWM).
+/// The server under load: 16 clients on loopback each send 8 requests, one after another, to a
+/// server that computes 2 pages at a time. The outcome is counted, not timed: every request is
+/// answered (none lost), each with its own page or with the one refusal the docs allow here (503
+/// with Retry-After, "the server is busy": its wait would pass `--queue-timeout`; never "its
+/// queue is full", since at most 16 requests are open against a queue of 2 + 64). The first
+/// request finds both places free, so at least one page is served. The server's peak memory
+/// stays bounded (Linux: VmHWM).
 #[test]
 fn serve_queues_concurrent_clients_and_answers_every_request() {
     const CLIENTS: usize = 16;
@@ -219,41 +221,37 @@ fn serve_queues_concurrent_clients_and_answers_every_request() {
         "--max-concurrent",
         "2",
     ]);
-    let t = std::time::Instant::now();
     let clients: Vec<_> = (0..CLIENTS)
         .map(|c| {
             let a = addr.clone();
             std::thread::spawn(move || {
                 (0..REQUESTS)
                     .map(|r| {
-                        raw_answer(
-                            &a,
-                            &format!("GET /view?text=the+hat+{c}+at+{r} HTTP/1.1\r\nHost: localhost\r\n\r\n"),
-                        )
+                        let text = format!("the hat {c} at {r}");
+                        let q = text.replace(' ', "+");
+                        let req = format!("GET /view?text={q} HTTP/1.1\r\nHost: localhost\r\n\r\n");
+                        (text, raw_answer(&a, &req))
                     })
                     .collect::<Vec<_>>()
             })
         })
         .collect();
-    let answers: Vec<String> = clients
+    let answers: Vec<(String, String)> = clients
         .into_iter()
         .flat_map(|h| h.join().unwrap())
         .collect();
-    let took = t.elapsed();
     assert_eq!(answers.len(), CLIENTS * REQUESTS);
     let (mut ok, mut refused) = (0, 0);
-    for a in &answers {
+    for (text, a) in &answers {
         if a.starts_with("HTTP/1.1 200") {
-            assert!(a.contains("Head view"), "a 200 without its page");
+            assert_eq!(
+                page_text(a),
+                text.replace(' ', ""),
+                "a page for another text"
+            );
             ok += 1;
         } else {
-            assert!(
-                a.starts_with("HTTP/1.1 503")
-                    && a.contains("Retry-After: ")
-                    && a.contains("the server is busy"),
-                "an answer that is neither a page nor a refusal with a reason: {:?}",
-                a.lines().next()
-            );
+            assert_is_a_busy_refusal(a);
             refused += 1;
         }
     }
@@ -265,19 +263,53 @@ fn serve_queues_concurrent_clients_and_answers_every_request() {
                 .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
         });
     eprintln!(
-        "serve load: {} requests from {CLIENTS} clients: {ok} pages, {refused} refused, in {took:?}; server peak memory {peak_kb:?} kB",
+        "serve load: {} requests from {CLIENTS} clients: {ok} pages, {refused} refused (waits past --queue-timeout); server peak memory {peak_kb:?} kB",
         answers.len()
     );
-    assert_eq!(
-        ok,
-        CLIENTS * REQUESTS,
-        "{refused} refused although the queue holds every client"
-    );
+    assert_eq!(ok + refused, CLIENTS * REQUESTS);
+    assert!(ok >= 1, "no page was served: {refused} refused");
     if let Some(kb) = peak_kb {
         assert!(kb < 1 << 20, "the server's peak memory is {kb} kB");
     }
     child.kill().unwrap();
     let _ = child.wait();
+}
+
+/// The text of the page in a whole answer (its tokens, from the page's data, joined without
+/// spaces or the tokenizer's space marks).
+fn page_text(answer: &str) -> String {
+    let at = answer.find("const D = ").expect("a page without its data") + "const D = ".len();
+    let d: serde_json::Value = serde_json::Deserializer::from_str(&answer[at..])
+        .into_iter()
+        .next()
+        .expect("the page's data")
+        .expect("the page's data is JSON");
+    assert!(answer.contains("Head view"), "a 200 without its page");
+    d["tokens"]
+        .as_array()
+        .expect("the page's tokens")
+        .iter()
+        .map(|t| t.as_str().expect("a token is a string"))
+        .collect::<String>()
+        .replace(['Ġ', '▁'], "")
+        .split_whitespace()
+        .collect()
+}
+
+/// A 503 the docs allow for a queue that never fills: Retry-After, and "the server is busy"
+/// because the wait would pass (or did pass) `--queue-timeout`.
+fn assert_is_a_busy_refusal(a: &str) {
+    let first = a.lines().next();
+    assert!(
+        a.starts_with("HTTP/1.1 503")
+            && a.contains("Retry-After: ")
+            && a.contains("the server is busy"),
+        "an answer that is neither a page nor a refusal with a reason: {first:?}"
+    );
+    assert!(
+        a.contains("--queue-timeout") && !a.contains("its queue is full"),
+        "a refusal the queue's size does not allow (16 open requests, 2 + 64 places): {first:?}"
+    );
 }
 
 /// `serve` answers on loopback, survives 100 sequential requests and 8 concurrent ones, and

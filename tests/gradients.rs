@@ -42,8 +42,7 @@ fn check(model: &Model, tokens: &[u32], label: &str) {
         fd.norm
     );
     let (fd_dir, an, rel) = fd.directional(label);
-    let worst = fd.worst_coordinate_error(label);
-    assert!(worst < 2e-2, "{label}: coordinate error {worst}");
+    fd.worst_coordinate_error(label);
     assert!(
         rel < 1e-3,
         "{label}: directional derivative {fd_dir} vs {an}"
@@ -133,22 +132,40 @@ impl<'a> FiniteDifferences<'a> {
             .zip(&u)
             .map(|(a, b)| *a as f64 * b)
             .sum();
-        let bound = self.norm * u.iter().map(|v| v * v).sum::<f64>().sqrt();
+        // |g · u| <= |g restricted to u's support| |u| (a row of zeros has u = 0 there, and its
+        // gradient, 1/√ε large, would otherwise loosen the check)
+        let g_on_u = g
+            .grad_input
+            .iter()
+            .zip(&u)
+            .filter(|(_, d)| **d != 0.0)
+            .map(|(a, _)| (*a as f64).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        let bound = g_on_u * u.iter().map(|v| v * v).sum::<f64>().sqrt();
         let rel = (fd - an).abs() / bound;
         eprintln!("{label}: directional derivative fd {fd:.6e} vs backward {an:.6e} (error {rel:.1e} of |g||u|)");
         (fd, an, rel)
     }
 
     /// Single coordinates, the largest few and a few others: the worst error against the
-    /// largest value.
+    /// largest value (both outside rows of zeros).
     fn worst_coordinate_error(&self, label: &str) -> f64 {
         let (g, dm) = (self.g, self.model.dims.d_model);
-        let gmax = g.grad_input.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
-        let mut idx: Vec<usize> = (0..g.grad_input.len()).collect();
+        // not in a row of zeros (the fixtures' padding token 256): the norm of x at x = 0 has
+        // the slope 1/√ε but is linear only within ~√ε of it, so a finite difference there
+        // measures the saturated norm, not the slope (and a step of the row's scale is 0)
+        let mut idx: Vec<usize> = (0..g.grad_input.len())
+            .filter(|&i| self.row_rms[i / dm] > 0.0)
+            .collect();
         idx.sort_by(|&a, &b| g.grad_input[b].abs().total_cmp(&g.grad_input[a].abs()));
+        let gmax = g.grad_input[idx[0]].abs() as f64;
         let mut pick: Vec<usize> = idx[..4].to_vec();
-        pick.extend((0..6).map(|i| (i * 7919 + 13) % g.grad_input.len()));
-        let mut worst = 0f64;
+        pick.extend((0..6).map(|i| idx[(i * 7919 + 13) % idx.len()]));
+        // a pseudo-random pick may be one of the largest (mistral's coordinate 440): once each
+        pick.sort_unstable();
+        pick.dedup();
+        let (mut got, mut want) = (Vec::new(), Vec::new());
         for &i in &pick {
             let cd = |hh: f64| {
                 let mut a = g.input.clone();
@@ -157,11 +174,21 @@ impl<'a> FiniteDifferences<'a> {
                 b[i] -= hh as f32;
                 (self.f(&a) - self.f(&b)) / (2.0 * hh)
             };
-            let fd = Self::richardson(1e-3 * self.row_rms[i / dm], cd);
-            worst = worst.max((fd - g.grad_input[i] as f64).abs() / gmax);
+            // a step of 1% of the row's scale: at 0.1% the f32 forward's rounding of log p (an
+            // ulp of logits near 10) is ~7% of the gemma3 fixture's smaller gradients (its target
+            // is near certain), while Richardson keeps the truncation error under 1.5e-4 of the
+            // largest gradient at 1% (measured in float64 with torch)
+            let fd = Self::richardson(1e-2 * self.row_rms[i / dm], cd);
+            // relative to the largest gradient, on both sides
+            got.push((i, g.grad_input[i] as f64 / gmax));
+            want.push((i, fd / gmax));
         }
-        eprintln!("{label}: worst coordinate error {worst:.1e} of the largest gradient {gmax:.3e}");
-        worst
+        common::assert_cells(
+            &format!("{label}: ∂ log p/∂x [coordinate] / max |∂ log p/∂x|, vs finite differences"),
+            got,
+            want,
+            common::Bound::Abs(2e-2),
+        )
     }
 }
 
@@ -206,22 +233,14 @@ fn family_fixtures_against_finite_differences() {
     }
 }
 
-/// `max |got − want| / max |want|`, printed.
-fn rel_err(got: &[f32], want: &[f64], label: &str) -> f64 {
-    assert_eq!(got.len(), want.len(), "{label}: lengths");
-    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
-    let err = got
-        .iter()
-        .zip(want)
-        .map(|(g, w)| (*g as f64 - w).abs())
-        // a NaN is the largest error, never dropped
-        .fold(
-            0f64,
-            |m, e| if e.is_nan() { f64::INFINITY } else { m.max(e) },
-        );
-    let rel = err / scale.max(1e-30);
-    eprintln!("{label}: worst |error| {err:.3e}, {rel:.2e} of the largest value {scale:.3e}");
-    rel
+/// The bound against torch autograd, relative to the largest value of each score list
+/// (docs/commands/attribute.md gives the measured figures; the worst, Qwen2.5's gradient ×
+/// input, 5.9e-5).
+const AUTOGRAD: f64 = 3e-4;
+
+/// `got` against a JSON reference cell by cell, within `rel` of the reference's largest value.
+fn assert_rel(label: &str, got: &[f32], want: &serde_json::Value, rel: f64) {
+    common::assert_json(label, got, want, common::Bound::RelMax(rel));
 }
 
 fn flat(v: &serde_json::Value) -> Vec<f64> {
@@ -246,17 +265,15 @@ fn against_autograd(alias: &str, short: &str) {
         r["target_id"].as_f64().unwrap(),
         "{short}: target"
     );
-    let lp = r["logprob"].as_f64().unwrap();
-    eprintln!("{short}: logprob {} vs {lp}", g.logprob);
-    let worst = worst_gradient_error(&g, model.dims.d_model, r, short);
-    assert!((g.logprob as f64 - lp).abs() < 1e-2, "{short}: logprob");
-    assert!(worst < 1e-3, "{short}: worst relative error {worst:.2e}");
-    let (want, bound) = common::ig_reference(short, r);
-    let err = integrated_gradients_error(model, &ids, &want, short);
-    assert!(
-        err < bound,
-        "{short}: integrated gradients' relative error {err:.2e} (bound {bound:.0e})"
+    common::assert_cells(
+        &format!("{short}: log p of the target"),
+        [((), g.logprob as f64)],
+        [((), r["logprob"].as_f64().unwrap())],
+        common::Bound::Abs(1e-4),
     );
+    check_gradients(&g, model.dims.d_model, r, short);
+    let (want, bound) = common::ig_reference(short, r);
+    check_integrated_gradients(model, &ids, &want, short, bound);
 }
 
 /// The gradient of log p(top next token) for `ids`, its time printed next to a forward's.
@@ -275,10 +292,10 @@ fn timed_gradient(model: &Model, ids: &[u32], short: &str) -> Gradient {
     g
 }
 
-/// The worst relative error of the input gradient's per-token L2 norms and gradient × input, of
-/// each layer's `resid_pre` gradient norms and of the last row's pattern gradients against the
-/// reference `r`.
-fn worst_gradient_error(g: &Gradient, dm: usize, r: &serde_json::Value, short: &str) -> f64 {
+/// The input gradient's per-token L2 norms and gradient × input, each layer's `resid_pre`
+/// gradient norms and the last row's pattern gradients against the reference `r`, within
+/// [`AUTOGRAD`] of each one's largest value.
+fn check_gradients(g: &Gradient, dm: usize, r: &serde_json::Value, short: &str) {
     let row_norms = |x: &[f32]| -> Vec<f32> {
         x.chunks(dm)
             .map(|r| r.iter().map(|v| v * v).sum::<f32>().sqrt())
@@ -293,24 +310,30 @@ fn worst_gradient_error(g: &Gradient, dm: usize, r: &serde_json::Value, short: &
         .collect();
     let resid: Vec<f32> = g.grad_resid_pre.iter().flat_map(|l| row_norms(l)).collect();
     let pat: Vec<f32> = g.grad_pattern_last.concat();
-    [
+    for (got, key) in [
         (&l2, "grad_input_l2"),
         (&gxi, "grad_input_gxi"),
         (&resid, "grad_resid_pre_l2"),
         (&pat, "grad_pattern_last"),
-    ]
-    .iter()
-    .map(|(got, key)| rel_err(got, &flat(&r[*key]), &format!("{short} {key}")))
-    .fold(0f64, |a, b| a.max(b))
+    ] {
+        assert_rel(
+            &format!("{short} {key} vs autograd"),
+            got,
+            &r[key],
+            AUTOGRAD,
+        );
+    }
 }
 
-/// Integrated gradients (32 steps) against the reference's, their relative error.
-fn integrated_gradients_error(
+/// Integrated gradients (32 steps) against the reference's, within `bound` of the largest score
+/// ([`common::ig_reference`]: torch autograd's f32, or float64 autograd's for Qwen2.5).
+fn check_integrated_gradients(
     model: &Model,
     ids: &[u32],
     r: &serde_json::Value,
     short: &str,
-) -> f64 {
+    bound: f64,
+) {
     let t0 = std::time::Instant::now();
     let igr = model
         .integrated_gradients(ids, Metric::LogProb(None), 32, &mut |_| {})
@@ -321,7 +344,12 @@ fn integrated_gradients_error(
         igr.gap,
         r["ig_completeness_gap"]
     );
-    rel_err(&igr.scores, &flat(&r["ig"]), &format!("{short} ig"))
+    assert_rel(
+        &format!("{short} ig vs autograd"),
+        &igr.scores,
+        &r["ig"],
+        bound,
+    );
 }
 
 #[test]
@@ -385,9 +413,14 @@ fn batched_steps_equal_step_by_step() {
                 got.value,
                 want.value
             );
-            let want64: Vec<f64> = want.grad_input.iter().map(|&v| v as f64).collect();
-            let err = rel_err(&got.grad_input, &want64, &format!("{label} α {a} batched"));
-            assert!(err < 1e-5, "{label} α {a}: batched gradient {err:.2e} off");
+            let n = want.grad_input.len();
+            common::assert_array(
+                &format!("{label} α {a}: batched gradient vs its own run"),
+                &[n],
+                &got.grad_input,
+                &want.grad_input,
+                common::Bound::RelMax(1e-5),
+            );
         }
         let one = model
             .integrated_gradients_batched(&tokens, Metric::LogProb(None), 7, 1, &mut |_| {})
@@ -404,9 +437,13 @@ fn batched_steps_equal_step_by_step() {
             "{label}: progress per step"
         );
         assert_eq!(one.target, three.target);
-        let want64: Vec<f64> = one.scores.iter().map(|&v| v as f64).collect();
-        let err = rel_err(&three.scores, &want64, &format!("{label} IG batched"));
-        assert!(err < 1e-5, "{label}: batched IG {err:.2e} off step-by-step");
+        common::assert_array(
+            &format!("{label}: IG batched vs step by step"),
+            &[one.scores.len()],
+            &three.scores,
+            &one.scores,
+            common::Bound::RelMax(1e-5),
+        );
         assert!((one.gap - three.gap).abs() < 1e-5 * one.gap.abs().max(1.0));
     }
 }
@@ -436,7 +473,6 @@ fn gpt2_pos_embed_gradient_matches_torch() {
     ] {
         let (_, shape, got) = h.grads.iter().find(|(k, _, _)| k == name).unwrap();
         assert_eq!(shape, &[tokens.len(), model.dims.d_model], "{name}");
-        let err = rel_err(got, &flat(&g[key]), name);
-        assert!(err < 1e-4, "{name}: {err:.2e} of the largest off torch");
+        assert_rel(&format!("gpt2 {name} vs torch"), got, &g[key], 1e-4);
     }
 }

@@ -876,16 +876,13 @@ fn patching_refuses_what_it_cannot_pair() {
     assert!(check_logit_diff_gap(2.0, 2.0).is_err());
 }
 
-fn reference_grid(v: &serde_json::Value) -> Vec<Vec<f64>> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|r| {
-            r.as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_f64().unwrap())
-                .collect()
+/// A reference grid `[a][b]` as cells keyed `(a, b)`.
+fn reference_grid(v: &serde_json::Value) -> Vec<((usize, usize), f64)> {
+    json_cells(v)
+        .into_iter()
+        .map(|(i, w)| {
+            assert_eq!(i.len(), 2, "a grid cell at {i:?}");
+            ((i[0], i[1]), w)
         })
         .collect()
 }
@@ -918,39 +915,28 @@ fn check_ablation(alias: &str, prefix: &str) {
             a["target_id"].as_u64().unwrap(),
             "{alias}: target"
         );
-        let base = a["baseline_logprob"].as_f64().unwrap();
-        assert!(
-            (r.baseline_logprob as f64 - base).abs() < 1e-4,
-            "{alias}: baseline {} vs {base}",
-            r.baseline_logprob
+        assert_cells(
+            &format!("{alias} {} ablation: baseline log p", method.name()),
+            [((), r.baseline_logprob as f64)],
+            [((), a["baseline_logprob"].as_f64().unwrap())],
+            Bound::Abs(1e-4),
         );
         let want = reference_grid(&a[method.name()]);
-        assert_eq!(r.heads.len(), model.dims.n_layers * model.dims.n_heads);
-        let mut worst = (0.0f64, 0, 0);
-        for h in &r.heads {
-            let d = (h.delta_logprob as f64 - want[h.layer][h.head]).abs();
-            assert!(d.is_finite() && h.kl >= 0.0 && h.kl.is_finite());
-            if d > worst.0 {
-                worst = (d, h.layer, h.head);
-            }
-        }
-        let largest = want.iter().flatten().fold(0.0f64, |m, &x| m.max(x.abs()));
-        eprintln!(
-            "{alias} {} ablation: worst |Δ log p - transformers| {:.2e} (head {}.{}); largest |Δ| {largest:.4}",
-            method.name(),
-            worst.0,
-            worst.1,
-            worst.2
+        assert_eq!(want.len(), model.dims.n_layers * model.dims.n_heads);
+        assert_cells(
+            &format!("{alias} {} ablation: Δ log p [layer, head]", method.name()),
+            r.heads
+                .iter()
+                .map(|h| ((h.layer, h.head), h.delta_logprob as f64)),
+            want.iter().copied(),
+            Bound::Abs(1e-4),
         );
         assert!(
-            worst.0 <= 1e-4,
-            "{alias} {}: head {}.{} off by {:.3e}",
-            method.name(),
-            worst.1,
-            worst.2,
-            worst.0
+            r.heads.iter().all(|h| h.kl >= 0.0 && h.kl.is_finite()),
+            "{alias}: every head's KL finite and >= 0"
         );
-        assert!(largest > 0.1, "{alias}: some head must matter");
+        let largest = want.iter().fold(0.0f64, |m, &(_, x)| m.max(x.abs()));
+        assert!(largest > 0.1, "{alias}: some head must matter ({largest})");
         // the prefix reuse computes at most ~0.6 of the from-scratch rows
         assert!(
             (r.layer_rows as f64) < 0.6 * r.layer_rows_from_scratch as f64,
@@ -976,30 +962,30 @@ fn check_patching(alias: &str, prefix: &str) {
         batch_rows: 1024,
     };
     let r = patch(model, &clean, &corrupt, &opts, |_, _| {}).unwrap();
-    for (got, key) in [
-        (r.clean_logit_diff, "clean_logit_diff"),
-        (r.corrupt_logit_diff, "corrupt_logit_diff"),
-    ] {
-        let want = p[key].as_f64().unwrap();
-        assert!(
-            (got as f64 - want).abs() < 1e-4,
-            "{alias} {key}: {got} vs {want}"
-        );
-    }
-    let want = reference_grid(&p["patched_logit_diff"]);
-    let mut worst = 0.0f64;
-    for c in &r.results {
-        let w = want[c.layer][c.pos.unwrap()];
-        worst = worst.max((c.logit_diff as f64 - w).abs());
-    }
-    eprintln!("{alias} patching: worst |logit diff - transformers| {worst:.2e}");
-    assert!(
-        worst <= 1e-4,
-        "{alias}: patched logit difference off by {worst:.3e}"
+    assert_cells(
+        &format!("{alias} patching: clean and corrupt logit differences"),
+        [
+            ("clean", r.clean_logit_diff as f64),
+            ("corrupt", r.corrupt_logit_diff as f64),
+        ],
+        [
+            ("clean", p["clean_logit_diff"].as_f64().unwrap()),
+            ("corrupt", p["corrupt_logit_diff"].as_f64().unwrap()),
+        ],
+        Bound::Abs(1e-4),
     );
-    // patching every position of layer 0 from clean is the clean run
-    let last = r.results.iter().filter(|c| c.layer == 0).count();
-    assert_eq!(last, clean.len());
+    // every layer × position of the reference, each once
+    let want = reference_grid(&p["patched_logit_diff"]);
+    assert_eq!(want.len(), model.dims.n_layers * clean.len());
+    assert_cells(
+        &format!("{alias} patching: logit difference [layer, position]"),
+        r.results.iter().map(|c| {
+            let pos = c.pos.expect("resid_pre patches a position");
+            ((c.layer, pos), c.logit_diff as f64)
+        }),
+        want,
+        Bound::Abs(1e-4),
+    );
     assert!((r.layer_rows as f64) < 0.6 * r.layer_rows_from_scratch as f64);
 }
 
@@ -1067,11 +1053,12 @@ fn direct_logit_attribution_adds_up_to_the_logit() {
     let u: Vec<f64> = (0..dm)
         .map(|i| (unembed[7 * dm + i] as f64 - unembed[9 * dm + i] as f64) * m.final_norm[i] as f64)
         .collect();
+    let mut want = Vec::new();
     for l in 0..2 {
         let z = &cache.get(l, Hook::Z).unwrap().data[(n - 1) * nh * hd..];
         for h in 0..nh {
             // W_O: [d_model, n_heads·head_dim]
-            let want: f64 = (0..dm)
+            let part: f64 = (0..dm)
                 .map(|i| {
                     let y: f64 = (0..hd)
                         .map(|c| {
@@ -1081,18 +1068,15 @@ fn direct_logit_attribution_adds_up_to_the_logit() {
                     scale * u[i] * y
                 })
                 .sum();
-            let got = r
-                .heads
-                .iter()
-                .find(|p| p.layer == l && p.head == h)
-                .unwrap()
-                .dla;
-            assert!(
-                (got as f64 - want).abs() < 1e-4,
-                "head {l}.{h}: {got} vs {want}"
-            );
+            want.push(((l, h), part));
         }
     }
+    assert_cells(
+        "tiny llama: direct logit attribution [layer, head] vs by hand",
+        r.heads.iter().map(|p| ((p.layer, p.head), p.dla as f64)),
+        want,
+        Bound::Abs(1e-4),
+    );
     // the same answer twice is refused
     let err = dla(&model, &TOKENS, &Target::Id(7), Some(&Target::Id(7))).unwrap_err();
     assert!(err.is_bad_input(), "{err}");

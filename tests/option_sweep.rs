@@ -108,6 +108,11 @@ const BASES: &[(&str, &str)] = &[
     ("ablate", "--model {m} --text the_hat_at"),
     ("patch", "--model {m} --clean the_hat --corrupt the_cat"),
     ("dla", "--model {m} --text the_hat_at"),
+    ("qk", "--model {m} --text the_hat_at --layer 0 --head 0"),
+    (
+        "circuit",
+        "--model {m} --clean the_hat --corrupt the_cat --answer a --wrong b",
+    ),
     ("corpus", "--model {m} --limit 2"),
     ("corpus merge", "{records}"),
     ("sinks", "--model {m} --file {texts}"),

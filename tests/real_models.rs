@@ -11,6 +11,25 @@ use common::*;
 
 const SENTENCE: &str = "Hà Nội là thủ đô của Việt Nam. Thành phố này nằm ở miền Bắc.";
 
+/// Every attention weight against transformers: 1e-4 on the default model, whose large scores
+/// f32 rounds by up to a quarter of that (README.md, "What exact means"; measured 5.8e-5), 2e-5
+/// on SmolLM2 and Gemma 3 (measured at most 5.0e-6 and 3.0e-6, with and without the AMX tiles
+/// and at `--memory low`).
+fn attention_bound(alias: &str) -> f64 {
+    if alias.starts_with("qwen") {
+        1e-4
+    } else {
+        2e-5
+    }
+}
+
+/// The next-token top-5 logits against transformers' (measured at most 6.3e-5).
+const LOGITS: f64 = 3e-4;
+/// The sink profiles against transformers' (measured at most 3.0e-6).
+const SINKS: f64 = 2e-5;
+/// Norm-based attention against transformers', relative (measured at most 2.5e-5).
+const NORMS: f64 = 1e-4;
+
 fn check_model(alias: &str, prefix: &str) {
     let model = real_model(alias);
     let g = golden_json(&format!("{prefix}_transformers.json"));
@@ -31,31 +50,39 @@ fn check_model(alias: &str, prefix: &str) {
             got.extend_from_slice(p.row_at(h, n - 1).unwrap());
         }
     }
-    assert_close(&got, &want, 1e-4, &format!("{alias}: last-row patterns"));
-    // next-token top-5
-    let logits = &out.logits[0];
+    assert_array(
+        &format!("{alias}: last-row patterns [layer, head, key]"),
+        &shape,
+        &got,
+        &want,
+        Bound::Abs(attention_bound(alias)),
+    );
+    next_token_top5_matches(alias, &out.logits[0], &g["next_token_top5"]);
+}
+
+/// The next-token top-5 ids are the reference's, in its order, and their logits are within
+/// [`LOGITS`] of its logits (cells keyed by rank).
+fn next_token_top5_matches(alias: &str, logits: &[f32], want: &serde_json::Value) {
     let mut order: Vec<usize> = (0..logits.len()).collect();
     order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-    let want_top: Vec<u32> = g["next_token_top5"]
-        .as_array()
-        .unwrap()
+    let want = want.as_array().unwrap();
+    assert_eq!(want.len(), 5, "{alias}: the reference's top-5");
+    let want_ids: Vec<usize> = want
         .iter()
-        .map(|t| t["id"].as_u64().unwrap() as u32)
+        .map(|t| t["id"].as_u64().unwrap() as usize)
         .collect();
-    assert_eq!(
-        order[..5].iter().map(|&i| i as u32).collect::<Vec<_>>(),
-        want_top,
-        "{alias}: next-token top-5"
+    assert_eq!(order[..5], want_ids[..], "{alias}: next-token top-5");
+    assert_cells(
+        &format!("{alias}: next-token top-5 logits [rank]"),
+        want_ids
+            .iter()
+            .enumerate()
+            .map(|(r, &id)| (r, logits[id] as f64)),
+        want.iter()
+            .enumerate()
+            .map(|(r, t)| (r, t["logit"].as_f64().unwrap())),
+        Bound::Abs(LOGITS),
     );
-    for t in g["next_token_top5"].as_array().unwrap() {
-        let id = t["id"].as_u64().unwrap() as usize;
-        assert!(
-            (logits[id] - t["logit"].as_f64().unwrap() as f32).abs() < 2e-3,
-            "{alias}: logit of {id}: {} vs {}",
-            logits[id],
-            t["logit"]
-        );
-    }
 }
 
 #[test]
@@ -68,11 +95,18 @@ fn qwen_matches_transformers() {
     model
         .forward(&tokens, &RunOptions::default(), &mut cache)
         .unwrap();
-    let (_, want) = golden_npy("qwen_transformers_attn_full.npy");
+    let (shape, want) = golden_npy("qwen_transformers_attn_full.npy");
+    assert_eq!(shape, vec![24, 14, tokens.len(), tokens.len()]);
     let got: Vec<f32> = (0..24)
         .flat_map(|l| cache.pattern(l).unwrap().data.to_vec())
         .collect();
-    assert_close(&got, &want, 1e-4, "qwen: full patterns");
+    assert_array(
+        "qwen: full patterns [layer, head, query, key]",
+        &shape,
+        &got,
+        &want,
+        Bound::Abs(1e-4),
+    );
 }
 
 #[test]
@@ -102,9 +136,10 @@ fn exact_on_the_f32_kernels_matches_transformers_too() {
             "SmolLM2 on the tiles"
         );
     } else {
-        eprintln!(
-            "NOTE: no AMX here (or ATTNSCOPE_AMX set): exact runs the f32 kernels only; the reruns below check the same path"
-        );
+        untested_kernel(&format!(
+            "exact on AMX tiles as the files' integers and scales: this process runs {}",
+            attnscope::kernels::select::kernels().exact_name()
+        ));
         assert_eq!(qwen.scaled_projections().0, 0);
         assert_eq!(smol.scaled_projections().0, 0);
     }
@@ -164,7 +199,13 @@ fn gemma3_matches_transformers() {
     let got: Vec<f32> = (0..18)
         .flat_map(|l| cache.pattern(l).unwrap().data.to_vec())
         .collect();
-    assert_close(&got, &want, 1e-4, "gemma: full patterns");
+    assert_array(
+        "gemma: full patterns [layer, head, query, key]",
+        &shape,
+        &got,
+        &want,
+        Bound::Abs(attention_bound("gemma3-270m")),
+    );
     // the pieces read as the reference decodes them
     let g = golden_json("gemma_transformers.json");
     let want_text: Vec<String> = g["token_strings_decoded"]
@@ -214,7 +255,13 @@ fn gemma3_past_its_window_matches_transformers() {
             }
         }
     }
-    assert_close(&got, &want, 1e-4, "gemma: rows past the window");
+    assert_array(
+        "gemma: rows past the window [query n-1 | 300, layer, head, key]",
+        &shape,
+        &got,
+        &want,
+        Bound::Abs(attention_bound("gemma3-270m")),
+    );
     let g_dims = model.dims.gemma.as_ref().unwrap();
     for l in 0..18 {
         let p = cache.pattern(l).unwrap();
@@ -233,19 +280,7 @@ fn gemma3_past_its_window_matches_transformers() {
             }
         }
     }
-    let logits = &out.logits[0];
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-    for (rank, t) in g["next_token_top5"].as_array().unwrap().iter().enumerate() {
-        let id = t["id"].as_u64().unwrap() as usize;
-        assert_eq!(order[rank], id, "gemma long: next-token rank {rank}");
-        assert!(
-            (logits[id] - t["logit"].as_f64().unwrap() as f32).abs() < 2e-3,
-            "gemma long: logit of {id}: {} vs {}",
-            logits[id],
-            t["logit"]
-        );
-    }
+    next_token_top5_matches("gemma long", &out.logits[0], &g["next_token_top5"]);
 }
 
 /// The 40 strings of tokenizer_vectors.json: ids equal the HF tokenizer's exactly.
@@ -304,13 +339,14 @@ fn lesson_report(
 }
 
 /// `--precision fast` (quantized kernels) against the reference: how far it moves, measured.
-/// `--precision fast` on the shared sentence: where this CPU runs the int8 kernel, the sink
-/// profiles stay within `sink_tolerance` of the reference, the lesson's top-3 tables (last layer, heads 0-3;
-/// two keys within 0.01 of each other in the reference may trade places) and the head-averaged
-/// top-4 name the same tokens, every last-row weight stays within 0.04,
-/// and the top next token is the same. Where it does not (no AVX-512 VNNI), fast must give the
-/// exact numbers, and the test says so.
-fn check_fast(alias: &str, prefix: &str, sink_tolerance: f64) {
+/// `--precision fast` on the shared sentence: where this CPU runs a fast kernel, every last-row
+/// weight and the sink profiles stay within that kernel's bound of docs/precision.md
+/// ([`FastBounds`]), the lesson's top-3 tables (last layer, heads 0-3; two keys within 0.01 of
+/// each other in the reference may trade places) and the head-averaged top-4 name the same
+/// tokens, and the top next token is the same. Where it has none (no AMX nor VNNI, or
+/// `ATTNSCOPE_ISA` below them), fast must give the exact numbers: that is checked, and said loudly
+/// and counted as fast precision not tested (`untested_kernel`).
+fn check_fast(alias: &str, prefix: &str, bounds: FastBounds) {
     let model =
         attnscope::model::Model::load(alias, attnscope::model::Precision::Fast, false).unwrap();
     let g = golden_json(&format!("{prefix}_transformers.json"));
@@ -320,7 +356,8 @@ fn check_fast(alias: &str, prefix: &str, sink_tolerance: f64) {
     let out = model
         .forward(&tokens, &RunOptions::last_logits(n), &mut cache)
         .unwrap();
-    let (_, want) = golden_npy(&format!("{prefix}_transformers_attn_lastrow.npy"));
+    let (shape, want) = golden_npy(&format!("{prefix}_transformers_attn_lastrow.npy"));
+    assert_eq!(shape, vec![d.n_layers, d.n_heads, n]);
     let got: Vec<f32> = (0..d.n_layers)
         .flat_map(|l| {
             (0..d.n_heads)
@@ -336,22 +373,36 @@ fn check_fast(alias: &str, prefix: &str, sink_tolerance: f64) {
                 tokens: &tokens,
                 g: &g,
                 want: &want,
-                max: max_abs_diff(&got, &want, &format!("{alias} fast")),
+                got: &got,
                 logits: &out.logits[0],
             },
             kernel,
-            sink_tolerance,
+            bounds,
         ),
         None => {
-            eprintln!("NOTE: this CPU has neither AMX nor AVX-512 VNNI: --precision fast runs the exact kernels here, so only that is checked");
-            assert_close(
+            untested_kernel(&format!(
+                "{alias}: --precision fast has no kernel of its own here ({}); only fast = exact is checked",
+                attnscope::kernels::select::kernels().why_no_fast_kernel()
+            ));
+            assert_array(
+                &format!("{alias}: fast = exact without AMX or VNNI [layer, head, key]"),
+                &shape,
                 &got,
                 &want,
-                1e-4,
-                &format!("{alias}: fast = exact without AMX or VNNI"),
+                Bound::Abs(attention_bound(alias)),
             );
         }
     }
+}
+
+/// How far `fast` may move a model's numbers on each kernel: docs/precision.md's figures
+/// ("attention weights move by up to ..., the sink profiles by up to ..."), rounded up.
+#[derive(Clone, Copy)]
+struct FastBounds {
+    /// bf16 AMX tiles: (last-row weights, sink profiles)
+    bf16: (f64, f64),
+    /// 8-bit blocks on AVX-512 VNNI: (last-row weights, sink profiles)
+    int8: (f64, f64),
 }
 
 /// One fast-precision run of the lesson sentence, beside the reference's numbers.
@@ -363,40 +414,39 @@ struct FastRun<'a> {
     g: &'a serde_json::Value,
     /// transformers' last rows, `[layers, heads, n]`
     want: &'a [f32],
-    /// the largest |weight - reference| over those rows
-    max: f32,
+    /// the fast run's last rows, in the same layout
+    got: &'a [f32],
     /// the last position's logits
     logits: &'a [f32],
 }
 
 /// The checks of a fast run on a CPU with a fast kernel (`kernel`): its deviation bound, that it
-/// really ran, the sink profile within `sink_tolerance`, the top-3 tables and the next token.
-fn check_fast_kernel(run: &FastRun, kernel: &str, sink_tolerance: f64) {
-    let FastRun {
-        alias, max, logits, ..
-    } = *run;
-    eprintln!(
-        "{alias} fast precision ({kernel}): max |attention weight - reference| over the last rows = {max:.4}"
-    );
-    // the README promises "up to 0.04" for the 8-bit blocks and ~1e-2 for bf16 (0.0073 and
-    // 0.0093 measured)
-    let bound = if kernel.contains("bf16") { 0.015 } else { 0.04 };
-    assert!(
-        max < bound,
-        "{alias}: fast precision ({kernel}) moved a weight by {max}, more than {bound}"
+/// really ran, the sink profile within its bound, the top-3 tables and the next token.
+fn check_fast_kernel(run: &FastRun, kernel: &str, bounds: FastBounds) {
+    let FastRun { alias, logits, .. } = *run;
+    let d = &run.model.dims;
+    let (weights, sinks) = if kernel.contains("bf16") {
+        bounds.bf16
+    } else {
+        bounds.int8
+    };
+    let max = assert_array(
+        &format!("{alias} fast precision ({kernel}): last rows [layer, head, key]"),
+        &[d.n_layers, d.n_heads, run.tokens.len()],
+        run.got,
+        run.want,
+        Bound::Abs(weights),
     );
     assert!(
         max > 1e-4,
         "{alias}: fast precision should really use the {kernel} kernel (max deviation {max})"
     );
     let r = lesson_report(run.model, run.tokens, run.g);
-    let worst_sink = sink_deviations(&r, run.g)
-        .into_iter()
-        .fold(0f64, |worst, (query, all)| worst.max(query).max(all));
-    eprintln!("{alias} fast precision: worst sink-profile deviation {worst_sink:.4}");
-    assert!(
-        worst_sink < sink_tolerance,
-        "{alias}: fast precision moved the sink profile by {worst_sink}"
+    assert_sink_profiles(
+        &format!("{alias} fast precision ({kernel}): sink profiles"),
+        &r,
+        run.g,
+        sinks,
     );
     let tables =
         fast_head_tables_match_but_for_near_ties(run, &r) + fast_head_averaged_top3_match(run, &r);
@@ -414,27 +464,31 @@ fn check_fast_kernel(run: &FastRun, kernel: &str, sink_tolerance: f64) {
     );
 }
 
-/// Per layer of `r`, how far its sink shares are from the reference's: the last query's, and the
-/// mean over queries 1 to the end.
-fn sink_deviations(r: &InspectReport, g: &serde_json::Value) -> Vec<(f64, f64)> {
-    r.layers
-        .iter()
-        .enumerate()
-        .map(|(l, row)| {
-            (
-                (row.sink_query as f64 - g["sink_share_lastq_full"][l].as_f64().unwrap()).abs(),
-                (row.sink_all_queries as f64
-                    - g["sink_share_mean_q1_to_end_full"][l].as_f64().unwrap())
-                .abs(),
-            )
-        })
-        .collect()
+/// Every layer's sink shares in `r` against the reference's, cell by cell (`(layer, "query")`:
+/// the last query's; `(layer, "all")`: the mean over queries 1 to the end); the worst difference.
+fn assert_sink_profiles(label: &str, r: &InspectReport, g: &serde_json::Value, bound: f64) -> f64 {
+    let got = r.layers.iter().flat_map(|row| {
+        [
+            ((row.layer, "query"), row.sink_query as f64),
+            ((row.layer, "all"), row.sink_all_queries as f64),
+        ]
+    });
+    let want = |key: &'static str, what: &str| -> Vec<((usize, &'static str), f64)> {
+        json_cells(&g[what])
+            .into_iter()
+            .map(|(i, w)| ((i[0], key), w))
+            .collect()
+    };
+    let mut reference = want("query", "sink_share_lastq_full");
+    reference.extend(want("all", "sink_share_mean_q1_to_end_full"));
+    assert_cells(label, got, reference, Bound::Abs(bound))
 }
 
 /// The fast run's top-3 of the last layer's heads 0-3 name the reference's keys, but where two
 /// keys within 0.01 of each other in the reference trade places; returns the rows compared.
 fn fast_head_tables_match_but_for_near_ties(run: &FastRun, r: &InspectReport) -> usize {
     let (alias, want) = (run.alias, run.want);
+    assert_eq!(r.heads.len(), run.model.dims.n_heads);
     let (n, d) = (run.tokens.len(), &run.model.dims);
     let mut tables = 0;
     for h in r.heads.iter().filter(|h| h.head < 4) {
@@ -499,42 +553,58 @@ fn fast_head_averaged_top3_match(run: &FastRun, r: &InspectReport) -> usize {
 
 #[test]
 fn fast_precision_deviation_on_qwen() {
-    check_fast("qwen2.5-coder-0.5b", "qwen", 0.01);
+    check_fast(
+        "qwen2.5-coder-0.5b",
+        "qwen",
+        FastBounds {
+            bf16: (0.016, 0.008),
+            int8: (0.04, 0.0125),
+        },
+    );
 }
 
 #[test]
 fn fast_precision_deviation_on_smollm() {
-    // measured 0.0114-0.0119 here: the 0.01 the speed issue asks for is not met on SmolLM2
-    // (Q4_1 weights requantized to 8-bit blocks); this pins what is, so it cannot get worse
-    check_fast("smollm2-135m", "smol", 0.0125);
+    // bf16's last rows: measured 0.0093, then 0.0137 once an accumulating product was added to C
+    // after its sum (a bf16 rounding of a later activation flips: one draw of bf16's noise)
+    // the 8-bit blocks' sinks: measured 0.0113-0.0119; the 0.01 the speed issue asks for is not
+    // met on SmolLM2 (Q4_1 weights requantized to 8-bit blocks); this pins what is
+    check_fast(
+        "smollm2-135m",
+        "smol",
+        FastBounds {
+            bf16: (0.016, 0.008),
+            int8: (0.04, 0.0125),
+        },
+    );
 }
 
-/// On a CPU with AMX, `fast` runs bf16 tiles and the tests above never reach the 8-bit VNNI
-/// kernel that AVX-512 machines without AMX run. This runs the same checks (the deviation bound
-/// of 8-bit blocks, the sink profile, the top-3 tables and the next token) in a child test
-/// process with the tiles off (`ATTNSCOPE_AMX=0`, read once per process), so the int8 kernel is
-/// checked on the real models wherever the CPU has VNNI.
+/// The checks above ran the fast kernel this process picks (bf16 tiles on a CPU with AMX); this
+/// runs them again in child processes on every other fast kernel the CPU has (the 8-bit VNNI
+/// blocks with the tiles off, `ATTNSCOPE_AMX=0`), so each one is checked on the real models: the
+/// deviation bound of its kind, the sink profile, the top-3 tables and the next token.
 #[test]
-fn fast_precision_on_int8_blocks_without_amx() {
-    let vnni = attnscope::kernels::int8::vnni_supported();
-    for test in [
-        "fast_precision_deviation_on_qwen",
-        "fast_precision_deviation_on_smollm",
-    ] {
-        let text = rerun_without_amx(test);
-        if vnni {
+fn fast_precision_on_every_fast_kernel_of_this_cpu() {
+    let others = other_fast_kernels();
+    if others.is_empty() {
+        eprintln!(
+            "NOTE: the checks above ran the only fast kernel of this process: {}",
+            attnscope::model::weights::fast_kernel().unwrap_or("none")
+        );
+    }
+    for (kernel, var, value) in others {
+        for test in [
+            "fast_precision_deviation_on_qwen",
+            "fast_precision_deviation_on_smollm",
+        ] {
+            let text = rerun_with_env(test, var, value);
             assert!(
-                text.contains("fast precision (8-bit blocks on AVX-512 VNNI)"),
-                "{test} did not run the 8-bit kernel:\n{text}"
+                text.contains(&format!("fast precision ({kernel})")),
+                "{test} with {var}={value} did not run {kernel}:\n{text}"
             );
-        } else {
-            assert!(text.contains("runs the exact kernels here"), "{text}");
-            eprintln!(
-                "NOTE: this CPU has no AVX-512 VNNI: {test} without AMX checked the exact kernels"
-            );
-        }
-        for line in text.lines().filter(|l| l.contains("fast precision")) {
-            eprintln!("ATTNSCOPE_AMX=0 {test}: {line}");
+            for line in text.lines().filter(|l| l.contains("fast precision")) {
+                eprintln!("{var}={value} {test}: {line}");
+            }
         }
     }
 }
@@ -549,10 +619,7 @@ fn check_inspect(alias: &str, prefix: &str) {
     let r = lesson_report(model, &tokens, &g);
     inspect_heads_match(alias, &r, &g);
     inspect_layer_tops_match(alias, model, &tokens, &r, &g);
-    for (l, (query, all)) in sink_deviations(&r, &g).into_iter().enumerate() {
-        assert!(query < 1e-4, "{alias} sink_query layer {l}");
-        assert!(all < 1e-4, "{alias} sink_all layer {l}");
-    }
+    assert_sink_profiles(&format!("{alias}: sink profiles"), &r, &g, SINKS);
     inspect_next_tokens_match(alias, model, &r, &g);
 }
 
@@ -564,6 +631,23 @@ fn round4(x: f64) -> f64 {
 /// Each head of the last layer: the top-3 (heads 0-3, the lesson's table), max weight, argmax
 /// and entropy equal the reference's.
 fn inspect_heads_match(alias: &str, r: &InspectReport, g: &serde_json::Value) {
+    let per_head = g["last_layer_per_head_lastq"].as_array().unwrap();
+    assert_eq!(
+        r.heads.len(),
+        per_head.len(),
+        "{alias}: heads of the last layer"
+    );
+    assert_cells(
+        &format!("{alias}: last layer's entropy [head] (the reference's to 4 decimals)"),
+        r.heads.iter().map(|h| (h.head, h.entropy as f64)),
+        per_head.iter().map(|ph| {
+            (
+                ph["head"].as_u64().unwrap() as usize,
+                ph["entropy_nats"].as_f64().unwrap(),
+            )
+        }),
+        Bound::Abs(5e-5 + 1e-4),
+    );
     for h in &r.heads {
         // the reference lists the top-3 of heads 0-3 (the lesson's table) and max/entropy of all
         let want = g["last_layer_head_top3_lastq"][h.head.to_string()]
@@ -599,12 +683,6 @@ fn inspect_heads_match(alias: &str, r: &InspectReport, g: &serde_json::Value) {
             ph["max_weight"].as_f64().unwrap()
         );
         assert_eq!(h.argmax as u64, ph["argmax_pos"].as_u64().unwrap());
-        assert!(
-            (h.entropy as f64 - ph["entropy_nats"].as_f64().unwrap()).abs() <= 5e-5 + 1e-4,
-            "{alias} head {} entropy {}",
-            h.head,
-            h.entropy
-        );
     }
 }
 
@@ -708,7 +786,13 @@ fn smollm_head_averaged_attention_of_every_query() {
             ));
         }
     }
-    assert_close(&got, &want, 1e-4, "smol head-averaged patterns");
+    assert_array(
+        "smol head-averaged patterns [layer, query, key]",
+        &shape,
+        &got,
+        &want,
+        Bound::Abs(attention_bound("smollm2-135m")),
+    );
 }
 
 /// Occlusion values against independent whole-sequence runs (no prefix reuse, no memo).
@@ -762,12 +846,7 @@ fn norm_ranking_equals_a_capture_of_the_values(
     let alphas: Vec<&[f32]> = (0..d.n_heads).map(|h| c.row(last, h)).collect();
     let want = mixed_norms(model, last, &v, &alphas, n);
     let got: Vec<f32> = r.tokens.iter().map(|t| t.norm_last).collect();
-    assert_close(
-        &got,
-        &want,
-        1e-4 * want.iter().fold(1.0f32, |a, &b| a.max(b)),
-        "norm_last",
-    );
+    assert_array("norm_last [key]", &[n], &got, &want, Bound::RelMax(1e-4));
 }
 
 /// The log-probability of `target` after `toks` from a fresh whole-sequence run, with the keys
@@ -811,25 +890,33 @@ fn occlusions_match_transformers(
             g["replacement_id"].as_u64().unwrap()
         )
     );
-    assert!(
-        (r.target.logprob as f64 - g["target_logprob"].as_f64().unwrap()).abs() < 1e-4,
-        "target log-probability"
+    assert_cells(
+        "smol faithfulness: target log p",
+        [((), r.target.logprob as f64)],
+        [((), g["target_logprob"].as_f64().unwrap())],
+        Bound::Abs(2e-5),
     );
-    let (loo, rep) = (
-        g["loo_delta"].as_array().unwrap(),
-        g["replace_delta"].as_array().unwrap(),
-    );
-    assert_eq!((loo.len(), rep.len(), r.tokens.len()), (n, n, n));
-    for j in 0..n {
-        assert!(
-            (r.tokens[j].loo.unwrap() as f64 - loo[j].as_f64().unwrap()).abs() < 2e-4,
-            "loo {j} vs transformers"
-        );
-        assert!(
-            (r.tokens[j].replace as f64 - rep[j].as_f64().unwrap()).abs() < 2e-4,
-            "replace {j} vs transformers"
+    assert_eq!(r.tokens.len(), n);
+    let mut want: Vec<((&str, usize), f64)> = Vec::new();
+    for (key, what) in [("loo", "loo_delta"), ("replace", "replace_delta")] {
+        want.extend(
+            json_cells(&g[what])
+                .into_iter()
+                .map(|(i, w)| ((key, i[0]), w)),
         );
     }
+    let got = r.tokens.iter().enumerate().flat_map(|(j, t)| {
+        [
+            (("loo", j), t.loo.map_or(f64::NAN, |x| x as f64)),
+            (("replace", j), t.replace as f64),
+        ]
+    });
+    assert_cells(
+        "smol faithfulness: Δ log p [deletion | replacement, position] vs transformers",
+        got,
+        want,
+        Bound::Abs(2e-4),
+    );
 }
 
 /// Every occlusion equals a fresh run of the changed input: the token deleted, replaced, or (no
@@ -843,28 +930,33 @@ fn occlusions_equal_fresh_runs(
 ) {
     let n = tokens.len();
     let lp = |toks: &[u32], knock: Vec<usize>| fresh_logprob(model, toks, knock, r.target.id);
+    let (mut got, mut want) = (Vec::new(), Vec::new());
     for j in 0..n {
+        let t = &r.tokens[j];
         let del: Vec<u32> = tokens
             .iter()
             .enumerate()
             .filter(|&(i, _)| i != j)
             .map(|(_, &t)| t)
             .collect();
-        assert!(
-            (lp(&del, vec![]) - base - r.tokens[j].loo.unwrap()).abs() < 2e-4,
-            "loo {j}"
-        );
+        got.push((("loo", j), t.loo.map_or(f64::NAN, |x| x as f64)));
+        want.push((("loo", j), (lp(&del, vec![]) - base) as f64));
         let mut rep = tokens.to_vec();
         rep[j] = r.replacement.id;
-        assert!(
-            (lp(&rep, vec![]) - base - r.tokens[j].replace).abs() < 2e-4,
-            "replace {j}"
-        );
-        assert!(
-            j == n - 1 || (lp(tokens, vec![j]) - base - r.tokens[j].knockout.unwrap()).abs() < 2e-4,
-            "knockout {j}"
-        );
+        got.push((("replace", j), t.replace as f64));
+        want.push((("replace", j), (lp(&rep, vec![]) - base) as f64));
+        // the last position's key cannot be masked from its own query
+        if j < n - 1 {
+            got.push((("knockout", j), t.knockout.map_or(f64::NAN, |x| x as f64)));
+            want.push((("knockout", j), (lp(tokens, vec![j]) - base) as f64));
+        }
     }
+    assert_cells(
+        "smol faithfulness: Δ log p [kind, position] vs fresh runs",
+        got,
+        want,
+        Bound::Abs(2e-4),
+    );
 }
 
 /// `heads --random-repeat 50` on the default model: induction heads stand far above a head that
@@ -895,7 +987,7 @@ fn the_default_model_has_induction_heads() {
 
 /// Norm-based attention (Kobayashi et al. 2020) against transformers: `α·‖W_Oʰ vⱼ‖` for every
 /// layer and head and the whole-layer `‖Σₕ αʰ W_Oʰ vⱼ‖` from the last query
-/// (tests/golden/make_norms_golden.py), within 1e-3 relative; and `inspect`'s columns are them.
+/// (tests/golden/make_norms_golden.py), within [`NORMS`] relative; and `inspect`'s columns are them.
 fn check_norms(alias: &str, prefix: &str) {
     use attnscope::analysis::collect::Collector;
     let model = real_model(alias);
@@ -909,30 +1001,36 @@ fn check_norms(alias: &str, prefix: &str) {
         .unwrap();
     let (shape, want) = golden_npy(&format!("{prefix}_norms_lastrow.npy"));
     assert_eq!(shape, vec![d.n_layers, d.n_heads + 1, n]);
-    let (worst, at) = worst_norm_difference(model, &c, &want, n);
-    one_heads_columns_are_the_padded_product(alias, model, &c, n);
-    eprintln!("{alias}: norm-based attention, max relative difference {worst:.2e} at (layer, head, key) {at:?}");
-    assert!(
-        worst < 1e-3,
-        "{alias}: norm-based attention differs by {worst:.2e} at {at:?}"
+    // relative to max(|reference|, 1): each cell divided by that on both sides
+    let scaled = |data: Vec<f32>| -> Vec<f64> {
+        data.iter()
+            .zip(&want)
+            .map(|(&x, &w)| x as f64 / (w.abs() as f64).max(1.0))
+            .collect()
+    };
+    assert_array(
+        &format!("{alias}: norm-based attention / max(|ref|, 1) [layer, head | whole layer, key]"),
+        &shape,
+        &scaled(norms_from_the_capture(model, &c, n)),
+        &scaled(want.clone()),
+        Bound::Abs(NORMS),
     );
+    one_heads_columns_are_the_padded_product(alias, model, &c, n);
     let g = golden_json(&format!("{prefix}_transformers.json"));
     inspect_norm_columns_are_these(alias, model, &tokens, &g, &want);
 }
 
-/// The largest relative difference `|got - want| / max(|want|, 1)` between the norms from the
-/// captured values and weights (`[layers, heads + 1, n]`: each head's `α·‖fₕ(vⱼ)‖`, then the
-/// whole layer's) and the reference's, and where: (layer, head, key).
-fn worst_norm_difference(
+/// The norms from the captured values and weights, `[layers, heads + 1, n]`: each head's
+/// `α·‖fₕ(vⱼ)‖`, then the whole layer's.
+fn norms_from_the_capture(
     model: &attnscope::model::Model,
     c: &attnscope::analysis::collect::Collector,
-    want: &[f32],
     n: usize,
-) -> (f32, (usize, usize, usize)) {
+) -> Vec<f32> {
     use attnscope::analysis::norms::{mixed_norms, value_norms, Values};
     let d = &model.dims;
     let heads: Vec<usize> = (0..d.n_heads).collect();
-    let (mut worst, mut at) = (0.0f32, (0, 0, 0));
+    let mut out = Vec::with_capacity(d.n_layers * (d.n_heads + 1) * n);
     for l in 0..d.n_layers {
         let v = Values::pos_major(c.values[l].as_ref().unwrap(), n, d.n_kv_heads, d.head_dim);
         let vn = value_norms(model, l, &v, &heads, n);
@@ -940,20 +1038,15 @@ fn worst_norm_difference(
         let mixed = mixed_norms(model, l, &v, &alphas, n);
         for h in 0..=d.n_heads {
             for j in 0..n {
-                let got = if h < d.n_heads {
+                out.push(if h < d.n_heads {
                     alphas[h][j] * vn[h][j]
                 } else {
                     mixed[j]
-                };
-                let w = want[(l * (d.n_heads + 1) + h) * n + j];
-                let rel = (got - w).abs() / w.abs().max(1.0);
-                if rel > worst {
-                    (worst, at) = (rel, (l, h, j));
-                }
+                });
             }
         }
     }
-    (worst, at)
+    out
 }
 
 /// Each head through its own columns of W_O (on the tiles too, as integers and scales): the
@@ -975,20 +1068,17 @@ fn one_heads_columns_are_the_padded_product(
         );
         for h in [0, d.n_heads / 2, d.n_heads - 1] {
             let (own, whole) = one_head_and_padded_output_projection(model, l, h, &v, n);
-            let own =
-                own.unwrap_or_else(|| panic!("{alias}: layer {l}'s W_O takes no column range"));
-            assert!(
-                own.iter()
-                    .zip(&whole)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{alias}: layer {l} head {h}: one head's columns differ from the padded product"
+            assert_head_columns_are_the_padded_product(
+                own,
+                &whole,
+                &format!("{alias}: layer {l} head {h}"),
             );
         }
     }
 }
 
 /// The inspect report's columns are the reference's norms (`want`, as in
-/// [`worst_norm_difference`]): each last-layer head's norms, their top key, shares summing to 1
+/// [`norms_from_the_capture`]): each last-layer head's norms, their top key, shares summing to 1
 /// and the first key's norm, and the whole-layer norms of the listed layers.
 fn inspect_norm_columns_are_these(
     alias: &str,
@@ -1000,13 +1090,15 @@ fn inspect_norm_columns_are_these(
     let (n, d) = (tokens.len(), &model.dims);
     let r = lesson_report(model, tokens, g);
     let last = d.n_layers - 1;
+    assert_eq!(r.heads.len(), d.n_heads, "{alias}: the last layer's heads");
     for h in &r.heads {
         let want_row = &want[(last * (d.n_heads + 1) + h.head) * n..][..n];
-        assert_close(
+        assert_array(
+            &format!("{alias}: inspect norms of head {} [key]", h.head),
+            &[n],
             &h.norms,
             want_row,
-            1e-3 * want_row.iter().fold(1.0f32, |a, &b| a.max(b)),
-            &format!("{alias}: inspect norms of head {}", h.head),
+            Bound::RelMax(NORMS),
         );
         assert_eq!(
             h.norm_top[0].pos,
@@ -1022,14 +1114,28 @@ fn inspect_norm_columns_are_these(
             (h.first_key.norm - h.first_key.weight * h.first_key.value_norm.unwrap()).abs() < 1e-5
         );
     }
+    let listed: Vec<usize> = r
+        .layers
+        .iter()
+        .filter(|l| l.norms.is_some())
+        .map(|l| l.layer)
+        .collect();
+    assert_eq!(
+        listed.len(),
+        3,
+        "{alias}: the plan's three layers have norms"
+    );
     for lr in r.layers.iter().filter(|l| l.norms.is_some()) {
         let want_row = &want[(lr.layer * (d.n_heads + 1) + d.n_heads) * n..][..n];
-        let scale = want_row.iter().fold(1.0f32, |a, &b| a.max(b));
-        assert_close(
+        assert_array(
+            &format!(
+                "{alias}: inspect whole-layer norms, layer {} [key]",
+                lr.layer
+            ),
+            &[n],
             lr.norms.as_ref().unwrap(),
             want_row,
-            1e-3 * scale,
-            &format!("{alias}: inspect whole-layer norms, layer {}", lr.layer),
+            Bound::RelMax(NORMS),
         );
     }
 }
@@ -1070,10 +1176,13 @@ fn compare_on_the_real_models() {
         String::from_utf8_lossy(&out.stderr)
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let rows: Vec<Vec<Vec<f32>>> = serde_json::from_value(v["a"]["rows"].clone()).unwrap();
-    let got: Vec<f32> = rows.into_iter().flatten().flatten().collect();
-    let (_, want) = golden_npy("qwen_transformers_attn_lastrow.npy");
-    assert_close(&got, &want, 1e-4, "compare side A rows");
+    let (shape, want) = golden_npy("qwen_transformers_attn_lastrow.npy");
+    assert_cells(
+        "compare side A rows [layer, head, key]",
+        json_cells(&v["a"]["rows"]),
+        array_cells(&shape, &want),
+        Bound::Abs(1e-4),
+    );
     let js: Vec<Vec<f64>> = serde_json::from_value(v["js"].clone()).unwrap();
     assert!(js.iter().flatten().all(|x| (0.0..=1.0).contains(x)));
     assert!(
@@ -1239,9 +1348,13 @@ fn gu_sink_metric_and_massive_activations_from_the_patterns() {
         .forward(&tokens, &RunOptions::default(), &mut cache)
         .unwrap();
     let want = gu_fractions_from_the_patterns(model, &cache, n);
-    for (l, (a, b)) in g.per_layer.iter().zip(&want).enumerate() {
-        assert!((a - b).abs() < 1e-9, "layer {l}: {a} vs {b}");
-    }
+    assert_array(
+        "Gu's fraction of heads [layer]",
+        &[d.n_layers],
+        &g.per_layer,
+        &want,
+        Bound::Abs(1e-9),
+    );
     assert!((g.metric - want.iter().sum::<f64>() / d.n_layers as f64).abs() < 1e-9);
     assert!(
         g.metric > 0.2,
@@ -1328,12 +1441,13 @@ fn corpus_keeps_the_same_per_text(
     }
     assert_eq!(rec.massive.as_ref().unwrap(), &m3.layers);
     let agg = attnscope::analysis::corpus::aggregate(std::slice::from_ref(&rec), 0.3).unwrap();
-    for (l, (a, b)) in agg.layers.iter().zip(want).enumerate() {
-        assert!(
-            (a.gu_heads_fraction - b).abs() < 1e-9,
-            "corpus layer {l}: {} vs {b}",
-            a.gu_heads_fraction
-        );
-    }
+    let got: Vec<f64> = agg.layers.iter().map(|a| a.gu_heads_fraction).collect();
+    assert_array(
+        "corpus: Gu's fraction of heads [layer]",
+        &[d.n_layers],
+        &got,
+        want,
+        Bound::Abs(1e-9),
+    );
     assert_eq!(agg.massive.unwrap().texts_with_any, 1.0);
 }

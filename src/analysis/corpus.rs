@@ -48,6 +48,66 @@ pub struct FaithSummary {
     pub top1: Option<bool>,
 }
 
+/// What made a record, which every record carries: records are merged (or a run resumed) only
+/// when all of these agree, since each of them moves the numbers.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Made {
+    /// The sha256 of the model's file(s) ([`crate::model::Model::sha256`]): the weights
+    /// themselves, not a name or a path that may point at other weights tomorrow.
+    pub model_sha256: String,
+    /// Whether the texts ran with a BOS token first (the model's own choice, `--bos` or
+    /// `--no-bos`); an encoder's `[CLS]` is not a BOS: false.
+    pub bos: bool,
+    /// `exact` or `fast`.
+    pub precision: String,
+    /// The attnscope version that made it.
+    pub attnscope_version: String,
+}
+
+impl Made {
+    /// What records of `model` made now have, with a BOS first when the model asks for one or
+    /// `force_bos` (`corpus --bos`).
+    pub fn of(model: &crate::model::Model, force_bos: bool) -> crate::model::Result<Made> {
+        Ok(Made {
+            model_sha256: model.sha256()?,
+            bos: !model.is_encoder() && (force_bos || model.tokenizer.add_bos),
+            precision: model.info.precision.name().into(),
+            attnscope_version: env!("CARGO_PKG_VERSION").into(),
+        })
+    }
+
+    /// The first setting on which `self` and `other` differ: its name and both values.
+    pub fn differs(&self, other: &Made) -> Option<(&'static str, String, String)> {
+        let pairs = [
+            ("model_sha256", &self.model_sha256, &other.model_sha256),
+            ("precision", &self.precision, &other.precision),
+            (
+                "attnscope_version",
+                &self.attnscope_version,
+                &other.attnscope_version,
+            ),
+        ];
+        if self.bos != other.bos {
+            return Some(("bos", self.bos.to_string(), other.bos.to_string()));
+        }
+        pairs
+            .into_iter()
+            .find(|(_, a, b)| a != b)
+            .map(|(name, a, b)| (name, a.clone(), b.clone()))
+    }
+}
+
+/// The error for a record line that does not read as a record: an older attnscope's record
+/// (without [`Made`]'s settings) is told how to regenerate it, anything else is not a record.
+pub fn not_a_record(line: &str, at: &str, e: &serde_json::Error, what: &str) -> String {
+    let v: Option<serde_json::Value> = serde_json::from_str(line).ok();
+    let old = v.is_some_and(|v| v.get("id").is_some() && v.get("model_sha256").is_none());
+    if old {
+        return format!("{at}: this record does not say which model file, BOS and precision made it (an older attnscope wrote it), so it cannot be checked against the others; run `attnscope corpus --out NEW` again to regenerate its file");
+    }
+    format!("{at}: not an attnscope {what}: {e}")
+}
+
 /// What one sentence contributes.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Record {
@@ -55,6 +115,9 @@ pub struct Record {
     pub id: usize,
     pub text: String,
     pub model: String,
+    /// The model file, BOS, precision and version that made it.
+    #[serde(flatten)]
+    pub made: Made,
     pub n_tokens: usize,
     /// Per layer: sink share of the last query (head mean).
     pub sink_query: Vec<f32>,
@@ -82,7 +145,7 @@ impl Record {
     pub fn from_collector(
         id: usize,
         text: &str,
-        model: &str,
+        (model, made): (&str, &Made),
         c: &Collector,
         next: (u32, String, f32),
     ) -> Record {
@@ -92,6 +155,7 @@ impl Record {
             id,
             text: text.to_string(),
             model: model.to_string(),
+            made: made.clone(),
             n_tokens: c.n,
             sink_query: (0..nl).map(|l| c.sink_query(l)).collect(),
             sink_all: (0..nl).map(|l| c.sink_all_queries(l)).collect(),
@@ -380,8 +444,9 @@ fn read_lines(text: &str, source: &str) -> Result<Vec<(Record, usize)>, String> 
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
         .map(|(i, l)| {
-            let r: Record = serde_json::from_str(l)
-                .map_err(|e| format!("{source}:{}: not an attnscope corpus record: {e}", i + 1))?;
+            let r: Record = serde_json::from_str(l).map_err(|e| {
+                not_a_record(l, &format!("{source}:{}", i + 1), &e, "corpus record")
+            })?;
             check_record(&r).map_err(|e| {
                 format!("{source}:{}: record {} is malformed: {e}; the file is damaged or was not written by `attnscope corpus --out`", i + 1, r.id)
             })?;
@@ -451,9 +516,10 @@ pub fn check_record(r: &Record) -> Result<(), String> {
 
 /// Reads the record files of shards (`(text, source name)` each) for `corpus merge`: every
 /// record is checked ([`check_record`]) and must agree with the first one read (the same model,
-/// layers and heads), and a record id that appears twice must be for the same text (a resumed
-/// shard repeats records; two different corpora under one id would be merged silently). An
-/// error names the file and line of the record at fault, and of the one it disagrees with.
+/// layers and heads, and the same [`Made`] settings: model file, BOS, precision, version), and a
+/// record id that appears twice must be the same record (a resumed shard repeats records; two
+/// different corpora, or two runs' different numbers, under one id would be merged silently).
+/// An error names the file and line of the record at fault, and of the one it disagrees with.
 pub fn read_record_files<S: AsRef<str>>(files: &[(S, S)]) -> Result<Vec<Record>, String> {
     let mut out: Vec<Record> = Vec::new();
     // the first record's place, and where each id was first seen
@@ -463,28 +529,12 @@ pub fn read_record_files<S: AsRef<str>>(files: &[(S, S)]) -> Result<Vec<Record>,
         let source = source.as_ref();
         for (r, line) in read_lines(text.as_ref(), source)? {
             let at = format!("{source}:{line}");
-            if let Some(r0) = out.first() {
-                let (heads, heads0) = (r.head_alpha1[0].len(), r0.head_alpha1[0].len());
-                if r.model != r0.model || r.sink_all.len() != r0.sink_all.len() || heads != heads0 {
-                    return Err(format!(
-                        "{at}: record {} comes from model `{}` ({} layers, {heads} heads), but {first_at} from `{}` ({} layers, {heads0} heads); merge the records of one model at a time",
-                        r.id, r.model, r.sink_all.len(), r0.model, r0.sink_all.len()
-                    ));
-                }
-            } else {
-                first_at = at.clone();
+            match out.first() {
+                Some(r0) => agrees_with_first(&r, &at, r0, &first_at)?,
+                None => first_at = at.clone(),
             }
             match seen.get(&r.id) {
-                Some((i, where0)) if out[*i].text != r.text => {
-                    return Err(format!(
-                        "{at}: record {} is for the text {:?}, but {where0} has record {} for {:?}; the files come from different corpora (or --file), so their ids do not name the same texts",
-                        r.id,
-                        excerpt(&r.text),
-                        r.id,
-                        excerpt(&out[*i].text)
-                    ));
-                }
-                Some(_) => {}
+                Some((i, where0)) => same_record(&r, &at, &out[*i], where0)?,
                 None => {
                     seen.insert(r.id, (out.len(), at));
                 }
@@ -503,6 +553,51 @@ pub fn read_record_files<S: AsRef<str>>(files: &[(S, S)]) -> Result<Vec<Record>,
         ));
     }
     Ok(out)
+}
+
+/// Refuses record `r` (at `at`) when it comes from another model than `r0` (at `first_at`), or
+/// was made with other settings ([`Made::differs`]), naming both places and values.
+fn agrees_with_first(r: &Record, at: &str, r0: &Record, first_at: &str) -> Result<(), String> {
+    let (heads, heads0) = (r.head_alpha1[0].len(), r0.head_alpha1[0].len());
+    if r.model != r0.model || r.sink_all.len() != r0.sink_all.len() || heads != heads0 {
+        return Err(format!(
+            "{at}: record {} comes from model `{}` ({} layers, {heads} heads), but {first_at} from `{}` ({} layers, {heads0} heads); merge the records of one model at a time",
+            r.id, r.model, r.sink_all.len(), r0.model, r0.sink_all.len()
+        ));
+    }
+    settings_agree(&r.made, at, &r0.made, first_at)
+}
+
+/// Refuses records made with other settings than the first one's, naming both places and the
+/// setting's two values.
+pub fn settings_agree(made: &Made, at: &str, made0: &Made, at0: &str) -> Result<(), String> {
+    match made.differs(made0) {
+        Some((name, v, v0)) => Err(format!(
+            "{at}: this record was made with {name} {v}, but {at0} with {name} {v0}; records made with other settings (model file, BOS, precision, attnscope version) give other numbers: merge or resume those of one run's settings"
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Refuses a record `r` (at `at`) whose id `r0` (at `where0`) had already, unless it is the same
+/// record (a resumed shard repeats records): another text, or the same text with other numbers.
+fn same_record(r: &Record, at: &str, r0: &Record, where0: &str) -> Result<(), String> {
+    if r0.text != r.text {
+        return Err(format!(
+            "{at}: record {} is for the text {:?}, but {where0} has record {} for {:?}; the files come from different corpora (or --file), so their ids do not name the same texts",
+            r.id,
+            excerpt(&r.text),
+            r.id,
+            excerpt(&r0.text)
+        ));
+    }
+    if r0 != r {
+        return Err(format!(
+            "{at}: record {} repeats the text of {where0}'s record {} with other numbers; the two come from different runs, and merging them once would keep whichever came first",
+            r.id, r0.id
+        ));
+    }
+    Ok(())
 }
 
 /// The first 40 characters of a text, for messages.
@@ -533,10 +628,11 @@ pub fn text_record(
     let mut c = Collector::new(d.n_layers, d.n_heads, n, n - 1).with_massive(3);
     let out = model.forward(&tokens, &RunOptions::last_logits(n), &mut c)?;
     let top = crate::analysis::next_token_top_k(&out.logits[0], 1).remove(0);
+    let made = Made::of(model, bos)?;
     let mut rec = Record::from_collector(
         id,
         text,
-        &model.info.name,
+        (&model.info.name, &made),
         &c,
         (top.id, model.tokenizer.token_text(top.id), top.prob),
     );
@@ -564,6 +660,7 @@ pub fn text_records(
     mut done: impl FnMut(usize),
 ) -> anyhow::Result<Vec<Result<Record, String>>> {
     let d = &model.dims;
+    let made = Made::of(model, bos)?;
     let encoded: Vec<Result<Vec<u32>, String>> = items
         .iter()
         .map(|(_, t)| model.encode(t, bos).map_err(|e| e.to_string()))
@@ -589,7 +686,7 @@ pub fn text_records(
             let mut rec = Record::from_collector(
                 id,
                 text,
-                &model.info.name,
+                (&model.info.name, &made),
                 c,
                 (top.id, model.tokenizer.token_text(top.id), top.prob),
             );
@@ -645,11 +742,21 @@ fn add_faithfulness(
 mod tests {
     use super::*;
 
+    fn made() -> Made {
+        Made {
+            model_sha256: "ab".repeat(32),
+            bos: false,
+            precision: "exact".into(),
+            attnscope_version: env!("CARGO_PKG_VERSION").into(),
+        }
+    }
+
     fn rec(id: usize, sink: f32) -> Record {
         Record {
             id,
             text: format!("t{id}"),
             model: "m".into(),
+            made: made(),
             n_tokens: 5,
             sink_query: vec![sink, 0.1],
             sink_all: vec![sink, 0.2],

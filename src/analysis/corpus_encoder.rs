@@ -6,7 +6,7 @@
 //! pairs that put most of their attention on `[SEP]`. Records are JSON lines with
 //! `"kind": "encoder"`; `corpus merge` combines shards of them.
 
-use super::corpus::{stat, Stat};
+use super::corpus::{not_a_record, settings_agree, stat, Made, Stat};
 use super::encoder::shares_of_patterns;
 use crate::model::capture::{AttnCache, CaptureSpec};
 use crate::model::forward::RunOptions;
@@ -20,6 +20,9 @@ pub struct EncoderRecord {
     pub id: usize,
     pub text: String,
     pub model: String,
+    /// The model file, precision and version that made it (`bos` false).
+    #[serde(flatten)]
+    pub made: Made,
     /// Always "encoder": what tells these records from a decoder's.
     pub kind: String,
     pub n_tokens: usize,
@@ -66,6 +69,7 @@ pub fn encoder_record(
         .collect();
     let shares = shares_of_patterns(model, &tokens, maps.iter().copied());
     let (cls_id, sep_id) = model.special_ids();
+    let made = Made::of(model, false)?;
     let per_head = |id: Option<u32>| -> Vec<Vec<f32>> {
         let cols: Vec<usize> = (0..n).filter(|&j| Some(tokens[j]) == id).collect();
         maps.iter()
@@ -88,6 +92,7 @@ pub fn encoder_record(
         id,
         text: text.to_string(),
         model: model.info.name.clone(),
+        made,
         kind: "encoder".into(),
         n_tokens: n,
         cls: shares.cls,
@@ -143,8 +148,8 @@ pub fn check_encoder_record(r: &EncoderRecord) -> Result<(), String> {
 }
 
 /// Reads encoder record files (`(text, source name)` each), checking every record and that all
-/// come from one model with the same layers and heads, and that an id seen twice names the same
-/// text; errors name the file and line.
+/// come from one model with the same layers and heads and settings ([`Made`]), and that an id
+/// seen twice is the same record (text and numbers); errors name the file and line.
 pub fn read_encoder_records<S: AsRef<str>>(files: &[(S, S)]) -> Result<Vec<EncoderRecord>, String> {
     let mut out: Vec<EncoderRecord> = Vec::new();
     let mut first_at = String::new();
@@ -155,8 +160,9 @@ pub fn read_encoder_records<S: AsRef<str>>(files: &[(S, S)]) -> Result<Vec<Encod
                 continue;
             }
             let at = format!("{source}:{}", i + 1);
-            let r: EncoderRecord = serde_json::from_str(line)
-                .map_err(|e| format!("{at}: not an attnscope encoder corpus record ({e}); merge the records of one model, written by `attnscope corpus --out`, at a time"))?;
+            let r: EncoderRecord = serde_json::from_str(line).map_err(|e| {
+                not_a_record(line, &at, &e, "encoder corpus record (merge the records of one model, written by `attnscope corpus --out`, at a time)")
+            })?;
             check_encoder_record(&r)
                 .map_err(|e| format!("{at}: record {} is malformed: {e}", r.id))?;
             if let Some(r0) = out.first() {
@@ -169,6 +175,7 @@ pub fn read_encoder_records<S: AsRef<str>>(files: &[(S, S)]) -> Result<Vec<Encod
                         r.id, r.model, r0.model
                     ));
                 }
+                settings_agree(&r.made, &at, &r0.made, &first_at)?;
             } else {
                 first_at = at.clone();
             }
@@ -176,6 +183,12 @@ pub fn read_encoder_records<S: AsRef<str>>(files: &[(S, S)]) -> Result<Vec<Encod
                 return Err(format!(
                     "{at}: record {} is for another text than an earlier record {}; the files come from different corpora",
                     r.id, o.id
+                ));
+            }
+            if out.iter().any(|o| o.id == r.id && *o != r) {
+                return Err(format!(
+                    "{at}: record {} repeats an earlier record's text with other numbers; the two come from different runs, and merging them once would keep whichever came first",
+                    r.id
                 ));
             }
             out.push(r);
@@ -282,6 +295,12 @@ mod tests {
             id,
             text: format!("text {id}"),
             model: "m".into(),
+            made: Made {
+                model_sha256: "cd".repeat(32),
+                bos: false,
+                precision: "exact".into(),
+                attnscope_version: env!("CARGO_PKG_VERSION").into(),
+            },
             kind: "encoder".into(),
             n_tokens: 4,
             cls: vec![0.1],

@@ -4,13 +4,14 @@
 //! encoder, and their aggregate; [`merge_files`] is `corpus merge`.
 
 use super::corpus::{
-    aggregate, builtin, parse_lines, read_record_files, read_records, text_records, Aggregate,
-    Record, BATCH_TEXTS,
+    aggregate, builtin, parse_lines, read_record_files, text_records, Aggregate, Made, Record,
+    BATCH_TEXTS,
 };
 use super::corpus_encoder::{
     aggregate_encoder, encoder_record, is_encoder_file, read_encoder_records, EncoderAggregate,
     EncoderRecord,
 };
+use super::files::{read_lines_file, Output, ReadLimit};
 use super::request::usage;
 use crate::model::Model;
 use anyhow::Context;
@@ -25,15 +26,8 @@ pub fn load_texts(file: Option<&Path>) -> anyhow::Result<(Vec<String>, String)> 
     let Some(f) = file else {
         return Ok((builtin(), "the built-in corpus".into()));
     };
-    let bytes =
-        std::fs::read(f).map_err(|e| usage(format!("cannot read --file {}: {e}", f.display())))?;
-    let text = String::from_utf8(bytes).map_err(|e| {
-        usage(format!(
-            "{} is not valid UTF-8 (first bad byte at offset {})",
-            f.display(),
-            e.utf8_error().valid_up_to()
-        ))
-    })?;
+    // each line up to what a text of the longest context may take (the model checks its own)
+    let text = read_lines_file(f, &ReadLimit::any_model())?;
     let texts = if f.extension().is_some_and(|e| e == "jsonl") {
         text.lines()
             .enumerate()
@@ -101,6 +95,8 @@ pub struct CorpusRequest {
     pub epsilon: f32,
     /// A BOS token first although the model's metadata does not ask for one.
     pub bos: bool,
+    /// The files the run reads (its texts' file, the model's): `out` is never one of them.
+    pub inputs: Vec<PathBuf>,
 }
 
 impl Default for CorpusRequest {
@@ -113,6 +109,7 @@ impl Default for CorpusRequest {
             faithfulness: false,
             epsilon: 0.3,
             bos: false,
+            inputs: Vec::new(),
         }
     }
 }
@@ -170,15 +167,25 @@ pub fn run_corpus(
             return Err(usage(format!("--faithfulness ranks tokens against a next token's probability; {} is an encoder (no next-token prediction)", model.info.name)));
         }
         let source = format!("{source}{}", req.shard_suffix());
-        return run_encoder(model, texts, &selected, req.out.as_deref(), &source, note);
+        return run_encoder(model, texts, &selected, req, &source, note);
     }
+    let made = Made::of(model, req.bos)?;
     let (mut records, mut out_file) = resume::<Record>(
-        req.out.as_deref(),
-        &model.info.name,
-        texts,
-        source,
-        &|t, name| read_records(t, name),
-        &|r| (r.model.as_str(), r.id, r.text.as_str()),
+        Resume {
+            req,
+            model: &model.info.name,
+            made: &made,
+            texts,
+            source,
+        },
+        &|t, name| {
+            if t.trim().is_empty() {
+                Ok(Vec::new())
+            } else {
+                read_record_files(&[(t, name)])
+            }
+        },
+        &|r| (r.model.as_str(), r.id, r.text.as_str(), &r.made),
         note,
     )?;
     let todo: Vec<usize> = selected
@@ -216,21 +223,25 @@ pub fn run_corpus(
     })
 }
 
-/// [`run_corpus`] on an encoder: the `selected` texts' records appended to `out` (skipping
+/// [`run_corpus`] on an encoder: the `selected` texts' records appended to `req.out` (skipping
 /// those it already holds), and their aggregate.
 fn run_encoder(
     model: &Model,
     texts: &[String],
     selected: &[usize],
-    out: Option<&Path>,
+    req: &CorpusRequest,
     source: &str,
     note: &mut dyn FnMut(&str),
 ) -> anyhow::Result<CorpusOutcome> {
+    let made = Made::of(model, false)?;
     let (mut records, mut out_file) = resume::<EncoderRecord>(
-        out,
-        &model.info.name,
-        texts,
-        source,
+        Resume {
+            req,
+            model: &model.info.name,
+            made: &made,
+            texts,
+            source,
+        },
         &|t, name| {
             if t.trim().is_empty() {
                 Ok(Vec::new())
@@ -238,7 +249,7 @@ fn run_encoder(
                 read_encoder_records(&[(t, name)])
             }
         },
-        &|r| (r.model.as_str(), r.id, r.text.as_str()),
+        &|r| (r.model.as_str(), r.id, r.text.as_str(), &r.made),
         note,
     )?;
     let mut skipped = Vec::new();
@@ -293,25 +304,65 @@ pub fn merge_files(files: &[PathBuf], epsilon: f32) -> anyhow::Result<CorpusAggr
     ))
 }
 
+/// What a run resumes into: its request (`out`, `inputs`), its model's name and settings, its
+/// texts and their source's name.
+struct Resume<'a> {
+    req: &'a CorpusRequest,
+    model: &'a str,
+    made: &'a Made,
+    texts: &'a [String],
+    source: &'a str,
+}
+
+/// Refuses a record of `path` (its model, id, text and settings) that this run would not have
+/// made: another model, other settings, or a text that is not text `id` here.
+fn check_resumed(
+    path: &Path,
+    (model, id, t, made): (&str, usize, &str, &Made),
+    run: &Resume<'_>,
+) -> anyhow::Result<()> {
+    if model != run.model {
+        return Err(usage(format!(
+            "{} holds records of model `{model}`, not `{}`; use another --out",
+            path.display(),
+            run.model
+        )));
+    }
+    if let Some((name, was, now)) = made.differs(run.made) {
+        return Err(usage(format!(
+            "{} holds records made with {name} {was} (record {id}), but this run has {name} {now}; records made otherwise give other numbers: use another --out, or this file's settings",
+            path.display()
+        )));
+    }
+    if run.texts.get(id).map(String::as_str) != Some(t) {
+        return Err(usage(format!(
+            "{} holds record {id} for a text that is not text {id} of {}; use another --out",
+            path.display(),
+            run.source
+        )));
+    }
+    Ok(())
+}
+
 /// `--out`'s records so far and the file opened for appending (none without `--out`): a torn last
 /// line (a run killed while appending: no newline, not a whole record) is dropped and its text runs
-/// again; a whole record whose newline was never written gets it. Records of another model, or of
-/// a text that is not the same text here, are refused: the file belongs to another run.
-/// `parse(text, name)` reads a file's records, `meta(r)` gives a record's (model, id, text);
-/// `note` hears that a torn line was dropped.
+/// again; a whole record whose newline was never written gets it. Records of another model, made
+/// with other settings ([`Made`]), or of a text that is not the same text here, are refused: the
+/// file belongs to another run. `out` is checked first ([`Output::check_append`]: never one of the
+/// inputs, in a folder that takes it). `parse(text, name)` reads a file's records, `meta(r)` gives
+/// a record's (model, id, text, settings); `note` hears that a torn line was dropped.
 #[allow(clippy::type_complexity)]
 fn resume<R: serde::de::DeserializeOwned>(
-    out: Option<&std::path::Path>,
-    model_name: &str,
-    texts: &[String],
-    source: &str,
+    run: Resume<'_>,
     parse: &dyn Fn(&str, &str) -> Result<Vec<R>, String>,
-    meta: &dyn Fn(&R) -> (&str, usize, &str),
+    meta: &dyn Fn(&R) -> (&str, usize, &str, &Made),
     note: &mut dyn FnMut(&str),
 ) -> anyhow::Result<(Vec<R>, Option<std::fs::File>)> {
-    let Some(path) = out else {
+    let Some(path) = run.req.out.as_deref() else {
         return Ok((Vec::new(), None));
     };
+    let inputs: Vec<&Path> = run.req.inputs.iter().map(PathBuf::as_path).collect();
+    Output::check_append(path, &inputs)?;
     let mut records = Vec::new();
     if path.exists() {
         let mut text =
@@ -341,16 +392,7 @@ fn resume<R: serde::de::DeserializeOwned>(
         }
         records = parse(&text, &path.display().to_string()).map_err(usage)?;
         for r in &records {
-            let (model, id, t) = meta(r);
-            if model != model_name {
-                return Err(usage(format!(
-                    "{} holds records of model `{model}`, not `{model_name}`; use another --out",
-                    path.display()
-                )));
-            }
-            if texts.get(id).map(String::as_str) != Some(t) {
-                return Err(usage(format!("{} holds record {id} for a text that is not text {id} of {source}; use another --out", path.display())));
-            }
+            check_resumed(path, meta(r), &run)?;
         }
     }
     let file = std::fs::OpenOptions::new()

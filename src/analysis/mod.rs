@@ -4,6 +4,7 @@
 
 pub mod attribute;
 pub mod attrpatch;
+pub mod circuit;
 pub mod collect;
 pub mod compare;
 pub mod corpus;
@@ -14,6 +15,7 @@ pub mod enc_faith;
 pub mod enc_target;
 pub mod encoder;
 pub mod faithfulness;
+pub mod files;
 pub mod gen_attribute;
 pub mod heads;
 pub mod heads_encoder;

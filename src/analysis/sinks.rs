@@ -83,7 +83,7 @@ pub fn sinks_tokens(
     bos: bool,
 ) -> Result<Vec<u32>> {
     let ctx = model.dims.context_len;
-    let max_tokens = max_tokens.unwrap_or(32768.min(ctx));
+    let max_tokens = max_tokens_of(model, max_tokens);
     if max_tokens == 0 {
         return Err(Error::OutOfRange {
             what: "--max-tokens (Python: max_tokens)".into(),
@@ -92,7 +92,7 @@ pub fn sinks_tokens(
         });
     }
     let mut tokens = match text {
-        Some(text) => model.tokenizer.encode(text, bos)?,
+        Some(text) => prefix_tokens(model, text, max_tokens, bos)?,
         None => {
             // a BOS first when the model or --bos asks for one, as encode() does for texts
             let mut t = bos_prefix(model, bos)?;
@@ -123,6 +123,46 @@ fn bos_prefix(model: &Model, bos: bool) -> Result<Vec<u32>> {
     } else {
         Ok(Vec::new())
     }
+}
+
+/// The tokens `sinks` runs at most: `max_tokens`, by default 32,768 or the model's context if
+/// smaller.
+pub fn max_tokens_of(model: &Model, max_tokens: Option<usize>) -> usize {
+    max_tokens.unwrap_or(32768.min(model.dims.context_len))
+}
+
+/// The bytes of a long text `sinks` reads for `max_tokens` tokens: 64 a token, plus 64 KiB
+/// ([`crate::model::text_bytes_bound`]); the rest of the text is never read.
+pub fn prefix_bytes(max_tokens: usize) -> usize {
+    crate::model::text_bytes_bound(max_tokens)
+}
+
+/// The tokens of `text`, or of its first [`prefix_bytes`] (cut at the whitespace before that,
+/// where a word ends, so the tokens up to there are the whole text's): a long text (a book) is
+/// not tokenized whole for its first `max_tokens` tokens. A prefix that gives fewer than
+/// `max_tokens` tokens is refused, since the whole text's tokens would differ.
+fn prefix_tokens(model: &Model, text: &str, max_tokens: usize, bos: bool) -> Result<Vec<u32>> {
+    let limit = prefix_bytes(max_tokens);
+    if text.len() <= limit {
+        return model.tokenizer.encode(text, bos);
+    }
+    let mut end = limit;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    let end = text[..end]
+        .rfind(char::is_whitespace)
+        .filter(|&i| i > 0)
+        .unwrap_or(end);
+    let tokens = model.tokenizer.encode(&text[..end], bos)?;
+    if tokens.len() < max_tokens {
+        return Err(Error::OutOfRange {
+            what: "a text of".into(),
+            value: format!("{} bytes (its first {end} give {} tokens, fewer than --max-tokens {max_tokens}: more than {} bytes a token)", text.len(), tokens.len(), crate::model::TEXT_BYTES_PER_TOKEN),
+            range: format!("at most {limit} bytes, or one whose first {limit} bytes hold {max_tokens} tokens; cut the text to the part to run"),
+        });
+    }
+    Ok(tokens)
 }
 
 /// The streamed sink statistics of `tokens` ([`sinks_tokens`]); `on_layer(l)` after each layer.

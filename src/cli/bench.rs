@@ -50,6 +50,14 @@ pub struct Args {
     /// `corpus`'s records of the 224 built-in texts many to a forward against one forward each.
     #[arg(long)]
     sweeps: bool,
+    /// Time circuits instead (`attnscope circuit`): EAP of the IOI-style pair against 2
+    /// forwards + 1 backward, EAP-IG (5 steps) against 6 forward + backward pairs, `--evaluate`'s
+    /// ladder against 10 forwards, and EAP's time and peak memory at --circuit-tokens.
+    #[arg(long)]
+    circuits: bool,
+    /// The longer pair's length for `--circuits`.
+    #[arg(long, default_value_t = 128)]
+    circuit_tokens: usize,
     /// The text length of `--sweeps`' faithfulness run.
     #[arg(long, default_value_t = 200)]
     sweep_tokens: usize,
@@ -336,6 +344,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         let model = a.model.load()?;
         return super::bench_sweeps::run(&model, a.sweep_tokens, a.json);
+    }
+    if a.circuits {
+        if a.circuit_tokens < 2 {
+            return Err(usage("--circuit-tokens must be at least 2"));
+        }
+        let model = a.model.load()?;
+        return super::bench_circuits::run(&model, a.repeats, a.circuit_tokens, a.json);
     }
     if a.interventions {
         if a.repeats == 0 {

@@ -61,6 +61,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }),
         force: a.force,
         two_layers: a.two_layers,
+        inputs: a.input.input_paths(),
     };
     req.check()?;
     let start = std::time::Instant::now();

@@ -1,14 +1,17 @@
 //! Arguments and helpers shared by the subcommands.
 
+pub use crate::analysis::files::{
+    read_lines_file, read_stdin, read_text_file, ReadLimit, MAX_LINES_BYTES,
+};
 use crate::model::{fetch::DEFAULT_MODEL, Memory, Model, Precision};
 use anyhow::Context;
-use std::io::{IsTerminal, Read, Write};
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 
 pub use crate::analysis::request::{check_index, parse_index_list, usage};
 pub use crate::analysis::LESSON_SENTENCE;
 pub use crate::render::progress::{on_bar, progress_bar};
-pub use crate::render::{timings_opening, write_new_file};
+pub use crate::render::{timings_opening, Output};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelArgs {
@@ -22,7 +25,7 @@ pub struct ModelArgs {
     /// tiles as its integers and scales; elsewhere weights dequantized to f32). fast: the
     /// projections in bf16 on Intel AMX tiles (a forward 1.6-3.5x faster than exact, measured
     /// on a Sapphire Rapids-class Xeon: `bench --precision fast --against-exact`; attention
-    /// weights move by <1e-2), else in 8-bit blocks on AVX-512 VNNI (1.7-2.2x measured on a
+    /// weights move by <2e-2), else in 8-bit blocks on AVX-512 VNNI (1.7-2.2x measured on a
     /// Xeon and an AMD EPYC without AMX; weights move by <0.04). With neither, fast runs as exact.
     #[arg(long, default_value = "exact", value_parser = precision_parser())]
     pub precision: Precision,
@@ -86,6 +89,41 @@ impl ModelArgs {
     }
 }
 
+impl ModelArgs {
+    /// The model's own files: what an output must never replace ([`model_paths`]).
+    pub fn input_paths(&self) -> Vec<PathBuf> {
+        model_paths(&self.model)
+    }
+}
+
+/// The files of the model `spec` names, where they are here already: an alias's file (or
+/// folder's files) in the cache, a GGUF file, a folder's files; none for a hub id not fetched.
+pub fn model_paths(spec: &str) -> Vec<PathBuf> {
+    let p = match crate::model::fetch::alias(spec) {
+        Some(a) => crate::model::fetch::alias_path(a),
+        None => PathBuf::from(spec),
+    };
+    if p.is_dir() {
+        let files = std::fs::read_dir(&p).into_iter().flatten().flatten();
+        files.map(|e| e.path()).filter(|f| f.is_file()).collect()
+    } else if p.is_file() {
+        vec![p]
+    } else {
+        Vec::new()
+    }
+}
+
+/// `path` checked as the output of a command that reads `inputs` (before the model loads):
+/// [`Output::check`].
+pub fn output_path(
+    path: &std::path::Path,
+    force: bool,
+    inputs: &[PathBuf],
+) -> anyhow::Result<Output> {
+    let inputs: Vec<&std::path::Path> = inputs.iter().map(PathBuf::as_path).collect();
+    Output::check(path, force, &inputs)
+}
+
 /// The input of a command: its tokens and, for an encoder's sentence pair, the token types the
 /// model runs and each token's segment (which text it belongs to).
 pub struct Encoded {
@@ -127,7 +165,25 @@ pub struct TextArgs {
     pub system: Option<String>,
 }
 
+impl ModelText {
+    /// The files the command reads: the model's and `--file`'s.
+    pub fn input_paths(&self) -> Vec<PathBuf> {
+        let mut v = self.model.input_paths();
+        v.extend(self.text.input_paths());
+        v
+    }
+}
+
 impl TextArgs {
+    /// `--file`'s path (not standard input's `-`).
+    pub fn input_paths(&self) -> Vec<PathBuf> {
+        self.file
+            .iter()
+            .filter(|f| f.as_os_str() != "-")
+            .cloned()
+            .collect()
+    }
+
     /// The token ids to run: `--chat` through the model's own template (its BOS as the template
     /// writes it; a model without a template is refused, exit 2), else [`TextArgs::read`]'s text
     /// encoded (a BOS first as the model asks, or always with `force_bos`). `--pair` is refused
@@ -139,7 +195,7 @@ impl TextArgs {
                 self.refuse_pair()?;
                 Ok(model.chat_ids(q, self.system.as_deref())?)
             }
-            None => Ok(model.encode(&self.read()?, force_bos)?),
+            None => Ok(model.encode(&self.read(model)?, force_bos)?),
         }
     }
 
@@ -154,7 +210,8 @@ impl TextArgs {
     ) -> anyhow::Result<(Vec<u32>, Option<Vec<u32>>)> {
         match &self.pair {
             Some(b) if self.chat.is_none() => {
-                let (ids, types) = model.encode_pair(&self.read_any()?, b)?;
+                let (ids, types) =
+                    model.encode_pair(&self.read_any(&ReadLimit::text_of(model))?, b)?;
                 Ok((ids, Some(types)))
             }
             _ => Ok((self.tokens(model, force_bos)?, None)),
@@ -167,7 +224,9 @@ impl TextArgs {
     pub fn encoded(&self, model: &Model, force_bos: bool) -> anyhow::Result<Encoded> {
         match &self.pair {
             Some(b) if self.chat.is_none() => {
-                let (tokens, types, segments) = model.encode_pair_segments(&self.read_any()?, b)?;
+                let limit = ReadLimit::text_of(model);
+                let (tokens, types, segments) =
+                    model.encode_pair_segments(&self.read_any(&limit)?, b)?;
                 Ok(Encoded {
                     tokens,
                     types: Some(types),
@@ -191,15 +250,32 @@ impl TextArgs {
         Ok(())
     }
 
-    /// The text: `--text`, `--file`, piped standard input, or the lesson's sentence (refusing
-    /// `--pair` and `--chat`: a command that reads one plain text).
-    pub fn read(&self) -> anyhow::Result<String> {
+    /// The text for `model`: `--text`, `--file`, piped standard input, or the lesson's sentence
+    /// (refusing `--pair` and `--chat`: a command that reads one plain text). A file or
+    /// standard input is read up to what a text for `model` may take ([`ReadLimit::text_of`]).
+    pub fn read(&self, model: &Model) -> anyhow::Result<String> {
         self.refuse_pair()?;
-        self.read_any()
+        self.read_any(&ReadLimit::text_of(model))
     }
 
-    /// The text: `--text`, `--file`, piped standard input, or the lesson's sentence.
-    fn read_any(&self) -> anyhow::Result<String> {
+    /// [`TextArgs::read`] for a text of many texts, one a line (`heads --each-line`): each line
+    /// up to what a text for `model` may take ([`read_lines_file`]).
+    pub fn read_lines(&self, model: &Model) -> anyhow::Result<String> {
+        self.refuse_pair()?;
+        match &self.file {
+            Some(f) if self.text.is_none() && self.chat.is_none() => {
+                read_lines_file(f, &ReadLimit::text_of(model))
+            }
+            _ => self.read_any(&ReadLimit {
+                bytes: MAX_LINES_BYTES,
+                why: "the most a file of texts may take".into(),
+            }),
+        }
+    }
+
+    /// The text: `--text`, `--file` or piped standard input (read up to `limit`), or the
+    /// lesson's sentence.
+    fn read_any(&self, limit: &ReadLimit) -> anyhow::Result<String> {
         check_system(self.chat.is_some(), self.system.is_some())?;
         if self.chat.is_some() {
             return Err(usage(
@@ -210,38 +286,12 @@ impl TextArgs {
             return Ok(t.clone());
         }
         if let Some(f) = &self.file {
-            let bytes = if f.as_os_str() == "-" {
-                let mut b = Vec::new();
-                std::io::stdin()
-                    .read_to_end(&mut b)
-                    .context("reading standard input")?;
-                b
-            } else {
-                std::fs::read(f)
-                    .map_err(|e| usage(format!("cannot read --file {}: {e}", f.display())))?
-            };
-            return String::from_utf8(bytes).map_err(|e| {
-                usage(format!(
-                    "{} is not valid UTF-8 (first bad byte at offset {}); convert it to UTF-8",
-                    f.display(),
-                    e.utf8_error().valid_up_to()
-                ))
-            });
+            return read_text_file(f, limit);
         }
-        let stdin = std::io::stdin();
-        if !stdin.is_terminal() {
-            let mut b = Vec::new();
-            stdin
-                .lock()
-                .read_to_end(&mut b)
-                .context("reading standard input")?;
-            if !b.is_empty() {
-                return String::from_utf8(b).map_err(|e| {
-                    usage(format!(
-                        "standard input is not valid UTF-8 (first bad byte at offset {})",
-                        e.utf8_error().valid_up_to()
-                    ))
-                });
+        if !std::io::stdin().is_terminal() {
+            let text = read_stdin(limit)?;
+            if !text.is_empty() {
+                return Ok(text);
             }
         }
         Ok(LESSON_SENTENCE.to_string())
@@ -282,15 +332,9 @@ pub fn precision_parser() -> impl clap::builder::TypedValueParser<Value = Precis
         .map(|s| s.parse::<Precision>().expect("one of the possible values"))
 }
 
-/// `--file`'s text, refused (exit 2) when it cannot be read or is not UTF-8.
+/// `--file`'s text read before a model is loaded, up to what a text of the longest context
+/// may take ([`ReadLimit::any_model`]; the model checks its own bound before it tokenizes),
+/// refused (exit 2) when it cannot be read or is not UTF-8.
 pub fn read_text(f: &std::path::Path) -> anyhow::Result<String> {
-    let bytes =
-        std::fs::read(f).map_err(|e| usage(format!("cannot read --file {}: {e}", f.display())))?;
-    String::from_utf8(bytes).map_err(|e| {
-        usage(format!(
-            "{} is not valid UTF-8 (first bad byte at offset {})",
-            f.display(),
-            e.utf8_error().valid_up_to()
-        ))
-    })
+    read_text_file(f, &ReadLimit::any_model())
 }

@@ -1,6 +1,6 @@
 //! `attnscope compare`: two texts, two models or two precisions side by side.
 
-use super::common::{emit, read_text, usage, write_new_file, LESSON_SENTENCE};
+use super::common::{emit, output_path, read_text, usage, LESSON_SENTENCE};
 use crate::analysis::compare::{
     compare_runs, text_label, CompareOptions, CompareReport, Mode, SideInput,
 };
@@ -68,12 +68,22 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         bos: a.bos,
     };
     opts.check()?;
-    let texts = texts_of(&a)?;
     let models = if a.model.is_empty() {
         vec![DEFAULT_MODEL.to_string()]
     } else {
         a.model.clone()
     };
+    let mut inputs: Vec<PathBuf> = models
+        .iter()
+        .flat_map(|m| super::common::model_paths(m))
+        .collect();
+    inputs.extend(a.file.iter().cloned());
+    let output = a
+        .html
+        .as_deref()
+        .map(|h| output_path(h, a.force, &inputs))
+        .transpose()?;
+    let texts = texts_of(&a)?;
     let precisions = if a.precision.is_empty() {
         vec![Precision::Exact]
     } else {
@@ -91,9 +101,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
     };
     let report = compare_runs(mode, [input(0), input(1)], &opts)?;
-    if let Some(path) = &a.html {
-        write_new_file(path, page(&report).as_bytes(), a.force)?;
-        eprintln!("wrote {}", path.display());
+    if let Some(out) = &output {
+        out.write(page(&report).as_bytes())?;
+        eprintln!("wrote {}", out.path.display());
     }
     if a.json {
         let mut v = serde_json::to_value(&report)?;

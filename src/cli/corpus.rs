@@ -80,7 +80,17 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         faithfulness: a.faithfulness,
         epsilon: a.epsilon,
         bos: model_args.bos,
+        inputs: model_args
+            .input_paths()
+            .into_iter()
+            .chain(a.file.clone())
+            .collect(),
     };
+    if let Some(out) = &req.out {
+        // refused before the model loads (the run checks it again before it appends)
+        let inputs: Vec<&std::path::Path> = req.inputs.iter().map(PathBuf::as_path).collect();
+        crate::analysis::files::Output::check_append(out, &inputs)?;
+    }
     let model = model_args.load()?;
     let bar = progress_bar("texts [{bar:30}] {pos}/{len} ({eta} left)");
     let outcome = run_corpus(

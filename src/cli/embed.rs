@@ -1,7 +1,7 @@
 //! `attnscope embed`: sentence embeddings of an encoder (sentence-transformers' mean pooling,
 //! L2-normalized when the model folder's `modules.json` says so), written as a `.npy`.
 
-use super::common::{emit, usage, ModelArgs};
+use super::common::{emit, output_path, usage, ModelArgs, ReadLimit};
 use crate::model::forward::EmbedInput;
 use serde_json::json;
 use std::path::PathBuf;
@@ -20,6 +20,9 @@ pub struct Args {
     /// Write the embeddings, float32 [n_texts, d_model], to this .npy file.
     #[arg(long, short = 'o')]
     out: Option<PathBuf>,
+    /// Replace --out if it exists.
+    #[arg(long)]
+    force: bool,
     /// L2-normalize the embeddings (default: as the model folder's modules.json says).
     #[arg(long, conflicts_with = "no_normalize")]
     normalize: bool,
@@ -34,8 +37,8 @@ pub struct Args {
 pub fn run(a: Args) -> anyhow::Result<()> {
     let mut texts: Vec<String> = Vec::new();
     if let Some(f) = &a.file {
-        let s = std::fs::read_to_string(f)
-            .map_err(|e| usage(format!("cannot read --file {}: {e}", f.display())))?;
+        // each line up to what a text of the longest context may take; the model checks its own
+        let s = crate::analysis::files::read_lines_file(f, &ReadLimit::any_model())?;
         texts.extend(
             s.lines()
                 .filter(|l| !l.trim().is_empty())
@@ -51,6 +54,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "say where the embeddings go: --out FILE.npy, or --json",
         ));
     }
+    let mut inputs = a.model.input_paths();
+    inputs.extend(a.file.clone());
+    let output = a
+        .out
+        .as_deref()
+        .map(|o| output_path(o, a.force, &inputs))
+        .transpose()?;
     let model = a.model.load()?;
     let normalize = match (a.normalize, a.no_normalize) {
         (true, _) => Some(true),
@@ -72,9 +82,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let secs = start.elapsed().as_secs_f64();
     pb.finish_and_clear();
     let (n, dm) = (inputs.len(), model.dims.d_model);
-    if let Some(out) = &a.out {
-        std::fs::write(out, crate::render::npy::to_npy(&[n, dm], &emb))
-            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", out.display()))?;
+    if let Some(out) = &output {
+        out.write(&crate::render::npy::to_npy(&[n, dm], &emb))?;
     }
     if a.json {
         let mut v = json!({

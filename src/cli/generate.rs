@@ -1,7 +1,7 @@
 //! `attnscope generate`: chat with the model (its own template) or continue a text, token by token
 //! on a KV cache, and show what the query that produced each token attended to.
 
-use super::common::{emit, on_bar, progress_bar, usage, write_new_file, ModelArgs};
+use super::common::{emit, on_bar, output_path, progress_bar, usage, ModelArgs, Output};
 use crate::analysis::attribute::Method;
 use crate::analysis::gen_attribute::{attribute_generation, GenAttribution};
 use crate::model::generate::{GenOptions, GenToken, Generation};
@@ -87,7 +87,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         top: a.top,
     };
     o.check()?;
-    check_request(&a)?;
+    let output = check_request(&a)?;
     let model = a.model.load()?;
     model.require_decoder("generate (predicting one token after another)")?;
     let prompt = match (&a.chat, &a.text) {
@@ -124,8 +124,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .cloned()
         .chain(gen_ids.iter().map(|&i| model.tokenizer.token_text(i)))
         .collect();
-    if let (Some((r, _)), Some(path)) = (&attribution, &a.html) {
-        write_page(&model, r, &g, &all_texts, path, &a)?;
+    if let (Some((r, _)), Some(out)) = (&attribution, &output) {
+        write_page(&model, r, &g, &all_texts, out, &a)?;
     }
     // position j's label: `j:token`, the prompt's or the answer's
     let label = |j: usize| format!("{j}:{}", visible(&all_texts[j]));
@@ -157,8 +157,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 }
 
 /// The checks that need no model: `--system` with `--chat`, a prompt given, `--steps` for
-/// integrated gradients, `--html` new (or `--force`).
-fn check_request(a: &Args) -> anyhow::Result<()> {
+/// integrated gradients, `--html` writable ([`Output::check`]), which it returns.
+fn check_request(a: &Args) -> anyhow::Result<Option<Output>> {
     super::common::check_system(a.chat.is_some(), a.system.is_some())?;
     if a.chat.is_none() && a.text.is_none() {
         return Err(usage(
@@ -168,14 +168,10 @@ fn check_request(a: &Args) -> anyhow::Result<()> {
     if a.attribute == Some(Method::IntegratedGradients) {
         crate::analysis::attribute::check_steps(a.steps)?;
     }
-    if let Some(h) = &a.html {
-        if h.exists() && !a.force {
-            return Err(anyhow::Error::new(crate::model::Error::Exists {
-                path: h.clone(),
-            }));
-        }
-    }
-    Ok(())
+    a.html
+        .as_deref()
+        .map(|h| output_path(h, a.force, &a.model.input_paths()))
+        .transpose()
 }
 
 /// Generates from `prompt`, printing each token's text as it comes unless `--json` (the
@@ -227,7 +223,7 @@ fn write_page(
     r: &GenAttribution,
     g: &Generation,
     all_texts: &[String],
-    path: &std::path::Path,
+    out: &Output,
     a: &Args,
 ) -> anyhow::Result<()> {
     let attention: Vec<Vec<f32>> = g.generated.iter().map(|t| t.attention.clone()).collect();
@@ -237,11 +233,11 @@ fn write_page(
         r.method.name()
     );
     let html = render::page(r, all_texts, &attention, &title, &model.info.name);
-    write_new_file(path, html.as_bytes(), a.force)?;
+    out.write(html.as_bytes())?;
     if !a.json {
         eprintln!(
             "wrote {}; open it in a browser, no network needed",
-            path.display()
+            out.path.display()
         );
     }
     Ok(())

@@ -112,7 +112,7 @@ fn inputs(model: &crate::model::Model, a: &Args) -> anyhow::Result<Inputs> {
         });
     }
     if a.each_line {
-        let text = a.input.text.read()?;
+        let text = a.input.text.read_lines(model)?;
         let mut texts = Vec::new();
         for line in crate::analysis::corpus::parse_lines(&text, false) {
             texts.push(model.encode(&line, a.input.model.bos)?);

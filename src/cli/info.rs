@@ -63,9 +63,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 fn json_report(m: &crate::model::Model) -> serde_json::Value {
     let d = &m.dims;
     let (mapped, projections) = m.mapped_projections();
-    json!({"model": m.info, "dims": d, "kind": model_kind(d), "group_size": d.group_size(), "gqa": d.gqa_sentence(),
+    let k = crate::kernels::select::kernels();
+    let kernels = json!({"exact": k.exact_name(), "fast": k.fast_name(), "gemm": k.gemm.name(), "forced": k.forced});
+    json!({"model": m.info, "dims": d, "kind": model_kind(d), "group_size": d.group_size(), "gqa": d.gqa_sentence(), "kernels": kernels,
            "cached_alias_path": alias(&m.info.name).map(alias_path),
            "packed_weight_cache": m.panel_file().map(|p| json!({"path": p, "mapped_projections": mapped, "projections": projections})),
+           "circuit_graph": circuit_graph(d).map(|(nodes, readers, edges)| json!({"nodes": nodes, "readers": readers, "edges": edges})),
            "memory_model": memory_model(m).map(|rows| memory_json(&rows))})
 }
 
@@ -205,14 +208,47 @@ fn facts_table(m: &crate::model::Model) -> Table {
         ("tokenizer", m.info.tokenizer.clone()),
         ("BOS", bos_line(m)),
         ("precision", precision_line(m)),
+        ("kernels", crate::kernels::select::kernels().describe()),
     ] {
         t.row([k.to_string(), v]);
     }
     t.row(["memory".to_string(), memory_line(m)]);
+    if let Some(c) = circuit_graph(d) {
+        t.row([
+            "circuit graph".to_string(),
+            format!(
+                "{} nodes (input, each head, each MLP), {} readers (each head's q, each KV head's k and v, each MLP, the logits), {} edges (`attnscope circuit`)",
+                c.0,
+                c.1,
+                thousands(c.2)
+            ),
+        ]);
+    }
     if let Some(g) = &d.gemma {
         t.row(["Gemma".to_string(), gemma_line(g)]);
     }
     t
+}
+
+/// The circuit graph's upstream nodes, readers and edges (`attnscope circuit`), for a decoder.
+fn circuit_graph(d: &crate::model::ModelDims) -> Option<(usize, usize, usize)> {
+    (!d.arch.is_encoder()).then(|| {
+        let g = crate::analysis::circuit::graph::Graph::new(d);
+        (g.n_nodes(), g.n_readers(), g.n_edges())
+    })
+}
+
+/// `79813` as `79,813`.
+fn thousands(v: usize) -> String {
+    let s = v.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
 }
 
 /// The RoPE scaling row: none, or Llama 3's factors.
@@ -270,7 +306,11 @@ fn precision_line(m: &crate::model::Model) -> String {
         crate::model::Precision::Fast => format!(
             "fast: projections {}, attention f32 ({} kernel)",
             crate::model::weights::fast_kernel()
-                .unwrap_or("on the exact f32 kernels (no AMX nor AVX-512 VNNI here)"),
+                .map(str::to_string)
+                .unwrap_or_else(|| format!(
+                    "on the exact f32 kernels ({})",
+                    crate::kernels::select::kernels().why_no_fast_kernel()
+                )),
             crate::kernels::gemm::Isa::detect().name()
         ),
         crate::model::Precision::Exact => {
@@ -280,7 +320,7 @@ fn precision_line(m: &crate::model::Model) -> String {
             } else if scaled > 0 {
                 format!(
                     "exact: every product exact, summed in f32; {scaled} of {all} projections on AMX tiles as the file's integers and scales, {} attention on the {} kernel",
-                    if scaled == all { "" } else { "the rest and" },
+                    if scaled == all { "the" } else { "the rest and the" },
                     crate::kernels::gemm::Isa::detect().name()
                 )
             } else {

@@ -5,10 +5,12 @@
 mod ablate;
 mod attribute;
 mod bench;
+mod bench_circuits;
 mod bench_interventions;
 mod bench_sweeps;
 mod cache;
 mod capture;
+mod circuit;
 mod common;
 mod compare;
 mod corpus;
@@ -76,6 +78,11 @@ pub enum Command {
     /// (per layer × position, or per layer × head) and measure how much of the logit difference
     /// between the answer and the wrong token comes back.
     Patch(patch::Args),
+    /// Circuits: which edges between the input, the heads and the MLPs carry the answer, scored
+    /// by edge attribution patching (EAP) or EAP with integrated gradients on a clean/corrupted
+    /// pair (or many, --pairs), and with --evaluate how faithful the circuits of the top edges
+    /// are by exact edge patching (MIB's CPR and CMD).
+    Circuit(circuit::Args),
     /// Direct logit attribution: each head's, MLP's and the embedding's direct contribution to
     /// the answer's logit (or a logit difference) at the last position, beside each head's
     /// attention; the parts add up to the logit.
@@ -153,6 +160,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Attribute(a) => attribute::run(a),
         Command::Patch(a) => patch::run(a),
         Command::Dla(a) => dla::run(a),
+        Command::Circuit(a) => circuit::run(a),
         Command::Qk(a) => qk::run(a),
         Command::Capture(a) => capture::run(a),
         Command::Fetch(a) => info::fetch(a),
@@ -178,7 +186,15 @@ pub fn main() -> ExitCode {
             return ExitCode::from(code);
         }
     };
+    // ATTNSCOPE_ISA / ATTNSCOPE_AMX asking for a kernel this CPU cannot run: refused before any
+    // command starts (never an illegal instruction, never silently another kernel)
+    if let Err(e) = crate::kernels::select::check() {
+        eprintln!("attnscope: error: {e}");
+        return ExitCode::from(2);
+    }
     common::keep_models_to_exit();
+    // Ctrl-C while a file is written removes its temporary file (a capture's is hundreds of MB)
+    crate::analysis::files::remove_temp_files_on_signal();
     let result = run(cli);
     // `attnscope bench` times commands as child processes and asks each for its own peak memory
     // (VmHWM of this process's address space; rusage would include the parent's, inherited)

@@ -1,6 +1,6 @@
 //! `attnscope patch`: activation patching between a clean and a corrupted text.
 
-use super::common::{emit, on_bar, progress_bar, usage, write_new_file, ModelArgs};
+use super::common::{emit, on_bar, output_path, progress_bar, usage, ModelArgs};
 use crate::analysis::attrpatch::{agreement, attribution_patch, Agreement, ApproxKind};
 use crate::analysis::faithfulness::Target;
 use crate::analysis::intervene::{patch, PatchHook, PatchOptions, PatchReport};
@@ -50,9 +50,12 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = HookArg::ResidPre)]
     hook: HookArg,
     /// Also write the heatmap as a self-contained HTML page: hover a cell for its numbers, click
-    /// it to show them (refuses to overwrite a file).
+    /// it to show them.
     #[arg(long)]
     html: Option<PathBuf>,
+    /// Replace the --html file if it exists.
+    #[arg(long)]
+    force: bool,
     /// Also attribution patching: each cell estimated to first order, (clean − corrupt) ·
     /// ∂(logit diff)/∂activation at the corrupted run, from two forwards and one backward; printed
     /// beside the exact grid with their Pearson and Spearman correlations (resid-pre, attn-out,
@@ -76,12 +79,12 @@ fn some_text(s: &str) -> Result<String, String> {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    // refused before the runs, not after them (write_new_file checks again when it writes)
-    if let Some(path) = a.html.as_ref().filter(|p| p.exists()) {
-        return Err(anyhow::Error::new(crate::model::Error::Exists {
-            path: path.clone(),
-        }));
-    }
+    // refused before the runs, not after them (the rename checks again)
+    let output = a
+        .html
+        .as_deref()
+        .map(|h| output_path(h, a.force, &a.model.input_paths()))
+        .transpose()?;
     let model = a.model.load()?;
     let clean = model.encode(&a.clean, a.model.bos)?;
     let corrupt = model.encode(&a.corrupt, a.model.bos)?;
@@ -126,8 +129,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     } else {
         None
     };
-    if let Some(path) = &a.html {
-        write_new_file(path, patch_page(&report).as_bytes(), false)?;
+    if let Some(out) = &output {
+        out.write(patch_page(&report).as_bytes())?;
     }
     if a.json {
         // serialized straight from the structs (no `serde_json::Value` on the way, which would

@@ -1,9 +1,11 @@
 //! `attnscope sinks`: the sink profile and per-head statistics of a long text, streamed.
 
-use super::common::{emit, progress_bar, read_text, ModelArgs};
+use super::common::{emit, progress_bar, ModelArgs};
 use crate::analysis::request::weight_threshold;
 use crate::analysis::sinkmetrics::LayerMassive;
-use crate::analysis::sinks::{sinks, sinks_tokens, SinksOptions, SinksReport};
+use crate::analysis::sinks::{
+    max_tokens_of, prefix_bytes, sinks, sinks_tokens, SinksOptions, SinksReport,
+};
 use crate::analysis::stream::LayerStats;
 use crate::model::tokenize::visible;
 use crate::model::Model;
@@ -51,7 +53,13 @@ pub struct Args {
 pub fn run(a: Args) -> anyhow::Result<()> {
     let start = Instant::now();
     let model = a.model.load()?;
-    let text = a.file.as_deref().map(read_text).transpose()?;
+    // a long text (a book) is read as far as --max-tokens tokens can reach, no further
+    let reach = prefix_bytes(max_tokens_of(&model, a.max_tokens));
+    let text = a
+        .file
+        .as_deref()
+        .map(|f| crate::analysis::files::read_text_prefix(f, reach))
+        .transpose()?;
     let tokens = sinks_tokens(&model, text.as_deref(), a.max_tokens, a.model.bos)?;
     let mut r = stream(&model, &tokens, &a)?;
     r.total_s = start.elapsed().as_secs_f64();

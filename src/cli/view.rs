@@ -1,6 +1,6 @@
 //! `attnscope view` (the HTML page) and `attnscope heatmap` (one map as PNG or SVG).
 
-use super::common::{check_index, emit, usage, write_new_file, ModelArgs, TextArgs};
+use super::common::{check_index, emit, output_path, usage, ModelArgs, TextArgs};
 use crate::analysis::faithfulness::Target;
 use crate::model::capture::{AttnCache, CaptureSpec, Hook};
 use crate::model::forward::RunOptions;
@@ -36,11 +36,9 @@ pub struct ViewArgs {
 
 /// `attnscope view`: the page written to `--out`.
 pub fn view(a: ViewArgs) -> anyhow::Result<()> {
-    if a.out.exists() && !a.force {
-        return Err(anyhow::Error::new(crate::model::Error::Exists {
-            path: a.out.clone(),
-        }));
-    }
+    let mut inputs = a.model.input_paths();
+    inputs.extend(a.text.input_paths());
+    let output = output_path(&a.out, a.force, &inputs)?;
     let model = a.model.load()?;
     let input = a.text.encoded(&model, a.model.bos)?;
     let tokens = input.tokens;
@@ -54,7 +52,7 @@ pub fn view(a: ViewArgs) -> anyhow::Result<()> {
     };
     let (html, n) = view_html_tokens(&model, &tokens, &opts)?;
     let d = &model.dims;
-    write_new_file(&a.out, html.as_bytes(), a.force)?;
+    output.write(html.as_bytes())?;
     emit(&format!("wrote {} ({:.1} MB, {n} tokens, {} layers × {} heads); open it in a browser, no network needed\n", a.out.display(), html.len() as f64 / 1e6, d.n_layers, d.n_heads))
 }
 
@@ -74,6 +72,7 @@ pub struct HeatmapArgs {
     /// Output file: .png or .svg.
     #[arg(long, short = 'o')]
     out: PathBuf,
+    /// Replace --out if it exists.
     #[arg(long)]
     force: bool,
 }
@@ -92,11 +91,9 @@ pub fn heatmap(a: HeatmapArgs) -> anyhow::Result<()> {
             a.out.display()
         )));
     }
-    if a.out.exists() && !a.force {
-        return Err(anyhow::Error::new(crate::model::Error::Exists {
-            path: a.out.clone(),
-        }));
-    }
+    let mut inputs = a.model.input_paths();
+    inputs.extend(a.text.input_paths());
+    let output = output_path(&a.out, a.force, &inputs)?;
     let model = a.model.load()?;
     let (tokens, token_types) = a.text.tokens_or_pair(&model, a.model.bos)?;
     let (n, d) = (tokens.len(), &model.dims);
@@ -145,6 +142,6 @@ pub fn heatmap(a: HeatmapArgs) -> anyhow::Result<()> {
     } else {
         crate::render::heatmap::png(&map, n, n)
     };
-    write_new_file(&a.out, &bytes, a.force)?;
+    output.write(&bytes)?;
     emit(&format!("wrote {} ({title}, {n}×{n})\n", a.out.display()))
 }

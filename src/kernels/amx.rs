@@ -17,12 +17,12 @@
 //! integers times scales: three products instead of six, and two bytes a weight.
 //!
 //! Linux hands the tile registers to a process only when it asks (`arch_prctl
-//! ARCH_REQ_XCOMP_PERM`); [`available`] asks once. `ATTNSCOPE_AMX=0` turns the kernel off
-//! (benchmarks compare the two; the f32 kernels then run).
+//! ARCH_REQ_XCOMP_PERM`); [`super::select`] asks once. `ATTNSCOPE_AMX=0` turns the kernel off
+//! (benchmarks compare the two; the f32 kernels then run), `ATTNSCOPE_AMX=exact` puts `exact` on
+//! three bf16 parts, `=f32` keeps `exact` off the tiles.
 
 use super::SendPtr;
 use rayon::prelude::*;
-use std::sync::OnceLock;
 
 pub mod scaled;
 
@@ -37,16 +37,11 @@ const MB: usize = 32;
 /// bf16 values in one tile (1 KiB).
 const TILE: usize = T * KT;
 
-/// Whether the CPU has AMX-BF16 tiles and the kernel lets this process use them (asked once).
+/// Whether the kernels may use the AMX tiles: the CPU has AMX-BF16, Linux lets this process use
+/// them, and neither `ATTNSCOPE_ISA` (below `amx`) nor `ATTNSCOPE_AMX=0` rules them out
+/// ([`super::select`]).
 pub fn available() -> bool {
-    static OK: OnceLock<bool> = OnceLock::new();
-    *OK.get_or_init(|| {
-        let off = matches!(
-            std::env::var("ATTNSCOPE_AMX").ok().as_deref(),
-            Some("0" | "off" | "no" | "false")
-        );
-        !off && hardware_ready()
-    })
+    super::select::kernels().tiles
 }
 
 /// Whether `exact` runs every projection on the tiles as three bf16 parts of the dequantized
@@ -58,22 +53,21 @@ pub fn available() -> bool {
 /// 9.8-13.2 s on the f32 kernel (three alternating pairs), peaking at 2.31 GB against 1.60 (three
 /// bf16 parts are 6 bytes a weight).
 pub fn exact_on_tiles() -> bool {
-    available() && std::env::var("ATTNSCOPE_AMX").ok().as_deref() == Some("exact")
+    super::select::kernels().exact == super::select::ExactOn::Bf16x3
 }
 
 /// Whether `exact` runs the projections of a quantized file on the tiles as the file's
 /// integers and scales ([`scaled`]): on every CPU with AMX, unless `ATTNSCOPE_AMX=f32` keeps
-/// them on the f32 kernel (benchmarks compare the two) or `=exact` asks for three parts.
+/// them on the f32 kernel (benchmarks compare the two), `=exact` asks for three parts, or
+/// `ATTNSCOPE_ISA` holds the kernels below the tiles.
 pub fn exact_scaled() -> bool {
-    available()
-        && !matches!(
-            std::env::var("ATTNSCOPE_AMX").ok().as_deref(),
-            Some("f32" | "exact")
-        )
+    super::select::kernels().exact == super::select::ExactOn::Scaled
 }
 
+/// Whether the CPU has AMX-BF16 tiles and Linux lets this process use them (asks Linux; called
+/// once, by [`super::select`]).
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-fn hardware_ready() -> bool {
+pub(crate) fn hardware_ready() -> bool {
     use std::arch::x86_64::__cpuid_count;
     let (max_leaf, l7, l1) = (
         __cpuid_count(0, 0).eax,
@@ -105,7 +99,7 @@ fn hardware_ready() -> bool {
 }
 
 #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
-fn hardware_ready() -> bool {
+pub(crate) fn hardware_ready() -> bool {
     false
 }
 
@@ -604,9 +598,13 @@ impl Task<'_> {
         }
     }
 
-    /// Row block `b` (its A tiles at `a0`) × panel `p` over one k slice. Its sums come from
-    /// and go to: the task's buffer `part` between slices; C itself for a whole tile; `spare`
-    /// for an edge tile (the valid part of C copied in and out).
+    /// Row block `b` (its A tiles at `a0`) × panel `p` over one k slice. Its sums start from
+    /// zero and go through the task's buffer `part` between slices; the last slice writes C
+    /// itself for a whole tile, `spare` for an edge tile (its valid part copied out) or where
+    /// the product accumulates: then C gets `C + sums`, the product added to it after it is
+    /// summed, as the f32 kernel adds a depth block's sums, so an accumulating product gives
+    /// the bits of a product and an add (a hook that edits an output that otherwise accumulates
+    /// into the residual, without changing it, changes no bit).
     ///
     /// # Safety
     /// As [`task_run`]; `part` valid for a `[32, 32]` block when there is more than one slice.
@@ -627,44 +625,33 @@ impl Task<'_> {
             let rows = MB.min(self.m.saturating_sub(row0));
             let col0 = p * NP;
             let cols = NP.min(self.w.n - col0);
-            let whole = rows == MB && cols == NP;
             let in_c = CBlock {
                 ptr: c.0.add(row0 * ldc + col0),
                 ld: ldc,
             };
+            // through `in_spare.ptr` (not `spare`), so the pointer the product uses stays the one
+            // every access goes through
             let in_spare = CBlock {
                 ptr: spare.as_mut_ptr(),
                 ld: NP,
             };
             let in_part = CBlock { ptr: part, ld: NP };
-            let src = if !slice.first {
-                Some(in_part)
-            } else if !self.accumulate {
-                None
-            } else if whole {
-                Some(in_c)
-            } else {
-                // through `in_spare.ptr` (not `spare`), so the pointer the product uses stays
-                // the one every access goes through
-                for r in 0..rows {
-                    for j in 0..cols {
-                        *in_spare.ptr.add(r * NP + j) = *c.0.add((row0 + r) * ldc + col0 + j);
-                    }
-                }
-                Some(in_spare)
-            };
+            let src = (!slice.first).then_some(in_part);
+            let direct = rows == MB && cols == NP && !self.accumulate;
             let dst = if !slice.last {
                 in_part
-            } else if whole {
+            } else if direct {
                 in_c
             } else {
                 in_spare
             };
             self.multiply(slice, a0, p, src, dst);
-            if slice.last && !whole {
+            if slice.last && !direct {
                 for r in 0..rows {
                     for j in 0..cols {
-                        *c.0.add((row0 + r) * ldc + col0 + j) = *in_spare.ptr.add(r * NP + j);
+                        let to = c.0.add((row0 + r) * ldc + col0 + j);
+                        let sum = *in_spare.ptr.add(r * NP + j);
+                        *to = if self.accumulate { *to + sum } else { sum };
                     }
                 }
             }

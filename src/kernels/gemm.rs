@@ -14,7 +14,6 @@
 
 use super::SendPtr;
 use rayon::prelude::*;
-use std::sync::OnceLock;
 
 /// The instruction set of the micro-kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,22 +27,14 @@ pub enum Isa {
 }
 
 impl Isa {
-    /// The best kernel this CPU runs. `ATTNSCOPE_ISA=avx512|avx2|scalar` forces one (for
-    /// benchmarks and tests; one the CPU lacks is ignored).
+    /// The kernel this process runs: the best this CPU runs, or the one `ATTNSCOPE_ISA` forces
+    /// (`avx512`, `avx2`, `scalar`; one the CPU lacks is refused: [`super::select`]).
     pub fn detect() -> Isa {
-        static ISA: OnceLock<Isa> = OnceLock::new();
-        *ISA.get_or_init(|| {
-            let best = Isa::best();
-            match std::env::var("ATTNSCOPE_ISA").ok().as_deref() {
-                Some("scalar") => Isa::Scalar,
-                Some("avx2") if Isa::Avx2.supported() => Isa::Avx2,
-                Some("avx512") if Isa::Avx512.supported() => Isa::Avx512,
-                _ => best,
-            }
-        })
+        super::select::kernels().gemm
     }
 
-    fn best() -> Isa {
+    /// The widest kernel this CPU runs.
+    pub(crate) fn best() -> Isa {
         if Isa::Avx512.supported() {
             Isa::Avx512
         } else if Isa::Avx2.supported() {

@@ -277,7 +277,7 @@ const MR: usize = 6;
 
 /// `C[m, n] (+)= A · Wᵀ` with both sides quantized, C row-major with row stride `ldc`.
 pub fn gemm_q8(a: &QuantA, w: &PackedQ8, c: &mut [f32], ldc: usize, accumulate: bool) {
-    gemm_q8_on(a, w, c, ldc, accumulate, vnni_supported())
+    gemm_q8_on(a, w, c, ldc, accumulate, super::select::kernels().vnni)
 }
 
 /// [`gemm_q8`] on the VNNI kernel (`vnni`, which the CPU must have) or the plain one.

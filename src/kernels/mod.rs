@@ -2,11 +2,13 @@
 //! ([`gemm`], `exact`), bf16 products on AMX tiles ([`amx`]) and 8-bit block-quantized
 //! multiplication ([`int8`]) for `fast`, and the vector width of the element-wise loops
 //! ([`simd`]), each with run-time choice of the instruction set, so a build for baseline x86-64
-//! runs at the machine's rate. Pure Rust on slices, no candle.
+//! runs at the machine's rate ([`select`] decides which, once, and refuses a forced one the CPU
+//! lacks). Pure Rust on slices, no candle.
 
 pub mod amx;
 pub mod gemm;
 pub mod int8;
+pub mod select;
 pub mod simd;
 
 /// C's pointer handed to the tasks of a product, each of which writes its own tiles.

@@ -36,7 +36,9 @@ impl Level {
 static LEVEL: AtomicU8 = AtomicU8::new(0);
 
 /// The level the element-wise loops run at, detected on first use. `ATTNSCOPE_SIMD=base|avx2`
-/// caps it (for benchmarks and tests; a level the CPU lacks is never chosen).
+/// caps it (for benchmarks and tests; a level the CPU lacks is never chosen), and so does
+/// `ATTNSCOPE_ISA` (`avx2`: AVX2, `scalar`: the build's baseline), so a run held to a narrower
+/// instruction set holds every loop to it.
 pub fn level() -> Level {
     match LEVEL.load(Ordering::Relaxed) {
         1 => Level::Base,
@@ -48,7 +50,12 @@ pub fn level() -> Level {
                 Some("avx2") => Level::Avx2,
                 _ => Level::Avx512,
             };
-            let l = detected().min(cap);
+            let isa = match super::select::kernels().gemm {
+                super::gemm::Isa::Avx512 => Level::Avx512,
+                super::gemm::Isa::Avx2 => Level::Avx2,
+                super::gemm::Isa::Scalar => Level::Base,
+            };
+            let l = detected().min(cap).min(isa);
             LEVEL.store(l as u8, Ordering::Relaxed);
             l
         }

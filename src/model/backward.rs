@@ -15,11 +15,15 @@ use rayon::prelude::*;
 
 mod batch;
 mod block;
+mod branches;
+mod edited;
 mod head;
 mod profile;
 mod rowwise;
 mod taps;
 pub use block::LayerT;
+pub use branches::{BranchSink, Reader, ReaderGrads};
+pub use edited::{EditedForward, ReaderEdit};
 use head::{Head, Packed4, QB};
 use rowwise::norm_fwd;
 pub use rowwise::{norm_backward, norm_identity};

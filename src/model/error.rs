@@ -83,6 +83,14 @@ pub enum Error {
         limit: usize,
         model: String,
     },
+    #[error("the text is {bytes} bytes, more than the {limit} a text for {model} may take ({per_token} bytes a token, generously, for its context of {context} tokens, plus 64 KiB); shorten the text")]
+    TextTooLarge {
+        bytes: usize,
+        limit: usize,
+        per_token: usize,
+        context: usize,
+        model: String,
+    },
     #[error("{what} {value} is out of range; valid: {range}")]
     OutOfRange {
         what: String,
@@ -114,6 +122,9 @@ pub enum Error {
     /// `source` either, so the printed cause chain does not show it a second time)
     #[error("tensor computation failed: {}", candle_message(.0))]
     Candle(candle_core::Error),
+    /// `ATTNSCOPE_ISA` / `ATTNSCOPE_AMX` ask for a kernel this CPU cannot run (or name none).
+    #[error("{0}")]
+    Kernels(String),
 }
 
 impl From<candle_core::Error> for Error {

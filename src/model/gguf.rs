@@ -433,7 +433,7 @@ impl GgufFile {
         self.refuse_unimplemented(&a, arch)?;
         let n_layers = self.uint(&format!("{a}.block_count"), &a)?;
         let rotary_dim = self.rotary_dim(&a, arch, head_dim)?;
-        let window = self.sliding_window(&a)?;
+        let window = self.sliding_window(&a, arch)?;
         let gemma = if arch.is_gemma() {
             let shape = (n_layers, d_model, n_heads, head_dim);
             Some(self.gemma_settings(&a, arch, window, shape, rope_base)?)
@@ -626,11 +626,14 @@ impl GgufFile {
         Ok(rotary_dim)
     }
 
-    /// `attention.sliding_window`, where the file has it (a window of 0 keys is refused).
-    fn sliding_window(&self, a: &str) -> Result<Option<usize>> {
+    /// `attention.sliding_window`, where the file has it. A window of 0 keys is refused, but
+    /// for Phi-3: llama.cpp's converter writes 0 for a config without a window (Phi-4's
+    /// `sliding_window: null`; `Phi3MiniModel.set_gguf_parameters`) and llama.cpp reads it as none.
+    fn sliding_window(&self, a: &str, arch: Arch) -> Result<Option<usize>> {
         let window_key = format!("{a}.attention.sliding_window");
         Ok(match self.md(&window_key) {
             Some(_) => match self.uint(&window_key, a)? {
+                0 if arch == Arch::Phi3 => None,
                 0 => {
                     return Err(Error::BadValue {
                         key: window_key,

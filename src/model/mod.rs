@@ -80,6 +80,20 @@ pub struct Model {
     transposed: std::sync::OnceLock<Vec<backward::LayerT>>,
     /// TransformerLens's weight processing applied after load ([`processing`]); none by default.
     processing: processing::Processing,
+    /// [`Model::sha256`], computed on first use.
+    sha256: std::sync::OnceLock<String>,
+}
+
+/// Bytes a token may take in a text, generously: text averages 3-5 bytes a token, and the
+/// longest tokens of the aliases' vocabularies are 48 (Gemma 3) to ~190 bytes (runs of spaces or
+/// `=` in Qwen2.5's); only a text made of such runs averages more than 64.
+pub const TEXT_BYTES_PER_TOKEN: usize = 64;
+
+/// The most bytes of a text for a context of `context` tokens ([`Model::max_text_bytes`]).
+pub fn text_bytes_bound(context: usize) -> usize {
+    TEXT_BYTES_PER_TOKEN
+        .saturating_mul(context)
+        .saturating_add(64 << 10)
 }
 
 /// What `--model` named, resolved.
@@ -281,6 +295,41 @@ fn gguf_footprint(g: &gguf::GgufFile, dims: &ModelDims) -> memory::Footprint {
 }
 
 impl Model {
+    /// The sha256 (hex) of the model's files, what `corpus` records name the model by: a GGUF
+    /// file's own; a folder's `*.safetensors` and `*.json` files in name order, each as its
+    /// name, a NUL and its own sha256, hashed together. Computed on the first call (the default
+    /// model's 491 MB: ~0.3 s on a CPU with SHA extensions) and kept.
+    pub fn sha256(&self) -> Result<String> {
+        if let Some(h) = self.sha256.get() {
+            return Ok(h.clone());
+        }
+        let path = &self.info.path;
+        let h = if path.is_dir() {
+            use sha2::Digest;
+            let mut files: Vec<PathBuf> = std::fs::read_dir(path)
+                .map_err(|e| Error::io(path, e))?
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| {
+                    p.is_file()
+                        && p.extension()
+                            .is_some_and(|e| e == "safetensors" || e == "json")
+                })
+                .collect();
+            files.sort();
+            let mut all = sha2::Sha256::new();
+            for f in &files {
+                all.update(f.file_name().unwrap_or_default().as_encoded_bytes());
+                all.update([0]);
+                all.update(fetch::sha256_file(f)?.as_bytes());
+            }
+            format!("{:x}", all.finalize())
+        } else {
+            fetch::sha256_file(path)?
+        };
+        Ok(self.sha256.get_or_init(|| h).clone())
+    }
+
     /// The packed-weight cache file of this model ([`panels`]): the one its projections were
     /// mapped from, or the one this load wrote for the next.
     pub fn panel_file(&self) -> Option<&Path> {
@@ -380,6 +429,7 @@ impl Model {
         progress: bool,
         panels: Option<&panels::Settings>,
     ) -> Result<Model> {
+        crate::kernels::select::check().map_err(Error::Kernels)?;
         let memory = match memory {
             None if precision == Precision::Exact => memory::from_env()?,
             m => m,
@@ -419,7 +469,10 @@ impl Model {
         return_free_memory();
         let mut model = model;
         if precision == Precision::Fast && weights::fast_kernel().is_none() {
-            model.info.warnings.push("this CPU has neither AMX nor AVX-512 VNNI, so --precision fast runs the exact f32 kernels (the same numbers as exact)".into());
+            let why = crate::kernels::select::kernels().why_no_fast_kernel();
+            model.info.warnings.push(format!(
+                "{why}, so --precision fast runs the exact f32 kernels (the same numbers as exact)"
+            ));
         }
         for w in &model.info.warnings {
             eprintln!("attnscope: warning: {w}");
@@ -507,11 +560,13 @@ impl Model {
             panel_file,
             transposed: Default::default(),
             processing: Default::default(),
+            sha256: Default::default(),
         }
     }
 
     /// Loads a model from GGUF bytes in memory (fuzzing, tests); `name` is used in messages.
     pub fn from_gguf_bytes(name: &str, bytes: Vec<u8>, precision: Precision) -> Result<Model> {
+        crate::kernels::select::check().map_err(Error::Kernels)?;
         Self::from_gguf(
             || gguf::GgufFile::from_bytes(Path::new(name), bytes),
             name.to_string(),
@@ -604,9 +659,32 @@ impl Model {
         self.encode_with(text, force_bos.then_some(true))
     }
 
+    /// The most bytes a text for this model may take: [`TEXT_BYTES_PER_TOKEN`] a token for its
+    /// whole context, plus 64 KiB. A longer text is refused before it is tokenized (a 10 MB
+    /// text took 2.7 GB to be told it was too long), and the readers of `--file` and standard
+    /// input stop at it ([`crate::analysis::files`]).
+    pub fn max_text_bytes(&self) -> usize {
+        text_bytes_bound(self.dims.context_len)
+    }
+
+    /// Refuses a text of `bytes` bytes past [`Model::max_text_bytes`] ([`Error::TextTooLarge`]).
+    pub fn check_text_bytes(&self, bytes: usize) -> Result<()> {
+        if bytes > self.max_text_bytes() {
+            return Err(Error::TextTooLarge {
+                bytes,
+                limit: self.max_text_bytes(),
+                per_token: TEXT_BYTES_PER_TOKEN,
+                context: self.dims.context_len,
+                model: self.info.name.clone(),
+            });
+        }
+        Ok(())
+    }
+
     /// As [`Model::encode`], with a BOS first as `bos` says: `Some(true)` always, `Some(false)`
     /// never, `None` when the model asks for one.
     pub fn encode_with(&self, text: &str, bos: Option<bool>) -> Result<Vec<u32>> {
+        self.check_text_bytes(text.len())?;
         let text = without_bom(text);
         if text.trim().is_empty() {
             return Err(Error::EmptyText);

@@ -444,6 +444,21 @@ struct BuiltVocab {
     pieces: PieceStyle,
 }
 
+/// A byte-level vocabulary's merges. gguf-py (llama.cpp's writer) cannot write an empty array,
+/// so a vocabulary that has no merge to list (every ordinary token one byte-level symbol, as in
+/// `tests/golden/arch/gguf`) comes without the key: then there are none. Longer tokens without
+/// merges could never be produced, so that file is refused for the missing key, as llama.cpp does.
+fn byte_level_merges(meta: &GgufMeta, tokens: &[String], types: &[i64]) -> Result<Vec<String>> {
+    let one_symbol_each = tokens.iter().enumerate().all(|(id, t)| {
+        // control, user-defined and unused tokens are matched whole, never merged into
+        !matches!(types.get(id).copied().unwrap_or(1), 1 | 6) || t.chars().count() == 1
+    });
+    match meta.md.get("tokenizer.ggml.merges") {
+        None if one_symbol_each => Ok(Vec::new()),
+        _ => meta.strings("tokenizer.ggml.merges"),
+    }
+}
+
 /// A byte-level BPE vocabulary (`tokenizer.ggml.model = gpt2`): its pre-tokenizer by name
 /// (`tokenizer.ggml.pre`, refused when unknown), the vocabulary's map and the merges' pairs.
 fn byte_level_vocab(meta: &GgufMeta, tokens: &[String], types: &[i64]) -> Result<BuiltVocab> {
@@ -463,7 +478,7 @@ fn byte_level_vocab(meta: &GgufMeta, tokens: &[String], types: &[i64]) -> Result
     let (vocab, merges) = rayon::join(
         || vocab_map(tokens),
         || -> Result<_> {
-            let merges = meta.strings("tokenizer.ggml.merges")?;
+            let merges = byte_level_merges(meta, tokens, types)?;
             let pairs = split_merges(&merges).map_err(|e| meta.bad("tokenizer.ggml.merges", e))?;
             Ok((merges.len(), pairs))
         },

@@ -4,6 +4,7 @@
 
 use super::direct::DirectFile;
 use super::tensorfile::{TensorFormat, TensorWriter, HEAP_PHASE};
+use super::Output;
 use crate::analysis::request::{parse_index_list, usage};
 use crate::model::capture::{AttnCache, CaptureSpec, Captured, Hook, Observer, Queries};
 use crate::model::forward::RunOptions;
@@ -34,6 +35,8 @@ pub struct CaptureRequest {
     /// Let a layer's writing run on while the next layer computes (two layers' capture in
     /// memory instead of one).
     pub two_layers: bool,
+    /// The command's input files (its `--file`, the model's file): `out` is never one of them.
+    pub inputs: Vec<PathBuf>,
 }
 
 impl CaptureRequest {
@@ -48,18 +51,22 @@ impl CaptureRequest {
             format: None,
             force: false,
             two_layers: false,
+            inputs: Vec::new(),
         }
     }
 
-    /// Checks what needs no model: `out` is not there (unless `force`: [`Error::Exists`]) and
-    /// the hooks are known. Returns the hooks.
+    /// Checks what needs no model: `out` can be written ([`Output::check`]: not there unless
+    /// `force`, in a folder that takes it, not an input) and the hooks are known. Returns the
+    /// hooks.
     pub fn check(&self) -> anyhow::Result<Vec<Hook>> {
-        if self.out.exists() && !self.force {
-            return Err(anyhow::Error::new(Error::Exists {
-                path: self.out.clone(),
-            }));
-        }
+        self.output()?;
         Hook::parse_list(&self.hooks).map_err(usage)
+    }
+
+    /// `out`, checked ([`Output::check`]).
+    fn output(&self) -> anyhow::Result<Output> {
+        let inputs: Vec<&Path> = self.inputs.iter().map(PathBuf::as_path).collect();
+        Output::check(&self.out, self.force, &inputs)
     }
 
     /// The request resolved against `model` and a text of `n` tokens: every tensor's name and
@@ -302,13 +309,12 @@ impl Out {
     /// `tmp`'s file opened for `format`: safetensors is written front to back, so past the page
     /// cache where the file system lets it; npz through a buffer (the zip writer goes back to
     /// fill in sizes).
-    fn open(tmp: &tempfile::NamedTempFile, format: TensorFormat) -> std::io::Result<Out> {
+    fn open(tmp: &std::fs::File, format: TensorFormat) -> std::io::Result<Out> {
         Ok(match format {
-            TensorFormat::Safetensors => Out::Direct(DirectFile::new(tmp.as_file().try_clone()?)),
-            TensorFormat::Npz => Out::Buffered(std::io::BufWriter::with_capacity(
-                4 << 20,
-                tmp.as_file().try_clone()?,
-            )),
+            TensorFormat::Safetensors => Out::Direct(DirectFile::new(tmp.try_clone()?)),
+            TensorFormat::Npz => {
+                Out::Buffered(std::io::BufWriter::with_capacity(4 << 20, tmp.try_clone()?))
+            }
         })
     }
 
@@ -405,50 +411,6 @@ fn metadata(
     Ok(md)
 }
 
-/// A temporary file beside `out` (mode 0666 less the umask on unix), renamed over it only when
-/// complete.
-fn temp_beside(out: &Path) -> anyhow::Result<tempfile::NamedTempFile> {
-    // write into a temporary file beside the target, renamed over it only when complete
-    let dir = out
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let mut builder = tempfile::Builder::new();
-    builder.prefix(".attnscope-capture-");
-    #[cfg(unix)]
-    {
-        // the mode of an ordinary new file (0666 less the umask), not the temporary file's 0600
-        use std::os::unix::fs::PermissionsExt;
-        builder.permissions(std::fs::Permissions::from_mode(0o666));
-    }
-    builder
-        .tempfile_in(dir)
-        .with_context(|| format!("creating a temporary file in {}", dir.display()))
-}
-
-/// Renames the complete capture `tmp` to `out`: over an existing file with `force`, else never
-/// over a file that appeared meanwhile.
-fn persist(tmp: tempfile::NamedTempFile, out: &Path, force: bool) -> anyhow::Result<()> {
-    if force {
-        tmp.persist(out)
-            .map_err(|e| e.error)
-            .with_context(|| format!("renaming the capture to {}", out.display()))?;
-    } else {
-        // never replaces a file that appeared meanwhile
-        tmp.persist_noclobber(out).map_err(|e| {
-            if e.error.kind() == std::io::ErrorKind::AlreadyExists {
-                anyhow::Error::new(Error::Exists {
-                    path: out.to_path_buf(),
-                })
-            } else {
-                anyhow::Error::new(e.error)
-                    .context(format!("renaming the capture to {}", out.display()))
-            }
-        })?;
-    }
-    Ok(())
-}
-
 /// Runs `model` on `tokens` (an encoder's `token_types`, or `None`) and streams the tensors of
 /// `plan` (from `req`) into `req.out`: written under a temporary name beside it and renamed
 /// into place when complete (never over a file that appeared meanwhile, unless `force`).
@@ -471,11 +433,16 @@ pub fn capture(
     assert_eq!(n, tokens.len(), "the plan is for these tokens");
     let out = &req.out;
     let md = metadata(model, tokens, token_types.as_deref(), &spec)?;
-    let tmp = temp_beside(out)?;
-    let file = Out::open(&tmp, format)?;
+    let output = req.output()?;
+    let tmp = output.temp("capture")?;
+    let file = Out::open(tmp.as_file(), format)?;
     let n_tensors = order.len();
     let mut writer = TensorWriter::with_data_phase(file, format, order, &md, HEAP_PHASE)
         .with_context(|| format!("writing {}", out.display()))?;
+    let on_layer = &mut |layer: usize| {
+        on_layer(layer);
+        stall_for_tests(layer);
+    };
     let (obs, ends) = StreamToFile::new(AttnCache::new(&spec, n), !req.two_layers, on_layer);
     let (forward, write_error) = stream_forward(model, tokens, token_types, obs, &mut writer, ends);
     let waited = forward?;
@@ -484,7 +451,7 @@ pub fn capture(
     }
     finish_file(writer, format, tokens, out)?;
     let size = tmp.as_file().metadata()?.len();
-    persist(tmp, out, req.force)?;
+    output.persist(tmp)?;
     Ok(CaptureReport {
         path: out.clone(),
         tensors: n_tensors,
@@ -495,6 +462,15 @@ pub fn capture(
         seconds: start.elapsed().as_secs_f64(),
         waited_s: waited.as_secs_f64(),
     })
+}
+
+/// Tests only: with `ATTNSCOPE_FAULT=capture-stall`, a capture waits a minute once its first
+/// layer is handed to the writer (its temporary file exists and holds data), so a test can
+/// interrupt it there deterministically (`tests/cli_files.rs`).
+fn stall_for_tests(layer: usize) {
+    if layer == 0 && std::env::var("ATTNSCOPE_FAULT").as_deref() == Ok("capture-stall") {
+        std::thread::sleep(std::time::Duration::from_secs(60));
+    }
 }
 
 /// The forward of `model` on `tokens` into `obs`, whose tensors a writer thread (on `ends`)

@@ -6,6 +6,7 @@
 //                 "patches": [{"url", "i": a cell, "cell": {layer, pos|head, logit_diff, recovered}, "cells": count}]}
 import { chromium } from "playwright-core";
 import { readFileSync } from "node:fs";
+import { assertCells, num } from "./cells.mjs";
 
 const [expectedPath, shots] = process.argv.slice(2);
 const want = JSON.parse(readFileSync(expectedPath, "utf8"));
@@ -83,7 +84,8 @@ for (const p of want.patches) {
   const d = await pg.$eval("#detail", (e) => ({ ...e.dataset, text: e.textContent }));
   const c = p.cell;
   if (+d.index !== p.i || +d.layer !== c.layer) fail(`${p.url}: the detail shows cell ${d.index} (layer ${d.layer}), expected ${p.i} (layer ${c.layer})`);
-  if (Math.fround(+d.recovered) !== Math.fround(c.recovered) || Math.fround(+d.logitDiff) !== Math.fround(c.logit_diff)) fail(`${p.url}: the detail's numbers ${d.recovered}, ${d.logitDiff} are not the cell's ${c.recovered}, ${c.logit_diff}`);
+  // the page holds the report's f32 numbers: equal once both are rounded to f32
+  assertCells(`${p.url}: the detail's numbers`, { recovered: Math.fround(num(d.recovered)), logit_diff: Math.fround(num(d.logitDiff)) }, { recovered: Math.fround(c.recovered), logit_diff: Math.fround(c.logit_diff) }, 0, fail);
   if (!d.text.includes(c.recovered.toFixed(4)) || !d.text.includes(signed(c.logit_diff, 4))) fail(`${p.url}: the detail reads "${d.text}"`);
   if (c.head !== undefined && (+d.head !== c.head || !d.text.includes("head" + c.head))) fail(`${p.url}: the detail does not name head ${c.head}: ${d.head} "${d.text}"`);
   if (c.pos !== undefined && +d.pos !== c.pos) fail(`${p.url}: the detail shows position ${d.pos}, expected ${c.pos}`);

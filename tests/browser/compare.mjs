@@ -3,6 +3,7 @@
 // expected.json: {"n_a": tokens of A, "n_b": tokens of B, "layer": l, "head": h, "js": JS of (l, h)}
 import { chromium } from "playwright-core";
 import { readFileSync } from "node:fs";
+import { assertCells, num } from "./cells.mjs";
 
 const [url, expectedPath, shot] = process.argv.slice(2);
 const want = JSON.parse(readFileSync(expectedPath, "utf8"));
@@ -25,8 +26,8 @@ if ((await page.$$("#proseA .tok.q")).length !== 1 || (await page.$$("#proseB .t
 // a click on the grid cell selects that head; the page's JS of it is the report's
 await page.click(`#grid td[data-l='${want.layer}'][data-h='${want.head}']`);
 const sel = await page.evaluate(() => [document.getElementById("layer").value, document.getElementById("head").value, document.body.dataset.js]);
-if (+sel[0] !== want.layer || +sel[1] !== want.head) fail(`the grid click selected ${sel[0]}.${sel[1]}, expected ${want.layer}.${want.head}`);
-if (Math.abs(+sel[2] - want.js) > 1e-6) fail(`JS of ${want.layer}.${want.head} shows ${sel[2]}, expected ${want.js}`);
+if (num(sel[0]) !== want.layer || num(sel[1]) !== want.head) fail(`the grid click selected ${sel[0]}.${sel[1]}, expected ${want.layer}.${want.head}`);
+assertCells(`JS of ${want.layer}.${want.head} on the page`, { js: num(sel[2]) }, { js: want.js }, 1e-6, fail);
 // the head-averaged column and the keyboard move the selection
 await page.click(`#grid td[data-l='0'][data-h='-1']`);
 if (+(await page.$eval("#head", (e) => e.value)) !== -1) fail("the mean column did not select the head average");

@@ -5,6 +5,7 @@
 //   "text_row": the head-averaged row of query 0 as stored (n values), "sentence_b_start": b or null}
 import { chromium } from "playwright-core";
 import { readFileSync } from "node:fs";
+import { assertCells } from "./cells.mjs";
 
 const [url, expectedPath, shot] = process.argv.slice(2);
 const want = JSON.parse(readFileSync(expectedPath, "utf8"));
@@ -32,8 +33,7 @@ if (!sinkTitle.includes("[CLS]")) fail(`the chart is not the [CLS]/[SEP] shares:
 const tv = await page.evaluate(() => { const s = window.attnscope.shown(); return { q: s.query, values: [...s.values], future: document.querySelectorAll("#prose span.future").length }; });
 if (tv.q !== 0) fail(`the text view starts at query ${tv.q}, expected 0 ([CLS])`);
 if (tv.future !== 0) fail(`${tv.future} tokens are greyed out as after the query; an encoder's query sees them`);
-if (tv.values.length !== want.text_row.length) fail(`text view row has ${tv.values.length} values, expected ${want.text_row.length}`);
-tv.values.forEach((v, j) => { if (Math.abs(v - want.text_row[j]) > 2e-5) fail(`text view weight of key ${j}: ${v}, expected ${want.text_row[j]}`); });
+assertCells("the text view's weights of query 0 [key]", tv.values, want.text_row, 2e-5, fail);
 const shaded = await page.$$eval("#prose span", (s) => s.filter((e) => e.style.background !== "").length);
 if (shaded !== want.text_row.length) fail(`${shaded} tokens shaded, expected all ${want.text_row.length}`);
 // the head view: whole squares (keys after the query drawn too)

@@ -6,6 +6,7 @@
 // layer_switch_ms (each layer switch: decode + text view + head table), query_switch_ms.
 import { chromium } from "playwright-core";
 import { readFileSync, writeFileSync } from "node:fs";
+import { assertCells } from "./cells.mjs";
 
 const [url, expectedPath, outPath, shot] = process.argv.slice(2);
 const want = expectedPath === "-" ? null : JSON.parse(readFileSync(expectedPath, "utf8"));
@@ -61,10 +62,7 @@ if (want) {
       await a.setQuery(c.query);
       return Array.from(a.shown().values);
     }, c);
-    if (got.length !== c.values.length) fail(`check ${JSON.stringify(c).slice(0, 80)}: ${got.length} values, expected ${c.values.length}`);
-    let worst = 0, at = -1;
-    got.forEach((v, j) => { const d = Math.abs(v - c.values[j]); if (d > worst) { worst = d; at = j; } });
-    if (worst > c.tol) fail(`layer ${c.layer} head ${c.head} query ${c.query} ${c.measure}: value ${at} is ${got[at]}, expected ${c.values[at]} (tol ${c.tol})`);
+    assertCells(`layer ${c.layer} head ${c.head} query ${c.query} ${c.measure}${c.nosink ? " without the first token" : ""}: text view [key]`, got, c.values, c.tol, fail);
   }
 }
 if (shot) await page.screenshot({ path: shot, fullPage: false });

@@ -897,6 +897,11 @@ impl Model {
             (b, b_spec, other_text),
         ];
         let report = engine(py, move || {
+            // the page's path checked before the runs, written after them
+            let output = html
+                .as_deref()
+                .map(|p| attnscope::render::Output::check(p, force, &[]))
+                .transpose()?;
             let [a, b] = sides.each_ref().map(|(m, name, text)| SideInput {
                 model: m,
                 name,
@@ -907,9 +912,8 @@ impl Model {
                 },
             });
             let report = compare_runs(mode, [a, b], &opts)?;
-            if let Some(path) = html {
-                let page = attnscope::render::compare_page::page(&report);
-                attnscope::render::write_new_file(&path, page.as_bytes(), force)?;
+            if let Some(out) = output {
+                out.write(attnscope::render::compare_page::page(&report).as_bytes())?;
             }
             Ok(report)
         })?;
@@ -997,6 +1001,7 @@ impl Model {
             faithfulness,
             epsilon,
             bos,
+            inputs: path.iter().cloned().collect(),
         };
         if texts.as_ref().is_some_and(Vec::is_empty) {
             return Err(PyValueError::new_err(
@@ -1169,7 +1174,8 @@ impl Model {
 
     /// The streamed sink profile (`attnscope sinks`) of `text`, or of the built-in corpus up to
     /// `max_tokens`: the report as Python objects.
-    #[pyo3(signature = (text = None, max_tokens = None, key_block = 1024, top = 5, bos = false))]
+    #[pyo3(signature = (text = None, max_tokens = None, key_block = 1024, top = 5, bos = false, file = None))]
+    #[allow(clippy::too_many_arguments)]
     fn sinks<'py>(
         &self,
         py: Python<'py>,
@@ -1178,8 +1184,11 @@ impl Model {
         key_block: usize,
         top: usize,
         bos: bool,
+        file: Option<std::path::PathBuf>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        use attnscope::analysis::sinks::{sinks, sinks_tokens, SinksOptions};
+        use attnscope::analysis::sinks::{
+            max_tokens_of, prefix_bytes, sinks, sinks_tokens, SinksOptions,
+        };
         let opts = SinksOptions {
             key_block,
             top,
@@ -1188,6 +1197,12 @@ impl Model {
         };
         let m = self.inner.clone();
         let report = engine(py, move || {
+            // a file is read as far as max_tokens tokens can reach, as `attnscope sinks --file`
+            let reach = prefix_bytes(max_tokens_of(&m, max_tokens));
+            let text = match file {
+                Some(f) => Some(attnscope::analysis::files::read_text_prefix(&f, reach)?),
+                None => text,
+            };
             let tokens = sinks_tokens(&m, text.as_deref(), max_tokens, bos)?;
             Ok(sinks(&m, &tokens, &opts, Box::new(|_| {}))?)
         })?;
@@ -1488,6 +1503,23 @@ fn pattern_page(
     })
 }
 
+/// Writes `text` to the file `path` as every attnscope writer does (a temporary file beside it,
+/// renamed into place; a missing or unwritable folder is a `ValueError`): an existing file is
+/// replaced only with `overwrite`, else `FileExistsError`. Returns the path.
+#[pyfunction]
+#[pyo3(signature = (path, text, overwrite = false))]
+fn write_new_file(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    text: String,
+    overwrite: bool,
+) -> PyResult<String> {
+    engine(py, move || {
+        attnscope::render::write_new_file(&path, text.as_bytes(), overwrite)?;
+        Ok(path.display().to_string())
+    })
+}
+
 /// The texts of a corpus file (.txt: one per line, .jsonl: strings or {"text": ...}), or of the
 /// built-in corpus for None, with the ids `attnscope corpus` gives them (their index).
 #[pyfunction]
@@ -1528,6 +1560,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hook_suffixes, m)?)?;
     m.add_function(wrap_pyfunction!(global_hooks, m)?)?;
     m.add_function(wrap_pyfunction!(corpus_texts, m)?)?;
+    m.add_function(wrap_pyfunction!(write_new_file, m)?)?;
     m.add_function(wrap_pyfunction!(full_hook_name, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -1,6 +1,6 @@
 """Corpus statistics on a local Ray cluster (2 CPUs, 2 workers): the merged result equals the
 single-process `attnscope corpus` (each f32 to its own precision: the merge is a typed call, the
-CLI's JSON writes the shortest decimal), also when a worker is killed mid-run, for any worker
+CLI's JSON writes the shortest decimal), also when a worker is killed mid-run (at a known point), for any worker
 count, with failing texts, and when resumed from partial results."""
 
 import glob
@@ -8,8 +8,8 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -28,9 +28,36 @@ MODEL = "smollm2-135m"
 N = 40
 
 
+def _kill_point():
+    """Runs in every Ray worker process as it starts (Ray's worker_process_setup_hook): the first
+    worker to finish a batch in an ``out_dir`` that holds ``victim.fifo`` (first by an exclusive
+    create) has written that batch's part file; it then hands its pid and the batch's ids to the
+    test through the FIFO and waits there, to be killed. Other runs are not touched."""
+    import attnscope.distributed as d
+
+    run = d._Worker.__call__
+
+    def call(self, batch):
+        rows = run(self, batch)
+        fifo = os.path.join(self.out_dir, "victim.fifo") if self.out_dir else None
+        if fifo and os.path.exists(fifo):
+            try:
+                os.close(os.open(os.path.join(self.out_dir, "victim.claimed"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return rows
+            with open(fifo, "w") as f:
+                f.write(json.dumps({"pid": os.getpid(), "ids": [int(i) for i in rows["id"]]}))
+            threading.Event().wait()  # SIGKILL ends it here
+        return rows
+
+    d._Worker.__call__ = call
+
+
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # the hook is sent to the workers by value (they cannot import this test module)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"worker_process_setup_hook": _kill_point})
     yield
     ray.shutdown()
 
@@ -41,29 +68,46 @@ def single(*args):
 
 
 def test_two_workers_equal_one_process_even_when_one_is_killed(local_ray, tmp_path):
+    """A worker killed (SIGKILL: no cleanup at all) at a known point, after it wrote one batch's
+    records and before Ray got them: Ray restarts it and runs that batch again, so exactly that
+    batch's texts have two (identical) records on disk, every other text one, and the merged
+    result is the single process's."""
     want = single("--limit", str(N))
     out = tmp_path / "records"
-    killed = []
+    out.mkdir()
+    fifo = out / "victim.fifo"
+    os.mkfifo(fifo)
+    victim = {}
 
     def killer():
-        # once a batch is written, kill one worker process (SIGKILL: no cleanup at all)
-        deadline = time.time() + 300
-        while time.time() < deadline and not killed:
-            pids = [int(Path(p).stem.split("-")[1]) for p in glob.glob(str(out / "worker-*.pid"))]
-            if len(pids) >= 2 and glob.glob(str(out / "part-*.jsonl")):
-                os.kill(pids[0], signal.SIGKILL)
-                killed.append(pids[0])
-            time.sleep(0.05)
+        with open(fifo) as f:  # until the victim has written and closed its end
+            said = f.read()
+        if said:
+            victim.update(json.loads(said))
+            os.kill(victim["pid"], signal.SIGKILL)
 
     t = threading.Thread(target=killer)
     t.start()
-    got = dist.corpus(None, model=MODEL, num_workers=2, limit=N, out_dir=out, batch_size=2)
-    t.join()
-    assert killed, "no worker was killed: the test did not test anything"
+    try:
+        got = dist.corpus(None, model=MODEL, num_workers=2, limit=N, out_dir=out, batch_size=2)
+    finally:
+        # a run in which no worker reached the kill point: the killer's open is let go empty
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass  # the killer has read and closed its end already
+        t.join()
+    assert victim, "no worker reached the kill point: the test did not test anything"
     assert_same(got, want)
-    # every text has exactly its record in the partial files
     lines = [json.loads(l) for f in glob.glob(str(out / "part-*.jsonl")) for l in open(f)]
-    assert sorted({r["id"] for r in lines}) == list(range(N)) and all(r["record"]["id"] == r["id"] for r in lines)
+    seen = {}
+    for r in lines:
+        assert r["record"]["id"] == r["id"], r["id"]
+        seen.setdefault(r["id"], []).append(r["record"])
+    assert sorted(seen) == list(range(N))
+    twice = sorted(i for i, recs in seen.items() if len(recs) > 1)
+    assert twice == sorted(victim["ids"]), f"run twice: {twice}; the killed batch: {victim['ids']}"
+    assert all(len(seen[i]) == 2 and seen[i][0] == seen[i][1] for i in twice)
 
 
 def test_any_worker_count_order_and_resume(local_ray, tmp_path):

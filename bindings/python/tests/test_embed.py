@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import attnscope
+from cells import assert_cells
 
 GOLDEN = Path(__file__).resolve().parents[3] / "tests" / "golden"
 
@@ -17,12 +18,11 @@ def golden():
     return json.loads((GOLDEN / "minilm_st_embeddings.json").read_text())
 
 
-def check(got, want):
+def check(got, want, what="embeddings"):
     want = np.asarray(want, dtype=np.float32)
-    assert got.shape == want.shape
+    assert_cells(f"{what} [text, dim] vs sentence-transformers", got, want, atol=5e-6)
     cos = (got * want).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)
     assert cos.min() >= 0.99999, cos
-    assert np.abs(got - want).max() <= 1e-5, np.abs(got - want).max()
 
 
 def test_embed_matches_sentence_transformers(minilm, golden):
@@ -50,7 +50,7 @@ def test_a_literal_sep_is_type_0_as_transformers_has_it(minilm):
     # tests/golden/minilm_encoder.json: transformers' mean-pooled last hidden state (BertModel, eager)
     case = json.loads((GOLDEN / "minilm_encoder.json").read_text())["cases"]["literal_sep"]
     got = minilm.embed(case["text"], normalize=False)
-    assert np.abs(got[0] - np.asarray(case["mean_pooled"], dtype=np.float32)).max() <= 1e-5
+    assert_cells("a text holding [SEP]: mean pooled [dim] vs transformers", got[0], case["mean_pooled"], atol=5e-6)
 
 
 def test_embed_refuses_bad_input(minilm):

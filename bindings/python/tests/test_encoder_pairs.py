@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import attnscope
+from cells import assert_cells
 
 ROOT = Path(__file__).resolve().parents[3]
 GOLDEN = ROOT / "tests" / "golden"
@@ -38,8 +39,9 @@ def test_pair_tokens_types_and_pattern_match_transformers(minilm, cases):
         want = np.load(GOLDEN / f"minilm_encoder_attn_{name}.npy")
         for i, layer in enumerate(case["attn_layers"]):
             got = np.asarray(cache[f"blocks.{layer}.attn.hook_pattern"])
-            assert got.shape == (1,) + want[i].shape, name
-            assert np.abs(got[0] - want[i]).max() < 1e-4, (name, layer, np.abs(got[0] - want[i]).max())
+            assert got.shape[0] == 1, name
+            # README.md: every weight within 1.6e-6 of transformers (tests/encoder.rs asserts 5e-6)
+            assert_cells(f"{name} layer {layer} [head, query, key] vs transformers", got[0], want[i], atol=5e-6)
             # TransformerLens's short names reach the same array
             assert np.array_equal(np.asarray(cache["pattern", layer]), got)
         # bidirectional: a query puts weight on keys after it
@@ -78,7 +80,7 @@ def test_inspect_of_a_pair_gives_transformers_shares(minilm, cases):
     assert r["kind"].startswith("encoder") and r["query"] == 0
     assert r["token_types"] == case["token_types"]
     for ours, theirs in (("cls", "cls_share"), ("sep", "sep_share"), ("punct", "punct_share")):
-        assert np.abs(np.asarray(r["special_shares"][ours]) - np.asarray(case[theirs])).max() < 1e-4, ours
+        assert_cells(f"pair: {ours} share [layer] vs transformers", r["special_shares"][ours], case[theirs], atol=2e-6)
     assert len(r["heads"]) == 12 and "forward_s" in r["timings"]
     with pytest.raises(ValueError, match="pair"):
         minilm.inspect(("only one",))
@@ -97,8 +99,9 @@ def test_heads_of_a_text_and_a_pair_match_transformers(minilm):
         assert r["tokens"] == g[name]["token_ids"], name
         assert sorted(r["roles"]) == sorted(g[name]["roles"]) == ["broad", "cls", "next_token", "previous_token", "sep"]
         for role, want in g[name]["roles"].items():
-            assert np.abs(np.asarray(r["roles"][role]) - np.asarray(want)).max() < 1e-4, (name, role)
-            assert abs(r["uniform"][role] - g[name]["uniform"][role]) < 1e-12
+            # README.md: within 1e-6 of transformers (tests/encoder_heads.rs asserts 2e-6)
+            assert_cells(f"{name} {role} [layer, head] vs transformers", r["roles"][role], want, atol=2e-6)
+            assert_cells(f"{name} {role}: a uniform head's score", r["uniform"][role], g[name]["uniform"][role], atol=1e-12)
     with pytest.raises(ValueError, match="pair"):
         minilm.heads(("one",))
     with pytest.raises(ValueError, match="induction"):
@@ -119,12 +122,12 @@ def test_run_with_hooks_and_call_take_a_pair(minilm, cases):
     assert out is None
     want = np.load(GOLDEN / "minilm_encoder_attn_pair.npy")[5]
     got = seen["blocks.5.attn.hook_pattern"]
-    assert got.shape == (1,) + want.shape
-    assert np.abs(got[0] - want).max() < 1e-4
+    assert got.shape[0] == 1
+    assert_cells("pair run_with_hooks: layer 5 [head, query, key] vs transformers", got[0], want, atol=5e-6)
     n, d = len(case["token_ids"]), minilm.cfg.d_model
     last = np.asarray(minilm(PAIR, stop_at_layer=minilm.cfg.n_layers))
     assert last.shape == (1, n, d)
-    assert np.abs(last[0].mean(0) - np.asarray(case["mean_pooled"])).max() < 1e-4
+    assert_cells("pair: mean of the last residual [dim] vs transformers", last[0].mean(0), case["mean_pooled"], atol=5e-6)
     # the pair's token types reach the forward: as one text (types all 0) the states differ
     ids = np.asarray(minilm.to_tokens(PAIR))
     as_one = np.asarray(minilm(ids, stop_at_layer=minilm.cfg.n_layers))

@@ -2,7 +2,7 @@
 transformers' eager f32 forward (tests/golden/<m>_hook_grads.npz, made by
 tests/golden/make_hookgrad_golden.py), for the three scalars: log p(top token), TransformerLens's
 loss and a logit difference, on SmolLM2 (a llama GGUF with interleaved q/k rows) and Qwen2.5 (q/k/v
-biases; fewer hooks). Each within 1e-3 of its largest value."""
+biases; fewer hooks). Each within 2e-4 of its largest value (measured: at most 4.4e-5)."""
 
 from pathlib import Path
 
@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import attnscope
+from cells import assert_cells
 
 ROOT = Path(__file__).resolve().parents[3]
 REFS = {m: np.load(ROOT / "tests" / "golden" / f"{m}_hook_grads.npz") for m in ("smol", "qwen")}
@@ -31,11 +32,8 @@ def check(cache, prefix, ref=REF):
         want = ref[key]
         got = np.asarray(cache[name])
         assert got.shape == (1,) + want.shape, (name, got.shape, want.shape)
-        got = got[0]
-        largest = float(np.abs(want).max())
-        worst = float(np.abs(got - want).max())
-        assert largest > 0, name
-        assert worst <= 1e-3 * largest, f"{prefix} {name}: off by {worst:.3e} (largest {largest:.3e})"
+        assert float(np.abs(want).max()) > 0, name
+        assert_cells(f"{prefix} {name} vs torch", got[0], want, rel_max=2e-4)
 
 
 def names_of(prefix, ref=REF):
@@ -92,7 +90,7 @@ def test_names_filter_by_suffix_and_remove_batch_dim(smol):
     for l in range(smol.cfg.n_layers):
         assert cache[f"blocks.{l}.attn.hook_z_grad"].shape == (n, smol.cfg.n_heads, smol.cfg.d_head)
     want = REF["lp/blocks.3.attn.hook_z_grad"]
-    assert np.abs(cache["blocks.3.attn.hook_z_grad"] - want).max() <= 1e-3 * np.abs(want).max()
+    assert_cells("hook_z_grad", cache["blocks.3.attn.hook_z_grad"], want, rel_max=2e-4)
 
 
 def test_bad_requests_are_clear_errors(smol):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import attnscope
+from cells import assert_cells
 
 pytestmark = pytest.mark.usefixtures("numpy_results")
 
@@ -30,13 +31,13 @@ def test_folded_weights_are_the_norms_times_the_readers(qwen, qwen_processed):
     np.testing.assert_array_equal(p.W_K, raw.W_K * ln1[:, None, :, None])
     np.testing.assert_array_equal(p.W_in, raw.W_in * ln2[:, :, None])
     u = (raw.W_U * lnf[:, None]).astype(np.float64)
-    np.testing.assert_allclose(p.W_U, u - u.mean(-1, keepdims=True), rtol=0, atol=1e-6)
+    assert_cells("qwen W_U: ln_final folded, centred [d_model, d_vocab]", p.W_U, u - u.mean(-1, keepdims=True), atol=1e-6)
     for part in (p.blocks[3].ln1, p.blocks[3].ln2, p.ln_final):
         np.testing.assert_array_equal(part.w, np.ones_like(part.w))
     # the value biases: gone from V, in b_O as Σ_h b_V[h] · W_O[h]
     np.testing.assert_array_equal(p.b_V, np.zeros_like(p.b_V))
     want = raw.b_O + np.einsum("lhd,lhdm->lm", raw.b_V.astype(np.float64), raw.W_O.astype(np.float64))
-    np.testing.assert_allclose(p.b_O, want, rtol=0, atol=1e-5)
+    assert_cells("qwen b_O + Σ_h b_V[h] · W_O[h] [layer, d_model]", p.b_O, want, atol=1e-5)
 
 
 def test_processed_forward_moves_what_tl_moves_and_nothing_else(qwen, qwen_processed):
@@ -44,19 +45,16 @@ def test_processed_forward_moves_what_tl_moves_and_nothing_else(qwen, qwen_proce
     logits, proc = qwen_processed.run_with_cache(TEXT)
     r = raw_logits.astype(np.float64)
     # center_unembed: each position's logits lose their mean; the log-probabilities do not move
-    np.testing.assert_allclose(logits, r - r.mean(-1, keepdims=True), rtol=0, atol=2e-4)
+    assert_cells("qwen processed logits vs centred raw logits", logits, r - r.mean(-1, keepdims=True), atol=2e-4)
     # the attention: layer 0's bit for bit; later layers read a stream summed in another order
     # (b_O added once instead of b_V through every head), so within float32 rounding
     np.testing.assert_array_equal(proc["pattern", 0], raw["pattern", 0])
     np.testing.assert_array_equal(proc["blocks.0.ln1.hook_normalized"], raw["blocks.0.ln1.hook_normalized"])
-    worst = {}
     for kind in ("pattern", "attn_out", "resid_post"):
-        worst[kind] = max(float(np.abs(proc[kind, l] - raw[kind, l]).max() / np.abs(raw[kind, l]).max())
-                          for l in range(qwen.cfg.n_layers))
-    print(f"\nqwen: processed vs unprocessed, worst relative differences {worst}")
-    assert max(worst.values()) <= 1e-4, worst
+        for l in range(qwen.cfg.n_layers):
+            assert_cells(f"qwen processed vs unprocessed {kind} layer {l}", proc[kind, l], raw[kind, l], rel_max=1e-4)
     # fold_value_biases: hook_v loses the bias (TL's b_V = 0), hook_z the pattern-weighted bias
     g = qwen.cfg.n_heads // qwen.cfg.n_key_value_heads
     bv = qwen._weight("_b_V")[5]  # [kv head, d_head]
-    np.testing.assert_allclose(proc["v", 5], raw["v", 5] - bv, rtol=0, atol=1e-4)
-    np.testing.assert_allclose(proc["z", 5], raw["z", 5] - np.repeat(bv, g, axis=0), rtol=0, atol=1e-4)
+    assert_cells("qwen hook_v layer 5 vs raw minus b_V", proc["v", 5], raw["v", 5] - bv, atol=1e-4)
+    assert_cells("qwen hook_z layer 5 vs raw minus b_V", proc["z", 5], raw["z", 5] - np.repeat(bv, g, axis=0), atol=1e-4)

@@ -84,6 +84,7 @@ def _rel(got: np.ndarray, want: np.ndarray) -> float:
     """The largest difference relative to the largest |value| of `want`; masked (-inf) cells must
     be masked in both."""
     assert got.shape == want.shape, (got.shape, want.shape)
+    assert not np.isnan(want).any() and not np.isnan(got).any(), "a NaN cell"
     fin = np.isfinite(want)
     assert np.array_equal(fin, np.isfinite(got)), "the masked cells differ"
     scale = float(np.abs(want[fin]).max()) if fin.any() else 0.0

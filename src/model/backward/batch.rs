@@ -16,7 +16,7 @@ use rayon::prelude::*;
 
 /// The final norm's input rows the metric reads: each sequence's last row, `[batch, d_model]`,
 /// and the norm's kind.
-struct LastRows {
+pub(super) struct LastRows {
     kind: NormKind,
     rows: Vec<f32>,
 }
@@ -150,6 +150,9 @@ impl Model {
             // the scalar is the caller's, its value not known here (0)
             (seeds[0].value, dx) = (0.0, self.dlogits_seed(&x, d, last.kind)?);
         }
+        if let Some(t) = tap.as_deref_mut() {
+            t.final_gradient(&dx)?;
+        }
         let back = self.blocks_backward(&saved, (n, batch), dx, rules, tap, &mut scratch)?;
         scratch.prof.lap("bwd residual copies");
         scratch.prof.report(n * batch);
@@ -196,7 +199,7 @@ impl Model {
 
     /// Each sequence's last row of the residual stream `x` through the final norm and the
     /// head: those rows (what the final norm's backward reads) and each sequence's [`Seed`].
-    fn seeds_at_last_rows(
+    pub(super) fn seeds_at_last_rows(
         &self,
         x: &[f32],
         (n, batch): (usize, usize),
@@ -273,8 +276,9 @@ impl Model {
         let mut grad_pattern = vec![Vec::new(); n_layers];
         for (l, layer) in self.weights.layers.iter().enumerate().rev() {
             let s = &saved[l];
-            let mut bt = tap.as_deref().filter(|t| t.wants(l)).map(|_| BlockTap {
+            let mut bt = tap.as_deref().filter(|t| t.wants(l)).map(|t| BlockTap {
                 resid_post: dx.clone(),
+                branches: t.wants_branches(),
                 ..BlockTap::default()
             });
             let step = super::block::BlockStep {
@@ -296,7 +300,7 @@ impl Model {
                 grad_resid_pre[l] = dx.clone();
             }
             if let (Some(t), Some(bt)) = (tap.as_deref_mut(), bt) {
-                t.backward_layer(self, l, s, n, bt, &dx);
+                t.backward_layer(self, l, s, n, bt, &dx)?;
             }
         }
         Ok(BlockGradients {
@@ -321,6 +325,9 @@ impl Model {
         let dm = dims.d_model;
         let shape = Shape::of(self, (n, batch));
         let mut x = x0.to_vec();
+        if let Some(t) = tap.as_deref_mut() {
+            t.forward_input(x0)?;
+        }
         let mut saved: Vec<Saved> = Vec::with_capacity(dims.n_layers);
         for (l, layer) in self.weights.layers.iter().enumerate() {
             let resid_pre = x.clone();
@@ -355,6 +362,7 @@ impl Model {
             let (gu, mlp_proj, mlp_out) = self.mlp_forward(layer, &xs, m, prof)?;
             if let Some(t) = tap.as_deref_mut() {
                 t.forward_mlp(&mlp_out);
+                t.forward_nodes(self, l, (&z, &attn_proj), &mlp_out)?;
             }
             xs.iter_mut().zip(&mlp_out).for_each(|(a, b)| *a += b);
             if !xs.iter().all(|v| v.is_finite()) {
@@ -395,17 +403,30 @@ impl Model {
         shape: Shape,
         prof: &mut Profile,
     ) -> Result<AttentionInputs> {
+        let b1 = layer.norm_biases.as_ref().map(|b| b.0.as_slice());
+        let h1 = norm_fwd(layer.plan.norm, x, &layer.attn_norm, b1, self.dims.rms_eps);
+        prof.lap("fwd norms");
+        let qkv = layer.qkv.forward(&h1, shape.rows)?;
+        prof.lap("fwd q|k|v");
+        let (q, k, v) = self.split_qkv(layer, &qkv, shape);
+        prof.lap("fwd q/k norms, RoPE, split");
+        Ok((qkv, q, k, v))
+    }
+
+    /// The q|k|v projection's rows `qkv` (`[rows, width]`) as attention reads them: the q/k
+    /// norms and RoPE on q and k, split into q `[nh, rows, hd]`, k and v `[nkv, rows, hd]`.
+    pub(super) fn split_qkv(
+        &self,
+        layer: &Layer,
+        qkv: &[f32],
+        shape: Shape,
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         let dims = &self.dims;
         let (nh, nkv, eps) = (dims.n_heads, dims.n_kv_heads, dims.rms_eps);
         let Shape {
             hd, nq, nk, width, ..
         } = shape;
-        let b1 = layer.norm_biases.as_ref().map(|b| b.0.as_slice());
-        let h1 = norm_fwd(layer.plan.norm, x, &layer.attn_norm, b1, eps);
-        prof.lap("fwd norms");
-        let qkv = layer.qkv.forward(&h1, shape.rows)?;
-        prof.lap("fwd q|k|v");
-        let mut normed = qkv.clone();
+        let mut normed = qkv.to_vec();
         if let Some((qn, kn)) = &layer.qk_norm {
             for row in normed.chunks_mut(width) {
                 let (q, rest) = row.split_at_mut(nq);
@@ -432,13 +453,12 @@ impl Model {
         let q = split(0, nh, rope.as_ref());
         let k = split(nq, nkv, rope.as_ref());
         let v = split(nq + nk, nkv, None);
-        prof.lap("fwd q/k norms, RoPE, split");
-        Ok((qkv, q, k, v))
+        (q, k, v)
     }
 
     /// The o projection of the attention's output `z` on `m` rows: its product (saved) and,
     /// after Gemma's post-attention norm, what the residual stream gains.
-    fn o_forward(
+    pub(super) fn o_forward(
         &self,
         layer: &Layer,
         z: &[f32],
@@ -454,7 +474,7 @@ impl Model {
 
     /// The MLP on `m` rows of the residual stream `xs`: the gate|up product and the down
     /// product (both saved) and, after Gemma's post-MLP norm, what the residual stream gains.
-    fn mlp_forward(
+    pub(super) fn mlp_forward(
         &self,
         layer: &Layer,
         xs: &[f32],

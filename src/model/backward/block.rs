@@ -71,6 +71,8 @@ pub(super) struct Scratch {
     dz: Vec<f32>,
     d_qkv: Vec<f32>,
     d_h1: Vec<f32>,
+    /// `∂/∂` the MLP's input (its norm's), the MLP branch's share of `∂/∂resid_mid`
+    d_mid: Vec<f32>,
     /// the per-step timer (`ATTNSCOPE_PROFILE_BACKWARD=1`)
     pub(super) prof: super::profile::Profile,
 }
@@ -105,6 +107,9 @@ impl Model {
         self.mlp_backward_kept(&step, &kept, dx, scratch)?;
         if let Some(t) = tap.as_deref_mut() {
             t.resid_mid = dx.to_vec();
+            if t.branches {
+                t.mlp_in = scratch.d_mid.clone();
+            }
         }
         // attention: resid_mid = resid_pre + post(o(attn(qkv(norm(resid_pre)))))
         let dz = self.o_backward(&step, &kept, dx, &mut scratch.dz, &mut scratch.prof)?;
@@ -116,7 +121,10 @@ impl Model {
         if let Some(t) = tap.as_deref_mut() {
             t.rot = Some((dq.clone(), dk.clone(), dv.clone()));
         }
-        self.qkv_backward(&step, (dq, dk, dv), &mut scratch.d_qkv, tap);
+        self.qkv_backward(&step, (dq, dk, dv), &mut scratch.d_qkv, tap.as_deref_mut());
+        if let Some(t) = tap.filter(|t| t.branches) {
+            t.qkv_proj = scratch.d_qkv.clone();
+        }
         scratch.prof.lap("bwd gather, RoPE, q/k norms");
         let d_h1 = back_matmul(
             &scratch.d_qkv,
@@ -296,8 +304,8 @@ impl Model {
         scratch.prof.lap("bwd activation");
         let d_h2 = back_matmul(d_gu, rows, (&layer.gate_up, &t.gate_up), &mut scratch.d_h2)?;
         scratch.prof.lap("bwd gate|up");
-        let d_mid = norm_back(rules, plan.norm, &s.resid_mid, &layer.mlp_norm, eps, d_h2);
-        dx.iter_mut().zip(&d_mid).for_each(|(a, b)| *a += b);
+        scratch.d_mid = norm_back(rules, plan.norm, &s.resid_mid, &layer.mlp_norm, eps, d_h2);
+        dx.iter_mut().zip(&scratch.d_mid).for_each(|(a, b)| *a += b);
         Ok(())
     }
 

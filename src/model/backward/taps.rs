@@ -10,6 +10,7 @@
 //! time as the backward does. The scalar is a [`Metric`] of the last position, or TransformerLens's
 //! loss (the mean next-token cross-entropy over the text).
 
+use super::branches::BranchSink;
 use super::{Head, Metric, Model, NormKind, Packed4, Rules, Saved, QB};
 use crate::model::capture::{hook_name, Hook};
 use crate::model::error::{Error, Result};
@@ -88,6 +89,12 @@ pub(super) struct BlockTap {
     pub rot: Option<(Vec<f32>, Vec<f32>, Vec<f32>)>,
     /// `∂/∂` q|k|v before RoPE (after the q/k norms), `[n, width]` in the file's order.
     pub qkv: Vec<f32>,
+    /// For a circuit's readers ([`super::branches`]): `∂/∂` q|k|v at the projection's output
+    /// (before the q/k norms), `[n, width]`, and `∂/∂` the MLP's input, `[n, d_model]`.
+    pub qkv_proj: Vec<f32>,
+    pub mlp_in: Vec<f32>,
+    /// Whether the two above are kept.
+    pub branches: bool,
 }
 
 /// One layer's forward activations: `(resid_pre, z, attn_out, mlp_out)`, `[n, ·]` each.
@@ -99,7 +106,7 @@ pub(super) type LayerKept = (BlockTap, Vec<f32>, Option<(Vec<f32>, Vec<f32>)>);
 
 /// What a tapped forward and backward keeps ([`Model::run_tapped`]).
 #[derive(Default)]
-pub(crate) struct Tap {
+pub(crate) struct Tap<'s> {
     /// Per layer: keep the block's gradients.
     pub grads_at: Vec<bool>,
     /// Per layer: also the attention maps' gradients (`[heads, n, n]` each).
@@ -115,9 +122,13 @@ pub(crate) struct Tap {
     /// Per layer, what the backward kept: `(block, ∂/∂resid_pre, maps)`, maps `(∂/∂pattern,
     /// ∂/∂attn_scores)` `[heads, n, n]` where asked.
     pub layers: Vec<Option<LayerKept>>,
+    /// A circuit's sink: the upstream nodes' outputs in the forward, the gradients at the
+    /// readers in the backward ([`super::branches`]); the layers' gradients are then handed to
+    /// it, not kept.
+    pub branches: Option<&'s mut dyn BranchSink>,
 }
 
-impl Tap {
+impl Tap<'_> {
     /// Whether layer `l`'s gradients are kept.
     pub fn wants(&self, l: usize) -> bool {
         self.grads_at.get(l).copied().unwrap_or(false)
@@ -142,6 +153,45 @@ impl Tap {
         }
     }
 
+    /// The forward's input to layer 0, for a circuit's sink.
+    pub(super) fn forward_input(&mut self, x0: &[f32]) -> Result<()> {
+        match self.branches.as_deref_mut() {
+            Some(sink) if sink.wants_nodes() => sink.input(x0),
+            _ => Ok(()),
+        }
+    }
+
+    /// Layer `l`'s heads' outputs (from `z` and the o projection's rows) and its MLP's, for a
+    /// circuit's sink.
+    pub(super) fn forward_nodes(
+        &mut self,
+        model: &Model,
+        l: usize,
+        (z, attn_proj): (&[f32], &[f32]),
+        mlp_out: &[f32],
+    ) -> Result<()> {
+        match self.branches.as_deref_mut() {
+            Some(sink) if sink.wants_nodes() => {
+                sink.heads(l, &model.head_outputs(l, z, attn_proj))?;
+                sink.mlp(l, mlp_out)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The gradient at the final norm's input, for a circuit's sink.
+    pub(super) fn final_gradient(&mut self, dx: &[f32]) -> Result<()> {
+        match self.branches.as_deref_mut() {
+            Some(sink) => sink.logits_gradient(dx),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether the backward keeps what a circuit's readers need.
+    pub(super) fn wants_branches(&self) -> bool {
+        self.branches.is_some()
+    }
+
     /// Layer `l`'s backward is done: `dx` is `∂/∂resid_pre`.
     pub(super) fn backward_layer(
         &mut self,
@@ -151,7 +201,10 @@ impl Tap {
         n: usize,
         bt: BlockTap,
         dx: &[f32],
-    ) {
+    ) -> Result<()> {
+        if let Some(sink) = self.branches.as_deref_mut() {
+            return sink.layer_gradients(l, &model.reader_gradients(l, s, n, &bt)?);
+        }
         if self.layers.len() <= l {
             self.layers.resize_with(l + 1, || None);
         }
@@ -162,6 +215,7 @@ impl Tap {
             .unwrap_or(false)
             .then(|| model.map_grads(l, s, &bt.z, n));
         self.layers[l] = Some((bt, dx.to_vec(), maps));
+        Ok(())
     }
 }
 
@@ -176,7 +230,7 @@ struct ChosenHooks {
 impl ChosenHooks {
     /// The tap that keeps what the chosen hooks need: a layer's gradients where any hook of it
     /// is asked for, its attention maps' where the pattern or the scores are.
-    fn tap(&self) -> Tap {
+    fn tap(&self) -> Tap<'static> {
         Tap {
             grads_at: self.layers.iter().map(|c| !c.is_empty()).collect(),
             maps_at: self

@@ -89,6 +89,7 @@ impl Model {
                 self.info.name, self.dims.type_vocab
             )));
         }
+        self.check_text_bytes(a.len() + b.len())?;
         if a.trim().is_empty() || b.trim().is_empty() {
             return Err(Error::EmptyText);
         }

@@ -28,7 +28,7 @@ pub enum Precision {
     /// a quantized file's integers and scales on the tiles (activations as three bf16 parts).
     Exact,
     /// The projections in lower precision, attention in f32: bf16 on Intel AMX tiles where the
-    /// CPU has them (weights move by <1e-2), else 8-bit blocks on AVX-512 VNNI (<0.04), else
+    /// CPU has them (weights move by <2e-2), else 8-bit blocks on AVX-512 VNNI (<0.04), else
     /// the exact kernels (no other kernel there beats them).
     Fast,
 }
@@ -625,12 +625,11 @@ fn quantized(raw: &Raw, precision: Precision) -> Result<Option<QMatMul>> {
 /// (Sapphire Rapids and later), else 8-bit blocks on AVX-512 VNNI, else none (then it runs the
 /// exact f32 kernels, since no other kernel here beats them; see the README).
 pub fn fast_kernel() -> Option<&'static str> {
-    if amx::available() {
-        Some("bf16 on AMX tiles")
-    } else if int8::vnni_supported() {
-        Some("8-bit blocks on AVX-512 VNNI")
-    } else {
-        None
+    use crate::kernels::select::{kernels, FastOn};
+    match kernels().fast {
+        FastOn::Bf16 => Some("bf16 on AMX tiles"),
+        FastOn::Int8 => Some("8-bit blocks on AVX-512 VNNI"),
+        FastOn::F32 => None,
     }
 }
 
@@ -686,7 +685,7 @@ pub fn scaled_kind_of(dtype: BlockType) -> Option<bool> {
 
 /// Whether `fast` runs the int8 kernel on this CPU (AVX-512 VNNI, no AMX).
 pub fn fast_uses_int8() -> bool {
-    !amx::available() && int8::vnni_supported()
+    crate::kernels::select::kernels().fast == crate::kernels::select::FastOn::Int8
 }
 
 /// Builds a (possibly fused) projection from its parts `[n_i, k]`, concatenated along the

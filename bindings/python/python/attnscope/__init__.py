@@ -96,6 +96,14 @@ NamesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
 TextOrTokens = Union[str, Sequence[str], np.ndarray, Sequence[int]]
 
 
+# attnscope's backward computes the gradients at the hook points in one pass but calls no Python
+# hook during it: a backward hook is refused, naming what gives the gradients instead.
+_NO_BACKWARD_HOOKS = (
+    "backward hooks are not supported: attnscope's backward calls no hook while it runs; "
+    "run_with_cache(..., incl_bwd=True) caches the gradients at the hook points (<name>_grad)"
+)
+
+
 @dataclass(frozen=True)
 class Config:
     """A model's dimensions, in TransformerLens's names."""
@@ -1201,7 +1209,7 @@ class HookedModel:
         next are real); the logits at pad positions under a mask are not computed (refused).
         ``stop_at_layer``: returns the residual stream before that block ``[b, n, d_model]``."""
         if bwd_hooks:
-            raise NotImplementedError("backward hooks need gradients, and attnscope has no backward pass yet")
+            raise NotImplementedError(_NO_BACKWARD_HOOKS)
         if kwargs:
             raise TypeError(f"run_with_hooks got arguments attnscope does not support: {sorted(kwargs)}")
         if return_type not in ("logits", "loss", "both", None):
@@ -1290,7 +1298,7 @@ class HookedModel:
         forward of this thread, until :meth:`reset_hooks`. Hooks belong to the thread that adds
         them: a forward in another thread does not run them."""
         if dir != "fwd":
-            raise NotImplementedError("backward hooks need gradients, and attnscope has no backward pass yet")
+            raise NotImplementedError(_NO_BACKWARD_HOOKS)
         self._resolve([(name, hook)])  # checks the name now
         self._fwd_hooks.append((name, hook))
 
@@ -1305,7 +1313,7 @@ class HookedModel:
         ``fwd_hooks``; forwards in other threads do not see them. On leaving it (with
         ``reset_hooks_end``) exactly these hooks are removed, whatever else was added meanwhile."""
         if bwd_hooks:
-            raise NotImplementedError("backward hooks need gradients, and attnscope has no backward pass yet")
+            raise NotImplementedError(_NO_BACKWARD_HOOKS)
         self._resolve(fwd_hooks)
         # entries of their own (fresh tuples), so removal takes these and not an equal pair
         # added by add_hook or by another context
@@ -1362,10 +1370,8 @@ class HookedModel:
         the built-in corpus repeated up to ``max_tokens``)."""
         if text is not None and file is not None:
             raise ValueError("give text or file, not both")
-        if file is not None:
-            with open(os.fspath(file), encoding="utf-8") as f:
-                text = f.read()
-        return self._m.sinks(text, max_tokens, key_block, top)
+        # a file is read as far as max_tokens tokens can reach (64 bytes a token), no further
+        return self._m.sinks(text, max_tokens, key_block, top, file=None if file is None else os.fspath(file))
 
     def heads(self, text: Optional[Union[str, Tuple[str, str]]] = None, random_repeat: Optional[int] = None, seed: int = 0,
               bos: bool = False) -> Dict[str, Any]:

@@ -91,8 +91,8 @@ class Model:
               bos: bool = False) -> Dict[str, Any]:
         """``attnscope heads --json``'s document as Python objects."""
     def sinks(self, text: Optional[str] = None, max_tokens: Optional[int] = None, key_block: int = 1024, top: int = 5,
-              bos: bool = False) -> Dict[str, Any]:
-        """``attnscope sinks --json``'s report as Python objects."""
+              bos: bool = False, file: Optional[str] = None) -> Dict[str, Any]:
+        """``attnscope sinks --json``'s report as Python objects (``file``: read as far as ``max_tokens`` reach)."""
     def hook_gradients(self, ids: Sequence[int], names: Sequence[str], metric: str, target: Optional[str] = None,
                        wrong: Optional[str] = None) -> Tuple[int, float, List[Tuple[str, List[int], npt.NDArray[np.float32]]]]:
         """The gradients of ``metric`` (target_logprob, loss, logit_diff) at the hook points ``names``:
@@ -107,6 +107,10 @@ def pattern_page(patterns: npt.NDArray[np.float32], shape: Sequence[int], tokens
 
 def corpus_texts(path: Optional[str] = None) -> List[str]:
     """The texts of a corpus file (or the built-in corpus), indexed as ``attnscope corpus`` does."""
+
+def write_new_file(path: str, text: str, overwrite: bool = False) -> str:
+    """Writes ``text`` to ``path`` through a temporary file renamed into place; an existing file only
+    with ``overwrite`` (else ``FileExistsError``). Returns the path."""
 
 def hook_suffixes() -> List[str]:
     """The hook suffixes, in order (``hook_resid_pre``, ``attn.hook_q``, ...)."""

@@ -31,11 +31,15 @@ class View:
             f'sandbox="allow-scripts allow-downloads"></iframe>'
         )
 
-    def save(self, path: Union[str, os.PathLike]) -> str:
-        """Writes the page (it opens offline in any browser); returns the path."""
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(self.html)
-        return os.fspath(path)
+    def save(self, path: Union[str, os.PathLike], overwrite: bool = False) -> str:
+        """Writes the page (it opens offline in any browser); returns the path. An existing file
+        is replaced only with ``overwrite=True`` (else ``FileExistsError``); the page goes to a
+        temporary file beside ``path``, renamed into place when whole."""
+        path = os.fspath(path)
+        try:
+            return _native.write_new_file(path, self.html, overwrite)
+        except FileExistsError:
+            raise FileExistsError(f"{path} already exists; pass overwrite=True to replace it") from None
 
     def __repr__(self) -> str:
         return f"View({len(self.html) / 1e6:.1f} MB page; show it in a notebook or .save('view.html'))"

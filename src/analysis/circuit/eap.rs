@@ -1,0 +1,193 @@
+//! Edge attribution patching (EAP, Syed et al. 2023, arXiv:2310.10348) and EAP with integrated
+//! gradients (EAP-IG, Hanna et al. 2024, "Have Faith in Faithfulness", arXiv:2403.17806): every
+//! edge's score from one product of the upstream nodes' differences and the readers' gradients.
+//!
+//! score(u → r) = Σ over positions and width of (a_u(corrupt) − a_u(clean)) · ∂m/∂in_r, the
+//! gradient at the clean run (EAP) or averaged over `steps` runs whose input embeddings are
+//! `x_corrupt + α (x_clean − x_corrupt)`, α = (i + ½)/steps (EAP-IG, the inputs variant). The
+//! differences `[nodes, n·d]` are kept; the gradients come layer by layer from the backward
+//! ([`crate::model::backward::BranchSink`]) and meet the differences in one GEMM per layer
+//! (`[nodes, n·d] · [n·d, readers]`), so no gradient outlives its layer.
+
+use super::graph::{Graph, Reader};
+use super::{Method, PairTokens};
+use crate::kernels::gemm::{self, Isa, PackedB};
+use crate::model::backward::{BranchSink, Metric, ReaderGrads};
+use crate::model::{Model, Result};
+
+/// What the next run's node outputs do to the differences.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// the corrupted run: `a_u(corrupt)` stored
+    Corrupt,
+    /// the clean run: `a_u(clean)` subtracted
+    Clean,
+    /// a gradient run only (EAP-IG's steps): node outputs not wanted
+    Gradients,
+}
+
+/// The sink that turns node outputs into differences and gradients into edge scores.
+struct ScoreSink<'a> {
+    graph: &'a Graph,
+    /// `[nodes, n·d]`: a_u(corrupt) − a_u(clean), while the runs fill it in
+    delta: Vec<f32>,
+    /// the same, packed as the right-hand side of `gradients · deltaᵀ` once the differences are
+    /// complete (at the first gradient); `delta` is then let go
+    packed: Option<PackedB>,
+    width: usize,
+    phase: Phase,
+    /// each gradient run's scores are added times this
+    weight: f64,
+    scores: &'a mut [f64],
+    /// a layer's readers' gradients, `[readers][n·d]` (kept from layer to layer)
+    rows: Vec<f32>,
+}
+
+impl ScoreSink<'_> {
+    fn node_rows(&mut self, first: usize, outs: &[f32]) {
+        let at = &mut self.delta[first * self.width..][..outs.len()];
+        match self.phase {
+            Phase::Corrupt => at.copy_from_slice(outs),
+            Phase::Clean => at.iter_mut().zip(outs).for_each(|(d, o)| *d -= o),
+            Phase::Gradients => {}
+        }
+    }
+
+    /// The differences packed (once): `[n·d, nodes]` as the GEMM's right-hand side.
+    fn packed(&mut self) -> &PackedB {
+        let (k, nodes) = (self.width, self.graph.n_nodes());
+        let delta = std::mem::take(&mut self.delta);
+        self.packed.get_or_insert_with(|| {
+            // the rows transposed 16 × 16 at a time into the panels
+            let rows = crate::kernels::rows_of(&delta, k, k);
+            match PackedB::try_from_row_source(nodes, k, Isa::detect(), rows) {
+                Ok(p) => p,
+                Err(never) => match never {},
+            }
+        })
+    }
+
+    /// Adds `weight ×` the scores of the edges into the readers `readers` (consecutive, from
+    /// reader index `first`), whose gradients are the rows of `grads` (`[readers][n·d]`): one
+    /// product of the gradients with the differences of the nodes they read.
+    fn add_scores(&mut self, first: usize, count: usize, grads: &[f32]) {
+        let g = self.graph;
+        let k = self.width;
+        let reads = (first..first + count)
+            .map(|r| g.reads(g.reader(r)))
+            .max()
+            .unwrap_or(0);
+        let b = self.packed();
+        let mut c = vec![0f32; count * reads];
+        gemm::gemm_sub(
+            grads,
+            k,
+            count,
+            b,
+            0..k,
+            0..reads,
+            &mut c,
+            reads,
+            false,
+            true,
+        );
+        for (j, r) in (first..first + count).enumerate() {
+            let off = g.offset(r);
+            for u in 0..g.reads(g.reader(r)) {
+                self.scores[off + u] += self.weight * c[j * reads + u] as f64;
+            }
+        }
+    }
+}
+
+impl BranchSink for ScoreSink<'_> {
+    fn wants_nodes(&self) -> bool {
+        self.phase != Phase::Gradients
+    }
+
+    fn input(&mut self, x0: &[f32]) -> Result<()> {
+        self.node_rows(0, x0);
+        Ok(())
+    }
+
+    fn heads(&mut self, layer: usize, outs: &[f32]) -> Result<()> {
+        let first = self
+            .graph
+            .node_index(super::graph::Node::Head { layer, head: 0 });
+        self.node_rows(first, outs);
+        Ok(())
+    }
+
+    fn mlp(&mut self, layer: usize, out: &[f32]) -> Result<()> {
+        let at = self.graph.node_index(super::graph::Node::Mlp { layer });
+        self.node_rows(at, out);
+        Ok(())
+    }
+
+    fn logits_gradient(&mut self, g: &[f32]) -> Result<()> {
+        let r = self.graph.reader_index(Reader::Logits);
+        self.add_scores(r, 1, g);
+        Ok(())
+    }
+
+    fn layer_gradients(&mut self, layer: usize, g: &ReaderGrads) -> Result<()> {
+        let graph = self.graph;
+        let (nh, nkv, k) = (graph.n_heads, graph.n_kv_heads, self.width);
+        // the layer's readers' gradients in the graph's order (q heads, k and v of each
+        // key/value head, the MLP), for one product that reads the differences once
+        let mut rows = std::mem::take(&mut self.rows);
+        rows.clear();
+        rows.extend_from_slice(&g.q[..nh * k]);
+        for grp in 0..nkv {
+            rows.extend_from_slice(&g.k[grp * k..(grp + 1) * k]);
+            rows.extend_from_slice(&g.v[grp * k..(grp + 1) * k]);
+        }
+        rows.extend_from_slice(&g.mlp[..k]);
+        let first = graph.reader_index(Reader::Q { layer, head: 0 });
+        self.add_scores(first, graph.readers_per_layer(), &rows);
+        self.rows = rows;
+        Ok(())
+    }
+}
+
+/// One pair's edge scores added into `scores` (times `weight`: 1 / the number of pairs), by
+/// `method`, for `metric`; the clean and corrupted runs' metric values.
+pub(super) fn score_pair(
+    model: &Model,
+    graph: &Graph,
+    pair: &PairTokens,
+    (method, metric): (Method, Metric),
+    scores: &mut [f64],
+    weight: f64,
+) -> Result<(f32, f32)> {
+    let (xc, _) = model.input_embeddings(&pair.clean)?;
+    let (xx, _) = model.input_embeddings(&pair.corrupt)?;
+    let width = xc.len();
+    let mut sink = ScoreSink {
+        graph,
+        delta: vec![0f32; graph.n_nodes() * width],
+        packed: None,
+        rows: Vec::new(),
+        width,
+        phase: Phase::Corrupt,
+        weight,
+        scores,
+    };
+    let corrupt = model.branch_run(&xx, metric, false, &mut sink)?.value;
+    sink.phase = Phase::Clean;
+    let clean = match method {
+        Method::Eap => model.branch_run(&xc, metric, true, &mut sink)?.value,
+        Method::EapIg { steps } => {
+            let clean = model.branch_run(&xc, metric, false, &mut sink)?.value;
+            sink.phase = Phase::Gradients;
+            sink.weight = weight / steps as f64;
+            for i in 0..steps {
+                let a = (i as f32 + 0.5) / steps as f32;
+                let x: Vec<f32> = xx.iter().zip(&xc).map(|(x, c)| x + a * (c - x)).collect();
+                model.branch_run(&x, metric, true, &mut sink)?;
+            }
+            clean
+        }
+    };
+    Ok((clean, corrupt))
+}
