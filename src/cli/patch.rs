@@ -13,14 +13,19 @@ use std::path::PathBuf;
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
 pub enum HookArg {
     /// a decoder layer's input (`blocks.L.hook_resid_pre`), one position at a time
+    #[value(alias = "resid_pre", alias = "hook_resid_pre")]
     ResidPre,
     /// the attention block's output (`hook_attn_out`), one position at a time
+    #[value(alias = "attn_out", alias = "hook_attn_out")]
     AttnOut,
     /// the MLP's output (`hook_mlp_out`), one position at a time
+    #[value(alias = "mlp_out", alias = "hook_mlp_out")]
     MlpOut,
     /// one head's output before W_O (`attn.hook_z`), every position
+    #[value(alias = "hook_z", alias = "attn.hook_z")]
     Z,
     /// one head's whole attention pattern (`attn.hook_pattern`): where it looks, from the clean run
+    #[value(alias = "hook_pattern", alias = "attn.hook_pattern", alias = "attn")]
     Pattern,
 }
 
@@ -310,4 +315,29 @@ fn column_numbers(nc: usize) -> String {
         .map(|i| format!("{:>5}", format!("c{i}")))
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HookArg;
+    use clap::ValueEnum;
+
+    /// #59: `--hook` takes TransformerLens's spellings as well as its own.
+    #[test]
+    fn hook_takes_transformer_lens_spellings() {
+        let of = |s: &str| HookArg::from_str(s, false).map(|h| format!("{h:?}"));
+        for (tl, ours) in [
+            ("resid_pre", "ResidPre"),
+            ("hook_resid_pre", "ResidPre"),
+            ("resid-pre", "ResidPre"),
+            ("hook_attn_out", "AttnOut"),
+            ("mlp_out", "MlpOut"),
+            ("attn.hook_z", "Z"),
+            ("attn.hook_pattern", "Pattern"),
+            ("attn", "Pattern"),
+        ] {
+            assert_eq!(of(tl).as_deref(), Ok(ours), "{tl}");
+        }
+        assert!(of("hook_q").is_err());
+    }
 }

@@ -143,8 +143,9 @@ impl Hook {
     /// Short names for the command line: `pattern,scores,q,k,v,z,resid`.
     pub fn parse_list(s: &str) -> Result<Vec<Hook>, String> {
         let mut out = Vec::new();
-        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let hooks: &[Hook] = match part {
+        for raw in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let part = tl_spelling(raw)?;
+            let hooks: &[Hook] = match part.as_str() {
                 "pattern" => &[Hook::Pattern],
                 "scores" | "attn_scores" => &[Hook::AttnScores],
                 "q" => &[Hook::Q],
@@ -167,10 +168,18 @@ impl Hook {
                 "resid_pre" => &[Hook::ResidPre],
                 "resid_mid" => &[Hook::ResidMid],
                 "resid_post" => &[Hook::ResidPost],
+                "ln1_scale" => &[Hook::Ln1Scale],
+                "ln1_normalized" => &[Hook::Ln1Normalized],
+                "ln2_scale" => &[Hook::Ln2Scale],
+                "ln2_normalized" => &[Hook::Ln2Normalized],
+                "ln_final_scale" => &[Hook::LnFinalScale],
+                "ln_final_normalized" => &[Hook::LnFinalNormalized],
+                "token_embed" => &[Hook::Embed],
+                "pos_embed" => &[Hook::PosEmbed],
                 "all" => &ALL_HOOKS,
-                other => {
+                _ => {
                     return Err(format!(
-                        "unknown hook `{other}`; choose from pattern, scores, q, k, v, rot_q, rot_k, z, result, attn_out, mlp_pre, mlp_pre_linear, mlp_post, mlp_out, resid, resid_pre, resid_mid, resid_post, ln1, ln2, ln_final, embed, all"
+                        "unknown hook `{raw}`; choose from pattern, scores, q, k, v, rot_q, rot_k, z, result, attn_out, mlp_pre, mlp_pre_linear, mlp_post, mlp_out, resid, resid_pre, resid_mid, resid_post, ln1, ln2, ln_final, embed, all (or TransformerLens's names: hook_resid_pre, attn.hook_z, ln1.hook_scale, ...)"
                     ))
                 }
             };
@@ -190,6 +199,49 @@ impl Hook {
     pub fn is_attention_map(self) -> bool {
         matches!(self, Hook::Pattern | Hook::AttnScores)
     }
+}
+
+/// A hook as [`Hook::parse_list`] names it, from TransformerLens's spellings too: a hook point's
+/// name within its block (`hook_resid_pre`, `attn.hook_z`, `mlp.hook_post`, `ln1.hook_scale`,
+/// `ln_final.hook_normalized`, `hook_embed`), `utils.get_act_name`'s short names and aliases
+/// (`resid_pre`, `attn` for the pattern, `attn_logits`, `key`/`query`/`value`, `pre`/`post`/
+/// `pre_linear`), and dashes for underscores (`resid-pre`). A full name with its layer
+/// (`blocks.3.attn.hook_z`) is refused: the layers are their own option.
+fn tl_spelling(raw: &str) -> Result<String, String> {
+    let s = raw.to_ascii_lowercase().replace('-', "_");
+    if s.starts_with("blocks.") {
+        return Err(format!(
+            "`{raw}` names a layer: give the hook without it (`{}`) and the layers with --layers",
+            s.splitn(3, '.').nth(2).unwrap_or("hook_pattern")
+        ));
+    }
+    // a norm's hook points keep their norm: ln1.hook_scale -> ln1_scale
+    for norm in ["ln1", "ln2", "ln_final"] {
+        if let Some(rest) = s.strip_prefix(norm).and_then(|r| r.strip_prefix('.')) {
+            return Ok(format!("{norm}_{}", rest.trim_start_matches("hook_")));
+        }
+    }
+    let mlp = s.starts_with("mlp.");
+    let bare = s
+        .trim_start_matches("attn.")
+        .trim_start_matches("mlp.")
+        .trim_start_matches("hook_");
+    Ok(match bare {
+        // TransformerLens's aliases (utils.get_act_name)
+        "attn" => "pattern",
+        "attn_logits" => "attn_scores",
+        "key" => "k",
+        "query" => "q",
+        "value" => "v",
+        "pre" => "mlp_pre",
+        "post" => "mlp_post",
+        "pre_linear" => "mlp_pre_linear",
+        // hook_embed is the token embeddings alone; `embed` keeps its meaning (both)
+        "embed" if s == "hook_embed" => "token_embed",
+        "out" if mlp => "mlp_out",
+        other => other,
+    }
+    .to_string())
 }
 
 /// Every hook: the blocks' and the global ones.
@@ -1188,5 +1240,33 @@ mod tests {
         assert!(Hook::parse_list("patern")
             .unwrap_err()
             .contains("unknown hook `patern`"));
+    }
+
+    /// #59: TransformerLens's spellings, and dashes, name the same hooks.
+    #[test]
+    fn hook_lists_take_transformer_lens_spellings() {
+        let same = [
+            ("hook_resid_pre", "resid_pre"),
+            ("resid-pre", "resid_pre"),
+            ("attn.hook_z", "z"),
+            ("attn.hook_pattern,attn", "pattern"),
+            ("attn_logits", "scores"),
+            ("key,query,value", "k,q,v"),
+            (
+                "mlp.hook_pre,mlp.hook_post,mlp.hook_pre_linear",
+                "mlp_pre,mlp_post,mlp_pre_linear",
+            ),
+            ("hook_mlp_out,HOOK_ATTN_OUT", "mlp_out,attn_out"),
+        ];
+        for (tl, ours) in same {
+            assert_eq!(Hook::parse_list(tl), Hook::parse_list(ours), "{tl}");
+        }
+        assert_eq!(
+            Hook::parse_list("ln1.hook_scale,ln_final.hook_normalized").unwrap(),
+            vec![Hook::Ln1Scale, Hook::LnFinalNormalized]
+        );
+        assert_eq!(Hook::parse_list("hook_embed").unwrap(), vec![Hook::Embed]);
+        let e = Hook::parse_list("blocks.3.attn.hook_z").unwrap_err();
+        assert!(e.contains("attn.hook_z") && e.contains("--layers"), "{e}");
     }
 }

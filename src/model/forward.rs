@@ -701,6 +701,10 @@ impl Model {
             // Gemma scales the embeddings by √d_model
             x.iter_mut().for_each(|v| *v *= g.embed_scale);
         }
+        if self.centres_writers() {
+            // TransformerLens's center_writing_weights: W_E centred over d_model
+            crate::model::processing::centre_rows(&mut x, dm);
+        }
         hand(obs, 0, Hook::Embed, &[m, dm], &mut x)?;
         if let Some(pe) = &self.weights.pos_embed {
             // GPT-2: learned absolute positions
@@ -711,6 +715,9 @@ impl Model {
                     let p = seg.reuse + r;
                     row.copy_from_slice(&pe[p * dm..(p + 1) * dm]);
                 }
+            }
+            if self.centres_writers() {
+                crate::model::processing::centre_rows(&mut pos, dm);
             }
             hand(obs, 0, Hook::PosEmbed, &[m, dm], &mut pos)?;
             x.iter_mut().zip(&pos).for_each(|(v, e)| *v += e);
@@ -748,6 +755,12 @@ impl Model {
                     .zip(&bias)
                     .for_each(|((o, &y), &b)| *o = y - b);
             }
+        }
+        let mut bias = bias;
+        if self.centres_writers() {
+            // center_writing_weights: each head's slice of W_O and b_O centred over d_model
+            crate::model::processing::centre_rows(&mut out, dm);
+            crate::model::processing::centre_rows(&mut bias, dm);
         }
         Ok((out, bias))
     }

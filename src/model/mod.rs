@@ -28,6 +28,7 @@ pub mod lrp;
 pub mod memory;
 pub mod ops;
 pub mod panels;
+pub mod processing;
 pub mod segments;
 #[cfg(any(test, feature = "test-fixtures"))]
 pub mod tiny;
@@ -77,6 +78,8 @@ pub struct Model {
     /// The projections' transposes packed for the backward (`dX = dY · W`), made on the first
     /// gradient and kept with the model.
     transposed: std::sync::OnceLock<Vec<backward::LayerT>>,
+    /// TransformerLens's weight processing applied after load ([`processing`]); none by default.
+    processing: processing::Processing,
     /// [`Model::sha256`], computed on first use.
     sha256: std::sync::OnceLock<String>,
 }
@@ -556,6 +559,7 @@ impl Model {
             weights,
             panel_file,
             transposed: Default::default(),
+            processing: Default::default(),
             sha256: Default::default(),
         }
     }

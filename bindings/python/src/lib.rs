@@ -166,6 +166,25 @@ impl Observer for Wanted {
     }
 }
 
+/// TransformerLens's processing steps named in `names`, refusing an unknown one.
+fn processing_of(names: &[String]) -> PyResult<attnscope::model::processing::Processing> {
+    let mut p = attnscope::model::processing::Processing::default();
+    for n in names {
+        match n.as_str() {
+            "fold_ln" => p.fold_ln = true,
+            "center_writing_weights" => p.center_writing_weights = true,
+            "center_unembed" => p.center_unembed = true,
+            "fold_value_biases" => p.fold_value_biases = true,
+            o => {
+                return Err(PyValueError::new_err(format!(
+                    "unknown processing step `{o}`; use fold_ln, center_writing_weights, center_unembed, fold_value_biases"
+                )))
+            }
+        }
+    }
+    Ok(p)
+}
+
 /// The rows `run(logits=...)` asks logits for: `all`, `last` or `none` of `n` positions.
 fn logit_rows(logits: &str, n: usize) -> PyResult<Vec<usize>> {
     match logits {
@@ -272,14 +291,19 @@ impl Model {
     /// `add_bos`: `None` follows the model's metadata; `False` leaves its BOS out, `True` adds one.
     /// `memory`: `"low"` (the file's quantized blocks, mapped, a panel dequantized per product),
     /// `"fast"` (packed at load), or `None` (chosen from the model's size and the free memory).
-    #[pyo3(signature = (spec, precision = "exact", add_bos = None, memory = None))]
+    /// `process`: TransformerLens's weight processing steps to apply after loading (`fold_ln`,
+    /// `center_writing_weights`, `center_unembed`, `fold_value_biases`); the ones that apply to
+    /// the family are in `facts_json()["processing"]`.
+    #[pyo3(signature = (spec, precision = "exact", add_bos = None, memory = None, process = Vec::new()))]
     fn load(
         py: Python<'_>,
         spec: &str,
         precision: &str,
         add_bos: Option<bool>,
         memory: Option<&str>,
+        process: Vec<String>,
     ) -> PyResult<Model> {
+        let steps = processing_of(&process)?;
         let precision = match precision {
             "exact" => Precision::Exact,
             "fast" => Precision::Fast,
@@ -308,6 +332,10 @@ impl Model {
                 .set_add_bos(b)
                 .map_err(|e| PyValueError::new_err(format!("default_prepend_bos={b}: {e}")))?;
         }
+        // the steps TL's processing has that a family lacks here: refused, named
+        model
+            .process_weights(steps)
+            .map_err(|e| pyo3::exceptions::PyNotImplementedError::new_err(e.to_string()))?;
         Ok(Model {
             inner: Arc::new(model),
             spec,
@@ -329,6 +357,13 @@ impl Model {
         v["pad_id"] = self.inner.tokenizer.pad_id.into();
         v["bos_id"] = self.inner.tokenizer.bos_id.into();
         v["is_encoder"] = self.inner.is_encoder().into();
+        v["processing"] = serde_json::to_value(self.inner.processing())
+            .map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+        v["eps"] = self.inner.dims.rms_eps.into();
+        v["rope_base"] = self.inner.dims.rope_base.into();
+        v["rotary_dim"] = self.inner.dims.rotary_dim.into();
+        v["tied_embeddings"] = self.inner.dims.tied_embeddings.into();
+        v["eos_id"] = self.inner.tokenizer.eos_id.into();
         Ok(v.to_string())
     }
 
@@ -1048,12 +1083,17 @@ impl Model {
         bos: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         use attnscope::analysis::intervene::{patch, PatchHook, PatchOptions, DEFAULT_BATCH_ROWS};
-        let hook = match hook {
+        // TransformerLens's spellings too (resid_pre, hook_resid_pre, attn.hook_z, ...)
+        let spelled = hook.replace('_', "-");
+        let bare = spelled
+            .trim_start_matches("attn.")
+            .trim_start_matches("hook-");
+        let hook = match bare {
             "resid-pre" => PatchHook::ResidPre,
             "attn-out" => PatchHook::AttnOut,
             "mlp-out" => PatchHook::MlpOut,
             "z" => PatchHook::Z,
-            "pattern" => PatchHook::Pattern,
+            "pattern" | "attn" => PatchHook::Pattern,
             h => {
                 return Err(PyValueError::new_err(format!(
                     "unknown hook {h:?}: valid values are resid-pre, attn-out, mlp-out, z, pattern"
@@ -1278,8 +1318,11 @@ impl Model {
     /// (the mean next-token cross-entropy) or `logit_diff` (logit(target) − logit(wrong), both
     /// needed). Returns (the target id, the scalar's value, [(name + "_grad", shape, float32
     /// array flattened)]).
-    #[pyo3(signature = (ids, names, metric, target = None, wrong = None))]
-    #[allow(clippy::type_complexity)]
+    /// `metric="logits"` takes `dlogits` instead: the gradient of the caller's scalar with
+    /// respect to every position's logits (`[n, vocab]` flattened, float32), as a torch metric's
+    /// backward hands it over (the Python package's backward hooks); the value returned is 0.
+    #[pyo3(signature = (ids, names, metric, target = None, wrong = None, dlogits = None))]
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
     fn hook_gradients<'py>(
         &self,
         py: Python<'py>,
@@ -1288,6 +1331,7 @@ impl Model {
         metric: &str,
         target: Option<String>,
         wrong: Option<String>,
+        dlogits: Option<numpy::PyReadonlyArray1<'py, f32>>,
     ) -> PyResult<(u32, f32, Vec<(String, Vec<usize>, Bound<'py, PyAny>)>)> {
         use attnscope::analysis::faithfulness::Target;
         use attnscope::model::backward::{GradMetric, Metric};
@@ -1306,7 +1350,16 @@ impl Model {
             }
         };
         let (t, w) = (resolve(target, "target")?, resolve(wrong, "wrong")?);
+        let dlogits = dlogits
+            .map(|d| d.as_slice().map(<[f32]>::to_vec))
+            .transpose()?;
+        if dlogits.is_some() != (metric == "logits") {
+            return Err(PyValueError::new_err(
+                "dlogits= goes with metric='logits' (and metric='logits' needs it)",
+            ));
+        }
         let metric = match (metric, t, w) {
+            ("logits", None, None) => GradMetric::Logits(dlogits.unwrap_or_default()),
             ("target_logprob", t, None) => GradMetric::Metric(Metric::LogProb(t)),
             ("loss", None, None) => GradMetric::Loss,
             ("logit_diff", Some(answer), Some(wrong)) if answer != wrong => {

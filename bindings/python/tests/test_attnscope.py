@@ -703,8 +703,9 @@ def test_direct_logit_attribution_as_transformerlens_users_write_it(qwen):
     logits, cache = qwen.run_with_cache(SENTENCE)
     answer = int(logits[0, -1].argmax())
     heads, labels = cache.stack_head_results(layer=-1, pos_slice=-1, return_labels=True)
-    assert heads.shape == (24 * 14, 1, 1, 896) and labels[:2] == ["L0H0", "L0H1"]
-    attrs = cache.logit_attrs(cache.apply_ln_to_stack(heads, pos_slice=-1), answer)[:, 0, 0]
+    # TL's pos_slice=-1 drops the position axis (#59)
+    assert heads.shape == (24 * 14, 1, 896) and labels[:2] == ["L0H0", "L0H1"]
+    attrs = cache.logit_attrs(heads, answer, pos_slice=-1)[:, 0]  # TL: it applies the final norm itself
     cli = json.loads(subprocess.run([BIN, "dla", "--text", SENTENCE, "--json"], check=True, capture_output=True).stdout)
     assert cli["answer"]["id"] == answer
     want = np.asarray([h["dla"] for h in cli["heads"]])
@@ -714,7 +715,7 @@ def test_direct_logit_attribution_as_transformerlens_users_write_it(qwen):
     final = cache["blocks.23.hook_resid_post"]
     assert np.abs(parts.sum(0) - final).max() < 1e-3 * (1 + np.abs(final).max())
     last = cache.decompose_resid(pos_slice=-1)
-    total = cache.logit_attrs(cache.apply_ln_to_stack(last, pos_slice=-1), answer)[:, 0, 0].sum()
+    total = cache.logit_attrs(last, answer, pos_slice=-1)[:, 0].sum()
     assert abs(total - float(logits[0, -1, answer])) < 1e-2
     acc = cache.accumulated_resid(incl_mid=True)
     assert acc.shape == (2 * 24 + 1, 1, len(cache["pattern", 0, "attn"][0, 0]), 896)

@@ -108,3 +108,25 @@ def test_bad_requests_are_clear_errors(smol):
         smol.run_with_cache(CLEAN, names_filter="hook_z", incl_bwd=True, target=10**9)
     with pytest.raises(ValueError, match="2 or more"):
         smol.run_with_cache("Hi", names_filter="hook_z", incl_bwd=True, metric="loss", prepend_bos=False)
+
+
+def test_a_given_gradient_of_the_logits_seeds_the_backward(smol):
+    """#59: metric="logits" takes the gradient of the caller's scalar with respect to the logits
+    (what a torch metric's backward hands over): log p(top token)'s, one-hot minus softmax at the
+    last position, gives that metric's gradients (against torch autograd, as above)."""
+    names = names_of("lp")
+    logits, _ = smol.run_with_cache(CLEAN, names_filter="hook_z", prepend_bos=False)
+    last = logits[0, -1].astype(np.float64)
+    p = np.exp(last - last.max())
+    d = np.zeros(logits.shape[1:], np.float32)
+    d[-1] = -p / p.sum()
+    d[-1, int(np.argmax(last))] += 1.0
+    ids = REF["tokens"].tolist()
+    _, value, grads = smol._m.hook_gradients(ids, names, "logits", None, None, d.reshape(-1))
+    assert value == 0.0  # the caller's scalar: not known to the engine
+    cache = {name: data.reshape([1] + list(shape)) for name, shape, data in grads}
+    check(cache, "lp")
+    with pytest.raises(ValueError, match="positions"):
+        smol._m.hook_gradients(ids, names, "logits", None, None, d.reshape(-1)[:-1])
+    with pytest.raises(ValueError, match="dlogits"):
+        smol._m.hook_gradients(ids, names, "logits", None, None, None)

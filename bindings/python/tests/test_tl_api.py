@@ -85,11 +85,15 @@ def test_weights_in_transformerlens_shapes_make_the_hooks(which, request):
         m.blocks[0].ln1.b
 
 
-def test_processing_flags_are_refused_not_ignored():
-    with pytest.raises(NotImplementedError, match="fold_ln.*unprocessed"):
-        attnscope.HookedModel.from_pretrained("smollm2-135m", fold_ln=True)
-    with pytest.raises(NotImplementedError, match="center_unembed"):
+def test_unimplemented_processing_is_refused_not_ignored():
+    with pytest.raises(NotImplementedError, match="refactor_factored_attn_matrices"):
+        attnscope.HookedModel.from_pretrained("smollm2-135m", refactor_factored_attn_matrices=True)
+    with pytest.raises(ValueError, match="center_unembed=True.*no_processing"):
         attnscope.HookedModel.from_pretrained_no_processing("smollm2-135m", center_unembed=True)
+    with pytest.raises(NotImplementedError, match="encoder"):
+        attnscope.HookedModel.from_pretrained("all-minilm-l6-v2", fold_ln=True)
+    with pytest.raises(NotImplementedError, match="Gemma"):
+        attnscope.HookedModel.from_pretrained("gemma3-270m", center_unembed=True)
     with pytest.raises(ValueError, match="CPU"):
         attnscope.HookedModel.from_pretrained("smollm2-135m", device="cuda")
 
@@ -248,3 +252,45 @@ def test_ov_and_qk_circuits_as_factored_matrices(smol):
     assert np.allclose(np.asarray(qk.AB), want, atol=1e-5 * np.abs(want).max())
     with pytest.raises(IndexError, match="leading dims"):
         ov[1, 4, 0]
+
+
+def test_cache_keys_in_transformer_lens_forms(smol):
+    """#59: TL's key forms resolve to the hook names (compared with TL's own cache in
+    test_tl_real.py); unknown keys raise a KeyError naming the close ones."""
+    _, cache = smol.run_with_cache("The cat sat on the mat")
+    n = smol.cfg.n_layers
+    forms = {"embed": "hook_embed", ("attn", 5): "blocks.5.attn.hook_pattern",
+             ("pattern", -1): f"blocks.{n - 1}.attn.hook_pattern", ("scale", 1, "ln1"): "blocks.1.ln1.hook_scale",
+             "scale": "ln_final.hook_scale", "z3": "blocks.3.attn.hook_z", ("pre", 4, "m"): "blocks.4.mlp.hook_pre",
+             ("resid_pre", 3, "b"): "blocks.3.hook_resid_pre", ("value", -2): f"blocks.{n - 2}.attn.hook_v",
+             ("attn.hook_z", 3): "blocks.3.attn.hook_z", ("ln2.hook_normalized", 2): "blocks.2.ln2.hook_normalized"}
+    for key, name in forms.items():
+        assert np.array_equal(np.asarray(cache[key]), np.asarray(cache[name])), key
+    with pytest.raises(KeyError, match="close ones.*blocks.3.attn.hook_z"):
+        cache["blocks.3.attn.hook_zz"]
+    with pytest.raises(KeyError, match="no hook 'patern'.*pattern"):
+        cache["patern", 2]
+    with pytest.raises(KeyError, match="out of range"):
+        cache["z", n]
+
+
+def test_config_has_transformer_lens_fields(smol):
+    """#59: HookedTransformerConfig's fields (compared with TL's in test_tl_real.py)."""
+    c = smol.cfg
+    assert (c.normalization_type, c.positional_embedding_type, c.act_fn, c.original_architecture) == (
+        "RMS", "rotary", "silu", "LlamaForCausalLM")
+    assert (c.gated_mlp, c.final_rms, c.attn_only, c.tokenizer_prepends_bos, c.d_vocab_out) == (True, True, False, False, 49152)
+    assert (c.rotary_base, c.rotary_dim, c.dtype, c.device) == (100000.0, 64, "float32", "cpu")
+    assert abs(c.eps - 1e-5) < 1e-9
+
+
+def test_utils_helpers_as_transformer_lens_has_them(smol, capsys):
+    """#59: utils.test_prompt prints TL's table and ranks (compared with TL's own in
+    test_tl_real.py); to_numpy, get_device."""
+    attnscope.utils.test_prompt("The capital of France is", ["Paris", "London"], smol, top_k=2)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "Tokenized prompt: ['The', ' capital', ' of', ' France', ' is']"
+    assert out[-1] == "Ranks of the answer tokens: [[(' Paris', 0), (' London', 2)]]"
+    assert sum(line.startswith("Top ") for line in out) == 2
+    assert attnscope.utils.get_device() == "cpu"
+    assert np.array_equal(attnscope.utils.to_numpy([1, 2]), np.array([1, 2]))

@@ -146,6 +146,10 @@ impl Model {
         if let Some(loss) = tap.as_deref().and_then(|t| t.loss.as_deref()) {
             (seeds[0].value, dx) = self.loss_seed(&x, loss, last.kind)?;
         }
+        if let Some(d) = tap.as_deref().and_then(|t| t.dlogits.as_deref()) {
+            // the scalar is the caller's, its value not known here (0)
+            (seeds[0].value, dx) = (0.0, self.dlogits_seed(&x, d, last.kind)?);
+        }
         if let Some(t) = tap.as_deref_mut() {
             t.final_gradient(&dx)?;
         }

@@ -18,12 +18,16 @@ use crate::model::tl_weights::interleaved_to_half_split;
 use rayon::prelude::*;
 
 /// The scalar a [`Model::hook_gradients`] backward starts from.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum GradMetric {
     /// A metric of the last position's logits (log-probability, logit difference).
     Metric(Metric),
     /// TransformerLens's loss: the mean over positions `0..n-1` of `−log p(token[i+1])`.
     Loss,
+    /// Any scalar of the logits, given as its gradient with respect to them, `[n, vocab]` (the
+    /// logits as the forward returns them: centred where `center_unembed` centres them): what a
+    /// torch metric's backward hands to the model's logits (the Python package's backward hooks).
+    Logits(Vec<f32>),
 }
 
 /// The hook points whose gradients [`Model::hook_gradients`] gives, per layer, in
@@ -111,6 +115,8 @@ pub(crate) struct Tap<'s> {
     pub acts: bool,
     /// Seed the backward from the loss over these tokens instead of the metric.
     pub loss: Option<Vec<u32>>,
+    /// Seed the backward from this gradient of the logits (`[n, vocab]`) instead of the metric.
+    pub dlogits: Option<Vec<f32>>,
     /// The forward's activations, per layer (when `acts`).
     pub fwd: Vec<LayerActs>,
     /// Per layer, what the backward kept: `(block, ∂/∂resid_pre, maps)`, maps `(∂/∂pattern,
@@ -358,8 +364,56 @@ impl Model {
         let cap = self.dims.gemma.as_ref().and_then(|g| g.final_softcap);
         let vocab = raw.first().map_or(0, |r| r.len());
         let (loss, d) = loss_logit_grads(&raw, vocab, tokens, cap)?;
-        let dh = self.unembed_rows_back(&d, rows, vocab)?;
-        let mut dx = vec![0f32; n * dm];
+        let dx = self.final_norm_back(x, &d, rows, fkind)?;
+        Ok(((loss / rows as f64) as f32, dx))
+    }
+
+    /// The gradient with respect to the final residual stream `x` (`[n, d_model]`) of a scalar
+    /// whose gradient with respect to every position's logits is `d` (`[n, vocab]`, the logits as
+    /// the forward returns them): back through `center_unembed`'s centring (its row mean
+    /// removed), the final soft-cap, the output head and the final norm of kind `fkind`.
+    pub(super) fn dlogits_seed(&self, x: &[f32], d: &[f32], fkind: NormKind) -> Result<Vec<f32>> {
+        let (dm, vocab) = (self.dims.d_model, self.dims.vocab_size);
+        let n = x.len() / dm;
+        if d.len() != n * vocab {
+            return Err(Error::OutOfRange {
+                what: "values of the logits' gradient".into(),
+                value: d.len().to_string(),
+                range: format!("{n} positions × {vocab} logits = {}", n * vocab),
+            });
+        }
+        let mut d = d.to_vec();
+        if self.centres_logits() {
+            // the centred logits are (I − 11ᵀ/V)·raw: its transpose centres the gradient
+            crate::model::processing::centre_rows(&mut d, vocab);
+        }
+        if let Some(cap) = self.dims.gemma.as_ref().and_then(|g| g.final_softcap) {
+            let fb = self.weights.final_norm_bias.as_deref();
+            let eps = self.dims.rms_eps;
+            let h = super::norm_fwd(fkind, x, &self.weights.final_norm, fb, eps);
+            let raw = crate::model::ops::logits_rows(&self.weights.lm_head, h, n, dm)?;
+            for (drow, r) in d.chunks_mut(vocab).zip(&raw) {
+                drow.iter_mut()
+                    .zip(r)
+                    .for_each(|(g, &z)| *g = (*g as f64 * super::softcap_slope(z, cap)) as f32);
+            }
+        }
+        self.final_norm_back(x, &d, n, fkind)
+    }
+
+    /// `∂/∂x` (`[n, d_model]`, zero past `rows`) from `d`, the gradient at the raw logits of the
+    /// first `rows` rows of `x` (`[rows, vocab]`): through the output head and the final norm.
+    fn final_norm_back(
+        &self,
+        x: &[f32],
+        d: &[f32],
+        rows: usize,
+        fkind: NormKind,
+    ) -> Result<Vec<f32>> {
+        let (dm, eps) = (self.dims.d_model, self.dims.rms_eps);
+        let vocab = d.len() / rows.max(1);
+        let dh = self.unembed_rows_back(d, rows, vocab)?;
+        let mut dx = vec![0f32; x.len()];
         dx[..rows * dm].copy_from_slice(&super::norm_backward(
             fkind,
             &x[..rows * dm],
@@ -367,7 +421,7 @@ impl Model {
             eps,
             &dh,
         ));
-        Ok(((loss / rows as f64) as f32, dx))
+        Ok(dx)
     }
 
     /// `d · W_U` for `rows` rows of `d loss / d raw logits` (`[rows, vocab]`): the loss's
@@ -459,6 +513,10 @@ impl Model {
             GradMetric::Metric(m) => m,
             GradMetric::Loss => {
                 tap.loss = Some(tokens.to_vec());
+                Metric::LogProb(None)
+            }
+            GradMetric::Logits(d) => {
+                tap.dlogits = Some(d);
                 Metric::LogProb(None)
             }
         };

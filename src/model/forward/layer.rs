@@ -373,10 +373,18 @@ impl Model {
             || layer.post_norms.is_some()
             || obs.edits(l, Hook::AttnOut)
             || layer.o.has_bias()
+            || self.centres_writers()
         {
             let mut attn_out = match results {
                 Some(r) => r,
-                None => layer.o.forward(z, m)?,
+                None => {
+                    let mut out = layer.o.forward(z, m)?;
+                    if self.centres_writers() {
+                        // center_writing_weights: W_O and b_O centred over d_model
+                        crate::model::processing::centre_rows(&mut out, dm);
+                    }
+                    out
+                }
             };
             if let Some((post_attn, _)) = &layer.post_norms {
                 // Gemma: the attention's output is normalized before the residual add
@@ -492,8 +500,13 @@ impl Model {
         (dest, own): (&mut [f32], bool),
         read: Option<&mut [f32]>,
     ) -> Result<()> {
-        if layer.down.has_bias() || layer.post_norms.is_some() || own {
+        let centre = self.centres_writers();
+        if layer.down.has_bias() || layer.post_norms.is_some() || own || centre {
             let mut out = layer.down.forward(act, rows)?;
+            if centre {
+                // center_writing_weights: W_out and b_out centred over d_model
+                crate::model::processing::centre_rows(&mut out, self.dims.d_model);
+            }
             if let Some((_, post_mlp)) = &layer.post_norms {
                 // Gemma: the MLP's output is normalized before the residual add
                 out = rms_norm(&out, post_mlp, self.dims.rms_eps);
@@ -581,6 +594,13 @@ impl Model {
             rows.iter_mut()
                 .flatten()
                 .for_each(|z| *z = (*z / cap).tanh() * cap);
+        }
+        if self.centres_logits() {
+            // TransformerLens's center_unembed: W_U centred over the vocabulary
+            rows.iter_mut().for_each(|r| {
+                let width = r.len();
+                crate::model::processing::centre_rows(r, width)
+            });
         }
         if !rows.iter().all(|r| all_finite(r)) {
             return Err(Error::NonFinite {

@@ -441,6 +441,16 @@ impl Linear {
         self.bias.as_deref()
     }
 
+    /// Replaces the bias (`[n]`, or none): TransformerLens's weight processing moves the value
+    /// biases into the output projection's ([`crate::model::processing`]).
+    pub(crate) fn set_bias(&mut self, bias: Option<Vec<f32>>) {
+        assert!(
+            bias.as_ref().is_none_or(|b| b.len() == self.n),
+            "a bias of the projection's width"
+        );
+        self.bias = bias;
+    }
+
     /// `W: [n, k]` as f32, row-major: the weights this projection computes with, read back
     /// through its own kernel (the product with unit vectors, 32 input columns at a time, so
     /// whatever the packing, quantized blocks included, the values are the ones it multiplies by).

@@ -27,6 +27,7 @@ import numpy as np
 from . import _native
 from . import viz
 from . import utils
+from . import processing
 from .factored import FactoredMatrix
 from . import distributed  # Ray is imported only when distributed.corpus runs
 
@@ -122,6 +123,51 @@ class Config:
     pad_token_id: Optional[int] = None
     #: where the model runs (TransformerLens's ``cfg.device``): always the CPU
     device: str = "cpu"
+    # the rest of TransformerLens's HookedTransformerConfig that has a meaning here (#59), with
+    # TL's values for these families (``config_fields``)
+    normalization_type: Optional[str] = None
+    positional_embedding_type: str = "rotary"
+    act_fn: Optional[str] = None
+    original_architecture: Optional[str] = None
+    dtype: str = "float32"
+    eps: float = 1e-5
+    d_vocab_out: int = 0
+    gated_mlp: bool = True
+    final_rms: bool = True
+    uses_rms_norm: bool = True
+    attn_only: bool = False
+    tokenizer_prepends_bos: bool = False
+    tokenizer_appends_eos: bool = False
+    rotary_base: Optional[float] = None
+    rotary_dim: Optional[int] = None
+    use_attn_result: bool = False
+    parallel_attn_mlp: bool = False
+    tie_word_embeddings: bool = False
+
+
+# per family: (TL's act_fn, Hugging Face's architecture class)
+_FAMILY = {"qwen2": ("silu", "Qwen2ForCausalLM"), "qwen3": ("silu", "Qwen3ForCausalLM"),
+           "llama": ("silu", "LlamaForCausalLM"), "mistral": ("silu", "MistralForCausalLM"),
+           "phi3": ("silu", "Phi3ForCausalLM"), "gemma2": ("gelu_pytorch_tanh", "Gemma2ForCausalLM"),
+           "gemma3": ("gelu_pytorch_tanh", "Gemma3ForCausalLM"), "gpt2": ("gelu_new", "GPT2LMHeadModel"),
+           "bert": ("gelu", "BertModel"), "roberta": ("gelu", "RobertaModel"),
+           "distilbert": ("gelu", "DistilBertModel")}
+
+
+def config_fields(f: Dict[str, Any]) -> Dict[str, Any]:
+    """TransformerLens's config fields from the engine's facts ``f``: the norm (``RMS``, ``LN``),
+    the positions (``rotary``; GPT-2's and encoders' learned ``standard``), the activation, the
+    architecture class, ``eps``, the rotation's base and width (the model's own: TL 4's bridge
+    reports 10000 for every family), whether the tokenizer adds BOS."""
+    arch = f["arch"]
+    rms = arch not in ("gpt2", "bert", "roberta", "distilbert")
+    act, cls = _FAMILY.get(arch, (None, None))
+    rotary = rms
+    return dict(normalization_type="RMS" if rms else "LN", positional_embedding_type="rotary" if rotary else "standard",
+                act_fn=act, original_architecture=cls, eps=f.get("eps", 1e-5), d_vocab_out=f["d_vocab"],
+                gated_mlp=rms, final_rms=rms, uses_rms_norm=rms, tokenizer_prepends_bos=bool(f["adds_bos"]),
+                rotary_base=f.get("rope_base") if rotary else None, rotary_dim=f.get("rotary_dim") if rotary else None,
+                tie_word_embeddings=bool(f.get("tied_embeddings", False)))
 
 
 class ActivationCache:
@@ -138,28 +184,39 @@ class ActivationCache:
         self.model = model
 
     def _name(self, key: Any) -> str:
+        """The hook name ``key`` means, as TransformerLens's ``ActivationCache.__getitem__`` reads
+        it: a name in the cache; a short name through ``utils.get_act_name`` (``"embed"``,
+        ``"scale"``: ``ln_final``'s, ``"z3"``); a tuple ``(name, layer[, layer_type])`` with a
+        negative layer counted from the end (``("attn", 5)``: the pattern, ``("scale", 1,
+        "ln1")``). An unknown name raises a KeyError naming the close ones."""
         if isinstance(key, str):
-            return key
-        if isinstance(key, tuple) and len(key) == 3 and isinstance(key[0], str):
-            # TransformerLens's cache["pattern", 0, "attn"]: the third part names the block part
-            kind, layer, _ = key
-            return self._name((kind, layer))
-        if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str):
-            kind, layer = key
-            suffix = _SHORT.get(kind)
-            if suffix is None:
-                raise KeyError(f"unknown activation {kind!r}; known: {sorted(set(_SHORT))}")
-            if not -self.n_layers <= int(layer) < self.n_layers:
-                raise KeyError(f"layer {layer} is out of range: the model has {self.n_layers} layers")
-            return f"blocks.{int(layer) % self.n_layers}.{suffix}"
-        raise KeyError(f"{key!r}: use a hook name or (name, layer)")
+            if key in self.cache_dict:
+                return key
+            return self._act_name(key, (key,))
+        if isinstance(key, tuple) and 2 <= len(key) <= 3 and isinstance(key[0], str):
+            kind, layer, *rest = key
+            if layer is not None:
+                if not -self.n_layers <= int(layer) < self.n_layers:
+                    raise KeyError(f"layer {layer} is out of range: the model has {self.n_layers} layers")
+                layer = int(layer) % self.n_layers
+            return self._act_name(key, (kind, layer, *rest))
+        raise KeyError(f"{key!r}: use a hook name, or (name, layer[, layer_type]) as in TransformerLens")
+
+    def _act_name(self, key: Any, args: tuple) -> str:
+        try:
+            return utils.get_act_name(*args)
+        except ValueError as e:
+            raise KeyError(f"{key!r}: {e}") from None
 
     def __getitem__(self, key: Any) -> np.ndarray:
         name = self._name(key)
         try:
             return _wrap(self.cache_dict[name])
         except KeyError:
-            raise KeyError(f"{name} was not captured (names_filter); captured: {list(self.cache_dict)[:6]}...") from None
+            import difflib
+            close = difflib.get_close_matches(name, list(self.cache_dict), n=4, cutoff=0.6)
+            hint = f"; close ones: {close}" if close else f"; captured: {list(self.cache_dict)[:6]}..."
+            raise KeyError(f"{name} is not in the cache (not captured: names_filter, or no such hook){hint}") from None
 
     def __contains__(self, key: Any) -> bool:
         try:
@@ -213,50 +270,68 @@ class ActivationCache:
         return self.model
 
     @staticmethod
-    def _pos(a: np.ndarray, pos_slice: Any) -> np.ndarray:
-        if pos_slice is None:
-            return a
-        if isinstance(pos_slice, int):
-            return a[..., pos_slice:pos_slice + 1 if pos_slice != -1 else None, :]
-        return a[..., pos_slice, :]
+    def _pos(a: np.ndarray, pos_slice: Any, dim: int = -2) -> np.ndarray:
+        """``a`` sliced on its position axis ``dim`` as TransformerLens's ``Slice`` does: an int
+        drops the axis, a tuple is ``slice(*t)``, a list or array picks those positions."""
+        idx = [slice(None)] * a.ndim
+        idx[dim] = utils.tl_slice(pos_slice)
+        return a[tuple(idx)]
+
+    def _layer(self, layer: Optional[int], what: str) -> int:
+        """TransformerLens's ``layer``: ``None`` or -1 mean ``n_layers`` (the stream before the
+        unembedding); otherwise ``0..n_layers``."""
+        if layer is None or layer == -1:
+            return self.n_layers
+        if not 0 <= int(layer) <= self.n_layers:
+            raise ValueError(f"{what}: layer={layer} is out of range: 0..{self.n_layers}, or None / -1 for all of them")
+        return int(layer)
 
     def accumulated_resid(self, layer: Optional[int] = None, incl_mid: bool = False, apply_ln: bool = False,
                           pos_slice: Any = None, mlp_input: bool = False, return_labels: bool = False):
-        """The residual stream before each layer up to ``layer`` (all, and the final one, when
-        None), stacked: ``[components, batch, pos, d_model]``; labels ``"0_pre"``, ``"0_mid"``, ...,
-        ``"final_post"``."""
-        top = self.n_layers if layer is None or layer == self.n_layers else layer % (self.n_layers + 1)
+        """TransformerLens's ``accumulated_resid``: the residual stream before each layer up to and
+        including ``layer`` (``None``/-1: every layer and the final one), stacked: ``[components,
+        batch, pos, d_model]``; labels ``"0_pre"``, ``"0_mid"``, ..., ``"final_post"``. With
+        ``apply_ln``, through ``layer``'s norm with the run's scale, or, for the final layer, each
+        component through the final norm with its own statistics (TL's logit lens)."""
+        top = self._layer(layer, "accumulated_resid")
         parts, labels = [], []
-        for l in range(top):
+        for l in range(top + 1):
+            if l == self.n_layers:
+                parts.append(self._get(f"blocks.{self.n_layers - 1}.hook_resid_post"))
+                labels.append("final_post")
+                continue
             parts.append(self._get(f"blocks.{l}.hook_resid_pre"))
             labels.append(f"{l}_pre")
-            if incl_mid:
+            if (incl_mid and l < top) or (mlp_input and l == top):
                 parts.append(self._get(f"blocks.{l}.hook_resid_mid"))
                 labels.append(f"{l}_mid")
-        if mlp_input and top < self.n_layers:
-            parts.append(self._get(f"blocks.{top}.hook_resid_mid"))
-            labels.append(f"{top}_mid")
-        if top == self.n_layers:
-            parts.append(self._get(f"blocks.{self.n_layers - 1}.hook_resid_post"))
-            labels.append("final_post")
-        stack = self._pos(np.stack(parts), pos_slice)
+        stack = np.stack([self._pos(p, pos_slice) for p in parts])
         if apply_ln:
-            stack = _np(self.apply_ln_to_stack(stack, pos_slice=pos_slice))
+            stack = _np(self.apply_ln_to_stack(stack, top, mlp_input=mlp_input, pos_slice=pos_slice,
+                                               recompute_ln=top == self.n_layers))
         return self._out(stack, labels, return_labels)
 
     def decompose_resid(self, layer: Optional[int] = None, mlp_input: bool = False, mode: str = "all",
                         apply_ln: bool = False, pos_slice: Any = None, incl_embeds: bool = True,
                         return_labels: bool = False):
-        """The residual stream as the sum of its parts: the embedding (``blocks.0.hook_resid_pre``:
-        token and learned position embeddings together), then each layer's ``attn_out`` and
-        ``mlp_out`` up to ``layer``; ``[components, batch, pos, d_model]``."""
+        """TransformerLens's ``decompose_resid``: the residual stream before ``layer`` (``None``/-1:
+        the stream before the unembedding) as the sum of its parts: the embeddings (``hook_embed``
+        and ``hook_pos_embed`` where they are separate, else ``blocks.0.hook_resid_pre``: Gemma's
+        scaled embedding), then each layer's ``attn_out`` and ``mlp_out``; ``[components, batch,
+        pos, d_model]``. ``mlp_input``: the input of ``layer``'s MLP (its ``attn_out`` too)."""
         if mode not in ("all", "attn", "mlp"):
             raise ValueError(f"mode={mode!r}: use 'all', 'attn' or 'mlp'")
-        top = self.n_layers if layer is None else layer
+        top = self._layer(layer, "decompose_resid")
+        if mlp_input and top == self.n_layers:
+            raise ValueError(f"mlp_input=True needs a layer below {self.n_layers} (the final norm has no MLP)")
         parts, labels = [], []
         if incl_embeds:
-            parts.append(self._get("blocks.0.hook_resid_pre"))
-            labels.append("embed")
+            if "hook_pos_embed" in self.cache_dict:
+                parts += [self._get("hook_embed"), self._get("hook_pos_embed")]
+                labels += ["embed", "pos_embed"]
+            else:
+                parts.append(self._get("blocks.0.hook_resid_pre"))
+                labels.append("embed")
         for l in range(top):
             if mode in ("all", "attn"):
                 parts.append(self._get(f"blocks.{l}.hook_attn_out"))
@@ -264,22 +339,25 @@ class ActivationCache:
             if mode in ("all", "mlp"):
                 parts.append(self._get(f"blocks.{l}.hook_mlp_out"))
                 labels.append(f"{l}_mlp_out")
-        if mlp_input and top < self.n_layers and mode in ("all", "attn"):
+        if mlp_input and mode in ("all", "attn"):
             parts.append(self._get(f"blocks.{top}.hook_attn_out"))
             labels.append(f"{top}_attn_out")
-        stack = self._pos(np.stack(parts), pos_slice)
+        if not parts:
+            raise ValueError("decompose_resid has no component to stack: incl_embeds=False and no layer below `layer`")
+        stack = np.stack([self._pos(p, pos_slice) for p in parts])
         if apply_ln:
-            stack = _np(self.apply_ln_to_stack(stack, pos_slice=pos_slice))
+            stack = _np(self.apply_ln_to_stack(stack, top, mlp_input=mlp_input, pos_slice=pos_slice))
         return self._out(stack, labels, return_labels)
 
     def stack_head_results(self, layer: int = -1, return_labels: bool = False, incl_remainder: bool = False,
                            pos_slice: Any = None, apply_ln: bool = False):
-        """Each head's output (``hook_result``: its ``z`` through its slice of ``W_O``, without the
-        bias), for every head of the layers before ``layer`` (-1: all): ``[layers·heads, batch, pos,
-        d_model]``, labels ``"L{l}H{h}"``. Computed from the captured ``hook_z``; with
-        ``incl_remainder``, one more component: the rest of the residual stream."""
+        """TransformerLens's ``stack_head_results``: each head's output (``hook_result``: its ``z``
+        through its slice of ``W_O``, without the bias), for every head of the layers before
+        ``layer`` (``None``/-1: all): ``[layers·heads, batch, pos, d_model]``, labels ``"L{l}H{h}"``.
+        Computed from the captured ``hook_z``; with ``incl_remainder``, one more component: the
+        rest of the residual stream before ``layer``."""
         m = self._need_model()
-        top = self.n_layers if layer == -1 else layer
+        top = self._layer(layer, "stack_head_results")
         parts, labels = [], []
         for l in range(top):
             z = self._get(f"blocks.{l}.attn.hook_z")  # [batch, pos, head, d_head]
@@ -287,40 +365,58 @@ class ActivationCache:
             res, _bias = m._m.head_results(l, np.ascontiguousarray(z, dtype=np.float32).reshape(-1), b * n)
             res = np.asarray(res).reshape(b, n, h, -1)
             for hh in range(h):
-                parts.append(res[:, :, hh])
+                parts.append(self._pos(res[:, :, hh], pos_slice))
                 labels.append(f"L{l}H{hh}")
-        stack = np.stack(parts)
         if incl_remainder:
-            final = self._get(f"blocks.{top - 1}.hook_resid_post") if top == self.n_layers else self._get(f"blocks.{top}.hook_resid_pre")
-            stack = np.concatenate([stack, (final - stack.sum(0))[np.newaxis]])
+            final = self._pos(self._get(f"blocks.{top - 1}.hook_resid_post") if top > 0
+                              else self._get("blocks.0.hook_resid_pre"), pos_slice)
+            rest = final - (np.sum(parts, axis=0) if parts else 0)
+            parts.append(rest)
             labels.append("remainder")
-        stack = self._pos(stack, pos_slice)
+        if parts:
+            stack = np.stack(parts)
+        else:
+            stack = np.zeros((0,) + self._pos(self._get("blocks.0.hook_resid_pre"), pos_slice).shape, np.float32)
         if apply_ln:
-            stack = _np(self.apply_ln_to_stack(stack, pos_slice=pos_slice))
+            stack = _np(self.apply_ln_to_stack(stack, top, pos_slice=pos_slice))
         return self._out(stack, labels, return_labels)
 
     def apply_ln_to_stack(self, residual_stack: np.ndarray, layer: Optional[int] = None, mlp_input: bool = False,
-                          pos_slice: Any = None, batch_slice: Any = None, has_batch_dim: bool = True) -> np.ndarray:
-        """Each component through the final norm with the scale of the actual run (frozen: so the
-        components still add up), as TransformerLens does: LayerNorm centres each one, and both
-        divide by the final residual's RMS (σ). The norm's weight is applied by :meth:`logit_attrs`
-        (TransformerLens folds it into ``W_U``). ``layer`` in ``0..n_layers - 1`` takes the scale of
-        that block's ``ln1`` (``ln2`` with ``mlp_input=True``) from the cache instead, as
-        TransformerLens does (capture ``blocks.L.ln1.hook_scale``); ``None``, ``n_layers`` or ``-1``
-        (``accumulated_resid``'s "all layers") mean the final norm."""
+                          pos_slice: Any = None, batch_slice: Any = None, has_batch_dim: bool = True,
+                          recompute_ln: bool = False) -> np.ndarray:
+        """TransformerLens's ``apply_ln_to_stack``: each component through the norm before ``layer``
+        (``None``/-1/``n_layers``: the final norm; else ``ln1``, ``ln2`` with ``mlp_input``) with
+        the scale of the actual run (frozen: so the components still add up): LayerNorm centres
+        each one, and both divide by the run's scale, which ``pos_slice`` slices (the stack is
+        taken as already sliced, as in TL). The norm's weight is not applied (TL folds it into
+        the next weights: ``from_pretrained(fold_ln=True)``; :meth:`logit_attrs` applies it
+        otherwise). ``recompute_ln`` with the final norm: each component through the whole final
+        norm, weight included, with its own statistics (TL's logit lens)."""
         m = self._need_model()
+        top = self._layer(layer, "apply_ln_to_stack")
         w, b, eps = m._m.final_norm()
-        if layer is not None and layer != -1 and layer != self.n_layers:
-            if not 0 <= layer < self.n_layers:
-                raise ValueError(f"layer={layer} is out of range: 0..{self.n_layers} (or None / -1 for the final norm)")
-            name = f"blocks.{layer}.ln{2 if mlp_input else 1}.hook_scale"
-            scale = self._pos(self._get(name), pos_slice).astype(np.float64)
-        else:
+        stack = _np(residual_stack).astype(np.float64)
+        if has_batch_dim and batch_slice is not None:
+            stack = self._pos(stack, batch_slice, dim=1)
+        if recompute_ln and top == self.n_layers:
+            if b is not None:
+                stack = stack - stack.mean(-1, keepdims=True)
+            stack = stack / np.sqrt((stack ** 2).mean(-1, keepdims=True) + eps) * m._weight("ln_final.w")
+            if b is not None:
+                stack = stack + m._weight("ln_final.b")
+            return _wrap(stack.astype(np.float32))
+        if top == self.n_layers:
             final = self._pos(self._get(f"blocks.{self.n_layers - 1}.hook_resid_post"), pos_slice).astype(np.float64)
             if b is not None:
                 final = final - final.mean(-1, keepdims=True)
-            scale = np.sqrt((final ** 2).mean(-1, keepdims=True) + eps)  # [batch, pos, 1]
-        stack = _np(residual_stack).astype(np.float64)
+            scale = np.sqrt((final ** 2).mean(-1, keepdims=True) + eps)  # [batch, (pos,) 1]
+        else:
+            if mlp_input and top == self.n_layers:
+                raise ValueError("mlp_input=True needs a layer below n_layers")
+            name = f"blocks.{top}.ln{2 if mlp_input else 1}.hook_scale"
+            scale = self._pos(self._get(name), pos_slice).astype(np.float64)
+        if batch_slice is not None:
+            scale = self._pos(scale, batch_slice, dim=0)
         if not has_batch_dim:
             scale = scale[0]
         if b is not None:
@@ -329,18 +425,26 @@ class ActivationCache:
 
     def logit_attrs(self, residual_stack: np.ndarray, tokens: Union[int, str], incorrect_tokens: Optional[Union[int, str]] = None,
                     pos_slice: Any = None, batch_slice: Any = None, has_batch_dim: bool = True) -> np.ndarray:
-        """Each component's direct contribution to the logit of ``tokens`` (minus that of
-        ``incorrect_tokens``): the normalized stack (:meth:`apply_ln_to_stack`) times the final
-        norm's weight, dotted with ``W_U[:, token]``. Shape: the stack's without ``d_model``."""
+        """TransformerLens's ``logit_attrs``: each component's direct contribution to the logit of
+        ``tokens`` (minus that of ``incorrect_tokens``): the stack through the final norm with the
+        run's scale (:meth:`apply_ln_to_stack`, ``pos_slice`` slicing the scale), dotted with the
+        token's direction ``W_U[:, token]`` times the final norm's weight (ones once folded:
+        ``fold_ln``, where TL's recipe needs it; unprocessed, the weight is applied here, so the
+        components add up to the logit either way). Shape: the stack's without ``d_model``."""
         m = self._need_model()
-        tid = m.to_single_token(tokens) if isinstance(tokens, str) else int(tokens)
-        w, _, _ = m._m.final_norm()
-        u = np.asarray(m._m.unembed_rows([tid]), dtype=np.float64)
+        direction = self._direction(m, tokens)
         if incorrect_tokens is not None:
-            wid = m.to_single_token(incorrect_tokens) if isinstance(incorrect_tokens, str) else int(incorrect_tokens)
-            u = u - np.asarray(m._m.unembed_rows([wid]), dtype=np.float64)
-        direction = u * np.asarray(w, dtype=np.float64)
-        return _wrap((_np(residual_stack).astype(np.float64) @ direction).astype(np.float32))
+            direction = direction - self._direction(m, incorrect_tokens)
+        scaled = _np(self.apply_ln_to_stack(residual_stack, -1, pos_slice=pos_slice, batch_slice=batch_slice,
+                                            has_batch_dim=has_batch_dim)).astype(np.float64)
+        return _wrap((scaled @ direction).astype(np.float32))
+
+    @staticmethod
+    def _direction(m: "HookedModel", token: Union[int, str]) -> np.ndarray:
+        """``W_U[:, token]`` times the final norm's weight, float64 ``[d_model]``."""
+        tid = m.to_single_token(token) if isinstance(token, str) else int(token)
+        u = m._weight("W_U")[:, tid].astype(np.float64)
+        return u * m._weight("ln_final.w").astype(np.float64)
 
     def __repr__(self) -> str:
         return f"ActivationCache({len(self.cache_dict)} tensors: {list(self.cache_dict)[:4]}{'...' if len(self.cache_dict) > 4 else ''})"
@@ -442,7 +546,7 @@ class HookedModel:
             model_name=f["name"], architecture=f["arch"], n_layers=f["n_layers"], n_heads=f["n_heads"],
             n_key_value_heads=f["n_kv_heads"], d_head=f["head_dim"], d_model=f["d_model"], d_mlp=f["d_ff"],
             n_ctx=f["n_ctx"], d_vocab=f["d_vocab"], precision=f["precision"], default_prepend_bos=f["adds_bos"],
-            pad_token_id=f.get("pad_id"),
+            pad_token_id=f.get("pad_id"), **config_fields(f),
         )
         self.facts = f
         #: an encoder (BERT): bidirectional attention, no next-token logits; a 2-tuple of texts
@@ -470,32 +574,32 @@ class HookedModel:
         model (Gemma puts ``<bos>`` first, Qwen and SmolLM2 do not); ``False`` leaves it out of
         every text, ``True`` puts it first in every text.
 
-        The weights are the checkpoint's own, unprocessed: what TransformerLens's
-        ``from_pretrained_no_processing`` gives. TransformerLens's ``from_pretrained`` folds the
-        norms' weights into the next weights and centres them by default (``fold_ln=True``,
-        ``center_writing_weights=True``, ``center_unembed=True``, ``fold_value_biases=True``);
-        attnscope does not, and raises if one of them is asked for (``W_Q`` and the hooks after a
-        norm would otherwise not be what TL computes). ``device``: only ``None`` or ``"cpu"``.
+        ``fold_ln``, ``center_writing_weights``, ``center_unembed``, ``fold_value_biases``:
+        TransformerLens's weight processing, with its semantics (:mod:`attnscope.processing`:
+        ``W_Q`` & co folded, the logits centred, the value biases in ``b_O``; the attention
+        patterns are the same either way). Off by default here for now (the checkpoint's own
+        weights: TransformerLens's ``from_pretrained_no_processing``); Qwen2 and Llama/SmolLM2
+        only, other families refuse it. ``refactor_factored_attn_matrices`` is not implemented.
+        ``device``: only ``None`` or ``"cpu"``.
         ``memory``: ``"low"`` keeps a GGUF's projections in the file's own quantized blocks and
         dequantizes a panel just before each product (the same numbers, about the file's size in
         memory), ``"fast"`` packs them at load; ``None`` chooses from the model's size and the
         machine's free memory (the CLI's ``--memory``)."""
-        asked = [k for k, v in (("fold_ln", fold_ln), ("center_writing_weights", center_writing_weights),
-                                ("center_unembed", center_unembed), ("fold_value_biases", fold_value_biases),
-                                ("refactor_factored_attn_matrices", refactor_factored_attn_matrices)) if v]
-        if asked:
-            raise NotImplementedError(
-                f"{', '.join(asked)}: attnscope runs the checkpoint's weights unprocessed (TransformerLens's "
-                "from_pretrained_no_processing); W_Q and the other weights are the unfolded ones")
+        steps = processing.asked_steps(
+            fold_ln=fold_ln, center_writing_weights=center_writing_weights, center_unembed=center_unembed,
+            fold_value_biases=fold_value_biases, refactor_factored_attn_matrices=refactor_factored_attn_matrices)
         if device not in (None, "cpu"):
             raise ValueError(f"device={device!r}: attnscope runs on the CPU")
-        return cls(_native.Model.load(os.fspath(name), precision, default_prepend_bos, memory))
+        return cls(_native.Model.load(os.fspath(name), precision, default_prepend_bos, memory, steps))
 
     @classmethod
     def from_pretrained_no_processing(cls, name: str = "qwen2.5-coder-0.5b", precision: str = "exact",
                                       default_prepend_bos: Optional[bool] = None, **kwargs: Any) -> "HookedModel":
-        """TransformerLens's name for loading the weights unprocessed: the same as
-        :meth:`from_pretrained`, which never folds or centres them."""
+        """TransformerLens's name for loading the weights unprocessed (every processing step off)."""
+        for s in processing.STEPS:
+            if kwargs.get(s):
+                raise ValueError(f"{s}=True: from_pretrained_no_processing loads the weights unprocessed; use from_pretrained")
+            kwargs[s] = False
         return cls.from_pretrained(name, precision, default_prepend_bos, **kwargs)
 
     def __repr__(self) -> str:
@@ -707,12 +811,16 @@ class HookedModel:
         self._check_ids(a)
         return [int(t) for t in a]
 
-    # the weights in TransformerLens's shapes (unfolded: see from_pretrained)
+    # the weights in TransformerLens's shapes (processed as the load asked: see from_pretrained)
     def _weight(self, name: str) -> np.ndarray:
         """The weight ``name`` for every layer, made from the engine's weights on first use and
         kept (float32 numpy; a copy: editing it does not change the model)."""
         if name not in self._weights:
-            self._weights[name] = self._make_weight(name)
+            raw = self._make_weight(name)
+            steps = self.facts.get("processing") or {}
+            if any(steps.values()):
+                raw = processing.processed_weight(name, raw, steps, self._make_weight)
+            self._weights[name] = raw
         return self._weights[name]
 
     def _make_weight(self, name: str) -> np.ndarray:

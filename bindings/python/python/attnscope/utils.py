@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
+
+import numpy as np
 
 # TransformerLens's aliases
 _ALIAS = {"attn": "pattern", "attn_logits": "attn_scores", "key": "k", "query": "q", "value": "v",
@@ -22,10 +24,16 @@ def get_act_name(name: str, layer: Optional[int] = None, layer_type: Optional[st
     if name.startswith("blocks.") or name.startswith("ln_final.") or name.startswith("hook_") and layer is None:
         return name
     key = name
+    if layer is not None and (name.startswith("hook_") or "." in name):
+        # a block's hook suffix with its layer (attnscope's ("attn.hook_z", 3), ("ln1.hook_scale", 3))
+        part, _, hook = name.rpartition(".")
+        key = hook[len("hook_"):] if hook.startswith("hook_") else hook
+        if part in ("ln1", "ln2") and layer_type is None:
+            layer_type = part
     # TransformerLens also accepts e.g. "z3" or "pattern3a" (a: attn, m: mlp)
-    digits = "".join(c for c in name if c.isdigit())
-    if layer is None and digits and name.rstrip("a").rstrip("m").endswith(digits):
-        key = name[: name.index(digits)]
+    digits = "".join(c for c in key if c.isdigit())
+    if layer is None and digits and key.rstrip("a").rstrip("m").endswith(digits):
+        key = key[: key.index(digits)]
         layer = int(digits)
     key = _ALIAS.get(key, key)
     if key in ("embed", "pos_embed"):
@@ -48,3 +56,81 @@ def get_act_name(name: str, layer: Optional[int] = None, layer_type: Optional[st
     if layer is None:
         raise ValueError(f"{name!r} is a per-layer hook: give the layer")
     return f"blocks.{int(layer)}.{suffix}"
+
+
+def tl_slice(s: Any):
+    """TransformerLens's ``Slice`` input as a numpy index: ``None`` everything, an int (numpy's,
+    or a 0-d tensor) that position (the axis dropped), a tuple ``slice(*s)``, a slice itself, a
+    list, array or tensor those positions."""
+    if s is None:
+        return slice(None)
+    if isinstance(s, slice):
+        return s
+    if isinstance(s, tuple):
+        return slice(*s)
+    if isinstance(s, (int, np.integer)) and not isinstance(s, bool):
+        return int(s)
+    a = np.asarray(s.detach().cpu().numpy() if hasattr(s, "detach") else s)
+    if a.ndim == 0 and a.dtype.kind in "iu":
+        return int(a)
+    if a.ndim == 1 and (a.dtype.kind in "iu" or a.size == 0):
+        return a.astype(np.int64)
+    raise ValueError(f"pos_slice={s!r}: use None, an int, a tuple (start, stop[, step]), a slice or a list of positions")
+
+
+def test_prompt(prompt: str, answer, model, prepend_space_to_answer: bool = True, print_details: bool = True,
+                prepend_bos: Optional[bool] = None, top_k: int = 10) -> None:
+    """TransformerLens's ``utils.test_prompt``: how the model does on ``answer`` (a string: every
+    token of it; a list: the first token of each, as alternatives) after ``prompt``: the rank,
+    logit and probability of each answer token and the ``top_k`` tokens, printed as TL prints
+    them (without rich's bold), then the ranks. Returns None, as TL."""
+    answers = [answer] if isinstance(answer, str) else list(answer)
+    multi = len(answers) > 1
+    if prepend_space_to_answer:
+        answers = [a if a.startswith(" ") else " " + a for a in answers]
+    p = np.asarray(model.to_tokens(prompt, prepend_bos=prepend_bos))[0]
+    if multi:
+        ans = [np.asarray(model.to_tokens(a, prepend_bos=False))[0, :1] for a in answers]
+    else:
+        ans = [np.asarray(model.to_tokens(answers[0], prepend_bos=False))[0]]
+    tokens = np.stack([np.concatenate([p, a]) for a in ans]).astype(np.int64)
+    prompt_str = model.to_str_tokens(prompt, prepend_bos=prepend_bos)
+    ans_str = [model.to_str_tokens(a, prepend_bos=False) for a in answers]
+    n_prompt, n_answer = len(prompt_str), 1 if multi else len(ans_str[0])
+    if print_details:
+        print("Tokenized prompt:", prompt_str)
+        print("Tokenized answers:" if multi else "Tokenized answer:", ans_str if multi else ans_str[0])
+    logits = np.asarray(model(tokens), dtype=np.float64)
+    z = logits - logits.max(-1, keepdims=True)
+    probs = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
+    ranks = []
+    for index in range(n_prompt, n_prompt + n_answer):
+        toks = tokens[:, index]
+        strs = [a[index - n_prompt] for a in ans_str]
+        order = np.argsort(-probs[:, index - 1], axis=-1, kind="stable")
+        rank = [int(np.nonzero(order[i] == toks[i])[0][0]) for i in range(len(answers))]
+        ranks.append(list(zip(strs, rank)))
+        if print_details:
+            print(f"Performance on answer token{'s' if multi else ''}:\n" + "\n".join(
+                f"Rank: {rank[i]: <8} Logit: {logits[i, index - 1, toks[i]]:5.2f} Prob: {probs[i, index - 1, toks[i]]:6.2%} Token: |{strs[i]}|"
+                for i in range(len(answers))))
+            for i in range(top_k):
+                t = int(order[0, i])
+                print(f"Top {i}th token. Logit: {logits[0, index - 1, t]:5.2f} Prob: {probs[0, index - 1, t]:6.2%} Token: |{model.to_string(t)}|")
+    print("Ranks of the answer tokens:", [r[0] for r in ranks] if not multi else ranks)
+
+
+test_prompt.__test__ = False  # pytest: a helper, not a test
+
+
+def to_numpy(tensor) -> np.ndarray:
+    """TransformerLens's ``utils.to_numpy``: a torch tensor (detached, on the CPU), a list or a
+    number as a numpy array."""
+    if hasattr(tensor, "detach"):
+        return tensor.detach().cpu().numpy()
+    return np.asarray(tensor)
+
+
+def get_device() -> str:
+    """TransformerLens's ``utils.get_device``: attnscope runs on the CPU."""
+    return "cpu"
