@@ -42,8 +42,9 @@ def pattern_hook(pattern, hook):
     pattern[..., 0] = 1.0
 print("pattern-ablated diff", logit_diff(model.run_with_hooks(tokens, fwd_hooks=[("blocks.3.attn.hook_pattern", pattern_hook)])))
 # DLA
+# pos_slice=-1 (an int, as in TransformerLens) drops the position axis: the stack is [component, batch, d_model]
 per_head, labels = clean_cache.stack_head_results(layer=-1, pos_slice=-1, return_labels=True)
 attrs = clean_cache.logit_attrs(clean_cache.apply_ln_to_stack(per_head, pos_slice=-1), " Alice", " Bob")
-top = torch.topk(attrs[:, 0, 0].abs(), 5)
-print("top heads by DLA", [(labels[i], round(attrs[i, 0, 0].item(), 3)) for i in top.indices.tolist()])
+top = torch.topk(attrs[:, 0].abs(), 5)
+print("top heads by DLA", [(labels[i], round(attrs[i, 0].item(), 3)) for i in top.indices.tolist()])
 print(torch.allclose(clean_cache["pattern", 0].sum(-1), torch.ones(1)), clean_cache["pattern", 0, "attn"].softmax(-1).shape)
