@@ -7,6 +7,7 @@ from __future__ import annotations
 import html
 import itertools
 import os
+import sys
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -69,3 +70,30 @@ def attention_heads(attention, tokens: Sequence[str], title: Optional[str] = Non
     page = _native.pattern_page(np.ascontiguousarray(a).reshape(-1), shape, [str(t) for t in tokens],
                                 title or f"attention · {shape[1]} heads · {shape[2]} tokens", sentence_b_start, str(pair))
     return View(page)
+
+
+def attention_patterns(tokens: Sequence[str], attention, attention_head_names: Optional[Sequence[str]] = None,
+                       max_value: Optional[float] = None, min_value: Optional[float] = None,
+                       negative_color: Optional[str] = None, positive_color: Optional[str] = None,
+                       mask_upper_tri: Optional[bool] = None) -> View:
+    """CircuitsVis's ``attention_patterns(tokens, attention)`` (its argument order: the tokens
+    first): ``attention`` ``[heads, n, n]``, shown as :func:`attention_heads` shows it (each head's
+    pattern, a token's attention on hover). ``attention_head_names`` (one per head) titles the
+    view; CircuitsVis's colour and range arguments are not supported (refused when given)."""
+    given = {k: v for k, v in (("max_value", max_value), ("min_value", min_value), ("negative_color", negative_color),
+                               ("positive_color", positive_color), ("mask_upper_tri", mask_upper_tri)) if v is not None}
+    if given:
+        raise NotImplementedError(f"attention_patterns: {', '.join(sorted(given))} (CircuitsVis's colour and range "
+                                  "arguments) are not supported; the view colours each head's weights from 0 to 1")
+    title = None
+    if attention_head_names is not None:
+        names = [str(n) for n in attention_head_names]
+        heads = int(np.shape(np.asarray(attention))[-3]) if np.ndim(np.asarray(attention)) >= 3 else -1
+        if len(names) != heads:
+            raise ValueError(f"attention_head_names has {len(names)} names for {heads} heads")
+        title = "attention · " + ", ".join(names)
+    return attention_heads(attention, tokens, title=title)
+
+
+# CircuitsVis's module layout: `import attnscope.viz as cv; cv.attention.attention_heads(...)`
+attention = sys.modules[__name__]
