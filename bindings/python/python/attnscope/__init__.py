@@ -1283,7 +1283,7 @@ class HookedModel:
         takes) for every later forward of this thread, until :meth:`reset_hooks` (a permanent one:
         until ``reset_hooks(including_permanent=True)``). ``dir="bwd"``: a backward hook
         (:mod:`attnscope.hook_points`). Hooks belong to the thread that adds them."""
-        names = [n for n, _ in hook_points.resolve(self, [(name, hook)], "fwd")]
+        names = [n for n, _ in hook_points.resolve(self, [(name, hook)], "bwd" if dir == "bwd" else "fwd")]
         hook_points.add(self, names, hook, dir, is_permanent, prepend)
 
     def reset_hooks(self, clear_contexts: bool = True, direction: str = "both", including_permanent: bool = False,
@@ -1544,6 +1544,9 @@ class HookedModel:
     def corpus(self, texts: Optional[Union[str, os.PathLike, Sequence[str]]] = None, limit: Optional[int] = None, **kw: Any) -> Dict[str, Any]:
         """Sink statistics over many texts (``attnscope corpus --json``); see :func:`corpus`."""
         return corpus(texts, model=self, limit=limit, **kw)
+
+
+inputs.accept_tokens(HookedModel)  # token ids (a tensor too) where the engine takes a text
 
 
 class CircuitResult(dict):

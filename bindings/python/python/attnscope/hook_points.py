@@ -22,7 +22,7 @@ import numpy as np
 # the hook points the engine's backward gives a gradient at (suffixes in a block, or whole names)
 GRAD_SUFFIXES = ("hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_attn_out", "hook_mlp_out",
                  "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_rot_q", "attn.hook_rot_k", "attn.hook_z",
-                 "attn.hook_attn_scores", "attn.hook_pattern")
+                 "attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_result")
 GRAD_GLOBALS = ("hook_embed", "hook_pos_embed")
 
 _TL_RESET_WARNING = ("WARNING: Hooks will be reset at the end of run_with_hooks. This removes the backward hooks "
@@ -35,6 +35,18 @@ def has_gradient(name: str) -> bool:
         return True
     m = re.match(r"blocks\.\d+\.(.+)$", name)
     return m is not None and m.group(1) in GRAD_SUFFIXES
+
+
+def gradient_points(model: Any, pred: Callable[[str], bool], names: List[str]) -> List[str]:
+    """The points a predicate's backward hook goes to: those it takes where the engine has the
+    gradient (TransformerLens attaches it everywhere the predicate takes; the rest are named in a
+    warning, and a gradient cache built by the hook has no entry for them)."""
+    skipped = [n for n in names if not has_gradient(n)]
+    if skipped:
+        kinds = sorted({re.sub(r"^blocks\.\d+\.", "blocks.L.", n) for n in skipped})
+        warnings.warn(f"a backward hook on a predicate: {len(skipped)} of the {len(names)} points it takes have no gradient "
+                      f"in attnscope's backward and get no call ({', '.join(kinds)})", stacklevel=4)
+    return [n for n in names if has_gradient(n)]
 
 
 def check_bwd(name: str) -> None:
@@ -151,11 +163,13 @@ def remove(model: Any, dir: str, including_permanent: bool, which: Callable[[str
 def resolve(model: Any, hooks: Sequence[Tuple[Any, Callable]], what: str) -> List[Tuple[str, Callable]]:
     """``[(name or predicate, fn)]`` as ``[(full name, fn)]`` (a predicate: every name it takes)."""
     out: List[Tuple[str, Callable]] = []
-    for name, fns in model._resolve(hooks).items():
-        out.extend((name, fn) for fn in fns)
-    if what == "bwd":
-        for n, _ in out:
-            check_bwd(n)
+    for item in hooks:
+        names = list(model._resolve([item]))
+        if what == "bwd":
+            names = gradient_points(model, item[0], names) if callable(item[0]) else names
+            for n in names:
+                check_bwd(n)
+        out.extend((n, item[1]) for n in names)
     return out
 
 
@@ -276,6 +290,9 @@ def backward_node(model: Any, logits: np.ndarray, rows: List[List[int]], bwd: Li
     return _EngineBackward.apply(anchor)
 
 
+_RESULT = re.compile(r"^(blocks\.\d+)\.attn\.hook_result$")
+
+
 def run_backward_hooks(model: Any, rows: List[List[int]], todo: List[Tuple[str, Callable]], dlogits: Any,
                        edited: set, order: Dict[str, int]) -> None:
     if edited:
@@ -284,11 +301,17 @@ def run_backward_hooks(model: Any, rows: List[List[int]], todo: List[Tuple[str, 
             "differentiates the unedited model; run the backward without editing hooks attached")
     d = dlogits.detach().cpu().numpy().astype(np.float32, copy=False)
     names = sorted({n for n, _ in todo}, key=lambda n: order[n])
+    # hook_result's gradient is hook_attn_out's for every head (attn_out is the heads' sum plus b_O)
+    asked = sorted({_RESULT.sub(r"\1.hook_attn_out", n) for n in names})
     per: Dict[str, List[np.ndarray]] = {n: [] for n in names}
     for i, ids in enumerate(rows):
-        _, _, grads = model._m.hook_gradients(ids, names, "logits", None, None, np.ascontiguousarray(d[i]).reshape(-1))
+        _, _, grads = model._m.hook_gradients(ids, asked, "logits", None, None, np.ascontiguousarray(d[i]).reshape(-1))
         got = {name[: -len("_grad")]: data.reshape(shape) for name, shape, data in grads}  # "<point>_grad"
         for n in names:
+            m = _RESULT.match(n)
+            if m is not None:
+                g = got[f"{m.group(1)}.hook_attn_out"]
+                got[n] = np.ascontiguousarray(np.broadcast_to(g[:, None, :], (g.shape[0], model.cfg.n_heads, g.shape[1])))
             if n not in got:
                 raise RuntimeError(f"backward hook at {n}: the engine gave no gradient there")
             per[n].append(got[n])

@@ -58,3 +58,32 @@ def text_arg(model: Any, x: Any, what: str) -> str:
         raise ValueError(f"{what}: these token ids do not come back from their text ({len(ids)} ids, "
                          f"{len(back)} when re-encoded); this call runs on text: pass the text itself")
     return text
+
+
+# the calls the engine runs on text, and their text arguments: token ids are taken there too
+# (ablate, patch and circuit call text_arg themselves)
+TEXT_ARGS = {"inspect": ("text",), "faithfulness": ("text",), "sinks": ("text",), "heads": ("text",),
+             "compare": ("text", "other_text"), "capture": ("text",), "qk_attribution": ("text",), "view": ("text",)}
+
+
+def accept_tokens(cls: Any) -> Any:
+    """Wraps ``cls``'s methods in :data:`TEXT_ARGS` so that each text argument may be token ids
+    (a list, an array or a CPU tensor; :func:`text_arg`). A text, a tuple (a sentence pair) or
+    None passes as it is."""
+    import functools
+    import inspect
+
+    for name, args in TEXT_ARGS.items():
+        fn = getattr(cls, name)
+        sig = inspect.signature(fn)
+
+        def wrapped(self: Any, *a: Any, _fn: Any = fn, _sig: Any = sig, _args: Any = args, **kw: Any) -> Any:
+            bound = _sig.bind(self, *a, **kw)
+            for arg in _args:
+                v = bound.arguments.get(arg)
+                if v is not None and not isinstance(v, (str, tuple)):
+                    bound.arguments[arg] = text_arg(self, v, arg)
+            return _fn(*bound.args, **bound.kwargs)
+
+        setattr(cls, name, functools.wraps(fn)(wrapped))
+    return cls
