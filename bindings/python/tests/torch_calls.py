@@ -115,6 +115,22 @@ def check_backward_hooks():
     r, a = got["blocks.4.attn.hook_result"], got["blocks.4.hook_attn_out"]
     assert r.shape == a.shape[:2] + (smol.cfg.n_heads,) + a.shape[2:]
     assert all(torch.equal(r[:, :, h], a) for h in range(smol.cfg.n_heads))
+    # TL's attribution-patching recipe (Attribution_Patching_Demo's get_cache_fwd_and_bwd, a
+    # logit difference in float64): its gradients equal incl_bwd=True's (the engine's own seed)
+    alice, bob = smol.to_single_token(" Alice"), smol.to_single_token(" Bob")
+    cache, grad_cache = {}, {}
+    smol.reset_hooks()
+    smol.add_hook(lambda n: "hook_z" in n, lambda a, h: cache.__setitem__(h.name, a.detach().clone()), "fwd")
+    smol.add_hook(lambda n: "hook_z" in n, lambda g, h: grad_cache.__setitem__(h.name, g.detach()), "bwd")
+    logits = smol(toks[:1])
+    value = logits[0, -1, alice].double() - logits[0, -1, bob].double()
+    value.backward()
+    smol.reset_hooks()
+    grads = attnscope.ActivationCache(grad_cache, smol)
+    _, want = smol.run_with_cache(toks[:1], names_filter="hook_z", incl_bwd=True, metric="logit_diff", target=alice, wrong=bob)
+    w = max(rel(grads["z", l], want[f"blocks.{l}.attn.hook_z_grad"]) for l in range(smol.cfg.n_layers))
+    print(f"TL's attribution recipe: hook_z gradients vs incl_bwd=True's, worst {w:.3g} of max (bound 1e-5)")
+    assert w < 1e-5 and len(cache) == smol.cfg.n_layers
     # an editing forward hook and a backward hook: refused when the backward runs
     smol.add_hook("blocks.2.attn.hook_z", lambda a, h: a * 0)
     smol.add_hook("blocks.3.attn.hook_z", lambda g, h: None, "bwd")

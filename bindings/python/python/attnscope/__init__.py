@@ -176,6 +176,8 @@ class ActivationCache:
 
     def __init__(self, cache: Dict[str, np.ndarray], n_layers: int, has_batch_dim: bool = True,
                  model: Optional["HookedModel"] = None):
+        if isinstance(n_layers, HookedModel):  # TransformerLens's ActivationCache(cache_dict, model)
+            model, n_layers = n_layers, n_layers.cfg.n_layers
         self.cache_dict = cache
         self.n_layers = n_layers
         self.has_batch_dim = has_batch_dim
