@@ -176,6 +176,16 @@ def test_circuitsvis_attention_patterns(smol):
                                                    attention_head_names=[f"L2H{i}" for i in range(pat.shape[0])])
     assert "L2H0" in v.html and v.html == attnscope.viz.attention_patterns(toks, pat, [f"L2H{i}" for i in range(9)]).html
     assert attnscope.viz.attention_heads(pat, toks).html.startswith("<!DOCTYPE html>")
+    names = [f"L2H{i}" for i in range(9)]
+    assert attnscope.viz.attention.attention_heads(tokens=toks, attention=pat, attention_head_names=names).html == v.html
+    one = attnscope.viz.attention.attention_pattern(tokens=toks, attention=pat[4])
+    assert one.html == attnscope.viz.attention_heads(pat[4:5], toks).html
+    with pytest.raises(ValueError, match="one head"):
+        attnscope.viz.attention_pattern(toks, pat)
+    with pytest.raises(NotImplementedError, match="positive_color"):
+        attnscope.viz.attention_heads(pat, toks, positive_color="red")
+    with pytest.raises(TypeError, match="colour"):
+        attnscope.viz.attention_heads(pat, toks, colour="red")
     with pytest.raises(NotImplementedError, match="max_value"):
         attnscope.viz.attention_patterns(toks, pat, max_value=0.5)
     with pytest.raises(ValueError, match="3 names for 9 heads"):
