@@ -69,7 +69,7 @@ def test_hooks_added_on_hook_points_run_like_tl(smol):
         z.remove_hooks()
         assert z.fwd_hooks == [] and np.array_equal(np.asarray(smol(TEXT)), base)
         # permanent: reset_hooks keeps it, reset_hooks(including_permanent=True) removes it
-        smol.hook_embed.add_hook(record, is_permanent=True)
+        smol.hook_embed.add_perma_hook(record)
         smol.add_hook(lambda n: n.endswith("hook_resid_post"), record)
         smol.reset_hooks()
         assert len(smol.hook_embed.fwd_hooks) == 1 and smol.blocks[0].hook_resid_post.fwd_hooks == []

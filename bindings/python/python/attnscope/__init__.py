@@ -1288,6 +1288,10 @@ class HookedModel:
         names = [n for n, _ in hook_points.resolve(self, [(name, hook)], "bwd" if dir == "bwd" else "fwd")]
         hook_points.add(self, names, hook, dir, is_permanent, prepend)
 
+    def add_perma_hook(self, name: HookName, hook: HookFn, dir: str = "fwd") -> None:
+        """:meth:`add_hook` with ``is_permanent=True`` (kept by ``reset_hooks()``)."""
+        self.add_hook(name, hook, dir, is_permanent=True)
+
     def reset_hooks(self, clear_contexts: bool = True, direction: str = "both", including_permanent: bool = False,
                     level: Optional[int] = None) -> None:
         """Removes this thread's hooks (``direction``: ``"fwd"``, ``"bwd"`` or ``"both"``; the

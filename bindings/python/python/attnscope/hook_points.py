@@ -7,8 +7,9 @@ A backward hook runs when ``.backward()`` reaches the logits of a forward that r
 attached (the logits are then a torch tensor that requires grad): the engine's backward is seeded
 with the gradient of the caller's scalar with respect to the logits and gives the gradient at each
 hooked point, which the hook gets as ``fn(grad, hook)``. The engine has the gradient at
-``hook_embed``, resid_pre/mid/post, attn_out, mlp_out, q, k, v, rot_q, rot_k, z, attn_scores and
-pattern; a backward hook anywhere else is refused, naming the point."""
+``hook_embed``, resid_pre/mid/post, attn_out, mlp_out, q, k, v, rot_q, rot_k, z, attn_scores,
+pattern and result (attn_out's for every head); a backward hook named anywhere else is refused,
+naming the point (one on a predicate goes to the points it takes that have one, with a warning)."""
 
 from __future__ import annotations
 
@@ -83,6 +84,10 @@ class HookPoint:
                  prepend: bool = False) -> None:
         """Attaches ``hook`` here for every later forward of this thread (until removed)."""
         add(self._need_model(), [self.name], hook, dir, is_permanent, prepend)
+
+    def add_perma_hook(self, hook: Callable, dir: str = "fwd") -> None:
+        """``add_hook(hook, dir, is_permanent=True)``: kept by ``reset_hooks()``."""
+        self.add_hook(hook, dir, is_permanent=True)
 
     def remove_hooks(self, dir: str = "fwd", including_permanent: bool = False, level: Optional[int] = None) -> None:
         """Removes this thread's hooks here (``dir``: ``"fwd"``, ``"bwd"`` or ``"both"``),
