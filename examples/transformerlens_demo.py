@@ -44,6 +44,6 @@ print("pattern-ablated diff", logit_diff(model.run_with_hooks(tokens, fwd_hooks=
 # DLA
 per_head, labels = clean_cache.stack_head_results(layer=-1, pos_slice=-1, return_labels=True)
 attrs = clean_cache.logit_attrs(clean_cache.apply_ln_to_stack(per_head, pos_slice=-1), " Alice", " Bob")
-top = torch.topk(attrs[:, 0, 0].abs(), 5)
-print("top heads by DLA", [(labels[i], round(attrs[i, 0, 0].item(), 3)) for i in top.indices.tolist()])
+top = torch.topk(attrs[:, 0].abs(), 5)  # [head, batch]: pos_slice=-1 drops the position axis (TL's Slice)
+print("top heads by DLA", [(labels[i], round(attrs[i, 0].item(), 3)) for i in top.indices.tolist()])
 print(torch.allclose(clean_cache["pattern", 0].sum(-1), torch.ones(1)), clean_cache["pattern", 0, "attn"].softmax(-1).shape)

@@ -11,15 +11,16 @@ import numpy as np
 
 
 def is_tensor(x: Any) -> bool:
-    return hasattr(x, "detach") and hasattr(x, "cpu") and hasattr(x, "device")
+    return hasattr(x, "detach") and hasattr(x, "cpu")
 
 
 def as_array(x: Any, what: str = "the input") -> np.ndarray:
     """``x`` as a numpy array (a CPU tensor's own memory)."""
     if is_tensor(x):
-        if x.device.type != "cpu":
-            raise ValueError(f"{what} is a tensor on {x.device}: attnscope runs on the CPU; pass it as .cpu()")
-        return x.detach().numpy()
+        device = getattr(x, "device", None)
+        if device is not None and getattr(device, "type", "cpu") != "cpu":
+            raise ValueError(f"{what} is a tensor on {device}: attnscope runs on the CPU; pass it as .cpu()")
+        return np.asarray(x.detach().numpy())
     return np.asarray(x)
 
 
