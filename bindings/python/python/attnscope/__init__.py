@@ -28,12 +28,20 @@ from . import _native
 from . import viz
 from . import utils
 from . import processing
+from . import hook_points
+from . import inputs
+from .inputs import token_arg as _tok
+from .hook_points import HookPoint
+from . import tokenizer as _tokenizer
 from .factored import FactoredMatrix
 from . import distributed  # Ray is imported only when distributed.corpus runs
 
 __all__ = ["HookedModel", "CircuitResult", "FactoredMatrix", "ActivationCache", "Config", "HookPoint", "corpus", "corpus_merge", "HOOKS", "GLOBAL_HOOKS", "viz", "utils",
-           "distributed", "set_array_type", "__version__"]
+           "distributed", "set_array_type", "utilities", "__version__"]
 __version__ = _native.__version__
+# TransformerLens 3+'s module name for its utils (`from transformer_lens import utilities`)
+utilities = utils
+sys.modules[__name__ + ".utilities"] = utils
 
 #: The hook suffixes the engine captures, in TransformerLens's names (`blocks.{l}.` + suffix).
 HOOKS: Tuple[str, ...] = tuple(_native.hook_suffixes())
@@ -74,9 +82,7 @@ def _wrap(a: Any) -> Any:
 
 def _np(a: Any) -> np.ndarray:
     """A numpy view of a result or an argument (a torch tensor through ``.numpy()``)."""
-    if hasattr(a, "detach") and hasattr(a, "cpu"):
-        return a.detach().cpu().numpy()
-    return np.asarray(a)
+    return inputs.as_array(a)
 
 
 def _token_array(x: Any) -> np.ndarray:
@@ -94,14 +100,6 @@ def _token_array(x: Any) -> np.ndarray:
 
 NamesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
 TextOrTokens = Union[str, Sequence[str], np.ndarray, Sequence[int]]
-
-
-# attnscope's backward computes the gradients at the hook points in one pass but calls no Python
-# hook during it: a backward hook is refused, naming what gives the gradients instead.
-_NO_BACKWARD_HOOKS = (
-    "backward hooks are not supported: attnscope's backward calls no hook while it runs; "
-    "run_with_cache(..., incl_bwd=True) caches the gradients at the hook points (<name>_grad)"
-)
 
 
 @dataclass(frozen=True)
@@ -178,6 +176,8 @@ class ActivationCache:
 
     def __init__(self, cache: Dict[str, np.ndarray], n_layers: int, has_batch_dim: bool = True,
                  model: Optional["HookedModel"] = None):
+        if isinstance(n_layers, HookedModel):  # TransformerLens's ActivationCache(cache_dict, model)
+            model, n_layers = n_layers, n_layers.cfg.n_layers
         self.cache_dict = cache
         self.n_layers = n_layers
         self.has_batch_dim = has_batch_dim
@@ -456,29 +456,11 @@ HookName = Union[str, Callable[[str], bool]]
 _MAPS = ("attn.hook_attn_scores", "attn.hook_pattern")
 
 
-class HookPoint:
-    """What a hook function gets as its second argument, as in TransformerLens: ``hook.name``
-    (``"blocks.3.attn.hook_z"``) and ``hook.layer()``."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.ctx: Dict[str, Any] = {}
-
-    def layer(self) -> int:
-        m = re.match(r"blocks\.(\d+)\.", self.name)
-        if m is None:
-            raise ValueError(f"{self.name} is not inside a block")
-        return int(m.group(1))
-
-    def __repr__(self) -> str:
-        return f"HookPoint({self.name!r})"
-
-
 def _as_float32(x: Any, name: str, shape: Tuple[int, ...]) -> np.ndarray:
     """A hook's return value as a C-contiguous float32 numpy array of the activation's shape
     (a torch tensor is taken through numpy); anything else raises, naming the hook."""
-    if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor
-        x = x.detach().cpu().numpy()
+    if inputs.is_tensor(x):  # a torch tensor on the CPU: its memory
+        x = inputs.as_array(x, f"the hook at {name}'s return value")
     if not isinstance(x, np.ndarray):
         raise TypeError(f"the hook at {name} returned {type(x).__name__}; return None (edited in place) or an array")
     if x.dtype != np.float32:
@@ -563,6 +545,9 @@ class HookedModel:
         # a forward runs the hooks its own thread attached, never another thread's (two threads'
         # interleaved hooks() blocks once left one installed for good, #56)
         self._local = threading.local()
+        hook_points.install(self, HOOKS, GLOBAL_HOOKS)  # model.hook_dict, mod_dict, blocks[l].attn.hook_z & co
+        #: the tokenizer with Hugging Face's interface (encode, decode, batch_decode, __call__, ...)
+        self.tokenizer = _tokenizer.Tokenizer(self)
 
     @classmethod
     def from_pretrained(cls, name: str = "qwen2.5-coder-0.5b", precision: str = "exact",
@@ -622,7 +607,7 @@ class HookedModel:
             p, g, js = self._m.generate(text=input, chat=chat, system=system, max_new_tokens=max_new_tokens,
                                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed or 0)
         else:
-            ids = [int(t) for t in np.asarray(input).reshape(-1)]
+            ids = self._ids(input)
             p, g, js = self._m.generate(ids=ids, chat=chat, max_new_tokens=max_new_tokens,
                                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed or 0)
         if verbose:
@@ -1041,12 +1026,12 @@ class HookedModel:
             if types is not None:
                 raise ValueError("incl_bwd=True takes one text, not a sentence pair")
         hooks = self._hooks(names_filter)
-        lg, cache = self._run_rows(rows, hooks, mode, self._fwd_hooks, stop, types)
+        lg, cache = hook_points.forward(self, rows, hooks, mode, self._fwd_hooks, stop, types)
         c = ActivationCache(cache, self.cfg.n_layers, model=self)
         if incl_bwd:
             names = [self._full_name(*h) for h in hooks]
-            tgt, value, grads = self._m.hook_gradients(rows[0], names, metric, None if target is None else str(target),
-                                                      None if wrong is None else str(wrong))
+            tgt, value, grads = self._m.hook_gradients(rows[0], names, metric, _tok(target, 'target'),
+                                                      _tok(wrong, 'wrong'))
             for name, shape, data in grads:
                 cache[name] = data.reshape([1] + list(shape))
             c.bwd_value, c.bwd_target = value, tgt
@@ -1101,7 +1086,7 @@ class HookedModel:
         the shared slots, the batch size), on the rows of every forward stacked ``[b, ...]``."""
 
         def run_fns(name: str, act: np.ndarray) -> np.ndarray:
-            hook = HookPoint(name)
+            hook = self.hook_dict[name]
             for fn in by_name[name]:
                 r = fn(_wrap(act), hook)  # a torch tensor shares act's memory: in-place edits land
                 if r is not None:
@@ -1208,8 +1193,6 @@ class HookedModel:
         (TransformerLens's ``lm_cross_entropy_loss``: a prediction counts when its position and the
         next are real); the logits at pad positions under a mask are not computed (refused).
         ``stop_at_layer``: returns the residual stream before that block ``[b, n, d_model]``."""
-        if bwd_hooks:
-            raise NotImplementedError(_NO_BACKWARD_HOOKS)
         if kwargs:
             raise TypeError(f"run_with_hooks got arguments attnscope does not support: {sorted(kwargs)}")
         if return_type not in ("logits", "loss", "both", None):
@@ -1224,16 +1207,21 @@ class HookedModel:
         if self.is_encoder and return_type in ("loss", "both"):
             raise ValueError(f"return_type={return_type!r}: {self.cfg.model_name} is an encoder (bidirectional attention), "
                              "with no next-token prediction and so no loss")
-        hooks = list(self._fwd_hooks) + list(fwd_hooks)
         stop = self._stop(stop_at_layer)
         mode = "none" if return_type is None or self.is_encoder else "all"
-        lg, _ = self._run_rows(rows, [], mode, hooks, stop, types)
+        hook_points.warn_reset(bwd_hooks, reset_hooks_end)
+        # as TransformerLens: the hooks are attached for the run, and stay with reset_hooks_end=False
+        with self.hooks(fwd_hooks, bwd_hooks, reset_hooks_end, clear_contexts):
+            lg, _ = hook_points.forward(self, rows, [], mode, self._fwd_hooks, stop, types)
         if stop is not None:
             return _wrap(lg)  # TransformerLens returns the residual whatever return_type says
         if return_type is None:
             return None
         if return_type == "logits":
             return _wrap(lg)
+        if hook_points.is_tracked(lg):  # backward hooks: a loss .backward() reaches them through
+            loss = utils.lm_cross_entropy_loss(lg, np.asarray(rows), attention_mask, loss_per_token)
+            return loss if return_type == "loss" else (lg, loss)
         loss = self.loss(lg, np.asarray(rows), per_token=loss_per_token, attention_mask=attention_mask)
         return loss if return_type == "loss" else (_wrap(lg), loss)
 
@@ -1287,51 +1275,61 @@ class HookedModel:
 
     @property
     def _fwd_hooks(self) -> List[Tuple[HookName, HookFn]]:
-        """The hooks this thread attached (:meth:`add_hook`, :meth:`hooks`), in order."""
-        hooks = getattr(self._local, "fwd_hooks", None)
-        if hooks is None:
-            hooks = self._local.fwd_hooks = []
-        return hooks
+        """The forward hooks this thread attached (:meth:`add_hook`, :meth:`hooks`, hook points'
+        ``add_hook``), in order, as (full name, fn)."""
+        return hook_points.registry(self).fwd
 
-    def add_hook(self, name: HookName, hook: HookFn, dir: str = "fwd") -> None:
-        """Attaches ``hook`` at ``name`` (a hook name or a predicate on names) for every later
-        forward of this thread, until :meth:`reset_hooks`. Hooks belong to the thread that adds
-        them: a forward in another thread does not run them."""
-        if dir != "fwd":
-            raise NotImplementedError(_NO_BACKWARD_HOOKS)
-        self._resolve([(name, hook)])  # checks the name now
-        self._fwd_hooks.append((name, hook))
+    def add_hook(self, name: HookName, hook: HookFn, dir: str = "fwd", is_permanent: bool = False,
+                 level: Optional[int] = None, prepend: bool = False) -> None:
+        """Attaches ``hook`` at ``name`` (a hook name, or a predicate on names: every point it
+        takes) for every later forward of this thread, until :meth:`reset_hooks` (a permanent one:
+        until ``reset_hooks(including_permanent=True)``). ``dir="bwd"``: a backward hook
+        (:mod:`attnscope.hook_points`). Hooks belong to the thread that adds them."""
+        names = [n for n, _ in hook_points.resolve(self, [(name, hook)], "bwd" if dir == "bwd" else "fwd")]
+        hook_points.add(self, names, hook, dir, is_permanent, prepend)
 
-    def reset_hooks(self, *args: Any, **kwargs: Any) -> None:
-        """Removes every hook this thread added (with :meth:`add_hook` or a :meth:`hooks` context)."""
-        self._fwd_hooks.clear()
+    def add_perma_hook(self, name: HookName, hook: HookFn, dir: str = "fwd") -> None:
+        """:meth:`add_hook` with ``is_permanent=True`` (kept by ``reset_hooks()``)."""
+        self.add_hook(name, hook, dir, is_permanent=True)
+
+    def reset_hooks(self, clear_contexts: bool = True, direction: str = "both", including_permanent: bool = False,
+                    level: Optional[int] = None) -> None:
+        """Removes this thread's hooks (``direction``: ``"fwd"``, ``"bwd"`` or ``"both"``; the
+        permanent ones too with ``including_permanent``); ``clear_contexts`` empties every hook
+        point's ``ctx``."""
+        hook_points.remove(self, direction, including_permanent)
+        if clear_contexts:
+            for hp in self.hook_dict.values():
+                hp.clear_context()
 
     @contextlib.contextmanager
     def hooks(self, fwd_hooks: Sequence[Tuple[HookName, HookFn]] = (), bwd_hooks: Sequence[Tuple[HookName, HookFn]] = (),
-              reset_hooks_end: bool = True):
+              reset_hooks_end: bool = True, clear_contexts: bool = False):
         """A context in which every forward of this thread (``run_with_cache`` included) runs
-        ``fwd_hooks``; forwards in other threads do not see them. On leaving it (with
-        ``reset_hooks_end``) exactly these hooks are removed, whatever else was added meanwhile."""
-        if bwd_hooks:
-            raise NotImplementedError(_NO_BACKWARD_HOOKS)
-        self._resolve(fwd_hooks)
+        ``fwd_hooks`` (and ``bwd_hooks`` on a backward); forwards in other threads do not see
+        them. On leaving it (with ``reset_hooks_end``) exactly these hooks are removed, whatever
+        else was added meanwhile."""
+        fwd = hook_points.resolve(self, fwd_hooks, "fwd")
+        bwd = hook_points.resolve(self, bwd_hooks, "bwd")
         # entries of their own (fresh tuples), so removal takes these and not an equal pair
         # added by add_hook or by another context
-        mine = [(name, fn) for name, fn in fwd_hooks]
-        hooks = self._fwd_hooks
-        hooks.extend(mine)
+        mine = [e for n, fn in fwd for e in hook_points.add(self, [n], fn, "fwd")]
+        mine += [e for n, fn in bwd for e in hook_points.add(self, [n], fn, "bwd")]
         try:
             yield self
         finally:
             if reset_hooks_end:
-                ids = {id(e) for e in mine}
-                hooks[:] = [e for e in hooks if id(e) not in ids]
+                hook_points.remove_entries(self, mine)
+                if clear_contexts:
+                    for hp in self.hook_dict.values():
+                        hp.clear_context()
 
     def ablate(self, text: str, method: str = "zero", target: Optional[str] = None, positions: Optional[str] = None,
                mlp: bool = False, bos: bool = False) -> Dict[str, Any]:
         """Every head ablated in turn (``attnscope ablate --json``): Δ log p(target) and KL per head
         beside its attention, and their rank correlations."""
-        return self._m.ablate(text, method, None if target is None else str(target), positions, mlp, bos)
+        text = inputs.text_arg(self, text, "text")
+        return self._m.ablate(text, method, _tok(target, 'target'), positions, mlp, bos)
 
     def patch(self, clean: str, corrupt: str, hook: str = "resid-pre", answer: Optional[str] = None,
               wrong: Optional[str] = None) -> Dict[str, Any]:
@@ -1340,8 +1338,9 @@ class HookedModel:
         per layer × head (``z``); ``results`` with ``logit_diff`` and ``recovered``. Equal clean and
         corrupted logit differences raise ValueError (``recovered`` divides by their gap); a gap
         below 0.1 is warned about (``warnings``, and a Python warning)."""
-        r = self._m.patch(clean, corrupt, hook, None if answer is None else str(answer),
-                          None if wrong is None else str(wrong))
+        clean, corrupt = inputs.text_arg(self, clean, "clean"), inputs.text_arg(self, corrupt, "corrupt")
+        r = self._m.patch(clean, corrupt, hook, _tok(answer, 'answer'),
+                          _tok(wrong, 'wrong'))
         for w in r.get("warnings", []):
             warnings.warn(w, stacklevel=2)
         return r
@@ -1361,7 +1360,7 @@ class HookedModel:
 
     def faithfulness(self, text: str, target: Optional[str] = None, replace_with: Optional[str] = None, bos: bool = False) -> Dict[str, Any]:
         """Attention rankings against occlusion (``attnscope faithfulness --json``)."""
-        return self._m.faithfulness(text, None if target is None else str(target), replace_with, bos)
+        return self._m.faithfulness(text, _tok(target, 'target'), replace_with, bos)
 
     def sinks(self, text: Optional[str] = None, max_tokens: Optional[int] = None, key_block: int = 1024, top: int = 5,
               file: Optional[str] = None) -> Dict[str, Any]:
@@ -1420,13 +1419,13 @@ class HookedModel:
         On an encoder only ``method="occlusion"`` applies, with ``target`` None or "embedding" (the
         mean-pooled sentence embedding) or "cls" (the [CLS] vector): each score is 1 − the cosine
         similarity of the vector without that token to the text's (``metric`` "cosine")."""
-        ids = self._m.encode(text, None)
-        rep, scores = self._m.attribute(ids, method, None if target is None else str(target),
-                                        None if wrong is None else str(wrong), steps)
+        ids = self._m.encode(text, None) if isinstance(text, str) else self._ids(text)
+        rep, scores = self._m.attribute(ids, method, _tok(target, 'target'),
+                                        _tok(wrong, 'wrong'), steps)
         r = json.loads(rep)
-        r["scores"] = scores
+        r["scores"] = _wrap(scores)
         r["tokens"] = [t["text"] for t in r["tokens"]]
-        r["token_ids"] = np.asarray(ids, dtype=np.int64)
+        r["token_ids"] = _wrap(np.asarray(ids, dtype=np.int64))
         return r
 
     def attribute_generation(self, input: str, method: str = "occlusion", max_new_tokens: int = 32, chat: bool = True,
@@ -1498,7 +1497,7 @@ class HookedModel:
             missing = [n for n, v in zip(("clean", "corrupt", "answer", "wrong"), one[:3] + [wrong]) if v is None]
             if missing:
                 raise ValueError(f"{missing[0]} is missing: give clean, corrupt, answer and wrong (or pairs)")
-            args = dict(clean=clean, corrupt=corrupt, answer=str(answer), wrong=str(wrong))
+            args = dict(clean=inputs.text_arg(self, clean, "clean"), corrupt=inputs.text_arg(self, corrupt, "corrupt"), answer=_tok(answer, 'answer'), wrong=_tok(wrong, 'wrong'))
         if exact_edges < 0:
             raise ValueError(f"exact_edges={exact_edges}: must be 0 or more")
         rep, scores, efrom, eto, escores = self._m.circuit(method=method, steps=steps, metric=metric, evaluate=evaluate,
@@ -1546,11 +1545,14 @@ class HookedModel:
         table (a click selects the head in the attention views). ``target``: the token the
         ablation and faithfulness panels measure, a token id or a token's text (default: the
         model's top next token)."""
-        return viz.View(self._m.view_html(text, bos, faithfulness, ablate, None if target is None else str(target)))
+        return viz.View(self._m.view_html(text, bos, faithfulness, ablate, _tok(target, 'target')))
 
     def corpus(self, texts: Optional[Union[str, os.PathLike, Sequence[str]]] = None, limit: Optional[int] = None, **kw: Any) -> Dict[str, Any]:
         """Sink statistics over many texts (``attnscope corpus --json``); see :func:`corpus`."""
         return corpus(texts, model=self, limit=limit, **kw)
+
+
+inputs.accept_tokens(HookedModel)  # token ids (a tensor too) where the engine takes a text
 
 
 class CircuitResult(dict):

@@ -134,3 +134,31 @@ def to_numpy(tensor) -> np.ndarray:
 def get_device() -> str:
     """TransformerLens's ``utils.get_device``: attnscope runs on the CPU."""
     return "cpu"
+
+
+def lm_cross_entropy_loss(logits, tokens, attention_mask=None, per_token: bool = False):
+    """TransformerLens's ``utils.lm_cross_entropy_loss``: the next-token cross-entropy of
+    ``logits`` ``[b, n, vocab]`` against ``tokens`` ``[b, n]``, the mean over every row's
+    positions 0..n-2 (with ``attention_mask``: over the predictions whose position and next are
+    both real), or each ``[b, n - 1]`` with ``per_token`` (zero where masked out). On torch
+    logits it is torch's computation (a tensor; a backward runs through it, and through
+    attnscope's backward hooks); on numpy logits, float64's (a float, or float32 ``[b, n - 1]``)."""
+    if hasattr(logits, "log_softmax"):  # torch
+        import torch
+
+        t = tokens if isinstance(tokens, torch.Tensor) else torch.as_tensor(np.asarray(tokens))
+        t = t.to(logits.device).long()
+        lg = logits if logits.dim() == 3 else logits[None]
+        t = t if t.dim() == 2 else t[None]
+        if t.shape != lg.shape[:2]:
+            raise ValueError(f"logits {tuple(lg.shape)} and tokens {tuple(t.shape)} do not match: [b, n, vocab] and [b, n]")
+        lp = lg.log_softmax(dim=-1)[..., :-1, :].gather(dim=-1, index=t[..., 1:, None])[..., 0]
+        if attention_mask is not None:
+            m = attention_mask if isinstance(attention_mask, torch.Tensor) else torch.as_tensor(np.asarray(attention_mask))
+            keep = torch.logical_and(m[:, :-1].bool(), m[:, 1:].bool()).to(lp.device)
+            lp = lp * keep
+            return -lp if per_token else -lp.sum() / keep.sum()
+        return -lp if per_token else -lp.mean()
+    from . import HookedModel
+
+    return HookedModel.loss(logits, tokens, per_token=per_token, attention_mask=attention_mask)
