@@ -92,3 +92,20 @@ def test_direct_logit_attribution_recipe_gives_the_logit_by_default(smol, smol_d
     raw_scaled = np.asarray(raw.apply_ln_to_stack(raw.decompose_resid(layer=-1, pos_slice=-1), layer=-1, pos_slice=-1))
     raw_sum = float((raw_scaled[:, 0] @ smol.W_U[:, toks[0]]).sum())
     assert abs(raw_sum - float(raw_logits[0, -1, toks[0]])) > 1.0, raw_sum
+
+
+def test_transformer_lens_loader_names(smol):
+    """TL 4's TransformerBridge.boot_transformers + enable_compatibility_mode (what TL's demos
+    call) and HookedTransformer: the processed model, reloaded unprocessed on request; a model
+    loaded otherwise refuses a change it cannot make in place."""
+    assert attnscope.HookedTransformer is attnscope.HookedModel
+    m = attnscope.TransformerBridge.boot_transformers("smollm2-135m", device="cpu")
+    m.enable_compatibility_mode(disable_warnings=True)
+    assert m.facts["processing"] == dict(PROCESS, center_writing_weights=False)
+    m.enable_compatibility_mode(no_processing=True)
+    assert not any(m.facts["processing"].values())
+    np.testing.assert_array_equal(m.W_U, smol.W_U)
+    with pytest.raises(ValueError, match="from_pretrained instead"):
+        smol.enable_compatibility_mode()
+    with pytest.raises(ValueError, match="float32"):
+        attnscope.TransformerBridge.boot_transformers("smollm2-135m", dtype="bfloat16")

@@ -1605,3 +1605,10 @@ def corpus(texts: Optional[Union[str, os.PathLike, Sequence[str]]] = None, model
 def corpus_merge(files: Sequence[Union[str, os.PathLike]], epsilon: float = 0.3) -> Dict[str, Any]:
     """``attnscope corpus merge --json``: the exact aggregate of record files from shards."""
     return _native.corpus_merge([os.fspath(f) for f in files], float(epsilon))
+
+
+# TransformerLens's loader names (#59): a TL user's imports and loading lines run unchanged
+from .bridge import TransformerBridge, enable_compatibility_mode as _enable_compatibility_mode  # noqa: E402
+
+HookedTransformer = HookedModel
+HookedModel.enable_compatibility_mode = _enable_compatibility_mode
