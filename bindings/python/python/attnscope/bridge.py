@@ -24,24 +24,30 @@ class TransformerBridge:
         return model
 
 
-def enable_compatibility_mode(model, disable_warnings: bool = False, no_processing: bool = False) -> None:
-    """TL 4's ``enable_compatibility_mode``: TransformerLens's processing (``no_processing=False``)
-    or the checkpoint's weights. A model loaded by ``boot_transformers`` is loaded again when the
-    processing asked for is not the one it has; another model refuses the change (load it with
-    ``from_pretrained`` or ``from_pretrained_no_processing``)."""
-    processed = any(model.facts.get("processing", {}).values())
-    if processed != no_processing:
+def enable_compatibility_mode(model, disable_warnings: bool = False, no_processing: bool = False,
+                              **steps: bool) -> None:
+    """TL 4's ``enable_compatibility_mode``: TransformerLens's processing (``no_processing=False``;
+    ``fold_ln=`` & co as TL takes them, ``refactor_factored_attn_matrices=True`` refused: not
+    implemented) or the checkpoint's weights. A model loaded by ``boot_transformers`` is loaded
+    again when the processing asked for is not the one it has; another model refuses the change
+    (load it with ``from_pretrained`` or ``from_pretrained_no_processing``)."""
+    from . import HookedModel, processing
+
+    if no_processing and any(steps.values()):
+        raise ValueError(f"no_processing=True with {sorted(k for k, v in steps.items() if v)}: choose one")
+    processing.asked_steps(**steps)  # an unknown or unimplemented step is refused, named
+    want = {} if no_processing else {s: steps.get(s, s != "refactor_factored_attn_matrices") for s in processing.STEPS[:4]}
+    have = model.facts.get("processing", {})
+    if all(bool(have.get(s)) == bool(want.get(s)) or (s == "center_writing_weights" and not have.get("center_writing_weights"))
+           for s in processing.STEPS[:4]):
         return
     boot = getattr(model, "_boot", None)
     if boot is None:
         raise ValueError(
-            f"enable_compatibility_mode(no_processing={no_processing}) on a model loaded "
-            f"{'with' if processed else 'without'} TransformerLens's processing: load it with "
-            f"{'from_pretrained_no_processing' if no_processing else 'from_pretrained'} instead")
-    from . import HookedModel
-
+            f"enable_compatibility_mode(no_processing={no_processing}) on a model loaded with processing {have}: "
+            f"load it with {'from_pretrained_no_processing' if no_processing else 'from_pretrained'} instead")
     name, kwargs = boot
-    load = HookedModel.from_pretrained_no_processing if no_processing else HookedModel.from_pretrained
-    fresh = load(name, **kwargs)
+    fresh = (HookedModel.from_pretrained_no_processing(name, **kwargs) if no_processing
+             else HookedModel.from_pretrained(name, **{**kwargs, **want}))
     model.__dict__.update(fresh.__dict__)
     model._boot = boot
