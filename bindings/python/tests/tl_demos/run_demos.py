@@ -30,6 +30,7 @@ REWRITES = [
     (r"^(\s*)import transformer_lens\.utilities as utils", r"\1import attnscope.utils as utils"),
     (r"^(\s*)import transformer_lens\.utils as utils", r"\1import attnscope.utils as utils"),
     (r"^(\s*)import transformer_lens(\s|$)", r"\1import attnscope as transformer_lens\2"),
+    (r"^(\s*)import transformer_lens\.(\w+) as", r"\1import attnscope.\2 as"),
     (r"^(\s*)from transformer_lens\.model_bridge import", r"\1from attnscope import"),
     (r"^(\s*)from transformer_lens\.hook_points import", r"\1from attnscope import"),
     (r"^(\s*)from transformer_lens\.utilities import", r"\1from attnscope.utils import"),
