@@ -1,24 +1,31 @@
 """Fixtures shared by the Python package's tests: the real models (each loaded once per pytest
-run; a test that adds hooks removes them) and numpy results for the modules that ask for them."""
+run; a test that adds hooks removes them) and numpy results for the modules that ask for them.
+The models are loaded unprocessed (the checkpoint's weights, which the references were made
+from): ``from_pretrained``'s default is TransformerLens's processing (test_processing.py)."""
 
 import pytest
 
 import attnscope
 
+try:  # test_tl_real.py runs where real TransformerLens is (test_examples.py runs it in CI's torch environment)
+    import transformer_lens  # noqa: F401
+except ImportError:
+    collect_ignore = ["test_tl_real.py"]
+
 
 @pytest.fixture(scope="session")
 def smol():
-    return attnscope.HookedModel.from_pretrained("smollm2-135m")
+    return attnscope.HookedModel.from_pretrained_no_processing("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
 def qwen():
-    return attnscope.HookedModel.from_pretrained("qwen2.5-coder-0.5b")
+    return attnscope.HookedModel.from_pretrained_no_processing("qwen2.5-coder-0.5b")
 
 
 @pytest.fixture(scope="session")
 def minilm():
-    return attnscope.HookedModel.from_pretrained("all-minilm-l6-v2")
+    return attnscope.HookedModel.from_pretrained_no_processing("all-minilm-l6-v2")
 
 
 @pytest.fixture

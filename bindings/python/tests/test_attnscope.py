@@ -57,7 +57,7 @@ def test_every_pattern_within_1e4_of_transformers(qwen):
 
 
 def test_gemma3_bos_and_patterns():
-    gemma = attnscope.HookedModel.from_pretrained("gemma3-270m")
+    gemma = attnscope.HookedModel.from_pretrained_no_processing("gemma3-270m")
     g = golden_ids("gemma")
     assert gemma.cfg.default_prepend_bos is True and gemma.cfg.d_head == 256
     ids = gemma.to_tokens(SENTENCE)
@@ -70,7 +70,7 @@ def test_gemma3_bos_and_patterns():
     assert_cells("gemma: every pattern [layer, head, query, key]", got, want, atol=2e-5)
     assert np.argsort(-logits[0, -1])[:5].tolist() == [t["id"] for t in g["next_token_top5"]]
     # a model loaded without its BOS leaves it out of every text
-    plain = attnscope.HookedModel.from_pretrained("gemma3-270m", default_prepend_bos=False)
+    plain = attnscope.HookedModel.from_pretrained_no_processing("gemma3-270m", default_prepend_bos=False)
     assert plain.cfg.default_prepend_bos is False
     assert plain.to_tokens(SENTENCE)[0].tolist() == g["token_ids"][1:]
     assert plain.to_tokens(SENTENCE, prepend_bos=True)[0].tolist() == g["token_ids"]
@@ -304,7 +304,7 @@ def test_corpus_and_capture(smol, tmp_path):
 
 def test_low_memory_gives_the_same_patterns(qwen):
     # the projections multiplied from the file's quantized blocks: the packed projections' numbers
-    low = attnscope.HookedModel.from_pretrained("qwen2.5-coder-0.5b", memory="low")
+    low = attnscope.HookedModel.from_pretrained_no_processing("qwen2.5-coder-0.5b", memory="low")
     la, a = low.run_with_cache(SENTENCE, names_filter="hook_pattern")
     lb, b = qwen.run_with_cache(SENTENCE, names_filter="hook_pattern")
     # bit for bit against the f32 panels; on a CPU with AMX the default holds the projections as

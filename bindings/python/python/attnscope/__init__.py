@@ -389,7 +389,7 @@ class ActivationCache:
         the scale of the actual run (frozen: so the components still add up): LayerNorm centres
         each one, and both divide by the run's scale, which ``pos_slice`` slices (the stack is
         taken as already sliced, as in TL). The norm's weight is not applied (TL folds it into
-        the next weights: ``from_pretrained(fold_ln=True)``; :meth:`logit_attrs` applies it
+        the next weights: ``fold_ln``, ``from_pretrained``'s default; :meth:`logit_attrs` applies it
         otherwise). ``recompute_ln`` with the final norm: each component through the whole final
         norm, weight included, with its own statistics (TL's logit lens)."""
         m = self._need_model()
@@ -551,9 +551,9 @@ class HookedModel:
 
     @classmethod
     def from_pretrained(cls, name: str = "qwen2.5-coder-0.5b", precision: str = "exact",
-                        default_prepend_bos: Optional[bool] = None, fold_ln: bool = False,
-                        center_writing_weights: bool = False, center_unembed: bool = False,
-                        fold_value_biases: bool = False, refactor_factored_attn_matrices: bool = False,
+                        default_prepend_bos: Optional[bool] = None, fold_ln: Optional[bool] = None,
+                        center_writing_weights: Optional[bool] = None, center_unembed: Optional[bool] = None,
+                        fold_value_biases: Optional[bool] = None, refactor_factored_attn_matrices: bool = False,
                         device: Optional[str] = None, memory: Optional[str] = None) -> "HookedModel":
         """Loads a model (see the class docstring). ``default_prepend_bos``: ``None`` follows the
         model (Gemma puts ``<bos>`` first, Qwen and SmolLM2 do not); ``False`` leaves it out of
@@ -562,20 +562,23 @@ class HookedModel:
         ``fold_ln``, ``center_writing_weights``, ``center_unembed``, ``fold_value_biases``:
         TransformerLens's weight processing, with its semantics (:mod:`attnscope.processing`:
         ``W_Q`` & co folded, the logits centred, the value biases in ``b_O``; the attention
-        patterns are the same either way). Off by default here for now (the checkpoint's own
-        weights: TransformerLens's ``from_pretrained_no_processing``); Qwen2 and Llama/SmolLM2
-        only, other families refuse it. ``refactor_factored_attn_matrices`` is not implemented.
+        patterns are the same either way). On by default, as in TransformerLens's
+        ``from_pretrained`` (``None``: TL's default, so TL's attribution recipes give the logit);
+        ``from_pretrained_no_processing`` gives the checkpoint's own weights. Qwen2 and
+        Llama/SmolLM2 only: other families refuse a step asked for by name, and by default load
+        unprocessed with a warning. ``refactor_factored_attn_matrices`` is not implemented.
         ``device``: only ``None`` or ``"cpu"``.
         ``memory``: ``"low"`` keeps a GGUF's projections in the file's own quantized blocks and
         dequantizes a panel just before each product (the same numbers, about the file's size in
         memory), ``"fast"`` packs them at load; ``None`` chooses from the model's size and the
         machine's free memory (the CLI's ``--memory``)."""
-        steps = processing.asked_steps(
-            fold_ln=fold_ln, center_writing_weights=center_writing_weights, center_unembed=center_unembed,
-            fold_value_biases=fold_value_biases, refactor_factored_attn_matrices=refactor_factored_attn_matrices)
         if device not in (None, "cpu"):
             raise ValueError(f"device={device!r}: attnscope runs on the CPU")
-        return cls(_native.Model.load(os.fspath(name), precision, default_prepend_bos, memory, steps))
+        return cls(processing.load_with_defaults(
+            lambda steps: _native.Model.load(os.fspath(name), precision, default_prepend_bos, memory, steps),
+            os.fspath(name), fold_ln=fold_ln, center_writing_weights=center_writing_weights,
+            center_unembed=center_unembed, fold_value_biases=fold_value_biases,
+            refactor_factored_attn_matrices=refactor_factored_attn_matrices))
 
     @classmethod
     def from_pretrained_no_processing(cls, name: str = "qwen2.5-coder-0.5b", precision: str = "exact",
@@ -1604,3 +1607,10 @@ def corpus(texts: Optional[Union[str, os.PathLike, Sequence[str]]] = None, model
 def corpus_merge(files: Sequence[Union[str, os.PathLike]], epsilon: float = 0.3) -> Dict[str, Any]:
     """``attnscope corpus merge --json``: the exact aggregate of record files from shards."""
     return _native.corpus_merge([os.fspath(f) for f in files], float(epsilon))
+
+
+# TransformerLens's loader names (#59): a TL user's imports and loading lines run unchanged
+from .bridge import TransformerBridge, enable_compatibility_mode as _enable_compatibility_mode  # noqa: E402
+
+HookedTransformer = HookedModel
+HookedModel.enable_compatibility_mode = _enable_compatibility_mode

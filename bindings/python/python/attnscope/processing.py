@@ -15,7 +15,8 @@ implemented (TransformerLens's default leaves it off).
 
 from __future__ import annotations
 
-from typing import Dict, List
+import warnings
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -37,6 +38,27 @@ def asked_steps(**flags: bool) -> List[str]:
             "refactor_factored_attn_matrices is not implemented (TransformerLens leaves it off by default); "
             "load without it")
     return [s for s in STEPS if flags.get(s)]
+
+
+def load_with_defaults(load: Callable[[List[str]], object], name: str, **flags: Optional[bool]):
+    """``load(steps)`` with TransformerLens's default processing where a flag is ``None`` (every
+    step but ``refactor_factored_attn_matrices``, as TL's ``from_pretrained``). A family whose
+    processing is not implemented (Gemma, the encoders) refuses a step asked for by name; where
+    no step was asked for by name it loads unprocessed, with a warning naming why."""
+    resolved = {s: (s != "refactor_factored_attn_matrices") if flags.get(s) is None else bool(flags[s])
+                for s in STEPS}
+    steps = asked_steps(**resolved)
+    try:
+        return load(steps)
+    except NotImplementedError as e:
+        if not steps or any(flags.get(s) for s in STEPS):
+            raise
+        warnings.warn(
+            f"{name}: TransformerLens's default weight processing ({', '.join(steps)}) is not implemented "
+            f"for this model ({e}); loaded unprocessed, as from_pretrained_no_processing does, so its "
+            "weights, logits and hook_v/hook_z are the checkpoint's, not TransformerLens's processed ones",
+            UserWarning, stacklevel=3)
+        return load([])
 
 
 def processed_weight(name: str, raw: np.ndarray, steps: Dict[str, bool], make) -> np.ndarray:

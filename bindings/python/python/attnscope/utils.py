@@ -8,7 +8,9 @@ import numpy as np
 
 # TransformerLens's aliases
 _ALIAS = {"attn": "pattern", "attn_logits": "attn_scores", "key": "k", "query": "q", "value": "v",
-          "mlp_pre": "pre", "mlp_post": "post", "scores": "attn_scores"}
+          "mlp_pre": "pre", "mlp_post": "post", "scores": "attn_scores",
+          # TL 4's bridge: a block's hook_in / hook_out are its resid_pre / resid_post
+          "in": "resid_pre", "out": "resid_post"}
 _ATTN = {"q", "k", "v", "z", "rot_q", "rot_k", "result", "pattern", "attn_scores"}
 _MLP = {"pre", "post", "pre_linear"}
 _BLOCK = {"resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"}
