@@ -532,7 +532,9 @@ fn page_checks_compare_cell_by_cell() {
 
 /// The `circuit --html` page in the browser: the slider steps through the evaluation's ladder,
 /// drawing each size's top edges and naming its faithfulness as the report has it; hovering the
-/// largest edge names it with its score and exact patch; no console errors and no network.
+/// largest edge names it with its score and exact patch; clicking a head shows its attention
+/// row as the page embeds it (adding up to 1, the top key its largest) and its QK split as
+/// `attnscope qk --json` gives it; no console errors and no network.
 #[test]
 #[cfg_attr(
     browser_missing,
@@ -565,6 +567,8 @@ fn circuit_page_works_in_a_real_browser() {
         "first": {"from": exact["from"], "to": exact["to"], "score": exact["score"],
                   "exact": exact["exact"]},
     });
+    let mut expected = expected;
+    expected["head"] = clicked_head_qk(&gguf, &html);
     let exp = dir.path().join("expected.json");
     std::fs::write(&exp, expected.to_string()).unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/browser/circuit.mjs");
@@ -582,4 +586,30 @@ fn circuit_page_works_in_a_real_browser() {
         String::from_utf8_lossy(&res.stdout),
         String::from_utf8_lossy(&res.stderr)
     );
+}
+
+/// The circuit page's first clickable head (from the data it embeds) and `attnscope qk --json`'s
+/// split of its query and key on the page's clean text, computed apart from the page.
+fn clicked_head_qk(gguf: &Path, html: &Path) -> serde_json::Value {
+    let page = std::fs::read_to_string(html).unwrap();
+    let start = page.find("const D = ").expect("the page embeds its data") + "const D = ".len();
+    let end = start + page[start..].find(";\n").expect("the data ends");
+    let data: serde_json::Value = serde_json::from_str(&page[start..end]).unwrap();
+    let h = &data["head_views"]["heads"][0];
+    assert!(h.is_object(), "the page has no clickable head");
+    let arg = |k: &str| h[k].as_u64().expect("an index").to_string();
+    let out = Command::cargo_bin("attnscope")
+        .unwrap()
+        .write_stdin("")
+        .args(["qk", "--model", gguf.to_str().unwrap(), "--text", "abcd"])
+        .args(["--layer", &arg("layer"), "--head", &arg("head")])
+        .args(["--query", &arg("query"), "--key", &arg("key"), "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", common::stderr_of(&out));
+    let qk: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    serde_json::json!({"name": h["name"], "query": qk["query"], "key": qk["key"],
+        "score": qk["score"], "sum": qk["sum"], "gap": qk["gap"],
+        "n_terms": qk["terms"].as_array().unwrap().len(),
+        "terms": qk["terms"].as_array().unwrap().iter().take(12).collect::<Vec<_>>()})
 }

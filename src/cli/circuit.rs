@@ -3,6 +3,7 @@
 
 use super::common::{emit, usage, ModelArgs};
 use crate::analysis::circuit::evaluate::{Evaluation, ExactEdges, LadderPoint};
+use crate::analysis::circuit::head_views::{head_views, touched_heads};
 use crate::analysis::circuit::{
     circuit, read_pairs, CircuitOptions, CircuitReport, Method, MetricKind, Pair,
 };
@@ -70,7 +71,9 @@ pub struct Args {
     json: bool,
     /// Also write the circuit's page: the graph (layers left to right, the top edges by score),
     /// a slider for the circuit size beside the faithfulness curve (with --evaluate), each
-    /// edge's score and exact patch (with --exact-edges) on hover.
+    /// edge's score and exact patch (with --exact-edges) on hover, and for the heads the top
+    /// edges touch, on a click, the head's attention row from the clean text's last position
+    /// (the first pair's with --pairs) and the QK split of its top key.
     #[arg(long, value_name = "FILE")]
     html: Option<PathBuf>,
     /// Replace the --html file if it exists.
@@ -90,8 +93,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let model = a.model.load()?;
     let report = circuit(&model, &opts)?;
     if let Some(out) = &output {
+        // the heads a click shows, on the (first pair's) clean text
+        let tokens = model.encode(&opts.pairs[0].clean, opts.force_bos)?;
+        let heads = touched_heads(&report.nodes, &report.edges);
+        let views = head_views(&model, &tokens, &heads)?;
         let d = &model.dims;
-        out.write(page(&report, d.n_layers, d.n_heads, d.n_kv_heads).as_bytes())?;
+        let shape = [d.n_layers, d.n_heads, d.n_kv_heads];
+        out.write(page(&report, shape, &views).as_bytes())?;
         eprintln!("wrote {}", out.path.display());
     }
     if a.json {

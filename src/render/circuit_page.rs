@@ -1,6 +1,8 @@
 //! The `attnscope circuit --html` page: the report's top edges, nodes, ladder and exact edge
-//! patches inline in `assets/circuit.html`, no network.
+//! patches, and the clickable heads' attention rows and QK splits
+//! ([`crate::analysis::circuit::head_views`]), inline in `assets/circuit.html`, no network.
 
+use crate::analysis::circuit::head_views::HeadViews;
 use crate::analysis::circuit::CircuitReport;
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -12,7 +14,12 @@ const TEMPLATE: &str = include_str!("../../assets/circuit.html");
 pub const MAX_EDGES: usize = 2000;
 
 /// The page of a circuit report: its data inline, no network.
-pub fn page(r: &CircuitReport, n_layers: usize, n_heads: usize, n_kv_heads: usize) -> String {
+/// `[n_layers, n_heads, n_kv_heads]` place the nodes; `heads` are the heads a click shows.
+pub fn page(
+    r: &CircuitReport,
+    [n_layers, n_heads, n_kv_heads]: [usize; 3],
+    heads: &HeadViews,
+) -> String {
     let exact: HashMap<(&str, &str), f32> = r
         .exact_edges
         .iter()
@@ -36,6 +43,7 @@ pub fn page(r: &CircuitReport, n_layers: usize, n_heads: usize, n_kv_heads: usiz
         "n_layers": n_layers, "n_heads": n_heads, "n_kv_heads": n_kv_heads,
         "nodes": r.nodes, "edges": edges,
         "ladder": ev.map(|e| &e.ladder), "cpr": ev.map(|e| e.cpr), "cmd": ev.map(|e| e.cmd),
+        "head_views": heads,
     });
     let json = data.to_string().replace('<', "\\u003c");
     TEMPLATE.replace("/*ATTNSCOPE_DATA*/null", &json).replace(
@@ -72,7 +80,13 @@ mod tests {
             exact_edges: None,
             seconds: 0.0,
         };
-        let p = page(&r, 2, 4, 2);
+        let views = HeadViews {
+            tokens: vec![],
+            head_edges: 100,
+            max_heads: 32,
+            heads: vec![],
+        };
+        let p = page(&r, [2, 4, 2], &views);
         assert!(!p.contains("/*ATTNSCOPE_DATA*/null") && p.contains("\"score\":0.5"));
         assert!(
             !p.contains("logits</script>"),

@@ -22,6 +22,7 @@
 pub mod eap;
 pub mod evaluate;
 pub mod graph;
+pub mod head_views;
 
 use crate::analysis::faithfulness::{single_token, Target};
 use crate::analysis::request::usage;
