@@ -7,7 +7,7 @@
 //! whole patterns ([`Observer::attention_block`], as `view` does), it gives the same numbers.
 
 use crate::model::capture::{Hook, Observer};
-use crate::model::forward::{AttnStats, StatsRequest};
+use crate::model::attention::{AttnStats, StatsRequest};
 
 #[derive(Clone, Debug)]
 pub struct Collector {

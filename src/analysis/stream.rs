@@ -3,7 +3,7 @@
 //! stored: memory is `O(layers · heads)` plus one query block.
 
 use crate::model::capture::{Hook, Observer};
-use crate::model::forward::{AttnStats, StatsRequest};
+use crate::model::attention::{AttnStats, StatsRequest};
 use serde::Serialize;
 
 #[derive(Clone, Debug, Serialize)]

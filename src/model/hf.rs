@@ -1058,12 +1058,15 @@ fn fused_part(c: &HfConfig, l: &Logical) -> Option<(String, usize, usize)> {
 impl HfFolder {
     /// Tensor `name` as the safetensors reader gives it; a panic inside the reader comes back
     /// as an error (the loader boundary).
-    fn load_tensor(&self, name: &str) -> candle_core::Result<candle_core::Tensor> {
-        super::guard::quietly(|| self.table.load(name)).unwrap_or_else(|msg| {
-            Err(candle_core::Error::Msg(format!(
-                "the safetensors reader failed ({msg})"
-            )))
-        })
+    fn load_tensor(&self, name: &str) -> Result<candle_core::Tensor> {
+        let bad = |reason: String| Error::BadSafetensors {
+            path: self.dir.clone(),
+            reason: format!("tensor `{name}`: {reason}"),
+        };
+        match super::guard::quietly(|| self.table.load(name)) {
+            Ok(t) => t.map_err(|e| bad(super::error::candle_message(&e))),
+            Err(msg) => Err(bad(format!("the safetensors reader failed ({msg})"))),
+        }
     }
 }
 
@@ -1079,7 +1082,7 @@ impl TensorSource for HfFolder {
                 path: self.dir.clone(),
                 reason: format!("tensor `{name}`: {}", super::error::candle_message(&e)),
             };
-            let mut t = self.load_tensor(&name).map_err(bad)?;
+            let mut t = self.load_tensor(&name)?;
             if let Some((start, len)) = cols {
                 let last = t.rank() - 1;
                 if t.dim(last).map_err(bad)? < start + len {
@@ -1113,7 +1116,7 @@ impl TensorSource for HfFolder {
                         path: self.dir.clone(),
                         reason: format!("tensor `{fused}`: {}", super::error::candle_message(&e)),
                     };
-                    let t = self.load_tensor(&fused).map_err(bad)?;
+                    let t = self.load_tensor(&fused)?;
                     if t.dim(0).map_err(bad)? < start + len {
                         return Err(Error::ShapeMismatch {
                             name: fused,
@@ -1132,10 +1135,7 @@ impl TensorSource for HfFolder {
             }
             return Ok(None);
         }
-        let t = self.load_tensor(&name).map_err(|e| Error::BadSafetensors {
-            path: self.dir.clone(),
-            reason: format!("tensor `{name}`: {}", super::error::candle_message(&e)),
-        })?;
+        let t = self.load_tensor(&name)?;
         Ok(Some(Raw::F(t)))
     }
     fn path(&self) -> &Path {

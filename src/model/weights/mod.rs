@@ -135,12 +135,10 @@ impl Mapped {
     }
     /// A candle quantized tensor (one copy of the blocks).
     pub fn to_qtensor(&self) -> Result<QTensor> {
-        let dtype = self.dtype.ggml().ok_or_else(|| {
-            Error::Candle(candle_core::Error::Msg(format!(
-                "{:?} has no candle tensor type",
-                self.dtype
-            )))
-        })?;
+        let dtype = self
+            .dtype
+            .ggml()
+            .ok_or_else(|| Error::NoCandleType(format!("{:?}", self.dtype)))?;
         let storage = QStorage::from_data(Cow::Borrowed(self.bytes()), &Device::Cpu, dtype)?;
         Ok(QTensor::new(storage, self.dims.clone())?)
     }
