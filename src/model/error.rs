@@ -23,7 +23,8 @@ pub enum Error {
     #[error("cannot read safetensors {path}: {reason}; the file is corrupt or truncated, fetch it again")]
     BadSafetensors { path: PathBuf, reason: String },
     #[error(
-        "unsupported architecture `{arch}` in {path}; attnscope supports: qwen2, llama, qwen3, gemma2, gemma3, phi3, gpt2, and from Hugging Face folders mistral and the encoders bert, roberta and distilbert"
+        "unsupported architecture `{arch}` in {path}; attnscope supports: {}",
+        super::family::supported_sentence()
     )]
     UnknownArch { arch: String, path: PathBuf },
     #[error("metadata key `{key}` missing in {path}; expected a {arch} checkpoint")]

@@ -10,7 +10,7 @@ use super::super::error::{Error, Result};
 use super::super::gguf::Backing;
 use super::super::memory::{self, Footprint};
 use super::super::weights::{BlockType, Logical, Mapped};
-use super::{fused_part, gpt2_part, hf_name_for, HfFolder};
+use super::{fused_part, hf_name_for, HfFolder};
 use candle_core::quantized::GgmlDType;
 use safetensors::Dtype;
 use std::collections::HashMap;
@@ -203,8 +203,8 @@ impl HfFolder {
     /// reads it from the file's bytes (F16/BF16 outside GPT-2, whose Conv1D weights are
     /// transposed at load).
     fn entry_of(&self, arch: Option<Arch>, l: &Logical) -> Option<(&Entry, bool)> {
-        if arch == Some(Arch::Gpt2) {
-            let (name, _, _) = gpt2_part(&self.config, l);
+        if let Some(part) = arch.and_then(|a| a.family().hf.conv1d) {
+            let (name, _, _) = part(&self.config, l);
             return self.table.entry(&name).map(|e| (e, false));
         }
         let name = format!("{}{}", self.prefix.unwrap_or(""), hf_name_for(arch, l));
