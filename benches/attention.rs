@@ -7,8 +7,9 @@
 
 use attnscope::analysis::collect::Collector;
 use attnscope::analysis::stream::StreamStats;
+use attnscope::model::attention::{attention, AttnDims};
 use attnscope::model::capture::Observer;
-use attnscope::model::forward::{attention, AttnDims, RunOptions};
+use attnscope::model::forward::RunOptions;
 use attnscope::reference::{grouped_query_attention, Mask, Rng};
 use criterion::measurement::WallTime;
 use criterion::{

@@ -234,3 +234,54 @@ fn a_bogus_citation_is_reported() {
     );
     assert!(bad[3].contains("tests/nowhere.rs"), "{bad:#?}");
 }
+
+/// The families docs/models.md's table lists (the first column's `name`s, each once), the ones
+/// docs/errors.md's refusal names, and the refusal itself: exactly the registry's
+/// (`src/model/family/`), in its order for the messages.
+#[test]
+fn the_docs_and_the_refusal_name_exactly_the_registrys_families() {
+    use attnscope::model::family::{supported_sentence, FAMILIES};
+    let registry: Vec<&str> = FAMILIES.iter().map(|f| f.name).collect();
+    let models = std::fs::read_to_string(root().join("docs/models.md")).unwrap();
+    let start = models
+        .find("| family | formats |")
+        .expect("docs/models.md has the families' table");
+    let mut listed: Vec<String> = models[start..]
+        .lines()
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .filter_map(|l| {
+            l.trim_start_matches("| `")
+                .split('`')
+                .next()
+                .map(String::from)
+        })
+        .collect();
+    listed.dedup();
+    let mut want: Vec<String> = registry.iter().map(|s| s.to_string()).collect();
+    want.sort();
+    let mut got = listed.clone();
+    got.sort();
+    got.dedup();
+    assert_eq!(got, want, "docs/models.md's table lists {listed:?}");
+    // the refusal names each family once, in the registry's order
+    let sentence = supported_sentence();
+    let named: Vec<&str> = sentence
+        .split(|c: char| !c.is_ascii_alphanumeric())
+        .filter(|w| registry.contains(w))
+        .collect();
+    assert_eq!(named, registry, "{sentence}");
+    let e = attnscope::model::Error::UnknownArch {
+        arch: "bloom".into(),
+        path: "X".into(),
+    };
+    assert!(
+        e.to_string().ends_with(&format!("supports: {sentence}")),
+        "{e}"
+    );
+    let errors = std::fs::read_to_string(root().join("docs/errors.md")).unwrap();
+    assert!(
+        errors.contains(&format!("attnscope supports: {sentence}``")),
+        "docs/errors.md's unknown architecture row does not name: {sentence}"
+    );
+}

@@ -10,8 +10,9 @@ use attnscope::analysis::attribute::{attribute, AttributeOptions, Method};
 use attnscope::analysis::enc_target::EncoderTarget;
 use attnscope::analysis::encoder::{inspect, is_punctuation};
 use attnscope::analysis::faithfulness::Target;
+use attnscope::model::attention::{attention, AttnDims};
 use attnscope::model::capture::{AttnCache, CaptureSpec, NoCapture};
-use attnscope::model::forward::{attention, AttnDims, RunOptions};
+use attnscope::model::forward::RunOptions;
 use attnscope::model::{Error, Model, Precision};
 use attnscope::reference::{grouped_query_attention_f64, heads_to_rows};
 use common::{

@@ -6,8 +6,8 @@
 
 mod common;
 use attnscope::analysis::stream::StreamStats;
+use attnscope::model::attention::{attention, AttnDims};
 use attnscope::model::capture::{AttnCache, CaptureSpec};
-use attnscope::model::forward::{attention, AttnDims};
 use attnscope::reference::{grouped_query_attention, head_slice, repeat_kv, Mask, Rng};
 use proptest::prelude::*;
 

@@ -571,8 +571,8 @@ impl attnscope::model::capture::Observer for Recorder {
     }
     fn tensor(&mut self, _: usize, _: Hook, _: &[usize], _: &[f32]) {}
     fn attention_block(&mut self, _: usize, _: Hook, _: usize, _: [usize; 3], _: &[f32]) {}
-    fn wants_stats(&self, _: usize) -> Option<attnscope::model::forward::StatsRequest> {
-        Some(attnscope::model::forward::StatsRequest {
+    fn wants_stats(&self, _: usize) -> Option<attnscope::model::attention::StatsRequest> {
+        Some(attnscope::model::attention::StatsRequest {
             top_k: 3,
             top_k_from: 0,
         })
@@ -581,7 +581,7 @@ impl attnscope::model::capture::Observer for Recorder {
         &mut self,
         layer: usize,
         q0: usize,
-        s: &attnscope::model::forward::AttnStats,
+        s: &attnscope::model::attention::AttnStats,
     ) {
         for h in 0..s.n_heads {
             for r in 0..s.rows {

@@ -6,8 +6,8 @@
 //! statistics and recomputes the one query's rows, so `inspect` costs a plain forward. Fed
 //! whole patterns ([`Observer::attention_block`], as `view` does), it gives the same numbers.
 
+use crate::model::attention::{AttnStats, StatsRequest};
 use crate::model::capture::{Hook, Observer};
-use crate::model::forward::{AttnStats, StatsRequest};
 
 #[derive(Clone, Debug)]
 pub struct Collector {

@@ -7,8 +7,9 @@
 use super::collect::Collector;
 use super::request::{check_index, usage};
 use super::{next_token_top_k, top_k, Ranked};
+use crate::model::attention::AttnStats;
 use crate::model::capture::Observer;
-use crate::model::forward::{AttnStats, KvPrefix, RunOptions};
+use crate::model::forward::{KvPrefix, RunOptions};
 use crate::model::tokenize::visible;
 use crate::model::{Model, Result};
 use anyhow::Context;

@@ -269,10 +269,10 @@ impl ZeroingRun<'_> {
         )?;
         let want: usize = chunk.clone().map(|j| n - j).sum();
         if obs.out.len() != want * dm {
-            return Err(Error::Candle(candle_core::Error::Msg(format!(
+            return Err(Error::Bug(format!(
                 "value zeroing got {} values of layer {l}'s output: you likely have a bug",
                 obs.out.len()
-            ))));
+            )));
         }
         for (k, j) in chunk.enumerate() {
             let base = rows[k];
@@ -339,9 +339,9 @@ impl Observer for AltiObserver<'_> {
             cache.take(l, Hook::Pattern),
             cache.take(l, Hook::AttnOut),
         ) else {
-            self.err = Some(Error::Candle(candle_core::Error::Msg(format!(
+            self.err = Some(Error::Bug(format!(
                 "ALTI: layer {l}'s activations were not captured: you likely have a bug"
-            ))));
+            )));
             return;
         };
         match alti_layer(self.model, l, self.n, &x.data, &v.data, &p.data, &out.data) {
@@ -639,7 +639,7 @@ fn through_final_norm(model: &Model, obs: &mut AltiObserver, u: &[f64]) -> Resul
     let last = obs
         .cache
         .take(nl - 1, Hook::ResidPost)
-        .ok_or_else(|| Error::Candle(candle_core::Error::Msg("no final residual".into())))?
+        .ok_or_else(|| Error::Bug("no final residual".into()))?
         .data;
     let xf = &last[(n - 1) * dm..];
     let (gf, bf, eps) = model.final_norm();

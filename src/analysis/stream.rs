@@ -2,8 +2,8 @@
 //! streaming attention (online softmax over key blocks) without any attention weights being
 //! stored: memory is `O(layers · heads)` plus one query block.
 
+use crate::model::attention::{AttnStats, StatsRequest};
 use crate::model::capture::{Hook, Observer};
-use crate::model::forward::{AttnStats, StatsRequest};
 use serde::Serialize;
 
 #[derive(Clone, Debug, Serialize)]

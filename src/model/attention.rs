@@ -308,12 +308,12 @@ fn check_shapes(dims: &AttnDims, q: &[f32], k: &[f32], v: &[f32]) -> Result<()> 
         || k.len() != n_kv * k_len * d
         || v.len() != k.len()
     {
-        return Err(Error::Candle(candle_core::Error::Msg(format!(
+        return Err(Error::Bug(format!(
             "attention shapes {dims:?} with q {} k {} v {} values: you likely have a bug",
             q.len(),
             k.len(),
             v.len()
-        ))));
+        )));
     }
     Ok(())
 }

@@ -131,7 +131,7 @@ impl Saved {
 }
 
 fn bug(msg: String) -> Error {
-    Error::Candle(candle_core::Error::Msg(msg))
+    Error::Bug(msg)
 }
 
 impl Model {

@@ -75,11 +75,10 @@ pub struct LayerPlan {
 impl LayerPlan {
     /// Layer `layer`'s plan for a model of this shape.
     pub fn of(dims: &ModelDims, layer: usize) -> LayerPlan {
-        let gpt2 = dims.arch.learned_positions();
-        let encoder = dims.arch.is_encoder();
+        let family = dims.arch.family();
         LayerPlan {
-            norm: if gpt2 { NormKind::Layer } else { NormKind::Rms },
-            positions: if gpt2 {
+            norm: family.norm,
+            positions: if family.learned_positions {
                 Positions::Learned
             } else {
                 Positions::Rotary {
@@ -89,17 +88,9 @@ impl LayerPlan {
             window: dims.window_of(layer),
             score_scale: dims.gemma.as_ref().map(|g| g.query_scale),
             softcap: dims.gemma.as_ref().and_then(|g| g.attn_softcap),
-            mlp: if encoder {
-                MlpKind::GeluErf
-            } else if gpt2 {
-                MlpKind::GeluTanh
-            } else if dims.arch.is_gemma() {
-                MlpKind::GeGluTanh
-            } else {
-                MlpKind::SwiGlu
-            },
-            causal: !encoder,
-            post_norm: encoder,
+            mlp: family.mlp,
+            causal: !family.encoder,
+            post_norm: family.encoder,
         }
     }
 

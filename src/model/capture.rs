@@ -294,7 +294,7 @@ pub trait Observer {
     );
     /// Whether (and with how many top keys) this observer wants per-(head, query) statistics at
     /// `layer` (computed while streaming, without the weights).
-    fn wants_stats(&self, _layer: usize) -> Option<crate::model::forward::StatsRequest> {
+    fn wants_stats(&self, _layer: usize) -> Option<crate::model::attention::StatsRequest> {
         None
     }
     /// Statistics of query rows `q_start..q_start + stats.rows`.
@@ -302,7 +302,7 @@ pub trait Observer {
         &mut self,
         _layer: usize,
         _q_start: usize,
-        _stats: &crate::model::forward::AttnStats,
+        _stats: &crate::model::attention::AttnStats,
     ) {
     }
     /// Query positions whose whole normalized rows (every head) this observer wants at `layer`
@@ -435,7 +435,7 @@ macro_rules! delegate_observer {
         }
     };
     (@one ($f:ident $([$i:ident])?) wants_stats) => {
-        fn wants_stats(&self, layer: usize) -> Option<$crate::model::forward::StatsRequest> {
+        fn wants_stats(&self, layer: usize) -> Option<$crate::model::attention::StatsRequest> {
             self.$f$([self.$i])?.wants_stats(layer)
         }
     };
@@ -444,7 +444,7 @@ macro_rules! delegate_observer {
             &mut self,
             layer: usize,
             q_start: usize,
-            stats: &$crate::model::forward::AttnStats,
+            stats: &$crate::model::attention::AttnStats,
         ) {
             self.$f$([self.$i])?.attention_stats(layer, q_start, stats)
         }

@@ -4,7 +4,8 @@
 
 use serde::Serialize;
 
-/// The architectures attnscope runs.
+/// The architectures attnscope runs; each one's names, keys, tensor names and plan are in its
+/// file under `src/model/family/`, registered in [`super::family::FAMILIES`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Arch {
@@ -42,53 +43,30 @@ pub enum Arch {
 }
 
 impl Arch {
+    /// This family's entry in the registry ([`super::family::FAMILIES`]).
+    pub fn family(self) -> &'static super::family::Family {
+        super::family::of(self)
+    }
     pub fn name(self) -> &'static str {
-        match self {
-            Arch::Qwen2 => "qwen2",
-            Arch::Llama => "llama",
-            Arch::Qwen3 => "qwen3",
-            Arch::Mistral => "mistral",
-            Arch::Phi3 => "phi3",
-            Arch::Gemma2 => "gemma2",
-            Arch::Gemma3 => "gemma3",
-            Arch::Gpt2 => "gpt2",
-            Arch::Bert => "bert",
-            Arch::Roberta => "roberta",
-            Arch::DistilBert => "distilbert",
-        }
+        self.family().name
     }
     /// Gemma's conventions: (1 + w) norms, post-norms, scaled embeddings, GeLU(tanh).
     pub fn is_gemma(self) -> bool {
-        matches!(self, Arch::Gemma2 | Arch::Gemma3)
+        self.family().gemma.is_some()
     }
     /// An encoder: every token attends to every other (no causal mask), and there is no
     /// next-token prediction.
     pub fn is_encoder(self) -> bool {
-        matches!(self, Arch::Bert | Arch::Roberta | Arch::DistilBert)
+        self.family().encoder
     }
     /// Learned absolute positions added to the embeddings, LayerNorms with biases, biases on
     /// every projection (GPT-2, BERT).
     pub fn learned_positions(self) -> bool {
-        matches!(
-            self,
-            Arch::Gpt2 | Arch::Bert | Arch::Roberta | Arch::DistilBert
-        )
+        self.family().learned_positions
     }
+    /// The family a file names (`general.architecture`, `model_type`), from the registry.
     pub fn parse(s: &str) -> Option<Arch> {
-        match s {
-            "qwen2" => Some(Arch::Qwen2),
-            "llama" => Some(Arch::Llama),
-            "qwen3" => Some(Arch::Qwen3),
-            "mistral" => Some(Arch::Mistral),
-            "phi3" => Some(Arch::Phi3),
-            "gemma2" => Some(Arch::Gemma2),
-            "gemma3" | "gemma3_text" => Some(Arch::Gemma3),
-            "gpt2" => Some(Arch::Gpt2),
-            "bert" => Some(Arch::Bert),
-            "roberta" => Some(Arch::Roberta),
-            "distilbert" => Some(Arch::DistilBert),
-            _ => None,
-        }
+        super::family::parse(s).map(|f| f.arch)
     }
 }
 

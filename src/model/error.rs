@@ -23,7 +23,8 @@ pub enum Error {
     #[error("cannot read safetensors {path}: {reason}; the file is corrupt or truncated, fetch it again")]
     BadSafetensors { path: PathBuf, reason: String },
     #[error(
-        "unsupported architecture `{arch}` in {path}; attnscope supports: qwen2, llama, qwen3, gemma2, gemma3, phi3, gpt2, and from Hugging Face folders mistral and the encoders bert, roberta and distilbert"
+        "unsupported architecture `{arch}` in {path}; attnscope supports: {}",
+        super::family::supported_sentence()
     )]
     UnknownArch { arch: String, path: PathBuf },
     #[error("metadata key `{key}` missing in {path}; expected a {arch} checkpoint")]
@@ -125,6 +126,25 @@ pub enum Error {
     /// `ATTNSCOPE_ISA` / `ATTNSCOPE_AMX` ask for a kernel this CPU cannot run (or name none).
     #[error("{0}")]
     Kernels(String),
+    /// A caller broke one of the engine's invariants (shapes that do not fit, a prefix of
+    /// another model, weights the plan needs and the model lacks): attnscope's bug, never the
+    /// input's.
+    #[error("tensor computation failed: {0}")]
+    Bug(String),
+    /// Quantized blocks whose bytes do not make the values their shape asks for.
+    #[error("tensor computation failed: {what}: {bytes} bytes do not make {values} values")]
+    BlockBytes {
+        /// The block type (and size) read.
+        what: String,
+        bytes: usize,
+        values: usize,
+    },
+    /// A block type candle has no tensor type for (attnscope reads it itself).
+    #[error("tensor computation failed: {0} has no candle tensor type")]
+    NoCandleType(String),
+    /// An output head whose matrix does not fit the rows it multiplies.
+    #[error("tensor computation failed: {0}")]
+    HeadShape(String),
 }
 
 impl From<candle_core::Error> for Error {
@@ -151,7 +171,13 @@ impl Error {
     pub fn is_bad_input(&self) -> bool {
         !matches!(
             self,
-            Error::Candle(_) | Error::Io { .. } | Error::NonFinite { .. }
+            Error::Candle(_)
+                | Error::Io { .. }
+                | Error::NonFinite { .. }
+                | Error::Bug(_)
+                | Error::BlockBytes { .. }
+                | Error::NoCandleType(_)
+                | Error::HeadShape(_)
         )
     }
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {

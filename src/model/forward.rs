@@ -6,13 +6,11 @@
 //! needs a whole `[heads, n, n]` at once. It is tested against [`crate::reference`] on tiny
 //! models and against Hugging Face transformers on the real ones.
 
-// the kernel and the row-wise operations live in their own modules; their public items are
-// reachable here too, where they were before the split
-pub use super::attention::*;
+use super::attention::{all_finite, max_row_sq};
 use super::block::NormKind;
 use super::capture::{Hook, Observer};
 use super::error::{Error, Result};
-pub use super::ops::*;
+use super::ops::{layer_norm_into, norm_parts, rms_norm_into, rope_tables_of};
 use super::tl_weights::{half_split_to_interleaved, interleaved_to_half_split};
 use super::weights::Head;
 use super::Model;
@@ -236,10 +234,10 @@ fn norm_hooked(
     match (kind, b) {
         (NormKind::Layer, Some(_)) | (NormKind::Rms, None) => {}
         (kind, b) => {
-            return Err(Error::Candle(candle_core::Error::Msg(format!(
+            return Err(Error::Bug(format!(
                 "a {kind:?} norm with{} a bias: you likely have a bug",
                 if b.is_some() { "" } else { "out" }
-            ))))
+            )))
         }
     }
     if !touches(obs, l, scale_hook) && !touches(obs, l, normalized_hook) {
@@ -536,11 +534,11 @@ impl Model {
         self.check_prefix_fits(prefix)?;
         let full = prefix.map_or(0, |p| p.len);
         if segs.is_empty() || (opts.keep_kv && (segs.len() > 1 || first_layer > 0)) {
-            return Err(Error::Candle(candle_core::Error::Msg(format!(
+            return Err(Error::Bug(format!(
                 "a forward of {} segments (keep_kv {}, from layer {first_layer}): you likely have a bug",
                 segs.len(),
                 opts.keep_kv
-            ))));
+            )));
         }
         // each segment's first row in the stacked rows
         let mut row0 = Vec::with_capacity(segs.len());
@@ -580,9 +578,9 @@ impl Model {
                 || p.n_kv != dims.n_kv_heads
                 || p.head_dim != dims.head_dim
         }) {
-            return Err(Error::Candle(candle_core::Error::Msg(
+            return Err(Error::Bug(
                 "the KV prefix belongs to another model: you likely have a bug".into(),
-            )));
+            ));
         }
         Ok(())
     }
@@ -597,9 +595,9 @@ impl Model {
             return Err(Error::EmptyText);
         }
         if p0 > full {
-            return Err(Error::Candle(candle_core::Error::Msg(format!(
+            return Err(Error::Bug(format!(
                 "a segment reuses {p0} positions of a {full}-position prefix: you likely have a bug"
-            ))));
+            )));
         }
         self.check_tokens(n, seg.tokens)?;
         for &p in seg.logits_at.iter().chain(&seg.knockout) {
@@ -670,11 +668,11 @@ impl Model {
     fn check_resume(&self, r: Resume, m: usize) -> Result<Vec<f32>> {
         let (n_layers, dm) = (self.dims.n_layers, self.dims.d_model);
         if r.layer >= n_layers || r.resid.len() != m * dm {
-            return Err(Error::Candle(candle_core::Error::Msg(format!(
+            return Err(Error::Bug(format!(
                 "resuming at layer {} of {n_layers} with {} residual values for {m} rows of {dm}: you likely have a bug",
                 r.layer,
                 r.resid.len()
-            ))));
+            )));
         }
         Ok(r.resid)
     }

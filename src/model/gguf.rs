@@ -4,6 +4,7 @@
 
 use super::config::{Arch, GemmaSettings, ModelDims, RopeScaling, RopeStyle};
 use super::error::{Error, Result};
+use super::family::gguf_name;
 use super::weights::{BlockType, Logical, Mapped, Raw, TensorSource};
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::GgmlDType;
@@ -499,7 +500,7 @@ impl GgufFile {
         match self.float(&format!("{a}.rope.freq_base")) {
             Some(b) => b,
             // GPT-2 has learned positions, no RoPE
-            None if arch == Arch::Gpt2 => 10000.0,
+            None if arch.learned_positions() => 10000.0,
             None => {
                 // llama.cpp's default; said out loud because it changes every pattern
                 warnings.push(format!(
@@ -513,9 +514,9 @@ impl GgufFile {
     /// The normalization's epsilon: LayerNorm's for GPT-2, RMSNorm's for the others.
     fn norm_eps(&self, a: &str, arch: Arch) -> Result<f32> {
         // GPT-2 normalizes with LayerNorm, the others with RMSNorm
-        let eps_key = match arch {
-            Arch::Gpt2 => format!("{a}.attention.layer_norm_epsilon"),
-            _ => format!("{a}.attention.layer_norm_rms_epsilon"),
+        let eps_key = match &arch.family().gguf {
+            Some(g) => format!("{a}.{}", g.eps_key),
+            None => format!("{a}.attention.layer_norm_rms_epsilon"),
         };
         self.float(&eps_key).ok_or_else(|| Error::MissingKey {
             key: eps_key.clone(),
@@ -527,22 +528,14 @@ impl GgufFile {
     /// How the family's GGUF converter lays out q/k for RoPE; the families read only from
     /// Hugging Face folders are refused here.
     fn rope_style(&self, arch: Arch) -> Result<RopeStyle> {
-        match arch {
-            // llama.cpp: LLAMA_ROPE_TYPE_NEOX for qwen2/qwen3/phi3/gemma2/gemma3 (their
-            // converters keep Hugging Face's layout), NORM for llama (permuted q/k); GPT-2
-            // has no RoPE (learned positions)
-            Arch::Qwen2 | Arch::Qwen3 | Arch::Phi3 | Arch::Gemma2 | Arch::Gemma3 | Arch::Gpt2 => {
-                Ok(RopeStyle::Neox)
-            }
-            Arch::Llama => Ok(RopeStyle::Interleaved),
-            // llama.cpp converts Mistral checkpoints as `llama` and drops the window; BERT
-            // is read from Hugging Face folders only
-            Arch::Mistral | Arch::Bert | Arch::Roberta | Arch::DistilBert => {
-                Err(Error::UnknownArch {
-                    arch: format!("{} (in GGUF; use the Hugging Face folder)", arch.name()),
-                    path: self.path.clone(),
-                })
-            }
+        // the family's file says how its converter lays out q/k (llama.cpp's rope types), or
+        // that it is read from Hugging Face folders only (Mistral, the encoders)
+        match &arch.family().gguf {
+            Some(g) => Ok(g.rope),
+            None => Err(Error::UnknownArch {
+                arch: format!("{} (in GGUF; use the Hugging Face folder)", arch.name()),
+                path: self.path.clone(),
+            }),
         }
     }
 
@@ -573,17 +566,7 @@ impl GgufFile {
             }
         }
         // what this family's forward implements is read below; the rest is refused by name
-        let implemented: &[&str] = match arch {
-            Arch::Gemma2 | Arch::Gemma3 => &[
-                "attention.sliding_window",
-                "attn_logit_softcapping",
-                "final_logit_softcapping",
-                "attention.scale",
-                "attention.sliding_window_pattern",
-            ],
-            Arch::Phi3 => &["attention.sliding_window"],
-            _ => &[],
-        };
+        let implemented: &[&str] = arch.family().gguf.as_ref().map_or(&[], |g| g.reads);
         for k in [
             "attention.sliding_window",
             "attn_logit_softcapping",
@@ -611,11 +594,15 @@ impl GgufFile {
         };
         let key = format!("{a}.rope.dimension_count");
         let mut rotary_dim = head_dim;
+        let gguf = arch.family().gguf.as_ref();
+        // GPT-2 has no RoPE
+        let no_rope = gguf.is_some() && arch.learned_positions();
         if let Ok(rot) = self.uint(&key, a) {
-            if arch == Arch::Phi3 && rot > 0 && rot <= head_dim && rot % 2 == 0 {
+            if gguf.is_some_and(|g| g.partial_rotary) && rot > 0 && rot <= head_dim && rot % 2 == 0
+            {
                 // Phi-3's partial rotary factor
                 rotary_dim = rot;
-            } else if rot != head_dim && arch != Arch::Gpt2 {
+            } else if rot != head_dim && !no_rope {
                 return Err(unsupported(
                     &key,
                     rot.to_string(),
@@ -633,7 +620,14 @@ impl GgufFile {
         let window_key = format!("{a}.attention.sliding_window");
         Ok(match self.md(&window_key) {
             Some(_) => match self.uint(&window_key, a)? {
-                0 if arch == Arch::Phi3 => None,
+                0 if arch
+                    .family()
+                    .gguf
+                    .as_ref()
+                    .is_some_and(|g| g.window_zero_is_none) =>
+                {
+                    None
+                }
                 0 => {
                     return Err(Error::BadValue {
                         key: window_key,
@@ -659,6 +653,7 @@ impl GgufFile {
         (n_layers, d_model, n_heads, head_dim): (usize, usize, usize, usize),
         rope_base: f32,
     ) -> Result<GemmaSettings> {
+        let gemma = arch.family().gemma.as_ref().expect("a Gemma family");
         if window.is_none() {
             return Err(Error::MissingKey {
                 key: format!("{a}.attention.sliding_window"),
@@ -688,8 +683,7 @@ impl GgufFile {
             other => {
                 let pattern = match other {
                     Some(_) => self.uint(&pattern_key, a)?.max(1),
-                    None if arch == Arch::Gemma2 => 2,
-                    None => 6,
+                    None => gemma.pattern,
                 };
                 (0..n_layers).map(|i| (i + 1) % pattern != 0).collect()
             }
@@ -697,8 +691,7 @@ impl GgufFile {
         // `attention.scale` (llama.cpp's key) is the multiplier itself; where the file says
         // nothing, llama.cpp's rule: 1/√head_dim, except the 27B models (Gemma 2: 46 layers,
         // Gemma 3: 62), which scale by 1/√(d_model / heads) (their query_pre_attn_scalar)
-        let big =
-            (arch == Arch::Gemma2 && n_layers == 46) || (arch == Arch::Gemma3 && n_layers == 62);
+        let big = n_layers == gemma.big_layers;
         let scalar = if big {
             (d_model / n_heads.max(1)) as f64
         } else {
@@ -714,11 +707,7 @@ impl GgufFile {
             final_softcap: self.float(&format!("{a}.final_logit_softcapping")),
             sliding_layers,
             // Gemma 3's local base is fixed at 10000 (llama.cpp, and transformers' default)
-            rope_base_sliding: if arch == Arch::Gemma3 {
-                10000.0
-            } else {
-                rope_base
-            },
+            rope_base_sliding: gemma.local_base.unwrap_or(rope_base),
             norms_include_one: true,
         })
     }
@@ -730,11 +719,11 @@ impl GgufFile {
         // every count is checked against what the file holds before anything is sized by it
         let tensors = self.content.tensor_infos.len();
         // Phi-3 fuses q|k|v and gate|up: 6 tensors a layer
-        let per_layer = if arch == Arch::Phi3 {
-            6
-        } else {
-            TENSORS_PER_LAYER
-        };
+        let per_layer = arch
+            .family()
+            .gguf
+            .as_ref()
+            .map_or(TENSORS_PER_LAYER, |g| g.tensors_per_layer);
         if dims.n_layers.saturating_mul(per_layer) > tensors {
             return Err(Error::BadValue {
                 key: format!("{a}.block_count"),
@@ -772,56 +761,12 @@ impl GgufFile {
     }
 }
 
-/// GGUF's name for a logical weight.
-pub fn gguf_name(l: &Logical) -> String {
-    match l {
-        Logical::Embed => "token_embd.weight".into(),
-        Logical::FinalNorm => "output_norm.weight".into(),
-        Logical::LmHead => "output.weight".into(),
-        Logical::AttnNorm(i) => format!("blk.{i}.attn_norm.weight"),
-        Logical::Q(i) => format!("blk.{i}.attn_q.weight"),
-        Logical::QBias(i) => format!("blk.{i}.attn_q.bias"),
-        Logical::K(i) => format!("blk.{i}.attn_k.weight"),
-        Logical::KBias(i) => format!("blk.{i}.attn_k.bias"),
-        Logical::V(i) => format!("blk.{i}.attn_v.weight"),
-        Logical::VBias(i) => format!("blk.{i}.attn_v.bias"),
-        Logical::O(i) => format!("blk.{i}.attn_output.weight"),
-        Logical::MlpNorm(i) => format!("blk.{i}.ffn_norm.weight"),
-        Logical::Gate(i) => format!("blk.{i}.ffn_gate.weight"),
-        Logical::Up(i) => format!("blk.{i}.ffn_up.weight"),
-        Logical::Down(i) => format!("blk.{i}.ffn_down.weight"),
-        Logical::RopeFreqs => "rope_freqs.weight".into(),
-        Logical::PostAttnNorm(i) => format!("blk.{i}.post_attention_norm.weight"),
-        Logical::PosEmbed => "position_embd.weight".into(),
-        Logical::FinalNormBias => "output_norm.bias".into(),
-        Logical::AttnNormBias(i) => format!("blk.{i}.attn_norm.bias"),
-        Logical::MlpNormBias(i) => format!("blk.{i}.ffn_norm.bias"),
-        Logical::OBias(i) => format!("blk.{i}.attn_output.bias"),
-        Logical::UpBias(i) => format!("blk.{i}.ffn_up.bias"),
-        Logical::DownBias(i) => format!("blk.{i}.ffn_down.bias"),
-        Logical::PostMlpNorm(i) => format!("blk.{i}.post_ffw_norm.weight"),
-        Logical::QNorm(i) => format!("blk.{i}.attn_q_norm.weight"),
-        Logical::KNorm(i) => format!("blk.{i}.attn_k_norm.weight"),
-        Logical::TypeEmbed
-        | Logical::EmbedNorm
-        | Logical::EmbedNormBias
-        | Logical::Pooler
-        | Logical::PoolerBias => format!("(only an encoder has {l:?})"),
-    }
-}
-
-/// GGUF's name for a logical weight of an `arch` model: Phi-3 and GPT-2 keep q|k|v in one
-/// `attn_qkv` tensor, and Phi-3 gate|up in one `ffn_up`.
+/// GGUF's name for a logical weight of an `arch` model (its family's table: Phi-3 and GPT-2
+/// keep q|k|v in one `attn_qkv` tensor, and Phi-3 gate|up in one `ffn_up`).
 pub fn gguf_name_for(arch: Arch, l: &Logical) -> String {
-    match (arch, l) {
-        (Arch::Phi3 | Arch::Gpt2, Logical::Q(i) | Logical::K(i) | Logical::V(i)) => {
-            format!("blk.{i}.attn_qkv.weight")
-        }
-        (Arch::Gpt2, Logical::QBias(i) | Logical::KBias(i) | Logical::VBias(i)) => {
-            format!("blk.{i}.attn_qkv.bias")
-        }
-        (Arch::Phi3, Logical::Gate(i)) => format!("blk.{i}.ffn_up.weight"),
-        _ => gguf_name(l),
+    match &arch.family().gguf {
+        Some(g) => (g.name)(l),
+        None => gguf_name(l),
     }
 }
 
@@ -833,7 +778,7 @@ impl GgufFile {
         }
         let arch = Arch::parse(&self.arch_name());
         let fused = match arch {
-            Some(arch @ (Arch::Phi3 | Arch::Gpt2)) => {
+            Some(arch) if arch.family().gguf.as_ref().is_some_and(|g| g.fused_qkv) => {
                 let a = arch.name();
                 let n_heads = self.uint(&format!("{a}.attention.head_count"), a)?;
                 let d_model = self.uint(&format!("{a}.embedding_length"), a)?;
@@ -855,6 +800,12 @@ impl GgufFile {
 }
 
 impl Layout {
+    /// gate|up in one `ffn_up` (Phi-3).
+    fn gate_up_fused(&self) -> bool {
+        self.arch
+            .and_then(|a| a.family().gguf.as_ref())
+            .is_some_and(|g| g.fused_gate_up)
+    }
     /// Where a fused tensor holds `l`: `(first row, rows, rows of the whole tensor)`.
     fn fused_rows(&self, l: &Logical) -> Option<(usize, usize, usize)> {
         let (nq, nk, ff) = self.fused?;
@@ -862,8 +813,8 @@ impl Layout {
             Logical::Q(_) | Logical::QBias(_) => Some((0, nq, nq + 2 * nk)),
             Logical::K(_) | Logical::KBias(_) => Some((nq, nk, nq + 2 * nk)),
             Logical::V(_) | Logical::VBias(_) => Some((nq + nk, nk, nq + 2 * nk)),
-            Logical::Gate(_) if self.arch == Some(Arch::Phi3) => Some((0, ff, 2 * ff)),
-            Logical::Up(_) if self.arch == Some(Arch::Phi3) => Some((ff, ff, 2 * ff)),
+            Logical::Gate(_) if self.gate_up_fused() => Some((0, ff, 2 * ff)),
+            Logical::Up(_) if self.gate_up_fused() => Some((ff, ff, 2 * ff)),
             _ => None,
         }
     }

@@ -3,6 +3,7 @@
 
 use super::config::{Arch, GemmaSettings, ModelDims, RopeScaling, RopeStyle};
 use super::error::{Error, Result};
+use super::family::{hf_name, Window};
 use super::weights::{Logical, Raw, TensorSource};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
@@ -63,9 +64,6 @@ pub struct HfFolder {
     table: mapped::Table,
 }
 
-/// The prefixes under which transformers saves an encoder's base model beside a task head.
-const BASE_PREFIXES: [&str; 3] = ["bert.", "roberta.", "distilbert."];
-
 /// Task heads saved beside an encoder's base model (`BertForMaskedLM`'s `cls.predictions`,
 /// RoBERTa's `lm_head`, DistilBERT's `vocab_*` and classifiers...): the forward reads none, and
 /// they do not change the base model's numbers.
@@ -81,25 +79,6 @@ const TASK_HEADS: [&str; 10] = [
     "dropout.",
     "pooler_head.",
 ];
-
-/// DistilBERT's config keys under BERT's names (its `config.json` says `dim`, `n_layers`...),
-/// with its fixed LayerNorm epsilon (1e-12) and no token types.
-fn distilbert_config(v: &mut serde_json::Value) {
-    let Some(m) = v.as_object_mut() else { return };
-    for (from, to) in [
-        ("dim", "hidden_size"),
-        ("n_layers", "num_hidden_layers"),
-        ("n_heads", "num_attention_heads"),
-        ("hidden_dim", "intermediate_size"),
-        ("activation", "hidden_act"),
-    ] {
-        if let Some(x) = m.remove(from) {
-            m.entry(to).or_insert(x);
-        }
-    }
-    m.entry("layer_norm_eps").or_insert(1e-12.into());
-    m.insert("type_vocab_size".into(), 0.into());
-}
 
 /// An encoder's settings that transformers' config classes give defaults (`BertConfig`,
 /// `RobertaConfig`, `DistilBertConfig`: `layer_norm_eps` 1e-12, `max_position_embeddings` 512)
@@ -144,8 +123,12 @@ fn read_config(dir: &Path) -> Result<(HfConfig, Vec<String>)> {
         .and_then(|t| t.as_str())
         .map(str::to_string);
     let model_type = model_type.as_deref();
-    if model_type == Some("distilbert") {
-        distilbert_config(&mut raw);
+    // a family's own config keys under the ones attnscope reads (DistilBERT's `dim`...)
+    if let Some(rename) = model_type
+        .and_then(super::family::parse)
+        .and_then(|f| f.hf.config_keys)
+    {
+        rename(&mut raw);
     }
     let defaulted = if model_type
         .and_then(Arch::parse)
@@ -216,7 +199,11 @@ impl HfFolder {
             .as_deref()
             .and_then(Arch::parse)
             .is_some_and(|a| a.is_encoder());
-        let prefix = BASE_PREFIXES.into_iter().find(|p| {
+        // the prefixes under which transformers saves an encoder's base model beside a task head
+        let mut prefixes = super::family::FAMILIES
+            .iter()
+            .filter_map(|f| f.hf.base_prefix);
+        let prefix = prefixes.find(|p| {
             encoder
                 && table
                     .entry(&format!("{p}embeddings.word_embeddings.weight"))
@@ -422,7 +409,8 @@ impl<'a> ConfigReader<'a> {
         };
         // Gemma 3 (transformers 5): one set per layer type; the hub: `rope_local_base_freq`
         let mut sliding_base = c.extra.get("rope_local_base_freq").and_then(|v| v.as_f64());
-        if let (Arch::Gemma3, Some(p)) = (self.arch, params) {
+        let per_type = (self.arch.family().gemma.as_ref()).is_some_and(|g| g.local_base.is_some());
+        if let (true, Some(p)) = (per_type, params) {
             if let (Some(full), Some(local)) = (p.get("full_attention"), p.get("sliding_attention"))
             {
                 let kind = local.get("rope_type").and_then(|t| t.as_str());
@@ -515,11 +503,7 @@ impl<'a> ConfigReader<'a> {
 
     /// Settings of other families that change every number (Gemma's own are read later).
     fn refuse_foreign_settings(&self) -> Result<()> {
-        let gemma_keys = [
-            "attn_logit_softcapping",
-            "final_logit_softcapping",
-            "query_pre_attn_scalar",
-        ];
+        let reads = self.arch.family().hf.reads;
         for k in [
             "attn_logit_softcapping",
             "final_logit_softcapping",
@@ -529,10 +513,7 @@ impl<'a> ConfigReader<'a> {
             "attention_multiplier",
             "logits_scaling",
         ] {
-            if let Some(v) = self
-                .set(k)
-                .filter(|_| !(self.arch.is_gemma() && gemma_keys.contains(&k)))
-            {
+            if let Some(v) = self.set(k).filter(|_| !reads.contains(&k)) {
                 return Err(self.unsupported(k, v, ""));
             }
         }
@@ -558,74 +539,13 @@ impl<'a> ConfigReader<'a> {
         }
     }
 
-    /// The MLP's activation and the attention's kind, as each family implements them.
+    /// The MLP's activation and the attention's kind, as each family implements them (its
+    /// file's checks).
     fn check_activation(&self) -> Result<()> {
-        let arch = self.arch;
-        if arch.is_gemma() {
-            for k in ["hidden_activation", "hidden_act"] {
-                if let Some(v) = self
-                    .set(k)
-                    .filter(|v| v.as_str() != Some("gelu_pytorch_tanh"))
-                {
-                    return Err(self.unsupported(
-                        k,
-                        v,
-                        "; attnscope's Gemma MLP is GeGLU with gelu_pytorch_tanh",
-                    ));
-                }
+        for c in self.arch.family().hf.checks {
+            if let Some(v) = self.set(c.key).filter(|v| !c.want.accepts(v)) {
+                return Err(self.unsupported(c.key, v, c.why));
             }
-            if let Some(v) = self
-                .set("use_bidirectional_attention")
-                .filter(|v| v.as_bool() == Some(true))
-            {
-                return Err(self.unsupported(
-                    "use_bidirectional_attention",
-                    v,
-                    "; attnscope runs causal attention",
-                ));
-            }
-        } else if arch == Arch::Gpt2 {
-            if let Some(v) = self
-                .set("activation_function")
-                .filter(|v| v.as_str() != Some("gelu_new"))
-            {
-                return Err(self.unsupported(
-                    "activation_function",
-                    v,
-                    "; attnscope's GPT-2 MLP uses gelu_new",
-                ));
-            }
-            for (k, ok) in [
-                ("scale_attn_by_inverse_layer_idx", false),
-                ("scale_attn_weights", true),
-                ("add_cross_attention", false),
-            ] {
-                if let Some(v) = self.set(k).filter(|v| v.as_bool() != Some(ok)) {
-                    return Err(self.unsupported(k, v, ""));
-                }
-            }
-        } else if arch.is_encoder() {
-            for (k, ok) in [
-                ("hidden_act", "gelu"),
-                ("position_embedding_type", "absolute"),
-            ] {
-                if let Some(v) = self.set(k).filter(|v| v.as_str() != Some(ok)) {
-                    let why = format!("; attnscope's {} has {k} = {ok}", arch.name());
-                    return Err(self.unsupported(k, v, &why));
-                }
-            }
-            for k in ["is_decoder", "add_cross_attention"] {
-                if let Some(v) = self.set(k).filter(|v| v.as_bool() != Some(false)) {
-                    let why =
-                        "; attnscope runs BERT as an encoder (bidirectional, no cross-attention)";
-                    return Err(self.unsupported(k, v, why));
-                }
-            }
-        } else if let Some(v) = self
-            .set("hidden_act")
-            .filter(|v| v.as_str() != Some("silu"))
-        {
-            return Err(self.unsupported("hidden_act", v, "; attnscope's MLP is SwiGLU with silu"));
         }
         Ok(())
     }
@@ -635,8 +555,8 @@ impl<'a> ConfigReader<'a> {
         let Some(v) = self.set("sliding_window") else {
             return Ok(None);
         };
-        match self.arch {
-            Arch::Mistral | Arch::Phi3 | Arch::Gemma2 | Arch::Gemma3 => match v.as_u64() {
+        match self.arch.family().hf.window {
+            Window::Read => match v.as_u64() {
                 Some(w) if w > 0 => Ok(Some(w as usize)),
                 _ => Err(self.bad_value(
                     "sliding_window",
@@ -644,7 +564,7 @@ impl<'a> ConfigReader<'a> {
                 )),
             },
             // Qwen configs carry a window with `use_sliding_window: false`: then it is unused
-            Arch::Qwen2 | Arch::Qwen3 => {
+            Window::UnlessUsed => {
                 if self.set("use_sliding_window").and_then(|u| u.as_bool()) == Some(true) {
                     return Err(self.unsupported(
                         "use_sliding_window",
@@ -654,12 +574,11 @@ impl<'a> ConfigReader<'a> {
                 }
                 Ok(None)
             }
-            Arch::Llama | Arch::Gpt2 | Arch::Bert | Arch::Roberta | Arch::DistilBert => Err(self
-                .unsupported(
-                    "sliding_window",
-                    v,
-                    "; for a llama model attnscope attends to every earlier token",
-                )),
+            Window::Refused => Err(self.unsupported(
+                "sliding_window",
+                v,
+                "; for a llama model attnscope attends to every earlier token",
+            )),
         }
     }
 
@@ -711,7 +630,7 @@ impl<'a> ConfigReader<'a> {
                     .set("sliding_window_pattern")
                     .or(self.set("_sliding_window_pattern"))
                     .and_then(|v| v.as_u64())
-                    .unwrap_or(if self.arch == Arch::Gemma2 { 2 } else { 6 })
+                    .unwrap_or(self.arch.family().gemma.as_ref().map_or(6, |g| g.pattern) as u64)
                     as usize;
                 (0..n).map(|i| (i + 1) % pattern.max(1) != 0).collect()
             }
@@ -724,8 +643,8 @@ impl<'a> ConfigReader<'a> {
 
     /// RoBERTa: positions from padding_idx + 1 (transformers' create_position_ids_from_input_ids).
     fn position_pad(&self) -> Result<Option<usize>> {
-        match self.arch {
-            Arch::Roberta => match self.set("pad_token_id").map(|v| v.as_u64()) {
+        match self.arch.family().hf.position_pad {
+            true => match self.set("pad_token_id").map(|v| v.as_u64()) {
                 Some(Some(p)) if p < 1 << 20 => Ok(Some(p as usize)),
                 None => Ok(Some(1)),
                 Some(_) => Err(self.bad_value(
@@ -733,7 +652,7 @@ impl<'a> ConfigReader<'a> {
                     "not a whole number (RoBERTa's positions count from it)".into(),
                 )),
             },
-            _ => Ok(None),
+            false => Ok(None),
         }
     }
 
@@ -741,11 +660,7 @@ impl<'a> ConfigReader<'a> {
     /// config.json writes (GPT-2's `layer_norm_epsilon`, an encoder's `layer_norm_eps`).
     fn norm_eps(&self) -> Result<f64> {
         self.c.rms_norm_eps.ok_or_else(|| {
-            let key = match self.arch {
-                Arch::Gpt2 => "layer_norm_epsilon",
-                a if a.is_encoder() => "layer_norm_eps",
-                _ => "rms_norm_eps",
-            };
+            let key = self.arch.family().hf.eps_key;
             Error::MissingKey {
                 key: key.into(),
                 path: self.cfg.clone(),
@@ -775,10 +690,10 @@ impl<'a> ConfigReader<'a> {
 
     /// The MLP's width (GPT-2's default: 4 × the model's).
     fn d_ff(&self) -> Result<usize> {
-        match (self.c.intermediate_size, self.arch) {
+        match (self.c.intermediate_size, self.arch.family().hf.d_ff_default) {
             (Some(ff), _) => Ok(ff),
-            (None, Arch::Gpt2) => Ok(4 * self.c.hidden_size),
-            (None, _) => Err(self.missing("intermediate_size", &self.a)),
+            (None, Some(times)) => Ok(times * self.c.hidden_size),
+            (None, None) => Err(self.missing("intermediate_size", &self.a)),
         }
     }
 
@@ -799,11 +714,12 @@ impl<'a> ConfigReader<'a> {
             attn_softcap: f("attn_logit_softcapping").map(|x| x as f32),
             final_softcap: f("final_logit_softcapping").map(|x| x as f32),
             sliding_layers: layers,
-            rope_base_sliding: match self.arch {
-                Arch::Gemma3 => sliding_base
+            // Gemma 3's sliding layers have a base of their own, which config.json must give
+            rope_base_sliding: match self.arch.family().gemma.as_ref().and_then(|g| g.local_base) {
+                Some(_) => sliding_base
                     .ok_or_else(|| self.missing("rope_local_base_freq", &self.a))?
                     as f32,
-                _ => rope_base,
+                None => rope_base,
             },
             norms_include_one: false,
         })
@@ -811,16 +727,15 @@ impl<'a> ConfigReader<'a> {
 
     /// Token-type embeddings (BERT, RoBERTa; none elsewhere).
     fn type_vocab(&self) -> Result<usize> {
-        match self.arch {
-            Arch::DistilBert => Ok(0),
-            Arch::Bert | Arch::Roberta => match self.set("type_vocab_size").map(|v| v.as_u64()) {
+        match self.arch.family().token_types {
+            true => match self.set("type_vocab_size").map(|v| v.as_u64()) {
                 None => Ok(2),
                 Some(Some(t)) if (1..=1024).contains(&t) => Ok(t as usize),
                 Some(_) => {
                     Err(self.bad_value("type_vocab_size", "not a whole number in 1..=1024".into()))
                 }
             },
-            _ => Ok(0),
+            false => Ok(0),
         }
     }
 }
@@ -860,176 +775,12 @@ fn check_safetensors_header(path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// A config for naming GPT-2's tensors (names do not depend on the sizes).
-static GPT2_NAMES: std::sync::LazyLock<HfConfig> = std::sync::LazyLock::new(|| {
-    serde_json::from_value(serde_json::json!({
-        "n_embd": 1, "n_layer": 1, "n_head": 1, "vocab_size": 1, "layer_norm_epsilon": 1e-5
-    }))
-    .expect("a minimal GPT-2 config")
-});
-
-/// GPT-2's tensor for a logical weight: its name, the columns the part takes and whether the
-/// stored matrix is transposed (Conv1D keeps weights as `[in, out]`).
-fn gpt2_part(c: &HfConfig, l: &Logical) -> (String, Option<(usize, usize)>, bool) {
-    let d = c.hidden_size;
-    let h = |i: &usize, s: &str| format!("transformer.h.{i}.{s}");
-    match l {
-        Logical::Embed | Logical::LmHead => ("transformer.wte.weight".into(), None, false),
-        Logical::PosEmbed => ("transformer.wpe.weight".into(), None, false),
-        Logical::FinalNorm => ("transformer.ln_f.weight".into(), None, false),
-        Logical::FinalNormBias => ("transformer.ln_f.bias".into(), None, false),
-        Logical::AttnNorm(i) => (h(i, "ln_1.weight"), None, false),
-        Logical::AttnNormBias(i) => (h(i, "ln_1.bias"), None, false),
-        Logical::MlpNorm(i) => (h(i, "ln_2.weight"), None, false),
-        Logical::MlpNormBias(i) => (h(i, "ln_2.bias"), None, false),
-        Logical::Q(i) => (h(i, "attn.c_attn.weight"), Some((0, d)), true),
-        Logical::K(i) => (h(i, "attn.c_attn.weight"), Some((d, d)), true),
-        Logical::V(i) => (h(i, "attn.c_attn.weight"), Some((2 * d, d)), true),
-        Logical::QBias(i) => (h(i, "attn.c_attn.bias"), Some((0, d)), false),
-        Logical::KBias(i) => (h(i, "attn.c_attn.bias"), Some((d, d)), false),
-        Logical::VBias(i) => (h(i, "attn.c_attn.bias"), Some((2 * d, d)), false),
-        Logical::O(i) => (h(i, "attn.c_proj.weight"), None, true),
-        Logical::OBias(i) => (h(i, "attn.c_proj.bias"), None, false),
-        Logical::Up(i) => (h(i, "mlp.c_fc.weight"), None, true),
-        Logical::UpBias(i) => (h(i, "mlp.c_fc.bias"), None, false),
-        Logical::Down(i) => (h(i, "mlp.c_proj.weight"), None, true),
-        Logical::DownBias(i) => (h(i, "mlp.c_proj.bias"), None, false),
-        other => (format!("(GPT-2 has no {other:?})"), None, false),
-    }
-}
-
-/// Hugging Face's name for a logical weight of an `arch` model (Gemma names its norms
-/// differently: its `post_attention_layernorm` follows the attention; GPT-2 names everything
-/// its own way).
+/// Hugging Face's name for a logical weight of an `arch` model (its family's table: Gemma names
+/// its norms differently, GPT-2 and the encoders everything their own way).
 pub fn hf_name_for(arch: Option<Arch>, l: &Logical) -> String {
-    if arch == Some(Arch::DistilBert) {
-        return distilbert_name(l);
-    }
-    if arch.is_some_and(|a| a.is_encoder()) {
-        return bert_name(l);
-    }
-    if arch == Some(Arch::Gpt2) {
-        // the config is not needed for the name
-        return match l {
-            Logical::Embed | Logical::LmHead => "transformer.wte.weight".into(),
-            _ => gpt2_part(&GPT2_NAMES, l).0,
-        };
-    }
-    if arch.is_some_and(|a| a.is_gemma()) {
-        match l {
-            Logical::MlpNorm(i) => {
-                return format!("model.layers.{i}.pre_feedforward_layernorm.weight")
-            }
-            Logical::PostAttnNorm(i) => {
-                return format!("model.layers.{i}.post_attention_layernorm.weight")
-            }
-            Logical::PostMlpNorm(i) => {
-                return format!("model.layers.{i}.post_feedforward_layernorm.weight")
-            }
-            _ => {}
-        }
-    }
-    hf_name(l)
-}
-
-/// BERT's name for a logical weight (transformers' `BertModel`, as sentence-transformers saves
-/// it: no `bert.` prefix). The attention's output LayerNorm is `AttnNorm` and the MLP's is
-/// `MlpNorm`; both come after their residual add (post-LN).
-fn bert_name(l: &Logical) -> String {
-    let layer = |i: &usize, s: &str| format!("encoder.layer.{i}.{s}");
-    match l {
-        Logical::Embed => "embeddings.word_embeddings.weight".into(),
-        Logical::PosEmbed => "embeddings.position_embeddings.weight".into(),
-        Logical::TypeEmbed => "embeddings.token_type_embeddings.weight".into(),
-        Logical::EmbedNorm => "embeddings.LayerNorm.weight".into(),
-        Logical::EmbedNormBias => "embeddings.LayerNorm.bias".into(),
-        Logical::Pooler => "pooler.dense.weight".into(),
-        Logical::PoolerBias => "pooler.dense.bias".into(),
-        Logical::Q(i) => layer(i, "attention.self.query.weight"),
-        Logical::QBias(i) => layer(i, "attention.self.query.bias"),
-        Logical::K(i) => layer(i, "attention.self.key.weight"),
-        Logical::KBias(i) => layer(i, "attention.self.key.bias"),
-        Logical::V(i) => layer(i, "attention.self.value.weight"),
-        Logical::VBias(i) => layer(i, "attention.self.value.bias"),
-        Logical::O(i) => layer(i, "attention.output.dense.weight"),
-        Logical::OBias(i) => layer(i, "attention.output.dense.bias"),
-        Logical::AttnNorm(i) => layer(i, "attention.output.LayerNorm.weight"),
-        Logical::AttnNormBias(i) => layer(i, "attention.output.LayerNorm.bias"),
-        Logical::Up(i) => layer(i, "intermediate.dense.weight"),
-        Logical::UpBias(i) => layer(i, "intermediate.dense.bias"),
-        Logical::Down(i) => layer(i, "output.dense.weight"),
-        Logical::DownBias(i) => layer(i, "output.dense.bias"),
-        Logical::MlpNorm(i) => layer(i, "output.LayerNorm.weight"),
-        Logical::MlpNormBias(i) => layer(i, "output.LayerNorm.bias"),
-        other => format!("(BERT has no {other:?})"),
-    }
-}
-
-/// DistilBERT's name for a logical weight (`DistilBertModel`: `transformer.layer.N...`; the
-/// attention's post-norm is `sa_layer_norm`, the MLP's `output_layer_norm`).
-fn distilbert_name(l: &Logical) -> String {
-    let layer = |i: &usize, s: &str| format!("transformer.layer.{i}.{s}");
-    match l {
-        Logical::Embed => "embeddings.word_embeddings.weight".into(),
-        Logical::PosEmbed => "embeddings.position_embeddings.weight".into(),
-        Logical::EmbedNorm => "embeddings.LayerNorm.weight".into(),
-        Logical::EmbedNormBias => "embeddings.LayerNorm.bias".into(),
-        Logical::Q(i) => layer(i, "attention.q_lin.weight"),
-        Logical::QBias(i) => layer(i, "attention.q_lin.bias"),
-        Logical::K(i) => layer(i, "attention.k_lin.weight"),
-        Logical::KBias(i) => layer(i, "attention.k_lin.bias"),
-        Logical::V(i) => layer(i, "attention.v_lin.weight"),
-        Logical::VBias(i) => layer(i, "attention.v_lin.bias"),
-        Logical::O(i) => layer(i, "attention.out_lin.weight"),
-        Logical::OBias(i) => layer(i, "attention.out_lin.bias"),
-        Logical::AttnNorm(i) => layer(i, "sa_layer_norm.weight"),
-        Logical::AttnNormBias(i) => layer(i, "sa_layer_norm.bias"),
-        Logical::Up(i) => layer(i, "ffn.lin1.weight"),
-        Logical::UpBias(i) => layer(i, "ffn.lin1.bias"),
-        Logical::Down(i) => layer(i, "ffn.lin2.weight"),
-        Logical::DownBias(i) => layer(i, "ffn.lin2.bias"),
-        Logical::MlpNorm(i) => layer(i, "output_layer_norm.weight"),
-        Logical::MlpNormBias(i) => layer(i, "output_layer_norm.bias"),
-        other => format!("(DistilBERT has no {other:?})"),
-    }
-}
-
-/// Hugging Face's name for a logical weight.
-pub fn hf_name(l: &Logical) -> String {
-    match l {
-        Logical::Embed => "model.embed_tokens.weight".into(),
-        Logical::FinalNorm => "model.norm.weight".into(),
-        Logical::LmHead => "lm_head.weight".into(),
-        Logical::AttnNorm(i) => format!("model.layers.{i}.input_layernorm.weight"),
-        Logical::Q(i) => format!("model.layers.{i}.self_attn.q_proj.weight"),
-        Logical::QBias(i) => format!("model.layers.{i}.self_attn.q_proj.bias"),
-        Logical::K(i) => format!("model.layers.{i}.self_attn.k_proj.weight"),
-        Logical::KBias(i) => format!("model.layers.{i}.self_attn.k_proj.bias"),
-        Logical::V(i) => format!("model.layers.{i}.self_attn.v_proj.weight"),
-        Logical::VBias(i) => format!("model.layers.{i}.self_attn.v_proj.bias"),
-        Logical::O(i) => format!("model.layers.{i}.self_attn.o_proj.weight"),
-        Logical::MlpNorm(i) => format!("model.layers.{i}.post_attention_layernorm.weight"),
-        Logical::Gate(i) => format!("model.layers.{i}.mlp.gate_proj.weight"),
-        Logical::Up(i) => format!("model.layers.{i}.mlp.up_proj.weight"),
-        Logical::Down(i) => format!("model.layers.{i}.mlp.down_proj.weight"),
-        // Hugging Face folders carry rope scaling in config.json, not as a tensor
-        Logical::RopeFreqs => "(rope_freqs)".into(),
-        Logical::PostAttnNorm(i) => format!("(no post-attention norm in layer {i})"),
-        Logical::PosEmbed => "(no learned positions)".into(),
-        Logical::FinalNormBias => "(no final norm bias)".into(),
-        Logical::AttnNormBias(i) => format!("model.layers.{i}.input_layernorm.bias"),
-        Logical::MlpNormBias(i) => format!("model.layers.{i}.post_attention_layernorm.bias"),
-        Logical::OBias(i) => format!("model.layers.{i}.self_attn.o_proj.bias"),
-        Logical::UpBias(i) => format!("model.layers.{i}.mlp.up_proj.bias"),
-        Logical::DownBias(i) => format!("model.layers.{i}.mlp.down_proj.bias"),
-        Logical::PostMlpNorm(i) => format!("(no post-MLP norm in layer {i})"),
-        Logical::QNorm(i) => format!("model.layers.{i}.self_attn.q_norm.weight"),
-        Logical::KNorm(i) => format!("model.layers.{i}.self_attn.k_norm.weight"),
-        Logical::TypeEmbed
-        | Logical::EmbedNorm
-        | Logical::EmbedNormBias
-        | Logical::Pooler
-        | Logical::PoolerBias => format!("(only an encoder has {l:?})"),
+    match arch {
+        Some(a) => (a.family().hf.name)(l),
+        None => hf_name(l),
     }
 }
 
@@ -1058,20 +809,23 @@ fn fused_part(c: &HfConfig, l: &Logical) -> Option<(String, usize, usize)> {
 impl HfFolder {
     /// Tensor `name` as the safetensors reader gives it; a panic inside the reader comes back
     /// as an error (the loader boundary).
-    fn load_tensor(&self, name: &str) -> candle_core::Result<candle_core::Tensor> {
-        super::guard::quietly(|| self.table.load(name)).unwrap_or_else(|msg| {
-            Err(candle_core::Error::Msg(format!(
-                "the safetensors reader failed ({msg})"
-            )))
-        })
+    fn load_tensor(&self, name: &str) -> Result<candle_core::Tensor> {
+        let bad = |reason: String| Error::BadSafetensors {
+            path: self.dir.clone(),
+            reason: format!("tensor `{name}`: {reason}"),
+        };
+        match super::guard::quietly(|| self.table.load(name)) {
+            Ok(t) => t.map_err(|e| bad(super::error::candle_message(&e))),
+            Err(msg) => Err(bad(format!("the safetensors reader failed ({msg})"))),
+        }
     }
 }
 
 impl TensorSource for HfFolder {
     fn get(&mut self, l: &Logical) -> Result<Option<Raw>> {
         let arch = Arch::parse(&self.arch_string());
-        if arch == Some(Arch::Gpt2) {
-            let (name, cols, transposed) = gpt2_part(&self.config, l);
+        if let Some(part) = arch.and_then(|a| a.family().hf.conv1d) {
+            let (name, cols, transposed) = part(&self.config, l);
             if self.table.entry(&name).is_none() {
                 return Ok(None);
             }
@@ -1079,7 +833,7 @@ impl TensorSource for HfFolder {
                 path: self.dir.clone(),
                 reason: format!("tensor `{name}`: {}", super::error::candle_message(&e)),
             };
-            let mut t = self.load_tensor(&name).map_err(bad)?;
+            let mut t = self.load_tensor(&name)?;
             if let Some((start, len)) = cols {
                 let last = t.rank() - 1;
                 if t.dim(last).map_err(bad)? < start + len {
@@ -1113,7 +867,7 @@ impl TensorSource for HfFolder {
                         path: self.dir.clone(),
                         reason: format!("tensor `{fused}`: {}", super::error::candle_message(&e)),
                     };
-                    let t = self.load_tensor(&fused).map_err(bad)?;
+                    let t = self.load_tensor(&fused)?;
                     if t.dim(0).map_err(bad)? < start + len {
                         return Err(Error::ShapeMismatch {
                             name: fused,
@@ -1132,10 +886,7 @@ impl TensorSource for HfFolder {
             }
             return Ok(None);
         }
-        let t = self.load_tensor(&name).map_err(|e| Error::BadSafetensors {
-            path: self.dir.clone(),
-            reason: format!("tensor `{name}`: {}", super::error::candle_message(&e)),
-        })?;
+        let t = self.load_tensor(&name)?;
         Ok(Some(Raw::F(t)))
     }
     fn path(&self) -> &Path {

@@ -18,6 +18,7 @@ pub mod block;
 pub mod capture;
 pub mod config;
 pub mod error;
+pub mod family;
 pub mod fetch;
 pub mod forward;
 pub mod generate;

@@ -428,17 +428,17 @@ pub(crate) fn logits_rows(
             let (start, end) = layout.contiguous_offsets().expect("made contiguous above");
             let w = &cpu.as_slice::<f32>()?[start..end];
             if d == 0 || w.len() % d != 0 {
-                return Err(Error::Candle(candle_core::Error::Msg(format!(
+                return Err(Error::HeadShape(format!(
                     "an output matrix of {} values is not rows of {d}",
                     w.len()
-                ))));
+                )));
             }
             dense_logits(&h, rows, d, w.len() / d, HeadRows::Slice(w))
         }
-        Head::Rows(m) => Err(Error::Candle(candle_core::Error::Msg(format!(
+        Head::Rows(m) => Err(Error::HeadShape(format!(
             "an output matrix of shape {:?} for rows of {d}",
             m.dims
-        )))),
+        ))),
         Head::Quant(q) => {
             let h = Tensor::from_vec(h, (rows, d), &Device::Cpu)?;
             Ok(candle_core::Module::forward(q, &h)?

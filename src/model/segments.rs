@@ -111,11 +111,11 @@ impl Model {
         observers: &mut [O],
     ) -> Result<Vec<Vec<f32>>> {
         if texts.len() != observers.len() {
-            return Err(super::Error::Candle(candle_core::Error::Msg(format!(
+            return Err(super::Error::Bug(format!(
                 "{} texts with {} observers: you likely have a bug",
                 texts.len(),
                 observers.len()
-            ))));
+            )));
         }
         if texts.is_empty() {
             return Ok(Vec::new());

@@ -325,9 +325,7 @@ impl Model {
     /// The encoder's embedding weights (a bug when missing).
     fn encoder_weights(&self) -> Result<&crate::model::weights::EncoderWeights> {
         self.weights.encoder.as_ref().ok_or_else(|| {
-            Error::Candle(candle_core::Error::Msg(
-                "an encoder without its embedding weights: you likely have a bug".into(),
-            ))
+            Error::Bug("an encoder without its embedding weights: you likely have a bug".into())
         })
     }
 
@@ -560,8 +558,6 @@ fn ln_bias(layer: &Layer, second: bool) -> Result<Vec<f32>> {
         .as_ref()
         .map(|(b1, b2)| if second { b2.clone() } else { b1.clone() })
         .ok_or_else(|| {
-            Error::Candle(candle_core::Error::Msg(
-                "a BERT block without LayerNorm biases: you likely have a bug".into(),
-            ))
+            Error::Bug("a BERT block without LayerNorm biases: you likely have a bug".into())
         })
 }

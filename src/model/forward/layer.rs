@@ -7,18 +7,20 @@
 //! the residual add); then [`Model::final_logits`]. The buffers they share live in [`Scratch`].
 
 use super::{
-    all_finite, attention_bounded, attention_edited, geglu_tanh, gelu_erf, gelu_tanh, layer_norm,
-    logits_rows, max_row_sq, merge_heads, rms_norm, rms_norm_in_place, split_heads,
-    split_heads_into, swiglu, AttnDims,
-};
-use super::{
     hand, hand_half_split, hand_qkv, norm_hooked, touches, KvPrefix, RopeTables, RunOptions,
     Segment, Stack, Timings,
+};
+use crate::model::attention::{
+    all_finite, attention_bounded, attention_edited, max_row_sq, AttnDims,
 };
 use crate::model::block::{MlpKind, NormKind};
 use crate::model::capture::{Hook, Observer};
 use crate::model::config::RopeStyle;
 use crate::model::error::{Error, Result};
+use crate::model::ops::{
+    geglu_tanh, gelu_erf, gelu_tanh, layer_norm, logits_rows, merge_heads, rms_norm,
+    rms_norm_in_place, split_heads, split_heads_into, swiglu,
+};
 use crate::model::weights::Layer;
 use crate::model::Model;
 use rayon::prelude::*;

@@ -1,6 +1,11 @@
 //! The forward's unit tests (kept apart so forward.rs stays readable).
 
 use super::*;
+use crate::model::attention::{
+    attention, exp_shift_sums, exp_shift_sums_dense, exp_shift_sums_masked, fast_exp,
+    max_and_index, max_of, AttnDims,
+};
+use crate::model::ops::{dot_rows, logits_rows, scale_by, stream_fence, stream_store, swiglu_row};
 use crate::model::weights::Mapped;
 use crate::reference::{grouped_query_attention_f64, heads_to_rows};
 

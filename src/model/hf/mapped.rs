@@ -10,7 +10,7 @@ use super::super::error::{Error, Result};
 use super::super::gguf::Backing;
 use super::super::memory::{self, Footprint};
 use super::super::weights::{BlockType, Logical, Mapped};
-use super::{fused_part, gpt2_part, hf_name_for, HfFolder};
+use super::{fused_part, hf_name_for, HfFolder};
 use candle_core::quantized::GgmlDType;
 use safetensors::Dtype;
 use std::collections::HashMap;
@@ -104,14 +104,15 @@ impl Table {
         let mut listed = Vec::new();
         for (i, path) in files.iter().enumerate() {
             // the file in the reason when it is not the one named first
-            let bad = |e: candle_core::Error| Error::BadSafetensors {
+            let bad_because = |reason: String| Error::BadSafetensors {
                 path: files[0].clone(),
-                reason: super::super::error::candle_message(&if i == 0 {
-                    e
+                reason: if i == 0 {
+                    reason
                 } else {
-                    e.with_path(path)
-                }),
+                    format!("{}: {reason}", path.display())
+                },
             };
+            let bad = |e: candle_core::Error| bad_because(super::super::error::candle_message(&e));
             let file = std::fs::File::open(path).map_err(|e| bad(e.into()))?;
             // SAFETY: mapped read-only; attnscope never writes to a model's files while they are
             // open (a concurrent external writer could change what is read, as with any mmap)
@@ -119,7 +120,7 @@ impl Table {
             let (n, meta) = safetensors::SafeTensors::read_metadata(&map).map_err(|e| {
                 // the crate's "invalid shape, data type, or offset for tensor" names none
                 match misfit_tensor(&map) {
-                    Some(which) => bad(candle_core::Error::Msg(format!("{e}: {which}"))),
+                    Some(which) => bad_because(format!("{e}: {which}")),
                     None => bad(e.into()),
                 }
             })?;
@@ -202,8 +203,8 @@ impl HfFolder {
     /// reads it from the file's bytes (F16/BF16 outside GPT-2, whose Conv1D weights are
     /// transposed at load).
     fn entry_of(&self, arch: Option<Arch>, l: &Logical) -> Option<(&Entry, bool)> {
-        if arch == Some(Arch::Gpt2) {
-            let (name, _, _) = gpt2_part(&self.config, l);
+        if let Some(part) = arch.and_then(|a| a.family().hf.conv1d) {
+            let (name, _, _) = part(&self.config, l);
             return self.table.entry(&name).map(|e| (e, false));
         }
         let name = format!("{}{}", self.prefix.unwrap_or(""), hf_name_for(arch, l));

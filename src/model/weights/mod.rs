@@ -135,12 +135,10 @@ impl Mapped {
     }
     /// A candle quantized tensor (one copy of the blocks).
     pub fn to_qtensor(&self) -> Result<QTensor> {
-        let dtype = self.dtype.ggml().ok_or_else(|| {
-            Error::Candle(candle_core::Error::Msg(format!(
-                "{:?} has no candle tensor type",
-                self.dtype
-            )))
-        })?;
+        let dtype = self
+            .dtype
+            .ggml()
+            .ok_or_else(|| Error::NoCandleType(format!("{:?}", self.dtype)))?;
         let storage = QStorage::from_data(Cow::Borrowed(self.bytes()), &Device::Cpu, dtype)?;
         Ok(QTensor::new(storage, self.dims.clone())?)
     }
@@ -931,10 +929,11 @@ impl Logical {
             Logical::LmHead,
             Logical::RopeFreqs,
         ];
-        if arch == Arch::Gpt2 {
+        let family = arch.family();
+        if family.final_norm_bias {
             v.extend([Logical::PosEmbed, Logical::FinalNormBias]);
         }
-        if arch.is_encoder() {
+        if family.encoder {
             v.extend([
                 Logical::PosEmbed,
                 Logical::EmbedNorm,
@@ -942,7 +941,7 @@ impl Logical {
                 Logical::Pooler,
                 Logical::PoolerBias,
             ]);
-            if arch != Arch::DistilBert {
+            if family.token_types {
                 v.push(Logical::TypeEmbed);
             }
         }
@@ -961,13 +960,13 @@ impl Logical {
                 Logical::Up(i),
                 Logical::Down(i),
             ]);
-            if matches!(arch, Arch::Qwen3 | Arch::Gemma3) {
+            if family.qk_norm {
                 v.extend([Logical::QNorm(i), Logical::KNorm(i)]);
             }
-            if arch.is_gemma() {
+            if family.gemma.is_some() {
                 v.extend([Logical::PostAttnNorm(i), Logical::PostMlpNorm(i)]);
             }
-            if arch.learned_positions() {
+            if family.learned_positions {
                 v.extend([
                     Logical::AttnNormBias(i),
                     Logical::MlpNormBias(i),
@@ -1079,7 +1078,7 @@ pub fn load_weights(
         progress(i + 1, dims.n_layers);
     }
     let rope_freqs = ld.rope_freqs()?;
-    let gpt2 = dims.arch == Arch::Gpt2;
+    let gpt2 = dims.arch.family().final_norm_bias;
     let pos_embed = if dims.arch.learned_positions() {
         Some(ld.need(Logical::PosEmbed)?.to_vec()?)
     } else {
@@ -1232,7 +1231,7 @@ impl Loading<'_> {
         } else {
             None
         };
-        let qk_norm = if matches!(dims.arch, Arch::Qwen3 | Arch::Gemma3) {
+        let qk_norm = if dims.arch.family().qk_norm {
             Some((self.norm(Logical::QNorm(i))?, self.norm(Logical::KNorm(i))?))
         } else {
             None

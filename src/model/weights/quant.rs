@@ -7,12 +7,11 @@ use super::*;
 pub(super) fn dequantize_blocks<T: GgmlType>(bytes: &[u8], out: &mut [f32]) -> Result<()> {
     let size = std::mem::size_of::<T>();
     if !bytes.len().is_multiple_of(size) || out.len() != bytes.len() / size * T::BLCK_SIZE {
-        return Err(Error::Candle(candle_core::Error::Msg(format!(
-            "{:?}: {} bytes do not make {} values",
-            T::DTYPE,
-            bytes.len(),
-            out.len()
-        ))));
+        return Err(Error::BlockBytes {
+            what: format!("{:?}", T::DTYPE),
+            bytes: bytes.len(),
+            values: out.len(),
+        });
     }
     if (bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()) {
         // SAFETY: the block types are plain old data (integers and f16), the length is a whole
@@ -46,11 +45,11 @@ pub(super) fn dequantize_simple(
     f: fn(&[u8], &mut [f32]),
 ) -> Result<()> {
     if !bytes.len().is_multiple_of(block) || out.len() != bytes.len() / block * 32 {
-        return Err(Error::Candle(candle_core::Error::Msg(format!(
-            "{block}-byte blocks: {} bytes do not make {} values",
-            bytes.len(),
-            out.len()
-        ))));
+        return Err(Error::BlockBytes {
+            what: format!("{block}-byte blocks"),
+            bytes: bytes.len(),
+            values: out.len(),
+        });
     }
     f(bytes, out);
     Ok(())
@@ -219,11 +218,11 @@ pub(super) fn dequantize_into(
         BlockType::Iq4Nl => return dequantize_simple(bytes, 18, out, dequantize_iq4_nl),
         BlockType::Iq4Xs => {
             if !bytes.len().is_multiple_of(136) || out.len() != bytes.len() / 136 * 256 {
-                return Err(Error::Candle(candle_core::Error::Msg(format!(
-                    "IQ4_XS: {} bytes do not make {} values",
-                    bytes.len(),
-                    out.len()
-                ))));
+                return Err(Error::BlockBytes {
+                    what: "IQ4_XS".into(),
+                    bytes: bytes.len(),
+                    values: out.len(),
+                });
             }
             dequantize_iq4_xs(bytes, out);
             return Ok(());
