@@ -23,8 +23,8 @@ pub mod eap;
 pub mod evaluate;
 pub mod graph;
 
-use crate::analysis::faithfulness::{single_token, Target};
 use crate::analysis::request::usage;
+use crate::analysis::vocab::{single_token, Target};
 use crate::model::backward::Metric;
 use crate::model::Model;
 use anyhow::Context;
