@@ -90,7 +90,7 @@ fn model_deviation(
             array_cells(&shape, &want_logits),
             Bound::Abs(bounds.1),
         ));
-        let argmax = attnscope::analysis::max_argmax(&out.logits[0]).1 as u64;
+        let argmax = attnscope::analysis::vocab::max_argmax(&out.logits[0]).1 as u64;
         next.push((argmax, t["next_token_argmax"].as_u64().unwrap()));
     }
     (attn, logits, next)

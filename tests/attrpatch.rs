@@ -6,8 +6,9 @@
 mod common;
 
 use attnscope::analysis::attrpatch::{agreement, attribution_patch, APPROX_HOOKS};
-use attnscope::analysis::faithfulness::Target;
-use attnscope::analysis::intervene::{patch, PatchHook, PatchOptions};
+use attnscope::analysis::intervene::{patch, PatchOptions};
+use attnscope::analysis::vocab::PatchHook;
+use attnscope::analysis::vocab::Target;
 use attnscope::model::backward::{GradMetric, Metric};
 use attnscope::model::Error;
 use common::*;

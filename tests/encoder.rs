@@ -6,10 +6,11 @@
 #![allow(clippy::needless_range_loop)]
 
 mod common;
-use attnscope::analysis::attribute::{attribute, AttributeOptions, Method};
+use attnscope::analysis::attribute::{attribute, AttributeOptions};
 use attnscope::analysis::enc_target::EncoderTarget;
 use attnscope::analysis::encoder::{inspect, is_punctuation};
-use attnscope::analysis::faithfulness::Target;
+use attnscope::analysis::vocab::Method;
+use attnscope::analysis::vocab::Target;
 use attnscope::model::attention::{attention, AttnDims};
 use attnscope::model::capture::{AttnCache, CaptureSpec, NoCapture};
 use attnscope::model::forward::RunOptions;

@@ -461,7 +461,7 @@ fn chat_prompts_run_the_analyses_as_transformers_tokenizes_them() {
 /// positions past a token's input are NaN.
 #[test]
 fn the_generation_matrix_equals_attribute_on_each_teacher_forced_input() {
-    use attnscope::analysis::attribute::Method;
+    use attnscope::analysis::vocab::Method;
     for arch in [Arch::Llama, Arch::Qwen2] {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.gguf");
@@ -486,11 +486,11 @@ fn the_generation_matrix_equals_attribute_on_each_teacher_forced_input() {
 fn columns_equal_attribute_on_each_answer_tokens_input(
     model: &Model,
     arch: Arch,
-    method: attnscope::analysis::attribute::Method,
+    method: attnscope::analysis::vocab::Method,
 ) {
     use attnscope::analysis::attribute::{attribute, AttributeOptions};
-    use attnscope::analysis::faithfulness::Target;
     use attnscope::analysis::gen_attribute::attribute_generation;
+    use attnscope::analysis::vocab::Target;
     let prompt = [72u32, 101, 108, 108, 111, 32];
     let answer = [119u32, 111, 114, 108, 100];
     let (p, a) = (prompt.len(), answer.len());
@@ -536,8 +536,8 @@ fn columns_equal_attribute_on_each_answer_tokens_input(
 /// A one-token prompt: deleting it leaves answer 0 nothing to predict from (NaN), the rest is
 /// defined; an empty answer, and integrated gradients with 0 steps, are refused.
 fn a_one_token_prompt_and_what_is_refused() {
-    use attnscope::analysis::attribute::Method;
     use attnscope::analysis::gen_attribute::attribute_generation;
+    use attnscope::analysis::vocab::Method;
     let dir = tempfile::tempdir().unwrap();
     let path = tiny_gguf(dir.path(), None);
     let model = Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();
@@ -651,8 +651,8 @@ fn generate_attribute_json_html_and_bad_input() {
 /// gradient, grad × input, integrated gradients (8 steps) and occlusion (deletion) matrices.
 #[test]
 fn smol_generation_attribution_equals_transformers_and_autograd() {
-    use attnscope::analysis::attribute::Method;
     use attnscope::analysis::gen_attribute::attribute_generation;
+    use attnscope::analysis::vocab::Method;
     let model = common::real_model("smollm2-135m");
     let g = common::golden_json("smol_gen_attribution.json");
     let ids = |k: &str| -> Vec<u32> {

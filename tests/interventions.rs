@@ -4,11 +4,12 @@
 #![allow(clippy::needless_range_loop)]
 
 mod common;
-use attnscope::analysis::faithfulness::Target;
+use attnscope::analysis::edit::{Editor, Fill, Patch, Runner, Variant};
 use attnscope::analysis::intervene::{
-    ablate, check_logit_diff_gap, patch, AblateOptions, Editor, Fill, Method, Patch, PatchHook,
-    PatchOptions, Runner, Variant,
+    ablate, check_logit_diff_gap, patch, AblateMethod, AblateOptions, PatchOptions,
 };
+use attnscope::analysis::vocab::PatchHook;
+use attnscope::analysis::vocab::Target;
 use attnscope::model::capture::{AttnCache, CaptureSpec, Hook, Observer, Queries};
 use attnscope::model::forward::{Resume, RunOptions, Segment};
 use attnscope::model::tiny::{tiny_model, write_gguf};
@@ -901,7 +902,7 @@ fn check_ablation(alias: &str, prefix: &str) {
         .map(|x| x.as_u64().unwrap() as u32)
         .collect();
     assert_eq!(tokens, want_ids, "{alias}: token ids");
-    for method in [Method::Zero, Method::Mean] {
+    for method in [AblateMethod::Zero, AblateMethod::Mean] {
         let opts = AblateOptions {
             method,
             target: Target::Next,

@@ -773,7 +773,7 @@ fn smollm_head_averaged_attention_of_every_query() {
     for l in 0..30 {
         let p = cache.pattern(l).unwrap();
         for q in 0..n {
-            got.extend(attnscope::analysis::mean_rows(
+            got.extend(attnscope::analysis::vocab::mean_rows(
                 (0..9).map(|h| p.row_at(h, q).unwrap()),
             ));
         }
@@ -790,7 +790,8 @@ fn smollm_head_averaged_attention_of_every_query() {
 /// Occlusion values against independent whole-sequence runs (no prefix reuse, no memo).
 #[test]
 fn faithfulness_occlusions_equal_fresh_runs_smollm() {
-    use attnscope::analysis::faithfulness::{run, FaithOptions, Target};
+    use attnscope::analysis::faithfulness::{run, FaithOptions};
+    use attnscope::analysis::vocab::Target;
     let model = real_model("smollm2-135m");
     let text = "The capital of France is";
     let tokens = model.encode(text, false).unwrap();
@@ -1094,7 +1095,7 @@ fn inspect_norm_columns_are_these(
         );
         assert_eq!(
             h.norm_top[0].pos,
-            attnscope::analysis::max_argmax(want_row).1
+            attnscope::analysis::vocab::max_argmax(want_row).1
         );
         let share: f32 = h
             .norms
@@ -1320,7 +1321,7 @@ fn packed_weight_caches_change_no_bit_and_are_read_back() {
 /// massive activations are the largest values of the captured hook_resid_post.
 #[test]
 fn gu_sink_metric_and_massive_activations_from_the_patterns() {
-    use attnscope::analysis::sinkmetrics::gu_sink_metric;
+    use attnscope::analysis::sinks::gu_sink_metric;
     use attnscope::model::capture::{Hook, Queries};
     let model = real_model("qwen2.5-coder-0.5b");
     let d = &model.dims;

@@ -641,14 +641,14 @@ fn streaming_statistics_equal_the_materialized_path() {
                         "{label}: first key {f} vs {}",
                         row[0]
                     );
-                    let (wmax, amax) = attnscope::analysis::max_argmax(row);
+                    let (wmax, amax) = attnscope::analysis::vocab::max_argmax(row);
                     assert!((mx - wmax).abs() < 1e-5, "{label}: max");
                     assert_eq!(*am as usize, amax, "{label}: argmax");
                     assert!(
-                        (ent - attnscope::analysis::entropy(row)).abs() < 1e-4,
+                        (ent - attnscope::analysis::vocab::entropy(row)).abs() < 1e-4,
                         "{label}: entropy {ent}"
                     );
-                    let want = attnscope::analysis::top_k(row, 3);
+                    let want = attnscope::analysis::vocab::top_k(row, 3);
                     // rows with fewer than 3 visible keys are padded with (u32::MAX, 0)
                     assert_eq!(top.len(), 3, "{label}: top-k length");
                     assert_eq!(want.len(), 3.min(q + 1), "{label}: reference top-k length");

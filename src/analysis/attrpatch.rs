@@ -5,7 +5,7 @@
 //! corrupted run's). The metric is the logit difference answer − wrong at the last position, as
 //! [`super::intervene::patch`] scores the exact patching it approximates.
 
-use super::intervene::{PatchCell, PatchHook};
+use super::vocab::{spearman, PatchCell, PatchHook};
 use crate::model::backward::{LayerActs, Metric};
 use crate::model::{Error, Model, Result};
 use serde::Serialize;
@@ -244,7 +244,7 @@ pub fn agreement(exact: &[PatchCell], approx: &ApproxKind) -> Agreement {
         hook: approx.hook.clone(),
         n: a.len(),
         pearson: pearson(&a, &b),
-        spearman: super::faithfulness::spearman(&a, &b),
+        spearman: spearman(&a, &b),
         max_abs_error: worst,
     }
 }

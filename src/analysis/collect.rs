@@ -6,8 +6,11 @@
 //! statistics and recomputes the one query's rows, so `inspect` costs a plain forward. Fed
 //! whole patterns ([`Observer::attention_block`], as `view` does), it gives the same numbers.
 
+use super::vocab::{entropy, max_argmax, mean_rows};
 use crate::model::attention::{AttnStats, StatsRequest};
 use crate::model::capture::{Hook, Observer};
+use crate::model::forward::RunOptions;
+use crate::model::{Model, Result};
 
 #[derive(Clone, Debug)]
 pub struct Collector {
@@ -72,7 +75,7 @@ impl Collector {
 
     /// Head-averaged attention of the query at `layer`.
     pub fn head_mean(&self, layer: usize) -> Vec<f32> {
-        super::mean_rows((0..self.n_heads).map(|h| self.row(layer, h)))
+        mean_rows((0..self.n_heads).map(|h| self.row(layer, h)))
     }
 
     /// Sink share for the query: its weight on the first token, averaged over heads.
@@ -190,15 +193,24 @@ impl Observer for Collector {
                 if q >= 1 {
                     self.sink_sums[layer][h] += row[0] as f64;
                 }
-                let (m, _) = super::max_argmax(row);
+                let (m, _) = max_argmax(row);
                 self.max_sums[layer][h] += m as f64;
-                self.ent_sums[layer][h] += super::entropy(row) as f64;
+                self.ent_sums[layer][h] += entropy(row) as f64;
                 if q == self.query {
                     self.query_rows[layer][h * self.n..][..kw].copy_from_slice(row);
                 }
             }
         }
     }
+}
+
+/// The attention of the last query, every layer and head, from a forward that holds no n × n.
+pub fn last_query_attention(model: &Model, tokens: &[u32]) -> Result<Collector> {
+    let d = &model.dims;
+    let n = tokens.len();
+    let mut rows = Collector::new(d.n_layers, d.n_heads, n, n - 1);
+    model.forward(tokens, &RunOptions::default(), &mut rows)?;
+    Ok(rows)
 }
 
 #[cfg(test)]

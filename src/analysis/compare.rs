@@ -6,7 +6,7 @@
 
 use super::collect::Collector;
 use super::request::{check_index, usage};
-use super::{next_token_top_k, top_k, Ranked};
+use super::vocab::{mean_rows, next_token_top_k, top_k, Ranked};
 use crate::model::attention::AttnStats;
 use crate::model::capture::Observer;
 use crate::model::forward::{KvPrefix, RunOptions};
@@ -453,8 +453,8 @@ pub fn compare(mode: &str, a: Side, b: Side, top: usize) -> CompareReport {
         .collect();
     let layers: Vec<LayerDiff> = (0..n_layers)
         .map(|l| {
-            let ma = super::mean_rows(a.rows[l].iter().map(Vec::as_slice));
-            let mb = super::mean_rows(b.rows[l].iter().map(Vec::as_slice));
+            let ma = mean_rows(a.rows[l].iter().map(Vec::as_slice));
+            let mb = mean_rows(b.rows[l].iter().map(Vec::as_slice));
             LayerDiff {
                 layer: l,
                 sink_all_a: a.sink_all[l],

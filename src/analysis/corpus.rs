@@ -163,7 +163,7 @@ impl Record {
             head_max_last: (0..nl)
                 .map(|l| {
                     (0..c.n_heads)
-                        .map(|h| super::max_argmax(&c.row(l, h)[..=last]).0)
+                        .map(|h| super::vocab::max_argmax(&c.row(l, h)[..=last]).0)
                         .collect()
                 })
                 .collect(),
@@ -627,7 +627,7 @@ pub fn text_record(
     // every layer's output passes through Sun et al.'s statistics (its 3 largest values kept)
     let mut c = Collector::new(d.n_layers, d.n_heads, n, n - 1).with_massive(3);
     let out = model.forward(&tokens, &RunOptions::last_logits(n), &mut c)?;
-    let top = crate::analysis::next_token_top_k(&out.logits[0], 1).remove(0);
+    let top = super::vocab::next_token_top_k(&out.logits[0], 1).remove(0);
     let made = Made::of(model, bos)?;
     let mut rec = Record::from_collector(
         id,
@@ -681,7 +681,7 @@ pub fn text_records(
             .collect();
         let logits = model.forward_many(&texts, &mut cs)?;
         for ((&i, c), row) in idx.iter().zip(&cs).zip(&logits) {
-            let top = crate::analysis::next_token_top_k(row, 1).remove(0);
+            let top = super::vocab::next_token_top_k(row, 1).remove(0);
             let (id, text) = items[i];
             let mut rec = Record::from_collector(
                 id,

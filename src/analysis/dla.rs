@@ -4,8 +4,8 @@
 //! `apply_ln_to_stack` and `logit_attrs`). The residual stream is the embedding plus every
 //! block's outputs, so the parts add up to the logit itself; the report says how closely.
 
-use super::faithfulness::Target;
-use super::intervene::{last_query_attention, TokenRef};
+use super::collect::{last_query_attention, Collector};
+use super::vocab::{max_argmax, Target, TokenRef};
 use crate::model::capture::{AttnCache, CaptureSpec, Hook, Queries};
 use crate::model::forward::RunOptions;
 use crate::model::{Error, Model, Result};
@@ -218,7 +218,7 @@ fn centred(v: &[f32], layer_norm: bool) -> Vec<f64> {
 #[allow(clippy::type_complexity)]
 fn layer_parts<'c>(
     model: &Model,
-    rows: &super::collect::Collector,
+    rows: &Collector,
     last: &dyn Fn(usize, Hook) -> &'c [f32],
     part: &dyn Fn(&[f32]) -> f32,
 ) -> Result<(Vec<HeadPart>, Vec<f32>, Vec<f32>)> {
@@ -233,7 +233,7 @@ fn layer_parts<'c>(
         let (results, b) = model.head_results(l, z, 1)?;
         for h in 0..nh {
             let row = rows.row(l, h);
-            let (max_weight, argmax) = super::max_argmax(row);
+            let (max_weight, argmax) = max_argmax(row);
             heads.push(HeadPart {
                 layer: l,
                 head: h,

@@ -5,9 +5,9 @@
 //! `embedding`, which pools every position, the mean of every query's row.
 
 use super::enc_target::{cosine, EncoderTarget};
-use super::faithfulness::{best_of, AtK, Best, MetricRow};
-use super::faithfulness::{kendall_tau_b, permutation_p, rollout, spearman, top_positions};
 use super::norms::{mixed_norms, shares, Values};
+use super::vocab::{best_of, kendall_tau_b, mean_rows, permutation_p, rollout, spearman};
+use super::vocab::{top_positions, AtK, Best, MetricRow};
 use crate::model::capture::{AttnCache, CaptureSpec, Hook, Queries};
 use crate::model::forward::RunOptions;
 use crate::model::{Error, Model, Result};
@@ -229,12 +229,12 @@ fn explanations(model: &Model, tokens: &[u32], target: EncoderTarget) -> Result<
     let head_means: Vec<Vec<f32>> = (0..d.n_layers)
         .map(|l| {
             let p = cache.pattern(l).expect("all layers captured");
-            super::mean_rows((0..d.n_heads).map(|h| &p.data[h * n * n..][..n * n]))
+            mean_rows((0..d.n_heads).map(|h| &p.data[h * n * n..][..n * n]))
         })
         .collect();
     let over_queries = |row: &dyn Fn(usize) -> Vec<f32>| -> Vec<f32> {
         let rows: Vec<Vec<f32>> = queries.iter().map(|&q| row(q)).collect();
-        super::mean_rows(rows.iter().map(Vec::as_slice))
+        mean_rows(rows.iter().map(Vec::as_slice))
     };
     let layer_rows: Vec<Vec<f32>> = head_means
         .iter()
@@ -254,10 +254,10 @@ fn explanations(model: &Model, tokens: &[u32], target: EncoderTarget) -> Result<
     let norm_shares: Vec<Vec<f32>> = norm_rows.iter().map(|r| shares(r)).collect();
     Ok(Explanations {
         attention_last: layer_rows[d.n_layers - 1].clone(),
-        attention_mean: super::mean_rows(layer_rows.iter().map(Vec::as_slice)),
+        attention_mean: mean_rows(layer_rows.iter().map(Vec::as_slice)),
         rollout: over_queries(&|q| rollout(&head_means, n, q)),
         norm_last: norm_rows[d.n_layers - 1].clone(),
-        norm_mean: super::mean_rows(norm_shares.iter().map(Vec::as_slice)),
+        norm_mean: mean_rows(norm_shares.iter().map(Vec::as_slice)),
     })
 }
 

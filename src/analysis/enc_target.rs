@@ -5,7 +5,7 @@
 //! `<s>`). A variant's score is the cosine similarity of its vector to the text's, and a token's
 //! importance by occlusion is `1 − cos(v(text without the token), v(text))`.
 
-use super::faithfulness::Target;
+use super::vocab::Target;
 use crate::model::error::{Error, Result};
 use crate::model::forward::l2_normalize;
 use crate::model::Model;

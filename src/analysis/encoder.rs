@@ -3,8 +3,8 @@
 //! over heads and queries; and the rows of one query (head-averaged per layer, per head in one
 //! layer). There is no next token to predict, so none is reported.
 
-use super::inspect::TopEntry;
-use super::{entropy, max_argmax, top_k};
+use super::vocab::{entropy, max_argmax, top_k};
+use super::vocab::{ModelFacts, TokenInfo, TopEntry};
 use crate::model::capture::{Hook, Observer};
 use crate::model::error::Result;
 use crate::model::forward::RunOptions;
@@ -221,10 +221,10 @@ pub struct EncoderHead {
 /// What `inspect` reports on an encoder.
 #[derive(Clone, Debug, Serialize)]
 pub struct EncoderReport {
-    pub model: super::inspect::ModelFacts,
+    pub model: ModelFacts,
     /// "encoder (bidirectional)".
     pub kind: &'static str,
-    pub tokens: Vec<super::inspect::TokenInfo>,
+    pub tokens: Vec<TokenInfo>,
     /// Each token's type as the model ran it: 0, or 1 for the second text of a pair (all 0 on
     /// a model without token types: RoBERTa, DistilBERT).
     pub token_types: Vec<u32>,
@@ -266,7 +266,7 @@ pub fn inspect(
         .collect();
     let types = types.map_or_else(|| vec![0; n], <[u32]>::to_vec);
     Ok(EncoderReport {
-        model: super::inspect::ModelFacts::of(model),
+        model: ModelFacts::of(model),
         kind: "encoder (bidirectional)",
         tokens: token_infos(tokens, &texts),
         segments: types.clone(),
@@ -321,12 +321,12 @@ fn head_of(row: &[f32], head: usize, top: usize, texts: &[String]) -> EncoderHea
 }
 
 /// Each token's position, id and text.
-fn token_infos(tokens: &[u32], texts: &[String]) -> Vec<super::inspect::TokenInfo> {
+fn token_infos(tokens: &[u32], texts: &[String]) -> Vec<TokenInfo> {
     tokens
         .iter()
         .zip(texts)
         .enumerate()
-        .map(|(pos, (&id, t))| super::inspect::TokenInfo {
+        .map(|(pos, (&id, t))| TokenInfo {
             pos,
             id,
             text: t.clone(),

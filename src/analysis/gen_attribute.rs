@@ -4,8 +4,8 @@
 //! target `answer[j]`; the matrix has a row per position (prompt, then answer) and a column per
 //! answer token, `NaN` where the position is not in that token's input (position ≥ prompt + j).
 //!
-//! - The gradient methods (and AttnLRP, value zeroing, ALTI-Logit) run [`attribute::attribute`]
-//!   on each answer token's input (one backward or decomposition each, integrated gradients'
+//! - The gradient methods (and AttnLRP, value zeroing, ALTI-Logit) run what `attribute` runs
+//!   ([`decoder_scores`]) on each answer token's input (one backward or decomposition each, integrated gradients'
 //!   steps each).
 //! - `occlusion` (deletion, `f(input) − f(input without token i)`, as `attribute --method
 //!   occlusion`) runs one forward per deleted token for every answer token at once: causality
@@ -15,8 +15,9 @@
 //!   run's keys and values before the deleted position and run many to a forward
 //!   ([`Model::forward_batch`]).
 
-use super::attribute::{self, attribute, AttributeOptions, Method};
-use super::faithfulness::Target;
+use super::scores::{check_steps, decoder_scores};
+use super::vocab::Method;
+use crate::model::backward::Metric;
 use crate::model::capture::NoCapture;
 use crate::model::forward::{log_softmax, KvPrefix, RunOptions, Segment};
 use crate::model::{Error, Model, Result};
@@ -62,6 +63,7 @@ pub fn attribute_generation(
     steps: usize,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<GenAttribution> {
+    model.require_decoder("attribution of a generation")?;
     if prompt.is_empty() || answer.is_empty() {
         return Err(Error::OutOfRange {
             what: "attribution of a generation".into(),
@@ -70,7 +72,7 @@ pub fn attribute_generation(
         });
     }
     if method == Method::IntegratedGradients {
-        attribute::check_steps(steps)?;
+        check_steps(steps)?;
     }
     let ids: Vec<u32> = prompt.iter().chain(answer).copied().collect();
     let (p, a, n) = (prompt.len(), answer.len(), ids.len());
@@ -88,17 +90,13 @@ pub fn attribute_generation(
         let mut logprobs = Vec::with_capacity(a);
         progress(0, a);
         for j in 0..a {
-            let opts = AttributeOptions {
-                method,
-                target: Target::Id(ids[p + j]),
-                wrong: None,
-                steps,
-            };
-            let r = attribute(model, &ids[..p + j], &opts, &mut |_, _| {})?;
-            for (i, t) in r.tokens.iter().enumerate() {
-                matrix[i][j] = t.score;
+            let metric = Metric::LogProb(Some(ids[p + j]));
+            let s = decoder_scores(model, &ids[..p + j], method, steps, metric, &mut |_, _| {})?;
+            s.check_finite(method)?;
+            for (i, &score) in s.scores.iter().enumerate() {
+                matrix[i][j] = score;
             }
-            logprobs.push(r.logprob.unwrap_or(f32::NAN)); // always Some on a decoder
+            logprobs.push(s.logprob);
             progress(j + 1, a);
         }
         (matrix, logprobs)

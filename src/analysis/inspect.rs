@@ -7,68 +7,13 @@ use super::collect::Collector;
 use super::encoder::EncoderReport;
 use super::norms::{mixed_norms, shares, value_norms, Values};
 use super::request::{check_index, parse_index_list, usage};
-use super::{entropy, max_argmax, next_token_top_k, profile_marks, top_k, ProfileMarks};
+use super::vocab::{entropy, max_argmax, next_token_top_k, profile_marks, top_k};
+use super::vocab::{ModelFacts, ProfileMarks, Ranked, TokenInfo, TopEntry};
 use crate::model::forward::RunOptions;
 use crate::model::{Model, ModelDims};
 use crate::reference::kv_head;
 use serde::Serialize;
 use std::time::Instant;
-
-#[derive(Clone, Debug, Serialize)]
-pub struct ModelFacts {
-    pub name: String,
-    pub description: Option<String>,
-    pub arch: String,
-    pub n_layers: usize,
-    pub n_heads: usize,
-    pub n_kv_heads: usize,
-    pub group_size: usize,
-    pub gqa: String,
-    pub head_dim: usize,
-    pub d_model: usize,
-    pub precision: String,
-    /// Sliding window of every layer (a query sees itself and the `window - 1` keys before it).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub sliding_window: Option<usize>,
-    /// The layers that attend through the window (all of them for Mistral, some for Gemma).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub windowed_layers: Vec<usize>,
-}
-
-impl ModelFacts {
-    pub fn of(m: &Model) -> Self {
-        let d: &ModelDims = &m.dims;
-        ModelFacts {
-            name: m.info.name.clone(),
-            description: m.info.description.clone(),
-            arch: d.arch.name().into(),
-            n_layers: d.n_layers,
-            n_heads: d.n_heads,
-            n_kv_heads: d.n_kv_heads,
-            group_size: d.group_size(),
-            gqa: d.gqa_sentence(),
-            head_dim: d.head_dim,
-            d_model: d.d_model,
-            precision: m.info.precision.name().into(),
-            sliding_window: d.sliding_window,
-            windowed_layers: d.windowed_layers(),
-        }
-    }
-}
-
-#[derive(Clone, Debug, Serialize)]
-pub struct TokenInfo {
-    pub pos: usize,
-    pub id: u32,
-    pub text: String,
-}
-
-#[derive(Clone, Debug, Serialize)]
-pub struct TopEntry {
-    pub pos: usize,
-    pub token: String,
-    pub weight: f32,
-}
 
 /// A key ranked by norm-based attention (what it moves into the query's residual stream).
 #[derive(Clone, Debug, Serialize)]
@@ -246,7 +191,7 @@ struct Parts<'a> {
 
 impl Parts<'_> {
     /// A ranked key as a table entry, with its text.
-    fn entry(&self, r: super::Ranked) -> TopEntry {
+    fn entry(&self, r: Ranked) -> TopEntry {
         TopEntry {
             pos: r.pos,
             token: self.texts[r.pos].clone(),

@@ -1,293 +1,29 @@
-//! Interventions: an editing observer ([`Editor`]), head and MLP ablation ([`ablate`]) and
-//! activation patching ([`patch`]), as TransformerLens users run them with editing hooks.
-//!
-//! An edit at layer `l` leaves every earlier layer as it was, and an edit at position `p` leaves
-//! every earlier position as it was. So each edited run resumes from the clean run's residual
-//! stream at layer `l` ([`Resume`]) and, where the edit starts at a position, reuses the clean
-//! run's keys and values of the positions before it ([`KvPrefix`]). Many edited runs of one
-//! text go through one forward as stacked segments (the projections read their weights once for
-//! all of them), each with its own edit. The numbers are each variant's own: the kernels compute
-//! each row alone and the attention runs per segment.
+//! Interventions: head and MLP ablation ([`ablate`]) and activation patching ([`patch`]), as
+//! TransformerLens users run them with editing hooks, on the editing machinery of
+//! [`super::edit`] (an edit resumes at its layer and reuses the clean run's prefix).
 
-use super::collect::Collector;
-use super::faithfulness::{kendall_tau_b, permutation_p, spearman, Target};
-use crate::model::capture::{AttnCache, CaptureSpec, Hook, Observer, Queries};
-use crate::model::forward::{log_softmax, KvPrefix, Resume, RunOptions, Segment};
+use super::collect::{last_query_attention, Collector};
+use super::edit::{Fill, Runner, Variant};
+use super::vocab::{entropy, kendall_tau_b, max_argmax, permutation_p, spearman};
+use super::vocab::{PatchCell, PatchHook, Target, TokenRef};
+use crate::model::capture::Hook;
+use crate::model::forward::log_softmax;
 use crate::model::{Error, Model, Result};
 use serde::Serialize;
 use std::ops::Range;
 
-/// What an edit writes.
-#[derive(Clone, Copy, Debug)]
-pub enum Fill<'a> {
-    /// zeros
-    Zero,
-    /// the mean over the segment's rows of the same values (before the edit)
-    Mean,
-    /// the same values of another run: `[segment rows, row width]`, aligned with the segment
-    From(&'a [f32]),
-}
-
-/// One edit of one segment's rows of a hook's tensor.
-#[derive(Clone, Debug)]
-pub struct Patch<'a> {
-    /// the segment's rows in the stacked tensor
-    pub rows: Range<usize>,
-    /// the values of a row it edits (one head's `head·d_head..(head+1)·d_head`, or all of them)
-    pub cols: Range<usize>,
-    /// the segment's rows it writes, relative to `rows.start`
-    pub at: Vec<usize>,
-    pub fill: Fill<'a>,
-}
-
-/// An observer that edits one hook of one layer ([`Observer::edit`]) and watches nothing.
-#[derive(Clone, Debug)]
-pub struct Editor<'a> {
-    pub layer: usize,
-    pub hook: Hook,
-    pub patches: Vec<Patch<'a>>,
-}
-
-impl Editor<'_> {
-    /// Applies the patches to `data` (`[rows, width]`).
-    pub fn apply(&self, width: usize, data: &mut [f32]) -> std::result::Result<(), String> {
-        for p in &self.patches {
-            if p.rows.end * width > data.len() || p.cols.end > width {
-                return Err(format!(
-                    "an edit of rows {:?}, values {:?} does not fit a tensor of {} rows of {width}",
-                    p.rows,
-                    p.cols,
-                    data.len() / width.max(1)
-                ));
-            }
-            let seg = &mut data[p.rows.start * width..p.rows.end * width];
-            let rows = p.rows.len();
-            let mean: Vec<f32> = match p.fill {
-                Fill::Mean => {
-                    let mut acc = vec![0f64; p.cols.len()];
-                    for r in 0..rows {
-                        let row = &seg[r * width..][p.cols.clone()];
-                        acc.iter_mut().zip(row).for_each(|(a, &v)| *a += v as f64);
-                    }
-                    acc.iter().map(|a| (a / rows as f64) as f32).collect()
-                }
-                _ => Vec::new(),
-            };
-            for &r in &p.at {
-                if r >= rows {
-                    return Err(format!("an edit of row {r} of a segment of {rows} rows"));
-                }
-                let dst = &mut seg[r * width..(r + 1) * width][p.cols.clone()];
-                match p.fill {
-                    Fill::Zero => dst.fill(0.0),
-                    Fill::Mean => dst.copy_from_slice(&mean),
-                    Fill::From(src) => {
-                        let from = src
-                            .get(r * width..(r + 1) * width)
-                            .ok_or_else(|| format!("the source has no row {r}"))?;
-                        dst.copy_from_slice(&from[p.cols.clone()])
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
-impl Observer for Editor<'_> {
-    fn wants(&self, _: usize, _: Hook) -> bool {
-        false
-    }
-    fn tensor(&mut self, _: usize, _: Hook, _: &[usize], _: &[f32]) {}
-    fn attention_block(&mut self, _: usize, _: Hook, _: usize, _: [usize; 3], _: &[f32]) {}
-    fn edits(&self, layer: usize, hook: Hook) -> bool {
-        layer == self.layer && hook == self.hook
-    }
-    fn edit(
-        &mut self,
-        _: usize,
-        _: Hook,
-        shape: &[usize],
-        data: &mut [f32],
-    ) -> std::result::Result<(), String> {
-        self.apply(shape[1..].iter().product(), data)
-    }
-}
-
-/// One edited run: the text from position `from` on (the positions before it reused), resumed
-/// at the runner's layer, with one edit of its rows (`at` relative to the variant: `0..n-from`).
-/// For an attention map (`hook_pattern`, `hook_attn_scores`: `[heads, query, key]`) `at` names
-/// heads and `cols` the values of a head's map.
-#[derive(Clone, Debug)]
-pub struct Variant<'a> {
-    pub from: usize,
-    pub cols: Range<usize>,
-    pub at: Vec<usize>,
-    pub fill: Fill<'a>,
-}
-
-/// Runs edited variants of one text and returns each one's last-position logits.
-pub struct Runner<'a> {
-    pub model: &'a Model,
-    pub tokens: &'a [u32],
-    /// the clean (unedited) run's `hook_resid_pre` of every layer, `[n, d_model]` each
-    pub resid_pre: Vec<Vec<f32>>,
-    /// the clean run's keys and values (for variants that start past position 0)
-    pub kv: Option<KvPrefix>,
-    /// the most rows stacked in one forward (at least one variant always goes)
-    pub batch_rows: usize,
-    /// forward passes run and rows computed (layers × positions), for the report
-    pub passes: usize,
-    pub layer_rows: usize,
-}
-
-impl<'a> Runner<'a> {
-    /// The clean run of `tokens`: its last-position logits, and a runner that resumes from it.
-    /// `capture` (hooks of every layer, all positions) is filled by the same forward.
-    pub fn clean(
-        model: &'a Model,
-        tokens: &'a [u32],
-        extra: &[Hook],
-    ) -> Result<(Runner<'a>, Vec<f32>, AttnCache)> {
-        let n = tokens.len();
-        let mut hooks = vec![Hook::ResidPre];
-        hooks.extend(extra.iter().filter(|&&h| h != Hook::ResidPre));
-        let mut cache = AttnCache::new(
-            &CaptureSpec {
-                hooks,
-                layers: None,
-                heads: None,
-                queries: Queries::All,
-            },
-            n,
-        );
-        let mut out = model.forward(
-            tokens,
-            &RunOptions {
-                logits_at: vec![n - 1],
-                keep_kv: true,
-                ..Default::default()
-            },
-            &mut cache,
-        )?;
-        let resid_pre = (0..model.dims.n_layers)
-            .map(|l| {
-                cache
-                    .get(l, Hook::ResidPre)
-                    .expect("every layer's hook_resid_pre was captured")
-                    .data
-                    .clone()
-            })
-            .collect();
-        let logits = out.logits.pop().expect("one row of logits was asked for");
-        let runner = Runner {
-            model,
-            tokens,
-            resid_pre,
-            kv: out.kv.take(),
-            batch_rows: 1024,
-            passes: 1,
-            layer_rows: model.dims.n_layers * n,
-        };
-        Ok((runner, logits, cache))
-    }
-
-    /// Runs `variants`, each edited at `hook` of `layer`, resumed there; last-position logits of
-    /// each, in order. `tick(done)` after each forward.
-    pub fn run(
-        &mut self,
-        layer: usize,
-        hook: Hook,
-        variants: &[Variant],
-        mut tick: impl FnMut(usize),
-    ) -> Result<Vec<Vec<f32>>> {
-        let n = self.tokens.len();
-        let dm = self.model.dims.d_model;
-        let mut out = Vec::with_capacity(variants.len());
-        // the maps are handed over per segment: their variants run one at a time
-        let maps = hook.is_attention_map();
-        let mut start = 0;
-        while start < variants.len() {
-            // as many variants as fit in batch_rows (at least one)
-            let mut end = start + 1;
-            let mut rows = n - variants[start].from;
-            while !maps && end < variants.len() && rows + n - variants[end].from <= self.batch_rows
-            {
-                rows += n - variants[end].from;
-                end += 1;
-            }
-            let chunk = &variants[start..end];
-            let mut segs = Vec::with_capacity(chunk.len());
-            let mut resid = Vec::with_capacity(rows * dm);
-            let mut patches = Vec::with_capacity(chunk.len());
-            let mut r0 = 0;
-            for v in chunk {
-                if v.from >= n {
-                    return Err(Error::OutOfRange {
-                        what: "position".into(),
-                        value: v.from.to_string(),
-                        range: format!("0..={}", n - 1),
-                    });
-                }
-                let m = n - v.from;
-                segs.push(Segment {
-                    tokens: &self.tokens[v.from..],
-                    reuse: v.from,
-                    knockout: Vec::new(),
-                    logits_at: vec![n - 1],
-                });
-                resid.extend_from_slice(&self.resid_pre[layer][v.from * dm..]);
-                patches.push(Patch {
-                    rows: if maps {
-                        0..self.model.dims.n_heads
-                    } else {
-                        r0..r0 + m
-                    },
-                    cols: v.cols.clone(),
-                    at: v.at.clone(),
-                    fill: v.fill,
-                });
-                r0 += m;
-            }
-            let mut editor = Editor {
-                layer,
-                hook,
-                patches,
-            };
-            let prefix = if chunk.iter().any(|v| v.from > 0) {
-                self.kv.as_ref()
-            } else {
-                None
-            };
-            let res = self.model.forward_segments(
-                prefix,
-                &segs,
-                Some(Resume { layer, resid }),
-                &RunOptions::default(),
-                &mut editor,
-            )?;
-            out.extend(res.logits);
-            self.passes += 1;
-            self.layer_rows += (self.model.dims.n_layers - layer) * rows;
-            start = end;
-            tick(end);
-        }
-        Ok(out)
-    }
-}
-
-/// Zero or mean ablation.
+/// Zero or mean ablation (`ablate --method`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Method {
+pub enum AblateMethod {
     Zero,
     Mean,
 }
 
-impl Method {
+impl AblateMethod {
     pub fn name(self) -> &'static str {
         match self {
-            Method::Zero => "zero",
-            Method::Mean => "mean",
+            AblateMethod::Zero => "zero",
+            AblateMethod::Mean => "mean",
         }
     }
 }
@@ -297,7 +33,7 @@ pub const DEFAULT_BATCH_ROWS: usize = 1024;
 
 #[derive(Clone, Debug)]
 pub struct AblateOptions {
-    pub method: Method,
+    pub method: AblateMethod,
     pub target: Target,
     /// positions whose activation is ablated (None: all)
     pub positions: Option<Vec<usize>>,
@@ -305,36 +41,6 @@ pub struct AblateOptions {
     pub mlp: bool,
     /// the most rows stacked in one forward
     pub batch_rows: usize,
-}
-
-#[derive(Clone, Debug, Serialize)]
-pub struct TokenRef {
-    pub id: u32,
-    pub text: String,
-}
-
-impl TokenRef {
-    /// Token `id` with its text.
-    pub(crate) fn of(model: &Model, id: u32) -> TokenRef {
-        TokenRef {
-            id,
-            text: model.tokenizer.token_text(id),
-        }
-    }
-
-    /// Every token of `ids` with its text.
-    pub(crate) fn all(model: &Model, ids: &[u32]) -> Vec<TokenRef> {
-        ids.iter().map(|&t| TokenRef::of(model, t)).collect()
-    }
-}
-
-/// The attention of the last query, every layer and head, from a forward that holds no n × n.
-pub(crate) fn last_query_attention(model: &Model, tokens: &[u32]) -> Result<Collector> {
-    let d = &model.dims;
-    let n = tokens.len();
-    let mut rows = Collector::new(d.n_layers, d.n_heads, n, n - 1);
-    model.forward(tokens, &RunOptions::default(), &mut rows)?;
-    Ok(rows)
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -483,7 +189,7 @@ impl Ablation<'_> {
             .map(|(h, lg)| {
                 let (delta, kl) = effect(self.base_lp, lg, self.target);
                 let row = rows.row(l, h);
-                let (max_weight, argmax) = super::max_argmax(row);
+                let (max_weight, argmax) = max_argmax(row);
                 HeadEffect {
                     layer: l,
                     head: h,
@@ -492,7 +198,7 @@ impl Ablation<'_> {
                     max_weight,
                     argmax,
                     sink: row[0],
-                    entropy: super::entropy(row),
+                    entropy: entropy(row),
                 }
             })
             .collect()
@@ -532,8 +238,8 @@ pub fn ablate(
     let ablation = Ablation {
         positions: &positions,
         fill: match opts.method {
-            Method::Zero => Fill::Zero,
-            Method::Mean => Fill::Mean,
+            AblateMethod::Zero => Fill::Zero,
+            AblateMethod::Mean => Fill::Mean,
         },
         base_lp: &base_lp,
         target,
@@ -572,36 +278,6 @@ pub fn ablate(
     })
 }
 
-/// Which activation a patching run takes from the clean run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PatchHook {
-    /// a decoder layer's input at one position
-    ResidPre,
-    /// the attention block's output at one position
-    AttnOut,
-    /// the MLP's output at one position
-    MlpOut,
-    /// one head's output before `W_O` (`hook_z`) at every position
-    Z,
-    /// one head's whole attention pattern (`hook_pattern`)
-    Pattern,
-}
-
-impl PatchHook {
-    pub fn hook(self) -> Hook {
-        match self {
-            PatchHook::ResidPre => Hook::ResidPre,
-            PatchHook::AttnOut => Hook::AttnOut,
-            PatchHook::MlpOut => Hook::MlpOut,
-            PatchHook::Z => Hook::Z,
-            PatchHook::Pattern => Hook::Pattern,
-        }
-    }
-    pub fn per_head(self) -> bool {
-        matches!(self, PatchHook::Z | PatchHook::Pattern)
-    }
-}
-
 #[derive(Clone, Debug)]
 pub struct PatchOptions {
     pub hook: PatchHook,
@@ -610,19 +286,6 @@ pub struct PatchOptions {
     /// the token the corrupted run should predict (None: the corrupted run's top next token)
     pub wrong: Option<Target>,
     pub batch_rows: usize,
-}
-
-#[derive(Clone, Debug, Serialize)]
-pub struct PatchCell {
-    pub layer: usize,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub pos: Option<usize>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub head: Option<usize>,
-    /// answer's logit minus wrong's at the last position of the patched corrupted run
-    pub logit_diff: f32,
-    /// (patched − corrupt) / (clean − corrupt)
-    pub recovered: f32,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -770,7 +433,7 @@ impl LogitDiff {
     ) -> Result<LogitDiff> {
         let pick = |t: &Option<Target>, logits: &[f32], flag: &str| match t {
             Some(t) => t.resolve_as(model, logits, flag),
-            None => Ok(super::max_argmax(logits).1 as u32),
+            None => Ok(max_argmax(logits).1 as u32),
         };
         let answer = pick(&opts.answer, clean_logits, "--answer")?;
         let wrong = pick(&opts.wrong, corrupt_logits, "--wrong")?;

@@ -149,8 +149,7 @@ pub fn value_zeroing(
     let n = tokens.len();
     check_len(n, "value zeroing")?;
     let nl = model.dims.n_layers;
-    let (runner, _, mut cache) =
-        super::intervene::Runner::clean(model, tokens, &[Hook::ResidPost])?;
+    let (runner, _, mut cache) = super::edit::Runner::clean(model, tokens, &[Hook::ResidPost])?;
     let post: Vec<Vec<f32>> = (0..nl)
         .map(|l| {
             cache
@@ -218,7 +217,7 @@ fn variant_batches(n: usize) -> Vec<std::ops::Range<usize>> {
 struct ZeroingRun<'a> {
     model: &'a Model,
     tokens: &'a [u32],
-    runner: &'a super::intervene::Runner<'a>,
+    runner: &'a super::edit::Runner<'a>,
     chunks: Vec<std::ops::Range<usize>>,
 }
 
@@ -711,7 +710,7 @@ mod tests {
     }
 }
 
-/// The scores of [`attribute`](super::attribute::attribute)'s context-mixing and LRP methods.
+/// The scores of `attribute`'s context-mixing and LRP methods ([`super::scores::decoder_scores`]).
 #[derive(Clone, Debug)]
 pub struct MethodScores {
     pub scores: Vec<f32>,
@@ -722,15 +721,15 @@ pub struct MethodScores {
     pub layers: Option<Vec<Vec<f32>>>,
 }
 
-/// AttnLRP, value zeroing or ALTI-Logit for [`super::attribute::attribute`].
+/// AttnLRP, value zeroing or ALTI-Logit for `attribute` ([`super::scores::decoder_scores`]).
 pub fn scores_of(
     model: &Model,
     tokens: &[u32],
-    method: super::attribute::Method,
+    method: super::vocab::Method,
     metric: Metric,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<MethodScores> {
-    use super::attribute::Method;
+    use super::vocab::Method;
     Ok(match method {
         Method::AttnLrp => {
             let r = model.attnlrp(tokens, metric)?;

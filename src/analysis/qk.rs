@@ -17,8 +17,8 @@
 //! (or − the mean score over the keys the query sees): the query side is shared, the key side is
 //! the difference of the keys' parts. Everything after the forward is in f64.
 
-use super::intervene::TokenRef;
 use super::request::{check_index, usage};
+use super::vocab::TokenRef;
 use crate::model::block::{LayerPlan, NormKind};
 use crate::model::capture::{Hook, Observer};
 use crate::model::forward::RunOptions;

@@ -2,28 +2,13 @@
 //! - Gu et al. 2024 ("When Attention Sink Emerges in Language Models", ICLR 2025): the share of
 //!   heads whose first-token score α₁ — its attention averaged over every query that can see it,
 //!   the first token's own row included — exceeds ε (0.3), averaged over layers, on 64-token
-//!   prompts ([`gu_sink_metric`]);
+//!   prompts ([`gu_alpha`]; the run is `sinks`'s `gu_sink_metric`);
 //! - Sun et al. 2024 ("Massive Activations in Large Language Models"): residual-stream values
 //!   whose magnitude is above 100 and about 1,000 times the median magnitude, with the tokens and
 //!   dimensions they sit on ([`Massive`], per layer from `hook_resid_post`).
 
-use super::collect::Collector;
 use crate::model::capture::{Hook, Observer};
-use crate::model::forward::RunOptions;
-use crate::model::{Model, Result};
 use serde::Serialize;
-
-/// Gu et al.'s Sink₁^ε on prompts of `prompt_len` tokens.
-#[derive(Clone, Debug, Serialize)]
-pub struct GuSinkMetric {
-    pub epsilon: f64,
-    pub prompt_len: usize,
-    pub prompts: usize,
-    /// per layer: the share of heads with α₁ > ε, averaged over the prompts
-    pub per_layer: Vec<f64>,
-    /// the mean over layers (Gu et al.'s Sink₁^ε, a share of all heads)
-    pub metric: f64,
-}
 
 /// Gu et al.'s α₁ of one head from attnscope's (the mean over queries 1..n-1): the first token's
 /// own row (weight 1) counts too, so α = (1 + (n-1)·α₁) / n.
@@ -32,36 +17,6 @@ pub fn gu_alpha(alpha_from_1: f64, n: usize) -> f64 {
         return 0.0;
     }
     (1.0 + (n as f64 - 1.0) * alpha_from_1) / n as f64
-}
-
-/// Runs each prompt (a BOS first where the model asks for one is the caller's) and averages the
-/// per-layer share of heads whose α₁ exceeds `epsilon`.
-pub fn gu_sink_metric(model: &Model, prompts: &[Vec<u32>], epsilon: f64) -> Result<GuSinkMetric> {
-    let d = &model.dims;
-    let mut per_layer = vec![0f64; d.n_layers];
-    let mut prompt_len = 0;
-    for p in prompts {
-        let n = p.len();
-        prompt_len = prompt_len.max(n);
-        let mut c = Collector::new(d.n_layers, d.n_heads, n, n - 1);
-        model.forward(p, &RunOptions::default(), &mut c)?;
-        for (l, share) in per_layer.iter_mut().enumerate() {
-            let over = c
-                .head_sink(l)
-                .iter()
-                .filter(|&&a| gu_alpha(a as f64, n) > epsilon)
-                .count();
-            *share += over as f64 / d.n_heads as f64 / prompts.len() as f64;
-        }
-    }
-    let metric = per_layer.iter().sum::<f64>() / per_layer.len().max(1) as f64;
-    Ok(GuSinkMetric {
-        epsilon,
-        prompt_len,
-        prompts: prompts.len(),
-        per_layer,
-        metric,
-    })
 }
 
 /// One large residual value.

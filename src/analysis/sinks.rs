@@ -2,13 +2,56 @@
 //! the share of attention on the first token, per head its statistics, Gu et al.'s sink metric on
 //! prompts cut from the text and Sun et al.'s massive activations, with no attention matrix held.
 
-use crate::analysis::measure::{machine, peak_rss_bytes};
-use crate::analysis::sinkmetrics::{gu_sink_metric, GuSinkMetric, LayerMassive};
-use crate::analysis::stream::{LayerStats, StreamStats};
+use super::collect::Collector;
+use super::measure::{machine, peak_rss_bytes};
+use super::sinkmetrics::{gu_alpha, LayerMassive};
+use super::stream::{LayerStats, StreamStats};
 use crate::model::forward::RunOptions;
 use crate::model::{Error, Model, Result};
 use serde::Serialize;
 use std::time::Instant;
+
+/// Gu et al.'s Sink₁^ε on prompts of `prompt_len` tokens.
+#[derive(Clone, Debug, Serialize)]
+pub struct GuSinkMetric {
+    pub epsilon: f64,
+    pub prompt_len: usize,
+    pub prompts: usize,
+    /// per layer: the share of heads with α₁ > ε, averaged over the prompts
+    pub per_layer: Vec<f64>,
+    /// the mean over layers (Gu et al.'s Sink₁^ε, a share of all heads)
+    pub metric: f64,
+}
+
+/// Runs each prompt (a BOS first where the model asks for one is the caller's) and averages the
+/// per-layer share of heads whose α₁ exceeds `epsilon`.
+pub fn gu_sink_metric(model: &Model, prompts: &[Vec<u32>], epsilon: f64) -> Result<GuSinkMetric> {
+    let d = &model.dims;
+    let mut per_layer = vec![0f64; d.n_layers];
+    let mut prompt_len = 0;
+    for p in prompts {
+        let n = p.len();
+        prompt_len = prompt_len.max(n);
+        let mut c = Collector::new(d.n_layers, d.n_heads, n, n - 1);
+        model.forward(p, &RunOptions::default(), &mut c)?;
+        for (l, share) in per_layer.iter_mut().enumerate() {
+            let over = c
+                .head_sink(l)
+                .iter()
+                .filter(|&&a| gu_alpha(a as f64, n) > epsilon)
+                .count();
+            *share += over as f64 / d.n_heads as f64 / prompts.len() as f64;
+        }
+    }
+    let metric = per_layer.iter().sum::<f64>() / per_layer.len().max(1) as f64;
+    Ok(GuSinkMetric {
+        epsilon,
+        prompt_len,
+        prompts: prompts.len(),
+        per_layer,
+        metric,
+    })
+}
 
 /// What [`sinks`] computes, with the CLI's defaults ([`SinksOptions::default`]).
 #[derive(Clone, Debug)]
@@ -214,7 +257,7 @@ pub fn sinks(
         None
     };
     let (cpu, threads) = machine();
-    let top = crate::analysis::next_token_top_k(&out.logits[0], 1).remove(0);
+    let top = super::vocab::next_token_top_k(&out.logits[0], 1).remove(0);
     Ok(SinksReport {
         model: model.info.name.clone(),
         precision: model.info.precision.name(),

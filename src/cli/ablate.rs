@@ -2,8 +2,8 @@
 //! beside what its attention looks like: the lesson's "a weight is not an explanation", measured.
 
 use super::common::{emit, on_bar, parse_index_list, progress_bar, ModelText};
-use crate::analysis::faithfulness::Target;
-use crate::analysis::intervene::{ablate, AblateOptions, AblateReport, Method};
+use crate::analysis::intervene::{ablate, AblateMethod, AblateOptions, AblateReport};
+use crate::analysis::vocab::Target;
 use crate::model::tokenize::visible;
 use crate::render::table::{order_by_magnitude, title, Align, Table};
 
@@ -52,8 +52,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .transpose()?;
     let opts = AblateOptions {
         method: match a.method {
-            MethodArg::Zero => Method::Zero,
-            MethodArg::Mean => Method::Mean,
+            MethodArg::Zero => AblateMethod::Zero,
+            MethodArg::Mean => AblateMethod::Mean,
         },
         target: a.target,
         positions,

@@ -4,8 +4,9 @@
 
 use super::common::ModelText;
 use super::scoring::{run_scored, ScoringArgs};
-use crate::analysis::attribute::{attribute, AttributeOptions, AttributeReport, Method};
-use crate::analysis::faithfulness::Target;
+use crate::analysis::attribute::{attribute, AttributeOptions, AttributeReport};
+use crate::analysis::vocab::Method;
+use crate::analysis::vocab::Target;
 use crate::model::tokenize::visible;
 use crate::render::table::{title, Align, Table};
 use std::io::IsTerminal;
@@ -98,7 +99,7 @@ pub fn render(r: &AttributeReport, colour: bool) -> String {
     let target = r
         .target
         .clone()
-        .unwrap_or(crate::analysis::intervene::TokenRef {
+        .unwrap_or(crate::analysis::vocab::TokenRef {
             id: 0,
             text: String::new(),
         });
@@ -142,7 +143,7 @@ pub fn render(r: &AttributeReport, colour: bool) -> String {
 }
 
 /// What f is: a logit difference, a logit, an encoder's cosine or a log-probability.
-fn measured_quantity(r: &AttributeReport, target: &crate::analysis::intervene::TokenRef) -> String {
+fn measured_quantity(r: &AttributeReport, target: &crate::analysis::vocab::TokenRef) -> String {
     match &r.wrong {
         Some(w) => format!(
             "logit({:?}) − logit({:?})",

@@ -76,7 +76,7 @@ fn long_pair(model: &Model, n: usize) -> anyhow::Result<PairTokens> {
         clean[0]
     };
     let logits = model.next_token_logits(&clean)?;
-    let top = crate::analysis::top_k(&logits, 2);
+    let top = crate::analysis::vocab::top_k(&logits, 2);
     Ok(PairTokens {
         clean,
         corrupt,

@@ -4,8 +4,9 @@
 
 use super::common::LESSON_SENTENCE;
 use super::scaling::{before_and_after, measurement_table, median, timed};
-use crate::analysis::faithfulness::Target;
-use crate::analysis::intervene::{ablate, patch, AblateOptions, Method, PatchHook, PatchOptions};
+use crate::analysis::intervene::{ablate, patch, AblateMethod, AblateOptions, PatchOptions};
+use crate::analysis::vocab::PatchHook;
+use crate::analysis::vocab::Target;
 use crate::model::capture::NoCapture;
 use crate::model::forward::RunOptions;
 use crate::model::Model;
@@ -98,7 +99,7 @@ fn measure(
     let patch_sweep_s = time_patch_sweeps(model, &clean, &corrupt, repeats, &bar)?;
     let tokens = model.encode(LESSON_SENTENCE, false)?;
     let aopts = AblateOptions {
-        method: Method::Zero,
+        method: AblateMethod::Zero,
         target: Target::Next,
         positions: None,
         mlp: false,

@@ -7,7 +7,7 @@ use crate::analysis::circuit::head_views::{head_views, touched_heads};
 use crate::analysis::circuit::{
     circuit, read_pairs, CircuitOptions, CircuitReport, Method, MetricKind, Pair,
 };
-use crate::analysis::faithfulness::Target;
+use crate::analysis::vocab::Target;
 use crate::render::circuit_page::page;
 use crate::render::table::{title, Align, Table};
 use std::path::PathBuf;

@@ -2,7 +2,7 @@
 
 use super::common::{emit, ModelText};
 use crate::analysis::dla::{dla, DlaReport};
-use crate::analysis::faithfulness::Target;
+use crate::analysis::vocab::Target;
 use crate::model::tokenize::visible;
 use crate::render::table::{order_by_magnitude, title, Align, Table};
 

@@ -209,7 +209,8 @@ fn quiz_explanation(
     tokens: &[u32],
     logits: &[f32],
 ) -> anyhow::Result<Answer> {
-    use crate::analysis::faithfulness::{permutation_p, run as run_faith, spearman, FaithOptions};
+    use crate::analysis::faithfulness::{run as run_faith, FaithOptions};
+    use crate::analysis::vocab::{permutation_p, spearman};
     let n = tokens.len();
     let f = run_faith(model, tokens, &FaithOptions::attention_only(), |_, _| {})?;
     let rows = &f.tokens;
@@ -227,7 +228,7 @@ fn quiz_explanation(
         .map(|r| -(r.loo.unwrap_or(0.0) as f64))
         .collect();
     let (rho, p) = (spearman(&sc, &imp), permutation_p(&sc, &imp, spearman));
-    let next = crate::analysis::next_token_top_k(logits, 1).remove(0);
+    let next = crate::analysis::vocab::next_token_top_k(logits, 1).remove(0);
     let answer = match top_loo {
         Some(t) => format!(
             "Not by itself. The model predicts {:?} next. The last layer's attention (head mean) is highest on token {} {:?} ({:.3}), but deleting token {} {:?} changes the prediction most (Δ log p = {:+.3}). Over all {n} tokens, attention against deletion: Spearman ρ = {} (permutation p = {}). {}",

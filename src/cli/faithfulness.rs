@@ -3,9 +3,8 @@
 use super::common::ModelText;
 use super::scoring::{run_scored, ScoringArgs};
 use crate::analysis::enc_faith::EncFaithReport;
-use crate::analysis::faithfulness::{
-    faithfulness, FaithReport, FaithRequest, Faithfulness, MetricRow, Target, TokenRow,
-};
+use crate::analysis::faithfulness::{faithfulness, FaithReport, FaithRequest, Faithfulness};
+use crate::analysis::vocab::{Method, MetricRow, Target};
 use crate::model::tokenize::visible;
 use crate::render::table::{title, Align, Table};
 
@@ -179,9 +178,6 @@ fn metric_row(t: &mut Table, m: &MetricRow, first: bool) {
     ]);
 }
 
-/// A token row's gradient-method score, if that method ran.
-type Score = fn(&TokenRow) -> Option<f32>;
-
 /// `faithfulness`'s text report: the target, each token's explanations against occlusion, the
 /// rankings' metrics (all tokens, then without the first) and the conclusion.
 pub fn render(r: &FaithReport) -> String {
@@ -234,19 +230,10 @@ fn token_table(r: &FaithReport) -> String {
     ];
     // the gradient columns that ran
     let first = r.tokens.first();
-    let grads: Vec<(&str, Score)> = [
-        ("‖grad‖", (|x: &TokenRow| x.gradient) as Score),
-        ("grad×x", |x: &TokenRow| x.grad_x_input),
-        ("IG", |x: &TokenRow| x.integrated_gradients),
-        ("attn×grad", |x: &TokenRow| x.attention_x_gradient),
-        ("AttnLRP", |x: &TokenRow| x.attnlrp),
-        ("VZ", |x: &TokenRow| x.value_zeroing),
-        ("ALTI-logit", |x: &TokenRow| x.alti_logit),
-    ]
-    .into_iter()
-    .filter(|(_, get)| first.is_some_and(|x| get(x).is_some()))
-    .collect();
-    head.extend(grads.iter().map(|(name, _)| (*name, Align::Right)));
+    let grads: Vec<Method> = first
+        .map(|x| x.methods.iter().map(|(m, _)| m).collect())
+        .unwrap_or_default();
+    head.extend(grads.iter().map(|m| (m.column(), Align::Right)));
     head.extend([
         ("Δ delete", Align::Right),
         ("Δ replace", Align::Right),
@@ -263,7 +250,7 @@ fn token_table(r: &FaithReport) -> String {
             format!("{:.3}", x.norm_last),
             format!("{:.4}", x.norm_mean),
         ];
-        cells.extend(grads.iter().map(|(_, get)| g(get(x))));
+        cells.extend(grads.iter().map(|&m| g(x.methods.get(m).copied())));
         cells.extend([
             g(x.loo),
             format!("{:+.4}", x.replace),
@@ -276,7 +263,7 @@ fn token_table(r: &FaithReport) -> String {
     s += &t.render();
     if !grads.is_empty() {
         s += "‖grad‖ = ‖∂ log p/∂x_i‖₂, grad×x = ∂ log p/∂x_i · x_i, IG = integrated gradients from the zero embedding, attn×grad = Σ_layers mean_heads max(0, ∂ log p/∂A · A) on the last query's row (see `attnscope attribute --help`).\n";
-        if first.is_some_and(|x| x.attnlrp.is_some()) {
+        if grads.contains(&Method::AttnLrp) {
             s += "AttnLRP = relevance of logit(target) (Achtibat et al. 2024), VZ = value zeroing's rollout into the last position (Mohebbi et al. 2023), ALTI-logit = logit(target) decomposed through ALTI's token-to-token contributions (Ferrando et al. 2023).\n";
         }
         if let Some(e) = r.attnlrp_conservation_error {

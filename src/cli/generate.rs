@@ -2,8 +2,8 @@
 //! on a KV cache, and show what the query that produced each token attended to.
 
 use super::common::{emit, on_bar, output_path, progress_bar, usage, ModelArgs, Output};
-use crate::analysis::attribute::Method;
 use crate::analysis::gen_attribute::{attribute_generation, GenAttribution};
+use crate::analysis::vocab::Method;
 use crate::model::generate::{GenOptions, GenToken, Generation};
 use crate::model::tokenize::visible;
 use crate::render::gen_attribute as render;
@@ -166,7 +166,7 @@ fn check_request(a: &Args) -> anyhow::Result<Option<Output>> {
         ));
     }
     if a.attribute == Some(Method::IntegratedGradients) {
-        crate::analysis::attribute::check_steps(a.steps)?;
+        crate::analysis::scores::check_steps(a.steps)?;
     }
     a.html
         .as_deref()

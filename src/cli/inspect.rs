@@ -89,7 +89,7 @@ fn encoder_text(model: &Model, r: &EncoderReport, top: usize, forward: f64, load
     let (n, d) = (r.tokens.len(), &model.dims);
     let (query, layer) = (r.query, r.layer);
     let tok = |i: usize| crate::model::tokenize::visible(&r.tokens[i].text);
-    let cell = |t: &[crate::analysis::inspect::TopEntry]| {
+    let cell = |t: &[crate::analysis::vocab::TopEntry]| {
         t.iter()
             .map(|e| format!("{} {:.3}", tok(e.pos), e.weight))
             .collect::<Vec<_>>()

@@ -2,8 +2,9 @@
 
 use super::common::{emit, on_bar, output_path, progress_bar, usage, ModelArgs};
 use crate::analysis::attrpatch::{agreement, attribution_patch, Agreement, ApproxKind};
-use crate::analysis::faithfulness::Target;
-use crate::analysis::intervene::{patch, PatchHook, PatchOptions, PatchReport};
+use crate::analysis::intervene::{patch, PatchOptions, PatchReport};
+use crate::analysis::vocab::PatchHook;
+use crate::analysis::vocab::Target;
 use crate::model::tokenize::visible;
 use crate::render::patch_page::patch_page;
 use crate::render::table::title;

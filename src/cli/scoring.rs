@@ -27,7 +27,7 @@ pub fn run_scored<R: serde::Serialize>(
     score: impl FnOnce(&Model, &[u32], &mut dyn FnMut(usize, usize)) -> anyhow::Result<R>,
     render: impl FnOnce(&R) -> String,
 ) -> anyhow::Result<()> {
-    crate::analysis::attribute::check_steps(a.steps)?;
+    crate::analysis::scores::check_steps(a.steps)?;
     let m = model.load()?;
     let tokens = text.tokens(&m, model.bos)?;
     let bar = progress_bar(&format!("{label} [{{bar:30}}] {{pos}}/{{len}} ({{eta}})"));

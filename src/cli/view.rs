@@ -1,7 +1,7 @@
 //! `attnscope view` (the HTML page) and `attnscope heatmap` (one map as PNG or SVG).
 
 use super::common::{check_index, emit, output_path, usage, ModelArgs, TextArgs};
-use crate::analysis::faithfulness::Target;
+use crate::analysis::vocab::Target;
 use crate::model::capture::{AttnCache, CaptureSpec, Hook};
 use crate::model::forward::RunOptions;
 use crate::render::view::{ablate_method, view_html_tokens, AblateMethod, ViewOptions};
@@ -123,7 +123,7 @@ pub fn heatmap(a: HeatmapArgs) -> anyhow::Result<()> {
     let map: Vec<f32> = if head.is_some() {
         p.data.to_vec()
     } else {
-        crate::analysis::mean_rows(p.data.chunks(n * n))
+        crate::analysis::vocab::mean_rows(p.data.chunks(n * n))
     };
     let labels: Vec<String> = model
         .token_texts(&tokens)

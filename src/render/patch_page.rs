@@ -5,7 +5,8 @@
 //! clicked cell's numbers.
 
 use super::html::html_escape as esc;
-use crate::analysis::intervene::{PatchCell, PatchReport, TokenRef};
+use crate::analysis::intervene::PatchReport;
+use crate::analysis::vocab::{PatchCell, TokenRef};
 use crate::model::tokenize::visible;
 
 const STYLE: &str = r#"

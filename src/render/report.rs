@@ -1,7 +1,8 @@
 //! The terminal text of `attnscope inspect`.
 
 use super::table::{bar, mask_grid, sparkline, title, Align, Table};
-use crate::analysis::inspect::{InspectReport, LayerRow, NormEntry, TopEntry};
+use crate::analysis::inspect::{InspectReport, LayerRow, NormEntry};
+use crate::analysis::vocab::TopEntry;
 use crate::model::tokenize::visible;
 
 fn top_cell(t: &TopEntry) -> String {

@@ -2,12 +2,13 @@
 //! attention on a model, or patterns computed elsewhere, as one self-contained HTML page.
 
 use crate::analysis::collect::Collector;
-use crate::analysis::faithfulness::{run as run_faith, FaithOptions, Target};
-use crate::analysis::inspect::ModelFacts;
-pub use crate::analysis::intervene::Method as AblateMethod;
+use crate::analysis::faithfulness::{run as run_faith, FaithOptions};
+pub use crate::analysis::intervene::AblateMethod;
 use crate::analysis::intervene::{ablate, AblateOptions};
 use crate::analysis::norms::{all_value_norms, Values};
 use crate::analysis::request::usage;
+use crate::analysis::vocab::ModelFacts;
+use crate::analysis::vocab::Target;
 use crate::model::capture::{AttnCache, CaptureSpec, Hook, Observer};
 use crate::model::forward::RunOptions;
 use crate::render::html::{encode_layer, page, EncoderView, SparseLayers, ViewData};

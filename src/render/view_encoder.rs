@@ -7,8 +7,8 @@
 
 use super::{page_of_patterns, value_norms_of, EncodedLayers, ViewOptions};
 use crate::analysis::encoder::{shares_of_patterns, shares_of_texts};
-use crate::analysis::inspect::ModelFacts;
 use crate::analysis::request::usage;
+use crate::analysis::vocab::ModelFacts;
 use crate::model::capture::{AttnCache, CaptureSpec, Hook};
 use crate::model::forward::RunOptions;
 use crate::model::Model;

@@ -5,8 +5,8 @@ use super::{engine, to_object};
 use attnscope::analysis::circuit::{
     circuit, read_pairs, CircuitOptions, CircuitReport, Method, MetricKind, Pair,
 };
-use attnscope::analysis::faithfulness::Target;
 use attnscope::analysis::qk::{qk, Against, QkOptions};
+use attnscope::analysis::vocab::Target;
 use attnscope::model::Model;
 use numpy::{PyArray1, PyArrayMethods};
 use pyo3::exceptions::PyValueError;

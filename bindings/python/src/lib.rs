@@ -12,7 +12,7 @@
 //! The GIL is released while the engine runs, Python's signal handlers are asked between layers
 //! (so Ctrl-C interrupts a long forward), and no panic crosses into Python.
 
-use attnscope::analysis::faithfulness::Target;
+use attnscope::analysis::vocab::Target;
 use attnscope::analysis::LESSON_SENTENCE;
 use attnscope::model::capture::{hook_name, AttnCache, CaptureSpec, Hook, Observer, Queries};
 use attnscope::model::forward::RunOptions;
@@ -344,7 +344,7 @@ impl Model {
 
     /// The model's facts as JSON (`attnscope info --json`'s `model` part).
     fn facts_json(&self) -> PyResult<String> {
-        let facts = attnscope::analysis::inspect::ModelFacts::of(&self.inner);
+        let facts = attnscope::analysis::vocab::ModelFacts::of(&self.inner);
         let mut v =
             serde_json::to_value(&facts).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
         let d = &self.inner.dims;
@@ -767,7 +767,7 @@ impl Model {
                 .map_err(to_py)?,
             target: target
                 .map(|t| {
-                    t.parse::<attnscope::analysis::faithfulness::Target>()
+                    t.parse::<attnscope::analysis::vocab::Target>()
                         .map_err(|e| PyValueError::new_err(format!("target {t:?}: {e}")))
                 })
                 .transpose()?,
@@ -1082,7 +1082,8 @@ impl Model {
         wrong: Option<String>,
         bos: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        use attnscope::analysis::intervene::{patch, PatchHook, PatchOptions, DEFAULT_BATCH_ROWS};
+        use attnscope::analysis::intervene::{patch, PatchOptions, DEFAULT_BATCH_ROWS};
+        use attnscope::analysis::vocab::PatchHook;
         // TransformerLens's spellings too (resid_pre, hook_resid_pre, attn.hook_z, ...)
         let spelled = hook.replace('_', "-");
         let bare = spelled
@@ -1292,7 +1293,7 @@ impl Model {
         steps: usize,
     ) -> PyResult<(String, Bound<'py, PyAny>)> {
         use attnscope::analysis::attribute::{attribute, AttributeOptions};
-        use attnscope::analysis::faithfulness::Target;
+        use attnscope::analysis::vocab::Target;
         self.check_ids(&ids)?;
         let method = method.parse().map_err(PyValueError::new_err)?;
         let parse = |t: Option<String>| -> PyResult<Option<Target>> {
@@ -1333,7 +1334,7 @@ impl Model {
         wrong: Option<String>,
         dlogits: Option<numpy::PyReadonlyArray1<'py, f32>>,
     ) -> PyResult<(u32, f32, Vec<(String, Vec<usize>, Bound<'py, PyAny>)>)> {
-        use attnscope::analysis::faithfulness::Target;
+        use attnscope::analysis::vocab::Target;
         use attnscope::model::backward::{GradMetric, Metric};
         self.check_ids(&ids)?;
         let m = self.inner.clone();
@@ -1433,7 +1434,7 @@ impl Model {
         Vec<Vec<f32>>,
     )> {
         use attnscope::analysis::gen_attribute::attribute_generation;
-        let method: attnscope::analysis::attribute::Method =
+        let method: attnscope::analysis::vocab::Method =
             method.parse().map_err(PyValueError::new_err)?;
         let m = self.inner.clone();
         let (r, attention) = engine(py, move || {

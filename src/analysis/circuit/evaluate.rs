@@ -20,7 +20,7 @@
 
 use super::graph::{ranked, Graph, Node, Ranking, Reader};
 use super::{edge_score, MetricKind, PairTokens, Scores};
-use crate::analysis::faithfulness::spearman;
+use crate::analysis::vocab::spearman;
 use crate::model::backward::{EditedForward, ReaderEdit};
 use crate::model::{Model, Result};
 use rayon::prelude::*;

@@ -24,8 +24,8 @@ pub mod evaluate;
 pub mod graph;
 pub mod head_views;
 
-use crate::analysis::faithfulness::{single_token, Target};
 use crate::analysis::request::usage;
+use crate::analysis::vocab::{single_token, Target};
 use crate::model::backward::Metric;
 use crate::model::Model;
 use anyhow::Context;
