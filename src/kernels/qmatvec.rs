@@ -11,7 +11,8 @@
 //! FMA, the build's baseline: [`crate::kernels::simd::multiversion`]) gives the same bits, and
 //! the output head's logits are the bits of its chunked f32 path. Against the f32 GEMM's order
 //! (the prefill's products) a row differs only by the rounding of the sums. Rows are split across
-//! the threads. Pure Rust on slices, no candle.
+//! the threads. Pure Rust on slices, no candle. Opt-in for now (`ATTNSCOPE_DECODE=blocks`,
+//! [`chosen`]).
 
 use crate::kernels::simd::multiversion;
 
@@ -321,16 +322,13 @@ multiversion! {
     }
 }
 
-/// Whether decode steps multiply from the file's blocks: `ATTNSCOPE_DECODE=blocks` or `panels`
-/// forces it (benchmarks and tests); by default wherever `exact` does not run on the AMX tiles
-/// (on a 2-core Sapphire Rapids the tiles' integer step is faster: see the measurement in
-/// CHANGELOG, #60).
+/// Whether decode steps multiply from the file's blocks: `ATTNSCOPE_DECODE=blocks` (or
+/// `panels`, the default). Off by default until it wins everywhere: on a loaded 2-core Sapphire
+/// Rapids (#60) it decoded SmolLM2 (Q4_1) ~1.4x faster than the AVX2 f32 panels, but the default
+/// model (Q4_K, Q5_0, Q6_K, Q8_0) ~0.6x as fast as the panels or the AMX tiles: those types'
+/// in-register dequantization is not yet hand-vectorized.
 pub fn chosen() -> bool {
     use std::sync::OnceLock;
     static CHOICE: OnceLock<bool> = OnceLock::new();
-    *CHOICE.get_or_init(|| match std::env::var("ATTNSCOPE_DECODE").ok().as_deref() {
-        Some("blocks") => true,
-        Some("panels") => false,
-        _ => super::select::kernels().exact != super::select::ExactOn::Scaled,
-    })
+    *CHOICE.get_or_init(|| std::env::var("ATTNSCOPE_DECODE").ok().as_deref() == Some("blocks"))
 }

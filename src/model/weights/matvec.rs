@@ -22,9 +22,8 @@ pub(crate) fn blocks_of(dtype: BlockType) -> Option<Blocks> {
     })
 }
 
-/// Whether decode steps multiply from the file's blocks on this machine: where the measured
-/// step beats the kernel `exact` packs for (module docs of [`crate::kernels::qmatvec`]).
-/// `ATTNSCOPE_DECODE=blocks|panels` forces one (benchmarks and tests).
+/// Whether decode steps multiply from the file's blocks: `ATTNSCOPE_DECODE=blocks` (off by
+/// default: [`qmatvec::chosen`] says why).
 pub fn decode_from_blocks() -> bool {
     qmatvec::chosen()
 }
