@@ -73,6 +73,11 @@ pub struct Args {
     /// position's log-probability) against the forward.
     #[arg(long)]
     no_backward: bool,
+    /// One screen of this machine instead: CPU, instruction sets, cores, caches, the measured
+    /// f32 FMA peak and memory bandwidth, and each kernel's rate at the model's shapes against
+    /// the limit that bounds it (the decode step against bandwidth ÷ bytes a token reads).
+    #[arg(long)]
+    machine: bool,
     #[arg(long)]
     json: bool,
 }
@@ -81,12 +86,12 @@ pub struct Args {
 const HF_ANCHOR: &str = include_str!("../../assets/hf_anchor.py");
 
 #[derive(Serialize, Debug, Clone)]
-struct GemmRow {
-    name: &'static str,
-    m: usize,
-    k: usize,
-    n: usize,
-    attnscope_gflops: f64,
+pub(super) struct GemmRow {
+    pub(super) name: &'static str,
+    pub(super) m: usize,
+    pub(super) k: usize,
+    pub(super) n: usize,
+    pub(super) attnscope_gflops: f64,
     candle_gflops: f64,
     /// the AMX tile kernel with three bf16 parts (exact's product), where the CPU has AMX
     amx_exact_gflops: Option<f64>,
@@ -94,7 +99,7 @@ struct GemmRow {
     amx_fast_gflops: Option<f64>,
     /// exact on the AMX tiles as a quantized file's integers and scales (Q5_0-like weights:
     /// integers −16..15 times one scale per 32)
-    amx_scaled_gflops: Option<f64>,
+    pub(super) amx_scaled_gflops: Option<f64>,
 }
 
 #[derive(Serialize, Debug, Clone)]
@@ -367,6 +372,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             a.json,
         );
     }
+    if a.machine {
+        let model = a.model.load()?;
+        let n = 2048.min(model.dims.context_len);
+        let rates = measure_gemms(&model.dims, n, a.repeats, &indicatif::ProgressBar::hidden())?;
+        return super::bench_machine::run(&model, &rates, a.repeats, a.json);
+    }
     check_flags(&a)?;
     let model = a.model.load()?;
     let max_n = check_model(&model, &a)?;
@@ -538,10 +549,10 @@ fn measure_backwards(
 }
 
 /// The machine's rates: the micro-kernel's in-cache peak and the products at the model's shapes.
-struct Rates {
+pub(super) struct Rates {
     isa: Isa,
     peak: f64,
-    gemms: Vec<GemmRow>,
+    pub(super) gemms: Vec<GemmRow>,
     /// the machine's f32 GEMM rate: the best measured at the shapes the forward runs
     machine_rate: f64,
 }

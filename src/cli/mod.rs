@@ -7,6 +7,7 @@ mod attribute;
 mod bench;
 mod bench_circuits;
 mod bench_interventions;
+mod bench_machine;
 mod bench_sweeps;
 mod cache;
 mod capture;

@@ -8,6 +8,7 @@
 pub mod amx;
 pub mod gemm;
 pub mod int8;
+pub mod qmatvec;
 pub mod select;
 pub mod simd;
 

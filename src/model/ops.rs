@@ -416,6 +416,13 @@ pub(crate) fn logits_rows(
     match head {
         Head::Rows(m) if d > 0 && m.cols() == d => {
             let vocab = m.dims.iter().product::<usize>() / d;
+            // one row (a decode step): straight from the blocks, the same bits (dot16's order)
+            let blocks = rows == 1 && super::weights::matvec::decode_from_blocks();
+            if let (true, Some(dec)) = (blocks, super::weights::matvec::Decoder::of_mapped(m)) {
+                let mut out = vec![0f32; vocab];
+                dec.matvec(&h, &mut out, false);
+                return Ok(vec![out]);
+            }
             dense_logits(&h, rows, d, vocab, HeadRows::Blocks(m))
         }
         Head::Dense(w) => {

@@ -14,6 +14,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 mod lowmem;
+pub mod matvec;
 mod quant;
 pub use lowmem::{low_supported, Memory, QuantB};
 use quant::*;
@@ -278,6 +279,9 @@ pub struct Linear {
     mat: Matrix,
     /// `[n]`, zero where a part has no bias
     bias: Option<Vec<f32>>,
+    /// `exact`: the parts' mapped blocks (a GGUF's), which a product of one row (a decode step)
+    /// multiplies from where [`matvec::decode_from_blocks`] says so
+    decode: Option<matvec::Decoder>,
 }
 
 impl Linear {
@@ -334,6 +338,11 @@ impl Linear {
             "Linear::forward_into: buffers too short"
         );
         match &self.mat {
+            // a decode step: one row, straight from the file's blocks
+            _ if m == 1 && self.decode.is_some() && matvec::decode_from_blocks() => {
+                let d = self.decode.as_ref().expect("matched just above");
+                d.matvec(x, &mut out[..n], accumulate)
+            }
             Matrix::Packed(pb) => gemm::gemm(x, k, m, pb, out, n, accumulate),
             Matrix::Int8(pq) => {
                 int8::gemm_q8(&int8::QuantA::new(x, m, k, k), pq, out, n, accumulate)
@@ -708,8 +717,17 @@ fn linear(
     // a matrix from the cache, if it has this precision's layout and this shape
     let layout = PanelLayout::of(precision);
     let ready = ready.filter(|m| m.fits(layout) && m.shape() == (n, k));
+    let decode = (precision == Precision::Exact)
+        .then(|| matvec::Decoder::of(&weights, &widths, k))
+        .flatten();
     if let Some(mat) = ready {
-        return Ok(Linear { k, n, mat, bias });
+        return Ok(Linear {
+            k,
+            n,
+            mat,
+            bias,
+            decode,
+        });
     }
     let starts: Vec<usize> = widths
         .iter()
@@ -726,6 +744,7 @@ fn linear(
                 n,
                 mat: Matrix::Quant(q),
                 bias,
+                decode,
             });
         }
     }
@@ -735,7 +754,13 @@ fn linear(
             m.release_pages();
         }
     }
-    Ok(Linear { k, n, mat, bias })
+    Ok(Linear {
+        k,
+        n,
+        mat,
+        bias,
+        decode,
+    })
 }
 
 /// The parts' weights, their row counts, and their biases concatenated (zeros for a part
