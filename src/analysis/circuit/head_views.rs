@@ -6,8 +6,8 @@
 
 use super::graph::NodeInfo;
 use super::EdgeScore;
-use crate::analysis::intervene::TokenRef;
 use crate::analysis::qk::{qk, Against, QkOptions, QkTerm};
+use crate::analysis::vocab::TokenRef;
 use crate::model::capture::{AttnCache, CaptureSpec, Hook, Queries};
 use crate::model::forward::RunOptions;
 use crate::model::Model;
