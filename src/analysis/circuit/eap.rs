@@ -5,7 +5,8 @@
 //! score(u → r) = Σ over positions and width of (a_u(corrupt) − a_u(clean)) · ∂m/∂in_r, the
 //! gradient at the clean run (EAP) or averaged over `steps` runs whose input embeddings are
 //! `x_corrupt + α (x_clean − x_corrupt)`, α = (i + ½)/steps (EAP-IG, the inputs variant). The
-//! differences `[nodes, n·d]` are kept; the gradients come layer by layer from the backward
+//! differences `[nodes, n·d]` are kept (from the texts' first differing position on: before it
+//! every difference is exactly zero); the gradients come layer by layer from the backward
 //! ([`crate::model::backward::BranchSink`]) and meet the differences in one GEMM per
 //! [`LAYER_BLOCK`] layers (`[readers, n·d] · [n·d, nodes]`): the differences (166 MB at 128
 //! tokens on the default model) are streamed once per block rather than once per layer, and a
@@ -37,6 +38,9 @@ enum Phase {
 /// The sink that turns node outputs into differences and gradients into edge scores.
 struct ScoreSink<'a> {
     graph: &'a Graph,
+    /// the first position at which the clean and corrupted texts differ: before it every
+    /// node's difference is exactly zero, so only the rows from it on are kept and multiplied
+    from: usize,
     /// `[nodes, n·d]`: a_u(corrupt) − a_u(clean), while the runs fill it in
     delta: Vec<f32>,
     /// the same, packed as the right-hand side of `gradients · deltaᵀ` once the differences are
@@ -123,6 +127,10 @@ impl ScoreSink<'_> {
 }
 
 impl BranchSink for ScoreSink<'_> {
+    fn rows_from(&self) -> usize {
+        self.from
+    }
+
     fn wants_nodes(&self) -> bool {
         self.phase != Phase::Gradients
     }
@@ -188,9 +196,12 @@ pub(super) fn score_pair(
 ) -> Result<(f32, f32)> {
     let (xc, _) = model.input_embeddings(&pair.clean)?;
     let (xx, _) = model.input_embeddings(&pair.corrupt)?;
-    let width = xc.len();
+    let n = pair.clean.len();
+    let from = first_difference(pair).min(n - 1);
+    let width = (n - from) * model.dims.d_model;
     let mut sink = ScoreSink {
         graph,
+        from,
         delta: vec![0f32; graph.n_nodes() * width],
         packed: None,
         rows: Vec::new(),
@@ -223,4 +234,14 @@ pub(super) fn score_pair(
         }
     };
     Ok((clean, corrupt))
+}
+
+/// The first position at which the pair's clean and corrupted tokens differ (their length if
+/// none does): the rows before it are the same in both runs, and in every run between them.
+pub(super) fn first_difference(pair: &PairTokens) -> usize {
+    pair.clean
+        .iter()
+        .zip(&pair.corrupt)
+        .position(|(a, b)| a != b)
+        .unwrap_or(pair.clean.len())
 }

@@ -151,7 +151,7 @@ impl Model {
             (seeds[0].value, dx) = (0.0, self.dlogits_seed(&x, d, last.kind)?);
         }
         if let Some(t) = tap.as_deref_mut() {
-            t.final_gradient(&dx)?;
+            t.final_gradient(self, &dx)?;
         }
         let back = self.blocks_backward(&saved, (n, batch), dx, rules, tap, &mut scratch)?;
         scratch.prof.lap("bwd residual copies");
@@ -326,7 +326,7 @@ impl Model {
         let shape = Shape::of(self, (n, batch));
         let mut x = x0.to_vec();
         if let Some(t) = tap.as_deref_mut() {
-            t.forward_input(x0)?;
+            t.forward_input(self, x0)?;
         }
         let mut saved: Vec<Saved> = Vec::with_capacity(dims.n_layers);
         for (l, layer) in self.weights.layers.iter().enumerate() {

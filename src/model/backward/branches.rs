@@ -36,8 +36,9 @@ pub enum Reader {
     Logits,
 }
 
-/// The metric's gradient at one layer's readers, `[n, d_model]` each: q of every query head
-/// (`[n_heads][n, d]` flat), k and v of every key/value head (`[n_kv_heads][n, d]`), the MLP's.
+/// The metric's gradient at one layer's readers, `[rows, d_model]` each (the rows from the
+/// sink's [`BranchSink::rows_from`] on): q of every query head (`[n_heads][rows, d]` flat), k and
+/// v of every key/value head (`[n_kv_heads][rows, d]`), the MLP's.
 pub struct ReaderGrads {
     pub q: Vec<f32>,
     pub k: Vec<f32>,
@@ -47,8 +48,15 @@ pub struct ReaderGrads {
 
 /// Receives what a [`Model::branch_run`] computes: the upstream nodes' outputs in the forward
 /// (in order: the input, then per layer its heads and its MLP), then the gradients at the
-/// readers in the backward (the logits' first, then the layers' from the last).
+/// readers in the backward (the logits' first, then the layers' from the last). Every `[n, d]`
+/// below is the rows from [`BranchSink::rows_from`] on, `[n − from, d_model]`.
 pub trait BranchSink {
+    /// The first row (position) the sink needs (0: every row). A circuit's clean and corrupted
+    /// texts agree before their first differing token, so every node's difference is exactly
+    /// zero there, and neither the nodes' outputs nor the gradients of those rows are needed.
+    fn rows_from(&self) -> usize {
+        0
+    }
     /// Whether the forward should compute and hand over the nodes' outputs (a head's costs a
     /// product with its slice of `W_O`).
     fn wants_nodes(&self) -> bool;
@@ -133,21 +141,29 @@ impl Model {
         &self,
         l: usize,
         s: &Saved,
-        n: usize,
+        (n, from): (usize, usize),
         bt: &BlockTap,
     ) -> Result<ReaderGrads> {
         let (nh, nkv, dm) = (self.dims.n_heads, self.dims.n_kv_heads, self.dims.d_model);
-        let shape = Shape::of(self, (n, 1));
-        let Shape { hd, nq, nk, .. } = shape;
+        let rows = n - from;
+        let shape = Shape::of(self, (rows, 1));
+        let Shape {
+            hd, nq, nk, width, ..
+        } = shape;
         let layer = &self.weights.layers[l];
+        let d_qkv = &bt.qkv_proj[from * width..];
         let per = |c0: usize, heads: usize| -> Result<Vec<f32>> {
-            let mut out = vec![0f32; heads * n * dm];
-            for (h, dst) in out.chunks_mut(n * dm).enumerate() {
+            let mut out = vec![0f32; heads * rows * dm];
+            for (h, dst) in out.chunks_mut(rows * dm).enumerate() {
                 let cols = c0 + h * hd..c0 + (h + 1) * hd;
-                self.qkv_slice_back(l, &bt.qkv_proj, shape, cols, dst)?;
+                self.qkv_slice_back(l, d_qkv, shape, cols, dst)?;
             }
             // through the layer's input norm, at the run's own scale
-            let (x, w, eps) = (&s.resid_pre, &layer.attn_norm, self.dims.rms_eps);
+            let (x, w, eps) = (
+                &s.resid_pre[from * dm..],
+                &layer.attn_norm,
+                self.dims.rms_eps,
+            );
             match layer.plan.norm {
                 NormKind::Rms => rms_backward_many(x, w, eps, &mut out),
                 kind => {
@@ -163,7 +179,7 @@ impl Model {
             q: per(0, nh)?,
             k: per(nq, nkv)?,
             v: per(nq + nk, nkv)?,
-            mlp: bt.mlp_in.clone(),
+            mlp: bt.mlp_in[from * dm..].to_vec(),
         })
     }
 

@@ -154,9 +154,11 @@ impl Tap<'_> {
     }
 
     /// The forward's input to layer 0, for a circuit's sink.
-    pub(super) fn forward_input(&mut self, x0: &[f32]) -> Result<()> {
+    pub(super) fn forward_input(&mut self, model: &Model, x0: &[f32]) -> Result<()> {
         match self.branches.as_deref_mut() {
-            Some(sink) if sink.wants_nodes() => sink.input(x0),
+            Some(sink) if sink.wants_nodes() => {
+                sink.input(&x0[sink.rows_from() * model.dims.d_model..])
+            }
             _ => Ok(()),
         }
     }
@@ -172,17 +174,20 @@ impl Tap<'_> {
     ) -> Result<()> {
         match self.branches.as_deref_mut() {
             Some(sink) if sink.wants_nodes() => {
-                sink.heads(l, &model.head_outputs(l, z, attn_proj))?;
-                sink.mlp(l, mlp_out)
+                let (from, dm) = (sink.rows_from(), model.dims.d_model);
+                let zw = model.dims.n_heads * model.dims.head_dim;
+                let outs = model.head_outputs(l, &z[from * zw..], &attn_proj[from * dm..]);
+                sink.heads(l, &outs)?;
+                sink.mlp(l, &mlp_out[from * dm..])
             }
             _ => Ok(()),
         }
     }
 
     /// The gradient at the final norm's input, for a circuit's sink.
-    pub(super) fn final_gradient(&mut self, dx: &[f32]) -> Result<()> {
+    pub(super) fn final_gradient(&mut self, model: &Model, dx: &[f32]) -> Result<()> {
         match self.branches.as_deref_mut() {
-            Some(sink) => sink.logits_gradient(dx),
+            Some(sink) => sink.logits_gradient(&dx[sink.rows_from() * model.dims.d_model..]),
             None => Ok(()),
         }
     }
@@ -203,7 +208,8 @@ impl Tap<'_> {
         dx: &[f32],
     ) -> Result<()> {
         if let Some(sink) = self.branches.as_deref_mut() {
-            return sink.layer_gradients(l, &model.reader_gradients(l, s, n, &bt)?);
+            let from = sink.rows_from();
+            return sink.layer_gradients(l, &model.reader_gradients(l, s, (n, from), &bt)?);
         }
         if self.layers.len() <= l {
             self.layers.resize_with(l + 1, || None);
