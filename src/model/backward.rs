@@ -23,7 +23,7 @@ mod rowwise;
 mod taps;
 pub use block::LayerT;
 pub use branches::{BranchSink, Reader, ReaderGrads};
-pub use edited::{EditedForward, ReaderEdit};
+pub use edited::{EditedForward, Prefix, ReaderEdit};
 use head::{Head, Packed4, QB};
 use rowwise::norm_fwd;
 pub use rowwise::{norm_backward, norm_identity};

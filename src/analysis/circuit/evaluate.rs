@@ -21,7 +21,7 @@
 use super::graph::{ranked, Graph, Node, Ranking, Reader};
 use super::{edge_score, MetricKind, PairTokens, Scores};
 use crate::analysis::vocab::spearman;
-use crate::model::backward::{EditedForward, ReaderEdit};
+use crate::model::backward::{EditedForward, Prefix, ReaderEdit};
 use crate::model::{Model, Result};
 use rayon::prelude::*;
 use serde::Serialize;
@@ -84,13 +84,25 @@ pub struct ExactEdges {
 }
 
 /// What a run through the edited forward records: every upstream node's output `[nodes, n·d]`,
-/// the residual stream entering each layer and its MLP, the final one, and the metric.
+/// the residual stream entering each layer and its MLP, the final one, each layer's q|k|v
+/// projection (a later run's [`Prefix`]), and the metric.
 struct Record {
     nodes: Vec<f32>,
     pre: Vec<Vec<f32>>,
     mid: Vec<Vec<f32>>,
     last: Vec<f32>,
+    qkv: Vec<Vec<f32>>,
     metric: f32,
+}
+
+impl Record {
+    /// The first `rows` positions of this run as a prefix.
+    fn prefix(&self, rows: usize) -> Prefix<'_> {
+        Prefix {
+            rows,
+            qkv: &self.qkv,
+        }
+    }
 }
 
 /// Records one sequence's run, editing nothing.
@@ -127,6 +139,10 @@ impl ReaderEdit for Recorder<'_> {
         }
         Ok(false)
     }
+
+    fn projected(&mut self, _: usize, qkv: &[f32]) {
+        self.rec.qkv.push(qkv.to_vec());
+    }
 }
 
 /// One text's run through the edited forward, recorded.
@@ -145,21 +161,26 @@ fn record(
             pre: Vec::new(),
             mid: Vec::new(),
             last: Vec::new(),
+            qkv: Vec::new(),
             metric: 0.0,
         },
     };
-    let v = fwd.run(&x, (tokens.len(), 1), 0, m, &mut r)?;
+    let v = fwd.run(&x, (tokens.len(), 1), (0, None), m, &mut r)?;
     r.rec.metric = v[0];
     Ok(r.rec)
 }
 
-/// Circuits run in one batch: each variant keeps the edges whose rank is below its size.
+/// Circuits run in one batch: each variant keeps the edges whose rank is below its size. The
+/// run computes each sequence's rows from the texts' first difference on (`skip` values into a
+/// row of the record: before it every variant is the corrupted run).
 struct CircuitEdit<'a> {
     graph: &'a Graph,
     corrupt: &'a Record,
     /// per variant: the edges' ranks (by the variant's ranking) and the circuit's size
     circuits: Vec<(&'a [u32], usize)>,
+    /// the values of one sequence's computed rows, and the values before them
     width: usize,
+    skip: usize,
     /// `[nodes][variants][n·d]`: each variant's node outputs minus the corrupted run's
     diff: Vec<f32>,
 }
@@ -168,7 +189,8 @@ impl CircuitEdit<'_> {
     /// Node `u`'s outputs of every variant (`[variants][n·d]`), minus the corrupted run's.
     fn set_diff(&mut self, u: usize, outs: &[f32]) {
         let (w, b) = (self.width, self.circuits.len());
-        let corr = &self.corrupt.nodes[u * w..(u + 1) * w];
+        let full = self.skip + w;
+        let corr = &self.corrupt.nodes[u * full + self.skip..(u + 1) * full];
         let dst = &mut self.diff[u * b * w..(u + 1) * b * w];
         dst.par_chunks_mut(w)
             .zip(outs.par_chunks(w))
@@ -207,10 +229,10 @@ impl ReaderEdit for CircuitEdit<'_> {
         let (off, reads) = (g.offset(g.reader_index(reader)), g.reads(reader));
         let corr: &[f32] = match reader {
             Reader::Q { layer, .. } | Reader::K { layer, .. } | Reader::V { layer, .. } => {
-                &self.corrupt.pre[layer]
+                &self.corrupt.pre[layer][self.skip..]
             }
-            Reader::Mlp { layer } => &self.corrupt.mid[layer],
-            Reader::Logits => &self.corrupt.last,
+            Reader::Mlp { layer } => &self.corrupt.mid[layer][self.skip..],
+            Reader::Logits => &self.corrupt.last[self.skip..],
         };
         let diff = &self.diff;
         // the variants apart, in parallel (each writes its own rows)
@@ -241,20 +263,24 @@ impl ReaderEdit for CircuitEdit<'_> {
     }
 }
 
-/// The metric of each circuit `(ranks, size)` on one pair (its clean and corrupted records):
-/// batches of circuits through the edited forward.
+/// The metric of each circuit `(ranks, size)` on one pair (the clean text's input `x` of `n`
+/// tokens, the corrupted run's record, the texts' first differing position `p`): batches of
+/// circuits through the edited forward, each sequence's rows from `p` on (before it every
+/// variant is the corrupted run: the texts are the same there).
 fn circuit_metrics(
     fwd: &EditedForward,
     g: &Graph,
-    (x, n): (&[f32], usize),
+    (x, n, p): (&[f32], usize, usize),
     corrupt: &Record,
     circuits: &[(&[u32], usize)],
     metric: crate::model::backward::Metric,
 ) -> Result<Vec<f32>> {
-    let w = x.len();
+    let skip = x.len() / n * p;
+    let w = x.len() - skip;
     let per_batch = (DIFF_BYTES / (g.n_nodes() * w * 4))
-        .min(MAX_ROWS / n)
+        .min(MAX_ROWS / (n - p))
         .max(1);
+    let prefix = corrupt.prefix(p);
     let mut out = Vec::with_capacity(circuits.len());
     for chunk in circuits.chunks(per_batch) {
         let b = chunk.len();
@@ -263,12 +289,18 @@ fn circuit_metrics(
             corrupt,
             circuits: chunk.to_vec(),
             width: w,
+            skip,
             diff: vec![0f32; g.n_nodes() * b * w],
         };
-        let xs: Vec<f32> = (0..b).flat_map(|_| x.iter().copied()).collect();
-        out.extend(fwd.run(&xs, (n, b), 0, metric, &mut edit)?);
+        let xs: Vec<f32> = (0..b).flat_map(|_| x[skip..].iter().copied()).collect();
+        out.extend(fwd.run(&xs, (n, b), (0, Some(&prefix)), metric, &mut edit)?);
     }
     Ok(out)
+}
+
+/// The first position at which the pair's texts differ, at most the last.
+fn first_difference(p: &PairTokens) -> usize {
+    super::eap::first_difference(p).min(p.clean.len() - 1)
 }
 
 /// Each edge's rank by `ranking`.
@@ -313,6 +345,12 @@ pub fn evaluate(
         .map(|&k| (&abs[..], k))
         .chain(sizes.iter().map(|&k| (&signed[..], k)))
         .collect();
+    // the whole model (every edge: the clean run) first, then the circuits of fewer edges; a
+    // circuit of every edge is the first's number
+    let whole = (&abs[..], g.n_edges());
+    let runs: Vec<(&[u32], usize)> = std::iter::once(whole)
+        .chain(circuits.iter().copied().filter(|c| c.1 < g.n_edges()))
+        .collect();
     let mut sums = vec![0f64; circuits.len()];
     let (mut clean, mut corrupt) = (0f64, 0f64);
     let w = 1.0 / pairs.len() as f64;
@@ -320,12 +358,14 @@ pub fn evaluate(
         let m = metric.of(p);
         let rc = record(fwd, g, &p.corrupt, m)?;
         let (x, _) = model.input_embeddings(&p.clean)?;
-        let clean_m = record(fwd, g, &p.clean, m)?.metric;
-        let vals = circuit_metrics(fwd, g, (&x, p.clean.len()), &rc, &circuits, m)?;
-        sums.iter_mut()
-            .zip(&vals)
-            .for_each(|(s, v)| *s += *v as f64 * w);
-        clean += clean_m as f64 * w;
+        let at = (&x[..], p.clean.len(), first_difference(p));
+        let vals = circuit_metrics(fwd, g, at, &rc, &runs, m)?;
+        let mut rest = vals[1..].iter();
+        for (s, c) in sums.iter_mut().zip(&circuits) {
+            let v = if c.1 < g.n_edges() { rest.next() } else { None };
+            *s += *v.unwrap_or(&vals[0]) as f64 * w;
+        }
+        clean += vals[0] as f64 * w;
         corrupt += rc.metric as f64 * w;
     }
     let faith = |v: f64| (v - corrupt) / (clean - corrupt);
@@ -362,7 +402,7 @@ pub fn evaluate(
 /// Single edges patched in the clean run: each variant's edge `u → r` carries the corrupted
 /// output of `u` (`delta`: a_u(corrupt) − a_u(clean)), every other reader reads as it is.
 struct EdgeEdit {
-    /// per variant: its reader and delta `[n·d]`
+    /// per variant: its reader and delta (the rows the run computes)
     variants: Vec<(Reader, Vec<f32>)>,
 }
 
@@ -409,10 +449,13 @@ fn edge_deltas(
     fwd: &EditedForward,
     g: &Graph,
     (clean, corrupt): (&Record, &Record),
-    (n, edges): (usize, &[usize]),
+    (n, p, edges): (usize, usize, &[usize]),
     metric: crate::model::backward::Metric,
 ) -> Result<Vec<f32>> {
     let w = clean.nodes.len() / g.n_nodes();
+    // each sequence's rows from the texts' first difference on (the same before it)
+    let skip = w / n * p;
+    let prefix = clean.prefix(p);
     let mut out = vec![0f32; edges.len()];
     for from in 0..=g.n_layers {
         let mine: Vec<usize> = (0..edges.len())
@@ -423,18 +466,21 @@ fn edge_deltas(
         } else {
             &clean.pre[from]
         };
-        for chunk in mine.chunks((MAX_ROWS / n).max(1)) {
+        for chunk in mine.chunks((MAX_ROWS / (n - p)).max(1)) {
             let variants = chunk
                 .iter()
                 .map(|&i| {
                     let (u, r) = g.edge(edges[i]);
-                    let (a, c) = (&corrupt.nodes[u * w..][..w], &clean.nodes[u * w..][..w]);
+                    let at = u * w + skip..(u + 1) * w;
+                    let (a, c) = (&corrupt.nodes[at.clone()], &clean.nodes[at]);
                     (g.reader(r), a.iter().zip(c).map(|(a, c)| a - c).collect())
                 })
                 .collect();
             let mut edit = EdgeEdit { variants };
+            let x0 = &x0[skip..];
             let xs: Vec<f32> = (0..chunk.len()).flat_map(|_| x0.iter().copied()).collect();
-            let vals = fwd.run(&xs, (n, chunk.len()), from, metric, &mut edit)?;
+            let at = (from, Some(&prefix));
+            let vals = fwd.run(&xs, (n, chunk.len()), at, metric, &mut edit)?;
             for (&i, v) in chunk.iter().zip(vals) {
                 out[i] = v - clean.metric;
             }
@@ -464,7 +510,8 @@ pub fn exact_edges(
         let m = metric.of(p);
         let clean = record(fwd, g, &p.clean, m)?;
         let corrupt = record(fwd, g, &p.corrupt, m)?;
-        let d = edge_deltas(fwd, g, (&clean, &corrupt), (p.clean.len(), &top), m)?;
+        let at = (p.clean.len(), first_difference(p), &top[..]);
+        let d = edge_deltas(fwd, g, (&clean, &corrupt), at, m)?;
         sums.iter_mut().zip(d).for_each(|(s, v)| *s += v as f64 * w);
     }
     let edges: Vec<ExactEdge> = top
@@ -520,7 +567,8 @@ pub fn run_circuits(
         .map(|(r, c)| (&r[..], c.len()))
         .collect();
     let (x, _) = model.input_embeddings(&pair.clean)?;
-    let vals = circuit_metrics(&fwd, g, (&x, pair.clean.len()), &rc, &list, m)?;
+    let at = (&x[..], pair.clean.len(), first_difference(pair));
+    let vals = circuit_metrics(&fwd, g, at, &rc, &list, m)?;
     Ok((clean, rc.metric, vals))
 }
 
@@ -540,7 +588,7 @@ pub fn patch_edges(
         &fwd,
         g,
         (&clean, &corrupt),
-        (pair.clean.len(), edges),
+        (pair.clean.len(), first_difference(pair), edges),
         m,
     )?)
 }

@@ -34,6 +34,20 @@ pub trait ReaderEdit {
     /// forward's order (a layer's q heads, then its k and v heads, then its MLP; the logits
     /// last).
     fn read(&mut self, reader: Reader, resid: &[f32], out: &mut [f32]) -> Result<bool>;
+    /// Layer `layer`'s q|k|v projection as the run computed it (`[rows, width]`, bias added, before
+    /// the q/k norms and RoPE): what a later run's [`Prefix`] is made of.
+    fn projected(&mut self, _layer: usize, _qkv: &[f32]) {}
+}
+
+/// The first `rows` positions of every sequence of a run, the same in all of them and computed
+/// before: each layer's q|k|v projection there (`[rows, width]`, as [`ReaderEdit::projected`]
+/// gave it). A run with a prefix computes only the later rows (the residual stream, the readers,
+/// the projections, the MLPs), and the attention of those rows reads the prefix's keys and
+/// values: exact edge patching where the clean and corrupted texts agree before their first
+/// differing token.
+pub struct Prefix<'a> {
+    pub rows: usize,
+    pub qkv: &'a [Vec<f32>],
 }
 
 /// The forward with a reader's own input ([`Model::edited_forward`]).
@@ -82,28 +96,36 @@ impl<'m> EditedForward<'m> {
     /// `batch` sequences of `n` rows each, from the residual stream entering layer `from` (`x`,
     /// `[batch·n, d_model]`; layer 0's input is [`Model::input_embeddings`]) to `metric` at each
     /// sequence's last row, every reader's input as `edit` says. The metric of each sequence.
+    /// With a `prefix`, `x` and everything `edit` sees are each sequence's rows after it
+    /// (`[batch·(n − prefix.rows), d_model]`).
     pub fn run(
         &self,
         x: &[f32],
         (n, batch): (usize, usize),
-        from: usize,
+        (from, prefix): (usize, Option<&Prefix>),
         metric: Metric,
         edit: &mut dyn ReaderEdit,
     ) -> Result<Vec<f32>> {
         let model = self.model;
         let dm = model.dims.d_model;
-        if n == 0 || batch == 0 || x.len() != n * batch * dm || from > model.dims.n_layers {
+        let p = prefix.map_or(0, |p| p.rows);
+        let sized = prefix.is_none_or(|p| p.qkv.len() == model.dims.n_layers);
+        if p >= n || !sized || batch == 0 || x.len() != (n - p) * batch * dm {
             return Err(super::bug(format!(
-                "an edited forward of {} values as {batch} × {n} rows from layer {from}",
+                "an edited forward of {} values as {batch} × {n} rows ({p} before) from layer {from}",
                 x.len()
             )));
+        }
+        if from > model.dims.n_layers {
+            return Err(super::bug(format!("an edited forward from layer {from}")));
         }
         let shape = Shape::of(model, (n, batch));
         let mut prof = Profile::default();
         let mut x = x.to_vec();
         edit.input(&x)?;
         for l in from..model.dims.n_layers {
-            self.layer(l, &mut x, shape, edit, &mut prof)?;
+            let prefix = prefix.map(|p| (p.rows, &p.qkv[l][..]));
+            self.layer(l, &mut x, (shape, prefix), edit, &mut prof)?;
         }
         let mut buf = vec![0f32; x.len()];
         let last = if edit.read(Reader::Logits, &x, &mut buf)? {
@@ -112,27 +134,49 @@ impl<'m> EditedForward<'m> {
             x
         };
         let (_, seeds) =
-            model.seeds_at_last_rows(&last, (n, batch), metric, Rules::Gradient, &mut prof)?;
+            model.seeds_at_last_rows(&last, (n - p, batch), metric, Rules::Gradient, &mut prof)?;
         Ok(seeds.iter().map(|s| s.value).collect())
     }
 
-    /// Layer `l` on the residual stream `x` (updated in place): the readers' inputs, the
-    /// attention, the heads' outputs, the MLP's input and output.
+    /// Layer `l` on the residual stream `x` (updated in place; the rows after the prefix, if
+    /// any: its row count and this layer's q|k|v there): the readers' inputs, the attention, the
+    /// heads' outputs, the MLP's input and output.
     fn layer(
         &self,
         l: usize,
         x: &mut Vec<f32>,
-        shape: Shape,
+        (shape, prefix): (Shape, Option<(usize, &[f32])>),
         edit: &mut dyn ReaderEdit,
         prof: &mut Profile,
     ) -> Result<()> {
         let model = self.model;
         let layer = &model.weights.layers[l];
         let (n, batch) = (shape.n, shape.rows / shape.n);
-        let qkv = self.readers_qkv(l, x, shape, edit)?;
-        let (q, k, v) = model.split_qkv(layer, &qkv, shape);
-        let z = model.attention_forward(l, &q, &k, &v, n, batch);
-        let (attn_proj, attn_out) = model.o_forward(layer, &z, shape.rows, prof)?;
+        let p = prefix.map_or(0, |(p, _)| p);
+        let later = Shape::of(model, (n - p, batch));
+        let qkv = self.readers_qkv(l, x, later, edit)?;
+        edit.projected(l, &qkv);
+        let z = match prefix {
+            None => {
+                let (q, k, v) = model.split_qkv(layer, &qkv, shape);
+                model.attention_forward(l, &q, &k, &v, n, batch)
+            }
+            Some((p, before)) => {
+                // every sequence whole (the prefix's rows, then its own), its later rows kept
+                let w = shape.width;
+                let whole: Vec<f32> = qkv
+                    .chunks(later.n * w)
+                    .flat_map(|own| before[..p * w].iter().chain(own).copied())
+                    .collect();
+                let (q, k, v) = model.split_qkv(layer, &whole, shape);
+                let z = model.attention_forward(l, &q, &k, &v, n, batch);
+                let zw = z.len() / shape.rows;
+                z.chunks(n * zw)
+                    .flat_map(|seq| seq[p * zw..].iter().copied())
+                    .collect()
+            }
+        };
+        let (attn_proj, attn_out) = model.o_forward(layer, &z, later.rows, prof)?;
         edit.heads(l, &model.head_outputs(l, &z, &attn_proj))?;
         x.iter_mut().zip(&attn_out).for_each(|(a, b)| *a += b);
         let mut buf = vec![0f32; x.len()];
@@ -141,7 +185,7 @@ impl<'m> EditedForward<'m> {
         } else {
             &*x
         };
-        let (_, _, mlp_out) = model.mlp_forward(layer, input, shape.rows, prof)?;
+        let (_, _, mlp_out) = model.mlp_forward(layer, input, later.rows, prof)?;
         edit.mlp(l, &mlp_out)?;
         x.iter_mut().zip(&mlp_out).for_each(|(a, b)| *a += b);
         if !x.iter().all(|v| v.is_finite()) {
