@@ -3,7 +3,9 @@
 //! graph against 2 forwards + 1 backward, EAP-IG with 5 steps against 6 forward + backward pairs,
 //! `--evaluate`'s ladder (MIB's 10 sizes, both rankings) against 10 forwards; and at
 //! `--circuit-tokens` tokens, EAP's time and the peak memory its edge scores and node
-//! activations add to the loaded model.
+//! activations add to the loaded model. EAP and the ladder compute only the rows from the texts'
+//! first difference on (before it every node's difference is zero), so the longer pair is timed
+//! twice: with one token changed in the middle and, the worst case, at the second position.
 
 use super::bench_interventions::{CLEAN, CORRUPT};
 use super::scaling::{before_and_after, measurement_table, median, timed};
@@ -21,6 +23,8 @@ use serde::Serialize;
 #[derive(Debug, Serialize)]
 pub struct CircuitTimes {
     pub tokens: usize,
+    /// the first position at which the clean and corrupted texts differ
+    pub differ_from: usize,
     /// one plain forward (last position's logits), median
     pub forward_s: f64,
     /// one forward and backward (`Model::gradient`), median
@@ -44,12 +48,15 @@ pub struct CircuitBench {
     pub eap_ig_vs_goal_unit: f64,
     /// packing the edited forward's q|k|v panels (once per `circuit` run)
     pub pack_s: f64,
-    /// `--evaluate`'s ladder (20 circuits and the two runs), median
+    /// `--evaluate`'s ladders (MIB's 10 sizes by |score| and by −score: 20 circuits, those of
+    /// every edge the clean run; with the corrupted run), median
     pub ladder_s: f64,
     /// ladder_s / (10 forwards); the goal is at most 1
     pub ladder_vs_goal_unit: f64,
-    /// the longer pair
+    /// the longer pair, one token changed in the middle
     pub long: CircuitTimes,
+    /// the longer pair with its second token changed instead (EAP's worst case)
+    pub long_early: CircuitTimes,
     /// the peak resident memory EAP adds at the longer pair's length (edge scores, node
     /// activations and the backward's own buffers), over the loaded and warmed-up model
     pub long_eap_peak_bytes: Option<u64>,
@@ -64,17 +71,17 @@ pub fn run(model: &Model, repeats: usize, long_tokens: usize, json: bool) -> any
     super::common::emit(&render(&r))
 }
 
-/// A pair of `n` tokens of the built-in corpus: the corrupted text has one token changed in the
-/// middle; the answer and the wrong token are the clean text's two top next tokens.
-fn long_pair(model: &Model, n: usize) -> anyhow::Result<PairTokens> {
+/// A pair of `n` tokens of the built-in corpus: the corrupted text has one token changed, at
+/// position `mid`; the answer and the wrong token are the clean text's two top next tokens.
+fn long_pair(model: &Model, n: usize, mid: usize) -> anyhow::Result<PairTokens> {
     let clean = crate::analysis::corpus::builtin_tokens(&model.tokenizer, n)?;
     let mut corrupt = clean.clone();
-    let mid = n / 2;
-    corrupt[mid] = if clean[mid] == clean[0] {
-        clean[1]
-    } else {
-        clean[0]
-    };
+    // another token of the text
+    corrupt[mid] = clean
+        .iter()
+        .copied()
+        .find(|&t| t != clean[mid])
+        .unwrap_or(clean[mid] ^ 1);
     let logits = model.next_token_logits(&clean)?;
     let top = crate::analysis::vocab::top_k(&logits, 2);
     Ok(PairTokens {
@@ -161,6 +168,7 @@ fn pair_times(
     let backward = (fb - f).max(0.0);
     let times = CircuitTimes {
         tokens: pair.clean.len(),
+        differ_from: crate::analysis::circuit::first_difference(pair),
         forward_s: f,
         forward_backward_s: fb,
         eap_s,
@@ -180,14 +188,18 @@ fn measure(model: &Model, repeats: usize, long_tokens: usize) -> anyhow::Result<
     )?
     .remove(0);
     let bar = super::common::progress_bar("{msg} [{bar:30}] {pos}/{len}");
-    bar.set_length(2);
+    bar.set_length(3);
     bar.set_message("EAP, EAP-IG and the evaluation ladder, the IOI-style pair");
     let (short, [eap_ig_s, pack_s, ladder_s], _) =
         pair_times(model, &pair, repeats, (true, false))?;
     bar.inc(1);
     bar.set_message(format!("EAP and its memory, {long_tokens} tokens"));
-    let long = long_pair(model, long_tokens)?;
+    let long = long_pair(model, long_tokens, long_tokens / 2)?;
     let (long, _, peak) = pair_times(model, &long, repeats, (false, true))?;
+    bar.inc(1);
+    bar.set_message(format!("EAP, {long_tokens} tokens differing from the second on"));
+    let early = long_pair(model, long_tokens, 1)?;
+    let (long_early, _, _) = pair_times(model, &early, repeats, (false, false))?;
     bar.finish_and_clear();
     Ok(CircuitBench {
         model: model.info.name.clone(),
@@ -200,6 +212,7 @@ fn measure(model: &Model, repeats: usize, long_tokens: usize) -> anyhow::Result<
         ladder_vs_goal_unit: ladder_s / (10.0 * short.forward_s),
         pair: short,
         long,
+        long_early,
         long_eap_peak_bytes: peak,
     })
 }
@@ -207,7 +220,7 @@ fn measure(model: &Model, repeats: usize, long_tokens: usize) -> anyhow::Result<
 /// The bench as a table.
 fn render(r: &CircuitBench) -> String {
     let (mut s, mut t) = measurement_table("circuits", &r.model);
-    for c in [&r.pair, &r.long] {
+    for c in [&r.pair, &r.long, &r.long_early] {
         let n = c.tokens;
         t.row([
             format!("one forward, {n} tokens"),
@@ -220,7 +233,10 @@ fn render(r: &CircuitBench) -> String {
             format!("median of {}", 2 * r.repeats),
         ]);
         t.row([
-            format!("EAP, every edge ({}), {n} tokens", r.edges),
+            format!(
+                "EAP, every edge ({}), {n} tokens differing from #{}",
+                r.edges, c.differ_from
+            ),
             format!("{:.3}", c.eap_s),
             format!(
                 "{:.2} x (2 forwards + 1 backward); goal ≤ 1.5",
@@ -243,7 +259,7 @@ fn render(r: &CircuitBench) -> String {
     ]);
     t.row([
         format!(
-            "--evaluate: 20 circuits by exact edge patching, {} tokens",
+            "--evaluate: MIB's two ladders (20 circuits) by exact edge patching, {} tokens",
             r.pair.tokens
         ),
         format!("{:.3}", r.ladder_s),

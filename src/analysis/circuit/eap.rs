@@ -197,7 +197,7 @@ pub(super) fn score_pair(
     let (xc, _) = model.input_embeddings(&pair.clean)?;
     let (xx, _) = model.input_embeddings(&pair.corrupt)?;
     let n = pair.clean.len();
-    let from = first_difference(pair).min(n - 1);
+    let from = super::first_difference(pair).min(n - 1);
     let width = (n - from) * model.dims.d_model;
     let mut sink = ScoreSink {
         graph,
@@ -236,12 +236,3 @@ pub(super) fn score_pair(
     Ok((clean, corrupt))
 }
 
-/// The first position at which the pair's clean and corrupted tokens differ (their length if
-/// none does): the rows before it are the same in both runs, and in every run between them.
-pub(super) fn first_difference(pair: &PairTokens) -> usize {
-    pair.clean
-        .iter()
-        .zip(&pair.corrupt)
-        .position(|(a, b)| a != b)
-        .unwrap_or(pair.clean.len())
-}

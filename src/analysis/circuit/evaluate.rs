@@ -300,7 +300,7 @@ fn circuit_metrics(
 
 /// The first position at which the pair's texts differ, at most the last.
 fn first_difference(p: &PairTokens) -> usize {
-    super::eap::first_difference(p).min(p.clean.len() - 1)
+    super::first_difference(p).min(p.clean.len() - 1)
 }
 
 /// Each edge's rank by `ranking`.

@@ -336,6 +336,18 @@ pub fn circuit(model: &Model, opts: &CircuitOptions) -> anyhow::Result<CircuitRe
     })
 }
 
+/// The first position at which a pair's clean and corrupted tokens differ (their length if
+/// none does): the rows before it are the same in both runs and in every run between or
+/// patched from them, so every node's difference there is exactly zero; EAP, the evaluation
+/// ladder and exact edge patching compute only the rows from it on.
+pub fn first_difference(pair: &PairTokens) -> usize {
+    pair.clean
+        .iter()
+        .zip(&pair.corrupt)
+        .position(|(a, b)| a != b)
+        .unwrap_or(pair.clean.len())
+}
+
 /// Edge `e` named, with its score.
 pub fn edge_score(g: &Graph, scores: &[f32], e: usize) -> EdgeScore {
     let (u, r) = g.edge(e);
