@@ -197,7 +197,9 @@ fn measure(model: &Model, repeats: usize, long_tokens: usize) -> anyhow::Result<
     let long = long_pair(model, long_tokens, long_tokens / 2)?;
     let (long, _, peak) = pair_times(model, &long, repeats, (false, true))?;
     bar.inc(1);
-    bar.set_message(format!("EAP, {long_tokens} tokens differing from the second on"));
+    bar.set_message(format!(
+        "EAP, {long_tokens} tokens differing from the second on"
+    ));
     let early = long_pair(model, long_tokens, 1)?;
     let (long_early, _, _) = pair_times(model, &early, repeats, (false, false))?;
     bar.finish_and_clear();

@@ -24,7 +24,8 @@ pub enum Hook {
     /// `hook_embed`: the token embeddings as they enter the residual stream (Gemma's √d_model
     /// scale included, as TransformerLens folds it into `W_E`); handed at layer 0.
     Embed,
-    /// `hook_pos_embed`: GPT-2's learned positions; handed at layer 0 (no other family has one).
+    /// `hook_pos_embed`: the learned positions (GPT-2; an encoder's, with its token types added);
+    /// handed at layer 0 (the rotary families have none).
     PosEmbed,
     ResidPre,
     /// `ln1.hook_scale`: each position's norm scale, `[pos, 1]` (RMS: `sqrt(mean(x²) + eps)`;
@@ -583,7 +584,7 @@ impl CaptureSpec {
         for &l in &layers {
             for &h in &hooks {
                 if h.is_global() && h.layer_of(l, dims.n_layers) != l
-                    || h == Hook::PosEmbed && dims.arch != super::config::Arch::Gpt2
+                    || h == Hook::PosEmbed && !dims.arch.learned_positions()
                     || h == Hook::MlpPreLinear && dims.arch == super::config::Arch::Gpt2
                 {
                     continue; // handed at another layer, or not in this family

@@ -235,4 +235,3 @@ pub(super) fn score_pair(
     };
     Ok((clean, corrupt))
 }
-
