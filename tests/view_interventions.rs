@@ -173,7 +173,7 @@ fn view_ablation_refuses_what_it_cannot_do() {
     let d = page_data(&std::fs::read_to_string(&out_path).unwrap());
     assert!(d["ablation"].is_null());
     // the API: ablate_method names the valid values
-    let e = attnscope::render::view::ablate_method("Zero").unwrap_err();
+    let e = attnscope::commands::view::ablate_method("Zero").unwrap_err();
     assert!(format!("{e}").contains("`zero`") && attnscope::analysis::request::is_bad_input(&e));
 }
 

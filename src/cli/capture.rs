@@ -1,8 +1,8 @@
 //! `attnscope capture`: run a model and save the captured hook tensors to a file
-//! ([`crate::render::capture`] does it).
+//! ([`crate::commands::capture`] does it).
 
 use super::common::{emit, ModelText};
-use crate::render::capture::{capture, CaptureRequest};
+use crate::commands::capture::{capture, CaptureRequest};
 use crate::render::tensorfile::TensorFormat;
 use std::io::IsTerminal;
 use std::path::PathBuf;

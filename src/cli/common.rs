@@ -8,7 +8,7 @@ use anyhow::Context;
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 
-pub use crate::analysis::request::{check_index, parse_index_list, usage};
+pub use crate::analysis::request::{parse_index_list, usage};
 pub use crate::analysis::LESSON_SENTENCE;
 pub use crate::render::progress::{on_bar, progress_bar};
 pub use crate::render::{timings_opening, Output};

@@ -598,7 +598,7 @@ fn serve_view(
         Err(r) => return refuse(stream, model, a, &r),
     };
     let page = match &req.pair {
-        None => crate::render::view::view_html(model, text, a.model.bos, req.faith),
+        None => crate::commands::view::view_html(model, text, a.model.bos, req.faith),
         Some(b) => view_pair(model, text, b, req.faith),
     };
     drop(turn);
@@ -620,13 +620,13 @@ fn view_pair(
     faithfulness: bool,
 ) -> anyhow::Result<(String, usize)> {
     let (tokens, types, segments) = model.encode_pair_segments(a, b)?;
-    let opts = crate::render::view::ViewOptions {
+    let opts = crate::commands::view::ViewOptions {
         faithfulness,
         token_types: Some(types),
         segments: Some(segments),
         ..Default::default()
     };
-    crate::render::view::view_html_tokens(model, &tokens, &opts)
+    crate::commands::view::view_html_tokens(model, &tokens, &opts)
 }
 
 /// Answers 503 with `Retry-After` and the reason.

@@ -1,10 +1,9 @@
 //! `attnscope view` (the HTML page) and `attnscope heatmap` (one map as PNG or SVG).
 
-use super::common::{check_index, emit, output_path, usage, ModelArgs, TextArgs};
+use super::common::{emit, output_path, usage, ModelArgs, TextArgs};
 use crate::analysis::vocab::Target;
-use crate::model::capture::{AttnCache, CaptureSpec, Hook};
-use crate::model::forward::RunOptions;
-use crate::render::view::{ablate_method, view_html_tokens, AblateMethod, ViewOptions};
+use crate::commands::heatmap::{heatmap as heatmap_of, HeatmapOptions};
+use crate::commands::view::{ablate_method, view_html_tokens, AblateMethod, ViewOptions};
 use std::path::PathBuf;
 
 /// `attnscope view`'s flags.
@@ -96,51 +95,17 @@ pub fn heatmap(a: HeatmapArgs) -> anyhow::Result<()> {
     let output = output_path(&a.out, a.force, &inputs)?;
     let model = a.model.load()?;
     let (tokens, token_types) = a.text.tokens_or_pair(&model, a.model.bos)?;
-    let (n, d) = (tokens.len(), &model.dims);
-    let layer = check_index(a.layer, d.n_layers, "layer")?;
-    let head = match a.head.as_str() {
-        "mean" => None,
-        h => Some(check_index(
-            h.parse()
-                .map_err(|_| usage(format!("--head {h} is not a number or `mean`")))?,
-            d.n_heads,
-            "head",
-        )?),
-    };
-    let spec = CaptureSpec {
-        hooks: vec![Hook::Pattern],
-        layers: Some(vec![layer]),
-        heads: head.map(|h| vec![h]),
-        queries: crate::model::capture::Queries::All,
-    };
-    let mut cache = AttnCache::new(&spec, n);
-    let opts = RunOptions {
+    let opts = HeatmapOptions {
+        layer: a.layer,
+        head: a.head,
         token_types,
-        ..Default::default()
     };
-    model.forward(&tokens, &opts, &mut cache)?;
-    let p = cache.pattern(layer).expect("captured");
-    let map: Vec<f32> = if head.is_some() {
-        p.data.to_vec()
-    } else {
-        crate::analysis::vocab::mean_rows(p.data.chunks(n * n))
-    };
-    let labels: Vec<String> = model
-        .token_texts(&tokens)
-        .iter()
-        .enumerate()
-        .map(|(i, t)| format!("{i} {}", crate::model::tokenize::visible(t)))
-        .collect();
-    let title = format!(
-        "{} · layer {layer} · {}",
-        model.info.name,
-        head.map(|h| format!("head {h}"))
-            .unwrap_or_else(|| "mean of heads".into())
-    );
+    let r = heatmap_of(&model, &tokens, &opts)?;
+    let (n, title) = (r.n, &r.title);
     let bytes = if ext == "svg" {
-        crate::render::heatmap::svg(&map, &labels, &labels, &title).into_bytes()
+        crate::render::heatmap::svg(&r.map, &r.labels, &r.labels, title).into_bytes()
     } else {
-        crate::render::heatmap::png(&map, n, n)
+        crate::render::heatmap::png(&r.map, n, n)
     };
     output.write(&bytes)?;
     emit(&format!("wrote {} ({title}, {n}×{n})\n", a.out.display()))

@@ -1,5 +1,6 @@
-//! Renderers: they format what the analyses computed; no maths here.
-pub mod capture;
+//! Renderers: they format the reports and arrays that `commands/` and the analyses made (text,
+//! HTML, PNG, SVG, npy, npz, safetensors). They run no model: no forward, no model loaded, no
+//! analysis that runs one (`tests/layering.rs`; the rule is `crate::commands`'s header).
 pub mod circuit_page;
 pub mod compare_page;
 pub mod direct;

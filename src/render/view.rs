@@ -1,17 +1,12 @@
-//! The view page (`attnscope view`, `serve`, Python's `view` and `viz.attention_heads`): a text's
-//! attention on a model, or patterns computed elsewhere, as one self-contained HTML page.
+//! The view page (`attnscope view`, `serve`, Python's `view` and `viz.attention_heads`): a
+//! [`ViewReport`] (a text's attention on a model, computed by [`crate::commands::view`]), or
+//! patterns computed elsewhere, as one self-contained HTML page.
 
 use crate::analysis::collect::Collector;
-use crate::analysis::faithfulness::{run as run_faith, FaithOptions};
-pub use crate::analysis::intervene::AblateMethod;
-use crate::analysis::intervene::{ablate, AblateOptions};
-use crate::analysis::norms::{all_value_norms, Values};
+use crate::analysis::encoder::SpecialShares;
 use crate::analysis::request::usage;
-use crate::analysis::vocab::ModelFacts;
-use crate::analysis::vocab::Target;
-use crate::model::capture::{AttnCache, CaptureSpec, Hook, Observer};
-use crate::model::forward::RunOptions;
-use crate::render::html::{encode_layer, page, EncoderView, SparseLayers, ViewData};
+use crate::model::capture::{Hook, Observer};
+use crate::render::html::{encode_layer, page as html_page, EncoderView, SparseLayers, ViewData};
 use crate::render::sparse::{encode_value_norms, SparseView, FULL_MAX, TOP_HEAD, TOP_MEAN};
 
 #[path = "view_encoder.rs"]
@@ -81,243 +76,81 @@ fn sparse_layers(sv: &SparseView, layers: usize) -> EncodedLayers {
     }
 }
 
-/// Per layer, the value norms of every head and key, encoded for the page.
-fn value_norms_of(
-    model: &crate::model::Model,
-    values: &[Option<Vec<f32>>],
-    n: usize,
-) -> Vec<String> {
-    let d = &model.dims;
-    values
-        .iter()
-        .enumerate()
-        .map(|(l, v)| {
-            let v = v.as_deref().expect("the values of every layer were kept");
-            let vals = Values::pos_major(v, n, d.n_kv_heads, d.head_dim);
-            encode_value_norms(&all_value_norms(model, l, &vals))
-        })
-        .collect()
+/// A layer's attention as the view holds it: whole `[heads, n, n]` maps (up to [`FULL_MAX`]
+/// tokens, and an encoder's), or each row's top weights streamed from the forward.
+pub enum ViewMaps {
+    Whole(Vec<Vec<f32>>),
+    Top(SparseView),
 }
 
-/// `zero` or `mean`: how `view --ablate` (and the Python `view(ablate=...)`) removes a head.
-pub fn ablate_method(s: &str) -> anyhow::Result<AblateMethod> {
-    match s {
-        "zero" => Ok(AblateMethod::Zero),
-        "mean" => Ok(AblateMethod::Mean),
-        _ => Err(usage(format!(
-            "unknown ablation method {s:?}: valid values are `zero` (the head's output set to 0) and `mean` (set to its mean over the text's positions)"
-        ))),
+/// What an encoder's page adds: which text each token belongs to, where the second begins, and
+/// the [CLS]/[SEP]/punctuation shares per layer.
+pub struct EncoderFacts {
+    pub token_types: Vec<u32>,
+    pub sentence_b_start: Option<usize>,
+    pub special_shares: SpecialShares,
+}
+
+/// What the view page of a text on a model shows (made by [`crate::commands::view::view`]):
+/// the maps, the value norms `‖W_Oʰ vⱼ‖` per layer (heads × keys), and the panels' reports. Not
+/// serialized: the maps are the page's bulk, encoded by [`page`].
+pub struct ViewReport {
+    pub model_name: String,
+    /// the model's facts (`ModelFacts`), as JSON
+    pub model: serde_json::Value,
+    /// the token texts
+    pub tokens: Vec<String>,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub maps: ViewMaps,
+    pub value_norms: Vec<Vec<f32>>,
+    /// `attnscope faithfulness`'s report, for the faithfulness panel
+    pub faithfulness: Option<serde_json::Value>,
+    /// `attnscope ablate`'s report (every head ablated), for the ablation panel
+    pub ablation: Option<serde_json::Value>,
+    /// an encoder's page; `None`: a decoder's
+    pub encoder: Option<EncoderFacts>,
+}
+
+/// The view page of `report`: its maps encoded (every weight up to [`FULL_MAX`] tokens, the
+/// bounded encoding above), the sink profile of a decoder's, an encoder's shares and pair.
+pub fn page(report: &ViewReport) -> String {
+    if report.encoder.is_some() {
+        return encoder::page_of(report);
     }
-}
-
-/// What a view page shows beside the attention.
-#[derive(Clone, Debug, Default)]
-pub struct ViewOptions {
-    /// the faithfulness (occlusion) panel
-    pub faithfulness: bool,
-    /// the ablation panel: every head ablated this way (see [`ablate`])
-    pub ablate: Option<AblateMethod>,
-    /// the token the ablation and faithfulness panels measure (None: the model's top next token)
-    pub target: Option<Target>,
-    /// a progress bar for the ablations on standard error, where it is a terminal (the CLI)
-    pub progress: bool,
-    /// an encoder's token types (a sentence pair's 0/1, as [`crate::model::Model::encode_pair`]
-    /// gives them); `None`: all 0, one text
-    pub token_types: Option<Vec<u32>>,
-    /// a pair's segments where they differ from its types (RoBERTa, DistilBERT: no types, but
-    /// two texts; [`crate::model::Model::encode_pair_segments`]), for the page's B marks and
-    /// its A→B selector; `None`: the types
-    pub segments: Option<Vec<u32>>,
-}
-
-/// `attnscope ablate`'s report, with its progress bar when `bar` (and standard error is a terminal).
-fn ablate_with_bar(
-    bar: bool,
-    model: &crate::model::Model,
-    tokens: &[u32],
-    opts: &AblateOptions,
-) -> anyhow::Result<crate::analysis::intervene::AblateReport> {
-    let bar = if bar {
-        super::progress::progress_bar("view: ablations [{bar:30}] {pos}/{len} ({eta})")
-    } else {
-        indicatif::ProgressBar::hidden()
+    let (n, layers, heads) = (report.tokens.len(), report.n_layers, report.n_heads);
+    let encoded = match &report.maps {
+        ViewMaps::Whole(maps) => encode_layers(maps.iter().map(Vec::as_slice), layers, heads, n),
+        ViewMaps::Top(sv) => sparse_layers(sv, layers),
     };
-    let report = ablate(model, tokens, opts, super::progress::on_bar(&bar))?;
-    bar.finish_and_clear();
-    Ok(report)
-}
-
-/// The view page for `text` on `model` (also served by `attnscope serve`), and the token count.
-pub fn view_html(
-    model: &crate::model::Model,
-    text: &str,
-    bos: bool,
-    faithfulness: bool,
-) -> anyhow::Result<(String, usize)> {
-    view_html_with(
-        model,
-        text,
-        bos,
-        &ViewOptions {
-            faithfulness,
-            ..ViewOptions::default()
-        },
-    )
-}
-
-/// The view page with the panels `opts` asks for, and the token count.
-pub fn view_html_with(
-    model: &crate::model::Model,
-    text: &str,
-    bos: bool,
-    opts: &ViewOptions,
-) -> anyhow::Result<(String, usize)> {
-    view_html_tokens(model, &model.encode(text, bos)?, opts)
-}
-
-/// The view page of `tokens` (a text already encoded, or a chat prompt through the model's
-/// template) with the panels `opts` asks for, and the token count.
-pub fn view_html_tokens(
-    model: &crate::model::Model,
-    tokens: &[u32],
-    opts: &ViewOptions,
-) -> anyhow::Result<(String, usize)> {
-    if model.is_encoder() {
-        return encoder::page_of(model, tokens, opts);
-    }
-    check_view(model, tokens.len(), opts)?;
-    let tokens = tokens.to_vec();
-    let (n, d) = (tokens.len(), &model.dims);
-    let target = opts.target.clone().unwrap_or(Target::Next);
-    let (layers, vnorms) = capture_layers(model, &tokens)?;
-    let (faithfulness, ablation) = panels(model, &tokens, opts, target)?;
-    let texts = model.token_texts(&tokens);
     let data = ViewData {
-        title: format!("attnscope · {} · {} tokens", model.info.name, n),
-        model: serde_json::to_value(ModelFacts::of(model))?,
-        tokens: &texts,
-        n_layers: d.n_layers,
-        n_heads: d.n_heads,
-        n_kv_heads: d.n_kv_heads,
-        sink_query: layers.sink_query,
-        sink_all: layers.sink_all,
-        faithfulness,
-        ablation,
-        encoding: layers.encoding,
-        patterns: layers.patterns,
-        sparse: layers.sparse,
-        vnorms: Some(vnorms),
+        title: format!("attnscope · {} · {} tokens", report.model_name, n),
+        model: report.model.clone(),
+        tokens: &report.tokens,
+        n_layers: layers,
+        n_heads: heads,
+        n_kv_heads: report.n_kv_heads,
+        sink_query: encoded.sink_query,
+        sink_all: encoded.sink_all,
+        faithfulness: report.faithfulness.clone(),
+        ablation: report.ablation.clone(),
+        encoding: encoded.encoding,
+        patterns: encoded.patterns,
+        sparse: encoded.sparse,
+        vnorms: Some(encoded_value_norms(report)),
         encoder: None,
     };
-    Ok((page(&data), n))
+    html_page(&data)
 }
 
-/// Refuses what the view cannot show for `n` tokens: `--target` without a panel that measures
-/// it, a text longer than [`MAX_VIEW_TOKENS`], the panels above [`FULL_MAX`] tokens.
-fn check_view(model: &crate::model::Model, n: usize, opts: &ViewOptions) -> anyhow::Result<()> {
-    let d = &model.dims;
-    let faithfulness = opts.faithfulness;
-    if opts.target.is_some() && !faithfulness && opts.ablate.is_none() {
-        return Err(usage(
-            "--target names the token the ablation (--ablate) and faithfulness (--faithfulness) panels measure; ask for one of them",
-        ));
-    }
-    if n > MAX_VIEW_TOKENS {
-        return Err(usage(format!("the text is {n} tokens; the view takes at most {MAX_VIEW_TOKENS} (use `attnscope sinks` for longer texts: it streams any length up to the context)")));
-    }
-    if faithfulness && n > FULL_MAX {
-        return Err(usage(format!("--faithfulness occludes every token (3 forwards each); the view runs it on texts of at most {FULL_MAX} tokens, and this one is {n} (run `attnscope faithfulness` on a shorter text)")));
-    }
-    if opts.ablate.is_some() && n > FULL_MAX {
-        return Err(usage(format!("--ablate removes every head in turn ({} runs over the text); the view runs it on texts of at most {FULL_MAX} tokens, and this one is {n} (run `attnscope ablate` on a longer text)", d.n_layers * d.n_heads)));
-    }
-    Ok(())
-}
-
-/// Every layer's weights encoded for the page, and the value norms: whole maps up to
-/// [`FULL_MAX`] tokens, streamed into the bounded encoding above (with a progress bar).
-fn capture_layers(
-    model: &crate::model::Model,
-    tokens: &[u32],
-) -> anyhow::Result<(EncodedLayers, Vec<String>)> {
-    let (n, d) = (tokens.len(), &model.dims);
-    Ok(if n > FULL_MAX {
-        let mut sv = SparseView::new(d.n_layers, d.n_heads, n, true);
-        let bar = super::progress::progress_bar(
-            "view: {msg} [{bar:30}] layer {pos}/{len} ({elapsed}, {eta} left)",
-        );
-        bar.set_length(d.n_layers as u64);
-        bar.set_message(format!("{n} tokens"));
-        let b2 = bar.clone();
-        sv.on_layer = Some(Box::new(move |l| b2.set_position(l as u64 + 1)));
-        model.forward(tokens, &RunOptions::last_logits(n), &mut sv)?;
-        bar.finish_and_clear();
-        let vn = value_norms_of(model, &sv.values, n);
-        (sparse_layers(&sv, d.n_layers), vn)
-    } else {
-        let spec = CaptureSpec {
-            hooks: vec![Hook::Pattern, Hook::V],
-            ..CaptureSpec::patterns()
-        };
-        let mut cache = AttnCache::new(&spec, n);
-        model.forward(tokens, &RunOptions::last_logits(n), &mut cache)?;
-        let layers = encode_layers(
-            (0..d.n_layers).map(|l| cache.pattern(l).expect("every layer was captured").data),
-            d.n_layers,
-            d.n_heads,
-            n,
-        );
-        let values: Vec<Option<Vec<f32>>> = (0..d.n_layers)
-            .map(|l| cache.get(l, Hook::V).map(|c| c.data.to_vec()))
-            .collect();
-        (layers, value_norms_of(model, &values, n))
-    })
-}
-
-/// The faithfulness panel's report and the ablation panel's, where `opts` asks for them, both
-/// measuring `target`.
-fn panels(
-    model: &crate::model::Model,
-    tokens: &[u32],
-    opts: &ViewOptions,
-    target: Target,
-) -> anyhow::Result<(Option<serde_json::Value>, Option<serde_json::Value>)> {
-    let faithfulness = if opts.faithfulness {
-        Some(serde_json::to_value(run_faith(
-            model,
-            tokens,
-            &FaithOptions {
-                target: target.clone(),
-                replacement: " ".into(),
-                seed: 7,
-                gradients: true,
-                ig_steps: 32,
-            },
-            |_, _| {},
-        )?)?)
-    } else {
-        None
-    };
-    // the same report `attnscope ablate --json` prints, with its defaults; through its text, so
-    // the page holds the same digits (each f32 as its shortest decimal, not widened to f64)
-    let ablation = match opts.ablate {
-        Some(method) => Some(serde_json::from_str(&serde_json::to_string(
-            &ablate_with_bar(
-                opts.progress,
-                model,
-                tokens,
-                &AblateOptions {
-                    method,
-                    target,
-                    positions: None,
-                    mlp: false,
-                    batch_rows: 1024,
-                },
-            )?,
-        )?)?),
-        None => None,
-    };
-    Ok((faithfulness, ablation))
+/// Per layer, the report's value norms encoded for the page.
+fn encoded_value_norms(report: &ViewReport) -> Vec<String> {
+    report
+        .value_norms
+        .iter()
+        .map(|v| encode_value_norms(v))
+        .collect()
 }
 
 /// The view page for attention patterns computed elsewhere: `patterns` is `[layers, heads, n,
@@ -473,5 +306,5 @@ fn page_of_patterns(
         vnorms: None,
         encoder,
     };
-    page(&data)
+    html_page(&data)
 }

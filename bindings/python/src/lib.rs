@@ -757,7 +757,7 @@ impl Model {
         ablate: Option<String>,
         target: Option<String>,
     ) -> PyResult<String> {
-        use attnscope::render::view::{ablate_method, view_html_with, ViewOptions};
+        use attnscope::commands::view::{ablate_method, view_html_with, ViewOptions};
         let opts = ViewOptions {
             faithfulness,
             ablate: ablate
@@ -951,7 +951,7 @@ impl Model {
         queries: String,
         force: bool,
     ) -> PyResult<String> {
-        use attnscope::render::capture::{capture, CaptureRequest};
+        use attnscope::commands::capture::{capture, CaptureRequest};
         let req = CaptureRequest {
             hooks,
             layers,
@@ -1044,7 +1044,7 @@ impl Model {
         bos: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         use attnscope::analysis::intervene::{ablate, AblateOptions, DEFAULT_BATCH_ROWS};
-        let method = attnscope::render::view::ablate_method(method).map_err(to_py)?;
+        let method = attnscope::commands::view::ablate_method(method).map_err(to_py)?;
         let target = parse_target(target, "target")?.unwrap_or(Target::Next);
         let (m, text) = (self.inner.clone(), text.to_string());
         let report = engine(py, move || {

@@ -2,13 +2,13 @@
 //! `.npz` file as each layer finishes ([`capture`]), so memory holds about one layer's capture;
 //! the file is written under a temporary name and renamed into place when complete.
 
-use super::direct::DirectFile;
-use super::tensorfile::{TensorFormat, TensorWriter, HEAP_PHASE};
-use super::Output;
 use crate::analysis::request::{parse_index_list, usage};
 use crate::model::capture::{AttnCache, CaptureSpec, Captured, Hook, Observer, Queries};
 use crate::model::forward::RunOptions;
 use crate::model::{Error, Model};
+use crate::render::direct::DirectFile;
+use crate::render::tensorfile::{TensorFormat, TensorWriter, HEAP_PHASE};
+use crate::render::{timings_opening, Output};
 use anyhow::Context;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -166,7 +166,7 @@ impl CaptureReport {
             self.model,
             self.precision,
             self.path.display(),
-            super::timings_opening(load_s, "forward and writing", run_s),
+            timings_opening(load_s, "forward and writing", run_s),
             self.waited_s
         )
     }

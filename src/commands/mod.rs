@@ -1,0 +1,18 @@
+//! The commands: one module per user-facing operation, each taking its options and returning
+//! its report, and owning the orchestration between (the model's forward, the analyses it runs,
+//! the files it writes).
+//!
+//! The layering rule, which `tests/docs_consistency.rs` holds for `render/`:
+//! - `cli/` and the Python binding (`bindings/python`) parse arguments into a command's options,
+//!   call the command, and print (or hand back) its report; nothing else;
+//! - `commands/` load, run, analyse and return a report; they may use `render/`'s writers and
+//!   the observers that encode a page as the forward runs (`render::sparse::SparseView`);
+//! - `analysis/` computes (its features run the model through the building blocks);
+//! - `render/` formats: reports and arrays into text, HTML, PNG, SVG, npy, npz and safetensors.
+//!   It runs no forward, loads no model and calls no analysis that runs one.
+//!
+//! Dependencies go one way: `cli`, bindings → `commands` → `analysis`, `render` → `model`;
+//! `render` reads `analysis`'s report types and never imports `commands`.
+pub mod capture;
+pub mod heatmap;
+pub mod view;
