@@ -20,13 +20,13 @@ fn floats(v: &serde_json::Value) -> Vec<f32> {
         .collect()
 }
 
-/// `capture --hooks all` of an encoder writes `hook_pos_embed` (position + token type, handed by
-/// the encoder's forward; the file's plan left it out for every family but GPT-2, so the write
+/// `capture --hooks embed` of an encoder writes `hook_pos_embed` (position + token type, handed
+/// by the encoder's forward; the file's plan left it out for every family but GPT-2, so the write
 /// stopped with "you likely have a bug"), to NPZ and safetensors: the same rows at the same
 /// positions for two different texts (position embeddings do not depend on the tokens), the
 /// rows of different positions different.
 #[test]
-fn capture_all_hooks_of_an_encoder_writes_its_position_embeddings() {
+fn capture_of_an_encoder_writes_its_position_embeddings() {
     let dir = tempfile::tempdir().unwrap();
     let mut rows = Vec::new();
     for (i, text) in ["The cat sat on the mat.", "Paris is lovely in spring."]
@@ -40,7 +40,7 @@ fn capture_all_hooks_of_an_encoder_writes_its_position_embeddings() {
                 "-m",
                 "all-minilm-l6-v2",
                 "--hooks",
-                "all",
+                "embed",
                 "--text",
                 text,
             ])
