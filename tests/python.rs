@@ -70,7 +70,7 @@ fn python_package_tests_pass() {
 }
 
 /// test_tl_real.py in target/tlenv: both models (SmolLM2, the default Qwen2.5), with and without
-/// TL's processing, one (model, mode) at a time (the default model's peaks at ~8 GB, beside
+/// TL's processing, one (model, mode) at a time (the default model's peaks at 10.5 GB, beside
 /// python_package_tests_pass); nothing may be skipped (`ATTNSCOPE_REQUIRE_TL=1` turns a
 /// missing TransformerLens into a failure there). Each check prints its worst difference.
 #[test]
