@@ -5,6 +5,7 @@
 
 fn main() {
     python();
+    transformer_lens();
     println!("cargo::rustc-check-cfg=cfg(browser_missing)");
     println!("cargo::rerun-if-changed=tests/browser/find-browser.sh");
     println!("cargo::rerun-if-changed=tests/browser/package-lock.json");
@@ -55,5 +56,35 @@ fn python() {
     if !ok && !required {
         println!("cargo::rustc-cfg=python_missing");
         println!("cargo::warning=the Python package test will be ignored: {python} cannot import attnscope and pytest ({why}; see tests/python.rs)");
+    }
+}
+
+/// Marks the comparison with real TransformerLens ignored (cfg `tl_missing`) when no interpreter
+/// with TransformerLens, torch and the package is here: `target/tlenv/bin/python` (made by
+/// `bindings/python/tests/tl_env.sh`) or `$ATTNSCOPE_TL_PYTHON`; the modules are looked up, not
+/// imported (torch takes seconds). `ATTNSCOPE_REQUIRE_TL=1` (set by `.ci/run`) never ignores it.
+fn transformer_lens() {
+    println!("cargo::rustc-check-cfg=cfg(tl_missing)");
+    println!("cargo::rerun-if-env-changed=ATTNSCOPE_TL_PYTHON");
+    println!("cargo::rerun-if-env-changed=ATTNSCOPE_REQUIRE_TL");
+    let root = std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| ".".into());
+    let python = std::env::var("ATTNSCOPE_TL_PYTHON")
+        .unwrap_or_else(|_| format!("{root}/target/tlenv/bin/python"));
+    let probe = std::process::Command::new(&python)
+        .args([
+            "-c",
+            "import importlib.util as u, sys; missing = [m for m in ('attnscope', 'pytest', 'torch', \
+             'transformer_lens') if u.find_spec(m) is None]; sys.exit(f'missing: {missing}' if missing else 0)",
+        ])
+        .output();
+    let ok = probe.as_ref().is_ok_and(|o| o.status.success());
+    let why = match &probe {
+        Ok(o) => String::from_utf8_lossy(&o.stderr).trim().to_string(),
+        Err(e) => e.to_string(),
+    };
+    let required = std::env::var("ATTNSCOPE_REQUIRE_TL").is_ok_and(|v| v == "1");
+    if !ok && !required {
+        println!("cargo::rustc-cfg=tl_missing");
+        println!("cargo::warning=the comparison with real TransformerLens will be ignored: {python} ({why}; see tests/python.rs)");
     }
 }

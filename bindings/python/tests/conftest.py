@@ -9,18 +9,18 @@ import pytest
 
 import attnscope
 
-try:  # test_tl_real.py runs where real TransformerLens is installed (tl_env.sh; not in CI yet)
+try:  # test_tl_real.py runs where real TransformerLens is installed (target/tlenv: tl_env.sh; CI)
     import transformer_lens  # noqa: F401
 except ImportError:
     collect_ignore = ["test_tl_real.py"]
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Says loudly that the comparison with real TransformerLens did not run (CI does not run it
-    yet: bindings/python/tests/tl_env.sh installs it)."""
+    """Says loudly that the comparison with real TransformerLens did not run here (CI runs it in
+    target/tlenv, which bindings/python/tests/tl_env.sh makes: tests/python.rs)."""
     if "transformer_lens" not in sys.modules:
         terminalreporter.write_line("NOTE: test_tl_real.py was NOT collected: transformer_lens is not installed "
-                                    "here; bindings/python/tests/tl_env.sh installs it", yellow=True, bold=True)
+                                    "here (tests/python.rs runs it in target/tlenv: bindings/python/tests/tl_env.sh makes it)", yellow=True, bold=True)
 
 
 @pytest.fixture(scope="session")
