@@ -205,3 +205,49 @@ def _patched(hf, torch, mod, cut, clean_act, sl, xt):
     finally:
         h.remove()
     return float(lg[0, -1, ANSWER] - lg[0, -1, WRONG])
+
+
+def test_hooked_root_module_runs_tl_main_demo_toy_model():
+    """TL's Main_Demo toy model (x -> x² + 3 -> (·)² - 4) on attnscope's HookedRootModule and
+    HookPoint: the cache holds each point's value in the order the forward reached it, and a hook
+    that returns 0 at layer2.hook_square makes the output the offset (-4), worked by hand."""
+    try:
+        import torch
+    except ImportError as e:
+        pytest.skip(f"HookedRootModule is a torch module ({e}): it did NOT run")
+    from attnscope import HookedRootModule, HookPoint
+
+    class SquareThenAdd(torch.nn.Module):
+        def __init__(self, offset):
+            super().__init__()
+            self.offset = torch.nn.Parameter(torch.tensor(offset))
+            self.hook_square = HookPoint()
+
+        def forward(self, x):
+            return self.offset + self.hook_square(x * x)
+
+    class TwoLayerModel(HookedRootModule):
+        def __init__(self):
+            super().__init__()
+            self.layer1, self.layer2 = SquareThenAdd(3.0), SquareThenAdd(-4.0)
+            self.hook_in, self.hook_mid, self.hook_out = HookPoint(), HookPoint(), HookPoint()
+            self.setup()
+
+        def forward(self, x):
+            return self.hook_out(self.layer2(self.hook_mid(self.layer1(self.hook_in(x)))))
+
+    model = TwoLayerModel()
+    out, cache = model.run_with_cache(torch.tensor(5.0))
+    assert out.item() == 780.0
+    assert [(k, v.item()) for k, v in cache.items()] == [
+        ("hook_in", 5.0), ("layer1.hook_square", 25.0), ("hook_mid", 28.0), ("layer2.hook_square", 784.0),
+        ("hook_out", 780.0)]
+    seen = []
+
+    def zero(x, hook):
+        seen.append(hook.name)
+        return torch.tensor(0.0)
+    assert model.run_with_hooks(torch.tensor(5.0), fwd_hooks=[("layer2.hook_square", zero)]).item() == -4.0
+    assert seen == ["layer2.hook_square"] and model(torch.tensor(5.0)).item() == 780.0  # the hook is gone
+    with pytest.raises(KeyError, match="layer3"):
+        model.run_with_hooks(torch.tensor(5.0), fwd_hooks=[("layer3.hook_square", zero)])

@@ -1617,3 +1617,12 @@ HookedTransformer = HookedModel
 for _name in ("enable_compatibility_mode", "tl_parameters", "tl_named_parameters", "set_use_attn_result",
               "set_use_split_qkv_input"):
     setattr(HookedModel, _name, getattr(_bridge, _name))
+
+
+def __getattr__(name: str) -> Any:
+    """``HookedRootModule`` (TransformerLens's, for a user's own torch module) imports torch, so
+    it is loaded on first use (attnscope itself needs no torch)."""
+    if name == "HookedRootModule":
+        from .hooked_module import HookedRootModule
+        return HookedRootModule
+    raise AttributeError(f"module 'attnscope' has no attribute {name!r}")

@@ -22,7 +22,9 @@ variable the cell bound or rebound that is a tensor, an array or a number, and t
 are compared with TL's, relative to the largest |value| of TL's (integers exactly): the table
 says `ran, N numbers match TL (worst ...)`, `ran, numbers DIFFER (...)`, or `ran` where the cell
 made no number. A cell that fails under TL too is marked `fails with TL too` (the notebook's own,
-or what GPT-2 has and the model does not). MODEL (env ATTNSCOPE_DEMO_MODEL) replaces GPT-2."""
+or what GPT-2 has and the model does not). MODEL (env ATTNSCOPE_DEMO_MODEL) replaces GPT-2.
+Each cell runs at most ATTNSCOPE_DEMO_CELL_LIMIT seconds (300; TL's run ATTNSCOPE_DEMO_TL_CELL_LIMIT,
+the same by default; a cell that loads a model gets the first): over it, the cell fails with `_Timeout`."""
 
 import json
 import os
@@ -66,6 +68,12 @@ CELL_REWRITES = {
         (r"^(\s*)refactor_factored_attn_matrices=True,", r"\1# refactor_factored_attn_matrices=True,",
          "TL refuses refactor_factored_attn_matrices on rotary models (AssertionError: the QK matrix depends on "
          "the positions); GPT-2's learned positions allow it")],
+    ("Main_Demo", 14): [
+        (r"^head_index_to_ablate = 8$", "head_index_to_ablate = 8 % model.cfg.n_key_value_heads",
+         "the cell indexes hook_v by head 8 of GPT-2's 12; SmolLM2's hook_v has its 3 KV heads (GQA), in TL too")],
+    ("Attribution_Patching_Demo", 33): [
+        (r'(clean_cache\["pattern", \d+\]\[:, )(\d+)\]', r"\1\2 % model.cfg.n_heads]",
+         "GPT-2's IOI heads L5H5, L10H7, L11H10: SmolLM2 has 9 heads a layer")],
 }
 
 # cells not run, and why (the table shows them as skipped)
@@ -195,7 +203,7 @@ def run_cell(shell, code: str, limit_s: int):
         signal.alarm(0)
 
 
-def run_demo(folder: str, demo: str, limit_s: int, tl: bool = False, ref: dict = None):
+def run_demo(folder: str, demo: str, limit_s: int, tl: bool = False, ref: dict = None, full_limit_s: int = 0):
     """[(cell index, 'ran' | 'FAILED' | 'skipped', error or the numbers' comparison, seconds)],
     and each cell's numbers: each cell in an IPython shell (as in Jupyter: magics and
     get_ipython() work), one namespace per demo."""
@@ -203,6 +211,9 @@ def run_demo(folder: str, demo: str, limit_s: int, tl: bool = False, ref: dict =
 
     shell = InteractiveShell.instance()
     shell.reset()
+    # as a Jupyter kernel starts (IPython's default_extensions): Exploratory_Analysis_Demo's first
+    # cell loads autoreload only where no extension is loaded yet
+    shell.extension_manager.load_extension("storemagic")
     if tl:
         import tl_loaders
         tl_loaders.install(MODEL)
@@ -216,7 +227,8 @@ def run_demo(folder: str, demo: str, limit_s: int, tl: bool = False, ref: dict =
             continue
         before = dict(shell.user_ns)
         _seed()
-        status, err, value = run_cell(shell, rewrite(src, demo, i, tl), limit_s)
+        loads = "boot_transformers" in src or "from_pretrained" in src  # a model load: the whole limit
+        status, err, value = run_cell(shell, rewrite(src, demo, i, tl), full_limit_s if loads else limit_s)
         if status == "ran" and (tl or ref is not None):
             numbers[i] = snapshot(shell.user_ns, before, value)
             if ref is not None:
@@ -235,7 +247,10 @@ def child(args):
     ref = pickle.load(open(args[args.index("--ref") + 1], "rb")) if "--ref" in args else None
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     limit = int(os.environ.get("ATTNSCOPE_DEMO_CELL_LIMIT", "300"))
-    rows, numbers = run_demo(folder, demo, limit, tl=tl, ref=ref)
+    full = limit
+    if tl:  # TL's run only gives the numbers to compare with: a slow cell there is left uncompared
+        limit = int(os.environ.get("ATTNSCOPE_DEMO_TL_CELL_LIMIT", str(limit)))
+    rows, numbers = run_demo(folder, demo, limit, tl=tl, ref=ref, full_limit_s=full)
     with open(out, "wb") as f:
         pickle.dump({"rows": rows, "numbers": numbers if tl else {}, "status": {r[0]: r[1] for r in rows},
                      "errors": {r[0]: r[2] for r in rows}}, f)
@@ -273,6 +288,9 @@ def main():
     print("\n| demo | cell | result | seconds | error (first line), or the numbers against TL |\n|---|---|---|---|---|")
     for demo, i, status, err, secs in table:
         print(f"| {demo} | {i} | {status} | {secs:.1f} | {err.replace('|', '/')} |")
+    print("\nGPT-2-specific lines changed (in TL's run too):")
+    for (demo, i), rules in sorted(CELL_REWRITES.items()):
+        print(f"- {demo} cell {i}: {'; '.join(why for _, _, why in rules)}")
     print(f"\n== all: {ran} of {total} cells ran ({100 * ran / max(total, 1):.0f}%)"
           + (f"; {checked} of them made numbers that match TL's within {BOUND:g}" if against_tl else ""))
 
