@@ -251,3 +251,15 @@ def test_hooked_root_module_runs_tl_main_demo_toy_model():
     assert seen == ["layer2.hook_square"] and model(torch.tensor(5.0)).item() == 780.0  # the hook is gone
     with pytest.raises(KeyError, match="layer3"):
         model.run_with_hooks(torch.tensor(5.0), fwd_hooks=[("layer3.hook_square", zero)])
+
+
+def test_boot_transformers_puts_bos_first_as_tl_4():
+    """TL 4's bridge prepends BOS by default even where the tokenizer adds none (TL's
+    cfg.default_prepend_bos = True); HookedModel.from_pretrained follows the tokenizer."""
+    booted = attnscope.TransformerBridge.boot_transformers(str(LLAMA))
+    own = attnscope.HookedModel.from_pretrained(str(LLAMA))
+    assert booted.cfg.default_prepend_bos and not own.cfg.default_prepend_bos
+    ids = own.to_tokens("hi")[0].tolist()
+    assert booted.to_tokens("hi")[0].tolist() == [own.tokenizer.bos_token_id] + ids
+    no_bos = attnscope.TransformerBridge.boot_transformers(str(LLAMA), default_prepend_bos=False)
+    assert no_bos.to_tokens("hi")[0].tolist() == ids

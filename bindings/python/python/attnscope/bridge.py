@@ -11,7 +11,11 @@ from typing import Any, Optional
 
 
 class TransformerBridge:
-    """TL 4's loader: ``boot_transformers`` gives an :class:`attnscope.HookedModel`."""
+    """TL 4's loader: ``boot_transformers`` gives an :class:`attnscope.HookedModel`. As TL 4's
+    bridge, it puts the BOS token first in every text by default (``cfg.default_prepend_bos`` is
+    True "even for non-BOS-trained models", TL's words), where ``HookedModel.from_pretrained``
+    follows the model's tokenizer (SmolLM2 and Qwen2.5 add none); ``default_prepend_bos=False``
+    asks for the model's way."""
 
     @staticmethod
     def boot_transformers(model_name: str, device: Optional[str] = None, dtype: Any = None, **kwargs: Any):
@@ -19,6 +23,7 @@ class TransformerBridge:
 
         if dtype is not None and "float32" not in str(dtype):
             raise ValueError(f"dtype={dtype!r}: attnscope computes in float32 (the exact precision)")
+        kwargs.setdefault("default_prepend_bos", True)
         model = HookedModel.from_pretrained(model_name, device=device, **kwargs)
         model._boot = (model_name, kwargs)
         return model
