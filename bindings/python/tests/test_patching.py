@@ -263,3 +263,10 @@ def test_boot_transformers_puts_bos_first_as_tl_4():
     assert booted.to_tokens("hi")[0].tolist() == [own.tokenizer.bos_token_id] + ids
     no_bos = attnscope.TransformerBridge.boot_transformers(str(LLAMA), default_prepend_bos=False)
     assert no_bos.to_tokens("hi")[0].tolist() == ids
+
+
+def test_get_corner_and_remove_batch_dim_as_tl():
+    a = np.arange(4 * 5 * 6).reshape(4, 5, 6)
+    np.testing.assert_array_equal(utils.get_corner(a), a[:3, :3, :3])
+    np.testing.assert_array_equal(utils.get_corner(a, n=2), a[:2, :2, :2])
+    assert utils.remove_batch_dim(a[:1]).shape == (5, 6) and utils.remove_batch_dim(a).shape == (4, 5, 6)
