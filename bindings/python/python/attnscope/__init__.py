@@ -1610,7 +1610,19 @@ def corpus_merge(files: Sequence[Union[str, os.PathLike]], epsilon: float = 0.3)
 
 
 # TransformerLens's loader names (#59): a TL user's imports and loading lines run unchanged
-from .bridge import TransformerBridge, enable_compatibility_mode as _enable_compatibility_mode  # noqa: E402
+from . import bridge as _bridge  # noqa: E402
+from .bridge import TransformerBridge  # noqa: E402
 
 HookedTransformer = HookedModel
-HookedModel.enable_compatibility_mode = _enable_compatibility_mode
+for _name in ("enable_compatibility_mode", "tl_parameters", "tl_named_parameters", "set_use_attn_result",
+              "set_use_split_qkv_input"):
+    setattr(HookedModel, _name, getattr(_bridge, _name))
+
+
+def __getattr__(name: str) -> Any:
+    """``HookedRootModule`` (TransformerLens's, for a user's own torch module) imports torch, so
+    it is loaded on first use (attnscope itself needs no torch)."""
+    if name == "HookedRootModule":
+        from .hooked_module import HookedRootModule
+        return HookedRootModule
+    raise AttributeError(f"module 'attnscope' has no attribute {name!r}")

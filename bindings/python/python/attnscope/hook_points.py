@@ -64,10 +64,22 @@ class HookPoint:
     ``fn(activation, hook)`` gets the activation (the gradient for ``"bwd"``) and this object;
     a forward hook's return value, when not None, replaces the activation."""
 
-    def __init__(self, name: str, model: Any = None):
+    def __init__(self, name: Optional[str] = None, model: Any = None):
         self.name = name
         self.ctx: Dict[str, Any] = {}
         self._model = model
+        # a hook point of a user's own module (HookPoint() in a HookedRootModule): its own hooks
+        self._own: List[Tuple[Callable, bool]] = []
+
+    def __call__(self, x: Any) -> Any:
+        """A user's own module's hook point (``self.hook_x = HookPoint()``, then
+        ``self.hook_x(value)``): runs the hooks added here on ``x`` and returns what they leave."""
+        if self._model is not None:
+            raise TypeError(f"{self.name}: a model's hook point runs inside the engine's forward, not by calling it")
+        for fn, _ in list(self._own):
+            r = fn(x, self)
+            x = x if r is None else r
+        return x
 
     def layer(self) -> int:
         m = re.match(r"blocks\.(\d+)\.", self.name)
@@ -83,6 +95,9 @@ class HookPoint:
     def add_hook(self, hook: Callable, dir: str = "fwd", is_permanent: bool = False, level: Optional[int] = None,
                  prepend: bool = False) -> None:
         """Attaches ``hook`` here for every later forward of this thread (until removed)."""
+        if self._model is None and dir == "fwd":
+            self._own.insert(0, (hook, is_permanent)) if prepend else self._own.append((hook, is_permanent))
+            return
         add(self._need_model(), [self.name], hook, dir, is_permanent, prepend)
 
     def add_perma_hook(self, hook: Callable, dir: str = "fwd") -> None:
@@ -92,6 +107,9 @@ class HookPoint:
     def remove_hooks(self, dir: str = "fwd", including_permanent: bool = False, level: Optional[int] = None) -> None:
         """Removes this thread's hooks here (``dir``: ``"fwd"``, ``"bwd"`` or ``"both"``),
         the permanent ones too with ``including_permanent``."""
+        if self._model is None:
+            self._own = [(fn, perm) for fn, perm in self._own if perm and not including_permanent]
+            return
         remove(self._need_model(), dir, including_permanent, lambda n: n == self.name)
 
     def clear_context(self) -> None:

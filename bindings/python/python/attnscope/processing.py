@@ -9,8 +9,9 @@ normalized vector before the norm's weight, folded or not), only the weights rep
 RMSNorm's weight is multiplied into the matrices that read its output (``ln1`` into ``W_Q``,
 ``W_K``, ``W_V``; ``ln2`` into ``W_in``, ``W_gate``; ``ln_final`` into ``W_U``) and becomes ones.
 ``center_writing_weights`` is skipped for RMSNorm models, as TransformerLens skips it (an RMSNorm's
-output depends on the stream's mean). ``refactor_factored_attn_matrices`` is refused: it is not
-implemented (TransformerLens's default leaves it off).
+output depends on the stream's mean). ``refactor_factored_attn_matrices`` is refused: TransformerLens
+itself refuses it on rotary models (Qwen2, Llama/SmolLM2, Gemma: the QK matrix depends on the query's
+and key's positions), and on GPT-2 it is not implemented (TL's default leaves it off).
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ def asked_steps(**flags: bool) -> List[str]:
         raise TypeError(f"unknown processing step(s) {unknown}: TransformerLens's are {', '.join(STEPS)}")
     if flags.get("refactor_factored_attn_matrices"):
         raise NotImplementedError(
-            "refactor_factored_attn_matrices is not implemented (TransformerLens leaves it off by default); "
-            "load without it")
+            "refactor_factored_attn_matrices: TransformerLens refuses it on rotary models (\"You can't refactor the "
+            "QK circuit when using rotary embeddings (as the QK matrix depends on the position of the query and "
+            "key)\"), which every decoder attnscope loads but GPT-2 is; on GPT-2 it is not implemented. Load "
+            "without it (TransformerLens leaves it off by default)")
     return [s for s in STEPS if flags.get(s)]
 
 

@@ -164,3 +164,14 @@ def lm_cross_entropy_loss(logits, tokens, attention_mask=None, per_token: bool =
     from . import HookedModel
 
     return HookedModel.loss(logits, tokens, per_token=per_token, attention_mask=attention_mask)
+
+
+def get_corner(tensor, n: int = 3):
+    """TransformerLens's ``utils.get_corner``: the top-left ``n`` × ... × ``n`` corner of a tensor
+    or array (``tensor[:n, :n, ...]`` on every axis)."""
+    return tensor[tuple(slice(n) for _ in range(tensor.ndim))]
+
+
+def remove_batch_dim(tensor):
+    """TransformerLens's ``utils.remove_batch_dim``: drops a leading axis of size 1."""
+    return tensor[0] if tensor.ndim > 0 and tensor.shape[0] == 1 else tensor

@@ -1,30 +1,52 @@
 """#59: TransformerLens's own demo notebooks run against attnscope, cell by cell, with only the
-import and the model name changed, and a per-cell table printed (demo, cell, ran/FAILED, the
-error's first line).
+import and the model name changed, and a per-cell table printed (demo, cell, result, seconds, the
+error's first line or the numbers checked against real TL).
 
-    target/torchenv/bin/python bindings/python/tests/tl_demos/run_demos.py NOTEBOOK_DIR [DEMO ...]
+    /root/.hfenv/bin/python bindings/python/tests/tl_demos/run_demos.py [--tl] NOTEBOOK_DIR [DEMO ...]
 
+(a Python with torch, IPython, plotly, nbformat, circuitsvis and pandas, attnscope on its path,
+e.g. PYTHONPATH=bindings/python/python with the built `_native` module copied there).
 NOTEBOOK_DIR holds TL's notebooks (Main_Demo.ipynb, Exploratory_Analysis_Demo.ipynb,
 Head_Detector_Demo.ipynb, Activation_Patching_in_TL_Demo.ipynb, Attribution_Patching_Demo.ipynb,
 from TransformerLens's demos/ folder). Each code cell is rewritten by the rules in REWRITES (the
-import lines and the model names; `%pip install` lines are left out) and run in order in one
-IPython shell per demo, as Jupyter runs them (IPython, plotly, nbformat and circuitsvis installed
-beside torch); a cell's output is not checked here
-(the table says ran or FAILED; numbers are checked against real TL in test_tl_real.py). MODEL
-(env ATTNSCOPE_DEMO_MODEL) replaces GPT-2: the GPT-2-specific cells (names of GPT-2's tokens,
-heads and layers) are the ones the table shows failing for that reason."""
+import lines and the model names; `%pip install` lines are left out) and CELL_REWRITES (the
+GPT-2-specific lines, each with its reason), and run in order in one IPython shell per demo, each
+demo in a fresh process (a fresh kernel, as Jupyter runs it: `torch.set_grad_enabled(False)` in
+one demo must not reach the next). Before each cell the harness seeds torch, numpy and random
+with 0, so that cells drawing random tokens draw the same ones in both runs below.
+
+`--tl` (needs transformer_lens): each demo runs twice, first against real TransformerLens (the
+notebook's own imports, its loaders pointed at the Hugging Face model transformers builds from
+the same GGUF, float32), then against attnscope. After each cell the numbers it made (every
+variable the cell bound or rebound that is a tensor, an array or a number, and the cell's value)
+are compared with TL's, relative to the largest |value| of TL's (integers exactly): the table
+says `ran, N numbers match TL (worst ...)`, `ran, numbers DIFFER (...)`, or `ran` where the cell
+made no number. A cell that fails under TL too is marked `fails with TL too` (the notebook's own,
+or what GPT-2 has and the model does not). MODEL (env ATTNSCOPE_DEMO_MODEL) replaces GPT-2.
+Each cell runs at most ATTNSCOPE_DEMO_CELL_LIMIT seconds (300; TL's run ATTNSCOPE_DEMO_TL_CELL_LIMIT,
+the same by default; a cell that loads a model gets the first): over it, the cell fails with `_Timeout`."""
 
 import json
 import os
+import pickle
+import random
 import re
 import signal
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
 MODEL = os.environ.get("ATTNSCOPE_DEMO_MODEL", "smollm2-135m")
 DEMOS = ["Main_Demo", "Exploratory_Analysis_Demo", "Head_Detector_Demo", "Activation_Patching_in_TL_Demo",
          "Attribution_Patching_Demo"]
+# numbers within this of TL's (relative to the largest |value| of TL's) match: float32 on the
+# same weights, two engines (the hooks agree within ~2e-5 in test_tl_real.py); a cell's patching
+# metric divides by a logit difference, which this leaves room for
+BOUND = float(os.environ.get("ATTNSCOPE_DEMO_BOUND", "1e-3"))
+MODEL_NAME = (r"""(boot_transformers|from_pretrained(?:_no_processing)?)\(\s*["'][^"']+["']""",
+              r'\1("' + MODEL + '"')
 # (pattern, replacement): the import and the model name, nothing else
 REWRITES = [
     (r"^(\s*)import transformer_lens\.utilities as utils", r"\1import attnscope.utils as utils"),
@@ -37,9 +59,22 @@ REWRITES = [
     (r"^(\s*)from transformer_lens\.utils import", r"\1from attnscope.utils import"),
     (r"^(\s*)from transformer_lens import", r"\1from attnscope import"),
     (r"^(\s*)from transformer_lens\.(\w+) import", r"\1from attnscope import"),
-    (r"""(boot_transformers|from_pretrained(?:_no_processing)?)\(\s*["'][^"']+["']""", r'\1("' + MODEL + '"'),
-    (r"^(\s*)[%!]\s*pip .*$", r"\1pass  # pip left out: the environment has what the demo needs"),
+    MODEL_NAME,
 ]
+PIP = (r"^(\s*)[%!]\s*pip .*$", r"\1pass  # pip left out: the environment has what the demo needs")
+# the GPT-2-specific lines, changed for both runs (TL's and attnscope's): (pattern, replacement, why)
+CELL_REWRITES = {
+    ("Exploratory_Analysis_Demo", 4): [
+        (r"^(\s*)refactor_factored_attn_matrices=True,", r"\1# refactor_factored_attn_matrices=True,",
+         "TL refuses refactor_factored_attn_matrices on rotary models (AssertionError: the QK matrix depends on "
+         "the positions); GPT-2's learned positions allow it")],
+    ("Main_Demo", 14): [
+        (r"^head_index_to_ablate = 8$", "head_index_to_ablate = 8 % model.cfg.n_key_value_heads",
+         "the cell indexes hook_v by head 8 of GPT-2's 12; SmolLM2's hook_v has its 3 KV heads (GQA), in TL too")],
+    ("Attribution_Patching_Demo", 33): [
+        (r'(clean_cache\["pattern", \d+\]\[:, )(\d+)\]', r"\1\2 % model.cfg.n_heads]",
+         "GPT-2's IOI heads L5H5, L10H7, L11H10: SmolLM2 has 9 heads a layer")],
+}
 
 # cells not run, and why (the table shows them as skipped)
 SKIP = {
@@ -48,10 +83,12 @@ SKIP = {
 }
 
 
-def rewrite(src: str) -> str:
+def rewrite(src: str, demo: str = "", index: int = -1, tl: bool = False) -> str:
+    rules = [MODEL_NAME] if tl else REWRITES
+    rules = rules + [PIP] + [(p, r) for p, r, _ in CELL_REWRITES.get((demo, index), [])]
     out = []
     for line in src.splitlines():
-        for pat, rep in REWRITES:
+        for pat, rep in rules:
             line = re.sub(pat, rep, line)
         out.append(line)
     return "\n".join(out)
@@ -77,52 +114,185 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:150]
 
 
-def run_demo(folder: str, demo: str, limit_s: int):
-    """[(cell index, 'ran' | 'FAILED', first line of the error, seconds)]: each cell in an IPython
-    shell (as in Jupyter: magics and get_ipython() work), one namespace per demo."""
+def _number(v):
+    """A float64/int64 numpy copy of a tensor, array or number (None for anything else or a
+    large one: more than 2e6 cells)."""
+    import numpy as np
+
+    if isinstance(v, bool) or v is None:
+        return None
+    if isinstance(v, (int, float)):
+        return np.array(v)
+    if hasattr(v, "detach") and hasattr(v, "numpy"):
+        if v.is_complex() or v.numel() > 2_000_000:
+            return None
+        v = v.detach().cpu()
+        v = v.double() if v.is_floating_point() else v
+        return v.numpy().copy()
+    if isinstance(v, np.ndarray) and v.dtype.kind in "fiu" and v.size <= 2_000_000:
+        return v.astype(np.float64 if v.dtype.kind == "f" else np.int64)
+    return None
+
+
+def snapshot(ns: dict, before: dict, result) -> dict:
+    """The numbers a cell made: every name it bound or rebound (a new object), and its value."""
+    out = {}
+    for k, v in list(ns.items()):
+        if k.startswith("_") or (k in before and before[k] is v):
+            continue
+        a = _number(v)
+        if a is not None:
+            out[k] = a
+    a = _number(result)
+    if a is not None:
+        out["<cell value>"] = a
+    return out
+
+
+def compare(got: dict, want: dict) -> str:
+    """'' where nothing to compare; else how the numbers in both compare with TL's."""
+    import numpy as np
+
+    names = sorted(set(got) & set(want))
+    if not names:
+        return ""
+    worst, worst_name, bad = 0.0, "", []
+    for k in names:
+        a, b = got[k], want[k]
+        if a.shape != b.shape:
+            bad.append(f"{k} shape {a.shape} vs TL {b.shape}")
+            continue
+        if b.dtype.kind == "i" and a.dtype.kind == "i":
+            err = float(np.abs(a - b).max()) if a.size else 0.0
+        else:
+            scale = max(float(np.abs(b).max()) if b.size else 0.0, 1e-12)
+            err = float(np.abs(a - b).max()) / scale if a.size else 0.0
+            err = err if np.isfinite(a).all() == np.isfinite(b).all() else float("inf")
+        if err > (0 if b.dtype.kind == "i" else BOUND):
+            bad.append(f"{k} {err:.2g}")
+        if err >= worst:
+            worst, worst_name = err, k
+    if bad:
+        return f"numbers DIFFER from TL: {'; '.join(bad[:4])}"
+    return f"{len(names)} numbers match TL (worst {worst:.1e}, {worst_name})"
+
+
+def _seed():
+    random.seed(0)
+    try:
+        import numpy as np
+        np.random.seed(0)
+        import torch
+        torch.manual_seed(0)
+    except ImportError:
+        pass
+
+
+def run_cell(shell, code: str, limit_s: int):
+    """(status, error, value) of one cell."""
+    signal.alarm(limit_s)
+    try:
+        r = shell.run_cell(code, silent=False)
+        e = r.error_before_exec or r.error_in_exec
+        return ("FAILED", _first_line(e), None) if e is not None else ("ran", "", r.result)
+    except BaseException as e:  # noqa: B036 - a cell's SystemExit / KeyboardInterrupt is its failure
+        if os.environ.get("ATTNSCOPE_DEMO_TRACE"):
+            traceback.print_exc()
+        return "FAILED", _first_line(e), None
+    finally:
+        signal.alarm(0)
+
+
+def run_demo(folder: str, demo: str, limit_s: int, tl: bool = False, ref: dict = None, full_limit_s: int = 0):
+    """[(cell index, 'ran' | 'FAILED' | 'skipped', error or the numbers' comparison, seconds)],
+    and each cell's numbers: each cell in an IPython shell (as in Jupyter: magics and
+    get_ipython() work), one namespace per demo."""
     from IPython.core.interactiveshell import InteractiveShell
 
     shell = InteractiveShell.instance()
     shell.reset()
-    rows = []
+    # as a Jupyter kernel starts (IPython's default_extensions): Exploratory_Analysis_Demo's first
+    # cell loads autoreload only where no extension is loaded yet
+    shell.extension_manager.load_extension("storemagic")
+    if tl:
+        import tl_loaders
+        tl_loaders.install(MODEL)
+    rows, numbers = [], {}
     signal.signal(signal.SIGALRM, _alarm)
     for i, src in enumerate(cells(folder, demo)):
-        code, t = rewrite(src), time.time()
+        t = time.time()
         if (demo, i) in SKIP:
             rows.append((i, "skipped", SKIP[demo, i], 0.0))
             print(f"{demo}\tcell{i:03d}\tskipped\t0.0s\t{SKIP[demo, i]}", flush=True)
             continue
-        signal.alarm(limit_s)
-        try:
-            r = shell.run_cell(code, silent=False)
-            e = r.error_before_exec or r.error_in_exec
-            status, err = ("FAILED", _first_line(e)) if e is not None else ("ran", "")
-        except BaseException as e:  # noqa: B036 - a cell's SystemExit / KeyboardInterrupt is its failure
-            status, err = "FAILED", _first_line(e)
-            if os.environ.get("ATTNSCOPE_DEMO_TRACE"):
-                traceback.print_exc()
-        finally:
-            signal.alarm(0)
+        before = dict(shell.user_ns)
+        _seed()
+        loads = "boot_transformers" in src or "from_pretrained" in src  # a model load: the whole limit
+        status, err, value = run_cell(shell, rewrite(src, demo, i, tl), full_limit_s if loads else limit_s)
+        if status == "ran" and (tl or ref is not None):
+            numbers[i] = snapshot(shell.user_ns, before, value)
+            if ref is not None:
+                err = compare(numbers[i], ref.get("numbers", {}).get(i, {}))
+        if ref is not None and status == "FAILED" and ref.get("status", {}).get(i) == "FAILED":
+            err = f"fails with TL too (TL: {ref['errors'][i]}); here: {err}"
         rows.append((i, status, err, time.time() - t))
         print(f"{demo}\tcell{i:03d}\t{status}\t{rows[-1][3]:.1f}s\t{err}", flush=True)
-    return rows
+    return rows, numbers
+
+
+def child(args):
+    """One demo in this process: `--child DEMO FOLDER OUT [--tl] [--ref REF]`."""
+    demo, folder, out = args[1], args[2], args[3]
+    tl = "--tl" in args
+    ref = pickle.load(open(args[args.index("--ref") + 1], "rb")) if "--ref" in args else None
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    limit = int(os.environ.get("ATTNSCOPE_DEMO_CELL_LIMIT", "300"))
+    full = limit
+    if tl:  # TL's run only gives the numbers to compare with: a slow cell there is left uncompared
+        limit = int(os.environ.get("ATTNSCOPE_DEMO_TL_CELL_LIMIT", str(limit)))
+    rows, numbers = run_demo(folder, demo, limit, tl=tl, ref=ref, full_limit_s=full)
+    with open(out, "wb") as f:
+        pickle.dump({"rows": rows, "numbers": numbers if tl else {}, "status": {r[0]: r[1] for r in rows},
+                     "errors": {r[0]: r[2] for r in rows}}, f)
+
+
+def _spawn(demo: str, folder: str, out: str, extra) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", demo, folder, out, *extra]
+    subprocess.run(cmd, check=False)
+    if not os.path.exists(out):
+        return {"rows": [(0, "FAILED", "the demo's process died (see its output above)", 0.0)]}
+    return pickle.load(open(out, "rb"))
 
 
 def main():
-    folder, demos = sys.argv[1], sys.argv[2:] or DEMOS
-    limit = int(os.environ.get("ATTNSCOPE_DEMO_CELL_LIMIT", "300"))
-    total = ran = 0
+    if sys.argv[1] == "--child":
+        return child(sys.argv[1:])
+    against_tl = "--tl" in sys.argv
+    args = [a for a in sys.argv[1:] if a != "--tl"]
+    folder, demos = args[0], args[1:] or DEMOS
+    total = ran = checked = 0
     table = []
-    for demo in demos:
-        rows = run_demo(folder, demo, limit)
-        n = sum(r[1] == "ran" for r in rows)
-        print(f"== {demo}: {n} of {len(rows)} cells ran", flush=True)
-        total, ran = total + len(rows), ran + n
-        table += [(demo, *r) for r in rows]
-    print("\n| demo | cell | result | seconds | error (first line) |\n|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for demo in demos:
+            extra = []
+            if against_tl:
+                ref_path = os.path.join(tmp, f"{demo}.tl.pkl")
+                _spawn(demo, folder, ref_path, ["--tl"])
+                extra = ["--ref", ref_path]
+            rows = _spawn(demo, folder, os.path.join(tmp, f"{demo}.pkl"), extra)["rows"]
+            n = sum(r[1] == "ran" for r in rows)
+            print(f"== {demo}: {n} of {len(rows)} cells ran", flush=True)
+            total, ran = total + len(rows), ran + n
+            checked += sum(r[1] == "ran" and "numbers match" in r[2] for r in rows)
+            table += [(demo, *r) for r in rows]
+    print("\n| demo | cell | result | seconds | error (first line), or the numbers against TL |\n|---|---|---|---|---|")
     for demo, i, status, err, secs in table:
         print(f"| {demo} | {i} | {status} | {secs:.1f} | {err.replace('|', '/')} |")
-    print(f"\n== all: {ran} of {total} cells ran ({100 * ran / max(total, 1):.0f}%)")
+    print("\nGPT-2-specific lines changed (in TL's run too):")
+    for (demo, i), rules in sorted(CELL_REWRITES.items()):
+        print(f"- {demo} cell {i}: {'; '.join(why for _, _, why in rules)}")
+    print(f"\n== all: {ran} of {total} cells ran ({100 * ran / max(total, 1):.0f}%)"
+          + (f"; {checked} of them made numbers that match TL's within {BOUND:g}" if against_tl else ""))
 
 
 if __name__ == "__main__":
