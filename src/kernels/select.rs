@@ -224,10 +224,12 @@ fn from_env() -> &'static Result<Kernels, String> {
     })
 }
 
-/// Whether `ATTNSCOPE_ISA` and `ATTNSCOPE_AMX` ask for kernels this CPU runs: the command line
-/// and the model loaders call this first, and refuse (exit 2) with its message.
+/// Whether `ATTNSCOPE_ISA` and `ATTNSCOPE_AMX` ask for kernels this CPU runs, and
+/// `ATTNSCOPE_DECODE` names a way to decode ([`super::qmatvec::check`]): the command line and the
+/// model loaders call this first, and refuse (exit 2) with its message.
 pub fn check() -> Result<(), String> {
-    from_env().as_ref().map(|_| ()).map_err(Clone::clone)
+    from_env().as_ref().map(|_| ()).map_err(Clone::clone)?;
+    super::qmatvec::check()
 }
 
 /// The kernels of this process. Every entry point has called [`check`] before a kernel runs;
