@@ -343,7 +343,13 @@ fn low_memory_refusals_and_fallbacks_say_why() {
 fn the_command_line_says_the_setting_and_refuses_bad_ones() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("t.gguf");
-    write_gguf(&common::blockwide_model(5), Arch::Qwen2, GgmlDType::Q4K, &path).unwrap();
+    write_gguf(
+        &common::blockwide_model(5),
+        Arch::Qwen2,
+        GgmlDType::Q4K,
+        &path,
+    )
+    .unwrap();
     let m = path.to_str().unwrap();
     let run = |args: &[&str]| {
         std::process::Command::new(env!("CARGO_BIN_EXE_attnscope"))
@@ -419,7 +425,13 @@ fn a_model_too_big_for_the_machine_is_refused_before_loading() {
     }
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("t.gguf");
-    write_gguf(&common::blockwide_model(5), Arch::Qwen2, GgmlDType::Q4K, &path).unwrap();
+    write_gguf(
+        &common::blockwide_model(5),
+        Arch::Qwen2,
+        GgmlDType::Q4K,
+        &path,
+    )
+    .unwrap();
     let m = load(&path, Memory::Fast);
     let fp = m.info.footprint.as_ref().unwrap();
     let low = fp.need(Memory::Low, Precision::Exact, FIT_TOKENS);
