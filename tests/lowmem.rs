@@ -23,39 +23,6 @@ fn exact_kernel() -> ExactOn {
 
 const TOKENS: [u32; 9] = [72, 101, 108, 108, 111, 32, 256, 258, 259];
 
-/// A tiny Qwen2 whose every matrix's depth is whole blocks of 256 (the K-quants' super-block):
-/// d_model 256, 4 heads of 64 (2 KV heads), d_ff 512.
-fn blockwide_model(seed: u64) -> attnscope::reference::transformer::RefModel {
-    let mut m = tiny_model(Arch::Qwen2, seed);
-    let (dm, hd, nh, nkv, ff) = (256, 64, 4, 2, 512);
-    m.cfg.d_model = dm;
-    m.cfg.head_dim = hd;
-    m.cfg.n_heads = nh;
-    m.cfg.n_kv_heads = nkv;
-    m.cfg.d_ff = ff;
-    let mut rng = Rng::new(seed + 1);
-    let (q, kv) = (nh * hd, nkv * hd);
-    let norm = |rng: &mut Rng| -> Vec<f32> { (0..dm).map(|_| 1.0 + 0.1 * rng.normal()).collect() };
-    for l in &mut m.layers {
-        l.attn_norm = norm(&mut rng);
-        l.w_q = rng.normals(q * dm, 0.1);
-        l.b_q = Some(rng.normals(q, 0.3));
-        l.w_k = rng.normals(kv * dm, 0.1);
-        l.b_k = Some(rng.normals(kv, 0.3));
-        l.w_v = rng.normals(kv * dm, 0.1);
-        l.b_v = Some(rng.normals(kv, 0.1));
-        l.w_o = rng.normals(dm * q, 0.05);
-        l.mlp_norm = norm(&mut rng);
-        l.w_gate = rng.normals(ff * dm, 0.05);
-        l.w_up = rng.normals(ff * dm, 0.05);
-        l.w_down = rng.normals(dm * ff, 0.05);
-    }
-    m.embed = rng.normals(m.cfg.vocab * dm, 1.0);
-    m.final_norm = norm(&mut rng);
-    m.lm_head = Some(rng.normals(m.cfg.vocab * dm, 0.1));
-    m
-}
-
 /// Every layer's pattern and every position's logits.
 fn run(model: &Model) -> (Vec<Vec<f32>>, Vec<f32>) {
     common::patterns_and_logits(model, &TOKENS)
@@ -71,21 +38,6 @@ fn load(path: &std::path::Path, memory: Memory) -> Model {
     )
     .unwrap()
 }
-
-const TYPES: [GgmlDType; 12] = [
-    GgmlDType::F32,
-    GgmlDType::F16,
-    GgmlDType::BF16,
-    GgmlDType::Q8_0,
-    GgmlDType::Q5_0,
-    GgmlDType::Q5_1,
-    GgmlDType::Q4_0,
-    GgmlDType::Q4_1,
-    GgmlDType::Q2K,
-    GgmlDType::Q3K,
-    GgmlDType::Q4K,
-    GgmlDType::Q6K,
-];
 
 /// Whether `a` and `b` hold the same bits (as far as the shorter goes).
 fn bits(a: &[f32], b: &[f32]) -> bool {
@@ -208,9 +160,9 @@ impl LowAndFast {
 #[test]
 fn low_memory_equals_the_packed_projections_on_every_block_type() {
     let dir = tempfile::tempdir().unwrap();
-    let m = blockwide_model(3);
+    let m = common::blockwide_model(3);
     let f32_kernels = exact_kernel() == ExactOn::F32;
-    for dtype in TYPES {
+    for dtype in common::BLOCK_TYPES {
         let path = dir.path().join(format!("t-{dtype:?}.gguf"));
         write_gguf(&m, Arch::Qwen2, dtype, &path).unwrap();
         // the same bits: on the f32 panels, and on the AMX tiles where the type is integers
@@ -267,7 +219,7 @@ fn low_memory_equals_the_packed_projections_on_every_block_type() {
 fn iq4_files_run_end_to_end_in_both_settings() {
     use attnscope::model::weights::BlockType;
     let dir = tempfile::tempdir().unwrap();
-    let m = blockwide_model(7);
+    let m = common::blockwide_model(7);
     for ty in [BlockType::Iq4Nl, BlockType::Iq4Xs] {
         let path = dir.path().join(format!("t-{ty:?}.gguf"));
         let held = attnscope::model::tiny::write_gguf_iq4(&m, Arch::Qwen2, ty, &path).unwrap();
@@ -391,7 +343,13 @@ fn low_memory_refusals_and_fallbacks_say_why() {
 fn the_command_line_says_the_setting_and_refuses_bad_ones() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("t.gguf");
-    write_gguf(&blockwide_model(5), Arch::Qwen2, GgmlDType::Q4K, &path).unwrap();
+    write_gguf(
+        &common::blockwide_model(5),
+        Arch::Qwen2,
+        GgmlDType::Q4K,
+        &path,
+    )
+    .unwrap();
     let m = path.to_str().unwrap();
     let run = |args: &[&str]| {
         std::process::Command::new(env!("CARGO_BIN_EXE_attnscope"))
@@ -467,7 +425,13 @@ fn a_model_too_big_for_the_machine_is_refused_before_loading() {
     }
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("t.gguf");
-    write_gguf(&blockwide_model(5), Arch::Qwen2, GgmlDType::Q4K, &path).unwrap();
+    write_gguf(
+        &common::blockwide_model(5),
+        Arch::Qwen2,
+        GgmlDType::Q4K,
+        &path,
+    )
+    .unwrap();
     let m = load(&path, Memory::Fast);
     let fp = m.info.footprint.as_ref().unwrap();
     let low = fp.need(Memory::Low, Precision::Exact, FIT_TOKENS);

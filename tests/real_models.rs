@@ -343,7 +343,7 @@ fn lesson_report(
 /// weight and the sink profiles stay within that kernel's bound of docs/precision.md
 /// ([`FastBounds`]), the lesson's top-3 tables (last layer, heads 0-3; two keys within 0.01 of
 /// each other in the reference may trade places) and the head-averaged top-4 name the same
-/// tokens, and the top next token is the same. Where it has none (no AMX nor VNNI, or
+/// tokens, and the top next token is the same. Where it has none (no AMX, VNNI nor AVX2, or
 /// `ATTNSCOPE_ISA` below them), fast must give the exact numbers: that is checked, and said loudly
 /// and counted as fast precision not tested (`untested_kernel`).
 fn check_fast(alias: &str, prefix: &str, bounds: FastBounds) {
@@ -385,7 +385,7 @@ fn check_fast(alias: &str, prefix: &str, bounds: FastBounds) {
                 attnscope::kernels::select::kernels().why_no_fast_kernel()
             ));
             assert_array(
-                &format!("{alias}: fast = exact without AMX or VNNI [layer, head, key]"),
+                &format!("{alias}: fast = exact without AMX, VNNI or AVX2 [layer, head, key]"),
                 &shape,
                 &got,
                 &want,
@@ -401,7 +401,7 @@ fn check_fast(alias: &str, prefix: &str, bounds: FastBounds) {
 struct FastBounds {
     /// bf16 AMX tiles: (last-row weights, sink profiles)
     bf16: (f64, f64),
-    /// 8-bit blocks on AVX-512 VNNI: (last-row weights, sink profiles)
+    /// 8-bit blocks on AVX-512 VNNI or AVX2 (the same bits): (last-row weights, sink profiles)
     int8: (f64, f64),
 }
 
@@ -573,7 +573,8 @@ fn fast_precision_deviation_on_smollm() {
 
 /// The checks above ran the fast kernel this process picks (bf16 tiles on a CPU with AMX); this
 /// runs them again in child processes on every other fast kernel the CPU has (the 8-bit VNNI
-/// blocks with the tiles off, `ATTNSCOPE_AMX=0`), so each one is checked on the real models: the
+/// blocks with the tiles off, `ATTNSCOPE_AMX=0`; the 8-bit AVX2 blocks, `ATTNSCOPE_ISA=avx2`), so
+/// each one is checked on the real models: the
 /// deviation bound of its kind, the sink profile, the top-3 tables and the next token.
 #[test]
 fn fast_precision_on_every_fast_kernel_of_this_cpu() {
@@ -1255,7 +1256,7 @@ fn gemma3_commands() {
 }
 
 /// The packed-weight cache of the default model and of SmolLM2, exact and fast (whatever layout
-/// fast packs on this CPU: 8-bit VNNI blocks, bf16 AMX tiles or exact's f32 panels): the load
+/// fast packs on this CPU: 8-bit blocks (VNNI, AVX2), bf16 AMX tiles or exact's f32 panels): the load
 /// that writes it and the load that maps it compute every attention weight and the logits bit
 /// for bit as a load without any cache, and the mapped load reads every projection from the
 /// file. (SmolLM2's 120 matrices once made a header whose data went a page before its offsets:

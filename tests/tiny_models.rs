@@ -223,6 +223,66 @@ fn fast_precision_is_close_to_exact() {
     }
 }
 
+/// Fast precision on every GGUF block type (a tiny model whose depths are whole super-blocks of
+/// the K-quants): each file's fast run stays within [`FAST_TINY_BOUNDS`] of its exact run on every
+/// layer's pattern, on the fast kernel this process runs (the other fast kernels of this CPU, the
+/// AVX2 one among them: `fast_kernels_of_this_cpu_in_child_processes`), and really moves it.
+/// Without a fast kernel, fast must give exact's bits, and that is reported as not tested.
+#[test]
+fn fast_precision_is_close_to_exact_on_every_block_type() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = common::blockwide_model(3);
+    let kernel = attnscope::model::weights::fast_kernel();
+    for dtype in common::BLOCK_TYPES {
+        let path = dir.path().join(format!("t-{dtype:?}.gguf"));
+        write_gguf(&m, Arch::Qwen2, dtype, &path).unwrap();
+        let exact = Model::load(path.to_str().unwrap(), Precision::Exact, false).unwrap();
+        let fast = Model::load(path.to_str().unwrap(), Precision::Fast, false).unwrap();
+        let (a, _) = patterns(&exact, &TOKENS, 64 << 20);
+        let (b, _) = patterns(&fast, &TOKENS, 64 << 20);
+        let Some(kernel) = kernel else {
+            assert_eq!(a, b, "{dtype:?}: fast = exact without a fast kernel");
+            continue;
+        };
+        let (mut max, mut sum, mut cells) = (0f32, 0f32, 0);
+        for (l, (x, y)) in b.iter().zip(&a).enumerate() {
+            assert_eq!(x.len(), y.len(), "{dtype:?} layer {l}");
+            for (p, q) in x.iter().zip(y) {
+                assert!(p.is_finite(), "{dtype:?} layer {l}: {p}");
+                max = max.max((p - q).abs());
+                sum += (p - q).abs();
+                cells += 1;
+            }
+        }
+        let mean = sum / cells as f32;
+        eprintln!(
+            "fast precision on {kernel}, {dtype:?}: |fast - exact| max {max:.2e}, mean {mean:.2e}"
+        );
+        let (bound_max, bound_mean) = FAST_TINY_BOUNDS;
+        assert!(
+            max < bound_max && mean < bound_mean,
+            "{dtype:?} on {kernel}: |fast - exact| max {max} (bound {bound_max}), mean {mean} (bound {bound_mean})"
+        );
+        assert!(
+            max > 0.0,
+            "{dtype:?}: fast should really use the {kernel} kernel"
+        );
+    }
+    if kernel.is_none() {
+        common::untested_kernel(&format!(
+            "tiny_models: --precision fast has no kernel of its own here ({}); only fast = exact is checked on every block type",
+            attnscope::kernels::select::kernels().why_no_fast_kernel()
+        ));
+    }
+}
+
+/// How far fast may move the block-wide tiny model's patterns from exact, (max, mean) over every
+/// cell of both layers. A tiny random net amplifies the 8-bit rounding more than the real models
+/// do (their bound is 0.04 on the last rows: `real_models.rs`): measured here, the 8-bit blocks
+/// (VNNI and AVX2 alike, the same bits) moved a cell by up to 0.044 (Q5_1), 0.024-0.039 on the
+/// other types, by 1.1e-3 to 1.6e-3 on average; bf16 tiles up to 0.012, 3e-4 to 5e-4 on average.
+const FAST_TINY_BOUNDS: (f32, f32) = (0.08, 5e-3);
+
 fn tiny_loaded(arch: Arch, seed: u64) -> (tempfile::TempDir, Model) {
     tiny_loaded_as(arch, seed, Precision::Exact)
 }
@@ -414,7 +474,8 @@ fn a_segment_outside_its_prefix_is_refused(
 }
 
 /// The fast-precision tests again in child processes on every other fast kernel this CPU has
-/// (the 8-bit VNNI blocks with the AMX tiles off, `ATTNSCOPE_AMX=0`): each must say it ran it.
+/// (the 8-bit VNNI blocks with the AMX tiles off, `ATTNSCOPE_AMX=0`; the 8-bit AVX2 blocks,
+/// `ATTNSCOPE_ISA=avx2`): each must say it ran it.
 #[test]
 fn fast_kernels_of_this_cpu_in_child_processes() {
     let others = common::other_fast_kernels();
@@ -428,6 +489,10 @@ fn fast_kernels_of_this_cpu_in_child_processes() {
         for (test, says) in [
             ("a_batch_of_variants_equals_their_own_runs", "fast kernel: "),
             ("fast_precision_is_close_to_exact", "fast precision on "),
+            (
+                "fast_precision_is_close_to_exact_on_every_block_type",
+                "fast precision on ",
+            ),
         ] {
             let text = common::rerun_with_env(test, var, value);
             assert!(
@@ -470,11 +535,7 @@ fn forced_kernels_are_named_by_info_and_impossible_ones_refused() {
         cases.push((vec![("ATTNSCOPE_ISA", "avx512")], "f32-avx512", "vnni-int8"));
     }
     if attnscope::kernels::gemm::Isa::Avx2.supported() {
-        cases.push((
-            vec![("ATTNSCOPE_ISA", "avx2")],
-            "f32-avx2+fma",
-            "f32-avx2+fma",
-        ));
+        cases.push((vec![("ATTNSCOPE_ISA", "avx2")], "f32-avx2+fma", "avx2-int8"));
     }
     for (env, exact, fast) in cases {
         let out = common::succeeds(&mut info(&env));
@@ -505,6 +566,33 @@ fn forced_kernels_are_named_by_info_and_impossible_ones_refused() {
     ] {
         let e = common::fails_with(&mut info(&env), 2);
         assert!(e.contains(want), "{env:?}: {e}");
+    }
+}
+
+/// `ATTNSCOPE_DECODE` takes `blocks` or `panels`; any other value exits 2 naming it and both
+/// accepted values (it once meant `panels` in silence), before any command starts.
+#[test]
+fn an_unknown_decode_value_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = common::tiny_gguf(&dir);
+    let info = |value: &str| {
+        let mut c = common::attnscope();
+        c.args(["info", "-m", m.to_str().unwrap()])
+            .env("ATTNSCOPE_DECODE", value);
+        c
+    };
+    for good in ["blocks", "panels"] {
+        common::succeeds(&mut info(good));
+    }
+    for bad in ["block", "BLOCKS", ""] {
+        let e = common::fails_with(&mut info(bad), 2);
+        assert!(
+            e.contains(&format!("ATTNSCOPE_DECODE={bad} names no way to decode"))
+                && e.contains("use blocks")
+                && e.contains("or panels"),
+            "{bad:?}: {e}"
+        );
+        assert!(!e.contains("panicked"), "{bad:?}: {e}");
     }
 }
 

@@ -26,7 +26,8 @@ pub struct ModelArgs {
     /// projections in bf16 on Intel AMX tiles (a forward 1.6-3.5x faster than exact, measured
     /// on a Sapphire Rapids-class Xeon: `bench --precision fast --against-exact`; attention
     /// weights move by <2e-2), else in 8-bit blocks on AVX-512 VNNI (1.7-2.2x measured on a
-    /// Xeon and an AMD EPYC without AMX; weights move by <0.04). With neither, fast runs as exact.
+    /// Xeon and an AMD EPYC without AMX; weights move by <0.04), else on AVX2 (the same numbers:
+    /// docs/precision.md). Without AVX2, fast runs as exact.
     #[arg(long, default_value = "exact", value_parser = precision_parser())]
     pub precision: Precision,
     /// How the projections are held (exact only): low keeps the file's own quantized blocks

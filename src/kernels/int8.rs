@@ -1,15 +1,24 @@
 //! The `fast` precision's matrix multiplication: weights and activations as 8-bit integers in
 //! blocks of 32 along the shared dimension, each block with its own f32 scale (the Q8_0 scheme of
 //! llama.cpp, applied to both sides), multiplied with AVX-512 VNNI (`vpdpbusd`: 64 byte products
-//! summed into 16 lanes per instruction) where the CPU has it, in plain code elsewhere.
+//! summed into 16 lanes per instruction) where the CPU has it, with AVX2 (`vpmaddubsw` +
+//! `vpmaddwd`, llama.cpp's AVX2 dot products) where it has AVX2 and FMA but not VNNI, in plain
+//! code elsewhere ([`Int8Kernel`]).
 //!
 //! `C[i, j] = Σ_b sa[i, b] · sw[j, b] · Σ_{t<32} qa[i, 32b + t] · qw[j, 32b + t]`.
 //!
 //! VNNI multiplies unsigned by signed bytes, so the activations go in as `qa + 128` and each
 //! weight block carries `-128 · Σ_t qw`, where its integer sums start, to take that back out.
-//! The integer sums are exact; the only rounding is the quantization of both sides (relative
-//! error ~1/254 per block), which moves the attention weights of the default model by about
-//! 1e-2 (measured in the tests).
+//! AVX2's `vpmaddubsw` also multiplies unsigned by signed bytes, but sums each pair of products
+//! into a saturating i16: with `qa + 128` (up to 255) against `qw` (down to −127) a pair reaches
+//! 2 · 255 · 127 = 64770, past i16's 32767, so the offset cannot be used there. It takes
+//! llama.cpp's sign trick instead: `|qw|` (unsigned) by `qa · sign(qw)` (signed, `vpsignb`), the
+//! same products with both factors within ±127, so a pair is at most 2 · 127 · 127 = 32258 and
+//! never saturates; `vpmaddwd` by ones then sums the pairs of pairs into i32. The integer sums
+//! are exact on every kernel, and every kernel scales a block's sum the same way
+//! (`out + (Σ · sa) · sw`, one multiply-add), so all three give the same bits. The only rounding
+//! is the quantization of both sides (relative error ~1/254 per block), which moves the attention
+//! weights of the default model by about 1e-2 (measured in the tests).
 
 use super::SendPtr;
 use rayon::prelude::*;
@@ -37,6 +46,29 @@ pub fn vnni_supported() -> bool {
     {
         false
     }
+}
+
+/// Whether this CPU has the AVX2 kernel (AVX2 and FMA).
+pub fn avx2_supported() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// The code that multiplies the 8-bit blocks (`kernels::select` picks it; the same bits on each).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Int8Kernel {
+    /// AVX-512 VNNI (`vpdpbusd`)
+    Vnni,
+    /// AVX2 and FMA (`vpmaddubsw` with the sign trick, `vpmaddwd`)
+    Avx2,
+    /// plain code
+    Plain,
 }
 
 /// Rounds `x / scale` to the nearest integer in −127..=127.
@@ -277,11 +309,18 @@ const MR: usize = 6;
 
 /// `C[m, n] (+)= A · Wᵀ` with both sides quantized, C row-major with row stride `ldc`.
 pub fn gemm_q8(a: &QuantA, w: &PackedQ8, c: &mut [f32], ldc: usize, accumulate: bool) {
-    gemm_q8_on(a, w, c, ldc, accumulate, super::select::kernels().vnni)
+    gemm_q8_on(a, w, c, ldc, accumulate, super::select::kernels().int8())
 }
 
-/// [`gemm_q8`] on the VNNI kernel (`vnni`, which the CPU must have) or the plain one.
-fn gemm_q8_on(a: &QuantA, w: &PackedQ8, c: &mut [f32], ldc: usize, accumulate: bool, vnni: bool) {
+/// [`gemm_q8`] on `kernel`, which the CPU must run.
+fn gemm_q8_on(
+    a: &QuantA,
+    w: &PackedQ8,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+    kernel: Int8Kernel,
+) {
     let (m, n, k) = (a.m, w.n, w.k);
     assert_eq!(a.k, k, "int8 GEMM: A has k = {}, W has k = {k}", a.k);
     if m == 0 || n == 0 {
@@ -307,23 +346,7 @@ fn gemm_q8_on(a: &QuantA, w: &PackedQ8, c: &mut [f32], ldc: usize, accumulate: b
         while b0 < blocks {
             let b1 = (b0 + CHUNK).min(blocks);
             for (st, out) in (s0..s1).zip(sums.chunks_mut(MR * 2 * NP)) {
-                #[cfg(target_arch = "x86_64")]
-                if vnni {
-                    let pb1 = if two {
-                        w.panel(p0 + 1).as_ptr()
-                    } else {
-                        w.panel(p0).as_ptr()
-                    };
-                    let pb0 = w.panel(p0).as_ptr();
-                    // SAFETY: the caller says the CPU has VNNI; the panels hold every block;
-                    // the strip is in A; out holds MR rows of 32.
-                    // (a last strip of fewer rows too: its padding rows are zero, and each row's
-                    // sums round the same way wherever it sits, so the logits rows computed
-                    // alone equal those of the whole sequence bit for bit)
-                    unsafe { x86::tile_vnni(a, st, pb0, pb1, b0..b1, out) };
-                    continue;
-                }
-                tile_scalar(a, w, st, p0, two, b0..b1, out);
+                tile(a, w, (st, p0, two), b0..b1, out, kernel);
             }
             b0 = b1;
         }
@@ -339,6 +362,38 @@ fn gemm_q8_on(a: &QuantA, w: &PackedQ8, c: &mut [f32], ldc: usize, accumulate: b
             }
         }
     });
+}
+
+/// The MR rows of strip `st` × panels `p0` and `p0 + 1` (when `two`) over the blocks `bs`, added
+/// to the sums in `out` (`[MR, 32]`), on `kernel`.
+fn tile(
+    a: &QuantA,
+    w: &PackedQ8,
+    (st, p0, two): (usize, usize, bool),
+    bs: std::ops::Range<usize>,
+    out: &mut [f32],
+    kernel: Int8Kernel,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if kernel != Int8Kernel::Plain {
+        // a single last panel is read twice: its second copy's sums are never written out
+        let pb0 = w.panel(p0).as_ptr();
+        let pb1 = w.panel(if two { p0 + 1 } else { p0 }).as_ptr();
+        // SAFETY: the selection gave this kernel only where the CPU has its features; the panels
+        // hold every block; the strip is in A; out holds MR rows of 32. (A last strip of fewer
+        // rows too: its padding rows are zero, and each row's sums round the same way wherever it
+        // sits, so the logits rows computed alone equal those of the whole sequence bit for bit.)
+        unsafe {
+            match kernel {
+                Int8Kernel::Vnni => x86::tile_vnni(a, st, pb0, pb1, bs, out),
+                _ => x86::tile_avx2(a, st, pb0, pb1, bs, out),
+            }
+        }
+        return;
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = kernel;
+    tile_scalar(a, w, st, p0, two, bs, out);
 }
 
 /// Blocks of k per chunk (see [`gemm_q8`]).
@@ -418,6 +473,72 @@ mod x86 {
         // what the doc comment names.
         unsafe {
             std::arch::asm!("vfmadd231ps {f}, {x}, {s}", f = inout(zmm_reg) *f, x = in(zmm_reg) x, s = in(zmm_reg) s, options(pure, nomem, nostack));
+        }
+    }
+
+    /// [`tile_vnni`] with AVX2 and FMA, 8 columns at a time (16 registers: 6 rows' integer sums,
+    /// the weights, their magnitudes, the activations, ones): per group of 4 k-values, `|qw|` by
+    /// `qa · sign(qw)` summed in pairs (`vpmaddubsw`, at most 32258: no saturation, see the
+    /// module's note), the pairs summed into i32 (`vpmaddwd` by ones); each block's sums scaled
+    /// as VNNI scales them (`out + (Σ · sa) · sw`, one multiply-add), so the same bits.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn tile_avx2(
+        a: &QuantA,
+        st: usize,
+        pb0: *const u8,
+        pb1: *const u8,
+        bs: std::ops::Range<usize>,
+        out: &mut [f32],
+    ) {
+        // SAFETY: reached only through the CPU-feature dispatch (`select::kernels`), so the CPU
+        // has this function's features; the pointers and lengths are the caller's, valid for
+        // what the doc comment names.
+        unsafe {
+            assert!(out.len() >= MR * 2 * NP && (st + 1) * MR <= a.m.div_ceil(MR) * MR);
+            let blocks = a.k / BLOCK;
+            let qa = a.qa.as_ptr().add(st * blocks * STRIP_BLOCK);
+            let sc = a.scales.as_ptr().add(st * blocks * MR);
+            let ones = _mm256_set1_epi16(1);
+            let flip = _mm256_set1_epi8(-128);
+            // a block's activations back from `qa + 128` to signed, once for the 4 eighths: a
+            // per-row flip in a general register, moved and broadcast from there (two shuffle
+            // port uops), made the kernel no faster than the f32 one
+            let mut xs = [0u8; STRIP_BLOCK];
+            for b in bs {
+                for (i, chunk) in xs.chunks_exact_mut(32).enumerate() {
+                    let v = _mm256_loadu_si256(qa.add(b * STRIP_BLOCK + i * 32) as *const __m256i);
+                    _mm256_storeu_si256(
+                        chunk.as_mut_ptr() as *mut __m256i,
+                        _mm256_xor_si256(v, flip),
+                    );
+                }
+                let xa = xs.as_ptr();
+                // the 4 eighths of the tile's 32 columns: panel q / 2, its columns 8 · (q % 2)..
+                for q in 0..4 {
+                    let (pb, col) = (if q < 2 { pb0 } else { pb1 }, (q % 2) * 8);
+                    let wb = pb.add(b * PANEL_BLOCK);
+                    let mut acc = [_mm256_setzero_si256(); MR];
+                    for g in 0..BLOCK / 4 {
+                        let v = _mm256_loadu_si256(wb.add(g * NP * 4 + col * 4) as *const __m256i);
+                        let mag = _mm256_abs_epi8(v);
+                        for r in 0..MR {
+                            // 4 signed activation bytes of row r in every lane
+                            let x4 =
+                                std::ptr::read_unaligned(xa.add(g * MR * 4 + r * 4) as *const i32);
+                            let x = _mm256_set1_epi32(x4);
+                            let pairs = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(x, v));
+                            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(pairs, ones));
+                        }
+                    }
+                    let sw = _mm256_loadu_ps(wb.add(BLOCK * NP + col * 4) as *const f32);
+                    for r in 0..MR {
+                        let sa = _mm256_set1_ps(*sc.add(b * MR + r));
+                        let o = out.as_mut_ptr().add(r * 2 * NP + q * 8);
+                        let f = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r]), sa);
+                        _mm256_storeu_ps(o, _mm256_fmadd_ps(f, sw, _mm256_loadu_ps(o)));
+                    }
+                }
+            }
         }
     }
 
@@ -557,39 +678,56 @@ mod tests {
 
     /// A row's numbers do not depend on the rows beside it (the logits rows of the last layer
     /// run alone): the last row alone, in a strip of padding, gives the bits it gets among the
-    /// others, on the plain kernel and on VNNI; and VNNI gives the plain kernel's bits (both scale
-    /// each block's sums in one multiply-add). Every row count from 1 to 2 strips and more
-    /// (several row tasks), one panel or several.
+    /// others, on every kernel this CPU has; and VNNI and AVX2 give the plain kernel's bits (the
+    /// same exact integer sums, each block's scaled in one multiply-add). Every row count from 1
+    /// to 2 strips and more (several row tasks), one panel or several, and weights and
+    /// activations at ±127 in every byte (the AVX2 pairs' largest sums: 2 · 127 · 127).
     #[test]
-    fn rows_are_independent_and_vnni_matches_the_plain_kernel() {
-        let vnni = vnni_supported();
-        if !vnni {
-            eprintln!("NOTE: this CPU has no AVX-512 VNNI: only the plain int8 kernel is tested");
+    fn rows_are_independent_and_every_kernel_gives_the_plain_kernels_bits() {
+        let mut kernels = vec![Int8Kernel::Plain];
+        for (has, kernel, name) in [
+            (avx2_supported(), Int8Kernel::Avx2, "AVX2 and FMA"),
+            (vnni_supported(), Int8Kernel::Vnni, "AVX-512 VNNI"),
+        ] {
+            if has {
+                kernels.push(kernel);
+            } else {
+                eprintln!("NOTE: this CPU has no {name}: its int8 kernel is not tested");
+            }
         }
         let bits = |r: &[f32]| r.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         let mut rng = crate::reference::Rng::new(5);
         let small = (1..=2 * MR + 1)
             .flat_map(|m| [(64, 16), (96, 48), (32, 70), (512, 20)].map(|(k, n)| (m, k, n)));
-        for (m, k, n) in small.chain([(200, 64, 16), (203, 64, 100)]) {
-            let a = rng.normals(m * k, 1.0);
-            let w = rng.normals(n * k, 0.1);
+        for (case, (m, k, n)) in small.chain([(200, 64, 16), (203, 64, 100)]).enumerate() {
+            let (mut a, mut w) = (rng.normals(m * k, 1.0), rng.normals(n * k, 0.1));
+            if case % 3 == 0 {
+                // every block's bytes at ±127: signs alternating or not, both sides
+                let sign = |i: usize, p: usize| if (i / p).is_multiple_of(2) { 1.0 } else { -1.0 };
+                a.iter_mut()
+                    .enumerate()
+                    .for_each(|(i, x)| *x = sign(i, 1 + case % 2));
+                w.iter_mut()
+                    .enumerate()
+                    .for_each(|(i, x)| *x = 0.5 * sign(i, 2));
+            }
             let qa = QuantA::new(&a, m, k, k);
             let pw = PackedQ8::from_rows(&w, n, k);
             let last = QuantA::new(&a[(m - 1) * k..], 1, k, k);
             let mut plain = vec![0f32; m * n];
-            gemm_q8_on(&qa, &pw, &mut plain, n, false, false);
-            for on_vnni in [false, true].into_iter().filter(|&v| !v || vnni) {
+            gemm_q8_on(&qa, &pw, &mut plain, n, false, Int8Kernel::Plain);
+            for &kernel in &kernels {
                 let mut c = vec![0f32; m * n];
-                gemm_q8_on(&qa, &pw, &mut c, n, false, on_vnni);
+                gemm_q8_on(&qa, &pw, &mut c, n, false, kernel);
                 for (i, (p, v)) in plain.chunks(n).zip(c.chunks(n)).enumerate() {
-                    assert_eq!(bits(p), bits(v), "m={m} k={k} n={n}: row {i}");
+                    assert_eq!(bits(p), bits(v), "m={m} k={k} n={n} {kernel:?}: row {i}");
                 }
                 let mut alone = vec![0f32; n];
-                gemm_q8_on(&last, &pw, &mut alone, n, false, on_vnni);
+                gemm_q8_on(&last, &pw, &mut alone, n, false, kernel);
                 assert_eq!(
                     bits(&alone),
                     bits(&c[(m - 1) * n..]),
-                    "m={m} k={k} n={n}: the last row alone (VNNI: {on_vnni})"
+                    "m={m} k={k} n={n}: the last row alone ({kernel:?})"
                 );
             }
         }

@@ -326,9 +326,60 @@ multiversion! {
 /// `panels`, the default). Off by default until it wins everywhere: on a loaded 2-core Sapphire
 /// Rapids (#60) it decoded SmolLM2 (Q4_1) ~1.4x faster than the AVX2 f32 panels, but the default
 /// model (Q4_K, Q5_0, Q6_K, Q8_0) ~0.6x as fast as the panels or the AMX tiles: those types'
-/// in-register dequantization is not yet hand-vectorized.
+/// in-register dequantization is not yet hand-vectorized. Every entry point has called
+/// [`check`] (through `kernels::select::check`) first; a value it refuses stops here.
 pub fn chosen() -> bool {
+    match from_env() {
+        Ok(blocks) => *blocks,
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// Whether `ATTNSCOPE_DECODE` names a way to decode: the command line and the model loaders
+/// refuse (exit 2) with its message.
+pub fn check() -> Result<(), String> {
+    from_env().as_ref().map(|_| ()).map_err(Clone::clone)
+}
+
+fn from_env() -> &'static Result<bool, String> {
     use std::sync::OnceLock;
-    static CHOICE: OnceLock<bool> = OnceLock::new();
-    *CHOICE.get_or_init(|| std::env::var("ATTNSCOPE_DECODE").ok().as_deref() == Some("blocks"))
+    static CHOICE: OnceLock<Result<bool, String>> = OnceLock::new();
+    CHOICE.get_or_init(|| parse(std::env::var("ATTNSCOPE_DECODE").ok().as_deref()))
+}
+
+/// `ATTNSCOPE_DECODE`'s value: `blocks` → true, `panels` or unset → false, anything else an
+/// error that names it and the values accepted.
+fn parse(value: Option<&str>) -> Result<bool, String> {
+    match value {
+        None | Some("panels") => Ok(false),
+        Some("blocks") => Ok(true),
+        Some(other) => Err(format!(
+            "ATTNSCOPE_DECODE={other} names no way to decode; use blocks (decode steps multiply \
+             straight from the file's blocks) or panels (the packed panels, the default), or \
+             leave it unset"
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse;
+
+    /// `blocks` and `panels` (or unset) are the two ways; anything else is refused naming the
+    /// value and both accepted ones.
+    #[test]
+    fn decode_values_are_blocks_or_panels() {
+        assert_eq!(parse(None), Ok(false));
+        assert_eq!(parse(Some("panels")), Ok(false));
+        assert_eq!(parse(Some("blocks")), Ok(true));
+        for bad in ["", "Blocks", "on", "1"] {
+            let e = parse(Some(bad)).expect_err(bad);
+            assert!(
+                e.contains(&format!("ATTNSCOPE_DECODE={bad} names no way to decode"))
+                    && e.contains("use blocks")
+                    && e.contains("or panels"),
+                "{e}"
+            );
+        }
+    }
 }

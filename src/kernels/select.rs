@@ -11,14 +11,16 @@
 //! | `exact` | AMX tiles, three bf16 parts (`amx.rs`, bf16x3) | AMX, `ATTNSCOPE_AMX=exact` |
 //! | `exact` | f32 GEMM, AVX-512 / AVX2+FMA / plain micro-kernel (`gemm.rs`) | otherwise, and always for the attention itself |
 //! | `fast` | AMX tiles, bf16 (`amx.rs`, bf16x1) | AMX |
-//! | `fast` | 8-bit blocks on AVX-512 VNNI (`int8.rs`) | VNNI without the tiles |
-//! | `fast` | the f32 GEMM (the same numbers as `exact`) | neither |
+//! | `fast` | 8-bit blocks on AVX-512 VNNI (`int8.rs`, `vnni-int8`) | VNNI without the tiles |
+//! | `fast` | 8-bit blocks on AVX2 and FMA (`int8.rs`, `avx2-int8`: VNNI's bits) | AVX2+FMA without VNNI |
+//! | `fast` | the f32 GEMM (the same numbers as `exact`) | none of these (`ATTNSCOPE_ISA=scalar`) |
 //!
 //! `--memory low` runs the same kernels from the file's blocks (`gemm_source`, `gemm_decoded`).
 //!
 //! `ATTNSCOPE_ISA` caps the instruction set every kernel may use: `amx` (the tiles; VNNI and
 //! AVX-512 besides), `avx512` (no tiles: `exact` on the AVX-512 GEMM, `fast` on VNNI where the CPU
-//! has it), `avx2` (the AVX2 GEMM, `fast` has no kernel of its own), `scalar` (plain code). The
+//! has it), `avx2` (the AVX2 GEMM, `fast` on 8-bit blocks with AVX2), `scalar` (plain code: `fast`
+//! has no kernel of its own). The
 //! element-wise loops ([`super::simd`]) are held to the same width. `ATTNSCOPE_AMX` picks among
 //! the tiles' uses: `0` (or `off`, `no`, `false`: none), `f32` (`exact` on the f32 GEMM, `fast`
 //! still on the tiles), `exact` (`exact` on three bf16 parts), `scaled` (the default). A value the
@@ -67,6 +69,8 @@ pub enum FastOn {
     Bf16,
     /// 8-bit blocks on AVX-512 VNNI
     Int8,
+    /// 8-bit blocks on AVX2 and FMA (the same bits as on VNNI)
+    Int8Avx2,
     /// the f32 GEMM: `exact`'s numbers
     F32,
 }
@@ -124,6 +128,9 @@ pub fn choose(hw: Hardware, (isa, amx): Request) -> Result<Kernels, String> {
         FastOn::Bf16
     } else if vnni {
         FastOn::Int8
+    } else if runs(gemm, Isa::Avx2) {
+        // the GEMM's AVX2 micro-kernel needs AVX2 and FMA, as the int8 one does
+        FastOn::Int8Avx2
     } else {
         FastOn::F32
     };
@@ -217,10 +224,12 @@ fn from_env() -> &'static Result<Kernels, String> {
     })
 }
 
-/// Whether `ATTNSCOPE_ISA` and `ATTNSCOPE_AMX` ask for kernels this CPU runs: the command line
-/// and the model loaders call this first, and refuse (exit 2) with its message.
+/// Whether `ATTNSCOPE_ISA` and `ATTNSCOPE_AMX` ask for kernels this CPU runs, and
+/// `ATTNSCOPE_DECODE` names a way to decode ([`super::qmatvec::check`]): the command line and the
+/// model loaders call this first, and refuse (exit 2) with its message.
 pub fn check() -> Result<(), String> {
-    from_env().as_ref().map(|_| ()).map_err(Clone::clone)
+    from_env().as_ref().map(|_| ()).map_err(Clone::clone)?;
+    super::qmatvec::check()
 }
 
 /// The kernels of this process. Every entry point has called [`check`] before a kernel runs;
@@ -243,11 +252,24 @@ impl Kernels {
         }
     }
 
-    /// The name of `fast`'s projection kernel: `amx-bf16`, `vnni-int8`, `f32-<isa>`.
+    /// The code that multiplies 8-bit blocks in this process: `fast`'s where it runs on them,
+    /// else VNNI where it may run, else plain code.
+    pub fn int8(&self) -> super::int8::Int8Kernel {
+        use super::int8::Int8Kernel;
+        match self.fast {
+            FastOn::Int8 => Int8Kernel::Vnni,
+            FastOn::Int8Avx2 => Int8Kernel::Avx2,
+            _ if self.vnni => Int8Kernel::Vnni,
+            _ => Int8Kernel::Plain,
+        }
+    }
+
+    /// The name of `fast`'s projection kernel: `amx-bf16`, `vnni-int8`, `avx2-int8`, `f32-<isa>`.
     pub fn fast_name(&self) -> String {
         match self.fast {
             FastOn::Bf16 => "amx-bf16".into(),
             FastOn::Int8 => "vnni-int8".into(),
+            FastOn::Int8Avx2 => "avx2-int8".into(),
             FastOn::F32 => format!("f32-{}", self.gemm.name()),
         }
     }
@@ -255,10 +277,10 @@ impl Kernels {
     /// Why `fast` has no kernel of its own (when [`FastOn::F32`]): the CPU, or the variables.
     pub fn why_no_fast_kernel(&self) -> String {
         match &self.forced {
-            Some(f) if Hardware::detect().vnni || Hardware::detect().amx => {
-                format!("{f} holds the kernels below AMX and AVX-512 VNNI")
+            Some(f) if runs(Hardware::detect().gemm, Isa::Avx2) => {
+                format!("{f} holds the kernels below AMX, AVX-512 VNNI and AVX2")
             }
-            _ => "this CPU has neither AMX nor AVX-512 VNNI".into(),
+            _ => "this CPU has none of AMX, AVX-512 VNNI and AVX2 with FMA".into(),
         }
     }
 
@@ -272,6 +294,7 @@ impl Kernels {
         let fast = match self.fast {
             FastOn::Bf16 => "fast: bf16 on AMX tiles (amx-bf16)",
             FastOn::Int8 => "fast: 8-bit blocks on AVX-512 VNNI (vnni-int8)",
+            FastOn::Int8Avx2 => "fast: 8-bit blocks on AVX2 (avx2-int8)",
             FastOn::F32 => "fast: no kernel of its own (exact's)",
         };
         format!(
@@ -345,7 +368,7 @@ mod tests {
                 Some("f32"),
                 (Isa::Avx512, false, E::F32, F::Int8),
             ),
-            (AVX2, None, None, (Isa::Avx2, false, E::F32, F::F32)),
+            (AVX2, None, None, (Isa::Avx2, false, E::F32, F::Int8Avx2)),
             (
                 AVX2,
                 Some("scalar"),
@@ -356,8 +379,21 @@ mod tests {
         for (hw, isa, amx, want) in cases {
             assert_eq!(pick(hw, isa, amx), want, "{hw:?} {isa:?} {amx:?}");
         }
-        let want = (Isa::Avx2, false, E::F32, F::F32);
+        let want = (Isa::Avx2, false, E::F32, F::Int8Avx2);
         assert_eq!(pick(AMX, Some("avx2"), None), want);
+        assert_eq!(pick(VNNI, Some("avx2"), None), want);
+        // the int8 products' code: VNNI wherever it may run, AVX2 where fast is on it
+        use crate::kernels::int8::Int8Kernel as K;
+        for (hw, isa, amx, want) in [
+            (AMX, None, None, K::Vnni),
+            (AMX, None, Some("0"), K::Vnni),
+            (AMX, Some("avx2"), None, K::Avx2),
+            (AVX2, None, None, K::Avx2),
+            (AVX2, Some("scalar"), None, K::Plain),
+        ] {
+            let k = choose(hw, (isa, amx)).unwrap();
+            assert_eq!(k.int8(), want, "{hw:?} {isa:?} {amx:?}");
+        }
     }
 
     /// What the CPU lacks, what contradicts itself and what names nothing is refused, naming

@@ -1,6 +1,6 @@
 //! The packed-weight cache: the projections of a model, dequantized and packed once into the
-//! layout their kernel reads (`exact`'s f32 panels; `fast`'s bf16 AMX tiles or 8-bit VNNI
-//! blocks), kept in a file next to the model cache and mapped read-only on the next load
+//! layout their kernel reads (`exact`'s f32 panels; `fast`'s bf16 AMX tiles or 8-bit blocks
+//! for VNNI and AVX2), kept in a file next to the model cache and mapped read-only on the next load
 //! instead of being packed again.
 //!
 //! Loading the default model spends most of its time dequantizing 1.4 GB of f32 weights into

@@ -151,8 +151,9 @@ pub fn untested_kernel(what: &str) {
 
 /// The fast kernels this CPU has beside the one this process runs, each as
 /// `(fast_kernel()'s name, variable, value)` that puts a child process on it: the 8-bit VNNI
-/// blocks (`ATTNSCOPE_AMX=0`) where the process runs bf16 tiles. None when `ATTNSCOPE_ISA` or
-/// `ATTNSCOPE_AMX` is set: such a run is there for the kernel it forces.
+/// blocks (`ATTNSCOPE_AMX=0`) where the process runs bf16 tiles, and the 8-bit AVX2 blocks
+/// (`ATTNSCOPE_ISA=avx2`) where it runs either. None when `ATTNSCOPE_ISA` or `ATTNSCOPE_AMX` is
+/// set: such a run is there for the kernel it forces.
 #[allow(dead_code)]
 pub fn other_fast_kernels() -> Vec<(&'static str, &'static str, &'static str)> {
     use attnscope::kernels::select::{kernels, FastOn, Hardware};
@@ -160,10 +161,15 @@ pub fn other_fast_kernels() -> Vec<(&'static str, &'static str, &'static str)> {
     if k.forced.is_some() {
         return Vec::new();
     }
-    match k.fast {
-        FastOn::Bf16 if hw.vnni => vec![("8-bit blocks on AVX-512 VNNI", "ATTNSCOPE_AMX", "0")],
-        _ => Vec::new(),
+    let mut others = Vec::new();
+    if k.fast == FastOn::Bf16 && hw.vnni {
+        others.push(("8-bit blocks on AVX-512 VNNI", "ATTNSCOPE_AMX", "0"));
     }
+    let wider = matches!(k.fast, FastOn::Bf16 | FastOn::Int8);
+    if wider && attnscope::kernels::gemm::Isa::Avx2.supported() {
+        others.push(("8-bit blocks on AVX2", "ATTNSCOPE_ISA", "avx2"));
+    }
+    others
 }
 
 /// The `attnscope` executable, its standard input empty (a command that reads a text from stdin
@@ -187,6 +193,61 @@ pub fn tiny_gguf(dir: &tempfile::TempDir) -> PathBuf {
     .unwrap();
     p
 }
+
+/// A tiny Qwen2 whose every matrix's depth is whole blocks of 256 (the K-quants' super-block):
+/// d_model 256, 4 heads of 64 (2 KV heads), d_ff 512 (lowmem's and the fast kernels' every block type).
+#[cfg(feature = "test-fixtures")]
+#[allow(dead_code)]
+pub fn blockwide_model(seed: u64) -> attnscope::reference::transformer::RefModel {
+    let mut m = attnscope::model::tiny::tiny_model(attnscope::model::Arch::Qwen2, seed);
+    let (dm, hd, nh, nkv, ff) = (256, 64, 4, 2, 512);
+    m.cfg.d_model = dm;
+    m.cfg.head_dim = hd;
+    m.cfg.n_heads = nh;
+    m.cfg.n_kv_heads = nkv;
+    m.cfg.d_ff = ff;
+    let mut rng = attnscope::reference::Rng::new(seed + 1);
+    let (q, kv) = (nh * hd, nkv * hd);
+    let norm = |rng: &mut attnscope::reference::Rng| -> Vec<f32> {
+        (0..dm).map(|_| 1.0 + 0.1 * rng.normal()).collect()
+    };
+    for l in &mut m.layers {
+        l.attn_norm = norm(&mut rng);
+        l.w_q = rng.normals(q * dm, 0.1);
+        l.b_q = Some(rng.normals(q, 0.3));
+        l.w_k = rng.normals(kv * dm, 0.1);
+        l.b_k = Some(rng.normals(kv, 0.3));
+        l.w_v = rng.normals(kv * dm, 0.1);
+        l.b_v = Some(rng.normals(kv, 0.1));
+        l.w_o = rng.normals(dm * q, 0.05);
+        l.mlp_norm = norm(&mut rng);
+        l.w_gate = rng.normals(ff * dm, 0.05);
+        l.w_up = rng.normals(ff * dm, 0.05);
+        l.w_down = rng.normals(dm * ff, 0.05);
+    }
+    m.embed = rng.normals(m.cfg.vocab * dm, 1.0);
+    m.final_norm = norm(&mut rng);
+    m.lm_head = Some(rng.normals(m.cfg.vocab * dm, 0.1));
+    m
+}
+
+/// The GGUF block types the tiny models are written in (every one candle writes that the engine
+/// reads through candle; IQ4 has tests of its own).
+#[allow(dead_code)]
+pub const BLOCK_TYPES: [candle_core::quantized::GgmlDType; 12] = [
+    candle_core::quantized::GgmlDType::F32,
+    candle_core::quantized::GgmlDType::F16,
+    candle_core::quantized::GgmlDType::BF16,
+    candle_core::quantized::GgmlDType::Q8_0,
+    candle_core::quantized::GgmlDType::Q5_0,
+    candle_core::quantized::GgmlDType::Q5_1,
+    candle_core::quantized::GgmlDType::Q4_0,
+    candle_core::quantized::GgmlDType::Q4_1,
+    candle_core::quantized::GgmlDType::Q2K,
+    candle_core::quantized::GgmlDType::Q3K,
+    candle_core::quantized::GgmlDType::Q4K,
+    candle_core::quantized::GgmlDType::Q6K,
+];
 
 /// A finished command's standard error, as text.
 pub fn stderr_of(out: &std::process::Output) -> String {

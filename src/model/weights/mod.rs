@@ -29,8 +29,8 @@ pub enum Precision {
     /// a quantized file's integers and scales on the tiles (activations as three bf16 parts).
     Exact,
     /// The projections in lower precision, attention in f32: bf16 on Intel AMX tiles where the
-    /// CPU has them (weights move by <2e-2), else 8-bit blocks on AVX-512 VNNI (<0.04), else
-    /// the exact kernels (no other kernel there beats them).
+    /// CPU has them (weights move by <2e-2), else 8-bit blocks on AVX-512 VNNI or AVX2 (<0.04),
+    /// else (no AVX2: `ATTNSCOPE_ISA=scalar`) the exact kernels.
     Fast,
 }
 
@@ -216,7 +216,7 @@ pub enum Head {
 pub enum Matrix {
     /// f32, packed once for the GEMM kernel ([`crate::kernels::gemm::PackedB`]).
     Packed(PackedB),
-    /// 8-bit blocks for the VNNI kernel ([`crate::kernels::int8`]); activations are quantized
+    /// 8-bit blocks for the VNNI or AVX2 kernel ([`crate::kernels::int8`]); activations are quantized
     /// to 8-bit blocks too.
     Int8(PackedQ8),
     /// bf16 tiles for the AMX kernel ([`crate::kernels::amx`]): three parts per weight for
@@ -629,13 +629,14 @@ fn quantized(raw: &Raw, precision: Precision) -> Result<Option<QMatMul>> {
 }
 
 /// The kernel `fast` runs its projections on, on this CPU: bf16 on AMX tiles where there are
-/// (Sapphire Rapids and later), else 8-bit blocks on AVX-512 VNNI, else none (then it runs the
-/// exact f32 kernels, since no other kernel here beats them; see the README).
+/// (Sapphire Rapids and later), else 8-bit blocks on AVX-512 VNNI, else 8-bit blocks on AVX2 and
+/// FMA (the same bits as VNNI), else none (then it runs the exact f32 kernels; see the README).
 pub fn fast_kernel() -> Option<&'static str> {
     use crate::kernels::select::{kernels, FastOn};
     match kernels().fast {
         FastOn::Bf16 => Some("bf16 on AMX tiles"),
         FastOn::Int8 => Some("8-bit blocks on AVX-512 VNNI"),
+        FastOn::Int8Avx2 => Some("8-bit blocks on AVX2"),
         FastOn::F32 => None,
     }
 }
@@ -650,8 +651,9 @@ pub enum PanelLayout {
     /// `exact` on a CPU with AMX: a quantized file's integers and scales on the tiles where the
     /// weights are of that form, f32 panels of the kernel's width for the others
     Scaled(gemm::Isa),
-    /// `fast` on a CPU with AVX-512 VNNI and no AMX: 8-bit blocks for the VNNI kernel, f32
-    /// panels of the kernel's width for a matrix whose depth is not whole blocks
+    /// `fast` on a CPU with AVX-512 VNNI or AVX2 and no AMX: 8-bit blocks for the int8 kernels
+    /// (the same bytes for VNNI and AVX2; named `vnni-` after the first), f32 panels of the
+    /// kernel's width for a matrix whose depth is not whole blocks
     Int8(gemm::Isa),
 }
 
@@ -690,9 +692,10 @@ pub fn scaled_kind_of(dtype: BlockType) -> Option<bool> {
     scaled_kind(dtype)
 }
 
-/// Whether `fast` runs the int8 kernel on this CPU (AVX-512 VNNI, no AMX).
+/// Whether `fast` runs the int8 kernels on this CPU (AVX-512 VNNI or AVX2, no AMX).
 pub fn fast_uses_int8() -> bool {
-    crate::kernels::select::kernels().fast == crate::kernels::select::FastOn::Int8
+    use crate::kernels::select::{kernels, FastOn};
+    matches!(kernels().fast, FastOn::Int8 | FastOn::Int8Avx2)
 }
 
 /// Builds a (possibly fused) projection from its parts `[n_i, k]`, concatenated along the
