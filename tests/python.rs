@@ -88,7 +88,13 @@ fn transformer_lens_comparison_passes() {
     let models = ["smollm2-135m", "qwen2.5-coder-0.5b"];
     let (out, summary) = pytest(
         &python,
-        &["-q", "-rs", "bindings/python/tests/test_tl_real.py"],
+        &[
+            "-q",
+            "-rs",
+            "bindings/python/tests/test_tl_real.py",
+            "bindings/python/tests/test_tl_patching.py",
+            "bindings/python/tests/test_patching_torch.py",
+        ],
         &[
             ("ATTNSCOPE_REQUIRE_TL", "1"),
             ("ATTNSCOPE_TL_MODELS", &models.join(",")),

@@ -3,24 +3,30 @@ run; a test that adds hooks removes them) and numpy results for the modules that
 The models are loaded unprocessed (the checkpoint's weights, which the references were made
 from): ``from_pretrained``'s default is TransformerLens's processing (test_processing.py)."""
 
-import sys
-
 import pytest
 
 import attnscope
 
-try:  # test_tl_real.py runs where real TransformerLens is installed (target/tlenv: tl_env.sh; CI)
+# test_tl_real.py and test_tl_patching.py run where real TransformerLens is installed, and
+# test_patching_torch.py where torch is (target/tlenv: tl_env.sh; CI runs them there, tests/python.rs)
+collect_ignore = []
+try:
     import transformer_lens  # noqa: F401
 except ImportError:
-    collect_ignore = ["test_tl_real.py"]
+    collect_ignore += ["test_tl_real.py", "test_tl_patching.py"]
+try:
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+except ImportError:
+    collect_ignore += ["test_patching_torch.py"]
 
 
 def pytest_terminal_summary(terminalreporter):
     """Says loudly that the comparison with real TransformerLens did not run here (CI runs it in
     target/tlenv, which bindings/python/tests/tl_env.sh makes: tests/python.rs)."""
-    if "transformer_lens" not in sys.modules:
-        terminalreporter.write_line("NOTE: test_tl_real.py was NOT collected: transformer_lens is not installed "
-                                    "here (tests/python.rs runs it in target/tlenv: bindings/python/tests/tl_env.sh makes it)", yellow=True, bold=True)
+    if collect_ignore:
+        terminalreporter.write_line(f"NOTE: {', '.join(collect_ignore)} NOT collected: transformer_lens or torch is not installed "
+                                    "here (tests/python.rs runs them in target/tlenv: bindings/python/tests/tl_env.sh makes it)", yellow=True, bold=True)
 
 
 @pytest.fixture(scope="session")
