@@ -3,8 +3,8 @@
 pub use crate::analysis::files::{
     read_lines_file, read_stdin, read_text_file, ReadLimit, MAX_LINES_BYTES,
 };
+use crate::commands::load::ModelSpec;
 use crate::model::{fetch::DEFAULT_MODEL, Memory, Model, Precision};
-use anyhow::Context;
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 
@@ -58,35 +58,22 @@ impl Default for ModelArgs {
     }
 }
 
-/// The models commands loaded, kept to the end of the process and never dropped (statics are
-/// not), once the executable's `main` asked for it ([`keep_models_to_exit`]); `None` for a
-/// library user running commands in its own process, whose models are freed as usual.
-static KEPT: std::sync::Mutex<Option<Vec<std::sync::Arc<Model>>>> = std::sync::Mutex::new(None);
-
-/// Keeps every model a command loads from now on to the end of the process: freeing a
-/// vocabulary's maps one string at a time cost the lesson's `inspect` its last ~30 ms, and the
-/// kernel takes the memory back at exit in one piece.
-pub fn keep_models_to_exit() {
-    if let Ok(mut kept) = KEPT.lock() {
-        kept.get_or_insert_with(Vec::new);
-    }
-}
-
 impl ModelArgs {
+    /// The model these flags name, loaded by [`crate::commands::load::load`] (a progress bar
+    /// where standard error is a terminal).
     pub fn load(&self) -> anyhow::Result<std::sync::Arc<Model>> {
-        let progress = std::io::stderr().is_terminal();
-        let mut m = Model::load_memory(&self.model, self.precision, self.memory, progress)
-            .with_context(|| format!("loading model `{}`", self.model))?;
-        if self.no_bos {
-            m.tokenizer.set_add_bos(false)?;
+        crate::commands::load::load(&self.spec())
+    }
+
+    /// The flags as the commands' [`ModelSpec`].
+    pub fn spec(&self) -> ModelSpec {
+        ModelSpec {
+            model: self.model.clone(),
+            precision: self.precision,
+            memory: self.memory,
+            no_bos: self.no_bos,
+            progress: std::io::stderr().is_terminal(),
         }
-        let m = std::sync::Arc::new(m);
-        if let Ok(mut kept) = KEPT.lock() {
-            if let Some(kept) = kept.as_mut() {
-                kept.push(m.clone());
-            }
-        }
-        Ok(m)
     }
 }
 

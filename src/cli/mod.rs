@@ -193,7 +193,7 @@ pub fn main() -> ExitCode {
         eprintln!("attnscope: error: {e}");
         return ExitCode::from(2);
     }
-    common::keep_models_to_exit();
+    crate::commands::load::keep_models_to_exit();
     // Ctrl-C while a file is written removes its temporary file (a capture's is hundreds of MB)
     crate::analysis::files::remove_temp_files_on_signal();
     let result = run(cli);

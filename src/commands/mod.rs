@@ -15,4 +15,5 @@
 //! `render` reads `analysis`'s report types and never imports `commands`.
 pub mod capture;
 pub mod heatmap;
+pub mod load;
 pub mod view;
