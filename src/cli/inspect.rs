@@ -2,7 +2,7 @@
 
 use super::common::{emit, ModelText};
 use crate::analysis::encoder::EncoderReport;
-use crate::analysis::inspect::{inspect, Inspected, Request};
+use crate::commands::inspect::{self as command, InspectInput, InspectOptions, Inspected};
 use crate::model::Model;
 use std::time::Instant;
 
@@ -40,9 +40,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let start = Instant::now();
     let model = a.input.model.load()?;
     let load_s = start.elapsed().as_secs_f64();
-    let input = a.input.text.encoded(&model, a.input.model.bos)?;
-    let (tokens, types) = (&input.tokens, &input.types);
-    let req = Request {
+    let e = a.input.text.encoded(&model, a.input.model.bos)?;
+    let input = InspectInput {
+        tokens: e.tokens,
+        types: e.types,
+        segments: e.segments,
+    };
+    let tokens = &input.tokens;
+    let req = InspectOptions {
         query: a.query,
         layer: a.layer,
         heads: a.heads.clone(),
@@ -50,13 +55,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         top: a.top,
         concentrated: a.concentrated,
     };
-    let got = inspect(
-        &model,
-        tokens,
-        types.as_deref(),
-        input.segments.as_deref(),
-        &req,
-    )?;
+    let got = command::run(&model, &input, &req)?;
     if a.json {
         return emit(&format!(
             "{}\n",

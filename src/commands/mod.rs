@@ -15,5 +15,6 @@
 //! `render` reads `analysis`'s report types and never imports `commands`.
 pub mod capture;
 pub mod heatmap;
+pub mod inspect;
 pub mod load;
 pub mod view;

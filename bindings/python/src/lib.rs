@@ -797,7 +797,7 @@ impl Model {
         concentrated: f32,
         bos: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let req = attnscope::analysis::inspect::Request {
+        let req = attnscope::commands::inspect::InspectOptions {
             query,
             layer,
             heads,
@@ -807,21 +807,22 @@ impl Model {
         };
         let (m, text) = (self.inner.clone(), text.to_string());
         let v = engine(py, move || {
-            let (tokens, types, segments) = match &pair {
+            use attnscope::commands::inspect::{run, InspectInput};
+            let input = match &pair {
                 Some(b) => {
-                    let (t, ty, seg) = m.encode_pair_segments(&text, b)?;
-                    (t, Some(ty), Some(seg))
+                    let (tokens, ty, seg) = m.encode_pair_segments(&text, b)?;
+                    InspectInput {
+                        tokens,
+                        types: Some(ty),
+                        segments: Some(seg),
+                    }
                 }
-                None => (m.encode(&text, bos)?, None, None),
+                None => InspectInput {
+                    tokens: m.encode(&text, bos)?,
+                    ..Default::default()
+                },
             };
-            Ok(attnscope::analysis::inspect::inspect(
-                &m,
-                &tokens,
-                types.as_deref(),
-                segments.as_deref(),
-                &req,
-            )?
-            .json(None)?)
+            Ok(run(&m, &input, &req)?.json(None)?)
         })?;
         to_object(py, &v)
     }
