@@ -1,12 +1,10 @@
 //! `attnscope sinks`: the sink profile and per-head statistics of a long text, streamed.
 
-use super::common::{emit, progress_bar, ModelArgs};
+use super::common::{emit, ModelArgs};
 use crate::analysis::request::weight_threshold;
 use crate::analysis::sinkmetrics::LayerMassive;
-use crate::analysis::sinks::{
-    max_tokens_of, prefix_bytes, sinks, sinks_tokens, SinksOptions, SinksReport,
-};
 use crate::analysis::stream::LayerStats;
+use crate::commands::sinks::{self as command, SinksInput, SinksOptions, SinksReport};
 use crate::model::tokenize::visible;
 use crate::model::Model;
 use crate::render::table::{bar, sparkline, title, Align, Table};
@@ -53,15 +51,12 @@ pub struct Args {
 pub fn run(a: Args) -> anyhow::Result<()> {
     let start = Instant::now();
     let model = a.model.load()?;
-    // a long text (a book) is read as far as --max-tokens tokens can reach, no further
-    let reach = prefix_bytes(max_tokens_of(&model, a.max_tokens));
-    let text = a
-        .file
-        .as_deref()
-        .map(|f| crate::analysis::files::read_text_prefix(f, reach))
-        .transpose()?;
-    let tokens = sinks_tokens(&model, text.as_deref(), a.max_tokens, a.model.bos)?;
-    let mut r = stream(&model, &tokens, &a)?;
+    let input = SinksInput {
+        file: a.file.clone(),
+        text: None,
+        max_tokens: a.max_tokens,
+    };
+    let (tokens, mut r) = command::run(&model, &input, &options(&a), true)?;
     r.total_s = start.elapsed().as_secs_f64();
     if a.json {
         return emit(&format!("{}\n", serde_json::to_string_pretty(&r)?));
@@ -69,14 +64,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     emit(&render(&model, &tokens, &a, &r))
 }
 
-/// The tokens through the model layer by layer, with a progress bar.
-fn stream(model: &Model, tokens: &[u32], a: &Args) -> anyhow::Result<SinksReport> {
-    let (d, n) = (&model.dims, tokens.len());
-    let bar_ = progress_bar("{msg} [{bar:30}] layer {pos}/{len} ({elapsed}, {eta} left)");
-    bar_.set_length(d.n_layers as u64);
-    bar_.set_message(format!("{n} tokens"));
-    let b2 = bar_.clone();
-    let opts = SinksOptions {
+/// The flags as [`SinksOptions`].
+fn options(a: &Args) -> SinksOptions {
+    SinksOptions {
         key_block: a.key_block,
         top: a.top,
         epsilon: a.epsilon,
@@ -84,15 +74,7 @@ fn stream(model: &Model, tokens: &[u32], a: &Args) -> anyhow::Result<SinksReport
         gu_len: a.gu_len,
         massive_top: a.massive_top,
         bos: a.model.bos,
-    };
-    let r = sinks(
-        model,
-        tokens,
-        &opts,
-        Box::new(move |l| b2.set_position(l as u64 + 1)),
-    )?;
-    bar_.finish_and_clear();
-    Ok(r)
+    }
 }
 
 /// The report as text: the per-layer table, the sink profile, what a sliding window hides,

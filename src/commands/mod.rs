@@ -17,4 +17,5 @@ pub mod capture;
 pub mod heatmap;
 pub mod inspect;
 pub mod load;
+pub mod sinks;
 pub mod view;

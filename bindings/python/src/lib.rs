@@ -1256,9 +1256,7 @@ impl Model {
         bos: bool,
         file: Option<std::path::PathBuf>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        use attnscope::analysis::sinks::{
-            max_tokens_of, prefix_bytes, sinks, sinks_tokens, SinksOptions,
-        };
+        use attnscope::commands::sinks::{run, SinksInput, SinksOptions};
         let opts = SinksOptions {
             key_block,
             top,
@@ -1268,13 +1266,12 @@ impl Model {
         let m = self.inner.clone();
         let report = engine(py, move || {
             // a file is read as far as max_tokens tokens can reach, as `attnscope sinks --file`
-            let reach = prefix_bytes(max_tokens_of(&m, max_tokens));
-            let text = match file {
-                Some(f) => Some(attnscope::analysis::files::read_text_prefix(&f, reach)?),
-                None => text,
+            let input = SinksInput {
+                file,
+                text,
+                max_tokens,
             };
-            let tokens = sinks_tokens(&m, text.as_deref(), max_tokens, bos)?;
-            Ok(sinks(&m, &tokens, &opts, Box::new(|_| {}))?)
+            Ok(run(&m, &input, &opts, false)?.1)
         })?;
         to_object(py, &report)
     }
