@@ -4,10 +4,8 @@
 //! a sentence pair (`--pair`).
 
 use super::common::{emit, usage, ModelText};
-use crate::analysis::heads::{
-    document, mean_roles, mean_uniform, random_repeat_tokens, role_names, roles_of, roles_of_typed,
-    HeadRoles,
-};
+use crate::analysis::heads::{mean_roles, mean_uniform, random_repeat_tokens, role_names};
+use crate::commands::heads::{self as command, document, HeadRoles, HeadsInput};
 use crate::render::table::{title, Align, Table};
 use std::collections::BTreeMap;
 
@@ -47,14 +45,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let model = a.input.model.load()?;
     let input = inputs(&model, &a)?;
-    let all: Vec<HeadRoles> = match input.types {
-        Some(ty) => vec![roles_of_typed(&model, &input.texts[0], Some(&ty))?],
-        None => input
-            .texts
-            .iter()
-            .map(|t| roles_of(&model, t))
-            .collect::<anyhow::Result<_>>()?,
-    };
+    let all: Vec<HeadRoles> = command::run(&model, &input.texts)?;
     if a.json {
         return emit(&format!(
             "{}\n",
@@ -91,8 +82,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 /// What `heads` scores: the token sequences, a pair's token types, the JSON document's extra
 /// fields and the words that name the input.
 struct Inputs {
-    texts: Vec<Vec<u32>>,
-    types: Option<Vec<u32>>,
+    texts: HeadsInput,
     doc: serde_json::Map<String, serde_json::Value>,
     source: String,
 }
@@ -105,8 +95,10 @@ fn inputs(model: &crate::model::Model, a: &Args) -> anyhow::Result<Inputs> {
         doc.insert("random_repeat".into(), nr.into());
         doc.insert("seed".into(), a.seed.into());
         return Ok(Inputs {
-            texts: vec![t],
-            types: None,
+            texts: HeadsInput {
+                texts: vec![t],
+                types: None,
+            },
             doc,
             source: format!("{nr} random tokens repeated once (seed {})", a.seed),
         });
@@ -122,21 +114,22 @@ fn inputs(model: &crate::model::Model, a: &Args) -> anyhow::Result<Inputs> {
         }
         let source = format!("{} texts, one per line", texts.len());
         return Ok(Inputs {
-            texts,
-            types: None,
+            texts: HeadsInput { texts, types: None },
             doc,
             source,
         });
     }
     let (t, ty) = a.input.text.tokens_or_pair(model, a.input.model.bos)?;
     Ok(Inputs {
-        texts: vec![t],
         source: if ty.is_some() {
             "the sentence pair".into()
         } else {
             "the text".into()
         },
-        types: ty,
+        texts: HeadsInput {
+            texts: vec![t],
+            types: ty,
+        },
         doc,
     })
 }

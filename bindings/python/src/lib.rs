@@ -719,7 +719,7 @@ impl Model {
                 match m.encode(&text, bos) {
                     Ok(t) => out.push((
                         id,
-                        serde_json::to_string(&attnscope::analysis::heads::roles_of(&m, &t)?)?,
+                        serde_json::to_string(&roles_of_one(&m, t)?)?,
                         String::new(),
                     )),
                     Err(e) => out.push((id, String::new(), e.to_string())),
@@ -732,7 +732,7 @@ impl Model {
     /// `attnscope heads --each-line --json` from each text's scores (JSON of `head_roles`), in
     /// the order given: the mean over texts, each counting once.
     fn head_roles_document(&self, scores: Vec<String>) -> PyResult<String> {
-        let all: Vec<attnscope::analysis::heads::HeadRoles> = scores
+        let all: Vec<attnscope::commands::heads::HeadRoles> = scores
             .iter()
             .map(|s| serde_json::from_str(s))
             .collect::<Result<_, _>>()
@@ -740,7 +740,7 @@ impl Model {
         if all.is_empty() {
             return Err(PyValueError::new_err("no scores to merge"));
         }
-        let doc = attnscope::analysis::heads::document(&self.inner, &all, serde_json::Map::new())
+        let doc = attnscope::commands::heads::document(&self.inner, &all, serde_json::Map::new())
             .map_err(to_py)?;
         serde_json::to_string(&doc).map_err(|e| PyRuntimeError::new_err(e.to_string()))
     }
@@ -1213,7 +1213,8 @@ impl Model {
         bos: bool,
         pair: Option<String>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        use attnscope::analysis::heads::{document, random_repeat_tokens, roles_of_typed};
+        use attnscope::analysis::heads::random_repeat_tokens;
+        use attnscope::commands::heads::{document, run, HeadsInput};
         let m = self.inner.clone();
         let doc = engine(py, move || {
             let mut extra = serde_json::Map::new();
@@ -1237,7 +1238,8 @@ impl Model {
                     ))
                 }
             };
-            document(&m, &[roles_of_typed(&m, &tokens, types.as_deref())?], extra)
+            let texts = vec![tokens];
+            document(&m, &run(&m, &HeadsInput { texts, types })?, extra)
         })?;
         to_object(py, &doc)
     }
@@ -1473,6 +1475,19 @@ impl Model {
 
 /// A report as Python objects (dicts, lists, floats), without a JSON round trip: an f32 becomes
 /// the Python float of the same value.
+/// The head roles of one text (`attnscope heads` on it).
+fn roles_of_one(
+    m: &attnscope::model::Model,
+    tokens: Vec<u32>,
+) -> anyhow::Result<attnscope::commands::heads::HeadRoles> {
+    use attnscope::commands::heads::{run, HeadsInput};
+    let input = HeadsInput {
+        texts: vec![tokens],
+        types: None,
+    };
+    Ok(run(m, &input)?.remove(0))
+}
+
 fn to_object<'py, T: serde::Serialize>(py: Python<'py>, v: &T) -> PyResult<Bound<'py, PyAny>> {
     pythonize::pythonize(py, v).map_err(|e| PyRuntimeError::new_err(e.to_string()))
 }
