@@ -1,16 +1,14 @@
 //! `attnscope compare`: two texts, two models or two precisions side by side.
 
-use super::common::{emit, output_path, read_text, usage, LESSON_SENTENCE};
-use crate::analysis::compare::{
-    compare_runs, text_label, CompareOptions, CompareReport, Mode, SideInput,
-};
+use super::common::{emit, output_path, read_text, LESSON_SENTENCE};
+use crate::commands::compare::{self as command, CompareCommand, CompareOptions, CompareReport};
 use crate::model::fetch::DEFAULT_MODEL;
 use crate::model::tokenize::visible;
-use crate::model::{Model, Precision};
+use crate::model::Precision;
 use crate::render::compare_page::page;
 use crate::render::table::{bar, title, Align, Table};
+use std::io::IsTerminal;
 use std::path::PathBuf;
-use std::sync::Arc;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -50,17 +48,6 @@ pub struct Args {
     force: bool,
 }
 
-fn load(spec: &str, precision: Precision, no_bos: bool) -> anyhow::Result<Arc<Model>> {
-    super::common::ModelArgs {
-        model: spec.to_string(),
-        precision,
-        memory: None,
-        bos: false,
-        no_bos,
-    }
-    .load()
-}
-
 pub fn run(a: Args) -> anyhow::Result<()> {
     let opts = CompareOptions {
         query: a.query,
@@ -89,18 +76,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     } else {
         a.precision.clone()
     };
-    check_two_of_one(&texts, &models, &precisions)?;
-    let (mode, sides) = load_sides(&texts, &models, &precisions, a.no_bos)?;
-    let input = |i: usize| {
-        let (m, name, text, label) = &sides[i];
-        SideInput {
-            model: m,
-            name,
-            text,
-            label: label.clone(),
-        }
+    let c = CompareCommand {
+        texts,
+        models,
+        precisions,
+        no_bos: a.no_bos,
+        progress: std::io::stderr().is_terminal(),
+        options: opts,
     };
-    let report = compare_runs(mode, [input(0), input(1)], &opts)?;
+    let report = command::run(&c)?;
     if let Some(out) = &output {
         out.write(page(&report).as_bytes())?;
         eprintln!("wrote {}", out.path.display());
@@ -126,61 +110,6 @@ fn texts_of(a: &Args) -> anyhow::Result<Vec<String>> {
         texts.push(LESSON_SENTENCE.into());
     }
     Ok(texts)
-}
-
-/// Refuses (exit 2) anything but exactly two of one thing: texts, models or precisions.
-fn check_two_of_one(
-    texts: &[String],
-    models: &[String],
-    precisions: &[Precision],
-) -> anyhow::Result<()> {
-    let twos = [texts.len(), models.len(), precisions.len()];
-    if twos.iter().any(|&c| c > 2) || twos.iter().filter(|&&c| c == 2).count() != 1 {
-        return Err(usage(format!(
-            "compare needs exactly two of one thing: two texts (--text A --text B), two models (--model M1 --model M2) or two precisions (--precision exact --precision fast); got {} text(s), {} model(s), {} precision(s)",
-            texts.len(),
-            models.len(),
-            precisions.len()
-        )));
-    }
-    Ok(())
-}
-
-/// One side of the comparison: its model, the model's name, its text and its label.
-type Side = (Arc<Model>, String, String, String);
-
-/// The two sides, loaded: one model on two texts, two models on one text, or one model at two
-/// precisions.
-fn load_sides(
-    texts: &[String],
-    models: &[String],
-    precisions: &[Precision],
-    no_bos: bool,
-) -> anyhow::Result<(Mode, Vec<Side>)> {
-    let side = |spec: &String, p: Precision, text: &String, label: String| -> anyhow::Result<_> {
-        Ok((load(spec, p, no_bos)?, spec.clone(), text.clone(), label))
-    };
-    Ok(if texts.len() == 2 {
-        let m = load(&models[0], precisions[0], no_bos)?;
-        let side = |t: &String| (m.clone(), models[0].clone(), t.clone(), text_label(t));
-        (Mode::Texts, vec![side(&texts[0]), side(&texts[1])])
-    } else if models.len() == 2 {
-        let label = |s: &String| format!("model {s}");
-        let (m0, m1) = (&models[0], &models[1]);
-        let first = side(m0, precisions[0], &texts[0], label(m0))?;
-        (
-            Mode::Models,
-            vec![first, side(m1, precisions[0], &texts[0], label(m1))?],
-        )
-    } else {
-        let label = |p: Precision| format!("precision {}", p.name());
-        let (p0, p1) = (precisions[0], precisions[1]);
-        let first = side(&models[0], p0, &texts[0], label(p0))?;
-        (
-            Mode::Precisions,
-            vec![first, side(&models[0], p1, &texts[0], label(p1))?],
-        )
-    })
 }
 
 fn render(r: &CompareReport) -> String {

@@ -14,6 +14,7 @@
 //! Dependencies go one way: `cli`, bindings → `commands` → `analysis`, `render` → `model`;
 //! `render` reads `analysis`'s report types and never imports `commands`.
 pub mod capture;
+pub mod compare;
 pub mod heads;
 pub mod heatmap;
 pub mod inspect;

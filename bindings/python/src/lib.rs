@@ -872,8 +872,8 @@ impl Model {
         html: Option<std::path::PathBuf>,
         force: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        use attnscope::analysis::compare::{
-            compare_runs, text_label, CompareOptions, Mode, SideInput,
+        use attnscope::commands::compare::{
+            compare_sides, text_label, CompareOptions, Mode, SideInput,
         };
         let opts = CompareOptions {
             query: query.map(|q| count(q, "query")).transpose()?,
@@ -914,7 +914,7 @@ impl Model {
                     _ => format!("model {name}"),
                 },
             });
-            let report = compare_runs(mode, [a, b], &opts)?;
+            let report = compare_sides(mode, [a, b], &opts)?;
             if let Some(out) = output {
                 out.write(attnscope::render::compare_page::page(&report).as_bytes())?;
             }
