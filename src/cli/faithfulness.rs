@@ -3,8 +3,8 @@
 use super::common::ModelText;
 use super::scoring::{run_scored, ScoringArgs};
 use crate::analysis::enc_faith::EncFaithReport;
-use crate::analysis::faithfulness::{faithfulness, FaithReport, FaithRequest, Faithfulness};
 use crate::analysis::vocab::{Method, MetricRow, Target};
+use crate::commands::faithfulness::{self as command, FaithOptions, FaithReport, Faithfulness};
 use crate::model::tokenize::visible;
 use crate::render::table::{title, Align, Table};
 
@@ -47,7 +47,7 @@ pub enum Gradients {
     None,
 }
 
-impl From<Gradients> for crate::analysis::faithfulness::Gradients {
+impl From<Gradients> for crate::commands::faithfulness::Gradients {
     fn from(g: Gradients) -> Self {
         match g {
             Gradients::All => Self::All,
@@ -58,7 +58,7 @@ impl From<Gradients> for crate::analysis::faithfulness::Gradients {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let req = FaithRequest {
+    let req = FaithOptions {
         target: a.target,
         replacement: a.replace_with,
         seed: a.seed,
@@ -70,7 +70,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         &a.input.text,
         &a.scoring,
         "forward passes",
-        |model, tokens, tick| Ok(faithfulness(model, tokens, &req, tick)?),
+        |model, tokens, tick| command::run(model, tokens, &req, tick),
         |r| match r {
             Faithfulness::Decoder(r) => render(r),
             Faithfulness::Encoder(r) => render_encoder(r),

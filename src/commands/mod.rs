@@ -15,6 +15,7 @@
 //! `render` reads `analysis`'s report types and never imports `commands`.
 pub mod capture;
 pub mod compare;
+pub mod faithfulness;
 pub mod heads;
 pub mod heatmap;
 pub mod inspect;

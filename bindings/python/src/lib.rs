@@ -839,8 +839,8 @@ impl Model {
         replace_with: Option<String>,
         bos: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        use attnscope::analysis::faithfulness::{faithfulness, FaithRequest};
-        let mut req = FaithRequest {
+        use attnscope::commands::faithfulness::{run, FaithOptions};
+        let mut req = FaithOptions {
             target: parse_target(target, "target")?.unwrap_or(Target::Next),
             ..Default::default()
         };
@@ -850,7 +850,7 @@ impl Model {
         let (m, text) = (self.inner.clone(), text.to_string());
         let report = engine(py, move || {
             let tokens = m.encode(&text, bos)?;
-            Ok(faithfulness(&m, &tokens, &req, &mut |_, _| {})?)
+            run(&m, &tokens, &req, &mut |_, _| {})
         })?;
         to_object(py, &report)
     }
