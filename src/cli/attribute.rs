@@ -4,9 +4,9 @@
 
 use super::common::ModelText;
 use super::scoring::{run_scored, ScoringArgs};
-use crate::analysis::attribute::{attribute, AttributeOptions, AttributeReport};
 use crate::analysis::vocab::Method;
 use crate::analysis::vocab::Target;
+use crate::commands::attribute::{self as command, AttributeOptions, AttributeReport};
 use crate::model::tokenize::visible;
 use crate::render::table::{title, Align, Table};
 use std::io::IsTerminal;
@@ -60,7 +60,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         &a.input.text,
         &a.scoring,
         "attribution",
-        |model, tokens, tick| Ok(attribute(model, tokens, &opts, tick)?),
+        |model, tokens, tick| command::run(model, tokens, &opts, tick),
         |r| {
             let colour = std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none();
             render(r, colour)

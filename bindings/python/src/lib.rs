@@ -1292,8 +1292,8 @@ impl Model {
         wrong: Option<String>,
         steps: usize,
     ) -> PyResult<(String, Bound<'py, PyAny>)> {
-        use attnscope::analysis::attribute::{attribute, AttributeOptions};
         use attnscope::analysis::vocab::Target;
+        use attnscope::commands::attribute::{run, AttributeOptions};
         self.check_ids(&ids)?;
         let method = method.parse().map_err(PyValueError::new_err)?;
         let parse = |t: Option<String>| -> PyResult<Option<Target>> {
@@ -1307,7 +1307,7 @@ impl Model {
             steps,
         };
         let m = self.inner.clone();
-        let r = engine(py, move || Ok(attribute(&m, &ids, &opts, &mut |_, _| {})?))?;
+        let r = engine(py, move || run(&m, &ids, &opts, &mut |_, _| {}))?;
         let scores: Vec<f32> = r.tokens.iter().map(|t| t.score).collect();
         let json = serde_json::to_string(&r).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
         Ok((json, PyArray1::from_vec(py, scores).into_any()))
