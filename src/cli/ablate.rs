@@ -2,8 +2,8 @@
 //! beside what its attention looks like: the lesson's "a weight is not an explanation", measured.
 
 use super::common::{emit, on_bar, parse_index_list, progress_bar, ModelText};
-use crate::analysis::intervene::{ablate, AblateMethod, AblateOptions, AblateReport};
 use crate::analysis::vocab::Target;
+use crate::commands::ablate::{self as command, AblateMethod, AblateOptions, AblateReport};
 use crate::model::tokenize::visible;
 use crate::render::table::{order_by_magnitude, title, Align, Table};
 
@@ -61,7 +61,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         batch_rows: a.batch_rows,
     };
     let bar = progress_bar("ablations [{bar:30}] {pos}/{len} ({eta})");
-    let report = ablate(&model, &tokens, &opts, on_bar(&bar))?;
+    let report = command::run(&model, &tokens, &opts, on_bar(&bar))?;
     bar.finish_and_clear();
     if a.json {
         return emit(&format!("{}\n", serde_json::to_string_pretty(&report)?));

@@ -13,6 +13,7 @@
 //!
 //! Dependencies go one way: `cli`, bindings → `commands` → `analysis`, `render` → `model`;
 //! `render` reads `analysis`'s report types and never imports `commands`.
+pub mod ablate;
 pub mod attribute;
 pub mod capture;
 pub mod compare;

@@ -1044,7 +1044,8 @@ impl Model {
         mlp: bool,
         bos: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        use attnscope::analysis::intervene::{ablate, AblateOptions, DEFAULT_BATCH_ROWS};
+        use attnscope::analysis::intervene::DEFAULT_BATCH_ROWS;
+        use attnscope::commands::ablate::{run, AblateOptions};
         let method = attnscope::commands::view::ablate_method(method).map_err(to_py)?;
         let target = parse_target(target, "target")?.unwrap_or(Target::Next);
         let (m, text) = (self.inner.clone(), text.to_string());
@@ -1063,7 +1064,7 @@ impl Model {
                 mlp,
                 batch_rows: DEFAULT_BATCH_ROWS,
             };
-            Ok(ablate(&m, &tokens, &opts, |_, _| {})?)
+            run(&m, &tokens, &opts, |_, _| {})
         })?;
         to_object(py, &report)
     }
