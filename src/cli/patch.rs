@@ -1,10 +1,11 @@
 //! `attnscope patch`: activation patching between a clean and a corrupted text.
 
 use super::common::{emit, on_bar, output_path, progress_bar, usage, ModelArgs};
-use crate::analysis::attrpatch::{agreement, attribution_patch, Agreement, ApproxKind};
-use crate::analysis::intervene::{patch, PatchOptions, PatchReport};
 use crate::analysis::vocab::PatchHook;
 use crate::analysis::vocab::Target;
+use crate::commands::patch::{
+    self as command, Agreement, ApproxKind, PatchInput, PatchOptions, PatchReport,
+};
 use crate::model::tokenize::visible;
 use crate::render::patch_page::patch_page;
 use crate::render::table::title;
@@ -87,8 +88,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .map(|h| output_path(h, a.force, &a.model.input_paths()))
         .transpose()?;
     let model = a.model.load()?;
-    let clean = model.encode(&a.clean, a.model.bos)?;
-    let corrupt = model.encode(&a.corrupt, a.model.bos)?;
+    let input = PatchInput {
+        clean: model.encode(&a.clean, a.model.bos)?,
+        corrupt: model.encode(&a.corrupt, a.model.bos)?,
+    };
     for (t, what) in [(&a.answer, "--answer"), (&a.wrong, "--wrong")] {
         if matches!(t, Some(Target::Next)) {
             return Err(usage(format!(
@@ -114,19 +117,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         batch_rows: a.batch_rows,
     };
     let bar = progress_bar("patched runs [{bar:30}] {pos}/{len} ({eta})");
-    let report = patch(&model, &clean, &corrupt, &opts, on_bar(&bar))?;
+    let report = command::run(&model, &input, &opts, on_bar(&bar))?;
     bar.finish_and_clear();
     for w in &report.warnings {
         eprintln!("attnscope: warning: {w}");
     }
     let approx = if a.approx {
-        let r = attribution_patch(&model, &clean, &corrupt, report.answer.id, report.wrong.id)?;
-        let kind = r
-            .kind(opts.hook)
-            .cloned()
-            .ok_or_else(|| usage("--approx: no estimate for this hook"))?;
-        let agree = agreement(&report.results, &kind);
-        Some((r, kind, agree))
+        let x = command::approx(&model, &input, &opts, &report)?;
+        Some((x.report, x.kind, x.agreement))
     } else {
         None
     };

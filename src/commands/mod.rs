@@ -22,5 +22,6 @@ pub mod heads;
 pub mod heatmap;
 pub mod inspect;
 pub mod load;
+pub mod patch;
 pub mod sinks;
 pub mod view;

@@ -1084,8 +1084,9 @@ impl Model {
         wrong: Option<String>,
         bos: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        use attnscope::analysis::intervene::{patch, PatchOptions, DEFAULT_BATCH_ROWS};
+        use attnscope::analysis::intervene::DEFAULT_BATCH_ROWS;
         use attnscope::analysis::vocab::PatchHook;
+        use attnscope::commands::patch::{run, PatchInput, PatchOptions};
         // TransformerLens's spellings too (resid_pre, hook_resid_pre, attn.hook_z, ...)
         let spelled = hook.replace('_', "-");
         let bare = spelled
@@ -1129,8 +1130,11 @@ impl Model {
         };
         let (m, clean, corrupt) = (self.inner.clone(), clean.to_string(), corrupt.to_string());
         let report = engine(py, move || {
-            let (c, k) = (m.encode(&clean, bos)?, m.encode(&corrupt, bos)?);
-            Ok(patch(&m, &c, &k, &opts, |_, _| {})?)
+            let input = PatchInput {
+                clean: m.encode(&clean, bos)?,
+                corrupt: m.encode(&corrupt, bos)?,
+            };
+            run(&m, &input, &opts, |_, _| {})
         })?;
         to_object(py, &report)
     }
