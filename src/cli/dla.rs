@@ -1,8 +1,8 @@
 //! `attnscope dla`: each head's and MLP's direct contribution to the answer's logit.
 
 use super::common::{emit, ModelText};
-use crate::analysis::dla::{dla, DlaReport};
 use crate::analysis::vocab::Target;
+use crate::commands::dla::{self as command, DlaOptions, DlaReport};
 use crate::model::tokenize::visible;
 use crate::render::table::{order_by_magnitude, title, Align, Table};
 
@@ -27,7 +27,11 @@ pub struct Args {
 pub fn run(a: Args) -> anyhow::Result<()> {
     let model = a.input.model.load()?;
     let tokens = a.input.text.tokens(&model, a.input.model.bos)?;
-    let r = dla(&model, &tokens, &a.answer, a.wrong.as_ref())?;
+    let opts = DlaOptions {
+        answer: a.answer,
+        wrong: a.wrong,
+    };
+    let r = command::run(&model, &tokens, &opts)?;
     if a.json {
         return emit(&format!("{}\n", serde_json::to_string_pretty(&r)?));
     }

@@ -17,6 +17,7 @@ pub mod ablate;
 pub mod attribute;
 pub mod capture;
 pub mod compare;
+pub mod dla;
 pub mod faithfulness;
 pub mod heads;
 pub mod heatmap;
