@@ -2,9 +2,10 @@
 //! on a KV cache, and show what the query that produced each token attended to.
 
 use super::common::{emit, on_bar, output_path, progress_bar, usage, ModelArgs, Output};
-use crate::analysis::gen_attribute::{attribute_generation, GenAttribution};
 use crate::analysis::vocab::Method;
-use crate::model::generate::{GenOptions, GenToken, Generation};
+use crate::commands::generate::{
+    self as command, GenAttribution, GenOptions, GenToken, Generation,
+};
 use crate::model::tokenize::visible;
 use crate::render::gen_attribute as render;
 use std::io::IsTerminal;
@@ -106,7 +107,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             }
             let bar = progress_bar("attribution [{bar:30}] {pos}/{len} ({eta})");
             let t0 = std::time::Instant::now();
-            let r = attribute_generation(
+            let r = command::attribution(
                 &model,
                 &prompt,
                 &gen_ids,
@@ -198,7 +199,7 @@ fn generate_streamed(
         );
     }
     let stops = model.stop_ids();
-    let g = model.generate(prompt, o, |t: &GenToken| {
+    let g = command::run(model, prompt, o, |t: &GenToken| {
         // the end-of-turn token is not printed (it is in the table and in --json)
         if stream && !stops.contains(&t.id) {
             pending.extend(model.tokenizer.token_bytes(t.id));

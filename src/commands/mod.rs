@@ -19,6 +19,7 @@ pub mod capture;
 pub mod compare;
 pub mod dla;
 pub mod faithfulness;
+pub mod generate;
 pub mod heads;
 pub mod heatmap;
 pub mod inspect;

@@ -425,7 +425,7 @@ impl Model {
                 seed,
                 ..Default::default()
             };
-            let g = m.generate(&prompt, &o, |_| {})?;
+            let g = attnscope::commands::generate::run(&m, &prompt, &o, |_| {})?;
             let gen = g.generated.iter().map(|t| t.id).collect();
             Ok((g.prompt_ids.clone(), gen, serde_json::to_string(&g)?))
         })
@@ -1438,7 +1438,7 @@ impl Model {
         Vec<u32>,
         Vec<Vec<f32>>,
     )> {
-        use attnscope::analysis::gen_attribute::attribute_generation;
+        use attnscope::commands::generate::{attribution, run};
         let method: attnscope::analysis::vocab::Method =
             method.parse().map_err(PyValueError::new_err)?;
         let m = self.inner.clone();
@@ -1456,9 +1456,9 @@ impl Model {
                 seed,
                 ..Default::default()
             };
-            let g = m.generate(&prompt, &o, |_| {})?;
+            let g = run(&m, &prompt, &o, |_| {})?;
             let answer: Vec<u32> = g.generated.iter().map(|t| t.id).collect();
-            let r = attribute_generation(&m, &prompt, &answer, method, steps, &mut |_, _| {})?;
+            let r = attribution(&m, &prompt, &answer, method, steps, &mut |_, _| {})?;
             let attention = g.generated.into_iter().map(|t| t.attention).collect();
             Ok((r, attention))
         })?;
