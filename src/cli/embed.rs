@@ -2,10 +2,9 @@
 //! L2-normalized when the model folder's `modules.json` says so), written as a `.npy`.
 
 use super::common::{emit, output_path, usage, ModelArgs, ReadLimit};
-use crate::model::forward::EmbedInput;
+use crate::commands::embed::{self as command, EmbedInput, EmbedOptions};
 use serde_json::json;
 use std::path::PathBuf;
-use std::time::Instant;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -67,21 +66,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         (_, true) => Some(false),
         _ => None,
     };
-    let normalized = normalize.unwrap_or_else(|| model.embeds_normalized());
-    let inputs: Vec<EmbedInput> = texts
-        .iter()
-        .map(|t| EmbedInput {
-            text: t.clone(),
-            pair: None,
-        })
-        .collect();
     let pb = super::common::progress_bar("embedding [{bar:30}] {pos}/{len} ({elapsed})");
-    pb.set_length(inputs.len() as u64);
-    let start = Instant::now();
-    let emb = model.embed_texts(&inputs, normalize, &|| pb.inc(1))?;
-    let secs = start.elapsed().as_secs_f64();
+    pb.set_length(texts.len() as u64);
+    let inputs = texts
+        .into_iter()
+        .map(|text| EmbedInput { text, pair: None })
+        .collect();
+    let r = command::run(&model, &EmbedOptions { inputs, normalize }, &|| pb.inc(1))?;
     pb.finish_and_clear();
-    let (n, dm) = (inputs.len(), model.dims.d_model);
+    let (n, dm, normalized, secs, emb) =
+        (r.n_texts, r.d_model, r.normalized, r.seconds, r.embeddings);
     if let Some(out) = &output {
         out.write(&crate::render::npy::to_npy(&[n, dm], &emb))?;
     }

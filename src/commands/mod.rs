@@ -18,6 +18,7 @@ pub mod attribute;
 pub mod capture;
 pub mod compare;
 pub mod dla;
+pub mod embed;
 pub mod faithfulness;
 pub mod generate;
 pub mod heads;

@@ -611,7 +611,10 @@ impl Model {
             .zip(pairs)
             .map(|(text, pair)| attnscope::model::forward::EmbedInput { text, pair })
             .collect();
-        let e = engine(py, move || Ok(m.embed_texts(&inputs, normalize, &|| {})?))?;
+        let opts = attnscope::commands::embed::EmbedOptions { inputs, normalize };
+        let e = engine(py, move || {
+            Ok(attnscope::commands::embed::run(&m, &opts, &|| {})?.embeddings)
+        })?;
         Ok(PyArray1::from_vec(py, e).reshape([n, dm])?.into_any())
     }
 
