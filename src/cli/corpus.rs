@@ -3,10 +3,10 @@
 
 use super::common::{emit, on_bar, progress_bar, ModelArgs};
 use crate::analysis::corpus::Aggregate;
-use crate::analysis::corpus_run::{
-    load_texts, merge_files, parse_shard, run_corpus, CorpusAggregate, CorpusRequest,
-};
 use crate::analysis::request::weight_threshold;
+use crate::commands::corpus::{
+    self as command, load_texts, parse_shard, CorpusAggregate, CorpusInput, CorpusRequest,
+};
 use crate::render::table::{bar, sparkline, title, Align, Table};
 use std::path::PathBuf;
 
@@ -64,7 +64,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         json,
     }) = a.cmd
     {
-        let agg = merge_files(&files, epsilon)?;
+        let agg = command::merge(&files, epsilon)?;
         return print(&agg, &format!("{} record files", files.len()), json);
     }
     // clap leaves the flattened model arguments out when none is given
@@ -93,10 +93,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let model = model_args.load()?;
     let bar = progress_bar("texts [{bar:30}] {pos}/{len} ({eta} left)");
-    let outcome = run_corpus(
+    let input = CorpusInput { texts, source };
+    let outcome = command::run(
         &model,
-        &texts,
-        &source,
+        &input,
         &req,
         &mut |note| eprintln!("attnscope: {note}"),
         &mut on_bar(&bar),
@@ -106,7 +106,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     for s in &outcome.skipped {
         eprintln!("attnscope: skipped {s}");
     }
-    let source = format!("{source}{}", req.shard_suffix());
+    let source = format!("{}{}", input.source, req.shard_suffix());
     print(&outcome.aggregate, &source, a.json)
 }
 

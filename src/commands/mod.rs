@@ -17,6 +17,7 @@ pub mod ablate;
 pub mod attribute;
 pub mod capture;
 pub mod compare;
+pub mod corpus;
 pub mod dla;
 pub mod embed;
 pub mod faithfulness;

@@ -694,7 +694,7 @@ impl Model {
             // many texts to a forward: each record is its one-text run's
             let refs: Vec<(usize, &str)> = items.iter().map(|(i, t)| (*i, t.as_str())).collect();
             let recs =
-                attnscope::analysis::corpus::text_records(&m, &refs, bos, faithfulness, |_| {})?;
+                attnscope::commands::corpus::text_records(&m, &refs, bos, faithfulness, |_| {})?;
             let mut out = Vec::with_capacity(items.len());
             for ((id, _), rec) in items.iter().zip(recs) {
                 match rec {
@@ -994,7 +994,9 @@ impl Model {
         faithfulness: bool,
         bos: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        use attnscope::analysis::corpus_run::{load_texts, parse_shard, run_corpus, CorpusRequest};
+        use attnscope::commands::corpus::{
+            load_texts, parse_shard, run, CorpusInput, CorpusRequest,
+        };
         check_epsilon(epsilon)?;
         let req = CorpusRequest {
             limit: limit.map(|l| count(l, "limit")).transpose()?,
@@ -1024,7 +1026,13 @@ impl Model {
                 None => load_texts(path.as_deref())?,
             };
             let note = &mut |n: &str| eprintln!("attnscope: {n}");
-            run_corpus(&m, &texts, &source, &req, note, &mut |_, _| {})
+            run(
+                &m,
+                &CorpusInput { texts, source },
+                &req,
+                note,
+                &mut |_, _| {},
+            )
         })?;
         for s in &outcome.skipped {
             eprintln!("attnscope: skipped {s}");
@@ -1542,7 +1550,7 @@ fn corpus_merge(
     }
     check_epsilon(epsilon)?;
     let agg = engine(py, move || {
-        attnscope::analysis::corpus_run::merge_files(&files, epsilon)
+        attnscope::commands::corpus::merge(&files, epsilon)
     })?;
     epsilon_as_given(to_object(py, &agg)?, epsilon)
 }
@@ -1616,7 +1624,7 @@ fn write_new_file(
 #[pyo3(signature = (path = None))]
 fn corpus_texts(py: Python<'_>, path: Option<std::path::PathBuf>) -> PyResult<Vec<String>> {
     engine(py, move || {
-        Ok(attnscope::analysis::corpus_run::load_texts(path.as_deref())?.0)
+        Ok(attnscope::commands::corpus::load_texts(path.as_deref())?.0)
     })
 }
 
