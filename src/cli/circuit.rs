@@ -3,11 +3,9 @@
 
 use super::common::{emit, usage, ModelArgs};
 use crate::analysis::circuit::evaluate::{Evaluation, ExactEdges, LadderPoint};
-use crate::analysis::circuit::head_views::{head_views, touched_heads};
-use crate::analysis::circuit::{
-    circuit, read_pairs, CircuitOptions, CircuitReport, Method, MetricKind, Pair,
-};
+use crate::analysis::circuit::{read_pairs, Method, MetricKind, Pair};
 use crate::analysis::vocab::Target;
+use crate::commands::circuit::{self as command, CircuitOptions, CircuitReport};
 use crate::render::circuit_page::page;
 use crate::render::table::{title, Align, Table};
 use std::path::PathBuf;
@@ -91,12 +89,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .map(|h| super::common::output_path(h, a.force, &inputs))
         .transpose()?;
     let model = a.model.load()?;
-    let report = circuit(&model, &opts)?;
+    let report = command::run(&model, &opts)?;
     if let Some(out) = &output {
         // the heads a click shows, on the (first pair's) clean text
-        let tokens = model.encode(&opts.pairs[0].clean, opts.force_bos)?;
-        let heads = touched_heads(&report.nodes, &report.edges);
-        let views = head_views(&model, &tokens, &heads)?;
+        let views = command::page_views(&model, &opts, &report)?;
         let d = &model.dims;
         let shape = [d.n_layers, d.n_heads, d.n_kv_heads];
         out.write(page(&report, shape, &views).as_bytes())?;

@@ -2,7 +2,7 @@
 //! (query-side component × key-side component) terms ([`crate::analysis::qk`]).
 
 use super::common::{emit, usage, ModelText};
-use crate::analysis::qk::{qk, Against, QkOptions, QkReport};
+use crate::commands::qk::{self as command, Against, QkOptions, QkReport};
 use crate::model::tokenize::visible;
 use crate::render::table::{title, Align, Table};
 
@@ -48,7 +48,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         key: a.key,
         against: a.against,
     };
-    let r = qk(&model, &opts)?;
+    let r = command::run(&model, &opts)?;
     if a.json {
         return emit(&format!("{}\n", serde_json::to_string(&r)?));
     }

@@ -16,6 +16,7 @@
 pub mod ablate;
 pub mod attribute;
 pub mod capture;
+pub mod circuit;
 pub mod compare;
 pub mod corpus;
 pub mod dla;
@@ -27,5 +28,6 @@ pub mod heatmap;
 pub mod inspect;
 pub mod load;
 pub mod patch;
+pub mod qk;
 pub mod sinks;
 pub mod view;

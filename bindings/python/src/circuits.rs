@@ -2,11 +2,10 @@
 //! a `[nodes, readers]` matrix, and `attnscope qk`'s split.
 
 use super::{engine, to_object};
-use attnscope::analysis::circuit::{
-    circuit, read_pairs, CircuitOptions, CircuitReport, Method, MetricKind, Pair,
-};
-use attnscope::analysis::qk::{qk, Against, QkOptions};
+use attnscope::analysis::circuit::{read_pairs, Method, MetricKind, Pair};
 use attnscope::analysis::vocab::Target;
+use attnscope::commands::circuit::{CircuitOptions, CircuitReport};
+use attnscope::commands::qk::{Against, QkOptions};
 use attnscope::model::Model;
 use numpy::{PyArray1, PyArrayMethods};
 use pyo3::exceptions::PyValueError;
@@ -93,7 +92,7 @@ pub fn run_circuit<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     let opts = options(a)?;
     let m = model.clone();
-    let mut report = engine(py, move || circuit(&m, &opts))?;
+    let mut report = engine(py, move || attnscope::commands::circuit::run(&m, &opts))?;
     let (from, to, scores) = edge_indices(&report)?;
     let (n, r) = (report.n_nodes, report.n_readers);
     let mut matrix = vec![f32::NAN; n * r];
@@ -164,7 +163,7 @@ pub fn run_qk<'py>(
             key,
             against,
         };
-        qk(&m, &opts)
+        attnscope::commands::qk::run(&m, &opts)
     })?;
     to_object(py, &r)
 }
