@@ -178,29 +178,15 @@ fn quiz_mask(texts: &[String]) -> Answer {
 /// Question 5: the rows' sums and the masked weights, measured on every layer and head; and the
 /// last position's logits.
 fn quiz_rows(model: &crate::model::Model, tokens: &[u32]) -> anyhow::Result<(Answer, Vec<f32>)> {
-    use crate::model::capture::{AttnCache, CaptureSpec};
-    use crate::model::forward::RunOptions;
     let (d, n) = (&model.dims, tokens.len());
-    let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
-    let out = model.forward(tokens, &RunOptions::last_logits(n), &mut cache)?;
-    let (mut worst_sum, mut worst_masked) = (0f64, 0f32);
-    for l in 0..d.n_layers {
-        let p = cache.pattern(l).expect("captured");
-        for h in 0..d.n_heads {
-            for i in 0..n {
-                let row = p.row_at(h, i).expect("row");
-                worst_sum = worst_sum.max((row.iter().map(|&x| x as f64).sum::<f64>() - 1.0).abs());
-                worst_masked =
-                    worst_masked.max(row[i + 1..].iter().fold(0f32, |m, &x| m.max(x.abs())));
-            }
-        }
-    }
+    let r = crate::commands::explain::rows(model, tokens)?;
+    let (worst_sum, worst_masked) = (r.max_row_sum_error, r.max_masked_weight);
     let answer = (
         "After the softmax, do the rows sum to 1, and are the masked weights 0?",
         format!("Measured on all {} layers × {} heads × {n} rows: the sums are 1 to within {worst_sum:.1e}, and the largest masked weight is {worst_masked}.", d.n_layers, d.n_heads),
         json!({"max_row_sum_error": worst_sum, "max_masked_weight": worst_masked}),
     );
-    Ok((answer, out.logits.into_iter().next().unwrap_or_default()))
+    Ok((answer, r.logits))
 }
 
 /// Question 6: is the most-attended token the one the prediction (from `logits`) depends on?
@@ -209,10 +195,9 @@ fn quiz_explanation(
     tokens: &[u32],
     logits: &[f32],
 ) -> anyhow::Result<Answer> {
-    use crate::analysis::faithfulness::{run as run_faith, FaithOptions};
     use crate::analysis::vocab::{permutation_p, spearman};
     let n = tokens.len();
-    let f = run_faith(model, tokens, &FaithOptions::attention_only(), |_, _| {})?;
+    let f = crate::commands::explain::attention_against_deletion(model, tokens)?;
     let rows = &f.tokens;
     let top_attn = rows
         .iter()

@@ -21,6 +21,7 @@ pub mod compare;
 pub mod corpus;
 pub mod dla;
 pub mod embed;
+pub mod explain;
 pub mod faithfulness;
 pub mod generate;
 pub mod heads;
