@@ -1,9 +1,8 @@
 //! `attnscope scaling`: how the cost of attention grows with the length, measured.
 
 use super::common::{emit, progress_bar, usage, ModelArgs};
-use crate::analysis::measure::{loglog_slope, machine, peak_rss_bytes, reset_peak_rss, rss_bytes};
-use crate::model::capture::{AttnCache, CaptureSpec, NoCapture};
-use crate::model::forward::RunOptions;
+use crate::analysis::measure::{loglog_slope, machine};
+use crate::commands::scaling::{measure_setting, Setting};
 use crate::render::table::{bar, title, Align, Table};
 use serde::Serialize;
 
@@ -29,16 +28,6 @@ pub struct Args {
 }
 
 #[derive(Serialize, Clone, Debug)]
-struct Setting {
-    median_s: f64,
-    attention_s: f64,
-    runs_s: Vec<f64>,
-    /// peak resident memory during these runs, and the part above what was resident before
-    peak_rss_bytes: Option<u64>,
-    extra_bytes: Option<u64>,
-}
-
-#[derive(Serialize, Clone, Debug)]
 struct Row {
     n: usize,
     no_capture: Setting,
@@ -46,16 +35,7 @@ struct Row {
     pattern_bytes: f64,
 }
 
-/// The median (the mean of the middle two for an even count).
-pub(super) fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let k = v.len();
-    if k % 2 == 1 {
-        v[k / 2]
-    } else {
-        (v[k / 2 - 1] + v[k / 2]) / 2.0
-    }
-}
+pub(super) use crate::commands::scaling::median;
 
 /// `f`'s result and the seconds it took.
 pub(super) fn timed<T, E: Into<anyhow::Error>>(
@@ -155,48 +135,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     );
     s += "Attention should approach 2 (every query against every key) and the projections 1 (each token on its own).\n";
     emit(&s)
-}
-
-/// One setting at one length: a warm-up forward, then `repeats` timed ones (with every pattern
-/// captured when `capture`), and the peak memory they reached.
-fn measure_setting(
-    model: &crate::model::Model,
-    tokens: &[u32],
-    capture: bool,
-    repeats: usize,
-) -> anyhow::Result<Setting> {
-    let n = tokens.len();
-    let once = |capture: bool| -> anyhow::Result<(f64, f64)> {
-        let opts = RunOptions::last_logits(n);
-        let out = if capture {
-            let mut cache = AttnCache::new(&CaptureSpec::patterns(), n);
-            model.forward(tokens, &opts, &mut cache)?
-        } else {
-            model.forward(tokens, &opts, &mut NoCapture)?
-        };
-        Ok((
-            out.timings.total.as_secs_f64(),
-            out.timings.attention.as_secs_f64(),
-        ))
-    };
-    once(capture)?; // warm-up
-    let before = rss_bytes();
-    let resettable = reset_peak_rss();
-    let mut runs = Vec::new();
-    let mut attn = Vec::new();
-    for _ in 0..repeats {
-        let (t, at) = once(capture)?;
-        runs.push(t);
-        attn.push(at);
-    }
-    let peak = if resettable { peak_rss_bytes() } else { None };
-    Ok(Setting {
-        median_s: median(runs.clone()),
-        attention_s: median(attn),
-        runs_s: runs,
-        peak_rss_bytes: peak,
-        extra_bytes: peak.zip(before).map(|(p, b)| p.saturating_sub(b)),
-    })
 }
 
 /// Each length of `--lengths` on the built-in corpus's text: without capture, and with every

@@ -30,5 +30,6 @@ pub mod inspect;
 pub mod load;
 pub mod patch;
 pub mod qk;
+pub mod scaling;
 pub mod sinks;
 pub mod view;
