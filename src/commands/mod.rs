@@ -2,9 +2,10 @@
 //! its report, and owning the orchestration between (the model's forward, the analyses it runs,
 //! the files it writes).
 //!
-//! The layering rule, which `tests/docs_consistency.rs` holds for `render/`:
+//! The layering rule, which `tests/layering.rs` holds for `render/` and `cli/`:
 //! - `cli/` and the Python binding (`bindings/python`) parse arguments into a command's options,
-//!   call the command, and print (or hand back) its report; nothing else;
+//!   call the command, and print (or hand back) its report; nothing else (`cli/` loads its models
+//!   through [`load::load`]; only its benchmarks time the building blocks themselves);
 //! - `commands/` load, run, analyse and return a report; they may use `render/`'s writers and
 //!   the observers that encode a page as the forward runs (`render::sparse::SparseView`);
 //! - `analysis/` computes (its features run the model through the building blocks);
