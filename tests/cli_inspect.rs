@@ -4,7 +4,10 @@
 
 mod common;
 
-use common::{attnscope, run_err, run_json, run_ok, stderr_of, succeeds, tiny_gguf};
+use common::{
+    attnscope, read_npz, read_safetensors, run_err, run_json, run_ok, stderr_of, succeeds,
+    tiny_gguf, Tensors,
+};
 
 /// The element-wise loops run at the widest vector width the CPU has, chosen at run time
 /// (`ATTNSCOPE_SIMD` caps it): every width prints the same report, bit for bit.
@@ -507,39 +510,6 @@ fn in_memory_capture(
         )
         .unwrap();
     cache
-}
-
-/// Each tensor's name, shape and values, as a capture file holds them.
-type Tensors = std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)>;
-
-fn read_safetensors(bytes: &[u8]) -> Tensors {
-    let st = safetensors::SafeTensors::deserialize(bytes).unwrap();
-    st.tensors()
-        .into_iter()
-        .map(|(name, t)| {
-            let data = t
-                .data()
-                .chunks(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect();
-            (name, (t.shape().to_vec(), data))
-        })
-        .collect()
-}
-
-/// Every member of an .npz, each parsed as .npy (`token_ids` among them).
-fn read_npz(bytes: &[u8]) -> Tensors {
-    use std::io::Read;
-    let mut got = Tensors::new();
-    let mut z = zip::ZipArchive::new(std::io::Cursor::new(bytes)).unwrap();
-    for i in 0..z.len() {
-        let mut f = z.by_index(i).unwrap();
-        let name = f.name().unwrap().trim_end_matches(".npy").to_string();
-        let mut body = Vec::new();
-        f.read_to_end(&mut body).unwrap(); // the zip crate checks each member's CRC-32
-        got.insert(name, attnscope::render::npy::from_npy(&body).unwrap());
-    }
-    got
 }
 
 /// `got` holds exactly the cache's tensors, of the same shapes and bits.
