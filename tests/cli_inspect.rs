@@ -379,6 +379,22 @@ fn sinks_streamed_equal_inspect_materialized() {
     assert!(s["peak_rss_bytes"].as_u64().unwrap() > 0);
 }
 
+/// `sinks --key-block 0` is refused by name (the kernel took blocks of 1 while the report and
+/// its JSON said 0).
+#[test]
+fn sinks_refuses_a_key_block_of_0() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let f = dir.path().join("t.txt");
+    std::fs::write(&f, "the hat sat").unwrap();
+    let (m, f) = (m.to_str().unwrap(), f.to_str().unwrap());
+    let err = run_err(["sinks", "--model", m, "--file", f, "--key-block", "0"], 2);
+    assert!(
+        err.contains("--key-block (Python: key_block) 0 is out of range"),
+        "{err}"
+    );
+}
+
 #[test]
 fn scaling_reports_exponents() {
     let dir = tempfile::tempdir().unwrap();
