@@ -126,9 +126,9 @@ impl CaptureRequest {
         let has = Hook::in_forward_order(model.dims.arch);
         let absent: Vec<&str> = hooks
             .iter()
-            .filter(|h| {
-                !has.contains(h) && !(**h == Hook::PosEmbed && hooks.contains(&Hook::Embed))
-            })
+            // `embed` of a rotary model: its token embeddings alone
+            .filter(|h| !has.contains(h))
+            .filter(|h| !(**h == Hook::PosEmbed && hooks.contains(&Hook::Embed)))
             .map(|h| h.suffix())
             .collect();
         if absent.is_empty() {
