@@ -379,6 +379,34 @@ fn sinks_streamed_equal_inspect_materialized() {
     assert!(s["peak_rss_bytes"].as_u64().unwrap() > 0);
 }
 
+/// `capture --hooks ln_final --layers 0` is refused by name (the final norm is handed out at the
+/// last layer: the file came without it and the run said it was written), as is `embed` without
+/// layer 0; `all` keeps what the layers reach.
+#[test]
+fn capture_refuses_a_global_hook_its_layers_leave_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let out = dir.path().join("a.npz");
+    let (m, o) = (m.to_str().unwrap(), out.to_str().unwrap());
+    let capture = |hooks: &str, layers: &str| -> Vec<String> {
+        let args = [
+            "capture", "-m", m, "-t", "the hat", "--hooks", hooks, "--layers", layers,
+        ];
+        let tail = ["--force", "--out", o];
+        args.iter().chain(&tail).map(|a| a.to_string()).collect()
+    };
+    let err = run_err(capture("ln_final,pattern", "0"), 2);
+    assert!(
+        err.contains("ln_final.hook_scale is handed out at layer 1, which --layers 0 leaves out"),
+        "{err}"
+    );
+    let err = run_err(capture("embed", "1"), 2);
+    assert!(err.contains("hook_embed is handed out at layer 0"), "{err}");
+    assert!(!out.exists(), "nothing written");
+    run_ok(capture("all", "0"));
+    run_ok(capture("ln_final", "1"));
+}
+
 /// `sinks --key-block 0` is refused by name (the kernel took blocks of 1 while the report and
 /// its JSON said 0).
 #[test]

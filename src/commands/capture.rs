@@ -3,7 +3,7 @@
 //! the file is written under a temporary name and renamed into place when complete.
 
 use crate::analysis::request::{parse_index_list, usage};
-use crate::model::capture::{AttnCache, CaptureSpec, Captured, Hook, Observer, Queries};
+use crate::model::capture::{hook_name, AttnCache, CaptureSpec, Captured, Hook, Observer, Queries};
 use crate::model::forward::RunOptions;
 use crate::model::{Error, Model};
 use crate::render::direct::DirectFile;
@@ -102,6 +102,7 @@ impl CaptureRequest {
             } else {
                 TensorFormat::Safetensors
             });
+        self.check_layers_reach(model, &spec)?;
         let mut order = spec.tensors(d, n);
         if format == TensorFormat::Npz {
             order.push(("token_ids".into(), vec![n]));
@@ -140,6 +141,33 @@ impl CaptureRequest {
             model.dims.arch.name(),
             absent.join(", ")
         )))
+    }
+}
+
+impl CaptureRequest {
+    /// Refuses a global hook named in `--hooks` whose one layer `--layers` leaves out
+    /// (`ln_final` with `--layers 0`: the file came without it, and the run said it was written).
+    fn check_layers_reach(&self, model: &Model, spec: &CaptureSpec) -> anyhow::Result<()> {
+        if self.hooks.split(',').any(|p| p.trim() == "all") {
+            return Ok(());
+        }
+        let keys = spec.keys(&model.dims);
+        let has = Hook::in_forward_order(model.dims.arch);
+        let left_out = spec
+            .hooks
+            .iter()
+            .find(|h| has.contains(h) && !keys.iter().any(|k| k.1 == **h));
+        match left_out {
+            None => Ok(()),
+            Some(&h) => {
+                let at = h.layer_of(0, model.dims.n_layers);
+                Err(usage(format!(
+                    "{} is handed out at layer {at}, which --layers {} leaves out; add {at} to --layers",
+                    hook_name(at, h),
+                    self.layers
+                )))
+            }
+        }
     }
 }
 
