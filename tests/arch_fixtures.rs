@@ -8,7 +8,7 @@
 #![allow(clippy::needless_range_loop)]
 
 mod common;
-use attnscope::model::capture::{AttnCache, CaptureSpec};
+use attnscope::model::capture::{AttnCache, CaptureSpec, Hook, Observer, PatternRows, Queries};
 use attnscope::model::forward::RunOptions;
 use attnscope::model::{Model, Precision};
 use common::{
@@ -812,4 +812,133 @@ fn two_symbol_token((md, _): &mut GgufParts) {
         panic!("tokenizer.ggml.tokens is an array")
     };
     tokens[65] = Value::String("AB".into());
+}
+
+/// An observer that keeps everything and notes the order the forward hands each tensor out in
+/// (its first block of rows).
+struct HandOrder {
+    cache: AttnCache,
+    seen: Vec<(usize, Hook)>,
+}
+
+impl HandOrder {
+    fn saw(&mut self, layer: usize, hook: Hook) {
+        if !self.seen.contains(&(layer, hook)) {
+            self.seen.push((layer, hook));
+        }
+    }
+}
+
+impl Observer for HandOrder {
+    attnscope::delegate_observer!(cache: wants);
+    fn tensor(&mut self, layer: usize, hook: Hook, shape: &[usize], data: &[f32]) {
+        self.saw(layer, hook);
+        self.cache.tensor(layer, hook, shape, data)
+    }
+    fn attention_block(&mut self, l: usize, h: Hook, q0: usize, shape: [usize; 3], d: &[f32]) {
+        self.saw(l, h);
+        self.cache.attention_block(l, h, q0, shape, d)
+    }
+    fn pattern_rows(
+        &mut self,
+        layer: usize,
+        q_start: usize,
+        rows: usize,
+        n_heads: usize,
+        k_len: usize,
+    ) -> Option<PatternRows<'_>> {
+        self.saw(layer, Hook::Pattern);
+        self.cache
+            .pattern_rows(layer, q_start, rows, n_heads, k_len)
+    }
+}
+
+/// Every family's forward hands its hooks out in [`Hook::in_forward_order`]'s order, the order
+/// `capture` declares a file's tensors in; and `capture --hooks all` to safetensors writes every
+/// one of them (a post-norm encoder's order stopped the write with "you likely have a bug"),
+/// each of the plan's shape and bit for bit the forward's. A new family whose forward hands its
+/// hooks out otherwise fails here.
+#[test]
+fn hooks_come_in_the_forwards_order_and_capture_all_writes_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let qwen2 = common::tiny_gguf(&dir);
+    let mut names: Vec<String> = [
+        "llama3",
+        "qwen3",
+        "mistral",
+        "phi3",
+        "gemma2",
+        "gemma3",
+        "gpt2",
+        "bert",
+        "roberta",
+        "distilbert",
+    ]
+    .iter()
+    .map(|n| golden(&format!("arch/{n}")).to_str().unwrap().to_string())
+    .collect();
+    names.push(qwen2.to_str().unwrap().to_string());
+    let spec = CaptureSpec {
+        hooks: Hook::parse_list("all").unwrap(),
+        layers: None,
+        heads: None,
+        queries: Queries::All,
+    };
+    for m in &names {
+        let model = Model::load(m, Precision::Exact, false).unwrap();
+        let tokens = model.encode("The cat sat", false).unwrap();
+        let mut obs = HandOrder {
+            cache: AttnCache::new(&spec, tokens.len()),
+            seen: Vec::new(),
+        };
+        model
+            .forward(&tokens, &RunOptions::default(), &mut obs)
+            .unwrap();
+        // the two attention maps come together, both final when the attention is done (the
+        // kernel asks for the pattern's rows before it hands the scores): either order streams
+        let mut seen = obs.seen.clone();
+        for i in 1..seen.len() {
+            if seen[i].1 == Hook::AttnScores && seen[i - 1] == (seen[i].0, Hook::Pattern) {
+                seen.swap(i - 1, i);
+            }
+        }
+        assert_eq!(seen, spec.keys(&model.dims), "{m}: the forward's order");
+        let out = dir.path().join("all.safetensors");
+        let o = run_ok([
+            "capture",
+            "-m",
+            m,
+            "--hooks",
+            "all",
+            "--text",
+            "The cat sat",
+            "--force",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(o.status.success());
+        let got = common::read_safetensors(&std::fs::read(&out).unwrap());
+        let plan = spec.tensors(&model.dims, tokens.len());
+        assert_eq!(
+            got.len(),
+            plan.len(),
+            "{m}: {:?}",
+            got.keys().collect::<Vec<_>>()
+        );
+        for (name, shape) in plan {
+            let (s, data) = got
+                .get(&name)
+                .unwrap_or_else(|| panic!("{m}: {name} missing"));
+            assert_eq!(s, &shape, "{m}: {name}");
+            assert!(data.iter().all(|v| !v.is_nan()), "{m}: {name} has NaN");
+        }
+        for c in obs.cache.iter() {
+            let same = got[&c.name]
+                .1
+                .iter()
+                .zip(&c.data)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{m}: {} differs from the forward's", c.name);
+        }
+    }
 }

@@ -280,7 +280,8 @@ fn corpus_record(
 
 /// `corpus merge` checks every record and refuses (exit 2, naming the file and line) a record
 /// whose arrays disagree with its layer count or with the other records (it used to panic, exit
-/// 101), an empty profile, another model, and an id that names two different texts (it used to
+/// 101), a share outside [0, 1] or a negative entropy (merged silently), an empty profile,
+/// another model, and an id that names two different texts (it used to
 /// merge them silently); a repeated record of the same text is merged once.
 #[test]
 fn corpus_merge_refuses_records_that_do_not_agree() {
@@ -314,7 +315,20 @@ fn corpus_merge_refuses_records_that_do_not_agree() {
     let mut ragged_heads = corpus_record(3, "hat", "m", 2, 3);
     ragged_heads["head_max_last"][1] = serde_json::json!([0.5, 0.5]);
     let empty = corpus_record(3, "hat", "m", 0, 3);
-    let cases: [(serde_json::Value, &str); 6] = [
+    // values no run writes: a share of 5 moved the merged means silently
+    let mut big_share = corpus_record(3, "hat", "m", 2, 3);
+    big_share["sink_all"][1] = serde_json::json!(5.0);
+    let mut negative_entropy = corpus_record(3, "hat", "m", 2, 3);
+    negative_entropy["head_mean_entropy"][0][2] = serde_json::json!(-1.0);
+    let cases: [(serde_json::Value, &str); 8] = [
+        (
+            big_share,
+            "`sink_all` holds 5, not an attention weight or probability",
+        ),
+        (
+            negative_entropy,
+            "`head_mean_entropy` holds -1, not an entropy",
+        ),
         (
             short_query,
             "`sink_query` has 1 layers but `sink_all` has 2",

@@ -4,7 +4,10 @@
 
 mod common;
 
-use common::{attnscope, run_err, run_json, run_ok, stderr_of, succeeds, tiny_gguf};
+use common::{
+    attnscope, read_npz, read_safetensors, run_err, run_json, run_ok, stderr_of, succeeds,
+    tiny_gguf, Tensors,
+};
 
 /// The element-wise loops run at the widest vector width the CPU has, chosen at run time
 /// (`ATTNSCOPE_SIMD` caps it): every width prints the same report, bit for bit.
@@ -376,6 +379,50 @@ fn sinks_streamed_equal_inspect_materialized() {
     assert!(s["peak_rss_bytes"].as_u64().unwrap() > 0);
 }
 
+/// `capture --hooks ln_final --layers 0` is refused by name (the final norm is handed out at the
+/// last layer: the file came without it and the run said it was written), as is `embed` without
+/// layer 0; `all` keeps what the layers reach.
+#[test]
+fn capture_refuses_a_global_hook_its_layers_leave_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let out = dir.path().join("a.npz");
+    let (m, o) = (m.to_str().unwrap(), out.to_str().unwrap());
+    let capture = |hooks: &str, layers: &str| -> Vec<String> {
+        let args = [
+            "capture", "-m", m, "-t", "the hat", "--hooks", hooks, "--layers", layers,
+        ];
+        let tail = ["--force", "--out", o];
+        args.iter().chain(&tail).map(|a| a.to_string()).collect()
+    };
+    let err = run_err(capture("ln_final,pattern", "0"), 2);
+    assert!(
+        err.contains("ln_final.hook_scale is handed out at layer 1, which --layers 0 leaves out"),
+        "{err}"
+    );
+    let err = run_err(capture("embed", "1"), 2);
+    assert!(err.contains("hook_embed is handed out at layer 0"), "{err}");
+    assert!(!out.exists(), "nothing written");
+    run_ok(capture("all", "0"));
+    run_ok(capture("ln_final", "1"));
+}
+
+/// `sinks --key-block 0` is refused by name (the kernel took blocks of 1 while the report and
+/// its JSON said 0).
+#[test]
+fn sinks_refuses_a_key_block_of_0() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let f = dir.path().join("t.txt");
+    std::fs::write(&f, "the hat sat").unwrap();
+    let (m, f) = (m.to_str().unwrap(), f.to_str().unwrap());
+    let err = run_err(["sinks", "--model", m, "--file", f, "--key-block", "0"], 2);
+    assert!(
+        err.contains("--key-block (Python: key_block) 0 is out of range"),
+        "{err}"
+    );
+}
+
 #[test]
 fn scaling_reports_exponents() {
     let dir = tempfile::tempdir().unwrap();
@@ -507,39 +554,6 @@ fn in_memory_capture(
         )
         .unwrap();
     cache
-}
-
-/// Each tensor's name, shape and values, as a capture file holds them.
-type Tensors = std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)>;
-
-fn read_safetensors(bytes: &[u8]) -> Tensors {
-    let st = safetensors::SafeTensors::deserialize(bytes).unwrap();
-    st.tensors()
-        .into_iter()
-        .map(|(name, t)| {
-            let data = t
-                .data()
-                .chunks(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect();
-            (name, (t.shape().to_vec(), data))
-        })
-        .collect()
-}
-
-/// Every member of an .npz, each parsed as .npy (`token_ids` among them).
-fn read_npz(bytes: &[u8]) -> Tensors {
-    use std::io::Read;
-    let mut got = Tensors::new();
-    let mut z = zip::ZipArchive::new(std::io::Cursor::new(bytes)).unwrap();
-    for i in 0..z.len() {
-        let mut f = z.by_index(i).unwrap();
-        let name = f.name().unwrap().trim_end_matches(".npy").to_string();
-        let mut body = Vec::new();
-        f.read_to_end(&mut body).unwrap(); // the zip crate checks each member's CRC-32
-        got.insert(name, attnscope::render::npy::from_npy(&body).unwrap());
-    }
-    got
 }
 
 /// `got` holds exactly the cache's tensors, of the same shapes and bits.

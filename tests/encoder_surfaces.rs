@@ -8,8 +8,8 @@
 mod common;
 use attnscope::analysis::encoder::inspect;
 use common::{
-    assert_array, assert_close, attnscope, fails_with, golden, golden_json, golden_npy, real_model,
-    run_err, start_serve, stderr_of,
+    assert_array, assert_close, attnscope, fails_with, golden, golden_json, golden_npy, read_npz,
+    read_safetensors, real_model, run_err, start_serve, stderr_of,
 };
 
 fn floats(v: &serde_json::Value) -> Vec<f32> {
@@ -28,53 +28,31 @@ fn floats(v: &serde_json::Value) -> Vec<f32> {
 #[test]
 fn capture_of_an_encoder_writes_its_position_embeddings() {
     let dir = tempfile::tempdir().unwrap();
+    let capture = |text: &str, out: &std::path::Path| {
+        let o = attnscope()
+            .args(["capture", "-m", "all-minilm-l6-v2", "--hooks", "embed"])
+            .args(["--text", text])
+            .arg("--out")
+            .arg(out)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{text} ({out:?}): {}", stderr_of(&o));
+        std::fs::read(out).unwrap()
+    };
     let mut rows = Vec::new();
     for (i, text) in ["The cat sat on the mat.", "Paris is lovely in spring."]
         .iter()
         .enumerate()
     {
-        let out = dir.path().join(format!("all{i}.safetensors"));
-        let o = attnscope()
-            .args([
-                "capture",
-                "-m",
-                "all-minilm-l6-v2",
-                "--hooks",
-                "embed",
-                "--text",
-                text,
-            ])
-            .arg("--out")
-            .arg(&out)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{text}: {}", stderr_of(&o));
-        let bytes = std::fs::read(&out).unwrap();
-        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-        let p = st.tensor("hook_pos_embed").unwrap();
-        assert_eq!(p.shape()[1], 384, "{text}: [positions, d_model]");
-        let v: Vec<f32> = p
-            .data()
-            .chunks(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
-        rows.push(v);
-        let npz = dir.path().join(format!("all{i}.npz"));
-        let o = attnscope()
-            .args([
-                "capture",
-                "-m",
-                "all-minilm-l6-v2",
-                "--hooks",
-                "embed",
-                "--text",
-                text,
-            ])
-            .arg("--out")
-            .arg(&npz)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{text} (npz): {}", stderr_of(&o));
+        let st = read_safetensors(&capture(
+            text,
+            &dir.path().join(format!("all{i}.safetensors")),
+        ));
+        let npz = read_npz(&capture(text, &dir.path().join(format!("all{i}.npz"))));
+        let (shape, p) = &st["hook_pos_embed"];
+        assert_eq!(shape[1], 384, "{text}: [positions, d_model]");
+        assert_eq!(&npz["hook_pos_embed"], &st["hook_pos_embed"], "{text}: npz");
+        rows.push(p.clone());
     }
     // the first 5 positions ([CLS] and four tokens) of both texts: type 0, the same positions
     let k = 5 * 384;
@@ -85,6 +63,104 @@ fn capture_of_an_encoder_writes_its_position_embeddings() {
     );
     assert_ne!(rows[0][..384], rows[0][384..768], "positions 0 and 1 alike");
     assert!(rows[0].iter().all(|v| v.is_finite()));
+}
+
+/// `capture --hooks all` of an encoder (post-norm: its `ln1` comes after `hook_attn_out`, it has
+/// no `rot_q`, gate or final norm) writes every hook the forward hands out, to safetensors and
+/// NPZ (it stopped with "came where ... was declared: you likely have a bug"): each tensor in
+/// the plan's order, of the plan's shape, bit for bit what a forward capturing that hook alone
+/// keeps. A hook it lacks, named alone, is refused by name.
+#[test]
+fn capture_hooks_all_of_an_encoder_equals_each_hook_alone() {
+    use attnscope::model::capture::{AttnCache, CaptureSpec, Hook, Queries};
+    use attnscope::model::forward::RunOptions;
+    let model = real_model("all-minilm-l6-v2");
+    let dir = tempfile::tempdir().unwrap();
+    let text = "The cat sat on the mat.";
+    let mut files = Vec::new();
+    for ext in ["safetensors", "npz"] {
+        let out = dir.path().join(format!("all.{ext}"));
+        let o = attnscope()
+            .args(["capture", "-m", "all-minilm-l6-v2", "--hooks", "all"])
+            .args(["--text", text])
+            .arg("--out")
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{ext}: {}", stderr_of(&o));
+        let bytes = std::fs::read(&out).unwrap();
+        files.push((
+            ext,
+            if ext == "npz" {
+                read_npz(&bytes)
+            } else {
+                read_safetensors(&bytes)
+            },
+        ));
+    }
+    let ids = &files[1].1["token_ids"].1;
+    let tokens: Vec<u32> = ids.iter().map(|&t| t as u32).collect();
+    let spec = |hooks| CaptureSpec {
+        hooks,
+        layers: None,
+        heads: None,
+        queries: Queries::All,
+    };
+    let all = spec(Hook::parse_list("all").unwrap()).tensors(&model.dims, tokens.len());
+    assert_eq!(
+        all.len(),
+        6 * 18 + 2,
+        "every block's 18 hooks and the 2 embeddings"
+    );
+    for hook in Hook::in_forward_order(model.dims.arch) {
+        let mut cache = AttnCache::new(&spec(vec![hook]), tokens.len());
+        model
+            .forward(&tokens, &RunOptions::default(), &mut cache)
+            .unwrap();
+        assert!(!cache.entries.is_empty(), "{hook:?}: nothing captured");
+        for c in cache.iter() {
+            for (ext, got) in &files {
+                let (shape, data) = got
+                    .get(&c.name)
+                    .unwrap_or_else(|| panic!("{ext}: {} missing", c.name));
+                assert_eq!(shape, &c.shape, "{ext}: {}", c.name);
+                let same = data
+                    .iter()
+                    .zip(&c.data)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same && data.len() == c.data.len(),
+                    "{ext}: {} differs",
+                    c.name
+                );
+            }
+        }
+    }
+    for (ext, got) in &files {
+        let names: Vec<&String> = got.keys().filter(|n| *n != "token_ids").collect();
+        let mut want: Vec<&String> = all.iter().map(|(n, _)| n).collect();
+        want.sort();
+        assert_eq!(names, want, "{ext}: the file holds the plan's tensors");
+    }
+    let err = run_err(
+        [
+            "capture",
+            "-m",
+            "all-minilm-l6-v2",
+            "--hooks",
+            "rot_q,ln_final",
+            "--text",
+            text,
+            "--out",
+            dir.path().join("r.npz").to_str().unwrap(),
+        ],
+        2,
+    );
+    assert!(
+        err.contains("has no attn.hook_rot_q, ln_final.hook_scale"),
+        "{err}"
+    );
+    assert!(!dir.path().join("r.npz").exists());
 }
 
 /// `capture` of "Is this a [SEP] token? …" and of a pair whose texts hold "[SEP]" give

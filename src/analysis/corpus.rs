@@ -492,6 +492,7 @@ pub fn check_record(r: &Record) -> Result<(), String> {
             ));
         }
     }
+    check_record_values(r)?;
     if let Some(m) = &r.massive {
         if m.len() != nl {
             return Err(format!(
@@ -510,6 +511,37 @@ pub fn check_record(r: &Record) -> Result<(), String> {
                 ));
             }
         }
+    }
+    Ok(())
+}
+
+/// Every weight and share of `r` is one (finite, in [0, 1]) and every entropy finite and at
+/// least 0: an edited or damaged record's 5.0 would move the merged means silently.
+fn check_record_values(r: &Record) -> Result<(), String> {
+    const SLACK: f32 = 1e-4; // an f32 sum of softmax weights may pass 1 by rounding
+    let share = |v: f32| v.is_finite() && (-SLACK..=1.0 + SLACK).contains(&v);
+    let rows = |a: &Vec<Vec<f32>>| a.iter().flatten().copied().collect::<Vec<f32>>();
+    for (name, values) in [
+        ("sink_query", r.sink_query.clone()),
+        ("sink_all", r.sink_all.clone()),
+        ("head_alpha1", rows(&r.head_alpha1)),
+        ("head_max_last", rows(&r.head_max_last)),
+        ("head_mean_max", rows(&r.head_mean_max)),
+        ("next_token_prob", vec![r.next_token_prob]),
+    ] {
+        if let Some(v) = values.iter().find(|&&v| !share(v)) {
+            return Err(format!(
+                "`{name}` holds {v}, not an attention weight or probability (0 to 1)"
+            ));
+        }
+    }
+    if let Some(v) = rows(&r.head_mean_entropy)
+        .iter()
+        .find(|&&v| !(v.is_finite() && v >= -SLACK))
+    {
+        return Err(format!(
+            "`head_mean_entropy` holds {v}, not an entropy (finite, at least 0)"
+        ));
     }
     Ok(())
 }

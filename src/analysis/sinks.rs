@@ -223,6 +223,14 @@ pub fn sinks(
             range: "1..=64".into(),
         });
     }
+    if o.key_block == 0 {
+        // the kernel would take blocks of 1 and the report say 0
+        return Err(Error::OutOfRange {
+            what: "--key-block (Python: key_block)".into(),
+            value: "0".into(),
+            range: "at least 1 (keys per block of the streaming softmax)".into(),
+        });
+    }
     let (d, n) = (&model.dims, tokens.len());
     let mut stats = StreamStats::new(d.n_layers, d.n_heads, n, o.top, on_layer);
     if o.massive_top > 0 {

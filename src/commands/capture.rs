@@ -3,7 +3,7 @@
 //! the file is written under a temporary name and renamed into place when complete.
 
 use crate::analysis::request::{parse_index_list, usage};
-use crate::model::capture::{AttnCache, CaptureSpec, Captured, Hook, Observer, Queries};
+use crate::model::capture::{hook_name, AttnCache, CaptureSpec, Captured, Hook, Observer, Queries};
 use crate::model::forward::RunOptions;
 use crate::model::{Error, Model};
 use crate::render::direct::DirectFile;
@@ -74,6 +74,7 @@ impl CaptureRequest {
     pub fn plan(&self, model: &Model, n: usize) -> anyhow::Result<CapturePlan> {
         let hooks = self.check()?;
         let d = &model.dims;
+        self.check_family(model, &hooks)?;
         if n > d.context_len {
             return Err(anyhow::Error::new(Error::TooLong {
                 n_tokens: n,
@@ -101,6 +102,7 @@ impl CaptureRequest {
             } else {
                 TensorFormat::Safetensors
             });
+        self.check_layers_reach(model, &spec)?;
         let mut order = spec.tensors(d, n);
         if format == TensorFormat::Npz {
             order.push(("token_ids".into(), vec![n]));
@@ -111,6 +113,61 @@ impl CaptureRequest {
             order,
             n,
         })
+    }
+}
+
+impl CaptureRequest {
+    /// Refuses hooks named on their own that `model`'s family does not hand out (an encoder's
+    /// `rot_q`, `mlp_pre_linear` without a gate, `hook_pos_embed` of a rotary model): `all`,
+    /// and `embed`'s positions, keep what the family has.
+    fn check_family(&self, model: &Model, hooks: &[Hook]) -> anyhow::Result<()> {
+        if self.hooks.split(',').any(|p| p.trim() == "all") {
+            return Ok(());
+        }
+        let has = Hook::in_forward_order(model.dims.arch);
+        let absent: Vec<&str> = hooks
+            .iter()
+            // `embed` of a rotary model: its token embeddings alone
+            .filter(|h| !has.contains(h))
+            .filter(|h| !(**h == Hook::PosEmbed && hooks.contains(&Hook::Embed)))
+            .map(|h| h.suffix())
+            .collect();
+        if absent.is_empty() {
+            return Ok(());
+        }
+        Err(usage(format!(
+            "{} ({}) has no {}: its forward hands none out; leave it out of --hooks, or ask for `all` (every hook this model has)",
+            model.info.name,
+            model.dims.arch.name(),
+            absent.join(", ")
+        )))
+    }
+}
+
+impl CaptureRequest {
+    /// Refuses a global hook named in `--hooks` whose one layer `--layers` leaves out
+    /// (`ln_final` with `--layers 0`: the file came without it, and the run said it was written).
+    fn check_layers_reach(&self, model: &Model, spec: &CaptureSpec) -> anyhow::Result<()> {
+        if self.hooks.split(',').any(|p| p.trim() == "all") {
+            return Ok(());
+        }
+        let keys = spec.keys(&model.dims);
+        let has = Hook::in_forward_order(model.dims.arch);
+        let left_out = spec
+            .hooks
+            .iter()
+            .find(|h| has.contains(h) && !keys.iter().any(|k| k.1 == **h));
+        match left_out {
+            None => Ok(()),
+            Some(&h) => {
+                let at = h.layer_of(0, model.dims.n_layers);
+                Err(usage(format!(
+                    "{} is handed out at layer {at}, which --layers {} leaves out; add {at} to --layers",
+                    hook_name(at, h),
+                    self.layers
+                )))
+            }
+        }
     }
 }
 
@@ -185,6 +242,10 @@ struct StreamToFile<'a> {
     /// wait for each layer's writing before going on
     wait: bool,
     cache: AttnCache,
+    /// every tensor of the file, in its order ([`CaptureSpec::keys`])
+    order: Vec<(usize, Hook)>,
+    /// how many of them were handed to the writer
+    handed: usize,
     to_writer: std::sync::mpsc::SyncSender<Captured>,
     written: std::sync::mpsc::Receiver<Captured>,
     failed: std::sync::Arc<std::sync::atomic::AtomicBool>,
@@ -216,12 +277,12 @@ impl Observer for StreamToFile<'_> {
         self.cache
             .pattern_rows(layer, q_start, rows, n_heads, k_len)
     }
-    fn attention_done(&mut self, layer: usize) {
+    fn attention_done(&mut self, _layer: usize) {
         // the patterns are final: they are written while the MLP runs
-        self.hand_over(layer, Hook::Z);
+        self.hand_over();
     }
     fn layer_done(&mut self, layer: usize) {
-        self.hand_over(layer, Hook::ResidPost);
+        self.hand_over();
         if self.wait {
             let t = std::time::Instant::now();
             while self.in_flight > 0 {
@@ -248,13 +309,20 @@ struct WriterEnds {
 impl<'a> StreamToFile<'a> {
     /// The observer filling `cache` (waiting for each layer's writing when `wait`), and the
     /// writer thread's ends of its channels.
-    fn new(cache: AttnCache, wait: bool, on_layer: &'a mut dyn FnMut(usize)) -> (Self, WriterEnds) {
+    fn new(
+        cache: AttnCache,
+        order: Vec<(usize, Hook)>,
+        wait: bool,
+        on_layer: &'a mut dyn FnMut(usize),
+    ) -> (Self, WriterEnds) {
         let failed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (tx, rx) = std::sync::mpsc::sync_channel::<Captured>(0);
         let (back_tx, back_rx) = std::sync::mpsc::channel();
         let obs = StreamToFile {
             wait,
             cache,
+            order,
+            handed: 0,
             to_writer: tx,
             written: back_rx,
             failed: failed.clone(),
@@ -270,16 +338,16 @@ impl<'a> StreamToFile<'a> {
         (obs, ends)
     }
 
-    /// Hands `layer`'s tensors of hooks up to `last` (in file order) to the writer thread.
-    fn hand_over(&mut self, layer: usize, last: Hook) {
-        let keys: Vec<(usize, Hook)> = self
-            .cache
-            .entries
-            .range((layer, Hook::Embed)..=(layer, last))
-            .map(|(k, _)| *k)
-            .collect();
-        for key in keys {
-            let c = self.cache.take(key.0, key.1).expect("listed above");
+    /// Hands the writer thread the file's next tensors, in the file's order, as long as the
+    /// next one is in the cache. Called where what the cache holds is final (a layer's attention
+    /// or the layer done, the forward done): the file's order is the writer's by construction;
+    /// a tensor that came early waits in the cache for those declared before it.
+    fn hand_over(&mut self) {
+        while let Some(&key) = self.order.get(self.handed) {
+            let Some(c) = self.cache.take(key.0, key.1) else {
+                break;
+            };
+            self.handed += 1;
             while let Ok(buf) = self.written.try_recv() {
                 self.came_back(buf);
             }
@@ -443,7 +511,8 @@ pub fn capture(
         on_layer(layer);
         stall_for_tests(layer);
     };
-    let (obs, ends) = StreamToFile::new(AttnCache::new(&spec, n), !req.two_layers, on_layer);
+    let cache = AttnCache::new(&spec, n);
+    let (obs, ends) = StreamToFile::new(cache, spec.keys(&model.dims), !req.two_layers, on_layer);
     let (forward, write_error) = stream_forward(model, tokens, token_types, obs, &mut writer, ends);
     let waited = forward?;
     if let Some(e) = write_error {
@@ -495,7 +564,7 @@ fn stream_forward(
         };
         let forward = model.forward(tokens, &opts, &mut obs);
         // the final norm's hooks come after the last layer
-        obs.hand_over(model.dims.n_layers - 1, Hook::LnFinalNormalized);
+        obs.hand_over();
         let waited = obs.waited;
         // closing the channel ends the writer's loop
         drop(obs);
@@ -593,7 +662,8 @@ mod tests {
             queries: Queries::All,
         };
         let mut tick = |_: usize| {};
-        let (inner, ends) = StreamToFile::new(AttnCache::new(&spec, tokens.len()), wait, &mut tick);
+        let cache = AttnCache::new(&spec, tokens.len());
+        let (inner, ends) = StreamToFile::new(cache, spec.keys(&model.dims), wait, &mut tick);
         let WriterEnds {
             from: rx,
             back: back_tx,

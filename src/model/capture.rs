@@ -95,6 +95,47 @@ impl Hook {
         Hook::LnFinalNormalized,
     ];
 
+    /// Every hook a forward of `arch` hands out, in the order it hands them: the order of a
+    /// capture file's tensors within each layer (`capture` writes a layer's hooks up to `z`
+    /// while its MLP runs). A decoder's pre-norm block normalizes before its attention and its
+    /// MLP; an encoder's post-norm block (BERT) after each residual add, so its `ln1` comes after
+    /// `hook_attn_out`, and it has no rotary embeddings, no gate and no final norm. Built from the
+    /// family's description alone; `hooks_come_in_the_forwards_order` (tests/arch_fixtures.rs)
+    /// checks it against what each family's forward hands out.
+    pub fn in_forward_order(arch: super::config::Arch) -> Vec<Hook> {
+        use Hook::*;
+        let family = arch.family();
+        let mut order = vec![Embed];
+        if family.learned_positions {
+            order.push(PosEmbed);
+        }
+        order.push(ResidPre);
+        if family.encoder {
+            order.extend([Q, K, V, AttnScores, Pattern, Z, Result, AttnOut]);
+            order.extend([Ln1Scale, Ln1Normalized, ResidMid, MlpPre, MlpPost, MlpOut]);
+            order.extend([Ln2Scale, Ln2Normalized, ResidPost]);
+            return order;
+        }
+        order.extend([
+            Ln1Scale,
+            Ln1Normalized,
+            Q,
+            K,
+            V,
+            RotQ,
+            RotK,
+            AttnScores,
+            Pattern,
+            Z,
+        ]);
+        order.extend([Result, AttnOut, ResidMid, Ln2Scale, Ln2Normalized, MlpPre]);
+        if family.mlp.gated() {
+            order.push(MlpPreLinear);
+        }
+        order.extend([MlpPost, MlpOut, ResidPost, LnFinalScale, LnFinalNormalized]);
+        order
+    }
+
     /// Whether the hook is outside the blocks (its name has no `blocks.{l}.`).
     pub fn is_global(self) -> bool {
         Hook::GLOBAL.contains(&self)
@@ -567,51 +608,57 @@ impl CaptureSpec {
     }
 
     /// Every tensor an [`AttnCache`] of this spec will hold after a forward over `seq_len` tokens,
-    /// as (hook name, shape), in the cache's order (layer, then hook), before anything runs.
+    /// as (hook name, shape), in the order the forward hands them out (layer, then
+    /// [`Hook::in_forward_order`]), before anything runs. Hooks the family does not have
+    /// (`hook_pos_embed` of a rotary model, an encoder's `rot_q`) are left out.
     pub fn tensors(&self, dims: &super::ModelDims, seq_len: usize) -> Vec<(String, Vec<usize>)> {
-        let nq = self.queries.resolve(seq_len).len();
-        let heads = self.heads.as_ref().map_or(dims.n_heads, |h| h.len());
+        self.keys(dims)
+            .into_iter()
+            .map(|(l, h)| (hook_name(l, h), self.shape(dims, seq_len, h)))
+            .collect()
+    }
+
+    /// The (layer, hook) of every tensor [`CaptureSpec::tensors`] lists, in its order.
+    pub fn keys(&self, dims: &super::ModelDims) -> Vec<(usize, Hook)> {
         let mut layers = self
             .layers
             .clone()
             .unwrap_or_else(|| (0..dims.n_layers).collect());
         layers.sort_unstable();
         layers.dedup();
-        let mut hooks = self.hooks.clone();
-        hooks.sort_unstable();
-        hooks.dedup();
-        let mut out = Vec::with_capacity(layers.len() * hooks.len());
+        let order = Hook::in_forward_order(dims.arch);
+        let mut out = Vec::with_capacity(layers.len() * self.hooks.len());
         for &l in &layers {
-            for &h in &hooks {
-                if h.is_global() && h.layer_of(l, dims.n_layers) != l
-                    || h == Hook::PosEmbed && !dims.arch.learned_positions()
-                    || h == Hook::MlpPreLinear && dims.arch == super::config::Arch::Gpt2
-                {
-                    continue; // handed at another layer, or not in this family
+            for &h in order.iter().filter(|h| self.hooks.contains(h)) {
+                if h.layer_of(l, dims.n_layers) == l {
+                    out.push((l, h)); // a global hook: at the layer that hands it only
                 }
-                let shape = match h {
-                    Hook::Ln1Scale | Hook::Ln2Scale | Hook::LnFinalScale => vec![nq, 1],
-                    Hook::Embed
-                    | Hook::PosEmbed
-                    | Hook::Ln1Normalized
-                    | Hook::Ln2Normalized
-                    | Hook::LnFinalNormalized => vec![nq, dims.d_model],
-                    Hook::MlpPreLinear => vec![nq, dims.d_ff],
-                    Hook::Result => vec![nq, heads, dims.d_model],
-                    Hook::ResidPre
-                    | Hook::AttnOut
-                    | Hook::ResidMid
-                    | Hook::MlpOut
-                    | Hook::ResidPost => vec![nq, dims.d_model],
-                    Hook::MlpPre | Hook::MlpPost => vec![nq, dims.d_ff],
-                    Hook::Q | Hook::RotQ | Hook::Z => vec![nq, heads, dims.head_dim],
-                    Hook::K | Hook::V | Hook::RotK => vec![nq, dims.n_kv_heads, dims.head_dim],
-                    Hook::AttnScores | Hook::Pattern => vec![heads, nq, seq_len],
-                };
-                out.push((hook_name(l, h), shape));
             }
         }
         out
+    }
+
+    /// The shape of `hook`'s tensor for a forward over `seq_len` tokens.
+    fn shape(&self, dims: &super::ModelDims, seq_len: usize, h: Hook) -> Vec<usize> {
+        let nq = self.queries.resolve(seq_len).len();
+        let heads = self.heads.as_ref().map_or(dims.n_heads, |h| h.len());
+        match h {
+            Hook::Ln1Scale | Hook::Ln2Scale | Hook::LnFinalScale => vec![nq, 1],
+            Hook::Embed
+            | Hook::PosEmbed
+            | Hook::Ln1Normalized
+            | Hook::Ln2Normalized
+            | Hook::LnFinalNormalized => vec![nq, dims.d_model],
+            Hook::MlpPreLinear => vec![nq, dims.d_ff],
+            Hook::Result => vec![nq, heads, dims.d_model],
+            Hook::ResidPre | Hook::AttnOut | Hook::ResidMid | Hook::MlpOut | Hook::ResidPost => {
+                vec![nq, dims.d_model]
+            }
+            Hook::MlpPre | Hook::MlpPost => vec![nq, dims.d_ff],
+            Hook::Q | Hook::RotQ | Hook::Z => vec![nq, heads, dims.head_dim],
+            Hook::K | Hook::V | Hook::RotK => vec![nq, dims.n_kv_heads, dims.head_dim],
+            Hook::AttnScores | Hook::Pattern => vec![heads, nq, seq_len],
+        }
     }
 }
 

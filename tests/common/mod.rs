@@ -640,3 +640,36 @@ pub fn ig_reference(short: &str, r: &serde_json::Value) -> (serde_json::Value, f
         _ => (r.clone(), 3e-4),
     }
 }
+
+/// Each tensor's name, shape and values, as a capture file holds them.
+pub type Tensors = std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)>;
+
+pub fn read_safetensors(bytes: &[u8]) -> Tensors {
+    let st = safetensors::SafeTensors::deserialize(bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(name, t)| {
+            let data = t
+                .data()
+                .chunks(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            (name, (t.shape().to_vec(), data))
+        })
+        .collect()
+}
+
+/// Every member of an .npz, each parsed as .npy (`token_ids` among them).
+pub fn read_npz(bytes: &[u8]) -> Tensors {
+    use std::io::Read;
+    let mut got = Tensors::new();
+    let mut z = zip::ZipArchive::new(std::io::Cursor::new(bytes)).unwrap();
+    for i in 0..z.len() {
+        let mut f = z.by_index(i).unwrap();
+        let name = f.name().unwrap().trim_end_matches(".npy").to_string();
+        let mut body = Vec::new();
+        f.read_to_end(&mut body).unwrap(); // the zip crate checks each member's CRC-32
+        got.insert(name, attnscope::render::npy::from_npy(&body).unwrap());
+    }
+    got
+}

@@ -118,7 +118,7 @@ impl Model {
     ) -> Result<Vec<f32>> {
         if !self.is_encoder() {
             return Err(Error::NotApplicable(format!(
-                "sentence embeddings are for an encoder (BERT: mean-pooled last hidden state); {} is a decoder",
+                "sentence embeddings are for an encoder (BERT: mean-pooled last hidden state); {} is a decoder: pass an encoder with -m, such as all-minilm-l6-v2",
                 self.info.name
             )));
         }

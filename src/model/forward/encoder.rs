@@ -33,7 +33,7 @@ impl Model {
     pub fn require_decoder(&self, what: &str) -> Result<()> {
         if self.is_encoder() {
             return Err(Error::NotApplicable(format!(
-                "{what} needs a decoder (a causal language model that predicts the next token); {} is an encoder ({}: bidirectional attention, no next-token prediction)",
+                "{what} needs a decoder (a causal language model that predicts the next token); {} is an encoder ({}: bidirectional attention, no next-token prediction): pass a decoder with -m, such as qwen2.5-coder-0.5b (the default)",
                 self.info.name,
                 self.dims.arch.name()
             )));
