@@ -61,7 +61,7 @@ def generic_activation_patch(model, corrupted_tokens, clean_cache, patching_metr
                              patch_setter: Callable, activation_name: str,
                              index_axis_names: Optional[Sequence[str]] = None, index_df: Any = None,
                              return_index_df: bool = False, *, reduce: str = "scalar", skip_noops: bool = True,
-                             **kwargs: Any):
+                             resume: bool = True, **kwargs: Any):
     """TL's ``generic_activation_patch``: for each index (row of ``index_df``, or every
     combination of ``index_axis_names``' ranges, first axis the layer), one corrupted run with
     ``patch_setter(corrupted_activation, index, clean_activation)`` at
@@ -72,7 +72,15 @@ def generic_activation_patch(model, corrupted_tokens, clean_cache, patching_metr
     as it is (the clean and corrupted runs agree there: positions before the first token that
     differs, for one) is not run again; its value is the metric of the corrupted run's logits,
     which that forward would give bit for bit (the engine is deterministic). TL runs it; the
-    values are the same (test_patching.py checks both ways)."""
+    values are the same (test_patching.py checks both ways).
+
+    ``resume`` (attnscope's): with one of this module's setters, on an attnscope model with no
+    hooks attached, each patched run starts at the patched layer from the corrupted run's
+    residual stream, and at the patched position from its keys and values (the engine's
+    :class:`_native.PatchBase`, as ``attnscope patch`` runs), many patches to a forward: an edit
+    at layer ``l``, position ``p`` leaves every earlier layer and position as it was, so the
+    logits are those of the full forward TL runs (the positions before ``p``: the corrupted
+    run's), several times faster. ``resume=False``: one ``run_with_hooks`` per index."""
     asked = sorted(k for k, v in kwargs.items() if v)
     if asked or not callable(patching_metric) or reduce not in ("scalar", "mean"):
         what = asked or ([f"reduce={reduce!r}"] if reduce not in ("scalar", "mean") else ["a mapping of metrics"])
@@ -93,6 +101,12 @@ def generic_activation_patch(model, corrupted_tokens, clean_cache, patching_metr
     store = np.zeros(shape, dtype=np.float32)
     batch = int(np.shape(corrupted_tokens)[0])
     noop = _NoOps(model, corrupted_tokens, clean_cache, patch_setter, activation_name, indices) if skip_noops else None
+    if resume and index_df is None and _resumable(model, patch_setter):
+        values = _resumed(model, corrupted_tokens, clean_cache, patching_metric, patch_setter, activation_name,
+                          indices, noop, lambda out: _metric_value(out, reduce, batch))
+        for index, v in zip(indices, values):
+            store[index] = v
+        return (_wrap(store), make_df_from_ranges(shape, index_axis_names)) if return_index_df else _wrap(store)
     for c, index in enumerate(indices):
         name = utils.get_act_name(activation_name, layer=index[0])
         if noop is not None and noop.unchanged(name, index):
@@ -104,6 +118,58 @@ def generic_activation_patch(model, corrupted_tokens, clean_cache, patching_metr
     out = _wrap(store)
     if return_index_df:
         return out, (index_df if index_df is not None else make_df_from_ranges(shape, index_axis_names))
+    return out
+
+
+def _resumable(model, setter) -> bool:
+    """Whether the sweep can run resumed: a setter this module knows, on an attnscope decoder
+    with no forward hooks attached (they would have to run in every patched forward)."""
+    return (setter in _PLANS and hasattr(model, "_m") and not getattr(model, "is_encoder", True)
+            and not model._fwd_hooks)
+
+
+# each setter's patch as the engine takes it: (index, positions, heads' width) -> (first position
+# run, first value, end value, rows written: positions from the first, or heads for a map)
+_PLANS = {}
+
+
+def _resumed(model, corrupted_tokens, clean_cache, metric, setter, act: str, indices, noop, value) -> List[float]:
+    """The metric of each index's patched run, the runs resumed (:func:`generic_activation_patch`'s
+    ``resume``): per layer, up to ``chunk`` patches run together for each row of the batch, the
+    logits of a patch ``[batch, n, vocab]`` the corrupted run's before its first position."""
+    from . import _native
+
+    rows = model._rows(corrupted_tokens)
+    base = noop.corrupted_logits if noop is not None else model(corrupted_tokens)
+    base = np.asarray(utils.to_numpy(base), dtype=np.float32)
+    b, n, vocab = base.shape
+    chunk = max(1, int(256e6 // (b * n * vocab * 4)))  # a chunk's logits: at most ~256 MB
+    runs = [_native.PatchBase(model._m, r) for r in rows]
+    out: List[float] = []
+    by_layer = itertools.groupby(indices, key=lambda i: i[0])
+    for layer, group in by_layer:
+        name = utils.get_act_name(act, layer=layer)
+        clean = np.asarray(utils.to_numpy(clean_cache[name]), dtype=np.float32)
+        srcs = [np.ascontiguousarray(clean[i]).reshape(-1) for i in range(b)]
+        suffix = name.split(".", 2)[2]
+        group = list(group)
+        for c0 in range(0, len(group), chunk):
+            part = group[c0:c0 + chunk]
+            todo = [k for k, index in enumerate(part) if noop is None or not noop.unchanged(name, index)]
+            specs = [_PLANS[setter](part[k], n, clean.shape) for k in todo]
+            got = [runs[i].run(layer, suffix, srcs[i], specs) if specs else [] for i in range(b)]
+            vals = [None] * len(part)
+            for j, k in enumerate(todo):
+                lg = base.copy()
+                for i in range(b):
+                    lg[i, specs[j][0]:] = got[i][j]
+                vals[k] = value(metric(_wrap(lg)))
+            corrupted = None
+            for k in range(len(part)):
+                if vals[k] is None:  # the patch changes nothing: the corrupted run's logits, bit for bit
+                    corrupted = value(metric(_wrap(base.copy()))) if corrupted is None else corrupted
+                    vals[k] = corrupted
+            out.extend(vals)
     return out
 
 
@@ -179,6 +245,21 @@ def layer_head_dest_src_pos_pattern_patch_setter(corrupted_activation, index, cl
     return corrupted_activation
 
 
+def _head_cols(h: int, shape) -> tuple:
+    width = shape[-1]  # [batch, pos, head, d_head]: a head's values in a position's row
+    return h * width, (h + 1) * width
+
+
+_PLANS.update({
+    layer_pos_patch_setter: lambda i, n, shape: (i[1], 0, int(np.prod(shape[2:])), [0]),
+    layer_pos_head_vector_patch_setter: lambda i, n, shape: (i[1], *_head_cols(i[2], shape), [0]),
+    layer_head_vector_patch_setter: lambda i, n, shape: (0, *_head_cols(i[1], shape), list(range(n))),
+    layer_head_pattern_patch_setter: lambda i, n, shape: (0, 0, n * n, [i[1]]),
+    layer_head_pos_pattern_patch_setter: lambda i, n, shape: (0, i[2] * n, (i[2] + 1) * n, [i[1]]),
+    layer_head_dest_src_pos_pattern_patch_setter: lambda i, n, shape: (0, i[2] * n + i[3], i[2] * n + i[3] + 1, [i[1]]),
+})
+
+
 def _sweep(setter, act: str, axes: Sequence[str], doc: str):
     f = partial(generic_activation_patch, patch_setter=setter, activation_name=act, index_axis_names=tuple(axes))
     f.__doc__ = doc
@@ -221,31 +302,36 @@ def _pad_heads(a: np.ndarray, n_heads: int) -> np.ndarray:
     return np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, n_heads - a.shape[-1])])
 
 
-def _every(sweeps, model, corrupted_tokens, clean_cache, metric, kwargs, pad: bool, pattern_last: bool = False):
-    outs = [np.asarray(utils.to_numpy(f(model, corrupted_tokens, clean_cache, metric, **kwargs))) for f in sweeps]
-    if pad:
-        n_heads = outs[0].shape[-1]
-        outs[2], outs[3] = _pad_heads(outs[2], n_heads), _pad_heads(outs[3], n_heads)
-    if pattern_last:  # [layer, head, dest_pos] -> [layer, pos, head], as TL rearranges it
-        outs[4] = np.swapaxes(outs[4], -1, -2)
-    return _wrap(np.ascontiguousarray(np.stack(outs)))
+def _every(name: str, sweeps, doc: str, pad: bool, pattern_last: bool = False):
+    """One ``*_every`` helper: ``sweeps`` run in order and stacked on a leading axis; ``pad``: k and
+    v (the 3rd and 4th, one per KV head) zero-padded to ``n_heads``; ``pattern_last``: the 5th,
+    ``[layer, head, dest_pos]``, rearranged to ``[layer, pos, head]`` as TL rearranges it."""
+
+    def every(model, corrupted_tokens, clean_cache, metric, **kwargs):
+        outs = [np.asarray(utils.to_numpy(f(model, corrupted_tokens, clean_cache, metric, **kwargs))) for f in sweeps]
+        if pad:
+            n_heads = outs[0].shape[-1]
+            outs[2], outs[3] = _pad_heads(outs[2], n_heads), _pad_heads(outs[3], n_heads)
+        if pattern_last:
+            outs[4] = np.swapaxes(outs[4], -1, -2)
+        return _wrap(np.ascontiguousarray(np.stack(outs)))
+
+    every.__name__ = every.__qualname__ = name
+    every.__doc__ = doc
+    return every
 
 
-def get_act_patch_attn_head_all_pos_every(model, corrupted_tokens, clean_cache, metric, **kwargs):
-    """Every head at every position for each of out (z), q, k, v, pattern: ``[5, n_layers, n_heads]``."""
-    sweeps = (get_act_patch_attn_head_out_all_pos, get_act_patch_attn_head_q_all_pos, get_act_patch_attn_head_k_all_pos,
-              get_act_patch_attn_head_v_all_pos, get_act_patch_attn_head_pattern_all_pos)
-    return _every(sweeps, model, corrupted_tokens, clean_cache, metric, kwargs, pad=True)
-
-
-def get_act_patch_attn_head_by_pos_every(model, corrupted_tokens, clean_cache, metric, **kwargs):
-    """Every head by position for each of out (z), q, k, v, pattern: ``[5, n_layers, pos, n_heads]``."""
-    sweeps = (get_act_patch_attn_head_out_by_pos, get_act_patch_attn_head_q_by_pos, get_act_patch_attn_head_k_by_pos,
-              get_act_patch_attn_head_v_by_pos, get_act_patch_attn_head_pattern_by_pos)
-    return _every(sweeps, model, corrupted_tokens, clean_cache, metric, kwargs, pad=True, pattern_last=True)
-
-
-def get_act_patch_block_every(model, corrupted_tokens, clean_cache, metric, **kwargs):
-    """resid_pre, attn_out and mlp_out by position: ``[3, n_layers, pos]``."""
-    sweeps = (get_act_patch_resid_pre, get_act_patch_attn_out, get_act_patch_mlp_out)
-    return _every(sweeps, model, corrupted_tokens, clean_cache, metric, kwargs, pad=False)
+get_act_patch_attn_head_all_pos_every = _every(
+    "get_act_patch_attn_head_all_pos_every",
+    (get_act_patch_attn_head_out_all_pos, get_act_patch_attn_head_q_all_pos, get_act_patch_attn_head_k_all_pos,
+     get_act_patch_attn_head_v_all_pos, get_act_patch_attn_head_pattern_all_pos),
+    "Every head at every position for each of out (z), q, k, v, pattern: ``[5, n_layers, n_heads]``.", pad=True)
+get_act_patch_attn_head_by_pos_every = _every(
+    "get_act_patch_attn_head_by_pos_every",
+    (get_act_patch_attn_head_out_by_pos, get_act_patch_attn_head_q_by_pos, get_act_patch_attn_head_k_by_pos,
+     get_act_patch_attn_head_v_by_pos, get_act_patch_attn_head_pattern_by_pos),
+    "Every head by position for each of out (z), q, k, v, pattern: ``[5, n_layers, pos, n_heads]``.",
+    pad=True, pattern_last=True)
+get_act_patch_block_every = _every(
+    "get_act_patch_block_every", (get_act_patch_resid_pre, get_act_patch_attn_out, get_act_patch_mlp_out),
+    "resid_pre, attn_out and mlp_out by position: ``[3, n_layers, pos]``.", pad=False)
