@@ -34,7 +34,9 @@ impl PatchBase {
     fn new(py: Python<'_>, model: &Model, ids: Vec<u32>) -> PyResult<Self> {
         model.check_ids(&ids)?;
         if ids.is_empty() {
-            return Err(PyValueError::new_err("the tokens are empty: give at least one"));
+            return Err(PyValueError::new_err(
+                "the tokens are empty: give at least one",
+            ));
         }
         let m = model.inner.clone();
         let (resid_pre, kv) = engine(py, || {
@@ -54,7 +56,10 @@ impl PatchBase {
     /// row in the engine's layout, `[positions, ...]`, or `[heads, query, key]` for a map,
     /// flattened); `patches`: (from, c0, c1, at): values `c0..c1` of rows `at` (positions
     /// relative to `from`, or heads for a map, where `from` must be 0) written, the run resumed
-    /// from position `from`. Returns each patch's logits at positions `from..n`, `[n - from, vocab]`.
+    /// from position `from`. Returns each patch's logits at positions `from..n`, `[n - from, vocab]`,
+    /// or with `every=False` at the last position only, `[1, vocab]` (a logit row costs about
+    /// as much as the layers of a short text: a metric that reads the last position needs no more).
+    #[pyo3(signature = (layer, hook, src, patches, every = true))]
     fn run<'py>(
         &mut self,
         py: Python<'py>,
@@ -62,13 +67,17 @@ impl PatchBase {
         hook: &str,
         src: PyReadonlyArray1<'py, f32>,
         patches: Vec<PatchSpec>,
+        every: bool,
     ) -> PyResult<Vec<Bound<'py, PyAny>>> {
         let h = hook_by_suffix(hook)
             .ok_or_else(|| PyValueError::new_err(format!("unknown hook {hook:?}")))?;
         let d = &self.model.dims;
         let (n, vocab) = (self.tokens.len(), d.vocab_size);
         if layer >= d.n_layers {
-            let msg = format!("layer {layer} is out of range: the model has {} layers", d.n_layers);
+            let msg = format!(
+                "layer {layer} is out of range: the model has {} layers",
+                d.n_layers
+            );
             return Err(PyValueError::new_err(msg));
         }
         let maps = h.is_attention_map();
@@ -104,14 +113,20 @@ impl PatchBase {
                 passes: 0,
                 layer_rows: 0,
             };
-            let out = r.run_every_position(layer, h, &variants);
+            let out = if every {
+                r.run_every_position(layer, h, &variants)
+            } else {
+                r.run(layer, h, &variants, |_| {})
+            };
             (*resid_pre, *kv) = (r.resid_pre, r.kv);
             Ok(out?)
         })?;
         out.into_iter()
             .map(|lg| {
                 let rows = lg.len() / vocab;
-                Ok(PyArray1::from_vec(py, lg).reshape([rows, vocab])?.into_any())
+                Ok(PyArray1::from_vec(py, lg)
+                    .reshape([rows, vocab])?
+                    .into_any())
             })
             .collect()
     }
@@ -137,7 +152,9 @@ fn check_patches(
                 .map(|r| format!("row {r} (0..{limit})"))
         };
         if let Some(what) = bad {
-            return Err(PyValueError::new_err(format!("a patch out of range: {what}")));
+            return Err(PyValueError::new_err(format!(
+                "a patch out of range: {what}"
+            )));
         }
     }
     Ok(())

@@ -103,14 +103,21 @@ def test_resumed_sweeps_are_the_full_forwards(tiny):
     def every_position(logits):
         return float(np.asarray(logits)[:, :, [ANSWER, WRONG, 5]].astype(np.float64).sum())
 
+    def last_position(logits):  # the demos' logit difference: the last position's logits only
+        lg = np.asarray(logits)[:, -1].astype(np.float64)
+        return float((lg[:, ANSWER] - lg[:, WRONG]).mean())
+
+    assert not patching._last_position_only(every_position, np.ones((2, 3, 200), np.float32), float)
+    assert patching._last_position_only(last_position, np.ones((2, 3, 200), np.float32), float)
     worst = 0.0
     for fn in ALL_SWEEPS:
-        fast = fn(m, corrupt2, cache2, every_position)
-        slow = fn(m, corrupt2, cache2, every_position, resume=False)
-        assert fast.shape == slow.shape and np.isfinite(fast).all(), fn
-        err = float(np.abs(fast - slow).max() / np.abs(slow).max())
-        worst = max(worst, err)
-        assert err <= 1e-6, (fn, err)
+        for met in (every_position, last_position):
+            fast = fn(m, corrupt2, cache2, met)
+            slow = fn(m, corrupt2, cache2, met, resume=False)
+            assert fast.shape == slow.shape and np.isfinite(fast).all(), fn
+            err = float(np.abs(fast - slow).max() / np.abs(slow).max())
+            worst = max(worst, err)
+            assert err <= 1e-6, (fn, met, err)
     print(f"resumed sweeps against full forwards: worst {worst:.2e} of the largest (bound 1e-6)")
 
 

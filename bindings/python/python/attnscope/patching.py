@@ -145,6 +145,9 @@ def _resumed(model, corrupted_tokens, clean_cache, metric, setter, act: str, ind
     b, n, vocab = base.shape
     chunk = max(1, int(256e6 // (b * n * vocab * 4)))  # a chunk's logits: at most ~256 MB
     runs = [_native.PatchBase(model._m, r) for r in rows]
+    last = _last_position_only(metric, base, value)
+    if last:
+        chunk = 1024  # one logit row per patch
     out: List[float] = []
     by_layer = itertools.groupby(indices, key=lambda i: i[0])
     for layer, group in by_layer:
@@ -157,13 +160,21 @@ def _resumed(model, corrupted_tokens, clean_cache, metric, setter, act: str, ind
             part = group[c0:c0 + chunk]
             todo = [k for k, index in enumerate(part) if noop is None or not noop.unchanged(name, index)]
             specs = [_PLANS[setter](part[k], n, clean.shape) for k in todo]
-            got = [runs[i].run(layer, suffix, srcs[i], specs) if specs else [] for i in range(b)]
+            got = [runs[i].run(layer, suffix, srcs[i], specs, not last) if specs else [] for i in range(b)]
             vals = [None] * len(part)
             for j, k in enumerate(todo):
                 lg = base.copy()
+                if last:  # positions the metric does not read: NaN, never stale numbers
+                    lg[:, :-1] = np.nan
                 for i in range(b):
-                    lg[i, specs[j][0]:] = got[i][j]
+                    lg[i, n - len(got[i][j]):] = got[i][j]
                 vals[k] = value(metric(_wrap(lg)))
+                if last and not np.isfinite(vals[k]):  # it may read a NaN position after all: every position
+                    lg = base.copy()
+                    for i in range(b):
+                        row = runs[i].run(layer, suffix, srcs[i], [specs[j]])[0]
+                        lg[i, n - len(row):] = row
+                    vals[k] = value(metric(_wrap(lg)))
             corrupted = None
             for k in range(len(part)):
                 if vals[k] is None:  # the patch changes nothing: the corrupted run's logits, bit for bit
@@ -171,6 +182,23 @@ def _resumed(model, corrupted_tokens, clean_cache, metric, setter, act: str, ind
                     vals[k] = corrupted
             out.extend(vals)
     return out
+
+
+def _last_position_only(metric, base: np.ndarray, value) -> bool:
+    """Whether ``metric`` reads the last position's logits only: its value on the corrupted
+    logits is the same bit for bit with every earlier position replaced by NaN, 1e4 or -1e4
+    (TL's demos' logit differences read ``logits[:, -1]``; a loss reads every position)."""
+    want = value(metric(_wrap(base.copy())))
+    for fill in (np.nan, 1e4, -1e4):
+        probe = base.copy()
+        probe[:, :-1] = fill
+        try:
+            got = value(metric(_wrap(probe)))
+        except Exception:  # noqa: BLE001 - a metric that fails on the probe reads it: all positions
+            return False
+        if not got == want:
+            return False
+    return True
 
 
 class _NoOps:
