@@ -101,12 +101,15 @@ def generic_activation_patch(model, corrupted_tokens, clean_cache, patching_metr
     store = np.zeros(shape, dtype=np.float32)
     batch = int(np.shape(corrupted_tokens)[0])
     noop = _NoOps(model, corrupted_tokens, clean_cache, patch_setter, activation_name, indices) if skip_noops else None
-    if resume and index_df is None and _resumable(model, patch_setter):
+    if resume and _resumable(model, patch_setter):
         values = _resumed(model, corrupted_tokens, clean_cache, patching_metric, patch_setter, activation_name,
                           indices, noop, lambda out: _metric_value(out, reduce, batch))
-        for index, v in zip(indices, values):
-            store[index] = v
-        return (_wrap(store), make_df_from_ranges(shape, index_axis_names)) if return_index_df else _wrap(store)
+        for c, (index, v) in enumerate(zip(indices, values)):
+            store[(c,) if index_df is not None else index] = v
+        out = _wrap(store)
+        if return_index_df:
+            return out, (index_df if index_df is not None else make_df_from_ranges(shape, index_axis_names))
+        return out
     for c, index in enumerate(indices):
         name = utils.get_act_name(activation_name, layer=index[0])
         if noop is not None and noop.unchanged(name, index):
