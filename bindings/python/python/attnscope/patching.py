@@ -1,8 +1,9 @@
 """TransformerLens's ``transformer_lens.patching`` (#59): activation patching sweeps with TL's
-names, signatures, index order and output shapes, computed as TL computes them: one
-``model.run_with_hooks(corrupted_tokens, fwd_hooks=[(name, hook)])`` per index, the hook copying
-the clean cache's slice into the corrupted activation, and ``patching_metric(logits)`` stored at
-that index.
+names, signatures, index order and output shapes, with TL's numbers: the patched forward of each
+index (the clean cache's slice copied into the corrupted activation) and ``patching_metric(logits)``
+stored at that index. TL runs one ``model.run_with_hooks(corrupted_tokens, fwd_hooks=[(name,
+hook)])`` per index (``resume=False`` here); with TL's own setters attnscope resumes each patched
+run at the patched layer and position, many to a forward (:func:`generic_activation_patch`).
 
 ``get_act_patch_resid_pre(model, corrupted_tokens, clean_cache, metric)`` gives
 ``[n_layers, pos]``; the ``*_by_pos`` head sweeps ``[n_layers, pos, heads]``; the ``*_all_pos``
