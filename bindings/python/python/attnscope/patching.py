@@ -159,12 +159,16 @@ def _resumed(model, corrupted_tokens, clean_cache, metric, setter, act: str, ind
         clean = np.asarray(utils.to_numpy(clean_cache[name]), dtype=np.float32)
         srcs = [np.ascontiguousarray(clean[i]).reshape(-1) for i in range(b)]
         suffix = name.split(".", 2)[2]
+        # each row's patch from its first position that changes (a map's: from its first query)
+        trim = noop is not None and act != "pattern"
+        rows2d = [(clean[i].reshape(n, -1), noop.corrupted[name][i].reshape(n, -1)) for i in range(b)] if trim else None
         group = list(group)
         for c0 in range(0, len(group), chunk):
             part = group[c0:c0 + chunk]
             todo = [k for k, index in enumerate(part) if noop is None or not noop.unchanged(name, index)]
             specs = [_PLANS[setter](part[k], n, clean.shape) for k in todo]
-            got = [runs[i].run(layer, suffix, srcs[i], specs, not last) if specs else [] for i in range(b)]
+            per_row = [[_trim(sp, *rows2d[i], n) for sp in specs] if trim else specs for i in range(b)]
+            got = [runs[i].run(layer, suffix, srcs[i], per_row[i], not last) if specs else [] for i in range(b)]
             vals = [None] * len(part)
             for j, k in enumerate(todo):
                 lg = base.copy()
@@ -176,7 +180,7 @@ def _resumed(model, corrupted_tokens, clean_cache, metric, setter, act: str, ind
                 if last and not np.isfinite(vals[k]):  # it may read a NaN position after all: every position
                     lg = base.copy()
                     for i in range(b):
-                        row = runs[i].run(layer, suffix, srcs[i], [specs[j]])[0]
+                        row = runs[i].run(layer, suffix, srcs[i], [per_row[i][j]])[0]
                         lg[i, n - len(row):] = row
                     vals[k] = value(metric(_wrap(lg)))
             corrupted = None
@@ -186,6 +190,18 @@ def _resumed(model, corrupted_tokens, clean_cache, metric, setter, act: str, ind
                     vals[k] = corrupted
             out.extend(vals)
     return out
+
+
+def _trim(spec, clean_row: np.ndarray, corrupt_row: np.ndarray, n: int):
+    """One row's patch ``spec`` run from its first written position whose values change (``[n,
+    width]`` rows of the clean and corrupted activations): the earlier ones write what is already
+    there, bit for bit. A patch that changes nothing in this row runs the last position alone."""
+    start, c0, c1, at = spec
+    changed = [a for a in at if not np.array_equal(clean_row[start + a, c0:c1], corrupt_row[start + a, c0:c1])]
+    if not changed:
+        return n - 1, c0, c1, []
+    first = start + min(changed)
+    return first, c0, c1, [start + a - first for a in at if start + a >= first]
 
 
 def _last_position_only(metric, base: np.ndarray, value) -> bool:
