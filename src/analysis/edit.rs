@@ -197,10 +197,32 @@ impl<'a> Runner<'a> {
         layer: usize,
         hook: Hook,
         variants: &[Variant],
+        tick: impl FnMut(usize),
+    ) -> Result<Vec<Vec<f32>>> {
+        self.run_logits(layer, hook, variants, false, tick)
+    }
+
+    /// As [`Runner::run`], with each variant's logits at every position from its `from` on
+    /// (`[n - from, vocab]`, flattened), for a metric that reads more than the last position
+    /// (the positions before `from` are the unedited run's).
+    pub fn run_every_position(
+        &mut self,
+        layer: usize,
+        hook: Hook,
+        variants: &[Variant],
+    ) -> Result<Vec<Vec<f32>>> {
+        self.run_logits(layer, hook, variants, true, |_| {})
+    }
+
+    fn run_logits(
+        &mut self,
+        layer: usize,
+        hook: Hook,
+        variants: &[Variant],
+        every: bool,
         mut tick: impl FnMut(usize),
     ) -> Result<Vec<Vec<f32>>> {
         let n = self.tokens.len();
-        let dm = self.model.dims.d_model;
         let mut out = Vec::with_capacity(variants.len());
         // the maps are handed over per segment: their variants run one at a time
         let maps = hook.is_attention_map();
@@ -215,38 +237,7 @@ impl<'a> Runner<'a> {
                 end += 1;
             }
             let chunk = &variants[start..end];
-            let mut segs = Vec::with_capacity(chunk.len());
-            let mut resid = Vec::with_capacity(rows * dm);
-            let mut patches = Vec::with_capacity(chunk.len());
-            let mut r0 = 0;
-            for v in chunk {
-                if v.from >= n {
-                    return Err(Error::OutOfRange {
-                        what: "position".into(),
-                        value: v.from.to_string(),
-                        range: format!("0..={}", n - 1),
-                    });
-                }
-                let m = n - v.from;
-                segs.push(Segment {
-                    tokens: &self.tokens[v.from..],
-                    reuse: v.from,
-                    knockout: Vec::new(),
-                    logits_at: vec![n - 1],
-                });
-                resid.extend_from_slice(&self.resid_pre[layer][v.from * dm..]);
-                patches.push(Patch {
-                    rows: if maps {
-                        0..self.model.dims.n_heads
-                    } else {
-                        r0..r0 + m
-                    },
-                    cols: v.cols.clone(),
-                    at: v.at.clone(),
-                    fill: v.fill,
-                });
-                r0 += m;
-            }
+            let (segs, resid, patches) = self.stack(layer, chunk, maps, every)?;
             let mut editor = Editor {
                 layer,
                 hook,
@@ -264,12 +255,70 @@ impl<'a> Runner<'a> {
                 &RunOptions::default(),
                 &mut editor,
             )?;
-            out.extend(res.logits);
+            if every {
+                // each variant's rows, in order
+                let mut lg = res.logits.into_iter();
+                for v in chunk {
+                    out.push(lg.by_ref().take(n - v.from).flatten().collect());
+                }
+            } else {
+                out.extend(res.logits);
+            }
             self.passes += 1;
             self.layer_rows += (self.model.dims.n_layers - layer) * rows;
             start = end;
             tick(end);
         }
         Ok(out)
+    }
+
+    /// One forward's segments, resumed residual stream and edits for `chunk`.
+    #[allow(clippy::type_complexity)]
+    fn stack<'v>(
+        &self,
+        layer: usize,
+        chunk: &[Variant<'v>],
+        maps: bool,
+        every: bool,
+    ) -> Result<(Vec<Segment<'a>>, Vec<f32>, Vec<Patch<'v>>)> {
+        let n = self.tokens.len();
+        let dm = self.model.dims.d_model;
+        let mut segs = Vec::with_capacity(chunk.len());
+        let mut resid = Vec::new();
+        let mut patches = Vec::with_capacity(chunk.len());
+        let mut r0 = 0;
+        for v in chunk {
+            if v.from >= n {
+                return Err(Error::OutOfRange {
+                    what: "position".into(),
+                    value: v.from.to_string(),
+                    range: format!("0..={}", n - 1),
+                });
+            }
+            let m = n - v.from;
+            segs.push(Segment {
+                tokens: &self.tokens[v.from..],
+                reuse: v.from,
+                knockout: Vec::new(),
+                logits_at: if every {
+                    (v.from..n).collect()
+                } else {
+                    vec![n - 1]
+                },
+            });
+            resid.extend_from_slice(&self.resid_pre[layer][v.from * dm..]);
+            patches.push(Patch {
+                rows: if maps {
+                    0..self.model.dims.n_heads
+                } else {
+                    r0..r0 + m
+                },
+                cols: v.cols.clone(),
+                at: v.at.clone(),
+                fill: v.fill,
+            });
+            r0 += m;
+        }
+        Ok((segs, resid, patches))
     }
 }

@@ -27,6 +27,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 mod circuits;
+mod patching;
 
 /// The Python exception for an engine error, with the CLI's message.
 fn to_py(e: anyhow::Error) -> PyErr {
@@ -1653,6 +1654,7 @@ fn full_hook_name(layer: usize, suffix: &str) -> PyResult<String> {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     attnscope::model::forward::set_interrupt_check(python_interrupted);
     m.add_class::<Model>()?;
+    m.add_class::<patching::PatchBase>()?;
     m.add_function(wrap_pyfunction!(corpus_merge, m)?)?;
     m.add_function(wrap_pyfunction!(pattern_page, m)?)?;
     m.add_function(wrap_pyfunction!(hook_suffixes, m)?)?;

@@ -85,6 +85,42 @@ def test_skipped_noops_are_the_runs_bit_for_bit(tiny):
         assert np.array_equal(fast, slow), fn
 
 
+ALL_SWEEPS = [f for f, *_ in SWEEPS] + [
+    patching.get_act_patch_resid_mid, patching.get_act_patch_mlp_out, patching.get_act_patch_attn_head_out_by_pos,
+    patching.get_act_patch_attn_head_q_by_pos, patching.get_act_patch_attn_head_k_by_pos,
+    patching.get_act_patch_attn_head_q_all_pos, patching.get_act_patch_attn_head_v_all_pos,
+    patching.get_act_patch_attn_head_pattern_dest_src_pos]
+
+
+def test_resumed_sweeps_are_the_full_forwards(tiny):
+    """resume=True (each patched run from the patched layer and position on, many to a forward)
+    against one run_with_hooks per index, on a batch of two texts with a metric that reads every
+    position (the positions before the patched one come from the corrupted run)."""
+    m, clean, corrupt, _ = tiny
+    clean2, corrupt2 = m.to_tokens([CLEAN, CORRUPT]), m.to_tokens([CORRUPT, CLEAN])
+    _, cache2 = m.run_with_cache(clean2)
+
+    def every_position(logits):
+        return float(np.asarray(logits)[:, :, [ANSWER, WRONG, 5]].astype(np.float64).sum())
+
+    def last_position(logits):  # the demos' logit difference: the last position's logits only
+        lg = np.asarray(logits)[:, -1].astype(np.float64)
+        return float((lg[:, ANSWER] - lg[:, WRONG]).mean())
+
+    assert not patching._last_position_only(every_position, np.ones((2, 3, 200), np.float32), float)
+    assert patching._last_position_only(last_position, np.ones((2, 3, 200), np.float32), float)
+    worst = 0.0
+    for fn in ALL_SWEEPS:
+        for met in (every_position, last_position):
+            fast = fn(m, corrupt2, cache2, met)
+            slow = fn(m, corrupt2, cache2, met, resume=False)
+            assert fast.shape == slow.shape and np.isfinite(fast).all(), fn
+            err = float(np.abs(fast - slow).max() / np.abs(slow).max())
+            worst = max(worst, err)
+            assert err <= 1e-6, (fn, met, err)
+    print(f"resumed sweeps against full forwards: worst {worst:.2e} of the largest (bound 1e-6)")
+
+
 def test_every_helpers_stack_and_pad_as_tl(tiny):
     m, _, corrupt, cache = tiny
     every = patching.get_act_patch_attn_head_all_pos_every(m, corrupt, cache, metric)

@@ -166,7 +166,10 @@ def test_a_padded_batch_equals_each_text_alone(qwen):
     # the loss: TL's mean over every row and position; with the attention mask, real tokens only
     per = qwen(toks, return_type="loss", loss_per_token=True)
     assert per.shape == (3, toks.shape[1] - 1)
-    assert np.isclose(qwen(toks, return_type="loss"), float(per.mean()), rtol=1e-6)
+    mean = qwen(toks, return_type="loss")
+    # TL's 0-d float32 (a tensor under torch: `.item()` works, Main_Demo's cell 14)
+    assert isinstance(mean, np.ndarray) and mean.shape == () and mean.dtype == np.float32
+    assert np.isclose(mean, float(per.mean()), rtol=1e-6)
     mask = (np.arange(toks.shape[1])[None] < np.asarray(lens)[:, None]).astype(np.int64)
     masked = qwen(toks, return_type="loss", attention_mask=mask)
     alone = [qwen(t, return_type="loss", loss_per_token=True)[0] for t in texts if qwen.to_tokens(t).shape[1] > 1]

@@ -1,7 +1,7 @@
 """#59: attnscope.patching against real TransformerLens's ``transformer_lens.patching`` on the same
-weights: ``generic_activation_patch`` with each of TL's patch setters (resid_pre and mlp_out by
-position, z, q, k, v per head, the pattern per head and per query row), a few indices each
-(``index_df``: TL's flat form), on SmolLM2 with an IOI pair. TL 4's ``TransformerBridge`` in
+weights: ``generic_activation_patch`` (resumed, and with ``resume=False``) with each of TL's patch
+setters (resid_pre and mlp_out by position, z, q, k, v per head, the pattern per head and per
+query row), a few indices each (``index_df``: TL's flat form), on SmolLM2 with an IOI pair. TL 4's ``TransformerBridge`` in
 compatibility mode on the model transformers builds from the GGUF (float32, eager), attnscope's
 ``from_pretrained`` (both process the weights as TL does by default).
 
@@ -71,6 +71,12 @@ def test_patching_matches_transformer_lens(both, act, setter, axes):
                                                getattr(theirs, setter), act, index_df=df).numpy()
     got = np.asarray(ours.generic_activation_patch(m, corrupt, m.run_with_cache(clean)[1], logit_diff,
                                                    getattr(ours, setter), act, index_df=df))
+    # resume=False: one run_with_hooks per index, as TL runs them (the default resumes each patched
+    # run at the patched layer and position: the same numbers, test_patching.py)
+    full = np.asarray(ours.generic_activation_patch(m, corrupt, m.run_with_cache(clean)[1], logit_diff,
+                                                    getattr(ours, setter), act, index_df=df, resume=False))
     err = float(np.abs(got - want).max())
-    print(f"{act} {setter}: {len(rows)} indices, max |diff| {err:.2e} (values up to {np.abs(want).max():.2f})")
-    assert got.shape == want.shape and err < BOUND, (got, want)
+    err_full = float(np.abs(full - want).max())
+    print(f"{act} {setter}: {len(rows)} indices, max |diff| {err:.2e} resumed, {err_full:.2e} full forwards "
+          f"(values up to {np.abs(want).max():.2f})")
+    assert got.shape == want.shape and err < BOUND and err_full < BOUND, (got, full, want)

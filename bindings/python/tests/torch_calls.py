@@ -180,6 +180,8 @@ def check_every_call():
     assert np.array_equal(edited.numpy(), edited_np.numpy()) and not np.array_equal(edited.numpy(), lg.numpy())
     call("loss", lambda: smol.loss(lg, ids, per_token=True))
     call("lm_cross_entropy_loss", lambda: utils.lm_cross_entropy_loss(lg, ids))
+    mean = call("return_type='loss'", lambda: smol(ids, return_type="loss"))  # TL's 0-d tensor
+    assert mean.shape == () and mean.dtype == torch.float32 and abs(mean.item() - smol.loss(lg.numpy(), ids_np).item()) == 0
     # TL's computation in torch against numpy's float64: equal in float64, within 1e-4 in float32
     # (torch's float32 log_softmax over 49152 logits: 1.7e-5 measured)
     assert abs(float(utils.lm_cross_entropy_loss(lg.double(), ids)) - smol.loss(lg.numpy(), ids_np)) < 1e-9

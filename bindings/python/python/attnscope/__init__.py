@@ -1245,7 +1245,8 @@ class HookedModel:
              attention_mask: Any = None):
         """Next-token cross-entropy of ``logits`` ``[b, n, vocab]`` against ``tokens`` ``[b, n]``
         (TransformerLens's ``lm_cross_entropy_loss``): the mean over every row's positions
-        0..n-2, or each one ``[b, n - 1]`` with ``per_token``. With ``attention_mask`` (1 on real
+        0..n-2 (a 0-d float32 array, a 0-d tensor under :func:`set_array_type`'s rules, as
+        TransformerLens returns), or each one ``[b, n - 1]`` with ``per_token``. With ``attention_mask`` (1 on real
         tokens), a prediction counts only where its position and the next are real, and the mean
         is over those."""
         lg = _np(logits).astype(np.float64)
@@ -1268,8 +1269,9 @@ class HookedModel:
             per = per * keep
             if per_token:
                 return _wrap(per.astype(np.float32))
-            return float(per.sum() / keep.sum())
-        return _wrap(per.astype(np.float32)) if per_token else float(per.mean())
+            return _wrap(np.array(per.sum() / keep.sum(), dtype=np.float32))
+        # a 0-d array (a 0-d tensor under set_array_type's rules), as TransformerLens returns
+        return _wrap(per.astype(np.float32) if per_token else np.array(per.mean(), dtype=np.float32))
 
     def loss_fn(self, logits: np.ndarray, tokens: Union[np.ndarray, Sequence[int]], attention_mask: Any = None,
                 per_token: bool = False):

@@ -144,7 +144,7 @@ def lm_cross_entropy_loss(logits, tokens, attention_mask=None, per_token: bool =
     positions 0..n-2 (with ``attention_mask``: over the predictions whose position and next are
     both real), or each ``[b, n - 1]`` with ``per_token`` (zero where masked out). On torch
     logits it is torch's computation (a tensor; a backward runs through it, and through
-    attnscope's backward hooks); on numpy logits, float64's (a float, or float32 ``[b, n - 1]``)."""
+    attnscope's backward hooks); on numpy logits, float64's (a 0-d float32 array, or float32 ``[b, n - 1]``)."""
     if hasattr(logits, "log_softmax"):  # torch
         import torch
 

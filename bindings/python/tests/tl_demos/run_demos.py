@@ -2,10 +2,13 @@
 import and the model name changed, and a per-cell table printed (demo, cell, result, seconds, the
 error's first line or the numbers checked against real TL).
 
-    /root/.hfenv/bin/python bindings/python/tests/tl_demos/run_demos.py [--tl] NOTEBOOK_DIR [DEMO ...]
+    bash bindings/python/tests/tl_env.sh   # target/tlenv: torch, transformer-lens 4.3, attnscope's wheel
+    target/tlenv/bin/python -m pip install ipython plotly nbformat pandas circuitsvis   # what the demos import
+    target/tlenv/bin/python bindings/python/tests/tl_demos/run_demos.py [--tl] NOTEBOOK_DIR [DEMO ...]
 
-(a Python with torch, IPython, plotly, nbformat, circuitsvis and pandas, attnscope on its path,
-e.g. PYTHONPATH=bindings/python/python with the built `_native` module copied there).
+(any Python with torch, IPython, plotly, nbformat, circuitsvis and pandas, attnscope importable
+(the wheel, or PYTHONPATH=bindings/python/python with the built `_native` module copied there),
+and transformer_lens for --tl).
 NOTEBOOK_DIR holds TL's notebooks (Main_Demo.ipynb, Exploratory_Analysis_Demo.ipynb,
 Head_Detector_Demo.ipynb, Activation_Patching_in_TL_Demo.ipynb, Attribution_Patching_Demo.ipynb,
 from TransformerLens's demos/ folder). Each code cell is rewritten by the rules in REWRITES (the
