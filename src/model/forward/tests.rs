@@ -559,6 +559,47 @@ fn erf_and_the_exact_gelu_match_pythons_math_erf() {
     }
 }
 
+/// The branch-free f64 exponential behind the exact GELU is libm's `exp` to 1e-15 relative over
+/// the range it takes (and e^-708 below it), and the GELU's vector loop gives the scalar's bits
+/// at every vector width, NaN and the infinities included.
+#[test]
+fn the_vectorized_exact_gelu_is_libms_exponential_at_every_width() {
+    use crate::kernels::simd::{all_supported, with_level};
+    use crate::model::ops::{exp64, gelu_erf_lanes, gelu_erf_of};
+    let mut worst = 0f64;
+    for i in 0..=200_000 {
+        let a = -708.0 + i as f64 * (708.0 + 709.0) / 200_000.0;
+        let (got, want) = (exp64(a), a.exp());
+        worst = worst.max(((got - want) / want).abs());
+    }
+    eprintln!("exp64: worst relative error {worst:e} against libm");
+    assert!(worst < 1e-15, "exp64: worst relative error {worst:e}");
+    assert_eq!(exp64(-800.0), exp64(-708.0));
+    assert_eq!(exp64(0.0), 1.0);
+    let mut xs: Vec<f32> = (0..4099).map(|i| (i as f32 - 2049.0) * 0.0123).collect();
+    xs.extend([
+        f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        -0.0,
+        0.0,
+        -60.0,
+        1e-30,
+    ]);
+    let scalar: Vec<u32> = xs.iter().map(|&x| gelu_erf_of(x).to_bits()).collect();
+    for l in all_supported() {
+        let mut out = vec![0f32; xs.len()];
+        with_level(l, || gelu_erf_lanes(&xs, &mut out));
+        let bits: Vec<u32> = out.iter().map(|x| x.to_bits()).collect();
+        assert_eq!(bits, scalar, "{l:?}");
+    }
+    // +inf stays +inf; -inf·0 is NaN as in ½x(1 + erf(x/√2)) computed in floats
+    let n = xs.len();
+    assert_eq!(f32::from_bits(scalar[n - 6]), f32::INFINITY);
+    assert!(f32::from_bits(scalar[n - 7]).is_nan());
+    assert_eq!(f32::from_bits(scalar[n - 2]), -0.0);
+}
+
 /// The keys' bound a [`KvPrefix`] keeps (so a decode step reads only its new keys for the
 /// attention's score bound) is the one its keys give, to the bit: after a prefill, after each
 /// step on top of it, and after a truncation; so the attention takes the path it would take
