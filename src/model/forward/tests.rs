@@ -387,6 +387,37 @@ fn exp_shift_sums_zeroes_masked_entries() {
     assert_eq!((xs[1], xs[4], xs[9]), (0.0, 0.0, 0.0));
 }
 
+/// `dot_rows`'s tiles (4 rows of `h` against 2 of `w`) give each product [`dot16`]'s bits, for
+/// every count of rows and vocabulary rows around the tile's edges and a `d` with a tail.
+#[test]
+fn dot_rows_gives_dot16s_bits_in_its_tiles() {
+    use crate::kernels::simd::{all_supported, with_level};
+    use crate::model::ops::dot16;
+    for d in [37, 64, 100] {
+        let h: Vec<f32> = (0..9 * d)
+            .map(|i| ((i * 7919) % 113) as f32 * 0.013 - 0.7)
+            .collect();
+        let w: Vec<f32> = (0..7 * d)
+            .map(|i| ((i * 104_729) % 97) as f32 * 0.021 - 1.0)
+            .collect();
+        for rows in 0..=9 {
+            for nv in 0..=7 {
+                for l in all_supported() {
+                    let mut out = vec![vec![f32::NAN; nv]; rows];
+                    let mut refs: Vec<&mut [f32]> = out.iter_mut().map(|r| &mut r[..]).collect();
+                    with_level(l, || dot_rows(&h[..rows * d], &w[..nv * d], d, &mut refs));
+                    for (i, row) in out.iter().enumerate() {
+                        for (v, &got) in row.iter().enumerate() {
+                            let want = dot16(&h[i * d..(i + 1) * d], &w[v * d..(v + 1) * d]);
+                            assert_eq!(got.to_bits(), want.to_bits(), "{l:?} d {d} ({i}, {v})");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn dense_logits_match_candles_matmul() {
     // a [vocab, d] head: the rows read in place against candle's matmul on the same tensor
