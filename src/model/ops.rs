@@ -262,8 +262,8 @@ pub(crate) fn exp64(a: f64) -> f64 {
     // a plain comparison (not f64::max, whose NaN rule keeps it from vectorizing)
     let a = if a > -708.0 { a } else { -708.0 };
     const MAGIC: f64 = 6_755_399_441_055_744.0;
-    const LN2_HI: f64 = 6.931_471_803_691_238_164_90e-1;
-    const LN2_LO: f64 = 1.908_214_929_270_587_700_02e-10;
+    const LN2_HI: f64 = 0.693_147_180_369_123_8;
+    const LN2_LO: f64 = 1.908_214_929_270_587_7e-10;
     let t = a * std::f64::consts::LOG2_E + MAGIC;
     let n = t - MAGIC;
     let r = (a - n * LN2_HI) - n * LN2_LO;
