@@ -243,6 +243,10 @@ impl Model {
         let mut qkv = vec![0f32; m * width];
         let mut z = vec![0f32; m * nh * hd];
         let mut sum = vec![0f32; m * dm];
+        // the sublayers' buffers, made once per forward (not per layer: at 384 rows the MLP's
+        // two are 2.4 MB each, and their page faults and zeroing showed in `embed`'s profile)
+        let mut out = vec![0f32; m * dm];
+        let mut mlp = (vec![0f32; m * dims.d_ff], vec![0f32; m * dims.d_ff]);
         let mut timings = Timings::default();
         let knocks: Vec<Vec<bool>> = segs
             .iter()
@@ -264,9 +268,12 @@ impl Model {
             timings.attention += t0.elapsed();
             hand(obs, l, Hook::Z, &[m, nh, hd], &mut z)?;
             obs.attention_done(l);
-            self.encoder_attn_out(obs, l, layer, (&mut x, &mut sum), &z, m, &mut timings)?;
+            let xs = (&mut x[..], &mut sum[..], &mut out[..]);
+            self.encoder_attn_out(obs, l, layer, xs, &z, m, &mut timings)?;
             hand(obs, l, Hook::ResidMid, &[m, dm], &mut x)?;
-            self.encoder_mlp(obs, l, layer, (&mut x, &mut sum), m, &mut timings)?;
+            let xs = (&mut x[..], &mut sum[..], &mut out[..]);
+            let hidden = (&mut mlp.0[..], &mut mlp.1[..]);
+            self.encoder_mlp(obs, l, layer, xs, hidden, m, &mut timings)?;
             super::check_residual_finite(&x, l)?;
             hand(obs, l, Hook::ResidPost, &[m, dm], &mut x)?;
             obs.layer_done(l);
@@ -459,42 +466,39 @@ impl Model {
 
     /// The attention's output (`hook_result` when asked: the output is then the sum of the
     /// results plus W_O's bias where edited), `hook_attn_out`, then post-LN:
-    /// `x = LN₁(x + attn_out)` (`sum` holds the sum).
+    /// `x = LN₁(x + attn_out)` (`sum` holds the sum, `attn_out` the output: `[m, d_model]`).
     #[allow(clippy::too_many_arguments)]
     fn encoder_attn_out(
         &self,
         obs: &mut dyn Observer,
         l: usize,
         layer: &Layer,
-        (x, sum): (&mut [f32], &mut [f32]),
+        (x, sum, attn_out): (&mut [f32], &mut [f32], &mut [f32]),
         z: &[f32],
         m: usize,
         timings: &mut Timings,
     ) -> Result<()> {
         let (nh, dm) = (self.dims.n_heads, self.dims.d_model);
         let t = Instant::now();
-        let mut attn_out = if touches(obs, l, Hook::Result) {
+        if touches(obs, l, Hook::Result) {
             let (mut res, bias) = self.head_results(l, z, m)?;
             hand(obs, l, Hook::Result, &[m, nh, dm], &mut res)?;
-            let mut out = vec![0f32; m * dm];
-            for (o, r) in out.chunks_mut(dm).zip(res.chunks(nh * dm)) {
+            for (o, r) in attn_out.chunks_mut(dm).zip(res.chunks(nh * dm)) {
                 o.copy_from_slice(&bias);
                 for head in r.chunks(dm) {
                     o.iter_mut().zip(head).for_each(|(o, v)| *o += v);
                 }
             }
-            if obs.edits(l, Hook::Result) {
-                out
-            } else {
-                layer.o.forward(z, m)?
+            if !obs.edits(l, Hook::Result) {
+                layer.o.forward_into(z, m, attn_out, false)?;
             }
         } else {
-            layer.o.forward(z, m)?
-        };
+            layer.o.forward_into(z, m, attn_out, false)?;
+        }
         timings.projections += t.elapsed();
-        hand(obs, l, Hook::AttnOut, &[m, dm], &mut attn_out)?;
+        hand(obs, l, Hook::AttnOut, &[m, dm], attn_out)?;
         sum.iter_mut()
-            .zip(x.iter().zip(&attn_out))
+            .zip(x.iter().zip(attn_out.iter()))
             .for_each(|(s, (a, b))| *s = a + b);
         let b1 = ln_bias(layer, false)?;
         norm_hooked(
@@ -511,30 +515,32 @@ impl Model {
     }
 
     /// The MLP, `down(gelu(up(x)))` with `hook_pre`, `hook_post`, `hook_mlp_out`, then
-    /// post-LN: `x = LN₂(x + mlp_out)` (`sum` holds the sum).
+    /// post-LN: `x = LN₂(x + mlp_out)` (`sum` holds the sum, `mlp_out` the output; `pre` and
+    /// `act`, `[m, d_ff]`, the MLP's hidden values before and after the GELU).
+    #[allow(clippy::too_many_arguments)]
     fn encoder_mlp(
         &self,
         obs: &mut dyn Observer,
         l: usize,
         layer: &Layer,
-        (x, sum): (&mut [f32], &mut [f32]),
+        (x, sum, mlp_out): (&mut [f32], &mut [f32], &mut [f32]),
+        (pre, act): (&mut [f32], &mut [f32]),
         m: usize,
         timings: &mut Timings,
     ) -> Result<()> {
         let (dm, ff) = (self.dims.d_model, self.dims.d_ff);
         let t = Instant::now();
-        let mut pre = layer.gate_up.forward(x, m)?;
+        layer.gate_up.forward_into(x, m, pre, false)?;
         timings.projections += t.elapsed();
-        hand(obs, l, Hook::MlpPre, &[m, ff], &mut pre)?;
-        let mut act = vec![0f32; m * ff];
-        gelu_erf(&pre, &mut act);
-        hand(obs, l, Hook::MlpPost, &[m, ff], &mut act)?;
+        hand(obs, l, Hook::MlpPre, &[m, ff], pre)?;
+        gelu_erf(pre, act);
+        hand(obs, l, Hook::MlpPost, &[m, ff], act)?;
         let t = Instant::now();
-        let mut mlp_out = layer.down.forward(&act, m)?;
+        layer.down.forward_into(act, m, mlp_out, false)?;
         timings.projections += t.elapsed();
-        hand(obs, l, Hook::MlpOut, &[m, dm], &mut mlp_out)?;
+        hand(obs, l, Hook::MlpOut, &[m, dm], mlp_out)?;
         sum.iter_mut()
-            .zip(x.iter().zip(&mlp_out))
+            .zip(x.iter().zip(mlp_out.iter()))
             .for_each(|(s, (a, b))| *s = a + b);
         let b2 = ln_bias(layer, true)?;
         norm_hooked(

@@ -387,6 +387,37 @@ fn exp_shift_sums_zeroes_masked_entries() {
     assert_eq!((xs[1], xs[4], xs[9]), (0.0, 0.0, 0.0));
 }
 
+/// `dot_rows`'s tiles (4 rows of `h` against 2 of `w`) give each product [`dot16`]'s bits, for
+/// every count of rows and vocabulary rows around the tile's edges and a `d` with a tail.
+#[test]
+fn dot_rows_gives_dot16s_bits_in_its_tiles() {
+    use crate::kernels::simd::{all_supported, with_level};
+    use crate::model::ops::dot16;
+    for d in [37, 64, 100] {
+        let h: Vec<f32> = (0..9 * d)
+            .map(|i| ((i * 7919) % 113) as f32 * 0.013 - 0.7)
+            .collect();
+        let w: Vec<f32> = (0..7 * d)
+            .map(|i| ((i * 104_729) % 97) as f32 * 0.021 - 1.0)
+            .collect();
+        for rows in 0..=9 {
+            for nv in 0..=7 {
+                for l in all_supported() {
+                    let mut out = vec![vec![f32::NAN; nv]; rows];
+                    let mut refs: Vec<&mut [f32]> = out.iter_mut().map(|r| &mut r[..]).collect();
+                    with_level(l, || dot_rows(&h[..rows * d], &w[..nv * d], d, &mut refs));
+                    for (i, row) in out.iter().enumerate() {
+                        for (v, &got) in row.iter().enumerate() {
+                            let want = dot16(&h[i * d..(i + 1) * d], &w[v * d..(v + 1) * d]);
+                            assert_eq!(got.to_bits(), want.to_bits(), "{l:?} d {d} ({i}, {v})");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn dense_logits_match_candles_matmul() {
     // a [vocab, d] head: the rows read in place against candle's matmul on the same tensor
@@ -557,6 +588,47 @@ fn erf_and_the_exact_gelu_match_pythons_math_erf() {
             "gelu({x}) = {got}, want {want}"
         );
     }
+}
+
+/// The branch-free f64 exponential behind the exact GELU is libm's `exp` to 1e-15 relative over
+/// the range it takes (and e^-708 below it), and the GELU's vector loop gives the scalar's bits
+/// at every vector width, NaN and the infinities included.
+#[test]
+fn the_vectorized_exact_gelu_is_libms_exponential_at_every_width() {
+    use crate::kernels::simd::{all_supported, with_level};
+    use crate::model::ops::{exp64, gelu_erf_lanes, gelu_erf_of};
+    let mut worst = 0f64;
+    for i in 0..=200_000 {
+        let a = -708.0 + i as f64 * (708.0 + 709.0) / 200_000.0;
+        let (got, want) = (exp64(a), a.exp());
+        worst = worst.max(((got - want) / want).abs());
+    }
+    eprintln!("exp64: worst relative error {worst:e} against libm");
+    assert!(worst < 1e-15, "exp64: worst relative error {worst:e}");
+    assert_eq!(exp64(-800.0), exp64(-708.0));
+    assert_eq!(exp64(0.0), 1.0);
+    let mut xs: Vec<f32> = (0..4099).map(|i| (i as f32 - 2049.0) * 0.0123).collect();
+    xs.extend([
+        f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        -0.0,
+        0.0,
+        -60.0,
+        1e-30,
+    ]);
+    let scalar: Vec<u32> = xs.iter().map(|&x| gelu_erf_of(x).to_bits()).collect();
+    for l in all_supported() {
+        let mut out = vec![0f32; xs.len()];
+        with_level(l, || gelu_erf_lanes(&xs, &mut out));
+        let bits: Vec<u32> = out.iter().map(|x| x.to_bits()).collect();
+        assert_eq!(bits, scalar, "{l:?}");
+    }
+    // +inf stays +inf; -inf·0 is NaN as in ½x(1 + erf(x/√2)) computed in floats
+    let n = xs.len();
+    assert_eq!(f32::from_bits(scalar[n - 6]), f32::INFINITY);
+    assert!(f32::from_bits(scalar[n - 7]).is_nan());
+    assert_eq!(f32::from_bits(scalar[n - 2]), -0.0);
 }
 
 /// The keys' bound a [`KvPrefix`] keeps (so a decode step reads only its new keys for the
