@@ -247,7 +247,11 @@ impl BranchSink for KeepGrads {
     fn input(&mut self, _: &[f32]) -> attnscope::model::Result<()> {
         Ok(())
     }
-    fn heads(&mut self, _: usize, _: &[f32]) -> attnscope::model::Result<()> {
+    fn heads(
+        &mut self,
+        _: usize,
+        _: &attnscope::model::backward::LayerHeads,
+    ) -> attnscope::model::Result<()> {
         Ok(())
     }
     fn mlp(&mut self, _: usize, _: &[f32]) -> attnscope::model::Result<()> {

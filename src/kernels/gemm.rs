@@ -308,6 +308,53 @@ pub(crate) fn transpose_into_panel(w: &[f32], cols: usize, k: usize, nr: usize, 
 }
 
 impl PackedB {
+    /// An all-zero `B: [k, n]`, to be filled in place column by column through
+    /// [`PackedB::set_columns`] (its pages are touched only as they are written).
+    pub fn zeros(k: usize, n: usize, isa: Isa) -> PackedB {
+        let panels = n.div_ceil(isa.nr());
+        PackedB {
+            k,
+            n,
+            isa,
+            buf: Panels::Owned(AlignedBuf::zeros(panels * k * isa.nr())),
+        }
+    }
+
+    /// Columns `first..first + cols.len() / k` of `B` set to (`subtract`: less) the rows of
+    /// `cols` (`[count, k]`, column j of B as row j): the transpose written straight into the
+    /// panels, so a `B` that arrives a few columns at a time is never held unpacked.
+    pub fn set_columns(&mut self, first: usize, cols: &[f32], subtract: bool) {
+        let (k, nr) = (self.k, self.isa.nr());
+        let count = cols.len() / k.max(1);
+        assert!(first + count <= self.n && cols.len() == count * k);
+        let Panels::Owned(buf) = &mut self.buf else {
+            panic!("a mapped PackedB cannot be written")
+        };
+        // rows of B in chunks; within a row, the columns' values (a cache line or two of the
+        // panels) written together from the rows of `cols` they come from
+        const CHUNK: usize = 64;
+        let at: Vec<usize> = (first..first + count)
+            .map(|u| (u / nr) * k * nr + u % nr)
+            .collect();
+        let base = SendPtr(buf.as_mut_slice().as_mut_ptr());
+        (0..k.div_ceil(CHUNK))
+            .into_par_iter()
+            .with_min_len(16)
+            .for_each(|c| {
+                for kk in c * CHUNK..((c + 1) * CHUNK).min(k) {
+                    for (i, &a) in at.iter().enumerate() {
+                        let v = cols[i * k + kk];
+                        // SAFETY: `a + kk·nr` < panels·k·nr (u < n, kk < k); the chunks of kk
+                        // are disjoint, so no two threads write one element
+                        unsafe {
+                            let d = base.get().add(a + kk * nr);
+                            *d = if subtract { *d - v } else { v };
+                        }
+                    }
+                }
+            });
+    }
+
     /// Packs `W: [n, k]` row-major (row stride `ldw`) as the right-hand side of `x · Wᵀ`.
     pub fn from_rows(w: &[f32], n: usize, k: usize, ldw: usize, isa: Isa) -> PackedB {
         assert!(
@@ -1349,6 +1396,27 @@ mod tests {
         // the case that was measured: down projection, 575 rows, 28 panels, 2 threads
         let (_, group, nc) = plan(575, 896, 12, 32, 2);
         assert_eq!((575usize.div_ceil(group) * 896usize.div_ceil(nc)) % 2, 0);
+    }
+
+    #[test]
+    fn columns_set_in_place_equal_packing_from_rows() {
+        // 70 columns in uneven runs that cross panels; k past one chunk of set_columns' rows
+        let (n, k) = (70, 150);
+        let w: Vec<f32> = (0..n * k).map(|x| (x as f32 * 0.37).sin()).collect();
+        for isa in Isa::all_supported() {
+            let mut b = PackedB::zeros(k, n, isa);
+            b.set_columns(0, &w[..k], false);
+            b.set_columns(1, &w[k..15 * k], false);
+            // set to twice the rows, then the rows subtracted: the rows themselves
+            let twice: Vec<f32> = w[15 * k..].iter().map(|v| 2.0 * v).collect();
+            b.set_columns(15, &twice, false);
+            b.set_columns(15, &w[15 * k..], true);
+            assert_eq!(
+                b.buf.as_slice(),
+                PackedB::from_rows(&w, n, k, k, isa).buf.as_slice(),
+                "{isa:?}"
+            );
+        }
     }
 
     #[test]

@@ -22,7 +22,7 @@ mod profile;
 mod rowwise;
 mod taps;
 pub use block::LayerT;
-pub use branches::{BranchSink, Reader, ReaderGrads};
+pub use branches::{BranchSink, LayerHeads, Reader, ReaderGrads};
 pub use edited::{EditedForward, Prefix, ReaderEdit};
 use head::{Head, Packed4, QB};
 use rowwise::norm_fwd;

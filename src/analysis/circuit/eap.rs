@@ -5,8 +5,10 @@
 //! score(u → r) = Σ over positions and width of (a_u(corrupt) − a_u(clean)) · ∂m/∂in_r, the
 //! gradient at the clean run (EAP) or averaged over `steps` runs whose input embeddings are
 //! `x_corrupt + α (x_clean − x_corrupt)`, α = (i + ½)/steps (EAP-IG, the inputs variant). The
-//! differences `[nodes, n·d]` are kept (from the texts' first differing position on: before it
-//! every difference is exactly zero); the gradients come layer by layer from the backward
+//! differences are kept (from the texts' first differing position on: before it every
+//! difference is exactly zero), written as the runs hand each layer's nodes over straight into
+//! the packed panels of the product's right-hand side `[n·d, nodes]` (no second copy, no
+//! packing pass); the gradients come layer by layer from the backward
 //! ([`crate::model::backward::BranchSink`]) and meet the differences in one GEMM per
 //! [`LAYER_BLOCK`] layers (`[readers, n·d] · [n·d, nodes]`): the differences (166 MB at 128
 //! tokens on the default model) are streamed once per block rather than once per layer, and a
@@ -15,7 +17,7 @@
 use super::graph::{Graph, Reader};
 use super::{Method, PairTokens};
 use crate::kernels::gemm::{self, Isa, PackedB};
-use crate::model::backward::{BranchSink, Metric, ReaderGrads};
+use crate::model::backward::{BranchSink, LayerHeads, Metric, ReaderGrads};
 use crate::model::{Model, Result};
 
 /// The readers' gradients of this many layers (the logits' with the last block) meet the
@@ -41,11 +43,12 @@ struct ScoreSink<'a> {
     /// the first position at which the clean and corrupted texts differ: before it every
     /// node's difference is exactly zero, so only the rows from it on are kept and multiplied
     from: usize,
-    /// `[nodes, n·d]`: a_u(corrupt) − a_u(clean), while the runs fill it in
-    delta: Vec<f32>,
-    /// the same, packed as the right-hand side of `gradients · deltaᵀ` once the differences are
-    /// complete (at the first gradient); `delta` is then let go
-    packed: Option<PackedB>,
+    /// `[n·d, nodes]` packed as the right-hand side of `gradients · deltaᵀ`: a_u(corrupt) −
+    /// a_u(clean), written straight into the panels as the runs hand the nodes over
+    delta: PackedB,
+    /// per layer, the corrupted run's `z` (`[rows, n_heads·head_dim]`) where the heads are
+    /// linear in it: their differences are then one product of `z`'s difference
+    z_corrupt: Vec<Vec<f32>>,
     width: usize,
     phase: Phase,
     /// each gradient run's scores are added times this
@@ -60,26 +63,11 @@ struct ScoreSink<'a> {
 
 impl ScoreSink<'_> {
     fn node_rows(&mut self, first: usize, outs: &[f32]) {
-        let at = &mut self.delta[first * self.width..][..outs.len()];
         match self.phase {
-            Phase::Corrupt => at.copy_from_slice(outs),
-            Phase::Clean => at.iter_mut().zip(outs).for_each(|(d, o)| *d -= o),
+            Phase::Corrupt => self.delta.set_columns(first, outs, false),
+            Phase::Clean => self.delta.set_columns(first, outs, true),
             Phase::Gradients => {}
         }
-    }
-
-    /// The differences packed (once): `[n·d, nodes]` as the GEMM's right-hand side.
-    fn packed(&mut self) -> &PackedB {
-        let (k, nodes) = (self.width, self.graph.n_nodes());
-        let delta = std::mem::take(&mut self.delta);
-        self.packed.get_or_insert_with(|| {
-            // the rows transposed 16 × 16 at a time into the panels
-            let rows = crate::kernels::rows_of(&delta, k, k);
-            match PackedB::try_from_row_source(nodes, k, Isa::detect(), rows) {
-                Ok(p) => p,
-                Err(never) => match never {},
-            }
-        })
     }
 
     /// Adds `weight ×` the scores of the edges into the readers `pending`, whose gradients are the
@@ -99,7 +87,7 @@ impl ScoreSink<'_> {
             .map(|&r| g.reads(g.reader(r)))
             .max()
             .unwrap_or(0);
-        let b = self.packed();
+        let b = &self.delta;
         let mut c = vec![0f32; count * reads];
         gemm::gemm_sub(
             &rows,
@@ -140,11 +128,27 @@ impl BranchSink for ScoreSink<'_> {
         Ok(())
     }
 
-    fn heads(&mut self, layer: usize, outs: &[f32]) -> Result<()> {
+    fn heads(&mut self, layer: usize, heads: &LayerHeads) -> Result<()> {
         let first = self
             .graph
             .node_index(super::graph::Node::Head { layer, head: 0 });
-        self.node_rows(first, outs);
+        if !heads.linear() {
+            self.node_rows(first, &heads.outputs());
+            return Ok(());
+        }
+        // linear in z: the corrupted run's z kept, the clean run's difference multiplied once
+        match self.phase {
+            Phase::Corrupt => {
+                self.z_corrupt.resize_with(layer + 1, Vec::new);
+                self.z_corrupt[layer] = heads.z.to_vec();
+            }
+            Phase::Clean => {
+                let mut dz = std::mem::take(&mut self.z_corrupt[layer]);
+                dz.iter_mut().zip(heads.z).for_each(|(d, c)| *d -= c);
+                self.delta.set_columns(first, &heads.outputs_of(&dz), false);
+            }
+            Phase::Gradients => {}
+        }
         Ok(())
     }
 
@@ -202,8 +206,8 @@ pub(super) fn score_pair(
     let mut sink = ScoreSink {
         graph,
         from,
-        delta: vec![0f32; graph.n_nodes() * width],
-        packed: None,
+        delta: PackedB::zeros(width, graph.n_nodes(), Isa::detect()),
+        z_corrupt: Vec::new(),
         rows: Vec::new(),
         pending: Vec::new(),
         pending_layers: 0,

@@ -16,6 +16,7 @@ use super::rowwise::norm_back;
 use super::taps::{BlockTap, Tap};
 use super::{Metric, Rules, Saved};
 use crate::kernels::gemm;
+use crate::kernels::simd::multiversion;
 use crate::model::block::NormKind;
 use crate::model::error::Result;
 use crate::model::Model;
@@ -62,14 +63,46 @@ pub trait BranchSink {
     fn wants_nodes(&self) -> bool;
     /// The input to layer 0, `[n, d_model]`.
     fn input(&mut self, x0: &[f32]) -> Result<()>;
-    /// Layer `layer`'s heads' outputs, `[n_heads][n, d_model]` flat.
-    fn heads(&mut self, layer: usize, outs: &[f32]) -> Result<()>;
+    /// Layer `layer`'s heads: their outputs on demand ([`LayerHeads::outputs`]).
+    fn heads(&mut self, layer: usize, heads: &LayerHeads) -> Result<()>;
     /// Layer `layer`'s MLP output, `[n, d_model]`.
     fn mlp(&mut self, layer: usize, out: &[f32]) -> Result<()>;
     /// The gradient at the final norm's input (the `logits` reader), `[n, d_model]`.
     fn logits_gradient(&mut self, g: &[f32]) -> Result<()>;
     /// The gradients at layer `layer`'s readers.
     fn layer_gradients(&mut self, layer: usize, g: &ReaderGrads) -> Result<()>;
+}
+
+/// A layer's heads as a run's forward has them (the rows from the sink's
+/// [`BranchSink::rows_from`] on): the attention's output `z` and the o projection's rows.
+pub struct LayerHeads<'a> {
+    pub(super) model: &'a Model,
+    pub(super) layer: usize,
+    /// `[rows, n_heads·head_dim]`
+    pub z: &'a [f32],
+    /// `[rows, d_model]`: the o projection's output (a post-norm's scale comes from it)
+    pub(super) attn_proj: &'a [f32],
+}
+
+impl LayerHeads<'_> {
+    /// The heads' outputs, `[n_heads][rows, d_model]` flat ([`Model::head_outputs`]).
+    pub fn outputs(&self) -> Vec<f32> {
+        self.model.head_outputs(self.layer, self.z, self.attn_proj)
+    }
+
+    /// Whether a head's output is linear in its `z`: true unless a post-attention norm scales
+    /// it by the run's own row scale.
+    pub fn linear(&self) -> bool {
+        self.model.weights.layers[self.layer].post_norms.is_none()
+    }
+
+    /// The outputs these heads give for other rows `z` (`[rows, n_heads·head_dim]`): a
+    /// difference of two runs' `z` gives the difference of their outputs, in one product
+    /// rather than two. Only where [`LayerHeads::linear`].
+    pub fn outputs_of(&self, z: &[f32]) -> Vec<f32> {
+        assert!(self.linear(), "a post-norm's heads are not linear in z");
+        self.model.head_outputs(self.layer, z, self.attn_proj)
+    }
 }
 
 impl Model {
@@ -220,8 +253,8 @@ impl Model {
 }
 
 /// The RMSNorm backward of each `[n, d]` block of `dys` (in place) at the rows `x`, with
-/// weights `w`: [`super::norm_backward`]'s arithmetic (f64 per row), the rows' scales computed
-/// once for every block.
+/// weights `w`: [`super::norm_backward`]'s arithmetic (f64 per row; its sum in 8 lanes, so
+/// the last bits may differ), the rows' scales computed once for every block.
 fn rms_backward_many(x: &[f32], w: &[f32], eps: f32, dys: &mut [f32]) {
     let d = w.len();
     let inv: Vec<f64> = x
@@ -233,19 +266,36 @@ fn rms_backward_many(x: &[f32], w: &[f32], eps: f32, dys: &mut [f32]) {
         .collect();
     let rows = x.len() / d;
     dys.par_chunks_mut(d).enumerate().for_each(|(i, dy)| {
-        let (xr, inv) = (&x[(i % rows) * d..][..d], inv[i % rows]);
-        let gx = dy
-            .iter()
-            .zip(w)
-            .zip(xr)
-            .map(|((&g, &w), &x)| g as f64 * w as f64 * x as f64)
-            .sum::<f64>()
-            / d as f64;
-        let c = inv * inv * inv * gx;
-        for ((o, &w), &x) in dy.iter_mut().zip(w).zip(xr) {
+        rms_back_row(dy, w, &x[(i % rows) * d..][..d], inv[i % rows]);
+    });
+}
+
+multiversion! {
+    /// One row of [`rms_backward_many`]: `dy` (in place) through RMSNorm at the row `x` whose
+    /// scale is `inv`, in f64; `Σ dy·w·x` summed in 8 lanes (then added in order), so it
+    /// vectorizes.
+    fn rms_back_row(dy: &mut [f32], w: &[f32], x: &[f32], inv: f64) {
+        let d = w.len();
+        let mut lanes = [0f64; 8];
+        let whole = d / 8 * 8;
+        for ((g, w), x) in dy[..whole]
+            .chunks_exact(8)
+            .zip(w.chunks_exact(8))
+            .zip(x.chunks_exact(8))
+        {
+            for j in 0..8 {
+                lanes[j] += g[j] as f64 * w[j] as f64 * x[j] as f64;
+            }
+        }
+        let mut gx: f64 = lanes.iter().sum();
+        for j in whole..d {
+            gx += dy[j] as f64 * w[j] as f64 * x[j] as f64;
+        }
+        let c = inv * inv * inv * (gx / d as f64);
+        for ((o, &w), &x) in dy.iter_mut().zip(w).zip(x) {
             *o = (inv * (*o as f64 * w as f64) - c * x as f64) as f32;
         }
-    });
+    }
 }
 
 /// Each row's RMSNorm scale `1/√(mean(x²) + ε)` of `x` (`[rows, width]`), as the forward's

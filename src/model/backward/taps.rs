@@ -176,8 +176,13 @@ impl Tap<'_> {
             Some(sink) if sink.wants_nodes() => {
                 let (from, dm) = (sink.rows_from(), model.dims.d_model);
                 let zw = model.dims.n_heads * model.dims.head_dim;
-                let outs = model.head_outputs(l, &z[from * zw..], &attn_proj[from * dm..]);
-                sink.heads(l, &outs)?;
+                let heads = super::branches::LayerHeads {
+                    model,
+                    layer: l,
+                    z: &z[from * zw..],
+                    attn_proj: &attn_proj[from * dm..],
+                };
+                sink.heads(l, &heads)?;
                 sink.mlp(l, &mlp_out[from * dm..])
             }
             _ => Ok(()),
