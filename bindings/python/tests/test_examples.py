@@ -158,7 +158,8 @@ def test_the_transformerlens_demo(tmp_path, torch_python):
     row0 = [float(x) for x in re.search(r"tensor\(\[\[([^\]]+)\]", out).group(1).replace("\n", " ").split(",")]
     assert len(row0) == n, row0
     assert sum(abs(x - clean) < 1e-4 for x in row0) == 1 and sum(abs(x - corrupt) < 1e-4 for x in row0) == n - 1, row0
-    loss = re.search(r"^loss (\S+) ablated (\S+)$", out, re.M)
+    # a 0-d tensor under torch, as TransformerLens returns it (`tensor(3.85)`), else a 0-d array
+    loss = re.search(r"^loss (?:tensor\()?([\d.]+)\)? ablated (?:tensor\()?([\d.]+)\)?$", out, re.M)
     assert loss and 0 < float(loss.group(1)) != float(loss.group(2)) > 0, out
     assert re.search(r"^pattern-ablated diff -?[\d.]+$", out, re.M), out
     dla = re.search(r"^top heads by DLA \[(.+)\]$", out, re.M)
