@@ -14,7 +14,6 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 pub mod analysis;
-pub mod cli;
 pub mod commands;
 #[doc(hidden)]
 #[cfg(feature = "fuzzing")]
