@@ -3,13 +3,16 @@
 
 Reads rustdoc's JSON of the library (nightly):
 
-    cargo +nightly rustdoc --lib --release -- -Z unstable-options --output-format json
+    cargo +nightly rustdoc --lib --release -- -Z unstable-options --output-format json \
+        --document-hidden-items
     python3 tools/public_items.py target/doc/attnscope.json            # counts by kind
     python3 tools/public_items.py target/doc/attnscope.json --markdown # docs/api.md's list
 
 An item counts when it is reachable from the crate root through public paths that are not
-`#[doc(hidden)]` (rustdoc strips hidden items from its JSON, so walking the root's modules and
-re-exports sees exactly what the rendered docs show). Each item counts once however many paths
+`#[doc(hidden)]`: the walk skips hidden items and modules but follows a visible `pub use` into a
+hidden module, as the rendered docs inline such a re-export (the JSON needs
+`--document-hidden-items` for that: without it, rustdoc drops the re-exported item from its
+index; a JSON made without it still counts right when nothing is re-exported from hidden modules). Each item counts once however many paths
 reach it. Kinds: fn, struct, enum, trait, type, const, static, macro (modules are given apart).
 The second figure is the members of the visible types: the public methods, associated consts
 and types of their inherent impls, and the items a visible trait declares; the third, the
@@ -34,6 +37,10 @@ KINDS = {
 }
 
 
+def hidden(item):
+    return any("doc(hidden)" in json.dumps(a).replace(" ", "") for a in item["attrs"])
+
+
 def kind_of(item):
     return next(iter(item["inner"]))
 
@@ -48,13 +55,15 @@ def walk(doc):
         path, mid = stack.pop()
         for cid in index[str(mid)]["inner"]["module"]["items"]:
             item = index.get(str(cid))
-            if item is None:
+            if item is None or hidden(item):
                 continue
             if kind_of(item) == "use":
                 use = item["inner"]["use"]
                 target = index.get(str(use["id"])) if use["id"] is not None else None
                 if target is None or target["crate_id"] != 0:
                     external.append(f"{path}::{use['name']} = {use['source']}")
+                    continue
+                if hidden(target):
                     continue
                 if use["is_glob"]:
                     stack.append((path, use["id"]))

@@ -175,7 +175,7 @@ fn token_scores(model: &Model, tokens: &[u32], scores: Vec<f32>) -> Vec<TokenSco
         .collect()
 }
 
-/// [`attribute`] on an encoder: occlusion by deletion of the sentence embedding or the [CLS]
+/// [`attribute`] on an encoder: occlusion by deletion of the sentence embedding or the \[CLS\]
 /// vector (`1 − cos` to the text's); the other methods are refused, saying why.
 fn attribute_encoder(
     model: &Model,

@@ -407,6 +407,8 @@ pub struct LayerDiff {
     pub head_mean_js: f64,
 }
 
+/// `compare`'s report: two runs' attention (two texts or two models) side by side, per layer and
+/// head, with their distances.
 #[derive(Clone, Debug, Serialize)]
 pub struct CompareReport {
     /// "texts", "models" or "precisions"

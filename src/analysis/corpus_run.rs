@@ -127,7 +127,7 @@ impl CorpusRequest {
 }
 
 /// The aggregate over a corpus: a decoder's (sinks, concentration, massive activations,
-/// faithfulness) or an encoder's ([CLS]/[SEP]/punctuation). Serialized as the aggregate itself
+/// faithfulness) or an encoder's (\[CLS\]/\[SEP\]/punctuation). Serialized as the aggregate itself
 /// (`corpus --json`).
 #[derive(Clone, Debug, Serialize)]
 #[serde(untagged)]

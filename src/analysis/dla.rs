@@ -23,6 +23,8 @@ pub struct HeadPart {
     pub sink: f32,
 }
 
+/// `dla`'s report: direct logit attribution of the answer (against a wrong answer) to each
+/// layer's attention heads and MLP.
 #[derive(Clone, Debug, Serialize)]
 pub struct DlaReport {
     pub model: String,

@@ -66,6 +66,8 @@ pub struct TokenRow {
     pub methods: ByMethod<f32>,
 }
 
+/// `faithfulness`'s report: how well attention, gradients and the other explanations rank the
+/// tokens that matter, against occlusion.
 #[derive(Clone, Debug, Serialize)]
 pub struct FaithReport {
     pub model: String,
@@ -149,7 +151,7 @@ impl Gradients {
 #[derive(Clone, Debug)]
 pub struct FaithRequest {
     /// The target: the model's next token, an id or a token's text; on an encoder `next` or
-    /// `embedding` (the sentence embedding) or `cls` (the [CLS] vector).
+    /// `embedding` (the sentence embedding) or `cls` (the \[CLS\] vector).
     pub target: Target,
     /// The neutral token swapped in by the replacement occlusion (one token).
     pub replacement: String,
@@ -176,7 +178,7 @@ impl Default for FaithRequest {
 }
 
 /// A faithfulness report: a decoder's (against occlusion, for the target's log-probability) or
-/// an encoder's (against deletion, for the sentence embedding or the [CLS] vector). Serialized
+/// an encoder's (against deletion, for the sentence embedding or the \[CLS\] vector). Serialized
 /// as the report itself (`faithfulness --json`).
 #[derive(Clone, Debug, Serialize)]
 #[serde(untagged)]

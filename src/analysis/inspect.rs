@@ -89,6 +89,8 @@ pub struct SinkSummary {
     pub all_queries: ProfileMarks,
 }
 
+/// `inspect`'s report on a decoder: the per-head and head-averaged top keys, entropy, sinks and
+/// the next-token prediction.
 #[derive(Clone, Debug, Serialize)]
 pub struct InspectReport {
     pub model: ModelFacts,
@@ -328,7 +330,7 @@ fn caution(texts: &[String], sink: &SinkSummary, layers: &[LayerRow], q: usize) 
 /// What `inspect` reports on: the CLI's flags, Python's `model.inspect` arguments.
 #[derive(Clone, Debug)]
 pub struct Request {
-    /// the query position (default: the last token; an encoder's [CLS])
+    /// the query position (default: the last token; an encoder's \[CLS\])
     pub query: Option<usize>,
     /// the layer of the per-head table (default: the last)
     pub layer: Option<usize>,
@@ -363,7 +365,7 @@ pub enum Inspected {
         forward_s: f64,
         attention_s: f64,
     },
-    /// an encoder's [CLS]/[SEP]/punctuation shares and rows
+    /// an encoder's \[CLS\]/\[SEP\]/punctuation shares and rows
     Encoder {
         report: EncoderReport,
         forward_s: f64,

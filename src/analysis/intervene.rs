@@ -31,6 +31,8 @@ impl AblateMethod {
 /// The most positions stacked into one forward by default (`--batch-rows`).
 pub const DEFAULT_BATCH_ROWS: usize = 1024;
 
+/// What `ablate` removes (each head in turn, zeroed or replaced by its mean) and the token whose
+/// log-probability it watches.
 #[derive(Clone, Debug)]
 pub struct AblateOptions {
     pub method: AblateMethod,
@@ -78,6 +80,8 @@ pub struct Correlation {
     pub kendall: Option<f64>,
 }
 
+/// `ablate`'s report: each head's effect on the target's log-probability when removed, and how
+/// the effects correlate with the head's attention.
 #[derive(Clone, Debug, Serialize)]
 pub struct AblateReport {
     pub model: String,
@@ -278,6 +282,8 @@ pub fn ablate(
     })
 }
 
+/// What `patch` patches: the hook point, the answer and wrong tokens whose logit difference it
+/// measures.
 #[derive(Clone, Debug)]
 pub struct PatchOptions {
     pub hook: PatchHook,
@@ -288,6 +294,8 @@ pub struct PatchOptions {
     pub batch_rows: usize,
 }
 
+/// `patch`'s report: activation patching from the clean run into the corrupted one, per layer and
+/// position (or head), as the share of the logit difference restored.
 #[derive(Clone, Debug, Serialize)]
 pub struct PatchReport {
     pub model: String,

@@ -71,6 +71,7 @@ pub struct QkTerm {
     pub value: f64,
 }
 
+/// `qk`'s report: one head's attention score split into its query-side and key-side terms.
 #[derive(Clone, Debug, Serialize)]
 pub struct QkReport {
     pub model: String,

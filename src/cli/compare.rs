@@ -1,7 +1,9 @@
 //! `attnscope compare`: two texts, two models or two precisions side by side.
 
 use super::common::{emit, output_path, read_text, LESSON_SENTENCE};
-use attnscope::commands::compare::{self as command, CompareCommand, CompareOptions, CompareReport};
+use attnscope::commands::compare::{
+    self as command, CompareCommand, CompareOptions, CompareReport,
+};
 use attnscope::model::fetch::DEFAULT_MODEL;
 use attnscope::model::tokenize::visible;
 use attnscope::model::Precision;

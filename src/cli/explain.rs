@@ -177,7 +177,10 @@ fn quiz_mask(texts: &[String]) -> Answer {
 
 /// Question 5: the rows' sums and the masked weights, measured on every layer and head; and the
 /// last position's logits.
-fn quiz_rows(model: &attnscope::model::Model, tokens: &[u32]) -> anyhow::Result<(Answer, Vec<f32>)> {
+fn quiz_rows(
+    model: &attnscope::model::Model,
+    tokens: &[u32],
+) -> anyhow::Result<(Answer, Vec<f32>)> {
     let (d, n) = (&model.dims, tokens.len());
     let r = attnscope::commands::explain::rows(model, tokens)?;
     let (worst_sum, worst_masked) = (r.max_row_sum_error, r.max_masked_weight);
@@ -282,8 +285,14 @@ fn rnn(a: &Args) -> anyhow::Result<()> {
             "sequential steps RNN / attn",
             attnscope::render::table::Align::Right,
         ),
-        ("path x₁→y RNN / attn", attnscope::render::table::Align::Right),
-        ("‖∂y/∂x₁‖ RNN (tanh)", attnscope::render::table::Align::Right),
+        (
+            "path x₁→y RNN / attn",
+            attnscope::render::table::Align::Right,
+        ),
+        (
+            "‖∂y/∂x₁‖ RNN (tanh)",
+            attnscope::render::table::Align::Right,
+        ),
         ("linear RNN", attnscope::render::table::Align::Right),
         ("= rhoⁿ⁻¹‖U‖", attnscope::render::table::Align::Right),
         ("attention", attnscope::render::table::Align::Right),

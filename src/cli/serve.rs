@@ -549,7 +549,11 @@ impl ViewRequest {
 
     /// Refuses what this server will not run: no text (400), more than `--max-chars`
     /// characters, faithfulness on more than `--max-faithfulness-tokens` tokens (413).
-    fn check(&self, model: &attnscope::model::Model, a: &Args) -> Result<(), (&'static str, String)> {
+    fn check(
+        &self,
+        model: &attnscope::model::Model,
+        a: &Args,
+    ) -> Result<(), (&'static str, String)> {
         let Some(text) = &self.text else {
             return Err(("400 Bad Request", "no text was given".into()));
         };

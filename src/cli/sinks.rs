@@ -187,7 +187,11 @@ fn layer_table(layers: &[LayerStats], epsilon: f64, peak_layer: usize) -> String
 
 /// The massive activations' lines (Sun et al. 2024): in how many layers, the largest, and the
 /// dimensions and tokens they sit on.
-fn massive_lines(model: &attnscope::model::Model, tokens: &[u32], massive: &[LayerMassive]) -> String {
+fn massive_lines(
+    model: &attnscope::model::Model,
+    tokens: &[u32],
+    massive: &[LayerMassive],
+) -> String {
     let with: Vec<&LayerMassive> = massive.iter().filter(|m| m.massive > 0).collect();
     let mut s = format!(
         "massive activations (Sun et al. 2024: |x| > 100 and ≥ 1,000 × the layer's median |x|) in {} of {} layers' outputs",

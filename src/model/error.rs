@@ -3,6 +3,8 @@
 
 use std::path::PathBuf;
 
+/// The library's error: what went wrong loading or running a model, each variant naming the cause
+/// and what to do (the CLI prints it and exits 2).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -188,4 +190,5 @@ impl Error {
     }
 }
 
+/// The library's result: `Ok(T)` or an [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;

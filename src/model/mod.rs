@@ -69,6 +69,8 @@ pub struct ModelInfo {
     pub warnings: Vec<String>,
 }
 
+/// A loaded model: its dimensions, tokenizer and packed weights, and the forward and backward
+/// that run on them with every hook point handed to an [`Observer`](crate::Observer).
 pub struct Model {
     pub dims: ModelDims,
     pub info: ModelInfo,

@@ -84,7 +84,7 @@ pub enum ViewMaps {
 }
 
 /// What an encoder's page adds: which text each token belongs to, where the second begins, and
-/// the [CLS]/[SEP]/punctuation shares per layer.
+/// the \[CLS\]/\[SEP\]/punctuation shares per layer.
 pub struct EncoderFacts {
     pub token_types: Vec<u32>,
     pub sentence_b_start: Option<usize>,
@@ -156,7 +156,7 @@ fn encoded_value_norms(report: &ViewReport) -> Vec<String> {
 /// The view page for attention patterns computed elsewhere: `patterns` is `[layers, heads, n,
 /// n]` (rows sum to 1, masked weights 0), `tokens` the n token texts. Used by the Python
 /// package's `attnscope.viz.attention_heads`. Patterns with weight above the diagonal (an
-/// encoder's) get the encoder's page: whole maps, the [CLS]/[SEP]/punctuation chart.
+/// encoder's) get the encoder's page: whole maps, the \[CLS\]/\[SEP\]/punctuation chart.
 pub fn pattern_page(
     patterns: &[f32],
     shape: [usize; 4],

@@ -86,6 +86,7 @@ pub fn single_token(model: &Model, text: &str, what: &str) -> Result<u32> {
     }
 }
 
+/// A token as a report names it: its position, id and text.
 #[derive(Clone, Debug, Serialize)]
 pub struct TokenRef {
     pub id: u32,

@@ -226,7 +226,7 @@ pub enum Matrix {
     /// ([`crate::kernels::amx::scaled`]).
     Scaled(PackedScaled),
     /// `--memory low`: the file's own blocks, mapped, dequantized a panel at a time into the
-    /// f32 kernel's layout for each product ([`lowmem`]).
+    /// f32 kernel's layout for each product (`lowmem`).
     Quant(QuantB),
 }
 
@@ -592,7 +592,7 @@ pub struct Weights {
 }
 
 /// What an encoder adds to the embeddings: `LayerNorm(word + position + token type)`, and the
-/// pooler over [CLS] when the checkpoint has one.
+/// pooler over \[CLS\] when the checkpoint has one.
 pub struct EncoderWeights {
     /// `[type_vocab, d_model]`.
     pub token_types: Vec<f32>,
