@@ -142,7 +142,9 @@ pub enum CorpusAggregate {
 /// (empty, too long: `text 3: ...`).
 #[derive(Clone, Debug)]
 pub struct CorpusOutcome {
+    /// the statistics over the texts that ran
     pub aggregate: CorpusAggregate,
+    /// the texts skipped, each with its reason
     pub skipped: Vec<String>,
 }
 

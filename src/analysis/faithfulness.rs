@@ -70,13 +70,21 @@ pub struct TokenRow {
 /// tokens that matter, against occlusion.
 #[derive(Clone, Debug, Serialize)]
 pub struct FaithReport {
+    /// the model's name
     pub model: String,
+    /// the precision it ran at (`exact` or `fast`)
     pub precision: String,
+    /// the token whose probability the rankings are measured on
     pub target: TargetInfo,
+    /// what an occluded token is replaced with
     pub replacement: TargetInfoLite,
+    /// the query position
     pub query: usize,
+    /// each token's scores under every explanation
     pub tokens: Vec<TokenRow>,
+    /// each explanation's agreement with occlusion
     pub metrics: Vec<MetricRow>,
+    /// the forward passes run
     pub forward_passes: usize,
     /// Integrated gradients' completeness gap `Σ scores − (f(x) − f(0))`, when they ran.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -87,6 +95,7 @@ pub struct FaithReport {
     /// The explanation (every ranking but the single heads and the random one) with the highest
     /// Spearman ρ against deletion over all tokens.
     pub most_faithful: Option<Best>,
+    /// the result in one sentence
     pub conclusion: String,
 }
 

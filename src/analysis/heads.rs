@@ -73,7 +73,9 @@ pub struct RoleScores {
 /// The scores, `roles[role][layer][head]`, with the uniform head's score per role for scale.
 #[derive(Clone, Debug, Serialize, serde::Deserialize, PartialEq)]
 pub struct HeadRoles {
+    /// the token ids the roles were scored on
     pub tokens: Vec<u32>,
+    /// `roles[role][layer][head]`: each head's score per role
     pub roles: std::collections::BTreeMap<String, Vec<Vec<f64>>>,
     /// the score of a head that spreads its weight evenly over every visible key
     pub uniform: std::collections::BTreeMap<String, f64>,

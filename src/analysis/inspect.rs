@@ -93,14 +93,23 @@ pub struct SinkSummary {
 /// the next-token prediction.
 #[derive(Clone, Debug, Serialize)]
 pub struct InspectReport {
+    /// the model's facts
     pub model: ModelFacts,
+    /// the input tokens
     pub tokens: Vec<TokenInfo>,
+    /// the query position
     pub query: usize,
+    /// the layer of the per-head table
     pub layer: usize,
+    /// the per-head table: each head's top keys at `layer`
     pub heads: Vec<HeadRow>,
+    /// the head-averaged table: the layers' top keys
     pub layers: Vec<LayerRow>,
+    /// the weight on the first token (the attention sink)
     pub sink: SinkSummary,
+    /// the model's most likely next tokens
     pub next_token: Vec<NextToken>,
+    /// what attention weights do not say, in one sentence
     pub caution: String,
 }
 

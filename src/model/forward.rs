@@ -322,6 +322,7 @@ impl KvPrefix {
 }
 
 impl RunOptions {
+    /// Options that compute the logits of the last of `n` positions only.
     pub fn last_logits(n: usize) -> Self {
         RunOptions {
             logits_at: vec![n.saturating_sub(1)],
@@ -345,6 +346,7 @@ pub struct Timings {
 pub struct ForwardOut {
     /// One row of `vocab_size` logits per entry of `RunOptions::logits_at`.
     pub logits: Vec<Vec<f32>>,
+    /// how long the parts of the forward took
     pub timings: Timings,
     /// Every layer's keys and values, when `RunOptions::keep_kv` was set.
     pub kv: Option<KvPrefix>,

@@ -95,15 +95,21 @@ pub struct EncoderFacts {
 /// the maps, the value norms `‖W_Oʰ vⱼ‖` per layer (heads × keys), and the panels' reports. Not
 /// serialized: the maps are the page's bulk, encoded by [`page`].
 pub struct ViewReport {
+    /// the model's name
     pub model_name: String,
     /// the model's facts (`ModelFacts`), as JSON
     pub model: serde_json::Value,
     /// the token texts
     pub tokens: Vec<String>,
+    /// the number of layers
     pub n_layers: usize,
+    /// the number of query heads
     pub n_heads: usize,
+    /// the number of key/value heads
     pub n_kv_heads: usize,
+    /// the attention maps the page shows
     pub maps: ViewMaps,
+    /// per layer, the value norms `‖W_Oʰ vⱼ‖` (heads × keys)
     pub value_norms: Vec<Vec<f32>>,
     /// `attnscope faithfulness`'s report, for the faithfulness panel
     pub faithfulness: Option<serde_json::Value>,

@@ -35,8 +35,10 @@ pub enum Precision {
 }
 
 impl Precision {
+    /// Every precision, `exact` first.
     pub const ALL: [Precision; 2] = [Precision::Exact, Precision::Fast];
 
+    /// The precision's name (`exact`, `fast`).
     pub fn name(self) -> &'static str {
         match self {
             Precision::Exact => "exact",
