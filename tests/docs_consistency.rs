@@ -285,3 +285,115 @@ fn the_docs_and_the_refusal_name_exactly_the_registrys_families() {
         "docs/errors.md's unknown architecture row does not name: {sentence}"
     );
 }
+
+/// The names `src/lib.rs` re-exports at the crate root (`pub use a::b::{C, d as e};`, the
+/// `as` name where there is one), and its `#[macro_export]` macros: what docs/api.md lists at
+/// `attnscope::NAME`. A `pub use` inside `pub mod fixtures { .. }` is that module's, not the root's.
+fn lib_rs_exports() -> Vec<String> {
+    let lib = std::fs::read_to_string(root().join("src/lib.rs")).unwrap();
+    let code: String = lib
+        .lines()
+        .filter(|l| !l.trim_start().starts_with("//"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let mut names = Vec::new();
+    let (mut depth, mut rest) = (0usize, code.as_str());
+    while let Some(at) = rest.find(['{', '}', 'p']) {
+        let tail = &rest[at..];
+        if tail.starts_with('{') {
+            depth += 1;
+        } else if tail.starts_with('}') {
+            depth -= 1;
+        } else if depth == 0 && tail.starts_with("pub use ") {
+            let end = tail.find(';').expect("a pub use ends with ;");
+            names.extend(use_names(&tail["pub use ".len()..end]));
+            rest = &tail[end..];
+            continue;
+        }
+        rest = &tail[1..];
+    }
+    names.extend(exported_macros());
+    names.sort();
+    names
+}
+
+/// The names one `pub use` brings in: `a::b::C`, `a::{C, d as e}`.
+fn use_names(tree: &str) -> Vec<String> {
+    let inner = match (tree.find('{'), tree.rfind('}')) {
+        (Some(a), Some(b)) => &tree[a + 1..b],
+        _ => tree.rsplit("::").next().unwrap(),
+    };
+    inner
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            s.rsplit(" as ")
+                .next()
+                .unwrap()
+                .rsplit("::")
+                .next()
+                .unwrap()
+        })
+        .map(|s| s.trim().to_string())
+        .collect()
+}
+
+/// The `#[macro_export]` macros under src/ (they live at the crate root).
+fn exported_macros() -> Vec<String> {
+    let mut out = Vec::new();
+    let mut stack = vec![root().join("src")];
+    while let Some(dir) = stack.pop() {
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                let text = std::fs::read_to_string(&p).unwrap();
+                for (i, _) in text.match_indices("#[macro_export]") {
+                    let after = &text[i..];
+                    let name = after
+                        .split("macro_rules!")
+                        .nth(1)
+                        .expect("a macro after it");
+                    out.push(
+                        name.trim_start()
+                            .split(['{', '(', ' '])
+                            .next()
+                            .unwrap()
+                            .into(),
+                    );
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The items docs/api.md lists at the crate root (`| `attnscope::NAME` | kind | ... |`).
+fn api_md_root_items() -> Vec<String> {
+    let md = std::fs::read_to_string(root().join("docs/api.md")).unwrap();
+    let mut names: Vec<String> = md
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `attnscope::"))
+        .filter_map(|l| l.split('`').next())
+        .filter(|p| !p.contains("::"))
+        .map(str::to_string)
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn api_md_lists_lib_rs_re_exports() {
+    let (lib, md) = (lib_rs_exports(), api_md_root_items());
+    assert!(lib.len() >= 50, "lib.rs's re-exports not found: {lib:?}");
+    let missing: Vec<_> = lib.iter().filter(|n| !md.contains(n)).collect();
+    let extra: Vec<_> = md.iter().filter(|n| !lib.contains(n)).collect();
+    assert!(
+        missing.is_empty() && extra.is_empty(),
+        "docs/api.md and src/lib.rs's re-exports disagree (regenerate docs/api.md: \
+         tools/public_items.py's header says how): in lib.rs only: {missing:?}; in api.md only: \
+         {extra:?}"
+    );
+}

@@ -36,6 +36,7 @@ use serde::Serialize;
 /// What to attribute and how.
 #[derive(Clone, Debug)]
 pub struct AttributeOptions {
+    /// the attribution method
     pub method: Method,
     /// The token whose log-probability is explained (the answer of a logit difference).
     pub target: Target,
@@ -57,8 +58,11 @@ pub struct TokenScore {
 /// An attribution: a score per input token, with the explained metric.
 #[derive(Clone, Debug, Serialize)]
 pub struct AttributeReport {
+    /// the model's name
     pub model: String,
+    /// the precision it ran at (`exact` or `fast`)
     pub precision: String,
+    /// the attribution method
     pub method: Method,
     /// The explained token (the answer of a logit difference); none on an encoder, which
     /// explains a vector (`encoder_target`).
@@ -67,6 +71,7 @@ pub struct AttributeReport {
     /// An encoder's target vector: `embedding` or `cls` (scores are `1 − cos`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub encoder_target: Option<EncoderTarget>,
+    /// the wrong token of a logit difference, when one is explained
     #[serde(skip_serializing_if = "Option::is_none")]
     pub wrong: Option<TokenRef>,
     /// `log p(target | text)` at the last position (none on an encoder).
@@ -79,6 +84,7 @@ pub struct AttributeReport {
     pub metric: &'static str,
     /// Its value on the text.
     pub value: f32,
+    /// each input token's score
     pub tokens: Vec<TokenScore>,
     /// Integrated gradients: `Σ scores − (f(x) − f(0))`.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -175,7 +181,7 @@ fn token_scores(model: &Model, tokens: &[u32], scores: Vec<f32>) -> Vec<TokenSco
         .collect()
 }
 
-/// [`attribute`] on an encoder: occlusion by deletion of the sentence embedding or the [CLS]
+/// [`attribute`] on an encoder: occlusion by deletion of the sentence embedding or the \[CLS\]
 /// vector (`1 − cos` to the text's); the other methods are refused, saying why.
 fn attribute_encoder(
     model: &Model,

@@ -407,19 +407,25 @@ pub struct LayerDiff {
     pub head_mean_js: f64,
 }
 
+/// `compare`'s report: two runs' attention (two texts or two models) side by side, per layer and
+/// head, with their distances.
 #[derive(Clone, Debug, Serialize)]
 pub struct CompareReport {
     /// "texts", "models" or "precisions"
     pub mode: String,
+    /// the first side: its model, text and tokens
     pub a: Side,
+    /// the second side
     pub b: Side,
     /// Whether both sides ran the same token ids (rows then line up token by token).
     pub same_tokens: bool,
+    /// per layer, how the two sides' attention differs
     pub layers: Vec<LayerDiff>,
     /// `[layer][head]`: JS divergence (bits) of the query's rows
     pub js: Vec<Vec<f64>>,
     /// The heads with the largest JS divergence, largest first.
     pub top_changed: Vec<HeadChange>,
+    /// the comparison in one sentence
     pub summary: String,
     /// Two texts on an encoder: the cosine similarity of their sentence embeddings (mean-pooled,
     /// as sentence-transformers computes them).

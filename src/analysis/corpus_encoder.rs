@@ -26,20 +26,20 @@ pub struct EncoderRecord {
     /// Always "encoder": what tells these records from a decoder's.
     pub kind: String,
     pub n_tokens: usize,
-    /// Per layer: the share of attention on [CLS] (mean over heads and queries).
+    /// Per layer: the share of attention on \[CLS\] (mean over heads and queries).
     pub cls: Vec<f32>,
-    /// Per layer: the share on [SEP].
+    /// Per layer: the share on \[SEP\].
     pub sep: Vec<f32>,
     /// Per layer: the share on punctuation tokens.
     pub punct: Vec<f32>,
-    /// Per layer, per head: the share on [CLS] (mean over queries).
+    /// Per layer, per head: the share on \[CLS\] (mean over queries).
     pub head_cls: Vec<Vec<f32>>,
-    /// Per layer, per head: the share on [SEP].
+    /// Per layer, per head: the share on \[SEP\].
     pub head_sep: Vec<Vec<f32>>,
 }
 
-/// A head counts as [SEP]-attending in a text when at least this share of its attention (mean
-/// over queries) lands on [SEP].
+/// A head counts as \[SEP\]-attending in a text when at least this share of its attention (mean
+/// over queries) lands on \[SEP\].
 pub const SEP_HEAD_SHARE: f32 = 0.5;
 
 /// Whether the first record of a record file is an encoder's.
@@ -207,9 +207,9 @@ pub struct EncoderLayerAggregate {
     pub cls: Stat,
     pub sep: Stat,
     pub punct: Stat,
-    /// The fraction of (text, head) pairs whose share on [SEP] is at least [`SEP_HEAD_SHARE`].
+    /// The fraction of (text, head) pairs whose share on \[SEP\] is at least [`SEP_HEAD_SHARE`].
     pub sep_heads_fraction: f64,
-    /// The same for [CLS].
+    /// The same for \[CLS\].
     pub cls_heads_fraction: f64,
 }
 
@@ -222,7 +222,7 @@ pub struct EncoderAggregate {
     pub sentences: usize,
     pub tokens: usize,
     pub layers: Vec<EncoderLayerAggregate>,
-    /// The layer with the largest mean share on [SEP].
+    /// The layer with the largest mean share on \[SEP\].
     pub peak_sep_layer: usize,
 }
 

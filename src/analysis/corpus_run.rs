@@ -127,7 +127,7 @@ impl CorpusRequest {
 }
 
 /// The aggregate over a corpus: a decoder's (sinks, concentration, massive activations,
-/// faithfulness) or an encoder's ([CLS]/[SEP]/punctuation). Serialized as the aggregate itself
+/// faithfulness) or an encoder's (\[CLS\]/\[SEP\]/punctuation). Serialized as the aggregate itself
 /// (`corpus --json`).
 #[derive(Clone, Debug, Serialize)]
 #[serde(untagged)]
@@ -142,7 +142,9 @@ pub enum CorpusAggregate {
 /// (empty, too long: `text 3: ...`).
 #[derive(Clone, Debug)]
 pub struct CorpusOutcome {
+    /// the statistics over the texts that ran
     pub aggregate: CorpusAggregate,
+    /// the texts skipped, each with its reason
     pub skipped: Vec<String>,
 }
 

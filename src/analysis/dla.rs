@@ -23,23 +23,34 @@ pub struct HeadPart {
     pub sink: f32,
 }
 
+/// `dla`'s report: direct logit attribution of the answer (against a wrong answer) to each
+/// layer's attention heads and MLP.
 #[derive(Clone, Debug, Serialize)]
 pub struct DlaReport {
+    /// the model's name
     pub model: String,
+    /// the input tokens
     pub tokens: Vec<TokenRef>,
+    /// the position whose prediction is explained
     pub query: usize,
+    /// the answer token
     pub answer: TokenRef,
+    /// the wrong token, for a logit difference
     #[serde(skip_serializing_if = "Option::is_none")]
     pub wrong: Option<TokenRef>,
     /// the metric as the model computes it: logit(answer) [− logit(wrong)]
     pub metric: f32,
     /// the parts below, added up (with the final norm's bias); the gap to `metric` is rounding
     pub sum_of_parts: f32,
+    /// the embeddings' part
     pub embed: f32,
+    /// each attention head's part
     pub heads: Vec<HeadPart>,
     /// W_O's bias of each layer (zeros where there is none)
     pub attn_bias: Vec<f32>,
+    /// each layer's MLP's part
     pub mlp: Vec<f32>,
+    /// the final norm's bias's part
     pub final_bias: f32,
     /// the final norm's scale at the last position (1/RMS, or 1/σ for LayerNorm)
     pub final_scale: f32,

@@ -1,7 +1,7 @@
 //! `faithfulness` on an encoder: the forward-only explanations (attention of the last layer and
 //! of every layer, rollout, norm-based attention) ranked against deletion, where a token's true
-//! importance is `1 − cos(v(text without it), v(text))` for the sentence embedding or the [CLS]
-//! vector ([`EncoderTarget`]). For `cls` the explanations read the [CLS] query's rows; for
+//! importance is `1 − cos(v(text without it), v(text))` for the sentence embedding or the \[CLS\]
+//! vector ([`EncoderTarget`]). For `cls` the explanations read the \[CLS\] query's rows; for
 //! `embedding`, which pools every position, the mean of every query's row.
 
 use super::enc_target::{cosine, EncoderTarget};
@@ -209,7 +209,7 @@ impl Explanations {
     }
 }
 
-/// The explanations read from the target's queries: [CLS]'s, or the mean of every position's
+/// The explanations read from the target's queries: \[CLS\]'s, or the mean of every position's
 /// (the embedding pools them all).
 fn explanations(model: &Model, tokens: &[u32], target: EncoderTarget) -> Result<Explanations> {
     let (n, d) = (tokens.len(), &model.dims);

@@ -31,7 +31,7 @@ impl EncoderTarget {
     }
 
     /// The encoder's target for `--target`: `next` (the default) and `embedding` give the
-    /// sentence embedding, `cls` the [CLS] vector; a token (an id or a text) is refused, naming
+    /// sentence embedding, `cls` the \[CLS\] vector; a token (an id or a text) is refused, naming
     /// the two.
     pub fn of(model: &Model, t: &Target) -> Result<Self> {
         match t {

@@ -51,7 +51,7 @@ pub struct SpecialShares {
 struct SharesCollector {
     n: usize,
     query: usize,
-    /// Per key: (is [CLS], is [SEP], is punctuation).
+    /// Per key: (is \[CLS\], is \[SEP\], is punctuation).
     kinds: Vec<(bool, bool, bool)>,
     sums: Vec<[f64; 3]>,
     /// Per layer `[n_heads, n]`.
@@ -141,7 +141,7 @@ impl SharesCollector {
     }
 }
 
-/// Per key: (is [CLS], is [SEP], is punctuation); a [CLS] or [SEP] is never punctuation.
+/// Per key: (is \[CLS\], is \[SEP\], is punctuation); a \[CLS\] or \[SEP\] is never punctuation.
 fn key_kinds(model: &Model, tokens: &[u32]) -> Vec<(bool, bool, bool)> {
     let (cls, sep) = model.special_ids();
     tokens
@@ -158,7 +158,7 @@ fn key_kinds(model: &Model, tokens: &[u32]) -> Vec<(bool, bool, bool)> {
         .collect()
 }
 
-/// The [CLS]/[SEP]/punctuation shares of every layer from patterns captured elsewhere: `maps`
+/// The \[CLS\]/\[SEP\]/punctuation shares of every layer from patterns captured elsewhere: `maps`
 /// yields each layer's `[n_heads, n, n]` weights (the view's); the same sums as [`inspect`].
 pub fn shares_of_patterns<'a>(
     model: &Model,
@@ -169,7 +169,7 @@ pub fn shares_of_patterns<'a>(
 }
 
 /// [`shares_of_patterns`] for patterns without a model (Python's `viz.attention_heads`): a key
-/// is [CLS] or [SEP] when its text is exactly `[CLS]` or `[SEP]`, punctuation as
+/// is \[CLS\] or \[SEP\] when its text is exactly `[CLS]` or `[SEP]`, punctuation as
 /// [`is_punctuation`] says; `maps` yields each layer's `[heads, n, n]`.
 pub fn shares_of_texts<'a>(
     texts: &[String],

@@ -66,15 +66,25 @@ pub struct TokenRow {
     pub methods: ByMethod<f32>,
 }
 
+/// `faithfulness`'s report: how well attention, gradients and the other explanations rank the
+/// tokens that matter, against occlusion.
 #[derive(Clone, Debug, Serialize)]
 pub struct FaithReport {
+    /// the model's name
     pub model: String,
+    /// the precision it ran at (`exact` or `fast`)
     pub precision: String,
+    /// the token whose probability the rankings are measured on
     pub target: TargetInfo,
+    /// what an occluded token is replaced with
     pub replacement: TargetInfoLite,
+    /// the query position
     pub query: usize,
+    /// each token's scores under every explanation
     pub tokens: Vec<TokenRow>,
+    /// each explanation's agreement with occlusion
     pub metrics: Vec<MetricRow>,
+    /// the forward passes run
     pub forward_passes: usize,
     /// Integrated gradients' completeness gap `Σ scores − (f(x) − f(0))`, when they ran.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -85,6 +95,7 @@ pub struct FaithReport {
     /// The explanation (every ranking but the single heads and the random one) with the highest
     /// Spearman ρ against deletion over all tokens.
     pub most_faithful: Option<Best>,
+    /// the result in one sentence
     pub conclusion: String,
 }
 
@@ -149,7 +160,7 @@ impl Gradients {
 #[derive(Clone, Debug)]
 pub struct FaithRequest {
     /// The target: the model's next token, an id or a token's text; on an encoder `next` or
-    /// `embedding` (the sentence embedding) or `cls` (the [CLS] vector).
+    /// `embedding` (the sentence embedding) or `cls` (the \[CLS\] vector).
     pub target: Target,
     /// The neutral token swapped in by the replacement occlusion (one token).
     pub replacement: String,
@@ -176,7 +187,7 @@ impl Default for FaithRequest {
 }
 
 /// A faithfulness report: a decoder's (against occlusion, for the target's log-probability) or
-/// an encoder's (against deletion, for the sentence embedding or the [CLS] vector). Serialized
+/// an encoder's (against deletion, for the sentence embedding or the \[CLS\] vector). Serialized
 /// as the report itself (`faithfulness --json`).
 #[derive(Clone, Debug, Serialize)]
 #[serde(untagged)]

@@ -10,7 +10,7 @@
 //! - local: P[i, j] = 1 for i - 3 ≤ j ≤ i (the mean weight on the last 4 keys).
 //!
 //! An encoder's heads look both ways, so it is scored on other roles (previous/next token,
-//! [CLS], [SEP], broad), defined in [`super::heads_encoder`]; [`roles_of`] picks by the model.
+//! \[CLS\], \[SEP\], broad), defined in [`super::heads_encoder`]; [`roles_of`] picks by the model.
 //!
 //! [`RoleScores`] is an observer: it takes the attention block by block as the forward produces it
 //! (rows of `[heads, rows, keys]`), so no n × n matrix is ever held, whatever the length.
@@ -73,7 +73,9 @@ pub struct RoleScores {
 /// The scores, `roles[role][layer][head]`, with the uniform head's score per role for scale.
 #[derive(Clone, Debug, Serialize, serde::Deserialize, PartialEq)]
 pub struct HeadRoles {
+    /// the token ids the roles were scored on
     pub tokens: Vec<u32>,
+    /// `roles[role][layer][head]`: each head's score per role
     pub roles: std::collections::BTreeMap<String, Vec<Vec<f64>>>,
     /// the score of a head that spreads its weight evenly over every visible key
     pub uniform: std::collections::BTreeMap<String, f64>,
@@ -268,7 +270,7 @@ pub fn random_repeat_tokens(
 
 /// The role scores of one token sequence (streamed: no n × n matrix is held). On a decoder the
 /// roles of [`ROLES`] (causal patterns, against a uniform causal head); on an encoder those of
-/// [`ENCODER_ROLES`] (previous/next token, [CLS], [SEP], broad: `heads_encoder`'s definitions).
+/// [`ENCODER_ROLES`] (previous/next token, \[CLS\], \[SEP\], broad: `heads_encoder`'s definitions).
 pub fn roles_of(model: &Model, tokens: &[u32]) -> anyhow::Result<HeadRoles> {
     roles_of_typed(model, tokens, None)
 }

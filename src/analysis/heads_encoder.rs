@@ -3,14 +3,14 @@
 //! tokens of a text (every query sees every key), each score is a mean over the n queries i:
 //! - previous token: A[i, i-1] (0 for i = 0);
 //! - next token: A[i, i+1] (0 for i = n-1);
-//! - cls: the weight on the `[CLS]` (RoBERTa: `<s>`) keys, Σ_{j: t_j = [CLS]} A[i, j];
+//! - cls: the weight on the `[CLS]` (RoBERTa: `<s>`) keys, Σ_{j: t_j = \[CLS\]} A[i, j];
 //! - sep: the weight on the `[SEP]` (`</s>`) keys: a pair's two or three count together;
 //! - broad: the row's entropy over ln n, H(A[i, ·]) / ln n with H = −Σ_j A[i, j] ln A[i, j]
 //!   (nats; 1 for a head that spreads its weight evenly, 0 for one on a single key).
 //!
 //! Since each row sums to 1, the first four are Σ(A ⊙ P) / Σ A for the role's 0/1 pattern P, the
 //! decoder's head-detector formula ([`super::heads`]) with patterns that look both ways. The
-//! uniform head (A = 1/n everywhere) scores (n−1)/n², (n−1)/n², #[CLS]/n, #[SEP]/n and 1.
+//! uniform head (A = 1/n everywhere) scores (n−1)/n², (n−1)/n², #\[CLS\]/n, #\[SEP\]/n and 1.
 //! [`EncoderRoleScores`] is an observer fed the attention block by block, as the forward hands
 //! it out.
 
@@ -27,14 +27,14 @@ pub struct EncoderRoleScores {
     n_layers: usize,
     n_heads: usize,
     n: usize,
-    /// Per key: (is [CLS], is [SEP]).
+    /// Per key: (is \[CLS\], is \[SEP\]).
     kinds: Vec<(bool, bool)>,
     /// sums[role][layer][head] over the queries seen
     sums: Vec<Vec<Vec<f64>>>,
 }
 
 impl EncoderRoleScores {
-    /// The collector for `tokens` of a model with `n_layers` × `n_heads`, whose [CLS] and [SEP]
+    /// The collector for `tokens` of a model with `n_layers` × `n_heads`, whose \[CLS\] and \[SEP\]
     /// ids are `cls` and `sep` (as [`Model::special_ids`] gives them).
     pub fn new(
         n_layers: usize,

@@ -89,16 +89,27 @@ pub struct SinkSummary {
     pub all_queries: ProfileMarks,
 }
 
+/// `inspect`'s report on a decoder: the per-head and head-averaged top keys, entropy, sinks and
+/// the next-token prediction.
 #[derive(Clone, Debug, Serialize)]
 pub struct InspectReport {
+    /// the model's facts
     pub model: ModelFacts,
+    /// the input tokens
     pub tokens: Vec<TokenInfo>,
+    /// the query position
     pub query: usize,
+    /// the layer of the per-head table
     pub layer: usize,
+    /// the per-head table: each head's top keys at `layer`
     pub heads: Vec<HeadRow>,
+    /// the head-averaged table: the layers' top keys
     pub layers: Vec<LayerRow>,
+    /// the weight on the first token (the attention sink)
     pub sink: SinkSummary,
+    /// the model's most likely next tokens
     pub next_token: Vec<NextToken>,
+    /// what attention weights do not say, in one sentence
     pub caution: String,
 }
 
@@ -328,7 +339,7 @@ fn caution(texts: &[String], sink: &SinkSummary, layers: &[LayerRow], q: usize) 
 /// What `inspect` reports on: the CLI's flags, Python's `model.inspect` arguments.
 #[derive(Clone, Debug)]
 pub struct Request {
-    /// the query position (default: the last token; an encoder's [CLS])
+    /// the query position (default: the last token; an encoder's \[CLS\])
     pub query: Option<usize>,
     /// the layer of the per-head table (default: the last)
     pub layer: Option<usize>,
@@ -363,7 +374,7 @@ pub enum Inspected {
         forward_s: f64,
         attention_s: f64,
     },
-    /// an encoder's [CLS]/[SEP]/punctuation shares and rows
+    /// an encoder's \[CLS\]/\[SEP\]/punctuation shares and rows
     Encoder {
         report: EncoderReport,
         forward_s: f64,

@@ -31,9 +31,13 @@ impl AblateMethod {
 /// The most positions stacked into one forward by default (`--batch-rows`).
 pub const DEFAULT_BATCH_ROWS: usize = 1024;
 
+/// What `ablate` removes (each head in turn, zeroed or replaced by its mean) and the token whose
+/// log-probability it watches.
 #[derive(Clone, Debug)]
 pub struct AblateOptions {
+    /// how a head is removed (zeroed or replaced by its mean)
     pub method: AblateMethod,
+    /// the token whose log-probability is watched
     pub target: Target,
     /// positions whose activation is ablated (None: all)
     pub positions: Option<Vec<usize>>,
@@ -78,23 +82,37 @@ pub struct Correlation {
     pub kendall: Option<f64>,
 }
 
+/// `ablate`'s report: each head's effect on the target's log-probability when removed, and how
+/// the effects correlate with the head's attention.
 #[derive(Clone, Debug, Serialize)]
 pub struct AblateReport {
+    /// the model's name
     pub model: String,
+    /// the ablation method
     pub method: String,
+    /// the input tokens
     pub tokens: Vec<TokenRef>,
+    /// the position whose prediction is watched
     pub query: usize,
+    /// the positions ablated (`None`: all)
     pub positions: Option<Vec<usize>>,
+    /// the watched token
     pub target: TokenRef,
+    /// its log-probability with nothing ablated
     pub baseline_logprob: f32,
+    /// each head's effect
     pub heads: Vec<HeadEffect>,
+    /// each layer's MLP's effect, when asked
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub mlp: Vec<MlpEffect>,
+    /// how the effects correlate with attention-based scores
     pub correlations: Vec<Correlation>,
     /// forward passes (the clean ones included) and the layer-position rows they computed,
     /// beside what one full forward per ablation would compute
     pub forward_passes: usize,
+    /// the layer-position rows the forwards computed
     pub layer_rows: usize,
+    /// the rows one full forward per ablation would compute
     pub layer_rows_from_scratch: usize,
 }
 
@@ -278,29 +296,47 @@ pub fn ablate(
     })
 }
 
+/// What `patch` patches: the hook point, the answer and wrong tokens whose logit difference it
+/// measures.
 #[derive(Clone, Debug)]
 pub struct PatchOptions {
+    /// the hook point patched
     pub hook: PatchHook,
     /// the token the clean run should predict (None: the clean run's top next token)
     pub answer: Option<Target>,
     /// the token the corrupted run should predict (None: the corrupted run's top next token)
     pub wrong: Option<Target>,
+    /// the most rows stacked in one forward
     pub batch_rows: usize,
 }
 
+/// `patch`'s report: activation patching from the clean run into the corrupted one, per layer and
+/// position (or head), as the share of the logit difference restored.
 #[derive(Clone, Debug, Serialize)]
 pub struct PatchReport {
+    /// the model's name
     pub model: String,
+    /// the hook point patched
     pub hook: String,
+    /// the clean text's tokens
     pub clean: Vec<TokenRef>,
+    /// the corrupted text's tokens
     pub corrupt: Vec<TokenRef>,
+    /// the answer token
     pub answer: TokenRef,
+    /// the wrong token
     pub wrong: TokenRef,
+    /// `logit(answer) − logit(wrong)` on the clean run
     pub clean_logit_diff: f32,
+    /// `logit(answer) − logit(wrong)` on the corrupted run
     pub corrupt_logit_diff: f32,
+    /// each patched cell's result
     pub results: Vec<PatchCell>,
+    /// the forward passes run
     pub forward_passes: usize,
+    /// the layer-position rows the forwards computed
     pub layer_rows: usize,
+    /// the rows one full forward per patch would compute
     pub layer_rows_from_scratch: usize,
     /// what makes the numbers hard to read (a clean and corrupted logit difference so close
     /// that `recovered`, which divides by their gap, is a ratio of small numbers)

@@ -52,13 +52,17 @@ impl std::str::FromStr for Against {
 /// What to split: the CLI's flags, Python's arguments.
 #[derive(Clone, Debug)]
 pub struct QkOptions {
+    /// the token ids
     pub tokens: Vec<u32>,
+    /// the layer
     pub layer: usize,
+    /// the head
     pub head: usize,
     /// the query position (default: the last)
     pub query: Option<usize>,
     /// the key position; `None`: the key the head attends to most, set against `against`
     pub key: Option<usize>,
+    /// what the score is set against (nothing, the second key, the mean)
     pub against: Against,
 }
 
@@ -71,24 +75,34 @@ pub struct QkTerm {
     pub value: f64,
 }
 
+/// `qk`'s report: one head's attention score split into its query-side and key-side terms.
 #[derive(Clone, Debug, Serialize)]
 pub struct QkReport {
+    /// the model's name
     pub model: String,
+    /// the input tokens
     pub tokens: Vec<TokenRef>,
+    /// the layer
     pub layer: usize,
+    /// the head
     pub head: usize,
     /// the key/value head the key side comes from (GQA: `head / group_size`)
     pub kv_head: usize,
+    /// the query position
     pub query: usize,
+    /// the key position
     pub key: usize,
     /// `null`: the score of (query, key) is split; `second` / `mean`: its lead over the second
     /// key's score / over the mean score of the keys the query sees
     pub against: Option<Against>,
+    /// the key the score is set against (`second`)
     pub against_key: Option<usize>,
     /// the quantity split, from the forward's `hook_attn_scores` (before a soft-cap):
     /// `key_score` (− `against_score`)
     pub score: f64,
+    /// the score of (query, key)
     pub key_score: f64,
+    /// the score set against it (`second`, `mean`)
     pub against_score: Option<f64>,
     /// the forward's score of every key up to the query (`null` outside a sliding window),
     /// before a soft-cap
@@ -97,6 +111,7 @@ pub struct QkReport {
     pub terms: Vec<QkTerm>,
     /// the terms added up, and `sum − score`
     pub sum: f64,
+    /// `sum − score`
     pub gap: f64,
     /// the residual stream's components at the layer's input (each side's terms name them, and
     /// `bias`)
@@ -106,6 +121,7 @@ pub struct QkReport {
     /// Gemma 2's attention soft-cap: the terms split the score before it; the softmax sees
     /// `cap · tanh(score / cap)`
     pub softcap: Option<f64>,
+    /// the sliding window of the layer, if it has one
     pub window: Option<usize>,
     /// the nonlinear steps whose scales were frozen at their values in the run
     pub frozen: Vec<String>,

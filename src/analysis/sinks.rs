@@ -98,21 +98,35 @@ pub struct NextToken {
 /// `attnscope sinks --json`.
 #[derive(Clone, Debug, Serialize)]
 pub struct SinksReport {
+    /// the model's name
     pub model: String,
+    /// the precision it ran at (`exact` or `fast`)
     pub precision: &'static str,
+    /// the number of tokens run
     pub n_tokens: usize,
+    /// the keys per streamed block of the attention
     pub key_block: usize,
+    /// the forward's seconds
     pub forward_s: f64,
+    /// the attention's seconds within it
     pub attention_s: f64,
     /// the forward and Gu et al.'s prompts (the CLI adds the load)
     pub total_s: f64,
+    /// the process's peak resident memory, where the system says it
     pub peak_rss_bytes: Option<u64>,
+    /// the CPU's name
     pub cpu: String,
+    /// the threads used
     pub threads: usize,
+    /// each layer's sink statistics
     pub layers: Vec<LayerStats>,
+    /// Gu et al.'s sink metric on their prompts, when run
     pub gu_sink_metric: Option<GuSinkMetric>,
+    /// each layer's massive activations
     pub massive_activations: Vec<LayerMassive>,
+    /// the first token's text
     pub first_token: String,
+    /// the model's next token after the text
     pub next_token: NextToken,
 }
 

@@ -2,10 +2,10 @@
 //! beside what its attention looks like: the lesson's "a weight is not an explanation", measured.
 
 use super::common::{emit, on_bar, parse_index_list, progress_bar, ModelText};
-use crate::analysis::vocab::Target;
-use crate::commands::ablate::{self as command, AblateMethod, AblateOptions, AblateReport};
-use crate::model::tokenize::visible;
-use crate::render::table::{order_by_magnitude, title, Align, Table};
+use attnscope::analysis::vocab::Target;
+use attnscope::commands::ablate::{self as command, AblateMethod, AblateOptions, AblateReport};
+use attnscope::model::tokenize::visible;
+use attnscope::render::table::{order_by_magnitude, title, Align, Table};
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
 pub enum MethodArg {
@@ -36,7 +36,7 @@ pub struct Args {
     #[arg(long, default_value_t = 15)]
     top: usize,
     /// Most positions stacked into one forward (edited runs of one layer go together).
-    #[arg(long, default_value_t = crate::analysis::intervene::DEFAULT_BATCH_ROWS, hide = true)]
+    #[arg(long, default_value_t = attnscope::analysis::intervene::DEFAULT_BATCH_ROWS, hide = true)]
     batch_rows: usize,
     #[arg(long)]
     json: bool,

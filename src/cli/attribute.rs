@@ -4,11 +4,11 @@
 
 use super::common::ModelText;
 use super::scoring::{run_scored, ScoringArgs};
-use crate::analysis::vocab::Method;
-use crate::analysis::vocab::Target;
-use crate::commands::attribute::{self as command, AttributeOptions, AttributeReport};
-use crate::model::tokenize::visible;
-use crate::render::table::{title, Align, Table};
+use attnscope::analysis::vocab::Method;
+use attnscope::analysis::vocab::Target;
+use attnscope::commands::attribute::{self as command, AttributeOptions, AttributeReport};
+use attnscope::model::tokenize::visible;
+use attnscope::render::table::{title, Align, Table};
 use std::io::IsTerminal;
 
 #[derive(clap::Args, Debug)]
@@ -99,7 +99,7 @@ pub fn render(r: &AttributeReport, colour: bool) -> String {
     let target = r
         .target
         .clone()
-        .unwrap_or(crate::analysis::vocab::TokenRef {
+        .unwrap_or(attnscope::analysis::vocab::TokenRef {
             id: 0,
             text: String::new(),
         });
@@ -143,7 +143,7 @@ pub fn render(r: &AttributeReport, colour: bool) -> String {
 }
 
 /// What f is: a logit difference, a logit, an encoder's cosine or a log-probability.
-fn measured_quantity(r: &AttributeReport, target: &crate::analysis::vocab::TokenRef) -> String {
+fn measured_quantity(r: &AttributeReport, target: &attnscope::analysis::vocab::TokenRef) -> String {
     match &r.wrong {
         Some(w) => format!(
             "logit({:?}) − logit({:?})",

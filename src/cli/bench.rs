@@ -5,11 +5,11 @@
 
 use super::common::{emit, usage, ModelArgs};
 use super::scaling::median;
-use crate::analysis::measure::{machine, peak_rss_bytes, reset_peak_rss};
-use crate::kernels::gemm::{self, Isa, PackedB};
-use crate::model::capture::{AttnCache, CaptureSpec, NoCapture};
-use crate::model::forward::RunOptions;
-use crate::render::table::{title, Align, Table};
+use attnscope::analysis::measure::{machine, peak_rss_bytes, reset_peak_rss};
+use attnscope::kernels::gemm::{self, Isa, PackedB};
+use attnscope::model::capture::{AttnCache, CaptureSpec, NoCapture};
+use attnscope::model::forward::RunOptions;
+use attnscope::render::table::{title, Align, Table};
 use serde::Serialize;
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -29,7 +29,7 @@ pub struct Args {
     #[arg(long)]
     no_commands: bool,
     /// Skip the forward with every pattern captured where the patterns would exceed this many GiB.
-    #[arg(long, default_value_t = 8.0, value_parser = crate::analysis::request::non_negative)]
+    #[arg(long, default_value_t = 8.0, value_parser = attnscope::analysis::request::non_negative)]
     capture_limit_gib: f64,
     /// Also time the Python route side by side: transformers + torch (the team's hf_anchor
     /// script, built in) run by this Python, which needs torch, transformers and gguf. Next to
@@ -382,7 +382,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let model = a.model.load()?;
     let max_n = check_model(&model, &a)?;
     let d = model.dims.clone();
-    let all = crate::analysis::corpus::builtin_tokens(&model.tokenizer, max_n)?;
+    let all = attnscope::analysis::corpus::builtin_tokens(&model.tokenizer, max_n)?;
     let pb = steps_bar(&a);
 
     let rates = measure_gemms(&d, max_n, a.repeats, &pb)?;
@@ -421,7 +421,7 @@ fn check_flags(a: &Args) -> anyhow::Result<()> {
     if a.repeats == 0 {
         return Err(usage("--repeats must be at least 1"));
     }
-    if a.against_exact && a.model.precision != crate::model::Precision::Fast {
+    if a.against_exact && a.model.precision != attnscope::model::Precision::Fast {
         return Err(usage(
             "--against-exact times fast next to exact: add --precision fast",
         ));
@@ -446,7 +446,7 @@ fn check_flags(a: &Args) -> anyhow::Result<()> {
 }
 
 /// Refuses a model transformers cannot read, or lengths past its context; the longest length.
-fn check_model(model: &crate::model::Model, a: &Args) -> anyhow::Result<usize> {
+fn check_model(model: &attnscope::model::Model, a: &Args) -> anyhow::Result<usize> {
     if a.transformers.is_some() && model.info.format != "gguf" {
         return Err(usage(format!(
             "--transformers loads the model through transformers' GGUF reader, and {} is a {} model: give a .gguf file or alias",
@@ -456,7 +456,7 @@ fn check_model(model: &crate::model::Model, a: &Args) -> anyhow::Result<usize> {
     let d = &model.dims;
     let max_n = *a.lengths.iter().max().expect("non-empty");
     if max_n > d.context_len {
-        return Err(anyhow::Error::new(crate::model::Error::TooLong {
+        return Err(anyhow::Error::new(attnscope::model::Error::TooLong {
             n_tokens: max_n,
             limit: d.context_len,
             model: model.info.name.clone(),
@@ -505,12 +505,12 @@ struct Timed<'a> {
 /// The forward against a forward and backward at each length, in alternation (one warm-up
 /// pair, which also packs the projections' transposes, then --repeats pairs; medians).
 fn measure_backwards(
-    model: &crate::model::Model,
+    model: &attnscope::model::Model,
     all: &[u32],
     a: &Args,
     pb: &indicatif::ProgressBar,
 ) -> anyhow::Result<Vec<BackwardRow>> {
-    use crate::model::backward::Metric;
+    use attnscope::model::backward::Metric;
     let mut rows = Vec::new();
     for &n in &a.lengths {
         let tokens = &all[..n];
@@ -559,7 +559,7 @@ pub(super) struct Rates {
 
 /// The kernel's in-cache peak and the GEMM at the model's shapes (f32 packed, candle, AMX).
 fn measure_gemms(
-    d: &crate::model::ModelDims,
+    d: &attnscope::model::ModelDims,
     max_n: usize,
     repeats: usize,
     pb: &indicatif::ProgressBar,
@@ -581,14 +581,14 @@ fn measure_gemms(
     );
     // the products as the forward runs them: q|k|v and o on every position at once, the MLP's
     // over blocks of positions
-    let block = crate::model::forward::mlp_block_rows(ff).min(max_n);
+    let block = attnscope::model::forward::mlp_block_rows(ff).min(max_n);
     let shapes: [(&'static str, usize, usize, usize); 4] = [
         ("q|k|v", max_n, dm, nq + 2 * nk),
         ("o", max_n, nq, dm),
         ("gate|up (MLP block)", block, dm, 2 * ff),
         ("down (MLP block)", block, ff, dm),
     ];
-    let mut rng = crate::reference::Rng::new(1);
+    let mut rng = attnscope::reference::Rng::new(1);
     let mut gemms = Vec::new();
     for (name, m, k, n) in shapes {
         gemms.push(time_shape(
@@ -627,7 +627,7 @@ fn time_shape(
     shape: GemmShape,
     isa: Isa,
     repeats: usize,
-    rng: &mut crate::reference::Rng,
+    rng: &mut attnscope::reference::Rng,
 ) -> anyhow::Result<GemmRow> {
     let GemmShape { name, m, k, n } = shape;
     let x = rng.normals(m * k, 1.0);
@@ -639,10 +639,10 @@ fn time_shape(
         gemm::gemm(&x, k, m, &packed, &mut out, n, false)
     });
     let mut amx_rate = |splits: usize| {
-        crate::kernels::amx::available().then(|| {
-            let packed = crate::kernels::amx::PackedBf16::from_rows(&w, n, k, k, splits);
+        attnscope::kernels::amx::available().then(|| {
+            let packed = attnscope::kernels::amx::PackedBf16::from_rows(&w, n, k, k, splits);
             let t = best_of(repeats, || {
-                crate::kernels::amx::gemm(&x, k, m, &packed, &mut out, n, false)
+                attnscope::kernels::amx::gemm(&x, k, m, &packed, &mut out, n, false)
             });
             flops / t / 1e9
         })
@@ -679,9 +679,9 @@ fn amx_scaled_rate(
     let GemmShape { m, k, n, .. } = shape;
     let flops = 2.0 * (m * k * n) as f64;
     // W as Q5_0 holds it: per group of 32, a scale and integers −16..15
-    crate::kernels::amx::available()
+    attnscope::kernels::amx::available()
         .then(|| {
-            use crate::kernels::amx::scaled::{self, PackedScaled, GROUP};
+            use attnscope::kernels::amx::scaled::{self, PackedScaled, GROUP};
             let packed = PackedScaled::from_row_source(n, k, false, |j, q, s, _| {
                 let row = &w[j * k..(j + 1) * k];
                 for (g, xs) in row.chunks(GROUP).enumerate() {
@@ -707,7 +707,7 @@ fn amx_scaled_rate(
 
 /// The forward at each length: its parts' times and rates, and with every pattern kept.
 fn measure_forwards(
-    model: &crate::model::Model,
+    model: &attnscope::model::Model,
     all: &[u32],
     a: &Args,
     machine_rate: f64,
@@ -779,7 +779,7 @@ fn measure_forwards(
 
 /// fast against exact: both models held, their forwards in alternation.
 fn fast_against_exact(
-    model: &crate::model::Model,
+    model: &attnscope::model::Model,
     all: &[u32],
     a: &Args,
     pb: &indicatif::ProgressBar,
@@ -788,11 +788,11 @@ fn fast_against_exact(
     {
         pb.set_message("loading the exact model");
         let exact = ModelArgs {
-            precision: crate::model::Precision::Exact,
+            precision: attnscope::model::Precision::Exact,
             ..a.model.clone()
         }
         .load()?;
-        if exact.info.precision != crate::model::Precision::Exact {
+        if exact.info.precision != attnscope::model::Precision::Exact {
             return Err(usage(format!(
                 "--against-exact: `{}` is a model loaded in this process at {} precision; load it at exact too to compare",
                 a.model.model,
@@ -829,7 +829,7 @@ fn fast_against_exact(
 /// The commands a user runs, start to end (load included), as separate processes; with
 /// `--transformers`, the Python route between their runs.
 fn time_commands(
-    model: &crate::model::Model,
+    model: &attnscope::model::Model,
     all: &[u32],
     a: &Args,
     pb: &indicatif::ProgressBar,
@@ -925,7 +925,7 @@ fn anchor_script(a: &Args, dir: &std::path::Path) -> anyhow::Result<Option<PathB
 
 /// The tokens' text written to `file` (the commands read it back).
 fn write_text(
-    model: &crate::model::Model,
+    model: &attnscope::model::Model,
     tokens: &[u32],
     file: &std::path::Path,
 ) -> anyhow::Result<PathBuf> {
@@ -1033,7 +1033,7 @@ fn beside_transformers(
 
 /// The tables (or the JSON document) of what was measured.
 fn report(
-    model: &crate::model::Model,
+    model: &attnscope::model::Model,
     a: &Args,
     rates: &Rates,
     timed: &Timed,
@@ -1051,7 +1051,7 @@ fn report(
     if a.json {
         let doc = serde_json::json!({
             "model": model.info.name, "precision": model.info.precision.name(), "cpu": cpu, "threads": threads,
-            "kernel": isa.name(), "simd": crate::kernels::simd::level().name(), "kernel_peak_gflops": peak, "machine_gemm_gflops": machine_rate,
+            "kernel": isa.name(), "simd": attnscope::kernels::simd::level().name(), "kernel_peak_gflops": peak, "machine_gemm_gflops": machine_rate,
             "gemm": gemms, "forward": forwards, "backward": backwards, "commands": commands, "repeats": a.repeats,
             "transformers": side, "fast_vs_exact": precisions,
         });
@@ -1062,7 +1062,7 @@ fn report(
         model.info.name,
         model.info.precision.name()
     ));
-    s += &format!("{threads} threads on {cpu}; micro-kernel {} ({}x{} tile); element-wise loops {}; median of {} runs after 1 warm-up.\n\n", isa.name(), isa.mr(), isa.nr(), crate::kernels::simd::level().name(), a.repeats);
+    s += &format!("{threads} threads on {cpu}; micro-kernel {} ({}x{} tile); element-wise loops {}; median of {} runs after 1 warm-up.\n\n", isa.name(), isa.mr(), isa.nr(), attnscope::kernels::simd::level().name(), a.repeats);
     s += &format!(
         "Micro-kernel in cache (the ceiling of any product; best of 3 tries): {peak:.0} GFLOP/s\n"
     );
@@ -1086,7 +1086,7 @@ fn report(
 
 /// The GEMM table: each of the forward's products on the packed f32 kernel, candle and the AMX
 /// tiles, and which of them the forward runs.
-fn gemm_table(model: &crate::model::Model, gemms: &[GemmRow]) -> String {
+fn gemm_table(model: &attnscope::model::Model, gemms: &[GemmRow]) -> String {
     let mut s = String::new();
     let mut t = Table::new([
         ("f32 GEMM, m tokens", Align::Left),
@@ -1115,15 +1115,15 @@ fn gemm_table(model: &crate::model::Model, gemms: &[GemmRow]) -> String {
         ]);
     }
     s += &t.render();
-    if crate::kernels::amx::available() {
+    if attnscope::kernels::amx::available() {
         s += &format!(
             "AMX columns: the same product on Intel AMX tiles, f32 result: exact as a quantized file's integers (here Q5_0-like: −16..15 times a scale per 32) times three bf16 parts of the activations, or as six bf16 products; fast as one. The forward below runs its projections on {}.\n",
-            match (model.info.precision, crate::kernels::amx::exact_on_tiles()) {
-                (crate::model::Precision::Fast, _) => "the tiles with one part".to_string(),
-                (crate::model::Precision::Exact, true) => {
+            match (model.info.precision, attnscope::kernels::amx::exact_on_tiles()) {
+                (attnscope::model::Precision::Fast, _) => "the tiles with one part".to_string(),
+                (attnscope::model::Precision::Exact, true) => {
                     "the tiles with three parts (ATTNSCOPE_AMX=exact)".to_string()
                 }
-                (crate::model::Precision::Exact, false) => match model.scaled_projections() {
+                (attnscope::model::Precision::Exact, false) => match model.scaled_projections() {
                     (0, _) => "the f32 kernel".to_string(),
                     (s, all) => format!(
                         "the tiles as the file's integers ({s} of {all} projections; the others on the f32 kernel; ATTNSCOPE_AMX=f32 puts them all there)"
@@ -1218,7 +1218,7 @@ fn precision_table(precisions: &[PrecisionRow], repeats: usize) -> String {
     let mut s = String::new();
     s += &format!(
         "\nfast ({}) against exact, their forwards in alternation (median of {} pairs after a warm-up pair)\n",
-        crate::model::weights::fast_kernel().unwrap_or("no kernel of its own here: it runs exact's"),
+        attnscope::model::weights::fast_kernel().unwrap_or("no kernel of its own here: it runs exact's"),
         repeats
     );
     let mut t = Table::new([
@@ -1247,7 +1247,7 @@ fn precision_table(precisions: &[PrecisionRow], repeats: usize) -> String {
 
 /// Each command in its own process: wall time, its load, after the load, peak memory, and
 /// where its load took the packed weights from.
-fn command_table(model: &crate::model::Model, commands: &[CommandRow]) -> String {
+fn command_table(model: &attnscope::model::Model, commands: &[CommandRow]) -> String {
     let mut s = String::new();
     s += "\n";
     let mut t = Table::new([

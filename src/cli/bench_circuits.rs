@@ -9,14 +9,14 @@
 
 use super::bench_interventions::{CLEAN, CORRUPT};
 use super::scaling::{before_and_after, measurement_table, median, timed};
-use crate::analysis::circuit::{
+use attnscope::analysis::circuit::{
     evaluate::evaluate, scores, tokenize_pairs, Method, MetricKind, Pair, PairTokens,
 };
-use crate::analysis::measure::{peak_rss_bytes, reset_peak_rss, rss_bytes};
-use crate::model::backward::Metric;
-use crate::model::capture::NoCapture;
-use crate::model::forward::RunOptions;
-use crate::model::Model;
+use attnscope::analysis::measure::{peak_rss_bytes, reset_peak_rss, rss_bytes};
+use attnscope::model::backward::Metric;
+use attnscope::model::capture::NoCapture;
+use attnscope::model::forward::RunOptions;
+use attnscope::model::Model;
 use serde::Serialize;
 
 /// One text length's timings.
@@ -74,7 +74,7 @@ pub fn run(model: &Model, repeats: usize, long_tokens: usize, json: bool) -> any
 /// A pair of `n` tokens of the built-in corpus: the corrupted text has one token changed, at
 /// position `mid`; the answer and the wrong token are the clean text's two top next tokens.
 fn long_pair(model: &Model, n: usize, mid: usize) -> anyhow::Result<PairTokens> {
-    let clean = crate::analysis::corpus::builtin_tokens(&model.tokenizer, n)?;
+    let clean = attnscope::analysis::corpus::builtin_tokens(&model.tokenizer, n)?;
     let mut corrupt = clean.clone();
     // another token of the text
     corrupt[mid] = clean
@@ -83,7 +83,7 @@ fn long_pair(model: &Model, n: usize, mid: usize) -> anyhow::Result<PairTokens> 
         .find(|&t| t != clean[mid])
         .unwrap_or(clean[mid] ^ 1);
     let logits = model.next_token_logits(&clean)?;
-    let top = crate::analysis::vocab::top_k(&logits, 2);
+    let top = attnscope::analysis::vocab::top_k(&logits, 2);
     Ok(PairTokens {
         clean,
         corrupt,
@@ -168,7 +168,7 @@ fn pair_times(
     let backward = (fb - f).max(0.0);
     let times = CircuitTimes {
         tokens: pair.clean.len(),
-        differ_from: crate::analysis::circuit::first_difference(pair),
+        differ_from: attnscope::analysis::circuit::first_difference(pair),
         forward_s: f,
         forward_backward_s: fb,
         eap_s,
@@ -206,7 +206,7 @@ fn measure(model: &Model, repeats: usize, long_tokens: usize) -> anyhow::Result<
     Ok(CircuitBench {
         model: model.info.name.clone(),
         repeats,
-        edges: crate::analysis::circuit::graph::Graph::new(&model.dims).n_edges(),
+        edges: attnscope::analysis::circuit::graph::Graph::new(&model.dims).n_edges(),
         eap_ig_s,
         eap_ig_vs_goal_unit: eap_ig_s / (6.0 * short.forward_backward_s),
         pack_s,

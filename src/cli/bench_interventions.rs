@@ -4,12 +4,12 @@
 
 use super::common::LESSON_SENTENCE;
 use super::scaling::{before_and_after, measurement_table, median, timed};
-use crate::analysis::intervene::{ablate, patch, AblateMethod, AblateOptions, PatchOptions};
-use crate::analysis::vocab::PatchHook;
-use crate::analysis::vocab::Target;
-use crate::model::capture::NoCapture;
-use crate::model::forward::RunOptions;
-use crate::model::Model;
+use attnscope::analysis::intervene::{ablate, patch, AblateMethod, AblateOptions, PatchOptions};
+use attnscope::analysis::vocab::PatchHook;
+use attnscope::analysis::vocab::Target;
+use attnscope::model::capture::NoCapture;
+use attnscope::model::forward::RunOptions;
+use attnscope::model::Model;
 use serde::Serialize;
 use std::path::Path;
 

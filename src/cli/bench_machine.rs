@@ -6,8 +6,8 @@
 //! file's blocks and a whole decode step (`generate`) against the bandwidth over the bytes of
 //! weights a token reads.
 
-use crate::kernels::qmatvec::{self, Blocks, Part};
-use crate::render::table::{title, Align, Table};
+use attnscope::kernels::qmatvec::{self, Blocks, Part};
+use attnscope::render::table::{title, Align, Table};
 use serde::Serialize;
 use std::time::Instant;
 
@@ -109,7 +109,7 @@ fn fma_loop(seconds: f64) -> f64 {
 fn fma_burst(iters: usize) -> (f64, f32) {
     #[cfg(target_arch = "x86_64")]
     {
-        use crate::kernels::simd::{current, Level};
+        use attnscope::kernels::simd::{current, Level};
         match current() {
             // SAFETY: `current` names only a level whose features this CPU has.
             Level::Avx512 => return (iters as f64 * 12.0 * 32.0, unsafe { fma512(iters) }),
@@ -209,7 +209,7 @@ fn bandwidth(gib: f64) -> f64 {
 fn matvec_rate(bytes: usize, k: usize) -> f64 {
     let rb = Blocks::Q4K.row_bytes(k);
     let rows = bytes / rb;
-    let mut rng = crate::reference::Rng::new(3);
+    let mut rng = attnscope::reference::Rng::new(3);
     let mut w: Vec<u8> = (0..rows * rb).map(|_| rng.next_u64() as u8).collect();
     // finite scales: the f16 `d` and `dmin` of every block small
     for b in w.chunks_exact_mut(144) {
@@ -234,20 +234,20 @@ fn matvec_rate(bytes: usize, k: usize) -> f64 {
 
 /// Bytes of weights one decode step reads: every projection and the output head, as the file
 /// holds them (the embedding's one row aside).
-fn decode_bytes(model: &crate::model::Model) -> u64 {
+fn decode_bytes(model: &attnscope::model::Model) -> u64 {
     model.decode_bytes()
 }
 
 /// A decode step's tokens/s: `generate` of `new` tokens after the built-in corpus's first
 /// `prompt` tokens (the prefill excluded), the best of `repeats`.
 fn decode_rate(
-    model: &crate::model::Model,
+    model: &attnscope::model::Model,
     prompt: usize,
     new: usize,
     repeats: usize,
 ) -> anyhow::Result<f64> {
-    let ids = crate::analysis::corpus::builtin_tokens(&model.tokenizer, prompt)?;
-    let o = crate::model::generate::GenOptions {
+    let ids = attnscope::analysis::corpus::builtin_tokens(&model.tokenizer, prompt)?;
+    let o = attnscope::model::generate::GenOptions {
         max_new_tokens: new,
         ..Default::default()
     };
@@ -262,12 +262,12 @@ fn decode_rate(
 
 /// Measures the machine and the model's kernels, and prints the screen.
 pub(super) fn run(
-    model: &crate::model::Model,
+    model: &attnscope::model::Model,
     rates: &super::bench::Rates,
     repeats: usize,
     json: bool,
 ) -> anyhow::Result<()> {
-    let (cpu, threads) = crate::analysis::measure::machine();
+    let (cpu, threads) = attnscope::analysis::measure::machine();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let (one, all) = fma_peak(0.3);
     let bw = bandwidth(1.5);
@@ -312,7 +312,7 @@ pub(super) fn run(
         fma_peak_gflops_one_core: one,
         fma_peak_gflops_all_cores: all,
         bandwidth_gbs: bw,
-        exact_kernel: crate::kernels::select::kernels().exact_name(),
+        exact_kernel: attnscope::kernels::select::kernels().exact_name(),
         decode_from_blocks: qmatvec::chosen(),
         kernels,
         decode_bytes_per_token: bytes,

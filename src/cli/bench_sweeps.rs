@@ -4,11 +4,11 @@
 //! forward per text.
 
 use super::scaling::{before_and_after, measurement_table, median, timed};
-use crate::analysis::corpus::{builtin, builtin_tokens, text_record, text_records};
-use crate::analysis::faithfulness::{run as faithfulness, FaithOptions};
-use crate::model::capture::NoCapture;
-use crate::model::forward::RunOptions;
-use crate::model::Model;
+use attnscope::analysis::corpus::{builtin, builtin_tokens, text_record, text_records};
+use attnscope::analysis::faithfulness::{run as faithfulness, FaithOptions};
+use attnscope::model::capture::NoCapture;
+use attnscope::model::forward::RunOptions;
+use attnscope::model::Model;
 use serde::Serialize;
 
 #[derive(Debug, Serialize)]

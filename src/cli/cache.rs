@@ -2,8 +2,8 @@
 //! removing them (all, or one model's).
 
 use super::common::emit;
-use crate::model::panels::{self, CacheFile};
-use crate::render::table::{title, Align, Table};
+use attnscope::model::panels::{self, CacheFile};
+use attnscope::render::table::{title, Align, Table};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {

@@ -1,9 +1,9 @@
 //! `attnscope capture`: run a model and save the captured hook tensors to a file
-//! ([`crate::commands::capture`] does it).
+//! ([`attnscope::commands::capture`] does it).
 
 use super::common::{emit, ModelText};
-use crate::commands::capture::{capture, CaptureRequest};
-use crate::render::tensorfile::TensorFormat;
+use attnscope::commands::capture::{capture, CaptureRequest};
+use attnscope::render::tensorfile::TensorFormat;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 

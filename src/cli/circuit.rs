@@ -2,12 +2,12 @@
 //! EAP-IG), and how faithful the circuits of the top edges are (exact edge patching).
 
 use super::common::{emit, usage, ModelArgs};
-use crate::analysis::circuit::evaluate::{Evaluation, ExactEdges, LadderPoint};
-use crate::analysis::circuit::{read_pairs, Method, MetricKind, Pair};
-use crate::analysis::vocab::Target;
-use crate::commands::circuit::{self as command, CircuitOptions, CircuitReport};
-use crate::render::circuit_page::page;
-use crate::render::table::{title, Align, Table};
+use attnscope::analysis::circuit::evaluate::{Evaluation, ExactEdges, LadderPoint};
+use attnscope::analysis::circuit::{read_pairs, Method, MetricKind, Pair};
+use attnscope::analysis::vocab::Target;
+use attnscope::commands::circuit::{self as command, CircuitOptions, CircuitReport};
+use attnscope::render::circuit_page::page;
+use attnscope::render::table::{title, Align, Table};
 use std::path::PathBuf;
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]

@@ -1,17 +1,17 @@
 //! Arguments and helpers shared by the subcommands.
 
-pub use crate::analysis::files::{
+pub use attnscope::analysis::files::{
     read_lines_file, read_stdin, read_text_file, ReadLimit, MAX_LINES_BYTES,
 };
-use crate::commands::load::ModelSpec;
-use crate::model::{fetch::DEFAULT_MODEL, Memory, Model, Precision};
+use attnscope::commands::load::ModelSpec;
+use attnscope::model::{fetch::DEFAULT_MODEL, Memory, Model, Precision};
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 
-pub use crate::analysis::request::{parse_index_list, usage};
-pub use crate::analysis::LESSON_SENTENCE;
-pub use crate::render::progress::{on_bar, progress_bar};
-pub use crate::render::{timings_opening, Output};
+pub use attnscope::analysis::request::{parse_index_list, usage};
+pub use attnscope::analysis::LESSON_SENTENCE;
+pub use attnscope::render::progress::{on_bar, progress_bar};
+pub use attnscope::render::{timings_opening, Output};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelArgs {
@@ -59,10 +59,10 @@ impl Default for ModelArgs {
 }
 
 impl ModelArgs {
-    /// The model these flags name, loaded by [`crate::commands::load::load`] (a progress bar
+    /// The model these flags name, loaded by [`attnscope::commands::load::load`] (a progress bar
     /// where standard error is a terminal).
     pub fn load(&self) -> anyhow::Result<std::sync::Arc<Model>> {
-        crate::commands::load::load(&self.spec())
+        attnscope::commands::load::load(&self.spec())
     }
 
     /// The flags as the commands' [`ModelSpec`].
@@ -87,8 +87,8 @@ impl ModelArgs {
 /// The files of the model `spec` names, where they are here already: an alias's file (or
 /// folder's files) in the cache, a GGUF file, a folder's files; none for a hub id not fetched.
 pub fn model_paths(spec: &str) -> Vec<PathBuf> {
-    let p = match crate::model::fetch::alias(spec) {
-        Some(a) => crate::model::fetch::alias_path(a),
+    let p = match attnscope::model::fetch::alias(spec) {
+        Some(a) => attnscope::model::fetch::alias_path(a),
         None => PathBuf::from(spec),
     };
     if p.is_dir() {

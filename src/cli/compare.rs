@@ -1,12 +1,14 @@
 //! `attnscope compare`: two texts, two models or two precisions side by side.
 
 use super::common::{emit, output_path, read_text, LESSON_SENTENCE};
-use crate::commands::compare::{self as command, CompareCommand, CompareOptions, CompareReport};
-use crate::model::fetch::DEFAULT_MODEL;
-use crate::model::tokenize::visible;
-use crate::model::Precision;
-use crate::render::compare_page::page;
-use crate::render::table::{bar, title, Align, Table};
+use attnscope::commands::compare::{
+    self as command, CompareCommand, CompareOptions, CompareReport,
+};
+use attnscope::model::fetch::DEFAULT_MODEL;
+use attnscope::model::tokenize::visible;
+use attnscope::model::Precision;
+use attnscope::render::compare_page::page;
+use attnscope::render::table::{bar, title, Align, Table};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
@@ -225,7 +227,7 @@ fn top_changed_table(r: &CompareReport) -> String {
         ("A top keys", Align::Left),
         ("B top keys", Align::Left),
     ]);
-    let keys = |k: &[crate::analysis::compare::Key]| {
+    let keys = |k: &[attnscope::analysis::compare::Key]| {
         k.iter()
             .map(|k| format!("{} \"{}\" {:.3}", k.pos, visible(&k.token), k.weight))
             .collect::<Vec<_>>()

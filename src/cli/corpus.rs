@@ -2,12 +2,12 @@
 //! `attnscope corpus merge` combines shards.
 
 use super::common::{emit, on_bar, progress_bar, ModelArgs};
-use crate::analysis::corpus::Aggregate;
-use crate::analysis::request::weight_threshold;
-use crate::commands::corpus::{
+use attnscope::analysis::corpus::Aggregate;
+use attnscope::analysis::request::weight_threshold;
+use attnscope::commands::corpus::{
     self as command, load_texts, parse_shard, CorpusAggregate, CorpusInput, CorpusRequest,
 };
-use crate::render::table::{bar, sparkline, title, Align, Table};
+use attnscope::render::table::{bar, sparkline, title, Align, Table};
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
@@ -89,7 +89,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if let Some(out) = &req.out {
         // refused before the model loads (the run checks it again before it appends)
         let inputs: Vec<&std::path::Path> = req.inputs.iter().map(PathBuf::as_path).collect();
-        crate::analysis::files::Output::check_append(out, &inputs)?;
+        attnscope::analysis::files::Output::check_append(out, &inputs)?;
     }
     let model = model_args.load()?;
     let bar = progress_bar("texts [{bar:30}] {pos}/{len} ({eta} left)");
@@ -257,11 +257,11 @@ fn faithfulness_table(a: &Aggregate) -> String {
     s
 }
 /// A statistic's 95% confidence interval, as the tables print it.
-pub(super) fn ci95_text(s: &crate::analysis::corpus::Stat) -> String {
+pub(super) fn ci95_text(s: &attnscope::analysis::corpus::Stat) -> String {
     format!("[{:.4}, {:.4}]", s.ci95.0, s.ci95.1)
 }
 
 /// A bar of a statistic's mean, marked when its layer is the peak.
-pub(super) fn mean_bar(s: &crate::analysis::corpus::Stat, peak: bool) -> String {
+pub(super) fn mean_bar(s: &attnscope::analysis::corpus::Stat, peak: bool) -> String {
     bar(s.mean as f32, 20) + if peak { " ▲ peak" } else { "" }
 }

@@ -1,9 +1,9 @@
 //! `attnscope corpus` on an encoder, as tables: per layer the [CLS]/[SEP]/punctuation shares
-//! aggregated over texts ([`crate::analysis::corpus_encoder`]; run, shards, `--out` and `corpus
-//! merge` in [`crate::analysis::corpus_run`], as for a decoder's records).
+//! aggregated over texts ([`attnscope::analysis::corpus_encoder`]; run, shards, `--out` and `corpus
+//! merge` in [`attnscope::analysis::corpus_run`], as for a decoder's records).
 
-use crate::analysis::corpus_encoder::{EncoderAggregate, SEP_HEAD_SHARE};
-use crate::render::table::{sparkline, title, Align, Table};
+use attnscope::analysis::corpus_encoder::{EncoderAggregate, SEP_HEAD_SHARE};
+use attnscope::render::table::{sparkline, title, Align, Table};
 
 /// An encoder's aggregate as tables.
 pub fn render(a: &EncoderAggregate, source: &str) -> String {

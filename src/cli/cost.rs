@@ -1,7 +1,7 @@
 //! `attnscope cost`: how the attention score matrix grows with the sequence length.
 
 use super::common::{emit, usage};
-use crate::render::table::{title, Align, Table};
+use attnscope::render::table::{title, Align, Table};
 use serde_json::json;
 
 #[derive(clap::Args, Debug)]

@@ -1,10 +1,10 @@
 //! `attnscope dla`: each head's and MLP's direct contribution to the answer's logit.
 
 use super::common::{emit, ModelText};
-use crate::analysis::vocab::Target;
-use crate::commands::dla::{self as command, DlaOptions, DlaReport};
-use crate::model::tokenize::visible;
-use crate::render::table::{order_by_magnitude, title, Align, Table};
+use attnscope::analysis::vocab::Target;
+use attnscope::commands::dla::{self as command, DlaOptions, DlaReport};
+use attnscope::model::tokenize::visible;
+use attnscope::render::table::{order_by_magnitude, title, Align, Table};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {

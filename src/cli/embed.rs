@@ -2,7 +2,7 @@
 //! L2-normalized when the model folder's `modules.json` says so), written as a `.npy`.
 
 use super::common::{emit, output_path, usage, ModelArgs, ReadLimit};
-use crate::commands::embed::{self as command, EmbedInput, EmbedOptions};
+use attnscope::commands::embed::{self as command, EmbedInput, EmbedOptions};
 use serde_json::json;
 use std::path::PathBuf;
 
@@ -37,7 +37,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let mut texts: Vec<String> = Vec::new();
     if let Some(f) = &a.file {
         // each line up to what a text of the longest context may take; the model checks its own
-        let s = crate::analysis::files::read_lines_file(f, &ReadLimit::any_model())?;
+        let s = attnscope::analysis::files::read_lines_file(f, &ReadLimit::any_model())?;
         texts.extend(
             s.lines()
                 .filter(|l| !l.trim().is_empty())
@@ -77,7 +77,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let (n, dm, normalized, secs, emb) =
         (r.n_texts, r.d_model, r.normalized, r.seconds, r.embeddings);
     if let Some(out) = &output {
-        out.write(&crate::render::npy::to_npy(&[n, dm], &emb))?;
+        out.write(&attnscope::render::npy::to_npy(&[n, dm], &emb))?;
     }
     if a.json {
         let mut v = json!({

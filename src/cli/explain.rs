@@ -1,9 +1,9 @@
 //! `attnscope explain`: one attention step, printed so a student can redo it on paper.
 
 use super::common::{emit, usage};
-use crate::reference::walkthrough::{head_split, walkthrough, Walkthrough};
-use crate::reference::{dot, saturation};
-use crate::render::table::{mask_grid, title, Align, Table};
+use attnscope::reference::walkthrough::{head_split, walkthrough, Walkthrough};
+use attnscope::reference::{dot, saturation};
+use attnscope::render::table::{mask_grid, title, Align, Table};
 use serde_json::json;
 
 #[derive(clap::Args, Debug)]
@@ -60,7 +60,7 @@ fn quiz(a: &Args) -> anyhow::Result<()> {
     let texts: Vec<String> = model
         .token_texts(&tokens)
         .iter()
-        .map(|t| crate::model::tokenize::visible(t))
+        .map(|t| attnscope::model::tokenize::visible(t))
         .collect();
     let (rows, logits) = quiz_rows(&model, &tokens)?;
     let answers = [
@@ -99,7 +99,7 @@ fn quiz(a: &Args) -> anyhow::Result<()> {
 }
 
 /// Question 1: the cost of four times the length.
-fn quiz_cost(model: &crate::model::Model) -> Answer {
+fn quiz_cost(model: &attnscope::model::Model) -> Answer {
     let d = &model.dims;
     let (n1, n2) = (2048f64, 8192f64);
     let per_head = |n: f64| n * n * 4.0;
@@ -122,7 +122,7 @@ fn quiz_cost(model: &crate::model::Model) -> Answer {
 }
 
 /// Question 2: each head's width.
-fn quiz_head_width(d: &crate::model::config::ModelDims) -> Answer {
+fn quiz_head_width(d: &attnscope::model::config::ModelDims) -> Answer {
     let split = d.d_model as f64 / d.n_heads as f64;
     (
         "How many numbers does each head work with?",
@@ -142,7 +142,7 @@ fn quiz_head_width(d: &crate::model::config::ModelDims) -> Answer {
 }
 
 /// Question 3: grouped-query attention's sharing and what it saves.
-fn quiz_gqa(d: &crate::model::config::ModelDims) -> Answer {
+fn quiz_gqa(d: &attnscope::model::config::ModelDims) -> Answer {
     (
         "How many query heads share each key/value set, and what does it save?",
         format!(
@@ -177,9 +177,12 @@ fn quiz_mask(texts: &[String]) -> Answer {
 
 /// Question 5: the rows' sums and the masked weights, measured on every layer and head; and the
 /// last position's logits.
-fn quiz_rows(model: &crate::model::Model, tokens: &[u32]) -> anyhow::Result<(Answer, Vec<f32>)> {
+fn quiz_rows(
+    model: &attnscope::model::Model,
+    tokens: &[u32],
+) -> anyhow::Result<(Answer, Vec<f32>)> {
     let (d, n) = (&model.dims, tokens.len());
-    let r = crate::commands::explain::rows(model, tokens)?;
+    let r = attnscope::commands::explain::rows(model, tokens)?;
     let (worst_sum, worst_masked) = (r.max_row_sum_error, r.max_masked_weight);
     let answer = (
         "After the softmax, do the rows sum to 1, and are the masked weights 0?",
@@ -191,13 +194,13 @@ fn quiz_rows(model: &crate::model::Model, tokens: &[u32]) -> anyhow::Result<(Ans
 
 /// Question 6: is the most-attended token the one the prediction (from `logits`) depends on?
 fn quiz_explanation(
-    model: &crate::model::Model,
+    model: &attnscope::model::Model,
     tokens: &[u32],
     logits: &[f32],
 ) -> anyhow::Result<Answer> {
-    use crate::analysis::vocab::{permutation_p, spearman};
+    use attnscope::analysis::vocab::{permutation_p, spearman};
     let n = tokens.len();
-    let f = crate::commands::explain::attention_against_deletion(model, tokens)?;
+    let f = attnscope::commands::explain::attention_against_deletion(model, tokens)?;
     let rows = &f.tokens;
     let top_attn = rows
         .iter()
@@ -213,16 +216,16 @@ fn quiz_explanation(
         .map(|r| -(r.loo.unwrap_or(0.0) as f64))
         .collect();
     let (rho, p) = (spearman(&sc, &imp), permutation_p(&sc, &imp, spearman));
-    let next = crate::analysis::vocab::next_token_top_k(logits, 1).remove(0);
+    let next = attnscope::analysis::vocab::next_token_top_k(logits, 1).remove(0);
     let answer = match top_loo {
         Some(t) => format!(
             "Not by itself. The model predicts {:?} next. The last layer's attention (head mean) is highest on token {} {:?} ({:.3}), but deleting token {} {:?} changes the prediction most (Δ log p = {:+.3}). Over all {n} tokens, attention against deletion: Spearman ρ = {} (permutation p = {}). {}",
-            crate::model::tokenize::visible(&model.tokenizer.token_text(next.id)),
+            attnscope::model::tokenize::visible(&model.tokenizer.token_text(next.id)),
             top_attn.pos,
-            crate::model::tokenize::visible(&top_attn.text),
+            attnscope::model::tokenize::visible(&top_attn.text),
             top_attn.attention_last,
             t.pos,
-            crate::model::tokenize::visible(&t.text),
+            attnscope::model::tokenize::visible(&t.text),
             t.loo.unwrap_or(0.0),
             rho.map(|r| format!("{r:+.2}")).unwrap_or_else(|| "undefined".into()),
             p.map(|p| format!("{p:.2}")).unwrap_or_else(|| "—".into()),
@@ -262,7 +265,7 @@ fn rnn(a: &Args) -> anyhow::Result<()> {
         )));
     }
     let d = a.d.clamp(2, 64);
-    let rows = crate::reference::rnn::compare(&ns, d, a.rho, a.seed);
+    let rows = attnscope::reference::rnn::compare(&ns, d, a.rho, a.seed);
     if a.json {
         return emit(&format!(
             "{}\n",
@@ -271,22 +274,28 @@ fn rnn(a: &Args) -> anyhow::Result<()> {
             )?
         ));
     }
-    let mut s = crate::render::table::title(
+    let mut s = attnscope::render::table::title(
         "Why attention replaced recurrent networks (toy RNN against toy attention, measured)",
     );
     s += &format!("width d = {d}; RNN h_t = tanh(W h_(t-1) + U x_t) with W = {} · orthogonal; attention y = Σ α_nj W_V x_j; seed {}\n", a.rho, a.seed);
     s += "‖∂y/∂x₁‖: how much the last output still depends on the first token (chain rule, exact)\n\n";
-    let mut t = crate::render::table::Table::new([
-        ("n", crate::render::table::Align::Right),
+    let mut t = attnscope::render::table::Table::new([
+        ("n", attnscope::render::table::Align::Right),
         (
             "sequential steps RNN / attn",
-            crate::render::table::Align::Right,
+            attnscope::render::table::Align::Right,
         ),
-        ("path x₁→y RNN / attn", crate::render::table::Align::Right),
-        ("‖∂y/∂x₁‖ RNN (tanh)", crate::render::table::Align::Right),
-        ("linear RNN", crate::render::table::Align::Right),
-        ("= rhoⁿ⁻¹‖U‖", crate::render::table::Align::Right),
-        ("attention", crate::render::table::Align::Right),
+        (
+            "path x₁→y RNN / attn",
+            attnscope::render::table::Align::Right,
+        ),
+        (
+            "‖∂y/∂x₁‖ RNN (tanh)",
+            attnscope::render::table::Align::Right,
+        ),
+        ("linear RNN", attnscope::render::table::Align::Right),
+        ("= rhoⁿ⁻¹‖U‖", attnscope::render::table::Align::Right),
+        ("attention", attnscope::render::table::Align::Right),
     ]);
     for r in &rows {
         t.row([
@@ -409,7 +418,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "mask": (0..words.len()).map(|i| (0..words.len()).map(|j| j <= i).collect::<Vec<_>>()).collect::<Vec<_>>(),
             "sqrt_d": sat.iter().map(|&(d, sm, se, um, ue)| json!({"d": d, "scaled": {"max_weight": sm, "entropy": se}, "unscaled": {"max_weight": um, "entropy": ue}})).collect::<Vec<_>>(),
             "heads": {"d_model": a.d_model, "n_heads": a.heads, "n_kv_heads": a.kv_heads, "head_dim": a.d_model / a.heads,
-                      "kv_set_of_head": (0..a.heads).map(|h| crate::reference::kv_head(h, a.heads / a.kv_heads)).collect::<Vec<_>>(), "summary": split},
+                      "kv_set_of_head": (0..a.heads).map(|h| attnscope::reference::kv_head(h, a.heads / a.kv_heads)).collect::<Vec<_>>(), "summary": split},
         });
         return emit(&format!("{}\n", serde_json::to_string_pretty(&doc)?));
     }

@@ -2,11 +2,11 @@
 
 use super::common::ModelText;
 use super::scoring::{run_scored, ScoringArgs};
-use crate::analysis::enc_faith::EncFaithReport;
-use crate::analysis::vocab::{Method, MetricRow, Target};
-use crate::commands::faithfulness::{self as command, FaithOptions, FaithReport, Faithfulness};
-use crate::model::tokenize::visible;
-use crate::render::table::{title, Align, Table};
+use attnscope::analysis::enc_faith::EncFaithReport;
+use attnscope::analysis::vocab::{Method, MetricRow, Target};
+use attnscope::commands::faithfulness::{self as command, FaithOptions, FaithReport, Faithfulness};
+use attnscope::model::tokenize::visible;
+use attnscope::render::table::{title, Align, Table};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -47,7 +47,7 @@ pub enum Gradients {
     None,
 }
 
-impl From<Gradients> for crate::commands::faithfulness::Gradients {
+impl From<Gradients> for attnscope::commands::faithfulness::Gradients {
     fn from(g: Gradients) -> Self {
         match g {
             Gradients::All => Self::All,

@@ -2,12 +2,12 @@
 //! on a KV cache, and show what the query that produced each token attended to.
 
 use super::common::{emit, on_bar, output_path, progress_bar, usage, ModelArgs, Output};
-use crate::analysis::vocab::Method;
-use crate::commands::generate::{
+use attnscope::analysis::vocab::Method;
+use attnscope::commands::generate::{
     self as command, GenAttribution, GenOptions, GenToken, Generation,
 };
-use crate::model::tokenize::visible;
-use crate::render::gen_attribute as render;
+use attnscope::model::tokenize::visible;
+use attnscope::render::gen_attribute as render;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
@@ -167,7 +167,7 @@ fn check_request(a: &Args) -> anyhow::Result<Option<Output>> {
         ));
     }
     if a.attribute == Some(Method::IntegratedGradients) {
-        crate::analysis::scores::check_steps(a.steps)?;
+        attnscope::analysis::scores::check_steps(a.steps)?;
     }
     a.html
         .as_deref()
@@ -178,7 +178,7 @@ fn check_request(a: &Args) -> anyhow::Result<Option<Output>> {
 /// Generates from `prompt`, printing each token's text as it comes unless `--json` (the
 /// end-of-turn token not printed; a character split over tokens printed once its last byte came).
 fn generate_streamed(
-    model: &crate::model::Model,
+    model: &attnscope::model::Model,
     prompt: &[u32],
     o: &GenOptions,
     a: &Args,
@@ -220,7 +220,7 @@ fn generate_streamed(
 
 /// `--html`: the page of the answer's attribution beside each answer token's attention.
 fn write_page(
-    model: &crate::model::Model,
+    model: &attnscope::model::Model,
     r: &GenAttribution,
     g: &Generation,
     all_texts: &[String],
@@ -247,7 +247,7 @@ fn write_page(
 /// `--json`'s document (without the attribution): the prompt, the text, each answer token with
 /// its sink profile, top keys (labelled by `label`) and concentrated heads, and the timings.
 fn json_doc(
-    model: &crate::model::Model,
+    model: &attnscope::model::Model,
     a: &Args,
     g: &Generation,
     texts: &[String],

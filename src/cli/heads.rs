@@ -4,9 +4,9 @@
 //! a sentence pair (`--pair`).
 
 use super::common::{emit, usage, ModelText};
-use crate::analysis::heads::{mean_roles, mean_uniform, random_repeat_tokens, role_names};
-use crate::commands::heads::{self as command, document, HeadRoles, HeadsInput};
-use crate::render::table::{title, Align, Table};
+use attnscope::analysis::heads::{mean_roles, mean_uniform, random_repeat_tokens, role_names};
+use attnscope::commands::heads::{self as command, document, HeadRoles, HeadsInput};
+use attnscope::render::table::{title, Align, Table};
 use std::collections::BTreeMap;
 
 #[derive(clap::Args, Debug)]
@@ -88,7 +88,7 @@ struct Inputs {
 }
 
 /// The input `a` asks for: random repeated tokens, each line of the text, or the text (or pair).
-fn inputs(model: &crate::model::Model, a: &Args) -> anyhow::Result<Inputs> {
+fn inputs(model: &attnscope::model::Model, a: &Args) -> anyhow::Result<Inputs> {
     let mut doc = serde_json::Map::new();
     if let Some(nr) = a.random_repeat {
         let t = random_repeat_tokens(model, nr, a.seed, a.input.model.bos)?;
@@ -106,11 +106,11 @@ fn inputs(model: &crate::model::Model, a: &Args) -> anyhow::Result<Inputs> {
     if a.each_line {
         let text = a.input.text.read_lines(model)?;
         let mut texts = Vec::new();
-        for line in crate::analysis::corpus::parse_lines(&text, false) {
+        for line in attnscope::analysis::corpus::parse_lines(&text, false) {
             texts.push(model.encode(&line, a.input.model.bos)?);
         }
         if texts.is_empty() {
-            return Err(anyhow::Error::new(crate::model::Error::EmptyText));
+            return Err(anyhow::Error::new(attnscope::model::Error::EmptyText));
         }
         let source = format!("{} texts, one per line", texts.len());
         return Ok(Inputs {

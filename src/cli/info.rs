@@ -1,8 +1,8 @@
 //! `attnscope info` and `attnscope fetch`.
 
 use super::common::{emit, ModelArgs};
-use crate::model::fetch::{alias, alias_names, alias_path, ensure, ALIASES};
-use crate::render::table::{title, Align, Table};
+use attnscope::model::fetch::{alias, alias_names, alias_path, ensure, ALIASES};
+use attnscope::render::table::{title, Align, Table};
 use serde_json::json;
 
 #[derive(clap::Args, Debug)]
@@ -60,10 +60,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 }
 
 /// `info --json`: the model's description, shape, packed-weight cache and memory model.
-fn json_report(m: &crate::model::Model) -> serde_json::Value {
+fn json_report(m: &attnscope::model::Model) -> serde_json::Value {
     let d = &m.dims;
     let (mapped, projections) = m.mapped_projections();
-    let k = crate::kernels::select::kernels();
+    let k = attnscope::kernels::select::kernels();
     let kernels = json!({"exact": k.exact_name(), "fast": k.fast_name(), "gemm": k.gemm.name(), "forced": k.forced});
     json!({"model": m.info, "dims": d, "kind": model_kind(d), "group_size": d.group_size(), "gqa": d.gqa_sentence(), "kernels": kernels,
            "cached_alias_path": alias(&m.info.name).map(alias_path),
@@ -84,7 +84,7 @@ fn memory_json(rows: &[(usize, u64, u64)]) -> Vec<serde_json::Value> {
 /// memory model from the file's tables, read without loading the weights; any other error as
 /// it came.
 fn too_big(a: &Args, e: anyhow::Error) -> anyhow::Result<()> {
-    use crate::model::memory;
+    use attnscope::model::memory;
     let Ok(plan) = memory::plan(&a.model.model, false) else {
         return Err(e);
     };
@@ -149,7 +149,7 @@ fn memory_table(rows: &[(usize, u64, u64)]) -> String {
 }
 
 /// The title, the description, the file and the packed-weight cache it maps or wrote.
-fn header(m: &crate::model::Model) -> String {
+fn header(m: &attnscope::model::Model) -> String {
     let mut s = title(&format!("{} ({})", m.info.name, m.info.format));
     if let Some(desc) = &m.info.description {
         s += &format!("{desc}\n");
@@ -176,12 +176,12 @@ fn header(m: &crate::model::Model) -> String {
 }
 
 /// The model's facts: shape, positions, embeddings, types, tokenizer, precision and memory.
-fn facts_table(m: &crate::model::Model) -> Table {
+fn facts_table(m: &attnscope::model::Model) -> Table {
     let d = &m.dims;
     let mut t = Table::new([("", Align::Left), ("", Align::Left)]);
     let rope = match d.rope_style {
-        crate::model::RopeStyle::Neox => "half-split pairs (i, i+d/2)",
-        crate::model::RopeStyle::Interleaved => "interleaved pairs (2i, 2i+1)",
+        attnscope::model::RopeStyle::Neox => "half-split pairs (i, i+d/2)",
+        attnscope::model::RopeStyle::Interleaved => "interleaved pairs (2i, 2i+1)",
     };
     for (k, v) in [
         ("architecture", d.arch.name().to_string()),
@@ -208,7 +208,7 @@ fn facts_table(m: &crate::model::Model) -> Table {
         ("tokenizer", m.info.tokenizer.clone()),
         ("BOS", bos_line(m)),
         ("precision", precision_line(m)),
-        ("kernels", crate::kernels::select::kernels().describe()),
+        ("kernels", attnscope::kernels::select::kernels().describe()),
     ] {
         t.row([k.to_string(), v]);
     }
@@ -231,9 +231,9 @@ fn facts_table(m: &crate::model::Model) -> Table {
 }
 
 /// The circuit graph's upstream nodes, readers and edges (`attnscope circuit`), for a decoder.
-fn circuit_graph(d: &crate::model::ModelDims) -> Option<(usize, usize, usize)> {
+fn circuit_graph(d: &attnscope::model::ModelDims) -> Option<(usize, usize, usize)> {
     (!d.arch.is_encoder()).then(|| {
-        let g = crate::analysis::circuit::graph::Graph::new(d);
+        let g = attnscope::analysis::circuit::graph::Graph::new(d);
         (g.n_nodes(), g.n_readers(), g.n_edges())
     })
 }
@@ -252,10 +252,10 @@ fn thousands(v: usize) -> String {
 }
 
 /// The RoPE scaling row: none, or Llama 3's factors.
-fn rope_scaling_line(d: &crate::model::ModelDims) -> String {
+fn rope_scaling_line(d: &attnscope::model::ModelDims) -> String {
     match &d.rope_scaling {
-        crate::model::config::RopeScaling::Default => "none".to_string(),
-        crate::model::config::RopeScaling::Llama3 {
+        attnscope::model::config::RopeScaling::Default => "none".to_string(),
+        attnscope::model::config::RopeScaling::Llama3 {
             factor,
             low_freq_factor,
             high_freq_factor,
@@ -265,7 +265,7 @@ fn rope_scaling_line(d: &crate::model::ModelDims) -> String {
 }
 
 /// The embeddings row: an encoder's sum of embeddings, or a decoder's tied or separate head.
-fn embeddings_line(d: &crate::model::ModelDims) -> &'static str {
+fn embeddings_line(d: &attnscope::model::ModelDims) -> &'static str {
     if d.arch.is_encoder() {
         "word + learned position + token type, then LayerNorm; no output head"
     } else if d.tied_embeddings {
@@ -276,7 +276,7 @@ fn embeddings_line(d: &crate::model::ModelDims) -> &'static str {
 }
 
 /// The tensor types row: each type with how many tensors have it.
-fn tensor_types_line(m: &crate::model::Model) -> String {
+fn tensor_types_line(m: &attnscope::model::Model) -> String {
     m.info
         .tensor_types
         .iter()
@@ -286,7 +286,7 @@ fn tensor_types_line(m: &crate::model::Model) -> String {
 }
 
 /// The BOS row: which token is put first by default, and the flag that changes it.
-fn bos_line(m: &crate::model::Model) -> String {
+fn bos_line(m: &attnscope::model::Model) -> String {
     match (m.tokenizer.add_bos, m.tokenizer.bos_id) {
         (true, Some(b)) => format!(
             "`{}` (id {b}) put first by default (--no-bos leaves it out)",
@@ -301,32 +301,32 @@ fn bos_line(m: &crate::model::Model) -> String {
 }
 
 /// The precision row: which kernels run the projections and the attention.
-fn precision_line(m: &crate::model::Model) -> String {
+fn precision_line(m: &attnscope::model::Model) -> String {
     match m.info.precision {
-        crate::model::Precision::Fast => format!(
+        attnscope::model::Precision::Fast => format!(
             "fast: projections {}, attention f32 ({} kernel)",
-            crate::model::weights::fast_kernel()
+            attnscope::model::weights::fast_kernel()
                 .map(str::to_string)
                 .unwrap_or_else(|| format!(
                     "on the exact f32 kernels ({})",
-                    crate::kernels::select::kernels().why_no_fast_kernel()
+                    attnscope::kernels::select::kernels().why_no_fast_kernel()
                 )),
-            crate::kernels::gemm::Isa::detect().name()
+            attnscope::kernels::gemm::Isa::detect().name()
         ),
-        crate::model::Precision::Exact => {
+        attnscope::model::Precision::Exact => {
             let (scaled, all) = m.scaled_projections();
-            if crate::kernels::amx::exact_on_tiles() {
+            if attnscope::kernels::amx::exact_on_tiles() {
                 "exact: f32 throughout (bf16x3 on AMX tiles)".to_string()
             } else if scaled > 0 {
                 format!(
                     "exact: every product exact, summed in f32; {scaled} of {all} projections on AMX tiles as the file's integers and scales, {} attention on the {} kernel",
                     if scaled == all { "the" } else { "the rest and the" },
-                    crate::kernels::gemm::Isa::detect().name()
+                    attnscope::kernels::gemm::Isa::detect().name()
                 )
             } else {
                 format!(
                     "exact: f32 throughout ({} kernel)",
-                    crate::kernels::gemm::Isa::detect().name()
+                    attnscope::kernels::gemm::Isa::detect().name()
                 )
             }
         }
@@ -334,7 +334,7 @@ fn precision_line(m: &crate::model::Model) -> String {
 }
 
 /// Gemma's scalings and soft-caps.
-fn gemma_line(g: &crate::model::config::GemmaSettings) -> String {
+fn gemma_line(g: &attnscope::model::config::GemmaSettings) -> String {
     format!(
         "embeddings × {:.4} (√d_model); scores × {:.5}{}{}",
         g.embed_scale,
@@ -349,22 +349,22 @@ fn gemma_line(g: &crate::model::config::GemmaSettings) -> String {
 }
 
 /// The memory setting, how many projections it multiplies from the file's blocks, and why.
-fn memory_line(m: &crate::model::Model) -> String {
+fn memory_line(m: &attnscope::model::Model) -> String {
     let (low, all) = m.low_projections();
     let what = match m.info.memory {
-        crate::model::Memory::Low if low == all => {
+        attnscope::model::Memory::Low if low == all => {
             "low: every projection multiplied from the file's quantized blocks (mapped), a panel dequantized just before each product".to_string()
         }
-        crate::model::Memory::Low => format!(
+        attnscope::model::Memory::Low => format!(
             "low: {low} of {all} projections from the file's blocks; the rest (floats or a type low does not read) packed as f32 panels"
         ),
-        crate::model::Memory::Fast => "fast: projections packed at load".to_string(),
+        attnscope::model::Memory::Fast => "fast: projections packed at load".to_string(),
     };
     format!("{what} ({})", m.info.memory_reason)
 }
 
 /// `(tokens, low, fast)` peak bytes of an `inspect` at a few lengths up to the context.
-fn memory_model(m: &crate::model::Model) -> Option<Vec<(usize, u64, u64)>> {
+fn memory_model(m: &attnscope::model::Model) -> Option<Vec<(usize, u64, u64)>> {
     let fp = m.info.footprint.as_ref()?;
     Some(memory_rows(fp, m.info.precision, m.dims.context_len))
 }
@@ -372,8 +372,8 @@ fn memory_model(m: &crate::model::Model) -> Option<Vec<(usize, u64, u64)>> {
 /// `(tokens, low, fast)` peak bytes of an `inspect` of `fp` at 128, 512, ... tokens up to
 /// `context` (at least the first row).
 fn memory_rows(
-    fp: &crate::model::memory::Footprint,
-    p: crate::model::Precision,
+    fp: &attnscope::model::memory::Footprint,
+    p: attnscope::model::Precision,
     context: usize,
 ) -> Vec<(usize, u64, u64)> {
     [128, 512, 2048, 8192, 32768]
@@ -383,15 +383,15 @@ fn memory_rows(
         .map(|(_, n)| {
             (
                 n,
-                fp.need(crate::model::Memory::Low, p, n),
-                fp.need(crate::model::Memory::Fast, p, n),
+                fp.need(attnscope::model::Memory::Low, p, n),
+                fp.need(attnscope::model::Memory::Fast, p, n),
             )
         })
         .collect()
 }
 
 /// Which keys a query sees: every earlier one, or a window on some layers (and their RoPE base).
-fn attention_span(d: &crate::model::ModelDims) -> String {
+fn attention_span(d: &attnscope::model::ModelDims) -> String {
     let windowed = d.windowed_layers();
     match d.sliding_window {
         None if d.arch.is_encoder() => "every token, before and after it, every layer".to_string(),
@@ -423,7 +423,7 @@ fn attention_span(d: &crate::model::ModelDims) -> String {
 }
 
 /// "decoder (causal)" or "encoder (bidirectional)" and how an encoder differs.
-fn model_kind(d: &crate::model::ModelDims) -> String {
+fn model_kind(d: &attnscope::model::ModelDims) -> String {
     if d.arch.is_encoder() {
         format!(
             "encoder (bidirectional): every token attends to every other (no causal mask), post-LN blocks, {} token types (a pair with --pair, as the tokenizer builds it), no next-token prediction (generate and next-token targets are refused)",

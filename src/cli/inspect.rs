@@ -1,9 +1,9 @@
 //! `attnscope inspect`: the lesson's tables on a real model.
 
 use super::common::{emit, ModelText};
-use crate::analysis::encoder::EncoderReport;
-use crate::commands::inspect::{self as command, InspectInput, InspectOptions, Inspected};
-use crate::model::Model;
+use attnscope::analysis::encoder::EncoderReport;
+use attnscope::commands::inspect::{self as command, InspectInput, InspectOptions, Inspected};
+use attnscope::model::Model;
 use std::time::Instant;
 
 #[derive(clap::Args, Debug)]
@@ -68,7 +68,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             forward_s,
             attention_s,
         } => {
-            let mut s = crate::render::report::render(&report, a.mask_tokens);
+            let mut s = attnscope::render::report::render(&report, a.mask_tokens);
             s += &format!(
                 "\n{} of which attention {attention_s:.3} s)\n",
                 super::common::timings_opening(load_s, "forward", forward_s),
@@ -87,8 +87,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 fn encoder_text(model: &Model, r: &EncoderReport, top: usize, forward: f64, load_s: f64) -> String {
     let (n, d) = (r.tokens.len(), &model.dims);
     let (query, layer) = (r.query, r.layer);
-    let tok = |i: usize| crate::model::tokenize::visible(&r.tokens[i].text);
-    let cell = |t: &[crate::analysis::vocab::TopEntry]| {
+    let tok = |i: usize| attnscope::model::tokenize::visible(&r.tokens[i].text);
+    let cell = |t: &[attnscope::analysis::vocab::TopEntry]| {
         t.iter()
             .map(|e| format!("{} {:.3}", tok(e.pos), e.weight))
             .collect::<Vec<_>>()

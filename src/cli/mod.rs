@@ -37,7 +37,7 @@ mod view;
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
-use crate::analysis::request::is_bad_input;
+use attnscope::analysis::request::is_bad_input;
 
 /// attnscope: compute, see and measure the attention inside real language models.
 ///
@@ -189,18 +189,18 @@ pub fn main() -> ExitCode {
     };
     // ATTNSCOPE_ISA / ATTNSCOPE_AMX asking for a kernel this CPU cannot run: refused before any
     // command starts (never an illegal instruction, never silently another kernel)
-    if let Err(e) = crate::kernels::select::check() {
+    if let Err(e) = attnscope::kernels::select::check() {
         eprintln!("attnscope: error: {e}");
         return ExitCode::from(2);
     }
-    crate::commands::load::keep_models_to_exit();
+    attnscope::commands::load::keep_models_to_exit();
     // Ctrl-C while a file is written removes its temporary file (a capture's is hundreds of MB)
-    crate::analysis::files::remove_temp_files_on_signal();
+    attnscope::analysis::files::remove_temp_files_on_signal();
     let result = run(cli);
     // `attnscope bench` times commands as child processes and asks each for its own peak memory
     // (VmHWM of this process's address space; rusage would include the parent's, inherited)
     if let Some(path) = std::env::var_os("ATTNSCOPE_PEAK_FILE") {
-        if let Some(peak) = crate::analysis::measure::peak_rss_bytes() {
+        if let Some(peak) = attnscope::analysis::measure::peak_rss_bytes() {
             let _ = std::fs::write(path, peak.to_string());
         }
     }

@@ -1,14 +1,14 @@
 //! `attnscope patch`: activation patching between a clean and a corrupted text.
 
 use super::common::{emit, on_bar, output_path, progress_bar, usage, ModelArgs};
-use crate::analysis::vocab::PatchHook;
-use crate::analysis::vocab::Target;
-use crate::commands::patch::{
+use attnscope::analysis::vocab::PatchHook;
+use attnscope::analysis::vocab::Target;
+use attnscope::commands::patch::{
     self as command, Agreement, ApproxKind, PatchInput, PatchOptions, PatchReport,
 };
-use crate::model::tokenize::visible;
-use crate::render::patch_page::patch_page;
-use crate::render::table::title;
+use attnscope::model::tokenize::visible;
+use attnscope::render::patch_page::patch_page;
+use attnscope::render::table::title;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
@@ -65,7 +65,7 @@ pub struct Args {
     #[arg(long)]
     approx: bool,
     /// Most positions stacked into one forward.
-    #[arg(long, default_value_t = crate::analysis::intervene::DEFAULT_BATCH_ROWS, hide = true)]
+    #[arg(long, default_value_t = attnscope::analysis::intervene::DEFAULT_BATCH_ROWS, hide = true)]
     batch_rows: usize,
     #[arg(long)]
     json: bool,
@@ -173,7 +173,7 @@ struct JsonOut<'a> {
 struct ApproxJson<'a> {
     method: &'static str,
     hook: &'a str,
-    results: &'a [crate::analysis::attrpatch::ApproxCell],
+    results: &'a [attnscope::analysis::attrpatch::ApproxCell],
     pearson: Option<f64>,
     spearman: Option<f64>,
     n: usize,

@@ -1,10 +1,10 @@
 //! `attnscope qk`: a head's pre-softmax score of one query and one key split exactly into
-//! (query-side component × key-side component) terms ([`crate::analysis::qk`]).
+//! (query-side component × key-side component) terms ([`attnscope::analysis::qk`]).
 
 use super::common::{emit, usage, ModelText};
-use crate::commands::qk::{self as command, Against, QkOptions, QkReport};
-use crate::model::tokenize::visible;
-use crate::render::table::{title, Align, Table};
+use attnscope::commands::qk::{self as command, Against, QkOptions, QkReport};
+use attnscope::model::tokenize::visible;
+use attnscope::render::table::{title, Align, Table};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {

@@ -1,9 +1,9 @@
 //! `attnscope scaling`: how the cost of attention grows with the length, measured.
 
 use super::common::{emit, progress_bar, usage, ModelArgs};
-use crate::analysis::measure::{loglog_slope, machine};
-use crate::commands::scaling::{measure_setting, Setting};
-use crate::render::table::{bar, title, Align, Table};
+use attnscope::analysis::measure::{loglog_slope, machine};
+use attnscope::commands::scaling::{measure_setting, Setting};
+use attnscope::render::table::{bar, title, Align, Table};
 use serde::Serialize;
 
 #[derive(clap::Args, Debug)]
@@ -21,7 +21,7 @@ pub struct Args {
     #[arg(long, default_value_t = 3, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1000))]
     repeats: usize,
     /// Skip pattern capture where the patterns alone would exceed this many GiB.
-    #[arg(long, default_value_t = 6.0, value_parser = crate::analysis::request::non_negative)]
+    #[arg(long, default_value_t = 6.0, value_parser = attnscope::analysis::request::non_negative)]
     capture_limit_gib: f64,
     #[arg(long)]
     json: bool,
@@ -35,7 +35,7 @@ struct Row {
     pattern_bytes: f64,
 }
 
-pub(super) use crate::commands::scaling::median;
+pub(super) use attnscope::commands::scaling::median;
 
 /// `f`'s result and the seconds it took.
 pub(super) fn timed<T, E: Into<anyhow::Error>>(
@@ -89,7 +89,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let d = &model.dims;
     let max_n = *a.lengths.iter().max().expect("non-empty");
     if max_n > d.context_len {
-        return Err(anyhow::Error::new(crate::model::Error::TooLong {
+        return Err(anyhow::Error::new(attnscope::model::Error::TooLong {
             n_tokens: max_n,
             limit: d.context_len,
             model: model.info.name.clone(),
@@ -139,10 +139,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 
 /// Each length of `--lengths` on the built-in corpus's text: without capture, and with every
 /// pattern captured where the patterns fit `--capture-limit-gib`.
-fn measure_rows(model: &crate::model::Model, a: &Args) -> anyhow::Result<Vec<Row>> {
+fn measure_rows(model: &attnscope::model::Model, a: &Args) -> anyhow::Result<Vec<Row>> {
     let d = &model.dims;
     let max_n = *a.lengths.iter().max().expect("non-empty");
-    let all = crate::analysis::corpus::builtin_tokens(&model.tokenizer, max_n)?;
+    let all = attnscope::analysis::corpus::builtin_tokens(&model.tokenizer, max_n)?;
     let bar_ = progress_bar("{msg:24} [{bar:30}] {pos}/{len} ({elapsed})");
     bar_.set_length((a.lengths.len() * 2) as u64);
     let mut rows = Vec::new();

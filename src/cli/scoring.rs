@@ -4,7 +4,7 @@
 //! as text.
 
 use super::common::{emit, on_bar, progress_bar, ModelArgs, TextArgs};
-use crate::model::Model;
+use attnscope::model::Model;
 
 /// The flags `attribute` and `faithfulness` end with.
 #[derive(clap::Args, Debug)]
@@ -27,7 +27,7 @@ pub fn run_scored<R: serde::Serialize>(
     score: impl FnOnce(&Model, &[u32], &mut dyn FnMut(usize, usize)) -> anyhow::Result<R>,
     render: impl FnOnce(&R) -> String,
 ) -> anyhow::Result<()> {
-    crate::analysis::scores::check_steps(a.steps)?;
+    attnscope::analysis::scores::check_steps(a.steps)?;
     let m = model.load()?;
     let tokens = text.tokens(&m, model.bos)?;
     let bar = progress_bar(&format!("{label} [{{bar:30}}] {{pos}}/{{len}} ({{eta}})"));

@@ -9,7 +9,7 @@
 //! others out (issue #56: ~70 half-open connections did, 10 s at a time).
 
 use super::common::{emit, usage, ModelArgs};
-use crate::render::html::html_escape;
+use attnscope::render::html::html_escape;
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -70,7 +70,7 @@ EXTRA<button type="submit">Show attention</button></form>ERROR</body></html>"#;
 const DECODER_EXTRA: &str = r#"<p><label><input type="checkbox" name="faithfulness" value="1"> also measure faithfulness (slower)</label></p>"#;
 const ENCODER_EXTRA: &str = r#"<p>An encoder (bidirectional attention, no next-token prediction). Optionally a second text, for the sentence pair [CLS] A [SEP] B [SEP] (the head view then shows A→B, B→A, A→A, B→B):</p><textarea name="pair" maxlength="MAXCHARS" placeholder="second text (optional)"></textarea>"#;
 
-fn form(model: &crate::model::Model, max_chars: usize, error: Option<&str>) -> String {
+fn form(model: &attnscope::model::Model, max_chars: usize, error: Option<&str>) -> String {
     let extra = if model.is_encoder() {
         ENCODER_EXTRA
     } else {
@@ -464,7 +464,7 @@ fn read_request(
 /// error page.
 fn handle(
     stream: &mut TcpStream,
-    model: &crate::model::Model,
+    model: &attnscope::model::Model,
     a: &Args,
     bound: std::net::SocketAddr,
     ticket: &Ticket,
@@ -549,7 +549,11 @@ impl ViewRequest {
 
     /// Refuses what this server will not run: no text (400), more than `--max-chars`
     /// characters, faithfulness on more than `--max-faithfulness-tokens` tokens (413).
-    fn check(&self, model: &crate::model::Model, a: &Args) -> Result<(), (&'static str, String)> {
+    fn check(
+        &self,
+        model: &attnscope::model::Model,
+        a: &Args,
+    ) -> Result<(), (&'static str, String)> {
         let Some(text) = &self.text else {
             return Err(("400 Bad Request", "no text was given".into()));
         };
@@ -580,7 +584,7 @@ impl ViewRequest {
 /// made, the turn given back, then the page sent.
 fn serve_view(
     stream: &mut TcpStream,
-    model: &crate::model::Model,
+    model: &attnscope::model::Model,
     a: &Args,
     query: &str,
     ticket: &Ticket,
@@ -598,7 +602,7 @@ fn serve_view(
         Err(r) => return refuse(stream, model, a, &r),
     };
     let page = match &req.pair {
-        None => crate::commands::view::view_html(model, text, a.model.bos, req.faith),
+        None => attnscope::commands::view::view_html(model, text, a.model.bos, req.faith),
         Some(b) => view_pair(model, text, b, req.faith),
     };
     drop(turn);
@@ -614,23 +618,23 @@ fn serve_view(
 
 /// The view page of an encoder's sentence pair (a decoder's refusal says why).
 fn view_pair(
-    model: &crate::model::Model,
+    model: &attnscope::model::Model,
     a: &str,
     b: &str,
     faithfulness: bool,
 ) -> anyhow::Result<(String, usize)> {
     let (tokens, types, segments) = model.encode_pair_segments(a, b)?;
-    let opts = crate::commands::view::ViewOptions {
+    let opts = attnscope::commands::view::ViewOptions {
         faithfulness,
         token_types: Some(types),
         segments: Some(segments),
         ..Default::default()
     };
-    crate::commands::view::view_html_tokens(model, &tokens, &opts)
+    attnscope::commands::view::view_html_tokens(model, &tokens, &opts)
 }
 
 /// Answers 503 with `Retry-After` and the reason.
-fn refuse(stream: &mut TcpStream, model: &crate::model::Model, a: &Args, r: &Refusal) {
+fn refuse(stream: &mut TcpStream, model: &attnscope::model::Model, a: &Args, r: &Refusal) {
     respond_with(
         stream,
         "503 Service Unavailable",

@@ -1,13 +1,13 @@
 //! `attnscope sinks`: the sink profile and per-head statistics of a long text, streamed.
 
 use super::common::{emit, ModelArgs};
-use crate::analysis::request::weight_threshold;
-use crate::analysis::sinkmetrics::LayerMassive;
-use crate::analysis::stream::LayerStats;
-use crate::commands::sinks::{self as command, SinksInput, SinksOptions, SinksReport};
-use crate::model::tokenize::visible;
-use crate::model::Model;
-use crate::render::table::{bar, sparkline, title, Align, Table};
+use attnscope::analysis::request::weight_threshold;
+use attnscope::analysis::sinkmetrics::LayerMassive;
+use attnscope::analysis::stream::LayerStats;
+use attnscope::commands::sinks::{self as command, SinksInput, SinksOptions, SinksReport};
+use attnscope::model::tokenize::visible;
+use attnscope::model::Model;
+use attnscope::render::table::{bar, sparkline, title, Align, Table};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -125,7 +125,7 @@ fn render(model: &Model, tokens: &[u32], a: &Args, r: &SinksReport) -> String {
 }
 
 /// What a sliding window hides from the first token, and Gu et al.'s metric when measured.
-fn window_and_gu_lines(d: &crate::model::ModelDims, n: usize, r: &SinksReport) -> String {
+fn window_and_gu_lines(d: &attnscope::model::ModelDims, n: usize, r: &SinksReport) -> String {
     let mut s = String::new();
     // a sliding window hides the first token from every query at or past the window
     let windowed: Vec<String> = d.windowed_layers().iter().map(|l| l.to_string()).collect();
@@ -187,7 +187,11 @@ fn layer_table(layers: &[LayerStats], epsilon: f64, peak_layer: usize) -> String
 
 /// The massive activations' lines (Sun et al. 2024): in how many layers, the largest, and the
 /// dimensions and tokens they sit on.
-fn massive_lines(model: &crate::model::Model, tokens: &[u32], massive: &[LayerMassive]) -> String {
+fn massive_lines(
+    model: &attnscope::model::Model,
+    tokens: &[u32],
+    massive: &[LayerMassive],
+) -> String {
     let with: Vec<&LayerMassive> = massive.iter().filter(|m| m.massive > 0).collect();
     let mut s = format!(
         "massive activations (Sun et al. 2024: |x| > 100 and ≥ 1,000 × the layer's median |x|) in {} of {} layers' outputs",

@@ -1,9 +1,9 @@
 //! `attnscope view` (the HTML page) and `attnscope heatmap` (one map as PNG or SVG).
 
 use super::common::{emit, output_path, usage, ModelArgs, TextArgs};
-use crate::analysis::vocab::Target;
-use crate::commands::heatmap::{heatmap as heatmap_of, HeatmapOptions};
-use crate::commands::view::{ablate_method, view_html_tokens, AblateMethod, ViewOptions};
+use attnscope::analysis::vocab::Target;
+use attnscope::commands::heatmap::{heatmap as heatmap_of, HeatmapOptions};
+use attnscope::commands::view::{ablate_method, view_html_tokens, AblateMethod, ViewOptions};
 use std::path::PathBuf;
 
 /// `attnscope view`'s flags.
@@ -103,9 +103,9 @@ pub fn heatmap(a: HeatmapArgs) -> anyhow::Result<()> {
     let r = heatmap_of(&model, &tokens, &opts)?;
     let (n, title) = (r.n, &r.title);
     let bytes = if ext == "svg" {
-        crate::render::heatmap::svg(&r.map, &r.labels, &r.labels, title).into_bytes()
+        attnscope::render::heatmap::svg(&r.map, &r.labels, &r.labels, title).into_bytes()
     } else {
-        crate::render::heatmap::png(&r.map, n, n)
+        attnscope::render::heatmap::png(&r.map, n, n)
     };
     output.write(&bytes)?;
     emit(&format!("wrote {} ({title}, {n}×{n})\n", a.out.display()))

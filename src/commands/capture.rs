@@ -198,12 +198,17 @@ impl CapturePlan {
 /// What a capture wrote.
 #[derive(Clone, Debug, Serialize)]
 pub struct CaptureReport {
+    /// the file written
     pub path: PathBuf,
+    /// the number of tensors in it
     pub tensors: usize,
     /// the file's size
     pub bytes: u64,
+    /// the number of tokens run
     pub n_tokens: usize,
+    /// the model's name
     pub model: String,
+    /// the precision it ran at (`exact` or `fast`)
     pub precision: String,
     /// the forward and the writing, from the forward's start to the rename
     pub seconds: f64,

@@ -18,12 +18,15 @@ pub struct EmbedOptions {
 /// The embeddings, row-major `[n_texts, d_model]`.
 #[derive(Clone, Debug, Serialize)]
 pub struct EmbedReport {
+    /// the number of texts
     pub n_texts: usize,
+    /// the width of an embedding
     pub d_model: usize,
     /// whether they are L2-normalized
     pub normalized: bool,
     /// the forwards' wall time
     pub seconds: f64,
+    /// row-major `[n_texts, d_model]`
     pub embeddings: Vec<f32>,
 }
 

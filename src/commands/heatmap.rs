@@ -21,13 +21,17 @@ pub struct HeatmapOptions {
 /// One layer's `[n, n]` map, its axis labels (`i text`) and its title.
 #[derive(Clone, Debug, Serialize)]
 pub struct HeatmapReport {
+    /// the layer
     pub layer: usize,
     /// `None`: the mean of the heads
     pub head: Option<usize>,
+    /// the number of tokens (the map is `[n, n]`)
     pub n: usize,
     /// row-major `[n, n]` weights
     pub map: Vec<f32>,
+    /// the axis labels (`i text`)
     pub labels: Vec<String>,
+    /// the map's title
     pub title: String,
 }
 

@@ -17,7 +17,7 @@ pub struct InspectInput {
 }
 
 /// The tables `opts` asks for on `input`: a decoder's report (attention, sinks, the next
-/// token) or an encoder's ([CLS]/[SEP]/punctuation shares, one query's rows).
+/// token) or an encoder's (\[CLS\]/\[SEP\]/punctuation shares, one query's rows).
 pub fn run(
     model: &Model,
     input: &InspectInput,

@@ -1,7 +1,7 @@
 //! `attnscope view` (and `serve`, Python's `view`): a text's attention on a model, with the
 //! panels asked for, as a [`ViewReport`] that [`crate::render::view::page`] turns into the page.
 //! The forward, the value norms, the faithfulness and ablation panels and an encoder's
-//! [CLS]/[SEP]/punctuation shares are computed here; `render/` only encodes and formats them.
+//! \[CLS\]/\[SEP\]/punctuation shares are computed here; `render/` only encodes and formats them.
 
 use crate::analysis::encoder::shares_of_patterns;
 use crate::analysis::faithfulness::{run as run_faith, FaithOptions};
@@ -294,7 +294,7 @@ fn panels(
 }
 
 /// The view of an encoder's `tokens` (types in `opts.token_types`): every map whole, the
-/// value norms, the [CLS]/[SEP]/punctuation shares and which text each token belongs to.
+/// value norms, the \[CLS\]/\[SEP\]/punctuation shares and which text each token belongs to.
 fn encoder_view(model: &Model, tokens: &[u32], opts: &ViewOptions) -> anyhow::Result<ViewReport> {
     check_encoder_view(model, tokens.len(), opts)?;
     let n = tokens.len();

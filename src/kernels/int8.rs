@@ -27,7 +27,7 @@ use rayon::prelude::*;
 pub const BLOCK: usize = 32;
 /// Columns per packed panel.
 const NP: usize = 16;
-/// [`NP`], for the name of the packed-weight cache's layout.
+/// `NP`, for the name of the packed-weight cache's layout.
 pub const PANEL_COLUMNS: usize = NP;
 /// Bytes of one panel's block: 8 groups of 4 k-values × 16 columns, 16 scales, and 16 times
 /// `-128 · Σ_t qw` (where the kernel's integer sums start, which takes the activations' `+ 128`
@@ -190,7 +190,7 @@ impl PackedQ8 {
 }
 
 /// Activations `A: [m, k]` quantized per row and block of 32 as `qa + 128` (unsigned bytes, the
-/// form VNNI multiplies), in strips of [`MR`] rows laid out as the kernel reads them: per strip
+/// form VNNI multiplies), in strips of `MR` rows laid out as the kernel reads them: per strip
 /// and block, the 8 groups of 4 bytes of its rows side by side (`[group][row][4]`, 192 bytes),
 /// then the next block; the scales per strip as `[block][row]`. So the kernel's activations of a
 /// block are three consecutive cache lines instead of six rows `k` bytes apart. The rows past

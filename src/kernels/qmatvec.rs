@@ -8,7 +8,7 @@
 //!
 //! The sums: weight `i` of a row goes to lane `i % 16`, the 16 lanes summed at the end in a
 //! fixed tree (`ops::dot16`'s order, the output head's), so every vector width (AVX-512, AVX2 +
-//! FMA, the build's baseline: [`crate::kernels::simd::multiversion`]) gives the same bits, and
+//! FMA, the build's baseline: `crate::kernels::simd::multiversion`) gives the same bits, and
 //! the output head's logits are the bits of its chunked f32 path. Against the f32 GEMM's order
 //! (the prefill's products) a row differs only by the rounding of the sums. Rows are split across
 //! the threads. Pure Rust on slices, no candle. Opt-in for now (`ATTNSCOPE_DECODE=blocks`,

@@ -3,9 +3,9 @@
 //! and the path for observers that edit the attention maps. The layer loop is in
 //! [`super::forward`]; the readable reference is [`crate::reference`].
 //!
-//! The parts: the fused kernel and its steps ([`kernel`]), the online softmax's arithmetic
-//! ([`online`]), the rows of large scores rescored in f64 ([`exact`]), and the path of an
-//! observer that edits the maps ([`edited`]).
+//! The parts: the fused kernel and its steps (`kernel`), the online softmax's arithmetic
+//! (`online`), the rows of large scores rescored in f64 (`exact`), and the path of an
+//! observer that edits the maps (`edited`).
 
 mod edited;
 mod exact;

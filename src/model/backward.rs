@@ -3,7 +3,7 @@
 //! to the input embeddings (the residual stream entering layer 0).
 //!
 //! The forward here is the engine's, op by op, on one segment (the same projections through
-//! [`Linear::forward`], the same norms and activations of [`super::ops`]), with what the backward
+//! `Linear::forward`, the same norms and activations of [`super::ops`]), with what the backward
 //! needs saved per layer; the attention probabilities are recomputed per head during the
 //! backward rather than stored. The weight-transposed products `dX = dY · W` use each
 //! projection's matrix read back from the kernel (`I · Wᵀ`), one layer at a time.

@@ -27,36 +27,54 @@ pub enum Hook {
     /// `hook_pos_embed`: the learned positions (GPT-2; an encoder's, with its token types added);
     /// handed at layer 0 (the rotary families have none).
     PosEmbed,
+    /// `hook_resid_pre`: the residual stream at the block's input
     ResidPre,
     /// `ln1.hook_scale`: each position's norm scale, `[pos, 1]` (RMS: `sqrt(mean(x²) + eps)`;
     /// LayerNorm: `sqrt(var + eps)`).
     Ln1Scale,
     /// `ln1.hook_normalized`: the normalized residual before the norm's weight (and bias).
     Ln1Normalized,
+    /// `attn.hook_q`: the queries, `[pos, head, head_dim]`, before RoPE
     Q,
+    /// `attn.hook_k`: the keys, `[pos, kv_head, head_dim]`, before RoPE
     K,
+    /// `attn.hook_v`: the values, `[pos, kv_head, head_dim]`
     V,
+    /// `attn.hook_rot_q`: the queries after RoPE
     RotQ,
+    /// `attn.hook_rot_k`: the keys after RoPE
     RotK,
+    /// `attn.hook_attn_scores`: the scaled, masked scores before the softmax, `[head, query, key]`
     AttnScores,
+    /// `attn.hook_pattern`: the attention weights after the softmax, `[head, query, key]`
     Pattern,
+    /// `attn.hook_z`: each head's weighted sum of the values, `[pos, head, head_dim]`
     Z,
     /// `attn.hook_result`: each head's output through its slice of W_O (no bias),
     /// `[pos, head, d_model]`; computed only when asked.
     Result,
+    /// `hook_attn_out`: the attention's output added to the residual stream
     AttnOut,
+    /// `hook_resid_mid`: the residual stream between attention and MLP
     ResidMid,
+    /// `ln2.hook_scale`: the second norm's scale per position, `[pos, 1]`
     Ln2Scale,
+    /// `ln2.hook_normalized`: the normalized residual before the second norm's weight
     Ln2Normalized,
+    /// `mlp.hook_pre`: the MLP's input to its activation (a gated MLP's gate)
     MlpPre,
     /// `mlp.hook_pre_linear`: the up projection of a gated MLP (`hook_pre` is the gate's).
     MlpPreLinear,
+    /// `mlp.hook_post`: the MLP's hidden activation, the input of its down projection
     MlpPost,
+    /// `hook_mlp_out`: the MLP's output added to the residual stream
     MlpOut,
+    /// `hook_resid_post`: the residual stream at the block's output
     ResidPost,
     /// `ln_final.hook_scale` / `hook_normalized`: the final norm, every position; handed at the
     /// last layer.
     LnFinalScale,
+    /// `ln_final.hook_normalized`: the final norm's normalized residual, every position
     LnFinalNormalized,
 }
 
@@ -570,12 +588,16 @@ impl Observer for NoCapture {
 /// Which query rows to keep.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Queries {
+    /// every query position
     All,
+    /// the last position only
     Last,
+    /// these positions
     List(Vec<usize>),
 }
 
 impl Queries {
+    /// The positions kept in a sequence of `seq_len` tokens.
     pub fn resolve(&self, seq_len: usize) -> Vec<usize> {
         match self {
             Queries::All => (0..seq_len).collect(),
@@ -588,11 +610,13 @@ impl Queries {
 /// What to capture: hook kinds × layers × heads × query rows (TransformerLens' `names_filter`).
 #[derive(Clone, Debug)]
 pub struct CaptureSpec {
+    /// the hook points captured
     pub hooks: Vec<Hook>,
     /// `None` = every layer.
     pub layers: Option<Vec<usize>>,
     /// `None` = every head (for per-head hooks; K/V are indexed by KV head and always kept whole).
     pub heads: Option<Vec<usize>>,
+    /// the query rows kept
     pub queries: Queries,
 }
 
@@ -665,10 +689,15 @@ impl CaptureSpec {
 /// One captured tensor.
 #[derive(Clone, Debug)]
 pub struct Captured {
+    /// the hook's name (`blocks.3.attn.hook_pattern`)
     pub name: String,
+    /// the layer
     pub layer: usize,
+    /// the hook point
     pub hook: Hook,
+    /// the tensor's shape
     pub shape: Vec<usize>,
+    /// the values, row-major
     pub data: Vec<f32>,
     /// The heads kept (index into the model's heads), for per-head hooks.
     pub heads: Option<Vec<usize>>,
@@ -679,10 +708,15 @@ pub struct Captured {
 /// An attention map of one layer, `[heads.len(), queries.len(), k_len]`.
 #[derive(Clone, Debug)]
 pub struct AttnPattern<'a> {
+    /// the layer
     pub layer: usize,
+    /// the heads kept (model head indices)
     pub heads: &'a [usize],
+    /// the query positions kept
     pub queries: &'a [usize],
+    /// the number of keys per row
     pub k_len: usize,
+    /// the weights, row-major `[heads, queries, k_len]`
     pub data: &'a [f32],
 }
 
@@ -734,11 +768,13 @@ fn buffer(
 /// The captured activations of one forward, keyed by hook name.
 #[derive(Clone, Debug, Default)]
 pub struct AttnCache {
+    /// the hook points of the spec it was made for
     pub spec_hooks: Vec<Hook>,
     layers: Option<Vec<usize>>,
     heads: Option<Vec<usize>>,
     queries: Vec<usize>,
     seq_len: usize,
+    /// the captured tensors, keyed by (layer, hook)
     pub entries: BTreeMap<(usize, Hook), Captured>,
     /// buffers handed back by [`AttnCache::recycle`], reused for the next entry of their size
     spare: Vec<Spare>,
@@ -836,6 +872,7 @@ impl AttnCache {
         Some(c)
     }
 
+    /// The tensor of `hook` at `layer`, if captured.
     pub fn get(&self, layer: usize, hook: Hook) -> Option<&Captured> {
         self.entries.get(&(layer, hook))
     }
@@ -845,6 +882,8 @@ impl AttnCache {
         self.attention_map(layer, Hook::Pattern)
     }
 
+    /// The `[heads, queries, keys]` map of `hook` (the scores or the pattern) at `layer`, if
+    /// captured.
     pub fn attention_map(&self, layer: usize, hook: Hook) -> Option<AttnPattern<'_>> {
         let c = self.get(layer, hook)?;
         Some(AttnPattern {

@@ -47,6 +47,7 @@ impl Arch {
     pub fn family(self) -> &'static super::family::Family {
         super::family::of(self)
     }
+    /// The family's name, as `info` prints it.
     pub fn name(self) -> &'static str {
         self.family().name
     }
@@ -156,27 +157,41 @@ pub struct GemmaSettings {
 /// The numbers that define a model's shape.
 #[derive(Clone, Debug, Serialize)]
 pub struct ModelDims {
+    /// the architecture family
     pub arch: Arch,
+    /// the number of layers (blocks)
     pub n_layers: usize,
+    /// the width of the residual stream
     pub d_model: usize,
+    /// the number of query heads
     pub n_heads: usize,
+    /// the number of key/value heads (fewer than `n_heads` with grouped-query attention)
     pub n_kv_heads: usize,
+    /// the width of one head
     pub head_dim: usize,
+    /// the width of the MLP's hidden layer
     pub d_ff: usize,
+    /// the number of tokens in the vocabulary
     pub vocab_size: usize,
+    /// the longest text the model takes, in tokens
     pub context_len: usize,
+    /// RoPE's base frequency
     pub rope_base: f32,
+    /// RoPE's scaling of long contexts
     pub rope_scaling: RopeScaling,
     /// Sliding-window attention (every layer): a query sees itself and the `window - 1` keys
     /// before it (transformers' rule); `None` = every earlier key.
     pub sliding_window: Option<usize>,
+    /// how RoPE pairs the dimensions it rotates
     pub rope_style: RopeStyle,
     /// How many dimensions of each head RoPE rotates (the first ones; `head_dim` unless the
     /// config has a partial rotary factor, as Phi-3 does).
     pub rotary_dim: usize,
     /// Gemma 2 / 3 settings (`None` for every other family).
     pub gemma: Option<GemmaSettings>,
+    /// the norms' epsilon
     pub rms_eps: f32,
+    /// whether the output head shares the token embeddings' matrix
     pub tied_embeddings: bool,
     /// Token types (segment ids) of an encoder's inputs (BERT's `type_vocab_size`; 0: none).
     pub type_vocab: usize,

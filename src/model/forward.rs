@@ -1,6 +1,6 @@
 //! The forward pass: embeddings → blocks → final norm → logits, on plain f32 buffers, with
 //! every hook point handed to an [`Observer`]. The projections run on the packed GEMM of
-//! [`crate::kernels::gemm`] (q|k|v and gate|up fused); [`attention`] is the crate's one fast
+//! [`crate::kernels::gemm`] (q|k|v and gate|up fused); `attention` is the crate's one fast
 //! attention, explicit (`QKᵀ·scale → mask → softmax in f32 → ·V`) so the weights can be
 //! captured, fused per head and query block with an online softmax, so a long sequence never
 //! needs a whole `[heads, n, n]` at once. It is tested against [`crate::reference`] on tiny
@@ -322,6 +322,7 @@ impl KvPrefix {
 }
 
 impl RunOptions {
+    /// Options that compute the logits of the last of `n` positions only.
     pub fn last_logits(n: usize) -> Self {
         RunOptions {
             logits_at: vec![n.saturating_sub(1)],
@@ -340,9 +341,12 @@ pub struct Timings {
     pub total: Duration,
 }
 
+/// What a forward returns besides what its observer saw: the logits asked for, the timings and,
+/// when asked, the keys and values.
 pub struct ForwardOut {
     /// One row of `vocab_size` logits per entry of `RunOptions::logits_at`.
     pub logits: Vec<Vec<f32>>,
+    /// how long the parts of the forward took
     pub timings: Timings,
     /// Every layer's keys and values, when `RunOptions::keep_kv` was set.
     pub kv: Option<KvPrefix>,
@@ -441,10 +445,10 @@ impl Model {
     /// segment reuses positions).
     ///
     /// The loop reads as a block's steps (`forward/layer.rs`): `hook_resid_pre`, `ln1` and
-    /// q|k|v ([`Model::qkv_step`]), the attention per segment ([`Model::attention_step`]),
-    /// `hook_z`, the output projection ([`Model::attn_out_step`]), `hook_resid_mid`, the MLP
-    /// ([`Model::mlp_step`]), `hook_resid_post`; then the final norm and the logits
-    /// ([`Model::final_logits`]).
+    /// q|k|v (`Model::qkv_step`), the attention per segment (`Model::attention_step`),
+    /// `hook_z`, the output projection (`Model::attn_out_step`), `hook_resid_mid`, the MLP
+    /// (`Model::mlp_step`), `hook_resid_post`; then the final norm and the logits
+    /// (`Model::final_logits`).
     pub fn forward_segments(
         &self,
         prefix: Option<&KvPrefix>,
@@ -826,7 +830,7 @@ impl Model {
 /// sets it to Python's signal check, so Ctrl-C interrupts a long run between layers).
 static INTERRUPT_CHECK: std::sync::OnceLock<fn() -> bool> = std::sync::OnceLock::new();
 
-/// Installs the check of [`INTERRUPT_CHECK`] (once per process; later calls are ignored).
+/// Installs the check of `INTERRUPT_CHECK` (once per process; later calls are ignored).
 pub fn set_interrupt_check(f: fn() -> bool) {
     let _ = INTERRUPT_CHECK.set(f);
 }

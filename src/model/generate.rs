@@ -186,6 +186,7 @@ pub struct ConcentratedHead {
 /// One generated token and what the query that produced it attended to.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct GenToken {
+    /// the token id
     pub id: u32,
     /// The token's readable text.
     pub text: String,
@@ -218,8 +219,11 @@ pub enum StopReason {
 /// The result of [`Model::generate`].
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Generation {
+    /// the prompt's token ids
     pub prompt_ids: Vec<u32>,
+    /// the generated tokens, in order
     pub generated: Vec<GenToken>,
+    /// why generation stopped
     pub stop: StopReason,
     /// Seconds of the prompt's forward (the first token's).
     pub prefill_s: f64,

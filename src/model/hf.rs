@@ -31,7 +31,7 @@ pub struct HfConfig {
     pub max_position_embeddings: Option<usize>,
     pub rope_theta: Option<f64>,
     /// The norms' epsilon under any family's name; `None` when config.json has none (an
-    /// encoder's is transformers' default then, see [`encoder_defaults`]; others are refused,
+    /// encoder's is transformers' default then, see `encoder_defaults`; others are refused,
     /// naming their family's key).
     #[serde(alias = "layer_norm_epsilon", alias = "layer_norm_eps")]
     pub rms_norm_eps: Option<f64>,

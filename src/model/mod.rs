@@ -53,25 +53,37 @@ pub struct ModelInfo {
     pub name: String,
     /// What the file is (for aliases), else the name in the file's metadata.
     pub description: Option<String>,
+    /// the file or folder loaded
     pub path: PathBuf,
+    /// the file format (`gguf` or `safetensors`)
     pub format: &'static str,
+    /// the precision it runs at
     pub precision: Precision,
     /// How the projections are held (`--memory`), and why that setting.
     pub memory: Memory,
+    /// why that memory setting
     pub memory_reason: String,
     /// What the weights take at each setting (GGUF files), for `info`'s memory model.
     #[serde(skip)]
     pub footprint: Option<memory::Footprint>,
+    /// the file's (or folder's weights') size in bytes
     pub file_size: u64,
+    /// the number of tensors of each type
     pub tensor_types: BTreeMap<String, usize>,
+    /// what the tokenizer is
     pub tokenizer: String,
     /// Things the loader had to assume, said out loud.
     pub warnings: Vec<String>,
 }
 
+/// A loaded model: its dimensions, tokenizer and packed weights, and the forward and backward
+/// that run on them with every hook point handed to an [`Observer`](crate::Observer).
 pub struct Model {
+    /// the model's shape
     pub dims: ModelDims,
+    /// what was loaded, from where, and how
     pub info: ModelInfo,
+    /// the model's tokenizer
     pub tokenizer: Tokenizer,
     weights: weights::Weights,
     /// The packed-weight cache file the projections were mapped from, or written to, at load.

@@ -23,6 +23,7 @@ pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// Whether the model's metadata asks for a BOS token at the start of the text.
     pub add_bos: bool,
+    /// the BOS token's id, if the model has one
     pub bos_id: Option<u32>,
     /// The token a batch of texts is padded with (TransformerLens's `tokenizer.pad_token`): the
     /// model's padding token, else its end-of-text token (as TL sets it when there is none).
@@ -807,6 +808,7 @@ impl Tokenizer {
         readable(&self.token_bytes(id))
     }
 
+    /// The number of tokens in the vocabulary (added tokens included).
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }

@@ -11,8 +11,13 @@
 //! References: Vaswani et al. 2017, "Attention Is All You Need" (scaled dot-product attention,
 //! eq. 1; multi-head attention, §3.2.2); Ainslie et al. 2023, "GQA" (grouped-query attention).
 
+// the `explain` lesson's toys and the tests' whole-model oracle: used by the binary and the
+// tests, outside the documented surface
+#[doc(hidden)]
 pub mod rnn;
+#[doc(hidden)]
 pub mod transformer;
+#[doc(hidden)]
 pub mod walkthrough;
 
 /// Which keys a query may look at.
@@ -22,10 +27,18 @@ pub enum Mask {
     None,
     /// Query `i` sees keys `j <= i + offset` (a decoder; `offset` = number of cached keys before
     /// the first query, 0 for a whole sentence at once).
-    Causal { offset: usize },
+    Causal {
+        /// the number of cached keys before the first query
+        offset: usize,
+    },
     /// Causal, and query `i` sees only the `window` keys up to itself: `i + offset - window < j`
     /// (Mistral's and Gemma's sliding window, transformers' rule).
-    Sliding { offset: usize, window: usize },
+    Sliding {
+        /// the number of cached keys before the first query
+        offset: usize,
+        /// how many keys, up to and including its own position, a query sees
+        window: usize,
+    },
 }
 
 impl Mask {
@@ -308,13 +321,21 @@ pub fn repeat_kv(xs: &[f32], n_kv_heads: usize, group_size: usize, d: usize) -> 
 /// Weights of one multi-head attention layer, `[out, in]` each.
 #[derive(Clone, Debug)]
 pub struct AttnWeights {
+    /// the query projection, `[n_heads·head_dim, d_model]`
     pub w_q: Vec<f32>,
+    /// the key projection, `[n_kv_heads·head_dim, d_model]`
     pub w_k: Vec<f32>,
+    /// the value projection, `[n_kv_heads·head_dim, d_model]`
     pub w_v: Vec<f32>,
+    /// the output projection, `[d_model, n_heads·head_dim]`
     pub w_o: Vec<f32>,
+    /// the width of the residual stream
     pub d_model: usize,
+    /// the number of query heads
     pub n_heads: usize,
+    /// the number of key/value heads (`n_heads` for multi-head attention, fewer for GQA)
     pub n_kv_heads: usize,
+    /// the width of one head
     pub head_dim: usize,
 }
 
@@ -344,9 +365,11 @@ pub fn entropy(row: &[f32]) -> f32 {
 pub struct Rng(u64);
 
 impl Rng {
+    /// A generator whose sequence `seed` fixes.
     pub fn new(seed: u64) -> Self {
         Rng(seed)
     }
+    /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;

@@ -46,7 +46,7 @@ pub struct EncoderView {
     /// The head view's selection shown first for a pair (`AB`, `BA`, `AA`, `BB`; absent: all).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pair: Option<&'static str>,
-    /// Per layer, the share of attention on [CLS], [SEP] and punctuation (as `inspect`).
+    /// Per layer, the share of attention on \[CLS\], \[SEP\] and punctuation (as `inspect`).
     pub special_shares: crate::analysis::encoder::SpecialShares,
 }
 

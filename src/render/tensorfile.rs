@@ -6,8 +6,11 @@ use std::io::{Seek, Write};
 
 /// A named f32 tensor.
 pub struct NamedTensor<'a> {
+    /// the tensor's name
     pub name: &'a str,
+    /// its shape
     pub shape: &'a [usize],
+    /// its values, row-major
     pub data: &'a [f32],
 }
 

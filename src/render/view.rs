@@ -84,7 +84,7 @@ pub enum ViewMaps {
 }
 
 /// What an encoder's page adds: which text each token belongs to, where the second begins, and
-/// the [CLS]/[SEP]/punctuation shares per layer.
+/// the \[CLS\]/\[SEP\]/punctuation shares per layer.
 pub struct EncoderFacts {
     pub token_types: Vec<u32>,
     pub sentence_b_start: Option<usize>,
@@ -95,15 +95,21 @@ pub struct EncoderFacts {
 /// the maps, the value norms `‖W_Oʰ vⱼ‖` per layer (heads × keys), and the panels' reports. Not
 /// serialized: the maps are the page's bulk, encoded by [`page`].
 pub struct ViewReport {
+    /// the model's name
     pub model_name: String,
     /// the model's facts (`ModelFacts`), as JSON
     pub model: serde_json::Value,
     /// the token texts
     pub tokens: Vec<String>,
+    /// the number of layers
     pub n_layers: usize,
+    /// the number of query heads
     pub n_heads: usize,
+    /// the number of key/value heads
     pub n_kv_heads: usize,
+    /// the attention maps the page shows
     pub maps: ViewMaps,
+    /// per layer, the value norms `‖W_Oʰ vⱼ‖` (heads × keys)
     pub value_norms: Vec<Vec<f32>>,
     /// `attnscope faithfulness`'s report, for the faithfulness panel
     pub faithfulness: Option<serde_json::Value>,
@@ -156,7 +162,7 @@ fn encoded_value_norms(report: &ViewReport) -> Vec<String> {
 /// The view page for attention patterns computed elsewhere: `patterns` is `[layers, heads, n,
 /// n]` (rows sum to 1, masked weights 0), `tokens` the n token texts. Used by the Python
 /// package's `attnscope.viz.attention_heads`. Patterns with weight above the diagonal (an
-/// encoder's) get the encoder's page: whole maps, the [CLS]/[SEP]/punctuation chart.
+/// encoder's) get the encoder's page: whole maps, the \[CLS\]/\[SEP\]/punctuation chart.
 pub fn pattern_page(
     patterns: &[f32],
     shape: [usize; 4],

@@ -1,6 +1,6 @@
 //! `view` on an encoder (BERT): every token attends to every other, so each layer's maps are
 //! stored whole (no mask triangle), the text view shades both directions, and the chart shows
-//! the [CLS]/[SEP]/punctuation shares per layer instead of a sink profile. An encoder predicts no
+//! the \[CLS\]/\[SEP\]/punctuation shares per layer instead of a sink profile. An encoder predicts no
 //! next token, so the page has no prediction panel, and the panels that measure a next token's
 //! log-probability (ablation, faithfulness) are refused ([`crate::commands::view`]). A sentence pair's page carries
 //! `sentence_b_start`, for the head view's "A→B / B→A / A→A / B→B" selector (BertViz's).
@@ -78,8 +78,8 @@ fn encode_whole<'a>(
 }
 
 /// The encoder's page for bidirectional patterns `[layers, heads, n, n]` computed elsewhere
-/// (checked by [`super::pattern_page_pair`]): no values, so no norm-based shading; [CLS] and
-/// [SEP] known by their texts; with `pair` (the second text's first position, the selection
+/// (checked by [`super::pattern_page_pair`]): no values, so no norm-based shading; \[CLS\] and
+/// \[SEP\] known by their texts; with `pair` (the second text's first position, the selection
 /// shown first) the pair selector.
 pub(super) fn pattern_page_of(
     patterns: &[f32],

@@ -109,8 +109,11 @@ impl MetricKind {
 /// What `attnscope circuit` computes.
 #[derive(Clone, Debug)]
 pub struct CircuitOptions {
+    /// the clean and corrupted texts, each pair with its answer and wrong token
     pub pairs: Vec<Pair>,
+    /// how the edges are scored (EAP or EAP-IG)
     pub method: Method,
+    /// the metric the scores explain
     pub metric: MetricKind,
     /// Put the model's BOS token first even when its metadata does not ask for one.
     pub force_bos: bool,
@@ -121,6 +124,8 @@ pub struct CircuitOptions {
 }
 
 impl CircuitOptions {
+    /// Options for `pairs` scored by `method` on `metric`, with no BOS forced, no evaluation and no
+    /// exact edges.
     pub fn new(pairs: Vec<Pair>, method: Method, metric: MetricKind) -> CircuitOptions {
         CircuitOptions {
             pairs,
@@ -154,26 +159,38 @@ pub struct Scores {
 /// What `attnscope circuit --json` prints.
 #[derive(Clone, Debug, Serialize)]
 pub struct CircuitReport {
+    /// the model's name
     pub model: String,
     /// `eap` or `eap-ig`
     pub method: &'static str,
+    /// EAP-IG's steps (none for EAP)
     #[serde(skip_serializing_if = "Option::is_none")]
     pub steps: Option<usize>,
+    /// the metric the scores explain
     pub metric: MetricKind,
+    /// the number of pairs
     pub pairs: usize,
+    /// the metric on the clean runs, averaged over the pairs
     pub clean_metric: f32,
+    /// the metric on the corrupted runs, averaged over the pairs
     pub corrupt_metric: f32,
+    /// the number of upstream nodes
     pub n_nodes: usize,
+    /// the number of readers (the nodes edges end at)
     pub n_readers: usize,
+    /// the number of edges
     pub n_edges: usize,
     /// every upstream node, then every reader
     pub nodes: Vec<NodeInfo>,
     /// every edge, the largest |score| first
     pub edges: Vec<EdgeScore>,
+    /// the circuits of the top edges evaluated by exact patching, when asked
     #[serde(skip_serializing_if = "Option::is_none")]
     pub evaluation: Option<evaluate::Evaluation>,
+    /// the top edges patched one at a time, when asked
     #[serde(skip_serializing_if = "Option::is_none")]
     pub exact_edges: Option<evaluate::ExactEdges>,
+    /// the wall time, in seconds
     pub seconds: f64,
 }
 

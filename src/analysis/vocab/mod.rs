@@ -27,8 +27,11 @@ use serde::Serialize;
 /// What the model should predict: its own next token, an id, or a token's text.
 #[derive(Clone, Debug)]
 pub enum Target {
+    /// the model's own most likely next token
     Next,
+    /// a token id
     Id(u32),
+    /// a token's text (it must be one token)
     Text(String),
 }
 
@@ -86,9 +89,12 @@ pub fn single_token(model: &Model, text: &str, what: &str) -> Result<u32> {
     }
 }
 
+/// A token as a report names it: its id and readable text.
 #[derive(Clone, Debug, Serialize)]
 pub struct TokenRef {
+    /// the token id
     pub id: u32,
+    /// the token's readable text
     pub text: String,
 }
 

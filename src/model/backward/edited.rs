@@ -24,7 +24,7 @@ pub trait ReaderEdit {
     /// The input to the first layer run.
     fn input(&mut self, x: &[f32]) -> Result<()>;
     /// Layer `layer`'s heads' outputs, `[n_heads][rows, d_model]` flat
-    /// ([`Model::head_outputs`]).
+    /// (`Model::head_outputs`).
     fn heads(&mut self, layer: usize, outs: &[f32]) -> Result<()>;
     /// Layer `layer`'s MLP output, `[rows, d_model]`.
     fn mlp(&mut self, layer: usize, out: &[f32]) -> Result<()>;

@@ -1,5 +1,5 @@
 //! Sentence embeddings of an encoder, as sentence-transformers computes them: the mean of the
-//! last hidden states over every token ([CLS] and [SEP] included), then divided by its L2 norm
+//! last hidden states over every token (\[CLS\] and \[SEP\] included), then divided by its L2 norm
 //! when the model folder's `modules.json` lists a `Normalize` module (all-MiniLM-L6-v2's does).
 //! Texts run in parallel, [`EMBED_BATCH`] at a time in one forward: their rows stacked for the
 //! projections (each weight matrix read once per batch, not once per text), the attention run

@@ -172,8 +172,8 @@ impl Model {
         Ok(last.out)
     }
 
-    /// The sentence embedding: the mean of the last hidden states over every token ([CLS] and
-    /// [SEP] included), as sentence-transformers' mean pooling computes it for one text.
+    /// The sentence embedding: the mean of the last hidden states over every token (\[CLS\] and
+    /// \[SEP\] included), as sentence-transformers' mean pooling computes it for one text.
     pub fn embed_tokens(&self, tokens: &[u32]) -> Result<Vec<f32>> {
         self.embed_tokens_typed(tokens, None)
     }

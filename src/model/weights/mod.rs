@@ -35,8 +35,10 @@ pub enum Precision {
 }
 
 impl Precision {
+    /// Every precision, `exact` first.
     pub const ALL: [Precision; 2] = [Precision::Exact, Precision::Fast];
 
+    /// The precision's name (`exact`, `fast`).
     pub fn name(self) -> &'static str {
         match self {
             Precision::Exact => "exact",
@@ -226,7 +228,7 @@ pub enum Matrix {
     /// ([`crate::kernels::amx::scaled`]).
     Scaled(PackedScaled),
     /// `--memory low`: the file's own blocks, mapped, dequantized a panel at a time into the
-    /// f32 kernel's layout for each product ([`lowmem`]).
+    /// f32 kernel's layout for each product (`lowmem`).
     Quant(QuantB),
 }
 
@@ -592,7 +594,7 @@ pub struct Weights {
 }
 
 /// What an encoder adds to the embeddings: `LayerNorm(word + position + token type)`, and the
-/// pooler over [CLS] when the checkpoint has one.
+/// pooler over \[CLS\] when the checkpoint has one.
 pub struct EncoderWeights {
     /// `[type_vocab, d_model]`.
     pub token_types: Vec<f32>,
