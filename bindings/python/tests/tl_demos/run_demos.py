@@ -71,8 +71,8 @@ _GQA = ("GPT-2 has a key and a value per head; SmolLM2's 3 KV heads each serve 3
         "serves (_kv_to_heads, defined before the demo's cells, a no-op where the heads match)")
 # defined in each demo's shell before its first cell (both runs): what the GQA rewrites call
 PRELUDE = """
-def _kv_to_heads(t, n_heads):
-    return t.repeat_interleave(n_heads // t.shape[-2], dim=-2) if t.shape[-2] != n_heads else t
+def _kv_to_heads(t, n_heads, dim=-2):
+    return t.repeat_interleave(n_heads // t.shape[dim], dim=dim) if t.shape[dim] != n_heads else t
 """
 # the GPT-2-specific lines, changed for both runs (TL's and attnscope's): (pattern, replacement, why)
 CELL_REWRITES = {
@@ -89,7 +89,10 @@ CELL_REWRITES = {
          _GQA)],
     ("Attribution_Patching_Demo", 20): [
         (r"^(\s*)vector_grad = grad_cache\[activation_name, layer\]$",
-         r"\1vector_grad = _kv_to_heads(grad_cache[activation_name, layer], model.cfg.n_heads)", _GQA)],
+         r"\1vector_grad = _kv_to_heads(grad_cache[activation_name, layer], model.cfg.n_heads)", _GQA),
+        (r"^(\s*)W,$", r"\1_kv_to_heads(W, model.cfg.n_heads, 0),",
+         "TL 4's bridge gives W_K/W_V one per KV head (attnscope, as TL 3's HookedTransformer, repeats them): "
+         "repeated to the query heads here as well, for both")],
     ("Attribution_Patching_Demo", 31): [
         (r'attr_cache\.stack_activation\("([kv])"\)',
          r'_kv_to_heads(attr_cache.stack_activation("\1"), model.cfg.n_heads)', _GQA)],
