@@ -386,3 +386,97 @@ fn gemma_hook_gradient_matches(
         Bound::RelMax(1e-4),
     );
 }
+
+/// The gradients at the norms' and the MLP's hook points (`ln1`/`ln2` `hook_scale` and
+/// `hook_normalized`, `mlp.hook_pre`, `hook_pre_linear`, `hook_post`: what TL's attribution demo
+/// reads from a gradient cache) against torch autograd through transformers with the norms and
+/// the MLP written as TransformerLens writes them (`tests/golden/inner_hook_grads/`,
+/// make_inner_hookgrad_golden.py), log p(top token), on SmolLM2, Qwen2.5 (its layer 3) and
+/// Gemma 3 (its (1 + w) norms, GeGLU, layer 5). The `[n, width]` ones at three rows (the files'
+/// size); each within 1e-4 of its largest value.
+#[test]
+fn norm_and_mlp_hook_gradients_match_torch() {
+    let v = golden_json("inner_hook_grads/values.json");
+    let dir = golden("inner_hook_grads");
+    let mut files: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|f| f.ends_with("_grad.npy"))
+        .collect();
+    files.sort();
+    assert_eq!(files.len(), 16, "{files:?}");
+    let mut checked = 0;
+    for key in ["smol", "qwen", "gemma"] {
+        let m = &v[key];
+        let model = real_model(m["model"].as_str().unwrap());
+        let tokens = token_ids(&m["token_ids"]);
+        let clean = "After Alice and Bob walked to the park, Bob handed a ball to";
+        assert_eq!(model.encode(clean, false).unwrap(), tokens, "{key}");
+        let rows: Vec<usize> = m["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r.as_u64().unwrap() as usize)
+            .collect();
+        let mine: Vec<(String, String)> = files
+            .iter()
+            .filter_map(|f| {
+                let (s, rest) = f.split_once("__")?;
+                (s == key).then(|| (f.clone(), rest.trim_end_matches(".npy").to_string()))
+            })
+            .collect();
+        let names: Vec<String> = mine
+            .iter()
+            .map(|(_, g)| g.trim_end_matches("_grad").to_string())
+            .collect();
+        let metric = GradMetric::Metric(Metric::LogProb(None));
+        let h = model
+            .hook_gradients(&tokens, metric, &|n: &str| names.iter().any(|x| x == n))
+            .unwrap();
+        assert_eq!(h.target as u64, m["target_id"].as_u64().unwrap(), "{key}");
+        let want = m["logprob"].as_f64().unwrap();
+        assert!((h.value as f64 - want).abs() < 1e-4, "{key}: {} vs {want}", h.value);
+        assert_eq!(h.grads.len(), mine.len(), "{key}: only the hooks asked for");
+        for (file, grad_name) in &mine {
+            inner_gradient_matches(&h, key, file, grad_name, &rows);
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, files.len());
+}
+
+/// One of `h`'s gradients (`grad_name`) against the golden `file`: `[n, 1]` whole, wider ones at
+/// `rows`; every cell within 1e-4 of the largest value.
+fn inner_gradient_matches(
+    h: &attnscope::model::backward::HookGradients,
+    key: &str,
+    file: &str,
+    grad_name: &str,
+    rows: &[usize],
+) {
+    let (shape, want) = golden_npy(&format!("inner_hook_grads/{file}"));
+    let (_, got_shape, got) = h
+        .grads
+        .iter()
+        .find(|(k, _, _)| k == grad_name)
+        .unwrap_or_else(|| panic!("{key} {grad_name} missing"));
+    let width = got_shape[1];
+    let got: Vec<f32> = if width == 1 {
+        assert_eq!(got_shape, &shape, "{key} {grad_name}: shape");
+        got.clone()
+    } else {
+        assert_eq!(shape, vec![rows.len(), width], "{key} {grad_name}: shape");
+        rows.iter()
+            .flat_map(|&r| got[r * width..(r + 1) * width].iter().copied())
+            .collect()
+    };
+    assert!(want.iter().any(|&v| v != 0.0), "{key} {grad_name}: all zero");
+    let worst = assert_array(
+        &format!("{key} {grad_name} vs torch"),
+        &shape,
+        &got,
+        &want,
+        Bound::RelMax(1e-4),
+    );
+    eprintln!("{key} {grad_name}: worst {worst:.2e} of the largest");
+}

@@ -130,3 +130,28 @@ def test_a_given_gradient_of_the_logits_seeds_the_backward(smol):
         smol._m.hook_gradients(ids, names, "logits", None, None, d.reshape(-1)[:-1])
     with pytest.raises(ValueError, match="dlogits"):
         smol._m.hook_gradients(ids, names, "logits", None, None, None)
+
+
+def test_norm_and_mlp_hook_gradients_match_torch(smol):
+    """#59: the norms' and the MLP's hook points have gradients too (TL's attribution demo reads
+    ``grad_cache["scale", l, "ln1"]``): SmolLM2's layer 3 against torch autograd with the norms
+    and the MLP written as TL writes them (tests/golden/inner_hook_grads/, made by
+    make_inner_hookgrad_golden.py; the [n, width] ones at three rows), in TL's shapes."""
+    import json
+    folder = ROOT / "tests" / "golden" / "inner_hook_grads"
+    meta = json.loads((folder / "values.json").read_text())["smol"]
+    rows = meta["rows"]
+    files = sorted(folder.glob("smol__*_grad.npy"))
+    names = [f.name.split("__", 1)[1][: -len("_grad.npy")] for f in files]
+    assert len(names) == 7 and "blocks.3.ln1.hook_scale" in names and "blocks.3.mlp.hook_pre_linear" in names
+    _, cache = smol.run_with_cache(CLEAN, names_filter=names, incl_bwd=True, prepend_bos=False)
+    assert abs(cache.bwd_value - meta["logprob"]) < 1e-4
+    n = len(meta["token_ids"])
+    for name, f in zip(names, files):
+        got = np.asarray(cache[name + "_grad"])[0]
+        want = np.load(f)
+        if name.endswith("hook_scale"):
+            assert got.shape == (n, 1), name
+        else:
+            got = got[rows]
+        assert_cells(f"{name}_grad vs torch", got, want, rel_max=1e-4)

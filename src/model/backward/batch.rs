@@ -279,6 +279,7 @@ impl Model {
             let mut bt = tap.as_deref().filter(|t| t.wants(l)).map(|t| BlockTap {
                 resid_post: dx.clone(),
                 branches: t.wants_branches(),
+                inner: t.wants_inner(l),
                 ..BlockTap::default()
             });
             let step = super::block::BlockStep {

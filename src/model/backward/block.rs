@@ -3,7 +3,7 @@
 
 use super::batch::{for_each_head_row, gather, last_rows, scatter, Rope, Shape};
 use super::profile::Profile;
-use super::rowwise::{gelu_ratio, gelu_tanh_grad, norm_back, sigmoid};
+use super::rowwise::{gelu_ratio, gelu_tanh_grad, norm_back, norm_hook_grads, sigmoid};
 use super::taps::BlockTap;
 use super::{Rules, Saved};
 use crate::kernels::gemm::{self, PackedB};
@@ -110,6 +110,12 @@ impl Model {
             if t.branches {
                 t.mlp_in = scratch.d_mid.clone();
             }
+            if t.inner {
+                let eps = self.dims.rms_eps;
+                let norm = layer.plan.norm;
+                t.ln2 = norm_hook_grads(norm, &s.resid_mid, &layer.mlp_norm, eps, &scratch.d_h2);
+                t.mlp = (scratch.d_act.clone(), scratch.d_gu.clone());
+            }
         }
         // attention: resid_mid = resid_pre + post(o(attn(qkv(norm(resid_pre)))))
         let dz = self.o_backward(&step, &kept, dx, &mut scratch.dz, &mut scratch.prof)?;
@@ -122,7 +128,7 @@ impl Model {
             t.rot = Some((dq.clone(), dk.clone(), dv.clone()));
         }
         self.qkv_backward(&step, (dq, dk, dv), &mut scratch.d_qkv, tap.as_deref_mut());
-        if let Some(t) = tap.filter(|t| t.branches) {
+        if let Some(t) = tap.as_deref_mut().filter(|t| t.branches) {
             t.qkv_proj = scratch.d_qkv.clone();
         }
         scratch.prof.lap("bwd gather, RoPE, q/k norms");
@@ -134,6 +140,9 @@ impl Model {
         )?;
         scratch.prof.lap("bwd q|k|v");
         let eps = self.dims.rms_eps;
+        if let Some(t) = tap.filter(|t| t.inner) {
+            t.ln1 = norm_hook_grads(layer.plan.norm, &s.resid_pre, &layer.attn_norm, eps, d_h1);
+        }
         let d_pre = norm_back(
             rules,
             layer.plan.norm,

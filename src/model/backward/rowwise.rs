@@ -87,6 +87,39 @@ pub fn norm_backward(kind: NormKind, x: &[f32], w: &[f32], eps: f32, dy: &[f32])
     })
 }
 
+/// The gradients at TransformerLens's two hook points inside a norm, from `dy` (`∂/∂` the
+/// norm's output) of each `[w.len()]` row of `x`: `(∂/∂hook_scale [rows], ∂/∂hook_normalized
+/// [rows, d])`. The forward computes `normalized = x̂ / scale` (`x̂ = x`, or `x − mean` for
+/// LayerNorm; `scale = √(mean x̂² + ε)`), then `normalized ⊙ w (+ b)`: so `∂/∂normalized = dy ⊙ w`
+/// and `∂/∂scale = −Σ ∂/∂normalized · normalized / scale` (the scale as a hook point's output,
+/// read only by the division).
+pub fn norm_hook_grads(
+    kind: NormKind,
+    x: &[f32],
+    w: &[f32],
+    eps: f32,
+    dy: &[f32],
+) -> (Vec<f32>, Vec<f32>) {
+    let d = w.len();
+    let mut dn = vec![0f32; x.len()];
+    let ds = x
+        .par_chunks(d)
+        .zip(dy.par_chunks(d))
+        .zip(dn.par_chunks_mut(d))
+        .map(|((xr, dyr), dnr)| {
+            let (inv, mean) = row_scale(kind, xr, eps);
+            let mut acc = 0f64;
+            for ((o, (&g, &wi)), &xi) in dnr.iter_mut().zip(dyr.iter().zip(w)).zip(xr) {
+                let gn = g as f64 * wi as f64;
+                *o = gn as f32;
+                acc += gn * (xi as f64 - mean) * inv;
+            }
+            (-acc * inv) as f32
+        })
+        .collect();
+    (ds, dn)
+}
+
 /// A norm's backward under `rules`: the true one ([`norm_backward`]), or AttnLRP's identity
 /// rule ([`norm_identity`]).
 pub(super) fn norm_back(
@@ -178,6 +211,34 @@ mod tests {
                     "{kind:?} {i}: {fd} vs {}",
                     g[i]
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn norm_hook_gradients_match_finite_differences_in_the_scale() {
+        // the output as a function of the hook's scale s (x̂ held): y = (x̂ / s) ⊙ w + b
+        let d = 6;
+        let x: Vec<f32> = (0..2 * d).map(|i| ((i * 5 % 7) as f32 - 3.0) * 0.4).collect();
+        let w: Vec<f32> = (0..d).map(|i| 0.6 + i as f32 * 0.15).collect();
+        let dy: Vec<f32> = (0..2 * d).map(|i| ((i * 3 % 4) as f32 - 1.5) * 0.9).collect();
+        for kind in [NormKind::Rms, NormKind::Layer] {
+            let (ds, dn) = norm_hook_grads(kind, &x, &w, 1e-6, &dy);
+            assert_eq!((ds.len(), dn.len()), (2, 2 * d));
+            for r in 0..2 {
+                let xr = &x[r * d..(r + 1) * d];
+                let (inv, mean) = row_scale(kind, xr, 1e-6);
+                let f = |s: f64| -> f64 {
+                    (0..d)
+                        .map(|i| (xr[i] as f64 - mean) / s * w[i] as f64 * dy[r * d + i] as f64)
+                        .sum()
+                };
+                let (s, h) = (1.0 / inv, 1e-4);
+                let fd = (f(s + h) - f(s - h)) / (2.0 * h);
+                assert!((fd - ds[r] as f64).abs() < 1e-4, "{kind:?} row {r}: {fd} vs {}", ds[r]);
+                for i in 0..d {
+                    assert_eq!(dn[r * d + i], dy[r * d + i] * w[i]);
+                }
             }
         }
     }

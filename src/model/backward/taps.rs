@@ -32,8 +32,10 @@ pub enum GradMetric {
 
 /// The hook points whose gradients [`Model::hook_gradients`] gives, per layer, in
 /// TransformerLens's order.
-pub const GRAD_HOOKS: [Hook; 13] = [
+pub const GRAD_HOOKS: [Hook; 20] = [
     Hook::ResidPre,
+    Hook::Ln1Scale,
+    Hook::Ln1Normalized,
     Hook::Q,
     Hook::K,
     Hook::V,
@@ -44,8 +46,24 @@ pub const GRAD_HOOKS: [Hook; 13] = [
     Hook::Z,
     Hook::AttnOut,
     Hook::ResidMid,
+    Hook::Ln2Scale,
+    Hook::Ln2Normalized,
+    Hook::MlpPre,
+    Hook::MlpPreLinear,
+    Hook::MlpPost,
     Hook::MlpOut,
     Hook::ResidPost,
+];
+
+/// The hooks of [`GRAD_HOOKS`] inside the norms and the MLP ([`BlockTap::inner`]).
+const INNER_HOOKS: [Hook; 7] = [
+    Hook::Ln1Scale,
+    Hook::Ln1Normalized,
+    Hook::Ln2Scale,
+    Hook::Ln2Normalized,
+    Hook::MlpPre,
+    Hook::MlpPreLinear,
+    Hook::MlpPost,
 ];
 
 /// What [`Model::hook_gradients`] returns.
@@ -95,6 +113,15 @@ pub(super) struct BlockTap {
     pub mlp_in: Vec<f32>,
     /// Whether the two above are kept.
     pub branches: bool,
+    /// Whether the norms' and the MLP's hook points below are kept.
+    pub inner: bool,
+    /// `(∂/∂ln1.hook_scale [n], ∂/∂ln1.hook_normalized [n, d_model])`, when `inner`.
+    pub ln1: (Vec<f32>, Vec<f32>),
+    /// The same at `ln2`, when `inner`.
+    pub ln2: (Vec<f32>, Vec<f32>),
+    /// `(∂/∂mlp.hook_post [n, d_ff], ∂/∂` the gate|up projections `[n, 2·d_ff]` (a gated MLP:
+    /// `hook_pre` then `hook_pre_linear`) or `∂/∂mlp.hook_pre [n, d_ff]`), when `inner`.
+    pub mlp: (Vec<f32>, Vec<f32>),
 }
 
 /// One layer's forward activations: `(resid_pre, z, attn_out, mlp_out)`, `[n, ·]` each.
@@ -111,6 +138,8 @@ pub(crate) struct Tap<'s> {
     pub grads_at: Vec<bool>,
     /// Per layer: also the attention maps' gradients (`[heads, n, n]` each).
     pub maps_at: Vec<bool>,
+    /// Per layer: also the norms' and the MLP's hook points' gradients ([`BlockTap::inner`]).
+    pub inner_at: Vec<bool>,
     /// Keep the forward's activations ([`LayerActs`]) at every layer.
     pub acts: bool,
     /// Seed the backward from the loss over these tokens instead of the metric.
@@ -132,6 +161,11 @@ impl Tap<'_> {
     /// Whether layer `l`'s gradients are kept.
     pub fn wants(&self, l: usize) -> bool {
         self.grads_at.get(l).copied().unwrap_or(false)
+    }
+
+    /// Whether layer `l`'s norms' and MLP's hook points' gradients are kept.
+    pub fn wants_inner(&self, l: usize) -> bool {
+        self.inner_at.get(l).copied().unwrap_or(false)
     }
 
     /// The forward at a layer's attention output.
@@ -251,6 +285,11 @@ impl ChosenHooks {
                     c.iter()
                         .any(|h| matches!(h, Hook::Pattern | Hook::AttnScores))
                 })
+                .collect(),
+            inner_at: self
+                .layers
+                .iter()
+                .map(|c| c.iter().any(|&h| INNER_HOOKS.contains(&h)))
                 .collect(),
             ..Tap::default()
         }
@@ -608,6 +647,9 @@ impl Model {
                 .flat_map(|r| r[c0..c0 + w].iter().copied())
                 .collect()
         };
+        if INNER_HOOKS.contains(&hk) {
+            return Ok(self.inner_gradient(bt, hk, n));
+        }
         let (shape, mut data) = match hk {
             Hook::ResidPre => (vec![n, dm], pre.clone()),
             Hook::ResidMid | Hook::AttnOut => (vec![n, dm], bt.resid_mid.clone()),
@@ -639,5 +681,29 @@ impl Model {
             interleaved_to_half_split(&mut data, hd, 1);
         }
         Ok(Some((shape, data)))
+    }
+
+    /// A norm's or the MLP's hook point's gradient ([`INNER_HOOKS`]) from what the backward kept,
+    /// `(shape, values)`; `None` for `hook_pre_linear` of an MLP with no gate.
+    fn inner_gradient(&self, bt: &BlockTap, hk: Hook, n: usize) -> Option<(Vec<usize>, Vec<f32>)> {
+        let (dm, ff) = (self.dims.d_model, self.dims.d_ff);
+        let (post, pre) = &bt.mlp;
+        let gated = pre.len() == n * 2 * ff;
+        let half = |c0: usize| -> Vec<f32> {
+            pre.chunks(2 * ff)
+                .flat_map(|r| r[c0..c0 + ff].iter().copied())
+                .collect()
+        };
+        Some(match hk {
+            Hook::Ln1Scale => (vec![n, 1], bt.ln1.0.clone()),
+            Hook::Ln1Normalized => (vec![n, dm], bt.ln1.1.clone()),
+            Hook::Ln2Scale => (vec![n, 1], bt.ln2.0.clone()),
+            Hook::Ln2Normalized => (vec![n, dm], bt.ln2.1.clone()),
+            Hook::MlpPost => (vec![n, ff], post.clone()),
+            Hook::MlpPre if gated => (vec![n, ff], half(0)),
+            Hook::MlpPre => (vec![n, ff], pre.clone()),
+            Hook::MlpPreLinear if gated => (vec![n, ff], half(ff)),
+            _ => return None,
+        })
     }
 }

@@ -8,7 +8,8 @@ attached (the logits are then a torch tensor that requires grad): the engine's b
 with the gradient of the caller's scalar with respect to the logits and gives the gradient at each
 hooked point, which the hook gets as ``fn(grad, hook)``. The engine has the gradient at
 ``hook_embed``, resid_pre/mid/post, attn_out, mlp_out, q, k, v, rot_q, rot_k, z, attn_scores,
-pattern and result (attn_out's for every head); a backward hook named anywhere else is refused,
+pattern and result (attn_out's for every head), the norms' ``ln1``/``ln2`` ``hook_scale`` and
+``hook_normalized``, and the MLP's ``hook_pre``, ``hook_pre_linear`` and ``hook_post``; a backward hook named anywhere else is refused,
 naming the point (one on a predicate goes to the points it takes that have one, with a warning)."""
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import numpy as np
 # the hook points the engine's backward gives a gradient at (suffixes in a block, or whole names)
 GRAD_SUFFIXES = ("hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_attn_out", "hook_mlp_out",
                  "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_rot_q", "attn.hook_rot_k", "attn.hook_z",
-                 "attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_result")
+                 "attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_result", "ln1.hook_scale", "ln1.hook_normalized",
+                 "ln2.hook_scale", "ln2.hook_normalized", "mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post")
 GRAD_GLOBALS = ("hook_embed", "hook_pos_embed")
 
 _TL_RESET_WARNING = ("WARNING: Hooks will be reset at the end of run_with_hooks. This removes the backward hooks "

@@ -65,6 +65,15 @@ REWRITES = [
     MODEL_NAME,
 ]
 PIP = (r"^(\s*)[%!]\s*pip .*$", r"\1pass  # pip left out: the environment has what the demo needs")
+_GQA = ("GPT-2 has a key and a value per head; SmolLM2's 3 KV heads each serve 3 of its 9 query heads (GQA): "
+        "hook_k/hook_v (and their gradients) have 3 heads, W_K/W_V 9 (repeated, as TL's properties give them), "
+        "so the cell's einsum over heads fails in TL too; each KV head's k/v is repeated to the query heads it "
+        "serves (_kv_to_heads, defined before the demo's cells, a no-op where the heads match)")
+# defined in each demo's shell before its first cell (both runs): what the GQA rewrites call
+PRELUDE = """
+def _kv_to_heads(t, n_heads, dim=-2):
+    return t.repeat_interleave(n_heads // t.shape[dim], dim=dim) if t.shape[dim] != n_heads else t
+"""
 # the GPT-2-specific lines, changed for both runs (TL's and attnscope's): (pattern, replacement, why)
 CELL_REWRITES = {
     ("Exploratory_Analysis_Demo", 4): [
@@ -74,6 +83,22 @@ CELL_REWRITES = {
     ("Main_Demo", 14): [
         (r"^head_index_to_ablate = 8$", "head_index_to_ablate = 8 % model.cfg.n_key_value_heads",
          "the cell indexes hook_v by head 8 of GPT-2's 12; SmolLM2's hook_v has its 3 KV heads (GQA), in TL too")],
+    ("Attribution_Patching_Demo", 18): [
+        (r"\[cache\[activation_name, l\] for l in",
+         "[_kv_to_heads(cache[activation_name, l], model.cfg.n_heads) for l in",
+         _GQA)],
+    ("Attribution_Patching_Demo", 20): [
+        (r"^(\s*)vector_grad = grad_cache\[activation_name, layer\]$",
+         r"\1vector_grad = _kv_to_heads(grad_cache[activation_name, layer], model.cfg.n_heads)", _GQA),
+        (r"^(\s*)W,$", r"\1_kv_to_heads(W, model.cfg.n_heads, 0),",
+         "TL 4's bridge gives W_K/W_V one per KV head (attnscope, as TL 3's HookedTransformer, repeats them): "
+         "repeated to the query heads here as well, for both")],
+    ("Attribution_Patching_Demo", 31): [
+        (r'attr_cache\.stack_activation\("([kv])"\)',
+         r'_kv_to_heads(attr_cache.stack_activation("\1"), model.cfg.n_heads)', _GQA)],
+    ("Attribution_Patching_Demo", 35): [
+        (r'attr_cache\.stack_activation\("([kv])"\)',
+         r'_kv_to_heads(attr_cache.stack_activation("\1"), model.cfg.n_heads)', _GQA)],
     ("Attribution_Patching_Demo", 33): [
         (r'(clean_cache\["pattern", \d+\]\[:, )(\d+)\]', r"\1\2 % model.cfg.n_heads]",
          "GPT-2's IOI heads L5H5, L10H7, L11H10: SmolLM2 has 9 heads a layer")],
@@ -217,6 +242,7 @@ def run_demo(folder: str, demo: str, limit_s: int, tl: bool = False, ref: dict =
     # as a Jupyter kernel starts (IPython's default_extensions): Exploratory_Analysis_Demo's first
     # cell loads autoreload only where no extension is loaded yet
     shell.extension_manager.load_extension("storemagic")
+    shell.run_cell(PRELUDE, silent=True)
     if tl:
         import tl_loaders
         tl_loaders.install(MODEL)
