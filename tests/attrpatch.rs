@@ -158,7 +158,13 @@ fn hook_gradients_agree_with_the_backward() {
         && (k == "hook_embed_grad"
             || k.starts_with("blocks.3.")
             || k == "blocks.7.hook_resid_pre_grad")));
-    assert_eq!(h.grads.len(), 1 + 13 + 1);
+    assert_eq!(h.grads.len(), 1 + 20 + 1);
+    // the norms' and the MLP's hook points (their values: norm_and_mlp_hook_gradients_match_torch)
+    assert_eq!(get("blocks.3.ln1.hook_scale_grad").1, vec![n, 1]);
+    assert_eq!(get("blocks.3.ln2.hook_normalized_grad").1, vec![n, d.d_model]);
+    for hook in ["hook_pre", "hook_pre_linear", "hook_post"] {
+        assert_eq!(get(&format!("blocks.3.mlp.{hook}_grad")).1, vec![n, d.d_ff]);
+    }
     let (_, s, v) = get("hook_embed_grad");
     assert_eq!(s, &[n, d.d_model]);
     assert_eq!(v, &g.grad_input);
