@@ -1,7 +1,7 @@
-//! The circuit calls of [`crate::Model`]: `attnscope circuit`'s report with its edge scores as
+//! The circuit calls of `Model`: `attnscope circuit`'s report with its edge scores as
 //! a `[nodes, readers]` matrix, and `attnscope qk`'s split.
 
-use super::{engine, to_object};
+use crate::engine::{engine, to_object};
 use attnscope::analysis::circuit::{read_pairs, Method, MetricKind, Pair};
 use attnscope::analysis::vocab::Target;
 use attnscope::commands::circuit::{CircuitOptions, CircuitReport};
@@ -52,7 +52,7 @@ fn options(a: CircuitArgs) -> PyResult<CircuitOptions> {
             answer: target(&answer, "answer")?,
             wrong: target(&wrong, "wrong")?,
         }],
-        (None, Some((text, source))) => read_pairs(&text, &source).map_err(super::to_py)?,
+        (None, Some((text, source))) => read_pairs(&text, &source).map_err(crate::engine::to_py)?,
         _ => {
             return Err(bad(
                 "give clean, corrupt, answer and wrong, or pairs (a JSONL file or a list of dicts), not both",

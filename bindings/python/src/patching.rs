@@ -5,7 +5,9 @@
 //! from there on. A patch at layer `l`, position `p` leaves every earlier layer and position as
 //! it was, so the numbers are those of TransformerLens's one full forward per patch.
 
-use super::{engine, hook_by_suffix, Model};
+use crate::engine::engine;
+use crate::hooks::hook_by_suffix;
+use crate::model::Model;
 use attnscope::analysis::edit::{Fill, Runner, Variant};
 use attnscope::analysis::intervene::DEFAULT_BATCH_ROWS;
 use attnscope::model::capture::hook_name;

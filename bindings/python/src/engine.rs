@@ -1,0 +1,88 @@
+//! The crossing between Python and the engine: a call without the GIL that no panic escapes
+//! ([`engine`]), the engine's errors as Python's exceptions ([`to_py`]), Ctrl-C between layers,
+//! reports as Python objects ([`to_object`]) and the checks of arguments every domain shares.
+
+use attnscope::analysis::vocab::Target;
+use attnscope::model::Error as ModelError;
+use pyo3::exceptions::{
+    PyFileExistsError, PyFileNotFoundError, PyFloatingPointError, PyKeyboardInterrupt, PyOSError,
+    PyRuntimeError, PyValueError,
+};
+use pyo3::prelude::*;
+
+/// The Python exception for an engine error, with the CLI's message.
+pub(crate) fn to_py(e: anyhow::Error) -> PyErr {
+    let msg = format!("{e:#}");
+    for c in e.chain() {
+        if let Some(m) = c.downcast_ref::<ModelError>() {
+            return match m {
+                ModelError::MissingModel { .. } => PyFileNotFoundError::new_err(msg),
+                ModelError::Exists { .. } => PyFileExistsError::new_err(msg),
+                ModelError::Io { .. } => PyOSError::new_err(msg),
+                ModelError::Interrupted => PyKeyboardInterrupt::new_err(msg),
+                ModelError::NonFinite { .. } => PyFloatingPointError::new_err(msg),
+                m if m.is_bad_input() => PyValueError::new_err(msg),
+                _ => PyRuntimeError::new_err(msg),
+            };
+        }
+        if let Some(io) = c.downcast_ref::<std::io::Error>() {
+            if io.kind() == std::io::ErrorKind::NotFound {
+                return PyFileNotFoundError::new_err(msg);
+            }
+        }
+    }
+    if attnscope::analysis::request::is_bad_input(&e) {
+        PyValueError::new_err(msg)
+    } else {
+        PyRuntimeError::new_err(msg)
+    }
+}
+
+/// Runs `f` without the GIL; a panic inside becomes a RuntimeError, never a crash.
+pub(crate) fn engine<R: Send>(
+    py: Python<'_>,
+    f: impl FnOnce() -> anyhow::Result<R> + Send,
+) -> PyResult<R> {
+    let r = py.detach(|| std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
+    match r {
+        Ok(r) => r.map_err(to_py),
+        Err(p) => {
+            let what = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            Err(PyRuntimeError::new_err(format!(
+                "attnscope panicked: {what}; you likely have found a bug"
+            )))
+        }
+    }
+}
+
+/// Python's pending signals (Ctrl-C), asked by the forward after every layer.
+pub(crate) fn python_interrupted() -> bool {
+    Python::attach(|py| py.check_signals().is_err())
+}
+
+/// A report as Python objects (dicts, lists, floats), without a JSON round trip: an f32 becomes
+/// the Python float of the same value.
+pub(crate) fn to_object<'py, T: serde::Serialize>(
+    py: Python<'py>,
+    v: &T,
+) -> PyResult<Bound<'py, PyAny>> {
+    pythonize::pythonize(py, v).map_err(|e| PyRuntimeError::new_err(e.to_string()))
+}
+
+/// `next`, a token id or one token's text, as the CLI's `--target` reads it.
+pub(crate) fn parse_target(t: Option<String>, what: &str) -> PyResult<Option<Target>> {
+    t.map(|t| {
+        t.parse::<Target>()
+            .map_err(|e| PyValueError::new_err(format!("{what}={t:?}: {e}")))
+    })
+    .transpose()
+}
+
+/// A count or an index given from Python (an int): negative ones are refused, naming `what`.
+pub(crate) fn count(v: i64, what: &str) -> PyResult<usize> {
+    usize::try_from(v).map_err(|_| PyValueError::new_err(format!("{what}={v}: must be 0 or more")))
+}
