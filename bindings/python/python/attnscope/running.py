@@ -106,7 +106,9 @@ class RunMixin:
         (logit(``target``) − logit(``wrong``) at the last position); ``target``/``wrong``: a token
         id or one token's text. Gradients exist for ``hook_embed`` (``hook_pos_embed``),
         resid_pre/mid/post, attn_out, mlp_out, q, k, v, rot_q, rot_k, z, attn_scores and pattern
-        (``[b, head, n, n]``: ask for the layers you need); the other hooks have none. The
+        (``[b, head, n, n]``: ask for the layers you need), the norms' ``ln1``/``ln2``
+        ``hook_scale`` and ``hook_normalized``, and the MLP's ``hook_pre``, ``hook_pre_linear`` and
+        ``hook_post``; the other hooks have none. The
         scalar's value is ``cache.bwd_value``.
 
         On an encoder (``model.is_encoder``: all-MiniLM-L6-v2) ``input`` may be a sentence pair
