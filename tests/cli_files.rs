@@ -310,6 +310,43 @@ fn sinks_reads_a_long_file_as_far_as_its_tokens_reach() {
     assert_eq!(a["layers"], b["layers"], "the same first 100 tokens");
 }
 
+/// `sinks --file` with a text longer than the tokens it runs by default (the tiny model's context,
+/// 256) is refused by name, exit 2 (it ran the first 256 and reported them as the text's);
+/// `--max-tokens` asks for the cut, and a text that fits runs whole.
+#[test]
+fn sinks_refuses_a_text_past_its_default_length() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let sinks = |f: &Path, more: &[&str]| {
+        let mut c = attnscope();
+        c.args(["sinks", "--gu-prompts", "0", "--json", "-m"])
+            .arg(&m)
+            .args(more)
+            .arg("--file")
+            .arg(f);
+        c
+    };
+    for (name, n) in [("long.txt", 100), ("book.txt", 200_000)] {
+        let long = dir.path().join(name);
+        std::fs::write(&long, "the hat sat. ".repeat(n)).unwrap();
+        let err = fails_with(&mut sinks(&long, &[]), 2);
+        assert!(
+            err.contains("256 tokens")
+                && err.contains("--max-tokens 256")
+                && err.contains("context"),
+            "{err}"
+        );
+        let out = succeeds(&mut sinks(&long, &["--max-tokens", "256"]));
+        let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(r["n_tokens"], 256, "{name}");
+    }
+    let short = dir.path().join("short.txt");
+    std::fs::write(&short, "the hat sat. ".repeat(20)).unwrap();
+    let out = succeeds(&mut sinks(&short, &[]));
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(r["n_tokens"].as_u64().unwrap() > 100, "{r}");
+}
+
 /// Starts `capture` of the tiny model into `out`, stalled (`ATTNSCOPE_FAULT=capture-stall`)
 /// once its first layer is handed to the writer, and waits until its temporary file exists: the
 /// child and the temporary file.

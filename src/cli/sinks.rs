@@ -18,7 +18,8 @@ pub struct Args {
     /// A long UTF-8 text. Default: the built-in corpus, repeated until --max-tokens.
     #[arg(long, short = 'f')]
     file: Option<PathBuf>,
-    /// Use at most this many tokens (default: 32768, or the model's context if smaller).
+    /// Run the text's first this many tokens (default: 32768, or the model's context if
+    /// smaller; a --file longer than that is refused unless this is given).
     #[arg(long)]
     max_tokens: Option<usize>,
     /// Keys per block of the streaming softmax.
