@@ -347,6 +347,57 @@ fn sinks_refuses_a_text_past_its_default_length() {
     assert!(r["n_tokens"].as_u64().unwrap() > 100, "{r}");
 }
 
+/// `capture` into a file system without room for its file is refused before anything is
+/// written, naming both sizes, exit 2, nothing left in the folder (it wrote until the disk was
+/// full). The free space is set with `ATTNSCOPE_FAULT=capture-free=N`: a full disk needs root.
+/// With room for the file and its headers' bound (the written size plus 1 MiB) it runs.
+#[test]
+fn capture_refuses_a_file_its_disk_has_no_room_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let capture = |out: &Path, free: Option<u64>| {
+        let mut c = attnscope();
+        c.args([
+            "capture",
+            "--hooks",
+            "all",
+            "--text",
+            "the hat sat on the hat",
+            "-m",
+        ])
+        .arg(&m)
+        .arg("--out")
+        .arg(out);
+        if let Some(f) = free {
+            c.env("ATTNSCOPE_FAULT", format!("capture-free={f}"));
+        }
+        c
+    };
+    for name in ["a.safetensors", "a.npz"] {
+        let out_dir = dir.path().join(format!("out-{name}"));
+        std::fs::create_dir(&out_dir).unwrap();
+        let err = fails_with(&mut capture(&out_dir.join(name), Some(1_000)), 2);
+        assert!(
+            err.contains("(1,000 bytes) free")
+                && err.contains("capture writes up to")
+                && err.contains(name),
+            "{err}"
+        );
+        assert!(names(&out_dir).is_empty(), "{:?}", names(&out_dir));
+        let size = {
+            succeeds(&mut capture(&out_dir.join(name), None));
+            std::fs::metadata(out_dir.join(name)).unwrap().len()
+        };
+        assert!(
+            size > 1_000,
+            "{name}: {size} bytes, the refusal above proves nothing"
+        );
+        let again = out_dir.join(format!("b-{name}"));
+        succeeds(&mut capture(&again, Some(size + (1 << 20))));
+        assert_eq!(std::fs::metadata(&again).unwrap().len(), size);
+    }
+}
+
 /// Starts `capture` of the tiny model into `out`, stalled (`ATTNSCOPE_FAULT=capture-stall`)
 /// once its first layer is handed to the writer, and waits until its temporary file exists: the
 /// child and the temporary file.
