@@ -759,3 +759,78 @@ fn a_byte_order_mark_is_left_out_and_said() {
         assert!(stderr.contains("byte-order mark (U+FEFF)"), "{stderr}");
     }
 }
+
+/// Every index option takes a leading minus and refuses it by name with the valid range, exit 2
+/// (clap said "unexpected argument '-1' found"): nothing in the CLI counts from the end.
+#[test]
+fn negative_indices_are_refused_with_their_range() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = common::tiny_gguf(&dir);
+    let m = m.to_str().unwrap();
+    let out = dir.path().join("x.png");
+    let out = out.to_str().unwrap();
+    let t = ["-m", m, "--text", "the hat sat"];
+    let cases: [(&[&str], &[&str], &str); 11] = [
+        (
+            &["inspect"],
+            &["--layer", "-1"],
+            "layer -1 is out of range: this model has layers 0-1",
+        ),
+        (
+            &["inspect"],
+            &["--query", "-1"],
+            "query position -1 is out of range: the text has query positions 0-",
+        ),
+        (&["inspect"], &["--heads", "-2"], "head -2 is out of range"),
+        (
+            &["inspect"],
+            &["--layers", "-1"],
+            "layer -1 is out of range",
+        ),
+        (
+            &["qk", "--layer", "0"],
+            &["--head", "-3"],
+            "head -3 is out of range: this model has heads 0-",
+        ),
+        (
+            &["qk", "--head", "0"],
+            &["--layer", "-1"],
+            "layer -1 is out of range",
+        ),
+        (
+            &["qk", "--layer", "0", "--head", "0"],
+            &["--key", "-1"],
+            "key position -1 is out of range",
+        ),
+        (
+            &["heatmap", "--out", out],
+            &["--layer", "-1"],
+            "layer -1 is out of range",
+        ),
+        (
+            &["heatmap", "--out", out, "--layer", "0"],
+            &["--head", "-1"],
+            "head -1 is out of range",
+        ),
+        (
+            &["capture", "--out", out],
+            &["--queries", "-1"],
+            "query position -1 is out of range",
+        ),
+        (
+            &["ablate"],
+            &["--positions", "-1"],
+            "position -1 is out of range",
+        ),
+    ];
+    for (cmd, flag, want) in cases {
+        let args: Vec<&str> = cmd.iter().chain(&t).chain(flag).copied().collect();
+        let e = run_err(&args, 2);
+        assert!(
+            e.contains(want) && e.contains("does not count from the end"),
+            "{args:?}: {e}"
+        );
+    }
+    let e = run_err(["compare", "--text", "the hat", "--query", "-1"], 2);
+    assert!(e.contains("query position -1 is out of range"), "{e}");
+}

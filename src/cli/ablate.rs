@@ -27,7 +27,7 @@ pub struct Args {
     #[arg(long, default_value = "next")]
     target: Target,
     /// Ablate only at these positions (e.g. `0`, `3-5`, `0,7`); default all.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     positions: Option<String>,
     /// Also ablate each layer's MLP output.
     #[arg(long)]
