@@ -834,3 +834,48 @@ fn negative_indices_are_refused_with_their_range() {
     let e = run_err(["compare", "--text", "the hat", "--query", "-1"], 2);
     assert!(e.contains("query position -1 is out of range"), "{e}");
 }
+
+/// A count that 0 makes meaningless is refused, exit 2: `dla`, `ablate`, `circuit --top 0`
+/// printed an empty table, `generate -k 0` empty top-key columns, `inspect --mask-tokens 0` an
+/// empty grid, `sinks --gu-len 0` left Gu et al.'s metric out, and `explain --d-model 0` split
+/// a width of 0 into heads of 0.
+#[test]
+fn counts_that_0_makes_meaningless_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = common::tiny_gguf(&dir);
+    let m = m.to_str().unwrap();
+    let t = ["-m", m, "--text", "the hat sat"];
+    let pair = [
+        "--clean",
+        "the hat",
+        "--corrupt",
+        "the cat",
+        "--answer",
+        "3",
+        "--wrong",
+        "4",
+    ];
+    let cases: [(&[&str], &str); 7] = [
+        (&["dla"], "--top"),
+        (&["ablate"], "--top"),
+        (&["generate", "--max-new-tokens", "1"], "--top"),
+        (&["inspect"], "--mask-tokens"),
+        (&["sinks", "-m", m], "--gu-len"),
+        (&["explain"], "--d-model"),
+        (&["circuit", "-m", m], "--top"),
+    ];
+    for (cmd, flag) in cases {
+        let mut args: Vec<&str> = cmd.to_vec();
+        match cmd[0] {
+            "circuit" => args.extend(pair),
+            "sinks" | "explain" => {}
+            _ => args.extend(t),
+        }
+        args.extend([flag, "0"]);
+        let e = run_err(&args, 2);
+        assert!(
+            e.contains("give 1 or more") && e.contains(flag),
+            "{args:?}: {e}"
+        );
+    }
+}

@@ -109,6 +109,15 @@ pub fn non_negative(s: &str) -> Result<f64, String> {
     }
 }
 
+/// A count that 0 makes meaningless, read from text: 1 or more (`dla --top 0` printed an empty
+/// table, `sinks --gu-len 0` left Gu et al.'s metric out unsaid).
+pub fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>().map_err(|e| format!("{e}"))? {
+        0 => Err("0 leaves nothing to compute or print; give 1 or more".into()),
+        n => Ok(n),
+    }
+}
+
 /// Checks one index against its count, with a message naming the valid range.
 pub fn check_index(value: usize, count: usize, what: &str) -> anyhow::Result<usize> {
     if value >= count {

@@ -33,7 +33,7 @@ pub struct Args {
     #[arg(long)]
     mlp: bool,
     /// Heads printed, largest |Δ log p| first (`--json` has all).
-    #[arg(long, default_value_t = 15)]
+    #[arg(long, default_value_t = 15, value_parser = crate::analysis::request::at_least_one)]
     top: usize,
     /// Most positions stacked into one forward (edited runs of one layer go together).
     #[arg(long, default_value_t = crate::analysis::intervene::DEFAULT_BATCH_ROWS, hide = true)]

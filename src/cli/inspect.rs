@@ -30,7 +30,7 @@ pub struct Args {
     #[arg(long, default_value_t = 0.9)]
     concentrated: f32,
     /// Tokens shown in the causal-mask grid.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = crate::analysis::request::at_least_one)]
     mask_tokens: usize,
     /// Print one JSON document instead of the tables.
     #[arg(long)]

@@ -37,7 +37,7 @@ pub struct Args {
     #[arg(long, default_value_t = 8)]
     gu_prompts: usize,
     /// Tokens per prompt of Gu et al.'s metric.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = crate::analysis::request::at_least_one)]
     gu_len: usize,
     /// Largest residual values listed per layer (Sun et al. 2024's massive activations: |x| >
     /// 100 and ≥ 1,000 × the layer's median magnitude are counted); 0 leaves them out.
