@@ -348,7 +348,7 @@ fn qwen3_matches_transformers() {
 fn commands_run_on_every_fixture() {
     let dir = tempfile::tempdir().unwrap();
     for name in [
-        "llama3", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "gpt2",
+        "llama3", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3", "gpt2",
     ] {
         let m = golden(&format!("arch/{name}"));
         let m = m.to_str().unwrap();
@@ -363,7 +363,11 @@ fn commands_run_on_every_fixture() {
         assert_eq!(v["model"]["arch"], arch);
         assert_eq!(
             v["model"]["head_dim"],
-            if name == "qwen3" { 24 } else { 16 }
+            if name == "qwen3" || name == "gemma" {
+                24
+            } else {
+                16
+            }
         );
     }
 }
@@ -543,6 +547,43 @@ fn phi3_matches_transformers() {
     });
     let e = load_err(dir.path());
     assert!(e.contains("partial_rotary_factor"), "{e}");
+}
+
+/// Gemma (v1): (1 + w) norms before attention and MLP only, √d embedding scale, GeLU(tanh),
+/// multi-query attention (4 heads, 1 key/value head) of head_dim 24 (4 × 24 ≠ d_model 64),
+/// weights N(0, 0.1²) (at 0.25, without Gemma 2's soft-caps, transformers' own float32 is 6e-5
+/// from its float64),
+/// scaled by head_dim^-½, no soft-caps, no window; in transformers 5's config and the hub's
+/// (`rope_theta`, the first releases' legacy `hidden_act: gelu`, read as gelu_pytorch_tanh).
+/// Another activation and a window are refused by name.
+#[test]
+fn gemma_matches_transformers() {
+    check("gemma", &|_| {});
+    check("gemma", &|c| {
+        let p = c["rope_parameters"].take();
+        c.as_object_mut().unwrap().remove("rope_parameters");
+        c["rope_theta"] = p["rope_theta"].clone();
+        c["hidden_act"] = "gelu".into();
+        c["hidden_activation"] = "gelu_pytorch_tanh".into();
+    });
+    for (key, value) in [
+        ("hidden_act", serde_json::json!("silu")),
+        ("hidden_activation", serde_json::json!("gelu")),
+        ("sliding_window", serde_json::json!(8)),
+        ("use_bidirectional_attention", serde_json::json!(true)),
+    ] {
+        let dir = fixture_copy("gemma", &|c| c[key] = value.clone());
+        let e = load_err(dir.path());
+        assert!(e.contains(key), "{key}: {e}");
+    }
+    // Gemma's conventions matter on this fixture: the same tensors read as Llama's (w norms,
+    // no √d scale, SwiGLU) are far off
+    let dir = fixture_copy("gemma", &|c| {
+        c["model_type"] = "llama".into();
+        c["hidden_act"] = "silu".into();
+    });
+    let (attn, _, _) = deviation(dir.path(), "gemma", MEASURE);
+    assert!(attn > 1e-2, "Gemma's conventions changed nothing: {attn}");
 }
 
 /// Gemma 2: (1 + w) norms before and after attention and MLP, √d embedding scale, GeLU(tanh),
@@ -867,6 +908,7 @@ fn hooks_come_in_the_forwards_order_and_capture_all_writes_them() {
         "qwen3",
         "mistral",
         "phi3",
+        "gemma",
         "gemma2",
         "gemma3",
         "gpt2",

@@ -161,7 +161,10 @@ fn hook_gradients_agree_with_the_backward() {
     assert_eq!(h.grads.len(), 1 + 20 + 1);
     // the norms' and the MLP's hook points (their values: norm_and_mlp_hook_gradients_match_torch)
     assert_eq!(get("blocks.3.ln1.hook_scale_grad").1, vec![n, 1]);
-    assert_eq!(get("blocks.3.ln2.hook_normalized_grad").1, vec![n, d.d_model]);
+    assert_eq!(
+        get("blocks.3.ln2.hook_normalized_grad").1,
+        vec![n, d.d_model]
+    );
     for hook in ["hook_pre", "hook_pre_linear", "hook_post"] {
         assert_eq!(get(&format!("blocks.3.mlp.{hook}_grad")).1, vec![n, d.d_ff]);
     }
@@ -441,7 +444,11 @@ fn norm_and_mlp_hook_gradients_match_torch() {
             .unwrap();
         assert_eq!(h.target as u64, m["target_id"].as_u64().unwrap(), "{key}");
         let want = m["logprob"].as_f64().unwrap();
-        assert!((h.value as f64 - want).abs() < 1e-4, "{key}: {} vs {want}", h.value);
+        assert!(
+            (h.value as f64 - want).abs() < 1e-4,
+            "{key}: {} vs {want}",
+            h.value
+        );
         assert_eq!(h.grads.len(), mine.len(), "{key}: only the hooks asked for");
         for (file, grad_name) in &mine {
             inner_gradient_matches(&h, key, file, grad_name, &rows);
@@ -476,7 +483,10 @@ fn inner_gradient_matches(
             .flat_map(|&r| got[r * width..(r + 1) * width].iter().copied())
             .collect()
     };
-    assert!(want.iter().any(|&v| v != 0.0), "{key} {grad_name}: all zero");
+    assert!(
+        want.iter().any(|&v| v != 0.0),
+        "{key} {grad_name}: all zero"
+    );
     let worst = assert_array(
         &format!("{key} {grad_name} vs torch"),
         &shape,

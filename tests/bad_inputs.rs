@@ -411,7 +411,8 @@ fn a_tensor_size_that_overflows_is_refused() {
 }
 
 /// A NaN in a weight, or scores that overflow f32, stop the forward with the layer named
-/// (exit 1) instead of printing rows in which the NaN quietly became weight 0.
+/// (exit 2: the model is the bad input; it said exit 1, "the attention scores holds")
+/// instead of printing rows in which the NaN quietly became weight 0.
 #[test]
 fn non_finite_scores_are_named_with_their_layer() {
     let dir = tempfile::tempdir().unwrap();
@@ -455,9 +456,12 @@ fn non_finite_scores_are_named_with_their_layer() {
                 "--text",
                 "the hat at the hat",
             ],
-            1,
+            2,
         );
-        assert!(err.contains(layer), "{name}: {err}");
+        assert!(
+            err.contains(layer) && err.contains("turned up in the ") && !err.contains("holds"),
+            "{name}: {err}"
+        );
     }
 }
 
@@ -753,5 +757,125 @@ fn a_byte_order_mark_is_left_out_and_said() {
         let (got, stderr) = tokens(args);
         assert_eq!(got, plain, "{args:?}");
         assert!(stderr.contains("byte-order mark (U+FEFF)"), "{stderr}");
+    }
+}
+
+/// Every index option takes a leading minus and refuses it by name with the valid range, exit 2
+/// (clap said "unexpected argument '-1' found"): nothing in the CLI counts from the end.
+#[test]
+fn negative_indices_are_refused_with_their_range() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = common::tiny_gguf(&dir);
+    let m = m.to_str().unwrap();
+    let out = dir.path().join("x.png");
+    let out = out.to_str().unwrap();
+    let t = ["-m", m, "--text", "the hat sat"];
+    let cases: [(&[&str], &[&str], &str); 11] = [
+        (
+            &["inspect"],
+            &["--layer", "-1"],
+            "layer -1 is out of range: this model has layers 0-1",
+        ),
+        (
+            &["inspect"],
+            &["--query", "-1"],
+            "query position -1 is out of range: the text has query positions 0-",
+        ),
+        (&["inspect"], &["--heads", "-2"], "head -2 is out of range"),
+        (
+            &["inspect"],
+            &["--layers", "-1"],
+            "layer -1 is out of range",
+        ),
+        (
+            &["qk", "--layer", "0"],
+            &["--head", "-3"],
+            "head -3 is out of range: this model has heads 0-",
+        ),
+        (
+            &["qk", "--head", "0"],
+            &["--layer", "-1"],
+            "layer -1 is out of range",
+        ),
+        (
+            &["qk", "--layer", "0", "--head", "0"],
+            &["--key", "-1"],
+            "key position -1 is out of range",
+        ),
+        (
+            &["heatmap", "--out", out],
+            &["--layer", "-1"],
+            "layer -1 is out of range",
+        ),
+        (
+            &["heatmap", "--out", out, "--layer", "0"],
+            &["--head", "-1"],
+            "head -1 is out of range",
+        ),
+        (
+            &["capture", "--out", out],
+            &["--queries", "-1"],
+            "query position -1 is out of range",
+        ),
+        (
+            &["ablate"],
+            &["--positions", "-1"],
+            "position -1 is out of range",
+        ),
+    ];
+    for (cmd, flag, want) in cases {
+        let args: Vec<&str> = cmd.iter().chain(&t).chain(flag).copied().collect();
+        let e = run_err(&args, 2);
+        assert!(
+            e.contains(want) && e.contains("does not count from the end"),
+            "{args:?}: {e}"
+        );
+    }
+    let e = run_err(["compare", "--text", "the hat", "--query", "-1"], 2);
+    assert!(e.contains("query position -1 is out of range"), "{e}");
+}
+
+/// A count that 0 makes meaningless is refused, exit 2: `dla`, `ablate`, `circuit --top 0`
+/// printed an empty table, `generate -k 0` empty top-key columns, `inspect --mask-tokens 0` an
+/// empty grid, `sinks --gu-len 0` left Gu et al.'s metric out, and `explain --d-model 0` split
+/// a width of 0 into heads of 0.
+#[test]
+fn counts_that_0_makes_meaningless_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = common::tiny_gguf(&dir);
+    let m = m.to_str().unwrap();
+    let t = ["-m", m, "--text", "the hat sat"];
+    let pair = [
+        "--clean",
+        "the hat",
+        "--corrupt",
+        "the cat",
+        "--answer",
+        "3",
+        "--wrong",
+        "4",
+    ];
+    let cases: [(&[&str], &str); 7] = [
+        (&["dla"], "--top"),
+        (&["ablate"], "--top"),
+        (&["generate", "--max-new-tokens", "1"], "--top"),
+        (&["inspect"], "--mask-tokens"),
+        (&["sinks", "-m", m], "--gu-len"),
+        (&["explain"], "--d-model"),
+        (&["circuit", "-m", m], "--top"),
+    ];
+    for (cmd, flag) in cases {
+        let mut args: Vec<&str> = cmd.to_vec();
+        match cmd[0] {
+            "circuit" => args.extend(pair),
+            "sinks" | "explain" => {}
+            _ => args.extend(t),
+        }
+        args.extend([flag, "0"]);
+        let e = run_err(&args, 2);
+        assert!(
+            e.contains("give 1 or more") && e.contains(flag),
+            "{args:?}: {e}"
+        );
     }
 }

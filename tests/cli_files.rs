@@ -310,6 +310,94 @@ fn sinks_reads_a_long_file_as_far_as_its_tokens_reach() {
     assert_eq!(a["layers"], b["layers"], "the same first 100 tokens");
 }
 
+/// `sinks --file` with a text longer than the tokens it runs by default (the tiny model's context,
+/// 256) is refused by name, exit 2 (it ran the first 256 and reported them as the text's);
+/// `--max-tokens` asks for the cut, and a text that fits runs whole.
+#[test]
+fn sinks_refuses_a_text_past_its_default_length() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let sinks = |f: &Path, more: &[&str]| {
+        let mut c = attnscope();
+        c.args(["sinks", "--gu-prompts", "0", "--json", "-m"])
+            .arg(&m)
+            .args(more)
+            .arg("--file")
+            .arg(f);
+        c
+    };
+    for (name, n) in [("long.txt", 100), ("book.txt", 200_000)] {
+        let long = dir.path().join(name);
+        std::fs::write(&long, "the hat sat. ".repeat(n)).unwrap();
+        let err = fails_with(&mut sinks(&long, &[]), 2);
+        assert!(
+            err.contains("256 tokens")
+                && err.contains("--max-tokens 256")
+                && err.contains("context"),
+            "{err}"
+        );
+        let out = succeeds(&mut sinks(&long, &["--max-tokens", "256"]));
+        let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(r["n_tokens"], 256, "{name}");
+    }
+    let short = dir.path().join("short.txt");
+    std::fs::write(&short, "the hat sat. ".repeat(20)).unwrap();
+    let out = succeeds(&mut sinks(&short, &[]));
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(r["n_tokens"].as_u64().unwrap() > 100, "{r}");
+}
+
+/// `capture` into a file system without room for its file is refused before anything is
+/// written, naming both sizes, exit 2, nothing left in the folder (it wrote until the disk was
+/// full). The free space is set with `ATTNSCOPE_FAULT=capture-free=N`: a full disk needs root.
+/// With room for the file and its headers' bound (the written size plus 1 MiB) it runs.
+#[test]
+fn capture_refuses_a_file_its_disk_has_no_room_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_gguf(&dir);
+    let capture = |out: &Path, free: Option<u64>| {
+        let mut c = attnscope();
+        c.args([
+            "capture",
+            "--hooks",
+            "all",
+            "--text",
+            "the hat sat on the hat",
+            "-m",
+        ])
+        .arg(&m)
+        .arg("--out")
+        .arg(out);
+        if let Some(f) = free {
+            c.env("ATTNSCOPE_FAULT", format!("capture-free={f}"));
+        }
+        c
+    };
+    for name in ["a.safetensors", "a.npz"] {
+        let out_dir = dir.path().join(format!("out-{name}"));
+        std::fs::create_dir(&out_dir).unwrap();
+        let err = fails_with(&mut capture(&out_dir.join(name), Some(1_000)), 2);
+        assert!(
+            err.contains("(1,000 bytes) free")
+                && err.contains("capture writes up to")
+                && err.contains(name),
+            "{err}"
+        );
+        assert!(names(&out_dir).is_empty(), "{:?}", names(&out_dir));
+        let size = {
+            succeeds(&mut capture(&out_dir.join(name), None));
+            std::fs::metadata(out_dir.join(name)).unwrap().len()
+        };
+        assert!(
+            size > 1_000,
+            "{name}: {size} bytes, the refusal above proves nothing"
+        );
+        let again = out_dir.join(format!("b-{name}"));
+        succeeds(&mut capture(&again, Some(size + (1 << 20))));
+        assert_eq!(std::fs::metadata(&again).unwrap().len(), size);
+    }
+}
+
 /// Starts `capture` of the tiny model into `out`, stalled (`ATTNSCOPE_FAULT=capture-stall`)
 /// once its first layer is handed to the writer, and waits until its temporary file exists: the
 /// child and the temporary file.

@@ -37,6 +37,12 @@ pub fn parse_index_list(spec: &str, count: usize, what: &str) -> anyhow::Result<
     }
     let mut out = Vec::new();
     for part in spec.split(',').map(str::trim) {
+        if part.starts_with('-') && part[1..].trim().parse::<usize>().is_ok() {
+            return Err(usage(format!(
+                "{what} {part} is out of range: {}; indices count from 0 (a negative one does not count from the end)",
+                range()
+            )));
+        }
         let (a, b) = match part.split_once('-') {
             Some((a, b)) => (a.trim(), b.trim()),
             None => (part, part),
@@ -103,6 +109,15 @@ pub fn non_negative(s: &str) -> Result<f64, String> {
     }
 }
 
+/// A count that 0 makes meaningless, read from text: 1 or more (`dla --top 0` printed an empty
+/// table, `sinks --gu-len 0` left Gu et al.'s metric out unsaid).
+pub fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>().map_err(|e| format!("{e}"))? {
+        0 => Err("0 leaves nothing to compute or print; give 1 or more".into()),
+        n => Ok(n),
+    }
+}
+
 /// Checks one index against its count, with a message naming the valid range.
 pub fn check_index(value: usize, count: usize, what: &str) -> anyhow::Result<usize> {
     if value >= count {
@@ -112,6 +127,32 @@ pub fn check_index(value: usize, count: usize, what: &str) -> anyhow::Result<usi
         )));
     }
     Ok(value)
+}
+
+/// An index the CLI read with its sign (`--layer -1`), as a `usize` once it is not negative;
+/// a negative one is refused naming the valid range (`count` of them, `of` saying whose): no
+/// index counts from the end in attnscope's CLI. The upper bound is checked where the index is
+/// used.
+pub fn unsigned_index(value: i64, what: &str, count: usize, of: &str) -> anyhow::Result<usize> {
+    usize::try_from(value).map_err(|_| {
+        let range = match count {
+            0 => String::new(),
+            n => format!(" {of} {what}s 0-{}", n - 1),
+        };
+        usage(format!(
+            "{what} {value} is out of range:{range}; indices count from 0 (a negative one does not count from the end)"
+        ))
+    })
+}
+
+/// [`unsigned_index`] of an optional index.
+pub fn unsigned_opt(
+    v: Option<i64>,
+    what: &str,
+    count: usize,
+    of: &str,
+) -> anyhow::Result<Option<usize>> {
+    v.map(|v| unsigned_index(v, what, count, of)).transpose()
 }
 
 #[cfg(test)]

@@ -131,8 +131,10 @@ pub struct SinksReport {
 }
 
 /// The tokens of a sinks run: `text` (BOS first when `bos` or the model asks for one), or the
-/// built-in corpus repeated up to `max_tokens`; cut to `max_tokens` (default: 32,768, or the
-/// model's context if smaller).
+/// built-in corpus repeated up to `max_tokens`; cut to `max_tokens` where the caller names it.
+/// A text longer than the default (32,768 tokens, or the model's context if smaller) is refused
+/// when `max_tokens` is `None`: its statistics would be those of a prefix the user never asked
+/// for.
 pub fn sinks_tokens(
     model: &Model,
     text: Option<&str>,
@@ -140,6 +142,7 @@ pub fn sinks_tokens(
     bos: bool,
 ) -> Result<Vec<u32>> {
     let ctx = model.dims.context_len;
+    let asked = max_tokens;
     let max_tokens = max_tokens_of(model, max_tokens);
     if max_tokens == 0 {
         return Err(Error::OutOfRange {
@@ -149,7 +152,13 @@ pub fn sinks_tokens(
         });
     }
     let mut tokens = match text {
-        Some(text) => prefix_tokens(model, text, max_tokens, bos)?,
+        Some(text) => {
+            let (tokens, more) = prefix_tokens(model, text, max_tokens, bos)?;
+            if asked.is_none() && (more || tokens.len() > max_tokens) {
+                return Err(longer_than_default(model, &tokens, text.len(), max_tokens));
+            }
+            tokens
+        }
         None => {
             // a BOS first when the model or --bos asks for one, as encode() does for texts
             let mut t = bos_prefix(model, bos)?;
@@ -198,10 +207,16 @@ pub fn prefix_bytes(max_tokens: usize) -> usize {
 /// where a word ends, so the tokens up to there are the whole text's): a long text (a book) is
 /// not tokenized whole for its first `max_tokens` tokens. A prefix that gives fewer than
 /// `max_tokens` tokens is refused, since the whole text's tokens would differ.
-fn prefix_tokens(model: &Model, text: &str, max_tokens: usize, bos: bool) -> Result<Vec<u32>> {
+/// Also whether text past that prefix was left out (words after its last whitespace).
+fn prefix_tokens(
+    model: &Model,
+    text: &str,
+    max_tokens: usize,
+    bos: bool,
+) -> Result<(Vec<u32>, bool)> {
     let limit = prefix_bytes(max_tokens);
     if text.len() <= limit {
-        return model.tokenizer.encode(text, bos);
+        return Ok((model.tokenizer.encode(text, bos)?, false));
     }
     let mut end = limit;
     while !text.is_char_boundary(end) {
@@ -219,7 +234,30 @@ fn prefix_tokens(model: &Model, text: &str, max_tokens: usize, bos: bool) -> Res
             range: format!("at most {limit} bytes, or one whose first {limit} bytes hold {max_tokens} tokens; cut the text to the part to run"),
         });
     }
-    Ok(tokens)
+    Ok((tokens, !text[end..].trim().is_empty()))
+}
+
+/// The refusal of a text longer than the tokens `sinks` runs by default (`limit`), naming its
+/// length (all of it, or the tokens of the part read where the text has more than `bytes`
+/// [`prefix_bytes`]) and what to do.
+fn longer_than_default(model: &Model, tokens: &[u32], bytes: usize, limit: usize) -> Error {
+    let length = match prefix_bytes(limit) < bytes {
+        true => format!(
+            "more than {limit} tokens (its first {} bytes give {})",
+            prefix_bytes(limit),
+            tokens.len()
+        ),
+        false => format!("{} tokens", tokens.len()),
+    };
+    let why = match limit == model.dims.context_len {
+        true => format!("{}'s context", model.info.name),
+        false => "sinks' default".into(),
+    };
+    Error::NotApplicable(format!(
+        "the text is {length} long, past the {limit} tokens sinks runs by default ({why}); \
+         pass --max-tokens {limit} (Python: max_tokens={limit}) to run its first {limit} tokens, \
+         or cut the text to the part to run"
+    ))
 }
 
 /// The streamed sink statistics of `tokens` ([`sinks_tokens`]); `on_layer(l)` after each layer.

@@ -27,13 +27,13 @@ pub struct Args {
     #[arg(long, default_value = "next")]
     target: Target,
     /// Ablate only at these positions (e.g. `0`, `3-5`, `0,7`); default all.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     positions: Option<String>,
     /// Also ablate each layer's MLP output.
     #[arg(long)]
     mlp: bool,
     /// Heads printed, largest |Δ log p| first (`--json` has all).
-    #[arg(long, default_value_t = 15)]
+    #[arg(long, default_value_t = 15, value_parser = attnscope::analysis::request::at_least_one)]
     top: usize,
     /// Most positions stacked into one forward (edited runs of one layer go together).
     #[arg(long, default_value_t = attnscope::analysis::intervene::DEFAULT_BATCH_ROWS, hide = true)]

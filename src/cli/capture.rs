@@ -25,13 +25,13 @@ pub struct Args {
     #[arg(long, default_value = "pattern")]
     hooks: String,
     /// Layers: all, 0-3, 0,12,23.
-    #[arg(long, default_value = "all")]
+    #[arg(long, default_value = "all", allow_negative_numbers = true)]
     layers: String,
     /// Query heads (for pattern, scores, q, rot_q, z): all, 0-3, 1,5.
-    #[arg(long, default_value = "all")]
+    #[arg(long, default_value = "all", allow_negative_numbers = true)]
     heads: String,
     /// Query positions kept: all, last, or a list such as 0,5,17.
-    #[arg(long, default_value = "all")]
+    #[arg(long, default_value = "all", allow_negative_numbers = true)]
     queries: String,
     /// File format; by default from the extension of --out (safetensors otherwise).
     #[arg(long, value_enum)]

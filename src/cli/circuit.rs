@@ -63,7 +63,7 @@ pub struct Args {
     #[arg(long, default_value_t = 0, value_name = "N")]
     exact_edges: usize,
     /// Edges printed.
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 20, value_parser = attnscope::analysis::request::at_least_one)]
     top: usize,
     #[arg(long)]
     json: bool,

@@ -1,6 +1,7 @@
 //! `attnscope compare`: two texts, two models or two precisions side by side.
 
 use super::common::{emit, output_path, read_text, LESSON_SENTENCE};
+use attnscope::analysis::request::unsigned_opt;
 use attnscope::commands::compare::{
     self as command, CompareCommand, CompareOptions, CompareReport,
 };
@@ -34,8 +35,8 @@ pub struct Args {
     #[arg(long)]
     no_bos: bool,
     /// Query position whose rows are compared (default: the last token of each side).
-    #[arg(long, short = 'q')]
-    query: Option<usize>,
+    #[arg(long, short = 'q', allow_negative_numbers = true)]
+    query: Option<i64>,
     /// How many of the most changed heads to list.
     #[arg(long, default_value_t = 10)]
     top: usize,
@@ -52,7 +53,8 @@ pub struct Args {
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     let opts = CompareOptions {
-        query: a.query,
+        // the texts' lengths are known later: their positions, from 0, are checked there
+        query: unsigned_opt(a.query, "query position", 0, "the text has")?,
         top: a.top,
         bos: a.bos,
     };

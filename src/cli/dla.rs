@@ -18,7 +18,7 @@ pub struct Args {
     #[arg(long)]
     wrong: Option<Target>,
     /// Heads printed, largest |contribution| first (`--json` has all).
-    #[arg(long, default_value_t = 12)]
+    #[arg(long, default_value_t = 12, value_parser = attnscope::analysis::request::at_least_one)]
     top: usize,
     #[arg(long)]
     json: bool,

@@ -24,7 +24,7 @@ pub struct Args {
     #[arg(long, default_value_t = 2)]
     kv_heads: usize,
     /// Model width split among the heads.
-    #[arg(long, default_value_t = 896)]
+    #[arg(long, default_value_t = 896, value_parser = attnscope::analysis::request::at_least_one)]
     d_model: usize,
     /// Print every matrix as one JSON document instead.
     #[arg(long)]

@@ -43,7 +43,7 @@ pub struct Args {
     #[arg(long, default_value_t = 0.9)]
     concentrated: f32,
     /// Prompt tokens listed per generated token (head- and layer-averaged weight).
-    #[arg(long, short = 'k', default_value_t = 3)]
+    #[arg(long, short = 'k', default_value_t = 3, value_parser = attnscope::analysis::request::at_least_one)]
     top: usize,
     /// Print one JSON document at the end instead of streaming text and tables.
     #[arg(long)]

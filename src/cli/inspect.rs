@@ -2,6 +2,7 @@
 
 use super::common::{emit, ModelText};
 use attnscope::analysis::encoder::EncoderReport;
+use attnscope::analysis::request::unsigned_opt;
 use attnscope::commands::inspect::{self as command, InspectInput, InspectOptions, Inspected};
 use attnscope::model::Model;
 use std::time::Instant;
@@ -11,16 +12,16 @@ pub struct Args {
     #[command(flatten)]
     input: ModelText,
     /// Query position to look from (default: the last token).
-    #[arg(long, short = 'q')]
-    query: Option<usize>,
+    #[arg(long, short = 'q', allow_negative_numbers = true)]
+    query: Option<i64>,
     /// Layer of the per-head table (default: the last layer).
-    #[arg(long, short = 'l')]
-    layer: Option<usize>,
+    #[arg(long, short = 'l', allow_negative_numbers = true)]
+    layer: Option<i64>,
     /// Heads of the per-head table: 0-3, 1,5, all.
-    #[arg(long, default_value = "0-3")]
+    #[arg(long, default_value = "0-3", allow_negative_numbers = true)]
     heads: String,
     /// Layers of the head-averaged table (default: first, middle, last): 0,12,23, all.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     layers: Option<String>,
     /// How many top keys to list (default: 3 per head, 4 head-averaged).
     #[arg(long, short = 'k')]
@@ -29,7 +30,7 @@ pub struct Args {
     #[arg(long, default_value_t = 0.9)]
     concentrated: f32,
     /// Tokens shown in the causal-mask grid.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = attnscope::analysis::request::at_least_one)]
     mask_tokens: usize,
     /// Print one JSON document instead of the tables.
     #[arg(long)]
@@ -48,8 +49,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     let tokens = &input.tokens;
     let req = InspectOptions {
-        query: a.query,
-        layer: a.layer,
+        query: unsigned_opt(a.query, "query position", tokens.len(), "the text has")?,
+        layer: unsigned_opt(a.layer, "layer", model.dims.n_layers, "this model has")?,
         heads: a.heads.clone(),
         layers: a.layers.clone(),
         top: a.top,

@@ -2,6 +2,7 @@
 //! (query-side component × key-side component) terms ([`attnscope::analysis::qk`]).
 
 use super::common::{emit, usage, ModelText};
+use attnscope::analysis::request::{unsigned_index, unsigned_opt};
 use attnscope::commands::qk::{self as command, Against, QkOptions, QkReport};
 use attnscope::model::tokenize::visible;
 use attnscope::render::table::{title, Align, Table};
@@ -11,18 +12,18 @@ pub struct Args {
     #[command(flatten)]
     input: ModelText,
     /// The head's layer.
-    #[arg(long)]
-    layer: usize,
+    #[arg(long, allow_negative_numbers = true)]
+    layer: i64,
     /// The head (its key side comes from its key/value group).
-    #[arg(long)]
-    head: usize,
+    #[arg(long, allow_negative_numbers = true)]
+    head: i64,
     /// The query position (default: the last token).
-    #[arg(long)]
-    query: Option<usize>,
+    #[arg(long, allow_negative_numbers = true)]
+    query: Option<i64>,
     /// The key position. Default: the key the head attends to most, its lead over `--against`
     /// split.
-    #[arg(long)]
-    key: Option<usize>,
+    #[arg(long, allow_negative_numbers = true)]
+    key: Option<i64>,
     /// Without --key: what the attended key's score is set against, `second` (the second
     /// key's score) or `mean` (the mean score over the keys the query sees).
     #[arg(long, default_value = "second", conflicts_with = "key")]
@@ -40,12 +41,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let model = a.input.model.load()?;
     let tokens = a.input.text.tokens(&model, a.input.model.bos)?;
+    let (d, n) = (&model.dims, tokens.len());
     let opts = QkOptions {
+        layer: unsigned_index(a.layer, "layer", d.n_layers, "this model has")?,
+        head: unsigned_index(a.head, "head", d.n_heads, "this model has")?,
+        query: unsigned_opt(a.query, "query position", n, "the text has")?,
+        key: unsigned_opt(a.key, "key position", n, "the text has")?,
         tokens,
-        layer: a.layer,
-        head: a.head,
-        query: a.query,
-        key: a.key,
         against: a.against,
     };
     let r = command::run(&model, &opts)?;

@@ -18,7 +18,8 @@ pub struct Args {
     /// A long UTF-8 text. Default: the built-in corpus, repeated until --max-tokens.
     #[arg(long, short = 'f')]
     file: Option<PathBuf>,
-    /// Use at most this many tokens (default: 32768, or the model's context if smaller).
+    /// Run the text's first this many tokens (default: 32768, or the model's context if
+    /// smaller; a --file longer than that is refused unless this is given).
     #[arg(long)]
     max_tokens: Option<usize>,
     /// Keys per block of the streaming softmax.
@@ -36,7 +37,7 @@ pub struct Args {
     #[arg(long, default_value_t = 8)]
     gu_prompts: usize,
     /// Tokens per prompt of Gu et al.'s metric.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = attnscope::analysis::request::at_least_one)]
     gu_len: usize,
     /// Largest residual values listed per layer (Sun et al. 2024's massive activations: |x| >
     /// 100 and ≥ 1,000 × the layer's median magnitude are counted); 0 leaves them out.

@@ -1,6 +1,7 @@
 //! `attnscope view` (the HTML page) and `attnscope heatmap` (one map as PNG or SVG).
 
 use super::common::{emit, output_path, usage, ModelArgs, TextArgs};
+use attnscope::analysis::request::unsigned_index;
 use attnscope::analysis::vocab::Target;
 use attnscope::commands::heatmap::{heatmap as heatmap_of, HeatmapOptions};
 use attnscope::commands::view::{ablate_method, view_html_tokens, AblateMethod, ViewOptions};
@@ -63,10 +64,10 @@ pub struct HeatmapArgs {
     #[command(flatten)]
     text: TextArgs,
     /// Layer to draw.
-    #[arg(long, short = 'l')]
-    layer: usize,
+    #[arg(long, short = 'l', allow_negative_numbers = true)]
+    layer: i64,
     /// Head to draw, or `mean` for the head average.
-    #[arg(long, default_value = "mean")]
+    #[arg(long, default_value = "mean", allow_negative_numbers = true)]
     head: String,
     /// Output file: .png or .svg.
     #[arg(long, short = 'o')]
@@ -96,7 +97,7 @@ pub fn heatmap(a: HeatmapArgs) -> anyhow::Result<()> {
     let model = a.model.load()?;
     let (tokens, token_types) = a.text.tokens_or_pair(&model, a.model.bos)?;
     let opts = HeatmapOptions {
-        layer: a.layer,
+        layer: unsigned_index(a.layer, "layer", model.dims.n_layers, "this model has")?,
         head: a.head,
         token_types,
     };

@@ -507,6 +507,12 @@ pub fn capture(
     let out = &req.out;
     let md = metadata(model, tokens, token_types.as_deref(), &spec)?;
     let output = req.output()?;
+    let needed = file_bytes_bound(&order, &md);
+    let dir = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    check_room(out, needed, free_bytes(dir))?;
     let tmp = output.temp("capture")?;
     let file = Out::open(tmp.as_file(), format)?;
     let n_tensors = order.len();
@@ -536,6 +542,63 @@ pub fn capture(
         seconds: start.elapsed().as_secs_f64(),
         waited_s: waited.as_secs_f64(),
     })
+}
+
+/// The most bytes the file of `order`'s tensors (f32) and `md` takes, headers included:
+/// each tensor's data, its entry (a safetensors header's line; an npz's local and central zip
+/// records with their zip64 fields, and its `.npy` header: under 512 bytes with the name twice),
+/// the metadata, and 64 KiB for the rest.
+fn file_bytes_bound(order: &[(String, Vec<usize>)], md: &BTreeMap<String, String>) -> u64 {
+    let data: u64 = order
+        .iter()
+        .map(|(name, s)| 4 * s.iter().product::<usize>() as u64 + 512 + 2 * name.len() as u64)
+        .sum();
+    let md: u64 = md
+        .iter()
+        .map(|(k, v)| 16 + k.len() as u64 + 2 * v.len() as u64)
+        .sum();
+    data + md + (64 << 10)
+}
+
+/// The free bytes of the file system holding `dir` ([`crate::model::panels::free_bytes`]);
+/// tests set them with `ATTNSCOPE_FAULT=capture-free=N` (a full disk is not made without root).
+fn free_bytes(dir: &Path) -> Option<u64> {
+    let fault = std::env::var("ATTNSCOPE_FAULT").ok();
+    match fault
+        .as_deref()
+        .and_then(|f| f.strip_prefix("capture-free="))
+    {
+        Some(n) => n.parse().ok(),
+        None => crate::model::panels::free_bytes(dir),
+    }
+}
+
+/// Refuses a capture of `needed` bytes into `out` whose file system has `free` bytes left
+/// (`None`: unknown, let the writing find out), before anything is written: a full disk
+/// stopped it part way after the forward's time (its temporary file removed).
+fn check_room(out: &Path, needed: u64, free: Option<u64>) -> anyhow::Result<()> {
+    match free {
+        Some(free) if free < needed => Err(usage(format!(
+            "capture writes up to {} to {}, but its file system has {} free; free some space, write elsewhere (--out), or capture less (--hooks, --layers, --heads, --queries)",
+            size_words(needed),
+            out.display(),
+            size_words(free)
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// `b` bytes as "12.3 MB (12,345,678 bytes)".
+fn size_words(b: u64) -> String {
+    let digits = b.to_string();
+    let mut grouped = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            grouped.push(',');
+        }
+        grouped.push(c);
+    }
+    format!("{:.1} MB ({grouped} bytes)", b as f64 / 1e6)
 }
 
 /// Tests only: with `ATTNSCOPE_FAULT=capture-stall`, a capture waits a minute once its first
@@ -602,6 +665,27 @@ fn finish_file(
 mod tests {
     use super::*;
     use crate::model::capture::{hook_name, PatternRows};
+
+    /// The room check with the free space given: refused below the bytes needed, naming both;
+    /// let through at or above them, or where the free space cannot be read.
+    #[test]
+    fn a_capture_past_the_free_space_is_refused_naming_both_sizes() {
+        let out = Path::new("/some/dir/run.npz");
+        let e = check_room(out, 2_345_678, Some(1_000_000)).unwrap_err();
+        let e = format!("{e:#}");
+        assert!(
+            e.contains("2.3 MB (2,345,678 bytes)")
+                && e.contains("1.0 MB (1,000,000 bytes) free")
+                && e.contains("run.npz"),
+            "{e}"
+        );
+        assert!(crate::analysis::request::is_bad_input(
+            &check_room(out, 10, Some(9)).unwrap_err()
+        ));
+        check_room(out, 10, Some(10)).unwrap();
+        check_room(out, u64::MAX, None).unwrap();
+        assert_eq!(size_words(999), "0.0 MB (999 bytes)");
+    }
     use crate::model::config::Arch;
     use crate::model::tiny::{tiny_model, write_gguf};
     use crate::model::{Model, Precision};

@@ -47,8 +47,13 @@ pub fn heatmap(
     let head = match opts.head.as_str() {
         "mean" => None,
         h => Some(check_index(
-            h.parse()
-                .map_err(|_| usage(format!("--head {h} is not a number or `mean`")))?,
+            crate::analysis::request::unsigned_index(
+                h.parse()
+                    .map_err(|_| usage(format!("--head {h} is not a number or `mean`")))?,
+                "head",
+                d.n_heads,
+                "this model has",
+            )?,
             d.n_heads,
             "head",
         )?),

@@ -19,6 +19,9 @@ pub enum Arch {
     Mistral,
     /// Phi-3: fused q|k|v and gate|up projections, partial rotary.
     Phi3,
+    /// Gemma (v1): (1 + w) RMSNorms before attention and MLP, embeddings scaled by √d_model,
+    /// GeLU(tanh), no post-norms, soft-caps or windows.
+    Gemma,
     /// Gemma 2: (1 + w) RMSNorms before and after attention and MLP, embeddings scaled by
     /// √d_model, GeLU(tanh), `query_pre_attn_scalar`, attention and final-logit soft-capping,
     /// sliding windows on some layers.

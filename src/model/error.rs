@@ -136,8 +136,9 @@ pub enum Error {
     /// A third-party file reader panicked on the file.
     #[error("cannot read model {path}: the file reader failed ({msg}); the file is corrupt or truncated, fetch it again")]
     LoaderPanic { path: PathBuf, msg: String },
-    /// A non-finite value in the residual stream, a score or a logit.
-    #[error("{what} holds a non-finite value (NaN or infinity){}; the model's weights are corrupt or its numbers overflow f32, so no attention is printed", layer.map(|l| format!(" at layer {l}")).unwrap_or_default())]
+    /// A NaN or an infinity the model's own numbers made (corrupt weights, or an f32 overflow):
+    /// the model is the bad input (exit 2), not attnscope.
+    #[error("a non-finite value (NaN or infinity) turned up in {what}{}: the model's weights hold a NaN or an infinity, or its numbers overflow f32, so nothing is printed; fetch the model again or use another", layer.map(|l| format!(" at layer {l}")).unwrap_or_default())]
     NonFinite { what: String, layer: Option<usize> },
     /// An analysis that does not apply to this model (why, and what to use instead).
     #[error("{0}")]
@@ -202,7 +203,6 @@ impl Error {
             self,
             Error::Candle(_)
                 | Error::Io { .. }
-                | Error::NonFinite { .. }
                 | Error::Bug(_)
                 | Error::BlockBytes { .. }
                 | Error::NoCandleType(_)

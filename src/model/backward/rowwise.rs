@@ -219,9 +219,13 @@ mod tests {
     fn norm_hook_gradients_match_finite_differences_in_the_scale() {
         // the output as a function of the hook's scale s (x̂ held): y = (x̂ / s) ⊙ w + b
         let d = 6;
-        let x: Vec<f32> = (0..2 * d).map(|i| ((i * 5 % 7) as f32 - 3.0) * 0.4).collect();
+        let x: Vec<f32> = (0..2 * d)
+            .map(|i| ((i * 5 % 7) as f32 - 3.0) * 0.4)
+            .collect();
         let w: Vec<f32> = (0..d).map(|i| 0.6 + i as f32 * 0.15).collect();
-        let dy: Vec<f32> = (0..2 * d).map(|i| ((i * 3 % 4) as f32 - 1.5) * 0.9).collect();
+        let dy: Vec<f32> = (0..2 * d)
+            .map(|i| ((i * 3 % 4) as f32 - 1.5) * 0.9)
+            .collect();
         for kind in [NormKind::Rms, NormKind::Layer] {
             let (ds, dn) = norm_hook_grads(kind, &x, &w, 1e-6, &dy);
             assert_eq!((ds.len(), dn.len()), (2, 2 * d));
@@ -235,7 +239,11 @@ mod tests {
                 };
                 let (s, h) = (1.0 / inv, 1e-4);
                 let fd = (f(s + h) - f(s - h)) / (2.0 * h);
-                assert!((fd - ds[r] as f64).abs() < 1e-4, "{kind:?} row {r}: {fd} vs {}", ds[r]);
+                assert!(
+                    (fd - ds[r] as f64).abs() < 1e-4,
+                    "{kind:?} row {r}: {fd} vs {}",
+                    ds[r]
+                );
                 for i in 0..d {
                     assert_eq!(dn[r * d + i], dy[r * d + i] * w[i]);
                 }

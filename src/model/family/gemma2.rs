@@ -15,6 +15,7 @@ pub static FAMILY: Family = Family {
         pattern: 2,
         big_layers: 46,
         local_base: None,
+        post_norms: true,
     }),
     gguf: Some(GGUF),
     hf: HF,

@@ -16,6 +16,7 @@ pub static FAMILY: Family = Family {
         pattern: 6,
         big_layers: 62,
         local_base: Some(10000.0),
+        post_norms: true,
     }),
     gguf: Some(super::gemma2::GGUF),
     hf: super::gemma2::HF,

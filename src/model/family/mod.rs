@@ -16,6 +16,7 @@ use super::weights::Logical;
 
 mod bert;
 mod distilbert;
+mod gemma;
 mod gemma2;
 mod gemma3;
 mod gpt2;
@@ -27,7 +28,7 @@ mod qwen3;
 mod roberta;
 
 /// Every family, in the order the refusal message and the docs name them.
-pub static FAMILIES: [&Family; 11] = [
+pub static FAMILIES: [&Family; 12] = [
     &qwen2::FAMILY,
     &llama::FAMILY,
     &qwen3::FAMILY,
@@ -36,6 +37,7 @@ pub static FAMILIES: [&Family; 11] = [
     &phi3::FAMILY,
     &gpt2::FAMILY,
     &mistral::FAMILY,
+    &gemma::FAMILY,
     &bert::FAMILY,
     &roberta::FAMILY,
     &distilbert::FAMILY,
@@ -74,7 +76,7 @@ pub struct Family {
     pub hf: Hf,
 }
 
-/// What Gemma 2 and Gemma 3 set apart.
+/// What the Gemma families set apart.
 #[derive(Debug)]
 pub struct Gemma {
     /// Every `pattern`-th layer attends to every key when the file gives no pattern (Gemma 2:
@@ -86,6 +88,9 @@ pub struct Gemma {
     /// The sliding layers' own RoPE base (Gemma 3: GGUF's fixed 10000, config.json's
     /// `rope_local_base_freq` or the sliding set of `rope_parameters`); `None`: the one base.
     pub local_base: Option<f32>,
+    /// An RMSNorm on the attention's and the MLP's outputs before each residual add (Gemma 2
+    /// and 3; not Gemma 1).
+    pub post_norms: bool,
 }
 
 /// A family's GGUF layout (llama.cpp's converter).
@@ -172,6 +177,8 @@ pub enum Want {
     Bool(bool),
     /// Anything but `true`.
     NotTrue,
+    /// One of these strings.
+    OneOf(&'static [&'static str]),
 }
 
 impl Want {
@@ -181,6 +188,7 @@ impl Want {
             Want::Str(s) => v.as_str() == Some(s),
             Want::Bool(b) => v.as_bool() == Some(b),
             Want::NotTrue => v.as_bool() != Some(true),
+            Want::OneOf(s) => v.as_str().is_some_and(|v| s.contains(&v)),
         }
     }
 }
@@ -230,7 +238,8 @@ pub fn supported_sentence() -> String {
         if !encoders.is_empty() {
             parts.push(format!("the encoders {}", and_list(&encoders)));
         }
-        s.push_str(&parts.join(" and "));
+        // "mistral and gemma, and the encoders ...": the comma keeps the two lists apart
+        s.push_str(&parts.join(if hf_only.len() > 1 { ", and " } else { " and " }));
     }
     s
 }
@@ -391,7 +400,7 @@ mod tests {
         assert_eq!(
             supported_sentence(),
             "qwen2, llama, qwen3, gemma2, gemma3, phi3, gpt2, and from Hugging Face folders \
-             mistral and the encoders bert, roberta and distilbert"
+             mistral and gemma, and the encoders bert, roberta and distilbert"
         );
     }
 }

@@ -993,7 +993,7 @@ impl Logical {
             if family.qk_norm {
                 v.extend([Logical::QNorm(i), Logical::KNorm(i)]);
             }
-            if family.gemma.is_some() {
+            if family.gemma.as_ref().is_some_and(|g| g.post_norms) {
                 v.extend([Logical::PostAttnNorm(i), Logical::PostMlpNorm(i)]);
             }
             if family.learned_positions {
@@ -1266,7 +1266,13 @@ impl Loading<'_> {
         } else {
             None
         };
-        let post_norms = if dims.arch.is_gemma() {
+        let post_norms = if dims
+            .arch
+            .family()
+            .gemma
+            .as_ref()
+            .is_some_and(|g| g.post_norms)
+        {
             Some((
                 self.norm(Logical::PostAttnNorm(i))?,
                 self.norm(Logical::PostMlpNorm(i))?,
