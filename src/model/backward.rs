@@ -40,7 +40,7 @@ pub enum Metric {
 }
 
 /// How the backward propagates: the true gradient, or AttnLRP's rules in the gradient × input
-/// form ([`super::lrp`]): the identity rule on norms (their scale held constant) and element-wise
+/// form (`lrp`): the identity rule on norms (their scale held constant) and element-wise
 /// nonlinearities (activations, soft-caps), the uniform rule on the bilinear products (the gated
 /// MLP's product, `Q·Kᵀ` and `P·V`), the true gradient elsewhere (softmax, linear maps, sums).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
