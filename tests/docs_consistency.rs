@@ -271,10 +271,7 @@ fn the_docs_and_the_refusal_name_exactly_the_registrys_families() {
         .filter(|w| registry.contains(w))
         .collect();
     assert_eq!(named, registry, "{sentence}");
-    let e = attnscope::model::Error::UnknownArch {
-        arch: "bloom".into(),
-        path: "X".into(),
-    };
+    let e = attnscope::model::Error::unknown_arch("bloom".into(), "X".into());
     assert!(
         e.to_string().ends_with(&format!("supports: {sentence}")),
         "{e}"

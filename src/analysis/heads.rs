@@ -15,11 +15,11 @@
 //! [`RoleScores`] is an observer: it takes the attention block by block as the forward produces it
 //! (rows of `[heads, rows, keys]`), so no n × n matrix is ever held, whatever the length.
 
+pub use super::head_scoring::HeadRoles;
+use super::head_scoring::{each_row, per_head, run_scored};
 pub use super::heads_encoder::ENCODER_ROLES;
 use crate::model::capture::{Hook, Observer};
-use crate::model::forward::RunOptions;
 use crate::model::Model;
-use serde::Serialize;
 use std::collections::BTreeMap;
 
 pub const ROLES: [&str; 5] = [
@@ -68,17 +68,6 @@ pub struct RoleScores {
     /// sums[role][layer][head] of Σ A ⊙ P, and the Σ A per (layer, head)
     sums: Vec<Vec<Vec<f64>>>,
     mass: Vec<Vec<f64>>,
-}
-
-/// The scores, `roles[role][layer][head]`, with the uniform head's score per role for scale.
-#[derive(Clone, Debug, Serialize, serde::Deserialize, PartialEq)]
-pub struct HeadRoles {
-    /// the token ids the roles were scored on
-    pub tokens: Vec<u32>,
-    /// `roles[role][layer][head]`: each head's score per role
-    pub roles: std::collections::BTreeMap<String, Vec<Vec<f64>>>,
-    /// the score of a head that spreads its weight evenly over every visible key
-    pub uniform: std::collections::BTreeMap<String, f64>,
 }
 
 impl RoleScores {
@@ -172,55 +161,6 @@ impl Observer for RoleScores {
             });
         }
     }
-}
-
-/// Hands each query row of a streamed block of `hook_pattern` (`[heads, rows, k_width]`, its
-/// first row query `q_start`) to `add(head, query, row)`, for the first `n_heads` heads and the
-/// queries below `n`: the per-head collection of both role scorers (a decoder's and
-/// [`super::heads_encoder`]'s).
-pub(super) fn each_row(
-    n_heads: usize,
-    n: usize,
-    q_start: usize,
-    [heads, rows, kw]: [usize; 3],
-    data: &[f32],
-    mut add: impl FnMut(usize, usize, &[f32]),
-) {
-    for h in 0..heads.min(n_heads) {
-        for x in 0..rows {
-            let i = q_start + x;
-            if i < n {
-                add(h, i, &data[(h * rows + x) * kw..(h * rows + x + 1) * kw]);
-            }
-        }
-    }
-}
-
-/// `table[layer][head]` of `f(layer, head)`: one role's scores.
-pub(super) fn per_head(
-    n_layers: usize,
-    n_heads: usize,
-    f: impl Fn(usize, usize) -> f64,
-) -> Vec<Vec<f64>> {
-    (0..n_layers)
-        .map(|l| (0..n_heads).map(|h| f(l, h)).collect())
-        .collect()
-}
-
-/// One forward of `tokens` (with an encoder's token `types`; `None`: all 0) watched by a role
-/// scorer `obs`.
-pub(super) fn run_scored(
-    model: &Model,
-    tokens: &[u32],
-    types: Option<&[u32]>,
-    obs: &mut dyn Observer,
-) -> crate::model::Result<()> {
-    let opts = RunOptions {
-        token_types: types.map(<[u32]>::to_vec),
-        ..Default::default()
-    };
-    model.forward(tokens, &opts, obs)?;
-    Ok(())
 }
 
 /// `count` ids drawn from `0..vocab` (seeded), then the same ids again: the standard induction

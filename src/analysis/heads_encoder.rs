@@ -9,12 +9,12 @@
 //!   (nats; 1 for a head that spreads its weight evenly, 0 for one on a single key).
 //!
 //! Since each row sums to 1, the first four are Σ(A ⊙ P) / Σ A for the role's 0/1 pattern P, the
-//! decoder's head-detector formula ([`super::heads`]) with patterns that look both ways. The
+//! decoder's head-detector formula (`heads`) with patterns that look both ways. The
 //! uniform head (A = 1/n everywhere) scores (n−1)/n², (n−1)/n², #\[CLS\]/n, #\[SEP\]/n and 1.
 //! [`EncoderRoleScores`] is an observer fed the attention block by block, as the forward hands
 //! it out.
 
-use super::heads::{each_row, per_head, run_scored, HeadRoles};
+use super::head_scoring::{each_row, per_head, run_scored, HeadRoles};
 use crate::model::capture::{Hook, Observer};
 use crate::model::Model;
 use std::collections::BTreeMap;

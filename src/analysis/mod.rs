@@ -15,14 +15,15 @@
 //!    the runner of edited variants), `occlusion` (a text's occluded variants, memoized),
 //!    `enc_target` (an encoder's target vector, occlusion by cosine), `mixing` (value zeroing,
 //!    ALTI-Logit), `scores` (each attribution method's scores: the one place a method is
-//!    computed, for `attribute` and `faithfulness` alike).
+//!    computed, for `attribute` and `faithfulness` alike), `head_scoring` (what the decoder's and
+//!    the encoder's head-role scorers share: `HeadRoles`, the streamed rows, the watched forward).
 //! 3. **Features**, one per command (or its encoder half), each running the model through the
 //!    blocks: `inspect` + `encoder`, `compare`, `heads` + `heads_encoder`, `faithfulness` +
 //!    `enc_faith`, `attribute`, `gen_attribute` (`generate --attribute`), `intervene` (`ablate`,
 //!    `patch`), `attrpatch` (`patch --approx`), `dla`, `qk`, `sinks`, `corpus` +
 //!    `corpus_encoder` + `corpus_run`, `circuit/`. A feature imports no other feature, but for
 //!    a command and its own parts: `inspect`→`encoder`, `faithfulness`→`enc_faith`,
-//!    `heads`↔`heads_encoder`, `corpus_run`→`corpus`/`corpus_encoder`, `corpus_encoder`→
+//!    `heads`→`heads_encoder`, `corpus_run`→`corpus`/`corpus_encoder`, `corpus_encoder`→
 //!    `corpus`/`encoder`, and `corpus`→`faithfulness` (each record's attention rankings).
 //!
 //! Only the words and the pure blocks are pure functions; every feature runs the model.
@@ -43,6 +44,7 @@ pub mod encoder;
 pub mod faithfulness;
 pub mod files;
 pub mod gen_attribute;
+mod head_scoring;
 pub mod heads;
 pub mod heads_encoder;
 pub mod inspect;

@@ -1,7 +1,7 @@
 //! The attention kernel: causal (or, for an encoder, bidirectional) grouped-query attention fused per head and block of query rows
 //! with an online softmax (`QKᵀ·scale → mask → softmax in f32 → ·V`), the statistics it streams,
 //! and the path for observers that edit the attention maps. The layer loop is in
-//! [`super::forward`]; the readable reference is [`crate::reference`].
+//! `forward`; the readable reference is [`crate::reference`].
 //!
 //! The parts: the fused kernel and its steps (`kernel`), the online softmax's arithmetic
 //! (`online`), the rows of large scores rescored in f64 (`exact`), and the path of an

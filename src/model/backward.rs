@@ -18,13 +18,15 @@ mod block;
 mod branches;
 mod edited;
 mod head;
+mod layout;
 mod profile;
+mod readers;
 mod rowwise;
 mod taps;
 pub use block::LayerT;
-pub use branches::{BranchSink, LayerHeads, Reader, ReaderGrads};
 pub use edited::{EditedForward, Prefix, ReaderEdit};
 use head::{Head, Packed4, QB};
+pub use readers::{BranchSink, LayerHeads, Reader, ReaderGrads};
 use rowwise::norm_fwd;
 pub use rowwise::{norm_backward, norm_identity};
 use taps::Tap;
@@ -40,7 +42,7 @@ pub enum Metric {
 }
 
 /// How the backward propagates: the true gradient, or AttnLRP's rules in the gradient × input
-/// form ([`super::lrp`]): the identity rule on norms (their scale held constant) and element-wise
+/// form (`lrp`): the identity rule on norms (their scale held constant) and element-wise
 /// nonlinearities (activations, soft-caps), the uniform rule on the bilinear products (the gated
 /// MLP's product, `Q·Kᵀ` and `P·V`), the true gradient elsewhere (softmax, linear maps, sums).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -4,7 +4,7 @@
 //! mlp_out → resid_post).
 //!
 //! The weights that only some families have (q/k norms, post-norms, LayerNorm biases,
-//! projection biases) stay where they are, on [`super::weights::Layer`] as `Option`s: a weight
+//! projection biases) stay where they are, on `weights::Layer` as `Option`s: a weight
 //! that is there is applied. What is not a weight (the norm's kind, the positions, the window,
 //! the score scale, the soft-cap, the MLP's activation) is the plan.
 

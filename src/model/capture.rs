@@ -381,7 +381,7 @@ pub trait Observer {
     /// In a forward over stacked segments ([`crate::model::Model::forward_segments`]), called
     /// before each segment's attention with its index: the attention's calls that follow
     /// (maps, statistics, rows, their query positions the segment's own) belong to that segment
-    /// until the next call. [`crate::model::segments::PerSegment`] hands them to that
+    /// until the next call. `segments::PerSegment` hands them to that
     /// segment's observer.
     fn segment(&mut self, _index: usize) {}
     /// Whether the forward ends before block `layer`, once that block's `hook_resid_pre` is

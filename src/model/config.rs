@@ -5,7 +5,8 @@
 use serde::Serialize;
 
 /// The architectures attnscope runs; each one's names, keys, tensor names and plan are in its
-/// file under `src/model/family/`, registered in [`super::family::FAMILIES`].
+/// file under `src/model/family/`, registered in `family::FAMILIES` (which also holds `Arch`'s
+/// methods: what each reads is its family's entry).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Arch {
@@ -43,35 +44,6 @@ pub enum Arch {
     /// DistilBERT (an encoder): BERT's blocks under its own tensor names, no token types, no
     /// pooler, LayerNorm epsilon 1e-12.
     DistilBert,
-}
-
-impl Arch {
-    /// This family's entry in the registry ([`super::family::FAMILIES`]).
-    pub fn family(self) -> &'static super::family::Family {
-        super::family::of(self)
-    }
-    /// The family's name, as `info` prints it.
-    pub fn name(self) -> &'static str {
-        self.family().name
-    }
-    /// Gemma's conventions: (1 + w) norms, post-norms, scaled embeddings, GeLU(tanh).
-    pub fn is_gemma(self) -> bool {
-        self.family().gemma.is_some()
-    }
-    /// An encoder: every token attends to every other (no causal mask), and there is no
-    /// next-token prediction.
-    pub fn is_encoder(self) -> bool {
-        self.family().encoder
-    }
-    /// Learned absolute positions added to the embeddings, LayerNorms with biases, biases on
-    /// every projection (GPT-2, BERT).
-    pub fn learned_positions(self) -> bool {
-        self.family().learned_positions
-    }
-    /// The family a file names (`general.architecture`, `model_type`), from the registry.
-    pub fn parse(s: &str) -> Option<Arch> {
-        super::family::parse(s).map(|f| f.arch)
-    }
 }
 
 /// How RoPE pairs the dimensions of a head. The choice depends on the architecture AND the file

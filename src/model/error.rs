@@ -32,11 +32,14 @@ pub enum Error {
     #[error("cannot read safetensors {path}: {reason}; the file is corrupt or truncated, fetch it again")]
     BadSafetensors { path: PathBuf, reason: String },
     /// An architecture attnscope does not run.
-    #[error(
-        "unsupported architecture `{arch}` in {path}; attnscope supports: {}",
-        super::family::supported_sentence()
-    )]
-    UnknownArch { arch: String, path: PathBuf },
+    #[error("unsupported architecture `{arch}` in {path}; attnscope supports: {supported}")]
+    UnknownArch {
+        arch: String,
+        path: PathBuf,
+        /// The families attnscope runs, as `family::supported_sentence` names them (made by
+        /// `Error::unknown_arch`).
+        supported: String,
+    },
     /// A metadata key the architecture needs is missing.
     #[error("metadata key `{key}` missing in {path}; expected a {arch} checkpoint")]
     MissingKey {

@@ -2,6 +2,7 @@
 //! candle's `gguf_file` reads the container (it bounds every count and length by the file size);
 //! this file maps GGUF keys and tensor names into attnscope's vocabulary.
 
+pub use super::backing::Backing;
 use super::config::{Arch, GemmaSettings, ModelDims, RopeScaling, RopeStyle};
 use super::error::{Error, Result};
 use super::family::gguf_name;
@@ -13,34 +14,6 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-
-/// The bytes behind a GGUF file: a read-only memory map, or a buffer (tests, fuzzing).
-pub enum Backing {
-    Map(Mmap),
-    Bytes(Vec<u8>),
-}
-
-impl std::ops::Deref for Backing {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        match self {
-            Backing::Map(m) => m,
-            Backing::Bytes(b) => b,
-        }
-    }
-}
-
-impl Backing {
-    /// Drops resident pages of `start..start + len` (a no-op for buffers).
-    pub fn release(&self, start: usize, len: usize) {
-        if let Backing::Map(m) = self {
-            // SAFETY: read-only file-backed mapping: MADV_DONTNEED only drops pages that are
-            // read back from the file on the next access; no data can be lost.
-            let _ =
-                unsafe { m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, len) };
-        }
-    }
-}
 
 /// Tensors every layer has at least: two norms, q, k, v, o, gate, up, down.
 const TENSORS_PER_LAYER: usize = 9;
@@ -420,10 +393,8 @@ impl GgufFile {
     /// The model's dimensions, from `{arch}.*` keys.
     pub fn dims(&self) -> Result<(ModelDims, Vec<String>)> {
         let a = self.arch_string()?;
-        let arch = Arch::parse(&a).ok_or_else(|| Error::UnknownArch {
-            arch: a.clone(),
-            path: self.path.clone(),
-        })?;
+        let arch =
+            Arch::parse(&a).ok_or_else(|| Error::unknown_arch(a.clone(), self.path.clone()))?;
         let mut warnings = Vec::new();
         let n_heads = self.uint(&format!("{a}.attention.head_count"), &a)?;
         let d_model = self.uint(&format!("{a}.embedding_length"), &a)?;
@@ -532,10 +503,10 @@ impl GgufFile {
         // that it is read from Hugging Face folders only (Mistral, the encoders)
         match &arch.family().gguf {
             Some(g) => Ok(g.rope),
-            None => Err(Error::UnknownArch {
-                arch: format!("{} (in GGUF; use the Hugging Face folder)", arch.name()),
-                path: self.path.clone(),
-            }),
+            None => Err(Error::unknown_arch(
+                format!("{} (in GGUF; use the Hugging Face folder)", arch.name()),
+                self.path.clone(),
+            )),
         }
     }
 

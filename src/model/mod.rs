@@ -13,6 +13,7 @@
 //! ```
 
 pub mod attention;
+mod backing;
 pub mod backward;
 pub mod block;
 pub mod capture;
@@ -25,6 +26,8 @@ pub mod generate;
 pub mod gguf;
 pub mod guard;
 pub mod hf;
+mod hf_config;
+mod logical;
 pub mod lrp;
 pub mod memory;
 pub mod ops;
@@ -550,7 +553,9 @@ impl Model {
             memory,
             dims.rope_style,
             &|l: &weights::Logical| hf::hf_name_for(Some(dims.arch), l),
-            cached.as_ref(),
+            cached
+                .as_ref()
+                .map(|c| c as &dyn weights::PackedProjections),
             tick,
         )?;
         let panel_file = save_cache(cache.as_ref(), cached.is_some(), &weights);
@@ -658,7 +663,9 @@ impl Model {
             memory,
             dims.rope_style,
             &|l: &weights::Logical| gguf::gguf_name_for(dims.arch, l),
-            cached.as_ref(),
+            cached
+                .as_ref()
+                .map(|c| c as &dyn weights::PackedProjections),
             tick,
         )?;
         g.release_pages();

@@ -1,6 +1,6 @@
 //! The forward's row-wise operations: RoPE tables and rotation, splitting and merging heads,
 //! RMSNorm and LayerNorm, the MLP activations (SwiGLU, GeGLU, GELU), and the output head's logits.
-//! Plain f32 buffers; the layer loop is in [`super::forward`].
+//! Plain f32 buffers; the layer loop is in `forward`.
 
 use super::attention::fast_exp;
 use super::config::RopeStyle;

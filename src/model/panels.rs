@@ -831,6 +831,12 @@ impl Cached {
     }
 }
 
+impl super::weights::PackedProjections for Cached {
+    fn get(&self, i: usize, n: usize, k: usize) -> Option<Matrix> {
+        Cached::get(self, i, n, k)
+    }
+}
+
 /// The identity of the model file at `path`: length, modification time, change time, device,
 /// inode. The change time matters: a file written in place and given its old modification
 /// time back (`touch -d`, `cp -p` over it, a tool's restore) has a new one, which only the

@@ -23,9 +23,9 @@ pub struct ViewData<'a> {
     /// "u16" or "u8" (every weight, `patterns`), or "topk" (`sparse`)
     pub encoding: &'static str,
     pub patterns: Vec<String>,
-    /// The bounded encoding of a long text (see [`super::sparse`]).
+    /// The bounded encoding of a long text (see `sparse`).
     pub sparse: Option<SparseLayers>,
-    /// Per layer, the value norms `‖W_Oʰ vⱼ‖` (see [`super::sparse::encode_value_norms`]), for
+    /// Per layer, the value norms `‖W_Oʰ vⱼ‖` (see `sparse::encode_value_norms`), for
     /// the norm-based shading; absent when the page was made from weights alone.
     pub vnorms: Option<Vec<String>>,
     /// What a view of an encoder adds (absent for a decoder's page).

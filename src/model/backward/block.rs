@@ -1,7 +1,7 @@
 //! One block's backward: the MLP, the attention (per head, [`super::head`]), RoPE and the q/k
 //! norms, with the weight-transposed products `dX = dY · W` on the engine's GEMM.
 
-use super::batch::{for_each_head_row, gather, last_rows, scatter, Rope, Shape};
+use super::layout::{for_each_head_row, gather, last_rows, scatter, Rope, Shape};
 use super::profile::Profile;
 use super::rowwise::{gelu_ratio, gelu_tanh_grad, norm_back, norm_hook_grads, sigmoid};
 use super::taps::BlockTap;

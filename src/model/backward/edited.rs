@@ -8,9 +8,9 @@
 //! slice of output columns is one product). A [`ReaderEdit`] sees the upstream nodes' outputs
 //! as they are computed ([`super::branches`]) and says what each reader reads.
 
-use super::batch::Shape;
-use super::branches::Reader;
+use super::layout::Shape;
 use super::profile::Profile;
+use super::readers::Reader;
 use super::rowwise::norm_fwd;
 use super::{Metric, Rules};
 use crate::kernels::gemm::{self, Isa, PackedB};

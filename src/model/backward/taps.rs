@@ -10,7 +10,7 @@
 //! time as the backward does. The scalar is a [`Metric`] of the last position, or TransformerLens's
 //! loss (the mean next-token cross-entropy over the text).
 
-use super::branches::BranchSink;
+use super::readers::{BranchSink, LayerHeads};
 use super::{Head, Metric, Model, NormKind, Packed4, Rules, Saved, QB};
 use crate::model::capture::{hook_name, Hook};
 use crate::model::error::{Error, Result};
@@ -107,7 +107,7 @@ pub(super) struct BlockTap {
     pub rot: Option<(Vec<f32>, Vec<f32>, Vec<f32>)>,
     /// `∂/∂` q|k|v before RoPE (after the q/k norms), `[n, width]` in the file's order.
     pub qkv: Vec<f32>,
-    /// For a circuit's readers ([`super::branches`]): `∂/∂` q|k|v at the projection's output
+    /// For a circuit's readers (`branches`): `∂/∂` q|k|v at the projection's output
     /// (before the q/k norms), `[n, width]`, and `∂/∂` the MLP's input, `[n, d_model]`.
     pub qkv_proj: Vec<f32>,
     pub mlp_in: Vec<f32>,
@@ -152,7 +152,7 @@ pub(crate) struct Tap<'s> {
     /// ∂/∂attn_scores)` `[heads, n, n]` where asked.
     pub layers: Vec<Option<LayerKept>>,
     /// A circuit's sink: the upstream nodes' outputs in the forward, the gradients at the
-    /// readers in the backward ([`super::branches`]); the layers' gradients are then handed to
+    /// readers in the backward (`branches`); the layers' gradients are then handed to
     /// it, not kept.
     pub branches: Option<&'s mut dyn BranchSink>,
 }
@@ -210,7 +210,7 @@ impl Tap<'_> {
             Some(sink) if sink.wants_nodes() => {
                 let (from, dm) = (sink.rows_from(), model.dims.d_model);
                 let zw = model.dims.n_heads * model.dims.head_dim;
-                let heads = super::branches::LayerHeads {
+                let heads = LayerHeads {
                     model,
                     layer: l,
                     z: &z[from * zw..],

@@ -12,7 +12,9 @@
 
 use super::block::{MlpKind, NormKind};
 use super::config::{Arch, RopeStyle};
-use super::weights::Logical;
+use super::error::Error;
+use super::logical::Logical;
+use std::path::PathBuf;
 
 mod bert;
 mod distilbert;
@@ -140,7 +142,7 @@ pub struct Hf {
     pub base_prefix: Option<&'static str>,
     /// GPT-2's Conv1D layout: a logical weight's tensor, the columns it takes of a fused one,
     /// and whether the stored matrix is transposed (`[in, out]`).
-    pub conv1d: Option<fn(&super::hf::HfConfig, &Logical) -> Conv1dPart>,
+    pub conv1d: Option<fn(&super::hf_config::HfConfig, &Logical) -> Conv1dPart>,
 }
 
 /// A tensor of GPT-2's Conv1D layout: its name, the columns the part takes (of a fused
@@ -208,6 +210,49 @@ pub fn parse(name: &str) -> Option<&'static Family> {
         .iter()
         .copied()
         .find(|f| f.name == name || f.aliases.contains(&name))
+}
+
+/// What a family's entry says of it (here, so that `config.rs` below the registry needs none of
+/// it).
+impl Arch {
+    /// This family's entry in the registry ([`FAMILIES`]).
+    pub fn family(self) -> &'static Family {
+        of(self)
+    }
+    /// The family's name, as `info` prints it.
+    pub fn name(self) -> &'static str {
+        self.family().name
+    }
+    /// Gemma's conventions: (1 + w) norms, post-norms, scaled embeddings, GeLU(tanh).
+    pub fn is_gemma(self) -> bool {
+        self.family().gemma.is_some()
+    }
+    /// An encoder: every token attends to every other (no causal mask), and there is no
+    /// next-token prediction.
+    pub fn is_encoder(self) -> bool {
+        self.family().encoder
+    }
+    /// Learned absolute positions added to the embeddings, LayerNorms with biases, biases on
+    /// every projection (GPT-2, BERT).
+    pub fn learned_positions(self) -> bool {
+        self.family().learned_positions
+    }
+    /// The family a file names (`general.architecture`, `model_type`), from the registry.
+    pub fn parse(s: &str) -> Option<Arch> {
+        parse(s).map(|f| f.arch)
+    }
+}
+
+impl Error {
+    /// The refusal of an architecture attnscope does not run, `arch` as the file names it,
+    /// naming every family it runs ([`supported_sentence`]).
+    pub fn unknown_arch(arch: String, path: PathBuf) -> Error {
+        Error::UnknownArch {
+            arch,
+            path,
+            supported: supported_sentence(),
+        }
+    }
 }
 
 /// "qwen2, llama, ..., and from Hugging Face folders mistral and the encoders bert, roberta and

@@ -3,6 +3,7 @@
 
 use super::config::{Arch, ModelDims, RopeStyle};
 use super::error::{Error, Result};
+pub use super::logical::Logical;
 use crate::kernels::amx::{self, scaled::PackedScaled, PackedBf16};
 use crate::kernels::gemm::{self, PackedB};
 use crate::kernels::int8::{self, PackedQ8};
@@ -66,7 +67,7 @@ impl std::fmt::Display for Precision {
 /// A GGUF tensor still in the memory-mapped file: `dtype` blocks, row-major `[rows, cols]`.
 #[derive(Clone)]
 pub struct Mapped {
-    pub map: Arc<super::gguf::Backing>,
+    pub map: Arc<super::backing::Backing>,
     pub offset: usize,
     pub len: usize,
     pub dtype: BlockType,
@@ -907,49 +908,6 @@ fn check_every_tensor_used(
     Ok(())
 }
 
-/// A weight's name in attnscope's own vocabulary, mapped to each format's names in its loader.
-#[derive(Clone, Debug)]
-pub enum Logical {
-    Embed,
-    FinalNorm,
-    LmHead,
-    AttnNorm(usize),
-    Q(usize),
-    QBias(usize),
-    K(usize),
-    KBias(usize),
-    V(usize),
-    VBias(usize),
-    O(usize),
-    MlpNorm(usize),
-    Gate(usize),
-    Up(usize),
-    Down(usize),
-    /// llama.cpp's per-frequency RoPE divisors (Llama 3.1+ GGUF files), `[head_dim / 2]`.
-    RopeFreqs,
-    /// Qwen3's RMSNorm weights of each head's query and key, `[head_dim]`.
-    QNorm(usize),
-    KNorm(usize),
-    /// Gemma: the norms after attention and after the MLP.
-    PostAttnNorm(usize),
-    PostMlpNorm(usize),
-    /// GPT-2: learned absolute positions `[context, d_model]`, and the biases it has everywhere.
-    PosEmbed,
-    FinalNormBias,
-    AttnNormBias(usize),
-    MlpNormBias(usize),
-    OBias(usize),
-    UpBias(usize),
-    DownBias(usize),
-    /// BERT: token-type (segment) embeddings `[type_vocab, d_model]`, the embeddings'
-    /// LayerNorm, and the pooler (`tanh(W · h_[CLS] + b)`).
-    TypeEmbed,
-    EmbedNorm,
-    EmbedNormBias,
-    Pooler,
-    PoolerBias,
-}
-
 impl Logical {
     /// Every weight the forward reads for a model of `n_layers` (optional ones included).
     pub fn all(arch: Arch, n_layers: usize) -> Vec<Logical> {
@@ -1066,6 +1024,14 @@ fn fetch(
     Ok(Some(raw))
 }
 
+/// Projections already packed, as the packed-weight cache (`panels::Cached`, which implements
+/// this) holds them: the caller hands its cache to [`load_weights`], so `weights/` needs nothing
+/// of `panels`.
+pub trait PackedProjections {
+    /// Projection `i` (`layer · 4 + slot`: q|k|v, o, gate|up, down) if held at shape `[k, n]`.
+    fn get(&self, i: usize, n: usize, k: usize) -> Option<Matrix>;
+}
+
 /// Loads every weight of the model from `src`, checking names and shapes.
 /// `name` gives a logical weight's name in the file, for error messages. `cached`: the
 /// projections already packed (the packed-weight cache of this very model), taken instead of
@@ -1078,7 +1044,7 @@ pub fn load_weights(
     memory: Memory,
     rope_style: RopeStyle,
     name: &dyn Fn(&Logical) -> String,
-    cached: Option<&super::panels::Cached>,
+    cached: Option<&dyn PackedProjections>,
     mut progress: impl FnMut(usize, usize),
 ) -> Result<Weights> {
     check_every_tensor_used(src, dims, name)?;
@@ -1143,7 +1109,7 @@ struct Loading<'a> {
     name: &'a dyn Fn(&Logical) -> String,
     precision: Precision,
     memory: Memory,
-    cached: Option<&'a super::panels::Cached>,
+    cached: Option<&'a dyn PackedProjections>,
     /// Gemma's norms hold `1 + w`.
     gemma: bool,
 }
