@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import attnscope.patching as patching
+from cells import assert_cells
 from test_patching import ANSWER, LLAMA, WRONG, metric, tiny  # noqa: F401 (tiny is a fixture)
 
 
@@ -124,3 +125,36 @@ def test_hooked_root_module_runs_tl_main_demo_toy_model():
     assert seen == ["layer2.hook_square"] and model(torch.tensor(5.0)).item() == 780.0  # the hook is gone
     with pytest.raises(KeyError, match="layer3"):
         model.run_with_hooks(torch.tensor(5.0), fwd_hooks=[("layer3.hook_square", zero)])
+
+
+def test_a_gradient_cache_stacks_each_heads_result_gradient(smol):
+    """#59 (TL's Attribution_Patching_Demo, cells 11 and 17): a cache of the gradients that backward
+    hooks at hook_z and hook_result read, as ActivationCache(grads, model); its stack_head_results stacks
+    the cached hook_result, each head's output gradient: attn_out sums the heads' outputs, so every
+    head's is attn_out's gradient (torch autograd: tests/golden/smol_hook_grads.npz, as
+    test_hook_grads.py). Before, it put hook_z's gradient through W_O in their place (79x TL's
+    largest value in the demo's head_out_attr)."""
+    import attnscope
+    import test_hook_grads as hg
+
+    grads = {}
+    attnscope.set_array_type("torch")  # as in the demo (the tiny fixture above leaves numpy set)
+    smol.reset_hooks()
+    keep = ("attn.hook_z", "attn.hook_result")
+    smol.add_hook(lambda name: name.endswith(keep), lambda g, hook: grads.__setitem__(hook.name, g.detach()), "bwd")
+    try:
+        logits = smol(smol.to_tokens(hg.CLEAN, prepend_bos=False))
+        (logits[0, -1, hg.ANSWER] - logits[0, -1, hg.WRONG]).backward()
+    finally:
+        smol.reset_hooks()
+        attnscope.set_array_type("auto")
+    cache = attnscope.ActivationCache(grads, smol)
+    stack = np.asarray(cache.stack_head_results(layer=4))
+    heads = smol.cfg.n_heads
+    assert stack.shape == (4 * heads, 1, len(hg.REF["tokens"]), smol.cfg.d_model)
+    want = hg.REF["ld/blocks.3.hook_attn_out_grad"]
+    for h in range(heads):
+        assert_cells(f"L3H{h} hook_result grad vs torch", stack[3 * heads + h, 0], want, rel_max=2e-4)
+    summed = np.asarray(grads["blocks.3.attn.hook_result"]).sum(2)  # [1, pos, d_model]: no head axis
+    with pytest.raises(ValueError, match="one output per head"):
+        attnscope.ActivationCache({"blocks.0.attn.hook_result": summed}, smol).stack_head_results(layer=1)

@@ -196,22 +196,36 @@ class ActivationCache:
             stack = _np(self.apply_ln_to_stack(stack, top, mlp_input=mlp_input, pos_slice=pos_slice))
         return self._out(stack, labels, return_labels)
 
+    def _head_results(self, l: int) -> np.ndarray:
+        """Layer ``l``'s per-head outputs ``[batch, pos, head, d_model]``: the cached
+        ``hook_result`` (TransformerLens reads it first: in a cache of gradients it is the gradient
+        at each head's output), or, where it was not captured, ``hook_z`` through ``W_O``."""
+        name = f"blocks.{l}.attn.hook_result"
+        if name in self.cache_dict:
+            res = self._get(name)
+            if res.ndim != 4:
+                raise ValueError(f"{name} has shape {tuple(res.shape)}: stack_head_results needs one output per "
+                                 "head, [batch, pos, head, d_model] (drop it from the cache to compute it from hook_z)")
+            return res
+        z = self._get(f"blocks.{l}.attn.hook_z")  # [batch, pos, head, d_head]
+        b, n, h, _dh = z.shape
+        res, _bias = self._need_model()._m.head_results(l, np.ascontiguousarray(z, dtype=np.float32).reshape(-1), b * n)
+        return np.asarray(res).reshape(b, n, h, -1)
+
     def stack_head_results(self, layer: int = -1, return_labels: bool = False, incl_remainder: bool = False,
                            pos_slice: Any = None, apply_ln: bool = False):
         """TransformerLens's ``stack_head_results``: each head's output (``hook_result``: its ``z``
         through its slice of ``W_O``, without the bias), for every head of the layers before
         ``layer`` (``None``/-1: all): ``[layers·heads, batch, pos, d_model]``, labels ``"L{l}H{h}"``.
-        Computed from the captured ``hook_z``; with ``incl_remainder``, one more component: the
+        As in TL, the cache's own ``hook_result`` where it holds one (a gradient cache's is the
+        gradient at each head's output: ``hook_z``'s gradient through ``W_O`` is not that), else
+        computed from the captured ``hook_z``; with ``incl_remainder``, one more component: the
         rest of the residual stream before ``layer``."""
-        m = self._need_model()
         top = self._layer(layer, "stack_head_results")
         parts, labels = [], []
         for l in range(top):
-            z = self._get(f"blocks.{l}.attn.hook_z")  # [batch, pos, head, d_head]
-            b, n, h, dh = z.shape
-            res, _bias = m._m.head_results(l, np.ascontiguousarray(z, dtype=np.float32).reshape(-1), b * n)
-            res = np.asarray(res).reshape(b, n, h, -1)
-            for hh in range(h):
+            res = self._head_results(l)  # [batch, pos, head, d_model]
+            for hh in range(res.shape[2]):
                 parts.append(self._pos(res[:, :, hh], pos_slice))
                 labels.append(f"L{l}H{hh}")
         if incl_remainder:

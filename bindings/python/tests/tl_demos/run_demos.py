@@ -25,7 +25,9 @@ variable the cell bound or rebound that is a tensor, an array or a number, and t
 are compared with TL's, relative to the largest |value| of TL's (integers exactly): the table
 says `ran, N numbers match TL (worst ...)`, `ran, numbers DIFFER (...)`, or `ran` where the cell
 made no number. A cell that fails under TL too is marked `fails with TL too` (the notebook's own,
-or what GPT-2 has and the model does not). MODEL (env ATTNSCOPE_DEMO_MODEL) replaces GPT-2.
+or what GPT-2 has and the model does not). A number where TL's own value is off (TL_OFF, each
+with the evidence against torch autograd) is reported apart: `TL is off (TL_OFF): ...`.
+MODEL (env ATTNSCOPE_DEMO_MODEL) replaces GPT-2.
 Each cell runs at most ATTNSCOPE_DEMO_CELL_LIMIT seconds (300; TL's run ATTNSCOPE_DEMO_TL_CELL_LIMIT,
 the same by default; a cell that loads a model gets the first): over it, the cell fails with `_Timeout`."""
 
@@ -104,6 +106,21 @@ CELL_REWRITES = {
          "GPT-2's IOI heads L5H5, L10H7, L11H10: SmolLM2 has 9 heads a layer")],
 }
 
+# numbers where TL's own value is off, each with the evidence (torch autograd through transformers'
+# eager forward of the same GGUF on the demo's batch): compare() names them apart ("TL is off")
+# instead of as a difference; any other number of the cell is still held to BOUND
+TL_OFF = {
+    ("Attribution_Patching_Demo", 11, "corrupted_value"):
+        "the metric at its own baseline, 0 by construction: TL 5.6e-7, attnscope 0.0, torch -5.0e-8 "
+        "(float32 rounding; the cell asserts |value| < 1e-5, which both pass)",
+    ("Attribution_Patching_Demo", 15, "residual_attr"):
+        "TL 4's bridge aliases hook_resid_mid to ln2.hook_in (model_bridge/generalized_components/block.py), "
+        "so its backward hook gets only the MLP branch's gradient, without the residual path's: each *_mid "
+        "gradient equals torch's d/d resid_mid minus d/d resid_post within 1.4e-5 (0.3 to 1.0 of torch's norm, "
+        "off by up to 1.4 of its largest; TL's residual_attr 0.87 off torch's); attnscope's *_mid gradients "
+        "match torch within 4e-6, its residual_attr within 8e-7",
+}
+
 # cells not run, and why (the table shows them as skipped)
 SKIP = {
     ("Main_Demo", 48): "the full OV circuit over the vocabulary: factors of 2 x 3.4 GB on SmolLM2 "
@@ -177,14 +194,15 @@ def snapshot(ns: dict, before: dict, result) -> dict:
     return out
 
 
-def compare(got: dict, want: dict) -> str:
-    """'' where nothing to compare; else how the numbers in both compare with TL's."""
+def compare(got: dict, want: dict, off: dict = None) -> str:
+    """'' where nothing to compare; else how the numbers in both compare with TL's. `off`: the
+    cell's names whose TL value is off (TL_OFF), reported apart from the differences."""
     import numpy as np
 
     names = sorted(set(got) & set(want))
     if not names:
         return ""
-    worst, worst_name, bad = 0.0, "", []
+    worst, worst_name, bad, tl_off = 0.0, "", [], []
     for k in names:
         a, b = got[k], want[k]
         if a.shape != b.shape:
@@ -197,12 +215,15 @@ def compare(got: dict, want: dict) -> str:
             err = float(np.abs(a - b).max()) / scale if a.size else 0.0
             err = err if np.isfinite(a).all() == np.isfinite(b).all() else float("inf")
         if err > (0 if b.dtype.kind == "i" else BOUND):
-            bad.append(f"{k} {err:.2g}")
+            (tl_off if k in (off or {}) else bad).append(f"{k} {err:.2g}")
+            continue
         if err >= worst:
             worst, worst_name = err, k
     if bad:
         return f"numbers DIFFER from TL: {'; '.join(bad[:4])}"
-    return f"{len(names)} numbers match TL (worst {worst:.1e}, {worst_name})"
+    note = f"; TL is off (TL_OFF): {'; '.join(tl_off)}" if tl_off else ""
+    n = len(names) - len(tl_off)
+    return (f"{n} numbers match TL (worst {worst:.1e}, {worst_name})" if n else "no other number") + note
 
 
 def _seed():
@@ -261,7 +282,8 @@ def run_demo(folder: str, demo: str, limit_s: int, tl: bool = False, ref: dict =
         if status == "ran" and (tl or ref is not None):
             numbers[i] = snapshot(shell.user_ns, before, value)
             if ref is not None:
-                err = compare(numbers[i], ref.get("numbers", {}).get(i, {}))
+                off = {k: why for (d, c, k), why in TL_OFF.items() if (d, c) == (demo, i)}
+                err = compare(numbers[i], ref.get("numbers", {}).get(i, {}), off)
         if ref is not None and status == "FAILED" and ref.get("status", {}).get(i) == "FAILED":
             err = f"fails with TL too (TL: {ref['errors'][i]}); here: {err}"
         rows.append((i, status, err, time.time() - t))
@@ -320,6 +342,9 @@ def main():
     print("\nGPT-2-specific lines changed (in TL's run too):")
     for (demo, i), rules in sorted(CELL_REWRITES.items()):
         print(f"- {demo} cell {i}: {'; '.join(why for _, _, why in rules)}")
+    print("\nNumbers where TL is off (not counted as differences):")
+    for (demo, i, name), why in sorted(TL_OFF.items()):
+        print(f"- {demo} cell {i} {name}: {why}")
     print(f"\n== all: {ran} of {total} cells ran ({100 * ran / max(total, 1):.0f}%)"
           + (f"; {checked} of them made numbers that match TL's within {BOUND:g}" if against_tl else ""))
 
