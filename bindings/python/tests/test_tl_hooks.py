@@ -100,12 +100,14 @@ def test_hooks_context_and_run_with_hooks_leave_the_model_as_it_was(smol):
 
 
 def test_a_backward_hook_where_the_engine_has_no_gradient_is_refused(smol):
-    with pytest.raises(ValueError, match="blocks.0.ln1.hook_scale: the engine's backward has no gradient"):
-        smol.blocks[0].ln1.hook_scale.add_hook(lambda g, h: None, dir="bwd")
-    with pytest.raises(ValueError, match="ln_final.hook_scale"):
-        with smol.hooks(bwd_hooks=[("ln_final.hook_scale", lambda g, h: None)]):
+    # every point in a block has a gradient now (#59: the norms' and the MLP's too); the final
+    # norm's have none
+    with pytest.raises(ValueError, match="ln_final.hook_scale: the engine's backward has no gradient"):
+        smol.ln_final.hook_scale.add_hook(lambda g, h: None, dir="bwd")
+    with pytest.raises(ValueError, match="ln_final.hook_normalized"):
+        with smol.hooks(bwd_hooks=[("ln_final.hook_normalized", lambda g, h: None)]):
             pass
-    assert smol.blocks[0].ln1.hook_scale.bwd_hooks == []
+    assert smol.ln_final.hook_scale.bwd_hooks == []
     # without torch, a forward with a backward hook attached is refused before it runs
     smol.blocks[0].attn.hook_z.add_hook(lambda g, h: None, dir="bwd")
     try:

@@ -109,11 +109,13 @@ def check_backward_hooks():
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         got = {}
-        smol.add_hook(lambda n: n.startswith("blocks.4."), lambda g, h: got.__setitem__(h.name, g.clone()), "bwd")
+        smol.add_hook(lambda n: n.startswith(("blocks.4.", "ln_final.")), lambda g, h: got.__setitem__(h.name, g.clone()),
+                      "bwd")
         lp_top64(smol(toks[:1])).backward()
         smol.reset_hooks()
-    assert any("blocks.L.ln1.hook_scale" in str(x.message) and "blocks.L.mlp.hook_post" in str(x.message) for x in w), w
-    assert "blocks.4.ln1.hook_scale" not in got and "blocks.4.hook_resid_post" in got
+    assert any("ln_final.hook_scale" in str(x.message) and "ln_final.hook_normalized" in str(x.message) for x in w), w
+    assert "ln_final.hook_scale" not in got and "blocks.4.hook_resid_post" in got
+    assert "blocks.4.ln1.hook_scale" in got and "blocks.4.mlp.hook_post" in got  # #59: they have one now
     r, a = got["blocks.4.attn.hook_result"], got["blocks.4.hook_attn_out"]
     assert r.shape == a.shape[:2] + (smol.cfg.n_heads,) + a.shape[2:]
     assert all(torch.equal(r[:, :, h], a) for h in range(smol.cfg.n_heads))
@@ -246,7 +248,7 @@ def check_bad_input():
          ValueError, "CPU"),
         ("hook: raises", lambda: smol.run_with_hooks(ids, fwd_hooks=[("blocks.1.attn.hook_z", lambda a, h: 1 / 0)]),
          ZeroDivisionError, "division"),
-        ("backward hook: a point without a gradient", lambda: smol.blocks[1].mlp.hook_post.add_hook(lambda g, h: None, "bwd"),
+        ("backward hook: a point without a gradient", lambda: smol.ln_final.hook_scale.add_hook(lambda g, h: None, "bwd"),
          ValueError, "no gradient"),
     ]
     for label, fn, kind, words in cases:
