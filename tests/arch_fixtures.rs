@@ -348,7 +348,7 @@ fn qwen3_matches_transformers() {
 fn commands_run_on_every_fixture() {
     let dir = tempfile::tempdir().unwrap();
     for name in [
-        "llama3", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3", "gpt2",
+        "llama3", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3", "gpt2", "seed_oss",
     ] {
         let m = golden(&format!("arch/{name}"));
         let m = m.to_str().unwrap();
@@ -363,7 +363,7 @@ fn commands_run_on_every_fixture() {
         assert_eq!(v["model"]["arch"], arch);
         assert_eq!(
             v["model"]["head_dim"],
-            if name == "qwen3" || name == "gemma" {
+            if ["qwen3", "gemma", "seed_oss"].contains(&name) {
                 24
             } else {
                 16
@@ -586,6 +586,54 @@ fn gemma_matches_transformers() {
     assert!(attn > 1e-2, "Gemma's conventions changed nothing: {attn}");
 }
 
+/// Seed-OSS: Llama's blocks with q/k/v biases (N(0, 0.1²) here), grouped-query attention (4
+/// heads, 2 key/value heads) of head_dim 24 (4 × 24 ≠ d_model 64), an untied output head, the
+/// released model's dropouts (0.1: nothing at inference); in transformers 5's config and the
+/// hub's (`rope_theta` + `rope_scaling: {"rope_type": "default"}`, as Seed-OSS-36B's). An o_proj
+/// or MLP bias, another activation and a window are refused by name (the binary exits 2).
+#[test]
+fn seed_oss_matches_transformers() {
+    check("seed_oss", &|_| {});
+    check("seed_oss", &|c| {
+        let p = c["rope_parameters"].take();
+        c.as_object_mut().unwrap().remove("rope_parameters");
+        c["rope_theta"] = p["rope_theta"].clone();
+        c["rope_scaling"] = serde_json::json!({"rope_type": "default"});
+    });
+    for (key, value) in [
+        ("attention_out_bias", serde_json::json!(true)),
+        ("mlp_bias", serde_json::json!(true)),
+        ("hidden_act", serde_json::json!("gelu")),
+        ("sliding_window", serde_json::json!(8)),
+    ] {
+        let dir = fixture_copy("seed_oss", &|c| c[key] = value.clone());
+        let e = load_err(dir.path());
+        assert!(
+            e.contains(key) && e.contains("does not implement"),
+            "{key}: {e}"
+        );
+    }
+    let dir = fixture_copy("seed_oss", &|c| c["mlp_bias"] = true.into());
+    let m = dir.path().to_str().unwrap();
+    let e = run_err(["inspect", "--model", m, "--text", "The cat"], 2);
+    assert!(e.contains("`mlp_bias`"), "{e}");
+    seed_oss_reads_its_qkv_biases();
+}
+
+/// The q/k/v biases are read: the same folder without them is far off.
+fn seed_oss_reads_its_qkv_biases() {
+    let dir = fixture_copy("seed_oss", &|_| {});
+    let st = dir.path().join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&st, &candle_core::Device::Cpu).unwrap();
+    let before = tensors.len();
+    tensors.retain(|n, _| !n.ends_with("_proj.bias"));
+    assert_eq!(before - tensors.len(), 9, "3 layers' q, k and v biases");
+    candle_core::safetensors::save(&tensors, &st).unwrap();
+    let (attn, _, _) = deviation(dir.path(), "seed_oss", MEASURE);
+    eprintln!("seed_oss without its q/k/v biases: attention off by {attn:.2e}");
+    assert!(attn > 1e-2, "the q/k/v biases changed nothing: {attn}");
+}
+
 /// Gemma 2: (1 + w) norms before and after attention and MLP, √d embedding scale, GeLU(tanh),
 /// `query_pre_attn_scalar`, attention (3.0) and final-logit (5.0) soft-capping, a window of 8 on
 /// layers 0 and 2; in transformers 5's config and the hub's (no `layer_types`: alternating).
@@ -736,7 +784,7 @@ fn check_gguf(name: &str, path: &Path) -> Model {
 /// Gemma 2 and 3 (norms holding the `+ 1`, soft-caps, windows, `attention.scale`, a per-layer
 /// `sliding_window_pattern`), Phi-3 (fused `attn_qkv` and `ffn_up`, 8 of 16 dimensions rotating,
 /// the converter's window 0 for none), GPT-2 (Conv1D weights transposed, `position_embd`, no
-/// output tensor): the token ids, every attention weight and the logits of transformers.
+/// output tensor), Seed-OSS (q/k/v biases, the MLP's norm as `post_attention_norm`): the token ids, every attention weight and the logits of transformers.
 #[test]
 fn ggufs_written_by_gguf_py_match_transformers() {
     use attnscope::model::Arch;
@@ -747,11 +795,12 @@ fn ggufs_written_by_gguf_py_match_transformers() {
         ("gemma3", Arch::Gemma3),
         ("phi3", Arch::Phi3),
         ("gpt2", Arch::Gpt2),
+        ("seed_oss", Arch::SeedOss),
     ] {
         let m = check_gguf(name, &gguf_fixture(name));
         assert_eq!(m.dims.arch, arch, "{name}");
         match name {
-            "qwen3" => assert_eq!(m.dims.head_dim, 24),
+            "qwen3" | "seed_oss" => assert_eq!(m.dims.head_dim, 24),
             "gemma2" | "gemma3" => {
                 let g = m.dims.gemma.as_ref().unwrap();
                 let (layers, caps) = if name == "gemma2" {
@@ -855,6 +904,23 @@ fn two_symbol_token((md, _): &mut GgufParts) {
     tokens[65] = Value::String("AB".into());
 }
 
+/// The fixtures (`tests/golden/arch/NAME`) whose hooks
+/// [`hooks_come_in_the_forwards_order_and_capture_all_writes_them`] checks, beside a tiny Qwen2.
+const HOOKED: [&str; 12] = [
+    "llama3",
+    "qwen3",
+    "mistral",
+    "phi3",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "gpt2",
+    "seed_oss",
+    "bert",
+    "roberta",
+    "distilbert",
+];
+
 /// An observer that keeps everything and notes the order the forward hands each tensor out in
 /// (its first block of rows).
 struct HandOrder {
@@ -903,22 +969,10 @@ impl Observer for HandOrder {
 fn hooks_come_in_the_forwards_order_and_capture_all_writes_them() {
     let dir = tempfile::tempdir().unwrap();
     let qwen2 = common::tiny_gguf(&dir);
-    let mut names: Vec<String> = [
-        "llama3",
-        "qwen3",
-        "mistral",
-        "phi3",
-        "gemma",
-        "gemma2",
-        "gemma3",
-        "gpt2",
-        "bert",
-        "roberta",
-        "distilbert",
-    ]
-    .iter()
-    .map(|n| golden(&format!("arch/{n}")).to_str().unwrap().to_string())
-    .collect();
+    let mut names: Vec<String> = HOOKED
+        .iter()
+        .map(|n| golden(&format!("arch/{n}")).to_str().unwrap().to_string())
+        .collect();
     names.push(qwen2.to_str().unwrap().to_string());
     let spec = CaptureSpec {
         hooks: Hook::parse_list("all").unwrap(),

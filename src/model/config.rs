@@ -20,6 +20,9 @@ pub enum Arch {
     Mistral,
     /// Phi-3: fused q|k|v and gate|up projections, partial rotary.
     Phi3,
+    /// Seed-OSS: Llama's blocks with q/k/v biases (no o_proj or MLP biases).
+    #[serde(rename = "seed_oss")]
+    SeedOss,
     /// Gemma (v1): (1 + w) RMSNorms before attention and MLP, embeddings scaled by √d_model,
     /// GeLU(tanh), no post-norms, soft-caps or windows.
     Gemma,

@@ -28,9 +28,10 @@ mod phi3;
 mod qwen2;
 mod qwen3;
 mod roberta;
+mod seed_oss;
 
 /// Every family, in the order the refusal message and the docs name them.
-pub static FAMILIES: [&Family; 12] = [
+pub static FAMILIES: [&Family; 13] = [
     &qwen2::FAMILY,
     &llama::FAMILY,
     &qwen3::FAMILY,
@@ -38,6 +39,7 @@ pub static FAMILIES: [&Family; 12] = [
     &gemma3::FAMILY,
     &phi3::FAMILY,
     &gpt2::FAMILY,
+    &seed_oss::FAMILY,
     &mistral::FAMILY,
     &gemma::FAMILY,
     &bert::FAMILY,
@@ -444,7 +446,7 @@ mod tests {
     fn the_refusal_names_the_families_as_before() {
         assert_eq!(
             supported_sentence(),
-            "qwen2, llama, qwen3, gemma2, gemma3, phi3, gpt2, and from Hugging Face folders \
+            "qwen2, llama, qwen3, gemma2, gemma3, phi3, gpt2, seed_oss, and from Hugging Face folders \
              mistral and gemma, and the encoders bert, roberta and distilbert"
         );
     }

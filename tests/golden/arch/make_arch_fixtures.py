@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The tiny decoder fixtures of tests/golden/arch (llama3, qwen3, mistral, gemma, gemma2, gemma3,
-phi3, gpt2) and what transformers computes on them (issue #55; gemma, issue #57, was made by
-`new gemma` from its hand-written config.json).
+phi3, gpt2, seed_oss) and what transformers computes on them (issue #55; gemma and seed_oss, issue
+#57, were made by `new <name>` from their hand-written config.json).
 
 The folders were first made by the team's generator in ../shared/reference/arch (transformers
 5.24.0, torch 2.15.0; its README is the description copied into tests/golden/README.md), whose
@@ -39,7 +39,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 HERE = Path(__file__).resolve().parent
-DECODERS = ["llama3", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3", "gpt2"]
+DECODERS = ["llama3", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3", "gpt2", "seed_oss"]
 TEXTS = {
     "short": "The cat sat on the mat.",
     "long": "Attention is all you need; the cat sat on the mat, and then the cat sat on the mat again!",

@@ -28,6 +28,9 @@ The converter's per-family steps, as in its classes (llama.cpp master, 2026):
   `rope.scaling.original_context_length`; `attention.sliding_window` 0 where the config has none.
 - gpt2 (`GPT2Model`): Conv1D weights (`c_attn`, `c_proj`, `c_fc`, stored [in, out]) transposed;
   its own key list (feed-forward 4 * n_embd, `n_ctx`, here `n_positions`); no output tensor (tied).
+- seed_oss (`SeedOssModel`, #57): the base keys, no permutation (NEOX rope), q/k/v biases as
+  `attn_q.bias`..., and the MLP's norm (`post_attention_layernorm`) as `post_attention_norm`
+  (gguf-py's tensor list for the arch has no `ffn_norm`).
 
 Where the fixtures differ from what the converter expects, and what is written instead:
 - The vocabulary: the fixtures' tokenizer.json is a byte-level BPE without merges (token id = byte),
@@ -67,6 +70,7 @@ ARCH = {
     "gemma3": gguf.MODEL_ARCH.GEMMA3,
     "phi3": gguf.MODEL_ARCH.PHI3,
     "gpt2": gguf.MODEL_ARCH.GPT2,
+    "seed_oss": gguf.MODEL_ARCH.SEED_OSS,
 }
 
 
@@ -164,6 +168,7 @@ KEYS = {
     "gemma3": gemma3_keys,
     "phi3": phi3_keys,
     "gpt2": gpt2_keys,
+    "seed_oss": base_keys,
 }
 
 
