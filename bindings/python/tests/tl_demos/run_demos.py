@@ -71,10 +71,16 @@ _GQA = ("GPT-2 has a key and a value per head; SmolLM2's 3 KV heads each serve 3
         "hook_k/hook_v (and their gradients) have 3 heads, W_K/W_V 9 (repeated, as TL's properties give them), "
         "so the cell's einsum over heads fails in TL too; each KV head's k/v is repeated to the query heads it "
         "serves (_kv_to_heads, defined before the demo's cells, a no-op where the heads match)")
+_GQA_B = ("the direct-path patch (used by cells 34 and 36) indexes hook_k/hook_v by query head B, as GPT-2 has a "
+          "key and a value per head; SmolLM2's have its 3 KV heads (GQA), in TL too: B's patch goes to the KV "
+          "head it reads (_head_of, defined before the demo's cells; q keeps its 9 heads)")
 # defined in each demo's shell before its first cell (both runs): what the GQA rewrites call
 PRELUDE = """
 def _kv_to_heads(t, n_heads, dim=-2):
     return t.repeat_interleave(n_heads // t.shape[dim], dim=dim) if t.shape[dim] != n_heads else t
+
+def _head_of(t, head, n_heads, dim=2):
+    return head // (n_heads // t.shape[dim]) if t.shape[dim] != n_heads else head
 """
 # the GPT-2-specific lines, changed for both runs (TL's and attnscope's): (pattern, replacement, why)
 CELL_REWRITES = {
@@ -82,6 +88,21 @@ CELL_REWRITES = {
         (r"^(\s*)refactor_factored_attn_matrices=True,", r"\1# refactor_factored_attn_matrices=True,",
          "TL refuses refactor_factored_attn_matrices on rotary models (AssertionError: the QK matrix depends on "
          "the positions); GPT-2's learned positions allow it")],
+    ("Exploratory_Analysis_Demo", 27): [
+        (r"^(\s*)hook_fn = partial\(patch_head_vector, head_index=head_index,",
+         r"\1hook_fn = partial(patch_head_vector, head_index=head_index // (model.cfg.n_heads // model.cfg.n_key_value_heads),",
+         "the cell patches hook_v by query head, as GPT-2 has a value per head; SmolLM2's hook_v has its 3 KV "
+         "heads (GQA), in TL too: each query head's patch is its KV head's (the 3 heads sharing one get one number)")],
+    ("Exploratory_Analysis_Demo", 32): [
+        (r"corrupted_attn_act\[:, :, B_head_index, :\]",
+         "corrupted_attn_act[:, :, _head_of(corrupted_attn_act, B_head_index, model.cfg.n_heads), :]", _GQA_B),
+        (r"patched_attn_act\[:, :, B_head_index, :\] =",
+         "patched_attn_act[:, :, _head_of(patched_attn_act, B_head_index, model.cfg.n_heads), :] =", _GQA_B),
+        (r"_get_attention_weights\(model\.blocks\[B_layer\]\.attn, attn_act_type\)\[B_head_index\]",
+         "_kv_to_heads(_get_attention_weights(model.blocks[B_layer].attn, attn_act_type), model.cfg.n_heads, 0)"
+         "[B_head_index]",
+         "TL 4's bridge gives W_K/W_V one per KV head (attnscope, as TL 3's HookedTransformer, repeats them): "
+         "repeated to the query heads here, for both")],
     ("Main_Demo", 14): [
         (r"^head_index_to_ablate = 8$", "head_index_to_ablate = 8 % model.cfg.n_key_value_heads",
          "the cell indexes hook_v by head 8 of GPT-2's 12; SmolLM2's hook_v has its 3 KV heads (GQA), in TL too")],
