@@ -49,6 +49,16 @@ impl MlpKind {
     pub fn gated(self) -> bool {
         !matches!(self, MlpKind::GeluTanh | MlpKind::GeluErf)
     }
+    /// transformers' name for its activation (`hidden_act`), as TransformerLens's `act_fn` gives
+    /// it.
+    pub fn act_name(self) -> &'static str {
+        match self {
+            MlpKind::SwiGlu => "silu",
+            MlpKind::GeGluTanh => "gelu_pytorch_tanh",
+            MlpKind::GeluTanh => "gelu_new",
+            MlpKind::GeluErf => "gelu",
+        }
+    }
 }
 
 /// One decoder block's plan.

@@ -119,6 +119,9 @@ impl Model {
         v["rotary_dim"] = self.inner.dims.rotary_dim.into();
         v["tied_embeddings"] = self.inner.dims.tied_embeddings.into();
         v["eos_id"] = self.inner.tokenizer.eos_id.into();
+        let family = d.arch.family();
+        v["hf_class"] = family.hf_class.into();
+        v["act_fn"] = family.mlp.act_name().into();
         Ok(v.to_string())
     }
 

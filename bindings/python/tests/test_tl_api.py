@@ -297,3 +297,13 @@ def test_utils_helpers_as_transformer_lens_has_them(smol, capsys):
     assert sum(line.startswith("Top ") for line in out) == 2
     assert attnscope.utils.get_device() == "cpu"
     assert np.array_equal(attnscope.utils.to_numpy([1, 2]), np.array([1, 2]))
+
+
+@pytest.mark.parametrize("family,act,cls", [
+    ("gemma", "gelu_pytorch_tanh", "GemmaForCausalLM"), ("seed_oss", "silu", "SeedOssForCausalLM"),
+    ("gpt2", "gelu_new", "GPT2LMHeadModel"), ("qwen3", "silu", "Qwen3ForCausalLM")])
+def test_config_act_fn_and_class_come_from_the_family_registry(family, act, cls):
+    """act_fn and original_architecture for every family (the engine's registry names them; a
+    table of the Python side's own once left Gemma's and Seed-OSS's as None)."""
+    m = attnscope.HookedTransformer.from_pretrained_no_processing(str(ROOT / "tests" / "golden" / "arch" / family))
+    assert (m.cfg.act_fn, m.cfg.original_architecture) == (act, cls)

@@ -10,6 +10,7 @@ use crate::model::weights::Logical;
 pub static FAMILY: Family = Family {
     arch: Arch::Bert,
     name: "bert",
+    hf_class: "BertModel",
     hf: Hf {
         name: hf_tensor,
         base_prefix: Some("bert."),

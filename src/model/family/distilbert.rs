@@ -10,6 +10,7 @@ use crate::model::weights::Logical;
 pub static FAMILY: Family = Family {
     arch: Arch::DistilBert,
     name: "distilbert",
+    hf_class: "DistilBertModel",
     token_types: false,
     hf: Hf {
         name: hf_tensor,

@@ -10,6 +10,7 @@ use crate::model::config::Arch;
 pub static FAMILY: Family = Family {
     arch: Arch::Gemma,
     name: "gemma",
+    hf_class: "GemmaForCausalLM",
     mlp: MlpKind::GeGluTanh,
     gemma: Some(Gemma {
         // a pattern of 1: every layer attends to every key

@@ -10,6 +10,7 @@ use crate::model::weights::Logical;
 pub static FAMILY: Family = Family {
     arch: Arch::Gemma2,
     name: "gemma2",
+    hf_class: "Gemma2ForCausalLM",
     mlp: MlpKind::GeGluTanh,
     gemma: Some(Gemma {
         pattern: 2,

@@ -9,6 +9,7 @@ use crate::model::config::Arch;
 pub static FAMILY: Family = Family {
     arch: Arch::Gemma3,
     name: "gemma3",
+    hf_class: "Gemma3ForCausalLM",
     aliases: &["gemma3_text"],
     mlp: MlpKind::GeGluTanh,
     qk_norm: true,

@@ -11,6 +11,7 @@ use crate::model::weights::Logical;
 pub static FAMILY: Family = Family {
     arch: Arch::Gpt2,
     name: "gpt2",
+    hf_class: "GPT2LMHeadModel",
     norm: NormKind::Layer,
     mlp: MlpKind::GeluTanh,
     learned_positions: true,

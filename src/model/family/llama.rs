@@ -8,6 +8,7 @@ use crate::model::config::{Arch, RopeStyle};
 pub static FAMILY: Family = Family {
     arch: Arch::Llama,
     name: "llama",
+    hf_class: "LlamaForCausalLM",
     gguf: Some(Gguf {
         rope: RopeStyle::Interleaved,
         ..GGUF_NEOX

@@ -7,6 +7,7 @@ use crate::model::config::Arch;
 pub static FAMILY: Family = Family {
     arch: Arch::Mistral,
     name: "mistral",
+    hf_class: "MistralForCausalLM",
     gguf: None,
     hf: Hf {
         window: Window::Read,

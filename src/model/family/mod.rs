@@ -53,6 +53,9 @@ pub struct Family {
     pub arch: Arch,
     /// Its name in `general.architecture` (GGUF) and `model_type` (config.json); `info` prints it.
     pub name: &'static str,
+    /// transformers' class for it (`architectures` in config.json: `Qwen2ForCausalLM`), which
+    /// TransformerLens reports as `cfg.original_architecture`.
+    pub hf_class: &'static str,
     /// Other `model_type`s read as this family (Gemma 3's `gemma3_text`).
     pub aliases: &'static [&'static str],
     /// An encoder: every token attends to every other (no causal mask), post-LN blocks, no
@@ -410,6 +413,8 @@ pub(crate) const HF_LLAMA: Hf = Hf {
 pub(crate) const DECODER: Family = Family {
     arch: Arch::Llama,
     name: "llama",
+    // no default: every family names its own (checked by a test below)
+    hf_class: "",
     aliases: &[],
     encoder: false,
     norm: NormKind::Rms,
@@ -432,6 +437,7 @@ mod tests {
         for f in FAMILIES {
             assert!(std::ptr::eq(of(f.arch), f), "{}", f.name);
             assert!(std::ptr::eq(parse(f.name).unwrap(), f), "{}", f.name);
+            assert!(!f.hf_class.is_empty(), "{}: hf_class", f.name);
             for a in f.aliases {
                 assert!(std::ptr::eq(parse(a).unwrap(), f), "{a}");
             }

@@ -9,6 +9,7 @@ use crate::model::weights::Logical;
 pub static FAMILY: Family = Family {
     arch: Arch::Phi3,
     name: "phi3",
+    hf_class: "Phi3ForCausalLM",
     gguf: Some(Gguf {
         reads: &["attention.sliding_window"],
         name: gguf_tensor,

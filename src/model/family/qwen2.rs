@@ -8,6 +8,7 @@ use crate::model::config::Arch;
 pub static FAMILY: Family = Family {
     arch: Arch::Qwen2,
     name: "qwen2",
+    hf_class: "Qwen2ForCausalLM",
     hf: Hf {
         window: Window::UnlessUsed,
         ..HF_LLAMA

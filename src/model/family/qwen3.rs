@@ -7,6 +7,7 @@ use crate::model::config::Arch;
 pub static FAMILY: Family = Family {
     arch: Arch::Qwen3,
     name: "qwen3",
+    hf_class: "Qwen3ForCausalLM",
     qk_norm: true,
     hf: Hf {
         window: Window::UnlessUsed,

@@ -9,6 +9,7 @@ use crate::model::config::Arch;
 pub static FAMILY: Family = Family {
     arch: Arch::Roberta,
     name: "roberta",
+    hf_class: "RobertaModel",
     hf: Hf {
         name: hf_tensor,
         position_pad: true,

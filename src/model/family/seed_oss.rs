@@ -14,6 +14,7 @@ use crate::model::weights::Logical;
 pub static FAMILY: Family = Family {
     arch: Arch::SeedOss,
     name: "seed_oss",
+    hf_class: "SeedOssForCausalLM",
     gguf: Some(Gguf {
         name: gguf_tensor,
         ..GGUF_NEOX

@@ -48,14 +48,6 @@ class Config:
 
 
 # per family: (TL's act_fn, Hugging Face's architecture class)
-_FAMILY = {"qwen2": ("silu", "Qwen2ForCausalLM"), "qwen3": ("silu", "Qwen3ForCausalLM"),
-           "llama": ("silu", "LlamaForCausalLM"), "mistral": ("silu", "MistralForCausalLM"),
-           "phi3": ("silu", "Phi3ForCausalLM"), "gemma2": ("gelu_pytorch_tanh", "Gemma2ForCausalLM"),
-           "gemma3": ("gelu_pytorch_tanh", "Gemma3ForCausalLM"), "gpt2": ("gelu_new", "GPT2LMHeadModel"),
-           "bert": ("gelu", "BertModel"), "roberta": ("gelu", "RobertaModel"),
-           "distilbert": ("gelu", "DistilBertModel")}
-
-
 def config_fields(f: Dict[str, Any]) -> Dict[str, Any]:
     """TransformerLens's config fields from the engine's facts ``f``: the norm (``RMS``, ``LN``),
     the positions (``rotary``; GPT-2's and encoders' learned ``standard``), the activation, the
@@ -63,7 +55,8 @@ def config_fields(f: Dict[str, Any]) -> Dict[str, Any]:
     reports 10000 for every family), whether the tokenizer adds BOS."""
     arch = f["arch"]
     rms = arch not in ("gpt2", "bert", "roberta", "distilbert")
-    act, cls = _FAMILY.get(arch, (None, None))
+    # the engine's family registry names both (src/model/family/)
+    act, cls = f.get("act_fn"), f.get("hf_class")
     rotary = rms
     return dict(normalization_type="RMS" if rms else "LN", positional_embedding_type="rotary" if rotary else "standard",
                 act_fn=act, original_architecture=cls, eps=f.get("eps", 1e-5), d_vocab_out=f["d_vocab"],
