@@ -9,6 +9,10 @@ use super::weights::{Head, Mapped};
 use crate::kernels::simd::multiversion;
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
+
+#[cfg(target_arch = "x86_64")]
+mod tiles;
+
 /// cos/sin tables `[n, inv.len()]` for positions `0..n` from the inverse frequencies `inv`.
 pub fn rope_tables_of(inv: &[f32], n: usize) -> (Vec<f32>, Vec<f32>) {
     let half = inv.len();
@@ -456,15 +460,10 @@ multiversion! {
 }
 /// The logits `h · Wᵀ` of `rows` normalized rows `h: [rows, d]`. An f32 head (a float file's,
 /// or the file's blocks dequantized a chunk of vocabulary rows at a time: the same values) is
-/// read in chunks on every core ([`dense_logits`]): candle's matmul of `h` by the transposed
+/// read in chunks on every core (`dense_logits`): candle's matmul of `h` by the transposed
 /// `[vocab, d]` head took ~35% of `faithfulness`'s time (one row per forward). `fast`'s
 /// quantized head goes through candle.
-pub(crate) fn logits_rows(
-    head: &Head,
-    h: Vec<f32>,
-    rows: usize,
-    d: usize,
-) -> Result<Vec<Vec<f32>>> {
+pub fn logits_rows(head: &Head, h: Vec<f32>, rows: usize, d: usize) -> Result<Vec<Vec<f32>>> {
     match head {
         Head::Rows(m) if d > 0 && m.cols() == d => {
             let vocab = m.dims.iter().product::<usize>() / d;
@@ -546,7 +545,8 @@ fn dense_logits(
     vocab: usize,
     src: HeadRows,
 ) -> Result<Vec<Vec<f32>>> {
-    let mut out = vec![vec![0f32; vocab]; rows];
+    // each row allocated zeroed (`vec![row; rows]` would copy the first row into every other)
+    let mut out: Vec<Vec<f32>> = (0..rows).map(|_| vec![0f32; vocab]).collect();
     let mut chunks: Vec<Vec<&mut [f32]>> = (0..vocab.div_ceil(LOGIT_CHUNK))
         .map(|_| Vec::with_capacity(rows))
         .collect();
@@ -571,21 +571,22 @@ fn dense_logits(
 /// `x · y` over 16 lanes, the lanes then summed in a fixed order (the same bits at every vector
 /// width: no lane sees another's values before the end).
 #[inline(always)]
-pub(crate) fn dot16(x: &[f32], y: &[f32]) -> f32 {
+pub fn dot16(x: &[f32], y: &[f32]) -> f32 {
     let mut acc = [0f32; 16];
     let (xs, ys) = (x.chunks_exact(16), y.chunks_exact(16));
-    let tail: f32 = xs
-        .remainder()
-        .iter()
-        .zip(ys.remainder())
-        .map(|(a, b)| a * b)
-        .sum();
+    let tail = tail_dot(xs.remainder(), ys.remainder());
     for (a, b) in xs.zip(ys) {
         for k in 0..16 {
             acc[k] += a[k] * b[k];
         }
     }
     lanes_sum(&acc, tail)
+}
+
+/// The products of [`dot16`]'s tail (the values of `d` beyond its last 16), summed in order.
+#[inline(always)]
+fn tail_dot(x: &[f32], y: &[f32]) -> f32 {
+    x.iter().zip(y).map(|(a, b)| a * b).sum()
 }
 
 /// [`dot16`]'s fixed tree over its 16 lanes, then the tail's products.
@@ -604,35 +605,52 @@ fn lanes_sum(acc: &[f32; 16], tail: f32) -> f32 {
     (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]) + tail
 }
 
-multiversion! {
-    /// `out[i][v] = h_i · w_v` for the rows `w_v` of `w` (`d` values each) and the rows `h_i`
-    /// of `h: [out.len(), d]`, each [`dot16`]'s bits: 4 rows of `h` against 2 of `w` at a time
-    /// ([`dot16_4x2`]), so each 16 values loaded serve several products (one row at a time,
-    /// two loads per multiply-add held `corpus`'s logits of 64 texts a forward to ~22% of its
-    /// time: a profile of the 224 built-in texts on the default model).
-    pub(crate) fn dot_rows(h: &[f32], w: &[f32], d: usize, out: &mut [&mut [f32]]) {
-        let (rows, nv) = (out.len(), w.len() / d.max(1));
-        let quads = rows / 4 * 4;
-        let mut v = 0;
-        while v + 2 <= nv {
-            let (w0, w1) = (&w[v * d..(v + 1) * d], &w[(v + 1) * d..(v + 2) * d]);
-            for i in (0..quads).step_by(4) {
-                let r = dot16_4x2(&h[i * d..(i + 4) * d], w0, w1, d);
-                for (a, r) in r.iter().enumerate() {
-                    out[i + a][v] = r[0];
-                    out[i + a][v + 1] = r[1];
-                }
-            }
-            for (i, row) in out.iter_mut().enumerate().skip(quads) {
-                row[v] = dot16(&h[i * d..(i + 1) * d], w0);
-                row[v + 1] = dot16(&h[i * d..(i + 1) * d], w1);
-            }
-            v += 2;
+/// `out[i][v] = h_i · w_v` for the rows `w_v` of `w` (`d` values each) and the rows `h_i` of
+/// `h: [out.len(), d]`, each [`dot16`]'s bits whatever the number of rows and the tile: on
+/// AVX-512 and AVX2 in register tiles (`ops/tiles.rs`: 4 x 6 and 3 x 2), elsewhere in
+/// `dot_rows_lanes`'s 4 x 2.
+pub fn dot_rows(h: &[f32], w: &[f32], d: usize, out: &mut [&mut [f32]]) {
+    #[cfg(target_arch = "x86_64")]
+    if d > 0 {
+        use crate::kernels::simd::{current, Level};
+        match current() {
+            // SAFETY: `current` names AVX-512 only where the CPU has it (F, BW, DQ, VL); the
+            // kernel checks the shapes
+            Level::Avx512 => return unsafe { tiles::dot_rows_avx512(h, w, d, out) },
+            // SAFETY: as above, AVX2 and FMA
+            Level::Avx2 => return unsafe { tiles::dot_rows_avx2(h, w, d, out) },
+            Level::Base => {}
         }
-        if v < nv {
-            for (i, row) in out.iter_mut().enumerate() {
-                row[v] = dot16(&h[i * d..(i + 1) * d], &w[v * d..(v + 1) * d]);
+    }
+    dot_rows_lanes(h, w, d, out)
+}
+
+/// [`dot_rows`] in safe code at the build's baseline width: 4 rows of `h` against 2 of `w` at a
+/// time ([`dot16_4x2`]), so each 16 values loaded serve several products (one row at a time,
+/// two loads per multiply-add held `corpus`'s logits of 64 texts a forward to ~22% of its time:
+/// a profile of the 224 built-in texts on the default model).
+fn dot_rows_lanes(h: &[f32], w: &[f32], d: usize, out: &mut [&mut [f32]]) {
+    let (rows, nv) = (out.len(), w.len() / d.max(1));
+    let quads = rows / 4 * 4;
+    let mut v = 0;
+    while v + 2 <= nv {
+        let (w0, w1) = (&w[v * d..(v + 1) * d], &w[(v + 1) * d..(v + 2) * d]);
+        for i in (0..quads).step_by(4) {
+            let r = dot16_4x2(&h[i * d..(i + 4) * d], w0, w1, d);
+            for (a, r) in r.iter().enumerate() {
+                out[i + a][v] = r[0];
+                out[i + a][v + 1] = r[1];
             }
+        }
+        for (i, row) in out.iter_mut().enumerate().skip(quads) {
+            row[v] = dot16(&h[i * d..(i + 1) * d], w0);
+            row[v + 1] = dot16(&h[i * d..(i + 1) * d], w1);
+        }
+        v += 2;
+    }
+    if v < nv {
+        for (i, row) in out.iter_mut().enumerate() {
+            row[v] = dot16(&h[i * d..(i + 1) * d], &w[v * d..(v + 1) * d]);
         }
     }
 }
@@ -657,8 +675,7 @@ fn dot16_4x2(h: &[f32], w0: &[f32], w1: &[f32], d: usize) -> [[f32; 2]; 4] {
     for (r, o) in out.iter_mut().enumerate() {
         let a = &h[r * d..(r + 1) * d];
         for (j, w) in [w0, w1].into_iter().enumerate() {
-            let tail: f32 = a[full..].iter().zip(&w[full..]).map(|(a, b)| a * b).sum();
-            o[j] = lanes_sum(&acc[r][j], tail);
+            o[j] = lanes_sum(&acc[r][j], tail_dot(&a[full..], &w[full..]));
         }
     }
     out

@@ -41,7 +41,12 @@ pub(crate) fn logits_array(
         return Ok(None);
     };
     let rows = logits.len();
-    let flat: Vec<f32> = logits.into_iter().flatten().collect();
+    // row by row as whole copies (a flattening iterator went value by value: ~4% of a forward
+    // with every row's logits, 120 rows of smollm2-135m's 49,152)
+    let mut flat = Vec::with_capacity(rows * vocab);
+    for row in &logits {
+        flat.extend_from_slice(row);
+    }
     Ok(Some(
         PyArray1::from_vec(py, flat)
             .reshape([rows, vocab])?

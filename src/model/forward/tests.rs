@@ -387,21 +387,24 @@ fn exp_shift_sums_zeroes_masked_entries() {
     assert_eq!((xs[1], xs[4], xs[9]), (0.0, 0.0, 0.0));
 }
 
-/// `dot_rows`'s tiles (4 rows of `h` against 2 of `w`) give each product [`dot16`]'s bits, for
-/// every count of rows and vocabulary rows around the tile's edges and a `d` with a tail.
+/// `dot_rows`'s tiles (4 x 4 on AVX-512, 4 x 2 elsewhere, the edges in smaller ones) give each
+/// product [`dot16`]'s bits, for every count of rows and vocabulary rows around the tiles' edges
+/// (rows 0..=13, vocabulary rows odd and even) and `d` shorter than 16 or with a tail, at every
+/// vector width this CPU runs.
 #[test]
 fn dot_rows_gives_dot16s_bits_in_its_tiles() {
     use crate::kernels::simd::{all_supported, with_level};
     use crate::model::ops::dot16;
-    for d in [37, 64, 100] {
-        let h: Vec<f32> = (0..9 * d)
+    for d in [5, 37, 64, 100, 576] {
+        let h: Vec<f32> = (0..13 * d)
             .map(|i| ((i * 7919) % 113) as f32 * 0.013 - 0.7)
             .collect();
-        let w: Vec<f32> = (0..7 * d)
+        let w: Vec<f32> = (0..10 * d)
             .map(|i| ((i * 104_729) % 97) as f32 * 0.021 - 1.0)
             .collect();
-        for rows in 0..=9 {
-            for nv in 0..=7 {
+        let mut checked = 0;
+        for rows in 0..=13 {
+            for nv in 0..=10 {
                 for l in all_supported() {
                     let mut out = vec![vec![f32::NAN; nv]; rows];
                     let mut refs: Vec<&mut [f32]> = out.iter_mut().map(|r| &mut r[..]).collect();
@@ -410,10 +413,39 @@ fn dot_rows_gives_dot16s_bits_in_its_tiles() {
                         for (v, &got) in row.iter().enumerate() {
                             let want = dot16(&h[i * d..(i + 1) * d], &w[v * d..(v + 1) * d]);
                             assert_eq!(got.to_bits(), want.to_bits(), "{l:?} d {d} ({i}, {v})");
+                            checked += 1;
                         }
                     }
                 }
             }
+        }
+        assert_eq!(checked, 91 * 55 * all_supported().len(), "d {d}");
+    }
+}
+
+/// The logits of many rows on every core (chunks of vocabulary rows, each in `dot_rows`'s
+/// tiles) are each row's [`dot16`]s: the same bits as that row alone, whatever the rows beside it.
+#[test]
+fn many_rows_logits_are_each_rows_dot16s() {
+    use crate::model::ops::dot16;
+    let (vocab, d, rows) = (601, 72, 11);
+    let mut rng = crate::reference::Rng::new(60);
+    let wv = rng.normals(vocab * d, 0.5);
+    let w = Tensor::from_vec(wv.clone(), (vocab, d), &Device::Cpu).unwrap();
+    let h = rng.normals(rows * d, 1.0);
+    let got = logits_rows(&Head::Dense(w.clone()), h.clone(), rows, d).unwrap();
+    assert_eq!(got.len(), rows);
+    for (i, g) in got.iter().enumerate() {
+        let alone = logits_rows(
+            &Head::Dense(w.clone()),
+            h[i * d..(i + 1) * d].to_vec(),
+            1,
+            d,
+        );
+        assert_eq!(alone.unwrap()[0], *g, "row {i} alone");
+        for (v, &x) in g.iter().enumerate() {
+            let want = dot16(&h[i * d..(i + 1) * d], &wv[v * d..(v + 1) * d]);
+            assert_eq!(x.to_bits(), want.to_bits(), "row {i} logit {v}");
         }
     }
 }
