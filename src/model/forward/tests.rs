@@ -387,10 +387,10 @@ fn exp_shift_sums_zeroes_masked_entries() {
     assert_eq!((xs[1], xs[4], xs[9]), (0.0, 0.0, 0.0));
 }
 
-/// `dot_rows`'s tiles (4 x 4 on AVX-512, 4 x 2 elsewhere, the edges in smaller ones) give each
-/// product [`dot16`]'s bits, for every count of rows and vocabulary rows around the tiles' edges
-/// (rows 0..=13, vocabulary rows odd and even) and `d` shorter than 16 or with a tail, at every
-/// vector width this CPU runs.
+/// `dot_rows`'s tiles (4 x 6 on AVX-512, 3 x 2 on AVX2, 4 x 2 elsewhere, the edges in smaller
+/// ones) give each product [`dot16`]'s bits, for every count of rows and vocabulary rows around
+/// the tiles' edges (rows 0..=13, vocabulary rows 0..=10) and `d` shorter than 16 or with a
+/// tail, at every vector width this CPU runs.
 #[test]
 fn dot_rows_gives_dot16s_bits_in_its_tiles() {
     use crate::kernels::simd::{all_supported, with_level};
