@@ -791,7 +791,7 @@ fn smollm_head_averaged_attention_of_every_query() {
 /// Occlusion values against independent whole-sequence runs (no prefix reuse, no memo).
 #[test]
 fn faithfulness_occlusions_equal_fresh_runs_smollm() {
-    use attnscope::analysis::faithfulness::{run, FaithOptions};
+    use attnscope::analysis::faithfulness::{run, FaithSettings};
     use attnscope::analysis::vocab::Target;
     let model = real_model("smollm2-135m");
     let text = "The capital of France is";
@@ -799,7 +799,7 @@ fn faithfulness_occlusions_equal_fresh_runs_smollm() {
     let r = run(
         model,
         &tokens,
-        &FaithOptions {
+        &FaithSettings {
             target: Target::Text(" Paris".into()),
             replacement: " ".into(),
             seed: 7,

@@ -3,7 +3,7 @@
 //! `attnscope corpus merge` give exactly the numbers of a single run.
 
 use super::collect::Collector;
-use super::faithfulness::{run as run_faith, FaithOptions};
+use super::faithfulness::{run as run_faith, FaithSettings};
 use crate::model::forward::RunOptions;
 use serde::{Deserialize, Serialize};
 
@@ -742,7 +742,7 @@ fn add_faithfulness(
     rec: &mut Record,
 ) -> anyhow::Result<()> {
     {
-        let f = run_faith(model, tokens, &FaithOptions::attention_only(), |_, _| {})?;
+        let f = run_faith(model, tokens, &FaithSettings::attention_only(), |_, _| {})?;
         rec.faithfulness = Some(
             f.metrics
                 .iter()

@@ -105,9 +105,10 @@ pub struct TargetInfoLite {
     pub token: String,
 }
 
-/// Options of a faithfulness run.
+/// How a faithfulness run ranks (the target, the replacement token, the seed, which gradient
+/// methods): what a [`FaithRequest`] comes to, and what `corpus` and `explain` ask for alone.
 #[derive(Clone, Debug)]
-pub struct FaithOptions {
+pub struct FaithSettings {
     pub target: Target,
     /// Text of the neutral replacement token (must be one token).
     pub replacement: String,
@@ -119,11 +120,11 @@ pub struct FaithOptions {
     pub ig_steps: usize,
 }
 
-impl FaithOptions {
+impl FaithSettings {
     /// The attention rankings only, as `corpus` and `explain` run them: next token, `" "` as
     /// the replacement, seed 7.
     pub fn attention_only() -> Self {
-        FaithOptions {
+        FaithSettings {
             target: Target::Next,
             replacement: " ".into(),
             seed: 7,
@@ -222,7 +223,7 @@ pub fn faithfulness(
         )?));
     }
     let gradients = req.gradients.unwrap_or(Gradients::All);
-    let opts = FaithOptions {
+    let opts = FaithSettings {
         target: req.target.clone(),
         replacement: req.replacement.clone(),
         seed: req.seed,
@@ -240,7 +241,7 @@ pub fn faithfulness(
 pub fn run(
     model: &Model,
     tokens: &[u32],
-    opts: &FaithOptions,
+    opts: &FaithSettings,
     mut tick: impl FnMut(usize, usize),
 ) -> Result<FaithReport> {
     if model.is_encoder() {
@@ -307,7 +308,7 @@ pub fn run(
 const TOP_KS: [usize; 3] = [1, 3, 5];
 
 /// Every explanation's score per position of the last query: the attention ones from the full
-/// run's patterns and values, and (with `FaithOptions::gradients`) the gradient-based and mixing
+/// run's patterns and values, and (with `FaithSettings::gradients`) the gradient-based and mixing
 /// ones of the same target.
 struct Explanations {
     attention_last: Vec<f32>,
@@ -332,7 +333,7 @@ impl Explanations {
         tokens: &[u32],
         cache: &AttnCache,
         kv: &KvPrefix,
-        opts: &FaithOptions,
+        opts: &FaithSettings,
         target_id: u32,
     ) -> Result<Self> {
         let (n, d) = (tokens.len(), &model.dims);

@@ -5,7 +5,7 @@
 
 use super::scaling::{before_and_after, measurement_table, median, timed};
 use attnscope::analysis::corpus::{builtin, builtin_tokens, text_record, text_records};
-use attnscope::analysis::faithfulness::{run as faithfulness, FaithOptions};
+use attnscope::analysis::faithfulness::{run as faithfulness, FaithSettings};
 use attnscope::model::capture::NoCapture;
 use attnscope::model::forward::RunOptions;
 use attnscope::model::Model;
@@ -43,7 +43,7 @@ pub fn run(model: &Model, n: usize, json: bool) -> anyhow::Result<()> {
             forwards.push(timed(|| model.forward(&tokens, &opts, &mut NoCapture))?.0);
             Ok(())
         },
-        || timed(|| faithfulness(model, &tokens, &FaithOptions::attention_only(), |_, _| {})),
+        || timed(|| faithfulness(model, &tokens, &FaithSettings::attention_only(), |_, _| {})),
     )?;
     let forward_s = median(forwards.clone());
     let texts = builtin();

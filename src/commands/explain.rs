@@ -1,7 +1,7 @@
 //! `attnscope explain`'s quiz on a real model: what it measures (the rows' sums and the masked
 //! weights on every layer and head, the last position's logits, attention against deletion).
 
-use crate::analysis::faithfulness::{run as run_faith, FaithOptions, FaithReport};
+use crate::analysis::faithfulness::{run as run_faith, FaithReport, FaithSettings};
 use crate::model::capture::{AttnCache, CaptureSpec};
 use crate::model::forward::RunOptions;
 use crate::model::Model;
@@ -47,7 +47,7 @@ pub fn attention_against_deletion(model: &Model, tokens: &[u32]) -> anyhow::Resu
     Ok(run_faith(
         model,
         tokens,
-        &FaithOptions::attention_only(),
+        &FaithSettings::attention_only(),
         |_, _| {},
     )?)
 }

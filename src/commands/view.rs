@@ -4,7 +4,7 @@
 //! \[CLS\]/\[SEP\]/punctuation shares are computed here; `render/` only encodes and formats them.
 
 use crate::analysis::encoder::shares_of_patterns;
-use crate::analysis::faithfulness::{run as run_faith, FaithOptions};
+use crate::analysis::faithfulness::{run as run_faith, FaithSettings};
 pub use crate::analysis::intervene::AblateMethod;
 use crate::analysis::intervene::{ablate, AblateOptions, AblateReport};
 use crate::analysis::norms::{all_value_norms, Values};
@@ -259,7 +259,7 @@ fn panels(
         Some(serde_json::to_value(run_faith(
             model,
             tokens,
-            &FaithOptions {
+            &FaithSettings {
                 target: target.clone(),
                 replacement: " ".into(),
                 seed: 7,
