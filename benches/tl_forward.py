@@ -20,6 +20,10 @@ TEXT = "Hà Nội là thủ đô của Việt Nam. Thành phố này nằm ở m
 BATCH = ["the hat sat on the mat and the cat sat there too"] * 8
 
 
+def zero_pos(act, hook):
+    act[:, 3] = 0  # one position of every row, in place (numpy or torch)
+
+
 def timed(f, reps):
     f()
     xs = []
@@ -61,7 +65,14 @@ def main():
         (f"model(tokens, return_type=None), 1 x {n}", lambda: ours(ours_ids, return_type=None),
          lambda: tl(ids, return_type=None)),
         (f"model(tokens), a batch of {bn} x {bl}", lambda: ours(ours_batch), lambda: tl(batch)),
+        (f"run_with_hooks, {bn} x {bl}, a resid_pre edit (a patching step)",
+         lambda: ours.run_with_hooks(ours_batch, fwd_hooks=[("blocks.4.hook_resid_pre", zero_pos)]),
+         lambda: tl.run_with_hooks(batch, fwd_hooks=[("blocks.4.hook_resid_pre", zero_pos)])),
         (f"run_with_cache(tokens), 1 x {n}, every hook", lambda: ours.run_with_cache(ours_ids),
+         lambda: tl.run_with_cache(ids)),
+        # TL computes hook_result only with cfg.use_attn_result; its cache above has none
+        (f"run_with_cache(tokens), 1 x {n}, every hook but hook_result",
+         lambda: ours.run_with_cache(ours_ids, names_filter=lambda h: not h.endswith("hook_result")),
          lambda: tl.run_with_cache(ids)),
     ]
     print(f"SmolLM2-135M, {a.threads} threads, medians of {a.reps}; logits differ by at most {diff:.2e}")

@@ -730,7 +730,9 @@ impl Model {
     /// Each head's part of layer `layer`'s attention output before W_O's bias (TransformerLens's
     /// `hook_result`) from `z` (`[rows, n_heads, head_dim]`): `[rows, n_heads, d_model]`, and the
     /// bias (`[d_model]`, zeros without one). Their sum over heads plus the bias is the output
-    /// projection of `z` (up to the order of the additions). One product per head: asked for only.
+    /// projection of `z` (up to the order of the additions). One product per head with its own
+    /// columns of W_O (a whole projection's work in all, where the weights are held in column
+    /// slices; else each head's zero-padded `z` through the whole projection): asked for only.
     pub fn head_results(
         &self,
         layer: usize,
@@ -745,17 +747,30 @@ impl Model {
         let mut out = vec![0f32; rows * nh * dm];
         let mut zh = vec![0f32; rows * width];
         for h in 0..nh {
-            zh.fill(0.0);
+            let cols = h * hd..(h + 1) * hd;
+            // this head's z alone, [rows, head_dim]: the product with its columns of W_O
+            let own: Vec<f32> = z
+                .chunks(width)
+                .take(rows)
+                .flat_map(|r| r[cols.clone()].iter().copied())
+                .collect();
+            let y = match self.head_output_projection(layer, h, &own, rows) {
+                Some(y) => y,
+                None => {
+                    // a packing without column slices: the other heads as zeros, bias taken off
+                    zh.fill(0.0);
+                    for r in 0..rows {
+                        zh[r * width + h * hd..][..hd].copy_from_slice(&own[r * hd..][..hd]);
+                    }
+                    let mut y = o.forward(&zh, rows)?;
+                    for row in y.chunks_mut(dm) {
+                        row.iter_mut().zip(&bias).for_each(|(y, &b)| *y -= b);
+                    }
+                    y
+                }
+            };
             for r in 0..rows {
-                zh[r * width + h * hd..][..hd].copy_from_slice(&z[r * width + h * hd..][..hd]);
-            }
-            let y = o.forward(&zh, rows)?;
-            for r in 0..rows {
-                let dst = &mut out[(r * nh + h) * dm..][..dm];
-                dst.iter_mut()
-                    .zip(&y[r * dm..(r + 1) * dm])
-                    .zip(&bias)
-                    .for_each(|((o, &y), &b)| *o = y - b);
+                out[(r * nh + h) * dm..][..dm].copy_from_slice(&y[r * dm..(r + 1) * dm]);
             }
         }
         let mut bias = bias;

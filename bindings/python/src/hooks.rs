@@ -7,7 +7,7 @@ use crate::cache::{cache_arrays, logit_rows, logits_array, spec_of};
 use crate::engine::{engine, to_py};
 use crate::model::Model;
 use attnscope::model::capture::{hook_name, AttnCache, Hook, Observer};
-use attnscope::model::forward::RunOptions;
+use attnscope::model::forward::{RunOptions, Segment};
 use attnscope::model::Error as ModelError;
 use numpy::{PyArray1, PyArrayMethods};
 use pyo3::exceptions::PyValueError;
@@ -30,34 +30,43 @@ struct Wanted {
 
 impl Wanted {
     fn call(&self, layer: usize, hook: Hook, shape: &[usize], data: &mut [f32]) -> PyResult<()> {
-        Python::attach(|py| {
-            let arr = PyArray1::from_slice(py, data).reshape(shape.to_vec())?;
-            let back = self
-                .editor
-                .as_ref()
-                .expect("edits only with an editor")
-                .call1(py, (hook_name(layer, hook), arr))?;
-            let back = back.bind(py);
-            let back = back.cast::<numpy::PyArrayDyn<f32>>().map_err(|_| {
-                PyValueError::new_err(format!(
-                    "the hook at {} must leave a float32 array",
-                    hook_name(layer, hook)
-                ))
-            })?;
-            let ro = back.readonly();
-            let view = ro.as_array();
-            if view.shape() != shape {
-                return Err(PyValueError::new_err(format!(
-                    "the hook at {} returned an array of shape {:?}; the activation is {:?}",
-                    hook_name(layer, hook),
-                    view.shape(),
-                    shape
-                )));
-            }
-            data.iter_mut().zip(view.iter()).for_each(|(d, &x)| *d = x);
-            Ok(())
-        })
+        let editor = self.editor.as_ref().expect("edits only with an editor");
+        call_editor(editor, layer, hook, shape, data)
     }
+}
+
+/// Hands `data` (shape `shape`) to the Python `editor(name, array)` and writes the float32 array
+/// of the same shape it returns back into `data`.
+fn call_editor(
+    editor: &Py<PyAny>,
+    layer: usize,
+    hook: Hook,
+    shape: &[usize],
+    data: &mut [f32],
+) -> PyResult<()> {
+    Python::attach(|py| {
+        let arr = PyArray1::from_slice(py, data).reshape(shape.to_vec())?;
+        let back = editor.call1(py, (hook_name(layer, hook), arr))?;
+        let back = back.bind(py);
+        let back = back.cast::<numpy::PyArrayDyn<f32>>().map_err(|_| {
+            PyValueError::new_err(format!(
+                "the hook at {} must leave a float32 array",
+                hook_name(layer, hook)
+            ))
+        })?;
+        let ro = back.readonly();
+        let view = ro.as_array();
+        if view.shape() != shape {
+            return Err(PyValueError::new_err(format!(
+                "the hook at {} returned an array of shape {:?}; the activation is {:?}",
+                hook_name(layer, hook),
+                view.shape(),
+                shape
+            )));
+        }
+        data.iter_mut().zip(view.iter()).for_each(|(d, &x)| *d = x);
+        Ok(())
+    })
 }
 
 impl Observer for Wanted {
@@ -94,6 +103,100 @@ impl Observer for Wanted {
         data: &mut [f32],
     ) -> Result<(), String> {
         self.call(layer, hook, shape, data).map_err(|e| {
+            let msg = format!("raised {e}");
+            self.error = Some(e);
+            msg
+        })
+    }
+}
+
+/// [`Wanted`] for a batch of rows of one length run as one forward over stacked segments
+/// (`Model::forward_segments`): the projections, norms and MLP read their weights once for every
+/// row, the attention runs per row. Each row keeps its own cache (its numbers are those of its own
+/// forward: the kernels compute each row alone); an edited per-position activation is handed to
+/// Python once, on every row at once (`[b, pos, ...]`, TransformerLens's batch axis). The
+/// attention maps are computed row by row, so an edit of `hook_attn_scores` or `hook_pattern`
+/// (which must see the whole batch) is not taken here: `_run_rows` runs those rows in lockstep.
+struct WantedBatch {
+    /// each row's captures
+    caches: Vec<AttnCache>,
+    pairs: BTreeSet<(usize, Hook)>,
+    edit: BTreeSet<(usize, Hook)>,
+    editor: Option<Py<PyAny>>,
+    error: Option<PyErr>,
+    stop: Option<usize>,
+    /// the row the attention's calls belong to (`Observer::segment`)
+    cur: usize,
+}
+
+impl Observer for WantedBatch {
+    fn wants(&self, layer: usize, hook: Hook) -> bool {
+        self.pairs.contains(&(layer, hook))
+    }
+    fn tensor(&mut self, layer: usize, hook: Hook, shape: &[usize], data: &[f32]) {
+        if per_row(hook) {
+            // handed in the attention, the row's own
+            return self.caches[self.cur].tensor(layer, hook, shape, data);
+        }
+        // every other per-position tensor covers every row, stacked: `[b · pos, ...]`
+        let b = self.caches.len();
+        let per = shape[0] / b;
+        debug_assert_eq!(per * b, shape[0], "a stacked tensor of whole rows");
+        let width: usize = shape[1..].iter().product();
+        let mut s = shape.to_vec();
+        s[0] = per;
+        for (i, c) in self.caches.iter_mut().enumerate() {
+            c.tensor(
+                layer,
+                hook,
+                &s,
+                &data[i * per * width..(i + 1) * per * width],
+            );
+        }
+    }
+    attnscope::delegate_observer!(caches[cur]: attention_block);
+    fn pattern_rows(
+        &mut self,
+        layer: usize,
+        q_start: usize,
+        rows: usize,
+        n_heads: usize,
+        k_len: usize,
+    ) -> Option<attnscope::model::capture::PatternRows<'_>> {
+        if !self.pairs.contains(&(layer, Hook::Pattern)) {
+            return None;
+        }
+        self.caches[self.cur].pattern_rows(layer, q_start, rows, n_heads, k_len)
+    }
+    fn segment(&mut self, index: usize) {
+        self.cur = index;
+    }
+    fn stops_before(&self, layer: usize) -> bool {
+        self.stop == Some(layer)
+    }
+    fn edits(&self, layer: usize, hook: Hook) -> bool {
+        self.editor.is_some() && self.error.is_none() && self.edit.contains(&(layer, hook))
+    }
+    fn edit(
+        &mut self,
+        layer: usize,
+        hook: Hook,
+        shape: &[usize],
+        data: &mut [f32],
+    ) -> Result<(), String> {
+        let b = self.caches.len();
+        if per_row(hook) || !shape[0].is_multiple_of(b) {
+            // run_batch refuses these edits before the forward
+            return Err(format!(
+                "an edit of {} in a stacked batch: you likely have found a bug",
+                hook_name(layer, hook)
+            ));
+        }
+        // [b · pos, ...] is [b, pos, ...]: the rows are stacked in order and of one length
+        let mut batched = vec![b, shape[0] / b];
+        batched.extend_from_slice(&shape[1..]);
+        let editor = self.editor.as_ref().expect("edits only with an editor");
+        call_editor(editor, layer, hook, &batched, data).map_err(|e| {
             let msg = format!("raised {e}");
             self.error = Some(e);
             msg
@@ -223,6 +326,148 @@ pub(crate) fn run<'py>(
     })?;
     let logits = logits_array(py, out?.logits)?;
     Ok((logits, cache_arrays(py, cache)?))
+}
+
+/// The hook points a forward over stacked rows hands inside the attention, one row at a time:
+/// the maps and the rotated queries and keys.
+fn per_row(hook: Hook) -> bool {
+    hook.is_attention_map() || matches!(hook, Hook::RotQ | Hook::RotK)
+}
+
+/// `Model.run_batch`'s body (its documentation is there, in the Python surface).
+#[allow(clippy::type_complexity, clippy::too_many_arguments)]
+pub(crate) fn run_batch<'py>(
+    this: &Model,
+    py: Python<'py>,
+    rows: Vec<Vec<u32>>,
+    hooks: Vec<(i64, String)>,
+    logits: &str,
+    edits: Vec<(i64, String)>,
+    editor: Option<Py<PyAny>>,
+    stop_at_layer: Option<usize>,
+) -> PyResult<(Option<Bound<'py, PyAny>>, Vec<(String, Bound<'py, PyAny>)>)> {
+    let d = &this.inner.dims;
+    if d.arch.is_encoder() {
+        return Err(PyValueError::new_err(
+            "run_batch runs a decoder's rows; an encoder's run one by one (Model.run)",
+        ));
+    }
+    let Some(n) = rows.first().map(Vec::len) else {
+        return Err(PyValueError::new_err("run_batch needs at least one row"));
+    };
+    if let Some(r) = rows.iter().find(|r| r.len() != n) {
+        return Err(PyValueError::new_err(format!(
+            "run_batch takes rows of one length (padded): {} and {n} tokens",
+            r.len()
+        )));
+    }
+    if n == 0 {
+        return Err(to_py(ModelError::EmptyText.into()));
+    }
+    if let Some(s) = stop_at_layer.filter(|&s| s > d.n_layers) {
+        return Err(PyValueError::new_err(format!(
+            "stop_at_layer={s} is out of range: the model has {} layers",
+            d.n_layers
+        )));
+    }
+    let pairs = hook_pairs(d.n_layers, hooks)?;
+    let edit = hook_pairs(d.n_layers, edits)?;
+    if let Some((l, h)) = edit.iter().find(|(_, h)| per_row(*h)) {
+        return Err(PyValueError::new_err(format!(
+            "run_batch edits the activations handed on every row at once; {} is handed row by row (edit it with Model.run)",
+            hook_name(*l, *h)
+        )));
+    }
+    let editor = match (editor, edit.is_empty()) {
+        (Some(e), _) => Some(e),
+        (None, true) => None,
+        (None, false) => return Err(PyValueError::new_err("edits given without an editor")),
+    };
+    let logits_at = logit_rows(logits, n)?;
+    for r in &rows {
+        this.check_ids(r)?;
+    }
+    let spec = spec_of(&pairs);
+    let m = this.inner.clone();
+    let b = rows.len();
+    let k = logits_at.len();
+    let (out, caches) = engine(py, move || {
+        let mut obs = WantedBatch {
+            caches: (0..b).map(|_| AttnCache::new(&spec, n)).collect(),
+            pairs,
+            edit,
+            editor,
+            error: None,
+            stop: stop_at_layer,
+            cur: 0,
+        };
+        let segs: Vec<Segment> = rows
+            .iter()
+            .map(|t| Segment {
+                tokens: t,
+                reuse: 0,
+                knockout: Vec::new(),
+                logits_at: logits_at.clone(),
+            })
+            .collect();
+        let out = m.forward_segments(None, &segs, None, &RunOptions::default(), &mut obs);
+        // an exception in a hook is raised as it was
+        match (out, obs.error) {
+            (_, Some(e)) => Ok((Err(e), obs.caches)),
+            (out, None) => Ok((Ok(out?), obs.caches)),
+        }
+    })?;
+    let out = out?;
+    // the logits rows come row after row: [b, k, vocab]
+    let logits = match out.logits.first().map(Vec::len) {
+        Some(vocab) if k > 0 => {
+            let mut flat = Vec::with_capacity(b * k * vocab);
+            for row in &out.logits {
+                flat.extend_from_slice(row);
+            }
+            Some(
+                PyArray1::from_vec(py, flat)
+                    .reshape([b, k, vocab])?
+                    .into_any(),
+            )
+        }
+        _ => None,
+    };
+    Ok((logits, stack_caches(py, caches)?))
+}
+
+/// Each row's captures stacked into `[b, ...]` arrays, by hook name (every row has the same
+/// entries, of the same shapes).
+fn stack_caches(
+    py: Python<'_>,
+    caches: Vec<AttnCache>,
+) -> PyResult<Vec<(String, Bound<'_, PyAny>)>> {
+    let b = caches.len();
+    let mut rows: Vec<_> = caches
+        .into_iter()
+        .map(|c| c.entries.into_values())
+        .collect();
+    let mut out = Vec::new();
+    let Some((first, rest)) = rows.split_first_mut() else {
+        return Ok(out);
+    };
+    for c in first.by_ref() {
+        let mut data = Vec::with_capacity(c.data.len() * b);
+        data.extend_from_slice(&c.data);
+        drop(c.data);
+        for r in rest.iter_mut() {
+            let o = r.next().expect("every row captures the same hooks");
+            debug_assert!(o.name == c.name && o.shape == c.shape);
+            data.extend_from_slice(&o.data);
+        }
+        let mut shape = vec![b];
+        shape.extend_from_slice(&c.shape);
+        out.push((
+            c.name,
+            PyArray1::from_vec(py, data).reshape(shape)?.into_any(),
+        ));
+    }
+    Ok(out)
 }
 
 /// `Model.head_results`'s body (its documentation is there, in the Python surface).

@@ -224,6 +224,29 @@ impl Model {
         )
     }
 
+    /// Runs a batch of token rows of one length (a padded batch) as one forward: the norms,
+    /// projections and MLP on every row's positions stacked (each weight read once for the
+    /// batch), the attention row by row; each row's numbers are those of its own `run` (the
+    /// kernels compute each row alone). Returns (logits `[b, n or 1, vocab]` or None, [(hook
+    /// name, array `[b, ...]`)]). `edits` (with `editor`): per-position hook points only; the
+    /// editor gets each one on every row at once, `[b, pos, ...]`, and what it returns flows on
+    /// (an edit of an attention map, `hook_rot_q` or `hook_rot_k`, which the forward hands row
+    /// by row, is refused: `run` edits those). A decoder only.
+    #[pyo3(signature = (rows, hooks, logits = "all", edits = Vec::new(), editor = None, stop_at_layer = None))]
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
+    fn run_batch<'py>(
+        &self,
+        py: Python<'py>,
+        rows: Vec<Vec<u32>>,
+        hooks: Vec<(i64, String)>,
+        logits: &str,
+        edits: Vec<(i64, String)>,
+        editor: Option<Py<PyAny>>,
+        stop_at_layer: Option<usize>,
+    ) -> PyResult<(Option<Bound<'py, PyAny>>, Vec<(String, Bound<'py, PyAny>)>)> {
+        hooks::run_batch(self, py, rows, hooks, logits, edits, editor, stop_at_layer)
+    }
+
     /// Each head's part of layer `layer`'s attention output from `z` (`[rows, n_heads, d_head]`,
     /// flattened): `([rows, n_heads, d_model]` flattened, W_O's bias `[d_model]`), TransformerLens's
     /// `hook_result` and `b_O`.

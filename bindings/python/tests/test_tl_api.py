@@ -215,6 +215,66 @@ def test_hooks_see_the_whole_batch(smol):
     assert np.array_equal(smol(toks), np.stack([smol(toks[0])[0], smol(toks[1])[0]]))
 
 
+def test_a_batch_runs_as_one_stacked_forward(smol):
+    """A batch with no attention-map edit runs as one forward over the stacked rows (the native
+    ``run_batch``): every hook, the logits, an edit of every row at once and stop_at_layer give
+    each row's own forward, bit for bit; an attention map's edit goes row by row in lockstep."""
+    texts = ["The cat sat on the mat", "When Mary and John went to the store, John gave", "A"]
+    toks = smol.to_tokens(texts)
+    b, n = toks.shape
+    calls = []
+    real = smol._m
+    class Spy:  # counts the native calls, then hands them on
+        def __getattr__(self, name):
+            f = getattr(real, name)
+            def call(*a, **k):
+                calls.append(name)
+                return f(*a, **k)
+            return call
+    smol._m = Spy()
+    try:
+        logits, cache = smol.run_with_cache(toks)
+        assert calls == ["run_batch"]
+        seen = []
+
+        def ablate(a, hook):
+            seen.append(tuple(a.shape))
+            a[:, :, 4] = 0  # head 4 of every row
+            a[1] += 0.5 * a[0]  # and row 0 into row 1: the edit sees the batch
+        edited = smol.run_with_hooks(toks, fwd_hooks=[("blocks.2.attn.hook_z", ablate)])
+        assert seen == [(b, n, smol.cfg.n_heads, smol.cfg.d_head)] and calls[-1] == "run_batch"
+        stopped = smol(toks, stop_at_layer=5)
+        assert stopped.shape == (b, n, smol.cfg.d_model) and calls[-1] == "run_batch"
+        last = smol.run_with_cache(toks, names_filter="hook_resid_post", logits="last")[0]
+        assert last.shape == (b, 1, smol.cfg.d_vocab)
+        # an attention map's edit: each row's forward, meeting at the map
+        calls.clear()
+        smol.run_with_hooks(toks, fwd_hooks=[("blocks.3.attn.hook_pattern", lambda a, hook: None)])
+        assert calls == ["run"] * b
+        calls.clear()
+        rot = smol.run_with_hooks(toks, fwd_hooks=[("blocks.3.attn.hook_rot_k", lambda a, hook: None)])
+        assert calls == ["run"] * b and np.array_equal(rot, logits)
+    finally:
+        smol._m = real
+    assert len(cache) == len(smol.hook_names())
+    z = None
+    for i in range(b):
+        lg, alone = smol.run_with_cache(toks[i])
+        assert np.array_equal(logits[i], lg[0])
+        for name, arr in alone.items():
+            assert np.array_equal(cache[name][i], arr[0]), name
+        if i == 0:
+            z = alone["z", 2][0].copy()
+            z[:, 4] = 0
+        def ablate_row(a, hook, i=i):
+            a[:, :, 4] = 0
+            if i == 1:
+                a[0] += 0.5 * z
+        assert np.array_equal(edited[i], smol.run_with_hooks(toks[i], fwd_hooks=[("blocks.2.attn.hook_z", ablate_row)])[0])
+        assert np.array_equal(stopped[i], smol(toks[i], stop_at_layer=5)[0])
+        assert np.array_equal(last[i, 0], lg[0, -1])
+
+
 def test_device_and_loss_fn_as_transformerlens_names_them(smol):
     assert smol.cfg.device == "cpu"
     toks = smol.to_tokens(["The cat sat on the mat", "A dog"])

@@ -106,6 +106,22 @@ class HooksMixin:
         return editor
 
 
+    def _stacked_editor(self, by_name: Dict[str, List[HookFn]]):
+        """The callable a batch's stacked forward (``Model.run_batch``) hands each edited
+        activation to, on every row at once (``[b, ...]``): it runs the hook functions of its name."""
+
+        def editor(name: str, arr: np.ndarray) -> np.ndarray:
+            hook = self.hook_dict[name]
+            act = arr
+            for fn in by_name[name]:
+                r = fn(_wrap(act), hook)  # a torch tensor shares act's memory: in-place edits land
+                if r is not None:
+                    act = _as_float32(r, name, act.shape)
+            # the engine refuses a NaN or infinity (a -inf score masks a key), naming the hook
+            return np.ascontiguousarray(act, dtype=np.float32)
+
+        return editor
+
     def run_with_hooks(self, input: TextOrTokens, fwd_hooks: Sequence[Tuple[HookName, HookFn]] = (),
                        bwd_hooks: Sequence[Tuple[HookName, HookFn]] = (), reset_hooks_end: bool = True,
                        clear_contexts: bool = False, return_type: Optional[str] = "logits",

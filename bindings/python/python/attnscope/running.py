@@ -10,8 +10,11 @@ import numpy as np
 from . import hook_points
 from .arrays import _np, _wrap
 from .cache import ActivationCache
-from .hooks import GLOBAL_HOOKS, HOOKS, _SHORT, HookFn, HookName, NamesFilter, TextOrTokens
+from .hooks import _MAPS, GLOBAL_HOOKS, HOOKS, _SHORT, HookFn, HookName, NamesFilter, TextOrTokens
 from .inputs import token_arg as _tok
+
+# the hook points the engine hands inside the attention, one row at a time
+_PER_ROW = _MAPS + ("attn.hook_rot_q", "attn.hook_rot_k")
 
 
 class RunMixin:
@@ -189,6 +192,19 @@ class RunMixin:
         want = capture + ([extra] if extra is not None and extra not in capture else [])
         b = len(rows)
         results: List[Any] = [None] * b
+        if b > 1 and types is None and not self.is_encoder and not any(h in _PER_ROW for _, h in edits):
+            # one forward over the stacked rows (each weight read once for the batch; each row's
+            # numbers are those of its own forward); an edit sees every row at once, [b, ...]; the
+            # maps and rotated q/k are made row by row there, so their edits run rows in lockstep
+            ed = self._stacked_editor(by_name) if by_name else None
+            lg, arrays = self._m.run_batch(rows, want, mode, edits, ed, stop)
+            cache = dict(arrays)
+            if extra is not None:
+                first = cache[self._full_name(*extra)]
+                if extra not in capture:
+                    del cache[self._full_name(*extra)]
+                return first, cache
+            return lg, cache
         if not by_name or b == 1:
             for i, ids in enumerate(rows):
                 ed = self._editor(by_name, None, i) if by_name else None
