@@ -617,6 +617,31 @@ fn seed_oss_matches_transformers() {
     let m = dir.path().to_str().unwrap();
     let e = run_err(["inspect", "--model", m, "--text", "The cat"], 2);
     assert!(e.contains("`mlp_bias`"), "{e}");
+    // q/k/v biases in the file that transformers would not apply (attention_bias false; a
+    // Llama's default; Mistral never): refused by name, never added silently
+    for edit in [
+        &(|c: &mut serde_json::Value| c["attention_bias"] = false.into()) as &dyn Fn(&mut _),
+        &|c: &mut serde_json::Value| {
+            c.as_object_mut().unwrap().remove("attention_bias");
+            c["model_type"] = "llama".into();
+            c["architectures"] = serde_json::json!(["LlamaForCausalLM"]);
+        },
+        &|c: &mut serde_json::Value| {
+            c["model_type"] = "mistral".into();
+            c["architectures"] = serde_json::json!(["MistralForCausalLM"]);
+        },
+    ] {
+        let dir = fixture_copy("seed_oss", edit);
+        let e = load_err(dir.path());
+        assert!(
+            e.contains("attention_bias") && e.contains("q_proj.bias"),
+            "{e}"
+        );
+    }
+    // Seed-OSS's default is true (SeedOssConfig): without the key, its biases are read
+    check("seed_oss", &|c| {
+        c.as_object_mut().unwrap().remove("attention_bias");
+    });
     seed_oss_reads_its_qkv_biases();
 }
 

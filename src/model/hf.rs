@@ -181,6 +181,46 @@ impl HfFolder {
         })
     }
 
+    /// Refuses q/k/v biases in the file that transformers does not apply: Qwen2's attention
+    /// always has them, Mistral's and Phi-3's never, the other RoPE families' only with
+    /// `attention_bias: true` (Seed-OSS's default; the others' is false). The forward adds any
+    /// bias the file has,
+    /// so such a file would give other numbers than transformers', silently.
+    fn check_qkv_biases(&self, r: &ConfigReader) -> Result<()> {
+        let arch = r.arch;
+        if arch == Arch::Qwen2 || arch.learned_positions() || arch.is_encoder() {
+            return Ok(());
+        }
+        let name = format!(
+            "{}{}",
+            self.prefix.unwrap_or(""),
+            hf_name_for(Some(arch), &Logical::QBias(0))
+        );
+        if self.table.entry(&name).is_none() {
+            return Ok(());
+        }
+        // transformers' default: true for Seed-OSS, false for the others
+        let default = arch == Arch::SeedOss;
+        let said = r.set("attention_bias").and_then(|v| v.as_bool());
+        let reason = match (arch, said.unwrap_or(default)) {
+            (Arch::Mistral | Arch::Phi3, _) => format!(
+                "; the file has q/k/v biases ({name}), which transformers' {} never applies: \
+                 remove them from the file, or load it as a family that has them",
+                r.a
+            ),
+            (_, true) => return Ok(()),
+            _ => format!(
+                "; the file has q/k/v biases ({name}), which transformers applies only with \
+                 `attention_bias: true`: set it if they belong to the model, else remove them"
+            ),
+        };
+        let value = r
+            .set("attention_bias")
+            .cloned()
+            .unwrap_or(serde_json::Value::Bool(false));
+        Err(r.unsupported("attention_bias", &value, &reason))
+    }
+
     pub fn arch_string(&self) -> String {
         self.config
             .model_type
@@ -210,6 +250,7 @@ impl HfFolder {
         r.check_activation()?;
         let sliding_window = r.sliding_window()?;
         let sliding_layers = r.sliding_layers(sliding_window)?;
+        self.check_qkv_biases(&r)?;
         let position_pad = r.position_pad()?;
         let context_len = r.context_len(position_pad)?;
         let dims = ModelDims {
@@ -537,7 +578,10 @@ impl<'a> ConfigReader<'a> {
             Window::Refused => Err(self.unsupported(
                 "sliding_window",
                 v,
-                "; for a llama model attnscope attends to every earlier token",
+                &format!(
+                    "; for a {} model attnscope attends to every earlier token",
+                    self.arch.family().name
+                ),
             )),
         }
     }
