@@ -38,12 +38,38 @@ pub(crate) fn to_py(e: anyhow::Error) -> PyErr {
     }
 }
 
-/// Runs `f` without the GIL; a panic inside becomes a RuntimeError, never a crash.
+thread_local! {
+    /// What a signal handler raised when the engine ran it ([`python_interrupted`]), kept for
+    /// this thread's [`engine`] call to raise: Python would have raised it there.
+    static SIGNALLED: std::cell::RefCell<Option<PyErr>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f` without the GIL; a panic inside becomes a RuntimeError, never a crash. A signal
+/// handler that raised while it ran (Ctrl-C's KeyboardInterrupt, a SIGALRM handler's timeout)
+/// is raised here, whatever `f` returned: a KeyboardInterrupt with the engine's message when the
+/// engine stopped for it, the handler's own exception otherwise; never lost.
 pub(crate) fn engine<R: Send>(
     py: Python<'_>,
     f: impl FnOnce() -> anyhow::Result<R> + Send,
 ) -> PyResult<R> {
+    // one left by a call that ran the handler outside an engine call: raised before running
+    if let Some(e) = SIGNALLED.with(|s| s.borrow_mut().take()) {
+        return Err(e);
+    }
     let r = py.detach(|| std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
+    if let Some(e) = SIGNALLED.with(|s| s.borrow_mut().take()) {
+        let stopped = matches!(&r, Ok(Err(err)) if err.chain().any(|c| {
+            matches!(c.downcast_ref::<ModelError>(), Some(ModelError::Interrupted))
+        }));
+        if !e.is_instance_of::<PyKeyboardInterrupt>(py) {
+            return Err(e);
+        }
+        if !stopped {
+            return Err(PyKeyboardInterrupt::new_err(
+                "interrupted (Ctrl-C); the engine's result was dropped",
+            ));
+        }
+    }
     match r {
         Ok(r) => r.map_err(to_py),
         Err(p) => {
@@ -61,7 +87,16 @@ pub(crate) fn engine<R: Send>(
 
 /// Python's pending signals (Ctrl-C), asked by the forward after every layer.
 pub(crate) fn python_interrupted() -> bool {
-    Python::attach(|py| py.check_signals().is_err())
+    Python::attach(|py| match py.check_signals() {
+        Ok(()) => false,
+        Err(e) => {
+            // the handler's exception, for this thread's engine call to raise (the first one)
+            SIGNALLED.with(|s| {
+                s.borrow_mut().get_or_insert(e);
+            });
+            true
+        }
+    })
 }
 
 /// A report as Python objects (dicts, lists, floats), without a JSON round trip: an f32 becomes

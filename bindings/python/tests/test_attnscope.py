@@ -398,6 +398,28 @@ def test_ctrl_c_interrupts_a_long_run(smol, tmp_path):
     assert smol.corpus(["the hat sat on the mat"])["sentences"] == 1
 
 
+def test_a_signal_handlers_exception_is_raised_as_it_was(smol):
+    # a SIGALRM handler's exception while the engine runs (a notebook harness's cell timeout)
+    # comes out as itself, not as a KeyboardInterrupt, and the engine stops at the next layer
+    class Late(Exception):
+        pass
+
+    def alarm(signum, frame):
+        raise Late("the cell's time is up")
+
+    ids = np.array([[1] + [504, 2644, 2643, 335, 260, 1171] * 300])
+    old = signal.signal(signal.SIGALRM, alarm)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(Late, match="time is up"):
+            smol(ids, return_type=None)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    # nothing is left pending: the next call runs
+    assert smol(ids[:, :5]).shape == (1, 5, smol.cfg.d_vocab)
+
+
 def test_views_in_a_notebook(qwen, tmp_path):
     _, cache = qwen.run_with_cache("the hat sat on the mat", names_filter="hook_pattern", logits=None)
     toks = qwen.to_str_tokens("the hat sat on the mat")
