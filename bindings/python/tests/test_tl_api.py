@@ -317,6 +317,41 @@ def test_ov_and_qk_circuits_as_factored_matrices(smol):
         ov[1, 4, 0]
 
 
+def test_the_full_ov_circuit_keeps_the_embeddings_apart(smol):
+    """``W_E @ model.OV @ W_U`` (TL's full OV circuit, Main_Demo's cell 48): TL folds W_E into A and
+    W_U into B (factors of 2 x 3.4 GB on SmolLM2); here they stay apart until A or B is read, and
+    the eigenvalues, BA and corners, computed through W_U @ W_E, equal TL's products in float64."""
+    W_E, W_U = np.asarray(smol.W_E), np.asarray(smol.W_U)
+    full = W_E @ smol.OV @ W_U
+    V, d, m = smol.cfg.d_vocab, smol.cfg.d_model, smol.cfg.d_head
+    assert full.shape == (smol.cfg.n_layers, smol.cfg.n_heads, V, V) and full.mdim == m
+    assert not full._folded and repr(full) == f"FactoredMatrix: Shape({full.shape}), Hidden Dim({m})"
+    one = full[2, 5]  # indexing keeps them apart too
+    assert one.shape == (V, V) and not one._folded
+    W_V, W_O = np.asarray(smol.W_V, dtype=np.float64)[2, 5], np.asarray(smol.W_O, dtype=np.float64)[2, 5]
+    E, U = W_E.astype(np.float64), W_U.astype(np.float64)
+    A, B = E @ W_V, W_O @ U  # TL's factors
+    ba = B @ A
+    assert np.allclose(np.asarray(one.BA), ba, atol=1e-4 * np.abs(ba).max())
+    ev = np.sort_complex(np.asarray(one.eigenvalues).astype(np.complex128))
+    assert np.allclose(ev, np.sort_complex(np.linalg.eigvals(ba)), atol=1e-4 * np.abs(ev).max())
+    assert full.eigenvalues.shape == (smol.cfg.n_layers, smol.cfg.n_heads, m) and not full._folded
+    corner = A[:4] @ B[:, :4]
+    assert np.allclose(np.asarray(one.get_corner(4)), corner, atol=1e-4 * np.abs(corner).max())
+    # a vector on either side, and the transpose, without folding
+    x = np.random.default_rng(1).standard_normal(V).astype(np.float32)
+    want = A @ (B @ x.astype(np.float64))
+    assert np.allclose(np.asarray(one @ x), want, atol=1e-4 * np.abs(want).max())
+    want = (x.astype(np.float64) @ A) @ B
+    assert np.allclose(np.asarray(x @ one), want, atol=1e-4 * np.abs(want).max())
+    t = one.T
+    assert t.shape == (V, V) and np.allclose(np.asarray(t.get_corner(3)), corner[:3, :3].T, atol=1e-4 * np.abs(corner).max())
+    # A and B are TL's once read
+    assert np.allclose(np.asarray(one.A), A, atol=1e-4 * np.abs(A).max())
+    assert np.allclose(np.asarray(one.B), B, atol=1e-4 * np.abs(B).max())
+    assert set(one._folded) == {"A", "B"}
+
+
 def test_cache_keys_in_transformer_lens_forms(smol):
     """#59: TL's key forms resolve to the hook names (compared with TL's own cache in
     test_tl_real.py); unknown keys raise a KeyError naming the close ones."""
