@@ -84,6 +84,11 @@ def _head_of(t, head, n_heads, dim=2):
 """
 # the GPT-2-specific lines, changed for both runs (TL's and attnscope's): (pattern, replacement, why)
 CELL_REWRITES = {
+    ("Main_Demo", 51): [
+        (r"for layer in range\(12\) for head in range\(12\)",
+         "for layer in range(model.cfg.n_layers) for head in range(model.cfg.n_heads)",
+         "the hover labels name GPT-2's 12 layers x 12 heads (144); SmolLM2 has 30 x 9 (270), so plotly refuses "
+         "the lengths, in TL too")],
     ("Exploratory_Analysis_Demo", 4): [
         (r"^(\s*)refactor_factored_attn_matrices=True,", r"\1# refactor_factored_attn_matrices=True,",
          "TL refuses refactor_factored_attn_matrices on rotary models (AssertionError: the QK matrix depends on "
