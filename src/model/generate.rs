@@ -518,7 +518,10 @@ impl Model {
             keep_kv: true,
             ..Default::default()
         };
-        let out = self.forward_from(kv, next, &opts, &mut obs)?;
+        // one row a product from the prompt's last layer on: from the file's blocks
+        let out = super::weights::matvec::as_decode_step(|| {
+            self.forward_from(kv, next, &opts, &mut obs)
+        })?;
         let logits = out
             .logits
             .into_iter()

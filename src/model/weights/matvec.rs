@@ -22,10 +22,32 @@ pub(crate) fn blocks_of(dtype: BlockType) -> Option<Blocks> {
     })
 }
 
-/// Whether decode steps multiply from the file's blocks: `ATTNSCOPE_DECODE=blocks` (off by
-/// default: [`qmatvec::chosen`] says why).
+thread_local! {
+    /// Whether this thread is running one of `generate`'s steps ([`as_decode_step`]).
+    static DECODING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f`, a step of `generate` (the prompt's forward, then each KV-cache step), so that its
+/// one-row products multiply from the file's blocks where [`qmatvec::chosen`] says so. Only
+/// there: a one-row product elsewhere (the last layer narrowed to one logits row, a batch's
+/// variant of one token) keeps the panels, so that a row computed alone and in a batch stay the
+/// same bits.
+pub(crate) fn as_decode_step<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            DECODING.with(|d| d.set(self.0));
+        }
+    }
+    let _restore = Restore(DECODING.with(|d| d.replace(true)));
+    f()
+}
+
+/// Whether a one-row product here multiplies from the file's blocks: inside one of
+/// `generate`'s steps ([`as_decode_step`]), unless `ATTNSCOPE_DECODE=panels`
+/// ([`qmatvec::chosen`] has the measurements).
 pub fn decode_from_blocks() -> bool {
-    qmatvec::chosen()
+    DECODING.with(|d| d.get()) && qmatvec::chosen()
 }
 
 /// A projection's parts as mapped blocks, `[rows_i, k]` each, stacked along the output.
