@@ -44,7 +44,7 @@ pub(crate) fn as_decode_step<R>(f: impl FnOnce() -> R) -> R {
 }
 
 /// Whether a one-row product here multiplies from the file's blocks: inside one of
-/// `generate`'s steps ([`as_decode_step`]), unless `ATTNSCOPE_DECODE=panels`
+/// `generate`'s steps (`as_decode_step`), unless `ATTNSCOPE_DECODE=panels`
 /// ([`qmatvec::chosen`] has the measurements).
 pub fn decode_from_blocks() -> bool {
     DECODING.with(|d| d.get()) && qmatvec::chosen()
