@@ -118,15 +118,13 @@ pub fn rows(ty: Blocks, bytes: &[u8], x: &[f32], ys: &mut [f32], accumulate: boo
     {
         use crate::kernels::simd::{current, Level};
         let bytes = &bytes[..ys.len() * rb];
-        // every AVX2 or AVX-512 CPU has F16C; checked all the same (once, then cached)
-        let f16c = std::is_x86_feature_detected!("f16c");
         let done = match current() {
             // SAFETY: `current` names only a level whose features this CPU has (AVX-512
-            // F/BW/DQ/VL), F16C is checked above; the kernel reads `ys.len()` whole rows of
-            // `rb` bytes (checked above) and `x.len()` weights a row.
-            Level::Avx512 if f16c => unsafe { x86::rows_avx512(ty, bytes, rb, x, ys, accumulate) },
+            // F/BW/DQ/VL); the kernel reads `ys.len()` whole rows of `rb` bytes (checked
+            // above) and `x.len()` weights a row.
+            Level::Avx512 => unsafe { x86::rows_avx512(ty, bytes, rb, x, ys, accumulate) },
             // SAFETY: as above, AVX2 and FMA.
-            Level::Avx2 if f16c => unsafe { x86::rows_avx2(ty, bytes, rb, x, ys, accumulate) },
+            Level::Avx2 => unsafe { x86::rows_avx2(ty, bytes, rb, x, ys, accumulate) },
             _ => false,
         };
         if done {
@@ -356,9 +354,9 @@ mod x86;
 /// Whether decode steps multiply from the file's blocks: yes by default and with
 /// `ATTNSCOPE_DECODE=blocks`, no with `ATTNSCOPE_DECODE=panels`. Measured side by side on a
 /// 2-core Sapphire Rapids Xeon (`bench --machine`, 500-token prompt, 32 new tokens): the default
-/// model (Q5_0, Q8_0, Q4_K, Q6_K) 15.0 tokens/s from the blocks against 7.8 from the panels
-/// (AMX tiles), 15.4 against 6.8 with `ATTNSCOPE_ISA=avx2` (f32 panels), 14.1 against 2.9 with
-/// `--memory low`; SmolLM2 (Q4_1...) 19.0 against 11.6; Gemma 3 13.2 against 10.7. A decode
+/// model (Q5_0, Q8_0, Q4_K, Q6_K) 26.8 tokens/s from the blocks against 9.9-10.1 from the
+/// panels (AMX tiles), 24.0 against 7.4 with `ATTNSCOPE_ISA=avx2` (f32 panels), 26.1 against 3.3
+/// with `--memory low`; SmolLM2 (Q4_1...) 50.9 against 17.2; Gemma 3 25.5 against 14.1. A decode
 /// step's product sums in `ops::dot16`'s order rather than the GEMM's: the same products, the
 /// sums within f32 rounding. Every entry point has called [`check`] (through
 /// `kernels::select::check`) first; a value it refuses stops here.

@@ -305,9 +305,11 @@ impl KvPrefix {
         let len = len.min(self.len);
         let (nkv, hd, old) = (self.n_kv, self.head_dim, self.len);
         let cut = |x: &Vec<f32>| -> Vec<f32> {
-            (0..nkv)
-                .flat_map(|g| x[g * old * hd..(g * old + len) * hd].iter().copied())
-                .collect()
+            let mut out = Vec::with_capacity(nkv * len * hd);
+            for g in 0..nkv {
+                out.extend_from_slice(&x[g * old * hd..(g * old + len) * hd]);
+            }
+            out
         };
         let layers: Vec<_> = self.layers.iter().map(|(k, v)| (cut(k), cut(v))).collect();
         let k_sq = layers.iter().map(|(k, _)| max_row_sq(k, hd)).collect();

@@ -518,9 +518,13 @@ impl Model {
             keep_kv: true,
             ..Default::default()
         };
-        // one row a product from the prompt's last layer on: from the file's blocks
-        let out = super::weights::matvec::as_decode_step(|| {
-            self.forward_from(kv, next, &opts, &mut obs)
+        // one row a product from the prompt's last layer on: from the file's blocks. The step
+        // runs on one of rayon's threads (`scope`), so its ~170 parallel products a token are
+        // handed to the other threads without waking this one each time (20.1-20.4 tokens/s
+        // against 18.5-19.1 on the default model, 2 cores); `as_decode_step` marks the thread
+        // that runs the forward, hence inside the scope.
+        let out = rayon::scope(|_| {
+            super::weights::matvec::as_decode_step(|| self.forward_from(kv, next, &opts, &mut obs))
         })?;
         let logits = out
             .logits

@@ -4,12 +4,15 @@
 //! the same integer) widened exactly to f32, the same multiplies, subtractions and additions
 //! of f32 values (each rounded once, never fused), then `acc[lane] += w · x` in the same order
 //! (`every_block_type_gives_the_dequantized_products_at_every_width`). The bytes are worked on
-//! 16 at a time in 128-bit registers (SSSE3, which both levels include); two rows go side by
-//! side, so that two chains of additions overlap, with the loads asked for ahead.
+//! 16 at a time in 128-bit registers (SSSE3, which both levels include), Q5_0's 32 at a time in
+//! 256-bit ones; the blocks' f16 scales are read from a table ([`F16s`]); two rows go side by
+//! side, so that two chains of additions overlap, with the loads asked for 8 KiB ahead.
 //!
 //! Why by hand: the portable bodies compiled for AVX-512 ran the default model's decode step
-//! at 5.0 tokens/s (the blocks' closures and the f16 conversions stayed calls); these at 15.0
-//! (a 2-core Sapphire Rapids, `bench --machine`).
+//! at 5.0 tokens/s (the blocks' closures and the f16 conversions stayed calls); these at 15.0,
+//! and 26.8 with the table, Q5_0's wider unpacking, the farther prefetch and the step's other
+//! changes (a 2-core Sapphire Rapids, `bench --machine`; docs/benchmarks.md has each change's
+//! share, `cargo bench --bench qmatvec` each type's rate).
 //!
 //! Safety, once for the module: every function here is reached only from [`rows_avx512`] or
 //! [`rows_avx2`], whose callers have checked that the CPU has the level's features, and reads
@@ -153,9 +156,13 @@ unsafe fn step<V: Lanes, const R: usize>(acc: &mut [V; R], w: [V; R], x: *const 
     }
 }
 
-/// How far ahead of each row's block the loads are asked for (bytes; a prefetch past the end
-/// of the mapping is a hint, never a fault). +5% decode speed on the default model.
-const PREFETCH: usize = 512;
+/// How far ahead of each row's block the loads are asked for, into the L2 cache (bytes; a
+/// prefetch past the end of the mapping is a hint, never a fault). Measured on a 2-core
+/// Sapphire Rapids (`cargo bench --bench qmatvec -- from_memory`: 512 MiB of rows, both
+/// cores): 512 bytes ahead gave Q5_0 10.2 GiB/s and Q8_0 12.8; 4 KiB 12.2 and 16.9; 8 KiB 12.5
+/// and 16.4, the plateau (16 KiB no better); the default model's decode went from 20.1-20.4
+/// tokens/s to 23.2-24.5.
+const PREFETCH: usize = 8192;
 
 /// Stores a row's sum (its lanes in `ops::dot16`'s tree).
 #[inline(always)]
@@ -180,6 +187,7 @@ unsafe fn each_row<K: Kind, V: Lanes, const R: usize>(
 ) {
     let (wb, ww) = (K::WB, K::WW);
     let blocks = rb / wb;
+    let t = F16s::get();
     debug_assert!(blocks * ww <= x.len());
     let mut rows = bytes.chunks_exact(rb * R);
     let mut outs = ys.chunks_exact_mut(R);
@@ -188,9 +196,9 @@ unsafe fn each_row<K: Kind, V: Lanes, const R: usize>(
         for i in 0..blocks {
             let b: [*const u8; R] = std::array::from_fn(|r| group.as_ptr().add(r * rb + i * wb));
             for p in b {
-                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH) as *const i8);
+                _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(PREFETCH) as *const i8);
             }
-            K::block(&b, x.as_ptr().add(i * ww), &mut acc);
+            K::block(t, &b, x.as_ptr().add(i * ww), &mut acc);
         }
         for (acc, y) in acc.into_iter().zip(ys.iter_mut()) {
             finish(acc, y, accumulate);
@@ -200,6 +208,7 @@ unsafe fn each_row<K: Kind, V: Lanes, const R: usize>(
         let mut acc = [V::zero(); 1];
         for i in 0..blocks {
             K::block(
+                t,
                 &[row.as_ptr().add(i * wb)],
                 x.as_ptr().add(i * ww),
                 &mut acc,
@@ -216,24 +225,40 @@ trait Kind {
     const WB: usize;
     const WW: usize;
     /// `acc[r]` plus the block at `b[r]` times the block's weights at `x`, for each row `r`.
-    unsafe fn block<V: Lanes, const R: usize>(b: &[*const u8; R], x: *const f32, acc: &mut [V; R]);
+    unsafe fn block<V: Lanes, const R: usize>(
+        t: F16s,
+        b: &[*const u8; R],
+        x: *const f32,
+        acc: &mut [V; R],
+    );
 }
 
-/// The block's f16 at byte `at`, as f32 (exact: F16C's conversion, inline, where the
-/// `half` crate would call out once a block).
-#[inline(always)]
-unsafe fn f16_of(b: *const u8, at: usize) -> f32 {
-    let h = (b.add(at) as *const u16).read_unaligned();
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
-}
+/// Every f16's f32 value, by its bits (256 KiB, built once): a block's scale is then a load
+/// and a broadcast from memory, which take no vector ALU port, where F16C's conversion took
+/// three (a move, the conversion, the broadcast) of the two that AVX-512 code has. Exact: the
+/// `half` crate's conversion, which is F16C's.
+#[derive(Clone, Copy)]
+struct F16s(&'static [f32; 1 << 16]);
 
-/// Byte `j` of the result: 16 where bit `j` of the 16 bits of `qh` that `spread` picks (its
-/// bytes 0/1 or 2/3) is set, else 0 (llama.cpp's `bytes_from_bits_32`).
-#[inline(always)]
-unsafe fn fifth_bits(qh: __m128i, spread: __m128i) -> __m128i {
-    let bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
-    let m = _mm_and_si128(_mm_shuffle_epi8(qh, spread), bit);
-    _mm_and_si128(_mm_cmpeq_epi8(m, bit), _mm_set1_epi8(0x10))
+impl F16s {
+    fn get() -> F16s {
+        use std::sync::OnceLock;
+        static TABLE: OnceLock<Box<[f32; 1 << 16]>> = OnceLock::new();
+        F16s(TABLE.get_or_init(|| {
+            let all: Vec<f32> = (0..=u16::MAX)
+                .map(|h| half::f16::from_bits(h).to_f32())
+                .collect();
+            all.into_boxed_slice()
+                .try_into()
+                .expect("one value for each of the 2^16 bit patterns")
+        }))
+    }
+
+    /// The block's f16 at byte `at`, as f32 (a u16 indexes the table: no bound to check).
+    #[inline(always)]
+    unsafe fn of(self, b: *const u8, at: usize) -> f32 {
+        self.0[(b.add(at) as *const u16).read_unaligned() as usize]
+    }
 }
 
 struct Q8_0;
@@ -243,13 +268,14 @@ impl Kind for Q8_0 {
     const WW: usize = 32;
     #[inline(always)]
     unsafe fn block<V: Lanes, const R: usize>(
+        t: F16s,
         b: &[*const u8; R],
         xs: *const f32,
         acc: &mut [V; R],
     ) {
         let mut d = [V::zero(); R];
         for r in 0..R {
-            d[r] = V::splat(f16_of(b[r], 0));
+            d[r] = V::splat(t.of(b[r], 0));
         }
         for g in 0..2 {
             let mut w = [V::zero(); R];
@@ -268,28 +294,37 @@ impl Kind for Q5_0 {
     const WW: usize = 32;
     #[inline(always)]
     unsafe fn block<V: Lanes, const R: usize>(
+        t: F16s,
         b: &[*const u8; R],
         xs: *const f32,
         acc: &mut [V; R],
     ) {
-        let sixteen = _mm_set1_epi8(16);
-        for half in 0..2 {
-            // byte j takes the fifth bit j of qh's low half (the low nibbles) or high half
-            let spread = if half == 0 {
-                _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
-            } else {
-                _mm_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)
-            };
-            let mut w = [V::zero(); R];
-            for r in 0..R {
-                let qh = _mm_set1_epi32((b[r].add(2) as *const i32).read_unaligned());
-                let q = nibbles(bytes16(b[r].add(6)), half == 1);
-                let q = _mm_or_si128(q, fifth_bits(qh, spread));
-                // q − 16 in bytes (−16..=15), widened: the same integer as the f32 sum's
-                w[r] = V::from_i8(_mm_sub_epi8(q, sixteen)).mul(V::splat(f16_of(b[r], 0)));
-            }
-            step(acc, w, xs.add(16 * half));
+        // byte j of the 32 takes bit j of qh: each 128-bit half shuffles the same 4 bytes
+        let spread = _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, //
+            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+        );
+        let bit = _mm256_set1_epi64x(i64::from_le_bytes([1, 2, 4, 8, 16, 32, 64, 128]));
+        let mut w = [[V::zero(); R]; 2];
+        for r in 0..R {
+            let qs = bytes16(b[r].add(6));
+            // the 32 weights' nibbles in 32 bytes: the low nibbles, then the high ones
+            let q = _mm256_and_si256(
+                _mm256_set_m128i(_mm_srli_epi16::<4>(qs), qs),
+                _mm256_set1_epi8(0x0F),
+            );
+            let qh = _mm256_set1_epi32((b[r].add(2) as *const i32).read_unaligned());
+            let set =
+                _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(qh, spread), bit), bit);
+            // q5 − 16 in bytes (−16..=15), the same integer as the f32 sum's: the nibble where
+            // the fifth bit is set, the nibble − 16 (= nibble | 0xF0) where it is not
+            let q = _mm256_or_si256(q, _mm256_andnot_si256(set, _mm256_set1_epi8(-16)));
+            let d = V::splat(t.of(b[r], 0));
+            w[0][r] = V::from_i8(_mm256_castsi256_si128(q)).mul(d);
+            w[1][r] = V::from_i8(_mm256_extracti128_si256::<1>(q)).mul(d);
         }
+        step(acc, w[0], xs);
+        step(acc, w[1], xs.add(16));
     }
 }
 
@@ -300,6 +335,7 @@ impl Kind for Q4_1 {
     const WW: usize = 32;
     #[inline(always)]
     unsafe fn block<V: Lanes, const R: usize>(
+        t: F16s,
         b: &[*const u8; R],
         xs: *const f32,
         acc: &mut [V; R],
@@ -308,7 +344,7 @@ impl Kind for Q4_1 {
             let mut w = [V::zero(); R];
             for r in 0..R {
                 let q = nibbles(bytes16(b[r].add(4)), half == 1);
-                let (d, m) = (V::splat(f16_of(b[r], 0)), V::splat(f16_of(b[r], 2)));
+                let (d, m) = (V::splat(t.of(b[r], 0)), V::splat(t.of(b[r], 2)));
                 w[r] = V::from_u8(q).mul(d).add(m);
             }
             step(acc, w, xs.add(16 * half));
@@ -323,6 +359,7 @@ impl Kind for Q4K {
     const WW: usize = 256;
     #[inline(always)]
     unsafe fn block<V: Lanes, const R: usize>(
+        t: F16s,
         b: &[*const u8; R],
         xs: *const f32,
         acc: &mut [V; R],
@@ -330,7 +367,7 @@ impl Kind for Q4K {
         // each sub-block's scale times d and min times dmin, each rounded once
         let mut dm = [[[0f32; 8]; 2]; R];
         for r in 0..R {
-            let (d, min) = (f16_of(b[r], 0), f16_of(b[r], 2));
+            let (d, min) = (t.of(b[r], 0), t.of(b[r], 2));
             let scales = std::slice::from_raw_parts(b[r].add(4), 12);
             for j in 0..8 {
                 let (sc, m) = scale_min_k4(j, scales);
@@ -360,6 +397,7 @@ impl Kind for Q6K {
     const WW: usize = 256;
     #[inline(always)]
     unsafe fn block<V: Lanes, const R: usize>(
+        f16s: F16s,
         b: &[*const u8; R],
         xs: *const f32,
         acc: &mut [V; R],
@@ -383,7 +421,7 @@ impl Kind for Q6K {
                         let sc = *b[r].add(192 + 8 * h + g + 2 * t) as i8;
                         // q − 32 in bytes (−32..=31), widened exactly
                         let q = V::from_i8(_mm_sub_epi8(q, thirty_two));
-                        w[r] = V::splat(f16_of(b[r], 208) * sc as f32).mul(q);
+                        w[r] = V::splat(f16s.of(b[r], 208) * sc as f32).mul(q);
                     }
                     step(acc, w, xs.add(128 * h + 32 * t + 16 * g));
                 }
@@ -415,7 +453,7 @@ unsafe fn rows_at<V: Lanes>(
 }
 
 /// [`rows_at`] with AVX-512.
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")]
 pub(super) unsafe fn rows_avx512(
     ty: Blocks,
     bytes: &[u8],
@@ -427,8 +465,8 @@ pub(super) unsafe fn rows_avx512(
     rows_at::<Z>(ty, bytes, rb, x, ys, a)
 }
 
-/// [`rows_at`] with AVX2 (and F16C, which every AVX2 CPU has; `rows` checks it).
-#[target_feature(enable = "avx2,fma,f16c")]
+/// [`rows_at`] with AVX2.
+#[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn rows_avx2(
     ty: Blocks,
     bytes: &[u8],

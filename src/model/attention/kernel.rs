@@ -9,7 +9,7 @@ use super::{RAW_SCRATCH, SCRATCH};
 use crate::kernels::gemm::{self, Isa, PackedB};
 use crate::model::capture::{Hook, Observer};
 use crate::model::error::{Error, Result};
-use crate::model::ops::{scale_by, stream_fence, stream_store};
+use crate::model::ops::{dot16, scale_by, stream_fence, stream_store};
 use rayon::prelude::*;
 
 /// One call of the fast kernel, set up: the inputs, what the observer wants of this layer, and
@@ -27,8 +27,8 @@ pub(super) struct Kernel<'a> {
     group: usize,
     /// the scale in f64 for the rows rescored exactly ([`rescore_row`])
     scale64: f64,
-    /// each KV set packed once: K as the right side of Q·Kᵀ, V as the right side of P·V
-    packed: Vec<(PackedB, PackedB)>,
+    /// where each KV set's keys and values are read
+    kv: KvSets<'a>,
     /// scores can be large: whole rows in one key block, rescored in f64 where they are
     precise: bool,
     want_s: bool,
@@ -111,7 +111,14 @@ impl<'a> Kernel<'a> {
         );
         let materialize = want_s || want_p;
         let want_rows = rows_of_this_segment(obs.wants_rows(layer), &dims);
-        let packed = pack_kv_sets(k, v, &dims, isa);
+        // one query row (a decode step): the keys and values as they are; packing them for
+        // the GEMM read and wrote each twice for one row of products (9.6 ms of a 40 ms step
+        // of the default model at ~520 keys, with the prefix's copy)
+        let kv = if dims.q_len == 1 {
+            KvSets::Rows { k, v }
+        } else {
+            KvSets::Packed(pack_kv_sets(k, v, &dims, isa))
+        };
         let blocks = Blocking::plan(
             &dims,
             materialize || precise,
@@ -130,7 +137,7 @@ impl<'a> Kernel<'a> {
             any_knockout: knockout.iter().any(|&b| b),
             group: dims.n_heads / dims.n_kv_heads,
             scale64,
-            packed,
+            kv,
             precise,
             want_s,
             want_p,
@@ -353,7 +360,6 @@ impl<'a> Kernel<'a> {
             ..
         } = self.dims;
         let (q0, rows, kw) = (blk.q0, blk.rows, blk.kw);
-        let (_, vp) = self.kv_set(h);
         let mut corr = vec![0f32; rows];
         // a sliding window hides every key before the block's first query's window: those
         // key blocks are never computed, so a windowed layer costs O(n · window)
@@ -383,7 +389,7 @@ impl<'a> Kernel<'a> {
                     scale_by(zr, c);
                 }
             }
-            gemm::gemm_sub(s, ld, rows, vp, k0..k0 + kn, 0..d, z_h, d, k0 > 0, false);
+            self.weighted_values(h, s, ld, rows, k0..k0 + kn, z_h, k0 > 0);
             if single {
                 self.pattern_out(blk, s, ld, kn, rows_h, dest.as_deref_mut());
                 return;
@@ -410,11 +416,10 @@ impl<'a> Kernel<'a> {
         ld: usize,
         raw_h: &mut [f32],
     ) {
-        let (q0, rows, d) = (blk.q0, blk.rows, self.dims.head_dim);
+        let (q0, rows) = (blk.q0, blk.rows);
         let (k0, kn) = (keys.start, keys.len());
-        let (kp, _) = self.kv_set(h);
         let a = self.queries(h, q0, rows);
-        gemm::gemm_sub(a, d, rows, kp, 0..d, keys, s, ld, false, false);
+        self.scores_of(h, a, rows, keys, s, ld);
         if let Some(cap) = self.dims.softcap {
             for row in s.chunks_mut(ld) {
                 soft_cap(&mut row[..kn], cap);
@@ -572,26 +577,14 @@ impl<'a> Kernel<'a> {
     /// Streamed: the wanted rows' scores recomputed and normalized with the row's final shift
     /// and sum, p = e^(s - m) / l (one row of work per wanted query), into `rows_h`.
     fn streamed_rows(&self, blk: &QueryBlock, h: usize, st_h: &[RowState], rows_h: &mut [f32]) {
-        let (d, k_len) = (self.dims.head_dim, self.dims.k_len);
-        let (kp, _) = self.kv_set(h);
+        let k_len = self.dims.k_len;
         for (w, &(x, i)) in blk.wanted.iter().enumerate() {
             let st = &st_h[x];
             let out = &mut rows_h[w * k_len..(w + 1) * k_len];
             let a_row = self.queries(h, blk.q0 + x, 1);
             // the keys the row may see: up to itself (causal), else all
             let end = if self.dims.causal { i + 1 } else { k_len };
-            gemm::gemm_sub(
-                a_row,
-                d,
-                1,
-                kp,
-                0..d,
-                0..end,
-                &mut out[..end],
-                end,
-                false,
-                false,
-            );
+            self.scores_of(h, a_row, 1, 0..end, &mut out[..end], end);
             if let Some(cap) = self.dims.softcap {
                 soft_cap(&mut out[..end], cap);
             }
@@ -605,10 +598,76 @@ impl<'a> Kernel<'a> {
         }
     }
 
-    /// The packed K and V of the KV set head `h` reads.
+    /// `s[x, j − keys.start] = a[x] · k_j` for the `rows` query rows `a` (`[rows, d]`) of head
+    /// `h` and the keys `keys` of its KV set (`s`: `[rows, ld]`).
+    fn scores_of(
+        &self,
+        h: usize,
+        a: &[f32],
+        rows: usize,
+        keys: std::ops::Range<usize>,
+        s: &mut [f32],
+        ld: usize,
+    ) {
+        let d = self.dims.head_dim;
+        match &self.kv {
+            KvSets::Packed(sets) => {
+                let (kp, _) = &sets[h / self.group];
+                gemm::gemm_sub(a, d, rows, kp, 0..d, keys, s, ld, false, false);
+            }
+            KvSets::Rows { k, .. } => {
+                let kg = self.set_of(k, h);
+                for (ar, sr) in a.chunks_exact(d).zip(s.chunks_mut(ld)).take(rows) {
+                    for (out, j) in sr.iter_mut().zip(keys.clone()) {
+                        *out = dot16(ar, &kg[j * d..(j + 1) * d]);
+                    }
+                }
+            }
+        }
+    }
+
+    /// `z[x] (+)= Σ_j p[x, j − keys.start] · v_j` for the `rows` rows of weights `p` (`[rows,
+    /// ld]`) over the keys `keys` of head `h`'s KV set (`z`: `[rows, d]`; added with
+    /// `accumulate`).
+    #[allow(clippy::too_many_arguments)]
+    fn weighted_values(
+        &self,
+        h: usize,
+        p: &[f32],
+        ld: usize,
+        rows: usize,
+        keys: std::ops::Range<usize>,
+        z: &mut [f32],
+        accumulate: bool,
+    ) {
+        let d = self.dims.head_dim;
+        match &self.kv {
+            KvSets::Packed(sets) => {
+                let (_, vp) = &sets[h / self.group];
+                gemm::gemm_sub(p, ld, rows, vp, keys, 0..d, z, d, accumulate, false);
+            }
+            KvSets::Rows { v, .. } => {
+                let vg = self.set_of(v, h);
+                for (pr, zr) in p.chunks(ld).zip(z.chunks_exact_mut(d)).take(rows) {
+                    if !accumulate {
+                        zr.fill(0.0);
+                    }
+                    for (&w, j) in pr.iter().zip(keys.clone()) {
+                        zr.iter_mut()
+                            .zip(&vg[j * d..(j + 1) * d])
+                            .for_each(|(z, v)| *z += w * v);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Head `h`'s KV set of `x` (the keys or the values, `[n_kv_heads, k_len, d]`).
     #[inline(always)]
-    fn kv_set(&self, h: usize) -> &(PackedB, PackedB) {
-        &self.packed[h / self.group]
+    fn set_of<'x>(&self, x: &'x [f32], h: usize) -> &'x [f32] {
+        let n = self.dims.k_len * self.dims.head_dim;
+        let g = h / self.group;
+        &x[g * n..(g + 1) * n]
     }
 
     /// Head `h`'s scaled queries of rows `r0..r0 + rows` (`[rows, head_dim]`).
@@ -637,6 +696,15 @@ fn soft_cap(xs: &mut [f32], cap: f32) {
 fn scores_can_be_large(q: &[f32], k: &[f32], d: usize, k_sq: Option<f64>) -> bool {
     let k_sq = k_sq.unwrap_or_else(|| max_row_sq(k, d));
     (max_row_sq(q, d) * k_sq).sqrt() > EXACT_SCORES_ABOVE as f64
+}
+
+/// Where the kernel reads each KV set's keys and values.
+enum KvSets<'a> {
+    /// each set packed once: K as the right side of Q·Kᵀ, V as the right side of P·V (the
+    /// GEMM's, for blocks of query rows)
+    Packed(Vec<(PackedB, PackedB)>),
+    /// as given, `[n_kv_heads, k_len, d]` each (one query row: dot products and sums of rows)
+    Rows { k: &'a [f32], v: &'a [f32] },
 }
 
 /// Each KV set packed once, in parallel: K as the right side of Q·Kᵀ, V as the right side of

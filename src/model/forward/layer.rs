@@ -315,16 +315,16 @@ impl Model {
         };
         let (kf, vf) = match prefix {
             Some(p) if p0 > 0 => {
-                // the segment's first p0 positions of each KV set, then its own
+                // the segment's first p0 positions of each KV set, then its own (copied a
+                // slice at a time: element by element, this copy was 6% of a decode step at
+                // 600 positions)
                 let cat = |old: &[f32], new: &[f32]| -> Vec<f32> {
-                    (0..nkv)
-                        .flat_map(|g| {
-                            old[g * full * hd..(g * full + p0) * hd]
-                                .iter()
-                                .chain(&new[g * ms * hd..(g + 1) * ms * hd])
-                                .copied()
-                        })
-                        .collect()
+                    let mut out = Vec::with_capacity(nkv * (p0 + ms) * hd);
+                    for g in 0..nkv {
+                        out.extend_from_slice(&old[g * full * hd..(g * full + p0) * hd]);
+                        out.extend_from_slice(&new[g * ms * hd..(g + 1) * ms * hd]);
+                    }
+                    out
                 };
                 (cat(&p.layers[l].0, &kh), cat(&p.layers[l].1, &vh))
             }

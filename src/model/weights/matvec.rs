@@ -50,6 +50,16 @@ pub fn decode_from_blocks() -> bool {
     DECODING.with(|d| d.get()) && qmatvec::chosen()
 }
 
+/// Products multiplied from the file's blocks in this process.
+static BLOCK_PRODUCTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many products (a projection's or the output head's, one row each) this process has
+/// multiplied from the file's blocks: what `tests/decode_path.rs` reads to see that `generate`'s
+/// steps take them, whichever thread runs the step, and that nothing else does.
+pub fn block_products() -> u64 {
+    BLOCK_PRODUCTS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// A projection's parts as mapped blocks, `[rows_i, k]` each, stacked along the output.
 pub struct Decoder {
     parts: Vec<(Mapped, Blocks, usize)>,
@@ -87,6 +97,7 @@ impl Decoder {
 
     /// `out (+)= W · x` for one row `x: [k]`.
     pub fn matvec(&self, x: &[f32], out: &mut [f32], accumulate: bool) {
+        BLOCK_PRODUCTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let parts: Vec<Part> = self
             .parts
             .iter()
