@@ -43,11 +43,19 @@ pub(crate) fn as_decode_step<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// Whether this thread is running one of `generate`'s steps ([`as_decode_step`]): the attention
+/// of its one query row then reads the keys and values unpacked (a decode step's own path; a
+/// one-row forward elsewhere, such as a patching sweep's resumed row, keeps the packed GEMM's
+/// bits, which its per-cell forwards equal).
+pub(crate) fn in_decode_step() -> bool {
+    DECODING.with(|d| d.get())
+}
+
 /// Whether a one-row product here multiplies from the file's blocks: inside one of
 /// `generate`'s steps (`as_decode_step`), unless `ATTNSCOPE_DECODE=panels`
 /// ([`qmatvec::chosen`] has the measurements).
 pub fn decode_from_blocks() -> bool {
-    DECODING.with(|d| d.get()) && qmatvec::chosen()
+    in_decode_step() && qmatvec::chosen()
 }
 
 /// Products multiplied from the file's blocks in this process.
