@@ -349,7 +349,8 @@ impl Explanations {
             .map(|l| {
                 let p = cache.pattern(l).expect("all layers captured");
                 let alphas: Vec<&[f32]> = (0..d.n_heads).map(|h| p.row(h, q)).collect();
-                let v = Values::head_major(kv.values(l), n, d.n_kv_heads, d.head_dim);
+                let values = kv.values(l);
+                let v = Values::head_major(&values, n, d.n_kv_heads, d.head_dim);
                 mixed_norms(model, l, &v, &alphas, n)
             })
             .collect();

@@ -261,7 +261,42 @@ pub(crate) fn attention_bounded(
     obs: &mut dyn Observer,
     z: &mut [f32],
 ) -> Result<()> {
-    check_shapes(&dims, q, k, v)?;
+    let kv = (k, v, dims.k_len);
+    attention_strided(
+        layer,
+        q,
+        kv,
+        dims,
+        knockout,
+        (block_bytes, key_block),
+        k_sq,
+        obs,
+        z,
+    )
+}
+
+/// The keys and values of a layer's KV sets as they lie, `[n_kv_heads, kv_stride, d]` each,
+/// and `kv_stride`, the positions from one set's first to the next one's (`≥ k_len`).
+pub(crate) type KvLaid<'a> = (&'a [f32], &'a [f32], usize);
+
+/// [`attention_bounded`] on KV sets `kv_stride ≥ k_len` positions apart: `k, v:
+/// [n_kv_heads, kv_stride, d]`, of which each set's first `k_len` positions are read. A
+/// growing KV cache (`generate`'s, [`crate::model::forward::KvPrefix::reserve`]) keeps room
+/// after each set's positions, so a decode step writes its new key and value in place instead
+/// of copying the whole cache (the same numbers: only where the sets start moves).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention_strided(
+    layer: usize,
+    q: &[f32],
+    (k, v, kv_stride): KvLaid,
+    dims: AttnDims,
+    knockout: &[bool],
+    (block_bytes, key_block): (usize, usize),
+    k_sq: Option<f64>,
+    obs: &mut dyn Observer,
+    z: &mut [f32],
+) -> Result<()> {
+    check_shapes(&dims, q, (k, v, kv_stride))?;
     let n = dims.q_len;
     let z = &mut z[..n * dims.n_heads * dims.head_dim];
     if n == 0 {
@@ -272,7 +307,7 @@ pub(crate) fn attention_bounded(
     let q_scaled = scale_queries(q, scale);
     let kernel = Kernel::new(
         layer,
-        (q, &q_scaled[..q.len()], k, v),
+        (q, &q_scaled[..q.len()], (k, v, kv_stride)),
         dims,
         knockout,
         (block_bytes, key_block),
@@ -288,8 +323,9 @@ pub(crate) fn attention_bounded(
     Ok(())
 }
 
-/// Refuses shapes that do not fit [`AttnDims`] (a bug in the caller).
-fn check_shapes(dims: &AttnDims, q: &[f32], k: &[f32], v: &[f32]) -> Result<()> {
+/// Refuses shapes that do not fit [`AttnDims`] (a bug in the caller): `k` and `v` hold
+/// `n_kv_heads` sets `kv_stride ≥ k_len` positions apart.
+fn check_shapes(dims: &AttnDims, q: &[f32], (k, v, kv_stride): KvLaid) -> Result<()> {
     let AttnDims {
         n_heads,
         n_kv_heads: n_kv,
@@ -305,11 +341,12 @@ fn check_shapes(dims: &AttnDims, q: &[f32], k: &[f32], v: &[f32]) -> Result<()> 
         || n_kv == 0
         || n_heads % n_kv != 0
         || q.len() != n_heads * n * d
-        || k.len() != n_kv * k_len * d
+        || kv_stride < k_len
+        || k.len() != n_kv * kv_stride * d
         || v.len() != k.len()
     {
         return Err(Error::Bug(format!(
-            "attention shapes {dims:?} with q {} k {} v {} values: you likely have a bug",
+            "attention shapes {dims:?} (KV sets {kv_stride} positions apart) with q {} k {} v {} values: you likely have a bug",
             q.len(),
             k.len(),
             v.len()

@@ -279,13 +279,35 @@ fn norm_hooked(
     Ok(())
 }
 
+/// Where a decoder forward's reused positions come from.
+pub(super) enum Prefix<'a> {
+    /// none, or a prefix read as it is: its positions copied before each segment's own
+    Read(Option<&'a KvPrefix>),
+    /// a cache grown in place by the forward's one segment ([`Model::forward_grow`])
+    Grow(&'a mut KvPrefix),
+}
+
+impl Prefix<'_> {
+    /// The prefix as it is before the forward.
+    fn read(&self) -> Option<&KvPrefix> {
+        match self {
+            Prefix::Read(p) => *p,
+            Prefix::Grow(p) => Some(p),
+        }
+    }
+}
+
 /// Keys and values (after RoPE) of the first `len` positions of a sequence, per layer
-/// (`[n_kv_heads, len, head_dim]` each). Running the rest of a sequence on top of it gives the
-/// same numbers as running the whole sequence, since a causal model's first positions do not
-/// depend on what comes after them.
+/// (`[n_kv_heads, cap, head_dim]` each, of which each KV set's first `len` positions are the
+/// prefix's; `cap == len` unless room was kept with [`KvPrefix::reserve`]). Running the rest of
+/// a sequence on top of it gives the same numbers as running the whole sequence, since a causal
+/// model's first positions do not depend on what comes after them.
 #[derive(Clone)]
 pub struct KvPrefix {
     pub len: usize,
+    /// positions each KV set has room for (`≥ len`): [`Model::forward_grow`] writes a step's
+    /// keys and values there in place
+    cap: usize,
     n_kv: usize,
     head_dim: usize,
     layers: Vec<(Vec<f32>, Vec<f32>)>,
@@ -295,26 +317,89 @@ pub struct KvPrefix {
 }
 
 impl KvPrefix {
-    /// Layer `l`'s value vectors, `[n_kv_heads, len, head_dim]`.
-    pub fn values(&self, l: usize) -> &[f32] {
-        &self.layers[l].1
+    /// Layer `l`'s value vectors, `[n_kv_heads, len, head_dim]` (copied together where room was
+    /// kept after each set).
+    pub fn values(&self, l: usize) -> std::borrow::Cow<'_, [f32]> {
+        let v = &self.layers[l].1;
+        if self.cap == self.len {
+            std::borrow::Cow::Borrowed(&v[..])
+        } else {
+            std::borrow::Cow::Owned(self.sets_of(v, self.len))
+        }
+    }
+
+    /// The first `len` positions of each KV set of `x` (a layer's keys or values), `[n_kv,
+    /// len, head_dim]`.
+    fn sets_of(&self, x: &[f32], len: usize) -> Vec<f32> {
+        let (hd, cap) = (self.head_dim, self.cap);
+        let mut out = Vec::with_capacity(self.n_kv * len * hd);
+        for g in 0..self.n_kv {
+            out.extend_from_slice(&x[g * cap * hd..(g * cap + len) * hd]);
+        }
+        out
+    }
+
+    /// Keeps room for `extra` more positions in every layer's KV sets, so the next forwards
+    /// of [`Model::forward_grow`] write their keys and values in place (one copy of the cache
+    /// now instead of one per step; the numbers are the same).
+    pub fn reserve(&mut self, extra: usize) {
+        let want = self.len + extra;
+        if want <= self.cap {
+            return;
+        }
+        let (hd, cap, len) = (self.head_dim, self.cap, self.len);
+        let grow = |x: &Vec<f32>| -> Vec<f32> {
+            let mut out = vec![0f32; self.n_kv * want * hd];
+            for g in 0..self.n_kv {
+                out[g * want * hd..(g * want + len) * hd]
+                    .copy_from_slice(&x[g * cap * hd..(g * cap + len) * hd]);
+            }
+            out
+        };
+        let layers = self
+            .layers
+            .iter()
+            .map(|(k, v)| (grow(k), grow(v)))
+            .collect();
+        self.layers = layers;
+        self.cap = want;
+    }
+
+    /// Writes layer `l`'s keys and values of positions `len..len + ms` (`kh`, `vh`:
+    /// `[n_kv, ms, head_dim]`) into the room kept after each set, and returns the layer's
+    /// keys' bound with them ([`max_row_sq`]). `len` itself moves on once every layer has
+    /// written ([`Model::forward_grow`]).
+    pub(super) fn write_layer(&mut self, l: usize, kh: &[f32], vh: &[f32], ms: usize) -> f64 {
+        let (hd, cap, len) = (self.head_dim, self.cap, self.len);
+        debug_assert!(len + ms <= cap && kh.len() == self.n_kv * ms * hd);
+        let (k, v) = &mut self.layers[l];
+        for g in 0..self.n_kv {
+            let at = (g * cap + len) * hd;
+            k[at..at + ms * hd].copy_from_slice(&kh[g * ms * hd..(g + 1) * ms * hd]);
+            v[at..at + ms * hd].copy_from_slice(&vh[g * ms * hd..(g + 1) * ms * hd]);
+        }
+        self.k_sq[l] = self.k_sq[l].max(max_row_sq(kh, hd));
+        self.k_sq[l]
+    }
+
+    /// Layer `l`'s keys and values as they lie (`[n_kv, cap, head_dim]` each) and `cap`, the
+    /// positions between one KV set and the next.
+    pub(super) fn layer(&self, l: usize) -> (&[f32], &[f32], usize) {
+        let (k, v) = &self.layers[l];
+        (k, v, self.cap)
     }
 
     /// The first `len` positions of this prefix.
     pub fn truncate(&self, len: usize) -> Result<KvPrefix> {
         let len = len.min(self.len);
-        let (nkv, hd, old) = (self.n_kv, self.head_dim, self.len);
-        let cut = |x: &Vec<f32>| -> Vec<f32> {
-            let mut out = Vec::with_capacity(nkv * len * hd);
-            for g in 0..nkv {
-                out.extend_from_slice(&x[g * old * hd..(g * old + len) * hd]);
-            }
-            out
-        };
-        let layers: Vec<_> = self.layers.iter().map(|(k, v)| (cut(k), cut(v))).collect();
+        let (nkv, hd) = (self.n_kv, self.head_dim);
+        let layers: Vec<_> = (self.layers.iter())
+            .map(|(k, v)| (self.sets_of(k, len), self.sets_of(v, len)))
+            .collect();
         let k_sq = layers.iter().map(|(k, _)| max_row_sq(k, hd)).collect();
         Ok(KvPrefix {
             len,
+            cap: len,
             n_kv: nkv,
             head_dim: hd,
             layers,
@@ -462,11 +547,78 @@ impl Model {
         if self.dims.arch.is_encoder() {
             return self.forward_encoder(prefix.is_some(), segs, resume, opts, obs);
         }
+        self.forward_decoder(Prefix::Read(prefix), segs, resume, opts, obs)
+    }
+
+    /// Runs `tokens` as the positions after the whole cache `kv` and writes their keys and
+    /// values into it, in the room [`KvPrefix::reserve`] kept (made here if there is none): a
+    /// decode step of `generate` then reads and writes only its own position's keys and values
+    /// instead of copying the whole cache (at ~600 cached positions the copy was 12% of a step
+    /// of SmolLM2). The numbers are [`Model::forward_from`]'s on `kv`, bit for bit; the
+    /// returned [`ForwardOut::kv`] is `None` (`kv` itself has grown, `kv.len` moved on).
+    /// On an error `kv` keeps its length (the rows past it are unused room).
+    pub fn forward_grow(
+        &self,
+        kv: &mut KvPrefix,
+        tokens: &[u32],
+        opts: &RunOptions,
+        obs: &mut dyn Observer,
+    ) -> Result<ForwardOut> {
+        if self.dims.arch.is_encoder() {
+            return Err(Error::Bug(
+                "an encoder has no KV cache to grow: you likely have a bug".into(),
+            ));
+        }
+        self.check_prefix_fits(Some(kv))?;
+        if kv.len + tokens.len() > kv.cap {
+            // room for as many again (amortized: a step of one token then rarely copies)
+            kv.reserve(tokens.len().max(kv.len / 2));
+        }
+        let seg = Segment {
+            tokens,
+            reuse: kv.len,
+            knockout: opts.knockout.clone(),
+            logits_at: opts.logits_at.clone(),
+        };
+        let opts = RunOptions {
+            keep_kv: false,
+            ..opts.clone()
+        };
+        self.forward_decoder(
+            Prefix::Grow(kv),
+            std::slice::from_ref(&seg),
+            None,
+            &opts,
+            obs,
+        )
+    }
+
+    /// [`Model::forward_segments`] of a decoder, on a prefix read or grown in place.
+    fn forward_decoder(
+        &self,
+        mut prefix: Prefix,
+        segs: &[Segment],
+        resume: Option<Resume>,
+        opts: &RunOptions,
+        obs: &mut dyn Observer,
+    ) -> Result<ForwardOut> {
         let start = Instant::now();
         let dims = &self.dims;
         let (nh, hd, dm) = (dims.n_heads, dims.head_dim, dims.d_model);
         let first_layer = resume.as_ref().map_or(0, |r| r.layer);
-        let mut stack = self.stack_segments(prefix, segs, first_layer, opts)?;
+        let mut stack = self.stack_segments(prefix.read(), segs, first_layer, opts)?;
+        if let Prefix::Grow(kv) = &prefix {
+            // the one segment, on the whole cache, every layer run, with room for it
+            let whole = segs.len() == 1 && segs[0].reuse == kv.len && first_layer == 0;
+            if !whole || stack.n_max > kv.cap {
+                return Err(Error::Bug(format!(
+                    "a cache of {} positions (room for {}) grown by {} segments from layer {first_layer}: you likely have a bug",
+                    kv.len,
+                    kv.cap,
+                    segs.len()
+                )));
+            }
+        }
         let m = stack.m;
         let rope_sets = self.rope_sets(stack.n_max);
         let mut x: Vec<f32> = match resume {
@@ -478,6 +630,8 @@ impl Model {
         let mut s = Scratch::new(self, m);
         let no_tables = (Vec::new(), Vec::new());
         let mut stopped = false;
+        // layers whose keys and values a growing cache has been given
+        let mut written = 0;
         for (l, layer) in self.weights.layers.iter().enumerate().skip(first_layer) {
             hand(obs, l, Hook::ResidPre, &[m, dm], &mut x)?;
             if obs.stops_before(l) {
@@ -490,8 +644,17 @@ impl Model {
             let t = Instant::now();
             let stacked = (segs, &stack);
             self.attention_step(
-                obs, l, layer, stacked, prefix, opts, tables, &mut s, &mut kept,
+                obs,
+                l,
+                layer,
+                stacked,
+                &mut prefix,
+                opts,
+                tables,
+                &mut s,
+                &mut kept,
             )?;
+            written += 1;
             timings.attention += t.elapsed();
             hand(obs, l, Hook::Z, &[m, nh, hd], &mut s.z)?;
             obs.attention_done(l);
@@ -518,6 +681,16 @@ impl Model {
         // stopped before a block, or before the final norm: no logits
         let stopped = stopped || obs.stops_before(dims.n_layers);
         let logits = self.final_logits(obs, &x, &stack.logit_rows, stopped)?;
+        if let Prefix::Grow(kv) = prefix {
+            // the cache's length moves on only when every layer wrote its new positions
+            if written != dims.n_layers {
+                return Err(Error::Bug(format!(
+                    "a growing cache's forward stopped after {written} of {} layers: you likely have a bug",
+                    dims.n_layers
+                )));
+            }
+            kv.len = stack.n_max;
+        }
         let kv = opts.keep_kv.then(|| self.kv_prefix_of(kept, stack.n_max));
         timings.total = start.elapsed();
         Ok(ForwardOut {
@@ -623,6 +796,7 @@ impl Model {
     fn kv_prefix_of(&self, kept: KeptKv, len: usize) -> KvPrefix {
         KvPrefix {
             len,
+            cap: len,
             n_kv: self.dims.n_kv_heads,
             head_dim: self.dims.head_dim,
             layers: kept.layers,

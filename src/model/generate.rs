@@ -433,15 +433,13 @@ impl Model {
         let t0 = std::time::Instant::now();
         let mut prefill_s = 0.0;
         for step in 0..o.max_new_tokens {
-            let (tok, new_kv) =
-                self.generate_step(kv.as_ref(), &next, prompt.len() + step, o, &mut rng)?;
+            let tok = self.generate_step(&mut kv, &next, prompt.len() + step, o, &mut rng)?;
             if step == 0 {
                 prefill_s = t0.elapsed().as_secs_f64();
             }
             on_token(&tok);
             let id = tok.id;
             generated.push(tok);
-            kv = new_kv;
             next = vec![id];
             if stops.contains(&id) {
                 stop = StopReason::Eos;
@@ -495,16 +493,18 @@ impl Model {
     /// One step: `next` (the prompt, then the last token) run on the cache `kv`, the token
     /// at `position` picked from the last row's logits, with its log-probability and the
     /// attention of its query row (sink weight, average over heads and layers, the top keys,
-    /// the concentrated heads); returns it and the grown cache.
+    /// the concentrated heads). The cache grows by `next`'s positions: the prompt's forward
+    /// makes it, with room for every token to come ([`KvPrefix::reserve`]), and each step
+    /// writes its own keys and values there ([`Model::forward_grow`]).
     fn generate_step(
         &self,
-        kv: Option<&KvPrefix>,
+        kv: &mut Option<KvPrefix>,
         next: &[u32],
         position: usize,
         o: &GenOptions,
         rng: &mut Rng,
-    ) -> Result<(GenToken, Option<KvPrefix>)> {
-        let start = kv.map_or(0, |p| p.len);
+    ) -> Result<GenToken> {
+        let start = kv.as_ref().map_or(0, |p| p.len);
         let q = start + next.len() - 1;
         let mut obs = RowStats {
             q,
@@ -524,8 +524,16 @@ impl Model {
         // against 18.5-19.1 on the default model, 2 cores); `as_decode_step` marks the thread
         // that runs the forward, hence inside the scope.
         let out = rayon::scope(|_| {
-            super::weights::matvec::as_decode_step(|| self.forward_from(kv, next, &opts, &mut obs))
+            super::weights::matvec::as_decode_step(|| match kv {
+                Some(cache) => self.forward_grow(cache, next, &opts, &mut obs),
+                None => self.forward_from(None, next, &opts, &mut obs),
+            })
         })?;
+        if let Some(mut cache) = out.kv {
+            // the prompt's cache, with room for the steps to come (at most max_new_tokens - 1)
+            cache.reserve(o.max_new_tokens.saturating_sub(1));
+            *kv = Some(cache);
+        }
         let logits = out
             .logits
             .into_iter()
@@ -548,6 +556,6 @@ impl Model {
             concentrated: obs.concentrated,
             attention,
         };
-        Ok((tok, out.kv))
+        Ok(tok)
     }
 }

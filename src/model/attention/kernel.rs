@@ -4,12 +4,13 @@
 
 use super::exact::{rescore_row, EXACT_SCORES_ABOVE};
 use super::online::{fast_exp, max_and_index, max_of, online_update};
-use super::{max_row_sq, visible_in, AttnDims, AttnStats, Reused, RowState, StatsRequest};
+use super::{max_row_sq, visible_in, AttnDims, AttnStats, KvLaid, Reused, RowState, StatsRequest};
 use super::{RAW_SCRATCH, SCRATCH};
 use crate::kernels::gemm::{self, Isa, PackedB};
+use crate::kernels::simd::multiversion;
 use crate::model::capture::{Hook, Observer};
 use crate::model::error::{Error, Result};
-use crate::model::ops::{dot16, scale_by, stream_fence, stream_store};
+use crate::model::ops::{dot_rows, scale_by, stream_fence, stream_store};
 use rayon::prelude::*;
 
 /// One call of the fast kernel, set up: the inputs, what the observer wants of this layer, and
@@ -20,6 +21,9 @@ pub(super) struct Kernel<'a> {
     q_raw: &'a [f32],
     q: &'a [f32],
     k: &'a [f32],
+    /// positions between one KV set's first key and the next set's in `k` and the values
+    /// (`k_len`, or more where a growing cache keeps room: [`super::attention_strided`])
+    kv_stride: usize,
     dims: AttnDims,
     knockout: &'a [bool],
     any_knockout: bool,
@@ -87,14 +91,15 @@ impl BlockOut {
 }
 
 impl<'a> Kernel<'a> {
-    /// The kernel's plan for `q` (as given and scaled), `k`, `v`: the KV sets packed, whether
+    /// The kernel's plan for `q` (as given and scaled), `k`, `v` (sets `kv_stride` positions
+    /// apart: [`super::attention_strided`]): the KV sets packed, whether
     /// the scores can be large, and the blocks. A layer whose scores can be large (by
     /// Cauchy-Schwarz, max‖q‖·max‖k‖·scale) takes whole rows in one key block, so a row with
     /// large scores can be rescored in f64 and shifted by its exact maximum before it is
     /// rounded to f32 ([`rescore_row`]); elsewhere nothing changes.
     pub(super) fn new(
         layer: usize,
-        (q_raw, q, k, v): (&'a [f32], &'a [f32], &'a [f32], &'a [f32]),
+        (q_raw, q, (k, v, kv_stride)): (&'a [f32], &'a [f32], KvLaid<'a>),
         dims: AttnDims,
         knockout: &'a [bool],
         (block_bytes, key_block): (usize, usize),
@@ -104,7 +109,7 @@ impl<'a> Kernel<'a> {
         let isa = Isa::detect();
         let d = dims.head_dim;
         let scale64 = dims.scale.map_or(1.0 / (d as f64).sqrt(), |s| s as f64);
-        let precise = scores_can_be_large(q, k, d, k_sq);
+        let precise = scores_can_be_large(q, (k, kv_stride), &dims, k_sq);
         let (want_s, want_p) = (
             obs.wants(layer, Hook::AttnScores),
             obs.wants(layer, Hook::Pattern),
@@ -121,7 +126,7 @@ impl<'a> Kernel<'a> {
         let kv = if dims.q_len == 1 && decode_step {
             KvSets::Rows { k, v }
         } else {
-            KvSets::Packed(pack_kv_sets(k, v, &dims, isa))
+            KvSets::Packed(pack_kv_sets((k, v, kv_stride), &dims, isa))
         };
         let blocks = Blocking::plan(
             &dims,
@@ -136,6 +141,7 @@ impl<'a> Kernel<'a> {
             q_raw,
             q,
             k,
+            kv_stride,
             dims,
             knockout,
             any_knockout: knockout.iter().any(|&b| b),
@@ -491,14 +497,13 @@ impl<'a> Kernel<'a> {
         let AttnDims {
             head_dim: d,
             q_len: n,
-            k_len,
             ..
         } = self.dims;
         rescore_row(
             row,
             raw,
             &self.q_raw[(h * n + r) * d..][..d],
-            &self.k[(h / self.group) * k_len * d..][..k_len * d],
+            kv_set(self.k, h / self.group, self.kv_stride, &self.dims),
             self.scale64,
             self.dims.softcap,
             i,
@@ -620,11 +625,9 @@ impl<'a> Kernel<'a> {
                 gemm::gemm_sub(a, d, rows, kp, 0..d, keys, s, ld, false, false);
             }
             KvSets::Rows { k, .. } => {
-                let kg = self.set_of(k, h);
+                let kg = &self.set_of(k, h)[keys.start * d..keys.end * d];
                 for (ar, sr) in a.chunks_exact(d).zip(s.chunks_mut(ld)).take(rows) {
-                    for (out, j) in sr.iter_mut().zip(keys.clone()) {
-                        *out = dot16(ar, &kg[j * d..(j + 1) * d]);
-                    }
+                    row_scores(ar, kg, d, &mut sr[..keys.len()]);
                 }
             }
         }
@@ -651,27 +654,22 @@ impl<'a> Kernel<'a> {
                 gemm::gemm_sub(p, ld, rows, vp, keys, 0..d, z, d, accumulate, false);
             }
             KvSets::Rows { v, .. } => {
-                let vg = self.set_of(v, h);
+                let vg = &self.set_of(v, h)[keys.start * d..keys.end * d];
                 for (pr, zr) in p.chunks(ld).zip(z.chunks_exact_mut(d)).take(rows) {
                     if !accumulate {
                         zr.fill(0.0);
                     }
-                    for (&w, j) in pr.iter().zip(keys.clone()) {
-                        zr.iter_mut()
-                            .zip(&vg[j * d..(j + 1) * d])
-                            .for_each(|(z, v)| *z += w * v);
-                    }
+                    row_values(&pr[..keys.len()], vg, d, zr);
                 }
             }
         }
     }
 
-    /// Head `h`'s KV set of `x` (the keys or the values, `[n_kv_heads, k_len, d]`).
+    /// Head `h`'s KV set of `x` (the keys or the values, `[n_kv_heads, kv_stride, d]`): its
+    /// first `k_len` positions, `[k_len, d]`.
     #[inline(always)]
     fn set_of<'x>(&self, x: &'x [f32], h: usize) -> &'x [f32] {
-        let n = self.dims.k_len * self.dims.head_dim;
-        let g = h / self.group;
-        &x[g * n..(g + 1) * n]
+        kv_set(x, h / self.group, self.kv_stride, &self.dims)
     }
 
     /// Head `h`'s scaled queries of rows `r0..r0 + rows` (`[rows, head_dim]`).
@@ -688,6 +686,24 @@ impl<'a> Kernel<'a> {
     }
 }
 
+/// `s[j] = q · k_j` for the rows `k_j` of `kg` (`[s.len(), d]`), each
+/// [`crate::model::ops::dot16`]'s bits: one query row's scores read from the keys as they lie
+/// ([`KvSets::Rows`]), in the register tiles of [`dot_rows`] (the same bits at every width; a
+/// loop of `dot16` calls compiled to 8-byte loads: SmolLM2 decoded 1.3x slower)
+fn row_scores(q: &[f32], kg: &[f32], d: usize, s: &mut [f32]) {
+    dot_rows(q, &kg[..s.len() * d], d, &mut [s]);
+}
+
+multiversion! {
+    /// `z += Σ_j p_j · v_j` over the rows `v_j` of `vg` (`[p.len(), d]`), in order of `j`, each
+    /// product rounded before it is added (the same bits at every width)
+    fn row_values(p: &[f32], vg: &[f32], d: usize, z: &mut [f32]) {
+        for (&w, vr) in p.iter().zip(vg.chunks_exact(d)) {
+            z.iter_mut().zip(vr).for_each(|(z, v)| *z += w * v);
+        }
+    }
+}
+
 /// Gemma 2's soft-capping in place: `s ← cap · tanh(s / cap)`.
 #[inline]
 fn soft_cap(xs: &mut [f32], cap: f32) {
@@ -697,9 +713,27 @@ fn soft_cap(xs: &mut [f32], cap: f32) {
 /// Whether a layer's scores can be large (by Cauchy-Schwarz, max‖q‖·max‖k‖·scale past
 /// [`EXACT_SCORES_ABOVE`]; `q` scaled already): its rows are then rescored exactly
 /// ([`rescore_row`]). `k_sq`: the keys' [`max_row_sq`] where the caller has it.
-fn scores_can_be_large(q: &[f32], k: &[f32], d: usize, k_sq: Option<f64>) -> bool {
-    let k_sq = k_sq.unwrap_or_else(|| max_row_sq(k, d));
+fn scores_can_be_large(
+    q: &[f32],
+    (k, kv_stride): (&[f32], usize),
+    dims: &AttnDims,
+    k_sq: Option<f64>,
+) -> bool {
+    let d = dims.head_dim;
+    let k_sq = k_sq.unwrap_or_else(|| {
+        (0..dims.n_kv_heads)
+            .map(|g| max_row_sq(kv_set(k, g, kv_stride, dims), d))
+            .fold(0f64, f64::max)
+    });
     (max_row_sq(q, d) * k_sq).sqrt() > EXACT_SCORES_ABOVE as f64
+}
+
+/// KV set `g` of `x` (keys or values, `[n_kv_heads, kv_stride, d]`): its first `k_len`
+/// positions, `[k_len, d]`.
+#[inline(always)]
+fn kv_set<'x>(x: &'x [f32], g: usize, kv_stride: usize, dims: &AttnDims) -> &'x [f32] {
+    let d = dims.head_dim;
+    &x[g * kv_stride * d..][..dims.k_len * d]
 }
 
 /// Where the kernel reads each KV set's keys and values.
@@ -707,19 +741,19 @@ enum KvSets<'a> {
     /// each set packed once: K as the right side of Q·Kᵀ, V as the right side of P·V (the
     /// GEMM's, for blocks of query rows)
     Packed(Vec<(PackedB, PackedB)>),
-    /// as given, `[n_kv_heads, k_len, d]` each (one query row: dot products and sums of rows)
+    /// as given, `[n_kv_heads, kv_stride, d]` each (one query row: dot products and sums of
+    /// rows)
     Rows { k: &'a [f32], v: &'a [f32] },
 }
 
 /// Each KV set packed once, in parallel: K as the right side of Q·Kᵀ, V as the right side of
 /// P·V.
-fn pack_kv_sets(k: &[f32], v: &[f32], dims: &AttnDims, isa: Isa) -> Vec<(PackedB, PackedB)> {
+fn pack_kv_sets((k, v, kv_stride): KvLaid, dims: &AttnDims, isa: Isa) -> Vec<(PackedB, PackedB)> {
     let (d, k_len) = (dims.head_dim, dims.k_len);
     (0..dims.n_kv_heads)
         .into_par_iter()
         .map(|g| {
-            let kg = &k[g * k_len * d..(g + 1) * k_len * d];
-            let vg = &v[g * k_len * d..(g + 1) * k_len * d];
+            let (kg, vg) = (kv_set(k, g, kv_stride, dims), kv_set(v, g, kv_stride, dims));
             (
                 PackedB::from_rows(kg, k_len, d, d, isa),
                 PackedB::from_cols(vg, k_len, d, d, isa),

@@ -7,11 +7,11 @@
 //! the residual add); then [`Model::final_logits`]. The buffers they share live in [`Scratch`].
 
 use super::{
-    hand, hand_half_split, hand_qkv, norm_hooked, touches, KvPrefix, RopeTables, RunOptions,
-    Segment, Stack, Timings,
+    hand, hand_half_split, hand_qkv, norm_hooked, touches, KvPrefix, Prefix, RopeTables,
+    RunOptions, Segment, Stack, Timings,
 };
 use crate::model::attention::{
-    all_finite, attention_bounded, attention_edited, max_row_sq, AttnDims,
+    all_finite, attention_bounded, attention_edited, attention_strided, max_row_sq, AttnDims,
 };
 use crate::model::block::{MlpKind, NormKind};
 use crate::model::capture::{Hook, Observer};
@@ -198,7 +198,7 @@ impl Model {
         l: usize,
         layer: &Layer,
         (segs, stack): (&[Segment], &Stack),
-        prefix: Option<&KvPrefix>,
+        prefix: &mut Prefix,
         opts: &RunOptions,
         (cos, sin): &RopeTables,
         s: &mut Scratch,
@@ -222,7 +222,6 @@ impl Model {
                 .map(|_| (&cos[p0 * half..n * half], &sin[p0 * half..n * half], style));
             let qh = &mut s.qh[..nh * ms * hd];
             let (kh, vh) = self.rotated_heads(obs, l, rows, ms, rope, qh)?;
-            let (kf, vf, k_sq) = self.with_prefix(l, prefix, stack.full, p0, ms, kh, vh, opts);
             let adims = AttnDims {
                 n_heads: nh,
                 n_kv_heads: nkv,
@@ -236,7 +235,27 @@ impl Model {
             };
             let zs = &mut s.z[r0 * nh * hd..(r0 + ms) * nh * hd];
             let knock = &stack.knocks[si];
-            if obs.edits(l, Hook::AttnScores) || obs.edits(l, Hook::Pattern) {
+            let edits = obs.edits(l, Hook::AttnScores) || obs.edits(l, Hook::Pattern);
+            let prefix = match prefix {
+                Prefix::Read(p) => *p,
+                Prefix::Grow(p) => {
+                    // the new keys and values written after the cache's own, read where they
+                    // lie (`forward_segments` checked: one segment, on the whole cache)
+                    let k_sq = p.write_layer(l, &kh, &vh, ms);
+                    let (k, v, cap) = p.layer(l);
+                    if edits {
+                        let (kf, vf) = (p.sets_of(k, n), p.sets_of(v, n));
+                        attention_edited(l, qh, &kf, &vf, adims, knock, opts.block_bytes, obs, zs)?;
+                    } else {
+                        let blocks = (opts.block_bytes, opts.key_block);
+                        let kv = (k, v, cap);
+                        attention_strided(l, qh, kv, adims, knock, blocks, Some(k_sq), obs, zs)?;
+                    }
+                    continue;
+                }
+            };
+            let (kf, vf, k_sq) = self.with_prefix(l, prefix, stack.full, p0, ms, kh, vh, opts);
+            if edits {
                 attention_edited(l, qh, &kf, &vf, adims, knock, opts.block_bytes, obs, zs)?;
             } else {
                 let blocks = (opts.block_bytes, opts.key_block);
@@ -318,10 +337,11 @@ impl Model {
                 // the segment's first p0 positions of each KV set, then its own (copied a
                 // slice at a time: element by element, this copy was 6% of a decode step at
                 // 600 positions)
+                let cap = p.cap;
                 let cat = |old: &[f32], new: &[f32]| -> Vec<f32> {
                     let mut out = Vec::with_capacity(nkv * (p0 + ms) * hd);
                     for g in 0..nkv {
-                        out.extend_from_slice(&old[g * full * hd..(g * full + p0) * hd]);
+                        out.extend_from_slice(&old[g * cap * hd..(g * cap + p0) * hd]);
                         out.extend_from_slice(&new[g * ms * hd..(g + 1) * ms * hd]);
                     }
                     out
