@@ -268,7 +268,7 @@ pub(crate) fn attention_bounded(
         kv,
         dims,
         knockout,
-        (block_bytes, key_block),
+        (block_bytes, key_block, false),
         k_sq,
         obs,
         z,
@@ -280,7 +280,10 @@ pub(crate) fn attention_bounded(
 pub(crate) type KvLaid<'a> = (&'a [f32], &'a [f32], usize);
 
 /// [`attention_bounded`] on KV sets `kv_stride ≥ k_len` positions apart: `k, v:
-/// [n_kv_heads, kv_stride, d]`, of which each set's first `k_len` positions are read. A
+/// [n_kv_heads, kv_stride, d]`, of which each set's first `k_len` positions are read. With
+/// `decode_step` (`RunOptions::decode_step`, `generate`'s steps), one query row reads the keys
+/// and values as they lie instead of packing them for the GEMM (its own bits, within the
+/// tested bounds of the whole forward's row). A
 /// growing KV cache (`generate`'s, [`crate::model::forward::KvPrefix::reserve`]) keeps room
 /// after each set's positions, so a decode step writes its new key and value in place instead
 /// of copying the whole cache (the same numbers: only where the sets start moves).
@@ -291,7 +294,7 @@ pub(crate) fn attention_strided(
     (k, v, kv_stride): KvLaid,
     dims: AttnDims,
     knockout: &[bool],
-    (block_bytes, key_block): (usize, usize),
+    (block_bytes, key_block, decode_step): (usize, usize, bool),
     k_sq: Option<f64>,
     obs: &mut dyn Observer,
     z: &mut [f32],
@@ -310,7 +313,7 @@ pub(crate) fn attention_strided(
         (q, &q_scaled[..q.len()], (k, v, kv_stride)),
         dims,
         knockout,
-        (block_bytes, key_block),
+        (block_bytes, key_block, decode_step),
         k_sq,
         obs,
     );

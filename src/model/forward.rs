@@ -43,6 +43,13 @@ pub struct RunOptions {
     /// second). `None`: every token's type is 0, as the tokenizer types a single text (a
     /// literal `[SEP]` inside it included). A decoder ignores them.
     pub token_types: Option<Vec<u32>>,
+    /// The forward is one of `generate`'s steps (the prompt's, then each KV-cache step): its
+    /// one-row products multiply straight from a GGUF's blocks (unless
+    /// `ATTNSCOPE_DECODE=panels`: [`crate::model::weights::matvec::decode_from_blocks`]) and the
+    /// attention of one query row reads the keys and values as they lie. Its numbers are then
+    /// the decode path's (transformers' within the tested bounds), not the same bits as the
+    /// row in a whole forward; every other forward leaves it `false`.
+    pub decode_step: bool,
 }
 
 impl Default for RunOptions {
@@ -54,6 +61,7 @@ impl Default for RunOptions {
             keep_kv: false,
             key_block: 1024,
             token_types: None,
+            decode_step: false,
         }
     }
 }
@@ -628,6 +636,8 @@ impl Model {
         let mut timings = Timings::default();
         let mut kept = KeptKv::default();
         let mut s = Scratch::new(self, m);
+        // a decode step's one-row products from the file's blocks
+        s.from_blocks = opts.decode_step && super::weights::matvec::decode_from_blocks();
         let no_tables = (Vec::new(), Vec::new());
         let mut stopped = false;
         // layers whose keys and values a growing cache has been given
@@ -667,7 +677,8 @@ impl Model {
                 obs.layer_done(l);
                 break;
             }
-            self.attn_out_step(obs, l, layer, &mut x, &s.z, m, &mut timings)?;
+            let from_blocks = s.from_blocks;
+            self.attn_out_step(obs, l, layer, &mut x, (&s.z, from_blocks), m, &mut timings)?;
             hand(obs, l, Hook::ResidMid, &[m, dm], &mut x)?;
             self.mlp_step(obs, l, layer, &mut x, m, &mut s, &mut timings)?;
             check_residual_finite(&x, l)?;
@@ -677,10 +688,11 @@ impl Model {
                 return Err(Error::Interrupted);
             }
         }
+        let from_blocks = s.from_blocks;
         s.release();
         // stopped before a block, or before the final norm: no logits
         let stopped = stopped || obs.stops_before(dims.n_layers);
-        let logits = self.final_logits(obs, &x, &stack.logit_rows, stopped)?;
+        let logits = self.final_logits(obs, &x, &stack.logit_rows, (stopped, from_blocks))?;
         if let Prefix::Grow(kv) = prefix {
             // the cache's length moves on only when every layer wrote its new positions
             if written != dims.n_layers {

@@ -516,18 +516,17 @@ impl Model {
         let opts = RunOptions {
             logits_at: vec![q],
             keep_kv: true,
+            // one row a product from the prompt's last layer on: from the file's blocks; one
+            // query row's attention from the keys and values as they lie
+            decode_step: true,
             ..Default::default()
         };
-        // one row a product from the prompt's last layer on: from the file's blocks. The step
-        // runs on one of rayon's threads (`scope`), so its ~170 parallel products a token are
-        // handed to the other threads without waking this one each time (20.1-20.4 tokens/s
-        // against 18.5-19.1 on the default model, 2 cores); `as_decode_step` marks the thread
-        // that runs the forward, hence inside the scope.
-        let out = rayon::scope(|_| {
-            super::weights::matvec::as_decode_step(|| match kv {
-                Some(cache) => self.forward_grow(cache, next, &opts, &mut obs),
-                None => self.forward_from(None, next, &opts, &mut obs),
-            })
+        // the step runs on one of rayon's threads (`scope`), so its ~170 parallel products a
+        // token are handed to the other threads without waking this one each time (20.1-20.4
+        // tokens/s against 18.5-19.1 on the default model, 2 cores)
+        let out = rayon::scope(|_| match kv {
+            Some(cache) => self.forward_grow(cache, next, &opts, &mut obs),
+            None => self.forward_from(None, next, &opts, &mut obs),
         })?;
         if let Some(mut cache) = out.kv {
             // the prompt's cache, with room for the steps to come (at most max_new_tokens - 1)

@@ -464,11 +464,24 @@ multiversion! {
 /// `[vocab, d]` head took ~35% of `faithfulness`'s time (one row per forward). `fast`'s
 /// quantized head goes through candle.
 pub fn logits_rows(head: &Head, h: Vec<f32>, rows: usize, d: usize) -> Result<Vec<Vec<f32>>> {
+    logits_rows_as(head, h, rows, d, false)
+}
+
+/// [`logits_rows`], with `from_blocks` (a decode step's forward,
+/// [`super::forward::RunOptions::decode_step`], unless `ATTNSCOPE_DECODE=panels`) one row of a
+/// quantized file's head multiplied straight from its blocks.
+pub fn logits_rows_as(
+    head: &Head,
+    h: Vec<f32>,
+    rows: usize,
+    d: usize,
+    from_blocks: bool,
+) -> Result<Vec<Vec<f32>>> {
     match head {
         Head::Rows(m) if d > 0 && m.cols() == d => {
             let vocab = m.dims.iter().product::<usize>() / d;
             // one row (a decode step): straight from the blocks, the same bits (dot16's order)
-            let blocks = rows == 1 && super::weights::matvec::decode_from_blocks();
+            let blocks = rows == 1 && from_blocks;
             if let (true, Some(dec)) = (blocks, super::weights::matvec::Decoder::of_mapped(m)) {
                 let mut out = vec![0f32; vocab];
                 dec.matvec(&h, &mut out, false);

@@ -102,7 +102,7 @@ impl<'a> Kernel<'a> {
         (q_raw, q, (k, v, kv_stride)): (&'a [f32], &'a [f32], KvLaid<'a>),
         dims: AttnDims,
         knockout: &'a [bool],
-        (block_bytes, key_block): (usize, usize),
+        (block_bytes, key_block, decode_step): (usize, usize, bool),
         k_sq: Option<f64>,
         obs: &mut dyn Observer,
     ) -> Self {
@@ -116,13 +116,12 @@ impl<'a> Kernel<'a> {
         );
         let materialize = want_s || want_p;
         let want_rows = rows_of_this_segment(obs.wants_rows(layer), &dims);
-        // one query row of a decode step (`generate`'s): the keys and values as they are;
-        // packing them for the GEMM read and wrote each twice for one row of products (9.6 ms
-        // of a 40 ms step of the default model at ~520 keys, with the prefix's copy). Only
-        // there: a one-row forward elsewhere (a patching sweep's row resumed on a prefix) keeps
-        // the GEMM's bits, which the same row in a whole forward has
-        // (`bindings/python/tests/test_patching.py` compares them bit for bit)
-        let decode_step = crate::model::weights::matvec::in_decode_step();
+        // one query row of a decode step (`generate`'s: `RunOptions::decode_step`): the keys
+        // and values as they are; packing them for the GEMM read and wrote each twice for one
+        // row of products (9.6 ms of a 40 ms step of the default model at ~520 keys, with the
+        // prefix's copy). Only there: a one-row forward elsewhere (a patching sweep's row
+        // resumed on a prefix) keeps the GEMM's bits, which the same row in a whole forward has
+        // (`tests/compare_prefix.rs`, `bindings/python/tests/test_patching.py`)
         let kv = if dims.q_len == 1 && decode_step {
             KvSets::Rows { k, v }
         } else {

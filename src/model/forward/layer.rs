@@ -11,14 +11,14 @@ use super::{
     RunOptions, Segment, Stack, Timings,
 };
 use crate::model::attention::{
-    all_finite, attention_bounded, attention_edited, attention_strided, max_row_sq, AttnDims,
+    all_finite, attention_edited, attention_strided, max_row_sq, AttnDims,
 };
 use crate::model::block::{MlpKind, NormKind};
 use crate::model::capture::{Hook, Observer};
 use crate::model::config::RopeStyle;
 use crate::model::error::{Error, Result};
 use crate::model::ops::{
-    geglu_tanh, gelu_erf, gelu_tanh, layer_norm, logits_rows, merge_heads, rms_norm,
+    geglu_tanh, gelu_erf, gelu_tanh, layer_norm, logits_rows_as, merge_heads, rms_norm,
     rms_norm_in_place, split_heads, split_heads_into, swiglu,
 };
 use crate::model::weights::Layer;
@@ -60,6 +60,9 @@ pub(super) struct Scratch {
     pub(super) act: Vec<f32>,
     /// rows per block of the MLP (so its `[rows, 2·d_ff]` intermediate stays small)
     pub(super) mlp_rows: usize,
+    /// a decode step's forward: one-row products from the file's blocks
+    /// ([`crate::model::weights::Linear::forward_into_as`])
+    pub(super) from_blocks: bool,
 }
 
 impl Scratch {
@@ -77,6 +80,7 @@ impl Scratch {
             qh: vec![0f32; nh * m * hd],
             z: vec![0f32; m * nh * hd],
             mlp_rows,
+            from_blocks: false,
         }
     }
 
@@ -168,7 +172,8 @@ impl Model {
             &mut s.normed,
         )?;
         let t = Instant::now();
-        layer.qkv.forward_into(&s.normed, m, &mut s.qkv, false)?; // [m, q | k | v]
+        // [m, q | k | v]
+        (layer.qkv).forward_into_as(&s.normed, m, &mut s.qkv, false, s.from_blocks)?;
         timings.projections += t.elapsed();
         if let Some((qn, kn)) = &layer.qk_norm {
             // Qwen3: RMSNorm over each head's query and key, before RoPE
@@ -247,7 +252,7 @@ impl Model {
                         let (kf, vf) = (p.sets_of(k, n), p.sets_of(v, n));
                         attention_edited(l, qh, &kf, &vf, adims, knock, opts.block_bytes, obs, zs)?;
                     } else {
-                        let blocks = (opts.block_bytes, opts.key_block);
+                        let blocks = (opts.block_bytes, opts.key_block, opts.decode_step);
                         let kv = (k, v, cap);
                         attention_strided(l, qh, kv, adims, knock, blocks, Some(k_sq), obs, zs)?;
                     }
@@ -258,8 +263,9 @@ impl Model {
             if edits {
                 attention_edited(l, qh, &kf, &vf, adims, knock, opts.block_bytes, obs, zs)?;
             } else {
-                let blocks = (opts.block_bytes, opts.key_block);
-                attention_bounded(l, qh, &kf, &vf, adims, knock, blocks, k_sq, obs, zs)?;
+                let blocks = (opts.block_bytes, opts.key_block, opts.decode_step);
+                let kv = (&kf[..], &vf[..], n);
+                attention_strided(l, qh, kv, adims, knock, blocks, k_sq, obs, zs)?;
                 // [ms, nh, hd]
             }
             if let (true, Some(b)) = (opts.keep_kv, k_sq) {
@@ -366,7 +372,7 @@ impl Model {
         l: usize,
         layer: &Layer,
         x: &mut [f32],
-        z: &[f32],
+        (z, from_blocks): (&[f32], bool),
         m: usize,
         timings: &mut Timings,
     ) -> Result<()> {
@@ -400,7 +406,7 @@ impl Model {
             let mut attn_out = match results {
                 Some(r) => r,
                 None => {
-                    let mut out = layer.o.forward(z, m)?;
+                    let mut out = layer.o.forward_as(z, m, from_blocks)?;
                     if self.centres_writers() {
                         // center_writing_weights: W_O and b_O centred over d_model
                         crate::model::processing::centre_rows(&mut out, dm);
@@ -419,10 +425,10 @@ impl Model {
             if obs.wants(l, Hook::AttnOut) {
                 // read only: the output on its own for the hook, while the residual gets the
                 // product accumulated into it as always, so reading changes no bit
-                let mut attn_out = layer.o.forward(z, m)?;
+                let mut attn_out = layer.o.forward_as(z, m, from_blocks)?;
                 hand(obs, l, Hook::AttnOut, &[m, dm], &mut attn_out)?;
             }
-            layer.o.forward_into(z, m, x, true)?; // x += z · W_oᵀ
+            layer.o.forward_into_as(z, m, x, true, from_blocks)?; // x += z · W_oᵀ
             timings.projections += t.elapsed();
         }
         Ok(())
@@ -482,9 +488,8 @@ impl Model {
         for r0 in (0..m).step_by(block) {
             let rows = block.min(m - r0);
             let t = Instant::now();
-            layer
-                .gate_up
-                .forward_into(&h[r0 * dm..(r0 + rows) * dm], rows, gu, false)?;
+            let h = &h[r0 * dm..(r0 + rows) * dm];
+            (layer.gate_up).forward_into_as(h, rows, gu, false, s.from_blocks)?;
             timings.projections += t.elapsed();
             pre_activation_hooks(obs, l, gated, &mut gu[..rows * gw], ff)?;
             activate(plan.mlp, &gu[..rows * gw], ff, &mut act[..rows * ff]);
@@ -496,7 +501,8 @@ impl Model {
                 Some(o) => (&mut o[out_rows], true),
                 None => (&mut x[out_rows], false),
             };
-            self.down_step(layer, &act[..rows * ff], rows, dest, read)?;
+            let act = (&act[..rows * ff], s.from_blocks);
+            self.down_step(layer, act, rows, dest, read)?;
             timings.projections += t.elapsed();
         }
         if let Some(mut out) = mlp_read {
@@ -517,14 +523,14 @@ impl Model {
     fn down_step(
         &self,
         layer: &Layer,
-        act: &[f32],
+        (act, from_blocks): (&[f32], bool),
         rows: usize,
         (dest, own): (&mut [f32], bool),
         read: Option<&mut [f32]>,
     ) -> Result<()> {
         let centre = self.centres_writers();
         if layer.down.has_bias() || layer.post_norms.is_some() || own || centre {
-            let mut out = layer.down.forward(act, rows)?;
+            let mut out = layer.down.forward_as(act, rows, from_blocks)?;
             if centre {
                 // center_writing_weights: W_out and b_out centred over d_model
                 crate::model::processing::centre_rows(&mut out, self.dims.d_model);
@@ -539,10 +545,12 @@ impl Model {
             dest.iter_mut().zip(&out).for_each(|(x, a)| *x += a);
         } else {
             if let Some(o) = read {
-                let out = layer.down.forward(act, rows)?;
+                let out = layer.down.forward_as(act, rows, from_blocks)?;
                 o.copy_from_slice(&out);
             }
-            layer.down.forward_into(act, rows, dest, true)?;
+            layer
+                .down
+                .forward_into_as(act, rows, dest, true, from_blocks)?;
         }
         Ok(())
     }
@@ -556,7 +564,7 @@ impl Model {
         obs: &mut dyn Observer,
         x: &[f32],
         logit_rows: &[usize],
-        stopped: bool,
+        (stopped, from_blocks): (bool, bool),
     ) -> Result<Vec<Vec<f32>>> {
         let dims = &self.dims;
         let dm = dims.d_model;
@@ -610,7 +618,7 @@ impl Model {
                 }
             }
         };
-        let mut rows = logits_rows(&self.weights.lm_head, h, n_logits, dm)?;
+        let mut rows = logits_rows_as(&self.weights.lm_head, h, n_logits, dm, from_blocks)?;
         if let Some(cap) = dims.gemma.as_ref().and_then(|g| g.final_softcap) {
             // Gemma 2: final-logit soft-capping
             rows.iter_mut()

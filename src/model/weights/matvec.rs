@@ -22,40 +22,13 @@ pub(crate) fn blocks_of(dtype: BlockType) -> Option<Blocks> {
     })
 }
 
-thread_local! {
-    /// Whether this thread is running one of `generate`'s steps ([`as_decode_step`]).
-    static DECODING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Runs `f`, a step of `generate` (the prompt's forward, then each KV-cache step), so that its
-/// one-row products multiply from the file's blocks where [`qmatvec::chosen`] says so. Only
-/// there: a one-row product elsewhere (the last layer narrowed to one logits row, a batch's
-/// variant of one token) keeps the panels, so that a row computed alone and in a batch stay the
-/// same bits.
-pub(crate) fn as_decode_step<R>(f: impl FnOnce() -> R) -> R {
-    struct Restore(bool);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            DECODING.with(|d| d.set(self.0));
-        }
-    }
-    let _restore = Restore(DECODING.with(|d| d.replace(true)));
-    f()
-}
-
-/// Whether this thread is running one of `generate`'s steps ([`as_decode_step`]): the attention
-/// of its one query row then reads the keys and values unpacked (a decode step's own path; a
-/// one-row forward elsewhere, such as a patching sweep's resumed row, keeps the packed GEMM's
-/// bits, which its per-cell forwards equal).
-pub(crate) fn in_decode_step() -> bool {
-    DECODING.with(|d| d.get())
-}
-
-/// Whether a one-row product here multiplies from the file's blocks: inside one of
-/// `generate`'s steps (`as_decode_step`), unless `ATTNSCOPE_DECODE=panels`
-/// ([`qmatvec::chosen`] has the measurements).
+/// Whether a decode step's one-row products multiply from the file's blocks: unless
+/// `ATTNSCOPE_DECODE=panels` ([`qmatvec::chosen`] has the measurements). Only a forward run as
+/// one of `generate`'s steps asks ([`crate::model::forward::RunOptions::decode_step`]): a
+/// one-row product elsewhere (the last layer narrowed to one logits row, a batch's variant of
+/// one token) keeps the panels, so that a row computed alone and in a batch stay the same bits.
 pub fn decode_from_blocks() -> bool {
-    in_decode_step() && qmatvec::chosen()
+    qmatvec::chosen()
 }
 
 /// Products multiplied from the file's blocks in this process.

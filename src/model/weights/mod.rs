@@ -282,8 +282,8 @@ pub struct Linear {
     mat: Matrix,
     /// `[n]`, zero where a part has no bias
     bias: Option<Vec<f32>>,
-    /// `exact`: the parts' mapped blocks (a GGUF's), which a product of one row (a decode step)
-    /// multiplies from where [`matvec::decode_from_blocks`] says so
+    /// `exact`: the parts' mapped blocks (a GGUF's), which a decode step's product of one row
+    /// multiplies from ([`Linear::forward_into_as`], [`matvec::decode_from_blocks`])
     decode: Option<matvec::Decoder>,
 }
 
@@ -335,6 +335,21 @@ impl Linear {
         out: &mut [f32],
         accumulate: bool,
     ) -> Result<()> {
+        self.forward_into_as(x, m, out, accumulate, false)
+    }
+
+    /// [`Linear::forward_into`], with `from_blocks` (a decode step's forward:
+    /// [`crate::model::forward::RunOptions::decode_step`], unless `ATTNSCOPE_DECODE=panels`) a
+    /// product of one row multiplied straight from the file's blocks where this projection keeps
+    /// them ([`matvec::Decoder`]; the packed path otherwise).
+    pub fn forward_into_as(
+        &self,
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        accumulate: bool,
+        from_blocks: bool,
+    ) -> Result<()> {
         let (k, n) = (self.k, self.n);
         assert!(
             x.len() >= m * k && out.len() >= m * n,
@@ -342,7 +357,7 @@ impl Linear {
         );
         match &self.mat {
             // a decode step: one row, straight from the file's blocks
-            _ if m == 1 && self.decode.is_some() && matvec::decode_from_blocks() => {
+            _ if m == 1 && from_blocks && self.decode.is_some() => {
                 let d = self.decode.as_ref().expect("matched just above");
                 d.matvec(x, &mut out[..n], accumulate)
             }
@@ -554,8 +569,14 @@ impl Linear {
 
     /// `x[m, k] · Wᵀ (+ b)` as a new `[m, n]` buffer.
     pub fn forward(&self, x: &[f32], m: usize) -> Result<Vec<f32>> {
+        self.forward_as(x, m, false)
+    }
+
+    /// [`Linear::forward`], one row from the file's blocks with `from_blocks`
+    /// ([`Linear::forward_into_as`]).
+    pub fn forward_as(&self, x: &[f32], m: usize, from_blocks: bool) -> Result<Vec<f32>> {
         let mut out = vec![0f32; m * self.n];
-        self.forward_into(x, m, &mut out, false)?;
+        self.forward_into_as(x, m, &mut out, false, from_blocks)?;
         Ok(out)
     }
 }
