@@ -938,7 +938,9 @@ fn write_text(
     Ok(file.to_path_buf())
 }
 
-/// The model flags the timed commands get: the bench's own model, precision and BOS choice.
+/// The model flags the timed commands get: the bench's own model, precision, memory setting
+/// (`--memory low` reached the bench's own forward but not the commands it timed, which then
+/// ran at the default setting) and BOS choice.
 fn model_flags(a: &Args) -> Vec<String> {
     let mut base = vec![
         "-m".to_string(),
@@ -946,6 +948,9 @@ fn model_flags(a: &Args) -> Vec<String> {
         "--precision".into(),
         a.model.precision.name().into(),
     ];
+    if let Some(m) = a.model.memory {
+        base.extend(["--memory".to_string(), m.name().into()]);
+    }
     if a.model.bos {
         base.push("--bos".into());
     }
@@ -1401,6 +1406,29 @@ fn eager_budget_lines(
 #[cfg(test)]
 mod tests {
     use super::own_timings;
+
+    #[test]
+    fn the_timed_commands_get_the_benchs_model_flags() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            bench: super::Args,
+        }
+        let flags = |argv: &[&str]| {
+            let cli = Cli::try_parse_from(std::iter::once("bench").chain(argv.iter().copied()));
+            super::model_flags(&cli.expect("bench's flags").bench).join(" ")
+        };
+        assert_eq!(
+            flags(&["-m", "smollm2-135m", "--memory", "low", "--no-bos"]),
+            "-m smollm2-135m --precision exact --memory low --no-bos"
+        );
+        assert_eq!(
+            flags(&["--precision", "fast", "--memory", "fast"]),
+            "-m qwen2.5-coder-0.5b --precision fast --memory fast"
+        );
+        assert_eq!(flags(&[]), "-m qwen2.5-coder-0.5b --precision exact");
+    }
 
     #[test]
     fn the_commands_own_timings_are_read_from_their_last_line() {
